@@ -1,0 +1,45 @@
+// ServerConfig: everything a shmps-server instance is started with. Built
+// from the command line / config file by parse_options() (options.hpp) or
+// directly by tests and embedders. A plain value type.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shmps/kernels/optimizer.hpp"
+#include "shmps/shm/segment.hpp"
+
+namespace shmps::server {
+
+enum class BackendKind { kHost, kCuda, kAuto };
+
+// How the weights start: zero, seeded random, or read from a file of raw
+// little-endian fp32 (all tensors in table order, exactly total*4 bytes).
+struct InitSpec {
+  enum class Kind { kZero, kNormal, kUniform, kFile } kind = Kind::kZero;
+  float scale = 0.01f;  // kNormal: stddev; kUniform: values in [-scale, scale)
+  uint64_t seed = 1;
+  std::string file;
+};
+
+struct ServerConfig {
+  std::string name;                          // segment is /dev/shm/shmps.<name>
+  std::vector<shm::TensorSpec> tensors;
+  kernels::OptimizerConfig optimizer;
+  uint64_t max_staleness = 4;
+  bool allow_nonfinite = false;              // accept NaN/Inf gradients
+  uint32_t lane_capacity = 64;               // per worker request lane, power of two
+  uint32_t max_workers = 16;
+  uint32_t max_buffers = 16;                 // per worker
+  BackendKind backend = BackendKind::kAuto;
+  InitSpec init;
+  bool group_access = false;                 // segment mode 0660 instead of 0600
+  // The consumer spins this long on an empty ring before sleeping on the
+  // futex (a push then pays a wake-up, ~tens of us).
+  uint32_t idle_spin_us = 50;
+};
+
+}  // namespace shmps::server

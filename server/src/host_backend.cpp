@@ -1,0 +1,94 @@
+// The host-memory backend: weights and optimizer state in the server's
+// private memory, worker buffers are POSIX shm objects mapped read-write.
+#include <cstring>
+
+#include "backend.hpp"
+#include "shmps/shm/segment.hpp"
+
+namespace shmps::server {
+namespace {
+
+class HostPeer final : public PeerBuffer {
+ public:
+  HostPeer(std::unique_ptr<shm::ShmObject> object, uint64_t offset, uint64_t length)
+      : object_(std::move(object)), offset_(offset), length_(length) {}
+  uint64_t length() const noexcept override { return length_; }
+  char* at(uint64_t byte_offset) const noexcept {
+    return static_cast<char*>(object_->data()) + offset_ + byte_offset;
+  }
+
+ private:
+  std::unique_ptr<shm::ShmObject> object_;
+  uint64_t offset_;
+  uint64_t length_;
+};
+
+class HostBackend final : public Backend {
+ public:
+  const char* name() const noexcept override { return "host"; }
+
+  Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays,
+                  std::span<const float> initial) override {
+    tensors_ = tensors;
+    weights_.assign(initial.begin(), initial.end());
+    state_.assign(state_arrays, std::vector<float>(initial.size(), 0.0f));
+    return Status::Ok();
+  }
+
+  Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc,
+                                                const std::string& expected_prefix) override {
+    if (desc.kind != static_cast<uint32_t>(shm::BufferKind::kHostShm))
+      return Status{ErrorCode::kBadRequest, "the host backend takes only POSIX shm buffers"};
+    const std::string object_name(reinterpret_cast<const char*>(desc.handle));
+    // Only objects this worker created: never the control segment or
+    // another worker's buffer.
+    if (object_name.rfind(expected_prefix, 0) != 0)
+      return Status{ErrorCode::kBadRequest, "buffer name must start with " + expected_prefix};
+    auto opened = shm::ShmObject::open(object_name, /*read_only=*/false);
+    if (!opened.ok()) {
+      if (opened.status().code() == ErrorCode::kPermission) return opened.status();
+      return Status{ErrorCode::kUnknownBuffer, opened.status().message()};
+    }
+    const uint64_t size = (*opened)->size();
+    if (desc.offset > size || desc.length > size - desc.offset)
+      return Status{ErrorCode::kBadRange, "buffer offset " + std::to_string(desc.offset) + " + length " +
+                                              std::to_string(desc.length) + " exceeds object size " +
+                                              std::to_string(size)};
+    return std::unique_ptr<PeerBuffer>(new HostPeer(std::move(opened).value(), desc.offset, desc.length));
+  }
+
+  bool all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n,
+                  kernels::GradDtype dtype) override {
+    return kernels::all_finite_cpu(static_cast<const HostPeer&>(grad).at(byte_offset), dtype, n);
+  }
+
+  Status apply(const kernels::OptimizerConfig& config, uint32_t tensor, uint64_t step,
+               const PeerBuffer& grad, uint64_t byte_offset, kernels::GradDtype dtype) override {
+    const TensorExtent& t = tensors_[tensor];
+    kernels::TensorState ts;
+    ts.weights = weights_.data() + t.element_offset;
+    for (size_t i = 0; i < state_.size(); ++i) ts.state[i] = state_[i].data() + t.element_offset;
+    ts.n = t.element_count;
+    kernels::apply_cpu(config, ts, static_cast<const HostPeer&>(grad).at(byte_offset), dtype, step);
+    return Status::Ok();
+  }
+
+  Status copy_out(uint64_t element_offset, uint64_t n, PeerBuffer& dst, uint64_t byte_offset) override {
+    std::memcpy(static_cast<HostPeer&>(dst).at(byte_offset), weights_.data() + element_offset,
+                n * sizeof(float));
+    return Status::Ok();
+  }
+
+  std::vector<float> read_weights() const override { return weights_; }
+
+ private:
+  std::vector<TensorExtent> tensors_;
+  std::vector<float> weights_;
+  std::vector<std::vector<float>> state_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_host_backend() { return std::make_unique<HostBackend>(); }
+
+}  // namespace shmps::server

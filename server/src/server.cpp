@@ -1,0 +1,713 @@
+#include "shmps/server/server.hpp"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+
+#include "backend.hpp"
+#include "shmps/shm/futex.hpp"
+#include "shmps/shm/proc.hpp"
+#include "shmps/shm/ring.hpp"
+#include "shmps/shm/segment.hpp"
+
+namespace shmps::server {
+
+using shm::Completion;
+using shm::Opcode;
+using shm::Request;
+using shm::WorkerState;
+
+namespace {
+
+constexpr uint32_t kBatchPerLane = 32;          // requests served per lane before moving on
+constexpr uint64_t kHousekeepingNs = 50'000'000;  // dead-worker scan and lane sweep
+constexpr uint64_t kHeartbeatNs = 10'000'000;
+constexpr size_t kStalenessWindow = 128;
+
+void log_line(const char* level, const std::string& text) {
+  std::fprintf(stderr, "shmps-server %s: %s\n", level, text.c_str());
+}
+
+uint64_t random_generation() {
+  std::random_device rd;
+  uint64_t g = (uint64_t{rd()} << 32) ^ rd() ^ shm::monotonic_ns();
+  return g == 0 ? 1 : g;
+}
+
+Result<std::vector<float>> initial_weights(const InitSpec& init, uint64_t total) {
+  std::vector<float> w(total, 0.0f);
+  switch (init.kind) {
+    case InitSpec::Kind::kZero:
+      break;
+    case InitSpec::Kind::kNormal: {
+      std::mt19937_64 rng(init.seed);
+      std::normal_distribution<float> dist(0.0f, init.scale);
+      for (float& x : w) x = dist(rng);
+      break;
+    }
+    case InitSpec::Kind::kUniform: {
+      std::mt19937_64 rng(init.seed);
+      std::uniform_real_distribution<float> dist(-init.scale, init.scale);
+      for (float& x : w) x = dist(rng);
+      break;
+    }
+    case InitSpec::Kind::kFile: {
+      std::ifstream in(init.file, std::ios::binary | std::ios::ate);
+      if (!in) return Status{ErrorCode::kIo, "--init-file " + init.file + ": cannot open"};
+      const auto size = static_cast<uint64_t>(in.tellg());
+      if (size != total * sizeof(float))
+        return Status{ErrorCode::kInvalidArgument, "--init-file " + init.file + " holds " + std::to_string(size) +
+                                                       " bytes; the tensors need " + std::to_string(total * 4) +
+                                                       " (raw fp32, all tensors in order)"};
+      in.seekg(0);
+      in.read(reinterpret_cast<char*>(w.data()), static_cast<std::streamsize>(size));
+      if (!in) return Status{ErrorCode::kIo, "--init-file " + init.file + ": read failed"};
+      for (float x : w)
+        if (!std::isfinite(x))
+          return Status{ErrorCode::kInvalidArgument, "--init-file " + init.file + " contains NaN or Inf"};
+      break;
+    }
+  }
+  return w;
+}
+
+bool is_power_of_two(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
+
+}  // namespace
+
+// Server-private state of one worker-table entry.
+struct WorkerSlot {
+  shm::SpscConsumer<Request> lane;
+  shm::SpscProducer<Completion> completions;
+  std::vector<std::unique_ptr<PeerBuffer>> buffers;  // by buffer id
+  uint64_t pid_start_time = 0;
+  bool attached = false;
+};
+
+class Server::Impl {
+ public:
+  ServerConfig config;
+  std::unique_ptr<shm::Segment> segment;
+  std::unique_ptr<Backend> backend;
+  std::vector<WorkerSlot> slots;
+  std::vector<shm::TensorDesc> tensors;     // private copy: never re-read from shm
+  std::vector<uint64_t> steps;              // per tensor, PyTorch's step count
+  shm::ConfigBlock shared_config{};
+  std::string buffer_prefix;                // "shmps.<name>.w"
+  uint64_t version = 0;
+  uint64_t total_elements = 0;
+  std::array<uint64_t, kStalenessWindow> staleness_window{};
+  uint64_t staleness_count = 0;
+  uint64_t staleness_sum = 0;
+  uint64_t lease_counter = 0;
+  uint64_t last_heartbeat = 0;
+  uint64_t last_housekeeping = 0;
+  std::atomic<bool> stop{false};
+  bool removed = false;
+
+  shm::StatsBlock& stats() { return segment->stats(); }
+
+  // ------------------------------------------------------------ loop
+  Status run() {
+    const auto spin_ns = uint64_t{config.idle_spin_us} * 1000;
+    uint64_t idle_since = 0;
+    while (!stop.load(std::memory_order_acquire)) {  // SYNC(stop): pairs with request_stop()
+      const uint64_t now = shm::monotonic_ns();
+      if (now - last_heartbeat >= kHeartbeatNs) {
+        // relaxed: a liveness hint; readers compare it against their clock only.
+        segment->header().heartbeat_ns.store(now, std::memory_order_relaxed);
+        last_heartbeat = now;
+      }
+      bool worked = serve_doorbells();
+      if (now - last_housekeeping >= kHousekeepingNs) {
+        last_housekeeping = now;
+        worked |= housekeeping();
+      }
+      if (worked) {
+        idle_since = 0;
+        continue;
+      }
+      if (idle_since == 0) idle_since = now;
+      if (now - idle_since < spin_ns) {
+        shm::cpu_relax();
+        continue;
+      }
+      sleep_until_doorbell();
+    }
+    shutdown();
+    return Status::Ok();
+  }
+
+  bool doorbells_pending() {
+    const uint32_t words = (config.max_workers + 63) / 64;
+    for (uint32_t w = 0; w < words; ++w)
+      // seq_cst: part of the Dekker pattern with producers' doorbell fetch_or (futex.hpp).
+      if (segment->header().doorbell[w].load(std::memory_order_seq_cst) != 0) return true;
+    return false;
+  }
+
+  void sleep_until_doorbell() {
+    auto& wake = segment->header().server_wake;
+    wake.waiters.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seq = wake.seq.load(std::memory_order_seq_cst);  // SYNC(wait_word)
+    if (!doorbells_pending() && !stop.load(std::memory_order_acquire))
+      shm::wait_once(wake, seq, std::chrono::nanoseconds(kHeartbeatNs));
+    wake.waiters.fetch_sub(1, std::memory_order_relaxed);  // relaxed: only a hint to notifiers
+  }
+
+  bool serve_doorbells() {
+    bool worked = false;
+    const uint32_t words = (config.max_workers + 63) / 64;
+    for (uint32_t w = 0; w < words; ++w) {
+      // SYNC(doorbell): acquire pairs with the producer's fetch_or; the lane
+      // tail it published before ringing is then visible (and re-checked
+      // with its own acquire in try_pop anyway).
+      uint64_t bits = segment->header().doorbell[w].exchange(0, std::memory_order_acq_rel);
+      while (bits != 0) {
+        const uint32_t bit = static_cast<uint32_t>(__builtin_ctzll(bits));
+        bits &= bits - 1;
+        const uint32_t i = w * 64 + bit;
+        if (i >= config.max_workers) continue;  // garbage bit from a buggy producer
+        worked |= serve_lane(i);
+      }
+    }
+    return worked;
+  }
+
+  void ring_doorbell(uint32_t i) {
+    // release: relevant only to ourselves; no data published here.
+    segment->header().doorbell[i / 64].fetch_or(uint64_t{1} << (i % 64), std::memory_order_release);
+  }
+
+  // Serves up to kBatchPerLane requests of lane i. True when any was served.
+  bool serve_lane(uint32_t i) {
+    WorkerSlot& slot = slots[i];
+    shm::WorkerEntry& entry = segment->worker(i);
+    // acquire: SYNC(worker_claim) pairs with the worker's claiming CAS, so
+    // its pid_start_time and first requests are visible.
+    const uint64_t owner = entry.owner.load(std::memory_order_acquire);
+    const uint32_t state = shm::owner_state(owner);
+    if (state != static_cast<uint32_t>(WorkerState::kClaimed) &&
+        state != static_cast<uint32_t>(WorkerState::kAttached))
+      return false;
+    uint32_t served = 0;
+    while (served < kBatchPerLane) {
+      if (!slot.completions.has_space()) break;  // worker is behind; it will catch up
+      Request req;
+      const shm::RingResult r = slot.lane.try_pop(&req);
+      if (r == shm::RingResult::kEmpty) break;
+      if (r == shm::RingResult::kCorrupt) {
+        evict(i, "its request lane indices are corrupt");
+        return true;
+      }
+      ++served;
+      stats().requests.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistics counter
+      Completion c = handle(i, req);
+      post(i, c);
+      if (c.opcode == static_cast<uint32_t>(Opcode::kDetach) && c.code == 0) {
+        finish_detach(i);
+        return true;
+      }
+      if (shm::owner_state(entry.owner.load(std::memory_order_relaxed)) ==  // relaxed: our own store
+          static_cast<uint32_t>(WorkerState::kDetached))
+        return true;  // evicted while handling
+    }
+    if (served > 0) shm::notify(slot.lane.header()->space_ready);
+    if (slot.lane.refresh() == shm::RingResult::kOk) ring_doorbell(i);  // more left: come back
+    update_depth();
+    return served > 0;
+  }
+
+  void post(uint32_t i, const Completion& c) {
+    WorkerSlot& slot = slots[i];
+    // Space was checked before popping the request; a worker that moved its
+    // head backwards gets evicted instead of overwriting unread answers.
+    if (slot.completions.try_push(c) != shm::RingResult::kOk) {
+      evict(i, "its completion queue indices are corrupt");
+      return;
+    }
+    shm::notify(slot.completions.header()->data_ready);
+  }
+
+  void update_depth() {
+    uint64_t depth = 0;
+    for (uint32_t i = 0; i < config.max_workers; ++i)
+      if (slots[i].attached) depth += slots[i].lane.depth_estimate();
+    // relaxed: statistics for readers of the stats block.
+    stats().ring_depth.store(depth, std::memory_order_relaxed);
+    if (depth > stats().ring_high_water.load(std::memory_order_relaxed))
+      stats().ring_high_water.store(depth, std::memory_order_relaxed);
+  }
+
+  // ------------------------------------------------------------ requests
+  static Completion answer(const Request& req, ErrorCode code, const std::string& message) {
+    Completion c{};
+    c.request_id = req.request_id;
+    c.opcode = req.opcode;
+    c.code = static_cast<uint32_t>(code);
+    std::snprintf(c.message, sizeof c.message, "%s", message.c_str());
+    return c;
+  }
+
+  Completion reject(uint32_t i, const Request& req, ErrorCode code, const std::string& message) {
+    // relaxed: statistics counters.
+    stats().rejected[static_cast<uint32_t>(code) % shm::kRejectCauses].fetch_add(1, std::memory_order_relaxed);
+    if (req.opcode == static_cast<uint32_t>(Opcode::kPush))
+      segment->worker(i).pushes_rejected.fetch_add(1, std::memory_order_relaxed);
+    Completion c = answer(req, code, message);
+    c.version = version;
+    return c;
+  }
+
+  Completion handle(uint32_t i, const Request& req) {
+    shm::WorkerEntry& entry = segment->worker(i);
+    const uint64_t owner = entry.owner.load(std::memory_order_relaxed);  // relaxed: read above with acquire
+    if (req.worker_id != i)
+      return reject(i, req, ErrorCode::kBadRequest, "worker_id " + std::to_string(req.worker_id) + " on lane " + std::to_string(i));
+    if (req.opcode == 0 || req.opcode > shm::kOpcodeMax)
+      return reject(i, req, ErrorCode::kBadRequest, "unknown opcode " + std::to_string(req.opcode));
+    if (req.flags != 0) return reject(i, req, ErrorCode::kBadRequest, "flags must be 0");
+    if (shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kClaimed)) {
+      if (req.opcode != static_cast<uint32_t>(Opcode::kAttach))
+        return reject(i, req, ErrorCode::kUnknownWorker, "worker " + std::to_string(i) + " is not attached");
+      return attach(i, req, owner);
+    }
+    if (req.opcode == static_cast<uint32_t>(Opcode::kAttach))
+      return reject(i, req, ErrorCode::kBadRequest, "already attached");
+    if (req.lease != entry.lease) return reject(i, req, ErrorCode::kBadRequest, "stale or forged lease");
+    // relaxed: a statistic.
+    entry.last_request_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
+    switch (static_cast<Opcode>(req.opcode)) {
+      case Opcode::kDetach: return answer(req, ErrorCode::kOk, "");
+      case Opcode::kRegisterBuffer: return register_buffer(i, req);
+      case Opcode::kUnregisterBuffer: return unregister_buffer(i, req);
+      case Opcode::kPush: return push(i, req);
+      case Opcode::kPull: return pull(i, req);
+      case Opcode::kStats: return stats_request(i, req);
+      case Opcode::kPing: {
+        Completion c = answer(req, ErrorCode::kOk, "");
+        c.version = version;
+        return c;
+      }
+      case Opcode::kAttach: break;
+    }
+    return reject(i, req, ErrorCode::kBadRequest, "unknown opcode");
+  }
+
+  Completion attach(uint32_t i, const Request& req, uint64_t owner) {
+    shm::WorkerEntry& entry = segment->worker(i);
+    const pid_t pid = static_cast<pid_t>(shm::owner_pid(owner));
+    const uint64_t start = entry.pid_start_time;
+    if (pid <= 0 || start == 0 || !shm::process_alive(pid, start))
+      return reject(i, req, ErrorCode::kBadRequest, "attach from a process that is not alive");
+    WorkerSlot& slot = slots[i];
+    slot.pid_start_time = start;
+    slot.attached = true;
+    slot.buffers.clear();
+    slot.buffers.resize(config.max_buffers);
+    entry.lease = (++lease_counter << 16) ^ (segment->header().generation & 0xFFFF) ^ (uint64_t{i} << 56);
+    if (entry.lease == 0) entry.lease = 1;
+    // relaxed: statistics, reset before the worker can read them (the
+    // completion's release publishes these stores).
+    entry.pushes_applied.store(0, std::memory_order_relaxed);
+    entry.pushes_rejected.store(0, std::memory_order_relaxed);
+    entry.pulls.store(0, std::memory_order_relaxed);
+    // release: SYNC(worker_attached) the lease is visible to anyone who
+    // sees kAttached (inspect); the worker itself learns it from the completion.
+    entry.owner.store(shm::make_owner(static_cast<uint32_t>(pid), WorkerState::kAttached), std::memory_order_release);
+    stats().workers_attached.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
+    log_line("info", "worker " + std::to_string(i) + " attached (pid " + std::to_string(pid) + ")");
+    Completion c = answer(req, ErrorCode::kOk, "");
+    c.value = entry.lease;
+    c.version = version;
+    return c;
+  }
+
+  Completion register_buffer(uint32_t i, const Request& req) {
+    WorkerSlot& slot = slots[i];
+    if (req.buffer_id >= config.max_buffers)
+      return reject(i, req, ErrorCode::kUnknownBuffer, "buffer id " + std::to_string(req.buffer_id) + " >= max_buffers " + std::to_string(config.max_buffers));
+    if (slot.buffers[req.buffer_id]) return reject(i, req, ErrorCode::kBadRequest, "buffer id already registered");
+    // Copy the descriptor out of shared memory before validating it.
+    shm::BufferDesc desc;
+    std::memcpy(&desc, &segment->buffer(i, req.buffer_id), sizeof desc);
+    if (std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
+      return reject(i, req, ErrorCode::kBadRequest, "buffer handle is not a terminated name");
+    if (desc.length == 0) return reject(i, req, ErrorCode::kBadRange, "buffer length 0");
+    auto peer = backend->open_peer(desc, buffer_prefix + std::to_string(i) + ".");
+    if (!peer.ok()) return reject(i, req, peer.status().code(), peer.status().message());
+    slot.buffers[req.buffer_id] = std::move(peer).value();
+    // relaxed: statistics.
+    stats().buffers_registered.fetch_add(1, std::memory_order_relaxed);
+    stats().mappings_opened.fetch_add(1, std::memory_order_relaxed);
+    return answer(req, ErrorCode::kOk, "");
+  }
+
+  void close_buffer(WorkerSlot& slot, uint32_t b) {
+    if (!slot.buffers[b]) return;
+    slot.buffers[b].reset();
+    stats().buffers_registered.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
+    stats().mappings_closed.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  Completion unregister_buffer(uint32_t i, const Request& req) {
+    WorkerSlot& slot = slots[i];
+    if (req.buffer_id >= config.max_buffers || !slot.buffers[req.buffer_id])
+      return reject(i, req, ErrorCode::kUnknownBuffer, "buffer " + std::to_string(req.buffer_id) + " is not registered");
+    close_buffer(slot, req.buffer_id);
+    return answer(req, ErrorCode::kOk, "");
+  }
+
+  // Resolves tensor_id and the byte range of a push or pull: the tensor
+  // range [first, last) and its element count, and the registered buffer.
+  struct Target {
+    uint32_t first = 0, last = 0;
+    uint64_t elements = 0;
+    PeerBuffer* buffer = nullptr;
+  };
+  Result<Target> resolve(uint32_t i, const Request& req, uint64_t element_size, const char* dtype_name) {
+    Target t;
+    if (req.tensor_id == shm::kAllTensors) {
+      t.first = 0;
+      t.last = static_cast<uint32_t>(tensors.size());
+      t.elements = total_elements;
+    } else if (req.tensor_id < tensors.size()) {
+      t.first = req.tensor_id;
+      t.last = req.tensor_id + 1;
+      t.elements = tensors[req.tensor_id].element_count;
+    } else {
+      return Status{ErrorCode::kUnknownTensor, "tensor id " + std::to_string(req.tensor_id) + " >= " + std::to_string(tensors.size()) + " tensors"};
+    }
+    if (req.buffer_id >= config.max_buffers || !slots[i].buffers[req.buffer_id])
+      return Status{ErrorCode::kUnknownBuffer, "buffer " + std::to_string(req.buffer_id) + " is not registered"};
+    t.buffer = slots[i].buffers[req.buffer_id].get();
+    const uint64_t need = t.elements * element_size;
+    if (req.byte_length != need) {
+      const std::string what = req.tensor_id == shm::kAllTensors ? std::string("all tensors") : std::string(tensors[t.first].name);
+      return Status{ErrorCode::kBadLength, std::to_string(req.byte_length) + " B, " + what + " needs " + std::to_string(need) + " (" + dtype_name + ")"};
+    }
+    const uint64_t len = t.buffer->length();
+    if (req.byte_offset > len || need > len - req.byte_offset)
+      return Status{ErrorCode::kBadRange, "offset " + std::to_string(req.byte_offset) + " + " + std::to_string(need) + " > buffer " + std::to_string(len)};
+    return t;
+  }
+
+  Completion push(uint32_t i, const Request& req) {
+    static constexpr const char* kDtypeNames[] = {"?", "f32", "f16", "bf16"};
+    if (req.dtype == 0 || req.dtype > shm::kDtypeMax)
+      return reject(i, req, ErrorCode::kBadDtype, "gradient dtype " + std::to_string(req.dtype) + " unknown");
+    const auto dtype = static_cast<kernels::GradDtype>(req.dtype);
+    auto target = resolve(i, req, kernels::dtype_size(dtype), kDtypeNames[req.dtype]);
+    if (!target.ok()) return reject(i, req, target.status().code(), target.status().message());
+    if (req.worker_version > version)
+      return reject(i, req, ErrorCode::kBadRequest, "worker_version " + std::to_string(req.worker_version) + " ahead of version " + std::to_string(version));
+    const uint64_t staleness = version - req.worker_version;
+    if (staleness > config.max_staleness)
+      return reject(i, req, ErrorCode::kStale, "staleness " + std::to_string(staleness) + " > max_staleness " + std::to_string(config.max_staleness) + " (v" + std::to_string(req.worker_version) + " vs v" + std::to_string(version) + ")");
+    if (!config.allow_nonfinite && !backend->all_finite(*target->buffer, req.byte_offset, target->elements, dtype))
+      return reject(i, req, ErrorCode::kNonFinite, "NaN or Inf in the gradient");
+    uint64_t byte_offset = req.byte_offset;
+    const uint64_t esize = kernels::dtype_size(dtype);
+    for (uint32_t t = target->first; t < target->last; ++t) {
+      if (Status s = backend->apply(config.optimizer, t, ++steps[t], *target->buffer, byte_offset, dtype); !s.ok())
+        return reject(i, req, s.code(), s.message());
+      byte_offset += tensors[t].element_count * esize;
+    }
+    ++version;
+    record_staleness(staleness);
+    // relaxed: statistics; the completion's release publishes them to the pusher.
+    stats().version.store(version, std::memory_order_relaxed);
+    stats().gradients_applied.fetch_add(1, std::memory_order_relaxed);
+    segment->worker(i).pushes_applied.fetch_add(1, std::memory_order_relaxed);
+    Completion c = answer(req, ErrorCode::kOk, "");
+    c.version = version;
+    c.value = staleness;
+    return c;
+  }
+
+  void record_staleness(uint64_t s) {
+    const size_t pos = staleness_count % kStalenessWindow;
+    if (staleness_count >= kStalenessWindow) staleness_sum -= staleness_window[pos];
+    staleness_window[pos] = s;
+    staleness_sum += s;
+    ++staleness_count;
+    const uint64_t n = std::min<uint64_t>(staleness_count, kStalenessWindow);
+    // relaxed: statistic.
+    stats().avg_staleness_micro.store(staleness_sum * 1'000'000 / n, std::memory_order_relaxed);
+  }
+
+  Completion pull(uint32_t i, const Request& req) {
+    auto target = resolve(i, req, sizeof(float), "f32");
+    if (!target.ok()) return reject(i, req, target.status().code(), target.status().message());
+    const uint64_t first = tensors[target->first].element_offset;
+    if (Status s = backend->copy_out(first, target->elements, *target->buffer, req.byte_offset); !s.ok())
+      return reject(i, req, s.code(), s.message());
+    // relaxed: statistics.
+    stats().weights_pulled.fetch_add(1, std::memory_order_relaxed);
+    segment->worker(i).pulls.fetch_add(1, std::memory_order_relaxed);
+    Completion c = answer(req, ErrorCode::kOk, "");
+    c.version = version;
+    return c;
+  }
+
+  Completion stats_request(uint32_t i, const Request& req) {
+    shm::StatsReply& r = segment->worker(i).stats_reply;
+    auto& s = stats();
+    // relaxed loads of our own counters; the completion's release publishes r.
+    r.version = version;
+    r.gradients_applied = s.gradients_applied.load(std::memory_order_relaxed);
+    r.weights_pulled = s.weights_pulled.load(std::memory_order_relaxed);
+    r.avg_staleness_micro = s.avg_staleness_micro.load(std::memory_order_relaxed);
+    r.rejected_stale = s.rejected[static_cast<uint32_t>(ErrorCode::kStale)].load(std::memory_order_relaxed);
+    r.rejected_nonfinite = s.rejected[static_cast<uint32_t>(ErrorCode::kNonFinite)].load(std::memory_order_relaxed);
+    uint64_t invalid = 0;
+    for (uint32_t c = 0; c < shm::kRejectCauses; ++c)
+      if (c != static_cast<uint32_t>(ErrorCode::kStale) && c != static_cast<uint32_t>(ErrorCode::kNonFinite))
+        invalid += s.rejected[c].load(std::memory_order_relaxed);
+    r.rejected_invalid = invalid;
+    r.ring_depth = s.ring_depth.load(std::memory_order_relaxed);
+    r.ring_high_water = s.ring_high_water.load(std::memory_order_relaxed);
+    r.workers_attached = s.workers_attached.load(std::memory_order_relaxed);
+    r.workers_died = s.workers_died.load(std::memory_order_relaxed);
+    const shm::WorkerEntry& e = segment->worker(i);
+    r.my_pushes_applied = e.pushes_applied.load(std::memory_order_relaxed);
+    r.my_pushes_rejected = e.pushes_rejected.load(std::memory_order_relaxed);
+    r.my_pulls = e.pulls.load(std::memory_order_relaxed);
+    Completion c = answer(req, ErrorCode::kOk, "");
+    c.version = version;
+    return c;
+  }
+
+  // ------------------------------------------------------------ lifecycle of entries
+  // Forgets everything about entry i and returns it to kFree. The lane and
+  // queue indices are reset BEFORE the release store, so the next claimer
+  // (acquire CAS) starts from zero. SYNC(worker_release).
+  void release_entry(uint32_t i) {
+    WorkerSlot& slot = slots[i];
+    for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(slot, b);
+    slot.buffers.clear();
+    if (slot.attached) stats().workers_attached.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
+    slot.attached = false;
+    reset_lanes(i);
+    shm::WorkerEntry& entry = segment->worker(i);
+    entry.lease = 0;
+    entry.pid_start_time = 0;
+    std::memset(segment->buffer_table_bytes(i), 0, config.max_buffers * sizeof(shm::BufferDesc));
+    entry.owner.store(0, std::memory_order_release);  // SYNC(worker_release)
+  }
+
+  void reset_lanes(uint32_t i) {
+    // relaxed: published by the owner store that follows (release).
+    segment->lane(i).tail.store(0, std::memory_order_relaxed);
+    segment->lane(i).head.store(0, std::memory_order_relaxed);
+    segment->completions(i).tail.store(0, std::memory_order_relaxed);
+    segment->completions(i).head.store(0, std::memory_order_relaxed);
+    slots[i].lane = shm::SpscConsumer<Request>(&segment->lane(i), segment->lane_slots(i), config.lane_capacity);
+    slots[i].completions = shm::SpscProducer<Completion>(&segment->completions(i), segment->completion_slots(i), config.lane_capacity);
+  }
+
+  // After a successful detach: the worker resets the indices and frees the
+  // entry itself once it has read the completion (so we must not touch its
+  // queue any more); we only drop our side.
+  void finish_detach(uint32_t i) {
+    WorkerSlot& slot = slots[i];
+    for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(slot, b);
+    if (slot.attached) stats().workers_attached.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
+    slot.attached = false;
+    slot.lane = shm::SpscConsumer<Request>(&segment->lane(i), segment->lane_slots(i), config.lane_capacity);
+    slot.completions = shm::SpscProducer<Completion>(&segment->completions(i), segment->completion_slots(i), config.lane_capacity);
+    shm::WorkerEntry& entry = segment->worker(i);
+    const uint64_t owner = entry.owner.load(std::memory_order_relaxed);  // relaxed: we are its only writer now
+    log_line("info", "worker " + std::to_string(i) + " detached (pid " + std::to_string(shm::owner_pid(owner)) + ")");
+  }
+
+  // Stops serving a misbehaving but living worker: kDetached tells its
+  // library; the entry is freed when the process goes away.
+  void evict(uint32_t i, const std::string& why) {
+    stats().lanes_corrupt.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
+    shm::WorkerEntry& entry = segment->worker(i);
+    const uint64_t owner = entry.owner.load(std::memory_order_relaxed);  // relaxed: re-read of our own state
+    log_line("warn", "evicting worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(owner)) + "): " + why);
+    WorkerSlot& slot = slots[i];
+    for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(slot, b);
+    if (slot.attached) stats().workers_attached.fetch_sub(1, std::memory_order_relaxed);
+    slot.attached = false;
+    entry.owner.store(shm::make_owner(shm::owner_pid(owner), WorkerState::kDetached), std::memory_order_release);
+  }
+
+  // Reclaims entries whose owner died, and sweeps lanes whose doorbell may
+  // have been lost (a producer killed between publishing and ringing).
+  bool housekeeping() {
+    bool worked = false;
+    for (uint32_t i = 0; i < config.max_workers; ++i) {
+      shm::WorkerEntry& entry = segment->worker(i);
+      const uint64_t owner = entry.owner.load(std::memory_order_acquire);  // SYNC(worker_claim)
+      if (owner == 0) continue;
+      const pid_t pid = static_cast<pid_t>(shm::owner_pid(owner));
+      const uint64_t start = slots[i].attached ? slots[i].pid_start_time : entry.pid_start_time;
+      if (!shm::process_alive(pid, start)) {
+        const bool was_attached = slots[i].attached;
+        log_line(was_attached ? "warn" : "info", "worker " + std::to_string(i) + " (pid " + std::to_string(pid) + ") is gone; releasing its entry");
+        if (was_attached) stats().workers_died.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
+        release_entry(i);
+        worked = true;
+        continue;
+      }
+      worked |= serve_lane(i);
+    }
+    return worked;
+  }
+
+  void shutdown() {
+    auto& h = segment->header();
+    h.server_state.store(static_cast<uint32_t>(shm::ServerState::kStopping), std::memory_order_release);
+    // Fail what is queued: nothing more is applied.
+    for (uint32_t i = 0; i < config.max_workers; ++i) {
+      const uint64_t owner = segment->worker(i).owner.load(std::memory_order_acquire);  // SYNC(worker_claim)
+      const uint32_t state = shm::owner_state(owner);
+      if (state != static_cast<uint32_t>(WorkerState::kAttached) && state != static_cast<uint32_t>(WorkerState::kClaimed)) continue;
+      WorkerSlot& slot = slots[i];
+      Request req;
+      while (slot.completions.has_space() && slot.lane.try_pop(&req) == shm::RingResult::kOk) {
+        Completion c = answer(req, ErrorCode::kShuttingDown, "server is shutting down");
+        c.version = version;
+        post(i, c);
+      }
+    }
+    // SYNC(server_stopped): release pairs with the workers' acquire load of
+    // the state; every completion above is visible before kStopped.
+    h.server_state.store(static_cast<uint32_t>(shm::ServerState::kStopped), std::memory_order_release);
+    for (uint32_t i = 0; i < config.max_workers; ++i) {
+      shm::notify(segment->completions(i).data_ready);
+      shm::notify(segment->lane(i).space_ready);
+    }
+    log_line("info", "stopping: version " + std::to_string(version) + ", gradients applied " +
+                         std::to_string(stats().gradients_applied.load(std::memory_order_relaxed)) + ", weights pulled " +
+                         std::to_string(stats().weights_pulled.load(std::memory_order_relaxed)));
+    shm::Segment::remove(config.name);
+    removed = true;
+  }
+};
+
+// ------------------------------------------------------------ Server
+
+Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Server::~Server() {
+  if (impl_ && impl_->segment && !impl_->removed) shm::Segment::remove(impl_->config.name);
+}
+
+Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config) {
+  if (std::string err = kernels::validate(config.optimizer); !err.empty())
+    return Status{ErrorCode::kInvalidArgument, err};
+  if (config.tensors.empty()) return Status{ErrorCode::kInvalidArgument, "at least one --tensor is required"};
+  if (!is_power_of_two(config.lane_capacity) || config.lane_capacity < 2 || config.lane_capacity > shm::kMaxLaneCapacity)
+    return Status{ErrorCode::kInvalidArgument, "--ring-capacity must be a power of two in 2..65536, got " + std::to_string(config.lane_capacity)};
+  if (config.max_workers == 0 || config.max_workers > shm::kMaxWorkersLimit)
+    return Status{ErrorCode::kInvalidArgument, "--max-workers must be in 1..256, got " + std::to_string(config.max_workers)};
+  if (config.max_buffers == 0 || config.max_buffers > shm::kMaxBuffersLimit)
+    return Status{ErrorCode::kInvalidArgument, "--max-buffers must be in 1..64, got " + std::to_string(config.max_buffers)};
+  if (config.backend == BackendKind::kCuda)
+    return Status{ErrorCode::kCuda, "--backend cuda: this build has no CUDA backend yet; use --backend host"};
+
+  auto impl = std::make_unique<Server::Impl>();
+  impl->config = config;
+  impl->backend = make_host_backend();
+
+  shm::SegmentSpec spec;
+  spec.name = config.name;
+  spec.tensors = config.tensors;
+  spec.max_workers = config.max_workers;
+  spec.max_buffers = config.max_buffers;
+  spec.lane_capacity = config.lane_capacity;
+  spec.mode = config.group_access ? 0660 : 0600;
+  shm::ConfigBlock& cb = spec.config;
+  const kernels::OptimizerConfig& o = config.optimizer;
+  cb.optimizer_kind = static_cast<uint32_t>(o.kind);
+  cb.flags = (o.nesterov ? shm::kConfigNesterov : 0) | (o.amsgrad ? shm::kConfigAmsgrad : 0) |
+             (config.allow_nonfinite ? shm::kConfigAllowNonFinite : 0);
+  cb.lr = o.lr;
+  cb.momentum = o.momentum;
+  cb.dampening = o.dampening;
+  cb.weight_decay = o.weight_decay;
+  cb.beta1 = o.beta1;
+  cb.beta2 = o.beta2;
+  cb.eps = o.eps;
+  cb.backend = static_cast<uint32_t>(shm::Backend::kHost);
+  cb.max_staleness = config.max_staleness;
+
+  auto segment = shm::Segment::create(spec, random_generation());
+  if (!segment.ok()) return segment.status();
+  impl->segment = std::move(segment).value();
+  shm::Segment& seg = *impl->segment;
+
+  std::vector<TensorExtent> extents;
+  for (uint32_t t = 0; t < seg.header().tensor_count; ++t) {
+    impl->tensors.push_back(seg.tensor(t));
+    extents.push_back({seg.tensor(t).element_offset, seg.tensor(t).element_count});
+  }
+  impl->steps.assign(extents.size(), 0);
+  impl->total_elements = seg.header().total_elements;
+  impl->buffer_prefix = shm::segment_object_name(config.name) + ".w";
+
+  auto init = initial_weights(config.init, impl->total_elements);
+  if (!init.ok()) {
+    shm::Segment::remove(config.name);
+    return init.status();
+  }
+  if (Status s = impl->backend->allocate(extents, kernels::state_arrays(config.optimizer), *init); !s.ok()) {
+    shm::Segment::remove(config.name);
+    return s;
+  }
+  impl->slots.resize(config.max_workers);
+  for (uint32_t i = 0; i < config.max_workers; ++i) impl->reset_lanes(i);
+
+  seg.header().server_state.store(static_cast<uint32_t>(shm::ServerState::kRunning), std::memory_order_relaxed);  // relaxed: published next
+  seg.publish();
+  log_line("info", "serving '" + config.name + "': " + std::to_string(impl->tensors.size()) + " tensors, " +
+                       std::to_string(impl->total_elements) + " parameters, optimizer " +
+                       kernels::optimizer_kind_name(o.kind) + " lr " + std::to_string(o.lr) + ", max_staleness " +
+                       std::to_string(config.max_staleness) + ", backend " + impl->backend->name());
+  return std::unique_ptr<Server>(new Server(std::move(impl)));
+}
+
+Status Server::run() { return impl_->run(); }
+
+void Server::request_stop() noexcept {
+  impl_->stop.store(true, std::memory_order_release);  // SYNC(stop)
+  shm::notify(impl_->segment->header().server_wake);
+}
+
+std::vector<float> Server::weights() const { return impl_->backend->read_weights(); }
+uint64_t Server::version() const noexcept { return impl_->version; }
+
+// ------------------------------------------------------------ run_server
+
+namespace {
+std::atomic<Server*> g_server{nullptr};
+extern "C" void on_stop_signal(int) {
+  if (Server* s = g_server.load(std::memory_order_acquire)) s->request_stop();
+}
+}  // namespace
+
+Status run_server(const ServerConfig& config) {
+  auto server = Server::create(config);
+  if (!server.ok()) return server.status();
+  g_server.store(server->get(), std::memory_order_release);
+  struct sigaction sa{};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  Status s = (*server)->run();
+  g_server.store(nullptr, std::memory_order_release);
+  return s;
+}
+
+}  // namespace shmps::server

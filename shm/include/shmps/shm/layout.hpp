@@ -1,0 +1,357 @@
+// The binary layout of a shmps control segment ("/dev/shm/shmps.<name>").
+// This header is the only description of those bytes: plain structs of
+// fixed-width integers and lock-free atomics, offsets (never pointers),
+// sizes and offsets pinned by static_assert and by tests/shm/test_layout.cpp.
+// Process-safety: every field names its single writer; everything a process
+// reads that another wrote must be validated before use (see segment.hpp).
+//
+//   offset 0                +----------------------------------------------+
+//                           | SegmentHeader                      4096 B    |
+//                           |   magic, layout_version (published last),    |
+//                           |   section offsets/sizes, server pid +        |
+//                           |   start time, generation, state, heartbeat,  |
+//                           |   ConfigBlock, doorbell bitmap, server wake  |
+//   tensor_table_offset     +----------------------------------------------+
+//                           | TensorDesc[tensor_count]          128 B each |
+//   worker_table_offset     +----------------------------------------------+
+//                           | WorkerEntry[max_workers]  worker_entry_size  |
+//                           |   = 512 B + BufferDesc[max_buffers] (192 B)  |
+//   lanes_offset            +----------------------------------------------+
+//                           | request lane per worker          lane_stride |
+//                           |   LaneHeader 256 B + Request[lane_capacity]  |
+//                           |   (64 B each; worker produces, server        |
+//                           |   consumes: single-producer single-consumer) |
+//   completions_offset      +----------------------------------------------+
+//                           | completion queue per worker completion_stride|
+//                           |   LaneHeader 256 B + Completion[capacity]    |
+//                           |   (128 B each; server produces, worker       |
+//                           |   consumes)                                  |
+//   stats_offset            +----------------------------------------------+
+//                           | StatsBlock                         1024 B    |
+//   segment_size            +----------------------------------------------+
+// Every section starts on a 64-byte boundary.
+//
+// WHEN TO BUMP kLayoutVersion: any field added, removed, moved, resized or
+// given a new meaning, any change to a constant below or to the section
+// order. tests/shm/test_layout.cpp pins the numbers and fails until you do.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace shmps::shm {
+
+inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-endian
+inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr size_t kCacheLine = 64;
+
+inline constexpr uint32_t kMaxWorkersLimit = 256;   // 4 doorbell words
+inline constexpr uint32_t kMaxBuffersLimit = 64;    // per worker
+inline constexpr uint32_t kMaxTensorsLimit = 4096;
+inline constexpr uint32_t kMaxLaneCapacity = 1u << 16;
+inline constexpr uint32_t kMaxDims = 4;
+inline constexpr size_t kNameBytes = 64;            // tensor and shm object names, NUL-padded
+inline constexpr uint32_t kAllTensors = 0xFFFFFFFFu;
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
+
+enum class ServerState : uint32_t { kStarting = 1, kRunning = 2, kStopping = 3, kStopped = 4 };
+enum class Backend : uint32_t { kHost = 1, kCuda = 2 };
+enum class Dtype : uint32_t { kF32 = 1, kF16 = 2, kBF16 = 3 };
+inline constexpr uint32_t kDtypeMax = 3;
+
+enum class Opcode : uint32_t {
+  kAttach = 1,            // -> value = lease
+  kDetach = 2,
+  kRegisterBuffer = 3,    // buffer_id names the BufferDesc the worker filled
+  kUnregisterBuffer = 4,
+  kPush = 5,              // -> version after the update, value = staleness
+  kPull = 6,              // -> version of the snapshot copied out
+  kStats = 7,             // server fills WorkerEntry::stats_reply first
+  kPing = 8,              // empty request
+};
+inline constexpr uint32_t kOpcodeMax = 8;
+
+// Worker table entry states (low 32 bits of WorkerEntry::owner).
+enum class WorkerState : uint32_t {
+  kFree = 0,      // unused; a worker may claim it
+  kClaimed = 1,   // a worker (pid in owner) claimed it and is attaching
+  kAttached = 2,  // the server accepted the attach; lease is valid
+  kDetached = 3,  // the server finished the detach; the worker releases it
+};
+inline constexpr uint64_t make_owner(uint32_t pid, WorkerState s) {
+  return (uint64_t{pid} << 32) | static_cast<uint32_t>(s);
+}
+inline constexpr uint32_t owner_pid(uint64_t owner) { return static_cast<uint32_t>(owner >> 32); }
+inline constexpr uint32_t owner_state(uint64_t owner) { return static_cast<uint32_t>(owner); }
+
+// A futex-backed wait point: `seq` is the futex word, bumped by every
+// notify; `waiters` counts sleepers so a notifier can skip the syscall.
+// Protocol in futex.hpp.
+struct WaitWord {
+  std::atomic<uint32_t> seq;
+  std::atomic<uint32_t> waiters;
+};
+static_assert(sizeof(WaitWord) == 8);
+
+// The server's configuration as it runs. Written once by the server before
+// it publishes layout_version; read by workers and shmps-inspect.
+struct ConfigBlock {
+  uint32_t optimizer_kind;   // shmps::kernels::OptimizerKind
+  uint32_t flags;            // kConfigFlag*
+  float lr;
+  float momentum;
+  float dampening;
+  float weight_decay;
+  float beta1;
+  float beta2;
+  float eps;
+  uint32_t backend;          // Backend
+  uint64_t max_staleness;
+  uint64_t reserved[10];
+};
+inline constexpr uint32_t kConfigNesterov = 1u << 0;
+inline constexpr uint32_t kConfigAmsgrad = 1u << 1;
+inline constexpr uint32_t kConfigAllowNonFinite = 1u << 2;
+static_assert(sizeof(ConfigBlock) == 128);
+
+struct alignas(kCacheLine) SegmentHeader {
+  // --- line 0: identity, written by the server before publication ---
+  uint64_t magic;                        // kMagic
+  std::atomic<uint32_t> layout_version;  // 0 until published. SYNC(segment_published)
+  uint32_t header_size;                  // sizeof(SegmentHeader)
+  uint64_t segment_size;                 // bytes, the whole mapping
+  uint64_t generation;                   // new random value at every server start
+  uint32_t server_pid;
+  uint32_t reserved0;
+  uint64_t server_start_time;            // /proc/<pid>/stat starttime (clock ticks)
+  std::atomic<uint32_t> server_state;    // ServerState; server writes
+  uint32_t reserved1;
+  std::atomic<uint64_t> heartbeat_ns;    // CLOCK_MONOTONIC, server writes ~every 10 ms
+  // --- lines 1-2: geometry ---
+  uint64_t tensor_table_offset;
+  uint32_t tensor_count;
+  uint32_t tensor_desc_size;
+  uint64_t worker_table_offset;
+  uint32_t max_workers;
+  uint32_t worker_entry_size;
+  uint32_t max_buffers;                  // per worker
+  uint32_t lane_capacity;                // slots per request lane and completion queue
+  uint64_t lanes_offset;
+  uint64_t lane_stride;
+  uint64_t completions_offset;
+  uint64_t completion_stride;
+  uint64_t stats_offset;
+  uint64_t total_elements;               // all tensors, fp32 elements
+  uint64_t reserved2[5];
+  // --- lines 3-4: configuration ---
+  ConfigBlock config;
+  uint64_t reserved3[8];
+  // --- line 6: written by workers: which lanes have news ---
+  std::atomic<uint64_t> doorbell[kMaxWorkersLimit / 64];  // bit i: lane i was published. SYNC(doorbell)
+  WaitWord server_wake;                  // the server sleeps here when idle
+  uint64_t reserved4[3];
+  uint8_t reserved5[4096 - 448];
+};
+static_assert(std::is_standard_layout_v<SegmentHeader>);
+static_assert(sizeof(SegmentHeader) == 4096);
+static_assert(offsetof(SegmentHeader, magic) == 0);
+static_assert(offsetof(SegmentHeader, layout_version) == 8);
+static_assert(offsetof(SegmentHeader, segment_size) == 16);
+static_assert(offsetof(SegmentHeader, generation) == 24);
+static_assert(offsetof(SegmentHeader, server_pid) == 32);
+static_assert(offsetof(SegmentHeader, server_start_time) == 40);
+static_assert(offsetof(SegmentHeader, server_state) == 48);
+static_assert(offsetof(SegmentHeader, heartbeat_ns) == 56);
+static_assert(offsetof(SegmentHeader, tensor_table_offset) == 64);
+static_assert(offsetof(SegmentHeader, max_workers) == 88);
+static_assert(offsetof(SegmentHeader, lane_capacity) == 100);
+static_assert(offsetof(SegmentHeader, lanes_offset) == 104);
+static_assert(offsetof(SegmentHeader, stats_offset) == 136);
+static_assert(offsetof(SegmentHeader, total_elements) == 144);
+static_assert(offsetof(SegmentHeader, config) == 192);
+static_assert(offsetof(SegmentHeader, doorbell) == 384);
+static_assert(offsetof(SegmentHeader, server_wake) == 416);
+
+struct TensorDesc {
+  char name[kNameBytes];     // NUL-terminated within the array
+  uint32_t dtype;            // Dtype of the weights (kF32)
+  uint32_t ndim;             // 1..kMaxDims
+  uint64_t shape[kMaxDims];  // unused dims are 0
+  uint64_t element_offset;   // in the flat parameter vector
+  uint64_t element_count;    // product of shape
+  uint64_t reserved;
+};
+static_assert(std::is_trivially_copyable_v<TensorDesc> && std::is_standard_layout_v<TensorDesc>);
+static_assert(sizeof(TensorDesc) == 128);
+static_assert(offsetof(TensorDesc, dtype) == 64);
+static_assert(offsetof(TensorDesc, shape) == 72);
+static_assert(offsetof(TensorDesc, element_offset) == 104);
+static_assert(offsetof(TensorDesc, element_count) == 112);
+
+enum class BufferKind : uint32_t { kEmpty = 0, kHostShm = 1, kCudaIpc = 2 };
+
+// A buffer a worker offers the server, written by the worker into its own
+// WorkerEntry before it sends kRegisterBuffer; read (and validated) by the
+// server once, at registration.
+struct BufferDesc {
+  uint32_t kind;             // BufferKind
+  uint32_t flags;
+  uint64_t length;           // bytes usable by requests
+  uint64_t offset;           // bytes from the start of the object/allocation
+  uint8_t handle[64];        // kHostShm: NUL-terminated shm name; kCudaIpc: cudaIpcMemHandle_t
+  uint8_t event_handle[64];  // kCudaIpc: cudaIpcEventHandle_t
+  uint8_t device_uuid[16];   // kCudaIpc
+  uint64_t reserved[3];
+};
+static_assert(std::is_trivially_copyable_v<BufferDesc> && std::is_standard_layout_v<BufferDesc>);
+static_assert(sizeof(BufferDesc) == 192);
+static_assert(offsetof(BufferDesc, length) == 8);
+static_assert(offsetof(BufferDesc, offset) == 16);
+static_assert(offsetof(BufferDesc, handle) == 24);
+static_assert(offsetof(BufferDesc, event_handle) == 88);
+static_assert(offsetof(BufferDesc, device_uuid) == 152);
+
+// What a kStats request returns: the server writes it into the requesting
+// worker's entry, then publishes the completion (which orders it).
+struct StatsReply {
+  uint64_t version;
+  uint64_t gradients_applied;
+  uint64_t weights_pulled;
+  uint64_t avg_staleness_micro;  // mean staleness * 1e6
+  uint64_t rejected_stale;
+  uint64_t rejected_invalid;
+  uint64_t rejected_nonfinite;
+  uint64_t ring_depth;
+  uint64_t ring_high_water;
+  uint64_t workers_attached;
+  uint64_t workers_died;
+  uint64_t my_pushes_applied;
+  uint64_t my_pushes_rejected;
+  uint64_t my_pulls;
+  uint64_t reserved[18];
+};
+static_assert(std::is_trivially_copyable_v<StatsReply>);
+static_assert(sizeof(StatsReply) == 256);
+
+struct WorkerEntry {
+  // owner = (pid << 32) | WorkerState. Claimed by a worker with a CAS from
+  // kFree, set to kAttached/kDetached by the server, back to kFree by the
+  // worker after a detach or by the server when the owner is dead.
+  // SYNC(worker_claim) / SYNC(worker_release).
+  std::atomic<uint64_t> owner;
+  uint64_t pid_start_time;   // worker writes after claiming (0: not yet)
+  uint64_t lease;            // server writes at attach; requests must carry it
+  uint64_t reserved0[5];
+  // --- line 1: counters, server writes (relaxed; monotonic, racy readers) ---
+  std::atomic<uint64_t> pushes_applied;
+  std::atomic<uint64_t> pushes_rejected;
+  std::atomic<uint64_t> pulls;
+  std::atomic<uint64_t> last_request_ns;  // CLOCK_MONOTONIC
+  uint64_t reserved1[4];
+  // --- lines 2-5: reply area of kStats ---
+  StatsReply stats_reply;
+  uint64_t reserved2[16];
+  // --- followed by BufferDesc[max_buffers] ---
+};
+static_assert(std::is_standard_layout_v<WorkerEntry>);
+static_assert(sizeof(WorkerEntry) == 512);
+static_assert(offsetof(WorkerEntry, owner) == 0);
+static_assert(offsetof(WorkerEntry, pid_start_time) == 8);
+static_assert(offsetof(WorkerEntry, lease) == 16);
+static_assert(offsetof(WorkerEntry, pushes_applied) == 64);
+static_assert(offsetof(WorkerEntry, stats_reply) == 128);
+
+// Head of a request lane or a completion queue. The producer owns `tail`,
+// the consumer owns `head` (each on its own cache line); both are free-
+// running uint64 indices, slot = index & (capacity - 1).
+struct LaneHeader {
+  std::atomic<uint64_t> tail;  // next index to write; producer stores. SYNC(slot_published)
+  uint64_t reserved0[7];
+  std::atomic<uint64_t> head;  // next index to read; consumer stores. SYNC(slot_released)
+  uint64_t reserved1[7];
+  WaitWord data_ready;         // consumer sleeps here for new slots
+  uint64_t reserved2[7];
+  WaitWord space_ready;        // producer sleeps here for free slots
+  uint64_t reserved3[7];
+};
+static_assert(std::is_standard_layout_v<LaneHeader>);
+static_assert(sizeof(LaneHeader) == 256);
+static_assert(offsetof(LaneHeader, head) == 64);
+static_assert(offsetof(LaneHeader, data_ready) == 128);
+static_assert(offsetof(LaneHeader, space_ready) == 192);
+
+// A request descriptor: 64 bytes, no payload. Written by its worker.
+struct Request {
+  uint64_t request_id;       // the worker's own counter; echoed in the completion
+  uint32_t opcode;           // Opcode
+  uint32_t worker_id;        // index of the worker's entry
+  uint64_t lease;            // WorkerEntry::lease (0 for kAttach)
+  uint32_t buffer_id;        // index into the worker's BufferDesc table
+  uint32_t tensor_id;        // index into the tensor table, or kAllTensors
+  uint64_t byte_offset;      // within the buffer
+  uint64_t byte_length;
+  uint64_t worker_version;   // kPush: the version the gradient was computed at
+  uint32_t dtype;            // kPush: Dtype of the gradient
+  uint32_t flags;            // must be 0
+};
+static_assert(std::is_trivially_copyable_v<Request> && std::is_standard_layout_v<Request>);
+static_assert(sizeof(Request) == 64);
+static_assert(offsetof(Request, opcode) == 8);
+static_assert(offsetof(Request, worker_id) == 12);
+static_assert(offsetof(Request, lease) == 16);
+static_assert(offsetof(Request, buffer_id) == 24);
+static_assert(offsetof(Request, tensor_id) == 28);
+static_assert(offsetof(Request, byte_offset) == 32);
+static_assert(offsetof(Request, byte_length) == 40);
+static_assert(offsetof(Request, worker_version) == 48);
+static_assert(offsetof(Request, dtype) == 56);
+static_assert(offsetof(Request, flags) == 60);
+
+// The answer to one request. Written by the server.
+struct Completion {
+  uint64_t request_id;
+  uint32_t opcode;
+  uint32_t code;             // shmps::ErrorCode
+  uint64_t version;          // the parameter version the request saw or made
+  uint64_t value;            // opcode-specific (see Opcode)
+  uint64_t reserved[4];
+  char message[64];          // NUL-terminated short reason when code != 0
+};
+static_assert(std::is_trivially_copyable_v<Completion> && std::is_standard_layout_v<Completion>);
+static_assert(sizeof(Completion) == 128);
+static_assert(offsetof(Completion, code) == 12);
+static_assert(offsetof(Completion, version) == 16);
+static_assert(offsetof(Completion, value) == 24);
+static_assert(offsetof(Completion, message) == 64);
+
+inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
+
+// Server-wide counters. Written by the server only (relaxed stores of
+// monotonic or last-value numbers); readers get a racy snapshot.
+struct StatsBlock {
+  std::atomic<uint64_t> version;
+  std::atomic<uint64_t> gradients_applied;
+  std::atomic<uint64_t> weights_pulled;
+  std::atomic<uint64_t> avg_staleness_micro;
+  std::atomic<uint64_t> requests;
+  std::atomic<uint64_t> ring_depth;
+  std::atomic<uint64_t> ring_high_water;
+  std::atomic<uint64_t> workers_attached;
+  std::atomic<uint64_t> workers_died;
+  std::atomic<uint64_t> buffers_registered;
+  std::atomic<uint64_t> mappings_opened;
+  std::atomic<uint64_t> mappings_closed;
+  std::atomic<uint64_t> lanes_corrupt;   // lanes whose indices were garbage
+  uint64_t reserved0[3];
+  std::atomic<uint64_t> rejected[kRejectCauses];  // by ErrorCode value
+  uint64_t reserved1[80];
+};
+static_assert(std::is_standard_layout_v<StatsBlock>);
+static_assert(sizeof(StatsBlock) == 1024);
+static_assert(offsetof(StatsBlock, rejected) == 128);
+
+}  // namespace shmps::shm

@@ -1,0 +1,24 @@
+// Process identity that survives pid reuse: (pid, start time). A pid alone
+// can be reused, and a zombie still answers kill(pid, 0); /proc/<pid>/stat
+// gives both the start time (field 22, clock ticks since boot) and the state.
+// Thread-safe; reads /proc only.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+
+namespace shmps::shm {
+
+// Start time of pid in clock ticks since boot; 0 when the process does not
+// exist (or /proc is unreadable).
+uint64_t process_start_time(pid_t pid) noexcept;
+
+// True when pid exists, is not a zombie or dead, and (when start_time != 0)
+// started at start_time, i.e. it is the same process.
+bool process_alive(pid_t pid, uint64_t start_time) noexcept;
+
+// CLOCK_MONOTONIC in nanoseconds (the same clock in every process).
+uint64_t monotonic_ns() noexcept;
+
+}  // namespace shmps::shm

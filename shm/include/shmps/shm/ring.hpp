@@ -1,0 +1,114 @@
+// The two ends of a single-producer single-consumer ring in shared memory: a
+// request lane (worker -> server) or a completion queue (server -> worker).
+// Each end keeps its own index locally and never trusts the peer's copy
+// blindly: an index from the peer that would put more than `capacity` slots
+// in flight is reported as kCorrupt, and a slot is copied out before it is
+// released, so a late or buggy peer can never change what was validated.
+// One producer object and one consumer object per ring, each used by one
+// thread at a time; the two may live in different processes.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+#include "shmps/shm/layout.hpp"
+
+namespace shmps::shm {
+
+enum class RingResult { kOk, kEmpty, kFull, kCorrupt };
+
+template <typename Slot>
+class SpscProducer {
+ public:
+  SpscProducer() = default;
+  // capacity: power of two. Starts at index `start` (normally 0; tests
+  // start near the uint64 wrap point).
+  SpscProducer(LaneHeader* header, Slot* slots, uint32_t capacity, uint64_t start = 0)
+      : header_(header), slots_(slots), mask_(capacity - 1), tail_(start), cached_head_(start) {}
+
+  // Writes `slot` and publishes it. kFull when capacity slots are in flight,
+  // kCorrupt when the consumer's head is impossible.
+  RingResult try_push(const Slot& slot) noexcept {
+    if (tail_ - cached_head_ > mask_) {
+      // SYNC(slot_released): acquire pairs with the consumer's release store
+      // of head, so the slot we are about to overwrite was fully copied out.
+      cached_head_ = header_->head.load(std::memory_order_acquire);
+      const uint64_t in_flight = tail_ - cached_head_;  // unsigned: correct across wrap
+      if (in_flight > mask_ + 1) return RingResult::kCorrupt;
+      if (in_flight == mask_ + 1) return RingResult::kFull;
+    }
+    std::memcpy(&slots_[tail_ & mask_], &slot, sizeof(Slot));
+    ++tail_;
+    // SYNC(slot_published): release pairs with the consumer's acquire load
+    // of tail; it publishes the slot bytes written above.
+    header_->tail.store(tail_, std::memory_order_release);
+    return RingResult::kOk;
+  }
+
+  // Slots in flight as last seen (may be stale: the consumer moves on).
+  uint64_t in_flight_estimate() const noexcept {
+    return tail_ - header_->head.load(std::memory_order_relaxed);  // relaxed: a hint only
+  }
+  // True when at least one slot is free (acquire: see try_push).
+  bool has_space() const noexcept {
+    return tail_ - header_->head.load(std::memory_order_acquire) <= mask_;  // SYNC(slot_released)
+  }
+  uint64_t tail() const noexcept { return tail_; }
+  LaneHeader* header() const noexcept { return header_; }
+
+ private:
+  LaneHeader* header_ = nullptr;
+  Slot* slots_ = nullptr;
+  uint64_t mask_ = 0;
+  uint64_t tail_ = 0;
+  uint64_t cached_head_ = 0;
+};
+
+template <typename Slot>
+class SpscConsumer {
+ public:
+  SpscConsumer() = default;
+  SpscConsumer(LaneHeader* header, Slot* slots, uint32_t capacity, uint64_t start = 0)
+      : header_(header), slots_(slots), mask_(capacity - 1), head_(start), cached_tail_(start) {}
+
+  // Copies the oldest slot into *out and releases it. kEmpty when none,
+  // kCorrupt when the producer's tail is impossible (nothing is consumed).
+  RingResult try_pop(Slot* out) noexcept {
+    if (RingResult r = refresh(); r != RingResult::kOk) return r;
+    std::memcpy(out, &slots_[head_ & mask_], sizeof(Slot));
+    ++head_;
+    // SYNC(slot_released): release pairs with the producer's acquire load of
+    // head: the copy above is complete before the slot can be reused.
+    header_->head.store(head_, std::memory_order_release);
+    return RingResult::kOk;
+  }
+
+  // kOk when a slot is available, kEmpty or kCorrupt otherwise.
+  RingResult refresh() noexcept {
+    if (head_ != cached_tail_) return RingResult::kOk;
+    // SYNC(slot_published): acquire pairs with the producer's release store.
+    const uint64_t tail = header_->tail.load(std::memory_order_acquire);
+    const uint64_t available = tail - head_;  // unsigned: correct across wrap
+    if (available > mask_ + 1) return RingResult::kCorrupt;
+    cached_tail_ = tail;
+    return available == 0 ? RingResult::kEmpty : RingResult::kOk;
+  }
+
+  // Slots waiting as last seen; clamps garbage to capacity.
+  uint64_t depth_estimate() const noexcept {
+    const uint64_t d = header_->tail.load(std::memory_order_relaxed) - head_;  // relaxed: a hint only
+    return d > mask_ + 1 ? mask_ + 1 : d;
+  }
+  uint64_t head() const noexcept { return head_; }
+  LaneHeader* header() const noexcept { return header_; }
+
+ private:
+  LaneHeader* header_ = nullptr;
+  Slot* slots_ = nullptr;
+  uint64_t mask_ = 0;
+  uint64_t head_ = 0;
+  uint64_t cached_tail_ = 0;
+};
+
+}  // namespace shmps::shm

@@ -1,0 +1,139 @@
+// Creating, opening, validating and removing shmps shared-memory objects:
+// the control segment ("shmps.<name>") and the buffer objects workers
+// register. The only place that knows Boost.Interprocess; its exceptions
+// become Status here. A Segment/ShmObject is a mapping owned by one process;
+// its methods are not synchronised (the bytes inside are, see layout.hpp).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shmps/shm/layout.hpp"
+#include "shmps/status.hpp"
+
+namespace shmps::shm {
+
+// Checks a user-chosen name: 1..48 of [A-Za-z0-9._-], not starting with '.'.
+// Errors: kInvalidArgument naming the problem.
+Status validate_name(const std::string& name);
+// "shmps.<name>": the POSIX shm object of the control segment.
+std::string segment_object_name(const std::string& name);
+
+// A mapped POSIX shm object.
+class ShmObject {
+ public:
+  // Creates `object_name` exclusively with `mode` (set on the descriptor,
+  // not subject to the umask; never world-writable: o+w is refused), sizes
+  // it to `bytes` and reserves the memory up front (posix_fallocate), so a
+  // full /dev/shm fails here ("need X bytes, Y available", kNoCapacity)
+  // rather than with SIGBUS later. Errors: kInvalidArgument, kPermission,
+  // kNoCapacity, kIo (EEXIST included).
+  static Result<std::unique_ptr<ShmObject>> create(const std::string& object_name, size_t bytes,
+                                                   mode_t mode);
+  // Maps an existing object whole. Errors: kIo with "does not exist" for
+  // ENOENT, kPermission, kIo.
+  static Result<std::unique_ptr<ShmObject>> open(const std::string& object_name, bool read_only);
+  // shm_unlink; nothing happens when it is already gone.
+  static void remove(const std::string& object_name);
+
+  ~ShmObject();
+  void* data() const noexcept { return data_; }
+  size_t size() const noexcept { return size_; }
+  const std::string& name() const noexcept { return name_; }
+  // Identity of the object mapped (device, inode): a recreated name has a
+  // new inode, which handle caches use to detect recycling.
+  uint64_t inode() const noexcept { return inode_; }
+  uid_t owner_uid() const noexcept { return uid_; }
+  mode_t mode() const noexcept { return mode_; }
+
+ private:
+  struct Region;  // the Boost mapping, kept out of this header
+  ShmObject();
+  std::unique_ptr<Region> region_;
+  std::string name_;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  uint64_t inode_ = 0;
+  uid_t uid_ = 0;
+  mode_t mode_ = 0;
+};
+
+struct TensorSpec {
+  std::string name;                // 1..63 bytes, printable, unique
+  std::vector<uint64_t> shape;     // 1..4 dims, each >= 1
+};
+
+struct SegmentSpec {
+  std::string name;                // as given to --name
+  std::vector<TensorSpec> tensors;
+  uint32_t max_workers = 16;       // 1..256
+  uint32_t max_buffers = 16;       // per worker, 1..64
+  uint32_t lane_capacity = 64;     // power of two, 2..65536
+  ConfigBlock config{};
+  mode_t mode = 0600;
+};
+
+// Where each section lies for given counts (bytes).
+struct Geometry {
+  uint64_t tensor_table_offset, worker_table_offset, worker_entry_size;
+  uint64_t lanes_offset, lane_stride, completions_offset, completion_stride;
+  uint64_t stats_offset, segment_size;
+};
+Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t max_buffers,
+                          uint32_t lane_capacity) noexcept;
+
+// Validates a whole segment image of `size` bytes (a live mapping or a copy
+// in a file): magic, layout version, every size and offset, every tensor
+// descriptor, the config enums. Returns kLayoutMismatch (foreign object,
+// other version: both numbers in the message), kServerNotRunning when the
+// version is not published yet, or kOk. Reads only.
+Status validate_segment(const void* base, size_t size);
+
+class Segment {
+ public:
+  // Server: creates and initialises the control segment, leaving it
+  // unpublished (layout_version 0) and in state kStarting. An existing
+  // segment of that name is replaced only when it is ours and its server
+  // is dead; a live server is never clobbered (kInvalidArgument naming its
+  // pid), a foreign object is never adopted (kLayoutMismatch).
+  static Result<std::unique_ptr<Segment>> create(const SegmentSpec& spec, uint64_t generation);
+  // Worker or shmps-inspect: opens and validates "shmps.<name>". Waits up
+  // to 2 s for a segment still being initialised. Errors: kServerNotRunning
+  // (no such segment: the message names it), kLayoutMismatch, kPermission.
+  static Result<std::unique_ptr<Segment>> open(const std::string& name, bool read_only);
+  static void remove(const std::string& name);
+
+  // Server: release-stores the layout version; openers may use it from now.
+  void publish() noexcept;
+
+  SegmentHeader& header() const noexcept { return *static_cast<SegmentHeader*>(object_->data()); }
+  TensorDesc& tensor(uint32_t i) const noexcept { return at<TensorDesc>(header().tensor_table_offset + i * sizeof(TensorDesc)); }
+  WorkerEntry& worker(uint32_t i) const noexcept { return at<WorkerEntry>(header().worker_table_offset + i * header().worker_entry_size); }
+  BufferDesc& buffer(uint32_t worker, uint32_t i) const noexcept {
+    return at<BufferDesc>(header().worker_table_offset + worker * header().worker_entry_size +
+                          sizeof(WorkerEntry) + i * sizeof(BufferDesc));
+  }
+  void* buffer_table_bytes(uint32_t worker) const noexcept { return &buffer(worker, 0); }
+  LaneHeader& lane(uint32_t i) const noexcept { return at<LaneHeader>(header().lanes_offset + i * header().lane_stride); }
+  Request* lane_slots(uint32_t i) const noexcept { return &at<Request>(header().lanes_offset + i * header().lane_stride + sizeof(LaneHeader)); }
+  LaneHeader& completions(uint32_t i) const noexcept { return at<LaneHeader>(header().completions_offset + i * header().completion_stride); }
+  Completion* completion_slots(uint32_t i) const noexcept { return &at<Completion>(header().completions_offset + i * header().completion_stride + sizeof(LaneHeader)); }
+  StatsBlock& stats() const noexcept { return at<StatsBlock>(header().stats_offset); }
+  const ShmObject& object() const noexcept { return *object_; }
+  const std::string& name() const noexcept { return name_; }
+
+ private:
+  Segment(std::string name, std::unique_ptr<ShmObject> object) : name_(std::move(name)), object_(std::move(object)) {}
+  template <typename T>
+  T& at(uint64_t offset) const noexcept {
+    return *reinterpret_cast<T*>(static_cast<char*>(object_->data()) + offset);
+  }
+  std::string name_;
+  std::unique_ptr<ShmObject> object_;
+};
+
+}  // namespace shmps::shm

@@ -1,0 +1,85 @@
+// shmps::ErrorCode, Status and Result<T>: the error vocabulary of every shmps
+// module and of the wire protocol (a completion carries an ErrorCode).
+// Plain values; safe to copy between threads. No Boost or CUDA types here:
+// this header is part of worker_lib's public API.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace shmps {
+
+// Crosses process boundaries: values are explicit and never reused.
+// When adding a code, append it and extend error_code_name().
+enum class ErrorCode : uint32_t {
+  kOk = 0,
+  kStale = 1,              // push: staleness > max_staleness; nothing applied
+  kBadLength = 2,          // push/pull: byte length does not match the tensor(s)
+  kBadDtype = 3,           // push: gradient dtype unknown or unsupported
+  kNonFinite = 4,          // push: NaN or Inf in the gradient (unless allowed)
+  kUnknownWorker = 5,      // request names a worker id that is not attached
+  kUnknownBuffer = 6,      // request names a buffer id that is not registered
+  kUnknownTensor = 7,      // request names a tensor id outside the tensor table
+  kBadRange = 8,           // offset + length outside the registered buffer
+  kBadRequest = 9,         // garbage descriptor: unknown opcode, flags, lease
+  kBusy = 10,              // ring full for longer than the call's timeout
+  kTimeout = 11,           // no completion within the call's timeout
+  kServerNotRunning = 12,  // no segment of that name, or its server is dead
+  kServerRestarted = 13,   // the server's generation changed under the worker
+  kLayoutMismatch = 14,    // segment of another layout version / foreign file
+  kPermission = 15,        // EACCES/EPERM on a segment or buffer object
+  kNoCapacity = 16,        // max workers / buffers reached, or shm too small
+  kInvalidArgument = 17,   // caller-side argument error (bad option, name, ...)
+  kIo = 18,                // a system call failed; message has errno text
+  kShuttingDown = 19,      // server is stopping and takes no new requests
+  kCuda = 20,              // a CUDA runtime call failed; message names it
+  kInternal = 21,          // a broken invariant inside shmps (a bug)
+};
+
+// Short stable name, e.g. "stale"; "unknown" for values outside the enum.
+std::string_view error_code_name(ErrorCode code) noexcept;
+
+// A code plus a human-readable message. ok() iff code == kOk.
+class [[nodiscard]] Status {
+ public:
+  Status() = default;
+  Status(ErrorCode code, std::string message) : code_(code), message_(std::move(message)) {}
+  static Status Ok() { return {}; }
+
+  bool ok() const noexcept { return code_ == ErrorCode::kOk; }
+  ErrorCode code() const noexcept { return code_; }
+  const std::string& message() const noexcept { return message_; }
+  // "stale: staleness 3 > max_staleness 1"
+  std::string to_string() const;
+
+ private:
+  ErrorCode code_ = ErrorCode::kOk;
+  std::string message_;
+};
+
+// A value or a non-ok Status. T must be default-constructible and movable.
+template <typename T>
+class [[nodiscard]] Result {
+ public:
+  Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(Status status) : status_(std::move(status)) {}  // NOLINT
+  Result(ErrorCode code, std::string message) : status_(code, std::move(message)) {}
+
+  bool ok() const noexcept { return status_.ok(); }
+  const Status& status() const noexcept { return status_; }
+  // Precondition: ok().
+  T& value() & { return value_; }
+  const T& value() const& { return value_; }
+  T&& value() && { return std::move(value_); }
+  T* operator->() { return &value_; }
+  const T* operator->() const { return &value_; }
+  T& operator*() & { return value_; }
+
+ private:
+  T value_{};
+  Status status_;
+};
+
+}  // namespace shmps

@@ -1,0 +1,63 @@
+#include "shmps/shm/proc.hpp"
+
+#include <fcntl.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace shmps::shm {
+namespace {
+
+// Reads /proc/<pid>/stat; fills state and start time. False if unreadable.
+bool read_stat(pid_t pid, char* state, uint64_t* start_time) noexcept {
+  if (pid <= 0) return false;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char buf[1024];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return false;
+  buf[n] = '\0';
+  // comm (field 2) may contain spaces and parentheses: parse after the last ')'.
+  const char* p = std::strrchr(buf, ')');
+  if (p == nullptr || p[1] == '\0') return false;
+  p += 2;  // field 3: state
+  *state = *p;
+  // Fields 4..21 are skipped; field 22 is starttime.
+  for (int field = 3; field < 22; ++field) {
+    p = std::strchr(p, ' ');
+    if (p == nullptr) return false;
+    ++p;
+  }
+  *start_time = std::strtoull(p, nullptr, 10);
+  return true;
+}
+
+}  // namespace
+
+uint64_t process_start_time(pid_t pid) noexcept {
+  char state = 0;
+  uint64_t start = 0;
+  return read_stat(pid, &state, &start) ? start : 0;
+}
+
+bool process_alive(pid_t pid, uint64_t start_time) noexcept {
+  char state = 0;
+  uint64_t start = 0;
+  if (!read_stat(pid, &state, &start)) return false;
+  if (state == 'Z' || state == 'X' || state == 'x') return false;
+  return start_time == 0 || start == start_time;
+}
+
+uint64_t monotonic_ns() noexcept {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+}  // namespace shmps::shm

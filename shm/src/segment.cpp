@@ -1,0 +1,401 @@
+#include "shmps/shm/segment.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <boost/interprocess/mapped_region.hpp>
+#include <boost/interprocess/shared_memory_object.hpp>
+#include <chrono>
+#include <cstring>
+#include <set>
+#include <thread>
+
+#include "shmps/shm/proc.hpp"
+
+namespace bip = boost::interprocess;
+
+namespace shmps::shm {
+namespace {
+
+constexpr uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+std::string errno_text(int err) {
+  return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
+}
+
+// Turns a Boost.Interprocess exception into a Status.
+Status from_boost(const bip::interprocess_exception& e, const std::string& what) {
+  const int err = e.get_native_error();
+  if (err == EACCES || err == EPERM)
+    return {ErrorCode::kPermission, what + ": permission denied (" + errno_text(err) + ")"};
+  if (err == ENOENT) return {ErrorCode::kIo, what + ": does not exist"};
+  if (err == EEXIST) return {ErrorCode::kIo, what + ": already exists"};
+  return {ErrorCode::kIo, what + ": " + (err != 0 ? errno_text(err) : std::string(e.what()))};
+}
+
+bool is_power_of_two(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
+
+}  // namespace
+
+// ---------------------------------------------------------------- names
+
+Status validate_name(const std::string& name) {
+  if (name.empty() || name.size() > 48)
+    return {ErrorCode::kInvalidArgument,
+            "name must be 1..48 characters, got " + std::to_string(name.size())};
+  if (name[0] == '.') return {ErrorCode::kInvalidArgument, "name must not start with '.'"};
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return {ErrorCode::kInvalidArgument, "name '" + name + "' may hold only [A-Za-z0-9._-]"};
+  }
+  return Status::Ok();
+}
+
+std::string segment_object_name(const std::string& name) { return "shmps." + name; }
+
+// ---------------------------------------------------------------- ShmObject
+
+struct ShmObject::Region {
+  bip::mapped_region region;
+};
+
+ShmObject::ShmObject() = default;
+ShmObject::~ShmObject() = default;
+
+namespace {
+
+// Fills identity fields from the descriptor and maps the object.
+Status map_object(bip::shared_memory_object& shm, bool read_only, const std::string& name,
+                  uint64_t* inode, uid_t* uid, mode_t* mode, bip::mapped_region* region) {
+  struct stat st{};
+  if (::fstat(shm.get_mapping_handle().handle, &st) != 0)
+    return {ErrorCode::kIo, "fstat '" + name + "': " + errno_text(errno)};
+  *inode = st.st_ino;
+  *uid = st.st_uid;
+  *mode = st.st_mode & 0777;
+  if (st.st_size == 0) return {ErrorCode::kIo, "shm object '" + name + "' is empty"};
+  *region = bip::mapped_region(shm, read_only ? bip::read_only : bip::read_write);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_name, size_t bytes,
+                                                     mode_t mode) {
+  if (object_name.empty() || object_name.size() >= kNameBytes ||
+      object_name.find('/') != std::string::npos)
+    return Status{ErrorCode::kInvalidArgument, "bad shm object name '" + object_name + "'"};
+  if ((mode & 0002) != 0 || (mode & ~mode_t{0777}) != 0)
+    return Status{ErrorCode::kInvalidArgument,
+                  "refusing to create '" + object_name + "' with mode 0" + std::to_string(mode) +
+                      ": world-writable or not a permission mode"};
+  if (bytes == 0)
+    return Status{ErrorCode::kInvalidArgument, "shm object '" + object_name + "' of 0 bytes"};
+  std::unique_ptr<ShmObject> obj(new ShmObject());
+  obj->name_ = object_name;
+  obj->region_ = std::make_unique<Region>();
+  try {
+    // Boost applies the mode with fchmod on the new descriptor: no umask.
+    bip::shared_memory_object shm(bip::create_only, object_name.c_str(), bip::read_write,
+                                  bip::permissions(static_cast<int>(mode)));
+    const int fd = shm.get_mapping_handle().handle;
+    shm.truncate(static_cast<bip::offset_t>(bytes));
+    // Reserve every page now: on a full /dev/shm, fail here, not with SIGBUS.
+    if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
+      struct statvfs vfs{};
+      const uint64_t avail = ::fstatvfs(fd, &vfs) == 0 ? uint64_t{vfs.f_bavail} * vfs.f_frsize : 0;
+      bip::shared_memory_object::remove(object_name.c_str());
+      if (err == ENOSPC)
+        return Status{ErrorCode::kNoCapacity, "/dev/shm too small for '" + object_name +
+                                                  "': need " + std::to_string(bytes) + " bytes, " +
+                                                  std::to_string(avail) + " available"};
+      return Status{ErrorCode::kIo, "posix_fallocate '" + object_name + "': " + errno_text(err)};
+    }
+    if (Status s = map_object(shm, false, object_name, &obj->inode_, &obj->uid_, &obj->mode_,
+                              &obj->region_->region);
+        !s.ok()) {
+      bip::shared_memory_object::remove(object_name.c_str());
+      return s;
+    }
+  } catch (const bip::interprocess_exception& e) {
+    return from_boost(e, "create shm object '" + object_name + "'");
+  }
+  obj->data_ = obj->region_->region.get_address();
+  obj->size_ = obj->region_->region.get_size();
+  return obj;
+}
+
+Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_name, bool read_only) {
+  if (object_name.empty() || object_name.size() >= kNameBytes ||
+      object_name.find('/') != std::string::npos)
+    return Status{ErrorCode::kInvalidArgument, "bad shm object name '" + object_name + "'"};
+  std::unique_ptr<ShmObject> obj(new ShmObject());
+  obj->name_ = object_name;
+  obj->region_ = std::make_unique<Region>();
+  try {
+    bip::shared_memory_object shm(bip::open_only, object_name.c_str(),
+                                  read_only ? bip::read_only : bip::read_write);
+    if (Status s = map_object(shm, read_only, object_name, &obj->inode_, &obj->uid_, &obj->mode_,
+                              &obj->region_->region);
+        !s.ok())
+      return s;
+  } catch (const bip::interprocess_exception& e) {
+    return from_boost(e, "open shm object '" + object_name + "'");
+  }
+  obj->data_ = obj->region_->region.get_address();
+  obj->size_ = obj->region_->region.get_size();
+  return obj;
+}
+
+void ShmObject::remove(const std::string& object_name) {
+  bip::shared_memory_object::remove(object_name.c_str());  // false when absent: fine
+}
+
+// ---------------------------------------------------------------- geometry
+
+Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t max_buffers,
+                          uint32_t lane_capacity) noexcept {
+  Geometry g{};
+  g.tensor_table_offset = sizeof(SegmentHeader);
+  g.worker_table_offset = align_up(g.tensor_table_offset + uint64_t{tensor_count} * sizeof(TensorDesc), kCacheLine);
+  g.worker_entry_size = sizeof(WorkerEntry) + uint64_t{max_buffers} * sizeof(BufferDesc);
+  g.lanes_offset = align_up(g.worker_table_offset + uint64_t{max_workers} * g.worker_entry_size, kCacheLine);
+  g.lane_stride = sizeof(LaneHeader) + uint64_t{lane_capacity} * sizeof(Request);
+  g.completions_offset = g.lanes_offset + uint64_t{max_workers} * g.lane_stride;
+  g.completion_stride = sizeof(LaneHeader) + uint64_t{lane_capacity} * sizeof(Completion);
+  g.stats_offset = g.completions_offset + uint64_t{max_workers} * g.completion_stride;
+  g.segment_size = align_up(g.stats_offset + sizeof(StatsBlock), 4096);
+  return g;
+}
+
+// ---------------------------------------------------------------- validation
+
+namespace {
+
+Status check_counts(uint64_t tensor_count, uint64_t max_workers, uint64_t max_buffers,
+                    uint64_t lane_capacity) {
+  if (tensor_count == 0 || tensor_count > kMaxTensorsLimit)
+    return {ErrorCode::kLayoutMismatch, "tensor_count " + std::to_string(tensor_count) +
+                                            " outside 1.." + std::to_string(kMaxTensorsLimit)};
+  if (max_workers == 0 || max_workers > kMaxWorkersLimit)
+    return {ErrorCode::kLayoutMismatch, "max_workers " + std::to_string(max_workers) +
+                                            " outside 1.." + std::to_string(kMaxWorkersLimit)};
+  if (max_buffers == 0 || max_buffers > kMaxBuffersLimit)
+    return {ErrorCode::kLayoutMismatch, "max_buffers " + std::to_string(max_buffers) +
+                                            " outside 1.." + std::to_string(kMaxBuffersLimit)};
+  if (lane_capacity < 2 || lane_capacity > kMaxLaneCapacity || !is_power_of_two(lane_capacity))
+    return {ErrorCode::kLayoutMismatch, "lane_capacity " + std::to_string(lane_capacity) +
+                                            " is not a power of two in 2..65536"};
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status validate_segment(const void* base, size_t size) {
+  if (size < sizeof(SegmentHeader))
+    return {ErrorCode::kLayoutMismatch, "object of " + std::to_string(size) +
+                                            " bytes is smaller than a shmps header (4096 bytes)"};
+  const auto& h = *static_cast<const SegmentHeader*>(base);
+  if (h.magic != kMagic) {
+    char hex[32];
+    std::snprintf(hex, sizeof hex, "0x%016llx", static_cast<unsigned long long>(h.magic));
+    return {ErrorCode::kLayoutMismatch,
+            std::string("not a shmps segment: magic ") + hex + ", expected 0x31474553504d4853"};
+  }
+  // SYNC(segment_published): acquire pairs with Segment::publish().
+  const uint32_t version = h.layout_version.load(std::memory_order_acquire);
+  if (version == 0)
+    return {ErrorCode::kServerNotRunning, "segment not published yet (server starting)"};
+  if (version != kLayoutVersion)
+    return {ErrorCode::kLayoutMismatch, "segment has layout version " + std::to_string(version) +
+                                            ", this build understands " + std::to_string(kLayoutVersion)};
+  if (h.header_size != sizeof(SegmentHeader))
+    return {ErrorCode::kLayoutMismatch, "header_size " + std::to_string(h.header_size) + " != 4096"};
+  if (Status s = check_counts(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity); !s.ok())
+    return s;
+  if (h.tensor_desc_size != sizeof(TensorDesc))
+    return {ErrorCode::kLayoutMismatch, "tensor_desc_size " + std::to_string(h.tensor_desc_size)};
+  const Geometry g = compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity);
+  if (h.segment_size != size || g.segment_size != size)
+    return {ErrorCode::kLayoutMismatch, "segment_size " + std::to_string(h.segment_size) + ", mapped " +
+                                            std::to_string(size) + ", expected " + std::to_string(g.segment_size)};
+  if (h.tensor_table_offset != g.tensor_table_offset || h.worker_table_offset != g.worker_table_offset ||
+      h.worker_entry_size != g.worker_entry_size || h.lanes_offset != g.lanes_offset ||
+      h.lane_stride != g.lane_stride || h.completions_offset != g.completions_offset ||
+      h.completion_stride != g.completion_stride || h.stats_offset != g.stats_offset)
+    return {ErrorCode::kLayoutMismatch, "section offsets do not match the counts in the header"};
+  const auto* tensors = reinterpret_cast<const TensorDesc*>(static_cast<const char*>(base) + g.tensor_table_offset);
+  uint64_t next_offset = 0;
+  std::set<std::string> names;
+  for (uint32_t i = 0; i < h.tensor_count; ++i) {
+    const TensorDesc& t = tensors[i];
+    const std::string where = "tensor " + std::to_string(i);
+    const void* nul = std::memchr(t.name, '\0', kNameBytes);
+    if (nul == nullptr || t.name[0] == '\0') return {ErrorCode::kLayoutMismatch, where + ": bad name"};
+    if (!names.insert(t.name).second) return {ErrorCode::kLayoutMismatch, where + ": duplicate name"};
+    if (t.dtype != static_cast<uint32_t>(Dtype::kF32))
+      return {ErrorCode::kLayoutMismatch, where + ": dtype " + std::to_string(t.dtype)};
+    if (t.ndim == 0 || t.ndim > kMaxDims)
+      return {ErrorCode::kLayoutMismatch, where + ": ndim " + std::to_string(t.ndim)};
+    uint64_t count = 1;
+    for (uint32_t d = 0; d < kMaxDims; ++d) {
+      if (d < t.ndim) {
+        if (t.shape[d] == 0 || __builtin_mul_overflow(count, t.shape[d], &count))
+          return {ErrorCode::kLayoutMismatch, where + ": bad shape"};
+      } else if (t.shape[d] != 0) {
+        return {ErrorCode::kLayoutMismatch, where + ": shape beyond ndim"};
+      }
+    }
+    if (count != t.element_count || t.element_offset != next_offset)
+      return {ErrorCode::kLayoutMismatch, where + ": element_count/offset inconsistent"};
+    if (__builtin_add_overflow(next_offset, count, &next_offset))
+      return {ErrorCode::kLayoutMismatch, where + ": total overflows"};
+  }
+  if (next_offset != h.total_elements)
+    return {ErrorCode::kLayoutMismatch, "total_elements " + std::to_string(h.total_elements) +
+                                            " != sum of tensors " + std::to_string(next_offset)};
+  if (h.config.optimizer_kind < 1 || h.config.optimizer_kind > 3)
+    return {ErrorCode::kLayoutMismatch, "config.optimizer_kind " + std::to_string(h.config.optimizer_kind)};
+  if (h.config.backend < 1 || h.config.backend > 2)
+    return {ErrorCode::kLayoutMismatch, "config.backend " + std::to_string(h.config.backend)};
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------- Segment
+
+namespace {
+
+Status validate_spec(const SegmentSpec& spec) {
+  if (Status s = validate_name(spec.name); !s.ok()) return s;
+  if (Status s = check_counts(spec.tensors.size(), spec.max_workers, spec.max_buffers, spec.lane_capacity); !s.ok())
+    return {ErrorCode::kInvalidArgument, s.message()};
+  std::set<std::string> names;
+  for (const TensorSpec& t : spec.tensors) {
+    if (t.name.empty() || t.name.size() >= kNameBytes)
+      return {ErrorCode::kInvalidArgument, "tensor name '" + t.name + "' must be 1..63 bytes"};
+    for (char c : t.name)
+      if (c <= ' ' || c > '~' || c == ':')
+        return {ErrorCode::kInvalidArgument, "tensor name '" + t.name + "' has a blank, ':' or non-printable character"};
+    if (!names.insert(t.name).second)
+      return {ErrorCode::kInvalidArgument, "tensor name '" + t.name + "' given twice"};
+    if (t.shape.empty() || t.shape.size() > kMaxDims)
+      return {ErrorCode::kInvalidArgument, "tensor '" + t.name + "' must have 1..4 dimensions"};
+    for (uint64_t d : t.shape)
+      if (d == 0 || d > (uint64_t{1} << 40))
+        return {ErrorCode::kInvalidArgument, "tensor '" + t.name + "' has a dimension of 0 or over 2^40"};
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64_t generation) {
+  if (Status s = validate_spec(spec); !s.ok()) return s;
+  const std::string object_name = segment_object_name(spec.name);
+  const Geometry g = compute_geometry(static_cast<uint32_t>(spec.tensors.size()), spec.max_workers,
+                                      spec.max_buffers, spec.lane_capacity);
+  auto created = ShmObject::create(object_name, g.segment_size, spec.mode);
+  if (!created.ok() && created.status().message().find("already exists") != std::string::npos) {
+    // Something holds the name. Replace it only if it is a segment of ours
+    // whose server is dead (or died before writing the magic).
+    auto existing = ShmObject::open(object_name, /*read_only=*/true);
+    if (!existing.ok()) return existing.status();
+    const ShmObject& old = **existing;
+    if (old.owner_uid() != ::geteuid())
+      return Status{ErrorCode::kPermission, "/dev/shm/" + object_name + " belongs to uid " +
+                                                std::to_string(old.owner_uid()) + ", not to us: not adopting it"};
+    if (old.size() >= sizeof(SegmentHeader)) {
+      const auto& h = *static_cast<const SegmentHeader*>(old.data());
+      if (h.magic != kMagic && h.magic != 0)
+        return Status{ErrorCode::kLayoutMismatch, "/dev/shm/" + object_name +
+                                                      " exists and is not a shmps segment; remove it by hand if it is stale"};
+      if (h.magic == kMagic && process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time))
+        return Status{ErrorCode::kInvalidArgument, "a live shmps-server (pid " + std::to_string(h.server_pid) +
+                                                       ") already serves '" + spec.name + "'"};
+    }
+    ShmObject::remove(object_name);
+    created = ShmObject::create(object_name, g.segment_size, spec.mode);
+  }
+  if (!created.ok()) return created.status();
+
+  std::unique_ptr<Segment> seg(new Segment(spec.name, std::move(created).value()));
+  // The object is fresh and zero-filled: set only what is not zero.
+  SegmentHeader& h = seg->header();
+  h.magic = kMagic;
+  h.header_size = sizeof(SegmentHeader);
+  h.segment_size = g.segment_size;
+  h.generation = generation;
+  h.server_pid = static_cast<uint32_t>(::getpid());
+  h.server_start_time = process_start_time(::getpid());
+  h.server_state.store(static_cast<uint32_t>(ServerState::kStarting), std::memory_order_relaxed);  // relaxed: published by publish()
+  h.heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);  // relaxed: published by publish()
+  h.tensor_table_offset = g.tensor_table_offset;
+  h.tensor_count = static_cast<uint32_t>(spec.tensors.size());
+  h.tensor_desc_size = sizeof(TensorDesc);
+  h.worker_table_offset = g.worker_table_offset;
+  h.max_workers = spec.max_workers;
+  h.worker_entry_size = static_cast<uint32_t>(g.worker_entry_size);
+  h.max_buffers = spec.max_buffers;
+  h.lane_capacity = spec.lane_capacity;
+  h.lanes_offset = g.lanes_offset;
+  h.lane_stride = g.lane_stride;
+  h.completions_offset = g.completions_offset;
+  h.completion_stride = g.completion_stride;
+  h.stats_offset = g.stats_offset;
+  h.config = spec.config;
+  uint64_t offset = 0;
+  for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
+    const TensorSpec& ts = spec.tensors[i];
+    TensorDesc& t = seg->tensor(i);
+    std::memcpy(t.name, ts.name.data(), ts.name.size());
+    t.dtype = static_cast<uint32_t>(Dtype::kF32);
+    t.ndim = static_cast<uint32_t>(ts.shape.size());
+    uint64_t count = 1;
+    for (size_t d = 0; d < ts.shape.size(); ++d) {
+      t.shape[d] = ts.shape[d];
+      if (__builtin_mul_overflow(count, ts.shape[d], &count))
+        return Status{ErrorCode::kInvalidArgument, "tensor '" + ts.name + "' is too large"};
+    }
+    t.element_offset = offset;
+    t.element_count = count;
+    if (__builtin_add_overflow(offset, count, &offset))
+      return Status{ErrorCode::kInvalidArgument, "tensors are too large in total"};
+  }
+  h.total_elements = offset;
+  return seg;
+}
+
+void Segment::publish() noexcept {
+  // SYNC(segment_published): release pairs with validate_segment()'s acquire
+  // load; everything written by create() is visible to an opener that sees
+  // the version.
+  header().layout_version.store(kLayoutVersion, std::memory_order_release);
+}
+
+Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool read_only) {
+  if (Status s = validate_name(name); !s.ok()) return s;
+  const std::string object_name = segment_object_name(name);
+  auto opened = ShmObject::open(object_name, read_only);
+  if (!opened.ok()) {
+    if (opened.status().message().find("does not exist") != std::string::npos)
+      return Status{ErrorCode::kServerNotRunning, "no shmps server named '" + name + "': /dev/shm/" +
+                                                      object_name + " does not exist"};
+    return opened.status();
+  }
+  std::unique_ptr<Segment> seg(new Segment(name, std::move(opened).value()));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (true) {
+    Status s = validate_segment(seg->object().data(), seg->object().size());
+    if (s.ok()) return seg;
+    if (s.code() != ErrorCode::kServerNotRunning || std::chrono::steady_clock::now() >= deadline)
+      return Status{s.code(), "/dev/shm/" + object_name + ": " + s.message()};
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+void Segment::remove(const std::string& name) { ShmObject::remove(segment_object_name(name)); }
+
+}  // namespace shmps::shm

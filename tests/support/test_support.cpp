@@ -1,0 +1,128 @@
+#include "test_support.hpp"
+
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
+#include <thread>
+
+namespace shmps::test {
+
+std::string unique_name(const std::string& tag) {
+  static std::atomic<int> counter{0};
+  return tag + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++);
+}
+
+std::string program_path(const std::string& name) {
+  if (const char* dir = std::getenv("SHMPS_BUILD_DIR")) return std::string(dir) + "/bin/" + name;
+  return (std::filesystem::read_symlink("/proc/self/exe").parent_path() / name).string();
+}
+
+Process Process::spawn(const std::vector<std::string>& argv) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  Process p;
+  p.pid_ = ::fork();
+  if (p.pid_ < 0) throw std::runtime_error("fork failed");
+  if (p.pid_ == 0) {
+    ::execv(args[0], args.data());
+    _exit(127);
+  }
+  return p;
+}
+
+Process Process::fork_fn(const std::function<int()>& fn) {
+  Process p;
+  p.pid_ = ::fork();
+  if (p.pid_ < 0) throw std::runtime_error("fork failed");
+  if (p.pid_ == 0) {
+    int rc = 99;
+    try {
+      rc = fn();
+    } catch (...) {
+      rc = 99;
+    }
+    _exit(rc);
+  }
+  return p;
+}
+
+Process::Process(Process&& other) noexcept : pid_(other.pid_) { other.pid_ = -1; }
+Process& Process::operator=(Process&& other) noexcept {
+  if (this != &other) {
+    kill_and_reap();
+    pid_ = other.pid_;
+    other.pid_ = -1;
+  }
+  return *this;
+}
+Process::~Process() { kill_and_reap(); }
+
+void Process::signal(int signo) const {
+  if (pid_ > 0) ::kill(pid_, signo);
+}
+
+int Process::wait(std::chrono::milliseconds timeout) {
+  if (pid_ <= 0) return -1;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    int status = 0;
+    pid_t r = ::waitpid(pid_, &status, WNOHANG);
+    if (r == pid_) {
+      pid_ = -1;
+      if (WIFEXITED(status)) return WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+      return -1;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+void Process::kill_and_reap() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGKILL);
+  int status = 0;
+  ::waitpid(pid_, &status, 0);
+  pid_ = -1;
+}
+
+bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!cond()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+ServerProcess::ServerProcess(const std::string& name, const std::vector<std::string>& extra_args)
+    : name_(name) {
+  std::vector<std::string> argv{program_path("shmps-server"), "--name", name};
+  argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+  process_ = Process::spawn(argv);
+  const std::string path = "/dev/shm/shmps." + name;
+  if (!eventually([&] { return std::filesystem::exists(path) || process_.wait(std::chrono::milliseconds(0)) >= 0; })) {
+    throw std::runtime_error("shmps-server did not create " + path + " within 10 s");
+  }
+  if (!process_.running()) throw std::runtime_error("shmps-server exited at start (see its stderr)");
+}
+
+int ServerProcess::stop(std::chrono::milliseconds timeout) {
+  process_.signal(SIGTERM);
+  return process_.wait(timeout);
+}
+
+ServerProcess::~ServerProcess() {
+  if (process_.running() && stop() < 0) process_.kill_and_reap();
+  ::shm_unlink(("shmps." + name_).c_str());
+}
+
+}  // namespace shmps::test

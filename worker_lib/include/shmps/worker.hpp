@@ -1,0 +1,143 @@
+// shmps::Worker: a training process's connection to one shmps-server.
+// A Worker attaches to the server's control segment, registers buffers
+// (POSIX shm objects it creates and the server maps once), pushes gradients
+// from them and pulls weights into them, by descriptor through its own
+// request lane: no gradient byte goes through the ring or a socket.
+//
+// Thread safety: one Worker is used by one thread at a time (it owns one
+// single-producer lane). Separate Worker objects, in one process or many,
+// are independent. Buffer memory may be written by any thread, but not while
+// a push that reads it, or a pull that writes it, is in flight.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shmps/status.hpp"
+
+namespace shmps {
+
+// Element types of tensors and gradients. Values match the shm layout.
+enum class Dtype : uint32_t { kF32 = 1, kF16 = 2, kBF16 = 3 };
+size_t dtype_size(Dtype dtype) noexcept;  // 4, 2, 2; 0 outside the enum
+
+// Names "all tensors as one flat fp32 range" in push/pull.
+inline constexpr uint32_t kAllTensors = 0xFFFFFFFFu;
+
+struct TensorInfo {
+  uint32_t id = 0;
+  std::string name;                // e.g. "fc1.weight"
+  Dtype dtype = Dtype::kF32;       // of the weights; always kF32 today
+  std::vector<uint64_t> shape;     // e.g. {256, 784}
+  uint64_t element_offset = 0;     // in the flat parameter vector, elements
+  uint64_t element_count = 0;
+};
+
+// A racy snapshot of the server's counters (each field is read atomically,
+// the set is not).
+struct ServerStats {
+  uint64_t version = 0;
+  uint64_t gradients_applied = 0;
+  uint64_t weights_pulled = 0;
+  double avg_staleness = 0.0;       // mean of the last 128 applied pushes
+  uint64_t rejected_stale = 0;
+  uint64_t rejected_invalid = 0;    // bad length/dtype/range/id/request
+  uint64_t rejected_nonfinite = 0;
+  uint64_t ring_depth = 0;          // requests queued in all lanes now
+  uint64_t ring_high_water = 0;     // most ever queued at once
+  uint32_t workers_attached = 0;
+  uint64_t workers_died = 0;
+  // This worker's own counters as the server counts them.
+  uint64_t my_pushes_applied = 0;
+  uint64_t my_pushes_rejected = 0;
+  uint64_t my_pulls = 0;
+};
+
+struct WorkerOptions {
+  std::string name;                                   // server --name
+  std::chrono::milliseconds timeout{10000};           // per synchronous call
+};
+
+// A buffer registered with the server. Owned by the Worker; the pointer
+// stays valid until unregister_buffer() or the Worker's destruction.
+struct Buffer {
+  uint32_t id = 0;
+  void* data = nullptr;
+  size_t size = 0;  // bytes
+};
+
+class Worker {
+ public:
+  using Ticket = uint64_t;  // an asynchronous request's id
+
+  // Opens the control segment "shmps.<name>", validates it and attaches.
+  // Errors: kServerNotRunning (no segment, or its server is dead or
+  // stopping: the message names the segment), kLayoutMismatch (foreign
+  // file or other layout version: both versions in the message),
+  // kPermission, kNoCapacity (max workers reached), kTimeout.
+  static Result<std::unique_ptr<Worker>> connect(const WorkerOptions& options);
+
+  ~Worker();  // detaches (best effort) and unmaps/unlinks its buffers
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  uint32_t worker_id() const noexcept;
+  uint64_t generation() const noexcept;  // the server instance attached to
+  const std::vector<TensorInfo>& tensors() const noexcept;
+  uint64_t total_elements() const noexcept;  // all tensors, elements
+  // The tensor of that name, or nullptr.
+  const TensorInfo* find_tensor(const std::string& name) const noexcept;
+
+  // Creates a POSIX shm object of `bytes` (> 0), mode 0600, maps it and
+  // registers it with the server, which maps it once.
+  // Errors: kInvalidArgument, kNoCapacity (too many buffers, /dev/shm too
+  // small), kIo, plus any error of a request (kTimeout, kServerRestarted...).
+  Result<Buffer> register_buffer(size_t bytes);
+  // Errors: kUnknownBuffer and request errors.
+  Status unregister_buffer(uint32_t buffer_id);
+
+  // Pushes the gradient stored at [byte_offset, byte_offset + bytes) of
+  // buffer `buffer_id` for tensor `tensor_id` (or kAllTensors: every tensor
+  // in table order as one flat range), computed against `worker_version`.
+  // bytes must equal element_count * dtype_size(dtype). Returns the
+  // version after the update.
+  // Errors: kStale (message has both versions), kBadLength, kBadDtype,
+  // kNonFinite, kUnknownBuffer, kUnknownTensor, kBadRange, kBusy (lane full
+  // for the whole timeout), kTimeout, kServerNotRunning, kServerRestarted,
+  // kShuttingDown. On any error nothing was applied.
+  Result<uint64_t> push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
+                        uint64_t bytes, Dtype dtype, uint64_t worker_version);
+
+  // As push(), but returns once the request is in the lane; wait() returns
+  // its result. Up to `lane_capacity` requests may be in flight.
+  Result<Ticket> push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
+                            uint64_t bytes, Dtype dtype, uint64_t worker_version);
+  // Waits for `ticket`'s completion (all earlier ones complete first).
+  // Errors: those of push(); kInvalidArgument for a ticket never issued or
+  // already waited for.
+  Result<uint64_t> wait(Ticket ticket);
+
+  // Copies a consistent snapshot of tensor `tensor_id` (or kAllTensors)
+  // as fp32 into buffer `buffer_id` at `byte_offset`; returns its version.
+  // Errors: kUnknownBuffer, kUnknownTensor, kBadRange and request errors.
+  Result<uint64_t> pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset);
+
+  Result<ServerStats> stats();
+  // An empty request: the ring's round trip. Errors: request errors.
+  Status ping();
+  // Detaches explicitly (the destructor does it too). Further calls fail
+  // with kUnknownWorker.
+  Status detach();
+
+  class Impl;
+
+ private:
+  explicit Worker(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shmps

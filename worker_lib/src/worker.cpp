@@ -1,0 +1,417 @@
+#include "shmps/worker.hpp"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <deque>
+
+#include "shmps/shm/futex.hpp"
+#include "shmps/shm/proc.hpp"
+#include "shmps/shm/ring.hpp"
+#include "shmps/shm/segment.hpp"
+
+namespace shmps {
+
+using shm::Completion;
+using shm::Opcode;
+using shm::Request;
+using shm::WorkerState;
+
+size_t dtype_size(Dtype dtype) noexcept {
+  switch (dtype) {
+    case Dtype::kF32: return 4;
+    case Dtype::kF16: return 2;
+    case Dtype::kBF16: return 2;
+  }
+  return 0;
+}
+
+namespace {
+using Clock = std::chrono::steady_clock;
+}
+
+class Worker::Impl {
+ public:
+  WorkerOptions options;
+  std::unique_ptr<shm::Segment> segment;
+  uint32_t id = 0;
+  uint64_t lease = 0;
+  uint64_t generation = 0;
+  pid_t server_pid = 0;
+  uint64_t server_start = 0;
+  shm::SpscProducer<Request> lane;
+  shm::SpscConsumer<Completion> completions;
+  uint64_t next_request_id = 1;
+  uint64_t last_completed_id = 0;     // completions arrive in request order
+  std::deque<Completion> done;        // popped, not yet claimed by wait()
+  std::vector<TensorInfo> tensors;
+  uint64_t total_elements = 0;
+  uint32_t capacity = 0;
+  bool attached = false;
+  struct Registered {
+    std::unique_ptr<shm::ShmObject> object;
+    bool in_use = false;
+  };
+  std::vector<Registered> buffers;
+  uint64_t buffer_counter = 0;
+
+  shm::WorkerEntry& entry() const { return segment->worker(id); }
+
+  // Why the server cannot answer, or ok.
+  Status server_gone() const {
+    const auto& h = segment->header();
+    // acquire: SYNC(server_stopped) completions posted before kStopped are visible.
+    const auto state = static_cast<shm::ServerState>(h.server_state.load(std::memory_order_acquire));
+    if (state == shm::ServerState::kStopped)
+      return {ErrorCode::kServerNotRunning, "server '" + options.name + "' has stopped"};
+    if (!shm::process_alive(server_pid, server_start))
+      return {ErrorCode::kServerNotRunning, "server '" + options.name + "' (pid " + std::to_string(server_pid) + ") died"};
+    return Status::Ok();
+  }
+
+  Status evicted() const {
+    // acquire: pairs with the server's release store of kDetached.
+    const uint64_t owner = entry().owner.load(std::memory_order_acquire);
+    if (attached && shm::owner_state(owner) != static_cast<uint32_t>(WorkerState::kAttached))
+      return {ErrorCode::kUnknownWorker, "the server evicted worker " + std::to_string(id)};
+    return Status::Ok();
+  }
+
+  uint64_t in_flight() const { return next_request_id - 1 - last_completed_id; }
+
+  // Puts a request in the lane and rings the doorbell. Waits up to the
+  // deadline while `capacity` requests are in flight (kBusy after that).
+  Result<uint64_t> submit(Request req, Clock::time_point deadline) {
+    if (Status s = evicted(); !s.ok()) return s;
+    const auto state = static_cast<shm::ServerState>(
+        segment->header().server_state.load(std::memory_order_acquire));  // SYNC(server_stopped)
+    if (state == shm::ServerState::kStopping) return Status{ErrorCode::kShuttingDown, "server is shutting down"};
+    if (state != shm::ServerState::kRunning) return server_gone().ok() ? Status{ErrorCode::kServerNotRunning, "server not running"} : server_gone();
+    // Bound what is in flight so the completion queue can never overflow:
+    // drain finished requests into `done` while the lane is full.
+    while (in_flight() >= capacity) {
+      Status s = pop_one(deadline);
+      if (s.code() == ErrorCode::kTimeout)
+        return Status{ErrorCode::kBusy, "request lane full: " + std::to_string(capacity) + " requests in flight for the whole timeout"};
+      if (!s.ok()) return s;
+    }
+    req.request_id = next_request_id;
+    req.worker_id = id;
+    req.lease = lease;
+    const shm::RingResult r = lane.try_push(req);
+    if (r != shm::RingResult::kOk)
+      return Status{ErrorCode::kInternal, "request lane rejected a push with free capacity (corrupt head index)"};
+    ++next_request_id;
+    auto& h = segment->header();
+    // seq_cst: Dekker pattern with the server's sleep (read doorbell after
+    // announcing itself); the release part publishes the lane tail too.
+    h.doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
+    shm::notify(h.server_wake);
+    return req.request_id;
+  }
+
+  // Pops the next completion into `done`, waiting up to the deadline.
+  Status pop_one(Clock::time_point deadline) {
+    Completion c;
+    shm::RingResult r = completions.try_pop(&c);
+    if (r == shm::RingResult::kEmpty) {
+      Status why;
+      const auto w = shm::wait_until(
+          completions.header()->data_ready,
+          [&] { return completions.refresh() != shm::RingResult::kEmpty; },
+          [&] {
+            why = server_gone();
+            if (why.ok()) why = evicted();
+            return !why.ok();
+          },
+          deadline);
+      if (w == shm::WaitResult::kTimeout) return {ErrorCode::kTimeout, "no completion within the timeout"};
+      if (w == shm::WaitResult::kAborted) {
+        // The server may have answered before it died or stopped.
+        if (completions.refresh() == shm::RingResult::kEmpty) return why;
+      }
+      r = completions.try_pop(&c);
+    }
+    if (r == shm::RingResult::kCorrupt) return {ErrorCode::kInternal, "completion queue indices are corrupt"};
+    if (r != shm::RingResult::kOk) return {ErrorCode::kInternal, "completion vanished"};
+    if (c.request_id != last_completed_id + 1)
+      return {ErrorCode::kInternal, "completion for request " + std::to_string(c.request_id) + ", expected " + std::to_string(last_completed_id + 1)};
+    c.message[sizeof c.message - 1] = '\0';
+    last_completed_id = c.request_id;
+    done.push_back(c);
+    return Status::Ok();
+  }
+
+  // Waits for the completion of request `ticket`.
+  Result<Completion> wait(uint64_t ticket, Clock::time_point deadline) {
+    if (ticket == 0 || ticket >= next_request_id)
+      return Status{ErrorCode::kInvalidArgument, "ticket " + std::to_string(ticket) + " was never issued"};
+    while (true) {
+      for (auto it = done.begin(); it != done.end(); ++it) {
+        if (it->request_id == ticket) {
+          Completion c = *it;
+          done.erase(it);
+          return c;
+        }
+      }
+      if (ticket <= last_completed_id)
+        return Status{ErrorCode::kInvalidArgument, "ticket " + std::to_string(ticket) + " was already waited for"};
+      if (Status s = pop_one(deadline); !s.ok()) return s;
+    }
+  }
+
+  static Status to_status(const Completion& c) {
+    if (c.code == 0) return Status::Ok();
+    const auto code = c.code <= static_cast<uint32_t>(ErrorCode::kInternal) ? static_cast<ErrorCode>(c.code) : ErrorCode::kInternal;
+    return {code, c.message};
+  }
+
+  Result<Completion> call(Request req) {
+    const auto deadline = Clock::now() + options.timeout;
+    auto ticket = submit(req, deadline);
+    if (!ticket.ok()) return ticket.status();
+    auto c = wait(*ticket, deadline);
+    if (!c.ok()) return c.status();
+    if (Status s = to_status(*c); !s.ok()) return s;
+    return c;
+  }
+
+  // Returns the entry to kFree after the server let go of it (detached,
+  // evicted, or never attached): indices first, then the release store.
+  void release_entry() {
+    auto& e = entry();
+    // relaxed: published by the release store of owner below.
+    segment->lane(id).tail.store(0, std::memory_order_relaxed);
+    segment->lane(id).head.store(0, std::memory_order_relaxed);
+    segment->completions(id).tail.store(0, std::memory_order_relaxed);
+    segment->completions(id).head.store(0, std::memory_order_relaxed);
+    e.pid_start_time = 0;
+    e.owner.store(0, std::memory_order_release);  // SYNC(worker_release)
+  }
+
+  Status detach() {
+    if (!attached) return {ErrorCode::kUnknownWorker, "not attached"};
+    Status result;
+    if (evicted().ok() && server_gone().ok()) {
+      Request req{};
+      req.opcode = static_cast<uint32_t>(Opcode::kDetach);
+      auto c = call(req);
+      result = c.ok() ? Status::Ok() : c.status();
+    }
+    attached = false;
+    // After a successful detach, or an eviction, the server no longer
+    // touches our entry; if it is dead, it never will. Otherwise (detach
+    // failed with the server alive) leave it for the server's reaper.
+    const uint64_t owner = entry().owner.load(std::memory_order_acquire);
+    if (shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kDetached) || !server_gone().ok())
+      release_entry();
+    for (auto& b : buffers) b = Registered{};
+    return result;
+  }
+};
+
+Worker::Worker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Worker::~Worker() {
+  if (impl_ && impl_->attached) (void)impl_->detach();
+}
+
+Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& options) {
+  if (options.timeout.count() <= 0) return Status{ErrorCode::kInvalidArgument, "timeout must be > 0"};
+  auto segment = shm::Segment::open(options.name, /*read_only=*/false);
+  if (!segment.ok()) return segment.status();
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->segment = std::move(segment).value();
+  shm::Segment& seg = *impl->segment;
+  auto& h = seg.header();
+  impl->generation = h.generation;
+  impl->server_pid = static_cast<pid_t>(h.server_pid);
+  impl->server_start = h.server_start_time;
+  impl->capacity = h.lane_capacity;
+  if (Status s = impl->server_gone(); !s.ok())
+    return Status{ErrorCode::kServerNotRunning, s.message() + " (stale segment /dev/shm/" + shm::segment_object_name(options.name) + ")"};
+
+  // Claim a free entry: CAS kFree -> (pid, kClaimed).
+  const auto pid = static_cast<uint32_t>(::getpid());
+  bool claimed = false;
+  for (uint32_t i = 0; i < h.max_workers && !claimed; ++i) {
+    uint64_t expected = 0;
+    // acq_rel: SYNC(worker_claim) acquire pairs with the release that freed
+    // the entry (indices reset); release publishes our pid to the server.
+    if (seg.worker(i).owner.compare_exchange_strong(expected, shm::make_owner(pid, WorkerState::kClaimed),
+                                                    std::memory_order_acq_rel, std::memory_order_relaxed)) {
+      impl->id = i;
+      claimed = true;
+    }
+  }
+  if (!claimed) return Status{ErrorCode::kNoCapacity, "all " + std::to_string(h.max_workers) + " worker slots of '" + options.name + "' are taken"};
+  seg.worker(impl->id).pid_start_time = shm::process_start_time(::getpid());
+  impl->lane = shm::SpscProducer<Request>(&seg.lane(impl->id), seg.lane_slots(impl->id), impl->capacity);
+  impl->completions = shm::SpscConsumer<Completion>(&seg.completions(impl->id), seg.completion_slots(impl->id), impl->capacity);
+
+  Request req{};
+  req.opcode = static_cast<uint32_t>(Opcode::kAttach);
+  auto c = impl->call(req);
+  if (!c.ok()) {
+    if (!impl->server_gone().ok() || c.status().code() != ErrorCode::kTimeout) impl->release_entry();
+    return c.status();
+  }
+  impl->lease = c->value;
+  impl->attached = true;
+  impl->buffers.resize(h.max_buffers);
+
+  for (uint32_t t = 0; t < h.tensor_count; ++t) {
+    const shm::TensorDesc& d = seg.tensor(t);  // validated by Segment::open
+    TensorInfo info;
+    info.id = t;
+    info.name = d.name;
+    info.dtype = Dtype::kF32;
+    info.shape.assign(d.shape, d.shape + d.ndim);
+    info.element_offset = d.element_offset;
+    info.element_count = d.element_count;
+    impl->tensors.push_back(std::move(info));
+  }
+  impl->total_elements = h.total_elements;
+  return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+}
+
+uint32_t Worker::worker_id() const noexcept { return impl_->id; }
+uint64_t Worker::generation() const noexcept { return impl_->generation; }
+const std::vector<TensorInfo>& Worker::tensors() const noexcept { return impl_->tensors; }
+uint64_t Worker::total_elements() const noexcept { return impl_->total_elements; }
+
+const TensorInfo* Worker::find_tensor(const std::string& name) const noexcept {
+  for (const TensorInfo& t : impl_->tensors)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+Result<Buffer> Worker::register_buffer(size_t bytes) {
+  Impl& w = *impl_;
+  if (!w.attached) return Status{ErrorCode::kUnknownWorker, "not attached"};
+  if (bytes == 0) return Status{ErrorCode::kInvalidArgument, "buffer of 0 bytes"};
+  uint32_t id = 0;
+  while (id < w.buffers.size() && w.buffers[id].in_use) ++id;
+  if (id == w.buffers.size()) return Status{ErrorCode::kNoCapacity, "all " + std::to_string(w.buffers.size()) + " buffer slots are in use"};
+  // Named so the server accepts it: "shmps.<name>.w<worker>.<pid>.<n>".
+  const std::string object_name = shm::segment_object_name(w.options.name) + ".w" + std::to_string(w.id) + "." +
+                                  std::to_string(::getpid()) + "." + std::to_string(w.buffer_counter++);
+  auto object = shm::ShmObject::create(object_name, bytes, 0600);
+  if (!object.ok()) return object.status();
+  shm::BufferDesc& desc = w.segment->buffer(w.id, id);
+  std::memset(&desc, 0, sizeof desc);
+  desc.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+  desc.length = bytes;
+  desc.offset = 0;
+  std::memcpy(desc.handle, object_name.c_str(), object_name.size() + 1);
+  Request req{};
+  req.opcode = static_cast<uint32_t>(Opcode::kRegisterBuffer);
+  req.buffer_id = id;
+  auto c = w.call(req);  // the lane's release store publishes desc
+  // The server maps the object during registration; the name is no longer
+  // needed, and unlinking now means a crash can never leak it.
+  shm::ShmObject::remove(object_name);
+  if (!c.ok()) return c.status();
+  Buffer b;
+  b.id = id;
+  b.data = (*object)->data();
+  b.size = bytes;
+  w.buffers[id].object = std::move(object).value();
+  w.buffers[id].in_use = true;
+  return b;
+}
+
+Status Worker::unregister_buffer(uint32_t buffer_id) {
+  Impl& w = *impl_;
+  if (buffer_id >= w.buffers.size() || !w.buffers[buffer_id].in_use)
+    return {ErrorCode::kUnknownBuffer, "buffer " + std::to_string(buffer_id) + " is not registered"};
+  Request req{};
+  req.opcode = static_cast<uint32_t>(Opcode::kUnregisterBuffer);
+  req.buffer_id = buffer_id;
+  auto c = w.call(req);
+  if (!c.ok()) return c.status();
+  w.buffers[buffer_id] = Impl::Registered{};
+  return Status::Ok();
+}
+
+Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
+                                          uint64_t bytes, Dtype dtype, uint64_t worker_version) {
+  if (!impl_->attached) return Status{ErrorCode::kUnknownWorker, "not attached"};
+  Request req{};
+  req.opcode = static_cast<uint32_t>(Opcode::kPush);
+  req.tensor_id = tensor_id;
+  req.buffer_id = buffer_id;
+  req.byte_offset = byte_offset;
+  req.byte_length = bytes;
+  req.dtype = static_cast<uint32_t>(dtype);
+  req.worker_version = worker_version;
+  return impl_->submit(req, std::chrono::steady_clock::now() + impl_->options.timeout);
+}
+
+Result<uint64_t> Worker::wait(Ticket ticket) {
+  auto c = impl_->wait(ticket, std::chrono::steady_clock::now() + impl_->options.timeout);
+  if (!c.ok()) return c.status();
+  if (Status s = Impl::to_status(*c); !s.ok()) return s;
+  return c->version;
+}
+
+Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes,
+                              Dtype dtype, uint64_t worker_version) {
+  auto ticket = push_async(tensor_id, buffer_id, byte_offset, bytes, dtype, worker_version);
+  if (!ticket.ok()) return ticket.status();
+  return wait(*ticket);
+}
+
+Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset) {
+  if (!impl_->attached) return Status{ErrorCode::kUnknownWorker, "not attached"};
+  Request req{};
+  req.opcode = static_cast<uint32_t>(Opcode::kPull);
+  req.tensor_id = tensor_id;
+  req.buffer_id = buffer_id;
+  req.byte_offset = byte_offset;
+  const uint64_t elements = tensor_id == kAllTensors ? impl_->total_elements
+                            : tensor_id < impl_->tensors.size() ? impl_->tensors[tensor_id].element_count : 0;
+  req.byte_length = elements * sizeof(float);
+  auto c = impl_->call(req);
+  if (!c.ok()) return c.status();
+  return c->version;
+}
+
+Result<ServerStats> Worker::stats() {
+  if (!impl_->attached) return Status{ErrorCode::kUnknownWorker, "not attached"};
+  Request req{};
+  req.opcode = static_cast<uint32_t>(Opcode::kStats);
+  auto c = impl_->call(req);
+  if (!c.ok()) return c.status();
+  // The completion's acquire (try_pop) ordered the server's writes of r.
+  const shm::StatsReply r = impl_->entry().stats_reply;
+  ServerStats s;
+  s.version = r.version;
+  s.gradients_applied = r.gradients_applied;
+  s.weights_pulled = r.weights_pulled;
+  s.avg_staleness = static_cast<double>(r.avg_staleness_micro) / 1e6;
+  s.rejected_stale = r.rejected_stale;
+  s.rejected_invalid = r.rejected_invalid;
+  s.rejected_nonfinite = r.rejected_nonfinite;
+  s.ring_depth = r.ring_depth;
+  s.ring_high_water = r.ring_high_water;
+  s.workers_attached = static_cast<uint32_t>(r.workers_attached);
+  s.workers_died = r.workers_died;
+  s.my_pushes_applied = r.my_pushes_applied;
+  s.my_pushes_rejected = r.my_pushes_rejected;
+  s.my_pulls = r.my_pulls;
+  return s;
+}
+
+Status Worker::ping() {
+  if (!impl_->attached) return {ErrorCode::kUnknownWorker, "not attached"};
+  Request req{};
+  req.opcode = static_cast<uint32_t>(Opcode::kPing);
+  auto c = impl_->call(req);
+  return c.ok() ? Status::Ok() : c.status();
+}
+
+Status Worker::detach() { return impl_->detach(); }
+
+}  // namespace shmps
