@@ -1,5 +1,7 @@
 #include "shmps/status.hpp"
 
+#include <ostream>
+
 namespace shmps {
 
 std::string_view error_code_name(ErrorCode code) noexcept {
@@ -29,6 +31,8 @@ std::string_view error_code_name(ErrorCode code) noexcept {
   }
   return "unknown";
 }
+
+std::ostream& operator<<(std::ostream& os, ErrorCode code) { return os << error_code_name(code); }
 
 std::string Status::to_string() const {
   if (ok()) return "ok";

@@ -8,7 +8,9 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <thread>
 
@@ -109,8 +111,19 @@ ServerProcess::ServerProcess(const std::string& name, const std::vector<std::str
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   process_ = Process::spawn(argv);
   const std::string path = "/dev/shm/shmps." + name;
-  if (!eventually([&] { return std::filesystem::exists(path) || process_.wait(std::chrono::milliseconds(0)) >= 0; })) {
-    throw std::runtime_error("shmps-server did not create " + path + " within 10 s");
+  // Ready when the segment at that path is published by THIS child (a
+  // stale segment of a killed server may still hold the name).
+  const auto published_by_child = [&] {
+    std::ifstream in(path, std::ios::binary);
+    char head[40] = {};
+    if (!in.read(head, sizeof head)) return false;
+    uint32_t version = 0, pid = 0;
+    std::memcpy(&version, head + 8, 4);   // SegmentHeader::layout_version
+    std::memcpy(&pid, head + 32, 4);      // SegmentHeader::server_pid
+    return version != 0 && pid == static_cast<uint32_t>(process_.pid());
+  };
+  if (!eventually([&] { return published_by_child() || process_.wait(std::chrono::milliseconds(0)) >= 0; })) {
+    throw std::runtime_error("shmps-server did not publish " + path + " within 10 s");
   }
   if (!process_.running()) throw std::runtime_error("shmps-server exited at start (see its stderr)");
 }

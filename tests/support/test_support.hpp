@@ -48,7 +48,8 @@ class Process {
 };
 
 // shmps-server --name <name> <extra args...> as a child. Waits until the
-// segment /dev/shm/shmps.<name> exists (throws after 10 s). The destructor
+// segment /dev/shm/shmps.<name> is published by this child (throws after
+// 10 s or if the child exits). The destructor
 // sends SIGTERM, waits up to 10 s (then SIGKILL), and unlinks the segment.
 class ServerProcess {
  public:

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iosfwd>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -40,6 +41,8 @@ enum class ErrorCode : uint32_t {
 
 // Short stable name, e.g. "stale"; "unknown" for values outside the enum.
 std::string_view error_code_name(ErrorCode code) noexcept;
+// Prints error_code_name(code) (for logs and test diagnostics).
+std::ostream& operator<<(std::ostream& os, ErrorCode code);
 
 // A code plus a human-readable message. ok() iff code == kOk.
 class [[nodiscard]] Status {

@@ -1,0 +1,483 @@
+// The protocol end to end: a real shmps-server process and real worker
+// processes. The seed's two tests, every bad input of the core issue, and
+// dying peers (worker SIGKILLed mid-run, server killed while a worker waits).
+#define BOOST_TEST_MODULE test_protocol
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <boost/test/unit_test.hpp>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <thread>
+
+#include "shmps/shm/futex.hpp"
+#include "shmps/shm/proc.hpp"
+#include "shmps/shm/ring.hpp"
+#include "shmps/shm/segment.hpp"
+#include "shmps/worker.hpp"
+#include "test_support.hpp"
+
+using namespace shmps;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::unique_ptr<Worker> connect(const std::string& name, std::chrono::milliseconds timeout = 10s) {
+  WorkerOptions o;
+  o.name = name;
+  o.timeout = timeout;
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  return std::move(w).value();
+}
+
+std::vector<float> pull_all(Worker& w, const Buffer& b, uint64_t* version = nullptr) {
+  auto v = w.pull(kAllTensors, b.id, 0);
+  BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+  if (version) *version = *v;
+  const float* p = static_cast<const float*>(b.data);
+  return std::vector<float>(p, p + w.total_elements());
+}
+
+// Shared counters for forked children.
+struct SharedCounters {
+  SharedCounters() {
+    mem = static_cast<std::atomic<uint64_t>*>(
+        ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  }
+  ~SharedCounters() { ::munmap(mem, 4096); }
+  std::atomic<uint64_t>* mem;
+};
+
+// A client that speaks the raw protocol through the segment, bypassing
+// worker_lib: the "buggy or hostile process with write access".
+struct RawClient {
+  std::unique_ptr<shm::Segment> seg;
+  uint32_t id = 0;
+  uint64_t lease = 0;
+  uint64_t next_id = 1;
+  shm::SpscProducer<shm::Request> lane;
+  shm::SpscConsumer<shm::Completion> cq;
+
+  explicit RawClient(const std::string& name) {
+    auto s = shm::Segment::open(name, false);
+    BOOST_REQUIRE(s.ok());
+    seg = std::move(s).value();
+    for (id = 0; id < seg->header().max_workers; ++id) {
+      uint64_t expected = 0;
+      if (seg->worker(id).owner.compare_exchange_strong(expected, shm::make_owner(::getpid(), shm::WorkerState::kClaimed)))
+        break;
+    }
+    BOOST_REQUIRE(id < seg->header().max_workers);
+    seg->worker(id).pid_start_time = shm::process_start_time(::getpid());
+    lane = shm::SpscProducer<shm::Request>(&seg->lane(id), seg->lane_slots(id), seg->header().lane_capacity);
+    cq = shm::SpscConsumer<shm::Completion>(&seg->completions(id), seg->completion_slots(id), seg->header().lane_capacity);
+    shm::Request r{};
+    r.opcode = static_cast<uint32_t>(shm::Opcode::kAttach);
+    r.worker_id = id;
+    const shm::Completion c = call(r);
+    BOOST_REQUIRE(c.code == 0);
+    lease = c.value;
+  }
+  shm::Completion call(shm::Request r) {
+    r.request_id = next_id++;
+    BOOST_REQUIRE((lane.try_push(r) == shm::RingResult::kOk));
+    seg->header().doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64));
+    shm::notify(seg->header().server_wake);
+    shm::Completion c{};
+    BOOST_REQUIRE(test::eventually([&] { return cq.try_pop(&c) == shm::RingResult::kOk; }, 5s));
+    BOOST_TEST(c.request_id == r.request_id);
+    return c;
+  }
+  shm::Request request(shm::Opcode op) const {
+    shm::Request r{};
+    r.opcode = static_cast<uint32_t>(op);
+    r.worker_id = id;
+    r.lease = lease;
+    return r;
+  }
+};
+
+const std::vector<std::string> kSmall = {"--tensor", "w:4x2", "--tensor", "b:8", "--lr", "0.5",
+                                         "--max-staleness", "1", "--init", "uniform", "--init-seed", "7"};
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(protocol)
+
+// Seed test 1: a push against version 0 returns version 1 and w = w - lr * g.
+BOOST_AUTO_TEST_CASE(seed_push_at_version_0_returns_1_and_applies_sgd) {
+  test::ServerProcess server(test::unique_name("seed1"), kSmall);
+  auto w = connect(server.name());
+  auto buf = w->register_buffer(w->total_elements() * 4);
+  BOOST_REQUIRE(buf.ok());
+  uint64_t v = 99;
+  const std::vector<float> before = pull_all(*w, *buf, &v);
+  BOOST_TEST(v == 0u);
+  float* g = static_cast<float*>(buf->data);
+  for (uint64_t i = 0; i < w->total_elements(); ++i) g[i] = 0.25f * static_cast<float>(i) - 1.0f;
+  const std::vector<float> grad(g, g + w->total_elements());
+  auto pushed = w->push(kAllTensors, buf->id, 0, w->total_elements() * 4, Dtype::kF32, 0);
+  BOOST_REQUIRE_MESSAGE(pushed.ok(), pushed.status().to_string());
+  BOOST_TEST(*pushed == 1u);
+  const std::vector<float> after = pull_all(*w, *buf, &v);
+  BOOST_TEST(v == 1u);
+  for (size_t i = 0; i < after.size(); ++i) BOOST_TEST(after[i] == before[i] - 0.5f * grad[i]);
+}
+
+// Seed test 2: a gradient more than max_staleness behind is rejected and
+// nothing is applied; the error states both numbers.
+BOOST_AUTO_TEST_CASE(seed_stale_push_is_rejected_and_nothing_applied) {
+  test::ServerProcess server(test::unique_name("seed2"), kSmall);
+  auto w = connect(server.name());
+  auto buf = w->register_buffer(w->total_elements() * 4);
+  BOOST_REQUIRE(buf.ok());
+  std::fill_n(static_cast<float*>(buf->data), w->total_elements(), 1.0f);
+  const uint64_t bytes = w->total_elements() * 4;
+  BOOST_REQUIRE(w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, 0).ok());  // staleness 0
+  BOOST_REQUIRE(w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, 0).ok());  // staleness 1
+  auto grad_buf = w->register_buffer(bytes);
+  BOOST_REQUIRE(grad_buf.ok());
+  const std::vector<float> before = pull_all(*w, *grad_buf);
+  std::fill_n(static_cast<float*>(buf->data), w->total_elements(), 1.0f);
+  auto stale = w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, 0);  // staleness 2 > 1
+  BOOST_TEST((stale.status().code() == ErrorCode::kStale));
+  BOOST_TEST(stale.status().message().find("staleness 2 > max_staleness 1") != std::string::npos);
+  uint64_t v = 0;
+  BOOST_TEST(pull_all(*w, *grad_buf, &v) == before);
+  BOOST_TEST(v == 2u);
+  auto s = w->stats();
+  BOOST_REQUIRE(s.ok());
+  BOOST_TEST(s->rejected_stale == 1u);
+  BOOST_TEST(s->my_pushes_rejected == 1u);
+  BOOST_TEST(s->gradients_applied == 2u);
+  BOOST_TEST(s->avg_staleness == 0.5);
+}
+
+BOOST_AUTO_TEST_CASE(every_bad_push_gets_its_error_and_changes_nothing) {
+  test::ServerProcess server(test::unique_name("bad"), kSmall);
+  auto w = connect(server.name());
+  const uint64_t n = w->total_elements();
+  auto buf = w->register_buffer(n * 4);
+  auto out = w->register_buffer(n * 4);
+  BOOST_REQUIRE(buf.ok() && out.ok());
+  float* g = static_cast<float*>(buf->data);
+  std::fill_n(g, n, 1.0f);
+  const std::vector<float> before = pull_all(*w, *out);
+  const auto expect = [&](Result<uint64_t> r, ErrorCode code, const std::string& text) {
+    BOOST_TEST((r.status().code() == code), "got " << r.status().to_string());
+    BOOST_TEST(r.status().message().find(text) != std::string::npos, "'" << r.status().message() << "' lacks '" << text << "'");
+  };
+  expect(w->push(kAllTensors, buf->id, 0, n * 4 - 4, Dtype::kF32, 0), ErrorCode::kBadLength, "needs 64");
+  expect(w->push(0, buf->id, 0, 8 * 4 + 4, Dtype::kF32, 0), ErrorCode::kBadLength, "w needs 32");
+  expect(w->push(0, buf->id, 0, 8 * 4, Dtype::kF16, 0), ErrorCode::kBadLength, "needs 16 (f16)");
+  expect(w->push(0, buf->id, 0, 8 * 4, static_cast<Dtype>(9), 0), ErrorCode::kBadDtype, "dtype 9");
+  expect(w->push(5, buf->id, 0, 8 * 4, Dtype::kF32, 0), ErrorCode::kUnknownTensor, "tensor id 5");
+  expect(w->push(0, 7, 0, 8 * 4, Dtype::kF32, 0), ErrorCode::kUnknownBuffer, "buffer 7");
+  expect(w->push(0, 99, 0, 8 * 4, Dtype::kF32, 0), ErrorCode::kUnknownBuffer, "buffer 99");
+  expect(w->push(0, buf->id, n * 4 - 16, 8 * 4, Dtype::kF32, 0), ErrorCode::kBadRange, "> buffer 64");
+  expect(w->push(0, buf->id, ~uint64_t{0} - 8, 8 * 4, Dtype::kF32, 0), ErrorCode::kBadRange, "offset");
+  expect(w->push(0, buf->id, 0, 8 * 4, Dtype::kF32, 5), ErrorCode::kBadRequest, "ahead of version 0");
+  g[3] = std::numeric_limits<float>::quiet_NaN();
+  expect(w->push(0, buf->id, 0, 8 * 4, Dtype::kF32, 0), ErrorCode::kNonFinite, "NaN or Inf");
+  g[3] = 1.0f;
+  g[15] = std::numeric_limits<float>::infinity();
+  expect(w->push(kAllTensors, buf->id, 0, n * 4, Dtype::kF32, 0), ErrorCode::kNonFinite, "NaN or Inf");
+  expect(w->pull(9, out->id, 0), ErrorCode::kUnknownTensor, "tensor id 9");
+  expect(w->pull(kAllTensors, out->id, 8), ErrorCode::kBadRange, "offset 8");
+  uint64_t v = 99;
+  BOOST_TEST(pull_all(*w, *out, &v) == before);
+  BOOST_TEST(v == 0u);
+  auto s = w->stats();
+  BOOST_REQUIRE(s.ok());
+  BOOST_TEST(s->gradients_applied == 0u);
+  BOOST_TEST(s->rejected_nonfinite == 2u);
+  BOOST_TEST(s->my_pushes_rejected == 12u);
+  BOOST_TEST(w->push(kAllTensors, buf->id, 0, n * 4, Dtype::kF32, 0).status().code() == ErrorCode::kNonFinite);
+  g[15] = 1.0f;
+  BOOST_TEST(w->push(kAllTensors, buf->id, 0, n * 4, Dtype::kF32, 0).ok());  // still serving
+}
+
+BOOST_AUTO_TEST_CASE(nonfinite_gradients_apply_when_allowed) {
+  std::vector<std::string> args = kSmall;
+  args.push_back("--allow-nonfinite");
+  test::ServerProcess server(test::unique_name("nan"), args);
+  auto w = connect(server.name());
+  auto buf = w->register_buffer(w->total_elements() * 4);
+  BOOST_REQUIRE(buf.ok());
+  std::fill_n(static_cast<float*>(buf->data), 8, std::numeric_limits<float>::quiet_NaN());
+  BOOST_TEST(w->push(0, buf->id, 0, 32, Dtype::kF32, 0).ok());
+  BOOST_TEST(std::isnan(pull_all(*w, *buf)[0]));
+}
+
+BOOST_AUTO_TEST_CASE(garbage_descriptors_and_buffers_from_a_raw_client) {
+  test::ServerProcess server(test::unique_name("raw"), kSmall);
+  RawClient raw(server.name());
+  const auto code = [](const shm::Completion& c) { return static_cast<ErrorCode>(c.code); };
+  shm::Request r = raw.request(shm::Opcode::kPing);
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kOk));
+  r.opcode = 0;
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
+  r.opcode = 12345;
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
+  r = raw.request(shm::Opcode::kPing);
+  r.flags = 1;
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
+  r = raw.request(shm::Opcode::kPing);
+  r.lease ^= 1;
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
+  r = raw.request(shm::Opcode::kPing);
+  r.worker_id = raw.id + 1;
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
+  r = raw.request(shm::Opcode::kAttach);
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
+  // Buffer descriptors: unterminated name, the control segment itself, a
+  // missing object, a range past the object.
+  shm::BufferDesc& d = raw.seg->buffer(raw.id, 0);
+  r = raw.request(shm::Opcode::kRegisterBuffer);
+  d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+  d.length = 16;
+  std::memset(d.handle, 'A', sizeof d.handle);
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
+  std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", shm::segment_object_name(server.name()).c_str());
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
+  const std::string own = shm::segment_object_name(server.name()) + ".w" + std::to_string(raw.id) + ".x";
+  std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", own.c_str());
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kUnknownBuffer));
+  auto obj = shm::ShmObject::create(own, 4096, 0600);
+  BOOST_REQUIRE(obj.ok());
+  d.length = 4096;
+  d.offset = 8;
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRange));
+  d.offset = 0;
+  d.kind = 77;
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
+  d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+  r.buffer_id = 1000;
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kUnknownBuffer));
+  r.buffer_id = 0;
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kOk));
+  BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));  // registered twice
+  shm::ShmObject::remove(own);
+  // A well-behaved worker is served all along, and after the raw client
+  // corrupts its lane indices and gets evicted.
+  auto w = connect(server.name());
+  BOOST_TEST(w->ping().ok());
+  raw.seg->lane(raw.id).tail.store(raw.lane.tail() + 100000);
+  raw.seg->header().doorbell[0].fetch_or(uint64_t{1} << raw.id);
+  shm::notify(raw.seg->header().server_wake);
+  BOOST_TEST(test::eventually([&] {
+    return shm::owner_state(raw.seg->worker(raw.id).owner.load()) == static_cast<uint32_t>(shm::WorkerState::kDetached);
+  }));
+  BOOST_TEST(w->ping().ok());
+  BOOST_TEST(raw.seg->stats().lanes_corrupt.load() == 1u);
+}
+
+BOOST_AUTO_TEST_CASE(full_lane_waits_then_reports_busy_and_loses_nothing) {
+  const std::vector<std::string> args = {"--tensor", "w:4x2", "--ring-capacity", "2", "--max-staleness", "100"};
+  test::ServerProcess server(test::unique_name("busy"), args);
+  auto w = connect(server.name(), 300ms);
+  auto buf = w->register_buffer(32);
+  BOOST_REQUIRE(buf.ok());
+  std::fill_n(static_cast<float*>(buf->data), 8, 1.0f);
+  server.process().signal(SIGSTOP);
+  auto t1 = w->push_async(0, buf->id, 0, 32, Dtype::kF32, 0);
+  auto t2 = w->push_async(0, buf->id, 0, 32, Dtype::kF32, 0);
+  BOOST_REQUIRE(t1.ok() && t2.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto t3 = w->push_async(0, buf->id, 0, 32, Dtype::kF32, 0);
+  BOOST_TEST((t3.status().code() == ErrorCode::kBusy), t3.status().to_string());
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 >= 290ms));
+  server.process().signal(SIGCONT);
+  auto v1 = w->wait(*t1);
+  auto v2 = w->wait(*t2);
+  BOOST_REQUIRE(v1.ok() && v2.ok());
+  BOOST_TEST(*v1 == 1u);
+  BOOST_TEST(*v2 == 2u);
+  BOOST_TEST((w->wait(*t1).status().code() == ErrorCode::kInvalidArgument));  // already waited
+  BOOST_TEST(w->stats()->gradients_applied == 2u);
+}
+
+BOOST_AUTO_TEST_CASE(no_server_fails_at_once_naming_the_segment) {
+  const auto t0 = std::chrono::steady_clock::now();
+  WorkerOptions o;
+  o.name = test::unique_name("absent");
+  auto w = Worker::connect(o);
+  BOOST_TEST((w.status().code() == ErrorCode::kServerNotRunning));
+  BOOST_TEST(w.status().message().find("/dev/shm/shmps." + o.name) != std::string::npos);
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 100ms));
+}
+
+BOOST_AUTO_TEST_CASE(server_killed_while_a_worker_waits_returns_an_error_not_a_hang) {
+  test::ServerProcess server(test::unique_name("killsrv"), kSmall);
+  auto w = connect(server.name(), 10s);
+  auto buf = w->register_buffer(32);
+  BOOST_REQUIRE(buf.ok());
+  server.process().signal(SIGSTOP);
+  auto t = w->push_async(0, buf->id, 0, 32, Dtype::kF32, 0);
+  BOOST_REQUIRE(t.ok());
+  std::thread killer([&] {
+    std::this_thread::sleep_for(100ms);
+    server.process().kill_and_reap();
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = w->wait(*t);
+  killer.join();
+  BOOST_TEST((r.status().code() == ErrorCode::kServerNotRunning), r.status().to_string());
+  BOOST_TEST(r.status().message().find("died") != std::string::npos);
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 2s));
+  BOOST_TEST((w->ping().code() == ErrorCode::kServerNotRunning));
+}
+
+BOOST_AUTO_TEST_CASE(foreign_object_or_other_layout_fails_at_attach) {
+  const std::string name = test::unique_name("foreign");
+  {
+    auto obj = shm::ShmObject::create(shm::segment_object_name(name), 8192, 0600);
+    BOOST_REQUIRE(obj.ok());
+    std::memset((*obj)->data(), 0x5a, 8192);
+  }
+  WorkerOptions o;
+  o.name = name;
+  auto w = Worker::connect(o);
+  BOOST_TEST((w.status().code() == ErrorCode::kLayoutMismatch));
+  BOOST_TEST(w.status().message().find("not a shmps segment") != std::string::npos);
+  shm::Segment::remove(name);
+}
+
+BOOST_AUTO_TEST_CASE(sigterm_fails_queued_requests_removes_segment_exits_0) {
+  test::ServerProcess server(test::unique_name("term"), kSmall);
+  auto w = connect(server.name(), 5s);
+  auto buf = w->register_buffer(32);
+  BOOST_REQUIRE(buf.ok());
+  server.process().signal(SIGSTOP);
+  auto t = w->push_async(0, buf->id, 0, 32, Dtype::kF32, 0);
+  BOOST_REQUIRE(t.ok());
+  server.process().signal(SIGTERM);
+  server.process().signal(SIGCONT);
+  auto r = w->wait(*t);
+  // Either it was served before the stop flag was seen, or it was failed.
+  BOOST_TEST((r.ok() || r.status().code() == ErrorCode::kShuttingDown), r.status().to_string());
+  BOOST_TEST(server.process().wait(10s) == 0);
+  BOOST_TEST(!std::filesystem::exists("/dev/shm/shmps." + server.name()));
+  BOOST_TEST((w->ping().code() == ErrorCode::kServerNotRunning));
+}
+
+BOOST_AUTO_TEST_CASE(crashed_server_segment_is_replaced_live_one_is_not) {
+  const std::string name = test::unique_name("restart");
+  auto first = std::make_unique<test::ServerProcess>(name, kSmall);
+  auto w = connect(name);
+  // A second server of the same name refuses to start.
+  std::vector<std::string> argv{test::program_path("shmps-server"), "--name", name};
+  argv.insert(argv.end(), kSmall.begin(), kSmall.end());
+  auto second = test::Process::spawn(argv);
+  BOOST_TEST(second.wait(10s) == 1);
+  BOOST_TEST(w->ping().ok());
+  const uint64_t old_generation = w->generation();
+  first->process().kill_and_reap();  // SIGKILL: the segment stays behind
+  BOOST_TEST(std::filesystem::exists("/dev/shm/shmps." + name));
+  test::ServerProcess replacement(name, kSmall);
+  auto w2 = connect(name);
+  BOOST_TEST(w2->generation() != old_generation);
+  BOOST_TEST(w2->ping().ok());
+  BOOST_TEST((w->ping().code() == ErrorCode::kServerNotRunning));
+}
+
+BOOST_AUTO_TEST_CASE(sigkilled_worker_is_reaped_while_others_keep_pushing) {
+  std::vector<std::string> args = {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000",
+                                   "--max-workers", "3"};
+  test::ServerProcess server(test::unique_name("killwrk"), args);
+  SharedCounters counters;  // [i]: pushes acknowledged to worker i
+  std::vector<test::Process> workers;
+  for (int i = 0; i < 3; ++i) {
+    workers.push_back(test::Process::fork_fn([&, i] {
+      WorkerOptions o;
+      o.name = server.name();
+      auto w = Worker::connect(o);
+      if (!w.ok()) return 2;
+      auto buf = (*w)->register_buffer(4);
+      if (!buf.ok()) return 3;
+      *static_cast<float*>(buf->data) = -1.0f;
+      const auto end = std::chrono::steady_clock::now() + 1500ms;
+      while (std::chrono::steady_clock::now() < end) {
+        auto v = (*w)->push(0, buf->id, 0, 4, Dtype::kF32, 0);
+        if (!v.ok()) return 4;
+        counters.mem[i].fetch_add(1);
+      }
+      return 0;
+    }));
+  }
+  BOOST_REQUIRE(test::eventually([&] { return counters.mem[0].load() > 100; }));
+  workers[0].kill_and_reap();
+  BOOST_TEST(workers[1].wait(20s) == 0);
+  BOOST_TEST(workers[2].wait(20s) == 0);
+  // The dead worker's entry is free again: all three slots can be taken.
+  std::vector<std::unique_ptr<Worker>> fresh;
+  BOOST_REQUIRE(test::eventually([&] {
+    WorkerOptions o;
+    o.name = server.name();
+    auto w = Worker::connect(o);
+    if (w.ok()) fresh.push_back(std::move(w).value());
+    return fresh.size() == 3;
+  }));
+  auto s = fresh[0]->stats();
+  BOOST_REQUIRE(s.ok());
+  BOOST_TEST(s->workers_died == 1u);
+  BOOST_TEST(s->workers_attached == 3u);
+  const uint64_t acked = counters.mem[0] + counters.mem[1] + counters.mem[2];
+  // Every acknowledged push was applied once; the dead worker may have had
+  // one more applied but unacknowledged.
+  BOOST_TEST(s->gradients_applied >= acked);
+  BOOST_TEST(s->gradients_applied <= acked + 1);
+  auto buf = fresh[0]->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  BOOST_TEST(pull_all(*fresh[0], *buf)[0] == static_cast<float>(s->gradients_applied));
+}
+
+BOOST_AUTO_TEST_CASE(four_processes_many_pushes_each_applied_exactly_once) {
+  std::vector<std::string> args = {"--tensor", "w:1", "--lr", "1", "--max-staleness", "100000000"};
+  test::ServerProcess server(test::unique_name("many"), args);
+  constexpr int kWorkers = 4;
+  constexpr int kPushes = 25000;
+  std::vector<test::Process> workers;
+  for (int i = 0; i < kWorkers; ++i) {
+    workers.push_back(test::Process::fork_fn([&] {
+      WorkerOptions o;
+      o.name = server.name();
+      auto w = Worker::connect(o);
+      if (!w.ok()) return 2;
+      auto buf = (*w)->register_buffer(4);
+      if (!buf.ok()) return 3;
+      *static_cast<float*>(buf->data) = -1.0f;
+      uint64_t last = 0;
+      std::vector<Worker::Ticket> tickets;
+      for (int n = 0; n < kPushes; n += 8) {  // async batches of 8, in order
+        tickets.clear();
+        for (int k = 0; k < 8; ++k) {
+          auto t = (*w)->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);
+          if (!t.ok()) return 4;
+          tickets.push_back(*t);
+        }
+        for (auto t : tickets) {
+          auto v = (*w)->wait(t);
+          if (!v.ok() || *v <= last) return 5;  // versions strictly increase per worker
+          last = *v;
+        }
+      }
+      return 0;
+    }));
+  }
+  for (auto& p : workers) BOOST_TEST(p.wait(120s) == 0);
+  auto w = connect(server.name());
+  auto s = w->stats();
+  BOOST_REQUIRE(s.ok());
+  BOOST_TEST(s->gradients_applied == uint64_t{kWorkers} * kPushes);
+  BOOST_TEST(s->version == uint64_t{kWorkers} * kPushes);
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  BOOST_TEST(pull_all(*w, *buf)[0] == static_cast<float>(kWorkers * kPushes));  // exact in fp32
+}
+
+BOOST_AUTO_TEST_SUITE_END()

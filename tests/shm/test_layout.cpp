@@ -1,0 +1,89 @@
+// Pins the binary layout: a change to any size, offset or constant fails
+// here until kLayoutVersion is bumped on purpose and these numbers updated.
+#define BOOST_TEST_MODULE test_shm
+#include <boost/test/unit_test.hpp>
+
+#include "shmps/shm/layout.hpp"
+#include "shmps/shm/segment.hpp"
+
+using namespace shmps::shm;
+
+BOOST_AUTO_TEST_SUITE(layout)
+
+BOOST_AUTO_TEST_CASE(version_and_magic_are_pinned) {
+  BOOST_TEST(kLayoutVersion == 1u);
+  BOOST_TEST(kMagic == 0x31474553504d4853ull);
+  BOOST_TEST(kMaxWorkersLimit == 256u);
+  BOOST_TEST(kMaxBuffersLimit == 64u);
+  BOOST_TEST(kAllTensors == 0xFFFFFFFFu);
+}
+
+BOOST_AUTO_TEST_CASE(struct_sizes_are_pinned) {
+  BOOST_TEST(sizeof(SegmentHeader) == 4096u);
+  BOOST_TEST(sizeof(ConfigBlock) == 128u);
+  BOOST_TEST(sizeof(TensorDesc) == 128u);
+  BOOST_TEST(sizeof(BufferDesc) == 192u);
+  BOOST_TEST(sizeof(StatsReply) == 256u);
+  BOOST_TEST(sizeof(WorkerEntry) == 512u);
+  BOOST_TEST(sizeof(LaneHeader) == 256u);
+  BOOST_TEST(sizeof(Request) == 64u);
+  BOOST_TEST(sizeof(Completion) == 128u);
+  BOOST_TEST(sizeof(StatsBlock) == 1024u);
+  BOOST_TEST(sizeof(WaitWord) == 8u);
+}
+
+BOOST_AUTO_TEST_CASE(field_offsets_are_pinned) {
+  BOOST_TEST(offsetof(SegmentHeader, layout_version) == 8u);
+  BOOST_TEST(offsetof(SegmentHeader, generation) == 24u);
+  BOOST_TEST(offsetof(SegmentHeader, server_pid) == 32u);
+  BOOST_TEST(offsetof(SegmentHeader, server_start_time) == 40u);
+  BOOST_TEST(offsetof(SegmentHeader, server_state) == 48u);
+  BOOST_TEST(offsetof(SegmentHeader, heartbeat_ns) == 56u);
+  BOOST_TEST(offsetof(SegmentHeader, tensor_count) == 72u);
+  BOOST_TEST(offsetof(SegmentHeader, worker_table_offset) == 80u);
+  BOOST_TEST(offsetof(SegmentHeader, max_buffers) == 96u);
+  BOOST_TEST(offsetof(SegmentHeader, completions_offset) == 120u);
+  BOOST_TEST(offsetof(SegmentHeader, config) == 192u);
+  BOOST_TEST(offsetof(SegmentHeader, doorbell) == 384u);
+  BOOST_TEST(offsetof(SegmentHeader, server_wake) == 416u);
+  BOOST_TEST(offsetof(ConfigBlock, lr) == 8u);
+  BOOST_TEST(offsetof(ConfigBlock, max_staleness) == 40u);
+  BOOST_TEST(offsetof(TensorDesc, element_offset) == 104u);
+  BOOST_TEST(offsetof(WorkerEntry, lease) == 16u);
+  BOOST_TEST(offsetof(WorkerEntry, pushes_applied) == 64u);
+  BOOST_TEST(offsetof(WorkerEntry, stats_reply) == 128u);
+  BOOST_TEST(offsetof(LaneHeader, head) == 64u);
+  BOOST_TEST(offsetof(LaneHeader, data_ready) == 128u);
+  BOOST_TEST(offsetof(LaneHeader, space_ready) == 192u);
+  BOOST_TEST(offsetof(Request, worker_version) == 48u);
+  BOOST_TEST(offsetof(Completion, message) == 64u);
+  BOOST_TEST(offsetof(StatsBlock, rejected) == 128u);
+}
+
+BOOST_AUTO_TEST_CASE(enum_values_are_pinned) {
+  BOOST_TEST(static_cast<uint32_t>(Opcode::kAttach) == 1u);
+  BOOST_TEST(static_cast<uint32_t>(Opcode::kPush) == 5u);
+  BOOST_TEST(static_cast<uint32_t>(Opcode::kPing) == 8u);
+  BOOST_TEST(static_cast<uint32_t>(Dtype::kBF16) == 3u);
+  BOOST_TEST(static_cast<uint32_t>(ServerState::kStopped) == 4u);
+  BOOST_TEST(static_cast<uint32_t>(WorkerState::kDetached) == 3u);
+  BOOST_TEST(make_owner(7, WorkerState::kAttached) == ((uint64_t{7} << 32) | 2u));
+}
+
+BOOST_AUTO_TEST_CASE(geometry_is_pinned) {
+  const Geometry g = compute_geometry(4, 16, 16, 64);
+  BOOST_TEST(g.tensor_table_offset == 4096u);
+  BOOST_TEST(g.worker_table_offset == 4096u + 4 * 128u);
+  BOOST_TEST(g.worker_entry_size == 512u + 16 * 192u);
+  BOOST_TEST(g.lanes_offset == 4608u + 16 * 3584u);
+  BOOST_TEST(g.lane_stride == 256u + 64 * 64u);
+  BOOST_TEST(g.completion_stride == 256u + 64 * 128u);
+  BOOST_TEST(g.stats_offset == g.completions_offset + 16 * g.completion_stride);
+  BOOST_TEST(g.segment_size % 4096 == 0u);
+  BOOST_TEST(g.worker_table_offset % 64 == 0u);
+  BOOST_TEST(g.lanes_offset % 64 == 0u);
+  BOOST_TEST(g.completions_offset % 64 == 0u);
+  BOOST_TEST(g.stats_offset % 64 == 0u);
+}
+
+BOOST_AUTO_TEST_SUITE_END()

@@ -1,0 +1,201 @@
+// The SPSC ring: single-threaded edge cases, wrap-around of the indices,
+// corrupt-peer detection, and millions of slots between two threads and
+// between two real processes (each slot exactly once, in order).
+#include <sys/mman.h>
+
+#define BOOST_TEST_MODULE test_shm_ring
+#include <boost/test/unit_test.hpp>
+#include <memory>
+#include <thread>
+
+#include "shmps/shm/futex.hpp"
+#include "shmps/shm/ring.hpp"
+#include "test_support.hpp"
+
+using namespace shmps::shm;
+
+namespace {
+
+constexpr uint32_t kCapacity = 64;
+
+// A lane in a MAP_SHARED anonymous mapping, so fork()ed children share it.
+struct SharedLane {
+  SharedLane() {
+    bytes_ = sizeof(LaneHeader) + kCapacity * sizeof(Request);
+    mem_ = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    BOOST_REQUIRE(mem_ != MAP_FAILED);
+  }
+  ~SharedLane() { ::munmap(mem_, bytes_); }
+  LaneHeader* header() { return static_cast<LaneHeader*>(mem_); }
+  Request* slots() { return reinterpret_cast<Request*>(static_cast<char*>(mem_) + sizeof(LaneHeader)); }
+  void start_at(uint64_t index) {
+    header()->head.store(index);
+    header()->tail.store(index);
+  }
+  void* mem_;
+  size_t bytes_;
+};
+
+Request make(uint64_t id) {
+  Request r{};
+  r.request_id = id;
+  r.worker_version = id * 3;
+  return r;
+}
+
+// Produces [first, first + count) ids; the consumer checks order and content.
+void produce(SharedLane& lane, uint64_t start, uint64_t first, uint64_t count) {
+  SpscProducer<Request> p(lane.header(), lane.slots(), kCapacity, start);
+  for (uint64_t id = first; id < first + count;) {
+    const RingResult r = p.try_push(make(id));
+    if (r == RingResult::kOk) {
+      ++id;
+      notify(lane.header()->data_ready);
+    } else if (r == RingResult::kFull) {
+      wait_until(lane.header()->space_ready, [&] { return p.has_space(); }, nullptr,
+                 std::chrono::steady_clock::now() + std::chrono::seconds(30));
+    } else {
+      throw std::runtime_error("ring corrupt");
+    }
+  }
+}
+
+uint64_t consume(SharedLane& lane, uint64_t start, uint64_t first, uint64_t count) {
+  SpscConsumer<Request> c(lane.header(), lane.slots(), kCapacity, start);
+  uint64_t errors = 0;
+  for (uint64_t expect = first; expect < first + count;) {
+    Request r;
+    const RingResult res = c.try_pop(&r);
+    if (res == RingResult::kOk) {
+      if (r.request_id != expect || r.worker_version != expect * 3) ++errors;
+      ++expect;
+      notify(lane.header()->space_ready);
+    } else if (res == RingResult::kEmpty) {
+      wait_until(lane.header()->data_ready, [&] { return c.refresh() == RingResult::kOk; }, nullptr,
+                 std::chrono::steady_clock::now() + std::chrono::seconds(30));
+    } else {
+      return ~uint64_t{0};
+    }
+  }
+  return errors;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(ring)
+
+BOOST_AUTO_TEST_CASE(fills_to_capacity_then_reports_full_then_drains_in_order) {
+  SharedLane lane;
+  SpscProducer<Request> p(lane.header(), lane.slots(), kCapacity);
+  SpscConsumer<Request> c(lane.header(), lane.slots(), kCapacity);
+  Request r;
+  BOOST_TEST((c.try_pop(&r) == RingResult::kEmpty));
+  for (uint64_t i = 0; i < kCapacity; ++i) BOOST_TEST((p.try_push(make(i)) == RingResult::kOk));
+  BOOST_TEST((p.try_push(make(99)) == RingResult::kFull));
+  BOOST_TEST(!p.has_space());
+  BOOST_TEST(c.depth_estimate() == kCapacity);
+  for (uint64_t i = 0; i < kCapacity; ++i) {
+    BOOST_TEST((c.try_pop(&r) == RingResult::kOk));
+    BOOST_TEST(r.request_id == i);
+  }
+  BOOST_TEST((c.try_pop(&r) == RingResult::kEmpty));
+  BOOST_TEST(p.has_space());
+}
+
+BOOST_AUTO_TEST_CASE(indices_wrap_around_uint64) {
+  SharedLane lane;
+  const uint64_t start = ~uint64_t{0} - 100;  // wraps after 100 slots
+  lane.start_at(start);
+  SpscProducer<Request> p(lane.header(), lane.slots(), kCapacity, start);
+  SpscConsumer<Request> c(lane.header(), lane.slots(), kCapacity, start);
+  uint64_t next = 0;
+  for (uint64_t round = 0; round < 10; ++round) {
+    for (uint64_t i = 0; i < 40; ++i) BOOST_REQUIRE((p.try_push(make(round * 40 + i)) == RingResult::kOk));
+    for (uint64_t i = 0; i < 40; ++i) {
+      Request r;
+      BOOST_REQUIRE((c.try_pop(&r) == RingResult::kOk));
+      BOOST_TEST(r.request_id == next++);
+    }
+  }
+  BOOST_TEST(c.head() < start);  // it did wrap
+  // Full is still detected across the wrap point.
+  for (uint64_t i = 0; i < kCapacity; ++i) BOOST_REQUIRE((p.try_push(make(i)) == RingResult::kOk));
+  BOOST_TEST((p.try_push(make(0)) == RingResult::kFull));
+}
+
+BOOST_AUTO_TEST_CASE(garbage_peer_indices_are_reported_corrupt_not_followed) {
+  SharedLane lane;
+  SpscConsumer<Request> c(lane.header(), lane.slots(), kCapacity);
+  lane.header()->tail.store(kCapacity + 1);  // a producer claiming more than fits
+  Request r;
+  BOOST_TEST((c.try_pop(&r) == RingResult::kCorrupt));
+  BOOST_TEST(c.head() == 0u);  // nothing consumed
+  lane.header()->tail.store(~uint64_t{0});  // "behind" the head
+  BOOST_TEST((c.try_pop(&r) == RingResult::kCorrupt));
+
+  SharedLane lane2;
+  SpscProducer<Request> p(lane2.header(), lane2.slots(), kCapacity);
+  for (uint64_t i = 0; i < kCapacity; ++i) BOOST_REQUIRE((p.try_push(make(i)) == RingResult::kOk));
+  lane2.header()->head.store(kCapacity * 5);  // a consumer "ahead" of the producer
+  BOOST_TEST((p.try_push(make(0)) == RingResult::kCorrupt));
+}
+
+BOOST_AUTO_TEST_CASE(two_threads_two_million_slots_exactly_once_in_order) {
+  SharedLane lane;
+  constexpr uint64_t kCount = 2'000'000;
+  std::thread producer([&] { produce(lane, 0, 0, kCount); });
+  const uint64_t errors = consume(lane, 0, 0, kCount);
+  producer.join();
+  BOOST_TEST(errors == 0u);
+}
+
+BOOST_AUTO_TEST_CASE(two_processes_four_million_slots_exactly_once_in_order) {
+  SharedLane lane;
+  constexpr uint64_t kCount = 4'000'000;
+  auto child = shmps::test::Process::fork_fn([&] {
+    produce(lane, 0, 0, kCount);
+    return 0;
+  });
+  const uint64_t errors = consume(lane, 0, 0, kCount);
+  BOOST_TEST(child.wait(std::chrono::seconds(60)) == 0);
+  BOOST_TEST(errors == 0u);
+}
+
+BOOST_AUTO_TEST_CASE(two_processes_across_the_wrap_point) {
+  SharedLane lane;
+  const uint64_t start = ~uint64_t{0} - 500'000;
+  lane.start_at(start);
+  constexpr uint64_t kCount = 1'000'000;
+  auto child = shmps::test::Process::fork_fn([&] {
+    produce(lane, start, 0, kCount);
+    return 0;
+  });
+  const uint64_t errors = consume(lane, start, 0, kCount);
+  BOOST_TEST(child.wait(std::chrono::seconds(60)) == 0);
+  BOOST_TEST(errors == 0u);
+}
+
+BOOST_AUTO_TEST_CASE(futex_wait_times_out_and_wakes) {
+  SharedLane lane;
+  WaitWord& w = lane.header()->data_ready;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = wait_until(w, [] { return false; }, nullptr, t0 + std::chrono::milliseconds(50), 10);
+  BOOST_TEST((r == WaitResult::kTimeout));
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(50)));
+  int calls = 0;
+  r = wait_until(w, [] { return false; }, [&] { return ++calls == 2; },
+                 std::chrono::steady_clock::now() + std::chrono::seconds(10), 10, std::chrono::milliseconds(5));
+  BOOST_TEST((r == WaitResult::kAborted));
+  std::atomic<bool> flag{false};
+  std::thread t([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    flag.store(true, std::memory_order_release);
+    notify(w);
+  });
+  r = wait_until(w, [&] { return flag.load(std::memory_order_acquire); }, nullptr,
+                 std::chrono::steady_clock::now() + std::chrono::seconds(10), 10, std::chrono::seconds(5));
+  t.join();
+  BOOST_TEST((r == WaitResult::kReady));
+}
+
+BOOST_AUTO_TEST_SUITE_END()

@@ -1,0 +1,209 @@
+// Segment creation, validation and replacement rules, and shm objects.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define BOOST_TEST_MODULE test_shm_segment
+#include <boost/test/unit_test.hpp>
+#include <cstring>
+#include <vector>
+
+#include "shmps/shm/proc.hpp"
+#include "shmps/shm/segment.hpp"
+#include "test_support.hpp"
+
+using namespace shmps;
+using namespace shmps::shm;
+
+namespace {
+
+SegmentSpec small_spec(const std::string& name) {
+  SegmentSpec s;
+  s.name = name;
+  s.tensors = {{"fc1.weight", {4, 3}}, {"fc1.bias", {4}}};
+  s.max_workers = 4;
+  s.max_buffers = 2;
+  s.lane_capacity = 8;
+  s.config.optimizer_kind = 1;
+  s.config.backend = 1;
+  return s;
+}
+
+struct Cleanup {
+  std::string name;
+  ~Cleanup() { Segment::remove(name); }
+};
+
+// Writes raw bytes as /dev/shm/shmps.<name>.
+void write_object(const std::string& name, const std::vector<char>& bytes) {
+  const int fd = ::shm_open(segment_object_name(name).c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+  BOOST_REQUIRE(fd >= 0);
+  BOOST_REQUIRE(::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size()));
+  ::close(fd);
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(segment)
+
+BOOST_AUTO_TEST_CASE(create_publish_open_roundtrip) {
+  const std::string name = test::unique_name("seg");
+  Cleanup cleanup{name};
+  auto created = Segment::create(small_spec(name), 42);
+  BOOST_REQUIRE(created.ok());
+  (*created)->publish();
+  auto opened = Segment::open(name, true);
+  BOOST_REQUIRE_MESSAGE(opened.ok(), opened.status().to_string());
+  const SegmentHeader& h = (*opened)->header();
+  BOOST_TEST(h.generation == 42u);
+  BOOST_TEST(h.tensor_count == 2u);
+  BOOST_TEST(h.total_elements == 16u);
+  BOOST_TEST(h.server_pid == static_cast<uint32_t>(::getpid()));
+  BOOST_TEST((*opened)->tensor(1).element_offset == 12u);
+  BOOST_TEST(std::string((*opened)->tensor(0).name) == "fc1.weight");
+}
+
+BOOST_AUTO_TEST_CASE(unpublished_segment_is_not_opened) {
+  const std::string name = test::unique_name("seg");
+  Cleanup cleanup{name};
+  auto created = Segment::create(small_spec(name), 1);
+  BOOST_REQUIRE(created.ok());
+  auto opened = Segment::open(name, true);  // waits 2 s, then gives up
+  BOOST_TEST((opened.status().code() == ErrorCode::kServerNotRunning));
+}
+
+BOOST_AUTO_TEST_CASE(mode_is_exact_whatever_the_umask) {
+  const mode_t old = ::umask(0);
+  for (mode_t mode : {mode_t{0600}, mode_t{0660}}) {
+    const std::string name = test::unique_name("mode");
+    Cleanup cleanup{name};
+    SegmentSpec spec = small_spec(name);
+    spec.mode = mode;
+    auto created = Segment::create(spec, 1);
+    BOOST_REQUIRE(created.ok());
+    struct stat st{};
+    BOOST_REQUIRE(::stat(("/dev/shm/" + segment_object_name(name)).c_str(), &st) == 0);
+    BOOST_TEST((st.st_mode & 0777) == mode);
+  }
+  ::umask(old);
+  auto world = ShmObject::create("shmps.worldwritable", 4096, 0666);
+  BOOST_TEST((world.status().code() == ErrorCode::kInvalidArgument));
+}
+
+BOOST_AUTO_TEST_CASE(missing_segment_names_the_object) {
+  auto opened = Segment::open("no_such_server_here", false);
+  BOOST_TEST((opened.status().code() == ErrorCode::kServerNotRunning));
+  BOOST_TEST(opened.status().message().find("/dev/shm/shmps.no_such_server_here") != std::string::npos);
+}
+
+BOOST_AUTO_TEST_CASE(foreign_object_is_refused_and_never_replaced) {
+  const std::string name = test::unique_name("foreign");
+  Cleanup cleanup{name};
+  write_object(name, std::vector<char>(8192, 'x'));
+  auto opened = Segment::open(name, true);
+  BOOST_TEST((opened.status().code() == ErrorCode::kLayoutMismatch));
+  BOOST_TEST(opened.status().message().find("not a shmps segment") != std::string::npos);
+  auto created = Segment::create(small_spec(name), 1);
+  BOOST_TEST((created.status().code() == ErrorCode::kLayoutMismatch));
+}
+
+BOOST_AUTO_TEST_CASE(other_layout_version_names_both_versions) {
+  const std::string name = test::unique_name("ver");
+  Cleanup cleanup{name};
+  {
+    auto created = Segment::create(small_spec(name), 1);
+    BOOST_REQUIRE(created.ok());
+    (*created)->header().layout_version.store(99);
+  }
+  auto opened = Segment::open(name, true);
+  BOOST_TEST((opened.status().code() == ErrorCode::kLayoutMismatch));
+  BOOST_TEST(opened.status().message().find("99") != std::string::npos);
+  BOOST_TEST(opened.status().message().find("understands 1") != std::string::npos);
+}
+
+BOOST_AUTO_TEST_CASE(stale_segment_of_dead_server_is_replaced_live_one_is_not) {
+  const std::string name = test::unique_name("stale");
+  Cleanup cleanup{name};
+  // A live "server" (this process) is never clobbered.
+  auto first = Segment::create(small_spec(name), 1);
+  BOOST_REQUIRE(first.ok());
+  (*first)->publish();
+  auto second = Segment::create(small_spec(name), 2);
+  BOOST_TEST((second.status().code() == ErrorCode::kInvalidArgument));
+  BOOST_TEST(second.status().message().find("live shmps-server") != std::string::npos);
+  // Pretend its server died: a dead child's pid.
+  auto child = test::Process::fork_fn([] { return 0; });
+  const pid_t dead = child.pid();
+  child.wait(std::chrono::seconds(5));
+  (*first)->header().server_pid = static_cast<uint32_t>(dead);
+  auto third = Segment::create(small_spec(name), 3);
+  BOOST_REQUIRE_MESSAGE(third.ok(), third.status().to_string());
+  BOOST_TEST((*third)->header().generation == 3u);
+}
+
+BOOST_AUTO_TEST_CASE(full_dev_shm_fails_at_creation_with_sizes) {
+  auto huge = ShmObject::create("shmps.huge_" + std::to_string(::getpid()), size_t{1} << 44, 0600);
+  BOOST_TEST((huge.status().code() == ErrorCode::kNoCapacity));
+  BOOST_TEST(huge.status().message().find("need 17592186044416 bytes") != std::string::npos);
+  BOOST_TEST(huge.status().message().find("available") != std::string::npos);
+}
+
+BOOST_AUTO_TEST_CASE(names_are_validated) {
+  BOOST_TEST(validate_name("job-1.a_b").ok());
+  BOOST_TEST(!validate_name("").ok());
+  BOOST_TEST(!validate_name("a/b").ok());
+  BOOST_TEST(!validate_name(".hidden").ok());
+  BOOST_TEST(!validate_name(std::string(49, 'a')).ok());
+  BOOST_TEST(!validate_name("sp ace").ok());
+  SegmentSpec spec = small_spec("ok");
+  spec.tensors.push_back({"fc1.bias", {1}});
+  BOOST_TEST((Segment::create(spec, 1).status().code() == ErrorCode::kInvalidArgument));  // duplicate
+}
+
+BOOST_AUTO_TEST_CASE(validation_catches_each_corruption) {
+  const std::string name = test::unique_name("corrupt");
+  Cleanup cleanup{name};
+  auto created = Segment::create(small_spec(name), 1);
+  BOOST_REQUIRE(created.ok());
+  (*created)->publish();
+  const ShmObject& obj = (*created)->object();
+  std::vector<char> good(static_cast<const char*>(obj.data()), static_cast<const char*>(obj.data()) + obj.size());
+  BOOST_REQUIRE(validate_segment(good.data(), good.size()).ok());
+  const auto corrupt = [&](size_t offset, uint64_t value, size_t width, const std::string& expect) {
+    std::vector<char> bad = good;
+    std::memcpy(bad.data() + offset, &value, width);
+    Status s = validate_segment(bad.data(), bad.size());
+    BOOST_TEST(!s.ok());
+    BOOST_TEST_MESSAGE(s.message());
+    BOOST_TEST(s.message().find(expect) != std::string::npos, "'" << s.message() << "' lacks '" << expect << "'");
+  };
+  corrupt(offsetof(SegmentHeader, magic), 7, 8, "not a shmps segment");
+  corrupt(offsetof(SegmentHeader, layout_version), 99, 4, "99");
+  corrupt(offsetof(SegmentHeader, lane_capacity), 3, 4, "power of two");
+  corrupt(offsetof(SegmentHeader, max_workers), 1000, 4, "max_workers");
+  corrupt(offsetof(SegmentHeader, stats_offset), 12345, 8, "offsets");
+  corrupt(offsetof(SegmentHeader, total_elements), 17, 8, "total_elements");
+  corrupt(4096 + offsetof(TensorDesc, ndim), 9, 4, "ndim");
+  corrupt(4096 + offsetof(TensorDesc, shape), 5, 8, "inconsistent");
+  corrupt(4096 + 128 + offsetof(TensorDesc, element_offset), 3, 8, "inconsistent");
+  corrupt(offsetof(SegmentHeader, config) + offsetof(ConfigBlock, optimizer_kind), 77, 4, "optimizer_kind");
+  Status truncated = validate_segment(good.data(), good.size() - 4096);
+  BOOST_TEST(truncated.message().find("segment_size") != std::string::npos);
+  BOOST_TEST(!validate_segment(good.data(), 100).ok());
+}
+
+BOOST_AUTO_TEST_CASE(process_identity_survives_zombies) {
+  BOOST_TEST(process_alive(::getpid(), process_start_time(::getpid())));
+  BOOST_TEST(!process_alive(::getpid(), process_start_time(::getpid()) + 1));  // "reused pid"
+  const pid_t child = ::fork();
+  if (child == 0) _exit(0);
+  // Not reaped yet: a zombie, which kill(pid, 0) would call alive.
+  BOOST_TEST(test::eventually([&] { return !process_alive(child, 0); }));
+  BOOST_TEST(::kill(child, 0) == 0);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
