@@ -1,0 +1,391 @@
+// CPU implementation of the optimizer API (optimizer.hpp): option checks and
+// names, and apply_cpu / all_finite_cpu, the reference every other backend
+// is tested against. Hot loops are specialised on the options before the
+// loop (no option branches inside) so the compiler vectorizes them; large
+// tensors are split over all cores when built with SHMPS_OPENMP.
+#include "shmps/kernels/optimizer.hpp"
+
+#include <algorithm>
+#include <cassert>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "shmps/kernels/update.hpp"
+
+namespace shmps::kernels {
+namespace {
+
+// Tensors at least this long are split over the OpenMP threads; smaller ones
+// run on the calling thread (a parallel region costs a few microseconds, a
+// 256K-element SGD step about 100 us on one core).
+constexpr uint64_t kParallelMinElements = uint64_t{1} << 18;
+// Unit of work handed to a thread: 32K elements = 128 KiB per fp32 array.
+// A multiple of every vector width, so only the last block has a scalar tail.
+constexpr uint64_t kBlockElements = uint64_t{1} << 15;
+// all_finite_cpu checks this many elements between early exits.
+constexpr uint64_t kFiniteChunk = 4096;
+
+// ---------------------------------------------------------------------------
+// Messages
+
+std::string number_text(float value) {
+  char buf[32];
+  const auto result = std::to_chars(buf, buf + sizeof buf, value);
+  return std::string(buf, result.ptr);
+}
+
+// "" when `value` is finite, above `low` (or equal, when low_inclusive) and
+// below `high` (exclusive); else the message validate() returns.
+std::string check_range(const char* option, float value, float low, bool low_inclusive,
+                        float high = INFINITY) {
+  if (!std::isfinite(value)) return std::string(option) + " must be a finite number, got " + number_text(value);
+  const bool above = low_inclusive ? value >= low : value > low;
+  if (above && value < high) return "";
+  std::string message = std::string(option) + " must be ";
+  if (std::isinf(high)) {
+    message += (low_inclusive ? ">= " : "> ") + number_text(low);
+  } else {
+    message += std::string("in ") + (low_inclusive ? "[" : "(") + number_text(low) + ", " + number_text(high) + ")";
+  }
+  return message + ", got " + number_text(value);
+}
+
+// ---------------------------------------------------------------------------
+// Gradient loads. memcpy: grad may have any alignment (it lives in a shared
+// segment at an offset the client chose); compilers turn it into one
+// (unaligned vector) load.
+
+template <GradDtype kDtype>
+inline float load_grad(const unsigned char* grad, uint64_t i) {
+  if constexpr (kDtype == GradDtype::kF32) {
+    float g;
+    std::memcpy(&g, grad + i * sizeof(float), sizeof g);
+    return g;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, grad + i * sizeof(uint16_t), sizeof h);
+    if constexpr (kDtype == GradDtype::kF16) {
+      return f16_to_float(h);
+    } else {
+      return bf16_to_float(h);
+    }
+  }
+}
+
+template <GradDtype kDtype>
+inline uint32_t load_nonfinite(const unsigned char* grad, uint64_t i) {
+  if constexpr (kDtype == GradDtype::kF32) {
+    uint32_t bits;
+    std::memcpy(&bits, grad + i * sizeof bits, sizeof bits);
+    return f32_bits_finite(bits) ? 0u : 1u;
+  } else {
+    uint16_t bits;
+    std::memcpy(&bits, grad + i * sizeof bits, sizeof bits);
+    if constexpr (kDtype == GradDtype::kF16) {
+      return f16_bits_finite(bits) ? 0u : 1u;
+    } else {
+      return bf16_bits_finite(bits) ? 0u : 1u;
+    }
+  }
+}
+
+// Calls f(std::integral_constant<bool, b>) so that a runtime flag becomes a
+// template argument of the loop f instantiates.
+template <class F>
+auto with_bool(bool b, F&& f) {
+  return b ? f(std::true_type{}) : f(std::false_type{});
+}
+
+template <class F>
+auto with_dtype(GradDtype dtype, F&& f) {
+  switch (dtype) {
+    case GradDtype::kF16:
+      return f(std::integral_constant<GradDtype, GradDtype::kF16>{});
+    case GradDtype::kBF16:
+      return f(std::integral_constant<GradDtype, GradDtype::kBF16>{});
+    case GradDtype::kF32:
+    default:
+      return f(std::integral_constant<GradDtype, GradDtype::kF32>{});
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Range loops. Each instantiation is one branch-free loop: the option flags
+// are template arguments written into a local copy of the params, so after
+// inlining sgd_update/adam_update every `if (p.flag)` folds away.
+
+struct SgdArgs {
+  SgdParams params;
+  float* weights;
+  float* buf;
+  const unsigned char* grad;
+};
+
+struct AdamArgs {
+  AdamParams params;
+  float* weights;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;
+  const unsigned char* grad;
+};
+
+template <class Args>
+using RangeFn = void (*)(const Args&, uint64_t begin, uint64_t end);
+
+template <GradDtype kDtype, bool kWeightDecay, bool kMomentum, bool kFirstStep, bool kNesterov>
+void sgd_range(const SgdArgs& args, uint64_t begin, uint64_t end) {
+  SgdParams p = args.params;
+  p.use_weight_decay = kWeightDecay;
+  p.use_momentum = kMomentum;
+  p.nesterov = kNesterov;
+  float* __restrict w = args.weights;
+  float* __restrict buf = args.buf;
+  const unsigned char* __restrict grad = args.grad;
+  for (uint64_t i = begin; i < end; ++i) {
+    float wi = w[i];
+    float bi = 0.0f;
+    if constexpr (kMomentum && !kFirstStep) bi = buf[i];
+    sgd_update(wi, bi, load_grad<kDtype>(grad, i), p, kFirstStep);
+    w[i] = wi;
+    if constexpr (kMomentum) buf[i] = bi;
+  }
+}
+
+enum class Decay { kNone, kL2, kDecoupled };
+
+template <GradDtype kDtype, Decay kDecay, bool kAmsgrad, bool kLerpFromM>
+void adam_range(const AdamArgs& args, uint64_t begin, uint64_t end) {
+  AdamParams p = args.params;
+  p.lerp_from_m = kLerpFromM;
+  p.use_l2 = kDecay == Decay::kL2;
+  p.decoupled = kDecay == Decay::kDecoupled;
+  p.amsgrad = kAmsgrad;
+  float* __restrict w = args.weights;
+  float* __restrict m = args.exp_avg;
+  float* __restrict v = args.exp_avg_sq;
+  float* __restrict vmax = args.max_exp_avg_sq;
+  const unsigned char* __restrict grad = args.grad;
+  for (uint64_t i = begin; i < end; ++i) {
+    float wi = w[i];
+    float mi = m[i];
+    float vi = v[i];
+    float vmaxi = 0.0f;
+    if constexpr (kAmsgrad) vmaxi = vmax[i];
+    adam_update(wi, mi, vi, vmaxi, load_grad<kDtype>(grad, i), p);
+    w[i] = wi;
+    m[i] = mi;
+    v[i] = vi;
+    if constexpr (kAmsgrad) vmax[i] = vmaxi;
+  }
+}
+
+// Runs fn over [0, n): in kBlockElements blocks over all OpenMP threads for
+// large n, else on the calling thread. Elementwise math, so the split does
+// not change any result.
+template <class Args>
+void run_split(RangeFn<Args> fn, const Args& args, uint64_t n) {
+#if defined(SHMPS_OPENMP)
+  if (n >= kParallelMinElements) {
+    const auto blocks = static_cast<int64_t>((n + kBlockElements - 1) / kBlockElements);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint64_t begin = static_cast<uint64_t>(b) * kBlockElements;
+      fn(args, begin, std::min(n, begin + kBlockElements));
+    }
+    return;
+  }
+#endif
+  fn(args, 0, n);
+}
+
+// The loop for one SGD variant; nesterov and the first-step rule only exist
+// with momentum, so only the 5 meaningful momentum variants are instantiated.
+template <GradDtype kDtype, bool kWeightDecay>
+RangeFn<SgdArgs> pick_sgd_range(const SgdParams& p, bool first_step) {
+  if (!p.use_momentum) return &sgd_range<kDtype, kWeightDecay, false, false, false>;
+  if (first_step) {
+    return p.nesterov ? &sgd_range<kDtype, kWeightDecay, true, true, true>
+                      : &sgd_range<kDtype, kWeightDecay, true, true, false>;
+  }
+  return p.nesterov ? &sgd_range<kDtype, kWeightDecay, true, false, true>
+                    : &sgd_range<kDtype, kWeightDecay, true, false, false>;
+}
+
+void apply_sgd(const OptimizerConfig& config, const TensorState& tensor, const unsigned char* grad,
+               GradDtype dtype, uint64_t step) {
+  const SgdArgs args{make_sgd_params(config), tensor.weights, tensor.state[0], grad};
+  const RangeFn<SgdArgs> fn = with_dtype(dtype, [&](auto dtype_c) {
+    return with_bool(args.params.use_weight_decay, [&](auto wd_c) {
+      return pick_sgd_range<decltype(dtype_c)::value, decltype(wd_c)::value>(args.params, step == 1);
+    });
+  });
+  run_split(fn, args, tensor.n);
+}
+
+void apply_adam(const OptimizerConfig& config, const TensorState& tensor, const unsigned char* grad,
+                GradDtype dtype, uint64_t step) {
+  const AdamArgs args{make_adam_params(config, step), tensor.weights, tensor.state[0], tensor.state[1],
+                      tensor.state[2], grad};
+  const AdamParams& p = args.params;
+  const RangeFn<AdamArgs> fn = with_dtype(dtype, [&](auto dtype_c) {
+    return with_bool(p.amsgrad, [&](auto amsgrad_c) {
+      return with_bool(p.lerp_from_m, [&](auto lerp_c) -> RangeFn<AdamArgs> {
+        constexpr GradDtype kDtype = decltype(dtype_c)::value;
+        constexpr bool kAmsgrad = decltype(amsgrad_c)::value;
+        constexpr bool kLerpFromM = decltype(lerp_c)::value;
+        if (p.use_l2) return &adam_range<kDtype, Decay::kL2, kAmsgrad, kLerpFromM>;
+        if (p.decoupled) return &adam_range<kDtype, Decay::kDecoupled, kAmsgrad, kLerpFromM>;
+        return &adam_range<kDtype, Decay::kNone, kAmsgrad, kLerpFromM>;
+      });
+    });
+  });
+  run_split(fn, args, tensor.n);
+}
+
+// 1 when any element of [begin, end) is NaN or +-Inf. An OR over the whole
+// range (no early exit inside) so the loop vectorizes.
+template <GradDtype kDtype>
+uint32_t any_nonfinite(const unsigned char* grad, uint64_t begin, uint64_t end) {
+  uint32_t bad = 0;
+  for (uint64_t i = begin; i < end; ++i) bad |= load_nonfinite<kDtype>(grad, i);
+  return bad;
+}
+
+template <GradDtype kDtype>
+bool all_finite_typed(const unsigned char* grad, uint64_t n) {
+#if defined(SHMPS_OPENMP)
+  if (n >= kParallelMinElements) {
+    const auto blocks = static_cast<int64_t>((n + kBlockElements - 1) / kBlockElements);
+    uint32_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint64_t begin = static_cast<uint64_t>(b) * kBlockElements;
+      bad |= any_nonfinite<kDtype>(grad, begin, std::min(n, begin + kBlockElements));
+    }
+    return bad == 0;
+  }
+#endif
+  // Serial: stop at the first chunk holding a non-finite value.
+  for (uint64_t begin = 0; begin < n; begin += kFiniteChunk) {
+    if (any_nonfinite<kDtype>(grad, begin, std::min(n, begin + kFiniteChunk)) != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+
+size_t dtype_size(GradDtype dtype) noexcept {
+  switch (dtype) {
+    case GradDtype::kF32:
+      return 4;
+    case GradDtype::kF16:
+    case GradDtype::kBF16:
+      return 2;
+  }
+  return 0;
+}
+
+std::string validate(const OptimizerConfig& config) {
+  std::string error;
+  const auto first = [&error](std::string message) {
+    if (error.empty()) error = std::move(message);
+  };
+  switch (config.kind) {
+    case OptimizerKind::kSgd:
+      first(check_range("--lr", config.lr, 0.0f, false));
+      first(check_range("--momentum", config.momentum, 0.0f, true));
+      first(check_range("--dampening", config.dampening, 0.0f, true));
+      first(check_range("--weight-decay", config.weight_decay, 0.0f, true));
+      if (error.empty() && config.nesterov && (config.momentum <= 0.0f || config.dampening != 0.0f)) {
+        error = "--nesterov requires --momentum > 0 and --dampening 0, got momentum " +
+                number_text(config.momentum) + " and dampening " + number_text(config.dampening);
+      }
+      return error;
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW:
+      first(check_range("--lr", config.lr, 0.0f, false));
+      first(check_range("--beta1", config.beta1, 0.0f, true, 1.0f));
+      first(check_range("--beta2", config.beta2, 0.0f, true, 1.0f));
+      first(check_range("--eps", config.eps, 0.0f, false));
+      first(check_range("--weight-decay", config.weight_decay, 0.0f, true));
+      return error;
+  }
+  return "--optimizer must be sgd, adam or adamw, got kind " +
+         std::to_string(static_cast<uint32_t>(config.kind));
+}
+
+const char* optimizer_kind_name(OptimizerKind kind) noexcept {
+  switch (kind) {
+    case OptimizerKind::kSgd:
+      return "sgd";
+    case OptimizerKind::kAdam:
+      return "adam";
+    case OptimizerKind::kAdamW:
+      return "adamw";
+  }
+  return "unknown";
+}
+
+bool parse_optimizer_kind(const std::string& text, OptimizerKind* out) noexcept {
+  for (const OptimizerKind kind : {OptimizerKind::kSgd, OptimizerKind::kAdam, OptimizerKind::kAdamW}) {
+    if (text == optimizer_kind_name(kind)) {
+      if (out != nullptr) *out = kind;
+      return true;
+    }
+  }
+  return false;
+}
+
+size_t state_arrays(const OptimizerConfig& config) noexcept {
+  switch (config.kind) {
+    case OptimizerKind::kSgd:
+      return config.momentum != 0.0f ? 1 : 0;
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW:
+      return config.amsgrad ? 3 : 2;
+  }
+  return 0;
+}
+
+// Outside the preconditions (checked by assert in debug builds) a dtype or
+// kind outside its enum leaves the tensor untouched.
+void apply_cpu(const OptimizerConfig& config, const TensorState& tensor, const void* grad, GradDtype dtype,
+               uint64_t step) {
+  assert(validate(config).empty());
+  assert(step >= 1);
+  assert(dtype_size(dtype) != 0);
+  if (tensor.n == 0 || dtype_size(dtype) == 0) return;
+  const auto* bytes = static_cast<const unsigned char*>(grad);
+  switch (config.kind) {
+    case OptimizerKind::kSgd:
+      apply_sgd(config, tensor, bytes, dtype, step);
+      return;
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW:
+      apply_adam(config, tensor, bytes, dtype, step);
+      return;
+  }
+}
+
+// A dtype outside the enum reports false: the caller then refuses the push.
+bool all_finite_cpu(const void* grad, GradDtype dtype, uint64_t n) {
+  const auto* bytes = static_cast<const unsigned char*>(grad);
+  switch (dtype) {
+    case GradDtype::kF32:
+      return all_finite_typed<GradDtype::kF32>(bytes, n);
+    case GradDtype::kF16:
+      return all_finite_typed<GradDtype::kF16>(bytes, n);
+    case GradDtype::kBF16:
+      return all_finite_typed<GradDtype::kBF16>(bytes, n);
+  }
+  return false;
+}
+
+}  // namespace shmps::kernels
