@@ -1,6 +1,10 @@
 #include "shmps/worker.hpp"
 
+#include <signal.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
 
 #include <cstring>
 #include <deque>
@@ -28,11 +32,39 @@ size_t dtype_size(Dtype dtype) noexcept {
 
 namespace {
 using Clock = std::chrono::steady_clock;
-}
+
+// Fault injection for the reliability tests: with SHMPS_FAULT=<point> in
+// the environment when a Worker connects, the process SIGKILLs itself when
+// that Worker reaches <point> (SHMPS_FAULT=<point>:<n>: the n-th time). A
+// disabled point costs one predictable branch.
+struct FaultPoint {
+  std::string name;
+  long remaining = 0;  // 0: disabled
+
+  static FaultPoint from_environment() {
+    FaultPoint p;
+    const char* env = std::getenv("SHMPS_FAULT");
+    if (env == nullptr || *env == '\0') return p;
+    std::string text(env);
+    p.remaining = 1;
+    if (const size_t colon = text.find(':'); colon != std::string::npos) {
+      p.remaining = std::max(1L, std::atol(text.c_str() + colon + 1));
+      text.resize(colon);
+    }
+    p.name = text;
+    return p;
+  }
+  void hit(const char* point) {
+    if (remaining == 0 || name != point) return;
+    if (--remaining == 0) ::raise(SIGKILL);
+  }
+};
+}  // namespace
 
 class Worker::Impl {
  public:
   WorkerOptions options;
+  FaultPoint fault_point = FaultPoint::from_environment();
   std::unique_ptr<shm::Segment> segment;
   uint32_t id = 0;
   uint64_t lease = 0;
@@ -98,15 +130,19 @@ class Worker::Impl {
     req.request_id = next_request_id;
     req.worker_id = id;
     req.lease = lease;
-    const shm::RingResult r = lane.try_push(req);
+    const shm::RingResult r = lane.stage(req);
     if (r != shm::RingResult::kOk)
       return Status{ErrorCode::kInternal, "request lane rejected a push with free capacity (corrupt head index)"};
+    fault_point.hit("before_publish");
+    lane.publish();
     ++next_request_id;
+    fault_point.hit("after_publish");
     auto& h = segment->header();
     // seq_cst: Dekker pattern with the server's sleep (read doorbell after
     // announcing itself); the release part publishes the lane tail too.
     h.doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
     shm::notify(h.server_wake);
+    fault_point.hit("after_doorbell");
     return req.request_id;
   }
 
@@ -173,6 +209,7 @@ class Worker::Impl {
     auto c = wait(*ticket, deadline);
     if (!c.ok()) return c.status();
     if (Status s = to_status(*c); !s.ok()) return s;
+    fault_point.hit("after_completion");
     return c;
   }
 
@@ -246,6 +283,7 @@ Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& options) {
     }
   }
   if (!claimed) return Status{ErrorCode::kNoCapacity, "all " + std::to_string(h.max_workers) + " worker slots of '" + options.name + "' are taken"};
+  impl->fault_point.hit("after_claim");
   seg.worker(impl->id).pid_start_time = shm::process_start_time(::getpid());
   impl->lane = shm::SpscProducer<Request>(&seg.lane(impl->id), seg.lane_slots(impl->id), impl->capacity);
   impl->completions = shm::SpscConsumer<Completion>(&seg.completions(impl->id), seg.completion_slots(impl->id), impl->capacity);
@@ -299,6 +337,7 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
                                   std::to_string(::getpid()) + "." + std::to_string(w.buffer_counter++);
   auto object = shm::ShmObject::create(object_name, bytes, 0600);
   if (!object.ok()) return object.status();
+  w.fault_point.hit("after_buffer_create");
   shm::BufferDesc& desc = w.segment->buffer(w.id, id);
   std::memset(&desc, 0, sizeof desc);
   desc.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
@@ -309,6 +348,7 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
   req.opcode = static_cast<uint32_t>(Opcode::kRegisterBuffer);
   req.buffer_id = id;
   auto c = w.call(req);  // the lane's release store publishes desc
+  w.fault_point.hit("after_register");
   // The server maps the object during registration; the name is no longer
   // needed, and unlinking now means a crash can never leak it.
   shm::ShmObject::remove(object_name);

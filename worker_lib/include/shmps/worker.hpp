@@ -4,6 +4,12 @@
 // from them and pulls weights into them, by descriptor through its own
 // request lane: no gradient byte goes through the ring or a socket.
 //
+// Testing aid: with SHMPS_FAULT=<point>[:<n>] in the environment, the
+// process SIGKILLs itself the n-th time (default 1st) it reaches <point>:
+// after_claim, after_buffer_create, after_register, before_publish,
+// after_publish, after_doorbell, after_completion (tests/integration/
+// test_faults.cpp). Unset, it costs a predictable branch per point.
+//
 // Thread safety: one Worker is used by one thread at a time (it owns one
 // single-producer lane). Separate Worker objects, in one process or many,
 // are independent. Buffer memory may be written by any thread, but not while

@@ -30,6 +30,16 @@ class SpscProducer {
   // Writes `slot` and publishes it. kFull when capacity slots are in flight,
   // kCorrupt when the consumer's head is impossible.
   RingResult try_push(const Slot& slot) noexcept {
+    const RingResult r = stage(slot);
+    if (r == RingResult::kOk) publish();
+    return r;
+  }
+
+  // The two halves of try_push, apart so tests can kill a producer between
+  // them: stage() writes the next slot without publishing it (a consumer
+  // cannot see it; a second stage() overwrites it); publish() makes it
+  // visible.
+  RingResult stage(const Slot& slot) noexcept {
     if (tail_ - cached_head_ > mask_) {
       // SYNC(slot_released): acquire pairs with the consumer's release store
       // of head, so the slot we are about to overwrite was fully copied out.
@@ -39,11 +49,13 @@ class SpscProducer {
       if (in_flight == mask_ + 1) return RingResult::kFull;
     }
     std::memcpy(&slots_[tail_ & mask_], &slot, sizeof(Slot));
+    return RingResult::kOk;
+  }
+  void publish() noexcept {
     ++tail_;
     // SYNC(slot_published): release pairs with the consumer's acquire load
-    // of tail; it publishes the slot bytes written above.
+    // of tail; it publishes the slot bytes written by stage().
     header_->tail.store(tail_, std::memory_order_release);
-    return RingResult::kOk;
   }
 
   // Slots in flight as last seen (may be stale: the consumer moves on).
