@@ -386,7 +386,7 @@ BOOST_AUTO_TEST_CASE(crashed_server_segment_is_replaced_live_one_is_not) {
 }
 
 BOOST_AUTO_TEST_CASE(sigkilled_worker_is_reaped_while_others_keep_pushing) {
-  std::vector<std::string> args = {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000",
+  std::vector<std::string> args = {"--tensor", "w:1", "--lr", "1", "--max-staleness", "4000000000",
                                    "--max-workers", "3"};
   test::ServerProcess server(test::unique_name("killwrk"), args);
   SharedCounters counters;  // [i]: pushes acknowledged to worker i
