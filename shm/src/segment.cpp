@@ -199,6 +199,10 @@ Status validate_segment(const void* base, size_t size) {
     return {ErrorCode::kLayoutMismatch, "object of " + std::to_string(size) +
                                             " bytes is smaller than a shmps header (4096 bytes)"};
   const auto& h = *static_cast<const SegmentHeader*>(base);
+  // A fresh object is zero-filled: magic 0 means the server is still
+  // initialising it (or died doing so), not a foreign file.
+  if (h.magic == 0)
+    return {ErrorCode::kServerNotRunning, "segment not initialised yet (server starting, or it died while starting)"};
   if (h.magic != kMagic) {
     char hex[32];
     std::snprintf(hex, sizeof hex, "0x%016llx", static_cast<unsigned long long>(h.magic));
@@ -378,18 +382,23 @@ void Segment::publish() noexcept {
 Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool read_only) {
   if (Status s = validate_name(name); !s.ok()) return s;
   const std::string object_name = segment_object_name(name);
-  auto opened = ShmObject::open(object_name, read_only);
-  if (!opened.ok()) {
-    if (opened.status().message().find("does not exist") != std::string::npos)
-      return Status{ErrorCode::kServerNotRunning, "no shmps server named '" + name + "': /dev/shm/" +
-                                                      object_name + " does not exist"};
-    return opened.status();
-  }
-  std::unique_ptr<Segment> seg(new Segment(name, std::move(opened).value()));
+  // A server that is creating the segment may not have sized it (empty
+  // object) or written it (zero header) yet: retry those for up to 2 s.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   while (true) {
-    Status s = validate_segment(seg->object().data(), seg->object().size());
-    if (s.ok()) return seg;
+    auto opened = ShmObject::open(object_name, read_only);
+    Status s;
+    if (!opened.ok()) {
+      const std::string& m = opened.status().message();
+      if (m.find("does not exist") != std::string::npos)
+        return Status{ErrorCode::kServerNotRunning, "no shmps server named '" + name + "': /dev/shm/" +
+                                                        object_name + " does not exist"};
+      if (m.find("is empty") == std::string::npos) return opened.status();
+      s = Status{ErrorCode::kServerNotRunning, "segment not sized yet (server starting)"};
+    } else {
+      s = validate_segment((*opened)->data(), (*opened)->size());
+      if (s.ok()) return std::unique_ptr<Segment>(new Segment(name, std::move(opened).value()));
+    }
     if (s.code() != ErrorCode::kServerNotRunning || std::chrono::steady_clock::now() >= deadline)
       return Status{s.code(), "/dev/shm/" + object_name + ": " + s.message()};
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
