@@ -1,0 +1,60 @@
+// Reader for the IDX files of (Fashion-)MNIST, gzipped or plain, into float
+// pixels in [0, 1] and uint8 labels. Every function is a pure function of
+// its files: safe to call from any thread; results are plain values.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shmps/status.hpp"
+
+namespace shmps::train {
+
+inline constexpr uint32_t kIdxImagesMagic = 0x00000803;  // uint8, 3 dims
+inline constexpr uint32_t kIdxLabelsMagic = 0x00000801;  // uint8, 1 dim
+inline constexpr uint32_t kNumClasses = 10;
+
+// Where Debian's dataset-fashion-mnist installs the four files.
+inline constexpr const char* kDefaultFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+
+struct IdxImages {
+  uint32_t count = 0;       // images read (at most the limit)
+  uint32_t file_count = 0;  // images the header announces
+  uint32_t rows = 0;
+  uint32_t cols = 0;
+  std::vector<float> pixels;  // count x rows x cols, row-major, value/255
+};
+
+// Images and their labels, example i at images[i*features ..).
+struct Dataset {
+  size_t count = 0;
+  size_t features = 0;  // rows * cols
+  std::vector<float> images;
+  std::vector<uint8_t> labels;  // each < kNumClasses
+};
+
+// Reads an IDX3 uint8 image file (gzip or plain: zlib reads both).
+// `limit` > 0 keeps only the first `limit` images (the rest is not read).
+// Errors (the message names the file): kIo for a missing/unreadable file
+// (mentions `apt-get install dataset-fashion-mnist`) or truncated data,
+// kInvalidArgument for a wrong magic, zero or oversized dimensions.
+Result<IdxImages> read_idx_images(const std::string& path, size_t limit = 0);
+
+// Reads an IDX1 uint8 label file; every label must be < kNumClasses.
+// Errors as read_idx_images, plus kInvalidArgument for a label out of range.
+Result<std::vector<uint8_t>> read_idx_labels(const std::string& path, size_t limit = 0);
+
+// Reads an image file and its label file; their counts must match
+// (kInvalidArgument otherwise, both files and counts in the message).
+Result<Dataset> load_idx_dataset(const std::string& images_path, const std::string& labels_path,
+                                 size_t limit = 0);
+
+enum class Split { kTrain, kTest };
+
+// Loads <dir>/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz] (the .gz
+// name first) and checks that the images are 28x28.
+Result<Dataset> load_fashion_mnist(const std::string& dir, Split split, size_t limit = 0);
+
+}  // namespace shmps::train

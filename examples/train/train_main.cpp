@@ -1,0 +1,820 @@
+// shmps-train: asynchronous data-parallel training of a 784-256-10 MLP on
+// Fashion-MNIST through a shmps-server.
+//
+// The parent loads the data, writes a He initialisation to a temp file,
+// starts shmps-server with it (or uses --connect), attaches as a worker of
+// its own for evaluation, and forks N worker processes. Each worker pulls
+// all weights, computes one minibatch gradient of its shard and pushes it
+// with the version it pulled; the server applies it unless it is more than
+// --max-staleness versions old (then the worker pulls and tries again).
+// The parent evaluates every epoch of applied pushes and prints a curve.
+//
+// Exit status: 0 done, 1 a runtime failure (server, worker, mismatch of
+// counts), 2 bad usage or missing dataset.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <boost/program_options.hpp>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <new>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "idx.hpp"
+#include "mlp.hpp"
+#include "shmps/status.hpp"
+#include "shmps/worker.hpp"
+
+namespace po = boost::program_options;
+using Clock = std::chrono::steady_clock;
+
+namespace shmps::train {
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+constexpr size_t kTrainLossSamples = 10000;  // fixed training subset the parent scores
+constexpr size_t kEvalBatch = 1000;
+
+struct Options {
+  size_t workers = 4;
+  size_t epochs = 20;
+  size_t batch = 64;
+  std::string optimizer = "adam";
+  double lr = 0.0;  // 0: the optimizer's default
+  double momentum = 0.9;
+  bool nesterov = false;
+  double weight_decay = -1.0;  // < 0: the server's default (0; AdamW 0.01)
+  uint64_t max_staleness = 8;
+  size_t train_limit = 0;
+  size_t test_limit = 0;
+  size_t evals_per_epoch = 1;
+  std::string data_dir = kDefaultFashionMnistDir;
+  std::string csv;
+  uint64_t seed = 1;
+  std::string name;
+  std::string server_bin;
+  std::string connect;
+};
+
+double default_lr(const std::string& optimizer) { return optimizer == "sgd" ? 0.01 : 1e-3; }
+
+// Parses argv; returns the exit code to leave with when there is nothing to
+// run (help, usage error).
+std::optional<int> parse_options(int argc, char** argv, Options& o) {
+  po::options_description desc("shmps-train options");
+  // clang-format off
+  desc.add_options()
+    ("help,h", "show this help")
+    ("workers", po::value(&o.workers)->default_value(o.workers), "worker processes")
+    ("epochs", po::value(&o.epochs)->default_value(o.epochs), "passes over the training set")
+    ("batch", po::value(&o.batch)->default_value(o.batch), "minibatch size per push")
+    ("optimizer", po::value(&o.optimizer)->default_value(o.optimizer), "adam, adamw or sgd")
+    ("lr", po::value(&o.lr), "learning rate (default: adam/adamw 0.001, sgd 0.01)")
+    ("momentum", po::value(&o.momentum)->default_value(o.momentum, "0.9"), "SGD momentum")
+    ("nesterov", po::bool_switch(&o.nesterov), "SGD with Nesterov momentum")
+    ("weight-decay", po::value(&o.weight_decay), "weight decay (default: the server's, 0 or AdamW 0.01)")
+    ("max-staleness", po::value(&o.max_staleness)->default_value(o.max_staleness),
+     "versions a push may lag behind the server before it is rejected")
+    ("train-limit", po::value(&o.train_limit)->default_value(0), "use the first N training images (0: all)")
+    ("test-limit", po::value(&o.test_limit)->default_value(0), "use the first N test images (0: all)")
+    ("evals-per-epoch", po::value(&o.evals_per_epoch)->default_value(1), "evaluations per epoch")
+    ("data-dir", po::value(&o.data_dir)->default_value(o.data_dir), "folder of the Fashion-MNIST IDX files")
+    ("csv", po::value(&o.csv), "write the learning curve to this CSV file")
+    ("seed", po::value(&o.seed)->default_value(o.seed), "seed of the initialisation and the shuffles")
+    ("name", po::value(&o.name), "server segment name (default: train_<pid>)")
+    ("server-bin", po::value(&o.server_bin), "shmps-server to start (default: beside shmps-train)")
+    ("connect", po::value(&o.connect), "use the running server of this name instead of starting one");
+  // clang-format on
+  po::variables_map vm;
+  try {
+    po::store(po::parse_command_line(argc, argv, desc), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::cerr << "shmps-train: " << e.what() << "\n" << desc;
+    return kExitUsage;
+  }
+  if (vm.count("help") != 0) {
+    std::cout << desc;
+    return 0;
+  }
+  std::string bad;
+  if (o.workers < 1 || o.workers > 256) bad = "--workers must be 1..256";
+  if (o.epochs < 1) bad = "--epochs must be >= 1";
+  if (o.batch < 1 || o.batch > 8192) bad = "--batch must be 1..8192";
+  if (o.optimizer != "adam" && o.optimizer != "adamw" && o.optimizer != "sgd") {
+    bad = "--optimizer must be adam, adamw or sgd";
+  }
+  if (o.lr == 0.0) o.lr = default_lr(o.optimizer);
+  if (!(o.lr > 0.0) || !std::isfinite(o.lr)) bad = "--lr must be > 0";
+  if (o.evals_per_epoch < 1 || o.evals_per_epoch > 1000) bad = "--evals-per-epoch must be 1..1000";
+  if (!bad.empty()) {
+    std::cerr << "shmps-train: " << bad << "\n";
+    return kExitUsage;
+  }
+  if (o.name.empty()) o.name = "train_" + std::to_string(::getpid());
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------
+// Counters a worker process shares with the parent, in an anonymous shared
+// mapping made before fork. Each slot has one writer (its worker).
+
+struct alignas(64) WorkerSlot {
+  // Progress counters for the parent's display; relaxed: they order nothing,
+  // and the final values are read after waitpid(), which synchronises.
+  std::atomic<uint64_t> pushes_applied{0};
+  std::atomic<uint64_t> pushes_rejected{0};
+  // This worker's counters as the server reports them (stats() at the end).
+  std::atomic<uint64_t> server_applied{0};
+  std::atomic<uint64_t> server_rejected{0};
+  std::atomic<uint32_t> worker_id{0};
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free,
+              "counters shared across fork need lock-free atomics");
+
+// The start gate: workers attach, then wait for it, so the parent scores the
+// initial weights before the first push and times training alone.
+struct alignas(64) StartGate {
+  std::atomic<uint32_t> open{0};
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "the gate is shared across fork");
+
+class SharedSlots {
+ public:
+  explicit SharedSlots(size_t n) : n_(n) {
+    void* p = ::mmap(nullptr, bytes(), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error(std::string("mmap: ") + std::strerror(errno));
+    base_ = p;
+    gate_ = new (p) StartGate();
+    slots_ = reinterpret_cast<WorkerSlot*>(static_cast<char*>(p) + sizeof(StartGate));
+    for (size_t i = 0; i < n_; ++i) new (&slots_[i]) WorkerSlot();
+  }
+  ~SharedSlots() { ::munmap(base_, bytes()); }
+  SharedSlots(const SharedSlots&) = delete;
+  SharedSlots& operator=(const SharedSlots&) = delete;
+  WorkerSlot& operator[](size_t i) { return slots_[i]; }
+  StartGate& gate() { return *gate_; }
+
+ private:
+  size_t bytes() const { return sizeof(StartGate) + n_ * sizeof(WorkerSlot); }
+  size_t n_;
+  void* base_ = nullptr;
+  StartGate* gate_ = nullptr;
+  WorkerSlot* slots_ = nullptr;
+};
+
+// ---------------------------------------------------------------------------
+// Worker process.
+
+struct WorkerPlan {
+  size_t index = 0;  // 0..workers-1; takes examples index, index+workers, ...
+  size_t workers = 1;
+  size_t epochs = 1;
+  size_t batch = 64;
+  uint64_t seed = 1;
+  std::string server_name;
+};
+
+size_t shard_size(size_t count, size_t index, size_t workers) {
+  return count > index ? (count - index + workers - 1) / workers : 0;
+}
+
+size_t steps_per_epoch(size_t shard, size_t batch) { return (shard + batch - 1) / batch; }
+
+// The body of one worker process; returns its exit code.
+int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& shape, StartGate& gate,
+               WorkerSlot& slot) {
+  const std::string who = "shmps-train worker " + std::to_string(plan.index) + ": ";
+  set_blas_threads(1);
+  Result<std::unique_ptr<Worker>> connected =
+      Worker::connect(WorkerOptions{plan.server_name, std::chrono::milliseconds(10000)});
+  if (!connected.ok()) {
+    std::cerr << who << "connect: " << connected.status().to_string() << "\n";
+    return kExitFailure;
+  }
+  Worker& w = **connected;
+  slot.worker_id.store(w.worker_id(), std::memory_order_relaxed);  // read after waitpid
+  const size_t params = mlp_parameter_count(shape);
+  const uint64_t range_bytes = params * sizeof(float);
+  // One buffer: the pulled weights, then the gradient pushed from them.
+  Result<Buffer> buffer = w.register_buffer(2 * range_bytes);
+  if (!buffer.ok()) {
+    std::cerr << who << "register_buffer: " << buffer.status().to_string() << "\n";
+    return kExitFailure;
+  }
+  auto* weights = static_cast<float*>(buffer->data);
+  float* grad = weights + params;
+
+  std::vector<uint32_t> shard;
+  for (size_t i = plan.index; i < train.count; i += plan.workers) shard.push_back(static_cast<uint32_t>(i));
+  const size_t features = train.features;
+  std::vector<float> x(plan.batch * features);
+  std::vector<uint8_t> y(plan.batch);
+  Mlp mlp(shape, plan.batch);
+  std::mt19937_64 rng(plan.seed * 0x9E3779B97F4A7C15ull + plan.index + 1);
+
+  // SYNC(start_gate): nothing is published through it; acquire for symmetry.
+  while (gate.open.load(std::memory_order_acquire) == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  uint64_t applied = 0;
+  uint64_t rejected = 0;
+  for (size_t epoch = 0; epoch < plan.epochs; ++epoch) {
+    std::shuffle(shard.begin(), shard.end(), rng);
+    for (size_t start = 0; start < shard.size(); start += plan.batch) {
+      const size_t n = std::min(plan.batch, shard.size() - start);
+      for (size_t i = 0; i < n; ++i) {
+        const size_t ex = shard[start + i];
+        std::copy_n(train.images.data() + ex * features, features, x.data() + i * features);
+        y[i] = train.labels[ex];
+      }
+      // Pull, compute, push; a stale push is counted and retried on fresh
+      // weights with the same minibatch.
+      while (true) {
+        Result<uint64_t> version = w.pull(kAllTensors, buffer->id, 0);
+        if (!version.ok()) {
+          std::cerr << who << "pull: " << version.status().to_string() << "\n";
+          return kExitFailure;
+        }
+        mlp.loss_and_gradient(weights, x.data(), y.data(), n, grad);
+        Result<uint64_t> pushed =
+            w.push(kAllTensors, buffer->id, range_bytes, range_bytes, Dtype::kF32, *version);
+        if (pushed.ok()) {
+          slot.pushes_applied.store(++applied, std::memory_order_relaxed);  // display only
+          break;
+        }
+        if (pushed.status().code() != ErrorCode::kStale) {
+          std::cerr << who << "push: " << pushed.status().to_string() << "\n";
+          return kExitFailure;
+        }
+        slot.pushes_rejected.store(++rejected, std::memory_order_relaxed);  // display only
+      }
+    }
+  }
+  Result<ServerStats> stats = w.stats();
+  if (!stats.ok()) {
+    std::cerr << who << "stats: " << stats.status().to_string() << "\n";
+    return kExitFailure;
+  }
+  slot.server_applied.store(stats->my_pushes_applied, std::memory_order_relaxed);  // read after waitpid
+  slot.server_rejected.store(stats->my_pushes_rejected, std::memory_order_relaxed);
+  if (Status s = w.detach(); !s.ok()) {
+    std::cerr << who << "detach: " << s.to_string() << "\n";
+    return kExitFailure;
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------
+// Child processes.
+
+class Child {
+ public:
+  Child() = default;
+  explicit Child(pid_t pid) : pid_(pid) {}
+  Child(Child&& o) noexcept : pid_(std::exchange(o.pid_, -1)), status_(o.status_) {}
+  Child& operator=(Child&& o) noexcept {
+    std::swap(pid_, o.pid_);
+    status_ = o.status_;
+    return *this;
+  }
+  ~Child() { kill_and_reap(); }
+
+  bool running() const { return pid_ > 0; }
+  void signal(int signo) const {
+    if (pid_ > 0) ::kill(pid_, signo);
+  }
+  // Reaps the child if it has exited; true once it has.
+  bool poll() {
+    if (pid_ <= 0) return true;
+    int st = 0;
+    const pid_t r = ::waitpid(pid_, &st, WNOHANG);
+    if (r != pid_) return false;
+    pid_ = -1;
+    status_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    return true;
+  }
+  // Waits up to `timeout`; true once exited.
+  bool wait_for(std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (!poll()) {
+      if (Clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return true;
+  }
+  void kill_and_reap() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    int st = 0;
+    ::waitpid(pid_, &st, 0);
+    pid_ = -1;
+    status_ = 128 + SIGKILL;
+  }
+  // Exit code, or 128 + signal; valid once poll() returned true.
+  int status() const { return status_; }
+
+ private:
+  pid_t pid_ = -1;
+  int status_ = -1;
+};
+
+Child spawn_server(const std::vector<std::string>& argv) {
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // do not outlive a crashed trainer
+    ::execv(args[0], args.data());
+    std::fprintf(stderr, "shmps-train: exec %s: %s\n", args[0], std::strerror(errno));
+    ::_exit(127);
+  }
+  return Child(pid);
+}
+
+std::string default_server_bin() {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return "shmps-server";
+  return (self.parent_path() / "shmps-server").string();
+}
+
+std::string tensor_arg(const ParamTensor& t) {
+  std::string s = t.name + ":";
+  for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? "x" : "") + std::to_string(t.shape[i]);
+  return s;
+}
+
+// Shortest text that reads back as the same double.
+std::string format_double(double v) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
+
+// Writes the flat parameters as raw little-endian fp32 to a new temp file.
+Result<std::string> write_init_file(const std::vector<float>& params) {
+  static_assert(std::endian::native == std::endian::little, "the init file is little-endian fp32");
+  const char* tmp = std::getenv("TMPDIR");
+  std::string path = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/shmps-train-init-XXXXXX";
+  const int fd = ::mkstemp(path.data());
+  if (fd < 0) return Status(ErrorCode::kIo, path + ": mkstemp: " + std::strerror(errno));
+  const auto* p = reinterpret_cast<const char*>(params.data());
+  size_t left = params.size() * sizeof(float);
+  while (left > 0) {
+    const ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string err = std::strerror(errno);
+      ::close(fd);
+      ::unlink(path.c_str());
+      return Status(ErrorCode::kIo, path + ": write: " + err);
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0) return Status(ErrorCode::kIo, path + ": close: " + std::strerror(errno));
+  return path;
+}
+
+// Retries connect while the server is starting (no segment yet). With a
+// server of our own (`server` != nullptr) a layout mismatch is retried too:
+// between the server's shm_open and its header write, the object is briefly
+// empty or zero, which connect reports as a foreign file.
+Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, Child* server,
+                                                   std::chrono::milliseconds patience) {
+  const auto deadline = Clock::now() + patience;
+  while (true) {
+    Result<std::unique_ptr<Worker>> w =
+        Worker::connect(WorkerOptions{name, std::chrono::milliseconds(10000)});
+    const ErrorCode code = w.status().code();
+    const bool starting =
+        code == ErrorCode::kServerNotRunning || (server != nullptr && code == ErrorCode::kLayoutMismatch);
+    if (w.ok() || !starting || Clock::now() >= deadline) return w;
+    if (server != nullptr && server->poll()) {
+      return Status(ErrorCode::kServerNotRunning, "shmps-server exited with status " +
+                                                      std::to_string(server->status()) +
+                                                      " before it was ready (see its message above)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+// Checks that a running server holds this model's tensors, in order.
+Status check_tensors(const Worker& w, const MlpShape& shape) {
+  const std::vector<ParamTensor> want = mlp_tensors(shape);
+  const std::vector<TensorInfo>& have = w.tensors();
+  bool same = have.size() == want.size();
+  for (size_t i = 0; same && i < want.size(); ++i) {
+    same = have[i].name == want[i].name && have[i].shape == want[i].shape &&
+           have[i].element_offset == want[i].offset && have[i].dtype == Dtype::kF32;
+  }
+  if (same) return Status::Ok();
+  std::string msg = "the server's tensors do not match the model; want";
+  for (const ParamTensor& t : want) msg += " " + tensor_arg(t);
+  msg += ", have";
+  for (const TensorInfo& t : have) {
+    ParamTensor p{t.name, t.shape, 0, 0};
+    msg += " " + tensor_arg(p);
+  }
+  return Status(ErrorCode::kInvalidArgument, msg);
+}
+
+struct CurvePoint {
+  double epoch = 0;
+  uint64_t version = 0;  // applied pushes since the start of this run
+  double train_loss = 0;
+  double test_loss = 0;
+  double test_acc = 0;
+  double pushes_per_s = 0;
+  uint64_t rejected = 0;
+  double avg_staleness = 0;
+  double elapsed_s = 0;
+};
+
+// The parent's side of the job. The destructor cleans up after any exit
+// path: kills the workers, detaches the evaluation worker, then stops the
+// server.
+class Trainer {
+ public:
+  explicit Trainer(Options o) : o_(std::move(o)), shape_() {}
+  ~Trainer() {
+    for (Child& c : workers_) c.kill_and_reap();
+    eval_.reset();
+    stop_server();
+    if (!init_file_.empty()) ::unlink(init_file_.c_str());
+  }
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  int run();
+
+ private:
+  int load_data();
+  int start_server();
+  bool stop_server();
+  Result<CurvePoint> evaluate();
+  void print(const CurvePoint& p) const;
+
+  Options o_;
+  MlpShape shape_;
+  Dataset train_;
+  Dataset test_;
+  Child server_;
+  bool own_server_ = false;
+  std::string init_file_;
+  std::unique_ptr<Worker> eval_;
+  Buffer eval_buffer_;
+  std::unique_ptr<Mlp> mlp_;
+  std::vector<Child> workers_;
+  std::vector<CurvePoint> curve_;
+  uint64_t per_epoch_ = 1;  // applied pushes per epoch
+  uint64_t base_version_ = 0;
+  uint64_t base_rejected_ = 0;
+  uint64_t base_applied_ = 0;
+  Clock::time_point start_;
+  Clock::time_point last_time_;
+  uint64_t last_progress_ = 0;
+};
+
+int Trainer::load_data() {
+  const auto t0 = Clock::now();
+  Result<Dataset> train = load_fashion_mnist(o_.data_dir, Split::kTrain, o_.train_limit);
+  Result<Dataset> test = train.ok() ? load_fashion_mnist(o_.data_dir, Split::kTest, o_.test_limit) : train;
+  if (!train.ok() || !test.ok()) {
+    const Status& s = train.ok() ? test.status() : train.status();
+    std::cerr << "shmps-train: " << s.message() << "\n";
+    return kExitUsage;
+  }
+  train_ = std::move(*train);
+  test_ = std::move(*test);
+  if (train_.count < o_.workers) {
+    std::cerr << "shmps-train: " << train_.count << " training images for " << o_.workers << " workers\n";
+    return kExitUsage;
+  }
+  std::printf("shmps-train: %zu training and %zu test images from %s (%.1f s)\n", train_.count, test_.count,
+              o_.data_dir.c_str(), std::chrono::duration<double>(Clock::now() - t0).count());
+  return 0;
+}
+
+int Trainer::start_server() {
+  std::vector<float> init(mlp_parameter_count(shape_));
+  he_init(shape_, init, o_.seed);
+  Result<std::string> path = write_init_file(init);
+  if (!path.ok()) {
+    std::cerr << "shmps-train: " << path.status().message() << "\n";
+    return kExitFailure;
+  }
+  init_file_ = *path;
+  const std::string bin = o_.server_bin.empty() ? default_server_bin() : o_.server_bin;
+  if (::access(bin.c_str(), X_OK) != 0) {
+    std::cerr << "shmps-train: cannot run the server " << bin << ": " << std::strerror(errno)
+              << " (build shmps-server or pass --server-bin)\n";
+    return kExitFailure;
+  }
+  std::vector<std::string> argv{bin, "--name", o_.name};
+  for (const ParamTensor& t : mlp_tensors(shape_)) {
+    argv.push_back("--tensor");
+    argv.push_back(tensor_arg(t));
+  }
+  argv.insert(argv.end(), {"--optimizer", o_.optimizer, "--lr", format_double(o_.lr)});
+  if (o_.optimizer == "sgd") {
+    argv.insert(argv.end(), {"--momentum", format_double(o_.momentum)});
+    if (o_.nesterov) argv.push_back("--nesterov");
+  }
+  if (o_.weight_decay >= 0.0) argv.insert(argv.end(), {"--weight-decay", format_double(o_.weight_decay)});
+  argv.insert(argv.end(), {"--max-staleness", std::to_string(o_.max_staleness), "--max-workers",
+                           std::to_string(o_.workers + 2), "--init-file", init_file_});
+  server_ = spawn_server(argv);
+  own_server_ = true;
+  return 0;
+}
+
+// SIGTERM, wait up to 10 s (then SIGKILL); true if it exited 0.
+bool Trainer::stop_server() {
+  if (!own_server_ || !server_.running()) return !own_server_ || server_.status() == 0;
+  server_.signal(SIGTERM);
+  if (!server_.wait_for(std::chrono::seconds(10))) {
+    std::cerr << "shmps-train: shmps-server did not stop within 10 s of SIGTERM; killing it\n";
+    server_.kill_and_reap();
+  }
+  return server_.status() == 0;
+}
+
+Result<CurvePoint> Trainer::evaluate() {
+  Result<ServerStats> stats = eval_->stats();
+  if (!stats.ok()) return stats.status();
+  Result<uint64_t> version = eval_->pull(kAllTensors, eval_buffer_.id, 0);
+  if (!version.ok()) return version.status();
+  const auto* params = static_cast<const float*>(eval_buffer_.data);
+  const size_t train_n = std::min(train_.count, kTrainLossSamples);
+  const EvalResult tr = mlp_->evaluate(params, train_.images.data(), train_.labels.data(), train_n);
+  const EvalResult te = mlp_->evaluate(params, test_.images.data(), test_.labels.data(), test_.count);
+  const auto now = Clock::now();
+  CurvePoint p;
+  p.version = *version - base_version_;
+  p.epoch = static_cast<double>(p.version) / static_cast<double>(per_epoch_);
+  p.train_loss = tr.loss;
+  p.test_loss = te.loss;
+  p.test_acc = te.accuracy;
+  const double dt = std::chrono::duration<double>(now - last_time_).count();
+  p.pushes_per_s =
+      dt > 0 && p.version >= last_progress_ ? static_cast<double>(p.version - last_progress_) / dt : 0;
+  p.rejected = stats->rejected_stale - base_rejected_;
+  p.avg_staleness = stats->avg_staleness;
+  p.elapsed_s = std::chrono::duration<double>(now - start_).count();
+  last_time_ = now;
+  last_progress_ = p.version;
+  return p;
+}
+
+void Trainer::print(const CurvePoint& p) const {
+  std::printf(
+      "epoch %.2f  train_loss %.4f  test_acc %.4f  pushes/s %.0f  rejected %llu  avg_staleness %.2f\n",
+      p.epoch, p.train_loss, p.test_acc, p.pushes_per_s, static_cast<unsigned long long>(p.rejected),
+      p.avg_staleness);
+  std::fflush(stdout);
+}
+
+int Trainer::run() {
+  if (int rc = load_data(); rc != 0) return rc;
+  Child* server = nullptr;
+  std::string server_name = o_.connect.empty() ? o_.name : o_.connect;
+  if (o_.connect.empty()) {
+    if (int rc = start_server(); rc != 0) return rc;
+    server = &server_;
+  }
+  Result<std::unique_ptr<Worker>> eval = connect_with_retry(server_name, server, std::chrono::seconds(10));
+  if (!eval.ok()) {
+    std::cerr << "shmps-train: connect to server '" << server_name << "': " << eval.status().to_string()
+              << "\n";
+    return kExitFailure;
+  }
+  eval_ = std::move(*eval);
+  if (!init_file_.empty()) {  // the server has read it
+    ::unlink(init_file_.c_str());
+    init_file_.clear();
+  }
+  if (Status s = check_tensors(*eval_, shape_); !s.ok()) {
+    std::cerr << "shmps-train: " << s.message() << "\n";
+    return kExitFailure;
+  }
+  Result<Buffer> buffer = eval_->register_buffer(mlp_parameter_count(shape_) * sizeof(float));
+  if (!buffer.ok()) {
+    std::cerr << "shmps-train: register_buffer: " << buffer.status().to_string() << "\n";
+    return kExitFailure;
+  }
+  eval_buffer_ = *buffer;
+  Result<ServerStats> base = eval_->stats();
+  if (!base.ok()) {
+    std::cerr << "shmps-train: stats: " << base.status().to_string() << "\n";
+    return kExitFailure;
+  }
+  base_version_ = base->version;
+  base_rejected_ = base->rejected_stale;
+  base_applied_ = base->gradients_applied;
+
+  // Applied pushes per epoch: every worker's minibatches of its shard.
+  per_epoch_ = 0;
+  for (size_t i = 0; i < o_.workers; ++i)
+    per_epoch_ += steps_per_epoch(shard_size(train_.count, i, o_.workers), o_.batch);
+  const uint64_t per_epoch = per_epoch_;
+  const uint64_t total = per_epoch * o_.epochs;
+  std::string setup =
+      o_.optimizer + " lr " + format_double(o_.lr) + ", max_staleness " + std::to_string(o_.max_staleness);
+  if (!own_server_) setup = "the running server's optimizer and max_staleness";
+  std::printf("shmps-train: server '%s', %zu workers, batch %zu, %s, %zu epochs of %llu pushes\n",
+              server_name.c_str(), o_.workers, o_.batch, setup.c_str(), o_.epochs,
+              static_cast<unsigned long long>(per_epoch));
+  std::fflush(stdout);
+
+  SharedSlots slots(o_.workers);
+  // Fork the workers before this process touches OpenBLAS.
+  for (size_t i = 0; i < o_.workers; ++i) {
+    WorkerPlan plan{i, o_.workers, o_.epochs, o_.batch, o_.seed, server_name};
+    std::fflush(nullptr);
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      std::cerr << "shmps-train: fork: " << std::strerror(errno) << "\n";
+      return kExitFailure;
+    }
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(kExitFailure);  // it died before prctl
+      int rc = kExitFailure;
+      try {
+        rc = run_worker(plan, train_, shape_, slots.gate(), slots[i]);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "shmps-train worker %zu: %s\n", i, e.what());
+      }
+      // _exit: the parent's objects (its Worker, the server child) are not ours to destroy.
+      std::fflush(nullptr);
+      ::_exit(rc);
+    }
+    workers_.emplace_back(pid);
+  }
+  set_blas_threads(1);
+  mlp_ = std::make_unique<Mlp>(shape_, kEvalBatch);
+
+  auto record = [&]() -> bool {
+    Result<CurvePoint> p = evaluate();
+    if (!p.ok()) {
+      std::cerr << "shmps-train: evaluation: " << p.status().to_string() << "\n";
+      return false;
+    }
+    print(*p);
+    curve_.push_back(*p);
+    return true;
+  };
+  start_ = Clock::now();
+  last_time_ = start_;
+  if (!record()) return kExitFailure;
+  curve_.back().elapsed_s = 0.0;
+  start_ = Clock::now();  // training time: from the gate on
+  last_time_ = start_;
+  // SYNC(start_gate): see run_worker.
+  slots.gate().open.store(1, std::memory_order_release);
+
+  const uint64_t evals = o_.epochs * o_.evals_per_epoch;
+  uint64_t next_eval = 1;  // in units of 1/evals_per_epoch epochs
+  auto eval_version = [&](uint64_t k) { return per_epoch * k / o_.evals_per_epoch; };
+  size_t running = workers_.size();
+  int failed = 0;
+  while (running > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      if (!workers_[i].running() || !workers_[i].poll()) continue;
+      --running;
+      if (workers_[i].status() != 0 && failed == 0) {
+        failed = workers_[i].status();
+        std::cerr << "shmps-train: worker " << i << " failed with status " << failed << "\n";
+      }
+    }
+    if (failed != 0) break;
+    if (server != nullptr && server->poll()) {
+      std::cerr << "shmps-train: shmps-server exited with status " << server->status()
+                << " during training\n";
+      return kExitFailure;
+    }
+    Result<ServerStats> stats = eval_->stats();
+    if (!stats.ok()) {
+      std::cerr << "shmps-train: stats: " << stats.status().to_string() << "\n";
+      return kExitFailure;
+    }
+    const uint64_t progress = stats->version - base_version_;
+    if (next_eval < evals && progress >= eval_version(next_eval)) {
+      if (!record()) return kExitFailure;
+      // Skip boundaries passed meanwhile, so a slow evaluation cannot queue up.
+      while (next_eval < evals && curve_.back().version >= eval_version(next_eval)) ++next_eval;
+    }
+  }
+  if (failed != 0) return kExitFailure;  // the destructor kills the rest
+  const double train_s = std::chrono::duration<double>(Clock::now() - start_).count();
+  // The last evaluation may have seen the final weights already.
+  if (curve_.back().version != total && !record()) return kExitFailure;
+
+  // The workers' own counts against the server's.
+  Result<ServerStats> end = eval_->stats();
+  if (!end.ok()) {
+    std::cerr << "shmps-train: stats: " << end.status().to_string() << "\n";
+    return kExitFailure;
+  }
+  uint64_t applied = 0;
+  uint64_t rejected = 0;
+  bool agree = true;
+  for (size_t i = 0; i < o_.workers; ++i) {
+    const WorkerSlot& s = slots[i];  // the worker has exited: waitpid ordered its stores
+    applied += s.pushes_applied.load(std::memory_order_relaxed);
+    rejected += s.pushes_rejected.load(std::memory_order_relaxed);
+    if (s.pushes_applied.load(std::memory_order_relaxed) !=
+            s.server_applied.load(std::memory_order_relaxed) ||
+        s.pushes_rejected.load(std::memory_order_relaxed) !=
+            s.server_rejected.load(std::memory_order_relaxed)) {
+      std::fprintf(
+          stderr,
+          "shmps-train: worker %zu (id %u) counted %llu applied / %llu rejected, the server %llu / %llu\n", i,
+          s.worker_id.load(std::memory_order_relaxed),
+          static_cast<unsigned long long>(s.pushes_applied.load(std::memory_order_relaxed)),
+          static_cast<unsigned long long>(s.pushes_rejected.load(std::memory_order_relaxed)),
+          static_cast<unsigned long long>(s.server_applied.load(std::memory_order_relaxed)),
+          static_cast<unsigned long long>(s.server_rejected.load(std::memory_order_relaxed)));
+      agree = false;
+    }
+  }
+  const uint64_t server_applied = end->gradients_applied - base_applied_;
+  const uint64_t server_rejected = end->rejected_stale - base_rejected_;
+  // With a server of our own the totals must match; a shared one may have
+  // other clients, so only the per-worker counts are compared.
+  if (own_server_ && (server_applied != applied || server_rejected != rejected)) agree = false;
+  if (applied != total) agree = false;
+  std::printf("pushes: workers applied %llu rejected %llu; server applied %llu rejected_stale %llu (%s)\n",
+              static_cast<unsigned long long>(applied), static_cast<unsigned long long>(rejected),
+              static_cast<unsigned long long>(server_applied),
+              static_cast<unsigned long long>(server_rejected), agree ? "agree" : "MISMATCH");
+  std::printf("final test accuracy: %.4f (wall time %.1f s, %zu workers)\n", curve_.back().test_acc, train_s,
+              o_.workers);
+  std::fflush(stdout);
+
+  if (!o_.csv.empty()) {
+    std::ofstream csv(o_.csv);
+    csv << "epoch,version,train_loss,test_loss,test_acc,pushes_per_s,rejected,avg_staleness,elapsed_s\n";
+    for (const CurvePoint& p : curve_) {
+      csv << p.epoch << ',' << p.version << ',' << p.train_loss << ',' << p.test_loss << ',' << p.test_acc
+          << ',' << p.pushes_per_s << ',' << p.rejected << ',' << p.avg_staleness << ',' << p.elapsed_s
+          << '\n';
+    }
+    csv.close();
+    if (!csv) {
+      std::cerr << "shmps-train: cannot write " << o_.csv << "\n";
+      return kExitFailure;
+    }
+  }
+  eval_.reset();  // detach before the server stops
+  if (!stop_server()) {
+    std::cerr << "shmps-train: shmps-server exited with status " << server_.status() << "\n";
+    return kExitFailure;
+  }
+  return agree ? 0 : kExitFailure;
+}
+
+}  // namespace
+}  // namespace shmps::train
+
+int main(int argc, char** argv) {
+  try {
+    shmps::train::Options options;
+    if (std::optional<int> rc = shmps::train::parse_options(argc, argv, options)) return *rc;
+    shmps::train::Trainer trainer(std::move(options));
+    return trainer.run();
+  } catch (const std::exception& e) {
+    std::cerr << "shmps-train: " << e.what() << "\n";
+    return 1;
+  }
+}

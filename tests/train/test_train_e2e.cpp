@@ -1,0 +1,267 @@
+// End-to-end runs of the real shmps-train (which starts its own
+// shmps-server and forks its workers) on Fashion-MNIST subsets: it learns,
+// bounded staleness rejects and counts pushes, the counts agree with the
+// server's, --connect works and checks tensors, and failures exit non-zero.
+// Needs /usr/share/datasets/fashion-mnist (Debian: dataset-fashion-mnist).
+#define BOOST_TEST_MODULE test_train_e2e
+#include <signal.h>
+#include <sys/mman.h>
+
+#include <boost/test/unit_test.hpp>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "idx.hpp"
+#include "mlp.hpp"
+#include "test_support.hpp"
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using shmps::test::Process;
+using shmps::test::ServerProcess;
+using shmps::test::unique_name;
+
+namespace {
+
+bool have_dataset() {
+  return fs::exists(std::string(shmps::train::kDefaultFashionMnistDir) + "/train-images-idx3-ubyte.gz");
+}
+
+boost::test_tools::assertion_result dataset_installed(boost::unit_test::test_unit_id) {
+  boost::test_tools::assertion_result r(have_dataset());
+  r.message() << "Fashion-MNIST is not at " << shmps::train::kDefaultFashionMnistDir
+              << " (apt-get install dataset-fashion-mnist)";
+  return r;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+struct CsvRow {
+  double epoch = 0;
+  double train_loss = 0;
+  double test_acc = 0;
+  double rejected = 0;
+};
+
+// One shmps-train run: unique segment name, output and CSV files that are
+// removed (with any segment left behind) when the fixture goes.
+struct TrainRun {
+  std::string name = unique_name("train_e2e");
+  fs::path dir = fs::temp_directory_path() / name;
+  std::string out = (dir / "out.txt").string();
+  std::string csv = (dir / "curve.csv").string();
+  std::string output;
+  int rc = -1;
+
+  TrainRun() { fs::create_directories(dir); }
+  ~TrainRun() {
+    ::shm_unlink(("shmps." + name).c_str());
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+
+  // Starts shmps-train with `args` (plus --name, unless --connect is among
+  // them), stdout and stderr into `out`.
+  Process start(const std::vector<std::string>& args) const {
+    std::string cmd = "exec " + quote(shmps::test::program_path("shmps-train"));
+    bool connect = false;
+    for (const std::string& a : args) {
+      cmd += " " + quote(a);
+      connect = connect || a == "--connect";
+    }
+    if (!connect) cmd += " --name " + quote(name);
+    cmd += " >" + quote(out) + " 2>&1";
+    return Process::spawn({"/bin/sh", "-c", cmd});
+  }
+
+  // Runs to the end (fails the test on timeout); keeps rc and output.
+  void run(const std::vector<std::string>& args, std::chrono::seconds timeout = 150s) {
+    Process p = start(args);
+    rc = p.wait(timeout);
+    output = slurp(out);
+    BOOST_TEST_MESSAGE("shmps-train " << args.size() << " args -> " << rc << "\n" << output);
+    BOOST_REQUIRE_MESSAGE(rc >= 0, "shmps-train did not finish within " << timeout.count() << " s:\n"
+                                                                        << output);
+  }
+
+  double final_accuracy() const {
+    std::smatch m;
+    BOOST_REQUIRE_MESSAGE(std::regex_search(output, m, std::regex(R"(final test accuracy: ([0-9.]+))")),
+                          output);
+    return std::stod(m[1]);
+  }
+
+  // "pushes: workers applied A rejected R; server applied SA rejected_stale SR (agree)"
+  std::vector<uint64_t> push_counts() const {
+    std::smatch m;
+    BOOST_REQUIRE_MESSAGE(
+        std::regex_search(output, m,
+                          std::regex(R"(pushes: workers applied (\d+) rejected (\d+); server applied (\d+) )"
+                                     R"(rejected_stale (\d+) \((\w+)\))")),
+        output);
+    BOOST_TEST(m[5] == "agree");
+    return {std::stoull(m[1]), std::stoull(m[2]), std::stoull(m[3]), std::stoull(m[4])};
+  }
+
+  std::vector<CsvRow> curve() const {
+    std::ifstream in(csv);
+    std::string line;
+    BOOST_REQUIRE(std::getline(in, line));
+    BOOST_TEST(line ==
+               "epoch,version,train_loss,test_loss,test_acc,pushes_per_s,rejected,avg_staleness,elapsed_s");
+    std::vector<CsvRow> rows;
+    while (std::getline(in, line)) {
+      std::vector<double> v;
+      std::stringstream ss(line);
+      for (std::string cell; std::getline(ss, cell, ',');) v.push_back(std::stod(cell));
+      BOOST_REQUIRE_EQUAL(v.size(), 9u);
+      rows.push_back(CsvRow{v[0], v[2], v[4], v[6]});
+    }
+    return rows;
+  }
+};
+
+// Writes a He initialisation of the model for a server the test starts.
+std::string write_init(const fs::path& dir) {
+  const shmps::train::MlpShape shape;
+  std::vector<float> p(shmps::train::mlp_parameter_count(shape));
+  shmps::train::he_init(shape, p, 1);
+  const std::string path = (dir / "init.bin").string();
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(p.data()), static_cast<std::streamsize>(p.size() * sizeof(float)));
+  return path;
+}
+
+std::vector<std::string> server_args(const std::string& init, const std::string& fc1 = "256x784") {
+  std::vector<std::string> args{"--tensor",      "fc1.weight:" + fc1,
+                                "--tensor",      "fc1.bias:256",
+                                "--tensor",      "fc2.weight:10x256",
+                                "--tensor",      "fc2.bias:10",
+                                "--optimizer",   "adam",
+                                "--lr",          "0.001",
+                                "--max-workers", "8"};
+  if (!init.empty()) args.insert(args.end(), {"--init-file", init});
+  return args;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(train_e2e, *boost::unit_test::precondition(dataset_installed))
+
+BOOST_FIXTURE_TEST_CASE(two_workers_one_epoch_learns, TrainRun) {
+  run({"--train-limit", "5000", "--epochs", "1", "--workers", "2", "--evals-per-epoch", "4", "--csv", csv});
+  BOOST_REQUIRE_EQUAL(rc, 0);
+  const std::vector<CsvRow> rows = curve();
+  // Epoch 0, up to three quarter marks (one is skipped when an evaluation
+  // overran it) and the end; epochs are measured by applied pushes.
+  BOOST_REQUIRE_GE(rows.size(), 3u);
+  BOOST_TEST(rows.front().epoch == 0.0);
+  BOOST_TEST(rows.back().epoch == 1.0);
+  for (size_t i = 1; i < rows.size(); ++i) BOOST_TEST(rows[i].epoch > rows[i - 1].epoch);
+  BOOST_TEST(rows.back().train_loss < 0.5 * rows.front().train_loss);
+  BOOST_TEST(rows.back().test_acc > 0.70);
+  BOOST_TEST(final_accuracy() == rows.back().test_acc, boost::test_tools::tolerance(1e-3));
+  const std::vector<uint64_t> c = push_counts();
+  BOOST_TEST(c[0] == 2u * 40u);  // 2 shards of 2500 in minibatches of 64
+  BOOST_TEST(c[0] == c[2]);
+  BOOST_TEST(c[1] == c[3]);
+  BOOST_TEST(!fs::exists("/dev/shm/shmps." + name));  // the server removed its segment
+}
+
+BOOST_FIXTURE_TEST_CASE(staleness_zero_rejects_counts_and_converges, TrainRun) {
+  // Four workers on a bound of 0: every push that another push overtook is
+  // rejected and retried on fresh weights.
+  run({"--train-limit", "10000", "--test-limit", "2000", "--epochs", "1", "--workers", "4", "--max-staleness",
+       "0", "--csv", csv});
+  BOOST_REQUIRE_EQUAL(rc, 0);
+  const std::vector<uint64_t> c = push_counts();
+  BOOST_TEST(c[0] == 4u * 40u);  // 4 shards of 2500
+  BOOST_TEST(c[1] > 0u);
+  BOOST_TEST(c[0] == c[2]);
+  BOOST_TEST(c[1] == c[3]);
+  const std::vector<CsvRow> rows = curve();
+  BOOST_TEST(rows.back().rejected == static_cast<double>(c[3]));
+  BOOST_TEST(final_accuracy() > 0.70);
+}
+
+BOOST_FIXTURE_TEST_CASE(connect_uses_a_running_server_and_checks_tensors, TrainRun) {
+  const std::string init = write_init(dir);
+  {
+    ServerProcess server(name, server_args(init));
+    run({"--connect", name, "--train-limit", "3000", "--test-limit", "2000", "--epochs", "1", "--workers",
+         "2"});
+    BOOST_REQUIRE_EQUAL(rc, 0);
+    BOOST_TEST(final_accuracy() > 0.60);
+    BOOST_TEST(server.process().running());  // not ours to stop
+    BOOST_TEST(server.stop() == 0);
+  }
+  {
+    ServerProcess other(name, server_args("", "128x784"));
+    run({"--connect", name, "--train-limit", "100", "--test-limit", "100", "--epochs", "1", "--workers",
+         "1"});
+    BOOST_TEST(rc == 1);
+    BOOST_TEST(output.find("do not match") != std::string::npos, output);
+  }
+}
+
+BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
+  Process p = start({"--train-limit", "20000", "--test-limit", "1000", "--epochs", "20", "--workers", "2"});
+  // Wait for training to start, then SIGKILL one worker (a child that is
+  // not the server).
+  BOOST_REQUIRE(
+      shmps::test::eventually([&] { return slurp(out).find("epoch 0.00 ") != std::string::npos; }, 60s));
+  pid_t victim = -1;
+  std::ifstream children("/proc/" + std::to_string(p.pid()) + "/task/" + std::to_string(p.pid()) +
+                         "/children");
+  for (pid_t child; children >> child;) {
+    if (slurp("/proc/" + std::to_string(child) + "/cmdline").find("shmps-server") == std::string::npos) {
+      victim = child;
+      break;
+    }
+  }
+  BOOST_REQUIRE(victim > 0);
+  ::kill(victim, SIGKILL);
+  rc = p.wait(60s);
+  output = slurp(out);
+  BOOST_TEST(rc == 1, output);
+  BOOST_TEST(output.find("failed") != std::string::npos, output);
+  BOOST_TEST(shmps::test::eventually([&] { return !fs::exists("/dev/shm/shmps." + name); }, 10s));
+}
+
+BOOST_FIXTURE_TEST_CASE(missing_dataset_exits_2, TrainRun) {
+  run({"--data-dir", (dir / "nothing-here").string()});
+  BOOST_TEST(rc == 2);
+  BOOST_TEST(output.find("apt-get install dataset-fashion-mnist") != std::string::npos, output);
+}
+
+BOOST_FIXTURE_TEST_CASE(missing_server_binary_fails, TrainRun) {
+  run({"--train-limit", "100", "--test-limit", "100", "--server-bin", (dir / "no-server").string()});
+  BOOST_TEST(rc == 1);
+  BOOST_TEST(output.find("no-server") != std::string::npos, output);
+}
+
+BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
+  run({"--optimizer", "lion"});
+  BOOST_TEST(rc == 2);
+  run({"--workers", "0"});
+  BOOST_TEST(rc == 2);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
