@@ -1,0 +1,77 @@
+// Smoke test of shmps-bench: `--quick` runs every section end to end (a
+// shmps-server child, forked workers) and prints every table. Checks only
+// that it finishes and what it prints, never a timing.
+#define BOOST_TEST_MODULE test_bench_smoke
+#include <boost/test/unit_test.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "test_support.hpp"
+
+namespace fs = std::filesystem;
+using shmps::test::Process;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string slurp(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// A scratch folder, removed with everything in it.
+struct Scratch {
+  fs::path dir = fs::temp_directory_path() / shmps::test::unique_name("bench_smoke");
+  Scratch() { fs::create_directories(dir); }
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+};
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(quick_run_prints_every_table) {
+  Scratch scratch;
+  const fs::path out = scratch.dir / "out.txt";
+  const fs::path csv = scratch.dir / "bench.csv";
+  const std::string cmd = "exec " + quote(shmps::test::program_path("shmps-bench")) + " --quick --csv " +
+                          quote(csv.string()) + " --server " + quote(shmps::test::program_path("shmps-server")) +
+                          " >" + quote(out.string()) + " 2>&1";
+  Process bench = Process::spawn({"/bin/sh", "-c", cmd});
+  const int rc = bench.wait(50s);
+  const std::string output = slurp(out);
+  BOOST_TEST_MESSAGE(output);
+  BOOST_REQUIRE_MESSAGE(rc == 0, "shmps-bench --quick exited with " << rc << " (-1: still running after 50 s):\n"
+                                                                     << output);
+
+  const std::vector<std::string> expected{
+      "[1] Round trip", "[2] Push + apply throughput", "[3] Optimizer throughput", "[4] Server resident memory",
+      "p50 ns", "p99 ns", "p999 ns", "ref: shm spin ping-pong", "ref: unix socket",
+      "push+apply GB/s", "memcpy GB/s", "traffic GB/s", "memcpy traffic GB/s", "VmHWM at start", "formula",
+      "Goals"};
+  for (const std::string& text : expected) BOOST_TEST(output.find(text) != std::string::npos, "missing: " << text);
+
+  const std::string rows = slurp(csv);
+  BOOST_TEST(rows.rfind("section,row,column,value\n", 0) == 0);
+  for (const char* section : {"round_trip,", "push_throughput,", "optimizers,", "memory,", "goals,"})
+    BOOST_TEST(rows.find("\n" + std::string(section)) != std::string::npos, "no CSV rows of " << section);
+}
+
+BOOST_AUTO_TEST_CASE(bad_option_fails_with_usage_error) {
+  Process bench = Process::spawn({shmps::test::program_path("shmps-bench"), "--repeats", "0"});
+  BOOST_TEST(bench.wait(10s) == 2);
+}

@@ -1,0 +1,512 @@
+// shmps-inspect: the real binary against a live shmps-server and its
+// worker, against saved and corrupted copies of a segment, and the model's
+// decoder against crafted garbage in an in-process segment image.
+#include <signal.h>
+#include <sys/wait.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#define BOOST_TEST_MODULE test_inspect
+#include <boost/test/unit_test.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "inspect_model.hpp"
+#include "inspect_source.hpp"
+#include "shmps/shm/layout.hpp"
+#include "shmps/shm/segment.hpp"
+#include "shmps/worker.hpp"
+#include "test_support.hpp"
+
+using nlohmann::json;
+using namespace shmps;
+
+namespace {
+
+const std::vector<std::string> kTensorArgs{"--tensor", "fc.weight:4x3", "--tensor", "fc.bias:4"};
+constexpr uint64_t kAllBytes = 16 * sizeof(float);  // both tensors, fp32
+
+// A path under the temp folder, removed at scope exit.
+struct TempFile {
+  std::string path = (std::filesystem::temp_directory_path() / test::unique_name("shmps_inspect")).string();
+  ~TempFile() {
+    std::error_code ec;
+    std::filesystem::remove(path, ec);
+  }
+};
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void write_all(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  BOOST_REQUIRE(out.good());
+}
+
+std::string segment_bytes(const std::string& name) { return read_all("/dev/shm/" + shm::segment_object_name(name)); }
+
+struct Run {
+  int rc = -1;  // exit code, 128 + signal, or -1 on timeout
+  std::string out, err;
+};
+
+// shmps-inspect as a child, its stdout and stderr captured in files.
+class Inspect {
+ public:
+  explicit Inspect(const std::vector<std::string>& args) {
+    std::vector<std::string> argv{test::program_path("shmps-inspect")};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::vector<char*> cargs;
+    for (auto& a : argv) cargs.push_back(a.data());
+    cargs.push_back(nullptr);
+    pid_ = ::fork();
+    BOOST_REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      const int o = ::open(out_.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      const int e = ::open(err_.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      if (o < 0 || e < 0 || ::dup2(o, 1) < 0 || ::dup2(e, 2) < 0) _exit(126);
+      ::execv(cargs[0], cargs.data());
+      _exit(127);
+    }
+  }
+  ~Inspect() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  Inspect(const Inspect&) = delete;
+  Inspect& operator=(const Inspect&) = delete;
+
+  void signal(int signo) const { ::kill(pid_, signo); }
+  std::string out_so_far() const { return read_all(out_.path); }
+  // Waits for the exit (SIGKILL after `timeout`: rc -1).
+  Run finish(std::chrono::seconds timeout = std::chrono::seconds(30)) {
+    Run r;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (pid_ > 0) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        pid_ = -1;
+      } else if (std::chrono::steady_clock::now() >= deadline) {
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, &status, 0);
+        pid_ = -1;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    }
+    r.out = read_all(out_.path);
+    r.err = read_all(err_.path);
+    return r;
+  }
+
+ private:
+  TempFile out_, err_;
+  pid_t pid_ = -1;
+};
+
+Run run_inspect(const std::vector<std::string>& args) { return Inspect(args).finish(); }
+
+json parse_json(const Run& r) {
+  BOOST_REQUIRE_MESSAGE(r.rc == 0, "shmps-inspect exited " << r.rc << ": " << r.err);
+  try {
+    return json::parse(r.out);
+  } catch (const json::exception& e) {
+    BOOST_FAIL("not JSON (" << e.what() << "): " << r.out);
+  }
+  return {};
+}
+
+std::unique_ptr<Worker> connect(const std::string& name) {
+  WorkerOptions o;
+  o.name = name;
+  o.timeout = std::chrono::seconds(5);
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  return std::move(w).value();
+}
+
+// Overwrites `value` at `offset` of a byte string.
+template <typename T>
+void poke(std::string* bytes, size_t offset, T value) {
+  BOOST_REQUIRE(offset + sizeof value <= bytes->size());
+  std::memcpy(bytes->data() + offset, &value, sizeof value);
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(inspect_tool)
+
+BOOST_AUTO_TEST_CASE(live_segment_as_json) {
+  const std::string name = test::unique_name("insp");
+  test::ServerProcess server(name, kTensorArgs);
+  auto worker = connect(name);
+  auto buffer = worker->register_buffer(kAllBytes);
+  BOOST_REQUIRE_MESSAGE(buffer.ok(), buffer.status().to_string());
+  std::memset(buffer->data, 0, kAllBytes);
+  auto pushed = worker->push(kAllTensors, buffer->id, 0, kAllBytes, Dtype::kF32, 0);
+  BOOST_REQUIRE_MESSAGE(pushed.ok(), pushed.status().to_string());
+  BOOST_TEST(*pushed == 1u);
+
+  const json j = parse_json(run_inspect({"--json", name}));
+  BOOST_TEST(j["source"] == "/dev/shm/shmps." + name);
+  const json& h = j["header"];
+  BOOST_TEST(h["magic"] == "0x31474553504d4853");
+  BOOST_TEST(h["layout_version"] == 1);
+  BOOST_TEST(h["server_pid"] == server.process().pid());
+  BOOST_TEST(h["server_alive"] == true);
+  BOOST_TEST(h["state"] == "running");
+  BOOST_TEST(h["heartbeat_age_ms"].is_number());
+  BOOST_TEST(j["config"]["optimizer"] == "sgd");
+  BOOST_TEST(j["config"]["backend"] == "host");
+
+  BOOST_REQUIRE(j["tensors"].size() == 2u);
+  BOOST_TEST(j["tensors"][0]["name"] == "fc.weight");
+  BOOST_TEST(j["tensors"][0]["shape"] == json({4, 3}));
+  BOOST_TEST(j["tensors"][0]["elements"] == 12);
+  BOOST_TEST(j["tensors"][1]["name"] == "fc.bias");
+  BOOST_TEST(j["tensors"][1]["offset"] == 12);
+
+  BOOST_REQUIRE(j["workers"].size() == 1u);
+  const json& w = j["workers"][0];
+  BOOST_TEST(w["id"] == worker->worker_id());
+  BOOST_TEST(w["pid"] == ::getpid());
+  BOOST_TEST(w["pid_alive"] == true);
+  BOOST_TEST(w["state"] == "attached");
+  BOOST_TEST(w["lease"] != 0);
+  BOOST_TEST(w["pushes_applied"] == 1);
+  BOOST_TEST(w["pushes_rejected"] == 0);
+  BOOST_REQUIRE(w["buffers"].size() == 1u);
+  BOOST_TEST(w["buffers"][0]["kind"] == "host_shm");
+  BOOST_TEST(w["buffers"][0]["length"] == kAllBytes);
+  BOOST_TEST(contains(w["buffers"][0]["name"].get<std::string>(), "shmps." + name + ".w"));
+
+  BOOST_TEST(j["lanes"].empty());  // the server served everything
+  BOOST_REQUIRE(j["completions"].size() == 1u);
+  BOOST_TEST(j["completions"][0]["corrupt"] == false);
+  BOOST_TEST(j["completions"][0]["depth"] == 0);
+
+  const json& st = j["stats"];
+  BOOST_TEST(st["version"] == 1);
+  BOOST_TEST(st["gradients_applied"] == 1);
+  BOOST_TEST(st["workers_attached"] == 1);
+  BOOST_TEST(st["mappings_opened"] == 1);
+  BOOST_TEST(st["rejected"].empty());
+}
+
+BOOST_AUTO_TEST_CASE(inspect_does_not_change_the_segment) {
+  const std::string name = test::unique_name("insp");
+  test::ServerProcess server(name, kTensorArgs);
+  auto worker = connect(name);
+  auto buffer = worker->register_buffer(kAllBytes);
+  BOOST_REQUIRE(buffer.ok());
+  // The server writes the heartbeat (offset 56) and, when idle, counts
+  // itself into server_wake.waiters (offset 420) around each futex sleep.
+  // A doorbell bit may outlive its request for a moment (the server's lane
+  // sweep can serve a request between the worker's publication and its
+  // ring), so the copy is taken once the doorbells are clear; nothing else
+  // changes while the worker is quiet.
+  auto settled = [&name] {
+    std::string bytes;
+    BOOST_REQUIRE(test::eventually([&] {
+      bytes = segment_bytes(name);
+      BOOST_REQUIRE(bytes.size() > sizeof(shm::SegmentHeader));
+      const char* bells = bytes.data() + offsetof(shm::SegmentHeader, doorbell);
+      return std::all_of(bells, bells + sizeof(shm::SegmentHeader::doorbell), [](char c) { return c == 0; });
+    }));
+    std::memset(bytes.data() + offsetof(shm::SegmentHeader, heartbeat_ns), 0, 8);
+    std::memset(bytes.data() + offsetof(shm::SegmentHeader, server_wake), 0, sizeof(shm::WaitWord));
+    return bytes;
+  };
+  const std::string before = settled();
+  BOOST_TEST(run_inspect({name}).rc == 0);
+  BOOST_TEST(run_inspect({"--json", name}).rc == 0);
+  BOOST_TEST(run_inspect({"--watch", "--count", "2", "--interval-ms", "10", name}).rc == 0);
+  const std::string after = settled();
+  BOOST_REQUIRE(before.size() == after.size());
+  size_t first_difference = before.size();
+  for (size_t i = 0; i < before.size() && first_difference == before.size(); ++i)
+    if (before[i] != after[i]) first_difference = i;
+  BOOST_TEST(first_difference == before.size(), "the segment changed at byte " << first_difference);
+}
+
+BOOST_AUTO_TEST_CASE(text_output_mentions_every_section_and_a_queued_push) {
+  const std::string name = test::unique_name("insp");
+  test::ServerProcess server(name, kTensorArgs);
+  auto worker = connect(name);
+  auto buffer = worker->register_buffer(kAllBytes);
+  BOOST_REQUIRE(buffer.ok());
+  std::memset(buffer->data, 0, kAllBytes);
+
+  // Freeze the server so a push stays queued in the lane.
+  server.process().signal(SIGSTOP);
+  struct Resume {
+    test::ServerProcess& s;
+    ~Resume() { s.process().signal(SIGCONT); }
+  } resume{server};
+  auto ticket = worker->push_async(1, buffer->id, 12 * sizeof(float), 4 * sizeof(float), Dtype::kF32, 0);
+  BOOST_REQUIRE_MESSAGE(ticket.ok(), ticket.status().to_string());
+
+  const Run text = run_inspect({name});
+  BOOST_REQUIRE_MESSAGE(text.rc == 0, text.err);
+  for (const char* section : {"== header ==", "== config ==", "== tensors (2) ==", "== workers (1 of 16",
+                              "== request lanes (1 not empty) ==", "== completion queues (1) ==", "== stats =="})
+    BOOST_TEST(contains(text.out, section), "missing '" << section << "' in:\n" << text.out);
+  BOOST_TEST(contains(text.out, "fc.weight"));
+  BOOST_TEST(contains(text.out, "4x3"));
+  BOOST_TEST(contains(text.out, "attached, pid " + std::to_string(::getpid()) + " (alive)"));
+  BOOST_TEST(contains(text.out, "push tensor 1 (fc.bias) buffer 0 offset 48 length 16 version 0 dtype f32"),
+             text.out);
+  BOOST_TEST(contains(text.out, "depth 1"));
+
+  const json j = parse_json(run_inspect({"--json", name}));
+  BOOST_REQUIRE(j["lanes"].size() == 1u);
+  const json& lane = j["lanes"][0];
+  BOOST_TEST(lane["depth"] == 1);
+  BOOST_REQUIRE(lane["slots"].size() == 1u);
+  BOOST_TEST(lane["slots"][0]["opcode"] == "push");
+  BOOST_TEST(lane["slots"][0]["tensor"] == 1);
+  BOOST_TEST(lane["slots"][0]["tensor_name"] == "fc.bias");
+  BOOST_TEST(lane["slots"][0]["length"] == 16);
+
+  server.process().signal(SIGCONT);
+  auto version = worker->wait(*ticket);
+  BOOST_REQUIRE_MESSAGE(version.ok(), version.status().to_string());
+  BOOST_TEST(*version == 1u);
+  const json after = parse_json(run_inspect({"--json", name}));
+  BOOST_TEST(after["lanes"].empty());
+  BOOST_TEST(after["stats"]["gradients_applied"] == 1);
+}
+
+BOOST_AUTO_TEST_CASE(watch_stops_after_count) {
+  const std::string name = test::unique_name("insp");
+  test::ServerProcess server(name, kTensorArgs);
+  const Run text = run_inspect({"--watch", "--count", "2", "--interval-ms", "20", name});
+  BOOST_REQUIRE_MESSAGE(text.rc == 0, text.err);
+  size_t clears = 0;
+  for (size_t pos = 0; (pos = text.out.find("\x1b[H\x1b[2J", pos)) != std::string::npos; ++pos) ++clears;
+  BOOST_TEST(clears == 2u);
+  BOOST_TEST(contains(text.out, "refresh 2"));
+  BOOST_TEST(!contains(text.out, "refresh 3"));
+
+  const Run lines = run_inspect({"--watch", "--json", "--count", "3", "--interval-ms", "20", name});
+  BOOST_REQUIRE_MESSAGE(lines.rc == 0, lines.err);
+  std::istringstream in(lines.out);
+  std::string line;
+  int documents = 0;
+  while (std::getline(in, line)) {
+    BOOST_TEST(json::parse(line)["header"]["state"] == "running");
+    ++documents;
+  }
+  BOOST_TEST(documents == 3);
+}
+
+BOOST_AUTO_TEST_CASE(watch_stops_on_sigint) {
+  const std::string name = test::unique_name("insp");
+  test::ServerProcess server(name, kTensorArgs);
+  Inspect watcher({"--watch", "--json", "--interval-ms", "20", name});
+  // The first document means the handler is installed (before the loop).
+  BOOST_REQUIRE(test::eventually([&] { return !watcher.out_so_far().empty(); }));
+  watcher.signal(SIGINT);
+  const Run r = watcher.finish(std::chrono::seconds(10));
+  BOOST_TEST(r.rc == 0, r.err);
+}
+
+BOOST_AUTO_TEST_CASE(missing_segment) {
+  const std::string name = test::unique_name("absent");
+  const Run r = run_inspect({name});
+  BOOST_TEST(r.rc == 2);
+  BOOST_TEST(contains(r.err, "'" + name + "'"), r.err);
+  BOOST_TEST(contains(r.err, "/dev/shm/shmps." + name), r.err);
+  BOOST_TEST(r.out.empty());
+
+  const Run f = run_inspect({"--file", "/nonexistent/" + name});
+  BOOST_TEST(f.rc == 2);
+  BOOST_TEST(contains(f.err, "/nonexistent/" + name), f.err);
+
+  BOOST_TEST(run_inspect({}).rc == 1);
+  BOOST_TEST(run_inspect({name, "--file", "/tmp/x"}).rc == 1);
+  BOOST_TEST(run_inspect({"--count", "2", name}).rc == 1);
+  BOOST_TEST(run_inspect({"bad/name"}).rc == 1);
+}
+
+BOOST_AUTO_TEST_CASE(saved_and_corrupted_copies) {
+  const std::string name = test::unique_name("insp");
+  std::string good;
+  {
+    test::ServerProcess server(name, kTensorArgs);
+    auto worker = connect(name);
+    BOOST_REQUIRE(worker->ping().ok());
+    good = segment_bytes(name);
+  }
+  TempFile copy;
+  write_all(copy.path, good);
+  const json j = parse_json(run_inspect({"--json", "--file", copy.path}));
+  BOOST_TEST(j["source"] == copy.path);
+  BOOST_TEST(j["tensors"][0]["name"] == "fc.weight");
+  BOOST_TEST(j["header"]["server_alive"] == false);  // the server has exited since
+  BOOST_TEST(j["workers"].size() == 1u);             // copied while the worker was attached
+
+  uint64_t tensor_table = 0;
+  std::memcpy(&tensor_table, good.data() + offsetof(shm::SegmentHeader, tensor_table_offset), sizeof tensor_table);
+  struct Case {
+    std::string what;
+    std::function<void(std::string*)> corrupt;
+    int rc;
+    std::vector<std::string> message_parts;
+  };
+  const std::vector<Case> cases{
+      {"magic", [](std::string* b) { poke<uint64_t>(b, 0, 0x4141414141414141ull); }, 3,
+       {"not a shmps segment", "0x4141414141414141"}},
+      {"layout version", [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, layout_version), 99); }, 3,
+       {"layout version 99", "understands 1"}},
+      {"lane capacity", [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, lane_capacity), 3); }, 3,
+       {"lane_capacity 3"}},
+      {"tensor ndim",
+       [&](std::string* b) { poke<uint32_t>(b, tensor_table + offsetof(shm::TensorDesc, ndim), 9); }, 3,
+       {"tensor 0", "ndim 9"}},
+      {"truncated", [](std::string* b) { b->resize(100); }, 3, {"100 bytes", "smaller than a shmps header"}},
+      {"unpublished", [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, layout_version), 0); }, 4,
+       {"not published"}},
+  };
+  for (const Case& c : cases) {
+    BOOST_TEST_CONTEXT("corrupted " << c.what) {
+      std::string bytes = good;
+      c.corrupt(&bytes);
+      write_all(copy.path, bytes);
+      const Run r = run_inspect({"--file", copy.path});
+      BOOST_TEST(r.rc == c.rc);
+      BOOST_TEST(r.out.empty());
+      for (const std::string& part : c.message_parts) BOOST_TEST(contains(r.err, part), r.err);
+      BOOST_TEST(contains(r.err, copy.path), r.err);
+      BOOST_TEST(run_inspect({"--json", "--file", copy.path}).rc == c.rc);
+    }
+  }
+}
+
+// The decoder on garbage that validate_segment does not cover (lanes,
+// worker entries, descriptors): an in-process segment, copied and mangled.
+BOOST_AUTO_TEST_CASE(decoder_treats_entries_as_untrusted) {
+  const std::string name = test::unique_name("insp");
+  struct Cleanup {
+    std::string name;
+    ~Cleanup() { shm::Segment::remove(name); }
+  } cleanup{name};
+  shm::SegmentSpec spec;
+  spec.name = name;
+  spec.tensors = {{"fc.weight", {4, 3}}, {"fc.bias", {4}}};
+  spec.max_workers = 4;
+  spec.max_buffers = 2;
+  spec.lane_capacity = 8;
+  spec.config.optimizer_kind = 2;
+  spec.config.backend = 1;
+  spec.config.flags = shm::kConfigAmsgrad | (1u << 7);
+  auto seg = shm::Segment::create(spec, 7);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  shm::Segment& s = **seg;
+  s.publish();
+
+  // Worker 1: an unknown state, an unterminated buffer name, a bad kind.
+  s.worker(1).owner.store(shm::make_owner(0x7fffff00u, static_cast<shm::WorkerState>(7)), std::memory_order_relaxed);
+  shm::BufferDesc& d0 = s.buffer(1, 0);
+  d0.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+  d0.length = 64;
+  std::memset(d0.handle, 'A', sizeof d0.handle);
+  d0.handle[3] = '\n';
+  s.buffer(1, 1).kind = 9;
+  // Lane 1: one request with garbage in every enum and id.
+  shm::Request r{};
+  r.request_id = 5;
+  r.opcode = 77;
+  r.tensor_id = 1000;
+  r.dtype = 42;
+  s.lane_slots(1)[3] = r;
+  s.lane(1).head.store(3, std::memory_order_relaxed);
+  s.lane(1).tail.store(4, std::memory_order_relaxed);
+  // Lane 2: impossible indices. Completion queue 3: likewise.
+  s.lane(2).head.store(10, std::memory_order_relaxed);
+  s.lane(2).tail.store(1000, std::memory_order_relaxed);
+  s.completions(3).tail.store(uint64_t{1} << 40, std::memory_order_relaxed);
+  s.header().server_state.store(99, std::memory_order_relaxed);
+
+  auto snap = inspect::take_snapshot(s.object().data(), s.object().size(), "test");
+  BOOST_REQUIRE_MESSAGE(snap.ok(), snap.status().to_string());
+  BOOST_REQUIRE(snap->workers.size() == 1u);
+  const inspect::WorkerView& w = snap->workers[0];
+  BOOST_TEST(w.id == 1u);
+  BOOST_TEST(inspect::worker_state_name(w.state) == "unknown(7)");
+  BOOST_TEST(!w.pid_alive);
+  BOOST_REQUIRE(w.buffers.size() == 2u);
+  BOOST_TEST(w.buffers[0].name == "AAA\\x0a" + std::string(60, 'A') + " (unterminated)");
+  BOOST_TEST(inspect::buffer_kind_name(w.buffers[1].kind) == "unknown(9)");
+
+  BOOST_REQUIRE(snap->lanes.size() == 2u);
+  BOOST_TEST(snap->lanes[0].worker == 1u);
+  BOOST_TEST(snap->lanes[0].depth == 1u);
+  BOOST_REQUIRE(snap->lanes[0].slots.size() == 1u);
+  BOOST_TEST(snap->lanes[0].slots[0].request_id == 5u);
+  BOOST_TEST(snap->lanes[1].worker == 2u);
+  BOOST_TEST(snap->lanes[1].corrupt);
+  BOOST_TEST(snap->lanes[1].slots.empty());
+  bool queue3_corrupt = false;
+  for (const auto& q : snap->completions) queue3_corrupt |= q.worker == 3 && q.corrupt && q.slots.empty();
+  BOOST_TEST(queue3_corrupt);
+
+  const std::string text = inspect::render_text(*snap);
+  BOOST_TEST(contains(text, "state           unknown(99)"), text);
+  BOOST_TEST(contains(text, "optimizer       adam"), text);
+  BOOST_TEST(contains(text, "flags           amsgrad,0x80"), text);
+  BOOST_TEST(contains(text, "worker 1: unknown(7), pid 2147483392 (dead)"), text);
+  BOOST_TEST(contains(text, "request 5 unknown(77)"), text);
+  BOOST_TEST(contains(text, "lane 2: head 10, tail 1000: corrupt indices"), text);
+  BOOST_TEST(contains(text, "queue 3: head 0, tail 1099511627776: corrupt indices"), text);
+
+  const json j = inspect::to_json(*snap);
+  const json& slot = j["lanes"][0]["slots"][0];
+  BOOST_TEST(slot["opcode"] == "unknown(77)");
+  BOOST_TEST(slot["tensor_name"] == "invalid(1000)");
+  BOOST_TEST(slot["dtype"] == "unknown(42)");
+  BOOST_TEST(j["lanes"][1]["depth"].is_null());
+  BOOST_TEST(j["header"]["state"] == "unknown(99)");
+  BOOST_TEST(!j.dump().empty());  // every string is valid UTF-8
+
+  // The same through the binary, from a copy in a file.
+  TempFile copy;
+  write_all(copy.path, std::string(static_cast<const char*>(s.object().data()), s.object().size()));
+  const Run run = run_inspect({"--file", copy.path});
+  BOOST_TEST(run.rc == 0, run.err);
+  BOOST_TEST(contains(run.out, "corrupt indices"));
+}
+
+BOOST_AUTO_TEST_CASE(names_of_raw_values) {
+  BOOST_TEST(inspect::opcode_name(5) == "push");
+  BOOST_TEST(inspect::opcode_name(0) == "unknown(0)");
+  BOOST_TEST(inspect::error_name(1) == "stale");
+  BOOST_TEST(inspect::error_name(31) == "unknown(31)");
+  BOOST_TEST(inspect::dtype_name(3) == "bf16");
+  BOOST_TEST(inspect::backend_name(0) == "unknown(0)");
+  BOOST_TEST(inspect::config_flags_text(0) == "none");
+  BOOST_TEST(inspect::printable_name("ab\0cd", 5) == "ab");
+  BOOST_TEST(inspect::printable_name("a\\b", 4) == "a\\x5cb");
+}
+
+BOOST_AUTO_TEST_SUITE_END()

@@ -1,0 +1,767 @@
+// shmps-bench: measures shmps across real processes and prints tables.
+// The server is a shmps-server child process (found beside this program),
+// every worker a fork()ed process; each figure is a median over repeats,
+// printed beside a reference measured in the same run (docs/benchmarks.md).
+// Single-threaded apart from the 2-thread memcpy reference.
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <boost/program_options.hpp>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <new>
+#include <thread>
+
+#include "bench_support.hpp"
+#include "shmps/kernels/optimizer.hpp"
+#include "shmps/worker.hpp"
+
+namespace po = boost::program_options;
+
+namespace shmps::bench {
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr float kGradValue = 1e-4f;  // finite, small: weights stay finite over any run
+
+// ------------------------------------------------------------ plan
+
+struct Plan {
+  bool quick = false;
+  uint32_t repeats = 5;
+  std::string server_path;
+  std::string log_path;
+  uint32_t pings = 10000;        // per process and repeat, back to back
+  uint32_t spaced_pings = 1000;  // per repeat, one every kSpacedGapNs
+  uint32_t warmup_pings = 1000;
+  std::vector<uint64_t> push_sizes{1 * kMiB, 64 * kMiB, 256 * kMiB};
+  uint64_t optimizer_bytes = 64 * kMiB;
+  uint32_t optimizer_samples_per_repeat = 2;
+  uint64_t memory_bytes = 256 * kMiB;
+  uint32_t memory_pushes = 3;
+};
+
+// Pings spaced this far apart find the server asleep on its futex (it spins
+// 50 us by default after the last request).
+constexpr long kSpacedGapNs = 200'000;
+
+std::string mib_text(uint64_t bytes) {
+  if (bytes % kMiB == 0) return std::to_string(bytes / kMiB) + " MiB";
+  return std::to_string(bytes / 1024) + " KiB";
+}
+
+double gbps(double bytes, double ns) { return bytes / ns; }  // bytes/ns == GB/s
+
+// Elementwise a[i] / b[i] over the common length (paired samples).
+std::vector<double> ratios(const std::vector<double>& a, const std::vector<double>& b) {
+  std::vector<double> r;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) r.push_back(a[i] / b[i]);
+  return r;
+}
+
+std::string verdict(bool met) { return met ? "MET" : "MISSED"; }
+
+struct Goal {
+  std::string text;
+  std::string measured;
+  bool met;
+};
+
+void sleep_ns(long ns) {
+  timespec ts{0, ns};
+  ::nanosleep(&ts, nullptr);
+}
+
+// Keeps the compiler from dropping a copy nobody reads.
+inline void escape(void* p) { asm volatile("" : : "g"(p) : "memory"); }
+
+Result<std::unique_ptr<Worker>> connect(const std::string& name) {
+  WorkerOptions options;
+  options.name = name;
+  options.timeout = std::chrono::seconds(60);
+  return Worker::connect(options);
+}
+
+Status with_context(const Status& s, const std::string& what) { return {s.code(), what + ": " + s.message()}; }
+
+void fill(void* data, uint64_t bytes, float value) {
+  auto* f = static_cast<float*>(data);
+  std::fill(f, f + bytes / sizeof(float), value);
+}
+
+// The server's command line for one fp32 tensor per entry of `elements`.
+std::vector<std::string> server_args(const std::vector<uint64_t>& elements, const std::vector<std::string>& extra) {
+  std::vector<std::string> args;
+  for (size_t i = 0; i < elements.size(); ++i) {
+    args.push_back("--tensor");
+    args.push_back("t" + std::to_string(i) + ":" + std::to_string(elements[i]));
+  }
+  // One pusher per server: staleness is always 0; never reject on it.
+  args.insert(args.end(), {"--lr", "0.001", "--max-staleness", "1000000"});
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+Result<std::unique_ptr<ServerChild>> start_server(const Plan& plan, const std::string& tag,
+                                                  const std::vector<uint64_t>& elements,
+                                                  const std::vector<std::string>& extra) {
+  return ServerChild::start(plan.server_path, segment_name(tag), server_args(elements, extra), plan.log_path);
+}
+
+// ------------------------------------------------------------ section 1: round trip
+
+struct LatencyStats {
+  double p50, p99, p999;
+};
+
+LatencyStats latency_stats(const std::vector<double>& ns) {
+  return {percentile(ns, 0.50), percentile(ns, 0.99), percentile(ns, 0.999)};
+}
+
+// Two processes, two atomics on separate cache lines of one MAP_SHARED
+// page: the fastest cross-process round trip this machine offers.
+struct alignas(64) SpinPage {
+  alignas(64) std::atomic<uint64_t> ping{0};
+  alignas(64) std::atomic<uint64_t> pong{0};
+};
+
+// Spins until word == value; false after ~10 s (the peer died).
+bool spin_until(const std::atomic<uint64_t>& word, uint64_t value) {
+  uint64_t spins = 0;
+  const uint64_t deadline = now_ns() + 10'000'000'000ull;
+  // acquire: pairs with the peer's release store of the same word.
+  while (word.load(std::memory_order_acquire) != value) {
+    cpu_relax();
+    if ((++spins & 0xFFFF) == 0 && now_ns() > deadline) return false;
+  }
+  return true;
+}
+
+Result<std::vector<double>> spin_pingpong(uint32_t warmup, uint32_t n) {
+  auto page = SharedArena::create(sizeof(SpinPage));
+  if (!page.ok()) return page.status();
+  auto* p = new ((*page)->data()) SpinPage{};
+  auto r = run_children(2, 1, n, [&](uint32_t k, StartBarrier& barrier, Series& out) -> Status {
+    barrier.arrive_and_wait();
+    for (uint64_t i = 1; i <= uint64_t{warmup} + n; ++i) {
+      if (k == 1) {
+        if (!spin_until(p->ping, i)) return {ErrorCode::kTimeout, "spin ping-pong: no ping"};
+        p->pong.store(i, std::memory_order_release);
+        continue;
+      }
+      const uint64_t t0 = now_ns();
+      p->ping.store(i, std::memory_order_release);
+      if (!spin_until(p->pong, i)) return {ErrorCode::kTimeout, "spin ping-pong: no pong"};
+      const uint64_t t1 = now_ns();
+      if (i > warmup) out[0].push_back(static_cast<double>(t1 - t0));
+    }
+    return Status::Ok();
+  });
+  if (!r.ok()) return r.status();
+  return std::move(r.value()[0]);
+}
+
+bool read_full(int fd, char* buf, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::read(fd, buf + got, n - got);
+    if (r <= 0) {
+      if (r < 0 && errno == EINTR) continue;
+      return false;
+    }
+    got += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+// A 64-byte message each way over a Unix-domain socketpair.
+Result<std::vector<double>> socket_pingpong(uint32_t warmup, uint32_t n) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0)
+    return Status{ErrorCode::kIo, std::string("socketpair: ") + std::strerror(errno)};
+  const timeval timeout{10, 0};  // a dead peer fails the read instead of hanging it
+  for (int fd : sv) ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  auto r = run_children(2, 1, n, [&](uint32_t k, StartBarrier& barrier, Series& out) -> Status {
+    const int fd = sv[k];
+    ::close(sv[1 - k]);
+    char buf[64] = {};
+    barrier.arrive_and_wait();
+    for (uint32_t i = 0; i < warmup + n; ++i) {
+      if (k == 1) {
+        if (!read_full(fd, buf, sizeof buf) || ::write(fd, buf, sizeof buf) != sizeof buf)
+          return {ErrorCode::kIo, "socket ping-pong: echo failed"};
+        continue;
+      }
+      const uint64_t t0 = now_ns();
+      if (::write(fd, buf, sizeof buf) != sizeof buf || !read_full(fd, buf, sizeof buf))
+        return {ErrorCode::kIo, "socket ping-pong: exchange failed"};
+      const uint64_t t1 = now_ns();
+      if (i >= warmup) out[0].push_back(static_cast<double>(t1 - t0));
+    }
+    return Status::Ok();
+  });
+  ::close(sv[0]);
+  ::close(sv[1]);
+  if (!r.ok()) return r.status();
+  return std::move(r.value()[0]);
+}
+
+// `procs` worker processes ping concurrently, n pings each (gap_ns apart
+// when > 0); returns all round trips, merged.
+Result<std::vector<double>> worker_pings(const std::string& name, uint32_t procs, uint32_t warmup, uint32_t n,
+                                         long gap_ns) {
+  auto r = run_children(procs, 1, n, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+    auto w = connect(name);
+    if (!w.ok()) return with_context(w.status(), "connect");
+    for (uint32_t i = 0; i < warmup; ++i)
+      if (Status s = (*w)->ping(); !s.ok()) return with_context(s, "ping");
+    barrier.arrive_and_wait();
+    out[0].reserve(n);
+    for (uint32_t i = 0; i < n; ++i) {
+      if (gap_ns > 0) sleep_ns(gap_ns);
+      const uint64_t t0 = now_ns();
+      const Status s = (*w)->ping();
+      const uint64_t t1 = now_ns();
+      if (!s.ok()) return with_context(s, "ping");
+      out[0].push_back(static_cast<double>(t1 - t0));
+    }
+    return Status::Ok();
+  });
+  if (!r.ok()) return r.status();
+  return std::move(r.value()[0]);
+}
+
+struct LatencyRow {
+  std::string label;
+  std::string regime;
+  uint32_t procs = 1;
+  size_t samples = 0;
+  std::vector<double> p50, p99, p999, vs_spin, vs_socket;  // one per repeat
+};
+
+Status section_round_trip(const Plan& plan, Csv& csv, std::vector<Goal>& goals) {
+  std::printf("\n[1] Round trip of an empty request: Worker::ping(), submit -> completion, ns\n");
+  std::printf("    server: a shmps-server process with a 1024-parameter tensor; workers: fork()ed processes\n");
+  auto spin_server = start_server(plan, "ping", {1024}, {});
+  if (!spin_server.ok()) return spin_server.status();
+  auto futex_server = start_server(plan, "ping0", {1024}, {"--idle-spin-us", "0"});
+  if (!futex_server.ok()) return futex_server.status();
+  const std::string spin_name = (*spin_server)->name(), futex_name = (*futex_server)->name();
+
+  std::vector<LatencyRow> rows{
+      {"ref: shm spin ping-pong", "-", 2, 0, {}, {}, {}, {}, {}},
+      {"ref: unix socket, 64 B", "-", 2, 0, {}, {}, {}, {}, {}},
+      {"ping, 1 worker", "spin (back to back)", 1, 0, {}, {}, {}, {}, {}},
+      {"ping, 2 workers", "spin (back to back)", 2, 0, {}, {}, {}, {}, {}},
+      {"ping, 4 workers", "spin (back to back)", 4, 0, {}, {}, {}, {}, {}},
+      {"ping, 1 worker, 200 us apart", "futex (server asleep)", 1, 0, {}, {}, {}, {}, {}},
+      {"ping, 1 worker, --idle-spin-us 0", "no idle spin", 1, 0, {}, {}, {}, {}, {}},
+  };
+  for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
+    std::vector<Result<std::vector<double>>> runs;
+    runs.push_back(spin_pingpong(plan.warmup_pings, plan.pings));
+    runs.push_back(socket_pingpong(plan.warmup_pings, plan.pings));
+    runs.push_back(worker_pings(spin_name, 1, plan.warmup_pings, plan.pings, 0));
+    runs.push_back(worker_pings(spin_name, 2, plan.warmup_pings, plan.pings, 0));
+    runs.push_back(worker_pings(spin_name, 4, plan.warmup_pings, plan.pings, 0));
+    runs.push_back(worker_pings(spin_name, 1, plan.warmup_pings / 10, plan.spaced_pings, kSpacedGapNs));
+    runs.push_back(worker_pings(futex_name, 1, plan.warmup_pings, plan.pings, 0));
+    double spin_p50 = NAN, socket_p50 = NAN;
+    for (size_t i = 0; i < runs.size(); ++i) {
+      if (!runs[i].ok()) return with_context(runs[i].status(), rows[i].label);
+      const LatencyStats st = latency_stats(*runs[i]);
+      if (i == 0) spin_p50 = st.p50;
+      if (i == 1) socket_p50 = st.p50;
+      rows[i].samples += runs[i]->size();
+      rows[i].p50.push_back(st.p50);
+      rows[i].p99.push_back(st.p99);
+      rows[i].p999.push_back(st.p999);
+      rows[i].vs_spin.push_back(st.p50 / spin_p50);
+      rows[i].vs_socket.push_back(st.p50 / socket_p50);
+    }
+  }
+
+  Table table("round_trip", {"case", "server regime", "procs", "samples", "p50 ns", "p99 ns", "p999 ns",
+                             "p50/spin ref", "p50/socket ref"});
+  for (const LatencyRow& r : rows)
+    table.add_row({r.label, r.regime, std::to_string(r.procs), std::to_string(r.samples), fixed(median(r.p50), 0),
+                   fixed(median(r.p99), 0), fixed(median(r.p999), 0), fixed(median(r.vs_spin), 2),
+                   fixed(median(r.vs_socket), 2)});
+  table.print(stdout);
+  table.to_csv(csv);
+  std::printf("    p50/p99/p999: median over %u repeats of each repeat's percentile (all processes' pings merged);\n"
+              "    ratios: median of each repeat's p50 / that repeat's reference p50.\n"
+              "    Regimes: spin = back-to-back pings reach the server while it polls (it spins\n"
+              "    --idle-spin-us 50, the default, after its last request); futex = pings 200 us apart\n"
+              "    find it asleep on its futex, so each pays a wake-up; no idle spin = a server that\n"
+              "    sleeps as soon as its lanes are empty (back-to-back pings often beat it to sleep).\n",
+              plan.repeats);
+  const double p50 = median(rows[2].p50);
+  goals.push_back({"[1] ping p50 <= 5000 ns, one worker (spin regime)", fixed(p50, 0) + " ns", p50 <= 5000.0});
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------ section 2: push + apply throughput
+
+Status section_push_throughput(const Plan& plan, Csv& csv, std::vector<Goal>& goals) {
+  std::printf("\n[2] Push + apply throughput, SGD (lr 0.001, no momentum), fp32 gradients, GB/s of gradient\n");
+  std::printf("    one server process (one tensor per size, NaN check on), one worker process pushing\n"
+              "    from its registered buffer; reference: memcpy of the same bytes from that buffer in the\n"
+              "    worker process, interleaved with the pushes (one thread)\n");
+  std::vector<uint64_t> elements;
+  uint64_t max_bytes = 0;
+  for (uint64_t b : plan.push_sizes) {
+    elements.push_back(b / sizeof(float));
+    max_bytes = std::max(max_bytes, b);
+  }
+  auto server = start_server(plan, "push", elements, {"--optimizer", "sgd"});
+  if (!server.ok()) return server.status();
+  const std::string name = (*server)->name();
+  const size_t sizes = plan.push_sizes.size();
+  // Samples per repeat: enough to reach ~64 MiB of pushes per size and repeat.
+  std::vector<uint32_t> per_repeat;
+  for (uint64_t b : plan.push_sizes) per_repeat.push_back(static_cast<uint32_t>(std::clamp<uint64_t>(64 * kMiB / b, 1, 40)));
+  const uint32_t max_per_size = *std::max_element(per_repeat.begin(), per_repeat.end()) * plan.repeats;
+
+  auto r = run_children(1, static_cast<uint32_t>(2 * sizes), max_per_size,
+                        [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+    auto w = connect(name);
+    if (!w.ok()) return with_context(w.status(), "connect");
+    auto buf = (*w)->register_buffer(max_bytes);
+    if (!buf.ok()) return with_context(buf.status(), "register_buffer");
+    fill(buf->data, max_bytes, kGradValue);
+    std::vector<char> dst(max_bytes, 1);
+    uint64_t version = 0;
+    const auto push = [&](size_t j) -> Status {
+      auto v = (*w)->push(static_cast<uint32_t>(j), buf->id, 0, plan.push_sizes[j], Dtype::kF32, version);
+      if (!v.ok()) return with_context(v.status(), "push of " + mib_text(plan.push_sizes[j]));
+      version = *v;
+      return Status::Ok();
+    };
+    for (size_t j = 0; j < sizes; ++j) {  // warm-up: the server maps and faults the pages in
+      if (Status s = push(j); !s.ok()) return s;
+      std::memcpy(dst.data(), buf->data, plan.push_sizes[j]);
+    }
+    barrier.arrive_and_wait();
+    for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
+      for (size_t j = 0; j < sizes; ++j) {
+        for (uint32_t q = 0; q < per_repeat[j]; ++q) {
+          uint64_t t0 = now_ns();
+          std::memcpy(dst.data(), buf->data, plan.push_sizes[j]);
+          escape(dst.data());
+          uint64_t t1 = now_ns();
+          out[2 * j].push_back(static_cast<double>(t1 - t0));
+          t0 = now_ns();
+          if (Status s = push(j); !s.ok()) return s;
+          t1 = now_ns();
+          out[2 * j + 1].push_back(static_cast<double>(t1 - t0));
+        }
+      }
+    }
+    return Status::Ok();
+  });
+  if (!r.ok()) return r.status();
+
+  Table table("push_throughput", {"gradient", "pushes", "push+apply ms", "push+apply GB/s", "memcpy GB/s",
+                                  "push/memcpy"});
+  for (size_t j = 0; j < sizes; ++j) {
+    const auto& copy = (*r)[2 * j];
+    const auto& push = (*r)[2 * j + 1];
+    const double bytes = static_cast<double>(plan.push_sizes[j]);
+    const double push_ns = median(push), copy_ns = median(copy);
+    const double ratio = median(ratios(copy, push));
+    table.add_row({mib_text(plan.push_sizes[j]), std::to_string(push.size()), fixed(push_ns / 1e6, 3),
+                   fixed(gbps(bytes, push_ns), 2), fixed(gbps(bytes, copy_ns), 2), fixed(100 * ratio, 1) + "%"});
+    if (j == 1 || sizes == 1)
+      goals.push_back({"[2] SGD push+apply at " + mib_text(plan.push_sizes[j]) + " >= 50% of memcpy",
+                       fixed(100 * ratio, 1) + "%", ratio >= 0.5});
+  }
+  table.print(stdout);
+  table.to_csv(csv);
+  std::printf("    medians over all pushes; push/memcpy: median over pairs (a memcpy, then a push) of\n"
+              "    memcpy time / push time. The push time is the worker's whole call (submit, server\n"
+              "    NaN check + apply on 2 OpenMP threads, completion).\n");
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------ section 3: optimizer traffic
+
+struct OptimizerCase {
+  std::string label;
+  std::vector<std::string> args;
+  double bytes_per_param;  // the traffic the update itself must do per fp32 parameter
+};
+
+const std::vector<OptimizerCase>& optimizer_cases() {
+  static const std::vector<OptimizerCase> cases{
+      {"sgd", {"--optimizer", "sgd"}, 12},
+      {"sgd+momentum 0.9", {"--optimizer", "sgd", "--momentum", "0.9"}, 20},
+      {"adam", {"--optimizer", "adam"}, 28},
+  };
+  return cases;
+}
+
+// In one process, no protocol: apply_cpu on private arrays, paired with
+// memcpy. Series: 0 memcpy, 1 memcpy on 2 threads, 2 sgd, 3 all_finite +
+// sgd, 4 sgd+momentum, 5 adam, 6 all_finite alone.
+Result<Series> in_process_apply(const Plan& plan, uint32_t samples) {
+  const uint64_t bytes = plan.optimizer_bytes;
+  const uint64_t n = bytes / sizeof(float);
+  return run_children(1, 7, samples, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+    std::vector<float> grad(n, kGradValue), dst(n, 1.0f), w(n, 0.0f), buf(n, 0.0f), m(n, 0.0f), v(n, 0.0f);
+    kernels::OptimizerConfig sgd, momentum, adam;
+    sgd.lr = momentum.lr = adam.lr = 0.001f;
+    momentum.momentum = 0.9f;
+    adam.kind = kernels::OptimizerKind::kAdam;
+    kernels::TensorState plain, with_buf, with_moments;
+    plain.weights = with_buf.weights = with_moments.weights = w.data();
+    plain.n = with_buf.n = with_moments.n = n;
+    with_buf.state[0] = buf.data();
+    with_moments.state[0] = m.data();
+    with_moments.state[1] = v.data();
+    uint64_t step_sgd = 0, step_momentum = 0, step_adam = 0;
+    bool finite = true;
+    const auto copy2 = [&] {
+      std::thread half([&] { std::memcpy(dst.data(), grad.data(), bytes / 2); });
+      std::memcpy(reinterpret_cast<char*>(dst.data()) + bytes / 2, reinterpret_cast<char*>(grad.data()) + bytes / 2,
+                  bytes - bytes / 2);
+      half.join();
+    };
+    const std::vector<std::function<void()>> ops{
+        [&] { std::memcpy(dst.data(), grad.data(), bytes); },
+        copy2,
+        [&] { kernels::apply_cpu(sgd, plain, grad.data(), kernels::GradDtype::kF32, ++step_sgd); },
+        [&] {
+          finite &= kernels::all_finite_cpu(grad.data(), kernels::GradDtype::kF32, n);
+          kernels::apply_cpu(sgd, plain, grad.data(), kernels::GradDtype::kF32, ++step_sgd);
+        },
+        [&] { kernels::apply_cpu(momentum, with_buf, grad.data(), kernels::GradDtype::kF32, ++step_momentum); },
+        [&] { kernels::apply_cpu(adam, with_moments, grad.data(), kernels::GradDtype::kF32, ++step_adam); },
+        [&] { finite &= kernels::all_finite_cpu(grad.data(), kernels::GradDtype::kF32, n); },
+    };
+    for (const auto& op : ops) op();  // warm-up: OpenMP threads, page faults
+    barrier.arrive_and_wait();
+    for (uint32_t q = 0; q < samples; ++q) {
+      for (size_t k = 0; k < ops.size(); ++k) {
+        const uint64_t t0 = now_ns();
+        ops[k]();
+        escape(dst.data());
+        escape(w.data());
+        const uint64_t t1 = now_ns();
+        out[k].push_back(static_cast<double>(t1 - t0));
+      }
+    }
+    if (!finite) return {ErrorCode::kInternal, "all_finite_cpu reported a non-finite gradient of finite values"};
+    return Status::Ok();
+  });
+}
+
+// Through the protocol: one server process with `args`, one worker process
+// pushing the whole tensor from its registered buffer, paired with a memcpy
+// of that buffer. One server at a time: an idle server's OpenMP threads
+// spinning after their last update would slow the next one down.
+// Series: 0 memcpy, 1 push.
+Result<Series> via_server(const Plan& plan, const std::string& tag, const std::vector<std::string>& args,
+                          uint32_t samples) {
+  const uint64_t bytes = plan.optimizer_bytes;
+  auto server = start_server(plan, tag, {bytes / sizeof(float)}, args);
+  if (!server.ok()) return server.status();
+  const std::string name = (*server)->name();
+  return run_children(1, 2, samples, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+    auto w = connect(name);
+    if (!w.ok()) return with_context(w.status(), "connect");
+    auto b = (*w)->register_buffer(bytes);
+    if (!b.ok()) return with_context(b.status(), "register_buffer");
+    fill(b->data, bytes, kGradValue);
+    std::vector<char> dst(bytes, 1);
+    uint64_t version = 0;
+    const auto push = [&]() -> Status {
+      auto v = (*w)->push(0, b->id, 0, bytes, Dtype::kF32, version);
+      if (!v.ok()) return with_context(v.status(), "push");
+      version = *v;
+      return Status::Ok();
+    };
+    if (Status s = push(); !s.ok()) return s;  // warm-up: the server maps and faults the pages in
+    barrier.arrive_and_wait();
+    for (uint32_t q = 0; q < samples; ++q) {
+      uint64_t t0 = now_ns();
+      std::memcpy(dst.data(), b->data, bytes);
+      escape(dst.data());
+      uint64_t t1 = now_ns();
+      out[0].push_back(static_cast<double>(t1 - t0));
+      t0 = now_ns();
+      if (Status s = push(); !s.ok()) return s;
+      t1 = now_ns();
+      out[1].push_back(static_cast<double>(t1 - t0));
+    }
+    return Status::Ok();
+  });
+}
+
+Status section_optimizers(const Plan& plan, Csv& csv, std::vector<Goal>& goals) {
+  const uint64_t bytes = plan.optimizer_bytes;
+  const double params = static_cast<double>(bytes / sizeof(float));
+  std::printf("\n[3] Optimizer throughput at %s (%.0f fp32 parameters): traffic GB/s = B/param * params / time\n",
+              mib_text(bytes).c_str(), params);
+  std::printf("    B/param is what the update must move: sgd reads w, g and writes w (12); momentum adds\n"
+              "    the buffer (20); adam adds two moments (28). Reference: memcpy traffic = 2 * bytes / time\n"
+              "    (read + write), measured in the same process, interleaved.\n");
+  const uint32_t samples = plan.repeats * plan.optimizer_samples_per_repeat;
+  auto local = in_process_apply(plan, samples);
+  if (!local.ok()) return with_context(local.status(), "in-process apply_cpu");
+  std::vector<Series> remote;  // per case: NaN check, then --allow-nonfinite
+  for (size_t c = 0; c < optimizer_cases().size(); ++c) {
+    for (bool allow : {false, true}) {
+      std::vector<std::string> args = optimizer_cases()[c].args;
+      if (allow) args.push_back("--allow-nonfinite");
+      auto r = via_server(plan, "opt" + std::to_string(remote.size()), args, samples);
+      if (!r.ok()) return with_context(r.status(), "pushes, " + optimizer_cases()[c].label);
+      remote.push_back(std::move(r).value());
+    }
+  }
+
+  Table table("optimizers", {"optimizer", "path", "B/param", "ms", "traffic GB/s", "memcpy traffic GB/s",
+                             "traffic/memcpy"});
+  const auto row = [&](const std::string& label, const std::string& path, double bpp, double moved,
+                       const std::vector<double>& ns, const std::vector<double>& copy_ns) {
+    const double traffic = gbps(bpp * params, median(ns));
+    const double ref = gbps(2.0 * static_cast<double>(bytes), median(copy_ns));
+    // Per pair: (bpp * params / t) / (2 * bytes / t_copy).
+    std::vector<double> r = ratios(copy_ns, ns);
+    for (double& x : r) x *= bpp * params / (2.0 * static_cast<double>(bytes));
+    const std::string bpp_text = moved == bpp ? fixed(bpp, 0) : fixed(bpp, 0) + " (+" + fixed(moved - bpp, 0) + ")";
+    table.add_row({label, path, bpp_text, fixed(median(ns) / 1e6, 2), fixed(traffic, 2), fixed(ref, 2),
+                   fixed(100 * median(r), 1) + "%"});
+    return median(r);
+  };
+  const Series& l = *local;
+  row("memcpy (reference)", "in-process, 2 threads", 8, 8, l[1], l[0]);
+  row("all_finite_cpu", "in-process", 4, 4, l[6], l[0]);
+  const size_t local_series[] = {2, 4, 5};
+  for (size_t c = 0; c < optimizer_cases().size(); ++c) {
+    const OptimizerCase& oc = optimizer_cases()[c];
+    row(oc.label, "apply_cpu in-process", oc.bytes_per_param, oc.bytes_per_param, l[local_series[c]], l[0]);
+    if (c == 0) row(oc.label, "all_finite+apply in-process", 12, 16, l[3], l[0]);
+    const Series& checked_run = remote[2 * c];
+    const Series& allowed_run = remote[2 * c + 1];
+    const double checked = row(oc.label, "server, NaN check", oc.bytes_per_param, oc.bytes_per_param + 4,
+                               checked_run[1], checked_run[0]);
+    const double allowed = row(oc.label, "server, --allow-nonfinite", oc.bytes_per_param, oc.bytes_per_param,
+                               allowed_run[1], allowed_run[0]);
+    goals.push_back({"[3] " + oc.label + " via server (NaN check) >= 60% of memcpy traffic",
+                     fixed(100 * checked, 1) + "%", checked >= 0.6});
+    goals.push_back({"[3] " + oc.label + " via server (--allow-nonfinite) >= 60% of memcpy traffic",
+                     fixed(100 * allowed, 1) + "%", allowed >= 0.6});
+  }
+  table.print(stdout);
+  table.to_csv(csv);
+  std::printf("    %u samples per row. B/param (+4): the NaN/Inf check reads g once more before the update.\n"
+              "    In-process rows use the in-process memcpy (one thread) as reference; each server row\n"
+              "    its own worker process's memcpy of its registered buffer, paired with the pushes (one\n"
+              "    server process at a time). apply_cpu and the server split the update over all cores\n"
+              "    (OpenMP).\n",
+              samples);
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------ section 4: memory
+
+Status section_memory(const Plan& plan, Csv& csv) {
+  const uint64_t bytes = plan.memory_bytes;
+  const uint64_t params = bytes / sizeof(float);
+  std::printf("\n[4] Server resident memory, one tensor of %s (%llu fp32 parameters), MiB\n", mib_text(bytes).c_str(),
+              static_cast<unsigned long long>(params));
+  std::printf("    VmHWM of the server process (peak RSS) right after start and after %u pushes, against\n"
+              "    formula = constant + segment + weights (4 B/param) + optimizer state (0/4/8 B/param)\n"
+              "    + the worker's gradient buffer (4 B/param: shared pages the server maps and reads).\n"
+              "    constant = VmHWM of a server with a 1024-parameter tensor after one ping, minus its segment.\n",
+              plan.memory_pushes);
+
+  // The constant: a tiny server's peak.
+  uint64_t constant = 0;
+  {
+    auto tiny = start_server(plan, "memtiny", {1024}, {});
+    if (!tiny.ok()) return tiny.status();
+    auto pinged = worker_pings((*tiny)->name(), 1, 1, 1, 0);
+    if (!pinged.ok()) return pinged.status();
+    const uint64_t hwm = proc_status_bytes((*tiny)->pid(), "VmHWM");
+    const uint64_t seg = segment_bytes((*tiny)->name());
+    constant = hwm > seg ? hwm - seg : 0;
+  }
+
+  Table table("memory", {"optimizer", "state B/param", "segment", "formula", "VmHWM at start", "VmHWM after pushes",
+                         "VmRSS after", "HWM/formula", "excess B/param"});
+  const auto mib = [](double b) { return fixed(b / static_cast<double>(kMiB), 1); };
+  const double state_bpp[] = {0, 4, 8};
+  for (size_t c = 0; c < optimizer_cases().size(); ++c) {
+    const OptimizerCase& oc = optimizer_cases()[c];
+    auto server = start_server(plan, "mem" + std::to_string(c), {params}, oc.args);
+    if (!server.ok()) return server.status();
+    const pid_t pid = (*server)->pid();
+    const uint64_t hwm_start = proc_status_bytes(pid, "VmHWM");
+    const uint64_t seg = segment_bytes((*server)->name());
+    uint64_t rss_loaded = 0;
+    auto r = run_children(1, 1, 1, [&](uint32_t, StartBarrier& barrier, Series&) -> Status {
+      auto w = connect((*server)->name());
+      if (!w.ok()) return with_context(w.status(), "connect");
+      auto b = (*w)->register_buffer(bytes);
+      if (!b.ok()) return with_context(b.status(), "register_buffer");
+      fill(b->data, bytes, kGradValue);
+      barrier.arrive_and_wait();
+      uint64_t version = 0;
+      for (uint32_t i = 0; i < plan.memory_pushes; ++i) {
+        auto v = (*w)->push(0, b->id, 0, bytes, Dtype::kF32, version);
+        if (!v.ok()) return with_context(v.status(), "push");
+        version = *v;
+      }
+      return Status::Ok();
+    });
+    if (!r.ok()) return r.status();
+    const uint64_t hwm_after = proc_status_bytes(pid, "VmHWM");
+    rss_loaded = proc_status_bytes(pid, "VmRSS");
+    const double p = static_cast<double>(params);
+    const double formula = static_cast<double>(constant + seg) + p * (4 + state_bpp[c] + 4);
+    const double hwm = static_cast<double>(std::max(hwm_start, hwm_after));
+    table.add_row({oc.label, fixed(state_bpp[c], 0), mib(static_cast<double>(seg)), mib(formula),
+                   mib(static_cast<double>(hwm_start)), mib(static_cast<double>(hwm_after)),
+                   mib(static_cast<double>(rss_loaded)), fixed(hwm / formula, 2), fixed((hwm - formula) / p, 1)});
+  }
+  table.print(stdout);
+  table.to_csv(csv);
+  std::printf("    constant %s MiB. VmRSS after: after the worker detached (its buffer unmapped).\n",
+              mib(static_cast<double>(constant)).c_str());
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------ main
+
+// The 1-minute load average: other processes competing for the CPUs.
+std::string load_average() {
+  std::ifstream in("/proc/loadavg");
+  std::string one;
+  in >> one;
+  return one.empty() ? std::string("?") : one;
+}
+
+std::string default_server_path() {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string("shmps-server") : (self.parent_path() / "shmps-server").string();
+}
+
+int run(int argc, char** argv) {
+  Plan plan;
+  std::string csv_path;
+  std::vector<int> sections;
+  po::options_description desc(
+      "shmps-bench: round trip, push+apply and optimizer throughput, and server memory,\n"
+      "measured across real processes; prints tables (docs/benchmarks.md)");
+  desc.add_options()
+      ("help,h", "print this help and exit")
+      ("quick", po::bool_switch(&plan.quick), "smoke mode: tiny sizes, few iterations (CI)")
+      ("repeats", po::value(&plan.repeats), "repeats per figure (default 5, --quick 2)")
+      ("csv", po::value(&csv_path), "also write every cell to FILE (section,row,column,value)")
+      ("section", po::value(&sections)->multitoken(), "run only these sections (1 2 3 4)")
+      ("server", po::value(&plan.server_path), "shmps-server to run (default: beside this program)");
+  po::variables_map vm;
+  try {
+    po::store(po::parse_command_line(argc, argv, desc), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::fprintf(stderr, "shmps-bench: %s\n", e.what());
+    return 2;
+  }
+  if (vm.count("help")) {
+    std::cout << desc << "\n";
+    return 0;
+  }
+  if (!vm.count("repeats")) plan.repeats = plan.quick ? 2 : 5;
+  if (plan.repeats == 0) {
+    std::fprintf(stderr, "shmps-bench: --repeats must be >= 1\n");
+    return 2;
+  }
+  if (sections.empty()) sections = {1, 2, 3, 4};
+  for (int s : sections) {
+    if (s < 1 || s > 4) {
+      std::fprintf(stderr, "shmps-bench: --section must be 1..4, got %d\n", s);
+      return 2;
+    }
+  }
+  if (plan.server_path.empty()) plan.server_path = default_server_path();
+  if (::access(plan.server_path.c_str(), X_OK) != 0) {
+    std::fprintf(stderr, "shmps-bench: no executable shmps-server at %s (use --server)\n", plan.server_path.c_str());
+    return 2;
+  }
+  if (plan.quick) {
+    plan.pings = 300;
+    plan.spaced_pings = 20;
+    plan.warmup_pings = 50;
+    plan.push_sizes = {256 * 1024, 1 * kMiB, 4 * kMiB};
+    plan.optimizer_bytes = 1 * kMiB;
+    plan.memory_bytes = 4 * kMiB;
+    plan.memory_pushes = 2;
+  }
+  plan.log_path = (std::filesystem::temp_directory_path() / ("shmps-bench-" + std::to_string(::getpid()) + ".log")).string();
+
+  std::printf("shmps-bench%s: %u CPUs online, %u repeats, server %s\n", plan.quick ? " --quick" : "",
+              std::thread::hardware_concurrency(), plan.repeats, plan.server_path.c_str());
+  std::printf("Every figure is a median over repeats; reference columns were measured in this run.\n");
+  std::printf("Load average (1 min) at start: %s\n", load_average().c_str());
+  std::fflush(stdout);
+
+  Csv csv;
+  std::vector<Goal> goals;
+  for (int s : sections) {
+    Status st;
+    switch (s) {
+      case 1: st = section_round_trip(plan, csv, goals); break;
+      case 2: st = section_push_throughput(plan, csv, goals); break;
+      case 3: st = section_optimizers(plan, csv, goals); break;
+      case 4: st = section_memory(plan, csv); break;
+    }
+    std::fflush(stdout);
+    if (!st.ok()) {
+      std::fprintf(stderr, "shmps-bench: section %d: %s (server log: %s)\n", s, st.to_string().c_str(),
+                   plan.log_path.c_str());
+      return 1;
+    }
+  }
+
+  std::printf("\nLoad average (1 min) at end: %s (other processes sharing the CPUs distort every figure)\n",
+              load_average().c_str());
+  std::printf("\nGoals%s\n", plan.quick ? " (--quick sizes: not the goals' sizes; informational only)" : "");
+  Table table("goals", {"goal", "measured", "verdict"});
+  for (const Goal& g : goals) table.add_row({g.text, g.measured, verdict(g.met)});
+  table.print(stdout);
+  table.to_csv(csv);
+  if (!csv_path.empty()) {
+    if (Status s = csv.write(csv_path); !s.ok()) {
+      std::fprintf(stderr, "shmps-bench: %s\n", s.to_string().c_str());
+      return 1;
+    }
+  }
+  std::error_code ec;
+  std::filesystem::remove(plan.log_path, ec);
+  return 0;
+}
+
+}  // namespace
+}  // namespace shmps::bench
+
+int main(int argc, char** argv) {
+  try {
+    return shmps::bench::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shmps-bench: fatal: %s\n", e.what());
+    return 1;
+  }
+}

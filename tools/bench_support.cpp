@@ -1,0 +1,396 @@
+#include "bench_support.hpp"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <sstream>
+
+#include "shmps/shm/segment.hpp"
+#include "shmps/worker.hpp"
+
+namespace shmps::bench {
+
+uint64_t now_ns() noexcept {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000u + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+namespace {
+
+void sleep_ns(long ns) {
+  timespec ts{0, ns};
+  ::nanosleep(&ts, nullptr);
+}
+
+std::string errno_text(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+std::string csv_cell(const std::string& text) {
+  if (text.find_first_of(",\"\n") == std::string::npos) return text;
+  std::string quoted = "\"";
+  for (char c : text) {
+    if (c == '"') quoted += '"';
+    quoted += c;
+  }
+  return quoted + "\"";
+}
+
+}  // namespace
+
+// ------------------------------------------------------------ stats
+
+double percentile(std::vector<double> samples, double q) {
+  if (samples.empty()) return NAN;
+  q = std::clamp(q, 0.0, 1.0);
+  // Nearest rank: the smallest sample with at least q of all at or below it.
+  auto rank = static_cast<size_t>(std::ceil(q * static_cast<double>(samples.size())));
+  rank = std::clamp<size_t>(rank, 1, samples.size());
+  std::nth_element(samples.begin(), samples.begin() + static_cast<std::ptrdiff_t>(rank - 1), samples.end());
+  return samples[rank - 1];
+}
+
+double median(std::vector<double> samples) {
+  if (samples.empty()) return NAN;
+  const size_t mid = samples.size() / 2;
+  std::nth_element(samples.begin(), samples.begin() + static_cast<std::ptrdiff_t>(mid), samples.end());
+  const double upper = samples[mid];
+  if (samples.size() % 2 == 1) return upper;
+  return (*std::max_element(samples.begin(), samples.begin() + static_cast<std::ptrdiff_t>(mid)) + upper) / 2;
+}
+
+std::string fixed(double value, int digits) {
+  if (std::isnan(value)) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, value);
+  return buf;
+}
+
+// ------------------------------------------------------------ report
+
+void Csv::add(const std::string& section, const std::string& row, const std::string& column,
+              const std::string& value) {
+  text_ += csv_cell(section) + "," + csv_cell(row) + "," + csv_cell(column) + "," + csv_cell(value) + "\n";
+}
+
+Status Csv::write(const std::string& path) const {
+  std::ofstream out(path, std::ios::trunc);
+  if (!out) return {ErrorCode::kIo, "--csv " + path + ": cannot open for writing"};
+  out << text_;
+  if (!out.flush()) return {ErrorCode::kIo, "--csv " + path + ": write failed"};
+  return Status::Ok();
+}
+
+Table::Table(std::string section, std::vector<std::string> columns)
+    : section_(std::move(section)), columns_(std::move(columns)) {}
+
+void Table::add_row(std::vector<std::string> cells) {
+  cells.resize(columns_.size());
+  rows_.push_back(std::move(cells));
+}
+
+void Table::print(std::FILE* out) const {
+  std::vector<size_t> width(columns_.size());
+  for (size_t c = 0; c < columns_.size(); ++c) {
+    width[c] = columns_[c].size();
+    for (const auto& row : rows_) width[c] = std::max(width[c], row[c].size());
+  }
+  const auto line = [&](const std::vector<std::string>& cells) {
+    std::string text;
+    for (size_t c = 0; c < cells.size(); ++c) {
+      const std::string pad(width[c] - cells[c].size(), ' ');
+      text += c == 0 ? cells[c] + pad : "  " + pad + cells[c];
+    }
+    while (!text.empty() && text.back() == ' ') text.pop_back();
+    std::fprintf(out, "%s\n", text.c_str());
+  };
+  line(columns_);
+  size_t total = 0;
+  for (size_t c = 0; c < width.size(); ++c) total += width[c] + (c == 0 ? 0 : 2);
+  std::fprintf(out, "%s\n", std::string(total, '-').c_str());
+  for (const auto& row : rows_) line(row);
+}
+
+void Table::to_csv(Csv& csv) const {
+  for (const auto& row : rows_)
+    for (size_t c = 1; c < columns_.size(); ++c) csv.add(section_, row[0], columns_[c], row[c]);
+}
+
+// ------------------------------------------------------------ shared memory
+
+Result<std::unique_ptr<SharedArena>> SharedArena::create(size_t bytes) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return Status{ErrorCode::kIo, errno_text("mmap of " + std::to_string(bytes) + " shared bytes")};
+  auto arena = std::make_unique<SharedArena>();
+  arena->data_ = p;
+  arena->size_ = bytes;
+  return arena;
+}
+
+SharedArena::~SharedArena() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+}
+
+// ------------------------------------------------------------ processes
+
+Result<Child> Child::fork_run(const std::function<int()>& fn) {
+  const pid_t parent = ::getpid();
+  // Flush first: the child's copy of unwritten output would be written twice.
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  if (pid < 0) return Status{ErrorCode::kIo, errno_text("fork")};
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(98);  // the parent died before prctl
+    int rc = 99;
+    try {
+      rc = fn();
+    } catch (...) {
+      rc = 99;
+    }
+    std::fflush(stdout);
+    std::fflush(stderr);
+    ::_exit(rc);
+  }
+  Child c;
+  c.pid_ = pid;
+  return c;
+}
+
+Result<Child> Child::spawn(const std::vector<std::string>& argv, const std::string& log_path) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  const pid_t parent = ::getpid();
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  if (pid < 0) return Status{ErrorCode::kIo, errno_text("fork")};
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(98);
+    if (!log_path.empty()) {
+      const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+      if (fd >= 0) {
+        ::dup2(fd, STDOUT_FILENO);
+        ::dup2(fd, STDERR_FILENO);
+      }
+    }
+    ::execv(args[0], args.data());
+    ::_exit(127);
+  }
+  Child c;
+  c.pid_ = pid;
+  return c;
+}
+
+Child::Child(Child&& other) noexcept : pid_(other.pid_) { other.pid_ = -1; }
+
+Child& Child::operator=(Child&& other) noexcept {
+  if (this != &other) {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      (void)wait();
+    }
+    pid_ = other.pid_;
+    other.pid_ = -1;
+  }
+  return *this;
+}
+
+Child::~Child() {
+  if (pid_ > 0) {
+    ::kill(pid_, SIGKILL);
+    (void)wait();
+  }
+}
+
+namespace {
+int exit_code(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return -1;
+}
+}  // namespace
+
+int Child::wait() {
+  if (pid_ <= 0) return -1;
+  int status = 0;
+  pid_t r;
+  do {
+    r = ::waitpid(pid_, &status, 0);
+  } while (r < 0 && errno == EINTR);
+  pid_ = -1;
+  return r < 0 ? -1 : exit_code(status);
+}
+
+bool Child::try_wait(int* code) {
+  if (pid_ <= 0) return false;
+  int status = 0;
+  const pid_t r = ::waitpid(pid_, &status, WNOHANG);
+  if (r == 0) return false;
+  pid_ = -1;
+  *code = r < 0 ? -1 : exit_code(status);
+  return true;
+}
+
+void Child::signal(int signo) const {
+  if (pid_ > 0) ::kill(pid_, signo);
+}
+
+void StartBarrier::arrive_and_wait() noexcept {
+  // Release/acquire on both words: the parent counts arrivals and releases
+  // the children; nothing else is published through them.
+  arrived.fetch_add(1, std::memory_order_acq_rel);
+  while (go.load(std::memory_order_acquire) == 0) sleep_ns(20'000);
+}
+
+namespace {
+
+// The arena of run_children(): barrier, error text, then for every child
+// and series a count and max_samples doubles.
+struct ArenaHeader {
+  StartBarrier barrier;
+  char error[512];
+};
+constexpr size_t kHeaderBytes = (sizeof(ArenaHeader) + 63) / 64 * 64;
+
+}  // namespace
+
+Result<Series> run_children(uint32_t children, uint32_t series, size_t max_samples, const ChildBody& body) {
+  const size_t block = sizeof(uint64_t) + max_samples * sizeof(double);
+  auto arena = SharedArena::create(kHeaderBytes + size_t{children} * series * block);
+  if (!arena.ok()) return arena.status();
+  char* base = static_cast<char*>((*arena)->data());
+  auto* header = new (base) ArenaHeader{};
+  const auto slot = [&](uint32_t child, uint32_t s) { return base + kHeaderBytes + (size_t{child} * series + s) * block; };
+
+  std::vector<Child> procs;
+  for (uint32_t k = 0; k < children; ++k) {
+    auto child = Child::fork_run([&, k]() -> int {
+      Series out(series);
+      Status st = body(k, header->barrier, out);
+      if (!st.ok()) {
+        std::snprintf(header->error, sizeof header->error, "child %u: %s", k, st.to_string().c_str());
+        return 1;
+      }
+      for (uint32_t s = 0; s < series; ++s) {
+        const size_t n = std::min(out[s].size(), max_samples);
+        std::memcpy(slot(k, s), &n, sizeof n);
+        std::memcpy(slot(k, s) + sizeof(uint64_t), out[s].data(), n * sizeof(double));
+      }
+      return 0;
+    });
+    if (!child.ok()) return child.status();
+    procs.push_back(std::move(child).value());
+  }
+
+  const auto failure = [&](const std::string& why) {
+    const std::string text(header->error, strnlen(header->error, sizeof header->error));
+    return Status{ErrorCode::kInternal, text.empty() ? why : text};
+  };
+  const uint64_t setup_deadline = now_ns() + 300'000'000'000ull;
+  while (header->barrier.arrived.load(std::memory_order_acquire) < children) {
+    for (Child& p : procs) {
+      int code = 0;
+      if (p.try_wait(&code)) return failure("a measuring child exited with " + std::to_string(code) + " during setup");
+    }
+    if (now_ns() > setup_deadline) return failure("measuring children did not finish their setup within 300 s");
+    sleep_ns(200'000);
+  }
+  header->barrier.go.store(1, std::memory_order_release);
+  for (Child& p : procs) {
+    const int code = p.wait();
+    if (code != 0) return failure("a measuring child exited with " + std::to_string(code));
+  }
+
+  Series merged(series);
+  for (uint32_t k = 0; k < children; ++k) {
+    for (uint32_t s = 0; s < series; ++s) {
+      uint64_t n = 0;
+      std::memcpy(&n, slot(k, s), sizeof n);
+      const auto* samples = reinterpret_cast<const double*>(slot(k, s) + sizeof(uint64_t));
+      merged[s].insert(merged[s].end(), samples, samples + n);
+    }
+  }
+  return merged;
+}
+
+// ------------------------------------------------------------ shmps-server
+
+Result<std::unique_ptr<ServerChild>> ServerChild::start(const std::string& server_path, const std::string& name,
+                                                        const std::vector<std::string>& args,
+                                                        const std::string& log_path) {
+  std::vector<std::string> argv{server_path, "--name", name};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto child = Child::spawn(argv, log_path);
+  if (!child.ok()) return child.status();
+  std::unique_ptr<ServerChild> server(new ServerChild());
+  server->name_ = name;
+  server->child_ = std::move(child).value();
+
+  const uint64_t deadline = now_ns() + 120'000'000'000ull;
+  while (true) {
+    int code = 0;
+    if (server->child_.try_wait(&code))
+      return Status{ErrorCode::kServerNotRunning, server_path + " --name " + name + " exited with " +
+                                                      std::to_string(code) + " (log: " + log_path + ")"};
+    if (segment_bytes(name) != 0) {
+      WorkerOptions options;
+      options.name = name;
+      options.timeout = std::chrono::seconds(5);
+      if (auto probe = Worker::connect(options); probe.ok()) return server;  // the probe detaches here
+    }
+    if (now_ns() > deadline)
+      return Status{ErrorCode::kServerNotRunning, "server '" + name + "' accepted no worker within 120 s (log: " + log_path + ")"};
+    sleep_ns(2'000'000);
+  }
+}
+
+ServerChild::~ServerChild() {
+  if (child_.running()) {
+    child_.signal(SIGTERM);
+    const uint64_t deadline = now_ns() + 10'000'000'000ull;
+    int code = 0;
+    while (!child_.try_wait(&code) && now_ns() < deadline) sleep_ns(1'000'000);
+  }
+  // ~Child kills and reaps it if SIGTERM was not enough.
+  child_ = Child();
+  shm::Segment::remove(name_);
+}
+
+std::string segment_name(const std::string& tag) { return "bench_" + std::to_string(::getpid()) + "_" + tag; }
+
+uint64_t segment_bytes(const std::string& name) {
+  struct stat st{};
+  if (::stat(("/dev/shm/" + shm::segment_object_name(name)).c_str(), &st) != 0) return 0;
+  return static_cast<uint64_t>(st.st_size);
+}
+
+uint64_t proc_status_bytes(pid_t pid, const std::string& field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) != 0) continue;
+    std::istringstream fields(line.substr(field.size() + 1));
+    uint64_t value = 0;
+    std::string unit;
+    fields >> value >> unit;
+    return unit == "kB" ? value * 1024 : value;
+  }
+  return 0;
+}
+
+}  // namespace shmps::bench

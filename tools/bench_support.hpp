@@ -1,0 +1,172 @@
+// Building blocks of shmps-bench: sample statistics, aligned tables that
+// also feed a CSV file, anonymous MAP_SHARED memory that forked children
+// write their samples into, forked measuring children with a start barrier,
+// and shmps-server child processes.
+// Single-threaded: use from the bench's main thread (children are processes).
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shmps/status.hpp"
+
+namespace shmps::bench {
+
+// ------------------------------------------------------------ time and stats
+
+// CLOCK_MONOTONIC in nanoseconds.
+uint64_t now_ns() noexcept;
+
+// A pause instruction for spin loops.
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+// Nearest-rank percentile, q in [0, 1]; NaN for an empty set.
+double percentile(std::vector<double> samples, double q);
+// The middle sample (the mean of the two middle ones for an even count).
+double median(std::vector<double> samples);
+
+// "12.3", "1234" ...: `digits` after the point; "-" for NaN.
+std::string fixed(double value, int digits);
+
+// ------------------------------------------------------------ report
+
+// Collects every printed cell as a tidy CSV row: section,row,column,value.
+class Csv {
+ public:
+  void add(const std::string& section, const std::string& row, const std::string& column,
+           const std::string& value);
+  // Errors: kIo naming the file.
+  Status write(const std::string& path) const;
+
+ private:
+  std::string text_ = "section,row,column,value\n";
+};
+
+// A plain-text table: the first column left-aligned, the others right-aligned.
+class Table {
+ public:
+  Table(std::string section, std::vector<std::string> columns);
+  void add_row(std::vector<std::string> cells);  // as many cells as columns
+  void print(std::FILE* out) const;
+  void to_csv(Csv& csv) const;
+
+ private:
+  std::string section_;
+  std::vector<std::string> columns_;
+  std::vector<std::vector<std::string>> rows_;
+};
+
+// ------------------------------------------------------------ shared memory
+
+// Anonymous MAP_SHARED memory: a fork()ed child writes, the parent reads.
+class SharedArena {
+ public:
+  SharedArena() = default;
+  // Errors: kIo with errno text.
+  static Result<std::unique_ptr<SharedArena>> create(size_t bytes);
+  ~SharedArena();
+  SharedArena(const SharedArena&) = delete;
+  SharedArena& operator=(const SharedArena&) = delete;
+  void* data() const noexcept { return data_; }
+  size_t size() const noexcept { return size_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// ------------------------------------------------------------ processes
+
+// A child process: fork() running a function, or fork()+exec(). The
+// destructor SIGKILLs and reaps one still running.
+class Child {
+ public:
+  Child() = default;
+  // The child runs fn() and _exit()s with its value (never returns here).
+  static Result<Child> fork_run(const std::function<int()>& fn);
+  // fork + execv(argv[0]) with stdout and stderr appended to `log_path`
+  // ("" keeps them) and SIGTERM when this process dies.
+  static Result<Child> spawn(const std::vector<std::string>& argv, const std::string& log_path);
+  Child(Child&& other) noexcept;
+  Child& operator=(Child&& other) noexcept;
+  ~Child();
+
+  pid_t pid() const noexcept { return pid_; }
+  bool running() const noexcept { return pid_ > 0; }
+  // Blocks until exit: the exit code, or 128 + signal.
+  int wait();
+  // True (and *code set) once the child has exited; never blocks.
+  bool try_wait(int* code);
+  void signal(int signo) const;
+
+ private:
+  pid_t pid_ = -1;
+};
+
+// The start barrier of concurrent measuring children: each calls
+// arrive_and_wait() once its setup is done; the parent releases all at once.
+struct StartBarrier {
+  std::atomic<uint32_t> arrived{0};
+  std::atomic<uint32_t> go{0};
+  void arrive_and_wait() noexcept;
+};
+
+// Per child, one vector of samples per series (e.g. memcpy ns, push ns).
+using Series = std::vector<std::vector<double>>;
+
+// Forks `children` processes that run body(index, barrier, series) with
+// `series` empty series each; body must call barrier.arrive_and_wait()
+// exactly once, after its setup and before timing. The parent releases the
+// barrier when all arrived, waits for all, and returns, per series, every
+// child's samples concatenated (child 0 first). At most `max_samples` per
+// series and child. Errors: a child's Status (its message) or its death.
+using ChildBody = std::function<Status(uint32_t index, StartBarrier& barrier, Series& out)>;
+Result<Series> run_children(uint32_t children, uint32_t series, size_t max_samples, const ChildBody& body);
+
+// ------------------------------------------------------------ shmps-server
+
+// A shmps-server child process on a unique segment name. start() returns
+// once a worker can attach. The destructor stops it (SIGTERM, then SIGKILL
+// after 10 s) and removes its segment.
+class ServerChild {
+ public:
+  // Errors: kIo when it cannot start, kServerNotRunning when it exits or
+  // does not accept a worker within 120 s (its log file is named).
+  static Result<std::unique_ptr<ServerChild>> start(const std::string& server_path, const std::string& name,
+                                                    const std::vector<std::string>& args,
+                                                    const std::string& log_path);
+  ~ServerChild();
+  ServerChild(const ServerChild&) = delete;
+  ServerChild& operator=(const ServerChild&) = delete;
+  const std::string& name() const noexcept { return name_; }
+  pid_t pid() const noexcept { return child_.pid(); }
+
+ private:
+  ServerChild() = default;
+  std::string name_;
+  Child child_;
+};
+
+// A unique --name for this bench run: "bench_<pid>_<tag>".
+std::string segment_name(const std::string& tag);
+
+// Size in bytes of the control segment /dev/shm/shmps.<name>; 0 when absent.
+uint64_t segment_bytes(const std::string& name);
+
+// A "Vm..."/"Rss..." field of /proc/<pid>/status in bytes; 0 when absent.
+uint64_t proc_status_bytes(pid_t pid, const std::string& field);
+
+}  // namespace shmps::bench

@@ -1,0 +1,150 @@
+// shmps-inspect: prints what a shmps control segment holds (header, config,
+// tensors, workers, lanes, completion queues, stats) as text or JSON, once
+// or as a live view. Read-only: the segment is mapped PROT_READ.
+// Usage and exit codes: docs/inspect.md.
+#include <signal.h>
+
+#include <boost/program_options.hpp>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <thread>
+
+#include "inspect_model.hpp"
+#include "inspect_source.hpp"
+
+namespace po = boost::program_options;
+using shmps::inspect::ExitCode;
+
+namespace {
+
+struct Options {
+  std::string name;
+  std::string file;
+  bool json = false;
+  bool watch = false;
+  uint64_t interval_ms = 1000;
+  uint64_t count = 0;  // refreshes in --watch; 0: until SIGINT
+};
+
+volatile sig_atomic_t g_stop = 0;
+extern "C" void on_stop(int) { g_stop = 1; }
+
+void install_stop_handler() {
+  struct sigaction sa{};
+  sa.sa_handler = on_stop;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+}
+
+void write_out(const std::string& text) {
+  std::fwrite(text.data(), 1, text.size(), stdout);
+  std::fflush(stdout);
+}
+
+// One look at the segment: the rendered report in *out, or the error in *error.
+ExitCode inspect_once(const Options& o, std::string* out, std::string* error) {
+  shmps::inspect::Loaded loaded = o.file.empty() ? shmps::inspect::load_segment(o.name)
+                                                 : shmps::inspect::load_file(o.file);
+  if (loaded.exit != ExitCode::kOk) {
+    *error = loaded.error;
+    return loaded.exit;
+  }
+  const shmps::inspect::Image& image = loaded.image;
+  auto snap = shmps::inspect::take_snapshot(image.data, image.size, image.source);
+  if (!snap.ok()) {
+    *error = image.source + ": " + snap.status().message();
+    return shmps::inspect::exit_code_for(snap.status());
+  }
+  if (o.json) {
+    // replace: a user-given path need not be UTF-8; names from the segment
+    // are already escaped to printable ASCII.
+    const int indent = o.watch ? -1 : 2;
+    *out = shmps::inspect::to_json(*snap).dump(indent, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  } else {
+    *out = shmps::inspect::render_text(*snap);
+  }
+  return ExitCode::kOk;
+}
+
+ExitCode run_once(const Options& o) {
+  std::string out, error;
+  const ExitCode rc = inspect_once(o, &out, &error);
+  if (rc != ExitCode::kOk) {
+    std::fprintf(stderr, "shmps-inspect: %s\n", error.c_str());
+    return rc;
+  }
+  write_out(out);
+  return rc;
+}
+
+// Re-opens the segment at every refresh, so a restarted server (a new
+// object under the same name) is followed. The exit code is the last
+// refresh's.
+ExitCode run_watch(const Options& o) {
+  install_stop_handler();
+  ExitCode rc = ExitCode::kOk;
+  for (uint64_t n = 1; g_stop == 0 && (o.count == 0 || n <= o.count); ++n) {
+    std::string out, error;
+    rc = inspect_once(o, &out, &error);
+    if (o.json) {
+      if (rc == ExitCode::kOk) write_out(out);
+      else std::fprintf(stderr, "shmps-inspect: %s\n", error.c_str());
+    } else {
+      // ANSI: cursor home, clear screen.
+      std::string screen = "\x1b[H\x1b[2J";
+      screen += rc == ExitCode::kOk ? out : "shmps-inspect: " + error + "\n";
+      screen += "-- refresh " + std::to_string(n) + ", every " + std::to_string(o.interval_ms) +
+                " ms; Ctrl-C to stop --\n";
+      write_out(screen);
+    }
+    if (o.count != 0 && n == o.count) break;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(o.interval_ms);
+    while (g_stop == 0 && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return rc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  po::options_description visible("shmps-inspect [options] <name>\n"
+                                  "Prints the state of the shmps segment /dev/shm/shmps.<name> (read-only).\n"
+                                  "Options");
+  visible.add_options()
+      ("help,h", "this help")
+      ("json", po::bool_switch(&o.json), "print one JSON document (with --watch: one per line)")
+      ("watch", po::bool_switch(&o.watch), "refresh a live view until SIGINT")
+      ("interval-ms", po::value(&o.interval_ms)->default_value(1000), "--watch: milliseconds between refreshes")
+      ("count", po::value(&o.count)->default_value(0), "--watch: stop after N refreshes (0: never)")
+      ("file", po::value(&o.file), "inspect a copy of a segment saved in this regular file instead");
+  po::options_description hidden;
+  hidden.add_options()("name", po::value(&o.name));
+  po::options_description all;
+  all.add(visible).add(hidden);
+  po::positional_options_description positional;
+  positional.add("name", 1);
+  try {
+    po::variables_map vm;
+    po::store(po::command_line_parser(argc, argv).options(all).positional(positional).run(), vm);
+    if (vm.count("help") != 0) {
+      std::cout << visible << "\nExit codes: 0 ok, 1 error (usage, permission, I/O), 2 no such segment,\n"
+                              "3 corrupt/foreign/other layout version, 4 not published yet.\n";
+      return 0;
+    }
+    po::notify(vm);
+    if (o.name.empty() == o.file.empty())
+      throw po::error("give a segment <name> or --file PATH, exactly one");
+    if (o.watch && o.interval_ms == 0) throw po::error("--interval-ms must be at least 1");
+    if (!o.watch && (!vm["count"].defaulted() || !vm["interval-ms"].defaulted()))
+      throw po::error("--count and --interval-ms need --watch");
+  } catch (const po::error& e) {
+    std::fprintf(stderr, "shmps-inspect: %s (see --help)\n", e.what());
+    return static_cast<int>(ExitCode::kError);
+  }
+  return static_cast<int>(o.watch ? run_watch(o) : run_once(o));
+}

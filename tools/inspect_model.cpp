@@ -1,0 +1,677 @@
+#include "inspect_model.hpp"
+
+#include <sys/types.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdlib>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+#include "shmps/shm/proc.hpp"
+#include "shmps/shm/segment.hpp"
+
+namespace shmps::inspect {
+namespace {
+
+using nlohmann::json;
+
+std::string unknown(uint32_t value) { return "unknown(" + std::to_string(value) + ")"; }
+
+std::string hex64(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+// A float as the double of its shortest decimal form, so JSON shows 0.001
+// rather than 0.0010000000474974513.
+double json_float(float v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  if (r.ec != std::errc{}) return v;
+  return std::strtod(std::string(buf, r.ptr).c_str(), nullptr);
+}
+
+bool is_power_of_two(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
+
+// Milliseconds from `then` to `now` (CLOCK_MONOTONIC ns); empty when `then`
+// is 0 (never) or lies in the future (a garbage or foreign-boot value).
+std::optional<uint64_t> age_ms(uint64_t now, uint64_t then) {
+  if (then == 0 || then > now) return std::nullopt;
+  return (now - then) / 1'000'000;
+}
+
+std::string age_text(const std::optional<uint64_t>& age, uint64_t raw) {
+  if (age) return std::to_string(*age) + " ms ago";
+  return raw == 0 ? std::string("never") : std::string("in the future (") + std::to_string(raw) + " ns)";
+}
+
+// Geometry recomputed from counts read once from the image. validate_segment
+// has checked the image, but a live segment can change under us (a buggy or
+// hostile peer), so the decoder never re-reads an offset: it derives them
+// from these counts, re-checked here against the image's size.
+struct Bounds {
+  uint32_t tensor_count = 0, max_workers = 0, max_buffers = 0, lane_capacity = 0;
+  shm::Geometry g{};
+};
+
+Status read_bounds(const shm::SegmentHeader& h, size_t size, Bounds* b) {
+  b->tensor_count = h.tensor_count;
+  b->max_workers = h.max_workers;
+  b->max_buffers = h.max_buffers;
+  b->lane_capacity = h.lane_capacity;
+  if (b->tensor_count == 0 || b->tensor_count > shm::kMaxTensorsLimit || b->max_workers == 0 ||
+      b->max_workers > shm::kMaxWorkersLimit || b->max_buffers == 0 || b->max_buffers > shm::kMaxBuffersLimit ||
+      b->lane_capacity < 2 || b->lane_capacity > shm::kMaxLaneCapacity || !is_power_of_two(b->lane_capacity))
+    return {ErrorCode::kLayoutMismatch, "segment changed while being read: counts out of range"};
+  b->g = shm::compute_geometry(b->tensor_count, b->max_workers, b->max_buffers, b->lane_capacity);
+  if (b->g.segment_size > size)
+    return {ErrorCode::kLayoutMismatch, "segment changed while being read: counts need " +
+                                            std::to_string(b->g.segment_size) + " bytes, image has " +
+                                            std::to_string(size)};
+  return Status::Ok();
+}
+
+template <typename T>
+const T& at(const void* base, uint64_t offset) {
+  return *reinterpret_cast<const T*>(static_cast<const char*>(base) + offset);
+}
+
+template <typename T>
+T copy_at(const void* base, uint64_t offset) {
+  T out;
+  std::memcpy(&out, static_cast<const char*>(base) + offset, sizeof out);
+  return out;
+}
+
+// Reads a ring's indices: head first, then tail, so that (both being
+// monotonic) tail >= head unless the ring is garbage or was reset between
+// the two loads; a reset is transient, so an impossible pair is re-read a
+// few times before it is reported as corrupt.
+template <typename Slot>
+QueueView<Slot> read_queue(const void* base, uint64_t header_offset, uint32_t capacity, uint32_t worker) {
+  const auto& lane = at<shm::LaneHeader>(base, header_offset);
+  QueueView<Slot> q;
+  q.worker = worker;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    // SYNC(slot_released): acquire pairs with the consumer's release store of
+    // head, so the tail it had read before is no newer than the one we load next.
+    q.head = lane.head.load(std::memory_order_acquire);
+    // SYNC(slot_published): acquire pairs with the producer's release store;
+    // the slots before tail are written.
+    q.tail = lane.tail.load(std::memory_order_acquire);
+    q.depth = q.tail - q.head;  // unsigned: correct across wrap
+    q.corrupt = q.depth > capacity;
+    if (!q.corrupt) break;
+  }
+  if (q.corrupt) return q;
+  const uint64_t slots = header_offset + sizeof(shm::LaneHeader);
+  for (uint64_t index = q.head; index != q.tail; ++index) {
+    q.indices.push_back(index);
+    q.slots.push_back(copy_at<Slot>(base, slots + (index & (capacity - 1)) * sizeof(Slot)));
+  }
+  return q;
+}
+
+std::string hex_bytes(const uint8_t* bytes, size_t n) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < n; ++i) {
+    out += kDigits[bytes[i] >> 4];
+    out += kDigits[bytes[i] & 15];
+  }
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- names
+
+std::string opcode_name(uint32_t opcode) {
+  switch (opcode) {
+    case static_cast<uint32_t>(shm::Opcode::kAttach): return "attach";
+    case static_cast<uint32_t>(shm::Opcode::kDetach): return "detach";
+    case static_cast<uint32_t>(shm::Opcode::kRegisterBuffer): return "register_buffer";
+    case static_cast<uint32_t>(shm::Opcode::kUnregisterBuffer): return "unregister_buffer";
+    case static_cast<uint32_t>(shm::Opcode::kPush): return "push";
+    case static_cast<uint32_t>(shm::Opcode::kPull): return "pull";
+    case static_cast<uint32_t>(shm::Opcode::kStats): return "stats";
+    case static_cast<uint32_t>(shm::Opcode::kPing): return "ping";
+    default: return unknown(opcode);
+  }
+}
+
+std::string server_state_name(uint32_t state) {
+  switch (state) {
+    case static_cast<uint32_t>(shm::ServerState::kStarting): return "starting";
+    case static_cast<uint32_t>(shm::ServerState::kRunning): return "running";
+    case static_cast<uint32_t>(shm::ServerState::kStopping): return "stopping";
+    case static_cast<uint32_t>(shm::ServerState::kStopped): return "stopped";
+    default: return unknown(state);
+  }
+}
+
+std::string worker_state_name(uint32_t state) {
+  switch (state) {
+    case static_cast<uint32_t>(shm::WorkerState::kFree): return "free";
+    case static_cast<uint32_t>(shm::WorkerState::kClaimed): return "claimed";
+    case static_cast<uint32_t>(shm::WorkerState::kAttached): return "attached";
+    case static_cast<uint32_t>(shm::WorkerState::kDetached): return "detached";
+    default: return unknown(state);
+  }
+}
+
+std::string optimizer_name(uint32_t kind) {
+  // Values of shmps::kernels::OptimizerKind (tools depend on shm only).
+  switch (kind) {
+    case 1: return "sgd";
+    case 2: return "adam";
+    case 3: return "adamw";
+    default: return unknown(kind);
+  }
+}
+
+std::string backend_name(uint32_t backend) {
+  switch (backend) {
+    case static_cast<uint32_t>(shm::Backend::kHost): return "host";
+    case static_cast<uint32_t>(shm::Backend::kCuda): return "cuda";
+    default: return unknown(backend);
+  }
+}
+
+std::string dtype_name(uint32_t dtype) {
+  switch (dtype) {
+    case static_cast<uint32_t>(shm::Dtype::kF32): return "f32";
+    case static_cast<uint32_t>(shm::Dtype::kF16): return "f16";
+    case static_cast<uint32_t>(shm::Dtype::kBF16): return "bf16";
+    default: return unknown(dtype);
+  }
+}
+
+std::string buffer_kind_name(uint32_t kind) {
+  switch (kind) {
+    case static_cast<uint32_t>(shm::BufferKind::kEmpty): return "empty";
+    case static_cast<uint32_t>(shm::BufferKind::kHostShm): return "host_shm";
+    case static_cast<uint32_t>(shm::BufferKind::kCudaIpc): return "cuda_ipc";
+    default: return unknown(kind);
+  }
+}
+
+std::string error_name(uint32_t code) {
+  const std::string_view name = error_code_name(static_cast<ErrorCode>(code));
+  // error_code_name says "unknown" for every value outside the enum.
+  if (name == "unknown") return unknown(code);
+  return std::string(name);
+}
+
+std::string config_flags_text(uint32_t flags) {
+  std::string out;
+  auto add = [&out](const std::string& s) { out += (out.empty() ? "" : ",") + s; };
+  if (flags & shm::kConfigNesterov) add("nesterov");
+  if (flags & shm::kConfigAmsgrad) add("amsgrad");
+  if (flags & shm::kConfigAllowNonFinite) add("allow_nonfinite");
+  const uint32_t rest = flags & ~(shm::kConfigNesterov | shm::kConfigAmsgrad | shm::kConfigAllowNonFinite);
+  if (rest != 0) {
+    char buf[16];
+    std::snprintf(buf, sizeof buf, "0x%x", rest);
+    add(buf);
+  }
+  return out.empty() ? "none" : out;
+}
+
+std::string printable_name(const void* bytes, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(bytes);
+  const void* nul = std::memchr(p, '\0', n);
+  const size_t len = nul != nullptr ? static_cast<size_t>(static_cast<const unsigned char*>(nul) - p) : n;
+  std::string out;
+  for (size_t i = 0; i < len; ++i) {
+    const unsigned char c = p[i];
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out += static_cast<char>(c);
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    }
+  }
+  if (nul == nullptr) out += " (unterminated)";
+  return out;
+}
+
+// ---------------------------------------------------------------- snapshot
+
+Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string& source) {
+  if (Status s = shm::validate_segment(base, size); !s.ok()) return s;
+  const auto& h = at<shm::SegmentHeader>(base, 0);
+  Bounds b;
+  if (Status s = read_bounds(h, size, &b); !s.ok()) return s;
+
+  Snapshot snap;
+  snap.source = source;
+  snap.taken_ns = shm::monotonic_ns();
+  const uint64_t now = snap.taken_ns;
+
+  // Header. The identity and geometry fields are written before the
+  // version's publication (validate_segment's acquire load orders them).
+  HeaderView& hv = snap.header;
+  hv.magic = h.magic;
+  hv.layout_version = h.layout_version.load(std::memory_order_acquire);  // SYNC(segment_published)
+  hv.header_size = h.header_size;
+  hv.segment_size = h.segment_size;
+  hv.generation = h.generation;
+  hv.server_pid = h.server_pid;
+  hv.server_start_time = h.server_start_time;
+  // A pid above INT_MAX turns negative here, which process_alive rejects.
+  hv.server_alive = shm::process_alive(static_cast<pid_t>(hv.server_pid), hv.server_start_time);
+  // acquire: SYNC(server_stopped) as the workers read it; a display value only.
+  hv.server_state = h.server_state.load(std::memory_order_acquire);
+  hv.heartbeat_ns = h.heartbeat_ns.load(std::memory_order_relaxed);  // relaxed: a liveness hint
+  hv.heartbeat_age_ms = age_ms(now, hv.heartbeat_ns);
+  hv.tensor_count = b.tensor_count;
+  hv.max_workers = b.max_workers;
+  hv.max_buffers = b.max_buffers;
+  hv.lane_capacity = b.lane_capacity;
+  hv.total_elements = h.total_elements;
+  for (const auto& word : h.doorbell)
+    hv.doorbell.push_back(word.load(std::memory_order_relaxed));  // relaxed: a display value only
+
+  const shm::ConfigBlock cfg = h.config;
+  ConfigView& cv = snap.config;
+  cv.optimizer_kind = cfg.optimizer_kind;
+  cv.flags = cfg.flags;
+  cv.lr = cfg.lr;
+  cv.momentum = cfg.momentum;
+  cv.dampening = cfg.dampening;
+  cv.weight_decay = cfg.weight_decay;
+  cv.beta1 = cfg.beta1;
+  cv.beta2 = cfg.beta2;
+  cv.eps = cfg.eps;
+  cv.backend = cfg.backend;
+  cv.max_staleness = cfg.max_staleness;
+
+  for (uint32_t i = 0; i < b.tensor_count; ++i) {
+    const auto t = copy_at<shm::TensorDesc>(base, b.g.tensor_table_offset + uint64_t{i} * sizeof(shm::TensorDesc));
+    TensorView tv;
+    tv.id = i;
+    tv.name = printable_name(t.name, sizeof t.name);
+    tv.dtype = t.dtype;
+    tv.ndim = t.ndim;
+    tv.shape.assign(t.shape, t.shape + std::min<uint32_t>(t.ndim, shm::kMaxDims));
+    tv.element_offset = t.element_offset;
+    tv.element_count = t.element_count;
+    snap.tensors.push_back(std::move(tv));
+  }
+
+  for (uint32_t i = 0; i < b.max_workers; ++i) {
+    const uint64_t entry_offset = b.g.worker_table_offset + uint64_t{i} * b.g.worker_entry_size;
+    const auto& e = at<shm::WorkerEntry>(base, entry_offset);
+    // acquire: SYNC(worker_claim) with a worker's claiming CAS and
+    // SYNC(worker_attached) with the server's store of kAttached: the
+    // pid_start_time and the lease written before them are visible.
+    const uint64_t owner = e.owner.load(std::memory_order_acquire);
+    if (owner == 0) {
+      // A free entry: its queues are reset; list them only if they are not.
+      const auto cq = read_queue<shm::Completion>(base, b.g.completions_offset + uint64_t{i} * b.g.completion_stride,
+                                                  b.lane_capacity, i);
+      if (cq.head != 0 || cq.tail != 0) snap.completions.push_back(cq);
+    } else {
+      WorkerView w;
+      w.id = i;
+      w.pid = shm::owner_pid(owner);
+      w.state = shm::owner_state(owner);
+      w.pid_start_time = e.pid_start_time;
+      w.pid_alive = shm::process_alive(static_cast<pid_t>(w.pid), w.pid_start_time);
+      w.lease = e.lease;
+      // relaxed: monotonic statistics; a racy snapshot is all we promise.
+      w.pushes_applied = e.pushes_applied.load(std::memory_order_relaxed);
+      w.pushes_rejected = e.pushes_rejected.load(std::memory_order_relaxed);
+      w.pulls = e.pulls.load(std::memory_order_relaxed);
+      w.last_request_ns = e.last_request_ns.load(std::memory_order_relaxed);
+      w.last_request_age_ms = age_ms(now, w.last_request_ns);
+      for (uint32_t k = 0; k < b.max_buffers; ++k) {
+        const auto d = copy_at<shm::BufferDesc>(
+            base, entry_offset + sizeof(shm::WorkerEntry) + uint64_t{k} * sizeof(shm::BufferDesc));
+        if (d.kind == static_cast<uint32_t>(shm::BufferKind::kEmpty)) continue;
+        BufferView bv;
+        bv.id = k;
+        bv.kind = d.kind;
+        bv.flags = d.flags;
+        bv.length = d.length;
+        bv.offset = d.offset;
+        if (d.kind == static_cast<uint32_t>(shm::BufferKind::kCudaIpc))
+          bv.device_uuid = hex_bytes(d.device_uuid, sizeof d.device_uuid);
+        else
+          bv.name = printable_name(d.handle, sizeof d.handle);
+        w.buffers.push_back(std::move(bv));
+      }
+      snap.workers.push_back(std::move(w));
+      snap.completions.push_back(read_queue<shm::Completion>(
+          base, b.g.completions_offset + uint64_t{i} * b.g.completion_stride, b.lane_capacity, i));
+    }
+    auto lane = read_queue<shm::Request>(base, b.g.lanes_offset + uint64_t{i} * b.g.lane_stride, b.lane_capacity, i);
+    if (lane.depth != 0 || lane.corrupt) snap.lanes.push_back(std::move(lane));
+  }
+
+  const auto& st = at<shm::StatsBlock>(base, b.g.stats_offset);
+  StatsView& sv = snap.stats;
+  // relaxed: the server's statistics counters; a racy snapshot is all we promise.
+  constexpr auto relaxed = std::memory_order_relaxed;
+  sv.version = st.version.load(relaxed);
+  sv.gradients_applied = st.gradients_applied.load(relaxed);
+  sv.weights_pulled = st.weights_pulled.load(relaxed);
+  sv.avg_staleness_micro = st.avg_staleness_micro.load(relaxed);
+  sv.requests = st.requests.load(relaxed);
+  sv.ring_depth = st.ring_depth.load(relaxed);
+  sv.ring_high_water = st.ring_high_water.load(relaxed);
+  sv.workers_attached = st.workers_attached.load(relaxed);
+  sv.workers_died = st.workers_died.load(relaxed);
+  sv.buffers_registered = st.buffers_registered.load(relaxed);
+  sv.mappings_opened = st.mappings_opened.load(relaxed);
+  sv.mappings_closed = st.mappings_closed.load(relaxed);
+  sv.lanes_corrupt = st.lanes_corrupt.load(relaxed);
+  for (const auto& r : st.rejected) sv.rejected.push_back(r.load(relaxed));
+  return snap;
+}
+
+// ---------------------------------------------------------------- JSON
+
+namespace {
+
+std::string tensor_label(const Snapshot& s, uint32_t id) {
+  if (id == shm::kAllTensors) return "all";
+  if (id < s.tensors.size()) return s.tensors[id].name;
+  return "invalid(" + std::to_string(id) + ")";
+}
+
+json optional_json(const std::optional<uint64_t>& v) { return v ? json(*v) : json(nullptr); }
+
+json request_json(const Snapshot& s, uint64_t index, uint32_t capacity, const shm::Request& r) {
+  return json{{"index", index},
+              {"slot", index & (capacity - 1)},
+              {"request_id", r.request_id},
+              {"opcode", opcode_name(r.opcode)},
+              {"worker_id", r.worker_id},
+              {"lease", r.lease},
+              {"tensor", r.tensor_id},
+              {"tensor_name", tensor_label(s, r.tensor_id)},
+              {"buffer", r.buffer_id},
+              {"offset", r.byte_offset},
+              {"length", r.byte_length},
+              {"version", r.worker_version},
+              {"dtype", dtype_name(r.dtype)},
+              {"flags", r.flags}};
+}
+
+json completion_json(uint64_t index, uint32_t capacity, const shm::Completion& c) {
+  return json{{"index", index},
+              {"slot", index & (capacity - 1)},
+              {"request_id", c.request_id},
+              {"opcode", opcode_name(c.opcode)},
+              {"code", error_name(c.code)},
+              {"version", c.version},
+              {"value", c.value},
+              {"message", printable_name(c.message, sizeof c.message)}};
+}
+
+template <typename Slot, typename F>
+json queue_json(const QueueView<Slot>& q, F&& slot_json) {
+  json j{{"worker", q.worker}, {"head", q.head}, {"tail", q.tail}, {"corrupt", q.corrupt}};
+  j["depth"] = q.corrupt ? json(nullptr) : json(q.depth);
+  json slots = json::array();
+  for (size_t k = 0; k < q.slots.size(); ++k) slots.push_back(slot_json(q.indices[k], q.slots[k]));
+  j["slots"] = std::move(slots);
+  return j;
+}
+
+}  // namespace
+
+json to_json(const Snapshot& s) {
+  const HeaderView& h = s.header;
+  json j;
+  j["source"] = s.source;
+  j["header"] = json{{"magic", hex64(h.magic)},
+                     {"layout_version", h.layout_version},
+                     {"header_size", h.header_size},
+                     {"segment_size", h.segment_size},
+                     {"generation", h.generation},
+                     {"server_pid", h.server_pid},
+                     {"server_start_time", h.server_start_time},
+                     {"server_alive", h.server_alive},
+                     {"state", server_state_name(h.server_state)},
+                     {"heartbeat_ns", h.heartbeat_ns},
+                     {"heartbeat_age_ms", optional_json(h.heartbeat_age_ms)},
+                     {"tensor_count", h.tensor_count},
+                     {"max_workers", h.max_workers},
+                     {"max_buffers", h.max_buffers},
+                     {"lane_capacity", h.lane_capacity},
+                     {"total_elements", h.total_elements},
+                     {"doorbell", h.doorbell}};
+  const ConfigView& c = s.config;
+  j["config"] = json{{"optimizer", optimizer_name(c.optimizer_kind)},
+                     {"lr", json_float(c.lr)},
+                     {"momentum", json_float(c.momentum)},
+                     {"dampening", json_float(c.dampening)},
+                     {"weight_decay", json_float(c.weight_decay)},
+                     {"beta1", json_float(c.beta1)},
+                     {"beta2", json_float(c.beta2)},
+                     {"eps", json_float(c.eps)},
+                     {"max_staleness", c.max_staleness},
+                     {"backend", backend_name(c.backend)},
+                     {"flags", config_flags_text(c.flags)},
+                     {"flags_value", c.flags}};
+  json tensors = json::array();
+  for (const TensorView& t : s.tensors)
+    tensors.push_back(json{{"id", t.id},
+                           {"name", t.name},
+                           {"dtype", dtype_name(t.dtype)},
+                           {"ndim", t.ndim},
+                           {"shape", t.shape},
+                           {"elements", t.element_count},
+                           {"offset", t.element_offset}});
+  j["tensors"] = std::move(tensors);
+  json workers = json::array();
+  for (const WorkerView& w : s.workers) {
+    json buffers = json::array();
+    for (const BufferView& b : w.buffers) {
+      json bj{{"id", b.id}, {"kind", buffer_kind_name(b.kind)}, {"flags", b.flags},
+              {"length", b.length}, {"offset", b.offset}, {"name", b.name}};
+      if (!b.device_uuid.empty()) bj["device_uuid"] = b.device_uuid;
+      buffers.push_back(std::move(bj));
+    }
+    workers.push_back(json{{"id", w.id},
+                           {"pid", w.pid},
+                           {"pid_alive", w.pid_alive},
+                           {"pid_start_time", w.pid_start_time},
+                           {"state", worker_state_name(w.state)},
+                           {"lease", w.lease},
+                           {"pushes_applied", w.pushes_applied},
+                           {"pushes_rejected", w.pushes_rejected},
+                           {"pulls", w.pulls},
+                           {"last_request_ns", w.last_request_ns},
+                           {"last_request_age_ms", optional_json(w.last_request_age_ms)},
+                           {"buffers", std::move(buffers)}});
+  }
+  j["workers"] = std::move(workers);
+  const uint32_t cap = h.lane_capacity;
+  json lanes = json::array();
+  for (const LaneView& l : s.lanes)
+    lanes.push_back(queue_json(l, [&](uint64_t index, const shm::Request& r) { return request_json(s, index, cap, r); }));
+  j["lanes"] = std::move(lanes);
+  json completions = json::array();
+  for (const CompletionQueueView& q : s.completions)
+    completions.push_back(
+        queue_json(q, [&](uint64_t index, const shm::Completion& x) { return completion_json(index, cap, x); }));
+  j["completions"] = std::move(completions);
+  const StatsView& st = s.stats;
+  json rejected = json::object();
+  for (uint32_t code = 0; code < st.rejected.size(); ++code)
+    if (st.rejected[code] != 0) rejected[error_name(code)] = st.rejected[code];
+  j["stats"] = json{{"version", st.version},
+                    {"gradients_applied", st.gradients_applied},
+                    {"weights_pulled", st.weights_pulled},
+                    {"avg_staleness", static_cast<double>(st.avg_staleness_micro) / 1e6},
+                    {"requests", st.requests},
+                    {"rejected", std::move(rejected)},
+                    {"ring_depth", st.ring_depth},
+                    {"ring_high_water", st.ring_high_water},
+                    {"workers_attached", st.workers_attached},
+                    {"workers_died", st.workers_died},
+                    {"buffers_registered", st.buffers_registered},
+                    {"mappings_opened", st.mappings_opened},
+                    {"mappings_closed", st.mappings_closed},
+                    {"lanes_corrupt", st.lanes_corrupt}};
+  return j;
+}
+
+// ---------------------------------------------------------------- text
+
+namespace {
+
+std::string shape_text(const TensorView& t) {
+  std::string out;
+  for (size_t d = 0; d < t.shape.size(); ++d) out += (d == 0 ? "" : "x") + std::to_string(t.shape[d]);
+  if (t.ndim > shm::kMaxDims) out += " (ndim " + std::to_string(t.ndim) + ")";
+  return out.empty() ? "-" : out;
+}
+
+std::string pad(const std::string& s, size_t width) {
+  return s.size() >= width ? s : s + std::string(width - s.size(), ' ');
+}
+
+std::string request_text(const Snapshot& s, const shm::Request& r) {
+  std::string out = "request " + std::to_string(r.request_id) + " " + opcode_name(r.opcode);
+  const auto op = static_cast<shm::Opcode>(r.opcode);
+  if (op == shm::Opcode::kPush || op == shm::Opcode::kPull)
+    out += " tensor " + (r.tensor_id == shm::kAllTensors ? std::string("all")
+                                                          : std::to_string(r.tensor_id) + " (" + tensor_label(s, r.tensor_id) + ")");
+  if (op == shm::Opcode::kPush || op == shm::Opcode::kPull || op == shm::Opcode::kRegisterBuffer ||
+      op == shm::Opcode::kUnregisterBuffer)
+    out += " buffer " + std::to_string(r.buffer_id);
+  if (op == shm::Opcode::kPush || op == shm::Opcode::kPull)
+    out += " offset " + std::to_string(r.byte_offset) + " length " + std::to_string(r.byte_length);
+  if (op == shm::Opcode::kPush) out += " version " + std::to_string(r.worker_version) + " dtype " + dtype_name(r.dtype);
+  out += " (worker_id " + std::to_string(r.worker_id) + ", lease " + hex64(r.lease);
+  if (r.flags != 0) out += ", flags " + std::to_string(r.flags);
+  return out + ")";
+}
+
+std::string completion_text(const shm::Completion& c) {
+  std::string out = "request " + std::to_string(c.request_id) + " " + opcode_name(c.opcode) + " -> " +
+                    error_name(c.code) + " version " + std::to_string(c.version) + " value " + std::to_string(c.value);
+  if (c.code != 0) out += " \"" + printable_name(c.message, sizeof c.message) + "\"";
+  return out;
+}
+
+template <typename Slot>
+std::string indices_text(const QueueView<Slot>& q, uint32_t capacity) {
+  std::string out = "head " + std::to_string(q.head) + ", tail " + std::to_string(q.tail);
+  if (q.corrupt)
+    out += ": corrupt indices (tail - head = " + std::to_string(q.depth) + " > capacity " + std::to_string(capacity) + ")";
+  else
+    out += ", depth " + std::to_string(q.depth);
+  return out;
+}
+
+}  // namespace
+
+std::string render_text(const Snapshot& s) {
+  std::ostringstream o;
+  const HeaderView& h = s.header;
+  o << "shmps segment " << s.source << "\n";
+  o << "== header ==\n";
+  o << "  magic           " << hex64(h.magic) << "\n";
+  o << "  layout version  " << h.layout_version << "\n";
+  o << "  segment size    " << h.segment_size << " bytes\n";
+  o << "  server          pid " << h.server_pid << " (" << (h.server_alive ? "alive" : "dead")
+    << "), start time " << h.server_start_time << "\n";
+  o << "  generation      " << hex64(h.generation) << "\n";
+  o << "  state           " << server_state_name(h.server_state) << "\n";
+  o << "  heartbeat       " << age_text(h.heartbeat_age_ms, h.heartbeat_ns) << "\n";
+  o << "  geometry        " << h.tensor_count << " tensors (" << h.total_elements << " elements), "
+    << h.max_workers << " workers x " << h.max_buffers << " buffers, lane capacity " << h.lane_capacity << "\n";
+  std::string bells;
+  for (uint64_t w : h.doorbell) bells += (bells.empty() ? "" : " ") + hex64(w);
+  o << "  doorbell        " << bells << "\n";
+
+  const ConfigView& c = s.config;
+  o << "== config ==\n";
+  o << "  optimizer       " << optimizer_name(c.optimizer_kind) << "\n";
+  o << "  hyperparameters lr " << num(c.lr) << ", momentum " << num(c.momentum) << ", dampening "
+    << num(c.dampening) << ", weight_decay " << num(c.weight_decay) << ", beta1 " << num(c.beta1) << ", beta2 "
+    << num(c.beta2) << ", eps " << num(c.eps) << "\n";
+  o << "  max_staleness   " << c.max_staleness << "\n";
+  o << "  backend         " << backend_name(c.backend) << "\n";
+  o << "  flags           " << config_flags_text(c.flags) << "\n";
+
+  o << "== tensors (" << s.tensors.size() << ") ==\n";
+  size_t name_width = 4;
+  for (const TensorView& t : s.tensors) name_width = std::max(name_width, t.name.size());
+  o << "  " << pad("id", 6) << pad("name", name_width + 2) << pad("shape", 16) << pad("elements", 14)
+    << "offset\n";
+  for (const TensorView& t : s.tensors) {
+    o << "  " << pad(std::to_string(t.id), 6) << pad(t.name, name_width + 2) << pad(shape_text(t), 16)
+      << pad(std::to_string(t.element_count), 14) << t.element_offset;
+    if (t.dtype != static_cast<uint32_t>(shm::Dtype::kF32)) o << "  dtype " << dtype_name(t.dtype);
+    o << "\n";
+  }
+
+  o << "== workers (" << s.workers.size() << " of " << h.max_workers << " entries in use) ==\n";
+  for (const WorkerView& w : s.workers) {
+    o << "  worker " << w.id << ": " << worker_state_name(w.state) << ", pid " << w.pid << " ("
+      << (w.pid_alive ? "alive" : "dead") << "), lease " << hex64(w.lease) << "\n";
+    o << "    pushes applied " << w.pushes_applied << ", rejected " << w.pushes_rejected << ", pulls " << w.pulls
+      << ", last request " << age_text(w.last_request_age_ms, w.last_request_ns) << "\n";
+    for (const BufferView& b : w.buffers) {
+      o << "    buffer " << b.id << ": " << buffer_kind_name(b.kind) << ", " << b.length << " bytes at offset "
+        << b.offset;
+      if (!b.name.empty()) o << ", name \"" << b.name << "\"";
+      if (!b.device_uuid.empty()) o << ", device " << b.device_uuid;
+      o << "\n";
+    }
+  }
+
+  o << "== request lanes (" << s.lanes.size() << " not empty) ==\n";
+  for (const LaneView& l : s.lanes) {
+    o << "  lane " << l.worker << ": " << indices_text(l, h.lane_capacity) << "\n";
+    for (size_t k = 0; k < l.slots.size(); ++k)
+      o << "    slot " << (l.indices[k] & (h.lane_capacity - 1)) << " (#" << l.indices[k]
+        << "): " << request_text(s, l.slots[k]) << "\n";
+  }
+
+  o << "== completion queues (" << s.completions.size() << ") ==\n";
+  for (const CompletionQueueView& q : s.completions) {
+    o << "  queue " << q.worker << ": " << indices_text(q, h.lane_capacity) << "\n";
+    for (size_t k = 0; k < q.slots.size(); ++k)
+      o << "    slot " << (q.indices[k] & (h.lane_capacity - 1)) << " (#" << q.indices[k]
+        << "): " << completion_text(q.slots[k]) << "\n";
+  }
+
+  const StatsView& st = s.stats;
+  o << "== stats ==\n";
+  o << "  version         " << st.version << "\n";
+  o << "  gradients       " << st.gradients_applied << " applied, avg staleness "
+    << num(static_cast<double>(st.avg_staleness_micro) / 1e6) << "\n";
+  o << "  weights pulled  " << st.weights_pulled << "\n";
+  o << "  requests        " << st.requests << "\n";
+  std::string rejected;
+  for (uint32_t code = 0; code < st.rejected.size(); ++code)
+    if (st.rejected[code] != 0)
+      rejected += (rejected.empty() ? "" : ", ") + error_name(code) + " " + std::to_string(st.rejected[code]);
+  o << "  rejected        " << (rejected.empty() ? std::string("none") : rejected) << "\n";
+  o << "  ring depth      " << st.ring_depth << " (high-water mark " << st.ring_high_water << ")\n";
+  o << "  workers         " << st.workers_attached << " attached, " << st.workers_died << " died\n";
+  o << "  buffers         " << st.buffers_registered << " registered, mappings " << st.mappings_opened
+    << " opened, " << st.mappings_closed << " closed\n";
+  o << "  lanes corrupt   " << st.lanes_corrupt << "\n";
+  return o.str();
+}
+
+}  // namespace shmps::inspect

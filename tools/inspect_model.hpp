@@ -1,0 +1,156 @@
+// shmps-inspect's model: a plain, private snapshot of a control segment
+// image (a live read-only mapping or a copy read from a file), its JSON form
+// and its text rendering. Every value read from the image is untrusted: the
+// decoder bounds every index itself, so it is safe on any bytes. A snapshot
+// of a live segment is racy (each field is read once, the set is not
+// consistent). Functions are thread-safe; they only read the image.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "shmps/shm/layout.hpp"
+#include "shmps/status.hpp"
+
+namespace shmps::inspect {
+
+struct HeaderView {
+  uint64_t magic = 0;
+  uint32_t layout_version = 0;
+  uint32_t header_size = 0;
+  uint64_t segment_size = 0;
+  uint64_t generation = 0;
+  uint32_t server_pid = 0;
+  uint64_t server_start_time = 0;           // clock ticks since boot
+  bool server_alive = false;                // process_alive(pid, start time) on this host, now
+  uint32_t server_state = 0;                // shm::ServerState, unchecked
+  uint64_t heartbeat_ns = 0;                // CLOCK_MONOTONIC
+  std::optional<uint64_t> heartbeat_age_ms; // empty when the heartbeat lies in the future
+  uint32_t tensor_count = 0;
+  uint32_t max_workers = 0;
+  uint32_t max_buffers = 0;
+  uint32_t lane_capacity = 0;
+  uint64_t total_elements = 0;
+  std::vector<uint64_t> doorbell;           // the lane bitmap words
+};
+
+struct ConfigView {
+  uint32_t optimizer_kind = 0;  // shmps::kernels::OptimizerKind, unchecked
+  uint32_t flags = 0;           // shm::kConfig*
+  float lr = 0, momentum = 0, dampening = 0, weight_decay = 0, beta1 = 0, beta2 = 0, eps = 0;
+  uint32_t backend = 0;         // shm::Backend, unchecked
+  uint64_t max_staleness = 0;
+};
+
+struct TensorView {
+  uint32_t id = 0;
+  std::string name;             // printable (see printable_name)
+  uint32_t dtype = 0;
+  uint32_t ndim = 0;
+  std::vector<uint64_t> shape;  // min(ndim, kMaxDims) dims
+  uint64_t element_offset = 0;
+  uint64_t element_count = 0;
+};
+
+struct BufferView {
+  uint32_t id = 0;
+  uint32_t kind = 0;            // shm::BufferKind, unchecked
+  uint32_t flags = 0;
+  uint64_t length = 0;          // bytes
+  uint64_t offset = 0;          // bytes
+  std::string name;             // kHostShm: the object name, printable; kCudaIpc: ""
+  std::string device_uuid;      // kCudaIpc: 32 hex digits; otherwise ""
+};
+
+struct WorkerView {
+  uint32_t id = 0;
+  uint32_t pid = 0;             // from the owner word
+  uint32_t state = 0;           // shm::WorkerState, unchecked
+  uint64_t pid_start_time = 0;
+  bool pid_alive = false;       // process_alive(pid, pid_start_time) on this host, now
+  uint64_t lease = 0;
+  uint64_t pushes_applied = 0;
+  uint64_t pushes_rejected = 0;
+  uint64_t pulls = 0;
+  uint64_t last_request_ns = 0;                 // 0: none yet
+  std::optional<uint64_t> last_request_age_ms;  // empty when none or in the future
+  std::vector<BufferView> buffers;              // the non-empty descriptors
+};
+
+// A request lane (Request slots) or a completion queue (Completion slots).
+template <typename Slot>
+struct QueueView {
+  uint32_t worker = 0;
+  uint64_t head = 0;            // consumer's index
+  uint64_t tail = 0;            // producer's index
+  uint64_t depth = 0;           // tail - head (meaningless when corrupt)
+  bool corrupt = false;         // tail - head > capacity: the slots are not decoded
+  std::vector<uint64_t> indices;  // free-running index of each pending slot
+  std::vector<Slot> slots;        // copies of the pending slots, in order
+};
+using LaneView = QueueView<shm::Request>;
+using CompletionQueueView = QueueView<shm::Completion>;
+
+struct StatsView {
+  uint64_t version = 0;
+  uint64_t gradients_applied = 0;
+  uint64_t weights_pulled = 0;
+  uint64_t avg_staleness_micro = 0;  // mean staleness * 1e6
+  uint64_t requests = 0;
+  uint64_t ring_depth = 0;
+  uint64_t ring_high_water = 0;
+  uint64_t workers_attached = 0;
+  uint64_t workers_died = 0;
+  uint64_t buffers_registered = 0;
+  uint64_t mappings_opened = 0;
+  uint64_t mappings_closed = 0;
+  uint64_t lanes_corrupt = 0;
+  std::vector<uint64_t> rejected;    // by ErrorCode value, shm::kRejectCauses entries
+};
+
+struct Snapshot {
+  std::string source;                // "/dev/shm/shmps.<name>" or the file's path
+  uint64_t taken_ns = 0;             // CLOCK_MONOTONIC when it was taken
+  HeaderView header;
+  ConfigView config;
+  std::vector<TensorView> tensors;
+  std::vector<WorkerView> workers;   // entries that are not free
+  std::vector<LaneView> lanes;       // request lanes that are not empty (or corrupt)
+  std::vector<CompletionQueueView> completions;  // queues of entries in use, or with indices != 0
+  StatsView stats;
+};
+
+// Validates the image (validate_segment) and decodes it. `size` is the
+// image's length in bytes; `base` must be 64-byte aligned. Errors:
+// kLayoutMismatch (corrupt, foreign or other version; the message names the
+// problem), kServerNotRunning (not published yet).
+Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string& source);
+
+nlohmann::json to_json(const Snapshot& snapshot);
+// The human-readable report; one section per part of the segment:
+// "== header ==", "== config ==", "== tensors", "== workers", "== request
+// lanes", "== completion queues", "== stats ==".
+std::string render_text(const Snapshot& snapshot);
+
+// Names of raw enum values; "unknown(N)" outside the enum.
+std::string opcode_name(uint32_t opcode);
+std::string server_state_name(uint32_t state);
+std::string worker_state_name(uint32_t state);
+std::string optimizer_name(uint32_t kind);
+std::string backend_name(uint32_t backend);
+std::string dtype_name(uint32_t dtype);
+std::string buffer_kind_name(uint32_t kind);
+std::string error_name(uint32_t code);  // shmps::error_code_name, or unknown(N)
+// The config flags as "nesterov,amsgrad", "none", unknown bits as 0x...
+std::string config_flags_text(uint32_t flags);
+// The bytes up to the first NUL within `n` (all n and " (unterminated)"
+// appended when there is none), with every byte outside printable ASCII,
+// and the backslash, written as \xNN: safe for a terminal and for JSON.
+std::string printable_name(const void* bytes, size_t n);
+
+}  // namespace shmps::inspect
