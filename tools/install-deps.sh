@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs what shmps needs to build, test and run its main job on Debian 12:
 # the toolchain, Boost (Interprocess, Program_options, Test), nlohmann-json,
-# OpenBLAS and zlib (training job), and the Fashion-MNIST dataset package.
+# OpenBLAS and zlib (training job), the Fashion-MNIST dataset package,
+# libsystemd (sd_notify), and for the service tests and the .deb:
+# systemd (systemd-analyze only; it does not become PID 1) and dpkg-dev
+# (dpkg-shlibdeps for cpack -G DEB).
 # Runs apt-get as root, through sudo when started as a user.
 set -euo pipefail
 packages=(
@@ -9,6 +12,7 @@ packages=(
   libboost-dev libboost-program-options-dev libboost-test-dev
   nlohmann-json3-dev libopenblas-dev zlib1g-dev
   dataset-fashion-mnist
+  libsystemd-dev systemd dpkg-dev
 )
 as_root=()
 if [ "$(id -u)" -ne 0 ]; then as_root=(sudo); fi

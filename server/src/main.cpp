@@ -1,7 +1,10 @@
 // shmps-server: options -> ServerConfig -> run_server(). Nothing else here.
 #include <cstdio>
 #include <exception>
+#include <string>
+#include <vector>
 
+#include "shmps/server/log.hpp"
 #include "shmps/server/options.hpp"
 #include "shmps/server/server.hpp"
 
@@ -9,21 +12,32 @@ int main(int argc, char** argv) {
   try {
     auto parsed = shmps::server::parse_options(argc, argv);
     if (!parsed.ok()) {
-      std::fprintf(stderr, "shmps-server: %s\n", parsed.status().message().c_str());
+      shmps::server::log::error(parsed.status().message());
       return 2;
     }
     if (parsed->help) {
       std::fputs(parsed->help_text.c_str(), stdout);
       return 0;
     }
-    const shmps::Status s = shmps::server::run_server(parsed->config);
+    if (parsed->version) {
+      std::printf("shmps-server %s\n", shmps::server::version_text());
+      return 0;
+    }
+    if (parsed->check) {
+      for (const auto& [key, value] : shmps::server::config_entries(parsed->config))
+        std::printf("%s = %s\n", key.c_str(), value.c_str());
+      return 0;
+    }
+    // SIGHUP parses the same command line again (re-reading its --config).
+    const std::vector<std::string> args(argv, argv + argc);
+    const shmps::Status s = shmps::server::run_server(parsed->config, args);
     if (!s.ok()) {
-      std::fprintf(stderr, "shmps-server: %s\n", s.to_string().c_str());
+      shmps::server::log::error(s.to_string());
       return 1;
     }
     return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "shmps-server: fatal: %s\n", e.what());
+    shmps::server::log::error(std::string("fatal: ") + e.what());
     return 1;
   }
 }

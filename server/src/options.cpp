@@ -1,12 +1,118 @@
 #include "shmps/server/options.hpp"
 
 #include <boost/program_options.hpp>
+#include <charconv>
 #include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
 
 namespace po = boost::program_options;
 
+#ifndef SHMPS_VERSION
+#define SHMPS_VERSION "unknown"
+#endif
+
 namespace shmps::server {
+namespace {
+
+// One "key = value" line of a config file.
+struct FileEntry {
+  std::string key;
+  std::string value;
+  int line = 0;
+};
+
+std::string trim(std::string_view s) {
+  const size_t first = s.find_first_not_of(" \t\r");
+  if (first == std::string_view::npos) return {};
+  const size_t last = s.find_last_not_of(" \t\r");
+  return std::string(s.substr(first, last - first + 1));
+}
+
+std::string file_line(const std::string& file, int line) {
+  return "config file " + file + " line " + std::to_string(line);
+}
+
+Status invalid(std::string message) { return Status{ErrorCode::kInvalidArgument, std::move(message)}; }
+
+// Reads a config file with program_options' syntax ('#' to the end of the
+// line is a comment, blank lines are skipped, "key = value" with blanks
+// around both trimmed) but checks every key itself, so that an error can
+// name its line: program_options reports neither lines nor, for a file,
+// which occurrence was wrong.
+Result<std::vector<FileEntry>> read_config_file(const std::string& file, const po::options_description& allowed) {
+  std::ifstream in(file);
+  if (!in) return invalid("--config " + file + ": cannot open");
+  std::vector<FileEntry> entries;
+  std::map<std::string, int> first_line;
+  std::string text;
+  for (int line = 1; std::getline(in, text); ++line) {
+    if (const size_t hash = text.find('#'); hash != std::string::npos) text.resize(hash);
+    const std::string s = trim(text);
+    if (s.empty()) continue;
+    if (s.front() == '[') return invalid(file_line(file, line) + ": sections ('" + s + "') are not supported; write key = value lines");
+    const size_t eq = s.find('=');
+    if (eq == std::string::npos) return invalid(file_line(file, line) + ": expected 'key = value', got '" + s + "'");
+    FileEntry e{trim(std::string_view(s).substr(0, eq)), trim(std::string_view(s).substr(eq + 1)), line};
+    if (e.key.empty()) return invalid(file_line(file, line) + ": no key before '='");
+    const po::option_description* d = allowed.find_nothrow(e.key, /*approx=*/false);
+    if (d == nullptr) {
+      const bool command_line_only =
+          e.key == "config" || e.key == "help" || e.key == "version" || e.key == "check-config";
+      return invalid(file_line(file, line) + ": unknown key '" + e.key + "'" +
+                     (command_line_only ? " (valid on the command line only)" : ""));
+    }
+    if (!d->semantic()->is_composing()) {
+      const auto [it, inserted] = first_line.emplace(e.key, line);
+      if (!inserted)
+        return invalid(file_line(file, line) + ": key '" + e.key + "' is already set on line " + std::to_string(it->second));
+    }
+    entries.push_back(std::move(e));
+  }
+  if (in.bad()) return Status{ErrorCode::kIo, "--config " + file + ": read failed"};
+  return entries;
+}
+
+// "--lr must be > 0, got -1" -> "<where>: key 'lr': must be > 0, got -1".
+// `message` must start with the option it is about.
+std::string relocate(const std::string& message, const std::string& where) {
+  const size_t end = message.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-", 2);
+  const std::string key = message.substr(2, end == std::string::npos ? std::string::npos : end - 2);
+  std::string rest = end == std::string::npos ? std::string() : message.substr(end);
+  rest.erase(0, std::min(rest.size(), rest.find_first_not_of(": ")));
+  return where + ": key '" + key + "': " + rest;
+}
+
+std::string number_text(float v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
+
+}  // namespace
+
+const char* version_text() noexcept { return SHMPS_VERSION; }
+
+const char* log_level_name(LogLevel level) noexcept {
+  switch (level) {
+    case LogLevel::kError: return "error";
+    case LogLevel::kWarn: return "warn";
+    case LogLevel::kInfo: return "info";
+    case LogLevel::kDebug: return "debug";
+  }
+  return "unknown";
+}
+
+bool parse_log_level(std::string_view text, LogLevel* out) noexcept {
+  for (LogLevel l : {LogLevel::kError, LogLevel::kWarn, LogLevel::kInfo, LogLevel::kDebug}) {
+    if (text == log_level_name(l)) {
+      *out = l;
+      return true;
+    }
+  }
+  return false;
+}
 
 Result<shm::TensorSpec> parse_tensor(const std::string& text) {
   const auto bad = [&](const std::string& why) {
@@ -39,20 +145,22 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   ParsedOptions out;
   ServerConfig& c = out.config;
   kernels::OptimizerConfig& o = c.optimizer;
-  std::string config_file, optimizer = "sgd", backend = "auto", init = "zero";
+  std::string config_file, optimizer = "sgd", backend = "auto", init = "zero", log_level = "info";
   std::vector<std::string> tensors;
   float weight_decay = 0.0f;
 
-  po::options_description generic("General");
+  po::options_description generic("General (command line only)");
   generic.add_options()
       ("help,h", "print this help and exit")
-      ("config", po::value(&config_file), "read options from this file (key = value lines)");
-  po::options_description server("Server (also valid in the config file)");
+      ("version", "print the version and exit")
+      ("check-config", "check the options and the --config file, print the effective configuration, exit")
+      ("config", po::value(&config_file), "read options from this file (key = value lines, '#' comments)");
+  po::options_description server("Server (also valid in the config file, as key = value)");
   server.add_options()
       ("name", po::value(&c.name), "instance name: the segment is /dev/shm/shmps.<name> (required)")
       ("tensor", po::value(&tensors)->composing(), "NAME:SHAPE[:f32], e.g. fc1.weight:256x784; repeatable, in order (required)")
       ("optimizer", po::value(&optimizer)->default_value("sgd"), "sgd | adam | adamw")
-      ("lr", po::value(&o.lr)->default_value(0.001f), "learning rate (> 0)")
+      ("lr", po::value(&o.lr)->default_value(0.001f), "learning rate (> 0); changes live on SIGHUP")
       ("momentum", po::value(&o.momentum)->default_value(0.0f), "SGD momentum (>= 0)")
       ("dampening", po::value(&o.dampening)->default_value(0.0f), "SGD dampening (>= 0)")
       ("nesterov", po::bool_switch(&o.nesterov), "SGD Nesterov momentum (needs momentum > 0, dampening 0)")
@@ -61,7 +169,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       ("beta2", po::value(&o.beta2)->default_value(0.999f), "Adam beta2 in [0, 1)")
       ("eps", po::value(&o.eps)->default_value(1e-8f), "Adam epsilon (> 0)")
       ("amsgrad", po::bool_switch(&o.amsgrad), "Adam/AdamW AMSGrad variant")
-      ("max-staleness", po::value(&c.max_staleness)->default_value(4), "reject pushes computed more than this many versions ago")
+      ("max-staleness", po::value(&c.max_staleness)->default_value(4), "reject pushes computed more than this many versions ago; changes live on SIGHUP")
       ("allow-nonfinite", po::bool_switch(&c.allow_nonfinite), "apply gradients holding NaN or Inf (rejected by default)")
       ("ring-capacity", po::value(&c.lane_capacity)->default_value(64), "slots per worker request lane (power of two)")
       ("max-workers", po::value(&c.max_workers)->default_value(16), "worker table size (1..256)")
@@ -72,62 +180,142 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       ("init-seed", po::value(&c.init.seed)->default_value(1), "seed of normal/uniform init")
       ("init-file", po::value(&c.init.file), "raw little-endian fp32, all tensors in order (implies --init file)")
       ("group-access", po::bool_switch(&c.group_access), "create the segment with mode 0660 instead of 0600")
-      ("idle-spin-us", po::value(&c.idle_spin_us)->default_value(50), "spin this long on an empty ring before sleeping");
+      ("idle-spin-us", po::value(&c.idle_spin_us)->default_value(50), "spin this long on an empty ring before sleeping")
+      ("log-level", po::value(&log_level)->default_value("info"), "error | warn | info | debug; changes live on SIGHUP");
   po::options_description all;
   all.add(generic).add(server);
 
+  // Where each value came from, for errors: keys the file set (and the
+  // command line did not), and every tensor in the composed order.
+  std::string file;
+  std::map<std::string, int> line_of;
+  std::vector<std::string> tensor_origin;
   po::variables_map vm;
   try {
-    po::store(po::parse_command_line(argc, argv, all), vm);
-    if (vm.count("config")) {
-      const std::string file = vm["config"].as<std::string>();
-      std::ifstream in(file);
-      if (!in) return Status{ErrorCode::kInvalidArgument, "--config " + file + ": cannot open"};
-      try {
-        po::store(po::parse_config_file(in, server, /*allow_unregistered=*/false), vm);
-      } catch (const po::error& e) {
-        return Status{ErrorCode::kInvalidArgument, "config file " + file + ": " + e.what()};
-      }
+    const po::parsed_options cmdline = po::parse_command_line(argc, argv, all);
+    po::store(cmdline, vm);
+    std::set<std::string> on_cmdline;
+    for (const po::option& opt : cmdline.options) {
+      on_cmdline.insert(opt.string_key);
+      if (opt.string_key == "tensor") tensor_origin.emplace_back("--tensor");
     }
     if (vm.count("help")) {
       std::ostringstream text;
-      text << "shmps-server: a parameter server for the workers of one host\n\n" << all;
+      text << "shmps-server " << version_text() << ": a parameter server for the workers of one host\n\n" << all;
       out.help = true;
       out.help_text = text.str();
       return out;
     }
+    if (vm.count("version")) {
+      out.version = true;
+      return out;
+    }
+    if (vm.count("config")) {
+      file = vm["config"].as<std::string>();
+      auto entries = read_config_file(file, server);
+      if (!entries.ok()) return entries.status();
+      // One store per line, so a bad value is pinned to its line. Values
+      // the command line gave stay (program_options keeps the first store
+      // of a non-composing key); `tensor` lines compose after the command
+      // line's.
+      for (const FileEntry& e : *entries) {
+        po::parsed_options one(&server);
+        one.options.emplace_back(e.key, std::vector<std::string>{e.value});
+        try {
+          po::store(one, vm);
+        } catch (const po::error&) {
+          return invalid(file_line(file, e.line) + ": key '" + e.key + "': invalid value '" + e.value + "'");
+        }
+        if (e.key == "tensor") tensor_origin.push_back(file_line(file, e.line));
+        else if (on_cmdline.count(e.key) == 0) line_of[e.key] = e.line;
+      }
+    }
     po::notify(vm);
   } catch (const po::error& e) {
-    return Status{ErrorCode::kInvalidArgument, e.what()};
+    return invalid(e.what());
   }
 
-  if (c.name.empty()) return Status{ErrorCode::kInvalidArgument, "--name is required"};
-  if (Status s = shm::validate_name(c.name); !s.ok()) return Status{s.code(), "--name: " + s.message()};
-  if (tensors.empty()) return Status{ErrorCode::kInvalidArgument, "at least one --tensor is required"};
-  for (const std::string& t : tensors) {
-    auto spec = parse_tensor(t);
-    if (!spec.ok()) return spec.status();
+  // A message that starts with "--key" is pointed at the file's line when
+  // the file set that key.
+  const auto fail = [&](const std::string& message) {
+    if (message.rfind("--", 0) == 0) {
+      const size_t end = message.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-", 2);
+      const auto it = line_of.find(message.substr(2, end == std::string::npos ? std::string::npos : end - 2));
+      if (it != line_of.end()) return invalid(relocate(message, file_line(file, it->second)));
+    }
+    return invalid(message);
+  };
+
+  if (c.name.empty()) return invalid("--name is required");
+  if (Status s = shm::validate_name(c.name); !s.ok()) return fail("--name: " + s.message());
+  if (tensors.empty()) return invalid("at least one --tensor is required");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    auto spec = parse_tensor(tensors[i]);
+    if (!spec.ok()) {
+      const bool from_file = i < tensor_origin.size() && tensor_origin[i] != "--tensor";
+      return invalid(from_file ? relocate(spec.status().message(), tensor_origin[i]) : spec.status().message());
+    }
     c.tensors.push_back(std::move(spec).value());
   }
   if (!kernels::parse_optimizer_kind(optimizer, &o.kind))
-    return Status{ErrorCode::kInvalidArgument, "--optimizer must be sgd, adam or adamw, got '" + optimizer + "'"};
+    return fail("--optimizer must be sgd, adam or adamw, got '" + optimizer + "'");
   o.weight_decay = vm.count("weight-decay") ? weight_decay : (o.kind == kernels::OptimizerKind::kAdamW ? 0.01f : 0.0f);
-  if (std::string err = kernels::validate(o); !err.empty()) return Status{ErrorCode::kInvalidArgument, err};
   if (backend == "host") c.backend = BackendKind::kHost;
   else if (backend == "cuda") c.backend = BackendKind::kCuda;
   else if (backend == "auto") c.backend = BackendKind::kAuto;
-  else return Status{ErrorCode::kInvalidArgument, "--backend must be host, cuda or auto, got '" + backend + "'"};
+  else return fail("--backend must be host, cuda or auto, got '" + backend + "'");
   if (vm.count("init-file")) init = "file";
   if (init == "zero") c.init.kind = InitSpec::Kind::kZero;
   else if (init == "normal") c.init.kind = InitSpec::Kind::kNormal;
   else if (init == "uniform") c.init.kind = InitSpec::Kind::kUniform;
   else if (init == "file") {
-    if (c.init.file.empty()) return Status{ErrorCode::kInvalidArgument, "--init file needs --init-file PATH"};
+    if (c.init.file.empty()) return fail("--init file needs --init-file PATH");
     c.init.kind = InitSpec::Kind::kFile;
   } else {
-    return Status{ErrorCode::kInvalidArgument, "--init must be zero, normal, uniform or file, got '" + init + "'"};
+    return fail("--init must be zero, normal, uniform or file, got '" + init + "'");
   }
+  if (!parse_log_level(log_level, &c.log_level))
+    return fail("--log-level must be error, warn, info or debug, got '" + log_level + "'");
+  if (Status s = validate(c); !s.ok()) return fail(s.message());
+  out.check = vm.count("check-config") != 0;
   return out;
+}
+
+std::vector<std::pair<std::string, std::string>> config_entries(const ServerConfig& c) {
+  const kernels::OptimizerConfig& o = c.optimizer;
+  const auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
+  std::vector<std::pair<std::string, std::string>> e;
+  e.emplace_back("name", c.name);
+  for (const shm::TensorSpec& t : c.tensors) {
+    std::string shape;
+    for (uint64_t d : t.shape) shape += (shape.empty() ? "" : "x") + std::to_string(d);
+    e.emplace_back("tensor", t.name + ":" + shape);
+  }
+  e.emplace_back("optimizer", kernels::optimizer_kind_name(o.kind));
+  e.emplace_back("lr", number_text(o.lr));
+  e.emplace_back("momentum", number_text(o.momentum));
+  e.emplace_back("dampening", number_text(o.dampening));
+  e.emplace_back("nesterov", flag(o.nesterov));
+  e.emplace_back("weight-decay", number_text(o.weight_decay));
+  e.emplace_back("beta1", number_text(o.beta1));
+  e.emplace_back("beta2", number_text(o.beta2));
+  e.emplace_back("eps", number_text(o.eps));
+  e.emplace_back("amsgrad", flag(o.amsgrad));
+  e.emplace_back("max-staleness", std::to_string(c.max_staleness));
+  e.emplace_back("allow-nonfinite", flag(c.allow_nonfinite));
+  e.emplace_back("ring-capacity", std::to_string(c.lane_capacity));
+  e.emplace_back("max-workers", std::to_string(c.max_workers));
+  e.emplace_back("max-buffers", std::to_string(c.max_buffers));
+  e.emplace_back("backend", c.backend == BackendKind::kHost ? "host" : c.backend == BackendKind::kCuda ? "cuda" : "auto");
+  static constexpr const char* kInitNames[] = {"zero", "normal", "uniform", "file"};
+  e.emplace_back("init", kInitNames[static_cast<int>(c.init.kind)]);
+  e.emplace_back("init-scale", number_text(c.init.scale));
+  e.emplace_back("init-seed", std::to_string(c.init.seed));
+  if (!c.init.file.empty()) e.emplace_back("init-file", c.init.file);
+  e.emplace_back("group-access", flag(c.group_access));
+  e.emplace_back("idle-spin-us", std::to_string(c.idle_spin_us));
+  e.emplace_back("log-level", log_level_name(c.log_level));
+  return e;
 }
 
 }  // namespace shmps::server

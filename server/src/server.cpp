@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -11,6 +12,9 @@
 #include <random>
 
 #include "backend.hpp"
+#include "service.hpp"
+#include "shmps/server/log.hpp"
+#include "shmps/server/options.hpp"
 #include "shmps/shm/futex.hpp"
 #include "shmps/shm/proc.hpp"
 #include "shmps/shm/ring.hpp"
@@ -29,9 +33,30 @@ constexpr uint32_t kBatchPerLane = 32;          // requests served per lane befo
 constexpr uint64_t kHousekeepingNs = 50'000'000;  // dead-worker scan and lane sweep
 constexpr uint64_t kHeartbeatNs = 10'000'000;
 constexpr size_t kStalenessWindow = 128;
+constexpr uint64_t kStatusNs = 2'000'000'000;     // STATUS= refresh, rejection counts
+constexpr uint64_t kRejectLogNs = 1'000'000'000;  // at most one rejection line per cause per second
 
-void log_line(const char* level, const std::string& text) {
-  std::fprintf(stderr, "shmps-server %s: %s\n", level, text.c_str());
+const char* opcode_name(uint32_t opcode) {
+  static constexpr const char* kNames[] = {"request", "attach", "detach", "register_buffer", "unregister_buffer",
+                                           "push", "pull", "stats", "ping"};
+  return opcode <= shm::kOpcodeMax ? kNames[opcode] : "request";
+}
+
+std::string fixed1(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", v);
+  return buf;
+}
+
+// The entries of config_entries() with repeated keys (tensor) joined, in order.
+std::vector<std::pair<std::string, std::string>> grouped_entries(const ServerConfig& config) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (auto& [key, value] : config_entries(config)) {
+    auto it = std::find_if(out.begin(), out.end(), [&](const auto& e) { return e.first == key; });
+    if (it == out.end()) out.emplace_back(key, value);
+    else it->second += "," + value;
+  }
+  return out;
 }
 
 uint64_t random_generation() {
@@ -77,8 +102,6 @@ Result<std::vector<float>> initial_weights(const InitSpec& init, uint64_t total)
   return w;
 }
 
-bool is_power_of_two(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
-
 }  // namespace
 
 // Server-private state of one worker-table entry.
@@ -109,20 +132,47 @@ class Server::Impl {
   uint64_t last_heartbeat = 0;
   uint64_t last_housekeeping = 0;
   std::atomic<bool> stop{false};
+  std::atomic<bool> reload_requested{false};
   bool removed = false;
+
+  // Service manager and log state; the consumer thread's only.
+  RunOptions run_options;
+  ServiceNotifier notifier;
+  uint64_t created_ns = 0;
+  uint64_t last_watchdog = 0;
+  uint64_t last_status = 0;
+  uint64_t applied_at_last_status = 0;
+  double push_rate = 0.0;  // pushes/s over the last status interval
+  struct RejectLog {
+    uint64_t last_ns = 0;     // when the last line for this cause was written
+    uint64_t unreported = 0;  // rejections since, not logged one by one
+  };
+  std::array<RejectLog, shm::kRejectCauses> reject_log{};
 
   shm::StatsBlock& stats() { return segment->stats(); }
 
   // ------------------------------------------------------------ loop
-  Status run() {
+  Status run(const RunOptions& options) {
+    run_options = options;
+    notifier = options.notify_service_manager ? ServiceNotifier::from_environment() : ServiceNotifier{};
     const auto spin_ns = uint64_t{config.idle_spin_us} * 1000;
     uint64_t idle_since = 0;
+    last_watchdog = last_status = shm::monotonic_ns();
+    applied_at_last_status = stats().gradients_applied.load(std::memory_order_relaxed);  // relaxed: our own counter
+    if (notifier.enabled()) {
+      log::info(notifier.watchdog_ns() == 0
+                    ? std::string("notifying systemd; no watchdog")
+                    : "notifying systemd; watchdog keep-alive every " + std::to_string(notifier.watchdog_ns() / 2'000'000) + " ms");
+      // The segment is published and the weights are loaded (create()).
+      notifier.ready(status_text());
+    }
     while (!stop.load(std::memory_order_acquire)) {  // SYNC(stop): pairs with request_stop()
       const uint64_t now = shm::monotonic_ns();
       if (now - last_heartbeat >= kHeartbeatNs) {
         // relaxed: a liveness hint; readers compare it against their clock only.
         segment->header().heartbeat_ns.store(now, std::memory_order_relaxed);
         last_heartbeat = now;
+        periodic(now);
       }
       bool worked = serve_doorbells();
       if (now - last_housekeeping >= kHousekeepingNs) {
@@ -142,6 +192,109 @@ class Server::Impl {
     }
     shutdown();
     return Status::Ok();
+  }
+
+  // Every kHeartbeatNs, from the loop and only there: a consumer stuck in a
+  // request stops the watchdog keep-alives, and systemd restarts it.
+  void periodic(uint64_t now) {
+    // The relaxed load keeps the locked exchange off the common path (a
+    // stale false only delays the reload to the next tick). SYNC(reload):
+    // the acquire pairs with request_reload()'s release, so what the
+    // requester wrote for RunOptions::reload to read is visible.
+    if (reload_requested.load(std::memory_order_relaxed) && reload_requested.exchange(false, std::memory_order_acquire))
+      reload(now);
+    if (notifier.watchdog_ns() != 0 && now - last_watchdog >= notifier.watchdog_ns() / 2) {
+      notifier.watchdog();
+      last_watchdog = now;
+    }
+    if (now - last_status >= kStatusNs) {
+      const uint64_t applied = stats().gradients_applied.load(std::memory_order_relaxed);  // relaxed: our own counter
+      push_rate = static_cast<double>(applied - applied_at_last_status) * 1e9 / static_cast<double>(now - last_status);
+      applied_at_last_status = applied;
+      last_status = now;
+      if (notifier.enabled()) notifier.status(status_text());
+      flush_rejection_counts(now);
+    }
+  }
+
+  // "shmps 0.1.0 'job1': 2 workers attached, 850.0 pushes/s, version 1234"
+  std::string status_text() {
+    // relaxed: our own counter.
+    const uint64_t workers = stats().workers_attached.load(std::memory_order_relaxed);
+    return std::string("shmps ") + version_text() + " '" + config.name + "': " + std::to_string(workers) +
+           " workers attached, " + fixed1(push_rate) + " pushes/s, version " + std::to_string(version);
+  }
+
+  // ------------------------------------------------------------ reload
+  void reload(uint64_t now) {
+    notifier.reloading(now);
+    if (!run_options.reload) {
+      log::warn("reload requested, but this server has no configuration source; nothing changed");
+    } else if (Result<ServerConfig> next = run_options.reload(); !next.ok()) {
+      log::error("reload failed, keeping the running configuration: " + next.status().message());
+      notifier.ready("reload failed (see the log); " + status_text());
+      return;
+    } else {
+      apply_live(*next);
+    }
+    notifier.ready(status_text());
+  }
+
+  // Applies what may change while workers run and logs each change; other
+  // differences wait for a restart. The segment's config block follows, so
+  // shmps-inspect shows the values in force.
+  void apply_live(const ServerConfig& next) {
+    const auto before = grouped_entries(config);
+    const auto after = grouped_entries(next);
+    std::vector<std::string> keys;
+    for (const auto* side : {&after, &before})
+      for (const auto& e : *side)
+        if (std::find(keys.begin(), keys.end(), e.first) == keys.end()) keys.push_back(e.first);
+    const auto value_of = [](const auto& entries, const std::string& key) {
+      for (const auto& e : entries)
+        if (e.first == key) return e.second;
+      return std::string("(unset)");
+    };
+    int applied = 0, pending = 0;
+    shm::ConfigBlock& shared = segment->header().config;
+    for (const std::string& key : keys) {
+      const std::string old_value = value_of(before, key), new_value = value_of(after, key);
+      if (old_value == new_value) continue;
+      const std::string change = "reload: " + key + " " + old_value + " -> " + new_value;
+      if (key == "lr") {
+        kernels::OptimizerConfig candidate = config.optimizer;
+        candidate.lr = next.optimizer.lr;
+        if (std::string err = kernels::validate(candidate); !err.empty()) {
+          log::error("reload: lr " + new_value + " refused, keeping " + old_value + ": " + err);
+          continue;
+        }
+        config.optimizer.lr = next.optimizer.lr;
+        // relaxed: a display value for shmps-inspect (an aligned 4-byte
+        // store, never torn); the server reads its own copy.
+        std::atomic_ref<float>(shared.lr).store(config.optimizer.lr, std::memory_order_relaxed);
+        log::info(change);
+      } else if (key == "max-staleness") {
+        config.max_staleness = next.max_staleness;
+        // relaxed: as lr above.
+        std::atomic_ref<uint64_t>(shared.max_staleness).store(config.max_staleness, std::memory_order_relaxed);
+        log::info(change);
+      } else if (key == "log-level") {
+        // Written under whichever of the two levels is more verbose, so the
+        // change itself is always seen.
+        const bool more_verbose = static_cast<int>(next.log_level) > static_cast<int>(config.log_level);
+        if (more_verbose) log::set_level(next.log_level);
+        log::info(change);
+        if (!more_verbose) log::set_level(next.log_level);
+        config.log_level = next.log_level;
+      } else {
+        log::warn(change + " needs a restart; still " + old_value);
+        ++pending;
+        continue;
+      }
+      ++applied;
+    }
+    log::info("reloaded the configuration: " + std::to_string(applied) + " change(s) applied" +
+              (pending > 0 ? ", " + std::to_string(pending) + " need a restart" : std::string()));
   }
 
   bool doorbells_pending() {
@@ -260,9 +413,52 @@ class Server::Impl {
     stats().rejected[static_cast<uint32_t>(code) % shm::kRejectCauses].fetch_add(1, std::memory_order_relaxed);
     if (req.opcode == static_cast<uint32_t>(Opcode::kPush))
       segment->worker(i).pushes_rejected.fetch_add(1, std::memory_order_relaxed);
+    log_rejection(i, req, code, message);
     Completion c = answer(req, code, message);
     c.version = version;
     return c;
+  }
+
+  // Stale pushes are routine in asynchronous training (info); anything else
+  // is a bug or an attack on the worker side (warn). At most one line per
+  // cause per kRejectLogNs; the ones in between are counted and reported
+  // with the next line, or by flush_rejection_counts().
+  static LogLevel rejection_level(uint32_t cause) {
+    return cause == static_cast<uint32_t>(ErrorCode::kStale) ? LogLevel::kInfo : LogLevel::kWarn;
+  }
+
+  void log_rejection(uint32_t i, const Request& req, ErrorCode code, const std::string& message) {
+    const uint32_t cause = static_cast<uint32_t>(code) % shm::kRejectCauses;
+    if (!log::enabled(rejection_level(cause))) return;
+    RejectLog& r = reject_log[cause];
+    const uint64_t now = shm::monotonic_ns();
+    if (r.last_ns != 0 && now - r.last_ns < kRejectLogNs) {
+      ++r.unreported;
+      return;
+    }
+    // relaxed: re-read of the entry's owner for the pid in the message.
+    const uint32_t pid = shm::owner_pid(segment->worker(i).owner.load(std::memory_order_relaxed));
+    std::string line = "rejected " + std::string(opcode_name(req.opcode)) + " from worker " + std::to_string(i) +
+                       " (pid " + std::to_string(pid) + "): " + std::string(error_code_name(code)) + ": " + message;
+    if (r.unreported > 0)
+      line += " (+" + std::to_string(r.unreported) + " more '" + std::string(error_code_name(code)) + "' since the last report)";
+    log::write(rejection_level(cause), line);
+    r.last_ns = now;
+    r.unreported = 0;
+  }
+
+  // Reports the rejections not logged one by one, once their cause's line
+  // is kRejectLogNs old (or now, with `all`: at shutdown).
+  void flush_rejection_counts(uint64_t now, bool all = false) {
+    for (uint32_t cause = 0; cause < shm::kRejectCauses; ++cause) {
+      RejectLog& r = reject_log[cause];
+      if (r.unreported == 0 || (!all && now - r.last_ns < kRejectLogNs)) continue;
+      log::write(rejection_level(cause), std::to_string(r.unreported) + " more '" +
+                                             std::string(error_code_name(static_cast<ErrorCode>(cause))) +
+                                             "' rejections in the last " + fixed1(static_cast<double>(now - r.last_ns) / 1e9) + " s");
+      r.unreported = 0;
+      r.last_ns = now;
+    }
   }
 
   Completion handle(uint32_t i, const Request& req) {
@@ -322,7 +518,7 @@ class Server::Impl {
     // sees kAttached (inspect); the worker itself learns it from the completion.
     entry.owner.store(shm::make_owner(static_cast<uint32_t>(pid), WorkerState::kAttached), std::memory_order_release);
     stats().workers_attached.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
-    log_line("info", "worker " + std::to_string(i) + " attached (pid " + std::to_string(pid) + ")");
+    log::info("worker " + std::to_string(i) + " attached (pid " + std::to_string(pid) + ")");
     Completion c = answer(req, ErrorCode::kOk, "");
     c.value = entry.lease;
     c.version = version;
@@ -343,6 +539,9 @@ class Server::Impl {
     auto peer = backend->open_peer(desc, buffer_prefix + std::to_string(i) + ".");
     if (!peer.ok()) return reject(i, req, peer.status().code(), peer.status().message());
     slot.buffers[req.buffer_id] = std::move(peer).value();
+    if (log::enabled(LogLevel::kDebug))
+      log::debug("worker " + std::to_string(i) + " registered buffer " + std::to_string(req.buffer_id) + " (" +
+                 std::to_string(desc.length) + " bytes)");
     // relaxed: statistics.
     stats().buffers_registered.fetch_add(1, std::memory_order_relaxed);
     stats().mappings_opened.fetch_add(1, std::memory_order_relaxed);
@@ -524,7 +723,7 @@ class Server::Impl {
     slot.completions = shm::SpscProducer<Completion>(&segment->completions(i), segment->completion_slots(i), config.lane_capacity);
     shm::WorkerEntry& entry = segment->worker(i);
     const uint64_t owner = entry.owner.load(std::memory_order_relaxed);  // relaxed: we are its only writer now
-    log_line("info", "worker " + std::to_string(i) + " detached (pid " + std::to_string(shm::owner_pid(owner)) + ")");
+    log::info("worker " + std::to_string(i) + " detached (pid " + std::to_string(shm::owner_pid(owner)) + ")");
   }
 
   // Stops serving a misbehaving but living worker: kDetached tells its
@@ -533,7 +732,7 @@ class Server::Impl {
     stats().lanes_corrupt.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
     shm::WorkerEntry& entry = segment->worker(i);
     const uint64_t owner = entry.owner.load(std::memory_order_relaxed);  // relaxed: re-read of our own state
-    log_line("warn", "evicting worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(owner)) + "): " + why);
+    log::warn("evicting worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(owner)) + "): " + why);
     WorkerSlot& slot = slots[i];
     for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(slot, b);
     if (slot.attached) stats().workers_attached.fetch_sub(1, std::memory_order_relaxed);
@@ -553,7 +752,9 @@ class Server::Impl {
       const uint64_t start = slots[i].attached ? slots[i].pid_start_time : entry.pid_start_time;
       if (!shm::process_alive(pid, start)) {
         const bool was_attached = slots[i].attached;
-        log_line(was_attached ? "warn" : "info", "worker " + std::to_string(i) + " (pid " + std::to_string(pid) + ") is gone; releasing its entry");
+        log::write(was_attached ? LogLevel::kWarn : LogLevel::kInfo,
+                   "worker " + std::to_string(i) + " (pid " + std::to_string(pid) + ") died" +
+                       (was_attached ? "" : " before attaching") + "; releasing its entry");
         if (was_attached) stats().workers_died.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
         release_entry(i);
         worked = true;
@@ -565,9 +766,11 @@ class Server::Impl {
   }
 
   void shutdown() {
+    notifier.stopping("stopping: failing queued requests; " + status_text());
     auto& h = segment->header();
     h.server_state.store(static_cast<uint32_t>(shm::ServerState::kStopping), std::memory_order_release);
     // Fail what is queued: nothing more is applied.
+    uint64_t failed = 0;
     for (uint32_t i = 0; i < config.max_workers; ++i) {
       const uint64_t owner = segment->worker(i).owner.load(std::memory_order_acquire);  // SYNC(worker_claim)
       const uint32_t state = shm::owner_state(owner);
@@ -578,6 +781,7 @@ class Server::Impl {
         Completion c = answer(req, ErrorCode::kShuttingDown, "server is shutting down");
         c.version = version;
         post(i, c);
+        ++failed;
       }
     }
     // SYNC(server_stopped): release pairs with the workers' acquire load of
@@ -587,9 +791,18 @@ class Server::Impl {
       shm::notify(segment->completions(i).data_ready);
       shm::notify(segment->lane(i).space_ready);
     }
-    log_line("info", "stopping: version " + std::to_string(version) + ", gradients applied " +
-                         std::to_string(stats().gradients_applied.load(std::memory_order_relaxed)) + ", weights pulled " +
-                         std::to_string(stats().weights_pulled.load(std::memory_order_relaxed)));
+    flush_rejection_counts(shm::monotonic_ns(), /*all=*/true);
+    // relaxed: our own counters.
+    const auto& st = stats();
+    const auto count = [](const std::atomic<uint64_t>& a) { return std::to_string(a.load(std::memory_order_relaxed)); };
+    uint64_t rejected = 0;
+    for (const auto& r : st.rejected) rejected += r.load(std::memory_order_relaxed);
+    log::info("stopped: version " + std::to_string(version) + ", gradients applied " + count(st.gradients_applied) +
+              ", weights pulled " + count(st.weights_pulled) + ", rejected " + std::to_string(rejected) + " (stale " +
+              count(st.rejected[static_cast<uint32_t>(ErrorCode::kStale)]) + ", non-finite " +
+              count(st.rejected[static_cast<uint32_t>(ErrorCode::kNonFinite)]) + "), workers attached " +
+              count(st.workers_attached) + ", died " + count(st.workers_died) + ", queued requests failed " +
+              std::to_string(failed) + ", up " + fixed1(static_cast<double>(shm::monotonic_ns() - created_ns) / 1e9) + " s");
     shm::Segment::remove(config.name);
     removed = true;
   }
@@ -604,20 +817,19 @@ Server::~Server() {
 }
 
 Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config) {
-  if (std::string err = kernels::validate(config.optimizer); !err.empty())
-    return Status{ErrorCode::kInvalidArgument, err};
-  if (config.tensors.empty()) return Status{ErrorCode::kInvalidArgument, "at least one --tensor is required"};
-  if (!is_power_of_two(config.lane_capacity) || config.lane_capacity < 2 || config.lane_capacity > shm::kMaxLaneCapacity)
-    return Status{ErrorCode::kInvalidArgument, "--ring-capacity must be a power of two in 2..65536, got " + std::to_string(config.lane_capacity)};
-  if (config.max_workers == 0 || config.max_workers > shm::kMaxWorkersLimit)
-    return Status{ErrorCode::kInvalidArgument, "--max-workers must be in 1..256, got " + std::to_string(config.max_workers)};
-  if (config.max_buffers == 0 || config.max_buffers > shm::kMaxBuffersLimit)
-    return Status{ErrorCode::kInvalidArgument, "--max-buffers must be in 1..64, got " + std::to_string(config.max_buffers)};
+  if (Status s = validate(config); !s.ok()) return s;
   if (config.backend == BackendKind::kCuda)
     return Status{ErrorCode::kCuda, "--backend cuda: this build has no CUDA backend yet; use --backend host"};
 
+  log::set_level(config.log_level);
+  std::string effective;
+  for (const auto& [key, value] : config_entries(config))
+    effective += " " + key + "=" + (value.find(' ') == std::string::npos ? value : "'" + value + "'");
+  log::info(std::string("starting shmps-server ") + version_text() + " (pid " + std::to_string(::getpid()) + "):" + effective);
+
   auto impl = std::make_unique<Server::Impl>();
   impl->config = config;
+  impl->created_ns = shm::monotonic_ns();
   impl->backend = make_host_backend();
 
   shm::SegmentSpec spec;
@@ -670,17 +882,24 @@ Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config) {
 
   seg.header().server_state.store(static_cast<uint32_t>(shm::ServerState::kRunning), std::memory_order_relaxed);  // relaxed: published next
   seg.publish();
-  log_line("info", "serving '" + config.name + "': " + std::to_string(impl->tensors.size()) + " tensors, " +
-                       std::to_string(impl->total_elements) + " parameters, optimizer " +
-                       kernels::optimizer_kind_name(o.kind) + " lr " + std::to_string(o.lr) + ", max_staleness " +
-                       std::to_string(config.max_staleness) + ", backend " + impl->backend->name());
+  char mode[8];
+  std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(spec.mode));
+  log::info("serving /dev/shm/" + shm::segment_object_name(config.name) + " (mode " + mode + ", " +
+            std::to_string(seg.header().segment_size / 1024) + " KiB): " + std::to_string(impl->tensors.size()) +
+            " tensors, " + std::to_string(impl->total_elements) + " parameters, optimizer " +
+            kernels::optimizer_kind_name(o.kind) + ", backend " + impl->backend->name());
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 
-Status Server::run() { return impl_->run(); }
+Status Server::run(const RunOptions& options) { return impl_->run(options); }
 
 void Server::request_stop() noexcept {
   impl_->stop.store(true, std::memory_order_release);  // SYNC(stop)
+  shm::notify(impl_->segment->header().server_wake);
+}
+
+void Server::request_reload() noexcept {
+  impl_->reload_requested.store(true, std::memory_order_release);  // SYNC(reload)
   shm::notify(impl_->segment->header().server_wake);
 }
 
@@ -694,18 +913,43 @@ std::atomic<Server*> g_server{nullptr};
 extern "C" void on_stop_signal(int) {
   if (Server* s = g_server.load(std::memory_order_acquire)) s->request_stop();
 }
+extern "C" void on_reload_signal(int) {
+  if (Server* s = g_server.load(std::memory_order_acquire)) s->request_reload();
+}
+
+void handle(int signo, void (*handler)(int)) {
+  struct sigaction sa{};
+  sa.sa_handler = handler;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(signo, &sa, nullptr);
+}
 }  // namespace
 
-Status run_server(const ServerConfig& config) {
+Status run_server(const ServerConfig& config, const std::vector<std::string>& argv) {
+  // A SIGHUP during start-up must not kill the daemon (its default action);
+  // the configuration it would re-read was read just now anyway. SIGTERM
+  // keeps its default until the server can drain.
+  handle(SIGHUP, SIG_IGN);
   auto server = Server::create(config);
   if (!server.ok()) return server.status();
   g_server.store(server->get(), std::memory_order_release);
-  struct sigaction sa{};
-  sa.sa_handler = on_stop_signal;
-  sigemptyset(&sa.sa_mask);
-  ::sigaction(SIGINT, &sa, nullptr);
-  ::sigaction(SIGTERM, &sa, nullptr);
-  Status s = (*server)->run();
+  handle(SIGINT, on_stop_signal);
+  handle(SIGTERM, on_stop_signal);
+  handle(SIGHUP, on_reload_signal);
+  RunOptions options;
+  options.notify_service_manager = true;
+  if (!argv.empty()) {
+    options.reload = [argv]() -> Result<ServerConfig> {
+      std::vector<const char*> args;
+      for (const std::string& a : argv) args.push_back(a.c_str());
+      auto parsed = parse_options(static_cast<int>(args.size()), args.data());
+      if (!parsed.ok()) return parsed.status();
+      if (parsed->help || parsed->version || parsed->check)
+        return Status{ErrorCode::kInvalidArgument, "the command line asks for --help, --version or --check-config"};
+      return std::move(parsed).value().config;
+    };
+  }
+  Status s = (*server)->run(options);
   g_server.store(nullptr, std::memory_order_release);
   return s;
 }

@@ -1,6 +1,7 @@
 // ServerConfig: everything a shmps-server instance is started with. Built
 // from the command line / config file by parse_options() (options.hpp) or
-// directly by tests and embedders. A plain value type.
+// directly by tests and embedders. A plain value type; validate() is
+// reentrant.
 #pragma once
 
 #include <sys/types.h>
@@ -11,10 +12,15 @@
 
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/shm/segment.hpp"
+#include "shmps/status.hpp"
 
 namespace shmps::server {
 
 enum class BackendKind { kHost, kCuda, kAuto };
+
+// Severity of a log line. The values are syslog priorities, which journald
+// reads from a "<N>" line prefix.
+enum class LogLevel : int { kError = 3, kWarn = 4, kInfo = 6, kDebug = 7 };
 
 // How the weights start: zero, seeded random, or read from a file of raw
 // little-endian fp32 (all tensors in table order, exactly total*4 bytes).
@@ -40,6 +46,15 @@ struct ServerConfig {
   // The consumer spins this long on an empty ring before sleeping on the
   // futex (a push then pays a wake-up, ~tens of us).
   uint32_t idle_spin_us = 50;
+  // Lines above this severity are not written (--log-level).
+  LogLevel log_level = LogLevel::kInfo;
 };
+
+// Checks what Server::create() would refuse before touching the system:
+// optimizer hyperparameters, at least one tensor, ring capacity, worker and
+// buffer limits. Errors: kInvalidArgument whose message starts with the
+// option ("--ring-capacity must be ..."), so parse_options() can point at the
+// config-file line that set it.
+Status validate(const ServerConfig& config);
 
 }  // namespace shmps::server

@@ -1,11 +1,15 @@
-// Turns shmps-server's command line and config file into a ServerConfig.
-// Every option can be given on the command line (--key value) or in the
-// file named by --config (key = value lines, '#' comments); the command
-// line wins. Not thread-safe (Boost.Program_options state is local, but
-// parse errors are reported through the return value only).
+// Turns shmps-server's command line and config file into a ServerConfig,
+// and a ServerConfig back into option text (for the start-up log, reloads
+// and tests). Every option can be given on the command line (--key value)
+// or in the file named by --config (key = value lines, '#' comments); the
+// command line wins. All functions are reentrant (Boost.Program_options
+// state is local; errors come back through the return value only).
 #pragma once
 
 #include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include "shmps/server/config.hpp"
 #include "shmps/status.hpp"
@@ -15,15 +19,35 @@ namespace shmps::server {
 struct ParsedOptions {
   ServerConfig config;
   bool help = false;         // --help was given: print help_text, exit 0
+  bool version = false;      // --version was given: print version_text(), exit 0
+  bool check = false;        // --check-config: config is valid; print it, exit 0
   std::string help_text;
 };
 
-// Errors: kInvalidArgument naming the option (and the config file) for an
-// unknown key, a malformed value, a missing --name or --tensor, or invalid
-// optimizer hyperparameters.
+// Errors: kInvalidArgument naming the option for an unknown key, a
+// malformed value, a missing --name or --tensor, or a value validate()
+// refuses. When the offending value came from the config file the message
+// names the file, the line and the key instead:
+//   "config file /etc/shmps/job1.conf line 7: key 'lr': invalid value 'fast'"
+//   "config file /etc/shmps/job1.conf line 3: unknown key 'learning-rate'"
+// A key other than `tensor` given twice in the file is an error naming both
+// lines; `[section]` lines are refused.
 Result<ParsedOptions> parse_options(int argc, const char* const* argv);
 
 // "fc1.weight:256x784[:f32]" -> TensorSpec. Errors: kInvalidArgument.
 Result<shm::TensorSpec> parse_tensor(const std::string& text);
+
+// "error", "warn", "info", "debug"; parse_log_level returns false on other
+// text.
+const char* log_level_name(LogLevel level) noexcept;
+bool parse_log_level(std::string_view text, LogLevel* out) noexcept;
+
+// Every option of `config` as (key, value) in --help order, spelt as a
+// config file takes it: one `tensor` entry per tensor, `init-file` only when
+// set. Joined as "key = value" lines it parses back to the same config.
+std::vector<std::pair<std::string, std::string>> config_entries(const ServerConfig& config);
+
+// The shmps release the server was built from, e.g. "0.1.0".
+const char* version_text() noexcept;
 
 }  // namespace shmps::server

@@ -1,17 +1,36 @@
 // The shmps server: owns the control segment, the weights and the optimizer
 // state, and serves every worker lane from ONE consumer thread (run()).
-// Thread safety: run() on one thread; request_stop() from any thread or a
-// signal handler; the rest from the thread that created the Server.
+// Thread safety: run() on one thread; request_stop() and request_reload()
+// from any thread or a signal handler; the rest from the thread that created
+// the Server.
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "shmps/server/config.hpp"
 #include "shmps/status.hpp"
 
 namespace shmps::server {
+
+// What run() does besides serving, for a daemon under a service manager.
+struct RunOptions {
+  // Speak sd_notify (service.hpp) when $NOTIFY_SOCKET is set: READY=1 as
+  // run() starts (the segment is live and the weights are loaded), STATUS=
+  // every few seconds, WATCHDOG=1 from the consumer loop at half of
+  // WatchdogSec, RELOADING=1 / READY=1 around a reload, STOPPING=1 when
+  // the shutdown begins.
+  bool notify_service_manager = false;
+  // Called on the consumer thread after request_reload(): the configuration
+  // to switch to. What can change live is applied (lr, max_staleness, log
+  // level) and logged old -> new; any other difference is logged as needing
+  // a restart. An error is logged and the running configuration kept.
+  // Empty: a reload request is logged and ignored.
+  std::function<Result<ServerConfig>()> reload;
+};
 
 class Server {
  public:
@@ -25,9 +44,12 @@ class Server {
 
   // Serves requests until request_stop(); then fails every request still
   // queued with kShuttingDown, marks the segment kStopped and removes it.
-  Status run();
+  Status run(const RunOptions& options = {});
   // Async-signal-safe.
   void request_stop() noexcept;
+  // Asks run() to reload its configuration (RunOptions::reload) within
+  // ~10 ms. Async-signal-safe.
+  void request_reload() noexcept;
 
   // Copies the current weights (all tensors, flat fp32). Only while run()
   // is not running, or from tests that accept a racy copy.
@@ -41,8 +63,12 @@ class Server {
   std::unique_ptr<Impl> impl_;
 };
 
-// create() + run() with SIGINT/SIGTERM wired to request_stop(). Logs to
-// stderr. Returns run()'s status.
-Status run_server(const ServerConfig& config);
+// The daemon: create() + run() with sd_notify on, SIGINT/SIGTERM wired to
+// request_stop() and SIGHUP to request_reload(). `argv` is the command line
+// parse_options() turned into `config`: a reload parses it again, which
+// re-reads its --config file (the command line still wins over the file).
+// Empty argv: SIGHUP is logged and ignored. Logs to stderr (log.hpp).
+// Returns run()'s status.
+Status run_server(const ServerConfig& config, const std::vector<std::string>& argv = {});
 
 }  // namespace shmps::server

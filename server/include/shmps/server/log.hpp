@@ -1,0 +1,35 @@
+// shmps-server's log (server_core and its main): one line per event on
+// stderr, with a level.
+//   shmps-server info: worker 3 attached (pid 4242)
+// When stderr is connected to the journal ($JOURNAL_STREAM names fd 2, as
+// systemd sets it for StandardError=journal) each line starts with the
+// syslog priority, "<6>shmps-server info: ...", which journald strips and
+// stores as the entry's PRIORITY (journalctl -p warning filters on it).
+// Thread safety: every function may be called from any thread; a line is
+// written with one write(2), so lines from threads do not interleave.
+#pragma once
+
+#include <string_view>
+
+#include "shmps/server/config.hpp"
+
+namespace shmps::server::log {
+
+// Lines less severe than `level` are dropped. Default kInfo.
+void set_level(LogLevel level) noexcept;
+LogLevel level() noexcept;
+inline bool enabled(LogLevel l) noexcept { return static_cast<int>(l) <= static_cast<int>(level()); }
+
+// Writes one line (a trailing newline is added; embedded newlines are
+// replaced by spaces so an event stays one journal entry).
+void write(LogLevel level, std::string_view text);
+inline void error(std::string_view text) { write(LogLevel::kError, text); }
+inline void warn(std::string_view text) { write(LogLevel::kWarn, text); }
+inline void info(std::string_view text) { write(LogLevel::kInfo, text); }
+inline void debug(std::string_view text) { write(LogLevel::kDebug, text); }
+
+// True when $JOURNAL_STREAM ("<device>:<inode>") matches fd 2. Re-read on
+// every call; write() caches the answer from its first call.
+bool stderr_is_journal() noexcept;
+
+}  // namespace shmps::server::log

@@ -1,0 +1,427 @@
+// shmps-server as systemd runs it, with real processes: the sd_notify
+// sequence on a datagram socket this test owns ($NOTIFY_SOCKET), the
+// watchdog keep-alives ($WATCHDOG_USEC / $WATCHDOG_PID), SIGHUP reloading
+// the config file live, config-file errors at start, and the journal's
+// syslog-priority prefix ($JOURNAL_STREAM).
+#define BOOST_TEST_MODULE test_service
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <boost/test/unit_test.hpp>
+#include <cstddef>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "shmps/shm/layout.hpp"
+#include "shmps/worker.hpp"
+#include "test_support.hpp"
+
+using namespace shmps;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// A path under /tmp, unique to this process, removed at scope exit.
+struct TempPath {
+  explicit TempPath(const std::string& tag) : path("/tmp/" + test::unique_name("shmps_" + tag)) {}
+  ~TempPath() { ::unlink(path.c_str()); }
+  std::string path;
+};
+
+// One datagram as the service manager would read it: newline-separated
+// assignments, and the sender's pid (SCM_CREDENTIALS; NotifyAccess=main
+// accepts only the main process).
+struct Message {
+  std::string text;
+  pid_t pid = 0;
+  std::chrono::steady_clock::time_point at;
+  bool has(const std::string& assignment) const {
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);)
+      if (line == assignment) return true;
+    return false;
+  }
+  std::string value(const std::string& key) const {
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind(key + "=", 0) == 0) return line.substr(key.size() + 1);
+    return {};
+  }
+};
+
+// The service manager's end of $NOTIFY_SOCKET: an AF_UNIX datagram socket
+// bound to a path, receiving the sender's credentials.
+class NotifySocket {
+ public:
+  NotifySocket() : path_("/tmp/" + test::unique_name("shmps_notify") + ".sock") {
+    fd_ = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    BOOST_REQUIRE(fd_ >= 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    BOOST_REQUIRE(path_.size() < sizeof addr.sun_path);
+    std::memcpy(addr.sun_path, path_.c_str(), path_.size() + 1);
+    ::unlink(path_.c_str());
+    BOOST_REQUIRE(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+    const int one = 1;
+    BOOST_REQUIRE(::setsockopt(fd_, SOL_SOCKET, SO_PASSCRED, &one, sizeof one) == 0);
+  }
+  ~NotifySocket() {
+    ::close(fd_);
+    ::unlink(path_.c_str());
+  }
+  const std::string& path() const { return path_; }
+
+  // The next datagram, or nullopt after `timeout`.
+  std::optional<Message> receive(std::chrono::milliseconds timeout) {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(timeout.count())) != 1) return std::nullopt;
+    char data[4096];
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(ucred))];
+    iovec iov{data, sizeof data};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    const ssize_t n = ::recvmsg(fd_, &msg, 0);
+    if (n < 0) return std::nullopt;
+    Message m;
+    m.text.assign(data, static_cast<size_t>(n));
+    m.at = std::chrono::steady_clock::now();
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS) {
+        ucred cred{};
+        std::memcpy(&cred, CMSG_DATA(c), sizeof cred);
+        m.pid = cred.pid;
+      }
+    }
+    return m;
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
+struct ServiceEnv {
+  std::string notify_socket;     // $NOTIFY_SOCKET; empty: unset
+  uint64_t watchdog_usec = 0;    // $WATCHDOG_USEC with $WATCHDOG_PID = the server; 0: unset
+  bool journal_stream = false;   // $JOURNAL_STREAM = stderr file's device:inode
+};
+
+// shmps-server <args> as systemd would start it: environment per `env`,
+// stderr into `stderr_path`. The environment is set in the child, after
+// fork, because $WATCHDOG_PID must name the server's own pid.
+test::Process spawn_server(const std::vector<std::string>& args, const ServiceEnv& env, const std::string& stderr_path) {
+  std::vector<std::string> argv{test::program_path("shmps-server")};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return test::Process::fork_fn([argv, env, stderr_path]() -> int {
+    ::unsetenv("NOTIFY_SOCKET");
+    ::unsetenv("WATCHDOG_USEC");
+    ::unsetenv("WATCHDOG_PID");
+    ::unsetenv("JOURNAL_STREAM");
+    if (!env.notify_socket.empty()) ::setenv("NOTIFY_SOCKET", env.notify_socket.c_str(), 1);
+    if (env.watchdog_usec != 0) {
+      ::setenv("WATCHDOG_USEC", std::to_string(env.watchdog_usec).c_str(), 1);
+      ::setenv("WATCHDOG_PID", std::to_string(::getpid()).c_str(), 1);
+    }
+    const int fd = ::open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0 || ::dup2(fd, STDERR_FILENO) < 0) return 126;
+    ::close(fd);
+    if (env.journal_stream) {
+      struct stat st{};
+      ::fstat(STDERR_FILENO, &st);
+      const std::string stream = std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
+      ::setenv("JOURNAL_STREAM", stream.c_str(), 1);
+    }
+    std::vector<char*> a;
+    for (const std::string& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+    a.push_back(nullptr);
+    ::execv(a[0], a.data());
+    return 127;
+  });
+}
+
+std::string segment_path(const std::string& name) { return "/dev/shm/shmps." + name; }
+
+// True when /dev/shm/shmps.<name> is a published segment of process `pid`.
+bool segment_published_by(const std::string& name, pid_t pid) {
+  std::ifstream in(segment_path(name), std::ios::binary);
+  char head[64] = {};
+  if (!in.read(head, sizeof head)) return false;
+  uint32_t version = 0, server_pid = 0;
+  std::memcpy(&version, head + offsetof(shm::SegmentHeader, layout_version), 4);
+  std::memcpy(&server_pid, head + offsetof(shm::SegmentHeader, server_pid), 4);
+  return version == shm::kLayoutVersion && server_pid == static_cast<uint32_t>(pid);
+}
+
+// The segment's config block as shmps-inspect reads it.
+shm::ConfigBlock segment_config(const std::string& name) {
+  shm::ConfigBlock c{};
+  std::ifstream in(segment_path(name), std::ios::binary);
+  in.seekg(offsetof(shm::SegmentHeader, config));
+  in.read(reinterpret_cast<char*>(&c), sizeof c);
+  return c;
+}
+
+// Unlinks the segment at scope exit (after a failed test).
+struct SegmentGuard {
+  explicit SegmentGuard(std::string n) : name(std::move(n)) {}
+  ~SegmentGuard() { ::unlink(segment_path(name).c_str()); }
+  std::string name;
+};
+
+std::unique_ptr<Worker> connect(const std::string& name) {
+  WorkerOptions o;
+  o.name = name;
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  return std::move(w).value();
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(service)
+
+BOOST_AUTO_TEST_CASE(notify_ready_status_watchdog_reload_stopping_in_order) {
+  NotifySocket socket;
+  TempPath err("stderr");
+  const std::string name = test::unique_name("svc_notify");
+  SegmentGuard guard(name);
+  ServiceEnv env;
+  env.notify_socket = socket.path();
+  env.watchdog_usec = 200'000;
+  test::Process server = spawn_server({"--name", name, "--tensor", "w:4", "--lr", "0.5"}, env, err.path);
+  const pid_t server_pid = server.pid();  // wait() forgets it
+  std::vector<Message> messages;
+
+  // READY=1 comes first, from the main process, and the segment is live.
+  auto first = socket.receive(10s);
+  BOOST_REQUIRE_MESSAGE(first, "no notification within 10 s; stderr:\n" + read_file(err.path));
+  messages.push_back(*first);
+  BOOST_TEST(first->has("READY=1"));
+  BOOST_TEST(first->pid == server_pid);
+  BOOST_TEST(segment_published_by(name, server_pid));
+  BOOST_TEST(contains(first->value("STATUS"), "0 workers attached"), first->text);
+
+  // Work for STATUS to report.
+  auto worker = connect(name);
+  auto grad = worker->register_buffer(16);
+  BOOST_REQUIRE(grad.ok());
+  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+  uint64_t version = 0;
+  for (int n = 0; n < 5; ++n) {
+    auto v = worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, version);
+    BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+    version = *v;
+  }
+
+  // STATUS every 2 s shows the worker; WATCHDOG=1 every 100 ms.
+  const auto saw_worker_status = [&] {
+    return std::any_of(messages.begin(), messages.end(), [](const Message& m) {
+      return !m.has("READY=1") && contains(m.value("STATUS"), "1 workers attached") &&
+             contains(m.value("STATUS"), "version 5");
+    });
+  };
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (!saw_worker_status() && std::chrono::steady_clock::now() < deadline)
+    if (auto m = socket.receive(100ms)) messages.push_back(*m);
+  BOOST_TEST(saw_worker_status(), "no STATUS= with the worker within 10 s");
+
+  // SIGHUP: RELOADING=1, then READY=1 again.
+  server.signal(SIGHUP);
+  std::optional<size_t> reloading, ready_again;
+  const auto reload_deadline = std::chrono::steady_clock::now() + 5s;
+  while (!ready_again && std::chrono::steady_clock::now() < reload_deadline) {
+    auto m = socket.receive(100ms);
+    if (!m) continue;
+    messages.push_back(*m);
+    if (m->has("RELOADING=1") && !reloading) {
+      reloading = messages.size() - 1;
+      BOOST_TEST(!m->value("MONOTONIC_USEC").empty());
+    }
+    if (m->has("READY=1") && reloading) ready_again = messages.size() - 1;
+  }
+  BOOST_TEST(reloading.has_value());
+  BOOST_TEST(ready_again.has_value());
+
+  // SIGTERM: STOPPING=1 is the last word, the exit code 0.
+  worker.reset();
+  server.signal(SIGTERM);
+  std::optional<size_t> stopping;
+  const auto stop_deadline = std::chrono::steady_clock::now() + 5s;
+  while (!stopping && std::chrono::steady_clock::now() < stop_deadline) {
+    auto m = socket.receive(100ms);
+    if (!m) continue;
+    messages.push_back(*m);
+    if (m->has("STOPPING=1")) stopping = messages.size() - 1;
+  }
+  BOOST_REQUIRE(stopping.has_value());
+  BOOST_TEST(server.wait(10s) == 0);
+  while (auto m = socket.receive(0ms)) messages.push_back(*m);
+  BOOST_TEST(*stopping == messages.size() - 1, "datagrams after STOPPING=1");
+  BOOST_TEST(!std::ifstream(segment_path(name)).good(), "segment left behind");
+
+  // Every datagram came from the server; keep-alives were regular.
+  std::vector<std::chrono::steady_clock::time_point> pings;
+  for (const Message& m : messages) {
+    BOOST_TEST(m.pid == server_pid);
+    if (m.has("WATCHDOG=1")) pings.push_back(m.at);
+  }
+  BOOST_TEST(pings.size() >= 10u, pings.size() << " WATCHDOG=1 in over 2 s");
+  for (size_t i = 1; i < pings.size(); ++i)
+    BOOST_TEST((pings[i] - pings[i - 1] < 1s), "keep-alive gap of " << (pings[i] - pings[i - 1]).count() << " ns");
+
+  const std::string log = read_file(err.path);
+  BOOST_TEST(contains(log, "shmps-server info: starting shmps-server"), log);
+  BOOST_TEST(contains(log, "watchdog keep-alive every 100 ms"), log);
+  BOOST_TEST(contains(log, "worker 0 attached"), log);
+  BOOST_TEST(contains(log, "shmps-server info: stopped: version 5, gradients applied 5"), log);
+}
+
+BOOST_AUTO_TEST_CASE(sighup_reloads_lr_and_max_staleness_from_the_config_file) {
+  TempPath err("stderr");
+  TempPath conf("conf");
+  const std::string name = test::unique_name("svc_hup");
+  SegmentGuard guard(name);
+  const auto write_conf = [&](const std::string& body) {
+    std::ofstream(conf.path) << "# test\nname = " << name << "\ntensor = w:4\noptimizer = sgd\n" << body;
+  };
+  write_conf("lr = 0.5\nmax-staleness = 4\nlog-level = info\n");
+  // No $NOTIFY_SOCKET: outside systemd the server runs all the same.
+  test::Process server = spawn_server({"--config", conf.path}, {}, err.path);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
+                        "no segment; stderr:\n" + read_file(err.path));
+
+  auto worker = connect(name);
+  auto grad = worker->register_buffer(16);
+  auto weights = worker->register_buffer(16);
+  BOOST_REQUIRE(grad.ok() && weights.ok());
+  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+  const auto w0 = [&] {
+    auto v = worker->pull(kAllTensors, weights->id, 0);
+    BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+    return static_cast<const float*>(weights->data)[0];
+  };
+  const auto log_has = [&](const std::string& text) {
+    return test::eventually([&] { return contains(read_file(err.path), text); }, 5s);
+  };
+
+  BOOST_REQUIRE(worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0).ok());
+  BOOST_TEST(w0() == -0.5f);
+
+  // lr and max-staleness change live; max-workers needs a restart.
+  write_conf("lr = 0.25\nmax-staleness = 1\nmax-workers = 8\nlog-level = debug\n");
+  server.signal(SIGHUP);
+  BOOST_REQUIRE_MESSAGE(log_has("reloaded the configuration"), read_file(err.path));
+  const std::string log = read_file(err.path);
+  BOOST_TEST(contains(log, "shmps-server info: reload: lr 0.5 -> 0.25"), log);
+  BOOST_TEST(contains(log, "reload: max-staleness 4 -> 1"), log);
+  BOOST_TEST(contains(log, "reload: log-level info -> debug"), log);
+  BOOST_TEST(contains(log, "shmps-server warn: reload: max-workers 16 -> 8 needs a restart; still 16"), log);
+  const shm::ConfigBlock shown = segment_config(name);  // what shmps-inspect shows
+  BOOST_TEST(shown.lr == 0.25f);
+  BOOST_TEST(shown.max_staleness == 1u);
+
+  auto v2 = worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 1);
+  BOOST_REQUIRE_MESSAGE(v2.ok(), v2.status().to_string());
+  BOOST_TEST(w0() == -0.75f);  // -0.5 - 0.25 * 1
+  auto stale = worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0);  // 2 behind, limit now 1
+  BOOST_TEST((stale.status().code() == ErrorCode::kStale));
+  BOOST_TEST(log_has("rejected push from worker 0"));
+
+  // Debug lines now appear.
+  BOOST_REQUIRE(worker->register_buffer(16).ok());
+  BOOST_TEST(log_has("shmps-server debug: worker 0 registered buffer"));
+
+  // A broken file: an error naming the line and key; the old config stays.
+  write_conf("lr = fast\n");
+  server.signal(SIGHUP);
+  BOOST_REQUIRE_MESSAGE(log_has("reload failed"), read_file(err.path));
+  BOOST_TEST(contains(read_file(err.path), "line 5: key 'lr': invalid value 'fast'"), read_file(err.path));
+  BOOST_REQUIRE(worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 2).ok());
+  BOOST_TEST(w0() == -1.0f);  // still lr 0.25
+
+  worker.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+}
+
+BOOST_AUTO_TEST_CASE(config_file_errors_stop_the_server_naming_line_and_key) {
+  const auto run = [](const std::string& body, std::string* log) {
+    TempPath err("stderr");
+    TempPath conf("conf");
+    std::ofstream(conf.path) << body;
+    test::Process server = spawn_server({"--config", conf.path}, {}, err.path);
+    const int code = server.wait(10s);
+    *log = read_file(err.path);
+    return code;
+  };
+  std::string log;
+  BOOST_TEST(run("name = a\ntensor = w:4\n\nlearning-rate = 0.1\n", &log) == 2);
+  BOOST_TEST(contains(log, "shmps-server error: config file "), log);
+  BOOST_TEST(contains(log, "line 4: unknown key 'learning-rate'"), log);
+  BOOST_TEST(run("name = a\ntensor = w:4\nlr = fast\n", &log) == 2);
+  BOOST_TEST(contains(log, "line 3: key 'lr': invalid value 'fast'"), log);
+  BOOST_TEST(run("name = a\n# comment\ntensor = w:4\nring-capacity = 48\n", &log) == 2);
+  BOOST_TEST(contains(log, "line 4: key 'ring-capacity': must be a power of two"), log);
+
+  // --check-config: a valid file exits 0 and creates nothing.
+  const std::string name = test::unique_name("svc_check");
+  SegmentGuard guard(name);
+  TempPath err("stderr");
+  TempPath conf("conf");
+  std::ofstream(conf.path) << "name = " << name << "\ntensor = w:4\n";
+  test::Process check = spawn_server({"--config", conf.path, "--check-config"}, {}, err.path);
+  BOOST_TEST(check.wait(10s) == 0, read_file(err.path));
+  BOOST_TEST(!std::ifstream(segment_path(name)).good());
+}
+
+BOOST_AUTO_TEST_CASE(journal_stream_prefixes_lines_with_their_syslog_priority) {
+  TempPath err("stderr");
+  const std::string name = test::unique_name("svc_journal");
+  SegmentGuard guard(name);
+  ServiceEnv journal;
+  journal.journal_stream = true;
+  test::Process server = spawn_server({"--name", name, "--tensor", "w:4"}, journal, err.path);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
+                        "no segment; stderr:\n" + read_file(err.path));
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+  std::istringstream lines(read_file(err.path));
+  int n = 0;
+  for (std::string line; std::getline(lines, line); ++n)
+    BOOST_TEST(line.rfind("<6>shmps-server info: ", 0) == 0u, line);
+  BOOST_TEST(n >= 3);  // starting, serving, stopped
+
+  // Not the journal (another file's inode): no prefix.
+  TempPath plain("stderr");
+  const std::string name2 = test::unique_name("svc_plain");
+  SegmentGuard guard2(name2);
+  test::Process other = spawn_server({"--name", name2, "--tensor", "w:4"}, {}, plain.path);
+  BOOST_REQUIRE(test::eventually([&] { return segment_published_by(name2, other.pid()); }));
+  other.signal(SIGTERM);
+  BOOST_TEST(other.wait(10s) == 0);
+  BOOST_TEST(read_file(plain.path).rfind("shmps-server info: starting", 0) == 0u, read_file(plain.path));
+}
+
+BOOST_AUTO_TEST_SUITE_END()

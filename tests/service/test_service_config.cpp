@@ -1,0 +1,245 @@
+// The config file as an operator writes it: errors that name the file, the
+// line and the key; the shipped example (server/shmps.conf.example) parses
+// and documents every option; config_entries() round-trips; and a reload in
+// process applies lr / max_staleness / log level live and nothing else.
+#define BOOST_TEST_MODULE test_service_config
+#include <unistd.h>
+
+#include <atomic>
+#include <boost/test/unit_test.hpp>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "shmps/server/log.hpp"
+#include "shmps/server/options.hpp"
+#include "shmps/server/server.hpp"
+#include "shmps/shm/segment.hpp"
+#include "shmps/worker.hpp"
+#include "test_support.hpp"
+
+using namespace shmps;
+using namespace shmps::server;
+
+namespace {
+
+Result<ParsedOptions> parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "shmps-server");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return parse_options(static_cast<int>(argv.size()), argv.data());
+}
+
+// A config file for the scope of a test.
+struct ConfFile {
+  explicit ConfFile(const std::string& body) : path("/tmp/" + test::unique_name("shmps_conf") + ".conf") {
+    std::ofstream(path) << body;
+  }
+  ~ConfFile() { ::unlink(path.c_str()); }
+  std::string path;
+};
+
+// parse_options' error for a config file holding `body`.
+std::string file_error(const std::string& body, std::vector<std::string> extra = {}) {
+  ConfFile f(body);
+  std::vector<std::string> args{"--config", f.path};
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto p = parse(args);
+  BOOST_TEST(!p.ok(), "accepted:\n" << body);
+  const std::string m = p.ok() ? std::string() : p.status().message();
+  BOOST_TEST(m.find("config file " + f.path + " line ") == 0u, m);
+  return m;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+const std::string kHead = "name = j\ntensor = w:4\n";  // lines 1-2
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(service_config)
+
+BOOST_AUTO_TEST_CASE(config_file_errors_name_the_line_and_the_key) {
+  BOOST_TEST(contains(file_error(kHead + "learning-rate = 0.1\n"), "line 3: unknown key 'learning-rate'"));
+  BOOST_TEST(contains(file_error(kHead + "# lr = 1\n\nlr = fast\n"), "line 5: key 'lr': invalid value 'fast'"));
+  BOOST_TEST(contains(file_error(kHead + "max-staleness = many\n"), "line 3: key 'max-staleness': invalid value 'many'"));
+  BOOST_TEST(contains(file_error(kHead + "lr = -1\n"), "line 3: key 'lr': must be"));
+  BOOST_TEST(contains(file_error(kHead + "ring-capacity = 48\n"), "line 3: key 'ring-capacity': must be a power of two"));
+  BOOST_TEST(contains(file_error(kHead + "max-workers = 0\n"), "line 3: key 'max-workers': must be in 1..256"));
+  BOOST_TEST(contains(file_error(kHead + "optimizer = rmsprop\n"), "line 3: key 'optimizer': must be sgd, adam or adamw"));
+  BOOST_TEST(contains(file_error(kHead + "backend = tpu\n"), "line 3: key 'backend'"));
+  BOOST_TEST(contains(file_error(kHead + "log-level = loud\n"), "line 3: key 'log-level': must be error, warn, info or debug"));
+  BOOST_TEST(contains(file_error(kHead + "nesterov = true\n"), "line 3: key 'nesterov': requires --momentum > 0"));
+  BOOST_TEST(contains(file_error(kHead + "init = file\n"), "line 3: key 'init': file needs --init-file"));
+  BOOST_TEST(contains(file_error("name = a/b\ntensor = w:4\n"), "line 1: key 'name'"));
+  // The second tensor line is the bad one.
+  BOOST_TEST(contains(file_error(kHead + "tensor = b:0x3\n"), "line 3: key 'tensor': 'b:0x3': dimension 0"));
+  BOOST_TEST(contains(file_error(kHead + "lr = 0.1\nlr = 0.2\n"), "line 4: key 'lr' is already set on line 3"));
+  BOOST_TEST(contains(file_error(kHead + "lr 0.1\n"), "line 3: expected 'key = value', got 'lr 0.1'"));
+  BOOST_TEST(contains(file_error(kHead + "[server]\n"), "line 3: sections ('[server]') are not supported"));
+  BOOST_TEST(contains(file_error(kHead + "config = other.conf\n"), "line 3: unknown key 'config' (valid on the command line only)"));
+  BOOST_TEST(contains(file_error(kHead + " = 3\n"), "line 3: no key before '='"));
+}
+
+BOOST_AUTO_TEST_CASE(command_line_wins_over_the_file_and_errors_name_the_option) {
+  ConfFile f(kHead + "lr = 0.5\nmax-staleness = 9\ntensor = b:2\n");
+  auto p = parse({"--config", f.path, "--lr", "0.25", "--tensor", "a:1"});
+  BOOST_REQUIRE_MESSAGE(p.ok(), p.status().to_string());
+  BOOST_TEST(p->config.optimizer.lr == 0.25f);
+  BOOST_TEST(p->config.max_staleness == 9u);
+  BOOST_REQUIRE(p->config.tensors.size() == 3u);  // command line's first, then the file's in order
+  BOOST_TEST(p->config.tensors[0].name == "a");
+  BOOST_TEST(p->config.tensors[2].name == "b");
+  // A bad value the command line gave is not blamed on the file.
+  auto bad = parse({"--config", f.path, "--ring-capacity", "3"});
+  BOOST_REQUIRE(!bad.ok());
+  BOOST_TEST(bad.status().message().find("--ring-capacity") == 0u, bad.status().message());
+  BOOST_TEST(parse({"--version"})->version);
+  auto check = parse({"--config", f.path, "--check-config"});
+  BOOST_REQUIRE(check.ok());
+  BOOST_TEST(check->check);
+  BOOST_TEST(!parse({"--config", f.path})->check);
+  auto missing = parse({"--config", "/nonexistent/x.conf"});
+  BOOST_TEST(contains(missing.status().message(), "cannot open"));
+}
+
+BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
+  const std::string example = std::string(SHMPS_SOURCE_DIR) + "/server/shmps.conf.example";
+  auto p = parse({"--config", example});
+  BOOST_REQUIRE_MESSAGE(p.ok(), p.status().to_string());
+  BOOST_TEST(p->config.group_access);  // workers of the shmps group can attach
+  BOOST_TEST(p->config.tensors.size() == 4u);
+
+  // With every commented-out "# key = value" line switched on, it still
+  // parses, and its keys are exactly the options.
+  std::istringstream in(read_file(example));
+  std::ostringstream all;
+  // "# key = value" with a lower-case key: a documented option, not prose.
+  const auto is_commented_option = [](const std::string& line) {
+    if (line.rfind("# ", 0) != 0) return false;
+    const size_t eq = line.find(" = ", 2);
+    return eq != std::string::npos && eq > 2 &&
+           line.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-", 2) == eq;
+  };
+  std::set<std::string> documented;
+  for (std::string line; std::getline(in, line);) {
+    if (is_commented_option(line)) line = line.substr(2);
+    if (!line.empty() && line[0] != '#') documented.insert(line.substr(0, line.find(' ')));
+    all << line << "\n";
+  }
+  ConfFile f(all.str());
+  auto every = parse({"--config", f.path});
+  BOOST_REQUIRE_MESSAGE(every.ok(), every.status().to_string());
+  std::set<std::string> options;
+  for (const auto& e : config_entries(every->config)) options.insert(e.first);
+  BOOST_TEST((documented == options));
+  for (const std::string& k : options) BOOST_TEST(documented.count(k) == 1u, "undocumented: " << k);
+  for (const std::string& k : documented) BOOST_TEST(options.count(k) == 1u, "not an option: " << k);
+}
+
+BOOST_AUTO_TEST_CASE(config_entries_round_trip_through_a_file) {
+  auto p = parse({"--name", "rt", "--tensor", "a:2x3", "--tensor", "b:7", "--optimizer", "adamw", "--lr", "0.0003",
+                  "--beta2", "0.98", "--amsgrad", "--max-staleness", "11", "--ring-capacity", "16", "--init", "normal",
+                  "--init-scale", "0.5", "--init-seed", "42", "--group-access", "--idle-spin-us", "7", "--log-level", "debug",
+                  "--allow-nonfinite", "--backend", "host", "--max-workers", "3", "--max-buffers", "5"});
+  BOOST_REQUIRE_MESSAGE(p.ok(), p.status().to_string());
+  std::string body;
+  for (const auto& [key, value] : config_entries(p->config)) body += key + " = " + value + "\n";
+  ConfFile f(body);
+  auto back = parse({"--config", f.path});
+  BOOST_REQUIRE_MESSAGE(back.ok(), back.status().to_string() + "\n" + body);
+  BOOST_TEST((config_entries(back->config) == config_entries(p->config)), body);
+  BOOST_TEST(back->config.optimizer.lr == 0.0003f);
+  BOOST_TEST((back->config.log_level == LogLevel::kDebug));
+}
+
+BOOST_AUTO_TEST_CASE(log_levels_parse_and_filter) {
+  LogLevel l = LogLevel::kInfo;
+  BOOST_TEST(parse_log_level("warn", &l));
+  BOOST_TEST((l == LogLevel::kWarn));
+  BOOST_TEST(!parse_log_level("warning", &l));
+  log::set_level(LogLevel::kWarn);
+  BOOST_TEST(log::enabled(LogLevel::kError));
+  BOOST_TEST(log::enabled(LogLevel::kWarn));
+  BOOST_TEST(!log::enabled(LogLevel::kInfo));
+  log::set_level(LogLevel::kInfo);
+  ::unsetenv("JOURNAL_STREAM");
+  BOOST_TEST(!log::stderr_is_journal());
+  ::setenv("JOURNAL_STREAM", "1:2", 1);
+  BOOST_TEST(!log::stderr_is_journal());
+  ::unsetenv("JOURNAL_STREAM");
+}
+
+BOOST_AUTO_TEST_CASE(reload_in_process_applies_live_options_only) {
+  ServerConfig config;
+  config.name = test::unique_name("reload");
+  config.tensors = {{"w", {4}}};
+  config.optimizer.lr = 1.0f;
+  config.max_staleness = 8;
+  auto created = Server::create(config);
+  BOOST_REQUIRE_MESSAGE(created.ok(), created.status().to_string());
+  std::unique_ptr<Server> server = std::move(created).value();
+
+  // What the reload source returns; written before request_reload()
+  // (SYNC(reload) makes it visible to the server thread).
+  ServerConfig next = config;
+  std::atomic<int> reloads{0};
+  RunOptions options;
+  options.reload = [&]() -> Result<ServerConfig> {
+    ServerConfig copy = next;  // before the count: the test writes `next` again once it sees it
+    ++reloads;
+    return copy;
+  };
+  Status ran = Status::Ok();  // checked after join: Boost.Test is not thread-safe
+  std::thread thread([&] { ran = server->run(options); });
+
+  WorkerOptions o;
+  o.name = config.name;
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE(w.ok());
+  auto grad = (*w)->register_buffer(16);
+  auto weights = (*w)->register_buffer(16);
+  BOOST_REQUIRE(grad.ok() && weights.ok());
+  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+  BOOST_REQUIRE((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0).ok());  // w = -1
+
+  next.optimizer.lr = 0.5f;
+  next.max_staleness = 0;
+  next.max_workers = 4;        // needs a restart: ignored
+  next.optimizer.momentum = 0.9f;  // needs a restart: ignored
+  server->request_reload();
+  BOOST_REQUIRE(test::eventually([&] { return reloads.load() == 1; }, std::chrono::seconds(5)));
+  // The reload is applied on the server thread right after the callback;
+  // a request round trip orders us after it.
+  BOOST_REQUIRE((*w)->ping().ok());
+  BOOST_REQUIRE((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 1).ok());  // w = -1.5
+  BOOST_TEST(((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 1).status().code() == ErrorCode::kStale));
+  BOOST_REQUIRE((*w)->pull(kAllTensors, weights->id, 0).ok());
+  BOOST_TEST(static_cast<const float*>(weights->data)[0] == -1.5f);  // lr 0.5, no momentum
+
+  // An lr the optimizer refuses is logged and the running one kept.
+  next.optimizer.lr = -1.0f;
+  server->request_reload();
+  BOOST_REQUIRE(test::eventually([&] { return reloads.load() == 2; }, std::chrono::seconds(5)));
+  BOOST_REQUIRE((*w)->ping().ok());
+  BOOST_REQUIRE((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 2).ok());
+  BOOST_REQUIRE((*w)->pull(kAllTensors, weights->id, 0).ok());
+  BOOST_TEST(static_cast<const float*>(weights->data)[0] == -2.0f);  // still lr 0.5
+
+  w->reset();
+  server->request_stop();
+  thread.join();
+  BOOST_TEST(ran.ok(), ran.to_string());
+}
+
+BOOST_AUTO_TEST_SUITE_END()
