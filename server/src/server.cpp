@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 
@@ -349,6 +350,7 @@ class Server::Impl {
     if (state != static_cast<uint32_t>(WorkerState::kClaimed) &&
         state != static_cast<uint32_t>(WorkerState::kAttached))
       return false;
+    update_depth();  // before popping: what is queued right now
     uint32_t served = 0;
     while (served < kBatchPerLane) {
       if (!slot.completions.has_space()) break;  // worker is behind; it will catch up
@@ -362,18 +364,21 @@ class Server::Impl {
       ++served;
       stats().requests.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistics counter
       Completion c = handle(i, req);
-      post(i, c);
       if (c.opcode == static_cast<uint32_t>(Opcode::kDetach) && c.code == 0) {
+        // kDetached before the answer: the worker, once it reads the
+        // answer, sees it may reset and free the entry.
+        mark_detached(i);
+        post(i, c);
         finish_detach(i);
         return true;
       }
+      post(i, c);
       if (shm::owner_state(entry.owner.load(std::memory_order_relaxed)) ==  // relaxed: our own store
           static_cast<uint32_t>(WorkerState::kDetached))
         return true;  // evicted while handling
     }
     if (served > 0) shm::notify(slot.lane.header()->space_ready);
     if (slot.lane.refresh() == shm::RingResult::kOk) ring_doorbell(i);  // more left: come back
-    update_depth();
     return served > 0;
   }
 
@@ -701,6 +706,28 @@ class Server::Impl {
     entry.owner.store(0, std::memory_order_release);  // SYNC(worker_release)
   }
 
+  // Unlinks buffer objects "shmps.<name>.w<id>.<pid>.<n>" left by a worker
+  // that died between creating one and registering it (worker_lib unlinks
+  // the name itself once the server has mapped it). With pid 0: those of
+  // every dead pid (at start, after a crash of the previous server).
+  void unlink_orphan_buffers(uint32_t dead_pid) {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+      const std::string file = e.path().filename().string();
+      if (file.rfind(buffer_prefix, 0) != 0) continue;
+      // After the prefix: "<id>.<pid>.<n>".
+      const size_t dot1 = file.find('.', buffer_prefix.size());
+      const size_t dot2 = dot1 == std::string::npos ? dot1 : file.find('.', dot1 + 1);
+      if (dot2 == std::string::npos) continue;
+      const std::string pid_text = file.substr(dot1 + 1, dot2 - dot1 - 1);
+      if (pid_text.empty() || pid_text.size() > 10 || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
+      const auto pid = static_cast<uint32_t>(std::stoul(pid_text));
+      if (dead_pid != 0 ? pid != dead_pid : shm::process_alive(static_cast<pid_t>(pid), 0)) continue;
+      shm::ShmObject::remove(file);
+      log::info("removed orphaned buffer object /dev/shm/" + file);
+    }
+  }
+
   void reset_lanes(uint32_t i) {
     // relaxed: published by the owner store that follows (release).
     segment->lane(i).tail.store(0, std::memory_order_relaxed);
@@ -709,6 +736,14 @@ class Server::Impl {
     segment->completions(i).head.store(0, std::memory_order_relaxed);
     slots[i].lane = shm::SpscConsumer<Request>(&segment->lane(i), segment->lane_slots(i), config.lane_capacity);
     slots[i].completions = shm::SpscProducer<Completion>(&segment->completions(i), segment->completion_slots(i), config.lane_capacity);
+  }
+
+  void mark_detached(uint32_t i) {
+    shm::WorkerEntry& entry = segment->worker(i);
+    const uint64_t owner = entry.owner.load(std::memory_order_relaxed);  // relaxed: we are its only writer now
+    // SYNC(worker_detached): release pairs with the worker's acquire load of
+    // owner after it reads the detach completion (published after this).
+    entry.owner.store(shm::make_owner(shm::owner_pid(owner), WorkerState::kDetached), std::memory_order_release);
   }
 
   // After a successful detach: the worker resets the indices and frees the
@@ -757,6 +792,7 @@ class Server::Impl {
                        (was_attached ? "" : " before attaching") + "; releasing its entry");
         if (was_attached) stats().workers_died.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
         release_entry(i);
+        unlink_orphan_buffers(static_cast<uint32_t>(pid));
         worked = true;
         continue;
       }
@@ -867,6 +903,7 @@ Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config) {
   impl->steps.assign(extents.size(), 0);
   impl->total_elements = seg.header().total_elements;
   impl->buffer_prefix = shm::segment_object_name(config.name) + ".w";
+  impl->unlink_orphan_buffers(0);  // left by workers of a crashed predecessor
 
   auto init = initial_weights(config.init, impl->total_elements);
   if (!init.ok()) {

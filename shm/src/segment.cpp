@@ -69,12 +69,13 @@ namespace {
 
 // Fills identity fields from the descriptor and maps the object.
 Status map_object(bip::shared_memory_object& shm, bool read_only, const std::string& name,
-                  uint64_t* inode, uid_t* uid, mode_t* mode, bip::mapped_region* region) {
+                  uint64_t* inode, uid_t* uid, gid_t* gid, mode_t* mode, bip::mapped_region* region) {
   struct stat st{};
   if (::fstat(shm.get_mapping_handle().handle, &st) != 0)
     return {ErrorCode::kIo, "fstat '" + name + "': " + errno_text(errno)};
   *inode = st.st_ino;
   *uid = st.st_uid;
+  *gid = st.st_gid;
   *mode = st.st_mode & 0777;
   if (st.st_size == 0) return {ErrorCode::kIo, "shm object '" + name + "' is empty"};
   *region = bip::mapped_region(shm, read_only ? bip::read_only : bip::read_write);
@@ -84,7 +85,7 @@ Status map_object(bip::shared_memory_object& shm, bool read_only, const std::str
 }  // namespace
 
 Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_name, size_t bytes,
-                                                     mode_t mode) {
+                                                     mode_t mode, gid_t group) {
   if (object_name.empty() || object_name.size() >= kNameBytes ||
       object_name.find('/') != std::string::npos)
     return Status{ErrorCode::kInvalidArgument, "bad shm object name '" + object_name + "'"};
@@ -102,6 +103,12 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
     bip::shared_memory_object shm(bip::create_only, object_name.c_str(), bip::read_write,
                                   bip::permissions(static_cast<int>(mode)));
     const int fd = shm.get_mapping_handle().handle;
+    if (group != static_cast<gid_t>(-1) && ::fchown(fd, static_cast<uid_t>(-1), group) != 0) {
+      const int err = errno;
+      bip::shared_memory_object::remove(object_name.c_str());
+      return Status{err == EPERM ? ErrorCode::kPermission : ErrorCode::kIo,
+                    "giving '" + object_name + "' group " + std::to_string(group) + ": " + errno_text(err)};
+    }
     shm.truncate(static_cast<bip::offset_t>(bytes));
     // Reserve every page now: on a full /dev/shm, fail here, not with SIGBUS.
     if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
@@ -114,7 +121,7 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
                                                   std::to_string(avail) + " available"};
       return Status{ErrorCode::kIo, "posix_fallocate '" + object_name + "': " + errno_text(err)};
     }
-    if (Status s = map_object(shm, false, object_name, &obj->inode_, &obj->uid_, &obj->mode_,
+    if (Status s = map_object(shm, false, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
                               &obj->region_->region);
         !s.ok()) {
       bip::shared_memory_object::remove(object_name.c_str());
@@ -138,7 +145,7 @@ Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_nam
   try {
     bip::shared_memory_object shm(bip::open_only, object_name.c_str(),
                                   read_only ? bip::read_only : bip::read_write);
-    if (Status s = map_object(shm, read_only, object_name, &obj->inode_, &obj->uid_, &obj->mode_,
+    if (Status s = map_object(shm, read_only, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
                               &obj->region_->region);
         !s.ok())
       return s;

@@ -3,6 +3,7 @@
 // dying peers (worker SIGKILLed mid-run, server killed while a worker waits).
 #define BOOST_TEST_MODULE test_protocol
 #include <signal.h>
+#include <grp.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -478,6 +479,74 @@ BOOST_AUTO_TEST_CASE(four_processes_many_pushes_each_applied_exactly_once) {
   auto buf = w->register_buffer(4);
   BOOST_REQUIRE(buf.ok());
   BOOST_TEST(pull_all(*w, *buf)[0] == static_cast<float>(kWorkers * kPushes));  // exact in fp32
+}
+
+BOOST_AUTO_TEST_CASE(detach_frees_the_entry_at_once_for_a_living_process) {
+  test::ServerProcess server(test::unique_name("detach"), {"--tensor", "w:1", "--max-workers", "1"});
+  for (int round = 0; round < 5; ++round) {
+    auto w = connect(server.name(), 2s);  // the only entry: free again each round
+    BOOST_TEST(w->ping().ok());
+    BOOST_TEST(w->detach().ok());
+    BOOST_TEST((w->ping().code() == ErrorCode::kUnknownWorker));
+  }
+  auto w = connect(server.name());
+  auto s = w->stats();
+  BOOST_REQUIRE(s.ok());
+  BOOST_TEST(s->workers_died == 0u);
+  BOOST_TEST(s->workers_attached == 1u);
+}
+
+BOOST_AUTO_TEST_CASE(ring_depth_high_water_counts_queued_requests) {
+  test::ServerProcess server(test::unique_name("depth"), {"--tensor", "w:1", "--max-staleness", "100"});
+  auto w = connect(server.name());
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  server.process().signal(SIGSTOP);
+  std::vector<Worker::Ticket> tickets;
+  for (int i = 0; i < 10; ++i) tickets.push_back(*w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0));
+  server.process().signal(SIGCONT);
+  for (auto t : tickets) BOOST_TEST(w->wait(t).ok());
+  auto s = w->stats();
+  BOOST_REQUIRE(s.ok());
+  BOOST_TEST(s->ring_high_water >= 10u);
+  BOOST_TEST(s->ring_depth <= 1u);  // only the stats request itself may be queued
+}
+
+// The server as an unprivileged user sharing its segment with a group; the
+// worker (another user) must get group-shared buffers the server can map.
+BOOST_AUTO_TEST_CASE(server_of_another_user_maps_group_shared_buffers) {
+  if (::geteuid() != 0) {
+    BOOST_TEST_MESSAGE("skipped: needs root to run the server as another user");
+    return;
+  }
+  const std::string name = test::unique_name("xuser");
+  const uid_t nobody = 65534;
+  const gid_t nogroup = 65534;
+  auto server = test::Process::fork_fn([&] {
+    if (::setgid(nogroup) != 0 || ::setgroups(0, nullptr) != 0 || ::setuid(nobody) != 0) return 90;
+    const std::string bin = test::program_path("shmps-server");
+    ::execl(bin.c_str(), bin.c_str(), "--name", name.c_str(), "--tensor", "w:4", "--lr", "1", "--group-access",
+            static_cast<char*>(nullptr));
+    return 91;
+  });
+  BOOST_REQUIRE(test::eventually([&] { return std::filesystem::exists("/dev/shm/shmps." + name); }));
+  std::unique_ptr<Worker> w;
+  BOOST_REQUIRE(test::eventually([&] {
+    WorkerOptions o;
+    o.name = name;
+    auto r = Worker::connect(o);
+    if (r.ok()) w = std::move(r).value();
+    return w != nullptr;
+  }));
+  auto buf = w->register_buffer(16);
+  BOOST_REQUIRE_MESSAGE(buf.ok(), buf.status().to_string());
+  std::fill_n(static_cast<float*>(buf->data), 4, 2.0f);
+  BOOST_TEST(w->push(0, buf->id, 0, 16, Dtype::kF32, 0).ok());
+  BOOST_REQUIRE(w->pull(0, buf->id, 0).ok());
+  BOOST_TEST(static_cast<float*>(buf->data)[0] == -2.0f);
+  w.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

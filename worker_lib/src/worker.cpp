@@ -80,6 +80,7 @@ class Worker::Impl {
   uint64_t total_elements = 0;
   uint32_t capacity = 0;
   bool attached = false;
+  bool detaching = false;
   struct Registered {
     std::unique_ptr<shm::ShmObject> object;
     bool in_use = false;
@@ -104,7 +105,8 @@ class Worker::Impl {
   Status evicted() const {
     // acquire: pairs with the server's release store of kDetached.
     const uint64_t owner = entry().owner.load(std::memory_order_acquire);
-    if (attached && shm::owner_state(owner) != static_cast<uint32_t>(WorkerState::kAttached))
+    // While our own detach is in flight, kDetached is the expected answer.
+    if (attached && !detaching && shm::owner_state(owner) != static_cast<uint32_t>(WorkerState::kAttached))
       return {ErrorCode::kUnknownWorker, "the server evicted worker " + std::to_string(id)};
     return Status::Ok();
   }
@@ -232,7 +234,9 @@ class Worker::Impl {
     if (evicted().ok() && server_gone().ok()) {
       Request req{};
       req.opcode = static_cast<uint32_t>(Opcode::kDetach);
+      detaching = true;
       auto c = call(req);
+      detaching = false;
       result = c.ok() ? Status::Ok() : c.status();
     }
     attached = false;
@@ -335,7 +339,12 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
   // Named so the server accepts it: "shmps.<name>.w<worker>.<pid>.<n>".
   const std::string object_name = shm::segment_object_name(w.options.name) + ".w" + std::to_string(w.id) + "." +
                                   std::to_string(::getpid()) + "." + std::to_string(w.buffer_counter++);
-  auto object = shm::ShmObject::create(object_name, bytes, 0600);
+  // A segment shared with a group (--group-access: the server may run as
+  // another user of that group) gets group-shared buffers too.
+  const shm::ShmObject& control = w.segment->object();
+  const bool group_shared = (control.mode() & 0060) == 0060;
+  auto object = shm::ShmObject::create(object_name, bytes, group_shared ? 0660 : 0600,
+                                       group_shared ? control.owner_gid() : static_cast<gid_t>(-1));
   if (!object.ok()) return object.status();
   w.fault_point.hit("after_buffer_create");
   shm::BufferDesc& desc = w.segment->buffer(w.id, id);

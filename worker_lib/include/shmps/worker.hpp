@@ -98,7 +98,9 @@ class Worker {
   // The tensor of that name, or nullptr.
   const TensorInfo* find_tensor(const std::string& name) const noexcept;
 
-  // Creates a POSIX shm object of `bytes` (> 0), mode 0600, maps it and
+  // Creates a POSIX shm object of `bytes` (> 0), mode 0600 (0660 with the
+  // segment's group when the server shares its segment with a group, so a
+  // server running as another user can map it), maps it and
   // registers it with the server, which maps it once.
   // Errors: kInvalidArgument, kNoCapacity (too many buffers, /dev/shm too
   // small), kIo, plus any error of a request (kTimeout, kServerRestarted...).

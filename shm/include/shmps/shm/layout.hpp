@@ -97,8 +97,10 @@ struct WaitWord {
 };
 static_assert(sizeof(WaitWord) == 8);
 
-// The server's configuration as it runs. Written once by the server before
-// it publishes layout_version; read by workers and shmps-inspect.
+// The server's configuration as it runs. Written by the server before it
+// publishes layout_version; lr and max_staleness are rewritten (relaxed
+// atomic_ref stores, never torn) when SIGHUP reloads them. Read by workers
+// and shmps-inspect for display; the server keeps its own copy.
 struct ConfigBlock {
   uint32_t optimizer_kind;   // shmps::kernels::OptimizerKind
   uint32_t flags;            // kConfigFlag*

@@ -30,10 +30,12 @@ class ShmObject {
   // not subject to the umask; never world-writable: o+w is refused), sizes
   // it to `bytes` and reserves the memory up front (posix_fallocate), so a
   // full /dev/shm fails here ("need X bytes, Y available", kNoCapacity)
-  // rather than with SIGBUS later. Errors: kInvalidArgument, kPermission,
-  // kNoCapacity, kIo (EEXIST included).
+  // rather than with SIGBUS later. With `group` != -1 the object is given
+  // that group (fchown; the caller must belong to it), so a server running
+  // as another user of the group can map it. Errors: kInvalidArgument,
+  // kPermission, kNoCapacity, kIo (EEXIST included).
   static Result<std::unique_ptr<ShmObject>> create(const std::string& object_name, size_t bytes,
-                                                   mode_t mode);
+                                                   mode_t mode, gid_t group = static_cast<gid_t>(-1));
   // Maps an existing object whole. Errors: kIo with "does not exist" for
   // ENOENT, kPermission, kIo.
   static Result<std::unique_ptr<ShmObject>> open(const std::string& object_name, bool read_only);
@@ -48,6 +50,7 @@ class ShmObject {
   // new inode, which handle caches use to detect recycling.
   uint64_t inode() const noexcept { return inode_; }
   uid_t owner_uid() const noexcept { return uid_; }
+  gid_t owner_gid() const noexcept { return gid_; }
   mode_t mode() const noexcept { return mode_; }
 
  private:
@@ -59,6 +62,7 @@ class ShmObject {
   size_t size_ = 0;
   uint64_t inode_ = 0;
   uid_t uid_ = 0;
+  gid_t gid_ = 0;
   mode_t mode_ = 0;
 };
 

@@ -1,0 +1,140 @@
+// Workers SIGKILLed at every step of the protocol (worker_lib's fault
+// points) while a bystander keeps pushing: the bystander never stalls, the
+// dead worker's entry and buffers are reclaimed, nothing leaks in /dev/shm,
+// every acknowledged push is applied exactly once and an unacknowledged one
+// at most once.
+#define BOOST_TEST_MODULE test_faults
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <boost/test/unit_test.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include "shmps/shm/proc.hpp"
+#include "shmps/worker.hpp"
+#include "test_support.hpp"
+
+using namespace shmps;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct Shared {
+  std::atomic<uint64_t> stop;
+  std::atomic<uint64_t> bystander_acked;
+  std::atomic<uint64_t> bystander_max_latency_ns;
+  std::atomic<uint64_t> victim_acked;
+  std::atomic<uint64_t> bystander_errors;
+};
+
+Shared* map_shared() {
+  void* p = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  BOOST_REQUIRE(p != MAP_FAILED);
+  return new (p) Shared{};
+}
+
+size_t leftover_buffers(const std::string& name) {
+  size_t n = 0;
+  const std::string prefix = "shmps." + name + ".w";
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) ++n;
+  return n;
+}
+
+std::unique_ptr<Worker> connect(const std::string& name) {
+  WorkerOptions o;
+  o.name = name;
+  auto w = Worker::connect(o);
+  return w.ok() ? std::move(w).value() : nullptr;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(faults)
+
+BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
+  const char* points[] = {"after_claim",    "after_buffer_create", "after_register", "before_publish",
+                          "after_publish",  "after_doorbell",      "after_completion"};
+  for (const char* point : points) {
+    BOOST_TEST_CONTEXT("fault point " << point) {
+      test::ServerProcess server(test::unique_name("fault"),
+                                 {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000000", "--max-workers", "3"});
+      Shared* shared = map_shared();
+      auto bystander = test::Process::fork_fn([&] {
+        auto w = connect(server.name());
+        if (!w) return 2;
+        auto buf = w->register_buffer(4);
+        if (!buf.ok()) return 3;
+        *static_cast<float*>(buf->data) = -1.0f;
+        while (shared->stop.load() == 0) {
+          const uint64_t t0 = shm::monotonic_ns();
+          auto v = w->push(0, buf->id, 0, 4, Dtype::kF32, 0);
+          const uint64_t dt = shm::monotonic_ns() - t0;
+          if (!v.ok()) {
+            shared->bystander_errors.fetch_add(1);
+            continue;
+          }
+          shared->bystander_acked.fetch_add(1);
+          uint64_t seen = shared->bystander_max_latency_ns.load();
+          while (dt > seen && !shared->bystander_max_latency_ns.compare_exchange_weak(seen, dt)) {}
+        }
+        return 0;
+      });
+      BOOST_REQUIRE(test::eventually([&] { return shared->bystander_acked.load() > 50; }));
+
+      // The victim dies at the point, on its 3rd visit for per-request points.
+      const std::string spec = std::string(point) + (std::string(point).find("publish") != std::string::npos ||
+                                                             std::string(point).find("doorbell") != std::string::npos ||
+                                                             std::string(point) == "after_completion"
+                                                         ? ":3"
+                                                         : "");
+      auto victim = test::Process::fork_fn([&] {
+        ::setenv("SHMPS_FAULT", spec.c_str(), 1);
+        auto w = connect(server.name());
+        if (!w) return 2;
+        auto buf = w->register_buffer(4);
+        if (!buf.ok()) return 3;
+        *static_cast<float*>(buf->data) = -1.0f;
+        for (int i = 0; i < 10; ++i) {
+          auto v = w->push(0, buf->id, 0, 4, Dtype::kF32, 0);
+          if (!v.ok()) return 4;
+          shared->victim_acked.fetch_add(1);
+        }
+        return 0;  // should have died before
+      });
+      BOOST_TEST(victim.wait(10s) == 128 + SIGKILL);
+
+      // Its entry comes back: the bystander plus two fresh workers fit in 3.
+      std::vector<std::unique_ptr<Worker>> fresh;
+      BOOST_TEST(test::eventually([&] {
+        if (auto w = connect(server.name())) fresh.push_back(std::move(w));
+        return fresh.size() == 2;
+      }, 3s));
+      BOOST_TEST(test::eventually([&] { return leftover_buffers(server.name()) == 0; }, 3s),
+                 leftover_buffers(server.name()) << " buffer objects left in /dev/shm");
+      std::this_thread::sleep_for(100ms);  // the bystander keeps going past the reaping
+      shared->stop.store(1);
+      BOOST_TEST(bystander.wait(10s) == 0);
+      BOOST_TEST(shared->bystander_errors.load() == 0u);
+      BOOST_TEST(shared->bystander_max_latency_ns.load() < 1'000'000'000u, "bystander stalled for "
+                 << shared->bystander_max_latency_ns.load() / 1000000 << " ms");
+      BOOST_REQUIRE(!fresh.empty());
+      auto s = fresh[0]->stats();
+      BOOST_REQUIRE(s.ok());
+      const uint64_t acked = shared->bystander_acked.load() + shared->victim_acked.load();
+      // A push published but not acknowledged is applied at most once.
+      BOOST_TEST(s->gradients_applied >= acked);
+      BOOST_TEST(s->gradients_applied <= acked + 1);
+      auto out = fresh[0]->register_buffer(4);
+      BOOST_REQUIRE(out.ok());
+      BOOST_REQUIRE(fresh[0]->pull(0, out->id, 0).ok());
+      BOOST_TEST(*static_cast<float*>(out->data) == static_cast<float>(s->gradients_applied));
+      ::munmap(shared, 4096);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_SUITE_END()
