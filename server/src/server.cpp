@@ -930,6 +930,11 @@ Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config) {
 
 Status Server::run(const RunOptions& options) { return impl_->run(options); }
 
+void Server::poll_once() {
+  impl_->serve_doorbells();
+  impl_->housekeeping();
+}
+
 void Server::request_stop() noexcept {
   impl_->stop.store(true, std::memory_order_release);  // SYNC(stop)
   shm::notify(impl_->segment->header().server_wake);

@@ -47,6 +47,12 @@ class Server {
   Status run(const RunOptions& options = {});
   // Async-signal-safe.
   void request_stop() noexcept;
+
+  // For fuzzers and tests that drive the consumer by hand instead of run():
+  // serves every lane whose doorbell is set, then sweeps every non-free
+  // entry (the housekeeping pass: dead owners reaped, lanes polled). Never
+  // sleeps. Not while run() is running.
+  void poll_once();
   // Asks run() to reload its configuration (RunOptions::reload) within
   // ~10 ms. Async-signal-safe.
   void request_reload() noexcept;
