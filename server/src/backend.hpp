@@ -56,6 +56,10 @@ class Backend {
                           uint64_t byte_offset) = 0;
   // All weights, flat, to host memory (tests, checkpoints).
   virtual std::vector<float> read_weights() const = 0;
+  // All optimizer state arrays, one after another (state_arrays x total).
+  virtual std::vector<float> read_state() const = 0;
+  // Replaces weights and state (a checkpoint's; sizes as allocated).
+  virtual Status load(std::span<const float> weights, std::span<const float> state) = 0;
 };
 
 std::unique_ptr<Backend> make_host_backend();

@@ -1,5 +1,6 @@
 // The host-memory backend: weights and optimizer state in the server's
 // private memory, worker buffers are POSIX shm objects mapped read-write.
+#include <algorithm>
 #include <cstring>
 
 #include "backend.hpp"
@@ -80,6 +81,23 @@ class HostBackend final : public Backend {
   }
 
   std::vector<float> read_weights() const override { return weights_; }
+
+  std::vector<float> read_state() const override {
+    std::vector<float> out;
+    out.reserve(state_.size() * weights_.size());
+    for (const auto& array : state_) out.insert(out.end(), array.begin(), array.end());
+    return out;
+  }
+
+  Status load(std::span<const float> weights, std::span<const float> state) override {
+    if (weights.size() != weights_.size() || state.size() != state_.size() * weights_.size())
+      return {ErrorCode::kInternal, "load: sizes differ from the allocation"};
+    std::copy(weights.begin(), weights.end(), weights_.begin());
+    for (size_t a = 0; a < state_.size(); ++a)
+      std::copy(state.begin() + static_cast<std::ptrdiff_t>(a * weights_.size()),
+                state.begin() + static_cast<std::ptrdiff_t>((a + 1) * weights_.size()), state_[a].begin());
+    return Status::Ok();
+  }
 
  private:
   std::vector<TensorExtent> tensors_;

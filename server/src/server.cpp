@@ -1,6 +1,7 @@
 #include "shmps/server/server.hpp"
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <random>
 
 #include "backend.hpp"
+#include "checkpoint.hpp"
 #include "service.hpp"
 #include "shmps/server/log.hpp"
 #include "shmps/server/options.hpp"
@@ -35,6 +37,7 @@ constexpr uint64_t kHousekeepingNs = 50'000'000;  // dead-worker scan and lane s
 constexpr uint64_t kHeartbeatNs = 10'000'000;
 constexpr size_t kStalenessWindow = 128;
 constexpr uint64_t kStatusNs = 2'000'000'000;     // STATUS= refresh, rejection counts
+constexpr uint64_t kSegmentCheckNs = 1'000'000'000;  // is /dev/shm/shmps.<name> still ours?
 constexpr uint64_t kRejectLogNs = 1'000'000'000;  // at most one rejection line per cause per second
 
 const char* opcode_name(uint32_t opcode) {
@@ -132,6 +135,14 @@ class Server::Impl {
   uint64_t lease_counter = 0;
   uint64_t last_heartbeat = 0;
   uint64_t last_housekeeping = 0;
+  // Checkpoints (none while config.checkpoint_dir is empty).
+  std::unique_ptr<CheckpointWriter> checkpoints;
+  uint64_t last_checkpoint_version = 0;
+  uint64_t last_checkpoint_ns = 0;
+  // The segment's name must keep pointing at our object (logind's
+  // RemoveIPC, or an operator, may unlink it under us).
+  uint64_t last_segment_check = 0;
+  Status failure;
   std::atomic<bool> stop{false};
   std::atomic<bool> reload_requested{false};
   bool removed = false;
@@ -192,12 +203,17 @@ class Server::Impl {
       sleep_until_doorbell();
     }
     shutdown();
-    return Status::Ok();
+    return failure;
   }
 
   // Every kHeartbeatNs, from the loop and only there: a consumer stuck in a
   // request stops the watchdog keep-alives, and systemd restarts it.
   void periodic(uint64_t now) {
+    if (now - last_segment_check >= kSegmentCheckNs) {
+      last_segment_check = now;
+      check_segment_name();
+    }
+    if (checkpoints) maybe_checkpoint(now);
     // The relaxed load keeps the locked exchange off the common path (a
     // stale false only delays the reload to the next tick). SYNC(reload):
     // the acquire pairs with request_reload()'s release, so what the
@@ -625,6 +641,8 @@ class Server::Impl {
     }
     ++version;
     record_staleness(staleness);
+    if (checkpoints && config.checkpoint_every != 0 && version - last_checkpoint_version >= config.checkpoint_every)
+      maybe_checkpoint(shm::monotonic_ns());
     // relaxed: statistics; the completion's release publishes them to the pusher.
     stats().version.store(version, std::memory_order_relaxed);
     stats().gradients_applied.fetch_add(1, std::memory_order_relaxed);
@@ -801,6 +819,104 @@ class Server::Impl {
     return worked;
   }
 
+  // ------------------------------------------------------------ checkpoints
+  CheckpointData snapshot() const {
+    CheckpointData d;
+    d.version = version;
+    d.optimizer_kind = static_cast<uint32_t>(config.optimizer.kind);
+    d.state_arrays = static_cast<uint32_t>(kernels::state_arrays(config.optimizer));
+    d.tensors = config.tensors;
+    d.steps = steps;
+    d.weights = backend->read_weights();
+    d.state = backend->read_state();
+    return d;
+  }
+
+  // On the consumer thread (after a push that reaches checkpoint_every, and
+  // every tick for the time trigger): takes a snapshot (a copy of weights
+  // and state in memory) and hands it to the writer thread; never waits
+  // for the disk. A trigger that finds the writer busy fires again on the
+  // next push or tick, so under load a checkpoint may land a few versions
+  // after the multiple of checkpoint_every.
+  void maybe_checkpoint(uint64_t now) {
+    if (Status s = checkpoints->take_result(); !s.ok()) log::error(s.message());
+    if (version == last_checkpoint_version) return;
+    const bool by_count = config.checkpoint_every != 0 && version - last_checkpoint_version >= config.checkpoint_every;
+    const bool by_time = config.checkpoint_interval_s != 0 &&
+                         now - last_checkpoint_ns >= uint64_t{config.checkpoint_interval_s} * 1'000'000'000;
+    if (!by_count && !by_time) return;
+    if (checkpoints->busy()) return;
+    checkpoints->submit(snapshot());
+    log::info("checkpoint of version " + std::to_string(version) + " handed to the writer");
+    last_checkpoint_version = version;
+    last_checkpoint_ns = now;
+  }
+
+  void final_checkpoint() {
+    if (!checkpoints) return;
+    if (Status s = checkpoints->drain(); !s.ok()) log::error(s.message());
+    if (version == last_checkpoint_version && !list_checkpoints(config.checkpoint_dir).empty()) return;
+    if (Status s = write_checkpoint(config.checkpoint_dir, snapshot()); !s.ok()) {
+      log::error("final " + s.message());
+      return;
+    }
+    prune_checkpoints(config.checkpoint_dir, config.checkpoint_keep);
+    last_checkpoint_version = version;
+    log::info("final checkpoint written: version " + std::to_string(version) + " in " + config.checkpoint_dir);
+  }
+
+  // Restores the newest valid checkpoint of the directory, if any. A file
+  // that is corrupt, truncated or of another model is reported and the
+  // previous one tried; with none valid, the configured initial values stay.
+  Status restore() {
+    for (const std::string& path : list_checkpoints(config.checkpoint_dir)) {
+      auto data = read_checkpoint(path);
+      if (!data.ok()) {
+        log::error("checkpoint " + data.status().message() + "; trying the previous one");
+        continue;
+      }
+      std::string mismatch;
+      if (data->tensors.size() != config.tensors.size()) mismatch = "a different number of tensors";
+      for (size_t t = 0; mismatch.empty() && t < config.tensors.size(); ++t)
+        if (data->tensors[t].name != config.tensors[t].name || data->tensors[t].shape != config.tensors[t].shape)
+          mismatch = "tensor " + std::to_string(t) + " is '" + data->tensors[t].name + "' of another shape or name";
+      if (mismatch.empty() && (data->optimizer_kind != static_cast<uint32_t>(config.optimizer.kind) ||
+                               data->state_arrays != kernels::state_arrays(config.optimizer)))
+        mismatch = "another optimizer (or momentum/amsgrad setting)";
+      if (!mismatch.empty()) {
+        log::error("checkpoint " + path + " does not fit this configuration (" + mismatch + "); trying the previous one");
+        continue;
+      }
+      if (Status s = backend->load(data->weights, data->state); !s.ok()) return s;
+      steps = data->steps;
+      version = data->version;
+      last_checkpoint_version = version;
+      // relaxed: published with the segment (publish() is a release store).
+      stats().version.store(version, std::memory_order_relaxed);
+      log::info("restored checkpoint " + path + ": version " + std::to_string(version));
+      return Status::Ok();
+    }
+    log::info("no valid checkpoint in " + config.checkpoint_dir + "; starting from the configured initial values");
+    return Status::Ok();
+  }
+
+  // True while /dev/shm/shmps.<name> is the object we created.
+  bool segment_is_ours() const {
+    struct stat st{};
+    const std::string path = "/dev/shm/" + shm::segment_object_name(config.name);
+    return ::stat(path.c_str(), &st) == 0 && st.st_ino == segment->object().inode();
+  }
+
+  void check_segment_name() {
+    if (segment_is_ours()) return;
+    failure = Status{ErrorCode::kIo, "/dev/shm/" + shm::segment_object_name(config.name) +
+                                         " was removed or replaced under the running server (systemd-logind's "
+                                         "RemoveIPC=yes removes a user's POSIX shm at logout: run shmps as a system "
+                                         "user); stopping so a restart gives workers a fresh segment"};
+    log::error(failure.message());
+    stop.store(true, std::memory_order_release);  // SYNC(stop)
+  }
+
   void shutdown() {
     notifier.stopping("stopping: failing queued requests; " + status_text());
     auto& h = segment->header();
@@ -839,7 +955,9 @@ class Server::Impl {
               count(st.rejected[static_cast<uint32_t>(ErrorCode::kNonFinite)]) + "), workers attached " +
               count(st.workers_attached) + ", died " + count(st.workers_died) + ", queued requests failed " +
               std::to_string(failed) + ", up " + fixed1(static_cast<double>(shm::monotonic_ns() - created_ns) / 1e9) + " s");
-    shm::Segment::remove(config.name);
+    final_checkpoint();
+    // Only our own object: the name may have been taken over meanwhile.
+    if (segment_is_ours()) shm::Segment::remove(config.name);
     removed = true;
   }
 };
@@ -913,6 +1031,20 @@ Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config) {
   if (Status s = impl->backend->allocate(extents, kernels::state_arrays(config.optimizer), *init); !s.ok()) {
     shm::Segment::remove(config.name);
     return s;
+  }
+  if (!config.checkpoint_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(config.checkpoint_dir, ec);
+    if (ec) {
+      shm::Segment::remove(config.name);
+      return Status{ErrorCode::kIo, "--checkpoint-dir " + config.checkpoint_dir + ": " + ec.message()};
+    }
+    if (Status s = impl->restore(); !s.ok()) {
+      shm::Segment::remove(config.name);
+      return s;
+    }
+    impl->checkpoints = std::make_unique<CheckpointWriter>(config.checkpoint_dir, config.checkpoint_keep);
+    impl->last_checkpoint_ns = shm::monotonic_ns();
   }
   impl->slots.resize(config.max_workers);
   for (uint32_t i = 0; i < config.max_workers; ++i) impl->reset_lanes(i);

@@ -15,10 +15,9 @@
 #include <thread>
 
 #include "shmps/shm/futex.hpp"
-#include "shmps/shm/proc.hpp"
-#include "shmps/shm/ring.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
+#include "raw_client.hpp"
 #include "test_support.hpp"
 
 using namespace shmps;
@@ -51,55 +50,6 @@ struct SharedCounters {
   }
   ~SharedCounters() { ::munmap(mem, 4096); }
   std::atomic<uint64_t>* mem;
-};
-
-// A client that speaks the raw protocol through the segment, bypassing
-// worker_lib: the "buggy or hostile process with write access".
-struct RawClient {
-  std::unique_ptr<shm::Segment> seg;
-  uint32_t id = 0;
-  uint64_t lease = 0;
-  uint64_t next_id = 1;
-  shm::SpscProducer<shm::Request> lane;
-  shm::SpscConsumer<shm::Completion> cq;
-
-  explicit RawClient(const std::string& name) {
-    auto s = shm::Segment::open(name, false);
-    BOOST_REQUIRE(s.ok());
-    seg = std::move(s).value();
-    for (id = 0; id < seg->header().max_workers; ++id) {
-      uint64_t expected = 0;
-      if (seg->worker(id).owner.compare_exchange_strong(expected, shm::make_owner(::getpid(), shm::WorkerState::kClaimed)))
-        break;
-    }
-    BOOST_REQUIRE(id < seg->header().max_workers);
-    seg->worker(id).pid_start_time = shm::process_start_time(::getpid());
-    lane = shm::SpscProducer<shm::Request>(&seg->lane(id), seg->lane_slots(id), seg->header().lane_capacity);
-    cq = shm::SpscConsumer<shm::Completion>(&seg->completions(id), seg->completion_slots(id), seg->header().lane_capacity);
-    shm::Request r{};
-    r.opcode = static_cast<uint32_t>(shm::Opcode::kAttach);
-    r.worker_id = id;
-    const shm::Completion c = call(r);
-    BOOST_REQUIRE(c.code == 0);
-    lease = c.value;
-  }
-  shm::Completion call(shm::Request r) {
-    r.request_id = next_id++;
-    BOOST_REQUIRE((lane.try_push(r) == shm::RingResult::kOk));
-    seg->header().doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64));
-    shm::notify(seg->header().server_wake);
-    shm::Completion c{};
-    BOOST_REQUIRE(test::eventually([&] { return cq.try_pop(&c) == shm::RingResult::kOk; }, 5s));
-    BOOST_TEST(c.request_id == r.request_id);
-    return c;
-  }
-  shm::Request request(shm::Opcode op) const {
-    shm::Request r{};
-    r.opcode = static_cast<uint32_t>(op);
-    r.worker_id = id;
-    r.lease = lease;
-    return r;
-  }
 };
 
 const std::vector<std::string> kSmall = {"--tensor", "w:4x2", "--tensor", "b:8", "--lr", "0.5",
@@ -216,7 +166,7 @@ BOOST_AUTO_TEST_CASE(nonfinite_gradients_apply_when_allowed) {
 
 BOOST_AUTO_TEST_CASE(garbage_descriptors_and_buffers_from_a_raw_client) {
   test::ServerProcess server(test::unique_name("raw"), kSmall);
-  RawClient raw(server.name());
+  test::RawClient raw(server.name());
   const auto code = [](const shm::Completion& c) { return static_cast<ErrorCode>(c.code); };
   shm::Request r = raw.request(shm::Opcode::kPing);
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kOk));
@@ -231,13 +181,13 @@ BOOST_AUTO_TEST_CASE(garbage_descriptors_and_buffers_from_a_raw_client) {
   r.lease ^= 1;
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
   r = raw.request(shm::Opcode::kPing);
-  r.worker_id = raw.id + 1;
+  r.worker_id = raw.id() + 1;
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
   r = raw.request(shm::Opcode::kAttach);
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
   // Buffer descriptors: unterminated name, the control segment itself, a
   // missing object, a range past the object.
-  shm::BufferDesc& d = raw.seg->buffer(raw.id, 0);
+  shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
   r = raw.request(shm::Opcode::kRegisterBuffer);
   d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
   d.length = 16;
@@ -245,7 +195,7 @@ BOOST_AUTO_TEST_CASE(garbage_descriptors_and_buffers_from_a_raw_client) {
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
   std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", shm::segment_object_name(server.name()).c_str());
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
-  const std::string own = shm::segment_object_name(server.name()) + ".w" + std::to_string(raw.id) + ".x";
+  const std::string own = shm::segment_object_name(server.name()) + ".w" + std::to_string(raw.id()) + ".x";
   std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", own.c_str());
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kUnknownBuffer));
   auto obj = shm::ShmObject::create(own, 4096, 0600);
@@ -267,14 +217,14 @@ BOOST_AUTO_TEST_CASE(garbage_descriptors_and_buffers_from_a_raw_client) {
   // corrupts its lane indices and gets evicted.
   auto w = connect(server.name());
   BOOST_TEST(w->ping().ok());
-  raw.seg->lane(raw.id).tail.store(raw.lane.tail() + 100000);
-  raw.seg->header().doorbell[0].fetch_or(uint64_t{1} << raw.id);
-  shm::notify(raw.seg->header().server_wake);
+  raw.segment().lane(raw.id()).tail.store(raw.lane().tail() + 100000);
+  raw.segment().header().doorbell[0].fetch_or(uint64_t{1} << raw.id());
+  shm::notify(raw.segment().header().server_wake);
   BOOST_TEST(test::eventually([&] {
-    return shm::owner_state(raw.seg->worker(raw.id).owner.load()) == static_cast<uint32_t>(shm::WorkerState::kDetached);
+    return shm::owner_state(raw.segment().worker(raw.id()).owner.load()) == static_cast<uint32_t>(shm::WorkerState::kDetached);
   }));
   BOOST_TEST(w->ping().ok());
-  BOOST_TEST(raw.seg->stats().lanes_corrupt.load() == 1u);
+  BOOST_TEST(raw.segment().stats().lanes_corrupt.load() == 1u);
 }
 
 BOOST_AUTO_TEST_CASE(full_lane_waits_then_reports_busy_and_loses_nothing) {
@@ -284,7 +234,7 @@ BOOST_AUTO_TEST_CASE(full_lane_waits_then_reports_busy_and_loses_nothing) {
   auto buf = w->register_buffer(32);
   BOOST_REQUIRE(buf.ok());
   std::fill_n(static_cast<float*>(buf->data), 8, 1.0f);
-  server.process().signal(SIGSTOP);
+  server.process().pause();
   auto t1 = w->push_async(0, buf->id, 0, 32, Dtype::kF32, 0);
   auto t2 = w->push_async(0, buf->id, 0, 32, Dtype::kF32, 0);
   BOOST_REQUIRE(t1.ok() && t2.ok());
@@ -292,7 +242,7 @@ BOOST_AUTO_TEST_CASE(full_lane_waits_then_reports_busy_and_loses_nothing) {
   auto t3 = w->push_async(0, buf->id, 0, 32, Dtype::kF32, 0);
   BOOST_TEST((t3.status().code() == ErrorCode::kBusy), t3.status().to_string());
   BOOST_TEST((std::chrono::steady_clock::now() - t0 >= 290ms));
-  server.process().signal(SIGCONT);
+  server.process().resume();
   auto v1 = w->wait(*t1);
   auto v2 = w->wait(*t2);
   BOOST_REQUIRE(v1.ok() && v2.ok());
@@ -317,7 +267,7 @@ BOOST_AUTO_TEST_CASE(server_killed_while_a_worker_waits_returns_an_error_not_a_h
   auto w = connect(server.name(), 10s);
   auto buf = w->register_buffer(32);
   BOOST_REQUIRE(buf.ok());
-  server.process().signal(SIGSTOP);
+  server.process().pause();
   auto t = w->push_async(0, buf->id, 0, 32, Dtype::kF32, 0);
   BOOST_REQUIRE(t.ok());
   std::thread killer([&] {
@@ -353,11 +303,11 @@ BOOST_AUTO_TEST_CASE(sigterm_fails_queued_requests_removes_segment_exits_0) {
   auto w = connect(server.name(), 5s);
   auto buf = w->register_buffer(32);
   BOOST_REQUIRE(buf.ok());
-  server.process().signal(SIGSTOP);
+  server.process().pause();
   auto t = w->push_async(0, buf->id, 0, 32, Dtype::kF32, 0);
   BOOST_REQUIRE(t.ok());
   server.process().signal(SIGTERM);
-  server.process().signal(SIGCONT);
+  server.process().resume();
   auto r = w->wait(*t);
   // Either it was served before the stop flag was seen, or it was failed.
   BOOST_TEST((r.ok() || r.status().code() == ErrorCode::kShuttingDown), r.status().to_string());
@@ -501,10 +451,10 @@ BOOST_AUTO_TEST_CASE(ring_depth_high_water_counts_queued_requests) {
   auto w = connect(server.name());
   auto buf = w->register_buffer(4);
   BOOST_REQUIRE(buf.ok());
-  server.process().signal(SIGSTOP);
+  server.process().pause();
   std::vector<Worker::Ticket> tickets;
   for (int i = 0; i < 10; ++i) tickets.push_back(*w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0));
-  server.process().signal(SIGCONT);
+  server.process().resume();
   for (auto t : tickets) BOOST_TEST(w->wait(t).ok());
   auto s = w->stats();
   BOOST_REQUIRE(s.ok());

@@ -71,6 +71,20 @@ void Process::signal(int signo) const {
   if (pid_ > 0) ::kill(pid_, signo);
 }
 
+void Process::pause() const {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGSTOP);
+  const std::string path = "/proc/" + std::to_string(pid_) + "/stat";
+  eventually([&] {
+    std::ifstream in(path);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t paren = text.rfind(')');
+    return paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'T';
+  });
+}
+
+void Process::resume() const { signal(SIGCONT); }
+
 int Process::wait(std::chrono::milliseconds timeout) {
   if (pid_ <= 0) return -1;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -94,6 +108,36 @@ void Process::kill_and_reap() {
   int status = 0;
   ::waitpid(pid_, &status, 0);
   pid_ = -1;
+}
+
+Captured run_captured(const std::vector<std::string>& argv, std::chrono::milliseconds timeout,
+                      const std::function<bool()>& in_child) {
+  char path[] = "/tmp/shmps_captured_XXXXXX";
+  const int fd = ::mkstemp(path);
+  if (fd < 0) throw std::runtime_error("mkstemp failed");
+  ::unlink(path);  // the descriptor keeps the file until both ends close it
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  Process p;
+  p = Process::fork_fn([&] {
+    if (::dup2(fd, STDOUT_FILENO) < 0 || ::dup2(fd, STDERR_FILENO) < 0) return 125;
+    if (in_child && !in_child()) return 126;
+    ::execv(args[0], args.data());
+    return 127;
+  });
+  Captured out;
+  out.exit_code = p.wait(timeout);
+  if (out.exit_code < 0) p.kill_and_reap();
+  char buf[4096];
+  ssize_t n = 0;
+  off_t at = 0;
+  while ((n = ::pread(fd, buf, sizeof buf, at)) > 0) {
+    out.output.append(buf, static_cast<size_t>(n));
+    at += n;
+  }
+  ::close(fd);
+  return out;
 }
 
 bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds timeout) {

@@ -37,6 +37,10 @@ class Process {
   pid_t pid() const { return pid_; }
   bool running() const { return pid_ > 0; }
   void signal(int signo) const;
+  // SIGSTOP, then waits until the kernel reports the child stopped ('T' in
+  // /proc/<pid>/stat): SIGSTOP alone is asynchronous. resume(): SIGCONT.
+  void pause() const;
+  void resume() const;
   // Waits up to `timeout` for exit. Returns the exit code, 128 + signal when
   // killed by a signal, or -1 on timeout (the child keeps running).
   int wait(std::chrono::milliseconds timeout);
@@ -64,6 +68,20 @@ class ServerProcess {
   std::string name_;
   Process process_;
 };
+
+// What run_captured() saw: the exit code (as Process::wait: 128 + signal
+// when killed, -1 when it ran past the timeout and was killed) and
+// everything the program wrote to stdout and stderr.
+struct Captured {
+  int exit_code = -1;
+  std::string output;
+};
+// Runs argv[0] (fork + execv) with stdout and stderr captured, waiting up to
+// `timeout`. `in_child` runs in the child before exec (e.g. umask, setuid);
+// a false return ends the child with exit code 126 before exec.
+Captured run_captured(const std::vector<std::string>& argv,
+                      std::chrono::milliseconds timeout = std::chrono::seconds(10),
+                      const std::function<bool()>& in_child = {});
 
 // Polls cond every millisecond until it holds or timeout passes.
 bool eventually(const std::function<bool()>& cond,

@@ -258,7 +258,7 @@ BOOST_AUTO_TEST_CASE(text_output_mentions_every_section_and_a_queued_push) {
   std::memset(buffer->data, 0, kAllBytes);
 
   // Freeze the server so a push stays queued in the lane.
-  server.process().signal(SIGSTOP);
+  server.process().pause();
   struct Resume {
     test::ServerProcess& s;
     ~Resume() { s.process().signal(SIGCONT); }

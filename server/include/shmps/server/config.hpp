@@ -48,6 +48,15 @@ struct ServerConfig {
   uint32_t idle_spin_us = 50;
   // Lines above this severity are not written (--log-level).
   LogLevel log_level = LogLevel::kInfo;
+  // Checkpoints (server/src/checkpoint.hpp): off while checkpoint_dir is
+  // empty. Written every `checkpoint_every` applied updates and/or every
+  // `checkpoint_interval_s` seconds (0: that trigger off), and at shutdown;
+  // the newest `checkpoint_keep` are kept. At start the newest valid one is
+  // restored.
+  std::string checkpoint_dir;
+  uint64_t checkpoint_every = 0;
+  uint32_t checkpoint_interval_s = 0;
+  uint32_t checkpoint_keep = 3;
 };
 
 // Checks what Server::create() would refuse before touching the system:
