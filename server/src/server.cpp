@@ -126,7 +126,7 @@ class Server::Impl {
   std::vector<shm::TensorDesc> tensors;     // private copy: never re-read from shm
   std::vector<uint64_t> steps;              // per tensor, PyTorch's step count
   shm::ConfigBlock shared_config{};
-  std::string buffer_prefix;                // "shmps.<name>.w"
+  std::string buffer_prefix;                // "shmps.<name>.p": buffers are "<prefix><pid>.<n>"
   uint64_t version = 0;
   uint64_t total_elements = 0;
   std::array<uint64_t, kStalenessWindow> staleness_window{};
@@ -557,7 +557,10 @@ class Server::Impl {
     if (std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
       return reject(i, req, ErrorCode::kBadRequest, "buffer handle is not a terminated name");
     if (desc.length == 0) return reject(i, req, ErrorCode::kBadRange, "buffer length 0");
-    auto peer = backend->open_peer(desc, buffer_prefix + std::to_string(i) + ".");
+    // Only objects named for this worker's pid: never the control segment
+    // or another worker's buffer.
+    const uint32_t pid = shm::owner_pid(segment->worker(i).owner.load(std::memory_order_relaxed));  // relaxed: our own state
+    auto peer = backend->open_peer(desc, buffer_prefix + std::to_string(pid) + ".");
     if (!peer.ok()) return reject(i, req, peer.status().code(), peer.status().message());
     slot.buffers[req.buffer_id] = std::move(peer).value();
     if (log::enabled(LogLevel::kDebug))
@@ -724,20 +727,19 @@ class Server::Impl {
     entry.owner.store(0, std::memory_order_release);  // SYNC(worker_release)
   }
 
-  // Unlinks buffer objects "shmps.<name>.w<id>.<pid>.<n>" left by a worker
-  // that died between creating one and registering it (worker_lib unlinks
-  // the name itself once the server has mapped it). With pid 0: those of
-  // every dead pid (at start, after a crash of the previous server).
+  // Unlinks the buffer objects "shmps.<name>.p<pid>.<n>" of a worker that
+  // died (worker_lib unlinks them itself at unregister and detach). With
+  // pid 0: those of every dead pid (at start, after a crash of the
+  // previous server).
   void unlink_orphan_buffers(uint32_t dead_pid) {
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
       const std::string file = e.path().filename().string();
       if (file.rfind(buffer_prefix, 0) != 0) continue;
-      // After the prefix: "<id>.<pid>.<n>".
-      const size_t dot1 = file.find('.', buffer_prefix.size());
-      const size_t dot2 = dot1 == std::string::npos ? dot1 : file.find('.', dot1 + 1);
-      if (dot2 == std::string::npos) continue;
-      const std::string pid_text = file.substr(dot1 + 1, dot2 - dot1 - 1);
+      // After the prefix: "<pid>.<n>".
+      const size_t dot = file.find('.', buffer_prefix.size());
+      if (dot == std::string::npos) continue;
+      const std::string pid_text = file.substr(buffer_prefix.size(), dot - buffer_prefix.size());
       if (pid_text.empty() || pid_text.size() > 10 || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
       const auto pid = static_cast<uint32_t>(std::stoul(pid_text));
       if (dead_pid != 0 ? pid != dead_pid : shm::process_alive(static_cast<pid_t>(pid), 0)) continue;
@@ -1020,7 +1022,7 @@ Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config) {
   }
   impl->steps.assign(extents.size(), 0);
   impl->total_elements = seg.header().total_elements;
-  impl->buffer_prefix = shm::segment_object_name(config.name) + ".w";
+  impl->buffer_prefix = shm::segment_object_name(config.name) + ".p";
   impl->unlink_orphan_buffers(0);  // left by workers of a crashed predecessor
 
   auto init = initial_weights(config.init, impl->total_elements);

@@ -36,9 +36,10 @@ Shared* map_shared() {
   return new (p) Shared{};
 }
 
-size_t leftover_buffers(const std::string& name) {
+// Buffer objects of process `pid` still in /dev/shm.
+size_t leftover_buffers(const std::string& name, pid_t pid) {
   size_t n = 0;
-  const std::string prefix = "shmps." + name + ".w";
+  const std::string prefix = "shmps." + name + ".p" + std::to_string(pid) + ".";
   for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
     if (e.path().filename().string().rfind(prefix, 0) == 0) ++n;
   return n;
@@ -105,6 +106,7 @@ BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
         }
         return 0;  // should have died before
       });
+      const pid_t victim_pid = victim.pid();
       BOOST_TEST(victim.wait(10s) == 128 + SIGKILL);
 
       // Its entry comes back: the bystander plus two fresh workers fit in 3.
@@ -113,8 +115,8 @@ BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
         if (auto w = connect(server.name())) fresh.push_back(std::move(w));
         return fresh.size() == 2;
       }, 3s));
-      BOOST_TEST(test::eventually([&] { return leftover_buffers(server.name()) == 0; }, 3s),
-                 leftover_buffers(server.name()) << " buffer objects left in /dev/shm");
+      BOOST_TEST(test::eventually([&] { return leftover_buffers(server.name(), victim_pid) == 0; }, 3s),
+                 leftover_buffers(server.name(), victim_pid) << " buffer objects left in /dev/shm");
       std::this_thread::sleep_for(100ms);  // the bystander keeps going past the reaping
       shared->stop.store(1);
       BOOST_TEST(bystander.wait(10s) == 0);

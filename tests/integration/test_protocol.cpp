@@ -195,7 +195,7 @@ BOOST_AUTO_TEST_CASE(garbage_descriptors_and_buffers_from_a_raw_client) {
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
   std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", shm::segment_object_name(server.name()).c_str());
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
-  const std::string own = shm::segment_object_name(server.name()) + ".w" + std::to_string(raw.id()) + ".x";
+  const std::string own = shm::segment_object_name(server.name()) + ".p" + std::to_string(::getpid()) + ".x";
   std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", own.c_str());
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kUnknownBuffer));
   auto obj = shm::ShmObject::create(own, 4096, 0600);

@@ -198,7 +198,7 @@ BOOST_AUTO_TEST_CASE(live_segment_as_json) {
   BOOST_REQUIRE(w["buffers"].size() == 1u);
   BOOST_TEST(w["buffers"][0]["kind"] == "host_shm");
   BOOST_TEST(w["buffers"][0]["length"] == kAllBytes);
-  BOOST_TEST(contains(w["buffers"][0]["name"].get<std::string>(), "shmps." + name + ".w"));
+  BOOST_TEST(contains(w["buffers"][0]["name"].get<std::string>(), "shmps." + name + ".p"));
 
   BOOST_TEST(j["lanes"].empty());  // the server served everything
   BOOST_REQUIRE(j["completions"].size() == 1u);

@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <deque>
+#include <thread>
 
 #include "shmps/shm/futex.hpp"
 #include "shmps/shm/proc.hpp"
@@ -80,13 +81,16 @@ class Worker::Impl {
   uint64_t total_elements = 0;
   uint32_t capacity = 0;
   bool attached = false;
+  bool attached_once = false;         // set by connect(); reconnect applies after it
   bool detaching = false;
+  bool user_detached = false;
+  uint64_t lost_from = 0;             // requests in (lost_from, lost_upto] died
+  uint64_t lost_upto = 0;             // with a server, unacknowledged
   struct Registered {
     std::unique_ptr<shm::ShmObject> object;
     bool in_use = false;
   };
   std::vector<Registered> buffers;
-  uint64_t buffer_counter = 0;
 
   shm::WorkerEntry& entry() const { return segment->worker(id); }
 
@@ -166,7 +170,13 @@ class Worker::Impl {
       if (w == shm::WaitResult::kTimeout) return {ErrorCode::kTimeout, "no completion within the timeout"};
       if (w == shm::WaitResult::kAborted) {
         // The server may have answered before it died or stopped.
-        if (completions.refresh() == shm::RingResult::kEmpty) return why;
+        if (completions.refresh() == shm::RingResult::kEmpty) {
+          if (options.reconnect && attached_once && why.code() == ErrorCode::kServerNotRunning) {
+            attached = false;  // the next call re-attaches
+            return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged; the next call re-attaches"};
+          }
+          return why;
+        }
       }
       r = completions.try_pop(&c);
     }
@@ -192,6 +202,8 @@ class Worker::Impl {
           return c;
         }
       }
+      if (ticket > lost_from && ticket <= lost_upto)
+        return Status{ErrorCode::kServerRestarted, "request " + std::to_string(ticket) + " was lost with a server that died"};
       if (ticket <= last_completed_id)
         return Status{ErrorCode::kInvalidArgument, "ticket " + std::to_string(ticket) + " was already waited for"};
       if (Status s = pop_one(deadline); !s.ok()) return s;
@@ -204,7 +216,8 @@ class Worker::Impl {
     return {code, c.message};
   }
 
-  Result<Completion> call(Request req) {
+  // One request, no reconnecting (attach and registration use it).
+  Result<Completion> call_once(Request req) {
     const auto deadline = Clock::now() + options.timeout;
     auto ticket = submit(req, deadline);
     if (!ticket.ok()) return ticket.status();
@@ -213,6 +226,38 @@ class Worker::Impl {
     if (Status s = to_status(*c); !s.ok()) return s;
     fault_point.hit("after_completion");
     return c;
+  }
+
+  // Whether the public calls may proceed: attached, or (with reconnect)
+  // able to re-attach; an explicit detach() is final.
+  Status usable() {
+    if (user_detached) return {ErrorCode::kUnknownWorker, "detached"};
+    if (attached) return Status::Ok();
+    if (options.reconnect && attached_once) return ensure_server(Clock::now() + options.timeout);
+    return {ErrorCode::kUnknownWorker, "not attached"};
+  }
+
+  // With options.reconnect, first re-attaches when the server is gone.
+  Result<Completion> call(Request req) {
+    if (Status s = ensure_server(Clock::now() + options.timeout); !s.ok()) return s;
+    return call_once(req);
+  }
+
+  // Ok when the server we are attached to is alive; with reconnect, waits
+  // for its successor and re-attaches.
+  Status ensure_server(Clock::time_point deadline) {
+    if (!options.reconnect || !attached_once) return Status::Ok();
+    if (attached) {
+      // Fast path without /proc: a running server refreshes its heartbeat
+      // every 10 ms, asleep or not.
+      const auto& h = segment->header();
+      // acquire: SYNC(server_stopped); relaxed heartbeat: a hint only.
+      if (h.server_state.load(std::memory_order_acquire) == static_cast<uint32_t>(shm::ServerState::kRunning) &&
+          shm::monotonic_ns() - h.heartbeat_ns.load(std::memory_order_relaxed) < 100'000'000)
+        return Status::Ok();
+      if (server_gone().ok()) return Status::Ok();
+    }
+    return reattach(deadline);
   }
 
   // Returns the entry to kFree after the server let go of it (detached,
@@ -228,8 +273,129 @@ class Worker::Impl {
     e.owner.store(0, std::memory_order_release);  // SYNC(worker_release)
   }
 
+  // Unmaps and unlinks every buffer.
+  void drop_buffers() {
+    for (auto& b : buffers) {
+      if (b.in_use) shm::ShmObject::remove(b.object->name());
+      b = Registered{};
+    }
+  }
+
+  // Claims an entry of `seg`, attaches, and (first time) reads the tensor
+  // table; on a re-attach the table must be the same.
+  Status attach_to(std::unique_ptr<shm::Segment> seg) {
+    segment = std::move(seg);
+    auto& h = segment->header();
+    generation = h.generation;
+    server_pid = static_cast<pid_t>(h.server_pid);
+    server_start = h.server_start_time;
+    capacity = h.lane_capacity;
+    if (Status s = server_gone(); !s.ok())
+      return {ErrorCode::kServerNotRunning, s.message() + " (stale segment /dev/shm/" + shm::segment_object_name(options.name) + ")"};
+    std::vector<TensorInfo> table;
+    for (uint32_t t = 0; t < h.tensor_count; ++t) {
+      const shm::TensorDesc& d = segment->tensor(t);  // validated by Segment::open
+      TensorInfo info;
+      info.id = t;
+      info.name = d.name;
+      info.dtype = Dtype::kF32;
+      info.shape.assign(d.shape, d.shape + d.ndim);
+      info.element_offset = d.element_offset;
+      info.element_count = d.element_count;
+      table.push_back(std::move(info));
+    }
+    if (!tensors.empty()) {
+      const auto same = [](const TensorInfo& a, const TensorInfo& b) { return a.name == b.name && a.shape == b.shape; };
+      if (!std::equal(tensors.begin(), tensors.end(), table.begin(), table.end(), same))
+        return {ErrorCode::kLayoutMismatch, "the restarted server '" + options.name + "' serves other tensors"};
+    }
+
+    // Claim a free entry: CAS kFree -> (pid, kClaimed).
+    const auto pid = static_cast<uint32_t>(::getpid());
+    bool claimed = false;
+    for (uint32_t i = 0; i < h.max_workers && !claimed; ++i) {
+      uint64_t expected = 0;
+      // acq_rel: SYNC(worker_claim) acquire pairs with the release that freed
+      // the entry (indices reset); release publishes our pid to the server.
+      if (segment->worker(i).owner.compare_exchange_strong(expected, shm::make_owner(pid, WorkerState::kClaimed),
+                                                           std::memory_order_acq_rel, std::memory_order_relaxed)) {
+        id = i;
+        claimed = true;
+      }
+    }
+    if (!claimed)
+      return {ErrorCode::kNoCapacity, "all " + std::to_string(h.max_workers) + " worker slots of '" + options.name + "' are taken"};
+    fault_point.hit("after_claim");
+    segment->worker(id).pid_start_time = shm::process_start_time(::getpid());
+    lane = shm::SpscProducer<Request>(&segment->lane(id), segment->lane_slots(id), capacity);
+    completions = shm::SpscConsumer<Completion>(&segment->completions(id), segment->completion_slots(id), capacity);
+    // Request ids keep counting across generations; the new lane starts
+    // empty, so everything before is settled (lost_upto: failed).
+    lost_from = last_completed_id;
+    lost_upto = next_request_id - 1;
+    last_completed_id = next_request_id - 1;
+    done.clear();
+
+    Request req{};
+    req.opcode = static_cast<uint32_t>(Opcode::kAttach);
+    auto c = call_once(req);
+    if (!c.ok()) {
+      if (!server_gone().ok() || c.status().code() != ErrorCode::kTimeout) release_entry();
+      return c.status();
+    }
+    lease = c->value;
+    attached = true;
+    buffers.resize(h.max_buffers);
+    tensors = std::move(table);
+    total_elements = h.total_elements;
+    return Status::Ok();
+  }
+
+  // After the server died: waits (up to the deadline) for a server of a new
+  // generation under the same name, attaches to it and registers every
+  // buffer again under its old id.
+  Status reattach(Clock::time_point deadline) {
+    const uint64_t old_generation = generation;
+    attached = false;
+    while (true) {
+      auto seg = shm::Segment::open(options.name, /*read_only=*/false);
+      if (seg.ok() && (*seg)->header().generation != old_generation) {
+        Status s = attach_to(std::move(seg).value());
+        if (s.ok()) {
+          for (uint32_t b = 0; b < buffers.size() && s.ok(); ++b)
+            if (buffers[b].in_use) s = send_register(b, buffers[b].object->name(), buffers[b].object->size());
+          if (s.ok()) return Status::Ok();
+        }
+        if (s.code() == ErrorCode::kLayoutMismatch || s.code() == ErrorCode::kNoCapacity) return s;
+      }
+      if (Clock::now() >= deadline)
+        return {ErrorCode::kServerNotRunning, "server '" + options.name + "' did not come back within the timeout"};
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  // Writes buffer b's descriptor into our entry and registers it.
+  Status send_register(uint32_t b, const std::string& object_name, size_t bytes) {
+    shm::BufferDesc& desc = segment->buffer(id, b);
+    std::memset(&desc, 0, sizeof desc);
+    desc.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+    desc.length = bytes;
+    desc.offset = 0;
+    std::memcpy(desc.handle, object_name.c_str(), object_name.size() + 1);
+    Request req{};
+    req.opcode = static_cast<uint32_t>(Opcode::kRegisterBuffer);
+    req.buffer_id = b;
+    auto c = call_once(req);  // the lane's release store publishes desc
+    return c.ok() ? Status::Ok() : c.status();
+  }
+
   Status detach() {
-    if (!attached) return {ErrorCode::kUnknownWorker, "not attached"};
+    if (user_detached) return {ErrorCode::kUnknownWorker, "detached"};
+    user_detached = true;
+    if (!attached) {
+      drop_buffers();
+      return Status::Ok();
+    }
     Status result;
     if (evicted().ok() && server_gone().ok()) {
       Request req{};
@@ -246,7 +412,7 @@ class Worker::Impl {
     const uint64_t owner = entry().owner.load(std::memory_order_acquire);
     if (shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kDetached) || !server_gone().ok())
       release_entry();
-    for (auto& b : buffers) b = Registered{};
+    drop_buffers();
     return result;
   }
 };
@@ -254,7 +420,9 @@ class Worker::Impl {
 Worker::Worker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Worker::~Worker() {
-  if (impl_ && impl_->attached) (void)impl_->detach();
+  if (!impl_) return;
+  if (impl_->attached) (void)impl_->detach();
+  impl_->drop_buffers();
 }
 
 Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& options) {
@@ -263,58 +431,8 @@ Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& options) {
   if (!segment.ok()) return segment.status();
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->segment = std::move(segment).value();
-  shm::Segment& seg = *impl->segment;
-  auto& h = seg.header();
-  impl->generation = h.generation;
-  impl->server_pid = static_cast<pid_t>(h.server_pid);
-  impl->server_start = h.server_start_time;
-  impl->capacity = h.lane_capacity;
-  if (Status s = impl->server_gone(); !s.ok())
-    return Status{ErrorCode::kServerNotRunning, s.message() + " (stale segment /dev/shm/" + shm::segment_object_name(options.name) + ")"};
-
-  // Claim a free entry: CAS kFree -> (pid, kClaimed).
-  const auto pid = static_cast<uint32_t>(::getpid());
-  bool claimed = false;
-  for (uint32_t i = 0; i < h.max_workers && !claimed; ++i) {
-    uint64_t expected = 0;
-    // acq_rel: SYNC(worker_claim) acquire pairs with the release that freed
-    // the entry (indices reset); release publishes our pid to the server.
-    if (seg.worker(i).owner.compare_exchange_strong(expected, shm::make_owner(pid, WorkerState::kClaimed),
-                                                    std::memory_order_acq_rel, std::memory_order_relaxed)) {
-      impl->id = i;
-      claimed = true;
-    }
-  }
-  if (!claimed) return Status{ErrorCode::kNoCapacity, "all " + std::to_string(h.max_workers) + " worker slots of '" + options.name + "' are taken"};
-  impl->fault_point.hit("after_claim");
-  seg.worker(impl->id).pid_start_time = shm::process_start_time(::getpid());
-  impl->lane = shm::SpscProducer<Request>(&seg.lane(impl->id), seg.lane_slots(impl->id), impl->capacity);
-  impl->completions = shm::SpscConsumer<Completion>(&seg.completions(impl->id), seg.completion_slots(impl->id), impl->capacity);
-
-  Request req{};
-  req.opcode = static_cast<uint32_t>(Opcode::kAttach);
-  auto c = impl->call(req);
-  if (!c.ok()) {
-    if (!impl->server_gone().ok() || c.status().code() != ErrorCode::kTimeout) impl->release_entry();
-    return c.status();
-  }
-  impl->lease = c->value;
-  impl->attached = true;
-  impl->buffers.resize(h.max_buffers);
-
-  for (uint32_t t = 0; t < h.tensor_count; ++t) {
-    const shm::TensorDesc& d = seg.tensor(t);  // validated by Segment::open
-    TensorInfo info;
-    info.id = t;
-    info.name = d.name;
-    info.dtype = Dtype::kF32;
-    info.shape.assign(d.shape, d.shape + d.ndim);
-    info.element_offset = d.element_offset;
-    info.element_count = d.element_count;
-    impl->tensors.push_back(std::move(info));
-  }
-  impl->total_elements = h.total_elements;
+  if (Status s = impl->attach_to(std::move(segment).value()); !s.ok()) return s;
+  impl->attached_once = true;
   return std::unique_ptr<Worker>(new Worker(std::move(impl)));
 }
 
@@ -331,14 +449,16 @@ const TensorInfo* Worker::find_tensor(const std::string& name) const noexcept {
 
 Result<Buffer> Worker::register_buffer(size_t bytes) {
   Impl& w = *impl_;
-  if (!w.attached) return Status{ErrorCode::kUnknownWorker, "not attached"};
+  if (Status s = w.usable(); !s.ok()) return s;
   if (bytes == 0) return Status{ErrorCode::kInvalidArgument, "buffer of 0 bytes"};
   uint32_t id = 0;
   while (id < w.buffers.size() && w.buffers[id].in_use) ++id;
   if (id == w.buffers.size()) return Status{ErrorCode::kNoCapacity, "all " + std::to_string(w.buffers.size()) + " buffer slots are in use"};
-  // Named so the server accepts it: "shmps.<name>.w<worker>.<pid>.<n>".
-  const std::string object_name = shm::segment_object_name(w.options.name) + ".w" + std::to_string(w.id) + "." +
-                                  std::to_string(::getpid()) + "." + std::to_string(w.buffer_counter++);
+  // Named so the server accepts it: "shmps.<name>.p<pid>.<n>".
+  // The counter is process-wide: several Workers of one process share the pid.
+  static std::atomic<uint64_t> buffer_counter{0};
+  const std::string object_name = shm::segment_object_name(w.options.name) + ".p" + std::to_string(::getpid()) +
+                                  "." + std::to_string(buffer_counter.fetch_add(1, std::memory_order_relaxed));  // relaxed: a unique number only
   // A segment shared with a group (--group-access: the server may run as
   // another user of that group) gets group-shared buffers too.
   const shm::ShmObject& control = w.segment->object();
@@ -347,21 +467,14 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
                                        group_shared ? control.owner_gid() : static_cast<gid_t>(-1));
   if (!object.ok()) return object.status();
   w.fault_point.hit("after_buffer_create");
-  shm::BufferDesc& desc = w.segment->buffer(w.id, id);
-  std::memset(&desc, 0, sizeof desc);
-  desc.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
-  desc.length = bytes;
-  desc.offset = 0;
-  std::memcpy(desc.handle, object_name.c_str(), object_name.size() + 1);
-  Request req{};
-  req.opcode = static_cast<uint32_t>(Opcode::kRegisterBuffer);
-  req.buffer_id = id;
-  auto c = w.call(req);  // the lane's release store publishes desc
+  if (Status st = w.send_register(id, object_name, bytes); !st.ok()) {
+    shm::ShmObject::remove(object_name);
+    return st;
+  }
   w.fault_point.hit("after_register");
-  // The server maps the object during registration; the name is no longer
-  // needed, and unlinking now means a crash can never leak it.
-  shm::ShmObject::remove(object_name);
-  if (!c.ok()) return c.status();
+  // The name stays until unregister/detach, so a restarted server can map
+  // the buffer again (reconnect); the server unlinks the names of a worker
+  // that dies.
   Buffer b;
   b.id = id;
   b.data = (*object)->data();
@@ -380,13 +493,15 @@ Status Worker::unregister_buffer(uint32_t buffer_id) {
   req.buffer_id = buffer_id;
   auto c = w.call(req);
   if (!c.ok()) return c.status();
+  shm::ShmObject::remove(w.buffers[buffer_id].object->name());
   w.buffers[buffer_id] = Impl::Registered{};
   return Status::Ok();
 }
 
 Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
                                           uint64_t bytes, Dtype dtype, uint64_t worker_version) {
-  if (!impl_->attached) return Status{ErrorCode::kUnknownWorker, "not attached"};
+  if (Status s = impl_->ensure_server(std::chrono::steady_clock::now() + impl_->options.timeout); !s.ok()) return s;
+  if (Status s = impl_->usable(); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPush);
   req.tensor_id = tensor_id;
@@ -413,7 +528,7 @@ Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
 }
 
 Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset) {
-  if (!impl_->attached) return Status{ErrorCode::kUnknownWorker, "not attached"};
+  if (Status s = impl_->usable(); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPull);
   req.tensor_id = tensor_id;
@@ -428,7 +543,7 @@ Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
 }
 
 Result<ServerStats> Worker::stats() {
-  if (!impl_->attached) return Status{ErrorCode::kUnknownWorker, "not attached"};
+  if (Status s = impl_->usable(); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kStats);
   auto c = impl_->call(req);
@@ -454,7 +569,7 @@ Result<ServerStats> Worker::stats() {
 }
 
 Status Worker::ping() {
-  if (!impl_->attached) return {ErrorCode::kUnknownWorker, "not attached"};
+  if (Status s = impl_->usable(); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPing);
   auto c = impl_->call(req);

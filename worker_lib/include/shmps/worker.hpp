@@ -66,6 +66,13 @@ struct ServerStats {
 struct WorkerOptions {
   std::string name;                                   // server --name
   std::chrono::milliseconds timeout{10000};           // per synchronous call
+  // When the server dies or is restarted: the calls in flight fail with
+  // kServerRestarted (not acknowledged: maybe applied, at most once), and
+  // the next call waits (up to its timeout) for a server of a new
+  // generation under the same name, attaches to it, registers every buffer
+  // again under its old id, then proceeds. Without it such calls return
+  // kServerNotRunning and the Worker stays unusable.
+  bool reconnect = false;
 };
 
 // A buffer registered with the server. Owned by the Worker; the pointer

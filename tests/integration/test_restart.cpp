@@ -1,0 +1,179 @@
+// Server crash and restart as workers see it: a Worker with reconnect on
+// re-attaches to the next generation and re-registers its buffers; a call
+// in flight when the server dies fails with kServerRestarted; checkpoints
+// carry the weights over; a kill -9 / restart loop under load always comes
+// back.
+#define BOOST_TEST_MODULE test_restart
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <boost/test/unit_test.hpp>
+#include <atomic>
+#include <filesystem>
+
+#include "shmps/worker.hpp"
+#include "test_support.hpp"
+
+using namespace shmps;
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  TempDir() : path(fs::temp_directory_path() / test::unique_name("restart")) { fs::create_directories(path); }
+  ~TempDir() { fs::remove_all(path); }
+  fs::path path;
+};
+
+std::vector<std::string> args(const fs::path& dir) {
+  return {"--tensor", "w:1", "--lr", "1", "--max-staleness", "4000000000", "--checkpoint-dir", dir.string(),
+          "--checkpoint-every", "1"};
+}
+
+std::unique_ptr<Worker> connect(const std::string& name, bool reconnect, std::chrono::milliseconds timeout = 10s) {
+  WorkerOptions o;
+  o.name = name;
+  o.reconnect = reconnect;
+  o.timeout = timeout;
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  return std::move(w).value();
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(restart)
+
+BOOST_AUTO_TEST_CASE(worker_reattaches_to_the_next_generation_and_keeps_its_buffers) {
+  TempDir dir;
+  const std::string name = test::unique_name("reattach");
+  auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+  auto w = connect(name, /*reconnect=*/true);
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  float* g = static_cast<float*>(buf->data);
+  for (int i = 0; i < 5; ++i) {
+    *g = -1.0f;
+    BOOST_REQUIRE(w->push(0, buf->id, 0, 4, Dtype::kF32, 0).ok());
+  }
+  const uint64_t generation = w->generation();
+  BOOST_REQUIRE(server->stop() == 0);  // clean stop: final checkpoint at version 5
+  server.reset();
+  test::ServerProcess next(name, args(dir.path));
+  // The next call re-attaches and re-registers the buffer under its id.
+  auto v = w->pull(0, buf->id, 0);
+  BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+  BOOST_TEST(*v == 5u);
+  BOOST_TEST(*g == 5.0f);
+  BOOST_TEST(w->generation() != generation);
+  *g = -1.0f;
+  auto pushed = w->push(0, buf->id, 0, 4, Dtype::kF32, 5);
+  BOOST_REQUIRE_MESSAGE(pushed.ok(), pushed.status().to_string());
+  BOOST_TEST(*pushed == 6u);
+}
+
+BOOST_AUTO_TEST_CASE(call_in_flight_when_the_server_dies_fails_with_server_restarted) {
+  TempDir dir;
+  const std::string name = test::unique_name("inflight");
+  auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+  auto w = connect(name, /*reconnect=*/true, 3s);
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  server->process().pause();
+  auto ticket = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);
+  BOOST_REQUIRE(ticket.ok());
+  server->process().kill_and_reap();
+  auto r = w->wait(*ticket);
+  BOOST_TEST((r.status().code() == ErrorCode::kServerRestarted), r.status().to_string());
+  BOOST_TEST(r.status().message().find("not acknowledged") != std::string::npos);
+  // No server comes back within the timeout: a clear error, no hang.
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status gone = w->ping();
+  BOOST_TEST((gone.code() == ErrorCode::kServerNotRunning), gone.to_string());
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 5s));
+  server.reset();
+  test::ServerProcess next(name, args(dir.path));
+  const Status back = w->ping();
+  BOOST_TEST(back.ok(), back.to_string());
+  BOOST_TEST((w->wait(*ticket).status().code() == ErrorCode::kServerRestarted));  // still reported as lost
+}
+
+BOOST_AUTO_TEST_CASE(without_reconnect_a_dead_server_is_final) {
+  TempDir dir;
+  const std::string name = test::unique_name("noreconnect");
+  auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+  auto w = connect(name, /*reconnect=*/false);
+  server->process().kill_and_reap();
+  server.reset();
+  test::ServerProcess next(name, args(dir.path));
+  BOOST_TEST((w->ping().code() == ErrorCode::kServerNotRunning));
+}
+
+// kill -9 the server under load and start it again, 50 times: it always
+// comes back (the stale segment is replaced), the pushing worker always
+// resumes, nothing is left in /dev/shm, and the version never goes back
+// past the last checkpoint.
+BOOST_AUTO_TEST_CASE(kill_and_restart_fifty_times_under_load) {
+  TempDir dir;
+  const std::string name = test::unique_name("loop");
+  auto* shared = static_cast<std::atomic<uint64_t>*>(
+      ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  std::atomic<uint64_t>& stop = shared[0];
+  std::atomic<uint64_t>& acked = shared[1];
+  std::atomic<uint64_t>& lost = shared[2];
+  std::atomic<uint64_t>& other_errors = shared[3];
+  auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+  auto pusher = test::Process::fork_fn([&] {
+    WorkerOptions o;
+    o.name = name;
+    o.reconnect = true;
+    o.timeout = 10s;
+    auto w = Worker::connect(o);
+    if (!w.ok()) return 2;
+    auto buf = (*w)->register_buffer(4);
+    if (!buf.ok()) return 3;
+    while (stop.load() == 0) {
+      *static_cast<float*>(buf->data) = -1.0f;
+      auto v = (*w)->push(0, buf->id, 0, 4, Dtype::kF32, 0);
+      if (v.ok()) acked.fetch_add(1);
+      else if (v.status().code() == ErrorCode::kServerRestarted) lost.fetch_add(1);
+      else other_errors.fetch_add(1);
+    }
+    return 0;
+  });
+  for (int round = 0; round < 50; ++round) {
+    const uint64_t before = acked.load();
+    BOOST_REQUIRE_MESSAGE(test::eventually([&] { return acked.load() > before + 3; }, 10s),
+                          "the pusher made no progress after restart " << round);
+    server->process().kill_and_reap();
+    server.reset();
+    server = std::make_unique<test::ServerProcess>(name, args(dir.path));  // throws if it does not come back
+  }
+  const uint64_t before = acked.load();
+  BOOST_TEST(test::eventually([&] { return acked.load() > before + 3; }, 10s));
+  stop.store(1);
+  BOOST_TEST(pusher.wait(20s) == 0);
+  BOOST_TEST(other_errors.load() == 0u);
+  BOOST_TEST_MESSAGE("acknowledged " << acked.load() << ", lost in flight " << lost.load());
+  auto w = connect(name, false);
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  auto v = w->pull(0, buf->id, 0);
+  BOOST_REQUIRE(v.ok());
+  // Each restart may lose the updates after its last checkpoint; what is
+  // there is exactly the version (lr 1, gradient -1: w == version).
+  BOOST_TEST(*static_cast<float*>(buf->data) == static_cast<float>(*v));
+  BOOST_TEST(*v > 0u);
+  BOOST_TEST(*v <= acked.load() + lost.load());
+  w.reset();
+  server.reset();
+  size_t left = 0;
+  for (const auto& e : fs::directory_iterator("/dev/shm"))
+    if (e.path().filename().string().rfind("shmps." + name, 0) == 0) ++left;
+  BOOST_TEST(left == 0u);
+  ::munmap(shared, 4096);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
