@@ -77,6 +77,7 @@ struct Options {
   std::string name;
   std::string server_bin;
   std::string connect;
+  uint64_t checkpoint_every = 1000;  // own server: checkpoint so a restart resumes
 };
 
 double default_lr(const std::string& optimizer) { return optimizer == "sgd" ? 0.01 : 1e-3; }
@@ -106,7 +107,9 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
     ("seed", po::value(&o.seed)->default_value(o.seed), "seed of the initialisation and the shuffles")
     ("name", po::value(&o.name), "server segment name (default: train_<pid>)")
     ("server-bin", po::value(&o.server_bin), "shmps-server to start (default: beside shmps-train)")
-    ("connect", po::value(&o.connect), "use the running server of this name instead of starting one");
+    ("connect", po::value(&o.connect), "use the running server of this name instead of starting one")
+    ("checkpoint-every", po::value(&o.checkpoint_every)->default_value(o.checkpoint_every),
+     "own server: checkpoint every N updates; if the server dies it is restarted and resumes there (0: no restart)");
   // clang-format on
   po::variables_map vm;
   try {
@@ -151,6 +154,10 @@ struct alignas(64) WorkerSlot {
   std::atomic<uint64_t> server_applied{0};
   std::atomic<uint64_t> server_rejected{0};
   std::atomic<uint32_t> worker_id{0};
+  // Pushes lost with a server that died (kServerRestarted), and the server
+  // generation the worker ended on.
+  std::atomic<uint64_t> pushes_lost{0};
+  std::atomic<uint64_t> generation{0};
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free,
               "counters shared across fork need lock-free atomics");
@@ -210,7 +217,7 @@ int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& sha
   const std::string who = "shmps-train worker " + std::to_string(plan.index) + ": ";
   set_blas_threads(1);
   Result<std::unique_ptr<Worker>> connected =
-      Worker::connect(WorkerOptions{plan.server_name, std::chrono::milliseconds(10000)});
+      Worker::connect(WorkerOptions{plan.server_name, std::chrono::milliseconds(10000), /*reconnect=*/true});
   if (!connected.ok()) {
     std::cerr << who << "connect: " << connected.status().to_string() << "\n";
     return kExitFailure;
@@ -242,6 +249,7 @@ int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& sha
   }
   uint64_t applied = 0;
   uint64_t rejected = 0;
+  uint64_t lost = 0;
   for (size_t epoch = 0; epoch < plan.epochs; ++epoch) {
     std::shuffle(shard.begin(), shard.end(), rng);
     for (size_t start = 0; start < shard.size(); start += plan.batch) {
@@ -252,9 +260,11 @@ int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& sha
         y[i] = train.labels[ex];
       }
       // Pull, compute, push; a stale push is counted and retried on fresh
-      // weights with the same minibatch.
+      // weights with the same minibatch, and so is one lost with a server
+      // that died (the Worker re-attaches to its successor).
       while (true) {
         Result<uint64_t> version = w.pull(kAllTensors, buffer->id, 0);
+        if (!version.ok() && version.status().code() == ErrorCode::kServerRestarted) continue;
         if (!version.ok()) {
           std::cerr << who << "pull: " << version.status().to_string() << "\n";
           return kExitFailure;
@@ -266,6 +276,10 @@ int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& sha
           slot.pushes_applied.store(++applied, std::memory_order_relaxed);  // display only
           break;
         }
+        if (pushed.status().code() == ErrorCode::kServerRestarted) {
+          slot.pushes_lost.store(++lost, std::memory_order_relaxed);  // display only
+          continue;
+        }
         if (pushed.status().code() != ErrorCode::kStale) {
           std::cerr << who << "push: " << pushed.status().to_string() << "\n";
           return kExitFailure;
@@ -275,11 +289,13 @@ int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& sha
     }
   }
   Result<ServerStats> stats = w.stats();
+  if (!stats.ok() && stats.status().code() == ErrorCode::kServerRestarted) stats = w.stats();
   if (!stats.ok()) {
     std::cerr << who << "stats: " << stats.status().to_string() << "\n";
     return kExitFailure;
   }
   slot.server_applied.store(stats->my_pushes_applied, std::memory_order_relaxed);  // read after waitpid
+  slot.generation.store(w.generation(), std::memory_order_relaxed);
   slot.server_rejected.store(stats->my_pushes_rejected, std::memory_order_relaxed);
   if (Status s = w.detach(); !s.ok()) {
     std::cerr << who << "detach: " << s.to_string() << "\n";
@@ -412,7 +428,7 @@ Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, Chil
   const auto deadline = Clock::now() + patience;
   while (true) {
     Result<std::unique_ptr<Worker>> w =
-        Worker::connect(WorkerOptions{name, std::chrono::milliseconds(10000)});
+        Worker::connect(WorkerOptions{name, std::chrono::milliseconds(10000), /*reconnect=*/true});
     const ErrorCode code = w.status().code();
     const bool starting =
         code == ErrorCode::kServerNotRunning || (server != nullptr && code == ErrorCode::kLayoutMismatch);
@@ -469,6 +485,10 @@ class Trainer {
     eval_.reset();
     stop_server();
     if (!init_file_.empty()) ::unlink(init_file_.c_str());
+    if (!checkpoint_dir_.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(checkpoint_dir_, ec);
+    }
   }
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -479,6 +499,7 @@ class Trainer {
   int load_data();
   int start_server();
   bool stop_server();
+  bool restart_server();
   Result<CurvePoint> evaluate();
   void print(const CurvePoint& p) const;
 
@@ -488,6 +509,9 @@ class Trainer {
   Dataset test_;
   Child server_;
   bool own_server_ = false;
+  std::vector<std::string> server_argv_;
+  std::string checkpoint_dir_;  // own server with --checkpoint-every: a temp dir
+  int server_restarts_ = 0;
   std::string init_file_;
   std::unique_ptr<Worker> eval_;
   Buffer eval_buffer_;
@@ -551,9 +575,34 @@ int Trainer::start_server() {
   if (o_.weight_decay >= 0.0) argv.insert(argv.end(), {"--weight-decay", format_double(o_.weight_decay)});
   argv.insert(argv.end(), {"--max-staleness", std::to_string(o_.max_staleness), "--max-workers",
                            std::to_string(o_.workers + 2), "--init-file", init_file_});
+  if (o_.checkpoint_every != 0) {
+    // A server that dies mid-run is restarted and resumes from its last
+    // checkpoint (what systemd's Restart=on-failure does for a service).
+    char dir[] = "/tmp/shmps-train-ckpt-XXXXXX";
+    if (::mkdtemp(dir) == nullptr) {
+      std::cerr << "shmps-train: mkdtemp: " << std::strerror(errno) << "\n";
+      return kExitFailure;
+    }
+    checkpoint_dir_ = dir;
+    argv.insert(argv.end(), {"--checkpoint-dir", checkpoint_dir_, "--checkpoint-every",
+                             std::to_string(o_.checkpoint_every), "--checkpoint-keep", "2"});
+  }
+  server_argv_ = argv;
   server_ = spawn_server(argv);
   own_server_ = true;
   return 0;
+}
+
+// Starts the server again after it died; it restores its last checkpoint
+// and the workers re-attach (WorkerOptions::reconnect). False when restarts
+// are off or too frequent.
+bool Trainer::restart_server() {
+  if (checkpoint_dir_.empty() || server_restarts_ >= 10) return false;
+  ++server_restarts_;
+  std::cerr << "shmps-train: shmps-server exited with status " << server_.status()
+            << "; restarting it from its last checkpoint (restart " << server_restarts_ << ")\n";
+  server_ = spawn_server(server_argv_);
+  return true;
 }
 
 // SIGTERM, wait up to 10 s (then SIGKILL); true if it exited 0.
@@ -568,9 +617,14 @@ bool Trainer::stop_server() {
 }
 
 Result<CurvePoint> Trainer::evaluate() {
+  // A call that finds the server dead fails once (kServerRestarted); the
+  // retry re-attaches to its successor.
   Result<ServerStats> stats = eval_->stats();
+  if (!stats.ok() && stats.status().code() == ErrorCode::kServerRestarted) stats = eval_->stats();
   if (!stats.ok()) return stats.status();
   Result<uint64_t> version = eval_->pull(kAllTensors, eval_buffer_.id, 0);
+  if (!version.ok() && version.status().code() == ErrorCode::kServerRestarted)
+    version = eval_->pull(kAllTensors, eval_buffer_.id, 0);
   if (!version.ok()) return version.status();
   const auto* params = static_cast<const float*>(eval_buffer_.data);
   const size_t train_n = std::min(train_.count, kTrainLossSamples);
@@ -617,7 +671,7 @@ int Trainer::run() {
     return kExitFailure;
   }
   eval_ = std::move(*eval);
-  if (!init_file_.empty()) {  // the server has read it
+  if (!init_file_.empty() && checkpoint_dir_.empty()) {  // read; no restart will need it
     ::unlink(init_file_.c_str());
     init_file_.clear();
   }
@@ -719,11 +773,18 @@ int Trainer::run() {
     }
     if (failed != 0) break;
     if (server != nullptr && server->poll()) {
-      std::cerr << "shmps-train: shmps-server exited with status " << server->status()
-                << " during training\n";
-      return kExitFailure;
+      if (server->status() == 0 || !restart_server()) {
+        std::cerr << "shmps-train: shmps-server exited with status " << server->status()
+                  << " during training\n";
+        return kExitFailure;
+      }
+      continue;
     }
     Result<ServerStats> stats = eval_->stats();
+    const ErrorCode code = stats.status().code();
+    // The server died since poll(): the next round restarts it.
+    if (code == ErrorCode::kServerRestarted || (code == ErrorCode::kServerNotRunning && !checkpoint_dir_.empty()))
+      continue;
     if (!stats.ok()) {
       std::cerr << "shmps-train: stats: " << stats.status().to_string() << "\n";
       return kExitFailure;
@@ -748,15 +809,19 @@ int Trainer::run() {
   }
   uint64_t applied = 0;
   uint64_t rejected = 0;
+  uint64_t lost = 0;
   bool agree = true;
   for (size_t i = 0; i < o_.workers; ++i) {
     const WorkerSlot& s = slots[i];  // the worker has exited: waitpid ordered its stores
     applied += s.pushes_applied.load(std::memory_order_relaxed);
     rejected += s.pushes_rejected.load(std::memory_order_relaxed);
-    if (s.pushes_applied.load(std::memory_order_relaxed) !=
-            s.server_applied.load(std::memory_order_relaxed) ||
-        s.pushes_rejected.load(std::memory_order_relaxed) !=
-            s.server_rejected.load(std::memory_order_relaxed)) {
+    lost += s.pushes_lost.load(std::memory_order_relaxed);
+    // A restarted server counts only what it saw since its start.
+    const bool differ = s.pushes_applied.load(std::memory_order_relaxed) !=
+                            s.server_applied.load(std::memory_order_relaxed) ||
+                        s.pushes_rejected.load(std::memory_order_relaxed) !=
+                            s.server_rejected.load(std::memory_order_relaxed);
+    if (server_restarts_ == 0 && differ) {
       std::fprintf(
           stderr,
           "shmps-train: worker %zu (id %u) counted %llu applied / %llu rejected, the server %llu / %llu\n", i,
@@ -772,12 +837,21 @@ int Trainer::run() {
   const uint64_t server_rejected = end->rejected_stale - base_rejected_;
   // With a server of our own the totals must match; a shared one may have
   // other clients, so only the per-worker counts are compared.
-  if (own_server_ && (server_applied != applied || server_rejected != rejected)) agree = false;
+  if (server_restarts_ > 0) {
+    // Acknowledged pushes after the last checkpoint died with the server.
+    std::printf("server restarted %d times: %llu pushes in flight were lost and redone; the server's version is "
+                "%llu of %llu acknowledged pushes (the rest were after a checkpoint)\n",
+                server_restarts_, static_cast<unsigned long long>(lost),
+                static_cast<unsigned long long>(end->version - base_version_), static_cast<unsigned long long>(applied));
+  } else if (own_server_ && (server_applied != applied || server_rejected != rejected)) {
+    agree = false;
+  }
   if (applied != total) agree = false;
   std::printf("pushes: workers applied %llu rejected %llu; server applied %llu rejected_stale %llu (%s)\n",
               static_cast<unsigned long long>(applied), static_cast<unsigned long long>(rejected),
               static_cast<unsigned long long>(server_applied),
-              static_cast<unsigned long long>(server_rejected), agree ? "agree" : "MISMATCH");
+              static_cast<unsigned long long>(server_rejected),
+              !agree ? "MISMATCH" : server_restarts_ > 0 ? "not comparable across restarts" : "agree");
   std::printf("final test accuracy: %.4f (wall time %.1f s, %zu workers)\n", curve_.back().test_acc, train_s,
               o_.workers);
   std::fflush(stdout);

@@ -245,6 +245,29 @@ BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
   BOOST_TEST(shmps::test::eventually([&] { return !fs::exists("/dev/shm/shmps." + name); }, 10s));
 }
 
+// The server SIGKILLed mid-run: shmps-train restarts it, it restores its
+// last checkpoint, the workers re-attach, and the run completes.
+BOOST_FIXTURE_TEST_CASE(server_death_is_survived_through_a_checkpoint, TrainRun) {
+  Process p = start({"--train-limit", "10000", "--test-limit", "1000", "--epochs", "4", "--workers", "2",
+                     "--evals-per-epoch", "4", "--checkpoint-every", "100"});
+  BOOST_REQUIRE(
+      shmps::test::eventually([&] { return slurp(out).find("epoch 1.") != std::string::npos; }, 60s));
+  pid_t server = -1;
+  std::ifstream children("/proc/" + std::to_string(p.pid()) + "/task/" + std::to_string(p.pid()) +
+                         "/children");
+  for (pid_t child; children >> child;)
+    if (slurp("/proc/" + std::to_string(child) + "/cmdline").find("shmps-server") != std::string::npos) server = child;
+  BOOST_REQUIRE(server > 0);
+  ::kill(server, SIGKILL);
+  rc = p.wait(120s);
+  output = slurp(out);
+  BOOST_TEST(rc == 0, output);
+  BOOST_TEST(output.find("restarting it from its last checkpoint") != std::string::npos, output);
+  BOOST_TEST(output.find("restored checkpoint") != std::string::npos, output);
+  BOOST_TEST(final_accuracy() > 0.70);
+  BOOST_TEST(shmps::test::eventually([&] { return !fs::exists("/dev/shm/shmps." + name); }, 10s));
+}
+
 BOOST_FIXTURE_TEST_CASE(missing_dataset_exits_2, TrainRun) {
   run({"--data-dir", (dir / "nothing-here").string()});
   BOOST_TEST(rc == 2);
