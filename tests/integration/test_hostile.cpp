@@ -1,0 +1,523 @@
+// Hostile or broken input: a process with write access to the control
+// segment writes random bytes into everything of its own the server reads
+// (its lane's slots and indices, its completion queue's indices, its worker
+// entry, its buffer descriptors, its wait words) and rings doorbells of
+// lanes it does not own, while well-behaved workers push and pull. The
+// server must validate every field, reject and count, keep serving the
+// others without a stall, and never crash or touch memory out of bounds
+// (run this under the asan preset: the server binary is instrumented too).
+// Besides the random run, one case per hole found by reading the server.
+#define BOOST_TEST_MODULE test_hostile
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <boost/test/unit_test.hpp>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "raw_client.hpp"
+#include "shmps/shm/futex.hpp"
+#include "shmps/shm/proc.hpp"
+#include "shmps/shm/segment.hpp"
+#include "shmps/worker.hpp"
+#include "test_support.hpp"
+
+using namespace shmps;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr int kGoodWorkers = 2;
+
+// Shared between the test and its children (MAP_SHARED, anonymous).
+struct Shared {
+  std::atomic<uint64_t> stop;
+  std::atomic<uint64_t> hostile_done;
+  std::atomic<uint64_t> hostile_iterations;
+  std::atomic<uint64_t> hostile_rebirths;   // entry released by the server and claimed anew
+  std::atomic<uint64_t> acked[kGoodWorkers];
+  std::atomic<uint64_t> pulls[kGoodWorkers];
+  std::atomic<uint64_t> errors;
+  std::atomic<uint64_t> torn;              // a pull whose weight != its version
+  std::atomic<uint64_t> max_latency_ns;    // of one push or pull
+  char first_error[256];
+};
+
+Shared* map_shared() {
+  void* p = ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  BOOST_REQUIRE(p != MAP_FAILED);
+  return new (p) Shared{};
+}
+
+std::unique_ptr<Worker> connect(const std::string& name, std::chrono::milliseconds timeout = 10s) {
+  WorkerOptions o;
+  o.name = name;
+  o.timeout = timeout;
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  return std::move(w).value();
+}
+
+// One tensor of one element, lr 1, gradient -1: the weight counts the
+// applied pushes, so weight == version in every pull and at the end.
+const std::vector<std::string> kCounting = {"--tensor", "w:1", "--tensor", "b:3", "--lr", "1",
+                                            "--max-staleness", "4000000000", "--max-workers", "6",
+                                            "--max-buffers", "4", "--ring-capacity", "8"};
+
+// A well-behaved worker: pushes -1 into tensor 0 and pulls it, measuring
+// each call, until told to stop. Exit 0 unless it could not start.
+int good_worker(const std::string& name, Shared* shared, int index) {
+  WorkerOptions o;
+  o.name = name;
+  auto w = Worker::connect(o);
+  if (!w.ok()) return 2;
+  auto grad = (*w)->register_buffer(4);
+  auto out = (*w)->register_buffer(4);
+  if (!grad.ok() || !out.ok()) return 3;
+  *static_cast<float*>(grad->data) = -1.0f;
+  const auto fail = [&](const Status& s) {
+    if (shared->errors.fetch_add(1) == 0)
+      std::snprintf(shared->first_error, sizeof shared->first_error, "worker %d: %s", index, s.to_string().c_str());
+  };
+  const auto timed = [&](auto&& call) {
+    const uint64_t t0 = shm::monotonic_ns();
+    auto r = call();
+    const uint64_t dt = shm::monotonic_ns() - t0;
+    uint64_t seen = shared->max_latency_ns.load();
+    while (dt > seen && !shared->max_latency_ns.compare_exchange_weak(seen, dt)) {}
+    return r;
+  };
+  for (uint64_t n = 0; shared->stop.load() == 0; ++n) {
+    auto v = timed([&] { return (*w)->push(0, grad->id, 0, 4, Dtype::kF32, 0); });
+    if (!v.ok()) {
+      fail(v.status());
+      continue;
+    }
+    shared->acked[index].fetch_add(1);
+    if (n % 4 != 0) continue;
+    auto pv = timed([&] { return (*w)->pull(0, out->id, 0); });
+    if (!pv.ok()) {
+      fail(pv.status());
+      continue;
+    }
+    shared->pulls[index].fetch_add(1);
+    if (*static_cast<const float*>(out->data) != static_cast<float>(*pv)) shared->torn.fetch_add(1);
+  }
+  return 0;
+}
+
+// The hostile process: attaches like a worker, then for `duration` (at
+// most `max_iterations` steps) writes random or half-plausible bytes into
+// its own lane, queue, entry and buffer table and rings doorbells. It never
+// creates a shm object, so no push of it can be valid: every applied
+// gradient comes from a good worker.
+int hostile_writer(const std::string& name, uint64_t seed, std::chrono::milliseconds duration, uint64_t max_iterations,
+            Shared* shared) {
+  test::RawClient raw(name);
+  shm::Segment& seg = raw.segment();
+  const uint32_t id = raw.id();
+  const auto& h = seg.header();
+  const uint32_t cap = h.lane_capacity;
+  const uint32_t max_buffers = h.max_buffers;
+  const auto pid = static_cast<uint32_t>(::getpid());
+  const uint64_t start_time = shm::process_start_time(::getpid());
+  shm::LaneHeader& lane = seg.lane(id);
+  shm::Request* slots = seg.lane_slots(id);
+  shm::LaneHeader& cq = seg.completions(id);
+  shm::WorkerEntry& entry = seg.worker(id);
+  std::mt19937_64 rng(seed);
+  const auto fill = [&](void* p, size_t n) {
+    auto* b = static_cast<unsigned char*>(p);
+    for (size_t k = 0; k < n; ++k) b[k] = static_cast<unsigned char>(rng());
+  };
+  const auto pick = [&](uint64_t n) { return rng() % n; };
+  const auto ring = [&] {
+    seg.header().doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
+    shm::notify(seg.header().server_wake);
+  };
+  // Our own view of the tail; resynchronised from the segment now and then.
+  uint64_t tail = raw.lane().tail();
+  // A forged index (0: none) and the server's value it replaced.
+  uint64_t cq_tail_forged = 0, lane_head_forged = 0;
+  uint64_t cq_tail_true = 0, lane_head_true = 0;
+  // Buffer objects are "shmps.<name>.p<pid>.<n>"; we create none.
+  const std::string prefix = shm::segment_object_name(name) + ".p";
+  const auto deadline = std::chrono::steady_clock::now() + duration;
+  uint64_t it = 0;
+  // Most steps send a half-plausible request from a state the server may
+  // accept (deep paths), drain the queue or re-attach; one in 33 lies
+  // about something else.
+  // Puts back what the server itself stored and we overwrote (its lane
+  // head, its queue tail), half of the time, unless it stored anew since.
+  const auto restore = [&] {
+    if (pick(2) == 0) return;
+    // relaxed: these are the server's own values, put back as they were.
+    if (cq_tail_forged != 0 && cq.tail.load(std::memory_order_relaxed) == cq_tail_forged)
+      cq.tail.store(cq_tail_true, std::memory_order_relaxed);
+    if (lane_head_forged != 0 && lane.head.load(std::memory_order_relaxed) == lane_head_forged)
+      lane.head.store(lane_head_true, std::memory_order_relaxed);
+    cq_tail_forged = lane_head_forged = 0;
+  };
+  // Claims the entry again and sends kAttach, from the indices as the
+  // server left them (after an eviction it keeps its own).
+  const auto reattach = [&](uint64_t request_id) {
+    restore();
+    tail = lane.head.load(std::memory_order_acquire);
+    cq.head.store(cq.tail.load(std::memory_order_acquire), std::memory_order_release);
+    lane.tail.store(tail, std::memory_order_release);
+    entry.pid_start_time = start_time;
+    entry.owner.store(shm::make_owner(pid, shm::WorkerState::kClaimed), std::memory_order_release);
+    shm::Request r{};
+    r.request_id = request_id;
+    r.opcode = static_cast<uint32_t>(shm::Opcode::kAttach);
+    r.worker_id = id;
+    slots[tail % cap] = r;
+    lane.tail.store(++tail, std::memory_order_release);  // SYNC(slot_published)
+    ring();
+  };
+  // When nothing was answered for a while (the server stopped serving us,
+  // or we lost track of its indices), play dead: an owner pid that does not
+  // exist makes the server release the entry and reset every index, and we
+  // claim it anew from zero.
+  uint64_t seen_cq_tail = cq.tail.load(std::memory_order_relaxed);  // relaxed: a progress hint
+  auto last_progress = std::chrono::steady_clock::now();
+  uint64_t rebirths = 0;
+  const auto play_dead = [&](uint64_t request_id) {
+    constexpr uint32_t kNoSuchPid = 0x3ffffffe;  // above any pid_max
+    entry.owner.store(shm::make_owner(kNoSuchPid, shm::WorkerState::kClaimed), std::memory_order_release);
+    if (!test::eventually([&] { return entry.owner.load(std::memory_order_acquire) == 0; }, 500ms)) return;
+    ++rebirths;
+    uint64_t expected = 0;
+    if (!entry.owner.compare_exchange_strong(expected, shm::make_owner(pid, shm::WorkerState::kClaimed),
+                                             std::memory_order_acq_rel, std::memory_order_relaxed))
+      return;
+    entry.pid_start_time = start_time;
+    cq_tail_forged = lane_head_forged = 0;
+    tail = 0;
+    shm::Request r{};
+    r.request_id = request_id;
+    r.opcode = static_cast<uint32_t>(shm::Opcode::kAttach);
+    r.worker_id = id;
+    slots[0] = r;
+    lane.tail.store(++tail, std::memory_order_release);  // SYNC(slot_published)
+    ring();
+  };
+  for (; it < max_iterations && std::chrono::steady_clock::now() < deadline; ++it) {
+    if (it % 64 == 0) {
+      const auto now = std::chrono::steady_clock::now();
+      if (const uint64_t t = cq.tail.load(std::memory_order_relaxed); t != seen_cq_tail) {  // relaxed: a hint
+        seen_cq_tail = t;
+        last_progress = now;
+      } else if (now - last_progress > 20ms) {
+        { static int shown = 0; if (shown++ < 15) fprintf(stderr, "DBG stall it %lu owner %lx lt %lu lh %lu ct %lu ch %lu corrupt %lu mytail %lu lease %lx\n", (unsigned long)it, (unsigned long)entry.owner.load(), (unsigned long)lane.tail.load(), (unsigned long)lane.head.load(), (unsigned long)cq.tail.load(), (unsigned long)cq.head.load(), (unsigned long)seg.stats().lanes_corrupt.load(), (unsigned long) tail, (unsigned long)entry.lease); }
+        play_dead(it);
+        last_progress = std::chrono::steady_clock::now();
+      }
+    }
+    if (it % 16 == 15) std::this_thread::sleep_for(50us);  // leave the CPUs to the others now and then
+    const uint64_t roll = pick(100);
+    if (roll < 80) {  // a half-plausible request, published
+      shm::Request r{};
+      fill(&r, sizeof r);
+      r.request_id = it;
+      if (pick(16) != 0) r.worker_id = id;
+      if (pick(8) != 0) r.lease = entry.lease;
+      r.opcode = static_cast<uint32_t>(pick(10));
+      if (pick(8) != 0) r.flags = 0;
+      if (pick(4) != 0) r.buffer_id = static_cast<uint32_t>(pick(max_buffers + 2));
+      const uint32_t tensors[] = {0, 1, shm::kAllTensors, 7, r.tensor_id};
+      r.tensor_id = tensors[pick(5)];
+      const uint64_t lengths[] = {4, 12, 16, 8, 2, r.byte_length};
+      r.byte_length = lengths[pick(6)];
+      if (pick(4) != 0) r.byte_offset = pick(64);
+      if (pick(4) != 0) r.worker_version = pick(3);
+      if (pick(4) != 0) r.dtype = static_cast<uint32_t>(pick(5));
+      // Follow the indices the server may have reset (release, re-attach),
+      // and mostly respect back-pressure, so the lane stays servable.
+      if (pick(2) != 0) tail = lane.tail.load(std::memory_order_relaxed);  // relaxed: our own field
+      const uint64_t head = lane.head.load(std::memory_order_acquire);  // SYNC(slot_released)
+      if (tail - head > cap && pick(4) != 0) tail = head;  // our garbage tail: start over from the server's head
+      if (tail - head >= cap && pick(64) != 0) {
+        cq.head.store(cq.tail.load(std::memory_order_acquire), std::memory_order_release);
+        continue;
+      }
+      slots[tail % cap] = r;
+      lane.tail.store(++tail, std::memory_order_release);  // SYNC(slot_published)
+      ring();
+      continue;
+    }
+    if (roll < 94) {  // read the completion queue properly (after putting a forged tail back)
+      restore();
+      cq.head.store(cq.tail.load(std::memory_order_acquire), std::memory_order_release);  // SYNC(slot_released)
+      continue;
+    }
+    if (roll < 97) {  // once evicted or released: attach again, or just claim to be attached
+      const uint64_t attached = shm::make_owner(pid, shm::WorkerState::kAttached);
+      if (entry.owner.load(std::memory_order_acquire) == attached) continue;
+      if (pick(2) != 0) reattach(it);
+      else entry.owner.store(attached, std::memory_order_release);
+      continue;
+    }
+    switch (pick(10)) {
+      case 0:  // random bytes into a random slot
+        fill(&slots[pick(cap)], sizeof(shm::Request));
+        break;
+      case 1: {  // lane indices: the producer's tail, even the consumer's head
+        const uint64_t choices[] = {rng(), tail + pick(2 * cap + 2), tail - pick(4), lane.head.load()};
+        tail = choices[pick(4)];
+        if (pick(8) == 0) {
+          if (lane_head_forged == 0) lane_head_true = lane.head.load(std::memory_order_relaxed);  // relaxed: a value to put back
+          lane_head_forged = rng() | 1;
+          lane.head.store(lane_head_forged, std::memory_order_relaxed);  // relaxed: garbage on purpose
+        }
+        lane.tail.store(tail, std::memory_order_release);
+        ring();
+        break;
+      }
+      case 2: {  // the completion queue's indices (the true tail is kept, to put back later)
+        const uint64_t t = cq.tail.load(std::memory_order_acquire);
+        const uint64_t choices[] = {rng(), t - pick(2 * cap), t + pick(4)};
+        cq.head.store(choices[pick(3)], std::memory_order_release);
+        if (pick(4) == 0) {
+          if (cq_tail_forged == 0) cq_tail_true = t;
+          cq_tail_forged = rng() | 1;
+          cq.tail.store(cq_tail_forged, std::memory_order_relaxed);  // relaxed: garbage on purpose
+        }
+        break;
+      }
+      case 3: {  // the owner word: any state, any pid
+        const uint32_t pids[] = {pid, pid, 0, 1, static_cast<uint32_t>(rng()), static_cast<uint32_t>(::getppid())};
+        const uint64_t owner = pick(6) == 0 ? rng() : (uint64_t{pids[pick(6)]} << 32) | pick(6);
+        entry.owner.store(owner, std::memory_order_release);
+        ring();
+        break;
+      }
+      case 4: {  // lease and start time
+        if (pick(2) != 0) entry.lease = rng();
+        const uint64_t starts[] = {0, start_time, rng()};
+        entry.pid_start_time = starts[pick(3)];
+        break;
+      }
+      case 5: {  // the server's counters and the stats reply area
+        fill(&entry.stats_reply, sizeof entry.stats_reply);
+        entry.pushes_applied.store(rng(), std::memory_order_relaxed);  // relaxed: garbage on purpose
+        entry.last_request_ns.store(rng(), std::memory_order_relaxed);
+        fill(entry.reserved0, sizeof entry.reserved0);
+        break;
+      }
+      case 6: {  // a buffer descriptor: garbage, or a name of the right shape for no object
+        shm::BufferDesc& d = seg.buffer(id, static_cast<uint32_t>(pick(max_buffers)));
+        fill(&d, sizeof d);
+        if (pick(2) != 0) {
+          d.kind = static_cast<uint32_t>(pick(4));
+          const std::string names[] = {prefix + std::to_string(pid) + ".nosuch" + std::to_string(pick(100)),
+                                       shm::segment_object_name(name), prefix + "1.0", "../../etc/passwd",
+                                       std::string(63, 'x')};
+          const std::string& n = names[pick(5)];
+          std::memcpy(d.handle, n.c_str(), n.size() + 1);
+          d.offset = pick(3) == 0 ? rng() : pick(64);
+          d.length = pick(3) == 0 ? rng() : pick(4096);
+        }
+        break;
+      }
+      case 7: {  // our wait words
+        fill(&lane.data_ready, sizeof lane.data_ready);
+        fill(&cq.space_ready, sizeof cq.space_ready);
+        shm::notify(cq.data_ready);
+        ring();
+        break;
+      }
+      case 8: {  // doorbells of lanes that are not ours, past max_workers too
+        seg.header().doorbell[pick(shm::kMaxWorkersLimit / 64)].fetch_or(rng() & rng(), std::memory_order_seq_cst);
+        shm::notify(seg.header().server_wake);
+        break;
+      }
+      default:
+        ring();
+        break;
+    }
+  }
+  shared->hostile_iterations.store(it);
+  shared->hostile_rebirths.store(rebirths);
+  return 0;
+}
+
+uint64_t sum_rejected(const shm::StatsBlock& s) {
+  uint64_t n = 0;
+  for (const auto& r : s.rejected) n += r.load();
+  return n;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(hostile)
+
+BOOST_AUTO_TEST_CASE(random_writes_into_own_entry_lane_and_queue_hurt_nobody_else) {
+  uint64_t seed = 20261130;
+  if (const char* env = std::getenv("SHMPS_HOSTILE_SEED")) seed = std::strtoull(env, nullptr, 0);
+  BOOST_TEST_MESSAGE("hostile seed " << seed << " (set SHMPS_HOSTILE_SEED to replay)");
+  test::ServerProcess server(test::unique_name("hostile"), kCounting);
+  Shared* shared = map_shared();
+  std::vector<test::Process> good;
+  for (int i = 0; i < kGoodWorkers; ++i)
+    good.push_back(test::Process::fork_fn([&, i] { return good_worker(server.name(), shared, i); }));
+  BOOST_REQUIRE(test::eventually([&] { return shared->acked[0].load() > 50 && shared->acked[1].load() > 50; }));
+
+  auto evil = test::Process::fork_fn([&] { return hostile_writer(server.name(), seed, 2500ms, 2'000'000, shared); });
+  BOOST_TEST(evil.wait(20s) == 0);
+  std::this_thread::sleep_for(200ms);  // the good ones keep going past the hostile's exit
+  shared->stop.store(1);
+  for (auto& p : good) BOOST_TEST(p.wait(20s) == 0);
+  BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
+
+  const uint64_t acked = shared->acked[0].load() + shared->acked[1].load();
+  BOOST_TEST_MESSAGE("hostile iterations " << shared->hostile_iterations.load() << " (entry reclaimed "
+                     << shared->hostile_rebirths.load() << " times), good pushes " << acked
+                     << ", pulls " << shared->pulls[0].load() + shared->pulls[1].load() << ", max latency "
+                     << shared->max_latency_ns.load() / 1000 << " us");
+  BOOST_TEST(shared->hostile_iterations.load() > 1000u);
+  BOOST_TEST(shared->errors.load() == 0u, shared->first_error);
+  BOOST_TEST(shared->torn.load() == 0u);
+  BOOST_TEST(shared->max_latency_ns.load() < 1'000'000'000u,
+             "a good worker waited " << shared->max_latency_ns.load() / 1'000'000 << " ms");
+
+  // The server counted what it refused, and works for a newcomer.
+  auto seg = shm::Segment::open(server.name(), /*read_only=*/true);
+  BOOST_REQUIRE(seg.ok());
+  const shm::StatsBlock& st = (*seg)->stats();
+  BOOST_TEST_MESSAGE("rejected " << sum_rejected(st) << ", lanes_corrupt " << st.lanes_corrupt.load()
+                     << ", requests " << st.requests.load());
+  BOOST_TEST(sum_rejected(st) > 0u);
+  BOOST_TEST(st.lanes_corrupt.load() > 0u);
+  auto w = connect(server.name(), 3s);
+  BOOST_TEST(w->ping().ok());
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE_MESSAGE(buf.ok(), buf.status().to_string());
+  uint64_t version = 0;
+  auto v = w->pull(0, buf->id, 0);
+  BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+  version = *v;
+  // Only the good workers' pushes were applied, each exactly once.
+  BOOST_TEST(version == acked);
+  BOOST_TEST(*static_cast<const float*>(buf->data) == static_cast<float>(acked));
+  BOOST_TEST(st.gradients_applied.load() == acked);
+  ::munmap(shared, sizeof(Shared));
+}
+
+// An entry whose owner word says kAttached although the server never
+// attached it (no kAttach was served): requests that name buffers must be
+// refused, not served from state the server never set up.
+BOOST_AUTO_TEST_CASE(forged_attached_state_is_refused) {
+  test::ServerProcess server(test::unique_name("forged"), kCounting);
+  test::RawClient raw(server.name(), /*attach=*/false);
+  raw.entry().lease = 42;
+  raw.entry().owner.store(shm::make_owner(static_cast<uint32_t>(::getpid()), shm::WorkerState::kAttached));
+  for (const shm::Opcode op : {shm::Opcode::kPing, shm::Opcode::kRegisterBuffer, shm::Opcode::kUnregisterBuffer,
+                               shm::Opcode::kPush, shm::Opcode::kPull, shm::Opcode::kStats}) {
+    shm::Request r = raw.request(op);
+    r.lease = 42;
+    r.byte_length = 4;
+    r.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
+    BOOST_TEST_CONTEXT("opcode " << static_cast<uint32_t>(op)) {
+      BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
+      try {
+        const shm::Completion c = raw.call(r, 2s);
+        BOOST_TEST(c.code != 0u, "a forged entry was served");
+      } catch (const std::exception& e) {
+        BOOST_TEST(false, e.what());
+      }
+    }
+  }
+  BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
+  auto w = connect(server.name(), 3s);
+  BOOST_TEST(w->ping().ok());
+}
+
+// A worker evicted for corrupt indices frees its entry as worker_lib does
+// (indices 0, owner kFree); the next worker to claim that entry must be
+// served, not judged by the evicted worker's indices.
+BOOST_AUTO_TEST_CASE(entry_freed_after_an_eviction_serves_the_next_worker) {
+  test::ServerProcess server(test::unique_name("reuse"), {"--tensor", "w:1", "--max-workers", "1"});
+  {
+    test::RawClient raw(server.name());
+    for (int i = 0; i < 5; ++i) BOOST_REQUIRE(raw.call(raw.request(shm::Opcode::kPing)).code == 0u);
+    raw.segment().lane(raw.id()).tail.store(raw.lane().tail() + 1000);
+    raw.segment().header().doorbell[0].fetch_or(1);
+    shm::notify(raw.segment().header().server_wake);
+    BOOST_REQUIRE(test::eventually([&] {
+      return shm::owner_state(raw.entry().owner.load()) == static_cast<uint32_t>(shm::WorkerState::kDetached);
+    }));
+    raw.release_entry();
+  }
+  WorkerOptions o;
+  o.name = server.name();
+  o.timeout = 3s;
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  BOOST_TEST((*w)->ping().ok());
+}
+
+// An attached worker that zeroes its own owner word and leaves: the entry
+// looks free; the next claimer must be served from a clean state.
+BOOST_AUTO_TEST_CASE(entry_zeroed_by_its_owner_serves_the_next_worker) {
+  test::ServerProcess server(test::unique_name("zeroed"), {"--tensor", "w:1", "--max-workers", "1"});
+  auto evil = test::Process::fork_fn([&] {
+    test::RawClient raw(server.name());
+    for (int i = 0; i < 5; ++i)
+      if (raw.call(raw.request(shm::Opcode::kPing)).code != 0) return 2;
+    raw.entry().owner.store(0);
+    return 0;
+  });
+  BOOST_REQUIRE(evil.wait(10s) == 0);
+  WorkerOptions o;
+  o.name = server.name();
+  o.timeout = 3s;
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  BOOST_TEST((*w)->ping().ok());
+  auto s = (*w)->stats();
+  BOOST_REQUIRE(s.ok());
+  BOOST_TEST(s->workers_attached == 1u);
+}
+
+// A registered buffer is shared memory the worker still controls: a worker
+// that shrinks the object after registration must get an error, not kill
+// the server with SIGBUS when it reads the gradient.
+BOOST_AUTO_TEST_CASE(buffer_truncated_after_registration_does_not_kill_the_server) {
+  test::ServerProcess server(test::unique_name("trunc"), kCounting);
+  test::RawClient raw(server.name());
+  // Named as worker_lib names buffers: "shmps.<name>.p<pid>.<n>".
+  const std::string object = shm::segment_object_name(server.name()) + ".p" + std::to_string(::getpid()) + ".0";
+  auto obj = shm::ShmObject::create(object, 4096, 0600);
+  BOOST_REQUIRE(obj.ok());
+  shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
+  d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+  d.length = 4096;
+  std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", object.c_str());
+  BOOST_REQUIRE(raw.call(raw.request(shm::Opcode::kRegisterBuffer)).code == 0u);
+  static_cast<float*>((*obj)->data())[0] = -1.0f;
+  const int fd = ::shm_open(object.c_str(), O_RDWR, 0);
+  BOOST_REQUIRE(fd >= 0);
+  BOOST_REQUIRE(::ftruncate(fd, 0) == 0);
+  ::close(fd);
+  shm::ShmObject::remove(object);
+  shm::Request r = raw.request(shm::Opcode::kPush);
+  r.byte_length = 4;
+  r.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
+  try {
+    const shm::Completion c = raw.call(r, 2s);
+    BOOST_TEST(c.code != 0u, "a push from a truncated buffer was applied");
+  } catch (const std::exception& e) {
+    BOOST_TEST(false, e.what());
+  }
+  BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died reading a truncated buffer");
+  auto w = connect(server.name(), 3s);
+  BOOST_TEST(w->ping().ok());
+}
+
+BOOST_AUTO_TEST_SUITE_END()
