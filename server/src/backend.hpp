@@ -44,6 +44,10 @@ class Backend {
   virtual Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc,
                                                         const std::string& expected_prefix) = 0;
 
+  // After an access: kBadRange when the peer's memory vanished under it (a
+  // worker truncated its object); the buffer must then be dropped.
+  virtual Status peer_intact(const PeerBuffer& peer) = 0;
+
   // Gradient range checks were done by the caller: [byte_offset, +n*size)
   // lies inside `grad`.
   virtual bool all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n,

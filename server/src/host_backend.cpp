@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "backend.hpp"
+#include "peer_guard.hpp"
 #include "shmps/shm/segment.hpp"
 
 namespace shmps::server {
@@ -12,8 +13,11 @@ namespace {
 class HostPeer final : public PeerBuffer {
  public:
   HostPeer(std::unique_ptr<shm::ShmObject> object, uint64_t offset, uint64_t length)
-      : object_(std::move(object)), offset_(offset), length_(length) {}
+      : object_(std::move(object)), offset_(offset), length_(length),
+        guard_(guard_range(object_->data(), object_->size())) {}
+  ~HostPeer() override { release_range(guard_); }
   uint64_t length() const noexcept override { return length_; }
+  bool intact() const noexcept { return !range_poisoned(guard_); }
   char* at(uint64_t byte_offset) const noexcept {
     return static_cast<char*>(object_->data()) + offset_ + byte_offset;
   }
@@ -22,11 +26,18 @@ class HostPeer final : public PeerBuffer {
   std::unique_ptr<shm::ShmObject> object_;
   uint64_t offset_;
   uint64_t length_;
+  GuardId guard_;
 };
 
 class HostBackend final : public Backend {
  public:
+  HostBackend() { install_peer_guard(); }
   const char* name() const noexcept override { return "host"; }
+
+  Status peer_intact(const PeerBuffer& peer) override {
+    if (static_cast<const HostPeer&>(peer).intact()) return Status::Ok();
+    return {ErrorCode::kBadRange, "the buffer object shrank under the server (SIGBUS); dropped"};
+  }
 
   Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays,
                   std::span<const float> initial) override {

@@ -109,12 +109,17 @@ Result<std::vector<float>> initial_weights(const InitSpec& init, uint64_t total)
 }  // namespace
 
 // Server-private state of one worker-table entry.
+// The server's own record is the authority: what the segment says is a
+// claim to check against it, never a fact (a worker may overwrite its
+// entry at any time).
 struct WorkerSlot {
   shm::SpscConsumer<Request> lane;
   shm::SpscProducer<Completion> completions;
   std::vector<std::unique_ptr<PeerBuffer>> buffers;  // by buffer id
+  uint64_t owner = 0;           // the owner word we attached (pid, kAttached); 0: none
   uint64_t pid_start_time = 0;
-  bool attached = false;
+  uint64_t lease = 0;
+  bool attached() const { return owner != 0; }
 };
 
 class Server::Impl {
@@ -133,6 +138,7 @@ class Server::Impl {
   uint64_t staleness_count = 0;
   uint64_t staleness_sum = 0;
   uint64_t lease_counter = 0;
+  uint64_t high_water = 0;                  // mirror of stats().ring_high_water
   uint64_t last_heartbeat = 0;
   uint64_t last_housekeeping = 0;
   // Checkpoints (none while config.checkpoint_dir is empty).
@@ -358,18 +364,14 @@ class Server::Impl {
   // Serves up to kBatchPerLane requests of lane i. True when any was served.
   bool serve_lane(uint32_t i) {
     WorkerSlot& slot = slots[i];
+    if (!sync_entry(i)) return false;
     shm::WorkerEntry& entry = segment->worker(i);
-    // acquire: SYNC(worker_claim) pairs with the worker's claiming CAS, so
-    // its pid_start_time and first requests are visible.
-    const uint64_t owner = entry.owner.load(std::memory_order_acquire);
-    const uint32_t state = shm::owner_state(owner);
-    if (state != static_cast<uint32_t>(WorkerState::kClaimed) &&
-        state != static_cast<uint32_t>(WorkerState::kAttached))
-      return false;
     update_depth();  // before popping: what is queued right now
     uint32_t served = 0;
     while (served < kBatchPerLane) {
       if (!slot.completions.has_space()) break;  // worker is behind; it will catch up
+      // This lane alone is a lower bound of the total (update_depth sums all).
+      note_depth(slot.lane.depth_estimate());
       Request req;
       const shm::RingResult r = slot.lane.try_pop(&req);
       if (r == shm::RingResult::kEmpty) break;
@@ -389,9 +391,8 @@ class Server::Impl {
         return true;
       }
       post(i, c);
-      if (shm::owner_state(entry.owner.load(std::memory_order_relaxed)) ==  // relaxed: our own store
-          static_cast<uint32_t>(WorkerState::kDetached))
-        return true;  // evicted while handling
+      if (!slot.attached() || entry.owner.load(std::memory_order_relaxed) != slot.owner)  // relaxed: re-checked by sync_entry
+        return true;  // evicted while handling, or the entry changed
     }
     if (served > 0) shm::notify(slot.lane.header()->space_ready);
     if (slot.lane.refresh() == shm::RingResult::kOk) ring_doorbell(i);  // more left: come back
@@ -412,11 +413,16 @@ class Server::Impl {
   void update_depth() {
     uint64_t depth = 0;
     for (uint32_t i = 0; i < config.max_workers; ++i)
-      if (slots[i].attached) depth += slots[i].lane.depth_estimate();
+      if (slots[i].attached()) depth += slots[i].lane.depth_estimate();
     // relaxed: statistics for readers of the stats block.
     stats().ring_depth.store(depth, std::memory_order_relaxed);
-    if (depth > stats().ring_high_water.load(std::memory_order_relaxed))
-      stats().ring_high_water.store(depth, std::memory_order_relaxed);
+    note_depth(depth);
+  }
+
+  void note_depth(uint64_t depth) {
+    if (depth <= high_water) return;
+    high_water = depth;
+    stats().ring_high_water.store(depth, std::memory_order_relaxed);  // relaxed: statistic
   }
 
   // ------------------------------------------------------------ requests
@@ -484,20 +490,15 @@ class Server::Impl {
 
   Completion handle(uint32_t i, const Request& req) {
     shm::WorkerEntry& entry = segment->worker(i);
-    const uint64_t owner = entry.owner.load(std::memory_order_relaxed);  // relaxed: read above with acquire
     if (req.worker_id != i)
       return reject(i, req, ErrorCode::kBadRequest, "worker_id " + std::to_string(req.worker_id) + " on lane " + std::to_string(i));
     if (req.opcode == 0 || req.opcode > shm::kOpcodeMax)
       return reject(i, req, ErrorCode::kBadRequest, "unknown opcode " + std::to_string(req.opcode));
     if (req.flags != 0) return reject(i, req, ErrorCode::kBadRequest, "flags must be 0");
-    if (shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kClaimed)) {
-      if (req.opcode != static_cast<uint32_t>(Opcode::kAttach))
-        return reject(i, req, ErrorCode::kUnknownWorker, "worker " + std::to_string(i) + " is not attached");
-      return attach(i, req, owner);
-    }
     if (req.opcode == static_cast<uint32_t>(Opcode::kAttach))
-      return reject(i, req, ErrorCode::kBadRequest, "already attached");
-    if (req.lease != entry.lease) return reject(i, req, ErrorCode::kBadRequest, "stale or forged lease");
+      return reject(i, req, ErrorCode::kBadRequest, "attach is a handshake in the worker entry, not a request");
+    // Our copy of the lease: the one in the entry is the worker's to overwrite.
+    if (req.lease != slots[i].lease) return reject(i, req, ErrorCode::kBadRequest, "stale or forged lease");
     // relaxed: a statistic.
     entry.last_request_ns.store(shm::monotonic_ns(), std::memory_order_relaxed);
     switch (static_cast<Opcode>(req.opcode)) {
@@ -517,33 +518,71 @@ class Server::Impl {
     return reject(i, req, ErrorCode::kBadRequest, "unknown opcode");
   }
 
-  Completion attach(uint32_t i, const Request& req, uint64_t owner) {
-    shm::WorkerEntry& entry = segment->worker(i);
-    const pid_t pid = static_cast<pid_t>(shm::owner_pid(owner));
-    const uint64_t start = entry.pid_start_time;
-    if (pid <= 0 || start == 0 || !shm::process_alive(pid, start))
-      return reject(i, req, ErrorCode::kBadRequest, "attach from a process that is not alive");
+  // Reconciles our record of entry i with its owner word. True when its
+  // lane may be served: attached by us and unchanged. A Claimed entry gets
+  // the attach handshake; an entry that changed under an attached session
+  // (freed, re-claimed or overwritten by its process) ends that session.
+  bool sync_entry(uint32_t i) {
     WorkerSlot& slot = slots[i];
-    slot.pid_start_time = start;
-    slot.attached = true;
-    slot.buffers.clear();
-    slot.buffers.resize(config.max_buffers);
-    entry.lease = (++lease_counter << 16) ^ (segment->header().generation & 0xFFFF) ^ (uint64_t{i} << 56);
-    if (entry.lease == 0) entry.lease = 1;
-    // relaxed: statistics, reset before the worker can read them (the
-    // completion's release publishes these stores).
+    // acquire: SYNC(worker_claim) pairs with the claiming CAS, so the
+    // claimer's pid_start_time is visible.
+    const uint64_t owner = segment->worker(i).owner.load(std::memory_order_acquire);
+    if (slot.attached()) {
+      if (owner == slot.owner) return true;
+      end_session(i, "its entry was freed or overwritten by its process without a detach");
+    }
+    if (shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kClaimed)) attach(i, owner);
+    return false;
+  }
+
+  // The attach handshake: a worker claims a free entry (CAS to (pid,
+  // kClaimed)), writes its start time and rings its doorbell. We check the
+  // process, reset the lane and queue indices (whatever earlier owners left
+  // there), issue a lease and move the owner word to (pid, kAttached) with a
+  // CAS; the worker waits for exactly that word (SYNC(worker_attached)).
+  void attach(uint32_t i, uint64_t claimed) {
+    shm::WorkerEntry& entry = segment->worker(i);
+    const pid_t pid = static_cast<pid_t>(shm::owner_pid(claimed));
+    const uint64_t start = entry.pid_start_time;
+    if (pid <= 0 || start == 0 || !shm::process_alive(pid, start)) return;  // not ready yet, or reaped soon
+    WorkerSlot& slot = slots[i];
+    reset_lanes(i);
+    uint64_t lease = (++lease_counter << 16) ^ (segment->header().generation & 0xFFFF) ^ (uint64_t{i} << 56);
+    if (lease == 0) lease = 1;
+    entry.lease = lease;
+    // relaxed: published by the release CAS below.
     entry.pushes_applied.store(0, std::memory_order_relaxed);
     entry.pushes_rejected.store(0, std::memory_order_relaxed);
     entry.pulls.store(0, std::memory_order_relaxed);
-    // release: SYNC(worker_attached) the lease is visible to anyone who
-    // sees kAttached (inspect); the worker itself learns it from the completion.
-    entry.owner.store(shm::make_owner(static_cast<uint32_t>(pid), WorkerState::kAttached), std::memory_order_release);
+    const uint64_t attached = shm::make_owner(static_cast<uint32_t>(pid), WorkerState::kAttached);
+    uint64_t expected = claimed;
+    // acq_rel: SYNC(worker_attached) the release publishes the reset
+    // indices and the lease to the worker that sees kAttached; fails if the
+    // entry changed since we read it (then nothing is attached).
+    if (!entry.owner.compare_exchange_strong(expected, attached, std::memory_order_acq_rel, std::memory_order_relaxed))
+      return;
+    slot.owner = attached;
+    slot.lease = lease;
+    slot.pid_start_time = start;
+    slot.buffers.clear();
+    slot.buffers.resize(config.max_buffers);
     stats().workers_attached.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
+    shm::notify(segment->completions(i).data_ready);
     log::info("worker " + std::to_string(i) + " attached (pid " + std::to_string(pid) + ")");
-    Completion c = answer(req, ErrorCode::kOk, "");
-    c.value = entry.lease;
-    c.version = version;
-    return c;
+  }
+
+  // Drops our side of an attached session (buffers, counts); the entry's
+  // words are left as they are.
+  void end_session(uint32_t i, const std::string& why) {
+    WorkerSlot& slot = slots[i];
+    if (!slot.attached()) return;
+    if (!why.empty())
+      log::warn("worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(slot.owner)) + "): " + why);
+    for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(slot, b);
+    slot.buffers.clear();
+    slot.owner = 0;
+    slot.lease = 0;
+    stats().workers_attached.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
   }
 
   Completion register_buffer(uint32_t i, const Request& req) {
@@ -559,7 +598,7 @@ class Server::Impl {
     if (desc.length == 0) return reject(i, req, ErrorCode::kBadRange, "buffer length 0");
     // Only objects named for this worker's pid: never the control segment
     // or another worker's buffer.
-    const uint32_t pid = shm::owner_pid(segment->worker(i).owner.load(std::memory_order_relaxed));  // relaxed: our own state
+    const uint32_t pid = shm::owner_pid(slot.owner);
     auto peer = backend->open_peer(desc, buffer_prefix + std::to_string(pid) + ".");
     if (!peer.ok()) return reject(i, req, peer.status().code(), peer.status().message());
     slot.buffers[req.buffer_id] = std::move(peer).value();
@@ -577,6 +616,13 @@ class Server::Impl {
     slot.buffers[b].reset();
     stats().buffers_registered.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
     stats().mappings_closed.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // Rejects `req` and forgets its buffer, whose memory vanished under us.
+  Completion drop_buffer(uint32_t i, const Request& req, const Status& why) {
+    log::warn("worker " + std::to_string(i) + ": buffer " + std::to_string(req.buffer_id) + ": " + why.message());
+    close_buffer(slots[i], req.buffer_id);
+    return reject(i, req, why.code(), why.message());
   }
 
   Completion unregister_buffer(uint32_t i, const Request& req) {
@@ -633,8 +679,13 @@ class Server::Impl {
     const uint64_t staleness = version - req.worker_version;
     if (staleness > config.max_staleness)
       return reject(i, req, ErrorCode::kStale, "staleness " + std::to_string(staleness) + " > max_staleness " + std::to_string(config.max_staleness) + " (v" + std::to_string(req.worker_version) + " vs v" + std::to_string(version) + ")");
-    if (!config.allow_nonfinite && !backend->all_finite(*target->buffer, req.byte_offset, target->elements, dtype))
-      return reject(i, req, ErrorCode::kNonFinite, "NaN or Inf in the gradient");
+    if (!config.allow_nonfinite) {
+      const bool finite = backend->all_finite(*target->buffer, req.byte_offset, target->elements, dtype);
+      // The check pass reads the whole gradient first: a buffer truncated
+      // under us is found here, before anything is applied.
+      if (Status s = backend->peer_intact(*target->buffer); !s.ok()) return drop_buffer(i, req, s);
+      if (!finite) return reject(i, req, ErrorCode::kNonFinite, "NaN or Inf in the gradient");
+    }
     uint64_t byte_offset = req.byte_offset;
     const uint64_t esize = kernels::dtype_size(dtype);
     for (uint32_t t = target->first; t < target->last; ++t) {
@@ -642,6 +693,10 @@ class Server::Impl {
         return reject(i, req, s.code(), s.message());
       byte_offset += tensors[t].element_count * esize;
     }
+    // Only with --allow-nonfinite (no check pass) or a worker truncating
+    // during the apply: zeros were read for the missing pages.
+    if (Status s = backend->peer_intact(*target->buffer); !s.ok())
+      return drop_buffer(i, req, Status{s.code(), s.message() + "; the update was applied with zeros for the lost pages"});
     ++version;
     record_staleness(staleness);
     if (checkpoints && config.checkpoint_every != 0 && version - last_checkpoint_version >= config.checkpoint_every)
@@ -673,6 +728,7 @@ class Server::Impl {
     const uint64_t first = tensors[target->first].element_offset;
     if (Status s = backend->copy_out(first, target->elements, *target->buffer, req.byte_offset); !s.ok())
       return reject(i, req, s.code(), s.message());
+    if (Status s = backend->peer_intact(*target->buffer); !s.ok()) return drop_buffer(i, req, s);
     // relaxed: statistics.
     stats().weights_pulled.fetch_add(1, std::memory_order_relaxed);
     segment->worker(i).pulls.fetch_add(1, std::memory_order_relaxed);
@@ -710,21 +766,17 @@ class Server::Impl {
   }
 
   // ------------------------------------------------------------ lifecycle of entries
-  // Forgets everything about entry i and returns it to kFree. The lane and
-  // queue indices are reset BEFORE the release store, so the next claimer
-  // (acquire CAS) starts from zero. SYNC(worker_release).
-  void release_entry(uint32_t i) {
-    WorkerSlot& slot = slots[i];
-    for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(slot, b);
-    slot.buffers.clear();
-    if (slot.attached) stats().workers_attached.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
-    slot.attached = false;
-    reset_lanes(i);
+  // Returns entry i, whose owner process is dead, to kFree: a CAS from the
+  // owner word we judged, so a claimer never loses its claim.
+  // SYNC(worker_release).
+  void release_entry(uint32_t i, uint64_t dead_owner) {
+    end_session(i, "");
     shm::WorkerEntry& entry = segment->worker(i);
     entry.lease = 0;
     entry.pid_start_time = 0;
     std::memset(segment->buffer_table_bytes(i), 0, config.max_buffers * sizeof(shm::BufferDesc));
-    entry.owner.store(0, std::memory_order_release);  // SYNC(worker_release)
+    uint64_t expected = dead_owner;
+    entry.owner.compare_exchange_strong(expected, 0, std::memory_order_release, std::memory_order_relaxed);
   }
 
   // Unlinks the buffer objects "shmps.<name>.p<pid>.<n>" of a worker that
@@ -758,41 +810,31 @@ class Server::Impl {
     slots[i].completions = shm::SpscProducer<Completion>(&segment->completions(i), segment->completion_slots(i), config.lane_capacity);
   }
 
+  // (pid, kAttached) -> (pid, kDetached), by CAS: an entry that changed
+  // under us is left alone (sync_entry notices it).
   void mark_detached(uint32_t i) {
-    shm::WorkerEntry& entry = segment->worker(i);
-    const uint64_t owner = entry.owner.load(std::memory_order_relaxed);  // relaxed: we are its only writer now
+    uint64_t expected = slots[i].owner;
     // SYNC(worker_detached): release pairs with the worker's acquire load of
     // owner after it reads the detach completion (published after this).
-    entry.owner.store(shm::make_owner(shm::owner_pid(owner), WorkerState::kDetached), std::memory_order_release);
+    segment->worker(i).owner.compare_exchange_strong(
+        expected, shm::make_owner(shm::owner_pid(slots[i].owner), WorkerState::kDetached), std::memory_order_release,
+        std::memory_order_relaxed);
   }
 
-  // After a successful detach: the worker resets the indices and frees the
-  // entry itself once it has read the completion (so we must not touch its
-  // queue any more); we only drop our side.
+  // After a successful detach: the worker frees the entry once it has read
+  // the answer; we only drop our side.
   void finish_detach(uint32_t i) {
-    WorkerSlot& slot = slots[i];
-    for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(slot, b);
-    if (slot.attached) stats().workers_attached.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
-    slot.attached = false;
-    slot.lane = shm::SpscConsumer<Request>(&segment->lane(i), segment->lane_slots(i), config.lane_capacity);
-    slot.completions = shm::SpscProducer<Completion>(&segment->completions(i), segment->completion_slots(i), config.lane_capacity);
-    shm::WorkerEntry& entry = segment->worker(i);
-    const uint64_t owner = entry.owner.load(std::memory_order_relaxed);  // relaxed: we are its only writer now
-    log::info("worker " + std::to_string(i) + " detached (pid " + std::to_string(shm::owner_pid(owner)) + ")");
+    log::info("worker " + std::to_string(i) + " detached (pid " + std::to_string(shm::owner_pid(slots[i].owner)) + ")");
+    end_session(i, "");
   }
 
   // Stops serving a misbehaving but living worker: kDetached tells its
-  // library; the entry is freed when the process goes away.
+  // library; the entry is freed by its process or when the process dies.
   void evict(uint32_t i, const std::string& why) {
     stats().lanes_corrupt.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
-    shm::WorkerEntry& entry = segment->worker(i);
-    const uint64_t owner = entry.owner.load(std::memory_order_relaxed);  // relaxed: re-read of our own state
-    log::warn("evicting worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(owner)) + "): " + why);
-    WorkerSlot& slot = slots[i];
-    for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(slot, b);
-    if (slot.attached) stats().workers_attached.fetch_sub(1, std::memory_order_relaxed);
-    slot.attached = false;
-    entry.owner.store(shm::make_owner(shm::owner_pid(owner), WorkerState::kDetached), std::memory_order_release);
+    log::warn("evicting worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(slots[i].owner)) + "): " + why);
+    mark_detached(i);
+    end_session(i, "");
   }
 
   // Reclaims entries whose owner died, and sweeps lanes whose doorbell may
@@ -802,16 +844,19 @@ class Server::Impl {
     for (uint32_t i = 0; i < config.max_workers; ++i) {
       shm::WorkerEntry& entry = segment->worker(i);
       const uint64_t owner = entry.owner.load(std::memory_order_acquire);  // SYNC(worker_claim)
-      if (owner == 0) continue;
+      if (owner == 0) {
+        if (slots[i].attached()) end_session(i, "its entry was freed without a detach");
+        continue;
+      }
       const pid_t pid = static_cast<pid_t>(shm::owner_pid(owner));
-      const uint64_t start = slots[i].attached ? slots[i].pid_start_time : entry.pid_start_time;
+      const uint64_t start = owner == slots[i].owner ? slots[i].pid_start_time : entry.pid_start_time;
       if (!shm::process_alive(pid, start)) {
-        const bool was_attached = slots[i].attached;
+        const bool was_attached = owner == slots[i].owner;
         log::write(was_attached ? LogLevel::kWarn : LogLevel::kInfo,
                    "worker " + std::to_string(i) + " (pid " + std::to_string(pid) + ") died" +
                        (was_attached ? "" : " before attaching") + "; releasing its entry");
         if (was_attached) stats().workers_died.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
-        release_entry(i);
+        release_entry(i, owner);
         unlink_orphan_buffers(static_cast<uint32_t>(pid));
         worked = true;
         continue;
@@ -926,10 +971,8 @@ class Server::Impl {
     // Fail what is queued: nothing more is applied.
     uint64_t failed = 0;
     for (uint32_t i = 0; i < config.max_workers; ++i) {
-      const uint64_t owner = segment->worker(i).owner.load(std::memory_order_acquire);  // SYNC(worker_claim)
-      const uint32_t state = shm::owner_state(owner);
-      if (state != static_cast<uint32_t>(WorkerState::kAttached) && state != static_cast<uint32_t>(WorkerState::kClaimed)) continue;
       WorkerSlot& slot = slots[i];
+      if (!slot.attached()) continue;
       Request req;
       while (slot.completions.has_space() && slot.lane.try_pop(&req) == shm::RingResult::kOk) {
         Completion c = answer(req, ErrorCode::kShuttingDown, "server is shutting down");
@@ -973,6 +1016,26 @@ Server::~Server() {
 }
 
 Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config) {
+  // The weights and optimizer state are the server's big allocations; one
+  // that fails is a clear error (and no segment is left behind).
+  try {
+    return create_unguarded(config);
+  } catch (const std::bad_alloc&) {
+    shm::Segment::remove(config.name);
+    uint64_t params = 0;
+    for (const auto& t : config.tensors) {
+      uint64_t n = 1;
+      for (uint64_t d : t.shape) n = __builtin_mul_overflow(n, d, &n) ? UINT64_MAX : n;
+      params = __builtin_add_overflow(params, n, &params) ? UINT64_MAX : params;
+    }
+    const uint64_t per_param = 4 * (1 + kernels::state_arrays(config.optimizer));
+    const uint64_t bytes = params > UINT64_MAX / per_param ? UINT64_MAX : params * per_param;
+    return Status{ErrorCode::kNoCapacity, "cannot allocate the weights and optimizer state: " + std::to_string(params) +
+                                              " parameters need " + std::to_string(bytes) + " bytes"};
+  }
+}
+
+Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& config) {
   if (Status s = validate(config); !s.ok()) return s;
   if (config.backend == BackendKind::kCuda)
     return Status{ErrorCode::kCuda, "--backend cuda: this build has no CUDA backend yet; use --backend host"};

@@ -42,9 +42,10 @@ bool is_power_of_two(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
 // ---------------------------------------------------------------- names
 
 Status validate_name(const std::string& name) {
-  if (name.empty() || name.size() > 48)
+  // 32: "shmps.<name>.p<pid>.<n>" of a worker's buffer must fit kNameBytes.
+  if (name.empty() || name.size() > 32)
     return {ErrorCode::kInvalidArgument,
-            "name must be 1..48 characters, got " + std::to_string(name.size())};
+            "name must be 1..32 characters, got " + std::to_string(name.size())};
   if (name[0] == '.') return {ErrorCode::kInvalidArgument, "name must not start with '.'"};
   for (char c : name) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||

@@ -28,12 +28,16 @@ RawClient::RawClient(const std::string& name, bool attach) {
   lane_ = shm::SpscProducer<shm::Request>(&seg_->lane(id_), seg_->lane_slots(id_), h.lane_capacity);
   cq_ = shm::SpscConsumer<shm::Completion>(&seg_->completions(id_), seg_->completion_slots(id_), h.lane_capacity);
   if (!attach) return;
-  shm::Request r{};
-  r.opcode = static_cast<uint32_t>(shm::Opcode::kAttach);
-  r.worker_id = id_;
-  const shm::Completion c = call(r);
-  if (c.code != 0) throw std::runtime_error(std::string("RawClient: attach refused: ") + c.message);
-  lease_ = c.value;
+  // The attach handshake, as worker_lib does it: ring, then wait for the
+  // server to turn the claim into (pid, kAttached) and to issue a lease.
+  auto& hdr = seg_->header();
+  hdr.doorbell[id_ / 64].fetch_or(uint64_t{1} << (id_ % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
+  shm::notify(hdr.server_wake);
+  const uint64_t want = shm::make_owner(static_cast<uint32_t>(::getpid()), shm::WorkerState::kAttached);
+  if (!eventually([&] { return seg_->worker(id_).owner.load(std::memory_order_acquire) == want; },  // SYNC(worker_attached)
+                  std::chrono::seconds(5)))
+    throw std::runtime_error("RawClient: the server did not attach this entry within 5 s");
+  lease_ = seg_->worker(id_).lease;
 }
 
 shm::Request RawClient::request(shm::Opcode op) const {
@@ -72,11 +76,6 @@ shm::Completion RawClient::call(shm::Request r, std::chrono::milliseconds timeou
 }
 
 void RawClient::release_entry() {
-  // relaxed: published by the release store of owner below.
-  seg_->lane(id_).tail.store(0, std::memory_order_relaxed);
-  seg_->lane(id_).head.store(0, std::memory_order_relaxed);
-  seg_->completions(id_).tail.store(0, std::memory_order_relaxed);
-  seg_->completions(id_).head.store(0, std::memory_order_relaxed);
   seg_->worker(id_).pid_start_time = 0;
   seg_->worker(id_).owner.store(0, std::memory_order_release);  // SYNC(worker_release)
 }

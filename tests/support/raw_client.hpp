@@ -18,7 +18,7 @@ namespace shmps::test {
 class RawClient {
  public:
   // Opens "shmps.<name>" read-write and claims the first free entry with
-  // this process's pid and start time. With `attach`, sends kAttach and
+  // this process's pid and start time. With `attach`, does the attach handshake and
   // keeps the lease. Throws when the segment cannot be opened, no entry is
   // free, or the attach is refused or unanswered within 5 s.
   explicit RawClient(const std::string& name, bool attach = true);

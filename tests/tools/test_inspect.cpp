@@ -171,7 +171,7 @@ BOOST_AUTO_TEST_CASE(live_segment_as_json) {
   BOOST_TEST(j["source"] == "/dev/shm/shmps." + name);
   const json& h = j["header"];
   BOOST_TEST(h["magic"] == "0x31474553504d4853");
-  BOOST_TEST(h["layout_version"] == 1);
+  BOOST_TEST(h["layout_version"] == shmps::shm::kLayoutVersion);
   BOOST_TEST(h["server_pid"] == server.process().pid());
   BOOST_TEST(h["server_alive"] == true);
   BOOST_TEST(h["state"] == "running");
@@ -378,7 +378,7 @@ BOOST_AUTO_TEST_CASE(saved_and_corrupted_copies) {
       {"magic", [](std::string* b) { poke<uint64_t>(b, 0, 0x4141414141414141ull); }, 3,
        {"not a shmps segment", "0x4141414141414141"}},
       {"layout version", [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, layout_version), 99); }, 3,
-       {"layout version 99", "understands 1"}},
+       {"layout version 99", "understands 2"}},
       {"lane capacity", [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, lane_capacity), 3); }, 3,
        {"lane_capacity 3"}},
       {"tensor ndim",

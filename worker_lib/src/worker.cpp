@@ -199,6 +199,7 @@ class Worker::Impl {
         if (it->request_id == ticket) {
           Completion c = *it;
           done.erase(it);
+          fault_point.hit("after_completion");
           return c;
         }
       }
@@ -224,7 +225,6 @@ class Worker::Impl {
     auto c = wait(*ticket, deadline);
     if (!c.ok()) return c.status();
     if (Status s = to_status(*c); !s.ok()) return s;
-    fault_point.hit("after_completion");
     return c;
   }
 
@@ -260,17 +260,19 @@ class Worker::Impl {
     return reattach(deadline);
   }
 
-  // Returns the entry to kFree after the server let go of it (detached,
-  // evicted, or never attached): indices first, then the release store.
+  // Returns our entry to kFree after the server let go of it (detached,
+  // evicted, or never attached): a CAS from our own word, so an entry the
+  // server already reclaimed (and someone else claimed) is left alone. The
+  // server resets the indices at the next attach.
   void release_entry() {
     auto& e = entry();
-    // relaxed: published by the release store of owner below.
-    segment->lane(id).tail.store(0, std::memory_order_relaxed);
-    segment->lane(id).head.store(0, std::memory_order_relaxed);
-    segment->completions(id).tail.store(0, std::memory_order_relaxed);
-    segment->completions(id).head.store(0, std::memory_order_relaxed);
+    const auto pid = static_cast<uint32_t>(::getpid());
     e.pid_start_time = 0;
-    e.owner.store(0, std::memory_order_release);  // SYNC(worker_release)
+    for (WorkerState st : {WorkerState::kClaimed, WorkerState::kAttached, WorkerState::kDetached}) {
+      uint64_t expected = shm::make_owner(pid, st);
+      if (e.owner.compare_exchange_strong(expected, 0, std::memory_order_release, std::memory_order_relaxed))  // SYNC(worker_release)
+        return;
+    }
   }
 
   // Unmaps and unlinks every buffer.
@@ -326,7 +328,33 @@ class Worker::Impl {
     if (!claimed)
       return {ErrorCode::kNoCapacity, "all " + std::to_string(h.max_workers) + " worker slots of '" + options.name + "' are taken"};
     fault_point.hit("after_claim");
-    segment->worker(id).pid_start_time = shm::process_start_time(::getpid());
+    shm::WorkerEntry& e = segment->worker(id);
+    e.pid_start_time = shm::process_start_time(::getpid());
+    // The attach handshake (server.cpp, attach()): ring, then wait for the
+    // server to move our claim to (pid, kAttached), which it does after
+    // resetting our lane and queue and issuing a lease.
+    // seq_cst: the Dekker pattern with the server's sleep (futex.hpp); the
+    // release part publishes pid_start_time.
+    h.doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
+    shm::notify(h.server_wake);
+    const uint64_t want = shm::make_owner(pid, WorkerState::kAttached);
+    Status why;
+    const auto w = shm::wait_until(
+        segment->completions(id).data_ready,
+        // acquire: SYNC(worker_attached) pairs with the server's CAS: the
+        // reset indices and the lease are visible once we see kAttached.
+        [&] { return e.owner.load(std::memory_order_acquire) == want; },
+        [&] {
+          why = server_gone();
+          return !why.ok();
+        },
+        Clock::now() + options.timeout);
+    if (w != shm::WaitResult::kReady) {
+      if (w == shm::WaitResult::kTimeout) why = {ErrorCode::kTimeout, "the server did not accept the attach within the timeout"};
+      release_entry();
+      return why;
+    }
+    lease = e.lease;
     lane = shm::SpscProducer<Request>(&segment->lane(id), segment->lane_slots(id), capacity);
     completions = shm::SpscConsumer<Completion>(&segment->completions(id), segment->completion_slots(id), capacity);
     // Request ids keep counting across generations; the new lane starts
@@ -335,15 +363,6 @@ class Worker::Impl {
     lost_upto = next_request_id - 1;
     last_completed_id = next_request_id - 1;
     done.clear();
-
-    Request req{};
-    req.opcode = static_cast<uint32_t>(Opcode::kAttach);
-    auto c = call_once(req);
-    if (!c.ok()) {
-      if (!server_gone().ok() || c.status().code() != ErrorCode::kTimeout) release_entry();
-      return c.status();
-    }
-    lease = c->value;
     attached = true;
     buffers.resize(h.max_buffers);
     tensors = std::move(table);

@@ -66,6 +66,7 @@ class Server {
 
  private:
   explicit Server(std::unique_ptr<Impl> impl);
+  static Result<std::unique_ptr<Server>> create_unguarded(const ServerConfig& config);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -44,7 +44,7 @@
 namespace shmps::shm {
 
 inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-endian
-inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kLayoutVersion = 2;  // 2: attach is a handshake in the entry
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;   // 4 doorbell words

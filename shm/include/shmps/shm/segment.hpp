@@ -17,7 +17,8 @@
 
 namespace shmps::shm {
 
-// Checks a user-chosen name: 1..48 of [A-Za-z0-9._-], not starting with '.'.
+// Checks a user-chosen name: 1..32 of [A-Za-z0-9._-], not starting with '.'
+// (32: the names of worker buffer objects derive from it and must fit).
 // Errors: kInvalidArgument naming the problem.
 Status validate_name(const std::string& name);
 // "shmps.<name>": the POSIX shm object of the control segment.

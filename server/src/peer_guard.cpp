@@ -1,0 +1,89 @@
+#include "peer_guard.hpp"
+
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <mutex>
+
+namespace shmps::server {
+namespace {
+
+constexpr uint32_t kRanges = 4096;
+
+struct Range {
+  std::atomic<uintptr_t> begin{0};  // 0: free
+  std::atomic<uintptr_t> end{0};
+  std::atomic<uint32_t> poisoned{0};
+};
+Range g_ranges[kRanges];
+struct sigaction g_previous{};
+
+void on_sigbus(int signo, siginfo_t* info, void* context) {
+  const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (Range& r : g_ranges) {
+    // acquire: pairs with guard_range()'s release of begin (end is set first).
+    const uintptr_t begin = r.begin.load(std::memory_order_acquire);
+    if (begin == 0 || addr < begin || addr >= r.end.load(std::memory_order_relaxed)) continue;  // relaxed: ordered by begin
+    const auto page_size = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+    void* page = reinterpret_cast<void*>(addr & ~(page_size - 1));
+    // A raw syscall on Linux: safe here in practice (as JVMs do).
+    if (::mmap(page, page_size, PROT_READ | PROT_WRITE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) != MAP_FAILED) {
+      r.poisoned.store(1, std::memory_order_relaxed);  // relaxed: read by the consumer after the access returns
+      return;
+    }
+    break;
+  }
+  // Not ours: what would have happened without the guard.
+  if (g_previous.sa_flags & SA_SIGINFO) {
+    if (g_previous.sa_sigaction != nullptr) {
+      g_previous.sa_sigaction(signo, info, context);
+      return;
+    }
+  } else if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN) {
+    g_previous.sa_handler(signo);
+    return;
+  }
+  ::signal(SIGBUS, SIG_DFL);
+  ::raise(SIGBUS);
+}
+
+}  // namespace
+
+void install_peer_guard() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa{};
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGBUS, &sa, &g_previous);
+  });
+}
+
+GuardId guard_range(const void* begin, size_t bytes) {
+  if (bytes == 0) return 0;
+  for (uint32_t i = 0; i < kRanges; ++i) {
+    Range& r = g_ranges[i];
+    if (r.begin.load(std::memory_order_relaxed) != 0) continue;  // relaxed: only the consumer writes
+    r.poisoned.store(0, std::memory_order_relaxed);
+    r.end.store(reinterpret_cast<uintptr_t>(begin) + bytes, std::memory_order_relaxed);
+    // release: the handler that sees begin sees end too.
+    r.begin.store(reinterpret_cast<uintptr_t>(begin), std::memory_order_release);
+    return i + 1;
+  }
+  return 0;
+}
+
+void release_range(GuardId id) {
+  if (id == 0 || id > kRanges) return;
+  g_ranges[id - 1].begin.store(0, std::memory_order_release);
+}
+
+bool range_poisoned(GuardId id) {
+  if (id == 0 || id > kRanges) return false;
+  return g_ranges[id - 1].poisoned.load(std::memory_order_relaxed) != 0;  // relaxed: set by a handler on this or an OpenMP thread that has returned
+}
+
+}  // namespace shmps::server
