@@ -4,7 +4,9 @@
 # OpenBLAS and zlib (training job), the Fashion-MNIST dataset package,
 # libsystemd (sd_notify), and for the service tests and the .deb:
 # systemd (systemd-analyze only; it does not become PID 1) and dpkg-dev
-# (dpkg-shlibdeps for cpack -G DEB).
+# (dpkg-shlibdeps for cpack -G DEB); clang with its libFuzzer runtime
+# (libclang-rt-14-dev, only recommended by clang) for the fuzz targets;
+# libzmq3-dev for the ZeroMQ baseline of shmps-compare (bench/).
 # Runs apt-get as root, through sudo when started as a user.
 set -euo pipefail
 packages=(
@@ -13,6 +15,8 @@ packages=(
   nlohmann-json3-dev libopenblas-dev zlib1g-dev
   dataset-fashion-mnist
   libsystemd-dev systemd dpkg-dev
+  clang libclang-rt-14-dev
+  libzmq3-dev
 )
 as_root=()
 if [ "$(id -u)" -ne 0 ]; then as_root=(sudo); fi

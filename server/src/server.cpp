@@ -56,7 +56,7 @@ std::string fixed1(double v) {
 std::vector<std::pair<std::string, std::string>> grouped_entries(const ServerConfig& config) {
   std::vector<std::pair<std::string, std::string>> out;
   for (auto& [key, value] : config_entries(config)) {
-    auto it = std::find_if(out.begin(), out.end(), [&](const auto& e) { return e.first == key; });
+    auto it = std::find_if(out.begin(), out.end(), [&key = key](const auto& e) { return e.first == key; });
     if (it == out.end()) out.emplace_back(key, value);
     else it->second += "," + value;
   }
@@ -857,7 +857,9 @@ class Server::Impl {
                        (was_attached ? "" : " before attaching") + "; releasing its entry");
         if (was_attached) stats().workers_died.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
         release_entry(i, owner);
-        unlink_orphan_buffers(static_cast<uint32_t>(pid));
+        // Only when no process of that pid exists: the owner word (and the
+        // start time we judged by) may be a forgery naming a living worker.
+        if (!shm::process_alive(pid, 0)) unlink_orphan_buffers(static_cast<uint32_t>(pid));
         worked = true;
         continue;
       }

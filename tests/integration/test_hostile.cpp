@@ -518,4 +518,34 @@ BOOST_AUTO_TEST_CASE(buffer_truncated_after_registration_does_not_kill_the_serve
   BOOST_TEST(w->ping().ok());
 }
 
+// A worker that writes a living process's pid into its owner word, with a
+// start time that does not match, looks dead to the server, which
+// releases the entry; it must not unlink that living process's buffer
+// objects (their names let its buffers be registered again after a server
+// restart).
+BOOST_AUTO_TEST_CASE(forged_owner_pid_does_not_unlink_a_living_workers_buffers) {
+  test::ServerProcess server(test::unique_name("unlink"), kCounting);
+  auto victim = connect(server.name());
+  auto buf = victim->register_buffer(16);
+  BOOST_REQUIRE(buf.ok());
+  const std::string prefix = shm::segment_object_name(server.name()) + ".p" + std::to_string(::getpid()) + ".";
+  const auto victims_objects = [&] {
+    size_t n = 0;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
+      if (e.path().filename().string().rfind(prefix, 0) == 0) ++n;
+    return n;
+  };
+  BOOST_REQUIRE_EQUAL(victims_objects(), 1u);
+  auto forger = test::Process::fork_fn([&] {
+    test::RawClient raw(server.name());
+    raw.entry().pid_start_time = 12345;  // not the victim's
+    raw.entry().owner.store(shm::make_owner(static_cast<uint32_t>(::getppid()), shm::WorkerState::kClaimed));
+    // Released (the owner looks dead) within a housekeeping period or two.
+    return test::eventually([&] { return raw.entry().owner.load() == 0; }, 2s) ? 0 : 1;
+  });
+  BOOST_REQUIRE_EQUAL(forger.wait(10s), 0);
+  BOOST_TEST(victims_objects() == 1u, "the victim's buffer object was unlinked");
+  BOOST_TEST(victim->ping().ok());
+}
+
 BOOST_AUTO_TEST_SUITE_END()

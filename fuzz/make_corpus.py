@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of the fuzz targets (fuzz/corpus/<target>/).
+
+fuzz_validate_segment: control segment images laid out as
+shm/include/shmps/shm/layout.hpp says (its kLayoutVersion): valid ones of a
+few geometries and states, and a few near misses. Run it again after a
+layout change.
+fuzz_requests: record sequences in the format fuzz_requests.cpp documents
+(attach is done by the harness; these exercise each opcode and each poke).
+
+Deterministic; the output is committed (keep it small). Run from anywhere:
+  fuzz/make_corpus.py
+"""
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MAGIC = 0x31474553504D4853
+
+
+def layout_version():
+    """kLayoutVersion as shm/include/shmps/shm/layout.hpp defines it."""
+    with open(os.path.join(HERE, "..", "shm", "include", "shmps", "shm", "layout.hpp")) as f:
+        for line in f:
+            if "kLayoutVersion =" in line:
+                return int(line.split("=")[1].split(";")[0])
+    raise SystemExit("kLayoutVersion not found in layout.hpp")
+
+
+LAYOUT_VERSION = layout_version()
+HEADER, TENSOR, ENTRY, BUFDESC, LANEHDR, REQUEST, COMPLETION, STATS = 4096, 128, 512, 192, 256, 64, 128, 1024
+
+
+def align(v, a):
+    return (v + a - 1) // a * a
+
+
+def geometry(tensors, workers, buffers, cap):
+    g = {"tensor_table": HEADER}
+    g["worker_table"] = align(HEADER + tensors * TENSOR, 64)
+    g["entry_size"] = ENTRY + buffers * BUFDESC
+    g["lanes"] = align(g["worker_table"] + workers * g["entry_size"], 64)
+    g["lane_stride"] = LANEHDR + cap * REQUEST
+    g["completions"] = g["lanes"] + workers * g["lane_stride"]
+    g["completion_stride"] = LANEHDR + cap * COMPLETION
+    g["stats"] = g["completions"] + workers * g["completion_stride"]
+    g["size"] = align(g["stats"] + STATS, 4096)
+    return g
+
+
+def put(img, off, fmt, *vals):
+    struct.pack_into("<" + fmt, img, off, *vals)
+
+
+def request(request_id=0, opcode=0, worker_id=0, lease=0, buffer_id=0, tensor_id=0, byte_offset=0,
+            byte_length=0, worker_version=0, dtype=0, flags=0):
+    return struct.pack("<QIIQIIQQQII", request_id, opcode, worker_id, lease, buffer_id, tensor_id, byte_offset,
+                       byte_length, worker_version, dtype, flags)
+
+
+def segment(shapes, workers=1, buffers=1, cap=2, optimizer=1, backend=1, populate=False):
+    g = geometry(len(shapes), workers, buffers, cap)
+    img = bytearray(g["size"])
+    total = 0
+    for i, (name, shape) in enumerate(shapes):
+        off = g["tensor_table"] + i * TENSOR
+        img[off:off + len(name)] = name.encode()
+        count = 1
+        for d in shape:
+            count *= d
+        dims = list(shape) + [0] * (4 - len(shape))
+        put(img, off + 64, "II4QQQ", 1, len(shape), *dims, total, count)
+        total += count
+    put(img, 0, "QIIQQIIQII", MAGIC, LAYOUT_VERSION, HEADER, g["size"], 0x1234, 1, 0, 0,
+        2, 0)  # magic, version, header_size, size, generation, server pid 1, start 0, state kRunning
+    put(img, 64, "QIIQIIIIQQQQQQ", g["tensor_table"], len(shapes), TENSOR, g["worker_table"], workers,
+        g["entry_size"], buffers, cap, g["lanes"], g["lane_stride"], g["completions"], g["completion_stride"],
+        g["stats"], total)
+    put(img, 192, "II7fIQ", optimizer, 0, 0.01, 0.9, 0.0, 0.0, 0.9, 0.999, 1e-8, backend, 4)
+    if populate:
+        # worker 0 attached (pid 1), one shm buffer and one CUDA IPC buffer,
+        # two requests queued, one completion waiting.
+        e = g["worker_table"]
+        put(img, e, "QQQ", (1 << 32) | 2, 12345, 0xABCD)
+        d = e + ENTRY
+        put(img, d, "IIQQ", 1, 0, 64, 0)
+        name = b"shmps.job.p1.0"
+        img[d + 24:d + 24 + len(name)] = name
+        if buffers > 1:
+            put(img, d + BUFDESC, "IIQQ", 2, 0, 4096, 0)
+            img[d + BUFDESC + 152:d + BUFDESC + 168] = bytes(range(16))
+        lane = g["lanes"]
+        put(img, lane, "Q", 2)  # tail
+        put(img, lane + 64, "Q", 0)  # head
+        img[lane + LANEHDR:lane + LANEHDR + REQUEST] = request(1, 5, 0, 0xABCD, 0, 0, 0, 16, 0, 1)
+        img[lane + LANEHDR + REQUEST:lane + LANEHDR + 2 * REQUEST] = request(2, 6, 0, 0xABCD, 0, 0xFFFFFFFF)
+        cq = g["completions"]
+        put(img, cq, "Q", 1)
+        c = cq + LANEHDR
+        put(img, c, "QIIQQ", 1, 7, 9, 3, 0)
+        img[c + 64:c + 64 + 12] = b"stale or bad"
+        if workers > 1:
+            # worker 1: claimed by a dead pid, its lane indices garbage.
+            put(img, e + g["entry_size"], "QQ", (0x3FFFFFFE << 32) | 1, 7)
+            put(img, lane + g["lane_stride"], "Q", 1 << 40)
+        put(img, g["stats"], "QQQ", 10, 10, 3)
+        put(img, g["stats"] + 128 + 8 * 9, "Q", 2)  # rejected[kBadRequest]
+    return bytes(img)
+
+
+def fixed(opcode, tensor_sel=0, buffer_id=0, dtype_raw=0, version_back=0, bits=0xF8, kind=2, byte_offset=0,
+          byte_length=0, lease=0):
+    """A fixed-up request record: opcode is the Opcode value wanted."""
+    return bytes([kind | bits]) + request(0, opcode - 1, 0, lease, buffer_id, tensor_sel, byte_offset,
+                                         byte_length, version_back, dtype_raw, 0)
+
+
+def desc(slot, obj, length=0, offset=0, bits=0xE0):
+    body = struct.pack("<IIQQ", 1, 0, length, offset) + bytes(64 + 64 + 16) + struct.pack("<QQQ", obj, 0, 0)
+    return bytes([0x00 | bits, slot]) + body
+
+
+def poke(field, value):
+    return bytes([4, field]) + struct.pack("<Q", value & (2**64 - 1))
+
+
+def index(which, value):
+    return bytes([5, which]) + struct.pack("<Q", value & (2**64 - 1))
+
+
+def doorbell(word, bits):
+    return bytes([6, word]) + struct.pack("<Q", bits)
+
+
+POLL = bytes([7])
+PUSH, PULL, REG, UNREG, STATS_, PING, DETACH, ATTACH = 5, 6, 3, 4, 7, 8, 2, 1
+
+
+def requests_corpus():
+    return {
+        "ping": fixed(PING) + POLL,
+        "push_w": fixed(PUSH, tensor_sel=0, buffer_id=0) + POLL + fixed(PULL, tensor_sel=0, buffer_id=1) + POLL,
+        "push_all_pull_all": fixed(PUSH, tensor_sel=2, buffer_id=0) + fixed(PULL, tensor_sel=2, buffer_id=1) + POLL,
+        "push_nan": fixed(PUSH, tensor_sel=2, buffer_id=1) + POLL,
+        "push_f16_bf16": fixed(PUSH, tensor_sel=1, dtype_raw=1) + fixed(PUSH, tensor_sel=1, dtype_raw=2) + POLL,
+        "push_stale": fixed(PUSH) + fixed(PUSH) + fixed(PUSH) + fixed(PUSH) + fixed(PUSH) +
+                      fixed(PUSH, version_back=7, bits=0xF0) + POLL,
+        "register_spare": desc(2, 2) + fixed(REG, buffer_id=2) + fixed(PUSH, tensor_sel=1, buffer_id=2) +
+                          fixed(UNREG, buffer_id=2) + POLL,
+        "register_bad": desc(3, 1, length=9999, offset=100, bits=0xA0) + fixed(REG, buffer_id=3) +
+                        fixed(REG, buffer_id=0) + fixed(REG, buffer_id=4) + POLL,
+        "stats_detach": fixed(STATS_) + fixed(DETACH) + fixed(PING) + POLL,
+        "attach_again": fixed(ATTACH) + poke(0, 1) + fixed(ATTACH) + fixed(PING) + POLL,
+        "owner_pokes": poke(0, 2) + fixed(PING) + poke(0, 3) + fixed(PING) + poke(0, 0) + fixed(PING) + POLL +
+                       poke(1, 0x3FFFFFFE00000002) + POLL + poke(0, 2) + fixed(PUSH) + POLL,
+        "lease_poke": poke(2, 77) + fixed(PING) + fixed(PING, bits=0x78) + POLL,
+        "index_pokes": fixed(PING) + index(0, 3) + POLL + index(2, 1) + fixed(PING) + index(7, 1 << 63) + POLL,
+        "doorbells": doorbell(0, 0xFFFFFFFFFFFFFFFF) + doorbell(3, 1 << 63) + fixed(PING) + POLL,
+        "raw": bytes([1]) + request(9, 5, 0, 0, 0, 0, 0, 4, 0, 1) + bytes([1]) + bytes(64) + POLL,
+        "full_lane": b"".join(fixed(PING) for _ in range(12)) + POLL,
+        # Released by the server (owner pid not alive), then claimed to be
+        # attached without an attach: requests naming buffers must be refused.
+        "forged_attached_after_release": poke(1, (0x3FFFFFFE << 32) | 1) + POLL + poke(0, 2) +
+                                         fixed(REG, buffer_id=1, bits=0x78) + fixed(PUSH, bits=0x78) + POLL,
+    }
+
+
+def main():
+    out = os.path.join(HERE, "corpus")
+    seg = {
+        "minimal": segment([("w", [4])]),
+        "two_tensors_populated": segment([("fc1.weight", [4, 2]), ("fc1.bias", [3])], workers=2, buffers=2, cap=4,
+                                         optimizer=3, populate=True),
+        "four_dims_cuda": segment([("conv", [2, 3, 1, 2])], workers=1, buffers=2, cap=2, optimizer=2, backend=2,
+                                  populate=True),
+    }
+    near_misses = {
+        "foreign": bytes([0x5A]) * 4096,
+        "unpublished": seg["minimal"][:8] + bytes(4) + seg["minimal"][12:448] + b"\x01" + seg["minimal"][449:],
+        # The harness sets the current version while header byte 448 is 0.
+        "other_version": seg["minimal"][:8] + struct.pack("<I", LAYOUT_VERSION + 1) + seg["minimal"][12:448] +
+                         b"\x01" + seg["minimal"][449:],
+        "truncated": seg["minimal"][:4096],
+    }
+    files = {"fuzz_validate_segment": {**seg, **near_misses}, "fuzz_requests": requests_corpus()}
+    for target, items in files.items():
+        d = os.path.join(out, target)
+        os.makedirs(d, exist_ok=True)
+        for name in os.listdir(d):
+            os.remove(os.path.join(d, name))
+        for name, data in items.items():
+            with open(os.path.join(d, name), "wb") as f:
+                f.write(data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+// Access control: the control segment and buffer objects get an explicit
+// mode whatever the umask (0600, or 0660 with --group-access) and are never
+// world-accessible; a process without access gets kPermission; a name held
+// by another user is never adopted; workers never create the segment;
+// object names are validated; a worker cannot borrow another's buffer.
+// Cases that need a second user fork a child that becomes nobody (65534);
+// they are skipped, with a message, when the test does not run as root.
+#define BOOST_TEST_MODULE test_access
+#include <fcntl.h>
+#include <grp.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <boost/test/unit_test.hpp>
+#include <cstring>
+#include <filesystem>
+
+#include "raw_client.hpp"
+#include "shmps/shm/futex.hpp"
+#include "shmps/shm/segment.hpp"
+#include "shmps/worker.hpp"
+#include "test_support.hpp"
+
+using namespace shmps;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr uid_t kNobody = 65534;
+constexpr gid_t kNogroup = 65534;
+
+bool is_root() { return ::geteuid() == 0; }
+
+// In a forked child: become nobody, for good.
+bool become_nobody() { return ::setgid(kNogroup) == 0 && ::setgroups(0, nullptr) == 0 && ::setuid(kNobody) == 0; }
+
+struct stat stat_of(const std::string& object_name) {
+  struct stat st{};
+  BOOST_REQUIRE_MESSAGE(::stat(("/dev/shm/" + object_name).c_str(), &st) == 0, "no /dev/shm/" << object_name);
+  return st;
+}
+
+// Sets the umask for its lifetime (children forked meanwhile inherit it).
+struct ScopedUmask {
+  explicit ScopedUmask(mode_t m) : old(::umask(m)) {}
+  ~ScopedUmask() { ::umask(old); }
+  mode_t old;
+};
+
+// A page shared with forked children, for a short message back.
+struct SharedText {
+  SharedText() {
+    text = static_cast<char*>(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+    BOOST_REQUIRE(text != MAP_FAILED);
+  }
+  ~SharedText() { ::munmap(text, 4096); }
+  void set(const std::string& s) const { std::snprintf(text, 4096, "%s", s.c_str()); }
+  char* text;
+};
+
+std::unique_ptr<Worker> connect(const std::string& name) {
+  WorkerOptions o;
+  o.name = name;
+  o.timeout = 5s;
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  return std::move(w).value();
+}
+
+// Buffer objects of `name`: "shmps.<name>.p<pid>.<n>".
+std::vector<std::string> buffer_objects(const std::string& name) {
+  std::vector<std::string> out;
+  const std::string prefix = shm::segment_object_name(name) + ".p";
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) out.push_back(e.path().filename().string());
+  return out;
+}
+
+const std::vector<std::string> kTiny = {"--tensor", "w:4"};
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(access_control)
+
+BOOST_AUTO_TEST_CASE(segment_mode_is_explicit_whatever_the_umask) {
+  for (const mode_t mask : {mode_t{0}, mode_t{0777}}) {
+    for (const bool group : {false, true}) {
+      BOOST_TEST_CONTEXT("umask 0" << std::oct << mask << std::dec << (group ? ", --group-access" : "")) {
+        std::vector<std::string> args = kTiny;
+        if (group) args.push_back("--group-access");
+        const ScopedUmask um(mask);
+        test::ServerProcess server(test::unique_name("mode"), args);
+        const struct stat st = stat_of(shm::segment_object_name(server.name()));
+        BOOST_TEST((st.st_mode & 0777) == (group ? 0660u : 0600u), "mode 0" << std::oct << (st.st_mode & 0777));
+        BOOST_TEST((st.st_mode & 0007) == 0u);  // never world-accessible
+        BOOST_TEST(st.st_uid == ::geteuid());
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(buffer_objects_get_an_explicit_mode_and_the_segments_group) {
+  for (const bool group : {false, true}) {
+    BOOST_TEST_CONTEXT((group ? "--group-access" : "default")) {
+      std::vector<std::string> args = kTiny;
+      if (group) args.push_back("--group-access");
+      test::ServerProcess server(test::unique_name("bufmode"), args);
+      const ScopedUmask um(0);  // a umask-based mode would come out 0666
+      auto w = connect(server.name());
+      auto buf = w->register_buffer(64);
+      BOOST_REQUIRE_MESSAGE(buf.ok(), buf.status().to_string());
+      const auto objects = buffer_objects(server.name());
+      BOOST_REQUIRE_EQUAL(objects.size(), 1u);
+      const struct stat st = stat_of(objects[0]);
+      const struct stat seg = stat_of(shm::segment_object_name(server.name()));
+      BOOST_TEST((st.st_mode & 0777) == (group ? 0660u : 0600u), "mode 0" << std::oct << (st.st_mode & 0777));
+      BOOST_TEST(st.st_uid == ::geteuid());
+      if (group) BOOST_TEST(st.st_gid == seg.st_gid);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(world_accessible_modes_are_refused) {
+  const std::string name = "shmps." + test::unique_name("worldw");
+  for (const mode_t mode : {mode_t{0666}, mode_t{0602}, mode_t{04600}}) {
+    auto obj = shm::ShmObject::create(name, 4096, mode);
+    BOOST_TEST((obj.status().code() == ErrorCode::kInvalidArgument), obj.status().to_string());
+    BOOST_TEST(!std::filesystem::exists("/dev/shm/" + name));
+  }
+}
+
+BOOST_AUTO_TEST_CASE(process_without_access_gets_kPermission_naming_the_segment) {
+  if (!is_root()) {
+    BOOST_TEST_MESSAGE("skipped: needs root to run a worker as another user (nobody)");
+    return;
+  }
+  for (const bool group : {false, true}) {
+    BOOST_TEST_CONTEXT((group ? "--group-access (nobody is not in the group)" : "mode 0600")) {
+      std::vector<std::string> args = kTiny;
+      if (group) args.push_back("--group-access");
+      test::ServerProcess server(test::unique_name("noaccess"), args);
+      SharedText message;
+      auto child = test::Process::fork_fn([&] {
+        if (!become_nobody()) return 90;
+        WorkerOptions o;
+        o.name = server.name();
+        auto w = Worker::connect(o);
+        message.set(w.ok() ? std::string("connected") : w.status().to_string());
+        if (w.ok()) return 1;
+        return w.status().code() == ErrorCode::kPermission ? 0 : 2;
+      });
+      BOOST_TEST(child.wait(10s) == 0, "worker as nobody: " << message.text);
+      const std::string text = message.text;
+      BOOST_TEST(text.find("permission denied") != std::string::npos, text);
+      BOOST_TEST(text.find(shm::segment_object_name(server.name())) != std::string::npos, text);
+      // The server is unaffected.
+      auto w = connect(server.name());
+      BOOST_TEST(w->ping().ok());
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(name_held_by_another_user_is_never_adopted) {
+  if (!is_root()) {
+    BOOST_TEST_MESSAGE("skipped: needs root to create an object as another user (nobody)");
+    return;
+  }
+  const std::string name = test::unique_name("foreign");
+  const std::string object = shm::segment_object_name(name);
+  // Once as garbage, once as a stale-looking shmps segment of a dead server.
+  for (const bool looks_like_ours : {false, true}) {
+    BOOST_TEST_CONTEXT((looks_like_ours ? "a shmps-looking segment" : "garbage")) {
+      auto creator = test::Process::fork_fn([&] {
+        if (!become_nobody()) return 90;
+        auto obj = shm::ShmObject::create(object, 8192, 0600);
+        if (!obj.ok()) return 91;
+        std::memset((*obj)->data(), 0x5a, 8192);
+        if (looks_like_ours) std::memcpy((*obj)->data(), &shm::kMagic, sizeof shm::kMagic);  // server pid 0x5a5a5a5a: dead
+        return 0;
+      });
+      BOOST_REQUIRE_EQUAL(creator.wait(10s), 0);
+      const auto run = test::run_captured({test::program_path("shmps-server"), "--name", name, "--tensor", "w:4"});
+      BOOST_TEST(run.exit_code == 1, run.output);
+      BOOST_TEST(run.output.find("belongs to uid 65534") != std::string::npos, run.output);
+      const struct stat st = stat_of(object);
+      BOOST_TEST(st.st_uid == kNobody);  // still theirs, untouched
+      BOOST_TEST(st.st_size == 8192);
+      shm::ShmObject::remove(object);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(workers_never_create_the_control_segment) {
+  const std::string name = test::unique_name("absent");
+  WorkerOptions o;
+  o.name = name;
+  auto w = Worker::connect(o);
+  BOOST_TEST((w.status().code() == ErrorCode::kServerNotRunning), w.status().to_string());
+  BOOST_TEST(w.status().message().find("/dev/shm/" + shm::segment_object_name(name)) != std::string::npos);
+  for (const bool read_only : {true, false}) {
+    auto seg = shm::Segment::open(name, read_only);
+    BOOST_TEST((seg.status().code() == ErrorCode::kServerNotRunning));
+  }
+  BOOST_TEST(!std::filesystem::exists("/dev/shm/" + shm::segment_object_name(name)));
+}
+
+BOOST_AUTO_TEST_CASE(object_names_are_validated) {
+  // The longest name validate_name() takes (the limit lives there).
+  size_t longest = 0;
+  while (shm::validate_name(std::string(longest + 1, 'n')).ok()) ++longest;
+  BOOST_TEST_MESSAGE("longest name: " << longest << " characters");
+  BOOST_REQUIRE(longest >= 16);
+  const std::string server = test::program_path("shmps-server");
+  const std::vector<std::string> bad_names = {"a/b", "../x", std::string(longest + 1, 'n'), ".hidden", "sp ace", ""};
+  for (const std::string& bad : bad_names) {
+    BOOST_TEST_CONTEXT("name '" << bad << "'") {
+      const auto run = test::run_captured({server, "--name", bad, "--tensor", "w:4"});
+      BOOST_TEST(run.exit_code != 0);
+      BOOST_TEST(run.output.find("name") != std::string::npos, run.output);
+      BOOST_TEST(!std::filesystem::exists("/dev/shm/shmps." + bad));
+      WorkerOptions o;
+      o.name = bad;
+      BOOST_TEST((Worker::connect(o).status().code() == ErrorCode::kInvalidArgument));
+    }
+  }
+  // The longest name works end to end, buffer object names
+  // ("shmps.<name>.p<pid>.<n>") included, past the tenth buffer.
+  std::string name = test::unique_name("longest");
+  name.resize(longest, 'n');
+  test::ServerProcess server_process(name, kTiny);
+  auto w = connect(name);
+  for (int i = 0; i < 12; ++i) {
+    auto buf = w->register_buffer(16);
+    BOOST_TEST_REQUIRE(buf.ok(), "buffer " << i << ": " << buf.status().to_string());
+  }
+}
+
+// The server maps a buffer only under a name of the requesting worker: a
+// worker that writes another worker's pid into its owner word must not get
+// that worker's buffer mapped for itself (and pull weights into it).
+BOOST_AUTO_TEST_CASE(forged_owner_pid_does_not_lend_another_workers_buffer) {
+  test::ServerProcess server(test::unique_name("borrow"), {"--tensor", "w:4", "--init", "uniform", "--init-scale", "1"});
+  auto victim = connect(server.name());
+  auto buf = victim->register_buffer(16);
+  BOOST_REQUIRE(buf.ok());
+  std::fill_n(static_cast<float*>(buf->data), 4, 42.0f);
+  const auto objects = buffer_objects(server.name());
+  BOOST_REQUIRE_EQUAL(objects.size(), 1u);
+  const std::string victims_object = objects[0];
+  SharedText message;
+  auto thief = test::Process::fork_fn([&] {
+    test::RawClient raw(server.name());
+    try {
+    shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
+    std::memset(&d, 0, sizeof d);
+    d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+    d.length = 16;
+    std::memcpy(d.handle, victims_object.c_str(), victims_object.size() + 1);
+    raw.entry().owner.store(shm::make_owner(static_cast<uint32_t>(::getppid()), shm::WorkerState::kAttached));
+    const shm::Completion reg = raw.call(raw.request(shm::Opcode::kRegisterBuffer), 2s);
+    message.set(std::string("register: code ") + std::to_string(reg.code) + " " + reg.message);
+    if (reg.code != 0) return 0;
+    shm::Request pull = raw.request(shm::Opcode::kPull);
+    pull.tensor_id = 0;
+    pull.byte_length = 16;
+    (void)raw.call(pull, 2s);
+    return 1;
+    } catch (const std::exception& e) {  // unanswered: our entry was reaped first (not lent either)
+      message.set(e.what());
+      return 0;
+    }
+  });
+  BOOST_TEST(thief.wait(10s) == 0, message.text);
+  BOOST_TEST(static_cast<const float*>(buf->data)[0] == 42.0f, "the victim's buffer was overwritten");
+  BOOST_TEST(victim->ping().ok());
+}
+
+BOOST_AUTO_TEST_SUITE_END()
