@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -40,6 +41,7 @@ struct Plan {
   uint32_t repeats = 5;
   std::string server_path;
   std::string log_path;
+  std::vector<std::string> server_extra;  // --server-arg: appended to every server's command line
   uint32_t pings = 10000;        // per process and repeat, back to back
   uint32_t spaced_pings = 1000;  // per repeat, one every kSpacedGapNs
   uint32_t warmup_pings = 1000;
@@ -76,11 +78,6 @@ struct Goal {
   bool met;
 };
 
-void sleep_ns(long ns) {
-  timespec ts{0, ns};
-  ::nanosleep(&ts, nullptr);
-}
-
 // Keeps the compiler from dropping a copy nobody reads.
 inline void escape(void* p) { asm volatile("" : : "g"(p) : "memory"); }
 
@@ -114,7 +111,9 @@ std::vector<std::string> server_args(const std::vector<uint64_t>& elements, cons
 Result<std::unique_ptr<ServerChild>> start_server(const Plan& plan, const std::string& tag,
                                                   const std::vector<uint64_t>& elements,
                                                   const std::vector<std::string>& extra) {
-  return ServerChild::start(plan.server_path, segment_name(tag), server_args(elements, extra), plan.log_path);
+  std::vector<std::string> args = server_args(elements, extra);
+  args.insert(args.end(), plan.server_extra.begin(), plan.server_extra.end());
+  return ServerChild::start(plan.server_path, segment_name(tag), args, plan.log_path);
 }
 
 // ------------------------------------------------------------ section 1: round trip
@@ -240,6 +239,31 @@ Result<std::vector<double>> worker_pings(const std::string& name, uint32_t procs
   return std::move(r.value()[0]);
 }
 
+// Processes that each keep a CPU busy until destroyed (SIGKILL): the
+// gradient computation of other workers on a shared host.
+Result<std::vector<Child>> start_bystanders(uint32_t n) {
+  std::vector<Child> procs;
+  for (uint32_t i = 0; i < n; ++i) {
+    auto c = Child::fork_run([] {
+      const uint64_t end = now_ns() + 600'000'000'000ull;  // a safety net only
+      volatile uint64_t x = 0;
+      while (now_ns() < end)
+        for (int k = 0; k < 100000; ++k) x = x + 1;
+      return 0;
+    });
+    if (!c.ok()) return c.status();
+    procs.push_back(std::move(c).value());
+  }
+  return procs;
+}
+
+Result<std::vector<double>> worker_pings_crowded(const std::string& name, uint32_t bystanders, uint32_t warmup,
+                                                 uint32_t n) {
+  auto busy = start_bystanders(bystanders);
+  if (!busy.ok()) return busy.status();
+  return worker_pings(name, 1, warmup, n, 0);  // ~busy kills them
+}
+
 struct LatencyRow {
   std::string label;
   std::string regime;
@@ -256,6 +280,9 @@ Status section_round_trip(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
   auto futex_server = start_server(plan, "ping0", {1024}, {"--idle-spin-us", "0"});
   if (!futex_server.ok()) return futex_server.status();
   const std::string spin_name = (*spin_server)->name(), futex_name = (*futex_server)->name();
+  // Busy processes that leave one CPU to the server and the pinging worker.
+  const uint32_t bystanders = std::max(1u, std::thread::hardware_concurrency()) - 1;
+  const std::string crowd = std::to_string(bystanders) + " busy bystander" + (bystanders == 1 ? "" : "s");
 
   std::vector<LatencyRow> rows{
       {"ref: shm spin ping-pong", "-", 2, 0, {}, {}, {}, {}, {}},
@@ -265,7 +292,10 @@ Status section_round_trip(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
       {"ping, 4 workers", "spin (back to back)", 4, 0, {}, {}, {}, {}, {}},
       {"ping, 1 worker, 200 us apart", "futex (server asleep)", 1, 0, {}, {}, {}, {}, {}},
       {"ping, 1 worker, --idle-spin-us 0", "no idle spin", 1, 0, {}, {}, {}, {}, {}},
+      {"ping, 1 worker, " + crowd, "spin (back to back)", 1, 0, {}, {}, {}, {}, {}},
+      {"ping, 1 worker, " + crowd + ", --idle-spin-us 0", "no idle spin", 1, 0, {}, {}, {}, {}, {}},
   };
+  if (bystanders == 0) rows.resize(rows.size() - 2);  // one CPU: nothing to crowd out
   for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
     std::vector<Result<std::vector<double>>> runs;
     runs.push_back(spin_pingpong(plan.warmup_pings, plan.pings));
@@ -275,6 +305,10 @@ Status section_round_trip(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
     runs.push_back(worker_pings(spin_name, 4, plan.warmup_pings, plan.pings, 0));
     runs.push_back(worker_pings(spin_name, 1, plan.warmup_pings / 10, plan.spaced_pings, kSpacedGapNs));
     runs.push_back(worker_pings(futex_name, 1, plan.warmup_pings, plan.pings, 0));
+    if (bystanders > 0) {
+      runs.push_back(worker_pings_crowded(spin_name, bystanders, plan.warmup_pings / 10, plan.pings / 10));
+      runs.push_back(worker_pings_crowded(futex_name, bystanders, plan.warmup_pings / 10, plan.pings / 10));
+    }
     double spin_p50 = NAN, socket_p50 = NAN;
     for (size_t i = 0; i < runs.size(); ++i) {
       if (!runs[i].ok()) return with_context(runs[i].status(), rows[i].label);
@@ -303,7 +337,9 @@ Status section_round_trip(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
               "    Regimes: spin = back-to-back pings reach the server while it polls (it spins\n"
               "    --idle-spin-us 50, the default, after its last request); futex = pings 200 us apart\n"
               "    find it asleep on its futex, so each pays a wake-up; no idle spin = a server that\n"
-              "    sleeps as soon as its lanes are empty (back-to-back pings often beat it to sleep).\n",
+              "    sleeps as soon as its lanes are empty (back-to-back pings often beat it to sleep).\n"
+              "    Busy bystanders: processes that keep all CPUs but one busy (other workers computing),\n"
+              "    so the server and the pinging worker share one CPU.\n",
               plan.repeats);
   const double p50 = median(rows[2].p50);
   goals.push_back({"[1] ping p50 <= 5000 ns, one worker (spin regime)", fixed(p50, 0) + " ns", p50 <= 5000.0});
@@ -578,12 +614,15 @@ Status section_optimizers(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
 Status section_memory(const Plan& plan, Csv& csv) {
   const uint64_t bytes = plan.memory_bytes;
   const uint64_t params = bytes / sizeof(float);
+  const double p = static_cast<double>(params);
   std::printf("\n[4] Server resident memory, one tensor of %s (%llu fp32 parameters), MiB\n", mib_text(bytes).c_str(),
               static_cast<unsigned long long>(params));
-  std::printf("    VmHWM of the server process (peak RSS) right after start and after %u pushes, against\n"
-              "    formula = constant + segment + weights (4 B/param) + optimizer state (0/4/8 B/param)\n"
-              "    + the worker's gradient buffer (4 B/param: shared pages the server maps and reads).\n"
-              "    constant = VmHWM of a server with a 1024-parameter tensor after one ping, minus its segment.\n",
+  std::printf("    formula = constant + segment + weights (4 B/param) + optimizer state (0/4/8 B/param);\n"
+              "    constant = VmHWM of a server with a 1024-parameter tensor after one ping, minus its segment.\n"
+              "    While a worker's buffer is mapped, the server's RSS also counts the gradient pages it\n"
+              "    read (4 B/param, shared with the worker): \"+ gradient\" adds them.\n"
+              "    Measured (server process, /proc/<pid>/status): VmHWM right after start (no worker yet),\n"
+              "    VmRSS after %u pushes with the buffer still mapped, and the final VmHWM (peak).\n",
               plan.memory_pushes);
 
   // The constant: a tiny server's peak.
@@ -598,8 +637,8 @@ Status section_memory(const Plan& plan, Csv& csv) {
     constant = hwm > seg ? hwm - seg : 0;
   }
 
-  Table table("memory", {"optimizer", "state B/param", "segment", "formula", "VmHWM at start", "VmHWM after pushes",
-                         "VmRSS after", "HWM/formula", "excess B/param"});
+  Table table("memory", {"optimizer", "state B/param", "segment", "formula", "+ gradient", "VmHWM at start",
+                         "VmRSS loaded", "VmHWM peak", "peak/(formula+gradient)", "start - formula B/param"});
   const auto mib = [](double b) { return fixed(b / static_cast<double>(kMiB), 1); };
   const double state_bpp[] = {0, 4, 8};
   for (size_t c = 0; c < optimizer_cases().size(); ++c) {
@@ -607,38 +646,38 @@ Status section_memory(const Plan& plan, Csv& csv) {
     auto server = start_server(plan, "mem" + std::to_string(c), {params}, oc.args);
     if (!server.ok()) return server.status();
     const pid_t pid = (*server)->pid();
-    const uint64_t hwm_start = proc_status_bytes(pid, "VmHWM");
-    const uint64_t seg = segment_bytes((*server)->name());
-    uint64_t rss_loaded = 0;
-    auto r = run_children(1, 1, 1, [&](uint32_t, StartBarrier& barrier, Series&) -> Status {
-      auto w = connect((*server)->name());
-      if (!w.ok()) return with_context(w.status(), "connect");
-      auto b = (*w)->register_buffer(bytes);
-      if (!b.ok()) return with_context(b.status(), "register_buffer");
-      fill(b->data, bytes, kGradValue);
-      barrier.arrive_and_wait();
-      uint64_t version = 0;
-      for (uint32_t i = 0; i < plan.memory_pushes; ++i) {
-        auto v = (*w)->push(0, b->id, 0, bytes, Dtype::kF32, version);
-        if (!v.ok()) return with_context(v.status(), "push");
-        version = *v;
-      }
-      return Status::Ok();
-    });
+    const std::string name = (*server)->name();
+    const auto hwm_start = static_cast<double>(proc_status_bytes(pid, "VmHWM"));
+    const auto seg = static_cast<double>(segment_bytes(name));
+    double rss_loaded = 0;
+    auto r = run_children(
+        1, 1, 1,
+        [&](uint32_t, StartBarrier& barrier, Series&) -> Status {
+          auto w = connect(name);
+          if (!w.ok()) return with_context(w.status(), "connect");
+          auto b = (*w)->register_buffer(bytes);
+          if (!b.ok()) return with_context(b.status(), "register_buffer");
+          fill(b->data, bytes, kGradValue);
+          uint64_t version = 0;
+          for (uint32_t i = 0; i < plan.memory_pushes; ++i) {
+            auto v = (*w)->push(0, b->id, 0, bytes, Dtype::kF32, version);
+            if (!v.ok()) return with_context(v.status(), "push");
+            version = *v;
+          }
+          barrier.arrive_and_wait();  // the parent reads the server's RSS now
+          return Status::Ok();
+        },
+        [&] { rss_loaded = static_cast<double>(proc_status_bytes(pid, "VmRSS")); });
     if (!r.ok()) return r.status();
-    const uint64_t hwm_after = proc_status_bytes(pid, "VmHWM");
-    rss_loaded = proc_status_bytes(pid, "VmRSS");
-    const double p = static_cast<double>(params);
-    const double formula = static_cast<double>(constant + seg) + p * (4 + state_bpp[c] + 4);
-    const double hwm = static_cast<double>(std::max(hwm_start, hwm_after));
-    table.add_row({oc.label, fixed(state_bpp[c], 0), mib(static_cast<double>(seg)), mib(formula),
-                   mib(static_cast<double>(hwm_start)), mib(static_cast<double>(hwm_after)),
-                   mib(static_cast<double>(rss_loaded)), fixed(hwm / formula, 2), fixed((hwm - formula) / p, 1)});
+    const auto hwm = static_cast<double>(proc_status_bytes(pid, "VmHWM"));
+    const double formula = static_cast<double>(constant) + seg + p * (4 + state_bpp[c]);
+    const double loaded = formula + 4 * p;
+    table.add_row({oc.label, fixed(state_bpp[c], 0), mib(seg), mib(formula), mib(loaded), mib(hwm_start),
+                   mib(rss_loaded), mib(hwm), fixed(hwm / loaded, 2), fixed((hwm_start - formula) / p, 1)});
   }
   table.print(stdout);
   table.to_csv(csv);
-  std::printf("    constant %s MiB. VmRSS after: after the worker detached (its buffer unmapped).\n",
-              mib(static_cast<double>(constant)).c_str());
+  std::printf("    constant %s MiB.\n", mib(static_cast<double>(constant)).c_str());
   return Status::Ok();
 }
 
@@ -671,7 +710,9 @@ int run(int argc, char** argv) {
       ("repeats", po::value(&plan.repeats), "repeats per figure (default 5, --quick 2)")
       ("csv", po::value(&csv_path), "also write every cell to FILE (section,row,column,value)")
       ("section", po::value(&sections)->multitoken(), "run only these sections (1 2 3 4)")
-      ("server", po::value(&plan.server_path), "shmps-server to run (default: beside this program)");
+      ("server", po::value(&plan.server_path), "shmps-server to run (default: beside this program)")
+      ("server-arg", po::value(&plan.server_extra)->composing(),
+       "append ARG to every server's command line (repeatable), e.g. --server-arg=--max-workers=4");
   po::variables_map vm;
   try {
     po::store(po::parse_command_line(argc, argv, desc), vm);
@@ -714,8 +755,16 @@ int run(int argc, char** argv) {
 
   std::printf("shmps-bench%s: %u CPUs online, %u repeats, server %s\n", plan.quick ? " --quick" : "",
               std::thread::hardware_concurrency(), plan.repeats, plan.server_path.c_str());
+  if (!plan.server_extra.empty()) {
+    std::string extra;
+    for (const std::string& a : plan.server_extra) extra += " " + a;
+    std::printf("Extra server arguments:%s\n", extra.c_str());
+  }
   std::printf("Every figure is a median over repeats; reference columns were measured in this run.\n");
   std::printf("Load average (1 min) at start: %s\n", load_average().c_str());
+  // The OpenMP settings the server children and the in-process apply inherit.
+  for (const char* var : {"OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND"})
+    if (const char* value = std::getenv(var)) std::printf("Environment: %s=%s\n", var, value);
   std::fflush(stdout);
 
   Csv csv;
@@ -738,11 +787,13 @@ int run(int argc, char** argv) {
 
   std::printf("\nLoad average (1 min) at end: %s (other processes sharing the CPUs distort every figure)\n",
               load_average().c_str());
-  std::printf("\nGoals%s\n", plan.quick ? " (--quick sizes: not the goals' sizes; informational only)" : "");
-  Table table("goals", {"goal", "measured", "verdict"});
-  for (const Goal& g : goals) table.add_row({g.text, g.measured, verdict(g.met)});
-  table.print(stdout);
-  table.to_csv(csv);
+  if (!goals.empty()) {
+    std::printf("\nGoals%s\n", plan.quick ? " (--quick sizes: not the goals' sizes; informational only)" : "");
+    Table table("goals", {"goal", "measured", "verdict"});
+    for (const Goal& g : goals) table.add_row({g.text, g.measured, verdict(g.met)});
+    table.print(stdout);
+    table.to_csv(csv);
+  }
   if (!csv_path.empty()) {
     if (Status s = csv.write(csv_path); !s.ok()) {
       std::fprintf(stderr, "shmps-bench: %s\n", s.to_string().c_str());

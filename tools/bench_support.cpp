@@ -28,12 +28,12 @@ uint64_t now_ns() noexcept {
   return static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000u + static_cast<uint64_t>(ts.tv_nsec);
 }
 
-namespace {
-
-void sleep_ns(long ns) {
-  timespec ts{0, ns};
+void sleep_ns(long ns) noexcept {
+  timespec ts{ns / 1'000'000'000, ns % 1'000'000'000};
   ::nanosleep(&ts, nullptr);
 }
+
+namespace {
 
 std::string errno_text(const std::string& what) { return what + ": " + std::strerror(errno); }
 
@@ -269,7 +269,8 @@ constexpr size_t kHeaderBytes = (sizeof(ArenaHeader) + 63) / 64 * 64;
 
 }  // namespace
 
-Result<Series> run_children(uint32_t children, uint32_t series, size_t max_samples, const ChildBody& body) {
+Result<Series> run_children(uint32_t children, uint32_t series, size_t max_samples, const ChildBody& body,
+                            const std::function<void()>& on_arrived) {
   const size_t block = sizeof(uint64_t) + max_samples * sizeof(double);
   auto arena = SharedArena::create(kHeaderBytes + size_t{children} * series * block);
   if (!arena.ok()) return arena.status();
@@ -310,6 +311,7 @@ Result<Series> run_children(uint32_t children, uint32_t series, size_t max_sampl
     if (now_ns() > setup_deadline) return failure("measuring children did not finish their setup within 300 s");
     sleep_ns(200'000);
   }
+  if (on_arrived) on_arrived();
   header->barrier.go.store(1, std::memory_order_release);
   for (Child& p : procs) {
     const int code = p.wait();

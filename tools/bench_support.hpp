@@ -23,6 +23,8 @@ namespace shmps::bench {
 
 // CLOCK_MONOTONIC in nanoseconds.
 uint64_t now_ns() noexcept;
+// nanosleep; an interrupted sleep just ends early.
+void sleep_ns(long ns) noexcept;
 
 // A pause instruction for spin loops.
 inline void cpu_relax() noexcept {
@@ -132,9 +134,13 @@ using Series = std::vector<std::vector<double>>;
 // exactly once, after its setup and before timing. The parent releases the
 // barrier when all arrived, waits for all, and returns, per series, every
 // child's samples concatenated (child 0 first). At most `max_samples` per
-// series and child. Errors: a child's Status (its message) or its death.
+// series and child. `on_arrived`, when given, runs in the parent once all
+// children wait at the barrier, before it releases them (e.g. to read their
+// peer's /proc while they hold still). Errors: a child's Status (its
+// message) or its death.
 using ChildBody = std::function<Status(uint32_t index, StartBarrier& barrier, Series& out)>;
-Result<Series> run_children(uint32_t children, uint32_t series, size_t max_samples, const ChildBody& body);
+Result<Series> run_children(uint32_t children, uint32_t series, size_t max_samples, const ChildBody& body,
+                            const std::function<void()>& on_arrived = {});
 
 // ------------------------------------------------------------ shmps-server
 

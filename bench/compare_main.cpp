@@ -1,0 +1,409 @@
+// shmps-compare: shmps against the IPC a user would otherwise pick (Unix
+// stream socket, Boost.Interprocess message_queue, ZeroMQ ipc:// REQ/REP),
+// side by side in one run, each figure beside a physical reference measured
+// in the same run (shared-memory spin ping-pong, memcpy, apply alone).
+// Every server applies kernels::apply_cpu SGD; workers are fork()ed
+// processes. Medians over repeats. docs/comparison.md explains each row.
+#include <algorithm>
+#include <boost/program_options.hpp>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <iostream>
+#include <new>
+
+#include "bench_support.hpp"
+#include "compare_systems.hpp"
+#include "shmps/kernels/optimizer.hpp"
+
+namespace po = boost::program_options;
+
+namespace shmps::bench {
+namespace {
+
+constexpr uint64_t kKiB = 1024, kMiB = kKiB * kKiB;
+
+struct Plan {
+  bool quick = false;
+  uint32_t repeats = 5;
+  uint32_t latency_pushes = 5000;
+  std::vector<uint64_t> sizes{4 * kKiB, 64 * kKiB, kMiB, 16 * kMiB, 64 * kMiB};
+  std::vector<uint32_t> scaling{1, 2, 4, 8};
+  uint32_t scaling_pushes = 64;  // per worker and repeat, 1 MiB each
+  std::string server_path;
+  std::string log_path;
+};
+
+std::string size_text(uint64_t bytes) {
+  if (bytes >= kMiB) return std::to_string(bytes / kMiB) + " MiB";
+  return std::to_string(bytes / kKiB) + " KiB";
+}
+
+// Pushes per repeat for a size: ~64 MiB of gradient, 3..400.
+uint32_t pushes_for(const Plan& plan, uint64_t bytes) {
+  const uint64_t budget = plan.quick ? 4 * kMiB : 64 * kMiB;
+  return static_cast<uint32_t>(std::clamp<uint64_t>(budget / bytes, 3, plan.quick ? 50 : 400));
+}
+
+inline void escape(void* p) { asm volatile("" : : "g"(p) : "memory"); }
+
+// ------------------------------------------------------------ references
+
+struct alignas(64) SpinPage {
+  alignas(64) std::atomic<uint64_t> ping{0};
+  alignas(64) std::atomic<uint64_t> pong{0};
+};
+
+bool spin_until(const std::atomic<uint64_t>& word, uint64_t value) {
+  uint64_t spins = 0;
+  const uint64_t deadline = now_ns() + 10'000'000'000ull;
+  // acquire: SYNC(spin_pingpong), pairs with the peer's release store of the word.
+  while (word.load(std::memory_order_acquire) != value) {
+    cpu_relax();
+    if ((++spins & 0xFFFF) == 0 && now_ns() > deadline) return false;
+  }
+  return true;
+}
+
+// Two processes, two atomics on separate cache lines of a MAP_SHARED page.
+Result<std::vector<double>> spin_pingpong(uint32_t n) {
+  auto page = SharedArena::create(sizeof(SpinPage));
+  if (!page.ok()) return page.status();
+  auto* p = new ((*page)->data()) SpinPage{};
+  const uint32_t warmup = n / 10;
+  auto r = run_children(2, 1, n, [&](uint32_t k, StartBarrier& barrier, Series& out) -> Status {
+    barrier.arrive_and_wait();
+    for (uint64_t i = 1; i <= uint64_t{warmup} + n; ++i) {
+      if (k == 1) {
+        if (!spin_until(p->ping, i)) return {ErrorCode::kTimeout, "spin ping-pong: no ping"};
+        p->pong.store(i, std::memory_order_release);  // SYNC(spin_pingpong)
+        continue;
+      }
+      const uint64_t t0 = now_ns();
+      p->ping.store(i, std::memory_order_release);  // SYNC(spin_pingpong)
+      if (!spin_until(p->pong, i)) return {ErrorCode::kTimeout, "spin ping-pong: no pong"};
+      if (i > warmup) out[0].push_back(static_cast<double>(now_ns() - t0));
+    }
+    return Status::Ok();
+  });
+  if (!r.ok()) return r.status();
+  return std::move(r.value()[0]);
+}
+
+// Median ns of memcpy and of apply_cpu (SGD, lr 0.001) on `bytes`, in this
+// process, pages faulted in first.
+struct InProcess {
+  double memcpy_ns, apply_ns;
+};
+InProcess in_process(uint64_t bytes, uint32_t n) {
+  std::vector<float> src(bytes / 4, 1e-4f), dst(bytes / 4, 0.f), weights(bytes / 4, 0.5f);
+  kernels::OptimizerConfig config;
+  config.lr = 0.001f;
+  kernels::TensorState tensor;
+  tensor.weights = weights.data();
+  tensor.n = bytes / 4;
+  std::vector<double> copy, apply;
+  uint64_t step = 0;
+  for (uint32_t i = 0; i < n + 1; ++i) {
+    uint64_t t0 = now_ns();
+    std::memcpy(dst.data(), src.data(), bytes);
+    escape(dst.data());
+    uint64_t t1 = now_ns();
+    if (i > 0) copy.push_back(static_cast<double>(t1 - t0));
+    t0 = now_ns();
+    kernels::apply_cpu(config, tensor, src.data(), kernels::GradDtype::kF32, ++step);
+    escape(weights.data());
+    t1 = now_ns();
+    if (i > 0) apply.push_back(static_cast<double>(t1 - t0));
+  }
+  return {median(copy), median(apply)};
+}
+
+// ------------------------------------------------------------ systems
+
+struct Target {
+  std::string label;  // row name
+  System system;
+  std::string address;
+  bool multi_worker;  // the baseline serves more than one worker
+};
+
+struct Running {
+  std::vector<std::unique_ptr<ServerChild>> shmps;
+  std::vector<std::unique_ptr<BaselineServer>> baselines;
+  std::vector<Target> targets;
+};
+
+Result<Running> start_all(const Plan& plan, std::vector<uint64_t>& tensor_bytes) {
+  Running run;
+  tensor_bytes = plan.sizes;
+  std::vector<std::string> args;
+  for (size_t i = 0; i < tensor_bytes.size(); ++i) {
+    args.push_back("--tensor");
+    args.push_back("t" + std::to_string(i) + ":" + std::to_string(tensor_bytes[i] / 4));
+  }
+  // Several pushers race on one tensor in the scaling rows: never reject on staleness.
+  args.insert(args.end(), {"--optimizer", "sgd", "--lr", "0.001", "--max-staleness", "1000000"});
+  for (int spin : {50, 0}) {
+    std::vector<std::string> a = args;
+    a.insert(a.end(), {"--idle-spin-us", std::to_string(spin)});
+    auto s = ServerChild::start(plan.server_path, segment_name("cmp" + std::to_string(spin)), a, plan.log_path);
+    if (!s.ok()) return s.status();
+    run.targets.push_back({spin == 0 ? "shmps, --idle-spin-us 0" : "shmps", System::kShmps, (*s)->name(), true});
+    run.shmps.push_back(std::move(s).value());
+  }
+  const uint64_t max_bytes = *std::max_element(plan.sizes.begin(), plan.sizes.end());
+  std::vector<System> baselines{System::kSocket, System::kMessageQueue};
+  if (zmq_available()) baselines.push_back(System::kZmq);
+  for (System sys : baselines) {
+    auto b = BaselineServer::start(sys, max_bytes);
+    if (!b.ok()) return b.status();
+    run.targets.push_back({system_name(sys), sys, (*b)->address(), sys != System::kMessageQueue});
+    run.baselines.push_back(std::move(b).value());
+  }
+  return run;
+}
+
+// One worker process per call: per repeat, p50/p99/p99.9 of 4 KiB pushes
+// back to back (series 0-2), then the median push time per size (3..).
+// Series 3 + sizes: the last repeat's 4 KiB samples (for the CDF).
+Result<Series> measure_one(const Plan& plan, const Target& t, const std::vector<uint64_t>& tensor_bytes) {
+  const uint64_t max_bytes = *std::max_element(plan.sizes.begin(), plan.sizes.end());
+  const auto nsizes = static_cast<uint32_t>(plan.sizes.size());
+  return run_children(1, 4 + nsizes, std::max<size_t>(plan.latency_pushes, plan.repeats),
+                      [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+    auto c = connect_client(t.system, t.address, max_bytes, tensor_bytes);
+    if (!c.ok()) return c.status();
+    for (uint64_t b : plan.sizes)  // warm-up: every page mapped and faulted in on both sides
+      for (int i = 0; i < 2; ++i)
+        if (Status s = (*c)->push(b); !s.ok()) return s;
+    barrier.arrive_and_wait();
+    std::vector<double> lat(plan.latency_pushes);
+    for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
+      for (uint32_t i = 0; i < plan.latency_pushes; ++i) {
+        const uint64_t t0 = now_ns();
+        if (Status s = (*c)->push(4 * kKiB); !s.ok()) return s;
+        lat[i] = static_cast<double>(now_ns() - t0);
+      }
+      out[0].push_back(percentile(lat, 0.5));
+      out[1].push_back(percentile(lat, 0.99));
+      out[2].push_back(percentile(lat, 0.999));
+      for (uint32_t j = 0; j < nsizes; ++j) {
+        std::vector<double> ns;
+        for (uint32_t i = 0; i < pushes_for(plan, plan.sizes[j]); ++i) {
+          const uint64_t t0 = now_ns();
+          if (Status s = (*c)->push(plan.sizes[j]); !s.ok()) return s;
+          ns.push_back(static_cast<double>(now_ns() - t0));
+        }
+        out[4 + j].push_back(median(ns));
+      }
+    }
+    out[3] = lat;
+    return Status::Ok();
+  });
+}
+
+// `workers` processes push 1 MiB back to back; aggregate GB/s of one repeat.
+Result<double> measure_scaling(const Plan& plan, const Target& t, const std::vector<uint64_t>& tensor_bytes,
+                               uint32_t workers) {
+  auto r = run_children(workers, 1, 2, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+    auto c = connect_client(t.system, t.address, kMiB, tensor_bytes);
+    if (!c.ok()) return c.status();
+    if (Status s = (*c)->push(kMiB); !s.ok()) return s;
+    barrier.arrive_and_wait();
+    const uint64_t t0 = now_ns();
+    for (uint32_t i = 0; i < plan.scaling_pushes; ++i)
+      if (Status s = (*c)->push(kMiB); !s.ok()) return s;
+    out[0].push_back(static_cast<double>(t0));
+    out[0].push_back(static_cast<double>(now_ns()));
+    return Status::Ok();
+  });
+  if (!r.ok()) return r.status();
+  const auto& v = (*r)[0];
+  double first = INFINITY, last = 0;
+  for (size_t i = 0; i + 1 < v.size(); i += 2) {
+    first = std::min(first, v[i]);
+    last = std::max(last, v[i + 1]);
+  }
+  return static_cast<double>(workers) * plan.scaling_pushes * static_cast<double>(kMiB) / (last - first);
+}
+
+struct Goal {
+  std::string text, measured;
+  bool met;
+};
+
+int run(const Plan& plan, const std::string& csv_path) {
+  Csv csv;
+  std::vector<Goal> goals;
+  std::printf("shmps-compare: %u repeat(s)%s; every server applies kernels::apply_cpu SGD (lr 0.001) to fp32\n"
+              "gradients; workers are fork()ed processes; figures are medians over repeats.\n",
+              plan.repeats, plan.quick ? " (--quick: smoke mode, figures meaningless)" : "");
+  if (!zmq_available()) std::printf("note: built without libzmq: no ZeroMQ baseline.\n");
+
+  // References.
+  std::vector<double> spin50, spin99, spin999;
+  for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
+    auto s = spin_pingpong(plan.latency_pushes);
+    if (!s.ok()) return std::fprintf(stderr, "spin ping-pong: %s\n", s.status().to_string().c_str()), 1;
+    spin50.push_back(percentile(*s, 0.5));
+    spin99.push_back(percentile(*s, 0.99));
+    spin999.push_back(percentile(*s, 0.999));
+  }
+  // In a child: OpenMP's thread pool (apply_cpu) must never start in this
+  // process, whose later fork()ed servers would hang on it (libgomp).
+  const auto nsizes = static_cast<uint32_t>(plan.sizes.size());
+  auto ref = run_children(1, 2 * nsizes, plan.repeats, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+    barrier.arrive_and_wait();
+    for (uint32_t j = 0; j < nsizes; ++j)
+      for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
+        const InProcess ip = in_process(plan.sizes[j], pushes_for(plan, plan.sizes[j]));
+        out[2 * j].push_back(ip.memcpy_ns);
+        out[2 * j + 1].push_back(ip.apply_ns);
+      }
+    return Status::Ok();
+  });
+  if (!ref.ok()) return std::fprintf(stderr, "references: %s\n", ref.status().to_string().c_str()), 1;
+  std::vector<InProcess> refs;
+  for (uint32_t j = 0; j < nsizes; ++j) refs.push_back({median((*ref)[2 * j]), median((*ref)[2 * j + 1])});
+
+  std::vector<uint64_t> tensor_bytes;
+  auto running = start_all(plan, tensor_bytes);
+  if (!running.ok()) return std::fprintf(stderr, "start: %s\n", running.status().to_string().c_str()), 1;
+  std::vector<Series> results;
+  for (const Target& t : running->targets) {
+    auto r = measure_one(plan, t, tensor_bytes);
+    if (!r.ok()) return std::fprintf(stderr, "%s: %s\n", t.label.c_str(), r.status().to_string().c_str()), 1;
+    results.push_back(std::move(r).value());
+  }
+
+  // [1] latency.
+  const double spin_p50 = median(spin50);
+  const double shmps_p50 = median(results[0][0]);
+  std::printf("\n[1] Round trip of a 4 KiB gradient push (push -> applied -> reply), back to back, ns\n");
+  Table lat("latency_4k", {"system", "p50 ns", "p99 ns", "p99.9 ns", "p50/spin ref", "p50/shmps p50"});
+  lat.add_row({"ref: shm spin ping-pong", fixed(spin_p50, 0), fixed(median(spin99), 0), fixed(median(spin999), 0),
+               "1.00", fixed(spin_p50 / shmps_p50, 3)});
+  for (size_t i = 0; i < results.size(); ++i) {
+    const double p50 = median(results[i][0]);
+    lat.add_row({running->targets[i].label, fixed(p50, 0), fixed(median(results[i][1]), 0),
+                 fixed(median(results[i][2]), 0), fixed(p50 / spin_p50, 2), fixed(p50 / shmps_p50, 2)});
+  }
+  lat.print(stdout);
+  lat.to_csv(csv);
+  for (size_t i = 0; i < results.size(); ++i)
+    for (double q : {0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 0.995, 0.999, 1.0})
+      csv.add("latency_cdf", running->targets[i].label, fixed(q, 3), fixed(percentile(results[i][3], q), 0));
+
+  // [2] throughput.
+  std::printf("\n[2] Push + apply of one gradient, back to back, one worker; ratios to the in-process references\n");
+  Table thr("throughput", {"system / gradient", "system", "bytes", "push ms", "GB/s", "push/apply", "push/memcpy"});
+  for (size_t j = 0; j < plan.sizes.size(); ++j) {
+    const auto b = static_cast<double>(plan.sizes[j]);
+    thr.add_row({"ref: apply alone " + size_text(plan.sizes[j]), "ref: apply alone", std::to_string(plan.sizes[j]),
+                 fixed(refs[j].apply_ns / 1e6, 4), fixed(b / refs[j].apply_ns, 2), "1.00",
+                 fixed(refs[j].apply_ns / refs[j].memcpy_ns, 2)});
+    thr.add_row({"ref: memcpy " + size_text(plan.sizes[j]), "ref: memcpy", std::to_string(plan.sizes[j]),
+                 fixed(refs[j].memcpy_ns / 1e6, 4), fixed(b / refs[j].memcpy_ns, 2),
+                 fixed(refs[j].memcpy_ns / refs[j].apply_ns, 2), "1.00"});
+    for (size_t i = 0; i < results.size(); ++i) {
+      const double ns = median(results[i][4 + j]);
+      thr.add_row({running->targets[i].label + " " + size_text(plan.sizes[j]), running->targets[i].label,
+                   std::to_string(plan.sizes[j]), fixed(ns / 1e6, 4), fixed(b / ns, 2),
+                   fixed(ns / refs[j].apply_ns, 2), fixed(ns / refs[j].memcpy_ns, 2)});
+    }
+  }
+  thr.print(stdout);
+  thr.to_csv(csv);
+
+  // [3] scaling.
+  std::printf("\n[3] Scaling: N worker processes push 1 MiB back to back (%u each), aggregate GB/s\n",
+              plan.scaling_pushes);
+  Table sc("scaling", {"system / workers", "system", "workers", "GB/s", "vs 1 worker"});
+  std::vector<double> shmps_scaling;
+  for (size_t i = 0; i < running->targets.size(); ++i) {
+    const Target& t = running->targets[i];
+    if (!t.multi_worker || i == 1) continue;  // shmps (spin) and the multi-client baselines
+    double base = NAN;
+    for (uint32_t w : plan.scaling) {
+      std::vector<double> g;
+      for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
+        auto r = measure_scaling(plan, t, tensor_bytes, w);
+        if (!r.ok()) return std::fprintf(stderr, "%s scaling: %s\n", t.label.c_str(), r.status().to_string().c_str()), 1;
+        g.push_back(*r);
+      }
+      const double gb = median(g);
+      if (w == plan.scaling.front()) base = gb;
+      if (i == 0) shmps_scaling.push_back(gb / base);
+      sc.add_row({t.label + " x" + std::to_string(w), t.label, std::to_string(w), fixed(gb, 2), fixed(gb / base, 2)});
+    }
+  }
+  sc.print(stdout);
+  sc.to_csv(csv);
+
+  // Goals.
+  double worst = 0;
+  for (size_t j = 0; j < plan.sizes.size(); ++j)
+    if (plan.sizes[j] >= kMiB) worst = std::max(worst, median(results[0][4 + j]) / refs[j].apply_ns);
+  goals.push_back({"(1) shmps push+apply >= 1 MiB within 1.2x apply alone (worst size)", fixed(worst, 2) + "x",
+                   worst <= 1.2});
+  const double socket_p50 = median(results[2][0]);
+  goals.push_back({"(2a) shmps 4 KiB p50 within 3x spin ping-pong", fixed(shmps_p50 / spin_p50, 2) + "x",
+                   shmps_p50 / spin_p50 <= 3.0});
+  goals.push_back({"(2b) shmps 4 KiB p50 >= 20x lower than unix socket", fixed(socket_p50 / shmps_p50, 2) + "x",
+                   socket_p50 / shmps_p50 >= 20.0});
+  const double low = shmps_scaling.empty() ? NAN : *std::min_element(shmps_scaling.begin(), shmps_scaling.end());
+  goals.push_back({"(3) shmps 1 MiB throughput at every N >= 0.8x its 1-worker figure", fixed(low, 2) + "x (lowest)",
+                   low >= 0.8});
+  std::printf("\nGoals\n");
+  Table gt("goals", {"goal", "measured", "verdict"});
+  for (const Goal& g : goals) gt.add_row({g.text, g.measured, g.met ? "MET" : "MISSED"});
+  gt.print(stdout);
+  gt.to_csv(csv);
+  if (!csv_path.empty())
+    if (Status s = csv.write(csv_path); !s.ok()) return std::fprintf(stderr, "%s\n", s.to_string().c_str()), 1;
+  return 0;
+}
+
+}  // namespace
+}  // namespace shmps::bench
+
+int main(int argc, char** argv) {
+  using namespace shmps::bench;
+  try {
+    Plan plan;
+    std::string csv_path;
+    bool big = false;
+    po::options_description desc("shmps-compare: shmps against Unix sockets, Boost message_queue and ZeroMQ");
+    desc.add_options()("help,h", "this text")("quick", po::bool_switch(&plan.quick), "smoke mode (~2 s, 1 repeat)")(
+        "repeats", po::value(&plan.repeats)->default_value(5), "repeats (medians over them)")(
+        "csv", po::value(&csv_path), "also write every cell to this CSV file")(
+        "with-256mb", po::bool_switch(&big), "add a 256 MiB gradient (memory: ~2 GiB over all servers)")(
+        "server", po::value(&plan.server_path), "shmps-server to run (default: beside this program)")(
+        "log", po::value(&plan.log_path)->default_value("/tmp/shmps-compare-server.log"), "servers' output");
+    po::variables_map vm;
+    po::store(po::parse_command_line(argc, argv, desc), vm);
+    po::notify(vm);
+    if (vm.count("help")) {
+      std::cout << desc << "\n";
+      return 0;
+    }
+    if (plan.server_path.empty())
+      plan.server_path = (std::filesystem::canonical("/proc/self/exe").parent_path() / "shmps-server").string();
+    if (plan.quick) {
+      plan.repeats = 1;
+      plan.latency_pushes = 300;
+      plan.sizes = {4 * kKiB, kMiB};
+      plan.scaling = {1, 2};
+      plan.scaling_pushes = 8;
+    }
+    if (big) plan.sizes.push_back(256 * kMiB);
+    if (plan.repeats == 0) plan.repeats = 1;
+    return run(plan, csv_path);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shmps-compare: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Plots shmps-compare's CSV (--csv FILE) into three small PNGs:
+throughput vs gradient size per system, 4 KiB latency CDF, scaling.
+Usage: bench/plot.py results.csv OUTDIR   (needs matplotlib)"""
+import csv
+import sys
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load(path):
+    cells = defaultdict(dict)  # (section, row) -> {column: value}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            cells[(r["section"], r["row"])][r["column"]] = r["value"]
+    return cells
+
+
+def num(text):
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
+
+
+def main():
+    cells, out = load(sys.argv[1]), sys.argv[2]
+    # Throughput vs size.
+    series = defaultdict(list)
+    for (section, _), c in cells.items():
+        if section == "throughput":
+            series[c["system"]].append((num(c["bytes"]), num(c["GB/s"])))
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=80)
+    for name, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                linestyle="--" if name.startswith("ref") else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("gradient bytes")
+    ax.set_ylabel("push + apply, GB/s of gradient")
+    ax.set_title("Throughput vs gradient size (one worker)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{out}/compare_throughput.png")
+
+    # Latency CDF.
+    cdf = defaultdict(list)
+    for (section, row), c in cells.items():
+        if section == "latency_cdf":
+            cdf[row] = sorted((num(v), num(q)) for q, v in c.items())
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=80)
+    for name, pts in sorted(cdf.items()):
+        ax.step([p[0] / 1000 for p in pts], [p[1] for p in pts], where="post", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("round trip of a 4 KiB push, us (one repeat)")
+    ax.set_ylabel("fraction of pushes")
+    ax.set_title("4 KiB push latency CDF")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{out}/compare_latency_cdf.png")
+
+    # Scaling.
+    sc = defaultdict(list)
+    for (section, _), c in cells.items():
+        if section == "scaling":
+            sc[c["system"]].append((num(c["workers"]), num(c["GB/s"])))
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=80)
+    for name, pts in sorted(sc.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("worker processes (2 CPU cores)")
+    ax.set_ylabel("aggregate GB/s, 1 MiB pushes")
+    ax.set_title("Scaling")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{out}/compare_scaling.png")
+
+
+if __name__ == "__main__":
+    main()
