@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <new>
 #include <sstream>
@@ -290,7 +291,7 @@ Result<Series> run_children(uint32_t children, uint32_t series, size_t max_sampl
       for (uint32_t s = 0; s < series; ++s) {
         const size_t n = std::min(out[s].size(), max_samples);
         std::memcpy(slot(k, s), &n, sizeof n);
-        std::memcpy(slot(k, s) + sizeof(uint64_t), out[s].data(), n * sizeof(double));
+        if (n > 0) std::memcpy(slot(k, s) + sizeof(uint64_t), out[s].data(), n * sizeof(double));
       }
       return 0;
     });
@@ -393,6 +394,17 @@ uint64_t proc_status_bytes(pid_t pid, const std::string& field) {
     return unit == "kB" ? value * 1024 : value;
   }
   return 0;
+}
+
+uint64_t process_cpu_ns(pid_t pid) {
+  std::error_code ec;
+  uint64_t total = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+    std::ifstream in(task.path() / "schedstat");
+    uint64_t on_cpu = 0;
+    if (in >> on_cpu) total += on_cpu;
+  }
+  return total;
 }
 
 }  // namespace shmps::bench

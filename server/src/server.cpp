@@ -394,7 +394,10 @@ class Server::Impl {
       if (!slot.attached() || entry.owner.load(std::memory_order_relaxed) != slot.owner)  // relaxed: re-checked by sync_entry
         return true;  // evicted while handling, or the entry changed
     }
-    if (served > 0) shm::notify(slot.lane.header()->space_ready);
+    if (served > 0) {
+      shm::notify(slot.lane.header()->space_ready);
+      update_depth();  // what is left now
+    }
     if (slot.lane.refresh() == shm::RingResult::kOk) ring_doorbell(i);  // more left: come back
     return served > 0;
   }
