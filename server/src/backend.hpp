@@ -34,9 +34,10 @@ class Backend {
   virtual const char* name() const noexcept = 0;
 
   // Allocates the weights (sum of extents, fp32) and `state_arrays` optimizer
-  // state arrays of the same length (zeroed), and copies `initial` in.
+  // state arrays of the same length (zeroed), from `initial` (taken: the
+  // host backend keeps that very vector, so the peak is one copy).
   virtual Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays,
-                          std::span<const float> initial) = 0;
+                          std::vector<float> initial) = 0;
 
   // Opens the buffer a worker described (already checked for kind and a
   // terminated name). Errors: kUnknownBuffer (cannot open), kBadRange

@@ -40,10 +40,13 @@ class HostBackend final : public Backend {
   }
 
   Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays,
-                  std::span<const float> initial) override {
+                  std::vector<float> initial) override {
     tensors_ = tensors;
-    weights_.assign(initial.begin(), initial.end());
-    state_.assign(state_arrays, std::vector<float>(initial.size(), 0.0f));
+    weights_ = std::move(initial);
+    // One array at a time, no zeroed temporary to copy from (it would
+    // raise the peak resident memory by a whole tensor).
+    state_.resize(state_arrays);
+    for (auto& array : state_) array.assign(weights_.size(), 0.0f);
     return Status::Ok();
   }
 

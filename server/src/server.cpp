@@ -1098,7 +1098,7 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
     shm::Segment::remove(config.name);
     return init.status();
   }
-  if (Status s = impl->backend->allocate(extents, kernels::state_arrays(config.optimizer), *init); !s.ok()) {
+  if (Status s = impl->backend->allocate(extents, kernels::state_arrays(config.optimizer), std::move(init).value()); !s.ok()) {
     shm::Segment::remove(config.name);
     return s;
   }
