@@ -520,14 +520,17 @@ Result<Series> in_process_apply(const Plan& plan, uint32_t samples) {
 // pushing the whole tensor from its registered buffer, paired with a memcpy
 // of that buffer. One server at a time: an idle server's OpenMP threads
 // spinning after their last update would slow the next one down.
-// Series: 0 memcpy, 1 push.
+// Series: 0 memcpy, 1 push. *server_cpu_ns: the server process's CPU time
+// (all threads) over the measured loop, per push.
 Result<Series> via_server(const Plan& plan, const std::string& tag, const std::vector<std::string>& args,
-                          uint32_t samples) {
+                          uint32_t samples, double* server_cpu_ns) {
   const uint64_t bytes = plan.optimizer_bytes;
   auto server = start_server(plan, tag, {bytes / sizeof(float)}, args);
   if (!server.ok()) return server.status();
   const std::string name = (*server)->name();
-  return run_children(1, 2, samples, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+  const pid_t pid = (*server)->pid();
+  uint64_t cpu_before = 0;
+  auto r = run_children(1, 2, samples, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
     auto w = connect(name);
     if (!w.ok()) return with_context(w.status(), "connect");
     auto b = (*w)->register_buffer(bytes);
@@ -555,7 +558,9 @@ Result<Series> via_server(const Plan& plan, const std::string& tag, const std::v
       out[1].push_back(static_cast<double>(t1 - t0));
     }
     return Status::Ok();
-  });
+  }, [&] { cpu_before = process_cpu_ns(pid); });
+  if (r.ok()) *server_cpu_ns = static_cast<double>(process_cpu_ns(pid) - cpu_before) / samples;
+  return r;
 }
 
 Status section_optimizers(const Plan& plan, Csv& csv, std::vector<Goal>& goals) {
@@ -570,20 +575,23 @@ Status section_optimizers(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
   auto local = in_process_apply(plan, samples);
   if (!local.ok()) return with_context(local.status(), "in-process apply_cpu");
   std::vector<Series> remote;  // per case: NaN check, then --allow-nonfinite
+  std::vector<double> server_cpu;  // ns per push, same order
   for (size_t c = 0; c < optimizer_cases().size(); ++c) {
     for (bool allow : {false, true}) {
       std::vector<std::string> args = optimizer_cases()[c].args;
       if (allow) args.push_back("--allow-nonfinite");
-      auto r = via_server(plan, "opt" + std::to_string(remote.size()), args, samples);
+      double cpu = 0;
+      auto r = via_server(plan, "opt" + std::to_string(remote.size()), args, samples, &cpu);
       if (!r.ok()) return with_context(r.status(), "pushes, " + optimizer_cases()[c].label);
       remote.push_back(std::move(r).value());
+      server_cpu.push_back(cpu);
     }
   }
 
   Table table("optimizers", {"optimizer", "path", "B/param", "ms", "traffic GB/s", "memcpy traffic GB/s",
-                             "traffic/memcpy"});
+                             "traffic/memcpy", "server CPU ms/push"});
   const auto row = [&](const std::string& label, const std::string& path, double bpp, double moved,
-                       const std::vector<double>& ns, const std::vector<double>& copy_ns) {
+                       const std::vector<double>& ns, const std::vector<double>& copy_ns, double cpu_ns = NAN) {
     const double traffic = gbps(bpp * params, median(ns));
     const double ref = gbps(2.0 * static_cast<double>(bytes), median(copy_ns));
     // Per pair: (bpp * params / t) / (2 * bytes / t_copy).
@@ -591,7 +599,7 @@ Status section_optimizers(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
     for (double& x : r) x *= bpp * params / (2.0 * static_cast<double>(bytes));
     const std::string bpp_text = moved == bpp ? fixed(bpp, 0) : fixed(bpp, 0) + " (+" + fixed(moved - bpp, 0) + ")";
     table.add_row({label, path, bpp_text, fixed(median(ns) / 1e6, 2), fixed(traffic, 2), fixed(ref, 2),
-                   fixed(100 * median(r), 1) + "%"});
+                   fixed(100 * median(r), 1) + "%", fixed(cpu_ns / 1e6, 2)});
     return median(r);
   };
   const Series& l = *local;
@@ -605,9 +613,9 @@ Status section_optimizers(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
     const Series& checked_run = remote[2 * c];
     const Series& allowed_run = remote[2 * c + 1];
     const double checked = row(oc.label, "server, NaN check", oc.bytes_per_param, oc.bytes_per_param + 4,
-                               checked_run[1], checked_run[0]);
+                               checked_run[1], checked_run[0], server_cpu[2 * c]);
     const double allowed = row(oc.label, "server, --allow-nonfinite", oc.bytes_per_param, oc.bytes_per_param,
-                               allowed_run[1], allowed_run[0]);
+                               allowed_run[1], allowed_run[0], server_cpu[2 * c + 1]);
     goals.push_back({"[3] " + oc.label + " via server (NaN check) >= 60% of memcpy traffic",
                      fixed(100 * checked, 1) + "%", checked >= 0.6});
     goals.push_back({"[3] " + oc.label + " via server (--allow-nonfinite) >= 60% of memcpy traffic",
@@ -619,7 +627,8 @@ Status section_optimizers(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
               "    In-process rows use the in-process memcpy (one thread) as reference; each server row\n"
               "    its own worker process's memcpy of its registered buffer, paired with the pushes (one\n"
               "    server process at a time). apply_cpu and the server split the update over all cores\n"
-              "    (OpenMP).\n",
+              "    (OpenMP). Server CPU ms/push: CPU time of all the server's threads over the measured\n"
+              "    pushes (/proc/<pid>/task/*/schedstat), per push; compare with ms x cores.\n",
               samples);
   return Status::Ok();
 }

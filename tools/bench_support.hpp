@@ -175,4 +175,8 @@ uint64_t segment_bytes(const std::string& name);
 // A "Vm..."/"Rss..." field of /proc/<pid>/status in bytes; 0 when absent.
 uint64_t proc_status_bytes(pid_t pid, const std::string& field);
 
+// CPU time all live threads of `pid` have run so far, ns (the sum of
+// /proc/<pid>/task/*/schedstat); 0 when unreadable.
+uint64_t process_cpu_ns(pid_t pid);
+
 }  // namespace shmps::bench
