@@ -367,6 +367,10 @@ Child spawn_server(const std::vector<std::string>& argv) {
   if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // do not outlive a crashed trainer
+    // libgomp's threads spin after every parallel apply by default, taking
+    // the CPUs the workers need (docs/benchmarks.md); it reads the policy
+    // at load, so it is set here, before exec.
+    ::setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/0);
     ::execv(args[0], args.data());
     std::fprintf(stderr, "shmps-train: exec %s: %s\n", args[0], std::strerror(errno));
     ::_exit(127);
