@@ -5,6 +5,8 @@
 // tensors are split over all cores when built with SHMPS_OPENMP.
 #include "shmps/kernels/optimizer.hpp"
 
+#include "dtype_dispatch.hpp"
+
 #include <algorithm>
 #include <cassert>
 #include <charconv>
@@ -100,18 +102,6 @@ auto with_bool(bool b, F&& f) {
   return b ? f(std::true_type{}) : f(std::false_type{});
 }
 
-template <class F>
-auto with_dtype(GradDtype dtype, F&& f) {
-  switch (dtype) {
-    case GradDtype::kF16:
-      return f(std::integral_constant<GradDtype, GradDtype::kF16>{});
-    case GradDtype::kBF16:
-      return f(std::integral_constant<GradDtype, GradDtype::kBF16>{});
-    case GradDtype::kF32:
-    default:
-      return f(std::integral_constant<GradDtype, GradDtype::kF32>{});
-  }
-}
 
 // ---------------------------------------------------------------------------
 // Range loops. Each instantiation is one branch-free loop: the option flags
@@ -219,7 +209,7 @@ RangeFn<SgdArgs> pick_sgd_range(const SgdParams& p, bool first_step) {
 void apply_sgd(const OptimizerConfig& config, const TensorState& tensor, const unsigned char* grad,
                GradDtype dtype, uint64_t step) {
   const SgdArgs args{make_sgd_params(config), tensor.weights, tensor.state[0], grad};
-  const RangeFn<SgdArgs> fn = with_dtype(dtype, [&](auto dtype_c) {
+  const RangeFn<SgdArgs> fn = detail::visit_dtype(dtype, [&](auto dtype_c) {
     return with_bool(args.params.use_weight_decay, [&](auto wd_c) {
       return pick_sgd_range<decltype(dtype_c)::value, decltype(wd_c)::value>(args.params, step == 1);
     });
@@ -232,7 +222,7 @@ void apply_adam(const OptimizerConfig& config, const TensorState& tensor, const 
   const AdamArgs args{make_adam_params(config, step), tensor.weights, tensor.state[0], tensor.state[1],
                       tensor.state[2], grad};
   const AdamParams& p = args.params;
-  const RangeFn<AdamArgs> fn = with_dtype(dtype, [&](auto dtype_c) {
+  const RangeFn<AdamArgs> fn = detail::visit_dtype(dtype, [&](auto dtype_c) {
     return with_bool(p.amsgrad, [&](auto amsgrad_c) {
       return with_bool(p.lerp_from_m, [&](auto lerp_c) -> RangeFn<AdamArgs> {
         constexpr GradDtype kDtype = decltype(dtype_c)::value;

@@ -12,6 +12,7 @@
 
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/kernels/update.hpp"
+#include "dtype_dispatch.hpp"
 
 #if defined(__CUDA_ARCH__)
 #define SHMPS_UNROLL _Pragma("unroll")
@@ -388,19 +389,7 @@ auto visit_adam(const AdamParams& p, F&& f) {
   return p.amsgrad ? with_amsgrad(std::true_type{}) : with_amsgrad(std::false_type{});
 }
 
-// dtype must be inside the enum (the callers check dtype_size first).
-template <class F>
-auto visit_dtype(GradDtype dtype, F&& f) {
-  switch (dtype) {
-    case GradDtype::kF16:
-      return f(std::integral_constant<GradDtype, GradDtype::kF16>{});
-    case GradDtype::kBF16:
-      return f(std::integral_constant<GradDtype, GradDtype::kBF16>{});
-    case GradDtype::kF32:
-    default:
-      return f(std::integral_constant<GradDtype, GradDtype::kF32>{});
-  }
-}
+using detail::visit_dtype;  // dtype_dispatch.hpp, shared with the CPU path
 
 template <class F>
 auto visit_access(GradAccess access, F&& f) {
