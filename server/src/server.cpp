@@ -1006,6 +1006,9 @@ class Server::Impl {
               count(st.workers_attached) + ", died " + count(st.workers_died) + ", queued requests failed " +
               std::to_string(failed) + ", up " + fixed1(static_cast<double>(shm::monotonic_ns() - created_ns) / 1e9) + " s");
     final_checkpoint();
+    // Buffers of workers that died since the last sweep (e.g. killed just
+    // before this stop) would otherwise outlive us in /dev/shm.
+    unlink_orphan_buffers(0);
     // Only our own object: the name may have been taken over meanwhile.
     if (segment_is_ours()) shm::Segment::remove(config.name);
     removed = true;

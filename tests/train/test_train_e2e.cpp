@@ -243,6 +243,9 @@ BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
   BOOST_TEST(rc == 1, output);
   BOOST_TEST(output.find("failed") != std::string::npos, output);
   BOOST_TEST(shmps::test::eventually([&] { return !fs::exists("/dev/shm/shmps." + name); }, 10s));
+  // Nor any worker's buffer object.
+  for (const auto& e : fs::directory_iterator("/dev/shm"))
+    BOOST_TEST(e.path().filename().string().rfind("shmps." + name + ".", 0) != 0, e.path() << " left behind");
 }
 
 // The server SIGKILLed mid-run: shmps-train restarts it, it restores its
