@@ -2,21 +2,33 @@
 // host backend (host memory, POSIX shm peer buffers) and the CUDA backend
 // (device memory, CUDA IPC peer buffers) implement it. Used only by the
 // server's consumer thread.
+//
+// Completion: apply() and copy_out() may only ENQUEUE their work (the CUDA
+// backend does: one stream, in request order). After a request the server
+// takes fence(); while fence_done() says false it keeps the request's
+// completion (and every later one of that worker) back and serves other
+// lanes. A synchronous backend (host) keeps the defaults: fence() is 0,
+// "nothing outstanding", and the completion is posted at once.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "shmps/kernels/optimizer.hpp"
+#include "shmps/server/config.hpp"
 #include "shmps/shm/layout.hpp"
 #include "shmps/status.hpp"
 
 namespace shmps::server {
 
 // A worker's registered buffer, mapped by the server once.
+// Shared, not unique: a request whose device work is still running keeps
+// its buffer alive, so closing a mapping (unregister, detach, death) is
+// deferred until that work is done. The destructor closes the mapping.
 class PeerBuffer {
  public:
   virtual ~PeerBuffer() = default;
@@ -28,10 +40,43 @@ struct TensorExtent {
   uint64_t element_count;
 };
 
+// What a worker needs to map the weights itself (CUDA backend): the IPC
+// handle of the weights' allocation, its size and the device's UUID.
+struct WeightsExport {
+  bool present = false;
+  uint8_t ipc_handle[64] = {};
+  uint64_t allocation_bytes = 0;
+  uint8_t device_uuid[16] = {};
+};
+
+// Identifies the device work enqueued up to some point; 0: none. Fences
+// of one backend increase; fence_done(f) implies fence_done(g) for g < f.
+using Fence = uint64_t;
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual const char* name() const noexcept = 0;
+
+  // A fence covering everything enqueued so far; 0 when nothing is
+  // outstanding (synchronous backends, always).
+  virtual Fence fence() { return 0; }
+  // True once all work up to `fence` has finished (its reads of peer
+  // buffers included). Never blocks. An error means the work failed: the
+  // message names the CUDA error; then healthy() says whether the backend
+  // can go on.
+  virtual Result<bool> fence_done(Fence fence) {
+    (void)fence;
+    return true;
+  }
+  // Ok while the backend can serve; an error once its device context is
+  // lost (a sticky CUDA error): the server must stop, failing what is in
+  // flight, and say that the weights may be half-written.
+  virtual Status healthy() { return Status::Ok(); }
+  // Waits for all enqueued work (shutdown, checkpoints, tests).
+  virtual Status synchronize() { return Status::Ok(); }
+  // The weights' export, published in the segment; absent for host memory.
+  virtual WeightsExport weights_export() const { return {}; }
 
   // Allocates the weights (sum of extents, fp32) and `state_arrays` optimizer
   // state arrays of the same length (zeroed), from `initial` (taken: the
@@ -39,11 +84,21 @@ class Backend {
   virtual Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays,
                           std::vector<float> initial) = 0;
 
-  // Opens the buffer a worker described (already checked for kind and a
-  // terminated name). Errors: kUnknownBuffer (cannot open), kBadRange
-  // (offset + length beyond the object), kPermission.
+  // Opens the buffer a worker described (a private copy of its desc; the
+  // backend validates kind and handle). `expected_prefix`: the shm name
+  // prefix a host buffer of this worker must have. Errors: kUnknownBuffer
+  // (cannot open), kBadRange (offset + length beyond the object),
+  // kPermission, kBadRequest (a kind this backend does not take), kCuda.
   virtual Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc,
                                                         const std::string& expected_prefix) = 0;
+  // As open_peer, knowing the worker's pid (the server's own pid: an
+  // embedded worker, whose CUDA buffer is used by pointer, never through
+  // IPC). The server calls this one.
+  virtual Result<std::unique_ptr<PeerBuffer>> open_peer_of(const shm::BufferDesc& desc,
+                                                           const std::string& expected_prefix, uint32_t worker_pid) {
+    (void)worker_pid;
+    return open_peer(desc, expected_prefix);
+  }
 
   // After an access: kBadRange when the peer's memory vanished under it (a
   // worker truncated its object); the buffer must then be dropped.
@@ -68,5 +123,25 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_host_backend();
+
+// The CUDA backend on the device `device` names (a UUID "GPU-xxxxxxxx-...",
+// a PCI bus id "0000:3b:00.0", or "" for the first visible device), after
+// its start-up probes. Errors: kCuda with the fix in the message (also in
+// a build without CUDA).
+Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& device);
+// Whether make_cuda_backend("") could find a device (for --backend auto);
+// `reason` receives why not.
+bool cuda_backend_available(std::string* reason);
+
+// The backend for --backend `kind` on --device `device` (see
+// cuda_backend_select.cpp; auto falls back to host with a log line).
+Result<std::unique_ptr<Backend>> select_backend(BackendKind kind, const std::string& device);
+
+// Tests only: while set, Server::create() takes its backend from this
+// factory instead of the configured one (tests/server inject a backend
+// that defers completions, to exercise that path without a GPU). Set and
+// reset it while no Server is being created.
+using BackendFactory = std::function<std::unique_ptr<Backend>()>;
+void set_backend_factory_for_tests(BackendFactory factory);
 
 }  // namespace shmps::server

@@ -1,0 +1,667 @@
+// The CUDA backend: weights and optimizer state in device memory of one
+// device (chosen by UUID or PCI bus id), each array in its own cudaMalloc
+// rounded up to 2 MiB; worker buffers are CUDA IPC allocations opened once
+// per registration (kCudaIpc), with the worker's interprocess event.
+// Every apply and copy is enqueued on one stream, in request order; the
+// server learns when it is done through fences (backend.hpp) and never
+// waits for one request's device work while serving the ring.
+// Used only by the server's consumer thread. NOT YET RUN ON A GPU: compiled
+// in CI without a driver (docs/cuda.md, "Status").
+#include <cuda.h>  // CUdeviceptr / CUresult for cuMemGetAddressRange (types only; no link to libcuda)
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+
+#include "backend.hpp"
+#include "cuda_check.hpp"
+#include "shmps/kernels/optimizer_cuda.hpp"
+#include "shmps/server/log.hpp"
+#include "shmps/shm/segment.hpp"
+
+namespace shmps::server {
+namespace {
+
+// BufferDesc::flags bit: the buffer belongs to a worker in the server's own
+// process; handle and event_handle hold the pointer and the cudaEvent_t.
+// (To move into shm/layout.hpp with the next layout version.)
+constexpr uint32_t kBufferInProcess = 1u << 0;
+
+constexpr uint64_t kAllocationGranule = 2ull << 20;  // every allocation rounded up to 2 MiB
+
+uint64_t round_up(uint64_t bytes) {
+  const uint64_t n = std::max<uint64_t>(bytes, 1);
+  return (n + kAllocationGranule - 1) / kAllocationGranule * kAllocationGranule;
+}
+
+// Errors that leave the CUDA context unusable: every later call of this
+// process fails with them too (CUDA's "sticky" errors).
+bool is_sticky(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorContextIsDestroyed:
+    case cudaErrorDevicesUnavailable:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi -L prints it.
+std::string uuid_text(const uint8_t (&b)[16]) {
+  char out[48];
+  std::snprintf(out, sizeof out,
+                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2], b[3],
+                b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+  return out;
+}
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+// cuMemGetAddressRange through the runtime's driver entry point: the base
+// and size of the allocation holding `ptr`, without linking libcuda (the
+// build machines have no driver).
+using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+GetAddressRangeFn address_range_fn(std::string* error) {
+  static GetAddressRangeFn fn = nullptr;
+  if (fn != nullptr) return fn;
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  const std::string e = SHMPS_CUDA_ERROR(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000,
+                                                                           cudaEnableDefault, &found));
+  if (!e.empty() || found != cudaDriverEntryPointSuccess || p == nullptr) {
+    *error = e.empty() ? std::string("cuMemGetAddressRange: driver entry point not found") : e;
+    return nullptr;
+  }
+  fn = reinterpret_cast<GetAddressRangeFn>(p);
+  return fn;
+}
+
+class CudaBackend;
+
+// One cudaIpcOpenMemHandle of a worker's allocation, shared by every
+// registration of that worker naming the same allocation (the driver would
+// refcount a second open anyway). Closed when the last PeerBuffer using it
+// is gone, which the server defers until the device work reading it is done.
+struct IpcMapping {
+  void* base = nullptr;
+  uint64_t size = 0;
+  int device = 0;
+  ~IpcMapping() {
+    if (base == nullptr) return;
+    (void)cudaSetDevice(device);
+    if (std::string e = SHMPS_CUDA_ERROR(cudaIpcCloseMemHandle(base)); !e.empty()) log::warn("closing a worker's IPC mapping: " + e);
+  }
+};
+
+class CudaPeer final : public PeerBuffer {
+ public:
+  uint64_t length() const noexcept override { return length_; }
+  char* at(uint64_t byte_offset) const noexcept { return data_ + byte_offset; }
+  cudaEvent_t event() const noexcept { return event_; }
+  ~CudaPeer() override {
+    if (host_) {
+      (void)cudaSetDevice(device_);
+      if (std::string e = SHMPS_CUDA_ERROR(cudaHostUnregister(host_->data())); !e.empty()) log::warn("unregistering a worker's shm buffer: " + e);
+    }
+    if (event_ != nullptr && own_event_) {
+      (void)cudaSetDevice(device_);
+      if (std::string e = SHMPS_CUDA_ERROR(cudaEventDestroy(event_)); !e.empty()) log::warn("closing a worker's IPC event: " + e);
+    }
+  }
+
+ private:
+  friend class CudaBackend;
+  std::shared_ptr<IpcMapping> mapping_;  // null: an in-process buffer, used by pointer
+  std::unique_ptr<shm::ShmObject> host_;  // a POSIX shm buffer, page-locked (cudaHostRegister)
+  char* data_ = nullptr;                 // base + offset
+  uint64_t length_ = 0;
+  cudaEvent_t event_ = nullptr;
+  bool own_event_ = false;               // opened here (cudaIpcOpenEventHandle): destroyed here
+  int device_ = 0;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  ~CudaBackend() override {
+    if (!sticky_.ok()) return;  // the context is gone; the process exits soon
+    (void)cudaSetDevice(device_);
+    (void)synchronize();
+    for (auto& [id, ev] : fences_) (void)cudaEventDestroy(ev);
+    for (cudaEvent_t ev : free_events_) (void)cudaEventDestroy(ev);
+    for (void* p : blocks_) (void)cudaFree(p);
+    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+  }
+
+  const char* name() const noexcept override { return "cuda"; }
+
+  // Selects the device and runs the start-up probes.
+  Status start(const std::string& device_spec) {
+    int count = 0;
+    if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0)
+      return fail_probe(std::string("no usable CUDA device (") + (e == cudaSuccess ? "0 devices" : cudaGetErrorName(e)) +
+                        "): check that nvidia-smi lists the GPU, that the service user may open /dev/nvidia* (groups "
+                        "video/render), and CUDA_VISIBLE_DEVICES; or run with --backend host");
+    if (Status s = select_device(device_spec, count); !s.ok()) return s;
+    if (Status s = call(cudaSetDevice(device_), "cudaSetDevice(device_)", __LINE__); !s.ok()) return s;
+    int mode = 0, unified = 0, ipc_events = 0;
+    if (Status s = call(cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, device_), "cudaDeviceGetAttribute(ComputeMode)", __LINE__); !s.ok()) return s;
+    if (mode == cudaComputeModeExclusiveProcess || mode == cudaComputeModeProhibited)
+      return fail_probe("device " + uuid_ + " is in compute mode " + (mode == cudaComputeModeProhibited ? "PROHIBITED" : "EXCLUSIVE_PROCESS") +
+                        ": the server and the workers must share it; run `nvidia-smi -i " + pci_bus_id_ + " -c DEFAULT` (as root)");
+    (void)call(cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, device_), "cudaDeviceGetAttribute(UnifiedAddressing)", __LINE__);
+    (void)call(cudaDeviceGetAttribute(&ipc_events, cudaDevAttrIpcEventSupport, device_), "cudaDeviceGetAttribute(IpcEventSupport)", __LINE__);
+    if (unified == 0 || ipc_events == 0)
+      return fail_probe("device " + uuid_ + " supports no CUDA IPC (unified addressing " + std::to_string(unified) +
+                        ", IPC events " + std::to_string(ipc_events) + "): CUDA IPC needs Linux with unified addressing; "
+                        "use --backend host");
+    if (Status s = call(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", __LINE__); !s.ok()) return s;
+    if (Status s = probe_ipc(); !s.ok()) return s;
+    probe_peers(count);
+    log::info("cuda backend on device " + std::to_string(device_) + " (" + uuid_ + ", PCI " + pci_bus_id_ + ")");
+    return Status::Ok();
+  }
+
+  // ---------------------------------------------------------------- fences
+  Fence fence() override {
+    if (!dirty_) return fences_.empty() ? 0 : fences_.back().first;
+    cudaEvent_t ev = nullptr;
+    if (!free_events_.empty()) {
+      ev = free_events_.back();
+      free_events_.pop_back();
+    } else if (!call(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreateWithFlags", __LINE__).ok()) {
+      return fence_fallback();
+    }
+    if (!call(cudaEventRecord(ev, stream_), "cudaEventRecord(ev, stream_)", __LINE__).ok()) {
+      (void)cudaEventDestroy(ev);
+      return fence_fallback();
+    }
+    dirty_ = false;
+    fences_.emplace_back(++last_fence_, ev);
+    return last_fence_;
+  }
+
+  Result<bool> fence_done(Fence f) override {
+    while (!fences_.empty() && fences_.front().first <= f) {
+      const cudaError_t e = cudaEventQuery(fences_.front().second);
+      if (e == cudaErrorNotReady) return false;
+      free_events_.push_back(fences_.front().second);
+      fences_.pop_front();
+      if (e != cudaSuccess) return call(e, "cudaEventQuery(fence)", __LINE__);
+    }
+    if (!sticky_.ok()) return sticky_;
+    return true;
+  }
+
+  Status healthy() override { return sticky_; }
+
+  Status synchronize() override {
+    if (!sticky_.ok()) return sticky_;
+    if (Status s = call(cudaStreamSynchronize(stream_), "cudaStreamSynchronize(stream_)", __LINE__); !s.ok()) return s;
+    while (!fences_.empty()) {
+      free_events_.push_back(fences_.front().second);
+      fences_.pop_front();
+    }
+    dirty_ = false;
+    return Status::Ok();
+  }
+
+  WeightsExport weights_export() const override { return export_; }
+
+  // ---------------------------------------------------------------- memory
+  Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays, std::vector<float> initial) override {
+    tensors_ = tensors;
+    total_ = initial.size();
+    const uint64_t bytes = total_ * sizeof(float);
+    weights_alloc_ = round_up(bytes);
+    if (Status s = alloc(&weights_, weights_alloc_); !s.ok()) return s;
+    for (size_t a = 0; a < state_arrays; ++a) {
+      float* p = nullptr;
+      if (Status s = alloc(&p, weights_alloc_); !s.ok()) return s;
+      state_.push_back(p);
+    }
+    if (Status s = call(cudaMemcpy(weights_, initial.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy(weights, initial)", __LINE__); !s.ok()) return s;
+    int* flag = nullptr;
+    if (Status s = alloc(&flag, sizeof(int)); !s.ok()) return s;
+    flag_dev_ = flag;
+    cudaIpcMemHandle_t handle{};
+    if (Status s = call(cudaIpcGetMemHandle(&handle, weights_), "cudaIpcGetMemHandle(&handle, weights_)", __LINE__); !s.ok()) return s;
+    static_assert(sizeof handle == sizeof export_.ipc_handle);
+    export_.present = true;
+    std::memcpy(export_.ipc_handle, &handle, sizeof handle);
+    export_.allocation_bytes = weights_alloc_;
+    std::memcpy(export_.device_uuid, uuid_bytes_, sizeof uuid_bytes_);
+    return call(cudaDeviceSynchronize(), "cudaDeviceSynchronize()", __LINE__);
+  }
+
+  Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc, const std::string& expected_prefix) override {
+    return open_peer_of(desc, expected_prefix, 0);
+  }
+
+  Result<std::unique_ptr<PeerBuffer>> open_peer_of(const shm::BufferDesc& desc, const std::string& expected_prefix,
+                                                   uint32_t worker_pid) override {
+    if (!sticky_.ok()) return sticky_;
+    if (desc.kind == static_cast<uint32_t>(shm::BufferKind::kHostShm)) return open_host(desc, expected_prefix);
+    if (desc.kind != static_cast<uint32_t>(shm::BufferKind::kCudaIpc))
+      return Status{ErrorCode::kBadRequest, "buffer kind " + std::to_string(desc.kind) + " unknown"};
+    auto peer = std::make_unique<CudaPeer>();
+    peer->device_ = device_;
+    peer->length_ = desc.length;
+    const bool in_process = (desc.flags & kBufferInProcess) != 0;
+    if (in_process) {
+      // The worker lives in our process: pointer and event, no IPC (a
+      // process cannot open its own IPC handles). Only believed when the
+      // worker's pid is ours.
+      if (worker_pid != static_cast<uint32_t>(::getpid()))
+        return Status{ErrorCode::kBadRequest, "an in-process buffer from another process"};
+      uint64_t ptr = 0, ev = 0;
+      std::memcpy(&ptr, desc.handle, sizeof ptr);
+      std::memcpy(&ev, desc.event_handle, sizeof ev);
+      auto range = allocation_of(reinterpret_cast<void*>(ptr));
+      if (!range.ok()) return Status{ErrorCode::kUnknownBuffer, range.status().message()};
+      if (range->first != reinterpret_cast<void*>(ptr))
+        return Status{ErrorCode::kBadRequest, "an in-process buffer must name its allocation's base"};
+      if (Status s = check_range(desc, range->second); !s.ok()) return s;
+      peer->data_ = static_cast<char*>(range->first) + desc.offset;
+      peer->event_ = reinterpret_cast<cudaEvent_t>(ev);
+      return std::unique_ptr<PeerBuffer>(std::move(peer));
+    }
+    if (Status s = reachable(desc.device_uuid); !s.ok()) return s;
+    auto mapping = open_mapping(desc, worker_pid);
+    if (!mapping.ok()) return mapping.status();
+    if (Status s = check_range(desc, (*mapping)->size); !s.ok()) return s;
+    cudaIpcEventHandle_t eh{};
+    static_assert(sizeof eh == sizeof desc.event_handle);
+    std::memcpy(&eh, desc.event_handle, sizeof eh);
+    if (Status s = call(cudaIpcOpenEventHandle(&peer->event_, eh), "cudaIpcOpenEventHandle(&event, handle)", __LINE__); !s.ok())
+      return Status{ErrorCode::kUnknownBuffer, s.message()};
+    peer->own_event_ = true;
+    peer->data_ = static_cast<char*>((*mapping)->base) + desc.offset;
+    peer->mapping_ = std::move(mapping).value();
+    return std::unique_ptr<PeerBuffer>(std::move(peer));
+  }
+
+  Status peer_intact(const PeerBuffer&) override { return sticky_; }
+
+  // A worker's POSIX shm buffer (register_buffer): page-locked and mapped
+  // for the device, so the kernels read it and pulls write it over PCIe.
+  // Its pages are pinned: a worker truncating the object cannot take them
+  // away under a kernel.
+  Result<std::unique_ptr<PeerBuffer>> open_host(const shm::BufferDesc& desc, const std::string& expected_prefix) {
+    if (std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
+      return Status{ErrorCode::kBadRequest, "buffer handle is not a terminated name"};
+    const std::string object_name(reinterpret_cast<const char*>(desc.handle));
+    if (object_name.rfind(expected_prefix, 0) != 0)
+      return Status{ErrorCode::kBadRequest, "buffer name must start with " + expected_prefix};
+    auto opened = shm::ShmObject::open(object_name, /*read_only=*/false);
+    if (!opened.ok()) {
+      if (opened.status().code() == ErrorCode::kPermission) return opened.status();
+      return Status{ErrorCode::kUnknownBuffer, opened.status().message()};
+    }
+    if (Status s = check_range(desc, (*opened)->size()); !s.ok()) return s;
+    auto peer = std::make_unique<CudaPeer>();
+    peer->device_ = device_;
+    peer->length_ = desc.length;
+    void* host = (*opened)->data();
+    if (Status s = call(cudaHostRegister(host, (*opened)->size(), cudaHostRegisterMapped | cudaHostRegisterPortable),
+                        "cudaHostRegister(shm, size, Mapped | Portable)", __LINE__);
+        !s.ok())
+      return Status{ErrorCode::kUnknownBuffer, s.message()};
+    peer->host_ = std::move(opened).value();  // unregistered by ~CudaPeer
+    void* device_view = nullptr;
+    if (Status s = call(cudaHostGetDevicePointer(&device_view, host, 0), "cudaHostGetDevicePointer(&p, shm, 0)", __LINE__); !s.ok())
+      return s;
+    peer->data_ = static_cast<char*>(device_view) + desc.offset;
+    return std::unique_ptr<PeerBuffer>(std::move(peer));
+  }
+
+  // Synchronous: the server must know before it applies. Waits for the
+  // worker's event and for the check kernel (and what is queued before it).
+  bool all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n, kernels::GradDtype dtype) override {
+    const auto& g = static_cast<const CudaPeer&>(grad);
+    if (!wait_for_writer(g).ok()) return false;
+    bool finite = false;
+    const std::string e = kernels::all_finite_cuda(g.at(byte_offset), dtype, n, flag_dev_, stream_, &finite);
+    if (!e.empty()) {
+      (void)note_failure(e);
+      return false;
+    }
+    return finite;
+  }
+
+  Status apply(const kernels::OptimizerConfig& config, uint32_t tensor, uint64_t step, const PeerBuffer& grad,
+               uint64_t byte_offset, kernels::GradDtype dtype) override {
+    if (!sticky_.ok()) return sticky_;
+    const auto& g = static_cast<const CudaPeer&>(grad);
+    // On every push: the worker records its event after writing the
+    // gradient; our stream waits for that record (cheap when it is done).
+    if (Status s = wait_for_writer(g); !s.ok()) return s;
+    const TensorExtent& t = tensors_[tensor];
+    kernels::TensorState ts;
+    ts.weights = weights_ + t.element_offset;
+    for (size_t i = 0; i < state_.size(); ++i) ts.state[i] = state_[i] + t.element_offset;
+    ts.n = t.element_count;
+    dirty_ = true;
+    if (std::string e = kernels::apply_cuda(config, ts, g.at(byte_offset), dtype, step, stream_); !e.empty())
+      return note_failure(e);
+    return Status::Ok();
+  }
+
+  // Enqueued after every apply before it (one stream): no torn reads.
+  Status copy_out(uint64_t element_offset, uint64_t n, PeerBuffer& dst, uint64_t byte_offset) override {
+    if (!sticky_.ok()) return sticky_;
+    auto& d = static_cast<CudaPeer&>(dst);
+    // The worker may still be reading the previous weights on its stream.
+    if (Status s = wait_for_writer(d); !s.ok()) return s;
+    dirty_ = true;
+    return call(cudaMemcpyAsync(d.at(byte_offset), weights_ + element_offset, n * sizeof(float), cudaMemcpyDefault, stream_),
+                "cudaMemcpyAsync(dst, weights, n, cudaMemcpyDefault, stream_)", __LINE__);
+  }
+
+  std::vector<float> read_weights() const override { return download(weights_); }
+
+  std::vector<float> read_state() const override {
+    std::vector<float> out;
+    out.reserve(state_.size() * total_);
+    for (float* p : state_) {
+      std::vector<float> a = download(p);
+      out.insert(out.end(), a.begin(), a.end());
+    }
+    return out;
+  }
+
+  Status load(std::span<const float> weights, std::span<const float> state) override {
+    if (weights.size() != total_ || state.size() != state_.size() * total_)
+      return {ErrorCode::kInternal, "load: sizes differ from the allocation"};
+    if (Status s = synchronize(); !s.ok()) return s;
+    if (Status s = call(cudaMemcpy(weights_, weights.data(), total_ * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy(weights_, weights)", __LINE__); !s.ok()) return s;
+    for (size_t a = 0; a < state_.size(); ++a)
+      if (Status s = call(cudaMemcpy(state_[a], state.data() + a * total_, total_ * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy(state_[a], state)", __LINE__); !s.ok()) return s;
+    return Status::Ok();
+  }
+
+ private:
+  // Every CUDA call's result goes through here (the project's message
+  // from cuda_check.hpp); a sticky error is remembered.
+  Status call(cudaError_t e, const char* expression, int line) {
+    if (e == cudaSuccess) return Status::Ok();
+    const std::string text = kernels::cuda_detail::cuda_error_text(expression, e, __FILE__, line);
+    if (is_sticky(e) && sticky_.ok()) {
+      sticky_ = Status{ErrorCode::kCuda, text + "; the CUDA context is lost: the weights may be half-written"};
+      log::error(sticky_.message());
+    }
+    (void)cudaGetLastError();  // clear a non-sticky error so the next call does not report it
+    return {ErrorCode::kCuda, text};
+  }
+
+  // A failure reported as text by kernels/ (apply_cuda and friends): asks
+  // the stream whether the context survived.
+  Status note_failure(const std::string& text) {
+    (void)call(cudaStreamQuery(stream_) == cudaErrorNotReady ? cudaSuccess : cudaPeekAtLastError(), "after a kernel", __LINE__);
+    return {ErrorCode::kCuda, text};
+  }
+
+  Status fail_probe(const std::string& text) { return {ErrorCode::kCuda, "--backend cuda: " + text}; }
+
+  Fence fence_fallback() {
+    // Could not record an event: wait instead, so completions stay correct.
+    (void)synchronize();
+    return 0;
+  }
+
+  Status wait_for_writer(const CudaPeer& p) {
+    if (p.event() == nullptr) return Status::Ok();
+    return call(cudaStreamWaitEvent(stream_, p.event(), 0), "cudaStreamWaitEvent(stream_, worker_event, 0)", __LINE__);
+  }
+
+  template <typename T>
+  Status alloc(T** p, uint64_t bytes) {
+    void* raw = nullptr;
+    if (Status s = call(cudaMalloc(&raw, bytes), "cudaMalloc(&p, bytes)", __LINE__); !s.ok())
+      return {ErrorCode::kNoCapacity, "device " + uuid_ + ": " + s.message() + " (" + std::to_string(bytes) + " bytes)"};
+    blocks_.push_back(raw);
+    *p = static_cast<T*>(raw);
+    return call(cudaMemset(raw, 0, bytes), "cudaMemset(p, 0, bytes)", __LINE__);
+  }
+
+  std::vector<float> download(const float* p) const {
+    std::vector<float> out(total_);
+    if (total_ == 0 || !sticky_.ok()) return out;
+    // const: a read of the device; errors leave zeros (logged).
+    if (std::string e = SHMPS_CUDA_ERROR(cudaStreamSynchronize(stream_)); !e.empty()) log::error(e);
+    if (std::string e = SHMPS_CUDA_ERROR(cudaMemcpy(out.data(), p, total_ * sizeof(float), cudaMemcpyDeviceToHost)); !e.empty())
+      log::error(e);
+    return out;
+  }
+
+  Result<std::pair<void*, uint64_t>> allocation_of(void* ptr) {
+    std::string error;
+    GetAddressRangeFn fn = address_range_fn(&error);
+    if (fn == nullptr) return Status{ErrorCode::kCuda, error};
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    const CUresult r = fn(&base, &size, reinterpret_cast<CUdeviceptr>(ptr));
+    if (r != CUDA_SUCCESS)
+      return Status{ErrorCode::kCuda, "cuMemGetAddressRange failed: CUresult " + std::to_string(static_cast<int>(r))};
+    return std::pair<void*, uint64_t>{reinterpret_cast<void*>(base), size};
+  }
+
+  static Status check_range(const shm::BufferDesc& desc, uint64_t allocation) {
+    if (desc.offset > allocation || desc.length > allocation - desc.offset)
+      return {ErrorCode::kBadRange, "buffer offset " + std::to_string(desc.offset) + " + length " + std::to_string(desc.length) +
+                                        " exceeds the allocation's " + std::to_string(allocation) + " bytes"};
+    return Status::Ok();
+  }
+
+  // Opens (or shares) the mapping of the allocation the handle names, keyed
+  // by the worker and the 64 handle bytes (a recycled allocation gets a new
+  // handle, so never an old mapping).
+  Result<std::shared_ptr<IpcMapping>> open_mapping(const shm::BufferDesc& desc, uint32_t worker_pid) {
+    std::string key(reinterpret_cast<const char*>(desc.handle), sizeof desc.handle);
+    key += std::to_string(worker_pid);
+    if (auto it = mappings_.find(key); it != mappings_.end()) {
+      if (auto m = it->second.lock()) return m;
+      mappings_.erase(it);
+    }
+    cudaIpcMemHandle_t h{};
+    static_assert(sizeof h == sizeof desc.handle);
+    std::memcpy(&h, desc.handle, sizeof h);
+    void* base = nullptr;
+    if (Status s = call(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess),
+                        "cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess)", __LINE__);
+        !s.ok())
+      return Status{ErrorCode::kUnknownBuffer, s.message()};
+    auto m = std::make_shared<IpcMapping>();
+    m->base = base;
+    m->device = device_;
+    auto range = allocation_of(base);
+    if (!range.ok()) return range.status();  // m's destructor closes the handle
+    m->size = range->second;
+    // Drop expired entries now and then, so the map stays small.
+    if (mappings_.size() > 1024)
+      std::erase_if(mappings_, [](const auto& e) { return e.second.expired(); });
+    mappings_[key] = m;
+    ++ipc_opens_;
+    return m;
+  }
+
+  Status select_device(const std::string& spec, int count) {
+    device_ = 0;
+    if (!spec.empty()) {
+      int found = -1;
+      if (lower(spec).rfind("gpu-", 0) == 0) {
+        for (int d = 0; d < count && found < 0; ++d) {
+          cudaDeviceProp p{};
+          if (cudaGetDeviceProperties(&p, d) != cudaSuccess) continue;
+          uint8_t b[16];
+          std::memcpy(b, &p.uuid, sizeof b);
+          if (uuid_text(b) == lower(spec)) found = d;
+        }
+      } else if (cudaDeviceGetByPCIBusId(&found, spec.c_str()) != cudaSuccess) {
+        (void)cudaGetLastError();
+        found = -1;
+      }
+      if (found < 0)
+        return fail_probe("--device " + spec + " is not among the " + std::to_string(count) +
+                          " visible devices: give a UUID as `nvidia-smi -L` prints it (GPU-...) or a PCI bus id as "
+                          "`nvidia-smi --query-gpu=pci.bus_id --format=csv` does, and check CUDA_VISIBLE_DEVICES");
+      device_ = found;
+    }
+    cudaDeviceProp p{};
+    if (Status s = call(cudaGetDeviceProperties(&p, device_), "cudaGetDeviceProperties(&p, device_)", __LINE__); !s.ok()) return s;
+    static_assert(sizeof p.uuid == sizeof uuid_bytes_);
+    std::memcpy(uuid_bytes_, &p.uuid, sizeof uuid_bytes_);
+    uuid_ = uuid_text(uuid_bytes_);
+    char bus[32] = {};
+    if (Status s = call(cudaDeviceGetPCIBusId(bus, sizeof bus, device_), "cudaDeviceGetPCIBusId(bus, 32, device_)", __LINE__); !s.ok()) return s;
+    pci_bus_id_ = bus;
+    return Status::Ok();
+  }
+
+  // IPC export works on this device: a 2 MiB allocation's handle and an
+  // interprocess event's handle. (A process cannot open its own handles;
+  // the opening side is proven by the first registration.)
+  Status probe_ipc() {
+    void* p = nullptr;
+    if (Status s = call(cudaMalloc(&p, kAllocationGranule), "cudaMalloc(&probe, 2 MiB)", __LINE__); !s.ok()) return s;
+    cudaIpcMemHandle_t h{};
+    Status s = call(cudaIpcGetMemHandle(&h, p), "cudaIpcGetMemHandle(&h, probe)", __LINE__);
+    (void)call(cudaFree(p), "cudaFree(probe)", __LINE__);
+    cudaEvent_t ev = nullptr;
+    if (s.ok()) s = call(cudaEventCreateWithFlags(&ev, cudaEventInterprocess | cudaEventDisableTiming), "cudaEventCreateWithFlags(Interprocess)", __LINE__);
+    cudaIpcEventHandle_t eh{};
+    if (s.ok()) s = call(cudaIpcGetEventHandle(&eh, ev), "cudaIpcGetEventHandle(&eh, ev)", __LINE__);
+    if (ev != nullptr) (void)cudaEventDestroy(ev);
+    if (!s.ok())
+      return fail_probe("CUDA IPC does not work on " + uuid_ + ": " + s.message() +
+                        " (IPC needs the server and workers in one IPC namespace, not under MPS isolation or a "
+                        "container without --ipc=host; use --backend host)");
+    return Status::Ok();
+  }
+
+  // Peer access from our device to every other visible device, proven by a
+  // kernel of ours reading the peer's memory and a copy writing it; the
+  // result per UUID decides whether buffers there are accepted.
+  void probe_peers(int count) {
+    for (int d = 0; d < count; ++d) {
+      cudaDeviceProp p{};
+      if (d == device_ || cudaGetDeviceProperties(&p, d) != cudaSuccess) continue;
+      uint8_t b[16];
+      std::memcpy(b, &p.uuid, sizeof b);
+      const std::string why = probe_peer(d);
+      peers_[uuid_text(b)] = why;
+      if (why.empty()) log::info("peer access " + uuid_ + " -> " + uuid_text(b) + ": verified by a write and read-back");
+      else log::warn("device " + uuid_text(b) + " is not reachable from " + uuid_ + ": " + why +
+                     "; buffers on it will be refused (enable P2P: same PCIe root or NVLink, IOMMU/ACS off for P2P)");
+    }
+    (void)cudaSetDevice(device_);
+  }
+
+  std::string probe_peer(int peer) {
+    int can = 0;
+    if (std::string e = SHMPS_CUDA_ERROR(cudaDeviceCanAccessPeer(&can, device_, peer)); !e.empty()) return e;
+    if (can == 0) return "cudaDeviceCanAccessPeer says no";
+    const cudaError_t en = cudaDeviceEnablePeerAccess(peer, 0);
+    if (en != cudaSuccess && en != cudaErrorPeerAccessAlreadyEnabled) return SHMPS_CUDA_ERROR(en);
+    (void)cudaGetLastError();
+    constexpr uint64_t n = 1024;
+    std::vector<float> pattern(n), back(n, 0.0f);
+    for (uint64_t i = 0; i < n; ++i) pattern[i] = static_cast<float>(i) * 0.5f + 1.0f;
+    float* remote = nullptr;
+    float* local = nullptr;
+    std::string e;
+    if (e = SHMPS_CUDA_ERROR(cudaSetDevice(peer)); !e.empty()) return e;
+    e = SHMPS_CUDA_ERROR(cudaMalloc(&remote, n * sizeof(float)));
+    (void)cudaSetDevice(device_);
+    if (e.empty()) e = SHMPS_CUDA_ERROR(cudaMalloc(&local, n * sizeof(float)));
+    if (e.empty()) e = SHMPS_CUDA_ERROR(cudaMemcpy(local, pattern.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    // Write into the peer from our device (as a pull does) ...
+    if (e.empty()) e = SHMPS_CUDA_ERROR(cudaMemcpyAsync(remote, local, n * sizeof(float), cudaMemcpyDefault, stream_));
+    if (e.empty()) e = SHMPS_CUDA_ERROR(cudaMemsetAsync(local, 0, n * sizeof(float), stream_));
+    // ... and read it back with a kernel of ours (as an apply does): SGD
+    // with lr 1 on zero weights leaves weights == -gradient.
+    for (float& x : pattern) x = -x;
+    kernels::OptimizerConfig sgd;
+    sgd.lr = 1.0f;
+    kernels::TensorState ts;
+    ts.weights = local;
+    ts.n = n;
+    if (e.empty()) e = kernels::apply_cuda(sgd, ts, remote, kernels::GradDtype::kF32, 1, stream_);
+    if (e.empty()) e = SHMPS_CUDA_ERROR(cudaStreamSynchronize(stream_));
+    if (e.empty()) e = SHMPS_CUDA_ERROR(cudaMemcpy(back.data(), local, n * sizeof(float), cudaMemcpyDeviceToHost));
+    if (e.empty() && back != pattern) e = "the read-back differs from what was written";
+    if (local != nullptr) (void)cudaFree(local);
+    if (remote != nullptr) {
+      (void)cudaSetDevice(peer);
+      (void)cudaFree(remote);
+      (void)cudaSetDevice(device_);
+    }
+    return e;
+  }
+
+  Status reachable(const uint8_t (&uuid)[16]) {
+    const std::string u = uuid_text(uuid);
+    if (u == uuid_) return Status::Ok();
+    auto it = peers_.find(u);
+    if (it == peers_.end())
+      return {ErrorCode::kCuda, "the buffer is on device " + u + ", which the server (on " + uuid_ +
+                                    ") cannot see: give the server every GPU its workers use (CUDA_VISIBLE_DEVICES)"};
+    if (!it->second.empty())
+      return {ErrorCode::kCuda, "the buffer is on device " + u + ", not reachable from the server's " + uuid_ + ": " + it->second};
+    return Status::Ok();
+  }
+
+  int device_ = 0;
+  uint8_t uuid_bytes_[16] = {};
+  std::string uuid_;
+  std::string pci_bus_id_;
+  cudaStream_t stream_ = nullptr;
+  std::vector<TensorExtent> tensors_;
+  uint64_t total_ = 0;
+  uint64_t weights_alloc_ = 0;
+  float* weights_ = nullptr;
+  std::vector<float*> state_;
+  std::vector<void*> blocks_;  // every cudaMalloc, freed at the end
+  int* flag_dev_ = nullptr;
+  WeightsExport export_;
+  std::map<std::string, std::string> peers_;  // UUID -> "" (reachable) or why not
+  std::map<std::string, std::weak_ptr<IpcMapping>> mappings_;
+  uint64_t ipc_opens_ = 0;
+  // Fences: events recorded on stream_, oldest first.
+  std::deque<std::pair<Fence, cudaEvent_t>> fences_;
+  std::vector<cudaEvent_t> free_events_;
+  Fence last_fence_ = 0;
+  bool dirty_ = false;  // work enqueued since the last fence
+  Status sticky_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& device) {
+  auto b = std::make_unique<CudaBackend>();
+  if (Status s = b->start(device); !s.ok()) return s;
+  return std::unique_ptr<Backend>(std::move(b));
+}
+
+bool cuda_backend_available(std::string* reason) {
+  return kernels::cuda_device_count(reason) > 0;
+}
+
+}  // namespace shmps::server

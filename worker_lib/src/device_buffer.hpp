@@ -1,0 +1,42 @@
+// worker_lib's CUDA half (private): describing a device buffer for the
+// server (IPC handle of its allocation, offset, device UUID, interprocess
+// event) and recording that event before a push. Built from
+// device_buffer_cuda.cpp with CUDA, from device_buffer_stub.cpp without
+// (every call then fails with kCuda "built without CUDA"). No CUDA types
+// here. Thread-safe as the CUDA runtime is; one buffer's event must not be
+// recorded from two threads at once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "shmps/status.hpp"
+
+namespace shmps::detail {
+
+struct DeviceBuffer {
+  void* base = nullptr;         // the allocation's base (cuMemGetAddressRange)
+  uint64_t offset = 0;          // of the buffer inside it, bytes
+  uint64_t allocation_bytes = 0;
+  uint8_t mem_handle[64] = {};  // cudaIpcMemHandle_t of the allocation
+  uint8_t event_handle[64] = {};
+  uint8_t device_uuid[16] = {};
+  void* event = nullptr;        // cudaEvent_t, interprocess, no timing
+  int device = 0;               // ordinal in this process
+};
+
+// Describes [ptr, ptr + bytes): device memory of one cudaMalloc
+// allocation. `in_process`: the server runs in this process; no IPC
+// handles are made (the server uses base and event directly). Errors:
+// kInvalidArgument (not device memory, managed memory, beyond its
+// allocation), kCuda (memory legacy CUDA IPC cannot export: cudaMallocAsync
+// pools, VMM/cuMemCreate, expandable segments; or any failed call, named),
+// kCuda "built without CUDA".
+Result<DeviceBuffer> describe_device_buffer(const void* ptr, size_t bytes, bool in_process);
+// Records the buffer's event on `stream` (a cudaStream_t; nullptr: the
+// legacy default stream), after the work that wrote the buffer.
+Status record_device_event(const DeviceBuffer& buffer, void* stream);
+// Destroys the event (after the server closed its side: unregister done).
+void release_device_buffer(DeviceBuffer& buffer);
+
+}  // namespace shmps::detail
