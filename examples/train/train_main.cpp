@@ -9,6 +9,11 @@
 // --max-staleness versions old (then the worker pulls and tries again).
 // The parent evaluates every epoch of applied pushes and prints a curve.
 //
+// --in-process is the ceiling the server path is measured against: the
+// same training loop (train_shard) with the same data order, batch and
+// optimizer in this one process, each gradient applied at once with
+// shmps::kernels::apply_cpu; no server, no shared memory.
+//
 // Exit status: 0 done, 1 a runtime failure (server, worker, mismatch of
 // counts), 2 bad usage or missing dataset.
 #include <fcntl.h>
@@ -31,6 +36,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <new>
@@ -44,6 +50,7 @@
 
 #include "idx.hpp"
 #include "mlp.hpp"
+#include "shmps/kernels/optimizer.hpp"
 #include "shmps/status.hpp"
 #include "shmps/worker.hpp"
 
@@ -57,6 +64,9 @@ constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
 constexpr size_t kTrainLossSamples = 10000;  // fixed training subset the parent scores
 constexpr size_t kEvalBatch = 1000;
+// Weight snapshots an --eval-every run may keep for scoring after training
+// (814 KB each for the default model).
+constexpr uint64_t kMaxSnapshots = 500;
 
 struct Options {
   size_t workers = 4;
@@ -71,6 +81,8 @@ struct Options {
   size_t train_limit = 0;
   size_t test_limit = 0;
   size_t evals_per_epoch = 1;
+  uint64_t eval_every = 0;  // > 0: snapshot every N applied updates, score after training
+  bool in_process = false;  // the ceiling: no server, apply_cpu in this process
   std::string data_dir = kDefaultFashionMnistDir;
   std::string csv;
   uint64_t seed = 1;
@@ -102,6 +114,12 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
     ("train-limit", po::value(&o.train_limit)->default_value(0), "use the first N training images (0: all)")
     ("test-limit", po::value(&o.test_limit)->default_value(0), "use the first N test images (0: all)")
     ("evals-per-epoch", po::value(&o.evals_per_epoch)->default_value(1), "evaluations per epoch")
+    ("eval-every", po::value(&o.eval_every)->default_value(0),
+     "evaluate every N applied updates instead: the weights are snapshotted during training and scored "
+     "after it, so elapsed_s excludes evaluation (0: --evals-per-epoch)")
+    ("in-process", po::bool_switch(&o.in_process),
+     "the ceiling: one process applies each gradient with the CPU optimizer itself (no server, no shared "
+     "memory); same model, data order, batch and optimizer as --workers 1")
     ("data-dir", po::value(&o.data_dir)->default_value(o.data_dir), "folder of the Fashion-MNIST IDX files")
     ("csv", po::value(&o.csv), "write the learning curve to this CSV file")
     ("seed", po::value(&o.seed)->default_value(o.seed), "seed of the initialisation and the shuffles")
@@ -133,6 +151,12 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   if (o.lr == 0.0) o.lr = default_lr(o.optimizer);
   if (!(o.lr > 0.0) || !std::isfinite(o.lr)) bad = "--lr must be > 0";
   if (o.evals_per_epoch < 1 || o.evals_per_epoch > 1000) bad = "--evals-per-epoch must be 1..1000";
+  if (o.in_process) {
+    if (vm.count("workers") != 0 && !vm["workers"].defaulted() && o.workers != 1)
+      bad = "--in-process runs one training loop: --workers must be 1";
+    if (!o.connect.empty()) bad = "--in-process uses no server: drop --connect";
+    o.workers = 1;
+  }
   if (!bad.empty()) {
     std::cerr << "shmps-train: " << bad << "\n";
     return kExitUsage;
@@ -211,6 +235,155 @@ size_t shard_size(size_t count, size_t index, size_t workers) {
 
 size_t steps_per_epoch(size_t shard, size_t batch) { return (shard + batch - 1) / batch; }
 
+// The optimizer as the server started by shmps-train runs it (its option
+// defaults: momentum only for SGD, weight decay 0, AdamW 0.01).
+kernels::OptimizerConfig optimizer_config(const Options& o) {
+  kernels::OptimizerConfig c;
+  kernels::parse_optimizer_kind(o.optimizer, &c.kind);  // checked by parse_options
+  c.lr = static_cast<float>(o.lr);
+  if (c.kind == kernels::OptimizerKind::kSgd) {
+    c.momentum = static_cast<float>(o.momentum);
+    c.nesterov = o.nesterov;
+  }
+  c.weight_decay = o.weight_decay >= 0.0 ? static_cast<float>(o.weight_decay)
+                   : c.kind == kernels::OptimizerKind::kAdamW ? 0.01f
+                                                              : 0.0f;
+  return c;
+}
+
+// ---------------------------------------------------------------------------
+// The training loop, and the two places its gradients go.
+
+// Where the loop gets its weights and sends its gradients: the parameter
+// server (ServerPath, a worker process) or the optimizer applied in place
+// (LocalPath, --in-process). One thread at a time.
+class UpdatePath {
+ public:
+  virtual ~UpdatePath() = default;
+  // Makes weights() current; returns their version (applied updates).
+  virtual Result<uint64_t> pull() = 0;
+  // Sends grad(), computed from weights() at `version`. kStale (too old,
+  // nothing applied) and kServerRestarted (lost with a dead server) are
+  // retried by the loop on fresh weights; any other error ends it.
+  virtual Result<uint64_t> push(uint64_t version) = 0;
+  virtual const float* weights() const = 0;
+  virtual float* grad() = 0;
+};
+
+// Pull and push through a shmps-server: one registered buffer holds the
+// pulled weights, then the gradient pushed from them.
+class ServerPath final : public UpdatePath {
+ public:
+  ServerPath(Worker& w, const Buffer& buffer, size_t params)
+      : w_(w), buffer_(buffer), range_bytes_(params * sizeof(float)), params_(params) {}
+  Result<uint64_t> pull() override { return w_.pull(kAllTensors, buffer_.id, 0); }
+  Result<uint64_t> push(uint64_t version) override {
+    return w_.push(kAllTensors, buffer_.id, range_bytes_, range_bytes_, Dtype::kF32, version);
+  }
+  const float* weights() const override { return static_cast<const float*>(buffer_.data); }
+  float* grad() override { return static_cast<float*>(buffer_.data) + params_; }
+
+ private:
+  Worker& w_;
+  Buffer buffer_;
+  uint64_t range_bytes_;
+  size_t params_;
+};
+
+// The in-process ceiling: weights, optimizer state and update rule of the
+// server's host backend (the non-finite check, then apply_cpu per tensor
+// with PyTorch's per-tensor step count), in this process's memory. Every
+// push is applied: nothing is ever stale.
+class LocalPath final : public UpdatePath {
+ public:
+  LocalPath(const MlpShape& shape, std::vector<float> init, const kernels::OptimizerConfig& config)
+      : config_(config), tensors_(mlp_tensors(shape)), weights_(std::move(init)), grad_(weights_.size()),
+        steps_(tensors_.size(), 0) {
+    state_.resize(kernels::state_arrays(config_));
+    for (std::vector<float>& a : state_) a.assign(weights_.size(), 0.0f);
+  }
+  Result<uint64_t> pull() override { return version_; }
+  Result<uint64_t> push(uint64_t /*version: always current*/) override {
+    if (!kernels::all_finite_cpu(grad_.data(), kernels::GradDtype::kF32, grad_.size()))
+      return Status(ErrorCode::kNonFinite, "NaN or Inf in the gradient");
+    for (size_t t = 0; t < tensors_.size(); ++t) {
+      kernels::TensorState ts;
+      ts.weights = weights_.data() + tensors_[t].offset;
+      for (size_t i = 0; i < state_.size(); ++i) ts.state[i] = state_[i].data() + tensors_[t].offset;
+      ts.n = tensors_[t].count;
+      kernels::apply_cpu(config_, ts, grad_.data() + tensors_[t].offset, kernels::GradDtype::kF32, ++steps_[t]);
+    }
+    return ++version_;
+  }
+  const float* weights() const override { return weights_.data(); }
+  float* grad() override { return grad_.data(); }
+
+ private:
+  kernels::OptimizerConfig config_;
+  std::vector<ParamTensor> tensors_;
+  std::vector<float> weights_;
+  std::vector<std::vector<float>> state_;
+  std::vector<float> grad_;
+  std::vector<uint64_t> steps_;  // per tensor, as the server counts them
+  uint64_t version_ = 0;
+};
+
+// Called after each applied push with the loop's applied count; false
+// stops the loop (with an error).
+using AfterApply = std::function<bool(uint64_t applied)>;
+
+// Trains on the shard of `plan` (examples index, index+workers, ...,
+// reshuffled every epoch from the worker's seed) for plan.epochs epochs:
+// per minibatch, pull, compute the gradient, push; a stale push is counted
+// and retried on fresh weights with the same minibatch, and so is one lost
+// with a server that died (the Worker re-attaches to its successor).
+// Counts go to `slot`. Returns the first error that is not retried.
+Status train_shard(const WorkerPlan& plan, const Dataset& train, const MlpShape& shape, UpdatePath& path,
+                   WorkerSlot& slot, const AfterApply& after_apply) {
+  std::vector<uint32_t> shard;
+  for (size_t i = plan.index; i < train.count; i += plan.workers) shard.push_back(static_cast<uint32_t>(i));
+  const size_t features = train.features;
+  std::vector<float> x(plan.batch * features);
+  std::vector<uint8_t> y(plan.batch);
+  Mlp mlp(shape, plan.batch);
+  std::mt19937_64 rng(plan.seed * 0x9E3779B97F4A7C15ull + plan.index + 1);
+
+  uint64_t applied = 0;
+  uint64_t rejected = 0;
+  uint64_t lost = 0;
+  for (size_t epoch = 0; epoch < plan.epochs; ++epoch) {
+    std::shuffle(shard.begin(), shard.end(), rng);
+    for (size_t start = 0; start < shard.size(); start += plan.batch) {
+      const size_t n = std::min(plan.batch, shard.size() - start);
+      for (size_t i = 0; i < n; ++i) {
+        const size_t ex = shard[start + i];
+        std::copy_n(train.images.data() + ex * features, features, x.data() + i * features);
+        y[i] = train.labels[ex];
+      }
+      while (true) {
+        Result<uint64_t> version = path.pull();
+        if (!version.ok() && version.status().code() == ErrorCode::kServerRestarted) continue;
+        if (!version.ok()) return Status(version.status().code(), "pull: " + version.status().to_string());
+        mlp.loss_and_gradient(path.weights(), x.data(), y.data(), n, path.grad());
+        Result<uint64_t> pushed = path.push(*version);
+        if (pushed.ok()) {
+          slot.pushes_applied.store(++applied, std::memory_order_relaxed);  // display only
+          break;
+        }
+        if (pushed.status().code() == ErrorCode::kServerRestarted) {
+          slot.pushes_lost.store(++lost, std::memory_order_relaxed);  // display only
+          continue;
+        }
+        if (pushed.status().code() != ErrorCode::kStale)
+          return Status(pushed.status().code(), "push: " + pushed.status().to_string());
+        slot.pushes_rejected.store(++rejected, std::memory_order_relaxed);  // display only
+      }
+      if (after_apply && !after_apply(applied)) return Status(ErrorCode::kInternal, "stopped after an update");
+    }
+  }
+  return Status::Ok();
+}
+
 // The body of one worker process; returns its exit code.
 int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& shape, StartGate& gate,
                WorkerSlot& slot) {
@@ -225,68 +398,20 @@ int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& sha
   Worker& w = **connected;
   slot.worker_id.store(w.worker_id(), std::memory_order_relaxed);  // read after waitpid
   const size_t params = mlp_parameter_count(shape);
-  const uint64_t range_bytes = params * sizeof(float);
-  // One buffer: the pulled weights, then the gradient pushed from them.
-  Result<Buffer> buffer = w.register_buffer(2 * range_bytes);
+  Result<Buffer> buffer = w.register_buffer(2 * params * sizeof(float));
   if (!buffer.ok()) {
     std::cerr << who << "register_buffer: " << buffer.status().to_string() << "\n";
     return kExitFailure;
   }
-  auto* weights = static_cast<float*>(buffer->data);
-  float* grad = weights + params;
-
-  std::vector<uint32_t> shard;
-  for (size_t i = plan.index; i < train.count; i += plan.workers) shard.push_back(static_cast<uint32_t>(i));
-  const size_t features = train.features;
-  std::vector<float> x(plan.batch * features);
-  std::vector<uint8_t> y(plan.batch);
-  Mlp mlp(shape, plan.batch);
-  std::mt19937_64 rng(plan.seed * 0x9E3779B97F4A7C15ull + plan.index + 1);
+  ServerPath path(w, *buffer, params);
 
   // SYNC(start_gate): nothing is published through it; acquire for symmetry.
   while (gate.open.load(std::memory_order_acquire) == 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  uint64_t applied = 0;
-  uint64_t rejected = 0;
-  uint64_t lost = 0;
-  for (size_t epoch = 0; epoch < plan.epochs; ++epoch) {
-    std::shuffle(shard.begin(), shard.end(), rng);
-    for (size_t start = 0; start < shard.size(); start += plan.batch) {
-      const size_t n = std::min(plan.batch, shard.size() - start);
-      for (size_t i = 0; i < n; ++i) {
-        const size_t ex = shard[start + i];
-        std::copy_n(train.images.data() + ex * features, features, x.data() + i * features);
-        y[i] = train.labels[ex];
-      }
-      // Pull, compute, push; a stale push is counted and retried on fresh
-      // weights with the same minibatch, and so is one lost with a server
-      // that died (the Worker re-attaches to its successor).
-      while (true) {
-        Result<uint64_t> version = w.pull(kAllTensors, buffer->id, 0);
-        if (!version.ok() && version.status().code() == ErrorCode::kServerRestarted) continue;
-        if (!version.ok()) {
-          std::cerr << who << "pull: " << version.status().to_string() << "\n";
-          return kExitFailure;
-        }
-        mlp.loss_and_gradient(weights, x.data(), y.data(), n, grad);
-        Result<uint64_t> pushed =
-            w.push(kAllTensors, buffer->id, range_bytes, range_bytes, Dtype::kF32, *version);
-        if (pushed.ok()) {
-          slot.pushes_applied.store(++applied, std::memory_order_relaxed);  // display only
-          break;
-        }
-        if (pushed.status().code() == ErrorCode::kServerRestarted) {
-          slot.pushes_lost.store(++lost, std::memory_order_relaxed);  // display only
-          continue;
-        }
-        if (pushed.status().code() != ErrorCode::kStale) {
-          std::cerr << who << "push: " << pushed.status().to_string() << "\n";
-          return kExitFailure;
-        }
-        slot.pushes_rejected.store(++rejected, std::memory_order_relaxed);  // display only
-      }
-    }
+  if (Status s = train_shard(plan, train, shape, path, slot, nullptr); !s.ok()) {
+    std::cerr << who << s.message() << "\n";
+    return kExitFailure;
   }
   Result<ServerStats> stats = w.stats();
   if (!stats.ok() && stats.status().code() == ErrorCode::kServerRestarted) stats = w.stats();
@@ -478,6 +603,38 @@ struct CurvePoint {
   double elapsed_s = 0;
 };
 
+// The weights at one evaluation point, with what the curve records about
+// them; scored at once (live) or after training (--eval-every, --in-process).
+struct Snapshot {
+  uint64_t version = 0;  // applied pushes since the start of this run
+  double elapsed_s = 0;  // training time when they were taken
+  uint64_t rejected = 0;
+  double avg_staleness = 0;
+  std::vector<float> weights;
+};
+
+// The evaluation points during training, in applied pushes: points 1 ..
+// count()-1 at at(k); the final weights are scored after training.
+struct EvalSchedule {
+  uint64_t total = 0;      // applied pushes of the whole run
+  uint64_t per_epoch = 1;  // applied pushes per epoch
+  uint64_t epochs = 1;
+  uint64_t evals_per_epoch = 1;
+  uint64_t eval_every = 0;  // > 0: every N pushes instead
+  uint64_t count() const {
+    return eval_every != 0 ? (total + eval_every - 1) / eval_every : epochs * evals_per_epoch;
+  }
+  uint64_t at(uint64_t k) const { return eval_every != 0 ? k * eval_every : per_epoch * k / evals_per_epoch; }
+  // Deferred scoring keeps every snapshot until training ends: refuse a
+  // schedule that would hold more than kMaxSnapshots.
+  bool fits() const { return eval_every == 0 || count() + 1 <= kMaxSnapshots; }
+  std::string too_many() const {
+    return "--eval-every " + std::to_string(eval_every) + " takes " + std::to_string(count() + 1) +
+           " snapshots of the weights over " + std::to_string(total) + " updates; at most " +
+           std::to_string(kMaxSnapshots) + " (raise --eval-every)";
+  }
+};
+
 // The parent's side of the job. The destructor cleans up after any exit
 // path: kills the workers, detaches the evaluation worker, then stops the
 // server.
@@ -500,12 +657,17 @@ class Trainer {
   int run();
 
  private:
+  int run_in_process();
   int load_data();
   int start_server();
   bool stop_server();
   bool restart_server();
-  Result<CurvePoint> evaluate();
+  Result<Snapshot> pull_snapshot();
+  bool record(Snapshot snapshot);
+  void score(const Snapshot& snapshot);
+  void score_deferred();
   void print(const CurvePoint& p) const;
+  bool write_csv() const;
 
   Options o_;
   MlpShape shape_;
@@ -522,13 +684,15 @@ class Trainer {
   std::unique_ptr<Mlp> mlp_;
   std::vector<Child> workers_;
   std::vector<CurvePoint> curve_;
+  // Snapshots kept for scoring after training, when deferred.
+  bool defer_scoring_ = false;
+  std::vector<Snapshot> deferred_;
+  uint64_t last_recorded_version_ = 0;
   uint64_t per_epoch_ = 1;  // applied pushes per epoch
   uint64_t base_version_ = 0;
   uint64_t base_rejected_ = 0;
   uint64_t base_applied_ = 0;
   Clock::time_point start_;
-  Clock::time_point last_time_;
-  uint64_t last_progress_ = 0;
 };
 
 int Trainer::load_data() {
@@ -620,7 +784,9 @@ bool Trainer::stop_server() {
   return server_.status() == 0;
 }
 
-Result<CurvePoint> Trainer::evaluate() {
+// Stats and the weights of the running server, through the evaluation
+// worker.
+Result<Snapshot> Trainer::pull_snapshot() {
   // A call that finds the server dead fails once (kServerRestarted); the
   // retry re-attaches to its successor.
   Result<ServerStats> stats = eval_->stats();
@@ -631,25 +797,54 @@ Result<CurvePoint> Trainer::evaluate() {
     version = eval_->pull(kAllTensors, eval_buffer_.id, 0);
   if (!version.ok()) return version.status();
   const auto* params = static_cast<const float*>(eval_buffer_.data);
+  Snapshot s;
+  s.version = *version - base_version_;
+  s.elapsed_s = std::chrono::duration<double>(Clock::now() - start_).count();
+  s.rejected = stats->rejected_stale - base_rejected_;
+  s.avg_staleness = stats->avg_staleness;
+  s.weights.assign(params, params + mlp_parameter_count(shape_));
+  return s;
+}
+
+// Scores `snapshot` now, or keeps it for score_deferred().
+bool Trainer::record(Snapshot snapshot) {
+  last_recorded_version_ = snapshot.version;
+  if (defer_scoring_) {
+    deferred_.push_back(std::move(snapshot));
+    return true;
+  }
+  score(snapshot);
+  return true;
+}
+
+void Trainer::score_deferred() {
+  for (const Snapshot& s : deferred_) score(s);
+  deferred_.clear();
+}
+
+// Test accuracy and loss, and the loss on the fixed training subset; the
+// rate is over the interval since the previous point.
+void Trainer::score(const Snapshot& s) {
   const size_t train_n = std::min(train_.count, kTrainLossSamples);
+  const float* params = s.weights.data();
   const EvalResult tr = mlp_->evaluate(params, train_.images.data(), train_.labels.data(), train_n);
   const EvalResult te = mlp_->evaluate(params, test_.images.data(), test_.labels.data(), test_.count);
-  const auto now = Clock::now();
   CurvePoint p;
-  p.version = *version - base_version_;
+  p.version = s.version;
   p.epoch = static_cast<double>(p.version) / static_cast<double>(per_epoch_);
   p.train_loss = tr.loss;
   p.test_loss = te.loss;
   p.test_acc = te.accuracy;
-  const double dt = std::chrono::duration<double>(now - last_time_).count();
-  p.pushes_per_s =
-      dt > 0 && p.version >= last_progress_ ? static_cast<double>(p.version - last_progress_) / dt : 0;
-  p.rejected = stats->rejected_stale - base_rejected_;
-  p.avg_staleness = stats->avg_staleness;
-  p.elapsed_s = std::chrono::duration<double>(now - start_).count();
-  last_time_ = now;
-  last_progress_ = p.version;
-  return p;
+  if (!curve_.empty()) {
+    const CurvePoint& prev = curve_.back();
+    const double dt = s.elapsed_s - prev.elapsed_s;
+    p.pushes_per_s = dt > 0 && p.version >= prev.version ? static_cast<double>(p.version - prev.version) / dt : 0;
+  }
+  p.rejected = s.rejected;
+  p.avg_staleness = s.avg_staleness;
+  p.elapsed_s = s.elapsed_s;
+  print(p);
+  curve_.push_back(p);
 }
 
 void Trainer::print(const CurvePoint& p) const {
@@ -660,8 +855,88 @@ void Trainer::print(const CurvePoint& p) const {
   std::fflush(stdout);
 }
 
+bool Trainer::write_csv() const {
+  if (o_.csv.empty()) return true;
+  std::ofstream csv(o_.csv);
+  csv << "epoch,version,train_loss,test_loss,test_acc,pushes_per_s,rejected,avg_staleness,elapsed_s\n";
+  for (const CurvePoint& p : curve_) {
+    csv << p.epoch << ',' << p.version << ',' << p.train_loss << ',' << p.test_loss << ',' << p.test_acc << ','
+        << p.pushes_per_s << ',' << p.rejected << ',' << p.avg_staleness << ',' << p.elapsed_s << '\n';
+  }
+  csv.close();
+  if (!csv) {
+    std::cerr << "shmps-train: cannot write " << o_.csv << "\n";
+    return false;
+  }
+  return true;
+}
+
+// The ceiling: train_shard with a LocalPath, in this process. Evaluation
+// points are snapshots (a copy of the weights) scored after training, so
+// the wall time is training alone.
+int Trainer::run_in_process() {
+  const kernels::OptimizerConfig config = optimizer_config(o_);
+  if (const std::string bad = kernels::validate(config); !bad.empty()) {
+    std::cerr << "shmps-train: " << bad << "\n";  // what the server would have said
+    return kExitUsage;
+  }
+  std::vector<float> init(mlp_parameter_count(shape_));
+  he_init(shape_, init, o_.seed);
+  LocalPath path(shape_, std::move(init), config);
+  set_blas_threads(1);  // as a worker: the comparison is of where updates are applied
+  mlp_ = std::make_unique<Mlp>(shape_, kEvalBatch);
+  defer_scoring_ = true;
+
+  per_epoch_ = steps_per_epoch(train_.count, o_.batch);
+  const EvalSchedule schedule{per_epoch_ * o_.epochs, per_epoch_, o_.epochs, o_.evals_per_epoch, o_.eval_every};
+  if (!schedule.fits()) {
+    std::cerr << "shmps-train: " << schedule.too_many() << "\n";
+    return kExitUsage;
+  }
+  std::printf("shmps-train: in-process (no server), batch %zu, %s lr %s, %zu epochs of %llu updates\n", o_.batch,
+              o_.optimizer.c_str(), format_double(o_.lr).c_str(), o_.epochs,
+              static_cast<unsigned long long>(per_epoch_));
+  std::fflush(stdout);
+
+  start_ = Clock::now();
+  auto snapshot = [&](uint64_t version) {
+    Snapshot s;
+    s.version = version;
+    s.elapsed_s = std::chrono::duration<double>(Clock::now() - start_).count();
+    s.weights.assign(path.weights(), path.weights() + mlp_parameter_count(shape_));
+    return s;
+  };
+  record(snapshot(0));
+  deferred_.back().elapsed_s = 0.0;
+  start_ = Clock::now();
+  uint64_t next_eval = 1;
+  WorkerSlot slot;  // the loop's counts; nothing shares it
+  const WorkerPlan plan{0, 1, o_.epochs, o_.batch, o_.seed, ""};
+  const Status s = train_shard(plan, train_, shape_, path, slot, [&](uint64_t applied) {
+    if (next_eval < schedule.count() && applied >= schedule.at(next_eval)) {
+      record(snapshot(applied));
+      ++next_eval;
+    }
+    return true;
+  });
+  const double train_s = std::chrono::duration<double>(Clock::now() - start_).count();
+  if (!s.ok()) {
+    std::cerr << "shmps-train: " << s.message() << "\n";
+    return kExitFailure;
+  }
+  const uint64_t applied = slot.pushes_applied.load(std::memory_order_relaxed);  // this thread wrote it
+  if (last_recorded_version_ != applied) record(snapshot(applied));
+  score_deferred();
+  std::printf("updates: applied %llu in this process (no server)\n", static_cast<unsigned long long>(applied));
+  std::printf("final test accuracy: %.4f (wall time %.1f s, in-process)\n", curve_.back().test_acc, train_s);
+  std::fflush(stdout);
+  if (!write_csv()) return kExitFailure;
+  return applied == schedule.total ? 0 : kExitFailure;
+}
+
 int Trainer::run() {
   if (int rc = load_data(); rc != 0) return rc;
+  if (o_.in_process) return run_in_process();
   Child* server = nullptr;
   std::string server_name = o_.connect.empty() ? o_.name : o_.connect;
   if (o_.connect.empty()) {
@@ -704,6 +979,14 @@ int Trainer::run() {
     per_epoch_ += steps_per_epoch(shard_size(train_.count, i, o_.workers), o_.batch);
   const uint64_t per_epoch = per_epoch_;
   const uint64_t total = per_epoch * o_.epochs;
+  const EvalSchedule schedule{total, per_epoch, o_.epochs, o_.evals_per_epoch, o_.eval_every};
+  if (!schedule.fits()) {
+    std::cerr << "shmps-train: " << schedule.too_many() << "\n";
+    return kExitUsage;
+  }
+  // Snapshots are scored after training: the parent's evaluations then
+  // take no CPU from the workers, and elapsed_s is training time alone.
+  defer_scoring_ = o_.eval_every != 0;
   std::string setup =
       o_.optimizer + " lr " + format_double(o_.lr) + ", max_staleness " + std::to_string(o_.max_staleness);
   if (!own_server_) setup = "the running server's optimizer and max_staleness";
@@ -741,32 +1024,32 @@ int Trainer::run() {
   set_blas_threads(1);
   mlp_ = std::make_unique<Mlp>(shape_, kEvalBatch);
 
-  auto record = [&]() -> bool {
-    Result<CurvePoint> p = evaluate();
-    if (!p.ok()) {
-      std::cerr << "shmps-train: evaluation: " << p.status().to_string() << "\n";
+  auto take = [&]() -> bool {
+    Result<Snapshot> s = pull_snapshot();
+    if (!s.ok()) {
+      std::cerr << "shmps-train: evaluation: " << s.status().to_string() << "\n";
       return false;
     }
-    print(*p);
-    curve_.push_back(*p);
-    return true;
+    return record(std::move(*s));
   };
   start_ = Clock::now();
-  last_time_ = start_;
-  if (!record()) return kExitFailure;
-  curve_.back().elapsed_s = 0.0;
-  start_ = Clock::now();  // training time: from the gate on
-  last_time_ = start_;
+  if (!take()) return kExitFailure;
+  // Training time runs from the gate on; the first point is its start.
+  if (defer_scoring_) deferred_.back().elapsed_s = 0.0;
+  else curve_.back().elapsed_s = 0.0;
+  start_ = Clock::now();
   // SYNC(start_gate): see run_worker.
   slots.gate().open.store(1, std::memory_order_release);
 
-  const uint64_t evals = o_.epochs * o_.evals_per_epoch;
-  uint64_t next_eval = 1;  // in units of 1/evals_per_epoch epochs
-  auto eval_version = [&](uint64_t k) { return per_epoch * k / o_.evals_per_epoch; };
+  const uint64_t evals = schedule.count();
+  uint64_t next_eval = 1;
+  // Snapshots are cheap (a pull), so --eval-every polls more often to take
+  // each close to its point.
+  const auto poll_every = std::chrono::milliseconds(defer_scoring_ ? 5 : 20);
   size_t running = workers_.size();
   int failed = 0;
   while (running > 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::this_thread::sleep_for(poll_every);
     for (size_t i = 0; i < workers_.size(); ++i) {
       if (!workers_[i].running() || !workers_[i].poll()) continue;
       --running;
@@ -794,16 +1077,16 @@ int Trainer::run() {
       return kExitFailure;
     }
     const uint64_t progress = stats->version - base_version_;
-    if (next_eval < evals && progress >= eval_version(next_eval)) {
-      if (!record()) return kExitFailure;
+    if (next_eval < evals && progress >= schedule.at(next_eval)) {
+      if (!take()) return kExitFailure;
       // Skip boundaries passed meanwhile, so a slow evaluation cannot queue up.
-      while (next_eval < evals && curve_.back().version >= eval_version(next_eval)) ++next_eval;
+      while (next_eval < evals && last_recorded_version_ >= schedule.at(next_eval)) ++next_eval;
     }
   }
   if (failed != 0) return kExitFailure;  // the destructor kills the rest
   const double train_s = std::chrono::duration<double>(Clock::now() - start_).count();
   // The last evaluation may have seen the final weights already.
-  if (curve_.back().version != total && !record()) return kExitFailure;
+  if (last_recorded_version_ != total && !take()) return kExitFailure;
 
   // The workers' own counts against the server's.
   Result<ServerStats> end = eval_->stats();
@@ -811,6 +1094,7 @@ int Trainer::run() {
     std::cerr << "shmps-train: stats: " << end.status().to_string() << "\n";
     return kExitFailure;
   }
+  score_deferred();
   uint64_t applied = 0;
   uint64_t rejected = 0;
   uint64_t lost = 0;
@@ -860,20 +1144,7 @@ int Trainer::run() {
               o_.workers);
   std::fflush(stdout);
 
-  if (!o_.csv.empty()) {
-    std::ofstream csv(o_.csv);
-    csv << "epoch,version,train_loss,test_loss,test_acc,pushes_per_s,rejected,avg_staleness,elapsed_s\n";
-    for (const CurvePoint& p : curve_) {
-      csv << p.epoch << ',' << p.version << ',' << p.train_loss << ',' << p.test_loss << ',' << p.test_acc
-          << ',' << p.pushes_per_s << ',' << p.rejected << ',' << p.avg_staleness << ',' << p.elapsed_s
-          << '\n';
-    }
-    csv.close();
-    if (!csv) {
-      std::cerr << "shmps-train: cannot write " << o_.csv << "\n";
-      return kExitFailure;
-    }
-  }
+  if (!write_csv()) return kExitFailure;
   eval_.reset();  // detach before the server stops
   if (!stop_server()) {
     std::cerr << "shmps-train: shmps-server exited with status " << server_.status() << "\n";

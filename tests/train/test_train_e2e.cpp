@@ -1,7 +1,9 @@
 // End-to-end runs of the real shmps-train (which starts its own
 // shmps-server and forks its workers) on Fashion-MNIST subsets: it learns,
 // bounded staleness rejects and counts pushes, the counts agree with the
-// server's, --connect works and checks tensors, and failures exit non-zero.
+// server's, --connect works and checks tensors, and failures exit non-zero;
+// --in-process (the ceiling) learns and computes exactly what one worker
+// through the server does; --eval-every writes its rows.
 // Needs /usr/share/datasets/fashion-mnist (Debian: dataset-fashion-mnist).
 #define BOOST_TEST_MODULE test_train_e2e
 #include <signal.h>
@@ -58,6 +60,8 @@ struct CsvRow {
   double train_loss = 0;
   double test_acc = 0;
   double rejected = 0;
+  double version = 0;
+  double elapsed_s = 0;
 };
 
 // One shmps-train run: unique segment name, output and CSV files that are
@@ -132,7 +136,7 @@ struct TrainRun {
       std::stringstream ss(line);
       for (std::string cell; std::getline(ss, cell, ',');) v.push_back(std::stod(cell));
       BOOST_REQUIRE_EQUAL(v.size(), 9u);
-      rows.push_back(CsvRow{v[0], v[2], v[4], v[6]});
+      rows.push_back(CsvRow{v[0], v[2], v[4], v[6], v[1], v[8]});
     }
     return rows;
   }
@@ -271,6 +275,78 @@ BOOST_FIXTURE_TEST_CASE(server_death_is_survived_through_a_checkpoint, TrainRun)
   BOOST_TEST(shmps::test::eventually([&] { return !fs::exists("/dev/shm/shmps." + name); }, 10s));
 }
 
+BOOST_FIXTURE_TEST_CASE(in_process_learns_and_writes_eval_every_rows, TrainRun) {
+  run({"--in-process", "--train-limit", "5000", "--epochs", "1", "--eval-every", "10", "--csv", csv});
+  BOOST_REQUIRE_EQUAL(rc, 0);
+  BOOST_TEST(output.find("in-process (no server)") != std::string::npos, output);
+  BOOST_TEST(output.find("applied 79 in this process") != std::string::npos, output);  // ceil(5000 / 64)
+  BOOST_TEST(output.find("shmps-server") == std::string::npos, output);                 // none started
+  // One row every 10 updates (the loop stops for each), then the end.
+  const std::vector<CsvRow> rows = curve();
+  BOOST_REQUIRE_EQUAL(rows.size(), 9u);
+  for (size_t i = 0; i + 1 < rows.size(); ++i) BOOST_TEST(rows[i].version == 10.0 * static_cast<double>(i));
+  BOOST_TEST(rows.back().version == 79.0);
+  BOOST_TEST(rows.back().epoch == 1.0);
+  BOOST_TEST(rows.front().elapsed_s == 0.0);
+  for (size_t i = 1; i < rows.size(); ++i) BOOST_TEST(rows[i].elapsed_s >= rows[i - 1].elapsed_s);
+  BOOST_TEST(rows.back().elapsed_s > 0.0);
+  BOOST_TEST(rows.back().train_loss < 0.5 * rows.front().train_loss);
+  BOOST_TEST(rows.back().test_acc > 0.70);
+  BOOST_TEST(final_accuracy() == rows.back().test_acc, boost::test_tools::tolerance(1e-3));
+}
+
+// The ceiling is the same computation as one worker through the server
+// (same initialisation, data order, batch, optimizer; a lone worker is never
+// stale): the weights, hence the scores, agree exactly at every version
+// both curves hold, and at the end.
+BOOST_FIXTURE_TEST_CASE(in_process_computes_what_one_worker_does, TrainRun) {
+  const std::vector<std::string> common{"--train-limit", "3000", "--test-limit", "1000", "--epochs", "2",
+                                        "--eval-every",  "5",    "--csv"};
+  std::vector<std::string> args = common;
+  args.push_back(csv);
+  args.push_back("--in-process");
+  run(args);
+  BOOST_REQUIRE_EQUAL(rc, 0);
+  const std::vector<CsvRow> local = curve();
+  args.back() = "--workers";
+  args.push_back("1");
+  run(args);
+  BOOST_REQUIRE_EQUAL(rc, 0);
+  const std::vector<CsvRow> served = curve();
+  BOOST_TEST(local.back().version == 94.0);  // 2 x ceil(3000 / 64)
+  BOOST_TEST(served.back().version == 94.0);
+  size_t compared = 0;
+  for (const CsvRow& s : served) {
+    for (const CsvRow& l : local) {
+      if (l.version != s.version) continue;
+      BOOST_TEST(l.test_acc == s.test_acc, "version " << s.version);
+      BOOST_TEST(l.train_loss == s.train_loss, "version " << s.version);
+      ++compared;
+    }
+  }
+  BOOST_TEST(compared >= 2u);  // at least the start and the end
+}
+
+BOOST_FIXTURE_TEST_CASE(eval_every_through_the_server, TrainRun) {
+  run({"--train-limit", "5000", "--test-limit", "1000", "--epochs", "1", "--workers", "2", "--eval-every", "10",
+       "--csv", csv});
+  BOOST_REQUIRE_EQUAL(rc, 0);
+  push_counts();
+  // Snapshots are taken when the parent's poll sees a boundary passed, so
+  // a row may be a few updates late (and, under load, a boundary skipped).
+  const std::vector<CsvRow> rows = curve();
+  BOOST_REQUIRE_GE(rows.size(), 3u);
+  BOOST_TEST(rows.front().version == 0.0);
+  BOOST_TEST(rows.front().elapsed_s == 0.0);
+  BOOST_TEST(rows.back().version == 80.0);  // 2 shards of 2500
+  for (size_t i = 1; i < rows.size(); ++i) {
+    BOOST_TEST(rows[i].version > rows[i - 1].version);
+    BOOST_TEST(rows[i].elapsed_s >= rows[i - 1].elapsed_s);
+  }
+  BOOST_TEST(rows[1].version >= 10.0);
+  BOOST_TEST(final_accuracy() > 0.70);
+}
+
 BOOST_FIXTURE_TEST_CASE(missing_dataset_exits_2, TrainRun) {
   run({"--data-dir", (dir / "nothing-here").string()});
   BOOST_TEST(rc == 2);
@@ -288,6 +364,19 @@ BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
   BOOST_TEST(rc == 2);
   run({"--workers", "0"});
   BOOST_TEST(rc == 2);
+  run({"--in-process", "--workers", "2"});
+  BOOST_TEST(rc == 2);
+  BOOST_TEST(output.find("--workers must be 1") != std::string::npos, output);
+  run({"--in-process", "--connect", "x"});
+  BOOST_TEST(rc == 2);
+  // Checked as the server checks its options.
+  run({"--in-process", "--train-limit", "100", "--test-limit", "100", "--optimizer", "sgd", "--momentum=-1"});
+  BOOST_TEST(rc == 2);
+  BOOST_TEST(output.find("--momentum must") != std::string::npos, output);
+  // 1 snapshot per update of 79 is fine; of 20 epochs of 938 it is not.
+  run({"--in-process", "--eval-every", "1"});
+  BOOST_TEST(rc == 2);
+  BOOST_TEST(output.find("raise --eval-every") != std::string::npos, output);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
