@@ -10,8 +10,6 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
-#include <filesystem>
-#include <iostream>
 #include <new>
 
 #include "bench_support.hpp"
@@ -28,11 +26,13 @@ constexpr uint64_t kKiB = 1024, kMiB = kKiB * kKiB;
 struct Plan {
   bool quick = false;
   uint32_t repeats = 5;
+  bool latency = true, throughput = true, scaling_rows = true;  // sections 1, 2, 3
   uint32_t latency_pushes = 5000;
-  std::vector<uint64_t> sizes{4 * kKiB, 64 * kKiB, kMiB, 16 * kMiB, 64 * kMiB};
+  std::vector<uint64_t> sizes{4 * kKiB, 64 * kKiB, kMiB, 16 * kMiB, 64 * kMiB, 256 * kMiB};
   std::vector<uint32_t> scaling{1, 2, 4, 8};
   uint32_t scaling_pushes = 64;  // per worker and repeat, 1 MiB each
   std::string server_path;
+  std::vector<std::string> server_args;  // --server-arg: appended to every shmps-server
   std::string log_path;
 };
 
@@ -92,10 +92,16 @@ Result<std::vector<double>> spin_pingpong(uint32_t n) {
   return std::move(r.value()[0]);
 }
 
-// Median ns of memcpy and of apply_cpu (SGD, lr 0.001) on `bytes`, in this
-// process, pages faulted in first.
+// Median ns of memcpy, of apply_cpu (SGD, lr 0.001) and of all_finite_cpu +
+// apply_cpu (the shmps server's work per push with its NaN/Inf check) on
+// `bytes`, in this process, with this process's OpenMP settings (the same
+// environment the servers inherit), pages faulted in first. Each is timed
+// in its own back-to-back loop on the same arrays, as a server applies
+// back-to-back pushes: no other pass in between evicts the data or leaves
+// dirty lines for the timed pass to write back (with a memcpy interleaved,
+// a 64 MiB apply took 2x longer than the server's).
 struct InProcess {
-  double memcpy_ns, apply_ns;
+  double memcpy_ns, apply_ns, check_apply_ns;
 };
 InProcess in_process(uint64_t bytes, uint32_t n) {
   std::vector<float> src(bytes / 4, 1e-4f), dst(bytes / 4, 0.f), weights(bytes / 4, 0.5f);
@@ -104,21 +110,35 @@ InProcess in_process(uint64_t bytes, uint32_t n) {
   kernels::TensorState tensor;
   tensor.weights = weights.data();
   tensor.n = bytes / 4;
-  std::vector<double> copy, apply;
   uint64_t step = 0;
-  for (uint32_t i = 0; i < n + 1; ++i) {
-    uint64_t t0 = now_ns();
+  bool finite = true;
+  // n timed runs after one untimed warm-up run.
+  const auto timed = [n](const auto& body) {
+    std::vector<double> ns;
+    for (uint32_t i = 0; i < n + 1; ++i) {
+      const uint64_t t0 = now_ns();
+      body();
+      const uint64_t t1 = now_ns();
+      if (i > 0) ns.push_back(static_cast<double>(t1 - t0));
+    }
+    return median(ns);
+  };
+  InProcess r{};
+  r.memcpy_ns = timed([&] {
     std::memcpy(dst.data(), src.data(), bytes);
     escape(dst.data());
-    uint64_t t1 = now_ns();
-    if (i > 0) copy.push_back(static_cast<double>(t1 - t0));
-    t0 = now_ns();
+  });
+  r.apply_ns = timed([&] {
     kernels::apply_cpu(config, tensor, src.data(), kernels::GradDtype::kF32, ++step);
     escape(weights.data());
-    t1 = now_ns();
-    if (i > 0) apply.push_back(static_cast<double>(t1 - t0));
-  }
-  return {median(copy), median(apply)};
+  });
+  r.check_apply_ns = timed([&] {
+    finite &= kernels::all_finite_cpu(src.data(), kernels::GradDtype::kF32, tensor.n);
+    kernels::apply_cpu(config, tensor, src.data(), kernels::GradDtype::kF32, ++step);
+    escape(weights.data());
+  });
+  if (!finite) return {NAN, NAN, NAN};
+  return r;
 }
 
 // ------------------------------------------------------------ systems
@@ -136,9 +156,18 @@ struct Running {
   std::vector<Target> targets;
 };
 
+// The tensors every shmps server holds: one per measured size, plus the
+// 4 KiB (latency) and 1 MiB (scaling) ones.
+std::vector<uint64_t> tensor_sizes(const Plan& plan) {
+  std::vector<uint64_t> bytes = plan.sizes;
+  for (uint64_t b : {4 * kKiB, kMiB})
+    if (std::find(bytes.begin(), bytes.end(), b) == bytes.end()) bytes.push_back(b);
+  return bytes;
+}
+
 Result<Running> start_all(const Plan& plan, std::vector<uint64_t>& tensor_bytes) {
   Running run;
-  tensor_bytes = plan.sizes;
+  tensor_bytes = tensor_sizes(plan);
   std::vector<std::string> args;
   for (size_t i = 0; i < tensor_bytes.size(); ++i) {
     args.push_back("--tensor");
@@ -146,15 +175,26 @@ Result<Running> start_all(const Plan& plan, std::vector<uint64_t>& tensor_bytes)
   }
   // Several pushers race on one tensor in the scaling rows: never reject on staleness.
   args.insert(args.end(), {"--optimizer", "sgd", "--lr", "0.001", "--max-staleness", "1000000"});
-  for (int spin : {50, 0}) {
+  args.insert(args.end(), plan.server_args.begin(), plan.server_args.end());
+  // The default server (NaN/Inf check on, idle spin 50 us); one that sleeps
+  // at once; one without the check pass (the baselines do not check either).
+  struct Variant {
+    const char* label;
+    const char* tag;
+    std::vector<std::string> args;
+  };
+  const std::vector<Variant> variants{{"shmps", "spin", {"--idle-spin-us", "50"}},
+                                      {"shmps, --idle-spin-us 0", "nospin", {"--idle-spin-us", "0"}},
+                                      {"shmps, --allow-nonfinite", "nocheck", {"--idle-spin-us", "50", "--allow-nonfinite"}}};
+  for (const Variant& v : variants) {
     std::vector<std::string> a = args;
-    a.insert(a.end(), {"--idle-spin-us", std::to_string(spin)});
-    auto s = ServerChild::start(plan.server_path, segment_name("cmp" + std::to_string(spin)), a, plan.log_path);
+    a.insert(a.end(), v.args.begin(), v.args.end());
+    auto s = ServerChild::start(plan.server_path, segment_name(std::string("cmp") + v.tag), a, plan.log_path);
     if (!s.ok()) return s.status();
-    run.targets.push_back({spin == 0 ? "shmps, --idle-spin-us 0" : "shmps", System::kShmps, (*s)->name(), true});
+    run.targets.push_back({v.label, System::kShmps, (*s)->name(), true});
     run.shmps.push_back(std::move(s).value());
   }
-  const uint64_t max_bytes = *std::max_element(plan.sizes.begin(), plan.sizes.end());
+  const uint64_t max_bytes = *std::max_element(tensor_bytes.begin(), tensor_bytes.end());
   std::vector<System> baselines{System::kSocket, System::kMessageQueue};
   if (zmq_available()) baselines.push_back(System::kZmq);
   for (System sys : baselines) {
@@ -170,7 +210,7 @@ Result<Running> start_all(const Plan& plan, std::vector<uint64_t>& tensor_bytes)
 // back to back (series 0-2), then the median push time per size (3..).
 // Series 3 + sizes: the last repeat's 4 KiB samples (for the CDF).
 Result<Series> measure_one(const Plan& plan, const Target& t, const std::vector<uint64_t>& tensor_bytes) {
-  const uint64_t max_bytes = *std::max_element(plan.sizes.begin(), plan.sizes.end());
+  const uint64_t max_bytes = *std::max_element(tensor_bytes.begin(), tensor_bytes.end());
   const auto nsizes = static_cast<uint32_t>(plan.sizes.size());
   return run_children(1, 4 + nsizes, std::max<size_t>(plan.latency_pushes, plan.repeats),
                       [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
@@ -180,9 +220,10 @@ Result<Series> measure_one(const Plan& plan, const Target& t, const std::vector<
       for (int i = 0; i < 2; ++i)
         if (Status s = (*c)->push(b); !s.ok()) return s;
     barrier.arrive_and_wait();
-    std::vector<double> lat(plan.latency_pushes);
+    const uint32_t latency_pushes = plan.latency ? plan.latency_pushes : 0;
+    std::vector<double> lat(latency_pushes);
     for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
-      for (uint32_t i = 0; i < plan.latency_pushes; ++i) {
+      for (uint32_t i = 0; i < latency_pushes; ++i) {
         const uint64_t t0 = now_ns();
         if (Status s = (*c)->push(4 * kKiB); !s.ok()) return s;
         lat[i] = static_cast<double>(now_ns() - t0);
@@ -190,7 +231,7 @@ Result<Series> measure_one(const Plan& plan, const Target& t, const std::vector<
       out[0].push_back(percentile(lat, 0.5));
       out[1].push_back(percentile(lat, 0.99));
       out[2].push_back(percentile(lat, 0.999));
-      for (uint32_t j = 0; j < nsizes; ++j) {
+      for (uint32_t j = 0; j < (plan.throughput ? nsizes : 0); ++j) {
         std::vector<double> ns;
         for (uint32_t i = 0; i < pushes_for(plan, plan.sizes[j]); ++i) {
           const uint64_t t0 = now_ns();
@@ -235,17 +276,32 @@ struct Goal {
   bool met;
 };
 
+// The row of a target: shmps variants carry their label, baselines their name.
+size_t find_target(const Running& run, const std::string& label) {
+  for (size_t i = 0; i < run.targets.size(); ++i)
+    if (run.targets[i].label == label) return i;
+  return run.targets.size();
+}
+
 int run(const Plan& plan, const std::string& csv_path) {
   Csv csv;
   std::vector<Goal> goals;
   std::printf("shmps-compare: %u repeat(s)%s; every server applies kernels::apply_cpu SGD (lr 0.001) to fp32\n"
               "gradients; workers are fork()ed processes; figures are medians over repeats.\n",
               plan.repeats, plan.quick ? " (--quick: smoke mode, figures meaningless)" : "");
+  if (!plan.server_args.empty()) {
+    std::string extra;
+    for (const std::string& a : plan.server_args) extra += " " + a;
+    std::printf("Extra server arguments:%s\n", extra.c_str());
+  }
+  std::printf("Load average (1 min) at start: %s\n", load_average().c_str());
+  print_omp_environment(stdout);
   if (!zmq_available()) std::printf("note: built without libzmq: no ZeroMQ baseline.\n");
+  std::fflush(stdout);
 
   // References.
   std::vector<double> spin50, spin99, spin999;
-  for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
+  for (uint32_t rep = 0; rep < (plan.latency ? plan.repeats : 0); ++rep) {
     auto s = spin_pingpong(plan.latency_pushes);
     if (!s.ok()) return std::fprintf(stderr, "spin ping-pong: %s\n", s.status().to_string().c_str()), 1;
     spin50.push_back(percentile(*s, 0.5));
@@ -254,110 +310,139 @@ int run(const Plan& plan, const std::string& csv_path) {
   }
   // In a child: OpenMP's thread pool (apply_cpu) must never start in this
   // process, whose later fork()ed servers would hang on it (libgomp).
-  const auto nsizes = static_cast<uint32_t>(plan.sizes.size());
-  auto ref = run_children(1, 2 * nsizes, plan.repeats, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+  const auto nsizes = static_cast<uint32_t>(plan.throughput ? plan.sizes.size() : 0);
+  auto ref = run_children(1, 3 * nsizes, plan.repeats, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
     barrier.arrive_and_wait();
     for (uint32_t j = 0; j < nsizes; ++j)
       for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
         const InProcess ip = in_process(plan.sizes[j], pushes_for(plan, plan.sizes[j]));
-        out[2 * j].push_back(ip.memcpy_ns);
-        out[2 * j + 1].push_back(ip.apply_ns);
+        if (std::isnan(ip.apply_ns)) return {ErrorCode::kInternal, "all_finite_cpu refused a finite gradient"};
+        out[3 * j].push_back(ip.memcpy_ns);
+        out[3 * j + 1].push_back(ip.apply_ns);
+        out[3 * j + 2].push_back(ip.check_apply_ns);
       }
     return Status::Ok();
   });
   if (!ref.ok()) return std::fprintf(stderr, "references: %s\n", ref.status().to_string().c_str()), 1;
   std::vector<InProcess> refs;
-  for (uint32_t j = 0; j < nsizes; ++j) refs.push_back({median((*ref)[2 * j]), median((*ref)[2 * j + 1])});
+  for (uint32_t j = 0; j < nsizes; ++j)
+    refs.push_back({median((*ref)[3 * j]), median((*ref)[3 * j + 1]), median((*ref)[3 * j + 2])});
 
   std::vector<uint64_t> tensor_bytes;
   auto running = start_all(plan, tensor_bytes);
   if (!running.ok()) return std::fprintf(stderr, "start: %s\n", running.status().to_string().c_str()), 1;
   std::vector<Series> results;
-  for (const Target& t : running->targets) {
-    auto r = measure_one(plan, t, tensor_bytes);
-    if (!r.ok()) return std::fprintf(stderr, "%s: %s\n", t.label.c_str(), r.status().to_string().c_str()), 1;
-    results.push_back(std::move(r).value());
+  if (plan.latency || plan.throughput) {
+    for (const Target& t : running->targets) {
+      auto r = measure_one(plan, t, tensor_bytes);
+      if (!r.ok()) return std::fprintf(stderr, "%s: %s\n", t.label.c_str(), r.status().to_string().c_str()), 1;
+      results.push_back(std::move(r).value());
+    }
   }
+  const size_t shmps = find_target(*running, "shmps");
+  const size_t nocheck = find_target(*running, "shmps, --allow-nonfinite");
+  const size_t socket = find_target(*running, system_name(System::kSocket));
 
   // [1] latency.
-  const double spin_p50 = median(spin50);
-  const double shmps_p50 = median(results[0][0]);
-  std::printf("\n[1] Round trip of a 4 KiB gradient push (push -> applied -> reply), back to back, ns\n");
-  Table lat("latency_4k", {"system", "p50 ns", "p99 ns", "p99.9 ns", "p50/spin ref", "p50/shmps p50"});
-  lat.add_row({"ref: shm spin ping-pong", fixed(spin_p50, 0), fixed(median(spin99), 0), fixed(median(spin999), 0),
-               "1.00", fixed(spin_p50 / shmps_p50, 3)});
-  for (size_t i = 0; i < results.size(); ++i) {
-    const double p50 = median(results[i][0]);
-    lat.add_row({running->targets[i].label, fixed(p50, 0), fixed(median(results[i][1]), 0),
-                 fixed(median(results[i][2]), 0), fixed(p50 / spin_p50, 2), fixed(p50 / shmps_p50, 2)});
+  if (plan.latency) {
+    const double spin_p50 = median(spin50);
+    const double shmps_p50 = median(results[shmps][0]);
+    std::printf("\n[1] Round trip of a 4 KiB gradient push (push -> applied -> reply), back to back, ns\n");
+    Table lat("latency_4k", {"system", "p50 ns", "p99 ns", "p99.9 ns", "p50/spin ref", "p50/shmps p50"});
+    lat.add_row({"ref: shm spin ping-pong", fixed(spin_p50, 0), fixed(median(spin99), 0), fixed(median(spin999), 0),
+                 "1.00", fixed(spin_p50 / shmps_p50, 3)});
+    for (size_t i = 0; i < results.size(); ++i) {
+      const double p50 = median(results[i][0]);
+      lat.add_row({running->targets[i].label, fixed(p50, 0), fixed(median(results[i][1]), 0),
+                   fixed(median(results[i][2]), 0), fixed(p50 / spin_p50, 2), fixed(p50 / shmps_p50, 2)});
+    }
+    lat.print(stdout);
+    lat.to_csv(csv);
+    for (size_t i = 0; i < results.size(); ++i)
+      for (double q : {0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 0.995, 0.999, 1.0})
+        csv.add("latency_cdf", running->targets[i].label, fixed(q, 3), fixed(percentile(results[i][3], q), 0));
+    const double socket_p50 = median(results[socket][0]);
+    goals.push_back({"(2a) shmps 4 KiB p50 within 3x spin ping-pong", fixed(shmps_p50 / spin_p50, 2) + "x",
+                     shmps_p50 / spin_p50 <= 3.0});
+    goals.push_back({"(2b) shmps 4 KiB p50 >= 20x lower than unix socket", fixed(socket_p50 / shmps_p50, 2) + "x",
+                     socket_p50 / shmps_p50 >= 20.0});
   }
-  lat.print(stdout);
-  lat.to_csv(csv);
-  for (size_t i = 0; i < results.size(); ++i)
-    for (double q : {0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 0.995, 0.999, 1.0})
-      csv.add("latency_cdf", running->targets[i].label, fixed(q, 3), fixed(percentile(results[i][3], q), 0));
 
   // [2] throughput.
-  std::printf("\n[2] Push + apply of one gradient, back to back, one worker; ratios to the in-process references\n");
-  Table thr("throughput", {"system / gradient", "system", "bytes", "push ms", "GB/s", "push/apply", "push/memcpy"});
-  for (size_t j = 0; j < plan.sizes.size(); ++j) {
-    const auto b = static_cast<double>(plan.sizes[j]);
-    thr.add_row({"ref: apply alone " + size_text(plan.sizes[j]), "ref: apply alone", std::to_string(plan.sizes[j]),
-                 fixed(refs[j].apply_ns / 1e6, 4), fixed(b / refs[j].apply_ns, 2), "1.00",
-                 fixed(refs[j].apply_ns / refs[j].memcpy_ns, 2)});
-    thr.add_row({"ref: memcpy " + size_text(plan.sizes[j]), "ref: memcpy", std::to_string(plan.sizes[j]),
-                 fixed(refs[j].memcpy_ns / 1e6, 4), fixed(b / refs[j].memcpy_ns, 2),
-                 fixed(refs[j].memcpy_ns / refs[j].apply_ns, 2), "1.00"});
-    for (size_t i = 0; i < results.size(); ++i) {
-      const double ns = median(results[i][4 + j]);
-      thr.add_row({running->targets[i].label + " " + size_text(plan.sizes[j]), running->targets[i].label,
-                   std::to_string(plan.sizes[j]), fixed(ns / 1e6, 4), fixed(b / ns, 2),
-                   fixed(ns / refs[j].apply_ns, 2), fixed(ns / refs[j].memcpy_ns, 2)});
+  if (plan.throughput) {
+    std::printf("\n[2] Push + apply of one gradient, back to back, one worker; ratios to the in-process references\n");
+    Table thr("throughput", {"system / gradient", "system", "bytes", "push ms", "GB/s", "over apply ms", "push/apply",
+                             "push/check+apply", "push/memcpy"});
+    for (size_t j = 0; j < plan.sizes.size(); ++j) {
+      const auto b = static_cast<double>(plan.sizes[j]);
+      const InProcess& r = refs[j];
+      const auto row = [&](const std::string& name, const std::string& system, double ns) {
+        const bool reference = name.rfind("ref: ", 0) == 0;
+        thr.add_row({name + " " + size_text(plan.sizes[j]), system, std::to_string(plan.sizes[j]), fixed(ns / 1e6, 4),
+                     fixed(b / ns, 2), reference ? "-" : fixed((ns - r.apply_ns) / 1e6, 4), fixed(ns / r.apply_ns, 2),
+                     fixed(ns / r.check_apply_ns, 2), fixed(ns / r.memcpy_ns, 2)});
+      };
+      row("ref: apply alone", "ref: apply alone", r.apply_ns);
+      row("ref: check+apply", "ref: check+apply", r.check_apply_ns);
+      row("ref: memcpy", "ref: memcpy", r.memcpy_ns);
+      for (size_t i = 0; i < results.size(); ++i)
+        row(running->targets[i].label, running->targets[i].label, median(results[i][4 + j]));
+    }
+    thr.print(stdout);
+    thr.to_csv(csv);
+    std::printf("    apply alone: apply_cpu in one process on warm arrays; check+apply: all_finite_cpu then\n"
+                "    apply_cpu (the default server's work per push); over apply: push - apply alone.\n");
+    // Goal 1 at its worst size >= 1 MiB, for the default server (NaN/Inf
+    // check on: the goal's configuration) and, beside it, without the check.
+    for (size_t target : {shmps, nocheck}) {
+      double worst = 0;
+      std::string at;
+      for (size_t j = 0; j < plan.sizes.size(); ++j) {
+        if (plan.sizes[j] < kMiB) continue;
+        const double ratio = median(results[target][4 + j]) / refs[j].apply_ns;
+        if (ratio > worst) worst = ratio, at = size_text(plan.sizes[j]);
+      }
+      if (at.empty()) continue;
+      goals.push_back({"(1) " + running->targets[target].label + " push+apply >= 1 MiB within 1.2x apply alone",
+                       fixed(worst, 2) + "x (worst: " + at + ")", worst <= 1.2});
     }
   }
-  thr.print(stdout);
-  thr.to_csv(csv);
 
   // [3] scaling.
-  std::printf("\n[3] Scaling: N worker processes push 1 MiB back to back (%u each), aggregate GB/s\n",
-              plan.scaling_pushes);
-  Table sc("scaling", {"system / workers", "system", "workers", "GB/s", "vs 1 worker"});
-  std::vector<double> shmps_scaling;
-  for (size_t i = 0; i < running->targets.size(); ++i) {
-    const Target& t = running->targets[i];
-    if (!t.multi_worker || i == 1) continue;  // shmps (spin) and the multi-client baselines
-    double base = NAN;
-    for (uint32_t w : plan.scaling) {
-      std::vector<double> g;
-      for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
-        auto r = measure_scaling(plan, t, tensor_bytes, w);
-        if (!r.ok()) return std::fprintf(stderr, "%s scaling: %s\n", t.label.c_str(), r.status().to_string().c_str()), 1;
-        g.push_back(*r);
+  if (plan.scaling_rows) {
+    std::printf("\n[3] Scaling: N worker processes push 1 MiB back to back (%u each), aggregate GB/s\n",
+                plan.scaling_pushes);
+    Table sc("scaling", {"system / workers", "system", "workers", "GB/s", "vs 1 worker"});
+    std::vector<double> shmps_scaling;
+    for (size_t i = 0; i < running->targets.size(); ++i) {
+      const Target& t = running->targets[i];
+      // shmps (default server) and the multi-client baselines
+      if (!t.multi_worker || (t.system == System::kShmps && i != shmps)) continue;
+      double base = NAN;
+      for (uint32_t w : plan.scaling) {
+        std::vector<double> g;
+        for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
+          auto r = measure_scaling(plan, t, tensor_bytes, w);
+          if (!r.ok())
+            return std::fprintf(stderr, "%s scaling: %s\n", t.label.c_str(), r.status().to_string().c_str()), 1;
+          g.push_back(*r);
+        }
+        const double gb = median(g);
+        if (w == plan.scaling.front()) base = gb;
+        if (i == shmps) shmps_scaling.push_back(gb / base);
+        sc.add_row({t.label + " x" + std::to_string(w), t.label, std::to_string(w), fixed(gb, 2), fixed(gb / base, 2)});
       }
-      const double gb = median(g);
-      if (w == plan.scaling.front()) base = gb;
-      if (i == 0) shmps_scaling.push_back(gb / base);
-      sc.add_row({t.label + " x" + std::to_string(w), t.label, std::to_string(w), fixed(gb, 2), fixed(gb / base, 2)});
     }
+    sc.print(stdout);
+    sc.to_csv(csv);
+    const double low = shmps_scaling.empty() ? NAN : *std::min_element(shmps_scaling.begin(), shmps_scaling.end());
+    goals.push_back({"(3) shmps 1 MiB throughput at every N >= 0.8x its 1-worker figure",
+                     fixed(low, 2) + "x (lowest)", low >= 0.8});
   }
-  sc.print(stdout);
-  sc.to_csv(csv);
 
-  // Goals.
-  double worst = 0;
-  for (size_t j = 0; j < plan.sizes.size(); ++j)
-    if (plan.sizes[j] >= kMiB) worst = std::max(worst, median(results[0][4 + j]) / refs[j].apply_ns);
-  goals.push_back({"(1) shmps push+apply >= 1 MiB within 1.2x apply alone (worst size)", fixed(worst, 2) + "x",
-                   worst <= 1.2});
-  const double socket_p50 = median(results[2][0]);
-  goals.push_back({"(2a) shmps 4 KiB p50 within 3x spin ping-pong", fixed(shmps_p50 / spin_p50, 2) + "x",
-                   shmps_p50 / spin_p50 <= 3.0});
-  goals.push_back({"(2b) shmps 4 KiB p50 >= 20x lower than unix socket", fixed(socket_p50 / shmps_p50, 2) + "x",
-                   socket_p50 / shmps_p50 >= 20.0});
-  const double low = shmps_scaling.empty() ? NAN : *std::min_element(shmps_scaling.begin(), shmps_scaling.end());
-  goals.push_back({"(3) shmps 1 MiB throughput at every N >= 0.8x its 1-worker figure", fixed(low, 2) + "x (lowest)",
-                   low >= 0.8});
-  std::printf("\nGoals\n");
+  std::printf("\nLoad average (1 min) at end: %s (other processes sharing the CPUs distort every figure)\n",
+              load_average().c_str());
+  std::printf("\nGoals%s\n", plan.quick ? " (--quick: informational only)" : "");
   Table gt("goals", {"goal", "measured", "verdict"});
   for (const Goal& g : goals) gt.add_row({g.text, g.measured, g.met ? "MET" : "MISSED"});
   gt.print(stdout);
@@ -374,34 +459,45 @@ int main(int argc, char** argv) {
   using namespace shmps::bench;
   try {
     Plan plan;
-    std::string csv_path;
-    bool big = false;
-    po::options_description desc("shmps-compare: shmps against Unix sockets, Boost message_queue and ZeroMQ");
-    desc.add_options()("help,h", "this text")("quick", po::bool_switch(&plan.quick), "smoke mode (~2 s, 1 repeat)")(
-        "repeats", po::value(&plan.repeats)->default_value(5), "repeats (medians over them)")(
-        "csv", po::value(&csv_path), "also write every cell to this CSV file")(
-        "with-256mb", po::bool_switch(&big), "add a 256 MiB gradient (memory: ~2 GiB over all servers)")(
-        "server", po::value(&plan.server_path), "shmps-server to run (default: beside this program)")(
-        "log", po::value(&plan.log_path)->default_value("/tmp/shmps-compare-server.log"), "servers' output");
-    po::variables_map vm;
-    po::store(po::parse_command_line(argc, argv, desc), vm);
-    po::notify(vm);
-    if (vm.count("help")) {
-      std::cout << desc << "\n";
-      return 0;
-    }
-    if (plan.server_path.empty())
-      plan.server_path = (std::filesystem::canonical("/proc/self/exe").parent_path() / "shmps-server").string();
+    std::vector<uint64_t> size_kib;
+    namespace po = boost::program_options;
+    po::options_description own("shmps-compare's own options");
+    own.add_options()
+        ("size-kib", po::value(&size_kib)->multitoken(),
+         "gradient sizes of section 2 in KiB (default 4 64 1024 16384 65536 262144; memory: about 5x the largest "
+         "over all servers and workers)")
+        ("log", po::value(&plan.log_path)->default_value("/tmp/shmps-compare-server.log"), "servers' output");
+    CommonOptions common;
+    if (auto exit_code = parse_command_line(
+            argc, argv, "shmps-compare",
+            "shmps-compare: shmps against Unix sockets, Boost message_queue and ZeroMQ (docs/comparison.md).\n"
+            "Sections: 1 round trip, 2 push+apply throughput, 3 scaling. --repeats: default 5, --quick 1",
+            3, own, common))
+      return *exit_code;
+    plan.quick = common.quick;
+    plan.repeats = common.repeats_given ? common.repeats : (plan.quick ? 1 : 5);
+    plan.server_path = common.server_path;
+    plan.server_args = common.server_args;
+    const auto has = [&](int s) {
+      return std::find(common.sections.begin(), common.sections.end(), s) != common.sections.end();
+    };
+    plan.latency = has(1);
+    plan.throughput = has(2);
+    plan.scaling_rows = has(3);
     if (plan.quick) {
-      plan.repeats = 1;
       plan.latency_pushes = 300;
       plan.sizes = {4 * kKiB, kMiB};
       plan.scaling = {1, 2};
       plan.scaling_pushes = 8;
     }
-    if (big) plan.sizes.push_back(256 * kMiB);
-    if (plan.repeats == 0) plan.repeats = 1;
-    return run(plan, csv_path);
+    if (!size_kib.empty()) {
+      plan.sizes.clear();
+      for (uint64_t k : size_kib) {
+        if (k == 0) return std::fprintf(stderr, "shmps-compare: --size-kib must be >= 1\n"), 2;
+        plan.sizes.push_back(k * kKiB);
+      }
+    }
+    return run(plan, common.csv_path);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "shmps-compare: %s\n", e.what());
     return 2;

@@ -9,7 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <boost/program_options.hpp>
+#include <boost/program_options/options_description.hpp>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -25,8 +25,6 @@
 #include "bench_support.hpp"
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/worker.hpp"
-
-namespace po = boost::program_options;
 
 namespace shmps::bench {
 namespace {
@@ -707,65 +705,23 @@ Status section_memory(const Plan& plan, Csv& csv) {
 
 // ------------------------------------------------------------ main
 
-// The 1-minute load average: other processes competing for the CPUs.
-std::string load_average() {
-  std::ifstream in("/proc/loadavg");
-  std::string one;
-  in >> one;
-  return one.empty() ? std::string("?") : one;
-}
-
-std::string default_server_path() {
-  std::error_code ec;
-  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return ec ? std::string("shmps-server") : (self.parent_path() / "shmps-server").string();
-}
-
 int run(int argc, char** argv) {
   Plan plan;
-  std::string csv_path;
-  std::vector<int> sections;
-  po::options_description desc(
-      "shmps-bench: round trip, push+apply and optimizer throughput, and server memory,\n"
-      "measured across real processes; prints tables (docs/benchmarks.md)");
-  desc.add_options()
-      ("help,h", "print this help and exit")
-      ("quick", po::bool_switch(&plan.quick), "smoke mode: tiny sizes, few iterations (CI)")
-      ("repeats", po::value(&plan.repeats), "repeats per figure (default 5, --quick 2)")
-      ("csv", po::value(&csv_path), "also write every cell to FILE (section,row,column,value)")
-      ("section", po::value(&sections)->multitoken(), "run only these sections (1 2 3 4)")
-      ("server", po::value(&plan.server_path), "shmps-server to run (default: beside this program)")
-      ("server-arg", po::value(&plan.server_extra)->composing(),
-       "append ARG to every server's command line (repeatable), e.g. --server-arg=--max-workers=4");
-  po::variables_map vm;
-  try {
-    po::store(po::parse_command_line(argc, argv, desc), vm);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    std::fprintf(stderr, "shmps-bench: %s\n", e.what());
-    return 2;
-  }
-  if (vm.count("help")) {
-    std::cout << desc << "\n";
-    return 0;
-  }
-  if (!vm.count("repeats")) plan.repeats = plan.quick ? 2 : 5;
-  if (plan.repeats == 0) {
-    std::fprintf(stderr, "shmps-bench: --repeats must be >= 1\n");
-    return 2;
-  }
-  if (sections.empty()) sections = {1, 2, 3, 4};
-  for (int s : sections) {
-    if (s < 1 || s > 4) {
-      std::fprintf(stderr, "shmps-bench: --section must be 1..4, got %d\n", s);
-      return 2;
-    }
-  }
-  if (plan.server_path.empty()) plan.server_path = default_server_path();
-  if (::access(plan.server_path.c_str(), X_OK) != 0) {
-    std::fprintf(stderr, "shmps-bench: no executable shmps-server at %s (use --server)\n", plan.server_path.c_str());
-    return 2;
-  }
+  CommonOptions common;
+  const boost::program_options::options_description no_extra;
+  if (auto exit_code = parse_command_line(
+          argc, argv, "shmps-bench",
+          "shmps-bench: round trip, push+apply and optimizer throughput, and server memory,\n"
+          "measured across real processes; prints tables (docs/benchmarks.md).\n"
+          "--repeats: default 5, --quick 2",
+          4, no_extra, common))
+    return *exit_code;
+  plan.quick = common.quick;
+  plan.repeats = common.repeats_given ? common.repeats : (plan.quick ? 2 : 5);
+  plan.server_path = common.server_path;
+  plan.server_extra = common.server_args;
+  const std::string& csv_path = common.csv_path;
+  const std::vector<int>& sections = common.sections;
   if (plan.quick) {
     plan.pings = 300;
     plan.spaced_pings = 20;
@@ -786,9 +742,7 @@ int run(int argc, char** argv) {
   }
   std::printf("Every figure is a median over repeats; reference columns were measured in this run.\n");
   std::printf("Load average (1 min) at start: %s\n", load_average().c_str());
-  // The OpenMP settings the server children and the in-process apply inherit.
-  for (const char* var : {"OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND"})
-    if (const char* value = std::getenv(var)) std::printf("Environment: %s=%s\n", var, value);
+  print_omp_environment(stdout);
   std::fflush(stdout);
 
   Csv csv;

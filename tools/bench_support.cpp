@@ -10,11 +10,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <boost/program_options.hpp>
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <new>
 #include <sstream>
 
@@ -32,6 +35,72 @@ uint64_t now_ns() noexcept {
 void sleep_ns(long ns) noexcept {
   timespec ts{ns / 1'000'000'000, ns % 1'000'000'000};
   ::nanosleep(&ts, nullptr);
+}
+
+std::optional<int> parse_command_line(int argc, char** argv, const std::string& program, const std::string& caption,
+                                      int max_section, const boost::program_options::options_description& extra,
+                                      CommonOptions& out) {
+  namespace po = boost::program_options;
+  const std::string section_help = "run only these sections (1.." + std::to_string(max_section) + ")";
+  po::options_description desc(caption);
+  desc.add_options()
+      ("help,h", "print this help and exit")
+      ("quick", po::bool_switch(&out.quick), "smoke mode: tiny sizes, few iterations (CI); figures meaningless")
+      ("repeats", po::value(&out.repeats), "repeats per figure (medians over them)")
+      ("csv", po::value(&out.csv_path), "also write every cell to FILE (section,row,column,value)")
+      ("section", po::value(&out.sections)->multitoken(), section_help.c_str())
+      ("server", po::value(&out.server_path), "shmps-server to run (default: beside this program)")
+      ("server-arg", po::value(&out.server_args)->composing(),
+       "append ARG to every shmps-server's command line (repeatable), e.g. --server-arg=--max-workers=4");
+  desc.add(extra);
+  po::variables_map vm;
+  try {
+    po::store(po::parse_command_line(argc, argv, desc), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    std::fprintf(stderr, "%s: %s\n", program.c_str(), e.what());
+    return 2;
+  }
+  if (vm.count("help")) {
+    std::cout << desc << "\n";
+    return 0;
+  }
+  out.repeats_given = vm.count("repeats") != 0;
+  if (out.repeats_given && out.repeats == 0) {
+    std::fprintf(stderr, "%s: --repeats must be >= 1\n", program.c_str());
+    return 2;
+  }
+  if (out.sections.empty())
+    for (int s = 1; s <= max_section; ++s) out.sections.push_back(s);
+  for (int s : out.sections) {
+    if (s < 1 || s > max_section) {
+      std::fprintf(stderr, "%s: --section must be 1..%d, got %d\n", program.c_str(), max_section, s);
+      return 2;
+    }
+  }
+  if (out.server_path.empty()) {
+    std::error_code ec;
+    const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+    out.server_path = ec ? std::string("shmps-server") : (self.parent_path() / "shmps-server").string();
+  }
+  if (::access(out.server_path.c_str(), X_OK) != 0) {
+    std::fprintf(stderr, "%s: no executable shmps-server at %s (use --server)\n", program.c_str(),
+                 out.server_path.c_str());
+    return 2;
+  }
+  return std::nullopt;
+}
+
+std::string load_average() {
+  std::ifstream in("/proc/loadavg");
+  std::string one;
+  in >> one;
+  return one.empty() ? std::string("?") : one;
+}
+
+void print_omp_environment(std::FILE* out) {
+  for (const char* var : {"OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND"})
+    if (const char* value = std::getenv(var)) std::fprintf(out, "Environment: %s=%s\n", var, value);
 }
 
 namespace {

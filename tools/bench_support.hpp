@@ -1,7 +1,8 @@
-// Building blocks of shmps-bench: sample statistics, aligned tables that
-// also feed a CSV file, anonymous MAP_SHARED memory that forked children
-// write their samples into, forked measuring children with a start barrier,
-// and shmps-server child processes.
+// Building blocks of shmps-bench and shmps-compare: their common command
+// line, sample statistics, aligned tables that also feed a CSV file,
+// anonymous MAP_SHARED memory that forked children write their samples into,
+// forked measuring children with a start barrier, and shmps-server child
+// processes.
 // Single-threaded: use from the bench's main thread (children are processes).
 #pragma once
 
@@ -12,12 +13,47 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include <boost/program_options/options_description.hpp>
 
 #include "shmps/status.hpp"
 
 namespace shmps::bench {
+
+// ------------------------------------------------------------ command line
+
+// The options both benchmarks take (--help, --quick, --repeats, --csv,
+// --section, --server, --server-arg), parsed in one place.
+struct CommonOptions {
+  bool quick = false;
+  uint32_t repeats = 0;                  // as given; 0 when not given (the program's default applies)
+  bool repeats_given = false;
+  std::string csv_path;                  // "" : no CSV
+  std::vector<int> sections;             // every section when not given
+  std::string server_path;               // beside this program (/proc/self/exe) unless --server
+  std::vector<std::string> server_args;  // appended to every shmps-server's command line
+};
+
+// Parses argv: the common options plus the program's own `extra` (bound to
+// its variables by the caller). Returns nullopt to go on, or the exit code
+// to return: 0 after --help (printed), 2 after a bad option (printed to
+// stderr after "<program>: "). Also refuses --repeats 0, a section outside
+// 1..max_section and a server path that is not executable. Fills
+// out.sections with 1..max_section when none is given.
+std::optional<int> parse_command_line(int argc, char** argv, const std::string& program, const std::string& caption,
+                                      int max_section, const boost::program_options::options_description& extra,
+                                      CommonOptions& out);
+
+// The 1-minute load average (/proc/loadavg): other processes competing for
+// the CPUs; "?" when unreadable.
+std::string load_average();
+// Prints "Environment: NAME=value" for each OpenMP variable that is set
+// (OMP_NUM_THREADS, OMP_WAIT_POLICY, GOMP_SPINCOUNT, OMP_PROC_BIND): the
+// server children and in-process applies inherit them.
+void print_omp_environment(std::FILE* out);
 
 // ------------------------------------------------------------ time and stats
 
