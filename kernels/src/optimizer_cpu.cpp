@@ -21,10 +21,14 @@
 namespace shmps::kernels {
 namespace {
 
-// Tensors at least this long are split over the OpenMP threads; smaller ones
-// run on the calling thread (a parallel region costs a few microseconds, a
-// 256K-element SGD step about 100 us on one core).
-constexpr uint64_t kParallelMinElements = uint64_t{1} << 18;
+// Tensors at least this long (4 MiB of fp32) are split over the OpenMP
+// threads; smaller ones run on the calling thread. Chosen from measurement
+// on the 2-core development VM (docs/benchmarks.md, "Profile"): with the
+// wait policy the server runs under (OMP_WAIT_POLICY=passive) a parallel
+// region wakes its team through futexes, and below about 1M elements that
+// costs more than the second thread saves (1 MiB SGD: 50 us with 2 passive
+// threads, 38 us on one); at 4 MiB the two tie, above it the split wins.
+constexpr uint64_t kParallelMinElements = uint64_t{1} << 20;
 // Unit of work handed to a thread: 32K elements = 128 KiB per fp32 array.
 // A multiple of every vector width, so only the last block has a scalar tail.
 constexpr uint64_t kBlockElements = uint64_t{1} << 15;
