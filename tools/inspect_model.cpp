@@ -328,7 +328,9 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
       w.pid = shm::owner_pid(owner);
       w.state = shm::owner_state(owner);
       w.pid_start_time = e.pid_start_time;
-      w.pid_alive = shm::process_alive(static_cast<pid_t>(w.pid), w.pid_start_time);
+      const shm::ProcessState ps = shm::process_state(static_cast<pid_t>(w.pid), w.pid_start_time);
+      w.pid_alive = ps != shm::ProcessState::kGone;
+      w.pid_stopped = ps == shm::ProcessState::kStopped;
       w.lease = e.lease;
       // relaxed: monotonic statistics; a racy snapshot is all we promise.
       w.pushes_applied = e.pushes_applied.load(std::memory_order_relaxed);
@@ -373,6 +375,7 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
   sv.ring_high_water = st.ring_high_water.load(relaxed);
   sv.workers_attached = st.workers_attached.load(relaxed);
   sv.workers_died = st.workers_died.load(relaxed);
+  sv.workers_evicted = st.workers_evicted.load(relaxed);
   sv.buffers_registered = st.buffers_registered.load(relaxed);
   sv.mappings_opened = st.mappings_opened.load(relaxed);
   sv.mappings_closed = st.mappings_closed.load(relaxed);
@@ -489,6 +492,7 @@ json to_json(const Snapshot& s) {
     workers.push_back(json{{"id", w.id},
                            {"pid", w.pid},
                            {"pid_alive", w.pid_alive},
+                           {"pid_stopped", w.pid_stopped},
                            {"pid_start_time", w.pid_start_time},
                            {"state", worker_state_name(w.state)},
                            {"lease", w.lease},
@@ -524,6 +528,7 @@ json to_json(const Snapshot& s) {
                     {"ring_high_water", st.ring_high_water},
                     {"workers_attached", st.workers_attached},
                     {"workers_died", st.workers_died},
+                    {"workers_evicted", st.workers_evicted},
                     {"buffers_registered", st.buffers_registered},
                     {"mappings_opened", st.mappings_opened},
                     {"mappings_closed", st.mappings_closed},
@@ -626,7 +631,12 @@ std::string render_text(const Snapshot& s) {
   o << "== workers (" << s.workers.size() << " of " << h.max_workers << " entries in use) ==\n";
   for (const WorkerView& w : s.workers) {
     o << "  worker " << w.id << ": " << worker_state_name(w.state) << ", pid " << w.pid << " ("
-      << (w.pid_alive ? "alive" : "dead") << "), lease " << hex64(w.lease) << "\n";
+      << (w.pid_stopped ? "stopped" : w.pid_alive ? "alive" : "dead") << "), lease " << hex64(w.lease);
+    // kDetached with a living process: an eviction (or a detach) its
+    // process has not yet acknowledged; the entry stays out of use until it does.
+    if (w.state == static_cast<uint32_t>(shm::WorkerState::kDetached) && w.pid_alive)
+      o << ", released by the server; waiting for the process to free it";
+    o << "\n";
     o << "    pushes applied " << w.pushes_applied << ", rejected " << w.pushes_rejected << ", pulls " << w.pulls
       << ", last request " << age_text(w.last_request_age_ms, w.last_request_ns) << "\n";
     for (const BufferView& b : w.buffers) {
@@ -667,7 +677,8 @@ std::string render_text(const Snapshot& s) {
       rejected += (rejected.empty() ? "" : ", ") + error_name(code) + " " + std::to_string(st.rejected[code]);
   o << "  rejected        " << (rejected.empty() ? std::string("none") : rejected) << "\n";
   o << "  ring depth      " << st.ring_depth << " (high-water mark " << st.ring_high_water << ")\n";
-  o << "  workers         " << st.workers_attached << " attached, " << st.workers_died << " died\n";
+  o << "  workers         " << st.workers_attached << " attached, " << st.workers_died << " died, "
+    << st.workers_evicted << " evicted\n";
   o << "  buffers         " << st.buffers_registered << " registered, mappings " << st.mappings_opened
     << " opened, " << st.mappings_closed << " closed\n";
   o << "  lanes corrupt   " << st.lanes_corrupt << "\n";

@@ -73,6 +73,7 @@ struct WorkerView {
   uint32_t state = 0;           // shm::WorkerState, unchecked
   uint64_t pid_start_time = 0;
   bool pid_alive = false;       // process_alive(pid, pid_start_time) on this host, now
+  bool pid_stopped = false;     // alive but stopped (SIGSTOP, a tracer): the server evicts it after a while
   uint64_t lease = 0;
   uint64_t pushes_applied = 0;
   uint64_t pushes_rejected = 0;
@@ -106,6 +107,7 @@ struct StatsView {
   uint64_t ring_high_water = 0;
   uint64_t workers_attached = 0;
   uint64_t workers_died = 0;
+  uint64_t workers_evicted = 0;
   uint64_t buffers_registered = 0;
   uint64_t mappings_opened = 0;
   uint64_t mappings_closed = 0;

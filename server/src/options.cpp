@@ -181,6 +181,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       ("init-file", po::value(&c.init.file), "raw little-endian fp32, all tensors in order (implies --init file)")
       ("group-access", po::bool_switch(&c.group_access), "create the segment with mode 0660 instead of 0600")
       ("idle-spin-us", po::value(&c.idle_spin_us)->default_value(50), "spin this long on an empty ring before sleeping")
+      ("stopped-worker-timeout-ms", po::value(&c.stopped_worker_timeout_ms)->default_value(5000), "evict a worker stopped (SIGSTOP, a debugger) this long (0: never)")
       ("checkpoint-dir", po::value(&c.checkpoint_dir), "write checkpoints here and restore the newest valid one at start")
       ("checkpoint-every", po::value(&c.checkpoint_every)->default_value(0), "checkpoint every N applied updates (0: off)")
       ("checkpoint-interval-s", po::value(&c.checkpoint_interval_s)->default_value(0), "checkpoint every S seconds when weights changed (0: off)")
@@ -318,6 +319,7 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   if (!c.init.file.empty()) e.emplace_back("init-file", c.init.file);
   e.emplace_back("group-access", flag(c.group_access));
   e.emplace_back("idle-spin-us", std::to_string(c.idle_spin_us));
+  e.emplace_back("stopped-worker-timeout-ms", std::to_string(c.stopped_worker_timeout_ms));
   if (!c.checkpoint_dir.empty()) e.emplace_back("checkpoint-dir", c.checkpoint_dir);
   e.emplace_back("checkpoint-every", std::to_string(c.checkpoint_every));
   e.emplace_back("checkpoint-interval-s", std::to_string(c.checkpoint_interval_s));

@@ -39,6 +39,7 @@ constexpr size_t kStalenessWindow = 128;
 constexpr uint64_t kStatusNs = 2'000'000'000;     // STATUS= refresh, rejection counts
 constexpr uint64_t kSegmentCheckNs = 1'000'000'000;  // is /dev/shm/shmps.<name> still ours?
 constexpr uint64_t kRejectLogNs = 1'000'000'000;  // at most one rejection line per cause per second
+constexpr uint32_t kWorkerLinesPerSecond = 20;    // attach/detach/death/eviction lines, then counted
 
 const char* opcode_name(uint32_t opcode) {
   static constexpr const char* kNames[] = {"request", "attach", "detach", "register_buffer", "unregister_buffer",
@@ -119,6 +120,7 @@ struct WorkerSlot {
   uint64_t owner = 0;           // the owner word we attached (pid, kAttached); 0: none
   uint64_t pid_start_time = 0;
   uint64_t lease = 0;
+  uint64_t stopped_since_ns = 0;  // when we first saw its process stopped; 0: running
   bool attached() const { return owner != 0; }
 };
 
@@ -166,6 +168,14 @@ class Server::Impl {
     uint64_t unreported = 0;  // rejections since, not logged one by one
   };
   std::array<RejectLog, shm::kRejectCauses> reject_log{};
+  // Worker lifecycle lines (attached, detached, died, evicted): at most
+  // kWorkerLinesPerSecond per second, so a crash loop of thousands of
+  // workers cannot flood the journal; the rest are counted.
+  struct WorkerLog {
+    uint64_t window_start = 0;
+    uint32_t lines = 0;
+    uint64_t suppressed = 0;
+  } worker_log;
 
   shm::StatsBlock& stats() { return segment->stats(); }
 
@@ -238,6 +248,7 @@ class Server::Impl {
       if (notifier.enabled()) notifier.status(status_text());
       flush_rejection_counts(now);
     }
+    flush_worker_lines(now);
   }
 
   // "shmps 0.1.0 'job1': 2 workers attached, 850.0 pushes/s, version 1234"
@@ -318,6 +329,29 @@ class Server::Impl {
     }
     log::info("reloaded the configuration: " + std::to_string(applied) + " change(s) applied" +
               (pending > 0 ? ", " + std::to_string(pending) + " need a restart" : std::string()));
+  }
+
+  void log_worker(LogLevel level, const std::string& line) {
+    if (!log::enabled(level)) return;
+    const uint64_t now = shm::monotonic_ns();
+    flush_worker_lines(now);
+    if (worker_log.lines >= kWorkerLinesPerSecond) {
+      ++worker_log.suppressed;
+      return;
+    }
+    ++worker_log.lines;
+    log::write(level, line);
+  }
+
+  // Starts a new one-second window of worker lines, reporting what the
+  // last one suppressed (with `all`: now, at shutdown).
+  void flush_worker_lines(uint64_t now, bool all = false) {
+    if (!all && now - worker_log.window_start < kRejectLogNs) return;
+    if (worker_log.suppressed > 0)
+      log::warn(std::to_string(worker_log.suppressed) + " more worker attach/detach/death/eviction lines in the last " +
+                fixed1(static_cast<double>(now - worker_log.window_start) / 1e9) +
+                " s not logged (more than " + std::to_string(kWorkerLinesPerSecond) + " per second)");
+    worker_log = WorkerLog{now, 0, 0};
   }
 
   bool doorbells_pending() {
@@ -571,7 +605,7 @@ class Server::Impl {
     slot.buffers.resize(config.max_buffers);
     stats().workers_attached.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
     shm::notify(segment->completions(i).data_ready);
-    log::info("worker " + std::to_string(i) + " attached (pid " + std::to_string(pid) + ")");
+    log_worker(LogLevel::kInfo, "worker " + std::to_string(i) + " attached (pid " + std::to_string(pid) + ")");
   }
 
   // Drops our side of an attached session (buffers, counts); the entry's
@@ -580,11 +614,12 @@ class Server::Impl {
     WorkerSlot& slot = slots[i];
     if (!slot.attached()) return;
     if (!why.empty())
-      log::warn("worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(slot.owner)) + "): " + why);
+      log_worker(LogLevel::kWarn, "worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(slot.owner)) + "): " + why);
     for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(slot, b);
     slot.buffers.clear();
     slot.owner = 0;
     slot.lease = 0;
+    slot.stopped_since_ns = 0;
     stats().workers_attached.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
   }
 
@@ -759,6 +794,7 @@ class Server::Impl {
     r.ring_high_water = s.ring_high_water.load(std::memory_order_relaxed);
     r.workers_attached = s.workers_attached.load(std::memory_order_relaxed);
     r.workers_died = s.workers_died.load(std::memory_order_relaxed);
+    r.workers_evicted = s.workers_evicted.load(std::memory_order_relaxed);
     const shm::WorkerEntry& e = segment->worker(i);
     r.my_pushes_applied = e.pushes_applied.load(std::memory_order_relaxed);
     r.my_pushes_rejected = e.pushes_rejected.load(std::memory_order_relaxed);
@@ -827,23 +863,52 @@ class Server::Impl {
   // After a successful detach: the worker frees the entry once it has read
   // the answer; we only drop our side.
   void finish_detach(uint32_t i) {
-    log::info("worker " + std::to_string(i) + " detached (pid " + std::to_string(shm::owner_pid(slots[i].owner)) + ")");
+    log_worker(LogLevel::kInfo, "worker " + std::to_string(i) + " detached (pid " + std::to_string(shm::owner_pid(slots[i].owner)) + ")");
     end_session(i, "");
   }
 
-  // Stops serving a misbehaving but living worker: kDetached tells its
-  // library; the entry is freed by its process or when the process dies.
-  void evict(uint32_t i, const std::string& why) {
-    stats().lanes_corrupt.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
-    log::warn("evicting worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(slots[i].owner)) + "): " + why);
+  // Stops serving a misbehaving or stopped but living worker: its requests
+  // still queued are dropped unanswered (never applied), its buffers
+  // unmapped, and kDetached tells its library, which frees the entry (and
+  // re-attaches, with reconnect) when it runs again. Until the process
+  // frees the entry or dies, the entry is not reused: a producer that
+  // resumes in the middle of writing its lane only writes its own,
+  // abandoned lane, which nobody reads.
+  void evict(uint32_t i, const std::string& why, bool corrupt = true) {
+    // relaxed: statistics.
+    if (corrupt) stats().lanes_corrupt.fetch_add(1, std::memory_order_relaxed);
+    stats().workers_evicted.fetch_add(1, std::memory_order_relaxed);
+    log_worker(LogLevel::kWarn, "evicting worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(slots[i].owner)) + "): " + why);
     mark_detached(i);
     end_session(i, "");
+  }
+
+  // Tracks how long attached worker i's process has been stopped and
+  // evicts it past --stopped-worker-timeout-ms. A stopped worker blocks
+  // nobody else (each has its own lane), but it holds its entry, its
+  // buffer mappings and, in training, a version it will push late.
+  void watch_stopped(uint32_t i, shm::ProcessState state, uint64_t now) {
+    WorkerSlot& slot = slots[i];
+    if (state != shm::ProcessState::kStopped) {
+      slot.stopped_since_ns = 0;
+      return;
+    }
+    if (slot.stopped_since_ns == 0) slot.stopped_since_ns = now;
+    const uint64_t timeout_ns = uint64_t{config.stopped_worker_timeout_ms} * 1'000'000;
+    if (timeout_ns == 0 || now - slot.stopped_since_ns < timeout_ns) return;
+    const uint64_t queued = slot.lane.depth_estimate();
+    evict(i, "its process has been stopped (SIGSTOP, Ctrl-Z or a debugger) for " +
+                 std::to_string((now - slot.stopped_since_ns) / 1'000'000) + " ms (--stopped-worker-timeout-ms " +
+                 std::to_string(config.stopped_worker_timeout_ms) + "); " + std::to_string(queued) +
+                 " queued request(s) dropped unanswered",
+          /*corrupt=*/false);
   }
 
   // Reclaims entries whose owner died, and sweeps lanes whose doorbell may
   // have been lost (a producer killed between publishing and ringing).
   bool housekeeping() {
     bool worked = false;
+    const uint64_t now = shm::monotonic_ns();
     for (uint32_t i = 0; i < config.max_workers; ++i) {
       shm::WorkerEntry& entry = segment->worker(i);
       const uint64_t owner = entry.owner.load(std::memory_order_acquire);  // SYNC(worker_claim)
@@ -853,9 +918,10 @@ class Server::Impl {
       }
       const pid_t pid = static_cast<pid_t>(shm::owner_pid(owner));
       const uint64_t start = owner == slots[i].owner ? slots[i].pid_start_time : entry.pid_start_time;
-      if (!shm::process_alive(pid, start)) {
+      const shm::ProcessState state = shm::process_state(pid, start);
+      if (state == shm::ProcessState::kGone) {
         const bool was_attached = owner == slots[i].owner;
-        log::write(was_attached ? LogLevel::kWarn : LogLevel::kInfo,
+        log_worker(was_attached ? LogLevel::kWarn : LogLevel::kInfo,
                    "worker " + std::to_string(i) + " (pid " + std::to_string(pid) + ") died" +
                        (was_attached ? "" : " before attaching") + "; releasing its entry");
         if (was_attached) stats().workers_died.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
@@ -866,6 +932,7 @@ class Server::Impl {
         worked = true;
         continue;
       }
+      if (owner == slots[i].owner) watch_stopped(i, state, now);
       worked |= serve_lane(i);
     }
     return worked;
@@ -994,6 +1061,7 @@ class Server::Impl {
       shm::notify(segment->lane(i).space_ready);
     }
     flush_rejection_counts(shm::monotonic_ns(), /*all=*/true);
+    flush_worker_lines(shm::monotonic_ns(), /*all=*/true);
     // relaxed: our own counters.
     const auto& st = stats();
     const auto count = [](const std::atomic<uint64_t>& a) { return std::to_string(a.load(std::memory_order_relaxed)); };
@@ -1003,7 +1071,7 @@ class Server::Impl {
               ", weights pulled " + count(st.weights_pulled) + ", rejected " + std::to_string(rejected) + " (stale " +
               count(st.rejected[static_cast<uint32_t>(ErrorCode::kStale)]) + ", non-finite " +
               count(st.rejected[static_cast<uint32_t>(ErrorCode::kNonFinite)]) + "), workers attached " +
-              count(st.workers_attached) + ", died " + count(st.workers_died) + ", queued requests failed " +
+              count(st.workers_attached) + ", died " + count(st.workers_died) + ", evicted " + count(st.workers_evicted) + ", queued requests failed " +
               std::to_string(failed) + ", up " + fixed1(static_cast<double>(shm::monotonic_ns() - created_ns) / 1e9) + " s");
     final_checkpoint();
     // Buffers of workers that died since the last sweep (e.g. killed just

@@ -46,12 +46,17 @@ uint64_t process_start_time(pid_t pid) noexcept {
   return read_stat(pid, &state, &start) ? start : 0;
 }
 
-bool process_alive(pid_t pid, uint64_t start_time) noexcept {
+ProcessState process_state(pid_t pid, uint64_t start_time) noexcept {
   char state = 0;
   uint64_t start = 0;
-  if (!read_stat(pid, &state, &start)) return false;
-  if (state == 'Z' || state == 'X' || state == 'x') return false;
-  return start_time == 0 || start == start_time;
+  if (!read_stat(pid, &state, &start)) return ProcessState::kGone;
+  if (state == 'Z' || state == 'X' || state == 'x') return ProcessState::kGone;
+  if (start_time != 0 && start != start_time) return ProcessState::kGone;
+  return state == 'T' || state == 't' ? ProcessState::kStopped : ProcessState::kRunning;
+}
+
+bool process_alive(pid_t pid, uint64_t start_time) noexcept {
+  return process_state(pid, start_time) != ProcessState::kGone;
 }
 
 uint64_t monotonic_ns() noexcept {

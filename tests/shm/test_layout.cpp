@@ -11,7 +11,7 @@ using namespace shmps::shm;
 BOOST_AUTO_TEST_SUITE(layout)
 
 BOOST_AUTO_TEST_CASE(version_and_magic_are_pinned) {
-  BOOST_TEST(kLayoutVersion == 2u);
+  BOOST_TEST(kLayoutVersion == 3u);
   BOOST_TEST(kMagic == 0x31474553504d4853ull);
   BOOST_TEST(kMaxWorkersLimit == 256u);
   BOOST_TEST(kMaxBuffersLimit == 64u);
@@ -57,6 +57,7 @@ BOOST_AUTO_TEST_CASE(field_offsets_are_pinned) {
   BOOST_TEST(offsetof(LaneHeader, space_ready) == 192u);
   BOOST_TEST(offsetof(Request, worker_version) == 48u);
   BOOST_TEST(offsetof(Completion, message) == 64u);
+  BOOST_TEST(offsetof(StatsBlock, workers_evicted) == 104u);
   BOOST_TEST(offsetof(StatsBlock, rejected) == 128u);
 }
 

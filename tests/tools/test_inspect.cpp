@@ -378,7 +378,7 @@ BOOST_AUTO_TEST_CASE(saved_and_corrupted_copies) {
       {"magic", [](std::string* b) { poke<uint64_t>(b, 0, 0x4141414141414141ull); }, 3,
        {"not a shmps segment", "0x4141414141414141"}},
       {"layout version", [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, layout_version), 99); }, 3,
-       {"layout version 99", "understands 2"}},
+       {"layout version 99", "understands " + std::to_string(shmps::shm::kLayoutVersion)}},
       {"lane capacity", [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, lane_capacity), 3); }, 3,
        {"lane_capacity 3"}},
       {"tensor ndim",

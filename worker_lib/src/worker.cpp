@@ -36,17 +36,23 @@ using Clock = std::chrono::steady_clock;
 
 // Fault injection for the reliability tests: with SHMPS_FAULT=<point> in
 // the environment when a Worker connects, the process SIGKILLs itself when
-// that Worker reaches <point> (SHMPS_FAULT=<point>:<n>: the n-th time). A
-// disabled point costs one predictable branch.
+// that Worker reaches <point> (SHMPS_FAULT=<point>:<n>: the n-th time;
+// SHMPS_FAULT=<point>:<n>:stop: SIGSTOPs itself instead, to be resumed by
+// SIGCONT). A disabled point costs one predictable branch.
 struct FaultPoint {
   std::string name;
   long remaining = 0;  // 0: disabled
+  int signo = SIGKILL;
 
   static FaultPoint from_environment() {
     FaultPoint p;
     const char* env = std::getenv("SHMPS_FAULT");
     if (env == nullptr || *env == '\0') return p;
     std::string text(env);
+    if (text.size() > 5 && text.compare(text.size() - 5, 5, ":stop") == 0) {
+      p.signo = SIGSTOP;
+      text.resize(text.size() - 5);
+    }
     p.remaining = 1;
     if (const size_t colon = text.find(':'); colon != std::string::npos) {
       p.remaining = std::max(1L, std::atol(text.c_str() + colon + 1));
@@ -57,7 +63,7 @@ struct FaultPoint {
   }
   void hit(const char* point) {
     if (remaining == 0 || name != point) return;
-    if (--remaining == 0) ::raise(SIGKILL);
+    if (--remaining == 0) ::raise(signo);
   }
 };
 }  // namespace
@@ -84,6 +90,7 @@ class Worker::Impl {
   bool attached_once = false;         // set by connect(); reconnect applies after it
   bool detaching = false;
   bool user_detached = false;
+  bool evicted_reattach = false;      // the next re-attach may find the same generation
   uint64_t lost_from = 0;             // requests in (lost_from, lost_upto] died
   uint64_t lost_upto = 0;             // with a server, unacknowledged
   struct Registered {
@@ -175,6 +182,11 @@ class Worker::Impl {
             attached = false;  // the next call re-attaches
             return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged; the next call re-attaches"};
           }
+          if (options.reconnect && attached_once && !evicted().ok()) {
+            end_evicted_session();  // the next call re-attaches
+            return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged (the server drops an "
+                                                 "evicted worker's queue unapplied); the next call re-attaches"};
+          }
           return why;
         }
       }
@@ -204,7 +216,8 @@ class Worker::Impl {
         }
       }
       if (ticket > lost_from && ticket <= lost_upto)
-        return Status{ErrorCode::kServerRestarted, "request " + std::to_string(ticket) + " was lost with a server that died"};
+        return Status{ErrorCode::kServerRestarted, "request " + std::to_string(ticket) +
+                                                       " was not acknowledged before the session ended (the server died or evicted this worker)"};
       if (ticket <= last_completed_id)
         return Status{ErrorCode::kInvalidArgument, "ticket " + std::to_string(ticket) + " was already waited for"};
       if (Status s = pop_one(deadline); !s.ok()) return s;
@@ -247,6 +260,7 @@ class Worker::Impl {
   // for its successor and re-attaches.
   Status ensure_server(Clock::time_point deadline) {
     if (!options.reconnect || !attached_once) return Status::Ok();
+    if (attached && !evicted().ok()) end_evicted_session();
     if (attached) {
       // Fast path without /proc: a running server refreshes its heartbeat
       // every 10 ms, asleep or not.
@@ -258,6 +272,15 @@ class Worker::Impl {
       if (server_gone().ok()) return Status::Ok();
     }
     return reattach(deadline);
+  }
+
+  // After the server evicted us (we were stopped too long, or our lane
+  // looked corrupt): we stop using the old lane for good, free the entry,
+  // and let the next call re-attach to the same server.
+  void end_evicted_session() {
+    release_entry();
+    attached = false;
+    evicted_reattach = true;
   }
 
   // Returns our entry to kFree after the server let go of it (detached,
@@ -371,19 +394,22 @@ class Worker::Impl {
   }
 
   // After the server died: waits (up to the deadline) for a server of a new
-  // generation under the same name, attaches to it and registers every
-  // buffer again under its old id.
+  // generation under the same name (after an eviction: the same server is
+  // fine), attaches to it and registers every buffer again under its old id.
   Status reattach(Clock::time_point deadline) {
     const uint64_t old_generation = generation;
     attached = false;
     while (true) {
       auto seg = shm::Segment::open(options.name, /*read_only=*/false);
-      if (seg.ok() && (*seg)->header().generation != old_generation) {
+      if (seg.ok() && (evicted_reattach || (*seg)->header().generation != old_generation)) {
         Status s = attach_to(std::move(seg).value());
         if (s.ok()) {
           for (uint32_t b = 0; b < buffers.size() && s.ok(); ++b)
             if (buffers[b].in_use) s = send_register(b, buffers[b].object->name(), buffers[b].object->size());
-          if (s.ok()) return Status::Ok();
+          if (s.ok()) {
+            evicted_reattach = false;
+            return Status::Ok();
+          }
         }
         if (s.code() == ErrorCode::kLayoutMismatch || s.code() == ErrorCode::kNoCapacity) return s;
       }
@@ -581,6 +607,7 @@ Result<ServerStats> Worker::stats() {
   s.ring_high_water = r.ring_high_water;
   s.workers_attached = static_cast<uint32_t>(r.workers_attached);
   s.workers_died = r.workers_died;
+  s.workers_evicted = r.workers_evicted;
   s.my_pushes_applied = r.my_pushes_applied;
   s.my_pushes_rejected = r.my_pushes_rejected;
   s.my_pulls = r.my_pulls;

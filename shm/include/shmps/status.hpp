@@ -28,7 +28,7 @@ enum class ErrorCode : uint32_t {
   kBusy = 10,              // ring full for longer than the call's timeout
   kTimeout = 11,           // no completion within the call's timeout
   kServerNotRunning = 12,  // no segment of that name, or its server is dead
-  kServerRestarted = 13,   // the server's generation changed under the worker
+  kServerRestarted = 13,   // the worker's session ended: the server restarted, or evicted it (reconnect)
   kLayoutMismatch = 14,    // segment of another layout version / foreign file
   kPermission = 15,        // EACCES/EPERM on a segment or buffer object
   kNoCapacity = 16,        // max workers / buffers reached, or shm too small

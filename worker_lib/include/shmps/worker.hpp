@@ -57,6 +57,7 @@ struct ServerStats {
   uint64_t ring_high_water = 0;     // most ever queued at once
   uint32_t workers_attached = 0;
   uint64_t workers_died = 0;
+  uint64_t workers_evicted = 0;     // sessions the server ended: stopped too long, corrupt lane
   // This worker's own counters as the server counts them.
   uint64_t my_pushes_applied = 0;
   uint64_t my_pushes_rejected = 0;
@@ -72,6 +73,12 @@ struct WorkerOptions {
   // generation under the same name, attaches to it, registers every buffer
   // again under its old id, then proceeds. Without it such calls return
   // kServerNotRunning and the Worker stays unusable.
+  // The same holds when the server evicts this worker (its process was
+  // stopped longer than the server's --stopped-worker-timeout-ms, or its
+  // lane looked corrupt): with reconnect, calls in flight fail with
+  // kServerRestarted (those dropped by the eviction were never applied)
+  // and the next call attaches again to the same server; without it,
+  // every call returns kUnknownWorker ("the server evicted worker N").
   bool reconnect = false;
 };
 

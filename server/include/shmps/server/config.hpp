@@ -46,6 +46,10 @@ struct ServerConfig {
   // The consumer spins this long on an empty ring before sleeping on the
   // futex (a push then pays a wake-up, ~tens of us).
   uint32_t idle_spin_us = 50;
+  // A worker whose process stays stopped (SIGSTOP/SIGTSTP, or a tracer)
+  // this long is evicted: its session ends and its buffers are unmapped;
+  // its entry is reused once its process frees it or dies (0: never evict).
+  uint32_t stopped_worker_timeout_ms = 5000;
   // Lines above this severity are not written (--log-level).
   LogLevel log_level = LogLevel::kInfo;
   // Checkpoints (server/src/checkpoint.hpp): off while checkpoint_dir is

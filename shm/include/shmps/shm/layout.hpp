@@ -44,7 +44,7 @@
 namespace shmps::shm {
 
 inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-endian
-inline constexpr uint32_t kLayoutVersion = 2;  // 2: attach is a handshake in the entry
+inline constexpr uint32_t kLayoutVersion = 3;  // 3: StatsBlock::workers_evicted
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;   // 4 doorbell words
@@ -234,7 +234,8 @@ struct StatsReply {
   uint64_t my_pushes_applied;
   uint64_t my_pushes_rejected;
   uint64_t my_pulls;
-  uint64_t reserved[18];
+  uint64_t workers_evicted;
+  uint64_t reserved[17];
 };
 static_assert(std::is_trivially_copyable_v<StatsReply>);
 static_assert(sizeof(StatsReply) == 256);
@@ -348,12 +349,14 @@ struct StatsBlock {
   std::atomic<uint64_t> mappings_opened;
   std::atomic<uint64_t> mappings_closed;
   std::atomic<uint64_t> lanes_corrupt;   // lanes whose indices were garbage
-  uint64_t reserved0[3];
+  std::atomic<uint64_t> workers_evicted; // sessions ended by the server: stopped too long, corrupt lane
+  uint64_t reserved0[2];
   std::atomic<uint64_t> rejected[kRejectCauses];  // by ErrorCode value
   uint64_t reserved1[80];
 };
 static_assert(std::is_standard_layout_v<StatsBlock>);
 static_assert(sizeof(StatsBlock) == 1024);
+static_assert(offsetof(StatsBlock, workers_evicted) == 104);
 static_assert(offsetof(StatsBlock, rejected) == 128);
 
 }  // namespace shmps::shm

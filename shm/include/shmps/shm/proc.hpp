@@ -18,6 +18,15 @@ uint64_t process_start_time(pid_t pid) noexcept;
 // started at start_time, i.e. it is the same process.
 bool process_alive(pid_t pid, uint64_t start_time) noexcept;
 
+// What /proc says about a process, read once.
+enum class ProcessState {
+  kGone,     // no such process, a zombie, or another process that reused the pid
+  kRunning,  // alive and not stopped (running, sleeping, in disk wait, ...)
+  kStopped,  // stopped by a signal (SIGSTOP, SIGTSTP: 'T') or by a tracer ('t')
+};
+// As process_alive(), and whether the process is stopped.
+ProcessState process_state(pid_t pid, uint64_t start_time) noexcept;
+
 // CLOCK_MONOTONIC in nanoseconds (the same clock in every process).
 uint64_t monotonic_ns() noexcept;
 
