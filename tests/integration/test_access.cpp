@@ -21,6 +21,7 @@
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 using namespace shmps;
 using namespace std::chrono_literals;
@@ -59,14 +60,7 @@ struct SharedText {
   char* text;
 };
 
-std::unique_ptr<Worker> connect(const std::string& name) {
-  WorkerOptions o;
-  o.name = name;
-  o.timeout = 5s;
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
-  return std::move(w).value();
-}
+using test::connect;
 
 // Buffer objects of `name`: "shmps.<name>.p<pid>.<n>".
 std::vector<std::string> buffer_objects(const std::string& name) {

@@ -13,6 +13,7 @@
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 using namespace shmps;
 using namespace std::chrono_literals;
@@ -40,13 +41,7 @@ std::string ckpt_name(uint64_t version) {
   return buf;
 }
 
-std::unique_ptr<Worker> connect(const std::string& name) {
-  WorkerOptions o;
-  o.name = name;
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
-  return std::move(w).value();
-}
+using test::connect;
 
 // The Adam model of these tests: tensors a:2x2, b:3.
 std::vector<std::string> adam_args(const fs::path& dir, std::vector<std::string> extra = {}) {

@@ -16,6 +16,7 @@
 #include "shmps/shm/proc.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 using namespace shmps;
 using namespace std::chrono_literals;
@@ -23,18 +24,9 @@ using namespace std::chrono_literals;
 namespace {
 
 struct Shared {
-  std::atomic<uint64_t> stop;
-  std::atomic<uint64_t> bystander_acked;
-  std::atomic<uint64_t> bystander_max_latency_ns;
+  test::BystanderCounters bystander;
   std::atomic<uint64_t> victim_acked;
-  std::atomic<uint64_t> bystander_errors;
 };
-
-Shared* map_shared() {
-  void* p = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  BOOST_REQUIRE(p != MAP_FAILED);
-  return new (p) Shared{};
-}
 
 // Buffer objects of process `pid` still in /dev/shm.
 size_t leftover_buffers(const std::string& name, pid_t pid) {
@@ -43,13 +35,6 @@ size_t leftover_buffers(const std::string& name, pid_t pid) {
   for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
     if (e.path().filename().string().rfind(prefix, 0) == 0) ++n;
   return n;
-}
-
-std::unique_ptr<Worker> connect(const std::string& name) {
-  WorkerOptions o;
-  o.name = name;
-  auto w = Worker::connect(o);
-  return w.ok() ? std::move(w).value() : nullptr;
 }
 
 }  // namespace
@@ -63,28 +48,9 @@ BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
     BOOST_TEST_CONTEXT("fault point " << point) {
       test::ServerProcess server(test::unique_name("fault"),
                                  {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000000", "--max-workers", "3"});
-      Shared* shared = map_shared();
-      auto bystander = test::Process::fork_fn([&] {
-        auto w = connect(server.name());
-        if (!w) return 2;
-        auto buf = w->register_buffer(4);
-        if (!buf.ok()) return 3;
-        *static_cast<float*>(buf->data) = -1.0f;
-        while (shared->stop.load() == 0) {
-          const uint64_t t0 = shm::monotonic_ns();
-          auto v = w->push(0, buf->id, 0, 4, Dtype::kF32, 0);
-          const uint64_t dt = shm::monotonic_ns() - t0;
-          if (!v.ok()) {
-            shared->bystander_errors.fetch_add(1);
-            continue;
-          }
-          shared->bystander_acked.fetch_add(1);
-          uint64_t seen = shared->bystander_max_latency_ns.load();
-          while (dt > seen && !shared->bystander_max_latency_ns.compare_exchange_weak(seen, dt)) {}
-        }
-        return 0;
-      });
-      BOOST_REQUIRE(test::eventually([&] { return shared->bystander_acked.load() > 50; }));
+      Shared* shared = test::map_shared<Shared>();
+      auto bystander = test::start_bystander(server.name(), &shared->bystander);
+      BOOST_REQUIRE(test::eventually([&] { return shared->bystander.acked.load() > 50; }));
 
       // The victim dies at the point, on its 3rd visit for per-request points.
       const std::string spec = std::string(point) + (std::string(point).find("publish") != std::string::npos ||
@@ -94,7 +60,7 @@ BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
                                                          : "");
       auto victim = test::Process::fork_fn([&] {
         ::setenv("SHMPS_FAULT", spec.c_str(), 1);
-        auto w = connect(server.name());
+        auto w = test::try_connect(server.name());
         if (!w) return 2;
         auto buf = w->register_buffer(4);
         if (!buf.ok()) return 3;
@@ -112,21 +78,21 @@ BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
       // Its entry comes back: the bystander plus two fresh workers fit in 3.
       std::vector<std::unique_ptr<Worker>> fresh;
       BOOST_TEST(test::eventually([&] {
-        if (auto w = connect(server.name())) fresh.push_back(std::move(w));
+        if (auto w = test::try_connect(server.name())) fresh.push_back(std::move(w));
         return fresh.size() == 2;
       }, 3s));
       BOOST_TEST(test::eventually([&] { return leftover_buffers(server.name(), victim_pid) == 0; }, 3s),
                  leftover_buffers(server.name(), victim_pid) << " buffer objects left in /dev/shm");
       std::this_thread::sleep_for(100ms);  // the bystander keeps going past the reaping
-      shared->stop.store(1);
+      shared->bystander.stop.store(1);
       BOOST_TEST(bystander.wait(10s) == 0);
-      BOOST_TEST(shared->bystander_errors.load() == 0u);
-      BOOST_TEST(shared->bystander_max_latency_ns.load() < 1'000'000'000u, "bystander stalled for "
-                 << shared->bystander_max_latency_ns.load() / 1000000 << " ms");
+      BOOST_TEST(shared->bystander.errors.load() == 0u);
+      BOOST_TEST(shared->bystander.max_latency_ns.load() < 1'000'000'000u, "bystander stalled for "
+                 << shared->bystander.max_latency_ns.load() / 1000000 << " ms");
       BOOST_REQUIRE(!fresh.empty());
       auto s = fresh[0]->stats();
       BOOST_REQUIRE(s.ok());
-      const uint64_t acked = shared->bystander_acked.load() + shared->victim_acked.load();
+      const uint64_t acked = shared->bystander.acked.load() + shared->victim_acked.load();
       // A push published but not acknowledged is applied at most once.
       BOOST_TEST(s->gradients_applied >= acked);
       BOOST_TEST(s->gradients_applied <= acked + 1);
@@ -134,7 +100,6 @@ BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
       BOOST_REQUIRE(out.ok());
       BOOST_REQUIRE(fresh[0]->pull(0, out->id, 0).ok());
       BOOST_TEST(*static_cast<float*>(out->data) == static_cast<float>(s->gradients_applied));
-      ::munmap(shared, 4096);
     }
   }
 }

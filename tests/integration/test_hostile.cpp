@@ -26,6 +26,7 @@
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 using namespace shmps;
 using namespace std::chrono_literals;
@@ -48,20 +49,7 @@ struct Shared {
   char first_error[256];
 };
 
-Shared* map_shared() {
-  void* p = ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  BOOST_REQUIRE(p != MAP_FAILED);
-  return new (p) Shared{};
-}
-
-std::unique_ptr<Worker> connect(const std::string& name, std::chrono::milliseconds timeout = 10s) {
-  WorkerOptions o;
-  o.name = name;
-  o.timeout = timeout;
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
-  return std::move(w).value();
-}
+using test::connect;
 
 // One tensor of one element, lr 1, gradient -1: the weight counts the
 // applied pushes, so weight == version in every pull and at the end.
@@ -355,7 +343,7 @@ BOOST_AUTO_TEST_CASE(random_writes_into_own_entry_lane_and_queue_hurt_nobody_els
   if (const char* env = std::getenv("SHMPS_HOSTILE_SEED")) seed = std::strtoull(env, nullptr, 0);
   BOOST_TEST_MESSAGE("hostile seed " << seed << " (set SHMPS_HOSTILE_SEED to replay)");
   test::ServerProcess server(test::unique_name("hostile"), kCounting);
-  Shared* shared = map_shared();
+  Shared* shared = test::map_shared<Shared>();
   std::vector<test::Process> good;
   for (int i = 0; i < kGoodWorkers; ++i)
     good.push_back(test::Process::fork_fn([&, i] { return good_worker(server.name(), shared, i); }));

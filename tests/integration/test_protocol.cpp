@@ -19,20 +19,14 @@
 #include "shmps/worker.hpp"
 #include "raw_client.hpp"
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 using namespace shmps;
 using namespace std::chrono_literals;
 
 namespace {
 
-std::unique_ptr<Worker> connect(const std::string& name, std::chrono::milliseconds timeout = 10s) {
-  WorkerOptions o;
-  o.name = name;
-  o.timeout = timeout;
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
-  return std::move(w).value();
-}
+using test::connect;
 
 std::vector<float> pull_all(Worker& w, const Buffer& b, uint64_t* version = nullptr) {
   auto v = w.pull(kAllTensors, b.id, 0);

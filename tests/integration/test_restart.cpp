@@ -14,6 +14,7 @@
 
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 using namespace shmps;
 using namespace std::chrono_literals;
@@ -33,13 +34,7 @@ std::vector<std::string> args(const fs::path& dir) {
 }
 
 std::unique_ptr<Worker> connect(const std::string& name, bool reconnect, std::chrono::milliseconds timeout = 10s) {
-  WorkerOptions o;
-  o.name = name;
-  o.reconnect = reconnect;
-  o.timeout = timeout;
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
-  return std::move(w).value();
+  return test::connect(name, timeout, reconnect);
 }
 
 }  // namespace

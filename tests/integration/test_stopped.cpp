@@ -8,7 +8,6 @@
 #define BOOST_TEST_MODULE test_stopped
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <boost/test/unit_test.hpp>
@@ -21,6 +20,7 @@
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 using namespace shmps;
 using namespace std::chrono_literals;
@@ -28,54 +28,13 @@ using namespace std::chrono_literals;
 namespace {
 
 struct Shared {
-  std::atomic<uint64_t> stop;
-  std::atomic<uint64_t> bystander_acked;
-  std::atomic<uint64_t> bystander_errors;
-  std::atomic<uint64_t> bystander_max_latency_ns;
+  test::BystanderCounters bystander;
   std::atomic<uint64_t> victim_acked;
   std::atomic<uint64_t> victim_restarted;  // kServerRestarted seen (eviction, reconnect)
   std::atomic<uint64_t> victim_other_errors;
   std::atomic<uint32_t> victim_last_code;
+  std::atomic<uint64_t> stop;
 };
-
-Shared* map_shared() {
-  void* p = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  BOOST_REQUIRE(p != MAP_FAILED);
-  return new (p) Shared{};
-}
-
-std::unique_ptr<Worker> connect(const std::string& name, bool reconnect = false) {
-  WorkerOptions o;
-  o.name = name;
-  o.reconnect = reconnect;
-  o.timeout = 5s;
-  auto w = Worker::connect(o);
-  return w.ok() ? std::move(w).value() : nullptr;
-}
-
-// Pushes -1 to w:1 until told to stop, recording the slowest push.
-test::Process start_bystander(const std::string& name, Shared* shared) {
-  return test::Process::fork_fn([name, shared] {
-    auto w = connect(name);
-    if (!w) return 2;
-    auto buf = w->register_buffer(4);
-    if (!buf.ok()) return 3;
-    *static_cast<float*>(buf->data) = -1.0f;
-    while (shared->stop.load() == 0) {
-      const uint64_t t0 = shm::monotonic_ns();
-      auto v = w->push(0, buf->id, 0, 4, Dtype::kF32, 0);
-      const uint64_t dt = shm::monotonic_ns() - t0;
-      if (!v.ok()) {
-        shared->bystander_errors.fetch_add(1);
-        continue;
-      }
-      shared->bystander_acked.fetch_add(1);
-      uint64_t seen = shared->bystander_max_latency_ns.load();
-      while (dt > seen && !shared->bystander_max_latency_ns.compare_exchange_weak(seen, dt)) {}
-    }
-    return 0;
-  });
-}
 
 // The server's counters, read from its segment (read-only).
 uint64_t read_stat(const std::string& name, std::atomic<uint64_t> shm::StatsBlock::*field) {
@@ -106,13 +65,13 @@ BOOST_AUTO_TEST_SUITE(stopped)
 BOOST_AUTO_TEST_CASE(stopped_mid_request_is_evicted_and_reattaches) {
   test::ServerProcess server(test::unique_name("stop"), {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000000",
                                                          "--max-workers", "2", "--stopped-worker-timeout-ms", "300"});
-  Shared* shared = map_shared();
-  auto bystander = start_bystander(server.name(), shared);
-  BOOST_REQUIRE(test::eventually([&] { return shared->bystander_acked.load() > 50; }));
+  Shared* shared = test::map_shared<Shared>();
+  auto bystander = test::start_bystander(server.name(), &shared->bystander);
+  BOOST_REQUIRE(test::eventually([&] { return shared->bystander.acked.load() > 50; }));
 
   auto victim = test::Process::fork_fn([&] {
     ::setenv("SHMPS_FAULT", "before_publish:4:stop", 1);
-    auto w = connect(server.name(), /*reconnect=*/true);
+    auto w = test::try_connect(server.name(), 5s, /*reconnect=*/true);
     if (!w) return 2;
     auto buf = w->register_buffer(4);
     if (!buf.ok()) return 3;
@@ -157,9 +116,9 @@ BOOST_AUTO_TEST_CASE(stopped_mid_request_is_evicted_and_reattaches) {
   }
 
   // The others never stalled: the bystander kept pushing through it all.
-  const uint64_t bystander_mid = shared->bystander_acked.load();
+  const uint64_t bystander_mid = shared->bystander.acked.load();
   std::this_thread::sleep_for(100ms);
-  BOOST_TEST(shared->bystander_acked.load() > bystander_mid);
+  BOOST_TEST(shared->bystander.acked.load() > bystander_mid);
 
   // Resumed: it publishes the stale request into its abandoned lane (never
   // applied), learns it was evicted, frees its entry and re-attaches.
@@ -169,14 +128,14 @@ BOOST_AUTO_TEST_CASE(stopped_mid_request_is_evicted_and_reattaches) {
   BOOST_TEST(shared->victim_restarted.load() == 1u);
   BOOST_TEST(shared->victim_other_errors.load() == 0u, "last error code " << shared->victim_last_code.load());
 
-  shared->stop.store(1);
+  shared->bystander.stop.store(1);
   BOOST_TEST(bystander.wait(10s) == 0);
-  BOOST_TEST(shared->bystander_errors.load() == 0u);
-  BOOST_TEST(shared->bystander_max_latency_ns.load() < 1'000'000'000u,
-             "slowest bystander push " << shared->bystander_max_latency_ns.load() / 1000 << " us");
+  BOOST_TEST(shared->bystander.errors.load() == 0u);
+  BOOST_TEST(shared->bystander.max_latency_ns.load() < 1'000'000'000u,
+             "slowest bystander push " << shared->bystander.max_latency_ns.load() / 1000 << " us");
   // Exactly once: every acknowledged push applied, the abandoned one not.
   const uint64_t applied = read_stat(server.name(), &shm::StatsBlock::gradients_applied);
-  BOOST_TEST(applied == shared->bystander_acked.load() + shared->victim_acked.load());
+  BOOST_TEST(applied == shared->bystander.acked.load() + shared->victim_acked.load());
   BOOST_TEST(server.stop() == 0);
 }
 
@@ -185,13 +144,13 @@ BOOST_AUTO_TEST_CASE(stopped_mid_request_is_evicted_and_reattaches) {
 BOOST_AUTO_TEST_CASE(without_reconnect_the_error_names_the_eviction) {
   test::ServerProcess server(test::unique_name("stop"), {"--tensor", "w:1", "--max-workers", "1",
                                                          "--stopped-worker-timeout-ms", "200"});
-  Shared* shared = map_shared();
+  Shared* shared = test::map_shared<Shared>();
   int pipe_fds[2];
   BOOST_REQUIRE(::pipe(pipe_fds) == 0);
   auto victim = test::Process::fork_fn([&] {
     ::close(pipe_fds[1]);
     {
-      auto w = connect(server.name());
+      auto w = test::try_connect(server.name(), 5s);
       if (!w) return 2;
       if (!w->ping().ok()) return 3;
       shared->victim_acked.store(1);
@@ -202,7 +161,7 @@ BOOST_AUTO_TEST_CASE(without_reconnect_the_error_names_the_eviction) {
       if (s.ok() || s.message().find("evicted") == std::string::npos) return 5;
     }
     // The destroyed Worker freed its entry: the only one of the table.
-    return connect(server.name()) ? 0 : 6;
+    return test::try_connect(server.name(), 5s) ? 0 : 6;
   });
   ::close(pipe_fds[0]);
   BOOST_REQUIRE(test::eventually([&] { return shared->victim_acked.load() == 1; }));
@@ -217,9 +176,9 @@ BOOST_AUTO_TEST_CASE(without_reconnect_the_error_names_the_eviction) {
 
 BOOST_AUTO_TEST_CASE(timeout_zero_never_evicts) {
   test::ServerProcess server(test::unique_name("stop"), {"--tensor", "w:1", "--stopped-worker-timeout-ms", "0"});
-  Shared* shared = map_shared();
+  Shared* shared = test::map_shared<Shared>();
   auto victim = test::Process::fork_fn([&] {
-    auto w = connect(server.name());
+    auto w = test::try_connect(server.name(), 5s);
     if (!w || !w->ping().ok()) return 2;
     shared->victim_acked.store(1);
     while (shared->stop.load() == 0) std::this_thread::sleep_for(1ms);
@@ -256,7 +215,7 @@ BOOST_AUTO_TEST_CASE(worker_lifecycle_lines_are_rate_limited) {
   std::vector<test::Process> workers;
   for (int k = 0; k < kWorkers; ++k)
     workers.push_back(test::Process::fork_fn([&] {
-      auto w = connect(name);
+      auto w = test::try_connect(name, 5s);
       return w && w->detach().ok() ? 0 : 1;
     }));
   for (auto& w : workers) BOOST_TEST(w.wait(20s) == 0);

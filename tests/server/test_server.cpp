@@ -11,6 +11,7 @@
 #include "shmps/server/options.hpp"
 #include "shmps/server/server.hpp"
 #include "shmps/worker.hpp"
+#include "server_support.hpp"
 #include "test_support.hpp"
 
 using namespace shmps;
@@ -18,33 +19,7 @@ using namespace shmps::server;
 
 namespace {
 
-Result<ParsedOptions> parse(std::vector<std::string> args) {
-  args.insert(args.begin(), "shmps-server");
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  return parse_options(static_cast<int>(argv.size()), argv.data());
-}
-
-// Runs a Server on a thread for the scope. (Boost.Test macros are not
-// thread-safe: the thread only records the outcome.)
-struct InProcessServer {
-  explicit InProcessServer(const ServerConfig& config) {
-    auto s = Server::create(config);
-    BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
-    server = std::move(s).value();
-    thread = std::thread([this] { run_ok = server->run().ok(); });
-  }
-  void stop() {
-    if (!thread.joinable()) return;
-    server->request_stop();
-    thread.join();
-    BOOST_TEST(run_ok.load());
-  }
-  ~InProcessServer() { stop(); }
-  std::unique_ptr<Server> server;
-  std::thread thread;
-  std::atomic<bool> run_ok{false};
-};
+using test::InProcessServer;
 
 }  // namespace
 
@@ -132,7 +107,7 @@ BOOST_AUTO_TEST_CASE(init_file_sets_the_weights_and_its_size_is_checked) {
 }
 
 BOOST_AUTO_TEST_CASE(command_line_parses_every_option) {
-  auto p = parse({"--name", "job", "--tensor", "fc1.weight:256x784", "--tensor", "fc1.bias:256:f32",
+  auto p = test::parse_server_args({"--name", "job", "--tensor", "fc1.weight:256x784", "--tensor", "fc1.bias:256:f32",
                   "--optimizer", "adam", "--lr", "0.002", "--beta1", "0.8", "--beta2", "0.99", "--eps", "1e-6",
                   "--amsgrad", "--max-staleness", "3", "--ring-capacity", "128", "--max-workers", "8",
                   "--max-buffers", "4", "--backend", "host", "--init", "normal", "--init-scale", "0.1",
@@ -154,14 +129,14 @@ BOOST_AUTO_TEST_CASE(command_line_parses_every_option) {
   BOOST_TEST((c.init.kind == InitSpec::Kind::kNormal));
   BOOST_TEST(c.allow_nonfinite);
   BOOST_TEST(c.group_access);
-  auto adamw = parse({"--name", "j", "--tensor", "w:1", "--optimizer", "adamw"});
+  auto adamw = test::parse_server_args({"--name", "j", "--tensor", "w:1", "--optimizer", "adamw"});
   BOOST_REQUIRE(adamw.ok());
   BOOST_TEST(adamw->config.optimizer.weight_decay == 0.01f);  // PyTorch's AdamW default
 }
 
 BOOST_AUTO_TEST_CASE(bad_options_name_the_option) {
   const auto message = [](std::vector<std::string> args) {
-    auto p = parse(std::move(args));
+    auto p = test::parse_server_args(std::move(args));
     BOOST_TEST(!p.ok());
     return p.status().message();
   };
@@ -183,7 +158,7 @@ BOOST_AUTO_TEST_CASE(config_file_sets_options_and_names_unknown_keys) {
   const std::string path = "/tmp/shmps_conf_" + std::to_string(::getpid()) + ".conf";
   std::ofstream(path) << "# comment\nname = fromfile\ntensor = w:4x4\ntensor = b:4\noptimizer = sgd\n"
                          "momentum = 0.9\nnesterov = true\nmax-staleness = 7\n";
-  auto p = parse({"--config", path, "--lr", "0.5"});
+  auto p = test::parse_server_args({"--config", path, "--lr", "0.5"});
   BOOST_REQUIRE_MESSAGE(p.ok(), p.status().to_string());
   BOOST_TEST(p->config.name == "fromfile");
   BOOST_TEST(p->config.tensors.size() == 2u);
@@ -192,7 +167,7 @@ BOOST_AUTO_TEST_CASE(config_file_sets_options_and_names_unknown_keys) {
   BOOST_TEST(p->config.max_staleness == 7u);
   BOOST_TEST(p->config.optimizer.lr == 0.5f);
   std::ofstream(path) << "name = x\ntensor = w:1\nlearning-rate = 0.1\n";
-  auto bad = parse({"--config", path});
+  auto bad = test::parse_server_args({"--config", path});
   BOOST_TEST(!bad.ok());
   BOOST_TEST(bad.status().message().find("learning-rate") != std::string::npos);
   BOOST_TEST(bad.status().message().find(path) != std::string::npos);

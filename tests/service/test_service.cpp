@@ -25,6 +25,7 @@
 #include "shmps/shm/layout.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 using namespace shmps;
 using namespace std::chrono_literals;
@@ -190,13 +191,7 @@ struct SegmentGuard {
   std::string name;
 };
 
-std::unique_ptr<Worker> connect(const std::string& name) {
-  WorkerOptions o;
-  o.name = name;
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
-  return std::move(w).value();
-}
+using test::connect;
 
 }  // namespace
 

@@ -19,19 +19,13 @@
 #include "shmps/server/server.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
+#include "server_support.hpp"
 #include "test_support.hpp"
 
 using namespace shmps;
 using namespace shmps::server;
 
 namespace {
-
-Result<ParsedOptions> parse(std::vector<std::string> args) {
-  args.insert(args.begin(), "shmps-server");
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  return parse_options(static_cast<int>(argv.size()), argv.data());
-}
 
 // A config file for the scope of a test.
 struct ConfFile {
@@ -47,7 +41,7 @@ std::string file_error(const std::string& body, std::vector<std::string> extra =
   ConfFile f(body);
   std::vector<std::string> args{"--config", f.path};
   args.insert(args.end(), extra.begin(), extra.end());
-  auto p = parse(args);
+  auto p = test::parse_server_args(args);
   BOOST_TEST(!p.ok(), "accepted:\n" << body);
   const std::string m = p.ok() ? std::string() : p.status().message();
   BOOST_TEST(m.find("config file " + f.path + " line ") == 0u, m);
@@ -93,7 +87,7 @@ BOOST_AUTO_TEST_CASE(config_file_errors_name_the_line_and_the_key) {
 
 BOOST_AUTO_TEST_CASE(command_line_wins_over_the_file_and_errors_name_the_option) {
   ConfFile f(kHead + "lr = 0.5\nmax-staleness = 9\ntensor = b:2\n");
-  auto p = parse({"--config", f.path, "--lr", "0.25", "--tensor", "a:1"});
+  auto p = test::parse_server_args({"--config", f.path, "--lr", "0.25", "--tensor", "a:1"});
   BOOST_REQUIRE_MESSAGE(p.ok(), p.status().to_string());
   BOOST_TEST(p->config.optimizer.lr == 0.25f);
   BOOST_TEST(p->config.max_staleness == 9u);
@@ -101,21 +95,21 @@ BOOST_AUTO_TEST_CASE(command_line_wins_over_the_file_and_errors_name_the_option)
   BOOST_TEST(p->config.tensors[0].name == "a");
   BOOST_TEST(p->config.tensors[2].name == "b");
   // A bad value the command line gave is not blamed on the file.
-  auto bad = parse({"--config", f.path, "--ring-capacity", "3"});
+  auto bad = test::parse_server_args({"--config", f.path, "--ring-capacity", "3"});
   BOOST_REQUIRE(!bad.ok());
   BOOST_TEST(bad.status().message().find("--ring-capacity") == 0u, bad.status().message());
-  BOOST_TEST(parse({"--version"})->version);
-  auto check = parse({"--config", f.path, "--check-config"});
+  BOOST_TEST(test::parse_server_args({"--version"})->version);
+  auto check = test::parse_server_args({"--config", f.path, "--check-config"});
   BOOST_REQUIRE(check.ok());
   BOOST_TEST(check->check);
-  BOOST_TEST(!parse({"--config", f.path})->check);
-  auto missing = parse({"--config", "/nonexistent/x.conf"});
+  BOOST_TEST(!test::parse_server_args({"--config", f.path})->check);
+  auto missing = test::parse_server_args({"--config", "/nonexistent/x.conf"});
   BOOST_TEST(contains(missing.status().message(), "cannot open"));
 }
 
 BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
   const std::string example = std::string(SHMPS_SOURCE_DIR) + "/server/shmps.conf.example";
-  auto p = parse({"--config", example});
+  auto p = test::parse_server_args({"--config", example});
   BOOST_REQUIRE_MESSAGE(p.ok(), p.status().to_string());
   BOOST_TEST(p->config.group_access);  // workers of the shmps group can attach
   BOOST_TEST(p->config.tensors.size() == 4u);
@@ -138,7 +132,7 @@ BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
     all << line << "\n";
   }
   ConfFile f(all.str());
-  auto every = parse({"--config", f.path});
+  auto every = test::parse_server_args({"--config", f.path});
   BOOST_REQUIRE_MESSAGE(every.ok(), every.status().to_string());
   std::set<std::string> options;
   for (const auto& e : config_entries(every->config)) options.insert(e.first);
@@ -148,7 +142,7 @@ BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
 }
 
 BOOST_AUTO_TEST_CASE(config_entries_round_trip_through_a_file) {
-  auto p = parse({"--name", "rt", "--tensor", "a:2x3", "--tensor", "b:7", "--optimizer", "adamw", "--lr", "0.0003",
+  auto p = test::parse_server_args({"--name", "rt", "--tensor", "a:2x3", "--tensor", "b:7", "--optimizer", "adamw", "--lr", "0.0003",
                   "--beta2", "0.98", "--amsgrad", "--max-staleness", "11", "--ring-capacity", "16", "--init", "normal",
                   "--init-scale", "0.5", "--init-seed", "42", "--group-access", "--idle-spin-us", "7", "--log-level", "debug",
                   "--allow-nonfinite", "--backend", "host", "--max-workers", "3", "--max-buffers", "5"});
@@ -156,7 +150,7 @@ BOOST_AUTO_TEST_CASE(config_entries_round_trip_through_a_file) {
   std::string body;
   for (const auto& [key, value] : config_entries(p->config)) body += key + " = " + value + "\n";
   ConfFile f(body);
-  auto back = parse({"--config", f.path});
+  auto back = test::parse_server_args({"--config", f.path});
   BOOST_REQUIRE_MESSAGE(back.ok(), back.status().to_string() + "\n" + body);
   BOOST_TEST((config_entries(back->config) == config_entries(p->config)), body);
   BOOST_TEST(back->config.optimizer.lr == 0.0003f);

@@ -29,6 +29,7 @@
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 using nlohmann::json;
 using namespace shmps;
@@ -134,14 +135,7 @@ json parse_json(const Run& r) {
   return {};
 }
 
-std::unique_ptr<Worker> connect(const std::string& name) {
-  WorkerOptions o;
-  o.name = name;
-  o.timeout = std::chrono::seconds(5);
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
-  return std::move(w).value();
-}
+using test::connect;
 
 // Overwrites `value` at `offset` of a byte string.
 template <typename T>
