@@ -16,6 +16,16 @@ Status validate(const ServerConfig& config) {
   if (config.checkpoint_keep == 0) return invalid("--checkpoint-keep must be at least 1");
   if (config.checkpoint_dir.empty() && (config.checkpoint_every != 0 || config.checkpoint_interval_s != 0))
     return invalid("--checkpoint-every and --checkpoint-interval-s need --checkpoint-dir");
+  if (!config.device.empty()) {
+    // The form only; whether such a device exists is the backend's check.
+    const std::string& d = config.device;
+    const bool uuid = d.rfind("GPU-", 0) == 0 && d.size() > 4;
+    const bool bus_id = d.find(':') != std::string::npos && d.find('.') != std::string::npos;
+    if (!uuid && !bus_id)
+      return invalid("--device must be a UUID as nvidia-smi -L prints it (GPU-xxxxxxxx-...) or a PCI bus id "
+                     "(0000:3b:00.0), got '" + d + "' (ordinals are not accepted: CUDA_VISIBLE_DEVICES may differ "
+                     "between the server and its workers)");
+  }
   return Status::Ok();
 }
 

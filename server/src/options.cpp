@@ -175,6 +175,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       ("max-workers", po::value(&c.max_workers)->default_value(16), "worker table size (1..256)")
       ("max-buffers", po::value(&c.max_buffers)->default_value(16), "registered buffers per worker (1..64)")
       ("backend", po::value(&backend)->default_value("auto"), "host | cuda | auto (cuda when a device is present)")
+      ("device", po::value(&c.device), "CUDA device: UUID (GPU-..., as nvidia-smi -L prints) or PCI bus id (0000:3b:00.0); default: the first visible")
       ("init", po::value(&init)->default_value("zero"), "initial weights: zero | normal | uniform | file")
       ("init-scale", po::value(&c.init.scale)->default_value(0.01f), "normal: stddev; uniform: half-width")
       ("init-seed", po::value(&c.init.seed)->default_value(1), "seed of normal/uniform init")
@@ -312,6 +313,7 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   e.emplace_back("max-workers", std::to_string(c.max_workers));
   e.emplace_back("max-buffers", std::to_string(c.max_buffers));
   e.emplace_back("backend", c.backend == BackendKind::kHost ? "host" : c.backend == BackendKind::kCuda ? "cuda" : "auto");
+  if (!c.device.empty()) e.emplace_back("device", c.device);
   static constexpr const char* kInitNames[] = {"zero", "normal", "uniform", "file"};
   e.emplace_back("init", kInitNames[static_cast<int>(c.init.kind)]);
   e.emplace_back("init-scale", number_text(c.init.scale));

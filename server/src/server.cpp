@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -116,7 +117,19 @@ Result<std::vector<float>> initial_weights(const InitSpec& init, uint64_t total)
 struct WorkerSlot {
   shm::SpscConsumer<Request> lane;
   shm::SpscProducer<Completion> completions;
-  std::vector<std::unique_ptr<PeerBuffer>> buffers;  // by buffer id
+  // By buffer id. Shared: a request whose device work still runs holds its
+  // buffer, so an unregister, detach or death closes the mapping only once
+  // that work is done (the deleter counts mappings_closed then).
+  std::vector<std::shared_ptr<PeerBuffer>> buffers;
+  // Completions held back until the device work before them is done
+  // (backend.hpp, "Completion"), in request order: once one is held, every
+  // later completion of this worker queues behind it.
+  struct Deferred {
+    Completion completion;
+    Fence fence = 0;                   // 0: ready as soon as those before it are
+    std::shared_ptr<PeerBuffer> hold;  // the buffer its device work uses
+  };
+  std::deque<Deferred> deferred;
   uint64_t owner = 0;           // the owner word we attached (pid, kAttached); 0: none
   uint64_t pid_start_time = 0;
   uint64_t lease = 0;
@@ -151,6 +164,13 @@ class Server::Impl {
   // RemoveIPC, or an operator, may unlink it under us).
   uint64_t last_segment_check = 0;
   Status failure;
+  // Device work of sessions that ended while it ran (a worker died or was
+  // evicted mid-push): its buffers stay mapped until the fence is done.
+  std::vector<WorkerSlot::Deferred> orphaned;
+  uint64_t deferred_count = 0;             // sum of slots[*].deferred sizes
+  // A push or pull that enqueued device work on this buffer (set before the
+  // backend call, consumed by post()).
+  std::shared_ptr<PeerBuffer> held;
   std::atomic<bool> stop{false};
   std::atomic<bool> reload_requested{false};
   bool removed = false;
@@ -202,13 +222,18 @@ class Server::Impl {
         last_heartbeat = now;
         periodic(now);
       }
-      bool worked = serve_doorbells();
+      bool worked = drain_deferred();
+      worked |= serve_doorbells();
       if (now - last_housekeeping >= kHousekeepingNs) {
         last_housekeeping = now;
         worked |= housekeeping();
       }
       if (worked) {
         idle_since = 0;
+        continue;
+      }
+      if (deferred_count != 0 || !orphaned.empty()) {
+        shm::cpu_relax();  // device work in flight: poll its fences, never sleep
         continue;
       }
       if (idle_since == 0) idle_since = now;
@@ -404,6 +429,8 @@ class Server::Impl {
     uint32_t served = 0;
     while (served < kBatchPerLane) {
       if (!slot.completions.has_space()) break;  // worker is behind; it will catch up
+      if (slot.deferred.size() >= config.lane_capacity) break;  // its device work is behind
+      if (!failure.ok()) break;  // the device failed: nothing more is taken (shutdown fails the rest)
       // This lane alone is a lower bound of the total (update_depth sums all).
       note_depth(slot.lane.depth_estimate());
       Request req;
@@ -417,6 +444,11 @@ class Server::Impl {
       stats().requests.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistics counter
       Completion c = handle(i, req);
       if (c.opcode == static_cast<uint32_t>(Opcode::kDetach) && c.code == 0) {
+        // Its held-back answers go first (detaches are rare: wait for the device).
+        if (!slot.deferred.empty()) {
+          if (Status s = backend->synchronize(); !s.ok()) fatal(s);
+          drain_deferred();
+        }
         // kDetached before the answer: the worker, once it reads the
         // answer, sees it may reset and free the entry.
         mark_detached(i);
@@ -436,7 +468,22 @@ class Server::Impl {
     return served > 0;
   }
 
+  // Answers request `c` of worker i: now, or once the device work the
+  // request enqueued (held) and every completion held before it are done.
   void post(uint32_t i, const Completion& c) {
+    WorkerSlot& slot = slots[i];
+    const Fence fence = held ? backend->fence() : 0;
+    if (fence != 0 || !slot.deferred.empty()) {
+      slot.deferred.push_back({c, fence, std::move(held)});
+      ++deferred_count;
+      held.reset();
+      return;
+    }
+    held.reset();
+    post_now(i, c);
+  }
+
+  void post_now(uint32_t i, const Completion& c) {
     WorkerSlot& slot = slots[i];
     // Space was checked before popping the request; a worker that moved its
     // head backwards gets evicted instead of overwriting unread answers.
@@ -445,6 +492,54 @@ class Server::Impl {
       return;
     }
     shm::notify(slot.completions.header()->data_ready);
+  }
+
+  // Posts the held-back completions whose device work is done, in request
+  // order per worker, and lets go of orphaned work that finished. A fence
+  // that reports an error fails its request with the CUDA error; a lost
+  // context stops the server (fatal()).
+  bool drain_deferred() {
+    bool worked = false;
+    if (deferred_count != 0) {
+      for (uint32_t i = 0; i < config.max_workers; ++i) {
+        WorkerSlot& slot = slots[i];
+        while (!slot.deferred.empty()) {
+          WorkerSlot::Deferred& d = slot.deferred.front();
+          if (d.fence != 0) {
+            Result<bool> done = backend->fence_done(d.fence);
+            if (done.ok() && !*done) break;
+            if (!done.ok()) {
+              d.completion.code = static_cast<uint32_t>(done.status().code());
+              std::snprintf(d.completion.message, sizeof d.completion.message, "%s", done.status().message().c_str());
+            }
+          }
+          if (!slot.completions.has_space()) break;  // the worker is behind; it will catch up
+          const Completion c = d.completion;
+          slot.deferred.pop_front();
+          --deferred_count;
+          post_now(i, c);
+          worked = true;
+          if (!slot.attached()) break;  // evicted by post_now
+        }
+      }
+    }
+    std::erase_if(orphaned, [&](const WorkerSlot::Deferred& d) {
+      Result<bool> done = backend->fence_done(d.fence);
+      return !done.ok() || *done;
+    });
+    if (Status s = backend->healthy(); !s.ok()) fatal(s);
+    return worked;
+  }
+
+  // The device context is lost: stop taking requests; shutdown() fails what
+  // is in flight, and run() returns the error (the process exits non-zero,
+  // systemd restarts it). No checkpoint of weights a failed kernel may have
+  // half-written is taken.
+  void fatal(const Status& why) {
+    if (!failure.ok()) return;
+    failure = Status{why.code(), why.message() + "; the weights may be half-written: stopping without a checkpoint"};
+    log::error(failure.message());
+    stop.store(true, std::memory_order_release);  // SYNC(stop)
   }
 
   void update_depth() {
@@ -615,6 +710,10 @@ class Server::Impl {
     if (!slot.attached()) return;
     if (!why.empty())
       log_worker(LogLevel::kWarn, "worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(slot.owner)) + "): " + why);
+    for (auto& d : slot.deferred)
+      if (d.fence != 0) orphaned.push_back({Completion{}, d.fence, std::move(d.hold)});
+    deferred_count -= slot.deferred.size();
+    slot.deferred.clear();
     for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(slot, b);
     slot.buffers.clear();
     slot.owner = 0;
@@ -631,15 +730,25 @@ class Server::Impl {
     // Copy the descriptor out of shared memory before validating it.
     shm::BufferDesc desc;
     std::memcpy(&desc, &segment->buffer(i, req.buffer_id), sizeof desc);
-    if (std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
+    if (desc.kind == static_cast<uint32_t>(shm::BufferKind::kHostShm) &&
+        std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
       return reject(i, req, ErrorCode::kBadRequest, "buffer handle is not a terminated name");
     if (desc.length == 0) return reject(i, req, ErrorCode::kBadRange, "buffer length 0");
     // Only objects named for this worker's pid: never the control segment
     // or another worker's buffer.
     const uint32_t pid = shm::owner_pid(slot.owner);
-    auto peer = backend->open_peer(desc, buffer_prefix + std::to_string(pid) + ".");
-    if (!peer.ok()) return reject(i, req, peer.status().code(), peer.status().message());
-    slot.buffers[req.buffer_id] = std::move(peer).value();
+    auto peer = backend->open_peer_of(desc, buffer_prefix + std::to_string(pid) + ".", pid);
+    if (!peer.ok()) {
+      if (Status s = backend->healthy(); !s.ok()) fatal(s);
+      return reject(i, req, peer.status().code(), peer.status().message());
+    }
+    // The deleter runs when the last holder lets go: at close_buffer(), or
+    // later when device work still used it.
+    shm::StatsBlock* st = &stats();
+    slot.buffers[req.buffer_id] = std::shared_ptr<PeerBuffer>(peer->release(), [st](PeerBuffer* p) {
+      delete p;
+      st->mappings_closed.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
+    });
     if (log::enabled(LogLevel::kDebug))
       log::debug("worker " + std::to_string(i) + " registered buffer " + std::to_string(req.buffer_id) + " (" +
                  std::to_string(desc.length) + " bytes)");
@@ -651,9 +760,8 @@ class Server::Impl {
 
   void close_buffer(WorkerSlot& slot, uint32_t b) {
     if (!slot.buffers[b]) return;
-    slot.buffers[b].reset();
+    slot.buffers[b].reset();  // the deleter counts mappings_closed once nothing holds it
     stats().buffers_registered.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
-    stats().mappings_closed.fetch_add(1, std::memory_order_relaxed);
   }
 
   // Rejects `req` and forgets its buffer, whose memory vanished under us.
@@ -726,9 +834,12 @@ class Server::Impl {
     }
     uint64_t byte_offset = req.byte_offset;
     const uint64_t esize = kernels::dtype_size(dtype);
+    held = slots[i].buffers[req.buffer_id];  // its completion (even a failure) waits for the applies
     for (uint32_t t = target->first; t < target->last; ++t) {
-      if (Status s = backend->apply(config.optimizer, t, ++steps[t], *target->buffer, byte_offset, dtype); !s.ok())
+      if (Status s = backend->apply(config.optimizer, t, ++steps[t], *target->buffer, byte_offset, dtype); !s.ok()) {
+        if (Status h = backend->healthy(); !h.ok()) fatal(h);
         return reject(i, req, s.code(), s.message());
+      }
       byte_offset += tensors[t].element_count * esize;
     }
     // Only with --allow-nonfinite (no check pass) or a worker truncating
@@ -764,8 +875,11 @@ class Server::Impl {
     auto target = resolve(i, req, sizeof(float), "f32");
     if (!target.ok()) return reject(i, req, target.status().code(), target.status().message());
     const uint64_t first = tensors[target->first].element_offset;
-    if (Status s = backend->copy_out(first, target->elements, *target->buffer, req.byte_offset); !s.ok())
+    held = slots[i].buffers[req.buffer_id];  // completed once the copy is done
+    if (Status s = backend->copy_out(first, target->elements, *target->buffer, req.byte_offset); !s.ok()) {
+      if (Status h = backend->healthy(); !h.ok()) fatal(h);
       return reject(i, req, s.code(), s.message());
+    }
     if (Status s = backend->peer_intact(*target->buffer); !s.ok()) return drop_buffer(i, req, s);
     // relaxed: statistics.
     stats().weights_pulled.fetch_add(1, std::memory_order_relaxed);
@@ -1040,6 +1154,25 @@ class Server::Impl {
     notifier.stopping("stopping: failing queued requests; " + status_text());
     auto& h = segment->header();
     h.server_state.store(static_cast<uint32_t>(shm::ServerState::kStopping), std::memory_order_release);
+    // Device work in flight: completed when the device is healthy, failed
+    // (weights may be half-written) when it is not.
+    const Status device = backend->healthy().ok() ? backend->synchronize() : backend->healthy();
+    if (!device.ok()) fatal(device);
+    for (uint32_t i = 0; i < config.max_workers; ++i) {
+      WorkerSlot& slot = slots[i];
+      while (!slot.deferred.empty() && slot.attached() && slot.completions.has_space()) {
+        Completion c = slot.deferred.front().completion;
+        if (!device.ok()) {
+          c.code = static_cast<uint32_t>(device.code());
+          std::snprintf(c.message, sizeof c.message, "%s", "device failed; weights may be half-written");
+        }
+        slot.deferred.pop_front();
+        post_now(i, c);
+      }
+      slot.deferred.clear();
+    }
+    deferred_count = 0;
+    orphaned.clear();
     // Fail what is queued: nothing more is applied.
     uint64_t failed = 0;
     for (uint32_t i = 0; i < config.max_workers; ++i) {
@@ -1073,7 +1206,7 @@ class Server::Impl {
               count(st.rejected[static_cast<uint32_t>(ErrorCode::kNonFinite)]) + "), workers attached " +
               count(st.workers_attached) + ", died " + count(st.workers_died) + ", evicted " + count(st.workers_evicted) + ", queued requests failed " +
               std::to_string(failed) + ", up " + fixed1(static_cast<double>(shm::monotonic_ns() - created_ns) / 1e9) + " s");
-    final_checkpoint();
+    if (failure.ok() || failure.code() != ErrorCode::kCuda) final_checkpoint();
     // Buffers of workers that died since the last sweep (e.g. killed just
     // before this stop) would otherwise outlive us in /dev/shm.
     unlink_orphan_buffers(0);
@@ -1113,8 +1246,6 @@ Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config) {
 
 Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& config) {
   if (Status s = validate(config); !s.ok()) return s;
-  if (config.backend == BackendKind::kCuda)
-    return Status{ErrorCode::kCuda, "--backend cuda: this build has no CUDA backend yet; use --backend host"};
 
   log::set_level(config.log_level);
   std::string effective;
@@ -1125,7 +1256,9 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   auto impl = std::make_unique<Server::Impl>();
   impl->config = config;
   impl->created_ns = shm::monotonic_ns();
-  impl->backend = make_host_backend();
+  auto backend = select_backend(config.backend, config.device);
+  if (!backend.ok()) return backend.status();
+  impl->backend = std::move(backend).value();
 
   shm::SegmentSpec spec;
   spec.name = config.name;
@@ -1146,7 +1279,7 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   cb.beta1 = o.beta1;
   cb.beta2 = o.beta2;
   cb.eps = o.eps;
-  cb.backend = static_cast<uint32_t>(shm::Backend::kHost);
+  cb.backend = static_cast<uint32_t>(std::string(impl->backend->name()) == "cuda" ? shm::Backend::kCuda : shm::Backend::kHost);
   cb.max_staleness = config.max_staleness;
 
   auto segment = shm::Segment::create(spec, random_generation());
@@ -1204,6 +1337,7 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
 Status Server::run(const RunOptions& options) { return impl_->run(options); }
 
 void Server::poll_once() {
+  impl_->drain_deferred();
   impl_->serve_doorbells();
   impl_->housekeeping();
 }

@@ -41,6 +41,11 @@ struct ServerConfig {
   uint32_t max_workers = 16;
   uint32_t max_buffers = 16;                 // per worker
   BackendKind backend = BackendKind::kAuto;
+  // The CUDA device (cuda/auto backends): a UUID as `nvidia-smi -L` prints
+  // it ("GPU-xxxxxxxx-...") or a PCI bus id ("0000:3b:00.0"); empty: the
+  // first visible device. Never an ordinal: CUDA_VISIBLE_DEVICES may differ
+  // between the server and its workers.
+  std::string device;
   InitSpec init;
   bool group_access = false;                 // segment mode 0660 instead of 0600
   // The consumer spins this long on an empty ring before sleeping on the

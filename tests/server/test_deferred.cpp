@@ -1,0 +1,278 @@
+// Deferred completions (backend.hpp, "Completion") without a GPU: the server
+// runs in-process on a GatedBackend, the host backend whose fences stay
+// open until the test releases them, as a device's work would. Checks that
+// a push completes only after its fence, that other workers are served
+// meanwhile, that one worker's completions keep request order, and that
+// a buffer's mapping is closed only after the work using it is done.
+#define BOOST_TEST_MODULE test_deferred
+#include <unistd.h>
+
+#include <boost/test/unit_test.hpp>
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "backend.hpp"
+#include "raw_client.hpp"
+#include "shmps/server/server.hpp"
+#include "shmps/shm/segment.hpp"
+#include "shmps/worker.hpp"
+#include "test_support.hpp"
+
+using namespace shmps;
+using namespace shmps::server;
+
+namespace {
+
+// What the test controls and observes; shared with the backend (which the
+// server owns).
+struct Gate {
+  std::atomic<uint64_t> released{0};  // fences <= this are done
+  std::atomic<uint64_t> issued{0};    // the last fence handed out
+  std::atomic<int> live_peers{0};     // PeerBuffers not yet destroyed
+  std::atomic<bool> lost{false};      // the "device" failed: a sticky error
+  void release_all() { released.store(UINT64_MAX, std::memory_order_release); }
+};
+
+class GatedPeer final : public PeerBuffer {
+ public:
+  GatedPeer(std::unique_ptr<PeerBuffer> inner, Gate* gate) : inner_(std::move(inner)), gate_(gate) { ++gate_->live_peers; }
+  ~GatedPeer() override { --gate_->live_peers; }
+  uint64_t length() const noexcept override { return inner_->length(); }
+  PeerBuffer& inner() const { return *inner_; }
+
+ private:
+  std::unique_ptr<PeerBuffer> inner_;
+  Gate* gate_;
+};
+
+const PeerBuffer& in(const PeerBuffer& p) { return static_cast<const GatedPeer&>(p).inner(); }
+PeerBuffer& in(PeerBuffer& p) { return static_cast<GatedPeer&>(p).inner(); }
+
+class GatedBackend final : public Backend {
+ public:
+  explicit GatedBackend(Gate* gate) : host_(make_host_backend()), gate_(gate) {}
+  const char* name() const noexcept override { return "gated-host"; }
+  Fence fence() override {
+    if (!dirty_) return gate_->issued.load() > gate_->released.load() ? gate_->issued.load() : 0;
+    dirty_ = false;
+    return ++gate_->issued;
+  }
+  Result<bool> fence_done(Fence f) override {
+    if (gate_->lost.load()) return Status{ErrorCode::kCuda, "cudaErrorIllegalAddress (test)"};
+    return f <= gate_->released.load(std::memory_order_acquire);
+  }
+  Status healthy() override {
+    return gate_->lost.load() ? Status{ErrorCode::kCuda, "cudaErrorIllegalAddress (test): the context is lost"} : Status::Ok();
+  }
+  Status synchronize() override { return healthy(); }
+  Status allocate(const std::vector<TensorExtent>& t, size_t s, std::vector<float> init) override {
+    return host_->allocate(t, s, std::move(init));
+  }
+  Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& d, const std::string& prefix) override {
+    auto p = host_->open_peer(d, prefix);
+    if (!p.ok()) return p.status();
+    return std::unique_ptr<PeerBuffer>(new GatedPeer(std::move(p).value(), gate_));
+  }
+  Status peer_intact(const PeerBuffer& p) override { return host_->peer_intact(in(p)); }
+  bool all_finite(const PeerBuffer& g, uint64_t off, uint64_t n, kernels::GradDtype d) override {
+    return host_->all_finite(in(g), off, n, d);
+  }
+  Status apply(const kernels::OptimizerConfig& c, uint32_t t, uint64_t step, const PeerBuffer& g, uint64_t off,
+               kernels::GradDtype d) override {
+    dirty_ = true;
+    return host_->apply(c, t, step, in(g), off, d);
+  }
+  Status copy_out(uint64_t e, uint64_t n, PeerBuffer& dst, uint64_t off) override {
+    dirty_ = true;
+    return host_->copy_out(e, n, in(dst), off);
+  }
+  std::vector<float> read_weights() const override { return host_->read_weights(); }
+  std::vector<float> read_state() const override { return host_->read_state(); }
+  Status load(std::span<const float> w, std::span<const float> s) override { return host_->load(w, s); }
+
+ private:
+  std::unique_ptr<Backend> host_;
+  Gate* gate_;
+  bool dirty_ = false;
+};
+
+// An in-process server on the gated backend, run() on a thread.
+struct GatedServer {
+  explicit GatedServer(const std::string& tag) {
+    config.name = test::unique_name(tag);
+    config.tensors = {{"w", {4}}};
+    config.optimizer.lr = 1.0f;
+    config.max_staleness = 1u << 20;
+    config.backend = BackendKind::kHost;
+    set_backend_factory_for_tests([this] { return std::make_unique<GatedBackend>(&gate); });
+    auto s = Server::create(config);
+    set_backend_factory_for_tests(nullptr);
+    BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
+    server = std::move(s).value();
+    thread = std::thread([this] {
+      const Status st = server->run();
+      run_code = static_cast<uint32_t>(st.code());
+      run_message = st.message();
+      run_done = true;
+    });
+  }
+  ~GatedServer() {
+    gate.release_all();
+    server->request_stop();
+    thread.join();
+  }
+  Gate gate;
+  ServerConfig config;
+  std::unique_ptr<Server> server;
+  std::thread thread;
+  std::atomic<uint32_t> run_code{UINT32_MAX};
+  std::string run_message;  // read after run_done
+  std::atomic<bool> run_done{false};
+};
+
+std::unique_ptr<Worker> connect(const std::string& name) {
+  WorkerOptions o;
+  o.name = name;
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  return std::move(w).value();
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(deferred)
+
+BOOST_AUTO_TEST_CASE(push_completes_after_its_fence_while_other_workers_are_served) {
+  GatedServer s("defer");
+  auto a = connect(s.config.name);
+  auto b = connect(s.config.name);
+  auto grad = a->register_buffer(16);
+  BOOST_REQUIRE(grad.ok());
+  std::fill_n(static_cast<float*>(grad->data), 4, -1.0f);
+  auto ticket = a->push_async(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0);
+  BOOST_REQUIRE(ticket.ok());
+  BOOST_REQUIRE(test::eventually([&] { return s.gate.issued.load() >= 1; }));
+  // The fence is open: B is served, A's push waits.
+  for (int i = 0; i < 20; ++i) BOOST_TEST(b->ping().ok());
+  auto stats = b->stats();
+  BOOST_REQUIRE(stats.ok());
+  BOOST_TEST(stats->gradients_applied == 1u);  // enqueued (applied) but not completed
+  std::atomic<bool> done{false};
+  Result<uint64_t> version = Status{};
+  std::thread waiter([&] {
+    version = a->wait(*ticket);
+    done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  BOOST_TEST(!done.load());
+  s.gate.release_all();
+  waiter.join();
+  BOOST_REQUIRE_MESSAGE(version.ok(), version.status().to_string());
+  BOOST_TEST(*version == 1u);
+}
+
+BOOST_AUTO_TEST_CASE(completions_of_one_worker_keep_request_order) {
+  GatedServer s("order");
+  test::RawClient raw(s.config.name);
+  const std::string object = shm::segment_object_name(s.config.name) + ".p" + std::to_string(::getpid()) + ".order";
+  auto obj = shm::ShmObject::create(object, 16, 0600);
+  BOOST_REQUIRE(obj.ok());
+  std::fill_n(static_cast<float*>((*obj)->data()), 4, 1.0f);
+  shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
+  std::memset(&d, 0, sizeof d);
+  d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+  d.length = 16;
+  std::memcpy(d.handle, object.c_str(), object.size() + 1);
+  uint64_t id = 1;
+  auto send = [&](shm::Request r) {
+    r.request_id = id++;
+    BOOST_REQUIRE(raw.send(r));
+  };
+  send(raw.request(shm::Opcode::kRegisterBuffer));
+  BOOST_TEST(raw.receive().code == 0u);
+  shm::Request push = raw.request(shm::Opcode::kPush);
+  push.tensor_id = shm::kAllTensors;
+  push.byte_length = 16;
+  push.dtype = 1;
+  send(push);                                           // 2: deferred
+  send(raw.request(shm::Opcode::kPing));                // 3: synchronous, must wait behind 2
+  send(raw.request(shm::Opcode::kUnregisterBuffer));    // 4: the mapping must outlive push 2's work
+  shm::Request pull = raw.request(shm::Opcode::kPull);  // 5: buffer gone: rejected, still in order
+  pull.tensor_id = shm::kAllTensors;
+  pull.byte_length = 16;
+  send(pull);
+  const auto& stats = raw.segment().stats();
+  // All four handled (relaxed reads of the server's counters: polled).
+  BOOST_REQUIRE(test::eventually([&] { return stats.requests.load(std::memory_order_relaxed) >= 5; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  shm::Completion c{};
+  BOOST_TEST(raw.segment().completions(raw.id()).tail.load() == 1u);  // only the register's answer
+  BOOST_TEST(s.gate.live_peers.load() == 1);  // unregistered, but push 2 still holds it
+  BOOST_TEST(stats.mappings_closed.load(std::memory_order_relaxed) == 0u);
+  s.gate.release_all();
+  for (uint64_t want = 2; want <= 5; ++want) {
+    c = raw.receive();
+    BOOST_TEST(c.request_id == want);
+  }
+  BOOST_TEST(s.gate.live_peers.load() == 0);
+  BOOST_TEST(stats.mappings_closed.load(std::memory_order_relaxed) == 1u);
+  raw.release_entry();
+  shm::ShmObject::remove(object);
+}
+
+BOOST_AUTO_TEST_CASE(a_dead_workers_mapping_is_closed_after_its_work) {
+  GatedServer s("death");
+  test::RawClient raw(s.config.name);
+  const std::string object = shm::segment_object_name(s.config.name) + ".p" + std::to_string(::getpid()) + ".death";
+  auto obj = shm::ShmObject::create(object, 16, 0600);
+  BOOST_REQUIRE(obj.ok());
+  shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
+  std::memset(&d, 0, sizeof d);
+  d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+  d.length = 16;
+  std::memcpy(d.handle, object.c_str(), object.size() + 1);
+  shm::Request reg = raw.request(shm::Opcode::kRegisterBuffer);
+  reg.request_id = 1;
+  BOOST_REQUIRE(raw.send(reg));
+  BOOST_TEST(raw.receive().code == 0u);
+  shm::Request push = raw.request(shm::Opcode::kPush);
+  push.request_id = 2;
+  push.tensor_id = shm::kAllTensors;
+  push.byte_length = 16;
+  push.dtype = 1;
+  BOOST_REQUIRE(raw.send(push));
+  BOOST_REQUIRE(test::eventually([&] { return s.gate.issued.load() >= 1; }));
+  // The session ends (the entry is freed without a detach, as by a worker
+  // that died): the mapping stays until the push's work is done.
+  raw.release_entry();
+  auto other = connect(s.config.name);  // the server keeps serving
+  BOOST_TEST(other->ping().ok());
+  BOOST_TEST(s.gate.live_peers.load() == 1);
+  s.gate.release_all();
+  BOOST_TEST(test::eventually([&] { return s.gate.live_peers.load() == 0; }));
+  BOOST_TEST(other->ping().ok());
+  shm::ShmObject::remove(object);
+}
+
+BOOST_AUTO_TEST_CASE(a_lost_device_fails_the_push_and_stops_the_server_with_the_error) {
+  GatedServer s("lost");
+  auto a = connect(s.config.name);
+  auto grad = a->register_buffer(16);
+  BOOST_REQUIRE(grad.ok());
+  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+  auto ticket = a->push_async(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0);
+  BOOST_REQUIRE(ticket.ok());
+  BOOST_REQUIRE(test::eventually([&] { return s.gate.issued.load() >= 1; }));
+  s.gate.lost = true;  // its fence will never be done: the context is gone
+  auto version = a->wait(*ticket);
+  BOOST_REQUIRE(!version.ok());
+  BOOST_TEST(version.status().code() == ErrorCode::kCuda, version.status().to_string());
+  // run() ends by itself with the error (shmps-server exits non-zero).
+  BOOST_REQUIRE(test::eventually([&] { return s.run_done.load(); }));
+  BOOST_TEST(s.run_code.load() == static_cast<uint32_t>(ErrorCode::kCuda));
+  BOOST_TEST(s.run_message.find("half-written") != std::string::npos, s.run_message);
+  BOOST_TEST(!a->ping().ok());  // nothing more is served
+}
+
+BOOST_AUTO_TEST_SUITE_END()
