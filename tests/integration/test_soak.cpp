@@ -1,8 +1,10 @@
 // Soak (label `soak`, excluded from the default test preset; run with
 // `ctest --preset default -L soak` or SHMPS_SOAK_SECONDS=N for another
 // length, default 300): 8 worker processes push while a chaos loop SIGKILLs
-// a random worker every second (and starts a new one) and, twice, the
-// server (restarted from its checkpoints). Reports acknowledged vs applied
+// a random worker every second (and starts a new one), every fourth second
+// SIGSTOPs one for 1.5 s instead (the server evicts it after 1 s; it
+// re-attaches when resumed) and, twice, kills the server (restarted from its
+// checkpoints). Reports acknowledged vs applied
 // updates, the longest stall and the p99 push latency seen by workers, and
 // the server's memory and mappings at start and end; fails on a worker
 // error, a stall over 2 s outside server restarts, or growth.
@@ -37,6 +39,7 @@ struct Slot {
   std::atomic<uint64_t> errors;
   std::atomic<uint64_t> max_latency_ns;
   std::atomic<uint64_t> p99_latency_ns;  // of the worker's last 4096 pushes
+  std::atomic<uint64_t> paused;          // chaos stops this worker: its own stall is expected
 };
 struct Shared {
   std::atomic<uint64_t> stop;
@@ -69,6 +72,7 @@ int worker_body(const std::string& name, Shared* shared, Slot& slot) {
   std::vector<uint64_t> window;
   window.reserve(4096);
   while (shared->stop.load() == 0) {
+    if (slot.paused.load() != 0) window.clear();  // its p99 is of running time only
     const uint64_t t0 = shm::monotonic_ns();
     auto v = (*w)->push(0, buf->id, 0, 4096 * 4, Dtype::kF32, 0);
     const uint64_t dt = shm::monotonic_ns() - t0;
@@ -81,7 +85,7 @@ int worker_body(const std::string& name, Shared* shared, Slot& slot) {
       slot.errors.fetch_add(1);
       continue;
     }
-    if (shared->server_restarting.load() == 0) {
+    if (shared->server_restarting.load() == 0 && slot.paused.load() == 0) {
       uint64_t seen = slot.max_latency_ns.load();
       while (dt > seen && !slot.max_latency_ns.compare_exchange_weak(seen, dt)) {}
     }
@@ -107,7 +111,7 @@ BOOST_AUTO_TEST_CASE(workers_and_server_killed_at_random_while_training) {
   const fs::path dir = fs::temp_directory_path() / name;
   const std::vector<std::string> args = {"--tensor", "w:4096", "--lr", "0.001", "--max-staleness", "4000000000",
                                          "--max-workers", "16", "--checkpoint-dir", dir.string(),
-                                         "--checkpoint-every", "5000"};
+                                         "--checkpoint-every", "5000", "--stopped-worker-timeout-ms", "1000"};
   auto* shared = new (::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0)) Shared{};
   auto server = std::make_unique<test::ServerProcess>(name, args);
   std::vector<test::Process> workers;
@@ -117,7 +121,10 @@ BOOST_AUTO_TEST_CASE(workers_and_server_killed_at_random_while_training) {
   const auto mem_start = memory_of(server->process().pid());
   std::mt19937 rng(12345);
   const auto t0 = std::chrono::steady_clock::now();
-  int killed_workers = 0, server_kills = 0, replacements = kWorkers;
+  int killed_workers = 0, stopped_workers = 0, server_kills = 0, replacements = kWorkers;
+  std::vector<int> slot_of(kWorkers);
+  for (int i = 0; i < kWorkers; ++i) slot_of[i] = i;
+  int iteration = 0;
   while (std::chrono::steady_clock::now() - t0 < duration) {
     std::this_thread::sleep_for(1s);
     const auto elapsed = std::chrono::steady_clock::now() - t0;
@@ -132,9 +139,21 @@ BOOST_AUTO_TEST_CASE(workers_and_server_killed_at_random_while_training) {
       continue;
     }
     const int victim = static_cast<int>(rng() % kWorkers);
+    if (++iteration % 4 == 0) {
+      Slot& s = shared->slots[slot_of[victim]];
+      s.paused.store(1);
+      workers[victim].pause();
+      std::this_thread::sleep_for(1500ms);
+      workers[victim].resume();
+      std::this_thread::sleep_for(300ms);  // its push in flight fails (evicted) and it re-attaches
+      s.paused.store(0);
+      ++stopped_workers;
+      continue;
+    }
     workers[victim].kill_and_reap();
     ++killed_workers;
     const int slot = replacements++ % 64;
+    slot_of[victim] = slot;
     workers[victim] = test::Process::fork_fn([&, slot] { return worker_body(name, shared, shared->slots[slot]); });
   }
   const auto mem_end = memory_of(server->process().pid());
@@ -155,7 +174,8 @@ BOOST_AUTO_TEST_CASE(workers_and_server_killed_at_random_while_training) {
   auto st = (*w)->stats();
   BOOST_REQUIRE(st.ok());
   BOOST_TEST_MESSAGE("soak " << duration.count() << " s: " << killed_workers << " workers and " << server_kills
-                             << " servers killed; acknowledged " << acked << ", lost in flight " << lost
+                             << " servers killed, " << stopped_workers << " workers stopped 1.5 s (the last server evicted "
+                             << st->workers_evicted << "); acknowledged " << acked << ", lost in flight " << lost
                              << ", server version " << st->version << " (updates after the last checkpoint die "
                              << "with a killed server); longest stall " << max_latency / 1000000 << " ms, worst "
                              << "per-worker p99 push " << p99 / 1000 << " us; server RSS " << mem_start.first
