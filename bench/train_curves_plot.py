@@ -11,6 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+COLOURS = {"1": "tab:blue", "2": "tab:orange", "4": "tab:green"}
+
+
 def main():
     plot_list, target, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
     with open(plot_list, newline="") as f:
@@ -21,9 +24,12 @@ def main():
             rows = list(csv.DictReader(f))
         t = [float(r["elapsed_s"]) for r in rows]
         acc = [float(r["test_acc"]) for r in rows]
-        style = "--" if "max_staleness 0" in s["label"] else "-"
-        width = 2.2 if s["label"].startswith("in-process") else 1.2
-        ax.plot(t, acc, linestyle=style, linewidth=width, label=s["label"])
+        # Colour: the worker count (black: in-process); dashed: max_staleness 0.
+        label = s["label"]
+        colour = "black" if label.startswith("in-process") else COLOURS.get(label.split()[0], None)
+        style = "--" if "max_staleness 0" in label else "-"
+        width = 2.0 if label.startswith("in-process") else 1.2
+        ax.plot(t, acc, color=colour, linestyle=style, linewidth=width, label=label)
     ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
     lo = max(0.0, target - 0.12)
     ax.set_ylim(lo, min(1.0, target + 0.05))
