@@ -730,7 +730,10 @@ int Trainer::start_server() {
               << " (build shmps-server or pass --server-bin)\n";
     return kExitFailure;
   }
-  std::vector<std::string> argv{bin, "--name", o_.name};
+  // The workers compute on the CPU into host shm buffers: the host backend
+  // serves them in place ("auto" would pick a GPU where one is present and
+  // copy every gradient to it and back).
+  std::vector<std::string> argv{bin, "--name", o_.name, "--backend", "host"};
   for (const ParamTensor& t : mlp_tensors(shape_)) {
     argv.push_back("--tensor");
     argv.push_back(tensor_arg(t));
