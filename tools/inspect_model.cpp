@@ -283,6 +283,15 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
   for (const auto& word : h.doorbell)
     hv.doorbell.push_back(word.load(std::memory_order_relaxed));  // relaxed: a display value only
 
+  if (h.weights_export.flags & shm::kWeightsExportPresent) {
+    const shm::WeightsExportBlock& w = h.weights_export;
+    const uint8_t* u = w.device_uuid;
+    char uuid[48];
+    std::snprintf(uuid, sizeof uuid, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
+                  u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+    snap.weights_export = WeightsExportView{uuid, w.allocation_bytes, w.weights_bytes};
+  }
+
   const shm::ConfigBlock cfg = h.config;
   ConfigView& cv = snap.config;
   cv.optimizer_kind = cfg.optimizer_kind;
@@ -470,6 +479,12 @@ json to_json(const Snapshot& s) {
                      {"backend", backend_name(c.backend)},
                      {"flags", config_flags_text(c.flags)},
                      {"flags_value", c.flags}};
+  if (s.weights_export)
+    j["weights_export"] = json{{"device_uuid", s.weights_export->device_uuid},
+                               {"allocation_bytes", s.weights_export->allocation_bytes},
+                               {"weights_bytes", s.weights_export->weights_bytes}};
+  else
+    j["weights_export"] = nullptr;
   json tensors = json::array();
   for (const TensorView& t : s.tensors)
     tensors.push_back(json{{"id", t.id},
@@ -615,6 +630,9 @@ std::string render_text(const Snapshot& s) {
   o << "  max_staleness   " << c.max_staleness << "\n";
   o << "  backend         " << backend_name(c.backend) << "\n";
   o << "  flags           " << config_flags_text(c.flags) << "\n";
+  if (s.weights_export)
+    o << "  weights export  CUDA IPC, device " << s.weights_export->device_uuid << ", allocation "
+      << s.weights_export->allocation_bytes << " bytes (weights " << s.weights_export->weights_bytes << ")\n";
 
   o << "== tensors (" << s.tensors.size() << ") ==\n";
   size_t name_width = 4;

@@ -47,6 +47,14 @@ struct ConfigView {
   uint64_t max_staleness = 0;
 };
 
+// The weights' CUDA IPC export (SegmentHeader::weights_export), when the
+// server runs the CUDA backend. The handle itself is not shown.
+struct WeightsExportView {
+  std::string device_uuid;        // "GPU-xxxxxxxx-...", as nvidia-smi -L prints it
+  uint64_t allocation_bytes = 0;
+  uint64_t weights_bytes = 0;
+};
+
 struct TensorView {
   uint32_t id = 0;
   std::string name;             // printable (see printable_name)
@@ -120,6 +128,7 @@ struct Snapshot {
   uint64_t taken_ns = 0;             // CLOCK_MONOTONIC when it was taken
   HeaderView header;
   ConfigView config;
+  std::optional<WeightsExportView> weights_export;  // absent with the host backend
   std::vector<TensorView> tensors;
   std::vector<WorkerView> workers;   // entries that are not free
   std::vector<LaneView> lanes;       // request lanes that are not empty (or corrupt)

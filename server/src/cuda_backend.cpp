@@ -27,11 +27,6 @@
 namespace shmps::server {
 namespace {
 
-// BufferDesc::flags bit: the buffer belongs to a worker in the server's own
-// process; handle and event_handle hold the pointer and the cudaEvent_t.
-// (To move into shm/layout.hpp with the next layout version.)
-constexpr uint32_t kBufferInProcess = 1u << 0;
-
 constexpr uint64_t kAllocationGranule = 2ull << 20;  // every allocation rounded up to 2 MiB
 
 uint64_t round_up(uint64_t bytes) {
@@ -264,7 +259,7 @@ class CudaBackend final : public Backend {
     auto peer = std::make_unique<CudaPeer>();
     peer->device_ = device_;
     peer->length_ = desc.length;
-    const bool in_process = (desc.flags & kBufferInProcess) != 0;
+    const bool in_process = (desc.flags & shm::kBufferInProcess) != 0;
     if (in_process) {
       // The worker lives in our process: pointer and event, no IPC (a
       // process cannot open its own IPC handles). Only believed when the

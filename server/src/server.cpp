@@ -1306,6 +1306,17 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
     shm::Segment::remove(config.name);
     return s;
   }
+  // The weights' IPC export (CUDA backend), for workers that map them
+  // themselves; published with the segment below.
+  if (const WeightsExport ex = impl->backend->weights_export(); ex.present) {
+    shm::WeightsExportBlock& w = seg.header().weights_export;
+    w.flags = shm::kWeightsExportPresent;
+    w.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
+    w.allocation_bytes = ex.allocation_bytes;
+    w.weights_bytes = impl->total_elements * sizeof(float);
+    std::memcpy(w.device_uuid, ex.device_uuid, sizeof w.device_uuid);
+    std::memcpy(w.ipc_handle, ex.ipc_handle, sizeof w.ipc_handle);
+  }
   if (!config.checkpoint_dir.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(config.checkpoint_dir, ec);

@@ -11,7 +11,9 @@ using namespace shmps::shm;
 BOOST_AUTO_TEST_SUITE(layout)
 
 BOOST_AUTO_TEST_CASE(version_and_magic_are_pinned) {
-  BOOST_TEST(kLayoutVersion == 3u);
+  BOOST_TEST(kLayoutVersion == 4u);
+  BOOST_TEST(kBufferInProcess == 1u);
+  BOOST_TEST(kWeightsExportPresent == 1u);
   BOOST_TEST(kMagic == 0x31474553504d4853ull);
   BOOST_TEST(kMaxWorkersLimit == 256u);
   BOOST_TEST(kMaxBuffersLimit == 64u);
@@ -29,6 +31,7 @@ BOOST_AUTO_TEST_CASE(struct_sizes_are_pinned) {
   BOOST_TEST(sizeof(Request) == 64u);
   BOOST_TEST(sizeof(Completion) == 128u);
   BOOST_TEST(sizeof(StatsBlock) == 1024u);
+  BOOST_TEST(sizeof(WeightsExportBlock) == 128u);
   BOOST_TEST(sizeof(WaitWord) == 8u);
 }
 
@@ -46,6 +49,13 @@ BOOST_AUTO_TEST_CASE(field_offsets_are_pinned) {
   BOOST_TEST(offsetof(SegmentHeader, config) == 192u);
   BOOST_TEST(offsetof(SegmentHeader, doorbell) == 384u);
   BOOST_TEST(offsetof(SegmentHeader, server_wake) == 416u);
+  BOOST_TEST(offsetof(SegmentHeader, weights_export) == 448u);
+  BOOST_TEST(offsetof(SegmentHeader, reserved5) == 576u);
+  BOOST_TEST(offsetof(WeightsExportBlock, dtype) == 4u);
+  BOOST_TEST(offsetof(WeightsExportBlock, allocation_bytes) == 8u);
+  BOOST_TEST(offsetof(WeightsExportBlock, weights_bytes) == 16u);
+  BOOST_TEST(offsetof(WeightsExportBlock, device_uuid) == 24u);
+  BOOST_TEST(offsetof(WeightsExportBlock, ipc_handle) == 40u);
   BOOST_TEST(offsetof(ConfigBlock, lr) == 8u);
   BOOST_TEST(offsetof(ConfigBlock, max_staleness) == 40u);
   BOOST_TEST(offsetof(TensorDesc, element_offset) == 104u);

@@ -10,7 +10,8 @@
 //                           |   magic, layout_version (published last),    |
 //                           |   section offsets/sizes, server pid +        |
 //                           |   start time, generation, state, heartbeat,  |
-//                           |   ConfigBlock, doorbell bitmap, server wake  |
+//                           |   ConfigBlock, doorbell bitmap, server wake, |
+//                           |   WeightsExportBlock (CUDA backend)          |
 //   tensor_table_offset     +----------------------------------------------+
 //                           | TensorDesc[tensor_count]          128 B each |
 //   worker_table_offset     +----------------------------------------------+
@@ -44,7 +45,8 @@
 namespace shmps::shm {
 
 inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-endian
-inline constexpr uint32_t kLayoutVersion = 3;  // 3: StatsBlock::workers_evicted
+// 3: StatsBlock::workers_evicted. 4: SegmentHeader::weights_export, kBufferInProcess.
+inline constexpr uint32_t kLayoutVersion = 4;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;   // 4 doorbell words
@@ -120,6 +122,35 @@ inline constexpr uint32_t kConfigAmsgrad = 1u << 1;
 inline constexpr uint32_t kConfigAllowNonFinite = 1u << 2;
 static_assert(sizeof(ConfigBlock) == 128);
 
+// The weights' CUDA IPC export (CUDA backend): what a worker needs to map
+// the server's weights itself with cudaIpcOpenMemHandle and read them on
+// its own device, without a pull. Written by the server before it
+// publishes layout_version and never changed afterwards (a new server
+// start is a new generation with its own export); all zero with the host
+// backend (flags without kWeightsExportPresent). The weights are fp32, all
+// tensors in table order (TensorDesc::element_offset), from byte 0 of the
+// allocation; total_elements * 4 bytes of it are meaningful.
+// A mapping is READ-ONLY BY CONTRACT: CUDA IPC cannot map memory read-only,
+// and the server's kernels write the weights while a reader reads them, so
+// a reader sees a torn mix of versions unless it pulls (pull is the
+// consistent path).
+struct WeightsExportBlock {
+  uint32_t flags;             // kWeightsExport*
+  uint32_t dtype;             // Dtype of the weights (kF32)
+  uint64_t allocation_bytes;  // size of the exported allocation (cudaMalloc, rounded up to 2 MiB)
+  uint64_t weights_bytes;     // total_elements * 4: the part holding the weights
+  uint8_t device_uuid[16];    // cudaDeviceProp::uuid of the device holding them
+  uint8_t ipc_handle[64];     // cudaIpcMemHandle_t of the allocation
+  uint64_t reserved[3];
+};
+inline constexpr uint32_t kWeightsExportPresent = 1u << 0;
+static_assert(std::is_trivially_copyable_v<WeightsExportBlock> && std::is_standard_layout_v<WeightsExportBlock>);
+static_assert(sizeof(WeightsExportBlock) == 128);
+static_assert(offsetof(WeightsExportBlock, allocation_bytes) == 8);
+static_assert(offsetof(WeightsExportBlock, weights_bytes) == 16);
+static_assert(offsetof(WeightsExportBlock, device_uuid) == 24);
+static_assert(offsetof(WeightsExportBlock, ipc_handle) == 40);
+
 struct alignas(kCacheLine) SegmentHeader {
   // --- line 0: identity, written by the server before publication ---
   uint64_t magic;                        // kMagic
@@ -156,7 +187,9 @@ struct alignas(kCacheLine) SegmentHeader {
   std::atomic<uint64_t> doorbell[kMaxWorkersLimit / 64];  // bit i: lane i was published. SYNC(doorbell)
   WaitWord server_wake;                  // the server sleeps here when idle
   uint64_t reserved4[3];
-  uint8_t reserved5[4096 - 448];
+  // --- lines 7-8: the weights' CUDA IPC export, server writes before publication ---
+  WeightsExportBlock weights_export;
+  uint8_t reserved5[4096 - 576];
 };
 static_assert(std::is_standard_layout_v<SegmentHeader>);
 static_assert(sizeof(SegmentHeader) == 4096);
@@ -177,6 +210,8 @@ static_assert(offsetof(SegmentHeader, total_elements) == 144);
 static_assert(offsetof(SegmentHeader, config) == 192);
 static_assert(offsetof(SegmentHeader, doorbell) == 384);
 static_assert(offsetof(SegmentHeader, server_wake) == 416);
+static_assert(offsetof(SegmentHeader, weights_export) == 448);
+static_assert(offsetof(SegmentHeader, reserved5) == 576);
 
 struct TensorDesc {
   char name[kNameBytes];     // NUL-terminated within the array
@@ -196,12 +231,20 @@ static_assert(offsetof(TensorDesc, element_count) == 112);
 
 enum class BufferKind : uint32_t { kEmpty = 0, kHostShm = 1, kCudaIpc = 2 };
 
+// BufferDesc::flags (kCudaIpc only; 0 otherwise). kBufferInProcess: the
+// worker runs in the server's own process (tests, embedding), which cannot
+// open its own IPC handles; `handle` then holds the allocation's base
+// pointer and `event_handle` the cudaEvent_t, each as a little-endian
+// uint64 in the first 8 bytes. The server believes it only when the
+// worker's pid is its own.
+inline constexpr uint32_t kBufferInProcess = 1u << 0;
+
 // A buffer a worker offers the server, written by the worker into its own
 // WorkerEntry before it sends kRegisterBuffer; read (and validated) by the
 // server once, at registration.
 struct BufferDesc {
   uint32_t kind;             // BufferKind
-  uint32_t flags;
+  uint32_t flags;            // kBuffer*
   uint64_t length;           // bytes usable by requests
   uint64_t offset;           // bytes from the start of the object/allocation
   uint8_t handle[64];        // kHostShm: NUL-terminated shm name; kCudaIpc: cudaIpcMemHandle_t
