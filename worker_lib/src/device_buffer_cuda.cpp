@@ -52,6 +52,15 @@ GetAddressRangeFn address_range_fn(std::string* why) {
 
 Result<DeviceBuffer> describe_device_buffer(const void* ptr, size_t bytes, bool in_process) {
   if (ptr == nullptr || bytes == 0) return Status{ErrorCode::kInvalidArgument, "device buffer: null pointer or 0 bytes"};
+  // No device (or no driver) first, with that name: every later call would
+  // fail with a less telling error.
+  int count = 0;
+  if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    return failed(std::string("device buffer: no CUDA device in this process (") +
+                  (e == cudaSuccess ? "0 devices" : cudaGetErrorName(e)) +
+                  "): check nvidia-smi, access to /dev/nvidia* and CUDA_VISIBLE_DEVICES");
+  }
   cudaPointerAttributes attr{};
   if (std::string e = SHMPS_CUDA_ERROR(cudaPointerGetAttributes(&attr, ptr)); !e.empty()) return failed("device buffer: " + e);
   if (attr.type == cudaMemoryTypeManaged)

@@ -10,6 +10,7 @@
 #include <deque>
 #include <thread>
 
+#include "device_buffer.hpp"
 #include "shmps/shm/futex.hpp"
 #include "shmps/shm/proc.hpp"
 #include "shmps/shm/ring.hpp"
@@ -94,8 +95,15 @@ class Worker::Impl {
   uint64_t lost_from = 0;             // requests in (lost_from, lost_upto] died
   uint64_t lost_upto = 0;             // with a server, unacknowledged
   struct Registered {
-    std::unique_ptr<shm::ShmObject> object;
+    std::unique_ptr<shm::ShmObject> object;  // a host buffer's; null for a device buffer
     bool in_use = false;
+    // A device buffer (register_device_buffer): the caller's memory, its
+    // IPC description and event (ours; destroyed when the buffer goes).
+    bool device = false;
+    const void* device_ptr = nullptr;
+    size_t device_bytes = 0;
+    bool in_process = false;  // described for a server in our own process
+    detail::DeviceBuffer desc;
   };
   std::vector<Registered> buffers;
 
@@ -298,12 +306,62 @@ class Worker::Impl {
     }
   }
 
-  // Unmaps and unlinks every buffer.
+  // Unmaps and unlinks every buffer (device buffers: destroys their event;
+  // the memory is the caller's).
   void drop_buffers() {
     for (auto& b : buffers) {
-      if (b.in_use) shm::ShmObject::remove(b.object->name());
+      if (b.in_use && b.object) shm::ShmObject::remove(b.object->name());
+      if (b.device) detail::release_device_buffer(b.desc);
       b = Registered{};
     }
+  }
+
+  // Whether the attached server runs in this very process (it then takes
+  // device buffers by pointer: a process cannot open its own IPC handles).
+  bool server_in_process() const { return server_pid == ::getpid(); }
+
+  // Writes device buffer b's descriptor into our entry and registers it;
+  // describes it again first when the server's side changed (a server
+  // restarted in or out of this process needs pointers or IPC handles).
+  Status send_register_device(uint32_t b) {
+    Registered& r = buffers[b];
+    if (r.in_process != server_in_process()) {
+      auto again = detail::describe_device_buffer(r.device_ptr, r.device_bytes, server_in_process());
+      if (!again.ok()) return again.status();
+      detail::release_device_buffer(r.desc);
+      r.desc = *again;
+      r.in_process = server_in_process();
+    }
+    shm::BufferDesc& desc = segment->buffer(id, b);
+    std::memset(&desc, 0, sizeof desc);
+    desc.kind = static_cast<uint32_t>(shm::BufferKind::kCudaIpc);
+    desc.length = r.device_bytes;
+    desc.offset = r.desc.offset;
+    std::memcpy(desc.device_uuid, r.desc.device_uuid, sizeof desc.device_uuid);
+    if (r.in_process) {
+      // layout.hpp, kBufferInProcess: base pointer and event as uint64.
+      desc.flags = shm::kBufferInProcess;
+      const auto base = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(r.desc.base));
+      const auto event = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(r.desc.event));
+      std::memcpy(desc.handle, &base, sizeof base);
+      std::memcpy(desc.event_handle, &event, sizeof event);
+    } else {
+      std::memcpy(desc.handle, r.desc.mem_handle, sizeof desc.handle);
+      std::memcpy(desc.event_handle, r.desc.event_handle, sizeof desc.event_handle);
+    }
+    Request req{};
+    req.opcode = static_cast<uint32_t>(Opcode::kRegisterBuffer);
+    req.buffer_id = b;
+    auto c = call_once(req);  // the lane's release store publishes desc
+    return c.ok() ? Status::Ok() : c.status();
+  }
+
+  // Before a push or pull of buffer b: a device buffer's event is recorded
+  // on the caller's stream (the server's work waits for it). Unknown ids
+  // are left to the server to reject.
+  Status record_event(uint32_t b, void* stream) {
+    if (b >= buffers.size() || !buffers[b].in_use || !buffers[b].device) return Status::Ok();
+    return detail::record_device_event(buffers[b].desc, stream);
   }
 
   // Claims an entry of `seg`, attaches, and (first time) reads the tensor
@@ -405,7 +463,8 @@ class Worker::Impl {
         Status s = attach_to(std::move(seg).value());
         if (s.ok()) {
           for (uint32_t b = 0; b < buffers.size() && s.ok(); ++b)
-            if (buffers[b].in_use) s = send_register(b, buffers[b].object->name(), buffers[b].object->size());
+            if (buffers[b].in_use)
+              s = buffers[b].device ? send_register_device(b) : send_register(b, buffers[b].object->name(), buffers[b].object->size());
           if (s.ok()) {
             evicted_reattach = false;
             return Status::Ok();
@@ -529,6 +588,31 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
   return b;
 }
 
+Result<uint32_t> Worker::register_device_buffer(const void* device_ptr, size_t bytes) {
+  Impl& w = *impl_;
+  if (Status s = w.usable(); !s.ok()) return s;
+  if (device_ptr == nullptr || bytes == 0) return Status{ErrorCode::kInvalidArgument, "device buffer: null pointer or 0 bytes"};
+  uint32_t id = 0;
+  while (id < w.buffers.size() && w.buffers[id].in_use) ++id;
+  if (id == w.buffers.size()) return Status{ErrorCode::kNoCapacity, "all " + std::to_string(w.buffers.size()) + " buffer slots are in use"};
+  const bool in_process = w.server_in_process();
+  auto desc = detail::describe_device_buffer(device_ptr, bytes, in_process);
+  if (!desc.ok()) return desc.status();
+  Impl::Registered& r = w.buffers[id];
+  r.device = true;
+  r.device_ptr = device_ptr;
+  r.device_bytes = bytes;
+  r.in_process = in_process;
+  r.desc = *desc;
+  if (Status st = w.send_register_device(id); !st.ok()) {
+    detail::release_device_buffer(r.desc);
+    r = Impl::Registered{};
+    return st;
+  }
+  r.in_use = true;
+  return id;
+}
+
 Status Worker::unregister_buffer(uint32_t buffer_id) {
   Impl& w = *impl_;
   if (buffer_id >= w.buffers.size() || !w.buffers[buffer_id].in_use)
@@ -538,15 +622,20 @@ Status Worker::unregister_buffer(uint32_t buffer_id) {
   req.buffer_id = buffer_id;
   auto c = w.call(req);
   if (!c.ok()) return c.status();
-  shm::ShmObject::remove(w.buffers[buffer_id].object->name());
-  w.buffers[buffer_id] = Impl::Registered{};
+  Impl::Registered& r = w.buffers[buffer_id];
+  // The server answered after its last use of the buffer (its completions
+  // wait for the device work reading or writing it).
+  if (r.object) shm::ShmObject::remove(r.object->name());
+  if (r.device) detail::release_device_buffer(r.desc);
+  r = Impl::Registered{};
   return Status::Ok();
 }
 
 Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
-                                          uint64_t bytes, Dtype dtype, uint64_t worker_version) {
+                                          uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream) {
   if (Status s = impl_->ensure_server(std::chrono::steady_clock::now() + impl_->options.timeout); !s.ok()) return s;
   if (Status s = impl_->usable(); !s.ok()) return s;
+  if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPush);
   req.tensor_id = tensor_id;
@@ -566,14 +655,15 @@ Result<uint64_t> Worker::wait(Ticket ticket) {
 }
 
 Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes,
-                              Dtype dtype, uint64_t worker_version) {
-  auto ticket = push_async(tensor_id, buffer_id, byte_offset, bytes, dtype, worker_version);
+                              Dtype dtype, uint64_t worker_version, void* stream) {
+  auto ticket = push_async(tensor_id, buffer_id, byte_offset, bytes, dtype, worker_version, stream);
   if (!ticket.ok()) return ticket.status();
   return wait(*ticket);
 }
 
-Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset) {
+Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
   if (Status s = impl_->usable(); !s.ok()) return s;
+  if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPull);
   req.tensor_id = tensor_id;

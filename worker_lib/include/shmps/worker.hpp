@@ -10,6 +10,11 @@
 // after_publish, after_doorbell, after_completion (tests/integration/
 // test_faults.cpp). Unset, it costs a predictable branch per point.
 //
+// Device buffers (register_device_buffer): CUDA memory stays where it is;
+// the server maps its allocation once by CUDA IPC handle, and an event
+// recorded on the caller's stream orders the server's reads and writes
+// after the caller's work. No CUDA types appear here: streams are void*.
+//
 // Thread safety: one Worker is used by one thread at a time (it owns one
 // single-producer lane). Separate Worker objects, in one process or many,
 // are independent. Buffer memory may be written by any thread, but not while
@@ -119,6 +124,25 @@ class Worker {
   // Errors: kInvalidArgument, kNoCapacity (too many buffers, /dev/shm too
   // small), kIo, plus any error of a request (kTimeout, kServerRestarted...).
   Result<Buffer> register_buffer(size_t bytes);
+  // Registers [device_ptr, device_ptr + bytes) (bytes > 0): CUDA device
+  // memory the caller allocated with cudaMalloc, or a piece of such an
+  // allocation (a caching allocator's block), on a device the server can
+  // reach. Nothing is copied: the server opens the allocation's IPC handle
+  // once (a Worker in the server's own process passes the pointer
+  // instead) and its kernels read gradients from, and pulls write weights
+  // into, this memory in place. Returns the buffer id, from the same ids
+  // as register_buffer(); unregister_buffer() releases it. The Worker does
+  // not own the memory: it must stay allocated until unregister_buffer(),
+  // detach() or the Worker's destruction. With reconnect it is registered
+  // again after a server restart or an eviction, under the same id.
+  // Errors: kInvalidArgument (null or 0 bytes; host or managed memory: use
+  // register_buffer(); the range runs past its allocation), kCuda (no CUDA
+  // device in this process; memory legacy CUDA IPC cannot export:
+  // cudaMallocAsync pools, cuMemCreate/VMM, PyTorch's expandable segments;
+  // "built without CUDA" from a library built with SHMPS_CUDA off; the
+  // server could not open the handle or reach the device: the CUDA error is
+  // named), kNoCapacity (all buffer ids in use), request errors.
+  Result<uint32_t> register_device_buffer(const void* device_ptr, size_t bytes);
   // Errors: kUnknownBuffer and request errors.
   Status unregister_buffer(uint32_t buffer_id);
 
@@ -127,17 +151,27 @@ class Worker {
   // in table order as one flat range), computed against `worker_version`.
   // bytes must equal element_count * dtype_size(dtype). Returns the
   // version after the update.
+  // `stream` (a cudaStream_t; nullptr: the legacy default stream) matters
+  // only for a device buffer: the gradient is the one written by the work
+  // enqueued on `stream` before this call. An event is recorded on it, and
+  // the server's kernel waits for that event on the device (no host
+  // synchronisation). When the push completes (here, or in wait() for
+  // push_async) the server has finished reading the buffer; the caller may
+  // overwrite it. Ignored for host buffers.
   // Errors: kStale (message has both versions), kBadLength, kBadDtype,
   // kNonFinite, kUnknownBuffer, kUnknownTensor, kBadRange, kBusy (lane full
   // for the whole timeout), kTimeout, kServerNotRunning, kServerRestarted,
-  // kShuttingDown. On any error nothing was applied.
+  // kShuttingDown, kCuda (a device buffer's event could not be recorded;
+  // the server's device failed). On any error nothing was applied (a
+  // kCuda from the server's device: its weights may be half-written, and
+  // the server stops).
   Result<uint64_t> push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
-                        uint64_t bytes, Dtype dtype, uint64_t worker_version);
+                        uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream = nullptr);
 
   // As push(), but returns once the request is in the lane; wait() returns
   // its result. Up to `lane_capacity` requests may be in flight.
   Result<Ticket> push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
-                            uint64_t bytes, Dtype dtype, uint64_t worker_version);
+                            uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream = nullptr);
   // Waits for `ticket`'s completion (all earlier ones complete first).
   // Errors: those of push(); kInvalidArgument for a ticket never issued or
   // already waited for.
@@ -145,8 +179,13 @@ class Worker {
 
   // Copies a consistent snapshot of tensor `tensor_id` (or kAllTensors)
   // as fp32 into buffer `buffer_id` at `byte_offset`; returns its version.
-  // Errors: kUnknownBuffer, kUnknownTensor, kBadRange and request errors.
-  Result<uint64_t> pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset);
+  // For a device buffer, `stream` (as in push) is where the caller's last
+  // use of the buffer was enqueued (e.g. reads of the previous weights):
+  // the server's copy waits for it; when pull returns the weights are in
+  // the buffer, and work the caller enqueues afterwards sees them.
+  // Errors: kUnknownBuffer, kUnknownTensor, kBadRange, kCuda (recording
+  // the event failed) and request errors.
+  Result<uint64_t> pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);
 
   Result<ServerStats> stats();
   // An empty request: the ring's round trip. Errors: request errors.
