@@ -1,0 +1,363 @@
+// shmps-gpu-bench: the CUDA backend's numbers on one GPU (docs/cuda.md,
+// "GPU benchmark goals"). Prints one table:
+//   - apply throughput per optimizer (SGD 12 B/param, SGD+momentum 20,
+//     Adam 28) as a fraction of the device-to-device copy bandwidth
+//     measured in the same run (goal >= 80%);
+//   - cudaIpcOpenMemHandle + close cost per allocation size (2 MiB .. 8 GiB;
+//     the exporting process is a child forked before CUDA starts here);
+//   - push round trip of a 4 KB gradient from device memory with the event
+//     protocol, p50/p99, against a shmps-server --backend cuda;
+//   - pushes/s of 8 worker processes on one GPU (this program re-executed).
+// Medians over repeats. --quick: fewer sizes, repeats and seconds.
+// Without a device: prints "no CUDA device: skipped (...)" and exits 0.
+// NOT YET RUN ON A GPU.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shmps/kernels/optimizer.hpp"
+#include "shmps/kernels/optimizer_cuda.hpp"
+#include "shmps/worker.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void die(const std::string& what) {
+  std::fprintf(stderr, "shmps-gpu-bench: %s\n", what.c_str());
+  std::exit(1);
+}
+
+#define CK(expr)                                                                               \
+  do {                                                                                         \
+    const cudaError_t e_ = (expr);                                                             \
+    if (e_ != cudaSuccess) die(std::string(#expr) + ": " + cudaGetErrorName(e_) + " at " +     \
+                               __FILE__ + ":" + std::to_string(__LINE__));                     \
+  } while (0)
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+double percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
+}
+
+// Whether a device exists, asked in a child so this process has not
+// started CUDA yet (children forked later must be able to use it).
+bool probe_device(std::string* reason) {
+  int fds[2];
+  if (::pipe(fds) != 0) die("pipe");
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    int count = 0;
+    const cudaError_t e = cudaGetDeviceCount(&count);
+    const std::string why = e != cudaSuccess ? cudaGetErrorName(e) : count == 0 ? "0 devices" : "";
+    (void)!::write(fds[1], why.data(), why.size());
+    ::_exit(e == cudaSuccess && count > 0 ? 0 : 1);
+  }
+  ::close(fds[1]);
+  char buf[256] = {};
+  (void)!::read(fds[0], buf, sizeof buf - 1);
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  *reason = buf;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+// ---------------------------------------------------------------- IPC open cost
+// A child that allocates what the parent asks for and sends the IPC handle:
+// requests are sizes (uint64; 0 ends it), answers the 64 handle bytes, then
+// it waits for one byte before freeing.
+struct Exporter {
+  pid_t pid = -1;
+  int to_child = -1, from_child = -1;
+};
+Exporter start_exporter() {
+  int down[2], up[2];
+  if (::pipe(down) != 0 || ::pipe(up) != 0) die("pipe");
+  Exporter ex;
+  ex.pid = ::fork();
+  if (ex.pid == 0) {
+    ::close(down[1]);
+    ::close(up[0]);
+    uint64_t size = 0;
+    while (::read(down[0], &size, sizeof size) == sizeof size && size != 0) {
+      void* p = nullptr;
+      cudaIpcMemHandle_t h{};
+      if (cudaMalloc(&p, size) != cudaSuccess || cudaIpcGetMemHandle(&h, p) != cudaSuccess) std::memset(&h, 0, sizeof h);
+      (void)!::write(up[1], &h, sizeof h);
+      char ack = 0;
+      (void)!::read(down[0], &ack, 1);
+      if (p != nullptr) (void)cudaFree(p);
+    }
+    ::_exit(0);
+  }
+  ::close(down[0]);
+  ::close(up[1]);
+  ex.to_child = down[1];
+  ex.from_child = up[0];
+  return ex;
+}
+
+// Median microseconds of open + close of one allocation of `size` bytes.
+double ipc_open_us(Exporter& ex, uint64_t size, int repeats, double* open_only_us) {
+  if (::write(ex.to_child, &size, sizeof size) != sizeof size) die("exporter gone");
+  cudaIpcMemHandle_t h{};
+  if (::read(ex.from_child, &h, sizeof h) != sizeof h) die("exporter gone");
+  static const cudaIpcMemHandle_t zero{};
+  std::vector<double> total, open;
+  if (std::memcmp(&h, &zero, sizeof h) != 0) {
+    for (int r = 0; r < repeats; ++r) {
+      void* p = nullptr;
+      const auto t0 = Clock::now();
+      CK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+      const auto t1 = Clock::now();
+      CK(cudaIpcCloseMemHandle(p));
+      const auto t2 = Clock::now();
+      open.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      total.push_back(std::chrono::duration<double, std::micro>(t2 - t0).count());
+    }
+  }
+  const char ack = 1;
+  (void)!::write(ex.to_child, &ack, 1);
+  *open_only_us = open.empty() ? -1 : median(open);
+  return total.empty() ? -1 : median(total);
+}
+
+// ---------------------------------------------------------------- server
+struct Server {
+  pid_t pid = -1;
+  std::string name;
+};
+std::string self_dir() {
+  char buf[4096] = {};
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  std::string p(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  return p.substr(0, p.rfind('/') + 1);
+}
+Server start_server(const std::string& tag, uint64_t elements) {
+  Server s;
+  s.name = "gpubench_" + tag + "_" + std::to_string(::getpid());
+  const std::string bin = self_dir() + "shmps-server";
+  const std::string tensor = "w:" + std::to_string(elements);
+  s.pid = ::fork();
+  if (s.pid == 0) {
+    ::execl(bin.c_str(), bin.c_str(), "--name", s.name.c_str(), "--tensor", tensor.c_str(), "--backend", "cuda",
+            "--max-staleness", "1000000000", "--max-workers", "16", "--log-level", "warn", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  // Up when a worker can attach.
+  for (int i = 0; i < 3000; ++i) {
+    shmps::WorkerOptions o;
+    o.name = s.name;
+    o.timeout = std::chrono::milliseconds(1000);
+    if (shmps::Worker::connect(o).ok()) return s;
+    int status = 0;
+    if (::waitpid(s.pid, &status, WNOHANG) == s.pid) die("shmps-server --backend cuda exited at start (see its log above)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  die("shmps-server did not come up in 30 s");
+}
+void stop_server(Server& s) {
+  if (s.pid <= 0) return;
+  ::kill(s.pid, SIGTERM);
+  int status = 0;
+  ::waitpid(s.pid, &status, 0);
+  s.pid = -1;
+}
+
+// Pushes a 4 KB-per-push device gradient for `seconds`; returns pushes/s
+// (p50/p99 of the round trip in *lat_us when given).
+double push_loop(const std::string& name, double seconds, std::vector<double>* lat_us) {
+  shmps::WorkerOptions o;
+  o.name = name;
+  auto w = shmps::Worker::connect(o);
+  if (!w.ok()) die("connect: " + w.status().to_string());
+  const uint64_t bytes = (*w)->total_elements() * 4;
+  void* grad = nullptr;
+  CK(cudaMalloc(&grad, bytes));
+  CK(cudaMemset(grad, 0, bytes));
+  cudaStream_t stream = nullptr;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto id = (*w)->register_device_buffer(grad, bytes);
+  if (!id.ok()) die("register_device_buffer: " + id.status().to_string());
+  uint64_t n = 0, version = 0;
+  const auto start = Clock::now();
+  const auto end = start + std::chrono::duration<double>(seconds);
+  while (Clock::now() < end) {
+    const auto t0 = Clock::now();
+    auto v = (*w)->push(shmps::kAllTensors, *id, 0, bytes, shmps::Dtype::kF32, version, stream);
+    if (!v.ok()) die("push: " + v.status().to_string());
+    version = *v;
+    if (lat_us) lat_us->push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    ++n;
+  }
+  const double rate = static_cast<double>(n) / std::chrono::duration<double>(Clock::now() - start).count();
+  (void)(*w)->unregister_buffer(*id);
+  (void)cudaStreamDestroy(stream);
+  (void)cudaFree(grad);
+  return rate;
+}
+
+// ---------------------------------------------------------------- device bandwidth
+double time_ms(cudaStream_t stream, int repeats, const std::function<void()>& work) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<double> ms;
+  work();  // warm-up
+  for (int r = 0; r < repeats; ++r) {
+    CK(cudaEventRecord(a, stream));
+    work();
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    float t = 0;
+    CK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  return median(ms);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") quick = true;
+    else if (a == "--push-worker" && i + 2 < argc) {
+      // Internal: one of the 8 worker processes; prints its pushes/s.
+      std::printf("%.1f\n", push_loop(argv[i + 1], std::atof(argv[i + 2]), nullptr));
+      return 0;
+    } else if (a == "--help" || a == "-h") {
+      std::printf("usage: shmps-gpu-bench [--quick]\n  the CUDA backend's apply throughput, IPC open cost, push "
+                  "round trip and 8-worker pushes/s on the first visible GPU (docs/cuda.md)\n");
+      return 0;
+    } else {
+      die("unknown argument '" + a + "' (try --help)");
+    }
+  }
+  std::string reason;
+  if (!probe_device(&reason)) {
+    std::printf("no CUDA device: skipped (%s)\n", reason.c_str());
+    return 0;
+  }
+  Exporter exporter = start_exporter();  // before CUDA starts in this process
+
+  const int repeats = quick ? 5 : 20;
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  CK(cudaSetDevice(0));
+  std::printf("shmps-gpu-bench%s on %s (sm_%d%d, %.1f GiB)\n", quick ? " --quick" : "", prop.name, prop.major, prop.minor,
+              static_cast<double>(prop.totalGlobalMem) / (1ull << 30));
+  cudaStream_t stream = nullptr;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  // D2D copy bandwidth (bytes read + written per second) and the applies.
+  const uint64_t n = quick ? (64ull << 20) : (256ull << 20);  // parameters: 256 MiB / 1 GiB of fp32
+  const uint64_t bytes = n * 4;
+  float *src = nullptr, *dst = nullptr, *grad = nullptr, *state[3] = {};
+  CK(cudaMalloc(&src, bytes));
+  CK(cudaMalloc(&dst, bytes));
+  CK(cudaMalloc(&grad, bytes));
+  for (auto& s : state) CK(cudaMalloc(&s, bytes));
+  CK(cudaMemset(src, 0, bytes));
+  CK(cudaMemset(grad, 0, bytes));
+  for (auto& s : state) CK(cudaMemset(s, 0, bytes));
+  const double copy_ms =
+      time_ms(stream, repeats, [&] { CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream)); });
+  const double copy_gbs = 2.0 * static_cast<double>(bytes) / (copy_ms * 1e6);
+  std::printf("\n%-28s %12s %12s %10s\n", "apply (fp32 gradient)", "GB/s", "% of D2D", "goal 80%");
+  std::printf("%-28s %12.1f %12s %10s\n", "D2D copy (read + write)", copy_gbs, "100.0", "");
+  struct Case {
+    const char* name;
+    shmps::kernels::OptimizerConfig config;
+    double bytes_per_param;
+  };
+  std::vector<Case> cases(3);
+  cases[0] = {"SGD (12 B/param)", {}, 12};
+  cases[1] = {"SGD+momentum (20 B/param)", {}, 20};
+  cases[1].config.momentum = 0.9f;
+  cases[2] = {"Adam (28 B/param)", {}, 28};
+  cases[2].config.kind = shmps::kernels::OptimizerKind::kAdam;
+  bool goal_met = true;
+  for (const Case& c : cases) {
+    shmps::kernels::TensorState ts;
+    ts.weights = dst;
+    for (int i = 0; i < 3; ++i) ts.state[i] = state[i];
+    ts.n = n;
+    uint64_t step = 1;
+    const double ms = time_ms(stream, repeats, [&] {
+      const std::string e = shmps::kernels::apply_cuda(c.config, ts, grad, shmps::kernels::GradDtype::kF32, step++, stream);
+      if (!e.empty()) die(e);
+    });
+    const double gbs = c.bytes_per_param * static_cast<double>(n) / (ms * 1e6);
+    const double pct = 100.0 * gbs / copy_gbs;
+    goal_met &= pct >= 80.0;
+    std::printf("%-28s %12.1f %12.1f %10s\n", c.name, gbs, pct, pct >= 80.0 ? "met" : "MISSED");
+  }
+  CK(cudaFree(src));
+  CK(cudaFree(dst));
+  CK(cudaFree(grad));
+  for (auto& s : state) CK(cudaFree(s));
+
+  // IPC open cost per allocation size.
+  std::printf("\n%-28s %12s %16s\n", "cudaIpcOpenMemHandle", "open (us)", "open+close (us)");
+  std::vector<uint64_t> sizes = quick ? std::vector<uint64_t>{2ull << 20, 64ull << 20, 1ull << 30}
+                                      : std::vector<uint64_t>{2ull << 20, 16ull << 20, 128ull << 20, 1ull << 30, 8ull << 30};
+  for (uint64_t size : sizes) {
+    double open_us = 0;
+    const double total_us = ipc_open_us(exporter, size, quick ? 3 : 7, &open_us);
+    const std::string label = size >= (1ull << 30) ? std::to_string(size >> 30) + " GiB" : std::to_string(size >> 20) + " MiB";
+    if (total_us < 0) std::printf("%-28s %12s %16s\n", label.c_str(), "(no alloc)", "");
+    else std::printf("%-28s %12.1f %16.1f\n", label.c_str(), open_us, total_us);
+  }
+  const uint64_t end_marker = 0;
+  (void)!::write(exporter.to_child, &end_marker, sizeof end_marker);
+  ::waitpid(exporter.pid, nullptr, 0);
+
+  // Push round trip of a 4 KB gradient (1024 fp32), one worker.
+  Server server = start_server("rt", 1024);
+  std::vector<double> lat;
+  (void)push_loop(server.name, quick ? 1.0 : 3.0, &lat);
+  std::printf("\n%-28s %12s %12s %10s\n", "push round trip, 4 KB", "p50 (us)", "p99 (us)", "pushes");
+  std::printf("%-28s %12.1f %12.1f %10zu\n", "device buffer, event", percentile(lat, 0.5), percentile(lat, 0.99), lat.size());
+
+  // 8 worker processes (this program with --push-worker), one GPU.
+  const int workers = 8;
+  const double seconds = quick ? 2.0 : 5.0;
+  std::vector<FILE*> pipes;
+  for (int i = 0; i < workers; ++i) {
+    const std::string cmd = "'" + self_dir() + "shmps-gpu-bench' --push-worker " + server.name + " " + std::to_string(seconds);
+    FILE* f = ::popen(cmd.c_str(), "r");
+    if (f == nullptr) die("popen");
+    pipes.push_back(f);
+  }
+  double total = 0;
+  for (FILE* f : pipes) {
+    double rate = 0;
+    if (std::fscanf(f, "%lf", &rate) == 1) total += rate;
+    ::pclose(f);
+  }
+  std::printf("%-28s %12.0f pushes/s (sum of %d processes, 4 KB each)\n", "8 workers, one GPU", total, workers);
+  stop_server(server);
+  std::printf("\napply goal (>= 80%% of D2D): %s\n== shmps-gpu-bench done ==\n", goal_met ? "met" : "MISSED");
+  return 0;
+}
