@@ -4,8 +4,8 @@
 namespace shmps::detail {
 namespace {
 Status no_cuda() {
-  return {ErrorCode::kCuda, "device buffers need CUDA, and this shmps worker library was built without it "
-                            "(SHMPS_CUDA=OFF or no nvcc at build time)"};
+  return {ErrorCode::kCuda, "this shmps worker library was built without CUDA (SHMPS_CUDA=OFF or no nvcc at "
+                            "build time); device buffers need it"};
 }
 }  // namespace
 
