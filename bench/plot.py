@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Plots shmps-compare's CSV (--csv FILE) into three small PNGs:
-throughput vs gradient size per system, 4 KiB latency CDF, scaling.
+"""Plots shmps-compare's CSV (--csv FILE) into small PNGs: throughput vs
+gradient size per system, push+apply over apply alone vs size (goal 1),
+4 KiB latency CDF, scaling. Sections missing from the CSV (--section) are
+skipped.
 Usage: bench/plot.py results.csv OUTDIR   (needs matplotlib)"""
 import csv
 import sys
@@ -48,11 +50,35 @@ def main():
     fig.tight_layout()
     fig.savefig(f"{out}/compare_throughput.png")
 
+    # Push + apply over the apply alone (goal 1: <= 1.2 from 1 MiB).
+    ratio = defaultdict(list)
+    for (section, _), c in cells.items():
+        if section == "throughput" and c["system"] != "ref: memcpy" and "push/apply" in c:
+            ratio[c["system"]].append((num(c["bytes"]), num(c["push/apply"])))
+    if ratio:
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=80)
+        for name, pts in sorted(ratio.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                    linestyle="--" if name.startswith("ref") else "-")
+        ax.axhline(1.2, color="grey", linewidth=0.8, linestyle=":")
+        ax.axvline(2**20, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("gradient bytes")
+        ax.set_ylabel("push + apply time / apply alone time")
+        ax.set_title("What the transfer adds (goal: <= 1.2 from 1 MiB)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(f"{out}/compare_overhead.png")
+
     # Latency CDF.
     cdf = defaultdict(list)
     for (section, row), c in cells.items():
         if section == "latency_cdf":
             cdf[row] = sorted((num(v), num(q)) for q, v in c.items())
+    if not cdf:
+        return scaling(cells, out)
     fig, ax = plt.subplots(figsize=(6, 4), dpi=80)
     for name, pts in sorted(cdf.items()):
         ax.step([p[0] / 1000 for p in pts], [p[1] for p in pts], where="post", label=name)
@@ -63,12 +89,16 @@ def main():
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(f"{out}/compare_latency_cdf.png")
+    scaling(cells, out)
 
-    # Scaling.
+
+def scaling(cells, out):
     sc = defaultdict(list)
     for (section, _), c in cells.items():
         if section == "scaling":
             sc[c["system"]].append((num(c["workers"]), num(c["GB/s"])))
+    if not sc:
+        return
     fig, ax = plt.subplots(figsize=(6, 4), dpi=80)
     for name, pts in sorted(sc.items()):
         pts.sort()
