@@ -226,7 +226,7 @@ BOOST_AUTO_TEST_CASE(empty_tensor_is_a_no_op) {
 // Elementwise math: results must be bitwise equal.
 BOOST_AUTO_TEST_CASE(large_tensor_split_matches_serial) {
   constexpr size_t kN = 3'000'007;
-  constexpr size_t kPiece = 100'003;  // < the 256K threshold, odd, so pieces end mid-vector
+  constexpr size_t kPiece = 100'003;  // < the 1M-element threshold, odd, so pieces end mid-vector
   OptimizerConfig sgd;
   sgd.momentum = 0.9f;
   sgd.nesterov = true;
