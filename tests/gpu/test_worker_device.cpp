@@ -10,17 +10,12 @@
 
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 using namespace shmps;
 
 namespace {
-std::unique_ptr<Worker> connect(const std::string& name) {
-  WorkerOptions o;
-  o.name = name;
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
-  return std::move(w).value();
-}
+using test::connect;
 const std::vector<std::string> kArgs = {"--tensor", "w:256", "--backend", "host"};
 }  // namespace
 

@@ -18,6 +18,7 @@
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 using namespace shmps;
 using namespace shmps::server;
@@ -131,13 +132,7 @@ struct GatedServer {
   std::atomic<bool> run_done{false};
 };
 
-std::unique_ptr<Worker> connect(const std::string& name) {
-  WorkerOptions o;
-  o.name = name;
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
-  return std::move(w).value();
-}
+using test::connect;
 
 }  // namespace
 
