@@ -21,6 +21,7 @@
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/server/config.hpp"
 #include "shmps/shm/layout.hpp"
+#include "shmps/shm/segment.hpp"
 #include "shmps/status.hpp"
 
 namespace shmps::server {
@@ -123,6 +124,16 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_host_backend();
+
+// Opens the POSIX shm object a worker's kHostShm descriptor names, for any
+// backend that maps host buffers: the name must be NUL-terminated within
+// `handle` and start with `expected_prefix` ("shmps.<name>.p<pid>.": only
+// objects this worker created, never the control segment or another
+// worker's buffer), and [offset, offset + length) (bytes) must lie inside
+// the object. Errors: kBadRequest (the name), kPermission, kUnknownBuffer
+// (cannot open), kBadRange. Thread-safe.
+Result<std::unique_ptr<shm::ShmObject>> open_worker_object(const shm::BufferDesc& desc,
+                                                           const std::string& expected_prefix);
 
 // The CUDA backend on the device `device` names (a UUID "GPU-xxxxxxxx-...",
 // a PCI bus id "0000:3b:00.0", or "" for the first visible device), after

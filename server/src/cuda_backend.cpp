@@ -300,17 +300,8 @@ class CudaBackend final : public Backend {
   // Its pages are pinned: a worker truncating the object cannot take them
   // away under a kernel.
   Result<std::unique_ptr<PeerBuffer>> open_host(const shm::BufferDesc& desc, const std::string& expected_prefix) {
-    if (std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
-      return Status{ErrorCode::kBadRequest, "buffer handle is not a terminated name"};
-    const std::string object_name(reinterpret_cast<const char*>(desc.handle));
-    if (object_name.rfind(expected_prefix, 0) != 0)
-      return Status{ErrorCode::kBadRequest, "buffer name must start with " + expected_prefix};
-    auto opened = shm::ShmObject::open(object_name, /*read_only=*/false);
-    if (!opened.ok()) {
-      if (opened.status().code() == ErrorCode::kPermission) return opened.status();
-      return Status{ErrorCode::kUnknownBuffer, opened.status().message()};
-    }
-    if (Status s = check_range(desc, (*opened)->size()); !s.ok()) return s;
+    auto opened = open_worker_object(desc, expected_prefix);
+    if (!opened.ok()) return opened.status();
     auto peer = std::make_unique<CudaPeer>();
     peer->device_ = device_;
     peer->length_ = desc.length;

@@ -54,21 +54,8 @@ class HostBackend final : public Backend {
                                                 const std::string& expected_prefix) override {
     if (desc.kind != static_cast<uint32_t>(shm::BufferKind::kHostShm))
       return Status{ErrorCode::kBadRequest, "the host backend takes only POSIX shm buffers"};
-    const std::string object_name(reinterpret_cast<const char*>(desc.handle));
-    // Only objects this worker created: never the control segment or
-    // another worker's buffer.
-    if (object_name.rfind(expected_prefix, 0) != 0)
-      return Status{ErrorCode::kBadRequest, "buffer name must start with " + expected_prefix};
-    auto opened = shm::ShmObject::open(object_name, /*read_only=*/false);
-    if (!opened.ok()) {
-      if (opened.status().code() == ErrorCode::kPermission) return opened.status();
-      return Status{ErrorCode::kUnknownBuffer, opened.status().message()};
-    }
-    const uint64_t size = (*opened)->size();
-    if (desc.offset > size || desc.length > size - desc.offset)
-      return Status{ErrorCode::kBadRange, "buffer offset " + std::to_string(desc.offset) + " + length " +
-                                              std::to_string(desc.length) + " exceeds object size " +
-                                              std::to_string(size)};
+    auto opened = open_worker_object(desc, expected_prefix);
+    if (!opened.ok()) return opened.status();
     return std::unique_ptr<PeerBuffer>(new HostPeer(std::move(opened).value(), desc.offset, desc.length));
   }
 
@@ -120,6 +107,28 @@ class HostBackend final : public Backend {
 };
 
 }  // namespace
+
+Result<std::unique_ptr<shm::ShmObject>> open_worker_object(const shm::BufferDesc& desc,
+                                                           const std::string& expected_prefix) {
+  if (std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
+    return Status{ErrorCode::kBadRequest, "buffer handle is not a terminated name"};
+  const std::string object_name(reinterpret_cast<const char*>(desc.handle));
+  // Only objects this worker created: never the control segment or
+  // another worker's buffer.
+  if (object_name.rfind(expected_prefix, 0) != 0)
+    return Status{ErrorCode::kBadRequest, "buffer name must start with " + expected_prefix};
+  auto opened = shm::ShmObject::open(object_name, /*read_only=*/false);
+  if (!opened.ok()) {
+    if (opened.status().code() == ErrorCode::kPermission) return opened.status();
+    return Status{ErrorCode::kUnknownBuffer, opened.status().message()};
+  }
+  const uint64_t size = (*opened)->size();
+  if (desc.offset > size || desc.length > size - desc.offset)
+    return Status{ErrorCode::kBadRange, "buffer offset " + std::to_string(desc.offset) + " + length " +
+                                            std::to_string(desc.length) + " exceeds object size " +
+                                            std::to_string(size)};
+  return opened;
+}
 
 std::unique_ptr<Backend> make_host_backend() { return std::make_unique<HostBackend>(); }
 
