@@ -48,8 +48,12 @@ bool is_sticky(cudaError_t e) {
     case cudaErrorLaunchTimeout:
     case cudaErrorAssert:
     case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+    case cudaErrorContained:
+    case cudaErrorExternalDevice:
+    case cudaErrorMpsClientTerminated:
+    case cudaErrorTensorMemoryLeak:
     case cudaErrorContextIsDestroyed:
-    case cudaErrorDevicesUnavailable:
       return true;
     default:
       return false;
@@ -102,7 +106,10 @@ struct IpcMapping {
   ~IpcMapping() {
     if (base == nullptr) return;
     (void)cudaSetDevice(device);
-    if (std::string e = SHMPS_CUDA_ERROR(cudaIpcCloseMemHandle(base)); !e.empty()) log::warn("closing a worker's IPC mapping: " + e);
+    if (std::string e = SHMPS_CUDA_ERROR(cudaIpcCloseMemHandle(base)); !e.empty()) {
+      log::warn("closing a worker's IPC mapping: " + e);
+      (void)cudaGetLastError();  // else the next launch check (cudaGetLastError) reports it
+    }
   }
 };
 
@@ -114,11 +121,17 @@ class CudaPeer final : public PeerBuffer {
   ~CudaPeer() override {
     if (host_) {
       (void)cudaSetDevice(device_);
-      if (std::string e = SHMPS_CUDA_ERROR(cudaHostUnregister(host_->data())); !e.empty()) log::warn("unregistering a worker's shm buffer: " + e);
+      if (std::string e = SHMPS_CUDA_ERROR(cudaHostUnregister(host_->data())); !e.empty()) {
+        log::warn("unregistering a worker's shm buffer: " + e);
+        (void)cudaGetLastError();
+      }
     }
     if (event_ != nullptr && own_event_) {
       (void)cudaSetDevice(device_);
-      if (std::string e = SHMPS_CUDA_ERROR(cudaEventDestroy(event_)); !e.empty()) log::warn("closing a worker's IPC event: " + e);
+      if (std::string e = SHMPS_CUDA_ERROR(cudaEventDestroy(event_)); !e.empty()) {
+        log::warn("closing a worker's IPC event: " + e);
+        (void)cudaGetLastError();
+      }
     }
   }
 
@@ -176,6 +189,7 @@ class CudaBackend final : public Backend {
 
   // ---------------------------------------------------------------- fences
   Fence fence() override {
+    bind();
     if (!dirty_) return fences_.empty() ? 0 : fences_.back().first;
     cudaEvent_t ev = nullptr;
     if (!free_events_.empty()) {
@@ -194,6 +208,7 @@ class CudaBackend final : public Backend {
   }
 
   Result<bool> fence_done(Fence f) override {
+    bind();
     while (!fences_.empty() && fences_.front().first <= f) {
       const cudaError_t e = cudaEventQuery(fences_.front().second);
       if (e == cudaErrorNotReady) return false;
@@ -209,6 +224,7 @@ class CudaBackend final : public Backend {
 
   Status synchronize() override {
     if (!sticky_.ok()) return sticky_;
+    bind();
     if (Status s = call(cudaStreamSynchronize(stream_), "cudaStreamSynchronize(stream_)", __LINE__); !s.ok()) return s;
     while (!fences_.empty()) {
       free_events_.push_back(fences_.front().second);
@@ -222,6 +238,7 @@ class CudaBackend final : public Backend {
 
   // ---------------------------------------------------------------- memory
   Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays, std::vector<float> initial) override {
+    bind();
     tensors_ = tensors;
     total_ = initial.size();
     const uint64_t bytes = total_ * sizeof(float);
@@ -253,6 +270,7 @@ class CudaBackend final : public Backend {
   Result<std::unique_ptr<PeerBuffer>> open_peer_of(const shm::BufferDesc& desc, const std::string& expected_prefix,
                                                    uint32_t worker_pid) override {
     if (!sticky_.ok()) return sticky_;
+    bind();
     if (desc.kind == static_cast<uint32_t>(shm::BufferKind::kHostShm)) return open_host(desc, expected_prefix);
     if (desc.kind != static_cast<uint32_t>(shm::BufferKind::kCudaIpc))
       return Status{ErrorCode::kBadRequest, "buffer kind " + std::to_string(desc.kind) + " unknown"};
@@ -321,6 +339,8 @@ class CudaBackend final : public Backend {
   // Synchronous: the server must know before it applies. Waits for the
   // worker's event and for the check kernel (and what is queued before it).
   bool all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n, kernels::GradDtype dtype) override {
+    if (!sticky_.ok()) return false;
+    bind();
     const auto& g = static_cast<const CudaPeer&>(grad);
     if (!wait_for_writer(g).ok()) return false;
     bool finite = false;
@@ -335,6 +355,7 @@ class CudaBackend final : public Backend {
   Status apply(const kernels::OptimizerConfig& config, uint32_t tensor, uint64_t step, const PeerBuffer& grad,
                uint64_t byte_offset, kernels::GradDtype dtype) override {
     if (!sticky_.ok()) return sticky_;
+    bind();
     const auto& g = static_cast<const CudaPeer&>(grad);
     // On every push: the worker records its event after writing the
     // gradient; our stream waits for that record (cheap when it is done).
@@ -353,6 +374,7 @@ class CudaBackend final : public Backend {
   // Enqueued after every apply before it (one stream): no torn reads.
   Status copy_out(uint64_t element_offset, uint64_t n, PeerBuffer& dst, uint64_t byte_offset) override {
     if (!sticky_.ok()) return sticky_;
+    bind();
     auto& d = static_cast<CudaPeer&>(dst);
     // The worker may still be reading the previous weights on its stream.
     if (Status s = wait_for_writer(d); !s.ok()) return s;
@@ -400,8 +422,20 @@ class CudaBackend final : public Backend {
   // A failure reported as text by kernels/ (apply_cuda and friends): asks
   // the stream whether the context survived.
   Status note_failure(const std::string& text) {
-    (void)call(cudaStreamQuery(stream_) == cudaErrorNotReady ? cudaSuccess : cudaPeekAtLastError(), "after a kernel", __LINE__);
+    const cudaError_t q = cudaStreamQuery(stream_);
+    (void)call(q == cudaErrorNotReady ? cudaSuccess : q != cudaSuccess ? q : cudaPeekAtLastError(), "after a kernel", __LINE__);
     return {ErrorCode::kCuda, text};
+  }
+
+  // The runtime's current device is per host thread: the backend may be
+  // created on one thread and served from another (an embedded Server,
+  // destructors run by the last holder), and cudaMalloc, launches, event
+  // records and cudaIpcOpenMemHandle all act on the current device. Every
+  // entry point binds device_ first (cudaGetDevice is a thread-local read).
+  void bind() const {
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current == device_) return;
+    (void)cudaSetDevice(device_);
   }
 
   Status fail_probe(const std::string& text) { return {ErrorCode::kCuda, "--backend cuda: " + text}; }
@@ -430,10 +464,14 @@ class CudaBackend final : public Backend {
   std::vector<float> download(const float* p) const {
     std::vector<float> out(total_);
     if (total_ == 0 || !sticky_.ok()) return out;
+    bind();
     // const: a read of the device; errors leave zeros (logged).
     if (std::string e = SHMPS_CUDA_ERROR(cudaStreamSynchronize(stream_)); !e.empty()) log::error(e);
     if (std::string e = SHMPS_CUDA_ERROR(cudaMemcpy(out.data(), p, total_ * sizeof(float), cudaMemcpyDeviceToHost)); !e.empty())
       log::error(e);
+    // A non-sticky failure must not be reported by the next launch check
+    // (a sticky one is found by the next fence; healthy() then says so).
+    (void)cudaGetLastError();
     return out;
   }
 
@@ -479,7 +517,13 @@ class CudaBackend final : public Backend {
     m->device = device_;
     auto range = allocation_of(base);
     if (!range.ok()) return range.status();  // m's destructor closes the handle
-    m->size = range->second;
+    // The bytes from the opened pointer to the end of the range: the driver
+    // may map a whole 2 MiB block for a small (sub-allocated) cudaMalloc,
+    // whose range then starts before the pointer we were given.
+    const auto opened = reinterpret_cast<uintptr_t>(base), first = reinterpret_cast<uintptr_t>(range->first);
+    if (opened < first || opened - first >= range->second)
+      return Status{ErrorCode::kCuda, "cuMemGetAddressRange: the opened IPC pointer lies outside its own range"};
+    m->size = range->second - (opened - first);
     // Drop expired entries now and then, so the map stays small.
     if (mappings_.size() > 1024)
       std::erase_if(mappings_, [](const auto& e) { return e.second.expired(); });
@@ -495,7 +539,10 @@ class CudaBackend final : public Backend {
       if (lower(spec).rfind("gpu-", 0) == 0) {
         for (int d = 0; d < count && found < 0; ++d) {
           cudaDeviceProp p{};
-          if (cudaGetDeviceProperties(&p, d) != cudaSuccess) continue;
+          if (cudaGetDeviceProperties(&p, d) != cudaSuccess) {
+            (void)cudaGetLastError();
+            continue;
+          }
           uint8_t b[16];
           std::memcpy(b, &p.uuid, sizeof b);
           if (uuid_text(b) == lower(spec)) found = d;
@@ -548,10 +595,15 @@ class CudaBackend final : public Backend {
   void probe_peers(int count) {
     for (int d = 0; d < count; ++d) {
       cudaDeviceProp p{};
-      if (d == device_ || cudaGetDeviceProperties(&p, d) != cudaSuccess) continue;
+      if (d == device_) continue;
+      if (cudaGetDeviceProperties(&p, d) != cudaSuccess) {
+        (void)cudaGetLastError();
+        continue;
+      }
       uint8_t b[16];
       std::memcpy(b, &p.uuid, sizeof b);
       const std::string why = probe_peer(d);
+      (void)cudaGetLastError();  // a failed probe must not fail the first launch check
       peers_[uuid_text(b)] = why;
       if (why.empty()) log::info("peer access " + uuid_ + " -> " + uuid_text(b) + ": verified by a write and read-back");
       else log::warn("device " + uuid_text(b) + " is not reachable from " + uuid_ + ": " + why +
