@@ -12,7 +12,13 @@
 namespace shmps::detail {
 namespace {
 
-Status failed(const std::string& text) { return {ErrorCode::kCuda, text}; }
+// Every failure path: the runtime keeps the failed call's error as the
+// thread's "last error", and the caller's next launch check
+// (cudaGetLastError, e.g. PyTorch's) would report it as its own.
+Status failed(const std::string& text) {
+  (void)cudaGetLastError();
+  return {ErrorCode::kCuda, text};
+}
 
 // Restores the caller's current device when we leave.
 class DeviceScope {
@@ -121,6 +127,17 @@ Result<DeviceBuffer> describe_device_buffer(const void* ptr, size_t bytes, bool 
 }
 
 Status record_device_event(const DeviceBuffer& buffer, void* stream) {
+  // The event belongs to the buffer's device; a null stream means that
+  // device's legacy default stream only while it is current (recording on
+  // another device's stream fails with cudaErrorInvalidResourceHandle).
+  int current = -1;
+  if (stream == nullptr && (cudaGetDevice(&current) != cudaSuccess || current != buffer.device)) {
+    DeviceScope scope;
+    if (std::string e = SHMPS_CUDA_ERROR(cudaSetDevice(buffer.device)); !e.empty()) return failed(e);
+    if (std::string e = SHMPS_CUDA_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(buffer.event), nullptr)); !e.empty())
+      return failed(e);
+    return Status::Ok();
+  }
   if (std::string e = SHMPS_CUDA_ERROR(cudaEventRecord(static_cast<cudaEvent_t>(buffer.event), static_cast<cudaStream_t>(stream)));
       !e.empty())
     return failed(e);
