@@ -41,6 +41,7 @@ constexpr uint64_t kStatusNs = 2'000'000'000;     // STATUS= refresh, rejection 
 constexpr uint64_t kSegmentCheckNs = 1'000'000'000;  // is /dev/shm/shmps.<name> still ours?
 constexpr uint64_t kRejectLogNs = 1'000'000'000;  // at most one rejection line per cause per second
 constexpr uint32_t kWorkerLinesPerSecond = 20;    // attach/detach/death/eviction lines, then counted
+constexpr uint64_t kFenceStallNs = 60'000'000'000;  // device work this late means the stream is stuck
 
 const char* opcode_name(uint32_t opcode) {
   static constexpr const char* kNames[] = {"request", "attach", "detach", "register_buffer", "unregister_buffer",
@@ -128,6 +129,7 @@ struct WorkerSlot {
     Completion completion;
     Fence fence = 0;                   // 0: ready as soon as those before it are
     std::shared_ptr<PeerBuffer> hold;  // the buffer its device work uses
+    uint64_t since_ns = 0;             // when it was held back (CLOCK_MONOTONIC)
   };
   std::deque<Deferred> deferred;
   uint64_t owner = 0;           // the owner word we attached (pid, kAttached); 0: none
@@ -474,7 +476,7 @@ class Server::Impl {
     WorkerSlot& slot = slots[i];
     const Fence fence = held ? backend->fence() : 0;
     if (fence != 0 || !slot.deferred.empty()) {
-      slot.deferred.push_back({c, fence, std::move(held)});
+      slot.deferred.push_back({c, fence, std::move(held), shm::monotonic_ns()});
       ++deferred_count;
       held.reset();
       return;
@@ -507,7 +509,16 @@ class Server::Impl {
           WorkerSlot::Deferred& d = slot.deferred.front();
           if (d.fence != 0) {
             Result<bool> done = backend->fence_done(d.fence);
-            if (done.ok() && !*done) break;
+            if (done.ok() && !*done) {
+              // A stream waiting on the event of a worker killed before its
+              // own stream reached the record may wait forever: everything
+              // queued behind it would stall with it, so give up loudly.
+              if (shm::monotonic_ns() - d.since_ns > kFenceStallNs)
+                fatal(Status{ErrorCode::kCuda, "device work of worker " + std::to_string(i) + " has not finished in " +
+                                                   std::to_string(kFenceStallNs / 1'000'000'000) +
+                                                   " s (a dead worker's event never recorded?)"});
+              break;
+            }
             if (!done.ok()) {
               d.completion.code = static_cast<uint32_t>(done.status().code());
               std::snprintf(d.completion.message, sizeof d.completion.message, "%s", done.status().message().c_str());
@@ -830,7 +841,14 @@ class Server::Impl {
       // The check pass reads the whole gradient first: a buffer truncated
       // under us is found here, before anything is applied.
       if (Status s = backend->peer_intact(*target->buffer); !s.ok()) return drop_buffer(i, req, s);
-      if (!finite) return reject(i, req, ErrorCode::kNonFinite, "NaN or Inf in the gradient");
+      if (!finite) {
+        // A device that failed during the check answers "not finite" too.
+        if (Status h = backend->healthy(); !h.ok()) {
+          fatal(h);
+          return reject(i, req, h.code(), h.message());
+        }
+        return reject(i, req, ErrorCode::kNonFinite, "NaN or Inf in the gradient");
+      }
     }
     uint64_t byte_offset = req.byte_offset;
     const uint64_t esize = kernels::dtype_size(dtype);
