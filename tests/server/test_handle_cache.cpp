@@ -107,7 +107,9 @@ BOOST_AUTO_TEST_CASE(recreated_object_of_the_same_name_gets_a_fresh_mapping) {
   InProcessServer s("recycle");
   test::RawClient raw(s.config.name);
   const std::string object = shm::segment_object_name(s.config.name) + ".p" + std::to_string(::getpid()) + ".same";
-  const auto round = [&](float g) {
+  // `version`: the server's version before this round's push (the test
+  // thread must not read Server::version() while the server runs).
+  const auto round = [&](float g, uint64_t version) {
     // A new object under the old name, holding gradient g.
     auto obj = shm::ShmObject::create(object, 16, 0600);
     BOOST_REQUIRE_MESSAGE(obj.ok(), obj.status().to_string());
@@ -122,13 +124,13 @@ BOOST_AUTO_TEST_CASE(recreated_object_of_the_same_name_gets_a_fresh_mapping) {
     push.tensor_id = shm::kAllTensors;
     push.byte_length = 16;
     push.dtype = 1;
-    push.worker_version = s.server->version();
+    push.worker_version = version;
     BOOST_REQUIRE_EQUAL(raw.call(push).code, 0u);
     BOOST_REQUIRE_EQUAL(raw.call(raw.request(shm::Opcode::kUnregisterBuffer)).code, 0u);
     shm::ShmObject::remove(object);
   };
-  round(1.0f);  // w = -1
-  round(2.0f);  // w = -3 only if the second object was read, not the first's pages
+  round(1.0f, 0);  // w = -1
+  round(2.0f, 1);  // w = -3 only if the second object was read, not the first's pages
   const auto stats_view = [&] { return s.opened() == 2u && s.closed() == 2u; };
   BOOST_TEST(stats_view());
   s.server->request_stop();

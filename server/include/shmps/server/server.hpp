@@ -60,6 +60,8 @@ class Server {
   // Copies the current weights (all tensors, flat fp32). Only while run()
   // is not running, or from tests that accept a racy copy.
   std::vector<float> weights() const;
+  // Updates applied so far. Only while run() is not running (another
+  // thread reads the shared stats block's version instead).
   uint64_t version() const noexcept;
 
   class Impl;
