@@ -105,10 +105,12 @@ class Backend {
   // worker truncated its object); the buffer must then be dropped.
   virtual Status peer_intact(const PeerBuffer& peer) = 0;
 
-  // Gradient range checks were done by the caller: [byte_offset, +n*size)
-  // lies inside `grad`.
-  virtual bool all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n,
-                          kernels::GradDtype dtype) = 0;
+  // Whether the n gradient elements of `dtype` at byte_offset in `grad` are
+  // all finite. Range checks were done by the caller: [byte_offset,
+  // +n*size) lies inside `grad`. Errors: the backend's own (kCuda: the check
+  // could not run; see healthy() for whether the device is lost).
+  virtual Result<bool> all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n,
+                                  kernels::GradDtype dtype) = 0;
   // One optimizer step of tensor `tensor` (index into the extents).
   virtual Status apply(const kernels::OptimizerConfig& config, uint32_t tensor, uint64_t step,
                        const PeerBuffer& grad, uint64_t byte_offset, kernels::GradDtype dtype) = 0;

@@ -338,17 +338,15 @@ class CudaBackend final : public Backend {
 
   // Synchronous: the server must know before it applies. Waits for the
   // worker's event and for the check kernel (and what is queued before it).
-  bool all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n, kernels::GradDtype dtype) override {
-    if (!sticky_.ok()) return false;
+  Result<bool> all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n,
+                          kernels::GradDtype dtype) override {
+    if (!sticky_.ok()) return sticky_;
     bind();
     const auto& g = static_cast<const CudaPeer&>(grad);
-    if (!wait_for_writer(g).ok()) return false;
+    if (Status s = wait_for_writer(g); !s.ok()) return s;
     bool finite = false;
     const std::string e = kernels::all_finite_cuda(g.at(byte_offset), dtype, n, flag_dev_, stream_, &finite);
-    if (!e.empty()) {
-      (void)note_failure(e);
-      return false;
-    }
+    if (!e.empty()) return note_failure(e);
     return finite;
   }
 

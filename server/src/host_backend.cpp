@@ -59,8 +59,8 @@ class HostBackend final : public Backend {
     return std::unique_ptr<PeerBuffer>(new HostPeer(std::move(opened).value(), desc.offset, desc.length));
   }
 
-  bool all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n,
-                  kernels::GradDtype dtype) override {
+  Result<bool> all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n,
+                          kernels::GradDtype dtype) override {
     return kernels::all_finite_cpu(static_cast<const HostPeer&>(grad).at(byte_offset), dtype, n);
   }
 

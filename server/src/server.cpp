@@ -837,18 +837,16 @@ class Server::Impl {
     if (staleness > config.max_staleness)
       return reject(i, req, ErrorCode::kStale, "staleness " + std::to_string(staleness) + " > max_staleness " + std::to_string(config.max_staleness) + " (v" + std::to_string(req.worker_version) + " vs v" + std::to_string(version) + ")");
     if (!config.allow_nonfinite) {
-      const bool finite = backend->all_finite(*target->buffer, req.byte_offset, target->elements, dtype);
+      const Result<bool> finite = backend->all_finite(*target->buffer, req.byte_offset, target->elements, dtype);
       // The check pass reads the whole gradient first: a buffer truncated
       // under us is found here, before anything is applied.
       if (Status s = backend->peer_intact(*target->buffer); !s.ok()) return drop_buffer(i, req, s);
-      if (!finite) {
-        // A device that failed during the check answers "not finite" too.
-        if (Status h = backend->healthy(); !h.ok()) {
-          fatal(h);
-          return reject(i, req, h.code(), h.message());
-        }
-        return reject(i, req, ErrorCode::kNonFinite, "NaN or Inf in the gradient");
+      if (!finite.ok()) {
+        // The check could not run (a CUDA error): a lost device stops us.
+        if (Status h = backend->healthy(); !h.ok()) fatal(h);
+        return reject(i, req, finite.status().code(), finite.status().message());
       }
+      if (!*finite) return reject(i, req, ErrorCode::kNonFinite, "NaN or Inf in the gradient");
     }
     uint64_t byte_offset = req.byte_offset;
     const uint64_t esize = kernels::dtype_size(dtype);

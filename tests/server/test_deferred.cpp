@@ -76,7 +76,7 @@ class GatedBackend final : public Backend {
     return std::unique_ptr<PeerBuffer>(new GatedPeer(std::move(p).value(), gate_));
   }
   Status peer_intact(const PeerBuffer& p) override { return host_->peer_intact(in(p)); }
-  bool all_finite(const PeerBuffer& g, uint64_t off, uint64_t n, kernels::GradDtype d) override {
+  Result<bool> all_finite(const PeerBuffer& g, uint64_t off, uint64_t n, kernels::GradDtype d) override {
     return host_->all_finite(in(g), off, n, d);
   }
   Status apply(const kernels::OptimizerConfig& c, uint32_t t, uint64_t step, const PeerBuffer& g, uint64_t off,
