@@ -574,7 +574,10 @@ class Server::Impl {
     c.request_id = req.request_id;
     c.opcode = req.opcode;
     c.code = static_cast<uint32_t>(code);
-    std::snprintf(c.message, sizeof c.message, "%s", message.c_str());
+    // Most completions are successes without a message, and c is zeroed:
+    // skip the formatting (about 230 of the ~1.8K instructions a push costs
+    // the protocol, by callgrind).
+    if (!message.empty()) std::snprintf(c.message, sizeof c.message, "%s", message.c_str());
     return c;
   }
 
