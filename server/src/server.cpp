@@ -1,5 +1,6 @@
 #include "shmps/server/server.hpp"
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -1406,15 +1407,30 @@ void handle(int signo, void (*handler)(int)) {
 
 Status run_server(const ServerConfig& config, const std::vector<std::string>& argv) {
   // A SIGHUP during start-up must not kill the daemon (its default action);
-  // the configuration it would re-read was read just now anyway. SIGTERM
-  // keeps its default until the server can drain.
+  // the configuration it would re-read was read just now anyway. SIGINT and
+  // SIGTERM are held back (blocked, so pending) while the server is created:
+  // one that arrives after the segment is published but before the handlers
+  // are in place would otherwise kill the process without its shutdown
+  // (a stop right after start-up, as systemd may send). Unblocked once the
+  // handlers are installed, a pending one stops run() at once, cleanly.
+  // Threads started meanwhile (checkpoint writer, OpenMP) keep them
+  // blocked, so they are delivered to this thread.
   handle(SIGHUP, SIG_IGN);
+  sigset_t stop_signals, previous;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  ::pthread_sigmask(SIG_BLOCK, &stop_signals, &previous);
   auto server = Server::create(config);
-  if (!server.ok()) return server.status();
+  if (!server.ok()) {
+    ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+    return server.status();
+  }
   g_server.store(server->get(), std::memory_order_release);
   handle(SIGINT, on_stop_signal);
   handle(SIGTERM, on_stop_signal);
   handle(SIGHUP, on_reload_signal);
+  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
   RunOptions options;
   options.notify_service_manager = true;
   if (!argv.empty()) {

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <boost/test/unit_test.hpp>
+#include <filesystem>
 #include <cstddef>
 #include <cstring>
 #include <fstream>
@@ -417,6 +418,25 @@ BOOST_AUTO_TEST_CASE(journal_stream_prefixes_lines_with_their_syslog_priority) {
   other.signal(SIGTERM);
   BOOST_TEST(other.wait(10s) == 0);
   BOOST_TEST(read_file(plain.path).rfind("shmps-server info: starting", 0) == 0u, read_file(plain.path));
+}
+
+// A stop that arrives right after start-up (the segment just published,
+// the signal handlers maybe not yet installed) must still be a clean stop:
+// exit 0 and the segment removed, never death by the default action.
+BOOST_AUTO_TEST_CASE(sigterm_right_after_the_segment_appears_is_a_clean_stop) {
+  for (int round = 0; round < 10; ++round) {
+    BOOST_TEST_CONTEXT("round " << round) {
+      TempPath err("stderr");
+      const std::string name = test::unique_name("svc_early");
+      SegmentGuard guard(name);
+      test::Process server = spawn_server({"--name", name, "--tensor", "w:4"}, {}, err.path);
+      BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
+                            "no segment; stderr:\n" + read_file(err.path));
+      server.signal(SIGTERM);
+      BOOST_TEST(server.wait(10s) == 0, read_file(err.path));
+      BOOST_TEST(!std::filesystem::exists(segment_path(name)));
+    }
+  }
 }
 
 BOOST_AUTO_TEST_SUITE_END()
