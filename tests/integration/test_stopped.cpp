@@ -193,6 +193,54 @@ BOOST_AUTO_TEST_CASE(timeout_zero_never_evicts) {
   BOOST_TEST(read_stat(server.name(), &shm::StatsBlock::workers_evicted) == 0u);
 }
 
+// Tickets issued before the eviction and waited for after the re-attach:
+// a push acknowledged before the process stopped (its completion popped
+// into the library's queue of finished requests, or still unread in the
+// completion queue) was applied, so waiting for it must return its
+// version, not "already waited for" or "not acknowledged".
+BOOST_AUTO_TEST_CASE(acknowledged_tickets_survive_an_eviction_reattach) {
+  test::ServerProcess server(test::unique_name("stop"), {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000000",
+                                                         "--stopped-worker-timeout-ms", "200"});
+  Shared* shared = test::map_shared<Shared>();
+  auto victim = test::Process::fork_fn([&] {
+    auto w = test::try_connect(server.name(), 5s, /*reconnect=*/true);
+    if (!w) return 2;
+    auto buf = w->register_buffer(4);
+    if (!buf.ok()) return 3;
+    *static_cast<float*>(buf->data) = -1.0f;
+    auto a = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);
+    auto b = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);
+    if (!a.ok() || !b.ok() || !w->wait(*b).ok()) return 4;  // a's completion is popped on the way
+    auto c = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);
+    if (!c.ok()) return 5;
+    std::this_thread::sleep_for(100ms);  // the server answers c
+    ::raise(SIGSTOP);                    // stopped (Ctrl-Z) before waiting; evicted meanwhile
+    auto d = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);  // notices the eviction, re-attaches
+    if (!d.ok()) return 6;
+    uint32_t failed = 0;
+    for (auto ticket : {*a, *c, *d}) {
+      auto v = w->wait(ticket);
+      if (v.ok()) {
+        shared->victim_acked.fetch_add(1);
+      } else {
+        std::fprintf(stderr, "victim: ticket %llu: %s\n", static_cast<unsigned long long>(ticket),
+                     v.status().to_string().c_str());
+        shared->victim_last_code.store(static_cast<uint32_t>(v.status().code()));
+        ++failed;
+      }
+    }
+    shared->victim_acked.fetch_add(1);  // b
+    return failed == 0 ? 0 : 10 + static_cast<int>(failed);
+  });
+  BOOST_REQUIRE(test::eventually([&] { return is_stopped(victim.pid()); }, 10s));
+  BOOST_REQUIRE(test::eventually([&] { return read_stat(server.name(), &shm::StatsBlock::workers_evicted) == 1; }, 5s));
+  victim.resume();
+  BOOST_TEST(victim.wait(20s) == 0, "last error code " << shared->victim_last_code.load());
+  BOOST_TEST(shared->victim_acked.load() == 4u);
+  BOOST_TEST(read_stat(server.name(), &shm::StatsBlock::gradients_applied) == shared->victim_acked.load());
+  BOOST_TEST(server.stop() == 0);
+}
+
 // 60 workers attach and detach as fast as they can: the server writes at
 // most 20 lifecycle lines per second and counts the rest, so the lines
 // plus the counts account for all 120 events.

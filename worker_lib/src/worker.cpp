@@ -286,6 +286,15 @@ class Worker::Impl {
   // looked corrupt): we stop using the old lane for good, free the entry,
   // and let the next call re-attach to the same server.
   void end_evicted_session() {
+    // What the server answered before it let go (it posts nothing after
+    // kDetached, seen with acquire by evicted()) was applied: keep it for
+    // wait(), or those tickets would fall in the lost range of the re-attach.
+    Completion c;
+    while (completions.try_pop(&c) == shm::RingResult::kOk && c.request_id == last_completed_id + 1) {
+      c.message[sizeof c.message - 1] = '\0';
+      last_completed_id = c.request_id;
+      done.push_back(c);
+    }
     release_entry();
     attached = false;
     evicted_reattach = true;
@@ -440,10 +449,10 @@ class Worker::Impl {
     completions = shm::SpscConsumer<Completion>(&segment->completions(id), segment->completion_slots(id), capacity);
     // Request ids keep counting across generations; the new lane starts
     // empty, so everything before is settled (lost_upto: failed).
+    // `done` keeps the completions already popped: those were answered.
     lost_from = last_completed_id;
     lost_upto = next_request_id - 1;
     last_completed_id = next_request_id - 1;
-    done.clear();
     attached = true;
     buffers.resize(h.max_buffers);
     tensors = std::move(table);
