@@ -241,6 +241,35 @@ BOOST_AUTO_TEST_CASE(acknowledged_tickets_survive_an_eviction_reattach) {
   BOOST_TEST(server.stop() == 0);
 }
 
+// Stopped between writing its detach request and publishing it, and
+// evicted: the server never takes that request. Resumed, the worker must
+// see the eviction at once instead of waiting its whole timeout for an
+// answer that cannot come; its entry is free afterwards.
+BOOST_AUTO_TEST_CASE(evicted_in_the_middle_of_a_detach_does_not_wait_the_timeout) {
+  test::ServerProcess server(test::unique_name("stop"), {"--tensor", "w:1", "--max-workers", "1",
+                                                         "--stopped-worker-timeout-ms", "200"});
+  Shared* shared = test::map_shared<Shared>();
+  auto victim = test::Process::fork_fn([&] {
+    ::setenv("SHMPS_FAULT", "before_publish:2:stop", 1);  // 1: the ping, 2: the detach
+    auto w = test::try_connect(server.name(), 3s);
+    if (!w) return 2;
+    if (!w->ping().ok()) return 3;
+    const uint64_t t0 = shm::monotonic_ns();
+    const Status s = w->detach();
+    shared->victim_last_code.store(static_cast<uint32_t>(s.code()));
+    shared->victim_acked.store((shm::monotonic_ns() - t0) / 1'000'000);  // ms, stop included
+    ::unsetenv("SHMPS_FAULT");
+    return test::try_connect(server.name(), 3s) ? 0 : 4;  // the only entry was given back
+  });
+  BOOST_REQUIRE(test::eventually([&] { return is_stopped(victim.pid()); }, 10s));
+  BOOST_REQUIRE(test::eventually([&] { return read_stat(server.name(), &shm::StatsBlock::workers_evicted) == 1; }, 5s));
+  victim.resume();
+  BOOST_TEST(victim.wait(20s) == 0);
+  BOOST_TEST(shared->victim_acked.load() < 2000u, "detach took " << shared->victim_acked.load() << " ms, code "
+                                                                  << shared->victim_last_code.load());
+  BOOST_TEST(server.stop() == 0);
+}
+
 // 60 workers attach and detach as fast as they can: the server writes at
 // most 20 lifecycle lines per second and counts the rest, so the lines
 // plus the counts account for all 120 events.

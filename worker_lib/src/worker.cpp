@@ -124,10 +124,13 @@ class Worker::Impl {
   Status evicted() const {
     // acquire: pairs with the server's release store of kDetached.
     const uint64_t owner = entry().owner.load(std::memory_order_acquire);
-    // While our own detach is in flight, kDetached is the expected answer.
-    if (attached && !detaching && shm::owner_state(owner) != static_cast<uint32_t>(WorkerState::kAttached))
-      return {ErrorCode::kUnknownWorker, "the server evicted worker " + std::to_string(id)};
-    return Status::Ok();
+    if (!attached || shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kAttached)) return Status::Ok();
+    // While our own detach is in flight, kDetached is the expected answer
+    // once the server took the request (it pops it before marking the
+    // entry, so the head is visible here); one still in the lane was
+    // dropped by an eviction and will never be answered.
+    if (detaching && lane.header()->head.load(std::memory_order_acquire) == lane.tail()) return Status::Ok();
+    return {ErrorCode::kUnknownWorker, "the server evicted worker " + std::to_string(id)};
   }
 
   uint64_t in_flight() const { return next_request_id - 1 - last_completed_id; }
