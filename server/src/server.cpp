@@ -1013,6 +1013,13 @@ class Server::Impl {
     if (corrupt) stats().lanes_corrupt.fetch_add(1, std::memory_order_relaxed);
     stats().workers_evicted.fetch_add(1, std::memory_order_relaxed);
     log_worker(LogLevel::kWarn, "evicting worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(slots[i].owner)) + "): " + why);
+    // Answers held back for device work belong to pushes already applied:
+    // post what fits before letting go, so they are not reported lost
+    // (device backends only; the host backend never holds any back).
+    if (!slots[i].deferred.empty() && !corrupt) {
+      if (Status s = backend->synchronize(); !s.ok()) fatal(s);
+      drain_deferred();
+    }
     mark_detached(i);
     end_session(i, "");
   }

@@ -38,6 +38,22 @@ bool read_stat(pid_t pid, char* state, uint64_t* start_time) noexcept {
   return true;
 }
 
+// The Threads: count of /proc/<pid>/status (the thread group, the zombie
+// leader included); 0 when unreadable.
+long live_threads(pid_t pid) noexcept {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/status", static_cast<int>(pid));
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  char buf[4096];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return 0;
+  buf[n] = '\0';
+  const char* p = std::strstr(buf, "\nThreads:");
+  return p == nullptr ? 0 : std::strtol(p + 9, nullptr, 10);
+}
+
 }  // namespace
 
 uint64_t process_start_time(pid_t pid) noexcept {
@@ -50,6 +66,9 @@ ProcessState process_state(pid_t pid, uint64_t start_time) noexcept {
   char state = 0;
   uint64_t start = 0;
   if (!read_stat(pid, &state, &start)) return ProcessState::kGone;
+  // A zombie main thread (it called pthread_exit) with other threads still
+  // running is a living process: they may still write its lane.
+  if (state == 'Z' && live_threads(pid) > 1) state = 'S';
   if (state == 'Z' || state == 'X' || state == 'x') return ProcessState::kGone;
   if (start_time != 0 && start != start_time) return ProcessState::kGone;
   return state == 'T' || state == 't' ? ProcessState::kStopped : ProcessState::kRunning;

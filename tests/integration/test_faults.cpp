@@ -4,7 +4,9 @@
 // every acknowledged push is applied exactly once and an unacknowledged one
 // at most once.
 #define BOOST_TEST_MODULE test_faults
+#include <pthread.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -14,6 +16,7 @@
 #include <thread>
 
 #include "shmps/shm/proc.hpp"
+#include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
 #include "worker_support.hpp"
@@ -102,6 +105,52 @@ BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
       BOOST_TEST(*static_cast<float*>(out->data) == static_cast<float>(s->gradients_applied));
     }
   }
+}
+
+// A worker process whose main thread exits (pthread_exit) while another
+// thread keeps pushing is alive: /proc shows its leader as a zombie, but the
+// server must not reap its entry under the running thread.
+BOOST_AUTO_TEST_CASE(worker_whose_main_thread_exited_is_not_reaped) {
+  test::ServerProcess server(test::unique_name("zleader"), {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000000"});
+  struct Counters {
+    std::atomic<uint64_t> acked;
+    std::atomic<uint64_t> errors;
+    std::atomic<uint64_t> stop;
+  };
+  Counters* shared = test::map_shared<Counters>();
+  auto worker = test::Process::fork_fn([&]() -> int {
+    static std::unique_ptr<Worker> w;  // outlives main's exit
+    w = test::try_connect(server.name());
+    if (!w) return 2;
+    static auto buf = w->register_buffer(4);
+    if (!buf.ok()) return 3;
+    *static_cast<float*>(buf->data) = -1.0f;
+    pthread_t t;
+    ::pthread_create(&t, nullptr, [](void* arg) -> void* {
+      auto* c = static_cast<Counters*>(arg);
+      while (c->stop.load() == 0) {
+        if (w->push(0, buf->id, 0, 4, Dtype::kF32, 0).ok()) c->acked.fetch_add(1);
+        else c->errors.fetch_add(1);
+      }
+      std::_Exit(0);
+    }, shared);
+    // Only this thread ends (the raw exit system call: no unwinding through
+    // fork_fn, no exit of the thread group).
+    ::syscall(SYS_exit, 0);
+    return 4;
+  });
+  BOOST_REQUIRE(test::eventually([&] { return shared->acked.load() > 10; }));
+  // Several of the server's 50 ms liveness sweeps pass.
+  std::this_thread::sleep_for(400ms);
+  const uint64_t mid = shared->acked.load();
+  std::this_thread::sleep_for(100ms);
+  BOOST_TEST(shared->acked.load() > mid);
+  BOOST_TEST(shared->errors.load() == 0u);
+  auto seg = shm::Segment::open(server.name(), /*read_only=*/true);
+  BOOST_REQUIRE(seg.ok());
+  BOOST_TEST((*seg)->stats().workers_died.load() == 0u);
+  shared->stop.store(1);
+  BOOST_TEST(worker.wait(10s) == 0);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -231,6 +231,12 @@ class Worker::Impl {
                                                        " was not acknowledged before the session ended (the server died or evicted this worker)"};
       if (ticket <= last_completed_id)
         return Status{ErrorCode::kInvalidArgument, "ticket " + std::to_string(ticket) + " was already waited for"};
+      // The session ended (evicted, or the server died) and no re-attach has
+      // happened yet: the old queue is not ours to read any more (after an
+      // eviction the entry may already serve another worker).
+      if (!attached)
+        return Status{ErrorCode::kServerRestarted, "request " + std::to_string(ticket) +
+                                                       " was not acknowledged before the session ended (the server died or evicted this worker)"};
       if (Status s = pop_one(deadline); !s.ok()) return s;
     }
   }
@@ -431,6 +437,7 @@ class Worker::Impl {
     h.doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
     shm::notify(h.server_wake);
     const uint64_t want = shm::make_owner(pid, WorkerState::kAttached);
+    const uint64_t evicted_word = shm::make_owner(pid, WorkerState::kDetached);
     Status why;
     const auto w = shm::wait_until(
         segment->completions(id).data_ready,
@@ -438,6 +445,13 @@ class Worker::Impl {
         // reset indices and the lease are visible once we see kAttached.
         [&] { return e.owner.load(std::memory_order_acquire) == want; },
         [&] {
+          // Attached and evicted while we were stopped (the server saw a
+          // living process): the attach is over; try again.
+          if (e.owner.load(std::memory_order_acquire) == evicted_word) {
+            why = {ErrorCode::kUnknownWorker, "the server evicted worker " + std::to_string(id) +
+                                                  " while it attached (its process was stopped)"};
+            return true;
+          }
           why = server_gone();
           return !why.ok();
         },
