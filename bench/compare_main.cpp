@@ -47,50 +47,7 @@ uint32_t pushes_for(const Plan& plan, uint64_t bytes) {
   return static_cast<uint32_t>(std::clamp<uint64_t>(budget / bytes, 3, plan.quick ? 50 : 400));
 }
 
-inline void escape(void* p) { asm volatile("" : : "g"(p) : "memory"); }
-
 // ------------------------------------------------------------ references
-
-struct alignas(64) SpinPage {
-  alignas(64) std::atomic<uint64_t> ping{0};
-  alignas(64) std::atomic<uint64_t> pong{0};
-};
-
-bool spin_until(const std::atomic<uint64_t>& word, uint64_t value) {
-  uint64_t spins = 0;
-  const uint64_t deadline = now_ns() + 10'000'000'000ull;
-  // acquire: SYNC(spin_pingpong), pairs with the peer's release store of the word.
-  while (word.load(std::memory_order_acquire) != value) {
-    cpu_relax();
-    if ((++spins & 0xFFFF) == 0 && now_ns() > deadline) return false;
-  }
-  return true;
-}
-
-// Two processes, two atomics on separate cache lines of a MAP_SHARED page.
-Result<std::vector<double>> spin_pingpong(uint32_t n) {
-  auto page = SharedArena::create(sizeof(SpinPage));
-  if (!page.ok()) return page.status();
-  auto* p = new ((*page)->data()) SpinPage{};
-  const uint32_t warmup = n / 10;
-  auto r = run_children(2, 1, n, [&](uint32_t k, StartBarrier& barrier, Series& out) -> Status {
-    barrier.arrive_and_wait();
-    for (uint64_t i = 1; i <= uint64_t{warmup} + n; ++i) {
-      if (k == 1) {
-        if (!spin_until(p->ping, i)) return {ErrorCode::kTimeout, "spin ping-pong: no ping"};
-        p->pong.store(i, std::memory_order_release);  // SYNC(spin_pingpong)
-        continue;
-      }
-      const uint64_t t0 = now_ns();
-      p->ping.store(i, std::memory_order_release);  // SYNC(spin_pingpong)
-      if (!spin_until(p->pong, i)) return {ErrorCode::kTimeout, "spin ping-pong: no pong"};
-      if (i > warmup) out[0].push_back(static_cast<double>(now_ns() - t0));
-    }
-    return Status::Ok();
-  });
-  if (!r.ok()) return r.status();
-  return std::move(r.value()[0]);
-}
 
 // Median ns of memcpy, of apply_cpu (SGD, lr 0.001) and of all_finite_cpu +
 // apply_cpu (the shmps server's work per push with its NaN/Inf check) on
@@ -302,7 +259,7 @@ int run(const Plan& plan, const std::string& csv_path) {
   // References.
   std::vector<double> spin50, spin99, spin999;
   for (uint32_t rep = 0; rep < (plan.latency ? plan.repeats : 0); ++rep) {
-    auto s = spin_pingpong(plan.latency_pushes);
+    auto s = spin_pingpong(plan.latency_pushes / 10, plan.latency_pushes);
     if (!s.ok()) return std::fprintf(stderr, "spin ping-pong: %s\n", s.status().to_string().c_str()), 1;
     spin50.push_back(percentile(*s, 0.5));
     spin99.push_back(percentile(*s, 0.99));

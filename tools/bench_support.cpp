@@ -476,4 +476,51 @@ uint64_t process_cpu_ns(pid_t pid) {
   return total;
 }
 
+// ------------------------------------------------------------ references
+
+namespace {
+
+struct alignas(64) SpinPage {
+  alignas(64) std::atomic<uint64_t> ping{0};
+  alignas(64) std::atomic<uint64_t> pong{0};
+};
+
+// Spins until word == value; false after ~10 s (the peer died).
+bool spin_until(const std::atomic<uint64_t>& word, uint64_t value) {
+  uint64_t spins = 0;
+  const uint64_t deadline = now_ns() + 10'000'000'000ull;
+  // acquire: SYNC(spin_pingpong), pairs with the peer's release store of the word.
+  while (word.load(std::memory_order_acquire) != value) {
+    cpu_relax();
+    if ((++spins & 0xFFFF) == 0 && now_ns() > deadline) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+Result<std::vector<double>> spin_pingpong(uint32_t warmup, uint32_t n) {
+  auto page = SharedArena::create(sizeof(SpinPage));
+  if (!page.ok()) return page.status();
+  auto* p = new ((*page)->data()) SpinPage{};
+  auto r = run_children(2, 1, n, [&](uint32_t k, StartBarrier& barrier, Series& out) -> Status {
+    barrier.arrive_and_wait();
+    for (uint64_t i = 1; i <= uint64_t{warmup} + n; ++i) {
+      if (k == 1) {
+        if (!spin_until(p->ping, i)) return {ErrorCode::kTimeout, "spin ping-pong: no ping"};
+        p->pong.store(i, std::memory_order_release);  // SYNC(spin_pingpong)
+        continue;
+      }
+      const uint64_t t0 = now_ns();
+      p->ping.store(i, std::memory_order_release);  // SYNC(spin_pingpong)
+      if (!spin_until(p->pong, i)) return {ErrorCode::kTimeout, "spin ping-pong: no pong"};
+      const uint64_t t1 = now_ns();
+      if (i > warmup) out[0].push_back(static_cast<double>(t1 - t0));
+    }
+    return Status::Ok();
+  });
+  if (!r.ok()) return r.status();
+  return std::move(r.value()[0]);
+}
+
 }  // namespace shmps::bench

@@ -178,6 +178,16 @@ using ChildBody = std::function<Status(uint32_t index, StartBarrier& barrier, Se
 Result<Series> run_children(uint32_t children, uint32_t series, size_t max_samples, const ChildBody& body,
                             const std::function<void()>& on_arrived = {});
 
+// The physical reference of every latency figure: two processes, two
+// atomics on separate cache lines of one MAP_SHARED page, bouncing a
+// counter. Returns n round-trip times in ns after `warmup` untimed ones.
+// Errors: kTimeout when the peer stops answering for ~10 s, run_children's.
+Result<std::vector<double>> spin_pingpong(uint32_t warmup, uint32_t n);
+
+// Keeps the compiler from dropping stores to *p as dead (a timed loop's
+// output nobody reads).
+inline void escape(void* p) { asm volatile("" : : "g"(p) : "memory"); }
+
 // ------------------------------------------------------------ shmps-server
 
 // A shmps-server child process on a unique segment name. start() returns
