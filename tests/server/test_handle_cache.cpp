@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "raw_client.hpp"
+#include "server_support.hpp"
 #include "shmps/server/server.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
@@ -25,24 +26,23 @@ using namespace shmps::server;
 
 namespace {
 
-struct InProcessServer {
-  explicit InProcessServer(const std::string& tag) {
-    config.name = test::unique_name(tag);
-    config.tensors = {{"w", {4}}};
-    config.optimizer.lr = 1.0f;
-    config.max_staleness = 1u << 30;
-    config.backend = BackendKind::kHost;
-    auto s = Server::create(config);
-    BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
-    server = std::move(s).value();
-    thread = std::thread([this] { (void)server->run(); });
+ServerConfig cache_config(const std::string& tag) {
+  ServerConfig config;
+  config.name = test::unique_name(tag);
+  config.tensors = {{"w", {4}}};
+  config.optimizer.lr = 1.0f;
+  config.max_staleness = 1u << 30;
+  config.backend = BackendKind::kHost;
+  return config;
+}
+
+// A server run in this process, and a read-only view of its statistics.
+struct CacheServer : test::InProcessServer {
+  explicit CacheServer(const std::string& tag) : CacheServer(cache_config(tag)) {}
+  explicit CacheServer(const ServerConfig& c) : test::InProcessServer(c), config(c) {
     auto seg = shm::Segment::open(config.name, /*read_only=*/true);
     BOOST_REQUIRE(seg.ok());
     view = std::move(seg).value();
-  }
-  ~InProcessServer() {
-    server->request_stop();
-    thread.join();
   }
   // relaxed: racy reads of the server's statistics, taken after the
   // completions that ordered them.
@@ -50,8 +50,6 @@ struct InProcessServer {
   uint64_t closed() const { return view->stats().mappings_closed.load(std::memory_order_relaxed); }
 
   ServerConfig config;
-  std::unique_ptr<Server> server;
-  std::thread thread;
   std::unique_ptr<shm::Segment> view;
 };
 
@@ -72,7 +70,7 @@ using test::connect;
 BOOST_AUTO_TEST_SUITE(handle_cache)
 
 BOOST_AUTO_TEST_CASE(same_buffer_pushed_100_times_is_opened_once) {
-  InProcessServer s("cache100");
+  CacheServer s("cache100");
   auto w = connect(s.config.name);
   auto buf = w->register_buffer(16);
   BOOST_REQUIRE(buf.ok());
@@ -87,7 +85,7 @@ BOOST_AUTO_TEST_CASE(same_buffer_pushed_100_times_is_opened_once) {
 }
 
 BOOST_AUTO_TEST_CASE(register_push_unregister_1000_times_leaves_no_mapping) {
-  InProcessServer s("cache1000");
+  CacheServer s("cache1000");
   auto w = connect(s.config.name);
   const int before = buffer_mappings(s.config.name);
   for (int n = 0; n < 1000; ++n) {
@@ -104,7 +102,7 @@ BOOST_AUTO_TEST_CASE(register_push_unregister_1000_times_leaves_no_mapping) {
 }
 
 BOOST_AUTO_TEST_CASE(recreated_object_of_the_same_name_gets_a_fresh_mapping) {
-  InProcessServer s("recycle");
+  CacheServer s("recycle");
   test::RawClient raw(s.config.name);
   const std::string object = shm::segment_object_name(s.config.name) + ".p" + std::to_string(::getpid()) + ".same";
   // `version`: the server's version before this round's push (the test
@@ -133,9 +131,7 @@ BOOST_AUTO_TEST_CASE(recreated_object_of_the_same_name_gets_a_fresh_mapping) {
   round(2.0f, 1);  // w = -3 only if the second object was read, not the first's pages
   const auto stats_view = [&] { return s.opened() == 2u && s.closed() == 2u; };
   BOOST_TEST(stats_view());
-  s.server->request_stop();
-  s.thread.join();
-  s.thread = std::thread([] {});
+  s.stop();
   for (float x : s.server->weights()) BOOST_TEST(x == -3.0f);
   BOOST_TEST(buffer_mappings(s.config.name) == 0);
   raw.release_entry();
