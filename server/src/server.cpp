@@ -502,6 +502,10 @@ class Server::Impl {
   // that reports an error fails its request with the CUDA error; a lost
   // context stops the server (fatal()).
   bool drain_deferred() {
+    // The common case, and the only one of the host backend: nothing held
+    // back, nothing to poll (a device failing meanwhile is seen by the next
+    // call that uses it).
+    if (deferred_count == 0 && orphaned.empty()) return false;
     bool worked = false;
     if (deferred_count != 0) {
       for (uint32_t i = 0; i < config.max_workers; ++i) {
