@@ -314,6 +314,17 @@ class ShmpsClient final : public Client {
     if (!buf.ok()) return buf.status();
     c->buffer_ = *buf;
     std::fill_n(static_cast<float*>(c->buffer_.data), max_bytes / sizeof(float), kGradValue);
+    // Gradients up to 4 KiB (the latency rows) come from a buffer of their
+    // own, as a worker with small tensors would register. From the one big
+    // buffer, the 4 KiB gradient of tensor 0 sat exactly 256 MiB + 16 B
+    // below the server's weights of tensor 0 in every run where the kernel
+    // placed the mapping right under them: AMD's L1 way predictor (a hash
+    // of address bits 12-27) then confuses the two lines, and the 4 KiB
+    // SGD apply took twice as long (docs/comparison.md, "What bounds").
+    auto small = c->worker_->register_buffer(kSmallBytes);
+    if (!small.ok()) return small.status();
+    c->small_ = *small;
+    std::fill_n(static_cast<float*>(c->small_.data), kSmallBytes / sizeof(float), kGradValue);
     c->tensor_bytes_ = tensor_bytes;
     return std::unique_ptr<Client>(std::move(c));
   }
@@ -321,7 +332,8 @@ class ShmpsClient final : public Client {
     const auto it = std::find(tensor_bytes_.begin(), tensor_bytes_.end(), bytes);
     if (it == tensor_bytes_.end()) return {ErrorCode::kInvalidArgument, "no tensor of " + std::to_string(bytes) + " bytes"};
     const auto tensor = static_cast<uint32_t>(it - tensor_bytes_.begin());
-    auto v = worker_->push(tensor, buffer_.id, 0, bytes, Dtype::kF32, version_);
+    const uint32_t buffer = bytes <= kSmallBytes ? small_.id : buffer_.id;
+    auto v = worker_->push(tensor, buffer, 0, bytes, Dtype::kF32, version_);
     if (!v.ok()) return v.status();
     version_ = *v;
     return Status::Ok();
@@ -329,8 +341,10 @@ class ShmpsClient final : public Client {
 
  private:
   ShmpsClient() = default;
+  static constexpr uint64_t kSmallBytes = 4096;
   std::unique_ptr<Worker> worker_;
   Buffer buffer_;
+  Buffer small_;
   std::vector<uint64_t> tensor_bytes_;
   uint64_t version_ = 0;
 };
