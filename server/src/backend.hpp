@@ -59,6 +59,11 @@ class Backend {
   virtual ~Backend() = default;
   virtual const char* name() const noexcept = 0;
 
+  // True when apply() and copy_out() may return before their work is done
+  // (fence() then tracks it, and the server keeps the peer buffer mapped
+  // until its fence is done); false when every call finishes its work
+  // before returning (the host backend), so nothing needs holding.
+  virtual bool asynchronous() const noexcept { return false; }
   // A fence covering everything enqueued so far; 0 when nothing is
   // outstanding (synchronous backends, always).
   virtual Fence fence() { return 0; }

@@ -188,6 +188,7 @@ class CudaBackend final : public Backend {
   }
 
   // ---------------------------------------------------------------- fences
+  bool asynchronous() const noexcept override { return true; }
   Fence fence() override {
     bind();
     if (!dirty_) return fences_.empty() ? 0 : fences_.back().first;

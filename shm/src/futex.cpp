@@ -33,8 +33,7 @@ void wait_once(WaitWord& w, uint32_t observed_seq, std::chrono::nanoseconds slic
 }
 
 WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready,
-                      const std::function<bool()>& abort,
-                      std::chrono::steady_clock::time_point deadline, uint32_t spin_iterations,
+                      const std::function<bool()>& abort, Deadline& deadline, uint32_t spin_iterations,
                       std::chrono::nanoseconds slice) {
   for (uint32_t i = 0; i < spin_iterations; ++i) {
     if (ready()) return WaitResult::kReady;
@@ -49,11 +48,12 @@ WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready,
       return WaitResult::kReady;
     }
     const auto now = std::chrono::steady_clock::now();
-    if (now >= deadline) {
+    const auto until = deadline.time();
+    if (now >= until) {
       w.waiters.fetch_sub(1, std::memory_order_relaxed);  // relaxed: only a hint
       return WaitResult::kTimeout;
     }
-    wait_once(w, seq, std::min<std::chrono::nanoseconds>(slice, deadline - now));
+    wait_once(w, seq, std::min<std::chrono::nanoseconds>(slice, until - now));
     w.waiters.fetch_sub(1, std::memory_order_relaxed);  // relaxed: only a hint
     if (ready()) return WaitResult::kReady;
     if (abort && abort()) return WaitResult::kAborted;

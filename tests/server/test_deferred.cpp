@@ -54,6 +54,7 @@ class GatedBackend final : public Backend {
  public:
   explicit GatedBackend(Gate* gate) : host_(make_host_backend()), gate_(gate) {}
   const char* name() const noexcept override { return "gated-host"; }
+  bool asynchronous() const noexcept override { return true; }
   Fence fence() override {
     if (!dirty_) return gate_->issued.load() > gate_->released.load() ? gate_->issued.load() : 0;
     dirty_ = false;

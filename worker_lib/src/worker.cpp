@@ -137,7 +137,7 @@ class Worker::Impl {
 
   // Puts a request in the lane and rings the doorbell. Waits up to the
   // deadline while `capacity` requests are in flight (kBusy after that).
-  Result<uint64_t> submit(Request req, Clock::time_point deadline) {
+  Result<uint64_t> submit(Request req, shm::Deadline& deadline) {
     if (Status s = evicted(); !s.ok()) return s;
     const auto state = static_cast<shm::ServerState>(
         segment->header().server_state.load(std::memory_order_acquire));  // SYNC(server_stopped)
@@ -146,7 +146,9 @@ class Worker::Impl {
     // Bound what is in flight so the completion queue can never overflow:
     // drain finished requests into `done` while the lane is full.
     while (in_flight() >= capacity) {
-      Status s = pop_one(deadline);
+      Completion c;
+      Status s = pop_one(deadline, &c);
+      if (s.ok()) done.push_back(c);
       if (s.code() == ErrorCode::kTimeout)
         return Status{ErrorCode::kBusy, "request lane full: " + std::to_string(capacity) + " requests in flight for the whole timeout"};
       if (!s.ok()) return s;
@@ -170,15 +172,17 @@ class Worker::Impl {
     return req.request_id;
   }
 
-  // Pops the next completion into `done`, waiting up to the deadline.
-  Status pop_one(Clock::time_point deadline) {
-    Completion c;
-    shm::RingResult r = completions.try_pop(&c);
+  // Pops the next completion into *out, waiting up to the deadline.
+  Status pop_one(shm::Deadline& deadline, Completion* out) {
+    shm::RingResult r = completions.refresh();
     if (r == shm::RingResult::kEmpty) {
       Status why;
       const auto w = shm::wait_until(
           completions.header()->data_ready,
-          [&] { return completions.refresh() != shm::RingResult::kEmpty; },
+          [&] {
+            completions.prefetch_next();  // the slot's lines travel with the tail's (ring.hpp)
+            return completions.refresh() != shm::RingResult::kEmpty;
+          },
           [&] {
             why = server_gone();
             if (why.ok()) why = evicted();
@@ -201,20 +205,30 @@ class Worker::Impl {
           return why;
         }
       }
-      r = completions.try_pop(&c);
+      r = completions.refresh();
     }
     if (r == shm::RingResult::kCorrupt) return {ErrorCode::kInternal, "completion queue indices are corrupt"};
-    if (r != shm::RingResult::kOk) return {ErrorCode::kInternal, "completion vanished"};
+    const Completion* slot = completions.peek();
+    if (slot == nullptr) return {ErrorCode::kInternal, "completion vanished"};
+    // The first line always; the message only with a failure (a success
+    // leaves an older message there: layout.hpp, Completion).
+    Completion& c = *out;
+    std::memcpy(&c, slot, offsetof(Completion, message));
+    if (c.code != 0) {
+      std::memcpy(c.message, slot->message, sizeof c.message);
+      c.message[sizeof c.message - 1] = '\0';
+    } else {
+      c.message[0] = '\0';
+    }
+    completions.release();
     if (c.request_id != last_completed_id + 1)
       return {ErrorCode::kInternal, "completion for request " + std::to_string(c.request_id) + ", expected " + std::to_string(last_completed_id + 1)};
-    c.message[sizeof c.message - 1] = '\0';
     last_completed_id = c.request_id;
-    done.push_back(c);
     return Status::Ok();
   }
 
   // Waits for the completion of request `ticket`.
-  Result<Completion> wait(uint64_t ticket, Clock::time_point deadline) {
+  Result<Completion> wait(uint64_t ticket, shm::Deadline& deadline) {
     if (ticket == 0 || ticket >= next_request_id)
       return Status{ErrorCode::kInvalidArgument, "ticket " + std::to_string(ticket) + " was never issued"};
     while (true) {
@@ -237,7 +251,15 @@ class Worker::Impl {
       if (!attached)
         return Status{ErrorCode::kServerRestarted, "request " + std::to_string(ticket) +
                                                        " was not acknowledged before the session ended (the server died or evicted this worker)"};
-      if (Status s = pop_one(deadline); !s.ok()) return s;
+      // The next completion goes straight back when it is this ticket's
+      // (the common case: one request in flight), else waits in `done`.
+      Completion c;
+      if (Status s = pop_one(deadline, &c); !s.ok()) return s;
+      if (c.request_id == ticket) {
+        fault_point.hit("after_completion");
+        return c;
+      }
+      done.push_back(c);
     }
   }
 
@@ -249,7 +271,7 @@ class Worker::Impl {
 
   // One request, no reconnecting (attach and registration use it).
   Result<Completion> call_once(Request req) {
-    const auto deadline = Clock::now() + options.timeout;
+    shm::Deadline deadline(options.timeout);
     auto ticket = submit(req, deadline);
     if (!ticket.ok()) return ticket.status();
     auto c = wait(*ticket, deadline);
@@ -263,19 +285,23 @@ class Worker::Impl {
   Status usable() {
     if (user_detached) return {ErrorCode::kUnknownWorker, "detached"};
     if (attached) return Status::Ok();
-    if (options.reconnect && attached_once) return ensure_server(Clock::now() + options.timeout);
+    if (options.reconnect && attached_once) {
+      shm::Deadline deadline(options.timeout);
+      return ensure_server(deadline);
+    }
     return {ErrorCode::kUnknownWorker, "not attached"};
   }
 
   // With options.reconnect, first re-attaches when the server is gone.
   Result<Completion> call(Request req) {
-    if (Status s = ensure_server(Clock::now() + options.timeout); !s.ok()) return s;
+    shm::Deadline deadline(options.timeout);
+    if (Status s = ensure_server(deadline); !s.ok()) return s;
     return call_once(req);
   }
 
   // Ok when the server we are attached to is alive; with reconnect, waits
   // for its successor and re-attaches.
-  Status ensure_server(Clock::time_point deadline) {
+  Status ensure_server(shm::Deadline& deadline) {
     if (!options.reconnect || !attached_once) return Status::Ok();
     if (attached && !evicted().ok()) end_evicted_session();
     if (attached) {
@@ -480,7 +506,7 @@ class Worker::Impl {
   // After the server died: waits (up to the deadline) for a server of a new
   // generation under the same name (after an eviction: the same server is
   // fine), attaches to it and registers every buffer again under its old id.
-  Status reattach(Clock::time_point deadline) {
+  Status reattach(shm::Deadline& deadline) {
     const uint64_t old_generation = generation;
     attached = false;
     while (true) {
@@ -498,7 +524,7 @@ class Worker::Impl {
         }
         if (s.code() == ErrorCode::kLayoutMismatch || s.code() == ErrorCode::kNoCapacity) return s;
       }
-      if (Clock::now() >= deadline)
+      if (Clock::now() >= deadline.time())
         return {ErrorCode::kServerNotRunning, "server '" + options.name + "' did not come back within the timeout"};
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
@@ -659,7 +685,10 @@ Status Worker::unregister_buffer(uint32_t buffer_id) {
 
 Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
                                           uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream) {
-  if (Status s = impl_->ensure_server(std::chrono::steady_clock::now() + impl_->options.timeout); !s.ok()) return s;
+  // One deadline for the re-attach and the submit; read from the clock only
+  // if either has to sleep (shm::Deadline).
+  shm::Deadline deadline(impl_->options.timeout);
+  if (Status s = impl_->ensure_server(deadline); !s.ok()) return s;
   if (Status s = impl_->usable(); !s.ok()) return s;
   if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
   Request req{};
@@ -670,11 +699,12 @@ Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id
   req.byte_length = bytes;
   req.dtype = static_cast<uint32_t>(dtype);
   req.worker_version = worker_version;
-  return impl_->submit(req, std::chrono::steady_clock::now() + impl_->options.timeout);
+  return impl_->submit(req, deadline);
 }
 
 Result<uint64_t> Worker::wait(Ticket ticket) {
-  auto c = impl_->wait(ticket, std::chrono::steady_clock::now() + impl_->options.timeout);
+  shm::Deadline deadline(impl_->options.timeout);
+  auto c = impl_->wait(ticket, deadline);
   if (!c.ok()) return c.status();
   if (Status s = Impl::to_status(*c); !s.ok()) return s;
   return c->version;

@@ -29,15 +29,53 @@ void wait_once(WaitWord& w, uint32_t observed_seq, std::chrono::nanoseconds slic
 
 enum class WaitResult { kReady, kTimeout, kAborted };
 
+// A deadline that reads the clock only when first asked. A wait that ends
+// within its spin never needs it, and a steady_clock read costs 20-30 ns on
+// the development VM, a tenth of a request's round trip (docs/benchmarks.md,
+// "Profile"). Deadline(timeout) counts from its first time() call, at most
+// one spin (about 50 us) after the wait began; Deadline::at(t) is fixed.
+// Not thread-safe: one waiter's object.
+class Deadline {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit Deadline(std::chrono::nanoseconds timeout) noexcept : timeout_(timeout) {}
+  static Deadline at(Clock::time_point t) noexcept {
+    Deadline d(std::chrono::nanoseconds{0});
+    d.at_ = t;
+    d.fixed_ = true;
+    return d;
+  }
+  Clock::time_point time() noexcept {
+    if (!fixed_) {
+      at_ = Clock::now() + timeout_;
+      fixed_ = true;
+    }
+    return at_;
+  }
+
+ private:
+  std::chrono::nanoseconds timeout_;
+  Clock::time_point at_{};
+  bool fixed_ = false;
+};
+
 // Waits until ready() is true: spins `spin_iterations` polls (with a pause
 // instruction), then sleeps on w in slices of at most `slice`, calling
 // abort() between slices (a true return ends the wait with kAborted, e.g.
-// the peer died). Gives up with kTimeout at `deadline`.
+// the peer died). Gives up with kTimeout at `deadline` (read only once the
+// spin is over).
 WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready,
-                      const std::function<bool()>& abort,
-                      std::chrono::steady_clock::time_point deadline,
+                      const std::function<bool()>& abort, Deadline& deadline,
                       uint32_t spin_iterations = 2000,
                       std::chrono::nanoseconds slice = std::chrono::milliseconds(20));
+inline WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready,
+                             const std::function<bool()>& abort,
+                             std::chrono::steady_clock::time_point deadline,
+                             uint32_t spin_iterations = 2000,
+                             std::chrono::nanoseconds slice = std::chrono::milliseconds(20)) {
+  Deadline d = Deadline::at(deadline);
+  return wait_until(w, ready, abort, d, spin_iterations, slice);
+}
 
 // A CPU relax hint for spin loops.
 inline void cpu_relax() noexcept {

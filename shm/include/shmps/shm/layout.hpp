@@ -46,7 +46,8 @@ namespace shmps::shm {
 
 inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-endian
 // 3: StatsBlock::workers_evicted. 4: SegmentHeader::weights_export, kBufferInProcess.
-inline constexpr uint32_t kLayoutVersion = 4;
+// 5: Completion::message is written only when code != 0.
+inline constexpr uint32_t kLayoutVersion = 5;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;   // 4 doorbell words
@@ -357,7 +358,11 @@ static_assert(offsetof(Request, worker_version) == 48);
 static_assert(offsetof(Request, dtype) == 56);
 static_assert(offsetof(Request, flags) == 60);
 
-// The answer to one request. Written by the server.
+// The answer to one request. Written by the server. A success (code 0)
+// writes only the first cache line: `message` then holds the bytes of an
+// earlier completion in that slot and is not to be read (a consumer copies
+// the first 64 bytes, and the message only when code != 0), so a successful
+// round trip moves one line to the worker, not two.
 struct Completion {
   uint64_t request_id;
   uint32_t opcode;
@@ -365,7 +370,7 @@ struct Completion {
   uint64_t version;          // the parameter version the request saw or made
   uint64_t value;            // opcode-specific (see Opcode)
   uint64_t reserved[4];
-  char message[64];          // NUL-terminated short reason when code != 0
+  char message[64];          // NUL-terminated short reason; written only when code != 0
 };
 static_assert(std::is_trivially_copyable_v<Completion> && std::is_standard_layout_v<Completion>);
 static_assert(sizeof(Completion) == 128);
