@@ -35,6 +35,12 @@ size_t dtype_size(Dtype dtype) noexcept {
 namespace {
 using Clock = std::chrono::steady_clock;
 
+// Sizing of a wait for a completion (Worker::Impl::wait_for_completion()).
+constexpr uint64_t kMinSpinPolls = 2000;         // about 50 us on the development VM
+constexpr uint64_t kMaxSpinPolls = 20000;        // about 500 us
+constexpr uint64_t kTimedAfterPolls = 256;       // a wait this long reads the clock (once)
+constexpr uint64_t kSleepAboveNs = 250'000;      // longer expected waits sleep at once
+
 // Fault injection for the reliability tests: with SHMPS_FAULT=<point> in
 // the environment when a Worker connects, the process SIGKILLs itself when
 // that Worker reaches <point> (SHMPS_FAULT=<point>:<n>: the n-th time;
@@ -83,6 +89,12 @@ class Worker::Impl {
   shm::SpscConsumer<Completion> completions;
   uint64_t next_request_id = 1;
   uint64_t last_completed_id = 0;     // completions arrive in request order
+  // The wait for a completion is sized from what the same kind of request
+  // (a push or a pull of the same tensor, anything else) took last time:
+  // see wait_for_completion().
+  std::vector<uint64_t> expected_ns;  // by wait_key(); 0: done within kTimedAfterPolls polls, or not seen yet
+  std::vector<uint32_t> inflight_key; // wait_key() of each request in flight, at request_id & (capacity - 1)
+  double ns_per_poll = 25.0;          // one poll + pause; recalibrated by every long spin
   std::deque<Completion> done;        // popped, not yet claimed by wait()
   std::vector<TensorInfo> tensors;
   uint64_t total_elements = 0;
@@ -154,6 +166,7 @@ class Worker::Impl {
       if (!s.ok()) return s;
     }
     req.request_id = next_request_id;
+    inflight_key[req.request_id & (capacity - 1)] = wait_key(req);
     req.worker_id = id;
     req.lease = lease;
     const shm::RingResult r = lane.stage(req);
@@ -172,23 +185,73 @@ class Worker::Impl {
     return req.request_id;
   }
 
+  uint32_t wait_key(const Request& req) const {
+    const auto t = static_cast<uint32_t>(tensors.size());
+    const uint32_t tensor = req.tensor_id < t ? req.tensor_id : t;
+    if (req.opcode == static_cast<uint32_t>(Opcode::kPush)) return tensor;
+    if (req.opcode == static_cast<uint32_t>(Opcode::kPull)) return t + 1 + tensor;
+    return 2 * t + 2;
+  }
+
+  // Waits for the next completion. A worker waiting for the server's reply
+  // either spins (a round trip is ~0.3 us; a futex wake-up ~60 us on a VM)
+  // or sleeps (its CPU may be one the server's kernels need: from 4 MiB an
+  // apply runs on every core, OpenMP). What the previous request of the
+  // same kind (wait_key()) took decides:
+  // - unknown or short: spin kMinSpinPolls polls (about 50 us), then sleep;
+  // - up to kSleepAboveNs: spin twice as long as last time (a 1 MiB check +
+  //   apply takes ~35 us: a fixed 50 us spin fell asleep on some pushes and
+  //   paid the wake-up);
+  // - longer: sleep on the futex at once; the wake-up is a small part of
+  //   such a wait, and a spinning worker would slow the apply it waits for.
+  // Only waits past kTimedAfterPolls polls read the clock.
+  shm::WaitResult wait_for_completion(shm::Deadline& deadline, const std::function<bool()>& abort) {
+    const uint32_t key = inflight_key[(last_completed_id + 1) & (capacity - 1)];
+    const uint64_t expect = expected_ns[key];
+    auto& word = completions.header()->data_ready;
+    uint64_t polls = 0;
+    uint64_t t0 = 0;  // when the wait passed kTimedAfterPolls polls, or began its sleep
+    const auto ready = [&] {
+      if (++polls == kTimedAfterPolls && t0 == 0) t0 = shm::monotonic_ns();
+      completions.prefetch_next();  // the slot's lines travel with the tail's (ring.hpp)
+      return completions.refresh() != shm::RingResult::kEmpty;
+    };
+    uint64_t spin = std::clamp<uint64_t>(static_cast<uint64_t>(static_cast<double>(2 * expect) / ns_per_poll),
+                                         kMinSpinPolls, kMaxSpinPolls);
+    if (expect > kSleepAboveNs) {
+      t0 = shm::monotonic_ns();
+      polls = kTimedAfterPolls;  // no second clock read
+      spin = 0;
+    }
+    const uint64_t polls_before = polls;
+    const shm::WaitResult w = shm::wait_until(word, ready, abort, deadline, static_cast<uint32_t>(spin));
+    return finish_wait(w, key, t0, polls - polls_before, spin);
+  }
+
+  // Records what the wait took; `polls` of which spun (<= spin: it never slept).
+  shm::WaitResult finish_wait(shm::WaitResult w, uint32_t key, uint64_t t0, uint64_t polls, uint64_t spin) {
+    if (w != shm::WaitResult::kReady) return w;
+    if (t0 == 0) {
+      expected_ns[key] = 0;  // answered within kTimedAfterPolls polls
+      return w;
+    }
+    const uint64_t now = shm::monotonic_ns();
+    if (spin != 0 && polls > kTimedAfterPolls && polls <= spin)  // spun all along: calibrate
+      ns_per_poll = 0.75 * ns_per_poll + 0.25 * static_cast<double>(now - t0) / static_cast<double>(polls - kTimedAfterPolls);
+    expected_ns[key] = now - t0 + static_cast<uint64_t>(kTimedAfterPolls * ns_per_poll);
+    return w;
+  }
+
   // Pops the next completion into *out, waiting up to the deadline.
   Status pop_one(shm::Deadline& deadline, Completion* out) {
     shm::RingResult r = completions.refresh();
     if (r == shm::RingResult::kEmpty) {
       Status why;
-      const auto w = shm::wait_until(
-          completions.header()->data_ready,
-          [&] {
-            completions.prefetch_next();  // the slot's lines travel with the tail's (ring.hpp)
-            return completions.refresh() != shm::RingResult::kEmpty;
-          },
-          [&] {
-            why = server_gone();
-            if (why.ok()) why = evicted();
-            return !why.ok();
-          },
-          deadline);
+      const auto w = wait_for_completion(deadline, [&] {
+        why = server_gone();
+        if (why.ok()) why = evicted();
+        return !why.ok();
+      });
       if (w == shm::WaitResult::kTimeout) return {ErrorCode::kTimeout, "no completion within the timeout"};
       if (w == shm::WaitResult::kAborted) {
         // The server may have answered before it died or stopped.
@@ -499,6 +562,8 @@ class Worker::Impl {
     attached = true;
     buffers.resize(h.max_buffers);
     tensors = std::move(table);
+    expected_ns.assign(2 * tensors.size() + 3, 0);
+    inflight_key.assign(capacity, 0);
     total_elements = h.total_elements;
     return Status::Ok();
   }
