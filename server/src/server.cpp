@@ -139,6 +139,7 @@ struct WorkerSlot {
   uint64_t pid_start_time = 0;
   uint64_t lease = 0;
   uint64_t stopped_since_ns = 0;  // when we first saw its process stopped; 0: running
+  uint64_t next_request_id = 0;   // the id after the last request taken; 0: unknown (new session)
   bool attached() const { return owner != 0; }
 };
 
@@ -261,6 +262,7 @@ class Server::Impl {
   // Every kHeartbeatNs, from the loop and only there: a consumer stuck in a
   // request stops the watchdog keep-alives, and systemd restarts it.
   void periodic(uint64_t now) {
+    update_depth();  // for readers of the stats block (shmps-inspect)
     if (now - last_segment_check >= kSegmentCheckNs) {
       last_segment_check = now;
       check_segment_name();
@@ -485,21 +487,28 @@ class Server::Impl {
     slot.lane.prefetch_next();  // the request's line travels while we check the entry
     shm::WorkerEntry& entry = segment->worker(i);
     uint32_t served = 0;
+    bool drained = false;  // the batch ended on an empty lane
     while (served < kBatchPerLane) {
       if (!slot.completions.has_space()) break;  // worker is behind; it will catch up
       if (slot.deferred.size() >= config.lane_capacity) break;  // its device work is behind
       if (!failure.ok()) break;  // the device failed: nothing more is taken (shutdown fails the rest)
-      // This lane alone is a lower bound of the total; update_depth(), after
-      // the batch (off the round trip's path), sums all lanes.
+      // This lane alone is a lower bound of the total; update_depth() sums
+      // all lanes every heartbeat and for a stats request.
       note_depth(slot.lane.depth_estimate());
+      // A request whose id is the one after the last is taken from its slot
+      // (ring.hpp, seq_published()) even if its tail has not arrived yet.
       Request req;
-      const shm::RingResult r = slot.lane.try_pop(&req);
-      if (r == shm::RingResult::kEmpty) break;
+      const shm::RingResult r = slot.lane.try_pop(&req, slot.next_request_id);
+      if (r == shm::RingResult::kEmpty) {
+        drained = true;
+        break;
+      }
       if (r == shm::RingResult::kCorrupt) {
         evict(i, "its request lane indices are corrupt");
         return true;
       }
       ++served;
+      slot.next_request_id = req.request_id + 1;  // a worker's ids count up by one (0 after a wrap: unknown)
       bump(stats().requests);
       Completion c = handle(i, req);
       if (c.opcode == static_cast<uint32_t>(Opcode::kDetach) && c.code == 0) {
@@ -519,11 +528,8 @@ class Server::Impl {
       if (!slot.attached() || entry.owner.load(std::memory_order_relaxed) != slot.owner)  // relaxed: re-checked by sync_entry
         return true;  // evicted while handling, or the entry changed
     }
-    if (served > 0) {
-      shm::notify(slot.lane.header()->space_ready);
-      update_depth();  // what is left now
-    }
-    if (slot.lane.refresh() == shm::RingResult::kOk) ring_doorbell(i);  // more left: come back
+    if (served > 0) shm::notify(slot.lane.header()->space_ready);
+    if (!drained && slot.lane.refresh() == shm::RingResult::kOk) ring_doorbell(i);  // more left: come back
     return served > 0;
   }
 
@@ -990,6 +996,7 @@ class Server::Impl {
   }
 
   Completion stats_request(uint32_t i, const Request& req) {
+    update_depth();  // what is queued right now
     shm::StatsReply& r = segment->worker(i).stats_reply;
     auto& s = stats();
     // relaxed loads of our own counters; the completion's release publishes r.
@@ -1059,7 +1066,17 @@ class Server::Impl {
     segment->lane(i).head.store(0, std::memory_order_relaxed);
     segment->completions(i).tail.store(0, std::memory_order_relaxed);
     segment->completions(i).head.store(0, std::memory_order_relaxed);
+    // Both ends take slots by request id (ring.hpp, seq_published()): no
+    // id of an earlier session may be left in them (a new Worker counts
+    // from 1 again).
+    Completion* answers = segment->completion_slots(i);
+    Request* requests = segment->lane_slots(i);
+    for (uint32_t k = 0; k < config.lane_capacity; ++k) {
+      std::atomic_ref<uint64_t>(answers[k].request_id).store(0, std::memory_order_relaxed);  // relaxed: as above
+      std::atomic_ref<uint64_t>(requests[k].request_id).store(0, std::memory_order_relaxed);  // relaxed: as above
+    }
     slots[i].lane = shm::SpscConsumer<Request>(&segment->lane(i), segment->lane_slots(i), config.lane_capacity);
+    slots[i].next_request_id = 0;
     slots[i].completions = shm::SpscProducer<Completion>(&segment->completions(i), segment->completion_slots(i), config.lane_capacity);
   }
 

@@ -213,8 +213,8 @@ class Worker::Impl {
     uint64_t t0 = 0;  // when the wait passed kTimedAfterPolls polls, or began its sleep
     const auto ready = [&] {
       if (++polls == kTimedAfterPolls && t0 == 0) t0 = shm::monotonic_ns();
-      completions.prefetch_next();  // the slot's lines travel with the tail's (ring.hpp)
-      return completions.refresh() != shm::RingResult::kEmpty;
+      if (completions.seq_published(last_completed_id + 1)) return true;
+      return (polls & 63) == 0 && completions.refresh() != shm::RingResult::kEmpty;
     };
     uint64_t spin = std::clamp<uint64_t>(static_cast<uint64_t>(static_cast<double>(2 * expect) / ns_per_poll),
                                          kMinSpinPolls, kMaxSpinPolls);
@@ -242,9 +242,17 @@ class Worker::Impl {
     return w;
   }
 
+  // True when the next completion is there: its slot already holds the
+  // request id we expect next (the server writes it last: ring.hpp,
+  // SYNC(slot_seq)), or the tail says so (any other answer: a corrupt
+  // queue, or an id we do not expect, which pop_one() reports).
+  bool answer_ready() noexcept {
+    return completions.seq_published(last_completed_id + 1) || completions.refresh() != shm::RingResult::kEmpty;
+  }
+
   // Pops the next completion into *out, waiting up to the deadline.
   Status pop_one(shm::Deadline& deadline, Completion* out) {
-    shm::RingResult r = completions.refresh();
+    shm::RingResult r = answer_ready() ? shm::RingResult::kOk : shm::RingResult::kEmpty;
     if (r == shm::RingResult::kEmpty) {
       Status why;
       const auto w = wait_for_completion(deadline, [&] {
@@ -255,7 +263,7 @@ class Worker::Impl {
       if (w == shm::WaitResult::kTimeout) return {ErrorCode::kTimeout, "no completion within the timeout"};
       if (w == shm::WaitResult::kAborted) {
         // The server may have answered before it died or stopped.
-        if (completions.refresh() == shm::RingResult::kEmpty) {
+        if (!answer_ready()) {
           if (options.reconnect && attached_once && why.code() == ErrorCode::kServerNotRunning) {
             attached = false;  // the next call re-attaches
             return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged; the next call re-attaches"};
@@ -268,10 +276,15 @@ class Worker::Impl {
           return why;
         }
       }
-      r = completions.refresh();
     }
-    if (r == shm::RingResult::kCorrupt) return {ErrorCode::kInternal, "completion queue indices are corrupt"};
-    const Completion* slot = completions.peek();
+    const Completion* slot = nullptr;
+    if (completions.seq_published(last_completed_id + 1)) {
+      slot = completions.peek_published();
+    } else {
+      r = completions.refresh();
+      if (r == shm::RingResult::kCorrupt) return {ErrorCode::kInternal, "completion queue indices are corrupt"};
+      slot = completions.peek();
+    }
     if (slot == nullptr) return {ErrorCode::kInternal, "completion vanished"};
     // The first line always; the message only with a failure (a success
     // leaves an older message there: layout.hpp, Completion).
