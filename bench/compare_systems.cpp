@@ -315,12 +315,11 @@ class ShmpsClient final : public Client {
     c->buffer_ = *buf;
     std::fill_n(static_cast<float*>(c->buffer_.data), max_bytes / sizeof(float), kGradValue);
     // Gradients up to 4 KiB (the latency rows) come from a buffer of their
-    // own, as a worker with small tensors would register. From the one big
-    // buffer, the 4 KiB gradient of tensor 0 sat exactly 256 MiB + 16 B
-    // below the server's weights of tensor 0 in every run where the kernel
-    // placed the mapping right under them: AMD's L1 way predictor (a hash
-    // of address bits 12-27) then confuses the two lines, and the 4 KiB
-    // SGD apply took twice as long (docs/comparison.md, "What bounds").
+    // own, as a worker with small tensors would register. (From the one big
+    // buffer, the 4 KiB gradient of tensor 0 used to sit exactly 256 MiB +
+    // 16 B below the server's weights of tensor 0, which AMD's L1 way
+    // predictor treats as the same line: the server's host arrays now start
+    // half of that period into their mappings, server/src/host_backend.cpp.)
     auto small = c->worker_->register_buffer(kSmallBytes);
     if (!small.ok()) return small.status();
     c->small_ = *small;
