@@ -42,8 +42,9 @@ constexpr uint64_t kFiniteChunk = 4096;
 // both give the same bits (tests/kernels). At 4 KiB the AVX2 SGD apply takes
 // about 0.6x the SSE2 one; from 1 MiB memory bandwidth bounds both
 // (docs/benchmarks.md, "Profile"). GCC only: other compilers build the
-// baseline loop.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// baseline loop. Not under ThreadSanitizer: the loader runs the clones'
+// resolver (an ifunc) before the TSan runtime is up, and it crashes there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define SHMPS_KERNEL_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define SHMPS_KERNEL_CLONES
