@@ -430,7 +430,9 @@ json completion_json(uint64_t index, uint32_t capacity, const shm::Completion& c
               {"code", error_name(c.code)},
               {"version", c.version},
               {"value", c.value},
-              {"message", printable_name(c.message, sizeof c.message)}};
+              // A success leaves an earlier answer's message in the slot
+              // (layout.hpp, Completion): only a failure's is its own.
+              {"message", c.code != 0 ? printable_name(c.message, sizeof c.message) : std::string()}};
 }
 
 template <typename Slot, typename F>
