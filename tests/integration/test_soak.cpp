@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <boost/test/unit_test.hpp>
 #include <filesystem>
 #include <fstream>
@@ -40,6 +41,7 @@ struct Slot {
   std::atomic<uint64_t> max_latency_ns;
   std::atomic<uint64_t> p99_latency_ns;  // of the worker's last 4096 pushes
   std::atomic<uint64_t> paused;          // chaos stops this worker: its own stall is expected
+  char first_error[200];                 // the first unexpected error, for the report
 };
 struct Shared {
   std::atomic<uint64_t> stop;
@@ -82,7 +84,10 @@ int worker_body(const std::string& name, Shared* shared, Slot& slot) {
       slot.lost.fetch_add(1);
       continue;
     } else if (shared->stop.load() == 0) {
-      slot.errors.fetch_add(1);
+      if (slot.errors.fetch_add(1) == 0)
+        std::snprintf(slot.first_error, sizeof slot.first_error, "pid %d: %.*s: %s", static_cast<int>(::getpid()),
+                      static_cast<int>(error_code_name(v.status().code()).size()),
+                      error_code_name(v.status().code()).data(), v.status().message().c_str());
       continue;
     }
     if (shared->server_restarting.load() == 0 && slot.paused.load() == 0) {
@@ -164,6 +169,7 @@ BOOST_AUTO_TEST_CASE(workers_and_server_killed_at_random_while_training) {
     acked += s.acked.load();
     lost += s.lost.load();
     errors += s.errors.load();
+    if (s.errors.load() != 0) BOOST_TEST_MESSAGE("worker error (first of " << s.errors.load() << "): " << s.first_error);
     max_latency = std::max(max_latency, s.max_latency_ns.load());
     p99 = std::max(p99, s.p99_latency_ns.load());
   }
