@@ -28,10 +28,10 @@ namespace {
 // region wakes its team through futexes, and below about 1M elements that
 // costs more than the second thread saves (1 MiB SGD: 50 us with 2 passive
 // threads, 38 us on one); at 4 MiB the two tie, above it the split wins.
-constexpr uint64_t kParallelMinElements = uint64_t{1} << 20;
+[[maybe_unused]] constexpr uint64_t kParallelMinElements = uint64_t{1} << 20;
 // Unit of work handed to a thread: 32K elements = 128 KiB per fp32 array.
 // A multiple of every vector width, so only the last block has a scalar tail.
-constexpr uint64_t kBlockElements = uint64_t{1} << 15;
+[[maybe_unused]] constexpr uint64_t kBlockElements = uint64_t{1} << 15;
 // all_finite_cpu checks this many elements between early exits.
 constexpr uint64_t kFiniteChunk = 4096;
 
