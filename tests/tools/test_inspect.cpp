@@ -491,6 +491,51 @@ BOOST_AUTO_TEST_CASE(decoder_treats_entries_as_untrusted) {
   BOOST_TEST(contains(run.out, "corrupt indices"));
 }
 
+// Layout 5: a successful completion writes only its first line, so the
+// slot's message bytes are an earlier answer's; only a failure's is shown.
+BOOST_AUTO_TEST_CASE(success_completion_shows_no_stale_message) {
+  const std::string name = test::unique_name("insp");
+  struct Cleanup {
+    std::string name;
+    ~Cleanup() { shm::Segment::remove(name); }
+  } cleanup{name};
+  shm::SegmentSpec spec;
+  spec.name = name;
+  spec.tensors = {{"w", {4}}};
+  spec.max_workers = 2;
+  spec.max_buffers = 1;
+  spec.lane_capacity = 4;
+  spec.config.optimizer_kind = 1;  // sgd
+  spec.config.backend = 1;         // host
+  auto seg = shm::Segment::create(spec, 7);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  shm::Segment& s = **seg;
+  s.publish();
+  shm::Completion ok{};
+  ok.request_id = 1;
+  ok.opcode = static_cast<uint32_t>(shm::Opcode::kPush);
+  std::snprintf(ok.message, sizeof ok.message, "left by an earlier failure");
+  shm::Completion failed = ok;
+  failed.request_id = 2;
+  failed.code = static_cast<uint32_t>(ErrorCode::kStale);
+  std::snprintf(failed.message, sizeof failed.message, "staleness 9 > max_staleness 4");
+  s.completion_slots(0)[0] = ok;
+  s.completion_slots(0)[1] = failed;
+  s.completions(0).tail.store(2, std::memory_order_relaxed);
+
+  auto snap = inspect::take_snapshot(s.object().data(), s.object().size(), "test");
+  BOOST_REQUIRE_MESSAGE(snap.ok(), snap.status().to_string());
+  const json j = inspect::to_json(*snap);
+  BOOST_REQUIRE(j["completions"].size() >= 1u);
+  const json& q = j["completions"][0];
+  BOOST_REQUIRE(q["slots"].size() == 2u);
+  BOOST_TEST(q["slots"][0]["message"] == "");
+  BOOST_TEST(q["slots"][1]["message"] == "staleness 9 > max_staleness 4");
+  const std::string text = inspect::render_text(*snap);
+  BOOST_TEST(!contains(text, "left by an earlier failure"), text);
+  BOOST_TEST(contains(text, "staleness 9 > max_staleness 4"), text);
+}
+
 BOOST_AUTO_TEST_CASE(names_of_raw_values) {
   BOOST_TEST(inspect::opcode_name(5) == "push");
   BOOST_TEST(inspect::opcode_name(0) == "unknown(0)");
