@@ -1106,10 +1106,6 @@ class Server::Impl {
   // resumes in the middle of writing its lane only writes its own,
   // abandoned lane, which nobody reads.
   void evict(uint32_t i, const std::string& why, bool corrupt = true) {
-    // relaxed: statistics.
-    if (corrupt) stats().lanes_corrupt.fetch_add(1, std::memory_order_relaxed);
-    stats().workers_evicted.fetch_add(1, std::memory_order_relaxed);
-    log_worker(LogLevel::kWarn, "evicting worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(slots[i].owner)) + "): " + why);
     // Answers held back for device work belong to pushes already applied:
     // post what fits before letting go, so they are not reported lost
     // (device backends only; the host backend never holds any back).
@@ -1118,6 +1114,13 @@ class Server::Impl {
       drain_deferred();
     }
     mark_detached(i);
+    // Counted after the entry says Detached, so a reader that sees the
+    // count sees the entry released (test_stopped reads them in that order;
+    // counting first, with the log line's write in between, was a race).
+    // relaxed: statistics.
+    if (corrupt) stats().lanes_corrupt.fetch_add(1, std::memory_order_relaxed);
+    stats().workers_evicted.fetch_add(1, std::memory_order_relaxed);
+    log_worker(LogLevel::kWarn, "evicting worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(slots[i].owner)) + "): " + why);
     end_session(i, "");
   }
 
