@@ -44,16 +44,26 @@ class HostPeer final : public PeerBuffer {
 // a 4 KiB one 161 ns instead of 60 (measured in one process with that
 // distance: docs/benchmarks.md, "Profile"). Starting every array half of
 // that period into its mapping puts such neighbours 128 MiB apart in that
-// hash. The skipped bytes are address space only: never touched, never
-// resident (MAP_NORESERVE).
+// hash. The skipped bytes are address space only: an inaccessible
+// reservation (PROT_NONE, MAP_NORESERVE), never touched; the array itself
+// is an ordinary mapping over the rest, counted against the commit limit
+// like any allocation.
 class HostArray {
  public:
   static constexpr size_t kStagger = size_t{1} << 27;
   HostArray() = default;
   explicit HostArray(size_t n) : n_(n) {
-    bytes_ = kStagger + std::max<size_t>(n * sizeof(float), 1);
-    base_ = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (base_ == MAP_FAILED) throw std::bad_alloc();  // caught at allocate()
+    const size_t data_bytes = std::max<size_t>(n * sizeof(float), 1);
+    bytes_ = kStagger + data_bytes;
+    void* base = ::mmap(nullptr, bytes_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED) throw std::bad_alloc();  // caught at allocate()
+    void* data = ::mmap(static_cast<char*>(base) + kStagger, data_bytes, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    if (data == MAP_FAILED) {
+      ::munmap(base, bytes_);
+      throw std::bad_alloc();
+    }
+    base_ = base;
   }
   HostArray(HostArray&& o) noexcept { swap(o); }
   HostArray& operator=(HostArray&& o) noexcept {
@@ -61,9 +71,11 @@ class HostArray {
     return *this;
   }
   ~HostArray() {
-    if (base_ != nullptr && base_ != MAP_FAILED) ::munmap(base_, bytes_);
+    if (base_ != nullptr) ::munmap(base_, bytes_);
   }
-  float* data() const noexcept { return reinterpret_cast<float*>(static_cast<char*>(base_) + kStagger); }
+  float* data() const noexcept {
+    return base_ == nullptr ? nullptr : reinterpret_cast<float*>(static_cast<char*>(base_) + kStagger);
+  }
   size_t size() const noexcept { return n_; }  // elements; zero until written
 
  private:
@@ -114,10 +126,13 @@ class HostBackend final : public Backend {
     try {
       weights_ = HostArray(initial.size());
       move_into(initial, weights_);
-      // Zero-filled by the kernel on first touch: no temporary to copy
-      // from, nothing resident before the optimizer writes it.
+      // Zeroed in place (no temporary to copy from) and touched now, so
+      // memory the host lacks fails the start, not a later update.
       state_.clear();
-      for (size_t a = 0; a < state_arrays; ++a) state_.emplace_back(weights_.size());
+      for (size_t a = 0; a < state_arrays; ++a) {
+        state_.emplace_back(weights_.size());
+        std::memset(state_.back().data(), 0, weights_.size() * sizeof(float));
+      }
     } catch (const std::bad_alloc&) {
       return {ErrorCode::kNoCapacity, "cannot map " + std::to_string(initial.size() * sizeof(float) * (1 + state_arrays)) +
                                           " bytes of weights and optimizer state"};

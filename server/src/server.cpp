@@ -437,8 +437,11 @@ class Server::Impl {
         lane.prefetch_next();
         if (!lane.tail_moved_hint()) continue;
         watch_cursor = pos + 1;
-        serve_lane(i);  // may change attached_lanes: rescan from the cursor
-        served = true;
+        // May change attached_lanes: rescan from the cursor. A lane that
+        // gave nothing (its tail lags the slots taken by id, or its entry
+        // changed) is not work: the watch, and then the loop, stay idle, so
+        // such a lane cannot keep the server from sleeping.
+        served = serve_lane(i);
         break;
       }
       if (served) {

@@ -211,11 +211,6 @@ class Worker::Impl {
     auto& word = completions.header()->data_ready;
     uint64_t polls = 0;
     uint64_t t0 = 0;  // when the wait passed kTimedAfterPolls polls, or began its sleep
-    const auto ready = [&] {
-      if (++polls == kTimedAfterPolls && t0 == 0) t0 = shm::monotonic_ns();
-      if (completions.seq_published(last_completed_id + 1)) return true;
-      return (polls & 63) == 0 && completions.refresh() != shm::RingResult::kEmpty;
-    };
     uint64_t spin = std::clamp<uint64_t>(static_cast<uint64_t>(static_cast<double>(2 * expect) / ns_per_poll),
                                          kMinSpinPolls, kMaxSpinPolls);
     if (expect > kSleepAboveNs) {
@@ -223,6 +218,15 @@ class Worker::Impl {
       polls = kTimedAfterPolls;  // no second clock read
       spin = 0;
     }
+    const uint64_t spin_end = polls + spin;
+    const auto ready = [&] {
+      if (++polls == kTimedAfterPolls && t0 == 0) t0 = shm::monotonic_ns();
+      if (completions.seq_published(last_completed_id + 1)) return true;
+      // The tail (any other answer: an id we do not expect, a corrupt
+      // queue) every 64th poll while spinning, where the worker writes its
+      // tail right then; on every check once asleep.
+      return ((polls & 63) == 0 || polls > spin_end) && completions.refresh() != shm::RingResult::kEmpty;
+    };
     const uint64_t polls_before = polls;
     const shm::WaitResult w = shm::wait_until(word, ready, abort, deadline, static_cast<uint32_t>(spin));
     return finish_wait(w, key, t0, polls - polls_before, spin);
@@ -237,7 +241,8 @@ class Worker::Impl {
     }
     const uint64_t now = shm::monotonic_ns();
     if (spin != 0 && polls > kTimedAfterPolls && polls <= spin)  // spun all along: calibrate
-      ns_per_poll = 0.75 * ns_per_poll + 0.25 * static_cast<double>(now - t0) / static_cast<double>(polls - kTimedAfterPolls);
+      ns_per_poll = std::max(1.0, 0.75 * ns_per_poll + 0.25 * static_cast<double>(now - t0) /
+                                                           static_cast<double>(polls - kTimedAfterPolls));
     expected_ns[key] = now - t0 + static_cast<uint64_t>(kTimedAfterPolls * ns_per_poll);
     return w;
   }
@@ -585,6 +590,7 @@ class Worker::Impl {
   // generation under the same name (after an eviction: the same server is
   // fine), attaches to it and registers every buffer again under its old id.
   Status reattach(shm::Deadline& deadline) {
+    deadline.time();  // the timeout counts from here, not from after the first attempt (which may take it whole)
     const uint64_t old_generation = generation;
     attached = false;
     while (true) {
@@ -763,10 +769,11 @@ Status Worker::unregister_buffer(uint32_t buffer_id) {
 
 Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
                                           uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream) {
-  // One deadline for the re-attach and the submit; read from the clock only
-  // if either has to sleep (shm::Deadline).
-  shm::Deadline deadline(impl_->options.timeout);
-  if (Status s = impl_->ensure_server(deadline); !s.ok()) return s;
+  // Each its own timeout, as before: a re-attach that took most of one
+  // leaves the submit a whole one. Read from the clock only if used
+  // (shm::Deadline).
+  shm::Deadline reattach_deadline(impl_->options.timeout);
+  if (Status s = impl_->ensure_server(reattach_deadline); !s.ok()) return s;
   if (Status s = impl_->usable(); !s.ok()) return s;
   if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
   Request req{};
@@ -777,6 +784,7 @@ Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id
   req.byte_length = bytes;
   req.dtype = static_cast<uint32_t>(dtype);
   req.worker_version = worker_version;
+  shm::Deadline deadline(impl_->options.timeout);
   return impl_->submit(req, deadline);
 }
 

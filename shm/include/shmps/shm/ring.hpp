@@ -16,6 +16,7 @@
 // invisible either way until publish().
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -63,7 +64,7 @@ class SpscProducer {
     }
     auto* dst = reinterpret_cast<unsigned char*>(&slots_[tail_ & mask_]);
     const auto* src = reinterpret_cast<const unsigned char*>(&slot);
-    const size_t n = bytes < sizeof(Slot) ? bytes : sizeof(Slot);
+    const size_t n = std::clamp(bytes, sizeof(uint64_t), sizeof(Slot));
     std::memcpy(dst + sizeof(uint64_t), src + sizeof(uint64_t), n - sizeof(uint64_t));
     std::memcpy(&staged_seq_, src, sizeof staged_seq_);  // written by publish()
     return RingResult::kOk;
@@ -184,8 +185,12 @@ class SpscConsumer {
   // A racy hint for a polling consumer: true when the producer's tail (read
   // relaxed, no ordering) differs from our head. Consume with try_pop(),
   // whose refresh() re-reads the tail with acquire and validates it.
+  // A tail that lags slots taken through seq_published() (by up to a
+  // ring) has not moved; a garbage one has (refresh() then says kCorrupt).
   bool tail_moved_hint() const noexcept {
-    return header_->tail.load(std::memory_order_relaxed) != head_;  // relaxed: a hint only
+    const uint64_t tail = header_->tail.load(std::memory_order_relaxed);  // relaxed: a hint only
+    const uint64_t d = tail - head_;
+    return d != 0 && (d <= mask_ + 1 || head_ - tail > mask_ + 1);
   }
   // Asks the CPU to fetch the next slot's cache lines, so that a poller
   // waiting for that slot has its bytes on the way by the time the tail
