@@ -148,6 +148,12 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 
 }  // namespace
 
+// Removes an in-process test segment's name at scope exit.
+struct RemoveSegment {
+  std::string name;
+  ~RemoveSegment() { shm::Segment::remove(name); }
+};
+
 BOOST_AUTO_TEST_SUITE(inspect_tool)
 
 BOOST_AUTO_TEST_CASE(live_segment_as_json) {
@@ -401,10 +407,7 @@ BOOST_AUTO_TEST_CASE(saved_and_corrupted_copies) {
 // worker entries, descriptors): an in-process segment, copied and mangled.
 BOOST_AUTO_TEST_CASE(decoder_treats_entries_as_untrusted) {
   const std::string name = test::unique_name("insp");
-  struct Cleanup {
-    std::string name;
-    ~Cleanup() { shm::Segment::remove(name); }
-  } cleanup{name};
+  const RemoveSegment cleanup{name};
   shm::SegmentSpec spec;
   spec.name = name;
   spec.tensors = {{"fc.weight", {4, 3}}, {"fc.bias", {4}}};
@@ -495,10 +498,7 @@ BOOST_AUTO_TEST_CASE(decoder_treats_entries_as_untrusted) {
 // slot's message bytes are an earlier answer's; only a failure's is shown.
 BOOST_AUTO_TEST_CASE(success_completion_shows_no_stale_message) {
   const std::string name = test::unique_name("insp");
-  struct Cleanup {
-    std::string name;
-    ~Cleanup() { shm::Segment::remove(name); }
-  } cleanup{name};
+  const RemoveSegment cleanup{name};
   shm::SegmentSpec spec;
   spec.name = name;
   spec.tensors = {{"w", {4}}};
