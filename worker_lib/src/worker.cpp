@@ -257,42 +257,48 @@ class Worker::Impl {
 
   // Pops the next completion into *out, waiting up to the deadline.
   Status pop_one(shm::Deadline& deadline, Completion* out) {
-    shm::RingResult r = answer_ready() ? shm::RingResult::kOk : shm::RingResult::kEmpty;
-    if (r == shm::RingResult::kEmpty) {
-      Status why;
-      const auto w = wait_for_completion(deadline, [&] {
-        why = server_gone();
-        if (why.ok()) why = evicted();
-        return !why.ok();
-      });
-      if (w == shm::WaitResult::kTimeout) return {ErrorCode::kTimeout, "no completion within the timeout"};
-      if (w == shm::WaitResult::kAborted) {
-        // The server may have answered before it died or stopped.
-        if (!answer_ready()) {
-          if (options.reconnect && attached_once && why.code() == ErrorCode::kServerNotRunning) {
-            attached = false;  // the next call re-attaches
-            return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged; the next call re-attaches"};
-          }
-          if (options.reconnect && attached_once && !evicted().ok()) {
-            end_evicted_session();  // the next call re-attaches
-            return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged (the server drops an "
-                                                 "evicted worker's queue unapplied); the next call re-attaches"};
-          }
-          return why;
-        }
+    bool got = false;
+    if (Status s = take_answer(out, &got); !s.ok() || got) return s;
+    Status why;
+    const auto w = wait_for_completion(deadline, [&] {
+      why = server_gone();
+      if (why.ok()) why = evicted();
+      return !why.ok();
+    });
+    if (w == shm::WaitResult::kTimeout) return {ErrorCode::kTimeout, "no completion within the timeout"};
+    // Aborted: the server may still have answered before it died or stopped.
+    if (w == shm::WaitResult::kAborted && !answer_ready()) {
+      if (options.reconnect && attached_once && why.code() == ErrorCode::kServerNotRunning) {
+        attached = false;  // the next call re-attaches
+        return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged; the next call re-attaches"};
       }
+      if (options.reconnect && attached_once && !evicted().ok()) {
+        end_evicted_session();  // the next call re-attaches
+        return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged (the server drops an "
+                                             "evicted worker's queue unapplied); the next call re-attaches"};
+      }
+      return why;
     }
+    if (Status s = take_answer(out, &got); !s.ok()) return s;
+    return got ? Status::Ok() : Status{ErrorCode::kInternal, "completion vanished"};
+  }
+
+  // Takes the next completion into *out if there is one (*got): by its id
+  // when its slot holds the one we expect, else through the tail. Copies the
+  // first line, and the message only with a failure (a success leaves an
+  // older message there: layout.hpp, Completion). An answer out of request
+  // order, or a corrupt queue, is kInternal.
+  Status take_answer(Completion* out, bool* got) {
+    *got = false;
     const Completion* slot = nullptr;
     if (completions.seq_published(last_completed_id + 1)) {
       slot = completions.peek_published();
     } else {
-      r = completions.refresh();
-      if (r == shm::RingResult::kCorrupt) return {ErrorCode::kInternal, "completion queue indices are corrupt"};
+      if (completions.refresh() == shm::RingResult::kCorrupt)
+        return {ErrorCode::kInternal, "completion queue indices are corrupt"};
       slot = completions.peek();
+      if (slot == nullptr) return Status::Ok();
     }
-    if (slot == nullptr) return {ErrorCode::kInternal, "completion vanished"};
-    // The first line always; the message only with a failure (a success
-    // leaves an older message there: layout.hpp, Completion).
     Completion& c = *out;
     std::memcpy(&c, slot, offsetof(Completion, message));
     if (c.code != 0) {
@@ -305,6 +311,7 @@ class Worker::Impl {
     if (c.request_id != last_completed_id + 1)
       return {ErrorCode::kInternal, "completion for request " + std::to_string(c.request_id) + ", expected " + std::to_string(last_completed_id + 1)};
     last_completed_id = c.request_id;
+    *got = true;
     return Status::Ok();
   }
 
@@ -406,11 +413,8 @@ class Worker::Impl {
     // kDetached, seen with acquire by evicted()) was applied: keep it for
     // wait(), or those tickets would fall in the lost range of the re-attach.
     Completion c;
-    while (completions.try_pop(&c) == shm::RingResult::kOk && c.request_id == last_completed_id + 1) {
-      c.message[sizeof c.message - 1] = '\0';
-      last_completed_id = c.request_id;
-      done.push_back(c);
-    }
+    bool got = false;
+    while (take_answer(&c, &got).ok() && got) done.push_back(c);
     release_entry();
     attached = false;
     evicted_reattach = true;
