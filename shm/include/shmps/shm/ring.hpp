@@ -128,10 +128,7 @@ class SpscConsumer {
   RingResult try_pop(Slot* out) noexcept {
     if (RingResult r = refresh(); r != RingResult::kOk) return r;
     std::memcpy(out, &slots_[head_ & mask_], sizeof(Slot));
-    ++head_;
-    // SYNC(slot_released): release pairs with the producer's acquire load of
-    // head: the copy above is complete before the slot can be reused.
-    header_->head.store(head_, std::memory_order_release);
+    release();
     return RingResult::kOk;
   }
 
@@ -149,18 +146,20 @@ class SpscConsumer {
       cached_tail_ = head_;
       ahead_of_tail_ = true;
     }
-    // SYNC(slot_released): as in try_pop().
+    // SYNC(slot_released): release pairs with the producer's acquire load of
+    // head: the slot was copied out before it can be reused.
     header_->head.store(head_, std::memory_order_release);
   }
 
   // True when the next slot's sequence (its first 8 bytes) is `seq`: the
   // producer published it (SYNC(slot_seq)), whatever the tail says yet; then
   // peek_published() returns it. Only for a protocol whose sequences never
-  // repeat within a session, with the slots cleared when one starts
-  // (layout.hpp: the completion queue's request ids).
+  // repeat within a session, with the slots cleared when one starts (the
+  // request ids of a worker's lane and completion queue: the server clears
+  // both at each attach).
   bool seq_published(uint64_t seq) const noexcept {
     auto* first = const_cast<uint64_t*>(reinterpret_cast<const uint64_t*>(&slots_[head_ & mask_]));
-    // SYNC(slot_seq): acquire pairs with the producer's release in stage().
+    // SYNC(slot_seq): acquire pairs with the producer's release in publish().
     return std::atomic_ref<uint64_t>(*first).load(std::memory_order_acquire) == seq;
   }
   const Slot* peek_published() const noexcept { return &slots_[head_ & mask_]; }
@@ -174,7 +173,7 @@ class SpscConsumer {
     if (available > mask_ + 1) {
       // Slots taken through seq_published() may be ahead of the tail's
       // store, which is still on its way: up to a ring's worth, that is lag.
-      if (ahead_of_tail_ && head_ - tail <= mask_ + 1) return RingResult::kEmpty;
+      if (ahead_of_tail_ && lags(tail)) return RingResult::kEmpty;
       return RingResult::kCorrupt;
     }
     ahead_of_tail_ = false;
@@ -190,7 +189,7 @@ class SpscConsumer {
   bool tail_moved_hint() const noexcept {
     const uint64_t tail = header_->tail.load(std::memory_order_relaxed);  // relaxed: a hint only
     const uint64_t d = tail - head_;
-    return d != 0 && (d <= mask_ + 1 || head_ - tail > mask_ + 1);
+    return d != 0 && (d <= mask_ + 1 || !lags(tail));
   }
   // Asks the CPU to fetch the next slot's cache lines, so that a poller
   // waiting for that slot has its bytes on the way by the time the tail
@@ -207,7 +206,7 @@ class SpscConsumer {
     const uint64_t tail = header_->tail.load(std::memory_order_relaxed);  // relaxed: a hint only
     const uint64_t d = tail - head_;
     if (d <= mask_ + 1) return d;
-    return head_ - tail <= mask_ + 1 ? 0 : mask_ + 1;
+    return lags(tail) ? 0 : mask_ + 1;
   }
   uint64_t head() const noexcept { return head_; }
   LaneHeader* header() const noexcept { return header_; }
@@ -219,6 +218,10 @@ class SpscConsumer {
   uint64_t head_ = 0;
   uint64_t cached_tail_ = 0;
   bool ahead_of_tail_ = false;  // release() went past the last tail we read
+
+  // A tail behind our head by at most a ring: the producer's tail store
+  // lagging slots taken through seq_published(), not garbage.
+  bool lags(uint64_t tail) const noexcept { return head_ - tail <= mask_ + 1; }
 };
 
 }  // namespace shmps::shm
