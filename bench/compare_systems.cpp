@@ -1,5 +1,6 @@
 #include "compare_systems.hpp"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -11,6 +12,7 @@
 #include <boost/interprocess/ipc/message_queue.hpp>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "shmps/kernels/optimizer.hpp"
@@ -34,6 +36,18 @@ constexpr size_t kMqChunk = 64 * 1024;
 constexpr size_t kMqDepth = 16;
 
 Status io_error(const std::string& what) { return {ErrorCode::kIo, what + ": " + std::strerror(errno)}; }
+
+// A baseline server's set-up (its weights and receive buffer: about 2x the
+// largest gradient, written page by page) takes seconds of both CPUs at
+// 256 MiB. It tells BaselineServer::start() through this pipe when it is
+// done, so that no set-up runs under another system's timed pushes (it did:
+// the shmps row measured first was up to 3.7x slower at 16-256 MiB).
+void signal_ready(int ready_fd) {
+  const char byte = 1;
+  while (::write(ready_fd, &byte, 1) < 0 && errno == EINTR) {
+  }
+  ::close(ready_fd);
+}
 
 // The server side shared by the baselines: weights as long as the largest
 // gradient; each gradient updates its first bytes/4 elements.
@@ -87,9 +101,10 @@ bool write_full(int fd, const void* buf, size_t n) {
 // One thread, poll() over the listening socket and every connection (the
 // analogue of shmps's single consumer). A request: 8-byte length, then the
 // gradient; the reply: the 8-byte version.
-int socket_server(const std::string& path, int listen_fd, uint64_t max_bytes) {
+int socket_server(const std::string& path, int listen_fd, uint64_t max_bytes, int ready_fd) {
   Applier applier(max_bytes);
   std::vector<char> grad(max_bytes);
+  signal_ready(ready_fd);
   std::vector<pollfd> fds{{listen_fd, POLLIN, 0}};
   while (true) {
     if (::poll(fds.data(), fds.size(), -1) < 0) {
@@ -172,12 +187,13 @@ std::string mq_reply_name(const std::string& base) { return base + "_rep"; }
 
 // A request: one 8-byte message with the length, then ceil(bytes / 64 KiB)
 // chunks, reassembled in order; the reply: the 8-byte version. One client.
-int mq_server(const std::string& base, uint64_t max_bytes) {
+int mq_server(const std::string& base, uint64_t max_bytes, int ready_fd) {
   try {
     bip::message_queue requests(bip::open_only, mq_request_name(base).c_str());
     bip::message_queue replies(bip::open_only, mq_reply_name(base).c_str());
     Applier applier(max_bytes);
     std::vector<char> grad(max_bytes + kMqChunk);
+    signal_ready(ready_fd);
     while (true) {
       // receive() refuses a buffer shorter than the queue's message size.
       uint64_t bytes = 0;
@@ -242,11 +258,12 @@ class MqClient final : public Client {
 #if SHMPS_COMPARE_ZMQ
 // REP socket: each request message is the gradient, applied from the
 // received message in place; the reply is the 8-byte version.
-int zmq_server(const std::string& endpoint, uint64_t max_bytes) {
+int zmq_server(const std::string& endpoint, uint64_t max_bytes, int ready_fd) {
   void* ctx = zmq_ctx_new();
   void* rep = zmq_socket(ctx, ZMQ_REP);
   if (zmq_bind(rep, endpoint.c_str()) != 0) return 1;
   Applier applier(max_bytes);
+  signal_ready(ready_fd);
   while (true) {
     zmq_msg_t msg;
     zmq_msg_init(&msg);
@@ -362,6 +379,37 @@ const char* system_name(System system) noexcept {
 
 bool zmq_available() noexcept { return SHMPS_COMPARE_ZMQ != 0; }
 
+namespace {
+
+// Forks a baseline server running fn(ready_fd) and returns once it has
+// called signal_ready(ready_fd). Errors: kIo when it exits first (EOF on
+// the pipe: its copy of the write end closed) or is not set up in 120 s;
+// the returned Child's destructor then kills it.
+Result<Child> fork_server(System system, const std::function<int(int)>& fn) {
+  int ready[2];
+  if (::pipe2(ready, O_CLOEXEC) != 0) return io_error("pipe2");
+  const int write_end = ready[1];
+  Result<Child> child = Child::fork_run([&fn, write_end] { return fn(write_end); });
+  ::close(write_end);
+  if (!child.ok()) {
+    ::close(ready[0]);
+    return child;
+  }
+  pollfd p{ready[0], POLLIN, 0};
+  int polled = 0;
+  while ((polled = ::poll(&p, 1, 120'000)) < 0 && errno == EINTR) {
+  }
+  char byte = 0;
+  const bool ready_now = polled == 1 && ::read(ready[0], &byte, 1) == 1;
+  ::close(ready[0]);
+  if (!ready_now)
+    return Status{ErrorCode::kIo, std::string(system_name(system)) + " server: " +
+                                      (polled == 0 ? "not set up within 120 s" : "exited during set-up")};
+  return child;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<BaselineServer>> BaselineServer::start(System system, uint64_t max_bytes) {
   std::unique_ptr<BaselineServer> s(new BaselineServer());
   s->system_ = system;
@@ -382,7 +430,7 @@ Result<std::unique_ptr<BaselineServer>> BaselineServer::start(System system, uin
       return io_error("bind/listen " + s->address_);
     }
     const std::string path = s->address_;
-    child = Child::fork_run([path, fd, max_bytes] { return socket_server(path, fd, max_bytes); });
+    child = fork_server(system, [path, fd, max_bytes](int ready_fd) { return socket_server(path, fd, max_bytes, ready_fd); });
     ::close(fd);
   } else if (system == System::kMessageQueue) {
     s->address_ = tag;
@@ -394,12 +442,12 @@ Result<std::unique_ptr<BaselineServer>> BaselineServer::start(System system, uin
     } catch (const std::exception& e) {
       return Status{ErrorCode::kIo, std::string("message_queue create: ") + e.what()};
     }
-    child = Child::fork_run([tag, max_bytes] { return mq_server(tag, max_bytes); });
+    child = fork_server(system, [tag, max_bytes](int ready_fd) { return mq_server(tag, max_bytes, ready_fd); });
   } else if (system == System::kZmq) {
 #if SHMPS_COMPARE_ZMQ
     s->address_ = "ipc:///tmp/" + tag + ".zmq";
     const std::string endpoint = s->address_;
-    child = Child::fork_run([endpoint, max_bytes] { return zmq_server(endpoint, max_bytes); });
+    child = fork_server(system, [endpoint, max_bytes](int ready_fd) { return zmq_server(endpoint, max_bytes, ready_fd); });
 #else
     return Status{ErrorCode::kInvalidArgument, "built without libzmq"};
 #endif
