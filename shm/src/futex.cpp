@@ -1,6 +1,7 @@
 #include "shmps/shm/futex.hpp"
 
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -15,6 +16,11 @@ namespace {
 long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* timeout) {
   return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, timeout, nullptr, 0);
 }
+
+// Spin polls per sched_yield() in wait_until() (see the header). A power
+// of two. 64 polls are about 1.5 us: a 4 KiB round trip (~0.35 us) is
+// answered before the first yield.
+constexpr uint32_t kYieldEvery = 64;
 
 }  // namespace
 
@@ -37,7 +43,10 @@ WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready,
                       std::chrono::nanoseconds slice) {
   for (uint32_t i = 0; i < spin_iterations; ++i) {
     if (ready()) return WaitResult::kReady;
-    cpu_relax();
+    if ((i & (kYieldEvery - 1)) == kYieldEvery - 1)
+      ::sched_yield();
+    else
+      cpu_relax();
   }
   while (true) {
     // seq_cst on both: see the protocol in the header.
