@@ -63,8 +63,9 @@ class Deadline {
 // instruction; every 64th poll a sched_yield() instead, so that a spinning
 // waiter on the CPU its peer needs gives that CPU up: a worker sharing one
 // with the server made each 1 MiB push take 93-147 us instead of 41, and
-// 2-8 workers on 2 vCPUs starved the server; the yield costs ~0.2 us when
-// nothing else is runnable), then sleeps on w in slices of at most `slice`, calling
+// 4 workers on 2 vCPUs starved the server; the yield costs ~0.5 us when
+// nothing else is runnable; docs/design.md, "Sleeping"), then sleeps on w
+// in slices of at most `slice`, calling
 // abort() between slices (a true return ends the wait with kAborted, e.g.
 // the peer died). Gives up with kTimeout at `deadline` (read only once the
 // spin is over).
