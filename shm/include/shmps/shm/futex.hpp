@@ -62,7 +62,7 @@ class Deadline {
 // Waits until ready() is true: spins `spin_iterations` polls (with a pause
 // instruction; every 64th poll a sched_yield() instead, so that a spinning
 // waiter on the CPU its peer needs gives that CPU up: a worker sharing one
-// with the server made each 1 MiB push take 93-147 us instead of 41, and
+// with the server made each 1 MiB push take 93 us instead of 41, and
 // 4 workers on 2 vCPUs starved the server; the yield costs ~0.5 us when
 // nothing else is runnable; docs/design.md, "Sleeping"), then sleeps on w
 // in slices of at most `slice`, calling
