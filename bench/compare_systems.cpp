@@ -37,9 +37,9 @@ constexpr size_t kMqDepth = 16;
 
 Status io_error(const std::string& what) { return {ErrorCode::kIo, what + ": " + std::strerror(errno)}; }
 
-// A baseline server's set-up (its weights and receive buffer: about 2x the
-// largest gradient, written page by page) takes seconds of both CPUs at
-// 256 MiB. It tells BaselineServer::start() through this pipe when it is
+// A baseline server's set-up (its weights, and for the socket and the
+// queue a receive buffer: 1-2x the largest gradient, written page by page)
+// takes seconds of both CPUs at 256 MiB. It tells BaselineServer::start() through this pipe when it is
 // done, so that no set-up runs under another system's timed pushes (it did:
 // the shmps row measured first was up to 3.7x slower at 16-256 MiB).
 void signal_ready(int ready_fd) {
@@ -398,6 +398,11 @@ Result<Child> fork_server(System system, const std::function<int(int)>& fn) {
   pollfd p{ready[0], POLLIN, 0};
   int polled = 0;
   while ((polled = ::poll(&p, 1, 120'000)) < 0 && errno == EINTR) {
+  }
+  if (polled < 0) {
+    Status s = io_error("poll");
+    ::close(ready[0]);
+    return s;
   }
   char byte = 0;
   const bool ready_now = polled == 1 && ::read(ready[0], &byte, 1) == 1;

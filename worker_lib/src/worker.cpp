@@ -204,7 +204,10 @@ class Worker::Impl {
   //   paid the wake-up);
   // - longer: sleep on the futex at once; the wake-up is a small part of
   //   such a wait, and a spinning worker would slow the apply it waits for.
-  // Only waits past kTimedAfterPolls polls read the clock.
+  // Only waits past kTimedAfterPolls polls read the clock. The spin yields
+  // the CPU every 64th poll (shm::wait_until): the time it measures, and so
+  // ns_per_poll and the next wait's size, include what other processes ran
+  // meanwhile; a busy CPU thus makes the next wait sleep sooner.
   shm::WaitResult wait_for_completion(shm::Deadline& deadline, const std::function<bool()>& abort) {
     const uint32_t key = inflight_key[(last_completed_id + 1) & (capacity - 1)];
     const uint64_t expect = expected_ns[key];

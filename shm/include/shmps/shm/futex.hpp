@@ -32,8 +32,10 @@ enum class WaitResult { kReady, kTimeout, kAborted };
 // A deadline that reads the clock only when first asked. A wait that ends
 // within its spin never needs it, and a steady_clock read costs 20-30 ns on
 // the development VM, a tenth of a request's round trip (docs/benchmarks.md,
-// "Profile"). Deadline(timeout) counts from its first time() call, at most
-// one spin (about 50 us) after the wait began; Deadline::at(t) is fixed.
+// "Profile"). Deadline(timeout) counts from its first time() call, one spin
+// after the wait began: about 50 us on an idle CPU, longer when the spin's
+// yields (wait_until) hand the CPU to other processes, each for up to a
+// scheduler slice (milliseconds); Deadline::at(t) is fixed.
 // Not thread-safe: one waiter's object.
 class Deadline {
  public:
@@ -59,16 +61,17 @@ class Deadline {
   bool fixed_ = false;
 };
 
-// Waits until ready() is true: spins `spin_iterations` polls (with a pause
-// instruction; every 64th poll a sched_yield() instead, so that a spinning
-// waiter on the CPU its peer needs gives that CPU up: a worker sharing one
-// with the server made each 1 MiB push take 93 us instead of 41, and
-// 4 workers on 2 vCPUs starved the server; the yield costs ~0.5 us when
-// nothing else is runnable; docs/design.md, "Sleeping"), then sleeps on w
-// in slices of at most `slice`, calling
-// abort() between slices (a true return ends the wait with kAborted, e.g.
-// the peer died). Gives up with kTimeout at `deadline` (read only once the
-// spin is over).
+// Waits until ready() is true: spins `spin_iterations` polls, then sleeps
+// on w in slices of at most `slice`, calling abort() between slices (a true
+// return ends the wait with kAborted, e.g. the peer died). Gives up with
+// kTimeout at `deadline` (read only once the spin is over).
+// A poll waits with a pause instruction, every 64th with a sched_yield()
+// instead (~0.5 us when nothing else is runnable), so that a spinner on the
+// CPU its peer needs gives that CPU up: 4 workers spinning on 2 vCPUs
+// starved the server, and a worker on the server's CPU made a 1 MiB push
+// take 93 us instead of 41 (with the server's idle loop yielding too:
+// docs/design.md, "Sleeping"). The yields can stretch the spin, and so the
+// first abort() check, by a scheduler slice each on a busy CPU.
 WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready,
                       const std::function<bool()>& abort, Deadline& deadline,
                       uint32_t spin_iterations = 2000,
