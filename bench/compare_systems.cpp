@@ -39,9 +39,10 @@ Status io_error(const std::string& what) { return {ErrorCode::kIo, what + ": " +
 
 // A baseline server's set-up (its weights, and for the socket and the
 // queue a receive buffer: 1-2x the largest gradient, written page by page)
-// takes seconds of both CPUs at 256 MiB. It tells BaselineServer::start() through this pipe when it is
-// done, so that no set-up runs under another system's timed pushes (it did:
-// the shmps row measured first was up to 3.7x slower at 16-256 MiB).
+// takes seconds of both CPUs at 256 MiB. It says through this pipe when it
+// is done, and fork_server() waits for that, so that no set-up runs under
+// another system's timed pushes (it did: the shmps row measured first was
+// up to 3.7x slower at 16-256 MiB).
 void signal_ready(int ready_fd) {
   const char byte = 1;
   while (::write(ready_fd, &byte, 1) < 0 && errno == EINTR) {
@@ -399,14 +400,11 @@ Result<Child> fork_server(System system, const std::function<int(int)>& fn) {
   int polled = 0;
   while ((polled = ::poll(&p, 1, 120'000)) < 0 && errno == EINTR) {
   }
-  if (polled < 0) {
-    Status s = io_error("poll");
-    ::close(ready[0]);
-    return s;
-  }
+  const Status poll_failed = polled < 0 ? io_error("poll") : Status::Ok();
   char byte = 0;
   const bool ready_now = polled == 1 && ::read(ready[0], &byte, 1) == 1;
   ::close(ready[0]);
+  if (!poll_failed.ok()) return poll_failed;
   if (!ready_now)
     return Status{ErrorCode::kIo, std::string(system_name(system)) + " server: " +
                                       (polled == 0 ? "not set up within 120 s" : "exited during set-up")};

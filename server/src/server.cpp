@@ -1,7 +1,6 @@
 #include "shmps/server/server.hpp"
 
 #include <pthread.h>
-#include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -256,7 +255,7 @@ class Server::Impl {
         if (watch_lanes())
           idle_since = 0;
         else
-          ::sched_yield();
+          shm::yield_cpu();
         continue;
       }
       sleep_until_doorbell();

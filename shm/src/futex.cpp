@@ -17,12 +17,14 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* ti
   return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, timeout, nullptr, 0);
 }
 
-// Spin polls per sched_yield() in wait_until() (see the header). A power
+// Spin polls per yield_cpu() in wait_until() (see the header). A power
 // of two. 64 polls are about 1.5 us: a 4 KiB round trip (~0.35 us) is
 // answered before the first yield.
 constexpr uint32_t kYieldEvery = 64;
 
 }  // namespace
+
+void yield_cpu() noexcept { ::sched_yield(); }
 
 void notify(WaitWord& w) noexcept {
   // SYNC(wait_word): pairs with the waiter's seq load in wait_until().
@@ -44,7 +46,7 @@ WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready,
   for (uint32_t i = 0; i < spin_iterations; ++i) {
     if (ready()) return WaitResult::kReady;
     if ((i & (kYieldEvery - 1)) == kYieldEvery - 1)
-      ::sched_yield();
+      yield_cpu();
     else
       cpu_relax();
   }
