@@ -195,6 +195,42 @@ BOOST_AUTO_TEST_CASE(all_finite_accepts_extremes) {
   BOOST_TEST(all_finite_cpu(bf16, GradDtype::kBF16, 4));
 }
 
+// The fp32 check multiplies by zero and keeps the sign bit out of its
+// verdict: negative finite values, subnormals and -0 inside the vector body
+// (not only in the scalar tail, as above) must pass, and every encoding of
+// Inf and NaN (signed, signalling, any payload) must be found wherever it
+// sits in a 32-element step.
+BOOST_AUTO_TEST_CASE(all_finite_f32_signs_and_nan_encodings) {
+  const float lowest = std::numeric_limits<float>::lowest();
+  const float finite[] = {std::numeric_limits<float>::max(),
+                          lowest,
+                          std::numeric_limits<float>::denorm_min(),
+                          -std::numeric_limits<float>::denorm_min(),
+                          std::numeric_limits<float>::min(),
+                          -std::numeric_limits<float>::min(),
+                          -0.0f,
+                          0.0f,
+                          -1.5f,
+                          3.0f,
+                          -65504.0f};
+  const uint32_t bad_bits[] = {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0xFFC00000u,
+                               0x7F800001u, 0xFF800001u, 0x7FFFFFFFu, 0xFFFFFFFFu};
+  for (const size_t n : {size_t{32}, size_t{64}, size_t{100}, size_t{4096 + 37}}) {
+    std::vector<float> values(n);
+    for (size_t i = 0; i < n; ++i) values[i] = finite[i % std::size(finite)];
+    BOOST_TEST(all_finite_cpu(values.data(), GradDtype::kF32, n), "n=" << n);
+    for (const size_t p : {size_t{0}, size_t{5}, size_t{31}, size_t{32}, n - 1}) {
+      if (p >= n) continue;
+      for (const uint32_t bits : bad_bits) {
+        std::vector<float> copy = values;
+        std::memcpy(&copy[p], &bits, sizeof bits);
+        BOOST_TEST(!all_finite_cpu(copy.data(), GradDtype::kF32, n),
+                   "n=" << n << " bits 0x" << std::hex << bits << std::dec << " at index " << p << " not found");
+      }
+    }
+  }
+}
+
 BOOST_AUTO_TEST_SUITE_END()
 
 }  // namespace shmps::kernels::test
