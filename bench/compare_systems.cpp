@@ -343,6 +343,11 @@ class ShmpsClient final : public Client {
     c->small_ = *small;
     std::fill_n(static_cast<float*>(c->small_.data), kSmallBytes / sizeof(float), kGradValue);
     c->tensor_bytes_ = tensor_bytes;
+    // Pushes carry the version they were computed at: start from the
+    // server's (earlier workers of the run moved it).
+    auto stats = c->worker_->stats();
+    if (!stats.ok()) return stats.status();
+    c->version_ = stats->version;
     return std::unique_ptr<Client>(std::move(c));
   }
   Status push(uint64_t bytes) override {
