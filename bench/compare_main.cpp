@@ -28,7 +28,6 @@ struct Plan {
   uint32_t repeats = 5;
   bool latency = true, throughput = true, scaling_rows = true;  // sections 1, 2, 3
   uint32_t latency_pushes = 5000;
-  uint32_t latency_warmup_ms = 300;  // per system and repeat, before the timed round trips
   std::vector<uint64_t> sizes{4 * kKiB, 64 * kKiB, kMiB, 16 * kMiB, 64 * kMiB, 256 * kMiB};
   std::vector<uint32_t> scaling{1, 2, 4, 8};
   uint32_t scaling_pushes = 64;  // per worker and repeat, 1 MiB each
@@ -164,58 +163,42 @@ Result<Running> start_all(const Plan& plan, std::vector<uint64_t>& tensor_bytes)
   return run;
 }
 
-// One worker process: p50 / p99 / p99.9 of `plan.latency_pushes` 4 KiB
-// pushes back to back (series 0-2, one value each) and the samples (3).
-// The worker registers only small buffers, as one with small tensors would.
-Result<Series> measure_latency(const Plan& plan, const Target& t, const std::vector<uint64_t>& tensor_bytes) {
-  return run_children(1, 4, plan.latency_pushes, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
-    auto c = connect_client(t.system, t.address, 4 * kKiB, tensor_bytes);
-    if (!c.ok()) return c.status();
-    // Warm-up: pages faulted in on both sides, the server awake and
-    // spinning, the worker's wait sized for this kind of request, and time
-    // for the scheduler to move the server off the CPU its wake-up by this
-    // new process put it on (two spinners sharing a CPU: ~6 us a round trip).
-    const uint64_t warm_until = now_ns() + plan.latency_warmup_ms * 1'000'000;
-    for (uint32_t i = 0; i < plan.latency_pushes / 10 || now_ns() < warm_until; ++i)
-      if (Status s = (*c)->push(4 * kKiB); !s.ok()) return s;
-    barrier.arrive_and_wait();
-    std::vector<double> lat(plan.latency_pushes);
-    for (uint32_t i = 0; i < plan.latency_pushes; ++i) {
-      const uint64_t t0 = now_ns();
-      if (Status s = (*c)->push(4 * kKiB); !s.ok()) return s;
-      lat[i] = static_cast<double>(now_ns() - t0);
-    }
-    out[0].push_back(percentile(lat, 0.5));
-    out[1].push_back(percentile(lat, 0.99));
-    out[2].push_back(percentile(lat, 0.999));
-    out[3] = std::move(lat);
-    return Status::Ok();
-  });
-}
-
-// One worker process: per repeat, the median push time of each size
-// (series j for plan.sizes[j]).
+// One worker process per call: per repeat, p50/p99/p99.9 of 4 KiB pushes
+// back to back (series 0-2), then the median push time per size (3..).
+// Series 3 + sizes: the last repeat's 4 KiB samples (for the CDF).
 Result<Series> measure_one(const Plan& plan, const Target& t, const std::vector<uint64_t>& tensor_bytes) {
   const uint64_t max_bytes = *std::max_element(tensor_bytes.begin(), tensor_bytes.end());
   const auto nsizes = static_cast<uint32_t>(plan.sizes.size());
-  return run_children(1, nsizes, plan.repeats, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+  return run_children(1, 4 + nsizes, std::max<size_t>(plan.latency_pushes, plan.repeats),
+                      [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
     auto c = connect_client(t.system, t.address, max_bytes, tensor_bytes);
     if (!c.ok()) return c.status();
     for (uint64_t b : plan.sizes)  // warm-up: every page mapped and faulted in on both sides
       for (int i = 0; i < 2; ++i)
         if (Status s = (*c)->push(b); !s.ok()) return s;
     barrier.arrive_and_wait();
+    const uint32_t latency_pushes = plan.latency ? plan.latency_pushes : 0;
+    std::vector<double> lat(latency_pushes);
     for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
-      for (uint32_t j = 0; j < nsizes; ++j) {
+      for (uint32_t i = 0; i < latency_pushes; ++i) {
+        const uint64_t t0 = now_ns();
+        if (Status s = (*c)->push(4 * kKiB); !s.ok()) return s;
+        lat[i] = static_cast<double>(now_ns() - t0);
+      }
+      out[0].push_back(percentile(lat, 0.5));
+      out[1].push_back(percentile(lat, 0.99));
+      out[2].push_back(percentile(lat, 0.999));
+      for (uint32_t j = 0; j < (plan.throughput ? nsizes : 0); ++j) {
         std::vector<double> ns;
         for (uint32_t i = 0; i < pushes_for(plan, plan.sizes[j]); ++i) {
           const uint64_t t0 = now_ns();
           if (Status s = (*c)->push(plan.sizes[j]); !s.ok()) return s;
           ns.push_back(static_cast<double>(now_ns() - t0));
         }
-        out[j].push_back(median(ns));
+        out[4 + j].push_back(median(ns));
       }
     }
+    out[3] = lat;
     return Status::Ok();
   });
 }
@@ -273,6 +256,15 @@ int run(const Plan& plan, const std::string& csv_path) {
   if (!zmq_available()) std::printf("note: built without libzmq: no ZeroMQ baseline.\n");
   std::fflush(stdout);
 
+  // References.
+  std::vector<double> spin50, spin99, spin999;
+  for (uint32_t rep = 0; rep < (plan.latency ? plan.repeats : 0); ++rep) {
+    auto s = spin_pingpong(plan.latency_pushes / 10, plan.latency_pushes);
+    if (!s.ok()) return std::fprintf(stderr, "spin ping-pong: %s\n", s.status().to_string().c_str()), 1;
+    spin50.push_back(percentile(*s, 0.5));
+    spin99.push_back(percentile(*s, 0.99));
+    spin999.push_back(percentile(*s, 0.999));
+  }
   // In a child: OpenMP's thread pool (apply_cpu) must never start in this
   // process, whose later fork()ed servers would hang on it (libgomp).
   const auto nsizes = static_cast<uint32_t>(plan.throughput ? plan.sizes.size() : 0);
@@ -296,34 +288,8 @@ int run(const Plan& plan, const std::string& csv_path) {
   std::vector<uint64_t> tensor_bytes;
   auto running = start_all(plan, tensor_bytes);
   if (!running.ok()) return std::fprintf(stderr, "start: %s\n", running.status().to_string().c_str()), 1;
-  const size_t ntargets = running->targets.size();
-  // [1]'s measurements. Per repeat and system, a spin ping-pong and right
-  // after it the system's round trips: the host moves this VM's vCPUs
-  // between its cores, and the reference with them (110 to 440 ns between
-  // runs, docs/comparison.md), so each ratio compares two figures taken
-  // on the same pair of cores, not the first second of the run with its
-  // last. Per system: p50, p99, p99.9 and p50 over its reference, one value
-  // per repeat; the samples of the last repeat (series 4).
-  std::vector<Series> latency(ntargets, Series(5));
-  std::vector<double> spin50, spin99, spin999;
-  for (uint32_t rep = 0; rep < (plan.latency ? plan.repeats : 0); ++rep) {
-    for (size_t i = 0; i < ntargets; ++i) {
-      auto s = spin_pingpong(plan.latency_pushes / 10, plan.latency_pushes);
-      if (!s.ok()) return std::fprintf(stderr, "spin ping-pong: %s\n", s.status().to_string().c_str()), 1;
-      const Target& t = running->targets[i];
-      auto r = measure_latency(plan, t, tensor_bytes);
-      if (!r.ok()) return std::fprintf(stderr, "%s: %s\n", t.label.c_str(), r.status().to_string().c_str()), 1;
-      const double ref_p50 = percentile(*s, 0.5);
-      spin50.push_back(ref_p50);
-      spin99.push_back(percentile(*s, 0.99));
-      spin999.push_back(percentile(*s, 0.999));
-      for (int k = 0; k < 3; ++k) latency[i][k].push_back((*r)[k].front());
-      latency[i][3].push_back((*r)[0].front() / ref_p50);
-      latency[i][4] = std::move((*r)[3]);
-    }
-  }
   std::vector<Series> results;
-  if (plan.throughput) {
+  if (plan.latency || plan.throughput) {
     for (const Target& t : running->targets) {
       auto r = measure_one(plan, t, tensor_bytes);
       if (!r.ok()) return std::fprintf(stderr, "%s: %s\n", t.label.c_str(), r.status().to_string().c_str()), 1;
@@ -337,31 +303,24 @@ int run(const Plan& plan, const std::string& csv_path) {
   // [1] latency.
   if (plan.latency) {
     const double spin_p50 = median(spin50);
-    const double shmps_p50 = median(latency[shmps][0]);
-    const double shmps_ratio = median(latency[shmps][3]);
+    const double shmps_p50 = median(results[shmps][0]);
     std::printf("\n[1] Round trip of a 4 KiB gradient push (push -> applied -> reply), back to back, ns\n");
     Table lat("latency_4k", {"system", "p50 ns", "p99 ns", "p99.9 ns", "p50/spin ref", "p50/shmps p50"});
     lat.add_row({"ref: shm spin ping-pong", fixed(spin_p50, 0), fixed(median(spin99), 0), fixed(median(spin999), 0),
                  "1.00", fixed(spin_p50 / shmps_p50, 3)});
-    for (size_t i = 0; i < ntargets; ++i) {
-      const double p50 = median(latency[i][0]);
-      lat.add_row({running->targets[i].label, fixed(p50, 0), fixed(median(latency[i][1]), 0),
-                   fixed(median(latency[i][2]), 0), fixed(median(latency[i][3]), 2), fixed(p50 / shmps_p50, 2)});
+    for (size_t i = 0; i < results.size(); ++i) {
+      const double p50 = median(results[i][0]);
+      lat.add_row({running->targets[i].label, fixed(p50, 0), fixed(median(results[i][1]), 0),
+                   fixed(median(results[i][2]), 0), fixed(p50 / spin_p50, 2), fixed(p50 / shmps_p50, 2)});
     }
     lat.print(stdout);
     lat.to_csv(csv);
-    std::printf("    p50/spin ref: the median over repeats of each repeat's p50 over the spin ping-pong measured\n"
-                "    just before it; the ref row: the median of all %zu ping-pongs. Per repeat, shmps over its\n"
-                "    reference:",
-                spin50.size());
-    for (double r : latency[shmps][3]) std::printf(" %.2f", r);
-    std::printf("\n");
-    for (size_t i = 0; i < ntargets; ++i)
+    for (size_t i = 0; i < results.size(); ++i)
       for (double q : {0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 0.995, 0.999, 1.0})
-        csv.add("latency_cdf", running->targets[i].label, fixed(q, 3), fixed(percentile(latency[i][4], q), 0));
-    const double socket_p50 = median(latency[socket][0]);
-    goals.push_back({"(2a) shmps 4 KiB p50 within 3x spin ping-pong", fixed(shmps_ratio, 2) + "x",
-                     shmps_ratio <= 3.0});
+        csv.add("latency_cdf", running->targets[i].label, fixed(q, 3), fixed(percentile(results[i][3], q), 0));
+    const double socket_p50 = median(results[socket][0]);
+    goals.push_back({"(2a) shmps 4 KiB p50 within 3x spin ping-pong", fixed(shmps_p50 / spin_p50, 2) + "x",
+                     shmps_p50 / spin_p50 <= 3.0});
     goals.push_back({"(2b) shmps 4 KiB p50 >= 20x lower than unix socket", fixed(socket_p50 / shmps_p50, 2) + "x",
                      socket_p50 / shmps_p50 >= 20.0});
   }
@@ -384,7 +343,7 @@ int run(const Plan& plan, const std::string& csv_path) {
       row("ref: check+apply", "ref: check+apply", r.check_apply_ns);
       row("ref: memcpy", "ref: memcpy", r.memcpy_ns);
       for (size_t i = 0; i < results.size(); ++i)
-        row(running->targets[i].label, running->targets[i].label, median(results[i][j]));
+        row(running->targets[i].label, running->targets[i].label, median(results[i][4 + j]));
     }
     thr.print(stdout);
     thr.to_csv(csv);
@@ -397,7 +356,7 @@ int run(const Plan& plan, const std::string& csv_path) {
       std::string at;
       for (size_t j = 0; j < plan.sizes.size(); ++j) {
         if (plan.sizes[j] < kMiB) continue;
-        const double ratio = median(results[target][j]) / refs[j].apply_ns;
+        const double ratio = median(results[target][4 + j]) / refs[j].apply_ns;
         if (ratio > worst) worst = ratio, at = size_text(plan.sizes[j]);
       }
       if (at.empty()) continue;
@@ -410,7 +369,7 @@ int run(const Plan& plan, const std::string& csv_path) {
     std::string at;
     for (size_t j = 0; j < plan.sizes.size(); ++j) {
       if (plan.sizes[j] < kMiB) continue;
-      const double ratio = median(results[shmps][j]) / refs[j].check_apply_ns;
+      const double ratio = median(results[shmps][4 + j]) / refs[j].check_apply_ns;
       if (ratio > worst) worst = ratio, at = size_text(plan.sizes[j]);
     }
     if (!at.empty())
@@ -496,7 +455,6 @@ int main(int argc, char** argv) {
     plan.scaling_rows = has(3);
     if (plan.quick) {
       plan.latency_pushes = 300;
-      plan.latency_warmup_ms = 10;
       plan.sizes = {4 * kKiB, kMiB};
       plan.scaling = {1, 2};
       plan.scaling_pushes = 8;
