@@ -21,6 +21,7 @@
 #include <new>
 #include <sstream>
 
+#include "shmps/shm/futex.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 
@@ -491,7 +492,7 @@ bool spin_until(const std::atomic<uint64_t>& word, uint64_t value) {
   const uint64_t deadline = now_ns() + 10'000'000'000ull;
   // acquire: SYNC(spin_pingpong), pairs with the peer's release store of the word.
   while (word.load(std::memory_order_acquire) != value) {
-    cpu_relax();
+    shm::cpu_relax();  // the pause of shmps's own spins: the reference polls as they do
     if ((++spins & 0xFFFF) == 0 && now_ns() > deadline) return false;
   }
   return true;

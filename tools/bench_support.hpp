@@ -62,15 +62,6 @@ uint64_t now_ns() noexcept;
 // nanosleep; an interrupted sleep just ends early.
 void sleep_ns(long ns) noexcept;
 
-// A pause instruction for spin loops.
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
 // Nearest-rank percentile, q in [0, 1]; NaN for an empty set.
 double percentile(std::vector<double> samples, double q);
 // The middle sample (the mean of the two middle ones for an even count).
