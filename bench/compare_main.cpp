@@ -397,16 +397,20 @@ int run(const Plan& plan, const std::string& csv_path) {
           g.push_back(*r);
         }
         const double gb = median(g);
-        if (w == plan.scaling.front()) base = gb;
-        if (i == shmps) shmps_scaling.push_back(gb / base);
+        if (w == plan.scaling.front())
+          base = gb;
+        else if (i == shmps)
+          shmps_scaling.push_back(gb / base);  // the goal's N > 1 rows, over the first
         sc.add_row({t.label + " x" + std::to_string(w), t.label, std::to_string(w), fixed(gb, 2), fixed(gb / base, 2)});
       }
     }
     sc.print(stdout);
     sc.to_csv(csv);
-    const double low = shmps_scaling.empty() ? NAN : *std::min_element(shmps_scaling.begin(), shmps_scaling.end());
-    goals.push_back({"(4) shmps 1 MiB throughput at every N >= 0.8x its 1-worker figure",
-                     fixed(low, 2) + "x (lowest)", low >= 0.8});
+    if (!shmps_scaling.empty()) {
+      const double low = *std::min_element(shmps_scaling.begin(), shmps_scaling.end());
+      goals.push_back({"(4) shmps 1 MiB throughput at every N >= 0.8x its 1-worker figure",
+                       fixed(low, 2) + "x (lowest of N > 1)", low >= 0.8});
+    }
   }
 
   std::printf("\nLoad average (1 min) at end: %s (other processes sharing the CPUs distort every figure)\n",
