@@ -12,6 +12,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -258,68 +259,54 @@ void apply_adam(const OptimizerConfig& config, const TensorState& tensor, const 
 
 // 1 when any element of [begin, end) is NaN or +-Inf. No early exit inside
 // the range, so the loop runs at the load ports' rate.
-// fp32: an element is NaN or +-Inf when its exponent field is all ones,
-// that is when its bits without the sign are >= 0x7F800000 (update.hpp's
-// f32_bits_finite). The loop keeps the unsigned maximum of the bits
-// without the sign: an AND (its load folded in) and a max per 8 elements,
-// four accumulators, and one compare at the end. Integer operations only:
-// no floating-point exception flag, no subnormal operand, nothing a
-// compiler's fast-math options could fold away. (4 KiB in one process:
-// 25 ns, against 30 for the AND, compare and OR of the f16/bf16 loop.)
-// f16/bf16: the exponent-field test of update.hpp's f16/bf16_bits_finite,
-// 16 elements per compare, two accumulators.
+// An element is NaN or +-Inf when its exponent field is all ones (update.hpp's
+// f32/f16/bf16_bits_finite), that is when its bits without the sign are at
+// least the exponent mask. The loop keeps the lane-wise unsigned maximum of
+// the bits without the sign: an AND (its load folded in) and a max per 32
+// bytes (vpmaxud / vpmaxuw with AVX2), four accumulators, and one compare
+// at the end. Integer operations only: no floating-point exception flag, no
+// subnormal operand, nothing a compiler's fast-math options could fold
+// away. 4 KiB of fp32 in one process: 22 ns, against 30 for the AND,
+// compare and OR per 32 bytes it replaced (docs/benchmarks.md, "Profile:
+// session 6").
 template <GradDtype kDtype>
 SHMPS_KERNEL_CLONES uint32_t any_nonfinite(const unsigned char* grad, uint64_t begin, uint64_t end) {
+  using Elem = std::conditional_t<kDtype == GradDtype::kF32, uint32_t, uint16_t>;
+  constexpr Elem kExponent = static_cast<Elem>(kDtype == GradDtype::kF32   ? 0x7F800000u
+                                               : kDtype == GradDtype::kF16 ? 0x7C00u
+                                                                           : 0x7F80u);
+  constexpr Elem kMagnitude = static_cast<Elem>(std::numeric_limits<Elem>::max() >> 1);  // every bit but the sign
+  typedef Elem Bits __attribute__((vector_size(32)));            // GCC/clang vector extension
+  constexpr uint64_t kLanes = sizeof(Bits) / sizeof(Elem);
+  Bits acc0{};
+  Bits acc1{};
+  Bits acc2{};
+  Bits acc3{};
   uint64_t i = begin;
-  uint32_t bad = 0;
-  if constexpr (kDtype == GradDtype::kF32) {
-    typedef uint32_t Bits __attribute__((vector_size(32)));  // GCC/clang vector extension
-    constexpr uint64_t kLanes = sizeof(Bits) / sizeof(uint32_t);
-    constexpr uint32_t kMagnitude = 0x7FFFFFFFu;
-    Bits acc0{};
-    Bits acc1{};
-    Bits acc2{};
-    Bits acc3{};
-    for (; end - i >= 4 * kLanes; i += 4 * kLanes) {
-      const unsigned char* p = grad + i * sizeof(uint32_t);
-      Bits a;
-      Bits b;
-      Bits c;
-      Bits d;
-      std::memcpy(&a, p, sizeof a);  // any alignment
-      std::memcpy(&b, p + sizeof a, sizeof b);
-      std::memcpy(&c, p + 2 * sizeof a, sizeof c);
-      std::memcpy(&d, p + 3 * sizeof a, sizeof d);
-      a &= kMagnitude;
-      b &= kMagnitude;
-      c &= kMagnitude;
-      d &= kMagnitude;
-      acc0 = acc0 > a ? acc0 : a;  // lane-wise unsigned max
-      acc1 = acc1 > b ? acc1 : b;
-      acc2 = acc2 > c ? acc2 : c;
-      acc3 = acc3 > d ? acc3 : d;
-    }
-    acc0 = acc0 > acc1 ? acc0 : acc1;
-    acc2 = acc2 > acc3 ? acc2 : acc3;
-    const Bits all = acc0 > acc2 ? acc0 : acc2;
-    for (uint64_t lane = 0; lane < kLanes; ++lane) bad |= all[lane] >= 0x7F800000u ? 1u : 0u;
-  } else {
-    constexpr uint16_t kExponent = kDtype == GradDtype::kF16 ? 0x7C00u : 0x7F80u;
-    typedef uint16_t Bits __attribute__((vector_size(32)));  // GCC/clang vector extension
-    constexpr uint64_t kLanes = sizeof(Bits) / sizeof(uint16_t);
-    Bits bad0{};
-    Bits bad1{};
-    for (; end - i >= 2 * kLanes; i += 2 * kLanes) {
-      Bits a;
-      Bits b;
-      std::memcpy(&a, grad + i * sizeof(uint16_t), sizeof a);  // any alignment
-      std::memcpy(&b, grad + (i + kLanes) * sizeof(uint16_t), sizeof b);
-      bad0 |= reinterpret_cast<Bits>((a & kExponent) == kExponent);  // lanes: all ones when non-finite
-      bad1 |= reinterpret_cast<Bits>((b & kExponent) == kExponent);
-    }
-    bad0 |= bad1;
-    for (uint64_t lane = 0; lane < kLanes; ++lane) bad |= bad0[lane] != 0 ? 1u : 0u;
+  for (; end - i >= 4 * kLanes; i += 4 * kLanes) {
+    const unsigned char* p = grad + i * sizeof(Elem);
+    Bits a;
+    Bits b;
+    Bits c;
+    Bits d;
+    std::memcpy(&a, p, sizeof a);  // any alignment
+    std::memcpy(&b, p + sizeof a, sizeof b);
+    std::memcpy(&c, p + 2 * sizeof a, sizeof c);
+    std::memcpy(&d, p + 3 * sizeof a, sizeof d);
+    a &= kMagnitude;
+    b &= kMagnitude;
+    c &= kMagnitude;
+    d &= kMagnitude;
+    acc0 = acc0 > a ? acc0 : a;  // lane-wise unsigned max
+    acc1 = acc1 > b ? acc1 : b;
+    acc2 = acc2 > c ? acc2 : c;
+    acc3 = acc3 > d ? acc3 : d;
   }
+  acc0 = acc0 > acc1 ? acc0 : acc1;
+  acc2 = acc2 > acc3 ? acc2 : acc3;
+  acc0 = acc0 > acc2 ? acc0 : acc2;
+  uint32_t bad = 0;
+  for (uint64_t lane = 0; lane < kLanes; ++lane) bad |= acc0[lane] >= kExponent ? 1u : 0u;
   for (; i < end; ++i) bad |= load_nonfinite<kDtype>(grad, i);
   return bad;
 }

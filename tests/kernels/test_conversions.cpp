@@ -1,8 +1,8 @@
 // f16/bf16 -> f32 conversions (update.hpp) against a slow decoder and at
 // their edge values, and all_finite_cpu at every interesting position.
 #include <boost/test/unit_test.hpp>
-#include <algorithm>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -196,43 +196,55 @@ BOOST_AUTO_TEST_CASE(all_finite_accepts_extremes) {
   BOOST_TEST(all_finite_cpu(bf16, GradDtype::kBF16, 4));
 }
 
-// The fp32 check keeps the sign bit out of its verdict and reads four
-// 8-element vectors per step: negative finite values, subnormals and -0
-// inside the vector body (not only in the scalar tail, as above) must
-// pass, and every encoding of Inf and NaN (signed, signalling, any payload)
-// must be found at every position of the first two 32-element steps, in
-// the last step and in the scalar tail.
-BOOST_AUTO_TEST_CASE(all_finite_f32_signs_and_nan_encodings) {
-  const float lowest = std::numeric_limits<float>::lowest();
-  const float finite[] = {std::numeric_limits<float>::max(),
-                          lowest,
-                          std::numeric_limits<float>::denorm_min(),
-                          -std::numeric_limits<float>::denorm_min(),
-                          std::numeric_limits<float>::min(),
-                          -std::numeric_limits<float>::min(),
-                          -0.0f,
-                          0.0f,
-                          -1.5f,
-                          3.0f,
-                          -65504.0f};
-  const uint32_t bad_bits[] = {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0xFFC00000u,
-                               0x7F800001u, 0xFF800001u, 0x7FFFFFFFu, 0xFFFFFFFFu};
-  for (const size_t n : {size_t{32}, size_t{64}, size_t{100}, size_t{4096 + 37}}) {
-    std::vector<float> values(n);
-    for (size_t i = 0; i < n; ++i) values[i] = finite[i % std::size(finite)];
-    BOOST_TEST(all_finite_cpu(values.data(), GradDtype::kF32, n), "n=" << n);
+// all_finite_cpu keeps the sign bit out of its verdict and reads four
+// 32-byte vectors per step (32 fp32 or 64 f16/bf16 elements): negative
+// finite values, subnormals and -0 inside the vector body (not only in the
+// scalar tail, as above) must pass, and every encoding of Inf and NaN
+// (signed, signalling, any payload) must be found at every position of
+// the first two steps, in the last step and in the scalar tail.
+template <class Bits>
+void check_signs_and_nan_encodings(GradDtype dtype, const std::vector<Bits>& finite, const std::vector<Bits>& bad) {
+  const size_t step = 128 / sizeof(Bits);
+  for (const size_t n : {step, 2 * step, 3 * step + 3, size_t{4096 + 37}}) {
+    std::vector<Bits> values(n);
+    for (size_t i = 0; i < n; ++i) values[i] = finite[i % finite.size()];
+    BOOST_TEST(all_finite_cpu(values.data(), dtype, n), dtype_name(dtype) << " n=" << n);
     std::vector<size_t> positions;
-    for (size_t p = 0; p < std::min<size_t>(n, 64); ++p) positions.push_back(p);
-    for (size_t p = n - std::min<size_t>(n, 40); p < n; ++p) positions.push_back(p);
+    for (size_t p = 0; p < std::min(n, 2 * step); ++p) positions.push_back(p);
+    for (size_t p = n - std::min(n, step + 8); p < n; ++p) positions.push_back(p);
     for (const size_t p : positions) {
-      for (const uint32_t bits : bad_bits) {
-        std::vector<float> copy = values;
-        std::memcpy(&copy[p], &bits, sizeof bits);
-        BOOST_TEST(!all_finite_cpu(copy.data(), GradDtype::kF32, n),
-                   "n=" << n << " bits 0x" << std::hex << bits << std::dec << " at index " << p << " not found");
+      for (const Bits b : bad) {
+        std::vector<Bits> copy = values;
+        copy[p] = b;
+        BOOST_TEST(!all_finite_cpu(copy.data(), dtype, n), dtype_name(dtype) << " n=" << n << " bits 0x" << std::hex
+                                                                             << b << std::dec << " at index " << p
+                                                                             << " not found");
       }
     }
   }
+}
+
+BOOST_AUTO_TEST_CASE(all_finite_f32_signs_and_nan_encodings) {
+  // max, lowest, +-denorm_min, +-min normal, -0, 0, -1.5, 3, -65504
+  check_signs_and_nan_encodings<uint32_t>(
+      GradDtype::kF32,
+      {0x7F7FFFFFu, 0xFF7FFFFFu, 0x00000001u, 0x80000001u, 0x00800000u, 0x80800000u, 0x80000000u, 0x00000000u,
+       0xBFC00000u, 0x40400000u, 0xC77FE000u},
+      {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0xFFC00000u, 0x7F800001u, 0xFF800001u, 0x7FFFFFFFu, 0xFFFFFFFFu});
+}
+
+BOOST_AUTO_TEST_CASE(all_finite_f16_signs_and_nan_encodings) {
+  // max, lowest, +-smallest subnormal, +-min normal, -0, 0, -1.5, 3
+  check_signs_and_nan_encodings<uint16_t>(
+      GradDtype::kF16, {0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x0400, 0x8400, 0x8000, 0x0000, 0xBE00, 0x4200},
+      {0x7C00, 0xFC00, 0x7E00, 0xFE00, 0x7C01, 0xFC01, 0x7FFF, 0xFFFF});
+}
+
+BOOST_AUTO_TEST_CASE(all_finite_bf16_signs_and_nan_encodings) {
+  // max, lowest, +-smallest subnormal, +-min normal, -0, 0, -1.5, 3
+  check_signs_and_nan_encodings<uint16_t>(
+      GradDtype::kBF16, {0x7F7F, 0xFF7F, 0x0001, 0x8001, 0x0080, 0x8080, 0x8000, 0x0000, 0xBFC0, 0x4040},
+      {0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0xFF81, 0x7FFF, 0xFFFF});
 }
 
 BOOST_AUTO_TEST_SUITE_END()
