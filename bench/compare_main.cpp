@@ -52,10 +52,37 @@ uint32_t pushes_for(const Plan& plan, uint64_t bytes) {
 
 // ------------------------------------------------------------ references
 
+// The in-process references' arrays, allocated once at the largest size
+// and used by every size and repeat, as a server uses its weights and a
+// worker its buffer for the whole run. Fresh memory is slower for its
+// first passes, and not only for the page faults: on the development VM
+// (2026-12-01) a 64 MiB apply took 6.3 ms on new arrays and 3.0-3.2 ms
+// from the twelfth pass on, so references on arrays allocated per repeat
+// ran up to 2x slower than the server's pushes on its older arrays.
+struct RefArrays {
+  explicit RefArrays(uint64_t bytes) : src(bytes / 4, 1e-4f), dst(bytes / 4, 0.f), weights(bytes / 4, 0.5f) {}
+  std::vector<float> src, dst, weights;
+};
+
+// `passes` untimed passes over all of `a`: a memcpy and an apply each.
+void warm(RefArrays& a, uint32_t passes) {
+  kernels::OptimizerConfig config;
+  config.lr = 0.001f;
+  kernels::TensorState tensor;
+  tensor.weights = a.weights.data();
+  tensor.n = a.weights.size();
+  for (uint32_t pass = 1; pass <= passes; ++pass) {
+    std::memcpy(a.dst.data(), a.src.data(), a.src.size() * sizeof(float));
+    escape(a.dst.data());
+    kernels::apply_cpu(config, tensor, a.src.data(), kernels::GradDtype::kF32, pass);
+    escape(a.weights.data());
+  }
+}
+
 // Median ns of memcpy, of apply_cpu (SGD, lr 0.001) and of all_finite_cpu +
 // apply_cpu (the shmps server's work per push with its NaN/Inf check) on
-// `bytes`, in this process, with this process's OpenMP settings (the same
-// environment the servers inherit), pages faulted in first. Each is timed
+// the first `bytes` of `a`, in this process, with this process's OpenMP
+// settings (the same environment the servers inherit). Each is timed
 // in its own back-to-back loop on the same arrays, as a server applies
 // back-to-back pushes: no other pass in between evicts the data or leaves
 // dirty lines for the timed pass to write back (with a memcpy interleaved,
@@ -63,12 +90,14 @@ uint32_t pushes_for(const Plan& plan, uint64_t bytes) {
 struct InProcess {
   double memcpy_ns, apply_ns, check_apply_ns;
 };
-InProcess in_process(uint64_t bytes, uint32_t n) {
-  std::vector<float> src(bytes / 4, 1e-4f), dst(bytes / 4, 0.f), weights(bytes / 4, 0.5f);
+InProcess in_process(RefArrays& a, uint64_t bytes, uint32_t n) {
+  float* src = a.src.data();
+  float* dst = a.dst.data();
+  float* weights = a.weights.data();
   kernels::OptimizerConfig config;
   config.lr = 0.001f;
   kernels::TensorState tensor;
-  tensor.weights = weights.data();
+  tensor.weights = weights;
   tensor.n = bytes / 4;
   uint64_t step = 0;
   bool finite = true;
@@ -85,17 +114,17 @@ InProcess in_process(uint64_t bytes, uint32_t n) {
   };
   InProcess r{};
   r.memcpy_ns = timed([&] {
-    std::memcpy(dst.data(), src.data(), bytes);
-    escape(dst.data());
+    std::memcpy(dst, src, bytes);
+    escape(dst);
   });
   r.apply_ns = timed([&] {
-    kernels::apply_cpu(config, tensor, src.data(), kernels::GradDtype::kF32, ++step);
-    escape(weights.data());
+    kernels::apply_cpu(config, tensor, src, kernels::GradDtype::kF32, ++step);
+    escape(weights);
   });
   r.check_apply_ns = timed([&] {
-    finite &= kernels::all_finite_cpu(src.data(), kernels::GradDtype::kF32, tensor.n);
-    kernels::apply_cpu(config, tensor, src.data(), kernels::GradDtype::kF32, ++step);
-    escape(weights.data());
+    finite &= kernels::all_finite_cpu(src, kernels::GradDtype::kF32, tensor.n);
+    kernels::apply_cpu(config, tensor, src, kernels::GradDtype::kF32, ++step);
+    escape(weights);
   });
   if (!finite) return {NAN, NAN, NAN};
   return r;
@@ -222,6 +251,12 @@ Result<Series> measure_one(const Plan& plan, const Target& t, const std::vector<
       out[1].push_back(percentile(lat, 0.99));
       out[2].push_back(percentile(lat, 0.999));
       for (uint32_t j = 0; j < (plan.throughput ? nsizes : 0); ++j) {
+        // One untimed push first, as the in-process references run one
+        // untimed pass: the larger sizes of the last repeat evicted this
+        // one's data from the caches (a 64 MiB gradient and its weights
+        // fit some hosts' L3), and the median of a few pushes would
+        // otherwise compare a cold first push with warm references.
+        if (Status s = (*c)->push(plan.sizes[j]); !s.ok()) return s;
         std::vector<double> ns;
         for (uint32_t i = 0; i < pushes_for(plan, plan.sizes[j]); ++i) {
           const uint64_t t0 = now_ns();
@@ -306,9 +341,14 @@ int run(const Plan& plan, const std::string& csv_path) {
                           [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
     barrier.arrive_and_wait();
     const Status refused{ErrorCode::kInternal, "all_finite_cpu refused a finite gradient"};
+    std::optional<RefArrays> arrays;
+    if (nsizes != 0) {
+      arrays.emplace(*std::max_element(plan.sizes.begin(), plan.sizes.end()));
+      warm(*arrays, plan.quick ? 1 : 12);
+    }
     for (uint32_t j = 0; j < nsizes; ++j)
       for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
-        const InProcess ip = in_process(plan.sizes[j], pushes_for(plan, plan.sizes[j]));
+        const InProcess ip = in_process(*arrays, plan.sizes[j], pushes_for(plan, plan.sizes[j]));
         if (std::isnan(ip.apply_ns)) return refused;
         out[3 * j].push_back(ip.memcpy_ns);
         out[3 * j + 1].push_back(ip.apply_ns);
