@@ -55,6 +55,10 @@ def main():
     for (section, _), c in cells.items():
         if section == "throughput" and c["system"] != "ref: memcpy" and "push/apply" in c:
             ratio[c["system"]].append((num(c["bytes"]), num(c["push/apply"])))
+            # The default server checks first: also over its own work.
+            if c["system"] == "shmps" and "push/check+apply" in c:
+                ratio["shmps over its own work (check+apply)"].append(
+                    (num(c["bytes"]), num(c["push/check+apply"])))
     if ratio:
         fig, ax = plt.subplots(figsize=(6, 4), dpi=80)
         for name, pts in sorted(ratio.items()):
@@ -102,7 +106,8 @@ def scaling(cells, out):
     fig, ax = plt.subplots(figsize=(6, 4), dpi=80)
     for name, pts in sorted(sc.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                linestyle="--" if name.startswith("ref") else "-")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("worker processes (2 CPU cores)")
     ax.set_ylabel("aggregate GB/s, 1 MiB pushes")
