@@ -11,7 +11,6 @@
 #include <cstring>
 #include <exception>
 #include <new>
-#include <optional>
 #include <string>
 #include <utility>
 
@@ -55,110 +54,121 @@ uint32_t pushes_for(const Plan& plan, uint64_t bytes) {
 
 // ------------------------------------------------------------ references
 
-// The in-process references' arrays, allocated once at the largest size
-// and used by every size and repeat, as a server uses its weights and a
-// worker its buffer for the whole run. Fresh memory is slower for its
-// first passes, and not only for the page faults: on the development VM
-// (2026-12-01) a 64 MiB apply took 6.3 ms on new arrays and 3.0-3.2 ms
-// from the twelfth pass on, so references on arrays allocated per repeat
-// ran up to 2x slower than the server's pushes on its older arrays.
+// One size's in-process reference arrays (gradient, memcpy destination,
+// weights), allocated once and used by every repeat, as the shmps server
+// keeps one tensor per size and the worker one buffer for the whole run.
+// Fresh memory is slower for its first passes, and not only for the page
+// faults: on the session-7 host (2026-12-01) a 64 MiB apply took 6.3 ms on
+// new arrays and 3.0-3.2 ms from the twelfth pass on, so references on
+// arrays allocated per repeat ran up to 2x slower than the server's pushes.
 struct RefArrays {
   explicit RefArrays(uint64_t bytes) : src(bytes / 4, 1e-4f), dst(bytes / 4, 0.f), weights(bytes / 4, 0.5f) {}
   std::vector<float> src, dst, weights;
 };
 
-// `passes` untimed passes over all of `a`: a memcpy and an apply each.
-void warm(RefArrays& a, uint32_t passes) {
+kernels::OptimizerConfig sgd_config() {
   kernels::OptimizerConfig config;
   config.lr = 0.001f;
+  return config;
+}
+
+// `passes` untimed passes over all of `a`: a memcpy and an apply each.
+void warm(RefArrays& a, uint32_t passes) {
   kernels::TensorState tensor;
   tensor.weights = a.weights.data();
   tensor.n = a.weights.size();
   for (uint32_t pass = 1; pass <= passes; ++pass) {
     std::memcpy(a.dst.data(), a.src.data(), a.src.size() * sizeof(float));
     escape(a.dst.data());
-    kernels::apply_cpu(config, tensor, a.src.data(), kernels::GradDtype::kF32, pass);
+    kernels::apply_cpu(sgd_config(), tensor, a.src.data(), kernels::GradDtype::kF32, pass);
     escape(a.weights.data());
   }
 }
 
-// Median ns of memcpy, of apply_cpu (SGD, lr 0.001) and of all_finite_cpu +
-// apply_cpu (the shmps server's work per push with its NaN/Inf check) on
-// the first `bytes` of `a`, in this process, with this process's OpenMP
-// settings (the same environment the servers inherit). Each is timed
-// in its own back-to-back loop on the same arrays, as a server applies
-// back-to-back pushes: no other pass in between evicts the data or leaves
-// dirty lines for the timed pass to write back (with a memcpy interleaved,
-// a 64 MiB apply took 2x longer than the server's), and the memcpy last.
+// Median ns of apply_cpu alone (SGD, lr 0.001), of all_finite_cpu +
+// apply_cpu (the shmps server's work per push with its NaN/Inf check) and
+// of memcpy on all of `a`, n timed passes each, in this process, with this
+// process's OpenMP settings (the same environment the servers inherit).
+// The apply alone and the check + apply alternate pass by pass on the same
+// arrays, one untimed pass of each first, so that neither meets caches the
+// other's loop left warmer: timed as two loops one after the other, the
+// second always found more of its arrays in the L3 (at 64 MiB on the
+// session-7 host, check + apply took 1.07x the apply alone, where each
+// timed first shows 1.3-1.6x). The memcpy comes last, in a loop of its
+// own: interleaved with the applies, the dirty lines it leaves made a
+// 64 MiB apply take 2x longer than the server's.
 struct InProcess {
   double memcpy_ns, apply_ns, check_apply_ns;
 };
-InProcess in_process(RefArrays& a, uint64_t bytes, uint32_t n) {
-  float* src = a.src.data();
-  float* dst = a.dst.data();
-  float* weights = a.weights.data();
-  kernels::OptimizerConfig config;
-  config.lr = 0.001f;
+InProcess in_process(RefArrays& a, uint32_t n) {
+  const uint64_t bytes = a.src.size() * sizeof(float);
+  const float* src = a.src.data();
   kernels::TensorState tensor;
-  tensor.weights = weights;
-  tensor.n = bytes / 4;
+  tensor.weights = a.weights.data();
+  tensor.n = a.src.size();
   uint64_t step = 0;
   bool finite = true;
-  // n timed runs after one untimed warm-up run.
-  const auto timed = [n](const auto& body) {
-    std::vector<double> ns;
-    for (uint32_t i = 0; i < n + 1; ++i) {
-      const uint64_t t0 = now_ns();
-      body();
-      const uint64_t t1 = now_ns();
-      if (i > 0) ns.push_back(static_cast<double>(t1 - t0));
-    }
-    return median(ns);
+  const auto timed = [](const auto& body) {
+    const uint64_t t0 = now_ns();
+    body();
+    return static_cast<double>(now_ns() - t0);
   };
-  InProcess r{};
-  r.apply_ns = timed([&] {
-    kernels::apply_cpu(config, tensor, src, kernels::GradDtype::kF32, ++step);
-    escape(weights);
-  });
-  r.check_apply_ns = timed([&] {
+  const auto apply = [&] {
+    kernels::apply_cpu(sgd_config(), tensor, src, kernels::GradDtype::kF32, ++step);
+    escape(tensor.weights);
+  };
+  const auto check_apply = [&] {
     finite &= kernels::all_finite_cpu(src, kernels::GradDtype::kF32, tensor.n);
-    kernels::apply_cpu(config, tensor, src, kernels::GradDtype::kF32, ++step);
-    escape(weights);
-  });
-  // Last: a memcpy leaves `bytes` of dirty lines in the caches, which a
-  // pass right after it has to write back (the 64 MiB apply timed after
-  // one ran 1.3x slower than its check + apply timed after it, on a host
-  // whose L3 holds all three arrays).
-  r.memcpy_ns = timed([&] {
-    std::memcpy(dst, src, bytes);
-    escape(dst);
-  });
+    apply();
+  };
+  const auto copy = [&] {
+    std::memcpy(a.dst.data(), src, bytes);
+    escape(a.dst.data());
+  };
+  std::vector<double> apply_ns, check_apply_ns, memcpy_ns;
+  for (uint32_t i = 0; i < n + 1; ++i) {
+    const double t_apply = timed(apply);
+    const double t_check_apply = timed(check_apply);
+    if (i == 0) continue;  // untimed: the first pass after another size's
+    apply_ns.push_back(t_apply);
+    check_apply_ns.push_back(t_check_apply);
+  }
+  for (uint32_t i = 0; i < n + 1; ++i) {
+    const double t = timed(copy);
+    if (i > 0) memcpy_ns.push_back(t);
+  }
   if (!finite) return {NAN, NAN, NAN};
-  return r;
+  return {median(memcpy_ns), median(apply_ns), median(check_apply_ns)};
 }
 
+// The scaling rows' reference arrays: one 1 MiB tensor's weights and
+// `buffers` gradients of 1 MiB, allocated once and warmed like RefArrays.
+struct RotatingArrays {
+  explicit RotatingArrays(uint32_t buffers)
+      : weights(kMiB / sizeof(float), 0.5f), grads(buffers, std::vector<float>(kMiB / sizeof(float), 1e-4f)) {}
+  std::vector<float> weights;
+  std::vector<std::vector<float>> grads;
+};
+
 // GB/s of gradient of the default server's work (all_finite_cpu +
-// apply_cpu, SGD lr 0.001) on one 1 MiB tensor in this process, taking its
-// gradients in turn from `buffers` distinct 1 MiB arrays, as the server
-// takes them from the buffers of that many workers: `pushes` of them after
-// one untimed pass over all. The scaling rows' reference: with one buffer
-// the gradient stays in this core's L2; with N it streams N MiB through it.
-double in_process_rotating(uint32_t buffers, uint32_t pushes) {
-  const uint64_t n = kMiB / sizeof(float);
-  std::vector<float> weights(n, 0.5f);
-  std::vector<std::vector<float>> grads(buffers, std::vector<float>(n, 1e-4f));
-  kernels::OptimizerConfig config;
-  config.lr = 0.001f;
+// apply_cpu, SGD lr 0.001) on the 1 MiB tensor of `a` in this process,
+// taking its gradients in turn from the first `buffers` arrays of `a`, as
+// the server takes them from the buffers of that many workers: `pushes` of
+// them after one untimed pass over those. With one buffer the gradient
+// stays in the core's L2 (on a host with 2 MiB of it); with N, N MiB
+// stream through it.
+double in_process_rotating(RotatingArrays& a, uint32_t buffers, uint32_t pushes) {
+  const uint64_t n = a.weights.size();
   kernels::TensorState tensor;
-  tensor.weights = weights.data();
+  tensor.weights = a.weights.data();
   tensor.n = n;
   uint64_t step = 0;
   bool finite = true;
   const auto push = [&](uint32_t k) {
-    const float* g = grads[k % buffers].data();
+    const float* g = a.grads[k % buffers].data();
     finite &= kernels::all_finite_cpu(g, kernels::GradDtype::kF32, n);
-    kernels::apply_cpu(config, tensor, g, kernels::GradDtype::kF32, ++step);
-    escape(weights.data());
+    kernels::apply_cpu(sgd_config(), tensor, g, kernels::GradDtype::kF32, ++step);
+    escape(tensor.weights);
   };
   for (uint32_t k = 0; k < buffers; ++k) push(k);
   const uint64_t t0 = now_ns();
@@ -305,7 +315,7 @@ Result<double> measure_scaling(const Plan& plan, const Target& t, const std::vec
 
 struct Goal {
   std::string text, measured;
-  std::optional<bool> met;  // none: informational, no verdict
+  bool met;
 };
 
 // The row of a target: shmps variants carry their label, baselines their name.
@@ -343,33 +353,25 @@ int run(const Plan& plan, const std::string& csv_path) {
   // In a child: OpenMP's thread pool (apply_cpu) must never start in this
   // process, whose later fork()ed servers would hang on it (libgomp).
   const auto nsizes = static_cast<uint32_t>(plan.throughput ? plan.sizes.size() : 0);
-  const auto nscaling = static_cast<uint32_t>(plan.scaling_rows ? plan.scaling.size() : 0);
-  auto ref = run_children(1, 3 * nsizes + nscaling, plan.repeats,
+  auto ref = run_children(1, 3 * nsizes, plan.repeats,
                           [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
     barrier.arrive_and_wait();
     const Status refused{ErrorCode::kInternal, "all_finite_cpu refused a finite gradient"};
-    std::optional<RefArrays> arrays;
-    if (nsizes != 0) {
-      arrays.emplace(*std::max_element(plan.sizes.begin(), plan.sizes.end()));
-      warm(*arrays, plan.quick ? 1 : 12);
+    std::vector<RefArrays> arrays;  // by size, as the server's tensors
+    for (uint32_t j = 0; j < nsizes; ++j) {
+      arrays.emplace_back(plan.sizes[j]);
+      warm(arrays.back(), plan.quick ? 1 : 12);
     }
     // Sizes inside repeats, as a worker pushes them (measure_one()): each
-    // size's passes then follow the larger sizes' of the last repeat, which
+    // size's passes then follow the other sizes' of the last repeat, which
     // evicted its data, for references and pushes alike.
     for (uint32_t rep = 0; rep < plan.repeats; ++rep)
       for (uint32_t j = 0; j < nsizes; ++j) {
-        const InProcess ip = in_process(*arrays, plan.sizes[j], pushes_for(plan, plan.sizes[j]));
+        const InProcess ip = in_process(arrays[j], pushes_for(plan, plan.sizes[j]));
         if (std::isnan(ip.apply_ns)) return refused;
         out[3 * j].push_back(ip.memcpy_ns);
         out[3 * j + 1].push_back(ip.apply_ns);
         out[3 * j + 2].push_back(ip.check_apply_ns);
-      }
-    for (uint32_t k = 0; k < nscaling; ++k)
-      for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
-        const uint32_t buffers = plan.scaling[k];
-        const double gb = in_process_rotating(buffers, buffers * plan.scaling_pushes);
-        if (std::isnan(gb)) return refused;
-        out[3 * nsizes + k].push_back(gb);
       }
     return Status::Ok();
   });
@@ -377,8 +379,6 @@ int run(const Plan& plan, const std::string& csv_path) {
   std::vector<InProcess> refs;
   for (uint32_t j = 0; j < nsizes; ++j)
     refs.push_back({median((*ref)[3 * j]), median((*ref)[3 * j + 1]), median((*ref)[3 * j + 2])});
-  std::vector<double> scaling_refs;  // GB/s, by plan.scaling
-  for (uint32_t k = 0; k < nscaling; ++k) scaling_refs.push_back(median((*ref)[3 * nsizes + k]));
 
   std::vector<uint64_t> tensor_bytes;
   auto running = start_all(plan, tensor_bytes);
@@ -455,27 +455,47 @@ int run(const Plan& plan, const std::string& csv_path) {
       }
       return worst;
     };
-    const auto add_goal = [&](const std::string& text, const std::pair<double, std::string>& worst, bool decides) {
+    const auto add_goal = [&](const std::string& text, const std::pair<double, std::string>& worst) {
       if (worst.second.empty()) return;
-      goals.push_back({text, fixed(worst.first, 2) + "x (worst: " + worst.second + ")",
-                       decides ? std::optional<bool>(worst.first <= 1.2) : std::nullopt});
+      goals.push_back({text, fixed(worst.first, 2) + "x (worst: " + worst.second + ")", worst.first <= 1.2});
     };
-    // The goal is what the transfer adds to the same work. Without the
-    // NaN/Inf check the server does what the baselines do: its push over
-    // the apply alone. The default server checks first, a second read of
-    // the gradient (16 instead of 12 B per parameter for SGD): its push
-    // over the same check + apply in one process, and, for information,
-    // over the apply alone (docs/comparison.md, "Goal 1 and the check").
-    add_goal("(1) " + running->targets[nocheck].label + " push+apply >= 1 MiB within 1.2x apply alone",
-             worst_ratio(nocheck, &InProcess::apply_ns), true);
-    add_goal("(1) shmps push >= 1 MiB within 1.2x its own work in one process (check+apply)",
-             worst_ratio(shmps, &InProcess::check_apply_ns), true);
-    add_goal("(1) shmps push+apply >= 1 MiB over apply alone (informational: + the check)",
-             worst_ratio(shmps, &InProcess::apply_ns), false);
+    // The wording: the default server over the apply alone. The
+    // default server also reads the gradient once more before applying it
+    // (its NaN/Inf check: 16 instead of 12 B per parameter for SGD), so
+    // what the transfer adds is measured on the same work twice: the
+    // server without the check over the apply alone (the baselines' work),
+    // and the default server over its check + apply in one process
+    // (docs/comparison.md, "Goal 1 and the check").
+    add_goal("(1) shmps push+apply >= 1 MiB within 1.2x apply alone (issue's wording)",
+             worst_ratio(shmps, &InProcess::apply_ns));
+    add_goal("(1) ... same work: " + running->targets[nocheck].label + " over apply alone",
+             worst_ratio(nocheck, &InProcess::apply_ns));
+    add_goal("(1) ... same work: shmps over its check+apply in one process",
+             worst_ratio(shmps, &InProcess::check_apply_ns));
   }
 
   // [3] scaling.
   if (plan.scaling_rows) {
+    // Its reference in a child (OpenMP, as above), right before the rows
+    // it is the reference of.
+    const auto nscaling = static_cast<uint32_t>(plan.scaling.size());
+    auto sref = run_children(1, nscaling, plan.repeats, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+      barrier.arrive_and_wait();
+      RotatingArrays rotating(*std::max_element(plan.scaling.begin(), plan.scaling.end()));
+      const auto all = static_cast<uint32_t>(rotating.grads.size());
+      for (uint32_t pass = 0; pass < (plan.quick ? 1u : 12u); ++pass) in_process_rotating(rotating, all, all);
+      for (uint32_t k = 0; k < nscaling; ++k)
+        for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
+          const uint32_t buffers = plan.scaling[k];
+          const double gb = in_process_rotating(rotating, buffers, buffers * plan.scaling_pushes);
+          if (std::isnan(gb)) return {ErrorCode::kInternal, "all_finite_cpu refused a finite gradient"};
+          out[k].push_back(gb);
+        }
+      return Status::Ok();
+    });
+    if (!sref.ok()) return std::fprintf(stderr, "scaling reference: %s\n", sref.status().to_string().c_str()), 1;
+    std::vector<double> scaling_refs;  // GB/s, by plan.scaling
+    for (uint32_t k = 0; k < nscaling; ++k) scaling_refs.push_back(median((*sref)[k]));
     std::printf("\n[3] Scaling: N worker processes push 1 MiB back to back (%u each), aggregate GB/s\n",
                 plan.scaling_pushes);
     Table sc("scaling", {"system / workers", "system", "workers", "GB/s", "vs 1 worker", "vs same work in 1 process"});
@@ -484,7 +504,7 @@ int run(const Plan& plan, const std::string& csv_path) {
     for (size_t k = 0; k < plan.scaling.size(); ++k)
       sc.add_row({label(ref_name, plan.scaling[k]), ref_name, std::to_string(plan.scaling[k]), fixed(scaling_refs[k], 2),
                   fixed(scaling_refs[k] / scaling_refs[0], 2), "1.00"});
-    std::vector<double> shmps_scaling, shmps_vs_ref;  // the goal's N > 1 rows
+    std::vector<double> shmps_scaling, shmps_vs_ref;  // the goal's N > 1 rows: over x1, over the reference
     for (size_t i = 0; i < running->targets.size(); ++i) {
       const Target& t = running->targets[i];
       // shmps (default server) and the multi-client baselines
@@ -504,8 +524,7 @@ int run(const Plan& plan, const std::string& csv_path) {
           base = gb;
         } else if (i == shmps) {
           shmps_scaling.push_back(gb / base);
-          // Its own drop over the one the same work shows in one process.
-          shmps_vs_ref.push_back((gb / base) / (scaling_refs[k] / scaling_refs[0]));
+          shmps_vs_ref.push_back(gb / scaling_refs[k]);
         }
         // The reference is the default server's work; the baselines do no check.
         sc.add_row({label(t.label, w), t.label, std::to_string(w), fixed(gb, 2), fixed(gb / base, 2),
@@ -516,22 +535,25 @@ int run(const Plan& plan, const std::string& csv_path) {
     sc.to_csv(csv);
     std::printf("    ref: the default server's work (all_finite_cpu + apply_cpu) on one 1 MiB tensor in one\n"
                 "    process, its gradients taken in turn from N arrays of 1 MiB, as the server takes them from\n"
-                "    N workers' buffers: from N = 2 they no longer stay in the core's L2 cache.\n");
+                "    N workers' buffers: N MiB of gradients pass through the core's caches.\n");
     if (!shmps_scaling.empty()) {
       const double low = *std::min_element(shmps_scaling.begin(), shmps_scaling.end());
       const double low_ref = *std::min_element(shmps_vs_ref.begin(), shmps_vs_ref.end());
-      goals.push_back({"(4) shmps 1 MiB throughput, xN / x1 (informational: includes the cache's drop)",
-                       fixed(low, 2) + "x (lowest of N > 1)", std::nullopt});
-      goals.push_back({"(4) shmps xN / x1 >= 0.8x the same work's xN / x1 in one process",
+      // The "no collapse", as xN over x1; and xN over the same
+      // work with N gradients in one process, whose own drop from x1 is
+      // the caches' (docs/comparison.md).
+      goals.push_back({"(4) shmps 1 MiB throughput at every N >= 0.8x its x1 (issue's wording)",
+                       fixed(low, 2) + "x (lowest of N > 1)", low >= 0.8});
+      goals.push_back({"(4) ... at every N >= 0.8x the same work with N gradients in one process",
                        fixed(low_ref, 2) + "x (lowest of N > 1)", low_ref >= 0.8});
     }
   }
 
   std::printf("\nLoad average (1 min) at end: %s (other processes sharing the CPUs distort every figure)\n",
               load_average().c_str());
-  std::printf("\nGoals%s\n", plan.quick ? " (--quick: informational only)" : "");
+  std::printf("\nGoals%s\n", plan.quick ? " (--quick: no verdicts, the figures are meaningless)" : "");
   Table gt("goals", {"goal", "measured", "verdict"});
-  for (const Goal& g : goals) gt.add_row({g.text, g.measured, !g.met ? "-" : *g.met ? "MET" : "MISSED"});
+  for (const Goal& g : goals) gt.add_row({g.text, g.measured, plan.quick ? "-" : g.met ? "MET" : "MISSED"});
   gt.print(stdout);
   gt.to_csv(csv);
   if (!csv_path.empty())

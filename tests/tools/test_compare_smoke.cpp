@@ -18,8 +18,13 @@ BOOST_AUTO_TEST_CASE(quick_run_prints_every_table) {
   for (const char* header : {"[1] Round trip of a 4 KiB gradient push", "[2] Push + apply", "[3] Scaling", "Goals",
                              "ref: shm spin ping-pong", "ref: apply alone", "ref: check+apply", "ref: memcpy",
                              "shmps, --allow-nonfinite", "unix socket", "boost mq", "p50/spin ref", "push/apply",
-                             "over apply ms", "Load average", "its own work in one process"})
+                             "over apply ms", "Load average", "its check+apply in one process",
+                             "ref: check+apply, N gradients in turn", "vs same work in 1 process",
+                             "the same work with N gradients in one process", "no verdicts"})
     BOOST_TEST(run.output.find(header) != std::string::npos, "missing: " << header);
+  // A smoke run's figures mean nothing: no goal gets a verdict.
+  BOOST_TEST(run.output.find("MET") == std::string::npos);
+  BOOST_TEST(run.output.find("MISSED") == std::string::npos);
   BOOST_TEST((run.output.find("zeromq ipc") != std::string::npos ||
               run.output.find("built without libzmq") != std::string::npos));
   std::FILE* f = std::fopen(csv.c_str(), "r");
