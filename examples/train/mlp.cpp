@@ -9,6 +9,7 @@
 // OpenBLAS's own entry point; declared here too so a cblas.h of another
 // flavour still compiles (we link OpenBLAS either way).
 extern "C" void openblas_set_num_threads(int num_threads);
+extern "C" char* openblas_get_corename(void);
 
 namespace shmps::train {
 
@@ -47,6 +48,32 @@ void he_init(const MlpShape& shape, std::span<float> params, uint64_t seed) {
 }
 
 void set_blas_threads(int threads) { openblas_set_num_threads(threads); }
+
+std::string blas_corename() {
+  const char* name = openblas_get_corename();
+  return name == nullptr ? std::string() : std::string(name);
+}
+
+CpuFeatures cpu_features() {
+  CpuFeatures f;
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  f.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  f.avx512_skx = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
+                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                 __builtin_cpu_supports("avx512vl");
+#endif
+  return f;
+}
+
+std::string better_blas_coretype(std::string_view chosen, const CpuFeatures& cpu) {
+  static constexpr std::string_view kWithoutAvx2[] = {"Prescott", "Core2", "Penryn", "Dunnington",
+                                                      "Nehalem",  "Atom",  "Sandybridge"};
+  if (std::find(std::begin(kWithoutAvx2), std::end(kWithoutAvx2), chosen) == std::end(kWithoutAvx2)) return "";
+  if (cpu.avx512_skx) return "SkylakeX";
+  if (cpu.avx2_fma) return "Haswell";
+  return "";
+}
 
 Mlp::Mlp(const MlpShape& shape, size_t max_batch)
     : shape_(shape),

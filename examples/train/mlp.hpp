@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace shmps::train {
@@ -41,6 +42,28 @@ void he_init(const MlpShape& shape, std::span<float> params, uint64_t seed);
 // Limits this process's OpenBLAS to `threads` threads (no-op with another
 // CBLAS). Worker processes use 1: they already fill the cores.
 void set_blas_threads(int threads);
+
+// The kernels OpenBLAS chose for this CPU when it was loaded, e.g.
+// "Haswell" (openblas_get_corename()).
+std::string blas_corename();
+
+// What the CPU can run, as far as the BLAS kernels care.
+struct CpuFeatures {
+  bool avx2_fma = false;    // AVX2 and FMA: OpenBLAS's Haswell kernels
+  bool avx512_skx = false;  // AVX-512 F, CD, BW, DQ and VL: its SkylakeX kernels
+};
+CpuFeatures cpu_features();  // this CPU (__builtin_cpu_supports)
+
+// The OPENBLAS_CORETYPE to run with instead of `chosen`, or "" to keep it.
+// OpenBLAS picks its kernels from the CPU's model number; under a
+// hypervisor that hides it (one development VM reports "Intel(R) Xeon(R)
+// Processor") Debian 12's OpenBLAS 0.3.21 falls back to its Prescott
+// (SSE3) kernels on a CPU with AVX-512, and shmps-train ran 2.5x slower.
+// So when `chosen` is one of OpenBLAS's Intel cores without AVX2
+// (Prescott, Core2, Penryn, Dunnington, Nehalem, Atom, Sandybridge) and
+// `cpu` has more: "SkylakeX" with AVX-512, "Haswell" with AVX2 and FMA.
+// Any other core (a newer Intel one, an AMD one) is kept. Pure function.
+std::string better_blas_coretype(std::string_view chosen, const CpuFeatures& cpu);
 
 struct EvalResult {
   double loss = 0.0;      // mean cross-entropy, nats

@@ -1159,10 +1159,38 @@ int Trainer::run() {
 }  // namespace
 }  // namespace shmps::train
 
+namespace {
+
+// OpenBLAS fixes its kernels when it is loaded: when it took this CPU for
+// an older one (shmps::train::better_blas_coretype()), run this program
+// again with OPENBLAS_CORETYPE set, before anything else happens (the
+// workers are forked from this process and keep its choice). A user's
+// own OPENBLAS_CORETYPE is never overridden; a failed exec only costs
+// the speed.
+void use_the_cpus_blas_kernels(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
+  const std::string chosen = shmps::train::blas_corename();
+  const std::string better = shmps::train::better_blas_coretype(chosen, shmps::train::cpu_features());
+  if (better.empty()) return;
+  std::fprintf(stderr,
+               "shmps-train: OpenBLAS chose its %s kernels, but this CPU runs %s ones (its model number is "
+               "hidden, e.g. by a hypervisor); restarting with OPENBLAS_CORETYPE=%s\n",
+               chosen.c_str(), better.c_str(), better.c_str());
+  ::setenv("OPENBLAS_CORETYPE", better.c_str(), /*overwrite=*/1);
+  std::fflush(nullptr);
+  ::execv("/proc/self/exe", argv);
+  std::fprintf(stderr, "shmps-train: exec /proc/self/exe: %s; going on with the %s kernels\n", std::strerror(errno),
+               chosen.c_str());
+  ::unsetenv("OPENBLAS_CORETYPE");
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   try {
     shmps::train::Options options;
     if (std::optional<int> rc = shmps::train::parse_options(argc, argv, options)) return *rc;
+    use_the_cpus_blas_kernels(argv);  // after --help and bad options, before the first thread or child
     shmps::train::Trainer trainer(std::move(options));
     return trainer.run();
   } catch (const std::exception& e) {

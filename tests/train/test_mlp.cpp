@@ -251,4 +251,26 @@ BOOST_AUTO_TEST_CASE(evaluate_handles_a_partial_last_chunk) {
   BOOST_TEST(a.loss == reference_loss(pr.shape, p, pr.x, pr.y, 7), boost::test_tools::tolerance(1e-5));
 }
 
+// shmps-train re-executes itself with OPENBLAS_CORETYPE when OpenBLAS took
+// the CPU for an older one (mlp.hpp): only Intel cores without AVX2 are
+// upgraded, only to what the CPU runs.
+BOOST_AUTO_TEST_CASE(blas_coretype_upgrades_only_a_fallback_core) {
+  using shmps::train::better_blas_coretype;
+  using shmps::train::CpuFeatures;
+  const CpuFeatures none{}, avx2{true, false}, avx512{true, true};
+  BOOST_TEST(better_blas_coretype("Prescott", avx512) == "SkylakeX");
+  BOOST_TEST(better_blas_coretype("Prescott", avx2) == "Haswell");
+  BOOST_TEST(better_blas_coretype("Nehalem", avx2) == "Haswell");
+  BOOST_TEST(better_blas_coretype("Sandybridge", avx512) == "SkylakeX");
+  BOOST_TEST(better_blas_coretype("Prescott", none) == "");
+  for (const char* kept : {"Haswell", "SkylakeX", "CooperLake", "SapphireRapids", "Zen", "Bulldozer", "", "prescott"})
+    BOOST_TEST(better_blas_coretype(kept, avx512) == "", kept);
+  // This machine's: a name, and one the rule keeps or upgrades consistently.
+  const std::string chosen = shmps::train::blas_corename();
+  BOOST_TEST(!chosen.empty());
+  const std::string better = better_blas_coretype(chosen, shmps::train::cpu_features());
+  BOOST_TEST((better.empty() || better == "Haswell" || better == "SkylakeX"));
+}
+
 BOOST_AUTO_TEST_SUITE_END()
+
