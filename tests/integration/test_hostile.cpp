@@ -448,6 +448,31 @@ BOOST_AUTO_TEST_CASE(entry_freed_after_an_eviction_serves_the_next_worker) {
   BOOST_TEST((*w)->ping().ok());
 }
 
+// The server takes a request whose id is the one after the last before its
+// tail arrives (ring.hpp, seq_published()). A worker that reuses an id must
+// not make it take the stale slots behind: after a full ring of pings with
+// ids 1..cap, a ping that reuses id 1 leaves slot 1 holding id 2 from the
+// first round at the head, the id that would come next. Every published
+// request gets exactly one answer (fuzz_requests found the replay).
+BOOST_AUTO_TEST_CASE(reused_request_id_does_not_replay_stale_slots) {
+  test::ServerProcess server(test::unique_name("replay"),
+                             {"--tensor", "w:1", "--max-workers", "1", "--ring-capacity", "8"});
+  test::RawClient raw(server.name());
+  const uint32_t cap = raw.segment().header().lane_capacity;
+  BOOST_REQUIRE(cap == 8u);
+  for (uint32_t i = 0; i < cap; ++i) BOOST_REQUIRE(raw.call(raw.request(shm::Opcode::kPing)).code == 0u);
+  shm::Request again = raw.request(shm::Opcode::kPing);
+  again.request_id = 1;  // slot 0's id, of the first round
+  BOOST_REQUIRE(raw.send(again));
+  const shm::Completion c = raw.receive();
+  BOOST_TEST(c.request_id == 1u);
+  // Nothing else was published: nothing else may be answered.
+  std::this_thread::sleep_for(200ms);
+  const auto& cq = raw.segment().completions(raw.id());
+  BOOST_TEST(cq.tail.load() == cq.head.load(), "answers to requests never published: " << cq.tail.load() - cq.head.load());
+  BOOST_TEST(raw.call(raw.request(shm::Opcode::kPing)).code == 0u);
+}
+
 // An attached worker that zeroes its own owner word and leaves: the entry
 // looks free; the next claimer must be served from a clean state.
 BOOST_AUTO_TEST_CASE(entry_zeroed_by_its_owner_serves_the_next_worker) {
