@@ -186,8 +186,11 @@ def main():
     for target, items in files.items():
         d = os.path.join(out, target)
         os.makedirs(d, exist_ok=True)
+        # found_*: inputs a fuzzer found, kept byte for byte (they are not
+        # regenerated here: each needs the harness state it was found in).
         for name in os.listdir(d):
-            os.remove(os.path.join(d, name))
+            if not name.startswith("found_"):
+                os.remove(os.path.join(d, name))
         for name, data in items.items():
             with open(os.path.join(d, name), "wb") as f:
                 f.write(data)
