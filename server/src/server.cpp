@@ -140,7 +140,6 @@ struct WorkerSlot {
   uint64_t lease = 0;
   uint64_t stopped_since_ns = 0;  // when we first saw its process stopped; 0: running
   uint64_t next_request_id = 0;   // the id after the last request taken; 0: unknown (new session)
-  uint64_t max_request_id = 0;    // the highest id taken this session
   bool attached() const { return owner != 0; }
 };
 
@@ -517,14 +516,10 @@ class Server::Impl {
         return true;
       }
       ++served;
-      // A worker's ids count up by one (0 after a wrap: unknown). Only a new
-      // highest id arms the by-id take of the next slot: every stale slot
-      // holds an id already taken, so it can never match. After a reused
-      // or lower id (a buggy worker) only the tail counts until the ids
-      // rise again; otherwise the slot behind it, from the last round,
-      // could hold the id that follows and be served a second time.
-      slot.next_request_id = req.request_id > slot.max_request_id ? req.request_id + 1 : 0;
-      slot.max_request_id = std::max(slot.max_request_id, req.request_id);
+      // A worker's ids count up by one (0 after a wrap: unknown). One that
+      // reuses an id gets no slot taken by id at or below the highest
+      // taken (ring.hpp, seq_published()): its stale slots are not served again.
+      slot.next_request_id = req.request_id + 1;
       bump(stats().requests);
       Completion c = handle(i, req);
       if (c.opcode == static_cast<uint32_t>(Opcode::kDetach) && c.code == 0) {
@@ -1093,7 +1088,6 @@ class Server::Impl {
     }
     slots[i].lane = shm::SpscConsumer<Request>(&segment->lane(i), segment->lane_slots(i), config.lane_capacity);
     slots[i].next_request_id = 0;
-    slots[i].max_request_id = 0;
     slots[i].completions = shm::SpscProducer<Completion>(&segment->completions(i), segment->completion_slots(i), config.lane_capacity);
   }
 

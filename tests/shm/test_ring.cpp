@@ -208,6 +208,33 @@ BOOST_AUTO_TEST_CASE(staged_slot_is_invisible_to_a_sequence_poller_until_publish
   BOOST_TEST((c.refresh() == RingResult::kCorrupt));
 }
 
+// A producer that reuses a sequence: after a full ring of 1..kCapacity, it
+// publishes 1 again at slot 0, and slot 1 still holds 2 from the first
+// round, the sequence that would come next. Taking by sequence must not
+// take that stale slot, however often it is asked; the tail still counts.
+BOOST_AUTO_TEST_CASE(a_reused_sequence_cannot_take_a_stale_slot) {
+  SharedLane lane;
+  SpscProducer<Request> p(lane.header(), lane.slots(), kCapacity);
+  SpscConsumer<Request> c(lane.header(), lane.slots(), kCapacity);
+  Request r;
+  for (uint64_t id = 1; id <= kCapacity; ++id) {
+    BOOST_REQUIRE((p.try_push(make(id)) == RingResult::kOk));
+    BOOST_REQUIRE((c.try_pop(&r, id) == RingResult::kOk));
+  }
+  BOOST_REQUIRE((p.try_push(make(1)) == RingResult::kOk));
+  BOOST_TEST((c.try_pop(&r, 1) == RingResult::kOk));  // through the tail
+  BOOST_TEST(r.request_id == 1u);
+  BOOST_TEST(!c.seq_published(2));  // slot 1 holds 2, of the first round
+  BOOST_TEST((c.try_pop(&r, 2) == RingResult::kEmpty));
+  BOOST_TEST((c.try_pop(&r, 2) == RingResult::kEmpty));
+  // A new sequence above all taken is taken by its sequence again.
+  BOOST_REQUIRE((p.try_push(make(kCapacity + 1)) == RingResult::kOk));
+  lane.header()->tail.store(kCapacity + 1);  // as if the tail's store had not arrived yet
+  BOOST_TEST(c.seq_published(kCapacity + 1));
+  BOOST_TEST((c.try_pop(&r, kCapacity + 1) == RingResult::kOk));
+  BOOST_TEST(r.worker_version == 3 * (kCapacity + 1));
+}
+
 BOOST_AUTO_TEST_CASE(two_threads_two_million_slots_taken_by_sequence_exactly_once_in_order) {
   SharedLane lane;
   constexpr uint64_t kCount = 2'000'000;

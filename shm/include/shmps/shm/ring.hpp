@@ -13,7 +13,10 @@
 // (SYNC(slot_seq)), so a consumer that knows which value comes next may
 // poll the slot itself (seq_published()) instead of the tail: one cache
 // line crosses between the cores instead of two. A staged slot stays
-// invisible either way until publish().
+// invisible either way until publish(). The consumer takes a slot by its
+// sequence only above every sequence it has released, so a producer that
+// repeats sequences (buggy or hostile) cannot make it take a stale slot of
+// the last round again.
 #pragma once
 
 #include <algorithm>
@@ -139,6 +142,10 @@ class SpscConsumer {
   // validate the copy. release() frees it.
   const Slot* peek() noexcept { return refresh() == RingResult::kOk ? &slots_[head_ & mask_] : nullptr; }
   void release() noexcept {
+    // relaxed: the slot was copied out already; a garbage value only turns
+    // seq_published() off for this ring (a buggy producer's own loss).
+    const uint64_t seq = std::atomic_ref<uint64_t>(*first_word(head_)).load(std::memory_order_relaxed);
+    max_seq_ = std::max(max_seq_, seq);
     ++head_;
     // Taken through seq_published(), the slot may be ahead of the tail we
     // last read; the producer published it, so the tail is at least here.
@@ -153,14 +160,17 @@ class SpscConsumer {
 
   // True when the next slot's sequence (its first 8 bytes) is `seq`: the
   // producer published it (SYNC(slot_seq)), whatever the tail says yet; then
-  // peek_published() returns it. Only for a protocol whose sequences never
-  // repeat within a session, with the slots cleared when one starts (the
-  // request ids of a worker's lane and completion queue: the server clears
-  // both at each attach).
+  // peek_published() returns it. For a protocol whose sequences rise within
+  // a session, with the slots cleared when one starts (the request ids of a
+  // worker's lane and completion queue: the server clears both at each
+  // attach). Always false for a `seq` at or below the highest sequence this
+  // consumer has released: every stale slot holds one of those, so a
+  // producer that reused a sequence cannot have the slot behind it, from
+  // the last round, taken as the next (fuzz_requests found that replay).
   bool seq_published(uint64_t seq) const noexcept {
-    auto* first = const_cast<uint64_t*>(reinterpret_cast<const uint64_t*>(&slots_[head_ & mask_]));
+    if (seq <= max_seq_) return false;
     // SYNC(slot_seq): acquire pairs with the producer's release in publish().
-    return std::atomic_ref<uint64_t>(*first).load(std::memory_order_acquire) == seq;
+    return std::atomic_ref<uint64_t>(*first_word(head_)).load(std::memory_order_acquire) == seq;
   }
   const Slot* peek_published() const noexcept { return &slots_[head_ & mask_]; }
 
@@ -218,6 +228,11 @@ class SpscConsumer {
   uint64_t head_ = 0;
   uint64_t cached_tail_ = 0;
   bool ahead_of_tail_ = false;  // release() went past the last tail we read
+  uint64_t max_seq_ = 0;        // the highest sequence released (see seq_published())
+
+  uint64_t* first_word(uint64_t index) const noexcept {
+    return const_cast<uint64_t*>(reinterpret_cast<const uint64_t*>(&slots_[index & mask_]));
+  }
 
   // A tail behind our head by at most a ring: the producer's tail store
   // lagging slots taken through seq_published(), not garbage.
