@@ -66,21 +66,16 @@ struct RefArrays {
   std::vector<float> src, dst, weights;
 };
 
-kernels::OptimizerConfig sgd_config() {
-  kernels::OptimizerConfig config;
-  config.lr = 0.001f;
-  return config;
-}
-
 // `passes` untimed passes over all of `a`: a memcpy and an apply each.
 void warm(RefArrays& a, uint32_t passes) {
+  const kernels::OptimizerConfig config = sgd_config();
   kernels::TensorState tensor;
   tensor.weights = a.weights.data();
   tensor.n = a.weights.size();
   for (uint32_t pass = 1; pass <= passes; ++pass) {
     std::memcpy(a.dst.data(), a.src.data(), a.src.size() * sizeof(float));
     escape(a.dst.data());
-    kernels::apply_cpu(sgd_config(), tensor, a.src.data(), kernels::GradDtype::kF32, pass);
+    kernels::apply_cpu(config, tensor, a.src.data(), kernels::GradDtype::kF32, pass);
     escape(a.weights.data());
   }
 }
@@ -103,6 +98,7 @@ struct InProcess {
 InProcess in_process(RefArrays& a, uint32_t n) {
   const uint64_t bytes = a.src.size() * sizeof(float);
   const float* src = a.src.data();
+  const kernels::OptimizerConfig config = sgd_config();
   kernels::TensorState tensor;
   tensor.weights = a.weights.data();
   tensor.n = a.src.size();
@@ -114,7 +110,7 @@ InProcess in_process(RefArrays& a, uint32_t n) {
     return static_cast<double>(now_ns() - t0);
   };
   const auto apply = [&] {
-    kernels::apply_cpu(sgd_config(), tensor, src, kernels::GradDtype::kF32, ++step);
+    kernels::apply_cpu(config, tensor, src, kernels::GradDtype::kF32, ++step);
     escape(tensor.weights);
   };
   const auto check_apply = [&] {
@@ -159,6 +155,7 @@ struct RotatingArrays {
 // stream through it.
 double in_process_rotating(RotatingArrays& a, uint32_t buffers, uint32_t pushes) {
   const uint64_t n = a.weights.size();
+  const kernels::OptimizerConfig config = sgd_config();
   kernels::TensorState tensor;
   tensor.weights = a.weights.data();
   tensor.n = n;
@@ -167,7 +164,7 @@ double in_process_rotating(RotatingArrays& a, uint32_t buffers, uint32_t pushes)
   const auto push = [&](uint32_t k) {
     const float* g = a.grads[k % buffers].data();
     finite &= kernels::all_finite_cpu(g, kernels::GradDtype::kF32, n);
-    kernels::apply_cpu(sgd_config(), tensor, g, kernels::GradDtype::kF32, ++step);
+    kernels::apply_cpu(config, tensor, g, kernels::GradDtype::kF32, ++step);
     escape(tensor.weights);
   };
   for (uint32_t k = 0; k < buffers; ++k) push(k);
@@ -176,6 +173,9 @@ double in_process_rotating(RotatingArrays& a, uint32_t buffers, uint32_t pushes)
   const uint64_t t1 = now_ns();
   return finite ? static_cast<double>(pushes) * static_cast<double>(kMiB) / static_cast<double>(t1 - t0) : NAN;
 }
+
+// What a reference returns when all_finite_cpu refused its finite gradient.
+Status refused_finite() { return {ErrorCode::kInternal, "all_finite_cpu refused a finite gradient"}; }
 
 // ------------------------------------------------------------ systems
 
@@ -210,7 +210,7 @@ Result<Running> start_all(const Plan& plan, std::vector<uint64_t>& tensor_bytes)
     args.push_back("t" + std::to_string(i) + ":" + std::to_string(tensor_bytes[i] / 4));
   }
   // Several pushers race on one tensor in the scaling rows: never reject on staleness.
-  args.insert(args.end(), {"--optimizer", "sgd", "--lr", "0.001", "--max-staleness", "1000000"});
+  args.insert(args.end(), {"--optimizer", "sgd", "--lr", fixed(kSgdLr, 3), "--max-staleness", "1000000"});
   args.insert(args.end(), plan.server_args.begin(), plan.server_args.end());
   // The default server (NaN/Inf check on, idle spin 50 us); one that sleeps
   // at once; one without the check pass (the baselines do not check either).
@@ -328,9 +328,9 @@ size_t find_target(const Running& run, const std::string& label) {
 int run(const Plan& plan, const std::string& csv_path) {
   Csv csv;
   std::vector<Goal> goals;
-  std::printf("shmps-compare: %u repeat(s)%s; every server applies kernels::apply_cpu SGD (lr 0.001) to fp32\n"
+  std::printf("shmps-compare: %u repeat(s)%s; every server applies kernels::apply_cpu SGD (lr %g) to fp32\n"
               "gradients; workers are fork()ed processes; figures are medians over repeats.\n",
-              plan.repeats, plan.quick ? " (--quick: smoke mode, figures meaningless)" : "");
+              plan.repeats, plan.quick ? " (--quick: smoke mode, figures meaningless)" : "", static_cast<double>(kSgdLr));
   if (!plan.server_args.empty()) {
     std::string extra;
     for (const std::string& a : plan.server_args) extra += " " + a;
@@ -356,7 +356,6 @@ int run(const Plan& plan, const std::string& csv_path) {
   auto ref = run_children(1, 3 * nsizes, plan.repeats,
                           [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
     barrier.arrive_and_wait();
-    const Status refused{ErrorCode::kInternal, "all_finite_cpu refused a finite gradient"};
     std::vector<RefArrays> arrays;  // by size, as the server's tensors
     for (uint32_t j = 0; j < nsizes; ++j) {
       arrays.emplace_back(plan.sizes[j]);
@@ -368,7 +367,7 @@ int run(const Plan& plan, const std::string& csv_path) {
     for (uint32_t rep = 0; rep < plan.repeats; ++rep)
       for (uint32_t j = 0; j < nsizes; ++j) {
         const InProcess ip = in_process(arrays[j], pushes_for(plan, plan.sizes[j]));
-        if (std::isnan(ip.apply_ns)) return refused;
+        if (std::isnan(ip.apply_ns)) return refused_finite();
         out[3 * j].push_back(ip.memcpy_ns);
         out[3 * j + 1].push_back(ip.apply_ns);
         out[3 * j + 2].push_back(ip.check_apply_ns);
@@ -488,7 +487,7 @@ int run(const Plan& plan, const std::string& csv_path) {
         for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
           const uint32_t buffers = plan.scaling[k];
           const double gb = in_process_rotating(rotating, buffers, buffers * plan.scaling_pushes);
-          if (std::isnan(gb)) return {ErrorCode::kInternal, "all_finite_cpu refused a finite gradient"};
+          if (std::isnan(gb)) return refused_finite();
           out[k].push_back(gb);
         }
       return Status::Ok();

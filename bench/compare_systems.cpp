@@ -54,7 +54,7 @@ void signal_ready(int ready_fd) {
 // gradient; each gradient updates its first bytes/4 elements.
 class Applier {
  public:
-  explicit Applier(uint64_t max_bytes) : weights_(max_bytes / sizeof(float), 0.5f) { config_.lr = 0.001f; }
+  explicit Applier(uint64_t max_bytes) : config_(sgd_config()), weights_(max_bytes / sizeof(float), 0.5f) {}
   uint64_t apply(const void* grad, uint64_t bytes) {
     kernels::TensorState tensor;
     tensor.weights = weights_.data();
@@ -372,6 +372,12 @@ class ShmpsClient final : public Client {
 };
 
 }  // namespace
+
+kernels::OptimizerConfig sgd_config() noexcept {
+  kernels::OptimizerConfig config;
+  config.lr = kSgdLr;
+  return config;
+}
 
 const char* system_name(System system) noexcept {
   switch (system) {

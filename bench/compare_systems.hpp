@@ -14,9 +14,16 @@
 #include <vector>
 
 #include "bench_support.hpp"
+#include "shmps/kernels/optimizer.hpp"
 #include "shmps/status.hpp"
 
 namespace shmps::bench {
+
+// The one update every system applies, and the in-process references
+// too: SGD, lr kSgdLr, no momentum (the shmps servers get the same on
+// their command line).
+inline constexpr float kSgdLr = 0.001f;
+kernels::OptimizerConfig sgd_config() noexcept;
 
 enum class System { kShmps, kSocket, kMessageQueue, kZmq };
 const char* system_name(System system) noexcept;
