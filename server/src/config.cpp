@@ -1,11 +1,18 @@
 #include "shmps/server/config.hpp"
 
+#include <cmath>
+
 namespace shmps::server {
 
 Status validate(const ServerConfig& config) {
   const auto invalid = [](std::string message) { return Status{ErrorCode::kInvalidArgument, std::move(message)}; };
   if (std::string err = kernels::validate(config.optimizer); !err.empty()) return invalid(err);
   if (config.tensors.empty()) return invalid("at least one --tensor is required");
+  if (Status s = shm::validate_tensors(config.tensors); !s.ok()) return invalid("--tensor: " + s.message());
+  if ((config.init.kind == InitSpec::Kind::kNormal || config.init.kind == InitSpec::Kind::kUniform) &&
+      !(std::isfinite(config.init.scale) && config.init.scale > 0.0f))
+    return invalid("--init-scale must be finite and > 0 for --init normal or uniform, got " +
+                   std::to_string(config.init.scale));
   const uint32_t cap = config.lane_capacity;
   if (cap < 2 || cap > shm::kMaxLaneCapacity || (cap & (cap - 1)) != 0)
     return invalid("--ring-capacity must be a power of two in 2..65536, got " + std::to_string(cap));

@@ -278,14 +278,13 @@ Status validate_segment(const void* base, size_t size) {
 
 // ---------------------------------------------------------------- Segment
 
-namespace {
-
-Status validate_spec(const SegmentSpec& spec) {
-  if (Status s = validate_name(spec.name); !s.ok()) return s;
-  if (Status s = check_counts(spec.tensors.size(), spec.max_workers, spec.max_buffers, spec.lane_capacity); !s.ok())
-    return {ErrorCode::kInvalidArgument, s.message()};
+Status validate_tensors(const std::vector<TensorSpec>& tensors) {
+  if (tensors.empty() || tensors.size() > kMaxTensorsLimit)
+    return {ErrorCode::kInvalidArgument, "a model needs 1.." + std::to_string(kMaxTensorsLimit) + " tensors, got " +
+                                             std::to_string(tensors.size())};
   std::set<std::string> names;
-  for (const TensorSpec& t : spec.tensors) {
+  uint64_t total = 0;
+  for (const TensorSpec& t : tensors) {
     if (t.name.empty() || t.name.size() >= kNameBytes)
       return {ErrorCode::kInvalidArgument, "tensor name '" + t.name + "' must be 1..63 bytes"};
     for (char c : t.name)
@@ -295,11 +294,24 @@ Status validate_spec(const SegmentSpec& spec) {
       return {ErrorCode::kInvalidArgument, "tensor name '" + t.name + "' given twice"};
     if (t.shape.empty() || t.shape.size() > kMaxDims)
       return {ErrorCode::kInvalidArgument, "tensor '" + t.name + "' must have 1..4 dimensions"};
+    uint64_t count = 1;
     for (uint64_t d : t.shape)
-      if (d == 0 || d > (uint64_t{1} << 40))
-        return {ErrorCode::kInvalidArgument, "tensor '" + t.name + "' has a dimension of 0 or over 2^40"};
+      if (d == 0 || d > kMaxTotalElements || __builtin_mul_overflow(count, d, &count) || count > kMaxTotalElements)
+        return {ErrorCode::kInvalidArgument, "tensor '" + t.name + "' has a dimension of 0, or over 2^40 elements"};
+    total += count;  // both terms <= 2^40: no overflow
+    if (total > kMaxTotalElements)
+      return {ErrorCode::kInvalidArgument, "the tensors hold over 2^40 elements in total (at '" + t.name + "')"};
   }
   return Status::Ok();
+}
+
+namespace {
+
+Status validate_spec(const SegmentSpec& spec) {
+  if (Status s = validate_name(spec.name); !s.ok()) return s;
+  if (Status s = check_counts(spec.tensors.size(), spec.max_workers, spec.max_buffers, spec.lane_capacity); !s.ok())
+    return {ErrorCode::kInvalidArgument, s.message()};
+  return validate_tensors(spec.tensors);
 }
 
 }  // namespace
@@ -365,16 +377,14 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
     std::memcpy(t.name, ts.name.data(), ts.name.size());
     t.dtype = static_cast<uint32_t>(Dtype::kF32);
     t.ndim = static_cast<uint32_t>(ts.shape.size());
-    uint64_t count = 1;
+    uint64_t count = 1;  // validate_spec(): no overflow, at most 2^40 in all
     for (size_t d = 0; d < ts.shape.size(); ++d) {
       t.shape[d] = ts.shape[d];
-      if (__builtin_mul_overflow(count, ts.shape[d], &count))
-        return Status{ErrorCode::kInvalidArgument, "tensor '" + ts.name + "' is too large"};
+      count *= ts.shape[d];
     }
     t.element_offset = offset;
     t.element_count = count;
-    if (__builtin_add_overflow(offset, count, &offset))
-      return Status{ErrorCode::kInvalidArgument, "tensors are too large in total"};
+    offset += count;
   }
   h.total_elements = offset;
   return seg;

@@ -85,6 +85,39 @@ BOOST_AUTO_TEST_CASE(config_file_errors_name_the_line_and_the_key) {
   BOOST_TEST(contains(file_error(kHead + " = 3\n"), "line 3: no key before '='"));
 }
 
+BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
+  // lexical_cast read "-1" for an unsigned option as 2^64 - 1 (or 2^32 - 1),
+  // and "-4294967295" as 1.
+  for (const std::string key : {"max-staleness", "max-workers", "checkpoint-keep", "idle-spin-us", "init-seed",
+                                "checkpoint-every", "stopped-worker-timeout-ms"}) {
+    BOOST_TEST(contains(file_error(kHead + key + " = -1\n"), "line 3: key '" + key + "': must be a non-negative integer"));
+    auto cmdline = test::parse_server_args({"--name", "j", "--tensor", "w:4", "--" + key + "=-1"});
+    BOOST_TEST(!cmdline.ok(), key);
+    if (!cmdline.ok()) BOOST_TEST(contains(cmdline.status().message(), "--" + key + " must be a non-negative integer"));
+  }
+  BOOST_TEST(contains(file_error(kHead + "max-workers = -4294967295\n"), "must be a non-negative integer"));
+  // A NUL cut "/tmp/ckA\0evil" to "/tmp/ckA"; an empty path turned the
+  // feature off without a word.
+  BOOST_TEST(contains(file_error(kHead + std::string("checkpoint-dir = /tmp/ckA\0evil\n", 31)), "line 3: holds a NUL byte"));
+  BOOST_TEST(contains(file_error(kHead + "checkpoint-dir =\n"), "line 3: key 'checkpoint-dir': is an empty path"));
+  BOOST_TEST(contains(file_error(kHead + "init-file =\n"), "line 3: key 'init-file': is an empty path"));
+  // init-scale: NaN weights, or a negative stddev, before.
+  for (const char* scale : {"nan", "inf", "-1", "0"})
+    BOOST_TEST(contains(file_error(kHead + "init = uniform\ninit-scale = " + scale + "\n"), "line 4: key 'init-scale': must be finite and > 0"), scale);
+  BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--init-scale", "nan"}).ok());  // unused by --init zero
+  // What Server::create() refuses, --check-config refuses too.
+  for (const auto& [tensors, why] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"a:4", "a:2"}, "given twice"},
+           {{"a:4294967296x2147483648", "b:4294967296x2147483648"}, "over 2^40 elements"},
+           {{"a:1048576x1048576", "b:2"}, "over 2^40 elements in total"}}) {
+    std::vector<std::string> args{"--name", "j", "--check-config"};
+    for (const std::string& t : tensors) args.insert(args.end(), {"--tensor", t});
+    auto p = test::parse_server_args(args);
+    BOOST_TEST(!p.ok(), tensors[0]);
+    if (!p.ok()) BOOST_TEST(contains(p.status().message(), why), p.status().message());
+  }
+}
+
 BOOST_AUTO_TEST_CASE(command_line_wins_over_the_file_and_errors_name_the_option) {
   ConfFile f(kHead + "lr = 0.5\nmax-staleness = 9\ntensor = b:2\n");
   auto p = test::parse_server_args({"--config", f.path, "--lr", "0.25", "--tensor", "a:1"});

@@ -163,6 +163,26 @@ BOOST_AUTO_TEST_CASE(names_are_validated) {
   BOOST_TEST((Segment::create(spec, 1).status().code() == ErrorCode::kInvalidArgument));  // duplicate
 }
 
+BOOST_AUTO_TEST_CASE(oversized_tensors_are_refused_before_the_object_exists) {
+  // Each of 2^63 elements: the sum overflowed after the object was created,
+  // which then stayed in /dev/shm.
+  const std::string name = test::unique_name("oversize");
+  Cleanup cleanup{name};
+  for (const auto& tensors : std::vector<std::vector<TensorSpec>>{
+           {{"a", {4294967296, 2147483648}}, {"b", {4294967296, 2147483648}}},
+           {{"a", {1048576, 1048576}}, {"b", {2}}},  // 2^40 + 2 in all
+           {{"a", {1048576, 1048576, 2}}}}) {
+    SegmentSpec spec = small_spec(name);
+    spec.tensors = tensors;
+    const auto created = Segment::create(spec, 1);
+    BOOST_TEST((created.status().code() == ErrorCode::kInvalidArgument));
+    BOOST_TEST(created.status().message().find("2^40") != std::string::npos, created.status().message());
+    BOOST_TEST(::access(("/dev/shm/" + segment_object_name(name)).c_str(), F_OK) != 0);
+  }
+  BOOST_TEST(validate_tensors({{"a", {1048576, 1048576}}}).ok());  // 2^40 exactly
+  BOOST_TEST(!validate_tensors({}).ok());
+}
+
 BOOST_AUTO_TEST_CASE(validation_catches_each_corruption) {
   const std::string name = test::unique_name("corrupt");
   Cleanup cleanup{name};

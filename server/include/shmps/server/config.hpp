@@ -69,7 +69,8 @@ struct ServerConfig {
 };
 
 // Checks what Server::create() would refuse before touching the system:
-// optimizer hyperparameters, at least one tensor, ring capacity, worker and
+// optimizer hyperparameters, the tensors (shm::validate_tensors()), the
+// init scale (finite, > 0 for normal/uniform), ring capacity, worker and
 // buffer limits. Errors: kInvalidArgument whose message starts with the
 // option ("--ring-capacity must be ..."), so parse_options() can point at the
 // config-file line that set it.

@@ -72,6 +72,16 @@ struct TensorSpec {
   std::vector<uint64_t> shape;     // 1..4 dims, each >= 1
 };
 
+// Most elements a tensor, and all tensors together, may hold: 2^40 (4 TiB
+// of fp32). Checkpoint files are read against the same bound.
+inline constexpr uint64_t kMaxTotalElements = uint64_t{1} << 40;
+
+// Checks a model's tensor list: 1..kMaxTensorsLimit tensors, each named
+// 1..63 printable bytes without blanks or ':', names unique, 1..4
+// dimensions of 1..2^40, at most kMaxTotalElements elements in all.
+// Errors: kInvalidArgument naming the tensor and the rule. Pure.
+Status validate_tensors(const std::vector<TensorSpec>& tensors);
+
 struct SegmentSpec {
   std::string name;                // as given to --name
   std::vector<TensorSpec> tensors;
