@@ -6,11 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
+#include <optional>
+#include <stdexcept>
 #include <boost/crc.hpp>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <type_traits>
 
 namespace shmps::server {
@@ -52,6 +54,17 @@ bool is_checkpoint_name(const std::string& n) {
          n.find_first_not_of("0123456789", 5) == 25;
 }
 
+// ".ckpt-<20 digits>.shmps.tmp": what write_checkpoint() renames.
+bool is_temp_name(const std::string& n) { return n.size() == 1 + 31 + 4 && n[0] == '.' && is_checkpoint_name(n.substr(1, 31)) && n.compare(32, 4, ".tmp") == 0; }
+
+// The version a checkpoint's file name gives, if it is one.
+std::optional<uint64_t> version_in_name(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  if (!is_checkpoint_name(name)) return std::nullopt;
+  return std::stoull(name.substr(5, 20));  // 20 digits can exceed 2^64: stoull throws, caught by the caller
+}
+
 // write(2) all of it; false with errno set on failure.
 bool write_all(int fd, const void* data, size_t bytes) {
   const char* p = static_cast<const char*>(data);
@@ -67,28 +80,125 @@ bool write_all(int fd, const void* data, size_t bytes) {
   return true;
 }
 
+// read(2) exactly `bytes`; false on an error (errno set) or early end (errno 0).
+bool read_all(int fd, void* data, size_t bytes) {
+  char* p = static_cast<char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::read(fd, p, bytes);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0) errno = 0;
+      return false;
+    }
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+uint64_t element_count(const shm::TensorSpec& t) {
+  uint64_t n = 1;
+  for (uint64_t d : t.shape) n *= d;
+  return n;
+}
+
+// An open checkpoint file whose header and tensor records passed every
+// check that needs no payload: open_checkpoint().
+struct OpenedCheckpoint {
+  Fd file;
+  CheckpointHeader header{};
+  std::vector<CheckpointTensor> tensors;
+  bool misfit = false;  // failed because it is another model's (not corrupt)
+};
+
+// Opens `path` and checks it as read_checkpoint() documents, up to the
+// payload: everything but the checksum, the steps and finiteness. Reads
+// the header and tensor records only (at most 64 + 4096 x 112 bytes).
+Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, OpenedCheckpoint* out) {
+  const auto corrupt = [&](const std::string& why) { return Status{ErrorCode::kLayoutMismatch, path + ": " + why}; };
+  const auto misfit = [&](const std::string& why) {
+    out->misfit = true;
+    return Status{ErrorCode::kLayoutMismatch, path + ": does not fit this configuration (" + why + ")"};
+  };
+  // O_NONBLOCK: opening a FIFO for reading would wait for a writer.
+  out->file.fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (out->file.fd < 0) return {ErrorCode::kIo, path + ": open: " + errno_text()};
+  struct stat st{};
+  if (::fstat(out->file.fd, &st) != 0) return {ErrorCode::kIo, path + ": fstat: " + errno_text()};
+  if (!S_ISREG(st.st_mode)) return {ErrorCode::kIo, path + ": not a regular file"};
+  const auto size = static_cast<uint64_t>(st.st_size);
+  CheckpointHeader& h = out->header;
+  if (size < sizeof h + 4 || !read_all(out->file.fd, &h, sizeof h)) return corrupt("truncated header");
+  if (h.magic != kCheckpointMagic) return corrupt("not a shmps checkpoint (bad magic)");
+  if (h.format != kCheckpointFormat)
+    return corrupt("checkpoint format " + std::to_string(h.format) + ", this build reads " + std::to_string(kCheckpointFormat));
+  if (h.header_size != sizeof h || h.tensor_count == 0 || h.tensor_count > shm::kMaxTensorsLimit || h.state_arrays > 3)
+    return corrupt("implausible header");
+  if (h.version >= kMaxCheckpointVersion) return corrupt("implausible version " + std::to_string(h.version));
+  try {
+    if (const auto named = version_in_name(path); named && *named != h.version)
+      return corrupt("named version " + std::to_string(*named) + " but holds version " + std::to_string(h.version));
+  } catch (const std::out_of_range&) {
+    return corrupt("named with a version over 2^64");
+  }
+  // The layout before the size, and both before any allocation the file's
+  // counts would size.
+  uint64_t expect_total = 0;
+  for (const shm::TensorSpec& t : expect.tensors) expect_total += element_count(t);
+  if (h.tensor_count != expect.tensors.size())
+    return misfit(std::to_string(h.tensor_count) + " tensors, this server has " + std::to_string(expect.tensors.size()));
+  if (h.optimizer_kind != expect.optimizer_kind || h.state_arrays != expect.state_arrays)
+    return misfit("another optimizer, or momentum/amsgrad setting");
+  if (h.total_elements != expect_total)
+    return misfit(std::to_string(h.total_elements) + " parameters, this server has " + std::to_string(expect_total));
+  // expect_total <= 2^40 (shm::validate_tensors()): no overflow below.
+  const uint64_t expected_size =
+      sizeof h + uint64_t{h.tensor_count} * sizeof(CheckpointTensor) + h.total_elements * (1 + h.state_arrays) * 4 + 4;
+  if (expected_size != size)
+    return corrupt("size " + std::to_string(size) + " does not match its header (truncated?)");
+  out->tensors.resize(h.tensor_count);
+  if (!read_all(out->file.fd, out->tensors.data(), out->tensors.size() * sizeof(CheckpointTensor)))
+    return corrupt("truncated");
+  for (size_t i = 0; i < out->tensors.size(); ++i) {
+    const CheckpointTensor& t = out->tensors[i];
+    if (std::memchr(t.name, '\0', sizeof t.name) == nullptr || t.ndim == 0 || t.ndim > shm::kMaxDims)
+      return corrupt("bad tensor record " + std::to_string(i));
+    const shm::TensorSpec& want = expect.tensors[i];
+    if (want.name != t.name || want.shape != std::vector<uint64_t>(t.shape, t.shape + t.ndim))
+      return misfit("tensor " + std::to_string(i) + " is '" + std::string(t.name) + "' of another shape or name");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   const uint64_t total = data.weights.size();
-  if (data.state.size() != uint64_t{data.state_arrays} * total || data.steps.size() != data.tensors.size())
+  if (data.state.size() != uint64_t{data.layout.state_arrays} * total || data.steps.size() != data.layout.tensors.size())
     return {ErrorCode::kInternal, "inconsistent checkpoint snapshot"};
   CheckpointHeader h{};
   h.magic = kCheckpointMagic;
   h.format = kCheckpointFormat;
   h.header_size = sizeof h;
   h.version = data.version;
-  h.optimizer_kind = data.optimizer_kind;
-  h.state_arrays = data.state_arrays;
-  h.tensor_count = static_cast<uint32_t>(data.tensors.size());
+  h.optimizer_kind = data.layout.optimizer_kind;
+  h.state_arrays = data.layout.state_arrays;
+  h.tensor_count = static_cast<uint32_t>(data.layout.tensors.size());
   h.total_elements = total;
-  std::vector<CheckpointTensor> tensors(data.tensors.size());
+  std::vector<CheckpointTensor> tensors(data.layout.tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     CheckpointTensor& t = tensors[i];
     std::memset(&t, 0, sizeof t);
-    std::snprintf(t.name, sizeof t.name, "%s", data.tensors[i].name.c_str());
-    t.ndim = static_cast<uint32_t>(data.tensors[i].shape.size());
-    std::copy(data.tensors[i].shape.begin(), data.tensors[i].shape.end(), t.shape);
+    std::snprintf(t.name, sizeof t.name, "%s", data.layout.tensors[i].name.c_str());
+    t.ndim = static_cast<uint32_t>(data.layout.tensors[i].shape.size());
+    std::copy(data.layout.tensors[i].shape.begin(), data.layout.tensors[i].shape.end(), t.shape);
     t.step = data.steps[i];
   }
   boost::crc_32_type crc;
@@ -100,7 +210,17 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
 
   const std::string final_path = dir + "/" + file_name(data.version);
   const std::string temp_path = dir + "/." + file_name(data.version) + ".tmp";
-  const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  // Never over another model's checkpoint (a server started with the wrong
+  // options on this directory), nor over something that is not a file.
+  // One of ours, even damaged, may go: this write replaces it.
+  if (struct stat st{}; ::lstat(final_path.c_str(), &st) == 0) {
+    if (!S_ISREG(st.st_mode))
+      return {ErrorCode::kLayoutMismatch, "checkpoint: not replacing " + final_path + ": not a regular file"};
+    OpenedCheckpoint existing;
+    if (Status fits = open_checkpoint(final_path, data.layout, &existing); existing.misfit)
+      return {ErrorCode::kLayoutMismatch, "checkpoint: not replacing " + fits.message()};
+  }
+  const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) return {ErrorCode::kIo, "checkpoint: open " + temp_path + ": " + errno_text()};
   const bool ok = write_all(fd, &h, sizeof h) &&
                   write_all(fd, tensors.data(), tensors.size() * sizeof(CheckpointTensor)) &&
@@ -129,60 +249,40 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   return Status::Ok();
 }
 
-Result<CheckpointData> read_checkpoint(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) return Status{ErrorCode::kIo, path + ": cannot open"};
-  const auto size = static_cast<uint64_t>(in.tellg());
-  in.seekg(0);
+Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect, bool require_finite) {
+  OpenedCheckpoint f;
+  if (Status s = open_checkpoint(path, expect, &f); !s.ok()) return s;
   const auto corrupt = [&](const std::string& why) { return Status{ErrorCode::kLayoutMismatch, path + ": " + why}; };
-  CheckpointHeader h{};
-  if (size < sizeof h + 4 || !in.read(reinterpret_cast<char*>(&h), sizeof h)) return corrupt("truncated header");
-  if (h.magic != kCheckpointMagic) return corrupt("not a shmps checkpoint (bad magic)");
-  if (h.format != kCheckpointFormat)
-    return corrupt("checkpoint format " + std::to_string(h.format) + ", this build reads " + std::to_string(kCheckpointFormat));
-  if (h.header_size != sizeof h || h.tensor_count == 0 || h.tensor_count > shm::kMaxTensorsLimit || h.state_arrays > 3)
-    return corrupt("implausible header");
-  // Size check before any allocation: the counts come from the file.
-  uint64_t expected = 0;
-  const uint64_t floats = h.total_elements * (uint64_t{1} + h.state_arrays);
-  if (h.total_elements > (uint64_t{1} << 40) ||
-      __builtin_add_overflow(sizeof h + uint64_t{h.tensor_count} * sizeof(CheckpointTensor), floats * 4 + 4, &expected) ||
-      expected != size)
-    return corrupt("size " + std::to_string(size) + " does not match its header (truncated?)");
-  std::vector<CheckpointTensor> tensors(h.tensor_count);
+  const CheckpointHeader& h = f.header;
   CheckpointData data;
   data.version = h.version;
-  data.optimizer_kind = h.optimizer_kind;
-  data.state_arrays = h.state_arrays;
+  data.layout = expect;
+  // Sized by this server's own model (open_checkpoint() matched it).
   data.weights.resize(h.total_elements);
   data.state.resize(h.total_elements * h.state_arrays);
   uint32_t stored = 0;
-  if (!in.read(reinterpret_cast<char*>(tensors.data()), static_cast<std::streamsize>(tensors.size() * sizeof(CheckpointTensor))) ||
-      !in.read(reinterpret_cast<char*>(data.weights.data()), static_cast<std::streamsize>(data.weights.size() * 4)) ||
-      !in.read(reinterpret_cast<char*>(data.state.data()), static_cast<std::streamsize>(data.state.size() * 4)) ||
-      !in.read(reinterpret_cast<char*>(&stored), 4))
-    return corrupt("truncated");
+  if (!read_all(f.file.fd, data.weights.data(), data.weights.size() * 4) ||
+      !read_all(f.file.fd, data.state.data(), data.state.size() * 4) || !read_all(f.file.fd, &stored, 4))
+    return errno != 0 ? Status{ErrorCode::kIo, path + ": read: " + errno_text()} : corrupt("truncated");
   boost::crc_32_type crc;
   crc.process_bytes(&h, sizeof h);
-  crc.process_bytes(tensors.data(), tensors.size() * sizeof(CheckpointTensor));
+  crc.process_bytes(f.tensors.data(), f.tensors.size() * sizeof(CheckpointTensor));
   crc.process_bytes(data.weights.data(), data.weights.size() * 4);
   crc.process_bytes(data.state.data(), data.state.size() * 4);
   if (crc.checksum() != stored) return corrupt("checksum mismatch");
-  uint64_t sum = 0;
-  for (const CheckpointTensor& t : tensors) {
-    if (std::memchr(t.name, '\0', sizeof t.name) == nullptr || t.ndim == 0 || t.ndim > shm::kMaxDims)
-      return corrupt("bad tensor record");
-    shm::TensorSpec spec;
-    spec.name = t.name;
-    spec.shape.assign(t.shape, t.shape + t.ndim);
-    uint64_t count = 1;
-    for (uint64_t d : spec.shape)
-      if (d == 0 || __builtin_mul_overflow(count, d, &count)) return corrupt("bad tensor shape");
-    sum += count;
-    data.tensors.push_back(std::move(spec));
-    data.steps.push_back(t.step);
+  for (size_t i = 0; i < f.tensors.size(); ++i) {
+    if (f.tensors[i].step > h.version)
+      return corrupt("tensor " + std::to_string(i) + " has step " + std::to_string(f.tensors[i].step) +
+                     ", past the version " + std::to_string(h.version));
+    data.steps.push_back(f.tensors[i].step);
   }
-  if (sum != h.total_elements) return corrupt("tensor shapes do not add up to total_elements");
+  if (require_finite) {
+    const auto finite = [](const std::vector<float>& v) {
+      return std::all_of(v.begin(), v.end(), [](float x) { return std::isfinite(x); });
+    };
+    if (!finite(data.weights) || !finite(data.state))
+      return corrupt("holds NaN or Inf weights or optimizer state (restore it with --allow-nonfinite)");
+  }
   return data;
 }
 
@@ -199,9 +299,32 @@ std::vector<std::string> list_checkpoints(const std::string& dir) {
   return names;
 }
 
-void prune_checkpoints(const std::string& dir, uint32_t keep) {
-  const std::vector<std::string> all = list_checkpoints(dir);
-  for (size_t i = std::max<size_t>(keep, 1); i < all.size(); ++i) ::unlink(all[i].c_str());
+void prune_checkpoints(const std::string& dir, uint32_t keep, uint64_t newest, const CheckpointLayout& layout) {
+  uint32_t kept = 0;
+  for (const std::string& path : list_checkpoints(dir)) {
+    try {
+      if (version_in_name(path).value() > newest) continue;
+    } catch (const std::out_of_range&) {
+      continue;  // a name over 2^64: not one of ours
+    }
+    OpenedCheckpoint f;
+    if (!open_checkpoint(path, layout, &f).ok()) continue;  // another model's, or unreadable: not ours to delete
+    if (kept < std::max<uint32_t>(keep, 1)) {
+      ++kept;
+      continue;
+    }
+    ::unlink(path.c_str());
+  }
+}
+
+void remove_temp_files(const std::string& dir) {
+  std::vector<std::string> temps;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d))
+      if (is_temp_name(e->d_name)) temps.emplace_back(dir + "/" + e->d_name);
+    ::closedir(d);
+  }
+  for (const std::string& t : temps) ::unlink(t.c_str());
 }
 
 CheckpointWriter::CheckpointWriter(std::string dir, uint32_t keep)
@@ -242,6 +365,11 @@ Status CheckpointWriter::take_result() {
   return s;
 }
 
+std::optional<uint64_t> CheckpointWriter::last_written() const {
+  std::lock_guard lock(mutex_);
+  return last_written_;
+}
+
 bool CheckpointWriter::busy() const {
   std::lock_guard lock(mutex_);
   return has_job_ || writing_;
@@ -257,10 +385,13 @@ void CheckpointWriter::loop() {
     writing_ = true;
     lock.unlock();
     Status s = write_checkpoint(dir_, job);
-    if (s.ok()) prune_checkpoints(dir_, keep_);
+    if (s.ok()) prune_checkpoints(dir_, keep_, job.version, job.layout);
     lock.lock();
     writing_ = false;
-    if (!s.ok()) result_ = s;
+    if (s.ok())
+      last_written_ = job.version;
+    else
+      result_ = s;
     cv_.notify_all();
   }
 }

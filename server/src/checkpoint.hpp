@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,31 +30,61 @@ namespace shmps::server {
 inline constexpr uint64_t kCheckpointMagic = 0x314b4353504d4853ull;  // "SHMPSCK1" little-endian
 inline constexpr uint32_t kCheckpointFormat = 1;
 
+// What a checkpoint must match for a server to restore it, prune it or
+// write over it: the model's tensors (names and shapes, in order), the
+// optimizer and how many state arrays it keeps (0..3).
+struct CheckpointLayout {
+  std::vector<shm::TensorSpec> tensors;
+  uint32_t optimizer_kind = 0;
+  uint32_t state_arrays = 0;
+};
+
 // Everything a checkpoint holds, in host memory.
 struct CheckpointData {
   uint64_t version = 0;
-  uint32_t optimizer_kind = 0;
-  uint32_t state_arrays = 0;
-  std::vector<shm::TensorSpec> tensors;
+  CheckpointLayout layout;
   std::vector<uint64_t> steps;       // per tensor
   std::vector<float> weights;        // total elements
   std::vector<float> state;          // state_arrays * total elements
 };
 
-// Writes `data` as dir/ckpt-<version>.shmps atomically. Errors: kIo with
-// the failing call and errno text.
+// The highest version a checkpoint may carry: a push adds 1 to it, and a
+// file from a bug or an attacker must not make the next push wrap to 0.
+inline constexpr uint64_t kMaxCheckpointVersion = uint64_t{1} << 62;
+
+// Writes `data` as dir/ckpt-<version>.shmps atomically. A file of that
+// name that is not a checkpoint of data.layout (another model's, or not a
+// regular file) is never replaced. Errors: kIo with the failing call and
+// errno text; kLayoutMismatch for such a file.
 Status write_checkpoint(const std::string& dir, const CheckpointData& data);
 
-// Reads and fully validates one file: magic, format, sizes, checksum.
-// Errors: kIo (unreadable), kLayoutMismatch (corrupt or truncated: the
-// message says which check failed).
-Result<CheckpointData> read_checkpoint(const std::string& path);
+// Reads and fully validates one file for a server of layout `expect`.
+// Checked in this order, so that nothing is allocated from the file's word
+// before its header matches `expect`: a regular file (a FIFO or device is
+// refused, never opened blocking), magic, format, a version below
+// kMaxCheckpointVersion and equal to the one in its name (when named
+// ckpt-<20 digits>.shmps), the layout, the size; then the checksum, every
+// per-tensor step <= the version (a push steps each tensor at most once),
+// and, with `require_finite`, no NaN or Inf in weights or state.
+// Errors: kIo (cannot open, not a regular file, read failed),
+// kLayoutMismatch (corrupt, truncated, another model, or failed a check
+// above: the message says which).
+Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect, bool require_finite);
 
 // The checkpoint files in dir, newest (highest version) first.
 std::vector<std::string> list_checkpoints(const std::string& dir);
 
-// Deletes all but the newest `keep` checkpoint files (and stray temp files).
-void prune_checkpoints(const std::string& dir, uint32_t keep);
+// After a checkpoint of version `newest` was written: deletes all but the
+// newest `keep` files of `layout` at or below `newest`. A file above it
+// (newer than anything this server wrote: a restart skipped it as damaged
+// or foreign), or not of `layout` (another model's, or unreadable), is left
+// alone. Only headers are read.
+void prune_checkpoints(const std::string& dir, uint32_t keep, uint64_t newest, const CheckpointLayout& layout);
+
+// Deletes the temp files (.ckpt-<version>.shmps.tmp) a writer killed in
+// mid-write left. At server start, before its writer runs: a checkpoint
+// directory serves one server.
+void remove_temp_files(const std::string& dir);
 
 // A background writer: submit() hands a snapshot over and returns at once;
 // one write at a time (a submit while one is in flight is refused, so the
@@ -69,6 +100,8 @@ class CheckpointWriter {
   // Status of the last finished write, and clears it.
   Status take_result();
   bool busy() const;
+  // The version of the last write that succeeded, if any.
+  std::optional<uint64_t> last_written() const;
 
  private:
   void loop();
@@ -81,6 +114,7 @@ class CheckpointWriter {
   bool quit_ = false;
   CheckpointData job_;
   Status result_;
+  std::optional<uint64_t> last_written_;
   std::thread thread_;
 };
 

@@ -13,6 +13,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 
 #include "backend.hpp"
@@ -168,8 +169,9 @@ class Server::Impl {
   uint64_t loop_now = 0;                    // CLOCK_MONOTONIC ns at the start of this turn of the loop
   // Checkpoints (none while config.checkpoint_dir is empty).
   std::unique_ptr<CheckpointWriter> checkpoints;
-  uint64_t last_checkpoint_version = 0;
+  uint64_t last_checkpoint_version = 0;  // handed to the writer (or restored)
   uint64_t last_checkpoint_ns = 0;
+  std::optional<uint64_t> restored_version;
   // The segment's name must keep pointing at our object (logind's
   // RemoveIPC, or an operator, may unlink it under us).
   uint64_t last_segment_check = 0;
@@ -1191,12 +1193,18 @@ class Server::Impl {
   }
 
   // ------------------------------------------------------------ checkpoints
+  CheckpointLayout checkpoint_layout() const {
+    CheckpointLayout l;
+    l.tensors = config.tensors;
+    l.optimizer_kind = static_cast<uint32_t>(config.optimizer.kind);
+    l.state_arrays = static_cast<uint32_t>(kernels::state_arrays(config.optimizer));
+    return l;
+  }
+
   CheckpointData snapshot() const {
     CheckpointData d;
     d.version = version;
-    d.optimizer_kind = static_cast<uint32_t>(config.optimizer.kind);
-    d.state_arrays = static_cast<uint32_t>(kernels::state_arrays(config.optimizer));
-    d.tensors = config.tensors;
+    d.layout = checkpoint_layout();
     d.steps = steps;
     d.weights = backend->read_weights();
     d.state = backend->read_state();
@@ -1223,45 +1231,41 @@ class Server::Impl {
     last_checkpoint_ns = now;
   }
 
-  void final_checkpoint() {
-    if (!checkpoints) return;
+  // At stop: the current version on disk, unless a checkpoint of it is
+  // there already (restored, or written by the writer: a periodic write
+  // that failed does not count). Errors: the write's; the server then
+  // exits with it, so that an operator learns the state was not saved.
+  Status final_checkpoint() {
+    if (!checkpoints) return Status::Ok();
     if (Status s = checkpoints->drain(); !s.ok()) log::error(s.message());
-    if (version == last_checkpoint_version && !list_checkpoints(config.checkpoint_dir).empty()) return;
-    if (Status s = write_checkpoint(config.checkpoint_dir, snapshot()); !s.ok()) {
-      log::error("final " + s.message());
-      return;
-    }
-    prune_checkpoints(config.checkpoint_dir, config.checkpoint_keep);
+    if (version == restored_version || version == checkpoints->last_written()) return Status::Ok();
+    if (Status s = write_checkpoint(config.checkpoint_dir, snapshot()); !s.ok())
+      return Status{s.code(), "final " + s.message()};
+    prune_checkpoints(config.checkpoint_dir, config.checkpoint_keep, version, checkpoint_layout());
     last_checkpoint_version = version;
     log::info("final checkpoint written: version " + std::to_string(version) + " in " + config.checkpoint_dir);
+    return Status::Ok();
   }
 
-  // Restores the newest valid checkpoint of the directory, if any. A file
-  // that is corrupt, truncated or of another model is reported and the
-  // previous one tried; with none valid, the configured initial values stay.
+  // Restores the newest valid checkpoint of the directory, if any, after
+  // removing the temp files of a writer killed mid-write. A file that is
+  // corrupt, truncated, of another model, or (unless --allow-nonfinite)
+  // holds NaN or Inf is reported and the previous one tried
+  // (read_checkpoint()); with none valid, the configured initial values stay.
   Status restore() {
+    remove_temp_files(config.checkpoint_dir);
+    const CheckpointLayout layout = checkpoint_layout();
     for (const std::string& path : list_checkpoints(config.checkpoint_dir)) {
-      auto data = read_checkpoint(path);
+      auto data = read_checkpoint(path, layout, /*require_finite=*/!config.allow_nonfinite);
       if (!data.ok()) {
         log::error("checkpoint " + data.status().message() + "; trying the previous one");
-        continue;
-      }
-      std::string mismatch;
-      if (data->tensors.size() != config.tensors.size()) mismatch = "a different number of tensors";
-      for (size_t t = 0; mismatch.empty() && t < config.tensors.size(); ++t)
-        if (data->tensors[t].name != config.tensors[t].name || data->tensors[t].shape != config.tensors[t].shape)
-          mismatch = "tensor " + std::to_string(t) + " is '" + data->tensors[t].name + "' of another shape or name";
-      if (mismatch.empty() && (data->optimizer_kind != static_cast<uint32_t>(config.optimizer.kind) ||
-                               data->state_arrays != kernels::state_arrays(config.optimizer)))
-        mismatch = "another optimizer (or momentum/amsgrad setting)";
-      if (!mismatch.empty()) {
-        log::error("checkpoint " + path + " does not fit this configuration (" + mismatch + "); trying the previous one");
         continue;
       }
       if (Status s = backend->load(data->weights, data->state); !s.ok()) return s;
       steps = data->steps;
       version = data->version;
       last_checkpoint_version = version;
+      restored_version = version;
       // relaxed: published with the segment (publish() is a release store).
       stats().version.store(version, std::memory_order_relaxed);
       log::info("restored checkpoint " + path + ": version " + std::to_string(version));
@@ -1344,7 +1348,12 @@ class Server::Impl {
               count(st.rejected[static_cast<uint32_t>(ErrorCode::kNonFinite)]) + "), workers attached " +
               count(st.workers_attached) + ", died " + count(st.workers_died) + ", evicted " + count(st.workers_evicted) + ", queued requests failed " +
               std::to_string(failed) + ", up " + fixed1(static_cast<double>(shm::monotonic_ns() - created_ns) / 1e9) + " s");
-    if (failure.ok() || failure.code() != ErrorCode::kCuda) final_checkpoint();
+    if (failure.ok() || failure.code() != ErrorCode::kCuda) {
+      if (Status s = final_checkpoint(); !s.ok()) {
+        log::error(s.message());
+        if (failure.ok()) failure = s;
+      }
+    }
     // Buffers of workers that died since the last sweep (e.g. killed just
     // before this stop) would otherwise outlive us in /dev/shm.
     unlink_orphan_buffers(0);

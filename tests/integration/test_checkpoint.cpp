@@ -3,10 +3,13 @@
 // or truncated newest checkpoint skipped for the previous one, a
 // checkpoint of another model refused, and the file format's own checks.
 #define BOOST_TEST_MODULE test_checkpoint
+#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <boost/test/unit_test.hpp>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -70,6 +73,23 @@ std::vector<float> pull(Worker& w, const Buffer& b, uint64_t* version) {
   *version = *v;
   const float* p = static_cast<const float*>(b.data);
   return {p, p + 7};
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// shmps-server --name <name> <args> with its stderr in `log`; returns once
+// a worker can attach (into *w). For tests that read the server's log.
+test::Process spawn_logged(const std::string& name, const std::vector<std::string>& args, const fs::path& log,
+                           std::unique_ptr<Worker>* w) {
+  std::string command = "exec " + test::program_path("shmps-server") + " --name " + name;
+  for (const std::string& a : args) command += " '" + a + "'";
+  command += " 2>" + log.string();
+  test::Process p = test::Process::spawn({"/bin/sh", "-c", command});
+  BOOST_REQUIRE(test::eventually([&] { return (*w = test::try_connect(name, 1s)) != nullptr; }, 10s));
+  return p;
 }
 
 }  // namespace
@@ -210,6 +230,113 @@ BOOST_AUTO_TEST_CASE(checkpoint_of_another_model_is_not_restored) {
   const std::vector<float> weights = pull(*w, *g, &v);
   BOOST_TEST(v == 0u);
   for (float x : weights) BOOST_TEST(x == 0.0f);  // --init zero, not the Adam run's weights
+}
+
+BOOST_AUTO_TEST_CASE(a_failed_periodic_write_does_not_stand_for_the_final_checkpoint) {
+  TempDir dir;
+  const std::string name = test::unique_name("failed");
+  const fs::path log = dir.path / "server.log";
+  // A directory where the writer's temp file for version 3 goes: its open
+  // fails (EISDIR), as on a full or read-only disk.
+  const fs::path blocker = dir.path / ("." + ckpt_name(3) + ".tmp");
+  fs::create_directory(blocker);
+  std::unique_ptr<Worker> w;
+  test::Process server = spawn_logged(name, adam_args(dir.path, {"--checkpoint-every", "3"}), log, &w);
+  auto g = w->register_buffer(28);
+  BOOST_REQUIRE(g.ok());
+  push_steps(*w, *g, 0, 3);
+  BOOST_REQUIRE(test::eventually([&] { return read_text(log).find("checkpoint: open") != std::string::npos; }, 10s));
+  fs::remove(blocker);  // the disk is fine again
+  w.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+  // Before: the failed write at 3 counted as done, no final checkpoint was
+  // written, and a restart lost the 3 updates.
+  BOOST_TEST(fs::exists(dir.path / ckpt_name(3)), read_text(log));
+}
+
+BOOST_AUTO_TEST_CASE(a_final_checkpoint_that_cannot_be_written_fails_the_exit_code) {
+  TempDir dir;
+  const std::string name = test::unique_name("nofinal");
+  const fs::path log = dir.path / "server.log";
+  fs::create_directory(dir.path / ("." + ckpt_name(2) + ".tmp"));
+  std::unique_ptr<Worker> w;
+  test::Process server = spawn_logged(name, adam_args(dir.path), log, &w);
+  auto g = w->register_buffer(28);
+  BOOST_REQUIRE(g.ok());
+  push_steps(*w, *g, 0, 2);
+  w.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 1);  // was 0: systemd and the operator never learned
+  BOOST_TEST(read_text(log).find("final checkpoint: open") != std::string::npos, read_text(log));
+}
+
+BOOST_AUTO_TEST_CASE(a_fifo_or_a_huge_file_named_like_a_checkpoint_neither_hangs_nor_stops_the_start) {
+  TempDir dir;
+  const std::string name = test::unique_name("fifo");
+  {
+    test::ServerProcess server(name, adam_args(dir.path));
+    auto w = connect(name);
+    auto g = w->register_buffer(28);
+    BOOST_REQUIRE(g.ok());
+    push_steps(*w, *g, 0, 2);
+    w.reset();
+    BOOST_TEST(server.stop() == 0);
+  }
+  BOOST_REQUIRE(::mkfifo((dir.path / ckpt_name(9)).c_str(), 0600) == 0);  // open() for reading used to wait forever
+  // A sparse file whose header says 2^33 parameters: it cost 36 s and
+  // 4.2 GB at 2^30, and at 2^33 the server refused to start.
+  std::string bytes = read_text(dir.path / ckpt_name(2));
+  const uint64_t huge = uint64_t{1} << 33, version = 8;
+  std::memcpy(bytes.data() + 16, &version, 8);  // CheckpointHeader::version
+  std::memcpy(bytes.data() + 40, &huge, 8);     // CheckpointHeader::total_elements
+  const fs::path big = dir.path / ckpt_name(8);
+  std::ofstream(big, std::ios::binary) << bytes.substr(0, 64);
+  fs::resize_file(big, 64 + 2 * 112 + huge * 3 * 4 + 4);
+  test::ServerProcess server(name, adam_args(dir.path));  // throws if not up within 10 s
+  auto w = connect(name);
+  auto g = w->register_buffer(28);
+  BOOST_REQUIRE(g.ok());
+  uint64_t v = 0;
+  pull(*w, *g, &v);
+  BOOST_TEST(v == 2u);  // restored from the valid one below both
+}
+
+BOOST_AUTO_TEST_CASE(a_server_of_another_model_leaves_that_models_checkpoints_alone) {
+  TempDir dir;
+  const std::string name = test::unique_name("foreign");
+  const std::vector<std::string> sgd = {"--tensor", "a:2x2", "--tensor", "b:3", "--optimizer", "sgd",
+                                        "--checkpoint-dir", dir.path.string(), "--checkpoint-keep", "1"};
+  {
+    test::ServerProcess server(name, sgd);
+    auto w = connect(name);
+    auto g = w->register_buffer(28);
+    BOOST_REQUIRE(g.ok());
+    push_steps(*w, *g, 0, 3);
+    w.reset();
+    BOOST_TEST(server.stop() == 0);
+  }
+  const std::string sgd_three = read_text(dir.path / ckpt_name(3));
+  BOOST_REQUIRE(!sgd_three.empty());
+  {
+    // The same directory by mistake, with Adam: it starts fresh (the SGD
+    // checkpoint does not fit), checkpoints every push and keeps 1.
+    test::ServerProcess server(name, adam_args(dir.path, {"--checkpoint-every", "1", "--checkpoint-keep", "1"}));
+    auto w = connect(name);
+    auto g = w->register_buffer(28);
+    BOOST_REQUIRE(g.ok());
+    for (int s = 0; s < 5; ++s) {
+      push_steps(*w, *g, s, s + 1);
+      // One write at a time: the next push's trigger waits for this one.
+      BOOST_REQUIRE(test::eventually([&] { return s == 2 || fs::exists(dir.path / ckpt_name(s + 1)); }, 10s));
+    }
+    w.reset();
+    BOOST_TEST(server.stop() == 0);
+  }
+  // Before: its pruning deleted the SGD run's checkpoint, or its write of
+  // version 3 replaced it.
+  BOOST_TEST(read_text(dir.path / ckpt_name(3)) == sgd_three);
+  BOOST_TEST(checkpoint_files(dir.path) == (std::vector<std::string>{ckpt_name(3), ckpt_name(5)}));
 }
 
 BOOST_AUTO_TEST_CASE(checkpoint_options_are_validated) {

@@ -1,0 +1,221 @@
+// The checkpoint file functions (server/src/checkpoint.hpp) against files
+// a crash, a damaged disk, an operator's mistake or an attacker could leave
+// in the directory: what may be restored, what pruning may delete, what a
+// write may replace. The server-level behaviour is in test_checkpoint.
+#define BOOST_TEST_MODULE test_checkpoint_file
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <boost/test/unit_test.hpp>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+
+#include "checkpoint.hpp"
+#include "test_support.hpp"
+
+using namespace shmps;
+using namespace shmps::server;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  TempDir() : path(fs::temp_directory_path() / test::unique_name("ckptfile")) { fs::create_directories(path); }
+  ~TempDir() { fs::remove_all(path); }
+  std::string file(uint64_t version) const {
+    char name[64];
+    std::snprintf(name, sizeof name, "ckpt-%020llu.shmps", static_cast<unsigned long long>(version));
+    return (path / name).string();
+  }
+  fs::path path;
+};
+
+// Adam (2 state arrays) on tensors a:2x2, b:3.
+CheckpointLayout adam_layout() {
+  CheckpointLayout l;
+  l.tensors = {{"a", {2, 2}}, {"b", {3}}};
+  l.optimizer_kind = 2;
+  l.state_arrays = 2;
+  return l;
+}
+
+// SGD without momentum on one tensor of 7: another model.
+CheckpointLayout sgd_layout() {
+  CheckpointLayout l;
+  l.tensors = {{"w", {7}}};
+  l.optimizer_kind = 1;
+  l.state_arrays = 0;
+  return l;
+}
+
+CheckpointData make_data(const CheckpointLayout& layout, uint64_t version, float fill = 0.25f) {
+  CheckpointData d;
+  d.version = version;
+  d.layout = layout;
+  d.steps.assign(layout.tensors.size(), version);
+  d.weights.assign(7, fill);
+  d.state.assign(7 * layout.state_arrays, fill / 2);
+  return d;
+}
+
+std::string contents(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void put(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
+
+std::vector<std::string> names(const fs::path& dir) {
+  std::vector<std::string> n;
+  for (const auto& e : fs::directory_iterator(dir)) n.push_back(e.path().filename().string());
+  std::sort(n.begin(), n.end());
+  return n;
+}
+
+std::string error_of(const Result<CheckpointData>& r) { return r.ok() ? "(read fine)" : r.status().message(); }
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(checkpoint_file)
+
+BOOST_AUTO_TEST_CASE(a_written_checkpoint_reads_back_whole) {
+  TempDir dir;
+  const CheckpointData d = make_data(adam_layout(), 9, 0.5f);
+  BOOST_REQUIRE_MESSAGE(write_checkpoint(dir.path.string(), d).ok(), "write");
+  auto r = read_checkpoint(dir.file(9), adam_layout(), true);
+  BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
+  BOOST_TEST(r->version == 9u);
+  BOOST_TEST(r->steps == d.steps);
+  BOOST_TEST(r->weights == d.weights);
+  BOOST_TEST(r->state == d.state);
+  BOOST_TEST(names(dir.path) == std::vector<std::string>{"ckpt-00000000000000000009.shmps"});  // no temp file left
+}
+
+BOOST_AUTO_TEST_CASE(another_models_file_is_refused_from_its_header) {
+  TempDir dir;
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), make_data(sgd_layout(), 3)).ok());
+  const auto r = read_checkpoint(dir.file(3), adam_layout(), true);
+  BOOST_TEST(!r.ok());
+  BOOST_TEST(contains(error_of(r), "does not fit this configuration"), error_of(r));
+
+  // A sparse file whose header claims 2^34 parameters: refused before
+  // anything of that size is allocated (it took 36 s and 4.2 GB before).
+  std::string bytes = contents(dir.file(3));
+  const uint64_t huge = uint64_t{1} << 34;
+  std::memcpy(bytes.data() + 40, &huge, 8);  // CheckpointHeader::total_elements
+  const std::string big_file = (dir.path / "big.shmps").string();
+  put(big_file, bytes.substr(0, 64));
+  fs::resize_file(big_file, 64 + 112 + huge * 4 + 4);
+  const auto big = read_checkpoint(big_file, sgd_layout(), true);
+  BOOST_TEST(contains(error_of(big), "does not fit this configuration"), error_of(big));
+  BOOST_TEST(contains(error_of(big), std::to_string(huge) + " parameters"), error_of(big));
+}
+
+BOOST_AUTO_TEST_CASE(what_is_not_a_regular_file_is_refused_without_blocking) {
+  TempDir dir;
+  BOOST_REQUIRE(::mkfifo(dir.file(9).c_str(), 0600) == 0);  // opening it for reading would wait for a writer
+  BOOST_TEST(contains(error_of(read_checkpoint(dir.file(9), adam_layout(), true)), "not a regular file"));
+  fs::create_directory(dir.file(8));
+  BOOST_TEST(contains(error_of(read_checkpoint(dir.file(8), adam_layout(), true)), "not a regular file"));
+  BOOST_TEST(!read_checkpoint(dir.file(7), adam_layout(), true).ok());  // missing
+}
+
+BOOST_AUTO_TEST_CASE(the_version_must_be_plausible_and_match_the_name) {
+  TempDir dir;
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), make_data(adam_layout(), 3)).ok());
+  fs::copy_file(dir.file(3), dir.file(9));
+  BOOST_TEST(contains(error_of(read_checkpoint(dir.file(9), adam_layout(), true)), "named version 9 but holds version 3"));
+  // 2^64 - 1 would make the next push wrap the version to 0.
+  const uint64_t wrap = std::numeric_limits<uint64_t>::max();
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), make_data(adam_layout(), wrap)).ok());
+  BOOST_TEST(contains(error_of(read_checkpoint(dir.file(wrap), adam_layout(), true)), "implausible version"));
+  // A name past 2^64 (20 digits hold up to 10^20 - 1).
+  fs::copy_file(dir.file(3), dir.path / "ckpt-99999999999999999999.shmps");
+  BOOST_TEST(contains(error_of(read_checkpoint((dir.path / "ckpt-99999999999999999999.shmps").string(), adam_layout(), true)),
+                      "over 2^64"));
+}
+
+BOOST_AUTO_TEST_CASE(steps_past_the_version_and_nonfinite_values_are_refused) {
+  TempDir dir;
+  CheckpointData d = make_data(adam_layout(), 4);
+  d.steps[1] = ~uint64_t{0};  // Adam's bias correction would turn the weights to NaN at the next push
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
+  BOOST_TEST(contains(error_of(read_checkpoint(dir.file(4), adam_layout(), false)), "past the version"));
+
+  d = make_data(adam_layout(), 5);
+  d.weights[3] = std::nanf("");
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
+  BOOST_TEST(contains(error_of(read_checkpoint(dir.file(5), adam_layout(), true)), "NaN or Inf"));
+  BOOST_TEST(read_checkpoint(dir.file(5), adam_layout(), false).ok());  // --allow-nonfinite
+  d = make_data(adam_layout(), 6);
+  d.state[9] = INFINITY;
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
+  BOOST_TEST(contains(error_of(read_checkpoint(dir.file(6), adam_layout(), true)), "NaN or Inf"));
+}
+
+BOOST_AUTO_TEST_CASE(pruning_keeps_what_this_server_wrote_over_damaged_or_foreign_files) {
+  TempDir dir;
+  const std::string d = dir.path.string();
+  for (uint64_t v : {4, 5}) BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), v)).ok());
+  // A damaged file named above everything (one payload byte changed: its
+  // header still reads as ours), and another model's file below.
+  BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 100)).ok());
+  std::string bytes = contents(dir.file(100));
+  bytes[bytes.size() - 10] ^= 0x40;
+  put(dir.file(100), bytes);
+  BOOST_REQUIRE(write_checkpoint(d, make_data(sgd_layout(), 2)).ok());
+  const std::string foreign = contents(dir.file(2));
+
+  BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 7)).ok());
+  prune_checkpoints(d, 1, 7, adam_layout());
+  // Kept: the one just written, the file above it (not ours to judge), the
+  // other model's. Before: the damaged 100 was kept as "the newest" and
+  // every valid file deleted.
+  BOOST_TEST(names(dir.path) == (std::vector<std::string>{"ckpt-00000000000000000002.shmps", "ckpt-00000000000000000007.shmps",
+                                                          "ckpt-00000000000000000100.shmps"}));
+  BOOST_TEST(contents(dir.file(2)) == foreign);
+  BOOST_TEST(read_checkpoint(dir.file(7), adam_layout(), true).ok());
+
+  BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 8)).ok());
+  prune_checkpoints(d, 2, 8, adam_layout());
+  BOOST_TEST(names(dir.path).size() == 4u);  // 2, 7, 8, 100
+}
+
+BOOST_AUTO_TEST_CASE(a_write_never_replaces_another_models_checkpoint) {
+  TempDir dir;
+  const std::string d = dir.path.string();
+  BOOST_REQUIRE(write_checkpoint(d, make_data(sgd_layout(), 3)).ok());
+  const std::string sgd = contents(dir.file(3));
+  const Status s = write_checkpoint(d, make_data(adam_layout(), 3));
+  BOOST_TEST(s.code() == ErrorCode::kLayoutMismatch);
+  BOOST_TEST(contains(s.message(), "not replacing"), s.message());
+  BOOST_TEST(contents(dir.file(3)) == sgd);
+  BOOST_TEST(names(dir.path).size() == 1u);  // no temp file either
+
+  // One of ours, damaged (truncated), is replaced by the new write.
+  BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 4)).ok());
+  fs::resize_file(dir.file(4), 70);
+  BOOST_TEST(write_checkpoint(d, make_data(adam_layout(), 4)).ok());
+  BOOST_TEST(read_checkpoint(dir.file(4), adam_layout(), true).ok());
+
+  // Nor over a directory or FIFO of that name.
+  fs::create_directory(dir.file(5));
+  BOOST_TEST(contains(write_checkpoint(d, make_data(adam_layout(), 5)).message(), "not a regular file"));
+}
+
+BOOST_AUTO_TEST_CASE(temp_files_of_a_killed_writer_are_removed_and_nothing_else) {
+  TempDir dir;
+  const std::string d = dir.path.string();
+  BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 4)).ok());
+  put((dir.path / ".ckpt-00000000000000000005.shmps.tmp").string(), "half a checkpoint");
+  put((dir.path / ".ckpt-5.shmps.tmp").string(), "not ours");
+  put((dir.path / "notes.txt").string(), "an operator's");
+  remove_temp_files(d);
+  BOOST_TEST(names(dir.path) == (std::vector<std::string>{".ckpt-5.shmps.tmp", "ckpt-00000000000000000004.shmps", "notes.txt"}));
+}
+
+BOOST_AUTO_TEST_SUITE_END()
