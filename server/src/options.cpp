@@ -1,5 +1,7 @@
 #include "shmps/server/options.hpp"
 
+#include <sys/stat.h>
+
 #include <boost/program_options.hpp>
 #include <charconv>
 #include <fstream>
@@ -55,6 +57,14 @@ bool negative_for_unsigned(const po::option_description& d, const std::string& v
 // name its line: program_options reports neither lines nor, for a file,
 // which occurrence was wrong.
 Result<std::vector<FileEntry>> read_config_file(const std::string& file, const po::options_description& allowed) {
+  // A regular file of sane size: a FIFO would block the start (and give
+  // nothing to a reload), /dev/zero would be read until memory ran out.
+  constexpr off_t kMaxConfigBytes = 1 << 20;
+  if (struct stat st{}; ::stat(file.c_str(), &st) == 0) {
+    if (!S_ISREG(st.st_mode)) return invalid("--config " + file + ": not a regular file");
+    if (st.st_size > kMaxConfigBytes)
+      return invalid("--config " + file + ": " + std::to_string(st.st_size) + " bytes; a config file is at most 1 MiB");
+  }
   std::ifstream in(file);
   if (!in) return invalid("--config " + file + ": cannot open");
   std::vector<FileEntry> entries;

@@ -105,6 +105,16 @@ BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
   for (const char* scale : {"nan", "inf", "-1", "0"})
     BOOST_TEST(contains(file_error(kHead + "init = uniform\ninit-scale = " + scale + "\n"), "line 4: key 'init-scale': must be finite and > 0"), scale);
   BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--init-scale", "nan"}).ok());  // unused by --init zero
+  // Not a regular file, or over 1 MiB: /dev/zero was read until memory ran out.
+  for (const std::string path : {"/dev/zero", "/tmp"}) {
+    auto p = test::parse_server_args({"--config", path});
+    BOOST_TEST(!p.ok(), path);
+    if (!p.ok()) BOOST_TEST(contains(p.status().message(), "not a regular file"), p.status().message());
+  }
+  const ConfFile huge(kHead + std::string(1 << 20, '#'));
+  auto big = test::parse_server_args({"--config", huge.path});
+  BOOST_TEST(!big.ok());
+  if (!big.ok()) BOOST_TEST(contains(big.status().message(), "at most 1 MiB"), big.status().message());
   // What Server::create() refuses, --check-config refuses too.
   for (const auto& [tensors, why] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"a:4", "a:2"}, "given twice"},
