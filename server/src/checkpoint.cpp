@@ -97,10 +97,13 @@ bool read_all(int fd, void* data, size_t bytes) {
 }
 
 struct Fd {
-  int fd = -1;
+  Fd() = default;
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
   ~Fd() {
     if (fd >= 0) ::close(fd);
   }
+  int fd = -1;
 };
 
 uint64_t element_count(const shm::TensorSpec& t) {
@@ -115,17 +118,22 @@ struct OpenedCheckpoint {
   Fd file;
   CheckpointHeader header{};
   std::vector<CheckpointTensor> tensors;
-  bool misfit = false;  // failed because it is another model's (not corrupt)
+  // Its header and tensor records name this model, whatever else failed
+  // (a damaged payload or size): a write of ours may replace it.
+  bool ours = false;
 };
 
 // Opens `path` and checks it as read_checkpoint() documents, up to the
-// payload: everything but the checksum, the steps and finiteness. Reads
-// the header and tensor records only (at most 64 + 4096 x 112 bytes).
+// payload: everything but the checksum and the steps. Reads the header and
+// tensor records only (at most 64 + 4096 x 112 bytes).
 Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, OpenedCheckpoint* out) {
   const auto corrupt = [&](const std::string& why) { return Status{ErrorCode::kLayoutMismatch, path + ": " + why}; };
   const auto misfit = [&](const std::string& why) {
-    out->misfit = true;
+    out->ours = false;
     return Status{ErrorCode::kLayoutMismatch, path + ": does not fit this configuration (" + why + ")"};
+  };
+  const auto read_failed = [&](const std::string& what) {
+    return errno != 0 ? Status{ErrorCode::kIo, path + ": read: " + errno_text()} : corrupt(what);
   };
   // O_NONBLOCK: opening a FIFO for reading would wait for a writer.
   out->file.fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
@@ -135,7 +143,8 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   if (!S_ISREG(st.st_mode)) return {ErrorCode::kIo, path + ": not a regular file"};
   const auto size = static_cast<uint64_t>(st.st_size);
   CheckpointHeader& h = out->header;
-  if (size < sizeof h + 4 || !read_all(out->file.fd, &h, sizeof h)) return corrupt("truncated header");
+  if (size < sizeof h + 4) return corrupt("truncated header");
+  if (!read_all(out->file.fd, &h, sizeof h)) return read_failed("truncated header");
   if (h.magic != kCheckpointMagic) return corrupt("not a shmps checkpoint (bad magic)");
   if (h.format != kCheckpointFormat)
     return corrupt("checkpoint format " + std::to_string(h.format) + ", this build reads " + std::to_string(kCheckpointFormat));
@@ -158,6 +167,7 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
     return misfit("another optimizer, or momentum/amsgrad setting");
   if (h.total_elements != expect_total)
     return misfit(std::to_string(h.total_elements) + " parameters, this server has " + std::to_string(expect_total));
+  out->ours = true;  // until a tensor record says otherwise
   // expect_total <= 2^40 (shm::validate_tensors()): no overflow below.
   const uint64_t expected_size =
       sizeof h + uint64_t{h.tensor_count} * sizeof(CheckpointTensor) + h.total_elements * (1 + h.state_arrays) * 4 + 4;
@@ -165,7 +175,7 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
     return corrupt("size " + std::to_string(size) + " does not match its header (truncated?)");
   out->tensors.resize(h.tensor_count);
   if (!read_all(out->file.fd, out->tensors.data(), out->tensors.size() * sizeof(CheckpointTensor)))
-    return corrupt("truncated");
+    return read_failed("truncated");
   for (size_t i = 0; i < out->tensors.size(); ++i) {
     const CheckpointTensor& t = out->tensors[i];
     if (std::memchr(t.name, '\0', sizeof t.name) == nullptr || t.ndim == 0 || t.ndim > shm::kMaxDims)
@@ -217,8 +227,9 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
     if (!S_ISREG(st.st_mode))
       return {ErrorCode::kLayoutMismatch, "checkpoint: not replacing " + final_path + ": not a regular file"};
     OpenedCheckpoint existing;
-    if (Status fits = open_checkpoint(final_path, data.layout, &existing); existing.misfit)
-      return {ErrorCode::kLayoutMismatch, "checkpoint: not replacing " + fits.message()};
+    if (Status fits = open_checkpoint(final_path, data.layout, &existing); !existing.ours)
+      return {ErrorCode::kLayoutMismatch, "checkpoint: not replacing " + final_path +
+                                              ", not a checkpoint of this model (" + fits.message() + ")"};
   }
   const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) return {ErrorCode::kIo, "checkpoint: open " + temp_path + ": " + errno_text()};
@@ -249,7 +260,7 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   return Status::Ok();
 }
 
-Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect, bool require_finite) {
+Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect) {
   OpenedCheckpoint f;
   if (Status s = open_checkpoint(path, expect, &f); !s.ok()) return s;
   const auto corrupt = [&](const std::string& why) { return Status{ErrorCode::kLayoutMismatch, path + ": " + why}; };
@@ -271,17 +282,11 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
   crc.process_bytes(data.state.data(), data.state.size() * 4);
   if (crc.checksum() != stored) return corrupt("checksum mismatch");
   for (size_t i = 0; i < f.tensors.size(); ++i) {
-    if (f.tensors[i].step > h.version)
-      return corrupt("tensor " + std::to_string(i) + " has step " + std::to_string(f.tensors[i].step) +
-                     ", past the version " + std::to_string(h.version));
+    // Not <= the version: a push steps its tensors before a buffer found
+    // damaged after the apply rejects it unversioned.
+    if (f.tensors[i].step >= kMaxCheckpointVersion)
+      return corrupt("tensor " + std::to_string(i) + " has an implausible step " + std::to_string(f.tensors[i].step));
     data.steps.push_back(f.tensors[i].step);
-  }
-  if (require_finite) {
-    const auto finite = [](const std::vector<float>& v) {
-      return std::all_of(v.begin(), v.end(), [](float x) { return std::isfinite(x); });
-    };
-    if (!finite(data.weights) || !finite(data.state))
-      return corrupt("holds NaN or Inf weights or optimizer state (restore it with --allow-nonfinite)");
   }
   return data;
 }

@@ -48,14 +48,15 @@ struct CheckpointData {
   std::vector<float> state;          // state_arrays * total elements
 };
 
-// The highest version a checkpoint may carry: a push adds 1 to it, and a
-// file from a bug or an attacker must not make the next push wrap to 0.
+// The bound on a checkpoint's version and per-tensor steps: a push adds 1
+// to them, and a damaged file must not make the next push wrap to 0.
 inline constexpr uint64_t kMaxCheckpointVersion = uint64_t{1} << 62;
 
 // Writes `data` as dir/ckpt-<version>.shmps atomically. A file of that
-// name that is not a checkpoint of data.layout (another model's, or not a
-// regular file) is never replaced. Errors: kIo with the failing call and
-// errno text; kLayoutMismatch for such a file.
+// name is replaced only when its header and tensor records are of
+// data.layout (one of ours, even damaged): never another model's, nor one
+// it cannot identify. Errors: kIo with the failing call and errno text;
+// kLayoutMismatch for such a file.
 Status write_checkpoint(const std::string& dir, const CheckpointData& data);
 
 // Reads and fully validates one file for a server of layout `expect`.
@@ -63,13 +64,13 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data);
 // before its header matches `expect`: a regular file (a FIFO or device is
 // refused, never opened blocking), magic, format, a version below
 // kMaxCheckpointVersion and equal to the one in its name (when named
-// ckpt-<20 digits>.shmps), the layout, the size; then the checksum, every
-// per-tensor step <= the version (a push steps each tensor at most once),
-// and, with `require_finite`, no NaN or Inf in weights or state.
-// Errors: kIo (cannot open, not a regular file, read failed),
-// kLayoutMismatch (corrupt, truncated, another model, or failed a check
-// above: the message says which).
-Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect, bool require_finite);
+// ckpt-<20 digits>.shmps), the layout, the size; then the checksum and
+// every per-tensor step below kMaxCheckpointVersion (Adam's next step must
+// not wrap to 0). Weights are not judged: NaN or Inf the server wrote is
+// restored as it was. Errors: kIo (cannot open, not a regular file, read
+// failed), kLayoutMismatch (corrupt, truncated, another model, or failed a
+// check above: the message says which).
+Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect);
 
 // The checkpoint files in dir, newest (highest version) first.
 std::vector<std::string> list_checkpoints(const std::string& dir);

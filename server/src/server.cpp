@@ -1249,14 +1249,14 @@ class Server::Impl {
 
   // Restores the newest valid checkpoint of the directory, if any, after
   // removing the temp files of a writer killed mid-write. A file that is
-  // corrupt, truncated, of another model, or (unless --allow-nonfinite)
-  // holds NaN or Inf is reported and the previous one tried
-  // (read_checkpoint()); with none valid, the configured initial values stay.
+  // corrupt, truncated or of another model (read_checkpoint()) is reported
+  // and the previous one tried; with none valid, the configured initial
+  // values stay.
   Status restore() {
     remove_temp_files(config.checkpoint_dir);
     const CheckpointLayout layout = checkpoint_layout();
     for (const std::string& path : list_checkpoints(config.checkpoint_dir)) {
-      auto data = read_checkpoint(path, layout, /*require_finite=*/!config.allow_nonfinite);
+      auto data = read_checkpoint(path, layout);
       if (!data.ok()) {
         log::error("checkpoint " + data.status().message() + "; trying the previous one");
         continue;
