@@ -7,6 +7,8 @@ few geometries and states, and a few near misses. Run it again after a
 layout change.
 fuzz_requests: record sequences in the format fuzz_requests.cpp documents
 (attach is done by the harness; these exercise each opcode and each poke).
+fuzz_checkpoint: checkpoint files as server/src/checkpoint.hpp lays them
+out, of the harness's model (Adam on a:2x2, b:3) and of others.
 
 Deterministic; the output is committed (keep it small). Run from anywhere:
   fuzz/make_corpus.py
@@ -165,6 +167,46 @@ def requests_corpus():
     }
 
 
+CKPT_MAGIC = 0x314B4353504D4853  # "SHMPSCK1"
+
+
+def checkpoint(tensors, optimizer=2, state_arrays=2, version=5, steps=None, fill=0.25, crc_ok=True):
+    """One checkpoint file (checkpoint.cpp's CheckpointHeader and CheckpointTensor)."""
+    import zlib
+    total = 0
+    records = b""
+    for i, (name, shape) in enumerate(tensors):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+        step = version if steps is None else steps[i]
+        records += name.encode().ljust(64, b"\0") + struct.pack("<II4QQ", len(shape), 0,
+                                                                *(list(shape) + [0] * (4 - len(shape))), step)
+    header = struct.pack("<QIIQIIIIQ2Q", CKPT_MAGIC, 1, 64, version, optimizer, state_arrays, len(tensors), 0, total,
+                         0, 0)
+    payload = struct.pack("<%df" % (total * (1 + state_arrays)), *([fill] * (total * (1 + state_arrays))))
+    body = header + records + payload
+    crc = zlib.crc32(body) if crc_ok else 0
+    # The harness rewrites the CRC while header byte 48 is 0; near misses
+    # with a wrong CRC set it.
+    if not crc_ok:
+        body = body[:48] + b"\x01" + body[49:]
+    return body + struct.pack("<I", crc)
+
+
+def checkpoint_corpus():
+    model = [("a", [2, 2]), ("b", [3])]
+    return {
+        "adam_model": checkpoint(model),
+        "adam_model_steps_past_version": checkpoint(model, version=3, steps=[4, 5]),
+        "adam_model_bad_crc": checkpoint(model, crc_ok=False),
+        "sgd_model": checkpoint([("w", [7])], optimizer=1, state_arrays=0),
+        "other_shapes": checkpoint([("a", [4]), ("b", [3])]),
+        "truncated": checkpoint(model)[:100],
+    }
+
+
 def main():
     out = os.path.join(HERE, "corpus")
     seg = {
@@ -182,7 +224,8 @@ def main():
                          b"\x01" + seg["minimal"][449:],
         "truncated": seg["minimal"][:4096],
     }
-    files = {"fuzz_validate_segment": {**seg, **near_misses}, "fuzz_requests": requests_corpus()}
+    files = {"fuzz_validate_segment": {**seg, **near_misses}, "fuzz_requests": requests_corpus(),
+             "fuzz_checkpoint": checkpoint_corpus()}
     for target, items in files.items():
         d = os.path.join(out, target)
         os.makedirs(d, exist_ok=True)
