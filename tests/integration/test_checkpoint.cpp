@@ -25,12 +25,6 @@ namespace k = shmps::kernels;
 
 namespace {
 
-struct TempDir {
-  TempDir() : path(fs::temp_directory_path() / test::unique_name("ckpt")) { fs::create_directories(path); }
-  ~TempDir() { fs::remove_all(path); }
-  fs::path path;
-};
-
 std::vector<std::string> checkpoint_files(const fs::path& dir) {
   std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
@@ -75,6 +69,18 @@ std::vector<float> pull(Worker& w, const Buffer& b, uint64_t* version) {
   return {p, p + 7};
 }
 
+// A server of `args` takes steps [first, last) from one worker and stops
+// cleanly (its final checkpoint).
+void run_steps(const std::string& name, const std::vector<std::string>& args, int first, int last) {
+  test::ServerProcess server(name, args);
+  auto w = connect(name);
+  auto g = w->register_buffer(28);
+  BOOST_REQUIRE(g.ok());
+  push_steps(*w, *g, first, last);
+  w.reset();
+  BOOST_TEST(server.stop() == 0);
+}
+
 std::string read_text(const fs::path& path) {
   std::ifstream in(path);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
@@ -97,7 +103,7 @@ test::Process spawn_logged(const std::string& name, const std::vector<std::strin
 BOOST_AUTO_TEST_SUITE(checkpoint)
 
 BOOST_AUTO_TEST_CASE(periodic_and_final_checkpoints_keep_the_newest_k) {
-  TempDir dir;
+  test::TempDir dir("ckpt");
   test::ServerProcess server(test::unique_name("every"), adam_args(dir.path, {"--checkpoint-every", "5", "--checkpoint-keep", "2"}));
   auto w = connect(server.name());
   auto g = w->register_buffer(28);
@@ -120,7 +126,7 @@ BOOST_AUTO_TEST_CASE(periodic_and_final_checkpoints_keep_the_newest_k) {
 }
 
 BOOST_AUTO_TEST_CASE(restart_restores_weights_optimizer_state_and_version) {
-  TempDir dir;
+  test::TempDir dir("ckpt");
   const std::string name = test::unique_name("restore");
   std::vector<float> before;
   {
@@ -161,7 +167,7 @@ BOOST_AUTO_TEST_CASE(restart_restores_weights_optimizer_state_and_version) {
 }
 
 BOOST_AUTO_TEST_CASE(corrupt_or_truncated_newest_checkpoint_falls_back_to_the_previous) {
-  TempDir dir;
+  test::TempDir dir("ckpt");
   const std::string name = test::unique_name("corrupt");
   std::vector<float> at_four;
   {
@@ -209,17 +215,9 @@ BOOST_AUTO_TEST_CASE(corrupt_or_truncated_newest_checkpoint_falls_back_to_the_pr
 }
 
 BOOST_AUTO_TEST_CASE(checkpoint_of_another_model_is_not_restored) {
-  TempDir dir;
+  test::TempDir dir("ckpt");
   const std::string name = test::unique_name("other");
-  {
-    test::ServerProcess server(name, adam_args(dir.path));
-    auto w = connect(name);
-    auto g = w->register_buffer(28);
-    BOOST_REQUIRE(g.ok());
-    push_steps(*w, *g, 0, 2);
-    w.reset();
-    BOOST_TEST(server.stop() == 0);
-  }
+  run_steps(name, adam_args(dir.path), 0, 2);
   // Same tensors, other optimizer state layout (SGD without momentum).
   test::ServerProcess server(name, {"--tensor", "a:2x2", "--tensor", "b:3", "--optimizer", "sgd",
                                     "--checkpoint-dir", dir.path.string()});
@@ -233,7 +231,7 @@ BOOST_AUTO_TEST_CASE(checkpoint_of_another_model_is_not_restored) {
 }
 
 BOOST_AUTO_TEST_CASE(a_failed_periodic_write_does_not_stand_for_the_final_checkpoint) {
-  TempDir dir;
+  test::TempDir dir("ckpt");
   const std::string name = test::unique_name("failed");
   const fs::path log = dir.path / "server.log";
   // A directory where the writer's temp file for version 6 goes: its open
@@ -258,7 +256,7 @@ BOOST_AUTO_TEST_CASE(a_failed_periodic_write_does_not_stand_for_the_final_checkp
 }
 
 BOOST_AUTO_TEST_CASE(a_final_checkpoint_that_cannot_be_written_fails_the_exit_code) {
-  TempDir dir;
+  test::TempDir dir("ckpt");
   const std::string name = test::unique_name("nofinal");
   const fs::path log = dir.path / "server.log";
   fs::create_directory(dir.path / ("." + ckpt_name(2) + ".tmp"));
@@ -274,7 +272,7 @@ BOOST_AUTO_TEST_CASE(a_final_checkpoint_that_cannot_be_written_fails_the_exit_co
 }
 
 BOOST_AUTO_TEST_CASE(a_huge_file_or_a_fifo_named_like_a_checkpoint_neither_stops_nor_hangs_the_start) {
-  TempDir dir;
+  test::TempDir dir("ckpt");
   const std::string name = test::unique_name("fifo");
   const auto restored_version = [&] {
     test::ServerProcess server(name, adam_args(dir.path));  // throws if not up within 10 s
@@ -287,15 +285,7 @@ BOOST_AUTO_TEST_CASE(a_huge_file_or_a_fifo_named_like_a_checkpoint_neither_stops
     BOOST_TEST(server.stop() == 0);
     return v;
   };
-  {
-    test::ServerProcess server(name, adam_args(dir.path));
-    auto w = connect(name);
-    auto g = w->register_buffer(28);
-    BOOST_REQUIRE(g.ok());
-    push_steps(*w, *g, 0, 2);
-    w.reset();
-    BOOST_TEST(server.stop() == 0);
-  }
+  run_steps(name, adam_args(dir.path), 0, 2);
   // A sparse file whose header says 2^33 parameters: it cost 36 s and
   // 4.2 GB at 2^30, and at 2^33 the server refused to start.
   std::string bytes = read_text(dir.path / ckpt_name(2));
@@ -311,19 +301,11 @@ BOOST_AUTO_TEST_CASE(a_huge_file_or_a_fifo_named_like_a_checkpoint_neither_stops
 }
 
 BOOST_AUTO_TEST_CASE(a_server_of_another_model_leaves_that_models_checkpoints_alone) {
-  TempDir dir;
+  test::TempDir dir("ckpt");
   const std::string name = test::unique_name("foreign");
   const std::vector<std::string> sgd = {"--tensor", "a:2x2", "--tensor", "b:3", "--optimizer", "sgd",
                                         "--checkpoint-dir", dir.path.string(), "--checkpoint-keep", "1"};
-  {
-    test::ServerProcess server(name, sgd);
-    auto w = connect(name);
-    auto g = w->register_buffer(28);
-    BOOST_REQUIRE(g.ok());
-    push_steps(*w, *g, 0, 3);
-    w.reset();
-    BOOST_TEST(server.stop() == 0);
-  }
+  run_steps(name, sgd, 0, 3);
   const std::string sgd_three = read_text(dir.path / ckpt_name(3));
   BOOST_REQUIRE(!sgd_three.empty());
   {

@@ -22,12 +22,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  TempDir() : path(fs::temp_directory_path() / test::unique_name("restart")) { fs::create_directories(path); }
-  ~TempDir() { fs::remove_all(path); }
-  fs::path path;
-};
-
 std::vector<std::string> args(const fs::path& dir) {
   return {"--tensor", "w:1", "--lr", "1", "--max-staleness", "4000000000", "--checkpoint-dir", dir.string(),
           "--checkpoint-every", "1"};
@@ -42,7 +36,7 @@ std::unique_ptr<Worker> connect(const std::string& name, bool reconnect, std::ch
 BOOST_AUTO_TEST_SUITE(restart)
 
 BOOST_AUTO_TEST_CASE(worker_reattaches_to_the_next_generation_and_keeps_its_buffers) {
-  TempDir dir;
+  test::TempDir dir("restart");
   const std::string name = test::unique_name("reattach");
   auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
   auto w = connect(name, /*reconnect=*/true);
@@ -70,7 +64,7 @@ BOOST_AUTO_TEST_CASE(worker_reattaches_to_the_next_generation_and_keeps_its_buff
 }
 
 BOOST_AUTO_TEST_CASE(call_in_flight_when_the_server_dies_fails_with_server_restarted) {
-  TempDir dir;
+  test::TempDir dir("restart");
   const std::string name = test::unique_name("inflight");
   auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
   auto w = connect(name, /*reconnect=*/true, 3s);
@@ -96,7 +90,7 @@ BOOST_AUTO_TEST_CASE(call_in_flight_when_the_server_dies_fails_with_server_resta
 }
 
 BOOST_AUTO_TEST_CASE(without_reconnect_a_dead_server_is_final) {
-  TempDir dir;
+  test::TempDir dir("restart");
   const std::string name = test::unique_name("noreconnect");
   auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
   auto w = connect(name, /*reconnect=*/false);
@@ -111,7 +105,7 @@ BOOST_AUTO_TEST_CASE(without_reconnect_a_dead_server_is_final) {
 // resumes, nothing is left in /dev/shm, and the version never goes back
 // past the last checkpoint.
 BOOST_AUTO_TEST_CASE(kill_and_restart_fifty_times_under_load) {
-  TempDir dir;
+  test::TempDir dir("restart");
   const std::string name = test::unique_name("loop");
   auto* shared = static_cast<std::atomic<uint64_t>*>(
       ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));

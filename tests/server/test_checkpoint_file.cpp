@@ -21,16 +21,12 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  TempDir() : path(fs::temp_directory_path() / test::unique_name("ckptfile")) { fs::create_directories(path); }
-  ~TempDir() { fs::remove_all(path); }
-  std::string file(uint64_t version) const {
-    char name[64];
-    std::snprintf(name, sizeof name, "ckpt-%020llu.shmps", static_cast<unsigned long long>(version));
-    return (path / name).string();
-  }
-  fs::path path;
-};
+// dir/ckpt-<version, 20 digits>.shmps.
+std::string ckpt(const test::TempDir& dir, uint64_t version) {
+  char name[64];
+  std::snprintf(name, sizeof name, "ckpt-%020llu.shmps", static_cast<unsigned long long>(version));
+  return (dir.path / name).string();
+}
 
 // Adam (2 state arrays) on tensors a:2x2, b:3.
 CheckpointLayout adam_layout() {
@@ -83,10 +79,10 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 BOOST_AUTO_TEST_SUITE(checkpoint_file)
 
 BOOST_AUTO_TEST_CASE(a_written_checkpoint_reads_back_whole) {
-  TempDir dir;
+  test::TempDir dir("ckptfile");
   const CheckpointData d = make_data(adam_layout(), 9, 0.5f);
   BOOST_REQUIRE_MESSAGE(write_checkpoint(dir.path.string(), d).ok(), "write");
-  auto r = read_checkpoint(dir.file(9), adam_layout());
+  auto r = read_checkpoint(ckpt(dir, 9), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
   BOOST_TEST(r->version == 9u);
   BOOST_TEST(r->steps == d.steps);
@@ -96,15 +92,15 @@ BOOST_AUTO_TEST_CASE(a_written_checkpoint_reads_back_whole) {
 }
 
 BOOST_AUTO_TEST_CASE(another_models_file_is_refused_from_its_header) {
-  TempDir dir;
+  test::TempDir dir("ckptfile");
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), make_data(sgd_layout(), 3)).ok());
-  const auto r = read_checkpoint(dir.file(3), adam_layout());
+  const auto r = read_checkpoint(ckpt(dir, 3), adam_layout());
   BOOST_TEST(!r.ok());
   BOOST_TEST(contains(error_of(r), "does not fit this configuration"), error_of(r));
 
   // A sparse file whose header claims 2^34 parameters: refused before
   // anything of that size is allocated (it took 36 s and 4.2 GB before).
-  std::string bytes = contents(dir.file(3));
+  std::string bytes = contents(ckpt(dir, 3));
   const uint64_t huge = uint64_t{1} << 34;
   std::memcpy(bytes.data() + 40, &huge, 8);  // CheckpointHeader::total_elements
   const std::string big_file = (dir.path / "big.shmps").string();
@@ -116,35 +112,35 @@ BOOST_AUTO_TEST_CASE(another_models_file_is_refused_from_its_header) {
 }
 
 BOOST_AUTO_TEST_CASE(what_is_not_a_regular_file_is_refused_without_blocking) {
-  TempDir dir;
-  BOOST_REQUIRE(::mkfifo(dir.file(9).c_str(), 0600) == 0);  // opening it for reading would wait for a writer
-  BOOST_TEST(contains(error_of(read_checkpoint(dir.file(9), adam_layout())), "not a regular file"));
-  fs::create_directory(dir.file(8));
-  BOOST_TEST(contains(error_of(read_checkpoint(dir.file(8), adam_layout())), "not a regular file"));
-  BOOST_TEST(!read_checkpoint(dir.file(7), adam_layout()).ok());  // missing
+  test::TempDir dir("ckptfile");
+  BOOST_REQUIRE(::mkfifo(ckpt(dir, 9).c_str(), 0600) == 0);  // opening it for reading would wait for a writer
+  BOOST_TEST(contains(error_of(read_checkpoint(ckpt(dir, 9), adam_layout())), "not a regular file"));
+  fs::create_directory(ckpt(dir, 8));
+  BOOST_TEST(contains(error_of(read_checkpoint(ckpt(dir, 8), adam_layout())), "not a regular file"));
+  BOOST_TEST(!read_checkpoint(ckpt(dir, 7), adam_layout()).ok());  // missing
 }
 
 BOOST_AUTO_TEST_CASE(the_version_must_be_plausible_and_match_the_name) {
-  TempDir dir;
+  test::TempDir dir("ckptfile");
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), make_data(adam_layout(), 3)).ok());
-  fs::copy_file(dir.file(3), dir.file(9));
-  BOOST_TEST(contains(error_of(read_checkpoint(dir.file(9), adam_layout())), "named version 9 but holds version 3"));
+  fs::copy_file(ckpt(dir, 3), ckpt(dir, 9));
+  BOOST_TEST(contains(error_of(read_checkpoint(ckpt(dir, 9), adam_layout())), "named version 9 but holds version 3"));
   // 2^64 - 1 would make the next push wrap the version to 0.
   const uint64_t wrap = std::numeric_limits<uint64_t>::max();
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), make_data(adam_layout(), wrap)).ok());
-  BOOST_TEST(contains(error_of(read_checkpoint(dir.file(wrap), adam_layout())), "implausible version"));
+  BOOST_TEST(contains(error_of(read_checkpoint(ckpt(dir, wrap), adam_layout())), "implausible version"));
   // A name past 2^64 (20 digits hold up to 10^20 - 1).
-  fs::copy_file(dir.file(3), dir.path / "ckpt-99999999999999999999.shmps");
+  fs::copy_file(ckpt(dir, 3), dir.path / "ckpt-99999999999999999999.shmps");
   BOOST_TEST(contains(error_of(read_checkpoint((dir.path / "ckpt-99999999999999999999.shmps").string(), adam_layout())),
                       "over 2^64"));
 }
 
 BOOST_AUTO_TEST_CASE(an_implausible_step_is_refused_and_the_servers_own_files_are_not) {
-  TempDir dir;
+  test::TempDir dir("ckptfile");
   CheckpointData d = make_data(adam_layout(), 4);
   d.steps[1] = ~uint64_t{0};  // Adam's next step would wrap to 0: NaN weights after one push
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
-  BOOST_TEST(contains(error_of(read_checkpoint(dir.file(4), adam_layout())), "implausible step"));
+  BOOST_TEST(contains(error_of(read_checkpoint(ckpt(dir, 4), adam_layout())), "implausible step"));
   // What the server writes itself must read back: steps past the version
   // (a push rejected after its apply: the buffer was found damaged), and
   // NaN weights (--allow-nonfinite let them in).
@@ -153,7 +149,7 @@ BOOST_AUTO_TEST_CASE(an_implausible_step_is_refused_and_the_servers_own_files_ar
   d.weights[3] = std::nanf("");
   d.state[9] = INFINITY;
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
-  auto r = read_checkpoint(dir.file(5), adam_layout());
+  auto r = read_checkpoint(ckpt(dir, 5), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
   BOOST_TEST(r->steps == d.steps);
   BOOST_TEST(std::isnan(r->weights[3]));
@@ -161,17 +157,17 @@ BOOST_AUTO_TEST_CASE(an_implausible_step_is_refused_and_the_servers_own_files_ar
 }
 
 BOOST_AUTO_TEST_CASE(pruning_keeps_what_this_server_wrote_over_damaged_or_foreign_files) {
-  TempDir dir;
+  test::TempDir dir("ckptfile");
   const std::string d = dir.path.string();
   for (uint64_t v : {4, 5}) BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), v)).ok());
   // A damaged file named above everything (one payload byte changed: its
   // header still reads as ours), and another model's file below.
   BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 100)).ok());
-  std::string bytes = contents(dir.file(100));
+  std::string bytes = contents(ckpt(dir, 100));
   bytes[bytes.size() - 10] ^= 0x40;
-  put(dir.file(100), bytes);
+  put(ckpt(dir, 100), bytes);
   BOOST_REQUIRE(write_checkpoint(d, make_data(sgd_layout(), 2)).ok());
-  const std::string foreign = contents(dir.file(2));
+  const std::string foreign = contents(ckpt(dir, 2));
 
   BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 7)).ok());
   prune_checkpoints(d, 1, 7, adam_layout());
@@ -180,8 +176,8 @@ BOOST_AUTO_TEST_CASE(pruning_keeps_what_this_server_wrote_over_damaged_or_foreig
   // every valid file deleted.
   BOOST_TEST(names(dir.path) == (std::vector<std::string>{"ckpt-00000000000000000002.shmps", "ckpt-00000000000000000007.shmps",
                                                           "ckpt-00000000000000000100.shmps"}));
-  BOOST_TEST(contents(dir.file(2)) == foreign);
-  BOOST_TEST(read_checkpoint(dir.file(7), adam_layout()).ok());
+  BOOST_TEST(contents(ckpt(dir, 2)) == foreign);
+  BOOST_TEST(read_checkpoint(ckpt(dir, 7), adam_layout()).ok());
 
   BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 8)).ok());
   prune_checkpoints(d, 2, 8, adam_layout());
@@ -189,33 +185,33 @@ BOOST_AUTO_TEST_CASE(pruning_keeps_what_this_server_wrote_over_damaged_or_foreig
 }
 
 BOOST_AUTO_TEST_CASE(a_write_never_replaces_another_models_checkpoint) {
-  TempDir dir;
+  test::TempDir dir("ckptfile");
   const std::string d = dir.path.string();
   BOOST_REQUIRE(write_checkpoint(d, make_data(sgd_layout(), 3)).ok());
-  const std::string sgd = contents(dir.file(3));
+  const std::string sgd = contents(ckpt(dir, 3));
   const Status s = write_checkpoint(d, make_data(adam_layout(), 3));
   BOOST_TEST(s.code() == ErrorCode::kLayoutMismatch);
   BOOST_TEST(contains(s.message(), "not replacing"), s.message());
-  BOOST_TEST(contents(dir.file(3)) == sgd);
+  BOOST_TEST(contents(ckpt(dir, 3)) == sgd);
   BOOST_TEST(names(dir.path).size() == 1u);  // no temp file either
 
   // One of ours, damaged (truncated), is replaced by the new write.
   BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 4)).ok());
-  fs::resize_file(dir.file(4), 70);
+  fs::resize_file(ckpt(dir, 4), 70);
   BOOST_TEST(write_checkpoint(d, make_data(adam_layout(), 4)).ok());
-  BOOST_TEST(read_checkpoint(dir.file(4), adam_layout()).ok());
+  BOOST_TEST(read_checkpoint(ckpt(dir, 4), adam_layout()).ok());
 
   // Nor over a directory of that name, or a file it cannot identify as one
   // of its own (an operator's notes; a newer format).
-  fs::create_directory(dir.file(5));
+  fs::create_directory(ckpt(dir, 5));
   BOOST_TEST(contains(write_checkpoint(d, make_data(adam_layout(), 5)).message(), "not a regular file"));
-  put(dir.file(6), std::string(200, 'x'));
+  put(ckpt(dir, 6), std::string(200, 'x'));
   BOOST_TEST(contains(write_checkpoint(d, make_data(adam_layout(), 6)).message(), "not a checkpoint of this model"));
-  BOOST_TEST(contents(dir.file(6)) == std::string(200, 'x'));
+  BOOST_TEST(contents(ckpt(dir, 6)) == std::string(200, 'x'));
 }
 
 BOOST_AUTO_TEST_CASE(temp_files_of_a_killed_writer_are_removed_and_nothing_else) {
-  TempDir dir;
+  test::TempDir dir("ckptfile");
   const std::string d = dir.path.string();
   BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 4)).ok());
   put((dir.path / ".ckpt-00000000000000000005.shmps.tmp").string(), "half a checkpoint");

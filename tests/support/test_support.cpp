@@ -21,6 +21,15 @@ std::string unique_name(const std::string& tag) {
   return tag + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++);
 }
 
+TempDir::TempDir(const std::string& tag) : path(std::filesystem::temp_directory_path() / unique_name(tag)) {
+  std::filesystem::create_directories(path);
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;  // a destructor must not throw
+  std::filesystem::remove_all(path, ec);
+}
+
 std::string program_path(const std::string& name) {
   if (const char* dir = std::getenv("SHMPS_BUILD_DIR")) return std::string(dir) + "/bin/" + name;
   return (std::filesystem::read_symlink("/proc/self/exe").parent_path() / name).string();

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
@@ -15,6 +16,16 @@ namespace shmps::test {
 
 // "<tag>_<pid>_<n>": unique per test process and call, valid as --name.
 std::string unique_name(const std::string& tag);
+
+// A fresh folder under the temp directory (named by unique_name(tag)),
+// removed with its contents at scope exit.
+struct TempDir {
+  explicit TempDir(const std::string& tag);
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::filesystem::path path;
+};
 
 // Path of a built program: $SHMPS_BUILD_DIR/bin/<name> (set by CTest), else
 // the folder of the running test executable.
