@@ -55,7 +55,9 @@ bool is_checkpoint_name(const std::string& n) {
 }
 
 // ".ckpt-<20 digits>.shmps.tmp": what write_checkpoint() renames.
-bool is_temp_name(const std::string& n) { return n.size() == 1 + 31 + 4 && n[0] == '.' && is_checkpoint_name(n.substr(1, 31)) && n.compare(32, 4, ".tmp") == 0; }
+bool is_temp_name(const std::string& n) {
+  return n.size() == 1 + 31 + 4 && n[0] == '.' && is_checkpoint_name(n.substr(1, 31)) && n.compare(32, 4, ".tmp") == 0;
+}
 
 // The version a checkpoint's file name gives, if it is one.
 std::optional<uint64_t> version_in_name(const std::string& path) {
