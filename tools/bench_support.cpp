@@ -21,6 +21,7 @@
 #include <new>
 #include <sstream>
 
+#include "shmps/cli.hpp"
 #include "shmps/shm/futex.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
@@ -56,7 +57,9 @@ std::optional<int> parse_command_line(int argc, char** argv, const std::string& 
   desc.add(extra);
   po::variables_map vm;
   try {
-    po::store(po::parse_command_line(argc, argv, desc), vm);
+    const po::parsed_options parsed = po::parse_command_line(argc, argv, desc);
+    cli::refuse_negative_unsigned(parsed);
+    po::store(parsed, vm);
     po::notify(vm);
   } catch (const po::error& e) {
     std::fprintf(stderr, "%s: %s\n", program.c_str(), e.what());

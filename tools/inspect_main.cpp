@@ -13,6 +13,7 @@
 
 #include "inspect_model.hpp"
 #include "inspect_source.hpp"
+#include "shmps/cli.hpp"
 
 namespace po = boost::program_options;
 using shmps::inspect::ExitCode;
@@ -130,7 +131,9 @@ int main(int argc, char** argv) {
   positional.add("name", 1);
   try {
     po::variables_map vm;
-    po::store(po::command_line_parser(argc, argv).options(all).positional(positional).run(), vm);
+    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(all).positional(positional).run();
+    shmps::cli::refuse_negative_unsigned(parsed);
+    po::store(parsed, vm);
     if (vm.count("help") != 0) {
       std::cout << visible << "\nExit codes: 0 ok, 1 error (usage, permission, I/O), 2 no such segment,\n"
                               "3 corrupt/foreign/other layout version, 4 not published yet.\n";

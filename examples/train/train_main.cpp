@@ -50,6 +50,7 @@
 
 #include "idx.hpp"
 #include "mlp.hpp"
+#include "shmps/cli.hpp"
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/status.hpp"
 #include "shmps/worker.hpp"
@@ -131,7 +132,9 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   // clang-format on
   po::variables_map vm;
   try {
-    po::store(po::parse_command_line(argc, argv, desc), vm);
+    const po::parsed_options parsed = po::parse_command_line(argc, argv, desc);
+    cli::refuse_negative_unsigned(parsed);
+    po::store(parsed, vm);
     po::notify(vm);
   } catch (const po::error& e) {
     std::cerr << "shmps-train: " << e.what() << "\n" << desc;

@@ -8,7 +8,8 @@
 #include <map>
 #include <set>
 #include <sstream>
-#include <typeinfo>
+
+#include "shmps/cli.hpp"
 
 namespace po = boost::program_options;
 
@@ -38,18 +39,6 @@ std::string file_line(const std::string& file, int line) {
 }
 
 Status invalid(std::string message) { return Status{ErrorCode::kInvalidArgument, std::move(message)}; }
-
-// program_options reads unsigned options with lexical_cast, which takes
-// "-1" as 2^64 - 1 (or 2^32 - 1): a value for one of them must not start
-// with '-'.
-bool negative_for_unsigned(const po::option_description& d, const std::string& value) {
-  const auto* typed = dynamic_cast<const po::typed_value_base*>(d.semantic().get());
-  if (typed == nullptr) return false;
-  const std::type_info& t = typed->value_type();
-  const bool is_unsigned = t == typeid(unsigned short) || t == typeid(unsigned) || t == typeid(unsigned long) ||
-                           t == typeid(unsigned long long);
-  return is_unsigned && trim(value).rfind('-', 0) == 0;
-}
 
 // Reads a config file with program_options' syntax ('#' to the end of the
 // line is a comment, blank lines are skipped, "key = value" with blanks
@@ -88,7 +77,7 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
       return invalid(file_line(file, line) + ": unknown key '" + e.key + "'" +
                      (command_line_only ? " (valid on the command line only)" : ""));
     }
-    if (negative_for_unsigned(*d, e.value))
+    if (cli::negative_for_unsigned(*d, e.value))
       return invalid(file_line(file, line) + ": key '" + e.key + "': must be a non-negative integer, got '" + e.value + "'");
     if (!d->semantic()->is_composing()) {
       const auto [it, inserted] = first_line.emplace(e.key, line);
@@ -226,13 +215,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   po::variables_map vm;
   try {
     const po::parsed_options cmdline = po::parse_command_line(argc, argv, all);
+    cli::refuse_negative_unsigned(cmdline);
     po::store(cmdline, vm);
     std::set<std::string> on_cmdline;
     for (const po::option& opt : cmdline.options) {
-      if (const po::option_description* d = all.find_nothrow(opt.string_key, /*approx=*/false))
-        for (const std::string& value : opt.value)
-          if (negative_for_unsigned(*d, value))
-            return invalid("--" + opt.string_key + " must be a non-negative integer, got '" + value + "'");
       on_cmdline.insert(opt.string_key);
       if (opt.string_key == "tensor") tensor_origin.emplace_back("--tensor");
     }

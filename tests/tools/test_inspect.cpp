@@ -347,6 +347,12 @@ BOOST_AUTO_TEST_CASE(missing_segment) {
   BOOST_TEST(run_inspect({name, "--file", "/tmp/x"}).rc == 1);
   BOOST_TEST(run_inspect({"--count", "2", name}).rc == 1);
   BOOST_TEST(run_inspect({"bad/name"}).rc == 1);
+  // -1 wrapped to 2^32 - 1: --count -1 watched for ever.
+  for (const char* option : {"--count", "--interval-ms"}) {
+    const Run n = run_inspect({"--watch", option, "-1", name});
+    BOOST_TEST(n.rc == 1, option);
+    BOOST_TEST(contains(n.err, std::string(option) + " must be a non-negative integer"), n.err);
+  }
 }
 
 BOOST_AUTO_TEST_CASE(saved_and_corrupted_copies) {

@@ -1,0 +1,42 @@
+// Checks shared by the command lines of shmps' programs (shmps-server,
+// shmps-train, shmps-inspect, shmps-bench, shmps-compare), on top of
+// Boost.Program_options. Header-only: include it only where
+// Boost::program_options is linked. Pure functions; thread-safe.
+#pragma once
+
+#include <boost/program_options.hpp>
+#include <string>
+#include <typeinfo>
+
+namespace shmps::cli {
+
+// True when `value`, given for option `d`, starts with '-' (after blanks)
+// and `d` stores an unsigned integer. program_options reads such a value
+// with lexical_cast, which wraps "-1" to the type's maximum: `--epochs -1`
+// trained for ever, `max-staleness = -1` turned the staleness bound off.
+inline bool negative_for_unsigned(const boost::program_options::option_description& d, const std::string& value) {
+  const auto* typed = dynamic_cast<const boost::program_options::typed_value_base*>(d.semantic().get());
+  if (typed == nullptr) return false;
+  const std::type_info& t = typed->value_type();
+  const bool is_unsigned = t == typeid(unsigned short) || t == typeid(unsigned) || t == typeid(unsigned long) ||
+                           t == typeid(unsigned long long);
+  const size_t first = value.find_first_not_of(" \t");
+  return is_unsigned && first != std::string::npos && value[first] == '-';
+}
+
+// Call before po::store(): throws boost::program_options::error
+// "--<key> must be a non-negative integer, got '<value>'" for the first
+// option of `parsed` that negative_for_unsigned() refuses.
+inline void refuse_negative_unsigned(const boost::program_options::parsed_options& parsed) {
+  if (parsed.description == nullptr) return;
+  for (const boost::program_options::option& opt : parsed.options) {
+    const boost::program_options::option_description* d = parsed.description->find_nothrow(opt.string_key, false);
+    if (d == nullptr) continue;
+    for (const std::string& value : opt.value)
+      if (negative_for_unsigned(*d, value))
+        throw boost::program_options::error("--" + opt.string_key + " must be a non-negative integer, got '" + value +
+                                            "'");
+  }
+}
+
+}  // namespace shmps::cli
