@@ -176,6 +176,10 @@ ServerProcess::ServerProcess(const std::string& name, const std::vector<std::str
     return version != 0 && pid == static_cast<uint32_t>(process_.pid());
   };
   if (!eventually([&] { return published_by_child() || process_.wait(std::chrono::milliseconds(0)) >= 0; })) {
+    // The destructor does not run for a constructor that throws: a server
+    // stuck in its start must not outlive the test, nor its object.
+    process_.kill_and_reap();
+    ::shm_unlink(("shmps." + name).c_str());
     throw std::runtime_error("shmps-server did not publish " + path + " within 10 s");
   }
   if (!process_.running()) throw std::runtime_error("shmps-server exited at start (see its stderr)");

@@ -24,7 +24,7 @@ enum class ErrorCode : uint32_t {
   kUnknownBuffer = 6,      // request names a buffer id that is not registered
   kUnknownTensor = 7,      // request names a tensor id outside the tensor table
   kBadRange = 8,           // offset + length outside the registered buffer
-  kBadRequest = 9,         // garbage descriptor: unknown opcode, flags, lease
+  kBadRequest = 9,         // garbage descriptor: unknown opcode, flags, lease; a push version ahead of the server
   kBusy = 10,              // ring full for longer than the call's timeout
   kTimeout = 11,           // no completion within the call's timeout
   kServerNotRunning = 12,  // no segment of that name, or its server is dead

@@ -158,7 +158,9 @@ class Worker {
   // synchronisation). When the push completes (here, or in wait() for
   // push_async) the server has finished reading the buffer; the caller may
   // overwrite it. Ignored for host buffers.
-  // Errors: kStale (message has both versions), kBadLength, kBadDtype,
+  // Errors: kStale (message has both versions), kBadRequest
+  // (worker_version ahead of the server's: not a version it served),
+  // kBadLength, kBadDtype,
   // kNonFinite, kUnknownBuffer, kUnknownTensor, kBadRange, kBusy (lane full
   // for the whole timeout), kTimeout, kServerNotRunning, kServerRestarted,
   // kShuttingDown, kCuda (a device buffer's event could not be recorded;
