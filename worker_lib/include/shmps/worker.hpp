@@ -19,6 +19,10 @@
 // single-producer lane). Separate Worker objects, in one process or many,
 // are independent. Buffer memory may be written by any thread, but not while
 // a push that reads it, or a pull that writes it, is in flight.
+// Processes: a Worker belongs to the process that connected it. A fork()ed
+// child must connect its own and never call the inherited one: its calls
+// would share the parent's lane, and its detach() would end the parent's
+// session (which the parent then hears as kUnknownWorker, evicted).
 #pragma once
 
 #include <chrono>
