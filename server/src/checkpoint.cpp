@@ -334,8 +334,8 @@ void remove_temp_files(const std::string& dir) {
   for (const std::string& t : temps) ::unlink(t.c_str());
 }
 
-CheckpointWriter::CheckpointWriter(std::string dir, uint32_t keep)
-    : dir_(std::move(dir)), keep_(keep), thread_([this] { loop(); }) {}
+CheckpointWriter::CheckpointWriter(std::string dir, uint32_t keep, std::optional<uint64_t> on_disk)
+    : dir_(std::move(dir)), keep_(keep), last_written_(on_disk), thread_([this] { loop(); }) {}
 
 CheckpointWriter::~CheckpointWriter() {
   {

@@ -92,7 +92,9 @@ void remove_temp_files(const std::string& dir);
 // consumer never waits for a disk).
 class CheckpointWriter {
  public:
-  CheckpointWriter(std::string dir, uint32_t keep);
+  // `on_disk`: the version of a checkpoint already in `dir` (the one the
+  // server restored), which last_written() reports until a write succeeds.
+  CheckpointWriter(std::string dir, uint32_t keep, std::optional<uint64_t> on_disk);
   ~CheckpointWriter();  // finishes the write in flight
   // False when a write is still in flight (nothing taken).
   bool submit(CheckpointData data);
@@ -101,7 +103,7 @@ class CheckpointWriter {
   // Status of the last finished write, and clears it.
   Status take_result();
   bool busy() const;
-  // The version of the last write that succeeded, if any.
+  // The version of the last write that succeeded, else `on_disk`.
   std::optional<uint64_t> last_written() const;
 
  private:

@@ -171,7 +171,6 @@ class Server::Impl {
   std::unique_ptr<CheckpointWriter> checkpoints;
   uint64_t last_checkpoint_version = 0;  // handed to the writer (or restored)
   uint64_t last_checkpoint_ns = 0;
-  std::optional<uint64_t> restored_version;
   // The segment's name must keep pointing at our object (logind's
   // RemoveIPC, or an operator, may unlink it under us).
   uint64_t last_segment_check = 0;
@@ -1238,7 +1237,7 @@ class Server::Impl {
   Status final_checkpoint() {
     if (!checkpoints) return Status::Ok();
     if (Status s = checkpoints->drain(); !s.ok()) log::error(s.message());
-    if (version == restored_version || version == checkpoints->last_written()) return Status::Ok();
+    if (version == checkpoints->last_written()) return Status::Ok();
     if (Status s = write_checkpoint(config.checkpoint_dir, snapshot()); !s.ok())
       return Status{s.code(), "final " + s.message()};
     prune_checkpoints(config.checkpoint_dir, config.checkpoint_keep, version, checkpoint_layout());
@@ -1251,8 +1250,8 @@ class Server::Impl {
   // removing the temp files of a writer killed mid-write. A file that is
   // corrupt, truncated or of another model (read_checkpoint()) is reported
   // and the previous one tried; with none valid, the configured initial
-  // values stay.
-  Status restore() {
+  // values stay. Returns the restored version (none: nothing restored).
+  Result<std::optional<uint64_t>> restore() {
     remove_temp_files(config.checkpoint_dir);
     const CheckpointLayout layout = checkpoint_layout();
     for (const std::string& path : list_checkpoints(config.checkpoint_dir)) {
@@ -1265,14 +1264,13 @@ class Server::Impl {
       steps = data->steps;
       version = data->version;
       last_checkpoint_version = version;
-      restored_version = version;
       // relaxed: published with the segment (publish() is a release store).
       stats().version.store(version, std::memory_order_relaxed);
       log::info("restored checkpoint " + path + ": version " + std::to_string(version));
-      return Status::Ok();
+      return std::optional<uint64_t>(version);
     }
     log::info("no valid checkpoint in " + config.checkpoint_dir + "; starting from the configured initial values");
-    return Status::Ok();
+    return std::optional<uint64_t>();
   }
 
   // True while /dev/shm/shmps.<name> is the object we created.
@@ -1472,11 +1470,12 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
       shm::Segment::remove(config.name);
       return Status{ErrorCode::kIo, "--checkpoint-dir " + config.checkpoint_dir + ": " + ec.message()};
     }
-    if (Status s = impl->restore(); !s.ok()) {
+    auto restored = impl->restore();
+    if (!restored.ok()) {
       shm::Segment::remove(config.name);
-      return s;
+      return restored.status();
     }
-    impl->checkpoints = std::make_unique<CheckpointWriter>(config.checkpoint_dir, config.checkpoint_keep);
+    impl->checkpoints = std::make_unique<CheckpointWriter>(config.checkpoint_dir, config.checkpoint_keep, *restored);
     impl->last_checkpoint_ns = shm::monotonic_ns();
   }
   impl->slots.resize(config.max_workers);
