@@ -15,6 +15,7 @@ Deterministic; the output is committed (keep it small). Run from anywhere:
 """
 import os
 import struct
+import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAGIC = 0x31474553504D4853
@@ -172,7 +173,6 @@ CKPT_MAGIC = 0x314B4353504D4853  # "SHMPSCK1"
 
 def checkpoint(tensors, optimizer=2, state_arrays=2, version=5, steps=None, fill=0.25, crc_ok=True):
     """One checkpoint file (checkpoint.cpp's CheckpointHeader and CheckpointTensor)."""
-    import zlib
     total = 0
     records = b""
     for i, (name, shape) in enumerate(tensors):
