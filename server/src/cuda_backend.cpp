@@ -29,6 +29,18 @@ namespace {
 
 constexpr uint64_t kAllocationGranule = 2ull << 20;  // every allocation rounded up to 2 MiB
 
+// Why cudaGetDeviceCount found no device, for the logs. The runtime is
+// linked statically and loads the driver itself: without libcuda.so.1, or
+// with a driver older than the runtime, it answers
+// cudaErrorInsufficientDriver.
+std::string no_device_text(cudaError_t e) {
+  if (e == cudaSuccess) return "0 devices";
+  if (e == cudaErrorInsufficientDriver)
+    return "cudaErrorInsufficientDriver: no NVIDIA driver (libcuda.so.1) on this host, or one older than this build's "
+           "CUDA runtime " + std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+  return cudaGetErrorName(e);
+}
+
 uint64_t round_up(uint64_t bytes) {
   const uint64_t n = std::max<uint64_t>(bytes, 1);
   return (n + kAllocationGranule - 1) / kAllocationGranule * kAllocationGranule;
@@ -164,7 +176,7 @@ class CudaBackend final : public Backend {
   Status start(const std::string& device_spec) {
     int count = 0;
     if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0)
-      return fail_probe(std::string("no usable CUDA device (") + (e == cudaSuccess ? "0 devices" : cudaGetErrorName(e)) +
+      return fail_probe("no usable CUDA device (" + no_device_text(e) +
                         "): check that nvidia-smi lists the GPU, that the service user may open /dev/nvidia* (groups "
                         "video/render), and CUDA_VISIBLE_DEVICES; or run with --backend host");
     if (Status s = select_device(device_spec, count); !s.ok()) return s;
@@ -698,7 +710,12 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string& device) {
 }
 
 bool cuda_backend_available(std::string* reason) {
-  return kernels::cuda_device_count(reason) > 0;
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  if (e == cudaSuccess && count > 0) return true;
+  *reason = no_device_text(e);
+  return false;
 }
 
 }  // namespace shmps::server

@@ -3,7 +3,7 @@
 // event) and recording that event before a push. Built from
 // device_buffer_cuda.cpp with CUDA, from device_buffer_stub.cpp without
 // (every call then fails with kCuda "built without CUDA"). No CUDA types
-// here. Thread-safe as the CUDA runtime is; one buffer's event must not be
+// here. Thread-safe as the CUDA driver is; one buffer's event must not be
 // recorded from two threads at once.
 #pragma once
 
@@ -21,7 +21,8 @@ struct DeviceBuffer {
   uint8_t mem_handle[64] = {};  // cudaIpcMemHandle_t of the allocation
   uint8_t event_handle[64] = {};
   uint8_t device_uuid[16] = {};
-  void* event = nullptr;        // cudaEvent_t, interprocess, no timing
+  void* event = nullptr;        // CUevent (a cudaEvent_t), interprocess, no timing
+  void* context = nullptr;      // CUcontext: the device's primary context, retained while the buffer lives
   int device = 0;               // ordinal in this process
 };
 
@@ -31,12 +32,14 @@ struct DeviceBuffer {
 // kInvalidArgument (not device memory, managed memory, beyond its
 // allocation), kCuda (memory legacy CUDA IPC cannot export: cudaMallocAsync
 // pools, VMM/cuMemCreate, expandable segments; or any failed call, named),
-// kCuda "built without CUDA".
+// kCuda "built without CUDA", or no NVIDIA driver (libcuda.so.1) in this
+// process.
 Result<DeviceBuffer> describe_device_buffer(const void* ptr, size_t bytes, bool in_process);
 // Records the buffer's event on `stream` (a cudaStream_t; nullptr: the
 // legacy default stream), after the work that wrote the buffer.
 Status record_device_event(const DeviceBuffer& buffer, void* stream);
-// Destroys the event (after the server closed its side: unregister done).
+// Destroys the event and releases the context (after the server closed its
+// side: unregister done).
 void release_device_buffer(DeviceBuffer& buffer);
 
 }  // namespace shmps::detail
