@@ -44,4 +44,10 @@ std::string Status::to_string() const {
   return s;
 }
 
+BadResultAccess::BadResultAccess(Status status) : status_(std::move(status)), what_(status_.to_string()) {}
+
+namespace detail {
+void throw_bad_result_access(const Status& status) { throw BadResultAccess(status); }
+}  // namespace detail
+
 }  // namespace shmps

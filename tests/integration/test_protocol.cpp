@@ -256,6 +256,75 @@ BOOST_AUTO_TEST_CASE(no_server_fails_at_once_naming_the_segment) {
   BOOST_TEST((std::chrono::steady_clock::now() - t0 < 100ms));
 }
 
+// The README's snippet calls value() without checking ok(): on an error it
+// must throw the error, never hand back an empty value.
+BOOST_AUTO_TEST_CASE(value_of_an_error_throws_the_status) {
+  WorkerOptions o;
+  o.name = test::unique_name("absent");
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE(!w.ok());
+  try {
+    (void)w.value();
+    BOOST_FAIL("value() of an error returned");
+  } catch (const BadResultAccess& e) {
+    BOOST_TEST((e.status().code() == ErrorCode::kServerNotRunning));
+    BOOST_TEST(std::string(e.what()).find("server_not_running: no shmps server named '" + o.name + "'") == 0, e.what());
+  }
+  BOOST_CHECK_THROW((void)w->get(), BadResultAccess);
+  BOOST_CHECK_THROW((void)*std::move(w), BadResultAccess);
+  Result<int> fine(7);
+  BOOST_TEST(fine.value() == 7);
+}
+
+// A worker started before its server waits up to wait_for_server for it.
+BOOST_AUTO_TEST_CASE(wait_for_server_attaches_to_a_server_that_starts_later) {
+  const std::string name = test::unique_name("late");
+  WorkerOptions o;
+  o.name = name;
+  o.wait_for_server = 20s;
+  std::unique_ptr<test::ServerProcess> server;
+  std::thread starter([&] {
+    std::this_thread::sleep_for(300ms);
+    server = std::make_unique<test::ServerProcess>(name, kSmall);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto w = Worker::connect(o);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  starter.join();
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  BOOST_TEST((waited >= 300ms));
+  BOOST_TEST((*w)->ping().ok());
+}
+
+// ... and over a dead server's segment until its replacement runs (a
+// systemd restart); without a server it gives up after the wait, saying so.
+BOOST_AUTO_TEST_CASE(wait_for_server_rides_out_a_restart_and_gives_up_after_the_wait) {
+  const std::string name = test::unique_name("restartwait");
+  auto first = std::make_unique<test::ServerProcess>(name, kSmall);
+  first->process().kill_and_reap();  // SIGKILL: the segment stays, its server is dead
+  BOOST_REQUIRE(std::filesystem::exists("/dev/shm/shmps." + name));
+  WorkerOptions o;
+  o.name = name;
+  o.wait_for_server = 250ms;
+  auto t0 = std::chrono::steady_clock::now();
+  auto none = Worker::connect(o);
+  BOOST_TEST((none.status().code() == ErrorCode::kServerNotRunning), none.status().to_string());
+  BOOST_TEST(none.status().message().find("after waiting 250 ms") != std::string::npos, none.status().message());
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 >= 250ms));
+  o.wait_for_server = 20s;
+  std::unique_ptr<test::ServerProcess> second;
+  std::thread starter([&] {
+    std::this_thread::sleep_for(300ms);
+    second = std::make_unique<test::ServerProcess>(name, kSmall);
+  });
+  auto w = Worker::connect(o);
+  starter.join();
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  BOOST_TEST((*w)->ping().ok());
+  o.wait_for_server = -1ms;
+  BOOST_TEST((Worker::connect(o).status().code() == ErrorCode::kInvalidArgument));
+}
+
 BOOST_AUTO_TEST_CASE(server_killed_while_a_worker_waits_returns_an_error_not_a_hang) {
   test::ServerProcess server(test::unique_name("killsrv"), kSmall);
   auto w = connect(server.name(), 10s);

@@ -674,13 +674,32 @@ Worker::~Worker() {
 
 Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& options) {
   if (options.timeout.count() <= 0) return Status{ErrorCode::kInvalidArgument, "timeout must be > 0"};
-  auto segment = shm::Segment::open(options.name, /*read_only=*/false);
-  if (!segment.ok()) return segment.status();
-  auto impl = std::make_unique<Impl>();
-  impl->options = options;
-  if (Status s = impl->attach_to(std::move(segment).value()); !s.ok()) return s;
-  impl->attached_once = true;
-  return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+  if (options.wait_for_server.count() < 0) return Status{ErrorCode::kInvalidArgument, "wait_for_server must be >= 0"};
+  const auto give_up = std::chrono::steady_clock::now() + options.wait_for_server;
+  while (true) {
+    Status s;
+    if (auto segment = shm::Segment::open(options.name, /*read_only=*/false); !segment.ok()) {
+      s = segment.status();
+    } else {
+      auto impl = std::make_unique<Impl>();
+      impl->options = options;
+      s = impl->attach_to(std::move(segment).value());
+      if (s.ok()) {
+        impl->attached_once = true;
+        return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+      }
+    }
+    // Only "no server yet" is worth waiting for: a segment of another
+    // layout, a permission or a full table stays what it is.
+    const auto now = std::chrono::steady_clock::now();
+    if (s.code() != ErrorCode::kServerNotRunning || now >= give_up) {
+      if (s.code() == ErrorCode::kServerNotRunning && options.wait_for_server.count() > 0)
+        return Status{s.code(), s.message() + " (after waiting " + std::to_string(options.wait_for_server.count()) +
+                                    " ms for it: WorkerOptions::wait_for_server)"};
+      return s;
+    }
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(give_up - now, std::chrono::milliseconds(10)));
+  }
 }
 
 uint32_t Worker::worker_id() const noexcept { return impl_->id; }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <iosfwd>
 #include <string>
 #include <string_view>
@@ -62,7 +63,28 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
+// Thrown by Result<T>::value() (and *, ->) on a Result that holds an
+// error, as std::expected::value() throws bad_expected_access: code that
+// skips the ok() check fails with the error's own message instead of
+// reading an empty value. what() is status().to_string().
+class BadResultAccess : public std::exception {
+ public:
+  explicit BadResultAccess(Status status);
+  const Status& status() const noexcept { return status_; }
+  const char* what() const noexcept override { return what_.c_str(); }
+
+ private:
+  Status status_;
+  std::string what_;
+};
+
+namespace detail {
+[[noreturn]] void throw_bad_result_access(const Status& status);
+}  // namespace detail
+
 // A value or a non-ok Status. T must be default-constructible and movable.
+// Check ok() before using the value: value(), operator* and operator->
+// throw BadResultAccess when it holds an error.
 template <typename T>
 class [[nodiscard]] Result {
  public:
@@ -72,17 +94,30 @@ class [[nodiscard]] Result {
 
   bool ok() const noexcept { return status_.ok(); }
   const Status& status() const noexcept { return status_; }
-  // Precondition: ok().
-  T& value() & { return value_; }
-  const T& value() const& { return value_; }
-  T&& value() && { return std::move(value_); }
-  T* operator->() { return &value_; }
-  const T* operator->() const { return &value_; }
-  T& operator*() & { return value_; }
-  const T& operator*() const& { return value_; }
-  T&& operator*() && { return std::move(value_); }
+  T& value() & {
+    check();
+    return value_;
+  }
+  const T& value() const& {
+    check();
+    return value_;
+  }
+  T&& value() && {
+    check();
+    return std::move(value_);
+  }
+  T* operator->() { return &value(); }
+  const T* operator->() const { return &value(); }
+  T& operator*() & { return value(); }
+  const T& operator*() const& { return value(); }
+  T&& operator*() && { return std::move(*this).value(); }
 
  private:
+  void check() const {
+    if (!status_.ok()) [[unlikely]]
+      detail::throw_bad_result_access(status_);
+  }
+
   T value_{};
   Status status_;
 };

@@ -89,6 +89,14 @@ struct WorkerOptions {
   // and the next call attaches again to the same server; without it,
   // every call returns kUnknownWorker ("the server evicted worker N").
   bool reconnect = false;
+  // How long connect() waits for its server: for the segment to appear at
+  // the name and a live server to own it (a worker started before its
+  // server, or while systemd restarts it), polling every 10 ms. 0 (the
+  // default): connect() answers kServerNotRunning at once, so a mistyped
+  // name or a server that is not coming is reported without delay; set it
+  // where workers may start first or ride out a restart (a unit restarts
+  // 2 s after a crash, then restores its checkpoint: 30 s is ample).
+  std::chrono::milliseconds wait_for_server{0};
 };
 
 // A buffer registered with the server. Owned by the Worker; the pointer
@@ -103,11 +111,13 @@ class Worker {
  public:
   using Ticket = uint64_t;  // an asynchronous request's id
 
-  // Opens the control segment "shmps.<name>", validates it and attaches.
+  // Opens the control segment "shmps.<name>", validates it and attaches,
+  // waiting up to options.wait_for_server for a server to be there.
   // Errors: kServerNotRunning (no segment, or its server is dead or
-  // stopping: the message names the segment), kLayoutMismatch (foreign
-  // file or other layout version: both versions in the message),
-  // kPermission, kNoCapacity (max workers reached), kTimeout.
+  // stopping, for the whole wait: the message names the segment),
+  // kLayoutMismatch (foreign file or other layout version: both versions
+  // in the message), kPermission, kNoCapacity (max workers reached),
+  // kTimeout, kInvalidArgument (timeout <= 0, wait_for_server < 0).
   static Result<std::unique_ptr<Worker>> connect(const WorkerOptions& options);
 
   ~Worker();  // detaches (best effort) and unmaps/unlinks its buffers
