@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Installs the build into a scratch prefix, then configures, builds and runs
-# tests/consumer against it with find_package(shmps).
+# run.sh BUILD_DIR [--hide-cuda] [cmake args for the consumer...]
+# Installs the build into a scratch prefix (cmake --install), then runs
+# check_prefix.sh on it: the out-of-tree consumer and README.md's worker
+# snippet build against it with find_package(shmps), and its shmps-server
+# serves them; with --hide-cuda, on a host made to look as if it had no CUDA.
 set -euo pipefail
-build_dir=$1
-shift  # the rest: extra cmake arguments for the consumer (e.g. sanitizer flags)
-source_dir=$(cd "$(dirname "$0")" && pwd)
+build_dir=$(cd "$1" && pwd)
+shift
+here=$(cd "$(dirname "$0")" && pwd)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 cmake --install "$build_dir" --prefix "$scratch/prefix" >/dev/null
-cmake -S "$source_dir" -B "$scratch/build" -G Ninja -DCMAKE_PREFIX_PATH="$scratch/prefix" "$@" >/dev/null
-cmake --build "$scratch/build"
-"$scratch/build/consumer"
+"$here/check_prefix.sh" "$scratch/prefix" "$build_dir" "$@"
