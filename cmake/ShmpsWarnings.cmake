@@ -1,5 +1,8 @@
-# shmps_target_defaults(target): warnings and sanitizer flags for our own targets only.
+# shmps_target_defaults(target): warnings and sanitizer flags for our own
+# targets only, and SHMPS_VERSION (the project's version, what every
+# program's --version prints).
 function(shmps_target_defaults target)
+  target_compile_definitions(${target} PRIVATE SHMPS_VERSION="${PROJECT_VERSION}")
   target_compile_options(${target} PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wshadow -Wnon-virtual-dtor -Wpedantic>
     $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<BOOL:${SHMPS_WERROR}>>:-Werror>)

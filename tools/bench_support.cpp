@@ -47,6 +47,7 @@ std::optional<int> parse_command_line(int argc, char** argv, const std::string& 
   po::options_description desc(caption);
   desc.add_options()
       ("help,h", "print this help and exit")
+      ("version", "print the version and exit")
       ("quick", po::bool_switch(&out.quick), "smoke mode: tiny sizes, few iterations (CI); figures meaningless")
       ("repeats", po::value(&out.repeats), "repeats per figure (medians over them)")
       ("csv", po::value(&out.csv_path), "also write every cell to FILE (section,row,column,value)")
@@ -67,6 +68,10 @@ std::optional<int> parse_command_line(int argc, char** argv, const std::string& 
   }
   if (vm.count("help")) {
     std::cout << desc << "\n";
+    return 0;
+  }
+  if (vm.count("version")) {
+    std::cout << cli::version_line(program) << "\n";
     return 0;
   }
   out.repeats_given = vm.count("repeats") != 0;

@@ -247,8 +247,11 @@ int main(int argc, char** argv) {
       std::printf("%.1f\n", push_loop(argv[i + 1], std::atof(argv[i + 2]), nullptr));
       return 0;
     } else if (a == "--help" || a == "-h") {
-      std::printf("usage: shmps-gpu-bench [--quick]\n  the CUDA backend's apply throughput, IPC open cost, push "
+      std::printf("usage: shmps-gpu-bench [--quick | --version]\n  the CUDA backend's apply throughput, IPC open cost, push "
                   "round trip and 8-worker pushes/s on the first visible GPU (docs/cuda.md)\n");
+      return 0;
+    } else if (a == "--version") {
+      std::printf("shmps-gpu-bench %s\n", SHMPS_VERSION);
       return 0;
     } else {
       die("unknown argument '" + a + "' (try --help)");

@@ -118,6 +118,7 @@ int main(int argc, char** argv) {
                                   "Options");
   visible.add_options()
       ("help,h", "this help")
+      ("version", "print the version and exit")
       ("json", po::bool_switch(&o.json), "print one JSON document (with --watch: one per line)")
       ("watch", po::bool_switch(&o.watch), "refresh a live view until SIGINT")
       ("interval-ms", po::value(&o.interval_ms)->default_value(1000), "--watch: milliseconds between refreshes")
@@ -134,6 +135,10 @@ int main(int argc, char** argv) {
     const po::parsed_options parsed = po::command_line_parser(argc, argv).options(all).positional(positional).run();
     shmps::cli::refuse_negative_unsigned(parsed);
     po::store(parsed, vm);
+    if (vm.count("version") != 0) {
+      std::cout << shmps::cli::version_line("shmps-inspect") << "\n";
+      return 0;
+    }
     if (vm.count("help") != 0) {
       std::cout << visible << "\nExit codes: 0 ok, 1 error (usage, permission, I/O), 2 no such segment,\n"
                               "3 corrupt/foreign/other layout version, 4 not published yet.\n";

@@ -102,6 +102,7 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   // clang-format off
   desc.add_options()
     ("help,h", "show this help")
+    ("version", "print the version and exit")
     ("workers", po::value(&o.workers)->default_value(o.workers), "worker processes")
     ("epochs", po::value(&o.epochs)->default_value(o.epochs), "passes over the training set")
     ("batch", po::value(&o.batch)->default_value(o.batch), "minibatch size per push")
@@ -142,6 +143,10 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   }
   if (vm.count("help") != 0) {
     std::cout << desc;
+    return 0;
+  }
+  if (vm.count("version") != 0) {
+    std::cout << cli::version_line("shmps-train") << "\n";
     return 0;
   }
   std::string bad;

@@ -10,6 +10,11 @@
 
 namespace shmps::cli {
 
+// What every program's --version prints: "<program> <version>" (help2man
+// reads it for the man pages). SHMPS_VERSION comes from CMake
+// (shmps_target_defaults).
+inline std::string version_line(const std::string& program) { return program + " " + SHMPS_VERSION; }
+
 // True when `value`, given for option `d`, starts with '-' (after blanks)
 // and `d` stores an unsigned integer. program_options reads such a value
 // with lexical_cast, which wraps "-1" to the type's maximum: `--epochs -1`
