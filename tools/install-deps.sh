@@ -6,7 +6,8 @@
 # systemd (systemd-analyze only; it does not become PID 1) and dpkg-dev
 # (dpkg-shlibdeps for cpack -G DEB); clang with its libFuzzer runtime
 # (libclang-rt-14-dev, only recommended by clang) for the fuzz targets;
-# libzmq3-dev for the ZeroMQ baseline of shmps-compare (bench/).
+# libzmq3-dev for the ZeroMQ baseline of shmps-compare (bench/);
+# help2man (the man pages), lintian and file for the package test.
 # Runs apt-get as root, through sudo when started as a user.
 set -euo pipefail
 packages=(
@@ -17,6 +18,7 @@ packages=(
   libsystemd-dev systemd dpkg-dev
   clang libclang-rt-14-dev
   libzmq3-dev
+  help2man lintian file
 )
 as_root=()
 if [ "$(id -u)" -ne 0 ]; then as_root=(sudo); fi

@@ -5,7 +5,8 @@
 #  - no file of the installed CMake or pkg-config package names a path of
 #    the build machine (the build tree, the source tree, the CUDA toolkit);
 #  - tests/consumer builds against PREFIX with find_package(shmps), and so
-#    does README.md's worker snippet, as printed;
+#    does README.md's worker snippet, as printed; the consumer also with
+#    pkg-config's flags and a plain compiler;
 #  - PREFIX/bin/shmps-server serves the consumer (push, pull: w = -g).
 # --hide-cuda (root only): all of it runs in a mount namespace where the
 # CUDA toolkit's directories are empty tmpfs mounts and /dev/shm is a
@@ -104,6 +105,13 @@ cmake -S "$source_dir/tests/consumer" -B "$scratch/build" -G Ninja -DCMAKE_PREFI
   -DREADME_SNIPPET="$snippet" "$@" > "$scratch/configure.log" 2>&1 || { cat "$scratch/configure.log"; fail "configure the consumer"; }
 cmake --build "$scratch/build" > "$scratch/build.log" 2>&1 || { cat "$scratch/build.log"; fail "build the consumer"; }
 echo "ok: consumer and README snippet built against $prefix"
+# ... and with pkg-config and a plain compiler, as a Makefile would.
+pc_dir=$(dirname "$(ls "$prefix"/lib*/pkgconfig/shmps.pc)")
+flags=$(PKG_CONFIG_PATH=$pc_dir pkg-config --cflags --libs shmps) || fail "pkg-config shmps"
+c++ -std=c++20 -o "$scratch/consumer_pc" "$source_dir/tests/consumer/main.cpp" $flags ||
+  fail "c++ main.cpp $flags"
+"$scratch/consumer_pc" > /dev/null || fail "the pkg-config consumer"
+echo "ok: pkg-config shmps: $flags"
 if [[ -n ${SHMPS_CUDA_HIDDEN:-} ]]; then
   for exe in consumer readme_snippet "$prefix/bin/shmps-server" "$prefix/bin/shmps-inspect"; do
     [[ $exe == /* ]] || exe=$scratch/build/$exe

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # What an operator installs: `cmake --install` into a scratch prefix (the
-# unit must point at that prefix), then `cpack -G DEB` and the package's
-# files, Depends, and maintainer scripts; the postinst runs against stub
-# adduser/getent/install/systemctl and must create the system user shmps.
+# unit must point at that prefix), then `cpack -G DEB` and the packages
+# (shmps, shmps-dev, shmps-dbgsym): their files, Depends, man pages,
+# stripping, lintian, the unpacked packages on a host without CUDA
+# (tests/consumer/check_prefix.sh), and the maintainer scripts: the
+# postinst runs against stub adduser/getent/install/systemctl and must
+# create the system user shmps.
 # Usage: package_deb.sh <build dir>. Exit 77: dpkg-deb or cpack missing.
 set -euo pipefail
 build=$(cd "$1" && pwd)
@@ -16,7 +19,7 @@ fail() { echo "FAIL: $*"; exit 1; }
 # ---- cmake --install ----
 prefix=$scratch/prefix
 cmake --install "$build" --prefix "$prefix" >/dev/null
-for f in bin/shmps-server bin/shmps-inspect include/shmps/worker.hpp include/shmps/status.hpp \
+for f in bin/shmps-server bin/shmps-inspect include/shmps/worker.hpp include/shmps/status.hpp share/man/man1/shmps-server.1.gz \
          lib/systemd/system/shmps@.service share/doc/shmps/examples/shmps.conf.example \
          share/doc/shmps/operations.md; do
   [ -e "$prefix/$f" ] || fail "cmake --install: $f missing"
@@ -27,23 +30,42 @@ unit=$prefix/lib/systemd/system/shmps@.service
 grep -qxF "ExecStart=$prefix/bin/shmps-server --config $prefix/etc/shmps/%i.conf" "$unit" ||
   fail "installed unit's ExecStart does not name the prefix: $(grep ExecStart= "$unit")"
 ! grep -q '@SHMPS_' "$unit" || fail "unsubstituted @SHMPS_...@ in the installed unit"
-echo "ok: cmake --install layout"
+for bin in "$prefix"/bin/*; do
+  b=$(basename "$bin")
+  [ -s "$prefix/share/man/man1/$b.1.gz" ] || fail "cmake --install: no man page for $b"
+  [ "$("$bin" --version)" = "$b $(sed -n 's/^project(shmps VERSION \([0-9.]*\).*/\1/p' "$(dirname "$0")/../../CMakeLists.txt")" ] ||
+    fail "$b --version: $("$bin" --version)"
+done
+echo "ok: cmake --install layout; a man page and --version for each of: $(ls "$prefix/bin" | tr '\n' ' ')"
 
-# ---- cpack -G DEB ----
+# ---- cpack -G DEB: shmps, shmps-dev, shmps-dbgsym ----
 (cd "$scratch" && cpack -G DEB --config "$build/CPackConfig.cmake" -B "$scratch/pkg") > "$scratch/cpack.log" 2>&1 ||
   { cat "$scratch/cpack.log"; fail "cpack -G DEB"; }
-debs=("$scratch"/pkg/*.deb)
-[ -f "${debs[0]}" ] || fail "cpack wrote no .deb"
-deb=${debs[0]}
-echo "ok: $(basename "$deb")"
-dpkg-deb -c "$deb" | awk '{print $NF}' > "$scratch/contents"
-for f in ./usr/bin/shmps-server ./usr/bin/shmps-inspect ./usr/include/shmps/worker.hpp \
-         ./usr/lib/systemd/system/shmps@.service ./usr/share/doc/shmps/examples/shmps.conf.example \
-         ./usr/share/doc/shmps/operations.md; do
-  grep -qxF "$f" "$scratch/contents" || fail "the .deb lacks $f"
+one() { local f=("$scratch"/pkg/$1); [ -f "${f[0]}" ] || fail "cpack wrote no $1: $(ls "$scratch/pkg")"; echo "${f[0]}"; }
+deb=$(one 'shmps_*.deb')
+dev=$(one 'shmps-dev_*.deb')
+dbgsym=$(one 'shmps-dbgsym_*.ddeb')
+echo "ok: $(basename "$deb") $(basename "$dev") $(basename "$dbgsym")"
+contents() { dpkg-deb -c "$1" | awk '{print $NF}'; }
+contents "$deb" > "$scratch/contents"
+for f in ./usr/bin/shmps-server ./usr/bin/shmps-inspect ./usr/lib/systemd/system/shmps@.service \
+         ./usr/share/doc/shmps/examples/shmps.conf.example ./usr/share/doc/shmps/operations.md \
+         ./usr/share/doc/shmps/copyright ./usr/share/doc/shmps/changelog.Debian.gz; do
+  grep -qxF "$f" "$scratch/contents" || fail "shmps lacks $f"
 done
-grep -q '^\./usr/lib.*/cmake/shmps/shmpsConfig\.cmake$' "$scratch/contents" || fail "the .deb lacks shmpsConfig.cmake"
-grep -q '^\./usr/lib.*/libshmps_worker\.' "$scratch/contents" || fail "the .deb lacks libshmps_worker"
+! grep -q '^\./usr/include\|\.a$\|/cmake/' "$scratch/contents" || fail "shmps holds development files: $(grep '^\./usr/include\|\.a$\|/cmake/' "$scratch/contents")"
+contents "$dev" > "$scratch/dev-contents"
+for f in ./usr/include/shmps/worker.hpp ./usr/include/shmps/status.hpp ./usr/share/doc/shmps-dev/copyright \
+         ./usr/share/doc/shmps-dev/changelog.Debian.gz; do
+  grep -qxF "$f" "$scratch/dev-contents" || fail "shmps-dev lacks $f"
+done
+for re in '/cmake/shmps/shmpsConfig\.cmake$' '/libshmps_worker\.a$' '/libshmps_shm\.a$' '/pkgconfig/shmps\.pc$'; do
+  grep -q "$re" "$scratch/dev-contents" || fail "shmps-dev lacks $re"
+done
+# Internal headers stay internal (cli.hpp wraps Program_options; the layout,
+# ring and segment are the server's and the library's business).
+[ "$(grep -c '^\./usr/include/.*\.hpp$' "$scratch/dev-contents")" = 2 ] ||
+  fail "shmps-dev installs headers beyond worker.hpp and status.hpp: $(grep '^\./usr/include/.*\.hpp$' "$scratch/dev-contents")"
 dpkg-deb --fsys-tarfile "$deb" | tar -xO ./usr/lib/systemd/system/shmps@.service > "$scratch/unit"
 grep -qxF 'ExecStart=/usr/bin/shmps-server --config /etc/shmps/%i.conf' "$scratch/unit" ||
   fail "packaged unit's ExecStart: $(grep ExecStart= "$scratch/unit")"
@@ -51,8 +73,39 @@ depends=$(dpkg-deb -f "$deb" Depends)
 for d in adduser libboost-program-options libsystemd0; do
   grep -q "$d" <<<"$depends" || fail "Depends lacks $d: $depends"
 done
+! grep -qi cuda <<<"$depends" || fail "Depends names CUDA: $depends"
 [ "$(dpkg-deb -f "$deb" Package)" = shmps ] || fail "package name is not shmps"
+[ "$(dpkg-deb -f "$dev" Package)" = shmps-dev ] || fail "package name is not shmps-dev"
 echo "ok: contents and Depends ($depends)"
+
+# ---- unpacked: stripped, a man page and --version for every program ----
+root=$scratch/root
+for p in "$deb" "$dev"; do dpkg-deb -x "$p" "$root"; done
+for bin in "$root"/usr/bin/*; do
+  b=$(basename "$bin")
+  file "$bin" | grep -q ', stripped' || fail "$b is not stripped"
+  [ -s "$root/usr/share/man/man1/$b.1.gz" ] || fail "no man page for $b"
+  [ "$("$bin" --version)" = "$b $(dpkg-deb -f "$deb" Version | sed 's/-[^-]*$//')" ] || fail "$b --version: $("$bin" --version)"
+  zcat "$root/usr/share/man/man1/$b.1.gz" | grep -q '^\.SH OPTIONS\|^\.SH DESCRIPTION' || fail "$b's man page has no options"
+done
+readelf -S "$root"/usr/lib/libshmps_worker.a | grep -q debug_info && fail "libshmps_worker.a carries debug info"
+contents "$dbgsym" > "$scratch/dbgsym-contents"
+grep -q "/usr/lib/debug/\\.build-id/.*\\.debug$" "$scratch/dbgsym-contents" || fail "shmps-dbgsym holds no debug info"
+echo "ok: stripped (debug info in shmps-dbgsym), a man page and --version for each of: $(ls "$root/usr/bin" | tr '\n' ' ')"
+
+# ---- lintian: no errors (docs/operations.md lists the warnings left) ----
+if command -v lintian > /dev/null; then
+  lintian --fail-on error "$deb" "$dev" > "$scratch/lintian.log" 2>&1 ||
+    { cat "$scratch/lintian.log"; fail "lintian reports errors"; }
+  echo "ok: lintian: no errors ($(grep -c '^W:' "$scratch/lintian.log" || true) warnings: $(grep '^W:' "$scratch/lintian.log" | awk '{print $3}' | sort -u | tr '\n' ' '))"
+else
+  echo "lintian not installed: not run"
+fi
+
+# ---- the unpacked packages on a host without CUDA (root: hidden; else as is) ----
+hide=()
+[ "$(id -u)" = 0 ] && unshare -m --propagation private true 2>/dev/null && hide=(--hide-cuda)
+"$(dirname "$0")/../consumer/check_prefix.sh" "$root/usr" "$build" "${hide[@]}" || fail "the unpacked packages"
 
 # ---- maintainer scripts ----
 dpkg-deb -e "$deb" "$scratch/control"
