@@ -1,9 +1,12 @@
 // Worker::register_device_buffer where it can run without a GPU: the
 // errors a caller sees. A library built without CUDA says so (kCuda,
-// "built without CUDA"); one built with CUDA, on a host without a device or
-// driver, says "no CUDA device"; with a device, a host pointer is refused
-// as "not device memory". Argument checks hold everywhere.
+// "built without CUDA"); one built with CUDA, on a host without the NVIDIA
+// driver, says "no NVIDIA driver" (it loads libcuda.so.1 at run time), and
+// without a device "no usable CUDA device"; with a device, a host pointer is
+// refused as "not device memory". Argument checks hold everywhere.
 #define BOOST_TEST_MODULE test_worker_device
+#include <dlfcn.h>
+
 #include <boost/test/unit_test.hpp>
 
 #include <vector>
@@ -37,11 +40,18 @@ BOOST_AUTO_TEST_CASE(a_host_pointer_as_a_device_buffer_fails_with_a_clear_error)
   BOOST_REQUIRE(!r.ok());
   const std::string m = r.status().message();
 #if SHMPS_TEST_HAVE_CUDA
-  // No device here: "no CUDA device"; with one: the pointer is host memory.
-  if (r.status().code() == ErrorCode::kCuda)
-    BOOST_TEST(m.find("no CUDA device") != std::string::npos, m);
-  else
+  // No driver: named with the library it could not load; a driver but no
+  // device: that; with one: the pointer is host memory.
+  void* driver = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (driver == nullptr) {
+    BOOST_TEST((r.status().code() == ErrorCode::kCuda));
+    BOOST_TEST(m.find("no NVIDIA driver in this process: libcuda.so.1 could not be loaded") != std::string::npos, m);
+  } else if (r.status().code() == ErrorCode::kCuda) {
+    BOOST_TEST(m.find("CUDA device") != std::string::npos, m);
+  } else {
     BOOST_TEST((r.status().code() == ErrorCode::kInvalidArgument && m.find("not device memory") != std::string::npos), m);
+  }
+  if (driver != nullptr) ::dlclose(driver);
 #else
   BOOST_TEST((r.status().code() == ErrorCode::kCuda));
   BOOST_TEST(m.find("built without CUDA") != std::string::npos, m);
