@@ -145,6 +145,7 @@ std::string opcode_name(uint32_t opcode) {
     case static_cast<uint32_t>(shm::Opcode::kPull): return "pull";
     case static_cast<uint32_t>(shm::Opcode::kStats): return "stats";
     case static_cast<uint32_t>(shm::Opcode::kPing): return "ping";
+    case static_cast<uint32_t>(shm::Opcode::kInit): return "init";
     default: return unknown(opcode);
   }
 }

@@ -122,6 +122,10 @@ class Backend {
   // Copies weights [element_offset, +n) as fp32 into `dst` at byte_offset.
   virtual Status copy_out(uint64_t element_offset, uint64_t n, PeerBuffer& dst,
                           uint64_t byte_offset) = 0;
+  // The reverse (a worker's init): weights [element_offset, +n) from the
+  // fp32 values in `src` at byte_offset. Range checks were done by the caller.
+  virtual Status copy_in(uint64_t element_offset, uint64_t n, const PeerBuffer& src,
+                         uint64_t byte_offset) = 0;
   // All weights, flat, to host memory (tests, checkpoints).
   virtual std::vector<float> read_weights() const = 0;
   // All optimizer state arrays, one after another (state_arrays x total).

@@ -394,6 +394,17 @@ class CudaBackend final : public Backend {
                 "cudaMemcpyAsync(dst, weights, n, cudaMemcpyDefault, stream_)", __LINE__);
   }
 
+  Status copy_in(uint64_t element_offset, uint64_t n, const PeerBuffer& src, uint64_t byte_offset) override {
+    if (!sticky_.ok()) return sticky_;
+    bind();
+    const auto& s = static_cast<const CudaPeer&>(src);
+    // The worker records its event after writing the initial weights.
+    if (Status st = wait_for_writer(s); !st.ok()) return st;
+    dirty_ = true;
+    return call(cudaMemcpyAsync(weights_ + element_offset, s.at(byte_offset), n * sizeof(float), cudaMemcpyDefault, stream_),
+                "cudaMemcpyAsync(weights, src, n, cudaMemcpyDefault, stream_)", __LINE__);
+  }
+
   std::vector<float> read_weights() const override { return download(weights_); }
 
   std::vector<float> read_state() const override {

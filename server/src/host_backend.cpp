@@ -171,6 +171,12 @@ class HostBackend final : public Backend {
     return Status::Ok();
   }
 
+  Status copy_in(uint64_t element_offset, uint64_t n, const PeerBuffer& src, uint64_t byte_offset) override {
+    std::memcpy(weights_.data() + element_offset, static_cast<const HostPeer&>(src).at(byte_offset),
+                n * sizeof(float));
+    return Status::Ok();
+  }
+
   std::vector<float> read_weights() const override {
     return std::vector<float>(weights_.data(), weights_.data() + weights_.size());
   }

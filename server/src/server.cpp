@@ -49,7 +49,7 @@ constexpr uint64_t kFenceStallNs = 60'000'000'000;  // device work this late mea
 
 const char* opcode_name(uint32_t opcode) {
   static constexpr const char* kNames[] = {"request", "attach", "detach", "register_buffer", "unregister_buffer",
-                                           "push", "pull", "stats", "ping"};
+                                           "push", "pull", "stats", "ping", "init"};
   return opcode <= shm::kOpcodeMax ? kNames[opcode] : "request";
 }
 
@@ -158,6 +158,7 @@ class Server::Impl {
   shm::ConfigBlock shared_config{};
   std::string buffer_prefix;                // "shmps.<name>.p": buffers are "<prefix><pid>.<n>"
   uint64_t version = 0;
+  std::string initialised_by;               // "worker 2 (pid 4711)" once a worker's init was accepted
   uint64_t total_elements = 0;
   std::array<uint64_t, kStalenessWindow> staleness_window{};
   uint64_t staleness_count = 0;
@@ -687,7 +688,9 @@ class Server::Impl {
   // cause per kRejectLogNs; the ones in between are counted and reported
   // with the next line, or by flush_rejection_counts().
   static LogLevel rejection_level(uint32_t cause) {
-    return cause == static_cast<uint32_t>(ErrorCode::kStale) ? LogLevel::kInfo : LogLevel::kWarn;
+    return cause == static_cast<uint32_t>(ErrorCode::kStale) || cause == static_cast<uint32_t>(ErrorCode::kInitRefused)
+               ? LogLevel::kInfo
+               : LogLevel::kWarn;
   }
 
   void log_rejection(uint32_t i, const Request& req, ErrorCode code, const std::string& message) {
@@ -745,6 +748,7 @@ class Server::Impl {
       case Opcode::kPush: return push(i, req);
       case Opcode::kPull: return pull(i, req);
       case Opcode::kStats: return stats_request(i, req);
+      case Opcode::kInit: return init(i, req);
       case Opcode::kPing: {
         Completion c = answer(req, ErrorCode::kOk, "");
         c.version = version;
@@ -1002,6 +1006,42 @@ class Server::Impl {
     // relaxed: statistics.
     bump(stats().weights_pulled);
     bump(segment->worker(i).pulls);
+    Completion c = answer(req, ErrorCode::kOk, "");
+    c.version = version;
+    return c;
+  }
+
+  // A worker sets the weights at version 0 (ps-lite's and KVStore's init:
+  // the framework initialises the model, not the server): all tensors as
+  // fp32 from its buffer, accepted once and only while no push has been
+  // applied; the first of concurrent initialisers wins. The optimizer state
+  // is still zero then, so only the weights change.
+  Completion init(uint32_t i, const Request& req) {
+    if (req.tensor_id != shm::kAllTensors)
+      return reject(i, req, ErrorCode::kBadRequest, "init sets all tensors at once (tensor id kAllTensors)");
+    auto target = resolve(i, req, sizeof(float), "f32");
+    if (!target.ok()) return reject(i, req, target.status().code(), target.status().message());
+    if (!initialised_by.empty())
+      return reject(i, req, ErrorCode::kInitRefused, "already initialised by " + initialised_by);
+    if (version != 0)
+      return reject(i, req, ErrorCode::kInitRefused, "version is " + std::to_string(version) + ": pushes applied");
+    if (!config.allow_nonfinite) {
+      const Result<bool> finite = backend->all_finite(*target->buffer, req.byte_offset, target->elements, kernels::GradDtype::kF32);
+      if (Status s = backend->peer_intact(*target->buffer); !s.ok()) return drop_buffer(i, req, s);
+      if (!finite.ok()) {
+        if (Status h = backend->healthy(); !h.ok()) fatal(h);
+        return reject(i, req, finite.status().code(), finite.status().message());
+      }
+      if (!*finite) return reject(i, req, ErrorCode::kNonFinite, "NaN or Inf in the initial weights");
+    }
+    if (async_backend) held = slots[i].buffers[req.buffer_id];  // completed once the copy is done
+    if (Status s = backend->copy_in(0, total_elements, *target->buffer, req.byte_offset); !s.ok()) {
+      if (Status h = backend->healthy(); !h.ok()) fatal(h);
+      return reject(i, req, s.code(), s.message());
+    }
+    if (Status s = backend->peer_intact(*target->buffer); !s.ok()) return drop_buffer(i, req, s);
+    initialised_by = "worker " + std::to_string(i) + " (pid " + std::to_string(shm::owner_pid(slots[i].owner)) + ")";
+    log::info("weights initialised by " + initialised_by);
     Completion c = answer(req, ErrorCode::kOk, "");
     c.version = version;
     return c;

@@ -28,6 +28,7 @@ std::string_view error_code_name(ErrorCode code) noexcept {
     case ErrorCode::kShuttingDown: return "shutting_down";
     case ErrorCode::kCuda: return "cuda";
     case ErrorCode::kInternal: return "internal";
+    case ErrorCode::kInitRefused: return "init_refused";
   }
   return "unknown";
 }

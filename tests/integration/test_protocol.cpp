@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <grp.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <boost/test/unit_test.hpp>
@@ -100,6 +101,95 @@ BOOST_AUTO_TEST_CASE(seed_stale_push_is_rejected_and_nothing_applied) {
   BOOST_TEST(s->my_pushes_rejected == 1u);
   BOOST_TEST(s->gradients_applied == 2u);
   BOOST_TEST(s->avg_staleness == 0.5);
+}
+
+// A stale push's answer carries the version it was behind (last_version()).
+BOOST_AUTO_TEST_CASE(last_version_is_the_servers_version_in_a_stale_answer) {
+  test::ServerProcess server(test::unique_name("lastv"), kSmall);
+  auto w = connect(server.name());
+  const uint64_t bytes = w->total_elements() * 4;
+  auto buf = w->register_buffer(bytes);
+  BOOST_REQUIRE(buf.ok());
+  BOOST_TEST(w->last_version() == 0u);
+  for (int k = 0; k < 3; ++k) BOOST_REQUIRE(w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, *w->pull(kAllTensors, buf->id, 0)).ok());
+  BOOST_TEST(w->last_version() == 3u);
+  std::fill_n(static_cast<float*>(buf->data), w->total_elements(), 0.0f);
+  auto stale = w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, 1);  // staleness 2 > 1
+  BOOST_TEST((stale.status().code() == ErrorCode::kStale));
+  BOOST_TEST(w->last_version() == 3u);
+}
+
+// init: the weights at version 0 from a worker's buffer, once, and only
+// before any push applied; every refusal changes nothing.
+BOOST_AUTO_TEST_CASE(init_sets_the_weights_once_and_only_before_the_first_push) {
+  test::ServerProcess server(test::unique_name("init"), kSmall);
+  auto first = connect(server.name());
+  auto second = connect(server.name());
+  const uint64_t n = first->total_elements();
+  auto a = first->register_buffer(n * 4);
+  auto b = second->register_buffer(n * 4);
+  auto out = second->register_buffer(n * 4);
+  BOOST_REQUIRE(a.ok() && b.ok() && out.ok());
+  const std::vector<float> server_init = pull_all(*second, *out);
+  // Refused without effect: NaN, a buffer too short, a tensor id.
+  float* pa = static_cast<float*>(a->data);
+  for (uint64_t i = 0; i < n; ++i) pa[i] = 0.5f + static_cast<float>(i);
+  pa[3] = std::numeric_limits<float>::quiet_NaN();
+  BOOST_TEST((first->init(a->id).code() == ErrorCode::kNonFinite));
+  pa[3] = 3.5f;
+  BOOST_TEST((first->init(a->id, 4).code() == ErrorCode::kBadRange));
+  BOOST_TEST(pull_all(*second, *out) == server_init);
+  // The first init wins; the second is refused naming the first.
+  BOOST_REQUIRE(first->init(a->id).ok());
+  std::vector<float> expected(pa, pa + n);
+  std::fill_n(static_cast<float*>(b->data), n, 7.0f);
+  const Status again = second->init(b->id);
+  BOOST_TEST((again.code() == ErrorCode::kInitRefused));
+  BOOST_TEST(again.message().find("already initialised by worker " + std::to_string(first->worker_id())) != std::string::npos,
+             again.message());
+  uint64_t v = 99;
+  BOOST_TEST(pull_all(*second, *out, &v) == expected);
+  BOOST_TEST(v == 0u);
+  // After a push, not even a fresh server's first init is taken.
+  test::ServerProcess pushed(test::unique_name("initlate"), kSmall);
+  auto w = connect(pushed.name());
+  auto g = w->register_buffer(n * 4);
+  BOOST_REQUIRE(g.ok());
+  BOOST_REQUIRE(w->push(kAllTensors, g->id, 0, n * 4, Dtype::kF32, 0).ok());
+  const std::vector<float> at_1 = pull_all(*w, *g);
+  std::fill_n(static_cast<float*>(g->data), n, 1.0f);
+  const Status late = w->init(g->id);
+  BOOST_TEST((late.code() == ErrorCode::kInitRefused));
+  BOOST_TEST(late.message().find("version is 1") != std::string::npos, late.message());
+  BOOST_TEST(pull_all(*w, *g) == at_1);
+}
+
+// A fork()ed child that calls its parent's Worker is refused, and its
+// exit leaves the parent's session and buffers alone.
+BOOST_AUTO_TEST_CASE(a_forked_child_cannot_use_its_parents_worker_or_end_its_session) {
+  test::ServerProcess server(test::unique_name("fork"), kSmall);
+  auto w = connect(server.name());
+  const uint64_t bytes = w->total_elements() * 4;
+  auto buf = w->register_buffer(bytes);
+  BOOST_REQUIRE(buf.ok());
+  const pid_t child = ::fork();
+  BOOST_REQUIRE(child >= 0);
+  if (child == 0) {
+    // No Boost.Test in the child: the exit code says what it saw.
+    const Status s = w->ping();
+    int code = s.code() == ErrorCode::kInvalidArgument && s.message().find("connect its own") != std::string::npos ? 0 : 1;
+    if (w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, 0).ok()) code = 2;
+    if (w->detach().ok()) code = 3;
+    w.reset();  // the destructor must not detach the parent's session
+    auto own = Worker::connect(test::worker_options(server.name(), std::chrono::seconds(5), false));
+    if (!own.ok() || !(*own)->ping().ok()) code = 4;
+    ::_exit(code);
+  }
+  int status = 0;
+  BOOST_REQUIRE(::waitpid(child, &status, 0) == child);
+  BOOST_TEST((WIFEXITED(status) && WEXITSTATUS(status) == 0), "child exit status " << status);
+  BOOST_TEST(w->ping().ok());
+  BOOST_TEST(w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, *w->pull(kAllTensors, buf->id, 0)).ok());
 }
 
 BOOST_AUTO_TEST_CASE(every_bad_push_gets_its_error_and_changes_nothing) {

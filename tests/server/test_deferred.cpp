@@ -89,6 +89,10 @@ class GatedBackend final : public Backend {
     dirty_ = true;
     return host_->copy_out(e, n, in(dst), off);
   }
+  Status copy_in(uint64_t e, uint64_t n, const PeerBuffer& src, uint64_t off) override {
+    dirty_ = true;
+    return host_->copy_in(e, n, in(src), off);
+  }
   std::vector<float> read_weights() const override { return host_->read_weights(); }
   std::vector<float> read_state() const override { return host_->read_state(); }
   Status load(std::span<const float> w, std::span<const float> s) override { return host_->load(w, s); }

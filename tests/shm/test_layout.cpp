@@ -11,7 +11,7 @@ using namespace shmps::shm;
 BOOST_AUTO_TEST_SUITE(layout)
 
 BOOST_AUTO_TEST_CASE(version_and_magic_are_pinned) {
-  BOOST_TEST(kLayoutVersion == 5u);
+  BOOST_TEST(kLayoutVersion == 6u);
   BOOST_TEST(kBufferInProcess == 1u);
   BOOST_TEST(kWeightsExportPresent == 1u);
   BOOST_TEST(kMagic == 0x31474553504d4853ull);
@@ -75,6 +75,8 @@ BOOST_AUTO_TEST_CASE(enum_values_are_pinned) {
   BOOST_TEST(static_cast<uint32_t>(Opcode::kAttach) == 1u);
   BOOST_TEST(static_cast<uint32_t>(Opcode::kPush) == 5u);
   BOOST_TEST(static_cast<uint32_t>(Opcode::kPing) == 8u);
+  BOOST_TEST(static_cast<uint32_t>(Opcode::kInit) == 9u);
+  BOOST_TEST(kOpcodeMax == 9u);
   BOOST_TEST(static_cast<uint32_t>(Dtype::kBF16) == 3u);
   BOOST_TEST(static_cast<uint32_t>(ServerState::kStopped) == 4u);
   BOOST_TEST(static_cast<uint32_t>(WorkerState::kDetached) == 3u);

@@ -1,6 +1,7 @@
 #include "shmps/worker.hpp"
 
 #include <signal.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -75,9 +76,25 @@ struct FaultPoint {
 };
 }  // namespace
 
+// Bumped in the child of every fork() (pthread_atfork). A Worker remembers
+// the value it was connected under: one inherited across fork() refuses
+// every call, which would share the parent's single-producer lane, and its
+// destructor leaves the parent's session and buffers alone.
+std::atomic<uint64_t> g_fork_generation{0};
+
+uint64_t fork_generation() {
+  static const int registered = ::pthread_atfork(nullptr, nullptr, [] {
+    g_fork_generation.fetch_add(1, std::memory_order_relaxed);  // relaxed: the child is single-threaded here
+  });
+  (void)registered;
+  return g_fork_generation.load(std::memory_order_relaxed);  // relaxed: only this process's own forks change it
+}
+
 class Worker::Impl {
  public:
   WorkerOptions options;
+  uint64_t forked_under = fork_generation();  // g_fork_generation at connect()
+  pid_t owner_pid = ::getpid();
   FaultPoint fault_point = FaultPoint::from_environment();
   std::unique_ptr<shm::Segment> segment;
   uint32_t id = 0;
@@ -106,6 +123,7 @@ class Worker::Impl {
   bool evicted_reattach = false;      // the next re-attach may find the same generation
   uint64_t lost_from = 0;             // requests in (lost_from, lost_upto] died
   uint64_t lost_upto = 0;             // with a server, unacknowledged
+  uint64_t last_version = 0;          // the server's version in the last answer (last_version())
   struct Registered {
     std::unique_ptr<shm::ShmObject> object;  // a host buffer's; null for a device buffer
     bool in_use = false;
@@ -120,6 +138,17 @@ class Worker::Impl {
   std::vector<Registered> buffers;
 
   shm::WorkerEntry& entry() const { return segment->worker(id); }
+
+  // Whether this process connected the Worker (not a fork()ed child).
+  bool inherited() const { return fork_generation() != forked_under; }
+  // The first check of every public call.
+  Status owned() const {
+    if (!inherited()) [[likely]]
+      return Status::Ok();
+    return {ErrorCode::kInvalidArgument, "this Worker was connected by process " + std::to_string(owner_pid) +
+                                             "; a fork()ed child must connect its own (its calls would share the "
+                                             "parent's lane)"};
+  }
 
   // Why the server cannot answer, or ok.
   Status server_gone() const {
@@ -356,7 +385,7 @@ class Worker::Impl {
 
   static Status to_status(const Completion& c) {
     if (c.code == 0) return Status::Ok();
-    const auto code = c.code <= static_cast<uint32_t>(ErrorCode::kInternal) ? static_cast<ErrorCode>(c.code) : ErrorCode::kInternal;
+    const auto code = c.code <= static_cast<uint32_t>(kLastErrorCode) ? static_cast<ErrorCode>(c.code) : ErrorCode::kInternal;
     return {code, c.message};
   }
 
@@ -367,6 +396,7 @@ class Worker::Impl {
     if (!ticket.ok()) return ticket.status();
     auto c = wait(*ticket, deadline);
     if (!c.ok()) return c.status();
+    last_version = c->version;
     if (Status s = to_status(*c); !s.ok()) return s;
     return c;
   }
@@ -668,6 +698,8 @@ Worker::Worker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Worker::~Worker() {
   if (!impl_) return;
+  // An inherited Worker only unmaps: the session and buffer names are the parent's.
+  if (impl_->inherited()) return;
   if (impl_->attached) (void)impl_->detach();
   impl_->drop_buffers();
 }
@@ -715,6 +747,7 @@ const TensorInfo* Worker::find_tensor(const std::string& name) const noexcept {
 
 Result<Buffer> Worker::register_buffer(size_t bytes) {
   Impl& w = *impl_;
+  if (Status s = w.owned(); !s.ok()) return s;
   if (Status s = w.usable(); !s.ok()) return s;
   if (bytes == 0) return Status{ErrorCode::kInvalidArgument, "buffer of 0 bytes"};
   uint32_t id = 0;
@@ -752,6 +785,7 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
 
 Result<uint32_t> Worker::register_device_buffer(const void* device_ptr, size_t bytes) {
   Impl& w = *impl_;
+  if (Status s = w.owned(); !s.ok()) return s;
   if (Status s = w.usable(); !s.ok()) return s;
   if (device_ptr == nullptr || bytes == 0) return Status{ErrorCode::kInvalidArgument, "device buffer: null pointer or 0 bytes"};
   uint32_t id = 0;
@@ -777,6 +811,7 @@ Result<uint32_t> Worker::register_device_buffer(const void* device_ptr, size_t b
 
 Status Worker::unregister_buffer(uint32_t buffer_id) {
   Impl& w = *impl_;
+  if (Status s = w.owned(); !s.ok()) return s;
   if (buffer_id >= w.buffers.size() || !w.buffers[buffer_id].in_use)
     return {ErrorCode::kUnknownBuffer, "buffer " + std::to_string(buffer_id) + " is not registered"};
   Request req{};
@@ -795,9 +830,10 @@ Status Worker::unregister_buffer(uint32_t buffer_id) {
 
 Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
                                           uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream) {
-  // Each its own timeout, as before: a re-attach that took most of one
-  // leaves the submit a whole one. Read from the clock only if used
-  // (shm::Deadline).
+  if (Status s = impl_->owned(); !s.ok()) return s;
+  // The re-attach and the submit get a timeout each: a re-attach that took
+  // most of one leaves the submit a whole one. Read from the clock only if
+  // used (shm::Deadline).
   shm::Deadline reattach_deadline(impl_->options.timeout);
   if (Status s = impl_->ensure_server(reattach_deadline); !s.ok()) return s;
   if (Status s = impl_->usable(); !s.ok()) return s;
@@ -815,12 +851,16 @@ Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id
 }
 
 Result<uint64_t> Worker::wait(Ticket ticket) {
+  if (Status s = impl_->owned(); !s.ok()) return s;
   shm::Deadline deadline(impl_->options.timeout);
   auto c = impl_->wait(ticket, deadline);
   if (!c.ok()) return c.status();
+  impl_->last_version = c->version;
   if (Status s = Impl::to_status(*c); !s.ok()) return s;
   return c->version;
 }
+
+uint64_t Worker::last_version() const noexcept { return impl_->last_version; }
 
 Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes,
                               Dtype dtype, uint64_t worker_version, void* stream) {
@@ -830,6 +870,7 @@ Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
 }
 
 Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
+  if (Status s = impl_->owned(); !s.ok()) return s;
   if (Status s = impl_->usable(); !s.ok()) return s;
   if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
   Request req{};
@@ -845,7 +886,23 @@ Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
   return c->version;
 }
 
+Status Worker::init(uint32_t buffer_id, uint64_t byte_offset, void* stream) {
+  if (Status s = impl_->owned(); !s.ok()) return s;
+  if (Status s = impl_->usable(); !s.ok()) return s;
+  if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
+  Request req{};
+  req.opcode = static_cast<uint32_t>(Opcode::kInit);
+  req.tensor_id = kAllTensors;
+  req.buffer_id = buffer_id;
+  req.byte_offset = byte_offset;
+  req.byte_length = impl_->total_elements * sizeof(float);
+  req.dtype = static_cast<uint32_t>(Dtype::kF32);
+  auto c = impl_->call(req);
+  return c.ok() ? Status::Ok() : c.status();
+}
+
 Result<ServerStats> Worker::stats() {
+  if (Status s = impl_->owned(); !s.ok()) return s;
   if (Status s = impl_->usable(); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kStats);
@@ -873,6 +930,7 @@ Result<ServerStats> Worker::stats() {
 }
 
 Status Worker::ping() {
+  if (Status s = impl_->owned(); !s.ok()) return s;
   if (Status s = impl_->usable(); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPing);
@@ -880,6 +938,9 @@ Status Worker::ping() {
   return c.ok() ? Status::Ok() : c.status();
 }
 
-Status Worker::detach() { return impl_->detach(); }
+Status Worker::detach() {
+  if (Status s = impl_->owned(); !s.ok()) return s;
+  return impl_->detach();
+}
 
 }  // namespace shmps

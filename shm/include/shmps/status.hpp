@@ -38,7 +38,9 @@ enum class ErrorCode : uint32_t {
   kShuttingDown = 19,      // server is stopping and takes no new requests
   kCuda = 20,              // a CUDA runtime call failed; message names it
   kInternal = 21,          // a broken invariant inside shmps (a bug)
+  kInitRefused = 22,       // init: the weights were already initialised, or a push already applied
 };
+inline constexpr ErrorCode kLastErrorCode = ErrorCode::kInitRefused;
 
 // Short stable name, e.g. "stale"; "unknown" for values outside the enum.
 std::string_view error_code_name(ErrorCode code) noexcept;

@@ -19,10 +19,11 @@
 // single-producer lane). Separate Worker objects, in one process or many,
 // are independent. Buffer memory may be written by any thread, but not while
 // a push that reads it, or a pull that writes it, is in flight.
-// Processes: a Worker belongs to the process that connected it. A fork()ed
-// child must connect its own and never call the inherited one: its calls
-// would share the parent's lane, and its detach() would end the parent's
-// session (which the parent then hears as kUnknownWorker, evicted).
+// Processes: a Worker belongs to the process that connected it. In a
+// fork()ed child, every call of an inherited Worker fails with
+// kInvalidArgument ("connect its own": sharing the parent's lane would
+// corrupt it), and its destructor only unmaps, leaving the parent's session
+// and buffers alone; the child connects a Worker of its own.
 #pragma once
 
 #include <chrono>
@@ -202,6 +203,23 @@ class Worker {
   // Errors: kUnknownBuffer, kUnknownTensor, kBadRange, kCuda (recording
   // the event failed) and request errors.
   Result<uint64_t> pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);
+
+  // Sets the server's weights at version 0 from the buffer: every tensor
+  // in table order as fp32 at [byte_offset, + total_elements() * 4) (for a
+  // device buffer, written by the work enqueued on `stream` before this
+  // call), as a framework that initialises its own model needs (ps-lite's
+  // init). Accepted once, and only before the server applied any push; of
+  // concurrent initialisers the first wins.
+  // Errors: kInitRefused (already initialised, by whom, or pushes applied:
+  // the message says which), kNonFinite (NaN or Inf, unless the server
+  // allows them), kBadLength, kBadRange, kUnknownBuffer, request errors.
+  // Nothing changes on any error.
+  Status init(uint32_t buffer_id, uint64_t byte_offset = 0, void* stream = nullptr);
+
+  // The server's version in the last answer this Worker received, a
+  // rejection's included: after push() or wait() fails with kStale, the
+  // version the push was behind. 0 before the first answer.
+  uint64_t last_version() const noexcept;
 
   Result<ServerStats> stats();
   // An empty request: the ring's round trip. Errors: request errors.

@@ -46,8 +46,8 @@ namespace shmps::shm {
 
 inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-endian
 // 3: StatsBlock::workers_evicted. 4: SegmentHeader::weights_export, kBufferInProcess.
-// 5: Completion::message is written only when code != 0.
-inline constexpr uint32_t kLayoutVersion = 5;
+// 5: Completion::message is written only when code != 0. 6: Opcode::kInit.
+inline constexpr uint32_t kLayoutVersion = 6;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;   // 4 doorbell words
@@ -75,8 +75,9 @@ enum class Opcode : uint32_t {
   kPull = 6,              // -> version of the snapshot copied out
   kStats = 7,             // server fills WorkerEntry::stats_reply first
   kPing = 8,              // empty request
+  kInit = 9,              // weights at version 0 from buffer_id (all tensors, fp32); once, before any push applies
 };
-inline constexpr uint32_t kOpcodeMax = 8;
+inline constexpr uint32_t kOpcodeMax = 9;
 
 // Worker table entry states (low 32 bits of WorkerEntry::owner).
 enum class WorkerState : uint32_t {
