@@ -41,5 +41,9 @@ Status record_device_event(const DeviceBuffer& buffer, void* stream);
 // Destroys the event and releases the context (after the server closed its
 // side: unregister done).
 void release_device_buffer(DeviceBuffer& buffer);
+// cuMemAlloc of `bytes` in device `device`'s primary context (DeviceMemory).
+// Errors: kCuda, named.
+Result<void*> allocate_device_memory(size_t bytes, int device);
+void free_device_memory(void* ptr, int device);
 
 }  // namespace shmps::detail

@@ -28,7 +28,7 @@ namespace {
   X(cuGetErrorName) X(cuGetErrorString) X(cuDeviceGetCount) X(cuDeviceGet) X(cuDeviceGetUuid)                  \
   X(cuPointerGetAttribute) X(cuMemGetAddressRange) X(cuIpcGetMemHandle) X(cuIpcGetEventHandle)                 \
   X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxPushCurrent) X(cuCtxPopCurrent)              \
-  X(cuEventCreate) X(cuEventRecord) X(cuEventDestroy)
+  X(cuEventCreate) X(cuEventRecord) X(cuEventDestroy) X(cuMemAlloc) X(cuMemFree)
 
 struct Driver {
 #define SHMPS_CU_FIELD(name) decltype(&name) name##_ = nullptr;
@@ -217,6 +217,41 @@ void release_device_buffer(DeviceBuffer& buffer) {
     if (d.cuDeviceGet_(&device, buffer.device) == CUDA_SUCCESS) (void)d.cuDevicePrimaryCtxRelease_(device);
   }
   buffer.context = nullptr;
+}
+
+Result<void*> allocate_device_memory(size_t bytes, int device) {
+  const Driver& d = driver();
+  if (!d.error.empty()) return failed(d.error);
+  CUdevice dev = 0;
+  if (std::string e = SHMPS_CU_ERROR(d, d.cuDeviceGet_(&dev, device)); !e.empty()) return failed(e);
+  CUcontext context = nullptr;
+  if (std::string e = SHMPS_CU_ERROR(d, d.cuDevicePrimaryCtxRetain_(&context, dev)); !e.empty()) return failed(e);
+  CUdeviceptr p = 0;
+  std::string error;
+  {
+    ContextScope scope(d, context);
+    error = scope.ok() ? SHMPS_CU_ERROR(d, d.cuMemAlloc_(&p, bytes)) : "cuCtxPushCurrent of the device's primary context failed";
+  }
+  // The allocation keeps the context's reference; free_device_memory() releases it.
+  if (!error.empty()) {
+    (void)d.cuDevicePrimaryCtxRelease_(dev);
+    return failed(error);
+  }
+  return reinterpret_cast<void*>(p);
+}
+
+void free_device_memory(void* ptr, int device) {
+  const Driver& d = driver();
+  CUdevice dev = 0;
+  if (!d.error.empty() || ptr == nullptr || d.cuDeviceGet_(&dev, device) != CUDA_SUCCESS) return;
+  CUcontext context = nullptr;
+  if (d.cuDevicePrimaryCtxRetain_(&context, dev) != CUDA_SUCCESS) return;
+  {
+    ContextScope scope(d, context);
+    (void)d.cuMemFree_(reinterpret_cast<CUdeviceptr>(ptr));
+  }
+  (void)d.cuDevicePrimaryCtxRelease_(dev);  // this call's reference
+  (void)d.cuDevicePrimaryCtxRelease_(dev);  // the allocation's
 }
 
 }  // namespace shmps::detail

@@ -125,7 +125,7 @@ class Worker::Impl {
   uint64_t lost_upto = 0;             // with a server, unacknowledged
   uint64_t last_version = 0;          // the server's version in the last answer (last_version())
   struct Registered {
-    std::unique_ptr<shm::ShmObject> object;  // a host buffer's; null for a device buffer
+    std::shared_ptr<shm::ShmObject> object;  // a host buffer's (shared with Buffer::mapping); null for a device buffer
     bool in_use = false;
     // A device buffer (register_device_buffer): the caller's memory, its
     // IPC description and event (ours; destroyed when the buffer goes).
@@ -776,9 +776,11 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
   // that dies.
   Buffer b;
   b.id = id;
-  b.data = (*object)->data();
+  std::shared_ptr<shm::ShmObject> mapping = std::move(object).value();
+  b.data = mapping->data();
   b.size = bytes;
-  w.buffers[id].object = std::move(object).value();
+  b.mapping = mapping;
+  w.buffers[id].object = std::move(mapping);
   w.buffers[id].in_use = true;
   return b;
 }
@@ -937,6 +939,15 @@ Status Worker::ping() {
   auto c = impl_->call(req);
   return c.ok() ? Status::Ok() : c.status();
 }
+
+Result<std::unique_ptr<DeviceMemory>> DeviceMemory::allocate(size_t bytes, int device) {
+  if (bytes == 0 || device < 0) return Status{ErrorCode::kInvalidArgument, "device memory: 0 bytes or a negative device"};
+  auto p = detail::allocate_device_memory(bytes, device);
+  if (!p.ok()) return p.status();
+  return std::unique_ptr<DeviceMemory>(new DeviceMemory(*p, bytes, device));
+}
+
+DeviceMemory::~DeviceMemory() { detail::free_device_memory(data_, device_); }
 
 Status Worker::detach() {
   if (Status s = impl_->owned(); !s.ok()) return s;

@@ -100,12 +100,40 @@ struct WorkerOptions {
   std::chrono::milliseconds wait_for_server{0};
 };
 
-// A buffer registered with the server. Owned by the Worker; the pointer
-// stays valid until unregister_buffer() or the Worker's destruction.
+// A buffer registered with the server. `data` stays mapped while the Worker
+// has it registered, or while any copy of `mapping` lives (a binding's view
+// of the memory can outlive the registration: after unregister_buffer() or
+// the Worker's end it is private memory the server no longer reads).
 struct Buffer {
   uint32_t id = 0;
   void* data = nullptr;
   size_t size = 0;  // bytes
+  std::shared_ptr<void> mapping;  // owns the mapping of `data`
+};
+
+// Device memory that legacy CUDA IPC can export (cuMemAlloc in the device's
+// primary context, the one the CUDA runtime uses), for gradient and weight
+// buffers where the framework's own memory cannot be exported (PyTorch
+// with expandable segments). Register it with register_device_buffer();
+// it must outlive that registration. Freed by the destructor.
+class DeviceMemory {
+ public:
+  // `bytes` > 0 on device ordinal `device` (as this process numbers its
+  // devices). Errors: kInvalidArgument, kCuda (no driver or device, out of
+  // memory, "built without CUDA": the CUDA error is named).
+  static Result<std::unique_ptr<DeviceMemory>> allocate(size_t bytes, int device);
+  ~DeviceMemory();
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  void* data() const noexcept { return data_; }
+  size_t size() const noexcept { return size_; }
+  int device() const noexcept { return device_; }
+
+ private:
+  DeviceMemory(void* data, size_t size, int device) : data_(data), size_(size), device_(device) {}
+  void* data_;
+  size_t size_;
+  int device_;
 };
 
 class Worker {
