@@ -132,28 +132,44 @@ bool parse_log_level(std::string_view text, LogLevel* out) noexcept {
 
 Result<shm::TensorSpec> parse_tensor(const std::string& text) {
   const auto bad = [&](const std::string& why) {
-    return Status{ErrorCode::kInvalidArgument, "--tensor '" + text + "': " + why + " (expected NAME:DIMxDIM[:f32])"};
+    return Status{ErrorCode::kInvalidArgument,
+                  "--tensor '" + text + "': " + why + "; expected NAME:D0xD1x... such as fc1.weight:256x784"};
   };
   const size_t c1 = text.find(':');
-  if (c1 == std::string::npos || c1 == 0) return bad("no name");
+  if (c1 == std::string::npos) return bad(text.empty() ? "empty" : "no shape");
+  if (c1 == 0) return bad("no name before ':'");
   shm::TensorSpec t;
   t.name = text.substr(0, c1);
   const size_t c2 = text.find(':', c1 + 1);
   const std::string shape = text.substr(c1 + 1, c2 == std::string::npos ? std::string::npos : c2 - c1 - 1);
+  if (shape.empty()) return bad("no shape after ':'");
   if (c2 != std::string::npos) {
     const std::string dtype = text.substr(c2 + 1);
+    if (dtype.empty()) return bad("empty dtype after the second ':' (weights are f32)");
     if (dtype != "f32" && dtype != "float32") return bad("weights are fp32 only, got dtype '" + dtype + "'");
   }
-  std::stringstream ss(shape);
-  std::string dim;
-  while (std::getline(ss, dim, 'x')) {
-    if (dim.empty() || dim.find_first_not_of("0123456789") != std::string::npos || dim.size() > 12)
-      return bad("bad dimension '" + dim + "'");
-    const uint64_t d = std::stoull(dim);
-    if (d == 0) return bad("dimension 0");
+  // Split by hand: std::getline would drop an empty last piece ("256x"
+  // read as 256).
+  for (size_t start = 0;;) {
+    const size_t x = shape.find('x', start);
+    const std::string dim = shape.substr(start, x == std::string::npos ? std::string::npos : x - start);
+    if (dim.empty()) {
+      if (start == 0) return bad("shape '" + shape + "' starts with 'x'");
+      if (x == std::string::npos) return bad("shape '" + shape + "' ends with 'x'");
+      return bad("shape '" + shape + "' has an empty dimension between two 'x'");
+    }
+    if (dim.find_first_not_of("0123456789") != std::string::npos)
+      return bad("dimension '" + dim + "' is not a positive integer (dimensions are separated by 'x')");
+    if (dim.size() > 12) return bad("dimension " + dim + " is too large");
+    const uint64_t d = std::stoull(dim);  // at most 12 digits: no overflow
+    if (d == 0) return bad("dimension 0 in shape '" + shape + "' (every dimension must be at least 1)");
     t.shape.push_back(d);
+    if (x == std::string::npos) break;
+    start = x + 1;
   }
-  if (t.shape.empty() || t.shape.size() > shm::kMaxDims) return bad("1..4 dimensions");
+  if (t.shape.size() > shm::kMaxDims)
+    return bad(std::to_string(t.shape.size()) + " dimensions in shape '" + shape + "'; at most " +
+               std::to_string(shm::kMaxDims));
   return t;
 }
 

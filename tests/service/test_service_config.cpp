@@ -85,6 +85,35 @@ BOOST_AUTO_TEST_CASE(config_file_errors_name_the_line_and_the_key) {
   BOOST_TEST(contains(file_error(kHead + " = 3\n"), "line 3: no key before '='"));
 }
 
+BOOST_AUTO_TEST_CASE(malformed_tensors_name_the_problem_and_the_expected_form) {
+  const std::string form = "; expected NAME:D0xD1x... such as fc1.weight:256x784";
+  for (const auto& [text, why] : std::vector<std::pair<std::string, std::string>>{
+           {"fc1.weight", "no shape"},  // the name is there; the shape is missing
+           {"", "empty"},
+           {":256", "no name before ':'"},
+           {"w:", "no shape after ':'"},
+           {"w::f32", "no shape after ':'"},
+           {"w:3:", "empty dtype after the second ':' (weights are f32)"},
+           {"w:0x3", "dimension 0 in shape '0x3' (every dimension must be at least 1)"},
+           {"w:3x0", "dimension 0 in shape '3x0' (every dimension must be at least 1)"},
+           {"w:3xa", "dimension 'a' is not a positive integer (dimensions are separated by 'x')"},
+           {"w:256X784", "dimension '256X784' is not a positive integer (dimensions are separated by 'x')"},
+           {"w:-3", "dimension '-3' is not a positive integer (dimensions are separated by 'x')"},
+           {"w:3x", "shape '3x' ends with 'x'"},  // not w:3
+           {"w:x3", "shape 'x3' starts with 'x'"},
+           {"w:3xx4", "shape '3xx4' has an empty dimension between two 'x'"},
+           {"w:1234567890123", "dimension 1234567890123 is too large"},
+           {"w:1x2x3x4x5", "5 dimensions in shape '1x2x3x4x5'; at most 4"}}) {
+    auto p = parse_tensor(text);
+    BOOST_TEST(!p.ok(), "accepted '" << text << "'");
+    if (!p.ok()) BOOST_TEST(p.status().message() == "--tensor '" + text + "': " + why + form);
+  }
+  for (const std::string good : {"w:3", "w:3x4:f32", "w:1x2x3x4", "w:7:float32"})
+    BOOST_TEST(parse_tensor(good).ok(), good);
+  // From the file: the line, then the same text.
+  BOOST_TEST(contains(file_error(kHead + "tensor = fc1.weight\n"), "line 3: key 'tensor': 'fc1.weight': no shape" + form));
+}
+
 BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
   // lexical_cast read "-1" for an unsigned option as 2^64 - 1 (or 2^32 - 1),
   // and "-4294967295" as 1.
