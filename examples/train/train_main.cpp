@@ -863,7 +863,12 @@ void Trainer::print(const CurvePoint& p) const {
 
 bool Trainer::write_csv() const {
   if (o_.csv.empty()) return true;
+  errno = 0;
   std::ofstream csv(o_.csv);
+  if (!csv) {
+    std::cerr << "shmps-train: --csv " << o_.csv << ": cannot open for writing: " << errno_text(errno) << "\n";
+    return false;
+  }
   csv << "epoch,version,train_loss,test_loss,test_acc,pushes_per_s,rejected,avg_staleness,elapsed_s\n";
   for (const CurvePoint& p : curve_) {
     csv << p.epoch << ',' << p.version << ',' << p.train_loss << ',' << p.test_loss << ',' << p.test_acc << ','
@@ -871,7 +876,7 @@ bool Trainer::write_csv() const {
   }
   csv.close();
   if (!csv) {
-    std::cerr << "shmps-train: cannot write " << o_.csv << "\n";
+    std::cerr << "shmps-train: --csv " << o_.csv << ": write failed: " << errno_text(errno) << "\n";
     return false;
   }
   return true;

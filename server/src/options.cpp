@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <boost/program_options.hpp>
+#include <cerrno>
 #include <charconv>
 #include <fstream>
 #include <map>
@@ -54,8 +55,9 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
     if (st.st_size > kMaxConfigBytes)
       return invalid("--config " + file + ": " + std::to_string(st.st_size) + " bytes; a config file is at most 1 MiB");
   }
+  errno = 0;
   std::ifstream in(file);
-  if (!in) return invalid("--config " + file + ": cannot open");
+  if (!in) return invalid("--config " + file + ": cannot open: " + errno_text(errno));
   std::vector<FileEntry> entries;
   std::map<std::string, int> first_line;
   std::string text;
@@ -86,7 +88,7 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
     }
     entries.push_back(std::move(e));
   }
-  if (in.bad()) return Status{ErrorCode::kIo, "--config " + file + ": read failed"};
+  if (in.bad()) return Status{ErrorCode::kIo, "--config " + file + ": read failed: " + errno_text(errno)};
   return entries;
 }
 

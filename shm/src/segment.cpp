@@ -21,10 +21,6 @@ namespace {
 
 constexpr uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
-std::string errno_text(int err) {
-  return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
-}
-
 // Turns a Boost.Interprocess exception into a Status.
 Status from_boost(const bip::interprocess_exception& e, const std::string& what) {
   const int err = e.get_native_error();

@@ -179,6 +179,25 @@ BOOST_AUTO_TEST_CASE(command_line_wins_over_the_file_and_errors_name_the_option)
   BOOST_TEST(contains(missing.status().message(), "cannot open"));
 }
 
+BOOST_AUTO_TEST_CASE(open_failures_carry_the_path_and_the_errno_text) {
+  // Without the reason, a typo, a missing folder and a permission problem
+  // read the same.
+  auto missing = test::parse_server_args({"--config", "/nonexistent/x.conf"});
+  BOOST_REQUIRE(!missing.ok());
+  BOOST_TEST(missing.status().message() == "--config /nonexistent/x.conf: cannot open: No such file or directory (errno 2)");
+  auto not_dir = test::parse_server_args({"--config", "/etc/passwd/x.conf"});
+  BOOST_REQUIRE(!not_dir.ok());
+  BOOST_TEST(not_dir.status().message() == "--config /etc/passwd/x.conf: cannot open: Not a directory (errno 20)");
+  ServerConfig config;
+  config.name = test::unique_name("initopen");
+  config.tensors = {{"w", {4}}};
+  config.init.kind = InitSpec::Kind::kFile;
+  config.init.file = "/nonexistent/init.bin";
+  auto created = Server::create(config);
+  BOOST_REQUIRE(!created.ok());
+  BOOST_TEST(created.status().to_string() == "io: --init-file /nonexistent/init.bin: cannot open: No such file or directory (errno 2)");
+}
+
 BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
   const std::string example = std::string(SHMPS_SOURCE_DIR) + "/server/shmps.conf.example";
   auto p = test::parse_server_args({"--config", example});

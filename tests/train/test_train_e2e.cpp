@@ -373,6 +373,12 @@ BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
   run({"--in-process", "--train-limit", "100", "--test-limit", "100", "--optimizer", "sgd", "--momentum=-1"});
   BOOST_TEST(rc == 2);
   BOOST_TEST(output.find("--momentum must") != std::string::npos, output);
+  // The CSV cannot be written: the path and the reason.
+  run({"--in-process", "--train-limit", "100", "--test-limit", "100", "--epochs", "1", "--csv", "/nonexistent/c.csv"});
+  BOOST_TEST(rc == 1);
+  BOOST_TEST(output.find("shmps-train: --csv /nonexistent/c.csv: cannot open for writing: No such file or directory (errno 2)") !=
+                 std::string::npos,
+             output);
   // 1 snapshot per update of 79 is fine; of 20 epochs of 938 it is not.
   run({"--in-process", "--eval-every", "1"});
   BOOST_TEST(rc == 2);
