@@ -322,6 +322,17 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
     return fail("--log-level must be error, warn, info or debug, got '" + log_level + "'");
   if (Status s = validate(c); !s.ok()) return fail(s.message());
   out.check = vm.count("check-config") != 0;
+  // The start reads the init file; a check that passed it would promise a
+  // start that fails. Same reader, so the same message.
+  if (out.check && c.init.kind == InitSpec::Kind::kFile) {
+    uint64_t total = 0;
+    for (const shm::TensorSpec& t : c.tensors) {
+      uint64_t n = 1;
+      for (uint64_t d : t.shape) n *= d;  // validate(): at most 2^40 in all
+      total += n;
+    }
+    if (Status s = read_init_file(c.init.file, total, nullptr); !s.ok()) return s;
+  }
   return out;
 }
 

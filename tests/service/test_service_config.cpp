@@ -198,6 +198,18 @@ BOOST_AUTO_TEST_CASE(open_failures_carry_the_path_and_the_errno_text) {
   BOOST_TEST(created.status().to_string() == "io: --init-file /nonexistent/init.bin: cannot open: No such file or directory (errno 2)");
 }
 
+BOOST_AUTO_TEST_CASE(check_config_reads_the_init_file_as_the_start_does) {
+  // --check-config reads the init file as the start does; a plain parse
+  // (the start, a reload) leaves that to Server::create().
+  const std::vector<std::string> init_args{"--name", "j", "--tensor", "w:4", "--init-file", "/nonexistent/init.bin"};
+  BOOST_TEST(test::parse_server_args(init_args).ok());
+  std::vector<std::string> check_args = init_args;
+  check_args.push_back("--check-config");
+  auto check = test::parse_server_args(check_args);
+  BOOST_REQUIRE(!check.ok());
+  BOOST_TEST(check.status().to_string() == "io: --init-file /nonexistent/init.bin: cannot open: No such file or directory (errno 2)");
+}
+
 BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
   const std::string example = std::string(SHMPS_SOURCE_DIR) + "/server/shmps.conf.example";
   auto p = test::parse_server_args({"--config", example});

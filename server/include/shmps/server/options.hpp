@@ -31,7 +31,9 @@ struct ParsedOptions {
 //   "config file /etc/shmps/job1.conf line 7: key 'lr': invalid value 'fast'"
 //   "config file /etc/shmps/job1.conf line 3: unknown key 'learning-rate'"
 // A key other than `tensor` given twice in the file is an error naming both
-// lines; `[section]` lines are refused.
+// lines; `[section]` lines are refused. With --check-config the --init-file
+// is read and checked as the start reads it (read_init_file(), config.hpp),
+// and its error comes back unchanged (kIo or kInvalidArgument).
 Result<ParsedOptions> parse_options(int argc, const char* const* argv);
 
 // "fc1.weight:256x784[:f32]" -> TensorSpec. Errors: kInvalidArgument.
