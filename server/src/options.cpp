@@ -102,6 +102,23 @@ std::string relocate(const std::string& message, const std::string& where) {
   return where + ": key '" + key + "': " + rest;
 }
 
+// The hyperparameter options only one optimizer family reads: SGD's, or
+// Adam's and AdamW's. lr and weight-decay are every optimizer's.
+struct FamilyOption {
+  const char* key;
+  bool sgd;
+};
+constexpr FamilyOption kFamilyOptions[] = {{"momentum", true}, {"dampening", true}, {"nesterov", true},
+                                           {"beta1", false},   {"beta2", false},    {"eps", false},
+                                           {"amsgrad", false}};
+
+// Whether an optimizer of `kind` reads option `key`.
+bool optimizer_uses(kernels::OptimizerKind kind, std::string_view key) {
+  for (const FamilyOption& f : kFamilyOptions)
+    if (key == f.key) return f.sgd == (kind == kernels::OptimizerKind::kSgd);
+  return true;
+}
+
 std::string number_text(float v) {
   char buf[32];
   const auto r = std::to_chars(buf, buf + sizeof buf, v);
@@ -303,6 +320,29 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   }
   if (!kernels::parse_optimizer_kind(optimizer, &o.kind))
     return fail("--optimizer must be sgd, adam or adamw, got '" + optimizer + "'");
+  // An option the optimizer does not read would be silently ignored
+  // (--momentum with adam): refuse each one given, on the command line or
+  // in the file. Defaults are not given (variables_map::defaulted()).
+  {
+    std::vector<std::string> unused;
+    for (const FamilyOption& f : kFamilyOptions) {
+      const std::string key = f.key;
+      if (vm.count(key) == 0 || vm[key].defaulted() || optimizer_uses(o.kind, key)) continue;
+      const auto line = line_of.find(key);
+      unused.push_back(line == line_of.end() ? "--" + key : key + " (" + file_line(file, line->second) + ")");
+    }
+    if (!unused.empty()) {
+      std::string list;
+      for (size_t i = 0; i < unused.size(); ++i)
+        list += (i == 0 ? "" : i + 1 == unused.size() ? " and " : ", ") + unused[i];
+      const bool sgd = o.kind == kernels::OptimizerKind::kSgd;
+      const bool one = unused.size() == 1;
+      const std::string family = sgd ? "Adam/AdamW" : "SGD";
+      return invalid("--optimizer " + std::string(kernels::optimizer_kind_name(o.kind)) + " does not use " + list +
+                     ": " + (one ? "an " + family + " option" : family + " options") + "; remove " +
+                     (one ? "it" : "them") + ", or choose " + (sgd ? "--optimizer adam or adamw" : "--optimizer sgd"));
+    }
+  }
   o.weight_decay = vm.count("weight-decay") ? weight_decay : (o.kind == kernels::OptimizerKind::kAdamW ? 0.01f : 0.0f);
   if (backend == "host") c.backend = BackendKind::kHost;
   else if (backend == "cuda") c.backend = BackendKind::kCuda;
@@ -348,14 +388,18 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   }
   e.emplace_back("optimizer", kernels::optimizer_kind_name(o.kind));
   e.emplace_back("lr", number_text(o.lr));
-  e.emplace_back("momentum", number_text(o.momentum));
-  e.emplace_back("dampening", number_text(o.dampening));
-  e.emplace_back("nesterov", flag(o.nesterov));
+  if (optimizer_uses(o.kind, "momentum")) {
+    e.emplace_back("momentum", number_text(o.momentum));
+    e.emplace_back("dampening", number_text(o.dampening));
+    e.emplace_back("nesterov", flag(o.nesterov));
+  }
   e.emplace_back("weight-decay", number_text(o.weight_decay));
-  e.emplace_back("beta1", number_text(o.beta1));
-  e.emplace_back("beta2", number_text(o.beta2));
-  e.emplace_back("eps", number_text(o.eps));
-  e.emplace_back("amsgrad", flag(o.amsgrad));
+  if (optimizer_uses(o.kind, "beta1")) {
+    e.emplace_back("beta1", number_text(o.beta1));
+    e.emplace_back("beta2", number_text(o.beta2));
+    e.emplace_back("eps", number_text(o.eps));
+    e.emplace_back("amsgrad", flag(o.amsgrad));
+  }
   e.emplace_back("max-staleness", std::to_string(c.max_staleness));
   e.emplace_back("allow-nonfinite", flag(c.allow_nonfinite));
   e.emplace_back("ring-capacity", std::to_string(c.lane_capacity));

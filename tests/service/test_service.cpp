@@ -364,6 +364,46 @@ BOOST_AUTO_TEST_CASE(sighup_reloads_lr_and_max_staleness_from_the_config_file) {
   BOOST_TEST(server.wait(10s) == 0);
 }
 
+// A reload re-parses the file: a hyperparameter the optimizer does not use
+// is refused there as at start, and nothing of that file is applied.
+BOOST_AUTO_TEST_CASE(sighup_refuses_a_hyperparameter_the_optimizer_does_not_use) {
+  TempPath err("stderr");
+  TempPath conf("conf");
+  const std::string name = test::unique_name("svc_hup_opt");
+  SegmentGuard guard(name);
+  const auto write_conf = [&](const std::string& body) {
+    std::ofstream(conf.path) << "name = " << name << "\ntensor = w:4\noptimizer = sgd\n" << body;
+  };
+  write_conf("lr = 0.5\n");
+  test::Process server = spawn_server({"--config", conf.path}, {}, err.path);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
+                        "no segment; stderr:\n" + read_file(err.path));
+  auto worker = connect(name);
+  auto grad = worker->register_buffer(16);
+  auto weights = worker->register_buffer(16);
+  BOOST_REQUIRE(grad.ok() && weights.ok());
+  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+
+  write_conf("lr = 0.25\nbeta1 = 0.8\n");
+  server.signal(SIGHUP);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return contains(read_file(err.path), "reload failed"); }, 5s),
+                        read_file(err.path));
+  BOOST_TEST(contains(read_file(err.path),
+                      "shmps-server error: reload failed, keeping the running configuration: --optimizer sgd does not "
+                      "use beta1 (config file " + conf.path + " line 5): an Adam/AdamW option; remove it, or choose "
+                      "--optimizer adam or adamw\n"),
+             read_file(err.path));
+  BOOST_TEST(!contains(read_file(err.path), "reload: lr"), read_file(err.path));
+  BOOST_REQUIRE(worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0).ok());
+  BOOST_REQUIRE(worker->pull(kAllTensors, weights->id, 0).ok());
+  BOOST_TEST(static_cast<const float*>(weights->data)[0] == -0.5f);  // still lr 0.5
+  BOOST_TEST(segment_config(name).lr == 0.5f);
+
+  worker.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+}
+
 BOOST_AUTO_TEST_CASE(config_file_errors_stop_the_server_naming_line_and_key) {
   const auto run = [](const std::string& body, std::string* log) {
     TempPath err("stderr");
