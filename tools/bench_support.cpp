@@ -164,10 +164,11 @@ void Csv::add(const std::string& section, const std::string& row, const std::str
 }
 
 Status Csv::write(const std::string& path) const {
+  errno = 0;
   std::ofstream out(path, std::ios::trunc);
-  if (!out) return {ErrorCode::kIo, "--csv " + path + ": cannot open for writing"};
+  if (!out) return {ErrorCode::kIo, "--csv " + path + ": cannot open for writing: " + shmps::errno_text(errno)};
   out << text_;
-  if (!out.flush()) return {ErrorCode::kIo, "--csv " + path + ": write failed"};
+  if (!out.flush()) return {ErrorCode::kIo, "--csv " + path + ": write failed: " + shmps::errno_text(errno)};
   return Status::Ok();
 }
 

@@ -11,8 +11,6 @@
 namespace shmps::inspect {
 namespace {
 
-std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
-
 Loaded failure(ExitCode exit, std::string error) {
   Loaded l;
   l.exit = exit;

@@ -15,7 +15,8 @@
 // shmps::kernels::apply_cpu; no server, no shared memory.
 //
 // Exit status: 0 done, 1 a runtime failure (server, worker, mismatch of
-// counts), 2 bad usage or missing dataset.
+// counts), 2 bad usage, missing dataset, or a --connect server whose
+// weights are all zero.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -868,7 +869,12 @@ void Trainer::print(const CurvePoint& p) const {
 
 bool Trainer::write_csv() const {
   if (o_.csv.empty()) return true;
+  errno = 0;
   std::ofstream csv(o_.csv);
+  if (!csv) {
+    std::cerr << "shmps-train: --csv " << o_.csv << ": cannot open for writing: " << errno_text(errno) << "\n";
+    return false;
+  }
   csv << "epoch,version,train_loss,test_loss,test_acc,pushes_per_s,rejected,avg_staleness,elapsed_s\n";
   for (const CurvePoint& p : curve_) {
     csv << p.epoch << ',' << p.version << ',' << p.train_loss << ',' << p.test_loss << ',' << p.test_acc << ','
@@ -876,7 +882,7 @@ bool Trainer::write_csv() const {
   }
   csv.close();
   if (!csv) {
-    std::cerr << "shmps-train: cannot write " << o_.csv << "\n";
+    std::cerr << "shmps-train: --csv " << o_.csv << ": write failed: " << errno_text(errno) << "\n";
     return false;
   }
   return true;
@@ -975,6 +981,26 @@ int Trainer::run() {
     return kExitFailure;
   }
   eval_buffer_ = *buffer;
+  // A running server may hold all-zero weights (shmps-server's default
+  // --init zero). From there every hidden ReLU unit outputs 0 for every
+  // input, so no gradient reaches fc1 or fc2.weight and only fc2.bias moves:
+  // the run would end at the class prior and exit 0. Our own server starts
+  // from the He initialisation.
+  if (!own_server_) {
+    Result<uint64_t> pulled = eval_->pull(kAllTensors, eval_buffer_.id, 0);
+    if (!pulled.ok()) {
+      std::cerr << "shmps-train: pull: " << pulled.status().to_string() << "\n";
+      return kExitFailure;
+    }
+    const auto* w = static_cast<const float*>(eval_buffer_.data);
+    if (std::all_of(w, w + mlp_parameter_count(shape_), [](float x) { return x == 0.0f; })) {
+      std::cerr << "shmps-train: every weight of server '" << server_name << "' is zero (version " << *pulled
+                << "): a ReLU MLP started from all-zero weights never learns (its hidden units stay 0, so no "
+                   "gradient reaches the first layer). Start the server with random weights, e.g. --init normal "
+                   "--init-scale 0.05, or --init-file PATH (raw fp32, all tensors in order)\n";
+      return kExitUsage;
+    }
+  }
   Result<ServerStats> base = eval_->stats();
   if (!base.ok()) {
     std::cerr << "shmps-train: stats: " << base.status().to_string() << "\n";

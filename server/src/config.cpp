@@ -1,6 +1,13 @@
 #include "shmps/server/config.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <vector>
 
 namespace shmps::server {
 
@@ -32,6 +39,46 @@ Status validate(const ServerConfig& config) {
       return invalid("--device must be a UUID as nvidia-smi -L prints it (GPU-xxxxxxxx-...) or a PCI bus id "
                      "(0000:3b:00.0), got '" + d + "' (ordinals are not accepted: CUDA_VISIBLE_DEVICES may differ "
                      "between the server and its workers)");
+  }
+  return Status::Ok();
+}
+
+Status read_init_file(const std::string& path, uint64_t total_elements, float* weights) {
+  const std::string what = "--init-file " + path;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return {ErrorCode::kIo, what + ": cannot open: " + errno_text(errno)};
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) return {ErrorCode::kIo, what + ": fstat: " + errno_text(errno)};
+  if (!S_ISREG(st.st_mode)) return {ErrorCode::kInvalidArgument, what + ": not a regular file"};
+  const auto size = static_cast<uint64_t>(st.st_size);
+  const uint64_t need = total_elements * sizeof(float);  // at most 2^42 (validate_tensors())
+  if (size != need)
+    return {ErrorCode::kInvalidArgument, what + " holds " + std::to_string(size) + " bytes; the tensors need " +
+                                             std::to_string(need) + " (raw fp32, all tensors in order)"};
+  // Without `weights`, one chunk at a time: a check need not hold the model.
+  constexpr uint64_t kChunkElements = 1 << 18;
+  std::vector<float> chunk(weights == nullptr ? std::min(total_elements, kChunkElements) : 0);
+  for (uint64_t done = 0; done < total_elements;) {
+    const uint64_t n = weights == nullptr ? std::min(total_elements - done, kChunkElements) : total_elements - done;
+    float* into = weights == nullptr ? chunk.data() : weights + done;
+    auto* bytes = reinterpret_cast<char*>(into);
+    for (uint64_t got = 0; got < n * sizeof(float);) {
+      const ssize_t r = ::read(fd, bytes + got, std::min<uint64_t>(n * sizeof(float) - got, 1 << 30));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) return {ErrorCode::kIo, what + ": read failed: " + errno_text(errno)};
+      if (r == 0)
+        return {ErrorCode::kIo, what + ": read failed: the file ended after " +
+                                    std::to_string(done * sizeof(float) + got) + " of " + std::to_string(need) +
+                                    " bytes"};
+      got += static_cast<uint64_t>(r);
+    }
+    if (!std::all_of(into, into + n, [](float x) { return std::isfinite(x); }))
+      return {ErrorCode::kInvalidArgument, what + " contains NaN or Inf"};
+    done += n;
   }
   return Status::Ok();
 }

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <boost/program_options.hpp>
+#include <cerrno>
 #include <charconv>
 #include <fstream>
 #include <map>
@@ -54,8 +55,9 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
     if (st.st_size > kMaxConfigBytes)
       return invalid("--config " + file + ": " + std::to_string(st.st_size) + " bytes; a config file is at most 1 MiB");
   }
+  errno = 0;
   std::ifstream in(file);
-  if (!in) return invalid("--config " + file + ": cannot open");
+  if (!in) return invalid("--config " + file + ": cannot open: " + errno_text(errno));
   std::vector<FileEntry> entries;
   std::map<std::string, int> first_line;
   std::string text;
@@ -86,7 +88,7 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
     }
     entries.push_back(std::move(e));
   }
-  if (in.bad()) return Status{ErrorCode::kIo, "--config " + file + ": read failed"};
+  if (in.bad()) return Status{ErrorCode::kIo, "--config " + file + ": read failed: " + errno_text(errno)};
   return entries;
 }
 
@@ -98,6 +100,23 @@ std::string relocate(const std::string& message, const std::string& where) {
   std::string rest = end == std::string::npos ? std::string() : message.substr(end);
   rest.erase(0, std::min(rest.size(), rest.find_first_not_of(": ")));
   return where + ": key '" + key + "': " + rest;
+}
+
+// The hyperparameter options only one optimizer family reads: SGD's, or
+// Adam's and AdamW's. lr and weight-decay are every optimizer's.
+struct FamilyOption {
+  const char* key;
+  bool sgd;
+};
+constexpr FamilyOption kFamilyOptions[] = {{"momentum", true}, {"dampening", true}, {"nesterov", true},
+                                           {"beta1", false},   {"beta2", false},    {"eps", false},
+                                           {"amsgrad", false}};
+
+// Whether an optimizer of `kind` reads option `key`.
+bool optimizer_uses(kernels::OptimizerKind kind, std::string_view key) {
+  for (const FamilyOption& f : kFamilyOptions)
+    if (key == f.key) return f.sgd == (kind == kernels::OptimizerKind::kSgd);
+  return true;
 }
 
 std::string number_text(float v) {
@@ -132,28 +151,44 @@ bool parse_log_level(std::string_view text, LogLevel* out) noexcept {
 
 Result<shm::TensorSpec> parse_tensor(const std::string& text) {
   const auto bad = [&](const std::string& why) {
-    return Status{ErrorCode::kInvalidArgument, "--tensor '" + text + "': " + why + " (expected NAME:DIMxDIM[:f32])"};
+    return Status{ErrorCode::kInvalidArgument,
+                  "--tensor '" + text + "': " + why + "; expected NAME:D0xD1x... such as fc1.weight:256x784"};
   };
   const size_t c1 = text.find(':');
-  if (c1 == std::string::npos || c1 == 0) return bad("no name");
+  if (c1 == std::string::npos) return bad(text.empty() ? "empty" : "no shape");
+  if (c1 == 0) return bad("no name before ':'");
   shm::TensorSpec t;
   t.name = text.substr(0, c1);
   const size_t c2 = text.find(':', c1 + 1);
   const std::string shape = text.substr(c1 + 1, c2 == std::string::npos ? std::string::npos : c2 - c1 - 1);
+  if (shape.empty()) return bad("no shape after ':'");
   if (c2 != std::string::npos) {
     const std::string dtype = text.substr(c2 + 1);
+    if (dtype.empty()) return bad("empty dtype after the second ':' (weights are f32)");
     if (dtype != "f32" && dtype != "float32") return bad("weights are fp32 only, got dtype '" + dtype + "'");
   }
-  std::stringstream ss(shape);
-  std::string dim;
-  while (std::getline(ss, dim, 'x')) {
-    if (dim.empty() || dim.find_first_not_of("0123456789") != std::string::npos || dim.size() > 12)
-      return bad("bad dimension '" + dim + "'");
-    const uint64_t d = std::stoull(dim);
-    if (d == 0) return bad("dimension 0");
+  // Split by hand: std::getline would drop an empty last piece ("256x"
+  // read as 256).
+  for (size_t start = 0;;) {
+    const size_t x = shape.find('x', start);
+    const std::string dim = shape.substr(start, x == std::string::npos ? std::string::npos : x - start);
+    if (dim.empty()) {
+      if (start == 0) return bad("shape '" + shape + "' starts with 'x'");
+      if (x == std::string::npos) return bad("shape '" + shape + "' ends with 'x'");
+      return bad("shape '" + shape + "' has an empty dimension between two 'x'");
+    }
+    if (dim.find_first_not_of("0123456789") != std::string::npos)
+      return bad("dimension '" + dim + "' is not a positive integer (dimensions are separated by 'x')");
+    if (dim.size() > 12) return bad("dimension " + dim + " is too large");
+    const uint64_t d = std::stoull(dim);  // at most 12 digits: no overflow
+    if (d == 0) return bad("dimension 0 in shape '" + shape + "' (every dimension must be at least 1)");
     t.shape.push_back(d);
+    if (x == std::string::npos) break;
+    start = x + 1;
   }
-  if (t.shape.empty() || t.shape.size() > shm::kMaxDims) return bad("1..4 dimensions");
+  if (t.shape.size() > shm::kMaxDims)
+    return bad(std::to_string(t.shape.size()) + " dimensions in shape '" + shape + "'; at most " +
+               std::to_string(shm::kMaxDims));
   return t;
 }
 
@@ -285,6 +320,29 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   }
   if (!kernels::parse_optimizer_kind(optimizer, &o.kind))
     return fail("--optimizer must be sgd, adam or adamw, got '" + optimizer + "'");
+  // An option the optimizer does not read would be silently ignored
+  // (--momentum with adam): refuse each one given, on the command line or
+  // in the file. Defaults are not given (variables_map::defaulted()).
+  {
+    std::vector<std::string> unused;
+    for (const FamilyOption& f : kFamilyOptions) {
+      const std::string key = f.key;
+      if (vm.count(key) == 0 || vm[key].defaulted() || optimizer_uses(o.kind, key)) continue;
+      const auto line = line_of.find(key);
+      unused.push_back(line == line_of.end() ? "--" + key : key + " (" + file_line(file, line->second) + ")");
+    }
+    if (!unused.empty()) {
+      std::string list;
+      for (size_t i = 0; i < unused.size(); ++i)
+        list += (i == 0 ? "" : i + 1 == unused.size() ? " and " : ", ") + unused[i];
+      const bool sgd = o.kind == kernels::OptimizerKind::kSgd;
+      const bool one = unused.size() == 1;
+      const std::string family = sgd ? "Adam/AdamW" : "SGD";
+      return invalid("--optimizer " + std::string(kernels::optimizer_kind_name(o.kind)) + " does not use " + list +
+                     ": " + (one ? "an " + family + " option" : family + " options") + "; remove " +
+                     (one ? "it" : "them") + ", or choose " + (sgd ? "--optimizer adam or adamw" : "--optimizer sgd"));
+    }
+  }
   o.weight_decay = vm.count("weight-decay") ? weight_decay : (o.kind == kernels::OptimizerKind::kAdamW ? 0.01f : 0.0f);
   if (backend == "host") c.backend = BackendKind::kHost;
   else if (backend == "cuda") c.backend = BackendKind::kCuda;
@@ -304,6 +362,17 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
     return fail("--log-level must be error, warn, info or debug, got '" + log_level + "'");
   if (Status s = validate(c); !s.ok()) return fail(s.message());
   out.check = vm.count("check-config") != 0;
+  // The start reads the init file; a check that passed it would promise a
+  // start that fails. Same reader, so the same message.
+  if (out.check && c.init.kind == InitSpec::Kind::kFile) {
+    uint64_t total = 0;
+    for (const shm::TensorSpec& t : c.tensors) {
+      uint64_t n = 1;
+      for (uint64_t d : t.shape) n *= d;  // validate(): at most 2^40 in all
+      total += n;
+    }
+    if (Status s = read_init_file(c.init.file, total, nullptr); !s.ok()) return s;
+  }
   return out;
 }
 
@@ -319,14 +388,18 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   }
   e.emplace_back("optimizer", kernels::optimizer_kind_name(o.kind));
   e.emplace_back("lr", number_text(o.lr));
-  e.emplace_back("momentum", number_text(o.momentum));
-  e.emplace_back("dampening", number_text(o.dampening));
-  e.emplace_back("nesterov", flag(o.nesterov));
+  if (optimizer_uses(o.kind, "momentum")) {
+    e.emplace_back("momentum", number_text(o.momentum));
+    e.emplace_back("dampening", number_text(o.dampening));
+    e.emplace_back("nesterov", flag(o.nesterov));
+  }
   e.emplace_back("weight-decay", number_text(o.weight_decay));
-  e.emplace_back("beta1", number_text(o.beta1));
-  e.emplace_back("beta2", number_text(o.beta2));
-  e.emplace_back("eps", number_text(o.eps));
-  e.emplace_back("amsgrad", flag(o.amsgrad));
+  if (optimizer_uses(o.kind, "beta1")) {
+    e.emplace_back("beta1", number_text(o.beta1));
+    e.emplace_back("beta2", number_text(o.beta2));
+    e.emplace_back("eps", number_text(o.eps));
+    e.emplace_back("amsgrad", flag(o.amsgrad));
+  }
   e.emplace_back("max-staleness", std::to_string(c.max_staleness));
   e.emplace_back("allow-nonfinite", flag(c.allow_nonfinite));
   e.emplace_back("ring-capacity", std::to_string(c.lane_capacity));

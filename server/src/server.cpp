@@ -12,7 +12,6 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
-#include <fstream>
 #include <optional>
 #include <random>
 
@@ -93,22 +92,9 @@ Result<std::vector<float>> initial_weights(const InitSpec& init, uint64_t total)
       for (float& x : w) x = dist(rng);
       break;
     }
-    case InitSpec::Kind::kFile: {
-      std::ifstream in(init.file, std::ios::binary | std::ios::ate);
-      if (!in) return Status{ErrorCode::kIo, "--init-file " + init.file + ": cannot open"};
-      const auto size = static_cast<uint64_t>(in.tellg());
-      if (size != total * sizeof(float))
-        return Status{ErrorCode::kInvalidArgument, "--init-file " + init.file + " holds " + std::to_string(size) +
-                                                       " bytes; the tensors need " + std::to_string(total * 4) +
-                                                       " (raw fp32, all tensors in order)"};
-      in.seekg(0);
-      in.read(reinterpret_cast<char*>(w.data()), static_cast<std::streamsize>(size));
-      if (!in) return Status{ErrorCode::kIo, "--init-file " + init.file + ": read failed"};
-      for (float x : w)
-        if (!std::isfinite(x))
-          return Status{ErrorCode::kInvalidArgument, "--init-file " + init.file + " contains NaN or Inf"};
+    case InitSpec::Kind::kFile:
+      if (Status s = read_init_file(init.file, total, w.data()); !s.ok()) return s;
       break;
-    }
   }
   return w;
 }

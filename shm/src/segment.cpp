@@ -1,16 +1,21 @@
 #include "shmps/shm/segment.hpp"
 
 #include <fcntl.h>
+#include <grp.h>
+#include <pwd.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include "shmps/shm/proc.hpp"
 
@@ -21,21 +26,86 @@ namespace {
 
 constexpr uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
-std::string errno_text(int err) {
-  return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")";
-}
-
 // Turns a Boost.Interprocess exception into a Status.
 Status from_boost(const bip::interprocess_exception& e, const std::string& what) {
   const int err = e.get_native_error();
-  if (err == EACCES || err == EPERM)
-    return {ErrorCode::kPermission, what + ": permission denied (" + errno_text(err) + ")"};
+  if (err == EACCES || err == EPERM) return {ErrorCode::kPermission, what + ": " + errno_text(err)};
   if (err == ENOENT) return {ErrorCode::kIo, what + ": does not exist"};
   if (err == EEXIST) return {ErrorCode::kIo, what + ": already exists"};
   return {ErrorCode::kIo, what + ": " + (err != 0 ? errno_text(err) : std::string(e.what()))};
 }
 
 bool is_power_of_two(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
+
+// The login name of `uid`; empty when the user database has none.
+std::string login_name(uid_t uid) {
+  std::vector<char> buf(16384);
+  struct passwd pw{};
+  struct passwd* found = nullptr;
+  if (::getpwuid_r(uid, &pw, buf.data(), buf.size(), &found) == 0 && found != nullptr) return found->pw_name;
+  return {};
+}
+
+std::string user_name(uid_t uid) {
+  const std::string name = login_name(uid);
+  return name.empty() ? "uid " + std::to_string(uid) : name;
+}
+
+std::string group_name(gid_t gid) {
+  std::vector<char> buf(16384);
+  struct group gr{};
+  struct group* found = nullptr;
+  if (::getgrgid_r(gid, &gr, buf.data(), buf.size(), &found) == 0 && found != nullptr) return found->gr_name;
+  return "gid " + std::to_string(gid);
+}
+
+// Whether this process holds `gid` (effective or supplementary): what the
+// kernel checks, not /etc/group, which a user added since login is in
+// without holding it yet.
+bool holds_group(gid_t gid) {
+  if (::getegid() == gid) return true;
+  const int n = ::getgroups(0, nullptr);
+  if (n <= 0) return false;
+  std::vector<gid_t> groups(static_cast<size_t>(n));
+  const int got = ::getgroups(n, groups.data());
+  return got > 0 && std::find(groups.begin(), groups.begin() + got, gid) != groups.begin() + got;
+}
+
+// The error for EACCES/EPERM opening /dev/shm/<object_name>: the object's
+// owner, group and mode (stat needs no access to the object), who this
+// process is, and what would let it in. A segment is opened by its server's
+// workers (and shmps-inspect), a worker's buffer by the server: in both
+// cases the way in is the creator's group with a group-accessible mode
+// (--group-access; buffers follow the segment's mode and group).
+Status permission_denied(const std::string& object_name, bool read_only, int err) {
+  const std::string path = "/dev/shm/" + object_name;
+  std::string m = "open " + path + (read_only ? " read-only" : " read-write") + ": permission denied (errno " +
+                  std::to_string(err) + ")";
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0) return {ErrorCode::kPermission, m};
+  const unsigned mode = st.st_mode & 0777;
+  char mode_text[8];
+  std::snprintf(mode_text, sizeof mode_text, "%04o", mode);
+  const std::string group = group_name(st.st_gid), me = user_name(::geteuid());
+  m += ": owner " + user_name(st.st_uid) + ":" + group + ", mode " + mode_text + "; this process runs as " + me;
+  const unsigned need = read_only ? 04 : 06;
+  if (::geteuid() == st.st_uid)
+    return {ErrorCode::kPermission, m + ", its owner, but the mode denies its owner that access"};
+  const bool group_may = ((mode >> 3) & need) == need;
+  const std::string only_owner = "the mode lets only its owner in: start the server with --group-access (mode 0660)";
+  if (holds_group(st.st_gid))
+    return {ErrorCode::kPermission, m + " in group " + group + (group_may ? "" : ", but " + only_owner)};
+  // Root's group would hand workers root's group files too: a server run by
+  // hand as root is better given a group of its own.
+  const std::string join = st.st_gid == 0
+                               ? "its group is root, which workers should not join: run the server under a group of "
+                                 "its own (the shmps@ unit runs it as shmps:shmps) and join that group, then log in again"
+                               : "join group " + group + ": sudo adduser " +
+                                     (login_name(::geteuid()).empty() ? "$USER" : me) + " " + group +
+                                     ", then log in again";
+  return {ErrorCode::kPermission, m + ", not in group " + group + "; " +
+                                      (group_may ? join : only_owner + " and " + join)};
+}
 
 }  // namespace
 
@@ -151,6 +221,8 @@ Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_nam
         !s.ok())
       return s;
   } catch (const bip::interprocess_exception& e) {
+    if (const int err = e.get_native_error(); err == EACCES || err == EPERM)
+      return permission_denied(object_name, read_only, err);
     return from_boost(e, "open shm object '" + object_name + "'");
   }
   obj->data_ = obj->region_->region.get_address();

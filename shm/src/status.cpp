@@ -1,5 +1,6 @@
 #include "shmps/status.hpp"
 
+#include <cstring>
 #include <ostream>
 
 namespace shmps {
@@ -32,6 +33,8 @@ std::string_view error_code_name(ErrorCode code) noexcept {
   }
   return "unknown";
 }
+
+std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
 
 std::ostream& operator<<(std::ostream& os, ErrorCode code) { return os << error_code_name(code); }
 

@@ -15,6 +15,7 @@
 #include <boost/test/unit_test.hpp>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include "raw_client.hpp"
 #include "shmps/shm/futex.hpp"
@@ -148,9 +149,86 @@ BOOST_AUTO_TEST_CASE(process_without_access_gets_kPermission_naming_the_segment)
       const std::string text = message.text;
       BOOST_TEST(text.find("permission denied") != std::string::npos, text);
       BOOST_TEST(text.find(shm::segment_object_name(server.name())) != std::string::npos, text);
+      // Root's group is not one to join: the fix is a group of the server's own.
+      BOOST_TEST(text.find("its group is root, which workers should not join") != std::string::npos, text);
+      BOOST_TEST(text.find("adduser") == std::string::npos, text);
       // The server is unaffected.
       auto w = connect(server.name());
       BOOST_TEST(w->ping().ok());
+    }
+  }
+}
+
+// The message a denied worker gets names the segment's path, owner
+// user:group and mode, who the worker is, and the fix, and says "permission
+// denied" once. The server runs with a throwaway group as its effective
+// group (the segment gets that group); the worker runs as nobody, with or
+// without that group.
+BOOST_AUTO_TEST_CASE(permission_denied_names_owner_group_mode_and_the_fix) {
+  if (!is_root()) {
+    BOOST_TEST_MESSAGE("skipped: needs root to create a group and run a worker as another user (nobody)");
+    return;
+  }
+  const std::string group = "shmps_t" + std::to_string(::getpid());
+  const auto added = test::run_captured({"/usr/sbin/groupadd", group});
+  if (added.exit_code != 0) {
+    BOOST_TEST_MESSAGE("skipped: groupadd " << group << " failed (" << added.exit_code << "): " << added.output);
+    return;
+  }
+  struct GroupGuard {
+    std::string name;
+    ~GroupGuard() { (void)test::run_captured({"/usr/sbin/groupdel", name}); }
+  } guard{group};
+  const struct group* gr = ::getgrnam(group.c_str());
+  BOOST_REQUIRE(gr != nullptr);
+  const gid_t gid = gr->gr_gid;
+  struct Case {
+    bool group_access, worker_in_group;
+    std::string tail;  // after "this process runs as nobody"
+  };
+  const std::string join = "join group " + group + ": sudo adduser nobody " + group + ", then log in again";
+  const std::string only_owner = "the mode lets only its owner in: start the server with --group-access (mode 0660)";
+  for (const Case& c : std::vector<Case>{{true, false, ", not in group " + group + "; " + join},
+                                         {false, false, ", not in group " + group + "; " + only_owner + " and " + join},
+                                         {false, true, " in group " + group + ", but " + only_owner},
+                                         {true, true, ""}}) {
+    BOOST_TEST_CONTEXT((c.group_access ? "mode 0660" : "mode 0600") << (c.worker_in_group ? ", worker in the group" : "")) {
+      std::vector<std::string> args = kTiny;
+      if (c.group_access) args.push_back("--group-access");
+      BOOST_REQUIRE(::setegid(gid) == 0);  // the server child inherits it
+      std::optional<test::ServerProcess> server;
+      try {
+        server.emplace(test::unique_name("denied"), args);
+      } catch (...) {
+        BOOST_REQUIRE(::setegid(0) == 0);
+        throw;
+      }
+      BOOST_REQUIRE(::setegid(0) == 0);
+      const std::string object = shm::segment_object_name(server->name());
+      BOOST_REQUIRE(stat_of(object).st_gid == gid);
+      SharedText message;
+      auto child = test::Process::fork_fn([&] {
+        const gid_t extra[] = {gid};
+        if (::setgid(kNogroup) != 0 || ::setgroups(c.worker_in_group ? 1 : 0, extra) != 0 || ::setuid(kNobody) != 0)
+          return 90;
+        WorkerOptions o;
+        o.name = server->name();
+        auto w = Worker::connect(o);
+        message.set(w.ok() ? std::string("connected") : w.status().to_string());
+        if (w.ok()) return 0;
+        return w.status().code() == ErrorCode::kPermission ? 1 : 2;
+      });
+      const int rc = child.wait(10s);
+      const std::string text = message.text;
+      if (c.tail.empty()) {
+        BOOST_TEST(rc == 0, "the fix did not let the worker in: " << text);
+        continue;
+      }
+      BOOST_TEST(rc == 1, text);
+      BOOST_TEST(text == "permission: open /dev/shm/" + object + " read-write: permission denied (errno 13): owner root:" +
+                             group + ", mode " + (c.group_access ? "0660" : "0600") + "; this process runs as nobody" +
+                             c.tail);
+      BOOST_TEST(text.find("Permission denied") == std::string::npos, "doubled: " << text);
     }
   }
 }

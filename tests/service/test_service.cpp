@@ -5,6 +5,7 @@
 // syslog-priority prefix ($JOURNAL_STREAM).
 #define BOOST_TEST_MODULE test_service
 #include <fcntl.h>
+#include <grp.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <boost/test/unit_test.hpp>
 #include <filesystem>
 #include <cstddef>
@@ -362,6 +364,46 @@ BOOST_AUTO_TEST_CASE(sighup_reloads_lr_and_max_staleness_from_the_config_file) {
   BOOST_TEST(server.wait(10s) == 0);
 }
 
+// A reload re-parses the file: a hyperparameter the optimizer does not use
+// is refused there as at start, and nothing of that file is applied.
+BOOST_AUTO_TEST_CASE(sighup_refuses_a_hyperparameter_the_optimizer_does_not_use) {
+  TempPath err("stderr");
+  TempPath conf("conf");
+  const std::string name = test::unique_name("svc_hup_opt");
+  SegmentGuard guard(name);
+  const auto write_conf = [&](const std::string& body) {
+    std::ofstream(conf.path) << "name = " << name << "\ntensor = w:4\noptimizer = sgd\n" << body;
+  };
+  write_conf("lr = 0.5\n");
+  test::Process server = spawn_server({"--config", conf.path}, {}, err.path);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
+                        "no segment; stderr:\n" + read_file(err.path));
+  auto worker = connect(name);
+  auto grad = worker->register_buffer(16);
+  auto weights = worker->register_buffer(16);
+  BOOST_REQUIRE(grad.ok() && weights.ok());
+  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+
+  write_conf("lr = 0.25\nbeta1 = 0.8\n");
+  server.signal(SIGHUP);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return contains(read_file(err.path), "reload failed"); }, 5s),
+                        read_file(err.path));
+  BOOST_TEST(contains(read_file(err.path),
+                      "shmps-server error: reload failed, keeping the running configuration: --optimizer sgd does not "
+                      "use beta1 (config file " + conf.path + " line 5): an Adam/AdamW option; remove it, or choose "
+                      "--optimizer adam or adamw\n"),
+             read_file(err.path));
+  BOOST_TEST(!contains(read_file(err.path), "reload: lr"), read_file(err.path));
+  BOOST_REQUIRE(worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0).ok());
+  BOOST_REQUIRE(worker->pull(kAllTensors, weights->id, 0).ok());
+  BOOST_TEST(static_cast<const float*>(weights->data)[0] == -0.5f);  // still lr 0.5
+  BOOST_TEST(segment_config(name).lr == 0.5f);
+
+  worker.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+}
+
 BOOST_AUTO_TEST_CASE(config_file_errors_stop_the_server_naming_line_and_key) {
   const auto run = [](const std::string& body, std::string* log) {
     TempPath err("stderr");
@@ -390,6 +432,68 @@ BOOST_AUTO_TEST_CASE(config_file_errors_stop_the_server_naming_line_and_key) {
   test::Process check = spawn_server({"--config", conf.path, "--check-config"}, {}, err.path);
   BOOST_TEST(check.wait(10s) == 0, read_file(err.path));
   BOOST_TEST(!std::ifstream(segment_path(name)).good());
+}
+
+// --check-config reads the --init-file as the start does: what the start
+// refuses, the check refuses with the same message, exiting 2 as for any
+// other config error.
+BOOST_AUTO_TEST_CASE(check_config_refuses_the_init_file_the_start_refuses) {
+  test::TempDir dir("svc_init");
+  const std::string server = test::program_path("shmps-server");
+  const auto write = [&](const std::string& file, const std::vector<float>& values) {
+    const std::string path = (dir.path / file).string();
+    std::ofstream(path, std::ios::binary)
+        .write(reinterpret_cast<const char*>(values.data()), static_cast<std::streamsize>(values.size() * 4));
+    return path;
+  };
+  const std::string good = write("good.f32", {1, 2, 3, 4});
+  const std::string fifo = (dir.path / "fifo").string();
+  BOOST_REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  struct Case {
+    std::string path, message;
+    bool as_nobody = false;
+  };
+  std::vector<Case> cases{
+      {"/nonexistent/init.f32", "--init-file /nonexistent/init.f32: cannot open: No such file or directory (errno 2)"},
+      {dir.path.string(), "--init-file " + dir.path.string() + ": not a regular file"},
+      {fifo, "--init-file " + fifo + ": not a regular file"},  // a blocking open would wait for a writer
+      {write("short.f32", {1, 2, 3}), ""},
+      {write("nan.f32", {1, std::nanf(""), 3, 4}), ""}};
+  cases[3].message = "--init-file " + cases[3].path + " holds 12 bytes; the tensors need 16 (raw fp32, all tensors in order)";
+  cases[4].message = "--init-file " + cases[4].path + " contains NaN or Inf";
+  if (::geteuid() == 0) {
+    ::chmod(dir.path.c_str(), 0755);
+    ::chmod(good.c_str(), 0600);  // root's: nobody may not read it
+    cases.push_back({good, "--init-file " + good + ": cannot open: Permission denied (errno 13)", true});
+  } else {
+    BOOST_TEST_MESSAGE("unreadable init file not checked: needs root to run the server as another user (nobody)");
+  }
+  for (const Case& c : cases) {
+    BOOST_TEST_CONTEXT(c.path) {
+      const std::string name = test::unique_name("svc_init");
+      SegmentGuard guard(name);
+      const auto nobody = [&c] {
+        return !c.as_nobody || (::setgid(65534) == 0 && ::setgroups(0, nullptr) == 0 && ::setuid(65534) == 0);
+      };
+      const std::vector<std::string> args{server, "--name", name, "--tensor", "w:4", "--init-file", c.path};
+      std::vector<std::string> check_args = args;
+      check_args.push_back("--check-config");
+      const test::Captured check = test::run_captured(check_args, 10s, nobody);
+      BOOST_TEST(check.exit_code == 2, check.output);
+      BOOST_TEST(check.output == "shmps-server error: " + c.message + "\n");
+      const test::Captured start = test::run_captured(args, 10s, nobody);
+      BOOST_TEST(start.exit_code == 1, start.output);
+      BOOST_TEST(contains(start.output, ": " + c.message + "\n"), start.output);
+      BOOST_TEST(!std::filesystem::exists(segment_path(name)));
+    }
+  }
+  // A good file passes, and the check still creates nothing.
+  const std::string name = test::unique_name("svc_init");
+  SegmentGuard guard(name);
+  const test::Captured check = test::run_captured({server, "--name", name, "--tensor", "w:4", "--init-file", good, "--check-config"});
+  BOOST_TEST(check.exit_code == 0, check.output);
+  BOOST_TEST(contains(check.output, "init-file = " + good + "\n"), check.output);
+  BOOST_TEST(!std::filesystem::exists(segment_path(name)));
 }
 
 BOOST_AUTO_TEST_CASE(journal_stream_prefixes_lines_with_their_syslog_priority) {

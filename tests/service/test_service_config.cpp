@@ -85,6 +85,91 @@ BOOST_AUTO_TEST_CASE(config_file_errors_name_the_line_and_the_key) {
   BOOST_TEST(contains(file_error(kHead + " = 3\n"), "line 3: no key before '='"));
 }
 
+BOOST_AUTO_TEST_CASE(malformed_tensors_name_the_problem_and_the_expected_form) {
+  const std::string form = "; expected NAME:D0xD1x... such as fc1.weight:256x784";
+  for (const auto& [text, why] : std::vector<std::pair<std::string, std::string>>{
+           {"fc1.weight", "no shape"},  // the name is there; the shape is missing
+           {"", "empty"},
+           {":256", "no name before ':'"},
+           {"w:", "no shape after ':'"},
+           {"w::f32", "no shape after ':'"},
+           {"w:3:", "empty dtype after the second ':' (weights are f32)"},
+           {"w:0x3", "dimension 0 in shape '0x3' (every dimension must be at least 1)"},
+           {"w:3x0", "dimension 0 in shape '3x0' (every dimension must be at least 1)"},
+           {"w:3xa", "dimension 'a' is not a positive integer (dimensions are separated by 'x')"},
+           {"w:256X784", "dimension '256X784' is not a positive integer (dimensions are separated by 'x')"},
+           {"w:-3", "dimension '-3' is not a positive integer (dimensions are separated by 'x')"},
+           {"w:3x", "shape '3x' ends with 'x'"},  // not w:3
+           {"w:x3", "shape 'x3' starts with 'x'"},
+           {"w:3xx4", "shape '3xx4' has an empty dimension between two 'x'"},
+           {"w:1234567890123", "dimension 1234567890123 is too large"},
+           {"w:1x2x3x4x5", "5 dimensions in shape '1x2x3x4x5'; at most 4"}}) {
+    auto p = parse_tensor(text);
+    BOOST_TEST(!p.ok(), "accepted '" << text << "'");
+    if (!p.ok()) BOOST_TEST(p.status().message() == "--tensor '" + text + "': " + why + form);
+  }
+  for (const std::string good : {"w:3", "w:3x4:f32", "w:1x2x3x4", "w:7:float32"})
+    BOOST_TEST(parse_tensor(good).ok(), good);
+  // From the file: the line, then the same text.
+  BOOST_TEST(contains(file_error(kHead + "tensor = fc1.weight\n"), "line 3: key 'tensor': 'fc1.weight': no shape" + form));
+}
+
+BOOST_AUTO_TEST_CASE(hyperparameters_the_optimizer_does_not_use_are_refused) {
+  const auto refusal = [](std::vector<std::string> extra) {
+    std::vector<std::string> args{"--name", "j", "--tensor", "w:4"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto p = test::parse_server_args(args);
+    BOOST_TEST(!p.ok(), "accepted: " << extra[0] << " " << extra[1]);
+    return p.ok() ? std::string() : p.status().message();
+  };
+  BOOST_TEST(refusal({"--optimizer", "adam", "--momentum", "0.9"}) ==
+             "--optimizer adam does not use --momentum: an SGD option; remove it, or choose --optimizer sgd");
+  BOOST_TEST(refusal({"--optimizer", "adamw", "--nesterov", "--dampening", "0.1"}) ==
+             "--optimizer adamw does not use --dampening and --nesterov: SGD options; remove them, or choose --optimizer sgd");
+  BOOST_TEST(refusal({"--optimizer", "sgd", "--beta1", "0.8", "--amsgrad", "--eps", "1e-6"}) ==
+             "--optimizer sgd does not use --beta1, --eps and --amsgrad: Adam/AdamW options; remove them, or choose "
+             "--optimizer adam or adamw");
+  // sgd by default; a value equal to the default is still given.
+  BOOST_TEST(refusal({"--beta2", "0.999"}) ==
+             "--optimizer sgd does not use --beta2: an Adam/AdamW option; remove it, or choose --optimizer adam or adamw");
+  BOOST_TEST(refusal({"--optimizer", "adam", "--momentum", "0"}).rfind("--optimizer adam does not use --momentum:", 0) == 0u);
+  // From the file, each key with its line; the command line's as options.
+  const ConfFile f(kHead + "optimizer = adam\nmomentum = 0.9\n");
+  auto from_file = test::parse_server_args({"--config", f.path, "--nesterov"});
+  BOOST_REQUIRE(!from_file.ok());
+  BOOST_TEST(from_file.status().message() == "--optimizer adam does not use momentum (config file " + f.path +
+                                                 " line 4) and --nesterov: SGD options; remove them, or choose --optimizer sgd");
+  // What each reads is accepted; defaults of the others do not count.
+  for (const std::vector<std::string>& ok : std::vector<std::vector<std::string>>{
+           {"--optimizer", "adam"},
+           {"--optimizer", "adam", "--beta1", "0.8", "--beta2", "0.99", "--eps", "1e-6", "--amsgrad", "--lr", "0.01",
+            "--weight-decay", "0.1"},
+           {"--optimizer", "adamw", "--amsgrad"},
+           {"--optimizer", "sgd", "--momentum", "0.9", "--nesterov", "--weight-decay", "0.1"},
+           {"--momentum", "0.9", "--dampening", "0.5"}}) {
+    std::vector<std::string> args{"--name", "j", "--tensor", "w:4"};
+    args.insert(args.end(), ok.begin(), ok.end());
+    auto p = test::parse_server_args(args);
+    BOOST_TEST(p.ok(), ok[0] << " " << ok[1] << ": " << p.status().message());
+  }
+  // --check-config prints what the optimizer reads, so its output parses back.
+  auto adam = test::parse_server_args({"--name", "j", "--tensor", "w:4", "--optimizer", "adam"});
+  auto sgd = test::parse_server_args({"--name", "j", "--tensor", "w:4"});
+  BOOST_REQUIRE(adam.ok() && sgd.ok());
+  std::set<std::string> adam_keys, sgd_keys;
+  for (const auto& e : config_entries(adam->config)) adam_keys.insert(e.first);
+  for (const auto& e : config_entries(sgd->config)) sgd_keys.insert(e.first);
+  for (const std::string k : {"momentum", "dampening", "nesterov"}) {
+    BOOST_TEST(adam_keys.count(k) == 0u, k);
+    BOOST_TEST(sgd_keys.count(k) == 1u, k);
+  }
+  for (const std::string k : {"beta1", "beta2", "eps", "amsgrad"}) {
+    BOOST_TEST(adam_keys.count(k) == 1u, k);
+    BOOST_TEST(sgd_keys.count(k) == 0u, k);
+  }
+  for (const std::string k : {"lr", "weight-decay"}) BOOST_TEST(adam_keys.count(k) + sgd_keys.count(k) == 2u, k);
+}
+
 BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
   // lexical_cast read "-1" for an unsigned option as 2^64 - 1 (or 2^32 - 1),
   // and "-4294967295" as 1.
@@ -150,6 +235,37 @@ BOOST_AUTO_TEST_CASE(command_line_wins_over_the_file_and_errors_name_the_option)
   BOOST_TEST(contains(missing.status().message(), "cannot open"));
 }
 
+BOOST_AUTO_TEST_CASE(open_failures_carry_the_path_and_the_errno_text) {
+  // Without the reason, a typo, a missing folder and a permission problem
+  // read the same.
+  auto missing = test::parse_server_args({"--config", "/nonexistent/x.conf"});
+  BOOST_REQUIRE(!missing.ok());
+  BOOST_TEST(missing.status().message() == "--config /nonexistent/x.conf: cannot open: No such file or directory (errno 2)");
+  auto not_dir = test::parse_server_args({"--config", "/etc/passwd/x.conf"});
+  BOOST_REQUIRE(!not_dir.ok());
+  BOOST_TEST(not_dir.status().message() == "--config /etc/passwd/x.conf: cannot open: Not a directory (errno 20)");
+  ServerConfig config;
+  config.name = test::unique_name("initopen");
+  config.tensors = {{"w", {4}}};
+  config.init.kind = InitSpec::Kind::kFile;
+  config.init.file = "/nonexistent/init.bin";
+  auto created = Server::create(config);
+  BOOST_REQUIRE(!created.ok());
+  BOOST_TEST(created.status().to_string() == "io: --init-file /nonexistent/init.bin: cannot open: No such file or directory (errno 2)");
+}
+
+BOOST_AUTO_TEST_CASE(check_config_reads_the_init_file_as_the_start_does) {
+  // --check-config reads the init file as the start does; a plain parse
+  // (the start, a reload) leaves that to Server::create().
+  const std::vector<std::string> init_args{"--name", "j", "--tensor", "w:4", "--init-file", "/nonexistent/init.bin"};
+  BOOST_TEST(test::parse_server_args(init_args).ok());
+  std::vector<std::string> check_args = init_args;
+  check_args.push_back("--check-config");
+  auto check = test::parse_server_args(check_args);
+  BOOST_REQUIRE(!check.ok());
+  BOOST_TEST(check.status().to_string() == "io: --init-file /nonexistent/init.bin: cannot open: No such file or directory (errno 2)");
+}
+
 BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
   const std::string example = std::string(SHMPS_SOURCE_DIR) + "/server/shmps.conf.example";
   auto p = test::parse_server_args({"--config", example});
@@ -158,9 +274,8 @@ BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
   BOOST_TEST(p->config.tensors.size() == 4u);
 
   // With every commented-out "# key = value" line switched on, it still
-  // parses, and its keys are exactly the options.
-  std::istringstream in(read_file(example));
-  std::ostringstream all;
+  // parses, and its keys are exactly the options: once per optimizer, with
+  // the other family's hyperparameters left off (they are refused, below).
   // "# key = value" with a lower-case key: a documented option, not prose.
   const auto is_commented_option = [](const std::string& line) {
     if (line.rfind("# ", 0) != 0) return false;
@@ -168,20 +283,50 @@ BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
     return eq != std::string::npos && eq > 2 &&
            line.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-", 2) == eq;
   };
-  std::set<std::string> documented;
-  for (std::string line; std::getline(in, line);) {
-    if (is_commented_option(line)) line = line.substr(2);
-    if (!line.empty() && line[0] != '#') documented.insert(line.substr(0, line.find(' ')));
-    all << line << "\n";
+  const std::set<std::string> sgd_only{"momentum", "dampening", "nesterov"};
+  const std::set<std::string> adam_only{"beta1", "beta2", "eps", "amsgrad"};
+  // The example with its commented options switched on, but for `skip`,
+  // and its optimizer set to `optimizer`; `documented` gets its keys.
+  const auto switched_on = [&](const std::string& optimizer, const std::set<std::string>& skip,
+                               std::set<std::string>* documented) {
+    std::istringstream in(read_file(example));
+    std::ostringstream all;
+    for (std::string line; std::getline(in, line);) {
+      if (is_commented_option(line) && skip.count(line.substr(2, line.find(' ', 2) - 2)) == 0) line = line.substr(2);
+      if (line.rfind("optimizer = ", 0) == 0) line = "optimizer = " + optimizer;
+      if (!line.empty() && line[0] != '#') documented->insert(line.substr(0, line.find(' ')));
+      all << line << "\n";
+    }
+    return all.str();
+  };
+  std::set<std::string> documented_by_any, option_of_any;
+  for (const std::string optimizer : {"sgd", "adam", "adamw"}) {
+    BOOST_TEST_CONTEXT("optimizer = " << optimizer) {
+      std::set<std::string> documented;
+      ConfFile f(switched_on(optimizer, optimizer == "sgd" ? adam_only : sgd_only, &documented));
+      auto every = test::parse_server_args({"--config", f.path});
+      BOOST_REQUIRE_MESSAGE(every.ok(), every.status().to_string());
+      std::set<std::string> options;
+      for (const auto& e : config_entries(every->config)) options.insert(e.first);
+      BOOST_TEST((documented == options));
+      for (const std::string& k : options) BOOST_TEST(documented.count(k) == 1u, "undocumented: " << k);
+      for (const std::string& k : documented) BOOST_TEST(options.count(k) == 1u, "not an option: " << k);
+      documented_by_any.insert(documented.begin(), documented.end());
+      option_of_any.insert(options.begin(), options.end());
+    }
   }
-  ConfFile f(all.str());
-  auto every = test::parse_server_args({"--config", f.path});
-  BOOST_REQUIRE_MESSAGE(every.ok(), every.status().to_string());
-  std::set<std::string> options;
-  for (const auto& e : config_entries(every->config)) options.insert(e.first);
-  BOOST_TEST((documented == options));
-  for (const std::string& k : options) BOOST_TEST(documented.count(k) == 1u, "undocumented: " << k);
-  for (const std::string& k : documented) BOOST_TEST(options.count(k) == 1u, "not an option: " << k);
+  BOOST_TEST((documented_by_any == option_of_any));
+  for (const std::set<std::string>* family : {&sgd_only, &adam_only})
+    for (const std::string& k : *family) BOOST_TEST(option_of_any.count(k) == 1u, "never an option: " << k);
+  // Every line switched on: the example's sgd refuses the Adam lines, each named.
+  std::set<std::string> ignored;
+  ConfFile both(switched_on("sgd", {}, &ignored));
+  auto refused = test::parse_server_args({"--config", both.path});
+  BOOST_REQUIRE(!refused.ok());
+  const std::string m = refused.status().message();
+  BOOST_TEST(m.rfind("--optimizer sgd does not use beta1 (config file " + both.path + " line ", 0) == 0u, m);
+  for (const std::string& k : adam_only) BOOST_TEST(contains(m, k + " (config file " + both.path + " line "), m);
+  BOOST_TEST(contains(m, ": Adam/AdamW options; remove them, or choose --optimizer adam or adamw"), m);
 }
 
 BOOST_AUTO_TEST_CASE(config_entries_round_trip_through_a_file) {

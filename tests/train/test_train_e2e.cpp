@@ -225,6 +225,33 @@ BOOST_FIXTURE_TEST_CASE(connect_uses_a_running_server_and_checks_tensors, TrainR
   }
 }
 
+// A server left at shmps-server's default --init zero: a ReLU MLP never
+// learns from all-zero weights, so --connect refuses it (exit 2, before any
+// worker starts) and says how to start the server instead; that advice works.
+BOOST_FIXTURE_TEST_CASE(connect_refuses_a_server_whose_weights_are_all_zero, TrainRun) {
+  {
+    ServerProcess zeros(name, server_args(""));
+    run({"--connect", name, "--train-limit", "100", "--test-limit", "100", "--epochs", "1", "--workers", "1"});
+    BOOST_TEST(rc == 2);
+    BOOST_TEST(output.find("shmps-train: every weight of server '" + name + "' is zero (version 0): a ReLU MLP started "
+                           "from all-zero weights never learns") != std::string::npos,
+               output);
+    BOOST_TEST(output.find("Start the server with random weights, e.g. --init normal --init-scale 0.05, or --init-file "
+                           "PATH") != std::string::npos,
+               output);
+    BOOST_TEST(output.find("epoch ") == std::string::npos, output);  // no training started
+    BOOST_TEST(zeros.process().running());
+    BOOST_TEST(zeros.stop() == 0);
+  }
+  std::vector<std::string> args = server_args("");
+  args.insert(args.end(), {"--init", "normal", "--init-scale", "0.05"});
+  ServerProcess normal(name, args);
+  run({"--connect", name, "--train-limit", "3000", "--test-limit", "1000", "--epochs", "1", "--workers", "2"});
+  BOOST_REQUIRE_EQUAL(rc, 0);
+  BOOST_TEST(final_accuracy() > 0.60);
+  BOOST_TEST(normal.stop() == 0);
+}
+
 BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
   Process p = start({"--train-limit", "20000", "--test-limit", "1000", "--epochs", "20", "--workers", "2"});
   // Wait for training to start, then SIGKILL one worker (a child that is
@@ -373,6 +400,12 @@ BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
   run({"--in-process", "--train-limit", "100", "--test-limit", "100", "--optimizer", "sgd", "--momentum=-1"});
   BOOST_TEST(rc == 2);
   BOOST_TEST(output.find("--momentum must") != std::string::npos, output);
+  // The CSV cannot be written: the path and the reason.
+  run({"--in-process", "--train-limit", "100", "--test-limit", "100", "--epochs", "1", "--csv", "/nonexistent/c.csv"});
+  BOOST_TEST(rc == 1);
+  BOOST_TEST(output.find("shmps-train: --csv /nonexistent/c.csv: cannot open for writing: No such file or directory (errno 2)") !=
+                 std::string::npos,
+             output);
   // 1 snapshot per update of 79 is fine; of 20 epochs of 938 it is not.
   run({"--in-process", "--eval-every", "1"});
   BOOST_TEST(rc == 2);

@@ -44,6 +44,11 @@ inline constexpr ErrorCode kLastErrorCode = ErrorCode::kInitRefused;
 
 // Short stable name, e.g. "stale"; "unknown" for values outside the enum.
 std::string_view error_code_name(ErrorCode code) noexcept;
+
+// The text a message about a failed system call carries for its errno:
+// "No such file or directory (errno 2)" (strerror, then the number, which
+// stays searchable whatever the locale).
+std::string errno_text(int err);
 // Prints error_code_name(code) (for logs and test diagnostics).
 std::ostream& operator<<(std::ostream& os, ErrorCode code);
 

@@ -76,4 +76,14 @@ struct ServerConfig {
 // config-file line that set it.
 Status validate(const ServerConfig& config);
 
+// Reads an --init-file as the server starts from it: a regular file
+// (opened without blocking, so a FIFO is refused rather than waited on) of
+// exactly 4 * total_elements bytes of raw little-endian fp32, all finite.
+// With `weights` != nullptr (total_elements long) the values land there;
+// with nullptr the file is only checked, in chunks (--check-config).
+// Errors: kIo naming the path with the errno text (cannot open, read
+// failed), kInvalidArgument (not a regular file, the wrong size, NaN or
+// Inf). Reentrant.
+Status read_init_file(const std::string& path, uint64_t total_elements, float* weights);
+
 }  // namespace shmps::server

@@ -31,7 +31,14 @@ struct ParsedOptions {
 //   "config file /etc/shmps/job1.conf line 7: key 'lr': invalid value 'fast'"
 //   "config file /etc/shmps/job1.conf line 3: unknown key 'learning-rate'"
 // A key other than `tensor` given twice in the file is an error naming both
-// lines; `[section]` lines are refused.
+// lines; `[section]` lines are refused. A hyperparameter the chosen
+// optimizer does not read, given on the command line or in the file, is
+// refused naming each (momentum, dampening, nesterov are SGD's; beta1,
+// beta2, eps, amsgrad Adam's and AdamW's):
+//   "--optimizer adam does not use --momentum: an SGD option; remove it, or
+//    choose --optimizer sgd" With --check-config the --init-file
+// is read and checked as the start reads it (read_init_file(), config.hpp),
+// and its error comes back unchanged (kIo or kInvalidArgument).
 Result<ParsedOptions> parse_options(int argc, const char* const* argv);
 
 // "fc1.weight:256x784[:f32]" -> TensorSpec. Errors: kInvalidArgument.
@@ -44,7 +51,8 @@ bool parse_log_level(std::string_view text, LogLevel* out) noexcept;
 
 // Every option of `config` as (key, value) in --help order, spelt as a
 // config file takes it: one `tensor` entry per tensor, `init-file` only when
-// set. Joined as "key = value" lines it parses back to the same config.
+// set, the optimizer hyperparameters only those its optimizer reads. Joined
+// as "key = value" lines it parses back to the same config.
 std::vector<std::pair<std::string, std::string>> config_entries(const ServerConfig& config);
 
 // The shmps release the server was built from, e.g. "0.1.0".

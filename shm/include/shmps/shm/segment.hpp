@@ -38,7 +38,9 @@ class ShmObject {
   static Result<std::unique_ptr<ShmObject>> create(const std::string& object_name, size_t bytes,
                                                    mode_t mode, gid_t group = static_cast<gid_t>(-1));
   // Maps an existing object whole. Errors: kIo with "does not exist" for
-  // ENOENT, kPermission, kIo.
+  // ENOENT; kPermission naming the object's path, owner user:group and
+  // mode, this process's user, and what would let it in (the group to
+  // join, --group-access); kIo.
   static Result<std::unique_ptr<ShmObject>> open(const std::string& object_name, bool read_only);
   // shm_unlink; nothing happens when it is already gone.
   static void remove(const std::string& object_name);
