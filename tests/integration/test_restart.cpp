@@ -11,6 +11,7 @@
 #include <boost/test/unit_test.hpp>
 #include <atomic>
 #include <filesystem>
+#include <thread>
 
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
@@ -61,6 +62,36 @@ BOOST_AUTO_TEST_CASE(worker_reattaches_to_the_next_generation_and_keeps_its_buff
   auto pushed = w->push(0, buf->id, 0, 4, Dtype::kF32, 5);
   BOOST_REQUIRE_MESSAGE(pushed.ok(), pushed.status().to_string());
   BOOST_TEST(*pushed == 6u);
+}
+
+// A gradient computed against the previous server's weights is refused
+// once: the push that finds a new generation fails with kServerRestarted,
+// without being submitted; a pull then proceeds.
+BOOST_AUTO_TEST_CASE(a_push_that_finds_a_restarted_server_fails_once_with_server_restarted) {
+  test::TempDir dir("restart");
+  const std::string name = test::unique_name("pushgen");
+  auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+  auto w = connect(name, /*reconnect=*/true);
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  *static_cast<float*>(buf->data) = -1.0f;
+  BOOST_REQUIRE(w->push(0, buf->id, 0, 4, Dtype::kF32, 0).ok());
+  server->process().kill_and_reap();
+  server.reset();
+  // Past the dead server's last heartbeat (10 ms, trusted for 100 ms), so the
+  // push sees the death before submitting rather than in its wait.
+  std::this_thread::sleep_for(200ms);
+  test::ServerProcess next(name, args(dir.path));
+  auto pushed = w->push(0, buf->id, 0, 4, Dtype::kF32, 1);
+  BOOST_TEST((pushed.status().code() == ErrorCode::kServerRestarted), pushed.status().to_string());
+  BOOST_TEST(pushed.status().message().find("pull again") != std::string::npos);
+  auto v = w->pull(0, buf->id, 0);
+  BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+  auto s = w->stats();
+  BOOST_REQUIRE(s.ok());
+  BOOST_TEST(s->gradients_applied == 0u);  // the refused push never reached the new server
+  *static_cast<float*>(buf->data) = -1.0f;
+  BOOST_TEST(w->push(0, buf->id, 0, 4, Dtype::kF32, *v).ok());
 }
 
 BOOST_AUTO_TEST_CASE(call_in_flight_when_the_server_dies_fails_with_server_restarted) {

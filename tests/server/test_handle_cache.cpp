@@ -81,6 +81,9 @@ BOOST_AUTO_TEST_CASE(same_buffer_pushed_100_times_is_opened_once) {
   BOOST_TEST(buffer_mappings(s.config.name) == 2);  // the worker's and the server's
   BOOST_REQUIRE(w->unregister_buffer(buf->id).ok());
   BOOST_TEST(s.closed() == 1u);
+  // The worker's mapping lives as long as a Buffer's `mapping` does.
+  BOOST_TEST(buffer_mappings(s.config.name) == 1);
+  buf->mapping.reset();
   BOOST_TEST(buffer_mappings(s.config.name) == 0);
 }
 

@@ -837,8 +837,14 @@ Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id
   // most of one leaves the submit a whole one. Read from the clock only if
   // used (shm::Deadline).
   shm::Deadline reattach_deadline(impl_->options.timeout);
+  const uint64_t generation_before = impl_->generation;
   if (Status s = impl_->ensure_server(reattach_deadline); !s.ok()) return s;
   if (Status s = impl_->usable(); !s.ok()) return s;
+  // A gradient computed against the weights of a server that has since
+  // restarted means nothing to its successor (whose versions start again).
+  if (impl_->generation != generation_before)
+    return Status{ErrorCode::kServerRestarted, "the server restarted since version " + std::to_string(worker_version) +
+                                                   " was pulled: pull again and recompute the gradient"};
   if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPush);

@@ -81,7 +81,9 @@ struct WorkerOptions {
   // kServerRestarted (not acknowledged: maybe applied, at most once), and
   // the next call waits (up to its timeout) for a server of a new
   // generation under the same name, attaches to it, registers every buffer
-  // again under its old id, then proceeds. Without it such calls return
+  // again under its old id, then proceeds; a push then fails with
+  // kServerRestarted instead (its gradient was computed against the old
+  // server's weights: pull again). Without it such calls return
   // kServerNotRunning and the Worker stays unusable.
   // The same holds when the server evicts this worker (its process was
   // stopped longer than the server's --stopped-worker-timeout-ms, or its
