@@ -1,0 +1,264 @@
+"""shmps: Python workers of a shmps parameter server.
+
+    import shmps
+    with shmps.connect("job1") as worker:
+        grad = worker.register_buffer(worker.total_elements * 4)
+        weights = worker.register_buffer(worker.total_elements * 4)
+        version = worker.pull(weights)
+        ...                      # write the gradient into grad (fp32, all tensors in order)
+        version = worker.push(grad, version)
+
+A Worker is the process's connection to one shmps-server (the C++
+shmps::Worker underneath); buffers are POSIX shared memory the server maps
+once, or CUDA memory it opens by IPC handle. Blocking calls release the GIL.
+One thread at a time may use a Worker; a buffer must not be written while a
+push reading it (or read while a pull writing it) is in flight. The torch
+layer is shmps.torch (RemoteOptimizer). docs/python.md has the whole API.
+"""
+
+import dataclasses
+import typing
+
+from . import _errors
+from ._errors import *  # noqa: F401,F403 (the exception classes)
+from ._errors import Error, StaleError
+from ._server import Server, server_binary
+from ._shmps import ALL_TENSORS, ERROR_CODES, Buffer
+from ._shmps import connect as _connect
+
+_errors.check_codes(ERROR_CODES)
+
+__all__ = ["connect", "Worker", "Buffer", "TensorInfo", "Stats", "Server", "server_binary", "ALL_TENSORS", "Error"] + [
+    cls.__name__ for cls in _errors.BY_CODE.values()]
+
+# Gradient dtypes as the protocol numbers them (shmps::Dtype), by name.
+_DTYPES = {"float32": (1, 4), "float16": (2, 2), "bfloat16": (3, 2)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the server's table. offset and count are in elements
+    of the flat fp32 parameter vector (all tensors in table order)."""
+    id: int
+    name: str
+    shape: typing.Tuple[int, ...]
+    offset: int
+    count: int
+    dtype: str = "float32"
+
+    @property
+    def nbytes(self):
+        return self.count * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """A racy snapshot of the server's counters (each read atomically, the set not)."""
+    version: int
+    gradients_applied: int
+    weights_pulled: int
+    avg_staleness: float
+    rejected_stale: int
+    rejected_invalid: int
+    rejected_nonfinite: int
+    ring_depth: int
+    ring_high_water: int
+    workers_attached: int
+    workers_died: int
+    workers_evicted: int
+    my_pushes_applied: int
+    my_pushes_rejected: int
+    my_pulls: int
+
+
+def _stream_handle(stream):
+    """A raw cudaStream_t (int) from None, an int, or a torch.cuda.Stream."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    handle = getattr(stream, "cuda_stream", None)
+    if handle is None:
+        raise TypeError(f"stream must be a torch.cuda.Stream, a raw cudaStream_t (int) or None, not {type(stream).__name__}")
+    return int(handle)
+
+
+def _device_index(device):
+    """A CUDA device ordinal from an int, "cuda", "cuda:N" or a torch.device."""
+    if isinstance(device, int):
+        return device
+    text = str(device)
+    if text == "cuda":
+        return 0
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    raise ValueError(f"device must be a CUDA device (an ordinal, 'cuda:N' or a torch.device), not {device!r}")
+
+
+class Worker:
+    """A connection to one shmps-server; made by connect(). A context
+    manager: leaving the block closes it (detaches, frees its buffers)."""
+
+    def __init__(self, native, name):
+        self._w = native
+        self.name = name
+        self.tensors = [TensorInfo(id=t[0], name=t[1], shape=tuple(t[2]), offset=t[3], count=t[4])
+                        for t in native.tensors()]
+        self.total_elements = native.total_elements
+        self._by_name = {t.name: t for t in self.tensors}
+
+    # ---- identity ----
+    @property
+    def worker_id(self):
+        return self._w.worker_id
+
+    @property
+    def generation(self):
+        """The server instance attached to (changes when it restarts)."""
+        return self._w.generation
+
+    @property
+    def closed(self):
+        return self._w.closed
+
+    def tensor(self, name):
+        """The TensorInfo of that name; UnknownTensorError if none."""
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise _errors.UnknownTensorError(f"no tensor named {name!r} on server {self.name!r}") from None
+
+    # ---- buffers ----
+    def register_buffer(self, nbytes):
+        """A new shared-memory buffer of `nbytes` (> 0) the server maps once.
+        torch.from_dlpack(buf), numpy.asarray(buf) and memoryview(buf) see
+        its bytes in place (uint8; .view(float32) for fp32)."""
+        return self._w.register_buffer(nbytes)
+
+    def alloc_device_buffer(self, nbytes, device=0):
+        """Device memory of its own (not torch's allocator), registered:
+        torch.from_dlpack(buf) is a cuda tensor over it."""
+        return self._w.alloc_device_buffer(nbytes, _device_index(device))
+
+    def register_device_buffer(self, tensor):
+        """Registers the CUDA memory of a contiguous torch tensor in place
+        (the tensor is kept alive until unregister_buffer or close). Memory
+        of torch's expandable segments cannot be exported: use
+        alloc_device_buffer then."""
+        if not getattr(tensor, "is_cuda", False):
+            raise _errors.InvalidArgumentError("register_device_buffer takes a CUDA tensor; use register_buffer for host memory")
+        if not tensor.is_contiguous():
+            raise _errors.InvalidArgumentError("register_device_buffer takes a contiguous tensor")
+        try:
+            return self._w.register_device_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                                                  tensor.device.index or 0, tensor)
+        except _errors.CudaError as e:
+            if "legacy CUDA IPC" not in e.message:
+                raise
+            raise _errors.CudaError(e.message + "; from Python, worker.alloc_device_buffer(nbytes, device) gives "
+                                    "memory that can be exported (torch.from_dlpack(buffer) is a tensor over it)") from None
+
+    def unregister_buffer(self, buffer):
+        """The server unmaps it; views of a host buffer stay valid memory
+        that the server no longer reads."""
+        self._w.unregister_buffer(self._buffer_id(buffer))
+
+    # ---- requests ----
+    def push(self, buffer, version, tensor=None, offset=0, nbytes=None, dtype="float32", stream=None):
+        """Pushes the gradient in `buffer` at byte `offset` for `tensor` (a
+        name, a TensorInfo, an id, or None: all tensors as one flat range),
+        computed against `version`. Returns the version after the update.
+        Raises StaleError (with both versions) when it is too old, and the
+        error of any other refusal; nothing is applied then."""
+        return self._w.push(*self._push_args(buffer, version, tensor, offset, nbytes, dtype, stream))
+
+    def push_async(self, buffer, version, tensor=None, offset=0, nbytes=None, dtype="float32", stream=None):
+        """As push(), returning a ticket once the request is queued; wait(ticket) returns its result."""
+        return self._w.push_async(*self._push_args(buffer, version, tensor, offset, nbytes, dtype, stream))
+
+    def wait(self, ticket):
+        """The result of push_async(ticket): the version after the update."""
+        return self._w.wait(ticket)
+
+    def pull(self, buffer, tensor=None, offset=0, stream=None):
+        """Copies a consistent snapshot of `tensor` (None: all tensors) as
+        fp32 into `buffer` at byte `offset`; returns its version."""
+        return self._w.pull(self._tensor_id(tensor), self._buffer_id(buffer), offset, _stream_handle(stream))
+
+    def init(self, buffer, offset=0, stream=None):
+        """Sets the server's weights at version 0 from `buffer` (all tensors,
+        fp32): accepted once, before any push applied; InitRefusedError says
+        why not otherwise."""
+        self._w.init(self._buffer_id(buffer), offset, _stream_handle(stream))
+
+    def stats(self):
+        return Stats(**self._w.stats())
+
+    def ping(self):
+        """An empty request: the ring's round trip."""
+        self._w.ping()
+
+    def detach(self):
+        """Ends the session with the server; further calls raise UnknownWorkerError."""
+        self._w.detach()
+
+    def close(self):
+        """Detaches (best effort) and releases the buffers; idempotent."""
+        if not self._w.closed:
+            self._w.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __reduce__(self):
+        raise TypeError("a shmps.Worker cannot be pickled or sent to another process: call shmps.connect() in the "
+                        "child process")
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"worker {self.worker_id}"
+        return f"shmps.Worker({self.name!r}, {state}, {len(self.tensors)} tensors, {self.total_elements} elements)"
+
+    # ---- argument conversion ----
+    def _tensor_id(self, tensor):
+        if tensor is None:
+            return ALL_TENSORS
+        if isinstance(tensor, TensorInfo):
+            return tensor.id
+        if isinstance(tensor, str):
+            return self.tensor(tensor).id
+        if isinstance(tensor, int):
+            return tensor
+        raise TypeError(f"tensor must be a name, a TensorInfo, an id or None, not {type(tensor).__name__}")
+
+    @staticmethod
+    def _buffer_id(buffer):
+        if isinstance(buffer, Buffer):
+            return buffer.id
+        if isinstance(buffer, int):
+            return buffer
+        raise TypeError(f"buffer must be a shmps.Buffer or a buffer id, not {type(buffer).__name__}")
+
+    def _push_args(self, buffer, version, tensor, offset, nbytes, dtype, stream):
+        try:
+            code, size = _DTYPES[dtype]
+        except KeyError:
+            raise _errors.BadDtypeError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}") from None
+        tensor_id = self._tensor_id(tensor)
+        if nbytes is None:
+            count = self.total_elements if tensor_id == ALL_TENSORS else (
+                self.tensors[tensor_id].count if 0 <= tensor_id < len(self.tensors) else 0)
+            nbytes = count * size
+        return tensor_id, self._buffer_id(buffer), offset, nbytes, code, version, _stream_handle(stream)
+
+
+def connect(name, timeout=10.0, reconnect=False, wait_for_server=0.0):
+    """Attaches to the shmps-server named `name` (its segment
+    /dev/shm/shmps.<name>). `timeout`: seconds per call. `reconnect`: after
+    a server restart or an eviction, the next call attaches again and
+    re-registers every buffer. `wait_for_server`: seconds to wait for a
+    server that is not there yet (0: raise ServerNotRunningError at once)."""
+    return Worker(_connect(name, float(timeout), bool(reconnect), float(wait_for_server)), name)

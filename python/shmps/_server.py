@@ -1,0 +1,159 @@
+"""shmps.Server: a shmps-server process for a job that is one script.
+
+    model = Net()
+    with shmps.Server(model, optimizer="adam", lr=1e-3, init="normal") as server:
+        ... # workers: shmps.connect(server.name)
+
+It runs the shmps-server binary with the model's tensor table, waits until
+the server accepts workers, and stops it (SIGTERM, then SIGKILL) on exit.
+For real use the server runs on its own, under systemd (docs/operations.md).
+"""
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+from . import _errors
+
+_names = itertools.count()
+
+
+def server_binary():
+    """The shmps-server to run: $SHMPS_SERVER_BIN, else the one this package
+    was built or installed with, else shmps-server on PATH."""
+    candidates = [os.environ.get("SHMPS_SERVER_BIN")]
+    try:
+        from . import _paths
+        here = os.path.dirname(os.path.abspath(__file__))
+        candidates.append(os.path.join(here, _paths.SERVER_BIN))
+    except ImportError:
+        pass
+    candidates.append(shutil.which("shmps-server"))
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise FileNotFoundError("no shmps-server found: set SHMPS_SERVER_BIN, install shmps (pip install . or the shmps "
+                            "package), or put shmps-server on PATH")
+
+
+def _tensor_specs(model=None, tensors=None):
+    """["name:D0xD1", ...] from model.named_parameters() or (name, shape) pairs."""
+    if (model is None) == (tensors is None):
+        raise ValueError("give a model (a torch.nn.Module) or tensors ((name, shape) pairs), exactly one")
+    if model is not None:
+        pairs = []
+        for name, p in model.named_parameters():
+            if p.is_sparse or str(p.dtype) != "torch.float32":
+                raise TypeError(f"parameter {name!r} is {'sparse' if p.is_sparse else p.dtype}: shmps serves dense "
+                                "float32 parameters only")
+            pairs.append((name, tuple(p.shape)))
+        tensors = pairs
+    specs = []
+    for name, shape in tensors:
+        dims = [int(d) for d in shape] or [1]  # a 0-d parameter is one element
+        specs.append(f"{name}:{'x'.join(str(d) for d in dims)}")
+    if not specs:
+        raise ValueError("the model has no parameters")
+    return specs
+
+
+def _option_args(options):
+    """--key value for each option (underscores become dashes); True is a bare flag."""
+    args = []
+    for key, value in options.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
+    return args
+
+
+class Server:
+    """A shmps-server child process. Keyword options are shmps-server's
+    (`lr`, `max_staleness`, `weight_decay`, `init`, `checkpoint_dir`, ...;
+    see `shmps-server --help`). `model` (a torch.nn.Module) or `tensors`
+    ((name, shape) pairs) gives the tensor table. `name`: the segment name
+    (default: a unique one). `log`: a path for the server's log (default: a
+    temporary file, shown in the error when the start fails)."""
+
+    def __init__(self, model=None, *, tensors=None, name=None, optimizer="adam", binary=None, log=None,
+                 start_timeout=30.0, **options):
+        self.name = name or f"py{os.getpid()}_{next(_names)}"
+        self.binary = binary or server_binary()
+        self.args = [self.binary, "--name", self.name]
+        for spec in _tensor_specs(model, tensors):
+            self.args += ["--tensor", spec]
+        self.args += ["--optimizer", optimizer] + _option_args(options)
+        self.start_timeout = start_timeout
+        self._log_path = log
+        self._own_log = log is None
+        self.process = None
+
+    @property
+    def log_path(self):
+        return self._log_path
+
+    def start(self):
+        """Starts the server and returns once it accepts workers."""
+        if self._own_log:
+            fd, self._log_path = tempfile.mkstemp(prefix=f"shmps-server-{self.name}-", suffix=".log")
+            os.close(fd)
+        with open(self._log_path, "ab") as log:
+            self.process = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        from . import connect
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                self.process = None
+                raise _errors.ServerNotRunningError(f"shmps-server exited {code} at start: {self._log_tail()}")
+            try:
+                connect(self.name).close()
+                return self
+            except (_errors.ServerNotRunningError, _errors.LayoutMismatchError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise _errors.TimeoutError(f"shmps-server '{self.name}' did not accept a worker within "
+                                           f"{self.start_timeout} s: {self._log_tail()}")
+            time.sleep(0.01)
+
+    def stop(self, timeout=30.0):
+        """SIGTERM, then SIGKILL after `timeout` seconds; returns the exit code."""
+        if self.process is None:
+            return None
+        p, self.process = self.process, None
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self._own_log and p.returncode == 0:
+            os.unlink(self._log_path)
+        return p.returncode
+
+    def _log_tail(self, lines=20):
+        try:
+            with open(self._log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:]).strip() or "(no output)"
+        except OSError as e:
+            return f"(log unreadable: {e})"
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb):
+        code = self.stop()
+        if exc_type is None and code not in (0, None):
+            raise _errors.Error(f"shmps-server '{self.name}' exited {code}: see {self._log_path}")
+        return False
+
+    def __repr__(self):
+        state = f"pid {self.process.pid}" if self.process else "stopped"
+        return f"shmps.Server({self.name!r}, {state})"

@@ -1,0 +1,129 @@
+"""shmps.torch: a torch training loop that trains through a shmps-server.
+
+    worker = shmps.connect("job1")
+    opt = shmps.torch.RemoteOptimizer(model, worker)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()             # push .grad by buffer, pull the new weights
+
+RemoteOptimizer makes every parameter's .data a view into one weight buffer
+and its .grad a view into one gradient buffer (shared memory on the CPU, a
+device allocation of its own on a GPU), so backward() writes the gradient
+where the server reads it and a pull writes the weights where forward()
+reads them: nothing is copied on the worker's side. The optimizer itself
+(SGD, Adam, AdamW, exactly as torch.optim defines them) runs in the server.
+"""
+
+import torch
+
+from . import _errors
+
+
+class RemoteOptimizer:
+    """Trains `model` through `worker`'s server. The model's parameter names
+    and shapes must be the server's tensor table (any order). `on_stale`:
+    "skip" counts a push rejected as too stale (self.stale) and pulls fresh
+    weights; "raise" raises the StaleError. `init`: first set the server's
+    weights to the model's own (worker.init); the first initialiser of a job
+    wins, the others' InitRefusedError is taken as "already initialised"."""
+
+    def __init__(self, model, worker, on_stale="skip", init=False):
+        if on_stale not in ("skip", "raise"):
+            raise ValueError(f"on_stale must be 'skip' or 'raise', not {on_stale!r}")
+        self.worker = worker
+        self.on_stale = on_stale
+        self.pushes = 0       # pushes applied
+        self.stale = 0        # pushes rejected as too stale
+        self.applied = False  # whether the last step's push was applied
+        self._params = list(model.named_parameters())
+        self._check_table()
+        devices = {p.device for _, p in self._params}
+        if len(devices) != 1:
+            raise ValueError(f"every parameter must be on one device, not {sorted(str(d) for d in devices)}")
+        self.device = devices.pop()
+        nbytes = worker.total_elements * 4
+        if self.device.type == "cuda":
+            self._grad_buf = worker.alloc_device_buffer(nbytes, self.device.index or 0)
+            self._weight_buf = worker.alloc_device_buffer(nbytes, self.device.index or 0)
+        elif self.device.type == "cpu":
+            self._grad_buf = worker.register_buffer(nbytes)
+            self._weight_buf = worker.register_buffer(nbytes)
+        else:
+            raise ValueError(f"parameters on {self.device} are not supported (cpu or cuda)")
+        self._grads = torch.from_dlpack(self._grad_buf).view(torch.float32)
+        self._weights = torch.from_dlpack(self._weight_buf).view(torch.float32)
+        self._grads.zero_()
+        with torch.no_grad():
+            for name, p in self._params:
+                info = worker.tensor(name)
+                w = self._weights[info.offset:info.offset + info.count].view(p.shape)
+                if init:
+                    w.copy_(p.detach())
+                p.data = w
+                p.grad = self._grads[info.offset:info.offset + info.count].view(p.shape)
+        self._grad_ptrs = [(name, p.grad.data_ptr()) for name, p in self._params]
+        if init:
+            self._sync()
+            try:
+                worker.init(self._weight_buf, stream=self._stream())
+            except _errors.InitRefusedError:
+                pass  # another worker of the job initialised first
+        self.pull()
+
+    def _check_table(self):
+        table = {t.name: t for t in self.worker.tensors}
+        names = [n for n, _ in self._params]
+        problems = []
+        for name, p in self._params:
+            if p.is_sparse or p.dtype != torch.float32:
+                problems.append(f"{name} is {'sparse' if p.is_sparse else p.dtype} (only dense float32 is supported)")
+                continue
+            t = table.get(name)
+            if t is None:
+                problems.append(f"{name} {tuple(p.shape)} is not on the server")
+            elif p.numel() != t.count or (tuple(p.shape) != t.shape and not (p.dim() == 0 and t.shape == (1,))):
+                problems.append(f"{name} is {tuple(p.shape)} here, {t.shape} on the server")
+        missing = [n for n in table if n not in names]
+        if missing:
+            problems.append(f"the server's {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in the model")
+        if problems:
+            raise ValueError(f"the model does not match server {self.worker.name!r}: " + "; ".join(problems))
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def zero_grad(self, set_to_none=False):
+        """Zeroes the gradient buffer; .grad is never set to None (it must stay a view of the buffer)."""
+        del set_to_none  # accepted for torch.optim's signature; the buffer is always zeroed
+        self._grads.zero_()
+
+    def step(self):
+        """Pushes the gradients against the version last pulled, then pulls.
+        Returns the version pulled."""
+        for (name, ptr), (_, p) in zip(self._grad_ptrs, self._params):
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"parameter {name!r}: .grad no longer points into the shmps gradient buffer (it was set to None "
+                    "or replaced, e.g. by zero_grad(set_to_none=True), torch 2.x's default): call "
+                    "RemoteOptimizer.zero_grad() or model.zero_grad(set_to_none=False) instead")
+        stream = self._stream()
+        self.applied = False
+        try:
+            self.worker.push(self._grad_buf, self.version, stream=stream)
+            self.pushes += 1
+            self.applied = True
+        except _errors.StaleError:
+            self.stale += 1
+            if self.on_stale == "raise":
+                raise
+        return self.pull()
+
+    def pull(self):
+        """Pulls the server's newest weights into the parameters (no push); returns their version."""
+        self.version = self.worker.pull(self._weight_buf, stream=self._stream())
+        return self.version

@@ -1,0 +1,334 @@
+// shmps._shmps: the compiled half of the Python package, a thin nanobind
+// binding of shmps::Worker (worker_lib). shmps/__init__.py builds the
+// Pythonic API on it: keyword arguments, dataclasses, exception classes,
+// torch streams. Every call that waits for the server releases the GIL.
+// Thread safety: as shmps::Worker's (one thread at a time per Worker; the
+// Python layer does not add a lock).
+#include <Python.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shmps/worker.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// A non-ok Status on its way to Python; the translator below turns it into
+// the exception class shmps._errors.make_error() picks for its code.
+struct StatusError {
+  shmps::Status status;
+  uint64_t worker_version = 0;  // kStale: the version the push was computed against
+  uint64_t server_version = 0;  // kStale: the server's version it was behind
+};
+
+void check(shmps::Status s) {
+  if (!s.ok()) throw StatusError{std::move(s)};
+}
+
+template <typename T>
+T take(shmps::Result<T>&& r) {
+  if (!r.ok()) throw StatusError{r.status()};
+  return std::move(r).value();
+}
+
+// f() with the GIL released: every call that waits for the server.
+template <typename F>
+auto unlocked(F&& f) {
+  nb::gil_scoped_release released;
+  return f();
+}
+
+std::chrono::milliseconds to_ms(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0 + 0.5));
+}
+
+// DLPack device types (dlpack.h): what __dlpack_device__ answers.
+constexpr int kDLCPU = 1;
+constexpr int kDLCUDA = 2;
+
+// Memory a worker registered, seen from Python: the buffer protocol (host
+// memory only) and DLPack (host and device). `keep` owns the memory (the
+// shm mapping, or a DeviceMemory), so views stay valid after the buffer is
+// unregistered; `owner` keeps a framework's tensor alive for
+// register_device_buffer(tensor).
+struct Buffer {
+  uint32_t id = 0;
+  void* data = nullptr;
+  size_t nbytes = 0;
+  int device_type = kDLCPU;
+  int device_id = 0;
+  std::shared_ptr<void> keep;
+  nb::object owner;
+
+  // A DLPack capsule of the bytes (uint8, 1-D), holding this Buffer alive.
+  nb::object dlpack(nb::handle self) const {
+    const size_t shape[1] = {nbytes};
+    nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig> array(data, 1, shape, self, nullptr, nb::dtype<uint8_t>(),
+                                                            device_type, device_id);
+    // nanobind casts an ndarray without a framework to a DLPack capsule
+    // (some releases to an object whose __dlpack__ makes one).
+    nb::object out = nb::cast(array, nb::rv_policy::reference);
+    return nb::hasattr(out, "__dlpack__") ? out.attr("__dlpack__")() : out;
+  }
+};
+
+int buffer_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+  Buffer* b = nb::inst_ptr<Buffer>(nb::handle(self));
+  if (b->device_type != kDLCPU) {
+    PyErr_SetString(PyExc_BufferError,
+                    "a device buffer has no buffer protocol: use torch.from_dlpack(buffer) for a view of it");
+    return -1;
+  }
+  return PyBuffer_FillInfo(view, self, b->data, static_cast<Py_ssize_t>(b->nbytes), /*readonly=*/0, flags);
+}
+
+PyType_Slot buffer_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(buffer_getbuffer)}, {0, nullptr}};
+
+// shmps::Worker for Python; closed (null) after close().
+class PyWorker {
+ public:
+  explicit PyWorker(std::unique_ptr<shmps::Worker> w) : w_(std::move(w)) {}
+
+  shmps::Worker& w() {
+    if (!w_) throw StatusError{{shmps::ErrorCode::kUnknownWorker, "this Worker is closed"}};
+    return *w_;
+  }
+  bool closed() const { return !w_; }
+
+  Buffer register_buffer(size_t nbytes) {
+    shmps::Result<shmps::Buffer> r = unlocked([&] { return w().register_buffer(nbytes); });
+    shmps::Buffer b = take(std::move(r));
+    Buffer out;
+    out.id = b.id;
+    out.data = b.data;
+    out.nbytes = b.size;
+    out.keep = b.mapping;
+    return out;
+  }
+
+  Buffer alloc_device_buffer(size_t nbytes, int device) {
+    std::shared_ptr<shmps::DeviceMemory> memory = take(shmps::DeviceMemory::allocate(nbytes, device));
+    shmps::Result<uint32_t> id = unlocked([&] { return w().register_device_buffer(memory->data(), nbytes); });
+    Buffer out;
+    out.id = take(std::move(id));
+    out.data = memory->data();
+    out.nbytes = nbytes;
+    out.device_type = kDLCUDA;
+    out.device_id = device;
+    out.keep = memory;
+    kept_[out.id] = {memory, nb::object()};  // the memory outlives its registration
+    return out;
+  }
+
+  Buffer register_device_buffer(uintptr_t ptr, size_t nbytes, int device, nb::object owner) {
+    shmps::Result<uint32_t> id = unlocked([&] { return w().register_device_buffer(reinterpret_cast<const void*>(ptr), nbytes); });
+    Buffer out;
+    out.id = take(std::move(id));
+    out.data = reinterpret_cast<void*>(ptr);
+    out.nbytes = nbytes;
+    out.device_type = kDLCUDA;
+    out.device_id = device;
+    out.owner = owner;
+    kept_[out.id] = {nullptr, owner};  // the tensor outlives its registration
+    return out;
+  }
+
+  void unregister_buffer(uint32_t id) {
+    shmps::Status s = unlocked([&] { return w().unregister_buffer(id); });
+    check(s);
+    kept_.erase(id);
+  }
+
+  uint64_t push(uint32_t tensor, uint32_t buffer, uint64_t offset, uint64_t nbytes, uint32_t dtype, uint64_t version,
+                uintptr_t stream) {
+    return versioned(unlocked([&] {
+                       return w().push(tensor, buffer, offset, nbytes, static_cast<shmps::Dtype>(dtype), version,
+                                       reinterpret_cast<void*>(stream));
+                     }),
+                     version);
+  }
+
+  uint64_t push_async(uint32_t tensor, uint32_t buffer, uint64_t offset, uint64_t nbytes, uint32_t dtype,
+                      uint64_t version, uintptr_t stream) {
+    const uint64_t ticket = take(unlocked([&] {
+      return w().push_async(tensor, buffer, offset, nbytes, static_cast<shmps::Dtype>(dtype), version,
+                            reinterpret_cast<void*>(stream));
+    }));
+    versions_[ticket] = version;
+    return ticket;
+  }
+
+  uint64_t wait(uint64_t ticket) {
+    shmps::Result<uint64_t> r = unlocked([&] { return w().wait(ticket); });
+    uint64_t version = 0;
+    if (auto it = versions_.find(ticket); it != versions_.end()) {
+      version = it->second;
+      versions_.erase(it);
+    }
+    return versioned(std::move(r), version);
+  }
+
+  uint64_t pull(uint32_t tensor, uint32_t buffer, uint64_t offset, uintptr_t stream) {
+    shmps::Result<uint64_t> r = unlocked([&] { return w().pull(tensor, buffer, offset, reinterpret_cast<void*>(stream)); });
+    return take(std::move(r));
+  }
+
+  void init(uint32_t buffer, uint64_t offset, uintptr_t stream) {
+    shmps::Status s = unlocked([&] { return w().init(buffer, offset, reinterpret_cast<void*>(stream)); });
+    check(s);
+  }
+
+  nb::dict stats() {
+    shmps::Result<shmps::ServerStats> r = unlocked([&] { return w().stats(); });
+    const shmps::ServerStats s = take(std::move(r));
+    nb::dict d;
+    d["version"] = s.version;
+    d["gradients_applied"] = s.gradients_applied;
+    d["weights_pulled"] = s.weights_pulled;
+    d["avg_staleness"] = s.avg_staleness;
+    d["rejected_stale"] = s.rejected_stale;
+    d["rejected_invalid"] = s.rejected_invalid;
+    d["rejected_nonfinite"] = s.rejected_nonfinite;
+    d["ring_depth"] = s.ring_depth;
+    d["ring_high_water"] = s.ring_high_water;
+    d["workers_attached"] = s.workers_attached;
+    d["workers_died"] = s.workers_died;
+    d["workers_evicted"] = s.workers_evicted;
+    d["my_pushes_applied"] = s.my_pushes_applied;
+    d["my_pushes_rejected"] = s.my_pushes_rejected;
+    d["my_pulls"] = s.my_pulls;
+    return d;
+  }
+
+  void ping() {
+    shmps::Status s = unlocked([&] { return w().ping(); });
+    check(s);
+  }
+
+  void detach() {
+    shmps::Status s = unlocked([&] { return w().detach(); });
+    check(s);
+  }
+
+  // Detaches (best effort, as the C++ destructor does) and frees what this
+  // Worker kept alive; further calls raise "closed".
+  void close() {
+    std::unique_ptr<shmps::Worker> w = std::move(w_);
+    unlocked([&] { w.reset(); });
+    kept_.clear();
+    versions_.clear();
+  }
+
+  nb::list tensors() {
+    nb::list out;
+    for (const shmps::TensorInfo& t : w().tensors()) {
+      nb::list shape;
+      for (uint64_t d : t.shape) shape.append(d);
+      out.append(nb::make_tuple(t.id, t.name, nb::tuple(shape), t.element_offset, t.element_count));
+    }
+    return out;
+  }
+
+ private:
+  // A push's result; a stale rejection carries both versions.
+  uint64_t versioned(shmps::Result<uint64_t>&& r, uint64_t worker_version) {
+    if (r.ok()) return *r;
+    StatusError e{r.status()};
+    if (e.status.code() == shmps::ErrorCode::kStale) {
+      e.worker_version = worker_version;
+      e.server_version = w_ ? w_->last_version() : 0;
+    }
+    throw e;
+  }
+
+  struct Kept {
+    std::shared_ptr<shmps::DeviceMemory> memory;
+    nb::object owner;
+  };
+  std::unique_ptr<shmps::Worker> w_;
+  std::map<uint32_t, Kept> kept_;              // by buffer id, while registered
+  std::map<uint64_t, uint64_t> versions_;      // push_async ticket -> its worker_version
+};
+
+PyWorker connect(const std::string& name, double timeout, bool reconnect, double wait_for_server) {
+  shmps::WorkerOptions o;
+  o.name = name;
+  o.timeout = to_ms(timeout);
+  o.reconnect = reconnect;
+  o.wait_for_server = to_ms(wait_for_server);
+  return PyWorker(take(unlocked([&] { return shmps::Worker::connect(o); })));
+}
+
+}  // namespace
+
+NB_MODULE(_shmps, m) {
+  m.doc() = "shmps worker library binding (use the shmps package)";
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      nb::object make = nb::module_::import_("shmps._errors").attr("make_error");
+      nb::object exc = make(static_cast<uint32_t>(e.status.code()), e.status.message(), e.worker_version, e.server_version);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+
+  m.attr("ALL_TENSORS") = shmps::kAllTensors;
+  nb::dict codes;
+  for (uint32_t c = 0; c <= static_cast<uint32_t>(shmps::kLastErrorCode); ++c)
+    codes[nb::int_(c)] = std::string(shmps::error_code_name(static_cast<shmps::ErrorCode>(c)));
+  m.attr("ERROR_CODES") = codes;
+
+  nb::class_<Buffer>(m, "Buffer", nb::type_slots(buffer_slots),
+                     "Memory registered with the server: the buffer protocol (host memory) and DLPack. The bytes "
+                     "must not be written while a push reading them, or read while a pull writing them, is in flight.")
+      .def_ro("id", &Buffer::id)
+      .def_ro("nbytes", &Buffer::nbytes)
+      .def_prop_ro("ptr", [](const Buffer& b) { return reinterpret_cast<uintptr_t>(b.data); })
+      .def_prop_ro("is_cuda", [](const Buffer& b) { return b.device_type == kDLCUDA; })
+      .def_ro("device_index", &Buffer::device_id)
+      .def("__dlpack__",
+           [](nb::handle self, nb::kwargs) { return nb::inst_ptr<Buffer>(self)->dlpack(self); })
+      .def("__dlpack_device__", [](const Buffer& b) { return nb::make_tuple(b.device_type, b.device_id); })
+      .def("__len__", [](const Buffer& b) { return b.nbytes; })
+      .def("__repr__", [](const Buffer& b) {
+        return "shmps.Buffer(id=" + std::to_string(b.id) + ", nbytes=" + std::to_string(b.nbytes) +
+               (b.device_type == kDLCUDA ? ", device=cuda:" + std::to_string(b.device_id) : std::string(", device=cpu")) + ")";
+      });
+
+  nb::class_<PyWorker>(m, "Worker")
+      .def_prop_ro("worker_id", [](PyWorker& w) { return w.w().worker_id(); })
+      .def_prop_ro("generation", [](PyWorker& w) { return w.w().generation(); })
+      .def_prop_ro("total_elements", [](PyWorker& w) { return w.w().total_elements(); })
+      .def_prop_ro("last_version", [](PyWorker& w) { return w.w().last_version(); })
+      .def_prop_ro("closed", &PyWorker::closed)
+      .def("tensors", &PyWorker::tensors)
+      .def("register_buffer", &PyWorker::register_buffer, "nbytes"_a)
+      .def("alloc_device_buffer", &PyWorker::alloc_device_buffer, "nbytes"_a, "device"_a)
+      .def("register_device_buffer", &PyWorker::register_device_buffer, "ptr"_a, "nbytes"_a, "device"_a, "owner"_a)
+      .def("unregister_buffer", &PyWorker::unregister_buffer, "buffer_id"_a)
+      .def("push", &PyWorker::push, "tensor"_a, "buffer"_a, "offset"_a, "nbytes"_a, "dtype"_a, "version"_a, "stream"_a)
+      .def("push_async", &PyWorker::push_async, "tensor"_a, "buffer"_a, "offset"_a, "nbytes"_a, "dtype"_a,
+           "version"_a, "stream"_a)
+      .def("wait", &PyWorker::wait, "ticket"_a)
+      .def("pull", &PyWorker::pull, "tensor"_a, "buffer"_a, "offset"_a, "stream"_a)
+      .def("init", &PyWorker::init, "buffer"_a, "offset"_a, "stream"_a)
+      .def("stats", &PyWorker::stats)
+      .def("ping", &PyWorker::ping)
+      .def("detach", &PyWorker::detach)
+      .def("close", &PyWorker::close);
+
+  m.def("connect", &connect, "name"_a, "timeout"_a, "reconnect"_a, "wait_for_server"_a);
+}

@@ -1,0 +1,42 @@
+"""Fixtures of the Python tests: real shmps-server processes (shmps.Server),
+segment names unique to the test and process, and a check that each test
+leaves nothing of its own in /dev/shm."""
+
+import os
+import glob
+import itertools
+
+import pytest
+
+import shmps
+
+_counter = itertools.count()
+
+# A small model: two tensors, 8 + 8 parameters.
+SMALL = [("w", (4, 2)), ("b", (8,))]
+
+
+def unique_name(tag):
+    """A segment name unique to this process and call (at most 32 characters)."""
+    return f"p{os.getpid()}_{next(_counter)}_{tag}"[:32]
+
+
+@pytest.fixture
+def make_server(request):
+    """make_server(tensors=SMALL, **options) -> a started shmps.Server,
+    stopped at the end of the test; then no shm object of it may remain."""
+    servers = []
+
+    def make(tensors=SMALL, tag=None, **options):
+        options.setdefault("optimizer", "sgd")
+        options.setdefault("backend", "host")
+        s = shmps.Server(tensors=tensors, name=unique_name(tag or request.node.name[5:]), **options)
+        s.start()
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.stop()
+        left = glob.glob(f"/dev/shm/shmps.{s.name}*")
+        assert not left, f"left in /dev/shm: {left}"

@@ -1,0 +1,190 @@
+"""shmps.torch against real shmps-server processes: RemoteOptimizer equals
+torch.optim on the same gradients, its misuse is refused with a clear
+error, and N torch processes train Fashion-MNIST. CUDA cases skip, with the
+reason, where torch sees no GPU."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import shmps  # noqa: E402
+import shmps.torch  # noqa: E402
+from conftest import unique_name  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLE = os.path.join(HERE, "..", "..", "examples", "torch", "train.py")
+DATASET = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 5)
+        self.fc2 = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def gradients(model, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=g) for p in model.parameters()] for _ in range(steps)]
+
+
+# (shmps-server options, the torch.optim that defines them)
+OPTIMIZERS = {
+    "sgd_momentum_nesterov_wd": (dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+                                 lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "sgd_momentum_dampening": (dict(optimizer="sgd", lr=0.05, momentum=0.8, dampening=0.1),
+                               lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.8, dampening=0.1)),
+    "adam": (dict(optimizer="adam", lr=0.01), lambda ps: torch.optim.Adam(ps, lr=0.01)),
+    "adamw": (dict(optimizer="adamw", lr=0.01, weight_decay=0.05),
+              lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.05)),
+}
+
+
+def run_remote(make_server, options, device, steps=25):
+    """The model's weights after `steps` RemoteOptimizer steps on fixed gradients, and torch.optim's."""
+    torch.manual_seed(0)
+    local = Net()
+    remote = Net().to(device)
+    remote.load_state_dict(local.state_dict())
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in local.named_parameters()], **options[0])
+    reference = options[1](local.parameters())
+    worst = 0.0
+    with shmps.connect(server.name) as w:
+        opt = shmps.torch.RemoteOptimizer(remote, w, on_stale="raise", init=True)
+        for step, grads in enumerate(gradients(local, steps)):
+            reference.zero_grad()
+            opt.zero_grad()
+            for p, q, g in zip(local.parameters(), remote.parameters(), grads):
+                p.grad = g.clone()
+                q.grad.copy_(g)
+            reference.step()
+            assert opt.step() == step + 1
+            for (name, p), q in zip(local.named_parameters(), remote.parameters()):
+                diff = (p.detach() - q.detach().cpu()).abs().max().item()
+                worst = max(worst, diff / max(p.detach().abs().max().item(), 1e-30))
+        return worst, [q.detach().cpu().clone() for q in remote.parameters()]
+
+
+@pytest.mark.parametrize("which", sorted(OPTIMIZERS))
+def test_remote_optimizer_equals_torch_optim(make_server, which):
+    worst, _ = run_remote(make_server, OPTIMIZERS[which], "cpu")
+    print(f"{which}: worst relative difference from torch.optim over 25 steps: {worst:.3g}")
+    # The server's kernels compute PyTorch's formulas in fp32 (docs/optimizers.md);
+    # their operation order may differ by a rounding step.
+    assert worst <= 1e-6
+
+
+def test_grad_replaced_by_zero_grad_set_to_none_names_the_parameter(make_server):
+    model = Net()
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    with shmps.connect(server.name) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w)
+        model(torch.randn(2, 6)).sum().backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(2, 6)).sum().backward()  # new .grad tensors, outside the buffer
+        with pytest.raises(RuntimeError, match="'fc1.weight'.*set_to_none"):
+            opt.step()
+
+
+def test_mismatched_names_shapes_and_dtypes_are_refused_at_construction(make_server):
+    model = Net()
+    server = make_server(tensors=[("fc1.weight", (5, 6)), ("fc1.bias", (4,)), ("fc3.bias", (3,))])
+    with shmps.connect(server.name) as w:
+        with pytest.raises(ValueError) as e:
+            shmps.torch.RemoteOptimizer(model, w)
+        text = str(e.value)
+        assert "fc1.bias is (5,) here, (4,) on the server" in text
+        assert "fc2.weight (3, 5) is not on the server" in text
+        assert "fc3.bias is not in the model" in text
+        with pytest.raises(ValueError, match="float64"):
+            shmps.torch.RemoteOptimizer(Net().double(), w)
+
+
+def test_init_twice_is_refused(make_server):
+    model = Net()
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    with shmps.connect(server.name) as a, shmps.connect(server.name) as b:
+        shmps.torch.RemoteOptimizer(model, a, init=True)
+        first = [p.detach().clone() for p in model.parameters()]
+        other = Net()
+        opt_b = shmps.torch.RemoteOptimizer(other, b, init=True)  # refused: already initialised; pulls a's
+        for p, q in zip(first, other.parameters()):
+            assert torch.equal(p, q.detach())
+        with pytest.raises(shmps.InitRefusedError, match="already initialised by worker"):
+            b.init(opt_b._weight_buf)
+
+
+def test_the_server_launcher_takes_the_models_table():
+    model = Net()
+    with shmps.Server(model, optimizer="adam", lr=1e-3, backend="host") as server:
+        with shmps.connect(server.name) as w:
+            assert [(t.name, t.shape) for t in w.tensors] == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        name = server.name
+    assert not glob.glob(f"/dev/shm/shmps.{name}*")
+    with pytest.raises(shmps.ServerNotRunningError, match="exited 2 at start"):
+        shmps.Server(model, optimizer="adam", momentum=0.9).start()  # an SGD option
+
+
+@pytest.mark.skipif(not os.path.exists(DATASET), reason="needs Debian's dataset-fashion-mnist")
+def test_two_torch_processes_two_epochs_on_a_subset_beat_075():
+    name = unique_name("example")
+    out = subprocess.run([sys.executable, EXAMPLE, "--workers", "2", "--epochs", "2", "--train-limit", "12000",
+                          "--test-limit", "2000", "--name", name], capture_output=True, text=True, timeout=120)
+    print(out.stdout[-2000:], out.stderr[-2000:])
+    assert out.returncode == 0
+    final = [line for line in out.stdout.splitlines() if line.startswith("final test accuracy:")]
+    assert final, out.stdout
+    assert float(final[0].split()[3]) > 0.75
+    assert "(agree)" in out.stdout
+    assert not glob.glob(f"/dev/shm/shmps.{name}*"), "the example left shared memory behind"
+
+
+# ---- CUDA (the GPU machine) ----
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+
+
+@cuda
+def test_device_buffers_and_remote_optimizer_on_cuda_match_the_cpu_run(make_server):
+    options = OPTIMIZERS["adam"]
+    _, on_cpu = run_remote(make_server, options, "cpu")
+    worst, on_gpu = run_remote(make_server, options, "cuda:0")
+    diff = max((a - b).abs().max().item() for a, b in zip(on_cpu, on_gpu))
+    print(f"cuda vs cpu: largest difference {diff:.3g}; vs torch.optim {worst:.3g}")
+    assert diff <= 1e-6
+
+
+@cuda
+def test_register_device_buffer_takes_a_torch_tensor(make_server):
+    server = make_server(lr=1)
+    with shmps.connect(server.name) as w:
+        grad = torch.full((w.total_elements,), 2.0, device="cuda:0")
+        buf = w.register_device_buffer(grad)
+        out = w.alloc_device_buffer(w.total_elements * 4, "cuda:0")
+        assert w.push(buf, 0, stream=torch.cuda.current_stream()) == 1
+        w.pull(out, stream=torch.cuda.current_stream())
+        weights = torch.from_dlpack(out).view(torch.float32)
+        assert torch.equal(weights, torch.full_like(weights, -2.0))
+        w.unregister_buffer(buf)
+
+
+@cuda
+def test_expandable_segments_fail_with_a_pointer_to_alloc_device_buffer(make_server):
+    server = make_server()
+    code = (f"import torch, shmps\n"
+            f"w = shmps.connect({server.name!r})\n"
+            f"t = torch.zeros(w.total_elements, device='cuda:0')\n"
+            f"try:\n    w.register_device_buffer(t)\nexcept shmps.CudaError as e:\n    print('REFUSED', e)\n")
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "REFUSED" in out.stdout, out.stdout + out.stderr
+    assert "alloc_device_buffer" in out.stdout

@@ -1,0 +1,241 @@
+"""shmps's Python worker against real shmps-server processes, without torch:
+errors, buffers, exact SGD, bad input, staleness, stats, the GIL, fork and
+reconnect."""
+
+import glob
+import mmap
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import shmps
+from conftest import SMALL, unique_name
+
+
+def weights(worker, buf):
+    """All weights pulled into buf, as a float32 copy, and their version."""
+    version = worker.pull(buf)
+    return np.asarray(buf).view(np.float32)[: worker.total_elements].copy(), version
+
+
+def test_connect_to_a_missing_server_names_the_segment():
+    name = unique_name("absent")
+    with pytest.raises(shmps.ServerNotRunningError) as e:
+        shmps.connect(name)
+    assert f"/dev/shm/shmps.{name}" in str(e.value)
+    assert e.value.code == 12 and e.value.name == "server_not_running"
+    assert isinstance(e.value, shmps.Error) and isinstance(e.value, ConnectionError)
+
+
+def test_the_table_and_the_context_manager(make_server):
+    server = make_server()
+    with shmps.connect(server.name) as w:
+        assert [(t.name, t.shape, t.offset, t.count) for t in w.tensors] == [("w", (4, 2), 0, 8), ("b", (8,), 8, 8)]
+        assert w.total_elements == 16
+        assert w.tensor("b").id == 1
+        with pytest.raises(shmps.UnknownTensorError):
+            w.tensor("nope")
+    assert w.closed
+    with pytest.raises(shmps.UnknownWorkerError):
+        w.ping()
+
+
+def test_a_buffer_is_writable_shared_memory(make_server):
+    server = make_server()
+    with shmps.connect(server.name) as w:
+        buf = w.register_buffer(4096)
+        view = memoryview(buf)
+        assert view.nbytes == 4096 and not view.readonly
+        view[:5] = b"hello"
+        np.asarray(buf)[5:8] = [1, 2, 3]
+        # A second mapping of the object the server maps sees the same bytes.
+        (path,) = glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*")
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), 4096) as m:
+            assert m[:8] == b"hello\x01\x02\x03"
+            m[8:10] = b"!!"
+        assert bytes(view[8:10]) == b"!!"
+
+
+def test_sgd_with_lr_1_gives_exactly_w0_minus_g(make_server):
+    server = make_server(lr=1, init="uniform", init_seed=3)
+    with shmps.connect(server.name) as w:
+        out = w.register_buffer(w.total_elements * 4)
+        grad = w.register_buffer(w.total_elements * 4)
+        w0, v0 = weights(w, out)
+        assert v0 == 0 and np.any(w0 != 0)
+        g = np.linspace(-2, 3, w.total_elements, dtype=np.float32)
+        np.asarray(grad).view(np.float32)[:] = g
+        assert w.push(grad, v0) == 1
+        w1, v1 = weights(w, out)
+        assert v1 == 1
+        assert np.array_equal(w1, w0 - g)
+
+
+def test_each_bad_input_raises_its_own_error_and_changes_nothing(make_server):
+    server = make_server(lr=0.5)
+    w = shmps.connect(server.name)
+    n = w.total_elements
+    out = w.register_buffer(n * 4)
+    grad = w.register_buffer(n * 4)
+    np.asarray(grad).view(np.float32)[:] = 1.0
+    before, v = weights(w, out)
+    cases = [
+        (shmps.BadLengthError, lambda: w.push(grad, v, nbytes=8)),
+        (shmps.BadDtypeError, lambda: w.push(grad, v, dtype="int8")),
+        (shmps.BadLengthError, lambda: w.push(grad, v, dtype="float16", nbytes=n * 4)),
+        (shmps.BadRequestError, lambda: w.push(grad, v + 5)),
+        (shmps.UnknownTensorError, lambda: w.push(grad, v, tensor="nope")),
+        (shmps.UnknownTensorError, lambda: w.push(grad, v, tensor=99, nbytes=4)),
+        (shmps.UnknownBufferError, lambda: w.push(77, v)),
+        (shmps.BadRangeError, lambda: w.push(grad, v, offset=8)),
+        (shmps.InvalidArgumentError, lambda: w.register_buffer(0)),
+    ]
+    for error, call in cases:
+        with pytest.raises(error):
+            call()
+    np.asarray(grad).view(np.float32)[3] = np.nan
+    with pytest.raises(shmps.NonFiniteError):
+        w.push(grad, v)
+    after, v_after = weights(w, out)
+    assert v_after == v and np.array_equal(after, before)
+    w.close()
+    with pytest.raises(shmps.UnknownWorkerError):
+        w.push(grad, v)
+    w.close()  # idempotent
+
+
+def test_a_stale_push_raises_stale_error_with_both_versions(make_server):
+    server = make_server(max_staleness=1)
+    with shmps.connect(server.name) as w:
+        grad = w.register_buffer(w.total_elements * 4)
+        for _ in range(3):
+            w.push(grad, w.pull(grad))
+        with pytest.raises(shmps.StaleError) as e:
+            w.push(grad, 1)
+        assert (e.value.worker_version, e.value.server_version) == (1, 3)
+        assert "staleness 2 > max_staleness 1" in str(e.value)
+
+
+def test_push_async_wait_and_stats_move(make_server):
+    server = make_server()
+    with shmps.connect(server.name) as w:
+        grad = w.register_buffer(w.total_elements * 4)
+        s0 = w.stats()
+        tickets = [w.push_async(grad, 0, tensor="w"), w.push_async(grad, 0, tensor="b")]
+        assert [w.wait(t) for t in tickets] == [1, 2]
+        w.pull(grad)
+        w.ping()
+        s1 = w.stats()
+        assert (s0.gradients_applied, s1.gradients_applied) == (0, 2)
+        assert s1.my_pushes_applied == 2 and s1.my_pulls == 1 and s1.version == 2
+        assert s1.workers_attached == 1
+
+
+def test_init_sets_the_weights_once_before_any_push(make_server):
+    server = make_server()
+    a, b = shmps.connect(server.name), shmps.connect(server.name)
+    buf_a = a.register_buffer(a.total_elements * 4)
+    buf_b = b.register_buffer(b.total_elements * 4)
+    np.asarray(buf_a).view(np.float32)[:] = np.arange(a.total_elements, dtype=np.float32)
+    a.init(buf_a)
+    with pytest.raises(shmps.InitRefusedError) as e:
+        b.init(buf_b)
+    assert f"already initialised by worker {a.worker_id}" in str(e.value)
+    got, version = weights(b, buf_b)
+    assert version == 0 and np.array_equal(got, np.arange(a.total_elements, dtype=np.float32))
+    a.close()
+    b.close()
+
+
+def test_a_push_to_a_stopped_server_times_out_while_other_threads_run(make_server):
+    server = make_server()
+    w = shmps.connect(server.name, timeout=0.5)
+    grad = w.register_buffer(w.total_elements * 4)
+    ticks = []
+    done = threading.Event()
+
+    def count():
+        while not done.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.005)
+
+    t = threading.Thread(target=count)
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        t.start()
+        start = time.monotonic()
+        with pytest.raises(shmps.TimeoutError):
+            w.push(grad, 0)
+        waited = time.monotonic() - start
+    finally:
+        done.set()
+        t.join()
+        os.kill(server.process.pid, signal.SIGCONT)
+    assert waited >= 0.4
+    # The GIL was released: the other thread kept ticking during the wait.
+    assert sum(1 for x in ticks if start < x < start + waited) > 20
+    assert isinstance(shmps.TimeoutError("x"), TimeoutError)
+    w.close()
+
+
+def test_a_forked_child_cannot_use_its_parents_worker_and_connects_its_own(make_server):
+    server = make_server()
+    w = shmps.connect(server.name)
+    grad = w.register_buffer(w.total_elements * 4)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            w.ping()
+            code = 1
+        except shmps.InvalidArgumentError as e:
+            code = 0 if "connect its own" in str(e) else 2
+        except BaseException:
+            code = 3
+        try:
+            with shmps.connect(server.name) as own:
+                own.ping()
+        except BaseException:
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    w.ping()  # the parent's session is untouched
+    assert w.push(grad, w.pull(grad)) == 1
+    w.close()
+
+
+def test_a_worker_cannot_be_pickled(make_server):
+    import pickle
+
+    server = make_server()
+    with shmps.connect(server.name) as w:
+        with pytest.raises(TypeError, match="connect\\(\\) in the child"):
+            pickle.dumps(w)
+
+
+def test_reconnect_after_the_server_is_killed_and_restarted(make_server):
+    server = make_server(init="uniform")
+    w = shmps.connect(server.name, timeout=10, reconnect=True)
+    grad = w.register_buffer(w.total_elements * 4)
+    out = w.register_buffer(w.total_elements * 4)
+    w.push(grad, w.pull(out))
+    generation = w.generation
+    server.process.kill()
+    server.process.wait()
+    server.process = None
+    again = shmps.Server(tensors=SMALL, name=server.name, optimizer="sgd", backend="host", init="uniform")
+    again.start()
+    try:
+        with pytest.raises(shmps.ServerRestartedError):
+            w.push(grad, 1)  # computed against the dead server's weights
+        version = w.pull(out)  # re-attached, buffers registered again under their ids
+        assert version == 0 and w.generation != generation
+        assert w.push(grad, version) == 1
+    finally:
+        w.close()
+        again.stop()
