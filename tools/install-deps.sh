@@ -3,10 +3,12 @@
 # the toolchain, Boost (Interprocess, Program_options, Test), nlohmann-json,
 # OpenBLAS and zlib (training job), the Fashion-MNIST dataset package,
 # libsystemd (sd_notify), and for the service tests and the .deb:
-# systemd (systemd-analyze only; it does not become PID 1) and dpkg-dev
-# (dpkg-shlibdeps for cpack -G DEB); clang with its libFuzzer runtime
-# (libclang-rt-14-dev, only recommended by clang) for the fuzz targets;
-# libzmq3-dev for the ZeroMQ baseline of shmps-compare (bench/).
+# systemd (systemd-analyze only; it does not become PID 1), dpkg-dev
+# (dpkg-shlibdeps for cpack -G DEB), and systemd-container (systemd-nspawn)
+# with mmdebstrap, which boot the unit under a real systemd in a Debian
+# container (test label `systemd`, as root); clang with its libFuzzer
+# runtime (libclang-rt-14-dev, only recommended by clang) for the fuzz
+# targets; libzmq3-dev for the ZeroMQ baseline of shmps-compare (bench/).
 # Runs apt-get as root, through sudo when started as a user.
 set -euo pipefail
 packages=(
@@ -14,7 +16,7 @@ packages=(
   libboost-dev libboost-program-options-dev libboost-test-dev
   nlohmann-json3-dev libopenblas-dev zlib1g-dev
   dataset-fashion-mnist
-  libsystemd-dev systemd dpkg-dev
+  libsystemd-dev systemd dpkg-dev systemd-container mmdebstrap
   clang libclang-rt-14-dev
   libzmq3-dev
 )
