@@ -29,7 +29,8 @@
 # trap (systemd-nspawn killed by SIGKILL leaves its container running).
 set -euo pipefail
 export LC_ALL=C
-skip() { echo "SKIP: $*"; exit 77; }
+skipped=0
+skip() { echo "SKIP: $*"; skipped=1; exit 77; }
 
 [ $# -eq 2 ] || { echo "usage: $0 <build dir> <shmps-service-worker>"; exit 2; }
 build=$(cd "$1" && pwd)
@@ -85,6 +86,13 @@ teardown() {
   rm -rf --one-file-system "$scratch"
 }
 
+# No consumer in a pipeline stops reading early (head, grep -q, awk's exit):
+# its producer would die of SIGPIPE, and pipefail would fail the pipeline.
+first_child() {  # first_child PID: the first child process of PID, or nothing
+  local children
+  children=$(cat /proc/"$1"/task/*/children 2>/dev/null || true)
+  echo "${children%% *}"
+}
 ct_t() {  # ct_t SECONDS command...: a command in the container, as root, in a clean environment
   local limit=$1
   shift
@@ -104,6 +112,8 @@ journal() { ct journalctl -u $unit --no-pager "$@"; }
 on_exit() {
   local status=$?
   set +e
+  trap - ERR
+  [ $status -eq 77 ] && [ $skipped -eq 0 ] && status=1   # a command's own 77 is no skip
   if [ $status -ne 0 ] && [ $status -ne 77 ] && [ -n "$ct_pid1" ] && kill -0 "$ct_pid1" 2>/dev/null; then
     echo "---- systemctl status $unit"
     ct systemctl status --no-pager -l -n 0 $unit 2>&1
@@ -127,6 +137,9 @@ on_exit() {
 }
 trap on_exit EXIT
 trap 'exit 143' TERM INT HUP
+# A command that fails unchecked names itself (set -e would end the test silently).
+set -E
+trap 'echo "FAIL: \"$BASH_COMMAND\" exited $? (line $LINENO${FUNCNAME:+, called from lines ${BASH_LINENO[*]}})"' ERR
 fail() {
   echo "FAIL: $*"
   exit 1
@@ -212,17 +225,17 @@ step "boot (systemd-nspawn, machine $machine)"
 ) > "$scratch/console.log" 2>&1 < /dev/null &
 nspawn_pid=$!
 # The reaper: once this script is gone (or after 10 minutes), tear down.
-reaper=$(declare -p scratch root machine nspawn_pid cgroups created_run_dirs; declare -f teardown)
+reaper=$(declare -p scratch root machine nspawn_pid cgroups created_run_dirs; declare -f teardown first_child)
 setsid bash -c "$reaper"'
   for _ in $(seq 600); do kill -0 '"$$"' 2>/dev/null || break; sleep 1; done
-  ct_pid1=$(cat /proc/$nspawn_pid/task/*/children 2>/dev/null | head -n1 | tr -d " ")
+  ct_pid1=$(first_child $nspawn_pid)
   teardown' > /dev/null 2>&1 < /dev/null 9>&- &
 reaper_pid=$!
 
 booted=
 for _ in $(seq 300); do
   kill -0 $nspawn_pid 2>/dev/null || break
-  pid=$(cat /proc/$nspawn_pid/task/*/children 2>/dev/null | head -n1 | tr -d ' ')
+  pid=$(first_child $nspawn_pid)
   if [ -n "$pid" ] && [ "$(cat /proc/$pid/comm 2>/dev/null)" = systemd ]; then
     ct_pid1=$pid
     state=$(ct_t 5 systemctl is-system-running 2>/dev/null || true)
@@ -236,7 +249,7 @@ if [ -z "$booted" ]; then
   skip "the container did not boot within 60 s (its console above)"
 fi
 [ "$booted" = running ] || echo "note: the container is $booted: $(ct systemctl --failed --no-legend --plain | tr '\n' ' ')"
-step "booted: PID 1 is $ct_pid1 on the host, $(ct systemctl --version | head -n1)"
+step "booted: PID 1 is $ct_pid1 on the host, $(ct systemctl --version | sed -n 1p)"
 
 # ---- install, users, the config ----
 ct dpkg -i "/srv/shmps-test/$(basename "$deb")" > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; fail "dpkg -i"; }
@@ -250,7 +263,7 @@ step "installed $(basename "$deb"); system user shmps (uid $uid)"
 programs="$(ct dpkg -L "$(dpkg-deb -f "$deb" Package)" | grep '^/usr/bin/shmps-' | tr '\n' ' ') /usr/local/bin/shmps-service-worker"
 missing=$(ct sh -c "ldd $programs || true" | awk '/=> not found/ { print $1 }' | sort -u)
 for lib in $missing; do
-  path=$(ldconfig -p | awk -v lib="$lib" '$1 == lib { print $NF; exit }')
+  path=$(ldconfig -p | awk -v lib="$lib" '$1 == lib && path == "" { path = $NF } END { print path }')
   [ -n "$path" ] || fail "$lib, needed by the package's programs, is neither in the root nor on this host"
   cp -L "$path" "$share/$lib"
   ct install -m 0644 "/srv/shmps-test/$lib" "/usr/local/lib/$lib"
@@ -371,4 +384,4 @@ wait_for 10 "no 'stopped: version' at info" journal_has info 'stopped: version '
 ct ls /var/lib/shmps/job1 | grep -E "(^|[^0-9])0*$final([^0-9]|$)" > /dev/null ||
   fail "no checkpoint file of version $final: $(ct ls /var/lib/shmps/job1)"
 step "stopped: final checkpoint written: version $final; segment removed"
-echo "ok: shmps@.service under systemd $(ct systemctl --version | head -n1 | cut -d' ' -f2), in $((SECONDS - t0)) s"
+echo "ok: shmps@.service under systemd $(ct systemctl --version | sed -n '1s/^systemd \([0-9]*\).*/\1/p'), in $((SECONDS - t0)) s"
