@@ -3,11 +3,17 @@
 # the toolchain, Boost (Interprocess, Program_options, Test), nlohmann-json,
 # OpenBLAS and zlib (training job), the Fashion-MNIST dataset package,
 # libsystemd (sd_notify), and for the service tests and the .deb:
-# systemd (systemd-analyze only; it does not become PID 1) and dpkg-dev
-# (dpkg-shlibdeps for cpack -G DEB); clang with its libFuzzer runtime
-# (libclang-rt-14-dev, only recommended by clang) for the fuzz targets;
-# libzmq3-dev for the ZeroMQ baseline of shmps-compare (bench/);
+# systemd (systemd-analyze only; it does not become PID 1), dpkg-dev
+# (dpkg-shlibdeps for cpack -G DEB), and systemd-container (systemd-nspawn)
+# with mmdebstrap, which boot the unit under a real systemd in a Debian
+# container (test label `systemd`, as root); clang with its libFuzzer
+# runtime (libclang-rt-14-dev, only recommended by clang) for the fuzz
+# targets; libzmq3-dev for the ZeroMQ baseline of shmps-compare (bench/);
 # help2man (the man pages), lintian and file for the package test.
+# The Python package (python/): Debian's python3 with its headers, torch
+# 1.13 (CPU), numpy and pytest, and a venv over them (.venv, made with
+# --system-site-packages, git-ignored) holding nanobind and scikit-build-core
+# from PyPI, which CMake then uses.
 # Runs apt-get as root, through sudo when started as a user.
 set -euo pipefail
 packages=(
@@ -15,10 +21,11 @@ packages=(
   libboost-dev libboost-program-options-dev libboost-test-dev
   nlohmann-json3-dev libopenblas-dev zlib1g-dev
   dataset-fashion-mnist
-  libsystemd-dev systemd dpkg-dev
+  libsystemd-dev systemd dpkg-dev systemd-container mmdebstrap
   clang libclang-rt-14-dev
   libzmq3-dev
   help2man lintian file
+  python3-dev python3-venv python3-torch python3-numpy python3-pytest
 )
 as_root=()
 if [ "$(id -u)" -ne 0 ]; then as_root=(sudo); fi
@@ -29,4 +36,14 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   "${as_root[@]}" apt-get update -qq
   DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The venv, as the invoking user (not root through sudo), over Debian's
+# python3 (not the first python3 on PATH: Debian's torch imports only there).
+here=$(cd "$(dirname "$0")/.." && pwd)
+venv=$here/.venv
+if ! "$venv/bin/python3" -c 'import nanobind, scikit_build_core, torch' 2>/dev/null; then
+  rm -rf "$venv"
+  /usr/bin/python3 -m venv --system-site-packages "$venv"
+  "$venv/bin/python3" -m pip install -q --disable-pip-version-check 'nanobind==2.9.2' 'scikit-build-core==0.11.6'
 fi
