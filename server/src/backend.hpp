@@ -159,11 +159,4 @@ bool cuda_backend_available(std::string* reason);
 // cuda_backend_select.cpp; auto falls back to host with a log line).
 Result<std::unique_ptr<Backend>> select_backend(BackendKind kind, const std::string& device);
 
-// Tests only: while set, Server::create() takes its backend from this
-// factory instead of the configured one (tests/server inject a backend
-// that defers completions, to exercise that path without a GPU). Set and
-// reset it while no Server is being created.
-using BackendFactory = std::function<std::unique_ptr<Backend>()>;
-void set_backend_factory_for_tests(BackendFactory factory);
-
 }  // namespace shmps::server

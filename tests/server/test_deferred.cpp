@@ -111,9 +111,7 @@ struct GatedServer {
     config.optimizer.lr = 1.0f;
     config.max_staleness = 1u << 20;
     config.backend = BackendKind::kHost;
-    set_backend_factory_for_tests([this] { return std::make_unique<GatedBackend>(&gate); });
-    auto s = Server::create(config);
-    set_backend_factory_for_tests(nullptr);
+    auto s = Server::create(config, std::make_unique<GatedBackend>(&gate));
     BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
     server = std::move(s).value();
     thread = std::thread([this] {

@@ -16,6 +16,8 @@
 
 namespace shmps::server {
 
+class Backend;  // server/src/backend.hpp: the memory that holds the weights
+
 // What run() does besides serving, for a daemon under a service manager.
 struct RunOptions {
   // Speak sd_notify (service.hpp) when $NOTIFY_SOCKET is set: READY=1 as
@@ -40,6 +42,10 @@ class Server {
   // kLayoutMismatch / kPermission / kNoCapacity from the segment, kIo for
   // an unreadable init file, kCuda when the CUDA backend cannot start.
   static Result<std::unique_ptr<Server>> create(const ServerConfig& config);
+  // The same on `backend` instead of the one config.backend selects (tests
+  // inject a backend that defers completions, to exercise that path
+  // without a GPU). Null: the configured one.
+  static Result<std::unique_ptr<Server>> create(const ServerConfig& config, std::unique_ptr<Backend> backend);
   ~Server();  // removes the segment if run() did not
 
   // Serves requests until request_stop(); then fails every request still
@@ -68,7 +74,7 @@ class Server {
 
  private:
   explicit Server(std::unique_ptr<Impl> impl);
-  static Result<std::unique_ptr<Server>> create_unguarded(const ServerConfig& config);
+  static Result<std::unique_ptr<Server>> create_unguarded(const ServerConfig& config, std::unique_ptr<Backend> backend);
   std::unique_ptr<Impl> impl_;
 };
 

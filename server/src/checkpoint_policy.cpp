@@ -1,0 +1,85 @@
+#include "checkpoint_policy.hpp"
+
+#include <filesystem>
+#include <optional>
+
+#include "shmps/kernels/optimizer.hpp"
+#include "shmps/server/log.hpp"
+
+namespace shmps::server {
+
+CheckpointPolicy::CheckpointPolicy(const ServerConfig& config, Model& model, Backend& backend, shm::StatsBlock& stats)
+    : config_(config), model_(model), backend_(backend), stats_(stats) {}
+
+CheckpointLayout CheckpointPolicy::layout() const {
+  CheckpointLayout l;
+  l.tensors = config_.tensors;
+  l.optimizer_kind = static_cast<uint32_t>(config_.optimizer.kind);
+  l.state_arrays = static_cast<uint32_t>(kernels::state_arrays(config_.optimizer));
+  return l;
+}
+
+CheckpointData CheckpointPolicy::snapshot() const {
+  CheckpointData d;
+  d.version = model_.version;
+  d.layout = layout();
+  d.steps = model_.steps;
+  d.weights = backend_.read_weights();
+  d.state = backend_.read_state();
+  return d;
+}
+
+Status CheckpointPolicy::start(uint64_t now) {
+  std::error_code ec;
+  std::filesystem::create_directories(config_.checkpoint_dir, ec);
+  if (ec) return Status{ErrorCode::kIo, "--checkpoint-dir " + config_.checkpoint_dir + ": " + ec.message()};
+  remove_temp_files(config_.checkpoint_dir);
+  std::optional<uint64_t> restored;
+  const CheckpointLayout l = layout();
+  for (const std::string& path : list_checkpoints(config_.checkpoint_dir)) {
+    auto data = read_checkpoint(path, l);
+    if (!data.ok()) {
+      log::error("checkpoint " + data.status().message() + "; trying the previous one");
+      continue;
+    }
+    if (Status s = backend_.load(data->weights, data->state); !s.ok()) return s;
+    model_.steps = data->steps;
+    model_.version = data->version;
+    last_version_ = model_.version;
+    // relaxed: published with the segment (publish() is a release store).
+    stats_.version.store(model_.version, std::memory_order_relaxed);
+    log::info("restored checkpoint " + path + ": version " + std::to_string(model_.version));
+    restored = model_.version;
+    break;
+  }
+  if (!restored) log::info("no valid checkpoint in " + config_.checkpoint_dir + "; starting from the configured initial values");
+  writer_ = std::make_unique<CheckpointWriter>(config_.checkpoint_dir, config_.checkpoint_keep, restored);
+  last_ns_ = now;
+  return Status::Ok();
+}
+
+void CheckpointPolicy::maybe(uint64_t now) {
+  if (Status s = writer_->take_result(); !s.ok()) log::error(s.message());
+  if (model_.version == last_version_) return;
+  const bool by_count = config_.checkpoint_every != 0 && model_.version - last_version_ >= config_.checkpoint_every;
+  const bool by_time = config_.checkpoint_interval_s != 0 &&
+                       now - last_ns_ >= uint64_t{config_.checkpoint_interval_s} * 1'000'000'000;
+  if (!by_count && !by_time) return;
+  if (writer_->busy()) return;
+  writer_->submit(snapshot());
+  log::info("checkpoint of version " + std::to_string(model_.version) + " handed to the writer");
+  last_version_ = model_.version;
+  last_ns_ = now;
+}
+
+Status CheckpointPolicy::write_final() {
+  if (Status s = writer_->drain(); !s.ok()) log::error(s.message());
+  if (model_.version == writer_->last_written()) return Status::Ok();
+  if (Status s = write_checkpoint(config_.checkpoint_dir, snapshot()); !s.ok()) return Status{s.code(), "final " + s.message()};
+  prune_checkpoints(config_.checkpoint_dir, config_.checkpoint_keep, model_.version, layout());
+  last_version_ = model_.version;
+  log::info("final checkpoint written: version " + std::to_string(model_.version) + " in " + config_.checkpoint_dir);
+  return Status::Ok();
+}
+
+}  // namespace shmps::server

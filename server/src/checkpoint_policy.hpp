@@ -1,0 +1,61 @@
+// When the server checkpoints, and what: at start the newest valid
+// checkpoint of --checkpoint-dir is restored; a snapshot of the model (its
+// version and step counts) and of the backend's weights and optimizer state
+// is handed to the writer thread (checkpoint.hpp) every --checkpoint-every
+// updates and every --checkpoint-interval-s seconds, and the final one is
+// written at stop unless that version is on disk already. Consumer thread
+// only (the writer thread is CheckpointWriter's).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "backend.hpp"
+#include "checkpoint.hpp"
+#include "model.hpp"
+#include "shmps/server/config.hpp"
+#include "shmps/shm/layout.hpp"
+
+namespace shmps::server {
+
+class CheckpointPolicy {
+ public:
+  CheckpointPolicy(const ServerConfig& config, Model& model, Backend& backend, shm::StatsBlock& stats);
+
+  // Creates the directory, removes the temp files of a writer killed
+  // mid-write, restores the newest valid checkpoint (a corrupt, truncated
+  // or foreign file is reported and the previous one tried; with none, the
+  // configured initial values stay) and starts the writer. Errors: kIo
+  // (the directory), the backend's.
+  Status start(uint64_t now);
+  // After an applied push: the count trigger.
+  void after_push(uint64_t now) {
+    if (config_.checkpoint_every != 0 && model_.version - last_version_ >= config_.checkpoint_every) maybe(now);
+  }
+  // Every tick of the loop: both triggers.
+  void tick(uint64_t now) { maybe(now); }
+  // At stop: the current version on disk, unless a checkpoint of it is
+  // there already (restored, or written by the writer: a periodic write
+  // that failed does not count). Errors: the write's; the server then
+  // exits with it, so that an operator learns the state was not saved.
+  Status write_final();
+
+ private:
+  CheckpointLayout layout() const;
+  CheckpointData snapshot() const;
+  // Hands a snapshot to the writer when a trigger fired and it is idle;
+  // never waits for the disk. A trigger that finds the writer busy fires
+  // again on the next push or tick, so under load a checkpoint may land a
+  // few versions after the multiple of checkpoint_every.
+  void maybe(uint64_t now);
+
+  const ServerConfig& config_;
+  Model& model_;
+  Backend& backend_;
+  shm::StatsBlock& stats_;
+  std::unique_ptr<CheckpointWriter> writer_;
+  uint64_t last_version_ = 0;  // handed to the writer (or restored)
+  uint64_t last_ns_ = 0;
+};
+
+}  // namespace shmps::server

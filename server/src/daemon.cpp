@@ -1,0 +1,79 @@
+// run_server(): shmps-server as a daemon. create() + run() with sd_notify
+// on, SIGINT/SIGTERM wired to request_stop() and SIGHUP to
+// request_reload(), the reload parsing the command line again.
+#include <pthread.h>
+#include <signal.h>
+
+#include <atomic>
+
+#include "shmps/server/options.hpp"
+#include "shmps/server/server.hpp"
+
+namespace shmps::server {
+namespace {
+
+// The running server, for the signal handlers. SYNC(signal_server): the
+// release store after create() pairs with the handlers' acquire load, so a
+// handler that sees the pointer sees the whole Server.
+std::atomic<Server*> g_server{nullptr};
+extern "C" void on_stop_signal(int) {
+  if (Server* s = g_server.load(std::memory_order_acquire)) s->request_stop();  // SYNC(signal_server)
+}
+extern "C" void on_reload_signal(int) {
+  if (Server* s = g_server.load(std::memory_order_acquire)) s->request_reload();  // SYNC(signal_server)
+}
+
+void handle(int signo, void (*handler)(int)) {
+  struct sigaction sa{};
+  sa.sa_handler = handler;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(signo, &sa, nullptr);
+}
+
+}  // namespace
+
+Status run_server(const ServerConfig& config, const std::vector<std::string>& argv) {
+  // A SIGHUP during start-up must not kill the daemon (its default action);
+  // the configuration it would re-read was read just now anyway. SIGINT and
+  // SIGTERM are held back (blocked, so pending) while the server is created:
+  // one that arrives after the segment is published but before the handlers
+  // are in place would otherwise kill the process without its shutdown
+  // (a stop right after start-up, as systemd may send). Unblocked once the
+  // handlers are installed, a pending one stops run() at once, cleanly.
+  // Threads started meanwhile (checkpoint writer, OpenMP) keep them
+  // blocked, so they are delivered to this thread.
+  handle(SIGHUP, SIG_IGN);
+  sigset_t stop_signals, previous;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  ::pthread_sigmask(SIG_BLOCK, &stop_signals, &previous);
+  auto server = Server::create(config);
+  if (!server.ok()) {
+    ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+    return server.status();
+  }
+  g_server.store(server->get(), std::memory_order_release);  // SYNC(signal_server)
+  handle(SIGINT, on_stop_signal);
+  handle(SIGTERM, on_stop_signal);
+  handle(SIGHUP, on_reload_signal);
+  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  RunOptions options;
+  options.notify_service_manager = true;
+  if (!argv.empty()) {
+    options.reload = [argv]() -> Result<ServerConfig> {
+      std::vector<const char*> args;
+      for (const std::string& a : argv) args.push_back(a.c_str());
+      auto parsed = parse_options(static_cast<int>(args.size()), args.data());
+      if (!parsed.ok()) return parsed.status();
+      if (parsed->help || parsed->version || parsed->check)
+        return Status{ErrorCode::kInvalidArgument, "the command line asks for --help, --version or --check-config"};
+      return std::move(parsed).value().config;
+    };
+  }
+  Status s = (*server)->run(options);
+  g_server.store(nullptr, std::memory_order_release);  // SYNC(signal_server)
+  return s;
+}
+
+}  // namespace shmps::server

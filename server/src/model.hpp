@@ -1,0 +1,56 @@
+// The model as the server's consumer thread keeps it: the tensor table (a
+// private copy, never re-read from shared memory), PyTorch's step count per
+// tensor, the version, the staleness of the last applied pushes and who
+// initialised the weights. The weights and optimizer state themselves are
+// the backend's. Consumer thread only (and Server::create() before it).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shmps/server/config.hpp"
+#include "shmps/shm/layout.hpp"
+#include "shmps/status.hpp"
+
+namespace shmps::server {
+
+// The mean staleness of the last kSize applied pushes.
+class StalenessWindow {
+ public:
+  static constexpr size_t kSize = 128;
+  // Adds one push's staleness; returns the mean over the window in
+  // millionths (what StatsBlock::avg_staleness_micro holds). A constant
+  // divisor once the window is full: a multiply, not a 64-bit division, on
+  // every push.
+  uint64_t record(uint64_t staleness) {
+    const size_t pos = count_ % kSize;
+    if (count_ >= kSize) sum_ -= window_[pos];
+    window_[pos] = staleness;
+    sum_ += staleness;
+    ++count_;
+    return count_ >= kSize ? sum_ * 1'000'000 / kSize : sum_ * 1'000'000 / count_;
+  }
+
+ private:
+  std::array<uint64_t, kSize> window_{};
+  uint64_t count_ = 0;
+  uint64_t sum_ = 0;
+};
+
+struct Model {
+  std::vector<shm::TensorDesc> tensors;
+  uint64_t total_elements = 0;
+  std::vector<uint64_t> steps;  // per tensor, PyTorch's step count
+  uint64_t version = 0;         // applied pushes (or the restored checkpoint's)
+  std::string initialised_by;   // "worker 2 (pid 4711)" once a worker's init was accepted
+  StalenessWindow staleness;
+};
+
+// The weights --init asks for: zeros, N(0, scale) or U(-scale, scale) from
+// a seeded mt19937_64, or the raw fp32 of --init-file. Errors: the file's
+// (kIo, kInvalidArgument).
+Result<std::vector<float>> initial_weights(const InitSpec& init, uint64_t total);
+
+}  // namespace shmps::server

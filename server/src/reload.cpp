@@ -1,0 +1,82 @@
+#include "reload.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shmps/kernels/optimizer.hpp"
+#include "shmps/server/log.hpp"
+#include "shmps/server/options.hpp"
+
+namespace shmps::server {
+namespace {
+
+// The entries of config_entries() with repeated keys (tensor) joined, in order.
+std::vector<std::pair<std::string, std::string>> grouped_entries(const ServerConfig& config) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (auto& [key, value] : config_entries(config)) {
+    auto it = std::find_if(out.begin(), out.end(), [&key = key](const auto& e) { return e.first == key; });
+    if (it == out.end()) out.emplace_back(key, value);
+    else it->second += "," + value;
+  }
+  return out;
+}
+
+}  // namespace
+
+void apply_live(ServerConfig& running, const ServerConfig& next, shm::ConfigBlock& shared) {
+  const auto before = grouped_entries(running);
+  const auto after = grouped_entries(next);
+  std::vector<std::string> keys;
+  for (const auto* side : {&after, &before})
+    for (const auto& e : *side)
+      if (std::find(keys.begin(), keys.end(), e.first) == keys.end()) keys.push_back(e.first);
+  const auto value_of = [](const auto& entries, const std::string& key) {
+    for (const auto& e : entries)
+      if (e.first == key) return e.second;
+    return std::string("(unset)");
+  };
+  int applied = 0, pending = 0;
+  for (const std::string& key : keys) {
+    const std::string old_value = value_of(before, key), new_value = value_of(after, key);
+    if (old_value == new_value) continue;
+    const std::string change = "reload: " + key + " " + old_value + " -> " + new_value;
+    if (key == "lr") {
+      kernels::OptimizerConfig candidate = running.optimizer;
+      candidate.lr = next.optimizer.lr;
+      if (std::string err = kernels::validate(candidate); !err.empty()) {
+        log::error("reload: lr " + new_value + " refused, keeping " + old_value + ": " + err);
+        continue;
+      }
+      running.optimizer.lr = next.optimizer.lr;
+      // relaxed: a display value for shmps-inspect (an aligned 4-byte
+      // store, never torn); the server reads its own copy.
+      std::atomic_ref<float>(shared.lr).store(running.optimizer.lr, std::memory_order_relaxed);
+      log::info(change);
+    } else if (key == "max-staleness") {
+      running.max_staleness = next.max_staleness;
+      // relaxed: as lr above.
+      std::atomic_ref<uint64_t>(shared.max_staleness).store(running.max_staleness, std::memory_order_relaxed);
+      log::info(change);
+    } else if (key == "log-level") {
+      // Written under whichever of the two levels is more verbose, so the
+      // change itself is always seen.
+      const bool more_verbose = static_cast<int>(next.log_level) > static_cast<int>(running.log_level);
+      if (more_verbose) log::set_level(next.log_level);
+      log::info(change);
+      if (!more_verbose) log::set_level(next.log_level);
+      running.log_level = next.log_level;
+    } else {
+      log::warn(change + " needs a restart; still " + old_value);
+      ++pending;
+      continue;
+    }
+    ++applied;
+  }
+  log::info("reloaded the configuration: " + std::to_string(applied) + " change(s) applied" +
+            (pending > 0 ? ", " + std::to_string(pending) + " need a restart" : std::string()));
+}
+
+}  // namespace shmps::server

@@ -1,0 +1,17 @@
+// A configuration reload (SIGHUP): what may change while workers run is
+// applied and logged old -> new; any other difference waits for a restart
+// and is logged as such. Consumer thread only.
+#pragma once
+
+#include "shmps/server/config.hpp"
+#include "shmps/shm/layout.hpp"
+
+namespace shmps::server {
+
+// Applies next's live keys (lr, max-staleness, log-level) to `running`
+// and to the segment's config block `shared` (shmps-inspect shows the
+// values in force), logging every difference. An lr the optimizer refuses
+// is logged and kept as it was.
+void apply_live(ServerConfig& running, const ServerConfig& next, shm::ConfigBlock& shared);
+
+}  // namespace shmps::server

@@ -1,0 +1,329 @@
+#include "request_handler.hpp"
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "shmps/kernels/optimizer.hpp"
+#include "shmps/server/log.hpp"
+
+namespace shmps::server {
+
+using shm::Completion;
+using shm::Opcode;
+using shm::Request;
+
+namespace {
+
+const char* opcode_name(uint32_t opcode) {
+  static constexpr const char* kNames[] = {"request", "attach", "detach", "register_buffer", "unregister_buffer",
+                                           "push", "pull", "stats", "ping", "init"};
+  static_assert(std::size(kNames) == shm::kOpcodeMax + 1);
+  return opcode <= shm::kOpcodeMax ? kNames[opcode] : "request";
+}
+
+// counter += by for counters only this thread writes (the stats block, the
+// entries' counters): a load and a store, no locked instruction; readers in
+// other processes see each value whole (relaxed atomics), as with fetch_add.
+void bump(std::atomic<uint64_t>& counter, uint64_t by = 1) {
+  counter.store(counter.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);  // relaxed: statistic
+}
+
+Answer ok(const Request& req, uint64_t version) {
+  Answer a;
+  a.completion = RequestHandler::answer(req, ErrorCode::kOk, "");
+  a.completion.version = version;
+  return a;
+}
+
+}  // namespace
+
+RequestHandler::RequestHandler(const ServerConfig& config, Model& model, Backend& backend, Sessions& sessions,
+                               shm::Segment& segment, RejectionLog& log)
+    : config_(config),
+      model_(model),
+      backend_(backend),
+      sessions_(sessions),
+      segment_(segment),
+      log_(log),
+      async_(backend.asynchronous()) {}
+
+Completion RequestHandler::answer(const Request& req, ErrorCode code, std::string_view message) {
+  Completion c{};
+  c.request_id = req.request_id;
+  c.opcode = req.opcode;
+  c.code = static_cast<uint32_t>(code);
+  // Most completions are successes without a message, and c is zeroed:
+  // skip the formatting (about 230 of the ~1.8K instructions a push costs
+  // the protocol, by callgrind).
+  if (!message.empty())
+    std::snprintf(c.message, sizeof c.message, "%.*s", static_cast<int>(message.size()), message.data());
+  return c;
+}
+
+Answer RequestHandler::handle(uint32_t i, const Request& req, uint64_t now) {
+  now_ = now;
+  shm::WorkerEntry& entry = segment_.worker(i);
+  if (req.worker_id != i)
+    return reject(i, req, ErrorCode::kBadRequest, "worker_id " + std::to_string(req.worker_id) + " on lane " + std::to_string(i));
+  if (req.opcode == 0 || req.opcode > shm::kOpcodeMax)
+    return reject(i, req, ErrorCode::kBadRequest, "unknown opcode " + std::to_string(req.opcode));
+  if (req.flags != 0) return reject(i, req, ErrorCode::kBadRequest, "flags must be 0");
+  if (req.opcode == static_cast<uint32_t>(Opcode::kAttach))
+    return reject(i, req, ErrorCode::kBadRequest, "attach is a handshake in the worker entry, not a request");
+  // Our copy of the lease: the one in the entry is the worker's to overwrite.
+  if (req.lease != sessions_[i].lease) return reject(i, req, ErrorCode::kBadRequest, "stale or forged lease");
+  // relaxed: a statistic. The time of this turn of the loop (a clock read
+  // per request cost 20-30 ns of the round trip).
+  entry.last_request_ns.store(now, std::memory_order_relaxed);
+  switch (static_cast<Opcode>(req.opcode)) {
+    case Opcode::kDetach: return ok(req, 0);
+    case Opcode::kRegisterBuffer: return register_buffer(i, req);
+    case Opcode::kUnregisterBuffer: return unregister_buffer(i, req);
+    case Opcode::kPush: return push(i, req);
+    case Opcode::kPull: return pull(i, req);
+    case Opcode::kStats: return stats(i, req);
+    case Opcode::kInit: return init(i, req);
+    case Opcode::kPing: return ok(req, model_.version);
+    case Opcode::kAttach: break;
+  }
+  return reject(i, req, ErrorCode::kBadRequest, "unknown opcode");
+}
+
+Answer RequestHandler::reject(uint32_t i, const Request& req, ErrorCode code, const std::string& message) {
+  shm::StatsBlock& st = segment_.stats();
+  // relaxed: statistics counters.
+  st.rejected[static_cast<uint32_t>(code) % shm::kRejectCauses].fetch_add(1, std::memory_order_relaxed);
+  if (req.opcode == static_cast<uint32_t>(Opcode::kPush))
+    segment_.worker(i).pushes_rejected.fetch_add(1, std::memory_order_relaxed);
+  log_.note(code, shm::monotonic_ns(), [&] {
+    // relaxed: re-read of the entry's owner for the pid in the message.
+    const uint32_t pid = shm::owner_pid(segment_.worker(i).owner.load(std::memory_order_relaxed));
+    return "rejected " + std::string(opcode_name(req.opcode)) + " from worker " + std::to_string(i) + " (pid " +
+           std::to_string(pid) + "): " + std::string(error_code_name(code)) + ": " + message;
+  });
+  Answer a;
+  a.completion = answer(req, code, message);
+  a.completion.version = model_.version;
+  return a;
+}
+
+Answer RequestHandler::drop_buffer(uint32_t i, const Request& req, const Status& why) {
+  log::warn("worker " + std::to_string(i) + ": buffer " + std::to_string(req.buffer_id) + ": " + why.message());
+  sessions_.close_buffer(i, req.buffer_id);
+  return reject(i, req, why.code(), why.message());
+}
+
+Answer RequestHandler::backend_failed(uint32_t i, const Request& req, const Status& error) {
+  Answer a = reject(i, req, error.code(), error.message());
+  a.device = backend_.healthy();
+  return a;
+}
+
+Answer RequestHandler::register_buffer(uint32_t i, const Request& req) {
+  WorkerSlot& slot = sessions_[i];
+  if (req.buffer_id >= config_.max_buffers)
+    return reject(i, req, ErrorCode::kUnknownBuffer,
+                  "buffer id " + std::to_string(req.buffer_id) + " >= max_buffers " + std::to_string(config_.max_buffers));
+  if (slot.buffers[req.buffer_id]) return reject(i, req, ErrorCode::kBadRequest, "buffer id already registered");
+  // Copy the descriptor out of shared memory before validating it.
+  shm::BufferDesc desc;
+  std::memcpy(&desc, &segment_.buffer(i, req.buffer_id), sizeof desc);
+  if (desc.kind == static_cast<uint32_t>(shm::BufferKind::kHostShm) &&
+      std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
+    return reject(i, req, ErrorCode::kBadRequest, "buffer handle is not a terminated name");
+  if (desc.length == 0) return reject(i, req, ErrorCode::kBadRange, "buffer length 0");
+  // Only objects named for this worker's pid: never the control segment
+  // or another worker's buffer.
+  const uint32_t pid = slot.pid();
+  auto peer = backend_.open_peer_of(desc, sessions_.buffer_prefix() + std::to_string(pid) + ".", pid);
+  if (!peer.ok()) return backend_failed(i, req, peer.status());
+  sessions_.add_buffer(i, req.buffer_id, std::move(peer).value());
+  if (log::enabled(LogLevel::kDebug))
+    log::debug("worker " + std::to_string(i) + " registered buffer " + std::to_string(req.buffer_id) + " (" +
+               std::to_string(desc.length) + " bytes)");
+  return ok(req, 0);
+}
+
+Answer RequestHandler::unregister_buffer(uint32_t i, const Request& req) {
+  if (sessions_[i].buffer(req.buffer_id) == nullptr)
+    return reject(i, req, ErrorCode::kUnknownBuffer, "buffer " + std::to_string(req.buffer_id) + " is not registered");
+  sessions_.close_buffer(i, req.buffer_id);
+  return ok(req, 0);
+}
+
+Result<RequestHandler::Target> RequestHandler::resolve(uint32_t i, const Request& req, uint64_t element_size,
+                                                       const char* dtype_name) const {
+  Target t;
+  if (req.tensor_id == shm::kAllTensors) {
+    t.first = 0;
+    t.last = static_cast<uint32_t>(model_.tensors.size());
+    t.elements = model_.total_elements;
+  } else if (req.tensor_id < model_.tensors.size()) {
+    t.first = req.tensor_id;
+    t.last = req.tensor_id + 1;
+    t.elements = model_.tensors[req.tensor_id].element_count;
+  } else {
+    return Status{ErrorCode::kUnknownTensor,
+                  "tensor id " + std::to_string(req.tensor_id) + " >= " + std::to_string(model_.tensors.size()) + " tensors"};
+  }
+  t.buffer = sessions_[i].buffer(req.buffer_id);
+  if (t.buffer == nullptr)
+    return Status{ErrorCode::kUnknownBuffer, "buffer " + std::to_string(req.buffer_id) + " is not registered"};
+  const uint64_t need = t.elements * element_size;
+  if (req.byte_length != need) {
+    const std::string what = req.tensor_id == shm::kAllTensors ? std::string("all tensors") : std::string(model_.tensors[t.first].name);
+    return Status{ErrorCode::kBadLength, std::to_string(req.byte_length) + " B, " + what + " needs " + std::to_string(need) +
+                                             " (" + dtype_name + ")"};
+  }
+  const uint64_t len = t.buffer->length();
+  if (req.byte_offset > len || need > len - req.byte_offset)
+    return Status{ErrorCode::kBadRange,
+                  "offset " + std::to_string(req.byte_offset) + " + " + std::to_string(need) + " > buffer " + std::to_string(len)};
+  return t;
+}
+
+Answer RequestHandler::push(uint32_t i, const Request& req) {
+  static constexpr const char* kDtypeNames[] = {"?", "f32", "f16", "bf16"};
+  if (req.dtype == 0 || req.dtype > shm::kDtypeMax)
+    return reject(i, req, ErrorCode::kBadDtype, "gradient dtype " + std::to_string(req.dtype) + " unknown");
+  const auto dtype = static_cast<kernels::GradDtype>(req.dtype);
+  auto target = resolve(i, req, kernels::dtype_size(dtype), kDtypeNames[req.dtype]);
+  if (!target.ok()) return reject(i, req, target.status().code(), target.status().message());
+  const uint64_t version = model_.version;
+  if (req.worker_version > version)
+    return reject(i, req, ErrorCode::kBadRequest,
+                  "worker_version " + std::to_string(req.worker_version) + " ahead of version " + std::to_string(version));
+  const uint64_t staleness = version - req.worker_version;
+  if (staleness > config_.max_staleness)
+    return reject(i, req, ErrorCode::kStale,
+                  "staleness " + std::to_string(staleness) + " > max_staleness " + std::to_string(config_.max_staleness) +
+                      " (v" + std::to_string(req.worker_version) + " vs v" + std::to_string(version) + ")");
+  if (!config_.allow_nonfinite) {
+    const Result<bool> finite = backend_.all_finite(*target->buffer, req.byte_offset, target->elements, dtype);
+    // The check pass reads the whole gradient first: a buffer truncated
+    // under us is found here, before anything is applied.
+    if (Status s = backend_.peer_intact(*target->buffer); !s.ok()) return drop_buffer(i, req, s);
+    if (!finite.ok()) return backend_failed(i, req, finite.status());  // the check could not run (a CUDA error)
+    if (!*finite) return reject(i, req, ErrorCode::kNonFinite, "NaN or Inf in the gradient");
+  }
+  uint64_t byte_offset = req.byte_offset;
+  const uint64_t esize = kernels::dtype_size(dtype);
+  // Its completion (even a failure) waits for the applies. A shared_ptr
+  // copy (two locked instructions) only where there is something to wait for.
+  std::shared_ptr<PeerBuffer> hold = async_ ? sessions_[i].buffers[req.buffer_id] : nullptr;
+  for (uint32_t t = target->first; t < target->last; ++t) {
+    if (Status s = backend_.apply(config_.optimizer, t, ++model_.steps[t], *target->buffer, byte_offset, dtype); !s.ok()) {
+      Answer a = backend_failed(i, req, s);
+      a.hold = std::move(hold);
+      return a;
+    }
+    byte_offset += model_.tensors[t].element_count * esize;
+  }
+  // Only with --allow-nonfinite (no check pass) or a worker truncating
+  // during the apply: zeros were read for the missing pages.
+  if (Status s = backend_.peer_intact(*target->buffer); !s.ok()) {
+    Answer a = drop_buffer(i, req, Status{s.code(), s.message() + "; the update was applied with zeros for the lost pages"});
+    a.hold = std::move(hold);
+    return a;
+  }
+  ++model_.version;
+  shm::StatsBlock& st = segment_.stats();
+  // relaxed: statistics; the completion's release publishes them to the pusher.
+  st.avg_staleness_micro.store(model_.staleness.record(staleness), std::memory_order_relaxed);
+  st.version.store(model_.version, std::memory_order_relaxed);
+  bump(st.gradients_applied);
+  bump(segment_.worker(i).pushes_applied);
+  Answer a = ok(req, model_.version);
+  a.completion.value = staleness;
+  a.hold = std::move(hold);
+  a.applied = true;
+  return a;
+}
+
+Answer RequestHandler::pull(uint32_t i, const Request& req) {
+  auto target = resolve(i, req, sizeof(float), "f32");
+  if (!target.ok()) return reject(i, req, target.status().code(), target.status().message());
+  const uint64_t first = model_.tensors[target->first].element_offset;
+  // Completed once the copy is done.
+  std::shared_ptr<PeerBuffer> hold = async_ ? sessions_[i].buffers[req.buffer_id] : nullptr;
+  Answer a;
+  if (Status s = backend_.copy_out(first, target->elements, *target->buffer, req.byte_offset); !s.ok()) {
+    a = backend_failed(i, req, s);
+  } else if (Status intact = backend_.peer_intact(*target->buffer); !intact.ok()) {
+    a = drop_buffer(i, req, intact);
+  } else {
+    // relaxed: statistics.
+    bump(segment_.stats().weights_pulled);
+    bump(segment_.worker(i).pulls);
+    a = ok(req, model_.version);
+  }
+  a.hold = std::move(hold);
+  return a;
+}
+
+// A worker sets the weights at version 0 (ps-lite's and KVStore's init: the
+// framework initialises the model, not the server): all tensors as fp32
+// from its buffer, accepted once and only while no push has been applied;
+// the first of concurrent initialisers wins. The optimizer state is still
+// zero then, so only the weights change.
+Answer RequestHandler::init(uint32_t i, const Request& req) {
+  if (req.tensor_id != shm::kAllTensors)
+    return reject(i, req, ErrorCode::kBadRequest, "init sets all tensors at once (tensor id kAllTensors)");
+  auto target = resolve(i, req, sizeof(float), "f32");
+  if (!target.ok()) return reject(i, req, target.status().code(), target.status().message());
+  if (!model_.initialised_by.empty())
+    return reject(i, req, ErrorCode::kInitRefused, "already initialised by " + model_.initialised_by);
+  if (model_.version != 0)
+    return reject(i, req, ErrorCode::kInitRefused, "version is " + std::to_string(model_.version) + ": pushes applied");
+  if (!config_.allow_nonfinite) {
+    const Result<bool> finite = backend_.all_finite(*target->buffer, req.byte_offset, target->elements, kernels::GradDtype::kF32);
+    if (Status s = backend_.peer_intact(*target->buffer); !s.ok()) return drop_buffer(i, req, s);
+    if (!finite.ok()) return backend_failed(i, req, finite.status());
+    if (!*finite) return reject(i, req, ErrorCode::kNonFinite, "NaN or Inf in the initial weights");
+  }
+  // Completed once the copy is done.
+  std::shared_ptr<PeerBuffer> hold = async_ ? sessions_[i].buffers[req.buffer_id] : nullptr;
+  Answer a;
+  if (Status s = backend_.copy_in(0, model_.total_elements, *target->buffer, req.byte_offset); !s.ok()) {
+    a = backend_failed(i, req, s);
+  } else if (Status intact = backend_.peer_intact(*target->buffer); !intact.ok()) {
+    a = drop_buffer(i, req, intact);
+  } else {
+    model_.initialised_by = "worker " + std::to_string(i) + " (pid " + std::to_string(sessions_[i].pid()) + ")";
+    log::info("weights initialised by " + model_.initialised_by);
+    a = ok(req, model_.version);
+  }
+  a.hold = std::move(hold);
+  return a;
+}
+
+Answer RequestHandler::stats(uint32_t i, const Request& req) {
+  sessions_.publish_depth();  // what is queued right now
+  shm::StatsReply& r = segment_.worker(i).stats_reply;
+  const shm::StatsBlock& s = segment_.stats();
+  // relaxed loads of our own counters; the completion's release publishes r.
+  r.version = model_.version;
+  r.gradients_applied = s.gradients_applied.load(std::memory_order_relaxed);
+  r.weights_pulled = s.weights_pulled.load(std::memory_order_relaxed);
+  r.avg_staleness_micro = s.avg_staleness_micro.load(std::memory_order_relaxed);
+  r.rejected_stale = s.rejected[static_cast<uint32_t>(ErrorCode::kStale)].load(std::memory_order_relaxed);
+  r.rejected_nonfinite = s.rejected[static_cast<uint32_t>(ErrorCode::kNonFinite)].load(std::memory_order_relaxed);
+  uint64_t invalid = 0;
+  for (uint32_t c = 0; c < shm::kRejectCauses; ++c)
+    if (c != static_cast<uint32_t>(ErrorCode::kStale) && c != static_cast<uint32_t>(ErrorCode::kNonFinite))
+      invalid += s.rejected[c].load(std::memory_order_relaxed);
+  r.rejected_invalid = invalid;
+  r.ring_depth = s.ring_depth.load(std::memory_order_relaxed);
+  r.ring_high_water = s.ring_high_water.load(std::memory_order_relaxed);
+  r.workers_attached = s.workers_attached.load(std::memory_order_relaxed);
+  r.workers_died = s.workers_died.load(std::memory_order_relaxed);
+  r.workers_evicted = s.workers_evicted.load(std::memory_order_relaxed);
+  const shm::WorkerEntry& e = segment_.worker(i);
+  r.my_pushes_applied = e.pushes_applied.load(std::memory_order_relaxed);
+  r.my_pushes_rejected = e.pushes_rejected.load(std::memory_order_relaxed);
+  r.my_pulls = e.pulls.load(std::memory_order_relaxed);
+  return ok(req, model_.version);
+}
+
+}  // namespace shmps::server

@@ -1,0 +1,79 @@
+// What the server does with one request of an attached worker: checks it
+// against the worker's session (lease, buffers) and the model (tensors,
+// lengths, dtype, version, staleness), runs it on the backend and returns
+// the answer, with what the server must do about it: hold the completion
+// behind device work, or stop (the device is lost). Rejections are counted
+// in the stats block and logged, rate-limited. Consumer thread only.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "backend.hpp"
+#include "model.hpp"
+#include "rate_log.hpp"
+#include "sessions.hpp"
+#include "shmps/server/config.hpp"
+#include "shmps/shm/segment.hpp"
+
+namespace shmps::server {
+
+struct Answer {
+  shm::Completion completion;
+  // The buffer the request's device work uses (asynchronous backends): the
+  // completion is posted once that work is done, and the buffer stays
+  // mapped until then.
+  std::shared_ptr<PeerBuffer> hold;
+  bool applied = false;  // a push advanced the version
+  Status device;         // not ok: the device context is lost; the server must stop
+};
+
+class RequestHandler {
+ public:
+  // `config` is the running configuration (a reload changes lr and
+  // max_staleness in place).
+  RequestHandler(const ServerConfig& config, Model& model, Backend& backend, Sessions& sessions, shm::Segment& segment,
+                 RejectionLog& log);
+
+  // Request `req` taken from worker i's lane at `now` (monotonic ns, this
+  // turn of the loop's).
+  Answer handle(uint32_t i, const shm::Request& req, uint64_t now);
+
+  // A completion of `req` with `code` and `message` (cut to fit).
+  static shm::Completion answer(const shm::Request& req, ErrorCode code, std::string_view message);
+
+ private:
+  // The tensor range [first, last) of a push or pull, its element count,
+  // and the registered buffer.
+  struct Target {
+    uint32_t first = 0, last = 0;
+    uint64_t elements = 0;
+    PeerBuffer* buffer = nullptr;
+  };
+  Result<Target> resolve(uint32_t i, const shm::Request& req, uint64_t element_size, const char* dtype_name) const;
+
+  Answer reject(uint32_t i, const shm::Request& req, ErrorCode code, const std::string& message);
+  // Rejects `req` and forgets its buffer, whose memory vanished under us.
+  Answer drop_buffer(uint32_t i, const shm::Request& req, const Status& why);
+  // Rejects `req` with a backend error; a lost device is reported to the server.
+  Answer backend_failed(uint32_t i, const shm::Request& req, const Status& error);
+
+  Answer register_buffer(uint32_t i, const shm::Request& req);
+  Answer unregister_buffer(uint32_t i, const shm::Request& req);
+  Answer push(uint32_t i, const shm::Request& req);
+  Answer pull(uint32_t i, const shm::Request& req);
+  Answer init(uint32_t i, const shm::Request& req);
+  Answer stats(uint32_t i, const shm::Request& req);
+
+  const ServerConfig& config_;
+  Model& model_;
+  Backend& backend_;
+  Sessions& sessions_;
+  shm::Segment& segment_;
+  RejectionLog& log_;
+  const bool async_;  // backend_.asynchronous(): completions may wait for device work
+  uint64_t now_ = 0;
+};
+
+}  // namespace shmps::server

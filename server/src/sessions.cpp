@@ -1,0 +1,224 @@
+#include "sessions.hpp"
+
+#include <cstring>
+#include <filesystem>
+
+#include "shmps/server/log.hpp"
+#include "shmps/shm/futex.hpp"
+
+namespace shmps::server {
+
+using shm::Completion;
+using shm::Request;
+using shm::WorkerState;
+
+Sessions::Sessions(const ServerConfig& config, shm::Segment& segment, HeldCompletions& held, WorkerLineLog& lines)
+    : config_(config),
+      segment_(segment),
+      held_(held),
+      lines_(lines),
+      slots_(config.max_workers),
+      attached_bits_((config.max_workers + 63) / 64, 0),
+      buffer_prefix_(shm::segment_object_name(config.name) + ".p") {
+  for (uint32_t i = 0; i < config.max_workers; ++i) reset_lanes(i);
+}
+
+bool Sessions::sync(uint32_t i) {
+  WorkerSlot& slot = slots_[i];
+  // acquire: SYNC(worker_claim) pairs with the claiming CAS, so the
+  // claimer's pid_start_time is visible.
+  const uint64_t owner = segment_.worker(i).owner.load(std::memory_order_acquire);
+  if (slot.attached()) {
+    if (owner == slot.owner) return true;
+    end(i, "its entry was freed or overwritten by its process without a detach");
+  }
+  if (shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kClaimed)) attach(i, owner);
+  return false;
+}
+
+// The attach handshake: a worker claims a free entry (CAS to (pid,
+// kClaimed)), writes its start time and rings its doorbell. We check the
+// process, reset the lane and queue indices (whatever earlier owners left
+// there), issue a lease and move the owner word to (pid, kAttached) with a
+// CAS; the worker waits for exactly that word (SYNC(worker_attached)).
+void Sessions::attach(uint32_t i, uint64_t claimed) {
+  shm::WorkerEntry& entry = segment_.worker(i);
+  const pid_t pid = static_cast<pid_t>(shm::owner_pid(claimed));
+  const uint64_t start = entry.pid_start_time;
+  if (pid <= 0 || start == 0 || !shm::process_alive(pid, start)) return;  // not ready yet, or reaped soon
+  WorkerSlot& slot = slots_[i];
+  reset_lanes(i);
+  uint64_t lease = (++lease_counter_ << 16) ^ (segment_.header().generation & 0xFFFF) ^ (uint64_t{i} << 56);
+  if (lease == 0) lease = 1;
+  entry.lease = lease;
+  // relaxed: published by the release CAS below.
+  entry.pushes_applied.store(0, std::memory_order_relaxed);
+  entry.pushes_rejected.store(0, std::memory_order_relaxed);
+  entry.pulls.store(0, std::memory_order_relaxed);
+  const uint64_t attached = shm::make_owner(static_cast<uint32_t>(pid), WorkerState::kAttached);
+  uint64_t expected = claimed;
+  // acq_rel: SYNC(worker_attached) the release publishes the reset
+  // indices and the lease to the worker that sees kAttached; fails if the
+  // entry changed since we read it (then nothing is attached).
+  if (!entry.owner.compare_exchange_strong(expected, attached, std::memory_order_acq_rel, std::memory_order_relaxed))
+    return;
+  slot.owner = attached;
+  slot.lease = lease;
+  attached_lanes_.push_back(i);
+  attached_bits_[i / 64] |= uint64_t{1} << (i % 64);
+  slot.pid_start_time = start;
+  slot.buffers.clear();
+  slot.buffers.resize(config_.max_buffers);
+  segment_.stats().workers_attached.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
+  shm::notify(segment_.completions(i).data_ready);
+  log(LogLevel::kInfo, "worker " + std::to_string(i) + " attached (pid " + std::to_string(pid) + ")");
+}
+
+void Sessions::end(uint32_t i, const std::string& why) {
+  WorkerSlot& slot = slots_[i];
+  if (!slot.attached()) return;
+  if (!why.empty()) log(LogLevel::kWarn, "worker " + std::to_string(i) + " (pid " + std::to_string(slot.pid()) + "): " + why);
+  held_.orphan(i);
+  for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(i, b);
+  slot.buffers.clear();
+  slot.owner = 0;
+  slot.lease = 0;
+  slot.stopped_since_ns = 0;
+  std::erase(attached_lanes_, i);
+  attached_bits_[i / 64] &= ~(uint64_t{1} << (i % 64));
+  segment_.stats().workers_attached.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
+}
+
+void Sessions::mark_detached(uint32_t i) {
+  uint64_t expected = slots_[i].owner;
+  // SYNC(worker_detached): release pairs with the worker's acquire load of
+  // owner after it reads the detach completion (published after this).
+  segment_.worker(i).owner.compare_exchange_strong(expected, shm::make_owner(slots_[i].pid(), WorkerState::kDetached),
+                                                    std::memory_order_release, std::memory_order_relaxed);
+}
+
+void Sessions::finish_detach(uint32_t i) {
+  log(LogLevel::kInfo, "worker " + std::to_string(i) + " detached (pid " + std::to_string(slots_[i].pid()) + ")");
+  end(i, "");
+}
+
+void Sessions::reset_lanes(uint32_t i) {
+  // relaxed: published by the owner store that follows (release).
+  segment_.lane(i).tail.store(0, std::memory_order_relaxed);
+  segment_.lane(i).head.store(0, std::memory_order_relaxed);
+  segment_.completions(i).tail.store(0, std::memory_order_relaxed);
+  segment_.completions(i).head.store(0, std::memory_order_relaxed);
+  // Both ends take slots by request id (ring.hpp, seq_published()): no id
+  // of an earlier session may be left in them (a new Worker counts from 1
+  // again).
+  Completion* answers = segment_.completion_slots(i);
+  Request* requests = segment_.lane_slots(i);
+  for (uint32_t k = 0; k < config_.lane_capacity; ++k) {
+    std::atomic_ref<uint64_t>(answers[k].request_id).store(0, std::memory_order_relaxed);   // relaxed: as above
+    std::atomic_ref<uint64_t>(requests[k].request_id).store(0, std::memory_order_relaxed);  // relaxed: as above
+  }
+  WorkerSlot& slot = slots_[i];
+  slot.lane = shm::SpscConsumer<Request>(&segment_.lane(i), segment_.lane_slots(i), config_.lane_capacity);
+  slot.next_request_id = 0;
+  slot.completions = shm::SpscProducer<Completion>(&segment_.completions(i), segment_.completion_slots(i), config_.lane_capacity);
+}
+
+void Sessions::add_buffer(uint32_t i, uint32_t id, std::unique_ptr<PeerBuffer> buffer) {
+  // The deleter runs when the last holder lets go: at close_buffer(), or
+  // later when device work still used it.
+  shm::StatsBlock* st = &segment_.stats();
+  slots_[i].buffers[id] = std::shared_ptr<PeerBuffer>(buffer.release(), [st](PeerBuffer* p) {
+    delete p;
+    st->mappings_closed.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
+  });
+  // relaxed: statistics.
+  st->buffers_registered.fetch_add(1, std::memory_order_relaxed);
+  st->mappings_opened.fetch_add(1, std::memory_order_relaxed);
+}
+
+void Sessions::close_buffer(uint32_t i, uint32_t id) {
+  WorkerSlot& slot = slots_[i];
+  if (id >= slot.buffers.size() || !slot.buffers[id]) return;
+  slot.buffers[id].reset();  // the deleter counts mappings_closed once nothing holds it
+  segment_.stats().buffers_registered.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
+}
+
+// Returns entry i, whose owner process is dead, to kFree: a CAS from the
+// owner word we judged, so a claimer never loses its claim.
+// SYNC(worker_release).
+void Sessions::release_entry(uint32_t i, uint64_t dead_owner) {
+  end(i, "");
+  shm::WorkerEntry& entry = segment_.worker(i);
+  entry.lease = 0;
+  entry.pid_start_time = 0;
+  std::memset(segment_.buffer_table_bytes(i), 0, config_.max_buffers * sizeof(shm::BufferDesc));
+  uint64_t expected = dead_owner;
+  entry.owner.compare_exchange_strong(expected, 0, std::memory_order_release, std::memory_order_relaxed);
+}
+
+Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
+  shm::WorkerEntry& entry = segment_.worker(i);
+  WorkerSlot& slot = slots_[i];
+  const uint64_t owner = entry.owner.load(std::memory_order_acquire);  // SYNC(worker_claim)
+  if (owner == 0) {
+    if (slot.attached()) end(i, "its entry was freed without a detach");
+    return Owner::kNone;
+  }
+  const pid_t pid = static_cast<pid_t>(shm::owner_pid(owner));
+  const uint64_t start = owner == slot.owner ? slot.pid_start_time : entry.pid_start_time;
+  const shm::ProcessState state = shm::process_state(pid, start);
+  if (state != shm::ProcessState::kGone)
+    return owner == slot.owner && stopped_too_long(i, state, now, why) ? Owner::kStopped : Owner::kLiving;
+  const bool was_attached = owner == slot.owner;
+  log(was_attached ? LogLevel::kWarn : LogLevel::kInfo,
+      "worker " + std::to_string(i) + " (pid " + std::to_string(pid) + ") died" + (was_attached ? "" : " before attaching") +
+          "; releasing its entry");
+  if (was_attached) segment_.stats().workers_died.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
+  release_entry(i, owner);
+  // Only when no process of that pid exists: the owner word (and the start
+  // time we judged by) may be a forgery naming a living worker.
+  if (!shm::process_alive(pid, 0)) unlink_orphan_buffers(static_cast<uint32_t>(pid));
+  return Owner::kReaped;
+}
+
+bool Sessions::stopped_too_long(uint32_t i, shm::ProcessState state, uint64_t now, std::string* why) {
+  WorkerSlot& slot = slots_[i];
+  if (state != shm::ProcessState::kStopped) {
+    slot.stopped_since_ns = 0;
+    return false;
+  }
+  if (slot.stopped_since_ns == 0) slot.stopped_since_ns = now;
+  const uint64_t timeout_ns = uint64_t{config_.stopped_worker_timeout_ms} * 1'000'000;
+  if (timeout_ns == 0 || now - slot.stopped_since_ns < timeout_ns) return false;
+  *why = "its process has been stopped (SIGSTOP, Ctrl-Z or a debugger) for " +
+         std::to_string((now - slot.stopped_since_ns) / 1'000'000) + " ms (--stopped-worker-timeout-ms " +
+         std::to_string(config_.stopped_worker_timeout_ms) + "); " + std::to_string(slot.lane.depth_estimate()) +
+         " queued request(s) dropped unanswered";
+  return true;
+}
+
+void Sessions::publish_depth() {
+  uint64_t depth = 0;
+  for (uint32_t i : attached_lanes_) depth += slots_[i].lane.depth_estimate();
+  segment_.stats().ring_depth.store(depth, std::memory_order_relaxed);  // relaxed: statistics for readers
+  note_depth(depth);
+}
+
+void Sessions::unlink_orphan_buffers(uint32_t dead_pid) {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string file = e.path().filename().string();
+    if (file.rfind(buffer_prefix_, 0) != 0) continue;
+    // After the prefix: "<pid>.<n>".
+    const size_t dot = file.find('.', buffer_prefix_.size());
+    if (dot == std::string::npos) continue;
+    const std::string pid_text = file.substr(buffer_prefix_.size(), dot - buffer_prefix_.size());
+    if (pid_text.empty() || pid_text.size() > 10 || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
+    const auto pid = static_cast<uint32_t>(std::stoul(pid_text));
+    if (dead_pid != 0 ? pid != dead_pid : shm::process_alive(static_cast<pid_t>(pid), 0)) continue;
+    shm::ShmObject::remove(file);
+    log::info("removed orphaned buffer object /dev/shm/" + file);
+  }
+}
+
+}  // namespace shmps::server

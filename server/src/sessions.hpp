@@ -1,0 +1,124 @@
+// The server's side of each worker-table entry: the attach handshake, the
+// session (lease, lanes, registered buffers), its end (detach, eviction,
+// death) and the reaping of dead owners. The server's own record is the
+// authority: what the segment says is a claim to check against it, never a
+// fact (a worker may overwrite its entry at any time). Consumer thread only.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend.hpp"
+#include "held_completions.hpp"
+#include "rate_log.hpp"
+#include "shmps/server/config.hpp"
+#include "shmps/shm/proc.hpp"
+#include "shmps/shm/ring.hpp"
+#include "shmps/shm/segment.hpp"
+
+namespace shmps::server {
+
+struct WorkerSlot {
+  shm::SpscConsumer<shm::Request> lane;
+  shm::SpscProducer<shm::Completion> completions;
+  // By buffer id. Shared: a request whose device work still runs holds its
+  // buffer, so an unregister, detach or death closes the mapping only once
+  // that work is done (the deleter counts mappings_closed then).
+  std::vector<std::shared_ptr<PeerBuffer>> buffers;
+  uint64_t owner = 0;             // the owner word we attached (pid, kAttached); 0: none
+  uint64_t pid_start_time = 0;
+  uint64_t lease = 0;
+  uint64_t stopped_since_ns = 0;  // when we first saw its process stopped; 0: running
+  uint64_t next_request_id = 0;   // the id after the last request taken; 0: unknown (new session)
+  bool attached() const { return owner != 0; }
+  uint32_t pid() const { return shm::owner_pid(owner); }
+  // The registered buffer of that id, or null (unknown or out of range).
+  PeerBuffer* buffer(uint32_t id) const { return id < buffers.size() ? buffers[id].get() : nullptr; }
+};
+
+class Sessions {
+ public:
+  Sessions(const ServerConfig& config, shm::Segment& segment, HeldCompletions& held, WorkerLineLog& lines);
+
+  WorkerSlot& operator[](uint32_t i) { return slots_[i]; }
+  const WorkerSlot& operator[](uint32_t i) const { return slots_[i]; }
+  // The attached slots' indices, and the same as doorbell-word bitmaps.
+  const std::vector<uint32_t>& attached_lanes() const { return attached_lanes_; }
+  uint64_t attached_bits(uint32_t word) const { return attached_bits_[word]; }
+  // "shmps.<name>.p": worker buffers are "<prefix><pid>.<n>".
+  const std::string& buffer_prefix() const { return buffer_prefix_; }
+
+  // Reconciles our record of entry i with its owner word. True when its
+  // lane may be served: attached by us and unchanged. A Claimed entry gets
+  // the attach handshake; an entry that changed under an attached session
+  // (freed, re-claimed or overwritten by its process) ends that session.
+  bool sync(uint32_t i);
+  // Drops our side of an attached session (held completions, buffers,
+  // counts), logging `why` unless empty; the entry's words are left as
+  // they are.
+  void end(uint32_t i, const std::string& why);
+  // (pid, kAttached) -> (pid, kDetached), by CAS: an entry that changed
+  // under us is left alone (sync() notices it).
+  void mark_detached(uint32_t i);
+  // After a successful detach: the worker frees the entry once it has read
+  // the answer; we log it and drop our side.
+  void finish_detach(uint32_t i);
+  // Resets entry i's lane and completion queue (indices and request ids).
+  void reset_lanes(uint32_t i);
+
+  // Adds a mapped buffer under `id` (checked free by the caller); its
+  // mapping is closed, and counted, when the last holder lets go.
+  void add_buffer(uint32_t i, uint32_t id, std::unique_ptr<PeerBuffer> buffer);
+  void close_buffer(uint32_t i, uint32_t id);
+
+  enum class Owner {
+    kNone,    // a free entry (a session whose entry was freed without a detach is ended)
+    kReaped,  // its owner was dead: the entry is free again, its buffer objects unlinked
+    kLiving,  // a living owner: its lane may be served
+    kStopped  // an attached worker stopped longer than --stopped-worker-timeout-ms: evict it (*why)
+  };
+  // Housekeeping of entry i at `now` (monotonic ns).
+  Owner reap(uint32_t i, uint64_t now, std::string* why);
+  // Unlinks the buffer objects "shmps.<name>.p<pid>.<n>" of a worker that
+  // died (worker_lib unlinks them itself at unregister and detach). With
+  // pid 0: those of every dead pid (at start, after a crash of the
+  // previous server, and at stop).
+  void unlink_orphan_buffers(uint32_t dead_pid);
+
+  void log(LogLevel level, const std::string& line) { lines_.write(level, line, shm::monotonic_ns()); }
+
+  // Publishes the requests queued in all attached lanes now
+  // (StatsBlock::ring_depth) and raises the high-water mark.
+  void publish_depth();
+  // Raises StatsBlock::ring_high_water to `depth` (a lower bound of the
+  // total, e.g. one lane's) if it is above.
+  void note_depth(uint64_t depth) {
+    if (depth <= high_water_) return;
+    high_water_ = depth;
+    segment_.stats().ring_high_water.store(depth, std::memory_order_relaxed);  // relaxed: statistic
+  }
+
+ private:
+  void attach(uint32_t i, uint64_t claimed);
+  void release_entry(uint32_t i, uint64_t dead_owner);
+  // Tracks how long attached worker i's process has been stopped: true
+  // past --stopped-worker-timeout-ms, with the reason in *why. A stopped
+  // worker blocks nobody else (each has its own lane), but it holds its
+  // entry, its buffer mappings and, in training, a version it will push late.
+  bool stopped_too_long(uint32_t i, shm::ProcessState state, uint64_t now, std::string* why);
+
+  const ServerConfig& config_;
+  shm::Segment& segment_;
+  HeldCompletions& held_;
+  WorkerLineLog& lines_;
+  std::vector<WorkerSlot> slots_;
+  std::vector<uint32_t> attached_lanes_;
+  std::vector<uint64_t> attached_bits_;
+  uint64_t lease_counter_ = 0;
+  uint64_t high_water_ = 0;  // mirror of StatsBlock::ring_high_water
+  std::string buffer_prefix_;
+};
+
+}  // namespace shmps::server
