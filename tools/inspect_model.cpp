@@ -135,76 +135,18 @@ std::string hex_bytes(const uint8_t* bytes, size_t n) {
 
 // ---------------------------------------------------------------- names
 
-std::string opcode_name(uint32_t opcode) {
-  switch (opcode) {
-    case static_cast<uint32_t>(shm::Opcode::kAttach): return "attach";
-    case static_cast<uint32_t>(shm::Opcode::kDetach): return "detach";
-    case static_cast<uint32_t>(shm::Opcode::kRegisterBuffer): return "register_buffer";
-    case static_cast<uint32_t>(shm::Opcode::kUnregisterBuffer): return "unregister_buffer";
-    case static_cast<uint32_t>(shm::Opcode::kPush): return "push";
-    case static_cast<uint32_t>(shm::Opcode::kPull): return "pull";
-    case static_cast<uint32_t>(shm::Opcode::kStats): return "stats";
-    case static_cast<uint32_t>(shm::Opcode::kPing): return "ping";
-    case static_cast<uint32_t>(shm::Opcode::kInit): return "init";
-    default: return unknown(opcode);
-  }
-}
+namespace {
+// A name from layout.hpp's tables, or the number for a value outside them.
+std::string named(const char* name, uint32_t value) { return name != nullptr ? std::string(name) : unknown(value); }
+}  // namespace
 
-std::string server_state_name(uint32_t state) {
-  switch (state) {
-    case static_cast<uint32_t>(shm::ServerState::kStarting): return "starting";
-    case static_cast<uint32_t>(shm::ServerState::kRunning): return "running";
-    case static_cast<uint32_t>(shm::ServerState::kStopping): return "stopping";
-    case static_cast<uint32_t>(shm::ServerState::kStopped): return "stopped";
-    default: return unknown(state);
-  }
-}
-
-std::string worker_state_name(uint32_t state) {
-  switch (state) {
-    case static_cast<uint32_t>(shm::WorkerState::kFree): return "free";
-    case static_cast<uint32_t>(shm::WorkerState::kClaimed): return "claimed";
-    case static_cast<uint32_t>(shm::WorkerState::kAttached): return "attached";
-    case static_cast<uint32_t>(shm::WorkerState::kDetached): return "detached";
-    default: return unknown(state);
-  }
-}
-
-std::string optimizer_name(uint32_t kind) {
-  // Values of shmps::kernels::OptimizerKind (tools depend on shm only).
-  switch (kind) {
-    case 1: return "sgd";
-    case 2: return "adam";
-    case 3: return "adamw";
-    default: return unknown(kind);
-  }
-}
-
-std::string backend_name(uint32_t backend) {
-  switch (backend) {
-    case static_cast<uint32_t>(shm::Backend::kHost): return "host";
-    case static_cast<uint32_t>(shm::Backend::kCuda): return "cuda";
-    default: return unknown(backend);
-  }
-}
-
-std::string dtype_name(uint32_t dtype) {
-  switch (dtype) {
-    case static_cast<uint32_t>(shm::Dtype::kF32): return "f32";
-    case static_cast<uint32_t>(shm::Dtype::kF16): return "f16";
-    case static_cast<uint32_t>(shm::Dtype::kBF16): return "bf16";
-    default: return unknown(dtype);
-  }
-}
-
-std::string buffer_kind_name(uint32_t kind) {
-  switch (kind) {
-    case static_cast<uint32_t>(shm::BufferKind::kEmpty): return "empty";
-    case static_cast<uint32_t>(shm::BufferKind::kHostShm): return "host_shm";
-    case static_cast<uint32_t>(shm::BufferKind::kCudaIpc): return "cuda_ipc";
-    default: return unknown(kind);
-  }
-}
+std::string opcode_name(uint32_t opcode) { return named(shm::opcode_name(opcode), opcode); }
+std::string server_state_name(uint32_t state) { return named(shm::server_state_name(state), state); }
+std::string worker_state_name(uint32_t state) { return named(shm::worker_state_name(state), state); }
+std::string optimizer_name(uint32_t kind) { return named(shm::optimizer_kind_name(kind), kind); }
+std::string backend_name(uint32_t backend) { return named(shm::backend_name(backend), backend); }
+std::string dtype_name(uint32_t dtype) { return named(shm::dtype_name(dtype), dtype); }
+std::string buffer_kind_name(uint32_t kind) { return named(shm::buffer_kind_name(kind), kind); }
 
 std::string error_name(uint32_t code) {
   const std::string_view name = error_code_name(static_cast<ErrorCode>(code));
@@ -376,20 +318,9 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
   StatsView& sv = snap.stats;
   // relaxed: the server's statistics counters; a racy snapshot is all we promise.
   constexpr auto relaxed = std::memory_order_relaxed;
-  sv.version = st.version.load(relaxed);
-  sv.gradients_applied = st.gradients_applied.load(relaxed);
-  sv.weights_pulled = st.weights_pulled.load(relaxed);
-  sv.avg_staleness_micro = st.avg_staleness_micro.load(relaxed);
-  sv.requests = st.requests.load(relaxed);
-  sv.ring_depth = st.ring_depth.load(relaxed);
-  sv.ring_high_water = st.ring_high_water.load(relaxed);
-  sv.workers_attached = st.workers_attached.load(relaxed);
-  sv.workers_died = st.workers_died.load(relaxed);
-  sv.workers_evicted = st.workers_evicted.load(relaxed);
-  sv.buffers_registered = st.buffers_registered.load(relaxed);
-  sv.mappings_opened = st.mappings_opened.load(relaxed);
-  sv.mappings_closed = st.mappings_closed.load(relaxed);
-  sv.lanes_corrupt = st.lanes_corrupt.load(relaxed);
+#define SHMPS_STATS_READ(name) sv.name = st.name.load(relaxed);
+  SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_READ)
+#undef SHMPS_STATS_READ
   for (const auto& r : st.rejected) sv.rejected.push_back(r.load(relaxed));
   return snap;
 }
@@ -536,21 +467,13 @@ json to_json(const Snapshot& s) {
   json rejected = json::object();
   for (uint32_t code = 0; code < st.rejected.size(); ++code)
     if (st.rejected[code] != 0) rejected[error_name(code)] = st.rejected[code];
-  j["stats"] = json{{"version", st.version},
-                    {"gradients_applied", st.gradients_applied},
-                    {"weights_pulled", st.weights_pulled},
-                    {"avg_staleness", static_cast<double>(st.avg_staleness_micro) / 1e6},
-                    {"requests", st.requests},
-                    {"rejected", std::move(rejected)},
-                    {"ring_depth", st.ring_depth},
-                    {"ring_high_water", st.ring_high_water},
-                    {"workers_attached", st.workers_attached},
-                    {"workers_died", st.workers_died},
-                    {"workers_evicted", st.workers_evicted},
-                    {"buffers_registered", st.buffers_registered},
-                    {"mappings_opened", st.mappings_opened},
-                    {"mappings_closed", st.mappings_closed},
-                    {"lanes_corrupt", st.lanes_corrupt}};
+  json stats = json::object();
+#define SHMPS_STATS_JSON(name) stats[#name] = st.name;
+  SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_JSON)
+#undef SHMPS_STATS_JSON
+  stats["avg_staleness"] = static_cast<double>(st.avg_staleness_micro) / 1e6;
+  stats["rejected"] = std::move(rejected);
+  j["stats"] = std::move(stats);
   return j;
 }
 

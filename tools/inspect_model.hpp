@@ -40,7 +40,7 @@ struct HeaderView {
 };
 
 struct ConfigView {
-  uint32_t optimizer_kind = 0;  // shmps::kernels::OptimizerKind, unchecked
+  uint32_t optimizer_kind = 0;  // shm::OptimizerKind, unchecked
   uint32_t flags = 0;           // shm::kConfig*
   float lr = 0, momentum = 0, dampening = 0, weight_decay = 0, beta1 = 0, beta2 = 0, eps = 0;
   uint32_t backend = 0;         // shm::Backend, unchecked
@@ -105,22 +105,12 @@ struct QueueView {
 using LaneView = QueueView<shm::Request>;
 using CompletionQueueView = QueueView<shm::Completion>;
 
+// The StatsBlock's counters (layout.hpp, SHMPS_STATS_BLOCK_COUNTERS).
 struct StatsView {
-  uint64_t version = 0;
-  uint64_t gradients_applied = 0;
-  uint64_t weights_pulled = 0;
-  uint64_t avg_staleness_micro = 0;  // mean staleness * 1e6
-  uint64_t requests = 0;
-  uint64_t ring_depth = 0;
-  uint64_t ring_high_water = 0;
-  uint64_t workers_attached = 0;
-  uint64_t workers_died = 0;
-  uint64_t workers_evicted = 0;
-  uint64_t buffers_registered = 0;
-  uint64_t mappings_opened = 0;
-  uint64_t mappings_closed = 0;
-  uint64_t lanes_corrupt = 0;
-  std::vector<uint64_t> rejected;    // by ErrorCode value, shm::kRejectCauses entries
+#define SHMPS_STATS_FIELD(name) uint64_t name = 0;
+  SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_FIELD)
+#undef SHMPS_STATS_FIELD
+  std::vector<uint64_t> rejected;  // by ErrorCode value, shm::kRejectCauses entries
 };
 
 struct Snapshot {

@@ -23,7 +23,7 @@ from . import _errors
 from ._errors import *  # noqa: F401,F403 (the exception classes)
 from ._errors import Error, StaleError
 from ._server import Server, server_binary
-from ._shmps import ALL_TENSORS, ERROR_CODES, Buffer
+from ._shmps import ALL_TENSORS, ERROR_CODES, STATS_FIELDS, Buffer
 from ._shmps import connect as _connect
 
 _errors.check_codes(ERROR_CODES)
@@ -51,24 +51,13 @@ class TensorInfo:
         return self.count * 4
 
 
-@dataclasses.dataclass(frozen=True)
-class Stats:
-    """A racy snapshot of the server's counters (each read atomically, the set not)."""
-    version: int
-    gradients_applied: int
-    weights_pulled: int
-    avg_staleness: float
-    rejected_stale: int
-    rejected_invalid: int
-    rejected_nonfinite: int
-    ring_depth: int
-    ring_high_water: int
-    workers_attached: int
-    workers_died: int
-    workers_evicted: int
-    my_pushes_applied: int
-    my_pushes_rejected: int
-    my_pulls: int
+# The server's counters, from the extension's list (shmps/server_stats.hpp
+# declares them and describes each), and the mean staleness as a float.
+Stats = dataclasses.make_dataclass("Stats", [(name, int) for name in STATS_FIELDS] + [("avg_staleness", float)],
+                                   frozen=True)
+Stats.__module__ = __name__
+Stats.__doc__ = ("A racy snapshot of the server's counters (each read atomically, the set not): "
+                 + ", ".join(STATS_FIELDS) + ", and avg_staleness (avg_staleness_micro / 1e6).")
 
 
 def _stream_handle(stream):

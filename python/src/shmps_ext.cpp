@@ -194,21 +194,10 @@ class PyWorker {
     shmps::Result<shmps::ServerStats> r = unlocked([&] { return w().stats(); });
     const shmps::ServerStats s = take(std::move(r));
     nb::dict d;
-    d["version"] = s.version;
-    d["gradients_applied"] = s.gradients_applied;
-    d["weights_pulled"] = s.weights_pulled;
+#define SHMPS_STATS_ITEM(name, source, from) d[#name] = s.name;
+    SHMPS_SERVER_STATS(SHMPS_STATS_ITEM)
+#undef SHMPS_STATS_ITEM
     d["avg_staleness"] = s.avg_staleness;
-    d["rejected_stale"] = s.rejected_stale;
-    d["rejected_invalid"] = s.rejected_invalid;
-    d["rejected_nonfinite"] = s.rejected_nonfinite;
-    d["ring_depth"] = s.ring_depth;
-    d["ring_high_water"] = s.ring_high_water;
-    d["workers_attached"] = s.workers_attached;
-    d["workers_died"] = s.workers_died;
-    d["workers_evicted"] = s.workers_evicted;
-    d["my_pushes_applied"] = s.my_pushes_applied;
-    d["my_pushes_rejected"] = s.my_pushes_rejected;
-    d["my_pulls"] = s.my_pulls;
     return d;
   }
 
@@ -290,6 +279,11 @@ NB_MODULE(_shmps, m) {
   for (uint32_t c = 0; c <= static_cast<uint32_t>(shmps::kLastErrorCode); ++c)
     codes[nb::int_(c)] = std::string(shmps::error_code_name(static_cast<shmps::ErrorCode>(c)));
   m.attr("ERROR_CODES") = codes;
+  nb::list stats_fields;
+#define SHMPS_STATS_NAME(name, source, from) stats_fields.append(#name);
+  SHMPS_SERVER_STATS(SHMPS_STATS_NAME)
+#undef SHMPS_STATS_NAME
+  m.attr("STATS_FIELDS") = stats_fields;
 
   nb::class_<Buffer>(m, "Buffer", nb::type_slots(buffer_slots),
                      "Memory registered with the server: the buffer protocol (host memory) and DLPack. The bytes "

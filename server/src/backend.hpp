@@ -57,7 +57,8 @@ using Fence = uint64_t;
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual const char* name() const noexcept = 0;
+  virtual shm::Backend kind() const noexcept = 0;
+  const char* name() const noexcept { return shm::backend_name(static_cast<uint32_t>(kind())); }
 
   // True when apply() and copy_out() may return before their work is done
   // (fence() then tracks it, and the server keeps the peer buffer mapped

@@ -170,7 +170,7 @@ class CudaBackend final : public Backend {
     if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
   }
 
-  const char* name() const noexcept override { return "cuda"; }
+  shm::Backend kind() const noexcept override { return shm::Backend::kCuda; }
 
   // Selects the device and runs the start-up probes.
   Status start(const std::string& device_spec) {

@@ -113,7 +113,7 @@ void move_into(std::vector<float>& from, const HostArray& to) {
 class HostBackend final : public Backend {
  public:
   HostBackend() { install_peer_guard(); }
-  const char* name() const noexcept override { return "host"; }
+  shm::Backend kind() const noexcept override { return shm::Backend::kHost; }
 
   Status peer_intact(const PeerBuffer& peer) override {
     if (static_cast<const HostPeer&>(peer).intact()) return Status::Ok();

@@ -15,11 +15,17 @@ using shm::Request;
 
 namespace {
 
+// The kernels' mirrors of the wire vocabulary (kernels/ depends on nothing of ours).
+static_assert(static_cast<uint32_t>(kernels::GradDtype::kF32) == static_cast<uint32_t>(shm::Dtype::kF32) &&
+              static_cast<uint32_t>(kernels::GradDtype::kF16) == static_cast<uint32_t>(shm::Dtype::kF16) &&
+              static_cast<uint32_t>(kernels::GradDtype::kBF16) == static_cast<uint32_t>(shm::Dtype::kBF16));
+static_assert(static_cast<uint32_t>(kernels::OptimizerKind::kSgd) == static_cast<uint32_t>(shm::OptimizerKind::kSgd) &&
+              static_cast<uint32_t>(kernels::OptimizerKind::kAdam) == static_cast<uint32_t>(shm::OptimizerKind::kAdam) &&
+              static_cast<uint32_t>(kernels::OptimizerKind::kAdamW) == static_cast<uint32_t>(shm::OptimizerKind::kAdamW));
+
 const char* opcode_name(uint32_t opcode) {
-  static constexpr const char* kNames[] = {"request", "attach", "detach", "register_buffer", "unregister_buffer",
-                                           "push", "pull", "stats", "ping", "init"};
-  static_assert(std::size(kNames) == shm::kOpcodeMax + 1);
-  return opcode <= shm::kOpcodeMax ? kNames[opcode] : "request";
+  const char* name = shm::opcode_name(opcode);
+  return name != nullptr ? name : "request";
 }
 
 // counter += by for counters only this thread writes (the stats block, the
@@ -184,11 +190,10 @@ Result<RequestHandler::Target> RequestHandler::resolve(uint32_t i, const Request
 }
 
 Answer RequestHandler::push(uint32_t i, const Request& req) {
-  static constexpr const char* kDtypeNames[] = {"?", "f32", "f16", "bf16"};
-  if (req.dtype == 0 || req.dtype > shm::kDtypeMax)
+  if (shm::dtype_name(req.dtype) == nullptr)
     return reject(i, req, ErrorCode::kBadDtype, "gradient dtype " + std::to_string(req.dtype) + " unknown");
   const auto dtype = static_cast<kernels::GradDtype>(req.dtype);
-  auto target = resolve(i, req, kernels::dtype_size(dtype), kDtypeNames[req.dtype]);
+  auto target = resolve(i, req, shm::dtype_size(req.dtype), shm::dtype_name(req.dtype));
   if (!target.ok()) return reject(i, req, target.status().code(), target.status().message());
   const uint64_t version = model_.version;
   if (req.worker_version > version)
@@ -208,7 +213,7 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
     if (!*finite) return reject(i, req, ErrorCode::kNonFinite, "NaN or Inf in the gradient");
   }
   uint64_t byte_offset = req.byte_offset;
-  const uint64_t esize = kernels::dtype_size(dtype);
+  const uint64_t esize = shm::dtype_size(req.dtype);
   // Its completion (even a failure) waits for the applies. A shared_ptr
   // copy (two locked instructions) only where there is something to wait for.
   std::shared_ptr<PeerBuffer> hold = async_ ? sessions_[i].buffers[req.buffer_id] : nullptr;
@@ -302,27 +307,22 @@ Answer RequestHandler::stats(uint32_t i, const Request& req) {
   sessions_.publish_depth();  // what is queued right now
   shm::StatsReply& r = segment_.worker(i).stats_reply;
   const shm::StatsBlock& s = segment_.stats();
-  // relaxed loads of our own counters; the completion's release publishes r.
-  r.version = model_.version;
-  r.gradients_applied = s.gradients_applied.load(std::memory_order_relaxed);
-  r.weights_pulled = s.weights_pulled.load(std::memory_order_relaxed);
-  r.avg_staleness_micro = s.avg_staleness_micro.load(std::memory_order_relaxed);
-  r.rejected_stale = s.rejected[static_cast<uint32_t>(ErrorCode::kStale)].load(std::memory_order_relaxed);
-  r.rejected_nonfinite = s.rejected[static_cast<uint32_t>(ErrorCode::kNonFinite)].load(std::memory_order_relaxed);
-  uint64_t invalid = 0;
-  for (uint32_t c = 0; c < shm::kRejectCauses; ++c)
-    if (c != static_cast<uint32_t>(ErrorCode::kStale) && c != static_cast<uint32_t>(ErrorCode::kNonFinite))
-      invalid += s.rejected[c].load(std::memory_order_relaxed);
-  r.rejected_invalid = invalid;
-  r.ring_depth = s.ring_depth.load(std::memory_order_relaxed);
-  r.ring_high_water = s.ring_high_water.load(std::memory_order_relaxed);
-  r.workers_attached = s.workers_attached.load(std::memory_order_relaxed);
-  r.workers_died = s.workers_died.load(std::memory_order_relaxed);
-  r.workers_evicted = s.workers_evicted.load(std::memory_order_relaxed);
   const shm::WorkerEntry& e = segment_.worker(i);
-  r.my_pushes_applied = e.pushes_applied.load(std::memory_order_relaxed);
-  r.my_pushes_rejected = e.pushes_rejected.load(std::memory_order_relaxed);
-  r.my_pulls = e.pulls.load(std::memory_order_relaxed);
+  // relaxed loads of our own counters; the completion's release publishes r.
+  const auto cause = [&s](ErrorCode code) { return s.rejected[static_cast<uint32_t>(code)].load(std::memory_order_relaxed); };
+  const uint64_t rejected_stale = cause(ErrorCode::kStale), rejected_nonfinite = cause(ErrorCode::kNonFinite);
+  uint64_t rejected_invalid = 0;
+  for (uint32_t c = 0; c < shm::kRejectCauses; ++c) rejected_invalid += s.rejected[c].load(std::memory_order_relaxed);
+  rejected_invalid -= rejected_stale + rejected_nonfinite;
+#define SHMPS_STATS_FROM_block(from) s.from.load(std::memory_order_relaxed)
+#define SHMPS_STATS_FROM_entry(from) e.from.load(std::memory_order_relaxed)
+#define SHMPS_STATS_FROM_rejected(from) rejected_##from
+#define SHMPS_STATS_FILL(name, source, from) r.name = SHMPS_STATS_FROM_##source(from);
+  SHMPS_SERVER_STATS(SHMPS_STATS_FILL)
+#undef SHMPS_STATS_FILL
+#undef SHMPS_STATS_FROM_rejected
+#undef SHMPS_STATS_FROM_entry
+#undef SHMPS_STATS_FROM_block
   return ok(req, model_.version);
 }
 

@@ -622,7 +622,7 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   cb.beta1 = o.beta1;
   cb.beta2 = o.beta2;
   cb.eps = o.eps;
-  cb.backend = static_cast<uint32_t>(std::string(backend->name()) == "cuda" ? shm::Backend::kCuda : shm::Backend::kHost);
+  cb.backend = static_cast<uint32_t>(backend->kind());
   cb.max_staleness = config.max_staleness;
 
   auto segment = shm::Segment::create(spec, random_generation());

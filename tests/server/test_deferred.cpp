@@ -53,7 +53,7 @@ PeerBuffer& in(PeerBuffer& p) { return static_cast<GatedPeer&>(p).inner(); }
 class GatedBackend final : public Backend {
  public:
   explicit GatedBackend(Gate* gate) : host_(make_host_backend()), gate_(gate) {}
-  const char* name() const noexcept override { return "gated-host"; }
+  shm::Backend kind() const noexcept override { return shm::Backend::kHost; }
   bool asynchronous() const noexcept override { return true; }
   Fence fence() override {
     if (!dirty_) return gate_->issued.load() > gate_->released.load() ? gate_->issued.load() : 0;

@@ -24,14 +24,13 @@ using shm::Opcode;
 using shm::Request;
 using shm::WorkerState;
 
-size_t dtype_size(Dtype dtype) noexcept {
-  switch (dtype) {
-    case Dtype::kF32: return 4;
-    case Dtype::kF16: return 2;
-    case Dtype::kBF16: return 2;
-  }
-  return 0;
-}
+// The public mirrors of the wire vocabulary (layout.hpp).
+static_assert(static_cast<uint32_t>(Dtype::kF32) == static_cast<uint32_t>(shm::Dtype::kF32) &&
+              static_cast<uint32_t>(Dtype::kF16) == static_cast<uint32_t>(shm::Dtype::kF16) &&
+              static_cast<uint32_t>(Dtype::kBF16) == static_cast<uint32_t>(shm::Dtype::kBF16));
+static_assert(kAllTensors == shm::kAllTensors);
+
+size_t dtype_size(Dtype dtype) noexcept { return shm::dtype_size(static_cast<uint32_t>(dtype)); }
 
 namespace {
 using Clock = std::chrono::steady_clock;
@@ -919,21 +918,10 @@ Result<ServerStats> Worker::stats() {
   // The completion's acquire (try_pop) ordered the server's writes of r.
   const shm::StatsReply r = impl_->entry().stats_reply;
   ServerStats s;
-  s.version = r.version;
-  s.gradients_applied = r.gradients_applied;
-  s.weights_pulled = r.weights_pulled;
+#define SHMPS_STATS_COPY(name, source, from) s.name = r.name;
+  SHMPS_SERVER_STATS(SHMPS_STATS_COPY)
+#undef SHMPS_STATS_COPY
   s.avg_staleness = static_cast<double>(r.avg_staleness_micro) / 1e6;
-  s.rejected_stale = r.rejected_stale;
-  s.rejected_invalid = r.rejected_invalid;
-  s.rejected_nonfinite = r.rejected_nonfinite;
-  s.ring_depth = r.ring_depth;
-  s.ring_high_water = r.ring_high_water;
-  s.workers_attached = static_cast<uint32_t>(r.workers_attached);
-  s.workers_died = r.workers_died;
-  s.workers_evicted = r.workers_evicted;
-  s.my_pushes_applied = r.my_pushes_applied;
-  s.my_pushes_rejected = r.my_pushes_rejected;
-  s.my_pulls = r.my_pulls;
   return s;
 }
 

@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "shmps/server_stats.hpp"
 #include "shmps/status.hpp"
 
 namespace shmps {
@@ -54,24 +55,13 @@ struct TensorInfo {
 };
 
 // A racy snapshot of the server's counters (each field is read atomically,
-// the set is not).
+// the set is not): one uint64_t per counter of shmps/server_stats.hpp,
+// where each is described, and the mean staleness as a double.
 struct ServerStats {
-  uint64_t version = 0;
-  uint64_t gradients_applied = 0;
-  uint64_t weights_pulled = 0;
-  double avg_staleness = 0.0;       // mean of the last 128 applied pushes
-  uint64_t rejected_stale = 0;
-  uint64_t rejected_invalid = 0;    // bad length/dtype/range/id/request
-  uint64_t rejected_nonfinite = 0;
-  uint64_t ring_depth = 0;          // requests queued in all lanes now
-  uint64_t ring_high_water = 0;     // most ever queued at once
-  uint32_t workers_attached = 0;
-  uint64_t workers_died = 0;
-  uint64_t workers_evicted = 0;     // sessions the server ended: stopped too long, corrupt lane
-  // This worker's own counters as the server counts them.
-  uint64_t my_pushes_applied = 0;
-  uint64_t my_pushes_rejected = 0;
-  uint64_t my_pulls = 0;
+#define SHMPS_STATS_FIELD(name, source, from) uint64_t name = 0;
+  SHMPS_SERVER_STATS(SHMPS_STATS_FIELD)
+#undef SHMPS_STATS_FIELD
+  double avg_staleness = 0.0;  // avg_staleness_micro / 1e6: the mean of the last 128 applied pushes
 };
 
 struct WorkerOptions {

@@ -40,7 +40,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <type_traits>
+
+#include "shmps/server_stats.hpp"
 
 namespace shmps::shm {
 
@@ -61,10 +64,18 @@ inline constexpr uint32_t kAllTensors = 0xFFFFFFFFu;
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 
+// The project's vocabulary is declared here, where the wire format lives;
+// the mirrors in other layers (shmps::Dtype, kernels::GradDtype,
+// kernels::OptimizerKind, shmps::kAllTensors) are tied to it with
+// static_assert where both are seen, and the name tables below name them
+// for the server's logs and for shmps-inspect.
 enum class ServerState : uint32_t { kStarting = 1, kRunning = 2, kStopping = 3, kStopped = 4 };
 enum class Backend : uint32_t { kHost = 1, kCuda = 2 };
 enum class Dtype : uint32_t { kF32 = 1, kF16 = 2, kBF16 = 3 };
 inline constexpr uint32_t kDtypeMax = 3;
+// ConfigBlock::optimizer_kind.
+enum class OptimizerKind : uint32_t { kSgd = 1, kAdam = 2, kAdamW = 3 };
+inline constexpr uint32_t kOptimizerKindMax = 3;
 
 enum class Opcode : uint32_t {
   kAttach = 1,            // -> value = lease
@@ -79,6 +90,37 @@ enum class Opcode : uint32_t {
 };
 inline constexpr uint32_t kOpcodeMax = 9;
 
+// Names, by value; nullptr outside the enum (a reader of untrusted bytes
+// prints the number then).
+constexpr const char* dtype_name(uint32_t dtype) {
+  constexpr const char* kNames[] = {nullptr, "f32", "f16", "bf16"};
+  return dtype <= kDtypeMax ? kNames[dtype] : nullptr;
+}
+// Bytes per element; 0 outside the enum.
+constexpr uint32_t dtype_size(uint32_t dtype) {
+  constexpr uint32_t kSizes[] = {0, 4, 2, 2};
+  return dtype <= kDtypeMax ? kSizes[dtype] : 0;
+}
+constexpr const char* opcode_name(uint32_t opcode) {
+  constexpr const char* kNames[] = {nullptr, "attach", "detach", "register_buffer", "unregister_buffer",
+                                    "push", "pull", "stats", "ping", "init"};
+  static_assert(std::size(kNames) == kOpcodeMax + 1);
+  return opcode <= kOpcodeMax ? kNames[opcode] : nullptr;
+}
+constexpr const char* optimizer_kind_name(uint32_t kind) {
+  constexpr const char* kNames[] = {nullptr, "sgd", "adam", "adamw"};
+  static_assert(std::size(kNames) == kOptimizerKindMax + 1);
+  return kind <= kOptimizerKindMax ? kNames[kind] : nullptr;
+}
+constexpr const char* backend_name(uint32_t backend) {
+  constexpr const char* kNames[] = {nullptr, "host", "cuda"};
+  return backend <= 2 ? kNames[backend] : nullptr;
+}
+constexpr const char* server_state_name(uint32_t state) {
+  constexpr const char* kNames[] = {nullptr, "starting", "running", "stopping", "stopped"};
+  return state <= 4 ? kNames[state] : nullptr;
+}
+
 // Worker table entry states (low 32 bits of WorkerEntry::owner).
 enum class WorkerState : uint32_t {
   kFree = 0,      // unused; a worker may claim it
@@ -91,6 +133,10 @@ inline constexpr uint64_t make_owner(uint32_t pid, WorkerState s) {
 }
 inline constexpr uint32_t owner_pid(uint64_t owner) { return static_cast<uint32_t>(owner >> 32); }
 inline constexpr uint32_t owner_state(uint64_t owner) { return static_cast<uint32_t>(owner); }
+constexpr const char* worker_state_name(uint32_t state) {
+  constexpr const char* kNames[] = {"free", "claimed", "attached", "detached"};
+  return state <= 3 ? kNames[state] : nullptr;
+}
 
 // A futex-backed wait point: `seq` is the futex word, bumped by every
 // notify; `waiters` counts sleepers so a notifier can skip the syscall.
@@ -232,6 +278,10 @@ static_assert(offsetof(TensorDesc, element_offset) == 104);
 static_assert(offsetof(TensorDesc, element_count) == 112);
 
 enum class BufferKind : uint32_t { kEmpty = 0, kHostShm = 1, kCudaIpc = 2 };
+constexpr const char* buffer_kind_name(uint32_t kind) {
+  constexpr const char* kNames[] = {"empty", "host_shm", "cuda_ipc"};
+  return kind <= 2 ? kNames[kind] : nullptr;
+}
 
 // BufferDesc::flags (kCudaIpc only; 0 otherwise). kBufferInProcess: the
 // worker runs in the server's own process (tests, embedding), which cannot
@@ -264,26 +314,20 @@ static_assert(offsetof(BufferDesc, device_uuid) == 152);
 
 // What a kStats request returns: the server writes it into the requesting
 // worker's entry, then publishes the completion (which orders it).
+// One uint64_t per counter of shmps/server_stats.hpp, in its order.
+#define SHMPS_STATS_COUNT(name, source, from) +1
+inline constexpr size_t kServerStatsCount = 0 SHMPS_SERVER_STATS(SHMPS_STATS_COUNT);
+#undef SHMPS_STATS_COUNT
 struct StatsReply {
-  uint64_t version;
-  uint64_t gradients_applied;
-  uint64_t weights_pulled;
-  uint64_t avg_staleness_micro;  // mean staleness * 1e6
-  uint64_t rejected_stale;
-  uint64_t rejected_invalid;
-  uint64_t rejected_nonfinite;
-  uint64_t ring_depth;
-  uint64_t ring_high_water;
-  uint64_t workers_attached;
-  uint64_t workers_died;
-  uint64_t my_pushes_applied;
-  uint64_t my_pushes_rejected;
-  uint64_t my_pulls;
-  uint64_t workers_evicted;
-  uint64_t reserved[17];
+#define SHMPS_STATS_FIELD(name, source, from) uint64_t name;
+  SHMPS_SERVER_STATS(SHMPS_STATS_FIELD)
+#undef SHMPS_STATS_FIELD
+  uint64_t reserved[32 - kServerStatsCount];
 };
 static_assert(std::is_trivially_copyable_v<StatsReply>);
 static_assert(sizeof(StatsReply) == 256);
+static_assert(offsetof(StatsReply, my_pulls) == 104);
+static_assert(offsetof(StatsReply, workers_evicted) == 112);
 
 struct WorkerEntry {
   // owner = (pid << 32) | WorkerState. Claimed by a worker with a CAS from
@@ -384,22 +428,24 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
 
 // Server-wide counters. Written by the server only (relaxed stores of
 // monotonic or last-value numbers); readers get a racy snapshot.
+// The server-wide counters, declared once: SHMPS_STATS_BLOCK_COUNTERS(X)
+// expands X(name) in StatsBlock's order; shmps-inspect's view, its JSON
+// names and the worker's reply (shmps/server_stats.hpp, source `block`)
+// take them from here. lanes_corrupt: lanes whose indices were garbage;
+// workers_evicted: sessions the server ended (stopped too long, a corrupt
+// lane); avg_staleness_micro: the mean staleness * 1e6.
+#define SHMPS_STATS_BLOCK_COUNTERS(X)                                                                           \
+  X(version) X(gradients_applied) X(weights_pulled) X(avg_staleness_micro) X(requests) X(ring_depth)            \
+  X(ring_high_water) X(workers_attached) X(workers_died) X(buffers_registered) X(mappings_opened)                \
+  X(mappings_closed) X(lanes_corrupt) X(workers_evicted)
+#define SHMPS_STATS_COUNT(name) +1
+inline constexpr size_t kStatsBlockCounters = 0 SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_COUNT);
+#undef SHMPS_STATS_COUNT
 struct StatsBlock {
-  std::atomic<uint64_t> version;
-  std::atomic<uint64_t> gradients_applied;
-  std::atomic<uint64_t> weights_pulled;
-  std::atomic<uint64_t> avg_staleness_micro;
-  std::atomic<uint64_t> requests;
-  std::atomic<uint64_t> ring_depth;
-  std::atomic<uint64_t> ring_high_water;
-  std::atomic<uint64_t> workers_attached;
-  std::atomic<uint64_t> workers_died;
-  std::atomic<uint64_t> buffers_registered;
-  std::atomic<uint64_t> mappings_opened;
-  std::atomic<uint64_t> mappings_closed;
-  std::atomic<uint64_t> lanes_corrupt;   // lanes whose indices were garbage
-  std::atomic<uint64_t> workers_evicted; // sessions ended by the server: stopped too long, corrupt lane
-  uint64_t reserved0[2];
+#define SHMPS_STATS_FIELD(name) std::atomic<uint64_t> name;
+  SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_FIELD)
+#undef SHMPS_STATS_FIELD
+  uint64_t reserved0[16 - kStatsBlockCounters];
   std::atomic<uint64_t> rejected[kRejectCauses];  // by ErrorCode value
   uint64_t reserved1[80];
 };

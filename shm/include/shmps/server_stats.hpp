@@ -1,0 +1,38 @@
+// The counters Worker::stats() reports, declared once: SHMPS_SERVER_STATS(X)
+// expands X(name, source, from) for each, in the wire order of the reply.
+// It generates shmps::ServerStats (worker.hpp), the reply the server writes
+// (shm::StatsReply, layout.hpp), the server's fill of it, the worker's copy
+// out of it and the Python package's Stats, so a counter added here (and
+// counted where it happens) reaches all of them. `source` says where the
+// server takes the value:
+//   block     StatsBlock::<from>, the server-wide counter (layout.hpp)
+//   entry     WorkerEntry::<from> of the worker that asks: its own counts
+//   rejected  StatsBlock::rejected by cause: `from` is stale, nonfinite, or
+//             invalid (every other cause: bad length, dtype, range, id, request)
+// The counters: the version (applied updates, or the restored
+// checkpoint's), gradients applied, weight pulls, the mean staleness of the
+// last 128 applied pushes in millionths, pushes rejected by cause, the
+// requests queued in all lanes now and the most ever queued at once,
+// workers attached now, died, and evicted (sessions the server ended: a
+// process stopped too long, a corrupt lane), and the asking worker's
+// applied and rejected pushes and its pulls.
+// Plain preprocessor lists; part of the public API (installed with
+// worker.hpp). Append only: the order is the reply's layout.
+#pragma once
+
+#define SHMPS_SERVER_STATS(X)                        \
+  X(version, block, version)                         \
+  X(gradients_applied, block, gradients_applied)     \
+  X(weights_pulled, block, weights_pulled)           \
+  X(avg_staleness_micro, block, avg_staleness_micro) \
+  X(rejected_stale, rejected, stale)                 \
+  X(rejected_invalid, rejected, invalid)             \
+  X(rejected_nonfinite, rejected, nonfinite)         \
+  X(ring_depth, block, ring_depth)                   \
+  X(ring_high_water, block, ring_high_water)         \
+  X(workers_attached, block, workers_attached)       \
+  X(workers_died, block, workers_died)               \
+  X(my_pushes_applied, entry, pushes_applied)        \
+  X(my_pushes_rejected, entry, pushes_rejected)      \
+  X(my_pulls, entry, pulls)                          \
+  X(workers_evicted, block, workers_evicted)
