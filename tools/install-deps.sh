@@ -7,7 +7,8 @@
 # (dpkg-shlibdeps for cpack -G DEB); clang with its libFuzzer runtime
 # (libclang-rt-14-dev, only recommended by clang) for the fuzz targets;
 # libzmq3-dev for the ZeroMQ baseline of shmps-compare (bench/);
-# help2man (the man pages), lintian and file for the package test.
+# help2man (the man pages), lintian and file for the package test;
+# patchelf for tools/gpu-pack.sh (the GPU machine's carried tree).
 # Runs apt-get as root, through sudo when started as a user.
 set -euo pipefail
 packages=(
@@ -19,6 +20,7 @@ packages=(
   clang libclang-rt-14-dev
   libzmq3-dev
   help2man lintian file
+  patchelf
 )
 as_root=()
 if [ "$(id -u)" -ne 0 ]; then as_root=(sudo); fi
