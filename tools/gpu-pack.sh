@@ -40,13 +40,13 @@ pack=$(cd "$pack" && pwd -P)
 # The Debian packages a build from source needs (CMake, the compilers and
 # nvcc come from the GPU machine): Boost's headers, Program_options and
 # Test; libsystemd; OpenBLAS (pthread flavour, what libopenblas-dev picks)
-# with libgfortran; nlohmann-json; zlib; their runtime libraries and those
+# with libgfortran and libquadmath; nlohmann-json; zlib; their runtime libraries and those
 # of libsystemd; pkgconf in case that machine has no pkg-config.
 debs=(
   libboost1.74-dev libboost-program-options1.74-dev libboost-program-options1.74.0
   libboost-test1.74-dev libboost-test1.74.0
   libsystemd-dev libsystemd0 libcap2 libgcrypt20 libgpg-error0 liblz4-1 liblzma5 libzstd1
-  libopenblas-pthread-dev libopenblas0-pthread libgfortran5
+  libopenblas-pthread-dev libopenblas0-pthread libgfortran5 libquadmath0
   nlohmann-json3-dev zlib1g-dev zlib1g
   pkgconf pkgconf-bin libpkgconf3
 )
