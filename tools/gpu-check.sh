@@ -78,7 +78,7 @@ probe() {
   echo "## machine"
   echo "kernel: $(uname -r)"
   echo "os: $( (. /etc/os-release 2>/dev/null && echo "${PRETTY_NAME:-?}") || echo '?')"
-  echo "cpus: $cores; memory: $(free -g 2>/dev/null | awk '/^Mem:/ {print $2 " GiB, " $7 " GiB available"}')"
+  echo "cpus: $cores; memory: $(awk '/^MemTotal:/ {t = $2} /^MemAvailable:/ {a = $2} END {printf "%.0f GiB, %.0f GiB available", t / 1048576, a / 1048576}' /proc/meminfo)"
   echo "disk free: checkout $(df -h --output=avail "$src" 2>/dev/null | tail -1 | tr -d ' '), $work $(df -h --output=avail "$work" 2>/dev/null | tail -1 | tr -d ' ')"
   # Build trees lie in the checkout when other users can reach it, else
   # under $work/trees (test_protocol's server_of_another_user case runs
@@ -140,7 +140,11 @@ PY
   h=$(find /usr/include -maxdepth 3 -name cblas.h 2>/dev/null | head -1)
   echo "cblas.h: ${h:-missing}"
   for h in libboost_program_options libboost_unit_test_framework libsystemd libopenblas libz libgomp; do
-    echo "$h: $(ldconfig -p 2>/dev/null | awk -v n="$h" 'index($1, n ".so") == 1 {print $1}' | sort -u | tr '\n' ' ')"
+    local found="" path
+    for path in $(ldconfig -p 2>/dev/null | awk -v n="$h" 'index($1, n ".so") == 1 && /x86-64/ {print $NF}'); do
+      [[ -e $path ]] && found+="$path "
+    done
+    echo "$h: ${found:-missing}"
   done
   echo
   echo "## carried pack ($pack)"
@@ -196,7 +200,7 @@ probe_prebuilt() {
     local cxxlib
     cxxlib=$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
     if [[ -n $cxxlib ]] && grep -aq "GLIBCXX_$(manifest glibcxx_needed)" "$cxxlib" &&
-       grep -aq "CXXABI_$(manifest cxxabi_needed)" "$cxxlib" && ldconfig -p | grep -q 'libgcc_s\.so\.1 .*x86-64'; then
+       grep -aq "CXXABI_$(manifest cxxabi_needed)" "$cxxlib" && [[ $(ldconfig -p 2>/dev/null) == *'libgcc_s.so.1 (libc6,x86-64)'* ]]; then
       mkdir -p "$build/lib/not-loaded"
       mv "$build/lib/libstdc++.so.6" "$build/lib/libgcc_s.so.1" "$build/lib/not-loaded/"
       echo "C++ runtime: this machine's ($cxxlib has GLIBCXX_$(manifest glibcxx_needed)); the carried one, which needs glibc $need, moved to lib/not-loaded"

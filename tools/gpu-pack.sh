@@ -70,7 +70,7 @@ echo "gpu-pack: binaries from $build/bin"
 binaries=()
 for f in "$build"/bin/*; do
   [[ -f $f && -x $f ]] || continue
-  head -c 4 "$f" | grep -q $'\x7fELF' || continue
+  [[ $(head -c 4 "$f" | tr -d '\0') == $'\x7fELF' ]] || continue
   binaries+=("$(basename "$f")")
   cp "$f" "$tree/bin/"
 done
@@ -92,7 +92,7 @@ for name in "${!lib_from[@]}"; do
   chmod u+w "$tree/lib/$name"
   # A carried library with its own RUNPATH would not search the programs'
   # DT_RPATH for its dependencies: point it at its neighbours instead.
-  if readelf -d "$tree/lib/$name" | grep -q '(RUNPATH)'; then
+  if [[ $(readelf -d "$tree/lib/$name") == *'(RUNPATH)'* ]]; then
     patchelf --force-rpath --set-rpath '$ORIGIN' "$tree/lib/$name"
   fi
 done
@@ -172,7 +172,8 @@ debs_glibc_max=$(
 build_rel=
 [[ $build == "$src"/* ]] && build_rel=${build#"$src"/}
 commit=$(git -C "$src" rev-parse HEAD 2>/dev/null || echo unknown)
-dirty=$(git -C "$src" status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo yes || echo no)
+dirty=no
+[[ -z $(git -C "$src" status --porcelain --untracked-files=no 2>/dev/null) ]] || dirty=yes
 {
   echo "# tools/gpu-pack.sh manifest: key=value"
   echo "build_dir=$build"
