@@ -543,7 +543,7 @@ if have compute-sanitizer; then
     echo "== compute-sanitizer --tool $1 $2 ${args[*]}" >> "$work/sanitizer.txt"
     STEP_OUT=$work/sanitizer.part step "compute-sanitizer $1 $2" 45 \
       compute-sanitizer --tool "$1" --error-exitcode 99 --target-processes all \
-        "$build/bin/$2" "${args[@]}" --log_level=test_suite
+        "$build/bin/$2" "${args[@]}" --log_level=test_suite --color_output=no
     cat "$work/sanitizer.part" >> "$work/sanitizer.txt" 2>/dev/null
     grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$work/sanitizer.part" 2>/dev/null | tail -3 | sed 's/^/   /' | tee -a "$log"
   done
