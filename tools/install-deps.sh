@@ -13,7 +13,8 @@
 # The Python package (python/): Debian's python3 with its headers, torch
 # 1.13 (CPU), numpy and pytest, and a venv over them (.venv, made with
 # --system-site-packages, git-ignored) holding nanobind and scikit-build-core
-# from PyPI, which CMake then uses.
+# from PyPI, which CMake then uses;
+# patchelf for tools/gpu-pack.sh (the GPU machine's carried tree).
 # Runs apt-get as root, through sudo when started as a user.
 set -euo pipefail
 packages=(
@@ -26,6 +27,7 @@ packages=(
   libzmq3-dev
   help2man lintian file
   python3-dev python3-venv python3-torch python3-numpy python3-pytest
+  patchelf
 )
 as_root=()
 if [ "$(id -u)" -ne 0 ]; then as_root=(sudo); fi

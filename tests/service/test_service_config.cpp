@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <boost/test/unit_test.hpp>
 #include <fstream>
 #include <map>
@@ -267,7 +268,11 @@ BOOST_AUTO_TEST_CASE(check_config_reads_the_init_file_as_the_start_does) {
 }
 
 BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
-  const std::string example = std::string(SHMPS_SOURCE_DIR) + "/server/shmps.conf.example";
+  // $SHMPS_SOURCE_DIR (set by CTest) first: a build tree unpacked beside
+  // another checkout (tools/gpu-check.sh) reads that checkout's file.
+  const char* source_dir = std::getenv("SHMPS_SOURCE_DIR");
+  const std::string example =
+      std::string(source_dir != nullptr ? source_dir : SHMPS_SOURCE_DIR) + "/server/shmps.conf.example";
   auto p = test::parse_server_args({"--config", example});
   BOOST_REQUIRE_MESSAGE(p.ok(), p.status().to_string());
   BOOST_TEST(p->config.group_access);  // workers of the shmps group can attach
