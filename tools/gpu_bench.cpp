@@ -308,7 +308,7 @@ int main(int argc, char** argv) {
     ts.n = n;
     uint64_t step = 1;
     const double ms = time_ms(stream, repeats, [&] {
-      const std::string e = shmps::kernels::apply_cuda(c.config, ts, grad, shmps::kernels::GradDtype::kF32, step++, stream);
+      const std::string e = shmps::kernels::apply_cuda(c.config, ts, grad, shmps::kernels::GradDtype::kF32, step++, stream).message();
       if (!e.empty()) die(e);
     });
     const double gbs = c.bytes_per_param * static_cast<double>(n) / (ms * 1e6);

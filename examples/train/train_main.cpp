@@ -893,8 +893,8 @@ bool Trainer::write_csv() const {
 // the wall time is training alone.
 int Trainer::run_in_process() {
   const kernels::OptimizerConfig config = optimizer_config(o_);
-  if (const std::string bad = kernels::validate(config); !bad.empty()) {
-    std::cerr << "shmps-train: " << bad << "\n";  // what the server would have said
+  if (const Status bad = kernels::validate(config); !bad.ok()) {
+    std::cerr << "shmps-train: " << bad.message() << "\n";  // what the server would have said
     return kExitUsage;
   }
   std::vector<float> init(mlp_parameter_count(shape_));

@@ -347,7 +347,8 @@ size_t dtype_size(GradDtype dtype) noexcept {
   return 0;
 }
 
-std::string validate(const OptimizerConfig& config) {
+namespace {
+std::string validation_error(const OptimizerConfig& config) {
   std::string error;
   const auto first = [&error](std::string message) {
     if (error.empty()) error = std::move(message);
@@ -374,6 +375,13 @@ std::string validate(const OptimizerConfig& config) {
   }
   return "--optimizer must be sgd, adam or adamw, got kind " +
          std::to_string(static_cast<uint32_t>(config.kind));
+}
+}  // namespace
+
+Status validate(const OptimizerConfig& config) {
+  std::string error = validation_error(config);
+  if (error.empty()) return Status::Ok();
+  return {ErrorCode::kInvalidArgument, std::move(error)};
 }
 
 const char* optimizer_kind_name(OptimizerKind kind) noexcept {

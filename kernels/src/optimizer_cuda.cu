@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda_check.hpp"
+#include "shmps/cuda_check.hpp"
 #include "optimizer_cuda_body.hpp"
 #include "shmps/kernels/update.hpp"
 
@@ -119,64 +119,70 @@ int cuda_device_count(std::string* reason) {
   return count;
 }
 
-std::string apply_cuda(const OptimizerConfig& config, const TensorState& device_tensor, const void* device_grad,
-                       GradDtype dtype, uint64_t step, void* stream) {
+namespace {
+// A launch's error text ("" = success) as the API's Status.
+Status launched(const std::string& error) {
+  return error.empty() ? Status::Ok() : Status{ErrorCode::kCuda, error};
+}
+}  // namespace
+
+Status apply_cuda(const OptimizerConfig& config, const TensorState& device_tensor, const void* device_grad,
+                  GradDtype dtype, uint64_t step, void* stream) {
   using namespace cuda_detail;
   Arrays arrays;
   Plan plan;
-  if (std::string error = prepare_apply(config, device_tensor, device_grad, dtype, step, &arrays, &plan);
-      !error.empty() || arrays.n == 0) {
-    return error;
-  }
+  if (std::string error = prepare_apply(config, device_tensor, device_grad, dtype, step, &arrays, &plan); !error.empty())
+    return {ErrorCode::kInvalidArgument, error};
+  if (arrays.n == 0) return Status::Ok();
   const uint64_t work = work_items(plan, arrays.n);
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   const auto launch = [&](auto op, auto dtype_c, auto access_c, const auto& params) {
     return launch_apply<decltype(op), decltype(dtype_c)::value, decltype(access_c)::value>(params, arrays, work,
                                                                                           cuda_stream);
   };
-  return dispatch_apply(config, dtype, step, plan.access, launch);
+  return launched(dispatch_apply(config, dtype, step, plan.access, launch));
 }
 
-std::string all_finite_cuda_async(const void* device_grad, GradDtype dtype, uint64_t n, int* device_nonfinite_flag,
-                                  void* stream) {
+Status all_finite_cuda_async(const void* device_grad, GradDtype dtype, uint64_t n, int* device_nonfinite_flag,
+                             void* stream) {
   using namespace cuda_detail;
   const size_t grad_bytes = dtype_size(dtype);
   if (grad_bytes == 0) {
-    return "all_finite_cuda: gradient dtype " + std::to_string(static_cast<uint32_t>(dtype)) +
-           " is not f32 (1), f16 (2) or bf16 (3)";
+    return {ErrorCode::kInvalidArgument, "all_finite_cuda: gradient dtype " + std::to_string(static_cast<uint32_t>(dtype)) +
+                                             " is not f32 (1), f16 (2) or bf16 (3)"};
   }
-  if (device_nonfinite_flag == nullptr) return "all_finite_cuda: null flag";
-  if (n > 0 && device_grad == nullptr) return "all_finite_cuda: null gradient";
+  if (device_nonfinite_flag == nullptr) return {ErrorCode::kInvalidArgument, "all_finite_cuda: null flag"};
+  if (n > 0 && device_grad == nullptr) return {ErrorCode::kInvalidArgument, "all_finite_cuda: null gradient"};
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
-  SHMPS_CUDA_CHECK(cudaMemsetAsync(device_nonfinite_flag, 0, sizeof(int), cuda_stream));
-  if (n == 0) return "";
+  if (std::string e = SHMPS_CUDA_ERROR(cudaMemsetAsync(device_nonfinite_flag, 0, sizeof(int), cuda_stream)); !e.empty())
+    return launched(e);
+  if (n == 0) return Status::Ok();
   Arrays arrays;
   arrays.grad = static_cast<const unsigned char*>(device_grad);
   arrays.n = n;
   const Plan plan = plan_access(nullptr, 0, device_grad, static_cast<uint32_t>(grad_bytes), n);
   arrays.head = plan.head;
   arrays.vectors = plan.vectors;
-  return visit_dtype(dtype, [&](auto dtype_c) {
+  return launched(visit_dtype(dtype, [&](auto dtype_c) {
     return visit_access(plan.access, [&](auto access_c) {
       return launch_nonfinite<decltype(dtype_c)::value, decltype(access_c)::value>(
           arrays, work_items(plan, n), device_nonfinite_flag, cuda_stream);
     });
-  });
+  }));
 }
 
-std::string all_finite_cuda(const void* device_grad, GradDtype dtype, uint64_t n, int* device_nonfinite_flag,
-                            void* stream, bool* all_finite) {
-  if (std::string error = all_finite_cuda_async(device_grad, dtype, n, device_nonfinite_flag, stream);
-      !error.empty()) {
-    return error;
-  }
+Status all_finite_cuda(const void* device_grad, GradDtype dtype, uint64_t n, int* device_nonfinite_flag,
+                       void* stream, bool* all_finite) {
+  if (Status s = all_finite_cuda_async(device_grad, dtype, n, device_nonfinite_flag, stream); !s.ok()) return s;
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   int nonfinite = 0;
-  SHMPS_CUDA_CHECK(
-      cudaMemcpyAsync(&nonfinite, device_nonfinite_flag, sizeof nonfinite, cudaMemcpyDeviceToHost, cuda_stream));
-  SHMPS_CUDA_CHECK(cudaStreamSynchronize(cuda_stream));
+  if (std::string e = SHMPS_CUDA_ERROR(
+          cudaMemcpyAsync(&nonfinite, device_nonfinite_flag, sizeof nonfinite, cudaMemcpyDeviceToHost, cuda_stream));
+      !e.empty())
+    return launched(e);
+  if (std::string e = SHMPS_CUDA_ERROR(cudaStreamSynchronize(cuda_stream)); !e.empty()) return launched(e);
   if (all_finite != nullptr) *all_finite = nonfinite == 0;
-  return "";
+  return Status::Ok();
 }
 
 }  // namespace shmps::kernels

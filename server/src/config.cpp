@@ -13,7 +13,7 @@ namespace shmps::server {
 
 Status validate(const ServerConfig& config) {
   const auto invalid = [](std::string message) { return Status{ErrorCode::kInvalidArgument, std::move(message)}; };
-  if (std::string err = kernels::validate(config.optimizer); !err.empty()) return invalid(err);
+  if (Status s = kernels::validate(config.optimizer); !s.ok()) return invalid(s.message());
   if (config.tensors.empty()) return invalid("at least one --tensor is required");
   if (Status s = shm::validate_tensors(config.tensors); !s.ok()) return invalid("--tensor: " + s.message());
   if ((config.init.kind == InitSpec::Kind::kNormal || config.init.kind == InitSpec::Kind::kUniform) &&

@@ -19,7 +19,7 @@
 #include <map>
 
 #include "backend.hpp"
-#include "cuda_check.hpp"
+#include "shmps/cuda_check.hpp"
 #include "shmps/kernels/optimizer_cuda.hpp"
 #include "shmps/server/log.hpp"
 #include "shmps/shm/segment.hpp"
@@ -358,8 +358,8 @@ class CudaBackend final : public Backend {
     const auto& g = static_cast<const CudaPeer&>(grad);
     if (Status s = wait_for_writer(g); !s.ok()) return s;
     bool finite = false;
-    const std::string e = kernels::all_finite_cuda(g.at(byte_offset), dtype, n, flag_dev_, stream_, &finite);
-    if (!e.empty()) return note_failure(e);
+    if (Status s = kernels::all_finite_cuda(g.at(byte_offset), dtype, n, flag_dev_, stream_, &finite); !s.ok())
+      return note_failure(s);
     return finite;
   }
 
@@ -377,8 +377,8 @@ class CudaBackend final : public Backend {
     for (size_t i = 0; i < state_.size(); ++i) ts.state[i] = state_[i] + t.element_offset;
     ts.n = t.element_count;
     dirty_ = true;
-    if (std::string e = kernels::apply_cuda(config, ts, g.at(byte_offset), dtype, step, stream_); !e.empty())
-      return note_failure(e);
+    if (Status s = kernels::apply_cuda(config, ts, g.at(byte_offset), dtype, step, stream_); !s.ok())
+      return note_failure(s);
     return Status::Ok();
   }
 
@@ -429,10 +429,10 @@ class CudaBackend final : public Backend {
 
  private:
   // Every CUDA call's result goes through here (the project's message
-  // from cuda_check.hpp); a sticky error is remembered.
+  // from shmps/cuda_check.hpp); a sticky error is remembered.
   Status call(cudaError_t e, const char* expression, int line) {
     if (e == cudaSuccess) return Status::Ok();
-    const std::string text = kernels::cuda_detail::cuda_error_text(expression, e, __FILE__, line);
+    const std::string text = cuda::error_text(expression, e, __FILE__, line);
     if (is_sticky(e) && sticky_.ok()) {
       sticky_ = Status{ErrorCode::kCuda, text + "; the CUDA context is lost: the weights may be half-written"};
       log::error(sticky_.message());
@@ -441,12 +441,12 @@ class CudaBackend final : public Backend {
     return {ErrorCode::kCuda, text};
   }
 
-  // A failure reported as text by kernels/ (apply_cuda and friends): asks
-  // the stream whether the context survived.
-  Status note_failure(const std::string& text) {
+  // A failure reported by kernels/ (apply_cuda and friends): asks the
+  // stream whether the context survived.
+  Status note_failure(const Status& failure) {
     const cudaError_t q = cudaStreamQuery(stream_);
     (void)call(q == cudaErrorNotReady ? cudaSuccess : q != cudaSuccess ? q : cudaPeekAtLastError(), "after a kernel", __LINE__);
-    return {ErrorCode::kCuda, text};
+    return failure;
   }
 
   // The runtime's current device is per host thread: the backend may be
@@ -663,7 +663,7 @@ class CudaBackend final : public Backend {
     kernels::TensorState ts;
     ts.weights = local;
     ts.n = n;
-    if (e.empty()) e = kernels::apply_cuda(sgd, ts, remote, kernels::GradDtype::kF32, 1, stream_);
+    if (e.empty()) e = kernels::apply_cuda(sgd, ts, remote, kernels::GradDtype::kF32, 1, stream_).message();
     if (e.empty()) e = SHMPS_CUDA_ERROR(cudaStreamSynchronize(stream_));
     if (e.empty()) e = SHMPS_CUDA_ERROR(cudaMemcpy(back.data(), local, n * sizeof(float), cudaMemcpyDeviceToHost));
     if (e.empty() && back != pattern) e = "the read-back differs from what was written";

@@ -46,8 +46,8 @@ void apply_live(ServerConfig& running, const ServerConfig& next, shm::ConfigBloc
     if (key == "lr") {
       kernels::OptimizerConfig candidate = running.optimizer;
       candidate.lr = next.optimizer.lr;
-      if (std::string err = kernels::validate(candidate); !err.empty()) {
-        log::error("reload: lr " + new_value + " refused, keeping " + old_value + ": " + err);
+      if (Status s = kernels::validate(candidate); !s.ok()) {
+        log::error("reload: lr " + new_value + " refused, keeping " + old_value + ": " + s.message());
         continue;
       }
       running.optimizer.lr = next.optimizer.lr;

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "apply_harness.hpp"
-#include "cuda_check.hpp"
+#include "shmps/cuda_check.hpp"
 #include "kernel_test_util.hpp"
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/kernels/optimizer_cuda.hpp"
@@ -69,17 +69,17 @@ class CudaDevice {
   void apply(const OptimizerConfig& config, const TensorState& tensor, const void* grad, GradDtype dtype,
              uint64_t step) {
     cudaStream_t stream = step % 2 == 1 ? stream_ : nullptr;
-    BOOST_REQUIRE_EQUAL(apply_cuda(config, tensor, grad, dtype, step, stream), "");
+    BOOST_REQUIRE_MESSAGE(apply_cuda(config, tensor, grad, dtype, step, stream).ok(), "apply_cuda");
     REQUIRE_CUDA(cudaStreamSynchronize(stream));
   }
 
   bool all_finite(const void* grad, GradDtype dtype, uint64_t n) {
     if (flag_ == nullptr) flag_ = reinterpret_cast<int*>(alloc(sizeof(int)));
     bool finite = false;
-    BOOST_REQUIRE_EQUAL(all_finite_cuda(grad, dtype, n, flag_, stream_, &finite), "");
+    BOOST_REQUIRE(all_finite_cuda(grad, dtype, n, flag_, stream_, &finite).ok());
     // The asynchronous form gives the same answer through the flag.
     int nonfinite = -1;
-    BOOST_REQUIRE_EQUAL(all_finite_cuda_async(grad, dtype, n, flag_, nullptr), "");
+    BOOST_REQUIRE(all_finite_cuda_async(grad, dtype, n, flag_, nullptr).ok());
     REQUIRE_CUDA(cudaMemcpy(&nonfinite, flag_, sizeof nonfinite, cudaMemcpyDeviceToHost));
     BOOST_TEST(nonfinite == (finite ? 0 : 1));
     return finite;
@@ -142,9 +142,9 @@ BOOST_AUTO_TEST_CASE(all_finite_finds_nan_and_inf, *boost::unit_test::preconditi
 BOOST_AUTO_TEST_CASE(empty_tensor_is_a_no_op, *boost::unit_test::precondition(has_cuda_device)) {
   CudaDevice device;
   int* flag = reinterpret_cast<int*>(device.alloc(sizeof(int)));
-  BOOST_TEST(apply_cuda(OptimizerConfig{}, TensorState{}, nullptr, GradDtype::kF32, 1, nullptr) == "");
+  BOOST_TEST(apply_cuda(OptimizerConfig{}, TensorState{}, nullptr, GradDtype::kF32, 1, nullptr).ok());
   bool finite = false;
-  BOOST_TEST(all_finite_cuda(nullptr, GradDtype::kF32, 0, flag, nullptr, &finite) == "");
+  BOOST_TEST(all_finite_cuda(nullptr, GradDtype::kF32, 0, flag, nullptr, &finite).ok());
   BOOST_TEST(finite);
 }
 
@@ -167,7 +167,10 @@ BOOST_AUTO_TEST_CASE(bad_arguments_are_refused) {
   TensorState tensor;
   tensor.weights = dummy;
   tensor.n = 4;
-  const auto contains = [](const std::string& text, const char* part) { return text.find(part) != std::string::npos; };
+  // Refused as arguments (kInvalidArgument), with the reason named.
+  const auto contains = [](const Status& s, const char* part) {
+    return s.code() == ErrorCode::kInvalidArgument && s.message().find(part) != std::string::npos;
+  };
   BOOST_TEST(contains(apply_cuda(adam, tensor, dummy, GradDtype::kF32, 0, nullptr), "step must be >= 1"));
   BOOST_TEST(contains(apply_cuda(adam, tensor, dummy, static_cast<GradDtype>(4), 1, nullptr), "dtype 4"));
   BOOST_TEST(contains(apply_cuda(adam, tensor, dummy, GradDtype::kF32, 1, nullptr), "state[0] is null"));

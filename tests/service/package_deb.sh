@@ -59,7 +59,7 @@ for f in ./usr/include/shmps/worker.hpp ./usr/include/shmps/status.hpp ./usr/sha
          ./usr/share/doc/shmps-dev/changelog.Debian.gz; do
   grep -qxF "$f" "$scratch/dev-contents" || fail "shmps-dev lacks $f"
 done
-for re in '/cmake/shmps/shmpsConfig\.cmake$' '/libshmps_worker\.a$' '/libshmps_shm\.a$' '/pkgconfig/shmps\.pc$'; do
+for re in '/cmake/shmps/shmpsConfig\.cmake$' '/libshmps_worker\.a$' '/libshmps_shm\.a$' '/libshmps_base\.a$' '/pkgconfig/shmps\.pc$'; do
   grep -q "$re" "$scratch/dev-contents" || fail "shmps-dev lacks $re"
 done
 # Internal headers stay internal (cli.hpp wraps Program_options; the layout,

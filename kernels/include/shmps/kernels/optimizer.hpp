@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <string>
 
+#include "shmps/status.hpp"
+
 namespace shmps::kernels {
 
 // Values are part of the shm layout's config block: never reuse one.
@@ -44,9 +46,9 @@ struct OptimizerConfig {
 // Checks the hyperparameters as PyTorch does: lr > 0 (shmps also refuses 0),
 // momentum >= 0, 0 <= dampening, weight_decay >= 0, 0 <= beta1,beta2 < 1,
 // eps > 0, nesterov requires momentum > 0 and dampening == 0, all finite.
-// Returns "" when valid, else a message naming the offending option, e.g.
-// "--beta2 must be in [0, 1), got 1".
-std::string validate(const OptimizerConfig& config);
+// Errors: kInvalidArgument with a message naming the offending option,
+// e.g. "--beta2 must be in [0, 1), got 1".
+Status validate(const OptimizerConfig& config);
 
 // "sgd", "adam", "adamw"; parse_optimizer_kind returns false on other text.
 const char* optimizer_kind_name(OptimizerKind kind) noexcept;
