@@ -23,7 +23,7 @@ struct sigaction g_previous{};
 void on_sigbus(int signo, siginfo_t* info, void* context) {
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
   for (Range& r : g_ranges) {
-    // acquire: pairs with guard_range()'s release of begin (end is set first).
+    // SYNC(guard_range): pairs with guard_range()'s release of begin (end is set first).
     const uintptr_t begin = r.begin.load(std::memory_order_acquire);
     if (begin == 0 || addr < begin || addr >= r.end.load(std::memory_order_relaxed)) continue;  // relaxed: ordered by begin
     const auto page_size = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
@@ -69,7 +69,7 @@ GuardId guard_range(const void* begin, size_t bytes) {
     if (r.begin.load(std::memory_order_relaxed) != 0) continue;  // relaxed: only the consumer writes
     r.poisoned.store(0, std::memory_order_relaxed);
     r.end.store(reinterpret_cast<uintptr_t>(begin) + bytes, std::memory_order_relaxed);
-    // release: the handler that sees begin sees end too.
+    // SYNC(guard_range): the handler that sees begin sees end too.
     r.begin.store(reinterpret_cast<uintptr_t>(begin), std::memory_order_release);
     return i + 1;
   }
@@ -78,7 +78,7 @@ GuardId guard_range(const void* begin, size_t bytes) {
 
 void release_range(GuardId id) {
   if (id == 0 || id > kRanges) return;
-  g_ranges[id - 1].begin.store(0, std::memory_order_release);
+  g_ranges[id - 1].begin.store(0, std::memory_order_release);  // SYNC(guard_range): the range is free
 }
 
 bool range_poisoned(GuardId id) {

@@ -492,6 +492,7 @@ class Server::Impl {
   void shutdown() {
     notifier.stopping("stopping: failing queued requests; " + status_text());
     auto& h = segment->header();
+    // SYNC(server_stopped): workers that see kStopping take no new session.
     h.server_state.store(static_cast<uint32_t>(shm::ServerState::kStopping), std::memory_order_release);
     // Device work in flight: completed when the device is healthy, failed
     // (weights may be half-written) when it is not.

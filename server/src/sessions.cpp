@@ -153,7 +153,7 @@ void Sessions::release_entry(uint32_t i, uint64_t dead_owner) {
   entry.pid_start_time = 0;
   std::memset(segment_.buffer_table_bytes(i), 0, config_.max_buffers * sizeof(shm::BufferDesc));
   uint64_t expected = dead_owner;
-  entry.owner.compare_exchange_strong(expected, 0, std::memory_order_release, std::memory_order_relaxed);
+  entry.owner.compare_exchange_strong(expected, 0, std::memory_order_release, std::memory_order_relaxed);  // SYNC(worker_release)
 }
 
 Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
