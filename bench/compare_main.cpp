@@ -313,11 +313,6 @@ Result<double> measure_scaling(const Plan& plan, const Target& t, const std::vec
   return static_cast<double>(workers) * plan.scaling_pushes * static_cast<double>(kMiB) / (last - first);
 }
 
-struct Goal {
-  std::string text, measured;
-  bool met;
-};
-
 // The row of a target: shmps variants carry their label, baselines their name.
 size_t find_target(const Running& run, const std::string& label) {
   for (size_t i = 0; i < run.targets.size(); ++i)

@@ -69,34 +69,6 @@ class Applier {
   uint64_t step_ = 0;
 };
 
-bool read_full(int fd, void* buf, size_t n) {
-  auto* p = static_cast<char*>(buf);
-  size_t got = 0;
-  while (got < n) {
-    const ssize_t r = ::read(fd, p + got, n - got);
-    if (r <= 0) {
-      if (r < 0 && errno == EINTR) continue;
-      return false;
-    }
-    got += static_cast<size_t>(r);
-  }
-  return true;
-}
-
-bool write_full(int fd, const void* buf, size_t n) {
-  const auto* p = static_cast<const char*>(buf);
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t r = ::write(fd, p + done, n - done);
-    if (r <= 0) {
-      if (r < 0 && errno == EINTR) continue;
-      return false;
-    }
-    done += static_cast<size_t>(r);
-  }
-  return true;
-}
-
 // ------------------------------------------------------------ Unix socket
 
 // One thread, poll() over the listening socket and every connection (the

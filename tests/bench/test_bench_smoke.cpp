@@ -52,7 +52,7 @@ BOOST_AUTO_TEST_CASE(quick_run_prints_every_table) {
                           quote(csv.string()) + " --server " + quote(shmps::test::program_path("shmps-server")) +
                           " >" + quote(out.string()) + " 2>&1";
   Process bench = Process::spawn({"/bin/sh", "-c", cmd});
-  const int rc = bench.wait(std::chrono::seconds(SHMPS_SMOKE_WAIT_S));  // tests/tools/CMakeLists.txt
+  const int rc = bench.wait(std::chrono::seconds(SHMPS_SMOKE_WAIT_S));  // tests/bench/CMakeLists.txt
   const std::string output = slurp(out);
   BOOST_TEST_MESSAGE(output);
   BOOST_REQUIRE_MESSAGE(rc == 0, "shmps-bench --quick exited with " << rc << " (-1: still running after "
