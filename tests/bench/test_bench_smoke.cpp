@@ -76,5 +76,5 @@ BOOST_AUTO_TEST_CASE(bad_option_fails_with_usage_error) {
   Process bench = Process::spawn({shmps::test::program_path("shmps-bench"), "--repeats", "0"});
   BOOST_TEST(bench.wait(10s) == 2);
   Process negative = Process::spawn({shmps::test::program_path("shmps-bench"), "--repeats", "-1"});
-  BOOST_TEST(negative.wait(10s) == 2);  // was 2^32 - 1 repeats
+  BOOST_TEST(negative.wait(10s) == 2);  // not read as 2^32 - 1 repeats
 }
