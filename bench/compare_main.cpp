@@ -44,9 +44,10 @@ std::string size_text(uint64_t bytes) {
 }
 
 // Pushes per repeat for a size: ~64 MiB of gradient, 8..400 (3..50 --quick). At least 8:
-// on the session-7 host (Intel, 260 MiB L3) a 64 MiB apply ran 4.7, 4.6,
-// 4.0, then 3.4 ms in a loop after other sizes (the L3 keeping more of a
-// stream that repeats), so 3 passes measured the transient.
+// a large apply in a loop after other sizes speeds up over its first
+// passes (a big L3 keeps more of a stream that repeats), so a few passes
+// would measure the transient (docs/comparison.md, "How the references
+// are timed, and why").
 uint32_t pushes_for(const Plan& plan, uint64_t bytes) {
   const uint64_t budget = plan.quick ? 4 * kMiB : 64 * kMiB;
   return static_cast<uint32_t>(std::clamp<uint64_t>(budget / bytes, plan.quick ? 3 : 8, plan.quick ? 50 : 400));
@@ -58,9 +59,8 @@ uint32_t pushes_for(const Plan& plan, uint64_t bytes) {
 // weights), allocated once and used by every repeat, as the shmps server
 // keeps one tensor per size and the worker one buffer for the whole run.
 // Fresh memory is slower for its first passes, and not only for the page
-// faults: on the session-7 host (2026-12-01) a 64 MiB apply took 6.3 ms on
-// new arrays and 3.0-3.2 ms from the twelfth pass on, so references on
-// arrays allocated per repeat ran up to 2x slower than the server's pushes.
+// faults, so references on arrays allocated per repeat would run slower
+// than the server's pushes on its long-lived tensors (docs/comparison.md).
 struct RefArrays {
   explicit RefArrays(uint64_t bytes) : src(bytes / 4, 1e-4f), dst(bytes / 4, 0.f), weights(bytes / 4, 0.5f) {}
   std::vector<float> src, dst, weights;
@@ -87,11 +87,10 @@ void warm(RefArrays& a, uint32_t passes) {
 // The apply alone and the check + apply alternate pass by pass on the same
 // arrays, one untimed pass of each first, so that neither meets caches the
 // other's loop left warmer: timed as two loops one after the other, the
-// second always found more of its arrays in the L3 (at 64 MiB on the
-// session-7 host, check + apply took 1.07x the apply alone, where each
-// timed first shows 1.3-1.6x). The memcpy comes last, in a loop of its
-// own: interleaved with the applies, the dirty lines it leaves made a
-// 64 MiB apply take 2x longer than the server's.
+// second finds more of its arrays in the L3 and the ratio of the two
+// shrinks. The memcpy comes last, in a loop of its own: interleaved with
+// the applies, the dirty lines it leaves slow the apply after it
+// (docs/comparison.md, "How the references are timed, and why").
 struct InProcess {
   double memcpy_ns, apply_ns, check_apply_ns;
 };
@@ -312,11 +311,6 @@ Result<double> measure_scaling(const Plan& plan, const Target& t, const std::vec
   }
   return static_cast<double>(workers) * plan.scaling_pushes * static_cast<double>(kMiB) / (last - first);
 }
-
-struct Goal {
-  std::string text, measured;
-  bool met;
-};
 
 // The row of a target: shmps variants carry their label, baselines their name.
 size_t find_target(const Running& run, const std::string& label) {

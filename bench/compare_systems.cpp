@@ -41,8 +41,7 @@ Status io_error(const std::string& what) { return {ErrorCode::kIo, what + ": " +
 // queue a receive buffer: 1-2x the largest gradient, written page by page)
 // takes seconds of both CPUs at 256 MiB. It says through this pipe when it
 // is done, and fork_server() waits for that, so that no set-up runs under
-// another system's timed pushes (it did: the shmps row measured first was
-// up to 3.7x slower at 16-256 MiB).
+// another system's timed pushes (it would slow the row measured first).
 void signal_ready(int ready_fd) {
   const char byte = 1;
   while (::write(ready_fd, &byte, 1) < 0 && errno == EINTR) {
@@ -68,34 +67,6 @@ class Applier {
   std::vector<float> weights_;
   uint64_t step_ = 0;
 };
-
-bool read_full(int fd, void* buf, size_t n) {
-  auto* p = static_cast<char*>(buf);
-  size_t got = 0;
-  while (got < n) {
-    const ssize_t r = ::read(fd, p + got, n - got);
-    if (r <= 0) {
-      if (r < 0 && errno == EINTR) continue;
-      return false;
-    }
-    got += static_cast<size_t>(r);
-  }
-  return true;
-}
-
-bool write_full(int fd, const void* buf, size_t n) {
-  const auto* p = static_cast<const char*>(buf);
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t r = ::write(fd, p + done, n - done);
-    if (r <= 0) {
-      if (r < 0 && errno == EINTR) continue;
-      return false;
-    }
-    done += static_cast<size_t>(r);
-  }
-  return true;
-}
 
 // ------------------------------------------------------------ Unix socket
 
@@ -333,11 +304,9 @@ class ShmpsClient final : public Client {
     c->buffer_ = *buf;
     std::fill_n(static_cast<float*>(c->buffer_.data), max_bytes / sizeof(float), kGradValue);
     // Gradients up to 4 KiB (the latency rows) come from a buffer of their
-    // own, as a worker with small tensors would register. (From the one big
-    // buffer, the 4 KiB gradient of tensor 0 used to sit exactly 256 MiB +
-    // 16 B below the server's weights of tensor 0, which AMD's L1 way
-    // predictor treats as the same line: the server's host arrays now start
-    // half of that period into their mappings, server/src/host_backend.cpp.)
+    // own, as a worker with small tensors would register. The start of a
+    // big buffer can sit a power of two below the server's arrays, which
+    // AMD's L1 way predictor punishes (server/src/host_backend.cpp).
     auto small = c->worker_->register_buffer(kSmallBytes);
     if (!small.ok()) return small.status();
     c->small_ = *small;

@@ -56,9 +56,9 @@ CpuFeatures cpu_features();  // this CPU (__builtin_cpu_supports)
 
 // The OPENBLAS_CORETYPE to run with instead of `chosen`, or "" to keep it.
 // OpenBLAS picks its kernels from the CPU's model number; under a
-// hypervisor that hides it (one development VM reports "Intel(R) Xeon(R)
+// hypervisor that hides it (e.g. one reporting "Intel(R) Xeon(R)
 // Processor") Debian 12's OpenBLAS 0.3.21 falls back to its Prescott
-// (SSE3) kernels on a CPU with AVX-512, and shmps-train ran 2.5x slower.
+// (SSE3) kernels on a CPU with AVX-512, much slower (docs/training.md).
 // So when `chosen` is one of OpenBLAS's Intel cores without AVX2
 // (Prescott, Core2, Penryn, Dunnington, Nehalem, Atom, Sandybridge) and
 // `cpu` has more: "SkylakeX" with AVX-512, "Haswell" with AVX2 and FMA.

@@ -23,12 +23,12 @@ namespace shmps::kernels {
 namespace {
 
 // Tensors at least this long (4 MiB of fp32) are split over the OpenMP
-// threads; smaller ones run on the calling thread. Chosen from measurement
-// on the 2-core development VM (docs/benchmarks.md, "Profile"): with the
-// wait policy the server runs under (OMP_WAIT_POLICY=passive) a parallel
-// region wakes its team through futexes, and below about 1M elements that
-// costs more than the second thread saves (1 MiB SGD: 50 us with 2 passive
-// threads, 38 us on one); at 4 MiB the two tie, above it the split wins.
+// threads; smaller ones run on the calling thread. With the wait policy the
+// server runs under (OMP_WAIT_POLICY=passive) a parallel region wakes its
+// team through futexes, and below about 1M elements that costs more than
+// the second thread saves; at 4 MiB the two tie, above it the split wins
+// (docs/benchmarks.md, "OpenMP: one thread below 1M elements, passive
+// waiting").
 [[maybe_unused]] constexpr uint64_t kParallelMinElements = uint64_t{1} << 20;
 // Unit of work handed to a thread: 32K elements = 128 KiB per fp32 array.
 // A multiple of every vector width, so only the last block has a scalar tail.
@@ -40,9 +40,9 @@ constexpr uint64_t kFiniteChunk = 4096;
 // instruction) and for the baseline (SSE2), and the loader picks one per
 // machine (GCC function multiversioning, an ifunc). The math is the same
 // separately rounded operations either way (-ffp-contract=off: no FMA), so
-// both give the same bits (tests/kernels). At 4 KiB the AVX2 SGD apply takes
-// about 0.6x the SSE2 one; from 1 MiB memory bandwidth bounds both
-// (docs/benchmarks.md, "Profile"). GCC only: other compilers build the
+// both give the same bits (tests/kernels). AVX2 pays at cache-resident
+// sizes; from 1 MiB memory bandwidth bounds both (docs/benchmarks.md, "The
+// kernels in one process"). GCC only: other compilers build the
 // baseline loop. Not under ThreadSanitizer: the loader runs the clones'
 // resolver (an ifunc) before the TSan runtime is up, and it crashes there.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
@@ -266,9 +266,8 @@ void apply_adam(const OptimizerConfig& config, const TensorState& tensor, const 
 // bytes (vpmaxud / vpmaxuw with AVX2), four accumulators, and one compare
 // at the end. Integer operations only: no floating-point exception flag, no
 // subnormal operand, nothing a compiler's fast-math options could fold
-// away. 4 KiB of fp32 in one process: 22 ns, against 30 for the AND,
-// compare and OR per 32 bytes it replaced (docs/benchmarks.md, "Profile:
-// session 6").
+// away. Its speed in one process: docs/benchmarks.md, "The kernels in one
+// process".
 template <GradDtype kDtype>
 SHMPS_KERNEL_CLONES uint32_t any_nonfinite(const unsigned char* grad, uint64_t begin, uint64_t end) {
   using Elem = std::conditional_t<kDtype == GradDtype::kF32, uint32_t, uint16_t>;

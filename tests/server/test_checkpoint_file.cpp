@@ -99,7 +99,7 @@ BOOST_AUTO_TEST_CASE(another_models_file_is_refused_from_its_header) {
   BOOST_TEST(contains(error_of(r), "does not fit this configuration"), error_of(r));
 
   // A sparse file whose header claims 2^34 parameters: refused before
-  // anything of that size is allocated (it took 36 s and 4.2 GB before).
+  // anything of that size is allocated (reading it would take gigabytes).
   std::string bytes = contents(ckpt(dir, 3));
   const uint64_t huge = uint64_t{1} << 34;
   std::memcpy(bytes.data() + 40, &huge, 8);  // CheckpointHeader::total_elements
@@ -172,8 +172,8 @@ BOOST_AUTO_TEST_CASE(pruning_keeps_what_this_server_wrote_over_damaged_or_foreig
   BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 7)).ok());
   prune_checkpoints(d, 1, 7, adam_layout());
   // Kept: the one just written, the file above it (not ours to judge), the
-  // other model's. Before: the damaged 100 was kept as "the newest" and
-  // every valid file deleted.
+  // other model's. Pruning by file name alone would keep the damaged 100
+  // as "the newest" and delete every valid file.
   BOOST_TEST(names(dir.path) == (std::vector<std::string>{"ckpt-00000000000000000002.shmps", "ckpt-00000000000000000007.shmps",
                                                           "ckpt-00000000000000000100.shmps"}));
   BOOST_TEST(contents(ckpt(dir, 2)) == foreign);

@@ -191,7 +191,7 @@ BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
   for (const char* scale : {"nan", "inf", "-1", "0"})
     BOOST_TEST(contains(file_error(kHead + "init = uniform\ninit-scale = " + scale + "\n"), "line 4: key 'init-scale': must be finite and > 0"), scale);
   BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--init-scale", "nan"}).ok());  // unused by --init zero
-  // Not a regular file, or over 1 MiB: /dev/zero was read until memory ran out.
+  // Not a regular file, or over 1 MiB: refused unread (/dev/zero would be read until memory ran out).
   for (const std::string path : {"/dev/zero", "/tmp"}) {
     auto p = test::parse_server_args({"--config", path});
     BOOST_TEST(!p.ok(), path);

@@ -164,8 +164,8 @@ BOOST_AUTO_TEST_CASE(names_are_validated) {
 }
 
 BOOST_AUTO_TEST_CASE(oversized_tensors_are_refused_before_the_object_exists) {
-  // Each of 2^63 elements: the sum overflowed after the object was created,
-  // which then stayed in /dev/shm.
+  // Each of 2^63 elements: the sum overflows, and must be refused before
+  // the object is created, or it would stay in /dev/shm.
   const std::string name = test::unique_name("oversize");
   Cleanup cleanup{name};
   for (const auto& tensors : std::vector<std::vector<TensorSpec>>{

@@ -410,8 +410,8 @@ BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
   run({"--in-process", "--eval-every", "1"});
   BOOST_TEST(rc == 2);
   BOOST_TEST(output.find("raise --eval-every") != std::string::npos, output);
-  // lexical_cast wrapped -1 to 2^64 - 1: --epochs -1 trained for ever,
-  // --max-staleness -1 turned the bound off.
+  // -1 must not wrap to 2^64 - 1 (as lexical_cast reads it): --epochs -1
+  // would train for ever, --max-staleness -1 turn the bound off.
   for (const char* option : {"--epochs", "--max-staleness", "--seed", "--train-limit"}) {
     run({option, "-1"});
     BOOST_TEST(rc == 2, option);

@@ -22,10 +22,11 @@ namespace shmps::kernels {
 // Rounding. The operations below are PyTorch's, in PyTorch's order, each
 // rounded to fp32 on its own. Results still differ from PyTorch's CPU ones by
 // a few ulp: its kernels fuse multiply-adds (FMA) and take sqrt from MKL
-// (+-1 ulp). The CPU build keeps every operation separate
-// (-ffp-contract=off); nvcc fuses a*b+c by default (--fmad=true), so a CUDA
-// kernel built from this header differs from the CPU one by ulps too; GPU
-// tests compare with a tolerance (docs/optimizers.md).
+// (+-1 ulp). Both builds of this header keep every operation separate: the
+// CPU one with -ffp-contract=off, the CUDA one with --fmad=false and nvcc's
+// IEEE division and sqrt (kernels/CMakeLists.txt), so a CUDA kernel gives
+// the CPU reference's bits and the GPU tests compare bit for bit
+// (docs/optimizers.md, "Rounding: bitwise equal to the CPU reference").
 
 // ---------------------------------------------------------------------------
 // Gradient element conversions (f16 / bf16 -> f32). Exact for every input:

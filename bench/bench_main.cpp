@@ -70,14 +70,6 @@ std::vector<double> ratios(const std::vector<double>& a, const std::vector<doubl
 
 std::string verdict(bool met) { return met ? "MET" : "MISSED"; }
 
-struct Goal {
-  std::string text;
-  std::string measured;
-  bool met;
-};
-
-// Keeps the compiler from dropping a copy nobody reads.
-
 Result<std::unique_ptr<Worker>> connect(const std::string& name) {
   WorkerOptions options;
   options.name = name;
@@ -121,19 +113,6 @@ struct LatencyStats {
 
 LatencyStats latency_stats(const std::vector<double>& ns) {
   return {percentile(ns, 0.50), percentile(ns, 0.99), percentile(ns, 0.999)};
-}
-
-bool read_full(int fd, char* buf, size_t n) {
-  size_t got = 0;
-  while (got < n) {
-    const ssize_t r = ::read(fd, buf + got, n - got);
-    if (r <= 0) {
-      if (r < 0 && errno == EINTR) continue;
-      return false;
-    }
-    got += static_cast<size_t>(r);
-  }
-  return true;
 }
 
 // A 64-byte message each way over a Unix-domain socketpair.

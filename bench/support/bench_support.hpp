@@ -1,5 +1,6 @@
-// Building blocks of shmps-bench and shmps-compare: their common command
-// line, sample statistics, aligned tables that also feed a CSV file,
+// shmps_bench_support: the building blocks of the benchmark programs
+// (shmps-bench, shmps-compare, shmps-gpu-bench): their common command line,
+// sample statistics, aligned tables and goals that also feed a CSV file,
 // anonymous MAP_SHARED memory that forked children write their samples into,
 // forked measuring children with a start barrier, and shmps-server child
 // processes.
@@ -46,6 +47,10 @@ struct CommonOptions {
 std::optional<int> parse_command_line(int argc, char** argv, const std::string& program, const std::string& caption,
                                       int max_section, const boost::program_options::options_description& extra,
                                       CommonOptions& out);
+
+// `file` in the folder of this program (/proc/self/exe), or `file` alone
+// when that link cannot be read.
+std::string beside_this_program(const std::string& file);
 
 // The 1-minute load average (/proc/loadavg): other processes competing for
 // the CPUs; "?" when unreadable.
@@ -98,6 +103,14 @@ class Table {
   std::vector<std::vector<std::string>> rows_;
 };
 
+// One goal of a benchmark: what it asks, the figure measured, and whether
+// that figure meets it.
+struct Goal {
+  std::string text;
+  std::string measured;
+  bool met;
+};
+
 // ------------------------------------------------------------ shared memory
 
 // Anonymous MAP_SHARED memory: a fork()ed child writes, the parent reads.
@@ -118,6 +131,11 @@ class SharedArena {
 };
 
 // ------------------------------------------------------------ processes
+
+// read()/write() of exactly n bytes, retried after EINTR and short
+// transfers; false at end of file, on an error or a receive timeout.
+bool read_full(int fd, void* buf, size_t n);
+bool write_full(int fd, const void* buf, size_t n);
 
 // A child process: fork() running a function, or fork()+exec(). The
 // destructor SIGKILLs and reaps one still running.

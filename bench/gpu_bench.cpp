@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_support.hpp"
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/kernels/optimizer_cuda.hpp"
 #include "shmps/worker.hpp"
@@ -47,14 +48,9 @@ using Clock = std::chrono::steady_clock;
                                __FILE__ + ":" + std::to_string(__LINE__));                     \
   } while (0)
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-double percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
-}
+using shmps::bench::beside_this_program;
+using shmps::bench::median;
+using shmps::bench::percentile;
 
 // Whether a device exists, asked in a child so this process has not
 // started CUDA yet (children forked later must be able to use it).
@@ -144,16 +140,10 @@ struct Server {
   pid_t pid = -1;
   std::string name;
 };
-std::string self_dir() {
-  char buf[4096] = {};
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  std::string p(buf, n > 0 ? static_cast<size_t>(n) : 0);
-  return p.substr(0, p.rfind('/') + 1);
-}
 Server start_server(const std::string& tag, uint64_t elements) {
   Server s;
   s.name = "gpubench_" + tag + "_" + std::to_string(::getpid());
-  const std::string bin = self_dir() + "shmps-server";
+  const std::string bin = beside_this_program("shmps-server");
   const std::string tensor = "w:" + std::to_string(elements);
   s.pid = ::fork();
   if (s.pid == 0) {
@@ -348,7 +338,7 @@ int main(int argc, char** argv) {
   const double seconds = quick ? 2.0 : 5.0;
   std::vector<FILE*> pipes;
   for (int i = 0; i < workers; ++i) {
-    const std::string cmd = "'" + self_dir() + "shmps-gpu-bench' --push-worker " + server.name + " " + std::to_string(seconds);
+    const std::string cmd = "'" + beside_this_program("shmps-gpu-bench") + "' --push-worker " + server.name + " " + std::to_string(seconds);
     FILE* f = ::popen(cmd.c_str(), "r");
     if (f == nullptr) die("popen");
     pipes.push_back(f);

@@ -33,7 +33,7 @@ BOOST_AUTO_TEST_CASE(quick_run_prints_every_table) {
   std::remove(csv.c_str());
 }
 
-// The command line is shmps-bench's (tools/bench_support.cpp): a bad value
+// The command line is shmps-bench's (bench/support/bench_support.cpp): a bad value
 // is a usage error, --section picks sections.
 BOOST_AUTO_TEST_CASE(bad_option_fails_and_sections_select) {
   const auto bad = shmps::test::run_captured({shmps::test::program_path("shmps-compare"), "--section", "4"},

@@ -87,17 +87,19 @@ std::optional<int> parse_command_line(int argc, char** argv, const std::string& 
       return 2;
     }
   }
-  if (out.server_path.empty()) {
-    std::error_code ec;
-    const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-    out.server_path = ec ? std::string("shmps-server") : (self.parent_path() / "shmps-server").string();
-  }
+  if (out.server_path.empty()) out.server_path = beside_this_program("shmps-server");
   if (::access(out.server_path.c_str(), X_OK) != 0) {
     std::fprintf(stderr, "%s: no executable shmps-server at %s (use --server)\n", program.c_str(),
                  out.server_path.c_str());
     return 2;
   }
   return std::nullopt;
+}
+
+std::string beside_this_program(const std::string& file) {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? file : (self.parent_path() / file).string();
 }
 
 std::string load_average() {
@@ -223,6 +225,34 @@ SharedArena::~SharedArena() {
 }
 
 // ------------------------------------------------------------ processes
+
+bool read_full(int fd, void* buf, size_t n) {
+  auto* p = static_cast<char*>(buf);
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::read(fd, p + got, n - got);
+    if (r <= 0) {
+      if (r < 0 && errno == EINTR) continue;
+      return false;
+    }
+    got += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool write_full(int fd, const void* buf, size_t n) {
+  const auto* p = static_cast<const char*>(buf);
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::write(fd, p + done, n - done);
+    if (r <= 0) {
+      if (r < 0 && errno == EINTR) continue;
+      return false;
+    }
+    done += static_cast<size_t>(r);
+  }
+  return true;
+}
 
 Result<Child> Child::fork_run(const std::function<int()>& fn) {
   const pid_t parent = ::getpid();

@@ -52,7 +52,7 @@ BOOST_AUTO_TEST_CASE(quick_run_prints_every_table) {
                           quote(csv.string()) + " --server " + quote(shmps::test::program_path("shmps-server")) +
                           " >" + quote(out.string()) + " 2>&1";
   Process bench = Process::spawn({"/bin/sh", "-c", cmd});
-  const int rc = bench.wait(std::chrono::seconds(SHMPS_SMOKE_WAIT_S));  // tests/tools/CMakeLists.txt
+  const int rc = bench.wait(std::chrono::seconds(SHMPS_SMOKE_WAIT_S));  // tests/bench/CMakeLists.txt
   const std::string output = slurp(out);
   BOOST_TEST_MESSAGE(output);
   BOOST_REQUIRE_MESSAGE(rc == 0, "shmps-bench --quick exited with " << rc << " (-1: still running after "
@@ -76,5 +76,5 @@ BOOST_AUTO_TEST_CASE(bad_option_fails_with_usage_error) {
   Process bench = Process::spawn({shmps::test::program_path("shmps-bench"), "--repeats", "0"});
   BOOST_TEST(bench.wait(10s) == 2);
   Process negative = Process::spawn({shmps::test::program_path("shmps-bench"), "--repeats", "-1"});
-  BOOST_TEST(negative.wait(10s) == 2);  // was 2^32 - 1 repeats
+  BOOST_TEST(negative.wait(10s) == 2);  // not read as 2^32 - 1 repeats
 }

@@ -1,0 +1,203 @@
+#include "own_server.hpp"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <stdexcept>
+#include <thread>
+
+namespace shmps::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Child spawn_server(const std::vector<std::string>& argv) {
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // do not outlive a crashed trainer
+    // libgomp's threads spin after every parallel apply by default, taking
+    // the CPUs the workers need (docs/benchmarks.md); it reads the policy
+    // at load, so it is set here, before exec.
+    ::setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/0);
+    ::execv(args[0], args.data());
+    std::fprintf(stderr, "shmps-train: exec %s: %s\n", args[0], std::strerror(errno));
+    ::_exit(127);
+  }
+  return Child(pid);
+}
+
+std::string default_server_bin() {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return "shmps-server";
+  return (self.parent_path() / "shmps-server").string();
+}
+
+std::string tensor_arg(const ParamTensor& t) {
+  std::string s = t.name + ":";
+  for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? "x" : "") + std::to_string(t.shape[i]);
+  return s;
+}
+
+// Writes the flat parameters as raw little-endian fp32 to a new temp file.
+Result<std::string> write_init_file(const std::vector<float>& params) {
+  static_assert(std::endian::native == std::endian::little, "the init file is little-endian fp32");
+  const char* tmp = std::getenv("TMPDIR");
+  std::string path = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/shmps-train-init-XXXXXX";
+  const int fd = ::mkstemp(path.data());
+  if (fd < 0) return Status(ErrorCode::kIo, path + ": mkstemp: " + std::strerror(errno));
+  const auto* p = reinterpret_cast<const char*>(params.data());
+  size_t left = params.size() * sizeof(float);
+  while (left > 0) {
+    const ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string err = std::strerror(errno);
+      ::close(fd);
+      ::unlink(path.c_str());
+      return Status(ErrorCode::kIo, path + ": write: " + err);
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0) return Status(ErrorCode::kIo, path + ": close: " + std::strerror(errno));
+  return path;
+}
+
+}  // namespace
+
+OwnServer::~OwnServer() {
+  stop();
+  if (!init_file_.empty()) ::unlink(init_file_.c_str());
+  if (!checkpoint_dir_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(checkpoint_dir_, ec);
+  }
+}
+
+int OwnServer::start(const Options& o, const MlpShape& shape) {
+  std::vector<float> init(mlp_parameter_count(shape));
+  he_init(shape, init, o.seed);
+  Result<std::string> path = write_init_file(init);
+  if (!path.ok()) {
+    std::cerr << "shmps-train: " << path.status().message() << "\n";
+    return kExitFailure;
+  }
+  init_file_ = *path;
+  const std::string bin = o.server_bin.empty() ? default_server_bin() : o.server_bin;
+  if (::access(bin.c_str(), X_OK) != 0) {
+    std::cerr << "shmps-train: cannot run the server " << bin << ": " << std::strerror(errno)
+              << " (build shmps-server or pass --server-bin)\n";
+    return kExitFailure;
+  }
+  // The workers compute on the CPU into host shm buffers: the host backend
+  // serves them in place ("auto" would pick a GPU where one is present and
+  // copy every gradient to it and back).
+  std::vector<std::string> argv{bin, "--name", o.name, "--backend", "host"};
+  for (const ParamTensor& t : mlp_tensors(shape)) {
+    argv.push_back("--tensor");
+    argv.push_back(tensor_arg(t));
+  }
+  argv.insert(argv.end(), {"--optimizer", o.optimizer, "--lr", format_double(o.lr)});
+  if (o.optimizer == "sgd") {
+    argv.insert(argv.end(), {"--momentum", format_double(o.momentum)});
+    if (o.nesterov) argv.push_back("--nesterov");
+  }
+  if (o.weight_decay >= 0.0) argv.insert(argv.end(), {"--weight-decay", format_double(o.weight_decay)});
+  argv.insert(argv.end(), {"--max-staleness", std::to_string(o.max_staleness), "--max-workers",
+                           std::to_string(o.workers + 2), "--init-file", init_file_});
+  if (o.checkpoint_every != 0) {
+    // A server that dies mid-run is restarted and resumes from its last
+    // checkpoint (what systemd's Restart=on-failure does for a service).
+    char dir[] = "/tmp/shmps-train-ckpt-XXXXXX";
+    if (::mkdtemp(dir) == nullptr) {
+      std::cerr << "shmps-train: mkdtemp: " << std::strerror(errno) << "\n";
+      return kExitFailure;
+    }
+    checkpoint_dir_ = dir;
+    argv.insert(argv.end(), {"--checkpoint-dir", checkpoint_dir_, "--checkpoint-every",
+                             std::to_string(o.checkpoint_every), "--checkpoint-keep", "2"});
+  }
+  argv_ = argv;
+  child_ = spawn_server(argv);
+  return 0;
+}
+
+bool OwnServer::restart() {
+  if (checkpoint_dir_.empty() || restarts_ >= 10) return false;
+  ++restarts_;
+  std::cerr << "shmps-train: shmps-server exited with status " << child_.status()
+            << "; restarting it from its last checkpoint (restart " << restarts_ << ")\n";
+  child_ = spawn_server(argv_);
+  return true;
+}
+
+bool OwnServer::stop() {
+  if (!child_.running()) return child_.status() == 0;
+  child_.signal(SIGTERM);
+  if (!child_.wait_for(std::chrono::seconds(10))) {
+    std::cerr << "shmps-train: shmps-server did not stop within 10 s of SIGTERM; killing it\n";
+    child_.kill_and_reap();
+  }
+  return child_.status() == 0;
+}
+
+void OwnServer::release_init_file() {
+  if (init_file_.empty() || !checkpoint_dir_.empty()) return;
+  ::unlink(init_file_.c_str());
+  init_file_.clear();
+}
+
+Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, OwnServer* server,
+                                                   std::chrono::milliseconds patience) {
+  const auto deadline = Clock::now() + patience;
+  while (true) {
+    Result<std::unique_ptr<Worker>> w =
+        Worker::connect(WorkerOptions{name, std::chrono::milliseconds(10000), /*reconnect=*/true});
+    const ErrorCode code = w.status().code();
+    const bool starting =
+        code == ErrorCode::kServerNotRunning || (server != nullptr && code == ErrorCode::kLayoutMismatch);
+    if (w.ok() || !starting || Clock::now() >= deadline) return w;
+    if (server != nullptr && server->poll()) {
+      return Status(ErrorCode::kServerNotRunning, "shmps-server exited with status " +
+                                                      std::to_string(server->status()) +
+                                                      " before it was ready (see its message above)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+Status check_tensors(const Worker& w, const MlpShape& shape) {
+  const std::vector<ParamTensor> want = mlp_tensors(shape);
+  const std::vector<TensorInfo>& have = w.tensors();
+  bool same = have.size() == want.size();
+  for (size_t i = 0; same && i < want.size(); ++i) {
+    same = have[i].name == want[i].name && have[i].shape == want[i].shape &&
+           have[i].element_offset == want[i].offset && have[i].dtype == Dtype::kF32;
+  }
+  if (same) return Status::Ok();
+  std::string msg = "the server's tensors do not match the model; want";
+  for (const ParamTensor& t : want) msg += " " + tensor_arg(t);
+  msg += ", have";
+  for (const TensorInfo& t : have) {
+    ParamTensor p{t.name, t.shape, 0, 0};
+    msg += " " + tensor_arg(p);
+  }
+  return Status(ErrorCode::kInvalidArgument, msg);
+}
+
+}  // namespace shmps::train

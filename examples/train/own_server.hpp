@@ -1,0 +1,72 @@
+// The shmps-server a shmps-train job talks to: the one it starts and owns
+// (its command line from the options, the initial weights file, the
+// checkpoint folder that lets a restart resume), connecting to it, and
+// checking that a running one holds this model. The parent's thread only.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "child.hpp"
+#include "mlp.hpp"
+#include "options.hpp"
+#include "shmps/status.hpp"
+#include "shmps/worker.hpp"
+
+namespace shmps::train {
+
+// A shmps-server child on segment o.name, started from a He initialisation
+// of o.seed with the optimizer and staleness bound of `o`. The destructor
+// stops it and removes its initial weights file and checkpoints.
+class OwnServer {
+ public:
+  OwnServer() = default;
+  ~OwnServer();
+  OwnServer(const OwnServer&) = delete;
+  OwnServer& operator=(const OwnServer&) = delete;
+
+  // Writes the initial weights, then starts the server; returns 0, or
+  // kExitFailure with the reason printed (unwritable temp file, no
+  // executable server). With o.checkpoint_every > 0 the server checkpoints
+  // into a temp folder, so that restart() resumes it.
+  int start(const Options& o, const MlpShape& shape);
+  // Starts the server again after it died; it restores its last checkpoint
+  // and the workers re-attach (WorkerOptions::reconnect). False when
+  // restarts are off or too frequent.
+  bool restart();
+  // SIGTERM, wait up to 10 s (then SIGKILL); true if it exited 0.
+  bool stop();
+  // Removes the initial weights file once the server has read it, unless a
+  // restart will need it.
+  void release_init_file();
+
+  // Reaps the server if it has exited; true once it has.
+  bool poll() { return child_.poll(); }
+  // Exit code, or 128 + signal; valid once poll() returned true.
+  int status() const { return child_.status(); }
+  bool restartable() const { return !checkpoint_dir_.empty(); }
+  int restarts() const { return restarts_; }
+
+ private:
+  Child child_;
+  std::vector<std::string> argv_;
+  std::string init_file_;
+  std::string checkpoint_dir_;  // with --checkpoint-every: a temp dir
+  int restarts_ = 0;
+};
+
+// Connects an evaluation worker, retrying while the server is starting (no
+// segment yet). With a server of our own (`server` != nullptr) a layout
+// mismatch is retried too: between the server's shm_open and its header
+// write, the object is briefly empty or zero, which connect reports as a
+// foreign file; and its exit ends the wait (kServerNotRunning).
+Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, OwnServer* server,
+                                                   std::chrono::milliseconds patience);
+
+// Checks that a running server holds this model's tensors, in order.
+// Errors: kInvalidArgument naming both lists.
+Status check_tensors(const Worker& w, const MlpShape& shape);
+
+}  // namespace shmps::train

@@ -1,0 +1,65 @@
+// The parent process of a shmps-train job: loads the data, then either runs
+// the in-process ceiling, or starts (or finds) the server, attaches as a
+// worker of its own for evaluation, forks the workers, watches them and
+// the server (restarting a dead server of its own), evaluates as the
+// applied pushes pass each point, and checks the workers' counts against
+// the server's. One thread; make it after parse_options.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "child.hpp"
+#include "evaluation.hpp"
+#include "idx.hpp"
+#include "mlp.hpp"
+#include "options.hpp"
+#include "own_server.hpp"
+#include "shmps/worker.hpp"
+#include "worker_process.hpp"
+
+namespace shmps::train {
+
+class Trainer {
+ public:
+  explicit Trainer(Options o) : o_(std::move(o)) {}
+  // Cleans up after any exit path: kills the workers, detaches the
+  // evaluation worker, then stops the server.
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // The whole job; returns the exit code (0, kExitFailure, kExitUsage).
+  int run();
+
+ private:
+  int load_data();
+  int attach(const std::string& server_name);
+  int fork_workers(const std::string& server_name, SharedSlots& slots);
+  int watch(const EvalSchedule& schedule, Curve& curve);
+  bool take(Curve& curve);
+  Result<Snapshot> pull_snapshot();
+  bool counts_agree(const SharedSlots& slots, const ServerStats& end, uint64_t total) const;
+
+  // Constant once run() has begun.
+  Options o_;
+  MlpShape shape_;
+  Dataset train_;
+  Dataset test_;
+  // The server, when it is our own (no --connect).
+  std::unique_ptr<OwnServer> server_;
+  // The evaluation worker, its buffer, and the server's counters when it
+  // attached (a running server may have served other jobs before).
+  std::unique_ptr<Worker> eval_;
+  Buffer eval_buffer_;
+  uint64_t base_version_ = 0;
+  uint64_t base_rejected_ = 0;
+  uint64_t base_applied_ = 0;
+  std::vector<Child> workers_;
+  std::chrono::steady_clock::time_point start_;  // of training
+};
+
+}  // namespace shmps::train
