@@ -9,6 +9,7 @@
 
 #include <cstring>
 #include <deque>
+#include <iterator>
 #include <thread>
 
 #include "device_buffer.hpp"
@@ -89,6 +90,98 @@ uint64_t fork_generation() {
   return g_fork_generation.load(std::memory_order_relaxed);  // relaxed: only this process's own forks change it
 }
 
+namespace {
+
+// The lifecycle of a Worker's session. A session is one attach to one
+// server generation: from kAttached until it ends, the entry, the lane and
+// the completion queue are this Worker's; outside a session they are never
+// read or written (after an eviction the entry may serve another worker
+// already; after a server's death the segment is a dead one).
+enum class State : uint8_t {
+  kConnecting,  // connect() has not attached yet
+  kAttached,    // in a session
+  kDetaching,   // in a session, detach()'s request in flight: the server marking the entry kDetached is its answer
+  kServerGone,  // the session ended: its server died or stopped; with reconnect the next call waits for a new generation
+  kEvicted,     // the session ended: the server evicted this worker; with reconnect the next call attaches again, to any generation
+  kDetached,    // detach() ended the Worker's use (final)
+};
+
+const char* state_name(State s) {
+  switch (s) {
+    case State::kConnecting: return "connecting";
+    case State::kAttached: return "attached";
+    case State::kDetaching: return "detaching";
+    case State::kServerGone: return "server gone";
+    case State::kEvicted: return "evicted";
+    case State::kDetached: return "detached";
+  }
+  return "?";
+}
+
+// Every transition of State, and the event that makes it. Worker::Impl::
+// transition() refuses any other; nothing else changes the state.
+struct Transition {
+  State from;
+  State to;
+  const char* event;
+};
+constexpr Transition kTransitions[] = {
+    {State::kConnecting, State::kAttached, "connect(): the attach handshake completed"},
+    {State::kAttached, State::kServerGone, "a wait saw the server dead or stopped; or, with reconnect, a call's entry check did"},
+    {State::kAttached, State::kEvicted, "the entry no longer reads kAttached: seen by a wait, a submit or (reconnect) a call's entry check"},
+    {State::kAttached, State::kDetaching, "detach() sends its request to a live server"},
+    {State::kDetaching, State::kDetached, "the detach request was answered, or failed with the server alive"},
+    {State::kDetaching, State::kServerGone, "the server died or stopped under the detach request"},
+    {State::kDetaching, State::kEvicted, "evicted with the detach request still in the lane (never served)"},
+    {State::kServerGone, State::kAttached, "reconnect: attached to a server of a new generation under the same name"},
+    {State::kEvicted, State::kAttached, "reconnect: attached again, to the same server or a new generation"},
+    {State::kServerGone, State::kDetached, "detach(): no request, there is no server to send it to"},
+    {State::kEvicted, State::kDetached, "detach(): no request, the server let go of the entry already"},
+};
+
+constexpr bool allowed(State from, State to) {
+  for (const Transition& t : kTransitions)
+    if (t.from == from && t.to == to) return true;
+  return false;
+}
+
+// The table's own test: what the lifecycle promises, checked when this file
+// compiles.
+constexpr bool any_transition(bool (*pred)(const Transition&)) {
+  for (const Transition& t : kTransitions)
+    if (pred(t)) return true;
+  return false;
+}
+constexpr bool reaches(State from, State to) {
+  bool seen[6] = {};
+  seen[static_cast<int>(from)] = true;
+  for (size_t round = 0; round < std::size(kTransitions); ++round)
+    for (const Transition& t : kTransitions)
+      if (seen[static_cast<int>(t.from)]) seen[static_cast<int>(t.to)] = true;
+  return seen[static_cast<int>(to)];
+}
+static_assert(!any_transition([](const Transition& t) { return t.from == t.to; }), "a transition changes the state");
+static_assert(!any_transition([](const Transition& t) { return t.from == State::kDetached; }), "detach() is final");
+static_assert(!any_transition([](const Transition& t) {
+                return t.to == State::kAttached && t.from != State::kConnecting && t.from != State::kServerGone &&
+                       t.from != State::kEvicted;
+              }),
+              "a session begins only with an attach, never inside another session");
+static_assert(!any_transition([](const Transition& t) { return t.to == State::kDetaching && t.from != State::kAttached; }),
+              "a detach request is sent only in a session");
+static_assert(!any_transition([](const Transition& t) {
+                return (t.to == State::kServerGone || t.to == State::kEvicted) && t.from != State::kAttached &&
+                       t.from != State::kDetaching;
+              }),
+              "only a session can end");
+static_assert(!any_transition([](const Transition& t) { return t.to == State::kConnecting; }), "connect() happens once");
+static_assert(reaches(State::kConnecting, State::kDetached) && reaches(State::kAttached, State::kDetached) &&
+                  reaches(State::kDetaching, State::kDetached) && reaches(State::kServerGone, State::kDetached) &&
+                  reaches(State::kEvicted, State::kDetached),
+              "every Worker can be detached");
+
+}  // namespace
+
 class Worker::Impl {
  public:
   WorkerOptions options;
@@ -115,13 +208,19 @@ class Worker::Impl {
   std::vector<TensorInfo> tensors;
   uint64_t total_elements = 0;
   uint32_t capacity = 0;
-  bool attached = false;
-  bool attached_once = false;         // set by connect(); reconnect applies after it
-  bool detaching = false;
-  bool user_detached = false;
-  bool evicted_reattach = false;      // the next re-attach may find the same generation
-  uint64_t lost_from = 0;             // requests in (lost_from, lost_upto] died
-  uint64_t lost_upto = 0;             // with a server, unacknowledged
+  // The last session that ended (end_session()): how, why, on which
+  // generation, and the requests it left unanswered, ids in
+  // (answered_upto, issued_upto]: wait() reports those lost
+  // (lost_request()). A re-attach after kServerGone skips `generation`.
+  struct EndedSession {
+    State how = State::kConnecting;  // kServerGone, kEvicted or kDetached once one ended
+    Status why;
+    uint64_t generation = 0;
+    uint64_t answered_upto = 0;
+    uint64_t issued_upto = 0;
+    bool lost(uint64_t request_id) const { return request_id > answered_upto && request_id <= issued_upto; }
+  };
+  EndedSession ended;
   uint64_t last_version = 0;          // the server's version in the last answer (last_version())
   struct Registered {
     std::shared_ptr<shm::ShmObject> object;  // a host buffer's (shared with Buffer::mapping); null for a device buffer
@@ -138,9 +237,99 @@ class Worker::Impl {
 
   shm::WorkerEntry& entry() const { return segment->worker(id); }
 
+  State state() const { return state_; }
+  // Whether the entry, lane and completion queue are ours now.
+  bool in_session() const { return state_ == State::kAttached || state_ == State::kDetaching; }
+
+  // The one place the state changes: a transition kTransitions does not
+  // list is refused (kInternal) and changes nothing.
+  [[nodiscard]] Status transition(State to) {
+    if (!allowed(state_, to)) [[unlikely]]
+      return {ErrorCode::kInternal, std::string("worker state ") + state_name(state_) + " -> " + state_name(to) +
+                                        " is not a transition of its lifecycle"};
+    state_ = to;
+    return Status::Ok();
+  }
+
+  // What a public call needs before it runs: enter()'s argument.
+  enum class Call : uint8_t {
+    kRequest,  // sends a request: needs a session (reconnect: re-attaches first where the last one is over)
+    kPush,     // as kRequest; a re-attach to another generation refuses the push (its gradient is of the old weights)
+    kWait,     // collects answers owed already: no session needed, none begun
+    kDetach,   // ends the Worker's use: no re-attach
+  };
+
+  // The entry check of every public call, in this order:
+  //   1. owned(): not a Worker inherited by a fork()ed child (kInvalidArgument);
+  //   2. kWait: nothing more (the answers of requests made before a detach()
+  //      or a session's end can still be collected);
+  //   3. kDetached: kUnknownWorker "detached" (detach() is final);
+  //   4. kDetach: nothing more;
+  //   5. kRequest, kPush: a session, from ensure_session();
+  //   6. kPush: a re-attach in step 5 to another generation than the one
+  //      the call began with fails it with kServerRestarted, nothing sent.
+  // Attached without reconnect, this is a few compares and no clock read.
+  Status enter(Call call) {
+    if (Status s = owned(); !s.ok()) [[unlikely]]
+      return s;
+    if (call == Call::kWait) return Status::Ok();
+    if (state_ == State::kDetached) return {ErrorCode::kUnknownWorker, "detached"};
+    if (call == Call::kDetach) return Status::Ok();
+    if (state_ == State::kAttached && !options.reconnect) [[likely]]
+      return Status::Ok();
+    const uint64_t generation_before = generation;
+    if (Status s = ensure_session(); !s.ok()) return s;
+    // A gradient computed against the weights of a server that has since
+    // restarted means nothing to its successor (whose versions start again).
+    if (call == Call::kPush && generation != generation_before)
+      return {ErrorCode::kServerRestarted, "the server restarted (generation " + std::to_string(generation_before) +
+                                               ", now " + std::to_string(generation) +
+                                               ") since this gradient's weights were pulled: pull again and recompute "
+                                               "the gradient"};
+    return Status::Ok();
+  }
+
+  // A session for a request, by state:
+  // - kAttached: as it is without reconnect (a submit and a wait notice a
+  //   dead server or an eviction themselves); with reconnect, the session
+  //   is checked first (eviction; a fresh heartbeat, or the server's
+  //   process) and, over, ended and replaced by a re-attach;
+  // - kServerGone, kEvicted: with reconnect, a re-attach (reattach(): one
+  //   timeout of its own; the request gets another); without, why the
+  //   session ended (kServerNotRunning, kUnknownWorker), every time.
+  Status ensure_session() {
+    switch (state_) {
+      case State::kAttached: {
+        if (!options.reconnect) return Status::Ok();
+        Status why = evicted();
+        if (why.ok()) {
+          // Fast path without /proc: a running server refreshes its
+          // heartbeat every 10 ms, asleep or not.
+          const auto& h = segment->header();
+          // acquire: SYNC(server_stopped); relaxed heartbeat: a hint only.
+          if (h.server_state.load(std::memory_order_acquire) == static_cast<uint32_t>(shm::ServerState::kRunning) &&
+              shm::monotonic_ns() - h.heartbeat_ns.load(std::memory_order_relaxed) < 100'000'000)
+            return Status::Ok();
+          why = server_gone();
+          if (why.ok()) return Status::Ok();
+        }
+        if (Status s = end_session(ended_as(why), why); !s.ok()) return s;
+        return reattach();
+      }
+      case State::kServerGone:
+      case State::kEvicted:
+        return options.reconnect ? reattach() : ended.why;
+      case State::kConnecting:
+      case State::kDetaching:
+      case State::kDetached:
+        break;
+    }
+    return {ErrorCode::kInternal, std::string("a request in worker state ") + state_name(state_)};
+  }
+
   // Whether this process connected the Worker (not a fork()ed child).
   bool inherited() const { return fork_generation() != forked_under; }
-  // The first check of every public call.
+  // Step 1 of enter().
   Status owned() const {
     if (!inherited()) [[likely]]
       return Status::Ok();
@@ -161,24 +350,75 @@ class Worker::Impl {
     return Status::Ok();
   }
 
+  // Whether the server ended our session (the entry no longer reads
+  // kAttached), or ok. Only in a session.
   Status evicted() const {
     // acquire: pairs with the server's release store of kDetached.
     const uint64_t owner = entry().owner.load(std::memory_order_acquire);
-    if (!attached || shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kAttached)) return Status::Ok();
+    if (shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kAttached)) return Status::Ok();
     // While our own detach is in flight, kDetached is the expected answer
     // once the server took the request (it pops it before marking the
     // entry, so the head is visible here); one still in the lane was
     // dropped by an eviction and will never be answered.
-    if (detaching && lane.header()->head.load(std::memory_order_acquire) == lane.tail()) return Status::Ok();
+    if (state_ == State::kDetaching && lane.header()->head.load(std::memory_order_acquire) == lane.tail())
+      return Status::Ok();
     return {ErrorCode::kUnknownWorker, "the server evicted worker " + std::to_string(id)};
+  }
+
+  // Why a session cannot go on (the server dead or stopped, or it evicted
+  // us), or ok. Only in a session.
+  Status session_over() const {
+    Status why = server_gone();
+    return why.ok() ? evicted() : why;
+  }
+  // The state a session ends in for session_over()'s answer.
+  static State ended_as(const Status& why) {
+    return why.code() == ErrorCode::kServerNotRunning ? State::kServerGone : State::kEvicted;
+  }
+
+  // Ends the session (kAttached or kDetaching) as `to` (kServerGone,
+  // kEvicted, kDetached) for `why`: keeps what the server answered for
+  // wait() (it was applied; the server posts nothing after marking the
+  // entry kDetached, nor after it died), records the rest as lost, and
+  // gives the entry back once the server let go of it (dead, or the entry
+  // reads kDetached; a detach that failed with the server alive leaves it
+  // to the server's reaper). The lane and queue are not touched after.
+  [[nodiscard]] Status end_session(State to, Status why) {
+    if (Status s = transition(to); !s.ok()) return s;
+    Completion c;
+    bool got = false;
+    while (take_answer(&c, &got).ok() && got) done.push_back(c);
+    ended = EndedSession{to, std::move(why), generation, last_completed_id, next_request_id - 1};
+    last_completed_id = next_request_id - 1;  // nothing is in flight outside a session
+    // acquire: SYNC(worker_detached), the server is done with the entry.
+    const uint64_t owner = entry().owner.load(std::memory_order_acquire);
+    if (to != State::kDetached || shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kDetached) ||
+        !server_gone().ok())
+      release_entry();
+    return Status::Ok();
+  }
+
+  // The answer for a request the last session that ended left unanswered:
+  // without reconnect, why that session ended (as every call now gets it);
+  // else kServerRestarted (not acknowledged: maybe applied, at most once).
+  Status lost_request(uint64_t ticket) const {
+    if (!options.reconnect && ended.how != State::kDetached) return ended.why;
+    return {ErrorCode::kServerRestarted, "request " + std::to_string(ticket) +
+                                             " was not acknowledged before its session ended (" + ended.why.message() +
+                                             ")"};
   }
 
   uint64_t in_flight() const { return next_request_id - 1 - last_completed_id; }
 
   // Puts a request in the lane and rings the doorbell. Waits up to the
   // deadline while `capacity` requests are in flight (kBusy after that).
+  // In a session only (enter()); an eviction seen here ends it.
   Result<uint64_t> submit(Request req, shm::Deadline& deadline) {
-    if (Status s = evicted(); !s.ok()) return s;
+    if (Status why = evicted(); !why.ok()) {
+      if (Status s = end_session(State::kEvicted, why); !s.ok()) return s;
+      if (!options.reconnect) return why;
+      return Status{ErrorCode::kServerRestarted, why.message() + "; the request was not sent; the next call re-attaches"};
+    }
     const auto state = static_cast<shm::ServerState>(
         segment->header().server_state.load(std::memory_order_acquire));  // SYNC(server_stopped)
     if (state == shm::ServerState::kStopping) return Status{ErrorCode::kShuttingDown, "server is shutting down"};
@@ -292,23 +532,19 @@ class Worker::Impl {
     if (Status s = take_answer(out, &got); !s.ok() || got) return s;
     Status why;
     const auto w = wait_for_completion(deadline, [&] {
-      why = server_gone();
-      if (why.ok()) why = evicted();
+      why = session_over();
       return !why.ok();
     });
     if (w == shm::WaitResult::kTimeout) return {ErrorCode::kTimeout, "no completion within the timeout"};
     // Aborted: the server may still have answered before it died or stopped.
     if (w == shm::WaitResult::kAborted && !answer_ready()) {
-      if (options.reconnect && attached_once && why.code() == ErrorCode::kServerNotRunning) {
-        attached = false;  // the next call re-attaches
+      const State to = ended_as(why);
+      if (Status s = end_session(to, why); !s.ok()) return s;
+      if (!options.reconnect) return why;
+      if (to == State::kServerGone)
         return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged; the next call re-attaches"};
-      }
-      if (options.reconnect && attached_once && !evicted().ok()) {
-        end_evicted_session();  // the next call re-attaches
-        return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged (the server drops an "
-                                             "evicted worker's queue unapplied); the next call re-attaches"};
-      }
-      return why;
+      return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged (the server drops an "
+                                           "evicted worker's queue unapplied); the next call re-attaches"};
     }
     if (Status s = take_answer(out, &got); !s.ok()) return s;
     return got ? Status::Ok() : Status{ErrorCode::kInternal, "completion vanished"};
@@ -359,17 +595,13 @@ class Worker::Impl {
           return c;
         }
       }
-      if (ticket > lost_from && ticket <= lost_upto)
-        return Status{ErrorCode::kServerRestarted, "request " + std::to_string(ticket) +
-                                                       " was not acknowledged before the session ended (the server died or evicted this worker)"};
+      if (ended.lost(ticket)) return lost_request(ticket);
       if (ticket <= last_completed_id)
         return Status{ErrorCode::kInvalidArgument, "ticket " + std::to_string(ticket) + " was already waited for"};
-      // The session ended (evicted, or the server died) and no re-attach has
-      // happened yet: the old queue is not ours to read any more (after an
-      // eviction the entry may already serve another worker).
-      if (!attached)
-        return Status{ErrorCode::kServerRestarted, "request " + std::to_string(ticket) +
-                                                       " was not acknowledged before the session ended (the server died or evicted this worker)"};
+      // In flight, so in a session: end_session() counts everything issued
+      // before its end as answered or lost.
+      if (!in_session()) [[unlikely]]
+        return Status{ErrorCode::kInternal, "ticket " + std::to_string(ticket) + " in flight in worker state " + state_name(state_)};
       // The next completion goes straight back when it is this ticket's
       // (the common case: one request in flight), else waits in `done`.
       Completion c;
@@ -388,8 +620,10 @@ class Worker::Impl {
     return {code, c.message};
   }
 
-  // One request, no reconnecting (attach and registration use it).
-  Result<Completion> call_once(Request req) {
+  // One request and its answer, with a timeout of its own. In a session
+  // only: a public call has passed enter(); a re-attach registers buffers
+  // with it.
+  Result<Completion> request(Request req) {
     shm::Deadline deadline(options.timeout);
     auto ticket = submit(req, deadline);
     if (!ticket.ok()) return ticket.status();
@@ -398,58 +632,6 @@ class Worker::Impl {
     last_version = c->version;
     if (Status s = to_status(*c); !s.ok()) return s;
     return c;
-  }
-
-  // Whether the public calls may proceed: attached, or (with reconnect)
-  // able to re-attach; an explicit detach() is final.
-  Status usable() {
-    if (user_detached) return {ErrorCode::kUnknownWorker, "detached"};
-    if (attached) return Status::Ok();
-    if (options.reconnect && attached_once) {
-      shm::Deadline deadline(options.timeout);
-      return ensure_server(deadline);
-    }
-    return {ErrorCode::kUnknownWorker, "not attached"};
-  }
-
-  // With options.reconnect, first re-attaches when the server is gone.
-  Result<Completion> call(Request req) {
-    shm::Deadline deadline(options.timeout);
-    if (Status s = ensure_server(deadline); !s.ok()) return s;
-    return call_once(req);
-  }
-
-  // Ok when the server we are attached to is alive; with reconnect, waits
-  // for its successor and re-attaches.
-  Status ensure_server(shm::Deadline& deadline) {
-    if (!options.reconnect || !attached_once) return Status::Ok();
-    if (attached && !evicted().ok()) end_evicted_session();
-    if (attached) {
-      // Fast path without /proc: a running server refreshes its heartbeat
-      // every 10 ms, asleep or not.
-      const auto& h = segment->header();
-      // acquire: SYNC(server_stopped); relaxed heartbeat: a hint only.
-      if (h.server_state.load(std::memory_order_acquire) == static_cast<uint32_t>(shm::ServerState::kRunning) &&
-          shm::monotonic_ns() - h.heartbeat_ns.load(std::memory_order_relaxed) < 100'000'000)
-        return Status::Ok();
-      if (server_gone().ok()) return Status::Ok();
-    }
-    return reattach(deadline);
-  }
-
-  // After the server evicted us (we were stopped too long, or our lane
-  // looked corrupt): we stop using the old lane for good, free the entry,
-  // and let the next call re-attach to the same server.
-  void end_evicted_session() {
-    // What the server answered before it let go (it posts nothing after
-    // kDetached, seen with acquire by evicted()) was applied: keep it for
-    // wait(), or those tickets would fall in the lost range of the re-attach.
-    Completion c;
-    bool got = false;
-    while (take_answer(&c, &got).ok() && got) done.push_back(c);
-    release_entry();
-    attached = false;
-    evicted_reattach = true;
   }
 
   // Returns our entry to kFree after the server let go of it (detached,
@@ -513,7 +695,7 @@ class Worker::Impl {
     Request req{};
     req.opcode = static_cast<uint32_t>(Opcode::kRegisterBuffer);
     req.buffer_id = b;
-    auto c = call_once(req);  // the lane's release store publishes desc
+    auto c = request(req);  // the lane's release store publishes desc
     return c.ok() ? Status::Ok() : c.status();
   }
 
@@ -604,16 +786,16 @@ class Worker::Impl {
       release_entry();
       return why;
     }
+    if (Status s = transition(State::kAttached); !s.ok()) {
+      release_entry();
+      return s;
+    }
     lease = e.lease;
+    // Request ids keep counting across sessions, and the new lane starts
+    // empty: every id issued before was settled when the last session
+    // ended (answered, in `done`, or lost: end_session()).
     lane = shm::SpscProducer<Request>(&segment->lane(id), segment->lane_slots(id), capacity);
     completions = shm::SpscConsumer<Completion>(&segment->completions(id), segment->completion_slots(id), capacity);
-    // Request ids keep counting across generations; the new lane starts
-    // empty, so everything before is settled (lost_upto: failed).
-    // `done` keeps the completions already popped: those were answered.
-    lost_from = last_completed_id;
-    lost_upto = next_request_id - 1;
-    last_completed_id = next_request_id - 1;
-    attached = true;
     buffers.resize(h.max_buffers);
     tensors = std::move(table);
     expected_ns.assign(2 * tensors.size() + 3, 0);
@@ -622,29 +804,26 @@ class Worker::Impl {
     return Status::Ok();
   }
 
-  // After the server died: waits (up to the deadline) for a server of a new
-  // generation under the same name (after an eviction: the same server is
-  // fine), attaches to it and registers every buffer again under its old id.
-  Status reattach(shm::Deadline& deadline) {
-    deadline.time();  // the timeout counts from here, not from after the first attempt (which may take it whole)
-    const uint64_t old_generation = generation;
-    attached = false;
+  // From kServerGone or kEvicted (reconnect): waits up to one timeout,
+  // counted from here, for a server under the same name (kServerGone: of
+  // another generation than the one that ended; kEvicted: any), attaches
+  // to it and registers every buffer again under its old id. A session that
+  // ends during the registrations is waited past in the same way; one that
+  // holds while the server refuses a registration (or does not answer)
+  // returns that error, attached: a new attach would leave its entry taken.
+  Status reattach() {
+    const auto give_up = Clock::now() + options.timeout;
     while (true) {
       auto seg = shm::Segment::open(options.name, /*read_only=*/false);
-      if (seg.ok() && (evicted_reattach || (*seg)->header().generation != old_generation)) {
+      if (seg.ok() && (state_ == State::kEvicted || (*seg)->header().generation != ended.generation)) {
         Status s = attach_to(std::move(seg).value());
-        if (s.ok()) {
-          for (uint32_t b = 0; b < buffers.size() && s.ok(); ++b)
-            if (buffers[b].in_use)
-              s = buffers[b].device ? send_register_device(b) : send_register(b, buffers[b].object->name(), buffers[b].object->size());
-          if (s.ok()) {
-            evicted_reattach = false;
-            return Status::Ok();
-          }
-        }
+        for (uint32_t b = 0; b < buffers.size() && s.ok(); ++b)
+          if (buffers[b].in_use)
+            s = buffers[b].device ? send_register_device(b) : send_register(b, buffers[b].object->name(), buffers[b].object->size());
+        if (s.ok() || in_session()) return s;
         if (s.code() == ErrorCode::kLayoutMismatch || s.code() == ErrorCode::kNoCapacity) return s;
       }
-      if (Clock::now() >= deadline.time())
+      if (Clock::now() >= give_up)
         return {ErrorCode::kServerNotRunning, "server '" + options.name + "' did not come back within the timeout"};
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
@@ -661,36 +840,38 @@ class Worker::Impl {
     Request req{};
     req.opcode = static_cast<uint32_t>(Opcode::kRegisterBuffer);
     req.buffer_id = b;
-    auto c = call_once(req);  // the lane's release store publishes desc
+    auto c = request(req);  // the lane's release store publishes desc
     return c.ok() ? Status::Ok() : c.status();
   }
 
+  // Ends the Worker's use (to kDetached, from any state but kDetached):
+  // a session whose server is alive and has not evicted us sends a detach
+  // request (its error, if any, is the result); one that is over ends
+  // without; then every buffer goes. No re-attach.
   Status detach() {
-    if (user_detached) return {ErrorCode::kUnknownWorker, "detached"};
-    user_detached = true;
-    if (!attached) {
-      drop_buffers();
-      return Status::Ok();
-    }
     Status result;
-    if (evicted().ok() && server_gone().ok()) {
-      Request req{};
-      req.opcode = static_cast<uint32_t>(Opcode::kDetach);
-      detaching = true;
-      auto c = call(req);
-      detaching = false;
-      result = c.ok() ? Status::Ok() : c.status();
+    if (state_ == State::kAttached) {
+      if (Status why = session_over(); !why.ok()) {
+        result = end_session(ended_as(why), why);
+      } else if (result = transition(State::kDetaching); result.ok()) {
+        Request req{};
+        req.opcode = static_cast<uint32_t>(Opcode::kDetach);
+        auto c = request(req);  // may end the session: kServerGone, kEvicted
+        result = c.ok() ? Status::Ok() : c.status();
+        if (state_ == State::kDetaching) {
+          if (Status s = end_session(State::kDetached, Status{ErrorCode::kUnknownWorker, "detached"}); !s.ok()) result = s;
+        }
+      }
     }
-    attached = false;
-    // After a successful detach, or an eviction, the server no longer
-    // touches our entry; if it is dead, it never will. Otherwise (detach
-    // failed with the server alive) leave it for the server's reaper.
-    const uint64_t owner = entry().owner.load(std::memory_order_acquire);
-    if (shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kDetached) || !server_gone().ok())
-      release_entry();
+    if (state_ != State::kDetached) {
+      if (Status s = transition(State::kDetached); !s.ok()) result = s;
+    }
     drop_buffers();
     return result;
   }
+
+ private:
+  State state_ = State::kConnecting;  // changed by transition() alone
 };
 
 Worker::Worker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -699,8 +880,7 @@ Worker::~Worker() {
   if (!impl_) return;
   // An inherited Worker only unmaps: the session and buffer names are the parent's.
   if (impl_->inherited()) return;
-  if (impl_->attached) (void)impl_->detach();
-  impl_->drop_buffers();
+  if (impl_->state() != State::kDetached) (void)impl_->detach();
 }
 
 Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& options) {
@@ -715,10 +895,7 @@ Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& options) {
       auto impl = std::make_unique<Impl>();
       impl->options = options;
       s = impl->attach_to(std::move(segment).value());
-      if (s.ok()) {
-        impl->attached_once = true;
-        return std::unique_ptr<Worker>(new Worker(std::move(impl)));
-      }
+      if (s.ok()) return std::unique_ptr<Worker>(new Worker(std::move(impl)));
     }
     // Only "no server yet" is worth waiting for: a segment of another
     // layout, a permission or a full table stays what it is.
@@ -746,8 +923,7 @@ const TensorInfo* Worker::find_tensor(const std::string& name) const noexcept {
 
 Result<Buffer> Worker::register_buffer(size_t bytes) {
   Impl& w = *impl_;
-  if (Status s = w.owned(); !s.ok()) return s;
-  if (Status s = w.usable(); !s.ok()) return s;
+  if (Status s = w.enter(Impl::Call::kRequest); !s.ok()) return s;
   if (bytes == 0) return Status{ErrorCode::kInvalidArgument, "buffer of 0 bytes"};
   uint32_t id = 0;
   while (id < w.buffers.size() && w.buffers[id].in_use) ++id;
@@ -786,8 +962,7 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
 
 Result<uint32_t> Worker::register_device_buffer(const void* device_ptr, size_t bytes) {
   Impl& w = *impl_;
-  if (Status s = w.owned(); !s.ok()) return s;
-  if (Status s = w.usable(); !s.ok()) return s;
+  if (Status s = w.enter(Impl::Call::kRequest); !s.ok()) return s;
   if (device_ptr == nullptr || bytes == 0) return Status{ErrorCode::kInvalidArgument, "device buffer: null pointer or 0 bytes"};
   uint32_t id = 0;
   while (id < w.buffers.size() && w.buffers[id].in_use) ++id;
@@ -812,13 +987,13 @@ Result<uint32_t> Worker::register_device_buffer(const void* device_ptr, size_t b
 
 Status Worker::unregister_buffer(uint32_t buffer_id) {
   Impl& w = *impl_;
-  if (Status s = w.owned(); !s.ok()) return s;
+  if (Status s = w.enter(Impl::Call::kRequest); !s.ok()) return s;
   if (buffer_id >= w.buffers.size() || !w.buffers[buffer_id].in_use)
     return {ErrorCode::kUnknownBuffer, "buffer " + std::to_string(buffer_id) + " is not registered"};
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kUnregisterBuffer);
   req.buffer_id = buffer_id;
-  auto c = w.call(req);
+  auto c = w.request(req);
   if (!c.ok()) return c.status();
   Impl::Registered& r = w.buffers[buffer_id];
   // The server answered after its last use of the buffer (its completions
@@ -831,19 +1006,7 @@ Status Worker::unregister_buffer(uint32_t buffer_id) {
 
 Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
                                           uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream) {
-  if (Status s = impl_->owned(); !s.ok()) return s;
-  // The re-attach and the submit get a timeout each: a re-attach that took
-  // most of one leaves the submit a whole one. Read from the clock only if
-  // used (shm::Deadline).
-  shm::Deadline reattach_deadline(impl_->options.timeout);
-  const uint64_t generation_before = impl_->generation;
-  if (Status s = impl_->ensure_server(reattach_deadline); !s.ok()) return s;
-  if (Status s = impl_->usable(); !s.ok()) return s;
-  // A gradient computed against the weights of a server that has since
-  // restarted means nothing to its successor (whose versions start again).
-  if (impl_->generation != generation_before)
-    return Status{ErrorCode::kServerRestarted, "the server restarted since version " + std::to_string(worker_version) +
-                                                   " was pulled: pull again and recompute the gradient"};
+  if (Status s = impl_->enter(Impl::Call::kPush); !s.ok()) return s;
   if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPush);
@@ -853,12 +1016,14 @@ Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id
   req.byte_length = bytes;
   req.dtype = static_cast<uint32_t>(dtype);
   req.worker_version = worker_version;
+  // A timeout of its own: a re-attach in enter() that took most of one
+  // leaves the submit a whole one. Read from the clock only if used.
   shm::Deadline deadline(impl_->options.timeout);
   return impl_->submit(req, deadline);
 }
 
 Result<uint64_t> Worker::wait(Ticket ticket) {
-  if (Status s = impl_->owned(); !s.ok()) return s;
+  if (Status s = impl_->enter(Impl::Call::kWait); !s.ok()) return s;
   shm::Deadline deadline(impl_->options.timeout);
   auto c = impl_->wait(ticket, deadline);
   if (!c.ok()) return c.status();
@@ -877,8 +1042,7 @@ Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
 }
 
 Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
-  if (Status s = impl_->owned(); !s.ok()) return s;
-  if (Status s = impl_->usable(); !s.ok()) return s;
+  if (Status s = impl_->enter(Impl::Call::kRequest); !s.ok()) return s;
   if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPull);
@@ -888,14 +1052,13 @@ Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
   const uint64_t elements = tensor_id == kAllTensors ? impl_->total_elements
                             : tensor_id < impl_->tensors.size() ? impl_->tensors[tensor_id].element_count : 0;
   req.byte_length = elements * sizeof(float);
-  auto c = impl_->call(req);
+  auto c = impl_->request(req);
   if (!c.ok()) return c.status();
   return c->version;
 }
 
 Status Worker::init(uint32_t buffer_id, uint64_t byte_offset, void* stream) {
-  if (Status s = impl_->owned(); !s.ok()) return s;
-  if (Status s = impl_->usable(); !s.ok()) return s;
+  if (Status s = impl_->enter(Impl::Call::kRequest); !s.ok()) return s;
   if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kInit);
@@ -904,16 +1067,15 @@ Status Worker::init(uint32_t buffer_id, uint64_t byte_offset, void* stream) {
   req.byte_offset = byte_offset;
   req.byte_length = impl_->total_elements * sizeof(float);
   req.dtype = static_cast<uint32_t>(Dtype::kF32);
-  auto c = impl_->call(req);
+  auto c = impl_->request(req);
   return c.ok() ? Status::Ok() : c.status();
 }
 
 Result<ServerStats> Worker::stats() {
-  if (Status s = impl_->owned(); !s.ok()) return s;
-  if (Status s = impl_->usable(); !s.ok()) return s;
+  if (Status s = impl_->enter(Impl::Call::kRequest); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kStats);
-  auto c = impl_->call(req);
+  auto c = impl_->request(req);
   if (!c.ok()) return c.status();
   // The completion's acquire (try_pop) ordered the server's writes of r.
   const shm::StatsReply r = impl_->entry().stats_reply;
@@ -926,11 +1088,10 @@ Result<ServerStats> Worker::stats() {
 }
 
 Status Worker::ping() {
-  if (Status s = impl_->owned(); !s.ok()) return s;
-  if (Status s = impl_->usable(); !s.ok()) return s;
+  if (Status s = impl_->enter(Impl::Call::kRequest); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPing);
-  auto c = impl_->call(req);
+  auto c = impl_->request(req);
   return c.ok() ? Status::Ok() : c.status();
 }
 
@@ -944,7 +1105,7 @@ Result<std::unique_ptr<DeviceMemory>> DeviceMemory::allocate(size_t bytes, int d
 DeviceMemory::~DeviceMemory() { detail::free_device_memory(data_, device_); }
 
 Status Worker::detach() {
-  if (Status s = impl_->owned(); !s.ok()) return s;
+  if (Status s = impl_->enter(Impl::Call::kDetach); !s.ok()) return s;
   return impl_->detach();
 }
 

@@ -74,7 +74,10 @@ struct WorkerOptions {
   // again under its old id, then proceeds; a push then fails with
   // kServerRestarted instead (its gradient was computed against the old
   // server's weights: pull again). Without it such calls return
-  // kServerNotRunning and the Worker stays unusable.
+  // kServerNotRunning and the Worker stays unusable: every later call, and
+  // every wait for a request in flight, fails at once the same way. Either
+  // way, answers the server posted before it died are still returned by
+  // wait().
   // The same holds when the server evicts this worker (its process was
   // stopped longer than the server's --stopped-worker-timeout-ms, or its
   // lane looked corrupt): with reconnect, calls in flight fail with
@@ -244,8 +247,11 @@ class Worker {
   Result<ServerStats> stats();
   // An empty request: the ring's round trip. Errors: request errors.
   Status ping();
-  // Detaches explicitly (the destructor does it too). Further calls fail
-  // with kUnknownWorker.
+  // Detaches explicitly (the destructor does it too). Final, with reconnect
+  // too: further calls fail with kUnknownWorker and nothing attaches again;
+  // wait() still returns the answers to requests made before (one the
+  // detach left unanswered: kServerRestarted). A session already ended
+  // (server gone, eviction) ends here without a request.
   Status detach();
 
   class Impl;

@@ -1,0 +1,155 @@
+// A Worker's session lifecycle as a caller sees it (worker.cpp, State and
+// kTransitions): detach() is final in every state, with reconnect too, and
+// never attaches again; a session that ends keeps the answers its server
+// posted before; without reconnect a dead server fails every later call at
+// once, tickets in flight included. (The table itself is checked when
+// worker.cpp compiles: its static_asserts.)
+#define BOOST_TEST_MODULE test_session
+#include <boost/test/unit_test.hpp>
+#include <chrono>
+#include <thread>
+
+#include "shmps/shm/segment.hpp"
+#include "shmps/worker.hpp"
+#include "test_support.hpp"
+#include "worker_support.hpp"
+
+using namespace shmps;
+using namespace std::chrono_literals;
+
+namespace {
+
+const std::vector<std::string> kArgs = {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000"};
+
+// The server's live counters, read from its segment (read-only).
+uint64_t attached_workers(const std::string& name) {
+  auto seg = shm::Segment::open(name, /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  return (*seg)->stats().workers_attached.load();
+}
+uint64_t applied(const std::string& name) {
+  auto seg = shm::Segment::open(name, /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  return (*seg)->stats().gradients_applied.load();
+}
+
+// Every call that would send a request fails at once with `code`.
+void every_request_fails(Worker& w, uint32_t buffer_id, ErrorCode code) {
+  const auto t0 = std::chrono::steady_clock::now();
+  BOOST_TEST((w.ping().code() == code), w.ping().to_string());
+  BOOST_TEST((w.pull(0, buffer_id, 0).status().code() == code));
+  BOOST_TEST((w.push(0, buffer_id, 0, 4, Dtype::kF32, 0).status().code() == code));
+  BOOST_TEST((w.push_async(0, buffer_id, 0, 4, Dtype::kF32, 0).status().code() == code));
+  BOOST_TEST((w.stats().status().code() == code));
+  BOOST_TEST((w.init(buffer_id).code() == code));
+  BOOST_TEST((w.register_buffer(4).status().code() == code));
+  BOOST_TEST((w.unregister_buffer(buffer_id).code() == code));
+  // Not one waited for a server (the timeout is 10 s).
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 2s));
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(session)
+
+// kAttached -> kDetaching -> kDetached, with reconnect: no call attaches
+// again (the server does not look gone: a re-attach would wait out the
+// timeout for a new generation, or take an entry). An answer owed from
+// before the detach is still collected.
+BOOST_AUTO_TEST_CASE(detach_is_final_with_reconnect_too) {
+  test::ServerProcess server(test::unique_name("final"), kArgs);
+  auto w = test::connect(server.name(), 10s, /*reconnect=*/true);
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  *static_cast<float*>(buf->data) = -1.0f;
+  auto ticket = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);
+  BOOST_REQUIRE(ticket.ok());
+  BOOST_REQUIRE(w->detach().ok());
+  BOOST_TEST(test::eventually([&] { return attached_workers(server.name()) == 0; }, 2s));
+  auto v = w->wait(*ticket);
+  BOOST_TEST(v.ok(), v.status().to_string());
+  if (v.ok()) BOOST_TEST(*v == 1u);
+  every_request_fails(*w, buf->id, ErrorCode::kUnknownWorker);
+  BOOST_TEST((w->detach().code() == ErrorCode::kUnknownWorker));
+  std::this_thread::sleep_for(50ms);
+  BOOST_TEST(attached_workers(server.name()) == 0u);
+  BOOST_TEST(applied(server.name()) == 1u);
+}
+
+// kAttached -> kServerGone (seen by detach()) -> kDetached: nothing is sent
+// to the dead server and nothing waits; a new generation under the name is
+// not attached to afterwards.
+BOOST_AUTO_TEST_CASE(detach_after_the_server_died_is_local_and_final) {
+  const std::string name = test::unique_name("gone");
+  auto server = std::make_unique<test::ServerProcess>(name, kArgs);
+  auto w = test::connect(name, 10s, /*reconnect=*/true);
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  server->process().kill_and_reap();
+  server.reset();
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status s = w->detach();
+  BOOST_TEST(s.ok(), s.to_string());
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 1s));
+  test::ServerProcess next(name, kArgs);
+  every_request_fails(*w, buf->id, ErrorCode::kUnknownWorker);
+  std::this_thread::sleep_for(50ms);
+  BOOST_TEST(attached_workers(name) == 0u);
+}
+
+// kAttached -> kServerGone (seen by the next call's entry check) ->
+// kAttached: a push the dead server answered before it died was applied;
+// waiting for it after the re-attach returns its version, not "lost".
+BOOST_AUTO_TEST_CASE(an_answer_posted_before_the_server_died_survives_the_reattach) {
+  const std::string name = test::unique_name("answered");
+  auto server = std::make_unique<test::ServerProcess>(name, kArgs);
+  auto w = test::connect(name, 10s, /*reconnect=*/true);
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  *static_cast<float*>(buf->data) = -1.0f;
+  auto ticket = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);
+  BOOST_REQUIRE(ticket.ok());
+  BOOST_REQUIRE(test::eventually([&] { return applied(name) == 1; }, 5s));
+  std::this_thread::sleep_for(20ms);  // the completion follows the apply
+  server->process().kill_and_reap();
+  server.reset();
+  std::this_thread::sleep_for(200ms);  // past the dead server's last heartbeat
+  test::ServerProcess next(name, kArgs);
+  const Status back = w->ping();
+  BOOST_REQUIRE_MESSAGE(back.ok(), back.to_string());
+  auto v = w->wait(*ticket);
+  BOOST_TEST(v.ok(), v.status().to_string());
+  if (v.ok()) BOOST_TEST(*v == 1u);
+  BOOST_TEST((w->wait(*ticket).status().code() == ErrorCode::kInvalidArgument));  // waited for already
+}
+
+// kAttached -> kServerGone without reconnect: the Worker stays unusable.
+// Every later call fails at once with kServerNotRunning (nothing is put in
+// the dead server's lane), and so does every wait for a ticket in flight,
+// each time; detach() then ends it without a request.
+BOOST_AUTO_TEST_CASE(without_reconnect_a_dead_server_fails_every_call_and_ticket) {
+  const std::string name = test::unique_name("deadfinal");
+  auto server = std::make_unique<test::ServerProcess>(name, kArgs);
+  auto w = test::connect(name, 10s, /*reconnect=*/false);
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  server->process().pause();
+  auto a = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);
+  auto b = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);
+  BOOST_REQUIRE(a.ok() && b.ok());
+  server->process().kill_and_reap();
+  auto r = w->wait(*a);
+  BOOST_TEST((r.status().code() == ErrorCode::kServerNotRunning), r.status().to_string());
+  BOOST_TEST(r.status().message().find("died") != std::string::npos, r.status().to_string());
+  BOOST_TEST((w->wait(*b).status().code() == ErrorCode::kServerNotRunning));
+  BOOST_TEST((w->wait(*a).status().code() == ErrorCode::kServerNotRunning));
+  every_request_fails(*w, buf->id, ErrorCode::kServerNotRunning);
+  server.reset();
+  test::ServerProcess next(name, kArgs);
+  BOOST_TEST((w->ping().code() == ErrorCode::kServerNotRunning));  // another generation changes nothing
+  BOOST_TEST(w->detach().ok());
+  BOOST_TEST((w->ping().code() == ErrorCode::kUnknownWorker));
+  BOOST_TEST(attached_workers(name) == 0u);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
