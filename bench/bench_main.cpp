@@ -97,12 +97,12 @@ std::vector<std::string> server_args(const std::vector<uint64_t>& elements, cons
   return args;
 }
 
-Result<std::unique_ptr<ServerChild>> start_server(const Plan& plan, const std::string& tag,
+Result<std::unique_ptr<ServerProcess>> start_server(const Plan& plan, const std::string& tag,
                                                   const std::vector<uint64_t>& elements,
                                                   const std::vector<std::string>& extra) {
   std::vector<std::string> args = server_args(elements, extra);
   args.insert(args.end(), plan.server_extra.begin(), plan.server_extra.end());
-  return ServerChild::start(plan.server_path, segment_name(tag), args, plan.log_path);
+  return start_server_process(plan.server_path, segment_name(tag), args, plan.log_path);
 }
 
 // ------------------------------------------------------------ section 1: round trip
@@ -177,7 +177,7 @@ Result<std::vector<double>> worker_pings(const std::string& name, uint32_t procs
 Result<std::vector<Child>> start_bystanders(uint32_t n) {
   std::vector<Child> procs;
   for (uint32_t i = 0; i < n; ++i) {
-    auto c = Child::fork_run([] {
+    auto c = fork_child([] {
       const uint64_t end = now_ns() + 600'000'000'000ull;  // a safety net only
       volatile uint64_t x = 0;
       while (now_ns() < end)

@@ -186,7 +186,7 @@ struct Target {
 };
 
 struct Running {
-  std::vector<std::unique_ptr<ServerChild>> shmps;
+  std::vector<std::unique_ptr<ServerProcess>> shmps;
   std::vector<std::unique_ptr<BaselineServer>> baselines;
   std::vector<Target> targets;
 };
@@ -224,7 +224,7 @@ Result<Running> start_all(const Plan& plan, std::vector<uint64_t>& tensor_bytes)
   for (const Variant& v : variants) {
     std::vector<std::string> a = args;
     a.insert(a.end(), v.args.begin(), v.args.end());
-    auto s = ServerChild::start(plan.server_path, segment_name(std::string("cmp") + v.tag), a, plan.log_path);
+    auto s = start_server_process(plan.server_path, segment_name(std::string("cmp") + v.tag), a, plan.log_path);
     if (!s.ok()) return s.status();
     run.targets.push_back({v.label, System::kShmps, (*s)->name(), true});
     run.shmps.push_back(std::move(s).value());

@@ -370,7 +370,7 @@ Result<Child> fork_server(System system, const std::function<int(int)>& fn) {
   int ready[2];
   if (::pipe2(ready, O_CLOEXEC) != 0) return io_error("pipe2");
   const int write_end = ready[1];
-  Result<Child> child = Child::fork_run([&fn, write_end] { return fn(write_end); });
+  Result<Child> child = fork_child([&fn, write_end] { return fn(write_end); });
   ::close(write_end);
   if (!child.ok()) {
     ::close(ready[0]);

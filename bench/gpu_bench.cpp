@@ -136,39 +136,15 @@ double ipc_open_us(Exporter& ex, uint64_t size, int repeats, double* open_only_u
 }
 
 // ---------------------------------------------------------------- server
-struct Server {
-  pid_t pid = -1;
-  std::string name;
-};
-Server start_server(const std::string& tag, uint64_t elements) {
-  Server s;
-  s.name = "gpubench_" + tag + "_" + std::to_string(::getpid());
-  const std::string bin = beside_this_program("shmps-server");
-  const std::string tensor = "w:" + std::to_string(elements);
-  s.pid = ::fork();
-  if (s.pid == 0) {
-    ::execl(bin.c_str(), bin.c_str(), "--name", s.name.c_str(), "--tensor", tensor.c_str(), "--backend", "cuda",
-            "--max-staleness", "1000000000", "--max-workers", "16", "--log-level", "warn", static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  // Up when a worker can attach.
-  for (int i = 0; i < 3000; ++i) {
-    shmps::WorkerOptions o;
-    o.name = s.name;
-    o.timeout = std::chrono::milliseconds(1000);
-    if (shmps::Worker::connect(o).ok()) return s;
-    int status = 0;
-    if (::waitpid(s.pid, &status, WNOHANG) == s.pid) die("shmps-server --backend cuda exited at start (see its log above)");
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  die("shmps-server did not come up in 30 s");
-}
-void stop_server(Server& s) {
-  if (s.pid <= 0) return;
-  ::kill(s.pid, SIGTERM);
-  int status = 0;
-  ::waitpid(s.pid, &status, 0);
-  s.pid = -1;
+// A --backend cuda server for `elements` fp32 weights; dies with its error.
+std::unique_ptr<shmps::ServerProcess> start_server(const std::string& tag, uint64_t elements) {
+  auto s = shmps::bench::start_server_process(
+      shmps::server_binary(), "gpubench_" + tag + "_" + std::to_string(::getpid()),
+      {"--tensor", "w:" + std::to_string(elements), "--backend", "cuda", "--max-staleness", "1000000000",
+       "--max-workers", "16", "--log-level", "warn"},
+      "");
+  if (!s.ok()) die("shmps-server --backend cuda: " + s.status().to_string());
+  return std::move(s).value();
 }
 
 // Pushes a 4 KB-per-push device gradient for `seconds`; returns pushes/s
@@ -327,9 +303,9 @@ int main(int argc, char** argv) {
   ::waitpid(exporter.pid, nullptr, 0);
 
   // Push round trip of a 4 KB gradient (1024 fp32), one worker.
-  Server server = start_server("rt", 1024);
+  const auto server = start_server("rt", 1024);
   std::vector<double> lat;
-  (void)push_loop(server.name, quick ? 1.0 : 3.0, &lat);
+  (void)push_loop(server->name(), quick ? 1.0 : 3.0, &lat);
   std::printf("\n%-28s %12s %12s %10s\n", "push round trip, 4 KB", "p50 (us)", "p99 (us)", "pushes");
   std::printf("%-28s %12.1f %12.1f %10zu\n", "device buffer, event", percentile(lat, 0.5), percentile(lat, 0.99), lat.size());
 
@@ -338,7 +314,7 @@ int main(int argc, char** argv) {
   const double seconds = quick ? 2.0 : 5.0;
   std::vector<FILE*> pipes;
   for (int i = 0; i < workers; ++i) {
-    const std::string cmd = "'" + beside_this_program("shmps-gpu-bench") + "' --push-worker " + server.name + " " + std::to_string(seconds);
+    const std::string cmd = "'" + beside_this_program("shmps-gpu-bench") + "' --push-worker " + server->name() + " " + std::to_string(seconds);
     FILE* f = ::popen(cmd.c_str(), "r");
     if (f == nullptr) die("popen");
     pipes.push_back(f);
@@ -350,7 +326,7 @@ int main(int argc, char** argv) {
     ::pclose(f);
   }
   std::printf("%-28s %12.0f pushes/s (sum of %d processes, 4 KB each)\n", "8 workers, one GPU", total, workers);
-  stop_server(server);
+  server->stop();
   std::printf("\napply goal (>= 80%% of D2D): %s\n== shmps-gpu-bench done ==\n", goal_met ? "met" : "MISSED");
   return 0;
 }

@@ -87,7 +87,7 @@ std::optional<int> parse_command_line(int argc, char** argv, const std::string& 
       return 2;
     }
   }
-  if (out.server_path.empty()) out.server_path = beside_this_program("shmps-server");
+  if (out.server_path.empty()) out.server_path = server_binary();
   if (::access(out.server_path.c_str(), X_OK) != 0) {
     std::fprintf(stderr, "%s: no executable shmps-server at %s (use --server)\n", program.c_str(),
                  out.server_path.c_str());
@@ -254,117 +254,11 @@ bool write_full(int fd, const void* buf, size_t n) {
   return true;
 }
 
-Result<Child> Child::fork_run(const std::function<int()>& fn) {
-  const pid_t parent = ::getpid();
-  // Flush first: the child's copy of unwritten output would be written twice.
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const pid_t pid = ::fork();
-  if (pid < 0) return Status{ErrorCode::kIo, errno_text("fork")};
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(98);  // the parent died before prctl
-    int rc = 99;
-    try {
-      rc = fn();
-    } catch (...) {
-      rc = 99;
-    }
-    std::fflush(stdout);
-    std::fflush(stderr);
-    ::_exit(rc);
-  }
-  Child c;
-  c.pid_ = pid;
-  return c;
-}
-
-Result<Child> Child::spawn(const std::vector<std::string>& argv, const std::string& log_path) {
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  const pid_t parent = ::getpid();
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const pid_t pid = ::fork();
-  if (pid < 0) return Status{ErrorCode::kIo, errno_text("fork")};
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (::getppid() != parent) ::_exit(98);
-    if (!log_path.empty()) {
-      const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-      if (fd >= 0) {
-        ::dup2(fd, STDOUT_FILENO);
-        ::dup2(fd, STDERR_FILENO);
-      }
-    }
-    ::execv(args[0], args.data());
-    ::_exit(127);
-  }
-  Child c;
-  c.pid_ = pid;
-  return c;
-}
-
-Child::Child(Child&& other) noexcept : pid_(other.pid_) { other.pid_ = -1; }
-
-Child& Child::operator=(Child&& other) noexcept {
-  if (this != &other) {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      (void)wait();
-    }
-    pid_ = other.pid_;
-    other.pid_ = -1;
-  }
-  return *this;
-}
-
-Child::~Child() {
-  if (pid_ > 0) {
-    ::kill(pid_, SIGKILL);
-    (void)wait();
-  }
-}
-
-namespace {
-int exit_code(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return -1;
-}
-}  // namespace
-
-int Child::wait() {
-  if (pid_ <= 0) return -1;
-  int status = 0;
-  pid_t r;
-  do {
-    r = ::waitpid(pid_, &status, 0);
-  } while (r < 0 && errno == EINTR);
-  pid_ = -1;
-  return r < 0 ? -1 : exit_code(status);
-}
-
-bool Child::try_wait(int* code) {
-  if (pid_ <= 0) return false;
-  int status = 0;
-  const pid_t r = ::waitpid(pid_, &status, WNOHANG);
-  if (r == 0) return false;
-  pid_ = -1;
-  *code = r < 0 ? -1 : exit_code(status);
-  return true;
-}
-
-void Child::signal(int signo) const {
-  if (pid_ > 0) ::kill(pid_, signo);
-}
-
 void StartBarrier::arrive_and_wait() noexcept {
   // Release/acquire on both words: the parent counts arrivals and releases
   // the children; nothing else is published through them.
-  arrived.fetch_add(1, std::memory_order_acq_rel);
-  while (go.load(std::memory_order_acquire) == 0) sleep_ns(20'000);
+  arrived.fetch_add(1, std::memory_order_acq_rel);                     // SYNC(bench_arrived)
+  while (go.load(std::memory_order_acquire) == 0) sleep_ns(20'000);  // SYNC(bench_go)
 }
 
 namespace {
@@ -390,7 +284,7 @@ Result<Series> run_children(uint32_t children, uint32_t series, size_t max_sampl
 
   std::vector<Child> procs;
   for (uint32_t k = 0; k < children; ++k) {
-    auto child = Child::fork_run([&, k]() -> int {
+    auto child = fork_child([&, k]() -> int {
       Series out(series);
       Status st = body(k, header->barrier, out);
       if (!st.ok()) {
@@ -413,7 +307,7 @@ Result<Series> run_children(uint32_t children, uint32_t series, size_t max_sampl
     return Status{ErrorCode::kInternal, text.empty() ? why : text};
   };
   const uint64_t setup_deadline = now_ns() + 300'000'000'000ull;
-  while (header->barrier.arrived.load(std::memory_order_acquire) < children) {
+  while (header->barrier.arrived.load(std::memory_order_acquire) < children) {  // SYNC(bench_arrived)
     for (Child& p : procs) {
       int code = 0;
       if (p.try_wait(&code)) return failure("a measuring child exited with " + std::to_string(code) + " during setup");
@@ -422,7 +316,7 @@ Result<Series> run_children(uint32_t children, uint32_t series, size_t max_sampl
     sleep_ns(200'000);
   }
   if (on_arrived) on_arrived();
-  header->barrier.go.store(1, std::memory_order_release);
+  header->barrier.go.store(1, std::memory_order_release);  // SYNC(bench_go)
   for (Child& p : procs) {
     const int code = p.wait();
     if (code != 0) return failure("a measuring child exited with " + std::to_string(code));
@@ -442,45 +336,17 @@ Result<Series> run_children(uint32_t children, uint32_t series, size_t max_sampl
 
 // ------------------------------------------------------------ shmps-server
 
-Result<std::unique_ptr<ServerChild>> ServerChild::start(const std::string& server_path, const std::string& name,
-                                                        const std::vector<std::string>& args,
-                                                        const std::string& log_path) {
-  std::vector<std::string> argv{server_path, "--name", name};
-  argv.insert(argv.end(), args.begin(), args.end());
-  auto child = Child::spawn(argv, log_path);
-  if (!child.ok()) return child.status();
-  std::unique_ptr<ServerChild> server(new ServerChild());
-  server->name_ = name;
-  server->child_ = std::move(child).value();
-
-  const uint64_t deadline = now_ns() + 120'000'000'000ull;
-  while (true) {
-    int code = 0;
-    if (server->child_.try_wait(&code))
-      return Status{ErrorCode::kServerNotRunning, server_path + " --name " + name + " exited with " +
-                                                      std::to_string(code) + " (log: " + log_path + ")"};
-    if (segment_bytes(name) != 0) {
-      WorkerOptions options;
-      options.name = name;
-      options.timeout = std::chrono::seconds(5);
-      if (auto probe = Worker::connect(options); probe.ok()) return server;  // the probe detaches here
-    }
-    if (now_ns() > deadline)
-      return Status{ErrorCode::kServerNotRunning, "server '" + name + "' accepted no worker within 120 s (log: " + log_path + ")"};
-    sleep_ns(2'000'000);
-  }
-}
-
-ServerChild::~ServerChild() {
-  if (child_.running()) {
-    child_.signal(SIGTERM);
-    const uint64_t deadline = now_ns() + 10'000'000'000ull;
-    int code = 0;
-    while (!child_.try_wait(&code) && now_ns() < deadline) sleep_ns(1'000'000);
-  }
-  // ~Child kills and reaps it if SIGTERM was not enough.
-  child_ = Child();
-  shm::Segment::remove(name_);
+Result<std::unique_ptr<ServerProcess>> start_server_process(const std::string& server_path, const std::string& name,
+                                                           const std::vector<std::string>& args,
+                                                           const std::string& log_path) {
+  ServerProcess::Options o;
+  o.binary = server_path;
+  o.name = name;
+  o.args = args;
+  o.spawn.log_path = log_path;
+  o.spawn.die_with_parent = true;
+  o.start_timeout = std::chrono::seconds(120);
+  return ServerProcess::start(o);
 }
 
 std::string segment_name(const std::string& tag) { return "bench_" + std::to_string(::getpid()) + "_" + tag; }

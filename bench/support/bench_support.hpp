@@ -20,6 +20,7 @@
 
 #include <boost/program_options/options_description.hpp>
 
+#include "shmps/server_process.hpp"
 #include "shmps/status.hpp"
 
 namespace shmps::bench {
@@ -137,31 +138,10 @@ class SharedArena {
 bool read_full(int fd, void* buf, size_t n);
 bool write_full(int fd, const void* buf, size_t n);
 
-// A child process: fork() running a function, or fork()+exec(). The
-// destructor SIGKILLs and reaps one still running.
-class Child {
- public:
-  Child() = default;
-  // The child runs fn() and _exit()s with its value (never returns here).
-  static Result<Child> fork_run(const std::function<int()>& fn);
-  // fork + execv(argv[0]) with stdout and stderr appended to `log_path`
-  // ("" keeps them) and SIGTERM when this process dies.
-  static Result<Child> spawn(const std::vector<std::string>& argv, const std::string& log_path);
-  Child(Child&& other) noexcept;
-  Child& operator=(Child&& other) noexcept;
-  ~Child();
-
-  pid_t pid() const noexcept { return pid_; }
-  bool running() const noexcept { return pid_ > 0; }
-  // Blocks until exit: the exit code, or 128 + signal.
-  int wait();
-  // True (and *code set) once the child has exited; never blocks.
-  bool try_wait(int* code);
-  void signal(int signo) const;
-
- private:
-  pid_t pid_ = -1;
-};
+// A benchmark's child process (shmps::ChildProcess), forked running a
+// function, which dies with the benchmark.
+using Child = ChildProcess;
+inline Result<Child> fork_child(const std::function<int()>& fn) { return ChildProcess::fork_run(fn, /*die_with_parent=*/true); }
 
 // The start barrier of concurrent measuring children: each calls
 // arrive_and_wait() once its setup is done; the parent releases all at once.
@@ -199,27 +179,13 @@ inline void escape(void* p) { asm volatile("" : : "g"(p) : "memory"); }
 
 // ------------------------------------------------------------ shmps-server
 
-// A shmps-server child process on a unique segment name. start() returns
-// once a worker can attach. The destructor stops it (SIGTERM, then SIGKILL
-// after 10 s) and removes its segment.
-class ServerChild {
- public:
-  // Errors: kIo when it cannot start, kServerNotRunning when it exits or
-  // does not accept a worker within 120 s (its log file is named).
-  static Result<std::unique_ptr<ServerChild>> start(const std::string& server_path, const std::string& name,
-                                                    const std::vector<std::string>& args,
-                                                    const std::string& log_path);
-  ~ServerChild();
-  ServerChild(const ServerChild&) = delete;
-  ServerChild& operator=(const ServerChild&) = delete;
-  const std::string& name() const noexcept { return name_; }
-  pid_t pid() const noexcept { return child_.pid(); }
-
- private:
-  ServerChild() = default;
-  std::string name_;
-  Child child_;
-};
+// A shmps-server child (shmps::ServerProcess) on segment `name`, its
+// output appended to `log_path`, dying with the benchmark; returns once a
+// worker can attach (120 s at most). The server is stopped (SIGTERM, then
+// SIGKILL after 10 s) and its segment removed when the pointer goes.
+Result<std::unique_ptr<ServerProcess>> start_server_process(const std::string& server_path, const std::string& name,
+                                                           const std::vector<std::string>& args,
+                                                           const std::string& log_path);
 
 // A unique --name for this bench run: "bench_<pid>_<tag>".
 std::string segment_name(const std::string& tag);

@@ -20,31 +20,17 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The server does not outlive a crashed trainer. libgomp's threads spin
+// after every parallel apply by default, taking the CPUs the workers need
+// (docs/benchmarks.md); it reads the policy at load, so it is set for the
+// child, before exec.
 Child spawn_server(const std::vector<std::string>& argv) {
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  std::fflush(nullptr);
-  const pid_t pid = ::fork();
-  if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // do not outlive a crashed trainer
-    // libgomp's threads spin after every parallel apply by default, taking
-    // the CPUs the workers need (docs/benchmarks.md); it reads the policy
-    // at load, so it is set here, before exec.
-    ::setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/0);
-    ::execv(args[0], args.data());
-    std::fprintf(stderr, "shmps-train: exec %s: %s\n", args[0], std::strerror(errno));
-    ::_exit(127);
-  }
-  return Child(pid);
-}
-
-std::string default_server_bin() {
-  std::error_code ec;
-  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) return "shmps-server";
-  return (self.parent_path() / "shmps-server").string();
+  ChildProcess::SpawnOptions options;
+  options.die_with_parent = true;
+  options.env_defaults = {{"OMP_WAIT_POLICY", "passive"}};
+  auto child = ChildProcess::spawn(argv, options);
+  if (!child.ok()) throw std::runtime_error(child.status().message());
+  return Child(std::move(child).value());
 }
 
 std::string tensor_arg(const ParamTensor& t) {
@@ -98,7 +84,7 @@ int OwnServer::start(const Options& o, const MlpShape& shape) {
     return kExitFailure;
   }
   init_file_ = *path;
-  const std::string bin = o.server_bin.empty() ? default_server_bin() : o.server_bin;
+  const std::string bin = !o.server_bin.empty() ? o.server_bin : !server_binary().empty() ? server_binary() : "shmps-server";
   if (::access(bin.c_str(), X_OK) != 0) {
     std::cerr << "shmps-train: cannot run the server " << bin << ": " << std::strerror(errno)
               << " (build shmps-server or pass --server-bin)\n";

@@ -108,24 +108,20 @@ int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& sha
 
 Result<Child> fork_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& shape, StartGate& gate,
                           WorkerSlot& slot) {
-  std::fflush(nullptr);
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid < 0) return Status(ErrorCode::kIo, std::string("fork: ") + std::strerror(errno));
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(kExitFailure);  // it died before prctl
-    int rc = kExitFailure;
-    try {
-      rc = run_worker(plan, train, shape, gate, slot);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "shmps-train worker %zu: %s\n", plan.index, e.what());
-    }
-    // _exit: the parent's objects (its Worker, the server child) are not ours to destroy.
-    std::fflush(nullptr);
-    ::_exit(rc);
-  }
-  return Child(pid);
+  // The child _exits: the parent's objects (its Worker, the server child)
+  // are not its to destroy; it dies with the parent.
+  auto child = ChildProcess::fork_run(
+      [&]() -> int {
+        try {
+          return run_worker(plan, train, shape, gate, slot);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "shmps-train worker %zu: %s\n", plan.index, e.what());
+          return kExitFailure;
+        }
+      },
+      /*die_with_parent=*/true);
+  if (!child.ok()) return child.status();
+  return Child(std::move(child).value());
 }
 
 }  // namespace shmps::train

@@ -415,6 +415,30 @@ BOOST_AUTO_TEST_CASE(wait_for_server_rides_out_a_restart_and_gives_up_after_the_
   BOOST_TEST((Worker::connect(o).status().code() == ErrorCode::kInvalidArgument));
 }
 
+// shmps::ServerProcess (server_process.hpp): a server that exits at start
+// is reported with its code; one that starts returns once a worker can
+// attach, and its end removes the segment.
+BOOST_AUTO_TEST_CASE(server_process_starts_reports_and_cleans_up) {
+  ServerProcess::Options o;
+  o.binary = test::program_path("shmps-server");
+  o.name = test::unique_name("launch");
+  o.args = {"--tensor", "w:4", "--optimizer", "adam", "--momentum", "0.9"};  // an SGD option: refused
+  auto bad = ServerProcess::start(o);
+  BOOST_TEST((bad.status().code() == ErrorCode::kServerNotRunning));
+  BOOST_TEST(bad.status().message().find("exited with 2") != std::string::npos, bad.status().message());
+  o.args = {"--tensor", "w:4"};
+  {
+    auto server = ServerProcess::start(o);
+    BOOST_REQUIRE_MESSAGE(server.ok(), server.status().to_string());
+    auto w = connect(o.name);  // attaches at once
+    BOOST_TEST(w->ping().ok());
+    BOOST_TEST((*server)->stop() == 0);
+  }
+  BOOST_TEST(!std::filesystem::exists("/dev/shm/shmps." + o.name));
+  o.binary = "/nonexistent/shmps-server";
+  BOOST_TEST((ServerProcess::start(o).status().code() == ErrorCode::kServerNotRunning));
+}
+
 BOOST_AUTO_TEST_CASE(server_killed_while_a_worker_waits_returns_an_error_not_a_hang) {
   test::ServerProcess server(test::unique_name("killsrv"), kSmall);
   auto w = connect(server.name(), 10s);

@@ -64,8 +64,9 @@ for re in '/cmake/shmps/shmpsConfig\.cmake$' '/libshmps_worker\.a$' '/libshmps_s
 done
 # Internal headers stay internal (cli.hpp wraps Program_options; the layout,
 # ring and segment are the server's and the library's business).
-[ "$(grep -c '^\./usr/include/.*\.hpp$' "$scratch/dev-contents")" = 3 ] ||
-  fail "shmps-dev installs headers beyond worker.hpp, status.hpp and server_stats.hpp: $(grep '^\./usr/include/.*\.hpp$' "$scratch/dev-contents")"
+headers=$(grep '^\./usr/include/.*\.hpp$' "$scratch/dev-contents" | sort | tr '\n' ' ')
+[ "$headers" = "./usr/include/shmps/server_process.hpp ./usr/include/shmps/server_stats.hpp ./usr/include/shmps/status.hpp ./usr/include/shmps/worker.hpp " ] ||
+  fail "shmps-dev installs other headers than the worker's public API: $headers"
 dpkg-deb --fsys-tarfile "$deb" | tar -xO ./usr/lib/systemd/system/shmps@.service > "$scratch/unit"
 grep -qxF 'ExecStart=/usr/bin/shmps-server --config /etc/shmps/%i.conf' "$scratch/unit" ||
   fail "packaged unit's ExecStart: $(grep ExecStart= "$scratch/unit")"

@@ -36,87 +36,15 @@ std::string program_path(const std::string& name) {
 }
 
 Process Process::spawn(const std::vector<std::string>& argv) {
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  Process p;
-  p.pid_ = ::fork();
-  if (p.pid_ < 0) throw std::runtime_error("fork failed");
-  if (p.pid_ == 0) {
-    ::execv(args[0], args.data());
-    _exit(127);
-  }
-  return p;
+  auto child = ChildProcess::spawn(argv);
+  if (!child.ok()) throw std::runtime_error(child.status().to_string());
+  return Process(std::move(child).value());
 }
 
 Process Process::fork_fn(const std::function<int()>& fn) {
-  Process p;
-  p.pid_ = ::fork();
-  if (p.pid_ < 0) throw std::runtime_error("fork failed");
-  if (p.pid_ == 0) {
-    int rc = 99;
-    try {
-      rc = fn();
-    } catch (...) {
-      rc = 99;
-    }
-    _exit(rc);
-  }
-  return p;
-}
-
-Process::Process(Process&& other) noexcept : pid_(other.pid_) { other.pid_ = -1; }
-Process& Process::operator=(Process&& other) noexcept {
-  if (this != &other) {
-    kill_and_reap();
-    pid_ = other.pid_;
-    other.pid_ = -1;
-  }
-  return *this;
-}
-Process::~Process() { kill_and_reap(); }
-
-void Process::signal(int signo) const {
-  if (pid_ > 0) ::kill(pid_, signo);
-}
-
-void Process::pause() const {
-  if (pid_ <= 0) return;
-  ::kill(pid_, SIGSTOP);
-  const std::string path = "/proc/" + std::to_string(pid_) + "/stat";
-  eventually([&] {
-    std::ifstream in(path);
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    const size_t paren = text.rfind(')');
-    return paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'T';
-  });
-}
-
-void Process::resume() const { signal(SIGCONT); }
-
-int Process::wait(std::chrono::milliseconds timeout) {
-  if (pid_ <= 0) return -1;
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (true) {
-    int status = 0;
-    pid_t r = ::waitpid(pid_, &status, WNOHANG);
-    if (r == pid_) {
-      pid_ = -1;
-      if (WIFEXITED(status)) return WEXITSTATUS(status);
-      if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-      return -1;
-    }
-    if (std::chrono::steady_clock::now() >= deadline) return -1;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-}
-
-void Process::kill_and_reap() {
-  if (pid_ <= 0) return;
-  ::kill(pid_, SIGKILL);
-  int status = 0;
-  ::waitpid(pid_, &status, 0);
-  pid_ = -1;
+  auto child = ChildProcess::fork_run(fn);
+  if (!child.ok()) throw std::runtime_error(child.status().to_string());
+  return Process(std::move(child).value());
 }
 
 Captured run_captured(const std::vector<std::string>& argv, std::chrono::milliseconds timeout,
@@ -158,41 +86,15 @@ bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds tim
   return true;
 }
 
-ServerProcess::ServerProcess(const std::string& name, const std::vector<std::string>& extra_args)
-    : name_(name) {
-  std::vector<std::string> argv{program_path("shmps-server"), "--name", name};
-  argv.insert(argv.end(), extra_args.begin(), extra_args.end());
-  process_ = Process::spawn(argv);
-  const std::string path = "/dev/shm/shmps." + name;
-  // Ready when the segment at that path is published by THIS child (a
-  // stale segment of a killed server may still hold the name).
-  const auto published_by_child = [&] {
-    std::ifstream in(path, std::ios::binary);
-    char head[40] = {};
-    if (!in.read(head, sizeof head)) return false;
-    uint32_t version = 0, pid = 0;
-    std::memcpy(&version, head + 8, 4);   // SegmentHeader::layout_version
-    std::memcpy(&pid, head + 32, 4);      // SegmentHeader::server_pid
-    return version != 0 && pid == static_cast<uint32_t>(process_.pid());
-  };
-  if (!eventually([&] { return published_by_child() || process_.wait(std::chrono::milliseconds(0)) >= 0; })) {
-    // The destructor does not run for a constructor that throws: a server
-    // stuck in its start must not outlive the test, nor its object.
-    process_.kill_and_reap();
-    ::shm_unlink(("shmps." + name).c_str());
-    throw std::runtime_error("shmps-server did not publish " + path + " within 10 s");
-  }
-  if (!process_.running()) throw std::runtime_error("shmps-server exited at start (see its stderr)");
-}
-
-int ServerProcess::stop(std::chrono::milliseconds timeout) {
-  process_.signal(SIGTERM);
-  return process_.wait(timeout);
-}
-
-ServerProcess::~ServerProcess() {
-  if (process_.running() && stop() < 0) process_.kill_and_reap();
-  ::shm_unlink(("shmps." + name_).c_str());
+ServerProcess::ServerProcess(const std::string& name, const std::vector<std::string>& extra_args) {
+  shmps::ServerProcess::Options o;
+  o.binary = program_path("shmps-server");
+  o.name = name;
+  o.args = extra_args;
+  o.start_timeout = std::chrono::seconds(10);
+  auto server = shmps::ServerProcess::start(o);
+  if (!server.ok()) throw std::runtime_error(server.status().to_string());
+  server_ = std::move(server).value();
 }
 
 }  // namespace shmps::test

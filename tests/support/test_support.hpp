@@ -9,8 +9,11 @@
 #include <chrono>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "shmps/server_process.hpp"
 
 namespace shmps::test {
 
@@ -31,53 +34,37 @@ struct TempDir {
 // the folder of the running test executable.
 std::string program_path(const std::string& name);
 
-// A child process. The destructor SIGKILLs and reaps it if still running.
-class Process {
+// A child process (shmps::ChildProcess) whose factories throw
+// std::runtime_error when fork fails, as a test wants. The destructor
+// SIGKILLs and reaps it if still running.
+class Process : public ChildProcess {
  public:
   Process() = default;
-  // fork + execv(argv[0], argv). Throws std::runtime_error if fork fails.
+  // fork + execv(argv[0], argv).
   static Process spawn(const std::vector<std::string>& argv);
   // fork; the child runs fn() and _exit()s with its return value (an
   // exception escaping fn exits 99).
   static Process fork_fn(const std::function<int()>& fn);
 
-  Process(Process&& other) noexcept;
-  Process& operator=(Process&& other) noexcept;
-  ~Process();
-
-  pid_t pid() const { return pid_; }
-  bool running() const { return pid_ > 0; }
-  void signal(int signo) const;
-  // SIGSTOP, then waits until the kernel reports the child stopped ('T' in
-  // /proc/<pid>/stat): SIGSTOP alone is asynchronous. resume(): SIGCONT.
-  void pause() const;
-  void resume() const;
-  // Waits up to `timeout` for exit. Returns the exit code, 128 + signal when
-  // killed by a signal, or -1 on timeout (the child keeps running).
-  int wait(std::chrono::milliseconds timeout);
-  // SIGKILL + reap.
-  void kill_and_reap();
-
  private:
-  pid_t pid_ = -1;
+  explicit Process(ChildProcess child) : ChildProcess(std::move(child)) {}
 };
 
-// shmps-server --name <name> <extra args...> as a child. Waits until the
-// segment /dev/shm/shmps.<name> is published by this child (throws after
-// 10 s or if the child exits). The destructor
-// sends SIGTERM, waits up to 10 s (then SIGKILL), and unlinks the segment.
+// shmps-server --name <name> <extra args...> as a child
+// (shmps::ServerProcess), from $SHMPS_BUILD_DIR/bin: returns once the
+// segment is published by this child; throws std::runtime_error when it
+// exits first or does not publish within 10 s. The destructor sends
+// SIGTERM, waits up to 10 s (then SIGKILL), and unlinks the segment.
 class ServerProcess {
  public:
   ServerProcess(const std::string& name, const std::vector<std::string>& extra_args);
-  ~ServerProcess();
-  const std::string& name() const { return name_; }
-  Process& process() { return process_; }
-  // SIGTERM and wait; returns the exit code (see Process::wait).
-  int stop(std::chrono::milliseconds timeout = std::chrono::seconds(10));
+  const std::string& name() const { return server_->name(); }
+  ChildProcess& process() { return server_->process(); }
+  // SIGTERM and wait; returns the exit code (see ChildProcess::wait).
+  int stop(std::chrono::milliseconds timeout = std::chrono::seconds(10)) { return server_->stop(timeout); }
 
  private:
-  std::string name_;
-  Process process_;
+  std::unique_ptr<shmps::ServerProcess> server_;
 };
 
 // What run_captured() saw: the exit code (as Process::wait: 128 + signal

@@ -353,13 +353,15 @@ class Worker::Impl {
   // Whether the server ended our session (the entry no longer reads
   // kAttached), or ok. Only in a session.
   Status evicted() const {
-    // acquire: pairs with the server's release store of kDetached.
+    // acquire: SYNC(worker_detached) pairs with the server's release CAS to
+    // kDetached; what it answered before is visible.
     const uint64_t owner = entry().owner.load(std::memory_order_acquire);
     if (shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kAttached)) return Status::Ok();
     // While our own detach is in flight, kDetached is the expected answer
     // once the server took the request (it pops it before marking the
     // entry, so the head is visible here); one still in the lane was
-    // dropped by an eviction and will never be answered.
+    // dropped by an eviction and will never be answered. SYNC(slot_released):
+    // the server's release of the head it consumed.
     if (state_ == State::kDetaching && lane.header()->head.load(std::memory_order_acquire) == lane.tail())
       return Status::Ok();
     return {ErrorCode::kUnknownWorker, "the server evicted worker " + std::to_string(id)};
@@ -772,7 +774,7 @@ class Worker::Impl {
         [&] {
           // Attached and evicted while we were stopped (the server saw a
           // living process): the attach is over; try again.
-          if (e.owner.load(std::memory_order_acquire) == evicted_word) {
+          if (e.owner.load(std::memory_order_acquire) == evicted_word) {  // SYNC(worker_detached)
             why = {ErrorCode::kUnknownWorker, "the server evicted worker " + std::to_string(id) +
                                                   " while it attached (its process was stopped)"};
             return true;

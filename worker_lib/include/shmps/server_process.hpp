@@ -1,0 +1,107 @@
+// Child processes, and a shmps-server as one, for a job that is one program
+// (a test, a benchmark, a training example): shmps::ServerProcess starts
+// the binary with its options, returns once a worker can attach, and stops
+// it (SIGTERM, then SIGKILL) and removes its segment. For real use the
+// server runs on its own, under systemd (docs/operations.md).
+// Thread safety: an object is used by one thread at a time; its child is
+// reaped by that thread.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shmps/status.hpp"
+
+namespace shmps {
+
+// A child process: fork + exec, or fork running a function. Move-only; the
+// destructor SIGKILLs and reaps one still running.
+class ChildProcess {
+ public:
+  struct SpawnOptions {
+    std::string log_path;          // stdout and stderr appended there; "": inherited
+    bool die_with_parent = false;  // PR_SET_PDEATHSIG: SIGTERM when this process dies
+    // Set in the child before exec, unless already set there (e.g.
+    // OMP_WAIT_POLICY, which a program reads when it loads).
+    std::vector<std::pair<std::string, std::string>> env_defaults;
+  };
+  // fork + execv(argv[0], argv). Errors: kIo (fork failed); an exec that
+  // fails exits the child with 127.
+  static Result<ChildProcess> spawn(const std::vector<std::string>& argv, const SpawnOptions& options);
+  static Result<ChildProcess> spawn(const std::vector<std::string>& argv) { return spawn(argv, SpawnOptions{}); }
+  // fork; the child runs fn() and _exit()s with its value (99 when an
+  // exception escapes it), after flushing stdio. Errors: kIo.
+  static Result<ChildProcess> fork_run(const std::function<int()>& fn, bool die_with_parent = false);
+
+  ChildProcess() = default;
+  ChildProcess(ChildProcess&& other) noexcept;
+  ChildProcess& operator=(ChildProcess&& other) noexcept;
+  ~ChildProcess();
+
+  pid_t pid() const noexcept { return pid_; }
+  bool running() const noexcept { return pid_ > 0; }
+  void signal(int signo) const noexcept;
+  // SIGSTOP, then waits (up to 10 s) until the kernel reports the child
+  // stopped: SIGSTOP alone is asynchronous. resume(): SIGCONT.
+  void pause() const;
+  void resume() const noexcept;
+  // Waits up to `timeout` for the exit: the exit code, 128 + signal when
+  // killed by one, -1 on timeout (the child keeps running).
+  int wait(std::chrono::milliseconds timeout);
+  // Waits for the exit however long it takes: wait()'s codes (-1 when not running).
+  int wait();
+  // True (and *code set as wait() would) once the child has exited; never blocks.
+  bool try_wait(int* code);
+  // SIGKILL and reap (nothing when it is not running).
+  void kill_and_reap() noexcept;
+
+ private:
+  explicit ChildProcess(pid_t pid) : pid_(pid) {}
+  pid_t pid_ = -1;
+};
+
+// The shmps-server beside the running program (/proc/self/exe's folder, as
+// in a build tree and after an install), else "shmps-server" on PATH, else "".
+std::string server_binary();
+
+class ServerProcess {
+ public:
+  struct Options {
+    std::string binary;            // "": server_binary()
+    std::string name;              // --name: the segment /dev/shm/shmps.<name>
+    std::vector<std::string> args; // the rest of its command line
+    ChildProcess::SpawnOptions spawn;
+    std::chrono::milliseconds start_timeout{30000};
+  };
+  // Starts the server; returns once the segment at the name is published by
+  // this very child (a stale segment of a killed server may still hold the
+  // name), the point from which a worker can attach. Errors: kInvalidArgument
+  // (no binary, no name), kIo (fork), kServerNotRunning (it exited first, or
+  // the timeout passed: then it is killed and its segment removed; the log
+  // path is named).
+  static Result<std::unique_ptr<ServerProcess>> start(const Options& options);
+  // stop(), then removes the segment if the server left it.
+  ~ServerProcess();
+  ServerProcess(const ServerProcess&) = delete;
+  ServerProcess& operator=(const ServerProcess&) = delete;
+
+  const std::string& name() const noexcept { return name_; }
+  pid_t pid() const noexcept { return child_.pid(); }
+  ChildProcess& process() noexcept { return child_; }
+  // SIGTERM, then waits up to `timeout` (SIGKILL after it): the exit code,
+  // or 128 + signal. -1 when it was not running.
+  int stop(std::chrono::milliseconds timeout = std::chrono::seconds(10));
+
+ private:
+  ServerProcess() = default;
+  std::string name_;
+  ChildProcess child_;
+};
+
+}  // namespace shmps
