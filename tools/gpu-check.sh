@@ -329,7 +329,8 @@ decide_python() {
   [[ -z $(py_fact nanobind) || $(py_fact nanobind) == missing* ]] && why+="no nanobind for $py; "
   [[ $(py_fact pytest) == missing* ]] && why+="no pytest; "
   [[ $(py_fact numpy) == missing* ]] && why+="no numpy (both test files import it); "
-  have cmake || why+="no cmake; "
+  if ! have cmake; then why+="no cmake; "
+  elif ! ver_ge "$(cmake --version | awk 'NR == 1 {print $3}')" 3.24; then why+="cmake older than 3.24; "; fi
   have c++ || have g++ || why+="no C++ compiler; "
   if [[ $mode == prebuilt ]]; then
     if [[ -z $(find "$build/$(manifest prefix)" -name shmpsConfig.cmake 2>/dev/null) ]]; then
