@@ -20,13 +20,22 @@
 #    pkg-config that all of it is gone; then gpu-check.sh with
 #    SHMPS_GPU_CHECK_MODE=MODE. With no driver here the GPU tests skip with
 #    their reason, shmps-gpu-bench prints "no CUDA device: skipped", and a
-#    stand-in compute-sanitizer runs the sanitizer steps' programs;
+#    stand-in compute-sanitizer runs the sanitizer steps' programs. The
+#    stand-in for that machine's python3 is the project's .venv (Debian's
+#    python3 3.11, its torch 1.13 for the CPU, nanobind from PyPI) behind a
+#    wrapper first on PATH that gives back the hidden libraries Debian's
+#    numpy and torch load (a pip-installed torch brings its own); its CUDA
+#    cases skip;
 #  - checks its results: exit 0, the mode taken, no FAILED row, GPU cases
-#    skipped, suite rows passed, the bench's skip line, and OUTDIR within
-#    what a run call brings back (8 files, 16 MiB each).
+#    skipped, suite rows passed, the bench's skip line, the Python step
+#    (the stand-in chosen, the extension built for it: against the carried
+#    prefix, or by the tree's build configured with it; pytest passed, at
+#    least 20 tests passed, the three CUDA cases skipped), and OUTDIR
+#    within what a run call brings back (8 files, 16 MiB each).
 # Root only (mount namespaces): exit 77 (skipped) otherwise. Takes, on 2
-# cores: the pack 10-25 s, prebuilt 25-45 s (mostly the suite), build 4-9
-# minutes (a full build; the longer times on a shared machine).
+# cores: the pack 10-45 s, prebuilt 40-125 s (mostly the suite; the Python
+# step 15-20 s of it), build 4-9 minutes (a full build; the longer times
+# on a shared machine).
 # SHMPS_REHEARSAL_KEEP=1 keeps the scratch folder.
 set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd -P)
@@ -44,6 +53,24 @@ if [[ ${1:-} == --inside ]]; then
   mount -t tmpfs -o mode=1777 none /dev/shm
   mkdir -p "$hide"
   shopt -s dotglob nullglob extglob
+
+  # The stand-in for the GPU machine's python3 (3.12, torch 2.x, nanobind):
+  # the project's .venv (tools/install-deps.sh: Debian's python3 3.11 with
+  # its torch 1.13 for the CPU and numpy, nanobind from PyPI), bound to
+  # $hide/venv before the checkout is hidden. Debian's numpy and torch load
+  # OpenBLAS, libgfortran and ZeroMQ, which the hiding takes away, where a
+  # pip-installed torch brings its own: the stand-in gets back exactly the
+  # hidden libraries they load (py_lib: their closure, recorded now).
+  venv=$src/.venv
+  "$venv/bin/python3" -c 'import nanobind, numpy, pytest, torch' 2>/dev/null ||
+    fail "$venv lacks nanobind, numpy, pytest or torch: run tools/install-deps.sh"
+  py_objs=()
+  while IFS= read -r d; do py_objs+=("$d"/*.so "$d"/*/*.so "$d"/*/*/*.so); done < <(
+    "$venv/bin/python3" -c 'import os, numpy, torch; print(os.path.dirname(numpy.__file__)); print(os.path.dirname(torch.__file__))')
+  declare -A py_lib=()
+  while read -r name arrow path _; do
+    [[ $arrow == "=>" && $path == /* ]] && py_lib[$name]=$(readlink -f "$path")
+  done < <(ldd "${py_objs[@]}" 2>/dev/null)
 
   # view ORIG VIEW PATTERN...: VIEW gets a link to every entry of ORIG but
   # those matching a PATTERN (globs relative to ORIG; a/b goes one folder
@@ -93,6 +120,30 @@ if [[ ${1:-} == --inside ]]; then
   hide_in /usr/share/pkgconfig nlohmann_json.pc
   [[ -d /usr/share/datasets ]] && mount -t tmpfs -o size=1m,mode=0755 none /usr/share/datasets
 
+  # The stand-in python3: a wrapper first on PATH (from $hide/bin, below)
+  # that puts the hidden libraries numpy and torch load, as links into the
+  # originals, on LD_LIBRARY_PATH; the programs it starts carry DT_RPATH,
+  # which goes first.
+  mkdir -p "$hide/venv" "$hide/py-lib" "$hide/bin"
+  mount --bind "$venv" "$hide/venv"
+  for round in 1 2 3 4 5 6; do
+    missing=$( (LD_LIBRARY_PATH=$hide/py-lib ldd "${py_objs[@]}" 2>/dev/null || true) | awk '$2 == "=>" && $3 == "not" {print $1}' | sort -u)
+    [[ -n $missing ]] || break
+    for name in $missing; do
+      real=${py_lib[$name]:-}
+      [[ $real == /usr/lib/x86_64-linux-gnu/* ]] || fail "the stand-in python3 misses $name (${real:-not loaded before the hiding})"
+      ln -sfn "$hide/orig_usr_lib_x86_64-linux-gnu/${real#/usr/lib/x86_64-linux-gnu/}" "$hide/py-lib/$name"
+    done
+  done
+  [[ -z $missing ]] || fail "the stand-in python3 still misses: $missing"
+  cat > "$hide/bin/python3" <<WRAP
+#!/bin/sh
+export LD_LIBRARY_PATH=$hide/py-lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
+exec $hide/venv/bin/python3 "\$@"
+WRAP
+  chmod +x "$hide/bin/python3"
+  "$hide/bin/python3" -c 'import numpy, torch, nanobind, pytest' || fail "the stand-in python3 cannot import numpy, torch, nanobind and pytest"
+
   # Proof that it is gone: the build host's own programs miss their
   # libraries, and nothing compiles, links or configures against them.
   for b in shmps-server test_shm shmps-train shmps-compare; do
@@ -123,7 +174,6 @@ if [[ ${1:-} == --inside ]]; then
   # No GPU here: compute-sanitizer is a stand-in that drops its options
   # and runs the program, so the sanitizer steps' plumbing (their test
   # filters included) runs.
-  mkdir -p "$hide/bin"
   cat > "$hide/bin/compute-sanitizer" <<'STUB'
 #!/bin/sh
 while [ $# -gt 0 ]; do
@@ -154,12 +204,25 @@ STUB
   ! grep -q '\*\*FAILED\*\*' "$out/results.md" || fail "FAILED rows ($mode): $(grep -F '**FAILED**' "$out/results.md" | head -5)"
   grep -Eq '^\| test_gpu_ipc\.[a-z_0-9]+ \| skipped' "$out/results.md" || fail "no skipped test_gpu_ipc case in results.md"
   grep -Eq '^\| test_cuda_kernels\.[a-z_0-9]+ \| skipped' "$out/results.md" || fail "no skipped test_cuda_kernels case"
-  suite_passed=$(grep -Ec '^\| [^|]+ \| - \| passed' "$out/results.md" || true)
+  suite_passed=$(grep -E '^\| [^|]+ \| - \| passed' "$out/results.md" | grep -vc '^| python\.' || true)
   [[ $suite_passed -ge 50 ]] || fail "only $suite_passed suite rows passed"
   ! grep -q 'not started' "$out/results.md" || fail "the budget cut a ctest run ($mode)"
   grep -q 'no CUDA device: skipped' "$out/bench-quick.txt" || fail "bench-quick.txt lacks the skip line"
   for run in "memcheck test_cuda_kernels" "racecheck test_cuda_kernels" "memcheck test_gpu_ipc"; do
     grep -q "^| compute-sanitizer $run | 0 |" "$out/results.md" || fail "compute-sanitizer $run: $(grep "compute-sanitizer $run" "$out/results.md")"
+  done
+  # The Python step: this machine's stand-in python3 chosen, the extension
+  # built for it, every test of tests/python run; the CUDA cases skip.
+  grep -q "^python step: runs ($hide/bin/python3; " "$out/probe.txt" ||
+    fail "the probe's python step ($mode): $(grep -E '^(python3|python step)' "$out/probe.txt")"
+  grep -q '^| python: pytest tests/python | 0 |' "$out/results.md" ||
+    fail "the Python step ($mode): $(grep '^| python' "$out/results.md" | grep -v '^| python\.' | tr '\n' ' ')"
+  py_passed=$(grep -Ec '^\| python\.test_(worker|torch)\.[^|]+ \| - \| - \| passed' "$out/results.md" || true)
+  [[ $py_passed -ge 20 ]] || fail "only $py_passed Python tests passed ($mode)"
+  for t in test_device_buffers_and_remote_optimizer_on_cuda_match_the_cpu_run test_register_device_buffer_takes_a_torch_tensor \
+           test_expandable_segments_fail_with_a_pointer_to_alloc_device_buffer; do
+    grep -Eq "^\| python\.test_torch\.$t \| - \| - \| skipped \([0-9.]+ s; torch sees no CUDA device\)" "$out/results.md" ||
+      fail "python.test_torch.$t not skipped for want of a CUDA device ($mode): $(grep -F "$t" "$out/results.md")"
   done
   n=$(find "$out" -type f | wc -l)
   [[ $n -le 8 ]] || fail "$n files in OUTDIR: a run call brings back 8"
@@ -170,6 +233,8 @@ STUB
     grep -q '^ldd: [0-9]* programs, 0 with unresolved' "$out/probe.txt" || fail "ldd found unresolved libraries"
     grep -q "^unpacked into /tmp/shmps-gpu-check/trees/build/default " "$out/probe.txt" ||
       fail "a checkout other users cannot reach did not put the tree under /tmp/shmps-gpu-check/trees"
+    grep -q '^| python: build the extension against the carried prefix | 0 |' "$out/results.md" ||
+      fail "the extension did not build against the carried prefix"
     # This machine's C++ runtime instead of the carried one (what a glibc
     # older than the carried libstdc++ needs) also resolves every library.
     SHMPS_GPU_CHECK_CXX_RUNTIME=host TMPDIR=/tmp "$repo/tools/gpu-check.sh" --probe-only "$scratch/probe-host-cxx" > /dev/null ||
@@ -182,8 +247,11 @@ STUB
     libs=$(ldd "$repo/build/cuda/bin/shmps-server")
     grep -q '/tmp/shmps-gpu-check/sysroot/.*libboost_program_options' <<< "$libs" ||
       fail "the built shmps-server does not load Boost from the sysroot"
+    grep -q "^Python_EXECUTABLE:[A-Z]*=$hide/bin/python3\$" "$repo/build/cuda/CMakeCache.txt" ||
+      fail "the build was not configured with the stand-in python3: $(grep '^Python_EXECUTABLE' "$repo/build/cuda/CMakeCache.txt")"
+    compgen -G "$repo/build/cuda/python/shmps/_shmps*.so" > /dev/null || fail "the tree's build made no Python extension"
   fi
-  echo "ok: $mode: $suite_passed suite tests passed, GPU cases skipped, bench skipped, $n files in OUTDIR"
+  echo "ok: $mode: $suite_passed suite tests and $py_passed Python tests passed, GPU and CUDA cases skipped, bench skipped, $n files in OUTDIR"
   exit 0
 fi
 

@@ -6,13 +6,18 @@
 #  1. probe (seconds): GPU, driver, kernel, glibc, disk, compilers and
 #     tools, development files, the carried tree unpacked and tried (ldd,
 #     shmps-server --version, --check-config, a --backend cuda start), and
-#     the DECISION: prebuilt (the carried tree, its paths rewritten to this
-#     checkout), build (the carried .debs unpacked into a sysroot, then the
-#     cuda preset configured against it and built with all cores), or stop
-#     with the reason. --probe-only ends here.
+#     the python3 the Python step uses (the first on PATH with torch) with
+#     its torch, CUDA and nanobind, then the DECISION: prebuilt (the carried
+#     tree, its paths rewritten to this checkout), build (the carried .debs
+#     unpacked into a sysroot, then the cuda preset configured against it,
+#     that python3 included, and built with all cores), or stop with the
+#     reason; and whether the Python step can run. --probe-only ends here.
 #  2. every test labelled gpu; shmps-gpu-bench --quick; the whole suite on
 #     the CUDA build (--backend auto picks cuda there), without the labels
 #     soak, gpu and host-tools (tests that need the build host's tools);
+#     the Python package: its extension built for that python3 (prebuilt:
+#     python/ on its own against the carried install prefix; build: by the
+#     tree's build) and pytest tests/python, CUDA cases included;
 #     compute-sanitizer memcheck and racecheck on the GPU tests when it is
 #     on PATH; the full shmps-gpu-bench when time is left.
 # OUTDIR receives at most six files, rewritten after every step so that a
@@ -20,12 +25,15 @@
 # codes, one row per test, the bench), gpu-check.log (cut to 4 MiB),
 # bench-quick.txt, bench.txt, sanitizer.txt. Work files go to
 # $TMPDIR/shmps-gpu-check. Bounded: each step has a cap (in prebuilt mode
-# they add up to 470 s; build mode adds up to 335 s on 16 cores), and no
-# step outlives SHMPS_GPU_CHECK_BUDGET_S (default 500) from the start.
+# they add up to 650 s, build mode adds up to 335 s on 16 cores, so the
+# budget cuts the last ones when every step runs to its cap), and no step
+# outlives SHMPS_GPU_CHECK_BUDGET_S (default 500) from the start.
 # Exit 0: every step ran and passed; 1: a step failed or timed out, or no
 # GPU was visible; 2: stopped (nothing could run; the probe says why).
 # Environment: SHMPS_GPU_CHECK_MODE=auto|prebuilt|build (default auto),
 # SHMPS_GPU_CHECK_PACK (default .gpu), SHMPS_GPU_CHECK_BUDGET_S,
+# SHMPS_GPU_CHECK_PYTHON (the python3 of the Python step; default: the
+# first python3 on PATH that imports torch, else nanobind, else the first),
 # SHMPS_GPU_CHECK_ALLOW_NO_GPU=1 (no GPU is no failure: the rehearsal),
 # SHMPS_GPU_CHECK_CXX_RUNTIME=auto|carried|host (prebuilt: whose libstdc++
 # and libgcc_s load; auto: the carried ones unless glibc is too old).
@@ -117,20 +125,8 @@ probe() {
       echo "$t: not found"
     fi
   done
-  if have python3; then
-    timeout 30 python3 - <<'PY' 2>&1 | sed 's/^/python: /'
-import importlib
-for name in ("torch", "nanobind", "pybind11", "scikit_build_core"):
-    try:
-        m = importlib.import_module(name)
-        line = f"{name} {getattr(m, '__version__', '?')}"
-        if name == "torch":
-            line += f" (CUDA {m.version.cuda}, available {m.cuda.is_available()}, devices {m.cuda.device_count()})"
-        print(line)
-    except Exception as e:
-        print(f"{name}: {type(e).__name__}: {e}")
-PY
-  fi
+  echo
+  probe_python
   echo
   echo "## development files on this machine"
   local h
@@ -161,6 +157,9 @@ PY
   decide
   echo "mode: $mode"
   echo "reason: $reason"
+  decide_python
+  if [[ -z $python_why ]]; then echo "python step: runs ($py; $python_how)"
+  else echo "python step: not run: $python_why"; fi
   echo "probe took $((SECONDS - t0)) s"
 }
 
@@ -254,6 +253,101 @@ probe_prebuilt() {
   sed 's/^/  | /' "$slog" | head -20
 }
 
+# The python3 of the Python step: SHMPS_GPU_CHECK_PYTHON, else the first
+# python3 on PATH (or in the usual places) that imports torch, else one
+# that imports nanobind, else the first. Its path as found, not
+# sys.executable: a venv or a wrapper stays what it is.
+py="" py_facts=""
+pick_python() {
+  if [[ -n ${SHMPS_GPU_CHECK_PYTHON:-} ]]; then py=$SHMPS_GPU_CHECK_PYTHON; echo "python3 asked for: $py"; return; fi
+  local c cands=() seen=" " first="" with_nanobind=""
+  while IFS= read -r c; do cands+=("$c"); done < <(type -ap python3 2>/dev/null)
+  cands+=(/usr/local/bin/python3 /opt/conda/bin/python3 /usr/bin/python3)
+  for c in "${cands[@]}"; do
+    [[ -x $c && $seen != *" $c "* ]] || continue
+    seen+="$c "
+    first=${first:-$c}
+    if timeout 60 "$c" -c 'import torch' >/dev/null 2>&1; then py=$c; break; fi
+    [[ -z $with_nanobind ]] && timeout 20 "$c" -c 'import nanobind' >/dev/null 2>&1 && with_nanobind=$c
+  done
+  [[ -n $py ]] || py=${with_nanobind:-$first}
+  echo "python3 tried:$seen(the first with torch, else with nanobind, else the first)"
+}
+
+# The "## Python" section: what the Python step would run with. py_facts
+# keeps the lines decide_python reads.
+probe_python() {
+  echo "## Python (the Python step)"
+  pick_python
+  if [[ -z $py ]]; then echo "python3: none found"; return; fi
+  py_facts=$(timeout 90 "$py" - 2>&1 <<'PY'
+import importlib, os, sys, sysconfig
+print(f"python3: {sys.executable}: {sys.version.split()[0]}")
+inc = sysconfig.get_paths().get("include") or "?"
+h = os.path.join(inc, "Python.h")
+print(f"Python.h: {h}" if os.path.exists(h) else f"Python.h: missing (not in {inc})")
+def load(name):
+    try:
+        return importlib.import_module(name)
+    except Exception as e:
+        print(f"{name}: missing ({type(e).__name__}: {str(e)[:200]})")
+torch = load("torch")
+if torch:
+    line = f"torch: {torch.__version__} (built for CUDA {torch.version.cuda}"
+    available = torch.cuda.is_available()
+    line += f"; torch.cuda.is_available(): {available}"
+    if available:
+        line += f", {torch.cuda.device_count()} device(s), cuda:0 {torch.cuda.get_device_name(0)}"
+    print(line + ")")
+nb = load("nanobind")
+if nb:
+    d = nb.cmake_dir()
+    ok = os.path.exists(os.path.join(d, "nanobind-config.cmake"))
+    print(f"nanobind: {nb.__version__}; cmake dir {d}" + ("" if ok else " (missing: no nanobind-config.cmake there)"))
+for name in ("pytest", "numpy"):
+    m = load(name)
+    if m:
+        print(f"{name}: {m.__version__}")
+PY
+)
+  echo "$py_facts"
+  echo "PYTORCH_CUDA_ALLOC_CONF: ${PYTORCH_CUDA_ALLOC_CONF-unset} (the Python step unsets it; the test that needs it sets it)"
+}
+
+# Whether the Python step can run in $mode: python_why is empty or says
+# why not; python_how says what it builds.
+python_why="" python_how=""
+py_fact() { sed -n "s/^$1: //p" <<< "$py_facts" | head -1; }
+decide_python() {
+  local why="" v
+  if [[ $mode == stop ]]; then python_why="the check stopped"; return; fi
+  if [[ -z $py ]]; then python_why="no python3"; return; fi
+  v=$(py_fact python3); v=${v##*: }
+  if [[ -z $v ]]; then python_why="$py does not run: $(head -1 <<< "$py_facts")"; return; fi
+  ver_ge "$v" 3.9 || why+="Python $v is older than 3.9; "
+  [[ $(py_fact Python.h) == missing* ]] && why+="no Python.h for $v (its development headers are not installed); "
+  [[ -z $(py_fact nanobind) || $(py_fact nanobind) == missing* ]] && why+="no nanobind for $py; "
+  [[ $(py_fact pytest) == missing* ]] && why+="no pytest; "
+  [[ $(py_fact numpy) == missing* ]] && why+="no numpy (both test files import it); "
+  if ! have cmake; then why+="no cmake; "
+  elif ! ver_ge "$(cmake --version | awk 'NR == 1 {print $3}')" 3.24; then why+="cmake older than 3.24; "; fi
+  have c++ || have g++ || why+="no C++ compiler; "
+  if [[ $mode == prebuilt ]]; then
+    if [[ -z $(find "$build/$(manifest prefix)" -name shmpsConfig.cmake 2>/dev/null) ]]; then
+      why+="the carried tree has no install prefix (a pack older than the Python step: rerun tools/gpu-pack.sh); "
+    fi
+    python_how="python/ built on its own against $build/$(manifest prefix)"
+  else
+    python_how="the module from the tree's build"
+  fi
+  local torch
+  torch=$(py_fact torch)
+  if [[ -z $torch || $torch == missing* ]]; then python_how+="; no torch: test_torch.py skips"
+  elif [[ $torch != *'is_available(): True'* ]]; then python_how+="; torch sees no CUDA device: the CUDA cases skip"
+  else python_how+="; torch ${torch%% *} on CUDA: the CUDA cases run"; fi
+  python_why=${why%; }
+}
+
 build_mode_why() {
   local why=""
   have cmake || why+="no cmake; "
@@ -339,9 +433,9 @@ write_results() {
   echo "## Tests"
   echo
   if have python3; then
-    python3 - "$work/gpu-tests.xml" "$work/suite.xml" <<'PY'
+    python3 - "$work/gpu-tests.xml" "$work/suite.xml" "$work/python.xml" <<'PY'
 import os, sys, xml.etree.ElementTree as ET
-runs = [("ctest -L gpu", sys.argv[1]), ("suite on the CUDA build", sys.argv[2])]
+runs = [("ctest -L gpu", sys.argv[1]), ("suite on the CUDA build", sys.argv[2]), ("pytest tests/python", sys.argv[3])]
 rows, have = {}, []
 for col, path in runs:
     if not os.path.exists(path):
@@ -353,12 +447,18 @@ for col, path in runs:
         print(f"({path}: {e})")
         continue
     for tc in root.iter("testcase"):
-        r = "passed"
-        if tc.find("failure") is not None or tc.get("status") == "fail":
+        r, why = "passed", ""
+        if tc.find("failure") is not None or tc.find("error") is not None or tc.get("status") == "fail":
             r = "**FAILED**"
         elif tc.find("skipped") is not None or tc.get("status") in ("notrun", "disabled"):
             r = "skipped"
-        rows.setdefault(tc.get("name"), {})[col] = f"{r} ({float(tc.get('time') or 0):.1f} s)"
+        name = tc.get("name")
+        if col.startswith("pytest"):
+            # python.<file>.<test>, as CTest names them; a skip with its reason
+            name = f"python.{(tc.get('classname') or '?').split('.')[-1]}.{name}"
+            if r == "skipped":
+                why = "; " + tc.find("skipped").get("message", "").replace("|", "/").replace("\n", " ")[:100]
+        rows.setdefault(name, {})[col] = f"{r} ({float(tc.get('time') or 0):.1f} s{why})"
 if not have:
     print("(no test ran)")
 else:
@@ -483,9 +583,13 @@ if [[ $mode == build ]]; then
   names+=("unpack .debs into the sysroot") rcs+=("$rc") secs+=($((SECONDS - s))) notes+=("$sysroot")
   publish
   [[ $rc == 0 ]] || { reason="the .debs did not unpack"; exit 1; }
-  STEP_NOTE="cuda preset, SHMPS_WERROR=OFF (another compiler may warn otherwise)" \
+  # The Python package (SHMPS_PYTHON=AUTO) for the Python step's python3:
+  # built when it has its headers and nanobind.
+  python_def=()
+  [[ -n $py ]] && python_def=(-DPython_EXECUTABLE="$py")
+  STEP_NOTE="cuda preset, SHMPS_WERROR=OFF (another compiler may warn otherwise)${py:+, Python_EXECUTABLE=$py}" \
   step "configure (cuda preset, sm_90, against the sysroot)" 60 \
-    cmake -S "$src" -B "$build" --preset cuda -DSHMPS_WERROR=OFF \
+    cmake -S "$src" -B "$build" --preset cuda -DSHMPS_WERROR=OFF "${python_def[@]}" \
       -DCMAKE_PREFIX_PATH="$sysroot/usr" \
       -DBoost_DIR="$lib/cmake/Boost-1.74.0" -DBoost_NO_SYSTEM_PATHS=ON \
       -Dnlohmann_json_DIR="$sysroot/usr/share/cmake/nlohmann_json" \
@@ -497,8 +601,20 @@ if [[ $mode == build ]]; then
   # 270 s on 16 cores; longer on fewer (the rehearsal's 2 cores), where
   # SHMPS_GPU_CHECK_BUDGET_S must grow with it.
   build_cap=$(( cores >= 16 ? 270 : 270 * 16 / cores ))
-  STEP_NOTE="$cores cores; a rerun continues it" step "build" "$build_cap" cmake --build "$build" -j"$cores"
-  [[ ${rcs[-1]} == 0 ]] || { say "build FAILED: see gpu-check.log"; exit 1; }
+  # -k 0 builds all it can: when every failed edge lies in python/, the
+  # C++ checks still run (and the Python step says it has no module).
+  log_at=$(stat -c %s "$log")
+  STEP_NOTE="$cores cores; a rerun continues it" step "build" "$build_cap" cmake --build "$build" -j"$cores" -- -k 0
+  if [[ ${rcs[-1]} != 0 ]]; then
+    failed_edges=$(tail -c +$((log_at + 1)) "$log" | grep '^FAILED: ')
+    if [[ ${rcs[-1]} == 1 && -n $failed_edges ]] && ! grep -qv '^FAILED: python/' <<< "$failed_edges"; then
+      notes[-1]+="; only the Python package failed to build"
+      python_build_failed=1
+      publish
+    else
+      say "build FAILED: see gpu-check.log"; exit 1
+    fi
+  fi
 else
   names+=("prepare: carried tree unpacked, paths rewritten") rcs+=(0) secs+=(0) notes+=("$build")
 fi
@@ -531,6 +647,43 @@ fi
 
 ctest_step "suite on the CUDA build (-LE 'soak|gpu|host-tools')" 120 "$work/suite.xml" \
   -LE 'soak|gpu|host-tools' -E '^gpu_bench_smoke$' -j"$cores"
+
+# The Python package on this machine's python3: the extension (prebuilt:
+# python/ configured on its own against the carried install prefix; build:
+# the tree's build made it), then all of tests/python with the server of
+# this build. pytest gets SIGINT 8 s before the step's cap: it then ends
+# the session and still writes its JUnit file.
+python_pkg=""
+if [[ -n $python_why ]]; then
+  not_run "python: pytest tests/python" "$python_why"
+elif [[ $mode == prebuilt ]]; then
+  pybuild=$trees/build/gpu-python  # kept: a later call reuses it (docs/cuda.md, "First GPU session")
+  generator=()
+  have ninja && generator=(-G Ninja)
+  # nanobind's own sources and the extension: 40 s on the rehearsal's 2
+  # cores, so the cap grows below 8.
+  STEP_NOTE="$py, nanobind $(py_fact nanobind | cut -d';' -f1), against $build/$(manifest prefix)" \
+  step "python: build the extension against the carried prefix" $(( cores >= 8 ? 60 : 60 * 8 / cores )) \
+    bash -c 'cmake -S "$1/python" -B "$2" "${@:6}" -DCMAKE_PREFIX_PATH="$3" -DPython_EXECUTABLE="$4" \
+               -DSHMPS_SERVER_BIN="$5/bin/shmps-server" && cmake --build "$2" -j"$(nproc)"' \
+      _ "$src" "$pybuild" "$build/$(manifest prefix)" "$py" "$build" "${generator[@]}"
+  [[ ${rcs[-1]} == 0 ]] && python_pkg=$pybuild/python
+elif [[ ${python_build_failed:-0} == 1 ]]; then
+  not_run "python: pytest tests/python" "the tree's build of the Python package failed (see the build in gpu-check.log)"
+else
+  if compgen -G "$build/python/shmps/_shmps*.so" >/dev/null; then python_pkg=$build/python
+  else not_run "python: pytest tests/python" "the tree's build made no python/shmps/_shmps*.so (see its configure and build in gpu-check.log)"; fi
+fi
+if [[ -n $python_pkg ]]; then
+  left=$((budget - (SECONDS - t0) - 5))
+  cap=$(( 120 < left ? 120 : left ))
+  STEP_NOTE="$python_pkg; ${python_how##*; }" \
+  step "python: pytest tests/python" 120 \
+    env -u PYTORCH_CUDA_ALLOC_CONF PYTHONPATH="$python_pkg${PYTHONPATH:+:$PYTHONPATH}" \
+      SHMPS_SERVER_BIN="$build/bin/shmps-server" OPENBLAS_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1 \
+      timeout -s INT -k 5 $((cap - 8)) "$py" -m pytest -q -rA -p no:cacheprovider -o faulthandler_timeout=60 \
+        --junitxml="$work/python.xml" tests/python
+fi
 
 # compute-sanitizer: the kernels (memcheck, racecheck) and the IPC path
 # with its server process (memcheck on two cases, every process).

@@ -10,7 +10,12 @@
 #                 from this host: ldd gives exactly the closure they load,
 #                 transitive ones included, and the files are those of the
 #                 installed Debian packages); every CTestTestfile.cmake;
-#                 packaging/build-tree/; gpu-pack.manifest
+#                 packaging/build-tree/; prefix/, the build's `cmake
+#                 --install` of the dev component (headers,
+#                 libshmps_worker.a and libshmps_shm.a without debug info,
+#                 the CMake package), which gpu-check.sh builds the Python
+#                 extension against with that machine's python3;
+#                 gpu-pack.manifest
 #   manifest.txt  that manifest, readable without unpacking: the build and
 #                 source directories the tree was made for (gpu-check.sh
 #                 rewrites them in the files listed under rewrite=), the
@@ -29,7 +34,7 @@ build=$(cd "${1:?$usage}" && pwd -P)
 src=$(cd "$(dirname "$0")/.." && pwd -P)
 pack=${2:-$src/.gpu}
 fail() { echo "gpu-pack: $*" >&2; exit 1; }
-for tool in patchelf strip objdump readelf ldd apt-get dpkg-deb; do
+for tool in patchelf strip objdump readelf ldd apt-get dpkg-deb cmake; do
   command -v "$tool" >/dev/null || fail "$tool not found (tools/install-deps.sh installs patchelf)"
 done
 [[ -f $build/CTestTestfile.cmake ]] || fail "$build has no CTestTestfile.cmake: not a configured build tree"
@@ -128,6 +133,14 @@ if [[ -d $build/packaging/build-tree ]]; then
   while IFS= read -r f; do rewrite+=("${f#"$tree"/}"); done < <(find "$tree/packaging/build-tree" -type f | sort)
 fi
 
+# The installed shmps (find_package(shmps)) the Python extension builds
+# against there: python/CMakeLists.txt on its own needs only this and
+# nanobind, not CUDA (the CUDA build's worker library loads the driver at
+# run time).
+cmake --install "$build" --prefix "$tree/prefix" --component dev > /dev/null || fail "cmake --install $build --component dev failed"
+[[ -n $(find "$tree/prefix" -name shmpsConfig.cmake) ]] || fail "cmake --install $build --component dev installed no shmpsConfig.cmake"
+find "$tree/prefix" -name '*.a' -exec strip --strip-debug {} +
+
 # The newest glibc symbol version the carried objects need, with and
 # without the C++ runtime (libstdc++, libgcc_s), and the newest libstdc++
 # versions the others need: where that machine's glibc is too old for the
@@ -189,6 +202,7 @@ dirty=no
   echo "glibcxx_needed=$glibcxx_max"
   echo "cxxabi_needed=$cxxabi_max"
   echo "debs_glibc_needed=$debs_glibc_max"
+  echo "prefix=prefix"
   echo "binaries=${binaries[*]}"
   echo "libraries=$(printf '%s\n' "${!lib_from[@]}" | sort | tr '\n' ' ' | sed 's/ $//')"
   echo "debs=$(cd "$pack/debs" && ls -- *.deb | tr '\n' ' ' | sed 's/ $//')"

@@ -48,13 +48,15 @@ OPTIMIZERS = {
 }
 
 
-def run_remote(make_server, options, device, steps=25):
-    """The model's weights after `steps` RemoteOptimizer steps on fixed gradients, and torch.optim's."""
+def run_remote(make_server, options, device, steps=25, backend="host"):
+    """The model's weights after `steps` RemoteOptimizer steps on fixed gradients, and torch.optim's.
+    A model on a GPU needs backend="cuda": the host backend takes only shared-memory buffers."""
     torch.manual_seed(0)
     local = Net()
     remote = Net().to(device)
     remote.load_state_dict(local.state_dict())
-    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in local.named_parameters()], **options[0])
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in local.named_parameters()], backend=backend,
+                         **options[0])
     reference = options[1](local.parameters())
     worst = 0.0
     with shmps.connect(server.name) as w:
@@ -157,7 +159,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no C
 def test_device_buffers_and_remote_optimizer_on_cuda_match_the_cpu_run(make_server):
     options = OPTIMIZERS["adam"]
     _, on_cpu = run_remote(make_server, options, "cpu")
-    worst, on_gpu = run_remote(make_server, options, "cuda:0")
+    worst, on_gpu = run_remote(make_server, options, "cuda:0", backend="cuda")
     diff = max((a - b).abs().max().item() for a, b in zip(on_cpu, on_gpu))
     print(f"cuda vs cpu: largest difference {diff:.3g}; vs torch.optim {worst:.3g}")
     assert diff <= 1e-6
@@ -165,7 +167,7 @@ def test_device_buffers_and_remote_optimizer_on_cuda_match_the_cpu_run(make_serv
 
 @cuda
 def test_register_device_buffer_takes_a_torch_tensor(make_server):
-    server = make_server(lr=1)
+    server = make_server(lr=1, backend="cuda")
     with shmps.connect(server.name) as w:
         grad = torch.full((w.total_elements,), 2.0, device="cuda:0")
         buf = w.register_device_buffer(grad)
