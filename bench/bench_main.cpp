@@ -40,8 +40,8 @@ struct Plan {
   std::string server_path;
   std::string log_path;
   std::vector<std::string> server_extra;  // --server-arg: appended to every server's command line
-  uint32_t pings = 10000;        // per process and repeat, back to back
-  uint32_t spaced_pings = 1000;  // per repeat, one every kSpacedGapNs
+  uint32_t pings = 10000;                 // per process and repeat, back to back
+  uint32_t spaced_pings = 1000;           // per repeat, one every kSpacedGapNs
   uint32_t warmup_pings = 1000;
   std::vector<uint64_t> push_sizes{1 * kMiB, 64 * kMiB, 256 * kMiB};
   uint64_t optimizer_bytes = 64 * kMiB;
@@ -98,8 +98,8 @@ std::vector<std::string> server_args(const std::vector<uint64_t>& elements, cons
 }
 
 Result<std::unique_ptr<ServerProcess>> start_server(const Plan& plan, const std::string& tag,
-                                                  const std::vector<uint64_t>& elements,
-                                                  const std::vector<std::string>& extra) {
+                                                    const std::vector<uint64_t>& elements,
+                                                    const std::vector<std::string>& extra) {
   std::vector<std::string> args = server_args(elements, extra);
   args.insert(args.end(), plan.server_extra.begin(), plan.server_extra.end());
   return start_server_process(plan.server_path, segment_name(tag), args, plan.log_path);
@@ -257,23 +257,24 @@ Status section_round_trip(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
     }
   }
 
-  Table table("round_trip", {"case", "server regime", "procs", "samples", "p50 ns", "p99 ns", "p999 ns",
-                             "p50/spin ref", "p50/socket ref"});
+  Table table("round_trip", {"case", "server regime", "procs", "samples", "p50 ns", "p99 ns", "p999 ns", "p50/spin ref",
+                             "p50/socket ref"});
   for (const LatencyRow& r : rows)
     table.add_row({r.label, r.regime, std::to_string(r.procs), std::to_string(r.samples), fixed(median(r.p50), 0),
                    fixed(median(r.p99), 0), fixed(median(r.p999), 0), fixed(median(r.vs_spin), 2),
                    fixed(median(r.vs_socket), 2)});
   table.print(stdout);
   table.to_csv(csv);
-  std::printf("    p50/p99/p999: median over %u repeats of each repeat's percentile (all processes' pings merged);\n"
-              "    ratios: median of each repeat's p50 / that repeat's reference p50.\n"
-              "    Regimes: spin = back-to-back pings reach the server while it polls (it spins\n"
-              "    --idle-spin-us 50, the default, after its last request); futex = pings 200 us apart\n"
-              "    find it asleep on its futex, so each pays a wake-up; no idle spin = a server that\n"
-              "    sleeps as soon as its lanes are empty (back-to-back pings often beat it to sleep).\n"
-              "    Busy bystanders: processes that keep all CPUs but one busy (other workers computing),\n"
-              "    so the server and the pinging worker share one CPU.\n",
-              plan.repeats);
+  std::printf(
+      "    p50/p99/p999: median over %u repeats of each repeat's percentile (all processes' pings merged);\n"
+      "    ratios: median of each repeat's p50 / that repeat's reference p50.\n"
+      "    Regimes: spin = back-to-back pings reach the server while it polls (it spins\n"
+      "    --idle-spin-us 50, the default, after its last request); futex = pings 200 us apart\n"
+      "    find it asleep on its futex, so each pays a wake-up; no idle spin = a server that\n"
+      "    sleeps as soon as its lanes are empty (back-to-back pings often beat it to sleep).\n"
+      "    Busy bystanders: processes that keep all CPUs but one busy (other workers computing),\n"
+      "    so the server and the pinging worker share one CPU.\n",
+      plan.repeats);
   const double p50 = median(rows[2].p50);
   goals.push_back({"[1] ping p50 <= 5000 ns, one worker (spin regime)", fixed(p50, 0) + " ns", p50 <= 5000.0});
   return Status::Ok();
@@ -283,9 +284,10 @@ Status section_round_trip(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
 
 Status section_push_throughput(const Plan& plan, Csv& csv, std::vector<Goal>& goals) {
   std::printf("\n[2] Push + apply throughput, SGD (lr 0.001, no momentum), fp32 gradients, GB/s of gradient\n");
-  std::printf("    one server process (one tensor per size, NaN check on), one worker process pushing\n"
-              "    from its registered buffer; reference: memcpy of the same bytes from that buffer in the\n"
-              "    worker process, interleaved with the pushes (one thread)\n");
+  std::printf(
+      "    one server process (one tensor per size, NaN check on), one worker process pushing\n"
+      "    from its registered buffer; reference: memcpy of the same bytes from that buffer in the\n"
+      "    worker process, interleaved with the pushes (one thread)\n");
   std::vector<uint64_t> elements;
   uint64_t max_bytes = 0;
   for (uint64_t b : plan.push_sizes) {
@@ -298,7 +300,8 @@ Status section_push_throughput(const Plan& plan, Csv& csv, std::vector<Goal>& go
   const size_t sizes = plan.push_sizes.size();
   // Samples per repeat: enough to reach ~64 MiB of pushes per size and repeat.
   std::vector<uint32_t> per_repeat;
-  for (uint64_t b : plan.push_sizes) per_repeat.push_back(static_cast<uint32_t>(std::clamp<uint64_t>(64 * kMiB / b, 1, 40)));
+  for (uint64_t b : plan.push_sizes)
+    per_repeat.push_back(static_cast<uint32_t>(std::clamp<uint64_t>(64 * kMiB / b, 1, 40)));
   const uint32_t max_per_size = *std::max_element(per_repeat.begin(), per_repeat.end()) * plan.repeats;
 
   const auto body = [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
@@ -349,8 +352,8 @@ Status section_push_throughput(const Plan& plan, Csv& csv, std::vector<Goal>& go
     if (!crowded.ok()) return crowded.status();
   }
 
-  Table table("push_throughput", {"gradient", "pushes", "push+apply ms", "push+apply GB/s", "memcpy GB/s",
-                                  "push/memcpy"});
+  Table table("push_throughput",
+              {"gradient", "pushes", "push+apply ms", "push+apply GB/s", "memcpy GB/s", "push/memcpy"});
   const auto add_rows = [&](const Series& r, const std::string& suffix, bool goal) {
     for (size_t j = 0; j < sizes; ++j) {
       const auto& copy = r[2 * j];
@@ -370,10 +373,11 @@ Status section_push_throughput(const Plan& plan, Csv& csv, std::vector<Goal>& go
     add_rows(*crowded, ", " + std::to_string(bystanders) + " busy bystander" + (bystanders == 1 ? "" : "s"), false);
   table.print(stdout);
   table.to_csv(csv);
-  std::printf("    medians over all pushes; push/memcpy: median over pairs (a memcpy, then a push) of\n"
-              "    memcpy time / push time. The push time is the worker's whole call (submit, server\n"
-              "    NaN check + apply split over all cores by OpenMP, completion). Busy bystanders:\n"
-              "    processes keeping all CPUs but one busy during the second set of rows.\n");
+  std::printf(
+      "    medians over all pushes; push/memcpy: median over pairs (a memcpy, then a push) of\n"
+      "    memcpy time / push time. The push time is the worker's whole call (submit, server\n"
+      "    NaN check + apply split over all cores by OpenMP, completion). Busy bystanders:\n"
+      "    processes keeping all CPUs but one busy during the second set of rows.\n");
   return Status::Ok();
 }
 
@@ -463,35 +467,38 @@ Result<Series> via_server(const Plan& plan, const std::string& tag, const std::v
   const std::string name = (*server)->name();
   const pid_t pid = (*server)->pid();
   uint64_t cpu_before = 0;
-  auto r = run_children(1, 2, samples, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
-    auto w = connect(name);
-    if (!w.ok()) return with_context(w.status(), "connect");
-    auto b = (*w)->register_buffer(bytes);
-    if (!b.ok()) return with_context(b.status(), "register_buffer");
-    fill(b->data, bytes, kGradValue);
-    std::vector<char> dst(bytes, 1);
-    uint64_t version = 0;
-    const auto push = [&]() -> Status {
-      auto v = (*w)->push(0, b->id, 0, bytes, Dtype::kF32, version);
-      if (!v.ok()) return with_context(v.status(), "push");
-      version = *v;
-      return Status::Ok();
-    };
-    if (Status s = push(); !s.ok()) return s;  // warm-up: the server maps and faults the pages in
-    barrier.arrive_and_wait();
-    for (uint32_t q = 0; q < samples; ++q) {
-      uint64_t t0 = now_ns();
-      std::memcpy(dst.data(), b->data, bytes);
-      escape(dst.data());
-      uint64_t t1 = now_ns();
-      out[0].push_back(static_cast<double>(t1 - t0));
-      t0 = now_ns();
-      if (Status s = push(); !s.ok()) return s;
-      t1 = now_ns();
-      out[1].push_back(static_cast<double>(t1 - t0));
-    }
-    return Status::Ok();
-  }, [&] { cpu_before = process_cpu_ns(pid); });
+  auto r = run_children(
+      1, 2, samples,
+      [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+        auto w = connect(name);
+        if (!w.ok()) return with_context(w.status(), "connect");
+        auto b = (*w)->register_buffer(bytes);
+        if (!b.ok()) return with_context(b.status(), "register_buffer");
+        fill(b->data, bytes, kGradValue);
+        std::vector<char> dst(bytes, 1);
+        uint64_t version = 0;
+        const auto push = [&]() -> Status {
+          auto v = (*w)->push(0, b->id, 0, bytes, Dtype::kF32, version);
+          if (!v.ok()) return with_context(v.status(), "push");
+          version = *v;
+          return Status::Ok();
+        };
+        if (Status s = push(); !s.ok()) return s;  // warm-up: the server maps and faults the pages in
+        barrier.arrive_and_wait();
+        for (uint32_t q = 0; q < samples; ++q) {
+          uint64_t t0 = now_ns();
+          std::memcpy(dst.data(), b->data, bytes);
+          escape(dst.data());
+          uint64_t t1 = now_ns();
+          out[0].push_back(static_cast<double>(t1 - t0));
+          t0 = now_ns();
+          if (Status s = push(); !s.ok()) return s;
+          t1 = now_ns();
+          out[1].push_back(static_cast<double>(t1 - t0));
+        }
+        return Status::Ok();
+      },
+      [&] { cpu_before = process_cpu_ns(pid); });
   if (r.ok()) *server_cpu_ns = static_cast<double>(process_cpu_ns(pid) - cpu_before) / samples;
   return r;
 }
@@ -501,13 +508,14 @@ Status section_optimizers(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
   const double params = static_cast<double>(bytes / sizeof(float));
   std::printf("\n[3] Optimizer throughput at %s (%.0f fp32 parameters): traffic GB/s = B/param * params / time\n",
               mib_text(bytes).c_str(), params);
-  std::printf("    B/param is what the update must move: sgd reads w, g and writes w (12); momentum adds\n"
-              "    the buffer (20); adam adds two moments (28). Reference: memcpy traffic = 2 * bytes / time\n"
-              "    (read + write), measured in the same process, interleaved.\n");
+  std::printf(
+      "    B/param is what the update must move: sgd reads w, g and writes w (12); momentum adds\n"
+      "    the buffer (20); adam adds two moments (28). Reference: memcpy traffic = 2 * bytes / time\n"
+      "    (read + write), measured in the same process, interleaved.\n");
   const uint32_t samples = plan.repeats * plan.optimizer_samples_per_repeat;
   auto local = in_process_apply(plan, samples);
   if (!local.ok()) return with_context(local.status(), "in-process apply_cpu");
-  std::vector<Series> remote;  // per case: NaN check, then --allow-nonfinite
+  std::vector<Series> remote;      // per case: NaN check, then --allow-nonfinite
   std::vector<double> server_cpu;  // ns per push, same order
   for (size_t c = 0; c < optimizer_cases().size(); ++c) {
     for (bool allow : {false, true}) {
@@ -560,13 +568,14 @@ Status section_optimizers(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
   }
   table.print(stdout);
   table.to_csv(csv);
-  std::printf("    %u samples per row. B/param (+4): the NaN/Inf check reads g once more before the update.\n"
-              "    In-process rows use the in-process memcpy (one thread) as reference; each server row\n"
-              "    its own worker process's memcpy of its registered buffer, paired with the pushes (one\n"
-              "    server process at a time). apply_cpu and the server split the update over all cores\n"
-              "    (OpenMP). Server CPU ms/push: CPU time of all the server's threads over the measured\n"
-              "    pushes (/proc/<pid>/task/*/schedstat), per push; compare with ms x cores.\n",
-              samples);
+  std::printf(
+      "    %u samples per row. B/param (+4): the NaN/Inf check reads g once more before the update.\n"
+      "    In-process rows use the in-process memcpy (one thread) as reference; each server row\n"
+      "    its own worker process's memcpy of its registered buffer, paired with the pushes (one\n"
+      "    server process at a time). apply_cpu and the server split the update over all cores\n"
+      "    (OpenMP). Server CPU ms/push: CPU time of all the server's threads over the measured\n"
+      "    pushes (/proc/<pid>/task/*/schedstat), per push; compare with ms x cores.\n",
+      samples);
   return Status::Ok();
 }
 
@@ -578,13 +587,14 @@ Status section_memory(const Plan& plan, Csv& csv) {
   const double p = static_cast<double>(params);
   std::printf("\n[4] Server resident memory, one tensor of %s (%llu fp32 parameters), MiB\n", mib_text(bytes).c_str(),
               static_cast<unsigned long long>(params));
-  std::printf("    formula = constant + segment + weights (4 B/param) + optimizer state (0/4/8 B/param);\n"
-              "    constant = VmHWM of a server with a 1024-parameter tensor after one ping, minus its segment.\n"
-              "    While a worker's buffer is mapped, the server's RSS also counts the gradient pages it\n"
-              "    read (4 B/param, shared with the worker): \"+ gradient\" adds them.\n"
-              "    Measured (server process, /proc/<pid>/status): VmHWM right after start (no worker yet),\n"
-              "    VmRSS after %u pushes with the buffer still mapped, and the final VmHWM (peak).\n",
-              plan.memory_pushes);
+  std::printf(
+      "    formula = constant + segment + weights (4 B/param) + optimizer state (0/4/8 B/param);\n"
+      "    constant = VmHWM of a server with a 1024-parameter tensor after one ping, minus its segment.\n"
+      "    While a worker's buffer is mapped, the server's RSS also counts the gradient pages it\n"
+      "    read (4 B/param, shared with the worker): \"+ gradient\" adds them.\n"
+      "    Measured (server process, /proc/<pid>/status): VmHWM right after start (no worker yet),\n"
+      "    VmRSS after %u pushes with the buffer still mapped, and the final VmHWM (peak).\n",
+      plan.memory_pushes);
 
   // The constant: a tiny server's peak.
   uint64_t constant = 0;
@@ -648,12 +658,12 @@ int run(int argc, char** argv) {
   Plan plan;
   CommonOptions common;
   const boost::program_options::options_description no_extra;
-  if (auto exit_code = parse_command_line(
-          argc, argv, "shmps-bench",
-          "shmps-bench: round trip, push+apply and optimizer throughput, and server memory,\n"
-          "measured across real processes; prints tables (docs/benchmarks.md).\n"
-          "--repeats: default 5, --quick 2",
-          4, no_extra, common))
+  if (auto exit_code =
+          parse_command_line(argc, argv, "shmps-bench",
+                             "shmps-bench: round trip, push+apply and optimizer throughput, and server memory,\n"
+                             "measured across real processes; prints tables (docs/benchmarks.md).\n"
+                             "--repeats: default 5, --quick 2",
+                             4, no_extra, common))
     return *exit_code;
   plan.quick = common.quick;
   plan.repeats = common.repeats_given ? common.repeats : (plan.quick ? 2 : 5);
@@ -670,7 +680,8 @@ int run(int argc, char** argv) {
     plan.memory_bytes = 4 * kMiB;
     plan.memory_pushes = 2;
   }
-  plan.log_path = (std::filesystem::temp_directory_path() / ("shmps-bench-" + std::to_string(::getpid()) + ".log")).string();
+  plan.log_path =
+      (std::filesystem::temp_directory_path() / ("shmps-bench-" + std::to_string(::getpid()) + ".log")).string();
 
   std::printf("shmps-bench%s: %u CPUs online, %u repeats, server %s\n", plan.quick ? " --quick" : "",
               std::thread::hardware_concurrency(), plan.repeats, plan.server_path.c_str());
@@ -689,10 +700,18 @@ int run(int argc, char** argv) {
   for (int s : sections) {
     Status st;
     switch (s) {
-      case 1: st = section_round_trip(plan, csv, goals); break;
-      case 2: st = section_push_throughput(plan, csv, goals); break;
-      case 3: st = section_optimizers(plan, csv, goals); break;
-      case 4: st = section_memory(plan, csv); break;
+      case 1:
+        st = section_round_trip(plan, csv, goals);
+        break;
+      case 2:
+        st = section_push_throughput(plan, csv, goals);
+        break;
+      case 3:
+        st = section_optimizers(plan, csv, goals);
+        break;
+      case 4:
+        st = section_memory(plan, csv);
+        break;
     }
     std::fflush(stdout);
     if (!st.ok()) {

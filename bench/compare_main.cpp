@@ -218,9 +218,10 @@ Result<Running> start_all(const Plan& plan, std::vector<uint64_t>& tensor_bytes)
     const char* tag;
     std::vector<std::string> args;
   };
-  const std::vector<Variant> variants{{"shmps", "spin", {"--idle-spin-us", "50"}},
-                                      {"shmps, --idle-spin-us 0", "nospin", {"--idle-spin-us", "0"}},
-                                      {"shmps, --allow-nonfinite", "nocheck", {"--idle-spin-us", "50", "--allow-nonfinite"}}};
+  const std::vector<Variant> variants{
+      {"shmps", "spin", {"--idle-spin-us", "50"}},
+      {"shmps, --idle-spin-us 0", "nospin", {"--idle-spin-us", "0"}},
+      {"shmps, --allow-nonfinite", "nocheck", {"--idle-spin-us", "50", "--allow-nonfinite"}}};
   for (const Variant& v : variants) {
     std::vector<std::string> a = args;
     a.insert(a.end(), v.args.begin(), v.args.end());
@@ -249,42 +250,42 @@ Result<Series> measure_one(const Plan& plan, const Target& t, const std::vector<
   const auto nsizes = static_cast<uint32_t>(plan.sizes.size());
   return run_children(1, 4 + nsizes, std::max<size_t>(plan.latency_pushes, plan.repeats),
                       [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
-    auto c = connect_client(t.system, t.address, max_bytes, tensor_bytes);
-    if (!c.ok()) return c.status();
-    for (uint64_t b : plan.sizes)  // warm-up: every page mapped and faulted in on both sides
-      for (int i = 0; i < 2; ++i)
-        if (Status s = (*c)->push(b); !s.ok()) return s;
-    barrier.arrive_and_wait();
-    const uint32_t latency_pushes = plan.latency ? plan.latency_pushes : 0;
-    std::vector<double> lat(latency_pushes);
-    for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
-      for (uint32_t i = 0; i < latency_pushes; ++i) {
-        const uint64_t t0 = now_ns();
-        if (Status s = (*c)->push(4 * kKiB); !s.ok()) return s;
-        lat[i] = static_cast<double>(now_ns() - t0);
-      }
-      out[0].push_back(percentile(lat, 0.5));
-      out[1].push_back(percentile(lat, 0.99));
-      out[2].push_back(percentile(lat, 0.999));
-      for (uint32_t j = 0; j < (plan.throughput ? nsizes : 0); ++j) {
-        // One untimed push first, as the in-process references run one
-        // untimed pass: the larger sizes of the last repeat evicted this
-        // one's data from the caches (a 64 MiB gradient and its weights
-        // fit some hosts' L3), and the median of a few pushes would
-        // otherwise compare a cold first push with warm references.
-        if (Status s = (*c)->push(plan.sizes[j]); !s.ok()) return s;
-        std::vector<double> ns;
-        for (uint32_t i = 0; i < pushes_for(plan, plan.sizes[j]); ++i) {
-          const uint64_t t0 = now_ns();
-          if (Status s = (*c)->push(plan.sizes[j]); !s.ok()) return s;
-          ns.push_back(static_cast<double>(now_ns() - t0));
-        }
-        out[4 + j].push_back(median(ns));
-      }
-    }
-    out[3] = lat;
-    return Status::Ok();
-  });
+                        auto c = connect_client(t.system, t.address, max_bytes, tensor_bytes);
+                        if (!c.ok()) return c.status();
+                        for (uint64_t b : plan.sizes)  // warm-up: every page mapped and faulted in on both sides
+                          for (int i = 0; i < 2; ++i)
+                            if (Status s = (*c)->push(b); !s.ok()) return s;
+                        barrier.arrive_and_wait();
+                        const uint32_t latency_pushes = plan.latency ? plan.latency_pushes : 0;
+                        std::vector<double> lat(latency_pushes);
+                        for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
+                          for (uint32_t i = 0; i < latency_pushes; ++i) {
+                            const uint64_t t0 = now_ns();
+                            if (Status s = (*c)->push(4 * kKiB); !s.ok()) return s;
+                            lat[i] = static_cast<double>(now_ns() - t0);
+                          }
+                          out[0].push_back(percentile(lat, 0.5));
+                          out[1].push_back(percentile(lat, 0.99));
+                          out[2].push_back(percentile(lat, 0.999));
+                          for (uint32_t j = 0; j < (plan.throughput ? nsizes : 0); ++j) {
+                            // One untimed push first, as the in-process references run one
+                            // untimed pass: the larger sizes of the last repeat evicted this
+                            // one's data from the caches (a 64 MiB gradient and its weights
+                            // fit some hosts' L3), and the median of a few pushes would
+                            // otherwise compare a cold first push with warm references.
+                            if (Status s = (*c)->push(plan.sizes[j]); !s.ok()) return s;
+                            std::vector<double> ns;
+                            for (uint32_t i = 0; i < pushes_for(plan, plan.sizes[j]); ++i) {
+                              const uint64_t t0 = now_ns();
+                              if (Status s = (*c)->push(plan.sizes[j]); !s.ok()) return s;
+                              ns.push_back(static_cast<double>(now_ns() - t0));
+                            }
+                            out[4 + j].push_back(median(ns));
+                          }
+                        }
+                        out[3] = lat;
+                        return Status::Ok();
+                      });
 }
 
 // `workers` processes push 1 MiB back to back; aggregate GB/s of one repeat.
@@ -322,9 +323,10 @@ size_t find_target(const Running& run, const std::string& label) {
 int run(const Plan& plan, const std::string& csv_path) {
   Csv csv;
   std::vector<Goal> goals;
-  std::printf("shmps-compare: %u repeat(s)%s; every server applies kernels::apply_cpu SGD (lr %g) to fp32\n"
-              "gradients; workers are fork()ed processes; figures are medians over repeats.\n",
-              plan.repeats, plan.quick ? " (--quick: smoke mode, figures meaningless)" : "", static_cast<double>(kSgdLr));
+  std::printf(
+      "shmps-compare: %u repeat(s)%s; every server applies kernels::apply_cpu SGD (lr %g) to fp32\n"
+      "gradients; workers are fork()ed processes; figures are medians over repeats.\n",
+      plan.repeats, plan.quick ? " (--quick: smoke mode, figures meaningless)" : "", static_cast<double>(kSgdLr));
   if (!plan.server_args.empty()) {
     std::string extra;
     for (const std::string& a : plan.server_args) extra += " " + a;
@@ -347,8 +349,7 @@ int run(const Plan& plan, const std::string& csv_path) {
   // In a child: OpenMP's thread pool (apply_cpu) must never start in this
   // process, whose later fork()ed servers would hang on it (libgomp).
   const auto nsizes = static_cast<uint32_t>(plan.throughput ? plan.sizes.size() : 0);
-  auto ref = run_children(1, 3 * nsizes, plan.repeats,
-                          [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+  auto ref = run_children(1, 3 * nsizes, plan.repeats, [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
     barrier.arrive_and_wait();
     std::vector<RefArrays> arrays;  // by size, as the server's tensors
     for (uint32_t j = 0; j < nsizes; ++j) {
@@ -435,8 +436,9 @@ int run(const Plan& plan, const std::string& csv_path) {
     }
     thr.print(stdout);
     thr.to_csv(csv);
-    std::printf("    apply alone: apply_cpu in one process on warm arrays; check+apply: all_finite_cpu then\n"
-                "    apply_cpu (the default server's work per push); over apply: push - apply alone.\n");
+    std::printf(
+        "    apply alone: apply_cpu in one process on warm arrays; check+apply: all_finite_cpu then\n"
+        "    apply_cpu (the default server's work per push); over apply: push - apply alone.\n");
     // Goal 1 at its worst size >= 1 MiB: a system's push time over an
     // in-process reference time of the same size.
     const auto worst_ratio = [&](size_t target, double InProcess::*ref_ns) {
@@ -495,8 +497,8 @@ int run(const Plan& plan, const std::string& csv_path) {
     const auto label = [](const std::string& system, uint32_t w) { return system + " x" + std::to_string(w); };
     const std::string ref_name = "ref: check+apply, N gradients in turn";
     for (size_t k = 0; k < plan.scaling.size(); ++k)
-      sc.add_row({label(ref_name, plan.scaling[k]), ref_name, std::to_string(plan.scaling[k]), fixed(scaling_refs[k], 2),
-                  fixed(scaling_refs[k] / scaling_refs[0], 2), "1.00"});
+      sc.add_row({label(ref_name, plan.scaling[k]), ref_name, std::to_string(plan.scaling[k]),
+                  fixed(scaling_refs[k], 2), fixed(scaling_refs[k] / scaling_refs[0], 2), "1.00"});
     std::vector<double> shmps_scaling, shmps_vs_ref;  // the goal's N > 1 rows: over x1, over the reference
     for (size_t i = 0; i < running->targets.size(); ++i) {
       const Target& t = running->targets[i];
@@ -526,9 +528,10 @@ int run(const Plan& plan, const std::string& csv_path) {
     }
     sc.print(stdout);
     sc.to_csv(csv);
-    std::printf("    ref: the default server's work (all_finite_cpu + apply_cpu) on one 1 MiB tensor in one\n"
-                "    process, its gradients taken in turn from N arrays of 1 MiB, as the server takes them from\n"
-                "    N workers' buffers: N MiB of gradients pass through the core's caches.\n");
+    std::printf(
+        "    ref: the default server's work (all_finite_cpu + apply_cpu) on one 1 MiB tensor in one\n"
+        "    process, its gradients taken in turn from N arrays of 1 MiB, as the server takes them from\n"
+        "    N workers' buffers: N MiB of gradients pass through the core's caches.\n");
     if (!shmps_scaling.empty()) {
       const double low = *std::min_element(shmps_scaling.begin(), shmps_scaling.end());
       const double low_ref = *std::min_element(shmps_vs_ref.begin(), shmps_vs_ref.end());
@@ -564,11 +567,11 @@ int main(int argc, char** argv) {
     std::vector<uint64_t> size_kib;
     namespace po = boost::program_options;
     po::options_description own("shmps-compare's own options");
-    own.add_options()
-        ("size-kib", po::value(&size_kib)->multitoken(),
-         "gradient sizes of section 2 in KiB (default 4 64 1024 16384 65536 262144; memory: about 5x the largest "
-         "over all servers and workers)")
-        ("log", po::value(&plan.log_path)->default_value("/tmp/shmps-compare-server.log"), "servers' output");
+    own.add_options()(
+        "size-kib", po::value(&size_kib)->multitoken(),
+        "gradient sizes of section 2 in KiB (default 4 64 1024 16384 65536 262144; memory: about 5x the largest "
+        "over all servers and workers)")(
+        "log", po::value(&plan.log_path)->default_value("/tmp/shmps-compare-server.log"), "servers' output");
     CommonOptions common;
     if (auto exit_code = parse_command_line(
             argc, argv, "shmps-compare",

@@ -93,8 +93,8 @@ int socket_server(const std::string& path, int listen_fd, uint64_t max_bytes, in
         continue;
       }
       uint64_t bytes = 0;
-      bool ok = read_full(fds[i].fd, &bytes, sizeof bytes) && bytes <= max_bytes &&
-                read_full(fds[i].fd, grad.data(), bytes);
+      bool ok =
+          read_full(fds[i].fd, &bytes, sizeof bytes) && bytes <= max_bytes && read_full(fds[i].fd, grad.data(), bytes);
       if (ok) {
         const uint64_t version = applier.apply(grad.data(), bytes);
         ok = write_full(fds[i].fd, &version, sizeof version);
@@ -219,7 +219,8 @@ class MqClient final : public Client {
 
  private:
   explicit MqClient(const std::string& base)
-      : requests_(bip::open_only, mq_request_name(base).c_str()), replies_(bip::open_only, mq_reply_name(base).c_str()) {}
+      : requests_(bip::open_only, mq_request_name(base).c_str()),
+        replies_(bip::open_only, mq_reply_name(base).c_str()) {}
   bip::message_queue requests_;
   bip::message_queue replies_;
   std::vector<float> grad_;
@@ -321,7 +322,8 @@ class ShmpsClient final : public Client {
   }
   Status push(uint64_t bytes) override {
     const auto it = std::find(tensor_bytes_.begin(), tensor_bytes_.end(), bytes);
-    if (it == tensor_bytes_.end()) return {ErrorCode::kInvalidArgument, "no tensor of " + std::to_string(bytes) + " bytes"};
+    if (it == tensor_bytes_.end())
+      return {ErrorCode::kInvalidArgument, "no tensor of " + std::to_string(bytes) + " bytes"};
     const auto tensor = static_cast<uint32_t>(it - tensor_bytes_.begin());
     const uint32_t buffer = bytes <= kSmallBytes ? small_.id : buffer_.id;
     auto v = worker_->push(tensor, buffer, 0, bytes, Dtype::kF32, version_);
@@ -350,10 +352,14 @@ kernels::OptimizerConfig sgd_config() noexcept {
 
 const char* system_name(System system) noexcept {
   switch (system) {
-    case System::kShmps: return "shmps";
-    case System::kSocket: return "unix socket";
-    case System::kMessageQueue: return "boost mq";
-    case System::kZmq: return "zeromq ipc";
+    case System::kShmps:
+      return "shmps";
+    case System::kSocket:
+      return "unix socket";
+    case System::kMessageQueue:
+      return "boost mq";
+    case System::kZmq:
+      return "zeromq ipc";
   }
   return "?";
 }
@@ -386,8 +392,8 @@ Result<Child> fork_server(System system, const std::function<int(int)>& fn) {
   ::close(ready[0]);
   if (!poll_failed.ok()) return poll_failed;
   if (!ready_now)
-    return Status{ErrorCode::kIo, std::string(system_name(system)) + " server: " +
-                                      (polled == 0 ? "not set up within 120 s" : "exited during set-up")};
+    return Status{ErrorCode::kIo, std::string(system_name(system)) +
+                                      " server: " + (polled == 0 ? "not set up within 120 s" : "exited during set-up")};
   return child;
 }
 
@@ -413,7 +419,8 @@ Result<std::unique_ptr<BaselineServer>> BaselineServer::start(System system, uin
       return io_error("bind/listen " + s->address_);
     }
     const std::string path = s->address_;
-    child = fork_server(system, [path, fd, max_bytes](int ready_fd) { return socket_server(path, fd, max_bytes, ready_fd); });
+    child = fork_server(system,
+                        [path, fd, max_bytes](int ready_fd) { return socket_server(path, fd, max_bytes, ready_fd); });
     ::close(fd);
   } else if (system == System::kMessageQueue) {
     s->address_ = tag;
@@ -430,7 +437,8 @@ Result<std::unique_ptr<BaselineServer>> BaselineServer::start(System system, uin
 #if SHMPS_COMPARE_ZMQ
     s->address_ = "ipc:///tmp/" + tag + ".zmq";
     const std::string endpoint = s->address_;
-    child = fork_server(system, [endpoint, max_bytes](int ready_fd) { return zmq_server(endpoint, max_bytes, ready_fd); });
+    child =
+        fork_server(system, [endpoint, max_bytes](int ready_fd) { return zmq_server(endpoint, max_bytes, ready_fd); });
 #else
     return Status{ErrorCode::kInvalidArgument, "built without libzmq"};
 #endif
@@ -453,9 +461,12 @@ BaselineServer::~BaselineServer() {
 Result<std::unique_ptr<Client>> connect_client(System system, const std::string& address, uint64_t max_bytes,
                                                const std::vector<uint64_t>& tensor_bytes) {
   switch (system) {
-    case System::kShmps: return ShmpsClient::connect(address, max_bytes, tensor_bytes);
-    case System::kSocket: return SocketClient::connect(address, max_bytes);
-    case System::kMessageQueue: return MqClient::connect(address, max_bytes);
+    case System::kShmps:
+      return ShmpsClient::connect(address, max_bytes, tensor_bytes);
+    case System::kSocket:
+      return SocketClient::connect(address, max_bytes);
+    case System::kMessageQueue:
+      return MqClient::connect(address, max_bytes);
     case System::kZmq:
 #if SHMPS_COMPARE_ZMQ
       return ZmqClient::connect(address, max_bytes);

@@ -41,11 +41,11 @@ using Clock = std::chrono::steady_clock;
   std::exit(1);
 }
 
-#define CK(expr)                                                                               \
-  do {                                                                                         \
-    const cudaError_t e_ = (expr);                                                             \
-    if (e_ != cudaSuccess) die(std::string(#expr) + ": " + cudaGetErrorName(e_) + " at " +     \
-                               __FILE__ + ":" + std::to_string(__LINE__));                     \
+#define CK(expr)                                                                                                  \
+  do {                                                                                                            \
+    const cudaError_t e_ = (expr);                                                                                \
+    if (e_ != cudaSuccess)                                                                                        \
+      die(std::string(#expr) + ": " + cudaGetErrorName(e_) + " at " + __FILE__ + ":" + std::to_string(__LINE__)); \
   } while (0)
 
 using shmps::bench::beside_this_program;
@@ -95,7 +95,8 @@ Exporter start_exporter() {
     while (::read(down[0], &size, sizeof size) == sizeof size && size != 0) {
       void* p = nullptr;
       cudaIpcMemHandle_t h{};
-      if (cudaMalloc(&p, size) != cudaSuccess || cudaIpcGetMemHandle(&h, p) != cudaSuccess) std::memset(&h, 0, sizeof h);
+      if (cudaMalloc(&p, size) != cudaSuccess || cudaIpcGetMemHandle(&h, p) != cudaSuccess)
+        std::memset(&h, 0, sizeof h);
       (void)!::write(up[1], &h, sizeof h);
       char ack = 0;
       (void)!::read(down[0], &ack, 1);
@@ -207,14 +208,16 @@ int main(int argc, char** argv) {
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--quick") quick = true;
+    if (a == "--quick")
+      quick = true;
     else if (a == "--push-worker" && i + 2 < argc) {
       // Internal: one of the 8 worker processes; prints its pushes/s.
       std::printf("%.1f\n", push_loop(argv[i + 1], std::atof(argv[i + 2]), nullptr));
       return 0;
     } else if (a == "--help" || a == "-h") {
-      std::printf("usage: shmps-gpu-bench [--quick | --version]\n  the CUDA backend's apply throughput, IPC open cost, push "
-                  "round trip and 8-worker pushes/s on the first visible GPU (docs/cuda.md)\n");
+      std::printf(
+          "usage: shmps-gpu-bench [--quick | --version]\n  the CUDA backend's apply throughput, IPC open cost, push "
+          "round trip and 8-worker pushes/s on the first visible GPU (docs/cuda.md)\n");
       return 0;
     } else if (a == "--version") {
       std::printf("shmps-gpu-bench %s\n", SHMPS_VERSION);
@@ -234,8 +237,8 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   CK(cudaSetDevice(0));
-  std::printf("shmps-gpu-bench%s on %s (sm_%d%d, %.1f GiB)\n", quick ? " --quick" : "", prop.name, prop.major, prop.minor,
-              static_cast<double>(prop.totalGlobalMem) / (1ull << 30));
+  std::printf("shmps-gpu-bench%s on %s (sm_%d%d, %.1f GiB)\n", quick ? " --quick" : "", prop.name, prop.major,
+              prop.minor, static_cast<double>(prop.totalGlobalMem) / (1ull << 30));
   cudaStream_t stream = nullptr;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
@@ -274,7 +277,8 @@ int main(int argc, char** argv) {
     ts.n = n;
     uint64_t step = 1;
     const double ms = time_ms(stream, repeats, [&] {
-      const std::string e = shmps::kernels::apply_cuda(c.config, ts, grad, shmps::kernels::GradDtype::kF32, step++, stream).message();
+      const std::string e =
+          shmps::kernels::apply_cuda(c.config, ts, grad, shmps::kernels::GradDtype::kF32, step++, stream).message();
       if (!e.empty()) die(e);
     });
     const double gbs = c.bytes_per_param * static_cast<double>(n) / (ms * 1e6);
@@ -289,14 +293,18 @@ int main(int argc, char** argv) {
 
   // IPC open cost per allocation size.
   std::printf("\n%-28s %12s %16s\n", "cudaIpcOpenMemHandle", "open (us)", "open+close (us)");
-  std::vector<uint64_t> sizes = quick ? std::vector<uint64_t>{2ull << 20, 64ull << 20, 1ull << 30}
-                                      : std::vector<uint64_t>{2ull << 20, 16ull << 20, 128ull << 20, 1ull << 30, 8ull << 30};
+  std::vector<uint64_t> sizes =
+      quick ? std::vector<uint64_t>{2ull << 20, 64ull << 20, 1ull << 30}
+            : std::vector<uint64_t>{2ull << 20, 16ull << 20, 128ull << 20, 1ull << 30, 8ull << 30};
   for (uint64_t size : sizes) {
     double open_us = 0;
     const double total_us = ipc_open_us(exporter, size, quick ? 3 : 7, &open_us);
-    const std::string label = size >= (1ull << 30) ? std::to_string(size >> 30) + " GiB" : std::to_string(size >> 20) + " MiB";
-    if (total_us < 0) std::printf("%-28s %12s %16s\n", label.c_str(), "(no alloc)", "");
-    else std::printf("%-28s %12.1f %16.1f\n", label.c_str(), open_us, total_us);
+    const std::string label =
+        size >= (1ull << 30) ? std::to_string(size >> 30) + " GiB" : std::to_string(size >> 20) + " MiB";
+    if (total_us < 0)
+      std::printf("%-28s %12s %16s\n", label.c_str(), "(no alloc)", "");
+    else
+      std::printf("%-28s %12.1f %16.1f\n", label.c_str(), open_us, total_us);
   }
   const uint64_t end_marker = 0;
   (void)!::write(exporter.to_child, &end_marker, sizeof end_marker);
@@ -307,14 +315,16 @@ int main(int argc, char** argv) {
   std::vector<double> lat;
   (void)push_loop(server->name(), quick ? 1.0 : 3.0, &lat);
   std::printf("\n%-28s %12s %12s %10s\n", "push round trip, 4 KB", "p50 (us)", "p99 (us)", "pushes");
-  std::printf("%-28s %12.1f %12.1f %10zu\n", "device buffer, event", percentile(lat, 0.5), percentile(lat, 0.99), lat.size());
+  std::printf("%-28s %12.1f %12.1f %10zu\n", "device buffer, event", percentile(lat, 0.5), percentile(lat, 0.99),
+              lat.size());
 
   // 8 worker processes (this program with --push-worker), one GPU.
   const int workers = 8;
   const double seconds = quick ? 2.0 : 5.0;
   std::vector<FILE*> pipes;
   for (int i = 0; i < workers; ++i) {
-    const std::string cmd = "'" + beside_this_program("shmps-gpu-bench") + "' --push-worker " + server->name() + " " + std::to_string(seconds);
+    const std::string cmd = "'" + beside_this_program("shmps-gpu-bench") + "' --push-worker " + server->name() + " " +
+                            std::to_string(seconds);
     FILE* f = ::popen(cmd.c_str(), "r");
     if (f == nullptr) die("popen");
     pipes.push_back(f);

@@ -144,7 +144,8 @@ class Harness {
   shm::LaneHeader& cq() const { return seg_->completions(kEntry); }
 
   void ring(uint32_t lane_index) {
-    seg_->header().doorbell[lane_index / 64].fetch_or(uint64_t{1} << (lane_index % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
+    seg_->header().doorbell[lane_index / 64].fetch_or(uint64_t{1} << (lane_index % 64),
+                                                      std::memory_order_seq_cst);  // SYNC(doorbell)
     shm::notify(seg_->header().server_wake);
   }
 
@@ -320,12 +321,24 @@ class Harness {
         const uint8_t field = in.byte();
         const uint64_t value = in.u64();
         switch (field % 6) {
-          case 0: entry().owner.store((uint64_t{pid_} << 32) | (value % 6), std::memory_order_release); break;
-          case 1: entry().owner.store(value, std::memory_order_release); break;
-          case 2: entry().lease = value; break;
-          case 3: entry().pid_start_time = (value & 1) != 0 ? start_time_ : value; break;
-          case 4: std::memcpy(&entry().stats_reply, &value, sizeof value); break;
-          case 5: entry().pushes_applied.store(value, std::memory_order_relaxed); break;  // relaxed: garbage on purpose
+          case 0:
+            entry().owner.store((uint64_t{pid_} << 32) | (value % 6), std::memory_order_release);
+            break;
+          case 1:
+            entry().owner.store(value, std::memory_order_release);
+            break;
+          case 2:
+            entry().lease = value;
+            break;
+          case 3:
+            entry().pid_start_time = (value & 1) != 0 ? start_time_ : value;
+            break;
+          case 4:
+            std::memcpy(&entry().stats_reply, &value, sizeof value);
+            break;
+          case 5:
+            entry().pushes_applied.store(value, std::memory_order_relaxed);
+            break;  // relaxed: garbage on purpose
         }
         if (field % 6 == 2) lease_ = value;  // later fixed-up requests carry it
         break;
@@ -337,10 +350,21 @@ class Harness {
         honest_ = false;
         // relaxed: garbage on purpose; the release stores of the ring order nothing here.
         switch (which % 4) {
-          case 0: tail_ = v; lane().tail.store(v, std::memory_order_release); ring(kEntry); break;
-          case 1: lane().head.store(v, std::memory_order_relaxed); break;
-          case 2: head_ = v; cq().head.store(v, std::memory_order_relaxed); break;
-          case 3: cq().tail.store(v, std::memory_order_relaxed); break;
+          case 0:
+            tail_ = v;
+            lane().tail.store(v, std::memory_order_release);
+            ring(kEntry);
+            break;
+          case 1:
+            lane().head.store(v, std::memory_order_relaxed);
+            break;
+          case 2:
+            head_ = v;
+            cq().head.store(v, std::memory_order_relaxed);
+            break;
+          case 3:
+            cq().tail.store(v, std::memory_order_relaxed);
+            break;
         }
         break;
       }
@@ -367,8 +391,8 @@ class Harness {
   uint64_t start_time_ = 0;
   uint64_t lease_ = 0;
   uint64_t next_id_ = 1;
-  uint64_t tail_ = 0, head_ = 0;  // our lane's producer index, our queue's consumer index
-  bool honest_ = true;            // no index poke since reset(): order is checked
+  uint64_t tail_ = 0, head_ = 0;   // our lane's producer index, our queue's consumer index
+  bool honest_ = true;             // no index poke since reset(): order is checked
   std::deque<uint64_t> expected_;  // request ids published and not answered yet
 };
 

@@ -23,9 +23,13 @@ ABOVE = 4  # comment lines above an access that may carry its tag or reason
 
 
 def statement_context(lines, i):
-    """Line i, the lines of its statement before it (a statement continued
-    over lines), and the comment lines right above the statement, joined."""
+    """Line i, the other lines of its statement (a statement continued over
+    lines), and the comment lines right above the statement, joined."""
     out = [lines[i]]
+    k = i
+    while k + 1 < len(lines) and len(out) < 4 and not lines[k].split("//")[0].rstrip().endswith((";", "{", "}")):
+        k += 1
+        out.append(lines[k])
     j = i - 1
     while j >= 0 and len(out) < 4 and lines[j].strip() and not lines[j].rstrip().endswith((";", "{", "}")) \
             and not lines[j].strip().startswith("//"):

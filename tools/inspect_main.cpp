@@ -33,7 +33,7 @@ volatile sig_atomic_t g_stop = 0;
 extern "C" void on_stop(int) { g_stop = 1; }
 
 void install_stop_handler() {
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = on_stop;
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGINT, &sa, nullptr);
@@ -47,8 +47,8 @@ void write_out(const std::string& text) {
 
 // One look at the segment: the rendered report in *out, or the error in *error.
 ExitCode inspect_once(const Options& o, std::string* out, std::string* error) {
-  shmps::inspect::Loaded loaded = o.file.empty() ? shmps::inspect::load_segment(o.name)
-                                                 : shmps::inspect::load_file(o.file);
+  shmps::inspect::Loaded loaded =
+      o.file.empty() ? shmps::inspect::load_segment(o.name) : shmps::inspect::load_file(o.file);
   if (loaded.exit != ExitCode::kOk) {
     *error = loaded.error;
     return loaded.exit;
@@ -91,14 +91,16 @@ ExitCode run_watch(const Options& o) {
     std::string out, error;
     rc = inspect_once(o, &out, &error);
     if (o.json) {
-      if (rc == ExitCode::kOk) write_out(out);
-      else std::fprintf(stderr, "shmps-inspect: %s\n", error.c_str());
+      if (rc == ExitCode::kOk)
+        write_out(out);
+      else
+        std::fprintf(stderr, "shmps-inspect: %s\n", error.c_str());
     } else {
       // ANSI: cursor home, clear screen.
       std::string screen = "\x1b[H\x1b[2J";
       screen += rc == ExitCode::kOk ? out : "shmps-inspect: " + error + "\n";
-      screen += "-- refresh " + std::to_string(n) + ", every " + std::to_string(o.interval_ms) +
-                " ms; Ctrl-C to stop --\n";
+      screen +=
+          "-- refresh " + std::to_string(n) + ", every " + std::to_string(o.interval_ms) + " ms; Ctrl-C to stop --\n";
       write_out(screen);
     }
     if (o.count != 0 && n == o.count) break;
@@ -113,17 +115,16 @@ ExitCode run_watch(const Options& o) {
 
 int main(int argc, char** argv) {
   Options o;
-  po::options_description visible("shmps-inspect [options] <name>\n"
-                                  "Prints the state of the shmps segment /dev/shm/shmps.<name> (read-only).\n"
-                                  "Options");
-  visible.add_options()
-      ("help,h", "this help")
-      ("version", "print the version and exit")
-      ("json", po::bool_switch(&o.json), "print one JSON document (with --watch: one per line)")
-      ("watch", po::bool_switch(&o.watch), "refresh a live view until SIGINT")
-      ("interval-ms", po::value(&o.interval_ms)->default_value(1000), "--watch: milliseconds between refreshes")
-      ("count", po::value(&o.count)->default_value(0), "--watch: stop after N refreshes (0: never)")
-      ("file", po::value(&o.file), "inspect a copy of a segment saved in this regular file instead");
+  po::options_description visible(
+      "shmps-inspect [options] <name>\n"
+      "Prints the state of the shmps segment /dev/shm/shmps.<name> (read-only).\n"
+      "Options");
+  visible.add_options()("help,h", "this help")("version", "print the version and exit")(
+      "json", po::bool_switch(&o.json), "print one JSON document (with --watch: one per line)")(
+      "watch", po::bool_switch(&o.watch), "refresh a live view until SIGINT")(
+      "interval-ms", po::value(&o.interval_ms)->default_value(1000), "--watch: milliseconds between refreshes")(
+      "count", po::value(&o.count)->default_value(0), "--watch: stop after N refreshes (0: never)")(
+      "file", po::value(&o.file), "inspect a copy of a segment saved in this regular file instead");
   po::options_description hidden;
   hidden.add_options()("name", po::value(&o.name));
   po::options_description all;
@@ -140,13 +141,13 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (vm.count("help") != 0) {
-      std::cout << visible << "\nExit codes: 0 ok, 1 error (usage, permission, I/O), 2 no such segment,\n"
-                              "3 corrupt/foreign/other layout version, 4 not published yet.\n";
+      std::cout << visible
+                << "\nExit codes: 0 ok, 1 error (usage, permission, I/O), 2 no such segment,\n"
+                   "3 corrupt/foreign/other layout version, 4 not published yet.\n";
       return 0;
     }
     po::notify(vm);
-    if (o.name.empty() == o.file.empty())
-      throw po::error("give a segment <name> or --file PATH, exactly one");
+    if (o.name.empty() == o.file.empty()) throw po::error("give a segment <name> or --file PATH, exactly one");
     if (o.watch && o.interval_ms == 0) throw po::error("--interval-ms must be at least 1");
     if (!o.watch && (!vm["count"].defaulted() || !vm["interval-ms"].defaulted()))
       throw po::error("--count and --interval-ms need --watch");

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <charconv>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -230,8 +230,8 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
     const shm::WeightsExportBlock& w = h.weights_export;
     const uint8_t* u = w.device_uuid;
     char uuid[48];
-    std::snprintf(uuid, sizeof uuid, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
-                  u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+    std::snprintf(uuid, sizeof uuid, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+                  u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
     snap.weights_export = WeightsExportView{uuid, w.allocation_bytes, w.weights_bytes};
   }
 
@@ -433,8 +433,9 @@ json to_json(const Snapshot& s) {
   for (const WorkerView& w : s.workers) {
     json buffers = json::array();
     for (const BufferView& b : w.buffers) {
-      json bj{{"id", b.id}, {"kind", buffer_kind_name(b.kind)}, {"flags", b.flags},
-              {"length", b.length}, {"offset", b.offset}, {"name", b.name}};
+      json bj{{"id", b.id},         {"kind", buffer_kind_name(b.kind)},
+              {"flags", b.flags},   {"length", b.length},
+              {"offset", b.offset}, {"name", b.name}};
       if (!b.device_uuid.empty()) bj["device_uuid"] = b.device_uuid;
       buffers.push_back(std::move(bj));
     }
@@ -456,7 +457,8 @@ json to_json(const Snapshot& s) {
   const uint32_t cap = h.lane_capacity;
   json lanes = json::array();
   for (const LaneView& l : s.lanes)
-    lanes.push_back(queue_json(l, [&](uint64_t index, const shm::Request& r) { return request_json(s, index, cap, r); }));
+    lanes.push_back(
+        queue_json(l, [&](uint64_t index, const shm::Request& r) { return request_json(s, index, cap, r); }));
   j["lanes"] = std::move(lanes);
   json completions = json::array();
   for (const CompletionQueueView& q : s.completions)
@@ -496,8 +498,9 @@ std::string request_text(const Snapshot& s, const shm::Request& r) {
   std::string out = "request " + std::to_string(r.request_id) + " " + opcode_name(r.opcode);
   const auto op = static_cast<shm::Opcode>(r.opcode);
   if (op == shm::Opcode::kPush || op == shm::Opcode::kPull)
-    out += " tensor " + (r.tensor_id == shm::kAllTensors ? std::string("all")
-                                                          : std::to_string(r.tensor_id) + " (" + tensor_label(s, r.tensor_id) + ")");
+    out += " tensor " + (r.tensor_id == shm::kAllTensors
+                             ? std::string("all")
+                             : std::to_string(r.tensor_id) + " (" + tensor_label(s, r.tensor_id) + ")");
   if (op == shm::Opcode::kPush || op == shm::Opcode::kPull || op == shm::Opcode::kRegisterBuffer ||
       op == shm::Opcode::kUnregisterBuffer)
     out += " buffer " + std::to_string(r.buffer_id);
@@ -520,7 +523,8 @@ template <typename Slot>
 std::string indices_text(const QueueView<Slot>& q, uint32_t capacity) {
   std::string out = "head " + std::to_string(q.head) + ", tail " + std::to_string(q.tail);
   if (q.corrupt)
-    out += ": corrupt indices (tail - head = " + std::to_string(q.depth) + " > capacity " + std::to_string(capacity) + ")";
+    out +=
+        ": corrupt indices (tail - head = " + std::to_string(q.depth) + " > capacity " + std::to_string(capacity) + ")";
   else
     out += ", depth " + std::to_string(q.depth);
   return out;
@@ -536,13 +540,13 @@ std::string render_text(const Snapshot& s) {
   o << "  magic           " << hex64(h.magic) << "\n";
   o << "  layout version  " << h.layout_version << "\n";
   o << "  segment size    " << h.segment_size << " bytes\n";
-  o << "  server          pid " << h.server_pid << " (" << (h.server_alive ? "alive" : "dead")
-    << "), start time " << h.server_start_time << "\n";
+  o << "  server          pid " << h.server_pid << " (" << (h.server_alive ? "alive" : "dead") << "), start time "
+    << h.server_start_time << "\n";
   o << "  generation      " << hex64(h.generation) << "\n";
   o << "  state           " << server_state_name(h.server_state) << "\n";
   o << "  heartbeat       " << age_text(h.heartbeat_age_ms, h.heartbeat_ns) << "\n";
-  o << "  geometry        " << h.tensor_count << " tensors (" << h.total_elements << " elements), "
-    << h.max_workers << " workers x " << h.max_buffers << " buffers, lane capacity " << h.lane_capacity << "\n";
+  o << "  geometry        " << h.tensor_count << " tensors (" << h.total_elements << " elements), " << h.max_workers
+    << " workers x " << h.max_buffers << " buffers, lane capacity " << h.lane_capacity << "\n";
   std::string bells;
   for (uint64_t w : h.doorbell) bells += (bells.empty() ? "" : " ") + hex64(w);
   o << "  doorbell        " << bells << "\n";
@@ -550,9 +554,9 @@ std::string render_text(const Snapshot& s) {
   const ConfigView& c = s.config;
   o << "== config ==\n";
   o << "  optimizer       " << optimizer_name(c.optimizer_kind) << "\n";
-  o << "  hyperparameters lr " << num(c.lr) << ", momentum " << num(c.momentum) << ", dampening "
-    << num(c.dampening) << ", weight_decay " << num(c.weight_decay) << ", beta1 " << num(c.beta1) << ", beta2 "
-    << num(c.beta2) << ", eps " << num(c.eps) << "\n";
+  o << "  hyperparameters lr " << num(c.lr) << ", momentum " << num(c.momentum) << ", dampening " << num(c.dampening)
+    << ", weight_decay " << num(c.weight_decay) << ", beta1 " << num(c.beta1) << ", beta2 " << num(c.beta2) << ", eps "
+    << num(c.eps) << "\n";
   o << "  max_staleness   " << c.max_staleness << "\n";
   o << "  backend         " << backend_name(c.backend) << "\n";
   o << "  flags           " << config_flags_text(c.flags) << "\n";
@@ -563,8 +567,7 @@ std::string render_text(const Snapshot& s) {
   o << "== tensors (" << s.tensors.size() << ") ==\n";
   size_t name_width = 4;
   for (const TensorView& t : s.tensors) name_width = std::max(name_width, t.name.size());
-  o << "  " << pad("id", 6) << pad("name", name_width + 2) << pad("shape", 16) << pad("elements", 14)
-    << "offset\n";
+  o << "  " << pad("id", 6) << pad("name", name_width + 2) << pad("shape", 16) << pad("elements", 14) << "offset\n";
   for (const TensorView& t : s.tensors) {
     o << "  " << pad(std::to_string(t.id), 6) << pad(t.name, name_width + 2) << pad(shape_text(t), 16)
       << pad(std::to_string(t.element_count), 14) << t.element_offset;
@@ -575,7 +578,10 @@ std::string render_text(const Snapshot& s) {
   o << "== workers (" << s.workers.size() << " of " << h.max_workers << " entries in use) ==\n";
   for (const WorkerView& w : s.workers) {
     o << "  worker " << w.id << ": " << worker_state_name(w.state) << ", pid " << w.pid << " ("
-      << (w.pid_stopped ? "stopped" : w.pid_alive ? "alive" : "dead") << "), lease " << hex64(w.lease);
+      << (w.pid_stopped ? "stopped"
+          : w.pid_alive ? "alive"
+                        : "dead")
+      << "), lease " << hex64(w.lease);
     // kDetached with a living process: an eviction (or a detach) its
     // process has not yet acknowledged; the entry stays out of use until it does.
     if (w.state == static_cast<uint32_t>(shm::WorkerState::kDetached) && w.pid_alive)
@@ -623,8 +629,8 @@ std::string render_text(const Snapshot& s) {
   o << "  ring depth      " << st.ring_depth << " (high-water mark " << st.ring_high_water << ")\n";
   o << "  workers         " << st.workers_attached << " attached, " << st.workers_died << " died, "
     << st.workers_evicted << " evicted\n";
-  o << "  buffers         " << st.buffers_registered << " registered, mappings " << st.mappings_opened
-    << " opened, " << st.mappings_closed << " closed\n";
+  o << "  buffers         " << st.buffers_registered << " registered, mappings " << st.mappings_opened << " opened, "
+    << st.mappings_closed << " closed\n";
   o << "  lanes corrupt   " << st.lanes_corrupt << "\n";
   return o.str();
 }

@@ -26,38 +26,38 @@ struct HeaderView {
   uint64_t segment_size = 0;
   uint64_t generation = 0;
   uint32_t server_pid = 0;
-  uint64_t server_start_time = 0;           // clock ticks since boot
-  bool server_alive = false;                // process_alive(pid, start time) on this host, now
-  uint32_t server_state = 0;                // shm::ServerState, unchecked
-  uint64_t heartbeat_ns = 0;                // CLOCK_MONOTONIC
-  std::optional<uint64_t> heartbeat_age_ms; // empty when the heartbeat lies in the future
+  uint64_t server_start_time = 0;            // clock ticks since boot
+  bool server_alive = false;                 // process_alive(pid, start time) on this host, now
+  uint32_t server_state = 0;                 // shm::ServerState, unchecked
+  uint64_t heartbeat_ns = 0;                 // CLOCK_MONOTONIC
+  std::optional<uint64_t> heartbeat_age_ms;  // empty when the heartbeat lies in the future
   uint32_t tensor_count = 0;
   uint32_t max_workers = 0;
   uint32_t max_buffers = 0;
   uint32_t lane_capacity = 0;
   uint64_t total_elements = 0;
-  std::vector<uint64_t> doorbell;           // the lane bitmap words
+  std::vector<uint64_t> doorbell;  // the lane bitmap words
 };
 
 struct ConfigView {
   uint32_t optimizer_kind = 0;  // shm::OptimizerKind, unchecked
   uint32_t flags = 0;           // shm::kConfig*
   float lr = 0, momentum = 0, dampening = 0, weight_decay = 0, beta1 = 0, beta2 = 0, eps = 0;
-  uint32_t backend = 0;         // shm::Backend, unchecked
+  uint32_t backend = 0;  // shm::Backend, unchecked
   uint64_t max_staleness = 0;
 };
 
 // The weights' CUDA IPC export (SegmentHeader::weights_export), when the
 // server runs the CUDA backend. The handle itself is not shown.
 struct WeightsExportView {
-  std::string device_uuid;        // "GPU-xxxxxxxx-...", as nvidia-smi -L prints it
+  std::string device_uuid;  // "GPU-xxxxxxxx-...", as nvidia-smi -L prints it
   uint64_t allocation_bytes = 0;
   uint64_t weights_bytes = 0;
 };
 
 struct TensorView {
   uint32_t id = 0;
-  std::string name;             // printable (see printable_name)
+  std::string name;  // printable (see printable_name)
   uint32_t dtype = 0;
   uint32_t ndim = 0;
   std::vector<uint64_t> shape;  // min(ndim, kMaxDims) dims
@@ -67,21 +67,21 @@ struct TensorView {
 
 struct BufferView {
   uint32_t id = 0;
-  uint32_t kind = 0;            // shm::BufferKind, unchecked
+  uint32_t kind = 0;  // shm::BufferKind, unchecked
   uint32_t flags = 0;
-  uint64_t length = 0;          // bytes
-  uint64_t offset = 0;          // bytes
-  std::string name;             // kHostShm: the object name, printable; kCudaIpc: ""
-  std::string device_uuid;      // kCudaIpc: 32 hex digits; otherwise ""
+  uint64_t length = 0;      // bytes
+  uint64_t offset = 0;      // bytes
+  std::string name;         // kHostShm: the object name, printable; kCudaIpc: ""
+  std::string device_uuid;  // kCudaIpc: 32 hex digits; otherwise ""
 };
 
 struct WorkerView {
   uint32_t id = 0;
-  uint32_t pid = 0;             // from the owner word
-  uint32_t state = 0;           // shm::WorkerState, unchecked
+  uint32_t pid = 0;    // from the owner word
+  uint32_t state = 0;  // shm::WorkerState, unchecked
   uint64_t pid_start_time = 0;
-  bool pid_alive = false;       // process_alive(pid, pid_start_time) on this host, now
-  bool pid_stopped = false;     // alive but stopped (SIGSTOP, a tracer): the server evicts it after a while
+  bool pid_alive = false;    // process_alive(pid, pid_start_time) on this host, now
+  bool pid_stopped = false;  // alive but stopped (SIGSTOP, a tracer): the server evicts it after a while
   uint64_t lease = 0;
   uint64_t pushes_applied = 0;
   uint64_t pushes_rejected = 0;
@@ -95,10 +95,10 @@ struct WorkerView {
 template <typename Slot>
 struct QueueView {
   uint32_t worker = 0;
-  uint64_t head = 0;            // consumer's index
-  uint64_t tail = 0;            // producer's index
-  uint64_t depth = 0;           // tail - head (meaningless when corrupt)
-  bool corrupt = false;         // tail - head > capacity: the slots are not decoded
+  uint64_t head = 0;              // consumer's index
+  uint64_t tail = 0;              // producer's index
+  uint64_t depth = 0;             // tail - head (meaningless when corrupt)
+  bool corrupt = false;           // tail - head > capacity: the slots are not decoded
   std::vector<uint64_t> indices;  // free-running index of each pending slot
   std::vector<Slot> slots;        // copies of the pending slots, in order
 };
@@ -114,14 +114,14 @@ struct StatsView {
 };
 
 struct Snapshot {
-  std::string source;                // "/dev/shm/shmps.<name>" or the file's path
-  uint64_t taken_ns = 0;             // CLOCK_MONOTONIC when it was taken
+  std::string source;     // "/dev/shm/shmps.<name>" or the file's path
+  uint64_t taken_ns = 0;  // CLOCK_MONOTONIC when it was taken
   HeaderView header;
   ConfigView config;
   std::optional<WeightsExportView> weights_export;  // absent with the host backend
   std::vector<TensorView> tensors;
-  std::vector<WorkerView> workers;   // entries that are not free
-  std::vector<LaneView> lanes;       // request lanes that are not empty (or corrupt)
+  std::vector<WorkerView> workers;               // entries that are not free
+  std::vector<LaneView> lanes;                   // request lanes that are not empty (or corrupt)
   std::vector<CompletionQueueView> completions;  // queues of entries in use, or with indices != 0
   StatsView stats;
 };

@@ -63,12 +63,12 @@ Loaded load_file(const std::string& path) {
     if (err == ENOENT) return failure(ExitCode::kNoSegment, "no such file '" + path + "'");
     return failure(ExitCode::kError, "open '" + path + "': " + errno_text(err));
   }
-  struct stat st{};
+  struct stat st {};
   if (::fstat(f.fd, &st) != 0) return failure(ExitCode::kError, "fstat '" + path + "': " + errno_text(errno));
   if (!S_ISREG(st.st_mode)) return failure(ExitCode::kError, "'" + path + "' is not a regular file");
   const auto size = static_cast<uint64_t>(st.st_size);
-  const shm::Geometry largest = shm::compute_geometry(shm::kMaxTensorsLimit, shm::kMaxWorkersLimit,
-                                                      shm::kMaxBuffersLimit, shm::kMaxLaneCapacity);
+  const shm::Geometry largest =
+      shm::compute_geometry(shm::kMaxTensorsLimit, shm::kMaxWorkersLimit, shm::kMaxBuffersLimit, shm::kMaxLaneCapacity);
   if (size > largest.segment_size)
     return failure(ExitCode::kBadSegment, "'" + path + "' holds " + std::to_string(size) +
                                               " bytes, more than any shmps segment (" +
@@ -96,10 +96,14 @@ Loaded load_file(const std::string& path) {
 
 ExitCode exit_code_for(const Status& status) {
   switch (status.code()) {
-    case ErrorCode::kOk: return ExitCode::kOk;
-    case ErrorCode::kLayoutMismatch: return ExitCode::kBadSegment;
-    case ErrorCode::kServerNotRunning: return ExitCode::kUnpublished;
-    default: return ExitCode::kError;
+    case ErrorCode::kOk:
+      return ExitCode::kOk;
+    case ErrorCode::kLayoutMismatch:
+      return ExitCode::kBadSegment;
+    case ErrorCode::kServerNotRunning:
+      return ExitCode::kUnpublished;
+    default:
+      return ExitCode::kError;
   }
 }
 

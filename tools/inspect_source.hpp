@@ -25,20 +25,20 @@ enum class ExitCode : int {
 };
 
 struct Image {
-  std::string source;                        // "/dev/shm/shmps.<name>" or the file's path
+  std::string source;  // "/dev/shm/shmps.<name>" or the file's path
   const void* data = nullptr;
-  size_t size = 0;                           // bytes
-  std::unique_ptr<shm::Segment> segment;     // live: owns the read-only mapping
+  size_t size = 0;                        // bytes
+  std::unique_ptr<shm::Segment> segment;  // live: owns the read-only mapping
   struct Free {
     void operator()(void* p) const noexcept { std::free(p); }
   };
-  std::unique_ptr<void, Free> copy;          // file: owns the copy
+  std::unique_ptr<void, Free> copy;  // file: owns the copy
 };
 
 struct Loaded {
-  Image image;                    // valid when exit == kOk
+  Image image;  // valid when exit == kOk
   ExitCode exit = ExitCode::kOk;
-  std::string error;              // what went wrong, when exit != kOk
+  std::string error;  // what went wrong, when exit != kOk
 };
 
 // Opens "shmps.<name>" read-only with Segment::open (which validates it and

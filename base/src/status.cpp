@@ -7,29 +7,52 @@ namespace shmps {
 
 std::string_view error_code_name(ErrorCode code) noexcept {
   switch (code) {
-    case ErrorCode::kOk: return "ok";
-    case ErrorCode::kStale: return "stale";
-    case ErrorCode::kBadLength: return "bad_length";
-    case ErrorCode::kBadDtype: return "bad_dtype";
-    case ErrorCode::kNonFinite: return "non_finite";
-    case ErrorCode::kUnknownWorker: return "unknown_worker";
-    case ErrorCode::kUnknownBuffer: return "unknown_buffer";
-    case ErrorCode::kUnknownTensor: return "unknown_tensor";
-    case ErrorCode::kBadRange: return "bad_range";
-    case ErrorCode::kBadRequest: return "bad_request";
-    case ErrorCode::kBusy: return "busy";
-    case ErrorCode::kTimeout: return "timeout";
-    case ErrorCode::kServerNotRunning: return "server_not_running";
-    case ErrorCode::kServerRestarted: return "server_restarted";
-    case ErrorCode::kLayoutMismatch: return "layout_mismatch";
-    case ErrorCode::kPermission: return "permission";
-    case ErrorCode::kNoCapacity: return "no_capacity";
-    case ErrorCode::kInvalidArgument: return "invalid_argument";
-    case ErrorCode::kIo: return "io";
-    case ErrorCode::kShuttingDown: return "shutting_down";
-    case ErrorCode::kCuda: return "cuda";
-    case ErrorCode::kInternal: return "internal";
-    case ErrorCode::kInitRefused: return "init_refused";
+    case ErrorCode::kOk:
+      return "ok";
+    case ErrorCode::kStale:
+      return "stale";
+    case ErrorCode::kBadLength:
+      return "bad_length";
+    case ErrorCode::kBadDtype:
+      return "bad_dtype";
+    case ErrorCode::kNonFinite:
+      return "non_finite";
+    case ErrorCode::kUnknownWorker:
+      return "unknown_worker";
+    case ErrorCode::kUnknownBuffer:
+      return "unknown_buffer";
+    case ErrorCode::kUnknownTensor:
+      return "unknown_tensor";
+    case ErrorCode::kBadRange:
+      return "bad_range";
+    case ErrorCode::kBadRequest:
+      return "bad_request";
+    case ErrorCode::kBusy:
+      return "busy";
+    case ErrorCode::kTimeout:
+      return "timeout";
+    case ErrorCode::kServerNotRunning:
+      return "server_not_running";
+    case ErrorCode::kServerRestarted:
+      return "server_restarted";
+    case ErrorCode::kLayoutMismatch:
+      return "layout_mismatch";
+    case ErrorCode::kPermission:
+      return "permission";
+    case ErrorCode::kNoCapacity:
+      return "no_capacity";
+    case ErrorCode::kInvalidArgument:
+      return "invalid_argument";
+    case ErrorCode::kIo:
+      return "io";
+    case ErrorCode::kShuttingDown:
+      return "shutting_down";
+    case ErrorCode::kCuda:
+      return "cuda";
+    case ErrorCode::kInternal:
+      return "internal";
+    case ErrorCode::kInitRefused:
+      return "init_refused";
   }
   return "unknown";
 }

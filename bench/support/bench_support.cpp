@@ -45,16 +45,14 @@ std::optional<int> parse_command_line(int argc, char** argv, const std::string& 
   namespace po = boost::program_options;
   const std::string section_help = "run only these sections (1.." + std::to_string(max_section) + ")";
   po::options_description desc(caption);
-  desc.add_options()
-      ("help,h", "print this help and exit")
-      ("version", "print the version and exit")
-      ("quick", po::bool_switch(&out.quick), "smoke mode: tiny sizes, few iterations (CI); figures meaningless")
-      ("repeats", po::value(&out.repeats), "repeats per figure (medians over them)")
-      ("csv", po::value(&out.csv_path), "also write every cell to FILE (section,row,column,value)")
-      ("section", po::value(&out.sections)->multitoken(), section_help.c_str())
-      ("server", po::value(&out.server_path), "shmps-server to run (default: beside this program)")
-      ("server-arg", po::value(&out.server_args)->composing(),
-       "append ARG to every shmps-server's command line (repeatable), e.g. --server-arg=--max-workers=4");
+  desc.add_options()("help,h", "print this help and exit")("version", "print the version and exit")(
+      "quick", po::bool_switch(&out.quick), "smoke mode: tiny sizes, few iterations (CI); figures meaningless")(
+      "repeats", po::value(&out.repeats), "repeats per figure (medians over them)")(
+      "csv", po::value(&out.csv_path), "also write every cell to FILE (section,row,column,value)")(
+      "section", po::value(&out.sections)->multitoken(), section_help.c_str())(
+      "server", po::value(&out.server_path), "shmps-server to run (default: beside this program)")(
+      "server-arg", po::value(&out.server_args)->composing(),
+      "append ARG to every shmps-server's command line (repeatable), e.g. --server-arg=--max-workers=4");
   desc.add(extra);
   po::variables_map vm;
   try {
@@ -160,8 +158,7 @@ std::string fixed(double value, int digits) {
 
 // ------------------------------------------------------------ report
 
-void Csv::add(const std::string& section, const std::string& row, const std::string& column,
-              const std::string& value) {
+void Csv::add(const std::string& section, const std::string& row, const std::string& column, const std::string& value) {
   text_ += csv_cell(section) + "," + csv_cell(row) + "," + csv_cell(column) + "," + csv_cell(value) + "\n";
 }
 
@@ -257,7 +254,7 @@ bool write_full(int fd, const void* buf, size_t n) {
 void StartBarrier::arrive_and_wait() noexcept {
   // Release/acquire on both words: the parent counts arrivals and releases
   // the children; nothing else is published through them.
-  arrived.fetch_add(1, std::memory_order_acq_rel);                     // SYNC(bench_arrived)
+  arrived.fetch_add(1, std::memory_order_acq_rel);                   // SYNC(bench_arrived)
   while (go.load(std::memory_order_acquire) == 0) sleep_ns(20'000);  // SYNC(bench_go)
 }
 
@@ -280,7 +277,9 @@ Result<Series> run_children(uint32_t children, uint32_t series, size_t max_sampl
   if (!arena.ok()) return arena.status();
   char* base = static_cast<char*>((*arena)->data());
   auto* header = new (base) ArenaHeader{};
-  const auto slot = [&](uint32_t child, uint32_t s) { return base + kHeaderBytes + (size_t{child} * series + s) * block; };
+  const auto slot = [&](uint32_t child, uint32_t s) {
+    return base + kHeaderBytes + (size_t{child} * series + s) * block;
+  };
 
   std::vector<Child> procs;
   for (uint32_t k = 0; k < children; ++k) {
@@ -337,8 +336,8 @@ Result<Series> run_children(uint32_t children, uint32_t series, size_t max_sampl
 // ------------------------------------------------------------ shmps-server
 
 Result<std::unique_ptr<ServerProcess>> start_server_process(const std::string& server_path, const std::string& name,
-                                                           const std::vector<std::string>& args,
-                                                           const std::string& log_path) {
+                                                            const std::vector<std::string>& args,
+                                                            const std::string& log_path) {
   ServerProcess::Options o;
   o.binary = server_path;
   o.name = name;
@@ -352,7 +351,7 @@ Result<std::unique_ptr<ServerProcess>> start_server_process(const std::string& s
 std::string segment_name(const std::string& tag) { return "bench_" + std::to_string(::getpid()) + "_" + tag; }
 
 uint64_t segment_bytes(const std::string& name) {
-  struct stat st{};
+  struct stat st {};
   if (::stat(("/dev/shm/" + shm::segment_object_name(name)).c_str(), &st) != 0) return 0;
   return static_cast<uint64_t>(st.st_size);
 }

@@ -31,7 +31,7 @@ namespace shmps::bench {
 // --section, --server, --server-arg), parsed in one place.
 struct CommonOptions {
   bool quick = false;
-  uint32_t repeats = 0;                  // as given; 0 when not given (the program's default applies)
+  uint32_t repeats = 0;  // as given; 0 when not given (the program's default applies)
   bool repeats_given = false;
   std::string csv_path;                  // "" : no CSV
   std::vector<int> sections;             // every section when not given
@@ -81,8 +81,7 @@ std::string fixed(double value, int digits);
 // Collects every printed cell as a tidy CSV row: section,row,column,value.
 class Csv {
  public:
-  void add(const std::string& section, const std::string& row, const std::string& column,
-           const std::string& value);
+  void add(const std::string& section, const std::string& row, const std::string& column, const std::string& value);
   // Errors: kIo naming the file.
   Status write(const std::string& path) const;
 
@@ -141,7 +140,9 @@ bool write_full(int fd, const void* buf, size_t n);
 // A benchmark's child process (shmps::ChildProcess), forked running a
 // function, which dies with the benchmark.
 using Child = ChildProcess;
-inline Result<Child> fork_child(const std::function<int()>& fn) { return ChildProcess::fork_run(fn, /*die_with_parent=*/true); }
+inline Result<Child> fork_child(const std::function<int()>& fn) {
+  return ChildProcess::fork_run(fn, /*die_with_parent=*/true);
+}
 
 // The start barrier of concurrent measuring children: each calls
 // arrive_and_wait() once its setup is done; the parent releases all at once.
@@ -184,8 +185,8 @@ inline void escape(void* p) { asm volatile("" : : "g"(p) : "memory"); }
 // worker can attach (120 s at most). The server is stopped (SIGTERM, then
 // SIGKILL after 10 s) and its segment removed when the pointer goes.
 Result<std::unique_ptr<ServerProcess>> start_server_process(const std::string& server_path, const std::string& name,
-                                                           const std::vector<std::string>& args,
-                                                           const std::string& log_path);
+                                                            const std::vector<std::string>& args,
+                                                            const std::string& log_path);
 
 // A unique --name for this bench run: "bench_<pid>_<tag>".
 std::string segment_name(const std::string& tag);

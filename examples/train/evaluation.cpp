@@ -16,10 +16,8 @@ constexpr size_t kTrainLossSamples = 10000;  // fixed training subset the curve 
 constexpr size_t kEvalBatch = 1000;
 
 void print(const CurvePoint& p) {
-  std::printf(
-      "epoch %.2f  train_loss %.4f  test_acc %.4f  pushes/s %.0f  rejected %llu  avg_staleness %.2f\n",
-      p.epoch, p.train_loss, p.test_acc, p.pushes_per_s, static_cast<unsigned long long>(p.rejected),
-      p.avg_staleness);
+  std::printf("epoch %.2f  train_loss %.4f  test_acc %.4f  pushes/s %.0f  rejected %llu  avg_staleness %.2f\n", p.epoch,
+              p.train_loss, p.test_acc, p.pushes_per_s, static_cast<unsigned long long>(p.rejected), p.avg_staleness);
   std::fflush(stdout);
 }
 
@@ -32,7 +30,10 @@ std::string EvalSchedule::too_many() const {
 }
 
 Curve::Curve(const MlpShape& shape, const Dataset& train, const Dataset& test, uint64_t per_epoch, bool defer)
-    : train_(train), test_(test), mlp_(std::make_unique<Mlp>(shape, kEvalBatch)), per_epoch_(per_epoch),
+    : train_(train),
+      test_(test),
+      mlp_(std::make_unique<Mlp>(shape, kEvalBatch)),
+      per_epoch_(per_epoch),
       defer_(defer) {}
 
 void Curve::record(Snapshot snapshot) {
@@ -45,8 +46,10 @@ void Curve::record(Snapshot snapshot) {
 }
 
 void Curve::mark_training_start() {
-  if (defer_) deferred_.back().elapsed_s = 0.0;
-  else points_.back().elapsed_s = 0.0;
+  if (defer_)
+    deferred_.back().elapsed_s = 0.0;
+  else
+    points_.back().elapsed_s = 0.0;
 }
 
 void Curve::score_deferred() {

@@ -27,9 +27,7 @@ struct EvalSchedule {
   uint64_t epochs = 1;
   uint64_t evals_per_epoch = 1;
   uint64_t eval_every = 0;  // > 0: every N pushes instead
-  uint64_t count() const {
-    return eval_every != 0 ? (total + eval_every - 1) / eval_every : epochs * evals_per_epoch;
-  }
+  uint64_t count() const { return eval_every != 0 ? (total + eval_every - 1) / eval_every : epochs * evals_per_epoch; }
   uint64_t at(uint64_t k) const { return eval_every != 0 ? k * eval_every : per_epoch * k / evals_per_epoch; }
   // Deferred scoring keeps every snapshot until training ends: refuse a
   // schedule that would hold more than kMaxSnapshots.

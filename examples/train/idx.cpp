@@ -40,8 +40,7 @@ class IdxFile {
     errno = 0;
     f.file_.reset(gzopen(path.c_str(), "rb"));
     if (!f.file_) {
-      return Status(ErrorCode::kIo,
-                    path + ": cannot open: " + (errno != 0 ? std::strerror(errno) : "out of memory"));
+      return Status(ErrorCode::kIo, path + ": cannot open: " + (errno != 0 ? std::strerror(errno) : "out of memory"));
     }
     gzbuffer(f.file_.get(), 1 << 17);
     return f;
@@ -60,8 +59,8 @@ class IdxFile {
         return Status(ErrorCode::kIo, path_ + ": corrupt data while reading " + what + ": " + msg);
       }
       if (got == 0) {
-        return Status(ErrorCode::kIo, path_ + ": truncated: " + what + " ends after " + std::to_string(done) +
-                                          " of " + std::to_string(n) + " bytes");
+        return Status(ErrorCode::kIo, path_ + ": truncated: " + what + " ends after " + std::to_string(done) + " of " +
+                                          std::to_string(n) + " bytes");
       }
       done += static_cast<size_t>(got);
     }
@@ -152,16 +151,15 @@ Result<std::vector<uint8_t>> read_idx_labels(const std::string& path, size_t lim
   if (Status s = f.read(labels.data(), n, "the label data"); !s.ok()) return s;
   for (size_t i = 0; i < n; ++i) {
     if (labels[i] >= kNumClasses) {
-      return Status(ErrorCode::kInvalidArgument, path + ": label " + std::to_string(labels[i]) +
-                                                     " of example " + std::to_string(i) + " is outside 0.." +
+      return Status(ErrorCode::kInvalidArgument, path + ": label " + std::to_string(labels[i]) + " of example " +
+                                                     std::to_string(i) + " is outside 0.." +
                                                      std::to_string(kNumClasses - 1));
     }
   }
   return labels;
 }
 
-Result<Dataset> load_idx_dataset(const std::string& images_path, const std::string& labels_path,
-                                 size_t limit) {
+Result<Dataset> load_idx_dataset(const std::string& images_path, const std::string& labels_path, size_t limit) {
   // Read all labels (they are small) so a count mismatch is caught even
   // when `limit` keeps only a prefix.
   Result<std::vector<uint8_t>> labels = read_idx_labels(labels_path);
@@ -190,8 +188,7 @@ Result<Dataset> load_fashion_mnist(const std::string& dir, Split split, size_t l
     const std::string gz = base + ".gz";
     return std::filesystem::exists(gz, ec) || !std::filesystem::exists(base, ec) ? gz : base;
   };
-  Result<Dataset> d =
-      load_idx_dataset(pick(prefix + "-images-idx3-ubyte"), pick(prefix + "-labels-idx1-ubyte"), limit);
+  Result<Dataset> d = load_idx_dataset(pick(prefix + "-images-idx3-ubyte"), pick(prefix + "-labels-idx1-ubyte"), limit);
   if (!d.ok()) return d;
   if (d->features != 28 * 28) {
     return Status(ErrorCode::kInvalidArgument, prefix + "-images-idx3-ubyte: images have " +

@@ -48,8 +48,7 @@ Result<std::vector<uint8_t>> read_idx_labels(const std::string& path, size_t lim
 
 // Reads an image file and its label file; their counts must match
 // (kInvalidArgument otherwise, both files and counts in the message).
-Result<Dataset> load_idx_dataset(const std::string& images_path, const std::string& labels_path,
-                                 size_t limit = 0);
+Result<Dataset> load_idx_dataset(const std::string& images_path, const std::string& labels_path, size_t limit = 0);
 
 enum class Split { kTrain, kTest };
 

@@ -22,7 +22,10 @@ using Clock = std::chrono::steady_clock;
 class LocalPath final : public UpdatePath {
  public:
   LocalPath(const MlpShape& shape, std::vector<float> init, const kernels::OptimizerConfig& config)
-      : config_(config), tensors_(mlp_tensors(shape)), weights_(std::move(init)), grad_(weights_.size()),
+      : config_(config),
+        tensors_(mlp_tensors(shape)),
+        weights_(std::move(init)),
+        grad_(weights_.size()),
         steps_(tensors_.size(), 0) {
     state_.resize(kernels::state_arrays(config_));
     for (std::vector<float>& a : state_) a.assign(weights_.size(), 0.0f);
@@ -74,8 +77,7 @@ int run_in_process(const Options& o, const MlpShape& shape, const Dataset& train
     return kExitUsage;
   }
   std::printf("shmps-train: in-process (no server), batch %zu, %s lr %s, %zu epochs of %llu updates\n", o.batch,
-              o.optimizer.c_str(), format_double(o.lr).c_str(), o.epochs,
-              static_cast<unsigned long long>(per_epoch));
+              o.optimizer.c_str(), format_double(o.lr).c_str(), o.epochs, static_cast<unsigned long long>(per_epoch));
   std::fflush(stdout);
 
   Clock::time_point start = Clock::now();

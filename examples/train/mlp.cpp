@@ -67,7 +67,7 @@ CpuFeatures cpu_features() {
 }
 
 std::string better_blas_coretype(std::string_view chosen, const CpuFeatures& cpu) {
-  static constexpr std::string_view kWithoutAvx2[] = {"Prescott", "Core2", "Penryn", "Dunnington",
+  static constexpr std::string_view kWithoutAvx2[] = {"Prescott", "Core2", "Penryn",     "Dunnington",
                                                       "Nehalem",  "Atom",  "Sandybridge"};
   if (std::find(std::begin(kWithoutAvx2), std::end(kWithoutAvx2), chosen) == std::end(kWithoutAvx2)) return "";
   if (cpu.avx512_skx) return "SkylakeX";
@@ -87,8 +87,7 @@ Mlp::Mlp(const MlpShape& shape, size_t max_batch)
       logits_(max_batch_ * shape.classes),
       dhidden_(max_batch_ * shape.hidden) {}
 
-double Mlp::forward(const float* params, const float* x, const uint8_t* labels, size_t batch,
-                    size_t* correct) {
+double Mlp::forward(const float* params, const float* x, const uint8_t* labels, size_t batch, size_t* correct) {
   const auto n = static_cast<int>(batch);
   const auto in = static_cast<int>(shape_.inputs);
   const auto hid = static_cast<int>(shape_.hidden);
@@ -96,14 +95,12 @@ double Mlp::forward(const float* params, const float* x, const uint8_t* labels, 
   // hidden = relu(x W1^T + b1)
   float* h = hidden_.data();
   for (size_t i = 0; i < batch; ++i) std::copy_n(params + b1_, shape_.hidden, h + i * shape_.hidden);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, hid, in, 1.0f, x, in, params + w1_, in, 1.0f, h,
-              hid);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, hid, in, 1.0f, x, in, params + w1_, in, 1.0f, h, hid);
   for (size_t i = 0; i < batch * shape_.hidden; ++i) h[i] = std::max(h[i], 0.0f);
   // logits = hidden W2^T + b2
   float* z = logits_.data();
   for (size_t i = 0; i < batch; ++i) std::copy_n(params + b2_, shape_.classes, z + i * shape_.classes);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, cls, hid, 1.0f, h, hid, params + w2_, hid, 1.0f, z,
-              cls);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, cls, hid, 1.0f, h, hid, params + w2_, hid, 1.0f, z, cls);
   // Softmax in place; loss = logsumexp(z) - z[label], in double.
   double loss = 0.0;
   for (size_t i = 0; i < batch; ++i) {
@@ -124,8 +121,7 @@ double Mlp::forward(const float* params, const float* x, const uint8_t* labels, 
   return loss;
 }
 
-double Mlp::loss_and_gradient(const float* params, const float* x, const uint8_t* labels, size_t batch,
-                              float* grad) {
+double Mlp::loss_and_gradient(const float* params, const float* x, const uint8_t* labels, size_t batch, float* grad) {
   const double loss = forward(params, x, labels, batch, nullptr);
   const auto n = static_cast<int>(batch);
   const auto in = static_cast<int>(shape_.inputs);
@@ -141,8 +137,7 @@ double Mlp::loss_and_gradient(const float* params, const float* x, const uint8_t
     for (size_t c = 0; c < shape_.classes; ++c) dzi[c] *= scale;
   }
   // dW2 = dz^T hidden; db2 = column sums of dz.
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cls, hid, n, 1.0f, dz, cls, h, hid, 0.0f, grad + w2_,
-              hid);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cls, hid, n, 1.0f, dz, cls, h, hid, 0.0f, grad + w2_, hid);
   float* db2 = grad + b2_;
   std::fill(db2, db2 + shape_.classes, 0.0f);
   for (size_t i = 0; i < batch; ++i) {
@@ -150,14 +145,12 @@ double Mlp::loss_and_gradient(const float* params, const float* x, const uint8_t
   }
   // dhidden = (dz W2) * relu'(pre-activation); hidden > 0 iff pre > 0.
   float* dh = dhidden_.data();
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, hid, cls, 1.0f, dz, cls, params + w2_, hid, 0.0f,
-              dh, hid);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, hid, cls, 1.0f, dz, cls, params + w2_, hid, 0.0f, dh, hid);
   for (size_t i = 0; i < batch * shape_.hidden; ++i) {
     if (h[i] <= 0.0f) dh[i] = 0.0f;
   }
   // dW1 = dhidden^T x; db1 = column sums of dhidden.
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, hid, in, n, 1.0f, dh, hid, x, in, 0.0f, grad + w1_,
-              in);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, hid, in, n, 1.0f, dh, hid, x, in, 0.0f, grad + w1_, in);
   float* db1 = grad + b1_;
   std::fill(db1, db1 + shape_.hidden, 0.0f);
   for (size_t i = 0; i < batch; ++i) {

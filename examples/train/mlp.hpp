@@ -85,8 +85,7 @@ class Mlp {
   // row-major, `labels` [batch] (each < classes), 1 <= batch <= max_batch.
   // Writes d(mean loss)/d(params) into `grad` (parameter_count() floats,
   // overwritten) and returns the mean loss of the batch.
-  double loss_and_gradient(const float* params, const float* x, const uint8_t* labels, size_t batch,
-                           float* grad);
+  double loss_and_gradient(const float* params, const float* x, const uint8_t* labels, size_t batch, float* grad);
 
   // Mean loss and accuracy of `count` examples, in chunks of max_batch.
   EvalResult evaluate(const float* params, const float* x, const uint8_t* labels, size_t count);

@@ -102,7 +102,7 @@ kernels::OptimizerConfig optimizer_config(const Options& o) {
     c.momentum = static_cast<float>(o.momentum);
     c.nesterov = o.nesterov;
   }
-  c.weight_decay = o.weight_decay >= 0.0 ? static_cast<float>(o.weight_decay)
+  c.weight_decay = o.weight_decay >= 0.0                      ? static_cast<float>(o.weight_decay)
                    : c.kind == kernels::OptimizerKind::kAdamW ? 0.01f
                                                               : 0.0f;
   return c;

@@ -84,7 +84,9 @@ int OwnServer::start(const Options& o, const MlpShape& shape) {
     return kExitFailure;
   }
   init_file_ = *path;
-  const std::string bin = !o.server_bin.empty() ? o.server_bin : !server_binary().empty() ? server_binary() : "shmps-server";
+  const std::string bin = !o.server_bin.empty()      ? o.server_bin
+                          : !server_binary().empty() ? server_binary()
+                                                     : "shmps-server";
   if (::access(bin.c_str(), X_OK) != 0) {
     std::cerr << "shmps-train: cannot run the server " << bin << ": " << std::strerror(errno)
               << " (build shmps-server or pass --server-bin)\n";
@@ -172,8 +174,8 @@ Status check_tensors(const Worker& w, const MlpShape& shape) {
   const std::vector<TensorInfo>& have = w.tensors();
   bool same = have.size() == want.size();
   for (size_t i = 0; same && i < want.size(); ++i) {
-    same = have[i].name == want[i].name && have[i].shape == want[i].shape &&
-           have[i].element_offset == want[i].offset && have[i].dtype == Dtype::kF32;
+    same = have[i].name == want[i].name && have[i].shape == want[i].shape && have[i].element_offset == want[i].offset &&
+           have[i].dtype == Dtype::kF32;
   }
   if (same) return Status::Ok();
   std::string msg = "the server's tensors do not match the model; want";

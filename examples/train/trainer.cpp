@@ -42,9 +42,8 @@ int Trainer::run() {
   std::string setup =
       o_.optimizer + " lr " + format_double(o_.lr) + ", max_staleness " + std::to_string(o_.max_staleness);
   if (server_ == nullptr) setup = "the running server's optimizer and max_staleness";
-  std::printf("shmps-train: server '%s', %zu workers, batch %zu, %s, %zu epochs of %llu pushes\n",
-              server_name.c_str(), o_.workers, o_.batch, setup.c_str(), o_.epochs,
-              static_cast<unsigned long long>(per_epoch));
+  std::printf("shmps-train: server '%s', %zu workers, batch %zu, %s, %zu epochs of %llu pushes\n", server_name.c_str(),
+              o_.workers, o_.batch, setup.c_str(), o_.epochs, static_cast<unsigned long long>(per_epoch));
   std::fflush(stdout);
 
   SharedSlots slots(o_.workers);
@@ -117,8 +116,7 @@ int Trainer::attach(const std::string& server_name) {
   }
   Result<std::unique_ptr<Worker>> eval = connect_with_retry(server_name, server_.get(), std::chrono::seconds(10));
   if (!eval.ok()) {
-    std::cerr << "shmps-train: connect to server '" << server_name << "': " << eval.status().to_string()
-              << "\n";
+    std::cerr << "shmps-train: connect to server '" << server_name << "': " << eval.status().to_string() << "\n";
     return kExitFailure;
   }
   eval_ = std::move(*eval);
@@ -201,8 +199,7 @@ int Trainer::watch(const EvalSchedule& schedule, Curve& curve) {
     }
     if (server_ != nullptr && server_->poll()) {
       if (server_->status() == 0 || !server_->restart()) {
-        std::cerr << "shmps-train: shmps-server exited with status " << server_->status()
-                  << " during training\n";
+        std::cerr << "shmps-train: shmps-server exited with status " << server_->status() << " during training\n";
         return kExitFailure;
       }
       continue;
@@ -274,19 +271,17 @@ bool Trainer::counts_agree(const SharedSlots& slots, const ServerStats& end, uin
     rejected += s.pushes_rejected.load(std::memory_order_relaxed);
     lost += s.pushes_lost.load(std::memory_order_relaxed);
     // A restarted server counts only what it saw since its start.
-    const bool differ = s.pushes_applied.load(std::memory_order_relaxed) !=
-                            s.server_applied.load(std::memory_order_relaxed) ||
-                        s.pushes_rejected.load(std::memory_order_relaxed) !=
-                            s.server_rejected.load(std::memory_order_relaxed);
+    const bool differ =
+        s.pushes_applied.load(std::memory_order_relaxed) != s.server_applied.load(std::memory_order_relaxed) ||
+        s.pushes_rejected.load(std::memory_order_relaxed) != s.server_rejected.load(std::memory_order_relaxed);
     if (restarts == 0 && differ) {
-      std::fprintf(
-          stderr,
-          "shmps-train: worker %zu (id %u) counted %llu applied / %llu rejected, the server %llu / %llu\n", i,
-          s.worker_id.load(std::memory_order_relaxed),
-          static_cast<unsigned long long>(s.pushes_applied.load(std::memory_order_relaxed)),
-          static_cast<unsigned long long>(s.pushes_rejected.load(std::memory_order_relaxed)),
-          static_cast<unsigned long long>(s.server_applied.load(std::memory_order_relaxed)),
-          static_cast<unsigned long long>(s.server_rejected.load(std::memory_order_relaxed)));
+      std::fprintf(stderr,
+                   "shmps-train: worker %zu (id %u) counted %llu applied / %llu rejected, the server %llu / %llu\n", i,
+                   s.worker_id.load(std::memory_order_relaxed),
+                   static_cast<unsigned long long>(s.pushes_applied.load(std::memory_order_relaxed)),
+                   static_cast<unsigned long long>(s.pushes_rejected.load(std::memory_order_relaxed)),
+                   static_cast<unsigned long long>(s.server_applied.load(std::memory_order_relaxed)),
+                   static_cast<unsigned long long>(s.server_rejected.load(std::memory_order_relaxed)));
       agree = false;
     }
   }
@@ -296,19 +291,21 @@ bool Trainer::counts_agree(const SharedSlots& slots, const ServerStats& end, uin
   // other clients, so only the per-worker counts are compared.
   if (restarts > 0) {
     // Acknowledged pushes after the last checkpoint died with the server.
-    std::printf("server restarted %d times: %llu pushes in flight were lost and redone; the server's version is "
-                "%llu of %llu acknowledged pushes (the rest were after a checkpoint)\n",
-                restarts, static_cast<unsigned long long>(lost),
-                static_cast<unsigned long long>(end.version - base_version_), static_cast<unsigned long long>(applied));
+    std::printf(
+        "server restarted %d times: %llu pushes in flight were lost and redone; the server's version is "
+        "%llu of %llu acknowledged pushes (the rest were after a checkpoint)\n",
+        restarts, static_cast<unsigned long long>(lost), static_cast<unsigned long long>(end.version - base_version_),
+        static_cast<unsigned long long>(applied));
   } else if (server_ != nullptr && (server_applied != applied || server_rejected != rejected)) {
     agree = false;
   }
   if (applied != total) agree = false;
   std::printf("pushes: workers applied %llu rejected %llu; server applied %llu rejected_stale %llu (%s)\n",
               static_cast<unsigned long long>(applied), static_cast<unsigned long long>(rejected),
-              static_cast<unsigned long long>(server_applied),
-              static_cast<unsigned long long>(server_rejected),
-              !agree ? "MISMATCH" : restarts > 0 ? "not comparable across restarts" : "agree");
+              static_cast<unsigned long long>(server_applied), static_cast<unsigned long long>(server_rejected),
+              !agree         ? "MISMATCH"
+              : restarts > 0 ? "not comparable across restarts"
+                             : "agree");
   return agree;
 }
 

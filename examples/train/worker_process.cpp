@@ -55,8 +55,7 @@ class ServerPath final : public UpdatePath {
 };
 
 // The body of one worker process; returns its exit code.
-int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& shape, StartGate& gate,
-               WorkerSlot& slot) {
+int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& shape, StartGate& gate, WorkerSlot& slot) {
   const std::string who = "shmps-train worker " + std::to_string(plan.index) + ": ";
   set_blas_threads(1);
   Result<std::unique_ptr<Worker>> connected =

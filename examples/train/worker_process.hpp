@@ -32,8 +32,7 @@ struct alignas(64) WorkerSlot {
   std::atomic<uint64_t> pushes_lost{0};
   std::atomic<uint64_t> generation{0};
 };
-static_assert(std::atomic<uint64_t>::is_always_lock_free,
-              "counters shared across fork need lock-free atomics");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "counters shared across fork need lock-free atomics");
 
 // The start gate: workers attach, then wait for it, so the parent scores the
 // initial weights before the first push and times training alone.

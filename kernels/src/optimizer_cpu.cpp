@@ -62,8 +62,7 @@ std::string number_text(float value) {
 
 // "" when `value` is finite, above `low` (or equal, when low_inclusive) and
 // below `high` (exclusive); else the message validate() returns.
-std::string check_range(const char* option, float value, float low, bool low_inclusive,
-                        float high = INFINITY) {
+std::string check_range(const char* option, float value, float low, bool low_inclusive, float high = INFINITY) {
   if (!std::isfinite(value)) return std::string(option) + " must be a finite number, got " + number_text(value);
   const bool above = low_inclusive ? value >= low : value > low;
   if (above && value < high) return "";
@@ -121,7 +120,6 @@ template <class F>
 auto with_bool(bool b, F&& f) {
   return b ? f(std::true_type{}) : f(std::false_type{});
 }
-
 
 // ---------------------------------------------------------------------------
 // Range loops. Each instantiation is one branch-free loop: the option flags
@@ -226,8 +224,8 @@ RangeFn<SgdArgs> pick_sgd_range(const SgdParams& p, bool first_step) {
                     : &sgd_range<kDtype, kWeightDecay, true, false, false>;
 }
 
-void apply_sgd(const OptimizerConfig& config, const TensorState& tensor, const unsigned char* grad,
-               GradDtype dtype, uint64_t step) {
+void apply_sgd(const OptimizerConfig& config, const TensorState& tensor, const unsigned char* grad, GradDtype dtype,
+               uint64_t step) {
   const SgdArgs args{make_sgd_params(config), tensor.weights, tensor.state[0], grad};
   const RangeFn<SgdArgs> fn = detail::visit_dtype(dtype, [&](auto dtype_c) {
     return with_bool(args.params.use_weight_decay, [&](auto wd_c) {
@@ -237,10 +235,10 @@ void apply_sgd(const OptimizerConfig& config, const TensorState& tensor, const u
   run_split(fn, args, tensor.n);
 }
 
-void apply_adam(const OptimizerConfig& config, const TensorState& tensor, const unsigned char* grad,
-                GradDtype dtype, uint64_t step) {
-  const AdamArgs args{make_adam_params(config, step), tensor.weights, tensor.state[0], tensor.state[1],
-                      tensor.state[2], grad};
+void apply_adam(const OptimizerConfig& config, const TensorState& tensor, const unsigned char* grad, GradDtype dtype,
+                uint64_t step) {
+  const AdamArgs args{
+      make_adam_params(config, step), tensor.weights, tensor.state[0], tensor.state[1], tensor.state[2], grad};
   const AdamParams& p = args.params;
   const RangeFn<AdamArgs> fn = detail::visit_dtype(dtype, [&](auto dtype_c) {
     return with_bool(p.amsgrad, [&](auto amsgrad_c) {
@@ -275,7 +273,7 @@ SHMPS_KERNEL_CLONES uint32_t any_nonfinite(const unsigned char* grad, uint64_t b
                                                : kDtype == GradDtype::kF16 ? 0x7C00u
                                                                            : 0x7F80u);
   constexpr Elem kMagnitude = static_cast<Elem>(std::numeric_limits<Elem>::max() >> 1);  // every bit but the sign
-  typedef Elem Bits __attribute__((vector_size(32)));            // GCC/clang vector extension
+  typedef Elem Bits __attribute__((vector_size(32)));                                    // GCC/clang vector extension
   constexpr uint64_t kLanes = sizeof(Bits) / sizeof(Elem);
   Bits acc0{};
   Bits acc1{};
@@ -359,8 +357,8 @@ std::string validation_error(const OptimizerConfig& config) {
       first(check_range("--dampening", config.dampening, 0.0f, true));
       first(check_range("--weight-decay", config.weight_decay, 0.0f, true));
       if (error.empty() && config.nesterov && (config.momentum <= 0.0f || config.dampening != 0.0f)) {
-        error = "--nesterov requires --momentum > 0 and --dampening 0, got momentum " +
-                number_text(config.momentum) + " and dampening " + number_text(config.dampening);
+        error = "--nesterov requires --momentum > 0 and --dampening 0, got momentum " + number_text(config.momentum) +
+                " and dampening " + number_text(config.dampening);
       }
       return error;
     case OptimizerKind::kAdam:
@@ -372,8 +370,7 @@ std::string validation_error(const OptimizerConfig& config) {
       first(check_range("--weight-decay", config.weight_decay, 0.0f, true));
       return error;
   }
-  return "--optimizer must be sgd, adam or adamw, got kind " +
-         std::to_string(static_cast<uint32_t>(config.kind));
+  return "--optimizer must be sgd, adam or adamw, got kind " + std::to_string(static_cast<uint32_t>(config.kind));
 }
 }  // namespace
 

@@ -12,8 +12,8 @@
 #include <cstdint>
 #include <string>
 
-#include "shmps/cuda_check.hpp"
 #include "optimizer_cuda_body.hpp"
+#include "shmps/cuda_check.hpp"
 #include "shmps/kernels/update.hpp"
 
 namespace shmps::kernels {
@@ -27,8 +27,7 @@ constexpr int kBlockThreads = 256;
 constexpr int kMaxCachedDevices = 64;
 
 template <class Op, GradDtype kDtype, GradAccess kAccess>
-__global__ void __launch_bounds__(kBlockThreads)
-    apply_kernel(const typename Op::Params params, const Arrays arrays) {
+__global__ void __launch_bounds__(kBlockThreads) apply_kernel(const typename Op::Params params, const Arrays arrays) {
   const uint64_t thread = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint64_t threads = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   apply_thread<Op, kDtype, kAccess>(params, arrays, thread, threads);
@@ -85,8 +84,7 @@ unsigned grid_blocks(int resident, uint64_t work) {
 uint64_t work_items(const Plan& plan, uint64_t n) { return plan.access == GradAccess::kVector ? plan.vectors : n; }
 
 template <class Op, GradDtype kDtype, GradAccess kAccess>
-std::string launch_apply(const typename Op::Params& params, const Arrays& arrays, uint64_t work,
-                         cudaStream_t stream) {
+std::string launch_apply(const typename Op::Params& params, const Arrays& arrays, uint64_t work, cudaStream_t stream) {
   static ResidentBlocks resident;
   int blocks = 0;
   if (std::string error = resident.get(apply_kernel<Op, kDtype, kAccess>, &blocks); !error.empty()) return error;
@@ -121,9 +119,7 @@ int cuda_device_count(std::string* reason) {
 
 namespace {
 // A launch's error text ("" = success) as the API's Status.
-Status launched(const std::string& error) {
-  return error.empty() ? Status::Ok() : Status{ErrorCode::kCuda, error};
-}
+Status launched(const std::string& error) { return error.empty() ? Status::Ok() : Status{ErrorCode::kCuda, error}; }
 }  // namespace
 
 Status apply_cuda(const OptimizerConfig& config, const TensorState& device_tensor, const void* device_grad,
@@ -131,14 +127,15 @@ Status apply_cuda(const OptimizerConfig& config, const TensorState& device_tenso
   using namespace cuda_detail;
   Arrays arrays;
   Plan plan;
-  if (std::string error = prepare_apply(config, device_tensor, device_grad, dtype, step, &arrays, &plan); !error.empty())
+  if (std::string error = prepare_apply(config, device_tensor, device_grad, dtype, step, &arrays, &plan);
+      !error.empty())
     return {ErrorCode::kInvalidArgument, error};
   if (arrays.n == 0) return Status::Ok();
   const uint64_t work = work_items(plan, arrays.n);
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   const auto launch = [&](auto op, auto dtype_c, auto access_c, const auto& params) {
     return launch_apply<decltype(op), decltype(dtype_c)::value, decltype(access_c)::value>(params, arrays, work,
-                                                                                          cuda_stream);
+                                                                                           cuda_stream);
   };
   return launched(dispatch_apply(config, dtype, step, plan.access, launch));
 }
@@ -148,7 +145,8 @@ Status all_finite_cuda_async(const void* device_grad, GradDtype dtype, uint64_t 
   using namespace cuda_detail;
   const size_t grad_bytes = dtype_size(dtype);
   if (grad_bytes == 0) {
-    return {ErrorCode::kInvalidArgument, "all_finite_cuda: gradient dtype " + std::to_string(static_cast<uint32_t>(dtype)) +
+    return {ErrorCode::kInvalidArgument, "all_finite_cuda: gradient dtype " +
+                                             std::to_string(static_cast<uint32_t>(dtype)) +
                                              " is not f32 (1), f16 (2) or bf16 (3)"};
   }
   if (device_nonfinite_flag == nullptr) return {ErrorCode::kInvalidArgument, "all_finite_cuda: null flag"};
@@ -165,14 +163,14 @@ Status all_finite_cuda_async(const void* device_grad, GradDtype dtype, uint64_t 
   arrays.vectors = plan.vectors;
   return launched(visit_dtype(dtype, [&](auto dtype_c) {
     return visit_access(plan.access, [&](auto access_c) {
-      return launch_nonfinite<decltype(dtype_c)::value, decltype(access_c)::value>(
-          arrays, work_items(plan, n), device_nonfinite_flag, cuda_stream);
+      return launch_nonfinite<decltype(dtype_c)::value, decltype(access_c)::value>(arrays, work_items(plan, n),
+                                                                                   device_nonfinite_flag, cuda_stream);
     });
   }));
 }
 
-Status all_finite_cuda(const void* device_grad, GradDtype dtype, uint64_t n, int* device_nonfinite_flag,
-                       void* stream, bool* all_finite) {
+Status all_finite_cuda(const void* device_grad, GradDtype dtype, uint64_t n, int* device_nonfinite_flag, void* stream,
+                       bool* all_finite) {
   if (Status s = all_finite_cuda_async(device_grad, dtype, n, device_nonfinite_flag, stream); !s.ok()) return s;
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   int nonfinite = 0;

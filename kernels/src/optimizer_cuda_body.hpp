@@ -10,9 +10,9 @@
 #include <string>
 #include <type_traits>
 
+#include "dtype_dispatch.hpp"
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/kernels/update.hpp"
-#include "dtype_dispatch.hpp"
 
 #if defined(__CUDA_ARCH__)
 #define SHMPS_UNROLL _Pragma("unroll")
@@ -451,8 +451,7 @@ inline std::string prepare_apply(const OptimizerConfig& config, const TensorStat
 // dtype and access as integral_constants, and the scalars (SgdParams or
 // AdamParams). config.kind and dtype must be valid (prepare_apply checked).
 template <class Launch>
-auto dispatch_apply(const OptimizerConfig& config, GradDtype dtype, uint64_t step, GradAccess access,
-                    Launch&& launch) {
+auto dispatch_apply(const OptimizerConfig& config, GradDtype dtype, uint64_t step, GradAccess access, Launch&& launch) {
   const auto with_op = [&](const auto& params, auto op) {
     return visit_dtype(dtype, [&](auto dtype_c) {
       return visit_access(access, [&](auto access_c) { return launch(op, dtype_c, access_c, params); });

@@ -76,7 +76,7 @@ struct Buffer {
   nb::object dlpack(nb::handle self) const {
     const size_t shape[1] = {nbytes};
     nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig> array(data, 1, shape, self, nullptr, nb::dtype<uint8_t>(),
-                                                            device_type, device_id);
+                                                          device_type, device_id);
     // nanobind casts an ndarray without a framework to a DLPack capsule
     // (some releases to an object whose __dlpack__ makes one).
     nb::object out = nb::cast(array, nb::rv_policy::reference);
@@ -133,7 +133,8 @@ class PyWorker {
   }
 
   Buffer register_device_buffer(uintptr_t ptr, size_t nbytes, int device, nb::object owner) {
-    shmps::Result<uint32_t> id = unlocked([&] { return w().register_device_buffer(reinterpret_cast<const void*>(ptr), nbytes); });
+    shmps::Result<uint32_t> id =
+        unlocked([&] { return w().register_device_buffer(reinterpret_cast<const void*>(ptr), nbytes); });
     Buffer out;
     out.id = take(std::move(id));
     out.data = reinterpret_cast<void*>(ptr);
@@ -181,7 +182,8 @@ class PyWorker {
   }
 
   uint64_t pull(uint32_t tensor, uint32_t buffer, uint64_t offset, uintptr_t stream) {
-    shmps::Result<uint64_t> r = unlocked([&] { return w().pull(tensor, buffer, offset, reinterpret_cast<void*>(stream)); });
+    shmps::Result<uint64_t> r =
+        unlocked([&] { return w().pull(tensor, buffer, offset, reinterpret_cast<void*>(stream)); });
     return take(std::move(r));
   }
 
@@ -247,8 +249,8 @@ class PyWorker {
     nb::object owner;
   };
   std::unique_ptr<shmps::Worker> w_;
-  std::map<uint32_t, Kept> kept_;              // by buffer id, while registered
-  std::map<uint64_t, uint64_t> versions_;      // push_async ticket -> its worker_version
+  std::map<uint32_t, Kept> kept_;          // by buffer id, while registered
+  std::map<uint64_t, uint64_t> versions_;  // push_async ticket -> its worker_version
 };
 
 PyWorker connect(const std::string& name, double timeout, bool reconnect, double wait_for_server) {
@@ -269,7 +271,8 @@ NB_MODULE(_shmps, m) {
       std::rethrow_exception(p);
     } catch (const StatusError& e) {
       nb::object make = nb::module_::import_("shmps._errors").attr("make_error");
-      nb::object exc = make(static_cast<uint32_t>(e.status.code()), e.status.message(), e.worker_version, e.server_version);
+      nb::object exc =
+          make(static_cast<uint32_t>(e.status.code()), e.status.message(), e.worker_version, e.server_version);
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
   });
@@ -293,13 +296,14 @@ NB_MODULE(_shmps, m) {
       .def_prop_ro("ptr", [](const Buffer& b) { return reinterpret_cast<uintptr_t>(b.data); })
       .def_prop_ro("is_cuda", [](const Buffer& b) { return b.device_type == kDLCUDA; })
       .def_ro("device_index", &Buffer::device_id)
-      .def("__dlpack__",
-           [](nb::handle self, nb::kwargs) { return nb::inst_ptr<Buffer>(self)->dlpack(self); })
+      .def("__dlpack__", [](nb::handle self, nb::kwargs) { return nb::inst_ptr<Buffer>(self)->dlpack(self); })
       .def("__dlpack_device__", [](const Buffer& b) { return nb::make_tuple(b.device_type, b.device_id); })
       .def("__len__", [](const Buffer& b) { return b.nbytes; })
       .def("__repr__", [](const Buffer& b) {
         return "shmps.Buffer(id=" + std::to_string(b.id) + ", nbytes=" + std::to_string(b.nbytes) +
-               (b.device_type == kDLCUDA ? ", device=cuda:" + std::to_string(b.device_id) : std::string(", device=cpu")) + ")";
+               (b.device_type == kDLCUDA ? ", device=cuda:" + std::to_string(b.device_id)
+                                         : std::string(", device=cpu")) +
+               ")";
       });
 
   nb::class_<PyWorker>(m, "Worker")
@@ -314,8 +318,8 @@ NB_MODULE(_shmps, m) {
       .def("register_device_buffer", &PyWorker::register_device_buffer, "ptr"_a, "nbytes"_a, "device"_a, "owner"_a)
       .def("unregister_buffer", &PyWorker::unregister_buffer, "buffer_id"_a)
       .def("push", &PyWorker::push, "tensor"_a, "buffer"_a, "offset"_a, "nbytes"_a, "dtype"_a, "version"_a, "stream"_a)
-      .def("push_async", &PyWorker::push_async, "tensor"_a, "buffer"_a, "offset"_a, "nbytes"_a, "dtype"_a,
-           "version"_a, "stream"_a)
+      .def("push_async", &PyWorker::push_async, "tensor"_a, "buffer"_a, "offset"_a, "nbytes"_a, "dtype"_a, "version"_a,
+           "stream"_a)
       .def("wait", &PyWorker::wait, "ticket"_a)
       .def("pull", &PyWorker::pull, "tensor"_a, "buffer"_a, "offset"_a, "stream"_a)
       .def("init", &PyWorker::init, "buffer"_a, "offset"_a, "stream"_a)

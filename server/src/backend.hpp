@@ -118,15 +118,13 @@ class Backend {
   virtual Result<bool> all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n,
                                   kernels::GradDtype dtype) = 0;
   // One optimizer step of tensor `tensor` (index into the extents).
-  virtual Status apply(const kernels::OptimizerConfig& config, uint32_t tensor, uint64_t step,
-                       const PeerBuffer& grad, uint64_t byte_offset, kernels::GradDtype dtype) = 0;
+  virtual Status apply(const kernels::OptimizerConfig& config, uint32_t tensor, uint64_t step, const PeerBuffer& grad,
+                       uint64_t byte_offset, kernels::GradDtype dtype) = 0;
   // Copies weights [element_offset, +n) as fp32 into `dst` at byte_offset.
-  virtual Status copy_out(uint64_t element_offset, uint64_t n, PeerBuffer& dst,
-                          uint64_t byte_offset) = 0;
+  virtual Status copy_out(uint64_t element_offset, uint64_t n, PeerBuffer& dst, uint64_t byte_offset) = 0;
   // The reverse (a worker's init): weights [element_offset, +n) from the
   // fp32 values in `src` at byte_offset. Range checks were done by the caller.
-  virtual Status copy_in(uint64_t element_offset, uint64_t n, const PeerBuffer& src,
-                         uint64_t byte_offset) = 0;
+  virtual Status copy_in(uint64_t element_offset, uint64_t n, const PeerBuffer& src, uint64_t byte_offset) = 0;
   // All weights, flat, to host memory (tests, checkpoints).
   virtual std::vector<float> read_weights() const = 0;
   // All optimizer state arrays, one after another (state_arrays x total).

@@ -6,13 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cmath>
-#include <optional>
-#include <stdexcept>
 #include <boost/crc.hpp>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
+#include <stdexcept>
 #include <type_traits>
 
 namespace shmps::server {
@@ -140,7 +140,7 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   // O_NONBLOCK: opening a FIFO for reading would wait for a writer.
   out->file.fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (out->file.fd < 0) return {ErrorCode::kIo, path + ": open: " + errno_text()};
-  struct stat st{};
+  struct stat st {};
   if (::fstat(out->file.fd, &st) != 0) return {ErrorCode::kIo, path + ": fstat: " + errno_text()};
   if (!S_ISREG(st.st_mode)) return {ErrorCode::kIo, path + ": not a regular file"};
   const auto size = static_cast<uint64_t>(st.st_size);
@@ -149,7 +149,8 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   if (!read_all(out->file.fd, &h, sizeof h)) return read_failed("truncated header");
   if (h.magic != kCheckpointMagic) return corrupt("not a shmps checkpoint (bad magic)");
   if (h.format != kCheckpointFormat)
-    return corrupt("checkpoint format " + std::to_string(h.format) + ", this build reads " + std::to_string(kCheckpointFormat));
+    return corrupt("checkpoint format " + std::to_string(h.format) + ", this build reads " +
+                   std::to_string(kCheckpointFormat));
   if (h.header_size != sizeof h || h.tensor_count == 0 || h.tensor_count > shm::kMaxTensorsLimit || h.state_arrays > 3)
     return corrupt("implausible header");
   if (h.version >= kMaxCheckpointVersion) return corrupt("implausible version " + std::to_string(h.version));
@@ -164,7 +165,8 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   uint64_t expect_total = 0;
   for (const shm::TensorSpec& t : expect.tensors) expect_total += element_count(t);
   if (h.tensor_count != expect.tensors.size())
-    return misfit(std::to_string(h.tensor_count) + " tensors, this server has " + std::to_string(expect.tensors.size()));
+    return misfit(std::to_string(h.tensor_count) + " tensors, this server has " +
+                  std::to_string(expect.tensors.size()));
   if (h.optimizer_kind != expect.optimizer_kind || h.state_arrays != expect.state_arrays)
     return misfit("another optimizer, or momentum/amsgrad setting");
   if (h.total_elements != expect_total)
@@ -173,8 +175,7 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   // expect_total <= 2^40 (shm::validate_tensors()): no overflow below.
   const uint64_t expected_size =
       sizeof h + uint64_t{h.tensor_count} * sizeof(CheckpointTensor) + h.total_elements * (1 + h.state_arrays) * 4 + 4;
-  if (expected_size != size)
-    return corrupt("size " + std::to_string(size) + " does not match its header (truncated?)");
+  if (expected_size != size) return corrupt("size " + std::to_string(size) + " does not match its header (truncated?)");
   out->tensors.resize(h.tensor_count);
   if (!read_all(out->file.fd, out->tensors.data(), out->tensors.size() * sizeof(CheckpointTensor)))
     return read_failed("truncated");
@@ -193,7 +194,8 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
 
 Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   const uint64_t total = data.weights.size();
-  if (data.state.size() != uint64_t{data.layout.state_arrays} * total || data.steps.size() != data.layout.tensors.size())
+  if (data.state.size() != uint64_t{data.layout.state_arrays} * total ||
+      data.steps.size() != data.layout.tensors.size())
     return {ErrorCode::kInternal, "inconsistent checkpoint snapshot"};
   CheckpointHeader h{};
   h.magic = kCheckpointMagic;
@@ -230,8 +232,8 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
       return {ErrorCode::kLayoutMismatch, "checkpoint: not replacing " + final_path + ": not a regular file"};
     OpenedCheckpoint existing;
     if (Status fits = open_checkpoint(final_path, data.layout, &existing); !existing.ours)
-      return {ErrorCode::kLayoutMismatch, "checkpoint: not replacing " + final_path +
-                                              ", not a checkpoint of this model (" + fits.message() + ")"};
+      return {ErrorCode::kLayoutMismatch,
+              "checkpoint: not replacing " + final_path + ", not a checkpoint of this model (" + fits.message() + ")"};
   }
   const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) return {ErrorCode::kIo, "checkpoint: open " + temp_path + ": " + errno_text()};

@@ -43,9 +43,9 @@ struct CheckpointLayout {
 struct CheckpointData {
   uint64_t version = 0;
   CheckpointLayout layout;
-  std::vector<uint64_t> steps;       // per tensor
-  std::vector<float> weights;        // total elements
-  std::vector<float> state;          // state_arrays * total elements
+  std::vector<uint64_t> steps;  // per tensor
+  std::vector<float> weights;   // total elements
+  std::vector<float> state;     // state_arrays * total elements
 };
 
 // The bound on a checkpoint's version and per-tensor steps: a push adds 1

@@ -52,7 +52,8 @@ Status CheckpointPolicy::start(uint64_t now) {
     restored = model_.version;
     break;
   }
-  if (!restored) log::info("no valid checkpoint in " + config_.checkpoint_dir + "; starting from the configured initial values");
+  if (!restored)
+    log::info("no valid checkpoint in " + config_.checkpoint_dir + "; starting from the configured initial values");
   writer_ = std::make_unique<CheckpointWriter>(config_.checkpoint_dir, config_.checkpoint_keep, restored);
   last_ns_ = now;
   return Status::Ok();
@@ -62,8 +63,8 @@ void CheckpointPolicy::maybe(uint64_t now) {
   if (Status s = writer_->take_result(); !s.ok()) log::error(s.message());
   if (model_.version == last_version_) return;
   const bool by_count = config_.checkpoint_every != 0 && model_.version - last_version_ >= config_.checkpoint_every;
-  const bool by_time = config_.checkpoint_interval_s != 0 &&
-                       now - last_ns_ >= uint64_t{config_.checkpoint_interval_s} * 1'000'000'000;
+  const bool by_time =
+      config_.checkpoint_interval_s != 0 && now - last_ns_ >= uint64_t{config_.checkpoint_interval_s} * 1'000'000'000;
   if (!by_count && !by_time) return;
   if (writer_->busy()) return;
   writer_->submit(snapshot());
@@ -75,7 +76,8 @@ void CheckpointPolicy::maybe(uint64_t now) {
 Status CheckpointPolicy::write_final() {
   if (Status s = writer_->drain(); !s.ok()) log::error(s.message());
   if (model_.version == writer_->last_written()) return Status::Ok();
-  if (Status s = write_checkpoint(config_.checkpoint_dir, snapshot()); !s.ok()) return Status{s.code(), "final " + s.message()};
+  if (Status s = write_checkpoint(config_.checkpoint_dir, snapshot()); !s.ok())
+    return Status{s.code(), "final " + s.message()};
   prune_checkpoints(config_.checkpoint_dir, config_.checkpoint_keep, model_.version, layout());
   last_version_ = model_.version;
   log::info("final checkpoint written: version " + std::to_string(model_.version) + " in " + config_.checkpoint_dir);

@@ -36,9 +36,12 @@ Status validate(const ServerConfig& config) {
     const bool uuid = d.rfind("GPU-", 0) == 0 && d.size() > 4;
     const bool bus_id = d.find(':') != std::string::npos && d.find('.') != std::string::npos;
     if (!uuid && !bus_id)
-      return invalid("--device must be a UUID as nvidia-smi -L prints it (GPU-xxxxxxxx-...) or a PCI bus id "
-                     "(0000:3b:00.0), got '" + d + "' (ordinals are not accepted: CUDA_VISIBLE_DEVICES may differ "
-                     "between the server and its workers)");
+      return invalid(
+          "--device must be a UUID as nvidia-smi -L prints it (GPU-xxxxxxxx-...) or a PCI bus id "
+          "(0000:3b:00.0), got '" +
+          d +
+          "' (ordinals are not accepted: CUDA_VISIBLE_DEVICES may differ "
+          "between the server and its workers)");
   }
   return Status::Ok();
 }
@@ -51,7 +54,7 @@ Status read_init_file(const std::string& path, uint64_t total_elements, float* w
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0) return {ErrorCode::kIo, what + ": fstat: " + errno_text(errno)};
   if (!S_ISREG(st.st_mode)) return {ErrorCode::kInvalidArgument, what + ": not a regular file"};
   const auto size = static_cast<uint64_t>(st.st_size);

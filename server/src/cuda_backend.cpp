@@ -37,7 +37,8 @@ std::string no_device_text(cudaError_t e) {
   if (e == cudaSuccess) return "0 devices";
   if (e == cudaErrorInsufficientDriver)
     return "cudaErrorInsufficientDriver: no NVIDIA driver (libcuda.so.1) on this host, or one older than this build's "
-           "CUDA runtime " + std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+           "CUDA runtime " +
+           std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
   return cudaGetErrorName(e);
 }
 
@@ -75,9 +76,8 @@ bool is_sticky(cudaError_t e) {
 // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi -L prints it.
 std::string uuid_text(const uint8_t (&b)[16]) {
   char out[48];
-  std::snprintf(out, sizeof out,
-                "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2], b[3],
-                b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+  std::snprintf(out, sizeof out, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
+                b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
   return out;
 }
 
@@ -95,8 +95,8 @@ GetAddressRangeFn address_range_fn(std::string* error) {
   if (fn != nullptr) return fn;
   void* p = nullptr;
   cudaDriverEntryPointQueryResult found{};
-  const std::string e = SHMPS_CUDA_ERROR(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000,
-                                                                           cudaEnableDefault, &found));
+  const std::string e =
+      SHMPS_CUDA_ERROR(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault, &found));
   if (!e.empty() || found != cudaDriverEntryPointSuccess || p == nullptr) {
     *error = e.empty() ? std::string("cuMemGetAddressRange: driver entry point not found") : e;
     return nullptr;
@@ -149,12 +149,12 @@ class CudaPeer final : public PeerBuffer {
 
  private:
   friend class CudaBackend;
-  std::shared_ptr<IpcMapping> mapping_;  // null: an in-process buffer, used by pointer
+  std::shared_ptr<IpcMapping> mapping_;   // null: an in-process buffer, used by pointer
   std::unique_ptr<shm::ShmObject> host_;  // a POSIX shm buffer, page-locked (cudaHostRegister)
-  char* data_ = nullptr;                 // base + offset
+  char* data_ = nullptr;                  // base + offset
   uint64_t length_ = 0;
   cudaEvent_t event_ = nullptr;
-  bool own_event_ = false;               // opened here (cudaIpcOpenEventHandle): destroyed here
+  bool own_event_ = false;  // opened here (cudaIpcOpenEventHandle): destroyed here
   int device_ = 0;
 };
 
@@ -182,17 +182,28 @@ class CudaBackend final : public Backend {
     if (Status s = select_device(device_spec, count); !s.ok()) return s;
     if (Status s = call(cudaSetDevice(device_), "cudaSetDevice(device_)", __LINE__); !s.ok()) return s;
     int mode = 0, unified = 0, ipc_events = 0;
-    if (Status s = call(cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, device_), "cudaDeviceGetAttribute(ComputeMode)", __LINE__); !s.ok()) return s;
+    if (Status s = call(cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, device_),
+                        "cudaDeviceGetAttribute(ComputeMode)", __LINE__);
+        !s.ok())
+      return s;
     if (mode == cudaComputeModeExclusiveProcess || mode == cudaComputeModeProhibited)
-      return fail_probe("device " + uuid_ + " is in compute mode " + (mode == cudaComputeModeProhibited ? "PROHIBITED" : "EXCLUSIVE_PROCESS") +
-                        ": the server and the workers must share it; run `nvidia-smi -i " + pci_bus_id_ + " -c DEFAULT` (as root)");
-    (void)call(cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, device_), "cudaDeviceGetAttribute(UnifiedAddressing)", __LINE__);
-    (void)call(cudaDeviceGetAttribute(&ipc_events, cudaDevAttrIpcEventSupport, device_), "cudaDeviceGetAttribute(IpcEventSupport)", __LINE__);
+      return fail_probe("device " + uuid_ + " is in compute mode " +
+                        (mode == cudaComputeModeProhibited ? "PROHIBITED" : "EXCLUSIVE_PROCESS") +
+                        ": the server and the workers must share it; run `nvidia-smi -i " + pci_bus_id_ +
+                        " -c DEFAULT` (as root)");
+    (void)call(cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, device_),
+               "cudaDeviceGetAttribute(UnifiedAddressing)", __LINE__);
+    (void)call(cudaDeviceGetAttribute(&ipc_events, cudaDevAttrIpcEventSupport, device_),
+               "cudaDeviceGetAttribute(IpcEventSupport)", __LINE__);
     if (unified == 0 || ipc_events == 0)
       return fail_probe("device " + uuid_ + " supports no CUDA IPC (unified addressing " + std::to_string(unified) +
-                        ", IPC events " + std::to_string(ipc_events) + "): CUDA IPC needs Linux with unified addressing; "
+                        ", IPC events " + std::to_string(ipc_events) +
+                        "): CUDA IPC needs Linux with unified addressing; "
                         "use --backend host");
-    if (Status s = call(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", __LINE__); !s.ok()) return s;
+    if (Status s =
+            call(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", __LINE__);
+        !s.ok())
+      return s;
     if (Status s = probe_ipc(); !s.ok()) return s;
     probe_peers(count);
     log::info("cuda backend on device " + std::to_string(device_) + " (" + uuid_ + ", PCI " + pci_bus_id_ + ")");
@@ -208,7 +219,8 @@ class CudaBackend final : public Backend {
     if (!free_events_.empty()) {
       ev = free_events_.back();
       free_events_.pop_back();
-    } else if (!call(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreateWithFlags", __LINE__).ok()) {
+    } else if (!call(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreateWithFlags", __LINE__)
+                    .ok()) {
       return fence_fallback();
     }
     if (!call(cudaEventRecord(ev, stream_), "cudaEventRecord(ev, stream_)", __LINE__).ok()) {
@@ -262,12 +274,17 @@ class CudaBackend final : public Backend {
       if (Status s = alloc(&p, weights_alloc_); !s.ok()) return s;
       state_.push_back(p);
     }
-    if (Status s = call(cudaMemcpy(weights_, initial.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy(weights, initial)", __LINE__); !s.ok()) return s;
+    if (Status s = call(cudaMemcpy(weights_, initial.data(), bytes, cudaMemcpyHostToDevice),
+                        "cudaMemcpy(weights, initial)", __LINE__);
+        !s.ok())
+      return s;
     int* flag = nullptr;
     if (Status s = alloc(&flag, sizeof(int)); !s.ok()) return s;
     flag_dev_ = flag;
     cudaIpcMemHandle_t handle{};
-    if (Status s = call(cudaIpcGetMemHandle(&handle, weights_), "cudaIpcGetMemHandle(&handle, weights_)", __LINE__); !s.ok()) return s;
+    if (Status s = call(cudaIpcGetMemHandle(&handle, weights_), "cudaIpcGetMemHandle(&handle, weights_)", __LINE__);
+        !s.ok())
+      return s;
     static_assert(sizeof handle == sizeof export_.ipc_handle);
     export_.present = true;
     std::memcpy(export_.ipc_handle, &handle, sizeof handle);
@@ -276,7 +293,8 @@ class CudaBackend final : public Backend {
     return call(cudaDeviceSynchronize(), "cudaDeviceSynchronize()", __LINE__);
   }
 
-  Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc, const std::string& expected_prefix) override {
+  Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc,
+                                                const std::string& expected_prefix) override {
     return open_peer_of(desc, expected_prefix, 0);
   }
 
@@ -316,7 +334,8 @@ class CudaBackend final : public Backend {
     cudaIpcEventHandle_t eh{};
     static_assert(sizeof eh == sizeof desc.event_handle);
     std::memcpy(&eh, desc.event_handle, sizeof eh);
-    if (Status s = call(cudaIpcOpenEventHandle(&peer->event_, eh), "cudaIpcOpenEventHandle(&event, handle)", __LINE__); !s.ok())
+    if (Status s = call(cudaIpcOpenEventHandle(&peer->event_, eh), "cudaIpcOpenEventHandle(&event, handle)", __LINE__);
+        !s.ok())
       return Status{ErrorCode::kUnknownBuffer, s.message()};
     peer->own_event_ = true;
     peer->data_ = static_cast<char*>((*mapping)->base) + desc.offset;
@@ -343,7 +362,9 @@ class CudaBackend final : public Backend {
       return Status{ErrorCode::kUnknownBuffer, s.message()};
     peer->host_ = std::move(opened).value();  // unregistered by ~CudaPeer
     void* device_view = nullptr;
-    if (Status s = call(cudaHostGetDevicePointer(&device_view, host, 0), "cudaHostGetDevicePointer(&p, shm, 0)", __LINE__); !s.ok())
+    if (Status s =
+            call(cudaHostGetDevicePointer(&device_view, host, 0), "cudaHostGetDevicePointer(&p, shm, 0)", __LINE__);
+        !s.ok())
       return s;
     peer->data_ = static_cast<char*>(device_view) + desc.offset;
     return std::unique_ptr<PeerBuffer>(std::move(peer));
@@ -351,8 +372,7 @@ class CudaBackend final : public Backend {
 
   // Synchronous: the server must know before it applies. Waits for the
   // worker's event and for the check kernel (and what is queued before it).
-  Result<bool> all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n,
-                          kernels::GradDtype dtype) override {
+  Result<bool> all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n, kernels::GradDtype dtype) override {
     if (!sticky_.ok()) return sticky_;
     bind();
     const auto& g = static_cast<const CudaPeer&>(grad);
@@ -390,8 +410,9 @@ class CudaBackend final : public Backend {
     // The worker may still be reading the previous weights on its stream.
     if (Status s = wait_for_writer(d); !s.ok()) return s;
     dirty_ = true;
-    return call(cudaMemcpyAsync(d.at(byte_offset), weights_ + element_offset, n * sizeof(float), cudaMemcpyDefault, stream_),
-                "cudaMemcpyAsync(dst, weights, n, cudaMemcpyDefault, stream_)", __LINE__);
+    return call(
+        cudaMemcpyAsync(d.at(byte_offset), weights_ + element_offset, n * sizeof(float), cudaMemcpyDefault, stream_),
+        "cudaMemcpyAsync(dst, weights, n, cudaMemcpyDefault, stream_)", __LINE__);
   }
 
   Status copy_in(uint64_t element_offset, uint64_t n, const PeerBuffer& src, uint64_t byte_offset) override {
@@ -401,8 +422,9 @@ class CudaBackend final : public Backend {
     // The worker records its event after writing the initial weights.
     if (Status st = wait_for_writer(s); !st.ok()) return st;
     dirty_ = true;
-    return call(cudaMemcpyAsync(weights_ + element_offset, s.at(byte_offset), n * sizeof(float), cudaMemcpyDefault, stream_),
-                "cudaMemcpyAsync(weights, src, n, cudaMemcpyDefault, stream_)", __LINE__);
+    return call(
+        cudaMemcpyAsync(weights_ + element_offset, s.at(byte_offset), n * sizeof(float), cudaMemcpyDefault, stream_),
+        "cudaMemcpyAsync(weights, src, n, cudaMemcpyDefault, stream_)", __LINE__);
   }
 
   std::vector<float> read_weights() const override { return download(weights_); }
@@ -421,9 +443,16 @@ class CudaBackend final : public Backend {
     if (weights.size() != total_ || state.size() != state_.size() * total_)
       return {ErrorCode::kInternal, "load: sizes differ from the allocation"};
     if (Status s = synchronize(); !s.ok()) return s;
-    if (Status s = call(cudaMemcpy(weights_, weights.data(), total_ * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy(weights_, weights)", __LINE__); !s.ok()) return s;
+    if (Status s = call(cudaMemcpy(weights_, weights.data(), total_ * sizeof(float), cudaMemcpyHostToDevice),
+                        "cudaMemcpy(weights_, weights)", __LINE__);
+        !s.ok())
+      return s;
     for (size_t a = 0; a < state_.size(); ++a)
-      if (Status s = call(cudaMemcpy(state_[a], state.data() + a * total_, total_ * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy(state_[a], state)", __LINE__); !s.ok()) return s;
+      if (Status s =
+              call(cudaMemcpy(state_[a], state.data() + a * total_, total_ * sizeof(float), cudaMemcpyHostToDevice),
+                   "cudaMemcpy(state_[a], state)", __LINE__);
+          !s.ok())
+        return s;
     return Status::Ok();
   }
 
@@ -445,7 +474,10 @@ class CudaBackend final : public Backend {
   // stream whether the context survived.
   Status note_failure(const Status& failure) {
     const cudaError_t q = cudaStreamQuery(stream_);
-    (void)call(q == cudaErrorNotReady ? cudaSuccess : q != cudaSuccess ? q : cudaPeekAtLastError(), "after a kernel", __LINE__);
+    (void)call(q == cudaErrorNotReady ? cudaSuccess
+               : q != cudaSuccess     ? q
+                                      : cudaPeekAtLastError(),
+               "after a kernel", __LINE__);
     return failure;
   }
 
@@ -477,7 +509,8 @@ class CudaBackend final : public Backend {
   Status alloc(T** p, uint64_t bytes) {
     void* raw = nullptr;
     if (Status s = call(cudaMalloc(&raw, bytes), "cudaMalloc(&p, bytes)", __LINE__); !s.ok())
-      return {ErrorCode::kNoCapacity, "device " + uuid_ + ": " + s.message() + " (" + std::to_string(bytes) + " bytes)"};
+      return {ErrorCode::kNoCapacity,
+              "device " + uuid_ + ": " + s.message() + " (" + std::to_string(bytes) + " bytes)"};
     blocks_.push_back(raw);
     *p = static_cast<T*>(raw);
     return call(cudaMemset(raw, 0, bytes), "cudaMemset(p, 0, bytes)", __LINE__);
@@ -489,7 +522,8 @@ class CudaBackend final : public Backend {
     bind();
     // const: a read of the device; errors leave zeros (logged).
     if (std::string e = SHMPS_CUDA_ERROR(cudaStreamSynchronize(stream_)); !e.empty()) log::error(e);
-    if (std::string e = SHMPS_CUDA_ERROR(cudaMemcpy(out.data(), p, total_ * sizeof(float), cudaMemcpyDeviceToHost)); !e.empty())
+    if (std::string e = SHMPS_CUDA_ERROR(cudaMemcpy(out.data(), p, total_ * sizeof(float), cudaMemcpyDeviceToHost));
+        !e.empty())
       log::error(e);
     // A non-sticky failure must not be reported by the next launch check
     // (a sticky one is found by the next fence; healthy() then says so).
@@ -511,8 +545,9 @@ class CudaBackend final : public Backend {
 
   static Status check_range(const shm::BufferDesc& desc, uint64_t allocation) {
     if (desc.offset > allocation || desc.length > allocation - desc.offset)
-      return {ErrorCode::kBadRange, "buffer offset " + std::to_string(desc.offset) + " + length " + std::to_string(desc.length) +
-                                        " exceeds the allocation's " + std::to_string(allocation) + " bytes"};
+      return {ErrorCode::kBadRange, "buffer offset " + std::to_string(desc.offset) + " + length " +
+                                        std::to_string(desc.length) + " exceeds the allocation's " +
+                                        std::to_string(allocation) + " bytes"};
     return Status::Ok();
   }
 
@@ -547,8 +582,7 @@ class CudaBackend final : public Backend {
       return Status{ErrorCode::kCuda, "cuMemGetAddressRange: the opened IPC pointer lies outside its own range"};
     m->size = range->second - (opened - first);
     // Drop expired entries now and then, so the map stays small.
-    if (mappings_.size() > 1024)
-      std::erase_if(mappings_, [](const auto& e) { return e.second.expired(); });
+    if (mappings_.size() > 1024) std::erase_if(mappings_, [](const auto& e) { return e.second.expired(); });
     mappings_[key] = m;
     ++ipc_opens_;
     return m;
@@ -580,12 +614,17 @@ class CudaBackend final : public Backend {
       device_ = found;
     }
     cudaDeviceProp p{};
-    if (Status s = call(cudaGetDeviceProperties(&p, device_), "cudaGetDeviceProperties(&p, device_)", __LINE__); !s.ok()) return s;
+    if (Status s = call(cudaGetDeviceProperties(&p, device_), "cudaGetDeviceProperties(&p, device_)", __LINE__);
+        !s.ok())
+      return s;
     static_assert(sizeof p.uuid == sizeof uuid_bytes_);
     std::memcpy(uuid_bytes_, &p.uuid, sizeof uuid_bytes_);
     uuid_ = uuid_text(uuid_bytes_);
     char bus[32] = {};
-    if (Status s = call(cudaDeviceGetPCIBusId(bus, sizeof bus, device_), "cudaDeviceGetPCIBusId(bus, 32, device_)", __LINE__); !s.ok()) return s;
+    if (Status s =
+            call(cudaDeviceGetPCIBusId(bus, sizeof bus, device_), "cudaDeviceGetPCIBusId(bus, 32, device_)", __LINE__);
+        !s.ok())
+      return s;
     pci_bus_id_ = bus;
     return Status::Ok();
   }
@@ -600,7 +639,9 @@ class CudaBackend final : public Backend {
     Status s = call(cudaIpcGetMemHandle(&h, p), "cudaIpcGetMemHandle(&h, probe)", __LINE__);
     (void)call(cudaFree(p), "cudaFree(probe)", __LINE__);
     cudaEvent_t ev = nullptr;
-    if (s.ok()) s = call(cudaEventCreateWithFlags(&ev, cudaEventInterprocess | cudaEventDisableTiming), "cudaEventCreateWithFlags(Interprocess)", __LINE__);
+    if (s.ok())
+      s = call(cudaEventCreateWithFlags(&ev, cudaEventInterprocess | cudaEventDisableTiming),
+               "cudaEventCreateWithFlags(Interprocess)", __LINE__);
     cudaIpcEventHandle_t eh{};
     if (s.ok()) s = call(cudaIpcGetEventHandle(&eh, ev), "cudaIpcGetEventHandle(&eh, ev)", __LINE__);
     if (ev != nullptr) (void)cudaEventDestroy(ev);
@@ -627,9 +668,11 @@ class CudaBackend final : public Backend {
       const std::string why = probe_peer(d);
       (void)cudaGetLastError();  // a failed probe must not fail the first launch check
       peers_[uuid_text(b)] = why;
-      if (why.empty()) log::info("peer access " + uuid_ + " -> " + uuid_text(b) + ": verified by a write and read-back");
-      else log::warn("device " + uuid_text(b) + " is not reachable from " + uuid_ + ": " + why +
-                     "; buffers on it will be refused (enable P2P: same PCIe root or NVLink, IOMMU/ACS off for P2P)");
+      if (why.empty())
+        log::info("peer access " + uuid_ + " -> " + uuid_text(b) + ": verified by a write and read-back");
+      else
+        log::warn("device " + uuid_text(b) + " is not reachable from " + uuid_ + ": " + why +
+                  "; buffers on it will be refused (enable P2P: same PCIe root or NVLink, IOMMU/ACS off for P2P)");
     }
     (void)cudaSetDevice(device_);
   }
@@ -684,7 +727,8 @@ class CudaBackend final : public Backend {
       return {ErrorCode::kCuda, "the buffer is on device " + u + ", which the server (on " + uuid_ +
                                     ") cannot see: give the server every GPU its workers use (CUDA_VISIBLE_DEVICES)"};
     if (!it->second.empty())
-      return {ErrorCode::kCuda, "the buffer is on device " + u + ", not reachable from the server's " + uuid_ + ": " + it->second};
+      return {ErrorCode::kCuda,
+              "the buffer is on device " + u + ", not reachable from the server's " + uuid_ + ": " + it->second};
     return Status::Ok();
   }
 

@@ -5,8 +5,9 @@
 namespace shmps::server {
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(const std::string&) {
-  return Status{ErrorCode::kCuda, "--backend cuda: this shmps-server was built without CUDA (SHMPS_CUDA=OFF or no "
-                                  "nvcc at build time); rebuild with the cuda preset, or use --backend host"};
+  return Status{ErrorCode::kCuda,
+                "--backend cuda: this shmps-server was built without CUDA (SHMPS_CUDA=OFF or no "
+                "nvcc at build time); rebuild with the cuda preset, or use --backend host"};
 }
 
 bool cuda_backend_available(std::string* reason) {

@@ -24,7 +24,7 @@ extern "C" void on_reload_signal(int) {
 }
 
 void handle(int signo, void (*handler)(int)) {
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = handler;
   sigemptyset(&sa.sa_mask);
   ::sigaction(signo, &sa, nullptr);

@@ -62,7 +62,7 @@ class HeldCompletions {
   };
   std::vector<std::deque<Held>> queues_;  // by worker
   std::vector<Held> orphaned_;
-  uint64_t count_ = 0;                    // sum of the queues' sizes
+  uint64_t count_ = 0;  // sum of the queues' sizes
 };
 
 }  // namespace shmps::server

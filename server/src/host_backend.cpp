@@ -17,14 +17,14 @@ namespace {
 class HostPeer final : public PeerBuffer {
  public:
   HostPeer(std::unique_ptr<shm::ShmObject> object, uint64_t offset, uint64_t length)
-      : object_(std::move(object)), offset_(offset), length_(length),
+      : object_(std::move(object)),
+        offset_(offset),
+        length_(length),
         guard_(guard_range(object_->data(), object_->size())) {}
   ~HostPeer() override { release_range(guard_); }
   uint64_t length() const noexcept override { return length_; }
   bool intact() const noexcept { return !range_poisoned(guard_); }
-  char* at(uint64_t byte_offset) const noexcept {
-    return static_cast<char*>(object_->data()) + offset_ + byte_offset;
-  }
+  char* at(uint64_t byte_offset) const noexcept { return static_cast<char*>(object_->data()) + offset_ + byte_offset; }
 
  private:
   std::unique_ptr<shm::ShmObject> object_;
@@ -120,8 +120,7 @@ class HostBackend final : public Backend {
     return {ErrorCode::kBadRange, "the buffer object shrank under the server (SIGBUS); dropped"};
   }
 
-  Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays,
-                  std::vector<float> initial) override {
+  Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays, std::vector<float> initial) override {
     tensors_ = tensors;
     try {
       weights_ = HostArray(initial.size());
@@ -134,7 +133,8 @@ class HostBackend final : public Backend {
         std::memset(state_.back().data(), 0, weights_.size() * sizeof(float));
       }
     } catch (const std::bad_alloc&) {
-      return {ErrorCode::kNoCapacity, "cannot map " + std::to_string(initial.size() * sizeof(float) * (1 + state_arrays)) +
+      return {ErrorCode::kNoCapacity, "cannot map " +
+                                          std::to_string(initial.size() * sizeof(float) * (1 + state_arrays)) +
                                           " bytes of weights and optimizer state"};
     }
     return Status::Ok();
@@ -149,13 +149,12 @@ class HostBackend final : public Backend {
     return std::unique_ptr<PeerBuffer>(new HostPeer(std::move(opened).value(), desc.offset, desc.length));
   }
 
-  Result<bool> all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n,
-                          kernels::GradDtype dtype) override {
+  Result<bool> all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n, kernels::GradDtype dtype) override {
     return kernels::all_finite_cpu(static_cast<const HostPeer&>(grad).at(byte_offset), dtype, n);
   }
 
-  Status apply(const kernels::OptimizerConfig& config, uint32_t tensor, uint64_t step,
-               const PeerBuffer& grad, uint64_t byte_offset, kernels::GradDtype dtype) override {
+  Status apply(const kernels::OptimizerConfig& config, uint32_t tensor, uint64_t step, const PeerBuffer& grad,
+               uint64_t byte_offset, kernels::GradDtype dtype) override {
     const TensorExtent& t = tensors_[tensor];
     kernels::TensorState ts;
     ts.weights = weights_.data() + t.element_offset;
@@ -166,14 +165,12 @@ class HostBackend final : public Backend {
   }
 
   Status copy_out(uint64_t element_offset, uint64_t n, PeerBuffer& dst, uint64_t byte_offset) override {
-    std::memcpy(static_cast<HostPeer&>(dst).at(byte_offset), weights_.data() + element_offset,
-                n * sizeof(float));
+    std::memcpy(static_cast<HostPeer&>(dst).at(byte_offset), weights_.data() + element_offset, n * sizeof(float));
     return Status::Ok();
   }
 
   Status copy_in(uint64_t element_offset, uint64_t n, const PeerBuffer& src, uint64_t byte_offset) override {
-    std::memcpy(weights_.data() + element_offset, static_cast<const HostPeer&>(src).at(byte_offset),
-                n * sizeof(float));
+    std::memcpy(weights_.data() + element_offset, static_cast<const HostPeer&>(src).at(byte_offset), n * sizeof(float));
     return Status::Ok();
   }
 

@@ -28,7 +28,7 @@ bool stderr_is_journal() noexcept {
   if (stream == nullptr) return false;
   unsigned long long dev = 0, ino = 0;
   if (std::sscanf(stream, "%llu:%llu", &dev, &ino) != 2) return false;
-  struct stat st{};
+  struct stat st {};
   if (::fstat(STDERR_FILENO, &st) != 0) return false;
   return static_cast<unsigned long long>(st.st_dev) == dev && static_cast<unsigned long long>(st.st_ino) == ino;
 }

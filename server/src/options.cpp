@@ -67,7 +67,8 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
     if (const size_t hash = text.find('#'); hash != std::string::npos) text.resize(hash);
     const std::string s = trim(text);
     if (s.empty()) continue;
-    if (s.front() == '[') return invalid(file_line(file, line) + ": sections ('" + s + "') are not supported; write key = value lines");
+    if (s.front() == '[')
+      return invalid(file_line(file, line) + ": sections ('" + s + "') are not supported; write key = value lines");
     const size_t eq = s.find('=');
     if (eq == std::string::npos) return invalid(file_line(file, line) + ": expected 'key = value', got '" + s + "'");
     FileEntry e{trim(std::string_view(s).substr(0, eq)), trim(std::string_view(s).substr(eq + 1)), line};
@@ -80,11 +81,13 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
                      (command_line_only ? " (valid on the command line only)" : ""));
     }
     if (cli::negative_for_unsigned(*d, e.value))
-      return invalid(file_line(file, line) + ": key '" + e.key + "': must be a non-negative integer, got '" + e.value + "'");
+      return invalid(file_line(file, line) + ": key '" + e.key + "': must be a non-negative integer, got '" + e.value +
+                     "'");
     if (!d->semantic()->is_composing()) {
       const auto [it, inserted] = first_line.emplace(e.key, line);
       if (!inserted)
-        return invalid(file_line(file, line) + ": key '" + e.key + "' is already set on line " + std::to_string(it->second));
+        return invalid(file_line(file, line) + ": key '" + e.key + "' is already set on line " +
+                       std::to_string(it->second));
     }
     entries.push_back(std::move(e));
   }
@@ -131,10 +134,14 @@ const char* version_text() noexcept { return SHMPS_VERSION; }
 
 const char* log_level_name(LogLevel level) noexcept {
   switch (level) {
-    case LogLevel::kError: return "error";
-    case LogLevel::kWarn: return "warn";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kDebug: return "debug";
+    case LogLevel::kError:
+      return "error";
+    case LogLevel::kWarn:
+      return "warn";
+    case LogLevel::kInfo:
+      return "info";
+    case LogLevel::kDebug:
+      return "debug";
   }
   return "unknown";
 }
@@ -201,44 +208,50 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   float weight_decay = 0.0f;
 
   po::options_description generic("General (command line only)");
-  generic.add_options()
-      ("help,h", "print this help and exit")
-      ("version", "print the version and exit")
-      ("check-config", "check the options and the --config file, print the effective configuration, exit")
-      ("config", po::value(&config_file), "read options from this file (key = value lines, '#' comments)");
+  generic.add_options()("help,h", "print this help and exit")("version", "print the version and exit")(
+      "check-config", "check the options and the --config file, print the effective configuration, exit")(
+      "config", po::value(&config_file), "read options from this file (key = value lines, '#' comments)");
   po::options_description server("Server (also valid in the config file, as key = value)");
-  server.add_options()
-      ("name", po::value(&c.name), "instance name: the segment is /dev/shm/shmps.<name> (required)")
-      ("tensor", po::value(&tensors)->composing(), "NAME:SHAPE[:f32], e.g. fc1.weight:256x784; repeatable, in order (required)")
-      ("optimizer", po::value(&optimizer)->default_value("sgd"), "sgd | adam | adamw")
-      ("lr", po::value(&o.lr)->default_value(0.001f), "learning rate (> 0); changes live on SIGHUP")
-      ("momentum", po::value(&o.momentum)->default_value(0.0f), "SGD momentum (>= 0)")
-      ("dampening", po::value(&o.dampening)->default_value(0.0f), "SGD dampening (>= 0)")
-      ("nesterov", po::bool_switch(&o.nesterov), "SGD Nesterov momentum (needs momentum > 0, dampening 0)")
-      ("weight-decay", po::value(&weight_decay), "L2 penalty (SGD, Adam) or decoupled decay (AdamW); default 0, AdamW 0.01")
-      ("beta1", po::value(&o.beta1)->default_value(0.9f), "Adam beta1 in [0, 1)")
-      ("beta2", po::value(&o.beta2)->default_value(0.999f), "Adam beta2 in [0, 1)")
-      ("eps", po::value(&o.eps)->default_value(1e-8f), "Adam epsilon (> 0)")
-      ("amsgrad", po::bool_switch(&o.amsgrad), "Adam/AdamW AMSGrad variant")
-      ("max-staleness", po::value(&c.max_staleness)->default_value(4), "reject pushes computed more than this many versions ago; changes live on SIGHUP")
-      ("allow-nonfinite", po::bool_switch(&c.allow_nonfinite), "apply gradients holding NaN or Inf (rejected by default)")
-      ("ring-capacity", po::value(&c.lane_capacity)->default_value(64), "slots per worker request lane (power of two)")
-      ("max-workers", po::value(&c.max_workers)->default_value(16), "worker table size (1..256)")
-      ("max-buffers", po::value(&c.max_buffers)->default_value(16), "registered buffers per worker (1..64)")
-      ("backend", po::value(&backend)->default_value("auto"), "host | cuda | auto (cuda when a device is present)")
-      ("device", po::value(&c.device), "CUDA device: UUID (GPU-..., as nvidia-smi -L prints) or PCI bus id (0000:3b:00.0); default: the first visible")
-      ("init", po::value(&init)->default_value("zero"), "initial weights: zero | normal | uniform | file")
-      ("init-scale", po::value(&c.init.scale)->default_value(0.01f), "normal: stddev; uniform: half-width")
-      ("init-seed", po::value(&c.init.seed)->default_value(1), "seed of normal/uniform init")
-      ("init-file", po::value(&c.init.file), "raw little-endian fp32, all tensors in order (implies --init file)")
-      ("group-access", po::bool_switch(&c.group_access), "create the segment with mode 0660 instead of 0600")
-      ("idle-spin-us", po::value(&c.idle_spin_us)->default_value(50), "spin this long on an empty ring before sleeping")
-      ("stopped-worker-timeout-ms", po::value(&c.stopped_worker_timeout_ms)->default_value(5000), "evict a worker stopped (SIGSTOP, a debugger) this long (0: never)")
-      ("checkpoint-dir", po::value(&c.checkpoint_dir), "write checkpoints here and restore the newest valid one at start")
-      ("checkpoint-every", po::value(&c.checkpoint_every)->default_value(0), "checkpoint every N applied updates (0: off)")
-      ("checkpoint-interval-s", po::value(&c.checkpoint_interval_s)->default_value(0), "checkpoint every S seconds when weights changed (0: off)")
-      ("checkpoint-keep", po::value(&c.checkpoint_keep)->default_value(3), "keep the newest K checkpoints")
-      ("log-level", po::value(&log_level)->default_value("info"), "error | warn | info | debug; changes live on SIGHUP");
+  server.add_options()("name", po::value(&c.name), "instance name: the segment is /dev/shm/shmps.<name> (required)")(
+      "tensor", po::value(&tensors)->composing(),
+      "NAME:SHAPE[:f32], e.g. fc1.weight:256x784; repeatable, in order (required)")(
+      "optimizer", po::value(&optimizer)->default_value("sgd"), "sgd | adam | adamw")(
+      "lr", po::value(&o.lr)->default_value(0.001f), "learning rate (> 0); changes live on SIGHUP")(
+      "momentum", po::value(&o.momentum)->default_value(0.0f), "SGD momentum (>= 0)")(
+      "dampening", po::value(&o.dampening)->default_value(0.0f), "SGD dampening (>= 0)")(
+      "nesterov", po::bool_switch(&o.nesterov), "SGD Nesterov momentum (needs momentum > 0, dampening 0)")(
+      "weight-decay", po::value(&weight_decay),
+      "L2 penalty (SGD, Adam) or decoupled decay (AdamW); default 0, AdamW 0.01")(
+      "beta1", po::value(&o.beta1)->default_value(0.9f), "Adam beta1 in [0, 1)")(
+      "beta2", po::value(&o.beta2)->default_value(0.999f), "Adam beta2 in [0, 1)")(
+      "eps", po::value(&o.eps)->default_value(1e-8f), "Adam epsilon (> 0)")("amsgrad", po::bool_switch(&o.amsgrad),
+                                                                            "Adam/AdamW AMSGrad variant")(
+      "max-staleness", po::value(&c.max_staleness)->default_value(4),
+      "reject pushes computed more than this many versions ago; changes live on SIGHUP")(
+      "allow-nonfinite", po::bool_switch(&c.allow_nonfinite),
+      "apply gradients holding NaN or Inf (rejected by default)")(
+      "ring-capacity", po::value(&c.lane_capacity)->default_value(64), "slots per worker request lane (power of two)")(
+      "max-workers", po::value(&c.max_workers)->default_value(16), "worker table size (1..256)")(
+      "max-buffers", po::value(&c.max_buffers)->default_value(16), "registered buffers per worker (1..64)")(
+      "backend", po::value(&backend)->default_value("auto"), "host | cuda | auto (cuda when a device is present)")(
+      "device", po::value(&c.device),
+      "CUDA device: UUID (GPU-..., as nvidia-smi -L prints) or PCI bus id (0000:3b:00.0); default: the first visible")(
+      "init", po::value(&init)->default_value("zero"), "initial weights: zero | normal | uniform | file")(
+      "init-scale", po::value(&c.init.scale)->default_value(0.01f), "normal: stddev; uniform: half-width")(
+      "init-seed", po::value(&c.init.seed)->default_value(1), "seed of normal/uniform init")(
+      "init-file", po::value(&c.init.file), "raw little-endian fp32, all tensors in order (implies --init file)")(
+      "group-access", po::bool_switch(&c.group_access), "create the segment with mode 0660 instead of 0600")(
+      "idle-spin-us", po::value(&c.idle_spin_us)->default_value(50), "spin this long on an empty ring before sleeping")(
+      "stopped-worker-timeout-ms", po::value(&c.stopped_worker_timeout_ms)->default_value(5000),
+      "evict a worker stopped (SIGSTOP, a debugger) this long (0: never)")(
+      "checkpoint-dir", po::value(&c.checkpoint_dir),
+      "write checkpoints here and restore the newest valid one at start")(
+      "checkpoint-every", po::value(&c.checkpoint_every)->default_value(0),
+      "checkpoint every N applied updates (0: off)")("checkpoint-interval-s",
+                                                     po::value(&c.checkpoint_interval_s)->default_value(0),
+                                                     "checkpoint every S seconds when weights changed (0: off)")(
+      "checkpoint-keep", po::value(&c.checkpoint_keep)->default_value(3), "keep the newest K checkpoints")(
+      "log-level", po::value(&log_level)->default_value("info"), "error | warn | info | debug; changes live on SIGHUP");
   po::options_description all;
   all.add(generic).add(server);
 
@@ -284,8 +297,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
         } catch (const po::error&) {
           return invalid(file_line(file, e.line) + ": key '" + e.key + "': invalid value '" + e.value + "'");
         }
-        if (e.key == "tensor") tensor_origin.push_back(file_line(file, e.line));
-        else if (on_cmdline.count(e.key) == 0) line_of[e.key] = e.line;
+        if (e.key == "tensor")
+          tensor_origin.push_back(file_line(file, e.line));
+        else if (on_cmdline.count(e.key) == 0)
+          line_of[e.key] = e.line;
       }
     }
     po::notify(vm);
@@ -344,14 +359,21 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
     }
   }
   o.weight_decay = vm.count("weight-decay") ? weight_decay : (o.kind == kernels::OptimizerKind::kAdamW ? 0.01f : 0.0f);
-  if (backend == "host") c.backend = BackendKind::kHost;
-  else if (backend == "cuda") c.backend = BackendKind::kCuda;
-  else if (backend == "auto") c.backend = BackendKind::kAuto;
-  else return fail("--backend must be host, cuda or auto, got '" + backend + "'");
+  if (backend == "host")
+    c.backend = BackendKind::kHost;
+  else if (backend == "cuda")
+    c.backend = BackendKind::kCuda;
+  else if (backend == "auto")
+    c.backend = BackendKind::kAuto;
+  else
+    return fail("--backend must be host, cuda or auto, got '" + backend + "'");
   if (vm.count("init-file")) init = "file";
-  if (init == "zero") c.init.kind = InitSpec::Kind::kZero;
-  else if (init == "normal") c.init.kind = InitSpec::Kind::kNormal;
-  else if (init == "uniform") c.init.kind = InitSpec::Kind::kUniform;
+  if (init == "zero")
+    c.init.kind = InitSpec::Kind::kZero;
+  else if (init == "normal")
+    c.init.kind = InitSpec::Kind::kNormal;
+  else if (init == "uniform")
+    c.init.kind = InitSpec::Kind::kUniform;
   else if (init == "file") {
     if (c.init.file.empty()) return fail("--init file needs --init-file PATH");
     c.init.kind = InitSpec::Kind::kFile;
@@ -405,7 +427,9 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   e.emplace_back("ring-capacity", std::to_string(c.lane_capacity));
   e.emplace_back("max-workers", std::to_string(c.max_workers));
   e.emplace_back("max-buffers", std::to_string(c.max_buffers));
-  e.emplace_back("backend", c.backend == BackendKind::kHost ? "host" : c.backend == BackendKind::kCuda ? "cuda" : "auto");
+  e.emplace_back("backend", c.backend == BackendKind::kHost   ? "host"
+                            : c.backend == BackendKind::kCuda ? "cuda"
+                                                              : "auto");
   if (!c.device.empty()) e.emplace_back("device", c.device);
   static constexpr const char* kInitNames[] = {"zero", "normal", "uniform", "file"};
   e.emplace_back("init", kInitNames[static_cast<int>(c.init.kind)]);

@@ -18,14 +18,15 @@ struct Range {
   std::atomic<uint32_t> poisoned{0};
 };
 Range g_ranges[kRanges];
-struct sigaction g_previous{};
+struct sigaction g_previous {};
 
 void on_sigbus(int signo, siginfo_t* info, void* context) {
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
   for (Range& r : g_ranges) {
     // SYNC(guard_range): pairs with guard_range()'s release of begin (end is set first).
     const uintptr_t begin = r.begin.load(std::memory_order_acquire);
-    if (begin == 0 || addr < begin || addr >= r.end.load(std::memory_order_relaxed)) continue;  // relaxed: ordered by begin
+    if (begin == 0 || addr < begin || addr >= r.end.load(std::memory_order_relaxed))
+      continue;  // relaxed: ordered by begin
     const auto page_size = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
     void* page = reinterpret_cast<void*>(addr & ~(page_size - 1));
     // A raw syscall on Linux: safe here in practice (as JVMs do).
@@ -54,7 +55,7 @@ void on_sigbus(int signo, siginfo_t* info, void* context) {
 void install_peer_guard() {
   static std::once_flag once;
   std::call_once(once, [] {
-    struct sigaction sa{};
+    struct sigaction sa {};
     sa.sa_sigaction = on_sigbus;
     sa.sa_flags = SA_SIGINFO;
     sigemptyset(&sa.sa_mask);
@@ -83,7 +84,8 @@ void release_range(GuardId id) {
 
 bool range_poisoned(GuardId id) {
   if (id == 0 || id > kRanges) return false;
-  return g_ranges[id - 1].poisoned.load(std::memory_order_relaxed) != 0;  // relaxed: set by a handler on this or an OpenMP thread that has returned
+  return g_ranges[id - 1].poisoned.load(std::memory_order_relaxed) !=
+         0;  // relaxed: set by a handler on this or an OpenMP thread that has returned
 }
 
 }  // namespace shmps::server

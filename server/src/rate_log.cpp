@@ -18,7 +18,8 @@ LogLevel RejectionLog::level(ErrorCode code) {
 
 void RejectionLog::write(ErrorCode code, Cause& c, std::string line) {
   if (c.unreported > 0)
-    line += " (+" + std::to_string(c.unreported) + " more '" + std::string(error_code_name(code)) + "' since the last report)";
+    line += " (+" + std::to_string(c.unreported) + " more '" + std::string(error_code_name(code)) +
+            "' since the last report)";
   log::write(level(code), line);
   c.unreported = 0;
 }
@@ -29,7 +30,8 @@ void RejectionLog::flush(uint64_t now, bool all) {
     if (c.unreported == 0 || (!all && now - c.last_ns < kWindowNs)) continue;
     const auto code = static_cast<ErrorCode>(cause);
     log::write(level(code), std::to_string(c.unreported) + " more '" + std::string(error_code_name(code)) +
-                                "' rejections in the last " + fixed1(static_cast<double>(now - c.last_ns) / 1e9) + " s");
+                                "' rejections in the last " + fixed1(static_cast<double>(now - c.last_ns) / 1e9) +
+                                " s");
     c.unreported = 0;
     c.last_ns = now;
   }

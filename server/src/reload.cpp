@@ -18,8 +18,10 @@ std::vector<std::pair<std::string, std::string>> grouped_entries(const ServerCon
   std::vector<std::pair<std::string, std::string>> out;
   for (auto& [key, value] : config_entries(config)) {
     auto it = std::find_if(out.begin(), out.end(), [&key = key](const auto& e) { return e.first == key; });
-    if (it == out.end()) out.emplace_back(key, value);
-    else it->second += "," + value;
+    if (it == out.end())
+      out.emplace_back(key, value);
+    else
+      it->second += "," + value;
   }
   return out;
 }

@@ -20,8 +20,10 @@ static_assert(static_cast<uint32_t>(kernels::GradDtype::kF32) == static_cast<uin
               static_cast<uint32_t>(kernels::GradDtype::kF16) == static_cast<uint32_t>(shm::Dtype::kF16) &&
               static_cast<uint32_t>(kernels::GradDtype::kBF16) == static_cast<uint32_t>(shm::Dtype::kBF16));
 static_assert(static_cast<uint32_t>(kernels::OptimizerKind::kSgd) == static_cast<uint32_t>(shm::OptimizerKind::kSgd) &&
-              static_cast<uint32_t>(kernels::OptimizerKind::kAdam) == static_cast<uint32_t>(shm::OptimizerKind::kAdam) &&
-              static_cast<uint32_t>(kernels::OptimizerKind::kAdamW) == static_cast<uint32_t>(shm::OptimizerKind::kAdamW));
+              static_cast<uint32_t>(kernels::OptimizerKind::kAdam) ==
+                  static_cast<uint32_t>(shm::OptimizerKind::kAdam) &&
+              static_cast<uint32_t>(kernels::OptimizerKind::kAdamW) ==
+                  static_cast<uint32_t>(shm::OptimizerKind::kAdamW));
 
 const char* opcode_name(uint32_t opcode) {
   const char* name = shm::opcode_name(opcode);
@@ -71,7 +73,8 @@ Answer RequestHandler::handle(uint32_t i, const Request& req, uint64_t now) {
   now_ = now;
   shm::WorkerEntry& entry = segment_.worker(i);
   if (req.worker_id != i)
-    return reject(i, req, ErrorCode::kBadRequest, "worker_id " + std::to_string(req.worker_id) + " on lane " + std::to_string(i));
+    return reject(i, req, ErrorCode::kBadRequest,
+                  "worker_id " + std::to_string(req.worker_id) + " on lane " + std::to_string(i));
   if (req.opcode == 0 || req.opcode > shm::kOpcodeMax)
     return reject(i, req, ErrorCode::kBadRequest, "unknown opcode " + std::to_string(req.opcode));
   if (req.flags != 0) return reject(i, req, ErrorCode::kBadRequest, "flags must be 0");
@@ -83,15 +86,24 @@ Answer RequestHandler::handle(uint32_t i, const Request& req, uint64_t now) {
   // per request cost 20-30 ns of the round trip).
   entry.last_request_ns.store(now, std::memory_order_relaxed);
   switch (static_cast<Opcode>(req.opcode)) {
-    case Opcode::kDetach: return ok(req, 0);
-    case Opcode::kRegisterBuffer: return register_buffer(i, req);
-    case Opcode::kUnregisterBuffer: return unregister_buffer(i, req);
-    case Opcode::kPush: return push(i, req);
-    case Opcode::kPull: return pull(i, req);
-    case Opcode::kStats: return stats(i, req);
-    case Opcode::kInit: return init(i, req);
-    case Opcode::kPing: return ok(req, model_.version);
-    case Opcode::kAttach: break;
+    case Opcode::kDetach:
+      return ok(req, 0);
+    case Opcode::kRegisterBuffer:
+      return register_buffer(i, req);
+    case Opcode::kUnregisterBuffer:
+      return unregister_buffer(i, req);
+    case Opcode::kPush:
+      return push(i, req);
+    case Opcode::kPull:
+      return pull(i, req);
+    case Opcode::kStats:
+      return stats(i, req);
+    case Opcode::kInit:
+      return init(i, req);
+    case Opcode::kPing:
+      return ok(req, model_.version);
+    case Opcode::kAttach:
+      break;
   }
   return reject(i, req, ErrorCode::kBadRequest, "unknown opcode");
 }
@@ -129,8 +141,9 @@ Answer RequestHandler::backend_failed(uint32_t i, const Request& req, const Stat
 Answer RequestHandler::register_buffer(uint32_t i, const Request& req) {
   WorkerSlot& slot = sessions_[i];
   if (req.buffer_id >= config_.max_buffers)
-    return reject(i, req, ErrorCode::kUnknownBuffer,
-                  "buffer id " + std::to_string(req.buffer_id) + " >= max_buffers " + std::to_string(config_.max_buffers));
+    return reject(
+        i, req, ErrorCode::kUnknownBuffer,
+        "buffer id " + std::to_string(req.buffer_id) + " >= max_buffers " + std::to_string(config_.max_buffers));
   if (slot.buffers[req.buffer_id]) return reject(i, req, ErrorCode::kBadRequest, "buffer id already registered");
   // Copy the descriptor out of shared memory before validating it.
   shm::BufferDesc desc;
@@ -170,22 +183,23 @@ Result<RequestHandler::Target> RequestHandler::resolve(uint32_t i, const Request
     t.last = req.tensor_id + 1;
     t.elements = model_.tensors[req.tensor_id].element_count;
   } else {
-    return Status{ErrorCode::kUnknownTensor,
-                  "tensor id " + std::to_string(req.tensor_id) + " >= " + std::to_string(model_.tensors.size()) + " tensors"};
+    return Status{ErrorCode::kUnknownTensor, "tensor id " + std::to_string(req.tensor_id) +
+                                                 " >= " + std::to_string(model_.tensors.size()) + " tensors"};
   }
   t.buffer = sessions_[i].buffer(req.buffer_id);
   if (t.buffer == nullptr)
     return Status{ErrorCode::kUnknownBuffer, "buffer " + std::to_string(req.buffer_id) + " is not registered"};
   const uint64_t need = t.elements * element_size;
   if (req.byte_length != need) {
-    const std::string what = req.tensor_id == shm::kAllTensors ? std::string("all tensors") : std::string(model_.tensors[t.first].name);
-    return Status{ErrorCode::kBadLength, std::to_string(req.byte_length) + " B, " + what + " needs " + std::to_string(need) +
-                                             " (" + dtype_name + ")"};
+    const std::string what =
+        req.tensor_id == shm::kAllTensors ? std::string("all tensors") : std::string(model_.tensors[t.first].name);
+    return Status{ErrorCode::kBadLength, std::to_string(req.byte_length) + " B, " + what + " needs " +
+                                             std::to_string(need) + " (" + dtype_name + ")"};
   }
   const uint64_t len = t.buffer->length();
   if (req.byte_offset > len || need > len - req.byte_offset)
-    return Status{ErrorCode::kBadRange,
-                  "offset " + std::to_string(req.byte_offset) + " + " + std::to_string(need) + " > buffer " + std::to_string(len)};
+    return Status{ErrorCode::kBadRange, "offset " + std::to_string(req.byte_offset) + " + " + std::to_string(need) +
+                                            " > buffer " + std::to_string(len)};
   return t;
 }
 
@@ -197,13 +211,15 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
   if (!target.ok()) return reject(i, req, target.status().code(), target.status().message());
   const uint64_t version = model_.version;
   if (req.worker_version > version)
-    return reject(i, req, ErrorCode::kBadRequest,
-                  "worker_version " + std::to_string(req.worker_version) + " ahead of version " + std::to_string(version));
+    return reject(
+        i, req, ErrorCode::kBadRequest,
+        "worker_version " + std::to_string(req.worker_version) + " ahead of version " + std::to_string(version));
   const uint64_t staleness = version - req.worker_version;
   if (staleness > config_.max_staleness)
     return reject(i, req, ErrorCode::kStale,
-                  "staleness " + std::to_string(staleness) + " > max_staleness " + std::to_string(config_.max_staleness) +
-                      " (v" + std::to_string(req.worker_version) + " vs v" + std::to_string(version) + ")");
+                  "staleness " + std::to_string(staleness) + " > max_staleness " +
+                      std::to_string(config_.max_staleness) + " (v" + std::to_string(req.worker_version) + " vs v" +
+                      std::to_string(version) + ")");
   if (!config_.allow_nonfinite) {
     const Result<bool> finite = backend_.all_finite(*target->buffer, req.byte_offset, target->elements, dtype);
     // The check pass reads the whole gradient first: a buffer truncated
@@ -218,7 +234,8 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
   // copy (two locked instructions) only where there is something to wait for.
   std::shared_ptr<PeerBuffer> hold = async_ ? sessions_[i].buffers[req.buffer_id] : nullptr;
   for (uint32_t t = target->first; t < target->last; ++t) {
-    if (Status s = backend_.apply(config_.optimizer, t, ++model_.steps[t], *target->buffer, byte_offset, dtype); !s.ok()) {
+    if (Status s = backend_.apply(config_.optimizer, t, ++model_.steps[t], *target->buffer, byte_offset, dtype);
+        !s.ok()) {
       Answer a = backend_failed(i, req, s);
       a.hold = std::move(hold);
       return a;
@@ -228,7 +245,8 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
   // Only with --allow-nonfinite (no check pass) or a worker truncating
   // during the apply: zeros were read for the missing pages.
   if (Status s = backend_.peer_intact(*target->buffer); !s.ok()) {
-    Answer a = drop_buffer(i, req, Status{s.code(), s.message() + "; the update was applied with zeros for the lost pages"});
+    Answer a =
+        drop_buffer(i, req, Status{s.code(), s.message() + "; the update was applied with zeros for the lost pages"});
     a.hold = std::move(hold);
     return a;
   }
@@ -282,7 +300,8 @@ Answer RequestHandler::init(uint32_t i, const Request& req) {
   if (model_.version != 0)
     return reject(i, req, ErrorCode::kInitRefused, "version is " + std::to_string(model_.version) + ": pushes applied");
   if (!config_.allow_nonfinite) {
-    const Result<bool> finite = backend_.all_finite(*target->buffer, req.byte_offset, target->elements, kernels::GradDtype::kF32);
+    const Result<bool> finite =
+        backend_.all_finite(*target->buffer, req.byte_offset, target->elements, kernels::GradDtype::kF32);
     if (Status s = backend_.peer_intact(*target->buffer); !s.ok()) return drop_buffer(i, req, s);
     if (!finite.ok()) return backend_failed(i, req, finite.status());
     if (!*finite) return reject(i, req, ErrorCode::kNonFinite, "NaN or Inf in the initial weights");
@@ -309,7 +328,9 @@ Answer RequestHandler::stats(uint32_t i, const Request& req) {
   const shm::StatsBlock& s = segment_.stats();
   const shm::WorkerEntry& e = segment_.worker(i);
   // relaxed loads of our own counters; the completion's release publishes r.
-  const auto cause = [&s](ErrorCode code) { return s.rejected[static_cast<uint32_t>(code)].load(std::memory_order_relaxed); };
+  const auto cause = [&s](ErrorCode code) {
+    return s.rejected[static_cast<uint32_t>(code)].load(std::memory_order_relaxed);
+  };
   const uint64_t rejected_stale = cause(ErrorCode::kStale), rejected_nonfinite = cause(ErrorCode::kNonFinite);
   uint64_t rejected_invalid = 0;
   for (uint32_t c = 0; c < shm::kRejectCauses; ++c) rejected_invalid += s.rejected[c].load(std::memory_order_relaxed);

@@ -37,8 +37,8 @@ using shm::Request;
 
 namespace {
 
-constexpr uint32_t kBatchPerLane = 32;               // requests served per lane before moving on
-constexpr uint64_t kHousekeepingNs = 50'000'000;     // dead-worker scan and lane sweep
+constexpr uint32_t kBatchPerLane = 32;            // requests served per lane before moving on
+constexpr uint64_t kHousekeepingNs = 50'000'000;  // dead-worker scan and lane sweep
 constexpr uint64_t kHeartbeatNs = 10'000'000;
 constexpr uint32_t kWatchPolls = 64;                 // idle polls of watch_lanes() before the loop turns (a pause each)
 constexpr uint64_t kWatchBudgetNs = 20'000;          // serving time after which watch_lanes() lets the loop turn
@@ -78,20 +78,20 @@ class Server::Impl {
   Sessions sessions;
   RequestHandler handler;
   std::unique_ptr<CheckpointPolicy> checkpoints;  // none while config.checkpoint_dir is empty
-  Status failure;                  // why run() stops on its own (the device, the segment's name)
-  bool removed = false;            // the segment is gone (shutdown() ran)
-  uint64_t loop_now = 0;           // CLOCK_MONOTONIC ns at the start of this turn of the loop
+  Status failure;                                 // why run() stops on its own (the device, the segment's name)
+  bool removed = false;                           // the segment is gone (shutdown() ran)
+  uint64_t loop_now = 0;                          // CLOCK_MONOTONIC ns at the start of this turn of the loop
   uint64_t last_heartbeat = 0;
   uint64_t last_housekeeping = 0;
   uint64_t last_segment_check = 0;
-  size_t watch_cursor = 0;         // where watch_lanes() resumes its round robin
+  size_t watch_cursor = 0;  // where watch_lanes() resumes its round robin
   // The service manager (sd_notify) and the STATUS= line.
   RunOptions run_options;
   ServiceNotifier notifier;
   uint64_t last_watchdog = 0;
   uint64_t last_status = 0;
   uint64_t applied_at_last_status = 0;
-  double push_rate = 0.0;          // pushes/s over the last status interval
+  double push_rate = 0.0;  // pushes/s over the last status interval
 
   // ---- any thread, signal handlers included
   std::atomic<bool> stop{false};
@@ -108,9 +108,9 @@ class Server::Impl {
     last_watchdog = last_status = shm::monotonic_ns();
     applied_at_last_status = stats().gradients_applied.load(std::memory_order_relaxed);  // relaxed: our own counter
     if (notifier.enabled()) {
-      log::info(notifier.watchdog_ns() == 0
-                    ? std::string("notifying systemd; no watchdog")
-                    : "notifying systemd; watchdog keep-alive every " + std::to_string(notifier.watchdog_ns() / 2'000'000) + " ms");
+      log::info(notifier.watchdog_ns() == 0 ? std::string("notifying systemd; no watchdog")
+                                            : "notifying systemd; watchdog keep-alive every " +
+                                                  std::to_string(notifier.watchdog_ns() / 2'000'000) + " ms");
       // The segment is published and the weights are loaded (create()).
       notifier.ready(status_text());
     }
@@ -216,7 +216,7 @@ class Server::Impl {
   void sleep_until_doorbell() {
     auto& wake = segment->header().server_wake;
     wake.waiters.fetch_add(1, std::memory_order_seq_cst);
-    const uint32_t seq = wake.seq.load(std::memory_order_seq_cst);  // SYNC(wait_word)
+    const uint32_t seq = wake.seq.load(std::memory_order_seq_cst);      // SYNC(wait_word)
     if (!doorbells_pending() && !stop.load(std::memory_order_acquire))  // SYNC(stop)
       shm::wait_once(wake, seq, std::chrono::nanoseconds(kHeartbeatNs));
     wake.waiters.fetch_sub(1, std::memory_order_relaxed);  // relaxed: only a hint to notifiers
@@ -266,7 +266,8 @@ class Server::Impl {
       }
       for (uint32_t w = 0; w < words; ++w)
         // relaxed: a hint; serve_doorbells() takes the bits with acq_rel.
-        if ((segment->header().doorbell[w].load(std::memory_order_relaxed) & ~sessions.attached_bits(w)) != 0) return true;
+        if ((segment->header().doorbell[w].load(std::memory_order_relaxed) & ~sessions.attached_bits(w)) != 0)
+          return true;
       shm::cpu_relax();
       ++idle_polls;
     }
@@ -306,8 +307,8 @@ class Server::Impl {
     uint32_t served = 0;
     bool drained = false;  // the batch ended on an empty lane
     while (served < kBatchPerLane) {
-      if (!slot.completions.has_space()) break;                 // worker is behind; it will catch up
-      if (held.held(i) >= config.lane_capacity) break;          // its device work is behind
+      if (!slot.completions.has_space()) break;         // worker is behind; it will catch up
+      if (held.held(i) >= config.lane_capacity) break;  // its device work is behind
       if (!failure.ok()) break;  // the device failed: nothing more is taken (shutdown fails the rest)
       // This lane alone is a lower bound of the total; publish_depth() sums
       // all lanes every heartbeat and for a stats request.
@@ -330,7 +331,7 @@ class Server::Impl {
       // taken (ring.hpp, seq_published()): its stale slots are not served again.
       slot.next_request_id = req.request_id + 1;
       const uint64_t requests = stats().requests.load(std::memory_order_relaxed);  // relaxed: our own counter
-      stats().requests.store(requests + 1, std::memory_order_relaxed);               // relaxed: statistic
+      stats().requests.store(requests + 1, std::memory_order_relaxed);             // relaxed: statistic
       Answer a = handler.handle(i, req, loop_now);
       if (!a.device.ok()) fatal(a.device);
       if (a.applied && checkpoints) checkpoints->after_push(loop_now);
@@ -348,8 +349,9 @@ class Server::Impl {
         return true;
       }
       post(i, a);
-      if (!slot.attached() || entry.owner.load(std::memory_order_relaxed) != slot.owner)  // relaxed: re-checked by sync()
-        return true;  // evicted while handling, or the entry changed
+      if (!slot.attached() ||
+          entry.owner.load(std::memory_order_relaxed) != slot.owner)  // relaxed: re-checked by sync()
+        return true;                                                  // evicted while handling, or the entry changed
     }
     if (served > 0) shm::notify(slot.lane.header()->space_ready);
     if (!drained && slot.lane.refresh() == shm::RingResult::kOk) ring_doorbell(i);  // more left: come back
@@ -442,7 +444,8 @@ class Server::Impl {
     // relaxed: statistics.
     if (corrupt) stats().lanes_corrupt.fetch_add(1, std::memory_order_relaxed);
     stats().workers_evicted.fetch_add(1, std::memory_order_relaxed);
-    sessions.log(LogLevel::kWarn, "evicting worker " + std::to_string(i) + " (pid " + std::to_string(sessions[i].pid()) + "): " + why);
+    sessions.log(LogLevel::kWarn,
+                 "evicting worker " + std::to_string(i) + " (pid " + std::to_string(sessions[i].pid()) + "): " + why);
     sessions.end(i, "");
   }
 
@@ -474,7 +477,7 @@ class Server::Impl {
 
   // True while /dev/shm/shmps.<name> is the object we created.
   bool segment_is_ours() const {
-    struct stat st{};
+    struct stat st {};
     const std::string path = "/dev/shm/" + shm::segment_object_name(config.name);
     return ::stat(path.c_str(), &st) == 0 && st.st_ino == segment->object().inode();
   }
@@ -537,12 +540,12 @@ class Server::Impl {
     const auto count = [](const std::atomic<uint64_t>& a) { return std::to_string(a.load(std::memory_order_relaxed)); };
     uint64_t rejected = 0;
     for (const auto& r : st.rejected) rejected += r.load(std::memory_order_relaxed);
-    log::info("stopped: version " + std::to_string(model.version) + ", gradients applied " + count(st.gradients_applied) +
-              ", weights pulled " + count(st.weights_pulled) + ", rejected " + std::to_string(rejected) + " (stale " +
-              count(st.rejected[static_cast<uint32_t>(ErrorCode::kStale)]) + ", non-finite " +
-              count(st.rejected[static_cast<uint32_t>(ErrorCode::kNonFinite)]) + "), workers attached " +
-              count(st.workers_attached) + ", died " + count(st.workers_died) + ", evicted " + count(st.workers_evicted) +
-              ", queued requests failed " + std::to_string(failed) + ", up " +
+    log::info("stopped: version " + std::to_string(model.version) + ", gradients applied " +
+              count(st.gradients_applied) + ", weights pulled " + count(st.weights_pulled) + ", rejected " +
+              std::to_string(rejected) + " (stale " + count(st.rejected[static_cast<uint32_t>(ErrorCode::kStale)]) +
+              ", non-finite " + count(st.rejected[static_cast<uint32_t>(ErrorCode::kNonFinite)]) +
+              "), workers attached " + count(st.workers_attached) + ", died " + count(st.workers_died) + ", evicted " +
+              count(st.workers_evicted) + ", queued requests failed " + std::to_string(failed) + ", up " +
               fixed1(static_cast<double>(shm::monotonic_ns() - created_ns) / 1e9) + " s");
     if (checkpoints && (failure.ok() || failure.code() != ErrorCode::kCuda)) {
       if (Status s = checkpoints->write_final(); !s.ok()) {
@@ -596,7 +599,8 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   std::string effective;
   for (const auto& [key, value] : config_entries(config))
     effective += " " + key + "=" + (value.find(' ') == std::string::npos ? value : "'" + value + "'");
-  log::info(std::string("starting shmps-server ") + version_text() + " (pid " + std::to_string(::getpid()) + "):" + effective);
+  log::info(std::string("starting shmps-server ") + version_text() + " (pid " + std::to_string(::getpid()) +
+            "):" + effective);
   const uint64_t created_ns = shm::monotonic_ns();
   if (!backend) {
     auto selected = select_backend(config.backend, config.device);
@@ -649,7 +653,8 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
 
   auto init = initial_weights(config.init, model.total_elements);
   if (!init.ok()) return fail(init.status());
-  if (Status s = impl->backend->allocate(extents, kernels::state_arrays(config.optimizer), std::move(init).value()); !s.ok())
+  if (Status s = impl->backend->allocate(extents, kernels::state_arrays(config.optimizer), std::move(init).value());
+      !s.ok())
     return fail(s);
   // The weights' IPC export (CUDA backend), for workers that map them
   // themselves; published with the segment below.
@@ -667,7 +672,8 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
     if (Status s = impl->checkpoints->start(shm::monotonic_ns()); !s.ok()) return fail(s);
   }
 
-  seg.header().server_state.store(static_cast<uint32_t>(shm::ServerState::kRunning), std::memory_order_relaxed);  // relaxed: published next
+  seg.header().server_state.store(static_cast<uint32_t>(shm::ServerState::kRunning),
+                                  std::memory_order_relaxed);  // relaxed: published next
   seg.publish();
   char mode[8];
   std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(spec.mode));

@@ -77,7 +77,8 @@ void Sessions::attach(uint32_t i, uint64_t claimed) {
 void Sessions::end(uint32_t i, const std::string& why) {
   WorkerSlot& slot = slots_[i];
   if (!slot.attached()) return;
-  if (!why.empty()) log(LogLevel::kWarn, "worker " + std::to_string(i) + " (pid " + std::to_string(slot.pid()) + "): " + why);
+  if (!why.empty())
+    log(LogLevel::kWarn, "worker " + std::to_string(i) + " (pid " + std::to_string(slot.pid()) + "): " + why);
   held_.orphan(i);
   for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(i, b);
   slot.buffers.clear();
@@ -94,7 +95,7 @@ void Sessions::mark_detached(uint32_t i) {
   // SYNC(worker_detached): release pairs with the worker's acquire load of
   // owner after it reads the detach completion (published after this).
   segment_.worker(i).owner.compare_exchange_strong(expected, shm::make_owner(slots_[i].pid(), WorkerState::kDetached),
-                                                    std::memory_order_release, std::memory_order_relaxed);
+                                                   std::memory_order_release, std::memory_order_relaxed);
 }
 
 void Sessions::finish_detach(uint32_t i) {
@@ -120,7 +121,8 @@ void Sessions::reset_lanes(uint32_t i) {
   WorkerSlot& slot = slots_[i];
   slot.lane = shm::SpscConsumer<Request>(&segment_.lane(i), segment_.lane_slots(i), config_.lane_capacity);
   slot.next_request_id = 0;
-  slot.completions = shm::SpscProducer<Completion>(&segment_.completions(i), segment_.completion_slots(i), config_.lane_capacity);
+  slot.completions =
+      shm::SpscProducer<Completion>(&segment_.completions(i), segment_.completion_slots(i), config_.lane_capacity);
 }
 
 void Sessions::add_buffer(uint32_t i, uint32_t id, std::unique_ptr<PeerBuffer> buffer) {
@@ -153,7 +155,8 @@ void Sessions::release_entry(uint32_t i, uint64_t dead_owner) {
   entry.pid_start_time = 0;
   std::memset(segment_.buffer_table_bytes(i), 0, config_.max_buffers * sizeof(shm::BufferDesc));
   uint64_t expected = dead_owner;
-  entry.owner.compare_exchange_strong(expected, 0, std::memory_order_release, std::memory_order_relaxed);  // SYNC(worker_release)
+  entry.owner.compare_exchange_strong(expected, 0, std::memory_order_release,
+                                      std::memory_order_relaxed);  // SYNC(worker_release)
 }
 
 Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
@@ -170,9 +173,9 @@ Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
   if (state != shm::ProcessState::kGone)
     return owner == slot.owner && stopped_too_long(i, state, now, why) ? Owner::kStopped : Owner::kLiving;
   const bool was_attached = owner == slot.owner;
-  log(was_attached ? LogLevel::kWarn : LogLevel::kInfo,
-      "worker " + std::to_string(i) + " (pid " + std::to_string(pid) + ") died" + (was_attached ? "" : " before attaching") +
-          "; releasing its entry");
+  log(was_attached ? LogLevel::kWarn : LogLevel::kInfo, "worker " + std::to_string(i) + " (pid " + std::to_string(pid) +
+                                                            ") died" + (was_attached ? "" : " before attaching") +
+                                                            "; releasing its entry");
   if (was_attached) segment_.stats().workers_died.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
   release_entry(i, owner);
   // Only when no process of that pid exists: the owner word (and the start
@@ -213,7 +216,8 @@ void Sessions::unlink_orphan_buffers(uint32_t dead_pid) {
     const size_t dot = file.find('.', buffer_prefix_.size());
     if (dot == std::string::npos) continue;
     const std::string pid_text = file.substr(buffer_prefix_.size(), dot - buffer_prefix_.size());
-    if (pid_text.empty() || pid_text.size() > 10 || pid_text.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (pid_text.empty() || pid_text.size() > 10 || pid_text.find_first_not_of("0123456789") != std::string::npos)
+      continue;
     const auto pid = static_cast<uint32_t>(std::stoul(pid_text));
     if (dead_pid != 0 ? pid != dead_pid : shm::process_alive(static_cast<pid_t>(pid), 0)) continue;
     shm::ShmObject::remove(file);

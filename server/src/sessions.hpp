@@ -27,7 +27,7 @@ struct WorkerSlot {
   // buffer, so an unregister, detach or death closes the mapping only once
   // that work is done (the deleter counts mappings_closed then).
   std::vector<std::shared_ptr<PeerBuffer>> buffers;
-  uint64_t owner = 0;             // the owner word we attached (pid, kAttached); 0: none
+  uint64_t owner = 0;  // the owner word we attached (pid, kAttached); 0: none
   uint64_t pid_start_time = 0;
   uint64_t lease = 0;
   uint64_t stopped_since_ns = 0;  // when we first saw its process stopped; 0: running

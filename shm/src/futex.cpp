@@ -40,9 +40,8 @@ void wait_once(WaitWord& w, uint32_t observed_seq, std::chrono::nanoseconds slic
   futex(&w.seq, FUTEX_WAIT, observed_seq, &ts);
 }
 
-WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready,
-                      const std::function<bool()>& abort, Deadline& deadline, uint32_t spin_iterations,
-                      std::chrono::nanoseconds slice) {
+WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready, const std::function<bool()>& abort,
+                      Deadline& deadline, uint32_t spin_iterations, std::chrono::nanoseconds slice) {
   for (uint32_t i = 0; i < spin_iterations; ++i) {
     if (ready()) return WaitResult::kReady;
     if ((i & (kYieldEvery - 1)) == kYieldEvery - 1)

@@ -7,9 +7,9 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -40,7 +40,7 @@ bool is_power_of_two(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
 // The login name of `uid`; empty when the user database has none.
 std::string login_name(uid_t uid) {
   std::vector<char> buf(16384);
-  struct passwd pw{};
+  struct passwd pw {};
   struct passwd* found = nullptr;
   if (::getpwuid_r(uid, &pw, buf.data(), buf.size(), &found) == 0 && found != nullptr) return found->pw_name;
   return {};
@@ -53,7 +53,7 @@ std::string user_name(uid_t uid) {
 
 std::string group_name(gid_t gid) {
   std::vector<char> buf(16384);
-  struct group gr{};
+  struct group gr {};
   struct group* found = nullptr;
   if (::getgrgid_r(gid, &gr, buf.data(), buf.size(), &found) == 0 && found != nullptr) return found->gr_name;
   return "gid " + std::to_string(gid);
@@ -81,7 +81,7 @@ Status permission_denied(const std::string& object_name, bool read_only, int err
   const std::string path = "/dev/shm/" + object_name;
   std::string m = "open " + path + (read_only ? " read-only" : " read-write") + ": permission denied (errno " +
                   std::to_string(err) + ")";
-  struct stat st{};
+  struct stat st {};
   if (::stat(path.c_str(), &st) != 0) return {ErrorCode::kPermission, m};
   const unsigned mode = st.st_mode & 0777;
   char mode_text[8];
@@ -97,14 +97,13 @@ Status permission_denied(const std::string& object_name, bool read_only, int err
     return {ErrorCode::kPermission, m + " in group " + group + (group_may ? "" : ", but " + only_owner)};
   // Root's group would hand workers root's group files too: a server run by
   // hand as root is better given a group of its own.
-  const std::string join = st.st_gid == 0
-                               ? "its group is root, which workers should not join: run the server under a group of "
-                                 "its own (the shmps@ unit runs it as shmps:shmps) and join that group, then log in again"
-                               : "join group " + group + ": sudo adduser " +
-                                     (login_name(::geteuid()).empty() ? "$USER" : me) + " " + group +
-                                     ", then log in again";
-  return {ErrorCode::kPermission, m + ", not in group " + group + "; " +
-                                      (group_may ? join : only_owner + " and " + join)};
+  const std::string join =
+      st.st_gid == 0 ? "its group is root, which workers should not join: run the server under a group of "
+                       "its own (the shmps@ unit runs it as shmps:shmps) and join that group, then log in again"
+                     : "join group " + group + ": sudo adduser " + (login_name(::geteuid()).empty() ? "$USER" : me) +
+                           " " + group + ", then log in again";
+  return {ErrorCode::kPermission,
+          m + ", not in group " + group + "; " + (group_may ? join : only_owner + " and " + join)};
 }
 
 }  // namespace
@@ -114,12 +113,11 @@ Status permission_denied(const std::string& object_name, bool read_only, int err
 Status validate_name(const std::string& name) {
   // 32: "shmps.<name>.p<pid>.<n>" of a worker's buffer must fit kNameBytes.
   if (name.empty() || name.size() > 32)
-    return {ErrorCode::kInvalidArgument,
-            "name must be 1..32 characters, got " + std::to_string(name.size())};
+    return {ErrorCode::kInvalidArgument, "name must be 1..32 characters, got " + std::to_string(name.size())};
   if (name[0] == '.') return {ErrorCode::kInvalidArgument, "name must not start with '.'"};
   for (char c : name) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == '-';
+    const bool ok =
+        (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
     if (!ok) return {ErrorCode::kInvalidArgument, "name '" + name + "' may hold only [A-Za-z0-9._-]"};
   }
   return Status::Ok();
@@ -139,9 +137,9 @@ ShmObject::~ShmObject() = default;
 namespace {
 
 // Fills identity fields from the descriptor and maps the object.
-Status map_object(bip::shared_memory_object& shm, bool read_only, const std::string& name,
-                  uint64_t* inode, uid_t* uid, gid_t* gid, mode_t* mode, bip::mapped_region* region) {
-  struct stat st{};
+Status map_object(bip::shared_memory_object& shm, bool read_only, const std::string& name, uint64_t* inode, uid_t* uid,
+                  gid_t* gid, mode_t* mode, bip::mapped_region* region) {
+  struct stat st {};
   if (::fstat(shm.get_mapping_handle().handle, &st) != 0)
     return {ErrorCode::kIo, "fstat '" + name + "': " + errno_text(errno)};
   *inode = st.st_ino;
@@ -155,17 +153,14 @@ Status map_object(bip::shared_memory_object& shm, bool read_only, const std::str
 
 }  // namespace
 
-Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_name, size_t bytes,
-                                                     mode_t mode, gid_t group) {
-  if (object_name.empty() || object_name.size() >= kNameBytes ||
-      object_name.find('/') != std::string::npos)
+Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_name, size_t bytes, mode_t mode,
+                                                     gid_t group) {
+  if (object_name.empty() || object_name.size() >= kNameBytes || object_name.find('/') != std::string::npos)
     return Status{ErrorCode::kInvalidArgument, "bad shm object name '" + object_name + "'"};
   if ((mode & 0002) != 0 || (mode & ~mode_t{0777}) != 0)
-    return Status{ErrorCode::kInvalidArgument,
-                  "refusing to create '" + object_name + "' with mode 0" + std::to_string(mode) +
-                      ": world-writable or not a permission mode"};
-  if (bytes == 0)
-    return Status{ErrorCode::kInvalidArgument, "shm object '" + object_name + "' of 0 bytes"};
+    return Status{ErrorCode::kInvalidArgument, "refusing to create '" + object_name + "' with mode 0" +
+                                                   std::to_string(mode) + ": world-writable or not a permission mode"};
+  if (bytes == 0) return Status{ErrorCode::kInvalidArgument, "shm object '" + object_name + "' of 0 bytes"};
   std::unique_ptr<ShmObject> obj(new ShmObject());
   obj->name_ = object_name;
   obj->region_ = std::make_unique<Region>();
@@ -183,13 +178,13 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
     shm.truncate(static_cast<bip::offset_t>(bytes));
     // Reserve every page now: on a full /dev/shm, fail here, not with SIGBUS.
     if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
-      struct statvfs vfs{};
+      struct statvfs vfs {};
       const uint64_t avail = ::fstatvfs(fd, &vfs) == 0 ? uint64_t{vfs.f_bavail} * vfs.f_frsize : 0;
       bip::shared_memory_object::remove(object_name.c_str());
       if (err == ENOSPC)
-        return Status{ErrorCode::kNoCapacity, "/dev/shm too small for '" + object_name +
-                                                  "': need " + std::to_string(bytes) + " bytes, " +
-                                                  std::to_string(avail) + " available"};
+        return Status{ErrorCode::kNoCapacity, "/dev/shm too small for '" + object_name + "': need " +
+                                                  std::to_string(bytes) + " bytes, " + std::to_string(avail) +
+                                                  " available"};
       return Status{ErrorCode::kIo, "posix_fallocate '" + object_name + "': " + errno_text(err)};
     }
     if (Status s = map_object(shm, false, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
@@ -207,15 +202,13 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
 }
 
 Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_name, bool read_only) {
-  if (object_name.empty() || object_name.size() >= kNameBytes ||
-      object_name.find('/') != std::string::npos)
+  if (object_name.empty() || object_name.size() >= kNameBytes || object_name.find('/') != std::string::npos)
     return Status{ErrorCode::kInvalidArgument, "bad shm object name '" + object_name + "'"};
   std::unique_ptr<ShmObject> obj(new ShmObject());
   obj->name_ = object_name;
   obj->region_ = std::make_unique<Region>();
   try {
-    bip::shared_memory_object shm(bip::open_only, object_name.c_str(),
-                                  read_only ? bip::read_only : bip::read_write);
+    bip::shared_memory_object shm(bip::open_only, object_name.c_str(), read_only ? bip::read_only : bip::read_write);
     if (Status s = map_object(shm, read_only, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
                               &obj->region_->region);
         !s.ok())
@@ -255,20 +248,19 @@ Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t 
 
 namespace {
 
-Status check_counts(uint64_t tensor_count, uint64_t max_workers, uint64_t max_buffers,
-                    uint64_t lane_capacity) {
+Status check_counts(uint64_t tensor_count, uint64_t max_workers, uint64_t max_buffers, uint64_t lane_capacity) {
   if (tensor_count == 0 || tensor_count > kMaxTensorsLimit)
-    return {ErrorCode::kLayoutMismatch, "tensor_count " + std::to_string(tensor_count) +
-                                            " outside 1.." + std::to_string(kMaxTensorsLimit)};
+    return {ErrorCode::kLayoutMismatch,
+            "tensor_count " + std::to_string(tensor_count) + " outside 1.." + std::to_string(kMaxTensorsLimit)};
   if (max_workers == 0 || max_workers > kMaxWorkersLimit)
-    return {ErrorCode::kLayoutMismatch, "max_workers " + std::to_string(max_workers) +
-                                            " outside 1.." + std::to_string(kMaxWorkersLimit)};
+    return {ErrorCode::kLayoutMismatch,
+            "max_workers " + std::to_string(max_workers) + " outside 1.." + std::to_string(kMaxWorkersLimit)};
   if (max_buffers == 0 || max_buffers > kMaxBuffersLimit)
-    return {ErrorCode::kLayoutMismatch, "max_buffers " + std::to_string(max_buffers) +
-                                            " outside 1.." + std::to_string(kMaxBuffersLimit)};
+    return {ErrorCode::kLayoutMismatch,
+            "max_buffers " + std::to_string(max_buffers) + " outside 1.." + std::to_string(kMaxBuffersLimit)};
   if (lane_capacity < 2 || lane_capacity > kMaxLaneCapacity || !is_power_of_two(lane_capacity))
-    return {ErrorCode::kLayoutMismatch, "lane_capacity " + std::to_string(lane_capacity) +
-                                            " is not a power of two in 2..65536"};
+    return {ErrorCode::kLayoutMismatch,
+            "lane_capacity " + std::to_string(lane_capacity) + " is not a power of two in 2..65536"};
   return Status::Ok();
 }
 
@@ -276,8 +268,8 @@ Status check_counts(uint64_t tensor_count, uint64_t max_workers, uint64_t max_bu
 
 Status validate_segment(const void* base, size_t size) {
   if (size < sizeof(SegmentHeader))
-    return {ErrorCode::kLayoutMismatch, "object of " + std::to_string(size) +
-                                            " bytes is smaller than a shmps header (4096 bytes)"};
+    return {ErrorCode::kLayoutMismatch,
+            "object of " + std::to_string(size) + " bytes is smaller than a shmps header (4096 bytes)"};
   const auto& h = *static_cast<const SegmentHeader*>(base);
   // A fresh object is zero-filled: magic 0 means the server is still
   // initialising it (or died doing so), not a foreign file.
@@ -291,15 +283,13 @@ Status validate_segment(const void* base, size_t size) {
   }
   // SYNC(segment_published): acquire pairs with Segment::publish().
   const uint32_t version = h.layout_version.load(std::memory_order_acquire);
-  if (version == 0)
-    return {ErrorCode::kServerNotRunning, "segment not published yet (server starting)"};
+  if (version == 0) return {ErrorCode::kServerNotRunning, "segment not published yet (server starting)"};
   if (version != kLayoutVersion)
     return {ErrorCode::kLayoutMismatch, "segment has layout version " + std::to_string(version) +
                                             ", this build understands " + std::to_string(kLayoutVersion)};
   if (h.header_size != sizeof(SegmentHeader))
     return {ErrorCode::kLayoutMismatch, "header_size " + std::to_string(h.header_size) + " != 4096"};
-  if (Status s = check_counts(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity); !s.ok())
-    return s;
+  if (Status s = check_counts(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity); !s.ok()) return s;
   if (h.tensor_desc_size != sizeof(TensorDesc))
     return {ErrorCode::kLayoutMismatch, "tensor_desc_size " + std::to_string(h.tensor_desc_size)};
   const Geometry g = compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity);
@@ -339,8 +329,8 @@ Status validate_segment(const void* base, size_t size) {
       return {ErrorCode::kLayoutMismatch, where + ": total overflows"};
   }
   if (next_offset != h.total_elements)
-    return {ErrorCode::kLayoutMismatch, "total_elements " + std::to_string(h.total_elements) +
-                                            " != sum of tensors " + std::to_string(next_offset)};
+    return {ErrorCode::kLayoutMismatch,
+            "total_elements " + std::to_string(h.total_elements) + " != sum of tensors " + std::to_string(next_offset)};
   if (h.config.optimizer_kind < 1 || h.config.optimizer_kind > 3)
     return {ErrorCode::kLayoutMismatch, "config.optimizer_kind " + std::to_string(h.config.optimizer_kind)};
   if (h.config.backend < 1 || h.config.backend > 2)
@@ -352,8 +342,8 @@ Status validate_segment(const void* base, size_t size) {
 
 Status validate_tensors(const std::vector<TensorSpec>& tensors) {
   if (tensors.empty() || tensors.size() > kMaxTensorsLimit)
-    return {ErrorCode::kInvalidArgument, "a model needs 1.." + std::to_string(kMaxTensorsLimit) + " tensors, got " +
-                                             std::to_string(tensors.size())};
+    return {ErrorCode::kInvalidArgument,
+            "a model needs 1.." + std::to_string(kMaxTensorsLimit) + " tensors, got " + std::to_string(tensors.size())};
   std::set<std::string> names;
   uint64_t total = 0;
   for (const TensorSpec& t : tensors) {
@@ -361,9 +351,9 @@ Status validate_tensors(const std::vector<TensorSpec>& tensors) {
       return {ErrorCode::kInvalidArgument, "tensor name '" + t.name + "' must be 1..63 bytes"};
     for (char c : t.name)
       if (c <= ' ' || c > '~' || c == ':')
-        return {ErrorCode::kInvalidArgument, "tensor name '" + t.name + "' has a blank, ':' or non-printable character"};
-    if (!names.insert(t.name).second)
-      return {ErrorCode::kInvalidArgument, "tensor name '" + t.name + "' given twice"};
+        return {ErrorCode::kInvalidArgument,
+                "tensor name '" + t.name + "' has a blank, ':' or non-printable character"};
+    if (!names.insert(t.name).second) return {ErrorCode::kInvalidArgument, "tensor name '" + t.name + "' given twice"};
     if (t.shape.empty() || t.shape.size() > kMaxDims)
       return {ErrorCode::kInvalidArgument, "tensor '" + t.name + "' must have 1..4 dimensions"};
     uint64_t count = 1;
@@ -391,8 +381,8 @@ Status validate_spec(const SegmentSpec& spec) {
 Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64_t generation) {
   if (Status s = validate_spec(spec); !s.ok()) return s;
   const std::string object_name = segment_object_name(spec.name);
-  const Geometry g = compute_geometry(static_cast<uint32_t>(spec.tensors.size()), spec.max_workers,
-                                      spec.max_buffers, spec.lane_capacity);
+  const Geometry g = compute_geometry(static_cast<uint32_t>(spec.tensors.size()), spec.max_workers, spec.max_buffers,
+                                      spec.lane_capacity);
   auto created = ShmObject::create(object_name, g.segment_size, spec.mode);
   if (!created.ok() && created.status().message().find("already exists") != std::string::npos) {
     // Something holds the name. Replace it only if it is a segment of ours
@@ -406,8 +396,9 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
     if (old.size() >= sizeof(SegmentHeader)) {
       const auto& h = *static_cast<const SegmentHeader*>(old.data());
       if (h.magic != kMagic && h.magic != 0)
-        return Status{ErrorCode::kLayoutMismatch, "/dev/shm/" + object_name +
-                                                      " exists and is not a shmps segment; remove it by hand if it is stale"};
+        return Status{
+            ErrorCode::kLayoutMismatch,
+            "/dev/shm/" + object_name + " exists and is not a shmps segment; remove it by hand if it is stale"};
       if (h.magic == kMagic && process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time))
         return Status{ErrorCode::kInvalidArgument, "a live shmps-server (pid " + std::to_string(h.server_pid) +
                                                        ") already serves '" + spec.name + "'"};
@@ -426,7 +417,8 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
   h.generation = generation;
   h.server_pid = static_cast<uint32_t>(::getpid());
   h.server_start_time = process_start_time(::getpid());
-  h.server_state.store(static_cast<uint32_t>(ServerState::kStarting), std::memory_order_relaxed);  // relaxed: published by publish()
+  h.server_state.store(static_cast<uint32_t>(ServerState::kStarting),
+                       std::memory_order_relaxed);                  // relaxed: published by publish()
   h.heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);  // relaxed: published by publish()
   h.tensor_table_offset = g.tensor_table_offset;
   h.tensor_count = static_cast<uint32_t>(spec.tensors.size());
@@ -481,8 +473,8 @@ Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool rea
     if (!opened.ok()) {
       const std::string& m = opened.status().message();
       if (m.find("does not exist") != std::string::npos)
-        return Status{ErrorCode::kServerNotRunning, "no shmps server named '" + name + "': /dev/shm/" +
-                                                        object_name + " does not exist"};
+        return Status{ErrorCode::kServerNotRunning,
+                      "no shmps server named '" + name + "': /dev/shm/" + object_name + " does not exist"};
       if (m.find("is empty") == std::string::npos) return opened.status();
       s = Status{ErrorCode::kServerNotRunning, "segment not sized yet (server starting)"};
     } else {

@@ -49,21 +49,32 @@ BOOST_AUTO_TEST_CASE(quick_run_prints_every_table) {
   const fs::path out = scratch.dir / "out.txt";
   const fs::path csv = scratch.dir / "bench.csv";
   const std::string cmd = "exec " + quote(shmps::test::program_path("shmps-bench")) + " --quick --csv " +
-                          quote(csv.string()) + " --server " + quote(shmps::test::program_path("shmps-server")) +
-                          " >" + quote(out.string()) + " 2>&1";
+                          quote(csv.string()) + " --server " + quote(shmps::test::program_path("shmps-server")) + " >" +
+                          quote(out.string()) + " 2>&1";
   Process bench = Process::spawn({"/bin/sh", "-c", cmd});
   const int rc = bench.wait(std::chrono::seconds(SHMPS_SMOKE_WAIT_S));  // tests/bench/CMakeLists.txt
   const std::string output = slurp(out);
   BOOST_TEST_MESSAGE(output);
   BOOST_REQUIRE_MESSAGE(rc == 0, "shmps-bench --quick exited with " << rc << " (-1: still running after "
-                                                                     << SHMPS_SMOKE_WAIT_S << " s):\n"
-                                                                     << output);
+                                                                    << SHMPS_SMOKE_WAIT_S << " s):\n"
+                                                                    << output);
 
-  const std::vector<std::string> expected{
-      "[1] Round trip", "[2] Push + apply throughput", "[3] Optimizer throughput", "[4] Server resident memory",
-      "p50 ns", "p99 ns", "p999 ns", "ref: shm spin ping-pong", "ref: unix socket",
-      "push+apply GB/s", "memcpy GB/s", "traffic GB/s", "memcpy traffic GB/s", "VmHWM at start", "formula",
-      "Goals"};
+  const std::vector<std::string> expected{"[1] Round trip",
+                                          "[2] Push + apply throughput",
+                                          "[3] Optimizer throughput",
+                                          "[4] Server resident memory",
+                                          "p50 ns",
+                                          "p99 ns",
+                                          "p999 ns",
+                                          "ref: shm spin ping-pong",
+                                          "ref: unix socket",
+                                          "push+apply GB/s",
+                                          "memcpy GB/s",
+                                          "traffic GB/s",
+                                          "memcpy traffic GB/s",
+                                          "VmHWM at start",
+                                          "formula",
+                                          "Goals"};
   for (const std::string& text : expected) BOOST_TEST(output.find(text) != std::string::npos, "missing: " << text);
 
   const std::string rows = slurp(csv);

@@ -15,12 +15,26 @@ BOOST_AUTO_TEST_CASE(quick_run_prints_every_table) {
                                              std::chrono::seconds(100));
   BOOST_TEST_INFO(run.output);
   BOOST_TEST(run.exit_code == 0);
-  for (const char* header : {"[1] Round trip of a 4 KiB gradient push", "[2] Push + apply", "[3] Scaling", "Goals",
-                             "ref: shm spin ping-pong", "ref: apply alone", "ref: check+apply", "ref: memcpy",
-                             "shmps, --allow-nonfinite", "unix socket", "boost mq", "p50/spin ref", "push/apply",
-                             "over apply ms", "Load average", "its check+apply in one process",
-                             "ref: check+apply, N gradients in turn", "vs same work in 1 process",
-                             "the same work with N gradients in one process", "no verdicts"})
+  for (const char* header : {"[1] Round trip of a 4 KiB gradient push",
+                             "[2] Push + apply",
+                             "[3] Scaling",
+                             "Goals",
+                             "ref: shm spin ping-pong",
+                             "ref: apply alone",
+                             "ref: check+apply",
+                             "ref: memcpy",
+                             "shmps, --allow-nonfinite",
+                             "unix socket",
+                             "boost mq",
+                             "p50/spin ref",
+                             "push/apply",
+                             "over apply ms",
+                             "Load average",
+                             "its check+apply in one process",
+                             "ref: check+apply, N gradients in turn",
+                             "vs same work in 1 process",
+                             "the same work with N gradients in one process",
+                             "no verdicts"})
     BOOST_TEST(run.output.find(header) != std::string::npos, "missing: " << header);
   // A smoke run's figures mean nothing: no goal gets a verdict.
   BOOST_TEST(run.output.find("MET") == std::string::npos);

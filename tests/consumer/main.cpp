@@ -32,7 +32,8 @@ int main(int argc, char** argv) {
   auto worker = shmps::Worker::connect(options);
   if (!worker.ok()) return fail("connect: " + worker.status().to_string());
   shmps::Worker& w = **worker;
-  if (w.total_elements() != 4) return fail("the server's model has " + std::to_string(w.total_elements()) + " elements, not 4");
+  if (w.total_elements() != 4)
+    return fail("the server's model has " + std::to_string(w.total_elements()) + " elements, not 4");
   auto buffer = w.register_buffer(4 * sizeof(float));
   if (!buffer.ok()) return fail("register_buffer: " + buffer.status().to_string());
   auto version = w.pull(shmps::kAllTensors, buffer->id, 0);
@@ -46,7 +47,9 @@ int main(int argc, char** argv) {
   float weights[4];
   std::memcpy(weights, buffer->data, sizeof weights);
   for (int i = 0; i < 4; ++i)
-    if (weights[i] != -g[i]) return fail("weight " + std::to_string(i) + " is " + std::to_string(weights[i]) + ", not " + std::to_string(-g[i]));
+    if (weights[i] != -g[i])
+      return fail("weight " + std::to_string(i) + " is " + std::to_string(weights[i]) + ", not " +
+                  std::to_string(-g[i]));
   std::printf("consumer: push and pull through '%s': w = -g at version 1\n", argv[1]);
   return 0;
 }

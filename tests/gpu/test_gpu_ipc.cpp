@@ -52,7 +52,10 @@ boost::test_tools::assertion_result has_cuda_device(boost::unit_test::test_unit_
   auto probe = test::Process::fork_fn([s] {
     int count = 0;
     const cudaError_t e = cudaGetDeviceCount(&count);
-    std::snprintf(s->text, sizeof s->text, "%s", e != cudaSuccess ? cudaGetErrorName(e) : count == 0 ? "0 devices" : "");
+    std::snprintf(s->text, sizeof s->text, "%s",
+                  e != cudaSuccess ? cudaGetErrorName(e)
+                  : count == 0     ? "0 devices"
+                                   : "");
     return e == cudaSuccess && count > 0 ? 0 : 1;
   });
   if (probe.wait(30s) == 0) return true;
@@ -62,13 +65,12 @@ boost::test_tools::assertion_result has_cuda_device(boost::unit_test::test_unit_
 }
 
 // In a child: a failed expectation prints its reason and fails the child.
-#define EXPECT(cond, what)                                                        \
-  do {                                                                           \
-    if (!(cond)) {                                                               \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #cond,        \
-                   std::string(what).c_str());                                   \
-      return 1;                                                                  \
-    }                                                                            \
+#define EXPECT(cond, what)                                                                           \
+  do {                                                                                               \
+    if (!(cond)) {                                                                                   \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #cond, std::string(what).c_str()); \
+      return 1;                                                                                      \
+    }                                                                                                \
   } while (0)
 #define CK(expr) EXPECT((expr) == cudaSuccess, cudaGetErrorName(cudaGetLastError()))
 
@@ -166,7 +168,8 @@ BOOST_AUTO_TEST_CASE(seed_stale_push_is_rejected_and_nothing_applied_on_the_devi
     const std::vector<float> before = download(weights, n);
     auto stale = w->push(kAllTensors, *g, 0, n * 4, Dtype::kF32, 0);
     EXPECT(stale.status().code() == ErrorCode::kStale, stale.status().to_string());
-    EXPECT(stale.status().message().find("staleness 2 > max_staleness 1") != std::string::npos, stale.status().message());
+    EXPECT(stale.status().message().find("staleness 2 > max_staleness 1") != std::string::npos,
+           stale.status().message());
     auto v = w->pull(kAllTensors, *wb, 0);
     EXPECT(v.ok() && *v == 2, v.status().to_string());
     EXPECT(download(weights, n) == before, "weights changed");
@@ -243,35 +246,39 @@ BOOST_AUTO_TEST_CASE(one_buffer_pushed_100_times_is_opened_once) {
 // every open is closed, and the device's free memory comes back (a
 // mapping the server kept would pin its allocation after cudaFree).
 BOOST_AUTO_TEST_CASE(register_push_unregister_1000_times_closes_every_mapping_and_returns_memory) {
-  test::ServerProcess server(test::unique_name("g1000"), cuda_args({"--tensor", "w:1024", "--max-staleness", "100000"}));
-  in_child([&] {
-    auto w = connect(server.name());
-    EXPECT(w != nullptr, "connect");
-    const uint64_t bytes = w->total_elements() * 4;
-    const size_t block = 2u << 20;  // 2 MiB each: 2 GiB would leak if nothing were closed
-    size_t free_before = 0, free_after = 0, total = 0;
-    uint64_t version = 0;
-    for (int i = 0; i <= 1000; ++i) {
-      if (i == 1) CK(cudaMemGetInfo(&free_before, &total));  // after one warm-up cycle
-      void* p = nullptr;
-      CK(cudaMalloc(&p, block));
-      CK(cudaMemset(p, 0, bytes));
-      auto id = w->register_device_buffer(p, bytes);
-      EXPECT(id.ok(), "cycle " + std::to_string(i) + ": " + id.status().to_string());
-      auto pushed = w->push(kAllTensors, *id, 0, bytes, Dtype::kF32, version);
-      EXPECT(pushed.ok(), "cycle " + std::to_string(i) + ": " + pushed.status().to_string());
-      version = *pushed;
-      EXPECT(w->unregister_buffer(*id).ok(), "unregister");
-      CK(cudaFree(p));
-    }
-    CK(cudaMemGetInfo(&free_after, &total));
-    EXPECT(free_after + (64u << 20) >= free_before,
-           "free device memory " + std::to_string(free_before) + " -> " + std::to_string(free_after));
-    const uint64_t opened = stat_of(server.name(), &shm::StatsBlock::mappings_opened);
-    const uint64_t closed = stat_of(server.name(), &shm::StatsBlock::mappings_closed);
-    EXPECT(opened == 1001 && closed == 1001, std::to_string(opened) + " opened, " + std::to_string(closed) + " closed");
-    return 0;
-  }, 280s);
+  test::ServerProcess server(test::unique_name("g1000"),
+                             cuda_args({"--tensor", "w:1024", "--max-staleness", "100000"}));
+  in_child(
+      [&] {
+        auto w = connect(server.name());
+        EXPECT(w != nullptr, "connect");
+        const uint64_t bytes = w->total_elements() * 4;
+        const size_t block = 2u << 20;  // 2 MiB each: 2 GiB would leak if nothing were closed
+        size_t free_before = 0, free_after = 0, total = 0;
+        uint64_t version = 0;
+        for (int i = 0; i <= 1000; ++i) {
+          if (i == 1) CK(cudaMemGetInfo(&free_before, &total));  // after one warm-up cycle
+          void* p = nullptr;
+          CK(cudaMalloc(&p, block));
+          CK(cudaMemset(p, 0, bytes));
+          auto id = w->register_device_buffer(p, bytes);
+          EXPECT(id.ok(), "cycle " + std::to_string(i) + ": " + id.status().to_string());
+          auto pushed = w->push(kAllTensors, *id, 0, bytes, Dtype::kF32, version);
+          EXPECT(pushed.ok(), "cycle " + std::to_string(i) + ": " + pushed.status().to_string());
+          version = *pushed;
+          EXPECT(w->unregister_buffer(*id).ok(), "unregister");
+          CK(cudaFree(p));
+        }
+        CK(cudaMemGetInfo(&free_after, &total));
+        EXPECT(free_after + (64u << 20) >= free_before,
+               "free device memory " + std::to_string(free_before) + " -> " + std::to_string(free_after));
+        const uint64_t opened = stat_of(server.name(), &shm::StatsBlock::mappings_opened);
+        const uint64_t closed = stat_of(server.name(), &shm::StatsBlock::mappings_closed);
+        EXPECT(opened == 1001 && closed == 1001,
+               std::to_string(opened) + " opened, " + std::to_string(closed) + " closed");
+        return 0;
+      },
+      280s);
 }
 
 // A worker SIGKILLed while its pushes are in flight: the server survives,

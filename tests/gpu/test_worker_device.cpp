@@ -49,7 +49,8 @@ BOOST_AUTO_TEST_CASE(a_host_pointer_as_a_device_buffer_fails_with_a_clear_error)
   } else if (r.status().code() == ErrorCode::kCuda) {
     BOOST_TEST(m.find("CUDA device") != std::string::npos, m);
   } else {
-    BOOST_TEST((r.status().code() == ErrorCode::kInvalidArgument && m.find("not device memory") != std::string::npos), m);
+    BOOST_TEST((r.status().code() == ErrorCode::kInvalidArgument && m.find("not device memory") != std::string::npos),
+               m);
   }
   if (driver != nullptr) ::dlclose(driver);
 #else

@@ -38,7 +38,7 @@ bool is_root() { return ::geteuid() == 0; }
 bool become_nobody() { return ::setgid(kNogroup) == 0 && ::setgroups(0, nullptr) == 0 && ::setuid(kNobody) == 0; }
 
 struct stat stat_of(const std::string& object_name) {
-  struct stat st{};
+  struct stat st {};
   BOOST_REQUIRE_MESSAGE(::stat(("/dev/shm/" + object_name).c_str(), &st) == 0, "no /dev/shm/" << object_name);
   return st;
 }
@@ -192,7 +192,8 @@ BOOST_AUTO_TEST_CASE(permission_denied_names_owner_group_mode_and_the_fix) {
                                          {false, false, ", not in group " + group + "; " + only_owner + " and " + join},
                                          {false, true, " in group " + group + ", but " + only_owner},
                                          {true, true, ""}}) {
-    BOOST_TEST_CONTEXT((c.group_access ? "mode 0660" : "mode 0600") << (c.worker_in_group ? ", worker in the group" : "")) {
+    BOOST_TEST_CONTEXT((c.group_access ? "mode 0660" : "mode 0600")
+                       << (c.worker_in_group ? ", worker in the group" : "")) {
       std::vector<std::string> args = kTiny;
       if (c.group_access) args.push_back("--group-access");
       // The server child inherits the group, real and effective: with only
@@ -229,9 +230,9 @@ BOOST_AUTO_TEST_CASE(permission_denied_names_owner_group_mode_and_the_fix) {
         continue;
       }
       BOOST_TEST(rc == 1, text);
-      BOOST_TEST(text == "permission: open /dev/shm/" + object + " read-write: permission denied (errno 13): owner root:" +
-                             group + ", mode " + (c.group_access ? "0660" : "0600") + "; this process runs as nobody" +
-                             c.tail);
+      BOOST_TEST(text == "permission: open /dev/shm/" + object +
+                             " read-write: permission denied (errno 13): owner root:" + group + ", mode " +
+                             (c.group_access ? "0660" : "0600") + "; this process runs as nobody" + c.tail);
       BOOST_TEST(text.find("Permission denied") == std::string::npos, "doubled: " << text);
     }
   }
@@ -252,7 +253,8 @@ BOOST_AUTO_TEST_CASE(name_held_by_another_user_is_never_adopted) {
         auto obj = shm::ShmObject::create(object, 8192, 0600);
         if (!obj.ok()) return 91;
         std::memset((*obj)->data(), 0x5a, 8192);
-        if (looks_like_ours) std::memcpy((*obj)->data(), &shm::kMagic, sizeof shm::kMagic);  // server pid 0x5a5a5a5a: dead
+        if (looks_like_ours)
+          std::memcpy((*obj)->data(), &shm::kMagic, sizeof shm::kMagic);  // server pid 0x5a5a5a5a: dead
         return 0;
       });
       BOOST_REQUIRE_EQUAL(creator.wait(10s), 0);
@@ -316,7 +318,8 @@ BOOST_AUTO_TEST_CASE(object_names_are_validated) {
 // worker that writes another worker's pid into its owner word must not get
 // that worker's buffer mapped for itself (and pull weights into it).
 BOOST_AUTO_TEST_CASE(forged_owner_pid_does_not_lend_another_workers_buffer) {
-  test::ServerProcess server(test::unique_name("borrow"), {"--tensor", "w:4", "--init", "uniform", "--init-scale", "1"});
+  test::ServerProcess server(test::unique_name("borrow"),
+                             {"--tensor", "w:4", "--init", "uniform", "--init-scale", "1"});
   auto victim = connect(server.name());
   auto buf = victim->register_buffer(16);
   BOOST_REQUIRE(buf.ok());
@@ -328,20 +331,20 @@ BOOST_AUTO_TEST_CASE(forged_owner_pid_does_not_lend_another_workers_buffer) {
   auto thief = test::Process::fork_fn([&] {
     test::RawClient raw(server.name());
     try {
-    shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
-    std::memset(&d, 0, sizeof d);
-    d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
-    d.length = 16;
-    std::memcpy(d.handle, victims_object.c_str(), victims_object.size() + 1);
-    raw.entry().owner.store(shm::make_owner(static_cast<uint32_t>(::getppid()), shm::WorkerState::kAttached));
-    const shm::Completion reg = raw.call(raw.request(shm::Opcode::kRegisterBuffer), 2s);
-    message.set(std::string("register: code ") + std::to_string(reg.code) + " " + reg.message);
-    if (reg.code != 0) return 0;
-    shm::Request pull = raw.request(shm::Opcode::kPull);
-    pull.tensor_id = 0;
-    pull.byte_length = 16;
-    (void)raw.call(pull, 2s);
-    return 1;
+      shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
+      std::memset(&d, 0, sizeof d);
+      d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+      d.length = 16;
+      std::memcpy(d.handle, victims_object.c_str(), victims_object.size() + 1);
+      raw.entry().owner.store(shm::make_owner(static_cast<uint32_t>(::getppid()), shm::WorkerState::kAttached));
+      const shm::Completion reg = raw.call(raw.request(shm::Opcode::kRegisterBuffer), 2s);
+      message.set(std::string("register: code ") + std::to_string(reg.code) + " " + reg.message);
+      if (reg.code != 0) return 0;
+      shm::Request pull = raw.request(shm::Opcode::kPull);
+      pull.tensor_id = 0;
+      pull.byte_length = 16;
+      (void)raw.call(pull, 2s);
+      return 1;
     } catch (const std::exception& e) {  // unanswered: our entry was reaped first (not lent either)
       message.set(e.what());
       return 0;

@@ -42,9 +42,9 @@ using test::connect;
 
 // The Adam model of these tests: tensors a:2x2, b:3.
 std::vector<std::string> adam_args(const fs::path& dir, std::vector<std::string> extra = {}) {
-  std::vector<std::string> a = {"--tensor", "a:2x2", "--tensor", "b:3", "--optimizer", "adam", "--lr", "0.01",
-                                "--max-staleness", "1000", "--init", "uniform", "--init-seed", "3",
-                                "--checkpoint-dir", dir.string()};
+  std::vector<std::string> a = {"--tensor",    "a:2x2", "--tensor",         "b:3",       "--optimizer", "adam",
+                                "--lr",        "0.01",  "--max-staleness",  "1000",      "--init",      "uniform",
+                                "--init-seed", "3",     "--checkpoint-dir", dir.string()};
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
 }
@@ -104,20 +104,24 @@ BOOST_AUTO_TEST_SUITE(checkpoint)
 
 BOOST_AUTO_TEST_CASE(periodic_and_final_checkpoints_keep_the_newest_k) {
   test::TempDir dir("ckpt");
-  test::ServerProcess server(test::unique_name("every"), adam_args(dir.path, {"--checkpoint-every", "5", "--checkpoint-keep", "2"}));
+  test::ServerProcess server(test::unique_name("every"),
+                             adam_args(dir.path, {"--checkpoint-every", "5", "--checkpoint-keep", "2"}));
   auto w = connect(server.name());
   auto g = w->register_buffer(28);
   BOOST_REQUIRE(g.ok());
   push_steps(*w, *g, 0, 4);
   BOOST_TEST(checkpoint_files(dir.path).empty());
   push_steps(*w, *g, 4, 5);
-  BOOST_TEST(test::eventually([&] { return checkpoint_files(dir.path) == std::vector<std::string>{ckpt_name(5)}; }, 5s));
+  BOOST_TEST(
+      test::eventually([&] { return checkpoint_files(dir.path) == std::vector<std::string>{ckpt_name(5)}; }, 5s));
   push_steps(*w, *g, 5, 12);
   // The second lands at 10, or a little later if the writer was still busy.
-  BOOST_TEST(test::eventually([&] {
-    const auto files = checkpoint_files(dir.path);
-    return files.size() == 2 && files[0] == ckpt_name(5) && files[1] >= ckpt_name(10);
-  }, 5s));
+  BOOST_TEST(test::eventually(
+      [&] {
+        const auto files = checkpoint_files(dir.path);
+        return files.size() == 2 && files[0] == ckpt_name(5) && files[1] >= ckpt_name(10);
+      },
+      5s));
   w.reset();
   BOOST_TEST(server.stop() == 0);
   const auto files = checkpoint_files(dir.path);
@@ -219,8 +223,8 @@ BOOST_AUTO_TEST_CASE(checkpoint_of_another_model_is_not_restored) {
   const std::string name = test::unique_name("other");
   run_steps(name, adam_args(dir.path), 0, 2);
   // Same tensors, other optimizer state layout (SGD without momentum).
-  test::ServerProcess server(name, {"--tensor", "a:2x2", "--tensor", "b:3", "--optimizer", "sgd",
-                                    "--checkpoint-dir", dir.path.string()});
+  test::ServerProcess server(
+      name, {"--tensor", "a:2x2", "--tensor", "b:3", "--optimizer", "sgd", "--checkpoint-dir", dir.path.string()});
   auto w = connect(name);
   auto g = w->register_buffer(28);
   BOOST_REQUIRE(g.ok());
@@ -295,7 +299,7 @@ BOOST_AUTO_TEST_CASE(a_huge_file_or_a_fifo_named_like_a_checkpoint_neither_stops
   const fs::path big = dir.path / ckpt_name(8);
   std::ofstream(big, std::ios::binary) << bytes.substr(0, 64);
   fs::resize_file(big, 64 + 2 * 112 + huge * 3 * 4 + 4);
-  BOOST_TEST(restored_version() == 2u);  // from the valid one below it
+  BOOST_TEST(restored_version() == 2u);                                   // from the valid one below it
   BOOST_REQUIRE(::mkfifo((dir.path / ckpt_name(9)).c_str(), 0600) == 0);  // open() for reading would wait for ever
   BOOST_TEST(restored_version() == 2u);
 }
@@ -303,8 +307,9 @@ BOOST_AUTO_TEST_CASE(a_huge_file_or_a_fifo_named_like_a_checkpoint_neither_stops
 BOOST_AUTO_TEST_CASE(a_server_of_another_model_leaves_that_models_checkpoints_alone) {
   test::TempDir dir("ckpt");
   const std::string name = test::unique_name("foreign");
-  const std::vector<std::string> sgd = {"--tensor", "a:2x2", "--tensor", "b:3", "--optimizer", "sgd",
-                                        "--checkpoint-dir", dir.path.string(), "--checkpoint-keep", "1"};
+  const std::vector<std::string> sgd = {"--tensor",          "a:2x2", "--tensor",         "b:3",
+                                        "--optimizer",       "sgd",   "--checkpoint-dir", dir.path.string(),
+                                        "--checkpoint-keep", "1"};
   run_steps(name, sgd, 0, 3);
   const std::string sgd_three = read_text(dir.path / ckpt_name(3));
   BOOST_REQUIRE(!sgd_three.empty());
@@ -330,8 +335,13 @@ BOOST_AUTO_TEST_CASE(a_server_of_another_model_leaves_that_models_checkpoints_al
 }
 
 BOOST_AUTO_TEST_CASE(checkpoint_options_are_validated) {
-  std::vector<std::string> argv{test::program_path("shmps-server"), "--name", test::unique_name("opt"),
-                                "--tensor", "w:1", "--checkpoint-every", "5"};
+  std::vector<std::string> argv{test::program_path("shmps-server"),
+                                "--name",
+                                test::unique_name("opt"),
+                                "--tensor",
+                                "w:1",
+                                "--checkpoint-every",
+                                "5"};
   auto p = test::Process::spawn(argv);
   BOOST_TEST(p.wait(10s) == 2);  // needs --checkpoint-dir
 }

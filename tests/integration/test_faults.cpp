@@ -6,8 +6,8 @@
 #define BOOST_TEST_MODULE test_faults
 #include <pthread.h>
 #include <signal.h>
-#include <sys/syscall.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <boost/test/unit_test.hpp>
@@ -45,12 +45,12 @@ size_t leftover_buffers(const std::string& name, pid_t pid) {
 BOOST_AUTO_TEST_SUITE(faults)
 
 BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
-  const char* points[] = {"after_claim",    "after_buffer_create", "after_register", "before_publish",
-                          "after_publish",  "after_doorbell",      "after_completion"};
+  const char* points[] = {"after_claim",   "after_buffer_create", "after_register",  "before_publish",
+                          "after_publish", "after_doorbell",      "after_completion"};
   for (const char* point : points) {
     BOOST_TEST_CONTEXT("fault point " << point) {
-      test::ServerProcess server(test::unique_name("fault"),
-                                 {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000000", "--max-workers", "3"});
+      test::ServerProcess server(test::unique_name("fault"), {"--tensor", "w:1", "--lr", "1", "--max-staleness",
+                                                              "1000000000", "--max-workers", "3"});
       Shared* shared = test::map_shared<Shared>();
       auto bystander = test::start_bystander(server.name(), &shared->bystander);
       BOOST_REQUIRE(test::eventually([&] { return shared->bystander.acked.load() > 50; }));
@@ -80,18 +80,20 @@ BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
 
       // Its entry comes back: the bystander plus two fresh workers fit in 3.
       std::vector<std::unique_ptr<Worker>> fresh;
-      BOOST_TEST(test::eventually([&] {
-        if (auto w = test::try_connect(server.name())) fresh.push_back(std::move(w));
-        return fresh.size() == 2;
-      }, 3s));
+      BOOST_TEST(test::eventually(
+          [&] {
+            if (auto w = test::try_connect(server.name())) fresh.push_back(std::move(w));
+            return fresh.size() == 2;
+          },
+          3s));
       BOOST_TEST(test::eventually([&] { return leftover_buffers(server.name(), victim_pid) == 0; }, 3s),
                  leftover_buffers(server.name(), victim_pid) << " buffer objects left in /dev/shm");
       std::this_thread::sleep_for(100ms);  // the bystander keeps going past the reaping
       shared->bystander.stop.store(1);
       BOOST_TEST(bystander.wait(10s) == 0);
       BOOST_TEST(shared->bystander.errors.load() == 0u);
-      BOOST_TEST(shared->bystander.max_latency_ns.load() < 1'000'000'000u, "bystander stalled for "
-                 << shared->bystander.max_latency_ns.load() / 1000000 << " ms");
+      BOOST_TEST(shared->bystander.max_latency_ns.load() < 1'000'000'000u,
+                 "bystander stalled for " << shared->bystander.max_latency_ns.load() / 1000000 << " ms");
       BOOST_REQUIRE(!fresh.empty());
       auto s = fresh[0]->stats();
       BOOST_REQUIRE(s.ok());
@@ -111,7 +113,8 @@ BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
 // thread keeps pushing is alive: /proc shows its leader as a zombie, but the
 // server must not reap its entry under the running thread.
 BOOST_AUTO_TEST_CASE(worker_whose_main_thread_exited_is_not_reaped) {
-  test::ServerProcess server(test::unique_name("zleader"), {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000000"});
+  test::ServerProcess server(test::unique_name("zleader"),
+                             {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000000"});
   struct Counters {
     std::atomic<uint64_t> acked;
     std::atomic<uint64_t> errors;
@@ -126,14 +129,19 @@ BOOST_AUTO_TEST_CASE(worker_whose_main_thread_exited_is_not_reaped) {
     if (!buf.ok()) return 3;
     *static_cast<float*>(buf->data) = -1.0f;
     pthread_t t;
-    ::pthread_create(&t, nullptr, [](void* arg) -> void* {
-      auto* c = static_cast<Counters*>(arg);
-      while (c->stop.load() == 0) {
-        if (w->push(0, buf->id, 0, 4, Dtype::kF32, 0).ok()) c->acked.fetch_add(1);
-        else c->errors.fetch_add(1);
-      }
-      std::_Exit(0);
-    }, shared);
+    ::pthread_create(
+        &t, nullptr,
+        [](void* arg) -> void* {
+          auto* c = static_cast<Counters*>(arg);
+          while (c->stop.load() == 0) {
+            if (w->push(0, buf->id, 0, 4, Dtype::kF32, 0).ok())
+              c->acked.fetch_add(1);
+            else
+              c->errors.fetch_add(1);
+          }
+          std::_Exit(0);
+        },
+        shared);
     // Only this thread ends (the raw exit system call: no unwinding through
     // fork_fn, no exit of the thread group).
     ::syscall(SYS_exit, 0);

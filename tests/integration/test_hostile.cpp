@@ -40,12 +40,12 @@ struct Shared {
   std::atomic<uint64_t> stop;
   std::atomic<uint64_t> hostile_done;
   std::atomic<uint64_t> hostile_iterations;
-  std::atomic<uint64_t> hostile_rebirths;   // entry released by the server and claimed anew
+  std::atomic<uint64_t> hostile_rebirths;  // entry released by the server and claimed anew
   std::atomic<uint64_t> acked[kGoodWorkers];
   std::atomic<uint64_t> pulls[kGoodWorkers];
   std::atomic<uint64_t> errors;
-  std::atomic<uint64_t> torn;              // a pull whose weight != its version
-  std::atomic<uint64_t> max_latency_ns;    // of one push or pull
+  std::atomic<uint64_t> torn;            // a pull whose weight != its version
+  std::atomic<uint64_t> max_latency_ns;  // of one push or pull
   char first_error[256];
 };
 
@@ -53,9 +53,10 @@ using test::connect;
 
 // One tensor of one element, lr 1, gradient -1: the weight counts the
 // applied pushes, so weight == version in every pull and at the end.
-const std::vector<std::string> kCounting = {"--tensor", "w:1", "--tensor", "b:3", "--lr", "1",
-                                            "--max-staleness", "4000000000", "--max-workers", "6",
-                                            "--max-buffers", "4", "--ring-capacity", "8"};
+const std::vector<std::string> kCounting = {
+    "--tensor",        "w:1",        "--tensor",      "b:3", "--lr",          "1",
+    "--max-staleness", "4000000000", "--max-workers", "6",   "--max-buffers", "4",
+    "--ring-capacity", "8"};
 
 // A well-behaved worker: pushes -1 into tensor 0 and pulls it, measuring
 // each call, until told to stop. Exit 0 unless it could not start.
@@ -77,7 +78,8 @@ int good_worker(const std::string& name, Shared* shared, int index) {
     auto r = call();
     const uint64_t dt = shm::monotonic_ns() - t0;
     uint64_t seen = shared->max_latency_ns.load();
-    while (dt > seen && !shared->max_latency_ns.compare_exchange_weak(seen, dt)) {}
+    while (dt > seen && !shared->max_latency_ns.compare_exchange_weak(seen, dt)) {
+    }
     return r;
   };
   for (uint64_t n = 0; shared->stop.load() == 0; ++n) {
@@ -105,7 +107,7 @@ int good_worker(const std::string& name, Shared* shared, int index) {
 // creates a shm object, so no push of it can be valid: every applied
 // gradient comes from a good worker.
 int hostile_writer(const std::string& name, uint64_t seed, std::chrono::milliseconds duration, uint64_t max_iterations,
-            Shared* shared) {
+                   Shared* shared) {
   // Claimed, not attached (no handshake yet): the first "attached" state
   // may well be forged.
   test::RawClient raw(name, /*attach=*/false);
@@ -177,10 +179,12 @@ int hostile_writer(const std::string& name, uint64_t seed, std::chrono::millisec
     if (!test::eventually([&] { return entry.owner.load(std::memory_order_acquire) == 0; }, 500ms)) return;
     ++rebirths;
     uint64_t expected = 0;
-    const uint64_t next = pick(4) == 0 ? shm::make_owner(pid, shm::WorkerState::kAttached)  // skip the handshake: just say so
-                                       : shm::make_owner(pid, shm::WorkerState::kClaimed);
+    const uint64_t next = pick(4) == 0
+                              ? shm::make_owner(pid, shm::WorkerState::kAttached)  // skip the handshake: just say so
+                              : shm::make_owner(pid, shm::WorkerState::kClaimed);
     entry.pid_start_time = start_time;
-    if (!entry.owner.compare_exchange_strong(expected, next, std::memory_order_acq_rel, std::memory_order_relaxed)) return;
+    if (!entry.owner.compare_exchange_strong(expected, next, std::memory_order_acq_rel, std::memory_order_relaxed))
+      return;
     cq_tail_forged = lane_head_forged = 0;
     tail = 0;
     ring();
@@ -221,7 +225,7 @@ int hostile_writer(const std::string& name, uint64_t seed, std::chrono::millisec
       // Follow the indices the server may have reset (release, re-attach),
       // and mostly respect back-pressure, so the lane stays servable.
       if (pick(2) != 0) tail = lane.tail.load(std::memory_order_relaxed);  // relaxed: our own field
-      const uint64_t head = lane.head.load(std::memory_order_acquire);  // SYNC(slot_released)
+      const uint64_t head = lane.head.load(std::memory_order_acquire);     // SYNC(slot_released)
       if (tail - head > cap && pick(4) != 0) tail = head;  // our garbage tail: start over from the server's head
       if (tail - head >= cap && pick(64) != 0) {
         cq.head.store(cq.tail.load(std::memory_order_acquire), std::memory_order_release);
@@ -240,8 +244,10 @@ int hostile_writer(const std::string& name, uint64_t seed, std::chrono::millisec
     if (roll < 97) {  // once evicted or released: attach again, or just claim to be attached
       const uint64_t attached = shm::make_owner(pid, shm::WorkerState::kAttached);
       if (entry.owner.load(std::memory_order_acquire) == attached) continue;
-      if (pick(2) != 0) reattach();
-      else entry.owner.store(attached, std::memory_order_release);
+      if (pick(2) != 0)
+        reattach();
+      else
+        entry.owner.store(attached, std::memory_order_release);
       continue;
     }
     switch (pick(10)) {
@@ -252,7 +258,8 @@ int hostile_writer(const std::string& name, uint64_t seed, std::chrono::millisec
         const uint64_t choices[] = {rng(), tail + pick(2 * cap + 2), tail - pick(4), lane.head.load()};
         tail = choices[pick(4)];
         if (pick(8) == 0) {
-          if (lane_head_forged == 0) lane_head_true = lane.head.load(std::memory_order_relaxed);  // relaxed: a value to put back
+          if (lane_head_forged == 0)
+            lane_head_true = lane.head.load(std::memory_order_relaxed);  // relaxed: a value to put back
           lane_head_forged = rng() | 1;
           lane.head.store(lane_head_forged, std::memory_order_relaxed);  // relaxed: garbage on purpose
         }
@@ -358,9 +365,9 @@ BOOST_AUTO_TEST_CASE(random_writes_into_own_entry_lane_and_queue_hurt_nobody_els
 
   const uint64_t acked = shared->acked[0].load() + shared->acked[1].load();
   BOOST_TEST_MESSAGE("hostile iterations " << shared->hostile_iterations.load() << " (entry reclaimed "
-                     << shared->hostile_rebirths.load() << " times), good pushes " << acked
-                     << ", pulls " << shared->pulls[0].load() + shared->pulls[1].load() << ", max latency "
-                     << shared->max_latency_ns.load() / 1000 << " us");
+                                           << shared->hostile_rebirths.load() << " times), good pushes " << acked
+                                           << ", pulls " << shared->pulls[0].load() + shared->pulls[1].load()
+                                           << ", max latency " << shared->max_latency_ns.load() / 1000 << " us");
   BOOST_TEST(shared->hostile_iterations.load() > 1000u);
   BOOST_TEST(shared->errors.load() == 0u, shared->first_error);
   BOOST_TEST(shared->torn.load() == 0u);
@@ -371,8 +378,8 @@ BOOST_AUTO_TEST_CASE(random_writes_into_own_entry_lane_and_queue_hurt_nobody_els
   auto seg = shm::Segment::open(server.name(), /*read_only=*/true);
   BOOST_REQUIRE(seg.ok());
   const shm::StatsBlock& st = (*seg)->stats();
-  BOOST_TEST_MESSAGE("rejected " << sum_rejected(st) << ", lanes_corrupt " << st.lanes_corrupt.load()
-                     << ", requests " << st.requests.load());
+  BOOST_TEST_MESSAGE("rejected " << sum_rejected(st) << ", lanes_corrupt " << st.lanes_corrupt.load() << ", requests "
+                                 << st.requests.load());
   BOOST_TEST(sum_rejected(st) > 0u);
   BOOST_TEST(st.lanes_corrupt.load() > 0u);
   auto w = connect(server.name(), 3s);
@@ -469,7 +476,8 @@ BOOST_AUTO_TEST_CASE(reused_request_id_does_not_replay_stale_slots) {
   // Nothing else was published: nothing else may be answered.
   std::this_thread::sleep_for(200ms);
   const auto& cq = raw.segment().completions(raw.id());
-  BOOST_TEST(cq.tail.load() == cq.head.load(), "answers to requests never published: " << cq.tail.load() - cq.head.load());
+  BOOST_TEST(cq.tail.load() == cq.head.load(),
+             "answers to requests never published: " << cq.tail.load() - cq.head.load());
   BOOST_TEST(raw.call(raw.request(shm::Opcode::kPing)).code == 0u);
 }
 

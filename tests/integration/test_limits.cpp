@@ -183,8 +183,8 @@ BOOST_AUTO_TEST_CASE(weights_too_large_for_memory_fail_cleanly) {
 #endif
   const std::string name = test::unique_name("toolarge");
   // 10^12 fp32 parameters: 4 TB of weights, more than any host here has.
-  const auto run = test::run_captured(
-      {test::program_path("shmps-server"), "--name", name, "--tensor", "w:1000000x1000000"}, 60s);
+  const auto run =
+      test::run_captured({test::program_path("shmps-server"), "--name", name, "--tensor", "w:1000000x1000000"}, 60s);
   BOOST_TEST(run.exit_code == 1, run.output);
   BOOST_TEST(run.output.find("bytes") != std::string::npos, "no size in: " << run.output);
   BOOST_TEST(!std::filesystem::exists("/dev/shm/" + shm::segment_object_name(name)), "segment left behind");

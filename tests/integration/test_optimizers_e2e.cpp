@@ -33,12 +33,18 @@ std::vector<Case> cases() {
   out.push_back({"sgd", {"--optimizer", "sgd", "--lr", "0.1"}, c});
   c.momentum = 0.9f;
   c.weight_decay = 0.01f;
-  out.push_back({"sgd_momentum_wd", {"--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--weight-decay", "0.01"}, c});
+  out.push_back(
+      {"sgd_momentum_wd", {"--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--weight-decay", "0.01"}, c});
   c.dampening = 0.5f;
-  out.push_back({"sgd_dampening", {"--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--weight-decay", "0.01", "--dampening", "0.5"}, c});
+  out.push_back(
+      {"sgd_dampening",
+       {"--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--weight-decay", "0.01", "--dampening", "0.5"},
+       c});
   c.dampening = 0.0f;
   c.nesterov = true;
-  out.push_back({"sgd_nesterov", {"--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--weight-decay", "0.01", "--nesterov"}, c});
+  out.push_back({"sgd_nesterov",
+                 {"--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--weight-decay", "0.01", "--nesterov"},
+                 c});
   k::OptimizerConfig a;
   a.kind = k::OptimizerKind::kAdam;
   a.lr = 0.01f;
@@ -48,7 +54,10 @@ std::vector<Case> cases() {
   a.beta1 = 0.8f;
   a.beta2 = 0.99f;
   a.eps = 1e-6f;
-  out.push_back({"adam_amsgrad_wd", {"--optimizer", "adam", "--lr", "0.01", "--amsgrad", "--weight-decay", "0.1", "--beta1", "0.8", "--beta2", "0.99", "--eps", "1e-6"}, a});
+  out.push_back({"adam_amsgrad_wd",
+                 {"--optimizer", "adam", "--lr", "0.01", "--amsgrad", "--weight-decay", "0.1", "--beta1", "0.8",
+                  "--beta2", "0.99", "--eps", "1e-6"},
+                 a});
   k::OptimizerConfig w;
   w.kind = k::OptimizerKind::kAdamW;
   w.lr = 0.01f;
@@ -72,8 +81,8 @@ BOOST_AUTO_TEST_CASE(each_optimizer_through_the_server_matches_the_reference) {
 
   for (const Case& c : cases()) {
     BOOST_TEST_CONTEXT("optimizer " << c.label) {
-      std::vector<std::string> args = {"--tensor", "a:2x3", "--tensor", "b:3", "--max-staleness", "1000",
-                                       "--init-file", init_path};
+      std::vector<std::string> args = {"--tensor",        "a:2x3", "--tensor",    "b:3",
+                                       "--max-staleness", "1000",  "--init-file", init_path};
       args.insert(args.end(), c.args.begin(), c.args.end());
       test::ServerProcess server(test::unique_name(c.label), args);
       WorkerOptions o;

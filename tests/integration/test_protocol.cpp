@@ -2,8 +2,8 @@
 // processes. The seed's two tests, every bad input of the core issue, and
 // dying peers (worker SIGKILLed mid-run, server killed while a worker waits).
 #define BOOST_TEST_MODULE test_protocol
-#include <signal.h>
 #include <grp.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -15,10 +15,10 @@
 #include <limits>
 #include <thread>
 
+#include "raw_client.hpp"
 #include "shmps/shm/futex.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
-#include "raw_client.hpp"
 #include "test_support.hpp"
 #include "worker_support.hpp"
 
@@ -47,8 +47,8 @@ struct SharedCounters {
   std::atomic<uint64_t>* mem;
 };
 
-const std::vector<std::string> kSmall = {"--tensor", "w:4x2", "--tensor", "b:8", "--lr", "0.5",
-                                         "--max-staleness", "1", "--init", "uniform", "--init-seed", "7"};
+const std::vector<std::string> kSmall = {"--tensor",        "w:4x2", "--tensor", "b:8",     "--lr",        "0.5",
+                                         "--max-staleness", "1",     "--init",   "uniform", "--init-seed", "7"};
 
 }  // namespace
 
@@ -111,7 +111,8 @@ BOOST_AUTO_TEST_CASE(last_version_is_the_servers_version_in_a_stale_answer) {
   auto buf = w->register_buffer(bytes);
   BOOST_REQUIRE(buf.ok());
   BOOST_TEST(w->last_version() == 0u);
-  for (int k = 0; k < 3; ++k) BOOST_REQUIRE(w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, *w->pull(kAllTensors, buf->id, 0)).ok());
+  for (int k = 0; k < 3; ++k)
+    BOOST_REQUIRE(w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, *w->pull(kAllTensors, buf->id, 0)).ok());
   BOOST_TEST(w->last_version() == 3u);
   std::fill_n(static_cast<float*>(buf->data), w->total_elements(), 0.0f);
   auto stale = w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, 1);  // staleness 2 > 1
@@ -145,8 +146,9 @@ BOOST_AUTO_TEST_CASE(init_sets_the_weights_once_and_only_before_the_first_push) 
   std::fill_n(static_cast<float*>(b->data), n, 7.0f);
   const Status again = second->init(b->id);
   BOOST_TEST((again.code() == ErrorCode::kInitRefused));
-  BOOST_TEST(again.message().find("already initialised by worker " + std::to_string(first->worker_id())) != std::string::npos,
-             again.message());
+  BOOST_TEST(
+      again.message().find("already initialised by worker " + std::to_string(first->worker_id())) != std::string::npos,
+      again.message());
   uint64_t v = 99;
   BOOST_TEST(pull_all(*second, *out, &v) == expected);
   BOOST_TEST(v == 0u);
@@ -177,7 +179,8 @@ BOOST_AUTO_TEST_CASE(a_forked_child_cannot_use_its_parents_worker_or_end_its_ses
   if (child == 0) {
     // No Boost.Test in the child: the exit code says what it saw.
     const Status s = w->ping();
-    int code = s.code() == ErrorCode::kInvalidArgument && s.message().find("connect its own") != std::string::npos ? 0 : 1;
+    int code =
+        s.code() == ErrorCode::kInvalidArgument && s.message().find("connect its own") != std::string::npos ? 0 : 1;
     if (w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, 0).ok()) code = 2;
     if (w->detach().ok()) code = 3;
     w.reset();  // the destructor must not detach the parent's session
@@ -204,7 +207,8 @@ BOOST_AUTO_TEST_CASE(every_bad_push_gets_its_error_and_changes_nothing) {
   const std::vector<float> before = pull_all(*w, *out);
   const auto expect = [&](Result<uint64_t> r, ErrorCode code, const std::string& text) {
     BOOST_TEST((r.status().code() == code), "got " << r.status().to_string());
-    BOOST_TEST(r.status().message().find(text) != std::string::npos, "'" << r.status().message() << "' lacks '" << text << "'");
+    BOOST_TEST(r.status().message().find(text) != std::string::npos,
+               "'" << r.status().message() << "' lacks '" << text << "'");
   };
   expect(w->push(kAllTensors, buf->id, 0, n * 4 - 4, Dtype::kF32, 0), ErrorCode::kBadLength, "needs 64");
   expect(w->push(0, buf->id, 0, 8 * 4 + 4, Dtype::kF32, 0), ErrorCode::kBadLength, "w needs 32");
@@ -277,7 +281,8 @@ BOOST_AUTO_TEST_CASE(garbage_descriptors_and_buffers_from_a_raw_client) {
   d.length = 16;
   std::memset(d.handle, 'A', sizeof d.handle);
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
-  std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", shm::segment_object_name(server.name()).c_str());
+  std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s",
+                shm::segment_object_name(server.name()).c_str());
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
   const std::string own = shm::segment_object_name(server.name()) + ".p" + std::to_string(::getpid()) + ".x";
   std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", own.c_str());
@@ -305,7 +310,8 @@ BOOST_AUTO_TEST_CASE(garbage_descriptors_and_buffers_from_a_raw_client) {
   raw.segment().header().doorbell[0].fetch_or(uint64_t{1} << raw.id());
   shm::notify(raw.segment().header().server_wake);
   BOOST_TEST(test::eventually([&] {
-    return shm::owner_state(raw.segment().worker(raw.id()).owner.load()) == static_cast<uint32_t>(shm::WorkerState::kDetached);
+    return shm::owner_state(raw.segment().worker(raw.id()).owner.load()) ==
+           static_cast<uint32_t>(shm::WorkerState::kDetached);
   }));
   BOOST_TEST(w->ping().ok());
   BOOST_TEST(raw.segment().stats().lanes_corrupt.load() == 1u);
@@ -514,8 +520,8 @@ BOOST_AUTO_TEST_CASE(crashed_server_segment_is_replaced_live_one_is_not) {
 }
 
 BOOST_AUTO_TEST_CASE(sigkilled_worker_is_reaped_while_others_keep_pushing) {
-  std::vector<std::string> args = {"--tensor", "w:1", "--lr", "1", "--max-staleness", "4000000000",
-                                   "--max-workers", "3"};
+  std::vector<std::string> args = {"--tensor",        "w:1",        "--lr",          "1",
+                                   "--max-staleness", "4000000000", "--max-workers", "3"};
   test::ServerProcess server(test::unique_name("killwrk"), args);
   SharedCounters counters;  // [i]: pushes acknowledged to worker i
   std::vector<test::Process> workers;

@@ -8,8 +8,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <boost/test/unit_test.hpp>
 #include <atomic>
+#include <boost/test/unit_test.hpp>
 #include <filesystem>
 #include <thread>
 
@@ -24,7 +24,7 @@ namespace fs = std::filesystem;
 namespace {
 
 std::vector<std::string> args(const fs::path& dir) {
-  return {"--tensor", "w:1", "--lr", "1", "--max-staleness", "4000000000", "--checkpoint-dir", dir.string(),
+  return {"--tensor",           "w:1", "--lr", "1", "--max-staleness", "4000000000", "--checkpoint-dir", dir.string(),
           "--checkpoint-every", "1"};
 }
 
@@ -157,9 +157,12 @@ BOOST_AUTO_TEST_CASE(kill_and_restart_fifty_times_under_load) {
     while (stop.load() == 0) {
       *static_cast<float*>(buf->data) = -1.0f;
       auto v = (*w)->push(0, buf->id, 0, 4, Dtype::kF32, 0);
-      if (v.ok()) acked.fetch_add(1);
-      else if (v.status().code() == ErrorCode::kServerRestarted) lost.fetch_add(1);
-      else other_errors.fetch_add(1);
+      if (v.ok())
+        acked.fetch_add(1);
+      else if (v.status().code() == ErrorCode::kServerRestarted)
+        lost.fetch_add(1);
+      else
+        other_errors.fetch_add(1);
     }
     return 0;
   });

@@ -15,8 +15,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
 #include <boost/test/unit_test.hpp>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -92,7 +92,8 @@ int worker_body(const std::string& name, Shared* shared, Slot& slot) {
     }
     if (shared->server_restarting.load() == 0 && slot.paused.load() == 0) {
       uint64_t seen = slot.max_latency_ns.load();
-      while (dt > seen && !slot.max_latency_ns.compare_exchange_weak(seen, dt)) {}
+      while (dt > seen && !slot.max_latency_ns.compare_exchange_weak(seen, dt)) {
+      }
     }
     if (window.size() == 4096) {
       std::vector<uint64_t> sorted = window;
@@ -114,10 +115,22 @@ BOOST_AUTO_TEST_CASE(workers_and_server_killed_at_random_while_training) {
   const auto duration = std::chrono::seconds(env ? std::max(10, std::atoi(env)) : 300);
   const std::string name = test::unique_name("soak");
   const fs::path dir = fs::temp_directory_path() / name;
-  const std::vector<std::string> args = {"--tensor", "w:4096", "--lr", "0.001", "--max-staleness", "4000000000",
-                                         "--max-workers", "16", "--checkpoint-dir", dir.string(),
-                                         "--checkpoint-every", "5000", "--stopped-worker-timeout-ms", "1000"};
-  auto* shared = new (::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0)) Shared{};
+  const std::vector<std::string> args = {"--tensor",
+                                         "w:4096",
+                                         "--lr",
+                                         "0.001",
+                                         "--max-staleness",
+                                         "4000000000",
+                                         "--max-workers",
+                                         "16",
+                                         "--checkpoint-dir",
+                                         dir.string(),
+                                         "--checkpoint-every",
+                                         "5000",
+                                         "--stopped-worker-timeout-ms",
+                                         "1000"};
+  auto* shared =
+      new (::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0)) Shared{};
   auto server = std::make_unique<test::ServerProcess>(name, args);
   std::vector<test::Process> workers;
   for (int i = 0; i < kWorkers; ++i)
@@ -169,7 +182,8 @@ BOOST_AUTO_TEST_CASE(workers_and_server_killed_at_random_while_training) {
     acked += s.acked.load();
     lost += s.lost.load();
     errors += s.errors.load();
-    if (s.errors.load() != 0) BOOST_TEST_MESSAGE("worker error (first of " << s.errors.load() << "): " << s.first_error);
+    if (s.errors.load() != 0)
+      BOOST_TEST_MESSAGE("worker error (first of " << s.errors.load() << "): " << s.first_error);
     max_latency = std::max(max_latency, s.max_latency_ns.load());
     p99 = std::max(p99, s.p99_latency_ns.load());
   }
@@ -179,18 +193,18 @@ BOOST_AUTO_TEST_CASE(workers_and_server_killed_at_random_while_training) {
   BOOST_REQUIRE(w.ok());
   auto st = (*w)->stats();
   BOOST_REQUIRE(st.ok());
-  BOOST_TEST_MESSAGE("soak " << duration.count() << " s: " << killed_workers << " workers and " << server_kills
-                             << " servers killed, " << stopped_workers << " workers stopped 1.5 s (the last server evicted "
-                             << st->workers_evicted << "); acknowledged " << acked << ", lost in flight " << lost
-                             << ", server version " << st->version << " (updates after the last checkpoint die "
-                             << "with a killed server); longest stall " << max_latency / 1000000 << " ms, worst "
-                             << "per-worker p99 push " << p99 / 1000 << " us; server RSS " << mem_start.first
-                             << " -> " << mem_end.first << " kB, /dev/shm mappings " << mem_start.second << " -> "
-                             << mem_end.second);
+  BOOST_TEST_MESSAGE(
+      "soak " << duration.count() << " s: " << killed_workers << " workers and " << server_kills << " servers killed, "
+              << stopped_workers << " workers stopped 1.5 s (the last server evicted " << st->workers_evicted
+              << "); acknowledged " << acked << ", lost in flight " << lost << ", server version " << st->version
+              << " (updates after the last checkpoint die "
+              << "with a killed server); longest stall " << max_latency / 1000000 << " ms, worst "
+              << "per-worker p99 push " << p99 / 1000 << " us; server RSS " << mem_start.first << " -> "
+              << mem_end.first << " kB, /dev/shm mappings " << mem_start.second << " -> " << mem_end.second);
   BOOST_TEST(errors == 0u);
   BOOST_TEST(st->version <= acked + lost);
   BOOST_TEST(max_latency < 2'000'000'000u);
-  BOOST_TEST(mem_end.second <= uint64_t{kWorkers} + 2);  // segment + one buffer per living worker
+  BOOST_TEST(mem_end.second <= uint64_t{kWorkers} + 2);     // segment + one buffer per living worker
   BOOST_TEST(mem_end.first < mem_start.first + 16 * 1024);  // no growth beyond noise (16 MB)
   w->reset();
   server.reset();

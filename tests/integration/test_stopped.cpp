@@ -63,8 +63,9 @@ BOOST_AUTO_TEST_SUITE(stopped)
 // The victim stops itself between writing a push into its lane and
 // publishing it (the worst place: a claimed but unpublished slot).
 BOOST_AUTO_TEST_CASE(stopped_mid_request_is_evicted_and_reattaches) {
-  test::ServerProcess server(test::unique_name("stop"), {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000000",
-                                                         "--max-workers", "2", "--stopped-worker-timeout-ms", "300"});
+  test::ServerProcess server(test::unique_name("stop"),
+                             {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000000", "--max-workers", "2",
+                              "--stopped-worker-timeout-ms", "300"});
   Shared* shared = test::map_shared<Shared>();
   auto bystander = test::start_bystander(server.name(), &shared->bystander);
   BOOST_REQUIRE(test::eventually([&] { return shared->bystander.acked.load() > 50; }));
@@ -97,7 +98,8 @@ BOOST_AUTO_TEST_CASE(stopped_mid_request_is_evicted_and_reattaches) {
   // Evicted after the timeout (checked every 50 ms), counted, and shown by
   // shmps-inspect with its owner.
   BOOST_REQUIRE(test::eventually([&] { return read_stat(server.name(), &shm::StatsBlock::workers_evicted) == 1; }, 5s));
-  BOOST_TEST(shm::owner_state(owner_of(server.name(), victim.pid())) == static_cast<uint32_t>(shm::WorkerState::kDetached));
+  BOOST_TEST(shm::owner_state(owner_of(server.name(), victim.pid())) ==
+             static_cast<uint32_t>(shm::WorkerState::kDetached));
   const test::Captured shown = test::run_captured({test::program_path("shmps-inspect"), server.name()});
   BOOST_TEST(shown.exit_code == 0);
   const std::string line = "detached, pid " + std::to_string(victim.pid()) + " (stopped)";
@@ -142,8 +144,8 @@ BOOST_AUTO_TEST_CASE(stopped_mid_request_is_evicted_and_reattaches) {
 // Without reconnect, the evicted worker gets a clear error and gives its
 // entry back when it is destroyed; a timeout of 0 never evicts.
 BOOST_AUTO_TEST_CASE(without_reconnect_the_error_names_the_eviction) {
-  test::ServerProcess server(test::unique_name("stop"), {"--tensor", "w:1", "--max-workers", "1",
-                                                         "--stopped-worker-timeout-ms", "200"});
+  test::ServerProcess server(test::unique_name("stop"),
+                             {"--tensor", "w:1", "--max-workers", "1", "--stopped-worker-timeout-ms", "200"});
   Shared* shared = test::map_shared<Shared>();
   int pipe_fds[2];
   BOOST_REQUIRE(::pipe(pipe_fds) == 0);
@@ -199,8 +201,8 @@ BOOST_AUTO_TEST_CASE(timeout_zero_never_evicts) {
 // completion queue) was applied, so waiting for it must return its
 // version, not "already waited for" or "not acknowledged".
 BOOST_AUTO_TEST_CASE(acknowledged_tickets_survive_an_eviction_reattach) {
-  test::ServerProcess server(test::unique_name("stop"), {"--tensor", "w:1", "--lr", "1", "--max-staleness", "1000000000",
-                                                         "--stopped-worker-timeout-ms", "200"});
+  test::ServerProcess server(test::unique_name("stop"), {"--tensor", "w:1", "--lr", "1", "--max-staleness",
+                                                         "1000000000", "--stopped-worker-timeout-ms", "200"});
   Shared* shared = test::map_shared<Shared>();
   auto victim = test::Process::fork_fn([&] {
     auto w = test::try_connect(server.name(), 5s, /*reconnect=*/true);
@@ -213,8 +215,8 @@ BOOST_AUTO_TEST_CASE(acknowledged_tickets_survive_an_eviction_reattach) {
     if (!a.ok() || !b.ok() || !w->wait(*b).ok()) return 4;  // a's completion is popped on the way
     auto c = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);
     if (!c.ok()) return 5;
-    std::this_thread::sleep_for(100ms);  // the server answers c
-    ::raise(SIGSTOP);                    // stopped (Ctrl-Z) before waiting; evicted meanwhile
+    std::this_thread::sleep_for(100ms);                        // the server answers c
+    ::raise(SIGSTOP);                                          // stopped (Ctrl-Z) before waiting; evicted meanwhile
     auto d = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);  // notices the eviction, re-attaches
     if (!d.ok()) return 6;
     uint32_t failed = 0;
@@ -246,8 +248,8 @@ BOOST_AUTO_TEST_CASE(acknowledged_tickets_survive_an_eviction_reattach) {
 // see the eviction at once instead of waiting its whole timeout for an
 // answer that cannot come; its entry is free afterwards.
 BOOST_AUTO_TEST_CASE(evicted_in_the_middle_of_a_detach_does_not_wait_the_timeout) {
-  test::ServerProcess server(test::unique_name("stop"), {"--tensor", "w:1", "--max-workers", "1",
-                                                         "--stopped-worker-timeout-ms", "200"});
+  test::ServerProcess server(test::unique_name("stop"),
+                             {"--tensor", "w:1", "--max-workers", "1", "--stopped-worker-timeout-ms", "200"});
   Shared* shared = test::map_shared<Shared>();
   auto victim = test::Process::fork_fn([&] {
     ::setenv("SHMPS_FAULT", "before_publish:2:stop", 1);  // 1: the ping, 2: the detach
@@ -265,8 +267,8 @@ BOOST_AUTO_TEST_CASE(evicted_in_the_middle_of_a_detach_does_not_wait_the_timeout
   BOOST_REQUIRE(test::eventually([&] { return read_stat(server.name(), &shm::StatsBlock::workers_evicted) == 1; }, 5s));
   victim.resume();
   BOOST_TEST(victim.wait(20s) == 0);
-  BOOST_TEST(shared->victim_acked.load() < 2000u, "detach took " << shared->victim_acked.load() << " ms, code "
-                                                                  << shared->victim_last_code.load());
+  BOOST_TEST(shared->victim_acked.load() < 2000u,
+             "detach took " << shared->victim_acked.load() << " ms, code " << shared->victim_last_code.load());
   BOOST_TEST(server.stop() == 0);
 }
 
@@ -280,7 +282,8 @@ BOOST_AUTO_TEST_CASE(worker_lifecycle_lines_are_rate_limited) {
   auto server = test::Process::fork_fn([&] {
     const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0 || ::dup2(fd, 2) < 0) return 126;
-    const char* argv[] = {server_path.c_str(), "--name", name.c_str(), "--tensor", "w:1", "--max-workers", "64", nullptr};
+    const char* argv[] = {server_path.c_str(), "--name", name.c_str(), "--tensor", "w:1",
+                          "--max-workers",     "64",     nullptr};
     ::execv(argv[0], const_cast<char* const*>(argv));
     return 127;
   });

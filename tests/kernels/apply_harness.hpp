@@ -160,8 +160,7 @@ uint64_t compare_bits(const std::string& what, const float* expected, const floa
       char line[256];
       std::snprintf(line, sizeof line, "%s: index %llu expected %.9g actual %.9g (diff %.3g)", what.c_str(),
                     static_cast<unsigned long long>(i), static_cast<double>(expected[i]),
-                    static_cast<double>(actual[i]),
-                    static_cast<double>(actual[i]) - static_cast<double>(expected[i]));
+                    static_cast<double>(actual[i]), static_cast<double>(actual[i]) - static_cast<double>(expected[i]));
       BOOST_ERROR(std::string(line) + "; inputs " + inputs(i));
     }
   }
@@ -176,20 +175,20 @@ uint64_t compare_bits(const std::string& what, const float* expected, const floa
 // apply(config, tensor, grad, dtype, step) (synchronous; fails the test on
 // error).
 template <class Backend>
-void run_against_cpu(Backend& backend, const OptimizerConfig& config, GradDtype dtype, const Shape& shape,
-                     int steps, uint64_t seed) {
+void run_against_cpu(Backend& backend, const OptimizerConfig& config, GradDtype dtype, const Shape& shape, int steps,
+                     uint64_t seed) {
   const uint64_t n = shape.n;
   const size_t size = dtype_size(dtype);
   const size_t states = state_arrays(config);
   Tensor ref(config, random_weights(n, seed));
   TensorState device;
   device.n = n;
-  device.weights = reinterpret_cast<float*>(backend.alloc((n + shape.weight_offset) * sizeof(float))) +
-                   shape.weight_offset;
+  device.weights =
+      reinterpret_cast<float*>(backend.alloc((n + shape.weight_offset) * sizeof(float))) + shape.weight_offset;
   backend.upload(device.weights, ref.weights.data(), n * sizeof(float));
   for (size_t s = 0; s < states; ++s) {
-    device.state[s] = reinterpret_cast<float*>(backend.alloc((n + shape.state_offset) * sizeof(float))) +
-                      shape.state_offset;
+    device.state[s] =
+        reinterpret_cast<float*>(backend.alloc((n + shape.state_offset) * sizeof(float))) + shape.state_offset;
   }
   const uint64_t grad_offset = shape.grad_offset_elements * size + shape.grad_offset_bytes;
   unsigned char* grad = backend.alloc(n * size + grad_offset) + grad_offset;
@@ -241,11 +240,21 @@ void run_finite_checks(Backend& backend, GradDtype dtype, const Shape& shape) {
   BOOST_REQUIRE(all_finite_cpu(g.data(), dtype, n));
   BOOST_TEST(backend.all_finite(grad, dtype, n), "finite gradient reported non-finite");
   const uint32_t nonfinite[] = {
-      f32 ? 0x7FC00000u : f16 ? 0x7E00u : 0x7FC0u,  // quiet NaN
-      f32 ? 0x7F800001u : f16 ? 0x7C01u : 0x7F81u,  // signalling NaN
-      f32 ? 0xFFC00000u : f16 ? 0xFE00u : 0xFFC0u,  // negative NaN
-      f32 ? 0x7F800000u : f16 ? 0x7C00u : 0x7F80u,  // +Inf
-      f32 ? 0xFF800000u : f16 ? 0xFC00u : 0xFF80u,  // -Inf
+      f32   ? 0x7FC00000u
+      : f16 ? 0x7E00u
+            : 0x7FC0u,  // quiet NaN
+      f32   ? 0x7F800001u
+      : f16 ? 0x7C01u
+            : 0x7F81u,  // signalling NaN
+      f32   ? 0xFFC00000u
+      : f16 ? 0xFE00u
+            : 0xFFC0u,  // negative NaN
+      f32   ? 0x7F800000u
+      : f16 ? 0x7C00u
+            : 0x7F80u,  // +Inf
+      f32   ? 0xFF800000u
+      : f16 ? 0xFC00u
+            : 0xFF80u,  // -Inf
   };
   const uint64_t positions[] = {0, 1, n / 2, n - 2, n - 1};
   for (const uint64_t i : positions) {

@@ -46,8 +46,8 @@ inline bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) =
 // with its inputs, so a failure can be reproduced from the log alone.
 // `inputs(i)` returns a text describing element i's inputs.
 template <class Inputs>
-void check_arrays(const std::string& what, const float* expected, const float* actual, uint64_t n,
-                  bool bitwise, Inputs&& inputs) {
+void check_arrays(const std::string& what, const float* expected, const float* actual, uint64_t n, bool bitwise,
+                  Inputs&& inputs) {
   uint64_t bad = 0;
   for (uint64_t i = 0; i < n; ++i) {
     const bool ok = bitwise ? same_bits(expected[i], actual[i]) : close(expected[i], actual[i]);
@@ -56,8 +56,7 @@ void check_arrays(const std::string& what, const float* expected, const float* a
       char line[256];
       std::snprintf(line, sizeof line, "%s: index %llu expected %.9g actual %.9g (diff %.3g)", what.c_str(),
                     static_cast<unsigned long long>(i), static_cast<double>(expected[i]),
-                    static_cast<double>(actual[i]),
-                    static_cast<double>(actual[i]) - static_cast<double>(expected[i]));
+                    static_cast<double>(actual[i]), static_cast<double>(actual[i]) - static_cast<double>(expected[i]));
       BOOST_ERROR(std::string(line) + " inputs: " + inputs(i));
     }
   }

@@ -97,8 +97,8 @@ void check_all_finite(GradDtype dtype) {
       const void* data = bytes.data() + offset;
       BOOST_TEST(all_finite_cpu(data, dtype, n), dtype_name(dtype) << " n=" << n << " offset=" << offset);
       std::vector<size_t> positions = {0, n / 2, n - 1};
-      for (const size_t p : {size_t{7}, size_t{8}, size_t{15}, size_t{16}, size_t{4095}, size_t{4096},
-                             size_t{32767}, size_t{32768}}) {
+      for (const size_t p :
+           {size_t{7}, size_t{8}, size_t{15}, size_t{16}, size_t{4095}, size_t{4096}, size_t{32767}, size_t{32768}}) {
         if (p < n) positions.push_back(p);
       }
       for (const size_t p : positions) {
@@ -106,8 +106,8 @@ void check_all_finite(GradDtype dtype) {
           fill_ones(bytes, dtype, n, offset);
           put_bad(bytes, dtype, p, offset, bad);
           BOOST_TEST(!all_finite_cpu(bytes.data() + offset, dtype, n),
-                     dtype_name(dtype) << " n=" << n << " offset=" << offset << " bad value "
-                                       << static_cast<int>(bad) << " at index " << p << " not found");
+                     dtype_name(dtype) << " n=" << n << " offset=" << offset << " bad value " << static_cast<int>(bad)
+                                       << " at index " << p << " not found");
         }
       }
     }
@@ -136,11 +136,11 @@ BOOST_AUTO_TEST_CASE(f16_edge_values) {
   BOOST_TEST(f16_to_float(0x8000) == 0.0f);
   BOOST_TEST(f16_to_float(0x3C00) == 1.0f);
   BOOST_TEST(f16_to_float(0xC000) == -2.0f);
-  BOOST_TEST(f16_to_float(0x0001) == 0x1.0p-24f);          // smallest subnormal
+  BOOST_TEST(f16_to_float(0x0001) == 0x1.0p-24f);  // smallest subnormal
   BOOST_TEST(f16_to_float(0x8001) == -0x1.0p-24f);
-  BOOST_TEST(f16_to_float(0x03FF) == 0x1.FF8p-15f);        // largest subnormal
-  BOOST_TEST(f16_to_float(0x0400) == 0x1.0p-14f);          // smallest normal
-  BOOST_TEST(f16_to_float(0x7BFF) == 65504.0f);            // max
+  BOOST_TEST(f16_to_float(0x03FF) == 0x1.FF8p-15f);  // largest subnormal
+  BOOST_TEST(f16_to_float(0x0400) == 0x1.0p-14f);    // smallest normal
+  BOOST_TEST(f16_to_float(0x7BFF) == 65504.0f);      // max
   BOOST_TEST(f16_to_float(0xFBFF) == -65504.0f);
   BOOST_TEST(f16_to_float(0x7C00) == std::numeric_limits<float>::infinity());
   BOOST_TEST(f16_to_float(0xFC00) == -std::numeric_limits<float>::infinity());
@@ -170,9 +170,9 @@ BOOST_AUTO_TEST_CASE(bf16_edge_values) {
   BOOST_TEST(bf16_to_float(0x3F80) == 1.0f);
   BOOST_TEST(bf16_to_float(0xC000) == -2.0f);
   BOOST_TEST(std::signbit(bf16_to_float(0x8000)));
-  BOOST_TEST(bf16_to_float(0x0001) == 0x1.0p-133f);         // smallest subnormal
-  BOOST_TEST(bf16_to_float(0x0080) == 0x1.0p-126f);         // smallest normal
-  BOOST_TEST(bf16_to_float(0x7F7F) == 0x1.FEp127f);         // max
+  BOOST_TEST(bf16_to_float(0x0001) == 0x1.0p-133f);  // smallest subnormal
+  BOOST_TEST(bf16_to_float(0x0080) == 0x1.0p-126f);  // smallest normal
+  BOOST_TEST(bf16_to_float(0x7F7F) == 0x1.FEp127f);  // max
   BOOST_TEST(bf16_to_float(0x7F80) == std::numeric_limits<float>::infinity());
   BOOST_TEST(bf16_to_float(0xFF80) == -std::numeric_limits<float>::infinity());
   BOOST_TEST(std::isnan(bf16_to_float(0x7FC0)));
@@ -216,9 +216,9 @@ void check_signs_and_nan_encodings(GradDtype dtype, const std::vector<Bits>& fin
       for (const Bits b : bad) {
         std::vector<Bits> copy = values;
         copy[p] = b;
-        BOOST_TEST(!all_finite_cpu(copy.data(), dtype, n), dtype_name(dtype) << " n=" << n << " bits 0x" << std::hex
-                                                                             << b << std::dec << " at index " << p
-                                                                             << " not found");
+        BOOST_TEST(!all_finite_cpu(copy.data(), dtype, n), dtype_name(dtype)
+                                                               << " n=" << n << " bits 0x" << std::hex << b << std::dec
+                                                               << " at index " << p << " not found");
       }
     }
   }

@@ -52,21 +52,20 @@ class EmulatedDevice {
     if (arrays.n == 0) return;
     const float* floats[4] = {tensor.weights, tensor.state[0], tensor.state[1], tensor.state[2]};
     check_plan(plan, floats, 1 + static_cast<int>(state_arrays(config)), grad, dtype, tensor.n);
-    cuda_detail::dispatch_apply(config, dtype, step, plan.access,
-                                [&](auto op, auto dtype_c, auto access_c, const auto& params) {
-                                  for (uint64_t t = 0; t < threads_; ++t) {
-                                    cuda_detail::apply_thread<decltype(op), decltype(dtype_c)::value,
-                                                              decltype(access_c)::value>(params, arrays, t, threads_);
-                                  }
-                                });
+    cuda_detail::dispatch_apply(
+        config, dtype, step, plan.access, [&](auto op, auto dtype_c, auto access_c, const auto& params) {
+          for (uint64_t t = 0; t < threads_; ++t) {
+            cuda_detail::apply_thread<decltype(op), decltype(dtype_c)::value, decltype(access_c)::value>(params, arrays,
+                                                                                                         t, threads_);
+          }
+        });
   }
 
   bool all_finite(const void* grad, GradDtype dtype, uint64_t n) {
     Arrays arrays;
     arrays.grad = static_cast<const unsigned char*>(grad);
     arrays.n = n;
-    const Plan plan =
-        cuda_detail::plan_access(nullptr, 0, grad, static_cast<uint32_t>(dtype_size(dtype)), n);
+    const Plan plan = cuda_detail::plan_access(nullptr, 0, grad, static_cast<uint32_t>(dtype_size(dtype)), n);
     check_plan(plan, nullptr, 0, grad, dtype, n);
     arrays.head = plan.head;
     arrays.vectors = plan.vectors;
@@ -74,8 +73,8 @@ class EmulatedDevice {
     cuda_detail::visit_dtype(dtype, [&](auto dtype_c) {
       cuda_detail::visit_access(plan.access, [&](auto access_c) {
         for (uint64_t t = 0; t < threads_; ++t) {
-          bad |= cuda_detail::nonfinite_thread<decltype(dtype_c)::value, decltype(access_c)::value>(arrays, t,
-                                                                                                   threads_);
+          bad |=
+              cuda_detail::nonfinite_thread<decltype(dtype_c)::value, decltype(access_c)::value>(arrays, t, threads_);
         }
       });
     });

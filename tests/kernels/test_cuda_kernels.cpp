@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "apply_harness.hpp"
-#include "shmps/cuda_check.hpp"
 #include "kernel_test_util.hpp"
+#include "shmps/cuda_check.hpp"
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/kernels/optimizer_cuda.hpp"
 

@@ -62,8 +62,8 @@ void check_reference(const std::string& name) {
         }
         return text;
       };
-      check_arrays("weights after step " + std::to_string(step + 1), ref.weights[step], t.weights.data(),
-                   kRefElements, false, inputs);
+      check_arrays("weights after step " + std::to_string(step + 1), ref.weights[step], t.weights.data(), kRefElements,
+                   false, inputs);
       if (step + 1 == kRefSteps) {
         for (int s = 0; s < ref.state_arrays; ++s) {
           check_arrays("state " + std::to_string(s) + " after the last step", ref.state[s], t.state[s].data(),
@@ -121,8 +121,8 @@ void check_half_matches_f32(GradDtype dtype) {
         const std::vector<float> values = widen(dtype, bits);
         apply_cpu(ref.config, half.view(), bits.data(), dtype, step);
         apply_cpu(ref.config, full.view(), values.data(), GradDtype::kF32, step);
-        check_arrays("weights after step " + std::to_string(step), full.weights.data(), half.weights.data(),
-                     kN, true, [&](uint64_t i) { return "g bits " + std::to_string(bits[i]); });
+        check_arrays("weights after step " + std::to_string(step), full.weights.data(), half.weights.data(), kN, true,
+                     [&](uint64_t i) { return "g bits " + std::to_string(bits[i]); });
       }
     }
   }
@@ -186,8 +186,8 @@ BOOST_AUTO_TEST_CASE(adam_first_step_moves_by_lr) {
   apply_cpu(config, t.view(), grad.data(), GradDtype::kF32, 1);
   for (size_t i = 0; i < initial.size(); ++i) {
     const float expected = initial[i] - (grad[i] > 0 ? 0.01f : -0.01f);
-    BOOST_TEST(std::fabs(t.weights[i] - expected) <= 1e-6f, "index " << i << " expected " << expected
-                                                                        << " actual " << t.weights[i]);
+    BOOST_TEST(std::fabs(t.weights[i] - expected) <= 1e-6f,
+               "index " << i << " expected " << expected << " actual " << t.weights[i]);
   }
 }
 
@@ -256,11 +256,10 @@ BOOST_AUTO_TEST_CASE(large_tensor_split_matches_serial) {
             if (s != nullptr) s += begin;
           }
           piece.n = std::min(kPiece, kN - begin);
-          apply_cpu(config, piece, static_cast<const unsigned char*>(g) + begin * dtype_size(dtype), dtype,
-                    step);
+          apply_cpu(config, piece, static_cast<const unsigned char*>(g) + begin * dtype_size(dtype), dtype, step);
         }
-        check_arrays("weights after step " + std::to_string(step), pieces.weights.data(), whole.weights.data(),
-                     kN, true, [&](uint64_t i) { return "w0=" + num(initial[i]); });
+        check_arrays("weights after step " + std::to_string(step), pieces.weights.data(), whole.weights.data(), kN,
+                     true, [&](uint64_t i) { return "w0=" + num(initial[i]); });
         for (size_t s = 0; s < state_arrays(config); ++s) {
           check_arrays("state " + std::to_string(s), pieces.state[s].data(), whole.state[s].data(), kN, true,
                        [&](uint64_t i) { return "w0=" + num(initial[i]); });

@@ -28,9 +28,8 @@ void expect_rejected(OptimizerKind kind, const std::string& option, const std::f
   const Status status = validate(c);
   const std::string message = status.message();
   BOOST_TEST((status.code() == ErrorCode::kInvalidArgument));
-  BOOST_TEST(starts_with(message, option + " "),
-             optimizer_kind_name(kind) << " with " << what << ": got \"" << message << "\", wanted it to name "
-                                       << option);
+  BOOST_TEST(starts_with(message, option + " "), optimizer_kind_name(kind) << " with " << what << ": got \"" << message
+                                                                           << "\", wanted it to name " << option);
 }
 
 constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
@@ -68,19 +67,23 @@ BOOST_AUTO_TEST_CASE(validate_accepts_pytorch_defaults) {
 BOOST_AUTO_TEST_CASE(validate_rejects_each_bad_sgd_option) {
   const auto sgd = OptimizerKind::kSgd;
   for (const float lr : {0.0f, -0.1f, kNan, kInf}) {
-    expect_rejected(sgd, "--lr", [lr](OptimizerConfig& c) { c.lr = lr; }, "lr " + std::to_string(lr));
+    expect_rejected(
+        sgd, "--lr", [lr](OptimizerConfig& c) { c.lr = lr; }, "lr " + std::to_string(lr));
   }
   for (const float m : {-0.5f, kNan, kInf}) {
-    expect_rejected(sgd, "--momentum", [m](OptimizerConfig& c) { c.momentum = m; }, "momentum " + std::to_string(m));
+    expect_rejected(
+        sgd, "--momentum", [m](OptimizerConfig& c) { c.momentum = m; }, "momentum " + std::to_string(m));
   }
   for (const float d : {-0.1f, kNan}) {
-    expect_rejected(sgd, "--dampening", [d](OptimizerConfig& c) { c.dampening = d; }, "dampening " + std::to_string(d));
+    expect_rejected(
+        sgd, "--dampening", [d](OptimizerConfig& c) { c.dampening = d; }, "dampening " + std::to_string(d));
   }
   for (const float wd : {-1e-4f, kNan, -kInf}) {
-    expect_rejected(sgd, "--weight-decay", [wd](OptimizerConfig& c) { c.weight_decay = wd; },
-                    "weight_decay " + std::to_string(wd));
+    expect_rejected(
+        sgd, "--weight-decay", [wd](OptimizerConfig& c) { c.weight_decay = wd; }, "weight_decay " + std::to_string(wd));
   }
-  expect_rejected(sgd, "--nesterov", [](OptimizerConfig& c) { c.nesterov = true; }, "nesterov without momentum");
+  expect_rejected(
+      sgd, "--nesterov", [](OptimizerConfig& c) { c.nesterov = true; }, "nesterov without momentum");
   expect_rejected(
       sgd, "--nesterov",
       [](OptimizerConfig& c) {
@@ -94,18 +97,23 @@ BOOST_AUTO_TEST_CASE(validate_rejects_each_bad_sgd_option) {
 BOOST_AUTO_TEST_CASE(validate_rejects_each_bad_adam_option) {
   for (const OptimizerKind kind : {OptimizerKind::kAdam, OptimizerKind::kAdamW}) {
     for (const float lr : {0.0f, -1e-3f, kNan}) {
-      expect_rejected(kind, "--lr", [lr](OptimizerConfig& c) { c.lr = lr; }, "lr " + std::to_string(lr));
+      expect_rejected(
+          kind, "--lr", [lr](OptimizerConfig& c) { c.lr = lr; }, "lr " + std::to_string(lr));
     }
     for (const float b : {-0.1f, 1.0f, 1.5f, kNan}) {
-      expect_rejected(kind, "--beta1", [b](OptimizerConfig& c) { c.beta1 = b; }, "beta1 " + std::to_string(b));
-      expect_rejected(kind, "--beta2", [b](OptimizerConfig& c) { c.beta2 = b; }, "beta2 " + std::to_string(b));
+      expect_rejected(
+          kind, "--beta1", [b](OptimizerConfig& c) { c.beta1 = b; }, "beta1 " + std::to_string(b));
+      expect_rejected(
+          kind, "--beta2", [b](OptimizerConfig& c) { c.beta2 = b; }, "beta2 " + std::to_string(b));
     }
     for (const float eps : {0.0f, -1e-8f, kInf}) {
-      expect_rejected(kind, "--eps", [eps](OptimizerConfig& c) { c.eps = eps; }, "eps " + std::to_string(eps));
+      expect_rejected(
+          kind, "--eps", [eps](OptimizerConfig& c) { c.eps = eps; }, "eps " + std::to_string(eps));
     }
     for (const float wd : {-0.01f, kNan}) {
-      expect_rejected(kind, "--weight-decay", [wd](OptimizerConfig& c) { c.weight_decay = wd; },
-                      "weight_decay " + std::to_string(wd));
+      expect_rejected(
+          kind, "--weight-decay", [wd](OptimizerConfig& c) { c.weight_decay = wd; },
+          "weight_decay " + std::to_string(wd));
     }
   }
 }

@@ -174,8 +174,9 @@ BOOST_AUTO_TEST_CASE(pruning_keeps_what_this_server_wrote_over_damaged_or_foreig
   // Kept: the one just written, the file above it (not ours to judge), the
   // other model's. Pruning by file name alone would keep the damaged 100
   // as "the newest" and delete every valid file.
-  BOOST_TEST(names(dir.path) == (std::vector<std::string>{"ckpt-00000000000000000002.shmps", "ckpt-00000000000000000007.shmps",
-                                                          "ckpt-00000000000000000100.shmps"}));
+  BOOST_TEST(names(dir.path) ==
+             (std::vector<std::string>{"ckpt-00000000000000000002.shmps", "ckpt-00000000000000000007.shmps",
+                                       "ckpt-00000000000000000100.shmps"}));
   BOOST_TEST(contents(ckpt(dir, 2)) == foreign);
   BOOST_TEST(read_checkpoint(ckpt(dir, 7), adam_layout()).ok());
 
@@ -218,7 +219,8 @@ BOOST_AUTO_TEST_CASE(temp_files_of_a_killed_writer_are_removed_and_nothing_else)
   put((dir.path / ".ckpt-5.shmps.tmp").string(), "not ours");
   put((dir.path / "notes.txt").string(), "an operator's");
   remove_temp_files(d);
-  BOOST_TEST(names(dir.path) == (std::vector<std::string>{".ckpt-5.shmps.tmp", "ckpt-00000000000000000004.shmps", "notes.txt"}));
+  BOOST_TEST(names(dir.path) ==
+             (std::vector<std::string>{".ckpt-5.shmps.tmp", "ckpt-00000000000000000004.shmps", "notes.txt"}));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

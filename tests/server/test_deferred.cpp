@@ -7,8 +7,8 @@
 #define BOOST_TEST_MODULE test_deferred
 #include <unistd.h>
 
-#include <boost/test/unit_test.hpp>
 #include <atomic>
+#include <boost/test/unit_test.hpp>
 #include <cstring>
 #include <thread>
 
@@ -37,7 +37,9 @@ struct Gate {
 
 class GatedPeer final : public PeerBuffer {
  public:
-  GatedPeer(std::unique_ptr<PeerBuffer> inner, Gate* gate) : inner_(std::move(inner)), gate_(gate) { ++gate_->live_peers; }
+  GatedPeer(std::unique_ptr<PeerBuffer> inner, Gate* gate) : inner_(std::move(inner)), gate_(gate) {
+    ++gate_->live_peers;
+  }
   ~GatedPeer() override { --gate_->live_peers; }
   uint64_t length() const noexcept override { return inner_->length(); }
   PeerBuffer& inner() const { return *inner_; }
@@ -65,7 +67,8 @@ class GatedBackend final : public Backend {
     return f <= gate_->released.load(std::memory_order_acquire);
   }
   Status healthy() override {
-    return gate_->lost.load() ? Status{ErrorCode::kCuda, "cudaErrorIllegalAddress (test): the context is lost"} : Status::Ok();
+    return gate_->lost.load() ? Status{ErrorCode::kCuda, "cudaErrorIllegalAddress (test): the context is lost"}
+                              : Status::Ok();
   }
   Status synchronize() override { return healthy(); }
   Status allocate(const std::vector<TensorExtent>& t, size_t s, std::vector<float> init) override {
@@ -206,7 +209,7 @@ BOOST_AUTO_TEST_CASE(completions_of_one_worker_keep_request_order) {
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   shm::Completion c{};
   BOOST_TEST(raw.segment().completions(raw.id()).tail.load() == 1u);  // only the register's answer
-  BOOST_TEST(s.gate.live_peers.load() == 1);  // unregistered, but push 2 still holds it
+  BOOST_TEST(s.gate.live_peers.load() == 1);                          // unregistered, but push 2 still holds it
   BOOST_TEST(stats.mappings_closed.load(std::memory_order_relaxed) == 0u);
   s.gate.release_all();
   for (uint64_t want = 2; want <= 5; ++want) {

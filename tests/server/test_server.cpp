@@ -8,10 +8,10 @@
 #include <fstream>
 #include <thread>
 
+#include "server_support.hpp"
 #include "shmps/server/options.hpp"
 #include "shmps/server/server.hpp"
 #include "shmps/worker.hpp"
-#include "server_support.hpp"
 #include "test_support.hpp"
 
 using namespace shmps;
@@ -107,11 +107,41 @@ BOOST_AUTO_TEST_CASE(init_file_sets_the_weights_and_its_size_is_checked) {
 }
 
 BOOST_AUTO_TEST_CASE(command_line_parses_every_option) {
-  auto p = test::parse_server_args({"--name", "job", "--tensor", "fc1.weight:256x784", "--tensor", "fc1.bias:256:f32",
-                  "--optimizer", "adam", "--lr", "0.002", "--beta1", "0.8", "--beta2", "0.99", "--eps", "1e-6",
-                  "--amsgrad", "--max-staleness", "3", "--ring-capacity", "128", "--max-workers", "8",
-                  "--max-buffers", "4", "--backend", "host", "--init", "normal", "--init-scale", "0.1",
-                  "--init-seed", "5", "--allow-nonfinite", "--group-access"});
+  auto p = test::parse_server_args({"--name",
+                                    "job",
+                                    "--tensor",
+                                    "fc1.weight:256x784",
+                                    "--tensor",
+                                    "fc1.bias:256:f32",
+                                    "--optimizer",
+                                    "adam",
+                                    "--lr",
+                                    "0.002",
+                                    "--beta1",
+                                    "0.8",
+                                    "--beta2",
+                                    "0.99",
+                                    "--eps",
+                                    "1e-6",
+                                    "--amsgrad",
+                                    "--max-staleness",
+                                    "3",
+                                    "--ring-capacity",
+                                    "128",
+                                    "--max-workers",
+                                    "8",
+                                    "--max-buffers",
+                                    "4",
+                                    "--backend",
+                                    "host",
+                                    "--init",
+                                    "normal",
+                                    "--init-scale",
+                                    "0.1",
+                                    "--init-seed",
+                                    "5",
+                                    "--allow-nonfinite",
+                                    "--group-access"});
   BOOST_REQUIRE_MESSAGE(p.ok(), p.status().to_string());
   const ServerConfig& c = p->config;
   BOOST_TEST(c.name == "job");
@@ -146,7 +176,8 @@ BOOST_AUTO_TEST_CASE(bad_options_name_the_option) {
   BOOST_TEST(message({"--name", "j", "--tensor", "w:3:f16"}).find("fp32 only") != std::string::npos);
   BOOST_TEST(message({"--name", "j", "--tensor", "w"}).find("--tensor 'w'") != std::string::npos);
   BOOST_TEST(message({"--name", "a/b", "--tensor", "w:1"}).find("--name") != std::string::npos);
-  BOOST_TEST(message({"--name", "j", "--tensor", "w:1", "--optimizer", "rmsprop"}).find("--optimizer") != std::string::npos);
+  BOOST_TEST(message({"--name", "j", "--tensor", "w:1", "--optimizer", "rmsprop"}).find("--optimizer") !=
+             std::string::npos);
   BOOST_TEST(message({"--name", "j", "--tensor", "w:1", "--momentum", "-1"}).find("--momentum") != std::string::npos);
   BOOST_TEST(message({"--name", "j", "--tensor", "w:1", "--nesterov"}).find("--nesterov") != std::string::npos);
   BOOST_TEST(message({"--name", "j", "--tensor", "w:1", "--backend", "tpu"}).find("--backend") != std::string::npos);

@@ -93,8 +93,8 @@ int attach(const std::string& name) {
 
 // Errors a reconnecting worker rides out while its server restarts.
 bool transient(ErrorCode code) {
-  return code == ErrorCode::kServerRestarted || code == ErrorCode::kServerNotRunning ||
-         code == ErrorCode::kTimeout || code == ErrorCode::kShuttingDown || code == ErrorCode::kStale;
+  return code == ErrorCode::kServerRestarted || code == ErrorCode::kServerNotRunning || code == ErrorCode::kTimeout ||
+         code == ErrorCode::kShuttingDown || code == ErrorCode::kStale;
 }
 
 int train(const std::string& name, int seconds) {
@@ -110,8 +110,9 @@ int train(const std::string& name, int seconds) {
     auto pushed = version.ok() ? push_all(s, version.value()) : shmps::Result<uint64_t>(version.status());
     if (!pushed.ok()) {
       const ErrorCode code = pushed.status().code();
-      if (code != last_error) std::printf("after %llu pushes: %s\n", static_cast<unsigned long long>(pushes),
-                                          pushed.status().to_string().c_str());
+      if (code != last_error)
+        std::printf("after %llu pushes: %s\n", static_cast<unsigned long long>(pushes),
+                    pushed.status().to_string().c_str());
       last_error = code;
       if (!transient(code)) return 1;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -123,8 +124,8 @@ int train(const std::string& name, int seconds) {
       std::printf("continued: %llu pushes to generation %llu (first %llu), version %llu, %llu pushes in all\n",
                   static_cast<unsigned long long>(pushes_since_restart),
                   static_cast<unsigned long long>(s.worker->generation()),
-                  static_cast<unsigned long long>(first_generation),
-                  static_cast<unsigned long long>(pushed.value()), static_cast<unsigned long long>(pushes));
+                  static_cast<unsigned long long>(first_generation), static_cast<unsigned long long>(pushed.value()),
+                  static_cast<unsigned long long>(pushes));
       return 0;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));

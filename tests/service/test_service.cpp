@@ -6,20 +6,20 @@
 #define BOOST_TEST_MODULE test_service
 #include <fcntl.h>
 #include <grp.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
-#include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <boost/test/unit_test.hpp>
-#include <filesystem>
+#include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -127,15 +127,16 @@ class NotifySocket {
 };
 
 struct ServiceEnv {
-  std::string notify_socket;     // $NOTIFY_SOCKET; empty: unset
-  uint64_t watchdog_usec = 0;    // $WATCHDOG_USEC with $WATCHDOG_PID = the server; 0: unset
-  bool journal_stream = false;   // $JOURNAL_STREAM = stderr file's device:inode
+  std::string notify_socket;    // $NOTIFY_SOCKET; empty: unset
+  uint64_t watchdog_usec = 0;   // $WATCHDOG_USEC with $WATCHDOG_PID = the server; 0: unset
+  bool journal_stream = false;  // $JOURNAL_STREAM = stderr file's device:inode
 };
 
 // shmps-server <args> as systemd would start it: environment per `env`,
 // stderr into `stderr_path`. The environment is set in the child, after
 // fork, because $WATCHDOG_PID must name the server's own pid.
-test::Process spawn_server(const std::vector<std::string>& args, const ServiceEnv& env, const std::string& stderr_path) {
+test::Process spawn_server(const std::vector<std::string>& args, const ServiceEnv& env,
+                           const std::string& stderr_path) {
   std::vector<std::string> argv{test::program_path("shmps-server")};
   argv.insert(argv.end(), args.begin(), args.end());
   return test::Process::fork_fn([argv, env, stderr_path]() -> int {
@@ -152,7 +153,7 @@ test::Process spawn_server(const std::vector<std::string>& args, const ServiceEn
     if (fd < 0 || ::dup2(fd, STDERR_FILENO) < 0) return 126;
     ::close(fd);
     if (env.journal_stream) {
-      struct stat st{};
+      struct stat st {};
       ::fstat(STDERR_FILENO, &st);
       const std::string stream = std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
       ::setenv("JOURNAL_STREAM", stream.c_str(), 1);
@@ -342,7 +343,7 @@ BOOST_AUTO_TEST_CASE(sighup_reloads_lr_and_max_staleness_from_the_config_file) {
 
   auto v2 = worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 1);
   BOOST_REQUIRE_MESSAGE(v2.ok(), v2.status().to_string());
-  BOOST_TEST(w0() == -0.75f);  // -0.5 - 0.25 * 1
+  BOOST_TEST(w0() == -0.75f);                                               // -0.5 - 0.25 * 1
   auto stale = worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0);  // 2 behind, limit now 1
   BOOST_TEST((stale.status().code() == ErrorCode::kStale));
   BOOST_TEST(log_has("rejected push from worker 0"));
@@ -390,8 +391,10 @@ BOOST_AUTO_TEST_CASE(sighup_refuses_a_hyperparameter_the_optimizer_does_not_use)
                         read_file(err.path));
   BOOST_TEST(contains(read_file(err.path),
                       "shmps-server error: reload failed, keeping the running configuration: --optimizer sgd does not "
-                      "use beta1 (config file " + conf.path + " line 5): an Adam/AdamW option; remove it, or choose "
-                      "--optimizer adam or adamw\n"),
+                      "use beta1 (config file " +
+                          conf.path +
+                          " line 5): an Adam/AdamW option; remove it, or choose "
+                          "--optimizer adam or adamw\n"),
              read_file(err.path));
   BOOST_TEST(!contains(read_file(err.path), "reload: lr"), read_file(err.path));
   BOOST_REQUIRE(worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0).ok());
@@ -459,7 +462,8 @@ BOOST_AUTO_TEST_CASE(check_config_refuses_the_init_file_the_start_refuses) {
       {fifo, "--init-file " + fifo + ": not a regular file"},  // a blocking open would wait for a writer
       {write("short.f32", {1, 2, 3}), ""},
       {write("nan.f32", {1, std::nanf(""), 3, 4}), ""}};
-  cases[3].message = "--init-file " + cases[3].path + " holds 12 bytes; the tensors need 16 (raw fp32, all tensors in order)";
+  cases[3].message =
+      "--init-file " + cases[3].path + " holds 12 bytes; the tensors need 16 (raw fp32, all tensors in order)";
   cases[4].message = "--init-file " + cases[4].path + " contains NaN or Inf";
   if (::geteuid() == 0) {
     ::chmod(dir.path.c_str(), 0755);
@@ -490,7 +494,8 @@ BOOST_AUTO_TEST_CASE(check_config_refuses_the_init_file_the_start_refuses) {
   // A good file passes, and the check still creates nothing.
   const std::string name = test::unique_name("svc_init");
   SegmentGuard guard(name);
-  const test::Captured check = test::run_captured({server, "--name", name, "--tensor", "w:4", "--init-file", good, "--check-config"});
+  const test::Captured check =
+      test::run_captured({server, "--name", name, "--tensor", "w:4", "--init-file", good, "--check-config"});
   BOOST_TEST(check.exit_code == 0, check.output);
   BOOST_TEST(contains(check.output, "init-file = " + good + "\n"), check.output);
   BOOST_TEST(!std::filesystem::exists(segment_path(name)));

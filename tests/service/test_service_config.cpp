@@ -6,8 +6,8 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <boost/test/unit_test.hpp>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -15,12 +15,12 @@
 #include <sstream>
 #include <thread>
 
+#include "server_support.hpp"
 #include "shmps/server/log.hpp"
 #include "shmps/server/options.hpp"
 #include "shmps/server/server.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
-#include "server_support.hpp"
 #include "test_support.hpp"
 
 using namespace shmps;
@@ -67,13 +67,17 @@ BOOST_AUTO_TEST_SUITE(service_config)
 BOOST_AUTO_TEST_CASE(config_file_errors_name_the_line_and_the_key) {
   BOOST_TEST(contains(file_error(kHead + "learning-rate = 0.1\n"), "line 3: unknown key 'learning-rate'"));
   BOOST_TEST(contains(file_error(kHead + "# lr = 1\n\nlr = fast\n"), "line 5: key 'lr': invalid value 'fast'"));
-  BOOST_TEST(contains(file_error(kHead + "max-staleness = many\n"), "line 3: key 'max-staleness': invalid value 'many'"));
+  BOOST_TEST(
+      contains(file_error(kHead + "max-staleness = many\n"), "line 3: key 'max-staleness': invalid value 'many'"));
   BOOST_TEST(contains(file_error(kHead + "lr = -1\n"), "line 3: key 'lr': must be"));
-  BOOST_TEST(contains(file_error(kHead + "ring-capacity = 48\n"), "line 3: key 'ring-capacity': must be a power of two"));
+  BOOST_TEST(
+      contains(file_error(kHead + "ring-capacity = 48\n"), "line 3: key 'ring-capacity': must be a power of two"));
   BOOST_TEST(contains(file_error(kHead + "max-workers = 0\n"), "line 3: key 'max-workers': must be in 1..256"));
-  BOOST_TEST(contains(file_error(kHead + "optimizer = rmsprop\n"), "line 3: key 'optimizer': must be sgd, adam or adamw"));
+  BOOST_TEST(
+      contains(file_error(kHead + "optimizer = rmsprop\n"), "line 3: key 'optimizer': must be sgd, adam or adamw"));
   BOOST_TEST(contains(file_error(kHead + "backend = tpu\n"), "line 3: key 'backend'"));
-  BOOST_TEST(contains(file_error(kHead + "log-level = loud\n"), "line 3: key 'log-level': must be error, warn, info or debug"));
+  BOOST_TEST(contains(file_error(kHead + "log-level = loud\n"),
+                      "line 3: key 'log-level': must be error, warn, info or debug"));
   BOOST_TEST(contains(file_error(kHead + "nesterov = true\n"), "line 3: key 'nesterov': requires --momentum > 0"));
   BOOST_TEST(contains(file_error(kHead + "init = file\n"), "line 3: key 'init': file needs --init-file"));
   BOOST_TEST(contains(file_error("name = a/b\ntensor = w:4\n"), "line 1: key 'name'"));
@@ -82,7 +86,8 @@ BOOST_AUTO_TEST_CASE(config_file_errors_name_the_line_and_the_key) {
   BOOST_TEST(contains(file_error(kHead + "lr = 0.1\nlr = 0.2\n"), "line 4: key 'lr' is already set on line 3"));
   BOOST_TEST(contains(file_error(kHead + "lr 0.1\n"), "line 3: expected 'key = value', got 'lr 0.1'"));
   BOOST_TEST(contains(file_error(kHead + "[server]\n"), "line 3: sections ('[server]') are not supported"));
-  BOOST_TEST(contains(file_error(kHead + "config = other.conf\n"), "line 3: unknown key 'config' (valid on the command line only)"));
+  BOOST_TEST(contains(file_error(kHead + "config = other.conf\n"),
+                      "line 3: unknown key 'config' (valid on the command line only)"));
   BOOST_TEST(contains(file_error(kHead + " = 3\n"), "line 3: no key before '='"));
 }
 
@@ -112,7 +117,8 @@ BOOST_AUTO_TEST_CASE(malformed_tensors_name_the_problem_and_the_expected_form) {
   for (const std::string good : {"w:3", "w:3x4:f32", "w:1x2x3x4", "w:7:float32"})
     BOOST_TEST(parse_tensor(good).ok(), good);
   // From the file: the line, then the same text.
-  BOOST_TEST(contains(file_error(kHead + "tensor = fc1.weight\n"), "line 3: key 'tensor': 'fc1.weight': no shape" + form));
+  BOOST_TEST(
+      contains(file_error(kHead + "tensor = fc1.weight\n"), "line 3: key 'tensor': 'fc1.weight': no shape" + form));
 }
 
 BOOST_AUTO_TEST_CASE(hyperparameters_the_optimizer_does_not_use_are_refused) {
@@ -125,21 +131,25 @@ BOOST_AUTO_TEST_CASE(hyperparameters_the_optimizer_does_not_use_are_refused) {
   };
   BOOST_TEST(refusal({"--optimizer", "adam", "--momentum", "0.9"}) ==
              "--optimizer adam does not use --momentum: an SGD option; remove it, or choose --optimizer sgd");
-  BOOST_TEST(refusal({"--optimizer", "adamw", "--nesterov", "--dampening", "0.1"}) ==
-             "--optimizer adamw does not use --dampening and --nesterov: SGD options; remove them, or choose --optimizer sgd");
+  BOOST_TEST(
+      refusal({"--optimizer", "adamw", "--nesterov", "--dampening", "0.1"}) ==
+      "--optimizer adamw does not use --dampening and --nesterov: SGD options; remove them, or choose --optimizer sgd");
   BOOST_TEST(refusal({"--optimizer", "sgd", "--beta1", "0.8", "--amsgrad", "--eps", "1e-6"}) ==
              "--optimizer sgd does not use --beta1, --eps and --amsgrad: Adam/AdamW options; remove them, or choose "
              "--optimizer adam or adamw");
   // sgd by default; a value equal to the default is still given.
-  BOOST_TEST(refusal({"--beta2", "0.999"}) ==
-             "--optimizer sgd does not use --beta2: an Adam/AdamW option; remove it, or choose --optimizer adam or adamw");
-  BOOST_TEST(refusal({"--optimizer", "adam", "--momentum", "0"}).rfind("--optimizer adam does not use --momentum:", 0) == 0u);
+  BOOST_TEST(
+      refusal({"--beta2", "0.999"}) ==
+      "--optimizer sgd does not use --beta2: an Adam/AdamW option; remove it, or choose --optimizer adam or adamw");
+  BOOST_TEST(
+      refusal({"--optimizer", "adam", "--momentum", "0"}).rfind("--optimizer adam does not use --momentum:", 0) == 0u);
   // From the file, each key with its line; the command line's as options.
   const ConfFile f(kHead + "optimizer = adam\nmomentum = 0.9\n");
   auto from_file = test::parse_server_args({"--config", f.path, "--nesterov"});
   BOOST_REQUIRE(!from_file.ok());
-  BOOST_TEST(from_file.status().message() == "--optimizer adam does not use momentum (config file " + f.path +
-                                                 " line 4) and --nesterov: SGD options; remove them, or choose --optimizer sgd");
+  BOOST_TEST(from_file.status().message() ==
+             "--optimizer adam does not use momentum (config file " + f.path +
+                 " line 4) and --nesterov: SGD options; remove them, or choose --optimizer sgd");
   // What each reads is accepted; defaults of the others do not count.
   for (const std::vector<std::string>& ok : std::vector<std::vector<std::string>>{
            {"--optimizer", "adam"},
@@ -176,7 +186,8 @@ BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
   // and "-4294967295" as 1.
   for (const std::string key : {"max-staleness", "max-workers", "checkpoint-keep", "idle-spin-us", "init-seed",
                                 "checkpoint-every", "stopped-worker-timeout-ms"}) {
-    BOOST_TEST(contains(file_error(kHead + key + " = -1\n"), "line 3: key '" + key + "': must be a non-negative integer"));
+    BOOST_TEST(
+        contains(file_error(kHead + key + " = -1\n"), "line 3: key '" + key + "': must be a non-negative integer"));
     auto cmdline = test::parse_server_args({"--name", "j", "--tensor", "w:4", "--" + key + "=-1"});
     BOOST_TEST(!cmdline.ok(), key);
     if (!cmdline.ok()) BOOST_TEST(contains(cmdline.status().message(), "--" + key + " must be a non-negative integer"));
@@ -184,13 +195,17 @@ BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
   BOOST_TEST(contains(file_error(kHead + "max-workers = -4294967295\n"), "must be a non-negative integer"));
   // A NUL cut "/tmp/ckA\0evil" to "/tmp/ckA"; an empty path turned the
   // feature off without a word.
-  BOOST_TEST(contains(file_error(kHead + std::string("checkpoint-dir = /tmp/ckA\0evil\n", 31)), "line 3: holds a NUL byte"));
+  BOOST_TEST(
+      contains(file_error(kHead + std::string("checkpoint-dir = /tmp/ckA\0evil\n", 31)), "line 3: holds a NUL byte"));
   BOOST_TEST(contains(file_error(kHead + "checkpoint-dir =\n"), "line 3: key 'checkpoint-dir': is an empty path"));
   BOOST_TEST(contains(file_error(kHead + "init-file =\n"), "line 3: key 'init-file': is an empty path"));
   // init-scale: NaN weights, or a negative stddev, before.
   for (const char* scale : {"nan", "inf", "-1", "0"})
-    BOOST_TEST(contains(file_error(kHead + "init = uniform\ninit-scale = " + scale + "\n"), "line 4: key 'init-scale': must be finite and > 0"), scale);
-  BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--init-scale", "nan"}).ok());  // unused by --init zero
+    BOOST_TEST(contains(file_error(kHead + "init = uniform\ninit-scale = " + scale + "\n"),
+                        "line 4: key 'init-scale': must be finite and > 0"),
+               scale);
+  BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--init-scale", "nan"})
+                 .ok());  // unused by --init zero
   // Not a regular file, or over 1 MiB: refused unread (/dev/zero would be read until memory ran out).
   for (const std::string path : {"/dev/zero", "/tmp"}) {
     auto p = test::parse_server_args({"--config", path});
@@ -241,7 +256,8 @@ BOOST_AUTO_TEST_CASE(open_failures_carry_the_path_and_the_errno_text) {
   // read the same.
   auto missing = test::parse_server_args({"--config", "/nonexistent/x.conf"});
   BOOST_REQUIRE(!missing.ok());
-  BOOST_TEST(missing.status().message() == "--config /nonexistent/x.conf: cannot open: No such file or directory (errno 2)");
+  BOOST_TEST(missing.status().message() ==
+             "--config /nonexistent/x.conf: cannot open: No such file or directory (errno 2)");
   auto not_dir = test::parse_server_args({"--config", "/etc/passwd/x.conf"});
   BOOST_REQUIRE(!not_dir.ok());
   BOOST_TEST(not_dir.status().message() == "--config /etc/passwd/x.conf: cannot open: Not a directory (errno 20)");
@@ -252,7 +268,8 @@ BOOST_AUTO_TEST_CASE(open_failures_carry_the_path_and_the_errno_text) {
   config.init.file = "/nonexistent/init.bin";
   auto created = Server::create(config);
   BOOST_REQUIRE(!created.ok());
-  BOOST_TEST(created.status().to_string() == "io: --init-file /nonexistent/init.bin: cannot open: No such file or directory (errno 2)");
+  BOOST_TEST(created.status().to_string() ==
+             "io: --init-file /nonexistent/init.bin: cannot open: No such file or directory (errno 2)");
 }
 
 BOOST_AUTO_TEST_CASE(check_config_reads_the_init_file_as_the_start_does) {
@@ -264,7 +281,8 @@ BOOST_AUTO_TEST_CASE(check_config_reads_the_init_file_as_the_start_does) {
   check_args.push_back("--check-config");
   auto check = test::parse_server_args(check_args);
   BOOST_REQUIRE(!check.ok());
-  BOOST_TEST(check.status().to_string() == "io: --init-file /nonexistent/init.bin: cannot open: No such file or directory (errno 2)");
+  BOOST_TEST(check.status().to_string() ==
+             "io: --init-file /nonexistent/init.bin: cannot open: No such file or directory (errno 2)");
 }
 
 BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
@@ -335,10 +353,41 @@ BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
 }
 
 BOOST_AUTO_TEST_CASE(config_entries_round_trip_through_a_file) {
-  auto p = test::parse_server_args({"--name", "rt", "--tensor", "a:2x3", "--tensor", "b:7", "--optimizer", "adamw", "--lr", "0.0003",
-                  "--beta2", "0.98", "--amsgrad", "--max-staleness", "11", "--ring-capacity", "16", "--init", "normal",
-                  "--init-scale", "0.5", "--init-seed", "42", "--group-access", "--idle-spin-us", "7", "--log-level", "debug",
-                  "--allow-nonfinite", "--backend", "host", "--max-workers", "3", "--max-buffers", "5"});
+  auto p = test::parse_server_args({"--name",
+                                    "rt",
+                                    "--tensor",
+                                    "a:2x3",
+                                    "--tensor",
+                                    "b:7",
+                                    "--optimizer",
+                                    "adamw",
+                                    "--lr",
+                                    "0.0003",
+                                    "--beta2",
+                                    "0.98",
+                                    "--amsgrad",
+                                    "--max-staleness",
+                                    "11",
+                                    "--ring-capacity",
+                                    "16",
+                                    "--init",
+                                    "normal",
+                                    "--init-scale",
+                                    "0.5",
+                                    "--init-seed",
+                                    "42",
+                                    "--group-access",
+                                    "--idle-spin-us",
+                                    "7",
+                                    "--log-level",
+                                    "debug",
+                                    "--allow-nonfinite",
+                                    "--backend",
+                                    "host",
+                                    "--max-workers",
+                                    "3",
+                                    "--max-buffers",
+                                    "5"});
   BOOST_REQUIRE_MESSAGE(p.ok(), p.status().to_string());
   std::string body;
   for (const auto& [key, value] : config_entries(p->config)) body += key + " = " + value + "\n";
@@ -402,7 +451,7 @@ BOOST_AUTO_TEST_CASE(reload_in_process_applies_live_options_only) {
 
   next.optimizer.lr = 0.5f;
   next.max_staleness = 0;
-  next.max_workers = 4;        // needs a restart: ignored
+  next.max_workers = 4;            // needs a restart: ignored
   next.optimizer.momentum = 0.9f;  // needs a restart: ignored
   server->request_reload();
   BOOST_REQUIRE(test::eventually([&] { return reloads.load() == 1; }, std::chrono::seconds(5)));

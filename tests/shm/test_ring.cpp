@@ -52,8 +52,9 @@ void produce(SharedLane& lane, uint64_t start, uint64_t first, uint64_t count) {
       ++id;
       notify(lane.header()->data_ready);
     } else if (r == RingResult::kFull) {
-      wait_until(lane.header()->space_ready, [&] { return p.has_space(); }, nullptr,
-                 std::chrono::steady_clock::now() + std::chrono::seconds(30));
+      wait_until(
+          lane.header()->space_ready, [&] { return p.has_space(); }, nullptr,
+          std::chrono::steady_clock::now() + std::chrono::seconds(30));
     } else {
       throw std::runtime_error("ring corrupt");
     }
@@ -75,9 +76,10 @@ uint64_t consume(SharedLane& lane, uint64_t start, uint64_t first, uint64_t coun
       ++expect;
       notify(lane.header()->space_ready);
     } else if (res == RingResult::kEmpty) {
-      wait_until(lane.header()->data_ready,
-                 [&] { return (by_seq && c.seq_published(expect)) || c.refresh() == RingResult::kOk; }, nullptr,
-                 std::chrono::steady_clock::now() + std::chrono::seconds(30));
+      wait_until(
+          lane.header()->data_ready,
+          [&] { return (by_seq && c.seq_published(expect)) || c.refresh() == RingResult::kOk; }, nullptr,
+          std::chrono::steady_clock::now() + std::chrono::seconds(30));
     } else {
       return ~uint64_t{0};
     }
@@ -150,7 +152,7 @@ BOOST_AUTO_TEST_CASE(garbage_peer_indices_are_reported_corrupt_not_followed) {
   lane.header()->tail.store(kCapacity + 1);  // a producer claiming more than fits
   Request r;
   BOOST_TEST((c.try_pop(&r) == RingResult::kCorrupt));
-  BOOST_TEST(c.head() == 0u);  // nothing consumed
+  BOOST_TEST(c.head() == 0u);               // nothing consumed
   lane.header()->tail.store(~uint64_t{0});  // "behind" the head
   BOOST_TEST((c.try_pop(&r) == RingResult::kCorrupt));
 
@@ -252,12 +254,14 @@ BOOST_AUTO_TEST_CASE(futex_wait_times_out_and_wakes) {
   SharedLane lane;
   WaitWord& w = lane.header()->data_ready;
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = wait_until(w, [] { return false; }, nullptr, t0 + std::chrono::milliseconds(50), 10);
+  auto r = wait_until(
+      w, [] { return false; }, nullptr, t0 + std::chrono::milliseconds(50), 10);
   BOOST_TEST((r == WaitResult::kTimeout));
   BOOST_TEST((std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(50)));
   int calls = 0;
-  r = wait_until(w, [] { return false; }, [&] { return ++calls == 2; },
-                 std::chrono::steady_clock::now() + std::chrono::seconds(10), 10, std::chrono::milliseconds(5));
+  r = wait_until(
+      w, [] { return false; }, [&] { return ++calls == 2; },
+      std::chrono::steady_clock::now() + std::chrono::seconds(10), 10, std::chrono::milliseconds(5));
   BOOST_TEST((r == WaitResult::kAborted));
   std::atomic<bool> flag{false};
   std::thread t([&] {
@@ -265,8 +269,9 @@ BOOST_AUTO_TEST_CASE(futex_wait_times_out_and_wakes) {
     flag.store(true, std::memory_order_release);
     notify(w);
   });
-  r = wait_until(w, [&] { return flag.load(std::memory_order_acquire); }, nullptr,
-                 std::chrono::steady_clock::now() + std::chrono::seconds(10), 10, std::chrono::seconds(5));
+  r = wait_until(
+      w, [&] { return flag.load(std::memory_order_acquire); }, nullptr,
+      std::chrono::steady_clock::now() + std::chrono::seconds(10), 10, std::chrono::seconds(5));
   t.join();
   BOOST_TEST((r == WaitResult::kReady));
 }

@@ -83,7 +83,7 @@ BOOST_AUTO_TEST_CASE(mode_is_exact_whatever_the_umask) {
     spec.mode = mode;
     auto created = Segment::create(spec, 1);
     BOOST_REQUIRE(created.ok());
-    struct stat st{};
+    struct stat st {};
     BOOST_REQUIRE(::stat(("/dev/shm/" + segment_object_name(name)).c_str(), &st) == 0);
     BOOST_TEST((st.st_mode & 0777) == mode);
   }
@@ -120,7 +120,8 @@ BOOST_AUTO_TEST_CASE(other_layout_version_names_both_versions) {
   auto opened = Segment::open(name, true);
   BOOST_TEST((opened.status().code() == ErrorCode::kLayoutMismatch));
   BOOST_TEST(opened.status().message().find("99") != std::string::npos);
-  BOOST_TEST(opened.status().message().find("understands " + std::to_string(shmps::shm::kLayoutVersion)) != std::string::npos);
+  BOOST_TEST(opened.status().message().find("understands " + std::to_string(shmps::shm::kLayoutVersion)) !=
+             std::string::npos);
 }
 
 BOOST_AUTO_TEST_CASE(stale_segment_of_dead_server_is_replaced_live_one_is_not) {
@@ -168,10 +169,10 @@ BOOST_AUTO_TEST_CASE(oversized_tensors_are_refused_before_the_object_exists) {
   // the object is created, or it would stay in /dev/shm.
   const std::string name = test::unique_name("oversize");
   Cleanup cleanup{name};
-  for (const auto& tensors : std::vector<std::vector<TensorSpec>>{
-           {{"a", {4294967296, 2147483648}}, {"b", {4294967296, 2147483648}}},
-           {{"a", {1048576, 1048576}}, {"b", {2}}},  // 2^40 + 2 in all
-           {{"a", {1048576, 1048576, 2}}}}) {
+  for (const auto& tensors :
+       std::vector<std::vector<TensorSpec>>{{{"a", {4294967296, 2147483648}}, {"b", {4294967296, 2147483648}}},
+                                            {{"a", {1048576, 1048576}}, {"b", {2}}},  // 2^40 + 2 in all
+                                            {{"a", {1048576, 1048576, 2}}}}) {
     SegmentSpec spec = small_spec(name);
     spec.tensors = tensors;
     const auto created = Segment::create(spec, 1);

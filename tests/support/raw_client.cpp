@@ -34,8 +34,9 @@ RawClient::RawClient(const std::string& name, bool attach) {
   hdr.doorbell[id_ / 64].fetch_or(uint64_t{1} << (id_ % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
   shm::notify(hdr.server_wake);
   const uint64_t want = shm::make_owner(static_cast<uint32_t>(::getpid()), shm::WorkerState::kAttached);
-  if (!eventually([&] { return seg_->worker(id_).owner.load(std::memory_order_acquire) == want; },  // SYNC(worker_attached)
-                  std::chrono::seconds(5)))
+  if (!eventually(
+          [&] { return seg_->worker(id_).owner.load(std::memory_order_acquire) == want; },  // SYNC(worker_attached)
+          std::chrono::seconds(5)))
     throw std::runtime_error("RawClient: the server did not attach this entry within 5 s");
   lease_ = seg_->worker(id_).lease;
 }

@@ -82,7 +82,6 @@ Captured run_captured(const std::vector<std::string>& argv,
                       const std::function<bool()>& in_child = {});
 
 // Polls cond every millisecond until it holds or timeout passes.
-bool eventually(const std::function<bool()>& cond,
-                std::chrono::milliseconds timeout = std::chrono::seconds(10));
+bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
 }  // namespace shmps::test

@@ -87,7 +87,8 @@ inline Process start_bystander(const std::string& name, BystanderCounters* count
       }
       counters->acked.fetch_add(1);
       uint64_t seen = counters->max_latency_ns.load();
-      while (dt > seen && !counters->max_latency_ns.compare_exchange_weak(seen, dt)) {}
+      while (dt > seen && !counters->max_latency_ns.compare_exchange_weak(seen, dt)) {
+      }
     }
     return 0;
   });

@@ -1,20 +1,20 @@
 // shmps-inspect: the real binary against a live shmps-server and its
 // worker, against saved and corrupted copies of a segment, and the model's
 // decoder against crafted garbage in an in-process segment image.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
-#include <fcntl.h>
 #include <unistd.h>
 
 #define BOOST_TEST_MODULE test_inspect
-#include <boost/test/unit_test.hpp>
 #include <algorithm>
+#include <boost/test/unit_test.hpp>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <sstream>
 #include <string>
@@ -274,8 +274,7 @@ BOOST_AUTO_TEST_CASE(text_output_mentions_every_section_and_a_queued_push) {
   BOOST_TEST(contains(text.out, "fc.weight"));
   BOOST_TEST(contains(text.out, "4x3"));
   BOOST_TEST(contains(text.out, "attached, pid " + std::to_string(::getpid()) + " (alive)"));
-  BOOST_TEST(contains(text.out, "push tensor 1 (fc.bias) buffer 0 offset 48 length 16 version 0 dtype f32"),
-             text.out);
+  BOOST_TEST(contains(text.out, "push tensor 1 (fc.bias) buffer 0 offset 48 length 16 version 0 dtype f32"), text.out);
   BOOST_TEST(contains(text.out, "depth 1"));
 
   const json j = parse_json(run_inspect({"--json", name}));
@@ -381,17 +380,26 @@ BOOST_AUTO_TEST_CASE(saved_and_corrupted_copies) {
     std::vector<std::string> message_parts;
   };
   const std::vector<Case> cases{
-      {"magic", [](std::string* b) { poke<uint64_t>(b, 0, 0x4141414141414141ull); }, 3,
+      {"magic",
+       [](std::string* b) { poke<uint64_t>(b, 0, 0x4141414141414141ull); },
+       3,
        {"not a shmps segment", "0x4141414141414141"}},
-      {"layout version", [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, layout_version), 99); }, 3,
+      {"layout version",
+       [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, layout_version), 99); },
+       3,
        {"layout version 99", "understands " + std::to_string(shmps::shm::kLayoutVersion)}},
-      {"lane capacity", [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, lane_capacity), 3); }, 3,
+      {"lane capacity",
+       [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, lane_capacity), 3); },
+       3,
        {"lane_capacity 3"}},
       {"tensor ndim",
-       [&](std::string* b) { poke<uint32_t>(b, tensor_table + offsetof(shm::TensorDesc, ndim), 9); }, 3,
+       [&](std::string* b) { poke<uint32_t>(b, tensor_table + offsetof(shm::TensorDesc, ndim), 9); },
+       3,
        {"tensor 0", "ndim 9"}},
       {"truncated", [](std::string* b) { b->resize(100); }, 3, {"100 bytes", "smaller than a shmps header"}},
-      {"unpublished", [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, layout_version), 0); }, 4,
+      {"unpublished",
+       [](std::string* b) { poke<uint32_t>(b, offsetof(shm::SegmentHeader, layout_version), 0); },
+       4,
        {"not published"}},
   };
   for (const Case& c : cases) {

@@ -33,8 +33,7 @@ void put_be32(Bytes& b, uint32_t v) {
   for (int shift = 24; shift >= 0; shift -= 8) b.push_back(static_cast<uint8_t>(v >> shift));
 }
 
-Bytes images_file(uint32_t count, uint32_t rows, uint32_t cols, size_t pixel_bytes,
-                  uint32_t magic = kIdxImagesMagic) {
+Bytes images_file(uint32_t count, uint32_t rows, uint32_t cols, size_t pixel_bytes, uint32_t magic = kIdxImagesMagic) {
   Bytes b;
   put_be32(b, magic);
   put_be32(b, count);
@@ -98,8 +97,7 @@ BOOST_FIXTURE_TEST_CASE(reads_good_files_plain_and_gzipped, TempDir) {
       BOOST_TEST(d->labels == (std::vector<uint8_t>{7, 0, 9}), boost::test_tools::per_element());
       BOOST_REQUIRE_EQUAL(d->images.size(), 24u);
       for (size_t i = 0; i < 24; ++i) {
-        BOOST_TEST(d->images[i] == static_cast<float>(i * 37 % 256) / 255.0f,
-                   boost::test_tools::tolerance(1e-6f));
+        BOOST_TEST(d->images[i] == static_cast<float>(i * 37 % 256) / 255.0f, boost::test_tools::tolerance(1e-6f));
       }
       shmps::Result<IdxImages> raw = read_idx_images(img);
       BOOST_REQUIRE(raw.ok());
@@ -198,8 +196,7 @@ BOOST_FIXTURE_TEST_CASE(label_out_of_range_is_refused, TempDir) {
       shmps::Result<std::vector<uint8_t>> r = read_idx_labels(lab);
       BOOST_REQUIRE(!r.ok());
       BOOST_TEST(code(r) == "invalid_argument");
-      BOOST_TEST(r.status().message().find("label 10 of example 2") != std::string::npos,
-                 r.status().message());
+      BOOST_TEST(r.status().message().find("label 10 of example 2") != std::string::npos, r.status().message());
     }
   }
 }

@@ -82,8 +82,7 @@ Problem make_problem(const MlpShape& shape, size_t batch, uint64_t seed) {
 void check_gradient(const Problem& pr, const std::vector<size_t>& indices) {
   Mlp mlp(pr.shape, pr.batch);
   std::vector<float> grad(mlp.parameter_count(), std::nanf(""));
-  const double loss =
-      mlp.loss_and_gradient(pr.params.data(), pr.x.data(), pr.y.data(), pr.batch, grad.data());
+  const double loss = mlp.loss_and_gradient(pr.params.data(), pr.x.data(), pr.y.data(), pr.batch, grad.data());
   for (float g : grad) BOOST_REQUIRE(std::isfinite(g));  // every entry written
 
   std::vector<double> p(pr.params.begin(), pr.params.end());
@@ -273,4 +272,3 @@ BOOST_AUTO_TEST_CASE(blas_coretype_upgrades_only_a_fallback_core) {
 }
 
 BOOST_AUTO_TEST_SUITE_END()
-

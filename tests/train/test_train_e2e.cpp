@@ -101,14 +101,12 @@ struct TrainRun {
     rc = p.wait(timeout);
     output = slurp(out);
     BOOST_TEST_MESSAGE("shmps-train " << args.size() << " args -> " << rc << "\n" << output);
-    BOOST_REQUIRE_MESSAGE(rc >= 0, "shmps-train did not finish within " << timeout.count() << " s:\n"
-                                                                        << output);
+    BOOST_REQUIRE_MESSAGE(rc >= 0, "shmps-train did not finish within " << timeout.count() << " s:\n" << output);
   }
 
   double final_accuracy() const {
     std::smatch m;
-    BOOST_REQUIRE_MESSAGE(std::regex_search(output, m, std::regex(R"(final test accuracy: ([0-9.]+))")),
-                          output);
+    BOOST_REQUIRE_MESSAGE(std::regex_search(output, m, std::regex(R"(final test accuracy: ([0-9.]+))")), output);
     return std::stod(m[1]);
   }
 
@@ -128,8 +126,7 @@ struct TrainRun {
     std::ifstream in(csv);
     std::string line;
     BOOST_REQUIRE(std::getline(in, line));
-    BOOST_TEST(line ==
-               "epoch,version,train_loss,test_loss,test_acc,pushes_per_s,rejected,avg_staleness,elapsed_s");
+    BOOST_TEST(line == "epoch,version,train_loss,test_loss,test_acc,pushes_per_s,rejected,avg_staleness,elapsed_s");
     std::vector<CsvRow> rows;
     while (std::getline(in, line)) {
       std::vector<double> v;
@@ -154,13 +151,9 @@ std::string write_init(const fs::path& dir) {
 }
 
 std::vector<std::string> server_args(const std::string& init, const std::string& fc1 = "256x784") {
-  std::vector<std::string> args{"--tensor",      "fc1.weight:" + fc1,
-                                "--tensor",      "fc1.bias:256",
-                                "--tensor",      "fc2.weight:10x256",
-                                "--tensor",      "fc2.bias:10",
-                                "--optimizer",   "adam",
-                                "--lr",          "0.001",
-                                "--max-workers", "8"};
+  std::vector<std::string> args{
+      "--tensor",    "fc1.weight:" + fc1, "--tensor", "fc1.bias:256", "--tensor", "fc2.weight:10x256", "--tensor",
+      "fc2.bias:10", "--optimizer",       "adam",     "--lr",         "0.001",    "--max-workers",     "8"};
   if (!init.empty()) args.insert(args.end(), {"--init-file", init});
   return args;
 }
@@ -192,8 +185,8 @@ BOOST_FIXTURE_TEST_CASE(two_workers_one_epoch_learns, TrainRun) {
 BOOST_FIXTURE_TEST_CASE(staleness_zero_rejects_counts_and_converges, TrainRun) {
   // Four workers on a bound of 0: every push that another push overtook is
   // rejected and retried on fresh weights.
-  run({"--train-limit", "10000", "--test-limit", "2000", "--epochs", "1", "--workers", "4", "--max-staleness",
-       "0", "--csv", csv});
+  run({"--train-limit", "10000", "--test-limit", "2000", "--epochs", "1", "--workers", "4", "--max-staleness", "0",
+       "--csv", csv});
   BOOST_REQUIRE_EQUAL(rc, 0);
   const std::vector<uint64_t> c = push_counts();
   BOOST_TEST(c[0] == 4u * 40u);  // 4 shards of 2500
@@ -209,8 +202,7 @@ BOOST_FIXTURE_TEST_CASE(connect_uses_a_running_server_and_checks_tensors, TrainR
   const std::string init = write_init(dir);
   {
     ServerProcess server(name, server_args(init));
-    run({"--connect", name, "--train-limit", "3000", "--test-limit", "2000", "--epochs", "1", "--workers",
-         "2"});
+    run({"--connect", name, "--train-limit", "3000", "--test-limit", "2000", "--epochs", "1", "--workers", "2"});
     BOOST_REQUIRE_EQUAL(rc, 0);
     BOOST_TEST(final_accuracy() > 0.60);
     BOOST_TEST(server.process().running());  // not ours to stop
@@ -218,8 +210,7 @@ BOOST_FIXTURE_TEST_CASE(connect_uses_a_running_server_and_checks_tensors, TrainR
   }
   {
     ServerProcess other(name, server_args("", "128x784"));
-    run({"--connect", name, "--train-limit", "100", "--test-limit", "100", "--epochs", "1", "--workers",
-         "1"});
+    run({"--connect", name, "--train-limit", "100", "--test-limit", "100", "--epochs", "1", "--workers", "1"});
     BOOST_TEST(rc == 1);
     BOOST_TEST(output.find("do not match") != std::string::npos, output);
   }
@@ -233,7 +224,8 @@ BOOST_FIXTURE_TEST_CASE(connect_refuses_a_server_whose_weights_are_all_zero, Tra
     ServerProcess zeros(name, server_args(""));
     run({"--connect", name, "--train-limit", "100", "--test-limit", "100", "--epochs", "1", "--workers", "1"});
     BOOST_TEST(rc == 2);
-    BOOST_TEST(output.find("shmps-train: every weight of server '" + name + "' is zero (version 0): a ReLU MLP started "
+    BOOST_TEST(output.find("shmps-train: every weight of server '" + name +
+                           "' is zero (version 0): a ReLU MLP started "
                            "from all-zero weights never learns") != std::string::npos,
                output);
     BOOST_TEST(output.find("Start the server with random weights, e.g. --init normal --init-scale 0.05, or --init-file "
@@ -256,11 +248,9 @@ BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
   Process p = start({"--train-limit", "20000", "--test-limit", "1000", "--epochs", "20", "--workers", "2"});
   // Wait for training to start, then SIGKILL one worker (a child that is
   // not the server).
-  BOOST_REQUIRE(
-      shmps::test::eventually([&] { return slurp(out).find("epoch 0.00 ") != std::string::npos; }, 60s));
+  BOOST_REQUIRE(shmps::test::eventually([&] { return slurp(out).find("epoch 0.00 ") != std::string::npos; }, 60s));
   pid_t victim = -1;
-  std::ifstream children("/proc/" + std::to_string(p.pid()) + "/task/" + std::to_string(p.pid()) +
-                         "/children");
+  std::ifstream children("/proc/" + std::to_string(p.pid()) + "/task/" + std::to_string(p.pid()) + "/children");
   for (pid_t child; children >> child;) {
     if (slurp("/proc/" + std::to_string(child) + "/cmdline").find("shmps-server") == std::string::npos) {
       victim = child;
@@ -284,11 +274,9 @@ BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
 BOOST_FIXTURE_TEST_CASE(server_death_is_survived_through_a_checkpoint, TrainRun) {
   Process p = start({"--train-limit", "10000", "--test-limit", "1000", "--epochs", "4", "--workers", "2",
                      "--evals-per-epoch", "4", "--checkpoint-every", "100"});
-  BOOST_REQUIRE(
-      shmps::test::eventually([&] { return slurp(out).find("epoch 1.") != std::string::npos; }, 60s));
+  BOOST_REQUIRE(shmps::test::eventually([&] { return slurp(out).find("epoch 1.") != std::string::npos; }, 60s));
   pid_t server = -1;
-  std::ifstream children("/proc/" + std::to_string(p.pid()) + "/task/" + std::to_string(p.pid()) +
-                         "/children");
+  std::ifstream children("/proc/" + std::to_string(p.pid()) + "/task/" + std::to_string(p.pid()) + "/children");
   for (pid_t child; children >> child;)
     if (slurp("/proc/" + std::to_string(child) + "/cmdline").find("shmps-server") != std::string::npos) server = child;
   BOOST_REQUIRE(server > 0);
@@ -307,7 +295,7 @@ BOOST_FIXTURE_TEST_CASE(in_process_learns_and_writes_eval_every_rows, TrainRun) 
   BOOST_REQUIRE_EQUAL(rc, 0);
   BOOST_TEST(output.find("in-process (no server)") != std::string::npos, output);
   BOOST_TEST(output.find("applied 79 in this process") != std::string::npos, output);  // ceil(5000 / 64)
-  BOOST_TEST(output.find("shmps-server") == std::string::npos, output);                 // none started
+  BOOST_TEST(output.find("shmps-server") == std::string::npos, output);                // none started
   // One row every 10 updates (the loop stops for each), then the end.
   const std::vector<CsvRow> rows = curve();
   BOOST_REQUIRE_EQUAL(rows.size(), 9u);
@@ -403,9 +391,11 @@ BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
   // The CSV cannot be written: the path and the reason.
   run({"--in-process", "--train-limit", "100", "--test-limit", "100", "--epochs", "1", "--csv", "/nonexistent/c.csv"});
   BOOST_TEST(rc == 1);
-  BOOST_TEST(output.find("shmps-train: --csv /nonexistent/c.csv: cannot open for writing: No such file or directory (errno 2)") !=
-                 std::string::npos,
-             output);
+  BOOST_TEST(
+      output.find(
+          "shmps-train: --csv /nonexistent/c.csv: cannot open for writing: No such file or directory (errno 2)") !=
+          std::string::npos,
+      output);
   // 1 snapshot per update of 79 is fine; of 20 epochs of 938 it is not.
   run({"--in-process", "--eval-every", "1"});
   BOOST_TEST(rc == 2);

@@ -15,15 +15,15 @@
 namespace shmps::detail {
 
 struct DeviceBuffer {
-  void* base = nullptr;         // the allocation's base (cuMemGetAddressRange)
-  uint64_t offset = 0;          // of the buffer inside it, bytes
+  void* base = nullptr;  // the allocation's base (cuMemGetAddressRange)
+  uint64_t offset = 0;   // of the buffer inside it, bytes
   uint64_t allocation_bytes = 0;
   uint8_t mem_handle[64] = {};  // cudaIpcMemHandle_t of the allocation
   uint8_t event_handle[64] = {};
   uint8_t device_uuid[16] = {};
-  void* event = nullptr;        // CUevent (a cudaEvent_t), interprocess, no timing
-  void* context = nullptr;      // CUcontext: the device's primary context, retained while the buffer lives
-  int device = 0;               // ordinal in this process
+  void* event = nullptr;    // CUevent (a cudaEvent_t), interprocess, no timing
+  void* context = nullptr;  // CUcontext: the device's primary context, retained while the buffer lives
+  int device = 0;           // ordinal in this process
 };
 
 // Describes [ptr, ptr + bytes): device memory of one cudaMalloc

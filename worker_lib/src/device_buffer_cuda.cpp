@@ -23,12 +23,28 @@ namespace {
 // expands the macro before quoting it.
 #define SHMPS_CU_QUOTE(x) #x
 #define SHMPS_CU_NAME(x) SHMPS_CU_QUOTE(x)
-#define SHMPS_CU_FUNCTIONS(X)                                                                                  \
-  X(cuInit)                                                                                                    \
-  X(cuGetErrorName) X(cuGetErrorString) X(cuDeviceGetCount) X(cuDeviceGet) X(cuDeviceGetUuid)                  \
-  X(cuPointerGetAttribute) X(cuMemGetAddressRange) X(cuIpcGetMemHandle) X(cuIpcGetEventHandle)                 \
-  X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxPushCurrent) X(cuCtxPopCurrent)              \
-  X(cuEventCreate) X(cuEventRecord) X(cuEventDestroy) X(cuMemAlloc) X(cuMemFree)
+// clang-format off
+#define SHMPS_CU_FUNCTIONS(X) \
+  X(cuInit) \
+  X(cuGetErrorName) \
+  X(cuGetErrorString) \
+  X(cuDeviceGetCount) \
+  X(cuDeviceGet) \
+  X(cuDeviceGetUuid) \
+  X(cuPointerGetAttribute) \
+  X(cuMemGetAddressRange) \
+  X(cuIpcGetMemHandle) \
+  X(cuIpcGetEventHandle) \
+  X(cuDevicePrimaryCtxRetain) \
+  X(cuDevicePrimaryCtxRelease) \
+  X(cuCtxPushCurrent) \
+  X(cuCtxPopCurrent) \
+  X(cuEventCreate) \
+  X(cuEventRecord) \
+  X(cuEventDestroy) \
+  X(cuMemAlloc) \
+  X(cuMemFree)
+// clang-format on
 
 struct Driver {
 #define SHMPS_CU_FIELD(name) decltype(&name) name##_ = nullptr;
@@ -50,9 +66,9 @@ const Driver& driver() {
                 "); install the NVIDIA driver for device buffers (host buffers, register_buffer, need none)";
       return;
     }
-#define SHMPS_CU_LOAD(name)                                                                                      \
-  d.name##_ = reinterpret_cast<decltype(d.name##_)>(::dlsym(lib, SHMPS_CU_NAME(name)));                          \
-  if (d.name##_ == nullptr && d.error.empty())                                                                   \
+#define SHMPS_CU_LOAD(name)                                                             \
+  d.name##_ = reinterpret_cast<decltype(d.name##_)>(::dlsym(lib, SHMPS_CU_NAME(name))); \
+  if (d.name##_ == nullptr && d.error.empty())                                          \
     d.error = std::string("the NVIDIA driver's libcuda.so.1 has no ") + SHMPS_CU_NAME(name) + ": the driver is too old";
     SHMPS_CU_FUNCTIONS(SHMPS_CU_LOAD)
 #undef SHMPS_CU_LOAD
@@ -74,15 +90,15 @@ std::string cu_error_text(const Driver& d, const char* expression, CUresult r, i
   const char* text = nullptr;
   if (d.cuGetErrorName_(r, &name) != CUDA_SUCCESS || name == nullptr) name = "unknown CUresult";
   if (d.cuGetErrorString_(r, &text) != CUDA_SUCCESS || text == nullptr) text = "no description";
-  return std::string(expression) + " failed: " + name + " (" + text + ") at device_buffer_cuda.cpp:" + std::to_string(line);
+  return std::string(expression) + " failed: " + name + " (" + text +
+         ") at device_buffer_cuda.cpp:" + std::to_string(line);
 }
 
 // The message for a CUresult expression of driver `d`, "" on success.
-#define SHMPS_CU_ERROR(d, expr)                                                 \
-  [&]() -> std::string {                                                        \
-    const CUresult shmps_cu_result_ = (expr);                                   \
-    return shmps_cu_result_ == CUDA_SUCCESS ? std::string()                     \
-                                            : cu_error_text(d, #expr, shmps_cu_result_, __LINE__); \
+#define SHMPS_CU_ERROR(d, expr)                                                                                    \
+  [&]() -> std::string {                                                                                           \
+    const CUresult shmps_cu_result_ = (expr);                                                                      \
+    return shmps_cu_result_ == CUDA_SUCCESS ? std::string() : cu_error_text(d, #expr, shmps_cu_result_, __LINE__); \
   }()
 
 Status failed(const std::string& text) { return {ErrorCode::kCuda, "device buffer: " + text}; }
@@ -138,7 +154,8 @@ Status describe_in_context(const Driver& d, CUdevice device, CUdeviceptr address
   std::memcpy(b->device_uuid, &uuid, sizeof b->device_uuid);
   CUevent ev = nullptr;
   // Interprocess events must not time.
-  if (std::string e = SHMPS_CU_ERROR(d, d.cuEventCreate_(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING)); !e.empty())
+  if (std::string e = SHMPS_CU_ERROR(d, d.cuEventCreate_(&ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING));
+      !e.empty())
     return failed(e);
   b->event = ev;
   if (!in_process) {
@@ -153,14 +170,16 @@ Status describe_in_context(const Driver& d, CUdevice device, CUdeviceptr address
 }  // namespace
 
 Result<DeviceBuffer> describe_device_buffer(const void* ptr, size_t bytes, bool in_process) {
-  if (ptr == nullptr || bytes == 0) return Status{ErrorCode::kInvalidArgument, "device buffer: null pointer or 0 bytes"};
+  if (ptr == nullptr || bytes == 0)
+    return Status{ErrorCode::kInvalidArgument, "device buffer: null pointer or 0 bytes"};
   // No driver or no device first, with that name: every later call would
   // fail with a less telling error.
   const Driver& d = driver();
   if (!d.error.empty()) return failed(d.error);
   int count = 0;
   if (std::string e = SHMPS_CU_ERROR(d, d.cuDeviceGetCount_(&count)); !e.empty()) return failed(e);
-  if (count == 0) return failed("no CUDA device in this process (0 devices): check nvidia-smi and CUDA_VISIBLE_DEVICES");
+  if (count == 0)
+    return failed("no CUDA device in this process (0 devices): check nvidia-smi and CUDA_VISIBLE_DEVICES");
   const auto address = reinterpret_cast<CUdeviceptr>(ptr);
   // Host memory the driver never saw answers CUDA_ERROR_INVALID_VALUE.
   unsigned int memory_type = 0;
@@ -170,13 +189,16 @@ Result<DeviceBuffer> describe_device_buffer(const void* ptr, size_t bytes, bool 
   if (memory_type != 0 && d.cuPointerGetAttribute_(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, address) != CUDA_SUCCESS)
     managed = 0;
   if (managed != 0)
-    return Status{ErrorCode::kInvalidArgument, "device buffer: managed memory (cudaMallocManaged) cannot be exported by CUDA "
-                                               "IPC; allocate gradient buffers with cudaMalloc"};
+    return Status{ErrorCode::kInvalidArgument,
+                  "device buffer: managed memory (cudaMallocManaged) cannot be exported by CUDA "
+                  "IPC; allocate gradient buffers with cudaMalloc"};
   if (memory_type != CU_MEMORYTYPE_DEVICE)
-    return Status{ErrorCode::kInvalidArgument, "device buffer: the pointer is not device memory (use register_buffer for "
-                                               "host memory)"};
+    return Status{ErrorCode::kInvalidArgument,
+                  "device buffer: the pointer is not device memory (use register_buffer for "
+                  "host memory)"};
   DeviceBuffer b;
-  if (std::string e = SHMPS_CU_ERROR(d, d.cuPointerGetAttribute_(&b.device, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, address));
+  if (std::string e =
+          SHMPS_CU_ERROR(d, d.cuPointerGetAttribute_(&b.device, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, address));
       !e.empty())
     return failed(e);
   CUdevice device = 0;
@@ -198,7 +220,8 @@ Status record_device_event(const DeviceBuffer& buffer, void* stream) {
   // device's legacy default stream while its primary context is current.
   ContextScope scope(d, static_cast<CUcontext>(buffer.context));
   if (!scope.ok()) return failed("cuCtxPushCurrent of the device's primary context failed");
-  if (std::string e = SHMPS_CU_ERROR(d, d.cuEventRecord_(static_cast<CUevent>(buffer.event), static_cast<CUstream>(stream)));
+  if (std::string e =
+          SHMPS_CU_ERROR(d, d.cuEventRecord_(static_cast<CUevent>(buffer.event), static_cast<CUstream>(stream)));
       !e.empty())
     return failed(e);
   return Status::Ok();
@@ -230,7 +253,8 @@ Result<void*> allocate_device_memory(size_t bytes, int device) {
   std::string error;
   {
     ContextScope scope(d, context);
-    error = scope.ok() ? SHMPS_CU_ERROR(d, d.cuMemAlloc_(&p, bytes)) : "cuCtxPushCurrent of the device's primary context failed";
+    error = scope.ok() ? SHMPS_CU_ERROR(d, d.cuMemAlloc_(&p, bytes))
+                       : "cuCtxPushCurrent of the device's primary context failed";
   }
   // The allocation keeps the context's reference; free_device_memory() releases it.
   if (!error.empty()) {

@@ -4,8 +4,9 @@
 namespace shmps::detail {
 namespace {
 Status no_cuda() {
-  return {ErrorCode::kCuda, "this shmps worker library was built without CUDA (SHMPS_CUDA=OFF or no nvcc at "
-                            "build time); device buffers need it"};
+  return {ErrorCode::kCuda,
+          "this shmps worker library was built without CUDA (SHMPS_CUDA=OFF or no nvcc at "
+          "build time); device buffers need it"};
 }
 }  // namespace
 

@@ -166,7 +166,8 @@ std::string server_binary() {
     size_t start = 0;
     while (start <= dirs.size()) {
       const size_t end = std::min(dirs.find(':', start), dirs.size());
-      const std::string candidate = (end > start ? dirs.substr(start, end - start) : std::string(".")) + "/shmps-server";
+      const std::string candidate =
+          (end > start ? dirs.substr(start, end - start) : std::string(".")) + "/shmps-server";
       if (::access(candidate.c_str(), X_OK) == 0) return candidate;
       start = end + 1;
     }
@@ -190,11 +191,12 @@ Result<std::unique_ptr<ServerProcess>> ServerProcess::start(const Options& optio
   while (true) {
     int code = 0;
     if (server->child_.try_wait(&code))
-      return Status{ErrorCode::kServerNotRunning, binary + " --name " + options.name + " exited with " + std::to_string(code) + log};
+      return Status{ErrorCode::kServerNotRunning,
+                    binary + " --name " + options.name + " exited with " + std::to_string(code) + log};
     // Published by this child: its pid in a header whose version is set
     // (the segment is validated as a worker would).
-    if (auto seg = shm::Segment::open(options.name, /*read_only=*/true); seg.ok() &&
-        (*seg)->header().server_pid == static_cast<uint32_t>(server->child_.pid()))
+    if (auto seg = shm::Segment::open(options.name, /*read_only=*/true);
+        seg.ok() && (*seg)->header().server_pid == static_cast<uint32_t>(server->child_.pid()))
       return server;
     if (std::chrono::steady_clock::now() >= deadline) {
       server->child_.kill_and_reap();

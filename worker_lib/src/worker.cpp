@@ -1,7 +1,7 @@
 #include "shmps/worker.hpp"
 
-#include <signal.h>
 #include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,10 +37,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Sizing of a wait for a completion (Worker::Impl::wait_for_completion()).
-constexpr uint64_t kMinSpinPolls = 2000;         // about 50 us on the development VM
-constexpr uint64_t kMaxSpinPolls = 20000;        // about 500 us
-constexpr uint64_t kTimedAfterPolls = 256;       // a wait this long reads the clock (once)
-constexpr uint64_t kSleepAboveNs = 250'000;      // longer expected waits sleep at once
+constexpr uint64_t kMinSpinPolls = 2000;     // about 50 us on the development VM
+constexpr uint64_t kMaxSpinPolls = 20000;    // about 500 us
+constexpr uint64_t kTimedAfterPolls = 256;   // a wait this long reads the clock (once)
+constexpr uint64_t kSleepAboveNs = 250'000;  // longer expected waits sleep at once
 
 // Fault injection for the reliability tests: with SHMPS_FAULT=<point> in
 // the environment when a Worker connects, the process SIGKILLs itself when
@@ -101,19 +101,27 @@ enum class State : uint8_t {
   kConnecting,  // connect() has not attached yet
   kAttached,    // in a session
   kDetaching,   // in a session, detach()'s request in flight: the server marking the entry kDetached is its answer
-  kServerGone,  // the session ended: its server died or stopped; with reconnect the next call waits for a new generation
-  kEvicted,     // the session ended: the server evicted this worker; with reconnect the next call attaches again, to any generation
-  kDetached,    // detach() ended the Worker's use (final)
+  kServerGone,  // the session ended: its server died or stopped; with reconnect the next call waits for a new
+                // generation
+  kEvicted,   // the session ended: the server evicted this worker; with reconnect the next call attaches again, to any
+              // generation
+  kDetached,  // detach() ended the Worker's use (final)
 };
 
 const char* state_name(State s) {
   switch (s) {
-    case State::kConnecting: return "connecting";
-    case State::kAttached: return "attached";
-    case State::kDetaching: return "detaching";
-    case State::kServerGone: return "server gone";
-    case State::kEvicted: return "evicted";
-    case State::kDetached: return "detached";
+    case State::kConnecting:
+      return "connecting";
+    case State::kAttached:
+      return "attached";
+    case State::kDetaching:
+      return "detaching";
+    case State::kServerGone:
+      return "server gone";
+    case State::kEvicted:
+      return "evicted";
+    case State::kDetached:
+      return "detached";
   }
   return "?";
 }
@@ -127,8 +135,10 @@ struct Transition {
 };
 constexpr Transition kTransitions[] = {
     {State::kConnecting, State::kAttached, "connect(): the attach handshake completed"},
-    {State::kAttached, State::kServerGone, "a wait saw the server dead or stopped; or, with reconnect, a call's entry check did"},
-    {State::kAttached, State::kEvicted, "the entry no longer reads kAttached: seen by a wait, a submit or (reconnect) a call's entry check"},
+    {State::kAttached, State::kServerGone,
+     "a wait saw the server dead or stopped; or, with reconnect, a call's entry check did"},
+    {State::kAttached, State::kEvicted,
+     "the entry no longer reads kAttached: seen by a wait, a submit or (reconnect) a call's entry check"},
     {State::kAttached, State::kDetaching, "detach() sends its request to a live server"},
     {State::kDetaching, State::kDetached, "the detach request was answered, or failed with the server alive"},
     {State::kDetaching, State::kServerGone, "the server died or stopped under the detach request"},
@@ -163,18 +173,21 @@ constexpr bool reaches(State from, State to) {
 static_assert(!any_transition([](const Transition& t) { return t.from == t.to; }), "a transition changes the state");
 static_assert(!any_transition([](const Transition& t) { return t.from == State::kDetached; }), "detach() is final");
 static_assert(!any_transition([](const Transition& t) {
-                return t.to == State::kAttached && t.from != State::kConnecting && t.from != State::kServerGone &&
-                       t.from != State::kEvicted;
-              }),
+  return t.to == State::kAttached && t.from != State::kConnecting && t.from != State::kServerGone &&
+         t.from != State::kEvicted;
+}),
               "a session begins only with an attach, never inside another session");
-static_assert(!any_transition([](const Transition& t) { return t.to == State::kDetaching && t.from != State::kAttached; }),
+static_assert(!any_transition([](const Transition& t) {
+  return t.to == State::kDetaching && t.from != State::kAttached;
+}),
               "a detach request is sent only in a session");
 static_assert(!any_transition([](const Transition& t) {
-                return (t.to == State::kServerGone || t.to == State::kEvicted) && t.from != State::kAttached &&
-                       t.from != State::kDetaching;
-              }),
+  return (t.to == State::kServerGone || t.to == State::kEvicted) && t.from != State::kAttached &&
+         t.from != State::kDetaching;
+}),
               "only a session can end");
-static_assert(!any_transition([](const Transition& t) { return t.to == State::kConnecting; }), "connect() happens once");
+static_assert(!any_transition([](const Transition& t) { return t.to == State::kConnecting; }),
+              "connect() happens once");
 static_assert(reaches(State::kConnecting, State::kDetached) && reaches(State::kAttached, State::kDetached) &&
                   reaches(State::kDetaching, State::kDetached) && reaches(State::kServerGone, State::kDetached) &&
                   reaches(State::kEvicted, State::kDetached),
@@ -197,14 +210,14 @@ class Worker::Impl {
   shm::SpscProducer<Request> lane;
   shm::SpscConsumer<Completion> completions;
   uint64_t next_request_id = 1;
-  uint64_t last_completed_id = 0;     // completions arrive in request order
+  uint64_t last_completed_id = 0;  // completions arrive in request order
   // The wait for a completion is sized from what the same kind of request
   // (a push or a pull of the same tensor, anything else) took last time:
   // see wait_for_completion().
-  std::vector<uint64_t> expected_ns;  // by wait_key(); 0: done within kTimedAfterPolls polls, or not seen yet
-  std::vector<uint32_t> inflight_key; // wait_key() of each request in flight, at request_id & (capacity - 1)
-  double ns_per_poll = 25.0;          // one poll + pause; recalibrated by every long spin
-  std::deque<Completion> done;        // popped, not yet claimed by wait()
+  std::vector<uint64_t> expected_ns;   // by wait_key(); 0: done within kTimedAfterPolls polls, or not seen yet
+  std::vector<uint32_t> inflight_key;  // wait_key() of each request in flight, at request_id & (capacity - 1)
+  double ns_per_poll = 25.0;           // one poll + pause; recalibrated by every long spin
+  std::deque<Completion> done;         // popped, not yet claimed by wait()
   std::vector<TensorInfo> tensors;
   uint64_t total_elements = 0;
   uint32_t capacity = 0;
@@ -221,7 +234,7 @@ class Worker::Impl {
     bool lost(uint64_t request_id) const { return request_id > answered_upto && request_id <= issued_upto; }
   };
   EndedSession ended;
-  uint64_t last_version = 0;          // the server's version in the last answer (last_version())
+  uint64_t last_version = 0;  // the server's version in the last answer (last_version())
   struct Registered {
     std::shared_ptr<shm::ShmObject> object;  // a host buffer's (shared with Buffer::mapping); null for a device buffer
     bool in_use = false;
@@ -346,7 +359,8 @@ class Worker::Impl {
     if (state == shm::ServerState::kStopped)
       return {ErrorCode::kServerNotRunning, "server '" + options.name + "' has stopped"};
     if (!shm::process_alive(server_pid, server_start))
-      return {ErrorCode::kServerNotRunning, "server '" + options.name + "' (pid " + std::to_string(server_pid) + ") died"};
+      return {ErrorCode::kServerNotRunning,
+              "server '" + options.name + "' (pid " + std::to_string(server_pid) + ") died"};
     return Status::Ok();
   }
 
@@ -419,12 +433,14 @@ class Worker::Impl {
     if (Status why = evicted(); !why.ok()) {
       if (Status s = end_session(State::kEvicted, why); !s.ok()) return s;
       if (!options.reconnect) return why;
-      return Status{ErrorCode::kServerRestarted, why.message() + "; the request was not sent; the next call re-attaches"};
+      return Status{ErrorCode::kServerRestarted,
+                    why.message() + "; the request was not sent; the next call re-attaches"};
     }
     const auto state = static_cast<shm::ServerState>(
         segment->header().server_state.load(std::memory_order_acquire));  // SYNC(server_stopped)
     if (state == shm::ServerState::kStopping) return Status{ErrorCode::kShuttingDown, "server is shutting down"};
-    if (state != shm::ServerState::kRunning) return server_gone().ok() ? Status{ErrorCode::kServerNotRunning, "server not running"} : server_gone();
+    if (state != shm::ServerState::kRunning)
+      return server_gone().ok() ? Status{ErrorCode::kServerNotRunning, "server not running"} : server_gone();
     // Bound what is in flight so the completion queue can never overflow:
     // drain finished requests into `done` while the lane is full.
     while (in_flight() >= capacity) {
@@ -432,7 +448,8 @@ class Worker::Impl {
       Status s = pop_one(deadline, &c);
       if (s.ok()) done.push_back(c);
       if (s.code() == ErrorCode::kTimeout)
-        return Status{ErrorCode::kBusy, "request lane full: " + std::to_string(capacity) + " requests in flight for the whole timeout"};
+        return Status{ErrorCode::kBusy,
+                      "request lane full: " + std::to_string(capacity) + " requests in flight for the whole timeout"};
       if (!s.ok()) return s;
     }
     req.request_id = next_request_id;
@@ -544,9 +561,11 @@ class Worker::Impl {
       if (Status s = end_session(to, why); !s.ok()) return s;
       if (!options.reconnect) return why;
       if (to == State::kServerGone)
-        return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged; the next call re-attaches"};
-      return {ErrorCode::kServerRestarted, why.message() + "; the request was not acknowledged (the server drops an "
-                                           "evicted worker's queue unapplied); the next call re-attaches"};
+        return {ErrorCode::kServerRestarted,
+                why.message() + "; the request was not acknowledged; the next call re-attaches"};
+      return {ErrorCode::kServerRestarted, why.message() +
+                                               "; the request was not acknowledged (the server drops an "
+                                               "evicted worker's queue unapplied); the next call re-attaches"};
     }
     if (Status s = take_answer(out, &got); !s.ok()) return s;
     return got ? Status::Ok() : Status{ErrorCode::kInternal, "completion vanished"};
@@ -578,7 +597,8 @@ class Worker::Impl {
     }
     completions.release();
     if (c.request_id != last_completed_id + 1)
-      return {ErrorCode::kInternal, "completion for request " + std::to_string(c.request_id) + ", expected " + std::to_string(last_completed_id + 1)};
+      return {ErrorCode::kInternal, "completion for request " + std::to_string(c.request_id) + ", expected " +
+                                        std::to_string(last_completed_id + 1)};
     last_completed_id = c.request_id;
     *got = true;
     return Status::Ok();
@@ -603,7 +623,8 @@ class Worker::Impl {
       // In flight, so in a session: end_session() counts everything issued
       // before its end as answered or lost.
       if (!in_session()) [[unlikely]]
-        return Status{ErrorCode::kInternal, "ticket " + std::to_string(ticket) + " in flight in worker state " + state_name(state_)};
+        return Status{ErrorCode::kInternal,
+                      "ticket " + std::to_string(ticket) + " in flight in worker state " + state_name(state_)};
       // The next completion goes straight back when it is this ticket's
       // (the common case: one request in flight), else waits in `done`.
       Completion c;
@@ -618,7 +639,8 @@ class Worker::Impl {
 
   static Status to_status(const Completion& c) {
     if (c.code == 0) return Status::Ok();
-    const auto code = c.code <= static_cast<uint32_t>(kLastErrorCode) ? static_cast<ErrorCode>(c.code) : ErrorCode::kInternal;
+    const auto code =
+        c.code <= static_cast<uint32_t>(kLastErrorCode) ? static_cast<ErrorCode>(c.code) : ErrorCode::kInternal;
     return {code, c.message};
   }
 
@@ -646,7 +668,8 @@ class Worker::Impl {
     e.pid_start_time = 0;
     for (WorkerState st : {WorkerState::kClaimed, WorkerState::kAttached, WorkerState::kDetached}) {
       uint64_t expected = shm::make_owner(pid, st);
-      if (e.owner.compare_exchange_strong(expected, 0, std::memory_order_release, std::memory_order_relaxed))  // SYNC(worker_release)
+      if (e.owner.compare_exchange_strong(expected, 0, std::memory_order_release,
+                                          std::memory_order_relaxed))  // SYNC(worker_release)
         return;
     }
   }
@@ -719,7 +742,8 @@ class Worker::Impl {
     server_start = h.server_start_time;
     capacity = h.lane_capacity;
     if (Status s = server_gone(); !s.ok())
-      return {ErrorCode::kServerNotRunning, s.message() + " (stale segment /dev/shm/" + shm::segment_object_name(options.name) + ")"};
+      return {ErrorCode::kServerNotRunning,
+              s.message() + " (stale segment /dev/shm/" + shm::segment_object_name(options.name) + ")"};
     std::vector<TensorInfo> table;
     for (uint32_t t = 0; t < h.tensor_count; ++t) {
       const shm::TensorDesc& d = segment->tensor(t);  // validated by Segment::open
@@ -752,7 +776,8 @@ class Worker::Impl {
       }
     }
     if (!claimed)
-      return {ErrorCode::kNoCapacity, "all " + std::to_string(h.max_workers) + " worker slots of '" + options.name + "' are taken"};
+      return {ErrorCode::kNoCapacity,
+              "all " + std::to_string(h.max_workers) + " worker slots of '" + options.name + "' are taken"};
     fault_point.hit("after_claim");
     shm::WorkerEntry& e = segment->worker(id);
     e.pid_start_time = shm::process_start_time(::getpid());
@@ -775,8 +800,8 @@ class Worker::Impl {
           // Attached and evicted while we were stopped (the server saw a
           // living process): the attach is over; try again.
           if (e.owner.load(std::memory_order_acquire) == evicted_word) {  // SYNC(worker_detached)
-            why = {ErrorCode::kUnknownWorker, "the server evicted worker " + std::to_string(id) +
-                                                  " while it attached (its process was stopped)"};
+            why = {ErrorCode::kUnknownWorker,
+                   "the server evicted worker " + std::to_string(id) + " while it attached (its process was stopped)"};
             return true;
           }
           why = server_gone();
@@ -784,7 +809,8 @@ class Worker::Impl {
         },
         Clock::now() + options.timeout);
     if (w != shm::WaitResult::kReady) {
-      if (w == shm::WaitResult::kTimeout) why = {ErrorCode::kTimeout, "the server did not accept the attach within the timeout"};
+      if (w == shm::WaitResult::kTimeout)
+        why = {ErrorCode::kTimeout, "the server did not accept the attach within the timeout"};
       release_entry();
       return why;
     }
@@ -821,7 +847,8 @@ class Worker::Impl {
         Status s = attach_to(std::move(seg).value());
         for (uint32_t b = 0; b < buffers.size() && s.ok(); ++b)
           if (buffers[b].in_use)
-            s = buffers[b].device ? send_register_device(b) : send_register(b, buffers[b].object->name(), buffers[b].object->size());
+            s = buffers[b].device ? send_register_device(b)
+                                  : send_register(b, buffers[b].object->name(), buffers[b].object->size());
         if (s.ok() || in_session()) return s;
         if (s.code() == ErrorCode::kLayoutMismatch || s.code() == ErrorCode::kNoCapacity) return s;
       }
@@ -861,7 +888,8 @@ class Worker::Impl {
         auto c = request(req);  // may end the session: kServerGone, kEvicted
         result = c.ok() ? Status::Ok() : c.status();
         if (state_ == State::kDetaching) {
-          if (Status s = end_session(State::kDetached, Status{ErrorCode::kUnknownWorker, "detached"}); !s.ok()) result = s;
+          if (Status s = end_session(State::kDetached, Status{ErrorCode::kUnknownWorker, "detached"}); !s.ok())
+            result = s;
         }
       }
     }
@@ -908,7 +936,8 @@ Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& options) {
                                     " ms for it: WorkerOptions::wait_for_server)"};
       return s;
     }
-    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(give_up - now, std::chrono::milliseconds(10)));
+    std::this_thread::sleep_for(
+        std::min<std::chrono::steady_clock::duration>(give_up - now, std::chrono::milliseconds(10)));
   }
 }
 
@@ -929,12 +958,14 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
   if (bytes == 0) return Status{ErrorCode::kInvalidArgument, "buffer of 0 bytes"};
   uint32_t id = 0;
   while (id < w.buffers.size() && w.buffers[id].in_use) ++id;
-  if (id == w.buffers.size()) return Status{ErrorCode::kNoCapacity, "all " + std::to_string(w.buffers.size()) + " buffer slots are in use"};
+  if (id == w.buffers.size())
+    return Status{ErrorCode::kNoCapacity, "all " + std::to_string(w.buffers.size()) + " buffer slots are in use"};
   // Named so the server accepts it: "shmps.<name>.p<pid>.<n>".
   // The counter is process-wide: several Workers of one process share the pid.
   static std::atomic<uint64_t> buffer_counter{0};
-  const std::string object_name = shm::segment_object_name(w.options.name) + ".p" + std::to_string(::getpid()) +
-                                  "." + std::to_string(buffer_counter.fetch_add(1, std::memory_order_relaxed));  // relaxed: a unique number only
+  const std::string object_name =
+      shm::segment_object_name(w.options.name) + ".p" + std::to_string(::getpid()) + "." +
+      std::to_string(buffer_counter.fetch_add(1, std::memory_order_relaxed));  // relaxed: a unique number only
   // A segment shared with a group (--group-access: the server may run as
   // another user of that group) gets group-shared buffers too.
   const shm::ShmObject& control = w.segment->object();
@@ -965,10 +996,12 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
 Result<uint32_t> Worker::register_device_buffer(const void* device_ptr, size_t bytes) {
   Impl& w = *impl_;
   if (Status s = w.enter(Impl::Call::kRequest); !s.ok()) return s;
-  if (device_ptr == nullptr || bytes == 0) return Status{ErrorCode::kInvalidArgument, "device buffer: null pointer or 0 bytes"};
+  if (device_ptr == nullptr || bytes == 0)
+    return Status{ErrorCode::kInvalidArgument, "device buffer: null pointer or 0 bytes"};
   uint32_t id = 0;
   while (id < w.buffers.size() && w.buffers[id].in_use) ++id;
-  if (id == w.buffers.size()) return Status{ErrorCode::kNoCapacity, "all " + std::to_string(w.buffers.size()) + " buffer slots are in use"};
+  if (id == w.buffers.size())
+    return Status{ErrorCode::kNoCapacity, "all " + std::to_string(w.buffers.size()) + " buffer slots are in use"};
   const bool in_process = w.server_in_process();
   auto desc = detail::describe_device_buffer(device_ptr, bytes, in_process);
   if (!desc.ok()) return desc.status();
@@ -1006,8 +1039,8 @@ Status Worker::unregister_buffer(uint32_t buffer_id) {
   return Status::Ok();
 }
 
-Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
-                                          uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream) {
+Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes,
+                                          Dtype dtype, uint64_t worker_version, void* stream) {
   if (Status s = impl_->enter(Impl::Call::kPush); !s.ok()) return s;
   if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
   Request req{};
@@ -1036,8 +1069,8 @@ Result<uint64_t> Worker::wait(Ticket ticket) {
 
 uint64_t Worker::last_version() const noexcept { return impl_->last_version; }
 
-Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes,
-                              Dtype dtype, uint64_t worker_version, void* stream) {
+Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
+                              uint64_t worker_version, void* stream) {
   auto ticket = push_async(tensor_id, buffer_id, byte_offset, bytes, dtype, worker_version, stream);
   if (!ticket.ok()) return ticket.status();
   return wait(*ticket);
@@ -1051,8 +1084,9 @@ Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
   req.tensor_id = tensor_id;
   req.buffer_id = buffer_id;
   req.byte_offset = byte_offset;
-  const uint64_t elements = tensor_id == kAllTensors ? impl_->total_elements
-                            : tensor_id < impl_->tensors.size() ? impl_->tensors[tensor_id].element_count : 0;
+  const uint64_t elements = tensor_id == kAllTensors            ? impl_->total_elements
+                            : tensor_id < impl_->tensors.size() ? impl_->tensors[tensor_id].element_count
+                                                                : 0;
   req.byte_length = elements * sizeof(float);
   auto c = impl_->request(req);
   if (!c.ok()) return c.status();
@@ -1098,7 +1132,8 @@ Status Worker::ping() {
 }
 
 Result<std::unique_ptr<DeviceMemory>> DeviceMemory::allocate(size_t bytes, int device) {
-  if (bytes == 0 || device < 0) return Status{ErrorCode::kInvalidArgument, "device memory: 0 bytes or a negative device"};
+  if (bytes == 0 || device < 0)
+    return Status{ErrorCode::kInvalidArgument, "device memory: 0 bytes or a negative device"};
   auto p = detail::allocate_device_memory(bytes, device);
   if (!p.ok()) return p.status();
   return std::unique_ptr<DeviceMemory>(new DeviceMemory(*p, bytes, device));

@@ -95,7 +95,7 @@ namespace detail {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : value_(std::move(value)) {}          // NOLINT: implicit by design
   Result(Status status) : status_(std::move(status)) {}  // NOLINT
   Result(ErrorCode code, std::string message) : status_(code, std::move(message)) {}
 

@@ -73,9 +73,9 @@ std::string server_binary();
 class ServerProcess {
  public:
   struct Options {
-    std::string binary;            // "": server_binary()
-    std::string name;              // --name: the segment /dev/shm/shmps.<name>
-    std::vector<std::string> args; // the rest of its command line
+    std::string binary;             // "": server_binary()
+    std::string name;               // --name: the segment /dev/shm/shmps.<name>
+    std::vector<std::string> args;  // the rest of its command line
     ChildProcess::SpawnOptions spawn;
     std::chrono::milliseconds start_timeout{30000};
   };

@@ -47,10 +47,10 @@ inline constexpr uint32_t kAllTensors = 0xFFFFFFFFu;
 
 struct TensorInfo {
   uint32_t id = 0;
-  std::string name;                // e.g. "fc1.weight"
-  Dtype dtype = Dtype::kF32;       // of the weights; always kF32 today
-  std::vector<uint64_t> shape;     // e.g. {256, 784}
-  uint64_t element_offset = 0;     // in the flat parameter vector, elements
+  std::string name;             // e.g. "fc1.weight"
+  Dtype dtype = Dtype::kF32;    // of the weights; always kF32 today
+  std::vector<uint64_t> shape;  // e.g. {256, 784}
+  uint64_t element_offset = 0;  // in the flat parameter vector, elements
   uint64_t element_count = 0;
 };
 
@@ -65,8 +65,8 @@ struct ServerStats {
 };
 
 struct WorkerOptions {
-  std::string name;                                   // server --name
-  std::chrono::milliseconds timeout{10000};           // per synchronous call
+  std::string name;                          // server --name
+  std::chrono::milliseconds timeout{10000};  // per synchronous call
   // When the server dies or is restarted: the calls in flight fail with
   // kServerRestarted (not acknowledged: maybe applied, at most once), and
   // the next call waits (up to its timeout) for a server of a new
@@ -102,7 +102,7 @@ struct WorkerOptions {
 struct Buffer {
   uint32_t id = 0;
   void* data = nullptr;
-  size_t size = 0;  // bytes
+  size_t size = 0;                // bytes
   std::shared_ptr<void> mapping;  // owns the mapping of `data`
 };
 
@@ -205,13 +205,13 @@ class Worker {
   // the server's device failed). On any error nothing was applied (a
   // kCuda from the server's device: its weights may be half-written, and
   // the server stops).
-  Result<uint64_t> push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
-                        uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream = nullptr);
+  Result<uint64_t> push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
+                        uint64_t worker_version, void* stream = nullptr);
 
   // As push(), but returns once the request is in the lane; wait() returns
   // its result. Up to `lane_capacity` requests may be in flight.
-  Result<Ticket> push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
-                            uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream = nullptr);
+  Result<Ticket> push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
+                            uint64_t worker_version, void* stream = nullptr);
   // Waits for `ticket`'s completion (all earlier ones complete first).
   // Errors: those of push(); kInvalidArgument for a ticket never issued or
   // already waited for.

@@ -75,8 +75,8 @@ struct TensorState {
 // correction 1 - beta^step. Precondition: validate(config) == "", step >= 1,
 // grad does not alias the tensor. Large tensors are split over all cores
 // (OpenMP) when built with SHMPS_OPENMP. Never fails.
-void apply_cpu(const OptimizerConfig& config, const TensorState& tensor,
-               const void* grad, GradDtype dtype, uint64_t step);
+void apply_cpu(const OptimizerConfig& config, const TensorState& tensor, const void* grad, GradDtype dtype,
+               uint64_t step);
 
 // True when all n elements of grad are finite (no NaN, no +-Inf). Reads
 // only; any alignment.

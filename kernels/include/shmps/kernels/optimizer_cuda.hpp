@@ -50,7 +50,7 @@ Status all_finite_cuda_async(const void* device_grad, GradDtype dtype, uint64_t 
 // (which also waits for everything enqueued on it before). *all_finite is
 // true when no element is NaN or +-Inf; it is left unchanged on error.
 // `device_nonfinite_flag` is scratch (one int of device memory).
-Status all_finite_cuda(const void* device_grad, GradDtype dtype, uint64_t n, int* device_nonfinite_flag,
-                       void* stream, bool* all_finite);
+Status all_finite_cuda(const void* device_grad, GradDtype dtype, uint64_t n, int* device_nonfinite_flag, void* stream,
+                       bool* all_finite);
 
 }  // namespace shmps::kernels

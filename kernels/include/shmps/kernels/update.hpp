@@ -82,9 +82,7 @@ SHMPS_HD inline float f16_to_float(uint16_t half) {
 
 // bfloat16 is the top half of a binary32: widening is a shift, exact for
 // every value including NaN payloads.
-SHMPS_HD inline float bf16_to_float(uint16_t bf16) {
-  return float_from_bits(static_cast<uint32_t>(bf16) << 16);
-}
+SHMPS_HD inline float bf16_to_float(uint16_t bf16) { return float_from_bits(static_cast<uint32_t>(bf16) << 16); }
 
 // Finite tests on raw bits (exponent field not all ones). Branch-free, so a
 // reduction over them vectorizes.
@@ -179,14 +177,14 @@ struct AdamParams {
   float bias_correction2_sqrt = 1.0f;  // sqrt(1 - beta2^t)
   float eps = 1e-8f;
   float beta2 = 0.999f;
-  float one_minus_beta2 = 0.001f;      // 1 - beta2
-  float lerp_coeff = 0.1f;             // w = fp32(1 - beta1); w when lerp_from_m, else w - 1
-  float weight_decay = 0.0f;           // Adam's L2 term, used when use_l2
-  float decay_factor = 1.0f;           // AdamW's 1 - lr*wd, used when decoupled
-  bool lerp_from_m = true;             // |w| < 0.5: m + w*(g-m); else g - (g-m)*(1-w)
-  bool use_l2 = false;                 // Adam with weight_decay != 0
-  bool decoupled = false;              // AdamW with weight_decay != 0
-  bool amsgrad = false;                // vmax is read/written only then
+  float one_minus_beta2 = 0.001f;  // 1 - beta2
+  float lerp_coeff = 0.1f;         // w = fp32(1 - beta1); w when lerp_from_m, else w - 1
+  float weight_decay = 0.0f;       // Adam's L2 term, used when use_l2
+  float decay_factor = 1.0f;       // AdamW's 1 - lr*wd, used when decoupled
+  bool lerp_from_m = true;         // |w| < 0.5: m + w*(g-m); else g - (g-m)*(1-w)
+  bool use_l2 = false;             // Adam with weight_decay != 0
+  bool decoupled = false;          // AdamW with weight_decay != 0
+  bool amsgrad = false;            // vmax is read/written only then
 };
 
 // Host: the Adam/AdamW scalars for `config` (valid, kind kAdam or kAdamW)

@@ -32,14 +32,14 @@ struct InitSpec {
 };
 
 struct ServerConfig {
-  std::string name;                          // segment is /dev/shm/shmps.<name>
+  std::string name;  // segment is /dev/shm/shmps.<name>
   std::vector<shm::TensorSpec> tensors;
   kernels::OptimizerConfig optimizer;
   uint64_t max_staleness = 4;
-  bool allow_nonfinite = false;              // accept NaN/Inf gradients
-  uint32_t lane_capacity = 64;               // per worker request lane, power of two
+  bool allow_nonfinite = false;  // accept NaN/Inf gradients
+  uint32_t lane_capacity = 64;   // per worker request lane, power of two
   uint32_t max_workers = 16;
-  uint32_t max_buffers = 16;                 // per worker
+  uint32_t max_buffers = 16;  // per worker
   BackendKind backend = BackendKind::kAuto;
   // The CUDA device (cuda/auto backends): a UUID as `nvidia-smi -L` prints
   // it ("GPU-xxxxxxxx-...") or a PCI bus id ("0000:3b:00.0"); empty: the
@@ -47,7 +47,7 @@ struct ServerConfig {
   // between the server and its workers.
   std::string device;
   InitSpec init;
-  bool group_access = false;                 // segment mode 0660 instead of 0600
+  bool group_access = false;  // segment mode 0660 instead of 0600
   // The consumer spins this long on an empty ring before sleeping on the
   // futex (a push then pays a wake-up, ~tens of us).
   uint32_t idle_spin_us = 50;

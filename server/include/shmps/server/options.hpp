@@ -18,9 +18,9 @@ namespace shmps::server {
 
 struct ParsedOptions {
   ServerConfig config;
-  bool help = false;         // --help was given: print help_text, exit 0
-  bool version = false;      // --version was given: print version_text(), exit 0
-  bool check = false;        // --check-config: config is valid; print it, exit 0
+  bool help = false;     // --help was given: print help_text, exit 0
+  bool version = false;  // --version was given: print version_text(), exit 0
+  bool check = false;    // --check-config: config is valid; print it, exit 0
   std::string help_text;
 };
 

@@ -72,14 +72,11 @@ class Deadline {
 // take 93 us instead of 41 (with the server's idle loop yielding too:
 // docs/design.md, "Sleeping"). The yields can stretch the spin, and so the
 // first abort() check, by a scheduler slice each on a busy CPU.
-WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready,
-                      const std::function<bool()>& abort, Deadline& deadline,
-                      uint32_t spin_iterations = 2000,
+WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready, const std::function<bool()>& abort,
+                      Deadline& deadline, uint32_t spin_iterations = 2000,
                       std::chrono::nanoseconds slice = std::chrono::milliseconds(20));
-inline WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready,
-                             const std::function<bool()>& abort,
-                             std::chrono::steady_clock::time_point deadline,
-                             uint32_t spin_iterations = 2000,
+inline WaitResult wait_until(WaitWord& w, const std::function<bool()>& ready, const std::function<bool()>& abort,
+                             std::chrono::steady_clock::time_point deadline, uint32_t spin_iterations = 2000,
                              std::chrono::nanoseconds slice = std::chrono::milliseconds(20)) {
   Deadline d = Deadline::at(deadline);
   return wait_until(w, ready, abort, d, spin_iterations, slice);

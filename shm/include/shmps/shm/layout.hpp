@@ -53,12 +53,12 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 inline constexpr uint32_t kLayoutVersion = 6;
 inline constexpr size_t kCacheLine = 64;
 
-inline constexpr uint32_t kMaxWorkersLimit = 256;   // 4 doorbell words
-inline constexpr uint32_t kMaxBuffersLimit = 64;    // per worker
+inline constexpr uint32_t kMaxWorkersLimit = 256;  // 4 doorbell words
+inline constexpr uint32_t kMaxBuffersLimit = 64;   // per worker
 inline constexpr uint32_t kMaxTensorsLimit = 4096;
 inline constexpr uint32_t kMaxLaneCapacity = 1u << 16;
 inline constexpr uint32_t kMaxDims = 4;
-inline constexpr size_t kNameBytes = 64;            // tensor and shm object names, NUL-padded
+inline constexpr size_t kNameBytes = 64;  // tensor and shm object names, NUL-padded
 inline constexpr uint32_t kAllTensors = 0xFFFFFFFFu;
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
@@ -78,15 +78,15 @@ enum class OptimizerKind : uint32_t { kSgd = 1, kAdam = 2, kAdamW = 3 };
 inline constexpr uint32_t kOptimizerKindMax = 3;
 
 enum class Opcode : uint32_t {
-  kAttach = 1,            // -> value = lease
+  kAttach = 1,  // -> value = lease
   kDetach = 2,
-  kRegisterBuffer = 3,    // buffer_id names the BufferDesc the worker filled
+  kRegisterBuffer = 3,  // buffer_id names the BufferDesc the worker filled
   kUnregisterBuffer = 4,
-  kPush = 5,              // -> version after the update, value = staleness
-  kPull = 6,              // -> version of the snapshot copied out
-  kStats = 7,             // server fills WorkerEntry::stats_reply first
-  kPing = 8,              // empty request
-  kInit = 9,              // weights at version 0 from buffer_id (all tensors, fp32); once, before any push applies
+  kPush = 5,   // -> version after the update, value = staleness
+  kPull = 6,   // -> version of the snapshot copied out
+  kStats = 7,  // server fills WorkerEntry::stats_reply first
+  kPing = 8,   // empty request
+  kInit = 9,   // weights at version 0 from buffer_id (all tensors, fp32); once, before any push applies
 };
 inline constexpr uint32_t kOpcodeMax = 9;
 
@@ -102,8 +102,8 @@ constexpr uint32_t dtype_size(uint32_t dtype) {
   return dtype <= kDtypeMax ? kSizes[dtype] : 0;
 }
 constexpr const char* opcode_name(uint32_t opcode) {
-  constexpr const char* kNames[] = {nullptr, "attach", "detach", "register_buffer", "unregister_buffer",
-                                    "push", "pull", "stats", "ping", "init"};
+  constexpr const char* kNames[] = {nullptr, "attach", "detach", "register_buffer", "unregister_buffer", "push", "pull",
+                                    "stats", "ping",   "init"};
   static_assert(std::size(kNames) == kOpcodeMax + 1);
   return opcode <= kOpcodeMax ? kNames[opcode] : nullptr;
 }
@@ -152,8 +152,8 @@ static_assert(sizeof(WaitWord) == 8);
 // atomic_ref stores, never torn) when SIGHUP reloads them. Read by workers
 // and shmps-inspect for display; the server keeps its own copy.
 struct ConfigBlock {
-  uint32_t optimizer_kind;   // shmps::kernels::OptimizerKind
-  uint32_t flags;            // kConfigFlag*
+  uint32_t optimizer_kind;  // shmps::kernels::OptimizerKind
+  uint32_t flags;           // kConfigFlag*
   float lr;
   float momentum;
   float dampening;
@@ -161,7 +161,7 @@ struct ConfigBlock {
   float beta1;
   float beta2;
   float eps;
-  uint32_t backend;          // Backend
+  uint32_t backend;  // Backend
   uint64_t max_staleness;
   uint64_t reserved[10];
 };
@@ -208,10 +208,10 @@ struct alignas(kCacheLine) SegmentHeader {
   uint64_t generation;                   // new random value at every server start
   uint32_t server_pid;
   uint32_t reserved0;
-  uint64_t server_start_time;            // /proc/<pid>/stat starttime (clock ticks)
-  std::atomic<uint32_t> server_state;    // ServerState; server writes
+  uint64_t server_start_time;          // /proc/<pid>/stat starttime (clock ticks)
+  std::atomic<uint32_t> server_state;  // ServerState; server writes
   uint32_t reserved1;
-  std::atomic<uint64_t> heartbeat_ns;    // CLOCK_MONOTONIC, server writes ~every 10 ms
+  std::atomic<uint64_t> heartbeat_ns;  // CLOCK_MONOTONIC, server writes ~every 10 ms
   // --- lines 1-2: geometry ---
   uint64_t tensor_table_offset;
   uint32_t tensor_count;
@@ -219,21 +219,21 @@ struct alignas(kCacheLine) SegmentHeader {
   uint64_t worker_table_offset;
   uint32_t max_workers;
   uint32_t worker_entry_size;
-  uint32_t max_buffers;                  // per worker
-  uint32_t lane_capacity;                // slots per request lane and completion queue
+  uint32_t max_buffers;    // per worker
+  uint32_t lane_capacity;  // slots per request lane and completion queue
   uint64_t lanes_offset;
   uint64_t lane_stride;
   uint64_t completions_offset;
   uint64_t completion_stride;
   uint64_t stats_offset;
-  uint64_t total_elements;               // all tensors, fp32 elements
+  uint64_t total_elements;  // all tensors, fp32 elements
   uint64_t reserved2[5];
   // --- lines 3-4: configuration ---
   ConfigBlock config;
   uint64_t reserved3[8];
   // --- line 6: written by workers: which lanes have news ---
   std::atomic<uint64_t> doorbell[kMaxWorkersLimit / 64];  // bit i: lane i was published. SYNC(doorbell)
-  WaitWord server_wake;                  // the server sleeps here when idle
+  WaitWord server_wake;                                   // the server sleeps here when idle
   uint64_t reserved4[3];
   // --- lines 7-8: the weights' CUDA IPC export, server writes before publication ---
   WeightsExportBlock weights_export;
@@ -335,8 +335,8 @@ struct WorkerEntry {
   // worker after a detach or by the server when the owner is dead.
   // SYNC(worker_claim) / SYNC(worker_release).
   std::atomic<uint64_t> owner;
-  uint64_t pid_start_time;   // worker writes after claiming (0: not yet)
-  uint64_t lease;            // server writes at attach; requests must carry it
+  uint64_t pid_start_time;  // worker writes after claiming (0: not yet)
+  uint64_t lease;           // server writes at attach; requests must carry it
   uint64_t reserved0[5];
   // --- line 1: counters, server writes (relaxed; monotonic, racy readers) ---
   std::atomic<uint64_t> pushes_applied;
@@ -365,9 +365,9 @@ struct LaneHeader {
   uint64_t reserved0[7];
   std::atomic<uint64_t> head;  // next index to read; consumer stores. SYNC(slot_released)
   uint64_t reserved1[7];
-  WaitWord data_ready;         // consumer sleeps here for new slots
+  WaitWord data_ready;  // consumer sleeps here for new slots
   uint64_t reserved2[7];
-  WaitWord space_ready;        // producer sleeps here for free slots
+  WaitWord space_ready;  // producer sleeps here for free slots
   uint64_t reserved3[7];
 };
 static_assert(std::is_standard_layout_v<LaneHeader>);
@@ -378,17 +378,17 @@ static_assert(offsetof(LaneHeader, space_ready) == 192);
 
 // A request descriptor: 64 bytes, no payload. Written by its worker.
 struct Request {
-  uint64_t request_id;       // the worker's own counter; echoed in the completion
-  uint32_t opcode;           // Opcode
-  uint32_t worker_id;        // index of the worker's entry
-  uint64_t lease;            // WorkerEntry::lease (0 for kAttach)
-  uint32_t buffer_id;        // index into the worker's BufferDesc table
-  uint32_t tensor_id;        // index into the tensor table, or kAllTensors
-  uint64_t byte_offset;      // within the buffer
+  uint64_t request_id;   // the worker's own counter; echoed in the completion
+  uint32_t opcode;       // Opcode
+  uint32_t worker_id;    // index of the worker's entry
+  uint64_t lease;        // WorkerEntry::lease (0 for kAttach)
+  uint32_t buffer_id;    // index into the worker's BufferDesc table
+  uint32_t tensor_id;    // index into the tensor table, or kAllTensors
+  uint64_t byte_offset;  // within the buffer
   uint64_t byte_length;
-  uint64_t worker_version;   // kPush: the version the gradient was computed at
-  uint32_t dtype;            // kPush: Dtype of the gradient
-  uint32_t flags;            // must be 0
+  uint64_t worker_version;  // kPush: the version the gradient was computed at
+  uint32_t dtype;           // kPush: Dtype of the gradient
+  uint32_t flags;           // must be 0
 };
 static_assert(std::is_trivially_copyable_v<Request> && std::is_standard_layout_v<Request>);
 static_assert(sizeof(Request) == 64);
@@ -411,11 +411,11 @@ static_assert(offsetof(Request, flags) == 60);
 struct Completion {
   uint64_t request_id;
   uint32_t opcode;
-  uint32_t code;             // shmps::ErrorCode
-  uint64_t version;          // the parameter version the request saw or made
-  uint64_t value;            // opcode-specific (see Opcode)
+  uint32_t code;     // shmps::ErrorCode
+  uint64_t version;  // the parameter version the request saw or made
+  uint64_t value;    // opcode-specific (see Opcode)
   uint64_t reserved[4];
-  char message[64];          // NUL-terminated short reason; written only when code != 0
+  char message[64];  // NUL-terminated short reason; written only when code != 0
 };
 static_assert(std::is_trivially_copyable_v<Completion> && std::is_standard_layout_v<Completion>);
 static_assert(sizeof(Completion) == 128);
@@ -434,10 +434,23 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
 // take them from here. lanes_corrupt: lanes whose indices were garbage;
 // workers_evicted: sessions the server ended (stopped too long, a corrupt
 // lane); avg_staleness_micro: the mean staleness * 1e6.
-#define SHMPS_STATS_BLOCK_COUNTERS(X)                                                                           \
-  X(version) X(gradients_applied) X(weights_pulled) X(avg_staleness_micro) X(requests) X(ring_depth)            \
-  X(ring_high_water) X(workers_attached) X(workers_died) X(buffers_registered) X(mappings_opened)                \
-  X(mappings_closed) X(lanes_corrupt) X(workers_evicted)
+// clang-format off
+#define SHMPS_STATS_BLOCK_COUNTERS(X) \
+  X(version) \
+  X(gradients_applied) \
+  X(weights_pulled) \
+  X(avg_staleness_micro) \
+  X(requests) \
+  X(ring_depth) \
+  X(ring_high_water) \
+  X(workers_attached) \
+  X(workers_died) \
+  X(buffers_registered) \
+  X(mappings_opened) \
+  X(mappings_closed) \
+  X(lanes_corrupt) \
+  X(workers_evicted)
+// clang-format on
 #define SHMPS_STATS_COUNT(name) +1
 inline constexpr size_t kStatsBlockCounters = 0 SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_COUNT);
 #undef SHMPS_STATS_COUNT

@@ -35,8 +35,8 @@ class ShmObject {
   // that group (fchown; the caller must belong to it), so a server running
   // as another user of the group can map it. Errors: kInvalidArgument,
   // kPermission, kNoCapacity, kIo (EEXIST included).
-  static Result<std::unique_ptr<ShmObject>> create(const std::string& object_name, size_t bytes,
-                                                   mode_t mode, gid_t group = static_cast<gid_t>(-1));
+  static Result<std::unique_ptr<ShmObject>> create(const std::string& object_name, size_t bytes, mode_t mode,
+                                                   gid_t group = static_cast<gid_t>(-1));
   // Maps an existing object whole. Errors: kIo with "does not exist" for
   // ENOENT; kPermission naming the object's path, owner user:group and
   // mode, this process's user, and what would let it in (the group to
@@ -70,8 +70,8 @@ class ShmObject {
 };
 
 struct TensorSpec {
-  std::string name;                // 1..63 bytes, printable, unique
-  std::vector<uint64_t> shape;     // 1..4 dims, each >= 1
+  std::string name;             // 1..63 bytes, printable, unique
+  std::vector<uint64_t> shape;  // 1..4 dims, each >= 1
 };
 
 // Most elements a tensor, and all tensors together, may hold: 2^40 (4 TiB
@@ -85,11 +85,11 @@ inline constexpr uint64_t kMaxTotalElements = uint64_t{1} << 40;
 Status validate_tensors(const std::vector<TensorSpec>& tensors);
 
 struct SegmentSpec {
-  std::string name;                // as given to --name
+  std::string name;  // as given to --name
   std::vector<TensorSpec> tensors;
-  uint32_t max_workers = 16;       // 1..256
-  uint32_t max_buffers = 16;       // per worker, 1..64
-  uint32_t lane_capacity = 64;     // power of two, 2..65536
+  uint32_t max_workers = 16;    // 1..256
+  uint32_t max_buffers = 16;    // per worker, 1..64
+  uint32_t lane_capacity = 64;  // power of two, 2..65536
   ConfigBlock config{};
   mode_t mode = 0600;
 };
@@ -128,17 +128,29 @@ class Segment {
   void publish() noexcept;
 
   SegmentHeader& header() const noexcept { return *static_cast<SegmentHeader*>(object_->data()); }
-  TensorDesc& tensor(uint32_t i) const noexcept { return at<TensorDesc>(header().tensor_table_offset + i * sizeof(TensorDesc)); }
-  WorkerEntry& worker(uint32_t i) const noexcept { return at<WorkerEntry>(header().worker_table_offset + i * header().worker_entry_size); }
+  TensorDesc& tensor(uint32_t i) const noexcept {
+    return at<TensorDesc>(header().tensor_table_offset + i * sizeof(TensorDesc));
+  }
+  WorkerEntry& worker(uint32_t i) const noexcept {
+    return at<WorkerEntry>(header().worker_table_offset + i * header().worker_entry_size);
+  }
   BufferDesc& buffer(uint32_t worker, uint32_t i) const noexcept {
-    return at<BufferDesc>(header().worker_table_offset + worker * header().worker_entry_size +
-                          sizeof(WorkerEntry) + i * sizeof(BufferDesc));
+    return at<BufferDesc>(header().worker_table_offset + worker * header().worker_entry_size + sizeof(WorkerEntry) +
+                          i * sizeof(BufferDesc));
   }
   void* buffer_table_bytes(uint32_t worker) const noexcept { return &buffer(worker, 0); }
-  LaneHeader& lane(uint32_t i) const noexcept { return at<LaneHeader>(header().lanes_offset + i * header().lane_stride); }
-  Request* lane_slots(uint32_t i) const noexcept { return &at<Request>(header().lanes_offset + i * header().lane_stride + sizeof(LaneHeader)); }
-  LaneHeader& completions(uint32_t i) const noexcept { return at<LaneHeader>(header().completions_offset + i * header().completion_stride); }
-  Completion* completion_slots(uint32_t i) const noexcept { return &at<Completion>(header().completions_offset + i * header().completion_stride + sizeof(LaneHeader)); }
+  LaneHeader& lane(uint32_t i) const noexcept {
+    return at<LaneHeader>(header().lanes_offset + i * header().lane_stride);
+  }
+  Request* lane_slots(uint32_t i) const noexcept {
+    return &at<Request>(header().lanes_offset + i * header().lane_stride + sizeof(LaneHeader));
+  }
+  LaneHeader& completions(uint32_t i) const noexcept {
+    return at<LaneHeader>(header().completions_offset + i * header().completion_stride);
+  }
+  Completion* completion_slots(uint32_t i) const noexcept {
+    return &at<Completion>(header().completions_offset + i * header().completion_stride + sizeof(LaneHeader));
+  }
   StatsBlock& stats() const noexcept { return at<StatsBlock>(header().stats_offset); }
   const ShmObject& object() const noexcept { return *object_; }
   const std::string& name() const noexcept { return name_; }
