@@ -9,7 +9,8 @@
 # container (test label `systemd`, as root); clang with its libFuzzer
 # runtime (libclang-rt-14-dev, only recommended by clang) for the fuzz
 # targets; libzmq3-dev for the ZeroMQ baseline of shmps-compare (bench/);
-# help2man (the man pages), lintian and file for the package test.
+# help2man (the man pages), lintian and file for the package test;
+# clang-format for tools/check_format.sh.
 # The Python package (python/): Debian's python3 with its headers, torch
 # 1.13 (CPU), numpy and pytest, and a venv over them (.venv, made with
 # --system-site-packages, git-ignored) holding nanobind and scikit-build-core
@@ -25,7 +26,7 @@ packages=(
   libsystemd-dev systemd dpkg-dev systemd-container mmdebstrap
   clang libclang-rt-14-dev
   libzmq3-dev
-  help2man lintian file
+  help2man lintian file clang-format
   python3-dev python3-venv python3-torch python3-numpy python3-pytest
   patchelf
 )
