@@ -56,10 +56,7 @@ std::optional<int> parse_command_line(int argc, char** argv, const std::string& 
   desc.add(extra);
   po::variables_map vm;
   try {
-    const po::parsed_options parsed = po::parse_command_line(argc, argv, desc);
-    cli::refuse_negative_unsigned(parsed);
-    po::store(parsed, vm);
-    po::notify(vm);
+    vm = cli::parse(argc, argv, desc);
   } catch (const po::error& e) {
     std::fprintf(stderr, "%s: %s\n", program.c_str(), e.what());
     return 2;

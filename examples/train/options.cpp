@@ -54,10 +54,7 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   // clang-format on
   po::variables_map vm;
   try {
-    const po::parsed_options parsed = po::parse_command_line(argc, argv, desc);
-    cli::refuse_negative_unsigned(parsed);
-    po::store(parsed, vm);
-    po::notify(vm);
+    vm = cli::parse(argc, argv, desc);
   } catch (const po::error& e) {
     std::cerr << "shmps-train: " << e.what() << "\n" << desc;
     return kExitUsage;

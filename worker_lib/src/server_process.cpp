@@ -33,6 +33,18 @@ void follow_parent(bool die_with_parent, pid_t parent, int signo) {
   if (::getppid() != parent) ::_exit(98);
 }
 
+// fork() after flushing stdio (the child's copy of unwritten output would
+// be written twice); the child dies with the parent when asked. -1: fork
+// failed; 0: in the child.
+pid_t fork_child(bool die_with_parent, int signo) {
+  const pid_t parent = ::getpid();
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = ::fork();
+  if (pid == 0) follow_parent(die_with_parent, parent, signo);
+  return pid;
+}
+
 // Whether the kernel reports pid stopped ('T' after the command in /proc/<pid>/stat).
 bool stopped(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
@@ -48,14 +60,9 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
-  const pid_t parent = ::getpid();
-  // Flush first: the child's copy of unwritten output would be written twice.
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const pid_t pid = ::fork();
+  const pid_t pid = fork_child(options.die_with_parent, SIGTERM);
   if (pid < 0) return Status{ErrorCode::kIo, "fork: " + errno_text(errno)};
   if (pid == 0) {
-    follow_parent(options.die_with_parent, parent, SIGTERM);
     for (const auto& [key, value] : options.env_defaults) ::setenv(key.c_str(), value.c_str(), /*overwrite=*/0);
     if (!options.log_path.empty()) {
       const int fd = ::open(options.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
@@ -71,13 +78,9 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
 }
 
 Result<ChildProcess> ChildProcess::fork_run(const std::function<int()>& fn, bool die_with_parent) {
-  const pid_t parent = ::getpid();
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const pid_t pid = ::fork();
+  const pid_t pid = fork_child(die_with_parent, SIGKILL);
   if (pid < 0) return Status{ErrorCode::kIo, "fork: " + errno_text(errno)};
   if (pid == 0) {
-    follow_parent(die_with_parent, parent, SIGKILL);
     int rc = 99;
     try {
       rc = fn();

@@ -44,4 +44,18 @@ inline void refuse_negative_unsigned(const boost::program_options::parsed_option
   }
 }
 
+// The command line against `desc`: parsed, refused when a negative value
+// is given for an unsigned option (refuse_negative_unsigned), stored and
+// notified. Throws boost::program_options::error.
+inline boost::program_options::variables_map parse(int argc, const char* const argv[],
+                                                   const boost::program_options::options_description& desc) {
+  namespace po = boost::program_options;
+  const po::parsed_options parsed = po::parse_command_line(argc, argv, desc);
+  refuse_negative_unsigned(parsed);
+  po::variables_map vm;
+  po::store(parsed, vm);
+  po::notify(vm);
+  return vm;
+}
+
 }  // namespace shmps::cli
