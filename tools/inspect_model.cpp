@@ -161,7 +161,9 @@ std::string config_flags_text(uint32_t flags) {
   if (flags & shm::kConfigNesterov) add("nesterov");
   if (flags & shm::kConfigAmsgrad) add("amsgrad");
   if (flags & shm::kConfigAllowNonFinite) add("allow_nonfinite");
-  const uint32_t rest = flags & ~(shm::kConfigNesterov | shm::kConfigAmsgrad | shm::kConfigAllowNonFinite);
+  if (flags & shm::kConfigGroupAccess) add("group_access");
+  const uint32_t rest =
+      flags & ~(shm::kConfigNesterov | shm::kConfigAmsgrad | shm::kConfigAllowNonFinite | shm::kConfigGroupAccess);
   if (rest != 0) {
     char buf[16];
     std::snprintf(buf, sizeof buf, "0x%x", rest);

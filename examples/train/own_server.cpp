@@ -153,9 +153,11 @@ void OwnServer::release_init_file() {
 Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, OwnServer* server,
                                                    std::chrono::milliseconds patience) {
   const auto deadline = Clock::now() + patience;
+  WorkerOptions options;
+  options.name = name;
+  options.reconnect = true;
   while (true) {
-    Result<std::unique_ptr<Worker>> w =
-        Worker::connect(WorkerOptions{name, std::chrono::milliseconds(10000), /*reconnect=*/true});
+    Result<std::unique_ptr<Worker>> w = Worker::connect(options);
     const ErrorCode code = w.status().code();
     const bool starting =
         code == ErrorCode::kServerNotRunning || (server != nullptr && code == ErrorCode::kLayoutMismatch);

@@ -58,8 +58,10 @@ class ServerPath final : public UpdatePath {
 int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& shape, StartGate& gate, WorkerSlot& slot) {
   const std::string who = "shmps-train worker " + std::to_string(plan.index) + ": ";
   set_blas_threads(1);
-  Result<std::unique_ptr<Worker>> connected =
-      Worker::connect(WorkerOptions{plan.server_name, std::chrono::milliseconds(10000), /*reconnect=*/true});
+  WorkerOptions options;
+  options.name = plan.server_name;
+  options.reconnect = true;
+  Result<std::unique_ptr<Worker>> connected = Worker::connect(options);
   if (!connected.ok()) {
     std::cerr << who << "connect: " << connected.status().to_string() << "\n";
     return kExitFailure;

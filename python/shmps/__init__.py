@@ -244,10 +244,13 @@ class Worker:
         return tensor_id, self._buffer_id(buffer), offset, nbytes, code, version, _stream_handle(stream)
 
 
-def connect(name, timeout=10.0, reconnect=False, wait_for_server=0.0):
+def connect(name, timeout=10.0, reconnect=False, wait_for_server=0.0, server_user=""):
     """Attaches to the shmps-server named `name` (its segment
     /dev/shm/shmps.<name>). `timeout`: seconds per call. `reconnect`: after
     a server restart or an eviction, the next call attaches again and
     re-registers every buffer. `wait_for_server`: seconds to wait for a
-    server that is not there yet (0: raise ServerNotRunningError at once)."""
-    return Worker(_connect(name, float(timeout), bool(reconnect), float(wait_for_server)), name)
+    server that is not there yet (0: raise ServerNotRunningError at once).
+    `server_user`: the user the server runs as when it is neither this
+    process's user nor root (default: the packaged unit's "shmps", where it
+    exists); a segment owned by anyone else raises PermissionError."""
+    return Worker(_connect(name, float(timeout), bool(reconnect), float(wait_for_server), str(server_user)), name)

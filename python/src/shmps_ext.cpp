@@ -253,12 +253,14 @@ class PyWorker {
   std::map<uint64_t, uint64_t> versions_;  // push_async ticket -> its worker_version
 };
 
-PyWorker connect(const std::string& name, double timeout, bool reconnect, double wait_for_server) {
+PyWorker connect(const std::string& name, double timeout, bool reconnect, double wait_for_server,
+                 const std::string& server_user) {
   shmps::WorkerOptions o;
   o.name = name;
   o.timeout = to_ms(timeout);
   o.reconnect = reconnect;
   o.wait_for_server = to_ms(wait_for_server);
+  o.server_user = server_user;
   return PyWorker(take(unlocked([&] { return shmps::Worker::connect(o); })));
 }
 
@@ -328,5 +330,5 @@ NB_MODULE(_shmps, m) {
       .def("detach", &PyWorker::detach)
       .def("close", &PyWorker::close);
 
-  m.def("connect", &connect, "name"_a, "timeout"_a, "reconnect"_a, "wait_for_server"_a);
+  m.def("connect", &connect, "name"_a, "timeout"_a, "reconnect"_a, "wait_for_server"_a, "server_user"_a);
 }

@@ -619,7 +619,8 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   const kernels::OptimizerConfig& o = config.optimizer;
   cb.optimizer_kind = static_cast<uint32_t>(o.kind);
   cb.flags = (o.nesterov ? shm::kConfigNesterov : 0) | (o.amsgrad ? shm::kConfigAmsgrad : 0) |
-             (config.allow_nonfinite ? shm::kConfigAllowNonFinite : 0);
+             (config.allow_nonfinite ? shm::kConfigAllowNonFinite : 0) |
+             (config.group_access ? shm::kConfigGroupAccess : 0);
   cb.lr = o.lr;
   cb.momentum = o.momentum;
   cb.dampening = o.dampening;

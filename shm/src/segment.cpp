@@ -71,6 +71,17 @@ bool holds_group(gid_t gid) {
   return got > 0 && std::find(groups.begin(), groups.begin() + got, gid) != groups.begin() + got;
 }
 
+std::string mode_text(mode_t mode) {
+  char text[8];
+  std::snprintf(text, sizeof text, "%04o", static_cast<unsigned>(mode & 0777));
+  return text;
+}
+
+// "owner alice:staff, mode 0666": who holds an object, for every refusal.
+std::string owner_and_mode(uid_t uid, gid_t gid, mode_t mode) {
+  return "owner " + user_name(uid) + ":" + group_name(gid) + ", mode " + mode_text(mode);
+}
+
 // The error for EACCES/EPERM opening /dev/shm/<object_name>: the object's
 // owner, group and mode (stat needs no access to the object), who this
 // process is, and what would let it in. A segment is opened by its server's
@@ -84,10 +95,8 @@ Status permission_denied(const std::string& object_name, bool read_only, int err
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) return {ErrorCode::kPermission, m};
   const unsigned mode = st.st_mode & 0777;
-  char mode_text[8];
-  std::snprintf(mode_text, sizeof mode_text, "%04o", mode);
   const std::string group = group_name(st.st_gid), me = user_name(::geteuid());
-  m += ": owner " + user_name(st.st_uid) + ":" + group + ", mode " + mode_text + "; this process runs as " + me;
+  m += ": " + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + "; this process runs as " + me;
   const unsigned need = read_only ? 04 : 06;
   if (::geteuid() == st.st_uid)
     return {ErrorCode::kPermission, m + ", its owner, but the mode denies its owner that access"};
@@ -146,7 +155,9 @@ Status map_object(bip::shared_memory_object& shm, bool read_only, const std::str
   *uid = st.st_uid;
   *gid = st.st_gid;
   *mode = st.st_mode & 0777;
-  if (st.st_size == 0) return {ErrorCode::kIo, "shm object '" + name + "' is empty"};
+  if (st.st_size == 0)
+    return {ErrorCode::kIo,
+            "shm object '" + name + "' is empty (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ")"};
   *region = bip::mapped_region(shm, read_only ? bip::read_only : bip::read_write);
   return Status::Ok();
 }
@@ -378,6 +389,45 @@ Status validate_spec(const SegmentSpec& spec) {
 
 }  // namespace
 
+namespace {
+
+// Something holds the segment's name: removes it if it is a segment of
+// ours whose server is dead, or an empty object of ours (a start that died
+// between creating and sizing it); refuses, naming its owner and mode,
+// anything else.
+Status clear_stale_object(const std::string& object_name, const std::string& name) {
+  const std::string path = "/dev/shm/" + object_name;
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0)
+    return errno == ENOENT ? Status::Ok() : Status{ErrorCode::kIo, "stat " + path + ": " + errno_text(errno)};
+  const std::string who = " (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ")";
+  if (st.st_uid != ::geteuid())
+    return {ErrorCode::kPermission,
+            path + who + " belongs to another user, not to " + user_name(::geteuid()) +
+                ": not adopting it; if it is stale, its owner or root must remove it (sudo rm " + path + ")"};
+  if (!S_ISREG(st.st_mode)) return {ErrorCode::kLayoutMismatch, path + who + " is not a shm object; remove it by hand"};
+  if (st.st_size != 0) {
+    auto existing = ShmObject::open(object_name, /*read_only=*/true);
+    if (!existing.ok()) return Status{existing.status().code(), existing.status().message() + who};
+    const ShmObject& old = **existing;
+    if (old.size() < sizeof(SegmentHeader))
+      return {ErrorCode::kLayoutMismatch,
+              path + who + " is " + std::to_string(old.size()) +
+                  " bytes, too small for a shmps segment; remove it by hand if it is stale"};
+    const auto& h = *static_cast<const SegmentHeader*>(old.data());
+    if (h.magic != kMagic && h.magic != 0)
+      return {ErrorCode::kLayoutMismatch,
+              path + who + " exists and is not a shmps segment; remove it by hand if it is stale"};
+    if (h.magic == kMagic && process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time))
+      return {ErrorCode::kInvalidArgument,
+              "a live shmps-server (pid " + std::to_string(h.server_pid) + ") already serves '" + name + "'"};
+  }
+  ShmObject::remove(object_name);
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64_t generation) {
   if (Status s = validate_spec(spec); !s.ok()) return s;
   const std::string object_name = segment_object_name(spec.name);
@@ -385,25 +435,7 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
                                       spec.lane_capacity);
   auto created = ShmObject::create(object_name, g.segment_size, spec.mode);
   if (!created.ok() && created.status().message().find("already exists") != std::string::npos) {
-    // Something holds the name. Replace it only if it is a segment of ours
-    // whose server is dead (or died before writing the magic).
-    auto existing = ShmObject::open(object_name, /*read_only=*/true);
-    if (!existing.ok()) return existing.status();
-    const ShmObject& old = **existing;
-    if (old.owner_uid() != ::geteuid())
-      return Status{ErrorCode::kPermission, "/dev/shm/" + object_name + " belongs to uid " +
-                                                std::to_string(old.owner_uid()) + ", not to us: not adopting it"};
-    if (old.size() >= sizeof(SegmentHeader)) {
-      const auto& h = *static_cast<const SegmentHeader*>(old.data());
-      if (h.magic != kMagic && h.magic != 0)
-        return Status{
-            ErrorCode::kLayoutMismatch,
-            "/dev/shm/" + object_name + " exists and is not a shmps segment; remove it by hand if it is stale"};
-      if (h.magic == kMagic && process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time))
-        return Status{ErrorCode::kInvalidArgument, "a live shmps-server (pid " + std::to_string(h.server_pid) +
-                                                       ") already serves '" + spec.name + "'"};
-    }
-    ShmObject::remove(object_name);
+    if (Status s = clear_stale_object(object_name, spec.name); !s.ok()) return s;
     created = ShmObject::create(object_name, g.segment_size, spec.mode);
   }
   if (!created.ok()) return created.status();
@@ -461,9 +493,38 @@ void Segment::publish() noexcept {
   header().layout_version.store(kLayoutVersion, std::memory_order_release);
 }
 
-Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool read_only) {
+namespace {
+
+// A worker's checks of the object at the segment's name, made on the
+// descriptor it mapped (no name lookup in between), before it reads a byte.
+Status check_owner_and_mode(const std::string& path, uid_t uid, gid_t gid, mode_t mode,
+                            const std::vector<uid_t>& trusted) {
+  const std::string who = " (" + owner_and_mode(uid, gid, mode) + ")";
+  if (std::find(trusted.begin(), trusted.end(), uid) == trusted.end()) {
+    std::string names;
+    for (size_t i = 0; i < trusted.size(); ++i)
+      names += (i == 0 ? "" : i + 1 == trusted.size() ? " or " : ", ") + user_name(trusted[i]);
+    return {ErrorCode::kPermission,
+            path + who + " is not owned by a user this worker trusts (" + names +
+                "): not attaching to it. If that user runs your server, name it in WorkerOptions::server_user; "
+                "otherwise it is not your server's segment: remove it (sudo rm " +
+                path + ") and restart the server"};
+  }
+  if ((mode & 0002) != 0)
+    return {ErrorCode::kPermission, path + who +
+                                        " is world-writable, so any local user may have written it; a shmps-server "
+                                        "never creates that mode: not attaching to it. Remove it (sudo rm " +
+                                        path + ") and restart the server"};
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool read_only,
+                                               const std::vector<uid_t>* trusted_owners) {
   if (Status s = validate_name(name); !s.ok()) return s;
   const std::string object_name = segment_object_name(name);
+  const std::string path = "/dev/shm/" + object_name;
   // A server that is creating the segment may not have sized it (empty
   // object) or written it (zero header) yet: retry those for up to 2 s.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
@@ -474,15 +535,33 @@ Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool rea
       const std::string& m = opened.status().message();
       if (m.find("does not exist") != std::string::npos)
         return Status{ErrorCode::kServerNotRunning,
-                      "no shmps server named '" + name + "': /dev/shm/" + object_name + " does not exist"};
+                      "no shmps server named '" + name + "': " + path + " does not exist"};
       if (m.find("is empty") == std::string::npos) return opened.status();
+      // An empty object is not worth waiting for unless its owner is trusted.
+      struct stat st {};
+      if (trusted_owners != nullptr && ::lstat(path.c_str(), &st) == 0) {
+        if (Status t = check_owner_and_mode(path, st.st_uid, st.st_gid, st.st_mode, *trusted_owners); !t.ok()) return t;
+      }
       s = Status{ErrorCode::kServerNotRunning, "segment not sized yet (server starting)"};
     } else {
-      s = validate_segment((*opened)->data(), (*opened)->size());
+      const ShmObject& obj = **opened;
+      if (trusted_owners != nullptr) {
+        if (Status t = check_owner_and_mode(path, obj.owner_uid(), obj.owner_gid(), obj.mode(), *trusted_owners);
+            !t.ok())
+          return t;
+      }
+      s = validate_segment(obj.data(), obj.size());
+      if (s.ok() && trusted_owners != nullptr && (obj.mode() & 0070) != 0 &&
+          (static_cast<const SegmentHeader*>(obj.data())->config.flags & kConfigGroupAccess) == 0)
+        return Status{ErrorCode::kPermission,
+                      path + " (" + owner_and_mode(obj.owner_uid(), obj.owner_gid(), obj.mode()) +
+                          ") gives its group access, but its server was not started with --group-access: not "
+                          "attaching to it. Remove it (sudo rm " +
+                          path + ") and restart the server"};
       if (s.ok()) return std::unique_ptr<Segment>(new Segment(name, std::move(opened).value()));
     }
     if (s.code() != ErrorCode::kServerNotRunning || std::chrono::steady_clock::now() >= deadline)
-      return Status{s.code(), "/dev/shm/" + object_name + ": " + s.message()};
+      return Status{s.code(), path + ": " + s.message()};
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }

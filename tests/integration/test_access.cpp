@@ -2,7 +2,8 @@
 // mode whatever the umask (0600, or 0660 with --group-access) and are never
 // world-accessible; a process without access gets kPermission; a name held
 // by another user is never adopted; workers never create the segment;
-// object names are validated; a worker cannot borrow another's buffer.
+// object names are validated; a worker cannot borrow another's buffer; a
+// worker attaches only to a segment whose owner and mode it trusts.
 // Cases that need a second user fork a child that becomes nobody (65534);
 // they are skipped, with a message, when the test does not run as root.
 #define BOOST_TEST_MODULE test_access
@@ -245,14 +246,19 @@ BOOST_AUTO_TEST_CASE(name_held_by_another_user_is_never_adopted) {
   }
   const std::string name = test::unique_name("foreign");
   const std::string object = shm::segment_object_name(name);
-  // Once as garbage, once as a stale-looking shmps segment of a dead server.
-  for (const bool looks_like_ours : {false, true}) {
-    BOOST_TEST_CONTEXT((looks_like_ours ? "a shmps-looking segment" : "garbage")) {
+  // As garbage, as a stale-looking shmps segment of a dead server, and empty.
+  for (const size_t size : {size_t{8192}, size_t{8192 + 1}, size_t{0}}) {
+    const bool looks_like_ours = size == 8192 + 1;
+    BOOST_TEST_CONTEXT((size == 0 ? "an empty object" : looks_like_ours ? "a shmps-looking segment" : "garbage")) {
       auto creator = test::Process::fork_fn([&] {
         if (!become_nobody()) return 90;
-        auto obj = shm::ShmObject::create(object, 8192, 0600);
+        if (size == 0) {
+          const int fd = ::shm_open(object.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+          return fd >= 0 && ::close(fd) == 0 ? 0 : 92;
+        }
+        auto obj = shm::ShmObject::create(object, size, 0600);
         if (!obj.ok()) return 91;
-        std::memset((*obj)->data(), 0x5a, 8192);
+        std::memset((*obj)->data(), 0x5a, size);
         if (looks_like_ours)
           std::memcpy((*obj)->data(), &shm::kMagic, sizeof shm::kMagic);  // server pid 0x5a5a5a5a: dead
         return 0;
@@ -260,13 +266,114 @@ BOOST_AUTO_TEST_CASE(name_held_by_another_user_is_never_adopted) {
       BOOST_REQUIRE_EQUAL(creator.wait(10s), 0);
       const auto run = test::run_captured({test::program_path("shmps-server"), "--name", name, "--tensor", "w:4"});
       BOOST_TEST(run.exit_code == 1, run.output);
-      BOOST_TEST(run.output.find("belongs to uid 65534") != std::string::npos, run.output);
+      BOOST_TEST(run.output.find("/dev/shm/" + object + " (owner nobody:nogroup, mode 0600) belongs to another user") !=
+                     std::string::npos,
+                 run.output);
+      BOOST_TEST(run.output.find("sudo rm /dev/shm/" + object) != std::string::npos, run.output);
       const struct stat st = stat_of(object);
       BOOST_TEST(st.st_uid == kNobody);  // still theirs, untouched
-      BOOST_TEST(st.st_size == 8192);
+      BOOST_TEST(static_cast<size_t>(st.st_size) == size);
       shm::ShmObject::remove(object);
     }
   }
+}
+
+// An empty object of the server's own user at the name is what a start that
+// died between creating and sizing the segment leaves: the next start
+// replaces it instead of failing the same way every time.
+BOOST_AUTO_TEST_CASE(own_empty_object_is_a_crashed_start_and_is_replaced) {
+  const std::string name = test::unique_name("empty");
+  const std::string object = shm::segment_object_name(name);
+  const int fd = ::shm_open(object.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  BOOST_REQUIRE(fd >= 0);
+  ::close(fd);
+  test::ServerProcess server(name, kTiny);
+  BOOST_TEST(stat_of(object).st_size > 0);
+  auto w = connect(name);
+  BOOST_TEST(w->ping().ok());
+}
+
+// A shmps-server run by another user (nobody), as an attacker on the host
+// would run one to answer the attach: a root worker attaches only when told
+// that user runs its server (WorkerOptions::server_user), and never to a
+// segment that is world-writable or group-accessible without
+// --group-access. Every refusal names the owner, the mode and the fix, and
+// creates nothing.
+BOOST_AUTO_TEST_CASE(worker_attaches_only_to_a_segment_it_trusts) {
+  if (!is_root()) {
+    BOOST_TEST_MESSAGE("skipped: needs root to run a server as another user (nobody)");
+    return;
+  }
+  const std::string name = test::unique_name("planted");
+  const std::string object = shm::segment_object_name(name);
+  const std::string path = "/dev/shm/" + object;
+  const std::string server = test::program_path("shmps-server");
+  auto intruder = test::Process::fork_fn([&] {
+    if (!become_nobody()) return 90;
+    ::execl(server.c_str(), server.c_str(), "--name", name.c_str(), "--tensor", "w:4", static_cast<char*>(nullptr));
+    return 91;
+  });
+  struct Unlink {
+    std::string object;
+    ~Unlink() { shm::ShmObject::remove(object); }
+  } unlink{object};
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return shm::Segment::open(name, /*read_only=*/true).ok(); }),
+                        "the server run as nobody did not publish " << path);
+  BOOST_REQUIRE(stat_of(object).st_uid == kNobody);
+
+  struct Case {
+    mode_t mode;
+    std::string server_user;
+    ErrorCode code;  // kOk: attaches
+    std::string says;
+  };
+  const std::string untrusted =
+      path + " (owner nobody:nogroup, mode 0600) is not owned by a user this worker trusts (root";
+  for (const Case& c : std::vector<Case>{
+           {0600, "", ErrorCode::kPermission, untrusted},
+           {0666, "", ErrorCode::kPermission, "(owner nobody:nogroup, mode 0666) is not owned by a user"},
+           {0666, "nobody", ErrorCode::kPermission, "(owner nobody:nogroup, mode 0666) is world-writable"},
+           {0640, "nobody", ErrorCode::kPermission, "gives its group access, but its server was not started with"},
+           {0600, "no_such_user_shmps", ErrorCode::kInvalidArgument, "'no_such_user_shmps': no such user"},
+           {0600, "nobody", ErrorCode::kOk, ""},
+           {0600, "65534", ErrorCode::kOk, ""}}) {
+    BOOST_TEST_CONTEXT("mode 0" << std::oct << c.mode << std::dec << ", server_user '" << c.server_user << "'") {
+      BOOST_REQUIRE(::chmod(path.c_str(), c.mode) == 0);
+      WorkerOptions o;
+      o.name = name;
+      o.server_user = c.server_user;
+      o.timeout = 5s;
+      auto w = Worker::connect(o);
+      BOOST_TEST((w.status().code() == c.code), w.status().to_string());
+      if (c.code == ErrorCode::kOk) {
+        if (w.ok()) BOOST_TEST((*w)->ping().ok());
+        continue;
+      }
+      const std::string text = w.status().message();
+      BOOST_TEST(text.find(c.says) != std::string::npos, text);
+      if (c.code == ErrorCode::kPermission) {
+        BOOST_TEST(text.find("sudo rm " + path) != std::string::npos, text);
+        if (c.server_user.empty())
+          BOOST_TEST(text.find("name it in WorkerOptions::server_user") != std::string::npos, text);
+      }
+      BOOST_TEST(buffer_objects(name).empty());
+    }
+  }
+  // An empty object of an untrusted user is refused at once, not waited for
+  // as a server still starting.
+  intruder.kill_and_reap();
+  shm::ShmObject::remove(object);
+  auto planter = test::Process::fork_fn([&] {
+    if (!become_nobody()) return 90;
+    const int fd = ::shm_open(object.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    return fd >= 0 && ::close(fd) == 0 ? 0 : 92;
+  });
+  BOOST_REQUIRE_EQUAL(planter.wait(10s), 0);
+  WorkerOptions o;
+  o.name = name;
+  auto w = Worker::connect(o);
+  BOOST_TEST((w.status().code() == ErrorCode::kPermission), w.status().to_string());
+  BOOST_TEST(w.status().message().find(untrusted) != std::string::npos, w.status().to_string());
 }
 
 BOOST_AUTO_TEST_CASE(workers_never_create_the_control_segment) {

@@ -6,6 +6,7 @@ import glob
 import mmap
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -29,6 +30,40 @@ def test_connect_to_a_missing_server_names_the_segment():
     assert f"/dev/shm/shmps.{name}" in str(e.value)
     assert e.value.code == 12 and e.value.name == "server_not_running"
     assert isinstance(e.value, shmps.Error) and isinstance(e.value, ConnectionError)
+
+
+def test_server_user_that_no_user_has_is_invalid_argument(make_server):
+    server = make_server()
+    with pytest.raises(shmps.InvalidArgumentError) as e:
+        shmps.connect(server.name, server_user="no_such_user_shmps")
+    assert "no such user" in str(e.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the server as another user (nobody)")
+def test_a_segment_of_another_user_raises_permission_error_unless_named(tmp_path):
+    name = unique_name("nobody")
+    log = open(tmp_path / "server.log", "wb")
+    server = subprocess.Popen([shmps.server_binary(), "--name", name, "--tensor", "w:4"], user="nobody",
+                              group="nogroup", extra_groups=[], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                shmps.connect(name, server_user="nobody").close()
+                break
+            except shmps.ServerNotRunningError:
+                assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+                time.sleep(0.01)
+        with pytest.raises(shmps.PermissionError) as e:
+            shmps.connect(name)
+        assert f"/dev/shm/shmps.{name} (owner nobody:nogroup, mode 0600) is not owned by a user" in str(e.value)
+        assert "server_user" in str(e.value)
+        with shmps.connect(name, server_user="nobody") as w:
+            assert w.tensors[0].name == "w"
+    finally:
+        server.terminate()
+        assert server.wait(10) == 0
+        log.close()
 
 
 def test_the_table_and_the_context_manager(make_server):

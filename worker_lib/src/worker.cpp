@@ -1,6 +1,7 @@
 #include "shmps/worker.hpp"
 
 #include <pthread.h>
+#include <pwd.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -91,6 +92,31 @@ uint64_t fork_generation() {
 }
 
 namespace {
+
+// The uids a worker trusts to own its segment: its own effective user,
+// root, and the server's user (WorkerOptions::server_user; by default the
+// packaged unit's "shmps", where that user exists).
+Result<std::vector<uid_t>> trusted_owners(const std::string& server_user) {
+  std::vector<uid_t> uids{::geteuid()};
+  if (uids[0] != 0) uids.push_back(0);
+  const std::string user = server_user.empty() ? "shmps" : server_user;
+  uid_t uid = 0;
+  if (!user.empty() && user.find_first_not_of("0123456789") == std::string::npos && user.size() < 10) {
+    uid = static_cast<uid_t>(std::stoul(user));
+  } else {
+    std::vector<char> buf(16384);
+    struct passwd pw {};
+    struct passwd* found = nullptr;
+    if (::getpwnam_r(user.c_str(), &pw, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
+      if (server_user.empty()) return uids;  // no packaged user here: nothing more to trust
+      return Status{ErrorCode::kInvalidArgument,
+                    "WorkerOptions::server_user '" + server_user + "': no such user (give a login name or a uid)"};
+    }
+    uid = found->pw_uid;
+  }
+  if (std::find(uids.begin(), uids.end(), uid) == uids.end()) uids.push_back(uid);
+  return uids;
+}
 
 // The lifecycle of a Worker's session. A session is one attach to one
 // server generation: from kAttached until it ends, the entry, the lane and
@@ -198,6 +224,7 @@ static_assert(reaches(State::kConnecting, State::kDetached) && reaches(State::kA
 class Worker::Impl {
  public:
   WorkerOptions options;
+  std::vector<uid_t> trusted;                 // who may own the segment: trusted_owners(options.server_user)
   uint64_t forked_under = fork_generation();  // g_fork_generation at connect()
   pid_t owner_pid = ::getpid();
   FaultPoint fault_point = FaultPoint::from_environment();
@@ -842,7 +869,8 @@ class Worker::Impl {
   Status reattach() {
     const auto give_up = Clock::now() + options.timeout;
     while (true) {
-      auto seg = shm::Segment::open(options.name, /*read_only=*/false);
+      auto seg = shm::Segment::open(options.name, /*read_only=*/false, &trusted);
+      if (!seg.ok() && seg.status().code() == ErrorCode::kPermission) return seg.status();
       if (seg.ok() && (state_ == State::kEvicted || (*seg)->header().generation != ended.generation)) {
         Status s = attach_to(std::move(seg).value());
         for (uint32_t b = 0; b < buffers.size() && s.ok(); ++b)
@@ -916,14 +944,17 @@ Worker::~Worker() {
 Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& options) {
   if (options.timeout.count() <= 0) return Status{ErrorCode::kInvalidArgument, "timeout must be > 0"};
   if (options.wait_for_server.count() < 0) return Status{ErrorCode::kInvalidArgument, "wait_for_server must be >= 0"};
+  auto trusted = trusted_owners(options.server_user);
+  if (!trusted.ok()) return trusted.status();
   const auto give_up = std::chrono::steady_clock::now() + options.wait_for_server;
   while (true) {
     Status s;
-    if (auto segment = shm::Segment::open(options.name, /*read_only=*/false); !segment.ok()) {
+    if (auto segment = shm::Segment::open(options.name, /*read_only=*/false, &*trusted); !segment.ok()) {
       s = segment.status();
     } else {
       auto impl = std::make_unique<Impl>();
       impl->options = options;
+      impl->trusted = *trusted;
       s = impl->attach_to(std::move(segment).value());
       if (s.ok()) return std::unique_ptr<Worker>(new Worker(std::move(impl)));
     }
@@ -966,10 +997,11 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
   const std::string object_name =
       shm::segment_object_name(w.options.name) + ".p" + std::to_string(::getpid()) + "." +
       std::to_string(buffer_counter.fetch_add(1, std::memory_order_relaxed));  // relaxed: a unique number only
-  // A segment shared with a group (--group-access: the server may run as
-  // another user of that group) gets group-shared buffers too.
+  // Only a server started with --group-access (it may run as another user
+  // of the segment's group) gets group-shared buffers; otherwise nobody but
+  // this user may open them.
   const shm::ShmObject& control = w.segment->object();
-  const bool group_shared = (control.mode() & 0060) == 0060;
+  const bool group_shared = (w.segment->header().config.flags & shm::kConfigGroupAccess) != 0;
   auto object = shm::ShmObject::create(object_name, bytes, group_shared ? 0660 : 0600,
                                        group_shared ? control.owner_gid() : static_cast<gid_t>(-1));
   if (!object.ok()) return object.status();

@@ -93,6 +93,15 @@ struct WorkerOptions {
   // where workers may start first or ride out a restart (a unit restarts
   // 2 s after a crash, then restores its checkpoint: 30 s is ample).
   std::chrono::milliseconds wait_for_server{0};
+  // The user the server runs as, when it is neither this process's user
+  // nor root: a login name or a numeric uid. A worker attaches only to a
+  // segment owned by this process's user, root, or that user (empty, the
+  // default: the packaged unit's user "shmps" where it exists), that is not
+  // world-writable and that gives its group access only if the server was
+  // started with --group-access; connect() refuses anything else with
+  // kPermission, naming the object's owner, mode and the fix. A name that
+  // no user has is kInvalidArgument.
+  std::string server_user;
 };
 
 // A buffer registered with the server. `data` stays mapped while the Worker

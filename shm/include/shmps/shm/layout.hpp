@@ -50,7 +50,8 @@ namespace shmps::shm {
 inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-endian
 // 3: StatsBlock::workers_evicted. 4: SegmentHeader::weights_export, kBufferInProcess.
 // 5: Completion::message is written only when code != 0. 6: Opcode::kInit.
-inline constexpr uint32_t kLayoutVersion = 6;
+// 7: kConfigGroupAccess (workers check the segment's mode against it).
+inline constexpr uint32_t kLayoutVersion = 7;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;  // 4 doorbell words
@@ -168,6 +169,10 @@ struct ConfigBlock {
 inline constexpr uint32_t kConfigNesterov = 1u << 0;
 inline constexpr uint32_t kConfigAmsgrad = 1u << 1;
 inline constexpr uint32_t kConfigAllowNonFinite = 1u << 2;
+// --group-access: the segment is mode 0660 and workers create their buffers
+// 0660 in the segment's group; without it both are 0600 and a worker refuses
+// a segment whose mode gives its group any access.
+inline constexpr uint32_t kConfigGroupAccess = 1u << 3;
 static_assert(sizeof(ConfigBlock) == 128);
 
 // The weights' CUDA IPC export (CUDA backend): what a worker needs to map

@@ -119,9 +119,14 @@ class Segment {
   // pid), a foreign object is never adopted (kLayoutMismatch).
   static Result<std::unique_ptr<Segment>> create(const SegmentSpec& spec, uint64_t generation);
   // Worker or shmps-inspect: opens and validates "shmps.<name>". Waits up
-  // to 2 s for a segment still being initialised. Errors: kServerNotRunning
-  // (no such segment: the message names it), kLayoutMismatch, kPermission.
-  static Result<std::unique_ptr<Segment>> open(const std::string& name, bool read_only);
+  // to 2 s for a segment still being initialised. With `trusted_owners`
+  // (a worker), the object is checked before a byte of it is read: owned
+  // by one of those uids, not world-writable, and its group bits only as
+  // the server's kConfigGroupAccess says. Errors: kServerNotRunning (no
+  // such segment: the message names it), kLayoutMismatch, kPermission
+  // (naming the owner, the mode and the fix).
+  static Result<std::unique_ptr<Segment>> open(const std::string& name, bool read_only,
+                                               const std::vector<uid_t>* trusted_owners = nullptr);
   static void remove(const std::string& name);
 
   // Server: release-stores the layout version; openers may use it from now.
