@@ -1,0 +1,130 @@
+#include "inspect_list.hpp"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <regex>
+#include <set>
+
+namespace shmps::inspect {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kShmDir = "/dev/shm";
+constexpr const char* kPrefix = "shmps.";
+
+std::string pad(const std::string& s, size_t width) {
+  return s.size() >= width ? s + " " : s + std::string(width - s.size() + 1, ' ');
+}
+
+uint32_t workers_attached(const Snapshot& s) {
+  return static_cast<uint32_t>(std::count_if(s.workers.begin(), s.workers.end(), [](const WorkerView& w) {
+    return w.state == static_cast<uint32_t>(shm::WorkerState::kAttached);
+  }));
+}
+
+std::string alive_text(const Snapshot& s) { return s.header.server_alive ? "alive" : "dead"; }
+
+}  // namespace
+
+std::vector<ListedSegment> list_segments() {
+  std::set<std::string> names;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(kShmDir, ec)) {
+    const std::string file = entry.path().filename().string();
+    if (file.rfind(kPrefix, 0) == 0 && file.size() > std::char_traits<char>::length(kPrefix))
+      names.insert(file.substr(std::char_traits<char>::length(kPrefix)));
+  }
+  // A worker's buffer: "<segment name>.p<pid>.<n>" beside its segment.
+  static const std::regex buffer_name(R"((.+)\.p[0-9]+\.[0-9]+)");
+  std::vector<ListedSegment> out;
+  for (const std::string& name : names) {
+    std::smatch m;
+    const bool buffer_like = std::regex_match(name, m, buffer_name);
+    if (buffer_like && names.count(m[1].str()) != 0) continue;
+    if (!shm::validate_name(name).ok()) continue;  // no server could have made it
+    ListedSegment row;
+    row.name = name;
+    row.source = std::string(kShmDir) + "/" + kPrefix + name;
+    struct stat st {};
+    if (::lstat(row.source.c_str(), &st) != 0) continue;  // gone meanwhile
+    row.owner_uid = st.st_uid;
+    row.owner_gid = st.st_gid;
+    row.mode = st.st_mode & 0777;
+    row.bytes = static_cast<uint64_t>(st.st_size);
+    Loaded loaded = load_segment(name);
+    if (loaded.exit != ExitCode::kOk) {
+      row.exit = loaded.exit;
+      row.error = loaded.error;
+    } else {
+      auto snap = take_snapshot(loaded.image.data, loaded.image.size, loaded.image.source);
+      if (snap.ok()) {
+        row.segment = std::move(snap).value();
+      } else {
+        row.exit = exit_code_for(snap.status());
+        row.error = snap.status().message();
+      }
+    }
+    if (!row.segment && buffer_like)
+      row.error += " (named as a worker's buffer of segment '" + m[1].str() +
+                   "', which is not there; a server started under that name removes it once its worker is gone)";
+    out.push_back(std::move(row));
+  }
+  return out;
+}
+
+std::string render_list_text(const std::vector<ListedSegment>& list) {
+  if (list.empty()) return std::string("no shmps segments in ") + kShmDir + "\n";
+  size_t width = 4;
+  for (const ListedSegment& r : list) width = std::max(width, r.name.size());
+  std::string out = pad("name", width) + "server pid  alive  state      parameters  model MiB  workers  owner, mode\n";
+  std::string problems;
+  for (const ListedSegment& r : list) {
+    const std::string owner = shm::owner_text(r.owner_uid, r.owner_gid) + " " + shm::mode_text(r.mode);
+    if (!r.segment) {
+      out += pad(r.name, width) + pad("-", 11) + pad("-", 6) + pad("unreadable", 10) + pad("-", 11) + pad("-", 10) +
+             pad("-", 8) + owner + "\n";
+      problems += "  " + r.name + ": " + r.error + "\n";
+      continue;
+    }
+    const Snapshot& s = *r.segment;
+    char mib[32];
+    std::snprintf(mib, sizeof mib, "%.2f", static_cast<double>(s.header.total_elements) * 4.0 / (1 << 20));
+    out += pad(r.name, width) + pad(std::to_string(s.header.server_pid), 11) + pad(alive_text(s), 6) +
+           pad(server_state_name(s.header.server_state), 10) + pad(std::to_string(s.header.total_elements), 11) +
+           pad(mib, 10) + pad(std::to_string(workers_attached(s)), 8) + owner + "\n";
+  }
+  if (!problems.empty()) out += "not readable as a segment:\n" + problems;
+  return out;
+}
+
+json list_json(const std::vector<ListedSegment>& list) {
+  json segments = json::array();
+  for (const ListedSegment& r : list) {
+    json j{{"name", r.name},
+           {"source", r.source},
+           {"owner", shm::owner_text(r.owner_uid, r.owner_gid)},
+           {"mode", shm::mode_text(r.mode)},
+           {"bytes", r.bytes}};
+    if (!r.segment) {
+      j["error"] = r.error;
+      j["exit_code"] = static_cast<int>(r.exit);
+    } else {
+      const HeaderView& h = r.segment->header;
+      j["server_pid"] = h.server_pid;
+      j["server_alive"] = h.server_alive;
+      j["state"] = server_state_name(h.server_state);
+      j["generation"] = hex64(h.generation);
+      j["parameters"] = h.total_elements;
+      j["model_bytes"] = h.total_elements * 4;
+      j["workers_attached"] = workers_attached(*r.segment);
+    }
+    segments.push_back(std::move(j));
+  }
+  return json{{"segments", std::move(segments)}};
+}
+
+}  // namespace shmps::inspect

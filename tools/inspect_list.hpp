@@ -1,0 +1,48 @@
+// shmps-inspect --list: every shmps control segment on the host, one row
+// each, from the objects named "shmps.*" in /dev/shm. A worker's buffer
+// object ("shmps.<name>.p<pid>.<n>" beside its segment) is not a segment and
+// is left out; any other object at a shmps name that is not a readable
+// segment (foreign, unpublished, no permission) is listed with the reason,
+// since that is what an operator looking for a stuck name needs to see.
+#pragma once
+
+#include <sys/types.h>
+
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "inspect_model.hpp"
+#include "inspect_source.hpp"
+
+namespace shmps::inspect {
+
+struct ListedSegment {
+  std::string name;    // the server's --name
+  std::string source;  // "/dev/shm/shmps.<name>"
+  uid_t owner_uid = 0;
+  gid_t owner_gid = 0;
+  mode_t mode = 0;
+  uint64_t bytes = 0;               // the object's size
+  std::optional<Snapshot> segment;  // absent when it could not be read as one
+  ExitCode exit = ExitCode::kOk;    // why not, when absent
+  std::string error;
+};
+
+// The segments in /dev/shm, sorted by name. Each is read as load_segment()
+// and take_snapshot() read it (one still being published costs load_segment's
+// wait of up to 2 s).
+std::vector<ListedSegment> list_segments();
+
+// A table: name, server pid, alive or dead, state, parameters, workers
+// attached, owner, mode; then one line per object that is not a readable
+// segment.
+std::string render_list_text(const std::vector<ListedSegment>& list);
+// {"segments": [{name, source, owner, mode, bytes, server_pid, server_alive,
+// state, generation, parameters, model_bytes, workers_attached}, ...]},
+// unreadable entries with "error" and "exit_code" instead of the segment's
+// fields.
+nlohmann::json list_json(const std::vector<ListedSegment>& list);
+
+}  // namespace shmps::inspect
