@@ -8,9 +8,11 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 
+#include "inspect_list.hpp"
 #include "inspect_model.hpp"
 #include "inspect_source.hpp"
 #include "shmps/cli.hpp"
@@ -24,7 +26,10 @@ struct Options {
   std::string name;
   std::string file;
   bool json = false;
+  bool prometheus = false;  // --format prometheus
+  std::string format = "text";
   bool watch = false;
+  bool list = false;
   uint64_t interval_ms = 1000;
   uint64_t count = 0;  // refreshes in --watch; 0: until SIGINT
 };
@@ -45,8 +50,11 @@ void write_out(const std::string& text) {
   std::fflush(stdout);
 }
 
-// One look at the segment: the rendered report in *out, or the error in *error.
-ExitCode inspect_once(const Options& o, std::string* out, std::string* error) {
+// One look at the segment: the rendered report in *out, or the error in
+// *error. With `previous` (--watch), the rates since that snapshot are
+// added, and *previous becomes this one.
+ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
+                      std::optional<shmps::inspect::Snapshot>* previous = nullptr) {
   shmps::inspect::Loaded loaded =
       o.file.empty() ? shmps::inspect::load_segment(o.name) : shmps::inspect::load_file(o.file);
   if (loaded.exit != ExitCode::kOk) {
@@ -59,14 +67,32 @@ ExitCode inspect_once(const Options& o, std::string* out, std::string* error) {
     *error = image.source + ": " + snap.status().message();
     return shmps::inspect::exit_code_for(snap.status());
   }
-  if (o.json) {
+  std::optional<shmps::inspect::Rates> rates;
+  if (previous != nullptr && *previous) rates = shmps::inspect::rates_between(**previous, *snap);
+  if (o.prometheus) {
+    *out = shmps::inspect::render_prometheus(*snap, o.name.empty() ? o.file : o.name);
+  } else if (o.json) {
     // replace: a user-given path need not be UTF-8; names from the segment
     // are already escaped to printable ASCII.
     const int indent = o.watch ? -1 : 2;
-    *out = shmps::inspect::to_json(*snap).dump(indent, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+    nlohmann::json j = shmps::inspect::to_json(*snap);
+    if (previous != nullptr) j["rates"] = rates ? shmps::inspect::rates_json(*rates) : nlohmann::json(nullptr);
+    *out = j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   } else {
     *out = shmps::inspect::render_text(*snap);
+    if (previous != nullptr)
+      *out += rates ? shmps::inspect::render_rates_text(*rates) : "== rates: from the next refresh on ==\n";
   }
+  if (previous != nullptr) *previous = std::move(snap).value();
+  return ExitCode::kOk;
+}
+
+ExitCode run_list(const Options& o) {
+  const auto list = shmps::inspect::list_segments();
+  if (o.json)
+    write_out(shmps::inspect::list_json(list).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+  else
+    write_out(shmps::inspect::render_list_text(list));
   return ExitCode::kOk;
 }
 
@@ -75,6 +101,7 @@ ExitCode run_once(const Options& o) {
   const ExitCode rc = inspect_once(o, &out, &error);
   if (rc != ExitCode::kOk) {
     std::fprintf(stderr, "shmps-inspect: %s\n", error.c_str());
+    if (o.prometheus) write_out(shmps::inspect::render_prometheus_down(o.name.empty() ? o.file : o.name));
     return rc;
   }
   write_out(out);
@@ -87,9 +114,10 @@ ExitCode run_once(const Options& o) {
 ExitCode run_watch(const Options& o) {
   install_stop_handler();
   ExitCode rc = ExitCode::kOk;
+  std::optional<shmps::inspect::Snapshot> previous;
   for (uint64_t n = 1; g_stop == 0 && (o.count == 0 || n <= o.count); ++n) {
     std::string out, error;
-    rc = inspect_once(o, &out, &error);
+    rc = inspect_once(o, &out, &error, &previous);
     if (o.json) {
       if (rc == ExitCode::kOk)
         write_out(out);
@@ -117,11 +145,16 @@ int main(int argc, char** argv) {
   Options o;
   po::options_description visible(
       "shmps-inspect [options] <name>\n"
-      "Prints the state of the shmps segment /dev/shm/shmps.<name> (read-only).\n"
+      "shmps-inspect --list [--json]\n"
+      "Prints the state of the shmps segment /dev/shm/shmps.<name> (read-only),\n"
+      "or one line for every shmps segment on the host.\n"
       "Options");
   visible.add_options()("help,h", "this help")("version", "print the version and exit")(
       "json", po::bool_switch(&o.json), "print one JSON document (with --watch: one per line)")(
-      "watch", po::bool_switch(&o.watch), "refresh a live view until SIGINT")(
+      "format", po::value(&o.format)->default_value("text"),
+      "text, json (as --json) or prometheus (the text exposition format, for the node exporter's textfile "
+      "collector)")("watch", po::bool_switch(&o.watch), "refresh a live view until SIGINT")(
+      "list", po::bool_switch(&o.list), "one line per shmps segment in /dev/shm: server pid, alive, size, workers")(
       "interval-ms", po::value(&o.interval_ms)->default_value(1000), "--watch: milliseconds between refreshes")(
       "count", po::value(&o.count)->default_value(0), "--watch: stop after N refreshes (0: never)")(
       "file", po::value(&o.file), "inspect a copy of a segment saved in this regular file instead");
@@ -147,7 +180,20 @@ int main(int argc, char** argv) {
       return 0;
     }
     po::notify(vm);
-    if (o.name.empty() == o.file.empty()) throw po::error("give a segment <name> or --file PATH, exactly one");
+    if (o.format == "json") {
+      o.json = true;
+    } else if (o.format == "prometheus") {
+      if (o.json) throw po::error("--json and --format prometheus: give one");
+      o.prometheus = true;
+    } else if (o.format != "text") {
+      throw po::error("--format must be text, json or prometheus, got '" + o.format + "'");
+    }
+    if (o.prometheus && (o.list || o.watch)) throw po::error("--format prometheus takes neither --list nor --watch");
+    if (o.list) {
+      if (!o.name.empty() || !o.file.empty() || o.watch) throw po::error("--list takes no <name>, --file or --watch");
+    } else if (o.name.empty() == o.file.empty()) {
+      throw po::error("give a segment <name> or --file PATH, exactly one");
+    }
     if (o.watch && o.interval_ms == 0) throw po::error("--interval-ms must be at least 1");
     if (!o.watch && (!vm["count"].defaulted() || !vm["interval-ms"].defaulted()))
       throw po::error("--count and --interval-ms need --watch");
@@ -155,5 +201,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "shmps-inspect: %s (see --help)\n", e.what());
     return static_cast<int>(ExitCode::kError);
   }
-  return static_cast<int>(o.watch ? run_watch(o) : run_once(o));
+  return static_cast<int>(o.list ? run_list(o) : o.watch ? run_watch(o) : run_once(o));
 }

@@ -1,29 +1,39 @@
 #include "inspect_model.hpp"
 
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
+#include <functional>
+#include <optional>
 #include <sstream>
+#include <string_view>
 
 #include "shmps/shm/proc.hpp"
 #include "shmps/shm/segment.hpp"
 
 namespace shmps::inspect {
-namespace {
-
-using nlohmann::json;
-
-std::string unknown(uint32_t value) { return "unknown(" + std::to_string(value) + ")"; }
 
 std::string hex64(uint64_t v) {
   char buf[24];
   std::snprintf(buf, sizeof buf, "0x%016llx", static_cast<unsigned long long>(v));
   return buf;
 }
+
+namespace {
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+using nlohmann::json;
+
+std::string unknown(uint32_t value) { return "unknown(" + std::to_string(value) + ")"; }
 
 std::string num(double v) {
   char buf[32];
@@ -216,6 +226,16 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
   hv.server_start_time = h.server_start_time;
   // A pid above INT_MAX turns negative here, which process_alive rejects.
   hv.server_alive = shm::process_alive(static_cast<pid_t>(hv.server_pid), hv.server_start_time);
+  if (hv.server_alive) {
+    // starttime counts clock ticks since boot (proc(5)), as CLOCK_BOOTTIME does.
+    struct timespec boot {};
+    const long ticks = ::sysconf(_SC_CLK_TCK);
+    if (::clock_gettime(CLOCK_BOOTTIME, &boot) == 0 && ticks > 0) {
+      const double since_boot = static_cast<double>(boot.tv_sec) + static_cast<double>(boot.tv_nsec) / 1e9;
+      const double started = static_cast<double>(hv.server_start_time) / static_cast<double>(ticks);
+      if (since_boot >= started) hv.server_uptime_s = since_boot - started;
+    }
+  }
   // acquire: SYNC(server_stopped) as the workers read it; a display value only.
   hv.server_state = h.server_state.load(std::memory_order_acquire);
   hv.heartbeat_ns = h.heartbeat_ns.load(std::memory_order_relaxed);  // relaxed: a liveness hint
@@ -288,6 +308,7 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
       w.lease = e.lease;
       // relaxed: monotonic statistics; a racy snapshot is all we promise.
       w.pushes_applied = e.pushes_applied.load(std::memory_order_relaxed);
+      w.applied_bytes = e.applied_bytes.load(std::memory_order_relaxed);
       w.pushes_rejected = e.pushes_rejected.load(std::memory_order_relaxed);
       w.pulls = e.pulls.load(std::memory_order_relaxed);
       w.last_request_ns = e.last_request_ns.load(std::memory_order_relaxed);
@@ -320,7 +341,7 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
   StatsView& sv = snap.stats;
   // relaxed: the server's statistics counters; a racy snapshot is all we promise.
   constexpr auto relaxed = std::memory_order_relaxed;
-#define SHMPS_STATS_READ(name) sv.name = st.name.load(relaxed);
+#define SHMPS_STATS_READ(name, kind, help) sv.name = st.name.load(relaxed);
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_READ)
 #undef SHMPS_STATS_READ
   for (const auto& r : st.rejected) sv.rejected.push_back(r.load(relaxed));
@@ -345,7 +366,7 @@ json request_json(const Snapshot& s, uint64_t index, uint32_t capacity, const sh
               {"request_id", r.request_id},
               {"opcode", opcode_name(r.opcode)},
               {"worker_id", r.worker_id},
-              {"lease", r.lease},
+              {"lease", hex64(r.lease)},
               {"tensor", r.tensor_id},
               {"tensor_name", tensor_label(s, r.tensor_id)},
               {"buffer", r.buffer_id},
@@ -381,6 +402,11 @@ json queue_json(const QueueView<Slot>& q, F&& slot_json) {
 
 }  // namespace
 
+// Values that may pass 2^53, where jq and JavaScript round a JSON number,
+// are strings: the random generation and lease as 0x-hex (as the text shows
+// them), CLOCK_MONOTONIC nanoseconds (past 2^53 after 104 days of uptime)
+// as decimal, and so are byte counts (8 PiB: days at tens of GB/s).
+// Counters of events stay numbers.
 json to_json(const Snapshot& s) {
   const HeaderView& h = s.header;
   json j;
@@ -389,12 +415,13 @@ json to_json(const Snapshot& s) {
                      {"layout_version", h.layout_version},
                      {"header_size", h.header_size},
                      {"segment_size", h.segment_size},
-                     {"generation", h.generation},
+                     {"generation", hex64(h.generation)},
                      {"server_pid", h.server_pid},
                      {"server_start_time", h.server_start_time},
                      {"server_alive", h.server_alive},
+                     {"server_uptime_s", h.server_uptime_s ? json(*h.server_uptime_s) : json(nullptr)},
                      {"state", server_state_name(h.server_state)},
-                     {"heartbeat_ns", h.heartbeat_ns},
+                     {"heartbeat_ns", std::to_string(h.heartbeat_ns)},
                      {"heartbeat_age_ms", optional_json(h.heartbeat_age_ms)},
                      {"tensor_count", h.tensor_count},
                      {"max_workers", h.max_workers},
@@ -447,11 +474,12 @@ json to_json(const Snapshot& s) {
                            {"pid_stopped", w.pid_stopped},
                            {"pid_start_time", w.pid_start_time},
                            {"state", worker_state_name(w.state)},
-                           {"lease", w.lease},
+                           {"lease", hex64(w.lease)},
                            {"pushes_applied", w.pushes_applied},
+                           {"applied_bytes", std::to_string(w.applied_bytes)},
                            {"pushes_rejected", w.pushes_rejected},
                            {"pulls", w.pulls},
-                           {"last_request_ns", w.last_request_ns},
+                           {"last_request_ns", std::to_string(w.last_request_ns)},
                            {"last_request_age_ms", optional_json(w.last_request_age_ms)},
                            {"buffers", std::move(buffers)}});
   }
@@ -472,7 +500,10 @@ json to_json(const Snapshot& s) {
   for (uint32_t code = 0; code < st.rejected.size(); ++code)
     if (st.rejected[code] != 0) rejected[error_name(code)] = st.rejected[code];
   json stats = json::object();
-#define SHMPS_STATS_JSON(name) stats[#name] = st.name;
+  // A byte count (a name ending in _bytes) passes 2^53 after days (8 PiB):
+  // a string, as the 64-bit values of to_json()'s rule.
+#define SHMPS_STATS_JSON(name, kind, help) \
+  stats[#name] = ends_with(#name, "_bytes") ? json(std::to_string(st.name)) : json(st.name);
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_JSON)
 #undef SHMPS_STATS_JSON
   stats["avg_staleness"] = static_cast<double>(st.avg_staleness_micro) / 1e6;
@@ -543,7 +574,9 @@ std::string render_text(const Snapshot& s) {
   o << "  layout version  " << h.layout_version << "\n";
   o << "  segment size    " << h.segment_size << " bytes\n";
   o << "  server          pid " << h.server_pid << " (" << (h.server_alive ? "alive" : "dead") << "), start time "
-    << h.server_start_time << "\n";
+    << h.server_start_time;
+  if (h.server_uptime_s) o << ", up " << num(*h.server_uptime_s) << " s";
+  o << "\n";
   o << "  generation      " << hex64(h.generation) << "\n";
   o << "  state           " << server_state_name(h.server_state) << "\n";
   o << "  heartbeat       " << age_text(h.heartbeat_age_ms, h.heartbeat_ns) << "\n";
@@ -589,8 +622,9 @@ std::string render_text(const Snapshot& s) {
     if (w.state == static_cast<uint32_t>(shm::WorkerState::kDetached) && w.pid_alive)
       o << ", released by the server; waiting for the process to free it";
     o << "\n";
-    o << "    pushes applied " << w.pushes_applied << ", rejected " << w.pushes_rejected << ", pulls " << w.pulls
-      << ", last request " << age_text(w.last_request_age_ms, w.last_request_ns) << "\n";
+    o << "    pushes applied " << w.pushes_applied << " (" << w.applied_bytes << " bytes), rejected "
+      << w.pushes_rejected << ", pulls " << w.pulls << ", last request "
+      << age_text(w.last_request_age_ms, w.last_request_ns) << "\n";
     for (const BufferView& b : w.buffers) {
       o << "    buffer " << b.id << ": " << buffer_kind_name(b.kind) << ", " << b.length << " bytes at offset "
         << b.offset;
@@ -619,7 +653,7 @@ std::string render_text(const Snapshot& s) {
   const StatsView& st = s.stats;
   o << "== stats ==\n";
   o << "  version         " << st.version << "\n";
-  o << "  gradients       " << st.gradients_applied << " applied, avg staleness "
+  o << "  gradients       " << st.gradients_applied << " applied (" << st.applied_bytes << " bytes), avg staleness "
     << num(static_cast<double>(st.avg_staleness_micro) / 1e6) << "\n";
   o << "  weights pulled  " << st.weights_pulled << "\n";
   o << "  requests        " << st.requests << "\n";
@@ -635,6 +669,216 @@ std::string render_text(const Snapshot& s) {
     << st.mappings_closed << " closed\n";
   o << "  lanes corrupt   " << st.lanes_corrupt << "\n";
   return o.str();
+}
+
+// ---------------------------------------------------------------- prometheus
+
+namespace {
+
+// A label value as the text exposition format wants it: \\, \" and \n escaped.
+std::string label_value(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"')
+      out += std::string("\\") + c;
+    else if (c == '\n')
+      out += "\\n";
+    else
+      out += c;
+  }
+  return out;
+}
+
+// Prometheus's names: a counter ends in _total; a value in millionths
+// (name_micro) is given in its unit.
+std::string metric_name(const std::string& name, const std::string& kind) {
+  std::string base = name;
+  if (ends_with(base, "_micro")) base.resize(base.size() - 6);
+  return "shmps_" + base + (kind == "counter" ? "_total" : "");
+}
+
+double metric_value(const std::string& name, uint64_t v) {
+  return ends_with(name, "_micro") ? static_cast<double>(v) / 1e6 : static_cast<double>(v);
+}
+
+class Exposition {
+ public:
+  explicit Exposition(std::string labels) : labels_(std::move(labels)) {}
+  void family(const std::string& metric, const std::string& type, const std::string& help) {
+    out_ << "# HELP " << metric << " " << help << "\n# TYPE " << metric << " " << type << "\n";
+  }
+  void sample(const std::string& metric, double value, const std::string& extra_labels = "") {
+    out_ << metric << "{" << labels_ << extra_labels << "} " << num17(value) << "\n";
+  }
+  std::string text() const { return out_.str(); }
+
+ private:
+  static std::string num17(double v) {
+    char buf[40];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    return buf;
+  }
+  std::string labels_;
+  std::ostringstream out_;
+};
+
+}  // namespace
+
+std::string render_prometheus_down(const std::string& name) {
+  Exposition e("name=\"" + label_value(name) + "\"");
+  e.family("shmps_up", "gauge", "1 while the segment's server process is alive, else 0.");
+  e.sample("shmps_up", 0);
+  return e.text();
+}
+
+std::string render_prometheus(const Snapshot& s, const std::string& name) {
+  Exposition e("name=\"" + label_value(name) + "\"");
+  const HeaderView& h = s.header;
+  e.family("shmps_up", "gauge", "1 while the segment's server process is alive, else 0.");
+  e.sample("shmps_up", h.server_alive ? 1 : 0);
+  e.family("shmps_info", "gauge", "The server's identity and configuration, as labels; always 1.");
+  e.sample("shmps_info", 1,
+           ",pid=\"" + std::to_string(h.server_pid) + "\",generation=\"" + hex64(h.generation) + "\",optimizer=\"" +
+               optimizer_name(s.config.optimizer_kind) + "\",backend=\"" + backend_name(s.config.backend) + "\"");
+  e.family("shmps_server_state", "gauge", "The server's state: 1 starting, 2 running, 3 stopping, 4 stopped.");
+  e.sample("shmps_server_state", h.server_state);
+  e.family("shmps_parameters", "gauge", "Parameters (fp32 elements) of the model, all tensors.");
+  e.sample("shmps_parameters", static_cast<double>(h.total_elements));
+  e.family("shmps_learning_rate", "gauge", "The optimizer's learning rate now.");
+  e.sample("shmps_learning_rate", s.config.lr);
+  e.family("shmps_max_staleness", "gauge", "Pushes more than this many versions old are rejected.");
+  e.sample("shmps_max_staleness", static_cast<double>(s.config.max_staleness));
+  if (h.server_uptime_s) {
+    e.family("shmps_uptime_seconds", "gauge", "Time since the server process started.");
+    e.sample("shmps_uptime_seconds", *h.server_uptime_s);
+  }
+  if (h.heartbeat_age_ms) {
+    e.family("shmps_heartbeat_age_seconds", "gauge", "Time since the server last wrote its heartbeat.");
+    e.sample("shmps_heartbeat_age_seconds", static_cast<double>(*h.heartbeat_age_ms) / 1e3);
+  }
+  const StatsView& st = s.stats;
+#define SHMPS_STATS_PROMETHEUS(field, kind, help)    \
+  e.family(metric_name(#field, #kind), #kind, help); \
+  e.sample(metric_name(#field, #kind), metric_value(#field, st.field));
+  SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_PROMETHEUS)
+#undef SHMPS_STATS_PROMETHEUS
+  e.family("shmps_requests_rejected_total", "counter", "Requests refused, by cause (the error code's name).");
+  for (uint32_t code = 1; code < st.rejected.size(); ++code) {
+    const std::string cause = error_name(code);
+    if (cause.rfind("unknown(", 0) == 0 && st.rejected[code] == 0) continue;
+    e.sample("shmps_requests_rejected_total", static_cast<double>(st.rejected[code]),
+             ",cause=\"" + label_value(cause) + "\"");
+  }
+  // Per worker: labelled by slot and pid (a worker that reconnects keeps
+  // neither, so these are series of one session each).
+  const auto per_worker = [&](const std::string& metric, const std::string& type, const std::string& help,
+                              const std::function<std::optional<double>(const WorkerView&)>& value) {
+    e.family(metric, type, help);
+    for (const WorkerView& w : s.workers)
+      if (const auto v = value(w))
+        e.sample(metric, *v, ",worker=\"" + std::to_string(w.id) + "\",pid=\"" + std::to_string(w.pid) + "\"");
+  };
+  per_worker("shmps_worker_pushes_applied_total", "counter", "Pushes of this worker applied.",
+             [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.pushes_applied)); });
+  per_worker("shmps_worker_pushes_rejected_total", "counter", "Pushes of this worker rejected.",
+             [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.pushes_rejected)); });
+  per_worker("shmps_worker_applied_bytes_total", "counter", "Bytes of gradient of this worker applied.",
+             [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.applied_bytes)); });
+  per_worker("shmps_worker_pulls_total", "counter", "Pulls of this worker served.",
+             [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.pulls)); });
+  per_worker("shmps_worker_last_request_age_seconds", "gauge", "Time since this worker's last request.",
+             [](const WorkerView& w) -> std::optional<double> {
+               if (!w.last_request_age_ms) return std::nullopt;
+               return static_cast<double>(*w.last_request_age_ms) / 1e3;
+             });
+  return e.text();
+}
+
+}  // namespace shmps::inspect
+
+namespace shmps::inspect {
+
+namespace {
+
+double per_second(uint64_t before, uint64_t after, double seconds) {
+  return after >= before ? static_cast<double>(after - before) / seconds : 0.0;
+}
+
+std::string rate_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, v >= 100 ? "%.0f" : "%.1f", v);
+  return buf;
+}
+
+std::string bytes_rate_text(double v) {
+  char buf[32];
+  if (v >= 1e9)
+    std::snprintf(buf, sizeof buf, "%.2f GB/s", v / 1e9);
+  else if (v >= 1e6)
+    std::snprintf(buf, sizeof buf, "%.1f MB/s", v / 1e6);
+  else
+    std::snprintf(buf, sizeof buf, "%.0f B/s", v);
+  return buf;
+}
+
+}  // namespace
+
+std::optional<Rates> rates_between(const Snapshot& a, const Snapshot& b) {
+  if (a.header.generation != b.header.generation || b.taken_ns <= a.taken_ns) return std::nullopt;
+  Rates r;
+  r.seconds = static_cast<double>(b.taken_ns - a.taken_ns) / 1e9;
+  r.pushes = per_second(a.stats.gradients_applied, b.stats.gradients_applied, r.seconds);
+  r.pulls = per_second(a.stats.weights_pulled, b.stats.weights_pulled, r.seconds);
+  r.bytes = per_second(a.stats.applied_bytes, b.stats.applied_bytes, r.seconds);
+  r.requests = per_second(a.stats.requests, b.stats.requests, r.seconds);
+  for (uint32_t code = 0; code < b.stats.rejected.size() && code < a.stats.rejected.size(); ++code)
+    if (b.stats.rejected[code] > a.stats.rejected[code])
+      r.rejected.emplace_back(error_name(code), per_second(a.stats.rejected[code], b.stats.rejected[code], r.seconds));
+  for (const WorkerView& w : b.workers) {
+    const auto same = std::find_if(a.workers.begin(), a.workers.end(), [&](const WorkerView& v) {
+      return v.id == w.id && v.pid == w.pid && v.lease == w.lease;
+    });
+    if (same == a.workers.end()) continue;
+    Rates::Worker x;
+    x.id = w.id;
+    x.pid = w.pid;
+    x.pushes = per_second(same->pushes_applied, w.pushes_applied, r.seconds);
+    x.rejected = per_second(same->pushes_rejected, w.pushes_rejected, r.seconds);
+    x.pulls = per_second(same->pulls, w.pulls, r.seconds);
+    x.bytes = per_second(same->applied_bytes, w.applied_bytes, r.seconds);
+    r.workers.push_back(x);
+  }
+  return r;
+}
+
+std::string render_rates_text(const Rates& r) {
+  std::string out = "== rates (over the last " + rate_text(r.seconds) + " s) ==\n";
+  out += "  total           " + rate_text(r.pushes) + " pushes/s, " + rate_text(r.pulls) + " pulls/s, " +
+         bytes_rate_text(r.bytes) + " applied, " + rate_text(r.requests) + " requests/s\n";
+  std::string rejected;
+  for (const auto& [cause, v] : r.rejected) rejected += (rejected.empty() ? "" : ", ") + cause + " " + rate_text(v);
+  out += "  rejected/s      " + (rejected.empty() ? std::string("none") : rejected) + "\n";
+  for (const Rates::Worker& w : r.workers)
+    out += "  worker " + std::to_string(w.id) + " (pid " + std::to_string(w.pid) + "): " + rate_text(w.pushes) +
+           " pushes/s, " + rate_text(w.pulls) + " pulls/s, " + bytes_rate_text(w.bytes) + ", " + rate_text(w.rejected) +
+           " rejected/s\n";
+  return out;
+}
+
+nlohmann::json rates_json(const Rates& r) {
+  nlohmann::json rejected = nlohmann::json::object();
+  for (const auto& [cause, v] : r.rejected) rejected[cause] = v;
+  nlohmann::json workers = nlohmann::json::array();
+  for (const Rates::Worker& w : r.workers)
+    workers.push_back({{"id", w.id},
+                       {"pid", w.pid},
+                       {"pushes_per_s", w.pushes},
+                       {"rejected_per_s", w.rejected},
+                       {"pulls_per_s", w.pulls},
+                       {"bytes_per_s", w.bytes}});
+  return {{"seconds", r.seconds},         {"pushes_per_s", r.pushes},     {"pulls_per_s", r.pulls},
+          {"bytes_per_s", r.bytes},       {"requests_per_s", r.requests}, {"rejected_per_s", std::move(rejected)},
+          {"workers", std::move(workers)}};
 }
 
 }  // namespace shmps::inspect

@@ -28,6 +28,7 @@ struct HeaderView {
   uint32_t server_pid = 0;
   uint64_t server_start_time = 0;            // clock ticks since boot
   bool server_alive = false;                 // process_alive(pid, start time) on this host, now
+  std::optional<double> server_uptime_s;     // since server_start_time, by this host's clock; while alive
   uint32_t server_state = 0;                 // shm::ServerState, unchecked
   uint64_t heartbeat_ns = 0;                 // CLOCK_MONOTONIC
   std::optional<uint64_t> heartbeat_age_ms;  // empty when the heartbeat lies in the future
@@ -86,6 +87,7 @@ struct WorkerView {
   uint64_t pushes_applied = 0;
   uint64_t pushes_rejected = 0;
   uint64_t pulls = 0;
+  uint64_t applied_bytes = 0;                   // of its applied pushes
   uint64_t last_request_ns = 0;                 // 0: none yet
   std::optional<uint64_t> last_request_age_ms;  // empty when none or in the future
   std::vector<BufferView> buffers;              // the non-empty descriptors
@@ -107,7 +109,7 @@ using CompletionQueueView = QueueView<shm::Completion>;
 
 // The StatsBlock's counters (layout.hpp, SHMPS_STATS_BLOCK_COUNTERS).
 struct StatsView {
-#define SHMPS_STATS_FIELD(name) uint64_t name = 0;
+#define SHMPS_STATS_FIELD(name, kind, help) uint64_t name = 0;
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_FIELD)
 #undef SHMPS_STATS_FIELD
   std::vector<uint64_t> rejected;  // by ErrorCode value, shm::kRejectCauses entries
@@ -133,10 +135,40 @@ struct Snapshot {
 Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string& source);
 
 nlohmann::json to_json(const Snapshot& snapshot);
+
+// What changed per second between two snapshots of one server (--watch):
+// in total and per worker session (same entry, pid and lease in both).
+struct Rates {
+  double seconds = 0;  // between the two snapshots
+  double pushes = 0, pulls = 0, bytes = 0, requests = 0;
+  std::vector<std::pair<std::string, double>> rejected;  // by cause, those that moved
+  struct Worker {
+    uint32_t id = 0;
+    uint32_t pid = 0;
+    double pushes = 0, rejected = 0, pulls = 0, bytes = 0;
+  };
+  std::vector<Worker> workers;
+};
+// Empty when the snapshots are of different server generations or no time
+// passed between them. Counters that went back (a restart under the same
+// generation cannot happen; a garbage entry can) count as 0.
+std::optional<Rates> rates_between(const Snapshot& before, const Snapshot& after);
+std::string render_rates_text(const Rates& rates);
+nlohmann::json rates_json(const Rates& rates);
 // The human-readable report; one section per part of the segment:
 // "== header ==", "== config ==", "== tensors", "== workers", "== request
 // lanes", "== completion queues", "== stats ==".
 std::string render_text(const Snapshot& snapshot);
+// The Prometheus text exposition format (version 0.0.4): every StatsBlock
+// counter as shmps_<name>[_total] with its HELP and TYPE, rejections by
+// cause, per-worker counters (labels worker, pid), liveness (shmps_up),
+// identity (shmps_info) and the config a dashboard needs; every sample
+// labelled name="<name>". For the node exporter's textfile collector.
+std::string render_prometheus(const Snapshot& snapshot, const std::string& name);
+// shmps_up 0 alone: what --format prometheus prints when there is no
+// readable segment (stopped, never started, corrupt), so a scrape of the
+// textfile sees the server down instead of its last values.
+std::string render_prometheus_down(const std::string& name);
 
 // Names of raw enum values; "unknown(N)" outside the enum.
 std::string opcode_name(uint32_t opcode);
@@ -147,6 +179,8 @@ std::string backend_name(uint32_t backend);
 std::string dtype_name(uint32_t dtype);
 std::string buffer_kind_name(uint32_t kind);
 std::string error_name(uint32_t code);  // shmps::error_code_name, or unknown(N)
+// "0x0123456789abcdef": magic, generation and leases, in text and JSON.
+std::string hex64(uint64_t v);
 // The config flags as "nesterov,amsgrad", "none", unknown bits as 0x...
 std::string config_flags_text(uint32_t flags);
 // The bytes up to the first NUL within `n` (all n and " (unterminated)"

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <string>
 
 #include "shmps/server/options.hpp"
@@ -17,6 +18,20 @@ namespace {
 // relaxed: an independent setting; a line written with the old level
 // during a change is harmless.
 std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
+
+// "2026-12-01T23:59:59.123+0000 ": local time to the millisecond, with
+// its UTC offset (ISO 8601), so lines from hosts in other zones compare.
+void append_timestamp(std::string& line) {
+  struct timespec now {};
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  struct tm local {};
+  if (::localtime_r(&now.tv_sec, &local) == nullptr) return;
+  char text[48];
+  size_t n = std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%S", &local);
+  n += static_cast<size_t>(std::snprintf(text + n, sizeof text - n, ".%03ld", now.tv_nsec / 1000000));
+  n += std::strftime(text + n, sizeof text - n, "%z ", &local);
+  line.append(text, n);
+}
 
 }  // namespace
 
@@ -39,7 +54,11 @@ void write(LogLevel l, std::string_view text) {
   static const bool journal = stderr_is_journal();
   std::string line;
   line.reserve(text.size() + 32);
-  if (journal) line += "<" + std::to_string(static_cast<int>(l)) + ">";
+  // journald stamps each line itself and reads the priority from "<N>".
+  if (journal)
+    line += "<" + std::to_string(static_cast<int>(l)) + ">";
+  else
+    append_timestamp(line);
   line += "shmps-server ";
   line += log_level_name(l);
   line += ": ";

@@ -256,7 +256,9 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
   st.avg_staleness_micro.store(model_.staleness.record(staleness), std::memory_order_relaxed);
   st.version.store(model_.version, std::memory_order_relaxed);
   bump(st.gradients_applied);
+  bump(st.applied_bytes, req.byte_length);
   bump(segment_.worker(i).pushes_applied);
+  bump(segment_.worker(i).applied_bytes, req.byte_length);
   Answer a = ok(req, model_.version);
   a.completion.value = staleness;
   a.hold = std::move(hold);

@@ -55,6 +55,7 @@ void Sessions::attach(uint32_t i, uint64_t claimed) {
   entry.pushes_applied.store(0, std::memory_order_relaxed);
   entry.pushes_rejected.store(0, std::memory_order_relaxed);
   entry.pulls.store(0, std::memory_order_relaxed);
+  entry.applied_bytes.store(0, std::memory_order_relaxed);
   const uint64_t attached = shm::make_owner(static_cast<uint32_t>(pid), WorkerState::kAttached);
   uint64_t expected = claimed;
   // acq_rel: SYNC(worker_attached) the release publishes the reset

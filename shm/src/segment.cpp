@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <set>
 #include <thread>
 #include <vector>
@@ -71,15 +72,21 @@ bool holds_group(gid_t gid) {
   return got > 0 && std::find(groups.begin(), groups.begin() + got, gid) != groups.begin() + got;
 }
 
+}  // namespace
+
+std::string owner_text(uid_t uid, gid_t gid) { return user_name(uid) + ":" + group_name(gid); }
+
 std::string mode_text(mode_t mode) {
   char text[8];
   std::snprintf(text, sizeof text, "%04o", static_cast<unsigned>(mode & 0777));
   return text;
 }
 
+namespace {
+
 // "owner alice:staff, mode 0666": who holds an object, for every refusal.
 std::string owner_and_mode(uid_t uid, gid_t gid, mode_t mode) {
-  return "owner " + user_name(uid) + ":" + group_name(gid) + ", mode " + mode_text(mode);
+  return "owner " + owner_text(uid, gid) + ", mode " + mode_text(mode);
 }
 
 // The error for EACCES/EPERM opening /dev/shm/<object_name>: the object's
@@ -391,10 +398,15 @@ Status validate_spec(const SegmentSpec& spec) {
 
 namespace {
 
+// A start leaves the object empty only between creating and sizing it
+// (microseconds); one empty for this long is a start that died there.
+constexpr int64_t kCrashedStartSeconds = 10;
+
 // Something holds the segment's name: removes it if it is a segment of
-// ours whose server is dead, or an empty object of ours (a start that died
-// between creating and sizing it); refuses, naming its owner and mode,
-// anything else.
+// ours whose server is dead, or an empty object of ours older than
+// kCrashedStartSeconds (a start that died between creating and sizing it;
+// a younger one may be another server starting under the name); refuses,
+// naming its owner and mode, anything else.
 Status clear_stale_object(const std::string& object_name, const std::string& name) {
   const std::string path = "/dev/shm/" + object_name;
   struct stat st {};
@@ -406,10 +418,21 @@ Status clear_stale_object(const std::string& object_name, const std::string& nam
             path + who + " belongs to another user, not to " + user_name(::geteuid()) +
                 ": not adopting it; if it is stale, its owner or root must remove it (sudo rm " + path + ")"};
   if (!S_ISREG(st.st_mode)) return {ErrorCode::kLayoutMismatch, path + who + " is not a shm object; remove it by hand"};
-  if (st.st_size != 0) {
+  if (st.st_size == 0) {
+    struct timespec now {};
+    ::clock_gettime(CLOCK_REALTIME, &now);
+    if (now.tv_sec - st.st_mtim.tv_sec < kCrashedStartSeconds)
+      return {ErrorCode::kInvalidArgument, path + who + " is empty: another shmps-server may be starting under '" +
+                                               name + "'; if none is, remove it (rm " + path + ") or wait " +
+                                               std::to_string(kCrashedStartSeconds) +
+                                               " s, after which a start replaces it"};
+  } else {
     auto existing = ShmObject::open(object_name, /*read_only=*/true);
     if (!existing.ok()) return Status{existing.status().code(), existing.status().message() + who};
     const ShmObject& old = **existing;
+    // The descriptor's owner, not the name's a moment ago.
+    if (old.owner_uid() != ::geteuid())
+      return {ErrorCode::kPermission, path + who + " belongs to another user: not adopting it"};
     if (old.size() < sizeof(SegmentHeader))
       return {ErrorCode::kLayoutMismatch,
               path + who + " is " + std::to_string(old.size()) +

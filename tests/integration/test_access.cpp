@@ -279,14 +279,24 @@ BOOST_AUTO_TEST_CASE(name_held_by_another_user_is_never_adopted) {
 }
 
 // An empty object of the server's own user at the name is what a start that
-// died between creating and sizing the segment leaves: the next start
-// replaces it instead of failing the same way every time.
+// died between creating and sizing the segment leaves: once it is older
+// than a start takes, the next start replaces it instead of failing the
+// same way every time. A fresh one may be another server starting: refused.
 BOOST_AUTO_TEST_CASE(own_empty_object_is_a_crashed_start_and_is_replaced) {
   const std::string name = test::unique_name("empty");
   const std::string object = shm::segment_object_name(name);
   const int fd = ::shm_open(object.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   BOOST_REQUIRE(fd >= 0);
   ::close(fd);
+  const auto fresh = test::run_captured({test::program_path("shmps-server"), "--name", name, "--tensor", "w:4"});
+  BOOST_TEST(fresh.exit_code == 1, fresh.output);
+  BOOST_TEST(fresh.output.find("(owner " + shm::owner_text(::geteuid(), ::getegid()) +
+                               ", mode 0600) is empty: another shmps-server may be starting") != std::string::npos,
+             fresh.output);
+  BOOST_TEST(stat_of(object).st_size == 0);  // left alone
+  // The same object a minute old: a start that died.
+  const struct timespec minute_ago[2] = {{::time(nullptr) - 60, 0}, {::time(nullptr) - 60, 0}};
+  BOOST_REQUIRE(::utimensat(AT_FDCWD, ("/dev/shm/" + object).c_str(), minute_ago, 0) == 0);
   test::ServerProcess server(name, kTiny);
   BOOST_TEST(stat_of(object).st_size > 0);
   auto w = connect(name);

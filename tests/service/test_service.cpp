@@ -19,9 +19,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -43,6 +45,13 @@ std::string read_file(const std::string& path) {
 }
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// The timestamp that starts a log line written outside the journal.
+const std::regex kTimestamp(R"(^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d{4} shmps-server )");
+const std::regex kTimestamps(R"((^|\n)\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d{4} (shmps-server ))");
+
+// `text` with each line's leading timestamp taken off.
+std::string without_timestamps(const std::string& text) { return std::regex_replace(text, kTimestamps, "$1$2"); }
 
 // A path under /tmp, unique to this process, removed at scope exit.
 struct TempPath {
@@ -484,7 +493,7 @@ BOOST_AUTO_TEST_CASE(check_config_refuses_the_init_file_the_start_refuses) {
       check_args.push_back("--check-config");
       const test::Captured check = test::run_captured(check_args, 10s, nobody);
       BOOST_TEST(check.exit_code == 2, check.output);
-      BOOST_TEST(check.output == "shmps-server error: " + c.message + "\n");
+      BOOST_TEST(without_timestamps(check.output) == "shmps-server error: " + c.message + "\n", check.output);
       const test::Captured start = test::run_captured(args, 10s, nobody);
       BOOST_TEST(start.exit_code == 1, start.output);
       BOOST_TEST(contains(start.output, ": " + c.message + "\n"), start.output);
@@ -526,7 +535,24 @@ BOOST_AUTO_TEST_CASE(journal_stream_prefixes_lines_with_their_syslog_priority) {
   BOOST_REQUIRE(test::eventually([&] { return segment_published_by(name2, other.pid()); }));
   other.signal(SIGTERM);
   BOOST_TEST(other.wait(10s) == 0);
-  BOOST_TEST(read_file(plain.path).rfind("shmps-server info: starting", 0) == 0u, read_file(plain.path));
+  // Not the journal: every line starts with the local time, to the
+  // millisecond with its UTC offset, within this test's run.
+  const std::string text = read_file(plain.path);
+  BOOST_TEST(without_timestamps(text).rfind("shmps-server info: starting", 0) == 0u, text);
+  std::istringstream plain_lines(text);
+  int stamped = 0;
+  for (std::string line; std::getline(plain_lines, line); ++stamped) {
+    BOOST_TEST_CONTEXT(line) {
+      BOOST_TEST(std::regex_search(line, kTimestamp));
+      struct tm tm {};
+      const char* rest = ::strptime(line.c_str(), "%Y-%m-%dT%H:%M:%S", &tm);
+      BOOST_REQUIRE(rest != nullptr);
+      tm.tm_isdst = -1;  // local time: let mktime decide whether DST applies
+      const time_t when = std::mktime(&tm);
+      BOOST_TEST(std::abs(std::difftime(std::time(nullptr), when)) < 120.0);
+    }
+  }
+  BOOST_TEST(stamped >= 3);
 }
 
 // A stop that arrives right after start-up (the segment just published,

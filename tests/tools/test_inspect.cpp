@@ -8,14 +8,18 @@
 
 #define BOOST_TEST_MODULE test_inspect
 #include <algorithm>
+#include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -176,6 +180,11 @@ BOOST_AUTO_TEST_CASE(live_segment_as_json) {
   BOOST_TEST(h["server_alive"] == true);
   BOOST_TEST(h["state"] == "running");
   BOOST_TEST(h["heartbeat_age_ms"].is_number());
+  char generation[24];
+  std::snprintf(generation, sizeof generation, "0x%016llx", static_cast<unsigned long long>(worker->generation()));
+  BOOST_TEST(h["generation"] == generation);
+  BOOST_TEST(h["heartbeat_ns"].is_string());
+  BOOST_TEST(std::stoull(h["heartbeat_ns"].get<std::string>()) > 0u);
   BOOST_TEST(j["config"]["optimizer"] == "sgd");
   BOOST_TEST(j["config"]["backend"] == "host");
 
@@ -192,7 +201,13 @@ BOOST_AUTO_TEST_CASE(live_segment_as_json) {
   BOOST_TEST(w["pid"] == ::getpid());
   BOOST_TEST(w["pid_alive"] == true);
   BOOST_TEST(w["state"] == "attached");
-  BOOST_TEST(w["lease"] != 0);
+  // 64-bit values that may pass 2^53 are strings (jq and JavaScript round
+  // numbers there): the random ones in hex, as the text shows them.
+  BOOST_TEST(w["lease"].is_string());
+  BOOST_TEST(w["lease"].get<std::string>().rfind("0x", 0) == 0u);
+  BOOST_TEST(w["lease"] != "0x0000000000000000");
+  BOOST_TEST(w["last_request_ns"].is_string());
+  BOOST_TEST(std::stoull(w["last_request_ns"].get<std::string>()) > 0u);
   BOOST_TEST(w["pushes_applied"] == 1);
   BOOST_TEST(w["pushes_rejected"] == 0);
   BOOST_REQUIRE(w["buffers"].size() == 1u);
@@ -211,6 +226,83 @@ BOOST_AUTO_TEST_CASE(live_segment_as_json) {
   BOOST_TEST(st["workers_attached"] == 1);
   BOOST_TEST(st["mappings_opened"] == 1);
   BOOST_TEST(st["rejected"].empty());
+}
+
+// --format prometheus: the text exposition format, each family with HELP
+// and TYPE before its samples, counters named *_total, every sample
+// labelled with the server's name; the values match the segment.
+BOOST_AUTO_TEST_CASE(live_segment_in_prometheus_format) {
+  const std::string name = test::unique_name("prom");
+  std::vector<std::string> args = kTensorArgs;
+  args.insert(args.end(), {"--max-staleness", "0"});
+  test::ServerProcess server(name, args);
+  auto worker = connect(name);
+  auto buffer = worker->register_buffer(kAllBytes);
+  BOOST_REQUIRE(buffer.ok());
+  std::memset(buffer->data, 0, kAllBytes);
+  BOOST_REQUIRE(worker->push(kAllTensors, buffer->id, 0, kAllBytes, Dtype::kF32, 0).ok());
+  BOOST_REQUIRE(worker->pull(kAllTensors, buffer->id, 0).ok());
+  // A push computed at version 0, now 1 behind (bound 0): one stale rejection.
+  BOOST_TEST(
+      (worker->push(kAllTensors, buffer->id, 0, kAllBytes, Dtype::kF32, 0).status().code() == ErrorCode::kStale));
+
+  const Run r = run_inspect({"--format", "prometheus", name});
+  BOOST_REQUIRE_MESSAGE(r.rc == 0, r.err);
+  static const std::regex sample(R"(^([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\} (-?[0-9.eE+-]+|NaN|[+-]Inf)$)");
+  static const std::regex comment(R"(^# (HELP|TYPE) ([a-zA-Z_:][a-zA-Z0-9_:]*) (.+)$)");
+  std::map<std::string, std::string> type_of;
+  std::map<std::string, double> value;  // "<metric>{<labels>}" -> value
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) {
+    std::smatch m;
+    if (std::regex_match(line, m, comment)) {
+      if (m[1] == "TYPE") {
+        BOOST_TEST((m[3] == "counter" || m[3] == "gauge"), line);
+        BOOST_TEST(type_of.count(m[2]) == 0u, "family declared twice: " << line);
+        type_of[m[2]] = m[3];
+        const std::string metric = m[2];
+        BOOST_TEST((m[3] == "counter") == (metric.size() > 6 && metric.substr(metric.size() - 6) == "_total"), line);
+      }
+      continue;
+    }
+    BOOST_REQUIRE_MESSAGE(std::regex_match(line, m, sample), "not a sample line: '" << line << "'");
+    BOOST_TEST(type_of.count(m[1]) == 1u, "sample before its TYPE: " << line);
+    BOOST_TEST(m[2].str().rfind("name=\"" + name + "\"", 0) == 0u, line);
+    value[m[1].str() + "{" + m[2].str() + "}"] = std::stod(m[3]);
+  }
+  const std::string n = "{name=\"" + name + "\"";
+  // at(): a series that is missing fails instead of reading as 0.
+  const auto at = [&value](const std::string& series) {
+    BOOST_TEST_REQUIRE(value.count(series) == 1u, "no series " << series);
+    return value.at(series);
+  };
+  BOOST_TEST(at(std::string("shmps_up") + n + "}") == 1.0);
+  BOOST_TEST(at("shmps_gradients_applied_total" + n + "}") == 1.0);
+  BOOST_TEST(at("shmps_weights_pulled_total" + n + "}") == 1.0);
+  BOOST_TEST(at("shmps_version" + n + "}") == 1.0);
+  BOOST_TEST(at("shmps_workers_attached" + n + "}") == 1.0);
+  BOOST_TEST(at("shmps_parameters" + n + "}") == 16.0);
+  BOOST_TEST(at("shmps_requests_rejected_total" + n + ",cause=\"stale\"}") == 1.0);
+  BOOST_TEST(at("shmps_requests_rejected_total" + n + ",cause=\"non_finite\"}") == 0.0);
+  const std::string worker_labels =
+      n + ",worker=\"" + std::to_string(worker->worker_id()) + "\",pid=\"" + std::to_string(::getpid()) + "\"}";
+  BOOST_TEST(at("shmps_worker_pushes_applied_total" + worker_labels) == 1.0);
+  BOOST_TEST(at("shmps_worker_pushes_rejected_total" + worker_labels) == 1.0);
+  BOOST_TEST(at("shmps_worker_pulls_total" + worker_labels) == 1.0);
+  BOOST_TEST(at("shmps_worker_last_request_age_seconds" + worker_labels) >= 0.0);
+  BOOST_TEST(at("shmps_applied_bytes_total" + n + "}") == static_cast<double>(kAllBytes));
+  BOOST_TEST(at("shmps_worker_applied_bytes_total" + worker_labels) == static_cast<double>(kAllBytes));
+  BOOST_TEST(at("shmps_server_state" + n + "}") == 2.0);  // running
+  BOOST_TEST(type_of["shmps_avg_staleness"] == "gauge");  // avg_staleness_micro, in versions
+
+  BOOST_TEST(run_inspect({"--format", "yaml", name}).rc == 1);
+  BOOST_TEST(run_inspect({"--format", "prometheus", "--json", name}).rc == 1);
+  BOOST_TEST(run_inspect({"--format", "prometheus", "--watch", name}).rc == 1);
+  // No segment: shmps_up 0 alone, so a textfile scrape sees the server down.
+  const std::string gone = test::unique_name("promgone");
+  const Run down = run_inspect({"--format", "prometheus", gone});
+  BOOST_TEST(down.rc == 2);
+  BOOST_TEST(contains(down.out, "# TYPE shmps_up gauge\nshmps_up{name=\"" + gone + "\"} 0\n"), down.out);
 }
 
 BOOST_AUTO_TEST_CASE(inspect_does_not_change_the_segment) {
@@ -319,6 +411,62 @@ BOOST_AUTO_TEST_CASE(watch_stops_after_count) {
   BOOST_TEST(documents == 3);
 }
 
+// --watch shows rates from its second refresh on: pushes, pulls and bytes
+// per second, in total and per worker, from a worker pushing meanwhile;
+// and the server's uptime.
+BOOST_AUTO_TEST_CASE(watch_shows_rates_in_total_and_per_worker) {
+  const std::string name = test::unique_name("rates");
+  std::vector<std::string> args = kTensorArgs;
+  args.insert(args.end(), {"--max-staleness", "100000000"});
+  test::ServerProcess server(name, args);
+  auto worker = connect(name);
+  auto buffer = worker->register_buffer(kAllBytes);
+  BOOST_REQUIRE(buffer.ok());
+  std::memset(buffer->data, 0, kAllBytes);
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> pushed{0};
+  std::thread pusher([&] {
+    while (!stop.load()) {
+      if (worker->push(kAllTensors, buffer->id, 0, kAllBytes, Dtype::kF32, 0).ok()) pushed.fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+  const Run lines = run_inspect({"--watch", "--json", "--count", "3", "--interval-ms", "300", name});
+  const Run text = run_inspect({"--watch", "--count", "2", "--interval-ms", "300", name});
+  stop = true;
+  pusher.join();
+  BOOST_REQUIRE_MESSAGE(lines.rc == 0, lines.err);
+  BOOST_REQUIRE(pushed.load() > 0u);
+  std::istringstream in(lines.out);
+  std::vector<json> docs;
+  for (std::string line; std::getline(in, line);) docs.push_back(json::parse(line));
+  BOOST_REQUIRE_EQUAL(docs.size(), 3u);
+  BOOST_TEST(docs[0]["rates"].is_null());  // nothing to compare with yet
+  BOOST_TEST(docs[0]["header"]["server_uptime_s"].get<double>() > 0.0);
+  for (size_t d = 1; d < docs.size(); ++d) {
+    const json& r = docs[d]["rates"];
+    BOOST_TEST_CONTEXT(r.dump()) {
+      BOOST_TEST(r["seconds"].get<double>() > 0.2);
+      const double pushes = r["pushes_per_s"].get<double>();
+      BOOST_TEST(pushes > 0.0);
+      // Counters read one after another while pushes land: close, not equal.
+      BOOST_TEST(std::abs(r["bytes_per_s"].get<double>() - pushes * kAllBytes) <=
+                 std::max(0.2 * pushes * kAllBytes, 4.0 * kAllBytes / r["seconds"].get<double>()));
+      BOOST_REQUIRE(r["workers"].size() == 1u);
+      BOOST_TEST(r["workers"][0]["pid"] == ::getpid());
+      BOOST_TEST(r["workers"][0]["pushes_per_s"].get<double>() > 0.0);
+      BOOST_TEST(r["workers"][0]["bytes_per_s"].get<double>() > 0.0);
+    }
+  }
+  BOOST_REQUIRE_MESSAGE(text.rc == 0, text.err);
+  BOOST_TEST(contains(text.out, "== rates: from the next refresh on =="), text.out);
+  BOOST_TEST(contains(text.out, "== rates (over the last "), text.out);
+  BOOST_TEST(contains(text.out, "  worker " + std::to_string(worker->worker_id()) + " (pid " +
+                                    std::to_string(::getpid()) + "): "),
+             text.out);
+  BOOST_TEST(contains(text.out, ", up "), text.out);
+}
+
 BOOST_AUTO_TEST_CASE(watch_stops_on_sigint) {
   const std::string name = test::unique_name("insp");
   test::ServerProcess server(name, kTensorArgs);
@@ -352,6 +500,58 @@ BOOST_AUTO_TEST_CASE(missing_segment) {
     BOOST_TEST(n.rc == 1, option);
     BOOST_TEST(contains(n.err, std::string(option) + " must be a non-negative integer"), n.err);
   }
+}
+
+// --list: one row per segment, live or dead, with its pid, size and
+// workers; a worker's buffer object is not a segment; a foreign object at
+// a shmps name is listed as unreadable, with the reason.
+BOOST_AUTO_TEST_CASE(list_shows_live_and_dead_segments_and_foreign_objects) {
+  const std::string live = test::unique_name("lslive"), dead = test::unique_name("lsdead");
+  const std::string junk = test::unique_name("lsjunk");
+  test::ServerProcess server(live, kTensorArgs);
+  auto worker = connect(live);
+  auto buffer = worker->register_buffer(kAllBytes);
+  BOOST_REQUIRE(buffer.ok());
+  test::ServerProcess doomed(dead, kTensorArgs);
+  const pid_t doomed_pid = doomed.process().pid();
+  doomed.process().kill_and_reap();  // SIGKILL: the segment stays, its server dead
+  RemoveSegment remove_junk{junk};
+  auto garbage = shm::ShmObject::create(shm::segment_object_name(junk), 8192, 0600);
+  BOOST_REQUIRE(garbage.ok());
+  std::memset((*garbage)->data(), 0x5a, 8192);
+
+  const json j = parse_json(run_inspect({"--list", "--json"}));
+  std::map<std::string, json> rows;
+  for (const json& row : j["segments"]) rows[row["name"].get<std::string>()] = row;
+  BOOST_REQUIRE(rows.count(live) == 1u);
+  BOOST_TEST(rows[live]["server_pid"] == server.process().pid());
+  BOOST_TEST(rows[live]["server_alive"] == true);
+  BOOST_TEST(rows[live]["state"] == "running");
+  BOOST_TEST(rows[live]["workers_attached"] == 1);
+  BOOST_TEST(rows[live]["parameters"] == kAllBytes / 4);
+  BOOST_TEST(rows[live]["mode"] == "0600");
+  BOOST_REQUIRE(rows.count(dead) == 1u);
+  BOOST_TEST(rows[dead]["server_pid"] == doomed_pid);
+  BOOST_TEST(rows[dead]["server_alive"] == false);
+  BOOST_REQUIRE(rows.count(junk) == 1u);
+  BOOST_TEST(rows[junk]["exit_code"] == 3);
+  BOOST_TEST(contains(rows[junk]["error"].get<std::string>(), "not a shmps segment"), rows[junk]);
+  for (const auto& [name, row] : rows) BOOST_TEST(name.rfind(live + ".p", 0) != 0u, "a buffer listed: " << name);
+
+  const Run text = run_inspect({"--list"});
+  BOOST_TEST(text.rc == 0, text.err);
+  std::istringstream lines(text.out);
+  std::map<std::string, std::string> by_name;
+  for (std::string line; std::getline(lines, line);) by_name[line.substr(0, line.find(' '))] = line;
+  BOOST_TEST(contains(by_name[live], " " + std::to_string(server.process().pid()) + " "), text.out);
+  BOOST_TEST(contains(by_name[live], " alive "), text.out);
+  BOOST_TEST(contains(by_name[dead], " dead "), text.out);
+  BOOST_TEST(contains(by_name[junk], " unreadable "), text.out);
+  BOOST_TEST(contains(text.out, "not readable as a segment:\n"), text.out);
+  BOOST_TEST(contains(text.out, "  " + junk + ": "), text.out);
+
+  BOOST_TEST(run_inspect({"--list", live}).rc == 1);
+  BOOST_TEST(run_inspect({"--list", "--watch"}).rc == 1);
 }
 
 BOOST_AUTO_TEST_CASE(saved_and_corrupted_copies) {

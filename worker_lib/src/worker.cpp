@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdlib>
 
 #include <cstring>
@@ -101,8 +102,13 @@ Result<std::vector<uid_t>> trusted_owners(const std::string& server_user) {
   if (uids[0] != 0) uids.push_back(0);
   const std::string user = server_user.empty() ? "shmps" : server_user;
   uid_t uid = 0;
-  if (!user.empty() && user.find_first_not_of("0123456789") == std::string::npos && user.size() < 10) {
-    uid = static_cast<uid_t>(std::stoul(user));
+  uint64_t number = 0;
+  const auto [end, err] = std::from_chars(user.data(), user.data() + user.size(), number);
+  if (err == std::errc() && end == user.data() + user.size()) {
+    // (uid_t)-1 means "no user" to chown and setreuid: never an owner.
+    if (number >= uint64_t{static_cast<uid_t>(-1)})
+      return Status{ErrorCode::kInvalidArgument, "WorkerOptions::server_user '" + server_user + "': not a uid"};
+    uid = static_cast<uid_t>(number);
   } else {
     std::vector<char> buf(16384);
     struct passwd pw {};

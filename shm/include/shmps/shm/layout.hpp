@@ -50,7 +50,8 @@ namespace shmps::shm {
 inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-endian
 // 3: StatsBlock::workers_evicted. 4: SegmentHeader::weights_export, kBufferInProcess.
 // 5: Completion::message is written only when code != 0. 6: Opcode::kInit.
-// 7: kConfigGroupAccess (workers check the segment's mode against it).
+// 7: kConfigGroupAccess (workers check the segment's mode against it);
+//    StatsBlock::applied_bytes, WorkerEntry::applied_bytes.
 inline constexpr uint32_t kLayoutVersion = 7;
 inline constexpr size_t kCacheLine = 64;
 
@@ -348,7 +349,8 @@ struct WorkerEntry {
   std::atomic<uint64_t> pushes_rejected;
   std::atomic<uint64_t> pulls;
   std::atomic<uint64_t> last_request_ns;  // CLOCK_MONOTONIC
-  uint64_t reserved1[4];
+  std::atomic<uint64_t> applied_bytes;    // of its applied pushes, as pushed
+  uint64_t reserved1[3];
   // --- lines 2-5: reply area of kStats ---
   StatsReply stats_reply;
   uint64_t reserved2[16];
@@ -360,6 +362,7 @@ static_assert(offsetof(WorkerEntry, owner) == 0);
 static_assert(offsetof(WorkerEntry, pid_start_time) == 8);
 static_assert(offsetof(WorkerEntry, lease) == 16);
 static_assert(offsetof(WorkerEntry, pushes_applied) == 64);
+static_assert(offsetof(WorkerEntry, applied_bytes) == 96);
 static_assert(offsetof(WorkerEntry, stats_reply) == 128);
 
 // Head of a request lane or a completion queue. The producer owns `tail`,
@@ -434,33 +437,36 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
 // Server-wide counters. Written by the server only (relaxed stores of
 // monotonic or last-value numbers); readers get a racy snapshot.
 // The server-wide counters, declared once: SHMPS_STATS_BLOCK_COUNTERS(X)
-// expands X(name) in StatsBlock's order; shmps-inspect's view, its JSON
-// names and the worker's reply (shmps/server_stats.hpp, source `block`)
-// take them from here. lanes_corrupt: lanes whose indices were garbage;
-// workers_evicted: sessions the server ended (stopped too long, a corrupt
-// lane); avg_staleness_micro: the mean staleness * 1e6.
+// expands X(name, kind, help) in StatsBlock's order (help as Prometheus
+// shows it: a name ending in _micro holds millionths, exported divided by
+// 1e6 under the name without the suffix); shmps-inspect's view,
+// its JSON names and Prometheus metrics (kind: counter, only ever grows;
+// gauge, goes up and down) and the worker's reply (shmps/server_stats.hpp,
+// source `block`) take them from here. A name ending in _bytes counts
+// bytes: it passes 2^53 after days, so JSON carries it as a string.
 // clang-format off
 #define SHMPS_STATS_BLOCK_COUNTERS(X) \
-  X(version) \
-  X(gradients_applied) \
-  X(weights_pulled) \
-  X(avg_staleness_micro) \
-  X(requests) \
-  X(ring_depth) \
-  X(ring_high_water) \
-  X(workers_attached) \
-  X(workers_died) \
-  X(buffers_registered) \
-  X(mappings_opened) \
-  X(mappings_closed) \
-  X(lanes_corrupt) \
-  X(workers_evicted)
+  X(version, gauge, "Updates applied to the weights (or the restored checkpoint's version).") \
+  X(gradients_applied, counter, "Gradients applied.") \
+  X(weights_pulled, counter, "Weight pulls served.") \
+  X(avg_staleness_micro, gauge, "Mean staleness of the last 128 applied pushes, in versions.") \
+  X(requests, counter, "Requests served.") \
+  X(ring_depth, gauge, "Requests queued in all lanes now.") \
+  X(ring_high_water, gauge, "Most requests ever queued at once.") \
+  X(workers_attached, gauge, "Workers attached now.") \
+  X(workers_died, counter, "Workers whose process died while attached.") \
+  X(buffers_registered, gauge, "Buffers registered now.") \
+  X(mappings_opened, counter, "Buffer mappings the server opened.") \
+  X(mappings_closed, counter, "Buffer mappings the server closed.") \
+  X(lanes_corrupt, counter, "Lanes whose indices were garbage.") \
+  X(workers_evicted, counter, "Sessions the server ended (a process stopped too long, a corrupt lane).") \
+  X(applied_bytes, counter, "Bytes of gradient applied (as pushed: 2 per element for f16 and bf16).")
 // clang-format on
-#define SHMPS_STATS_COUNT(name) +1
+#define SHMPS_STATS_COUNT(name, kind, help) +1
 inline constexpr size_t kStatsBlockCounters = 0 SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_COUNT);
 #undef SHMPS_STATS_COUNT
 struct StatsBlock {
-#define SHMPS_STATS_FIELD(name) std::atomic<uint64_t> name;
+#define SHMPS_STATS_FIELD(name, kind, help) std::atomic<uint64_t> name;
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_FIELD)
 #undef SHMPS_STATS_FIELD
   uint64_t reserved0[16 - kStatsBlockCounters];
@@ -470,6 +476,7 @@ struct StatsBlock {
 static_assert(std::is_standard_layout_v<StatsBlock>);
 static_assert(sizeof(StatsBlock) == 1024);
 static_assert(offsetof(StatsBlock, workers_evicted) == 104);
+static_assert(offsetof(StatsBlock, applied_bytes) == 112);
 static_assert(offsetof(StatsBlock, rejected) == 128);
 
 }  // namespace shmps::shm

@@ -24,6 +24,12 @@ Status validate_name(const std::string& name);
 // "shmps.<name>": the POSIX shm object of the control segment.
 std::string segment_object_name(const std::string& name);
 
+// "alice:staff" (login and group names, "uid N"/"gid N" where the
+// databases have none) and "0660": an object's owner and mode as every
+// message about one shows them.
+std::string owner_text(uid_t uid, gid_t gid);
+std::string mode_text(mode_t mode);
+
 // A mapped POSIX shm object.
 class ShmObject {
  public:
