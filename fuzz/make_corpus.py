@@ -31,7 +31,7 @@ def layout_version():
 
 
 LAYOUT_VERSION = layout_version()
-HEADER, TENSOR, ENTRY, BUFDESC, LANEHDR, REQUEST, COMPLETION, STATS = 4096, 128, 512, 192, 256, 64, 128, 1024
+HEADER, TENSOR, ENTRY, BUFDESC, LANEHDR, REQUEST, COMPLETION, STATS = 4096, 128, 512, 192, 256, 64, 128, 2048
 
 
 def align(v, a):
@@ -43,7 +43,7 @@ def geometry(tensors, workers, buffers, cap):
     g["worker_table"] = align(HEADER + tensors * TENSOR, 64)
     g["entry_size"] = ENTRY + buffers * BUFDESC
     g["lanes"] = align(g["worker_table"] + workers * g["entry_size"], 64)
-    g["lane_stride"] = LANEHDR + cap * REQUEST
+    g["lane_stride"] = LANEHDR + cap * (REQUEST + 8)  # requests, then publish_ns stamps
     g["completions"] = g["lanes"] + workers * g["lane_stride"]
     g["completion_stride"] = LANEHDR + cap * COMPLETION
     g["stats"] = g["completions"] + workers * g["completion_stride"]

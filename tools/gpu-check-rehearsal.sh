@@ -265,6 +265,10 @@ main() {
   [[ ${#modes[@]} -gt 0 ]] || modes=(prebuilt build)
   if [[ $(id -u) != 0 ]]; then echo "SKIP: the rehearsal needs root (unshare -m)"; exit 77; fi
   if ! unshare -m --propagation private true 2>/dev/null; then echo "SKIP: unshare -m is not permitted here"; exit 77; fi
+  # Each mode runs under a fresh /tmp, which would hide a checkout there.
+  case "$src/" in
+    /tmp/*) echo "FAIL: the checkout $src is under /tmp, which the rehearsal replaces: clone it elsewhere" >&2; exit 1 ;;
+  esac
 
   t=$SECONDS
   "$src/tools/gpu-pack.sh" "$build"

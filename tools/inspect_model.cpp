@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +19,23 @@
 #include "shmps/shm/segment.hpp"
 
 namespace shmps::inspect {
+
+std::optional<uint64_t> HistogramView::quantile(double q) const {
+  uint64_t total = 0;
+  for (uint64_t b : buckets) total += b;
+  if (total == 0) return std::nullopt;
+  // The rank of the quantile, 1-based: the smallest count c with c >= q * total.
+  const auto rank = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(q * static_cast<double>(total))));
+  uint64_t seen = 0;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    seen += buckets[b];
+    if (seen >= rank) {
+      const uint64_t upper = b == 0 ? 0 : b >= 64 ? ~uint64_t{0} : (uint64_t{1} << b) - 1;
+      return std::min(upper, max);
+    }
+  }
+  return max;
+}
 
 std::string hex64(uint64_t v) {
   char buf[24];
@@ -34,6 +52,21 @@ bool ends_with(std::string_view s, std::string_view suffix) {
 using nlohmann::json;
 
 std::string unknown(uint32_t value) { return "unknown(" + std::to_string(value) + ")"; }
+
+// "812 ns", "35.2 us", "3.10 ms", "1.20 s".
+std::string duration_text(uint64_t ns) {
+  char buf[32];
+  const auto d = static_cast<double>(ns);
+  if (ns < 1000)
+    std::snprintf(buf, sizeof buf, "%llu ns", static_cast<unsigned long long>(ns));
+  else if (ns < 1'000'000)
+    std::snprintf(buf, sizeof buf, "%.1f us", d / 1e3);
+  else if (ns < 1'000'000'000)
+    std::snprintf(buf, sizeof buf, "%.2f ms", d / 1e6);
+  else
+    std::snprintf(buf, sizeof buf, "%.2f s", d / 1e9);
+  return buf;
+}
 
 std::string num(double v) {
   char buf[32];
@@ -345,6 +378,15 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_READ)
 #undef SHMPS_STATS_READ
   for (const auto& r : st.rejected) sv.rejected.push_back(r.load(relaxed));
+  const auto read_histogram = [&](const shm::Histogram& from, HistogramView* v) {
+    v->count = from.count.load(relaxed);
+    v->sum = from.sum.load(relaxed);
+    v->max = from.max.load(relaxed);
+    for (const auto& bucket : from.buckets) v->buckets.push_back(bucket.load(relaxed));
+  };
+#define SHMPS_STATS_READ_HISTOGRAM(name, unit, help) read_histogram(st.name, &sv.name);
+  SHMPS_STATS_HISTOGRAMS(SHMPS_STATS_READ_HISTOGRAM)
+#undef SHMPS_STATS_READ_HISTOGRAM
   return snap;
 }
 
@@ -507,6 +549,20 @@ json to_json(const Snapshot& s) {
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_JSON)
 #undef SHMPS_STATS_JSON
   stats["avg_staleness"] = static_cast<double>(st.avg_staleness_micro) / 1e6;
+  json histograms = json::object();
+  const auto histogram_json = [](const HistogramView& hv, const char* unit) {
+    return json{{"unit", unit},
+                {"count", hv.count},
+                {"sum", std::to_string(hv.sum)},  // may pass 2^53 (ns)
+                {"max", hv.max},
+                {"p50", hv.quantile(0.5) ? json(*hv.quantile(0.5)) : json(nullptr)},
+                {"p99", hv.quantile(0.99) ? json(*hv.quantile(0.99)) : json(nullptr)},
+                {"buckets", hv.buckets}};
+  };
+#define SHMPS_STATS_HISTOGRAM_JSON(name, unit, help) histograms[#name] = histogram_json(st.name, #unit);
+  SHMPS_STATS_HISTOGRAMS(SHMPS_STATS_HISTOGRAM_JSON)
+#undef SHMPS_STATS_HISTOGRAM_JSON
+  stats["histograms"] = std::move(histograms);
   stats["rejected"] = std::move(rejected);
   j["stats"] = std::move(stats);
   return j;
@@ -668,6 +724,16 @@ std::string render_text(const Snapshot& s) {
   o << "  buffers         " << st.buffers_registered << " registered, mappings " << st.mappings_opened << " opened, "
     << st.mappings_closed << " closed\n";
   o << "  lanes corrupt   " << st.lanes_corrupt << "\n";
+  const auto histogram_text = [](const HistogramView& hv, bool ns) {
+    if (!hv.quantile(0.5)) return std::string("none yet");
+    const auto v = [ns](uint64_t x) { return ns ? duration_text(x) : std::to_string(x); };
+    return std::to_string(hv.count) + ", p50 <= " + v(*hv.quantile(0.5)) + ", p99 <= " + v(*hv.quantile(0.99)) +
+           ", max " + v(hv.max);
+  };
+#define SHMPS_STATS_HISTOGRAM_TEXT(name, unit, help) \
+  o << "  " << pad(#name, 16) << histogram_text(st.name, std::string_view(#unit) == "ns") << "\n";
+  SHMPS_STATS_HISTOGRAMS(SHMPS_STATS_HISTOGRAM_TEXT)
+#undef SHMPS_STATS_HISTOGRAM_TEXT
   return o.str();
 }
 
@@ -712,12 +778,13 @@ class Exposition {
   }
   std::string text() const { return out_.str(); }
 
- private:
   static std::string num17(double v) {
     char buf[40];
     std::snprintf(buf, sizeof buf, "%.17g", v);
     return buf;
   }
+
+ private:
   std::string labels_;
   std::ostringstream out_;
 };
@@ -762,6 +829,28 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
   e.sample(metric_name(#field, #kind), metric_value(#field, st.field));
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_PROMETHEUS)
 #undef SHMPS_STATS_PROMETHEUS
+  // Histograms: cumulative buckets at le = 2^b of the value (seconds for
+  // ns), over the range where values fall in practice; +Inf holds all.
+  const auto histogram = [&](const std::string& base, const HistogramView& hv, bool ns, const std::string& help) {
+    const std::string metric = "shmps_" + (ns ? base.substr(0, base.size() - 3) + "_seconds" : base);
+    e.family(metric, "histogram", help);
+    const uint32_t first = ns ? 7 : 0, last = ns ? 36 : 20;  // 128 ns .. 68.7 s; 1 .. 2^20 versions
+    uint64_t cumulative = 0;
+    for (uint32_t b = 0; b < hv.buckets.size(); ++b) {
+      // Bucket b holds [2^(b-1), 2^b): at or below le = 2^b - 1, for integers.
+      cumulative += hv.buckets[b];
+      if (b < first || b > last) continue;
+      const double le = static_cast<double>((uint64_t{1} << b) - 1) / (ns ? 1e9 : 1.0);
+      e.sample(metric + "_bucket", static_cast<double>(cumulative), ",le=\"" + Exposition::num17(le) + "\"");
+    }
+    e.sample(metric + "_bucket", static_cast<double>(cumulative), ",le=\"+Inf\"");
+    e.sample(metric + "_sum", static_cast<double>(hv.sum) / (ns ? 1e9 : 1.0));
+    e.sample(metric + "_count", static_cast<double>(cumulative));
+  };
+#define SHMPS_STATS_HISTOGRAM_PROMETHEUS(name, unit, help) \
+  histogram(#name, st.name, std::string_view(#unit) == "ns", help);
+  SHMPS_STATS_HISTOGRAMS(SHMPS_STATS_HISTOGRAM_PROMETHEUS)
+#undef SHMPS_STATS_HISTOGRAM_PROMETHEUS
   e.family("shmps_requests_rejected_total", "counter", "Requests refused, by cause (the error code's name).");
   for (uint32_t code = 1; code < st.rejected.size(); ++code) {
     const std::string cause = error_name(code);

@@ -107,12 +107,25 @@ struct QueueView {
 using LaneView = QueueView<shm::Request>;
 using CompletionQueueView = QueueView<shm::Completion>;
 
-// The StatsBlock's counters (layout.hpp, SHMPS_STATS_BLOCK_COUNTERS).
+// One of the StatsBlock's histograms (layout.hpp, Histogram).
+struct HistogramView {
+  uint64_t count = 0, sum = 0, max = 0;
+  std::vector<uint64_t> buckets;  // shm::kHistogramBuckets
+  // The upper bound of the bucket holding the q-quantile (0 < q <= 1) of
+  // the counted values, capped at max; empty when nothing was counted.
+  std::optional<uint64_t> quantile(double q) const;
+};
+
+// The StatsBlock's counters (layout.hpp, SHMPS_STATS_BLOCK_COUNTERS) and
+// histograms (SHMPS_STATS_HISTOGRAMS).
 struct StatsView {
 #define SHMPS_STATS_FIELD(name, kind, help) uint64_t name = 0;
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_FIELD)
 #undef SHMPS_STATS_FIELD
   std::vector<uint64_t> rejected;  // by ErrorCode value, shm::kRejectCauses entries
+#define SHMPS_STATS_HISTOGRAM(name, unit, help) HistogramView name;
+  SHMPS_STATS_HISTOGRAMS(SHMPS_STATS_HISTOGRAM)
+#undef SHMPS_STATS_HISTOGRAM
 };
 
 struct Snapshot {

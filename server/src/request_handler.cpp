@@ -6,6 +6,7 @@
 
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/server/log.hpp"
+#include "shmps/shm/proc.hpp"
 
 namespace shmps::server {
 
@@ -220,6 +221,7 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
                   "staleness " + std::to_string(staleness) + " > max_staleness " +
                       std::to_string(config_.max_staleness) + " (v" + std::to_string(req.worker_version) + " vs v" +
                       std::to_string(version) + ")");
+  const uint64_t apply_start = shm::monotonic_ns();  // apply_ns: the check and the update
   if (!config_.allow_nonfinite) {
     const Result<bool> finite = backend_.all_finite(*target->buffer, req.byte_offset, target->elements, dtype);
     // The check pass reads the whole gradient first: a buffer truncated
@@ -259,7 +261,11 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
   bump(st.applied_bytes, req.byte_length);
   bump(segment_.worker(i).pushes_applied);
   bump(segment_.worker(i).applied_bytes, req.byte_length);
+  const uint64_t apply_end = shm::monotonic_ns();
+  shm::record(st.apply_ns, apply_end - apply_start);
+  shm::record(st.staleness, staleness);
   Answer a = ok(req, model_.version);
+  a.applied_until_ns = apply_end;
   a.completion.value = staleness;
   a.hold = std::move(hold);
   a.applied = true;

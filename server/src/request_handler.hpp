@@ -25,8 +25,9 @@ struct Answer {
   // completion is posted once that work is done, and the buffer stays
   // mapped until then.
   std::shared_ptr<PeerBuffer> hold;
-  bool applied = false;  // a push advanced the version
-  Status device;         // not ok: the device context is lost; the server must stop
+  bool applied = false;           // a push advanced the version
+  uint64_t applied_until_ns = 0;  // an applied push: the clock read after its apply (0: none read)
+  Status device;                  // not ok: the device context is lost; the server must stop
 };
 
 class RequestHandler {

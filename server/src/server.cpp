@@ -81,6 +81,7 @@ class Server::Impl {
   Status failure;                                 // why run() stops on its own (the device, the segment's name)
   bool removed = false;                           // the segment is gone (shutdown() ran)
   uint64_t loop_now = 0;                          // CLOCK_MONOTONIC ns at the start of this turn of the loop
+  uint64_t clock_now = 0;  // the clock as last read: loop_now, or the end of the last apply since (queue_ns)
   uint64_t last_heartbeat = 0;
   uint64_t last_housekeeping = 0;
   uint64_t last_segment_check = 0;
@@ -116,7 +117,7 @@ class Server::Impl {
     }
     while (!stop.load(std::memory_order_acquire)) {  // SYNC(stop): pairs with request_stop()
       const uint64_t now = shm::monotonic_ns();
-      loop_now = now;
+      loop_now = clock_now = now;
       if (now - last_heartbeat >= kHeartbeatNs) {
         // relaxed: a liveness hint; readers compare it against their clock only.
         segment->header().heartbeat_ns.store(now, std::memory_order_relaxed);
@@ -332,7 +333,14 @@ class Server::Impl {
       slot.next_request_id = req.request_id + 1;
       const uint64_t requests = stats().requests.load(std::memory_order_relaxed);  // relaxed: our own counter
       stats().requests.store(requests + 1, std::memory_order_relaxed);             // relaxed: statistic
+      // relaxed: the worker wrote it before the release we took the slot
+      // with; a worker's garbage only makes this one sample wrong.
+      const uint64_t published =
+          std::atomic_ref<const uint64_t>(slot.stamps[(slot.lane.next_index() - 1) & (config.lane_capacity - 1)])
+              .load(std::memory_order_relaxed);
+      shm::record(stats().queue_ns, clock_now > published ? clock_now - published : 0);
       Answer a = handler.handle(i, req, loop_now);
+      if (a.applied_until_ns != 0) clock_now = a.applied_until_ns;
       if (!a.device.ok()) fatal(a.device);
       if (a.applied && checkpoints) checkpoints->after_push(loop_now);
       if (a.completion.opcode == static_cast<uint32_t>(Opcode::kDetach) && a.completion.code == 0) {

@@ -121,6 +121,7 @@ void Sessions::reset_lanes(uint32_t i) {
   }
   WorkerSlot& slot = slots_[i];
   slot.lane = shm::SpscConsumer<Request>(&segment_.lane(i), segment_.lane_slots(i), config_.lane_capacity);
+  slot.stamps = segment_.lane_stamps(i);
   slot.next_request_id = 0;
   slot.completions =
       shm::SpscProducer<Completion>(&segment_.completions(i), segment_.completion_slots(i), config_.lane_capacity);

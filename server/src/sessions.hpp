@@ -22,6 +22,7 @@ namespace shmps::server {
 
 struct WorkerSlot {
   shm::SpscConsumer<shm::Request> lane;
+  const uint64_t* stamps = nullptr;  // the lane's publish_ns[] (Segment::lane_stamps): worker-written, any value
   shm::SpscProducer<shm::Completion> completions;
   // By buffer id. Shared: a request whose device work still runs holds its
   // buffer, so an unregister, detach or death closes the mapping only once

@@ -30,7 +30,9 @@ BOOST_AUTO_TEST_CASE(struct_sizes_are_pinned) {
   BOOST_TEST(sizeof(LaneHeader) == 256u);
   BOOST_TEST(sizeof(Request) == 64u);
   BOOST_TEST(sizeof(Completion) == 128u);
-  BOOST_TEST(sizeof(StatsBlock) == 1024u);
+  BOOST_TEST(sizeof(StatsBlock) == 2048u);
+  BOOST_TEST(sizeof(Histogram) == 512u);
+  BOOST_TEST(kHistogramBuckets == 60u);
   BOOST_TEST(sizeof(WeightsExportBlock) == 128u);
   BOOST_TEST(sizeof(WaitWord) == 8u);
 }
@@ -69,6 +71,10 @@ BOOST_AUTO_TEST_CASE(field_offsets_are_pinned) {
   BOOST_TEST(offsetof(Completion, message) == 64u);
   BOOST_TEST(offsetof(StatsBlock, workers_evicted) == 104u);
   BOOST_TEST(offsetof(StatsBlock, rejected) == 128u);
+  BOOST_TEST(offsetof(StatsBlock, apply_ns) == 512u);
+  BOOST_TEST(offsetof(StatsBlock, queue_ns) == 1024u);
+  BOOST_TEST(offsetof(StatsBlock, staleness) == 1536u);
+  BOOST_TEST(offsetof(Histogram, buckets) == 32u);
 }
 
 BOOST_AUTO_TEST_CASE(enum_values_are_pinned) {
@@ -83,13 +89,26 @@ BOOST_AUTO_TEST_CASE(enum_values_are_pinned) {
   BOOST_TEST(make_owner(7, WorkerState::kAttached) == ((uint64_t{7} << 32) | 2u));
 }
 
+BOOST_AUTO_TEST_CASE(histogram_buckets_are_log2) {
+  BOOST_TEST(histogram_bucket(0) == 0u);
+  BOOST_TEST(histogram_bucket(1) == 1u);
+  BOOST_TEST(histogram_bucket(2) == 2u);
+  BOOST_TEST(histogram_bucket(3) == 2u);
+  BOOST_TEST(histogram_bucket(4) == 3u);
+  BOOST_TEST(histogram_bucket(1023) == 10u);
+  BOOST_TEST(histogram_bucket(1024) == 11u);
+  BOOST_TEST(histogram_bucket(uint64_t{1} << 57) == 58u);
+  BOOST_TEST(histogram_bucket(uint64_t{1} << 58) == kHistogramBuckets - 1);
+  BOOST_TEST(histogram_bucket(~uint64_t{0}) == kHistogramBuckets - 1);
+}
+
 BOOST_AUTO_TEST_CASE(geometry_is_pinned) {
   const Geometry g = compute_geometry(4, 16, 16, 64);
   BOOST_TEST(g.tensor_table_offset == 4096u);
   BOOST_TEST(g.worker_table_offset == 4096u + 4 * 128u);
   BOOST_TEST(g.worker_entry_size == 512u + 16 * 192u);
   BOOST_TEST(g.lanes_offset == 4608u + 16 * 3584u);
-  BOOST_TEST(g.lane_stride == 256u + 64 * 64u);
+  BOOST_TEST(g.lane_stride == 256u + 64 * 64u + 64 * 8u);  // header, requests, publish_ns stamps
   BOOST_TEST(g.completion_stride == 256u + 64 * 128u);
   BOOST_TEST(g.stats_offset == g.completions_offset + 16 * g.completion_stride);
   BOOST_TEST(g.segment_size % 4096 == 0u);

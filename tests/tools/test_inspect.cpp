@@ -228,6 +228,68 @@ BOOST_AUTO_TEST_CASE(live_segment_as_json) {
   BOOST_TEST(st["rejected"].empty());
 }
 
+// The server's histograms: apply time and staleness of every applied push,
+// queueing time of every request taken, in the JSON (buckets, count, max,
+// p50/p99), the text and Prometheus. A request published while the server
+// is stopped (SIGSTOP) shows the stop in queue_ns's max.
+BOOST_AUTO_TEST_CASE(histograms_of_apply_queue_and_staleness) {
+  const std::string name = test::unique_name("hist");
+  std::vector<std::string> args = kTensorArgs;
+  args.insert(args.end(), {"--max-staleness", "100"});
+  test::ServerProcess server(name, args);
+  auto worker = connect(name);
+  auto buffer = worker->register_buffer(kAllBytes);
+  BOOST_REQUIRE(buffer.ok());
+  std::memset(buffer->data, 0, kAllBytes);
+  for (uint64_t v = 0; v < 10; ++v)  // staleness 0 each time
+    BOOST_REQUIRE(worker->push(kAllTensors, buffer->id, 0, kAllBytes, Dtype::kF32, v).ok());
+  BOOST_REQUIRE(worker->push(kAllTensors, buffer->id, 0, kAllBytes, Dtype::kF32, 3).ok());  // staleness 7
+  // A push published while the server is stopped waits in its lane.
+  BOOST_REQUIRE(::kill(server.process().pid(), SIGSTOP) == 0);
+  auto ticket = worker->push_async(kAllTensors, buffer->id, 0, kAllBytes, Dtype::kF32, 11);
+  BOOST_REQUIRE(ticket.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  BOOST_REQUIRE(::kill(server.process().pid(), SIGCONT) == 0);
+  BOOST_REQUIRE(worker->wait(*ticket).ok());
+
+  const json j = parse_json(run_inspect({"--json", name}));
+  const json& h = j["stats"]["histograms"];
+  BOOST_TEST_CONTEXT(h.dump()) {
+    const uint64_t applied = j["stats"]["gradients_applied"];
+    BOOST_TEST(applied == 12u);
+    BOOST_TEST(h["apply_ns"]["unit"] == "ns");
+    BOOST_TEST(h["apply_ns"]["count"] == applied);
+    BOOST_TEST(h["apply_ns"]["max"].get<uint64_t>() > 0u);
+    BOOST_TEST(h["apply_ns"]["p50"].get<uint64_t>() <= h["apply_ns"]["max"].get<uint64_t>());
+    BOOST_TEST(h["staleness"]["count"] == applied);
+    BOOST_TEST(h["staleness"]["buckets"][0] == 11);  // staleness 0
+    BOOST_TEST(h["staleness"]["buckets"][3] == 1);   // 7 is in [4, 8)
+    BOOST_TEST(h["staleness"]["max"] == 7);
+    BOOST_TEST(h["staleness"]["p50"] == 0);
+    // Every request taken (attach, register, the pushes; not inspect's reads).
+    BOOST_TEST(h["queue_ns"]["count"] == j["stats"]["requests"]);
+    BOOST_TEST(h["queue_ns"]["max"].get<uint64_t>() >= 250'000'000u);  // the 300 ms stop
+    BOOST_TEST(h["queue_ns"]["p50"].get<uint64_t>() < 250'000'000u);
+    uint64_t sum = 0;
+    for (const json& b : h["queue_ns"]["buckets"]) sum += b.get<uint64_t>();
+    BOOST_TEST(sum == h["queue_ns"]["count"].get<uint64_t>());
+  }
+  const Run text = run_inspect({name});
+  BOOST_TEST(contains(text.out, "  staleness       12, p50 <= 0, p99 <= 7, max 7\n"), text.out);
+  BOOST_TEST(contains(text.out, "  apply_ns        12, p50 <= "), text.out);
+
+  const Run prom = run_inspect({"--format", "prometheus", name});
+  BOOST_REQUIRE(prom.rc == 0);
+  const std::string n = "name=\"" + name + "\"";
+  BOOST_TEST(contains(prom.out, "# TYPE shmps_apply_seconds histogram\n"), prom.out);
+  BOOST_TEST(contains(prom.out, "shmps_apply_seconds_bucket{" + n + ",le=\"+Inf\"} 12\n"), prom.out);
+  BOOST_TEST(contains(prom.out, "shmps_apply_seconds_count{" + n + "} 12\n"), prom.out);
+  BOOST_TEST(contains(prom.out, "shmps_staleness_bucket{" + n + ",le=\"0\"} 11\n"), prom.out);
+  BOOST_TEST(contains(prom.out, "shmps_staleness_bucket{" + n + ",le=\"7\"} 12\n"), prom.out);
+  BOOST_TEST(contains(prom.out, "shmps_staleness_sum{" + n + "} 7\n"), prom.out);
+  BOOST_TEST(contains(prom.out, "# TYPE shmps_queue_seconds histogram\n"), prom.out);
+}
+
 // --format prometheus: the text exposition format, each family with HELP
 // and TYPE before its samples, counters named *_total, every sample
 // labelled with the server's name; the values match the segment.
@@ -257,7 +319,7 @@ BOOST_AUTO_TEST_CASE(live_segment_in_prometheus_format) {
     std::smatch m;
     if (std::regex_match(line, m, comment)) {
       if (m[1] == "TYPE") {
-        BOOST_TEST((m[3] == "counter" || m[3] == "gauge"), line);
+        BOOST_TEST((m[3] == "counter" || m[3] == "gauge" || m[3] == "histogram"), line);
         BOOST_TEST(type_of.count(m[2]) == 0u, "family declared twice: " << line);
         type_of[m[2]] = m[3];
         const std::string metric = m[2];
@@ -266,7 +328,16 @@ BOOST_AUTO_TEST_CASE(live_segment_in_prometheus_format) {
       continue;
     }
     BOOST_REQUIRE_MESSAGE(std::regex_match(line, m, sample), "not a sample line: '" << line << "'");
-    BOOST_TEST(type_of.count(m[1]) == 1u, "sample before its TYPE: " << line);
+    // A histogram's samples are <family>_bucket, _sum and _count.
+    std::string family = m[1];
+    for (const std::string suffix : {"_bucket", "_sum", "_count"}) {
+      if (type_of.count(family) != 0 || family.size() <= suffix.size() ||
+          family.compare(family.size() - suffix.size(), suffix.size(), suffix) != 0)
+        continue;
+      const auto base = type_of.find(family.substr(0, family.size() - suffix.size()));
+      if (base != type_of.end() && base->second == "histogram") family = base->first;
+    }
+    BOOST_TEST(type_of.count(family) == 1u, "sample before its TYPE: " << line);
     BOOST_TEST(m[2].str().rfind("name=\"" + name + "\"", 0) == 0u, line);
     value[m[1].str() + "{" + m[2].str() + "}"] = std::stod(m[3]);
   }

@@ -241,6 +241,7 @@ class Worker::Impl {
   pid_t server_pid = 0;
   uint64_t server_start = 0;
   shm::SpscProducer<Request> lane;
+  uint64_t* stamps = nullptr;  // the lane's publish_ns[] (segment.hpp, lane_stamps())
   shm::SpscConsumer<Completion> completions;
   uint64_t next_request_id = 1;
   uint64_t last_completed_id = 0;  // completions arrive in request order
@@ -489,6 +490,9 @@ class Worker::Impl {
     inflight_key[req.request_id & (capacity - 1)] = wait_key(req);
     req.worker_id = id;
     req.lease = lease;
+    // relaxed: published with the slot by publish()'s release (queue_ns).
+    std::atomic_ref<uint64_t>(stamps[lane.next_index() & (capacity - 1)])
+        .store(shm::monotonic_ns(), std::memory_order_relaxed);
     const shm::RingResult r = lane.stage(req);
     if (r != shm::RingResult::kOk)
       return Status{ErrorCode::kInternal, "request lane rejected a push with free capacity (corrupt head index)"};
@@ -856,6 +860,7 @@ class Worker::Impl {
     // empty: every id issued before was settled when the last session
     // ended (answered, in `done`, or lost: end_session()).
     lane = shm::SpscProducer<Request>(&segment->lane(id), segment->lane_slots(id), capacity);
+    stamps = segment->lane_stamps(id);
     completions = shm::SpscConsumer<Completion>(&segment->completions(id), segment->completion_slots(id), capacity);
     buffers.resize(h.max_buffers);
     tensors = std::move(table);

@@ -22,13 +22,14 @@
 //                           |   LaneHeader 256 B + Request[lane_capacity]  |
 //                           |   (64 B each; worker produces, server        |
 //                           |   consumes: single-producer single-consumer) |
+//                           |   + uint64 publish_ns[lane_capacity]         |
 //   completions_offset      +----------------------------------------------+
 //                           | completion queue per worker completion_stride|
 //                           |   LaneHeader 256 B + Completion[capacity]    |
 //                           |   (128 B each; server produces, worker       |
 //                           |   consumes)                                  |
 //   stats_offset            +----------------------------------------------+
-//                           | StatsBlock                         1024 B    |
+//                           | StatsBlock                         2048 B    |
 //   segment_size            +----------------------------------------------+
 // Every section starts on a 64-byte boundary.
 //
@@ -51,7 +52,8 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 // 3: StatsBlock::workers_evicted. 4: SegmentHeader::weights_export, kBufferInProcess.
 // 5: Completion::message is written only when code != 0. 6: Opcode::kInit.
 // 7: kConfigGroupAccess (workers check the segment's mode against it);
-//    StatsBlock::applied_bytes, WorkerEntry::applied_bytes.
+//    StatsBlock::applied_bytes, WorkerEntry::applied_bytes; StatsBlock's
+//    histograms (2048 B); each lane's publish_ns[] after its requests.
 inline constexpr uint32_t kLayoutVersion = 7;
 inline constexpr size_t kCacheLine = 64;
 
@@ -465,18 +467,74 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
 #define SHMPS_STATS_COUNT(name, kind, help) +1
 inline constexpr size_t kStatsBlockCounters = 0 SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_COUNT);
 #undef SHMPS_STATS_COUNT
+
+// A histogram of log2 buckets, written by the server alone (relaxed
+// stores; readers get a racy snapshot in which count may run a little
+// ahead of or behind the buckets). buckets[0] counts the value 0,
+// buckets[b] the values in [2^(b-1), 2^b), the last one everything from
+// 2^(kHistogramBuckets-2) up. No allocation, a few instructions per value.
+inline constexpr uint32_t kHistogramBuckets = 60;
+struct Histogram {
+  std::atomic<uint64_t> count;
+  std::atomic<uint64_t> sum;  // of the values (saturating)
+  std::atomic<uint64_t> max;
+  uint64_t reserved;
+  std::atomic<uint64_t> buckets[kHistogramBuckets];
+};
+static_assert(sizeof(Histogram) == 512);
+// The bucket of `v`: 0 for 0, else 1 + floor(log2 v), capped at the last.
+constexpr uint32_t histogram_bucket(uint64_t v) noexcept {
+  const uint32_t b = v == 0 ? 0u : 64u - static_cast<uint32_t>(__builtin_clzll(v));
+  return b < kHistogramBuckets ? b : kHistogramBuckets - 1;
+}
+
+// Adds v: what the histogram's single writer does (loads and relaxed
+// stores, no locked instruction; readers see each word whole).
+inline void record(Histogram& h, uint64_t v) noexcept {
+  constexpr auto relaxed = std::memory_order_relaxed;  // relaxed: statistics, one writer
+  h.count.store(h.count.load(relaxed) + 1, relaxed);
+  const uint64_t sum = h.sum.load(relaxed);
+  h.sum.store(sum + v < sum ? ~uint64_t{0} : sum + v, relaxed);
+  if (v > h.max.load(relaxed)) h.max.store(v, relaxed);
+  std::atomic<uint64_t>& b = h.buckets[histogram_bucket(v)];
+  b.store(b.load(relaxed) + 1, relaxed);
+}
+
+// The server's histograms, declared once: X(name, unit, help), in
+// StatsBlock's order. unit ns: exported to Prometheus in seconds.
+// apply_ns: a push's NaN/Inf check and optimizer update, from before the
+// first tensor's check to after the last one's update (on the CUDA backend
+// the kernels' launch: the device work is asynchronous); queue_ns: every
+// request's time in its lane, from the worker's publish_ns stamp to the
+// server taking it (as the server's clock last read it, at the top of its
+// loop or the end of the previous apply, so it reads low by at most the
+// handling of the requests taken before it in one pass); staleness: the
+// version lag of each applied push.
+// clang-format off
+#define SHMPS_STATS_HISTOGRAMS(X) \
+  X(apply_ns, ns, "Time to check and apply one push's gradient.") \
+  X(queue_ns, ns, "Time a request waited in its lane, from the worker's publish to the server taking it.") \
+  X(staleness, versions, "Versions the weights moved between a push's pull and its apply, for applied pushes.")
+// clang-format on
+
 struct StatsBlock {
 #define SHMPS_STATS_FIELD(name, kind, help) std::atomic<uint64_t> name;
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_FIELD)
 #undef SHMPS_STATS_FIELD
   uint64_t reserved0[16 - kStatsBlockCounters];
   std::atomic<uint64_t> rejected[kRejectCauses];  // by ErrorCode value
-  uint64_t reserved1[80];
+  uint64_t reserved1[16];
+#define SHMPS_STATS_HISTOGRAM(name, unit, help) Histogram name;
+  SHMPS_STATS_HISTOGRAMS(SHMPS_STATS_HISTOGRAM)
+#undef SHMPS_STATS_HISTOGRAM
 };
 static_assert(std::is_standard_layout_v<StatsBlock>);
-static_assert(sizeof(StatsBlock) == 1024);
+static_assert(sizeof(StatsBlock) == 2048);
 static_assert(offsetof(StatsBlock, workers_evicted) == 104);
 static_assert(offsetof(StatsBlock, applied_bytes) == 112);
 static_assert(offsetof(StatsBlock, rejected) == 128);
+static_assert(offsetof(StatsBlock, apply_ns) == 512);
+static_assert(offsetof(StatsBlock, queue_ns) == 1024);
+static_assert(offsetof(StatsBlock, staleness) == 1536);
 
 }  // namespace shmps::shm

@@ -83,6 +83,8 @@ class SpscProducer {
     header_->tail.store(tail_, std::memory_order_release);
   }
 
+  // The free-running index the next stage() writes.
+  uint64_t next_index() const noexcept { return tail_; }
   // Slots in flight as last seen (may be stale: the consumer moves on).
   uint64_t in_flight_estimate() const noexcept {
     return tail_ - header_->head.load(std::memory_order_relaxed);  // relaxed: a hint only
@@ -141,6 +143,9 @@ class SpscConsumer {
   // does not write a published slot before its release): copy, then
   // validate the copy. release() frees it.
   const Slot* peek() noexcept { return refresh() == RingResult::kOk ? &slots_[head_ & mask_] : nullptr; }
+  // The free-running index of the next slot to take (after a pop: one past
+  // the slot just taken).
+  uint64_t next_index() const noexcept { return head_; }
   void release() noexcept {
     // relaxed: the slot was copied out already; a garbage value only turns
     // seq_published() off for this ring (a buggy producer's own loss).

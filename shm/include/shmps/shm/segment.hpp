@@ -156,6 +156,15 @@ class Segment {
   Request* lane_slots(uint32_t i) const noexcept {
     return &at<Request>(header().lanes_offset + i * header().lane_stride + sizeof(LaneHeader));
   }
+  // Lane i's publish_ns[lane_capacity]: the CLOCK_MONOTONIC time the worker
+  // published the request in the slot of the same index (written before
+  // its release of the tail, read by the server after taking the request,
+  // both relaxed through atomic_ref; a garbage stamp makes one wrong
+  // queue_ns sample, nothing else).
+  uint64_t* lane_stamps(uint32_t i) const noexcept {
+    return &at<uint64_t>(header().lanes_offset + i * header().lane_stride + sizeof(LaneHeader) +
+                         uint64_t{header().lane_capacity} * sizeof(Request));
+  }
   LaneHeader& completions(uint32_t i) const noexcept {
     return at<LaneHeader>(header().completions_offset + i * header().completion_stride);
   }
