@@ -417,7 +417,7 @@ size_t state_arrays(const OptimizerConfig& config) noexcept {
 // kind outside its enum leaves the tensor untouched.
 void apply_cpu(const OptimizerConfig& config, const TensorState& tensor, const void* grad, GradDtype dtype,
                uint64_t step) {
-  assert(validate(config).empty());
+  assert(validate(config).ok());
   assert(step >= 1);
   assert(dtype_size(dtype) != 0);
   if (tensor.n == 0 || dtype_size(dtype) == 0) return;
