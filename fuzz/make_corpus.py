@@ -43,7 +43,7 @@ def geometry(tensors, workers, buffers, cap):
     g["worker_table"] = align(HEADER + tensors * TENSOR, 64)
     g["entry_size"] = ENTRY + buffers * BUFDESC
     g["lanes"] = align(g["worker_table"] + workers * g["entry_size"], 64)
-    g["lane_stride"] = LANEHDR + cap * (REQUEST + 8)  # requests, then publish_ns stamps
+    g["lane_stride"] = align(LANEHDR + cap * (REQUEST + 8), 64)  # requests, then publish_ns stamps
     g["completions"] = g["lanes"] + workers * g["lane_stride"]
     g["completion_stride"] = LANEHDR + cap * COMPLETION
     g["stats"] = g["completions"] + workers * g["completion_stride"]

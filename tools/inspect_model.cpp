@@ -778,6 +778,13 @@ class Exposition {
   }
   std::string text() const { return out_.str(); }
 
+  // A bound as a label: the shortest form that reads back (2^b - 1 ns fit
+  // 11 digits).
+  static std::string label_number(double v) {
+    char buf[40];
+    std::snprintf(buf, sizeof buf, "%.11g", v);
+    return buf;
+  }
   static std::string num17(double v) {
     char buf[40];
     std::snprintf(buf, sizeof buf, "%.17g", v);
@@ -829,8 +836,9 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
   e.sample(metric_name(#field, #kind), metric_value(#field, st.field));
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_PROMETHEUS)
 #undef SHMPS_STATS_PROMETHEUS
-  // Histograms: cumulative buckets at le = 2^b of the value (seconds for
-  // ns), over the range where values fall in practice; +Inf holds all.
+  // Histograms: cumulative buckets at le = 2^b - 1 of the value (seconds
+  // for ns), over the range where values fall in practice (127 ns to
+  // 68.7 s, 0 to 2^20 - 1 versions); +Inf holds all.
   const auto histogram = [&](const std::string& base, const HistogramView& hv, bool ns, const std::string& help) {
     const std::string metric = "shmps_" + (ns ? base.substr(0, base.size() - 3) + "_seconds" : base);
     e.family(metric, "histogram", help);
@@ -838,10 +846,10 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
     uint64_t cumulative = 0;
     for (uint32_t b = 0; b < hv.buckets.size(); ++b) {
       // Bucket b holds [2^(b-1), 2^b): at or below le = 2^b - 1, for integers.
-      cumulative += hv.buckets[b];
+      cumulative = hv.buckets[b] > ~uint64_t{0} - cumulative ? ~uint64_t{0} : cumulative + hv.buckets[b];
       if (b < first || b > last) continue;
       const double le = static_cast<double>((uint64_t{1} << b) - 1) / (ns ? 1e9 : 1.0);
-      e.sample(metric + "_bucket", static_cast<double>(cumulative), ",le=\"" + Exposition::num17(le) + "\"");
+      e.sample(metric + "_bucket", static_cast<double>(cumulative), ",le=\"" + Exposition::label_number(le) + "\"");
     }
     e.sample(metric + "_bucket", static_cast<double>(cumulative), ",le=\"+Inf\"");
     e.sample(metric + "_sum", static_cast<double>(hv.sum) / (ns ? 1e9 : 1.0));

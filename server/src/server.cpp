@@ -81,7 +81,7 @@ class Server::Impl {
   Status failure;                                 // why run() stops on its own (the device, the segment's name)
   bool removed = false;                           // the segment is gone (shutdown() ran)
   uint64_t loop_now = 0;                          // CLOCK_MONOTONIC ns at the start of this turn of the loop
-  uint64_t clock_now = 0;  // the clock as last read: loop_now, or the end of the last apply since (queue_ns)
+  uint64_t clock_now = 0;  // the clock as last read: loop_now, the end of an apply, or a take (queue_ns)
   uint64_t last_heartbeat = 0;
   uint64_t last_housekeeping = 0;
   uint64_t last_segment_check = 0;
@@ -336,8 +336,12 @@ class Server::Impl {
       // relaxed: the worker wrote it before the release we took the slot
       // with; a worker's garbage only makes this one sample wrong.
       const uint64_t published =
-          std::atomic_ref<const uint64_t>(slot.stamps[(slot.lane.next_index() - 1) & (config.lane_capacity - 1)])
+          std::atomic_ref<uint64_t>(
+              const_cast<uint64_t&>(slot.stamps[(slot.lane.next_index() - 1) & (config.lane_capacity - 1)]))
               .load(std::memory_order_relaxed);
+      // Published after the clock was last read (the loop watches lanes
+      // between reads): read it now, so a wait is never counted as 0.
+      if (published > clock_now) clock_now = shm::monotonic_ns();
       shm::record(stats().queue_ns, clock_now > published ? clock_now - published : 0);
       Answer a = handler.handle(i, req, loop_now);
       if (a.applied_until_ns != 0) clock_now = a.applied_until_ns;

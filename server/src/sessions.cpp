@@ -116,8 +116,9 @@ void Sessions::reset_lanes(uint32_t i) {
   Completion* answers = segment_.completion_slots(i);
   Request* requests = segment_.lane_slots(i);
   for (uint32_t k = 0; k < config_.lane_capacity; ++k) {
-    std::atomic_ref<uint64_t>(answers[k].request_id).store(0, std::memory_order_relaxed);   // relaxed: as above
-    std::atomic_ref<uint64_t>(requests[k].request_id).store(0, std::memory_order_relaxed);  // relaxed: as above
+    std::atomic_ref<uint64_t>(answers[k].request_id).store(0, std::memory_order_relaxed);       // relaxed: as above
+    std::atomic_ref<uint64_t>(requests[k].request_id).store(0, std::memory_order_relaxed);      // relaxed: as above
+    std::atomic_ref<uint64_t>(segment_.lane_stamps(i)[k]).store(0, std::memory_order_relaxed);  // relaxed: as above
   }
   WorkerSlot& slot = slots_[i];
   slot.lane = shm::SpscConsumer<Request>(&segment_.lane(i), segment_.lane_slots(i), config_.lane_capacity);

@@ -254,7 +254,10 @@ Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t 
   g.worker_table_offset = align_up(g.tensor_table_offset + uint64_t{tensor_count} * sizeof(TensorDesc), kCacheLine);
   g.worker_entry_size = sizeof(WorkerEntry) + uint64_t{max_buffers} * sizeof(BufferDesc);
   g.lanes_offset = align_up(g.worker_table_offset + uint64_t{max_workers} * g.worker_entry_size, kCacheLine);
-  g.lane_stride = sizeof(LaneHeader) + uint64_t{lane_capacity} * (sizeof(Request) + sizeof(uint64_t));
+  // Requests, then their publish_ns stamps; whole cache lines for every
+  // capacity (2 and 4 slots of stamps are 16 and 32 bytes).
+  g.lane_stride =
+      align_up(sizeof(LaneHeader) + uint64_t{lane_capacity} * (sizeof(Request) + sizeof(uint64_t)), kCacheLine);
   g.completions_offset = g.lanes_offset + uint64_t{max_workers} * g.lane_stride;
   g.completion_stride = sizeof(LaneHeader) + uint64_t{lane_capacity} * sizeof(Completion);
   g.stats_offset = g.completions_offset + uint64_t{max_workers} * g.completion_stride;

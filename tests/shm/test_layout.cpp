@@ -116,6 +116,17 @@ BOOST_AUTO_TEST_CASE(geometry_is_pinned) {
   BOOST_TEST(g.lanes_offset % 64 == 0u);
   BOOST_TEST(g.completions_offset % 64 == 0u);
   BOOST_TEST(g.stats_offset % 64 == 0u);
+  // Every capacity keeps every section on a cache line (stamps of 2 and 4
+  // slots are 16 and 32 bytes).
+  for (const uint32_t cap : {2u, 4u, 8u, 65536u}) {
+    const Geometry s = compute_geometry(1, 3, 1, cap);
+    BOOST_TEST_CONTEXT("capacity " << cap) {
+      BOOST_TEST(s.lane_stride % 64 == 0u);
+      BOOST_TEST(s.lane_stride >= 256u + cap * 72u);
+      BOOST_TEST(s.completions_offset % 64 == 0u);
+      BOOST_TEST(s.stats_offset % 64 == 0u);
+    }
+  }
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -506,9 +506,10 @@ inline void record(Histogram& h, uint64_t v) noexcept {
 // first tensor's check to after the last one's update (on the CUDA backend
 // the kernels' launch: the device work is asynchronous); queue_ns: every
 // request's time in its lane, from the worker's publish_ns stamp to the
-// server taking it (as the server's clock last read it, at the top of its
-// loop or the end of the previous apply, so it reads low by at most the
-// handling of the requests taken before it in one pass); staleness: the
+// server taking it (as the server's clock last read it: at the top of its
+// loop, at the end of the previous apply, or again for a request published
+// after that read; so it reads low by at most the handling of the requests
+// taken since that read); staleness: the
 // version lag of each applied push.
 // clang-format off
 #define SHMPS_STATS_HISTOGRAMS(X) \
