@@ -19,7 +19,7 @@ namespace {
 // during a change is harmless.
 std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
 
-// "2026-12-01T23:59:59.123+0000 ": local time to the millisecond, with
+// "YYYY-MM-DDThh:mm:ss.mmm+hhmm ": local time to the millisecond, with
 // its UTC offset (ISO 8601), so lines from hosts in other zones compare.
 void append_timestamp(std::string& line) {
   struct timespec now {};

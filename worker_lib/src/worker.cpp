@@ -38,9 +38,10 @@ size_t dtype_size(Dtype dtype) noexcept { return shm::dtype_size(static_cast<uin
 namespace {
 using Clock = std::chrono::steady_clock;
 
-// Sizing of a wait for a completion (Worker::Impl::wait_for_completion()).
-constexpr uint64_t kMinSpinPolls = 2000;     // about 50 us on the development VM
-constexpr uint64_t kMaxSpinPolls = 20000;    // about 500 us
+// Sizing of a wait for a completion (Worker::Impl::wait_for_completion();
+// the figures behind them: docs/benchmarks.md, "The worker's wait").
+constexpr uint64_t kMinSpinPolls = 2000;     // the shortest spin: longer than a small request's round trip
+constexpr uint64_t kMaxSpinPolls = 20000;    // the longest: ten times the shortest
 constexpr uint64_t kTimedAfterPolls = 256;   // a wait this long reads the clock (once)
 constexpr uint64_t kSleepAboveNs = 250'000;  // longer expected waits sleep at once
 
@@ -518,14 +519,14 @@ class Worker::Impl {
   }
 
   // Waits for the next completion. A worker waiting for the server's reply
-  // either spins (a round trip is ~0.3 us; a futex wake-up ~60 us on a VM)
-  // or sleeps (its CPU may be one the server's kernels need: from 4 MiB an
-  // apply runs on every core, OpenMP). What the previous request of the
-  // same kind (wait_key()) took decides:
-  // - unknown or short: spin kMinSpinPolls polls (about 50 us), then sleep;
-  // - up to kSleepAboveNs: spin twice as long as last time (a 1 MiB check +
-  //   apply takes ~35 us: a fixed 50 us spin fell asleep on some pushes and
-  //   paid the wake-up);
+  // either spins (a round trip costs far less than a futex wake-up) or
+  // sleeps (its CPU may be one the server's kernels need: a large apply
+  // runs on every core, OpenMP). What the previous request of the same
+  // kind (wait_key()) took decides:
+  // - unknown or short: spin kMinSpinPolls polls, then sleep;
+  // - up to kSleepAboveNs: spin twice as long as last time, so a request
+  //   that takes a little longer than the shortest spin (a 1 MiB check and
+  //   apply) is still caught spinning rather than paying the wake-up;
   // - longer: sleep on the futex at once; the wake-up is a small part of
   //   such a wait, and a spinning worker would slow the apply it waits for.
   // Only waits past kTimedAfterPolls polls read the clock. The spin yields

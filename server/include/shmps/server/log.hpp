@@ -1,7 +1,7 @@
 // shmps-server's log (server_core and its main): one line per event on
 // stderr, with a timestamp (local time, milliseconds, UTC offset) and a
 // level.
-//   2026-12-01T09:30:00.123+0100 shmps-server info: worker 3 attached (pid 4242)
+//   YYYY-MM-DDThh:mm:ss.mmm+hhmm shmps-server info: worker 3 attached (pid 4242)
 // When stderr is connected to the journal ($JOURNAL_STREAM names fd 2, as
 // systemd sets it for StandardError=journal) each line starts instead with
 // the syslog priority, "<6>shmps-server info: ...", which journald strips
