@@ -19,19 +19,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::string slurp(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
 // A scratch folder, removed with everything in it.
 struct Scratch {
   fs::path dir = fs::temp_directory_path() / shmps::test::unique_name("bench_smoke");
@@ -48,12 +35,13 @@ BOOST_AUTO_TEST_CASE(quick_run_prints_every_table) {
   Scratch scratch;
   const fs::path out = scratch.dir / "out.txt";
   const fs::path csv = scratch.dir / "bench.csv";
-  const std::string cmd = "exec " + quote(shmps::test::program_path("shmps-bench")) + " --quick --csv " +
-                          quote(csv.string()) + " --server " + quote(shmps::test::program_path("shmps-server")) + " >" +
-                          quote(out.string()) + " 2>&1";
+  const std::string cmd = "exec " + shmps::test::shell_quote(shmps::test::program_path("shmps-bench")) +
+                          " --quick --csv " + shmps::test::shell_quote(csv.string()) + " --server " +
+                          shmps::test::shell_quote(shmps::test::program_path("shmps-server")) + " >" +
+                          shmps::test::shell_quote(out.string()) + " 2>&1";
   Process bench = Process::spawn({"/bin/sh", "-c", cmd});
   const int rc = bench.wait(std::chrono::seconds(SHMPS_SMOKE_WAIT_S));  // tests/bench/CMakeLists.txt
-  const std::string output = slurp(out);
+  const std::string output = shmps::test::read_file(out);
   BOOST_TEST_MESSAGE(output);
   BOOST_REQUIRE_MESSAGE(rc == 0, "shmps-bench --quick exited with " << rc << " (-1: still running after "
                                                                     << SHMPS_SMOKE_WAIT_S << " s):\n"
@@ -77,7 +65,7 @@ BOOST_AUTO_TEST_CASE(quick_run_prints_every_table) {
                                           "Goals"};
   for (const std::string& text : expected) BOOST_TEST(output.find(text) != std::string::npos, "missing: " << text);
 
-  const std::string rows = slurp(csv);
+  const std::string rows = shmps::test::read_file(csv);
   BOOST_TEST(rows.rfind("section,row,column,value\n", 0) == 0);
   for (const char* section : {"round_trip,", "push_throughput,", "optimizers,", "memory,", "goals,"})
     BOOST_TEST(rows.find("\n" + std::string(section)) != std::string::npos, "no CSV rows of " << section);

@@ -37,12 +37,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using shmps::test::read_file;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

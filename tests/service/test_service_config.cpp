@@ -51,12 +51,7 @@ std::string file_error(const std::string& body, std::vector<std::string> extra =
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using shmps::test::read_file;
 
 const std::string kHead = "name = j\ntensor = w:4\n";  // lines 1-2
 

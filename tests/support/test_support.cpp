@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <thread>
 
@@ -95,6 +96,17 @@ ServerProcess::ServerProcess(const std::string& name, const std::vector<std::str
   auto server = shmps::ServerProcess::start(o);
   if (!server.ok()) throw std::runtime_error(server.status().to_string());
   server_ = std::move(server).value();
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
 }
 
 }  // namespace shmps::test

@@ -81,6 +81,11 @@ Captured run_captured(const std::vector<std::string>& argv,
                       std::chrono::milliseconds timeout = std::chrono::seconds(10),
                       const std::function<bool()>& in_child = {});
 
+// The whole file's bytes; empty when it cannot be read.
+std::string read_file(const std::string& path);
+// `s` in single quotes for /bin/sh, its own single quotes escaped.
+std::string shell_quote(const std::string& s);
+
 // Polls cond every millisecond until it holds or timeout passes.
 bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds timeout = std::chrono::seconds(10));
 

@@ -53,18 +53,15 @@ struct TempFile {
   }
 };
 
-std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
 void write_all(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   BOOST_REQUIRE(out.good());
 }
 
-std::string segment_bytes(const std::string& name) { return read_all("/dev/shm/" + shm::segment_object_name(name)); }
+std::string segment_bytes(const std::string& name) {
+  return shmps::test::read_file("/dev/shm/" + shm::segment_object_name(name));
+}
 
 struct Run {
   int rc = -1;  // exit code, 128 + signal, or -1 on timeout
@@ -100,7 +97,7 @@ class Inspect {
   Inspect& operator=(const Inspect&) = delete;
 
   void signal(int signo) const { ::kill(pid_, signo); }
-  std::string out_so_far() const { return read_all(out_.path); }
+  std::string out_so_far() const { return shmps::test::read_file(out_.path); }
   // Waits for the exit (SIGKILL after `timeout`: rc -1).
   Run finish(std::chrono::seconds timeout = std::chrono::seconds(30)) {
     Run r;
@@ -118,8 +115,8 @@ class Inspect {
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
       }
     }
-    r.out = read_all(out_.path);
-    r.err = read_all(err_.path);
+    r.out = shmps::test::read_file(out_.path);
+    r.err = shmps::test::read_file(err_.path);
     return r;
   }
 

@@ -42,19 +42,6 @@ boost::test_tools::assertion_result dataset_installed(boost::unit_test::test_uni
   return r;
 }
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
 struct CsvRow {
   double epoch = 0;
   double train_loss = 0;
@@ -84,14 +71,14 @@ struct TrainRun {
   // Starts shmps-train with `args` (plus --name, unless --connect is among
   // them), stdout and stderr into `out`.
   Process start(const std::vector<std::string>& args) const {
-    std::string cmd = "exec " + quote(shmps::test::program_path("shmps-train"));
+    std::string cmd = "exec " + shmps::test::shell_quote(shmps::test::program_path("shmps-train"));
     bool connect = false;
     for (const std::string& a : args) {
-      cmd += " " + quote(a);
+      cmd += " " + shmps::test::shell_quote(a);
       connect = connect || a == "--connect";
     }
-    if (!connect) cmd += " --name " + quote(name);
-    cmd += " >" + quote(out) + " 2>&1";
+    if (!connect) cmd += " --name " + shmps::test::shell_quote(name);
+    cmd += " >" + shmps::test::shell_quote(out) + " 2>&1";
     return Process::spawn({"/bin/sh", "-c", cmd});
   }
 
@@ -99,7 +86,7 @@ struct TrainRun {
   void run(const std::vector<std::string>& args, std::chrono::seconds timeout = 150s) {
     Process p = start(args);
     rc = p.wait(timeout);
-    output = slurp(out);
+    output = shmps::test::read_file(out);
     BOOST_TEST_MESSAGE("shmps-train " << args.size() << " args -> " << rc << "\n" << output);
     BOOST_REQUIRE_MESSAGE(rc >= 0, "shmps-train did not finish within " << timeout.count() << " s:\n" << output);
   }
@@ -248,11 +235,13 @@ BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
   Process p = start({"--train-limit", "20000", "--test-limit", "1000", "--epochs", "20", "--workers", "2"});
   // Wait for training to start, then SIGKILL one worker (a child that is
   // not the server).
-  BOOST_REQUIRE(shmps::test::eventually([&] { return slurp(out).find("epoch 0.00 ") != std::string::npos; }, 60s));
+  BOOST_REQUIRE(shmps::test::eventually(
+      [&] { return shmps::test::read_file(out).find("epoch 0.00 ") != std::string::npos; }, 60s));
   pid_t victim = -1;
   std::ifstream children("/proc/" + std::to_string(p.pid()) + "/task/" + std::to_string(p.pid()) + "/children");
   for (pid_t child; children >> child;) {
-    if (slurp("/proc/" + std::to_string(child) + "/cmdline").find("shmps-server") == std::string::npos) {
+    if (shmps::test::read_file("/proc/" + std::to_string(child) + "/cmdline").find("shmps-server") ==
+        std::string::npos) {
       victim = child;
       break;
     }
@@ -260,7 +249,7 @@ BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
   BOOST_REQUIRE(victim > 0);
   ::kill(victim, SIGKILL);
   rc = p.wait(60s);
-  output = slurp(out);
+  output = shmps::test::read_file(out);
   BOOST_TEST(rc == 1, output);
   BOOST_TEST(output.find("failed") != std::string::npos, output);
   BOOST_TEST(shmps::test::eventually([&] { return !fs::exists("/dev/shm/shmps." + name); }, 10s));
@@ -274,15 +263,17 @@ BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
 BOOST_FIXTURE_TEST_CASE(server_death_is_survived_through_a_checkpoint, TrainRun) {
   Process p = start({"--train-limit", "10000", "--test-limit", "1000", "--epochs", "4", "--workers", "2",
                      "--evals-per-epoch", "4", "--checkpoint-every", "100"});
-  BOOST_REQUIRE(shmps::test::eventually([&] { return slurp(out).find("epoch 1.") != std::string::npos; }, 60s));
+  BOOST_REQUIRE(
+      shmps::test::eventually([&] { return shmps::test::read_file(out).find("epoch 1.") != std::string::npos; }, 60s));
   pid_t server = -1;
   std::ifstream children("/proc/" + std::to_string(p.pid()) + "/task/" + std::to_string(p.pid()) + "/children");
   for (pid_t child; children >> child;)
-    if (slurp("/proc/" + std::to_string(child) + "/cmdline").find("shmps-server") != std::string::npos) server = child;
+    if (shmps::test::read_file("/proc/" + std::to_string(child) + "/cmdline").find("shmps-server") != std::string::npos)
+      server = child;
   BOOST_REQUIRE(server > 0);
   ::kill(server, SIGKILL);
   rc = p.wait(120s);
-  output = slurp(out);
+  output = shmps::test::read_file(out);
   BOOST_TEST(rc == 0, output);
   BOOST_TEST(output.find("restarting it from its last checkpoint") != std::string::npos, output);
   BOOST_TEST(output.find("restored checkpoint") != std::string::npos, output);
