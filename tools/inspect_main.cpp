@@ -25,9 +25,8 @@ namespace {
 struct Options {
   std::string name;
   std::string file;
-  bool json = false;
-  bool prometheus = false;  // --format prometheus
-  std::string format = "text";
+  bool json = false;            // --json, or --format json
+  std::string format = "text";  // --format: text, json or prometheus
   bool watch = false;
   bool list = false;
   uint64_t interval_ms = 1000;
@@ -69,7 +68,7 @@ ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
   }
   std::optional<shmps::inspect::Rates> rates;
   if (previous != nullptr && *previous) rates = shmps::inspect::rates_between(**previous, *snap);
-  if (o.prometheus) {
+  if (o.format == "prometheus") {
     *out = shmps::inspect::render_prometheus(*snap, o.name.empty() ? o.file : o.name);
   } else if (o.json) {
     // replace: a user-given path need not be UTF-8; names from the segment
@@ -101,7 +100,7 @@ ExitCode run_once(const Options& o) {
   const ExitCode rc = inspect_once(o, &out, &error);
   if (rc != ExitCode::kOk) {
     std::fprintf(stderr, "shmps-inspect: %s\n", error.c_str());
-    if (o.prometheus) write_out(shmps::inspect::render_prometheus_down(o.name.empty() ? o.file : o.name));
+    if (o.format == "prometheus") write_out(shmps::inspect::render_prometheus_down(o.name.empty() ? o.file : o.name));
     return rc;
   }
   write_out(out);
@@ -184,11 +183,11 @@ int main(int argc, char** argv) {
       o.json = true;
     } else if (o.format == "prometheus") {
       if (o.json) throw po::error("--json and --format prometheus: give one");
-      o.prometheus = true;
     } else if (o.format != "text") {
       throw po::error("--format must be text, json or prometheus, got '" + o.format + "'");
     }
-    if (o.prometheus && (o.list || o.watch)) throw po::error("--format prometheus takes neither --list nor --watch");
+    if (o.format == "prometheus" && (o.list || o.watch))
+      throw po::error("--format prometheus takes neither --list nor --watch");
     if (o.list) {
       if (!o.name.empty() || !o.file.empty() || o.watch) throw po::error("--list takes no <name>, --file or --watch");
     } else if (o.name.empty() == o.file.empty()) {

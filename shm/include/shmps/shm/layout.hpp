@@ -39,6 +39,7 @@
 #pragma once
 
 #include <atomic>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
@@ -484,7 +485,7 @@ struct Histogram {
 static_assert(sizeof(Histogram) == 512);
 // The bucket of `v`: 0 for 0, else 1 + floor(log2 v), capped at the last.
 constexpr uint32_t histogram_bucket(uint64_t v) noexcept {
-  const uint32_t b = v == 0 ? 0u : 64u - static_cast<uint32_t>(__builtin_clzll(v));
+  const auto b = static_cast<uint32_t>(std::bit_width(v));
   return b < kHistogramBuckets ? b : kHistogramBuckets - 1;
 }
 
