@@ -17,22 +17,37 @@
 #include <type_traits>
 #include <utility>
 
+#if defined(SHMPS_OPENMP)
+#include <omp.h>
+#endif
+
 #include "shmps/kernels/update.hpp"
 
 namespace shmps::kernels {
 namespace {
 
-// Tensors at least this long (4 MiB of fp32) are split over the OpenMP
-// threads; smaller ones run on the calling thread. With the wait policy the
-// server runs under (OMP_WAIT_POLICY=passive) a parallel region wakes its
-// team through futexes, and below about 1M elements that costs more than
-// the second thread saves; at 4 MiB the two tie, above it the split wins
+// Why kCpuSplitMinElements is 1M: with the wait policy the server runs
+// under (OMP_WAIT_POLICY=passive) a parallel region wakes its team through
+// futexes, and below about 1M elements that costs more than the second
+// thread saves; at 4 MiB the two tie, above it the split wins
 // (docs/benchmarks.md, "OpenMP: one thread below 1M elements, passive
 // waiting").
-[[maybe_unused]] constexpr uint64_t kParallelMinElements = uint64_t{1} << 20;
+static_assert(kCpuSplitMinElements == uint64_t{1} << 20);
 // Unit of work handed to a thread: 32K elements = 128 KiB per fp32 array.
 // A multiple of every vector width, so only the last block has a scalar tail.
 [[maybe_unused]] constexpr uint64_t kBlockElements = uint64_t{1} << 15;
+// set_cpu_threads() of this thread: 0, every OpenMP thread; 1, this thread alone.
+thread_local unsigned t_cpu_threads = 0;
+// The team of one split: all OpenMP would use (its affinity mask, or
+// OMP_NUM_THREADS) unless set_cpu_threads() asked for fewer.
+[[maybe_unused]] int split_threads() {
+#if defined(SHMPS_OPENMP)
+  const int all = omp_get_max_threads();
+  return t_cpu_threads == 0 ? all : std::min(all, static_cast<int>(t_cpu_threads));
+#else
+  return 1;
+#endif
+}
 // all_finite_cpu checks this many elements between early exits.
 constexpr uint64_t kFiniteChunk = 4096;
 
@@ -192,15 +207,16 @@ SHMPS_KERNEL_CLONES void adam_range(const AdamArgs& args, uint64_t begin, uint64
   }
 }
 
-// Runs fn over [0, n): in kBlockElements blocks over all OpenMP threads for
+// Runs fn over [0, n): in kBlockElements blocks over split_threads() for
 // large n, else on the calling thread. Elementwise math, so the split does
 // not change any result.
 template <class Args>
 void run_split(RangeFn<Args> fn, const Args& args, uint64_t n) {
 #if defined(SHMPS_OPENMP)
-  if (n >= kParallelMinElements) {
+  const int threads = n >= kCpuSplitMinElements ? split_threads() : 1;
+  if (threads > 1) {
     const auto blocks = static_cast<int64_t>((n + kBlockElements - 1) / kBlockElements);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < blocks; ++b) {
       const uint64_t begin = static_cast<uint64_t>(b) * kBlockElements;
       fn(args, begin, std::min(n, begin + kBlockElements));
@@ -311,10 +327,11 @@ SHMPS_KERNEL_CLONES uint32_t any_nonfinite(const unsigned char* grad, uint64_t b
 template <GradDtype kDtype>
 bool all_finite_typed(const unsigned char* grad, uint64_t n) {
 #if defined(SHMPS_OPENMP)
-  if (n >= kParallelMinElements) {
+  const int threads = n >= kCpuSplitMinElements ? split_threads() : 1;
+  if (threads > 1) {
     const auto blocks = static_cast<int64_t>((n + kBlockElements - 1) / kBlockElements);
     uint32_t bad = 0;
-#pragma omp parallel for schedule(static) reduction(| : bad)
+#pragma omp parallel for schedule(static) reduction(| : bad) num_threads(threads)
     for (int64_t b = 0; b < blocks; ++b) {
       const uint64_t begin = static_cast<uint64_t>(b) * kBlockElements;
       bad |= any_nonfinite<kDtype>(grad, begin, std::min(n, begin + kBlockElements));
@@ -434,6 +451,8 @@ void apply_cpu(const OptimizerConfig& config, const TensorState& tensor, const v
 }
 
 // A dtype outside the enum reports false: the caller then refuses the push.
+void set_cpu_threads(unsigned threads) noexcept { t_cpu_threads = threads; }
+
 bool all_finite_cpu(const void* grad, GradDtype dtype, uint64_t n) {
   const auto* bytes = static_cast<const unsigned char*>(grad);
   switch (dtype) {

@@ -59,6 +59,18 @@ bool parse_optimizer_kind(const std::string& text, OptimizerKind* out) noexcept;
 // buffer); Adam/AdamW 2 (exp_avg, exp_avg_sq) or 3 with amsgrad (+ max_exp_avg_sq).
 size_t state_arrays(const OptimizerConfig& config) noexcept;
 
+// Tensors of at least this many elements (4 MiB of fp32) are split over
+// OpenMP threads when built with SHMPS_OPENMP; shorter ones run on the
+// calling thread. The split is elementwise: it changes no result.
+inline constexpr uint64_t kCpuSplitMinElements = uint64_t{1} << 20;
+
+// The most threads the calling thread's later apply_cpu() and
+// all_finite_cpu() calls split a tensor over: 0 (the default) every thread
+// OpenMP would use (as many as the process's affinity mask has CPUs, or
+// OMP_NUM_THREADS); 1 the calling thread alone. Per calling thread; no
+// system call. A no-op without SHMPS_OPENMP.
+void set_cpu_threads(unsigned threads) noexcept;
+
 // One tensor's weights and optimizer state, all fp32, n elements each.
 // state[i] for i < state_arrays(config) must be valid; PyTorch's lazily
 // created state is modelled by `step` (see apply_cpu).
@@ -73,13 +85,13 @@ struct TensorState {
 // AFTER incrementing it for this update (1 on the first update): it selects
 // the first-step momentum rule (buf = g, no dampening) and Adam's bias
 // correction 1 - beta^step. Precondition: validate(config) == "", step >= 1,
-// grad does not alias the tensor. Large tensors are split over all cores
-// (OpenMP) when built with SHMPS_OPENMP. Never fails.
+// grad does not alias the tensor. Tensors of kCpuSplitMinElements or more
+// are split over threads (set_cpu_threads()). Never fails.
 void apply_cpu(const OptimizerConfig& config, const TensorState& tensor, const void* grad, GradDtype dtype,
                uint64_t step);
 
 // True when all n elements of grad are finite (no NaN, no +-Inf). Reads
-// only; any alignment.
+// only; any alignment. Split as apply_cpu() is.
 bool all_finite_cpu(const void* grad, GradDtype dtype, uint64_t n);
 
 }  // namespace shmps::kernels
