@@ -24,6 +24,7 @@
 
 #include "bench_support.hpp"
 #include "shmps/kernels/optimizer.hpp"
+#include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 
 namespace shmps::bench {
@@ -48,6 +49,10 @@ struct Plan {
   uint32_t optimizer_samples_per_repeat = 2;
   uint64_t memory_bytes = 256 * kMiB;
   uint32_t memory_pushes = 3;
+  uint64_t tail_bytes = 16 * kMiB;
+  std::vector<uint32_t> tail_workers{2, 4};
+  uint32_t tail_pushes = 2000;  // per setting and repeat, over all its workers
+  uint64_t tail_compute_ns = 20'000'000;
 };
 
 // Pings spaced this far apart find the server asleep on its futex (it spins
@@ -652,19 +657,134 @@ Status section_memory(const Plan& plan, Csv& csv) {
   return Status::Ok();
 }
 
+// ------------------------------------------------------------ section 5: tail latency under load
+
+// One server setting of section 5 with its samples, pooled over repeats.
+struct TailRow {
+  uint32_t workers = 0;
+  std::string setting;
+  std::unique_ptr<ServerProcess> server;
+  std::vector<double> push_ns;       // every push of every repeat
+  std::vector<double> pushes_per_s;  // one per repeat: all its workers' pushes / its wall time
+};
+
+Status section_tail_latency(const Plan& plan, Csv& csv) {
+  const uint32_t cpus = std::max(1u, std::thread::hardware_concurrency());
+  std::printf("\n[5] Tail latency of %s pushes under load: workers computing on the server's CPUs\n",
+              mib_text(plan.tail_bytes).c_str());
+  std::printf(
+      "    each worker process loops: %.1f ms of computation (a spin on the clock: its CPU is busy,\n"
+      "    as a forward + backward pass keeps it), then one push (SGD, NaN check on); workers, server\n"
+      "    and its apply threads share all %u CPUs. Server settings, one server each, interleaved per\n"
+      "    repeat: --apply-threads auto (the default), %u (every CPU: what OpenMP alone would use), 1.\n",
+      static_cast<double>(plan.tail_compute_ns) / 1e6, cpus, cpus);
+  // As the systemd unit and shmps-train run it (docs/benchmarks.md, "OpenMP").
+  const bool set_policy = std::getenv("OMP_WAIT_POLICY") == nullptr;
+  if (set_policy) ::setenv("OMP_WAIT_POLICY", "passive", 1);
+  std::printf("    servers run with OMP_WAIT_POLICY=%s\n", std::getenv("OMP_WAIT_POLICY"));
+  std::vector<TailRow> rows;
+  for (uint32_t w : plan.tail_workers)
+    for (const std::string& setting : {std::string("auto"), std::to_string(cpus), std::string("1")}) {
+      if (setting == "1" && cpus == 1) continue;  // the same as every CPU
+      auto server = start_server(plan, "tail" + std::to_string(rows.size()), {plan.tail_bytes / sizeof(float)},
+                                 {"--optimizer", "sgd", "--apply-threads", setting});
+      if (!server.ok()) return server.status();
+      rows.push_back({w, setting, std::move(server).value(), {}, {}});
+    }
+  if (set_policy) ::unsetenv("OMP_WAIT_POLICY");
+
+  for (uint32_t rep = 0; rep < plan.repeats; ++rep) {
+    for (TailRow& row : rows) {
+      const std::string name = row.server->name();
+      const uint32_t per_worker = std::max(1u, plan.tail_pushes / row.workers);
+      const auto body = [&](uint32_t, StartBarrier& barrier, Series& out) -> Status {
+        auto w = connect(name);
+        if (!w.ok()) return with_context(w.status(), "connect");
+        auto buf = (*w)->register_buffer(plan.tail_bytes);
+        if (!buf.ok()) return with_context(buf.status(), "register_buffer");
+        fill(buf->data, plan.tail_bytes, kGradValue);
+        uint64_t version = 0;
+        const auto push = [&]() -> Status {
+          auto v = (*w)->push(0, buf->id, 0, plan.tail_bytes, Dtype::kF32, version);
+          if (!v.ok()) return with_context(v.status(), "push");
+          version = *v;
+          return Status::Ok();
+        };
+        if (Status s = push(); !s.ok()) return s;  // warm-up: the server maps and faults the pages in
+        barrier.arrive_and_wait();
+        const uint64_t start = now_ns();
+        for (uint32_t q = 0; q < per_worker; ++q) {
+          const uint64_t until = now_ns() + plan.tail_compute_ns;
+          while (now_ns() < until) {
+          }
+          const uint64_t t0 = now_ns();
+          if (Status s = push(); !s.ok()) return s;
+          out[0].push_back(static_cast<double>(now_ns() - t0));
+        }
+        out[1].push_back(static_cast<double>(now_ns() - start));
+        return Status::Ok();
+      };
+      auto r = run_children(row.workers, 2, per_worker, body);
+      if (!r.ok())
+        return with_context(r.status(), std::to_string(row.workers) + " workers, --apply-threads " + row.setting);
+      row.push_ns.insert(row.push_ns.end(), (*r)[0].begin(), (*r)[0].end());
+      const double wall_ns = *std::max_element((*r)[1].begin(), (*r)[1].end());
+      row.pushes_per_s.push_back(static_cast<double>((*r)[0].size()) / (wall_ns / 1e9));
+    }
+  }
+
+  Table table("tail_latency", {"workers", "--apply-threads", "pushes", "p50 ms", "p99 ms", "p99.9 ms", "max ms",
+                               "over 10 ms", "apply max ms", "pushes/s", "pushes/s vs " + std::to_string(cpus)});
+  for (const TailRow& row : rows) {
+    // The server's own apply_ns histogram: its longest check + update
+    // (warm-ups included), without the wait behind other workers' pushes.
+    std::string apply_max = "-";
+    if (auto seg = shm::Segment::open(row.server->name(), /*read_only=*/true); seg.ok())
+      apply_max = fixed(static_cast<double>((*seg)->stats().apply_ns.max.load(std::memory_order_relaxed)) / 1e6, 2);
+    const auto ms = [&](double q) { return fixed(percentile(row.push_ns, q) / 1e6, 2); };
+    const auto over = std::count_if(row.push_ns.begin(), row.push_ns.end(), [](double ns) { return ns > 10e6; });
+    double reference = NAN;  // the same workers' every-CPU setting
+    for (const TailRow& other : rows)
+      if (other.workers == row.workers && other.setting == std::to_string(cpus)) reference = median(other.pushes_per_s);
+    table.add_row({std::to_string(row.workers), row.setting, std::to_string(row.push_ns.size()), ms(0.5), ms(0.99),
+                   ms(0.999), ms(1.0), std::to_string(over), apply_max, fixed(median(row.pushes_per_s), 0),
+                   fixed(median(row.pushes_per_s) / reference, 2)});
+  }
+  table.print(stdout);
+  table.to_csv(csv);
+  std::printf(
+      "    percentiles and max: over every push of every repeat (%u repeats), the worker's whole call\n"
+      "    (its wait behind other workers' pushes included); apply max: the server's longest NaN check\n"
+      "    + update (its apply_ns histogram);\n"
+      "    pushes/s: median over repeats of all the workers' pushes / the repeat's wall time (the job's\n"
+      "    step rate); vs %u: over the same workers' rate with every CPU as apply threads.\n",
+      plan.repeats, cpus);
+  return Status::Ok();
+}
+
 // ------------------------------------------------------------ main
 
 int run(int argc, char** argv) {
   Plan plan;
   CommonOptions common;
-  const boost::program_options::options_description no_extra;
+  namespace po = boost::program_options;
+  po::options_description own("Section 5");
+  double tail_compute_ms = -1;
+  uint32_t tail_pushes = 0;
+  own.add_options()("tail-compute-ms", po::value(&tail_compute_ms),
+                    "each worker's computation between pushes (default 20, --quick 1)")(
+      "tail-pushes", po::value(&tail_pushes), "pushes per server setting and repeat (default 2000, --quick 40)");
   if (auto exit_code =
           parse_command_line(argc, argv, "shmps-bench",
-                             "shmps-bench: round trip, push+apply and optimizer throughput, and server memory,\n"
-                             "measured across real processes; prints tables (docs/benchmarks.md).\n"
-                             "--repeats: default 5, --quick 2",
-                             4, no_extra, common))
+                             "shmps-bench: round trip, push+apply and optimizer throughput, server memory\n"
+                             "and tail latency under load, measured across real processes; prints tables\n"
+                             "(docs/benchmarks.md). --repeats: default 5, --quick 2",
+                             5, own, common))
     return *exit_code;
+  if (tail_compute_ms != -1 && !(tail_compute_ms >= 0 && tail_compute_ms <= 10'000)) {
+    std::fprintf(stderr, "shmps-bench: --tail-compute-ms must be in 0..10000, got %g\n", tail_compute_ms);
+    return 2;
+  }
   plan.quick = common.quick;
   plan.repeats = common.repeats_given ? common.repeats : (plan.quick ? 2 : 5);
   plan.server_path = common.server_path;
@@ -679,7 +799,12 @@ int run(int argc, char** argv) {
     plan.optimizer_bytes = 1 * kMiB;
     plan.memory_bytes = 4 * kMiB;
     plan.memory_pushes = 2;
+    plan.tail_bytes = 4 * kMiB;
+    plan.tail_pushes = 40;
+    plan.tail_compute_ns = 1'000'000;
   }
+  if (tail_compute_ms >= 0) plan.tail_compute_ns = static_cast<uint64_t>(tail_compute_ms * 1e6);
+  if (tail_pushes != 0) plan.tail_pushes = tail_pushes;
   plan.log_path =
       (std::filesystem::temp_directory_path() / ("shmps-bench-" + std::to_string(::getpid()) + ".log")).string();
 
@@ -711,6 +836,9 @@ int run(int argc, char** argv) {
         break;
       case 4:
         st = section_memory(plan, csv);
+        break;
+      case 5:
+        st = section_tail_latency(plan, csv);
         break;
     }
     std::fflush(stdout);

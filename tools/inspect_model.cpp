@@ -188,6 +188,7 @@ std::string server_state_name(uint32_t state) { return named(shm::server_state_n
 std::string worker_state_name(uint32_t state) { return named(shm::worker_state_name(state), state); }
 std::string optimizer_name(uint32_t kind) { return named(shm::optimizer_kind_name(kind), kind); }
 std::string backend_name(uint32_t backend) { return named(shm::backend_name(backend), backend); }
+std::string staleness_policy_text(uint32_t policy) { return named(shm::staleness_policy_name(policy), policy); }
 std::string dtype_name(uint32_t dtype) { return named(shm::dtype_name(dtype), dtype); }
 std::string buffer_kind_name(uint32_t kind) { return named(shm::buffer_kind_name(kind), kind); }
 
@@ -303,6 +304,7 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
   cv.eps = cfg.eps;
   cv.backend = cfg.backend;
   cv.max_staleness = cfg.max_staleness;
+  cv.staleness_policy = cfg.staleness_policy;
 
   for (uint32_t i = 0; i < b.tensor_count; ++i) {
     const auto t = copy_at<shm::TensorDesc>(base, b.g.tensor_table_offset + uint64_t{i} * sizeof(shm::TensorDesc));
@@ -344,6 +346,9 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
       w.applied_bytes = e.applied_bytes.load(std::memory_order_relaxed);
       w.pushes_rejected = e.pushes_rejected.load(std::memory_order_relaxed);
       w.pulls = e.pulls.load(std::memory_order_relaxed);
+      w.pulls_waited = e.pulls_waited.load(std::memory_order_relaxed);
+      w.wait_ns = e.wait_ns.load(std::memory_order_relaxed);
+      w.pushes_scaled = e.pushes_scaled.load(std::memory_order_relaxed);
       w.last_request_ns = e.last_request_ns.load(std::memory_order_relaxed);
       w.last_request_age_ms = age_ms(now, w.last_request_ns);
       for (uint32_t k = 0; k < b.max_buffers; ++k) {
@@ -481,6 +486,7 @@ json to_json(const Snapshot& s) {
                      {"beta2", json_float(c.beta2)},
                      {"eps", json_float(c.eps)},
                      {"max_staleness", c.max_staleness},
+                     {"staleness_policy", staleness_policy_text(c.staleness_policy)},
                      {"backend", backend_name(c.backend)},
                      {"flags", config_flags_text(c.flags)},
                      {"flags_value", c.flags}};
@@ -521,6 +527,9 @@ json to_json(const Snapshot& s) {
                            {"applied_bytes", std::to_string(w.applied_bytes)},
                            {"pushes_rejected", w.pushes_rejected},
                            {"pulls", w.pulls},
+                           {"pulls_waited", w.pulls_waited},
+                           {"wait_ns", std::to_string(w.wait_ns)},
+                           {"pushes_scaled", w.pushes_scaled},
                            {"last_request_ns", std::to_string(w.last_request_ns)},
                            {"last_request_age_ms", optional_json(w.last_request_age_ms)},
                            {"buffers", std::move(buffers)}});
@@ -542,10 +551,11 @@ json to_json(const Snapshot& s) {
   for (uint32_t code = 0; code < st.rejected.size(); ++code)
     if (st.rejected[code] != 0) rejected[error_name(code)] = st.rejected[code];
   json stats = json::object();
-  // A byte count (a name ending in _bytes) passes 2^53 after days (8 PiB):
-  // a string, as the 64-bit values of to_json()'s rule.
+  // A byte count (a name ending in _bytes) passes 2^53 after days (8 PiB),
+  // a time in ns (_ns) after 104 days: strings, as the 64-bit values of
+  // to_json()'s rule.
 #define SHMPS_STATS_JSON(name, kind, help) \
-  stats[#name] = ends_with(#name, "_bytes") ? json(std::to_string(st.name)) : json(st.name);
+  stats[#name] = ends_with(#name, "_bytes") || ends_with(#name, "_ns") ? json(std::to_string(st.name)) : json(st.name);
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_JSON)
 #undef SHMPS_STATS_JSON
   stats["avg_staleness"] = static_cast<double>(st.avg_staleness_micro) / 1e6;
@@ -648,7 +658,7 @@ std::string render_text(const Snapshot& s) {
   o << "  hyperparameters lr " << num(c.lr) << ", momentum " << num(c.momentum) << ", dampening " << num(c.dampening)
     << ", weight_decay " << num(c.weight_decay) << ", beta1 " << num(c.beta1) << ", beta2 " << num(c.beta2) << ", eps "
     << num(c.eps) << "\n";
-  o << "  max_staleness   " << c.max_staleness << "\n";
+  o << "  max_staleness   " << c.max_staleness << " (policy " << staleness_policy_text(c.staleness_policy) << ")\n";
   o << "  backend         " << backend_name(c.backend) << "\n";
   o << "  flags           " << config_flags_text(c.flags) << "\n";
   if (s.weights_export)
@@ -681,6 +691,9 @@ std::string render_text(const Snapshot& s) {
     o << "    pushes applied " << w.pushes_applied << " (" << w.applied_bytes << " bytes), rejected "
       << w.pushes_rejected << ", pulls " << w.pulls << ", last request "
       << age_text(w.last_request_age_ms, w.last_request_ns) << "\n";
+    if (w.pulls_waited != 0 || w.pushes_scaled != 0)
+      o << "    pulls held " << w.pulls_waited << " (" << duration_text(w.wait_ns) << " in all), pushes scaled "
+        << w.pushes_scaled << "\n";
     for (const BufferView& b : w.buffers) {
       o << "    buffer " << b.id << ": " << buffer_kind_name(b.kind) << ", " << b.length << " bytes at offset "
         << b.offset;
@@ -724,6 +737,13 @@ std::string render_text(const Snapshot& s) {
   o << "  buffers         " << st.buffers_registered << " registered, mappings " << st.mappings_opened << " opened, "
     << st.mappings_closed << " closed\n";
   o << "  lanes corrupt   " << st.lanes_corrupt << "\n";
+  o << "  staleness policy pulls held " << st.pulls_waited << " (" << duration_text(st.wait_ns)
+    << " in all), pushes scaled " << st.pushes_scaled << " (mean factor "
+    << (st.pushes_scaled == 0
+            ? std::string("-")
+            : num(static_cast<double>(st.scale_factor_sum_micro) / 1e6 / static_cast<double>(st.pushes_scaled)))
+    << ")\n";
+  o << "  apply threads   " << st.apply_threads << " (the last update of a tensor from 4 MiB)\n";
   const auto histogram_text = [](const HistogramView& hv, bool ns) {
     if (!hv.quantile(0.5)) return std::string("none yet");
     const auto v = [ns](uint64_t x) { return ns ? duration_text(x) : std::to_string(x); };
@@ -756,15 +776,19 @@ std::string label_value(const std::string& v) {
 }
 
 // Prometheus's names: a counter ends in _total; a value in millionths
-// (name_micro) is given in its unit.
+// (name_micro) is given in its unit, one in ns (name_ns) in seconds
+// (name_seconds).
 std::string metric_name(const std::string& name, const std::string& kind) {
   std::string base = name;
   if (ends_with(base, "_micro")) base.resize(base.size() - 6);
+  if (ends_with(base, "_ns")) base.replace(base.size() - 3, 3, "_seconds");
   return "shmps_" + base + (kind == "counter" ? "_total" : "");
 }
 
 double metric_value(const std::string& name, uint64_t v) {
-  return ends_with(name, "_micro") ? static_cast<double>(v) / 1e6 : static_cast<double>(v);
+  if (ends_with(name, "_micro")) return static_cast<double>(v) / 1e6;
+  if (ends_with(name, "_ns")) return static_cast<double>(v) / 1e9;
+  return static_cast<double>(v);
 }
 
 class Exposition {
@@ -813,14 +837,16 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
   e.family("shmps_info", "gauge", "The server's identity and configuration, as labels; always 1.");
   e.sample("shmps_info", 1,
            ",pid=\"" + std::to_string(h.server_pid) + "\",generation=\"" + hex64(h.generation) + "\",optimizer=\"" +
-               optimizer_name(s.config.optimizer_kind) + "\",backend=\"" + backend_name(s.config.backend) + "\"");
+               optimizer_name(s.config.optimizer_kind) + "\",backend=\"" + backend_name(s.config.backend) +
+               "\",staleness_policy=\"" + staleness_policy_text(s.config.staleness_policy) + "\"");
   e.family("shmps_server_state", "gauge", "The server's state: 1 starting, 2 running, 3 stopping, 4 stopped.");
   e.sample("shmps_server_state", h.server_state);
   e.family("shmps_parameters", "gauge", "Parameters (fp32 elements) of the model, all tensors.");
   e.sample("shmps_parameters", static_cast<double>(h.total_elements));
   e.family("shmps_learning_rate", "gauge", "The optimizer's learning rate now.");
   e.sample("shmps_learning_rate", s.config.lr);
-  e.family("shmps_max_staleness", "gauge", "Pushes more than this many versions old are rejected.");
+  e.family("shmps_max_staleness", "gauge",
+           "The staleness bound: versions (policy reject), clocks ahead of the slowest worker (wait).");
   e.sample("shmps_max_staleness", static_cast<double>(s.config.max_staleness));
   if (h.server_uptime_s) {
     e.family("shmps_uptime_seconds", "gauge", "Time since the server process started.");
@@ -883,6 +909,13 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
              [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.applied_bytes)); });
   per_worker("shmps_worker_pulls_total", "counter", "Pulls of this worker served.",
              [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.pulls)); });
+  per_worker("shmps_worker_pulls_waited_total", "counter", "Pulls of this worker held back by --staleness-policy wait.",
+             [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.pulls_waited)); });
+  per_worker("shmps_worker_wait_seconds_total", "counter", "Time pulls of this worker were held back, in all.",
+             [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.wait_ns) / 1e9); });
+  per_worker("shmps_worker_pushes_scaled_total", "counter",
+             "Pushes of this worker applied with lr / staleness (--staleness-policy scale).",
+             [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.pushes_scaled)); });
   per_worker("shmps_worker_last_request_age_seconds", "gauge", "Time since this worker's last request.",
              [](const WorkerView& w) -> std::optional<double> {
                if (!w.last_request_age_ms) return std::nullopt;

@@ -46,6 +46,7 @@ struct ConfigView {
   float lr = 0, momentum = 0, dampening = 0, weight_decay = 0, beta1 = 0, beta2 = 0, eps = 0;
   uint32_t backend = 0;  // shm::Backend, unchecked
   uint64_t max_staleness = 0;
+  uint32_t staleness_policy = 0;  // shm::StalenessPolicy, unchecked
 };
 
 // The weights' CUDA IPC export (SegmentHeader::weights_export), when the
@@ -88,6 +89,9 @@ struct WorkerView {
   uint64_t pushes_rejected = 0;
   uint64_t pulls = 0;
   uint64_t applied_bytes = 0;                   // of its applied pushes
+  uint64_t pulls_waited = 0;                    // held back by --staleness-policy wait
+  uint64_t wait_ns = 0;                         // their time held, in all
+  uint64_t pushes_scaled = 0;                   // applied with lr / staleness
   uint64_t last_request_ns = 0;                 // 0: none yet
   std::optional<uint64_t> last_request_age_ms;  // empty when none or in the future
   std::vector<BufferView> buffers;              // the non-empty descriptors

@@ -27,6 +27,9 @@ Status validate(const ServerConfig& config) {
     return invalid("--max-workers must be in 1..256, got " + std::to_string(config.max_workers));
   if (config.max_buffers == 0 || config.max_buffers > shm::kMaxBuffersLimit)
     return invalid("--max-buffers must be in 1..64, got " + std::to_string(config.max_buffers));
+  if (config.apply_threads > kMaxApplyThreads)
+    return invalid("--apply-threads must be auto or a number in 1.." + std::to_string(kMaxApplyThreads) + ", got " +
+                   std::to_string(config.apply_threads));
   if (config.checkpoint_keep == 0) return invalid("--checkpoint-keep must be at least 1");
   if (config.checkpoint_dir.empty() && (config.checkpoint_every != 0 || config.checkpoint_interval_s != 0))
     return invalid("--checkpoint-every and --checkpoint-interval-s need --checkpoint-dir");

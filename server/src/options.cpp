@@ -146,6 +146,15 @@ const char* log_level_name(LogLevel level) noexcept {
   return "unknown";
 }
 
+bool parse_staleness_policy(std::string_view text, shm::StalenessPolicy* out) noexcept {
+  for (uint32_t p = 0; p <= shm::kStalenessPolicyMax; ++p)
+    if (text == shm::staleness_policy_name(p)) {
+      *out = static_cast<shm::StalenessPolicy>(p);
+      return true;
+    }
+  return false;
+}
+
 bool parse_log_level(std::string_view text, LogLevel* out) noexcept {
   for (LogLevel l : {LogLevel::kError, LogLevel::kWarn, LogLevel::kInfo, LogLevel::kDebug}) {
     if (text == log_level_name(l)) {
@@ -203,7 +212,8 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   ParsedOptions out;
   ServerConfig& c = out.config;
   kernels::OptimizerConfig& o = c.optimizer;
-  std::string config_file, optimizer = "sgd", backend = "auto", init = "zero", log_level = "info";
+  std::string config_file, optimizer = "sgd", backend = "auto", init = "zero", log_level = "info",
+                           apply_threads = "auto", staleness_policy = "reject";
   std::vector<std::string> tensors;
   float weight_decay = 0.0f;
 
@@ -227,9 +237,11 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "eps", po::value(&o.eps)->default_value(1e-8f), "Adam epsilon (> 0)")("amsgrad", po::bool_switch(&o.amsgrad),
                                                                             "Adam/AdamW AMSGrad variant")(
       "max-staleness", po::value(&c.max_staleness)->default_value(4),
-      "reject pushes computed more than this many versions ago; changes live on SIGHUP")(
-      "allow-nonfinite", po::bool_switch(&c.allow_nonfinite),
-      "apply gradients holding NaN or Inf (rejected by default)")(
+      "the staleness bound: versions (reject), clocks ahead of the slowest worker (wait); changes live on SIGHUP")(
+      "staleness-policy", po::value(&staleness_policy)->default_value("reject"),
+      "reject (stale pushes) | wait (hold pulls of workers max-staleness clocks ahead: SSP) | scale (apply every "
+      "push with lr / staleness); changes live on SIGHUP")("allow-nonfinite", po::bool_switch(&c.allow_nonfinite),
+                                                           "apply gradients holding NaN or Inf (rejected by default)")(
       "ring-capacity", po::value(&c.lane_capacity)->default_value(64), "slots per worker request lane (power of two)")(
       "max-workers", po::value(&c.max_workers)->default_value(16), "worker table size (1..256)")(
       "max-buffers", po::value(&c.max_buffers)->default_value(16), "registered buffers per worker (1..64)")(
@@ -242,6 +254,9 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "init-file", po::value(&c.init.file), "raw little-endian fp32, all tensors in order (implies --init file)")(
       "group-access", po::bool_switch(&c.group_access), "create the segment with mode 0660 instead of 0600")(
       "idle-spin-us", po::value(&c.idle_spin_us)->default_value(50), "spin this long on an empty ring before sleeping")(
+      "apply-threads", po::value(&apply_threads)->default_value("auto"),
+      "threads of one update of a tensor from 4 MiB: auto (the affinity mask's CPUs that no computing worker "
+      "shares, at least 1) or N; changes live on SIGHUP")(
       "stopped-worker-timeout-ms", po::value(&c.stopped_worker_timeout_ms)->default_value(5000),
       "evict a worker stopped (SIGSTOP, a debugger) this long (0: never)")(
       "checkpoint-dir", po::value(&c.checkpoint_dir),
@@ -380,6 +395,17 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   } else {
     return fail("--init must be zero, normal, uniform or file, got '" + init + "'");
   }
+  if (!parse_staleness_policy(staleness_policy, &c.staleness_policy))
+    return fail("--staleness-policy must be reject, wait or scale, got '" + staleness_policy + "'");
+  if (apply_threads == "auto") {
+    c.apply_threads = 0;
+  } else {
+    const char* end = apply_threads.data() + apply_threads.size();
+    const auto [ptr, ec] = std::from_chars(apply_threads.data(), end, c.apply_threads);
+    if (ec != std::errc() || ptr != end || c.apply_threads == 0 || c.apply_threads > kMaxApplyThreads)
+      return fail("--apply-threads must be auto or a number in 1.." + std::to_string(kMaxApplyThreads) + ", got '" +
+                  apply_threads + "'");
+  }
   if (!parse_log_level(log_level, &c.log_level))
     return fail("--log-level must be error, warn, info or debug, got '" + log_level + "'");
   if (Status s = validate(c); !s.ok()) return fail(s.message());
@@ -423,6 +449,7 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
     e.emplace_back("amsgrad", flag(o.amsgrad));
   }
   e.emplace_back("max-staleness", std::to_string(c.max_staleness));
+  e.emplace_back("staleness-policy", shm::staleness_policy_name(static_cast<uint32_t>(c.staleness_policy)));
   e.emplace_back("allow-nonfinite", flag(c.allow_nonfinite));
   e.emplace_back("ring-capacity", std::to_string(c.lane_capacity));
   e.emplace_back("max-workers", std::to_string(c.max_workers));
@@ -438,6 +465,7 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   if (!c.init.file.empty()) e.emplace_back("init-file", c.init.file);
   e.emplace_back("group-access", flag(c.group_access));
   e.emplace_back("idle-spin-us", std::to_string(c.idle_spin_us));
+  e.emplace_back("apply-threads", c.apply_threads == 0 ? "auto" : std::to_string(c.apply_threads));
   e.emplace_back("stopped-worker-timeout-ms", std::to_string(c.stopped_worker_timeout_ms));
   if (!c.checkpoint_dir.empty()) e.emplace_back("checkpoint-dir", c.checkpoint_dir);
   e.emplace_back("checkpoint-every", std::to_string(c.checkpoint_every));

@@ -62,6 +62,15 @@ void apply_live(ServerConfig& running, const ServerConfig& next, shm::ConfigBloc
       // relaxed: as lr above.
       std::atomic_ref<uint64_t>(shared.max_staleness).store(running.max_staleness, std::memory_order_relaxed);
       log::info(change);
+    } else if (key == "staleness-policy") {
+      running.staleness_policy = next.staleness_policy;
+      // relaxed: as lr above.
+      std::atomic_ref<uint32_t>(shared.staleness_policy)
+          .store(static_cast<uint32_t>(running.staleness_policy), std::memory_order_relaxed);
+      log::info(change);
+    } else if (key == "apply-threads") {
+      running.apply_threads = next.apply_threads;  // read at the next large update
+      log::info(change);
     } else if (key == "log-level") {
       // Written under whichever of the two levels is more verbose, so the
       // change itself is always seen.

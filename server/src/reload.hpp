@@ -8,9 +8,9 @@
 
 namespace shmps::server {
 
-// Applies next's live keys (lr, max-staleness, log-level) to `running`
-// and to the segment's config block `shared` (shmps-inspect shows the
-// values in force), logging every difference. An lr the optimizer refuses
+// Applies next's live keys (lr, max-staleness, staleness-policy,
+// apply-threads, log-level) to `running` and to the segment's config block `shared` (shmps-inspect shows
+// the values in force), logging every difference. An lr the optimizer refuses
 // is logged and kept as it was.
 void apply_live(ServerConfig& running, const ServerConfig& next, shm::ConfigBlock& shared);
 

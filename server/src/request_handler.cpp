@@ -31,13 +31,6 @@ const char* opcode_name(uint32_t opcode) {
   return name != nullptr ? name : "request";
 }
 
-// counter += by for counters only this thread writes (the stats block, the
-// entries' counters): a load and a store, no locked instruction; readers in
-// other processes see each value whole (relaxed atomics), as with fetch_add.
-void bump(std::atomic<uint64_t>& counter, uint64_t by = 1) {
-  counter.store(counter.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);  // relaxed: statistic
-}
-
 Answer ok(const Request& req, uint64_t version) {
   Answer a;
   a.completion = RequestHandler::answer(req, ErrorCode::kOk, "");
@@ -216,11 +209,27 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
         i, req, ErrorCode::kBadRequest,
         "worker_version " + std::to_string(req.worker_version) + " ahead of version " + std::to_string(version));
   const uint64_t staleness = version - req.worker_version;
-  if (staleness > config_.max_staleness)
+  const shm::StalenessPolicy policy = config_.staleness_policy;
+  if (policy == shm::StalenessPolicy::kReject && staleness > config_.max_staleness)
     return reject(i, req, ErrorCode::kStale,
                   "staleness " + std::to_string(staleness) + " > max_staleness " +
                       std::to_string(config_.max_staleness) + " (v" + std::to_string(req.worker_version) + " vs v" +
                       std::to_string(version) + ")");
+  // scale: lr / staleness from staleness 2 on (Zhang et al., IJCAI 2016);
+  // the step count and the moments advance as for any push.
+  const bool scaled = policy == shm::StalenessPolicy::kScale && staleness > 1;
+  kernels::OptimizerConfig scaled_optimizer;
+  if (scaled) {
+    scaled_optimizer = config_.optimizer;
+    scaled_optimizer.lr = scaled_lr(config_.optimizer.lr, staleness);
+  }
+  const kernels::OptimizerConfig& optimizer = scaled ? scaled_optimizer : config_.optimizer;
+  shm::StatsBlock& st = segment_.stats();
+  if (target->elements >= kernels::kCpuSplitMinElements) {
+    const uint32_t threads = sessions_.apply_threads(i);
+    backend_.set_apply_threads(threads);
+    st.apply_threads.store(threads, std::memory_order_relaxed);  // relaxed: statistic
+  }
   const uint64_t apply_start = shm::monotonic_ns();  // apply_ns: the check and the update
   if (!config_.allow_nonfinite) {
     const Result<bool> finite = backend_.all_finite(*target->buffer, req.byte_offset, target->elements, dtype);
@@ -236,8 +245,7 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
   // copy (two locked instructions) only where there is something to wait for.
   std::shared_ptr<PeerBuffer> hold = async_ ? sessions_[i].buffers[req.buffer_id] : nullptr;
   for (uint32_t t = target->first; t < target->last; ++t) {
-    if (Status s = backend_.apply(config_.optimizer, t, ++model_.steps[t], *target->buffer, byte_offset, dtype);
-        !s.ok()) {
+    if (Status s = backend_.apply(optimizer, t, ++model_.steps[t], *target->buffer, byte_offset, dtype); !s.ok()) {
       Answer a = backend_failed(i, req, s);
       a.hold = std::move(hold);
       return a;
@@ -253,14 +261,18 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
     return a;
   }
   ++model_.version;
-  shm::StatsBlock& st = segment_.stats();
+  if (scaled) {
+    shm::bump(st.pushes_scaled);
+    shm::bump(st.scale_factor_sum_micro, 1'000'000 / staleness);
+    shm::bump(segment_.worker(i).pushes_scaled);
+  }
   // relaxed: statistics; the completion's release publishes them to the pusher.
   st.avg_staleness_micro.store(model_.staleness.record(staleness), std::memory_order_relaxed);
   st.version.store(model_.version, std::memory_order_relaxed);
-  bump(st.gradients_applied);
-  bump(st.applied_bytes, req.byte_length);
-  bump(segment_.worker(i).pushes_applied);
-  bump(segment_.worker(i).applied_bytes, req.byte_length);
+  shm::bump(st.gradients_applied);
+  shm::bump(st.applied_bytes, req.byte_length);
+  shm::bump(segment_.worker(i).pushes_applied);
+  shm::bump(segment_.worker(i).applied_bytes, req.byte_length);
   const uint64_t apply_end = shm::monotonic_ns();
   shm::record(st.apply_ns, apply_end - apply_start);
   shm::record(st.staleness, staleness);
@@ -285,8 +297,8 @@ Answer RequestHandler::pull(uint32_t i, const Request& req) {
     a = drop_buffer(i, req, intact);
   } else {
     // relaxed: statistics.
-    bump(segment_.stats().weights_pulled);
-    bump(segment_.worker(i).pulls);
+    shm::bump(segment_.stats().weights_pulled);
+    shm::bump(segment_.worker(i).pulls);
     a = ok(req, model_.version);
   }
   a.hold = std::move(hold);
@@ -339,10 +351,11 @@ Answer RequestHandler::stats(uint32_t i, const Request& req) {
   const auto cause = [&s](ErrorCode code) {
     return s.rejected[static_cast<uint32_t>(code)].load(std::memory_order_relaxed);
   };
-  const uint64_t rejected_stale = cause(ErrorCode::kStale), rejected_nonfinite = cause(ErrorCode::kNonFinite);
+  const uint64_t rejected_stale = cause(ErrorCode::kStale), rejected_nonfinite = cause(ErrorCode::kNonFinite),
+                 rejected_timeout = cause(ErrorCode::kTimeout);
   uint64_t rejected_invalid = 0;
   for (uint32_t c = 0; c < shm::kRejectCauses; ++c) rejected_invalid += s.rejected[c].load(std::memory_order_relaxed);
-  rejected_invalid -= rejected_stale + rejected_nonfinite;
+  rejected_invalid -= rejected_stale + rejected_nonfinite + rejected_timeout;
 #define SHMPS_STATS_FROM_block(from) s.from.load(std::memory_order_relaxed)
 #define SHMPS_STATS_FROM_entry(from) e.from.load(std::memory_order_relaxed)
 #define SHMPS_STATS_FROM_rejected(from) rejected_##from

@@ -19,6 +19,11 @@
 
 namespace shmps::server {
 
+// The learning rate --staleness-policy scale applies a push `staleness`
+// versions old with: lr / max(1, staleness), in fp32 (what tests compare
+// bitwise against the kernels run with that lr).
+inline float scaled_lr(float lr, uint64_t staleness) { return staleness > 1 ? lr / static_cast<float>(staleness) : lr; }
+
 struct Answer {
   shm::Completion completion;
   // The buffer the request's device work uses (asynchronous backends): the
@@ -44,6 +49,9 @@ class RequestHandler {
   // A completion of `req` with `code` and `message` (cut to fit).
   static shm::Completion answer(const shm::Request& req, ErrorCode code, std::string_view message);
 
+  // Refuses `req` of worker i: counted by cause, logged (rate-limited).
+  Answer reject(uint32_t i, const shm::Request& req, ErrorCode code, const std::string& message);
+
  private:
   // The tensor range [first, last) of a push or pull, its element count,
   // and the registered buffer.
@@ -54,7 +62,6 @@ class RequestHandler {
   };
   Result<Target> resolve(uint32_t i, const shm::Request& req, uint64_t element_size, const char* dtype_name) const;
 
-  Answer reject(uint32_t i, const shm::Request& req, ErrorCode code, const std::string& message);
   // Rejects `req` and forgets its buffer, whose memory vanished under us.
   Answer drop_buffer(uint32_t i, const shm::Request& req, const Status& why);
   // Rejects `req` with a backend error; a lost device is reported to the server.

@@ -19,6 +19,7 @@
 #include "checkpoint_policy.hpp"
 #include "held_completions.hpp"
 #include "model.hpp"
+#include "pull_gate.hpp"
 #include "rate_log.hpp"
 #include "reload.hpp"
 #include "request_handler.hpp"
@@ -61,7 +62,8 @@ class Server::Impl {
         backend(std::move(b)),
         held(config.max_workers),
         sessions(config, *segment, held, worker_lines),
-        handler(config, model, *backend, sessions, *segment, rejections) {}
+        handler(config, model, *backend, sessions, *segment, rejections),
+        gate(config, sessions) {}
 
   // ---- set by create(), constant after it (config: run() applies a
   // reload's live keys in place, on the consumer thread)
@@ -77,6 +79,8 @@ class Server::Impl {
   WorkerLineLog worker_lines;
   Sessions sessions;
   RequestHandler handler;
+  PullGate gate;
+  std::vector<PullGate::Released> released;       // release_pulls()'s, kept for its capacity
   std::unique_ptr<CheckpointPolicy> checkpoints;  // none while config.checkpoint_dir is empty
   Status failure;                                 // why run() stops on its own (the device, the segment's name)
   bool removed = false;                           // the segment is gone (shutdown() ran)
@@ -125,6 +129,7 @@ class Server::Impl {
         periodic(now);
       }
       bool worked = drain_held();
+      if (gate.any_parked()) worked |= release_pulls(now);
       worked |= serve_doorbells();
       if (now - last_housekeeping >= kHousekeepingNs) {
         last_housekeeping = now;
@@ -303,7 +308,8 @@ class Server::Impl {
   bool serve_lane(uint32_t i) {
     WorkerSlot& slot = sessions[i];
     if (!sessions.sync(i)) return false;
-    slot.lane.prefetch_next();  // the request's line travels while we check the entry
+    if (gate.parked(i)) return false;  // its pull goes first (release_pulls())
+    slot.lane.prefetch_next();         // the request's line travels while we check the entry
     shm::WorkerEntry& entry = segment->worker(i);
     uint32_t served = 0;
     bool drained = false;  // the batch ended on an empty lane
@@ -343,10 +349,22 @@ class Server::Impl {
       // between reads): read it now, so a wait is never counted as 0.
       if (published > clock_now) clock_now = shm::monotonic_ns();
       shm::record(stats().queue_ns, clock_now > published ? clock_now - published : 0);
+      if (req.opcode == static_cast<uint32_t>(Opcode::kPull) && gate.must_wait(i)) {
+        if (req.wait_ns != 0) {
+          gate.park(i, req, clock_now);
+          break;  // the rest of the lane waits behind the pull
+        }
+        Answer refused = handler.reject(i, req, ErrorCode::kTimeout,
+                                        "held back by --staleness-policy wait, and the pull may not wait (wait_ns 0)");
+        post(i, refused);
+        continue;
+      }
       Answer a = handler.handle(i, req, loop_now);
+      if (a.applied) gate.pushed(i);
       if (a.applied_until_ns != 0) clock_now = a.applied_until_ns;
       if (!a.device.ok()) fatal(a.device);
       if (a.applied && checkpoints) checkpoints->after_push(loop_now);
+      if (a.applied && gate.any_parked()) release_pulls(clock_now);
       if (a.completion.opcode == static_cast<uint32_t>(Opcode::kDetach) && a.completion.code == 0) {
         // Its held-back answers go first (detaches are rare: wait for the device).
         if (held.held(i) != 0) {
@@ -368,6 +386,29 @@ class Server::Impl {
     if (served > 0) shm::notify(slot.lane.header()->space_ready);
     if (!drained && slot.lane.refresh() == shm::RingResult::kOk) ring_doorbell(i);  // more left: come back
     return served > 0;
+  }
+
+  // Answers the parked pulls (--staleness-policy wait) that may go on at
+  // `now`: served, or refused when their wait ran out. Their lanes are
+  // served again from the next turn. True when any was answered.
+  bool release_pulls(uint64_t now) {
+    released.clear();
+    gate.release(now, &released);
+    for (PullGate::Released& r : released) answer_parked(r);
+    return !released.empty();
+  }
+
+  void answer_parked(PullGate::Released& r) {
+    const uint32_t i = r.worker;
+    shm::bump(stats().pulls_waited);
+    shm::bump(stats().wait_ns, r.waited_ns);
+    shm::bump(segment->worker(i).pulls_waited);
+    shm::bump(segment->worker(i).wait_ns, r.waited_ns);
+    Answer a = r.timed_out ? handler.reject(i, r.request, ErrorCode::kTimeout, r.why)
+                           : handler.handle(i, r.request, shm::monotonic_ns());
+    if (!a.device.ok()) fatal(a.device);
+    post(i, a);
+    ring_doorbell(i);  // the rest of its lane
   }
 
   // Answers worker i's request: now, or once the device work the request
@@ -525,6 +566,15 @@ class Server::Impl {
       }
     }
     held.clear();
+    // Parked pulls go first (each is older than its lane's queue).
+    released.clear();
+    gate.release_all(shm::monotonic_ns(), &released);
+    for (const PullGate::Released& r : released) {
+      if (!sessions[r.worker].completions.has_space()) continue;
+      Completion c = RequestHandler::answer(r.request, ErrorCode::kShuttingDown, "server is shutting down");
+      c.version = model.version;
+      post_now(r.worker, c);
+    }
     // Fail what is queued: nothing more is applied.
     uint64_t failed = 0;
     for (uint32_t i = 0; i < config.max_workers; ++i) {
@@ -642,6 +692,7 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   cb.eps = o.eps;
   cb.backend = static_cast<uint32_t>(backend->kind());
   cb.max_staleness = config.max_staleness;
+  cb.staleness_policy = static_cast<uint32_t>(config.staleness_policy);
 
   auto segment = shm::Segment::create(spec, random_generation());
   if (!segment.ok()) return segment.status();

@@ -1,5 +1,6 @@
 #include "sessions.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 
@@ -21,6 +22,11 @@ Sessions::Sessions(const ServerConfig& config, shm::Segment& segment, HeldComple
       attached_bits_((config.max_workers + 63) / 64, 0),
       buffer_prefix_(shm::segment_object_name(config.name) + ".p") {
   for (uint32_t i = 0; i < config.max_workers; ++i) reset_lanes(i);
+  CPU_ZERO(&server_cpus_);
+  if (sched_getaffinity(0, sizeof server_cpus_, &server_cpus_) == 0)
+    server_cpu_count_ = std::max(1, CPU_COUNT(&server_cpus_));
+  else
+    CPU_ZERO(&server_cpus_);  // unknown: every worker counts as sharing
 }
 
 bool Sessions::sync(uint32_t i) {
@@ -68,6 +74,14 @@ void Sessions::attach(uint32_t i, uint64_t claimed) {
   attached_lanes_.push_back(i);
   attached_bits_[i / 64] |= uint64_t{1} << (i % 64);
   slot.pid_start_time = start;
+  // Read once: a worker that moves later is counted where it was.
+  cpu_set_t worker_cpus;
+  slot.shares_cpus = true;
+  if (CPU_COUNT(&server_cpus_) > 0 && sched_getaffinity(pid, sizeof worker_cpus, &worker_cpus) == 0) {
+    cpu_set_t both;
+    CPU_AND(&both, &worker_cpus, &server_cpus_);
+    slot.shares_cpus = CPU_COUNT(&both) > 0;
+  }
   slot.buffers.clear();
   slot.buffers.resize(config_.max_buffers);
   segment_.stats().workers_attached.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
@@ -201,6 +215,14 @@ bool Sessions::stopped_too_long(uint32_t i, shm::ProcessState state, uint64_t no
          std::to_string(config_.stopped_worker_timeout_ms) + "); " + std::to_string(slot.lane.depth_estimate()) +
          " queued request(s) dropped unanswered";
   return true;
+}
+
+uint32_t Sessions::apply_threads(uint32_t i) const {
+  if (config_.apply_threads != 0) return config_.apply_threads;
+  uint32_t computing = 0;
+  for (uint32_t w : attached_lanes_)
+    if (w != i && slots_[w].shares_cpus && slots_[w].lane.depth_estimate() == 0) ++computing;
+  return computing < server_cpu_count_ ? server_cpu_count_ - computing : 1;
 }
 
 void Sessions::publish_depth() {

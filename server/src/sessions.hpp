@@ -5,6 +5,8 @@
 // fact (a worker may overwrite its entry at any time). Consumer thread only.
 #pragma once
 
+#include <sched.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -33,6 +35,7 @@ struct WorkerSlot {
   uint64_t lease = 0;
   uint64_t stopped_since_ns = 0;  // when we first saw its process stopped; 0: running
   uint64_t next_request_id = 0;   // the id after the last request taken; 0: unknown (new session)
+  bool shares_cpus = true;        // its affinity mask, read at attach, meets the server's
   bool attached() const { return owner != 0; }
   uint32_t pid() const { return shm::owner_pid(owner); }
   // The registered buffer of that id, or null (unknown or out of range).
@@ -90,6 +93,13 @@ class Sessions {
 
   void log(LogLevel level, const std::string& line) { lines_.write(level, line, shm::monotonic_ns()); }
 
+  // The threads for an update of a large tensor that worker i asked for
+  // (ServerConfig::apply_threads): the configured number, or for auto the
+  // server's CPUs less one per other attached worker that may run on them
+  // and has nothing queued (so is computing), at least 1. One read of each
+  // attached lane's tail; no system call.
+  uint32_t apply_threads(uint32_t i) const;
+
   // Publishes the requests queued in all attached lanes now
   // (StatsBlock::ring_depth) and raises the high-water mark.
   void publish_depth();
@@ -119,6 +129,8 @@ class Sessions {
   std::vector<uint64_t> attached_bits_;
   uint64_t lease_counter_ = 0;
   uint64_t high_water_ = 0;  // mirror of StatsBlock::ring_high_water
+  cpu_set_t server_cpus_;    // the server's affinity mask at start
+  uint32_t server_cpu_count_ = 1;
   std::string buffer_prefix_;
 };
 

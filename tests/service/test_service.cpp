@@ -369,6 +369,68 @@ BOOST_AUTO_TEST_CASE(sighup_reloads_lr_and_max_staleness_from_the_config_file) {
   BOOST_TEST(server.wait(10s) == 0);
 }
 
+// The staleness policy switches on SIGHUP without losing a request: a pull
+// held under wait is answered once the policy is reject; then a stale push
+// is rejected, and under scale applied.
+BOOST_AUTO_TEST_CASE(sighup_switches_the_staleness_policy_without_losing_a_held_pull) {
+  TempPath err("stderr");
+  TempPath conf("conf");
+  const std::string name = test::unique_name("svc_hup_policy");
+  SegmentGuard guard(name);
+  const auto write_conf = [&](const std::string& body) {
+    std::ofstream(conf.path) << "name = " << name << "\ntensor = w:4\nmax-staleness = 1\n" << body;
+  };
+  write_conf("staleness-policy = wait\n");
+  test::Process server = spawn_server({"--config", conf.path}, {}, err.path);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
+                        "no segment; stderr:\n" + read_file(err.path));
+  const auto log_has = [&](const std::string& text) {
+    return test::eventually([&] { return contains(read_file(err.path), text); }, 5s);
+  };
+  auto slow = connect(name);
+  auto fast = connect(name);
+  auto slow_grad = slow->register_buffer(16);
+  auto fast_grad = fast->register_buffer(16);
+  auto fast_weights = fast->register_buffer(16);
+  BOOST_REQUIRE(slow_grad.ok() && fast_grad.ok() && fast_weights.ok());
+  BOOST_REQUIRE(slow->push(0, slow_grad->id, 0, 16, Dtype::kF32, 0).ok());  // slow: clock 1
+  for (int k = 0; k < 2; ++k) {                                             // fast: clocks 2, 3
+    auto v = fast->pull(0, fast_weights->id, 0);
+    BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+    BOOST_REQUIRE(fast->push(0, fast_grad->id, 0, 16, Dtype::kF32, *v).ok());
+  }
+  std::atomic<bool> done{false};
+  Result<uint64_t> held{Status{ErrorCode::kInternal, "not returned"}};
+  std::thread pulling([&] {
+    held = fast->pull(0, fast_weights->id, 0);  // 2 ahead of the slowest, bound 1: held
+    done.store(true);
+  });
+  BOOST_TEST(!test::eventually([&] { return done.load(); }, 300ms), "the pull was not held");
+  write_conf("staleness-policy = reject\n");
+  server.signal(SIGHUP);
+  BOOST_TEST(log_has("reload: staleness-policy wait -> reject"), read_file(err.path));
+  const bool answered = test::eventually([&] { return done.load(); }, 5s);
+  pulling.join();
+  BOOST_TEST(answered);
+  BOOST_TEST(held.ok(), held.status().to_string());
+  BOOST_TEST(segment_config(name).staleness_policy == static_cast<uint32_t>(shm::StalenessPolicy::kReject));
+  // reject: the slow worker's gradient of version 0 is 3 behind.
+  BOOST_TEST((slow->push(0, slow_grad->id, 0, 16, Dtype::kF32, 0).status().code() == ErrorCode::kStale));
+  write_conf("staleness-policy = scale\n");
+  server.signal(SIGHUP);
+  BOOST_TEST(log_has("reload: staleness-policy reject -> scale"), read_file(err.path));
+  BOOST_TEST(slow->push(0, slow_grad->id, 0, 16, Dtype::kF32, 0).ok());  // applied with lr / 3
+  auto st = slow->stats();
+  BOOST_REQUIRE(st.ok());
+  BOOST_TEST(st->my_pushes_scaled == 1u);
+  BOOST_TEST(st->my_pushes_rejected == 1u);
+  BOOST_TEST(fast->stats()->my_pulls_waited == 1u);
+  slow.reset();
+  fast.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+}
+
 // A reload re-parses the file: a hyperparameter the optimizer does not use
 // is refused there as at start, and nothing of that file is applied.
 BOOST_AUTO_TEST_CASE(sighup_refuses_a_hyperparameter_the_optimizer_does_not_use) {

@@ -211,6 +211,24 @@ BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
   auto big = test::parse_server_args({"--config", huge.path});
   BOOST_TEST(!big.ok());
   if (!big.ok()) BOOST_TEST(contains(big.status().message(), "at most 1 MiB"), big.status().message());
+  // The staleness policy and the apply threads: named, never guessed.
+  for (const auto& [arg, why] : std::vector<std::pair<std::string, std::string>>{
+           {"--staleness-policy=bounded", "--staleness-policy must be reject, wait or scale, got 'bounded'"},
+           {"--staleness-policy=Wait", "--staleness-policy must be reject, wait or scale, got 'Wait'"},
+           {"--apply-threads=0", "--apply-threads must be auto or a number in 1..1024, got '0'"},
+           {"--apply-threads=1025", "--apply-threads must be auto or a number in 1..1024, got '1025'"},
+           {"--apply-threads=2x", "--apply-threads must be auto or a number in 1..1024, got '2x'"},
+           {"--apply-threads=-1", "--apply-threads must be auto or a number in 1..1024, got '-1'"}}) {
+    auto p = test::parse_server_args({"--name", "j", "--tensor", "w:4", arg});
+    BOOST_TEST(!p.ok(), arg);
+    if (!p.ok()) BOOST_TEST(contains(p.status().message(), why), p.status().message());
+  }
+  BOOST_TEST(contains(file_error(kHead + "staleness-policy = later\n"), "line 3"));
+  for (const std::string policy : {"reject", "wait", "scale"}) {
+    auto p = test::parse_server_args({"--name", "j", "--tensor", "w:4", "--staleness-policy", policy});
+    BOOST_REQUIRE(p.ok());
+    BOOST_TEST(shm::staleness_policy_name(static_cast<uint32_t>(p->config.staleness_policy)) == policy);
+  }
   // What Server::create() refuses, --check-config refuses too.
   for (const auto& [tensors, why] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"a:4", "a:2"}, "given twice"},

@@ -11,7 +11,7 @@ using namespace shmps::shm;
 BOOST_AUTO_TEST_SUITE(layout)
 
 BOOST_AUTO_TEST_CASE(version_and_magic_are_pinned) {
-  BOOST_TEST(kLayoutVersion == 7u);
+  BOOST_TEST(kLayoutVersion == 8u);
   BOOST_TEST(kBufferInProcess == 1u);
   BOOST_TEST(kWeightsExportPresent == 1u);
   BOOST_TEST(kMagic == 0x31474553504d4853ull);
@@ -60,6 +60,7 @@ BOOST_AUTO_TEST_CASE(field_offsets_are_pinned) {
   BOOST_TEST(offsetof(WeightsExportBlock, ipc_handle) == 40u);
   BOOST_TEST(offsetof(ConfigBlock, lr) == 8u);
   BOOST_TEST(offsetof(ConfigBlock, max_staleness) == 40u);
+  BOOST_TEST(offsetof(ConfigBlock, staleness_policy) == 48u);
   BOOST_TEST(offsetof(TensorDesc, element_offset) == 104u);
   BOOST_TEST(offsetof(WorkerEntry, lease) == 16u);
   BOOST_TEST(offsetof(WorkerEntry, pushes_applied) == 64u);
@@ -68,9 +69,12 @@ BOOST_AUTO_TEST_CASE(field_offsets_are_pinned) {
   BOOST_TEST(offsetof(LaneHeader, data_ready) == 128u);
   BOOST_TEST(offsetof(LaneHeader, space_ready) == 192u);
   BOOST_TEST(offsetof(Request, worker_version) == 48u);
+  BOOST_TEST(offsetof(Request, wait_ns) == 48u);
   BOOST_TEST(offsetof(Completion, message) == 64u);
   BOOST_TEST(offsetof(StatsBlock, workers_evicted) == 104u);
-  BOOST_TEST(offsetof(StatsBlock, rejected) == 128u);
+  BOOST_TEST(offsetof(StatsBlock, apply_threads) == 152u);
+  BOOST_TEST(offsetof(StatsBlock, rejected) == 256u);
+  BOOST_TEST(offsetof(WorkerEntry, pushes_scaled) == 120u);
   BOOST_TEST(offsetof(StatsBlock, apply_ns) == 512u);
   BOOST_TEST(offsetof(StatsBlock, queue_ns) == 1024u);
   BOOST_TEST(offsetof(StatsBlock, staleness) == 1536u);
@@ -86,6 +90,9 @@ BOOST_AUTO_TEST_CASE(enum_values_are_pinned) {
   BOOST_TEST(static_cast<uint32_t>(Dtype::kBF16) == 3u);
   BOOST_TEST(static_cast<uint32_t>(ServerState::kStopped) == 4u);
   BOOST_TEST(static_cast<uint32_t>(WorkerState::kDetached) == 3u);
+  BOOST_TEST(static_cast<uint32_t>(StalenessPolicy::kScale) == 2u);
+  BOOST_TEST(std::string(staleness_policy_name(1)) == "wait");
+  BOOST_TEST(staleness_policy_name(3) == nullptr);
   BOOST_TEST(make_owner(7, WorkerState::kAttached) == ((uint64_t{7} << 32) | 2u));
 }
 

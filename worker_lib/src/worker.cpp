@@ -1132,6 +1132,10 @@ Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
                             : tensor_id < impl_->tensors.size() ? impl_->tensors[tensor_id].element_count
                                                                 : 0;
   req.byte_length = elements * sizeof(float);
+  // The server's answer of a held pull arrives before our own deadline.
+  const auto timeout = std::chrono::duration_cast<std::chrono::nanoseconds>(impl_->options.timeout);
+  const auto margin = std::min<std::chrono::nanoseconds>(timeout / 4, std::chrono::milliseconds(500));
+  req.wait_ns = static_cast<uint64_t>((timeout - margin).count());
   auto c = impl_->request(req);
   if (!c.ok()) return c.status();
   return c->version;

@@ -27,7 +27,7 @@ enum class ErrorCode : uint32_t {
   kBadRange = 8,           // offset + length outside the registered buffer
   kBadRequest = 9,         // garbage descriptor: unknown opcode, flags, lease; a push version ahead of the server
   kBusy = 10,              // ring full for longer than the call's timeout
-  kTimeout = 11,           // no completion within the call's timeout
+  kTimeout = 11,           // no completion within the call's timeout; a pull held by --staleness-policy wait that long
   kServerNotRunning = 12,  // no segment of that name, or its server is dead
   kServerRestarted = 13,   // the worker's session ended: the server restarted, or evicted it (reconnect)
   kLayoutMismatch = 14,    // segment of another layout version / foreign file

@@ -7,32 +7,47 @@
 // server takes the value:
 //   block     StatsBlock::<from>, the server-wide counter (layout.hpp)
 //   entry     WorkerEntry::<from> of the worker that asks: its own counts
-//   rejected  StatsBlock::rejected by cause: `from` is stale, nonfinite, or
-//             invalid (every other cause: bad length, dtype, range, id, request)
+//   rejected  StatsBlock::rejected by cause: `from` is stale, nonfinite,
+//             timeout (pulls held by --staleness-policy wait past their
+//             wait), or invalid (every other cause: bad length, dtype,
+//             range, id, request)
 // The counters: the version (applied updates, or the restored
 // checkpoint's), gradients applied, weight pulls, the mean staleness of the
 // last 128 applied pushes in millionths, pushes rejected by cause, the
 // requests queued in all lanes now and the most ever queued at once,
 // workers attached now, died, and evicted (sessions the server ended: a
 // process stopped too long, a corrupt lane), and the asking worker's
-// applied and rejected pushes and its pulls.
+// applied and rejected pushes and its pulls; then what the staleness
+// policies did: pulls held back (wait) and their time in all, in ns, pushes
+// applied with a reduced lr (scale) and the sum of their factors in
+// millionths, server-wide and the asking worker's own; the threads the
+// last update of a tensor from 4 MiB ran on.
 // Plain preprocessor lists; part of the public API (installed with
 // worker.hpp). Append only: the order is the reply's layout.
 #pragma once
 
-#define SHMPS_SERVER_STATS(X)                        \
-  X(version, block, version)                         \
-  X(gradients_applied, block, gradients_applied)     \
-  X(weights_pulled, block, weights_pulled)           \
-  X(avg_staleness_micro, block, avg_staleness_micro) \
-  X(rejected_stale, rejected, stale)                 \
-  X(rejected_invalid, rejected, invalid)             \
-  X(rejected_nonfinite, rejected, nonfinite)         \
-  X(ring_depth, block, ring_depth)                   \
-  X(ring_high_water, block, ring_high_water)         \
-  X(workers_attached, block, workers_attached)       \
-  X(workers_died, block, workers_died)               \
-  X(my_pushes_applied, entry, pushes_applied)        \
-  X(my_pushes_rejected, entry, pushes_rejected)      \
-  X(my_pulls, entry, pulls)                          \
-  X(workers_evicted, block, workers_evicted)
+#define SHMPS_SERVER_STATS(X)                              \
+  X(version, block, version)                               \
+  X(gradients_applied, block, gradients_applied)           \
+  X(weights_pulled, block, weights_pulled)                 \
+  X(avg_staleness_micro, block, avg_staleness_micro)       \
+  X(rejected_stale, rejected, stale)                       \
+  X(rejected_invalid, rejected, invalid)                   \
+  X(rejected_nonfinite, rejected, nonfinite)               \
+  X(ring_depth, block, ring_depth)                         \
+  X(ring_high_water, block, ring_high_water)               \
+  X(workers_attached, block, workers_attached)             \
+  X(workers_died, block, workers_died)                     \
+  X(my_pushes_applied, entry, pushes_applied)              \
+  X(my_pushes_rejected, entry, pushes_rejected)            \
+  X(my_pulls, entry, pulls)                                \
+  X(workers_evicted, block, workers_evicted)               \
+  X(rejected_timeout, rejected, timeout)                   \
+  X(pulls_waited, block, pulls_waited)                     \
+  X(wait_ns, block, wait_ns)                               \
+  X(pushes_scaled, block, pushes_scaled)                   \
+  X(scale_factor_sum_micro, block, scale_factor_sum_micro) \
+  X(my_pulls_waited, entry, pulls_waited)                  \
+  X(my_wait_ns, entry, wait_ns)                            \
+  X(my_pushes_scaled, entry, pushes_scaled)                \
+  X(apply_threads, block, apply_threads)

@@ -232,8 +232,13 @@ class Worker {
   // use of the buffer was enqueued (e.g. reads of the previous weights):
   // the server's copy waits for it; when pull returns the weights are in
   // the buffer, and work the caller enqueues afterwards sees them.
+  // Under the server's --staleness-policy wait, a pull by a worker more
+  // than max_staleness clocks (applied pushes) ahead of the slowest worker
+  // is held until the slowest catches up or leaves; after most of the
+  // timeout (all but a quarter of it, at most 500 ms) it fails with
+  // kTimeout saying whom it waited for.
   // Errors: kUnknownBuffer, kUnknownTensor, kBadRange, kCuda (recording
-  // the event failed) and request errors.
+  // the event failed), kTimeout and request errors.
   Result<uint64_t> pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);
 
   // Sets the server's weights at version 0 from the buffer: every tensor

@@ -31,11 +31,19 @@ struct InitSpec {
   std::string file;
 };
 
+// The most --apply-threads takes (CPU_SETSIZE: the CPUs an affinity mask
+// can name).
+inline constexpr uint32_t kMaxApplyThreads = 1024;
+
 struct ServerConfig {
   std::string name;  // segment is /dev/shm/shmps.<name>
   std::vector<shm::TensorSpec> tensors;
   kernels::OptimizerConfig optimizer;
   uint64_t max_staleness = 4;
+  // What max_staleness bounds, and how (layout.hpp, StalenessPolicy;
+  // docs/design.md, "Staleness policies"): reject stale pushes, hold pulls
+  // of workers that run ahead (SSP), or apply every push with lr / staleness.
+  shm::StalenessPolicy staleness_policy = shm::StalenessPolicy::kReject;
   bool allow_nonfinite = false;  // accept NaN/Inf gradients
   uint32_t lane_capacity = 64;   // per worker request lane, power of two
   uint32_t max_workers = 16;
@@ -51,6 +59,14 @@ struct ServerConfig {
   // The consumer spins this long on an empty ring before sleeping on the
   // futex (a push then pays a wake-up, ~tens of us).
   uint32_t idle_spin_us = 50;
+  // The most threads one update of a large tensor (from
+  // kernels::kCpuSplitMinElements) runs on, host backend. 0 (auto): the
+  // CPUs of the server's affinity mask, less one for each attached worker
+  // that may run on them and has no request waiting (it is computing, on
+  // one of them), at least 1. A thread that shares its CPU with a
+  // computing worker can be preempted and stall the whole update
+  // (docs/operations.md, "CPUs").
+  uint32_t apply_threads = 0;
   // A worker whose process stays stopped (SIGSTOP/SIGTSTP, or a tracer)
   // this long is evicted: its session ends and its buffers are unmapped;
   // its entry is reused once its process frees it or dies (0: never evict).

@@ -48,6 +48,8 @@ Result<shm::TensorSpec> parse_tensor(const std::string& text);
 // text.
 const char* log_level_name(LogLevel level) noexcept;
 bool parse_log_level(std::string_view text, LogLevel* out) noexcept;
+// "reject", "wait", "scale" (shm::staleness_policy_name); false on other text.
+bool parse_staleness_policy(std::string_view text, shm::StalenessPolicy* out) noexcept;
 
 // Every option of `config` as (key, value) in --help order, spelt as a
 // config file takes it: one `tensor` entry per tensor, `init-file` only when

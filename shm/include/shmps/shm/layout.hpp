@@ -55,7 +55,10 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 // 7: kConfigGroupAccess (workers check the segment's mode against it);
 //    StatsBlock::applied_bytes, WorkerEntry::applied_bytes; StatsBlock's
 //    histograms (2048 B); each lane's publish_ns[] after its requests.
-inline constexpr uint32_t kLayoutVersion = 7;
+// 8: ConfigBlock::staleness_policy; Request::wait_ns (kPull); 32 counter
+//    slots in StatsBlock (the staleness policies' and apply_threads);
+//    WorkerEntry::pulls_waited, wait_ns, pushes_scaled.
+inline constexpr uint32_t kLayoutVersion = 8;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;  // 4 doorbell words
@@ -153,7 +156,7 @@ struct WaitWord {
 static_assert(sizeof(WaitWord) == 8);
 
 // The server's configuration as it runs. Written by the server before it
-// publishes layout_version; lr and max_staleness are rewritten (relaxed
+// publishes layout_version; lr, max_staleness and staleness_policy are rewritten (relaxed
 // atomic_ref stores, never torn) when SIGHUP reloads them. Read by workers
 // and shmps-inspect for display; the server keeps its own copy.
 struct ConfigBlock {
@@ -168,8 +171,23 @@ struct ConfigBlock {
   float eps;
   uint32_t backend;  // Backend
   uint64_t max_staleness;
-  uint64_t reserved[10];
+  uint32_t staleness_policy;  // StalenessPolicy; rewritten on reload as max_staleness is
+  uint32_t reserved32;
+  uint64_t reserved[9];
 };
+// What the server does with work that is more than max_staleness behind
+// (docs/design.md, "Staleness policies"). Values are part of the layout.
+enum class StalenessPolicy : uint32_t {
+  kReject = 0,  // a push more than max_staleness versions old is rejected (kStale)
+  kWait = 1,    // SSP: a pull by a worker more than max_staleness clocks ahead of the slowest waits
+  kScale = 2,   // every push is applied, with lr / max(1, staleness)
+};
+inline constexpr uint32_t kStalenessPolicyMax = 2;
+// "reject", "wait", "scale"; nullptr outside the enum.
+constexpr const char* staleness_policy_name(uint32_t policy) {
+  constexpr const char* kNames[] = {"reject", "wait", "scale"};
+  return policy <= kStalenessPolicyMax ? kNames[policy] : nullptr;
+}
 inline constexpr uint32_t kConfigNesterov = 1u << 0;
 inline constexpr uint32_t kConfigAmsgrad = 1u << 1;
 inline constexpr uint32_t kConfigAllowNonFinite = 1u << 2;
@@ -353,7 +371,9 @@ struct WorkerEntry {
   std::atomic<uint64_t> pulls;
   std::atomic<uint64_t> last_request_ns;  // CLOCK_MONOTONIC
   std::atomic<uint64_t> applied_bytes;    // of its applied pushes, as pushed
-  uint64_t reserved1[3];
+  std::atomic<uint64_t> pulls_waited;     // held back by --staleness-policy wait
+  std::atomic<uint64_t> wait_ns;          // their time held, in all
+  std::atomic<uint64_t> pushes_scaled;    // applied with a reduced lr (--staleness-policy scale)
   // --- lines 2-5: reply area of kStats ---
   StatsReply stats_reply;
   uint64_t reserved2[16];
@@ -397,9 +417,14 @@ struct Request {
   uint32_t tensor_id;    // index into the tensor table, or kAllTensors
   uint64_t byte_offset;  // within the buffer
   uint64_t byte_length;
-  uint64_t worker_version;  // kPush: the version the gradient was computed at
-  uint32_t dtype;           // kPush: Dtype of the gradient
-  uint32_t flags;           // must be 0
+  union {
+    uint64_t worker_version;  // kPush: the version the gradient was computed at
+    // kPull: the longest the server may hold it back under
+    // --staleness-policy wait, ns (then it answers kTimeout); 0: not at all
+    uint64_t wait_ns;
+  };
+  uint32_t dtype;  // kPush: Dtype of the gradient
+  uint32_t flags;  // must be 0
 };
 static_assert(std::is_trivially_copyable_v<Request> && std::is_standard_layout_v<Request>);
 static_assert(sizeof(Request) == 64);
@@ -446,7 +471,9 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
 // its JSON names and Prometheus metrics (kind: counter, only ever grows;
 // gauge, goes up and down) and the worker's reply (shmps/server_stats.hpp,
 // source `block`) take them from here. A name ending in _bytes counts
-// bytes: it passes 2^53 after days, so JSON carries it as a string.
+// bytes: it passes 2^53 after days, so JSON carries it as a string; one
+// ending in _ns counts nanoseconds: Prometheus gets seconds (_seconds), JSON
+// a string. At most kStatsCounterSlots.
 // clang-format off
 #define SHMPS_STATS_BLOCK_COUNTERS(X) \
   X(version, gauge, "Updates applied to the weights (or the restored checkpoint's version).") \
@@ -463,11 +490,18 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
   X(mappings_closed, counter, "Buffer mappings the server closed.") \
   X(lanes_corrupt, counter, "Lanes whose indices were garbage.") \
   X(workers_evicted, counter, "Sessions the server ended (a process stopped too long, a corrupt lane).") \
-  X(applied_bytes, counter, "Bytes of gradient applied (as pushed: 2 per element for f16 and bf16).")
+  X(applied_bytes, counter, "Bytes of gradient applied (as pushed: 2 per element for f16 and bf16).") \
+  X(pulls_waited, counter, "Pulls held back by --staleness-policy wait until the slowest worker caught up.") \
+  X(wait_ns, counter, "Time pulls were held back by --staleness-policy wait, in all.") \
+  X(pushes_scaled, counter, "Pushes applied with lr / staleness by --staleness-policy scale.") \
+  X(scale_factor_sum_micro, counter, "Sum of the lr factors of scaled pushes (mean factor: this / pushes_scaled).") \
+  X(apply_threads, gauge, "Threads the last update of a tensor from 4 MiB ran on (host backend).")
 // clang-format on
 #define SHMPS_STATS_COUNT(name, kind, help) +1
 inline constexpr size_t kStatsBlockCounters = 0 SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_COUNT);
 #undef SHMPS_STATS_COUNT
+inline constexpr size_t kStatsCounterSlots = 32;
+static_assert(kStatsBlockCounters <= kStatsCounterSlots);
 
 // A histogram of log2 buckets, written by the server alone (relaxed
 // stores; readers get a racy snapshot in which count may run a little
@@ -501,6 +535,13 @@ inline void record(Histogram& h, uint64_t v) noexcept {
   b.store(b.load(relaxed) + 1, relaxed);
 }
 
+// counter += by, for a counter the server alone writes (the stats block,
+// the entries' counters): a load and a store, no locked instruction;
+// readers in other processes see each value whole, as with fetch_add.
+inline void bump(std::atomic<uint64_t>& counter, uint64_t by = 1) noexcept {
+  counter.store(counter.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);  // relaxed: statistic
+}
+
 // The server's histograms, declared once: X(name, unit, help), in
 // StatsBlock's order. unit ns: exported to Prometheus in seconds.
 // apply_ns: a push's NaN/Inf check and optimizer update, from before the
@@ -523,9 +564,8 @@ struct StatsBlock {
 #define SHMPS_STATS_FIELD(name, kind, help) std::atomic<uint64_t> name;
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_FIELD)
 #undef SHMPS_STATS_FIELD
-  uint64_t reserved0[16 - kStatsBlockCounters];
+  uint64_t reserved0[kStatsCounterSlots - kStatsBlockCounters];
   std::atomic<uint64_t> rejected[kRejectCauses];  // by ErrorCode value
-  uint64_t reserved1[16];
 #define SHMPS_STATS_HISTOGRAM(name, unit, help) Histogram name;
   SHMPS_STATS_HISTOGRAMS(SHMPS_STATS_HISTOGRAM)
 #undef SHMPS_STATS_HISTOGRAM
@@ -534,7 +574,7 @@ static_assert(std::is_standard_layout_v<StatsBlock>);
 static_assert(sizeof(StatsBlock) == 2048);
 static_assert(offsetof(StatsBlock, workers_evicted) == 104);
 static_assert(offsetof(StatsBlock, applied_bytes) == 112);
-static_assert(offsetof(StatsBlock, rejected) == 128);
+static_assert(offsetof(StatsBlock, rejected) == 256);
 static_assert(offsetof(StatsBlock, apply_ns) == 512);
 static_assert(offsetof(StatsBlock, queue_ns) == 1024);
 static_assert(offsetof(StatsBlock, staleness) == 1536);

@@ -1,0 +1,90 @@
+#include "pull_gate.hpp"
+
+#include <limits>
+
+namespace shmps::server {
+
+PullGate::PullGate(const ServerConfig& config, const Sessions& sessions)
+    : config_(config), sessions_(sessions), slots_(config.max_workers) {}
+
+PullGate::Slot& PullGate::slot(uint32_t i) {
+  Slot& s = slots_[i];
+  const uint64_t lease = sessions_[i].attached() ? sessions_[i].lease : 0;
+  if (s.lease != lease) {
+    if (s.parked) --parked_;
+    s = Slot{};
+    s.lease = lease;
+  }
+  return s;
+}
+
+uint64_t PullGate::slowest(uint32_t* who) {
+  uint64_t low = std::numeric_limits<uint64_t>::max();
+  *who = std::numeric_limits<uint32_t>::max();
+  for (uint32_t w : sessions_.attached_lanes()) {
+    const Slot& s = slot(w);
+    if (s.counts && s.clock < low) {
+      low = s.clock;
+      *who = w;
+    }
+  }
+  return low;
+}
+
+void PullGate::pushed(uint32_t i) {
+  Slot& s = slot(i);
+  if (!s.counts) {
+    // Its first push: it joins at the slowest clock, so a worker that
+    // attaches late is not behind by the pushes made before it came.
+    uint32_t who = 0;
+    const uint64_t low = slowest(&who);
+    s.clock = who == std::numeric_limits<uint32_t>::max() ? 0 : low;
+    s.counts = true;
+  }
+  ++s.clock;
+}
+
+bool PullGate::must_wait(uint32_t i) {
+  if (config_.staleness_policy != shm::StalenessPolicy::kWait) return false;
+  const Slot& s = slot(i);
+  if (!s.counts) return false;
+  uint32_t who = 0;
+  const uint64_t low = slowest(&who);
+  return s.clock - low > config_.max_staleness;  // low <= s.clock: i counts
+}
+
+void PullGate::park(uint32_t i, const shm::Request& req, uint64_t now) {
+  Slot& s = slot(i);
+  if (!s.parked) ++parked_;
+  s.parked = true;
+  s.request = req;
+  s.parked_at = now;
+}
+
+std::string PullGate::holding_text(uint32_t i) {
+  uint32_t who = 0;
+  const uint64_t low = slowest(&who);
+  return "worker " + std::to_string(who) + " at clock " + std::to_string(low) + ", this one at " +
+         std::to_string(slots_[i].clock) + " (max " + std::to_string(config_.max_staleness) + " ahead)";
+}
+
+void PullGate::release(uint64_t now, std::vector<Released>* out) { release_if(now, false, out); }
+
+void PullGate::release_all(uint64_t now, std::vector<Released>* out) { release_if(now, true, out); }
+
+void PullGate::release_if(uint64_t now, bool all, std::vector<Released>* out) {
+  for (uint32_t i = 0; i < slots_.size() && parked_ != 0; ++i) {
+    if (!slots_[i].parked) continue;
+    Slot& s = slot(i);  // a session that ended drops its pull here
+    if (!s.parked) continue;
+    const uint64_t waited = now - s.parked_at;
+    const bool wait = !all && must_wait(i);
+    if (wait && waited < s.request.wait_ns) continue;
+    out->push_back({i, s.request, waited, wait,
+                    wait ? "held " + std::to_string(waited / 1'000'000) + " ms: " + holding_text(i) : std::string()});
+    s.parked = false;
+    --parked_;
+  }
+}
+
+}  // namespace shmps::server

@@ -1,0 +1,76 @@
+// --staleness-policy wait: stale synchronous parallel (SSP, Petuum's
+// Bösen). Each worker's clock counts its applied pushes; a pull by a worker
+// more than max_staleness clocks ahead of the slowest worker is held back
+// (parked) until the slowest catches up, that worker stops counting (it
+// detached, died or was evicted), the policy changes, or the pull's own
+// wait (Request::wait_ns) runs out. While its pull is parked, the rest of
+// that worker's lane waits behind it (requests are served in order).
+// docs/design.md, "Staleness policies". Consumer thread only.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sessions.hpp"
+#include "shmps/server/config.hpp"
+#include "shmps/shm/layout.hpp"
+
+namespace shmps::server {
+
+class PullGate {
+ public:
+  PullGate(const ServerConfig& config, const Sessions& sessions);
+
+  // Worker i's push was applied: its clock advances, and it counts toward
+  // the slowest from now on.
+  void pushed(uint32_t i);
+  // True when a pull by worker i must be held back now.
+  bool must_wait(uint32_t i);
+  // Holds worker i's pull `req`, taken at `now`.
+  void park(uint32_t i, const shm::Request& req, uint64_t now);
+  bool parked(uint32_t i) const { return i < slots_.size() && slots_[i].parked; }
+  bool any_parked() const { return parked_ != 0; }
+
+  // A parked pull whose wait ended.
+  struct Released {
+    uint32_t worker;
+    shm::Request request;
+    uint64_t waited_ns;
+    bool timed_out;  // its wait_ns ran out first: answer kTimeout with `why`
+    // "held 602 ms: worker 0 at clock 1, this one at 4 (max 2 ahead)": it
+    // fits a completion's message (63 characters) for clocks below 10^6.
+    std::string why;
+  };
+  // The parked pulls that may go on at `now` (appended to *out); a pull of
+  // a session that ended is dropped without an answer.
+  void release(uint64_t now, std::vector<Released>* out);
+  // Every parked pull of a live session, whatever its wait (shutdown).
+  void release_all(uint64_t now, std::vector<Released>* out);
+
+ private:
+  struct Slot {
+    uint64_t lease = 0;  // the session the clock belongs to (0: none yet)
+    uint64_t clock = 0;
+    bool counts = false;  // has pushed in this session
+    bool parked = false;
+    shm::Request request{};
+    uint64_t parked_at = 0;
+  };
+  // Worker i's slot, reset when its session is not the one it was kept for:
+  // a new session starts at the slowest counting clock and counts from its
+  // first push, so a joining worker (or one that only pulls, an evaluator)
+  // holds nobody back.
+  Slot& slot(uint32_t i);
+  // The slowest counting worker's clock and index (UINT32_MAX: none).
+  uint64_t slowest(uint32_t* who);
+  std::string holding_text(uint32_t i);
+  void release_if(uint64_t now, bool all, std::vector<Released>* out);
+
+  const ServerConfig& config_;
+  const Sessions& sessions_;
+  std::vector<Slot> slots_;
+  uint32_t parked_ = 0;
+};
+
+}  // namespace shmps::server

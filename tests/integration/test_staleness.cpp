@@ -1,0 +1,313 @@
+// The staleness policies end to end (--staleness-policy reject | wait |
+// scale), and the apply-thread choice (--apply-threads), with a real
+// shmps-server and real worker processes. The slow worker is a forked
+// child that pushes only when the test tells it to (a page of shared
+// counters), or dies when the test kills it.
+#define BOOST_TEST_MODULE test_staleness
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <boost/test/unit_test.hpp>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "shmps/kernels/optimizer.hpp"
+#include "shmps/shm/proc.hpp"
+#include "shmps/worker.hpp"
+#include "test_support.hpp"
+#include "worker_support.hpp"
+
+using namespace shmps;
+using namespace std::chrono_literals;
+
+namespace {
+
+// What the test and its slow worker share.
+struct Control {
+  std::atomic<uint64_t> pushes_wanted{0};  // the child pushes until it has done this many
+  std::atomic<uint64_t> pushes_done{0};
+  std::atomic<uint64_t> last_push_ns{0};  // when its last push returned
+  std::atomic<uint64_t> failed{0};
+};
+
+// A worker process that pushes a gradient of ones to tensor 0 (4 elements)
+// whenever control->pushes_wanted grows, pulling before each push.
+test::Process start_slow_worker(const std::string& name, Control* control) {
+  return test::Process::fork_fn([name, control] {
+    auto w = test::try_connect(name);
+    if (!w) return 2;
+    auto grad = w->register_buffer(16);
+    auto weights = w->register_buffer(16);
+    if (!grad.ok() || !weights.ok()) return 3;
+    std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+    while (true) {
+      if (control->pushes_done.load() >= control->pushes_wanted.load()) {
+        std::this_thread::sleep_for(1ms);
+        continue;
+      }
+      auto v = w->pull(0, weights->id, 0);
+      auto p = v.ok() ? w->push(0, grad->id, 0, 16, Dtype::kF32, *v) : Result<uint64_t>(v.status());
+      if (!p.ok()) control->failed.fetch_add(1);
+      control->last_push_ns.store(shm::monotonic_ns());
+      control->pushes_done.fetch_add(1);
+    }
+  });
+}
+
+// The test process's own worker: pull, then push (a step).
+struct FastWorker {
+  explicit FastWorker(const std::string& name, std::chrono::milliseconds timeout = 10s)
+      : w(test::connect(name, timeout)) {
+    auto g = w->register_buffer(16);
+    auto p = w->register_buffer(16);
+    BOOST_REQUIRE(g.ok() && p.ok());
+    grad = *g;
+    weights = *p;
+    std::fill_n(static_cast<float*>(grad.data), 4, 1.0f);
+  }
+  Result<uint64_t> pull() { return w->pull(0, weights.id, 0); }
+  void step() {
+    auto v = pull();
+    BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+    auto p = w->push(0, grad.id, 0, 16, Dtype::kF32, *v);
+    BOOST_REQUIRE_MESSAGE(p.ok(), p.status().to_string());
+  }
+  ServerStats stats() {
+    auto s = w->stats();
+    BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
+    return *s;
+  }
+  std::unique_ptr<Worker> w;
+  Buffer grad{}, weights{};
+};
+
+// A pull run on its own thread: done once it returned, with its result.
+struct PendingPull {
+  explicit PendingPull(FastWorker& fast)
+      : thread([this, &fast] {
+          result = fast.pull();
+          returned_ns.store(shm::monotonic_ns());
+          done.store(true);
+        }) {}
+  ~PendingPull() {
+    if (thread.joinable()) thread.join();
+  }
+  bool finished_within(std::chrono::milliseconds t) {
+    return test::eventually([&] { return done.load(); }, t);
+  }
+  std::atomic<bool> done{false};
+  std::atomic<uint64_t> returned_ns{0};
+  Result<uint64_t> result{Status{ErrorCode::kInternal, "not returned"}};
+  std::thread thread;
+};
+
+const std::vector<std::string> kWait = {"--tensor",        "w:4", "--lr", "0.5", "--staleness-policy", "wait",
+                                        "--max-staleness", "2"};
+
+// The slow worker pushes once and counts from then on; the fast one is 2
+// clocks ahead after its own first step plus two (it joins at the slow one's
+// clock): at the bound, not past it.
+void fast_at_the_bound(Control* control, FastWorker& fast) {
+  control->pushes_wanted.store(1);
+  BOOST_REQUIRE(test::eventually([&] { return control->pushes_done.load() == 1; }));
+  for (int k = 0; k < 2; ++k) fast.step();  // clocks 2, 3 against the slow one's 1
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(staleness)
+
+// SSP: the fast worker's pull waits exactly while it is more than
+// max_staleness clocks ahead of the slowest, and goes on when the slow
+// worker pushes.
+BOOST_AUTO_TEST_CASE(wait_holds_a_pull_while_more_than_the_bound_ahead_and_releases_it_on_a_push) {
+  test::ServerProcess server(test::unique_name("ssp"), kWait);
+  auto* control = test::map_shared<Control>();
+  test::Process slow = start_slow_worker(server.name(), control);
+  FastWorker fast(server.name());
+  fast_at_the_bound(control, fast);
+  // 3 - 1 = 2: at the bound, its pull is served at once.
+  BOOST_REQUIRE(fast.pull().ok());
+  BOOST_TEST(fast.stats().my_pulls_waited == 0u);
+  auto v = fast.pull();
+  BOOST_REQUIRE(v.ok());
+  BOOST_REQUIRE(fast.w->push(0, fast.grad.id, 0, 16, Dtype::kF32, *v).ok());  // clock 4: 3 ahead
+
+  PendingPull held(fast);
+  BOOST_TEST(!held.finished_within(300ms), "the pull 3 clocks ahead was not held");
+  const uint64_t pushed_at = shm::monotonic_ns();
+  control->pushes_wanted.store(2);  // the slow worker reaches clock 2: the fast one is 2 ahead again
+  BOOST_REQUIRE_MESSAGE(held.finished_within(5s), "the slow worker's push did not release the pull");
+  BOOST_REQUIRE_MESSAGE(held.result.ok(), held.result.status().to_string());
+  BOOST_TEST(held.returned_ns.load() >= pushed_at);
+  BOOST_TEST(control->failed.load() == 0u);
+  const ServerStats s = fast.stats();
+  BOOST_TEST(s.my_pulls_waited == 1u);
+  BOOST_TEST(s.my_wait_ns >= 300'000'000u);
+  BOOST_TEST(s.pulls_waited == 1u);
+  BOOST_TEST(s.rejected_stale == 0u);
+}
+
+// A dead slowest worker stops counting at once: the held pull goes on.
+BOOST_AUTO_TEST_CASE(wait_releases_a_held_pull_when_the_slowest_worker_is_killed) {
+  test::ServerProcess server(test::unique_name("ssp_kill"), kWait);
+  auto* control = test::map_shared<Control>();
+  test::Process slow = start_slow_worker(server.name(), control);
+  FastWorker fast(server.name());
+  fast_at_the_bound(control, fast);
+  fast.step();  // clock 4
+  PendingPull held(fast);
+  BOOST_TEST(!held.finished_within(300ms));
+  const uint64_t killed_at = shm::monotonic_ns();
+  slow.signal(SIGKILL);
+  BOOST_REQUIRE_MESSAGE(held.finished_within(5s), "the pull stayed held after the slowest worker died");
+  BOOST_REQUIRE_MESSAGE(held.result.ok(), held.result.status().to_string());
+  // The server finds dead workers every 50 ms.
+  BOOST_TEST(held.returned_ns.load() - killed_at < 2'000'000'000u);
+  fast.step();  // alone now: never held
+  BOOST_TEST(fast.stats().my_pulls_waited == 1u);
+}
+
+// A pull held for its whole wait fails with kTimeout naming whom it waited
+// for; the session goes on, and the next pull is served once the slow
+// worker caught up.
+BOOST_AUTO_TEST_CASE(wait_times_out_cleanly_and_the_session_goes_on) {
+  test::ServerProcess server(test::unique_name("ssp_timeout"), kWait);
+  auto* control = test::map_shared<Control>();
+  test::Process slow = start_slow_worker(server.name(), control);
+  FastWorker fast(server.name(), 800ms);
+  fast_at_the_bound(control, fast);
+  fast.step();  // clock 4
+  const uint64_t t0 = shm::monotonic_ns();
+  auto v = fast.pull();
+  const uint64_t took = shm::monotonic_ns() - t0;
+  BOOST_REQUIRE(!v.ok());
+  BOOST_TEST((v.status().code() == ErrorCode::kTimeout), v.status().to_string());
+  BOOST_TEST(v.status().message().find("held ") != std::string::npos, v.status().message());
+  BOOST_TEST(v.status().message().find(" at clock 1, this one at 4 (max 2 ahead)") != std::string::npos,
+             v.status().message());
+  // All but a quarter of the 800 ms timeout: the server's answer, not the worker's own deadline.
+  BOOST_TEST(took >= 550'000'000u);
+  BOOST_TEST(took < 800'000'000u);
+  control->pushes_wanted.store(2);
+  BOOST_REQUIRE(test::eventually([&] { return control->pushes_done.load() == 2; }));
+  auto again = fast.pull();
+  BOOST_REQUIRE_MESSAGE(again.ok(), again.status().to_string());
+  const ServerStats s = fast.stats();
+  BOOST_TEST(s.rejected_timeout == 1u);
+  BOOST_TEST(s.my_pulls_waited == 1u);
+  BOOST_TEST(s.my_pushes_rejected == 0u);
+}
+
+// A worker that attaches late joins at the slowest clock, and one that only
+// pulls (an evaluator) holds nobody back.
+BOOST_AUTO_TEST_CASE(wait_counts_a_worker_from_its_first_push_only) {
+  test::ServerProcess server(test::unique_name("ssp_join"), kWait);
+  FastWorker fast(server.name());
+  FastWorker evaluator(server.name());
+  for (int k = 0; k < 10; ++k) fast.step();  // far ahead of a worker that never pushes
+  BOOST_TEST(fast.stats().my_pulls_waited == 0u);
+  FastWorker late(server.name());
+  late.step();  // joins at clock 10, so it is 0 behind
+  for (int k = 0; k < 2; ++k) fast.step();
+  BOOST_TEST(fast.stats().my_pulls_waited == 0u);
+  BOOST_TEST(evaluator.pull().ok());
+}
+
+// scale: a push s versions old is applied with lr / s (from s = 2 on),
+// never rejected; the step count and the moments advance as for any push:
+// bitwise what the kernels compute with that lr.
+BOOST_AUTO_TEST_CASE(scale_applies_lr_over_staleness_bitwise_and_rejects_nothing) {
+  for (const char* optimizer : {"sgd", "adam"}) {
+    BOOST_TEST_CONTEXT(optimizer) {
+      test::ServerProcess server(test::unique_name("scale"),
+                                 {"--tensor", "w:4", "--lr", "0.3", "--optimizer", optimizer, "--staleness-policy",
+                                  "scale", "--max-staleness", "1", "--init", "uniform"});
+      FastWorker w(server.name());
+      auto v0 = w.pull();
+      BOOST_REQUIRE(v0.ok());
+      std::vector<float> weights(static_cast<const float*>(w.weights.data),
+                                 static_cast<const float*>(w.weights.data) + 4);
+      std::vector<float> state(8, 0.0f);
+      kernels::OptimizerConfig config;
+      BOOST_REQUIRE(kernels::parse_optimizer_kind(optimizer, &config.kind));
+      float* g = static_cast<float*>(w.grad.data);
+      const uint64_t stalenesses[] = {0, 1, 2, 1, 3};
+      uint64_t version = 0;
+      for (uint64_t k = 0; k < std::size(stalenesses); ++k) {
+        for (int e = 0; e < 4; ++e) g[e] = 0.1f * static_cast<float>(e + 1) - 0.05f * static_cast<float>(k);
+        const uint64_t at = version - std::min(version, stalenesses[k]);
+        auto v = w.w->push(0, w.grad.id, 0, 16, Dtype::kF32, at);
+        BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+        config.lr = version - at > 1 ? 0.3f / static_cast<float>(version - at) : 0.3f;
+        kernels::TensorState ts;
+        ts.weights = weights.data();
+        ts.state[0] = state.data();
+        ts.state[1] = state.data() + 4;
+        ts.n = 4;
+        kernels::apply_cpu(config, ts, g, kernels::GradDtype::kF32, k + 1);
+        version = *v;
+      }
+      BOOST_REQUIRE(w.pull().ok());
+      const float* served = static_cast<const float*>(w.weights.data);
+      for (int e = 0; e < 4; ++e) BOOST_TEST(served[e] == weights[e]);  // exact: same fp32 operations
+      const ServerStats s = w.stats();
+      BOOST_TEST(s.rejected_stale == 0u);
+      BOOST_TEST(s.pushes_scaled == 2u);  // staleness 2 and 3, both past max_staleness 1
+      BOOST_TEST(s.my_pushes_scaled == 2u);
+      BOOST_TEST(s.scale_factor_sum_micro == 500'000u + 333'333u);
+    }
+  }
+}
+
+// reject, the default, still refuses what is more than max_staleness old.
+BOOST_AUTO_TEST_CASE(reject_is_the_default) {
+  test::ServerProcess server(test::unique_name("reject"), {"--tensor", "w:4", "--max-staleness", "1"});
+  FastWorker w(server.name());
+  for (int k = 0; k < 3; ++k) BOOST_REQUIRE(w.w->push(0, w.grad.id, 0, 16, Dtype::kF32, k).ok());
+  auto stale = w.w->push(0, w.grad.id, 0, 16, Dtype::kF32, 0);
+  BOOST_TEST((stale.status().code() == ErrorCode::kStale));
+  BOOST_TEST(w.stats().pushes_scaled == 0u);
+}
+
+// --apply-threads auto: the server's CPUs, less one per other attached
+// worker that is computing (nothing queued); a number is taken as it is.
+BOOST_AUTO_TEST_CASE(apply_threads_follow_the_computing_workers) {
+  cpu_set_t mine;
+  BOOST_REQUIRE(sched_getaffinity(0, sizeof mine, &mine) == 0);
+  const auto cpus = static_cast<uint64_t>(CPU_COUNT(&mine));
+  const uint64_t elements = kernels::kCpuSplitMinElements;
+  const std::string tensor = "w:" + std::to_string(elements);
+  const auto push_and_read = [&](Worker& w, const Buffer& b) {
+    BOOST_REQUIRE(w.push(0, b.id, 0, elements * 4, Dtype::kF32, w.last_version()).ok());
+    auto s = w.stats();
+    BOOST_REQUIRE(s.ok());
+    return s->apply_threads;
+  };
+  {
+    test::ServerProcess server(test::unique_name("threads"), {"--tensor", tensor});
+    auto a = test::connect(server.name());
+    auto buf = a->register_buffer(elements * 4);
+    BOOST_REQUIRE(buf.ok());
+    std::memset(buf->data, 0, elements * 4);
+    BOOST_TEST(push_and_read(*a, *buf) == cpus);  // alone: every CPU
+    auto idle = test::connect(server.name());     // attached, nothing queued: computing
+    BOOST_TEST(push_and_read(*a, *buf) == std::max<uint64_t>(1, cpus - 1));
+    idle.reset();  // detached: no longer counted
+    BOOST_TEST(push_and_read(*a, *buf) == cpus);
+  }
+  {
+    test::ServerProcess server(test::unique_name("threads3"), {"--tensor", tensor, "--apply-threads", "3"});
+    auto a = test::connect(server.name());
+    auto idle = test::connect(server.name());
+    auto buf = a->register_buffer(elements * 4);
+    BOOST_REQUIRE(buf.ok());
+    std::memset(buf->data, 0, elements * 4);
+    BOOST_TEST(push_and_read(*a, *buf) == 3u);
+  }
+}
+
+BOOST_AUTO_TEST_SUITE_END()
