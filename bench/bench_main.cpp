@@ -51,7 +51,7 @@ struct Plan {
   uint32_t memory_pushes = 3;
   uint64_t tail_bytes = 16 * kMiB;
   std::vector<uint32_t> tail_workers{2, 4};
-  uint32_t tail_pushes = 2000;  // per setting and repeat, over all its workers
+  uint32_t tail_pushes = 400;  // per setting and repeat, over all its workers
   uint64_t tail_compute_ns = 20'000'000;
 };
 
@@ -773,7 +773,7 @@ int run(int argc, char** argv) {
   uint32_t tail_pushes = 0;
   own.add_options()("tail-compute-ms", po::value(&tail_compute_ms),
                     "each worker's computation between pushes (default 20, --quick 1)")(
-      "tail-pushes", po::value(&tail_pushes), "pushes per server setting and repeat (default 2000, --quick 40)");
+      "tail-pushes", po::value(&tail_pushes), "pushes per server setting and repeat (default 400, --quick 40)");
   if (auto exit_code =
           parse_command_line(argc, argv, "shmps-bench",
                              "shmps-bench: round trip, push+apply and optimizer throughput, server memory\n"

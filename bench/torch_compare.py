@@ -47,8 +47,12 @@ TARGETS = (0.87, 0.88)
 
 # ---------------------------------------------------------------- one run
 
-def run_torch_arm(arm, procs, epochs, seed, train_limit, eval_every, lr, batch):
-    """One run of a Python arm in this process (the parent) and its forked workers."""
+def run_torch_arm(arm, procs, epochs, seed, train_limit, eval_every, lr, batch, staleness_policy="reject",
+                  max_staleness=8, slow_rank_delay=0.0, inspect=None):
+    """One run of a Python arm in this process (the parent) and its forked workers.
+    shmps: the server's `staleness_policy` and `max_staleness`; rank 0 sleeps
+    `slow_rank_delay` seconds per step (a straggler); `inspect`, the path of
+    shmps-inspect: the server's staleness histogram is read at the end."""
     import torch
     import torch.multiprocessing as mp
     import torch.nn.functional as F
@@ -103,6 +107,8 @@ def run_torch_arm(arm, procs, epochs, seed, train_limit, eval_every, lr, batch):
                     while True:
                         opt.zero_grad()
                         F.cross_entropy(model(x[idx]), y[idx]).backward()
+                        if rank == 0 and slow_rank_delay:
+                            time.sleep(slow_rank_delay)
                         opt.step()
                         if opt.applied:
                             break
@@ -126,7 +132,8 @@ def run_torch_arm(arm, procs, epochs, seed, train_limit, eval_every, lr, batch):
     else:
         import shmps
         import shmps.torch
-        server = shmps.Server(shared, optimizer="adam", lr=lr, max_staleness=8, max_workers=procs + 2)
+        server = shmps.Server(shared, optimizer="adam", lr=lr, max_staleness=max_staleness, max_workers=procs + 2,
+                              staleness_policy=staleness_policy)
         server.start()
         parent = shmps.connect(server.name)
         view = shmps.torch.RemoteOptimizer(shared, parent, init=True)
@@ -155,6 +162,14 @@ def run_torch_arm(arm, procs, epochs, seed, train_limit, eval_every, lr, batch):
         if any(w.exitcode != 0 for w in workers):
             raise SystemExit(f"{arm}: a worker failed: {[w.exitcode for w in workers]}")
         snaps.append((wall, sum(updates), snapshot()))
+        staleness = None
+        if server is not None and inspect:
+            out = subprocess.run([inspect, "--json", server.name], capture_output=True, text=True, check=True)
+            stats = json.loads(out.stdout)["stats"]
+            h = stats["histograms"]["staleness"]
+            staleness = {"p50": h["p50"], "p99": h["p99"], "max": h["max"], "buckets": h["buckets"],
+                         "pulls_waited": stats["pulls_waited"], "wait_s": int(stats["wait_ns"]) / 1e9,
+                         "pushes_scaled": stats["pushes_scaled"]}
     finally:
         if server is not None:
             parent.close()
@@ -168,7 +183,7 @@ def run_torch_arm(arm, procs, epochs, seed, train_limit, eval_every, lr, batch):
                 p.copy_(v)
             acc = (scorer(tx).argmax(1) == ty).float().mean().item()
         curve.append((t, n, acc))
-    return {"wall": wall, "updates": sum(updates), "rejected": sum(stale), "curve": curve}
+    return {"wall": wall, "updates": sum(updates), "rejected": sum(stale), "curve": curve, "staleness": staleness}
 
 
 def run_shmps_train(procs, epochs, seed, train_limit, eval_every, bin_dir):

@@ -451,7 +451,10 @@ void apply_cpu(const OptimizerConfig& config, const TensorState& tensor, const v
 }
 
 // A dtype outside the enum reports false: the caller then refuses the push.
-void set_cpu_threads(unsigned threads) noexcept { t_cpu_threads = threads; }
+unsigned set_cpu_threads(unsigned threads) noexcept {
+  t_cpu_threads = threads;
+  return static_cast<unsigned>(split_threads());
+}
 
 bool all_finite_cpu(const void* grad, GradDtype dtype, uint64_t n) {
   const auto* bytes = static_cast<const unsigned char*>(grad);

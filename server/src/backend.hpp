@@ -118,9 +118,13 @@ class Backend {
   virtual Result<bool> all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n,
                                   kernels::GradDtype dtype) = 0;
   // The most CPU threads the next all_finite() and apply() of a large
-  // tensor (kernels::kCpuSplitMinElements) may split over; 0: all. Only
+  // tensor (kernels::kCpuSplitMinElements) may split over; returns how
+  // many they will use (0: no CPU threads, the work is the device's). Only
   // the host backend computes on CPUs.
-  virtual void set_apply_threads(uint32_t threads) noexcept { (void)threads; }
+  virtual uint32_t set_apply_threads(uint32_t threads) noexcept {
+    (void)threads;
+    return 0;
+  }
   // One optimizer step of tensor `tensor` (index into the extents).
   virtual Status apply(const kernels::OptimizerConfig& config, uint32_t tensor, uint64_t step, const PeerBuffer& grad,
                        uint64_t byte_offset, kernels::GradDtype dtype) = 0;

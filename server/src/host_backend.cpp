@@ -153,7 +153,7 @@ class HostBackend final : public Backend {
     return kernels::all_finite_cpu(static_cast<const HostPeer&>(grad).at(byte_offset), dtype, n);
   }
 
-  void set_apply_threads(uint32_t threads) noexcept override { kernels::set_cpu_threads(threads); }
+  uint32_t set_apply_threads(uint32_t threads) noexcept override { return kernels::set_cpu_threads(threads); }
 
   Status apply(const kernels::OptimizerConfig& config, uint32_t tensor, uint64_t step, const PeerBuffer& grad,
                uint64_t byte_offset, kernels::GradDtype dtype) override {

@@ -53,12 +53,12 @@ bool PullGate::must_wait(uint32_t i) {
   return s.clock - low > config_.max_staleness;  // low <= s.clock: i counts
 }
 
-void PullGate::park(uint32_t i, const shm::Request& req, uint64_t now) {
+void PullGate::park(uint32_t i, const shm::Request& req, uint64_t since) {
   Slot& s = slot(i);
   if (!s.parked) ++parked_;
   s.parked = true;
   s.request = req;
-  s.parked_at = now;
+  s.parked_at = since;
 }
 
 std::string PullGate::holding_text(uint32_t i) {
@@ -77,7 +77,7 @@ void PullGate::release_if(uint64_t now, bool all, std::vector<Released>* out) {
     if (!slots_[i].parked) continue;
     Slot& s = slot(i);  // a session that ended drops its pull here
     if (!s.parked) continue;
-    const uint64_t waited = now - s.parked_at;
+    const uint64_t waited = now > s.parked_at ? now - s.parked_at : 0;
     const bool wait = !all && must_wait(i);
     if (wait && waited < s.request.wait_ns) continue;
     out->push_back({i, s.request, waited, wait,

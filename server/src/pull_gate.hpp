@@ -27,9 +27,10 @@ class PullGate {
   void pushed(uint32_t i);
   // True when a pull by worker i must be held back now.
   bool must_wait(uint32_t i);
-  // Holds worker i's pull `req`, taken at `now`.
-  void park(uint32_t i, const shm::Request& req, uint64_t now);
-  bool parked(uint32_t i) const { return i < slots_.size() && slots_[i].parked; }
+  // Holds worker i's pull `req`, published at `since` (its wait counts
+  // from then: the worker's own deadline runs from its submit).
+  void park(uint32_t i, const shm::Request& req, uint64_t since);
+  bool parked(uint32_t i) { return slot(i).parked; }  // false once its session ended
   bool any_parked() const { return parked_ != 0; }
 
   // A parked pull whose wait ended.

@@ -197,6 +197,12 @@ Result<RequestHandler::Target> RequestHandler::resolve(uint32_t i, const Request
   return t;
 }
 
+bool RequestHandler::splits(const Target& t) const {
+  for (uint32_t k = t.first; k < t.last; ++k)
+    if (model_.tensors[k].element_count >= kernels::kCpuSplitMinElements) return true;
+  return false;
+}
+
 Answer RequestHandler::push(uint32_t i, const Request& req) {
   if (shm::dtype_name(req.dtype) == nullptr)
     return reject(i, req, ErrorCode::kBadDtype, "gradient dtype " + std::to_string(req.dtype) + " unknown");
@@ -225,9 +231,8 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
   }
   const kernels::OptimizerConfig& optimizer = scaled ? scaled_optimizer : config_.optimizer;
   shm::StatsBlock& st = segment_.stats();
-  if (target->elements >= kernels::kCpuSplitMinElements) {
-    const uint32_t threads = sessions_.apply_threads(i);
-    backend_.set_apply_threads(threads);
+  if (target->elements >= kernels::kCpuSplitMinElements && splits(*target)) {
+    const uint32_t threads = backend_.set_apply_threads(sessions_.apply_threads(i));
     st.apply_threads.store(threads, std::memory_order_relaxed);  // relaxed: statistic
   }
   const uint64_t apply_start = shm::monotonic_ns();  // apply_ns: the check and the update

@@ -61,6 +61,9 @@ class RequestHandler {
     PeerBuffer* buffer = nullptr;
   };
   Result<Target> resolve(uint32_t i, const shm::Request& req, uint64_t element_size, const char* dtype_name) const;
+  // Whether a tensor of `t` is long enough for its update to be split
+  // over threads (kernels::kCpuSplitMinElements).
+  bool splits(const Target& t) const;
 
   // Rejects `req` and forgets its buffer, whose memory vanished under us.
   Answer drop_buffer(uint32_t i, const shm::Request& req, const Status& why);

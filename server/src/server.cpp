@@ -349,9 +349,14 @@ class Server::Impl {
       // between reads): read it now, so a wait is never counted as 0.
       if (published > clock_now) clock_now = shm::monotonic_ns();
       shm::record(stats().queue_ns, clock_now > published ? clock_now - published : 0);
-      if (req.opcode == static_cast<uint32_t>(Opcode::kPull) && gate.must_wait(i)) {
+      // Only a pull the handler would take is held: a forged one is
+      // refused by handle() at once.
+      if (req.opcode == static_cast<uint32_t>(Opcode::kPull) && req.lease == slot.lease && req.worker_id == i &&
+          req.flags == 0 && gate.must_wait(i)) {
         if (req.wait_ns != 0) {
-          gate.park(i, req, clock_now);
+          // Its wait counts from its publish (a stamp the worker wrote:
+          // never later than now), as the worker's deadline does.
+          gate.park(i, req, std::min(published, clock_now));
           break;  // the rest of the lane waits behind the pull
         }
         Answer refused = handler.reject(i, req, ErrorCode::kTimeout,
@@ -753,6 +758,7 @@ Status Server::run(const RunOptions& options) { return impl_->run(options); }
 void Server::poll_once() {
   impl_->loop_now = shm::monotonic_ns();
   impl_->drain_held();
+  if (impl_->gate.any_parked()) impl_->release_pulls(impl_->loop_now);
   impl_->serve_doorbells();
   impl_->housekeeping();
 }

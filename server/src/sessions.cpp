@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include "shmps/server/log.hpp"
 #include "shmps/shm/futex.hpp"
@@ -23,10 +24,14 @@ Sessions::Sessions(const ServerConfig& config, shm::Segment& segment, HeldComple
       buffer_prefix_(shm::segment_object_name(config.name) + ".p") {
   for (uint32_t i = 0; i < config.max_workers; ++i) reset_lanes(i);
   CPU_ZERO(&server_cpus_);
-  if (sched_getaffinity(0, sizeof server_cpus_, &server_cpus_) == 0)
+  if (sched_getaffinity(0, sizeof server_cpus_, &server_cpus_) == 0) {
     server_cpu_count_ = std::max(1, CPU_COUNT(&server_cpus_));
-  else
-    CPU_ZERO(&server_cpus_);  // unknown: every worker counts as sharing
+  } else {
+    // More CPUs than a cpu_set_t names (over 1024): all of them, and every
+    // worker counts as sharing them.
+    CPU_ZERO(&server_cpus_);
+    server_cpu_count_ = std::max(1u, std::thread::hardware_concurrency());
+  }
 }
 
 bool Sessions::sync(uint32_t i) {
@@ -62,6 +67,9 @@ void Sessions::attach(uint32_t i, uint64_t claimed) {
   entry.pushes_rejected.store(0, std::memory_order_relaxed);
   entry.pulls.store(0, std::memory_order_relaxed);
   entry.applied_bytes.store(0, std::memory_order_relaxed);
+  entry.pulls_waited.store(0, std::memory_order_relaxed);
+  entry.wait_ns.store(0, std::memory_order_relaxed);
+  entry.pushes_scaled.store(0, std::memory_order_relaxed);
   const uint64_t attached = shm::make_owner(static_cast<uint32_t>(pid), WorkerState::kAttached);
   uint64_t expected = claimed;
   // acq_rel: SYNC(worker_attached) the release publishes the reset

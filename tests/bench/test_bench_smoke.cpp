@@ -67,7 +67,7 @@ BOOST_AUTO_TEST_CASE(quick_run_prints_every_table) {
 
   const std::string rows = shmps::test::read_file(csv);
   BOOST_TEST(rows.rfind("section,row,column,value\n", 0) == 0);
-  for (const char* section : {"round_trip,", "push_throughput,", "optimizers,", "memory,", "goals,"})
+  for (const char* section : {"round_trip,", "push_throughput,", "optimizers,", "memory,", "tail_latency,", "goals,"})
     BOOST_TEST(rows.find("\n" + std::string(section)) != std::string::npos, "no CSV rows of " << section);
 }
 

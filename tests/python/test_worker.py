@@ -155,6 +155,31 @@ def test_a_stale_push_raises_stale_error_with_both_versions(make_server):
         assert "staleness 2 > max_staleness 1" in str(e.value)
 
 
+def test_staleness_policies_through_python(make_server):
+    """scale: a stale push is applied and counted; wait: a pull held past
+    its wait raises TimeoutError naming the slowest worker."""
+    server = make_server(staleness_policy="scale", max_staleness=1)
+    with shmps.connect(server.name) as w:
+        grad = w.register_buffer(w.total_elements * 4)
+        for _ in range(3):
+            w.push(grad, 0)  # staleness 0, 1, 2: the last at lr / 2
+        s = w.stats()
+        assert (s.pushes_scaled, s.my_pushes_scaled, s.scale_factor_sum_micro) == (1, 1, 500000)
+        assert s.rejected_stale == 0
+    server = make_server(staleness_policy="wait", max_staleness=0, tag="ssp")
+    with shmps.connect(server.name) as slow, shmps.connect(server.name, timeout=0.4) as fast:
+        g_slow = slow.register_buffer(slow.total_elements * 4)
+        g_fast = fast.register_buffer(fast.total_elements * 4)
+        slow.push(g_slow, slow.pull(g_slow))  # slow: clock 1
+        fast.push(g_fast, fast.pull(g_fast))  # fast joins at 1: clock 2
+        with pytest.raises(shmps.TimeoutError, match=r"at clock 1, this one at 2 \(max 0 ahead\)"):
+            fast.pull(g_fast)
+        slow.push(g_slow, slow.pull(g_slow))  # slow: clock 2
+        fast.pull(g_fast)
+        s = fast.stats()
+        assert s.my_pulls_waited == 1 and s.rejected_timeout == 1 and s.my_wait_ns > 0
+
+
 def test_push_async_wait_and_stats_move(make_server):
     server = make_server()
     with shmps.connect(server.name) as w:

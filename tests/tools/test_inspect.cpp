@@ -226,6 +226,46 @@ BOOST_AUTO_TEST_CASE(live_segment_as_json) {
   BOOST_TEST(st["rejected"].empty());
 }
 
+// What the staleness policy did, in JSON, text and Prometheus: a push 2
+// versions old under scale is applied with half the lr.
+BOOST_AUTO_TEST_CASE(staleness_policy_counters_in_every_format) {
+  const std::string name = test::unique_name("policy");
+  std::vector<std::string> args = kTensorArgs;
+  args.insert(args.end(), {"--staleness-policy", "scale"});
+  test::ServerProcess server(name, args);
+  auto worker = connect(name);
+  auto buffer = worker->register_buffer(kAllBytes);
+  BOOST_REQUIRE(buffer.ok());
+  std::memset(buffer->data, 0, kAllBytes);
+  for (int k = 0; k < 3; ++k)  // versions 0, 0, 0: staleness 0, 1, 2
+    BOOST_REQUIRE(worker->push(kAllTensors, buffer->id, 0, kAllBytes, Dtype::kF32, 0).ok());
+
+  const json j = parse_json(run_inspect({"--json", name}));
+  BOOST_TEST(j["config"]["staleness_policy"] == "scale");
+  BOOST_TEST(j["stats"]["pushes_scaled"] == 1);
+  BOOST_TEST(j["stats"]["scale_factor_sum_micro"] == 500000);
+  BOOST_TEST(j["stats"]["pulls_waited"] == 0);
+  BOOST_TEST(j["stats"]["wait_ns"] == "0");      // ns: a string
+  BOOST_TEST(j["stats"]["apply_threads"] == 0);  // no tensor from 4 MiB yet
+  BOOST_REQUIRE(j["workers"].size() == 1u);
+  BOOST_TEST(j["workers"][0]["pushes_scaled"] == 1);
+  BOOST_TEST(j["workers"][0]["wait_ns"] == "0");
+
+  const Run text = run_inspect({name});
+  BOOST_TEST(contains(text.out, "max_staleness   4 (policy scale)"), text.out);
+  BOOST_TEST(contains(text.out, "pushes scaled 1 (mean factor 0.5)"), text.out);
+  BOOST_TEST(contains(text.out, "pulls held 0 (0 ns in all), pushes scaled 1\n"), text.out);
+
+  const Run prom = run_inspect({"--format", "prometheus", name});
+  const std::string n = "{name=\"" + name + "\"";
+  BOOST_TEST(contains(prom.out, "\nshmps_pushes_scaled_total" + n + "} 1\n"), prom.out);
+  BOOST_TEST(contains(prom.out, "\nshmps_scale_factor_sum_total" + n + "} 0.5\n"), prom.out);
+  BOOST_TEST(contains(prom.out, "# TYPE shmps_wait_seconds_total counter\nshmps_wait_seconds_total" + n + "} 0\n"),
+             prom.out);
+  BOOST_TEST(contains(prom.out, ",staleness_policy=\"scale\"} 1\n"), prom.out);
+  BOOST_TEST(contains(prom.out, "shmps_worker_pushes_scaled_total" + n), prom.out);
+}
+
 // The server's histograms: apply time and staleness of every applied push,
 // queueing time of every request taken, in the JSON (buckets, count, max,
 // p50/p99), the text and Prometheus. A request published while the server

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <deque>
 #include <iterator>
+#include <limits>
 #include <thread>
 
 #include "device_buffer.hpp"
@@ -44,6 +45,20 @@ constexpr uint64_t kMinSpinPolls = 2000;     // the shortest spin: longer than a
 constexpr uint64_t kMaxSpinPolls = 20000;    // the longest: ten times the shortest
 constexpr uint64_t kTimedAfterPolls = 256;   // a wait this long reads the clock (once)
 constexpr uint64_t kSleepAboveNs = 250'000;  // longer expected waits sleep at once
+
+// How long the server may hold a pull (--staleness-policy wait): the call's
+// timeout less a margin for the answer to arrive before the worker's own
+// deadline (a quarter of it, at least 50 ms or half the timeout, at most
+// 500 ms); saturated for a timeout too long for nanoseconds.
+uint64_t pull_wait_ns(std::chrono::milliseconds timeout) {
+  using ms = std::chrono::milliseconds;
+  const int64_t t = std::max<int64_t>(0, timeout.count());
+  const int64_t margin = std::min<int64_t>(500, std::max<int64_t>(t / 4, std::min<int64_t>(50, t / 2)));
+  const int64_t wait = t - margin;
+  constexpr int64_t kMaxMs = std::numeric_limits<int64_t>::max() / 1'000'000;
+  return wait >= kMaxMs ? std::numeric_limits<uint64_t>::max()
+                        : static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(ms(wait)).count());
+}
 
 // Fault injection for the reliability tests: with SHMPS_FAULT=<point> in
 // the environment when a Worker connects, the process SIGKILLs itself when
@@ -1132,10 +1147,7 @@ Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
                             : tensor_id < impl_->tensors.size() ? impl_->tensors[tensor_id].element_count
                                                                 : 0;
   req.byte_length = elements * sizeof(float);
-  // The server's answer of a held pull arrives before our own deadline.
-  const auto timeout = std::chrono::duration_cast<std::chrono::nanoseconds>(impl_->options.timeout);
-  const auto margin = std::min<std::chrono::nanoseconds>(timeout / 4, std::chrono::milliseconds(500));
-  req.wait_ns = static_cast<uint64_t>((timeout - margin).count());
+  req.wait_ns = pull_wait_ns(impl_->options.timeout);
   auto c = impl_->request(req);
   if (!c.ok()) return c.status();
   return c->version;

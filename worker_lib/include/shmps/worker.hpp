@@ -235,8 +235,8 @@ class Worker {
   // Under the server's --staleness-policy wait, a pull by a worker more
   // than max_staleness clocks (applied pushes) ahead of the slowest worker
   // is held until the slowest catches up or leaves; after most of the
-  // timeout (all but a quarter of it, at most 500 ms) it fails with
-  // kTimeout saying whom it waited for.
+  // timeout (all but a quarter of it, at least 50 ms or half of it, at
+  // most 500 ms) it fails with kTimeout saying whom it waited for.
   // Errors: kUnknownBuffer, kUnknownTensor, kBadRange, kCuda (recording
   // the event failed), kTimeout and request errors.
   Result<uint64_t> pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);

@@ -68,8 +68,9 @@ inline constexpr uint64_t kCpuSplitMinElements = uint64_t{1} << 20;
 // all_finite_cpu() calls split a tensor over: 0 (the default) every thread
 // OpenMP would use (as many as the process's affinity mask has CPUs, or
 // OMP_NUM_THREADS); 1 the calling thread alone. Per calling thread; no
-// system call. A no-op without SHMPS_OPENMP.
-void set_cpu_threads(unsigned threads) noexcept;
+// system call. Returns how many threads a split will then run on (1
+// without SHMPS_OPENMP).
+unsigned set_cpu_threads(unsigned threads) noexcept;
 
 // One tensor's weights and optimizer state, all fp32, n elements each.
 // state[i] for i < state_arrays(config) must be valid; PyTorch's lazily

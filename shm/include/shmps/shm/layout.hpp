@@ -491,7 +491,7 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
   X(lanes_corrupt, counter, "Lanes whose indices were garbage.") \
   X(workers_evicted, counter, "Sessions the server ended (a process stopped too long, a corrupt lane).") \
   X(applied_bytes, counter, "Bytes of gradient applied (as pushed: 2 per element for f16 and bf16).") \
-  X(pulls_waited, counter, "Pulls held back by --staleness-policy wait until the slowest worker caught up.") \
+  X(pulls_waited, counter, "Pulls held back by --staleness-policy wait (until the slowest caught up, or their wait ran out).") \
   X(wait_ns, counter, "Time pulls were held back by --staleness-policy wait, in all.") \
   X(pushes_scaled, counter, "Pushes applied with lr / staleness by --staleness-policy scale.") \
   X(scale_factor_sum_micro, counter, "Sum of the lr factors of scaled pushes (mean factor: this / pushes_scaled).") \
