@@ -9,7 +9,8 @@ own quarter of the data, trained
                 minibatch again)
   shmps-wait    --staleness-policy wait (SSP: a worker max_staleness pushes
                 ahead of the slowest waits in its pull)
-  shmps-scale   --staleness-policy scale (every push applied, lr / staleness)
+  shmps-scale   --staleness-policy scale (every push applied; past
+                max_staleness versions with lr * max_staleness / staleness)
   ddp           torch DistributedDataParallel, gloo backend on the CPU: every
                 step all-reduces the gradients, so each waits for the slowest
                 rank (the same data, 4 x 64 images per averaged step)
@@ -147,12 +148,15 @@ def run_one(arm, procs, delay, args, repeat):
                                        slow_rank_delay=delay, inspect=inspect)
 
 
-def configurations():
-    """(label, arm, procs, straggler) in run order."""
-    out = [("1 process", "shmps-reject", 1, False)]
+def configurations(arms=None):
+    """(label, arm, procs, straggler) in run order, of `arms` (default: all,
+    and "single", the one-process reference)."""
+    arms = arms or ["single"] + ARMS
+    out = [("1 process", "shmps-reject", 1, False)] if "single" in arms else []
     for straggler in (False, True):
         for arm in ARMS:
-            out.append((f"{arm}{', straggler' if straggler else ''}", arm, PROCS, straggler))
+            if arm in arms:
+                out.append((f"{arm}{', straggler' if straggler else ''}", arm, PROCS, straggler))
     return out
 
 
@@ -259,6 +263,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--arms", nargs="+", choices=["single"] + ARMS, default=None,
+                   help="run only these (single: one process alone); the straggler's delay comes from shmps-reject")
     p.add_argument("--train-limit", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=235, help="updates between snapshots (0.25 epoch at 4 workers)")
     p.add_argument("--bin", default=os.path.join(ROOT, "build", "default", "bin"), help="folder of shmps-inspect")
@@ -280,7 +286,7 @@ def main():
     runs = []
     for repeat in range(args.repeats):
         delay = 0.0
-        for label, arm, procs, straggler in configurations():
+        for label, arm, procs, straggler in configurations(args.arms):
             t0 = time.monotonic()
             d = delay if straggler else 0.0
             res = subprocess.run([sys.executable, __file__, "--run-one", arm, str(procs), str(d), str(repeat),

@@ -914,7 +914,7 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
   per_worker("shmps_worker_wait_seconds_total", "counter", "Time pulls of this worker were held back, in all.",
              [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.wait_ns) / 1e9); });
   per_worker("shmps_worker_pushes_scaled_total", "counter",
-             "Pushes of this worker applied with lr / staleness (--staleness-policy scale).",
+             "Pushes of this worker applied with a reduced lr (--staleness-policy scale).",
              [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.pushes_scaled)); });
   per_worker("shmps_worker_last_request_age_seconds", "gauge", "Time since this worker's last request.",
              [](const WorkerView& w) -> std::optional<double> {

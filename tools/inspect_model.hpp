@@ -91,7 +91,7 @@ struct WorkerView {
   uint64_t applied_bytes = 0;                   // of its applied pushes
   uint64_t pulls_waited = 0;                    // held back by --staleness-policy wait
   uint64_t wait_ns = 0;                         // their time held, in all
-  uint64_t pushes_scaled = 0;                   // applied with lr / staleness
+  uint64_t pushes_scaled = 0;                   // applied with a reduced lr
   uint64_t last_request_ns = 0;                 // 0: none yet
   std::optional<uint64_t> last_request_age_ms;  // empty when none or in the future
   std::vector<BufferView> buffers;              // the non-empty descriptors

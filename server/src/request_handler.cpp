@@ -221,13 +221,13 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
                   "staleness " + std::to_string(staleness) + " > max_staleness " +
                       std::to_string(config_.max_staleness) + " (v" + std::to_string(req.worker_version) + " vs v" +
                       std::to_string(version) + ")");
-  // scale: lr / staleness from staleness 2 on (Zhang et al., IJCAI 2016);
-  // the step count and the moments advance as for any push.
-  const bool scaled = policy == shm::StalenessPolicy::kScale && staleness > 1;
+  // scale: what reject would throw away is applied with lr * b / staleness
+  // (scaled_lr()); the step count and the moments advance as for any push.
+  const bool scaled = policy == shm::StalenessPolicy::kScale && staleness > scale_bound(config_.max_staleness);
   kernels::OptimizerConfig scaled_optimizer;
   if (scaled) {
     scaled_optimizer = config_.optimizer;
-    scaled_optimizer.lr = scaled_lr(config_.optimizer.lr, staleness);
+    scaled_optimizer.lr = scaled_lr(config_.optimizer.lr, staleness, config_.max_staleness);
   }
   const kernels::OptimizerConfig& optimizer = scaled ? scaled_optimizer : config_.optimizer;
   shm::StatsBlock& st = segment_.stats();
@@ -268,7 +268,10 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
   ++model_.version;
   if (scaled) {
     shm::bump(st.pushes_scaled);
-    shm::bump(st.scale_factor_sum_micro, 1'000'000 / staleness);
+    // b < staleness: a factor below 1, in millionths (doubles: b may be huge).
+    shm::bump(st.scale_factor_sum_micro,
+              static_cast<uint64_t>(1e6 * static_cast<double>(scale_bound(config_.max_staleness)) /
+                                    static_cast<double>(staleness)));
     shm::bump(segment_.worker(i).pushes_scaled);
   }
   // relaxed: statistics; the completion's release publishes them to the pusher.

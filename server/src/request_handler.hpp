@@ -19,10 +19,18 @@
 
 namespace shmps::server {
 
-// The learning rate --staleness-policy scale applies a push `staleness`
-// versions old with: lr / max(1, staleness), in fp32 (what tests compare
-// bitwise against the kernels run with that lr).
-inline float scaled_lr(float lr, uint64_t staleness) { return staleness > 1 ? lr / static_cast<float>(staleness) : lr; }
+// The staleness from which --staleness-policy scale reduces the lr: past
+// max(1, max_staleness).
+inline uint64_t scale_bound(uint64_t max_staleness) { return max_staleness > 1 ? max_staleness : 1; }
+// The lr --staleness-policy scale applies a push `staleness` versions old
+// with: lr up to the bound b = scale_bound(max_staleness), lr * b /
+// staleness past it (so with max_staleness 0 or 1, Zhang et al.'s
+// lr / staleness), in fp32 as written here (what tests compare bitwise
+// against the kernels run with that lr).
+inline float scaled_lr(float lr, uint64_t staleness, uint64_t max_staleness) {
+  const uint64_t b = scale_bound(max_staleness);
+  return staleness > b ? lr * static_cast<float>(b) / static_cast<float>(staleness) : lr;
+}
 
 struct Answer {
   shm::Completion completion;

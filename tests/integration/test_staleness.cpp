@@ -10,7 +10,6 @@
 #include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -218,15 +217,25 @@ BOOST_AUTO_TEST_CASE(wait_counts_a_worker_from_its_first_push_only) {
   BOOST_TEST(evaluator.pull().ok());
 }
 
-// scale: a push s versions old is applied with lr / s (from s = 2 on),
-// never rejected; the step count and the moments advance as for any push:
-// bitwise what the kernels compute with that lr.
-BOOST_AUTO_TEST_CASE(scale_applies_lr_over_staleness_bitwise_and_rejects_nothing) {
-  for (const char* optimizer : {"sgd", "adam"}) {
-    BOOST_TEST_CONTEXT(optimizer) {
+// scale: a push t versions old, past the bound b = max(1, max_staleness),
+// is applied with lr * b / t, never rejected; the step count and the
+// moments advance as for any push: bitwise what the kernels compute with
+// that lr.
+BOOST_AUTO_TEST_CASE(scale_applies_lr_times_bound_over_staleness_bitwise_and_rejects_nothing) {
+  struct Case {
+    const char* optimizer;
+    uint64_t max_staleness;
+    uint64_t scaled;        // pushes past the bound
+    uint64_t factor_micro;  // the sum of their factors
+  };
+  // Stalenesses 0, 1, 2, 1, 3: past 1, the last two (1/2 + 1/3); past 2, the last (2/3).
+  for (const Case& c : {Case{"sgd", 1, 2, 500'000 + 333'333}, Case{"adam", 1, 2, 500'000 + 333'333},
+                        Case{"adam", 0, 2, 500'000 + 333'333}, Case{"adamw", 2, 1, 666'666}}) {
+    BOOST_TEST_CONTEXT(c.optimizer << ", max_staleness " << c.max_staleness) {
+      const char* optimizer = c.optimizer;
       test::ServerProcess server(test::unique_name("scale"),
                                  {"--tensor", "w:4", "--lr", "0.3", "--optimizer", optimizer, "--staleness-policy",
-                                  "scale", "--max-staleness", "1", "--init", "uniform"});
+                                  "scale", "--max-staleness", std::to_string(c.max_staleness), "--init", "uniform"});
       FastWorker w(server.name());
       auto v0 = w.pull();
       BOOST_REQUIRE(v0.ok());
@@ -235,6 +244,7 @@ BOOST_AUTO_TEST_CASE(scale_applies_lr_over_staleness_bitwise_and_rejects_nothing
       std::vector<float> state(8, 0.0f);
       kernels::OptimizerConfig config;
       BOOST_REQUIRE(kernels::parse_optimizer_kind(optimizer, &config.kind));
+      if (config.kind == kernels::OptimizerKind::kAdamW) config.weight_decay = 0.01f;  // the server's default for AdamW
       float* g = static_cast<float*>(w.grad.data);
       const uint64_t stalenesses[] = {0, 1, 2, 1, 3};
       uint64_t version = 0;
@@ -243,7 +253,8 @@ BOOST_AUTO_TEST_CASE(scale_applies_lr_over_staleness_bitwise_and_rejects_nothing
         const uint64_t at = version - std::min(version, stalenesses[k]);
         auto v = w.w->push(0, w.grad.id, 0, 16, Dtype::kF32, at);
         BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
-        config.lr = version - at > 1 ? 0.3f / static_cast<float>(version - at) : 0.3f;
+        const uint64_t t = version - at, b = std::max<uint64_t>(1, c.max_staleness);
+        config.lr = t > b ? 0.3f * static_cast<float>(b) / static_cast<float>(t) : 0.3f;
         kernels::TensorState ts;
         ts.weights = weights.data();
         ts.state[0] = state.data();
@@ -257,9 +268,9 @@ BOOST_AUTO_TEST_CASE(scale_applies_lr_over_staleness_bitwise_and_rejects_nothing
       for (int e = 0; e < 4; ++e) BOOST_TEST(served[e] == weights[e]);  // exact: same fp32 operations
       const ServerStats s = w.stats();
       BOOST_TEST(s.rejected_stale == 0u);
-      BOOST_TEST(s.pushes_scaled == 2u);  // staleness 2 and 3: applied, though max_staleness 1 (unused by scale)
-      BOOST_TEST(s.my_pushes_scaled == 2u);
-      BOOST_TEST(s.scale_factor_sum_micro == 500'000u + 333'333u);
+      BOOST_TEST(s.pushes_scaled == c.scaled);
+      BOOST_TEST(s.my_pushes_scaled == c.scaled);
+      BOOST_TEST(s.scale_factor_sum_micro == c.factor_micro);
     }
   }
 }
@@ -270,8 +281,8 @@ BOOST_AUTO_TEST_CASE(policy_counters_start_at_zero_in_a_new_session) {
                              {"--tensor", "w:4", "--staleness-policy", "scale", "--max-workers", "1"});
   {
     FastWorker w(server.name());
-    for (int k = 0; k < 3; ++k) BOOST_REQUIRE(w.w->push(0, w.grad.id, 0, 16, Dtype::kF32, 0).ok());
-    BOOST_TEST(w.stats().my_pushes_scaled == 1u);
+    for (int k = 0; k < 6; ++k) BOOST_REQUIRE(w.w->push(0, w.grad.id, 0, 16, Dtype::kF32, 0).ok());
+    BOOST_TEST(w.stats().my_pushes_scaled == 1u);  // staleness 5, past the default max_staleness 4
   }
   FastWorker again(server.name());  // the one entry, reused
   const ServerStats s = again.stats();
@@ -295,10 +306,10 @@ BOOST_AUTO_TEST_CASE(reject_is_the_default) {
 BOOST_AUTO_TEST_CASE(apply_threads_follow_the_computing_workers) {
   cpu_set_t mine;
   BOOST_REQUIRE(sched_getaffinity(0, sizeof mine, &mine) == 0);
-  // The server's CPUs, as far as OpenMP's own count (OMP_NUM_THREADS) lets it use them.
-  auto cpus = static_cast<uint64_t>(CPU_COUNT(&mine));
-  if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp != nullptr && std::atoi(omp) > 0)
-    cpus = std::min<uint64_t>(cpus, static_cast<uint64_t>(std::atoi(omp)));
+  // The server's CPUs, as far as its kernels split at all: OpenMP's own
+  // count (OMP_NUM_THREADS), 1 in a build without OpenMP (the tsan preset),
+  // as this process's copy of the same kernels reports.
+  const auto cpus = std::min<uint64_t>(static_cast<uint64_t>(CPU_COUNT(&mine)), kernels::set_cpu_threads(0));
   const uint64_t elements = kernels::kCpuSplitMinElements;
   const std::string tensor = "w:" + std::to_string(elements);
   const auto push_and_read = [&](Worker& w, const Buffer& b) {

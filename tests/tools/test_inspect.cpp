@@ -227,11 +227,11 @@ BOOST_AUTO_TEST_CASE(live_segment_as_json) {
 }
 
 // What the staleness policy did, in JSON, text and Prometheus: a push 2
-// versions old under scale is applied with half the lr.
+// versions old under scale, bound 1, is applied with half the lr.
 BOOST_AUTO_TEST_CASE(staleness_policy_counters_in_every_format) {
   const std::string name = test::unique_name("policy");
   std::vector<std::string> args = kTensorArgs;
-  args.insert(args.end(), {"--staleness-policy", "scale"});
+  args.insert(args.end(), {"--staleness-policy", "scale", "--max-staleness", "1"});
   test::ServerProcess server(name, args);
   auto worker = connect(name);
   auto buffer = worker->register_buffer(kAllBytes);
@@ -252,7 +252,7 @@ BOOST_AUTO_TEST_CASE(staleness_policy_counters_in_every_format) {
   BOOST_TEST(j["workers"][0]["wait_ns"] == "0");
 
   const Run text = run_inspect({name});
-  BOOST_TEST(contains(text.out, "max_staleness   4 (policy scale)"), text.out);
+  BOOST_TEST(contains(text.out, "max_staleness   1 (policy scale)"), text.out);
   BOOST_TEST(contains(text.out, "pushes scaled 1 (mean factor 0.5)"), text.out);
   BOOST_TEST(contains(text.out, "pulls held 0 (0 ns in all), pushes scaled 1\n"), text.out);
 

@@ -42,7 +42,8 @@ struct ServerConfig {
   uint64_t max_staleness = 4;
   // What max_staleness bounds, and how (layout.hpp, StalenessPolicy;
   // docs/design.md, "Staleness policies"): reject stale pushes, hold pulls
-  // of workers that run ahead (SSP), or apply every push with lr / staleness.
+  // of workers that run ahead (SSP), or apply every push, the stale ones
+  // with a reduced lr.
   shm::StalenessPolicy staleness_policy = shm::StalenessPolicy::kReject;
   bool allow_nonfinite = false;  // accept NaN/Inf gradients
   uint32_t lane_capacity = 64;   // per worker request lane, power of two

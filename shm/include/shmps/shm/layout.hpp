@@ -180,7 +180,7 @@ struct ConfigBlock {
 enum class StalenessPolicy : uint32_t {
   kReject = 0,  // a push more than max_staleness versions old is rejected (kStale)
   kWait = 1,    // SSP: a pull by a worker more than max_staleness clocks ahead of the slowest waits
-  kScale = 2,   // every push is applied, with lr / max(1, staleness)
+  kScale = 2,   // every push is applied; past b = max(1, max_staleness) versions with lr * b / staleness
 };
 inline constexpr uint32_t kStalenessPolicyMax = 2;
 // "reject", "wait", "scale"; nullptr outside the enum.
@@ -493,7 +493,7 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
   X(applied_bytes, counter, "Bytes of gradient applied (as pushed: 2 per element for f16 and bf16).") \
   X(pulls_waited, counter, "Pulls held back by --staleness-policy wait (until the slowest caught up, or their wait ran out).") \
   X(wait_ns, counter, "Time pulls were held back by --staleness-policy wait, in all.") \
-  X(pushes_scaled, counter, "Pushes applied with lr / staleness by --staleness-policy scale.") \
+  X(pushes_scaled, counter, "Pushes applied with a reduced lr by --staleness-policy scale.") \
   X(scale_factor_sum_micro, counter, "Sum of the lr factors of scaled pushes (mean factor: this / pushes_scaled).") \
   X(apply_threads, gauge, "Threads the last update of a tensor from 4 MiB ran on (host backend).")
 // clang-format on
