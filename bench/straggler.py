@@ -16,9 +16,10 @@ own quarter of the data, trained
                 rank (the same data, 4 x 64 images per averaged step)
 
 without and with a straggler: worker 0 sleeps, every step, twice the others'
-step time (so its steps take 3x theirs; the others' step time is measured in
-the same repeat's straggler-free shmps-reject run), and one process alone
-(shmps-reject, no straggler: the accuracy reference). Runs are interleaved
+step time (so its steps take 3x theirs; the others' step time is measured
+in the same repeat's first straggler-free shmps run, reject's when it
+runs), and one process alone (shmps-reject, no straggler: the accuracy
+reference). Runs are interleaved
 (repeat, then configuration) and every figure is a median over the repeats;
 each run is scored from weight snapshots taken while it trains (the
 parent's pulls for shmps, rank 0's copies for ddp), scored after training.
@@ -44,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples", "torch"))
-import torch_compare  # noqa: E402  the shmps arm, time_to()
+import torch_compare  # noqa: E402  the shmps arm, score(), time_to()
 
 PROCS = 4
 ARMS = ["shmps-reject", "shmps-wait", "shmps-scale", "ddp"]
@@ -125,14 +126,8 @@ def run_ddp(procs, epochs, seed, train_limit, eval_every, lr, batch, slow_rank_d
     for f in os.listdir(store_dir):
         os.unlink(os.path.join(store_dir, f))
     os.rmdir(store_dir)
-    scorer = example.Mlp()
-    curve = []
-    for t, n, params in snaps:
-        with torch.no_grad():
-            for p, v in zip(scorer.parameters(), params):
-                p.copy_(v)
-            curve.append((t, n, (scorer(tx).argmax(1) == ty).float().mean().item()))
-    return {"wall": wall, "updates": snaps[-1][1], "rejected": 0, "curve": curve, "staleness": None}
+    return {"wall": wall, "updates": snaps[-1][1], "rejected": 0, "curve": torch_compare.score(snaps, tx, ty),
+            "staleness": None}
 
 
 # ---------------------------------------------------------------- driver
@@ -264,7 +259,7 @@ def main():
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--arms", nargs="+", choices=["single"] + ARMS, default=None,
-                   help="run only these (single: one process alone); the straggler's delay comes from shmps-reject")
+                   help="run only these (single: one process alone)")
     p.add_argument("--train-limit", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=235, help="updates between snapshots (0.25 epoch at 4 workers)")
     p.add_argument("--bin", default=os.path.join(ROOT, "build", "default", "bin"), help="folder of shmps-inspect")
@@ -298,8 +293,10 @@ def main():
             r = json.loads(res.stdout.strip().splitlines()[-1])
             r.update(label=label, arm=arm, procs=procs, repeat=repeat, delay=1e3 * d)
             runs.append(r)
-            if label == "shmps-reject":
-                # The others' step time: a worker's updates over the run's wall time.
+            if procs == PROCS and not straggler and arm.startswith("shmps") and delay == 0.0:
+                # The others' step time: a worker's updates over the run's
+                # wall time, in the first straggler-free shmps run (reject's
+                # when it runs: it comes first).
                 delay = 2 * r["wall"] / (r["updates"] / procs)
             print(f"repeat {repeat} {label}: acc {r['curve'][-1][2]:.4f}, wall {r['wall']:.1f} s, "
                   f"rejected {r['rejected']} ({time.monotonic() - t0:.0f} s)", flush=True)

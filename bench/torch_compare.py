@@ -175,15 +175,23 @@ def run_torch_arm(arm, procs, epochs, seed, train_limit, eval_every, lr, batch, 
             parent.close()
             server.stop()
 
+    return {"wall": wall, "updates": sum(updates), "rejected": sum(stale), "curve": score(snaps, tx, ty),
+            "staleness": staleness}
+
+
+def score(snaps, tx, ty):
+    """The (time, updates, test accuracy) curve of weight snapshots (time, updates, parameters)."""
+    import torch
+    import train as example
+
     scorer = example.Mlp()
     curve = []
     for t, n, params in snaps:
         with torch.no_grad():
             for p, v in zip(scorer.parameters(), params):
                 p.copy_(v)
-            acc = (scorer(tx).argmax(1) == ty).float().mean().item()
-        curve.append((t, n, acc))
-    return {"wall": wall, "updates": sum(updates), "rejected": sum(stale), "curve": curve, "staleness": staleness}
+            curve.append((t, n, (scorer(tx).argmax(1) == ty).float().mean().item()))
+    return curve
 
 
 def run_shmps_train(procs, epochs, seed, train_limit, eval_every, bin_dir):

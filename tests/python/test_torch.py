@@ -4,6 +4,7 @@ error, and N torch processes train Fashion-MNIST. CUDA cases skip, with the
 reason, where torch sees no GPU."""
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -148,6 +149,29 @@ def test_two_torch_processes_two_epochs_on_a_subset_beat_075():
     assert float(final[0].split()[3]) > 0.75
     assert "(agree)" in out.stdout
     assert not glob.glob(f"/dev/shm/shmps.{name}*"), "the example left shared memory behind"
+
+
+@pytest.mark.skipif(not os.path.exists(DATASET), reason="needs Debian's dataset-fashion-mnist")
+def test_the_straggler_harness_runs_every_policy_and_ddp(tmp_path):
+    """bench/straggler.py --smoke end to end: each policy and torch DDP, with
+    and without the straggler, a summary with its goals, nothing left in /dev/shm."""
+    before = set(glob.glob("/dev/shm/shmps.*"))
+    script = os.path.join(os.path.dirname(EXAMPLE), "..", "..", "bench", "straggler.py")
+    bin_dir = os.path.dirname(os.environ["SHMPS_SERVER_BIN"])
+    out = subprocess.run([sys.executable, script, "--smoke", "--arms", "shmps-wait", "shmps-scale", "ddp",
+                          "--bin", bin_dir, "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=170, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    print(out.stdout[-3000:], out.stderr[-3000:])
+    assert out.returncode == 0
+    summary = (tmp_path / "summary.md").read_text()
+    for row in ("| shmps-wait |", "| shmps-scale, straggler |", "| ddp |", "| ddp, straggler |"):
+        assert row in summary, row
+    runs = {r["label"]: r for r in json.loads((tmp_path / "runs.json").read_text())}
+    assert runs["shmps-wait, straggler"]["delay"] > 0.0  # from the straggler-free shmps-wait run
+    assert runs["shmps-wait"]["delay"] == 0.0
+    assert runs["ddp"]["updates"] == runs["shmps-wait"]["updates"]
+    assert all(r["curve"][-1][2] > 0.5 for r in runs.values())
+    assert set(glob.glob("/dev/shm/shmps.*")) <= before, "the harness left shared memory behind"
 
 
 # ---- CUDA (the GPU machine) ----
