@@ -41,11 +41,12 @@ Answer ok(const Request& req, uint64_t version) {
 }  // namespace
 
 RequestHandler::RequestHandler(const ServerConfig& config, Model& model, Backend& backend, Sessions& sessions,
-                               shm::Segment& segment, RejectionLog& log)
+                               PullGate& gate, shm::Segment& segment, RejectionLog& log)
     : config_(config),
       model_(model),
       backend_(backend),
       sessions_(sessions),
+      gate_(gate),
       segment_(segment),
       log_(log),
       async_(backend.asynchronous()) {}
@@ -295,6 +296,14 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
 Answer RequestHandler::pull(uint32_t i, const Request& req) {
   auto target = resolve(i, req, sizeof(float), "f32");
   if (!target.ok()) return reject(i, req, target.status().code(), target.status().message());
+  // Only a pull that would be served is held (released, it is handled
+  // again from the top).
+  if (gate_.must_wait(i)) {
+    if (req.wait_ns == 0) return reject(i, req, ErrorCode::kTimeout, "held by --staleness-policy wait; wait_ns 0");
+    Answer held{};  // no completion: the server parks the request
+    held.held_back = true;
+    return held;
+  }
   const uint64_t first = model_.tensors[target->first].element_offset;
   // Completed once the copy is done.
   std::shared_ptr<PeerBuffer> hold = async_ ? sessions_[i].buffers[req.buffer_id] : nullptr;

@@ -2,7 +2,8 @@
 // against the worker's session (lease, buffers) and the model (tensors,
 // lengths, dtype, version, staleness), runs it on the backend and returns
 // the answer, with what the server must do about it: hold the completion
-// behind device work, or stop (the device is lost). Rejections are counted
+// behind device work, park a pull that --staleness-policy wait holds back
+// (PullGate), or stop (the device is lost). Rejections are counted
 // in the stats block and logged, rate-limited. Consumer thread only.
 #pragma once
 
@@ -12,6 +13,7 @@
 
 #include "backend.hpp"
 #include "model.hpp"
+#include "pull_gate.hpp"
 #include "rate_log.hpp"
 #include "sessions.hpp"
 #include "shmps/server/config.hpp"
@@ -39,6 +41,7 @@ struct Answer {
   // mapped until then.
   std::shared_ptr<PeerBuffer> hold;
   bool applied = false;           // a push advanced the version
+  bool held_back = false;         // a pull --staleness-policy wait holds: park it (PullGate), no answer yet
   uint64_t applied_until_ns = 0;  // an applied push: the clock read after its apply (0: none read)
   Status device;                  // not ok: the device context is lost; the server must stop
 };
@@ -47,8 +50,8 @@ class RequestHandler {
  public:
   // `config` is the running configuration (a reload changes lr and
   // max_staleness in place).
-  RequestHandler(const ServerConfig& config, Model& model, Backend& backend, Sessions& sessions, shm::Segment& segment,
-                 RejectionLog& log);
+  RequestHandler(const ServerConfig& config, Model& model, Backend& backend, Sessions& sessions, PullGate& gate,
+                 shm::Segment& segment, RejectionLog& log);
 
   // Request `req` taken from worker i's lane at `now` (monotonic ns, this
   // turn of the loop's).
@@ -89,6 +92,7 @@ class RequestHandler {
   Model& model_;
   Backend& backend_;
   Sessions& sessions_;
+  PullGate& gate_;
   shm::Segment& segment_;
   RejectionLog& log_;
   const bool async_;  // backend_.asynchronous(): completions may wait for device work

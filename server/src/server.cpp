@@ -62,8 +62,8 @@ class Server::Impl {
         backend(std::move(b)),
         held(config.max_workers),
         sessions(config, *segment, held, worker_lines),
-        handler(config, model, *backend, sessions, *segment, rejections),
-        gate(config, sessions) {}
+        gate(config, sessions),
+        handler(config, model, *backend, sessions, gate, *segment, rejections) {}
 
   // ---- set by create(), constant after it (config: run() applies a
   // reload's live keys in place, on the consumer thread)
@@ -78,8 +78,8 @@ class Server::Impl {
   RejectionLog rejections;
   WorkerLineLog worker_lines;
   Sessions sessions;
-  RequestHandler handler;
   PullGate gate;
+  RequestHandler handler;
   std::vector<PullGate::Released> released;       // release_pulls()'s, kept for its capacity
   std::unique_ptr<CheckpointPolicy> checkpoints;  // none while config.checkpoint_dir is empty
   Status failure;                                 // why run() stops on its own (the device, the segment's name)
@@ -349,22 +349,13 @@ class Server::Impl {
       // between reads): read it now, so a wait is never counted as 0.
       if (published > clock_now) clock_now = shm::monotonic_ns();
       shm::record(stats().queue_ns, clock_now > published ? clock_now - published : 0);
-      // Only a pull the handler would take is held: a forged one is
-      // refused by handle() at once.
-      if (req.opcode == static_cast<uint32_t>(Opcode::kPull) && req.lease == slot.lease && req.worker_id == i &&
-          req.flags == 0 && gate.must_wait(i)) {
-        if (req.wait_ns != 0) {
-          // Its wait counts from its publish (a stamp the worker wrote:
-          // never later than now), as the worker's deadline does.
-          gate.park(i, req, std::min(published, clock_now));
-          break;  // the rest of the lane waits behind the pull
-        }
-        Answer refused = handler.reject(i, req, ErrorCode::kTimeout,
-                                        "held back by --staleness-policy wait, and the pull may not wait (wait_ns 0)");
-        post(i, refused);
-        continue;
-      }
       Answer a = handler.handle(i, req, loop_now);
+      if (a.held_back) {
+        // Its wait counts from its publish (a stamp the worker wrote:
+        // never later than now), as the worker's deadline does.
+        gate.park(i, req, std::min(published, clock_now));
+        break;  // the rest of the lane waits behind the pull
+      }
       if (a.applied) gate.pushed(i);
       if (a.applied_until_ns != 0) clock_now = a.applied_until_ns;
       if (!a.device.ok()) fatal(a.device);

@@ -146,7 +146,10 @@ BOOST_AUTO_TEST_CASE(wait_holds_a_pull_while_more_than_the_bound_ahead_and_relea
   BOOST_TEST(control->failed.load() == 0u);
   const ServerStats s = fast.stats();
   BOOST_TEST(s.my_pulls_waited == 1u);
-  BOOST_TEST(s.my_wait_ns >= 300'000'000u);
+  // Held through the 300 ms watched above, counted from its publish,
+  // which follows the thread's start by a submit (a loaded CPU can delay
+  // that by some ms).
+  BOOST_TEST(s.my_wait_ns >= 250'000'000u);
   BOOST_TEST(s.pulls_waited == 1u);
   BOOST_TEST(s.rejected_stale == 0u);
 }
