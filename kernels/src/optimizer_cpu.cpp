@@ -32,19 +32,21 @@ namespace {
 // thread saves; at 4 MiB the two tie, above it the split wins
 // (docs/benchmarks.md, "OpenMP: one thread below 1M elements, passive
 // waiting").
-static_assert(kCpuSplitMinElements == uint64_t{1} << 20);
 // Unit of work handed to a thread: 32K elements = 128 KiB per fp32 array.
 // A multiple of every vector width, so only the last block has a scalar tail.
 [[maybe_unused]] constexpr uint64_t kBlockElements = uint64_t{1} << 15;
 // set_cpu_threads() of this thread: 0, every OpenMP thread; 1, this thread alone.
 thread_local unsigned t_cpu_threads = 0;
-// The team of one split: all OpenMP would use (its affinity mask, or
-// OMP_NUM_THREADS) unless set_cpu_threads() asked for fewer.
-[[maybe_unused]] int split_threads() {
+// The team that splits n elements: 1 below kCpuSplitMinElements, else all
+// OpenMP would use (its affinity mask, or OMP_NUM_THREADS) unless
+// set_cpu_threads() asked for fewer.
+int split_threads(uint64_t n) {
 #if defined(SHMPS_OPENMP)
+  if (n < kCpuSplitMinElements) return 1;
   const int all = omp_get_max_threads();
   return t_cpu_threads == 0 ? all : std::min(all, static_cast<int>(t_cpu_threads));
 #else
+  (void)n;
   return 1;
 #endif
 }
@@ -213,7 +215,7 @@ SHMPS_KERNEL_CLONES void adam_range(const AdamArgs& args, uint64_t begin, uint64
 template <class Args>
 void run_split(RangeFn<Args> fn, const Args& args, uint64_t n) {
 #if defined(SHMPS_OPENMP)
-  const int threads = n >= kCpuSplitMinElements ? split_threads() : 1;
+  const int threads = split_threads(n);
   if (threads > 1) {
     const auto blocks = static_cast<int64_t>((n + kBlockElements - 1) / kBlockElements);
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -327,7 +329,7 @@ SHMPS_KERNEL_CLONES uint32_t any_nonfinite(const unsigned char* grad, uint64_t b
 template <GradDtype kDtype>
 bool all_finite_typed(const unsigned char* grad, uint64_t n) {
 #if defined(SHMPS_OPENMP)
-  const int threads = n >= kCpuSplitMinElements ? split_threads() : 1;
+  const int threads = split_threads(n);
   if (threads > 1) {
     const auto blocks = static_cast<int64_t>((n + kBlockElements - 1) / kBlockElements);
     uint32_t bad = 0;
@@ -450,12 +452,12 @@ void apply_cpu(const OptimizerConfig& config, const TensorState& tensor, const v
   }
 }
 
-// A dtype outside the enum reports false: the caller then refuses the push.
 unsigned set_cpu_threads(unsigned threads) noexcept {
   t_cpu_threads = threads;
-  return static_cast<unsigned>(split_threads());
+  return static_cast<unsigned>(split_threads(kCpuSplitMinElements));
 }
 
+// A dtype outside the enum reports false: the caller then refuses the push.
 bool all_finite_cpu(const void* grad, GradDtype dtype, uint64_t n) {
   const auto* bytes = static_cast<const unsigned char*>(grad);
   switch (dtype) {

@@ -337,8 +337,7 @@ class Server::Impl {
       // reuses an id gets no slot taken by id at or below the highest
       // taken (ring.hpp, seq_published()): its stale slots are not served again.
       slot.next_request_id = req.request_id + 1;
-      const uint64_t requests = stats().requests.load(std::memory_order_relaxed);  // relaxed: our own counter
-      stats().requests.store(requests + 1, std::memory_order_relaxed);             // relaxed: statistic
+      shm::bump(stats().requests);
       // relaxed: the worker wrote it before the release we took the slot
       // with; a worker's garbage only makes this one sample wrong.
       const uint64_t published =

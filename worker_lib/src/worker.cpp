@@ -536,7 +536,7 @@ class Worker::Impl {
   // Waits for the next completion. A worker waiting for the server's reply
   // either spins (a round trip costs far less than a futex wake-up) or
   // sleeps (its CPU may be one the server's kernels need: a large apply
-  // runs on every core, OpenMP). What the previous request of the same
+  // runs on the server's apply threads). What the previous request of the same
   // kind (wait_key()) took decides:
   // - unknown or short: spin kMinSpinPolls polls, then sleep;
   // - up to kSleepAboveNs: spin twice as long as last time, so a request
