@@ -31,7 +31,15 @@ class LocalPath final : public UpdatePath {
     for (std::vector<float>& a : state_) a.assign(weights_.size(), 0.0f);
   }
   Result<uint64_t> pull() override { return version_; }
-  Result<uint64_t> push(uint64_t /*version: always current*/) override {
+  Step push_and_pull(uint64_t /*version: always current*/) override {
+    Result<uint64_t> pushed = push();
+    return {std::move(pushed), version_};
+  }
+  const float* weights() const override { return weights_.data(); }
+  float* grad() override { return grad_.data(); }
+
+ private:
+  Result<uint64_t> push() {
     if (!kernels::all_finite_cpu(grad_.data(), kernels::GradDtype::kF32, grad_.size()))
       return Status(ErrorCode::kNonFinite, "NaN or Inf in the gradient");
     for (size_t t = 0; t < tensors_.size(); ++t) {
@@ -43,10 +51,7 @@ class LocalPath final : public UpdatePath {
     }
     return ++version_;
   }
-  const float* weights() const override { return weights_.data(); }
-  float* grad() override { return grad_.data(); }
 
- private:
   kernels::OptimizerConfig config_;
   std::vector<ParamTensor> tensors_;
   std::vector<float> weights_;

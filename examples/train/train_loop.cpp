@@ -31,26 +31,44 @@ class Minibatch {
   size_t n_ = 0;
 };
 
-// One update from `batch`: pull, gradient, push, until a push is applied;
-// stale and lost pushes are counted and redone on fresh weights.
-Status apply_one(Mlp& mlp, const Minibatch& batch, UpdatePath& path, LoopCounts& counts) {
+// The version weights() holds, once known current: not before the first
+// pull, nor after a failed one.
+struct Pulled {
+  bool current = false;
+  uint64_t version = 0;
+};
+
+// One update from `batch`: the gradient on the weights `pulled` names (a
+// pull first where they are not current), then push_and_pull(), until a
+// push is applied; stale and lost pushes are counted and redone on the
+// weights pulled with them.
+Status apply_one(Mlp& mlp, const Minibatch& batch, UpdatePath& path, LoopCounts& counts, Pulled& pulled) {
   while (true) {
-    Result<uint64_t> version = path.pull();
-    if (!version.ok() && version.status().code() == ErrorCode::kServerRestarted) continue;
-    if (!version.ok()) return Status(version.status().code(), "pull: " + version.status().to_string());
+    if (!pulled.current) {
+      Result<uint64_t> v = path.pull();
+      if (!v.ok() && v.status().code() == ErrorCode::kServerRestarted) continue;
+      if (!v.ok()) return Status(v.status().code(), "pull: " + v.status().to_string());
+      pulled = {true, *v};
+    }
     mlp.loss_and_gradient(path.weights(), batch.x(), batch.y(), batch.size(), path.grad());
-    Result<uint64_t> pushed = path.push(*version);
-    if (pushed.ok()) {
+    UpdatePath::Step step = path.push_and_pull(pulled.version);
+    const ErrorCode pushed = step.pushed.status().code();
+    if (!step.pushed.ok() && pushed != ErrorCode::kStale && pushed != ErrorCode::kServerRestarted)
+      return Status(pushed, "push: " + step.pushed.status().to_string());
+    if (step.pushed.ok()) {
       ++counts.applied;
-      return Status::Ok();
-    }
-    if (pushed.status().code() == ErrorCode::kServerRestarted) {
+    } else if (pushed == ErrorCode::kStale) {
+      ++counts.rejected;
+    } else {
       ++counts.lost;
-      continue;
     }
-    if (pushed.status().code() != ErrorCode::kStale)
-      return Status(pushed.status().code(), "push: " + pushed.status().to_string());
-    ++counts.rejected;
+    pulled.current = step.pulled.ok();
+    if (step.pulled.ok()) {
+      pulled.version = *step.pulled;
+    } else if (step.pulled.status().code() != ErrorCode::kServerRestarted) {
+      return Status(step.pulled.status().code(), "pull: " + step.pulled.status().to_string());
+    }
+    if (step.pushed.ok()) return Status::Ok();
   }
 }
 
@@ -69,12 +87,13 @@ Status train_shard(const WorkerPlan& plan, const Dataset& train, const MlpShape&
   Minibatch batch(plan.batch, train.features);
   Mlp mlp(shape, plan.batch);
   std::mt19937_64 rng(plan.seed * 0x9E3779B97F4A7C15ull + plan.index + 1);
+  Pulled pulled;
 
   for (size_t epoch = 0; epoch < plan.epochs; ++epoch) {
     std::shuffle(shard.begin(), shard.end(), rng);
     for (size_t start = 0; start < shard.size(); start += plan.batch) {
       batch.gather(train, shard, start, std::min(plan.batch, shard.size() - start));
-      if (Status s = apply_one(mlp, batch, path, counts); !s.ok()) return s;
+      if (Status s = apply_one(mlp, batch, path, counts, pulled); !s.ok()) return s;
       if (after_apply && !after_apply(counts.applied)) return Status(ErrorCode::kInternal, "stopped after an update");
     }
   }

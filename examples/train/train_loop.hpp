@@ -18,13 +18,23 @@ namespace shmps::train {
 // Where the loop gets its weights and sends its gradients.
 class UpdatePath {
  public:
+  // What push_and_pull() came to: the push's result, then the pull's.
+  struct Step {
+    Result<uint64_t> pushed;
+    Result<uint64_t> pulled;
+  };
+
   virtual ~UpdatePath() = default;
   // Makes weights() current; returns their version (applied updates).
   virtual Result<uint64_t> pull() = 0;
-  // Sends grad(), computed from weights() at `version`. kStale (too old,
-  // nothing applied) and kServerRestarted (lost with a dead server) are
-  // retried by the loop on fresh weights; any other error ends it.
-  virtual Result<uint64_t> push(uint64_t version) = 0;
+  // Sends grad(), computed from weights() at `version`, then makes
+  // weights() current, the pull seeing the push: one wait for both, so the
+  // worker sleeps once per step. kStale (too old, nothing applied) and
+  // kServerRestarted (lost with a dead server) are retried by the loop on
+  // the weights pulled; a pull that failed with kServerRestarted (or was
+  // not sent: `pulled` then holds the push's error) is made again before
+  // the next gradient; any other error ends the loop.
+  virtual Step push_and_pull(uint64_t version) = 0;
   virtual const float* weights() const = 0;
   virtual float* grad() = 0;
 };
@@ -57,9 +67,10 @@ using AfterApply = std::function<bool(uint64_t applied)>;
 
 // Trains on the shard of `plan` (examples index, index+workers, ...,
 // reshuffled every epoch from the worker's seed) for plan.epochs epochs:
-// per minibatch, pull, compute the gradient, push; a stale push is counted
-// and retried on fresh weights with the same minibatch, and so is one lost
-// with a server that died (the Worker re-attaches to its successor).
+// one pull first, then per minibatch the gradient and push_and_pull(); a
+// stale push is counted and retried on the weights pulled with it, with the
+// same minibatch, and so is one lost with a server that died (the Worker
+// re-attaches to its successor).
 // Counts go to `counts`. Returns the first error that is not retried.
 Status train_shard(const WorkerPlan& plan, const Dataset& train, const MlpShape& shape, UpdatePath& path,
                    LoopCounts& counts, const AfterApply& after_apply);

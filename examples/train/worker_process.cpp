@@ -41,8 +41,15 @@ class ServerPath final : public UpdatePath {
   ServerPath(Worker& w, const Buffer& buffer, size_t params)
       : w_(w), buffer_(buffer), range_bytes_(params * sizeof(float)), params_(params) {}
   Result<uint64_t> pull() override { return w_.pull(kAllTensors, buffer_.id, 0); }
-  Result<uint64_t> push(uint64_t version) override {
-    return w_.push(kAllTensors, buffer_.id, range_bytes_, range_bytes_, Dtype::kF32, version);
+  // The pull follows the push in the lane, so the server serves both in
+  // one go and the worker waits once (worker.hpp, push_async); the pull
+  // writes the weights' half of the buffer while the push reads the other.
+  Step push_and_pull(uint64_t version) override {
+    Result<Worker::Ticket> ticket =
+        w_.push_async(kAllTensors, buffer_.id, range_bytes_, range_bytes_, Dtype::kF32, version);
+    if (!ticket.ok()) return {ticket.status(), ticket.status()};
+    Result<uint64_t> pulled = pull();
+    return {w_.wait(*ticket), std::move(pulled)};
   }
   const float* weights() const override { return static_cast<const float*>(buffer_.data); }
   float* grad() override { return static_cast<float*>(buffer_.data) + params_; }

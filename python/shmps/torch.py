@@ -15,6 +15,8 @@ reads them: nothing is copied on the worker's side. The optimizer itself
 (SGD, Adam, AdamW, exactly as torch.optim defines them) runs in the server.
 """
 
+import contextlib
+
 import torch
 
 from . import _errors
@@ -103,25 +105,36 @@ class RemoteOptimizer:
         self._grads.zero_()
 
     def step(self):
-        """Pushes the gradients against the version last pulled, then pulls.
-        Returns the version pulled."""
+        """Pushes the gradients against the version last pulled, then pulls
+        (the pull queued behind the push, so the worker waits once for
+        both, and sees its own update). Returns the version pulled; a
+        StaleError under on_stale="raise" comes with the weights already
+        pulled."""
         for (name, ptr), (_, p) in zip(self._grad_ptrs, self._params):
             if p.grad is None or p.grad.data_ptr() != ptr:
                 raise RuntimeError(
                     f"parameter {name!r}: .grad no longer points into the shmps gradient buffer (it was set to None "
                     "or replaced, e.g. by zero_grad(set_to_none=True), torch 2.x's default): call "
                     "RemoteOptimizer.zero_grad() or model.zero_grad(set_to_none=False) instead")
-        stream = self._stream()
         self.applied = False
+        ticket = self.worker.push_async(self._grad_buf, self.version, stream=self._stream())
         try:
-            self.worker.push(self._grad_buf, self.version, stream=stream)
+            self.pull()
+        except BaseException:
+            # The push's own answer still has to be taken from the lane; the
+            # pull's error is the one to raise.
+            with contextlib.suppress(_errors.Error):
+                self.worker.wait(ticket)
+            raise
+        try:
+            self.worker.wait(ticket)
             self.pushes += 1
             self.applied = True
         except _errors.StaleError:
             self.stale += 1
             if self.on_stale == "raise":
                 raise
-        return self.pull()
+        return self.version
 
     def pull(self):
         """Pulls the server's newest weights into the parameters (no push); returns their version."""

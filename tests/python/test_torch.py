@@ -98,6 +98,39 @@ def test_grad_replaced_by_zero_grad_set_to_none_names_the_parameter(make_server)
             opt.step()
 
 
+@pytest.mark.parametrize("on_stale", ["skip", "raise"])
+def test_a_stale_step_is_counted_and_leaves_fresh_weights(make_server, on_stale):
+    """Two workers at max_staleness 0: the second one's step, computed
+    against version 0 after the first's applied version 1, is rejected;
+    its pull (queued behind the push) still brings version 1's weights."""
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in a.named_parameters()], lr=0.1, max_staleness=0)
+    with shmps.connect(server.name) as wa, shmps.connect(server.name) as wb:
+        opt_a = shmps.torch.RemoteOptimizer(a, wa, init=True)
+        opt_b = shmps.torch.RemoteOptimizer(b, wb, on_stale=on_stale)
+        assert opt_b.version == 0
+        for opt, model in ((opt_a, a), (opt_b, b)):
+            opt.zero_grad()
+            model(torch.randn(4, 6)).sum().backward()
+        assert opt_a.step() == 1 and opt_a.applied and opt_a.pushes == 1
+        if on_stale == "raise":
+            with pytest.raises(shmps.StaleError):
+                opt_b.step()
+        else:
+            assert opt_b.step() == 1
+        assert (opt_b.applied, opt_b.pushes, opt_b.stale, opt_b.version) == (False, 0, 1, 1)
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p.detach(), q.detach())
+        stats = wb.stats()
+        assert (stats.version, stats.rejected_stale) == (1, 1)
+        # The lane holds nothing more: the next step is applied against version 1.
+        opt_b.zero_grad()
+        b(torch.randn(4, 6)).sum().backward()
+        assert opt_b.step() == 2 and opt_b.applied
+
+
 def test_mismatched_names_shapes_and_dtypes_are_refused_at_construction(make_server):
     model = Net()
     server = make_server(tensors=[("fc1.weight", (5, 6)), ("fc1.bias", (4,)), ("fc3.bias", (3,))])

@@ -219,6 +219,12 @@ class Worker {
 
   // As push(), but returns once the request is in the lane; wait() returns
   // its result. Up to `lane_capacity` requests may be in flight.
+  // A training step's push and its next pull belong together this way:
+  // push_async, then pull (served after the push, so it sees the update),
+  // then wait for the push. The server takes both in one go and the worker
+  // waits once instead of twice (each wait may be a futex sleep and
+  // wake-up on both sides: docs/benchmarks.md, "shmps-train with 2
+  // workers").
   Result<Ticket> push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
                             uint64_t worker_version, void* stream = nullptr);
   // Waits for `ticket`'s completion (all earlier ones complete first).
