@@ -42,8 +42,9 @@ class ServerPath final : public UpdatePath {
       : w_(w), buffer_(buffer), range_bytes_(params * sizeof(float)), params_(params) {}
   Result<uint64_t> pull() override { return w_.pull(kAllTensors, buffer_.id, 0); }
   // The pull follows the push in the lane, so the server serves both in
-  // one go and the worker waits once (worker.hpp, push_async); the pull
-  // writes the weights' half of the buffer while the push reads the other.
+  // one go and the worker waits once (worker.hpp, push_async). The two use
+  // different halves of the buffer: the pull may be written while the push
+  // is still in flight.
   Step push_and_pull(uint64_t version) override {
     Result<Worker::Ticket> ticket =
         w_.push_async(kAllTensors, buffer_.id, range_bytes_, range_bytes_, Dtype::kF32, version);

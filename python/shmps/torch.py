@@ -121,20 +121,28 @@ class RemoteOptimizer:
         try:
             self.pull()
         except BaseException:
-            # The push's own answer still has to be taken from the lane; the
-            # pull's error is the one to raise.
+            # The push's answer is still taken from the lane and counted
+            # (.applied tells whether to redo the minibatch); the pull's
+            # error is the one raised.
             with contextlib.suppress(_errors.Error):
-                self.worker.wait(ticket)
+                self._settle(ticket)
             raise
+        stale = self._settle(ticket)
+        if stale is not None and self.on_stale == "raise":
+            raise stale
+        return self.version
+
+    def _settle(self, ticket):
+        """Waits for the push `ticket` and counts it; returns its StaleError
+        (None when applied). Any other error raises."""
         try:
             self.worker.wait(ticket)
-            self.pushes += 1
-            self.applied = True
-        except _errors.StaleError:
+        except _errors.StaleError as e:
             self.stale += 1
-            if self.on_stale == "raise":
-                raise
-        return self.version
+            return e
+        self.pushes += 1
+        self.applied = True
+        return None
 
     def pull(self):
         """Pulls the server's newest weights into the parameters (no push); returns their version."""

@@ -120,6 +120,41 @@ BOOST_AUTO_TEST_CASE(call_in_flight_when_the_server_dies_fails_with_server_resta
   BOOST_TEST((w->wait(*ticket).status().code() == ErrorCode::kServerRestarted));  // still reported as lost
 }
 
+// A ticket outlives two sessions (push_async, then calls that see this
+// server die, re-attach to the next and see that one die too): wait()
+// still reports it lost, as it does the second session's ticket.
+BOOST_AUTO_TEST_CASE(a_ticket_in_flight_across_two_server_deaths_is_reported_lost) {
+  test::TempDir dir("restart");
+  const std::string name = test::unique_name("twodeaths");
+  auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+  auto w = connect(name, /*reconnect=*/true, 3s);
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  std::vector<Worker::Ticket> tickets;
+  for (int death = 0; death < 2; ++death) {
+    server->process().pause();
+    auto ticket = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);
+    BOOST_REQUIRE(ticket.ok());
+    tickets.push_back(*ticket);
+    server->process().kill_and_reap();
+    server.reset();
+    const Status gone = w->ping();  // ends the session: the ticket is lost
+    BOOST_TEST((gone.code() == ErrorCode::kServerRestarted || gone.code() == ErrorCode::kServerNotRunning),
+               gone.to_string());
+    server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+    const Status back = w->ping();
+    BOOST_REQUIRE_MESSAGE(back.ok(), back.to_string());
+  }
+  for (const Worker::Ticket t : tickets) {
+    for (int ask = 0; ask < 2; ++ask) {
+      auto r = w->wait(t);
+      BOOST_TEST((r.status().code() == ErrorCode::kServerRestarted), r.status().to_string());
+      BOOST_TEST(r.status().message().find("request " + std::to_string(t) + " was not acknowledged") !=
+                 std::string::npos);
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(without_reconnect_a_dead_server_is_final) {
   test::TempDir dir("restart");
   const std::string name = test::unique_name("noreconnect");

@@ -116,8 +116,9 @@ def test_a_stale_step_is_counted_and_leaves_fresh_weights(make_server, on_stale)
             model(torch.randn(4, 6)).sum().backward()
         assert opt_a.step() == 1 and opt_a.applied and opt_a.pushes == 1
         if on_stale == "raise":
-            with pytest.raises(shmps.StaleError):
+            with pytest.raises(shmps.StaleError) as stale:
                 opt_b.step()
+            assert (stale.value.worker_version, stale.value.server_version) == (0, 1)
         else:
             assert opt_b.step() == 1
         assert (opt_b.applied, opt_b.pushes, opt_b.stale, opt_b.version) == (False, 0, 1, 1)
@@ -129,6 +130,30 @@ def test_a_stale_step_is_counted_and_leaves_fresh_weights(make_server, on_stale)
         opt_b.zero_grad()
         b(torch.randn(4, 6)).sum().backward()
         assert opt_b.step() == 2 and opt_b.applied
+
+
+def test_a_step_whose_pull_fails_still_counts_its_push(make_server):
+    """The pull's error is raised; the push queued before it is answered,
+    counted (.applied) and taken from the lane, so the next step works."""
+    model = Net()
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    with shmps.connect(server.name) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+        pull = opt.pull
+
+        def failing_pull():
+            pull()
+            raise shmps.TimeoutError("held past the timeout")
+
+        opt.pull = failing_pull
+        model(torch.randn(2, 6)).sum().backward()
+        with pytest.raises(shmps.TimeoutError, match="held past"):
+            opt.step()
+        assert (opt.applied, opt.pushes, opt.stale) == (True, 1, 0)
+        opt.pull = pull
+        opt.zero_grad()
+        model(torch.randn(2, 6)).sum().backward()
+        assert opt.step() == 2 and opt.applied and opt.pushes == 2
 
 
 def test_mismatched_names_shapes_and_dtypes_are_refused_at_construction(make_server):

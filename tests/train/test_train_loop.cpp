@@ -100,6 +100,21 @@ BOOST_AUTO_TEST_CASE(stale_and_lost_pushes_are_redone_on_the_weights_pulled_with
   BOOST_TEST(counts.lost == 1u);
 }
 
+BOOST_AUTO_TEST_CASE(a_push_that_could_not_be_sent_is_lost_and_redone_after_a_pull) {
+  // ServerPath's answer when push_async itself fails (a dead server seen
+  // before submitting): the push's error for both parts.
+  Small s(6);
+  ScriptedPath path(mlp_parameter_count(s.shape));
+  path.pushes = {Status(ErrorCode::kServerRestarted, "not sent")};
+  path.step_pulls = {Status(ErrorCode::kServerRestarted, "not sent")};
+  LoopCounts counts;
+  BOOST_TEST_REQUIRE(train_shard(kOneEpochOfThree, s.data, s.shape, path, counts, nullptr).ok());
+  const std::vector<std::string> want{"pull", "push@0", "pull", "push@0", "push@1", "push@2"};
+  BOOST_TEST(path.log == want, boost::test_tools::per_element());
+  BOOST_TEST(counts.applied == 3u);
+  BOOST_TEST(counts.lost == 1u);
+}
+
 BOOST_AUTO_TEST_CASE(a_pull_lost_with_the_server_is_made_again_before_the_next_gradient) {
   Small s(6);
   ScriptedPath path(mlp_parameter_count(s.shape));

@@ -272,18 +272,26 @@ class Worker::Impl {
   uint64_t total_elements = 0;
   uint32_t capacity = 0;
   // The last session that ended (end_session()): how, why, on which
-  // generation, and the requests it left unanswered, ids in
-  // (answered_upto, issued_upto]: wait() reports those lost
-  // (lost_request()). A re-attach after kServerGone skips `generation`.
+  // generation. A re-attach after kServerGone skips `generation`.
   struct EndedSession {
     State how = State::kConnecting;  // kServerGone, kEvicted or kDetached once one ended
     Status why;
     uint64_t generation = 0;
-    uint64_t answered_upto = 0;
-    uint64_t issued_upto = 0;
-    bool lost(uint64_t request_id) const { return request_id > answered_upto && request_id <= issued_upto; }
   };
   EndedSession ended;
+  // The requests each ended session left unanswered, ids in
+  // (answered_upto, issued_upto], with how it ended: wait() reports them
+  // lost (lost_request()), every time it is asked. A ticket may outlive
+  // more than one session (push_async, then a pull that re-attaches and
+  // sees the next server die too), so every such range is kept: one per
+  // session end with requests in flight.
+  struct LostRange {
+    uint64_t answered_upto = 0;
+    uint64_t issued_upto = 0;
+    EndedSession session;
+    bool holds(uint64_t request_id) const { return request_id > answered_upto && request_id <= issued_upto; }
+  };
+  std::vector<LostRange> lost;
   uint64_t last_version = 0;  // the server's version in the last answer (last_version())
   struct Registered {
     std::shared_ptr<shm::ShmObject> object;  // a host buffer's (shared with Buffer::mapping); null for a device buffer
@@ -454,7 +462,8 @@ class Worker::Impl {
     Completion c;
     bool got = false;
     while (take_answer(&c, &got).ok() && got) done.push_back(c);
-    ended = EndedSession{to, std::move(why), generation, last_completed_id, next_request_id - 1};
+    ended = EndedSession{to, std::move(why), generation};
+    if (last_completed_id < next_request_id - 1) lost.push_back({last_completed_id, next_request_id - 1, ended});
     last_completed_id = next_request_id - 1;  // nothing is in flight outside a session
     // acquire: SYNC(worker_detached), the server is done with the entry.
     const uint64_t owner = entry().owner.load(std::memory_order_acquire);
@@ -464,13 +473,13 @@ class Worker::Impl {
     return Status::Ok();
   }
 
-  // The answer for a request the last session that ended left unanswered:
-  // without reconnect, why that session ended (as every call now gets it);
-  // else kServerRestarted (not acknowledged: maybe applied, at most once).
-  Status lost_request(uint64_t ticket) const {
-    if (!options.reconnect && ended.how != State::kDetached) return ended.why;
+  // The answer for a request that the session `s` left unanswered:
+  // without reconnect, why it ended (as every call now gets it); else
+  // kServerRestarted (not acknowledged: maybe applied, at most once).
+  Status lost_request(uint64_t ticket, const EndedSession& s) const {
+    if (!options.reconnect && s.how != State::kDetached) return s.why;
     return {ErrorCode::kServerRestarted, "request " + std::to_string(ticket) +
-                                             " was not acknowledged before its session ended (" + ended.why.message() +
+                                             " was not acknowledged before its session ended (" + s.why.message() +
                                              ")"};
   }
 
@@ -670,7 +679,8 @@ class Worker::Impl {
           return c;
         }
       }
-      if (ended.lost(ticket)) return lost_request(ticket);
+      for (const LostRange& r : lost)
+        if (r.holds(ticket)) return lost_request(ticket, r.session);
       if (ticket <= last_completed_id)
         return Status{ErrorCode::kInvalidArgument, "ticket " + std::to_string(ticket) + " was already waited for"};
       // In flight, so in a session: end_session() counts everything issued

@@ -220,11 +220,12 @@ class Worker {
   // As push(), but returns once the request is in the lane; wait() returns
   // its result. Up to `lane_capacity` requests may be in flight.
   // A training step's push and its next pull belong together this way:
-  // push_async, then pull (served after the push, so it sees the update),
-  // then wait for the push. The server takes both in one go and the worker
-  // waits once instead of twice (each wait may be a futex sleep and
-  // wake-up on both sides: docs/benchmarks.md, "shmps-train with 2
-  // workers").
+  // push_async, then pull (served after the push, so it sees the update;
+  // its timeout covers the push's service too), then wait for the push,
+  // whatever the pull returned. The server serves both without a gap, and
+  // the worker is woken once per step instead of twice: the pull does not
+  // wait for the worker to be scheduled after the push's answer
+  // (docs/benchmarks.md, "shmps-train with 2 workers").
   Result<Ticket> push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
                             uint64_t worker_version, void* stream = nullptr);
   // Waits for `ticket`'s completion (all earlier ones complete first).
