@@ -25,6 +25,7 @@ each run is scored from weight snapshots taken while it trains (the
 parent's pulls for shmps, rank 0's copies for ddp), scored after training.
 
     bench/straggler.py [--repeats 3] [--epochs 20] [--max-staleness 4] [--out DIR]
+                       [--arms single shmps-reject ...] [--conditions plain straggler]
     bench/straggler.py --smoke      # a minute: 6,000 images, 1 epoch, 1 repeat
 
 Writes DIR/runs.json, DIR/summary.md (the table and the goals) and
@@ -143,12 +144,13 @@ def run_one(arm, procs, delay, args, repeat):
                                        slow_rank_delay=delay, inspect=inspect)
 
 
-def configurations(arms=None):
+def configurations(arms=None, conditions=("plain", "straggler")):
     """(label, arm, procs, straggler) in run order, of `arms` (default: all,
-    and "single", the one-process reference)."""
+    and "single", the one-process reference) under `conditions` (plain:
+    no straggler)."""
     arms = arms or ["single"] + ARMS
     out = [("1 process", "shmps-reject", 1, False)] if "single" in arms else []
-    for straggler in (False, True):
+    for straggler in [c == "straggler" for c in ("plain", "straggler") if c in conditions]:
         for arm in ARMS:
             if arm in arms:
                 out.append((f"{arm}{', straggler' if straggler else ''}", arm, PROCS, straggler))
@@ -161,9 +163,11 @@ def med(values):
 
 
 def summarize(runs, args):
+    delay = med([r['delay'] for r in runs if r['delay']])
+    straggler = "no straggler" if delay is None else \
+        f"straggler: worker 0 sleeps {delay:.2f} ms per step (2x the others' step time)"
     lines = [f"{PROCS} workers (and 1 alone), {args.epochs} epochs, max_staleness {args.max_staleness}, "
-             f"medians of {args.repeats}; straggler: worker 0 sleeps {med([r['delay'] for r in runs if r['delay']]) or 0:.2f} ms "
-             "per step (2x the others' step time)", "",
+             f"medians of {args.repeats}; {straggler}", "",
              f"| configuration | final test acc | time to {TARGET} | wall | updates | wasted (rejected) | "
              "staleness p50 / p99 / max | pulls held (time) | pushes scaled |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -260,6 +264,8 @@ def main():
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--arms", nargs="+", choices=["single"] + ARMS, default=None,
                    help="run only these (single: one process alone)")
+    p.add_argument("--conditions", nargs="+", choices=["plain", "straggler"], default=["plain", "straggler"],
+                   help="without a straggler (plain), with one, or both")
     p.add_argument("--train-limit", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=235, help="updates between snapshots (0.25 epoch at 4 workers)")
     p.add_argument("--bin", default=os.path.join(ROOT, "build", "default", "bin"), help="folder of shmps-inspect")
@@ -281,7 +287,7 @@ def main():
     runs = []
     for repeat in range(args.repeats):
         delay = 0.0
-        for label, arm, procs, straggler in configurations(args.arms):
+        for label, arm, procs, straggler in configurations(args.arms, args.conditions):
             t0 = time.monotonic()
             d = delay if straggler else 0.0
             res = subprocess.run([sys.executable, __file__, "--run-one", arm, str(procs), str(d), str(repeat),
