@@ -29,7 +29,7 @@ class UpdatePath {
   virtual Result<uint64_t> pull() = 0;
   // Sends grad(), computed from weights() at `version`, then makes
   // weights() current, the pull seeing the push: one wait for both, so the
-  // worker sleeps once per step. kStale (too old, nothing applied) and
+  // worker is woken once per step. kStale (too old, nothing applied) and
   // kServerRestarted (lost with a dead server) are retried by the loop on
   // the weights pulled; a pull that failed with kServerRestarted (or was
   // not sent: `pulled` then holds the push's error) is made again before
