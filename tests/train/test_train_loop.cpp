@@ -57,104 +57,91 @@ class ScriptedPath final : public UpdatePath {
 };
 
 // A dataset of `n` random images of a small MLP's input size.
-struct Small {
+// One epoch of 6 images in minibatches of 2 (3 steps) of a small MLP,
+// through a ScriptedPath whose script the case sets before run().
+struct Loop {
   MlpShape shape{8, 4, 3};
   Dataset data;
-  explicit Small(size_t n) {
-    data.count = n;
+  ScriptedPath path{mlp_parameter_count(shape)};
+  LoopCounts counts;
+
+  Loop() {
+    data.count = 6;
     data.features = shape.inputs;
-    data.images.assign(n * shape.inputs, 0.5f);
-    for (size_t i = 0; i < n; ++i) data.labels.push_back(static_cast<uint8_t>(i % shape.classes));
+    data.images.assign(data.count * shape.inputs, 0.5f);
+    for (size_t i = 0; i < data.count; ++i) data.labels.push_back(static_cast<uint8_t>(i % shape.classes));
+  }
+  Status run() { return train_shard(WorkerPlan{0, 1, 1, 2, 1, ""}, data, shape, path, counts, nullptr); }
+  void expect_calls(const std::vector<std::string>& want) const {
+    BOOST_TEST(path.log == want, boost::test_tools::per_element());
   }
 };
-
-const WorkerPlan kOneEpochOfThree{0, 1, 1, 2, 1, ""};  // 6 images, batch 2: 3 steps
 
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(train_loop)
 
-BOOST_AUTO_TEST_CASE(one_pull_then_one_push_and_pull_per_step) {
-  Small s(6);
-  ScriptedPath path(mlp_parameter_count(s.shape));
-  LoopCounts counts;
-  BOOST_TEST_REQUIRE(train_shard(kOneEpochOfThree, s.data, s.shape, path, counts, nullptr).ok());
-  const std::vector<std::string> want{"pull", "push@0", "push@1", "push@2"};
-  BOOST_TEST(path.log == want, boost::test_tools::per_element());
+BOOST_FIXTURE_TEST_CASE(one_pull_then_one_push_and_pull_per_step, Loop) {
+  BOOST_TEST_REQUIRE(run().ok());
+  expect_calls({"pull", "push@0", "push@1", "push@2"});
   BOOST_TEST(counts.applied == 3u);
   BOOST_TEST(counts.rejected == 0u);
   BOOST_TEST(counts.lost == 0u);
 }
 
-BOOST_AUTO_TEST_CASE(stale_and_lost_pushes_are_redone_on_the_weights_pulled_with_them) {
-  Small s(6);
-  ScriptedPath path(mlp_parameter_count(s.shape));
+BOOST_FIXTURE_TEST_CASE(stale_and_lost_pushes_are_redone_on_the_weights_pulled_with_them, Loop) {
   path.pushes = {Status::Ok(), Status(ErrorCode::kStale, "too old"), Status(ErrorCode::kServerRestarted, "gone")};
-  LoopCounts counts;
-  BOOST_TEST_REQUIRE(train_shard(kOneEpochOfThree, s.data, s.shape, path, counts, nullptr).ok());
+  BOOST_TEST_REQUIRE(run().ok());
   // The retries push against the version their own step pulled: no extra pull.
-  const std::vector<std::string> want{"pull", "push@0", "push@1", "push@1", "push@1", "push@2"};
-  BOOST_TEST(path.log == want, boost::test_tools::per_element());
+  expect_calls({"pull", "push@0", "push@1", "push@1", "push@1", "push@2"});
   BOOST_TEST(counts.applied == 3u);
   BOOST_TEST(counts.rejected == 1u);
   BOOST_TEST(counts.lost == 1u);
 }
 
-BOOST_AUTO_TEST_CASE(a_push_that_could_not_be_sent_is_lost_and_redone_after_a_pull) {
+BOOST_FIXTURE_TEST_CASE(a_push_that_could_not_be_sent_is_lost_and_redone_after_a_pull, Loop) {
   // ServerPath's answer when push_async itself fails (a dead server seen
   // before submitting): the push's error for both parts.
-  Small s(6);
-  ScriptedPath path(mlp_parameter_count(s.shape));
   path.pushes = {Status(ErrorCode::kServerRestarted, "not sent")};
   path.step_pulls = {Status(ErrorCode::kServerRestarted, "not sent")};
-  LoopCounts counts;
-  BOOST_TEST_REQUIRE(train_shard(kOneEpochOfThree, s.data, s.shape, path, counts, nullptr).ok());
-  const std::vector<std::string> want{"pull", "push@0", "pull", "push@0", "push@1", "push@2"};
-  BOOST_TEST(path.log == want, boost::test_tools::per_element());
+  BOOST_TEST_REQUIRE(run().ok());
+  expect_calls({"pull", "push@0", "pull", "push@0", "push@1", "push@2"});
   BOOST_TEST(counts.applied == 3u);
   BOOST_TEST(counts.lost == 1u);
 }
 
-BOOST_AUTO_TEST_CASE(a_pull_lost_with_the_server_is_made_again_before_the_next_gradient) {
-  Small s(6);
-  ScriptedPath path(mlp_parameter_count(s.shape));
+BOOST_FIXTURE_TEST_CASE(a_pull_lost_with_the_server_is_made_again_before_the_next_gradient, Loop) {
   path.step_pulls = {Status(ErrorCode::kServerRestarted, "gone")};
   path.pulls = {Status::Ok(), Status(ErrorCode::kServerRestarted, "gone again")};
-  LoopCounts counts;
-  BOOST_TEST_REQUIRE(train_shard(kOneEpochOfThree, s.data, s.shape, path, counts, nullptr).ok());
-  const std::vector<std::string> want{"pull", "push@0", "pull", "pull", "push@1", "push@2"};
-  BOOST_TEST(path.log == want, boost::test_tools::per_element());
+  BOOST_TEST_REQUIRE(run().ok());
+  expect_calls({"pull", "push@0", "pull", "pull", "push@1", "push@2"});
   BOOST_TEST(counts.applied == 3u);
 }
 
 BOOST_AUTO_TEST_CASE(other_errors_end_the_loop_naming_the_call) {
-  Small s(6);
   {
-    ScriptedPath path(mlp_parameter_count(s.shape));
-    path.pushes = {Status::Ok(), Status(ErrorCode::kNonFinite, "NaN in the gradient")};
-    LoopCounts counts;
-    const Status st = train_shard(kOneEpochOfThree, s.data, s.shape, path, counts, nullptr);
+    Loop loop;
+    loop.path.pushes = {Status::Ok(), Status(ErrorCode::kNonFinite, "NaN in the gradient")};
+    const Status st = loop.run();
     BOOST_TEST(st.code() == ErrorCode::kNonFinite);
     BOOST_TEST(st.message().rfind("push: ", 0) == 0, st.message());
-    BOOST_TEST(counts.applied == 1u);
+    BOOST_TEST(loop.counts.applied == 1u);
   }
   {
     // The push applied, its pull refused: counted, then the loop ends.
-    ScriptedPath path(mlp_parameter_count(s.shape));
-    path.step_pulls = {Status(ErrorCode::kTimeout, "held too long")};
-    LoopCounts counts;
-    const Status st = train_shard(kOneEpochOfThree, s.data, s.shape, path, counts, nullptr);
+    Loop loop;
+    loop.path.step_pulls = {Status(ErrorCode::kTimeout, "held too long")};
+    const Status st = loop.run();
     BOOST_TEST(st.code() == ErrorCode::kTimeout);
     BOOST_TEST(st.message().rfind("pull: ", 0) == 0, st.message());
-    BOOST_TEST(counts.applied == 1u);
+    BOOST_TEST(loop.counts.applied == 1u);
   }
   {
-    ScriptedPath path(mlp_parameter_count(s.shape));
-    path.pulls = {Status(ErrorCode::kUnknownBuffer, "no such buffer")};
-    LoopCounts counts;
-    const Status st = train_shard(kOneEpochOfThree, s.data, s.shape, path, counts, nullptr);
+    Loop loop;
+    loop.path.pulls = {Status(ErrorCode::kUnknownBuffer, "no such buffer")};
+    const Status st = loop.run();
     BOOST_TEST(st.code() == ErrorCode::kUnknownBuffer);
-    BOOST_TEST(path.log.size() == 1u);
+    loop.expect_calls({"pull"});
   }
 }
 
