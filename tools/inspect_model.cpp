@@ -554,8 +554,11 @@ json to_json(const Snapshot& s) {
   // A byte count (a name ending in _bytes) passes 2^53 after days (8 PiB),
   // a time in ns (_ns) after 104 days: strings, as the 64-bit values of
   // to_json()'s rule.
-#define SHMPS_STATS_JSON(name, kind, help) \
-  stats[#name] = ends_with(#name, "_bytes") || ends_with(#name, "_ns") ? json(std::to_string(st.name)) : json(st.name);
+// A hash (_hash) is 0x-hex, as the generation.
+#define SHMPS_STATS_JSON(name, kind, help)                                                               \
+  stats[#name] = ends_with(#name, "_hash")                               ? json(hex64(st.name))          \
+                 : ends_with(#name, "_bytes") || ends_with(#name, "_ns") ? json(std::to_string(st.name)) \
+                                                                         : json(st.name);
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_JSON)
 #undef SHMPS_STATS_JSON
   stats["avg_staleness"] = static_cast<double>(st.avg_staleness_micro) / 1e6;
@@ -744,6 +747,12 @@ std::string render_text(const Snapshot& s) {
             : num(static_cast<double>(st.scale_factor_sum_micro) / 1e6 / static_cast<double>(st.pushes_scaled)))
     << ")\n";
   o << "  apply threads   " << st.apply_threads << " (the last update of a tensor from 4 MiB)\n";
+  if (st.fed_round != 0 || st.fed_failures != 0)
+    o << "  federation      round " << st.fed_round << ", " << st.fed_members << " hosts, last round "
+      << duration_text(st.fed_round_ns) << ", " << st.fed_bytes << " bytes sent, drift " << st.fed_drift
+      << " updates, anchor " << hex64(st.fed_anchor_hash) << ", failed rounds " << st.fed_failures << "\n";
+  else
+    o << "  federation      off\n";
   const auto histogram_text = [](const HistogramView& hv, bool ns) {
     if (!hv.quantile(0.5)) return std::string("none yet");
     const auto v = [ns](uint64_t x) { return ns ? duration_text(x) : std::to_string(x); };
@@ -857,9 +866,15 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
     e.sample("shmps_heartbeat_age_seconds", static_cast<double>(*h.heartbeat_age_ms) / 1e3);
   }
   const StatsView& st = s.stats;
-#define SHMPS_STATS_PROMETHEUS(field, kind, help)    \
-  e.family(metric_name(#field, #kind), #kind, help); \
-  e.sample(metric_name(#field, #kind), metric_value(#field, st.field));
+  // A hash is no quantity (a double would round it): an info metric's label.
+#define SHMPS_STATS_PROMETHEUS(field, kind, help)                                             \
+  if (ends_with(#field, "_hash")) {                                                           \
+    e.family(metric_name(#field, #kind) + "_info", #kind, help);                              \
+    e.sample(metric_name(#field, #kind) + "_info", 1.0, ",hash=\"" + hex64(st.field) + "\""); \
+  } else {                                                                                    \
+    e.family(metric_name(#field, #kind), #kind, help);                                        \
+    e.sample(metric_name(#field, #kind), metric_value(#field, st.field));                     \
+  }
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_PROMETHEUS)
 #undef SHMPS_STATS_PROMETHEUS
   // Histograms: cumulative buckets at le = 2^b - 1 of the value (seconds

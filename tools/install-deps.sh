@@ -15,7 +15,9 @@
 # 1.13 (CPU), numpy and pytest, and a venv over them (.venv, made with
 # --system-site-packages, git-ignored) holding nanobind and scikit-build-core
 # from PyPI, which CMake then uses;
-# patchelf for tools/gpu-pack.sh (the GPU machine's carried tree).
+# patchelf for tools/gpu-pack.sh (the GPU machine's carried tree);
+# Open MPI (openmpi-bin, libopenmpi-dev) for the federation's MPI engine
+# and its multihost test (docs/federation.md).
 # Runs apt-get as root, through sudo when started as a user.
 set -euo pipefail
 packages=(
@@ -29,6 +31,7 @@ packages=(
   help2man lintian file clang-format
   python3-dev python3-venv python3-torch python3-numpy python3-pytest
   patchelf
+  openmpi-bin libopenmpi-dev
 )
 as_root=()
 if [ "$(id -u)" -ne 0 ]; then as_root=(sudo); fi

@@ -133,6 +133,12 @@ class Backend {
   // The reverse (a worker's init): weights [element_offset, +n) from the
   // fp32 values in `src` at byte_offset. Range checks were done by the caller.
   virtual Status copy_in(uint64_t element_offset, uint64_t n, const PeerBuffer& src, uint64_t byte_offset) = 0;
+  // Federation (federation_link.hpp), between two requests: all weights,
+  // flat, into `dst` (exactly the allocation's length), and W += `delta`
+  // (the same length), each finished on return. Errors: kInternal (a
+  // length that differs), the device's.
+  virtual Status snapshot_weights(std::span<float> dst) = 0;
+  virtual Status add_to_weights(std::span<const float> delta) = 0;
   // All weights, flat, to host memory (tests, checkpoints).
   virtual std::vector<float> read_weights() const = 0;
   // All optimizer state arrays, one after another (state_arrays x total).

@@ -429,6 +429,25 @@ class CudaBackend final : public Backend {
 
   std::vector<float> read_weights() const override { return download(weights_); }
 
+  // Federation's snapshot and merge, through host memory: between two
+  // requests, after the stream's work (docs/federation.md says what a
+  // device-side merge would save).
+  Status snapshot_weights(std::span<float> dst) override {
+    if (dst.size() != total_) return {ErrorCode::kInternal, "snapshot_weights: the length differs"};
+    if (Status s = synchronize(); !s.ok()) return s;
+    return call(cudaMemcpy(dst.data(), weights_, total_ * sizeof(float), cudaMemcpyDeviceToHost),
+                "cudaMemcpy(dst, weights_)", __LINE__);
+  }
+
+  Status add_to_weights(std::span<const float> delta) override {
+    if (delta.size() != total_) return {ErrorCode::kInternal, "add_to_weights: the length differs"};
+    merge_scratch_.resize(total_);
+    if (Status s = snapshot_weights(merge_scratch_); !s.ok()) return s;
+    for (size_t i = 0; i < total_; ++i) merge_scratch_[i] += delta[i];
+    return call(cudaMemcpy(weights_, merge_scratch_.data(), total_ * sizeof(float), cudaMemcpyHostToDevice),
+                "cudaMemcpy(weights_, merged)", __LINE__);
+  }
+
   std::vector<float> read_state() const override {
     std::vector<float> out;
     out.reserve(state_.size() * total_);
@@ -742,7 +761,8 @@ class CudaBackend final : public Backend {
   uint64_t weights_alloc_ = 0;
   float* weights_ = nullptr;
   std::vector<float*> state_;
-  std::vector<void*> blocks_;  // every cudaMalloc, freed at the end
+  std::vector<void*> blocks_;         // every cudaMalloc, freed at the end
+  std::vector<float> merge_scratch_;  // add_to_weights()'s staging copy
   int* flag_dev_ = nullptr;
   WeightsExport export_;
   std::map<std::string, std::string> peers_;  // UUID -> "" (reachable) or why not

@@ -180,6 +180,19 @@ class HostBackend final : public Backend {
     return std::vector<float>(weights_.data(), weights_.data() + weights_.size());
   }
 
+  Status snapshot_weights(std::span<float> dst) override {
+    if (dst.size() != weights_.size()) return {ErrorCode::kInternal, "snapshot_weights: the length differs"};
+    std::memcpy(dst.data(), weights_.data(), dst.size() * sizeof(float));
+    return Status::Ok();
+  }
+
+  Status add_to_weights(std::span<const float> delta) override {
+    if (delta.size() != weights_.size()) return {ErrorCode::kInternal, "add_to_weights: the length differs"};
+    float* w = weights_.data();
+    for (size_t i = 0; i < delta.size(); ++i) w[i] += delta[i];
+    return Status::Ok();
+  }
+
   std::vector<float> read_state() const override {
     std::vector<float> out;
     out.reserve(state_.size() * weights_.size());

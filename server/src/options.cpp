@@ -213,7 +213,9 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   ServerConfig& c = out.config;
   kernels::OptimizerConfig& o = c.optimizer;
   std::string config_file, optimizer = "sgd", backend = "auto", init = "zero", log_level = "info",
-                           apply_threads = "auto", staleness_policy = "reject";
+                           apply_threads = "auto", staleness_policy = "reject", federation = "none",
+                           fed_outer = "average";
+  bool fed_unweighted = false, fed_no_overlap = false;
   std::vector<std::string> tensors;
   float weight_decay = 0.0f;
 
@@ -268,6 +270,26 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
                                                      "checkpoint every S seconds when weights changed (0: off)")(
       "checkpoint-keep", po::value(&c.checkpoint_keep)->default_value(3), "keep the newest K checkpoints")(
       "log-level", po::value(&log_level)->default_value("info"), "error | warn | info | debug; changes live on SIGHUP");
+  FederationConfig& fc = c.federation;
+  po::options_description fed("Federation: hosts' servers averaging their weight deltas (docs/federation.md)");
+  fed.add_options()("federation", po::value(&federation)->default_value("none"),
+                    "none | mpi (one server per host, launched by mpirun or srun)")(
+      "fed-every-ms", po::value(&fc.every_ms)->default_value(250), "a round every this many ms")(
+      "fed-every-versions", po::value(&fc.every_versions)->default_value(0),
+      "and a round once this many local updates were applied since the last (0: off)")(
+      "fed-outer", po::value(&fed_outer)->default_value("average"),
+      "the outer step: average (Local SGD) | nesterov (SGD with Nesterov momentum on the mean delta: DiLoCo)")(
+      "fed-outer-lr", po::value(&fc.outer_lr)->default_value(0.7f), "nesterov: the outer learning rate")(
+      "fed-outer-momentum", po::value(&fc.outer_momentum)->default_value(0.9f), "nesterov: the outer momentum")(
+      "fed-unweighted", po::bool_switch(&fed_unweighted),
+      "average the hosts' deltas plainly (default: weighted by each host's local updates of the round)")(
+      "fed-no-overlap", po::bool_switch(&fed_no_overlap),
+      "hold local requests while a round exchanges (default: keep serving; the merge keeps them)")(
+      "fed-max-drift", po::value(&fc.max_drift)->default_value(0),
+      "hold local requests once this many updates are not yet in a merged round (0: no cap)")(
+      "fed-rank-in-name", po::bool_switch(&fc.rank_in_name),
+      "append .r<rank> to --name (several federated servers on one machine)");
+  server.add(fed);
   po::options_description all;
   all.add(generic).add(server);
 
@@ -407,6 +429,20 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       return fail("--apply-threads must be auto or a number in 1.." + std::to_string(kMaxApplyThreads) + ", got '" +
                   apply_threads + "'");
   }
+  if (federation == "none")
+    fc.kind = FederationKind::kNone;
+  else if (federation == "mpi")
+    fc.kind = FederationKind::kMpi;
+  else
+    return fail("--federation must be none or mpi, got '" + federation + "'");
+  if (fed_outer == "average")
+    fc.outer = OuterStep::kAverage;
+  else if (fed_outer == "nesterov")
+    fc.outer = OuterStep::kNesterov;
+  else
+    return fail("--fed-outer must be average or nesterov, got '" + fed_outer + "'");
+  fc.weight_by_updates = !fed_unweighted;
+  fc.overlap = !fed_no_overlap;
   if (!parse_log_level(log_level, &c.log_level))
     return fail("--log-level must be error, warn, info or debug, got '" + log_level + "'");
   if (Status s = validate(c); !s.ok()) return fail(s.message());
@@ -473,6 +509,19 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   e.emplace_back("checkpoint-interval-s", std::to_string(c.checkpoint_interval_s));
   e.emplace_back("checkpoint-keep", std::to_string(c.checkpoint_keep));
   e.emplace_back("log-level", log_level_name(c.log_level));
+  // Every key, federated or not, so that --check-config shows what a
+  // --federation would run with.
+  const FederationConfig& fed = c.federation;
+  e.emplace_back("federation", federation_kind_name(fed.kind));
+  e.emplace_back("fed-every-ms", std::to_string(fed.every_ms));
+  e.emplace_back("fed-every-versions", std::to_string(fed.every_versions));
+  e.emplace_back("fed-outer", outer_step_name(fed.outer));
+  e.emplace_back("fed-outer-lr", number_text(fed.outer_lr));
+  e.emplace_back("fed-outer-momentum", number_text(fed.outer_momentum));
+  e.emplace_back("fed-unweighted", flag(!fed.weight_by_updates));
+  e.emplace_back("fed-no-overlap", flag(!fed.overlap));
+  e.emplace_back("fed-max-drift", std::to_string(fed.max_drift));
+  e.emplace_back("fed-rank-in-name", flag(fed.rank_in_name));
   return e;
 }
 

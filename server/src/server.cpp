@@ -10,13 +10,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <optional>
 #include <random>
+#include <thread>
 
 #include "backend.hpp"
 #include "checkpoint_policy.hpp"
+#include "federation_link.hpp"
 #include "held_completions.hpp"
 #include "model.hpp"
 #include "pull_gate.hpp"
@@ -82,6 +85,7 @@ class Server::Impl {
   RequestHandler handler;
   std::vector<PullGate::Released> released;       // release_pulls()'s, kept for its capacity
   std::unique_ptr<CheckpointPolicy> checkpoints;  // none while config.checkpoint_dir is empty
+  std::unique_ptr<FederationLink> federation;     // none while config.federation.kind is kNone
   Status failure;                                 // why run() stops on its own (the device, the segment's name)
   bool removed = false;                           // the segment is gone (shutdown() ran)
   uint64_t loop_now = 0;                          // CLOCK_MONOTONIC ns at the start of this turn of the loop
@@ -112,6 +116,7 @@ class Server::Impl {
     uint64_t idle_since = 0;
     last_watchdog = last_status = shm::monotonic_ns();
     applied_at_last_status = stats().gradients_applied.load(std::memory_order_relaxed);  // relaxed: our own counter
+    if (federation) federation->start();
     if (notifier.enabled()) {
       log::info(notifier.watchdog_ns() == 0 ? std::string("notifying systemd; no watchdog")
                                             : "notifying systemd; watchdog keep-alive every " +
@@ -129,6 +134,19 @@ class Server::Impl {
         periodic(now);
       }
       bool worked = drain_held();
+      if (federation) {
+        worked |= poll_federation();
+        if (federation->holding(model.version)) {
+          // The lanes wait for the round's merge (no overlap, or the drift
+          // cap): nothing is taken, so nothing to serve; poll again soon.
+          if (now - last_housekeeping >= kHousekeepingNs) {
+            last_housekeeping = now;
+            housekeeping();  // reaps the dead; serve_lane() takes nothing while holding
+          }
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+          continue;
+        }
+      }
       if (gate.any_parked()) worked |= release_pulls(now);
       worked |= serve_doorbells();
       if (now - last_housekeeping >= kHousekeepingNs) {
@@ -159,10 +177,22 @@ class Server::Impl {
     return failure;
   }
 
+  // The federation's snapshot or merge, when its thread asks (between two
+  // requests). A backend failure is the device's: fatal.
+  bool poll_federation() {
+    Result<bool> r = federation->poll(*backend, model.version);
+    if (!r.ok()) {
+      fatal(r.status());
+      return false;
+    }
+    return *r;
+  }
+
   // Every kHeartbeatNs, from the loop and only there: a consumer stuck in a
   // request stops the watchdog keep-alives, and systemd restarts it.
   void periodic(uint64_t now) {
     sessions.publish_depth();  // for readers of the stats block (shmps-inspect)
+    if (federation) federation->publish_drift(model.version);
     if (now - last_segment_check >= kSegmentCheckNs) {
       last_segment_check = now;
       check_segment_name();
@@ -308,8 +338,9 @@ class Server::Impl {
   bool serve_lane(uint32_t i) {
     WorkerSlot& slot = sessions[i];
     if (!sessions.sync(i)) return false;
-    if (gate.parked(i)) return false;  // its pull goes first (release_pulls())
-    slot.lane.prefetch_next();         // the request's line travels while we check the entry
+    if (federation && federation->holding(model.version)) return false;  // until the round merges
+    if (gate.parked(i)) return false;                                    // its pull goes first (release_pulls())
+    slot.lane.prefetch_next();  // the request's line travels while we check the entry
     shm::WorkerEntry& entry = segment->worker(i);
     uint32_t served = 0;
     bool drained = false;  // the batch ended on an empty lane
@@ -545,6 +576,12 @@ class Server::Impl {
     auto& h = segment->header();
     // SYNC(server_stopped): workers that see kStopping take no new session.
     h.server_state.store(static_cast<uint32_t>(shm::ServerState::kStopping), std::memory_order_release);
+    // The federation leaves first (its last collective pairs with the
+    // others' next round; a round in flight is merged). A thread stuck in
+    // a collective stays behind with its engine, never finalised: the
+    // launcher then sees this process end without MPI_Finalize.
+    if (federation && !federation->stop(*backend, model.version, 2 * config.federation.every_ms + 5000))
+      static_cast<void>(federation.release());
     // Device work in flight: completed when the device is healthy, failed
     // (weights may be half-written) when it is not.
     const Status device = backend->healthy().ok() ? backend->synchronize() : backend->healthy();
@@ -630,10 +667,29 @@ Server::~Server() {
 Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config) { return create(config, nullptr); }
 
 Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config, std::unique_ptr<Backend> backend) {
+  return create(config, std::move(backend), nullptr);
+}
+
+Result<std::unique_ptr<Server>> Server::create_federated(const ServerConfig& config,
+                                                         std::unique_ptr<FederationEngine> engine) {
+  return create(config, nullptr, std::move(engine));
+}
+
+Result<std::unique_ptr<Server>> Server::create(const ServerConfig& requested, std::unique_ptr<Backend> backend,
+                                               std::unique_ptr<FederationEngine> engine) {
+  if (Status s = validate(requested); !s.ok()) return s;
+  // The engine first: with --fed-rank-in-name its rank names the segment.
+  ServerConfig config = requested;
+  if (!engine && config.federation.kind != FederationKind::kNone) {
+    auto made = make_federation_engine(config.federation.kind);
+    if (!made.ok()) return made.status();
+    engine = std::move(made).value();
+  }
+  if (engine && config.federation.rank_in_name) config.name += ".r" + std::to_string(engine->membership().rank);
   // The weights and optimizer state are the server's big allocations; one
   // that fails is a clear error (and no segment is left behind).
   try {
-    return create_unguarded(config, std::move(backend));
+    return create_unguarded(config, std::move(backend), std::move(engine));
   } catch (const std::bad_alloc&) {
     shm::Segment::remove(config.name);
     uint64_t params = 0;
@@ -649,9 +705,8 @@ Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config, std::
   }
 }
 
-Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& config, std::unique_ptr<Backend> backend) {
-  if (Status s = validate(config); !s.ok()) return s;
-
+Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& config, std::unique_ptr<Backend> backend,
+                                                         std::unique_ptr<FederationEngine> engine) {
   log::set_level(config.log_level);
   std::string effective;
   for (const auto& [key, value] : config_entries(config))
@@ -729,6 +784,13 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   if (!config.checkpoint_dir.empty()) {
     impl->checkpoints = std::make_unique<CheckpointPolicy>(impl->config, model, *impl->backend, seg.stats());
     if (Status s = impl->checkpoints->start(shm::monotonic_ns()); !s.ok()) return fail(s);
+  }
+  if (engine) {
+    const Membership m = engine->membership();
+    log::info(std::string("federation over ") + engine->name() + ": rank " + std::to_string(m.rank) + " of " +
+              std::to_string(m.size) + "; the first round makes rank 0's weights everybody's");
+    impl->federation =
+        std::make_unique<FederationLink>(config.federation, std::move(engine), model_fingerprint(config), seg.stats());
   }
 
   seg.header().server_state.store(static_cast<uint32_t>(shm::ServerState::kRunning),

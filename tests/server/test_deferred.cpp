@@ -97,6 +97,8 @@ class GatedBackend final : public Backend {
     return host_->copy_in(e, n, in(src), off);
   }
   std::vector<float> read_weights() const override { return host_->read_weights(); }
+  Status snapshot_weights(std::span<float> dst) override { return host_->snapshot_weights(dst); }
+  Status add_to_weights(std::span<const float> delta) override { return host_->add_to_weights(delta); }
   std::vector<float> read_state() const override { return host_->read_state(); }
   Status load(std::span<const float> w, std::span<const float> s) override { return host_->load(w, s); }
 

@@ -28,8 +28,9 @@ inline Result<server::ParsedOptions> parse_server_args(std::vector<std::string> 
 // to stop, joins, and checks run() returned ok. (Boost.Test macros are not
 // thread-safe: the thread only records the outcome.)
 struct InProcessServer {
-  explicit InProcessServer(const server::ServerConfig& config) {
-    auto s = server::Server::create(config);
+  explicit InProcessServer(const server::ServerConfig& config,
+                           std::unique_ptr<server::FederationEngine> engine = nullptr) {
+    auto s = engine ? server::Server::create_federated(config, std::move(engine)) : server::Server::create(config);
     BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
     server = std::move(s).value();
     thread = std::thread([this] { run_ok = server->run().ok(); });

@@ -21,7 +21,10 @@
 // policies did: pulls held back (wait) and their time in all, in ns, pushes
 // applied with a reduced lr (scale) and the sum of their factors in
 // millionths, server-wide and the asking worker's own; the threads the
-// last update of a tensor from 4 MiB ran on.
+// last update of a tensor from 4 MiB ran on; the federation's (zero when
+// the server is not federated): rounds completed, hosts in the last round,
+// its time in ns, bytes contributed, local updates not yet merged, the
+// anchor's hash, failed rounds.
 // Plain preprocessor lists; part of the public API (installed with
 // worker.hpp). Append only: the order is the reply's layout.
 #pragma once
@@ -50,4 +53,11 @@
   X(my_pulls_waited, entry, pulls_waited)                  \
   X(my_wait_ns, entry, wait_ns)                            \
   X(my_pushes_scaled, entry, pushes_scaled)                \
-  X(apply_threads, block, apply_threads)
+  X(apply_threads, block, apply_threads)                   \
+  X(fed_round, block, fed_round)                           \
+  X(fed_members, block, fed_members)                       \
+  X(fed_round_ns, block, fed_round_ns)                     \
+  X(fed_bytes, block, fed_bytes)                           \
+  X(fed_drift, block, fed_drift)                           \
+  X(fed_anchor_hash, block, fed_anchor_hash)               \
+  X(fed_failures, block, fed_failures)

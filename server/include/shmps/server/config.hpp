@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "shmps/kernels/optimizer.hpp"
+#include "shmps/server/federation.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/status.hpp"
 
@@ -83,6 +84,9 @@ struct ServerConfig {
   uint64_t checkpoint_every = 0;
   uint32_t checkpoint_interval_s = 0;
   uint32_t checkpoint_keep = 3;
+  // Averaging this server's weight deltas with other hosts' servers
+  // (federation.hpp; docs/federation.md): off with kind kNone.
+  FederationConfig federation;
 };
 
 // Checks what Server::create() would refuse before touching the system:

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "shmps/server/config.hpp"
+#include "shmps/server/federation.hpp"
 #include "shmps/status.hpp"
 
 namespace shmps::server {
@@ -46,6 +47,12 @@ class Server {
   // inject a backend that defers completions, to exercise that path
   // without a GPU). Null: the configured one.
   static Result<std::unique_ptr<Server>> create(const ServerConfig& config, std::unique_ptr<Backend> backend);
+  // The same federated over `engine` (tests inject an in-process one)
+  // instead of the one config.federation.kind names, with
+  // config.federation's rounds. With rank_in_name the segment is
+  // <name>.r<rank>.
+  static Result<std::unique_ptr<Server>> create_federated(const ServerConfig& config,
+                                                          std::unique_ptr<FederationEngine> engine);
   ~Server();  // removes the segment if run() did not
 
   // Serves requests until request_stop(); then fails every request still
@@ -74,7 +81,10 @@ class Server {
 
  private:
   explicit Server(std::unique_ptr<Impl> impl);
-  static Result<std::unique_ptr<Server>> create_unguarded(const ServerConfig& config, std::unique_ptr<Backend> backend);
+  static Result<std::unique_ptr<Server>> create(const ServerConfig& config, std::unique_ptr<Backend> backend,
+                                                std::unique_ptr<FederationEngine> engine);
+  static Result<std::unique_ptr<Server>> create_unguarded(const ServerConfig& config, std::unique_ptr<Backend> backend,
+                                                          std::unique_ptr<FederationEngine> engine);
   std::unique_ptr<Impl> impl_;
 };
 

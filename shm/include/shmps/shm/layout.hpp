@@ -58,7 +58,8 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 // 8: ConfigBlock::staleness_policy; Request::wait_ns (kPull); 32 counter
 //    slots in StatsBlock (the staleness policies' and apply_threads);
 //    WorkerEntry::pulls_waited, wait_ns, pushes_scaled.
-inline constexpr uint32_t kLayoutVersion = 8;
+// 9: StatsBlock's fed_* counters (federation); StatsReply's.
+inline constexpr uint32_t kLayoutVersion = 9;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;  // 4 doorbell words
@@ -495,7 +496,14 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
   X(wait_ns, counter, "Time pulls were held back by --staleness-policy wait, in all.") \
   X(pushes_scaled, counter, "Pushes applied with a reduced lr by --staleness-policy scale.") \
   X(scale_factor_sum_micro, counter, "Sum of the lr factors of scaled pushes (mean factor: this / pushes_scaled).") \
-  X(apply_threads, gauge, "Threads the last update of a tensor from 4 MiB ran on (host backend).")
+  X(apply_threads, gauge, "Threads the last update of a tensor from 4 MiB ran on (host backend).") \
+  X(fed_round, gauge, "Federation rounds this host completed (0: not federated).") \
+  X(fed_members, gauge, "Hosts in the last federation round.") \
+  X(fed_round_ns, gauge, "Time of the last federation round (headers, delta allreduce, outer step), in ns.") \
+  X(fed_bytes, counter, "Bytes this host contributed to the federation's collectives.") \
+  X(fed_drift, gauge, "Local updates not yet in a merged federation round.") \
+  X(fed_anchor_hash, gauge, "Hash of the federation's anchor (equal on every host after a round).") \
+  X(fed_failures, counter, "Federation rounds that failed (the engine's error; federation then ends).")
 // clang-format on
 #define SHMPS_STATS_COUNT(name, kind, help) +1
 inline constexpr size_t kStatsBlockCounters = 0 SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_COUNT);

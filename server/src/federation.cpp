@@ -1,0 +1,268 @@
+#include "federation.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <type_traits>
+
+#include "shmps/kernels/optimizer.hpp"
+
+namespace shmps::server {
+
+namespace {
+
+constexpr uint64_t kHeaderMagic = 0x31444546534d4853ull;  // "SHMSFED1" little-endian
+constexpr uint32_t kFlagJoin = 1u << 0;
+constexpr uint32_t kFlagLeaving = 1u << 1;
+
+std::string hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+}  // namespace
+
+// One per member per collective step, gathered before any delta moves.
+// Fixed-width fields only: it crosses hosts as bytes (all little-endian).
+struct Federator::Header {
+  uint64_t magic;
+  uint64_t round;  // the round this call completes; 0: the join
+  uint64_t model_hash;
+  uint64_t total_elements;
+  uint64_t local_updates;
+  uint64_t anchor_hash;
+  uint32_t tensors;
+  uint32_t optimizer;
+  uint32_t outer;
+  uint32_t flags;  // kFlag*
+};
+
+const char* federation_kind_name(FederationKind kind) noexcept {
+  switch (kind) {
+    case FederationKind::kNone:
+      return "none";
+    case FederationKind::kMpi:
+      return "mpi";
+  }
+  return "unknown";
+}
+
+const char* outer_step_name(OuterStep step) noexcept {
+  switch (step) {
+    case OuterStep::kAverage:
+      return "average";
+    case OuterStep::kNesterov:
+      return "nesterov";
+  }
+  return "unknown";
+}
+
+std::string ModelFingerprint::describe() const {
+  const char* opt = kernels::optimizer_kind_name(static_cast<kernels::OptimizerKind>(optimizer));
+  return std::to_string(tensors) + " tensors, " + std::to_string(total_elements) + " parameters, optimizer " +
+         (opt != nullptr ? opt : "?") + ", outer " + outer_step_name(static_cast<OuterStep>(outer & 0xff)) +
+         ((outer >> 8) != 0 ? " weighted" : " unweighted") + " (tensor table hash " + hex(hash) + ")";
+}
+
+ModelFingerprint model_fingerprint(const ServerConfig& config) {
+  // FNV-1a over each tensor's name, a separator and its dimensions.
+  uint64_t h = 0xcbf29ce484222325ull;
+  const auto mix = [&h](const void* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 0x100000001b3ull;
+  };
+  ModelFingerprint f;
+  for (const shm::TensorSpec& t : config.tensors) {
+    mix(t.name.data(), t.name.size() + 1);  // the NUL separates the name from the shape
+    uint64_t n = 1;
+    for (uint64_t d : t.shape) {
+      mix(&d, sizeof d);
+      n *= d;
+    }
+    const uint64_t end = ~uint64_t{0};
+    mix(&end, sizeof end);
+    f.total_elements += n;
+  }
+  f.hash = h;
+  f.tensors = static_cast<uint32_t>(config.tensors.size());
+  f.optimizer = static_cast<uint32_t>(config.optimizer.kind);
+  f.outer = static_cast<uint32_t>(config.federation.outer) | (config.federation.weight_by_updates ? 1u << 8 : 0u);
+  return f;
+}
+
+uint64_t hash_floats(std::span<const float> values) noexcept {
+  // Two 32-bit words per step through a 64-bit multiply-xorshift mix:
+  // about a cycle per element, so a 64 MiB anchor hashes in a few ms.
+  uint64_t h = 0x9e3779b97f4a7c15ull ^ values.size();
+  size_t i = 0;
+  for (; i + 2 <= values.size(); i += 2) {
+    uint64_t w;
+    std::memcpy(&w, values.data() + i, sizeof w);
+    h = (h ^ w) * 0xff51afd7ed558ccdull;
+    h ^= h >> 32;
+  }
+  if (i < values.size()) {
+    uint32_t w;
+    std::memcpy(&w, values.data() + i, sizeof w);
+    h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
+  }
+  h ^= h >> 29;
+  return h * 0x94d049bb133111ebull ^ (h >> 32);
+}
+
+Federator::Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint)
+    : config_(config),
+      engine_(engine),
+      fingerprint_(fingerprint),
+      anchor_(fingerprint.total_elements),
+      payload_(fingerprint.total_elements) {
+  if (config_.outer == OuterStep::kNesterov) momentum_.assign(fingerprint.total_elements, 0.0f);
+}
+
+Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vector<Header>* all) {
+  static_assert(sizeof(Header) == 64 && std::is_trivially_copyable_v<Header>);
+  const Membership m = engine_.membership();
+  Header mine{};
+  mine.magic = kHeaderMagic;
+  mine.round = joined_ ? round_ + 1 : 0;
+  mine.model_hash = fingerprint_.hash;
+  mine.total_elements = fingerprint_.total_elements;
+  mine.local_updates = local_updates;
+  mine.anchor_hash = anchor_hash_;
+  mine.tensors = fingerprint_.tensors;
+  mine.optimizer = fingerprint_.optimizer;
+  mine.outer = fingerprint_.outer;
+  mine.flags = (joined_ ? 0 : kFlagJoin) | (leaving ? kFlagLeaving : 0);
+  all->assign(m.size, Header{});
+  if (Status s = engine_.allgather(std::as_bytes(std::span(&mine, 1)), std::as_writable_bytes(std::span(*all)));
+      !s.ok())
+    return s;
+  for (uint32_t r = 0; r < m.size; ++r) {
+    const Header& h = (*all)[r];
+    if (h.magic != kHeaderMagic)
+      return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) +
+                                               " sent no shmps round header (magic " + hex(h.magic) +
+                                               "): is every rank a shmps-server of the same version?"};
+    ModelFingerprint theirs;
+    theirs.hash = h.model_hash;
+    theirs.total_elements = h.total_elements;
+    theirs.tensors = h.tensors;
+    theirs.optimizer = h.optimizer;
+    theirs.outer = h.outer;
+    if (theirs.hash != fingerprint_.hash || theirs.total_elements != fingerprint_.total_elements ||
+        theirs.tensors != fingerprint_.tensors || theirs.optimizer != fingerprint_.optimizer ||
+        theirs.outer != fingerprint_.outer)
+      return {ErrorCode::kInvalidArgument,
+              "federation: host rank " + std::to_string(r) + " serves another model: " + theirs.describe() +
+                  "; this host (rank " + std::to_string(m.rank) + ") serves " + fingerprint_.describe() +
+                  "; start every host with the same --tensor, --optimizer and --fed-outer options"};
+    if (h.round != mine.round || (h.flags & kFlagJoin) != (mine.flags & kFlagJoin))
+      return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) + " is at round " +
+                                               std::to_string(h.round) + ", this host (rank " + std::to_string(m.rank) +
+                                               ") at " + std::to_string(mine.round)};
+  }
+  return Status::Ok();
+}
+
+Result<RoundResult> Federator::join(std::span<float> exchange) {
+  std::vector<Header> all;
+  if (Status s = gather_headers(0, false, &all); !s.ok()) return s;
+  const Membership m = engine_.membership();
+  if (m.rank == 0) std::copy(exchange.begin(), exchange.end(), anchor_.begin());
+  if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(anchor_)), 0); !s.ok()) return s;
+  for (size_t i = 0; i < exchange.size(); ++i) exchange[i] = anchor_[i] - exchange[i];
+  anchor_hash_ = hash_floats(anchor_);
+  joined_ = true;
+  RoundResult r;
+  r.members = m.size;
+  r.bytes = sizeof(Header) + anchor_.size() * sizeof(float);
+  return r;
+}
+
+Status Federator::repair_anchor() {
+  if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(anchor_)), 0); !s.ok()) return s;
+  if (!momentum_.empty()) {
+    uint32_t started = momentum_started_ ? 1 : 0;
+    if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(&started, 1)), 0); !s.ok()) return s;
+    if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(momentum_)), 0); !s.ok()) return s;
+    momentum_started_ = started != 0;
+  }
+  anchor_hash_ = hash_floats(anchor_);
+  return Status::Ok();
+}
+
+Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_updates) {
+  if (!joined_) return Status{ErrorCode::kInternal, "federation: round() before join()"};
+  std::vector<Header> all;
+  if (Status s = gather_headers(local_updates, false, &all); !s.ok()) return s;
+  RoundResult r;
+  r.members = static_cast<uint32_t>(all.size());
+  r.bytes = sizeof(Header);
+  for (uint32_t k = 0; k < all.size(); ++k) {
+    r.updates_total += all[k].local_updates;
+    if ((all[k].flags & kFlagLeaving) != 0 && !r.peer_left) {
+      r.peer_left = true;
+      r.left_rank = k;
+    }
+  }
+  if (r.peer_left) {
+    std::fill(exchange.begin(), exchange.end(), 0.0f);
+    return r;
+  }
+  const bool anchors_equal =
+      std::all_of(all.begin(), all.end(), [&](const Header& h) { return h.anchor_hash == all[0].anchor_hash; });
+  if (!anchors_equal) {
+    if (Status s = repair_anchor(); !s.ok()) return s;
+    r.anchors_repaired = true;
+    r.bytes += anchor_.size() * sizeof(float) * (momentum_.empty() ? 1 : 2);
+  }
+  // The divisor: updates of all hosts (weighted), or the member count.
+  const uint64_t divisor = config_.weight_by_updates ? r.updates_total : r.members;
+  const bool zero_delta = divisor == 0;
+  if (!zero_delta) {
+    const float w = config_.weight_by_updates ? static_cast<float>(local_updates) : 1.0f;
+    for (size_t i = 0; i < exchange.size(); ++i) payload_[i] = w * (exchange[i] - anchor_[i]);
+    if (Status s = engine_.allreduce_sum(payload_); !s.ok()) return s;
+    const float inv = 1.0f / static_cast<float>(divisor);
+    for (float& v : payload_) v *= inv;
+    r.bytes += payload_.size() * sizeof(float);
+  }
+  outer_step(exchange, zero_delta);
+  ++round_;
+  r.round = round_;
+  anchor_hash_ = hash_floats(anchor_);
+  return r;
+}
+
+void Federator::outer_step(std::span<float> exchange, bool zero_delta) {
+  const size_t n = anchor_.size();
+  if (config_.outer == OuterStep::kAverage) {
+    for (size_t i = 0; i < n; ++i) {
+      if (!zero_delta) anchor_[i] += payload_[i];
+      exchange[i] = anchor_[i] - exchange[i];
+    }
+    return;
+  }
+  // PyTorch's SGD (dampening 0, nesterov) on the pseudo-gradient
+  // g = -mean delta: buf = g on the first step, else momentum * buf + g;
+  // d = g + momentum * buf; A' = A - lr * d.
+  const float mu = config_.outer_momentum;
+  const float neg_lr = -config_.outer_lr;
+  for (size_t i = 0; i < n; ++i) {
+    const float g = zero_delta ? 0.0f : -payload_[i];
+    const float buf = momentum_started_ ? momentum_[i] * mu + g : g;
+    momentum_[i] = buf;
+    const float d = g + buf * mu;
+    anchor_[i] = anchor_[i] + d * neg_lr;
+    exchange[i] = anchor_[i] - exchange[i];
+  }
+  momentum_started_ = true;
+}
+
+Status Federator::leave() {
+  if (!joined_) return Status::Ok();
+  std::vector<Header> all;
+  return gather_headers(0, true, &all);
+}
+
+}  // namespace shmps::server

@@ -1,0 +1,100 @@
+// Federator: the rounds of the federation as math and collectives, with no
+// thread and no server of its own (FederationLink drives it; tests drive
+// it with an in-process engine). It keeps the anchor A (identical on every
+// host), the round number and the outer optimizer's momentum. One thread
+// at a time; every member calls join(), round() and leave() in the same
+// order (docs/federation.md, "A round").
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "shmps/server/config.hpp"
+#include "shmps/server/federation.hpp"
+#include "shmps/status.hpp"
+
+namespace shmps::server {
+
+// What every host must agree on before its deltas are averaged: the tensor
+// table (names and shapes, hashed), the optimizer, and the outer step.
+struct ModelFingerprint {
+  uint64_t hash = 0;
+  uint64_t total_elements = 0;
+  uint32_t tensors = 0;
+  uint32_t optimizer = 0;  // kernels::OptimizerKind
+  uint32_t outer = 0;      // OuterStep | (weight_by_updates << 8)
+  // "3 tensors, 203530 parameters, optimizer adam, outer average weighted (model hash 0x...)"
+  std::string describe() const;
+};
+
+// The fingerprint of what `config` serves: its tensor table, optimizer
+// kind and federation outer step.
+ModelFingerprint model_fingerprint(const ServerConfig& config);
+
+// 64-bit hash of a float array's bytes (anchors, for the equality check
+// across hosts; not cryptographic).
+uint64_t hash_floats(std::span<const float> values) noexcept;
+
+struct RoundResult {
+  uint64_t round = 0;             // the round this call completed (1 for the first)
+  uint32_t members = 0;           // hosts in it
+  uint64_t updates_total = 0;     // local updates summed over the hosts
+  uint64_t bytes = 0;             // payload this host contributed to the collectives
+  bool peer_left = false;         // a member announced it leaves: no delta was exchanged
+  uint32_t left_rank = 0;         // which one (the lowest), when peer_left
+  bool anchors_repaired = false;  // the anchors' hashes differed: rank 0's was broadcast
+};
+
+class Federator {
+ public:
+  // `fingerprint.total_elements` sizes every span below.
+  Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint);
+
+  // The first collective: checks that every host serves the same model
+  // and makes rank 0's weights everybody's anchor. `exchange` holds this
+  // host's weights S on entry and the correction A - S on return (the
+  // consumer adds it to W). Errors: kInvalidArgument when the models
+  // differ (the message names both), the engine's.
+  Result<RoundResult> join(std::span<float> exchange);
+
+  // One round: `exchange` holds the snapshot S on entry, taken after
+  // `local_updates` updates since the previous snapshot, and A' - S on
+  // return, where A' is the new anchor (the same bits on every host).
+  // When a member announces it leaves (result.peer_left), nothing is
+  // exchanged and `exchange` is zero. Errors: kInvalidArgument (a host
+  // serves another model, or is at another round), the engine's; the
+  // anchor is unchanged then.
+  Result<RoundResult> round(std::span<float> exchange, uint64_t local_updates);
+
+  // Tells the others this host leaves: the collective that pairs with
+  // their next round(), in which they see peer_left.
+  Status leave();
+
+  uint64_t round_number() const noexcept { return round_; }
+  uint64_t anchor_hash() const noexcept { return anchor_hash_; }
+  std::span<const float> anchor() const noexcept { return anchor_; }
+
+ private:
+  struct Header;
+  // Gathers every member's header; checks magic, model and round. Fills
+  // `all` (one per member).
+  Status gather_headers(uint64_t local_updates, bool leaving, std::vector<Header>* all);
+  Status repair_anchor();
+  // A' from A and the mean delta (in payload_); writes A' - S into exchange.
+  void outer_step(std::span<float> exchange, bool zero_delta);
+
+  FederationConfig config_;
+  FederationEngine& engine_;
+  ModelFingerprint fingerprint_;
+  uint64_t round_ = 0;
+  uint64_t anchor_hash_ = 0;
+  bool joined_ = false;
+  bool momentum_started_ = false;  // PyTorch's SGD: the first step's buffer is the gradient itself
+  std::vector<float> anchor_;
+  std::vector<float> payload_;   // the weighted deltas, summed in place by the engine
+  std::vector<float> momentum_;  // kNesterov only
+};
+
+}  // namespace shmps::server

@@ -1,0 +1,220 @@
+#include "federation_link.hpp"
+
+#include <chrono>
+
+#include "shmps/server/log.hpp"
+#include "shmps/shm/futex.hpp"
+
+namespace shmps::server {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+}  // namespace
+
+FederationLink::FederationLink(const FederationConfig& config, std::unique_ptr<FederationEngine> engine,
+                               const ModelFingerprint& fingerprint, shm::StatsBlock& stats)
+    : config_(config),
+      engine_(std::move(engine)),
+      membership_(engine_->membership()),
+      stats_(stats),
+      federator_(config_, *engine_, fingerprint),
+      exchange_(fingerprint.total_elements) {}
+
+FederationLink::~FederationLink() {
+  if (!thread_.joinable()) return;
+  {
+    std::lock_guard lock(mu_);
+    abandoned_ = true;
+    stop_.store(true, std::memory_order_relaxed);  // relaxed: read under mu_ by the thread's waits
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void FederationLink::start() {
+  thread_ = std::thread([this] { thread_main(); });
+}
+
+void FederationLink::set_phase(Phase p) {
+  {
+    std::lock_guard lock(mu_);
+    // SYNC(fed_phase): release publishes the exchange buffer's contents
+    // (the snapshot, or the correction) to the thread that acquires the new
+    // phase; the buffer changes hands with it.
+    phase_.store(static_cast<uint32_t>(p), std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
+FederationLink::Phase FederationLink::phase() const noexcept {
+  return static_cast<Phase>(phase_.load(std::memory_order_acquire));  // SYNC(fed_phase)
+}
+
+// ------------------------------------------------------------ consumer
+
+Result<bool> FederationLink::poll(Backend& backend, uint64_t version) {
+  // relaxed: the common case (nothing asked) needs no ordering; a phase
+  // that asks for work is re-read with acquire below.
+  const auto p = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
+  if (p == Phase::kIdle) {
+    if (config_.every_versions != 0 && version - last_snapshot_version_ >= config_.every_versions) request_round();
+    return false;
+  }
+  if (p != Phase::kWantSnapshot && p != Phase::kMergeReady) return false;
+  if (phase() == Phase::kWantSnapshot) {
+    if (Status s = backend.snapshot_weights(exchange_); !s.ok()) return s;
+    if (first_snapshot_) {
+      merged_version_ = last_snapshot_version_ = version;
+      first_snapshot_ = false;
+    }
+    snapshot_updates_ = version - last_snapshot_version_;
+    last_snapshot_version_ = snapshot_version_ = version;
+    set_phase(Phase::kExchanging);
+    return true;
+  }
+  if (Status s = backend.add_to_weights(exchange_); !s.ok()) return s;
+  merged_version_ = snapshot_version_;
+  set_phase(Phase::kIdle);
+  return true;
+}
+
+bool FederationLink::holding(uint64_t version) {
+  // relaxed: a hint; the phase that hands the buffer over is acquired in poll().
+  const auto p = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
+  if (p == Phase::kOff || first_snapshot_) return false;
+  if (!config_.overlap && (p == Phase::kExchanging || p == Phase::kMergeReady)) return true;
+  if (config_.max_drift != 0 && version - merged_version_ >= config_.max_drift) {
+    if (p == Phase::kIdle) request_round();
+    return true;
+  }
+  return false;
+}
+
+void FederationLink::request_round() {
+  // relaxed: the flag is re-read under mu_ by the timer's wait.
+  if (round_now_.load(std::memory_order_relaxed)) return;
+  {
+    std::lock_guard lock(mu_);
+    round_now_.store(true, std::memory_order_relaxed);
+  }
+  cv_.notify_all();
+}
+
+void FederationLink::publish_drift(uint64_t version) {
+  // relaxed: statistics.
+  stats_.fed_drift.store(first_snapshot_ ? 0 : version - merged_version_, std::memory_order_relaxed);
+}
+
+bool FederationLink::stop(Backend& backend, uint64_t version, uint32_t timeout_ms) {
+  if (!thread_.joinable()) return true;
+  {
+    std::lock_guard lock(mu_);
+    stop_.store(true, std::memory_order_relaxed);  // relaxed: read under mu_
+  }
+  cv_.notify_all();
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  // SYNC(fed_done): pairs with the thread's release as it ends.
+  while (!thread_done_.load(std::memory_order_acquire)) {
+    if (Result<bool> r = poll(backend, version); !r.ok()) log::error("federation: at stop: " + r.status().message());
+    if (Clock::now() >= deadline) {
+      log::error("federation: the federation thread is still inside a collective after " + std::to_string(timeout_ms) +
+                 " ms (a host gone?); leaving it behind: the engine is not finalised");
+      thread_.detach();
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  thread_.join();
+  return true;
+}
+
+// ------------------------------------------------------------ federation thread
+
+bool FederationLink::wait_for(Phase want) {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return phase() == want || abandoned_; });
+  return !abandoned_;
+}
+
+void FederationLink::end(const std::string& why) {
+  log::warn("federation: " + why + "; serving the local workers alone from now on");
+  set_phase(Phase::kOff);
+}
+
+void FederationLink::publish(const RoundResult& r, uint64_t round_ns) {
+  // relaxed: statistics, each a value of its own.
+  stats_.fed_round.store(r.round, std::memory_order_relaxed);
+  stats_.fed_members.store(r.members, std::memory_order_relaxed);
+  stats_.fed_round_ns.store(round_ns, std::memory_order_relaxed);
+  stats_.fed_bytes.fetch_add(r.bytes, std::memory_order_relaxed);
+  stats_.fed_anchor_hash.store(federator_.anchor_hash(), std::memory_order_relaxed);
+}
+
+void FederationLink::thread_main() {
+  const auto finish = [this] {
+    thread_done_.store(true, std::memory_order_release);  // SYNC(fed_done)
+  };
+  const std::string engine = engine_->name();
+  // The join: rank 0's weights become everybody's anchor.
+  set_phase(Phase::kWantSnapshot);
+  if (!wait_for(Phase::kExchanging)) return finish();
+  const auto t0 = Clock::now();
+  Result<RoundResult> joined = federator_.join(exchange_);
+  if (!joined.ok()) {
+    stats_.fed_failures.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistics
+    log::error(joined.status().message());
+    end("the join failed");
+    return finish();
+  }
+  publish(*joined, static_cast<uint64_t>(std::chrono::nanoseconds(Clock::now() - t0).count()));
+  log::info("federation: joined as rank " + std::to_string(membership_.rank) + " of " +
+            std::to_string(membership_.size) + " over " + engine + "; a round every " +
+            std::to_string(config_.every_ms) + " ms" +
+            (config_.every_versions != 0 ? " or " + std::to_string(config_.every_versions) + " local updates" : "") +
+            ", outer step " + outer_step_name(config_.outer));
+  set_phase(Phase::kMergeReady);
+  if (!wait_for(Phase::kIdle)) return finish();
+
+  auto deadline = Clock::now() + std::chrono::milliseconds(config_.every_ms);
+  for (;;) {
+    {
+      std::unique_lock lock(mu_);
+      // relaxed: written under mu_.
+      cv_.wait_until(lock, deadline, [&] {
+        return stop_.load(std::memory_order_relaxed) || round_now_.load(std::memory_order_relaxed);
+      });
+      if (abandoned_) return finish();
+      if (stop_.load(std::memory_order_relaxed)) break;  // relaxed: read under mu_
+      round_now_.store(false, std::memory_order_relaxed);
+    }
+    deadline = Clock::now() + std::chrono::milliseconds(config_.every_ms);
+    set_phase(Phase::kWantSnapshot);
+    if (!wait_for(Phase::kExchanging)) return finish();
+    const auto start = Clock::now();
+    Result<RoundResult> r = federator_.round(exchange_, snapshot_updates_);
+    if (!r.ok()) {
+      stats_.fed_failures.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistics
+      log::error(r.status().message());
+      end("round " + std::to_string(federator_.round_number() + 1) + " failed");
+      return finish();
+    }
+    if (r->peer_left) {
+      end("host rank " + std::to_string(r->left_rank) + " left the federation (" + engine +
+          " cannot re-form the group)");
+      return finish();
+    }
+    const auto round_ns = static_cast<uint64_t>(std::chrono::nanoseconds(Clock::now() - start).count());
+    publish(*r, round_ns);
+    if (r->anchors_repaired)
+      log::warn("federation: round " + std::to_string(r->round) + ": the anchors differed between hosts; rank 0's " +
+                "was broadcast");
+    set_phase(Phase::kMergeReady);
+    if (!wait_for(Phase::kIdle)) return finish();
+  }
+  // Stopping: the collective that pairs with the others' next round.
+  if (Status s = federator_.leave(); !s.ok()) log::warn("federation: announcing the leave: " + s.message());
+  set_phase(Phase::kOff);
+  finish();
+}
+
+}  // namespace shmps::server

@@ -1,0 +1,113 @@
+// The MPI engine of the federation (Open MPI or MPICH): static membership
+// from the launcher (mpirun, srun), a duplicate of MPI_COMM_WORLD with
+// errors returned rather than fatal. MPI is fail-stop: a dead rank ends the
+// job (docs/federation.md, "Engines"). MPI_THREAD_SERIALIZED: MPI is
+// initialised on the creating thread and then used by the federation
+// thread alone.
+#include <mpi.h>
+
+#include <climits>
+#include <type_traits>
+
+#include "federation_plugin.hpp"
+#include "shmps/server/federation.hpp"
+
+namespace shmps::server {
+
+namespace {
+
+std::string mpi_error(int code, const char* call) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) len = 0;
+  return std::string("federation (mpi): ") + call + " failed: " + std::string(text, static_cast<size_t>(len));
+}
+
+// MPI counts are ints: spans past INT_MAX elements go in pieces.
+constexpr size_t kMaxCount = INT_MAX / 2;
+
+class MpiEngine final : public FederationEngine {
+ public:
+  static Result<std::unique_ptr<FederationEngine>> create() {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (initialized != 0) return Status{ErrorCode::kIo, "federation (mpi): MPI is already initialised in this process"};
+    int provided = 0;
+    if (int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided); rc != MPI_SUCCESS)
+      return Status{ErrorCode::kIo, mpi_error(rc, "MPI_Init_thread")};
+    auto engine = std::unique_ptr<MpiEngine>(new MpiEngine());
+    if (provided < MPI_THREAD_SERIALIZED)
+      return Status{ErrorCode::kIo, "federation (mpi): the MPI library offers no MPI_THREAD_SERIALIZED (got level " +
+                                        std::to_string(provided) + "); the federation thread needs it"};
+    if (int rc = MPI_Comm_dup(MPI_COMM_WORLD, &engine->comm_); rc != MPI_SUCCESS)
+      return Status{ErrorCode::kIo, mpi_error(rc, "MPI_Comm_dup")};
+    engine->have_comm_ = true;
+    MPI_Comm_set_errhandler(engine->comm_, MPI_ERRORS_RETURN);
+    int rank = 0, size = 1;
+    MPI_Comm_rank(engine->comm_, &rank);
+    MPI_Comm_size(engine->comm_, &size);
+    engine->membership_.rank = static_cast<uint32_t>(rank);
+    engine->membership_.size = static_cast<uint32_t>(size);
+    return std::unique_ptr<FederationEngine>(std::move(engine));
+  }
+
+  ~MpiEngine() override {
+    if (have_comm_) MPI_Comm_free(&comm_);
+    MPI_Finalize();
+  }
+
+  const char* name() const noexcept override { return "mpi"; }
+  Membership membership() const noexcept override { return membership_; }
+
+  Status allreduce_sum(std::span<float> data) override {
+    for (size_t done = 0; done < data.size();) {
+      const size_t n = std::min(kMaxCount, data.size() - done);
+      if (int rc = MPI_Allreduce(MPI_IN_PLACE, data.data() + done, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm_);
+          rc != MPI_SUCCESS)
+        return {ErrorCode::kIo, mpi_error(rc, "MPI_Allreduce")};
+      done += n;
+    }
+    return Status::Ok();
+  }
+
+  Status allgather(std::span<const std::byte> mine, std::span<std::byte> all) override {
+    if (mine.size() > kMaxCount || all.size() != mine.size() * membership_.size)
+      return {ErrorCode::kInternal, "federation (mpi): allgather of a size it cannot take"};
+    const int n = static_cast<int>(mine.size());
+    if (int rc = MPI_Allgather(mine.data(), n, MPI_BYTE, all.data(), n, MPI_BYTE, comm_); rc != MPI_SUCCESS)
+      return {ErrorCode::kIo, mpi_error(rc, "MPI_Allgather")};
+    return Status::Ok();
+  }
+
+  Status broadcast(std::span<std::byte> data, uint32_t root) override {
+    for (size_t done = 0; done < data.size();) {
+      const size_t n = std::min(kMaxCount, data.size() - done);
+      if (int rc = MPI_Bcast(data.data() + done, static_cast<int>(n), MPI_BYTE, static_cast<int>(root), comm_);
+          rc != MPI_SUCCESS)
+        return {ErrorCode::kIo, mpi_error(rc, "MPI_Bcast")};
+      done += n;
+    }
+    return Status::Ok();
+  }
+
+ private:
+  MpiEngine() = default;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  bool have_comm_ = false;
+  Membership membership_;
+};
+
+}  // namespace
+
+}  // namespace shmps::server
+
+extern "C" __attribute__((visibility("default"))) void shmps_fed_mpi_make(
+    std::unique_ptr<shmps::server::FederationEngine>* engine, shmps::Status* status) {
+  auto made = shmps::server::MpiEngine::create();
+  if (!made.ok()) {
+    *status = made.status();
+    return;
+  }
+  *engine = std::move(made).value();
+}
+static_assert(std::is_same_v<decltype(shmps_fed_mpi_make), FederationEngineMaker>);

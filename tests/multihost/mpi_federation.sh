@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Federation over MPI with real processes (CTest label multihost): three
+# shmps-servers started by one `mpirun --oversubscribe -np 3` on this
+# machine, each its own "host" (--fed-rank-in-name: segments <name>.r0..2),
+# and one shmps-train --connect per host on a Fashion-MNIST subset, all at
+# once. Checks: every host completes rounds and, once training is done,
+# shows the same anchor hash; each host's final test accuracy is at least the
+# single-host run's of the same per-host budget (one worker, same epochs and
+# subset, its own server) minus 1 pp; a SIGTERM to mpirun stops every server
+# cleanly (each announces its leave) and leaves nothing in /dev/shm. Then MPI's fail-stop: a SIGKILLed
+# rank ends the whole job, and mpirun's message names that rank.
+# Usage: mpi_federation.sh <build-dir>. Exit 77 (skipped) without mpirun or
+# without the MPI plugin.
+set -euo pipefail
+build=$1
+command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (tools/install-deps.sh installs openmpi-bin)"; exit 77; }
+[ -f "$build/lib/shmps/libshmps_fed_mpi.so" ] || { echo "SKIP: no MPI plugin in $build (configure found no MPI)"; exit 77; }
+server=$build/bin/shmps-server
+inspect=$build/bin/shmps-inspect
+train=$build/bin/shmps-train
+name=fedmpi$$
+work=$(mktemp -d)
+mpi_pid=
+cleanup() {
+  [ -n "$mpi_pid" ] && kill -KILL "$mpi_pid" 2>/dev/null || true
+  pkill -KILL -f "shmps-server --name $name" 2>/dev/null || true
+  rm -f /dev/shm/shmps."$name".* 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; for f in "$work"/*.log; do echo "---- $f"; tail -20 "$f"; done; exit 1; }
+as_root=()
+[ "$(id -u)" -eq 0 ] && as_root=(--allow-run-as-root)
+model=(--tensor fc1.weight:256x784 --tensor fc1.bias:256 --tensor fc2.weight:10x256 --tensor fc2.bias:10
+       --optimizer adam --lr 0.001 --init normal --init-scale 0.05 --backend host)
+subset=(--workers 1 --epochs 2 --train-limit 12000)
+
+start_job() {
+  mpirun "${as_root[@]}" --oversubscribe -np 3 "$server" --name "$name" --fed-rank-in-name --federation mpi \
+    --fed-every-ms 50 "${model[@]}" >"$work/$1.log" 2>&1 &
+  mpi_pid=$!
+  for _ in $(seq 100); do
+    [ -e /dev/shm/shmps.$name.r0 ] && [ -e /dev/shm/shmps.$name.r1 ] && [ -e /dev/shm/shmps.$name.r2 ] && return 0
+    sleep 0.1
+  done
+  fail "the three servers did not start within 10 s"
+}
+accuracy() { sed -n 's/^final test accuracy: \([0-9.]*\).*/\1/p' "$1"; }
+field() { python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(s['$1'])"; }
+
+# ---- the single-host reference: the same per-host budget, alone.
+"$train" "${subset[@]}" --seed 1 >"$work/reference.log" 2>&1 || fail "the single-host reference run failed"
+reference=$(accuracy "$work/reference.log")
+
+# ---- three hosts, one trainer each.
+start_job servers
+pids=()
+for r in 0 1 2; do
+  "$train" "${subset[@]}" --connect "$name.r$r" --seed $((r + 1)) >"$work/train$r.log" 2>&1 &
+  pids+=($!)
+done
+for r in 0 1 2; do wait "${pids[$r]}" || fail "shmps-train on host $r failed"; done
+
+# The same anchor on every host: once the trainers are done no host has
+# updates, so the rounds that follow move no anchor and the three hashes
+# stay put (read until they agree, or fail after 5 s).
+same=
+for _ in $(seq 50); do
+  hashes=() rounds=()
+  for r in 0 1 2; do
+    j=$("$inspect" --json "$name.r$r") || fail "shmps-inspect $name.r$r"
+    rounds+=("$(field fed_round <<<"$j")")
+    hashes+=("$(field fed_anchor_hash <<<"$j")")
+  done
+  if [ "${hashes[0]}" = "${hashes[1]}" ] && [ "${hashes[1]}" = "${hashes[2]}" ]; then
+    same=${rounds[0]}
+    break
+  fi
+  sleep 0.1
+done
+[ -n "$same" ] || fail "the anchor hashes never agreed: ${hashes[*]} at rounds ${rounds[*]}"
+[ "$same" -ge 5 ] || fail "only $same rounds"
+members=$("$inspect" --json "$name.r1" | field fed_members)
+[ "$members" = 3 ] || fail "host 1 saw $members members"
+echo "rounds ${rounds[*]}: anchor hash ${hashes[0]} on all three hosts"
+
+for r in 0 1 2; do
+  acc=$(accuracy "$work/train$r.log")
+  echo "host $r: final test accuracy $acc (single host: $reference)"
+  python3 -c "import sys; sys.exit(0 if $acc >= $reference - 0.01 else 1)" ||
+    fail "host $r reached $acc, below the single-host $reference - 1 pp"
+done
+
+# Open MPI's mpirun forwards the SIGTERM and then exits 1 whatever its
+# ranks did: the servers' own log says whether each stopped cleanly.
+kill -TERM "$mpi_pid"
+wait "$mpi_pid" || true
+mpi_pid=
+ls /dev/shm/shmps.$name.* >/dev/null 2>&1 && fail "left in /dev/shm: $(ls /dev/shm/shmps.$name.*)"
+stops=$(grep -c "shmps-server info: stopped: version" "$work/servers.log" || true)
+[ "$stops" = 3 ] || fail "$stops of 3 servers logged a clean stop"
+grep -q "shmps-server error" "$work/servers.log" && fail "a server logged an error"
+
+# ---- fail-stop: SIGKILL rank 1; mpirun ends the job and names it.
+start_job killed
+victim=$(pgrep -f "shmps-server --name $name" | while read -r p; do
+  if tr '\0' ' ' </proc/$p/environ 2>/dev/null | grep -q "OMPI_COMM_WORLD_RANK=1 "; then echo "$p"; fi
+done)
+[ -n "$victim" ] || fail "rank 1's process not found"
+sleep 0.5
+start=$(date +%s%N)
+kill -KILL "$victim"
+for _ in $(seq 200); do kill -0 "$mpi_pid" 2>/dev/null || break; sleep 0.05; done
+kill -0 "$mpi_pid" 2>/dev/null && fail "mpirun still runs 10 s after rank 1 was killed"
+set +e
+wait "$mpi_pid"
+rc=$?
+set -e
+mpi_pid=
+ms=$((($(date +%s%N) - start) / 1000000))
+[ "$rc" -ne 0 ] || fail "mpirun exited 0 after a rank was killed"
+grep -q "rank 1" "$work/killed.log" || fail "mpirun's message does not name rank 1"
+echo "a SIGKILLed rank ended the job in $ms ms (mpirun exit $rc)"
+echo "PASS"

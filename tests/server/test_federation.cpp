@@ -1,0 +1,467 @@
+// The federation without an engine: N in-process "hosts" (threads, then
+// in-process servers) over FakeEngine. The rounds' math against float64
+// references, anchors bitwise equal on every host after every round, the
+// checks that refuse mismatched hosts, a leave, a repair of anchors that
+// drifted apart; then whole servers: pushes at one host reach the other
+// through the rounds (with the exchange overlapped and not), and the drift
+// cap holding pushes until a round merges.
+#define BOOST_TEST_MODULE federation
+#include <boost/test/unit_test.hpp>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <random>
+#include <thread>
+
+#include "fake_federation.hpp"
+#include "federation.hpp"
+#include "server_support.hpp"
+#include "shmps/worker.hpp"
+#include "test_support.hpp"
+#include "worker_support.hpp"
+
+using namespace shmps;
+using namespace shmps::server;
+using shmps::test::FakeEngine;
+using shmps::test::FakeGroup;
+
+namespace {
+
+constexpr uint64_t kN = 1000;
+
+ModelFingerprint fingerprint(uint64_t n = kN, uint32_t optimizer = 2) {
+  ModelFingerprint f;
+  f.hash = 0x1234;
+  f.total_elements = n;
+  f.tensors = 1;
+  f.optimizer = optimizer;
+  return f;
+}
+
+// Runs body(rank, federator) on one thread per host, all over one group.
+// Bodies must not use Boost.Test macros (not thread-safe): they return
+// what the test checks afterwards.
+struct Hosts {
+  Hosts(uint32_t n, FederationConfig config, std::vector<ModelFingerprint> prints = {})
+      : group(std::make_shared<FakeGroup>(n)) {
+    for (uint32_t r = 0; r < n; ++r) {
+      engines.push_back(std::make_unique<FakeEngine>(group, r));
+      ModelFingerprint f = prints.empty() ? fingerprint() : prints[r];
+      f.outer = static_cast<uint32_t>(config.outer) | (config.weight_by_updates ? 1u << 8 : 0u);
+      feds.push_back(std::make_unique<Federator>(config, *engines.back(), f));
+    }
+  }
+  void run(const std::function<void(uint32_t, Federator&)>& body) {
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < feds.size(); ++r) threads.emplace_back([&, r] { body(r, *feds[r]); });
+    for (auto& t : threads) t.join();
+  }
+  std::shared_ptr<FakeGroup> group;
+  std::vector<std::unique_ptr<FakeEngine>> engines;
+  std::vector<std::unique_ptr<Federator>> feds;
+};
+
+std::vector<float> random_vector(uint64_t seed, uint64_t n = kN, float scale = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+void check_close(std::span<const float> got, const std::vector<double>& want, double tol, const char* what) {
+  double worst = 0.0;
+  size_t at = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::abs(got[i] - want[i]) > worst) {
+      worst = std::abs(got[i] - want[i]);
+      at = i;
+    }
+  BOOST_TEST(worst <= tol, what << ": element " << at << " is " << got[at] << ", the float64 reference " << want[at]
+                                << " (|diff| " << worst << " > " << tol << ")");
+}
+
+// Each host's snapshots and update counts for `rounds` rounds.
+struct Plan {
+  std::vector<std::vector<std::vector<float>>> snapshots;  // [round][rank]
+  std::vector<std::vector<uint64_t>> updates;              // [round][rank]
+};
+
+}  // namespace
+
+BOOST_AUTO_TEST_SUITE(federation)
+
+BOOST_AUTO_TEST_CASE(join_makes_rank_0s_weights_every_hosts_anchor) {
+  Hosts hosts(3, FederationConfig{});
+  std::vector<std::vector<float>> weights = {random_vector(1), random_vector(2), random_vector(3)};
+  std::vector<std::vector<float>> corrections = weights;
+  std::vector<Status> status(3);
+  hosts.run([&](uint32_t r, Federator& f) { status[r] = f.join(corrections[r]).status(); });
+  for (uint32_t r = 0; r < 3; ++r) {
+    BOOST_TEST_REQUIRE(status[r].ok(), status[r].to_string());
+    BOOST_TEST(std::equal(hosts.feds[r]->anchor().begin(), hosts.feds[r]->anchor().end(), weights[0].begin()));
+    // The consumer adds the correction: W + (A - W) is rank 0's weights,
+    // to the rounding of the subtraction and the addition.
+    for (size_t i = 0; i < kN; i += 97)
+      BOOST_TEST(std::abs(weights[r][i] + corrections[r][i] - weights[0][i]) <= 1e-6f);
+    BOOST_TEST(hosts.feds[r]->anchor_hash() == hosts.feds[0]->anchor_hash());
+  }
+}
+
+// The weighted average (Local SGD): A' = A + sum n_h (S_h - A) / sum n_h,
+// over rounds where one host is idle in one of them, against float64; the
+// anchors the same bits everywhere after every round.
+BOOST_AUTO_TEST_CASE(weighted_average_matches_float64_with_anchors_bitwise_equal) {
+  constexpr uint32_t kHosts = 3, kRounds = 5;
+  Hosts hosts(kHosts, FederationConfig{});
+  const std::vector<float> init = random_vector(10);
+  Plan plan;
+  for (uint32_t k = 0; k < kRounds; ++k) {
+    plan.snapshots.emplace_back();
+    plan.updates.emplace_back();
+    for (uint32_t r = 0; r < kHosts; ++r) {
+      plan.snapshots[k].push_back(random_vector(100 + k * 10 + r, kN, 0.1f));  // a delta, made a snapshot below
+      plan.updates[k].push_back(k == 2 && r == 1 ? 0 : 1 + (k + r) % 4);
+    }
+  }
+  std::vector<std::vector<uint64_t>> hashes(kRounds, std::vector<uint64_t>(kHosts));
+  std::vector<std::vector<std::vector<float>>> anchors(kRounds, std::vector<std::vector<float>>(kHosts));
+  std::vector<Status> status(kHosts);
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex = init;
+    if (auto j = f.join(ex); !j.ok()) {
+      status[r] = j.status();
+      return;
+    }
+    for (uint32_t k = 0; k < kRounds; ++k) {
+      // S = A + this round's local change (zero for an idle host).
+      for (size_t i = 0; i < kN; ++i)
+        ex[i] = f.anchor()[i] + (plan.updates[k][r] == 0 ? 0.0f : plan.snapshots[k][r][i]);
+      if (auto res = f.round(ex, plan.updates[k][r]); !res.ok()) {
+        status[r] = res.status();
+        return;
+      }
+      hashes[k][r] = f.anchor_hash();
+      anchors[k][r].assign(f.anchor().begin(), f.anchor().end());
+    }
+  });
+  std::vector<double> ref(init.begin(), init.end());
+  for (uint32_t k = 0; k < kRounds; ++k) {
+    for (uint32_t r = 0; r < kHosts; ++r) BOOST_TEST_REQUIRE(status[r].ok(), status[r].to_string());
+    uint64_t total = 0;
+    for (uint32_t r = 0; r < kHosts; ++r) total += plan.updates[k][r];
+    for (size_t i = 0; i < kN; ++i) {
+      double sum = 0.0;
+      for (uint32_t r = 0; r < kHosts; ++r)
+        if (plan.updates[k][r] != 0) sum += static_cast<double>(plan.updates[k][r]) * plan.snapshots[k][r][i];
+      ref[i] += sum / static_cast<double>(total);
+    }
+    check_close(anchors[k][0], ref, 1e-5, "anchor");
+    for (uint32_t r = 1; r < kHosts; ++r) {
+      BOOST_TEST(hashes[k][r] == hashes[k][0]);
+      BOOST_TEST(std::memcmp(anchors[k][r].data(), anchors[k][0].data(), kN * sizeof(float)) == 0);
+    }
+  }
+}
+
+// An idle host (no updates, S = A) does not pull the weighted mean toward
+// the anchor; the plain mean does, by design (1/members each).
+BOOST_AUTO_TEST_CASE(an_idle_host_does_not_dilute_the_weighted_average) {
+  for (bool weighted : {true, false}) {
+    FederationConfig config;
+    config.weight_by_updates = weighted;
+    Hosts hosts(2, config);
+    std::vector<float> moved(2);
+    hosts.run([&](uint32_t r, Federator& f) {
+      std::vector<float> ex(kN, 0.0f);
+      (void)f.join(ex);
+      for (size_t i = 0; i < kN; ++i) ex[i] = r == 0 ? 1.0f : 0.0f;  // host 0 moved every weight by 1
+      (void)f.round(ex, r == 0 ? 8 : 0);
+      moved[r] = f.anchor()[0];
+    });
+    BOOST_TEST(moved[0] == (weighted ? 1.0f : 0.5f));
+    BOOST_TEST(moved[1] == moved[0]);
+  }
+}
+
+// The outer step of DiLoCo: PyTorch's SGD (nesterov, dampening 0) on the
+// pseudo-gradient g = -mean delta, over several rounds, against float64.
+BOOST_AUTO_TEST_CASE(nesterov_outer_step_matches_pytorch_sgd_in_float64) {
+  constexpr uint32_t kHosts = 2, kRounds = 4;
+  FederationConfig config;
+  config.outer = OuterStep::kNesterov;
+  config.outer_lr = 0.7f;
+  config.outer_momentum = 0.9f;
+  config.weight_by_updates = false;
+  Hosts hosts(kHosts, config);
+  const std::vector<float> init = random_vector(20);
+  std::vector<std::vector<std::vector<float>>> deltas(kRounds);
+  for (uint32_t k = 0; k < kRounds; ++k)
+    for (uint32_t r = 0; r < kHosts; ++r) deltas[k].push_back(random_vector(200 + 10 * k + r, kN, 0.05f));
+  std::vector<std::vector<float>> final_anchor(kHosts);
+  std::vector<std::vector<float>> final_correction(kHosts);
+  std::vector<std::vector<float>> final_snapshot(kHosts);
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex = init;
+    (void)f.join(ex);
+    for (uint32_t k = 0; k < kRounds; ++k) {
+      for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + deltas[k][r][i];
+      final_snapshot[r] = ex;
+      (void)f.round(ex, 1);
+    }
+    final_anchor[r].assign(f.anchor().begin(), f.anchor().end());
+    final_correction[r] = ex;
+  });
+  // float64 reference, the snapshots as the hosts took them (S = A + delta
+  // in float, so the reference follows the hosts' anchors' rounding).
+  std::vector<double> a(init.begin(), init.end()), buf(kN, 0.0);
+  for (uint32_t k = 0; k < kRounds; ++k)
+    for (size_t i = 0; i < kN; ++i) {
+      double mean = 0.0;
+      for (uint32_t r = 0; r < kHosts; ++r) mean += deltas[k][r][i];
+      mean /= kHosts;
+      const double g = -mean;
+      buf[i] = k == 0 ? g : 0.9 * buf[i] + g;
+      a[i] -= 0.7 * (g + 0.9 * buf[i]);
+    }
+  check_close(final_anchor[0], a, 1e-5, "nesterov anchor");
+  BOOST_TEST(std::memcmp(final_anchor[0].data(), final_anchor[1].data(), kN * sizeof(float)) == 0);
+  // The correction is A' - S of the last snapshot.
+  for (size_t i = 0; i < kN; i += 101) BOOST_TEST(final_correction[1][i] == final_anchor[1][i] - final_snapshot[1][i]);
+}
+
+BOOST_AUTO_TEST_CASE(a_round_with_no_updates_anywhere_moves_no_anchor) {
+  Hosts hosts(2, FederationConfig{});
+  std::vector<uint64_t> bytes(2);
+  std::vector<float> anchor0(2);
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 3.0f);
+    (void)f.join(ex);
+    std::fill(ex.begin(), ex.end(), 3.0f + 1e-7f * static_cast<float>(r));  // the merge's rounding, no update
+    auto res = f.round(ex, 0);
+    bytes[r] = res.ok() ? res->bytes : 0;
+    anchor0[r] = f.anchor()[0];
+  });
+  BOOST_TEST(anchor0[0] == 3.0f);
+  BOOST_TEST(anchor0[1] == 3.0f);
+  BOOST_TEST(bytes[0] == 64u);  // the header only: no delta travelled
+}
+
+BOOST_AUTO_TEST_CASE(hosts_serving_other_models_are_refused_naming_both) {
+  ModelFingerprint other = fingerprint(kN, 3);
+  other.hash = 0x9999;
+  Hosts hosts(2, FederationConfig{}, {fingerprint(), other});
+  std::vector<Status> status(2);
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 0.0f);
+    status[r] = f.join(ex).status();
+  });
+  for (uint32_t r = 0; r < 2; ++r) {
+    BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+    const std::string& m = status[r].message();
+    BOOST_TEST(m.find("serves another model") != std::string::npos, m);
+    BOOST_TEST(m.find("optimizer adam,") != std::string::npos, m);   // kind 2
+    BOOST_TEST(m.find("optimizer adamw,") != std::string::npos, m);  // kind 3
+    BOOST_TEST(m.find("--tensor") != std::string::npos, m);          // the fix
+  }
+}
+
+BOOST_AUTO_TEST_CASE(a_leaving_host_ends_the_round_with_nothing_exchanged) {
+  Hosts hosts(3, FederationConfig{});
+  std::vector<RoundResult> results(3);
+  std::vector<float> first(3, -1.0f);
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 1.0f);
+    (void)f.join(ex);
+    if (r == 2) {
+      (void)f.leave();
+      return;
+    }
+    std::fill(ex.begin(), ex.end(), 5.0f);
+    auto res = f.round(ex, 4);
+    if (res.ok()) results[r] = *res;
+    first[r] = ex[0];
+  });
+  for (uint32_t r = 0; r < 2; ++r) {
+    BOOST_TEST(results[r].peer_left);
+    BOOST_TEST(results[r].left_rank == 2u);
+    BOOST_TEST(first[r] == 0.0f);  // no correction: the local weights stay
+    BOOST_TEST(hosts.feds[r]->round_number() == 0u);
+  }
+}
+
+// Anchors that differ (here: one member's engine returns a perturbed sum)
+// are seen at the next round's headers and replaced by rank 0's.
+BOOST_AUTO_TEST_CASE(anchors_that_differ_are_repaired_from_rank_0) {
+  Hosts hosts(2, FederationConfig{});
+  hosts.engines[1]->perturbation = 1e-3f;
+  std::vector<RoundResult> second(2);
+  std::vector<uint64_t> after_first(2);
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 0.0f);
+    (void)f.join(ex);
+    for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + 0.5f;
+    (void)f.round(ex, 1);
+    after_first[r] = f.anchor_hash();
+    if (r == 1) hosts.engines[1]->perturbation = 0.0f;
+    for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + 0.25f;
+    if (auto res = f.round(ex, 1); res.ok()) second[r] = *res;
+  });
+  BOOST_TEST(after_first[0] != after_first[1]);
+  BOOST_TEST(second[0].anchors_repaired);
+  BOOST_TEST(second[1].anchors_repaired);
+  BOOST_TEST(hosts.feds[0]->anchor_hash() == hosts.feds[1]->anchor_hash());
+  // Rank 0's 0.5, then the round's mean delta: 0.25 from rank 0, and from
+  // rank 1 its 0.25 plus its drift from rank 0's anchor (1e-3 / 2).
+  BOOST_TEST(std::abs(hosts.feds[1]->anchor()[0] - 0.75025f) <= 1e-6f);
+}
+
+BOOST_AUTO_TEST_CASE(an_engine_failure_leaves_the_anchor_unchanged) {
+  Hosts hosts(1, FederationConfig{});
+  std::vector<float> ex(kN, 2.0f);
+  BOOST_TEST_REQUIRE(hosts.feds[0]->join(ex).ok());
+  const uint64_t before = hosts.feds[0]->anchor_hash();
+  hosts.engines[0]->fail_next = true;
+  std::fill(ex.begin(), ex.end(), 4.0f);
+  auto res = hosts.feds[0]->round(ex, 1);
+  BOOST_TEST(!res.ok());
+  BOOST_TEST(res.status().message().find("injected failure") != std::string::npos);
+  BOOST_TEST(hosts.feds[0]->anchor_hash() == before);
+  BOOST_TEST(hosts.feds[0]->round_number() == 0u);
+}
+
+// ---------------------------------------------------------------- servers
+
+namespace {
+
+// Two in-process servers federated over one FakeGroup, SGD lr 1 on one
+// tensor of 4 zeros, so a push of g moves the weights by -g exactly.
+struct TwoServers {
+  TwoServers(FederationConfig a, FederationConfig b) : group(std::make_shared<FakeGroup>(2)) {
+    for (uint32_t r = 0; r < 2; ++r) {
+      ServerConfig c;
+      c.name = test::unique_name("fed" + std::to_string(r));
+      c.tensors = {{"w", {4}}};
+      c.optimizer.kind = kernels::OptimizerKind::kSgd;
+      c.optimizer.lr = 1.0f;
+      c.backend = BackendKind::kHost;
+      c.max_staleness = 1'000'000;
+      c.federation = r == 0 ? a : b;
+      names.push_back(c.name);
+      servers.push_back(std::make_unique<test::InProcessServer>(c, std::make_unique<FakeEngine>(group, r)));
+    }
+  }
+  std::shared_ptr<FakeGroup> group;
+  std::vector<std::string> names;
+  std::vector<std::unique_ptr<test::InProcessServer>> servers;
+};
+
+// A worker that pushes a gradient of -0.5 everywhere `pushes` times.
+void push_halves(const std::string& name, int pushes) {
+  auto w = test::connect(name);
+  auto grad = w->register_buffer(16);
+  BOOST_REQUIRE(grad.ok());
+  auto weights = w->register_buffer(16);
+  BOOST_REQUIRE(weights.ok());
+  for (int k = 0; k < 4; ++k) static_cast<float*>(grad->data)[k] = -0.5f;
+  for (int p = 0; p < pushes; ++p) {
+    auto v = w->pull(0, weights->id, 0);
+    BOOST_REQUIRE(v.ok());
+    auto pushed = w->push(0, grad->id, 0, 16, Dtype::kF32, *v);
+    BOOST_REQUIRE_MESSAGE(pushed.ok(), pushed.status().to_string());
+  }
+}
+
+std::vector<float> pull_weights(const std::string& name) {
+  auto w = test::connect(name);
+  auto buf = w->register_buffer(16);
+  BOOST_REQUIRE(buf.ok());
+  BOOST_REQUIRE(w->pull(0, buf->id, 0).ok());
+  const auto* p = static_cast<const float*>(buf->data);
+  return std::vector<float>(p, p + 4);
+}
+
+uint64_t stat(const std::string& name, uint64_t ServerStats::*field) {
+  auto w = test::connect(name);
+  auto s = w->stats();
+  BOOST_REQUIRE(s.ok());
+  return (*s).*field;
+}
+
+}  // namespace
+
+// Host 0's pushes reach host 1 through the rounds, weighted so that idle
+// host 1 does not halve them, whether the exchange overlaps local serving
+// (pushes during a round are kept by the merge) or holds it.
+BOOST_AUTO_TEST_CASE(pushes_at_one_server_reach_the_other_through_the_rounds) {
+  for (bool overlap : {true, false}) {
+    FederationConfig f;
+    f.every_ms = 20;
+    f.overlap = overlap;
+    TwoServers two(f, f);
+    constexpr int kPushes = 40;
+    push_halves(two.names[0], kPushes);
+    const float want = 0.5f * kPushes;
+    BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(two.names[1])[0] == want; }),
+                       "overlap " << overlap << ": host 1 has " << pull_weights(two.names[1])[0] << ", want " << want);
+    const std::vector<float> w0 = pull_weights(two.names[0]), w1 = pull_weights(two.names[1]);
+    for (int k = 0; k < 4; ++k) {
+      BOOST_TEST(w0[k] == want);
+      BOOST_TEST(w1[k] == want);
+    }
+    BOOST_TEST(stat(two.names[0], &ServerStats::fed_members) == 2u);
+    BOOST_TEST(stat(two.names[1], &ServerStats::fed_round) >= 1u);
+    BOOST_TEST(stat(two.names[0], &ServerStats::fed_anchor_hash) == stat(two.names[1], &ServerStats::fed_anchor_hash));
+    BOOST_TEST(stat(two.names[0], &ServerStats::fed_failures) == 0u);
+  }
+}
+
+// --fed-max-drift 3 on a host whose own timer never fires in the test:
+// every fourth push waits for a round that the cap asked for, which the
+// other host (a round every 150 ms) joins. Without the hold, 12 pushes take
+// milliseconds; with it, at least 3 rounds of the other host's timer.
+BOOST_AUTO_TEST_CASE(the_drift_cap_holds_pushes_until_a_round_merges) {
+  FederationConfig capped;
+  capped.every_ms = 600'000;
+  capped.max_drift = 3;
+  FederationConfig timer;
+  timer.every_ms = 150;
+  TwoServers two(capped, timer);
+  const auto start = std::chrono::steady_clock::now();
+  push_halves(two.names[0], 12);
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  BOOST_TEST(elapsed >= 0.3, "12 pushes took " << elapsed << " s: the cap held nothing");
+  BOOST_TEST(stat(two.names[0], &ServerStats::fed_round) >= 3u);
+  BOOST_TEST(stat(two.names[0], &ServerStats::fed_drift) <= 3u);
+}
+
+BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
+  auto ok = test::parse_server_args({"--name", "x", "--tensor", "w:4", "--federation", "mpi", "--fed-outer", "nesterov",
+                                     "--fed-every-ms", "40", "--fed-max-drift", "9", "--fed-no-overlap",
+                                     "--fed-unweighted", "--fed-rank-in-name"});
+  BOOST_TEST_REQUIRE(ok.ok(), ok.status().to_string());
+  const FederationConfig& f = ok->config.federation;
+  BOOST_TEST((f.kind == FederationKind::kMpi));
+  BOOST_TEST((f.outer == OuterStep::kNesterov));
+  BOOST_TEST(f.every_ms == 40u);
+  BOOST_TEST(f.max_drift == 9u);
+  BOOST_TEST(!f.overlap);
+  BOOST_TEST(!f.weight_by_updates);
+  BOOST_TEST(f.rank_in_name);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"--federation", "tcp"}, "--federation must be none or mpi"},
+      {{"--fed-outer", "adam"}, "--fed-outer must be average or nesterov"},
+      {{"--fed-every-ms", "0"}, "--fed-every-ms must be in 1..3600000"},
+      {{"--fed-outer-momentum", "1"}, "--fed-outer-momentum must be in [0, 1)"},
+      {{"--fed-outer-lr", "-1"}, "--fed-outer-lr must be finite and > 0"},
+  };
+  for (const auto& [args, want] : bad) {
+    std::vector<std::string> all = {"--name", "x", "--tensor", "w:4"};
+    all.insert(all.end(), args.begin(), args.end());
+    auto r = test::parse_server_args(all);
+    BOOST_TEST_REQUIRE(!r.ok(), args[0]);
+    BOOST_TEST(r.status().message().find(want) != std::string::npos, r.status().message());
+  }
+}
+
+BOOST_AUTO_TEST_SUITE_END()

@@ -1,0 +1,109 @@
+// An in-process federation engine for tests: N members (threads, or
+// in-process servers) of one FakeGroup meet at each collective; the last to
+// arrive computes the result (sums in rank order: the same bits for all)
+// and releases the others. A member may be told to add a perturbation to
+// its allreduce results (anchors that drift apart) or to fail its next
+// collective. Header-only; thread-safe.
+#pragma once
+
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+#include "shmps/server/federation.hpp"
+
+namespace shmps::test {
+
+class FakeGroup : public std::enable_shared_from_this<FakeGroup> {
+ public:
+  explicit FakeGroup(uint32_t size) : size_(size), inputs_(size) {}
+  uint32_t size() const { return size_; }
+
+  // One collective step: `in` of every member, combined by `combine` (run
+  // once, by the last to arrive, over all inputs in rank order) into the
+  // shared result, which every member then copies out.
+  template <class Combine>
+  std::vector<std::byte> meet(uint32_t rank, std::span<const std::byte> in, Combine combine) {
+    std::unique_lock lock(mu_);
+    const uint64_t generation = generation_;
+    inputs_[rank].assign(in.begin(), in.end());
+    if (++arrived_ == size_) {
+      result_ = combine(inputs_);
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return generation_ != generation; });
+    }
+    return result_;
+  }
+
+ private:
+  const uint32_t size_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint32_t arrived_ = 0;
+  uint64_t generation_ = 0;
+  std::vector<std::vector<std::byte>> inputs_;
+  std::vector<std::byte> result_;
+};
+
+class FakeEngine final : public server::FederationEngine {
+ public:
+  FakeEngine(std::shared_ptr<FakeGroup> group, uint32_t rank) : group_(std::move(group)), rank_(rank) {}
+
+  const char* name() const noexcept override { return "fake"; }
+  server::Membership membership() const noexcept override { return {0, rank_, group_->size()}; }
+
+  Status allreduce_sum(std::span<float> data) override {
+    if (fail_next) return fail();
+    const auto out = group_->meet(rank_, std::as_bytes(data), [&](const std::vector<std::vector<std::byte>>& in) {
+      std::vector<float> sum(data.size(), 0.0f);
+      for (const auto& member : in) {
+        const auto* v = reinterpret_cast<const float*>(member.data());
+        for (size_t i = 0; i < sum.size(); ++i) sum[i] += v[i];
+      }
+      std::vector<std::byte> bytes(sum.size() * sizeof(float));
+      std::memcpy(bytes.data(), sum.data(), bytes.size());
+      return bytes;
+    });
+    std::memcpy(data.data(), out.data(), out.size());
+    for (float& v : data) v += perturbation;
+    return Status::Ok();
+  }
+
+  Status allgather(std::span<const std::byte> mine, std::span<std::byte> all) override {
+    if (fail_next) return fail();
+    const auto out = group_->meet(rank_, mine, [](const std::vector<std::vector<std::byte>>& in) {
+      std::vector<std::byte> bytes;
+      for (const auto& member : in) bytes.insert(bytes.end(), member.begin(), member.end());
+      return bytes;
+    });
+    std::memcpy(all.data(), out.data(), all.size());
+    return Status::Ok();
+  }
+
+  Status broadcast(std::span<std::byte> data, uint32_t root) override {
+    if (fail_next) return fail();
+    const auto out =
+        group_->meet(rank_, data, [root](const std::vector<std::vector<std::byte>>& in) { return in[root]; });
+    std::memcpy(data.data(), out.data(), data.size());
+    return Status::Ok();
+  }
+
+  float perturbation = 0.0f;  // added to every allreduce result of this member
+  bool fail_next = false;     // the next collective fails (without meeting the others)
+
+ private:
+  Status fail() {
+    fail_next = false;
+    return {ErrorCode::kIo, "federation (fake): injected failure"};
+  }
+  std::shared_ptr<FakeGroup> group_;
+  uint32_t rank_;
+};
+
+}  // namespace shmps::test
