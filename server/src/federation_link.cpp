@@ -31,7 +31,8 @@ FederationLink::~FederationLink() {
   thread_.join();
 }
 
-void FederationLink::start() {
+void FederationLink::start(uint64_t version) {
+  last_snapshot_version_ = merged_version_ = version;
   thread_ = std::thread([this] { thread_main(); });
 }
 
@@ -63,10 +64,6 @@ Result<bool> FederationLink::poll(Backend& backend, uint64_t version) {
   if (p != Phase::kWantSnapshot && p != Phase::kMergeReady) return false;
   if (phase() == Phase::kWantSnapshot) {
     if (Status s = backend.snapshot_weights(exchange_); !s.ok()) return s;
-    if (first_snapshot_) {
-      merged_version_ = last_snapshot_version_ = version;
-      first_snapshot_ = false;
-    }
     snapshot_updates_ = version - last_snapshot_version_;
     last_snapshot_version_ = snapshot_version_ = version;
     set_phase(Phase::kExchanging);
@@ -81,7 +78,7 @@ Result<bool> FederationLink::poll(Backend& backend, uint64_t version) {
 bool FederationLink::holding(uint64_t version) {
   // relaxed: a hint; the phase that hands the buffer over is acquired in poll().
   const auto p = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
-  if (p == Phase::kOff || first_snapshot_) return false;
+  if (p == Phase::kOff) return false;
   if (!config_.overlap && (p == Phase::kExchanging || p == Phase::kMergeReady)) return true;
   if (config_.max_drift != 0 && version - merged_version_ >= config_.max_drift) {
     if (p == Phase::kIdle) request_round();
@@ -102,7 +99,7 @@ void FederationLink::request_round() {
 
 void FederationLink::publish_drift(uint64_t version) {
   // relaxed: statistics.
-  stats_.fed_drift.store(first_snapshot_ ? 0 : version - merged_version_, std::memory_order_relaxed);
+  stats_.fed_drift.store(version - merged_version_, std::memory_order_relaxed);
 }
 
 bool FederationLink::stop(Backend& backend, uint64_t version, uint32_t timeout_ms) {

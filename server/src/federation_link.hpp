@@ -36,8 +36,9 @@ class FederationLink {
   ~FederationLink();  // stop(), if the server did not
 
   Membership membership() const noexcept { return membership_; }
-  // Starts the thread; its first job is the join (Federator::join).
-  void start();
+  // Starts the thread at the model's `version` (the drift counts from
+  // it); its first job is the join (Federator::join).
+  void start(uint64_t version);
 
   // Consumer thread, every turn of the loop (one relaxed load when there
   // is nothing to do): takes the snapshot or merges the correction when
@@ -90,7 +91,6 @@ class FederationLink {
   uint64_t last_snapshot_version_ = 0;
   uint64_t snapshot_version_ = 0;
   uint64_t merged_version_ = 0;  // the snapshot version of the last merged round: drift counts from it
-  bool first_snapshot_ = true;
 
   // ---- both threads
   std::atomic<uint32_t> phase_{static_cast<uint32_t>(Phase::kIdle)};

@@ -116,7 +116,7 @@ class Server::Impl {
     uint64_t idle_since = 0;
     last_watchdog = last_status = shm::monotonic_ns();
     applied_at_last_status = stats().gradients_applied.load(std::memory_order_relaxed);  // relaxed: our own counter
-    if (federation) federation->start();
+    if (federation) federation->start(model.version);
     if (notifier.enabled()) {
       log::info(notifier.watchdog_ns() == 0 ? std::string("notifying systemd; no watchdog")
                                             : "notifying systemd; watchdog keep-alive every " +
@@ -338,9 +338,9 @@ class Server::Impl {
   bool serve_lane(uint32_t i) {
     WorkerSlot& slot = sessions[i];
     if (!sessions.sync(i)) return false;
-    if (federation && federation->holding(model.version)) return false;  // until the round merges
-    if (gate.parked(i)) return false;                                    // its pull goes first (release_pulls())
-    slot.lane.prefetch_next();  // the request's line travels while we check the entry
+
+    if (gate.parked(i)) return false;  // its pull goes first (release_pulls())
+    slot.lane.prefetch_next();         // the request's line travels while we check the entry
     shm::WorkerEntry& entry = segment->worker(i);
     uint32_t served = 0;
     bool drained = false;  // the batch ended on an empty lane
@@ -348,6 +348,7 @@ class Server::Impl {
       if (!slot.completions.has_space()) break;         // worker is behind; it will catch up
       if (held.held(i) >= config.lane_capacity) break;  // its device work is behind
       if (!failure.ok()) break;  // the device failed: nothing more is taken (shutdown fails the rest)
+      if (federation && federation->holding(model.version)) break;  // until the round merges (drift cap, no overlap)
       // This lane alone is a lower bound of the total; publish_depth() sums
       // all lanes every heartbeat and for a stats request.
       sessions.note_depth(slot.lane.depth_estimate());
@@ -685,7 +686,12 @@ Result<std::unique_ptr<Server>> Server::create(const ServerConfig& requested, st
     if (!made.ok()) return made.status();
     engine = std::move(made).value();
   }
-  if (engine && config.federation.rank_in_name) config.name += ".r" + std::to_string(engine->membership().rank);
+  if (engine && config.federation.rank_in_name) {
+    // Several ranks on one machine: each its own segment and checkpoints.
+    const std::string rank = ".r" + std::to_string(engine->membership().rank);
+    config.name += rank;
+    if (!config.checkpoint_dir.empty()) config.checkpoint_dir += "/" + rank.substr(1);
+  }
   // The weights and optimizer state are the server's big allocations; one
   // that fails is a clear error (and no segment is left behind).
   try {

@@ -42,7 +42,8 @@ struct FederationConfig {
   // The most local updates since the last merged snapshot (0: no cap);
   // beyond it the server holds its lanes until the next round merges.
   uint64_t max_drift = 0;
-  // Append ".r<rank>" to --name (several "hosts" on one machine).
+  // Append ".r<rank>" to --name, and "/r<rank>" to --checkpoint-dir
+  // (several "hosts" on one machine).
   bool rank_in_name = false;
 };
 
