@@ -103,7 +103,7 @@ for name in "${!lib_from[@]}"; do
 done
 
 for b in "${binaries[@]}"; do
-  strip --strip-debug "$tree/bin/$b"
+  strip --strip-all "$tree/bin/$b"  # the symbol tables too: the pack must stay under 60 MiB
   patchelf --force-rpath --set-rpath '$ORIGIN/../lib' "$tree/bin/$b"
 done
 
