@@ -37,12 +37,6 @@ std::optional<uint64_t> HistogramView::quantile(double q) const {
   return max;
 }
 
-std::string hex64(uint64_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
 namespace {
 
 bool ends_with(std::string_view s, std::string_view suffix) {

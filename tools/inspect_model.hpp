@@ -196,8 +196,9 @@ std::string backend_name(uint32_t backend);
 std::string dtype_name(uint32_t dtype);
 std::string buffer_kind_name(uint32_t kind);
 std::string error_name(uint32_t code);  // shmps::error_code_name, or unknown(N)
-// "0x0123456789abcdef": magic, generation and leases, in text and JSON.
-std::string hex64(uint64_t v);
+// "0x0123456789abcdef" (magic, generation and leases, in text and JSON):
+// the project's shmps::hex64 (status.hpp).
+using shmps::hex64;
 // The config flags as "nesterov,amsgrad", "none", unknown bits as 0x...
 std::string config_flags_text(uint32_t flags);
 // The bytes up to the first NUL within `n` (all n and " (unterminated)"

@@ -1,5 +1,6 @@
 #include "shmps/status.hpp"
 
+#include <cstdio>
 #include <cstring>
 #include <ostream>
 
@@ -58,6 +59,12 @@ std::string_view error_code_name(ErrorCode code) noexcept {
 }
 
 std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
+
+std::string hex64(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
 
 std::ostream& operator<<(std::ostream& os, ErrorCode code) { return os << error_code_name(code); }
 

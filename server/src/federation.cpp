@@ -1,8 +1,8 @@
 #include "federation.hpp"
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
+#include <string_view>
 #include <type_traits>
 
 #include "shmps/kernels/optimizer.hpp"
@@ -15,12 +15,6 @@ constexpr uint64_t kHeaderMagic = 0x31444546534d4853ull;  // "SHMSFED1" little-e
 constexpr uint32_t kFlagJoin = 1u << 0;
 constexpr uint32_t kFlagLeaving = 1u << 1;
 
-std::string hex(uint64_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
 }  // namespace
 
 // One per member per collective step, gathered before any delta moves.
@@ -28,41 +22,50 @@ std::string hex(uint64_t v) {
 struct Federator::Header {
   uint64_t magic;
   uint64_t round;  // the round this call completes; 0: the join
-  uint64_t model_hash;
-  uint64_t total_elements;
   uint64_t local_updates;
   uint64_t anchor_hash;
-  uint32_t tensors;
-  uint32_t optimizer;
-  uint32_t outer;
+  ModelFingerprint model;
   uint32_t flags;  // kFlag*
+  uint32_t reserved;
 };
 
-const char* federation_kind_name(FederationKind kind) noexcept {
-  switch (kind) {
-    case FederationKind::kNone:
-      return "none";
-    case FederationKind::kMpi:
-      return "mpi";
-  }
-  return "unknown";
+namespace {
+
+// The names of the options' values, in enum order: one table per enum
+// for both directions.
+constexpr const char* kFederationKindNames[] = {"none", "mpi"};
+constexpr const char* kOuterStepNames[] = {"average", "nesterov"};
+
+template <class E, size_t N>
+const char* name_of(E value, const char* const (&names)[N]) noexcept {
+  const auto i = static_cast<size_t>(value);
+  return i < N ? names[i] : "unknown";
 }
 
-const char* outer_step_name(OuterStep step) noexcept {
-  switch (step) {
-    case OuterStep::kAverage:
-      return "average";
-    case OuterStep::kNesterov:
-      return "nesterov";
-  }
-  return "unknown";
+template <class E, size_t N>
+bool parse_name(std::string_view text, const char* const (&names)[N], E* out) noexcept {
+  for (size_t i = 0; i < N; ++i)
+    if (text == names[i]) {
+      *out = static_cast<E>(i);
+      return true;
+    }
+  return false;
 }
+
+}  // namespace
+
+const char* federation_kind_name(FederationKind kind) noexcept { return name_of(kind, kFederationKindNames); }
+const char* outer_step_name(OuterStep step) noexcept { return name_of(step, kOuterStepNames); }
+bool parse_federation_kind(std::string_view text, FederationKind* out) noexcept {
+  return parse_name(text, kFederationKindNames, out);
+}
+bool parse_outer_step(std::string_view text, OuterStep* out) noexcept { return parse_name(text, kOuterStepNames, out); }
 
 std::string ModelFingerprint::describe() const {
   const char* opt = kernels::optimizer_kind_name(static_cast<kernels::OptimizerKind>(optimizer));
   return std::to_string(tensors) + " tensors, " + std::to_string(total_elements) + " parameters, optimizer " +
          (opt != nullptr ? opt : "?") + ", outer " + outer_step_name(static_cast<OuterStep>(outer & 0xff)) +
-         ((outer >> 8) != 0 ? " weighted" : " unweighted") + " (tensor table hash " + hex(hash) + ")";
+         ((outer >> 8) != 0 ? " weighted" : " unweighted") + " (tensor table hash " + hex64(hash) + ")";
 }
 
 ModelFingerprint model_fingerprint(const ServerConfig& config) {
@@ -91,8 +94,8 @@ ModelFingerprint model_fingerprint(const ServerConfig& config) {
 }
 
 uint64_t hash_floats(std::span<const float> values) noexcept {
-  // Two 32-bit words per step through a 64-bit multiply-xorshift mix:
-  // about a cycle per element, so a 64 MiB anchor hashes in a few ms.
+  // Two 32-bit words per step through a 64-bit multiply-xorshift mix (one
+  // multiply per two elements; the chain is serial).
   uint64_t h = 0x9e3779b97f4a7c15ull ^ values.size();
   size_t i = 0;
   for (; i + 2 <= values.size(); i += 2) {
@@ -120,18 +123,14 @@ Federator::Federator(const FederationConfig& config, FederationEngine& engine, c
 }
 
 Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vector<Header>* all) {
-  static_assert(sizeof(Header) == 64 && std::is_trivially_copyable_v<Header>);
+  static_assert(sizeof(Header) == kHeaderBytes && std::is_trivially_copyable_v<Header>);
   const Membership m = engine_.membership();
   Header mine{};
   mine.magic = kHeaderMagic;
   mine.round = joined_ ? round_ + 1 : 0;
-  mine.model_hash = fingerprint_.hash;
-  mine.total_elements = fingerprint_.total_elements;
   mine.local_updates = local_updates;
   mine.anchor_hash = anchor_hash_;
-  mine.tensors = fingerprint_.tensors;
-  mine.optimizer = fingerprint_.optimizer;
-  mine.outer = fingerprint_.outer;
+  mine.model = fingerprint_;
   mine.flags = (joined_ ? 0 : kFlagJoin) | (leaving ? kFlagLeaving : 0);
   all->assign(m.size, Header{});
   if (Status s = engine_.allgather(std::as_bytes(std::span(&mine, 1)), std::as_writable_bytes(std::span(*all)));
@@ -141,19 +140,11 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
     const Header& h = (*all)[r];
     if (h.magic != kHeaderMagic)
       return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) +
-                                               " sent no shmps round header (magic " + hex(h.magic) +
+                                               " sent no shmps round header (magic " + hex64(h.magic) +
                                                "): is every rank a shmps-server of the same version?"};
-    ModelFingerprint theirs;
-    theirs.hash = h.model_hash;
-    theirs.total_elements = h.total_elements;
-    theirs.tensors = h.tensors;
-    theirs.optimizer = h.optimizer;
-    theirs.outer = h.outer;
-    if (theirs.hash != fingerprint_.hash || theirs.total_elements != fingerprint_.total_elements ||
-        theirs.tensors != fingerprint_.tensors || theirs.optimizer != fingerprint_.optimizer ||
-        theirs.outer != fingerprint_.outer)
+    if (h.model != fingerprint_)
       return {ErrorCode::kInvalidArgument,
-              "federation: host rank " + std::to_string(r) + " serves another model: " + theirs.describe() +
+              "federation: host rank " + std::to_string(r) + " serves another model: " + h.model.describe() +
                   "; this host (rank " + std::to_string(m.rank) + ") serves " + fingerprint_.describe() +
                   "; start every host with the same --tensor, --optimizer and --fed-outer options"};
     if (h.round != mine.round || (h.flags & kFlagJoin) != (mine.flags & kFlagJoin))
@@ -175,7 +166,7 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   joined_ = true;
   RoundResult r;
   r.members = m.size;
-  r.bytes = sizeof(Header) + anchor_.size() * sizeof(float);
+  r.bytes = kHeaderBytes + anchor_.size() * sizeof(float);
   return r;
 }
 
@@ -197,7 +188,7 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
   if (Status s = gather_headers(local_updates, false, &all); !s.ok()) return s;
   RoundResult r;
   r.members = static_cast<uint32_t>(all.size());
-  r.bytes = sizeof(Header);
+  r.bytes = kHeaderBytes;
   for (uint32_t k = 0; k < all.size(); ++k) {
     r.updates_total += all[k].local_updates;
     if ((all[k].flags & kFlagLeaving) != 0 && !r.peer_left) {

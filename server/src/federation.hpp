@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "shmps/server/config.hpp"
@@ -19,15 +20,20 @@ namespace shmps::server {
 
 // What every host must agree on before its deltas are averaged: the tensor
 // table (names and shapes, hashed), the optimizer, and the outer step.
+// Fixed-width fields only: it crosses hosts as bytes, in each round's
+// header (all hosts little-endian).
 struct ModelFingerprint {
   uint64_t hash = 0;
   uint64_t total_elements = 0;
   uint32_t tensors = 0;
   uint32_t optimizer = 0;  // kernels::OptimizerKind
   uint32_t outer = 0;      // OuterStep | (weight_by_updates << 8)
-  // "3 tensors, 203530 parameters, optimizer adam, outer average weighted (model hash 0x...)"
+  uint32_t reserved = 0;
+  bool operator==(const ModelFingerprint&) const = default;
+  // "3 tensors, 203530 parameters, optimizer adam, outer average weighted (tensor table hash 0x...)"
   std::string describe() const;
 };
+static_assert(sizeof(ModelFingerprint) == 32 && std::is_trivially_copyable_v<ModelFingerprint>);
 
 // The fingerprint of what `config` serves: its tensor table, optimizer
 // kind and federation outer step.
@@ -49,6 +55,9 @@ struct RoundResult {
 
 class Federator {
  public:
+  // What every member sends before any delta moves (the header).
+  static constexpr uint64_t kHeaderBytes = 72;
+
   // `fingerprint.total_elements` sizes every span below.
   Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint);
 

@@ -3,7 +3,6 @@
 #include <chrono>
 
 #include "shmps/server/log.hpp"
-#include "shmps/shm/futex.hpp"
 
 namespace shmps::server {
 
@@ -25,7 +24,7 @@ FederationLink::~FederationLink() {
   {
     std::lock_guard lock(mu_);
     abandoned_ = true;
-    stop_.store(true, std::memory_order_relaxed);  // relaxed: read under mu_ by the thread's waits
+    stop_ = true;
   }
   cv_.notify_all();
   thread_.join();
@@ -106,7 +105,7 @@ bool FederationLink::stop(Backend& backend, uint64_t version, uint32_t timeout_m
   if (!thread_.joinable()) return true;
   {
     std::lock_guard lock(mu_);
-    stop_.store(true, std::memory_order_relaxed);  // relaxed: read under mu_
+    stop_ = true;
   }
   cv_.notify_all();
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
@@ -147,71 +146,60 @@ void FederationLink::publish(const RoundResult& r, uint64_t round_ns) {
   stats_.fed_anchor_hash.store(federator_.anchor_hash(), std::memory_order_relaxed);
 }
 
-void FederationLink::thread_main() {
-  const auto finish = [this] {
-    thread_done_.store(true, std::memory_order_release);  // SYNC(fed_done)
-  };
-  const std::string engine = engine_->name();
-  // The join: rank 0's weights become everybody's anchor.
+bool FederationLink::exchange(bool join) {
   set_phase(Phase::kWantSnapshot);
-  if (!wait_for(Phase::kExchanging)) return finish();
-  const auto t0 = Clock::now();
-  Result<RoundResult> joined = federator_.join(exchange_);
-  if (!joined.ok()) {
+  if (!wait_for(Phase::kExchanging)) return false;
+  const auto start = Clock::now();
+  Result<RoundResult> r = join ? federator_.join(exchange_) : federator_.round(exchange_, snapshot_updates_);
+  if (!r.ok()) {
     stats_.fed_failures.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistics
-    log::error(joined.status().message());
-    end("the join failed");
-    return finish();
+    log::error(r.status().message());
+    end(join ? std::string("the join failed") : "round " + std::to_string(federator_.round_number() + 1) + " failed");
+    return false;
   }
-  publish(*joined, static_cast<uint64_t>(std::chrono::nanoseconds(Clock::now() - t0).count()));
-  log::info("federation: joined as rank " + std::to_string(membership_.rank) + " of " +
-            std::to_string(membership_.size) + " over " + engine + "; a round every " +
-            std::to_string(config_.every_ms) + " ms" +
-            (config_.every_versions != 0 ? " or " + std::to_string(config_.every_versions) + " local updates" : "") +
-            ", outer step " + outer_step_name(config_.outer));
+  if (r->peer_left) {
+    end("host rank " + std::to_string(r->left_rank) + " left the federation (" + engine_->name() +
+        " cannot re-form the group)");
+    return false;
+  }
+  publish(*r, static_cast<uint64_t>(std::chrono::nanoseconds(Clock::now() - start).count()));
+  if (join)
+    log::info("federation: joined as rank " + std::to_string(membership_.rank) + " of " +
+              std::to_string(membership_.size) + " over " + engine_->name() + "; a round every " +
+              std::to_string(config_.every_ms) + " ms" +
+              (config_.every_versions != 0 ? " or " + std::to_string(config_.every_versions) + " local updates" : "") +
+              ", outer step " + outer_step_name(config_.outer));
+  if (r->anchors_repaired)
+    log::warn("federation: round " + std::to_string(r->round) + ": the anchors differed between hosts; rank 0's " +
+              "was broadcast");
   set_phase(Phase::kMergeReady);
-  if (!wait_for(Phase::kIdle)) return finish();
+  return wait_for(Phase::kIdle);
+}
 
-  auto deadline = Clock::now() + std::chrono::milliseconds(config_.every_ms);
-  for (;;) {
-    {
-      std::unique_lock lock(mu_);
-      // relaxed: written under mu_.
-      cv_.wait_until(lock, deadline, [&] {
-        return stop_.load(std::memory_order_relaxed) || round_now_.load(std::memory_order_relaxed);
-      });
-      if (abandoned_) return finish();
-      if (stop_.load(std::memory_order_relaxed)) break;  // relaxed: read under mu_
-      round_now_.store(false, std::memory_order_relaxed);
+void FederationLink::thread_main() {
+  // The join first: rank 0's weights become everybody's anchor.
+  if (exchange(/*join=*/true)) {
+    auto deadline = Clock::now() + std::chrono::milliseconds(config_.every_ms);
+    for (;;) {
+      {
+        std::unique_lock lock(mu_);
+        // relaxed: written under mu_.
+        cv_.wait_until(lock, deadline, [&] { return stop_ || round_now_.load(std::memory_order_relaxed); });
+        if (abandoned_) break;
+        if (stop_) {
+          lock.unlock();
+          // The collective that pairs with the others' next round.
+          if (Status s = federator_.leave(); !s.ok()) log::warn("federation: announcing the leave: " + s.message());
+          set_phase(Phase::kOff);
+          break;
+        }
+        round_now_.store(false, std::memory_order_relaxed);
+      }
+      deadline = Clock::now() + std::chrono::milliseconds(config_.every_ms);
+      if (!exchange(/*join=*/false)) break;
     }
-    deadline = Clock::now() + std::chrono::milliseconds(config_.every_ms);
-    set_phase(Phase::kWantSnapshot);
-    if (!wait_for(Phase::kExchanging)) return finish();
-    const auto start = Clock::now();
-    Result<RoundResult> r = federator_.round(exchange_, snapshot_updates_);
-    if (!r.ok()) {
-      stats_.fed_failures.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistics
-      log::error(r.status().message());
-      end("round " + std::to_string(federator_.round_number() + 1) + " failed");
-      return finish();
-    }
-    if (r->peer_left) {
-      end("host rank " + std::to_string(r->left_rank) + " left the federation (" + engine +
-          " cannot re-form the group)");
-      return finish();
-    }
-    const auto round_ns = static_cast<uint64_t>(std::chrono::nanoseconds(Clock::now() - start).count());
-    publish(*r, round_ns);
-    if (r->anchors_repaired)
-      log::warn("federation: round " + std::to_string(r->round) + ": the anchors differed between hosts; rank 0's " +
-                "was broadcast");
-    set_phase(Phase::kMergeReady);
-    if (!wait_for(Phase::kIdle)) return finish();
   }
-  // Stopping: the collective that pairs with the others' next round.
-  if (Status s = federator_.leave(); !s.ok()) log::warn("federation: announcing the leave: " + s.message());
-  set_phase(Phase::kOff);
-  finish();
+  thread_done_.store(true, std::memory_order_release);  // SYNC(fed_done)
 }
 
 }  // namespace shmps::server

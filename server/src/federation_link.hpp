@@ -73,6 +73,10 @@ class FederationLink {
   // Waits until the consumer moved the phase to `want`; false when the
   // link is being destroyed without a consumer (then the thread ends).
   bool wait_for(Phase want);
+  // One round (or the join): asks for the snapshot, runs the Federator
+  // over it, hands the correction back and waits for the merge. False when
+  // federation ended (the reason logged, kOff) or the link is abandoned.
+  bool exchange(bool join);
   void end(const std::string& why);  // kOff, for good, with the reason logged
   void publish(const RoundResult& r, uint64_t round_ns);
 
@@ -94,11 +98,13 @@ class FederationLink {
 
   // ---- both threads
   std::atomic<uint32_t> phase_{static_cast<uint32_t>(Phase::kIdle)};
-  std::atomic<bool> stop_{false};
-  std::atomic<bool> round_now_{false};  // the drift cap asks for a round before the timer
+  // Set under mu_; the consumer's request_round() reads it without, as a
+  // hint that spares it the lock.
+  std::atomic<bool> round_now_{false};  // the drift cap or every_versions asks for a round before the timer
   std::atomic<bool> thread_done_{false};
-  bool abandoned_ = false;  // under mu_: destroyed with the thread waiting for a consumer
   std::mutex mu_;           // with cv_: the thread's waits (timer, phase changes, stop)
+  bool stop_ = false;       // under mu_: leave, then end the thread
+  bool abandoned_ = false;  // under mu_: destroyed with the thread waiting for a consumer
   std::condition_variable cv_;
   std::thread thread_;
 };

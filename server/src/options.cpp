@@ -429,17 +429,9 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       return fail("--apply-threads must be auto or a number in 1.." + std::to_string(kMaxApplyThreads) + ", got '" +
                   apply_threads + "'");
   }
-  if (federation == "none")
-    fc.kind = FederationKind::kNone;
-  else if (federation == "mpi")
-    fc.kind = FederationKind::kMpi;
-  else
+  if (!parse_federation_kind(federation, &fc.kind))
     return fail("--federation must be none or mpi, got '" + federation + "'");
-  if (fed_outer == "average")
-    fc.outer = OuterStep::kAverage;
-  else if (fed_outer == "nesterov")
-    fc.outer = OuterStep::kNesterov;
-  else
+  if (!parse_outer_step(fed_outer, &fc.outer))
     return fail("--fed-outer must be average or nesterov, got '" + fed_outer + "'");
   fc.weight_by_updates = !fed_unweighted;
   fc.overlap = !fed_no_overlap;

@@ -338,7 +338,6 @@ class Server::Impl {
   bool serve_lane(uint32_t i) {
     WorkerSlot& slot = sessions[i];
     if (!sessions.sync(i)) return false;
-
     if (gate.parked(i)) return false;  // its pull goes first (release_pulls())
     slot.lane.prefetch_next();         // the request's line travels while we check the entry
     shm::WorkerEntry& entry = segment->worker(i);

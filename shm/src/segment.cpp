@@ -297,10 +297,7 @@ Status validate_segment(const void* base, size_t size) {
   if (h.magic == 0)
     return {ErrorCode::kServerNotRunning, "segment not initialised yet (server starting, or it died while starting)"};
   if (h.magic != kMagic) {
-    char hex[32];
-    std::snprintf(hex, sizeof hex, "0x%016llx", static_cast<unsigned long long>(h.magic));
-    return {ErrorCode::kLayoutMismatch,
-            std::string("not a shmps segment: magic ") + hex + ", expected 0x31474553504d4853"};
+    return {ErrorCode::kLayoutMismatch, "not a shmps segment: magic " + hex64(h.magic) + ", expected " + hex64(kMagic)};
   }
   // SYNC(segment_published): acquire pairs with Segment::publish().
   const uint32_t version = h.layout_version.load(std::memory_order_acquire);

@@ -244,7 +244,7 @@ BOOST_AUTO_TEST_CASE(a_round_with_no_updates_anywhere_moves_no_anchor) {
   });
   BOOST_TEST(anchor0[0] == 3.0f);
   BOOST_TEST(anchor0[1] == 3.0f);
-  BOOST_TEST(bytes[0] == 64u);  // the header only: no delta travelled
+  BOOST_TEST(bytes[0] == Federator::kHeaderBytes);  // the header only: no delta travelled
 }
 
 BOOST_AUTO_TEST_CASE(hosts_serving_other_models_are_refused_naming_both) {

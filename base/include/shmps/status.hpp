@@ -49,6 +49,9 @@ std::string_view error_code_name(ErrorCode code) noexcept;
 // "No such file or directory (errno 2)" (strerror, then the number, which
 // stays searchable whatever the locale).
 std::string errno_text(int err);
+// A 64-bit value a message names as bits (a magic, a generation, a hash):
+// "0x0123456789abcdef".
+std::string hex64(uint64_t v);
 // Prints error_code_name(code) (for logs and test diagnostics).
 std::ostream& operator<<(std::ostream& os, ErrorCode code);
 

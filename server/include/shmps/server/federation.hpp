@@ -11,17 +11,18 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "shmps/status.hpp"
 
 namespace shmps::server {
 
-enum class FederationKind { kNone, kMpi };
+enum class FederationKind { kNone = 0, kMpi = 1 };
 
 // How the averaged delta moves the anchor (the outer step): plain
 // averaging (Local SGD: A' = A + mean delta), or PyTorch's SGD with
 // Nesterov momentum on the pseudo-gradient -mean delta (DiLoCo).
-enum class OuterStep { kAverage, kNesterov };
+enum class OuterStep { kAverage = 0, kNesterov = 1 };
 
 struct FederationConfig {
   FederationKind kind = FederationKind::kNone;
@@ -47,8 +48,12 @@ struct FederationConfig {
   bool rank_in_name = false;
 };
 
+// Each option value's name ("none", "mpi"; "average", "nesterov"), and
+// back: false for a text that names none.
 const char* federation_kind_name(FederationKind kind) noexcept;
 const char* outer_step_name(OuterStep step) noexcept;
+bool parse_federation_kind(std::string_view text, FederationKind* out) noexcept;
+bool parse_outer_step(std::string_view text, OuterStep* out) noexcept;
 
 // Who this host is in the group; epoch counts re-formations (0 for an
 // engine with static membership).
