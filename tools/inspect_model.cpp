@@ -741,10 +741,13 @@ std::string render_text(const Snapshot& s) {
             : num(static_cast<double>(st.scale_factor_sum_micro) / 1e6 / static_cast<double>(st.pushes_scaled)))
     << ")\n";
   o << "  apply threads   " << st.apply_threads << " (the last update of a tensor from 4 MiB)\n";
-  if (st.fed_round != 0 || st.fed_failures != 0)
+  if (st.fed_members != 0)
     o << "  federation      round " << st.fed_round << ", " << st.fed_members << " hosts, last round "
       << duration_text(st.fed_round_ns) << ", " << st.fed_bytes << " bytes sent, drift " << st.fed_drift
-      << " updates, anchor " << hex64(st.fed_anchor_hash) << ", failed rounds " << st.fed_failures << "\n";
+      << " updates, anchor " << hex64(st.fed_anchor_hash) << ", pushes held " << st.fed_pushes_held
+      << ", failed rounds " << st.fed_failures << "\n";
+  else if (st.fed_round != 0 || st.fed_failures != 0)
+    o << "  federation      ended after round " << st.fed_round << " (failed rounds " << st.fed_failures << ")\n";
   else
     o << "  federation      off\n";
   const auto histogram_text = [](const HistogramView& hv, bool ns) {
@@ -860,14 +863,13 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
     e.sample("shmps_heartbeat_age_seconds", static_cast<double>(*h.heartbeat_age_ms) / 1e3);
   }
   const StatsView& st = s.stats;
-  // A hash is no quantity (a double would round it): an info metric's label.
-#define SHMPS_STATS_PROMETHEUS(field, kind, help)                                             \
-  if (ends_with(#field, "_hash")) {                                                           \
-    e.family(metric_name(#field, #kind) + "_info", #kind, help);                              \
-    e.sample(metric_name(#field, #kind) + "_info", 1.0, ",hash=\"" + hex64(st.field) + "\""); \
-  } else {                                                                                    \
-    e.family(metric_name(#field, #kind), #kind, help);                                        \
-    e.sample(metric_name(#field, #kind), metric_value(#field, st.field));                     \
+  // A hash is no quantity (a double would round it), and as a label it
+  // would make a new series every round: not exported (text and JSON
+  // carry it).
+#define SHMPS_STATS_PROMETHEUS(field, kind, help)                         \
+  if (!ends_with(#field, "_hash")) {                                      \
+    e.family(metric_name(#field, #kind), #kind, help);                    \
+    e.sample(metric_name(#field, #kind), metric_value(#field, st.field)); \
   }
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_PROMETHEUS)
 #undef SHMPS_STATS_PROMETHEUS

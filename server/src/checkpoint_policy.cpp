@@ -61,7 +61,8 @@ Status CheckpointPolicy::start(uint64_t now) {
 
 void CheckpointPolicy::maybe(uint64_t now) {
   if (Status s = writer_->take_result(); !s.ok()) log::error(s.message());
-  if (model_.version == last_version_) return;
+  // Merged federation rounds change the weights but not the version.
+  if (model_.version == last_version_ && model_.merges == last_merges_) return;
   const bool by_count = config_.checkpoint_every != 0 && model_.version - last_version_ >= config_.checkpoint_every;
   const bool by_time =
       config_.checkpoint_interval_s != 0 && now - last_ns_ >= uint64_t{config_.checkpoint_interval_s} * 1'000'000'000;
@@ -70,16 +71,18 @@ void CheckpointPolicy::maybe(uint64_t now) {
   writer_->submit(snapshot());
   log::info("checkpoint of version " + std::to_string(model_.version) + " handed to the writer");
   last_version_ = model_.version;
+  last_merges_ = model_.merges;
   last_ns_ = now;
 }
 
 Status CheckpointPolicy::write_final() {
   if (Status s = writer_->drain(); !s.ok()) log::error(s.message());
-  if (model_.version == writer_->last_written()) return Status::Ok();
+  if (model_.version == writer_->last_written() && model_.merges == last_merges_) return Status::Ok();
   if (Status s = write_checkpoint(config_.checkpoint_dir, snapshot()); !s.ok())
     return Status{s.code(), "final " + s.message()};
   prune_checkpoints(config_.checkpoint_dir, config_.checkpoint_keep, model_.version, layout());
   last_version_ = model_.version;
+  last_merges_ = model_.merges;
   log::info("final checkpoint written: version " + std::to_string(model_.version) + " in " + config_.checkpoint_dir);
   return Status::Ok();
 }

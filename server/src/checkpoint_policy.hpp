@@ -3,7 +3,10 @@
 // version and step counts) and of the backend's weights and optimizer state
 // is handed to the writer thread (checkpoint.hpp) every --checkpoint-every
 // updates and every --checkpoint-interval-s seconds, and the final one is
-// written at stop unless that version is on disk already. Consumer thread
+// written at stop unless that version is on disk already. A merged
+// federation round changes the weights without a new version: it counts
+// as a change for the interval and the final checkpoint (which then
+// rewrites the file of that version). Consumer thread
 // only (the writer thread is CheckpointWriter's).
 #pragma once
 
@@ -55,6 +58,7 @@ class CheckpointPolicy {
   shm::StatsBlock& stats_;
   std::unique_ptr<CheckpointWriter> writer_;
   uint64_t last_version_ = 0;  // handed to the writer (or restored)
+  uint64_t last_merges_ = 0;   // Model::merges then (a merge changes the weights, not the version)
   uint64_t last_ns_ = 0;
 };
 

@@ -34,17 +34,18 @@ Status validate(const ServerConfig& config) {
   if (config.checkpoint_dir.empty() && (config.checkpoint_every != 0 || config.checkpoint_interval_s != 0))
     return invalid("--checkpoint-every and --checkpoint-interval-s need --checkpoint-dir");
   // Checked whether or not federated: an embedder may inject an engine.
-  if (const FederationConfig& f = config.federation; true) {
-    if (f.every_ms == 0 || f.every_ms > 3'600'000)
-      return invalid("--fed-every-ms must be in 1..3600000, got " + std::to_string(f.every_ms));
-    if (!(std::isfinite(f.outer_lr) && f.outer_lr > 0.0f))
-      return invalid("--fed-outer-lr must be finite and > 0, got " + std::to_string(f.outer_lr));
-    if (!(std::isfinite(f.outer_momentum) && f.outer_momentum >= 0.0f && f.outer_momentum < 1.0f))
-      return invalid("--fed-outer-momentum must be in [0, 1), got " + std::to_string(f.outer_momentum));
-    if (f.rank_in_name && config.name.size() > 32 - 5)
-      return invalid("--fed-rank-in-name appends '.r<rank>' to --name: a name of at most 27 characters, got " +
-                     std::to_string(config.name.size()));
-  }
+  const FederationConfig& f = config.federation;
+  if (f.every_ms == 0 || f.every_ms > 3'600'000)
+    return invalid("--fed-every-ms must be in 1..3600000, got " + std::to_string(f.every_ms));
+  if (!(std::isfinite(f.outer_lr) && f.outer_lr > 0.0f))
+    return invalid("--fed-outer-lr must be finite and > 0, got " + std::to_string(f.outer_lr));
+  if (!(std::isfinite(f.outer_momentum) && f.outer_momentum >= 0.0f && f.outer_momentum < 1.0f))
+    return invalid("--fed-outer-momentum must be in [0, 1), got " + std::to_string(f.outer_momentum));
+  if (f.rank_in_name && config.name.size() > 32 - 5)
+    return invalid(
+        "--fed-rank-in-name appends '.r<rank>' to --name: a name of at most 27 characters (ranks up "
+        "to 999), got " +
+        std::to_string(config.name.size()));
   if (!config.device.empty()) {
     // The form only; whether such a device exists is the backend's check.
     const std::string& d = config.device;

@@ -430,13 +430,13 @@ class CudaBackend final : public Backend {
   std::vector<float> read_weights() const override { return download(weights_); }
 
   // Federation's snapshot and merge, through host memory: between two
-  // requests, after the stream's work (docs/federation.md says what a
+  // requests, each copy on stream_ (ordered after the applies before it,
+  // and before those after it), and finished before returning, so the
+  // host buffer may change hands (docs/federation.md says what a
   // device-side merge would save).
   Status snapshot_weights(std::span<float> dst) override {
     if (dst.size() != total_) return {ErrorCode::kInternal, "snapshot_weights: the length differs"};
-    if (Status s = synchronize(); !s.ok()) return s;
-    return call(cudaMemcpy(dst.data(), weights_, total_ * sizeof(float), cudaMemcpyDeviceToHost),
-                "cudaMemcpy(dst, weights_)", __LINE__);
+    return copy_on_stream(dst.data(), weights_, cudaMemcpyDeviceToHost, "cudaMemcpyAsync(dst, weights_)");
   }
 
   Status add_to_weights(std::span<const float> delta) override {
@@ -444,8 +444,7 @@ class CudaBackend final : public Backend {
     merge_scratch_.resize(total_);
     if (Status s = snapshot_weights(merge_scratch_); !s.ok()) return s;
     for (size_t i = 0; i < total_; ++i) merge_scratch_[i] += delta[i];
-    return call(cudaMemcpy(weights_, merge_scratch_.data(), total_ * sizeof(float), cudaMemcpyHostToDevice),
-                "cudaMemcpy(weights_, merged)", __LINE__);
+    return copy_on_stream(weights_, merge_scratch_.data(), cudaMemcpyHostToDevice, "cudaMemcpyAsync(weights_, merged)");
   }
 
   std::vector<float> read_state() const override {
@@ -533,6 +532,15 @@ class CudaBackend final : public Backend {
     blocks_.push_back(raw);
     *p = static_cast<T*>(raw);
     return call(cudaMemset(raw, 0, bytes), "cudaMemset(p, 0, bytes)", __LINE__);
+  }
+
+  // All weights' bytes between `src` and `dst` on stream_, waited for.
+  Status copy_on_stream(void* dst, const void* src, cudaMemcpyKind kind, const char* what) {
+    if (!sticky_.ok()) return sticky_;
+    bind();
+    if (Status s = call(cudaMemcpyAsync(dst, src, total_ * sizeof(float), kind, stream_), what, __LINE__); !s.ok())
+      return s;
+    return synchronize();
   }
 
   std::vector<float> download(const float* p) const {

@@ -1,6 +1,8 @@
 #include "federation.hpp"
 
 #include <algorithm>
+#include <bit>
+#include <cstdio>
 #include <cstring>
 #include <string_view>
 #include <type_traits>
@@ -25,8 +27,8 @@ struct Federator::Header {
   uint64_t local_updates;
   uint64_t anchor_hash;
   ModelFingerprint model;
-  uint32_t flags;  // kFlag*
-  uint32_t reserved;
+  uint32_t every_ms;  // this host's period (the stop's timeout takes the group's longest)
+  uint32_t flags;     // kFlag*
 };
 
 namespace {
@@ -63,9 +65,17 @@ bool parse_outer_step(std::string_view text, OuterStep* out) noexcept { return p
 
 std::string ModelFingerprint::describe() const {
   const char* opt = kernels::optimizer_kind_name(static_cast<kernels::OptimizerKind>(optimizer));
-  return std::to_string(tensors) + " tensors, " + std::to_string(total_elements) + " parameters, optimizer " +
-         (opt != nullptr ? opt : "?") + ", outer " + outer_step_name(static_cast<OuterStep>(outer & 0xff)) +
-         ((outer >> 8) != 0 ? " weighted" : " unweighted") + " (tensor table hash " + hex64(hash) + ")";
+  const auto outer_step = static_cast<OuterStep>(outer & 0xff);
+  std::string text = std::to_string(tensors) + " tensors, " + std::to_string(total_elements) +
+                     " parameters, optimizer " + (opt != nullptr ? opt : "?") + ", outer " +
+                     outer_step_name(outer_step) + ((outer >> 8) != 0 ? " weighted" : " unweighted");
+  if (outer_step == OuterStep::kNesterov) {
+    char hyper[64];
+    std::snprintf(hyper, sizeof hyper, " (lr %g, momentum %g)", std::bit_cast<float>(outer_lr_bits),
+                  std::bit_cast<float>(outer_momentum_bits));
+    text += hyper;
+  }
+  return text + " (tensor table hash " + hex64(hash) + ")";
 }
 
 ModelFingerprint model_fingerprint(const ServerConfig& config) {
@@ -90,7 +100,17 @@ ModelFingerprint model_fingerprint(const ServerConfig& config) {
   f.tensors = static_cast<uint32_t>(config.tensors.size());
   f.optimizer = static_cast<uint32_t>(config.optimizer.kind);
   f.outer = static_cast<uint32_t>(config.federation.outer) | (config.federation.weight_by_updates ? 1u << 8 : 0u);
+  if (config.federation.outer == OuterStep::kNesterov) {
+    f.outer_lr_bits = std::bit_cast<uint32_t>(config.federation.outer_lr);
+    f.outer_momentum_bits = std::bit_cast<uint32_t>(config.federation.outer_momentum);
+  }
   return f;
+}
+
+void apply_rank_in_name(ServerConfig& config, uint32_t rank) {
+  if (!config.federation.rank_in_name) return;
+  config.name += ".r" + std::to_string(rank);
+  if (!config.checkpoint_dir.empty()) config.checkpoint_dir += "/r" + std::to_string(rank);
 }
 
 uint64_t hash_floats(std::span<const float> values) noexcept {
@@ -131,6 +151,7 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   mine.local_updates = local_updates;
   mine.anchor_hash = anchor_hash_;
   mine.model = fingerprint_;
+  mine.every_ms = config_.every_ms;
   mine.flags = (joined_ ? 0 : kFlagJoin) | (leaving ? kFlagLeaving : 0);
   all->assign(m.size, Header{});
   if (Status s = engine_.allgather(std::as_bytes(std::span(&mine, 1)), std::as_writable_bytes(std::span(*all)));
@@ -159,6 +180,7 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   std::vector<Header> all;
   if (Status s = gather_headers(0, false, &all); !s.ok()) return s;
   const Membership m = engine_.membership();
+  for (const Header& h : all) group_every_ms_ = std::max(group_every_ms_, h.every_ms);
   if (m.rank == 0) std::copy(exchange.begin(), exchange.end(), anchor_.begin());
   if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(anchor_)), 0); !s.ok()) return s;
   for (size_t i = 0; i < exchange.size(); ++i) exchange[i] = anchor_[i] - exchange[i];
@@ -166,20 +188,22 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   joined_ = true;
   RoundResult r;
   r.members = m.size;
-  r.bytes = kHeaderBytes + anchor_.size() * sizeof(float);
+  r.bytes = kHeaderBytes + (m.rank == 0 ? anchor_.size() * sizeof(float) : 0);  // rank 0 sends the anchor
   return r;
 }
 
-Status Federator::repair_anchor() {
+Result<uint64_t> Federator::repair_anchor() {
+  uint64_t bytes = anchor_.size() * sizeof(float);
   if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(anchor_)), 0); !s.ok()) return s;
   if (!momentum_.empty()) {
     uint32_t started = momentum_started_ ? 1 : 0;
     if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(&started, 1)), 0); !s.ok()) return s;
     if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(momentum_)), 0); !s.ok()) return s;
     momentum_started_ = started != 0;
+    bytes += sizeof started + momentum_.size() * sizeof(float);
   }
   anchor_hash_ = hash_floats(anchor_);
-  return Status::Ok();
+  return engine_.membership().rank == 0 ? bytes : 0;  // what rank 0 sent
 }
 
 Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_updates) {
@@ -203,33 +227,38 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
   const bool anchors_equal =
       std::all_of(all.begin(), all.end(), [&](const Header& h) { return h.anchor_hash == all[0].anchor_hash; });
   if (!anchors_equal) {
-    if (Status s = repair_anchor(); !s.ok()) return s;
+    Result<uint64_t> sent = repair_anchor();
+    if (!sent.ok()) return sent.status();
     r.anchors_repaired = true;
-    r.bytes += anchor_.size() * sizeof(float) * (momentum_.empty() ? 1 : 2);
+    r.bytes += *sent;
   }
-  // The divisor: updates of all hosts (weighted), or the member count.
-  const uint64_t divisor = config_.weight_by_updates ? r.updates_total : r.members;
-  const bool zero_delta = divisor == 0;
-  if (!zero_delta) {
+  if (r.updates_total == 0) {
+    // Nobody trained: the anchor (and the outer momentum) stay; the
+    // correction only takes W back to A (the merge's rounding).
+    for (size_t i = 0; i < exchange.size(); ++i) exchange[i] = anchor_[i] - exchange[i];
+  } else {
+    // The divisor: updates of all hosts (weighted), or the member count.
+    // A division, not a product with a rounded 1/n: (n d) / n is d exactly
+    // when n d is exact.
+    const float divisor = static_cast<float>(config_.weight_by_updates ? r.updates_total : r.members);
     const float w = config_.weight_by_updates ? static_cast<float>(local_updates) : 1.0f;
     for (size_t i = 0; i < exchange.size(); ++i) payload_[i] = w * (exchange[i] - anchor_[i]);
     if (Status s = engine_.allreduce_sum(payload_); !s.ok()) return s;
-    const float inv = 1.0f / static_cast<float>(divisor);
-    for (float& v : payload_) v *= inv;
+    for (float& v : payload_) v /= divisor;
     r.bytes += payload_.size() * sizeof(float);
+    outer_step(exchange);
   }
-  outer_step(exchange, zero_delta);
   ++round_;
   r.round = round_;
   anchor_hash_ = hash_floats(anchor_);
   return r;
 }
 
-void Federator::outer_step(std::span<float> exchange, bool zero_delta) {
+void Federator::outer_step(std::span<float> exchange) {
   const size_t n = anchor_.size();
   if (config_.outer == OuterStep::kAverage) {
     for (size_t i = 0; i < n; ++i) {
-      if (!zero_delta) anchor_[i] += payload_[i];
+      anchor_[i] += payload_[i];
       exchange[i] = anchor_[i] - exchange[i];
     }
     return;
@@ -240,7 +269,7 @@ void Federator::outer_step(std::span<float> exchange, bool zero_delta) {
   const float mu = config_.outer_momentum;
   const float neg_lr = -config_.outer_lr;
   for (size_t i = 0; i < n; ++i) {
-    const float g = zero_delta ? 0.0f : -payload_[i];
+    const float g = -payload_[i];
     const float buf = momentum_started_ ? momentum_[i] * mu + g : g;
     momentum_[i] = buf;
     const float d = g + buf * mu;

@@ -26,18 +26,27 @@ struct ModelFingerprint {
   uint64_t hash = 0;
   uint64_t total_elements = 0;
   uint32_t tensors = 0;
-  uint32_t optimizer = 0;  // kernels::OptimizerKind
-  uint32_t outer = 0;      // OuterStep | (weight_by_updates << 8)
+  uint32_t optimizer = 0;            // kernels::OptimizerKind
+  uint32_t outer = 0;                // OuterStep | (weight_by_updates << 8)
+  uint32_t outer_lr_bits = 0;        // kNesterov: the outer lr's float bits
+  uint32_t outer_momentum_bits = 0;  // kNesterov: the outer momentum's
   uint32_t reserved = 0;
   bool operator==(const ModelFingerprint&) const = default;
   // "3 tensors, 203530 parameters, optimizer adam, outer average weighted (tensor table hash 0x...)"
   std::string describe() const;
 };
-static_assert(sizeof(ModelFingerprint) == 32 && std::is_trivially_copyable_v<ModelFingerprint>);
+static_assert(sizeof(ModelFingerprint) == 40 && std::is_trivially_copyable_v<ModelFingerprint>);
 
 // The fingerprint of what `config` serves: its tensor table, optimizer
-// kind and federation outer step.
+// kind and federation outer step (with its hyperparameters).
 ModelFingerprint model_fingerprint(const ServerConfig& config);
+
+// With config.federation.rank_in_name, what rank `rank` runs as: ".r<rank>"
+// appended to the name, "/r<rank>" to the checkpoint directory (several
+// ranks on one machine: each its own segment and checkpoints). Applied to
+// the configuration at start and to each reloaded one, so that a reload
+// compares like with like.
+void apply_rank_in_name(ServerConfig& config, uint32_t rank);
 
 // 64-bit hash of a float array's bytes (anchors, for the equality check
 // across hosts; not cryptographic).
@@ -47,7 +56,7 @@ struct RoundResult {
   uint64_t round = 0;             // the round this call completed (1 for the first)
   uint32_t members = 0;           // hosts in it
   uint64_t updates_total = 0;     // local updates summed over the hosts
-  uint64_t bytes = 0;             // payload this host contributed to the collectives
+  uint64_t bytes = 0;             // what this host sent: its header, its delta, rank 0 the anchor
   bool peer_left = false;         // a member announced it leaves: no delta was exchanged
   uint32_t left_rank = 0;         // which one (the lowest), when peer_left
   bool anchors_repaired = false;  // the anchors' hashes differed: rank 0's was broadcast
@@ -56,7 +65,7 @@ struct RoundResult {
 class Federator {
  public:
   // What every member sends before any delta moves (the header).
-  static constexpr uint64_t kHeaderBytes = 72;
+  static constexpr uint64_t kHeaderBytes = 80;
 
   // `fingerprint.total_elements` sizes every span below.
   Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint);
@@ -72,9 +81,11 @@ class Federator {
   // `local_updates` updates since the previous snapshot, and A' - S on
   // return, where A' is the new anchor (the same bits on every host).
   // When a member announces it leaves (result.peer_left), nothing is
-  // exchanged and `exchange` is zero. Errors: kInvalidArgument (a host
-  // serves another model, or is at another round), the engine's; the
-  // anchor is unchanged then.
+  // exchanged and `exchange` is zero. When no host has updates, only the
+  // headers travel and the anchor and the outer momentum stay. Errors:
+  // kInvalidArgument (a host serves another model, or is at another
+  // round), the engine's; the anchor is unchanged then (but for a repair
+  // from rank 0 that went through).
   Result<RoundResult> round(std::span<float> exchange, uint64_t local_updates);
 
   // Tells the others this host leaves: the collective that pairs with
@@ -83,6 +94,8 @@ class Federator {
 
   uint64_t round_number() const noexcept { return round_; }
   uint64_t anchor_hash() const noexcept { return anchor_hash_; }
+  // The longest --fed-every-ms of the group, known after the join.
+  uint32_t group_every_ms() const noexcept { return group_every_ms_; }
   std::span<const float> anchor() const noexcept { return anchor_; }
 
  private:
@@ -90,15 +103,18 @@ class Federator {
   // Gathers every member's header; checks magic, model and round. Fills
   // `all` (one per member).
   Status gather_headers(uint64_t local_updates, bool leaving, std::vector<Header>* all);
-  Status repair_anchor();
+  // Makes rank 0's anchor (and outer momentum) everybody's; the bytes
+  // this host sent.
+  Result<uint64_t> repair_anchor();
   // A' from A and the mean delta (in payload_); writes A' - S into exchange.
-  void outer_step(std::span<float> exchange, bool zero_delta);
+  void outer_step(std::span<float> exchange);
 
   FederationConfig config_;
   FederationEngine& engine_;
   ModelFingerprint fingerprint_;
   uint64_t round_ = 0;
   uint64_t anchor_hash_ = 0;
+  uint32_t group_every_ms_ = 0;
   bool joined_ = false;
   bool momentum_started_ = false;  // PyTorch's SGD: the first step's buffer is the gradient itself
   std::vector<float> anchor_;

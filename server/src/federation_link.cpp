@@ -1,8 +1,10 @@
 #include "federation_link.hpp"
 
+#include <algorithm>
 #include <chrono>
 
 #include "shmps/server/log.hpp"
+#include "shmps/shm/futex.hpp"
 
 namespace shmps::server {
 
@@ -11,11 +13,13 @@ using Clock = std::chrono::steady_clock;
 }  // namespace
 
 FederationLink::FederationLink(const FederationConfig& config, std::unique_ptr<FederationEngine> engine,
-                               const ModelFingerprint& fingerprint, shm::StatsBlock& stats)
+                               const ModelFingerprint& fingerprint, shm::StatsBlock& stats,
+                               shm::WaitWord& consumer_wake)
     : config_(config),
       engine_(std::move(engine)),
       membership_(engine_->membership()),
       stats_(stats),
+      consumer_wake_(consumer_wake),
       federator_(config_, *engine_, fingerprint),
       exchange_(fingerprint.total_elements) {}
 
@@ -42,6 +46,9 @@ void FederationLink::set_phase(Phase p) {
     // (the snapshot, or the correction) to the thread that acquires the new
     // phase; the buffer changes hands with it.
     phase_.store(static_cast<uint32_t>(p), std::memory_order_release);
+    // Under mu_: once stop() gave up on the thread, the segment that holds
+    // the word may be unmapped.
+    if ((p == Phase::kWantSnapshot || p == Phase::kMergeReady) && !abandoned_) shm::notify(consumer_wake_);
   }
   cv_.notify_all();
 }
@@ -52,29 +59,37 @@ FederationLink::Phase FederationLink::phase() const noexcept {
 
 // ------------------------------------------------------------ consumer
 
-Result<bool> FederationLink::poll(Backend& backend, uint64_t version) {
+Result<FederationLink::Polled> FederationLink::poll(Backend& backend, uint64_t version) {
   // relaxed: the common case (nothing asked) needs no ordering; a phase
   // that asks for work is re-read with acquire below.
   const auto p = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
   if (p == Phase::kIdle) {
     if (config_.every_versions != 0 && version - last_snapshot_version_ >= config_.every_versions) request_round();
-    return false;
+    return Polled::kNothing;
   }
-  if (p != Phase::kWantSnapshot && p != Phase::kMergeReady) return false;
-  if (phase() == Phase::kWantSnapshot) {
-    if (Status s = backend.snapshot_weights(exchange_); !s.ok()) return s;
+  if (p != Phase::kWantSnapshot && p != Phase::kMergeReady) return Polled::kNothing;
+  const bool snapshot = phase() == Phase::kWantSnapshot;
+  if (Status s = snapshot ? backend.snapshot_weights(exchange_) : backend.add_to_weights(exchange_); !s.ok()) {
+    set_phase(Phase::kOff);  // the thread sees it, tells the others it leaves, and ends
+    return s;
+  }
+  if (snapshot) {
     snapshot_updates_ = version - last_snapshot_version_;
     last_snapshot_version_ = snapshot_version_ = version;
     set_phase(Phase::kExchanging);
-    return true;
+    return Polled::kSnapshot;
   }
-  if (Status s = backend.add_to_weights(exchange_); !s.ok()) return s;
   merged_version_ = snapshot_version_;
   set_phase(Phase::kIdle);
-  return true;
+  return Polled::kMerge;
 }
 
-bool FederationLink::holding(uint64_t version) {
+bool FederationLink::wants_consumer() const noexcept {
+  const Phase p = phase();
+  return p == Phase::kWantSnapshot || p == Phase::kMergeReady;
+}
+
+bool FederationLink::holding_pushes(uint64_t version) {
   // relaxed: a hint; the phase that hands the buffer over is acquired in poll().
   const auto p = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
   if (p == Phase::kOff) return false;
@@ -101,18 +116,28 @@ void FederationLink::publish_drift(uint64_t version) {
   stats_.fed_drift.store(version - merged_version_, std::memory_order_relaxed);
 }
 
-bool FederationLink::stop(Backend& backend, uint64_t version, uint32_t timeout_ms) {
+bool FederationLink::stop(Backend& backend, uint64_t version) {
   if (!thread_.joinable()) return true;
   {
     std::lock_guard lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
+  // relaxed: written once by the thread after its join; 0 (not joined yet)
+  // only leaves our own period.
+  const uint32_t period = std::max(config_.every_ms, group_every_ms_.load(std::memory_order_relaxed));
+  const uint64_t timeout_ms = 2 * uint64_t{period} + 5000;
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   // SYNC(fed_done): pairs with the thread's release as it ends.
   while (!thread_done_.load(std::memory_order_acquire)) {
-    if (Result<bool> r = poll(backend, version); !r.ok()) log::error("federation: at stop: " + r.status().message());
+    // A failed poll ends federation (kOff), so it is logged once.
+    if (Result<Polled> r = poll(backend, version); !r.ok()) log::error("federation: at stop: " + r.status().message());
     if (Clock::now() >= deadline) {
+      {
+        std::lock_guard lock(mu_);
+        abandoned_ = true;
+      }
+      cv_.notify_all();
       log::error("federation: the federation thread is still inside a collective after " + std::to_string(timeout_ms) +
                  " ms (a host gone?); leaving it behind: the engine is not finalised");
       thread_.detach();
@@ -128,22 +153,35 @@ bool FederationLink::stop(Backend& backend, uint64_t version, uint32_t timeout_m
 
 bool FederationLink::wait_for(Phase want) {
   std::unique_lock lock(mu_);
-  cv_.wait(lock, [&] { return phase() == want || abandoned_; });
-  return !abandoned_;
+  cv_.wait(lock, [&] { return abandoned_ || phase() == want || phase() == Phase::kOff; });
+  return !abandoned_ && phase() == want;
+}
+
+template <class F>
+bool FederationLink::with_stats(F update) {
+  std::lock_guard lock(mu_);
+  if (abandoned_) return false;
+  update(stats_);
+  return true;
 }
 
 void FederationLink::end(const std::string& why) {
+  ended_ = true;
   log::warn("federation: " + why + "; serving the local workers alone from now on");
+  // relaxed: statistics; 0 members says federation is off.
+  with_stats([](shm::StatsBlock& s) { s.fed_members.store(0, std::memory_order_relaxed); });
   set_phase(Phase::kOff);
 }
 
 void FederationLink::publish(const RoundResult& r, uint64_t round_ns) {
-  // relaxed: statistics, each a value of its own.
-  stats_.fed_round.store(r.round, std::memory_order_relaxed);
-  stats_.fed_members.store(r.members, std::memory_order_relaxed);
-  stats_.fed_round_ns.store(round_ns, std::memory_order_relaxed);
-  stats_.fed_bytes.fetch_add(r.bytes, std::memory_order_relaxed);
-  stats_.fed_anchor_hash.store(federator_.anchor_hash(), std::memory_order_relaxed);
+  with_stats([&](shm::StatsBlock& s) {
+    // relaxed: statistics, each a value of its own.
+    s.fed_round.store(r.round, std::memory_order_relaxed);
+    s.fed_members.store(r.members, std::memory_order_relaxed);
+    s.fed_round_ns.store(round_ns, std::memory_order_relaxed);
+    s.fed_bytes.fetch_add(r.bytes, std::memory_order_relaxed);
+    s.fed_anchor_hash.store(federator_.anchor_hash(), std::memory_order_relaxed);
+  });
 }
 
 bool FederationLink::exchange(bool join) {
@@ -152,7 +190,8 @@ bool FederationLink::exchange(bool join) {
   const auto start = Clock::now();
   Result<RoundResult> r = join ? federator_.join(exchange_) : federator_.round(exchange_, snapshot_updates_);
   if (!r.ok()) {
-    stats_.fed_failures.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistics
+    // relaxed: statistics.
+    with_stats([](shm::StatsBlock& s) { s.fed_failures.fetch_add(1, std::memory_order_relaxed); });
     log::error(r.status().message());
     end(join ? std::string("the join failed") : "round " + std::to_string(federator_.round_number() + 1) + " failed");
     return false;
@@ -163,12 +202,15 @@ bool FederationLink::exchange(bool join) {
     return false;
   }
   publish(*r, static_cast<uint64_t>(std::chrono::nanoseconds(Clock::now() - start).count()));
-  if (join)
+  if (join) {
+    // relaxed: read by stop() for its timeout only.
+    group_every_ms_.store(federator_.group_every_ms(), std::memory_order_relaxed);
     log::info("federation: joined as rank " + std::to_string(membership_.rank) + " of " +
               std::to_string(membership_.size) + " over " + engine_->name() + "; a round every " +
               std::to_string(config_.every_ms) + " ms" +
               (config_.every_versions != 0 ? " or " + std::to_string(config_.every_versions) + " local updates" : "") +
               ", outer step " + outer_step_name(config_.outer));
+  }
   if (r->anchors_repaired)
     log::warn("federation: round " + std::to_string(r->round) + ": the anchors differed between hosts; rank 0's " +
               "was broadcast");
@@ -178,27 +220,33 @@ bool FederationLink::exchange(bool join) {
 
 void FederationLink::thread_main() {
   // The join first: rank 0's weights become everybody's anchor.
-  if (exchange(/*join=*/true)) {
-    auto deadline = Clock::now() + std::chrono::milliseconds(config_.every_ms);
-    for (;;) {
-      {
-        std::unique_lock lock(mu_);
-        // relaxed: written under mu_.
-        cv_.wait_until(lock, deadline, [&] { return stop_ || round_now_.load(std::memory_order_relaxed); });
-        if (abandoned_) break;
-        if (stop_) {
-          lock.unlock();
-          // The collective that pairs with the others' next round.
-          if (Status s = federator_.leave(); !s.ok()) log::warn("federation: announcing the leave: " + s.message());
-          set_phase(Phase::kOff);
-          break;
-        }
-        round_now_.store(false, std::memory_order_relaxed);
-      }
-      deadline = Clock::now() + std::chrono::milliseconds(config_.every_ms);
-      if (!exchange(/*join=*/false)) break;
-    }
+  bool going = exchange(/*join=*/true);
+  while (going) {
+    // The period counts from the end of the last round's collectives, which
+    // end together on every host: the hosts' timers realign every round,
+    // whatever triggered a round early on one of them.
+    const auto deadline = Clock::now() + std::chrono::milliseconds(config_.every_ms);
+    std::unique_lock lock(mu_);
+    // relaxed: written under mu_.
+    cv_.wait_until(lock, deadline, [&] { return stop_ || round_now_.load(std::memory_order_relaxed); });
+    if (abandoned_ || stop_) break;
+    round_now_.store(false, std::memory_order_relaxed);
+    lock.unlock();
+    going = exchange(/*join=*/false);
   }
+  // Stopping, or the consumer's backend failed (kOff from poll()): the
+  // collective that pairs with the others' next round tells them (none
+  // before the join). After the engine's failure or a peer's leave
+  // (end()), or once abandoned, no collective.
+  bool abandoned = false;
+  {
+    std::lock_guard lock(mu_);
+    abandoned = abandoned_;
+  }
+  if (!abandoned && !ended_) {
+    if (Status s = federator_.leave(); !s.ok()) log::warn("federation: announcing the leave: " + s.message());
+  }
+  set_phase(Phase::kOff);
   thread_done_.store(true, std::memory_order_release);  // SYNC(fed_done)
 }
 

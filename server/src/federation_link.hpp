@@ -3,8 +3,9 @@
 // over the engine); the weights stay the consumer's: it copies them into
 // the exchange buffer when the thread asks for a snapshot, and adds the
 // correction A' - S when the round is done, each between two requests.
-// The phase word is the only state both threads touch; the exchange buffer
-// belongs to whoever the phase says (docs/federation.md, "A round").
+// The phase word is the only state both threads touch outside mu_; the
+// exchange buffer belongs to whoever the phase says (docs/federation.md,
+// "A round").
 #pragma once
 
 #include <atomic>
@@ -28,12 +29,21 @@ class FederationLink {
   // Who owns the exchange buffer, and what the consumer should do next.
   // kIdle -> kWantSnapshot (thread) -> kExchanging (consumer: snapshot
   // taken) -> kMergeReady (thread: correction computed) -> kIdle
-  // (consumer: merged); any -> kOff (thread: federation ended, for good).
+  // (consumer: merged); any -> kOff (federation ended, for good: the
+  // thread's end, or the consumer's backend failed).
   enum class Phase : uint32_t { kIdle, kWantSnapshot, kExchanging, kMergeReady, kOff };
+  // What poll() did.
+  enum class Polled { kNothing, kSnapshot, kMerge };
 
+  // `stats`: the segment's stats block; `consumer_wake`: the word the
+  // consumer sleeps on (the segment's server_wake), notified whenever the
+  // thread hands it work.
   FederationLink(const FederationConfig& config, std::unique_ptr<FederationEngine> engine,
-                 const ModelFingerprint& fingerprint, shm::StatsBlock& stats);
-  ~FederationLink();  // stop(), if the server did not
+                 const ModelFingerprint& fingerprint, shm::StatsBlock& stats, shm::WaitWord& consumer_wake);
+  // Joins a thread that never ran a collective or waits for a consumer
+  // that is gone; after a stop() that returned false the link must be
+  // leaked instead (its thread may still be inside a collective).
+  ~FederationLink();
 
   Membership membership() const noexcept { return membership_; }
   // Starts the thread at the model's `version` (the drift counts from
@@ -43,40 +53,49 @@ class FederationLink {
   // Consumer thread, every turn of the loop (one relaxed load when there
   // is nothing to do): takes the snapshot or merges the correction when
   // the thread asks, between two requests. `version`: the model's now.
-  // True when it did either. Errors: the backend's (the caller treats them
-  // as a device failure).
-  Result<bool> poll(Backend& backend, uint64_t version);
-  // Consumer thread: whether the lanes must wait now (a round in flight
+  // Errors: the backend's (the caller treats them as a device failure);
+  // federation then ends here, and the thread tells the others it leaves.
+  Result<Polled> poll(Backend& backend, uint64_t version);
+  // Consumer thread: whether the thread waits for poll() (for the idle
+  // loop's decision to sleep). Acquire, as a stop flag is read.
+  bool wants_consumer() const noexcept;
+  // Consumer thread: whether a push must wait now (a round in flight
   // without overlap, or the drift cap reached: that one also asks for a
-  // round at once).
-  bool holding(uint64_t version);
+  // round at once). Other requests never wait.
+  bool holding_pushes(uint64_t version);
   // Consumer thread, every heartbeat: the drift (local updates not yet in
   // a merged round) into the stats block.
   void publish_drift(uint64_t version);
 
   // Consumer thread, at shutdown: asks the thread to announce its leave
   // (the collective that pairs with the others' next round) and joins it,
-  // serving its snapshot and merge meanwhile. A thread stuck in a
-  // collective past `timeout_ms` (a peer gone: MPI cannot cancel) is
-  // reported and left behind; false then, and the engine must not be
-  // finalised.
-  bool stop(Backend& backend, uint64_t version, uint32_t timeout_ms);
+  // serving its snapshot and merge meanwhile. A thread still inside a
+  // collective after two of the group's longest periods plus 5 s (a peer
+  // gone: MPI cannot cancel) is reported and left behind, never touching
+  // the stats block again; false then: leak the link, and with it the
+  // engine (not finalised).
+  bool stop(Backend& backend, uint64_t version);
 
  private:
-  // Both threads: the phase, changed under mu_ so that no wait misses it.
+  // Both threads: the phase, changed under mu_ so that no wait misses it;
+  // phases that hand the consumer work also wake it.
   void set_phase(Phase p);
   Phase phase() const noexcept;
   void request_round();  // consumer: wake the timer now
 
   // The federation thread's.
   void thread_main();
-  // Waits until the consumer moved the phase to `want`; false when the
-  // link is being destroyed without a consumer (then the thread ends).
-  bool wait_for(Phase want);
   // One round (or the join): asks for the snapshot, runs the Federator
   // over it, hands the correction back and waits for the merge. False when
-  // federation ended (the reason logged, kOff) or the link is abandoned.
+  // federation ended (kOff) or the link is abandoned.
   bool exchange(bool join);
+  // Waits until the consumer moved the phase to `want`; false when it
+  // ended federation instead (kOff) or the link is abandoned.
+  bool wait_for(Phase want);
+  // Runs `update` on the stats block unless the link was abandoned (the
+  // segment may be unmapped then). True when it ran.
+  template <class F>
+  bool with_stats(F update);
   void end(const std::string& why);  // kOff, for good, with the reason logged
   void publish(const RoundResult& r, uint64_t round_ns);
 
@@ -84,8 +103,12 @@ class FederationLink {
   const FederationConfig config_;
   std::unique_ptr<FederationEngine> engine_;
   const Membership membership_;
-  shm::StatsBlock& stats_;
+  shm::StatsBlock& stats_;  // only through with_stats() on the thread
+  shm::WaitWord& consumer_wake_;
   Federator federator_;
+
+  // ---- the federation thread's
+  bool ended_ = false;  // end() ran: federation is over without a leave to announce
 
   // ---- owned by whoever `phase_` names (SYNC(fed_phase))
   std::vector<float> exchange_;
@@ -102,10 +125,11 @@ class FederationLink {
   // hint that spares it the lock.
   std::atomic<bool> round_now_{false};  // the drift cap or every_versions asks for a round before the timer
   std::atomic<bool> thread_done_{false};
-  std::mutex mu_;           // with cv_: the thread's waits (timer, phase changes, stop)
-  bool stop_ = false;       // under mu_: leave, then end the thread
-  bool abandoned_ = false;  // under mu_: destroyed with the thread waiting for a consumer
+  std::atomic<uint32_t> group_every_ms_{0};  // the group's longest period, once joined (stop()'s timeout)
+  std::mutex mu_;                            // with cv_: the thread's waits (timer, phase changes, stop)
   std::condition_variable cv_;
+  bool stop_ = false;       // under mu_: leave, then end the thread
+  bool abandoned_ = false;  // under mu_: the thread must not touch the consumer's side again
   std::thread thread_;
 };
 

@@ -284,11 +284,11 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "fed-unweighted", po::bool_switch(&fed_unweighted),
       "average the hosts' deltas plainly (default: weighted by each host's local updates of the round)")(
       "fed-no-overlap", po::bool_switch(&fed_no_overlap),
-      "hold local requests while a round exchanges (default: keep serving; the merge keeps them)")(
+      "hold local pushes while a round exchanges (default: apply them; the merge keeps them)")(
       "fed-max-drift", po::value(&fc.max_drift)->default_value(0),
-      "hold local requests once this many updates are not yet in a merged round (0: no cap)")(
+      "hold local pushes once this many updates are not yet in a merged round (0: no cap)")(
       "fed-rank-in-name", po::bool_switch(&fc.rank_in_name),
-      "append .r<rank> to --name (several federated servers on one machine)");
+      "append .r<rank> to --name and /r<rank> to --checkpoint-dir (several federated servers on one machine)");
   server.add(fed);
   po::options_description all;
   all.add(generic).add(server);

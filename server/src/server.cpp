@@ -66,7 +66,8 @@ class Server::Impl {
         held(config.max_workers),
         sessions(config, *segment, held, worker_lines),
         gate(config, sessions),
-        handler(config, model, *backend, sessions, gate, *segment, rejections) {}
+        handler(config, model, *backend, sessions, gate, *segment, rejections),
+        held_at(config.max_workers, 0) {}
 
   // ---- set by create(), constant after it (config: run() applies a
   // reload's live keys in place, on the consumer thread)
@@ -86,6 +87,8 @@ class Server::Impl {
   std::vector<PullGate::Released> released;       // release_pulls()'s, kept for its capacity
   std::unique_ptr<CheckpointPolicy> checkpoints;  // none while config.checkpoint_dir is empty
   std::unique_ptr<FederationLink> federation;     // none while config.federation.kind is kNone
+  bool pushes_held = false;                       // a lane waits for the federation's merge (push_waits_for_merge())
+  std::vector<uint64_t> held_at;                  // per lane: 1 + the index of the push counted as held there
   Status failure;                                 // why run() stops on its own (the device, the segment's name)
   bool removed = false;                           // the segment is gone (shutdown() ran)
   uint64_t loop_now = 0;                          // CLOCK_MONOTONIC ns at the start of this turn of the loop
@@ -134,19 +137,7 @@ class Server::Impl {
         periodic(now);
       }
       bool worked = drain_held();
-      if (federation) {
-        worked |= poll_federation();
-        if (federation->holding(model.version)) {
-          // The lanes wait for the round's merge (no overlap, or the drift
-          // cap): nothing is taken, so nothing to serve; poll again soon.
-          if (now - last_housekeeping >= kHousekeepingNs) {
-            last_housekeeping = now;
-            housekeeping();  // reaps the dead; serve_lane() takes nothing while holding
-          }
-          std::this_thread::sleep_for(std::chrono::microseconds(100));
-          continue;
-        }
-      }
+      if (federation) worked |= poll_federation();
       if (gate.any_parked()) worked |= release_pulls(now);
       worked |= serve_doorbells();
       if (now - last_housekeeping >= kHousekeepingNs) {
@@ -178,14 +169,43 @@ class Server::Impl {
   }
 
   // The federation's snapshot or merge, when its thread asks (between two
-  // requests). A backend failure is the device's: fatal.
+  // requests). After a merge the lanes whose next push waited for it are
+  // served (they rang no doorbell meanwhile). A backend failure is the
+  // device's: fatal.
   bool poll_federation() {
-    Result<bool> r = federation->poll(*backend, model.version);
+    Result<FederationLink::Polled> r = federation->poll(*backend, model.version);
     if (!r.ok()) {
       fatal(r.status());
       return false;
     }
-    return *r;
+    if (*r != FederationLink::Polled::kMerge) return *r == FederationLink::Polled::kSnapshot;
+    ++model.merges;
+    if (pushes_held) {
+      pushes_held = false;
+      housekeeping();  // every living lane, served
+    }
+    return true;
+  }
+
+  // Whether lane i's next request is a push that must wait for the
+  // federation's merge (FederationLink::holding_pushes()); then the lane
+  // waits, and poll_federation() serves it after the merge. The request
+  // is read where try_pop() would take it from, and only its opcode: a
+  // garbage one is not a push, and is refused once taken.
+  bool push_waits_for_merge(uint32_t i, WorkerSlot& slot) {
+    if (!federation || !federation->holding_pushes(model.version)) return false;
+    const Request* next = slot.lane.seq_published(slot.next_request_id) ? slot.lane.peek_published() : slot.lane.peek();
+    if (next == nullptr) return false;
+    uint32_t opcode;
+    std::memcpy(&opcode, reinterpret_cast<const char*>(next) + offsetof(Request, opcode), sizeof opcode);
+    if (opcode != static_cast<uint32_t>(Opcode::kPush)) return false;
+    pushes_held = true;
+    // Counted once per push: the idle loop's watch looks at the lane again.
+    if (held_at[i] != slot.lane.next_index() + 1) {
+      held_at[i] = slot.lane.next_index() + 1;
+      shm::bump(stats().fed_pushes_held);
+    }
+    return true;
   }
 
   // Every kHeartbeatNs, from the loop and only there: a consumer stuck in a
@@ -236,6 +256,8 @@ class Server::Impl {
       notifier.ready("reload failed (see the log); " + status_text());
       return;
     } else {
+      // The running name and checkpoint directory carry the rank.
+      if (federation) apply_rank_in_name(*next, federation->membership().rank);
       apply_live(config, *next, segment->header().config);
     }
     notifier.ready(status_text());
@@ -252,8 +274,11 @@ class Server::Impl {
   void sleep_until_doorbell() {
     auto& wake = segment->header().server_wake;
     wake.waiters.fetch_add(1, std::memory_order_seq_cst);
-    const uint32_t seq = wake.seq.load(std::memory_order_seq_cst);      // SYNC(wait_word)
-    if (!doorbells_pending() && !stop.load(std::memory_order_acquire))  // SYNC(stop)
+    const uint32_t seq = wake.seq.load(std::memory_order_seq_cst);  // SYNC(wait_word)
+    // The federation thread notifies the word after asking for a snapshot
+    // or a merge (FederationLink::set_phase()).
+    if (!doorbells_pending() && !stop.load(std::memory_order_acquire) &&  // SYNC(stop)
+        !(federation && federation->wants_consumer()))
       shm::wait_once(wake, seq, std::chrono::nanoseconds(kHeartbeatNs));
     wake.waiters.fetch_sub(1, std::memory_order_relaxed);  // relaxed: only a hint to notifiers
   }
@@ -342,12 +367,16 @@ class Server::Impl {
     slot.lane.prefetch_next();         // the request's line travels while we check the entry
     shm::WorkerEntry& entry = segment->worker(i);
     uint32_t served = 0;
-    bool drained = false;  // the batch ended on an empty lane
+    bool drained = false;         // the batch ended on an empty lane
+    bool held_for_merge = false;  // the batch ended on a push that waits for the federation's merge
     while (served < kBatchPerLane) {
       if (!slot.completions.has_space()) break;         // worker is behind; it will catch up
       if (held.held(i) >= config.lane_capacity) break;  // its device work is behind
       if (!failure.ok()) break;  // the device failed: nothing more is taken (shutdown fails the rest)
-      if (federation && federation->holding(model.version)) break;  // until the round merges (drift cap, no overlap)
+      if (push_waits_for_merge(i, slot)) {
+        held_for_merge = true;
+        break;
+      }
       // This lane alone is a lower bound of the total; publish_depth() sums
       // all lanes every heartbeat and for a stats request.
       sessions.note_depth(slot.lane.depth_estimate());
@@ -410,7 +439,8 @@ class Server::Impl {
         return true;                                                  // evicted while handling, or the entry changed
     }
     if (served > 0) shm::notify(slot.lane.header()->space_ready);
-    if (!drained && slot.lane.refresh() == shm::RingResult::kOk) ring_doorbell(i);  // more left: come back
+    // More left: come back (but for a push that waits for the merge).
+    if (!drained && !held_for_merge && slot.lane.refresh() == shm::RingResult::kOk) ring_doorbell(i);
     return served > 0;
   }
 
@@ -580,8 +610,7 @@ class Server::Impl {
     // others' next round; a round in flight is merged). A thread stuck in
     // a collective stays behind with its engine, never finalised: the
     // launcher then sees this process end without MPI_Finalize.
-    if (federation && !federation->stop(*backend, model.version, 2 * config.federation.every_ms + 5000))
-      static_cast<void>(federation.release());
+    if (federation && !federation->stop(*backend, model.version)) static_cast<void>(federation.release());
     // Device work in flight: completed when the device is healthy, failed
     // (weights may be half-written) when it is not.
     const Status device = backend->healthy().ok() ? backend->synchronize() : backend->healthy();
@@ -685,12 +714,7 @@ Result<std::unique_ptr<Server>> Server::create(const ServerConfig& requested, st
     if (!made.ok()) return made.status();
     engine = std::move(made).value();
   }
-  if (engine && config.federation.rank_in_name) {
-    // Several ranks on one machine: each its own segment and checkpoints.
-    const std::string rank = ".r" + std::to_string(engine->membership().rank);
-    config.name += rank;
-    if (!config.checkpoint_dir.empty()) config.checkpoint_dir += "/" + rank.substr(1);
-  }
+  if (engine) apply_rank_in_name(config, engine->membership().rank);
   // The weights and optimizer state are the server's big allocations; one
   // that fails is a clear error (and no segment is left behind).
   try {
@@ -794,8 +818,8 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
     const Membership m = engine->membership();
     log::info(std::string("federation over ") + engine->name() + ": rank " + std::to_string(m.rank) + " of " +
               std::to_string(m.size) + "; the first round makes rank 0's weights everybody's");
-    impl->federation =
-        std::make_unique<FederationLink>(config.federation, std::move(engine), model_fingerprint(config), seg.stats());
+    impl->federation = std::make_unique<FederationLink>(config.federation, std::move(engine), model_fingerprint(config),
+                                                        seg.stats(), seg.header().server_wake);
   }
 
   seg.header().server_state.store(static_cast<uint32_t>(shm::ServerState::kRunning),

@@ -9,13 +9,17 @@
 #include <boost/test/unit_test.hpp>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <functional>
+#include <mutex>
 #include <random>
 #include <thread>
 
+#include "checkpoint.hpp"
 #include "fake_federation.hpp"
 #include "federation.hpp"
 #include "server_support.hpp"
+#include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
 #include "worker_support.hpp"
@@ -230,21 +234,33 @@ BOOST_AUTO_TEST_CASE(nesterov_outer_step_matches_pytorch_sgd_in_float64) {
   for (size_t i = 0; i < kN; i += 101) BOOST_TEST(final_correction[1][i] == final_anchor[1][i] - final_snapshot[1][i]);
 }
 
+// When no host has updates, only the headers travel, and neither the
+// anchor nor the outer momentum moves (a Nesterov step with momentum left
+// from an earlier round would still move it).
 BOOST_AUTO_TEST_CASE(a_round_with_no_updates_anywhere_moves_no_anchor) {
-  Hosts hosts(2, FederationConfig{});
-  std::vector<uint64_t> bytes(2);
-  std::vector<float> anchor0(2);
-  hosts.run([&](uint32_t r, Federator& f) {
-    std::vector<float> ex(kN, 3.0f);
-    (void)f.join(ex);
-    std::fill(ex.begin(), ex.end(), 3.0f + 1e-7f * static_cast<float>(r));  // the merge's rounding, no update
-    auto res = f.round(ex, 0);
-    bytes[r] = res.ok() ? res->bytes : 0;
-    anchor0[r] = f.anchor()[0];
-  });
-  BOOST_TEST(anchor0[0] == 3.0f);
-  BOOST_TEST(anchor0[1] == 3.0f);
-  BOOST_TEST(bytes[0] == Federator::kHeaderBytes);  // the header only: no delta travelled
+  for (OuterStep outer : {OuterStep::kAverage, OuterStep::kNesterov}) {
+    FederationConfig config;
+    config.outer = outer;
+    Hosts hosts(2, config);
+    std::vector<uint64_t> bytes(2);
+    std::vector<uint64_t> hash_before(2), hash_after(2);
+    hosts.run([&](uint32_t r, Federator& f) {
+      std::vector<float> ex(kN, 3.0f);
+      (void)f.join(ex);
+      std::fill(ex.begin(), ex.end(), 3.5f);  // a round with updates: the momentum is not zero after it
+      (void)f.round(ex, 2);
+      hash_before[r] = f.anchor_hash();
+      // No update; W differs from A by the merge's rounding only.
+      for (size_t i = 0; i < kN; ++i) ex[i] = r == 0 ? f.anchor()[i] : std::nextafter(f.anchor()[i], 9.0f);
+      auto res = f.round(ex, 0);
+      bytes[r] = res.ok() ? res->bytes : 0;
+      hash_after[r] = f.anchor_hash();
+    });
+    for (uint32_t r = 0; r < 2; ++r) {
+      BOOST_TEST(hash_after[r] == hash_before[r], "outer " << outer_step_name(outer));
+      BOOST_TEST(bytes[r] == Federator::kHeaderBytes);  // the header only: no delta travelled
+    }
+  }
 }
 
 BOOST_AUTO_TEST_CASE(hosts_serving_other_models_are_refused_naming_both) {
@@ -316,18 +332,22 @@ BOOST_AUTO_TEST_CASE(anchors_that_differ_are_repaired_from_rank_0) {
   BOOST_TEST(std::abs(hosts.feds[1]->anchor()[0] - 0.75025f) <= 1e-6f);
 }
 
+// A failure of the headers' allgather (collective 3, after the join's
+// two) or of the delta's allreduce (4) leaves the anchor and the round.
 BOOST_AUTO_TEST_CASE(an_engine_failure_leaves_the_anchor_unchanged) {
-  Hosts hosts(1, FederationConfig{});
-  std::vector<float> ex(kN, 2.0f);
-  BOOST_TEST_REQUIRE(hosts.feds[0]->join(ex).ok());
-  const uint64_t before = hosts.feds[0]->anchor_hash();
-  hosts.engines[0]->fail_next = true;
-  std::fill(ex.begin(), ex.end(), 4.0f);
-  auto res = hosts.feds[0]->round(ex, 1);
-  BOOST_TEST(!res.ok());
-  BOOST_TEST(res.status().message().find("injected failure") != std::string::npos);
-  BOOST_TEST(hosts.feds[0]->anchor_hash() == before);
-  BOOST_TEST(hosts.feds[0]->round_number() == 0u);
+  for (uint64_t fail_at : {3, 4}) {
+    Hosts hosts(1, FederationConfig{});
+    std::vector<float> ex(kN, 2.0f);
+    BOOST_TEST_REQUIRE(hosts.feds[0]->join(ex).ok());
+    const uint64_t before = hosts.feds[0]->anchor_hash();
+    hosts.engines[0]->fail_at = fail_at;
+    std::fill(ex.begin(), ex.end(), 4.0f);
+    auto res = hosts.feds[0]->round(ex, 1);
+    BOOST_TEST(!res.ok(), "collective " << fail_at);
+    BOOST_TEST(res.status().message().find("injected failure") != std::string::npos);
+    BOOST_TEST(hosts.feds[0]->anchor_hash() == before);
+    BOOST_TEST(hosts.feds[0]->round_number() == 0u);
+  }
 }
 
 // ---------------------------------------------------------------- servers
@@ -337,7 +357,8 @@ namespace {
 // Two in-process servers federated over one FakeGroup, SGD lr 1 on one
 // tensor of 4 zeros, so a push of g moves the weights by -g exactly.
 struct TwoServers {
-  TwoServers(FederationConfig a, FederationConfig b) : group(std::make_shared<FakeGroup>(2)) {
+  TwoServers(FederationConfig a, FederationConfig b, const std::string& checkpoint_dir_1 = "")
+      : group(std::make_shared<FakeGroup>(2)) {
     for (uint32_t r = 0; r < 2; ++r) {
       ServerConfig c;
       c.name = test::unique_name("fed" + std::to_string(r));
@@ -347,14 +368,25 @@ struct TwoServers {
       c.backend = BackendKind::kHost;
       c.max_staleness = 1'000'000;
       c.federation = r == 0 ? a : b;
+      if (r == 1) c.checkpoint_dir = checkpoint_dir_1;
       names.push_back(c.name);
-      servers.push_back(std::make_unique<test::InProcessServer>(c, std::make_unique<FakeEngine>(group, r)));
+      auto engine = std::make_unique<FakeEngine>(group, r);
+      engines.push_back(engine.get());
+      servers.push_back(std::make_unique<test::InProcessServer>(c, std::move(engine)));
     }
   }
   std::shared_ptr<FakeGroup> group;
   std::vector<std::string> names;
+  std::vector<FakeEngine*> engines;  // owned by the servers
   std::vector<std::unique_ptr<test::InProcessServer>> servers;
 };
+
+// A counter of the stats block that ServerStats does not carry.
+uint64_t block_stat(const std::string& name, std::atomic<uint64_t> shm::StatsBlock::*field) {
+  auto seg = shm::Segment::open(name, /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  return ((*seg)->stats().*field).load();
+}
 
 // A worker that pushes a gradient of -0.5 everywhere `pushes` times.
 void push_halves(const std::string& name, int pushes) {
@@ -433,6 +465,94 @@ BOOST_AUTO_TEST_CASE(the_drift_cap_holds_pushes_until_a_round_merges) {
   BOOST_TEST(elapsed >= 0.3, "12 pushes took " << elapsed << " s: the cap held nothing");
   BOOST_TEST(stat(two.names[0], &ServerStats::fed_round) >= 3u);
   BOOST_TEST(stat(two.names[0], &ServerStats::fed_drift) <= 3u);
+  BOOST_TEST(block_stat(two.names[0], &shm::StatsBlock::fed_pushes_held) >= 3u);
+}
+
+// Without overlap a push that arrives while the round exchanges waits for
+// the merge; a pull does not. The test holds host 0's round inside its
+// allreduce (the FakeEngine hook) and pushes meanwhile.
+BOOST_AUTO_TEST_CASE(without_overlap_a_push_waits_for_the_merge) {
+  FederationConfig f;
+  f.every_ms = 30;
+  f.overlap = false;
+  TwoServers two(f, f);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool armed = true, reached = false, released = false;
+  two.engines[0]->before_allreduce = [&] {
+    std::unique_lock lock(mu);
+    if (!armed) return;
+    armed = false;
+    reached = true;
+    cv.notify_all();
+    cv.wait(lock, [&] { return released; });
+  };
+  push_halves(two.names[0], 1);  // an update, so the next round exchanges a delta
+  {
+    std::unique_lock lock(mu);
+    BOOST_TEST_REQUIRE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return reached; }));
+  }
+  // Host 0 is inside its exchange now: a pull is served, a push waits.
+  BOOST_TEST(pull_weights(two.names[0])[0] == 0.5f);
+  std::atomic<bool> pushed{false};
+  std::thread pusher([&] {
+    push_halves(two.names[0], 1);
+    pushed = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  BOOST_TEST(!pushed.load(), "a push was applied while the round exchanged without overlap");
+  BOOST_TEST(block_stat(two.names[0], &shm::StatsBlock::fed_pushes_held) >= 1u);
+  {
+    std::lock_guard lock(mu);
+    released = true;
+  }
+  cv.notify_all();
+  pusher.join();
+  BOOST_TEST(pushed.load());
+  BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(two.names[1])[0] == 1.0f; }));
+  BOOST_TEST(pull_weights(two.names[0])[0] == 1.0f);
+}
+
+// A server that stops announces its leave: the other ends federation
+// (0 members in its stats) and keeps serving its workers alone.
+BOOST_AUTO_TEST_CASE(a_stopping_server_leaves_and_the_other_serves_alone) {
+  FederationConfig f;
+  f.every_ms = 30;
+  TwoServers two(f, f);
+  BOOST_TEST_REQUIRE(test::eventually([&] { return stat(two.names[0], &ServerStats::fed_members) == 2; }));
+  const auto start = std::chrono::steady_clock::now();
+  two.servers[1]->stop();  // checks that run() returned ok
+  const double stop_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  BOOST_TEST(stop_s < 5.0, "the stop took " << stop_s << " s");
+  BOOST_TEST_REQUIRE(test::eventually([&] { return stat(two.names[0], &ServerStats::fed_members) == 0; }));
+  push_halves(two.names[0], 2);
+  BOOST_TEST(pull_weights(two.names[0])[0] == 1.0f);
+  BOOST_TEST(stat(two.names[0], &ServerStats::fed_failures) == 0u);
+}
+
+// A host whose weights changed only through merges still checkpoints them
+// at stop, over the file of that version already on disk (the version did
+// not move, the weights did).
+BOOST_AUTO_TEST_CASE(weights_changed_only_by_merges_are_checkpointed) {
+  test::TempDir dir("fedckpt");
+  FederationConfig f;
+  f.every_ms = 20;
+  { TwoServers first(f, f, dir.path.string()); }  // host 1 leaves a checkpoint of version 0 (zeros)
+  BOOST_TEST_REQUIRE(list_checkpoints(dir.path.string()).size() == 1u);
+  TwoServers two(f, f, dir.path.string());  // host 1 restores it
+  push_halves(two.names[0], 4);
+  BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(two.names[1])[0] == 2.0f; }));
+  two.servers[1]->stop();
+  const std::vector<std::string> files = list_checkpoints(dir.path.string());
+  BOOST_TEST_REQUIRE(files.size() >= 1u);
+  CheckpointLayout layout;
+  layout.tensors = {{"w", {4}}};
+  layout.optimizer_kind = static_cast<uint32_t>(kernels::OptimizerKind::kSgd);
+  layout.state_arrays = 0;
+  auto data = read_checkpoint(files.front(), layout);
+  BOOST_TEST_REQUIRE(data.ok(), data.status().to_string());
+  BOOST_TEST(data->version == 0u);
+  for (float w : data->weights) BOOST_TEST(w == 2.0f);
 }
 
 BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
@@ -448,6 +568,12 @@ BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
   BOOST_TEST(!f.overlap);
   BOOST_TEST(!f.weight_by_updates);
   BOOST_TEST(f.rank_in_name);
+  // What rank 7 runs as, at start and for each reload alike.
+  ServerConfig c = ok->config;
+  c.checkpoint_dir = "/var/lib/shmps/x";
+  apply_rank_in_name(c, 7);
+  BOOST_TEST(c.name == "x.r7");
+  BOOST_TEST(c.checkpoint_dir == "/var/lib/shmps/x/r7");
   const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
       {{"--federation", "tcp"}, "--federation must be none or mpi"},
       {{"--fed-outer", "adam"}, "--fed-outer must be average or nesterov"},

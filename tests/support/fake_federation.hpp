@@ -2,12 +2,14 @@
 // in-process servers) of one FakeGroup meet at each collective; the last to
 // arrive computes the result (sums in rank order: the same bits for all)
 // and releases the others. A member may be told to add a perturbation to
-// its allreduce results (anchors that drift apart) or to fail its next
-// collective. Header-only; thread-safe.
+// its allreduce results (anchors that drift apart), to fail its k-th
+// collective, or to run a hook before each allreduce (a test holding a
+// round in its exchange). Header-only; thread-safe.
 #pragma once
 
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -17,7 +19,7 @@
 
 namespace shmps::test {
 
-class FakeGroup : public std::enable_shared_from_this<FakeGroup> {
+class FakeGroup {
  public:
   explicit FakeGroup(uint32_t size) : size_(size), inputs_(size) {}
   uint32_t size() const { return size_; }
@@ -59,7 +61,8 @@ class FakeEngine final : public server::FederationEngine {
   server::Membership membership() const noexcept override { return {0, rank_, group_->size()}; }
 
   Status allreduce_sum(std::span<float> data) override {
-    if (fail_next) return fail();
+    if (failing()) return fail();
+    if (before_allreduce) before_allreduce();
     const auto out = group_->meet(rank_, std::as_bytes(data), [&](const std::vector<std::vector<std::byte>>& in) {
       std::vector<float> sum(data.size(), 0.0f);
       for (const auto& member : in) {
@@ -76,7 +79,7 @@ class FakeEngine final : public server::FederationEngine {
   }
 
   Status allgather(std::span<const std::byte> mine, std::span<std::byte> all) override {
-    if (fail_next) return fail();
+    if (failing()) return fail();
     const auto out = group_->meet(rank_, mine, [](const std::vector<std::vector<std::byte>>& in) {
       std::vector<std::byte> bytes;
       for (const auto& member : in) bytes.insert(bytes.end(), member.begin(), member.end());
@@ -87,7 +90,7 @@ class FakeEngine final : public server::FederationEngine {
   }
 
   Status broadcast(std::span<std::byte> data, uint32_t root) override {
-    if (fail_next) return fail();
+    if (failing()) return fail();
     const auto out =
         group_->meet(rank_, data, [root](const std::vector<std::vector<std::byte>>& in) { return in[root]; });
     std::memcpy(data.data(), out.data(), data.size());
@@ -95,13 +98,15 @@ class FakeEngine final : public server::FederationEngine {
   }
 
   float perturbation = 0.0f;  // added to every allreduce result of this member
-  bool fail_next = false;     // the next collective fails (without meeting the others)
+  // This member's collective number fail_at (1 = its first) fails, without
+  // meeting the others; 0: none.
+  uint64_t fail_at = 0;
+  std::function<void()> before_allreduce;  // runs before each allreduce meets the others
 
  private:
-  Status fail() {
-    fail_next = false;
-    return {ErrorCode::kIo, "federation (fake): injected failure"};
-  }
+  bool failing() { return ++collectives_ == fail_at; }
+  static Status fail() { return {ErrorCode::kIo, "federation (fake): injected failure"}; }
+  uint64_t collectives_ = 0;
   std::shared_ptr<FakeGroup> group_;
   uint32_t rank_;
 };

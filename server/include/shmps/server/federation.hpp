@@ -26,9 +26,10 @@ enum class OuterStep { kAverage = 0, kNesterov = 1 };
 
 struct FederationConfig {
   FederationKind kind = FederationKind::kNone;
-  // A round starts every `every_ms` (required while federated), and
-  // earlier once `every_versions` local updates were applied since the
-  // last snapshot (0: no such trigger).
+  // A round starts `every_ms` after the previous one's collectives ended
+  // (together on every host), and earlier once `every_versions` local
+  // updates were applied since the last snapshot (0: no such trigger; an
+  // early round waits in its first collective for the others' timers).
   uint32_t every_ms = 250;
   uint64_t every_versions = 0;
   OuterStep outer = OuterStep::kAverage;
@@ -37,11 +38,11 @@ struct FederationConfig {
   // Weight each host's delta by its local updates of the round, so that
   // an idle host does not dilute the average; false: a plain mean.
   bool weight_by_updates = true;
-  // Serve local requests while a round exchanges (true), or hold every
-  // lane from the snapshot until the merge.
+  // Apply local pushes while a round exchanges (true), or hold them from
+  // the snapshot until the merge (pulls are served either way).
   bool overlap = true;
   // The most local updates since the last merged snapshot (0: no cap);
-  // beyond it the server holds its lanes until the next round merges.
+  // beyond it the server holds pushes until the next round merges.
   uint64_t max_drift = 0;
   // Append ".r<rank>" to --name, and "/r<rank>" to --checkpoint-dir
   // (several "hosts" on one machine).
