@@ -49,6 +49,8 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
     ("name", po::value(&o.name), "server segment name (default: train_<pid>)")
     ("server-bin", po::value(&o.server_bin), "shmps-server to start (default: beside shmps-train)")
     ("connect", po::value(&o.connect), "use the running server of this name instead of starting one")
+    ("evaluate", po::bool_switch(&o.evaluate),
+     "with --connect: score that server's weights on the test set, train nothing (a federated job's merged model)")
     ("checkpoint-every", po::value(&o.checkpoint_every)->default_value(o.checkpoint_every),
      "own server: checkpoint every N updates; if the server dies it is restarted and resumes there (0: no restart)");
   // clang-format on
@@ -77,6 +79,7 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   if (o.lr == 0.0) o.lr = default_lr(o.optimizer);
   if (!(o.lr > 0.0) || !std::isfinite(o.lr)) bad = "--lr must be > 0";
   if (o.evals_per_epoch < 1 || o.evals_per_epoch > 1000) bad = "--evals-per-epoch must be 1..1000";
+  if (o.evaluate && o.connect.empty()) bad = "--evaluate scores a running server's weights: it needs --connect";
   if (o.in_process) {
     if (vm.count("workers") != 0 && !vm["workers"].defaulted() && o.workers != 1)
       bad = "--in-process runs one training loop: --workers must be 1";

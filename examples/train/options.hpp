@@ -40,6 +40,7 @@ struct Options {
   std::string name;
   std::string server_bin;
   std::string connect;
+  bool evaluate = false;             // with connect: score its weights, train nothing
   uint64_t checkpoint_every = 1000;  // own server: checkpoint so a restart resumes
 };
 

@@ -28,6 +28,13 @@ int Trainer::run() {
   if (o_.in_process) return run_in_process(o_, shape_, train_, test_);
   const std::string server_name = o_.connect.empty() ? o_.name : o_.connect;
   if (int rc = attach(server_name); rc != 0) return rc;
+  if (o_.evaluate) {
+    Curve curve(shape_, train_, test_, /*per_epoch=*/1, /*defer=*/false);
+    if (!take(curve)) return kExitFailure;
+    std::printf("final test accuracy: %.4f (the weights of server '%s', nothing trained)\n",
+                curve.final_test_accuracy(), server_name.c_str());
+    return 0;
+  }
 
   // Applied pushes per epoch: every worker's minibatches of its shard.
   uint64_t per_epoch = 0;

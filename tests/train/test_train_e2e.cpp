@@ -191,7 +191,13 @@ BOOST_FIXTURE_TEST_CASE(connect_uses_a_running_server_and_checks_tensors, TrainR
     ServerProcess server(name, server_args(init));
     run({"--connect", name, "--train-limit", "3000", "--test-limit", "2000", "--epochs", "1", "--workers", "2"});
     BOOST_REQUIRE_EQUAL(rc, 0);
-    BOOST_TEST(final_accuracy() > 0.60);
+    const double trained = final_accuracy();
+    BOOST_TEST(trained > 0.60);
+    // --evaluate scores the same weights again and trains nothing.
+    run({"--connect", name, "--test-limit", "2000", "--evaluate"});
+    BOOST_REQUIRE_EQUAL(rc, 0);
+    BOOST_TEST(output.find("nothing trained") != std::string::npos, output);
+    BOOST_TEST(final_accuracy() == trained);
     BOOST_TEST(server.process().running());  // not ours to stop
     BOOST_TEST(server.stop() == 0);
   }
@@ -375,6 +381,10 @@ BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
   BOOST_TEST(output.find("--workers must be 1") != std::string::npos, output);
   run({"--in-process", "--connect", "x"});
   BOOST_TEST(rc == 2);
+  run({"--evaluate"});
+  BOOST_TEST(rc == 2);
+  BOOST_TEST(output.find("--evaluate scores a running server's weights: it needs --connect") != std::string::npos,
+             output);
   // Checked as the server checks its options.
   run({"--in-process", "--train-limit", "100", "--test-limit", "100", "--optimizer", "sgd", "--momentum=-1"});
   BOOST_TEST(rc == 2);
