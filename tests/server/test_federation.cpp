@@ -357,7 +357,10 @@ namespace {
 // Two in-process servers federated over one FakeGroup, SGD lr 1 on one
 // tensor of 4 zeros, so a push of g moves the weights by -g exactly.
 struct TwoServers {
-  TwoServers(FederationConfig a, FederationConfig b, const std::string& checkpoint_dir_1 = "")
+  // `before_allreduce_0`: host 0's engine hook (set before its server
+  // runs: the federation thread reads it).
+  TwoServers(FederationConfig a, FederationConfig b, const std::string& checkpoint_dir_1 = "",
+             std::function<void()> before_allreduce_0 = nullptr)
       : group(std::make_shared<FakeGroup>(2)) {
     for (uint32_t r = 0; r < 2; ++r) {
       ServerConfig c;
@@ -371,13 +374,12 @@ struct TwoServers {
       if (r == 1) c.checkpoint_dir = checkpoint_dir_1;
       names.push_back(c.name);
       auto engine = std::make_unique<FakeEngine>(group, r);
-      engines.push_back(engine.get());
+      if (r == 0) engine->before_allreduce = before_allreduce_0;
       servers.push_back(std::make_unique<test::InProcessServer>(c, std::move(engine)));
     }
   }
   std::shared_ptr<FakeGroup> group;
   std::vector<std::string> names;
-  std::vector<FakeEngine*> engines;  // owned by the servers
   std::vector<std::unique_ptr<test::InProcessServer>> servers;
 };
 
@@ -475,18 +477,17 @@ BOOST_AUTO_TEST_CASE(without_overlap_a_push_waits_for_the_merge) {
   FederationConfig f;
   f.every_ms = 30;
   f.overlap = false;
-  TwoServers two(f, f);
   std::mutex mu;
   std::condition_variable cv;
   bool armed = true, reached = false, released = false;
-  two.engines[0]->before_allreduce = [&] {
+  TwoServers two(f, f, "", [&] {
     std::unique_lock lock(mu);
     if (!armed) return;
     armed = false;
     reached = true;
     cv.notify_all();
     cv.wait(lock, [&] { return released; });
-  };
+  });
   push_halves(two.names[0], 1);  // an update, so the next round exchanges a delta
   {
     std::unique_lock lock(mu);
@@ -494,9 +495,16 @@ BOOST_AUTO_TEST_CASE(without_overlap_a_push_waits_for_the_merge) {
   }
   // Host 0 is inside its exchange now: a pull is served, a push waits.
   BOOST_TEST(pull_weights(two.names[0])[0] == 0.5f);
+  // The push from a thread of its own, without Boost.Test's macros (not
+  // thread-safe): it records whether the push was applied.
   std::atomic<bool> pushed{false};
+  std::atomic<bool> push_ok{false};
   std::thread pusher([&] {
-    push_halves(two.names[0], 1);
+    auto w = test::try_connect(two.names[0]);
+    auto grad = w ? w->register_buffer(16) : Result<Buffer>(Status{ErrorCode::kInternal, "no worker"});
+    if (!grad.ok()) return;
+    for (int k = 0; k < 4; ++k) static_cast<float*>(grad->data)[k] = -0.5f;
+    push_ok = w->push(0, grad->id, 0, 16, Dtype::kF32, /*worker_version=*/1).ok();
     pushed = true;
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -509,6 +517,7 @@ BOOST_AUTO_TEST_CASE(without_overlap_a_push_waits_for_the_merge) {
   cv.notify_all();
   pusher.join();
   BOOST_TEST(pushed.load());
+  BOOST_TEST(push_ok.load());
   BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(two.names[1])[0] == 1.0f; }));
   BOOST_TEST(pull_weights(two.names[0])[0] == 1.0f);
 }
