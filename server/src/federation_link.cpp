@@ -222,9 +222,10 @@ void FederationLink::thread_main() {
   // The join first: rank 0's weights become everybody's anchor.
   bool going = exchange(/*join=*/true);
   while (going) {
-    // The period counts from the end of the last round's collectives, which
-    // end together on every host: the hosts' timers realign every round,
-    // whatever triggered a round early on one of them.
+    // The period counts from the end of the last round: its collectives end
+    // together on every host (the local merge after them takes a moment),
+    // so the hosts' timers realign every round, whatever triggered a round
+    // early on one of them.
     const auto deadline = Clock::now() + std::chrono::milliseconds(config_.every_ms);
     std::unique_lock lock(mu_);
     // relaxed: written under mu_.
