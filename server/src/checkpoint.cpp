@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <type_traits>
 
@@ -26,7 +27,7 @@ struct CheckpointHeader {
   uint32_t optimizer_kind;
   uint32_t state_arrays;
   uint32_t tensor_count;
-  uint32_t reserved0;
+  uint32_t flags;  // kCheckpoint* (format 2; 0 in format 1)
   uint64_t total_elements;
   uint64_t reserved[2];
 };
@@ -40,6 +41,22 @@ struct CheckpointTensor {
   uint64_t step;
 };
 static_assert(sizeof(CheckpointTensor) == 112 && std::is_trivially_copyable_v<CheckpointTensor>);
+
+// Heads the federation section (FederationState).
+struct CheckpointFederationRecord {
+  uint64_t round;
+  uint32_t momentum_started;  // 0 or 1
+  uint32_t reserved0;
+  uint64_t reserved[2];
+};
+static_assert(sizeof(CheckpointFederationRecord) == 32 && std::is_trivially_copyable_v<CheckpointFederationRecord>);
+
+// The float arrays of the federation section: the anchor, and the
+// momentum with kCheckpointOuterMomentum.
+uint64_t federation_arrays(uint32_t flags) {
+  if ((flags & kCheckpointFederation) == 0) return 0;
+  return (flags & kCheckpointOuterMomentum) != 0 ? 2 : 1;
+}
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -148,10 +165,13 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   if (size < sizeof h + 4) return corrupt("truncated header");
   if (!read_all(out->file.fd, &h, sizeof h)) return read_failed("truncated header");
   if (h.magic != kCheckpointMagic) return corrupt("not a shmps checkpoint (bad magic)");
-  if (h.format != kCheckpointFormat)
-    return corrupt("checkpoint format " + std::to_string(h.format) + ", this build reads " +
+  if (h.format != 1 && h.format != kCheckpointFormat)
+    return corrupt("checkpoint format " + std::to_string(h.format) + ", this build reads 1 to " +
                    std::to_string(kCheckpointFormat));
-  if (h.header_size != sizeof h || h.tensor_count == 0 || h.tensor_count > shm::kMaxTensorsLimit || h.state_arrays > 3)
+  const uint32_t known_flags = h.format == 1 ? 0 : kCheckpointFederation | kCheckpointOuterMomentum;
+  if (h.header_size != sizeof h || h.tensor_count == 0 || h.tensor_count > shm::kMaxTensorsLimit ||
+      h.state_arrays > 3 || (h.flags & ~known_flags) != 0 ||
+      (h.flags & (kCheckpointFederation | kCheckpointOuterMomentum)) == kCheckpointOuterMomentum)
     return corrupt("implausible header");
   if (h.version >= kMaxCheckpointVersion) return corrupt("implausible version " + std::to_string(h.version));
   try {
@@ -173,8 +193,12 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
     return misfit(std::to_string(h.total_elements) + " parameters, this server has " + std::to_string(expect_total));
   out->ours = true;  // until a tensor record says otherwise
   // expect_total <= 2^40 (shm::validate_tensors()): no overflow below.
-  const uint64_t expected_size =
-      sizeof h + uint64_t{h.tensor_count} * sizeof(CheckpointTensor) + h.total_elements * (1 + h.state_arrays) * 4 + 4;
+  const uint64_t federation_bytes =
+      (h.flags & kCheckpointFederation) != 0
+          ? sizeof(CheckpointFederationRecord) + h.total_elements * federation_arrays(h.flags) * 4
+          : 0;
+  const uint64_t expected_size = sizeof h + uint64_t{h.tensor_count} * sizeof(CheckpointTensor) +
+                                 h.total_elements * (1 + h.state_arrays) * 4 + federation_bytes + 4;
   if (expected_size != size) return corrupt("size " + std::to_string(size) + " does not match its header (truncated?)");
   out->tensors.resize(h.tensor_count);
   if (!read_all(out->file.fd, out->tensors.data(), out->tensors.size() * sizeof(CheckpointTensor)))
@@ -195,7 +219,9 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
 Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   const uint64_t total = data.weights.size();
   if (data.state.size() != uint64_t{data.layout.state_arrays} * total ||
-      data.steps.size() != data.layout.tensors.size())
+      data.steps.size() != data.layout.tensors.size() ||
+      (data.federation && (data.federation->anchor.size() != total ||
+                           (!data.federation->momentum.empty() && data.federation->momentum.size() != total))))
     return {ErrorCode::kInternal, "inconsistent checkpoint snapshot"};
   CheckpointHeader h{};
   h.magic = kCheckpointMagic;
@@ -206,6 +232,18 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   h.state_arrays = data.layout.state_arrays;
   h.tensor_count = static_cast<uint32_t>(data.layout.tensors.size());
   h.total_elements = total;
+  CheckpointFederationRecord fed{};
+  if (data.federation) {
+    h.flags = kCheckpointFederation | (data.federation->momentum.empty() ? 0 : kCheckpointOuterMomentum);
+    fed.round = data.federation->round;
+    fed.momentum_started = data.federation->momentum_started ? 1 : 0;
+  }
+  // The federation section's arrays (none without it).
+  std::vector<std::span<const float>> fed_arrays;
+  if (data.federation) {
+    fed_arrays.emplace_back(data.federation->anchor);
+    if (!data.federation->momentum.empty()) fed_arrays.emplace_back(data.federation->momentum);
+  }
   std::vector<CheckpointTensor> tensors(data.layout.tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     CheckpointTensor& t = tensors[i];
@@ -220,6 +258,8 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   crc.process_bytes(tensors.data(), tensors.size() * sizeof(CheckpointTensor));
   crc.process_bytes(data.weights.data(), data.weights.size() * sizeof(float));
   crc.process_bytes(data.state.data(), data.state.size() * sizeof(float));
+  if (data.federation) crc.process_bytes(&fed, sizeof fed);
+  for (std::span<const float> a : fed_arrays) crc.process_bytes(a.data(), a.size_bytes());
   const uint32_t checksum = crc.checksum();
 
   const std::string final_path = dir + "/" + file_name(data.version);
@@ -237,11 +277,12 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   }
   const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) return {ErrorCode::kIo, "checkpoint: open " + temp_path + ": " + errno_text()};
-  const bool ok = write_all(fd, &h, sizeof h) &&
-                  write_all(fd, tensors.data(), tensors.size() * sizeof(CheckpointTensor)) &&
-                  write_all(fd, data.weights.data(), data.weights.size() * sizeof(float)) &&
-                  write_all(fd, data.state.data(), data.state.size() * sizeof(float)) &&
-                  write_all(fd, &checksum, sizeof checksum) && ::fsync(fd) == 0;
+  bool ok = write_all(fd, &h, sizeof h) && write_all(fd, tensors.data(), tensors.size() * sizeof(CheckpointTensor)) &&
+            write_all(fd, data.weights.data(), data.weights.size() * sizeof(float)) &&
+            write_all(fd, data.state.data(), data.state.size() * sizeof(float)) &&
+            (!data.federation || write_all(fd, &fed, sizeof fed));
+  for (std::span<const float> a : fed_arrays) ok = ok && write_all(fd, a.data(), a.size_bytes());
+  ok = ok && write_all(fd, &checksum, sizeof checksum) && ::fsync(fd) == 0;
   const std::string write_error = ok ? "" : errno_text();
   ::close(fd);
   if (!ok) {
@@ -275,16 +316,38 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
   // Sized by this server's own model (open_checkpoint() matched it).
   data.weights.resize(h.total_elements);
   data.state.resize(h.total_elements * h.state_arrays);
+  CheckpointFederationRecord fed{};
+  if ((h.flags & kCheckpointFederation) != 0) {
+    data.federation.emplace();
+    data.federation->anchor.resize(h.total_elements);
+    if ((h.flags & kCheckpointOuterMomentum) != 0) data.federation->momentum.resize(h.total_elements);
+  }
+  const auto read_floats = [&](std::vector<float>& v) { return read_all(f.file.fd, v.data(), v.size() * 4); };
   uint32_t stored = 0;
-  if (!read_all(f.file.fd, data.weights.data(), data.weights.size() * 4) ||
-      !read_all(f.file.fd, data.state.data(), data.state.size() * 4) || !read_all(f.file.fd, &stored, 4))
+  bool ok = read_floats(data.weights) && read_floats(data.state);
+  if (data.federation)
+    ok = ok && read_all(f.file.fd, &fed, sizeof fed) && read_floats(data.federation->anchor) &&
+         read_floats(data.federation->momentum);
+  if (!ok || !read_all(f.file.fd, &stored, 4))
     return errno != 0 ? Status{ErrorCode::kIo, path + ": read: " + errno_text()} : corrupt("truncated");
   boost::crc_32_type crc;
   crc.process_bytes(&h, sizeof h);
   crc.process_bytes(f.tensors.data(), f.tensors.size() * sizeof(CheckpointTensor));
   crc.process_bytes(data.weights.data(), data.weights.size() * 4);
   crc.process_bytes(data.state.data(), data.state.size() * 4);
+  if (data.federation) {
+    crc.process_bytes(&fed, sizeof fed);
+    crc.process_bytes(data.federation->anchor.data(), data.federation->anchor.size() * 4);
+    crc.process_bytes(data.federation->momentum.data(), data.federation->momentum.size() * 4);
+  }
   if (crc.checksum() != stored) return corrupt("checksum mismatch");
+  if (data.federation) {
+    // The round is a count like the version: a damaged one must not wrap.
+    if (fed.momentum_started > 1 || fed.round >= kMaxCheckpointVersion)
+      return corrupt("implausible federation record (round " + std::to_string(fed.round) + ")");
+    data.federation->round = fed.round;
+    data.federation->momentum_started = fed.momentum_started != 0;
+  }
   for (size_t i = 0; i < f.tensors.size(); ++i) {
     // Not <= the version: a push steps its tensors before a buffer found
     // damaged after the apply rejects it unversioned.

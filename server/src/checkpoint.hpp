@@ -1,5 +1,6 @@
 // Checkpoints of the server's state: weights, optimizer state, per-tensor
-// step counts and version, in one file per checkpoint, written atomically
+// step counts and version, and the federation's state when federated, in
+// one file per checkpoint, written atomically
 // (temp file, fsync, rename, fsync of the directory) and checksummed. Used
 // by the consumer thread (snapshot, restore) and one writer thread (write,
 // prune); a CheckpointWriter serialises its own writes.
@@ -9,8 +10,13 @@
 //   CheckpointTensor[tensor_count]       112 B each
 //   weights      fp32[total_elements]
 //   state        fp32[state_arrays * total_elements]
+//   with kCheckpointFederation in the header's flags:
+//     CheckpointFederationRecord           32 B
+//     anchor     fp32[total_elements]
+//     momentum   fp32[total_elements], with kCheckpointOuterMomentum
 //   crc32        uint32 of all bytes before it (Boost.CRC, CRC-32/ISO-HDLC)
-// Bump kCheckpointFormat on any change to these bytes.
+// Bump kCheckpointFormat on any change to these bytes. Format 1 (no flags,
+// no federation section) is still read.
 #pragma once
 
 #include <condition_variable>
@@ -28,7 +34,10 @@
 namespace shmps::server {
 
 inline constexpr uint64_t kCheckpointMagic = 0x314b4353504d4853ull;  // "SHMPSCK1" little-endian
-inline constexpr uint32_t kCheckpointFormat = 1;
+inline constexpr uint32_t kCheckpointFormat = 2;
+// The header's flags (format 2).
+inline constexpr uint32_t kCheckpointFederation = 1u << 0;     // a federation section follows the state
+inline constexpr uint32_t kCheckpointOuterMomentum = 1u << 1;  // it holds the outer momentum
 
 // What a checkpoint must match for a server to restore it, prune it or
 // write over it: the model's tensors (names and shapes, in order), the
@@ -39,6 +48,17 @@ struct CheckpointLayout {
   uint32_t state_arrays = 0;
 };
 
+// The federation's state as of the weights it is stored with
+// (Federator): the anchor every host agreed on at `round`, and the outer
+// optimizer's momentum (Nesterov outer step; empty otherwise). A restart
+// resumes the rounds from it (Federator::restore()).
+struct FederationState {
+  uint64_t round = 0;
+  bool momentum_started = false;  // PyTorch's SGD: the momentum buffer holds a step
+  std::vector<float> anchor;      // total elements
+  std::vector<float> momentum;    // total elements, or empty
+};
+
 // Everything a checkpoint holds, in host memory.
 struct CheckpointData {
   uint64_t version = 0;
@@ -46,6 +66,7 @@ struct CheckpointData {
   std::vector<uint64_t> steps;  // per tensor
   std::vector<float> weights;   // total elements
   std::vector<float> state;     // state_arrays * total elements
+  std::optional<FederationState> federation;
 };
 
 // The bound on a checkpoint's version and per-tensor steps: a push adds 1

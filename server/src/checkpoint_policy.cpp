@@ -19,14 +19,15 @@ CheckpointLayout CheckpointPolicy::layout() const {
   return l;
 }
 
-CheckpointData CheckpointPolicy::snapshot() const {
-  CheckpointData d;
+bool CheckpointPolicy::snapshot(CheckpointData* out) const {
+  CheckpointData& d = *out;
+  if (federation_source_ && !federation_source_(&d.federation)) return false;
   d.version = model_.version;
   d.layout = layout();
   d.steps = model_.steps;
   d.weights = backend_.read_weights();
   d.state = backend_.read_state();
-  return d;
+  return true;
 }
 
 Status CheckpointPolicy::start(uint64_t now) {
@@ -45,10 +46,12 @@ Status CheckpointPolicy::start(uint64_t now) {
     if (Status s = backend_.load(data->weights, data->state); !s.ok()) return s;
     model_.steps = data->steps;
     model_.version = data->version;
+    restored_federation_ = std::move(data->federation);
     last_version_ = model_.version;
     // relaxed: published with the segment (publish() is a release store).
     stats_.version.store(model_.version, std::memory_order_relaxed);
-    log::info("restored checkpoint " + path + ": version " + std::to_string(model_.version));
+    log::info("restored checkpoint " + path + ": version " + std::to_string(model_.version) +
+              (restored_federation_ ? ", federation round " + std::to_string(restored_federation_->round) : ""));
     restored = model_.version;
     break;
   }
@@ -68,7 +71,9 @@ void CheckpointPolicy::maybe(uint64_t now) {
       config_.checkpoint_interval_s != 0 && now - last_ns_ >= uint64_t{config_.checkpoint_interval_s} * 1'000'000'000;
   if (!by_count && !by_time) return;
   if (writer_->busy()) return;
-  writer_->submit(snapshot());
+  CheckpointData data;
+  if (!snapshot(&data)) return;
+  writer_->submit(std::move(data));
   log::info("checkpoint of version " + std::to_string(model_.version) + " handed to the writer");
   last_version_ = model_.version;
   last_merges_ = model_.merges;
@@ -78,7 +83,16 @@ void CheckpointPolicy::maybe(uint64_t now) {
 Status CheckpointPolicy::write_final() {
   if (Status s = writer_->drain(); !s.ok()) log::error(s.message());
   if (model_.version == writer_->last_written() && model_.merges == last_merges_) return Status::Ok();
-  if (Status s = write_checkpoint(config_.checkpoint_dir, snapshot()); !s.ok())
+  CheckpointData data;
+  if (!snapshot(&data)) {
+    // The federation stopped before this (a round cannot be in flight):
+    // its state is left out rather than stored unmatched.
+    log::warn("federation: its state does not match the weights at stop; the final checkpoint leaves it out");
+    federation_source_ = nullptr;
+    data = CheckpointData{};
+    static_cast<void>(snapshot(&data));
+  }
+  if (Status s = write_checkpoint(config_.checkpoint_dir, data); !s.ok())
     return Status{s.code(), "final " + s.message()};
   prune_checkpoints(config_.checkpoint_dir, config_.checkpoint_keep, model_.version, layout());
   last_version_ = model_.version;

@@ -6,12 +6,16 @@
 // written at stop unless that version is on disk already. A merged
 // federation round changes the weights without a new version: it counts
 // as a change for the interval and the final checkpoint (which then
-// rewrites the file of that version). Consumer thread
-// only (the writer thread is CheckpointWriter's).
+// rewrites the file of that version), and each checkpoint stores the
+// federation's state as of its weights. Consumer thread only (the writer
+// thread is CheckpointWriter's).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
+#include <utility>
 
 #include "backend.hpp"
 #include "checkpoint.hpp"
@@ -43,9 +47,19 @@ class CheckpointPolicy {
   // exits with it, so that an operator learns the state was not saved.
   Status write_final();
 
+  // Where a federated server's checkpoints get the federation's state
+  // (FederationLink::checkpoint_state()): false while it does not match
+  // the weights, and the checkpoint waits for the next push or tick.
+  using FederationSource = std::function<bool(std::optional<FederationState>*)>;
+  void set_federation_source(FederationSource source) { federation_source_ = std::move(source); }
+  // The federation's state in the checkpoint start() restored, once.
+  std::optional<FederationState> take_restored_federation() { return std::exchange(restored_federation_, {}); }
+
  private:
   CheckpointLayout layout() const;
-  CheckpointData snapshot() const;
+  // False when the federation's state cannot be had now (see
+  // set_federation_source()).
+  bool snapshot(CheckpointData* out) const;
   // Hands a snapshot to the writer when a trigger fired and it is idle;
   // never waits for the disk. A trigger that finds the writer busy fires
   // again on the next push or tick, so under load a checkpoint may land a
@@ -60,6 +74,8 @@ class CheckpointPolicy {
   uint64_t last_version_ = 0;  // handed to the writer (or restored)
   uint64_t last_merges_ = 0;   // Model::merges then (a merge changes the weights, not the version)
   uint64_t last_ns_ = 0;
+  FederationSource federation_source_;
+  std::optional<FederationState> restored_federation_;
 };
 
 }  // namespace shmps::server

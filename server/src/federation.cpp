@@ -16,6 +16,7 @@ namespace {
 constexpr uint64_t kHeaderMagic = 0x31444546534d4853ull;  // "SHMSFED1" little-endian
 constexpr uint32_t kFlagJoin = 1u << 0;
 constexpr uint32_t kFlagLeaving = 1u << 1;
+constexpr uint32_t kFlagHasState = 1u << 2;  // the join: this host restored an anchor (its round in the header)
 
 }  // namespace
 
@@ -23,7 +24,7 @@ constexpr uint32_t kFlagLeaving = 1u << 1;
 // Fixed-width fields only: it crosses hosts as bytes (all little-endian).
 struct Federator::Header {
   uint64_t magic;
-  uint64_t round;  // the round this call completes; 0: the join
+  uint64_t round;  // the round this call completes; the join: the restored round (0: none)
   uint64_t local_updates;
   uint64_t anchor_hash;
   ModelFingerprint model;
@@ -147,12 +148,12 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   const Membership m = engine_.membership();
   Header mine{};
   mine.magic = kHeaderMagic;
-  mine.round = joined_ ? round_ + 1 : 0;
+  mine.round = joined_ ? round_ + 1 : round_;
   mine.local_updates = local_updates;
   mine.anchor_hash = anchor_hash_;
   mine.model = fingerprint_;
   mine.every_ms = config_.every_ms;
-  mine.flags = (joined_ ? 0 : kFlagJoin) | (leaving ? kFlagLeaving : 0);
+  mine.flags = (joined_ ? 0 : kFlagJoin) | (leaving ? kFlagLeaving : 0) | (!joined_ && has_state_ ? kFlagHasState : 0);
   all->assign(m.size, Header{});
   if (Status s = engine_.allgather(std::as_bytes(std::span(&mine, 1)), std::as_writable_bytes(std::span(*all)));
       !s.ok())
@@ -168,7 +169,8 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
               "federation: host rank " + std::to_string(r) + " serves another model: " + h.model.describe() +
                   "; this host (rank " + std::to_string(m.rank) + ") serves " + fingerprint_.describe() +
                   "; start every host with the same --tensor, --optimizer and --fed-outer options"};
-    if (h.round != mine.round || (h.flags & kFlagJoin) != (mine.flags & kFlagJoin))
+    // At the join the members' restored rounds may differ (join() settles them).
+    if ((h.flags & kFlagJoin) != (mine.flags & kFlagJoin) || (!(mine.flags & kFlagJoin) && h.round != mine.round))
       return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) + " is at round " +
                                                std::to_string(h.round) + ", this host (rank " + std::to_string(m.rank) +
                                                ") at " + std::to_string(mine.round)};
@@ -176,19 +178,72 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   return Status::Ok();
 }
 
+Status Federator::restore(FederationState state) {
+  if (joined_) return {ErrorCode::kInternal, "federation: restore() after join()"};
+  if (state.anchor.size() != anchor_.size() || (!state.momentum.empty() && state.momentum.size() != anchor_.size()))
+    return {ErrorCode::kInvalidArgument, "federation: the checkpoint's anchor does not fit this model"};
+  round_ = state.round;
+  anchor_ = std::move(state.anchor);
+  anchor_hash_ = hash_floats(anchor_);
+  // A momentum only for the Nesterov outer step; one stored by another
+  // outer step (none) starts afresh.
+  if (!momentum_.empty()) {
+    momentum_started_ = state.momentum_started && !state.momentum.empty();
+    if (momentum_started_) momentum_ = std::move(state.momentum);
+  }
+  has_state_ = true;
+  return Status::Ok();
+}
+
+std::optional<FederationState> Federator::state() const {
+  if (!has_state_) return std::nullopt;
+  FederationState s;
+  s.round = round_;
+  s.anchor = anchor_;
+  s.momentum = momentum_;
+  s.momentum_started = momentum_started_;
+  return s;
+}
+
 Result<RoundResult> Federator::join(std::span<float> exchange) {
   std::vector<Header> all;
   if (Status s = gather_headers(0, false, &all); !s.ok()) return s;
   const Membership m = engine_.membership();
-  for (const Header& h : all) group_every_ms_ = std::max(group_every_ms_, h.every_ms);
-  if (m.rank == 0) std::copy(exchange.begin(), exchange.end(), anchor_.begin());
-  if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(anchor_)), 0); !s.ok()) return s;
-  for (size_t i = 0; i < exchange.size(); ++i) exchange[i] = anchor_[i] - exchange[i];
-  anchor_hash_ = hash_floats(anchor_);
-  joined_ = true;
   RoundResult r;
   r.members = m.size;
-  r.bytes = kHeaderBytes + (m.rank == 0 ? anchor_.size() * sizeof(float) : 0);  // rank 0 sends the anchor
+  for (uint32_t k = 0; k < all.size(); ++k) {
+    group_every_ms_ = std::max(group_every_ms_, all[k].every_ms);
+    // The newest anchor the group agreed on: it holds every merged round.
+    if ((all[k].flags & kFlagHasState) != 0 && (!r.resumed || all[k].round > all[r.source_rank].round)) {
+      r.source_rank = k;
+      r.resumed = true;
+    }
+  }
+  if (!r.resumed) {
+    if (m.rank == 0) std::copy(exchange.begin(), exchange.end(), anchor_.begin());
+  } else if (has_state_) {
+    // The correction is A - own anchor: the drift W - own anchor stays.
+    for (size_t i = 0; i < exchange.size(); ++i) exchange[i] = -anchor_[i];
+  }
+  if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(anchor_)), r.source_rank); !s.ok()) return s;
+  uint64_t sent = anchor_.size() * sizeof(float);
+  if (r.resumed && !momentum_.empty()) {
+    uint32_t started = momentum_started_ ? 1 : 0;
+    if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(&started, 1)), r.source_rank); !s.ok()) return s;
+    if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(momentum_)), r.source_rank); !s.ok()) return s;
+    momentum_started_ = started != 0;
+    sent += sizeof started + momentum_.size() * sizeof(float);
+  }
+  if (r.resumed && has_state_) {
+    for (size_t i = 0; i < exchange.size(); ++i) exchange[i] += anchor_[i];
+  } else {
+    for (size_t i = 0; i < exchange.size(); ++i) exchange[i] = anchor_[i] - exchange[i];
+  }
+  if (r.resumed) round_ = all[r.source_rank].round;
+  anchor_hash_ = hash_floats(anchor_);
+  joined_ = has_state_ = true;
+  r.round = round_;
+  r.bytes = kHeaderBytes + (m.rank == r.source_rank ? sent : 0);  // the source sends the anchor
   return r;
 }
 

@@ -7,11 +7,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "checkpoint.hpp"
 #include "shmps/server/config.hpp"
 #include "shmps/server/federation.hpp"
 #include "shmps/status.hpp"
@@ -60,6 +62,10 @@ struct RoundResult {
   bool peer_left = false;         // a member announced it leaves: no delta was exchanged
   uint32_t left_rank = 0;         // which one (the lowest), when peer_left
   bool anchors_repaired = false;  // the anchors' hashes differed: rank 0's was broadcast
+  // The join: the member whose anchor became everybody's (rank 0 when no
+  // member restored a state), and whether it had restored one.
+  uint32_t source_rank = 0;
+  bool resumed = false;
 };
 
 class Federator {
@@ -70,11 +76,22 @@ class Federator {
   // `fingerprint.total_elements` sizes every span below.
   Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint);
 
+  // Before the join: resume from a checkpoint's state (its anchor, round
+  // and outer momentum, stored with the weights this host restored).
+  // kInvalidArgument when its sizes do not fit the model.
+  Status restore(FederationState state);
+
   // The first collective: checks that every host serves the same model
-  // and makes rank 0's weights everybody's anchor. `exchange` holds this
-  // host's weights S on entry and the correction A - S on return (the
-  // consumer adds it to W). Errors: kInvalidArgument when the models
-  // differ (the message names both), the engine's.
+  // and agrees on the anchor. When no member restored a state, rank 0's
+  // weights become the anchor and everybody's weights. Otherwise the
+  // source is the member with the highest restored round (the lowest rank
+  // among equals): its anchor, round and outer momentum become
+  // everybody's, and each member keeps its own drift, rebased onto that
+  // anchor: W + (A - own restored anchor); a member without a state takes
+  // W = A. `exchange` holds this host's weights S on entry and the
+  // correction on return (the consumer adds it to W). Errors:
+  // kInvalidArgument when the models differ (the message names both), the
+  // engine's.
   Result<RoundResult> join(std::span<float> exchange);
 
   // One round: `exchange` holds the snapshot S on entry, taken after
@@ -97,6 +114,9 @@ class Federator {
   // The longest --fed-every-ms of the group, known after the join.
   uint32_t group_every_ms() const noexcept { return group_every_ms_; }
   std::span<const float> anchor() const noexcept { return anchor_; }
+  // The state to checkpoint with the weights after the last merge: none
+  // before a join or restore.
+  std::optional<FederationState> state() const;
 
  private:
   struct Header;
@@ -116,6 +136,7 @@ class Federator {
   uint64_t anchor_hash_ = 0;
   uint32_t group_every_ms_ = 0;
   bool joined_ = false;
+  bool has_state_ = false;         // joined, or restored from a checkpoint
   bool momentum_started_ = false;  // PyTorch's SGD: the first step's buffer is the gradient itself
   std::vector<float> anchor_;
   std::vector<float> payload_;   // the weighted deltas, summed in place by the engine

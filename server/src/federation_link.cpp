@@ -111,6 +111,21 @@ void FederationLink::request_round() {
   cv_.notify_all();
 }
 
+bool FederationLink::checkpoint_state(std::optional<FederationState>* out) const {
+  // Before start() the federator is the consumer's; after it, the thread
+  // touches the anchor only between kExchanging and kMergeReady, and only
+  // the consumer moves the phase out of kWantSnapshot: in kIdle and
+  // kWantSnapshot the anchor is the one already merged into W. In kOff
+  // the thread may still be ending (announcing its leave) until done.
+  const Phase p = phase();                                         // SYNC(fed_phase): acquire, as in poll()
+  const bool done = thread_done_.load(std::memory_order_acquire);  // SYNC(fed_done): as in stop()
+  const bool stable =
+      !thread_.joinable() || p == Phase::kIdle || p == Phase::kWantSnapshot || (p == Phase::kOff && done);
+  if (!stable) return false;
+  *out = federator_.state();
+  return true;
+}
+
 void FederationLink::publish_drift(uint64_t version) {
   // relaxed: statistics.
   stats_.fed_drift.store(version - merged_version_, std::memory_order_relaxed);
@@ -209,7 +224,10 @@ bool FederationLink::exchange(bool join) {
               std::to_string(membership_.size) + " over " + engine_->name() + "; a round every " +
               std::to_string(config_.every_ms) + " ms" +
               (config_.every_versions != 0 ? " or " + std::to_string(config_.every_versions) + " local updates" : "") +
-              ", outer step " + outer_step_name(config_.outer));
+              ", outer step " + outer_step_name(config_.outer) +
+              (r->resumed ? "; resumed at round " + std::to_string(r->round) + " from rank " +
+                                std::to_string(r->source_rank) + "'s checkpointed anchor"
+                          : "; rank 0's weights are the anchor"));
   }
   if (r->anchors_repaired)
     log::warn("federation: round " + std::to_string(r->round) + ": the anchors differed between hosts; rank 0's " +

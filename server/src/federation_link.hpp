@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -46,6 +47,9 @@ class FederationLink {
   ~FederationLink();
 
   Membership membership() const noexcept { return membership_; }
+  // Before start(): resume from the state a checkpoint stored with the
+  // weights the server restored (Federator::restore()).
+  Status restore(FederationState state) { return federator_.restore(std::move(state)); }
   // Starts the thread at the model's `version` (the drift counts from
   // it); its first job is the join (Federator::join).
   void start(uint64_t version);
@@ -63,6 +67,11 @@ class FederationLink {
   // without overlap, or the drift cap reached: that one also asks for a
   // round at once). Other requests never wait.
   bool holding_pushes(uint64_t version);
+  // Consumer thread: the federation's state as of the weights now, for a
+  // checkpoint (none before the join, unless restored). False while a
+  // round is between its snapshot and its merge, or the thread is still
+  // ending: the weights and the anchor do not match then; try later.
+  bool checkpoint_state(std::optional<FederationState>* out) const;
   // Consumer thread, every heartbeat: the drift (local updates not yet in
   // a merged round) into the stats block.
   void publish_drift(uint64_t version);

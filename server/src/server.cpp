@@ -817,9 +817,21 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   if (engine) {
     const Membership m = engine->membership();
     log::info(std::string("federation over ") + engine->name() + ": rank " + std::to_string(m.rank) + " of " +
-              std::to_string(m.size) + "; the first round makes rank 0's weights everybody's");
+              std::to_string(m.size) + "; the join agrees on the anchor (docs/federation.md)");
     impl->federation = std::make_unique<FederationLink>(config.federation, std::move(engine), model_fingerprint(config),
                                                         seg.stats(), seg.header().server_wake);
+    if (impl->checkpoints) {
+      if (std::optional<FederationState> state = impl->checkpoints->take_restored_federation()) {
+        const uint64_t round = state->round;
+        if (Status s = impl->federation->restore(std::move(*state)); !s.ok()) return fail(s);
+        log::info("federation: resuming from the checkpoint's anchor of round " + std::to_string(round));
+      }
+      // The checkpoints carry the federation's state while the link lives
+      // (a link left behind at stop is released first).
+      impl->checkpoints->set_federation_source([fed = &impl->federation](std::optional<FederationState>* out) {
+        return !*fed || (*fed)->checkpoint_state(out);
+      });
+    }
   }
 
   seg.header().server_state.store(static_cast<uint32_t>(shm::ServerState::kRunning),

@@ -9,8 +9,13 @@
 # per-host budget (one worker, same epochs and subset, its own server)
 # minus 1 pp; a SIGTERM to mpirun stops every server cleanly (each
 # announces its leave) and leaves nothing in /dev/shm. Then MPI's
-# fail-stop: a SIGKILLed rank ends the whole job, and mpirun's message
-# names that rank.
+# fail-stop and its recovery: with checkpoints every second and trainers
+# running, a SIGKILLed rank (past round 10) ends the whole job and
+# mpirun's message names that rank; the job restarted from the
+# checkpoints resumes the rounds (each host's version restored, every
+# host at the round of the newest checkpointed anchor or past it), the
+# anchors are equal, and a further round of training merges into a model
+# that still scores well.
 # Usage: mpi_federation.sh <build-dir>. Exit 77 (skipped) without mpirun or
 # without the MPI plugin.
 set -euo pipefail
@@ -37,9 +42,12 @@ model=(--tensor fc1.weight:256x784 --tensor fc1.bias:256 --tensor fc2.weight:10x
        --optimizer adam --lr 0.001 --init normal --init-scale 0.05 --backend host)
 subset=(--workers 1 --epochs 2 --train-limit 30000)
 
+# start_job LOG [server options...]
 start_job() {
+  local log=$1
+  shift
   mpirun "${as_root[@]}" --oversubscribe -np 3 "$server" --name "$name" --fed-rank-in-name --federation mpi \
-    --fed-every-ms 50 "${model[@]}" >"$work/$1.log" 2>&1 &
+    --fed-every-ms 50 "${model[@]}" "$@" >"$work/$log.log" 2>&1 &
   mpi_pid=$!
   for _ in $(seq 100); do
     [ -e /dev/shm/shmps.$name.r0 ] && [ -e /dev/shm/shmps.$name.r1 ] && [ -e /dev/shm/shmps.$name.r2 ] && return 0
@@ -49,6 +57,26 @@ start_job() {
 }
 accuracy() { sed -n 's/^final test accuracy: \([0-9.]*\).*/\1/p' "$1"; }
 field() { python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(s['$1'])"; }
+stat_of() { "$inspect" --json "$name.r$1" | field "$2"; }
+
+# Waits (up to 10 s) until the three hosts show the same anchor hash; sets
+# `hashes` and `rounds`, and `same` to host 0's round (empty on failure).
+await_equal_anchors() {
+  same=
+  for _ in $(seq 100); do
+    hashes=() rounds=()
+    for r in 0 1 2; do
+      j=$("$inspect" --json "$name.r$r") || fail "shmps-inspect $name.r$r"
+      rounds+=("$(field fed_round <<<"$j")")
+      hashes+=("$(field fed_anchor_hash <<<"$j")")
+    done
+    if [ "${hashes[0]}" = "${hashes[1]}" ] && [ "${hashes[1]}" = "${hashes[2]}" ]; then
+      same=${rounds[0]}
+      return 0
+    fi
+    sleep 0.1
+  done
+}
 
 # ---- the single-host reference: the same per-host budget, alone.
 "$train" "${subset[@]}" --seed 1 >"$work/reference.log" 2>&1 || fail "the single-host reference run failed"
@@ -65,24 +93,11 @@ for r in 0 1 2; do wait "${pids[$r]}" || fail "shmps-train on host $r failed"; d
 
 # The same anchor on every host: once the trainers are done no host has
 # updates, so the rounds that follow move no anchor and the three hashes
-# stay put (read until they agree, or fail after 5 s).
-same=
-for _ in $(seq 50); do
-  hashes=() rounds=()
-  for r in 0 1 2; do
-    j=$("$inspect" --json "$name.r$r") || fail "shmps-inspect $name.r$r"
-    rounds+=("$(field fed_round <<<"$j")")
-    hashes+=("$(field fed_anchor_hash <<<"$j")")
-  done
-  if [ "${hashes[0]}" = "${hashes[1]}" ] && [ "${hashes[1]}" = "${hashes[2]}" ]; then
-    same=${rounds[0]}
-    break
-  fi
-  sleep 0.1
-done
+# stay put (read until they agree).
+await_equal_anchors
 [ -n "$same" ] || fail "the anchor hashes never agreed: ${hashes[*]} at rounds ${rounds[*]}"
 [ "$same" -ge 5 ] || fail "only $same rounds"
-members=$("$inspect" --json "$name.r1" | field fed_members)
+members=$(stat_of 1 fed_members)
 [ "$members" = 3 ] || fail "host 1 saw $members members"
 echo "rounds ${rounds[*]}: anchor hash ${hashes[0]} on all three hosts"
 
@@ -106,13 +121,30 @@ stops=$(grep -c "shmps-server info: stopped: version" "$work/servers.log" || tru
 [ "$stops" = 3 ] || fail "$stops of 3 servers logged a clean stop"
 grep -q "shmps-server error" "$work/servers.log" && fail "a server logged an error"
 
-# ---- fail-stop: SIGKILL rank 1; mpirun ends the job and names it.
-start_job killed
+# ---- fail-stop: SIGKILL rank 1 past round 10, trainers running and
+# checkpoints every second; mpirun ends the job and names it.
+ckpt=$work/ckpt
+start_job killed --checkpoint-dir "$ckpt" --checkpoint-interval-s 1
+pids=()
+for r in 0 1 2; do
+  "$train" --workers 1 --epochs 20 --train-limit 30000 --connect "$name.r$r" --seed $((r + 4)) \
+    >"$work/doomed$r.log" 2>&1 &
+  pids+=($!)
+done
 victim=$(pgrep -f "shmps-server --name $name" | while read -r p; do
   if tr '\0' ' ' </proc/$p/environ 2>/dev/null | grep -q "OMPI_COMM_WORLD_RANK=1 "; then echo "$p"; fi
 done)
 [ -n "$victim" ] || fail "rank 1's process not found"
-sleep 0.5
+for _ in $(seq 300); do
+  ready=1
+  for r in 0 1 2; do
+    [ "$(stat_of $r fed_round)" -ge 10 ] && [ -n "$(ls "$ckpt/r$r" 2>/dev/null)" ] || ready=
+  done
+  [ -n "$ready" ] && break
+  sleep 0.1
+done
+[ -n "$ready" ] || fail "no round 10 with a checkpoint on every host within 30 s"
+sleep 1.2  # a checkpoint with training in it on every host
 start=$(date +%s%N)
 kill -KILL "$victim"
 for _ in $(seq 200); do kill -0 "$mpi_pid" 2>/dev/null || break; sleep 0.05; done
@@ -126,4 +158,47 @@ ms=$((($(date +%s%N) - start) / 1000000))
 [ "$rc" -ne 0 ] || fail "mpirun exited 0 after a rank was killed"
 grep -q "rank 1" "$work/killed.log" || fail "mpirun's message does not name rank 1"
 echo "a SIGKILLed rank ended the job in $ms ms (mpirun exit $rc)"
+for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+rm -f /dev/shm/shmps."$name".* 2>/dev/null || true
+
+# ---- the whole-job restart from the checkpoints.
+start_job restarted --checkpoint-dir "$ckpt" --checkpoint-interval-s 1
+newest=0
+for r in 0 1 2; do
+  round=$(sed -n "s|.*restored checkpoint $ckpt/r$r/.*federation round \([0-9]*\).*|\1|p" "$work/restarted.log")
+  [ -n "$round" ] || fail "host $r restored no checkpoint with a federation state"
+  [ "$round" -gt "$newest" ] && newest=$round
+  echo "host $r restored its checkpoint of round $round, version $(stat_of $r version)"
+  [ "$(stat_of $r version)" -gt 0 ] || fail "host $r restored no training"
+done
+for _ in $(seq 100); do
+  [ "$(grep -c "resumed at round $newest from rank" "$work/restarted.log" || true)" = 3 ] && break
+  sleep 0.1
+done
+[ "$(grep -c "resumed at round $newest from rank" "$work/restarted.log" || true)" = 3 ] ||
+  fail "the three hosts did not all resume at round $newest (the newest checkpointed anchor)"
+await_equal_anchors
+[ -n "$same" ] || fail "after the restart the anchor hashes never agreed: ${hashes[*]} at rounds ${rounds[*]}"
+[ "$same" -ge "$newest" ] || fail "resumed at round $same, below the newest checkpointed round $newest"
+echo "resumed at round $newest: anchor hash ${hashes[0]} on all three hosts"
+# The run goes on: another epoch per host, merged, still a good model.
+pids=()
+for r in 0 1 2; do
+  "$train" --workers 1 --epochs 1 --train-limit 10000 --connect "$name.r$r" --seed $((r + 7)) \
+    >"$work/resumed$r.log" 2>&1 &
+  pids+=($!)
+done
+for r in 0 1 2; do wait "${pids[$r]}" || fail "shmps-train on host $r failed after the restart"; done
+await_equal_anchors
+[ -n "$same" ] || fail "after more training the anchor hashes never agreed: ${hashes[*]}"
+"$train" --connect "$name.r0" --evaluate >"$work/resumed.log" 2>&1 || fail "scoring the resumed model failed"
+resumed=$(accuracy "$work/resumed.log")
+echo "after the restart and one more epoch: test accuracy $resumed"
+python3 -c "import sys; sys.exit(0 if $resumed >= $reference - 0.01 else 1)" ||
+  fail "the resumed model reached $resumed, below the single-host $reference - 1 pp"
+kill -TERM "$mpi_pid"
+wait "$mpi_pid" || true
+mpi_pid=
+stops=$(grep -c "shmps-server info: stopped: version" "$work/restarted.log" || true)
+[ "$stops" = 3 ] || fail "$stops of 3 restarted servers logged a clean stop"
 echo "PASS"

@@ -6,8 +6,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <boost/crc.hpp>
 #include <boost/test/unit_test.hpp>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -89,6 +91,81 @@ BOOST_AUTO_TEST_CASE(a_written_checkpoint_reads_back_whole) {
   BOOST_TEST(r->weights == d.weights);
   BOOST_TEST(r->state == d.state);
   BOOST_TEST(names(dir.path) == std::vector<std::string>{"ckpt-00000000000000000009.shmps"});  // no temp file left
+}
+
+// A federated server's checkpoint holds the federation's state (anchor,
+// round, outer momentum) after the optimizer state; one without it reads
+// back without it, and so does a file of format 1 (written before the
+// section existed: no flags).
+BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads) {
+  test::TempDir dir("ckptfile");
+  CheckpointData d = make_data(adam_layout(), 11, 0.5f);
+  d.federation = FederationState{42, true, std::vector<float>(7, 1.5f), std::vector<float>(7, -0.125f)};
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
+  auto r = read_checkpoint(ckpt(dir, 11), adam_layout());
+  BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
+  BOOST_TEST_REQUIRE(r->federation.has_value());
+  BOOST_TEST(r->federation->round == 42u);
+  BOOST_TEST(r->federation->momentum_started);
+  BOOST_TEST(r->federation->anchor == d.federation->anchor);
+  BOOST_TEST(r->federation->momentum == d.federation->momentum);
+  BOOST_TEST(r->weights == d.weights);
+
+  d.federation->momentum.clear();  // the average outer step keeps none
+  d.version = 12;
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
+  r = read_checkpoint(ckpt(dir, 12), adam_layout());
+  BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
+  BOOST_TEST(r->federation->anchor == d.federation->anchor);
+  BOOST_TEST(r->federation->momentum.empty());
+
+  // Format 1: the same bytes without a section, the format word 1 and the
+  // checksum recomputed over them.
+  CheckpointData plain = make_data(adam_layout(), 13);
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), plain).ok());
+  std::string bytes = contents(ckpt(dir, 13));
+  const uint32_t format1 = 1;
+  std::memcpy(bytes.data() + 8, &format1, 4);  // CheckpointHeader::format
+  boost::crc_32_type crc;
+  crc.process_bytes(bytes.data(), bytes.size() - 4);
+  const uint32_t sum = crc.checksum();
+  std::memcpy(bytes.data() + bytes.size() - 4, &sum, 4);
+  put(ckpt(dir, 13), bytes);
+  r = read_checkpoint(ckpt(dir, 13), adam_layout());
+  BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
+  BOOST_TEST(!r->federation.has_value());
+  BOOST_TEST(r->weights == plain.weights);
+}
+
+// The section's flags and record are checked like the rest: unknown flags,
+// a momentum without a section, or a format-1 file claiming a section are
+// refused from the header; a damaged record (checksum recomputed, as an
+// attacker would) is refused after the checksum.
+BOOST_AUTO_TEST_CASE(a_damaged_federation_section_is_refused) {
+  test::TempDir dir("ckptfile");
+  CheckpointData d = make_data(adam_layout(), 5);
+  d.federation = FederationState{3, false, std::vector<float>(7, 1.0f), {}};
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
+  const std::string good = contents(ckpt(dir, 5));
+  const auto patched = [&](size_t offset, const void* value, size_t n) {
+    std::string bytes = good;
+    std::memcpy(bytes.data() + offset, value, n);
+    boost::crc_32_type crc;
+    crc.process_bytes(bytes.data(), bytes.size() - 4);
+    const uint32_t sum = crc.checksum();
+    std::memcpy(bytes.data() + bytes.size() - 4, &sum, 4);
+    put(ckpt(dir, 5), bytes);
+    return error_of(read_checkpoint(ckpt(dir, 5), adam_layout()));
+  };
+  for (uint32_t flags : {4u, 2u}) BOOST_TEST(contains(patched(36, &flags, 4), "implausible header"));  // ::flags
+  const uint32_t format1 = 1;
+  BOOST_TEST(contains(patched(8, &format1, 4), "implausible header"));
+  // The record follows the header, 2 tensor records and 7 x 3 floats.
+  const size_t record = 64 + 2 * 112 + 7 * 3 * 4;
+  const uint64_t wrap = ~uint64_t{0};
+  BOOST_TEST(contains(patched(record, &wrap, 8), "implausible federation record"));
+  const uint32_t started = 7;
+  BOOST_TEST(contains(patched(record + 8, &started, 4), "implausible federation record"));
 }
 
 BOOST_AUTO_TEST_CASE(another_models_file_is_refused_from_its_header) {

@@ -6,10 +6,12 @@
 // through the rounds (with the exchange overlapped and not), and the drift
 // cap holding pushes until a round merges.
 #define BOOST_TEST_MODULE federation
+#include <array>
 #include <boost/test/unit_test.hpp>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <filesystem>
 #include <functional>
 #include <mutex>
 #include <random>
@@ -263,6 +265,63 @@ BOOST_AUTO_TEST_CASE(a_round_with_no_updates_anywhere_moves_no_anchor) {
   }
 }
 
+// A join after a restart: host 0 restored round 5, host 1 round 7, host 2
+// nothing. Round 7's anchor and outer momentum become everybody's; host 0
+// keeps its drift (W - its own anchor) rebased onto it, host 1 keeps W
+// exactly, host 2 takes W = A; the next round is 8 everywhere.
+BOOST_AUTO_TEST_CASE(a_join_resumes_from_the_newest_restored_anchor_keeping_each_drift) {
+  FederationConfig config;
+  config.outer = OuterStep::kNesterov;
+  config.outer_lr = 0.7f;
+  config.outer_momentum = 0.9f;
+  Hosts hosts(3, config);
+  const std::vector<float> a5 = random_vector(50), a7 = random_vector(70), m5 = random_vector(51, kN, 0.1f),
+                           m7 = random_vector(71, kN, 0.1f);
+  BOOST_TEST_REQUIRE(hosts.feds[0]->restore({5, true, a5, m5}).ok());
+  BOOST_TEST_REQUIRE(hosts.feds[1]->restore({7, true, a7, m7}).ok());
+  BOOST_TEST(hosts.feds[2]->restore({1, false, std::vector<float>(kN + 1), {}}).code() ==
+             ErrorCode::kInvalidArgument);  // another model's size: refused, nothing restored
+  std::vector<std::vector<float>> weights = {random_vector(1), random_vector(2), random_vector(3)};
+  std::vector<std::vector<float>> corrections = weights;
+  std::vector<Result<RoundResult>> joined(3, Status{ErrorCode::kInternal, "not run"});
+  std::vector<uint64_t> next_round(3);
+  hosts.run([&](uint32_t r, Federator& f) {
+    joined[r] = f.join(corrections[r]);
+    std::vector<float> ex(f.anchor().begin(), f.anchor().end());
+    ex[0] += 0.25f;
+    auto res = f.round(ex, 1);
+    next_round[r] = res.ok() ? res->round : 0;
+  });
+  for (uint32_t r = 0; r < 3; ++r) {
+    BOOST_TEST_REQUIRE(joined[r].ok(), joined[r].status().to_string());
+    BOOST_TEST(joined[r]->resumed);
+    BOOST_TEST(joined[r]->source_rank == 1u);
+    BOOST_TEST(joined[r]->round == 7u);
+    BOOST_TEST(next_round[r] == 8u);
+    BOOST_TEST(hosts.feds[r]->anchor_hash() == hosts.feds[1]->anchor_hash());
+  }
+  for (size_t i = 0; i < kN; i += 37) {
+    BOOST_TEST(std::abs(weights[0][i] + corrections[0][i] - (weights[0][i] - a5[i] + a7[i])) <= 1e-5f);
+    BOOST_TEST(corrections[1][i] == 0.0f);
+    BOOST_TEST(std::abs(weights[2][i] + corrections[2][i] - a7[i]) <= 1e-6f);
+  }
+  // Round 8 started from round 7's momentum everywhere: host 2 (which
+  // restored none) stepped from m7 too, so the anchors agree (above), and
+  // match the one step from a7 with m7 in float64.
+  std::vector<double> want(kN);
+  for (size_t i = 0; i < kN; ++i) {
+    const double g = i == 0 ? -0.25 : 0.0;
+    const double buf = 0.9 * double{m7[i]} + g;
+    want[i] = double{a7[i]} - 0.7 * (g + 0.9 * buf);
+  }
+  check_close(hosts.feds[2]->anchor(), want, 1e-5, "the round after the resumed join");
+  const std::optional<FederationState> state = hosts.feds[2]->state();
+  BOOST_TEST_REQUIRE(state.has_value());
+  BOOST_TEST(state->round == 8u);
+  BOOST_TEST(state->momentum_started);
+  BOOST_TEST(std::equal(state->anchor.begin(), state->anchor.end(), hosts.feds[2]->anchor().begin()));
+}
+
 BOOST_AUTO_TEST_CASE(hosts_serving_other_models_are_refused_naming_both) {
   ModelFingerprint other = fingerprint(kN, 3);
   other.hash = 0x9999;
@@ -359,7 +418,7 @@ namespace {
 struct TwoServers {
   // `before_allreduce_0`: host 0's engine hook (set before its server
   // runs: the federation thread reads it).
-  TwoServers(FederationConfig a, FederationConfig b, const std::string& checkpoint_dir_1 = "",
+  TwoServers(FederationConfig a, FederationConfig b, std::array<std::string, 2> checkpoint_dirs = {},
              std::function<void()> before_allreduce_0 = nullptr)
       : group(std::make_shared<FakeGroup>(2)) {
     for (uint32_t r = 0; r < 2; ++r) {
@@ -371,7 +430,7 @@ struct TwoServers {
       c.backend = BackendKind::kHost;
       c.max_staleness = 1'000'000;
       c.federation = r == 0 ? a : b;
-      if (r == 1) c.checkpoint_dir = checkpoint_dir_1;
+      c.checkpoint_dir = checkpoint_dirs[r];
       names.push_back(c.name);
       auto engine = std::make_unique<FakeEngine>(group, r);
       if (r == 0) engine->before_allreduce = before_allreduce_0;
@@ -480,7 +539,7 @@ BOOST_AUTO_TEST_CASE(without_overlap_a_push_waits_for_the_merge) {
   std::mutex mu;
   std::condition_variable cv;
   bool armed = true, reached = false, released = false;
-  TwoServers two(f, f, "", [&] {
+  TwoServers two(f, f, {}, [&] {
     std::unique_lock lock(mu);
     if (!armed) return;
     armed = false;
@@ -546,9 +605,9 @@ BOOST_AUTO_TEST_CASE(weights_changed_only_by_merges_are_checkpointed) {
   test::TempDir dir("fedckpt");
   FederationConfig f;
   f.every_ms = 20;
-  { TwoServers first(f, f, dir.path.string()); }  // host 1 leaves a checkpoint of version 0 (zeros)
+  { TwoServers first(f, f, {"", dir.path.string()}); }  // host 1 leaves a checkpoint of version 0 (zeros)
   BOOST_TEST_REQUIRE(list_checkpoints(dir.path.string()).size() == 1u);
-  TwoServers two(f, f, dir.path.string());  // host 1 restores it
+  TwoServers two(f, f, {"", dir.path.string()});  // host 1 restores it
   push_halves(two.names[0], 4);
   BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(two.names[1])[0] == 2.0f; }));
   two.servers[1]->stop();
@@ -562,6 +621,49 @@ BOOST_AUTO_TEST_CASE(weights_changed_only_by_merges_are_checkpointed) {
   BOOST_TEST_REQUIRE(data.ok(), data.status().to_string());
   BOOST_TEST(data->version == 0u);
   for (float w : data->weights) BOOST_TEST(w == 2.0f);
+}
+
+// Checkpoints carry the federation's state: after a run, both hosts'
+// final checkpoints hold the same anchor and round as of their weights. A
+// restart where host 0 lost its checkpoints (a new machine) resumes from
+// host 1's: host 1 keeps its weights and round, host 0 takes them; with
+// the join of a fresh start, host 0's zeros would have become everybody's.
+BOOST_AUTO_TEST_CASE(a_restart_resumes_the_rounds_from_the_checkpointed_anchor) {
+  test::TempDir dir0("fedck0"), dir1("fedck1");
+  FederationConfig f;
+  f.every_ms = 20;
+  CheckpointLayout layout;
+  layout.tensors = {{"w", {4}}};
+  layout.optimizer_kind = static_cast<uint32_t>(kernels::OptimizerKind::kSgd);
+  std::vector<FederationState> stored;
+  {
+    TwoServers first(f, f, {dir0.path.string(), dir1.path.string()});
+    push_halves(first.names[0], 4);
+    BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(first.names[1])[0] == 2.0f; }));
+  }
+  for (const test::TempDir* dir : {&dir0, &dir1}) {
+    const std::vector<std::string> files = list_checkpoints(dir->path.string());
+    BOOST_TEST_REQUIRE(files.size() >= 1u);
+    auto data = read_checkpoint(files.front(), layout);
+    BOOST_TEST_REQUIRE(data.ok(), data.status().to_string());
+    BOOST_TEST_REQUIRE(data->federation.has_value());
+    BOOST_TEST(data->federation->round >= 1u);
+    BOOST_TEST(data->federation->anchor == data->weights);  // merged, no push since: W = A
+    BOOST_TEST(data->federation->momentum.empty());         // the average outer step keeps none
+    stored.push_back(*data->federation);
+  }
+  BOOST_TEST(stored[0].anchor == stored[1].anchor);
+  std::filesystem::remove_all(dir0.path);
+  std::filesystem::create_directories(dir0.path);
+  TwoServers second(f, f, {dir0.path.string(), dir1.path.string()});
+  BOOST_TEST_REQUIRE(
+      test::eventually([&] { return stat(second.names[0], &ServerStats::fed_round) > stored[1].round; }));
+  for (int k = 0; k < 4; ++k) {
+    BOOST_TEST(pull_weights(second.names[0])[k] == 2.0f);
+    BOOST_TEST(pull_weights(second.names[1])[k] == 2.0f);
+  }
+  BOOST_TEST(stat(second.names[0], &ServerStats::fed_anchor_hash) ==
+             stat(second.names[1], &ServerStats::fed_anchor_hash));
 }
 
 BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
