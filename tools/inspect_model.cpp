@@ -742,10 +742,16 @@ std::string render_text(const Snapshot& s) {
     << ")\n";
   o << "  apply threads   " << st.apply_threads << " (the last update of a tensor from 4 MiB)\n";
   if (st.fed_members != 0)
-    o << "  federation      round " << st.fed_round << ", " << st.fed_members << " hosts, last round "
+    o << "  federation      round " << st.fed_round << ", " << st.fed_members << " hosts"
+      << (st.fed_epoch != 0 ? " (epoch " + std::to_string(st.fed_epoch) + ")" : std::string()) << ", last round "
       << duration_text(st.fed_round_ns) << ", " << st.fed_bytes << " bytes sent, drift " << st.fed_drift
       << " updates, anchor " << hex64(st.fed_anchor_hash) << ", pushes held " << st.fed_pushes_held
       << ", failed rounds " << st.fed_failures << "\n";
+  else if (st.fed_epoch != 0)
+    // An elastic group between epochs: paused without a majority, or
+    // re-forming (the server log says which).
+    o << "  federation      in no group now, after round " << st.fed_round << " (epoch " << st.fed_epoch
+      << ", failed rounds " << st.fed_failures << "); serving the local workers\n";
   else if (st.fed_round != 0 || st.fed_failures != 0)
     o << "  federation      ended after round " << st.fed_round << " (failed rounds " << st.fed_failures << ")\n";
   else

@@ -16,8 +16,9 @@
 # --system-site-packages, git-ignored) holding nanobind and scikit-build-core
 # from PyPI, which CMake then uses;
 # patchelf for tools/gpu-pack.sh (the GPU machine's carried tree);
-# Open MPI (openmpi-bin, libopenmpi-dev) for the federation's MPI engine
-# and its multihost test (docs/federation.md).
+# Open MPI (openmpi-bin, libopenmpi-dev) for the federation's MPI engine,
+# Gloo (libgloo-dev) for its elastic engine, and redis-server for the
+# Gloo test's Redis store (docs/federation.md).
 # Runs apt-get as root, through sudo when started as a user.
 set -euo pipefail
 packages=(
@@ -31,7 +32,7 @@ packages=(
   help2man lintian file clang-format
   python3-dev python3-venv python3-torch python3-numpy python3-pytest
   patchelf
-  openmpi-bin libopenmpi-dev
+  openmpi-bin libopenmpi-dev libgloo-dev redis-server
 )
 as_root=()
 if [ "$(id -u)" -ne 0 ]; then as_root=(sudo); fi

@@ -41,6 +41,19 @@ Status validate(const ServerConfig& config) {
     return invalid("--fed-outer-lr must be finite and > 0, got " + std::to_string(f.outer_lr));
   if (!(std::isfinite(f.outer_momentum) && f.outer_momentum >= 0.0f && f.outer_momentum < 1.0f))
     return invalid("--fed-outer-momentum must be in [0, 1), got " + std::to_string(f.outer_momentum));
+  if (f.kind == FederationKind::kGloo) {
+    if (f.hosts == 0 || f.hosts > kMaxFederationHosts)
+      return invalid("--federation gloo needs --fed-hosts in 1.." + std::to_string(kMaxFederationHosts) + ", got " +
+                     std::to_string(f.hosts));
+    if (f.host >= f.hosts)
+      return invalid("--fed-host must be below --fed-hosts (" + std::to_string(f.hosts) + "), got " +
+                     std::to_string(f.host));
+    if (f.store.empty())
+      return invalid("--federation gloo needs --fed-store file:DIR or redis:HOST:PORT[/JOB] (where the hosts meet)");
+    if (f.address.empty()) return invalid("--fed-address must name an address of this host");
+  }
+  if (f.timeout_ms < 100 || f.timeout_ms > 3'600'000)
+    return invalid("--fed-timeout-ms must be in 100..3600000, got " + std::to_string(f.timeout_ms));
   if (f.rank_in_name && config.name.size() > 32 - 5)
     return invalid(
         "--fed-rank-in-name appends '.r<rank>' to --name: a name of at most 27 characters (ranks up "

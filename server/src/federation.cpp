@@ -16,7 +16,8 @@ namespace {
 constexpr uint64_t kHeaderMagic = 0x31444546534d4853ull;  // "SHMSFED1" little-endian
 constexpr uint32_t kFlagJoin = 1u << 0;
 constexpr uint32_t kFlagLeaving = 1u << 1;
-constexpr uint32_t kFlagHasState = 1u << 2;  // the join: this host restored an anchor (its round in the header)
+constexpr uint32_t kFlagHasState = 1u << 2;  // the join: this host has an anchor (its round in the header)
+constexpr uint32_t kFlagRegroup = 1u << 3;   // a round: this host's engine saw a host waiting to join
 
 }  // namespace
 
@@ -36,7 +37,7 @@ namespace {
 
 // The names of the options' values, in enum order: one table per enum
 // for both directions.
-constexpr const char* kFederationKindNames[] = {"none", "mpi"};
+constexpr const char* kFederationKindNames[] = {"none", "mpi", "gloo"};
 constexpr const char* kOuterStepNames[] = {"average", "nesterov"};
 
 template <class E, size_t N>
@@ -153,7 +154,8 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   mine.anchor_hash = anchor_hash_;
   mine.model = fingerprint_;
   mine.every_ms = config_.every_ms;
-  mine.flags = (joined_ ? 0 : kFlagJoin) | (leaving ? kFlagLeaving : 0) | (!joined_ && has_state_ ? kFlagHasState : 0);
+  mine.flags = (joined_ ? 0 : kFlagJoin) | (leaving ? kFlagLeaving : 0) | (!joined_ && has_state_ ? kFlagHasState : 0) |
+               (joined_ && !leaving && engine_.joiner_waiting() ? kFlagRegroup : 0);
   all->assign(m.size, Header{});
   if (Status s = engine_.allgather(std::as_bytes(std::span(&mine, 1)), std::as_writable_bytes(std::span(*all)));
       !s.ok())
@@ -234,7 +236,8 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
     momentum_started_ = started != 0;
     sent += sizeof started + momentum_.size() * sizeof(float);
   }
-  if (r.resumed && has_state_) {
+  r.drift_kept = r.resumed && has_state_;
+  if (r.drift_kept) {
     for (size_t i = 0; i < exchange.size(); ++i) exchange[i] += anchor_[i];
   } else {
     for (size_t i = 0; i < exchange.size(); ++i) exchange[i] = anchor_[i] - exchange[i];
@@ -274,8 +277,9 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
       r.peer_left = true;
       r.left_rank = k;
     }
+    r.regroup |= (all[k].flags & kFlagRegroup) != 0;
   }
-  if (r.peer_left) {
+  if (r.peer_left || r.regroup) {
     std::fill(exchange.begin(), exchange.end(), 0.0f);
     return r;
   }

@@ -43,7 +43,8 @@ static_assert(sizeof(ModelFingerprint) == 40 && std::is_trivially_copyable_v<Mod
 // kind and federation outer step (with its hyperparameters).
 ModelFingerprint model_fingerprint(const ServerConfig& config);
 
-// With config.federation.rank_in_name, what rank `rank` runs as: ".r<rank>"
+// With config.federation.rank_in_name, what host `rank` (Membership::host)
+// runs as: ".r<rank>"
 // appended to the name, "/r<rank>" to the checkpoint directory (several
 // ranks on one machine: each its own segment and checkpoints). Applied to
 // the configuration at start and to each reloaded one, so that a reload
@@ -62,10 +63,14 @@ struct RoundResult {
   bool peer_left = false;         // a member announced it leaves: no delta was exchanged
   uint32_t left_rank = 0;         // which one (the lowest), when peer_left
   bool anchors_repaired = false;  // the anchors' hashes differed: rank 0's was broadcast
+  // A member asked for a new group (a host waits to join, seen by the
+  // engine): no delta was exchanged; the members re-form and join again.
+  bool regroup = false;
   // The join: the member whose anchor became everybody's (rank 0 when no
   // member restored a state), and whether it had restored one.
   uint32_t source_rank = 0;
   bool resumed = false;
+  bool drift_kept = false;  // the join left this host's W - A as it was (its local updates not yet merged)
 };
 
 class Federator {
@@ -97,8 +102,9 @@ class Federator {
   // One round: `exchange` holds the snapshot S on entry, taken after
   // `local_updates` updates since the previous snapshot, and A' - S on
   // return, where A' is the new anchor (the same bits on every host).
-  // When a member announces it leaves (result.peer_left), nothing is
-  // exchanged and `exchange` is zero. When no host has updates, only the
+  // When a member announces it leaves (result.peer_left) or asks for a
+  // new group (result.regroup), nothing is exchanged and `exchange` is
+  // zero. When no host has updates, only the
   // headers travel and the anchor and the outer momentum stay. Errors:
   // kInvalidArgument (a host serves another model, or is at another
   // round), the engine's; the anchor is unchanged then (but for a repair
@@ -106,8 +112,16 @@ class Federator {
   Result<RoundResult> round(std::span<float> exchange, uint64_t local_updates);
 
   // Tells the others this host leaves: the collective that pairs with
-  // their next round(), in which they see peer_left.
+  // their next round(), in which they see peer_left. Nothing before a join.
   Status leave();
+
+  // After the group changed (an elastic engine re-formed it): the next
+  // call is a join() again, with this host's state (its anchor, round and
+  // outer momentum), so that the new members agree on the newest anchor.
+  void rejoin() noexcept {
+    joined_ = false;
+    group_every_ms_ = 0;
+  }
 
   uint64_t round_number() const noexcept { return round_; }
   uint64_t anchor_hash() const noexcept { return anchor_hash_; }

@@ -1,5 +1,5 @@
 // make_federation_engine(): the engine --federation names. An engine that
-// needs a library of its own (MPI) is a plugin, loaded here only when asked
+// needs a library of its own (MPI, Gloo) is a plugin, loaded here only when asked
 // for, so that shmps-server starts on a host without that library. A
 // plugin exports one C function, `shmps_fed_<kind>_make`, of type
 // FederationEngineMaker (federation_plugin.hpp).
@@ -32,7 +32,8 @@ std::string plugin_dir() {
   return dir + SHMPS_PLUGIN_RELDIR;
 }
 
-Result<std::unique_ptr<FederationEngine>> load_plugin(const char* kind, const char* package) {
+Result<std::unique_ptr<FederationEngine>> load_plugin(const FederationConfig& config, const char* kind,
+                                                      const char* package) {
   const std::string path = plugin_dir() + "/libshmps_fed_" + kind + ".so";
   // RTLD_GLOBAL: an MPI library loads components of its own that resolve
   // its symbols globally (Open MPI's mca plugins). The handle is never
@@ -50,19 +51,21 @@ Result<std::unique_ptr<FederationEngine>> load_plugin(const char* kind, const ch
     return Status{ErrorCode::kIo, path + " exports no " + symbol + ": not a shmps federation plugin"};
   std::unique_ptr<FederationEngine> engine;
   Status status;
-  make(&engine, &status);
+  make(config, &engine, &status);
   if (!status.ok()) return status;
   return engine;
 }
 
 }  // namespace
 
-Result<std::unique_ptr<FederationEngine>> make_federation_engine(FederationKind kind) {
-  switch (kind) {
+Result<std::unique_ptr<FederationEngine>> make_federation_engine(const FederationConfig& config) {
+  switch (config.kind) {
     case FederationKind::kNone:
       return Status{ErrorCode::kInvalidArgument, "--federation none has no engine"};
     case FederationKind::kMpi:
-      return load_plugin("mpi", "libopenmpi-dev (Debian)");
+      return load_plugin(config, "mpi", "libopenmpi-dev (Debian)");
+    case FederationKind::kGloo:
+      return load_plugin(config, "gloo", "libgloo-dev (Debian)");
   }
   return Status{ErrorCode::kInvalidArgument, "unknown --federation kind"};
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 
 #include "shmps/server/log.hpp"
 #include "shmps/shm/futex.hpp"
@@ -48,7 +49,8 @@ void FederationLink::set_phase(Phase p) {
     phase_.store(static_cast<uint32_t>(p), std::memory_order_release);
     // Under mu_: once stop() gave up on the thread, the segment that holds
     // the word may be unmapped.
-    if ((p == Phase::kWantSnapshot || p == Phase::kMergeReady) && !abandoned_) shm::notify(consumer_wake_);
+    if ((p == Phase::kWantSnapshot || p == Phase::kMergeReady || p == Phase::kDiscarded) && !abandoned_)
+      shm::notify(consumer_wake_);
   }
   cv_.notify_all();
 }
@@ -67,7 +69,13 @@ Result<FederationLink::Polled> FederationLink::poll(Backend& backend, uint64_t v
     if (config_.every_versions != 0 && version - last_snapshot_version_ >= config_.every_versions) request_round();
     return Polled::kNothing;
   }
-  if (p != Phase::kWantSnapshot && p != Phase::kMergeReady) return Polled::kNothing;
+  if (p != Phase::kWantSnapshot && p != Phase::kMergeReady && p != Phase::kDiscarded) return Polled::kNothing;
+  if (phase() == Phase::kDiscarded) {
+    // The round was abandoned: W keeps its local updates (the thread
+    // counts them in the next round).
+    set_phase(Phase::kIdle);
+    return Polled::kDiscard;
+  }
   const bool snapshot = phase() == Phase::kWantSnapshot;
   if (Status s = snapshot ? backend.snapshot_weights(exchange_) : backend.add_to_weights(exchange_); !s.ok()) {
     set_phase(Phase::kOff);  // the thread sees it, tells the others it leaves, and ends
@@ -86,7 +94,7 @@ Result<FederationLink::Polled> FederationLink::poll(Backend& backend, uint64_t v
 
 bool FederationLink::wants_consumer() const noexcept {
   const Phase p = phase();
-  return p == Phase::kWantSnapshot || p == Phase::kMergeReady;
+  return p == Phase::kWantSnapshot || p == Phase::kMergeReady || p == Phase::kDiscarded;
 }
 
 bool FederationLink::holding_pushes(uint64_t version) {
@@ -121,6 +129,8 @@ bool FederationLink::checkpoint_state(std::optional<FederationState>* out) const
   const bool done = thread_done_.load(std::memory_order_acquire);  // SYNC(fed_done): as in stop()
   const bool stable =
       !thread_.joinable() || p == Phase::kIdle || p == Phase::kWantSnapshot || (p == Phase::kOff && done);
+  // (kDiscarded: a repair may have moved the anchor of a round abandoned
+  // after it; the consumer takes the phase back at its next poll.)
   if (!stable) return false;
   *out = federator_.state();
   return true;
@@ -141,7 +151,9 @@ bool FederationLink::stop(Backend& backend, uint64_t version) {
   // relaxed: written once by the thread after its join; 0 (not joined yet)
   // only leaves our own period.
   const uint32_t period = std::max(config_.every_ms, group_every_ms_.load(std::memory_order_relaxed));
-  const uint64_t timeout_ms = 2 * uint64_t{period} + 5000;
+  // An elastic engine's thread may be forming a group: its settle,
+  // agreement and rendezvous take up to about two of its timeouts.
+  const uint64_t timeout_ms = 2 * uint64_t{period} + 5000 + (engine_->elastic() ? 2 * uint64_t{config_.timeout_ms} : 0);
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   // SYNC(fed_done): pairs with the thread's release as it ends.
   while (!thread_done_.load(std::memory_order_acquire)) {
@@ -196,49 +208,112 @@ void FederationLink::publish(const RoundResult& r, uint64_t round_ns) {
     s.fed_round_ns.store(round_ns, std::memory_order_relaxed);
     s.fed_bytes.fetch_add(r.bytes, std::memory_order_relaxed);
     s.fed_anchor_hash.store(federator_.anchor_hash(), std::memory_order_relaxed);
+    s.fed_epoch.store(engine_->membership().epoch, std::memory_order_relaxed);
   });
 }
 
-bool FederationLink::exchange(bool join) {
+FederationLink::Outcome FederationLink::exchange(bool join) {
   set_phase(Phase::kWantSnapshot);
-  if (!wait_for(Phase::kExchanging)) return false;
+  if (!wait_for(Phase::kExchanging)) return Outcome::kOver;
   const auto start = Clock::now();
-  Result<RoundResult> r = join ? federator_.join(exchange_) : federator_.round(exchange_, snapshot_updates_);
+  unmerged_updates_ += snapshot_updates_;
+  Result<RoundResult> r = join ? federator_.join(exchange_) : federator_.round(exchange_, unmerged_updates_);
+  const std::string what = join ? std::string("the join") : "round " + std::to_string(federator_.round_number() + 1);
   if (!r.ok()) {
     // relaxed: statistics.
     with_stats([](shm::StatsBlock& s) { s.fed_failures.fetch_add(1, std::memory_order_relaxed); });
     log::error(r.status().message());
-    end(join ? std::string("the join failed") : "round " + std::to_string(federator_.round_number() + 1) + " failed");
-    return false;
+    // Another model, another round: a configuration to fix, not a host to wait for.
+    if (!engine_->elastic() || r.status().code() != ErrorCode::kIo) {
+      end(what + " failed");
+      return Outcome::kOver;
+    }
+    log::warn("federation: " + what + " failed; its local updates stay in the weights, the group re-forms");
+    return discard();
   }
-  if (r->peer_left) {
-    end("host rank " + std::to_string(r->left_rank) + " left the federation (" + engine_->name() +
-        " cannot re-form the group)");
-    return false;
+  if (r->peer_left || r->regroup) {
+    const std::string why =
+        r->peer_left ? "host rank " + std::to_string(r->left_rank) + " left the federation" : "a host waits to join";
+    if (!engine_->elastic()) {
+      end(why + " (" + engine_->name() + " cannot re-form the group)");
+      return Outcome::kOver;
+    }
+    log::info("federation: " + why + "; the group re-forms");
+    return discard();
   }
   publish(*r, static_cast<uint64_t>(std::chrono::nanoseconds(Clock::now() - start).count()));
+  // Merged, or gone: a join that does not keep the drift sets W = A.
+  if (!join || !r->drift_kept) unmerged_updates_ = 0;
   if (join) {
     // relaxed: read by stop() for its timeout only.
     group_every_ms_.store(federator_.group_every_ms(), std::memory_order_relaxed);
-    log::info("federation: joined as rank " + std::to_string(membership_.rank) + " of " +
-              std::to_string(membership_.size) + " over " + engine_->name() + "; a round every " +
-              std::to_string(config_.every_ms) + " ms" +
+    const Membership m = engine_->membership();
+    log::info("federation: joined as rank " + std::to_string(m.rank) + " of " + std::to_string(m.size) +
+              (engine_->elastic() ? " (epoch " + std::to_string(m.epoch) + ")" : "") + " over " + engine_->name() +
+              "; a round every " + std::to_string(config_.every_ms) + " ms" +
               (config_.every_versions != 0 ? " or " + std::to_string(config_.every_versions) + " local updates" : "") +
               ", outer step " + outer_step_name(config_.outer) +
               (r->resumed ? "; resumed at round " + std::to_string(r->round) + " from rank " +
-                                std::to_string(r->source_rank) + "'s checkpointed anchor"
+                                std::to_string(r->source_rank) + "'s anchor"
                           : "; rank 0's weights are the anchor"));
   }
   if (r->anchors_repaired)
     log::warn("federation: round " + std::to_string(r->round) + ": the anchors differed between hosts; rank 0's " +
               "was broadcast");
   set_phase(Phase::kMergeReady);
-  return wait_for(Phase::kIdle);
+  return wait_for(Phase::kIdle) ? Outcome::kMerged : Outcome::kOver;
+}
+
+FederationLink::Outcome FederationLink::discard() {
+  set_phase(Phase::kDiscarded);
+  return wait_for(Phase::kIdle) ? Outcome::kRegroup : Outcome::kOver;
+}
+
+bool FederationLink::form_group() {
+  federator_.rejoin();
+  FederationEngine::Reform last = FederationEngine::Reform::kFormed;
+  while (true) {
+    {
+      std::lock_guard lock(mu_);
+      if (stop_ || abandoned_) return false;
+    }
+    std::string why;
+    const FederationEngine::Reform r = engine_->reform(&why);
+    if (r == FederationEngine::Reform::kFormed) {
+      if (last == FederationEngine::Reform::kPaused) log::info("federation: a majority is back; federation resumes");
+      return true;
+    }
+    // Logged when it changes, not on every try.
+    if (r != last) (r == FederationEngine::Reform::kPaused ? log::warn(why) : log::info(why + "; trying again"));
+    if (r == FederationEngine::Reform::kPaused)
+      // relaxed: statistics; 0 members while paused.
+      with_stats([](shm::StatsBlock& s) { s.fed_members.store(0, std::memory_order_relaxed); });
+    last = r;
+    // Paused: a second between tries (each writes a few keys to the store).
+    const auto pause = std::chrono::milliseconds(r == FederationEngine::Reform::kPaused ? 1000 : 50);
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, pause, [&] { return stop_ || abandoned_; });
+  }
+}
+
+bool FederationLink::regroup() {
+  while (true) {
+    if (engine_->elastic() && !form_group()) return false;
+    switch (exchange(/*join=*/true)) {
+      case Outcome::kMerged:
+        return true;
+      case Outcome::kOver:
+        return false;
+      case Outcome::kRegroup:
+        break;  // the group changed during the join: form the next
+    }
+  }
 }
 
 void FederationLink::thread_main() {
-  // The join first: rank 0's weights become everybody's anchor.
-  bool going = exchange(/*join=*/true);
+  // The group first (an elastic engine forms it), then the join: the
+  // members agree on the anchor.
+  bool going = regroup();
   while (going) {
     // The period counts from the end of the last round: its collectives end
     // together on every host (the local merge after them takes a moment),
@@ -251,12 +326,22 @@ void FederationLink::thread_main() {
     if (abandoned_ || stop_) break;
     round_now_.store(false, std::memory_order_relaxed);
     lock.unlock();
-    going = exchange(/*join=*/false);
+    switch (exchange(/*join=*/false)) {
+      case Outcome::kMerged:
+        break;
+      case Outcome::kRegroup:
+        going = regroup();
+        break;
+      case Outcome::kOver:
+        going = false;
+        break;
+    }
   }
   // Stopping, or the consumer's backend failed (kOff from poll()): the
   // collective that pairs with the others' next round tells them (none
-  // before the join). After the engine's failure or a peer's leave
-  // (end()), or once abandoned, no collective.
+  // outside a group: before a join, or while re-forming). After the
+  // engine's failure or a peer's leave (end()), or once abandoned, no
+  // collective.
   bool abandoned = false;
   {
     std::lock_guard lock(mu_);

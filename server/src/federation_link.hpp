@@ -30,11 +30,12 @@ class FederationLink {
   // Who owns the exchange buffer, and what the consumer should do next.
   // kIdle -> kWantSnapshot (thread) -> kExchanging (consumer: snapshot
   // taken) -> kMergeReady (thread: correction computed) -> kIdle
-  // (consumer: merged); any -> kOff (federation ended, for good: the
-  // thread's end, or the consumer's backend failed).
-  enum class Phase : uint32_t { kIdle, kWantSnapshot, kExchanging, kMergeReady, kOff };
+  // (consumer: merged); or kExchanging -> kDiscarded (thread: the round
+  // was abandoned, the group re-forms) -> kIdle (consumer); any -> kOff (federation ended, for good:
+  // the thread's end, or the consumer's backend failed).
+  enum class Phase : uint32_t { kIdle, kWantSnapshot, kExchanging, kMergeReady, kDiscarded, kOff };
   // What poll() did.
-  enum class Polled { kNothing, kSnapshot, kMerge };
+  enum class Polled { kNothing, kSnapshot, kMerge, kDiscard };
 
   // `stats`: the segment's stats block; `consumer_wake`: the word the
   // consumer sleeps on (the segment's server_wake), notified whenever the
@@ -94,10 +95,24 @@ class FederationLink {
 
   // The federation thread's.
   void thread_main();
+  // How a round (or a join) ended.
+  enum class Outcome {
+    kMerged,   // the consumer merged its correction
+    kRegroup,  // abandoned (the engine failed, a host left or waits to join): an elastic engine re-forms
+    kOver,     // federation ended, or the link is stopping or abandoned
+  };
   // One round (or the join): asks for the snapshot, runs the Federator
-  // over it, hands the correction back and waits for the merge. False when
-  // federation ended (kOff) or the link is abandoned.
-  bool exchange(bool join);
+  // over it, hands the correction back and waits for the merge.
+  Outcome exchange(bool join);
+  // Hands an abandoned round's snapshot back (kDiscarded) and waits for
+  // the consumer to take it.
+  Outcome discard();
+  // An elastic engine: forms a group (reform()), trying again until one
+  // forms or the link stops (false); paused meanwhile without a majority.
+  bool form_group();
+  // Forms a group where the engine can and joins it, again after a join
+  // the group's change abandoned. False when federation is over.
+  bool regroup();
   // Waits until the consumer moved the phase to `want`; false when it
   // ended federation instead (kOff) or the link is abandoned.
   bool wait_for(Phase want);
@@ -118,6 +133,9 @@ class FederationLink {
 
   // ---- the federation thread's
   bool ended_ = false;  // end() ran: federation is over without a leave to announce
+  // Local updates in the snapshots since the last merged round: a round
+  // abandoned, or a join, merges none of them (they stay in W - A).
+  uint64_t unmerged_updates_ = 0;
 
   // ---- owned by whoever `phase_` names (SYNC(fed_phase))
   std::vector<float> exchange_;

@@ -48,6 +48,7 @@ class MpiEngine final : public FederationEngine {
     MPI_Comm_size(engine->comm_, &size);
     engine->membership_.rank = static_cast<uint32_t>(rank);
     engine->membership_.size = static_cast<uint32_t>(size);
+    engine->membership_.host = static_cast<uint32_t>(rank);
     return std::unique_ptr<FederationEngine>(std::move(engine));
   }
 
@@ -102,7 +103,8 @@ class MpiEngine final : public FederationEngine {
 }  // namespace shmps::server
 
 extern "C" __attribute__((visibility("default"))) void shmps_fed_mpi_make(
-    std::unique_ptr<shmps::server::FederationEngine>* engine, shmps::Status* status) {
+    const shmps::server::FederationConfig& /*config*/, std::unique_ptr<shmps::server::FederationEngine>* engine,
+    shmps::Status* status) {
   auto made = shmps::server::MpiEngine::create();
   if (!made.ok()) {
     *status = made.status();

@@ -1,6 +1,6 @@
 // The one entry point of a federation engine plugin (libshmps_fed_<kind>.so,
 // loaded by make_federation_engine()): `shmps_fed_<kind>_make` creates the
-// engine, joined to its group, into *engine, or sets *status. Plugin and
+// engine for `config` into *engine, or sets *status. Plugin and
 // server are built together (same compiler, same shmps), so C++ types cross.
 #pragma once
 
@@ -10,5 +10,6 @@
 #include "shmps/status.hpp"
 
 extern "C" {
-using FederationEngineMaker = void(std::unique_ptr<shmps::server::FederationEngine>* engine, shmps::Status* status);
+using FederationEngineMaker = void(const shmps::server::FederationConfig& config,
+                                   std::unique_ptr<shmps::server::FederationEngine>* engine, shmps::Status* status);
 }

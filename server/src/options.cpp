@@ -273,8 +273,9 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   FederationConfig& fc = c.federation;
   po::options_description fed("Federation: hosts' servers averaging their weight deltas (docs/federation.md)");
   fed.add_options()("federation", po::value(&federation)->default_value("none"),
-                    "none | mpi (one server per host, launched by mpirun or srun)")(
-      "fed-every-ms", po::value(&fc.every_ms)->default_value(250), "a round every this many ms")(
+                    "none | mpi (one server per host, launched by mpirun or srun) | gloo (elastic: hosts meet "
+                    "through --fed-store)")("fed-every-ms", po::value(&fc.every_ms)->default_value(250),
+                                            "a round every this many ms")(
       "fed-every-versions", po::value(&fc.every_versions)->default_value(0),
       "and a round once this many local updates were applied since the last (0: off)")(
       "fed-outer", po::value(&fed_outer)->default_value("average"),
@@ -288,7 +289,15 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "fed-max-drift", po::value(&fc.max_drift)->default_value(0),
       "hold local pushes once this many updates are not yet in a merged round (0: no cap)")(
       "fed-rank-in-name", po::bool_switch(&fc.rank_in_name),
-      "append .r<rank> to --name and /r<rank> to --checkpoint-dir (several federated servers on one machine)");
+      "append .r<host> to --name and /r<host> to --checkpoint-dir (several federated servers on one machine)")(
+      "fed-store", po::value(&fc.store),
+      "gloo: where the hosts meet, file:DIR (a directory all hosts see) or redis:HOST:PORT[/JOB]; fresh per job")(
+      "fed-hosts", po::value(&fc.hosts)->default_value(0), "gloo: the job's hosts, ids 0..N-1 (at most 64)")(
+      "fed-host", po::value(&fc.host)->default_value(0), "gloo: this host's id")(
+      "fed-address", po::value(&fc.address)->default_value("127.0.0.1"),
+      "gloo: the address this host's collectives listen on (one the other hosts reach)")(
+      "fed-timeout-ms", po::value(&fc.timeout_ms)->default_value(5000),
+      "gloo: a collective or rendezvous waiting longer fails, and the group re-forms without the host it waited for");
   server.add(fed);
   po::options_description all;
   all.add(generic).add(server);
@@ -430,7 +439,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
                   apply_threads + "'");
   }
   if (!parse_federation_kind(federation, &fc.kind))
-    return fail("--federation must be none or mpi, got '" + federation + "'");
+    return fail("--federation must be none, mpi or gloo, got '" + federation + "'");
   if (!parse_outer_step(fed_outer, &fc.outer))
     return fail("--fed-outer must be average or nesterov, got '" + fed_outer + "'");
   fc.weight_by_updates = !fed_unweighted;
@@ -514,6 +523,11 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   e.emplace_back("fed-no-overlap", flag(!fed.overlap));
   e.emplace_back("fed-max-drift", std::to_string(fed.max_drift));
   e.emplace_back("fed-rank-in-name", flag(fed.rank_in_name));
+  e.emplace_back("fed-store", fed.store);
+  e.emplace_back("fed-hosts", std::to_string(fed.hosts));
+  e.emplace_back("fed-host", std::to_string(fed.host));
+  e.emplace_back("fed-address", fed.address);
+  e.emplace_back("fed-timeout-ms", std::to_string(fed.timeout_ms));
   return e;
 }
 

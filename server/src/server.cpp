@@ -169,17 +169,18 @@ class Server::Impl {
   }
 
   // The federation's snapshot or merge, when its thread asks (between two
-  // requests). After a merge the lanes whose next push waited for it are
-  // served (they rang no doorbell meanwhile). A backend failure is the
-  // device's: fatal.
+  // requests). After a merge, or a round abandoned, the lanes whose next
+  // push waited for it are served (they rang no doorbell meanwhile). A
+  // backend failure is the device's: fatal.
   bool poll_federation() {
     Result<FederationLink::Polled> r = federation->poll(*backend, model.version);
     if (!r.ok()) {
       fatal(r.status());
       return false;
     }
-    if (*r != FederationLink::Polled::kMerge) return *r == FederationLink::Polled::kSnapshot;
-    ++model.merges;
+    if (*r == FederationLink::Polled::kNothing || *r == FederationLink::Polled::kSnapshot)
+      return *r == FederationLink::Polled::kSnapshot;
+    if (*r == FederationLink::Polled::kMerge) ++model.merges;
     if (pushes_held) {
       pushes_held = false;
       housekeeping();  // every living lane, served
@@ -257,7 +258,7 @@ class Server::Impl {
       return;
     } else {
       // The running name and checkpoint directory carry the rank.
-      if (federation) apply_rank_in_name(*next, federation->membership().rank);
+      if (federation) apply_rank_in_name(*next, federation->membership().host);
       apply_live(config, *next, segment->header().config);
     }
     notifier.ready(status_text());
@@ -710,11 +711,11 @@ Result<std::unique_ptr<Server>> Server::create(const ServerConfig& requested, st
   // The engine first: with --fed-rank-in-name its rank names the segment.
   ServerConfig config = requested;
   if (!engine && config.federation.kind != FederationKind::kNone) {
-    auto made = make_federation_engine(config.federation.kind);
+    auto made = make_federation_engine(config.federation);
     if (!made.ok()) return made.status();
     engine = std::move(made).value();
   }
-  if (engine) apply_rank_in_name(config, engine->membership().rank);
+  if (engine) apply_rank_in_name(config, engine->membership().host);
   // The weights and optimizer state are the server's big allocations; one
   // that fails is a clear error (and no segment is left behind).
   try {
@@ -816,8 +817,10 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   }
   if (engine) {
     const Membership m = engine->membership();
-    log::info(std::string("federation over ") + engine->name() + ": rank " + std::to_string(m.rank) + " of " +
-              std::to_string(m.size) + "; the join agrees on the anchor (docs/federation.md)");
+    log::info(std::string("federation over ") + engine->name() + ": host " + std::to_string(m.host) +
+              (engine->elastic() ? " (the group forms at its first round)"
+                                 : ", rank " + std::to_string(m.rank) + " of " + std::to_string(m.size)) +
+              "; the join agrees on the anchor (docs/federation.md)");
     impl->federation = std::make_unique<FederationLink>(config.federation, std::move(engine), model_fingerprint(config),
                                                         seg.stats(), seg.header().server_wake);
     if (impl->checkpoints) {

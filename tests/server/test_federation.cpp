@@ -322,6 +322,43 @@ BOOST_AUTO_TEST_CASE(a_join_resumes_from_the_newest_restored_anchor_keeping_each
   BOOST_TEST(std::equal(state->anchor.begin(), state->anchor.end(), hosts.feds[2]->anchor().begin()));
 }
 
+// A host waiting to join, seen by one member's engine, makes every member
+// drop the round (nothing exchanged, anchor and round unchanged) and join
+// again, resuming at the same round with the same anchor.
+BOOST_AUTO_TEST_CASE(a_host_waiting_to_join_makes_every_member_regroup) {
+  Hosts hosts(2, FederationConfig{});
+  std::vector<RoundResult> dropped(2), rejoined(2), next(2);
+  std::vector<uint64_t> hash_before(2), hash_after(2);
+  std::vector<std::vector<float>> dropped_exchange(2);
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 1.0f);
+    (void)f.join(ex);
+    std::fill(ex.begin(), ex.end(), 1.5f);
+    (void)f.round(ex, 3);
+    hash_before[r] = f.anchor_hash();
+    if (r == 1) hosts.engines[1]->joiner = true;  // seen at host 1's next header only
+    std::fill(ex.begin(), ex.end(), 2.0f);
+    dropped[r] = f.round(ex, 3).value();
+    dropped_exchange[r] = ex;
+    hash_after[r] = f.anchor_hash();
+    hosts.engines[r]->joiner = false;
+    f.rejoin();
+    std::fill(ex.begin(), ex.end(), 2.0f);
+    rejoined[r] = f.join(ex).value();
+    next[r] = f.round(ex, 1).value();
+  });
+  for (uint32_t r = 0; r < 2; ++r) {
+    BOOST_TEST(dropped[r].regroup);
+    BOOST_TEST(dropped[r].round == 0u);  // no round completed
+    BOOST_TEST(std::all_of(dropped_exchange[r].begin(), dropped_exchange[r].end(), [](float v) { return v == 0.0f; }));
+    BOOST_TEST(hash_after[r] == hash_before[r]);
+    BOOST_TEST(rejoined[r].resumed);
+    BOOST_TEST(rejoined[r].round == 1u);
+    BOOST_TEST(next[r].round == 2u);
+    BOOST_TEST(hosts.feds[r]->anchor_hash() == hosts.feds[0]->anchor_hash());
+  }
+}
+
 BOOST_AUTO_TEST_CASE(hosts_serving_other_models_are_refused_naming_both) {
   ModelFingerprint other = fingerprint(kN, 3);
   other.hash = 0x9999;
@@ -413,13 +450,20 @@ BOOST_AUTO_TEST_CASE(an_engine_failure_leaves_the_anchor_unchanged) {
 
 namespace {
 
+// A counter of the stats block that ServerStats does not carry.
+uint64_t block_stat(const std::string& name, std::atomic<uint64_t> shm::StatsBlock::*field) {
+  auto seg = shm::Segment::open(name, /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  return ((*seg)->stats().*field).load();
+}
+
 // Two in-process servers federated over one FakeGroup, SGD lr 1 on one
 // tensor of 4 zeros, so a push of g moves the weights by -g exactly.
 struct TwoServers {
-  // `before_allreduce_0`: host 0's engine hook (set before its server
-  // runs: the federation thread reads it).
+  // `setup`: run on each host's engine before its server runs (the
+  // federation thread reads what it sets).
   TwoServers(FederationConfig a, FederationConfig b, std::array<std::string, 2> checkpoint_dirs = {},
-             std::function<void()> before_allreduce_0 = nullptr)
+             const std::function<void(uint32_t, FakeEngine&)>& setup = nullptr)
       : group(std::make_shared<FakeGroup>(2)) {
     for (uint32_t r = 0; r < 2; ++r) {
       ServerConfig c;
@@ -433,21 +477,22 @@ struct TwoServers {
       c.checkpoint_dir = checkpoint_dirs[r];
       names.push_back(c.name);
       auto engine = std::make_unique<FakeEngine>(group, r);
-      if (r == 0) engine->before_allreduce = before_allreduce_0;
+      if (setup) setup(r, *engine);
+      engines.push_back(engine.get());
       servers.push_back(std::make_unique<test::InProcessServer>(c, std::move(engine)));
     }
+    // Joined (the join makes rank 0's weights everybody's): what a test
+    // pushes from here on travels through rounds.
+    BOOST_TEST_REQUIRE(test::eventually([&] {
+      return block_stat(names[0], &shm::StatsBlock::fed_members) == 2 &&
+             block_stat(names[1], &shm::StatsBlock::fed_members) == 2;
+    }));
   }
   std::shared_ptr<FakeGroup> group;
   std::vector<std::string> names;
+  std::vector<FakeEngine*> engines;  // owned by the servers
   std::vector<std::unique_ptr<test::InProcessServer>> servers;
 };
-
-// A counter of the stats block that ServerStats does not carry.
-uint64_t block_stat(const std::string& name, std::atomic<uint64_t> shm::StatsBlock::*field) {
-  auto seg = shm::Segment::open(name, /*read_only=*/true);
-  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
-  return ((*seg)->stats().*field).load();
-}
 
 // A worker that pushes a gradient of -0.5 everywhere `pushes` times.
 void push_halves(const std::string& name, int pushes) {
@@ -539,13 +584,16 @@ BOOST_AUTO_TEST_CASE(without_overlap_a_push_waits_for_the_merge) {
   std::mutex mu;
   std::condition_variable cv;
   bool armed = true, reached = false, released = false;
-  TwoServers two(f, f, {}, [&] {
-    std::unique_lock lock(mu);
-    if (!armed) return;
-    armed = false;
-    reached = true;
-    cv.notify_all();
-    cv.wait(lock, [&] { return released; });
+  TwoServers two(f, f, {}, [&](uint32_t r, FakeEngine& engine) {
+    if (r != 0) return;
+    engine.before_allreduce = [&] {
+      std::unique_lock lock(mu);
+      if (!armed) return;
+      armed = false;
+      reached = true;
+      cv.notify_all();
+      cv.wait(lock, [&] { return released; });
+    };
   });
   push_halves(two.names[0], 1);  // an update, so the next round exchanges a delta
   {
@@ -666,6 +714,39 @@ BOOST_AUTO_TEST_CASE(a_restart_resumes_the_rounds_from_the_checkpointed_anchor) 
              stat(second.names[1], &ServerStats::fed_anchor_hash));
 }
 
+// Two servers over an elastic engine: a host waiting to join (seen by
+// host 1) makes both drop a round and re-form (the next epoch) and join
+// again; pushes at either host before and after reach the other, none
+// lost, no failure counted.
+BOOST_AUTO_TEST_CASE(an_elastic_group_regroups_and_keeps_every_push) {
+  FederationConfig f;
+  f.every_ms = 20;
+  TwoServers two(f, f, {}, [](uint32_t, FakeEngine& engine) { engine.is_elastic = true; });
+  push_halves(two.names[0], 4);
+  BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(two.names[1])[0] == 2.0f; }));
+  two.engines[1]->joiner = true;
+  BOOST_TEST_REQUIRE(test::eventually([&] {
+    return block_stat(two.names[0], &shm::StatsBlock::fed_epoch) >= 1 &&
+           block_stat(two.names[1], &shm::StatsBlock::fed_epoch) >= 1;
+  }));
+  push_halves(two.names[1], 4);
+  BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(two.names[0])[0] == 4.0f; }),
+                     "rounds " << stat(two.names[0], &ServerStats::fed_round) << " "
+                               << stat(two.names[1], &ServerStats::fed_round) << " w " << pull_weights(two.names[0])[0]
+                               << " " << pull_weights(two.names[1])[0] << " epoch "
+                               << block_stat(two.names[0], &shm::StatsBlock::fed_epoch) << " failures "
+                               << stat(two.names[0], &ServerStats::fed_failures) << " members "
+                               << stat(two.names[0], &ServerStats::fed_members));
+  push_halves(two.names[0], 2);
+  BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(two.names[1])[0] == 5.0f; }));
+  BOOST_TEST(pull_weights(two.names[0])[0] == 5.0f);
+  BOOST_TEST(stat(two.names[0], &ServerStats::fed_members) == 2u);
+  BOOST_TEST(stat(two.names[0], &ServerStats::fed_failures) == 0u);
+  BOOST_TEST(stat(two.names[0], &ServerStats::fed_anchor_hash) == stat(two.names[1], &ServerStats::fed_anchor_hash));
+  // The fake cannot wait for a host that left: static again for the stop.
+  for (FakeEngine* e : two.engines) e->is_elastic = false;
+}
+
 BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
   auto ok = test::parse_server_args({"--name", "x", "--tensor", "w:4", "--federation", "mpi", "--fed-outer", "nesterov",
                                      "--fed-every-ms", "40", "--fed-max-drift", "9", "--fed-no-overlap",
@@ -685,8 +766,29 @@ BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
   apply_rank_in_name(c, 7);
   BOOST_TEST(c.name == "x.r7");
   BOOST_TEST(c.checkpoint_dir == "/var/lib/shmps/x/r7");
+  auto gloo = test::parse_server_args({"--name", "x", "--tensor", "w:4", "--federation", "gloo", "--fed-store",
+                                       "redis:db.example:6380/job7", "--fed-hosts", "5", "--fed-host", "4",
+                                       "--fed-address", "10.0.0.4", "--fed-timeout-ms", "1500"});
+  BOOST_TEST_REQUIRE(gloo.ok(), gloo.status().to_string());
+  const FederationConfig& g = gloo->config.federation;
+  BOOST_TEST((g.kind == FederationKind::kGloo));
+  BOOST_TEST(g.store == "redis:db.example:6380/job7");
+  BOOST_TEST(g.hosts == 5u);
+  BOOST_TEST(g.host == 4u);
+  BOOST_TEST(g.address == "10.0.0.4");
+  BOOST_TEST(g.timeout_ms == 1500u);
+  const std::vector<std::string> gloo_base = {"--federation", "gloo", "--fed-store", "file:/tmp/x"};
+  const auto with_gloo = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), gloo_base.begin(), gloo_base.end());
+    return more;
+  };
   const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
-      {{"--federation", "tcp"}, "--federation must be none or mpi"},
+      {{"--federation", "gloo", "--fed-hosts", "3"}, "--federation gloo needs --fed-store"},
+      {with_gloo({}), "--federation gloo needs --fed-hosts in 1..64, got 0"},
+      {with_gloo({"--fed-hosts", "65"}), "--federation gloo needs --fed-hosts in 1..64, got 65"},
+      {with_gloo({"--fed-hosts", "3", "--fed-host", "3"}), "--fed-host must be below --fed-hosts (3), got 3"},
+      {with_gloo({"--fed-hosts", "3", "--fed-timeout-ms", "5"}), "--fed-timeout-ms must be in 100..3600000"},
+      {{"--federation", "tcp"}, "--federation must be none, mpi or gloo"},
       {{"--fed-outer", "adam"}, "--fed-outer must be average or nesterov"},
       {{"--fed-every-ms", "0"}, "--fed-every-ms must be in 1..3600000"},
       {{"--fed-outer-momentum", "1"}, "--fed-outer-momentum must be in [0, 1)"},

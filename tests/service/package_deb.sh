@@ -76,14 +76,16 @@ for d in adduser libboost-program-options libsystemd0; do
 done
 ! grep -qi cuda <<<"$depends" || fail "Depends names CUDA: $depends"
 ! grep -qi mpi <<<"$depends" || fail "Depends names an MPI library: $depends"
-! grep -q 'libshmps_fed_' "$scratch/contents" || fail "shmps holds a federation plugin (shmps-mpi's)"
-# The MPI engine, where the build has it: its own package, on shmps.
-if [ -f "$build/lib/shmps/libshmps_fed_mpi.so" ]; then
-  mpi=$(one 'shmps-mpi_*.deb')
-  contents "$mpi" | grep -q '/lib/shmps/libshmps_fed_mpi\.so$' || fail "shmps-mpi lacks the plugin"
-  grep -q '^shmps (= ' <<<"$(dpkg-deb -f "$mpi" Depends)" || fail "shmps-mpi does not depend on shmps"
-  echo "ok: shmps-mpi ($(dpkg-deb -f "$mpi" Depends))"
-fi
+! grep -qi gloo <<<"$depends" || fail "Depends names Gloo: $depends"
+! grep -q 'libshmps_fed_' "$scratch/contents" || fail "shmps holds a federation plugin (shmps-mpi's or shmps-gloo's)"
+# Each federation engine, where the build has it: its own package, on shmps.
+for engine in mpi gloo; do
+  [ -f "$build/lib/shmps/libshmps_fed_$engine.so" ] || continue
+  pkg=$(one "shmps-${engine}_*.deb")
+  contents "$pkg" | grep -q "/lib/shmps/libshmps_fed_$engine\\.so\$" || fail "shmps-$engine lacks the plugin"
+  grep -q '^shmps (= ' <<<"$(dpkg-deb -f "$pkg" Depends)" || fail "shmps-$engine does not depend on shmps"
+  echo "ok: shmps-$engine ($(dpkg-deb -f "$pkg" Depends))"
+done
 [ "$(dpkg-deb -f "$deb" Package)" = shmps ] || fail "package name is not shmps"
 [ "$(dpkg-deb -f "$dev" Package)" = shmps-dev ] || fail "package name is not shmps-dev"
 echo "ok: contents and Depends ($depends)"

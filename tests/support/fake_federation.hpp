@@ -7,6 +7,7 @@
 // round in its exchange). Header-only; thread-safe.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <functional>
@@ -58,7 +59,16 @@ class FakeEngine final : public server::FederationEngine {
   FakeEngine(std::shared_ptr<FakeGroup> group, uint32_t rank) : group_(std::move(group)), rank_(rank) {}
 
   const char* name() const noexcept override { return "fake"; }
-  server::Membership membership() const noexcept override { return {0, rank_, group_->size()}; }
+  server::Membership membership() const noexcept override { return {epoch_.load(), rank_, group_->size(), rank_}; }
+  bool elastic() const noexcept override { return is_elastic; }
+  // The same members again, under the next epoch; the waiting joiner (if
+  // any) is then in.
+  Reform reform(std::string* /*why*/) override {
+    ++epoch_;
+    joiner = false;
+    return Reform::kFormed;
+  }
+  bool joiner_waiting() override { return joiner; }
 
   Status allreduce_sum(std::span<float> data) override {
     if (failing()) return fail();
@@ -102,11 +112,14 @@ class FakeEngine final : public server::FederationEngine {
   // meeting the others; 0: none.
   uint64_t fail_at = 0;
   std::function<void()> before_allreduce;  // runs before each allreduce meets the others
+  std::atomic<bool> is_elastic{false};     // re-forms (as the same group) instead of ending
+  std::atomic<bool> joiner{false};         // a test's "host waiting to join", seen by this member
 
  private:
   bool failing() { return ++collectives_ == fail_at; }
   static Status fail() { return {ErrorCode::kIo, "federation (fake): injected failure"}; }
   uint64_t collectives_ = 0;
+  std::atomic<uint64_t> epoch_{0};  // read by the server's thread for its stats
   std::shared_ptr<FakeGroup> group_;
   uint32_t rank_;
 };

@@ -17,7 +17,7 @@
 
 namespace shmps::server {
 
-enum class FederationKind { kNone = 0, kMpi = 1 };
+enum class FederationKind { kNone = 0, kMpi = 1, kGloo = 2 };
 
 // How the averaged delta moves the anchor (the outer step): plain
 // averaging (Local SGD: A' = A + mean delta), or PyTorch's SGD with
@@ -44,30 +44,50 @@ struct FederationConfig {
   // The most local updates since the last merged snapshot (0: no cap);
   // beyond it the server holds pushes until the next round merges.
   uint64_t max_drift = 0;
-  // Append ".r<rank>" to --name, and "/r<rank>" to --checkpoint-dir
-  // (several "hosts" on one machine).
+  // Append ".r<host>" to --name, and "/r<host>" to --checkpoint-dir
+  // (several "hosts" on one machine; the host is the MPI rank, or --fed-host).
   bool rank_in_name = false;
+
+  // Gloo (elastic membership). The job's store, where the hosts agree on
+  // each membership epoch: "file:DIR" (a directory every host sees) or
+  // "redis:HOST:PORT[/JOB]"; a fresh DIR or JOB per job (its keys are
+  // written once and never deleted).
+  std::string store;
+  uint32_t hosts = 0;  // the job's hosts, ids 0..hosts-1 (at most kMaxFederationHosts)
+  uint32_t host = 0;   // this host's id
+  // The address this host's collectives listen on (an interface's
+  // address that the other hosts reach).
+  std::string address = "127.0.0.1";
+  // A collective or a rendezvous waiting longer than this fails: the host
+  // it waits for is taken as hung, and the group re-forms without it.
+  uint32_t timeout_ms = 5000;
 };
 
-// Each option value's name ("none", "mpi"; "average", "nesterov"), and
+inline constexpr uint32_t kMaxFederationHosts = 64;
+
+// Each option value's name ("none", "mpi", "gloo"; "average", "nesterov"), and
 // back: false for a text that names none.
 const char* federation_kind_name(FederationKind kind) noexcept;
 const char* outer_step_name(OuterStep step) noexcept;
 bool parse_federation_kind(std::string_view text, FederationKind* out) noexcept;
 bool parse_outer_step(std::string_view text, OuterStep* out) noexcept;
 
-// Who this host is in the group; epoch counts re-formations (0 for an
-// engine with static membership).
+// Who this host is in the group: its rank in the current epoch, and its
+// id, which stays (the MPI rank; Gloo's --fed-host). The epoch counts
+// formations of the group (0 for an engine with static membership).
 struct Membership {
   uint64_t epoch = 0;
   uint32_t rank = 0;
   uint32_t size = 1;
+  uint32_t host = 0;
 };
 
 // The seam between the federation's rounds and the engine that carries
 // them. Each call is collective: every member makes it, in the same order,
 // with the same sizes. Errors: kIo naming the engine's failure (a member
-// gone, a timeout); the round that saw it is abandoned.
+// gone, a timeout); the round that saw it is abandoned. An elastic engine
+// then forms a new group (reform()) and the members join again; a static
+// one ends federation.
 class FederationEngine {
  public:
   virtual ~FederationEngine() = default;
@@ -81,12 +101,33 @@ class FederationEngine {
   virtual Status allgather(std::span<const std::byte> mine, std::span<std::byte> all) = 0;
   // `data` of member `root` into every member's `data`.
   virtual Status broadcast(std::span<std::byte> data, uint32_t root) = 0;
+
+  // Whether the group can re-form after a member died, hung or left.
+  virtual bool elastic() const noexcept { return false; }
+  // What one reform() did.
+  enum class Reform {
+    kFormed,  // a group of a new epoch, this host in it (membership())
+    kPaused,  // the hosts there are no majority of the last epoch's members: try again later
+    kFailed,  // the hosts did not agree, or the store or a rendezvous failed: try again
+  };
+  // An elastic engine: one attempt at forming the group of a new epoch
+  // with the hosts that want to be in it, bounded by the engine's
+  // timeouts; not collective (the others run theirs meanwhile). `why`
+  // says what happened unless kFormed.
+  virtual Reform reform(std::string* why) {
+    *why = std::string(name()) + " cannot re-form";
+    return Reform::kFailed;
+  }
+  // An elastic engine, once per round: whether a host waits to join (the
+  // members then re-form together, when any of them saw it).
+  virtual bool joiner_waiting() { return false; }
 };
 
-// The engine --federation names, joined to its group (MPI: MPI_Init_thread,
-// ranks from the launcher). Errors: kInvalidArgument for kNone, kIo when
-// the engine cannot start or was not built in (the message says which
-// package to install). At most one MPI engine per process.
-Result<std::unique_ptr<FederationEngine>> make_federation_engine(FederationKind kind);
+// The engine config.kind names (MPI: MPI_Init_thread, joined to the
+// launcher's group; Gloo: its device and store, the group formed later by
+// reform()). Errors: kInvalidArgument for kNone, kIo when the engine
+// cannot start or was not built in (the message says which package to
+// install). At most one MPI engine per process.
+Result<std::unique_ptr<FederationEngine>> make_federation_engine(const FederationConfig& config);
 
 }  // namespace shmps::server

@@ -59,7 +59,7 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 //    slots in StatsBlock (the staleness policies' and apply_threads);
 //    WorkerEntry::pulls_waited, wait_ns, pushes_scaled.
 // 9: StatsBlock's fed_* counters (federation); StatsReply's but fed_pushes_held.
-inline constexpr uint32_t kLayoutVersion = 9;
+inline constexpr uint32_t kLayoutVersion = 10;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;  // 4 doorbell words
@@ -503,8 +503,9 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
   X(fed_bytes, counter, "Bytes this host contributed to the federation's collectives.") \
   X(fed_drift, gauge, "Local updates not yet in a merged federation round.") \
   X(fed_anchor_hash, gauge, "Hash of the federation's anchor (equal on every host after a round).") \
-  X(fed_failures, counter, "Federation rounds that failed (the engine's error; federation then ends).") \
-  X(fed_pushes_held, counter, "Times a push waited for a federation round's merge (drift cap, or no overlap).")
+  X(fed_failures, counter, "Federation rounds that failed (the engine's error; federation then ends, or an elastic group re-forms).") \
+  X(fed_pushes_held, counter, "Times a push waited for a federation round's merge (drift cap, or no overlap).") \
+  X(fed_epoch, gauge, "Membership epoch of the federation's group (rises as an elastic group re-forms; 0: static).")
 // clang-format on
 #define SHMPS_STATS_COUNT(name, kind, help) +1
 inline constexpr size_t kStatsBlockCounters = 0 SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_COUNT);

@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Federation over Gloo with real processes (CTest label multihost): three
+# shmps-servers started as plain processes on this machine, each its own
+# "host" (--fed-rank-in-name), meeting through a file store, with
+# checkpoints every second and shmps-train workers on them.
+#  1. SIGKILL host 1 past round 10: hosts 0 and 2 show 2 members within the
+#     timeout plus 1 s; restarted from its checkpoint, host 1 joins again:
+#     3 members, equal anchors; every worker's run finishes without error.
+#  2. SIGSTOP host 2 (a hung host): hosts 0 and 1 show 2 members within the
+#     timeout plus 1 s, their workers see no error; after SIGCONT host 2
+#     joins again: 3 members, equal anchors, a good merged model.
+#  3. The same group formed through a Redis store (a redis-server this test
+#     starts on 127.0.0.1), and a SIGKILLed host left behind there too.
+# Then SIGTERM: every server stops cleanly, nothing is left in /dev/shm.
+# Usage: gloo_federation.sh <build-dir>. Exit 77 (skipped) without the Gloo
+# plugin; part 3 is skipped (said so) without redis-server.
+set -euo pipefail
+build=$1
+[ -f "$build/lib/shmps/libshmps_fed_gloo.so" ] || { echo "SKIP: no Gloo plugin in $build (configure found no Gloo)"; exit 77; }
+server=$build/bin/shmps-server
+inspect=$build/bin/shmps-inspect
+train=$build/bin/shmps-train
+name=fedgloo$$
+work=$(mktemp -d)
+timeout_ms=2000
+declare -A host_pid=()
+redis_pid=
+cleanup() {
+  for p in "${host_pid[@]}" $redis_pid; do kill -KILL "$p" 2>/dev/null || true; done
+  pkill -KILL -f "shmps-server --name $name" 2>/dev/null || true
+  pkill -KILL -f "connect $name" 2>/dev/null || true
+  rm -f /dev/shm/shmps."$name"*.* 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; for f in "$work"/*.log; do echo "---- $f"; tail -15 "$f"; done; exit 1; }
+model=(--tensor fc1.weight:256x784 --tensor fc1.bias:256 --tensor fc2.weight:10x256 --tensor fc2.bias:10
+       --optimizer adam --lr 0.001 --init normal --init-scale 0.05 --backend host)
+
+# start_host JOB R STORE: host R of job JOB (its segment JOB.rR) in the background.
+start_host() {
+  local job=$1 r=$2 store=$3
+  "$server" --name "$job" --fed-rank-in-name --federation gloo --fed-store "$store" --fed-hosts 3 --fed-host "$r" \
+    --fed-timeout-ms $timeout_ms --fed-every-ms 50 "${model[@]}" \
+    --checkpoint-dir "$work/ckpt-$job" --checkpoint-interval-s 1 >>"$work/$job.host$r.log" 2>&1 &
+  host_pid[$job.$r]=$!
+  for _ in $(seq 100); do [ -e "/dev/shm/shmps.$job.r$r" ] && return 0; sleep 0.1; done
+  fail "host $r of $job did not start within 10 s"
+}
+field() { python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(s['$1'])"; }
+stat_of() { "$inspect" --json "$1.r$2" 2>/dev/null | field "$3" 2>/dev/null || echo -1; }
+accuracy() { sed -n 's/^final test accuracy: \([0-9.]*\).*/\1/p' "$1"; }
+
+# await_members JOB N HOSTS... : until each named host shows N members;
+# prints the seconds it took. Fails after 30 s.
+await_members() {
+  local job=$1 want=$2 start
+  shift 2
+  start=$(date +%s%N)
+  for _ in $(seq 600); do
+    local all=1
+    for r in "$@"; do [ "$(stat_of "$job" "$r" fed_members)" = "$want" ] || all=; done
+    if [ -n "$all" ]; then
+      python3 -c "print(f'{($(date +%s%N) - $start) / 1e9:.2f}')"
+      return 0
+    fi
+    sleep 0.05
+  done
+  fail "hosts $* of $job did not show $want members within 30 s"
+}
+# await_equal_anchors JOB: the three hosts' anchor hashes agree (10 s).
+await_equal_anchors() {
+  local job=$1
+  for _ in $(seq 100); do
+    local h0 h1 h2
+    h0=$(stat_of "$job" 0 fed_anchor_hash) h1=$(stat_of "$job" 1 fed_anchor_hash) h2=$(stat_of "$job" 2 fed_anchor_hash)
+    if [ "$h0" = "$h1" ] && [ "$h1" = "$h2" ] && [ "$h0" != -1 ]; then
+      echo "anchor hash $h0 on all three hosts, round $(stat_of "$job" 0 fed_round), epoch $(stat_of "$job" 0 fed_epoch)"
+      return 0
+    fi
+    sleep 0.1
+  done
+  fail "the anchor hashes of $job never agreed"
+}
+await_round() {  # JOB ROUND HOSTS...
+  local job=$1 round=$2
+  shift 2
+  for _ in $(seq 300); do
+    local all=1
+    for r in "$@"; do [ "$(stat_of "$job" "$r" fed_round)" -ge "$round" ] || all=; done
+    [ -n "$all" ] && return 0
+    sleep 0.1
+  done
+  fail "hosts $* of $job did not reach round $round within 30 s"
+}
+# within_limit SECONDS: the timeout plus 1 s.
+within_limit() { python3 -c "import sys; sys.exit(0 if $1 <= $timeout_ms / 1000 + 1 else 1)"; }
+
+# ---- 1. SIGKILL host 1 past round 10, then restart it from its checkpoint.
+job=$name
+for r in 0 1 2; do start_host "$job" $r "file:$work/store"; done
+echo "formed with 3 members in $(await_members "$job" 3 0 1 2) s"
+declare -A trainer=()
+for r in 0 1 2; do
+  "$train" --workers 1 --epochs 3 --train-limit 20000 --connect "$job.r$r" --seed $((r + 1)) >"$work/train$r.log" 2>&1 &
+  trainer[$r]=$!
+done
+await_round "$job" 10 0 1 2
+for _ in $(seq 100); do [ -n "$(ls "$work/ckpt-$job/r1" 2>/dev/null)" ] && break; sleep 0.1; done
+sleep 1.2  # a checkpoint of host 1 with training in it
+kill -KILL "${host_pid[$job.1]}" "${trainer[1]}"
+wait "${host_pid[$job.1]}" 2>/dev/null || true
+wait "${trainer[1]}" 2>/dev/null || true
+took=$(await_members "$job" 2 0 2)
+echo "SIGKILL of host 1: hosts 0 and 2 showed 2 members after $took s (limit: $timeout_ms ms + 1 s)"
+within_limit "$took" || fail "re-forming after a SIGKILL took $took s"
+rm -f "/dev/shm/shmps.$job.r1"
+start_host "$job" 1 "file:$work/store"
+grep -q "restored checkpoint .*federation round" "$work/$job.host1.log" || fail "host 1 restored no federation state"
+echo "host 1 restarted from its checkpoint: 3 members after $(await_members "$job" 3 0 1 2) s"
+"$inspect" "$job.r0" | grep -q "3 hosts (epoch " || fail "shmps-inspect shows no epoch: $("$inspect" "$job.r0" | grep federation)"
+grep -q "resumed at round" "$work/$job.host1.log" || fail "host 1 did not resume at the group's anchor"
+"$train" --workers 1 --epochs 1 --train-limit 10000 --connect "$job.r1" --seed 9 >"$work/train1b.log" 2>&1 &
+trainer[1]=$!
+for r in 0 1 2; do wait "${trainer[$r]}" || fail "host $r's worker saw an error: $(tail -3 "$work/train$r.log")"; done
+await_equal_anchors "$job"
+
+# ---- 2. SIGSTOP host 2 (hung), workers on hosts 0 and 1 going on; SIGCONT.
+for r in 0 1; do
+  "$train" --workers 1 --epochs 2 --train-limit 20000 --connect "$job.r$r" --seed $((r + 11)) >"$work/hung$r.log" 2>&1 &
+  trainer[$r]=$!
+done
+sleep 0.5
+kill -STOP "${host_pid[$job.2]}"
+took=$(await_members "$job" 2 0 1)
+echo "SIGSTOP of host 2: hosts 0 and 1 showed 2 members after $took s (limit: $timeout_ms ms + 1 s)"
+within_limit "$took" || fail "re-forming after a SIGSTOP took $took s"
+sleep 1
+kill -CONT "${host_pid[$job.2]}"
+echo "host 2 continued: 3 members after $(await_members "$job" 3 0 1 2) s"
+for r in 0 1; do wait "${trainer[$r]}" || fail "host $r's worker saw an error: $(tail -3 "$work/hung$r.log")"; done
+await_equal_anchors "$job"
+epoch=$(stat_of "$job" 0 fed_epoch)
+[ "$epoch" -ge 5 ] || fail "epoch $epoch after 4 re-formations"
+"$train" --connect "$job.r2" --evaluate >"$work/merged.log" 2>&1 || fail "scoring the merged model failed"
+merged=$(accuracy "$work/merged.log")
+echo "merged model: test accuracy $merged"
+python3 -c "import sys; sys.exit(0 if $merged >= 0.80 else 1)" || fail "the merged model reached only $merged"
+for r in 0 1 2; do kill -TERM "${host_pid[$job.$r]}"; done
+for r in 0 1 2; do
+  wait "${host_pid[$job.$r]}" || fail "host $r exited non-zero after SIGTERM"
+  unset "host_pid[$job.$r]"
+done
+ls /dev/shm/shmps."$job".* >/dev/null 2>&1 && fail "left in /dev/shm: $(ls /dev/shm/shmps."$job".*)"
+
+# ---- 3. The Redis store.
+if ! command -v redis-server >/dev/null; then
+  echo "redis part SKIPPED: redis-server not found (tools/install-deps.sh installs it)"
+  echo "PASS"
+  exit 0
+fi
+port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no >"$work/redis.log" 2>&1 &
+redis_pid=$!
+for _ in $(seq 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+job=${name}x
+for r in 0 1 2; do start_host "$job" $r "redis:127.0.0.1:$port/$job"; done
+echo "redis store: formed with 3 members in $(await_members "$job" 3 0 1 2) s"
+await_round "$job" 5 0 1 2
+await_equal_anchors "$job"
+kill -KILL "${host_pid[$job.0]}"
+took=$(await_members "$job" 2 1 2)
+echo "redis store: SIGKILL of host 0: hosts 1 and 2 showed 2 members after $took s"
+within_limit "$took" || fail "re-forming through redis took $took s"
+for r in 1 2; do kill -TERM "${host_pid[$job.$r]}"; wait "${host_pid[$job.$r]}" || fail "host $r exited non-zero"; done
+echo "PASS"
