@@ -198,4 +198,16 @@ Result<Dataset> load_fashion_mnist(const std::string& dir, Split split, size_t l
   return d;
 }
 
+Dataset take_shard(const Dataset& all, size_t index, size_t count) {
+  Dataset d;
+  d.features = all.features;
+  for (size_t i = index; i < all.count; i += count) {
+    d.images.insert(d.images.end(), all.images.begin() + static_cast<std::ptrdiff_t>(i * all.features),
+                    all.images.begin() + static_cast<std::ptrdiff_t>((i + 1) * all.features));
+    d.labels.push_back(all.labels[i]);
+  }
+  d.count = d.labels.size();
+  return d;
+}
+
 }  // namespace shmps::train

@@ -56,4 +56,8 @@ enum class Split { kTrain, kTest };
 // name first) and checks that the images are 28x28.
 Result<Dataset> load_fashion_mnist(const std::string& dir, Split split, size_t limit = 0);
 
+// Images index, index + count, index + 2 count, ... of `all` (a host's
+// share of the data when several hosts train one job); index < count.
+Dataset take_shard(const Dataset& all, size_t index, size_t count);
+
 }  // namespace shmps::train

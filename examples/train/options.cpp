@@ -19,6 +19,7 @@ double default_lr(const std::string& optimizer) { return optimizer == "sgd" ? 0.
 }  // namespace
 
 std::optional<int> parse_options(int argc, char** argv, Options& o) {
+  std::string shard;
   po::options_description desc("shmps-train options");
   // clang-format off
   desc.add_options()
@@ -36,6 +37,7 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
      "versions a push may lag behind the server before it is rejected")
     ("train-limit", po::value(&o.train_limit)->default_value(0), "use the first N training images (0: all)")
     ("test-limit", po::value(&o.test_limit)->default_value(0), "use the first N test images (0: all)")
+    ("shard", po::value(&shard), "I/N: train on images I, I+N, I+2N, ... of those (one host's share of a federated job)")
     ("evals-per-epoch", po::value(&o.evals_per_epoch)->default_value(1), "evaluations per epoch")
     ("eval-every", po::value(&o.eval_every)->default_value(0),
      "evaluate every N applied updates instead: the weights are snapshotted during training and scored "
@@ -70,6 +72,21 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
     return 0;
   }
   std::string bad;
+  if (!shard.empty()) {
+    const size_t slash = shard.find('/');
+    try {
+      if (slash == std::string::npos) throw std::invalid_argument(shard);
+      size_t used = 0;
+      o.shard_index = std::stoul(shard.substr(0, slash), &used);
+      if (used != slash) throw std::invalid_argument(shard);
+      o.shard_count = std::stoul(shard.substr(slash + 1), &used);
+      if (used != shard.size() - slash - 1) throw std::invalid_argument(shard);
+    } catch (const std::exception&) {
+      o.shard_count = 0;
+    }
+    if (o.shard_count == 0 || o.shard_index >= o.shard_count)
+      bad = "--shard must be I/N with I < N, got '" + shard + "'";
+  }
   if (o.workers < 1 || o.workers > 256) bad = "--workers must be 1..256";
   if (o.epochs < 1) bad = "--epochs must be >= 1";
   if (o.batch < 1 || o.batch > 8192) bad = "--batch must be 1..8192";

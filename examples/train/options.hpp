@@ -30,6 +30,8 @@ struct Options {
   double weight_decay = -1.0;  // < 0: the server's default (0; AdamW 0.01)
   uint64_t max_staleness = 8;
   size_t train_limit = 0;
+  size_t shard_index = 0;  // --shard I/N: train on images I, I+N, ... (a host's share)
+  size_t shard_count = 1;
   size_t test_limit = 0;
   size_t evals_per_epoch = 1;
   uint64_t eval_every = 0;  // > 0: snapshot every N applied updates, score after training

@@ -102,7 +102,7 @@ int Trainer::load_data() {
     std::cerr << "shmps-train: " << s.message() << "\n";
     return kExitUsage;
   }
-  train_ = std::move(*train);
+  train_ = o_.shard_count > 1 ? take_shard(*train, o_.shard_index, o_.shard_count) : std::move(*train);
   test_ = std::move(*test);
   if (train_.count < o_.workers) {
     std::cerr << "shmps-train: " << train_.count << " training images for " << o_.workers << " workers\n";

@@ -47,7 +47,8 @@ struct CheckpointFederationRecord {
   uint64_t round;
   uint32_t momentum_started;  // 0 or 1
   uint32_t reserved0;
-  uint64_t reserved[2];
+  uint64_t unmerged_updates;
+  uint64_t reserved1;
 };
 static_assert(sizeof(CheckpointFederationRecord) == 32 && std::is_trivially_copyable_v<CheckpointFederationRecord>);
 
@@ -225,7 +226,7 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
     return {ErrorCode::kInternal, "inconsistent checkpoint snapshot"};
   CheckpointHeader h{};
   h.magic = kCheckpointMagic;
-  h.format = kCheckpointFormat;
+  h.format = data.federation ? kCheckpointFormat : 1;
   h.header_size = sizeof h;
   h.version = data.version;
   h.optimizer_kind = data.layout.optimizer_kind;
@@ -237,6 +238,7 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
     h.flags = kCheckpointFederation | (data.federation->momentum.empty() ? 0 : kCheckpointOuterMomentum);
     fed.round = data.federation->round;
     fed.momentum_started = data.federation->momentum_started ? 1 : 0;
+    fed.unmerged_updates = data.federation->unmerged_updates;
   }
   // The federation section's arrays (none without it).
   std::vector<std::span<const float>> fed_arrays;
@@ -343,9 +345,11 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
   if (crc.checksum() != stored) return corrupt("checksum mismatch");
   if (data.federation) {
     // The round is a count like the version: a damaged one must not wrap.
-    if (fed.momentum_started > 1 || fed.round >= kMaxCheckpointVersion)
-      return corrupt("implausible federation record (round " + std::to_string(fed.round) + ")");
+    if (fed.momentum_started > 1 || fed.round >= kMaxCheckpointVersion || fed.unmerged_updates >= kMaxCheckpointVersion)
+      return corrupt("implausible federation record (round " + std::to_string(fed.round) + ", " +
+                     std::to_string(fed.unmerged_updates) + " unmerged updates)");
     data.federation->round = fed.round;
+    data.federation->unmerged_updates = fed.unmerged_updates;
     data.federation->momentum_started = fed.momentum_started != 0;
   }
   for (size_t i = 0; i < f.tensors.size(); ++i) {

@@ -15,8 +15,9 @@
 //     anchor     fp32[total_elements]
 //     momentum   fp32[total_elements], with kCheckpointOuterMomentum
 //   crc32        uint32 of all bytes before it (Boost.CRC, CRC-32/ISO-HDLC)
-// Bump kCheckpointFormat on any change to these bytes. Format 1 (no flags,
-// no federation section) is still read.
+// Bump kCheckpointFormat on any change to these bytes. A checkpoint without
+// a federation section is written as format 1 (no flags), which older
+// builds read too.
 #pragma once
 
 #include <condition_variable>
@@ -57,6 +58,9 @@ struct FederationState {
   bool momentum_started = false;  // PyTorch's SGD: the momentum buffer holds a step
   std::vector<float> anchor;      // total elements
   std::vector<float> momentum;    // total elements, or empty
+  // Local updates in W - anchor (none merged yet): the weight of this
+  // host's delta in the next round after a restart that keeps the drift.
+  uint64_t unmerged_updates = 0;
 };
 
 // Everything a checkpoint holds, in host memory.

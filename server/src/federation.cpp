@@ -115,24 +115,44 @@ void apply_rank_in_name(ServerConfig& config, uint32_t rank) {
   if (!config.checkpoint_dir.empty()) config.checkpoint_dir += "/r" + std::to_string(rank);
 }
 
+namespace {
+
+// hash_floats() in pieces: add() spans in order, each of an even length
+// but the last, then finish(). Two 32-bit words per step through a 64-bit
+// multiply-xorshift mix (one multiply per two elements; the chain is
+// serial).
+class FloatHash {
+ public:
+  explicit FloatHash(size_t total) noexcept : h_(0x9e3779b97f4a7c15ull ^ total) {}
+  void add(const float* p, size_t n) noexcept {
+    size_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+      uint64_t w;
+      std::memcpy(&w, p + i, sizeof w);
+      h_ = (h_ ^ w) * 0xff51afd7ed558ccdull;
+      h_ ^= h_ >> 32;
+    }
+    if (i < n) {  // the last element of an odd total
+      uint32_t w;
+      std::memcpy(&w, p + i, sizeof w);
+      h_ = (h_ ^ w) * 0xc4ceb9fe1a85ec53ull;
+    }
+  }
+  uint64_t finish() const noexcept {
+    uint64_t h = h_ ^ (h_ >> 29);
+    return h * 0x94d049bb133111ebull ^ (h >> 32);
+  }
+
+ private:
+  uint64_t h_;
+};
+
+}  // namespace
+
 uint64_t hash_floats(std::span<const float> values) noexcept {
-  // Two 32-bit words per step through a 64-bit multiply-xorshift mix (one
-  // multiply per two elements; the chain is serial).
-  uint64_t h = 0x9e3779b97f4a7c15ull ^ values.size();
-  size_t i = 0;
-  for (; i + 2 <= values.size(); i += 2) {
-    uint64_t w;
-    std::memcpy(&w, values.data() + i, sizeof w);
-    h = (h ^ w) * 0xff51afd7ed558ccdull;
-    h ^= h >> 32;
-  }
-  if (i < values.size()) {
-    uint32_t w;
-    std::memcpy(&w, values.data() + i, sizeof w);
-    h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
-  }
-  h ^= h >> 29;
-  return h * 0x94d049bb133111ebull ^ (h >> 32);
+  FloatHash h(values.size());
+  h.add(values.data(), values.size());
+  return h.finish();
 }
 
 Federator::Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint)
@@ -185,6 +205,7 @@ Status Federator::restore(FederationState state) {
   if (state.anchor.size() != anchor_.size() || (!state.momentum.empty() && state.momentum.size() != anchor_.size()))
     return {ErrorCode::kInvalidArgument, "federation: the checkpoint's anchor does not fit this model"};
   round_ = state.round;
+  restored_ = true;
   anchor_ = std::move(state.anchor);
   anchor_hash_ = hash_floats(anchor_);
   // A momentum only for the Nesterov outer step; one stored by another
@@ -207,61 +228,77 @@ std::optional<FederationState> Federator::state() const {
   return s;
 }
 
+Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum) {
+  // Into scratch first: a broadcast that fails halfway (a host gone) must
+  // leave this host's anchor and momentum as they were.
+  std::vector<float>& anchor_in = payload_;
+  if (engine_.membership().rank == root) std::copy(anchor_.begin(), anchor_.end(), anchor_in.begin());
+  if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(anchor_in)), root); !s.ok()) return s;
+  uint64_t sent = anchor_in.size() * sizeof(float);
+  uint32_t started = momentum_started_ ? 1 : 0;
+  std::vector<float> momentum_in;
+  if (with_momentum && !momentum_.empty()) {
+    momentum_in = momentum_;
+    if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(&started, 1)), root); !s.ok()) return s;
+    if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(momentum_in)), root); !s.ok()) return s;
+    sent += sizeof started + momentum_in.size() * sizeof(float);
+  }
+  // Every collective went through: commit.
+  if (!momentum_in.empty()) {
+    momentum_.swap(momentum_in);
+    momentum_started_ = started != 0;
+  }
+  return engine_.membership().rank == root ? sent : 0;  // what this host sent
+}
+
 Result<RoundResult> Federator::join(std::span<float> exchange) {
   std::vector<Header> all;
   if (Status s = gather_headers(0, false, &all); !s.ok()) return s;
   const Membership m = engine_.membership();
   RoundResult r;
   r.members = m.size;
+  uint32_t group_every_ms = 0;
   for (uint32_t k = 0; k < all.size(); ++k) {
-    group_every_ms_ = std::max(group_every_ms_, all[k].every_ms);
+    group_every_ms = std::max(group_every_ms, all[k].every_ms);
     // The newest anchor the group agreed on: it holds every merged round.
     if ((all[k].flags & kFlagHasState) != 0 && (!r.resumed || all[k].round > all[r.source_rank].round)) {
       r.source_rank = k;
       r.resumed = true;
     }
   }
-  if (!r.resumed) {
-    if (m.rank == 0) std::copy(exchange.begin(), exchange.end(), anchor_.begin());
-  } else if (has_state_) {
-    // The correction is A - own anchor: the drift W - own anchor stays.
-    for (size_t i = 0; i < exchange.size(); ++i) exchange[i] = -anchor_[i];
-  }
-  if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(anchor_)), r.source_rank); !s.ok()) return s;
-  uint64_t sent = anchor_.size() * sizeof(float);
-  if (r.resumed && !momentum_.empty()) {
-    uint32_t started = momentum_started_ ? 1 : 0;
-    if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(&started, 1)), r.source_rank); !s.ok()) return s;
-    if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(momentum_)), r.source_rank); !s.ok()) return s;
-    momentum_started_ = started != 0;
-    sent += sizeof started + momentum_.size() * sizeof(float);
-  }
-  r.drift_kept = r.resumed && has_state_;
-  if (r.drift_kept) {
-    for (size_t i = 0; i < exchange.size(); ++i) exchange[i] += anchor_[i];
-  } else {
-    for (size_t i = 0; i < exchange.size(); ++i) exchange[i] = anchor_[i] - exchange[i];
-  }
-  if (r.resumed) round_ = all[r.source_rank].round;
+  // A fresh group takes rank 0's weights as its anchor.
+  if (!r.resumed && m.rank == 0) std::copy(exchange.begin(), exchange.end(), anchor_.begin());
+  Result<uint64_t> sent = receive_state(r.source_rank, r.resumed);
+  if (!sent.ok()) return sent.status();
+  const std::vector<float>& incoming = payload_;  // the group's anchor (receive_state())
+  const uint64_t group_round = r.resumed ? all[r.source_rank].round : 0;
+  // This host keeps its drift W - own anchor (rebased onto the group's)
+  // when it has an anchor whose drift no round merged: one it holds live
+  // (a member of a group that changed, or one left behind by it), or one
+  // restored at the group's round. The drift of a checkpoint older than
+  // the group's round went into the rounds after it: W = A then, as for a
+  // host without an anchor.
+  r.drift_kept = r.resumed && has_state_ && (!restored_ || round_ == group_round);
+  for (size_t i = 0; i < exchange.size(); ++i)
+    exchange[i] = r.drift_kept ? incoming[i] - anchor_[i] : incoming[i] - exchange[i];
+  std::copy(incoming.begin(), incoming.end(), anchor_.begin());
+  round_ = group_round;
+  if (!r.resumed) round_ = 0;
   anchor_hash_ = hash_floats(anchor_);
+  group_every_ms_ = group_every_ms;
   joined_ = has_state_ = true;
+  restored_ = false;
   r.round = round_;
-  r.bytes = kHeaderBytes + (m.rank == r.source_rank ? sent : 0);  // the source sends the anchor
+  r.bytes = kHeaderBytes + *sent;
   return r;
 }
 
 Result<uint64_t> Federator::repair_anchor() {
-  uint64_t bytes = anchor_.size() * sizeof(float);
-  if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(anchor_)), 0); !s.ok()) return s;
-  if (!momentum_.empty()) {
-    uint32_t started = momentum_started_ ? 1 : 0;
-    if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(&started, 1)), 0); !s.ok()) return s;
-    if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(momentum_)), 0); !s.ok()) return s;
-    momentum_started_ = started != 0;
-    bytes += sizeof started + momentum_.size() * sizeof(float);
-  }
+  Result<uint64_t> sent = receive_state(0, /*with_momentum=*/true);
+  if (!sent.ok()) return sent;
+  std::copy(payload_.begin(), payload_.end(), anchor_.begin());
   anchor_hash_ = hash_floats(anchor_);
-  return engine_.membership().rank == 0 ? bytes : 0;  // what rank 0 sent
+  return sent;
 }
 
 Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_updates) {
@@ -292,8 +329,8 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
     r.bytes += *sent;
   }
   if (r.updates_total == 0) {
-    // Nobody trained: the anchor (and the outer momentum) stay; the
-    // correction only takes W back to A (the merge's rounding).
+    // Nobody trained: the anchor (its hash) and the outer momentum stay;
+    // the correction only takes W back to A (the merge's rounding).
     for (size_t i = 0; i < exchange.size(); ++i) exchange[i] = anchor_[i] - exchange[i];
   } else {
     // The divisor: updates of all hosts (weighted), or the member count.
@@ -303,39 +340,47 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
     const float w = config_.weight_by_updates ? static_cast<float>(local_updates) : 1.0f;
     for (size_t i = 0; i < exchange.size(); ++i) payload_[i] = w * (exchange[i] - anchor_[i]);
     if (Status s = engine_.allreduce_sum(payload_); !s.ok()) return s;
-    for (float& v : payload_) v /= divisor;
     r.bytes += payload_.size() * sizeof(float);
-    outer_step(exchange);
+    outer_step(exchange, divisor);  // and the new anchor's hash
   }
   ++round_;
   r.round = round_;
-  anchor_hash_ = hash_floats(anchor_);
   return r;
 }
 
-void Federator::outer_step(std::span<float> exchange) {
+void Federator::outer_step(std::span<float> exchange, float divisor) {
+  // One pass over the model: the mean delta, the step, the correction, and
+  // the new anchor's hash a block behind (while the block is in cache).
+  constexpr size_t kBlock = 4096;  // even: the hash takes the elements in pairs
   const size_t n = anchor_.size();
-  if (config_.outer == OuterStep::kAverage) {
-    for (size_t i = 0; i < n; ++i) {
-      anchor_[i] += payload_[i];
-      exchange[i] = anchor_[i] - exchange[i];
-    }
-    return;
-  }
+  FloatHash hash(n);
   // PyTorch's SGD (dampening 0, nesterov) on the pseudo-gradient
   // g = -mean delta: buf = g on the first step, else momentum * buf + g;
   // d = g + momentum * buf; A' = A - lr * d.
+  const bool nesterov = config_.outer == OuterStep::kNesterov;
   const float mu = config_.outer_momentum;
   const float neg_lr = -config_.outer_lr;
-  for (size_t i = 0; i < n; ++i) {
-    const float g = -payload_[i];
-    const float buf = momentum_started_ ? momentum_[i] * mu + g : g;
-    momentum_[i] = buf;
-    const float d = g + buf * mu;
-    anchor_[i] = anchor_[i] + d * neg_lr;
-    exchange[i] = anchor_[i] - exchange[i];
+  for (size_t base = 0; base < n; base += kBlock) {
+    const size_t end = std::min(n, base + kBlock);
+    if (!nesterov) {
+      for (size_t i = base; i < end; ++i) {
+        anchor_[i] += payload_[i] / divisor;
+        exchange[i] = anchor_[i] - exchange[i];
+      }
+    } else {
+      for (size_t i = base; i < end; ++i) {
+        const float g = -(payload_[i] / divisor);
+        const float buf = momentum_started_ ? momentum_[i] * mu + g : g;
+        momentum_[i] = buf;
+        const float d = g + buf * mu;
+        anchor_[i] = anchor_[i] + d * neg_lr;
+        exchange[i] = anchor_[i] - exchange[i];
+      }
+    }
+    hash.add(anchor_.data() + base, end - base);
   }
-  momentum_started_ = true;
+  if (nesterov) momentum_started_ = true;
+  anchor_hash_ = hash.finish();
 }
 
 Status Federator::leave() {

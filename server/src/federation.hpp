@@ -89,11 +89,13 @@ class Federator {
   // The first collective: checks that every host serves the same model
   // and agrees on the anchor. When no member restored a state, rank 0's
   // weights become the anchor and everybody's weights. Otherwise the
-  // source is the member with the highest restored round (the lowest rank
-  // among equals): its anchor, round and outer momentum become
-  // everybody's, and each member keeps its own drift, rebased onto that
-  // anchor: W + (A - own restored anchor); a member without a state takes
-  // W = A. `exchange` holds this host's weights S on entry and the
+  // source is the member with the highest round (the lowest rank among
+  // equals): its anchor, round and outer momentum become everybody's, and
+  // each member keeps its own drift, rebased onto that anchor:
+  // W + (A - own anchor), but for a checkpoint older than the source's
+  // round (its drift went into the rounds after it); a member without a
+  // state, or with such a checkpoint, takes W = A. A join that fails
+  // leaves this host's state as it was. `exchange` holds this host's weights S on entry and the
   // correction on return (the consumer adds it to W). Errors:
   // kInvalidArgument when the models differ (the message names both), the
   // engine's.
@@ -140,8 +142,13 @@ class Federator {
   // Makes rank 0's anchor (and outer momentum) everybody's; the bytes
   // this host sent.
   Result<uint64_t> repair_anchor();
-  // A' from A and the mean delta (in payload_); writes A' - S into exchange.
-  void outer_step(std::span<float> exchange);
+  // Broadcasts `root`'s anchor into payload_ (and, `with_momentum`, its
+  // outer momentum into momentum_, committed only once every collective
+  // went through); the bytes this host sent.
+  Result<uint64_t> receive_state(uint32_t root, bool with_momentum);
+  // A' from A and the mean delta (payload_ / divisor); writes A' - S into
+  // exchange, and A''s hash.
+  void outer_step(std::span<float> exchange, float divisor);
 
   FederationConfig config_;
   FederationEngine& engine_;
@@ -151,6 +158,7 @@ class Federator {
   uint32_t group_every_ms_ = 0;
   bool joined_ = false;
   bool has_state_ = false;         // joined, or restored from a checkpoint
+  bool restored_ = false;          // restored, and not joined since
   bool momentum_started_ = false;  // PyTorch's SGD: the first step's buffer is the gradient itself
   std::vector<float> anchor_;
   std::vector<float> payload_;   // the weighted deltas, summed in place by the engine

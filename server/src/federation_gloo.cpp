@@ -5,16 +5,21 @@
 //
 // One attempt k (docs/federation.md, "Gloo"), with keys written once, each
 // by one host, under the job's prefix:
-//   a<k>/want/<host>  {the last epoch it was in, that epoch's members}
+//   a<k>/want/<host>  Want: the job's host count, the last epoch this
+//                     host was in and that epoch's members
 //   a<k>/view/<host>  the hosts whose wants it saw (a bit mask)
 //   a<k>/gloo/...     Gloo's rendezvous of the group formed at k
+//   a<k>/formed       the group's members, written by its rank 0 once
+//                     the rendezvous went through
 // A host writes its want, waits until the last epoch's members all want
 // too (or a settle time passes), writes what it saw as its view, and reads
 // the views of the hosts it saw: all equal, the group is those hosts (an
 // epoch numbered k); any different or missing, the attempt fails and the
-// next starts. The group forms only with a majority of the last epoch's
-// members (at the first, of all --fed-hosts): a minority pauses instead.
-// A host that wants in later writes its want at the attempt after the
+// next starts. The group forms only with a majority of the members of the
+// newest group formed before (from the store's `formed` records, so that a
+// restarted host, which remembers none, cannot help a minority to a
+// group; at the first, of all --fed-hosts): a minority pauses instead. A
+// host that wants in later writes its want at the attempt after the
 // group's epoch, which the members look for once per round
 // (joiner_waiting()).
 //
@@ -55,6 +60,8 @@ constexpr milliseconds kPoll{5};
 // The longest a re-forming host waits for the other members of its last
 // group to want in too.
 constexpr milliseconds kSettle{200};
+// Tags a Want ("SHFW").
+constexpr uint32_t kWantMagic = 0x57464853;
 
 std::string gloo_error(const char* what, const std::exception& e) {
   return std::string("federation (gloo): ") + what + ": " + e.what();
@@ -94,7 +101,7 @@ class JobStore {
       }
       if (port <= 0 || port > 65535 || job.empty())
         return Status{ErrorCode::kInvalidArgument, "--fed-store " + spec + ": not redis:HOST:PORT[/JOB]"};
-      auto redis = std::make_unique<gloo::rendezvous::RedisStore>(rest.substr(0, colon), port);
+      auto redis = std::make_unique<TimedRedisStore>(rest.substr(0, colon), port);
       store->check_ = [r = redis.get()](const std::string& key) { return r->check({key}); };
       store->base_ = std::move(redis);
       store->prefix_ = job + "/";
@@ -110,17 +117,26 @@ class JobStore {
     base_->set(prefix_ + key, std::vector<char>(p, p + n));
   }
   std::vector<char> get(const std::string& key) { return base_->get(prefix_ + key); }
-  // Until every key exists; false at the deadline.
-  bool await(const std::vector<std::string>& keys, Clock::time_point deadline) {
+  // Until every key exists; false at the deadline or once cancelled.
+  bool await(const std::vector<std::string>& keys, Clock::time_point deadline, const std::function<bool()>& cancelled) {
     for (const std::string& k : keys)
       while (!has(k)) {
-        if (Clock::now() >= deadline) return false;
+        if (Clock::now() >= deadline || cancelled()) return false;
         std::this_thread::sleep_for(kPoll);
       }
     return true;
   }
 
  private:
+  // Gloo's RedisStore with a timeout on every call: hiredis would
+  // otherwise block as long as TCP retries to an unreachable server.
+  class TimedRedisStore : public gloo::rendezvous::RedisStore {
+   public:
+    TimedRedisStore(const std::string& host, int port) : RedisStore(host, port) {
+      const timeval limit{5, 0};
+      redisSetTimeout(redis_, limit);
+    }
+  };
   // FileStore's check() is protected.
   class CheckableFileStore : public gloo::rendezvous::FileStore {
    public:
@@ -134,40 +150,43 @@ class JobStore {
 };
 
 // Gloo's rendezvous over the job's store, under one attempt's prefix,
-// with waits bounded by the engine's timeout (Gloo's get() would wait 30
-// s for a host that never comes).
+// with one deadline for the whole rendezvous (Gloo's get() would wait 30
+// s for a host that never comes, and each of its waits would start its
+// own timeout).
 class RendezvousStore final : public gloo::rendezvous::Store {
  public:
-  RendezvousStore(JobStore& job, std::string prefix, milliseconds timeout)
-      : job_(job), prefix_(std::move(prefix)), timeout_(timeout) {}
+  RendezvousStore(JobStore& job, std::string prefix, Clock::time_point deadline, std::function<bool()> cancelled)
+      : job_(job), prefix_(std::move(prefix)), deadline_(deadline), cancelled_(std::move(cancelled)) {}
   void set(const std::string& key, const std::vector<char>& data) override {
     job_.set(prefix_ + key, data.data(), data.size());
   }
   std::vector<char> get(const std::string& key) override {
-    wait({key}, timeout_);
+    wait({key});
     return job_.get(prefix_ + key);
   }
-  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
-  void wait(const std::vector<std::string>& keys, const milliseconds& timeout) override {
+  void wait(const std::vector<std::string>& keys) override {
     std::vector<std::string> full;
     for (const std::string& k : keys) full.push_back(prefix_ + k);
-    if (!job_.await(full, Clock::now() + std::min(timeout, timeout_)))
-      throw gloo::IoException("rendezvous: a host did not arrive within " + std::to_string(timeout_.count()) + " ms");
+    if (!job_.await(full, deadline_, cancelled_)) throw gloo::IoException("rendezvous: a host did not arrive in time");
   }
+  void wait(const std::vector<std::string>& keys, const milliseconds& /*timeout*/) override { wait(keys); }
 
  private:
   JobStore& job_;
   const std::string prefix_;
-  const milliseconds timeout_;
+  const Clock::time_point deadline_;
+  const std::function<bool()> cancelled_;
 };
 
-// A host's want: the last epoch it was a member of, and that epoch's
-// members (0, 0 for a host that never was).
+// A host's want. Read back from the store, which any process may have
+// written to: checked before use (read_want()).
 struct Want {
-  uint64_t last_epoch;
-  uint64_t last_members;
+  uint32_t magic;         // kWantMagic
+  uint32_t hosts;         // the writer's --fed-hosts
+  uint64_t last_epoch;    // the last epoch the writer was a member of (0: none)
+  uint64_t last_members;  // that epoch's members (0: none)
 };
-static_assert(sizeof(Want) == 16 && std::is_trivially_copyable_v<Want>);
+static_assert(sizeof(Want) == 24 && std::is_trivially_copyable_v<Want>);
 
 std::string hosts_text(uint64_t mask) {
   std::string text = "{";
@@ -227,7 +246,7 @@ class GlooEngine final : public FederationEngine {
       // Gloo's input is not const; it only reads it.
       o.setInput(const_cast<uint8_t*>(reinterpret_cast<const uint8_t*>(mine.data())), mine.size());
       o.setOutput(reinterpret_cast<uint8_t*>(all.data()), all.size());
-      o.setTimeout(timeout_ + milliseconds(config_.every_ms));
+      o.setTimeout(timeout_ + group_period_);
       gloo::allgather(o);
     });
   }
@@ -244,30 +263,46 @@ class GlooEngine final : public FederationEngine {
     });
   }
 
-  Reform reform(std::string* why) override {
+  Reform reform(std::string* why, const std::function<bool()>& cancelled) override {
     context_.reset();  // the old group's connections close: its members see it at once
     membership_.size = 0;
     try {
-      return attempt(why);
+      if (!store_) {
+        auto store = JobStore::open(config_.store);
+        if (!store.ok()) {
+          *why = store.status().message();
+          return Reform::kFailed;
+        }
+        store_ = std::move(store).value();
+      }
+      last_result_ = attempt(why, cancelled);
     } catch (const std::exception& e) {
+      // The store failed (a Redis connection lost): a new one next time.
+      store_.reset();
       *why = gloo_error("forming a group", e);
-      return Reform::kFailed;
+      last_result_ = Reform::kFailed;
     }
+    return last_result_;
   }
 
   bool joiner_waiting() override {
+    if (!context_ || !store_) return false;
     try {
-      return context_ && wants_at(membership_.epoch + 1) != 0;
+      return wants_at(membership_.epoch + 1) != 0;
     } catch (const std::exception&) {
-      return false;  // the store is unreachable: nobody can join through it now
+      store_.reset();  // reopened at the next reform()
+      return false;
     }
   }
+
+  void set_group_period_ms(uint32_t ms) override { group_period_ = milliseconds(ms); }
 
  private:
   explicit GlooEngine(const FederationConfig& config)
       : config_(config),
         timeout_(config.timeout_ms),
-        all_hosts_(config.hosts == 64 ? ~0ull : (1ull << config.hosts) - 1) {
+        all_hosts_(config.hosts == 64 ? ~0ull : (1ull << config.hosts) - 1),
+        group_period_(config.every_ms) {
     membership_.host = config.host;
     membership_.size = 0;
   }
@@ -314,30 +349,82 @@ class GlooEngine final : public FederationEngine {
     }
   }
 
-  Reform attempt(std::string* why) {
+  // The want of `host` at `attempt`, if it makes sense: the magic, this
+  // job's host count, an earlier epoch that had the writer among hosts of
+  // this job. One that does not is another job's or garbage: `why` says so
+  // and the attempt fails.
+  bool read_want(uint64_t attempt, uint32_t host, Want* want, std::string* why) {
+    const std::vector<char> bytes = store_->get(key(attempt, "want", host));
+    std::memset(want, 0, sizeof *want);
+    if (bytes.size() == sizeof *want) std::memcpy(want, bytes.data(), sizeof *want);
+    const uint64_t bit = 1ull << host;
+    if (want->magic == kWantMagic && want->hosts == config_.hosts && want->last_epoch < attempt &&
+        (want->last_members & ~all_hosts_) == 0 &&
+        (want->last_epoch == 0 ? want->last_members == 0 : (want->last_members & bit) != 0))
+      return true;
+    *why = "federation (gloo): attempt " + std::to_string(attempt) + ": host " + std::to_string(host) +
+           "'s want in the store is not one of this job's" +
+           (want->magic == kWantMagic && want->hosts != config_.hosts
+                ? " (it has --fed-hosts " + std::to_string(want->hosts) + ", this host " +
+                      std::to_string(config_.hosts) + ": give every host the same)"
+                : " (another job's store, or garbage: use a fresh --fed-store per job)");
+    return false;
+  }
+
+  // The members of the newest group formed before `attempt`, from the
+  // store's records (rank 0 of each writes one); the hosts' own newest
+  // epoch bounds the search. All hosts of the job when none formed.
+  uint64_t newest_group(uint64_t attempt, uint64_t known_epoch) {
+    for (uint64_t k = attempt - 1; k >= 1 && k >= known_epoch; --k) {
+      const std::string formed = "a" + std::to_string(k) + "/formed";
+      if (!store_->has(formed)) continue;
+      const std::vector<char> bytes = store_->get(formed);
+      uint64_t members = 0;
+      if (bytes.size() == sizeof members) std::memcpy(&members, bytes.data(), sizeof members);
+      if (members != 0 && (members & ~all_hosts_) == 0) return members;
+    }
+    return all_hosts_;
+  }
+
+  Reform attempt(std::string* why, const std::function<bool()>& cancelled) {
     // The attempt after this host's last and after any started (a group
     // that formed since, or others' attempts), but never one already
-    // decided without this host.
+    // decided without this host: then it joins a running group, whose
+    // members look for it once a round.
     uint64_t k = std::max(attempt_ + 1, highest_attempt());
-    if (keys_at(k, "view") != 0) ++k;
-    attempt_ = k;
+    const bool joining = keys_at(k, "view") != 0;
+    if (joining) ++k;
     const uint64_t me = 1ull << config_.host;
-    const Want mine{last_epoch_, last_members_};
+    const Want mine{kWantMagic, config_.hosts, last_epoch_, last_members_};
     store_->set(key(k, "want", config_.host), &mine, sizeof mine);
+    attempt_ = k;  // only now: the attempts in the store stay without gaps
 
     // Settle: until every member of the last epoch (at the first, every
     // host) wants in too, another host has decided, or the settle time:
     // the engine's timeout for a first group (hosts start at their own
-    // pace), else a short time, since the members of a group that broke
-    // see it within milliseconds of each other (a closed connection, or
-    // the same timeout). A member that comes later joins the group after
-    // (as a host waiting to join).
+    // pace) and after a pause (the others retry at their own times); a
+    // round period more when joining a running group (its members look
+    // once a round); else a short time, since the members of a group that
+    // broke see it within milliseconds of each other (a closed connection,
+    // or the same timeout). A member that comes later joins the group
+    // after.
     const uint64_t expected = (last_members_ != 0 ? last_members_ : all_hosts_) | me;
-    const auto settle = Clock::now() + (last_epoch_ == 0 ? timeout_ : std::min(timeout_ / 10, kSettle));
+    milliseconds settle = std::min(timeout_ / 10, kSettle);
+    if (last_epoch_ == 0 || last_result_ == Reform::kPaused) settle = timeout_;
+    if (joining) settle = timeout_ + group_period_;
+    const auto settle_end = Clock::now() + settle;
     uint64_t seen = wants_at(k);
-    while ((seen & expected) != expected && keys_at(k, "view") == 0 && Clock::now() < settle) {
+    while ((seen & expected) != expected && Clock::now() < settle_end && !cancelled()) {
+      if (keys_at(k, "view") != 0) {
+        seen = wants_at(k);  // another host decided: as complete as it gets
+        break;
+      }
       std::this_thread::sleep_for(kPoll);
       seen = wants_at(k);
+    }
+    if (cancelled()) {
+      *why = "federation (gloo): stopping";
+      return Reform::kFailed;
     }
     store_->set(key(k, "view", config_.host), &seen, sizeof seen);
 
@@ -345,7 +432,7 @@ class GlooEngine final : public FederationEngine {
     const auto deadline = Clock::now() + timeout_;
     for (uint32_t h = 0; h < config_.hosts; ++h) {
       if (((seen >> h) & 1) == 0) continue;
-      if (!store_->await({key(k, "view", h)}, deadline)) {
+      if (!store_->await({key(k, "view", h)}, deadline, cancelled)) {
         *why = "federation (gloo): attempt " + std::to_string(k) + ": host " + std::to_string(h) +
                " wanted in but did not confirm within " + std::to_string(timeout_.count()) + " ms";
         return Reform::kFailed;
@@ -360,22 +447,21 @@ class GlooEngine final : public FederationEngine {
       }
     }
 
-    // The majority: of the newest group any of them was in (all hosts
-    // before the first). Every host of `seen` reads the same wants.
-    Want newest{0, all_hosts_};
+    // The majority, of the newest group formed before (all hosts before
+    // the first). Every host of `seen` reads the same records.
+    uint64_t known_epoch = 0;
     for (uint32_t h = 0; h < config_.hosts; ++h) {
       if (((seen >> h) & 1) == 0) continue;
-      const std::vector<char> bytes = store_->get(key(k, "want", h));
       Want w{};
-      if (bytes.size() == sizeof w) std::memcpy(&w, bytes.data(), sizeof w);
-      if (w.last_epoch > newest.last_epoch && w.last_members != 0) newest = w;
+      if (!read_want(k, h, &w, why)) return Reform::kFailed;
+      known_epoch = std::max(known_epoch, w.last_epoch);
     }
-    const int kept = std::popcount(seen & newest.last_members), of = std::popcount(newest.last_members);
+    const uint64_t last_group = newest_group(k, known_epoch);
+    const int kept = std::popcount(seen & last_group), of = std::popcount(last_group);
     if (2 * kept <= of) {
       *why = "federation (gloo): hosts " + hosts_text(seen) + " are " + std::to_string(kept) + " of the " +
-             std::to_string(of) + " hosts of " +
-             (newest.last_epoch == 0 ? std::string("the job") : "epoch " + std::to_string(newest.last_epoch)) +
-             ", no majority: federation pauses until more hosts are back";
+             std::to_string(of) + " hosts " + hosts_text(last_group) +
+             " of the last group, no majority: federation pauses until more hosts are back";
       return Reform::kPaused;
     }
 
@@ -383,8 +469,9 @@ class GlooEngine final : public FederationEngine {
     const int rank = std::popcount(seen & (me - 1)), size = std::popcount(seen);
     auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
     context->setTimeout(timeout_);
-    RendezvousStore rendezvous(*store_, "a" + std::to_string(k) + "/gloo/", timeout_);
+    RendezvousStore rendezvous(*store_, "a" + std::to_string(k) + "/gloo/", Clock::now() + timeout_, cancelled);
     context->connectFullMesh(rendezvous, device_);
+    if (rank == 0) store_->set("a" + std::to_string(k) + "/formed", &seen, sizeof seen);
     context_ = std::move(context);
     membership_ = {k, static_cast<uint32_t>(rank), static_cast<uint32_t>(size), config_.host};
     last_epoch_ = k;
@@ -395,6 +482,8 @@ class GlooEngine final : public FederationEngine {
   const FederationConfig config_;
   const milliseconds timeout_;
   const uint64_t all_hosts_;
+  milliseconds group_period_;  // the group's longest round period (set_group_period_ms())
+  Reform last_result_ = Reform::kFormed;
   std::unique_ptr<JobStore> store_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;  // the current group; none between groups

@@ -102,6 +102,8 @@ bool FederationLink::holding_pushes(uint64_t version) {
   const auto p = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
   if (p == Phase::kOff) return false;
   if (!config_.overlap && (p == Phase::kExchanging || p == Phase::kMergeReady)) return true;
+  // relaxed: a hint as the phase is; outside a group no merge would come.
+  if (!in_group_.load(std::memory_order_relaxed)) return false;
   if (config_.max_drift != 0 && version - merged_version_ >= config_.max_drift) {
     if (p == Phase::kIdle) request_round();
     return true;
@@ -119,7 +121,14 @@ void FederationLink::request_round() {
   cv_.notify_all();
 }
 
-bool FederationLink::checkpoint_state(std::optional<FederationState>* out) const {
+Status FederationLink::restore(FederationState state) {
+  const uint64_t unmerged = state.unmerged_updates;
+  if (Status s = federator_.restore(std::move(state)); !s.ok()) return s;
+  unmerged_updates_ = unmerged;  // before start(): the thread's from then on
+  return Status::Ok();
+}
+
+bool FederationLink::checkpoint_state(uint64_t version, std::optional<FederationState>* out) const {
   // Before start() the federator is the consumer's; after it, the thread
   // touches the anchor only between kExchanging and kMergeReady, and only
   // the consumer moves the phase out of kWantSnapshot: in kIdle and
@@ -133,6 +142,9 @@ bool FederationLink::checkpoint_state(std::optional<FederationState>* out) const
   // after it; the consumer takes the phase back at its next poll.)
   if (!stable) return false;
   *out = federator_.state();
+  // The updates in W - A: the snapshots' not yet merged (the thread's,
+  // handed over with the phase) and those since the last snapshot.
+  if (*out) (*out)->unmerged_updates = unmerged_updates_ + (version - last_snapshot_version_);
   return true;
 }
 
@@ -247,6 +259,8 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
   if (join) {
     // relaxed: read by stop() for its timeout only.
     group_every_ms_.store(federator_.group_every_ms(), std::memory_order_relaxed);
+    engine_->set_group_period_ms(federator_.group_every_ms());
+    in_group_.store(true, std::memory_order_relaxed);  // relaxed: holding_pushes()'s hint
     const Membership m = engine_->membership();
     log::info("federation: joined as rank " + std::to_string(m.rank) + " of " + std::to_string(m.size) +
               (engine_->elastic() ? " (epoch " + std::to_string(m.epoch) + ")" : "") + " over " + engine_->name() +
@@ -265,6 +279,7 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
 }
 
 FederationLink::Outcome FederationLink::discard() {
+  in_group_.store(false, std::memory_order_relaxed);  // relaxed: holding_pushes()'s hint
   set_phase(Phase::kDiscarded);
   return wait_for(Phase::kIdle) ? Outcome::kRegroup : Outcome::kOver;
 }
@@ -278,7 +293,10 @@ bool FederationLink::form_group() {
       if (stop_ || abandoned_) return false;
     }
     std::string why;
-    const FederationEngine::Reform r = engine_->reform(&why);
+    const FederationEngine::Reform r = engine_->reform(&why, [this] {
+      std::lock_guard lock(mu_);
+      return stop_ || abandoned_;
+    });
     if (r == FederationEngine::Reform::kFormed) {
       if (last == FederationEngine::Reform::kPaused) log::info("federation: a majority is back; federation resumes");
       return true;

@@ -50,7 +50,7 @@ class FederationLink {
   Membership membership() const noexcept { return membership_; }
   // Before start(): resume from the state a checkpoint stored with the
   // weights the server restored (Federator::restore()).
-  Status restore(FederationState state) { return federator_.restore(std::move(state)); }
+  Status restore(FederationState state);
   // Starts the thread at the model's `version` (the drift counts from
   // it); its first job is the join (Federator::join).
   void start(uint64_t version);
@@ -68,11 +68,12 @@ class FederationLink {
   // without overlap, or the drift cap reached: that one also asks for a
   // round at once). Other requests never wait.
   bool holding_pushes(uint64_t version);
-  // Consumer thread: the federation's state as of the weights now, for a
-  // checkpoint (none before the join, unless restored). False while a
-  // round is between its snapshot and its merge, or the thread is still
-  // ending: the weights and the anchor do not match then; try later.
-  bool checkpoint_state(std::optional<FederationState>* out) const;
+  // Consumer thread: the federation's state as of the weights now (the
+  // model at `version`), for a checkpoint (none before the join, unless
+  // restored). False while a round is between its snapshot and its merge,
+  // or the thread is still ending: the weights and the anchor do not match
+  // then; try later.
+  bool checkpoint_state(uint64_t version, std::optional<FederationState>* out) const;
   // Consumer thread, every heartbeat: the drift (local updates not yet in
   // a merged round) into the stats block.
   void publish_drift(uint64_t version);
@@ -153,7 +154,11 @@ class FederationLink {
   std::atomic<bool> round_now_{false};  // the drift cap or every_versions asks for a round before the timer
   std::atomic<bool> thread_done_{false};
   std::atomic<uint32_t> group_every_ms_{0};  // the group's longest period, once joined (stop()'s timeout)
-  std::mutex mu_;                            // with cv_: the thread's waits (timer, phase changes, stop)
+  // Joined to a group now (an elastic one re-forming or paused is not):
+  // the drift cap holds pushes only then, since only a group's merge
+  // releases them.
+  std::atomic<bool> in_group_{false};
+  std::mutex mu_;  // with cv_: the thread's waits (timer, phase changes, stop)
   std::condition_variable cv_;
   bool stop_ = false;       // under mu_: leave, then end the thread
   bool abandoned_ = false;  // under mu_: the thread must not touch the consumer's side again

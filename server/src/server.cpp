@@ -831,8 +831,8 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
       }
       // The checkpoints carry the federation's state while the link lives
       // (a link left behind at stop is released first).
-      impl->checkpoints->set_federation_source([fed = &impl->federation](std::optional<FederationState>* out) {
-        return !*fed || (*fed)->checkpoint_state(out);
+      impl->checkpoints->set_federation_source([fed = &impl->federation, &model](std::optional<FederationState>* out) {
+        return !*fed || (*fed)->checkpoint_state(model.version, out);
       });
     }
   }

@@ -49,7 +49,20 @@ start_host() {
 }
 field() { python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(s['$1'])"; }
 stat_of() { "$inspect" --json "$1.r$2" 2>/dev/null | field "$3" 2>/dev/null || echo -1; }
+# The hosts a server shows now, from shmps-inspect's text (cheap enough to
+# poll every 20 ms); -1 while it shows none.
+members_of() {
+  local n
+  n=$("$inspect" "$1.r$2" 2>/dev/null | sed -n 's/^  federation *round [0-9]*, \([0-9]*\) hosts.*/\1/p')
+  echo "${n:--1}"
+}
 accuracy() { sed -n 's/^final test accuracy: \([0-9.]*\).*/\1/p' "$1"; }
+# await_log FILE PATTERN: until the log has the line (10 s; a server writes
+# it a moment after its segment appears).
+await_log() {
+  for _ in $(seq 200); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.05; done
+  fail "no line '$2' in $1 within 10 s"
+}
 
 # await_members JOB N HOSTS... : until each named host shows N members;
 # prints the seconds it took. Fails after 30 s.
@@ -57,14 +70,14 @@ await_members() {
   local job=$1 want=$2 start
   shift 2
   start=$(date +%s%N)
-  for _ in $(seq 600); do
+  for _ in $(seq 1500); do
     local all=1
-    for r in "$@"; do [ "$(stat_of "$job" "$r" fed_members)" = "$want" ] || all=; done
+    for r in "$@"; do [ "$(members_of "$job" "$r")" = "$want" ] || all=; done
     if [ -n "$all" ]; then
       python3 -c "print(f'{($(date +%s%N) - $start) / 1e9:.2f}')"
       return 0
     fi
-    sleep 0.05
+    sleep 0.02
   done
   fail "hosts $* of $job did not show $want members within 30 s"
 }
@@ -116,10 +129,10 @@ echo "SIGKILL of host 1: hosts 0 and 2 showed 2 members after $took s (limit: $t
 within_limit "$took" || fail "re-forming after a SIGKILL took $took s"
 rm -f "/dev/shm/shmps.$job.r1"
 start_host "$job" 1 "file:$work/store"
-grep -q "restored checkpoint .*federation round" "$work/$job.host1.log" || fail "host 1 restored no federation state"
+await_log "$work/$job.host1.log" "restored checkpoint .*federation round"
 echo "host 1 restarted from its checkpoint: 3 members after $(await_members "$job" 3 0 1 2) s"
 "$inspect" "$job.r0" | grep -q "3 hosts (epoch " || fail "shmps-inspect shows no epoch: $("$inspect" "$job.r0" | grep federation)"
-grep -q "resumed at round" "$work/$job.host1.log" || fail "host 1 did not resume at the group's anchor"
+await_log "$work/$job.host1.log" "joined as rank . of 3 .* resumed at round"
 "$train" --workers 1 --epochs 1 --train-limit 10000 --connect "$job.r1" --seed 9 >"$work/train1b.log" 2>&1 &
 trainer[1]=$!
 for r in 0 1 2; do wait "${trainer[$r]}" || fail "host $r's worker saw an error: $(tail -3 "$work/train$r.log")"; done

@@ -163,6 +163,14 @@ rm -f /dev/shm/shmps."$name".* 2>/dev/null || true
 
 # ---- the whole-job restart from the checkpoints.
 start_job restarted --checkpoint-dir "$ckpt" --checkpoint-interval-s 1
+# Each server logs its restore before it publishes its segment.
+for _ in $(seq 200); do
+  [ "$(grep -c "federation over mpi" "$work/restarted.log" || true)" = 3 ] && break
+  sleep 0.05
+done
+for r in 0 1 2; do
+  for _ in $(seq 200); do "$inspect" "$name.r$r" >/dev/null 2>&1 && break; sleep 0.05; done
+done
 newest=0
 for r in 0 1 2; do
   round=$(sed -n "s|.*restored checkpoint $ckpt/r$r/.*federation round \([0-9]*\).*|\1|p" "$work/restarted.log")

@@ -94,19 +94,20 @@ BOOST_AUTO_TEST_CASE(a_written_checkpoint_reads_back_whole) {
 }
 
 // A federated server's checkpoint holds the federation's state (anchor,
-// round, outer momentum) after the optimizer state; one without it reads
-// back without it, and so does a file of format 1 (written before the
-// section existed: no flags).
+// round, outer momentum, unmerged updates) after the optimizer state, in
+// format 2; one without it is written as format 1 (which older builds
+// read) and reads back without it.
 BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads) {
   test::TempDir dir("ckptfile");
   CheckpointData d = make_data(adam_layout(), 11, 0.5f);
-  d.federation = FederationState{42, true, std::vector<float>(7, 1.5f), std::vector<float>(7, -0.125f)};
+  d.federation = FederationState{42, true, std::vector<float>(7, 1.5f), std::vector<float>(7, -0.125f), 9};
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
   auto r = read_checkpoint(ckpt(dir, 11), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
   BOOST_TEST_REQUIRE(r->federation.has_value());
   BOOST_TEST(r->federation->round == 42u);
   BOOST_TEST(r->federation->momentum_started);
+  BOOST_TEST(r->federation->unmerged_updates == 9u);
   BOOST_TEST(r->federation->anchor == d.federation->anchor);
   BOOST_TEST(r->federation->momentum == d.federation->momentum);
   BOOST_TEST(r->weights == d.weights);
@@ -119,18 +120,14 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
   BOOST_TEST(r->federation->anchor == d.federation->anchor);
   BOOST_TEST(r->federation->momentum.empty());
 
-  // Format 1: the same bytes without a section, the format word 1 and the
-  // checksum recomputed over them.
+  // Without a section: format 1.
   CheckpointData plain = make_data(adam_layout(), 13);
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), plain).ok());
-  std::string bytes = contents(ckpt(dir, 13));
-  const uint32_t format1 = 1;
-  std::memcpy(bytes.data() + 8, &format1, 4);  // CheckpointHeader::format
-  boost::crc_32_type crc;
-  crc.process_bytes(bytes.data(), bytes.size() - 4);
-  const uint32_t sum = crc.checksum();
-  std::memcpy(bytes.data() + bytes.size() - 4, &sum, 4);
-  put(ckpt(dir, 13), bytes);
+  uint32_t format = 0;
+  std::memcpy(&format, contents(ckpt(dir, 13)).data() + 8, 4);  // CheckpointHeader::format
+  BOOST_TEST(format == 1u);
+  std::memcpy(&format, contents(ckpt(dir, 11)).data() + 8, 4);
+  BOOST_TEST(format == 2u);
   r = read_checkpoint(ckpt(dir, 13), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
   BOOST_TEST(!r->federation.has_value());
@@ -166,6 +163,7 @@ BOOST_AUTO_TEST_CASE(a_damaged_federation_section_is_refused) {
   BOOST_TEST(contains(patched(record, &wrap, 8), "implausible federation record"));
   const uint32_t started = 7;
   BOOST_TEST(contains(patched(record + 8, &started, 4), "implausible federation record"));
+  BOOST_TEST(contains(patched(record + 16, &wrap, 8), "implausible federation record"));  // unmerged updates
 }
 
 BOOST_AUTO_TEST_CASE(another_models_file_is_refused_from_its_header) {

@@ -63,7 +63,7 @@ class FakeEngine final : public server::FederationEngine {
   bool elastic() const noexcept override { return is_elastic; }
   // The same members again, under the next epoch; the waiting joiner (if
   // any) is then in.
-  Reform reform(std::string* /*why*/) override {
+  Reform reform(std::string* /*why*/, const std::function<bool()>& /*cancelled*/) override {
     ++epoch_;
     joiner = false;
     return Reform::kFormed;
@@ -90,6 +90,7 @@ class FakeEngine final : public server::FederationEngine {
 
   Status allgather(std::span<const std::byte> mine, std::span<std::byte> all) override {
     if (failing()) return fail();
+    if (before_allgather) before_allgather();
     const auto out = group_->meet(rank_, mine, [](const std::vector<std::vector<std::byte>>& in) {
       std::vector<std::byte> bytes;
       for (const auto& member : in) bytes.insert(bytes.end(), member.begin(), member.end());
@@ -112,6 +113,7 @@ class FakeEngine final : public server::FederationEngine {
   // meeting the others; 0: none.
   uint64_t fail_at = 0;
   std::function<void()> before_allreduce;  // runs before each allreduce meets the others
+  std::function<void()> before_allgather;  // and before each allgather (a round's headers)
   std::atomic<bool> is_elastic{false};     // re-forms (as the same group) instead of ending
   std::atomic<bool> joiner{false};         // a test's "host waiting to join", seen by this member
 

@@ -245,6 +245,22 @@ BOOST_FIXTURE_TEST_CASE(fashion_mnist_layout_plain_files, TempDir) {
   BOOST_TEST(wrong.status().message().find("784") != std::string::npos, wrong.status().message());
 }
 
+BOOST_AUTO_TEST_CASE(a_shard_takes_every_nth_image_from_its_index) {
+  Dataset all;
+  all.features = 2;
+  all.count = 7;
+  for (size_t i = 0; i < 7; ++i) {
+    all.images.insert(all.images.end(), {static_cast<float>(i), static_cast<float>(10 * i)});
+    all.labels.push_back(static_cast<uint8_t>(i));
+  }
+  const Dataset s = take_shard(all, 1, 3);  // images 1 and 4
+  BOOST_TEST(s.count == 2u);
+  BOOST_TEST(s.features == 2u);
+  BOOST_TEST(s.labels == (std::vector<uint8_t>{1, 4}), boost::test_tools::per_element());
+  BOOST_TEST(s.images == (std::vector<float>{1, 10, 4, 40}), boost::test_tools::per_element());
+  BOOST_TEST(take_shard(all, 0, 1).images == all.images, boost::test_tools::per_element());
+}
+
 BOOST_AUTO_TEST_CASE(real_fashion_mnist_when_installed,
                      *boost::unit_test::precondition([](boost::unit_test::test_unit_id) {
                        return boost::test_tools::assertion_result(

@@ -385,6 +385,11 @@ BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
   BOOST_TEST(rc == 2);
   BOOST_TEST(output.find("--evaluate scores a running server's weights: it needs --connect") != std::string::npos,
              output);
+  for (const char* shard : {"2/2", "1", "a/3", "1/0", "1/2x"}) {
+    run({"--shard", shard});
+    BOOST_TEST(rc == 2);
+    BOOST_TEST(output.find("--shard must be I/N with I < N") != std::string::npos, output);
+  }
   // Checked as the server checks its options.
   run({"--in-process", "--train-limit", "100", "--test-limit", "100", "--optimizer", "sgd", "--momentum=-1"});
   BOOST_TEST(rc == 2);

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -112,12 +113,16 @@ class FederationEngine {
   };
   // An elastic engine: one attempt at forming the group of a new epoch
   // with the hosts that want to be in it, bounded by the engine's
-  // timeouts; not collective (the others run theirs meanwhile). `why`
-  // says what happened unless kFormed.
-  virtual Reform reform(std::string* why) {
+  // timeouts and given up (kFailed) once `cancelled` says so; not
+  // collective (the others run theirs meanwhile). `why` says what
+  // happened unless kFormed.
+  virtual Reform reform(std::string* why, const std::function<bool()>& /*cancelled*/) {
     *why = std::string(name()) + " cannot re-form";
     return Reform::kFailed;
   }
+  // After a join: the group's longest round period, which a round's
+  // first collective may wait for (the others' timers) beyond a timeout.
+  virtual void set_group_period_ms(uint32_t /*ms*/) {}
   // An elastic engine, once per round: whether a host waits to join (the
   // members then re-form together, when any of them saw it).
   virtual bool joiner_waiting() { return false; }
