@@ -1,0 +1,374 @@
+#!/usr/bin/env python3
+"""The federation's figures (docs/federation.md, "Figures"), on this machine:
+every "host" a shmps-server of its own (--fed-rank-in-name), federated over
+Gloo through a file store, its workers a `shmps-train --connect` on its
+share of the data (--shard h/H). The Fashion-MNIST 784-256-10 MLP, Adam lr
+1e-3, batch 64, E epochs, the same server initialisation everywhere.
+
+  1  accuracy parity: 1 host x 4 workers (one server, not federated: the
+     reference), 2 hosts x 2, 4 hosts x 1; the merged model's final test
+     accuracy (medians over --repeats), and test accuracy against wall time
+     and against applied updates (host 0's trainer's curve; updates: host
+     0's count times the hosts); rounds every --every-ms (50), outer step
+     --outer (average)
+  2  a period sweep, 10 / 50 / 250 / 1000 ms x {average, nesterov}, 2 hosts
+     x 2 workers: final accuracy against the bytes the hosts sent
+  3  a round's cost against the engine's own allreduce of the same bytes
+     (shmps-fed-bench round; Gloo with 2 and 3 hosts, and MPI under mpirun
+     where it is installed), for the 814 KB model and a 64 MiB one, with
+     the consumer's snapshot and merge passes beside a memcpy
+  4  local serving: push round trips of the 814 KB model at a host, not
+     federated against federated with one other host (rounds every 50 ms
+     and 10 ms), interleaved, medians over --repeats
+
+    bench/federation.py [--out DIR] [--repeats 3] [--epochs 20] [--figures 1 2 3 4]
+    bench/federation.py --smoke     # a minute: 6,000 images, 1 epoch, 1 repeat
+
+Writes DIR/runs.json, DIR/summary.md (the tables) and, with matplotlib,
+DIR/federation_parity.png and DIR/federation_sweep.png.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MODEL = ["--tensor", "fc1.weight:256x784", "--tensor", "fc1.bias:256", "--tensor", "fc2.weight:10x256",
+         "--tensor", "fc2.bias:10", "--optimizer", "adam", "--lr", "0.001", "--init", "normal",
+         "--init-scale", "0.05", "--backend", "host", "--max-staleness", "8"]
+
+
+class Hosts:
+    """H shmps-servers; federated over Gloo (a file store) when H > 1."""
+
+    def __init__(self, bin_dir, hosts, every_ms=50, outer="average", model=MODEL):
+        self.bin = bin_dir
+        self.n = hosts
+        self.name = f"fedfig{os.getpid()}_{int(time.monotonic() * 1000) % 100000}"
+        self.tmp = tempfile.mkdtemp(prefix="fedfig")
+        self.procs = []
+        for h in range(hosts):
+            cmd = [os.path.join(bin_dir, "shmps-server"), "--name", self.name, "--max-workers", "8"] + model
+            if hosts > 1:
+                cmd += ["--fed-rank-in-name", "--federation", "gloo", "--fed-store", "file:" + self.tmp + "/store",
+                        "--fed-hosts", str(hosts), "--fed-host", str(h), "--fed-every-ms", str(every_ms),
+                        "--fed-outer", outer]
+            log = open(os.path.join(self.tmp, f"host{h}.log"), "w")
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        for h in range(hosts):
+            self.wait_for(lambda h=h: self.members(h) == (hosts if hosts > 1 else 0), 30, f"host {h} joined")
+
+    def segment(self, h):
+        return self.name + (f".r{h}" if self.n > 1 else "")
+
+    def stats(self, h):
+        out = subprocess.run([os.path.join(self.bin, "shmps-inspect"), "--json", self.segment(h)],
+                             capture_output=True, text=True)
+        return json.loads(out.stdout)["stats"] if out.returncode == 0 else None
+
+    def members(self, h):
+        s = self.stats(h)
+        return -1 if s is None else int(s["fed_members"])
+
+    def wait_for(self, cond, seconds, what):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if cond():
+                return
+            time.sleep(0.05)
+        raise SystemExit(f"federation.py: {what}: not within {seconds} s (logs in {self.tmp})")
+
+    def settled(self):
+        """Once no host trains: the anchors agree; the bytes all hosts sent."""
+        if self.n > 1:
+            self.wait_for(lambda: len({self.stats(h)["fed_anchor_hash"] for h in range(self.n)}) == 1, 30,
+                          "equal anchors")
+        return sum(int(self.stats(h)["fed_bytes"]) for h in range(self.n))
+
+    def close(self):
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(timeout=30)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def train(bin_dir, segment, workers, epochs, seed, shard, train_limit, eval_every, csv):
+    cmd = [os.path.join(bin_dir, "shmps-train"), "--connect", segment, "--workers", str(workers), "--epochs",
+           str(epochs), "--seed", str(seed), "--eval-every", str(eval_every), "--csv", csv]
+    if shard:
+        cmd += ["--shard", shard]
+    if train_limit:
+        cmd += ["--train-limit", str(train_limit)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def read_curve(csv):
+    with open(csv) as f:
+        header = f.readline().strip().split(",")
+        rows = [dict(zip(header, line.strip().split(","))) for line in f if line.strip()]
+    return [(float(r["elapsed_s"]), int(r["version"]), float(r["test_acc"])) for r in rows]
+
+
+def evaluate(bin_dir, segment):
+    out = subprocess.run([os.path.join(bin_dir, "shmps-train"), "--connect", segment, "--evaluate"],
+                         capture_output=True, text=True, check=True)
+    return float(re.search(r"final test accuracy: ([0-9.]+)", out.stdout).group(1))
+
+
+def run_job(args, hosts, workers, seed, every_ms=50, outer="average"):
+    """One job: `hosts` servers, each with a trainer of `workers` workers on
+    its share of the data; the merged model's accuracy, the bytes sent, the
+    wall time and host 0's curve."""
+    job = Hosts(args.bin, hosts, every_ms, outer)
+    try:
+        trainers, csvs = [], []
+        start = time.monotonic()
+        for h in range(hosts):
+            csvs.append(os.path.join(job.tmp, f"curve{h}.csv"))
+            # Every --eval-every updates of all hosts: each host's trainer
+            # counts its own.
+            trainers.append(train(args.bin, job.segment(h), workers, args.epochs, seed + h,
+                                  f"{h}/{hosts}" if hosts > 1 else None, args.train_limit,
+                                  max(1, args.eval_every // hosts), csvs[-1]))
+        for t in trainers:
+            out, _ = t.communicate()
+            if t.returncode != 0:
+                raise SystemExit(f"federation.py: shmps-train failed ({t.returncode}): {out[-2000:]}")
+        wall = time.monotonic() - start
+        sent = job.settled()
+        accuracy = evaluate(args.bin, job.segment(0))
+        curve = [(t, n * hosts, a) for t, n, a in read_curve(csvs[0])]
+        return {"hosts": hosts, "workers": workers, "every_ms": every_ms, "outer": outer, "seed": seed,
+                "accuracy": accuracy, "bytes": sent, "wall": wall, "curve": curve}
+    finally:
+        job.close()
+
+
+def figure_parity(args, runs):
+    for rep in range(args.repeats):
+        for hosts, workers in ((1, 4), (2, 2), (4, 1)):
+            r = run_job(args, hosts, workers, seed=1 + 10 * rep, every_ms=args.every_ms, outer=args.outer)
+            r["figure"] = 1
+            runs.append(r)
+            print(f"  parity {hosts}x{workers} repeat {rep}: accuracy {r['accuracy']:.4f}, wall {r['wall']:.1f} s, "
+                  f"{r['bytes'] / 1e6:.1f} MB sent", flush=True)
+
+
+def figure_sweep(args, runs):
+    for rep in range(args.sweep_repeats):
+        for outer in ("average", "nesterov"):
+            for every in (10, 50, 250, 1000):
+                r = run_job(args, 2, 2, seed=1 + 10 * rep, every_ms=every, outer=outer)
+                r["figure"] = 2
+                runs.append(r)
+                print(f"  sweep {outer} {every} ms repeat {rep}: accuracy {r['accuracy']:.4f}, "
+                      f"{r['bytes'] / 1e6:.1f} MB sent", flush=True)
+
+
+def figure_round(args, runs):
+    bench = os.path.join(args.bin, "shmps-fed-bench")
+    sizes = ["203530", "16777216"] if not args.smoke else ["203530", "1048576"]
+    common = ["--elements", *sizes, "--rounds", str(args.rounds), "--repeats", str(3 if not args.smoke else 1)]
+    setups = [("gloo", 2), ("gloo", 3)]
+    if shutil.which("mpirun") and os.path.exists(os.path.join(args.bin, "..", "lib", "shmps", "libshmps_fed_mpi.so")):
+        setups += [("mpi", 2), ("mpi", 3)]
+    for engine, hosts in setups:
+        if engine == "gloo":
+            store = tempfile.mkdtemp(prefix="fedbench")
+            procs = [subprocess.Popen([bench, "round", "--federation", "gloo", "--fed-store", "file:" + store,
+                                       "--fed-hosts", str(hosts), "--fed-host", str(h)] + common,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for h in range(hosts)]
+            outs = [p.communicate()[0] for p in procs]
+            shutil.rmtree(store, ignore_errors=True)
+            out = outs[0]
+        else:
+            root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+            out = subprocess.run(["mpirun", *root, "--oversubscribe", "-np", str(hosts), bench, "round",
+                                  "--federation", "mpi"] + common, capture_output=True, text=True).stdout
+        line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        if not line:
+            raise SystemExit(f"federation.py: shmps-fed-bench ({engine}, {hosts}) printed no result:\n{out[-3000:]}")
+        print(out[:out.index("RESULT ")], end="", flush=True)
+        result = json.loads(line[0][len("RESULT "):])
+        result["figure"] = 3
+        runs.append(result)
+
+
+def serve_once(args, hosts, every_ms):
+    model = ["--tensor", "w:203530", "--optimizer", "adam", "--lr", "0.001", "--backend", "host",
+             "--max-staleness", "1000000"]
+    job = Hosts(args.bin, hosts, every_ms, model=model)
+    try:
+        out = subprocess.run([os.path.join(args.bin, "shmps-fed-bench"), "serve", "--connect", job.segment(0),
+                              "--elements", "203530", "--pushes", str(args.pushes)],
+                             capture_output=True, text=True, check=True).stdout
+        r = json.loads([x for x in out.splitlines() if x.startswith("RESULT ")][0][len("RESULT "):])
+        r["rounds"] = int(job.stats(0)["fed_round"])
+        return r
+    finally:
+        job.close()
+
+
+def figure_serve(args, runs):
+    for rep in range(args.repeats):
+        for label, hosts, every in (("off", 1, 50), ("on, 50 ms", 2, 50), ("on, 10 ms", 2, 10)):
+            r = serve_once(args, hosts, every)
+            r.update({"figure": 4, "setting": label, "repeat": rep})
+            runs.append(r)
+            print(f"  serve {label} repeat {rep}: p50 {r['p50_us']:.0f} us, p99 {r['p99_us']:.0f} us, "
+                  f"{r['pushes_per_s']:.0f} pushes/s, {r['rounds']} rounds", flush=True)
+
+
+def med(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(runs):
+    lines = []
+    parity = [r for r in runs if r.get("figure") == 1]
+    if parity:
+        ref = med([r["accuracy"] for r in parity if r["hosts"] == 1])
+        lines += [f"## 1. Accuracy parity (medians over repeats; rounds every {parity[0]['every_ms']} ms, "
+                  f"outer step {parity[0]['outer']})", "",
+                  "| hosts x workers | final accuracy | vs 1 x 4 | wall s | MB sent (all hosts) |", "|---|---:|---:|---:|---:|"]
+        for hosts, workers in ((1, 4), (2, 2), (4, 1)):
+            rs = [r for r in parity if r["hosts"] == hosts]
+            acc = med([r["accuracy"] for r in rs])
+            lines.append(f"| {hosts} x {workers} | {acc:.4f} | {100 * (acc - ref):+.2f} pp | "
+                         f"{med([r['wall'] for r in rs]):.1f} | {med([r['bytes'] for r in rs]) / 1e6:.1f} |")
+        lines.append("")
+    sweep = [r for r in runs if r.get("figure") == 2]
+    if sweep:
+        lines += ["## 2. Period sweep, 2 hosts x 2 workers (medians over repeats)", "",
+                  "| outer step | period ms | final accuracy | MB sent (all hosts) |", "|---|---:|---:|---:|"]
+        for outer in ("average", "nesterov"):
+            for every in (10, 50, 250, 1000):
+                rs = [r for r in sweep if r["outer"] == outer and r["every_ms"] == every]
+                if rs:
+                    lines.append(f"| {outer} | {every} | {med([r['accuracy'] for r in rs]):.4f} | "
+                                 f"{med([r['bytes'] for r in rs]) / 1e6:.1f} |")
+        lines.append("")
+    rounds = [r for r in runs if r.get("figure") == 3]
+    if rounds:
+        lines += ["## 3. Round cost against the engine's allreduce (ms, medians)", "",
+                  "| engine | hosts | model | allreduce | round | round / allreduce | snapshot | merge | memcpy |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rounds:
+            for s in r["sizes"]:
+                lines.append(f"| {r['engine']} | {r['hosts']} | {s['elements'] * 4 / 2**20:.2f} MiB | "
+                             f"{s['allreduce_ms']:.2f} | {s['round_ms']:.2f} | {s['round_ms'] / s['allreduce_ms']:.2f} | "
+                             f"{s['snapshot_ms']:.2f} | {s['merge_ms']:.2f} | {s['memcpy_ms']:.2f} |")
+        lines.append("")
+    serve = [r for r in runs if r.get("figure") == 4]
+    if serve:
+        off = [r for r in serve if r["setting"] == "off"]
+        lines += ["## 4. Push round trip of 814 KB at host 0 (medians over repeats)", "",
+                  "| federation | p50 us | p99 us | max us | pushes/s | p99 vs off |", "|---|---:|---:|---:|---:|---:|"]
+        for label in ("off", "on, 50 ms", "on, 10 ms"):
+            rs = [r for r in serve if r["setting"] == label]
+            lines.append(f"| {label} | {med([r['p50_us'] for r in rs]):.0f} | {med([r['p99_us'] for r in rs]):.0f} | "
+                         f"{med([r['max_us'] for r in rs]):.0f} | {med([r['pushes_per_s'] for r in rs]):.0f} | "
+                         f"{med([r['p99_us'] for r in rs]) / med([r['p99_us'] for r in off]):.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(runs, out):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("federation.py: no matplotlib (apt-get install python3-matplotlib): no plots")
+        return
+    parity = [r for r in runs if r.get("figure") == 1]
+    if parity:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        for hosts, workers in ((1, 4), (2, 2), (4, 1)):
+            r = next(r for r in parity if r["hosts"] == hosts)
+            a.plot([t for t, _, _ in r["curve"]], [x for _, _, x in r["curve"]], label=f"{hosts} x {workers}")
+            b.plot([n for _, n, _ in r["curve"]], [x for _, _, x in r["curve"]], label=f"{hosts} x {workers}")
+        a.set_xlabel("wall time (s)")
+        b.set_xlabel("applied updates (host 0's x hosts)")
+        for ax in (a, b):
+            ax.set_ylabel("test accuracy (host 0's weights)")
+            ax.set_ylim(0.80, 0.90)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "federation_parity.png"), dpi=90)
+    sweep = [r for r in runs if r.get("figure") == 2]
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for outer in ("average", "nesterov"):
+            points = []  # (MB, accuracy, period): medians over the repeats
+            for every in (10, 50, 250, 1000):
+                rs = [r for r in sweep if r["outer"] == outer and r["every_ms"] == every]
+                if rs:
+                    points.append((med([r["bytes"] for r in rs]) / 1e6, med([r["accuracy"] for r in rs]), every))
+            points.sort()
+            ax.plot([m for m, _, _ in points], [a for _, a, _ in points], "o-", label=outer)
+            for m, a, every in points:
+                ax.annotate(f"{every} ms", (m, a), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("MB sent by the hosts")
+        ax.set_ylabel("final test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "federation_sweep.png"), dpi=90)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bin", default=os.path.join(ROOT, "build", "default", "bin"))
+    p.add_argument("--out", default=None)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sweep-repeats", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--train-limit", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--pushes", type=int, default=3000)
+    p.add_argument("--figures", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--every-ms", type=int, default=50, help="figure 1's round period")
+    p.add_argument("--outer", default="average", help="figure 1's outer step")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--replot", metavar="DIR", help="only redraw DIR's plots from its runs.json")
+    args = p.parse_args()
+    if args.replot:
+        with open(os.path.join(args.replot, "runs.json")) as j:
+            plot(json.load(j), args.replot)
+        return
+    if args.smoke:
+        args.repeats, args.sweep_repeats, args.epochs, args.train_limit = 1, 1, 1, 6000
+        args.eval_every, args.rounds, args.pushes = 100, 3, 300
+    out = args.out or tempfile.mkdtemp(prefix="federation")
+    os.makedirs(out, exist_ok=True)
+    runs = []
+    for f, fn in ((3, figure_round), (4, figure_serve), (1, figure_parity), (2, figure_sweep)):
+        if f in args.figures:
+            print(f"figure {f}", flush=True)
+            fn(args, runs)
+            with open(os.path.join(out, "runs.json"), "w") as j:
+                json.dump(runs, j)
+    text = summarize(runs)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    plot(runs, out)
+    print(f"results in {out}")
+
+
+if __name__ == "__main__":
+    main()
