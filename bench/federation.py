@@ -87,10 +87,18 @@ class Hosts:
         raise SystemExit(f"federation.py: {what}: not within {seconds} s (logs in {self.tmp})")
 
     def settled(self):
-        """Once no host trains: the anchors agree; the bytes all hosts sent."""
+        """Once no host trains: every host's last updates merged (no drift,
+        two more rounds, which with no updates set W = A everywhere) and the
+        anchors equal; the bytes of deltas and headers all hosts sent."""
         if self.n > 1:
-            self.wait_for(lambda: len({self.stats(h)["fed_anchor_hash"] for h in range(self.n)}) == 1, 30,
-                          "equal anchors")
+            start = max(int(self.stats(h)["fed_round"]) for h in range(self.n))
+
+            def merged():
+                s = [self.stats(h) for h in range(self.n)]
+                return (all(int(x["fed_drift"]) == 0 and int(x["fed_round"]) >= start + 2 for x in s)
+                        and len({x["fed_anchor_hash"] for x in s}) == 1)
+
+            self.wait_for(merged, 60, "every host's updates merged")
         return sum(int(self.stats(h)["fed_bytes"]) for h in range(self.n))
 
     def close(self):
@@ -131,7 +139,6 @@ def run_job(args, hosts, workers, seed, every_ms=50, outer="average"):
     job = Hosts(args.bin, hosts, every_ms, outer)
     try:
         trainers, csvs = [], []
-        start = time.monotonic()
         for h in range(hosts):
             csvs.append(os.path.join(job.tmp, f"curve{h}.csv"))
             # Every --eval-every updates of all hosts: each host's trainer
@@ -139,11 +146,12 @@ def run_job(args, hosts, workers, seed, every_ms=50, outer="average"):
             trainers.append(train(args.bin, job.segment(h), workers, args.epochs, seed + h,
                                   f"{h}/{hosts}" if hosts > 1 else None, args.train_limit,
                                   max(1, args.eval_every // hosts), csvs[-1]))
+        wall = 0.0  # training time: the slowest host's trainer's, as it prints it (no startup, no scoring)
         for t in trainers:
             out, _ = t.communicate()
             if t.returncode != 0:
                 raise SystemExit(f"federation.py: shmps-train failed ({t.returncode}): {out[-2000:]}")
-        wall = time.monotonic() - start
+            wall = max(wall, float(re.search(r"wall time ([0-9.]+) s", out).group(1)))
         sent = job.settled()
         accuracy = evaluate(args.bin, job.segment(0))
         curve = [(t, n * hosts, a) for t, n, a in read_curve(csvs[0])]
@@ -240,7 +248,7 @@ def summarize(runs):
         ref = med([r["accuracy"] for r in parity if r["hosts"] == 1])
         lines += [f"## 1. Accuracy parity (medians over repeats; rounds every {parity[0]['every_ms']} ms, "
                   f"outer step {parity[0]['outer']})", "",
-                  "| hosts x workers | final accuracy | vs 1 x 4 | wall s | MB sent (all hosts) |", "|---|---:|---:|---:|---:|"]
+                  "| hosts x workers | final accuracy | vs 1 x 4 | training s | MB of deltas (all hosts) |", "|---|---:|---:|---:|---:|"]
         for hosts, workers in ((1, 4), (2, 2), (4, 1)):
             rs = [r for r in parity if r["hosts"] == hosts]
             acc = med([r["accuracy"] for r in rs])
@@ -250,7 +258,7 @@ def summarize(runs):
     sweep = [r for r in runs if r.get("figure") == 2]
     if sweep:
         lines += ["## 2. Period sweep, 2 hosts x 2 workers (medians over repeats)", "",
-                  "| outer step | period ms | final accuracy | MB sent (all hosts) |", "|---|---:|---:|---:|"]
+                  "| outer step | period ms | final accuracy | MB of deltas (all hosts) |", "|---|---:|---:|---:|"]
         for outer in ("average", "nesterov"):
             for every in (10, 50, 250, 1000):
                 rs = [r for r in sweep if r["outer"] == outer and r["every_ms"] == every]
@@ -321,7 +329,7 @@ def plot(runs, out):
             for m, a, every in points:
                 ax.annotate(f"{every} ms", (m, a), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xscale("log")
-        ax.set_xlabel("MB sent by the hosts")
+        ax.set_xlabel("MB of deltas the hosts contributed")
         ax.set_ylabel("final test accuracy")
         ax.grid(alpha=0.3)
         ax.legend()

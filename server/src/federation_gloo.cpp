@@ -60,6 +60,8 @@ constexpr milliseconds kPoll{5};
 // The longest a re-forming host waits for the other members of its last
 // group to want in too.
 constexpr milliseconds kSettle{200};
+// How often a group's member tries to open a store that failed again.
+constexpr std::chrono::seconds kStoreRetry{5};
 // Tags a Want ("SHFW").
 constexpr uint32_t kWantMagic = 0x57464853;
 
@@ -286,11 +288,28 @@ class GlooEngine final : public FederationEngine {
   }
 
   bool joiner_waiting() override {
-    if (!context_ || !store_) return false;
+    if (!context_) return false;
     try {
-      return wants_at(membership_.epoch + 1) != 0;
+      if (!store_) {
+        // A store that failed (a Redis restart): reopened, at most every
+        // few seconds, so that a running group goes on seeing joiners.
+        if (Clock::now() < store_retry_) return false;
+        store_retry_ = Clock::now() + kStoreRetry;
+        auto store = JobStore::open(config_.store);
+        if (!store.ok()) return false;
+        store_ = std::move(store).value();
+      }
+      // Only a want of this job counts: another's, or garbage, would make
+      // the group re-form every round for nothing.
+      const uint64_t attempt = membership_.epoch + 1;
+      const uint64_t present = wants_at(attempt);
+      std::string why;
+      Want w{};
+      for (uint32_t h = 0; h < config_.hosts; ++h)
+        if (((present >> h) & 1) != 0 && read_want(attempt, h, &w, &why)) return true;
+      return false;
     } catch (const std::exception&) {
-      store_.reset();  // reopened at the next reform()
+      store_.reset();
       return false;
     }
   }
@@ -351,8 +370,8 @@ class GlooEngine final : public FederationEngine {
 
   // The want of `host` at `attempt`, if it makes sense: the magic, this
   // job's host count, an earlier epoch that had the writer among hosts of
-  // this job. One that does not is another job's or garbage: `why` says so
-  // and the attempt fails.
+  // this job. One that does not is another job's or garbage: `why` says
+  // which, and its writer is left out.
   bool read_want(uint64_t attempt, uint32_t host, Want* want, std::string* why) {
     const std::vector<char> bytes = store_->get(key(attempt, "want", host));
     std::memset(want, 0, sizeof *want);
@@ -373,7 +392,7 @@ class GlooEngine final : public FederationEngine {
 
   // The members of the newest group formed before `attempt`, from the
   // store's records (rank 0 of each writes one); the hosts' own newest
-  // epoch bounds the search. All hosts of the job when none formed.
+  // epoch bounds the search. 0 when none formed.
   uint64_t newest_group(uint64_t attempt, uint64_t known_epoch) {
     for (uint64_t k = attempt - 1; k >= 1 && k >= known_epoch; --k) {
       const std::string formed = "a" + std::to_string(k) + "/formed";
@@ -383,7 +402,7 @@ class GlooEngine final : public FederationEngine {
       if (bytes.size() == sizeof members) std::memcpy(&members, bytes.data(), sizeof members);
       if (members != 0 && (members & ~all_hosts_) == 0) return members;
     }
-    return all_hosts_;
+    return 0;
   }
 
   Reform attempt(std::string* why, const std::function<bool()>& cancelled) {
@@ -396,7 +415,9 @@ class GlooEngine final : public FederationEngine {
     if (joining) ++k;
     const uint64_t me = 1ull << config_.host;
     const Want mine{kWantMagic, config_.hosts, last_epoch_, last_members_};
-    store_->set(key(k, "want", config_.host), &mine, sizeof mine);
+    // Already there when an earlier write went through but its answer was
+    // lost (a Redis timeout): keys are written once.
+    if (!store_->has(key(k, "want", config_.host))) store_->set(key(k, "want", config_.host), &mine, sizeof mine);
     attempt_ = k;  // only now: the attempts in the store stay without gaps
 
     // Settle: until every member of the last epoch (at the first, every
@@ -449,19 +470,41 @@ class GlooEngine final : public FederationEngine {
 
     // The majority, of the newest group formed before (all hosts before
     // the first). Every host of `seen` reads the same records.
-    uint64_t known_epoch = 0;
+    // A host whose want is not of this job (another --fed-hosts, garbage)
+    // is left out: every host of `seen` reads the same wants and leaves
+    // out the same ones.
+    uint64_t known_epoch = 0, known_members = 0;
+    std::string invalid;
     for (uint32_t h = 0; h < config_.hosts; ++h) {
       if (((seen >> h) & 1) == 0) continue;
       Want w{};
-      if (!read_want(k, h, &w, why)) return Reform::kFailed;
-      known_epoch = std::max(known_epoch, w.last_epoch);
+      if (!read_want(k, h, &w, &invalid)) {
+        seen &= ~(1ull << h);
+        continue;
+      }
+      if (w.last_epoch > known_epoch) {
+        known_epoch = w.last_epoch;
+        known_members = w.last_members;
+      }
     }
-    const uint64_t last_group = newest_group(k, known_epoch);
+    if ((seen & me) == 0) {
+      *why = invalid;
+      return Reform::kFailed;
+    }
+    // The newest group formed: from the store's records; else (its rank 0
+    // died before writing one) the one the wanting hosts remember; all
+    // hosts of the job when none ever formed.
+    uint64_t last_group = newest_group(k, known_epoch);
+    if (last_group == 0) last_group = known_epoch != 0 ? known_members : all_hosts_;
     const int kept = std::popcount(seen & last_group), of = std::popcount(last_group);
     if (2 * kept <= of) {
-      *why = "federation (gloo): hosts " + hosts_text(seen) + " are " + std::to_string(kept) + " of the " +
-             std::to_string(of) + " hosts " + hosts_text(last_group) +
-             " of the last group, no majority: federation pauses until more hosts are back";
+      *why = "federation (gloo): hosts " + hosts_text(seen) + " are " + std::to_string(kept) + " of " +
+             (known_epoch != 0 || last_group != all_hosts_
+                  ? "the " + std::to_string(of) + " hosts " + hosts_text(last_group) +
+                        " of the last group, no majority: federation pauses until more of them are back"
+                  : "the job's " + std::to_string(of) + " (--fed-hosts), no majority to form its first " +
+                        "group: start the others, or give every host the job's true --fed-hosts") +
+             "; serving the local workers alone meanwhile" + (invalid.empty() ? "" : "; left out: " + invalid);
       return Reform::kPaused;
     }
 
@@ -484,6 +527,7 @@ class GlooEngine final : public FederationEngine {
   const uint64_t all_hosts_;
   milliseconds group_period_;  // the group's longest round period (set_group_period_ms())
   Reform last_result_ = Reform::kFormed;
+  Clock::time_point store_retry_{};  // joiner_waiting(): the next try at a store that failed
   std::unique_ptr<JobStore> store_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;  // the current group; none between groups

@@ -12,6 +12,9 @@
 #  3. The same group formed through a Redis store (a redis-server this test
 #     starts on 127.0.0.1), and a SIGKILLed host left behind there too.
 # Then SIGTERM: every server stops cleanly, nothing is left in /dev/shm.
+# First of all, a host whose other hosts never arrive says so with the fix
+# in its log (after the timeout), serves its workers alone, and stops at
+# once on SIGTERM.
 # Usage: gloo_federation.sh <build-dir>. Exit 77 (skipped) without the Gloo
 # plugin; part 3 is skipped (said so) without redis-server.
 set -euo pipefail
@@ -111,6 +114,18 @@ await_round() {  # JOB ROUND HOSTS...
 slack=1
 grep -q '^SHMPS_SANITIZER:STRING=.' "$build/CMakeCache.txt" 2>/dev/null && slack=2
 within_limit() { python3 -c "import sys; sys.exit(0 if $1 <= $slack * ($timeout_ms / 1000 + 1) else 1)"; }
+
+# ---- 0. A host whose job's other hosts never arrive: after the timeout it
+# says so with the fix, serves its workers alone, and stops at once.
+job=${name}lone
+start_host "$job" 0 "file:$work/lone-store"
+await_log "$work/$job.host0.log" "no majority to form its first group: start the others"
+"$train" --connect "$job.r0" --evaluate >"$work/lone.log" 2>&1 || fail "host 0 alone does not serve: $(tail -3 "$work/lone.log")"
+t0=$(date +%s%N)
+kill -TERM "${host_pid[$job.0]}"
+wait "${host_pid[$job.0]}" || fail "the lone host exited non-zero after SIGTERM"
+unset "host_pid[$job.0]"
+echo "a lone host of 3 paused with the fix in its log, served, and stopped in $((($(date +%s%N) - t0) / 1000000)) ms"
 
 # ---- 1. SIGKILL host 1 past round 10, then restart it from its checkpoint.
 job=$name

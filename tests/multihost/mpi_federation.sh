@@ -55,6 +55,17 @@ start_job() {
   done
   fail "the three servers did not start within 10 s"
 }
+# start_trainers LOG SEED [shmps-train options]: one trainer per host in
+# the background (LOG<host>.log, seeds SEED, SEED+1, ...); pids in `pids`.
+start_trainers() {
+  local log=$1 seed=$2
+  shift 2
+  pids=()
+  for r in 0 1 2; do
+    "$train" "$@" --connect "$name.r$r" --seed $((r + seed)) >"$work/$log$r.log" 2>&1 &
+    pids+=($!)
+  done
+}
 accuracy() { sed -n 's/^final test accuracy: \([0-9.]*\).*/\1/p' "$1"; }
 field() { python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(s['$1'])"; }
 stat_of() { "$inspect" --json "$name.r$1" | field "$2"; }
@@ -84,11 +95,7 @@ reference=$(accuracy "$work/reference.log")
 
 # ---- three hosts, one trainer each.
 start_job servers
-pids=()
-for r in 0 1 2; do
-  "$train" "${subset[@]}" --connect "$name.r$r" --seed $((r + 1)) >"$work/train$r.log" 2>&1 &
-  pids+=($!)
-done
+start_trainers train 1 "${subset[@]}"
 for r in 0 1 2; do wait "${pids[$r]}" || fail "shmps-train on host $r failed"; done
 
 # The same anchor on every host: once the trainers are done no host has
@@ -125,12 +132,7 @@ grep -q "shmps-server error" "$work/servers.log" && fail "a server logged an err
 # checkpoints every second; mpirun ends the job and names it.
 ckpt=$work/ckpt
 start_job killed --checkpoint-dir "$ckpt" --checkpoint-interval-s 1
-pids=()
-for r in 0 1 2; do
-  "$train" --workers 1 --epochs 20 --train-limit 30000 --connect "$name.r$r" --seed $((r + 4)) \
-    >"$work/doomed$r.log" 2>&1 &
-  pids+=($!)
-done
+start_trainers doomed 4 --workers 1 --epochs 20 --train-limit 30000
 victim=$(pgrep -f "shmps-server --name $name" | while read -r p; do
   if tr '\0' ' ' </proc/$p/environ 2>/dev/null | grep -q "OMPI_COMM_WORLD_RANK=1 "; then echo "$p"; fi
 done)
@@ -190,12 +192,7 @@ await_equal_anchors
 [ "$same" -ge "$newest" ] || fail "resumed at round $same, below the newest checkpointed round $newest"
 echo "resumed at round $newest: anchor hash ${hashes[0]} on all three hosts"
 # The run goes on: another epoch per host, merged, still a good model.
-pids=()
-for r in 0 1 2; do
-  "$train" --workers 1 --epochs 1 --train-limit 10000 --connect "$name.r$r" --seed $((r + 7)) \
-    >"$work/resumed$r.log" 2>&1 &
-  pids+=($!)
-done
+start_trainers resumed 7 --workers 1 --epochs 1 --train-limit 10000
 for r in 0 1 2; do wait "${pids[$r]}" || fail "shmps-train on host $r failed after the restart"; done
 await_equal_anchors
 [ -n "$same" ] || fail "after more training the anchor hashes never agreed: ${hashes[*]}"
