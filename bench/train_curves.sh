@@ -9,7 +9,7 @@
 #
 # Usage: bench/train_curves.sh [--smoke] [--runs N] [--epochs E] [--target A]
 #          [--eval-every N] [--bin DIR] [--out DIR] [--png FILE]
-#   --smoke   a few seconds: 2,000 images, 1 epoch, target 0.5, one run
+#   --smoke   a few seconds: 6,000 images, 1 epoch, target 0.5, one run
 #   --bin     folder of shmps-train and shmps-server (default build/default/bin)
 #   --out     folder for the CSVs, logs and summary.csv (default a temp dir)
 #   --png     the plot (default OUT/train_curves.png; needs python3 + matplotlib,
@@ -43,7 +43,7 @@ while [ $# -gt 0 ]; do
 done
 if [ "$smoke" = 1 ]; then
   runs=1; epochs=1; target=0.5; eval_every=8
-  extra=(--train-limit 2000 --test-limit 500)
+  extra=(--train-limit 6000 --test-limit 500)
 fi
 train="$bin/shmps-train"
 if [ ! -x "$train" ]; then echo "train_curves.sh: no $train (build it, or pass --bin)" >&2; exit 2; fi
