@@ -66,6 +66,27 @@ start_trainers() {
     pids+=($!)
   done
 }
+# score_at_least_reference LOG HOST WHAT: scores HOST's weights (shmps-train
+# --evaluate) and fails below the single-host reference minus 1 pp.
+score_at_least_reference() {
+  "$train" --connect "$name.r$2" --evaluate >"$work/$1.log" 2>&1 || fail "scoring $3 failed"
+  local acc
+  acc=$(accuracy "$work/$1.log")
+  echo "$3: test accuracy $acc (single host: $reference)"
+  python3 -c "import sys; sys.exit(0 if $acc >= $reference - 0.01 else 1)" ||
+    fail "$3 reached $acc, below the single-host $reference - 1 pp"
+}
+# stop_job LOG: SIGTERM to mpirun; every server must log a clean stop
+# (Open MPI's mpirun forwards the SIGTERM and then exits 1 whatever its
+# ranks did, so the servers' own log says).
+stop_job() {
+  kill -TERM "$mpi_pid"
+  wait "$mpi_pid" || true
+  mpi_pid=
+  local stops
+  stops=$(grep -c "shmps-server info: stopped: version" "$work/$1.log" || true)
+  [ "$stops" = 3 ] || fail "$stops of 3 servers logged a clean stop ($1)"
+}
 accuracy() { sed -n 's/^final test accuracy: \([0-9.]*\).*/\1/p' "$1"; }
 field() { python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(s['$1'])"; }
 stat_of() { "$inspect" --json "$name.r$1" | field "$2"; }
@@ -112,20 +133,9 @@ echo "rounds ${rounds[*]}: anchor hash ${hashes[0]} on all three hosts"
 # still have been training, so these are a host's passing state); the
 # federation's result is the merged model, the same on every host now.
 for r in 0 1 2; do echo "host $r: test accuracy $(accuracy "$work/train$r.log") as its trainer ended"; done
-"$train" --connect "$name.r2" --evaluate >"$work/merged.log" 2>&1 || fail "scoring the merged model failed"
-merged=$(accuracy "$work/merged.log")
-echo "merged model: test accuracy $merged (single host: $reference)"
-python3 -c "import sys; sys.exit(0 if $merged >= $reference - 0.01 else 1)" ||
-  fail "the merged model reached $merged, below the single-host $reference - 1 pp"
-
-# Open MPI's mpirun forwards the SIGTERM and then exits 1 whatever its
-# ranks did: the servers' own log says whether each stopped cleanly.
-kill -TERM "$mpi_pid"
-wait "$mpi_pid" || true
-mpi_pid=
+score_at_least_reference merged 2 "the merged model"
+stop_job servers
 ls /dev/shm/shmps.$name.* >/dev/null 2>&1 && fail "left in /dev/shm: $(ls /dev/shm/shmps.$name.*)"
-stops=$(grep -c "shmps-server info: stopped: version" "$work/servers.log" || true)
-[ "$stops" = 3 ] || fail "$stops of 3 servers logged a clean stop"
 grep -q "shmps-server error" "$work/servers.log" && fail "a server logged an error"
 
 # ---- fail-stop: SIGKILL rank 1 past round 10, trainers running and
@@ -196,14 +206,6 @@ start_trainers resumed 7 --workers 1 --epochs 1 --train-limit 10000
 for r in 0 1 2; do wait "${pids[$r]}" || fail "shmps-train on host $r failed after the restart"; done
 await_equal_anchors
 [ -n "$same" ] || fail "after more training the anchor hashes never agreed: ${hashes[*]}"
-"$train" --connect "$name.r0" --evaluate >"$work/resumed.log" 2>&1 || fail "scoring the resumed model failed"
-resumed=$(accuracy "$work/resumed.log")
-echo "after the restart and one more epoch: test accuracy $resumed"
-python3 -c "import sys; sys.exit(0 if $resumed >= $reference - 0.01 else 1)" ||
-  fail "the resumed model reached $resumed, below the single-host $reference - 1 pp"
-kill -TERM "$mpi_pid"
-wait "$mpi_pid" || true
-mpi_pid=
-stops=$(grep -c "shmps-server info: stopped: version" "$work/restarted.log" || true)
-[ "$stops" = 3 ] || fail "$stops of 3 restarted servers logged a clean stop"
+score_at_least_reference resumed 0 "the model after the restart and one more epoch"
+stop_job restarted
 echo "PASS"
