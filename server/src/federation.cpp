@@ -80,6 +80,10 @@ std::string ModelFingerprint::describe() const {
   return text + " (tensor table hash " + hex64(hash) + ")";
 }
 
+uint32_t outer_code(const FederationConfig& config) noexcept {
+  return static_cast<uint32_t>(config.outer) | (config.weight_by_updates ? 1u << 8 : 0u);
+}
+
 ModelFingerprint model_fingerprint(const ServerConfig& config) {
   // FNV-1a over each tensor's name, a separator and its dimensions.
   uint64_t h = 0xcbf29ce484222325ull;
@@ -101,7 +105,7 @@ ModelFingerprint model_fingerprint(const ServerConfig& config) {
   f.hash = h;
   f.tensors = static_cast<uint32_t>(config.tensors.size());
   f.optimizer = static_cast<uint32_t>(config.optimizer.kind);
-  f.outer = static_cast<uint32_t>(config.federation.outer) | (config.federation.weight_by_updates ? 1u << 8 : 0u);
+  f.outer = outer_code(config.federation);
   if (config.federation.outer == OuterStep::kNesterov) {
     f.outer_lr_bits = std::bit_cast<uint32_t>(config.federation.outer_lr);
     f.outer_momentum_bits = std::bit_cast<uint32_t>(config.federation.outer_momentum);

@@ -29,7 +29,7 @@ struct ModelFingerprint {
   uint64_t total_elements = 0;
   uint32_t tensors = 0;
   uint32_t optimizer = 0;            // kernels::OptimizerKind
-  uint32_t outer = 0;                // OuterStep | (weight_by_updates << 8)
+  uint32_t outer = 0;                // outer_code()
   uint32_t outer_lr_bits = 0;        // kNesterov: the outer lr's float bits
   uint32_t outer_momentum_bits = 0;  // kNesterov: the outer momentum's
   uint32_t reserved = 0;
@@ -38,6 +38,9 @@ struct ModelFingerprint {
   std::string describe() const;
 };
 static_assert(sizeof(ModelFingerprint) == 40 && std::is_trivially_copyable_v<ModelFingerprint>);
+
+// The fingerprint's `outer` field: OuterStep | (weight_by_updates << 8).
+uint32_t outer_code(const FederationConfig& config) noexcept;
 
 // The fingerprint of what `config` serves: its tensor table, optimizer
 // kind and federation outer step (with its hyperparameters).

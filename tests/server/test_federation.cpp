@@ -52,8 +52,9 @@ struct Hosts {
       : group(std::make_shared<FakeGroup>(n)) {
     for (uint32_t r = 0; r < n; ++r) {
       engines.push_back(std::make_unique<FakeEngine>(group, r));
-      ModelFingerprint f = prints.empty() ? fingerprint() : prints[r];
-      f.outer = static_cast<uint32_t>(config.outer) | (config.weight_by_updates ? 1u << 8 : 0u);
+      ModelFingerprint f = fingerprint();
+      f.outer = outer_code(config);
+      if (!prints.empty()) f = prints[r];  // a test's own, mismatched on purpose
       feds.push_back(std::make_unique<Federator>(config, *engines.back(), f));
     }
   }
@@ -380,6 +381,27 @@ BOOST_AUTO_TEST_CASE(hosts_serving_other_models_are_refused_naming_both) {
     BOOST_TEST(m.find("optimizer adam,") != std::string::npos, m);   // kind 2
     BOOST_TEST(m.find("optimizer adamw,") != std::string::npos, m);  // kind 3
     BOOST_TEST(m.find("--tensor") != std::string::npos, m);          // the fix
+  }
+}
+
+// The outer step is part of what hosts must agree on: a host averaging
+// deltas and one taking DiLoCo's step are refused, each named.
+BOOST_AUTO_TEST_CASE(hosts_with_other_outer_steps_are_refused_naming_both) {
+  FederationConfig average, nesterov;
+  nesterov.outer = OuterStep::kNesterov;
+  ModelFingerprint a = fingerprint(), b = fingerprint();
+  a.outer = outer_code(average);
+  b.outer = outer_code(nesterov);
+  Hosts hosts(2, FederationConfig{}, {a, b});
+  std::vector<Status> status(2);
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 0.0f);
+    status[r] = f.join(ex).status();
+  });
+  for (uint32_t r = 0; r < 2; ++r) {
+    const std::string& m = status[r].message();
+    BOOST_TEST(m.find("outer average weighted") != std::string::npos, m);
+    BOOST_TEST(m.find("outer nesterov weighted") != std::string::npos, m);
   }
 }
 
