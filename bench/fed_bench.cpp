@@ -64,7 +64,7 @@ Result<SizeResult> measure_size(FederationEngine& engine, const FederationConfig
   print.hash = 0xbe7c4;
   print.total_elements = n;
   print.tensors = 1;
-  print.outer = static_cast<uint32_t>(config.outer) | (config.weight_by_updates ? 1u << 8 : 0u);
+  print.outer = outer_code(config);
   Federator fed(config, engine, print);
   std::vector<float> w(n), exchange(n), payload(n), copy(n);
   std::mt19937 rng(engine.membership().rank + 1);
@@ -214,6 +214,7 @@ int main(int argc, char** argv) {
       "fed-store", po::value(&config.store), "gloo: where the hosts meet")(
       "fed-hosts", po::value(&config.hosts)->default_value(0), "gloo: the hosts")(
       "fed-host", po::value(&config.host)->default_value(0), "gloo: this host's id")(
+      "fed-address", po::value(&config.address)->default_value("127.0.0.1"), "gloo: the address to listen on")(
       "fed-timeout-ms", po::value(&config.timeout_ms)->default_value(30000), "gloo: the collectives' timeout")(
       "fed-outer", po::value(&outer)->default_value("average"), "average | nesterov")(
       "elements",

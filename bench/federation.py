@@ -21,8 +21,14 @@ share of the data (--shard h/H). The Fashion-MNIST 784-256-10 MLP, Adam lr
      federated against federated with one other host (rounds every 50 ms
      and 10 ms), interleaved, medians over --repeats
 
+  5  with --netns RATE (root): every host in a network namespace of its
+     own, on a bridge through a veth link shaped to RATE each way (tc tbf;
+     netem's delay where the kernel has it, --delay), so that the
+     collectives cross a link instead of the loopback; figures 1-3 there
+
     bench/federation.py [--out DIR] [--repeats 3] [--epochs 20] [--figures 1 2 3 4]
     bench/federation.py --smoke     # a minute: 6,000 images, 1 epoch, 1 repeat
+    bench/federation.py --netns 1gbit --figures 3 1
 
 Writes DIR/runs.json, DIR/summary.md (the tables) and, with matplotlib,
 DIR/federation_parity.png and DIR/federation_sweep.png.
@@ -46,10 +52,106 @@ MODEL = ["--tensor", "fc1.weight:256x784", "--tensor", "fc1.bias:256", "--tensor
          "--init-scale", "0.05", "--backend", "host", "--max-staleness", "8"]
 
 
-class Hosts:
-    """H shmps-servers; federated over Gloo (a file store) when H > 1."""
+def sh(*cmd):
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
 
-    def __init__(self, bin_dir, hosts, every_ms=50, outer="average", model=MODEL):
+
+class Network:
+    """Each host its own network namespace, joined to the others by a
+    bridge in this one through a veth pair shaped at both ends (tc tbf at
+    `rate`, so each direction of a host's link carries `rate`; netem adds
+    `delay` where the kernel has it). Hosts are 10.77.0.<h+1>."""
+
+    BRIDGE = "shmpsfedbr"
+
+    def __init__(self, rate, hosts, delay=None):
+        self.rate, self.delay, self.hosts = rate, delay, hosts
+        self.measured = ""
+        self.close()  # what a killed run left
+        try:
+            sh("ip", "link", "add", self.BRIDGE, "type", "bridge")
+            sh("ip", "link", "set", self.BRIDGE, "up")
+            for h in range(hosts):
+                ns, outer, inner = self.ns(h), f"shmpsfed{h}a", f"shmpsfed{h}b"
+                sh("ip", "netns", "add", ns)
+                sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+                sh("ip", "link", "set", inner, "netns", ns)
+                sh("ip", "link", "set", outer, "master", self.BRIDGE, "up")
+                sh("ip", "-n", ns, "addr", "add", f"{self.address(h)}/24", "dev", inner)
+                sh("ip", "-n", ns, "link", "set", inner, "up")
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+                for prefix, dev in (([], outer), (["ip", "netns", "exec", ns], inner)):
+                    shape = (["netem", "delay", delay, "rate", rate] if delay else
+                             ["tbf", "rate", rate, "burst", "256kb", "latency", "20ms"])
+                    sh(*prefix, "tc", "qdisc", "add", "dev", dev, "root", *shape)
+        except subprocess.CalledProcessError as e:
+            self.close()
+            raise SystemExit(f"federation.py: --netns: {' '.join(e.cmd)}: {e.stderr.strip()} "
+                             "(needs root, iproute2 and the kernel's veth, bridge and tbf or netem)")
+
+    @staticmethod
+    def ns(h):
+        return f"shmpsfed{h}"
+
+    @staticmethod
+    def address(h):
+        return f"10.77.0.{h + 1}"
+
+    # Host 1 echoes what host 0 sends: 1,000 round trips of one byte, then
+    # 64 MiB one way (acknowledged with one byte).
+    PROBE = r"""
+import socket, sys, time
+port = 47123
+if sys.argv[1] == "serve":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((sys.argv[2], port)); s.listen(1); c, _ = s.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for _ in range(1000): c.sendall(c.recv(1))
+    left = 64 << 20
+    while left: left -= len(c.recv(min(left, 1 << 20)))
+    c.sendall(b"k")
+else:
+    for _ in range(100):
+        try:
+            c = socket.create_connection((sys.argv[2], port)); break
+        except OSError:
+            time.sleep(0.05)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    t = time.monotonic()
+    for _ in range(1000): c.sendall(b"x"); c.recv(1)
+    rtt = (time.monotonic() - t) / 1000
+    block = bytes(1 << 20); t = time.monotonic()
+    for _ in range(64): c.sendall(block)
+    c.recv(1)
+    print(rtt * 1e6, 64 * 8 * 2**20 / (time.monotonic() - t) / 1e9)
+"""
+
+    def probe(self):
+        """The link between hosts 0 and 1: (round trip us, Gbit/s)."""
+        server = subprocess.Popen(self.wrap(1, [sys.executable, "-c", self.PROBE, "serve", self.address(1)]))
+        out = subprocess.run(self.wrap(0, [sys.executable, "-c", self.PROBE, "send", self.address(1)]),
+                             capture_output=True, text=True, check=True).stdout.split()
+        server.wait(timeout=30)
+        return float(out[0]), float(out[1])
+
+    def wrap(self, h, cmd):
+        return ["ip", "netns", "exec", self.ns(h)] + cmd
+
+    def describe(self):
+        return (f"each host in its own network namespace, links shaped to {self.rate}"
+                + (f" and {self.delay}" if self.delay else " (tbf; no added delay)") + self.measured)
+
+    def close(self):
+        for h in range(8):
+            subprocess.run(["ip", "netns", "del", self.ns(h)], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.BRIDGE], capture_output=True)
+
+
+class Hosts:
+    """H shmps-servers; federated over Gloo (a file store) when H > 1, each
+    in its namespace of `net` when given."""
+
+    def __init__(self, bin_dir, hosts, every_ms=50, outer="average", model=MODEL, net=None):
         self.bin = bin_dir
         self.n = hosts
         self.name = f"fedfig{os.getpid()}_{int(time.monotonic() * 1000) % 100000}"
@@ -61,6 +163,8 @@ class Hosts:
                 cmd += ["--fed-rank-in-name", "--federation", "gloo", "--fed-store", "file:" + self.tmp + "/store",
                         "--fed-hosts", str(hosts), "--fed-host", str(h), "--fed-every-ms", str(every_ms),
                         "--fed-outer", outer]
+                if net:
+                    cmd = net.wrap(h, cmd + ["--fed-address", net.address(h)])
             log = open(os.path.join(self.tmp, f"host{h}.log"), "w")
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
         for h in range(hosts):
@@ -136,7 +240,7 @@ def run_job(args, hosts, workers, seed, every_ms=50, outer="average"):
     """One job: `hosts` servers, each with a trainer of `workers` workers on
     its share of the data; the merged model's accuracy, the bytes sent, the
     wall time and host 0's curve."""
-    job = Hosts(args.bin, hosts, every_ms, outer)
+    job = Hosts(args.bin, hosts, every_ms, outer, net=args.net)
     try:
         trainers, csvs = [], []
         for h in range(hosts):
@@ -187,15 +291,18 @@ def figure_round(args, runs):
     sizes = ["203530", "16777216"] if not args.smoke else ["203530", "1048576"]
     common = ["--elements", *sizes, "--rounds", str(args.rounds), "--repeats", str(3 if not args.smoke else 1)]
     setups = [("gloo", 2), ("gloo", 3)]
-    if shutil.which("mpirun") and os.path.exists(os.path.join(args.bin, "..", "lib", "shmps", "libshmps_fed_mpi.so")):
+    # Not MPI across namespaces: mpirun's ranks reach their local daemon
+    # through the loopback, which a namespace of their own cuts off.
+    if not args.net and shutil.which("mpirun") and os.path.exists(os.path.join(args.bin, "..", "lib", "shmps", "libshmps_fed_mpi.so")):
         setups += [("mpi", 2), ("mpi", 3)]
     for engine, hosts in setups:
         if engine == "gloo":
             store = tempfile.mkdtemp(prefix="fedbench")
-            procs = [subprocess.Popen([bench, "round", "--federation", "gloo", "--fed-store", "file:" + store,
-                                       "--fed-hosts", str(hosts), "--fed-host", str(h)] + common,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                     for h in range(hosts)]
+            cmds = [[bench, "round", "--federation", "gloo", "--fed-store", "file:" + store, "--fed-hosts",
+                     str(hosts), "--fed-host", str(h)] + common for h in range(hosts)]
+            if args.net:
+                cmds = [args.net.wrap(h, c + ["--fed-address", args.net.address(h)]) for h, c in enumerate(cmds)]
+            procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
             outs = [p.communicate()[0] for p in procs]
             shutil.rmtree(store, ignore_errors=True)
             out = outs[0]
@@ -215,7 +322,7 @@ def figure_round(args, runs):
 def serve_once(args, hosts, every_ms):
     model = ["--tensor", "w:203530", "--optimizer", "adam", "--lr", "0.001", "--backend", "host",
              "--max-staleness", "1000000"]
-    job = Hosts(args.bin, hosts, every_ms, model=model)
+    job = Hosts(args.bin, hosts, every_ms, model=model, net=args.net)
     try:
         out = subprocess.run([os.path.join(args.bin, "shmps-fed-bench"), "serve", "--connect", job.segment(0),
                               "--elements", "203530", "--pushes", str(args.pushes)],
@@ -242,7 +349,7 @@ def med(values):
 
 
 def summarize(runs):
-    lines = []
+    lines = [f"Network: {runs[0].get('network', 'loopback')}", ""] if runs else []
     parity = [r for r in runs if r.get("figure") == 1]
     if parity:
         ref = med([r["accuracy"] for r in parity if r["hosts"] == 1])
@@ -352,6 +459,9 @@ def main():
     p.add_argument("--every-ms", type=int, default=50, help="figure 1's round period")
     p.add_argument("--outer", default="average", help="figure 1's outer step")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--netns", metavar="RATE", help="figure 5: every host in a network namespace, links shaped to "
+                   "RATE (tc's units: 1gbit); needs root")
+    p.add_argument("--delay", help="with --netns: netem's delay on each link end (0.25ms), where the kernel has netem")
     p.add_argument("--replot", metavar="DIR", help="only redraw DIR's plots from its runs.json")
     args = p.parse_args()
     if args.replot:
@@ -364,12 +474,23 @@ def main():
     out = args.out or tempfile.mkdtemp(prefix="federation")
     os.makedirs(out, exist_ok=True)
     runs = []
-    for f, fn in ((3, figure_round), (4, figure_serve), (1, figure_parity), (2, figure_sweep)):
-        if f in args.figures:
-            print(f"figure {f}", flush=True)
-            fn(args, runs)
-            with open(os.path.join(out, "runs.json"), "w") as j:
-                json.dump(runs, j)
+    args.net = Network(args.netns, 4, args.delay) if args.netns else None
+    if args.net:
+        rtt, gbit = args.net.probe()
+        args.net.measured = f"; measured between two hosts: {rtt:.0f} us round trip, {gbit:.2f} Gbit/s one way"
+        print(f"network: {args.net.describe()}", flush=True)
+    try:
+        for f, fn in ((3, figure_round), (4, figure_serve), (1, figure_parity), (2, figure_sweep)):
+            if f in args.figures:
+                print(f"figure {f}", flush=True)
+                fn(args, runs)
+                for r in runs:
+                    r.setdefault("network", args.net.describe() if args.net else "loopback")
+                with open(os.path.join(out, "runs.json"), "w") as j:
+                    json.dump(runs, j)
+    finally:
+        if args.net:
+            args.net.close()
     text = summarize(runs)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text + "\n")
