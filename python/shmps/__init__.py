@@ -166,13 +166,19 @@ class Worker:
         return self._w.push_async(*self._push_args(buffer, version, tensor, offset, nbytes, dtype, stream))
 
     def wait(self, ticket):
-        """The result of push_async(ticket): the version after the update."""
+        """The result of push_async(ticket), the version after the update,
+        or of pull_async(ticket), the version pulled."""
         return self._w.wait(ticket)
 
     def pull(self, buffer, tensor=None, offset=0, stream=None):
         """Copies a consistent snapshot of `tensor` (None: all tensors) as
         fp32 into `buffer` at byte `offset`; returns its version."""
         return self._w.pull(self._tensor_id(tensor), self._buffer_id(buffer), offset, _stream_handle(stream))
+
+    def pull_async(self, buffer, tensor=None, offset=0, stream=None):
+        """As pull(), returning a ticket once the request is queued; the
+        buffer's range is written until wait(ticket) returns the version."""
+        return self._w.pull_async(self._tensor_id(tensor), self._buffer_id(buffer), offset, _stream_handle(stream))
 
     def init(self, buffer, offset=0, stream=None):
         """Sets the server's weights at version 0 from `buffer` (all tensors,

@@ -187,6 +187,12 @@ class PyWorker {
     return take(std::move(r));
   }
 
+  uint64_t pull_async(uint32_t tensor, uint32_t buffer, uint64_t offset, uintptr_t stream) {
+    shmps::Result<shmps::Worker::Ticket> r =
+        unlocked([&] { return w().pull_async(tensor, buffer, offset, reinterpret_cast<void*>(stream)); });
+    return take(std::move(r));
+  }
+
   void init(uint32_t buffer, uint64_t offset, uintptr_t stream) {
     shmps::Status s = unlocked([&] { return w().init(buffer, offset, reinterpret_cast<void*>(stream)); });
     check(s);
@@ -324,6 +330,7 @@ NB_MODULE(_shmps, m) {
            "stream"_a)
       .def("wait", &PyWorker::wait, "ticket"_a)
       .def("pull", &PyWorker::pull, "tensor"_a, "buffer"_a, "offset"_a, "stream"_a)
+      .def("pull_async", &PyWorker::pull_async, "tensor"_a, "buffer"_a, "offset"_a, "stream"_a)
       .def("init", &PyWorker::init, "buffer"_a, "offset"_a, "stream"_a)
       .def("stats", &PyWorker::stats)
       .def("ping", &PyWorker::ping)

@@ -74,6 +74,40 @@ BOOST_AUTO_TEST_CASE(seed_push_at_version_0_returns_1_and_applies_sgd) {
   for (size_t i = 0; i < after.size(); ++i) BOOST_TEST(after[i] == before[i] - 0.5f * grad[i]);
 }
 
+// A pipelined step: push_async, then pull_async into another range of the
+// same buffer; the pull is served after the push (it sees the update), its
+// range stays unwritten until the server serves it, and wait() returns each
+// result. A pull_async of a buffer never registered fails at wait().
+BOOST_AUTO_TEST_CASE(pull_async_after_push_async_sees_the_update_and_answers_at_wait) {
+  test::ServerProcess server(test::unique_name("pullasync"), kSmall);
+  auto w = connect(server.name());
+  const uint64_t n = w->total_elements();
+  auto buf = w->register_buffer(2 * n * 4);
+  BOOST_REQUIRE(buf.ok());
+  uint64_t v = 99;
+  const std::vector<float> before = pull_all(*w, *buf, &v);
+  float* grad = static_cast<float*>(buf->data);
+  float* pulled = grad + n;
+  for (uint64_t i = 0; i < n; ++i) grad[i] = 1.0f;
+  std::fill_n(pulled, n, -7.0f);
+  server.process().pause();
+  auto push = w->push_async(kAllTensors, buf->id, 0, n * 4, Dtype::kF32, 0);
+  auto pull = w->pull_async(kAllTensors, buf->id, n * 4);
+  BOOST_REQUIRE(push.ok() && pull.ok());
+  BOOST_TEST(pulled[0] == -7.0f);  // not served yet
+  server.process().resume();
+  auto pull_version = w->wait(*pull);  // the push completes first, kept for its wait
+  BOOST_REQUIRE_MESSAGE(pull_version.ok(), pull_version.status().to_string());
+  BOOST_TEST(*pull_version == 1u);
+  for (uint64_t i = 0; i < n; ++i) BOOST_TEST(pulled[i] == before[i] - 0.5f);
+  auto push_version = w->wait(*push);
+  BOOST_REQUIRE(push_version.ok());
+  BOOST_TEST(*push_version == 1u);
+  auto bad = w->pull_async(kAllTensors, buf->id + 1, 0);
+  BOOST_REQUIRE(bad.ok());
+  BOOST_TEST((w->wait(*bad).status().code() == ErrorCode::kUnknownBuffer));
+}
+
 // Seed test 2: a gradient more than max_staleness behind is rejected and
 // nothing is applied; the error states both numbers.
 BOOST_AUTO_TEST_CASE(seed_stale_push_is_rejected_and_nothing_applied) {

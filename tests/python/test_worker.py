@@ -195,6 +195,23 @@ def test_push_async_wait_and_stats_move(make_server):
         assert s1.workers_attached == 1
 
 
+def test_pull_async_after_push_async_sees_the_push(make_server):
+    server = make_server()
+    with shmps.connect(server.name) as w:
+        n = w.total_elements
+        buf = w.register_buffer(2 * n * 4)
+        view = np.asarray(buf).view(np.float32)
+        w.pull(buf, offset=n * 4)
+        before = view[n:].copy()
+        view[:n] = 1.0
+        push = w.push_async(buf, 0)
+        pull = w.pull_async(buf, offset=n * 4)
+        assert w.wait(pull) == 1  # the push ahead of it answers first and waits for its own wait()
+        assert w.wait(push) == 1
+        assert not np.array_equal(view[n:], before)
+        assert w.pull(buf) == 1 and np.array_equal(view[:n], view[n:])
+
+
 def test_init_sets_the_weights_once_before_any_push(make_server):
     server = make_server()
     a, b = shmps.connect(server.name), shmps.connect(server.name)

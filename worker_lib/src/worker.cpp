@@ -1145,7 +1145,7 @@ Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
   return wait(*ticket);
 }
 
-Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
+Result<Worker::Ticket> Worker::pull_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
   if (Status s = impl_->enter(Impl::Call::kRequest); !s.ok()) return s;
   if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
   Request req{};
@@ -1158,9 +1158,14 @@ Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
                                                                 : 0;
   req.byte_length = elements * sizeof(float);
   req.wait_ns = pull_wait_ns(impl_->options.timeout);
-  auto c = impl_->request(req);
-  if (!c.ok()) return c.status();
-  return c->version;
+  shm::Deadline deadline(impl_->options.timeout);  // as push_async's
+  return impl_->submit(req, deadline);
+}
+
+Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
+  auto ticket = pull_async(tensor_id, buffer_id, byte_offset, stream);
+  if (!ticket.ok()) return ticket.status();
+  return wait(*ticket);
 }
 
 Status Worker::init(uint32_t buffer_id, uint64_t byte_offset, void* stream) {

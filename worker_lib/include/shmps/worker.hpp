@@ -228,9 +228,10 @@ class Worker {
   // (docs/benchmarks.md, "shmps-train with 2 workers").
   Result<Ticket> push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
                             uint64_t worker_version, void* stream = nullptr);
-  // Waits for `ticket`'s completion (all earlier ones complete first).
-  // Errors: those of push(); kInvalidArgument for a ticket never issued or
-  // already waited for.
+  // Waits for `ticket`'s completion (all earlier ones complete first):
+  // a push_async's or a pull_async's result.
+  // Errors: those of push() or pull(); kInvalidArgument for a ticket never
+  // issued or already waited for.
   Result<uint64_t> wait(Ticket ticket);
 
   // Copies a consistent snapshot of tensor `tensor_id` (or kAllTensors)
@@ -247,6 +248,12 @@ class Worker {
   // Errors: kUnknownBuffer, kUnknownTensor, kBadRange, kCuda (recording
   // the event failed), kTimeout and request errors.
   Result<uint64_t> pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);
+  // As pull(), but returns once the request is in the lane; wait() returns
+  // the version pulled, or the error, once the weights are in the buffer
+  // (its range is written until then). With push_async, a worker computes
+  // its next gradient while the server serves its last push and pull
+  // (shmps-train --pipeline: that gradient is one step staler).
+  Result<Ticket> pull_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);
 
   // Sets the server's weights at version 0 from the buffer: every tensor
   // in table order as fp32 at [byte_offset, + total_elements() * 4) (for a
