@@ -35,12 +35,6 @@ class LocalPath final : public UpdatePath {
     Result<uint64_t> pushed = push();
     return {std::move(pushed), version_};
   }
-  // Nothing to overlap in one process: the step is applied at once.
-  Status begin_step(uint64_t /*version*/) override {
-    step_ = push_and_pull(version_);
-    return Status::Ok();
-  }
-  Step end_step() override { return std::move(step_); }
   const float* weights() const override { return weights_.data(); }
   float* grad() override { return grad_.data(); }
 
@@ -64,7 +58,6 @@ class LocalPath final : public UpdatePath {
   std::vector<std::vector<float>> state_;
   std::vector<float> grad_;
   std::vector<uint64_t> steps_;  // per tensor, as the server counts them
-  Step step_{Status(ErrorCode::kInternal, "no step in flight"), Status(ErrorCode::kInternal, "no step in flight")};
   uint64_t version_ = 0;
 };
 

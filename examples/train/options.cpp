@@ -45,9 +45,6 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
     ("in-process", po::bool_switch(&o.in_process),
      "the ceiling: one process applies each gradient with the CPU optimizer itself (no server, no shared "
      "memory); same model, data order, batch and optimizer as --workers 1")
-    ("pipeline", po::bool_switch(&o.pipeline),
-     "each worker computes its next gradient while the server serves its last push and pull: no worker waits "
-     "while it has work, at one more step of staleness per gradient")
     ("data-dir", po::value(&o.data_dir)->default_value(o.data_dir), "folder of the Fashion-MNIST IDX files")
     ("csv", po::value(&o.csv), "write the learning curve to this CSV file")
     ("seed", po::value(&o.seed)->default_value(o.seed), "seed of the initialisation and the shuffles")
@@ -104,7 +101,6 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
     if (vm.count("workers") != 0 && !vm["workers"].defaulted() && o.workers != 1)
       bad = "--in-process runs one training loop: --workers must be 1";
     if (!o.connect.empty()) bad = "--in-process uses no server: drop --connect";
-    if (o.pipeline) bad = "--in-process has no server to overlap with: drop --pipeline";
     o.workers = 1;
   }
   if (!bad.empty()) {

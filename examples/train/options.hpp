@@ -36,7 +36,6 @@ struct Options {
   size_t evals_per_epoch = 1;
   uint64_t eval_every = 0;  // > 0: snapshot every N applied updates, score after training
   bool in_process = false;  // the ceiling: no server, apply_cpu in this process
-  bool pipeline = false;    // each gradient computed while the last step is served (WorkerPlan::pipeline)
   std::string data_dir = kDefaultFashionMnistDir;
   std::string csv;
   uint64_t seed = 1;

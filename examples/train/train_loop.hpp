@@ -35,16 +35,6 @@ class UpdatePath {
   // not sent: `pulled` then holds the push's error) is made again before
   // the next gradient; any other error ends the loop.
   virtual Step push_and_pull(uint64_t version) = 0;
-  // The two halves of a pipelined step (WorkerPlan::pipeline):
-  // begin_step() sends grad(), computed from weights() at `version`, and a
-  // pull into a second weights slot, and turns grad() to a second gradient
-  // slot, so that the next gradient is computed (from the same weights,
-  // one step staler) while the server serves both; end_step() waits for
-  // both and, where the pull succeeded, turns weights() to the weights it
-  // pulled. A begin_step() that fails sent nothing that needs an
-  // end_step(); its kServerRestarted is a lost push.
-  virtual Status begin_step(uint64_t version) = 0;
-  virtual Step end_step() = 0;
   virtual const float* weights() const = 0;
   virtual float* grad() = 0;
 };
@@ -57,11 +47,6 @@ struct WorkerPlan {
   size_t batch = 64;
   uint64_t seed = 1;
   std::string server_name;
-  // Compute each gradient while the previous step's push and pull are
-  // served (begin_step/end_step): the worker never waits for the server
-  // while it has a minibatch to work on, and each gradient is one step
-  // staler than without.
-  bool pipeline = false;
 };
 
 // What one loop's pushes came to.
@@ -85,10 +70,7 @@ using AfterApply = std::function<bool(uint64_t applied)>;
 // one pull first, then per minibatch the gradient and push_and_pull(); a
 // stale push is counted and retried on the weights pulled with it, with the
 // same minibatch, and so is one lost with a server that died (the Worker
-// re-attaches to its successor). Pipelined: per minibatch the gradient,
-// end_step() of the step in flight, begin_step() of this one; where the
-// step in flight was stale or lost, it and this minibatch are redone one
-// at a time as above, and the pipeline starts again after them.
+// re-attaches to its successor).
 // Counts go to `counts`. Returns the first error that is not retried.
 Status train_shard(const WorkerPlan& plan, const Dataset& train, const MlpShape& shape, UpdatePath& path,
                    LoopCounts& counts, const AfterApply& after_apply);

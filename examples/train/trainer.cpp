@@ -172,7 +172,7 @@ int Trainer::attach(const std::string& server_name) {
 // Forks the workers, before this process touches OpenBLAS.
 int Trainer::fork_workers(const std::string& server_name, SharedSlots& slots) {
   for (size_t i = 0; i < o_.workers; ++i) {
-    const WorkerPlan plan{i, o_.workers, o_.epochs, o_.batch, o_.seed, server_name, o_.pipeline};
+    const WorkerPlan plan{i, o_.workers, o_.epochs, o_.batch, o_.seed, server_name};
     Result<Child> child = fork_worker(plan, train_, shape_, slots.gate(), slots[i]);
     if (!child.ok()) {
       std::cerr << "shmps-train: " << child.status().message() << "\n";

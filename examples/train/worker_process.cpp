@@ -35,57 +35,31 @@ SharedSlots::~SharedSlots() { ::munmap(base_, bytes()); }
 namespace {
 
 // Pull and push through a shmps-server: one registered buffer holds the
-// weights slots, then the gradient slots, `params` floats each: one of
-// each, or two of each for a pipelined loop (UpdatePath::begin_step).
+// pulled weights, then the gradient pushed from them.
 class ServerPath final : public UpdatePath {
  public:
-  static size_t buffer_bytes(size_t params, bool pipeline) { return (pipeline ? 4 : 2) * params * sizeof(float); }
-
-  ServerPath(Worker& w, const Buffer& buffer, size_t params, bool pipeline)
-      : w_(w), buffer_(buffer), slot_bytes_(params * sizeof(float)), slots_(pipeline ? 2 : 1) {}
-  Result<uint64_t> pull() override { return w_.pull(kAllTensors, buffer_.id, weights_offset(weights_slot_)); }
+  ServerPath(Worker& w, const Buffer& buffer, size_t params)
+      : w_(w), buffer_(buffer), range_bytes_(params * sizeof(float)), params_(params) {}
+  Result<uint64_t> pull() override { return w_.pull(kAllTensors, buffer_.id, 0); }
   // The pull follows the push in the lane, so the server serves both in
   // one go and the worker waits once (worker.hpp, push_async). The two use
-  // different slots of the buffer: the pull may be written while the push
+  // different halves of the buffer: the pull may be written while the push
   // is still in flight.
   Step push_and_pull(uint64_t version) override {
-    Result<Worker::Ticket> ticket = push_async(version);
+    Result<Worker::Ticket> ticket =
+        w_.push_async(kAllTensors, buffer_.id, range_bytes_, range_bytes_, Dtype::kF32, version);
     if (!ticket.ok()) return {ticket.status(), ticket.status()};
     Result<uint64_t> pulled = pull();
     return {w_.wait(*ticket), std::move(pulled)};
   }
-  Status begin_step(uint64_t version) override {
-    Result<Worker::Ticket> ticket = push_async(version);
-    if (!ticket.ok()) return ticket.status();
-    push_ticket_ = *ticket;
-    pull_ticket_ = w_.pull_async(kAllTensors, buffer_.id, weights_offset(weights_slot_ ^ 1));
-    grad_slot_ ^= 1;
-    return Status::Ok();
-  }
-  Step end_step() override {
-    Result<uint64_t> pushed = w_.wait(push_ticket_);
-    Result<uint64_t> pulled = pull_ticket_.ok() ? w_.wait(*pull_ticket_) : Result<uint64_t>(pull_ticket_.status());
-    if (pulled.ok()) weights_slot_ ^= 1;
-    return {std::move(pushed), std::move(pulled)};
-  }
-  const float* weights() const override { return slot(weights_offset(weights_slot_)); }
-  float* grad() override { return slot(grad_offset(grad_slot_)); }
+  const float* weights() const override { return static_cast<const float*>(buffer_.data); }
+  float* grad() override { return static_cast<float*>(buffer_.data) + params_; }
 
  private:
-  Result<Worker::Ticket> push_async(uint64_t version) {
-    return w_.push_async(kAllTensors, buffer_.id, grad_offset(grad_slot_), slot_bytes_, Dtype::kF32, version);
-  }
-  uint64_t weights_offset(size_t slot) const { return slot * slot_bytes_; }
-  uint64_t grad_offset(size_t slot) const { return (slots_ + slot) * slot_bytes_; }
-  float* slot(uint64_t offset) const { return reinterpret_cast<float*>(static_cast<char*>(buffer_.data) + offset); }
-
   Worker& w_;
   Buffer buffer_;
-  uint64_t slot_bytes_;
-  size_t slots_;  // of each kind
-  size_t weights_slot_ = 0, grad_slot_ = 0;
-  Worker::Ticket push_ticket_{};
-  Result<Worker::Ticket> pull_ticket_ = Status(ErrorCode::kInternal, "no step in flight");
+  uint64_t range_bytes_;
+  size_t params_;
 };
 
 // The body of one worker process; returns its exit code.
@@ -103,12 +77,12 @@ int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& sha
   Worker& w = **connected;
   slot.worker_id.store(w.worker_id(), std::memory_order_relaxed);  // read after waitpid
   const size_t params = mlp_parameter_count(shape);
-  Result<Buffer> buffer = w.register_buffer(ServerPath::buffer_bytes(params, plan.pipeline));
+  Result<Buffer> buffer = w.register_buffer(2 * params * sizeof(float));
   if (!buffer.ok()) {
     std::cerr << who << "register_buffer: " << buffer.status().to_string() << "\n";
     return kExitFailure;
   }
-  ServerPath path(w, *buffer, params, plan.pipeline);
+  ServerPath path(w, *buffer, params);
 
   // SYNC(start_gate): nothing is published through it; acquire for symmetry.
   while (gate.open.load(std::memory_order_acquire) == 0) {

@@ -29,41 +29,20 @@ class ScriptedPath final : public UpdatePath {
   }
   Step push_and_pull(uint64_t version) override {
     log.push_back("push@" + std::to_string(version));
-    return serve();
-  }
-  // The pipelined step: served at begin (as the server would, in order),
-  // answered at end; a begin refused by `begins` sends nothing.
-  Status begin_step(uint64_t version) override {
-    log.push_back("begin@" + std::to_string(version));
-    if (!begins.empty()) {
-      Status s = begins.front();
-      begins.pop_front();
-      if (!s.ok()) return s;
-    }
-    in_flight = serve();
-    return Status::Ok();
-  }
-  Step end_step() override {
-    log.push_back("end");
-    return std::move(in_flight);
+    Result<uint64_t> pushed = next(pushes, version_ + 1);
+    if (pushed.ok()) ++version_;
+    Result<uint64_t> pulled = next(step_pulls, version_);
+    return {std::move(pushed), std::move(pulled)};
   }
   const float* weights() const override { return weights_.data(); }
   float* grad() override { return grad_.data(); }
 
   std::deque<Status> pulls;       // answers to pull()
   std::deque<Status> pushes;      // the push part of push_and_pull()
-  std::deque<Status> step_pulls;  // its pull part (and a pipelined step's)
-  std::deque<Status> begins;      // begin_step() itself
+  std::deque<Status> step_pulls;  // its pull part
   std::vector<std::string> log;
 
  private:
-  Step serve() {
-    Result<uint64_t> pushed = next(pushes, version_ + 1);
-    if (pushed.ok()) ++version_;
-    Result<uint64_t> pulled = next(step_pulls, version_);
-    return {std::move(pushed), std::move(pulled)};
-  }
-
   static Result<uint64_t> next(std::deque<Status>& script, uint64_t version) {
     if (script.empty()) return version;
     Status s = script.front();
@@ -75,7 +54,6 @@ class ScriptedPath final : public UpdatePath {
   std::vector<float> weights_;
   std::vector<float> grad_;
   uint64_t version_ = 0;
-  Step in_flight{Status(ErrorCode::kInternal, "none"), Status(ErrorCode::kInternal, "none")};
 };
 
 // A dataset of `n` random images of a small MLP's input size.
@@ -93,9 +71,7 @@ struct Loop {
     data.images.assign(data.count * shape.inputs, 0.5f);
     for (size_t i = 0; i < data.count; ++i) data.labels.push_back(static_cast<uint8_t>(i % shape.classes));
   }
-  Status run(bool pipeline = false) {
-    return train_shard(WorkerPlan{0, 1, 1, 2, 1, "", pipeline}, data, shape, path, counts, nullptr);
-  }
+  Status run() { return train_shard(WorkerPlan{0, 1, 1, 2, 1, ""}, data, shape, path, counts, nullptr); }
   void expect_calls(const std::vector<std::string>& want) const {
     BOOST_TEST(path.log == want, boost::test_tools::per_element());
   }
@@ -166,57 +142,6 @@ BOOST_AUTO_TEST_CASE(other_errors_end_the_loop_naming_the_call) {
     const Status st = loop.run();
     BOOST_TEST(st.code() == ErrorCode::kUnknownBuffer);
     loop.expect_calls({"pull"});
-  }
-}
-
-// Pipelined: the first step as without (nothing pulled yet), then each
-// step's gradient computed before the step in flight ends, so that it
-// pushes against the version pulled one step earlier; the last step is
-// ended after the loop.
-BOOST_FIXTURE_TEST_CASE(pipelined_steps_push_one_version_behind_and_end_in_order, Loop) {
-  BOOST_TEST_REQUIRE(run(true).ok());
-  expect_calls({"pull", "push@0", "begin@1", "end", "begin@1", "end"});
-  BOOST_TEST(counts.applied == 3u);
-}
-
-// A stale step in flight is redone on the weights pulled with it, and so is
-// the minibatch whose gradient was computed meanwhile (of the same old
-// weights); then the pipeline starts again.
-BOOST_FIXTURE_TEST_CASE(a_stale_pipelined_step_and_the_next_are_redone_one_at_a_time, Loop) {
-  path.pushes = {Status::Ok(), Status(ErrorCode::kStale, "too old")};
-  BOOST_TEST_REQUIRE(run(true).ok());
-  expect_calls({"pull", "push@0", "begin@1", "end", "push@1", "push@2"});
-  BOOST_TEST(counts.applied == 3u);
-  BOOST_TEST(counts.rejected == 1u);
-}
-
-// A step that could not be sent (the server died before it) is lost: a
-// pull, then the minibatch redone; a pull lost in flight is made again.
-BOOST_FIXTURE_TEST_CASE(a_pipelined_step_not_sent_or_its_pull_lost_goes_back_to_one_step_at_a_time, Loop) {
-  {
-    Loop loop;
-    loop.path.begins = {Status(ErrorCode::kServerRestarted, "gone")};
-    BOOST_TEST_REQUIRE(loop.run(true).ok());
-    loop.expect_calls({"pull", "push@0", "begin@1", "pull", "push@1", "begin@2", "end"});
-    BOOST_TEST(loop.counts.applied == 3u);
-    BOOST_TEST(loop.counts.lost == 1u);
-  }
-  {
-    Loop loop;
-    loop.path.step_pulls = {Status::Ok(), Status(ErrorCode::kServerRestarted, "gone")};
-    BOOST_TEST_REQUIRE(loop.run(true).ok());
-    // The step in flight applied (version 2), its pull lost: the next
-    // minibatch's gradient, of version 1's weights, is made again after a
-    // pull.
-    loop.expect_calls({"pull", "push@0", "begin@1", "end", "pull", "push@2"});
-    BOOST_TEST(loop.counts.applied == 3u);
-  }
-  {
-    Loop loop;
-    loop.path.begins = {Status(ErrorCode::kNonFinite, "NaN")};
-    const Status st = loop.run(true);
-    BOOST_TEST(st.code() == ErrorCode::kNonFinite);
-    BOOST_TEST(st.message().rfind("push: ", 0) == 0, st.message());
   }
 }
 

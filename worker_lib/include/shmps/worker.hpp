@@ -250,9 +250,8 @@ class Worker {
   Result<uint64_t> pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);
   // As pull(), but returns once the request is in the lane; wait() returns
   // the version pulled, or the error, once the weights are in the buffer
-  // (its range is written until then). With push_async, a worker computes
-  // its next gradient while the server serves its last push and pull
-  // (shmps-train --pipeline: that gradient is one step staler).
+  // (its range is written until then): a worker may work on while the
+  // weights come, from another buffer or range.
   Result<Ticket> pull_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);
 
   // Sets the server's weights at version 0 from the buffer: every tensor
