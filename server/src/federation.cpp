@@ -13,7 +13,7 @@ namespace shmps::server {
 
 namespace {
 
-constexpr uint64_t kHeaderMagic = 0x31444546534d4853ull;  // "SHMSFED1" little-endian
+constexpr uint64_t kHeaderMagic = 0x32444546534d4853ull;  // "SHMSFED2" little-endian
 constexpr uint32_t kFlagJoin = 1u << 0;
 constexpr uint32_t kFlagLeaving = 1u << 1;
 constexpr uint32_t kFlagHasState = 1u << 2;  // the join: this host has an anchor (its round in the header)
@@ -26,6 +26,9 @@ constexpr uint32_t kFlagRegroup = 1u << 3;   // a round: this host's engine saw 
 struct Federator::Header {
   uint64_t magic;
   uint64_t round;  // the round this call completes; the join: the restored round (0: none)
+  // The membership epoch in which this host's last round completed
+  // (kUnknownEpoch: restored from a checkpoint, or none).
+  uint64_t round_epoch;
   uint64_t local_updates;
   uint64_t anchor_hash;
   ModelFingerprint model;
@@ -174,6 +177,7 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   Header mine{};
   mine.magic = kHeaderMagic;
   mine.round = joined_ ? round_ + 1 : round_;
+  mine.round_epoch = round_epoch_;
   mine.local_updates = local_updates;
   mine.anchor_hash = anchor_hash_;
   mine.model = fingerprint_;
@@ -209,6 +213,8 @@ Status Federator::restore(FederationState state) {
   if (state.anchor.size() != anchor_.size() || (!state.momentum.empty() && state.momentum.size() != anchor_.size()))
     return {ErrorCode::kInvalidArgument, "federation: the checkpoint's anchor does not fit this model"};
   round_ = state.round;
+  round_epoch_ = kUnknownEpoch;
+  forget_failed_round();
   restored_ = true;
   anchor_ = std::move(state.anchor);
   anchor_hash_ = hash_floats(anchor_);
@@ -283,11 +289,20 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   // the group's round went into the rounds after it: W = A then, as for a
   // host without an anchor.
   r.drift_kept = r.resumed && has_state_ && (!restored_ || round_ == group_round);
+  // A round this host saw fail that the source completed in the same
+  // epoch holds this host's delta S - A of its snapshot S (an allreduce
+  // that completed anywhere summed every member's): only the drift since
+  // that snapshot is kept, W + (A' - S).
+  r.failed_round_merged = r.drift_kept && failed_.round != 0 && failed_.round == group_round &&
+                          failed_.epoch == all[r.source_rank].round_epoch;
+  const std::vector<float>& base = r.failed_round_merged ? failed_.snapshot : anchor_;
   for (size_t i = 0; i < exchange.size(); ++i)
-    exchange[i] = r.drift_kept ? incoming[i] - anchor_[i] : incoming[i] - exchange[i];
+    exchange[i] = r.drift_kept ? incoming[i] - base[i] : incoming[i] - exchange[i];
   std::copy(incoming.begin(), incoming.end(), anchor_.begin());
   round_ = group_round;
   if (!r.resumed) round_ = 0;
+  round_epoch_ = r.resumed ? all[r.source_rank].round_epoch : m.epoch;
+  forget_failed_round();
   anchor_hash_ = hash_floats(anchor_);
   group_every_ms_ = group_every_ms;
   joined_ = has_state_ = true;
@@ -343,11 +358,21 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
     const float divisor = static_cast<float>(config_.weight_by_updates ? r.updates_total : r.members);
     const float w = config_.weight_by_updates ? static_cast<float>(local_updates) : 1.0f;
     for (size_t i = 0; i < exchange.size(); ++i) payload_[i] = w * (exchange[i] - anchor_[i]);
-    if (Status s = engine_.allreduce_sum(payload_); !s.ok()) return s;
+    if (Status s = engine_.allreduce_sum(payload_); !s.ok()) {
+      // Other members may have completed it (a host that died at its very
+      // end): the join after compares, and keeps S to tell which drift
+      // they merged.
+      failed_.round = round_ + 1;
+      failed_.epoch = engine_.membership().epoch;
+      failed_.snapshot.assign(exchange.begin(), exchange.end());
+      return s;
+    }
     r.bytes += payload_.size() * sizeof(float);
     outer_step(exchange, divisor);  // and the new anchor's hash
   }
   ++round_;
+  round_epoch_ = engine_.membership().epoch;
+  forget_failed_round();
   r.round = round_;
   return r;
 }

@@ -74,12 +74,16 @@ struct RoundResult {
   uint32_t source_rank = 0;
   bool resumed = false;
   bool drift_kept = false;  // the join left this host's W - A as it was (its local updates not yet merged)
+  // The join: a round this host saw fail had completed at the source, in
+  // the same epoch, with this host's delta in it: the drift kept is only
+  // what was applied after that round's snapshot.
+  bool failed_round_merged = false;
 };
 
 class Federator {
  public:
   // What every member sends before any delta moves (the header).
-  static constexpr uint64_t kHeaderBytes = 80;
+  static constexpr uint64_t kHeaderBytes = 88;
 
   // `fingerprint.total_elements` sizes every span below.
   Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint);
@@ -97,7 +101,10 @@ class Federator {
   // each member keeps its own drift, rebased onto that anchor:
   // W + (A - own anchor), but for a checkpoint older than the source's
   // round (its drift went into the rounds after it); a member without a
-  // state, or with such a checkpoint, takes W = A. A join that fails
+  // state, or with such a checkpoint, takes W = A. A member whose last
+  // round failed at its end (its allreduce) while the source completed it
+  // in the same epoch keeps only the drift since that round's snapshot S:
+  // W + (A - S), its delta being in A already. A join that fails
   // leaves this host's state as it was. `exchange` holds this host's weights S on entry and the
   // correction on return (the consumer adds it to W). Errors:
   // kInvalidArgument when the models differ (the message names both), the
@@ -152,11 +159,18 @@ class Federator {
   // A' from A and the mean delta (payload_ / divisor); writes A' - S into
   // exchange, and A''s hash.
   void outer_step(std::span<float> exchange, float divisor);
+  void forget_failed_round() noexcept {
+    failed_.round = 0;
+    failed_.snapshot = {};
+  }
+
+  static constexpr uint64_t kUnknownEpoch = ~uint64_t{0};
 
   FederationConfig config_;
   FederationEngine& engine_;
   ModelFingerprint fingerprint_;
   uint64_t round_ = 0;
+  uint64_t round_epoch_ = kUnknownEpoch;  // the membership epoch in which round_ completed
   uint64_t anchor_hash_ = 0;
   uint32_t group_every_ms_ = 0;
   bool joined_ = false;
@@ -166,6 +180,13 @@ class Federator {
   std::vector<float> anchor_;
   std::vector<float> payload_;   // the weighted deltas, summed in place by the engine
   std::vector<float> momentum_;  // kNesterov only
+  // The last round, when its allreduce failed here: its number, its epoch
+  // and this host's snapshot S (round 0: none; kept until the next join).
+  struct FailedRound {
+    uint64_t round = 0;
+    uint64_t epoch = 0;
+    std::vector<float> snapshot;
+  } failed_;
 };
 
 }  // namespace shmps::server

@@ -473,6 +473,68 @@ BOOST_AUTO_TEST_CASE(an_engine_failure_leaves_the_anchor_unchanged) {
   }
 }
 
+// A host whose round failed at the very end of its allreduce, while the
+// other member completed it (its delta in the new anchor): at the join
+// after, it keeps only the drift since that round's snapshot, W + (A' -
+// S), and not W + (A' - A), which would count its delta twice. A round
+// failed in another epoch than the one the source completed it in (its
+// delta not in that anchor) keeps the whole drift.
+BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_at_the_join) {
+  for (bool same_epoch : {true, false}) {
+    FederationConfig config;
+    config.weight_by_updates = false;
+    Hosts hosts(2, config);
+    // Host 1's collectives: the join's allgather and broadcast (1, 2),
+    // round 1's allgather and allreduce (3, 4), round 2's (5, 6).
+    hosts.engines[1]->fail_after_at = 6;
+    const std::vector<float> init(kN, 1.0f);
+    std::vector<Result<RoundResult>> second(2, Status{ErrorCode::kInternal, "not run"});
+    std::vector<Result<RoundResult>> rejoined(2, Status{ErrorCode::kInternal, "not run"});
+    std::vector<std::vector<float>> weights(2), corrections(2);
+    std::vector<float> a2;
+    hosts.run([&](uint32_t r, Federator& f) {
+      std::vector<float> ex = init;
+      (void)f.join(ex);
+      for (float& v : ex) v = 1.0f + 0.5f * static_cast<float>(r);  // round 1: deltas 0 and 0.5
+      (void)f.round(ex, 1);
+      std::vector<float> s(f.anchor().begin(), f.anchor().end());
+      for (float& v : s) v += r == 0 ? 0.25f : 1.0f;  // round 2: deltas 0.25 and 1
+      ex = s;
+      // The other case: host 1 attempts round 2 under an epoch of its own
+      // (the fake group still meets), host 0 completes it in epoch 0.
+      if (!same_epoch && r == 1) hosts.engines[1]->reform(nullptr, {});
+      second[r] = f.round(ex, 1);
+      // Host 0 merged (W = A2 + 0.125 applied since); host 1 saw the round
+      // fail and applied 0.0625 more after its snapshot.
+      weights[r] = s;
+      for (size_t i = 0; i < kN; ++i) weights[r][i] = r == 0 ? f.anchor()[i] + 0.125f : s[i] + 0.0625f;
+    });
+    BOOST_TEST_REQUIRE(second[0].ok());
+    BOOST_TEST(second[1].status().message().find("injected failure") != std::string::npos);
+    a2.assign(hosts.feds[0]->anchor().begin(), hosts.feds[0]->anchor().end());
+    BOOST_TEST(hosts.feds[0]->round_number() == 2u);
+    BOOST_TEST(hosts.feds[1]->round_number() == 1u);
+    for (auto& engine : hosts.engines) engine->reform(nullptr, {});
+    hosts.engines[1]->fail_after_at = 0;
+    hosts.run([&](uint32_t r, Federator& f) {
+      f.rejoin();
+      corrections[r] = weights[r];
+      rejoined[r] = f.join(corrections[r]);
+    });
+    for (uint32_t r = 0; r < 2; ++r) BOOST_TEST_REQUIRE(rejoined[r].ok(), rejoined[r].status().to_string());
+    BOOST_TEST(rejoined[1]->source_rank == 0u);
+    BOOST_TEST(rejoined[1]->drift_kept);
+    BOOST_TEST(rejoined[1]->failed_round_merged == same_epoch);
+    BOOST_TEST(!rejoined[0]->failed_round_merged);
+    for (size_t i = 0; i < kN; i += 41) {
+      BOOST_TEST(weights[0][i] + corrections[0][i] == a2[i] + 0.125f);  // its own round: drift kept whole
+      // A2 = A1 + (0.25 + 1) / 2; host 1's 1.0 is in it once.
+      const float want = same_epoch ? a2[i] + 0.0625f : a2[i] + 1.0625f;
+      BOOST_TEST(std::abs(weights[1][i] + corrections[1][i] - want) <= 1e-6f, i);
+    }
+  }
+}
+
 // ---------------------------------------------------------------- servers
 
 namespace {

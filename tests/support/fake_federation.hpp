@@ -3,8 +3,10 @@
 // arrive computes the result (sums in rank order: the same bits for all)
 // and releases the others. A member may be told to add a perturbation to
 // its allreduce results (anchors that drift apart), to fail its k-th
-// collective, or to run a hook before each allreduce (a test holding a
-// round in its exchange). Header-only; thread-safe.
+// collective (before meeting the others, or after: they complete it, as
+// with a host that dies at its very end), or to run a hook before each
+// allreduce (a test holding a round in its exchange). Header-only;
+// thread-safe.
 #pragma once
 
 #include <atomic>
@@ -85,7 +87,7 @@ class FakeEngine final : public server::FederationEngine {
     });
     std::memcpy(data.data(), out.data(), out.size());
     for (float& v : data) v += perturbation;
-    return Status::Ok();
+    return collectives_ == fail_after_at ? fail() : Status::Ok();
   }
 
   Status allgather(std::span<const std::byte> mine, std::span<std::byte> all) override {
@@ -112,6 +114,9 @@ class FakeEngine final : public server::FederationEngine {
   // This member's collective number fail_at (1 = its first) fails, without
   // meeting the others; 0: none.
   uint64_t fail_at = 0;
+  // This member's allreduce number fail_after_at (counted as fail_at)
+  // meets the others, who complete it, and then fails here; 0: none.
+  uint64_t fail_after_at = 0;
   std::function<void()> before_allreduce;  // runs before each allreduce meets the others
   std::function<void()> before_allgather;  // and before each allgather (a round's headers)
   std::atomic<bool> is_elastic{false};     // re-forms (as the same group) instead of ending
