@@ -177,7 +177,8 @@ class Worker:
 
     def pull_async(self, buffer, tensor=None, offset=0, stream=None):
         """As pull(), returning a ticket once the request is queued; the
-        buffer's range is written until wait(ticket) returns the version."""
+        buffer's range is written until wait(ticket) returns the version
+        (or raises)."""
         return self._w.pull_async(self._tensor_id(tensor), self._buffer_id(buffer), offset, _stream_handle(stream))
 
     def init(self, buffer, offset=0, stream=None):

@@ -52,9 +52,8 @@ struct Hosts {
       : group(std::make_shared<FakeGroup>(n)) {
     for (uint32_t r = 0; r < n; ++r) {
       engines.push_back(std::make_unique<FakeEngine>(group, r));
-      ModelFingerprint f = fingerprint();
-      f.outer = outer_code(config);
-      if (!prints.empty()) f = prints[r];  // a test's own, mismatched on purpose
+      ModelFingerprint f = prints.empty() ? fingerprint() : prints[r];  // a test's own: mismatched on purpose
+      if (prints.empty()) f.outer = outer_code(config);
       feds.push_back(std::make_unique<Federator>(config, *engines.back(), f));
     }
   }
@@ -384,24 +383,33 @@ BOOST_AUTO_TEST_CASE(hosts_serving_other_models_are_refused_naming_both) {
   }
 }
 
-// The outer step is part of what hosts must agree on: a host averaging
-// deltas and one taking DiLoCo's step are refused, each named.
+// The outer step is part of what hosts must agree on, with its weighting
+// and its hyperparameters: servers configured apart in any one of them
+// are refused, each named (model_fingerprint() of each configuration).
 BOOST_AUTO_TEST_CASE(hosts_with_other_outer_steps_are_refused_naming_both) {
-  FederationConfig average, nesterov;
-  nesterov.outer = OuterStep::kNesterov;
-  ModelFingerprint a = fingerprint(), b = fingerprint();
-  a.outer = outer_code(average);
-  b.outer = outer_code(nesterov);
-  Hosts hosts(2, FederationConfig{}, {a, b});
-  std::vector<Status> status(2);
-  hosts.run([&](uint32_t r, Federator& f) {
-    std::vector<float> ex(kN, 0.0f);
-    status[r] = f.join(ex).status();
-  });
-  for (uint32_t r = 0; r < 2; ++r) {
-    const std::string& m = status[r].message();
-    BOOST_TEST(m.find("outer average weighted") != std::string::npos, m);
-    BOOST_TEST(m.find("outer nesterov weighted") != std::string::npos, m);
+  ServerConfig base;
+  base.tensors = {shm::TensorSpec{"w", {kN}}};
+  base.federation.outer = OuterStep::kNesterov;
+  ServerConfig average = base, unweighted = base, other_lr = base;
+  average.federation.outer = OuterStep::kAverage;
+  unweighted.federation.weight_by_updates = false;
+  other_lr.federation.outer_lr = 0.5f;
+  const std::vector<std::pair<ServerConfig, std::string>> others = {{average, "outer average weighted ("},
+                                                                    {unweighted, "outer nesterov unweighted (lr 0.7,"},
+                                                                    {other_lr, "(lr 0.5,"}};
+  for (const auto& [other, named] : others) {
+    Hosts hosts(2, FederationConfig{}, {model_fingerprint(base), model_fingerprint(other)});
+    std::vector<Status> status(2);
+    hosts.run([&](uint32_t r, Federator& f) {
+      std::vector<float> ex(kN, 0.0f);
+      status[r] = f.join(ex).status();
+    });
+    for (uint32_t r = 0; r < 2; ++r) {
+      BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+      const std::string& m = status[r].message();
+      BOOST_TEST(m.find("outer nesterov weighted (lr 0.7, momentum 0.9)") != std::string::npos, m);
+      BOOST_TEST(m.find(named) != std::string::npos, m);
+    }
   }
 }
 

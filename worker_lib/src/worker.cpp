@@ -700,6 +700,10 @@ class Worker::Impl {
     }
   }
 
+  // The elements of tensor `tensor_id`, or of all (kAllTensors); 0 for an
+  // id out of range.
+  uint64_t elements_of(uint32_t tensor_id) const noexcept;
+
   static Status to_status(const Completion& c) {
     if (c.code == 0) return Status::Ok();
     const auto code =
@@ -1145,27 +1149,50 @@ Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
   return wait(*ticket);
 }
 
-Result<Worker::Ticket> Worker::pull_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
-  if (Status s = impl_->enter(Impl::Call::kRequest); !s.ok()) return s;
-  if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
+namespace {
+
+// A pull of `tensor_id` (or kAllTensors) into [byte_offset, + its fp32
+// bytes) of buffer `buffer_id`, held at most what the worker's timeout
+// leaves (pull_wait_ns).
+Request pull_request(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t elements,
+                     std::chrono::milliseconds timeout) {
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPull);
   req.tensor_id = tensor_id;
   req.buffer_id = buffer_id;
   req.byte_offset = byte_offset;
-  const uint64_t elements = tensor_id == kAllTensors            ? impl_->total_elements
-                            : tensor_id < impl_->tensors.size() ? impl_->tensors[tensor_id].element_count
-                                                                : 0;
   req.byte_length = elements * sizeof(float);
-  req.wait_ns = pull_wait_ns(impl_->options.timeout);
-  shm::Deadline deadline(impl_->options.timeout);  // as push_async's
-  return impl_->submit(req, deadline);
+  req.wait_ns = pull_wait_ns(timeout);
+  return req;
+}
+
+}  // namespace
+
+uint64_t Worker::Impl::elements_of(uint32_t tensor_id) const noexcept {
+  return tensor_id == kAllTensors     ? total_elements
+         : tensor_id < tensors.size() ? tensors[tensor_id].element_count
+                                      : 0;  // the server answers kUnknownTensor
+}
+
+Result<Worker::Ticket> Worker::pull_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
+  Impl& w = *impl_;
+  if (Status s = w.enter(Impl::Call::kRequest); !s.ok()) return s;
+  if (Status s = w.record_event(buffer_id, stream); !s.ok()) return s;
+  // A timeout of its own for the submit, as push_async's: a re-attach in
+  // enter() may have used most of one.
+  shm::Deadline deadline(w.options.timeout);
+  return w.submit(pull_request(tensor_id, buffer_id, byte_offset, w.elements_of(tensor_id), w.options.timeout),
+                  deadline);
 }
 
 Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
-  auto ticket = pull_async(tensor_id, buffer_id, byte_offset, stream);
-  if (!ticket.ok()) return ticket.status();
-  return wait(*ticket);
+  Impl& w = *impl_;
+  if (Status s = w.enter(Impl::Call::kRequest); !s.ok()) return s;
+  if (Status s = w.record_event(buffer_id, stream); !s.ok()) return s;
+  // One timeout for the submit and the answer (request()).
+  auto c = w.request(pull_request(tensor_id, buffer_id, byte_offset, w.elements_of(tensor_id), w.options.timeout));
+  if (!c.ok()) return c.status();
+  return c->version;
 }
 
 Status Worker::init(uint32_t buffer_id, uint64_t byte_offset, void* stream) {

@@ -229,7 +229,8 @@ class Worker {
   Result<Ticket> push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
                             uint64_t worker_version, void* stream = nullptr);
   // Waits for `ticket`'s completion (all earlier ones complete first):
-  // a push_async's or a pull_async's result.
+  // a push_async's or a pull_async's result. Wait for every ticket: the
+  // answer of one never waited for stays held by the Worker.
   // Errors: those of push() or pull(); kInvalidArgument for a ticket never
   // issued or already waited for.
   Result<uint64_t> wait(Ticket ticket);
@@ -249,9 +250,11 @@ class Worker {
   // the event failed), kTimeout and request errors.
   Result<uint64_t> pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);
   // As pull(), but returns once the request is in the lane; wait() returns
-  // the version pulled, or the error, once the weights are in the buffer
+  // the version pulled, or the error (the server's refusals, such as
+  // kUnknownBuffer, come only there), once the weights are in the buffer
   // (its range is written until then): a worker may work on while the
-  // weights come, from another buffer or range.
+  // weights come, from another buffer or range. The submit and the wait
+  // each get the timeout.
   Result<Ticket> pull_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);
 
   // Sets the server's weights at version 0 from the buffer: every tensor
