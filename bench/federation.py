@@ -21,9 +21,9 @@ share of the data (--shard h/H). The Fashion-MNIST 784-256-10 MLP, Adam lr
      federated against federated with one other host (rounds every 50 ms
      and 10 ms), interleaved, medians over --repeats
 
-  5  with --netns RATE (root): every host in a network namespace of its
-     own, on a bridge through a veth link shaped to RATE each way (tc tbf;
-     netem's delay where the kernel has it, --delay), so that the
+  5  with --netns RATE (root): every federated host in a network namespace
+     of its own, on a bridge through a veth link shaped to RATE each way
+     (tc tbf; netem's delay where the kernel has it, --delay), so that the
      collectives cross a link instead of the loopback; figures 1-3 there
 
     bench/federation.py [--out DIR] [--repeats 3] [--epochs 20] [--figures 1 2 3 4]
@@ -60,38 +60,45 @@ class Network:
     """Each host its own network namespace, joined to the others by a
     bridge in this one through a veth pair shaped at both ends (tc tbf at
     `rate`, so each direction of a host's link carries `rate`; netem adds
-    `delay` where the kernel has it). Hosts are 10.77.0.<h+1>."""
+    `delay` where the kernel has it). Hosts are 10.77.0.<h+1>. The names
+    carry this process's pid; close() removes what this run made."""
 
-    BRIDGE = "shmpsfedbr"
+    # tbf's bucket: one GSO segment (64 KiB) and a little, so that an idle
+    # link does not pass a burst faster than the rate.
+    BURST = "80kb"
 
     def __init__(self, rate, hosts, delay=None):
         self.rate, self.delay, self.hosts = rate, delay, hosts
         self.measured = ""
-        self.close()  # what a killed run left
+        tag = os.getpid() % 100000
+        self.bridge = f"sfbr{tag}"
+        self.names = [(f"shmpsfed{tag}h{h}", f"sf{tag}h{h}a", f"sf{tag}h{h}b") for h in range(hosts)]
+        self.made_bridge, self.made_ns = False, []
         try:
-            sh("ip", "link", "add", self.BRIDGE, "type", "bridge")
-            sh("ip", "link", "set", self.BRIDGE, "up")
-            for h in range(hosts):
-                ns, outer, inner = self.ns(h), f"shmpsfed{h}a", f"shmpsfed{h}b"
+            sh("ip", "link", "add", self.bridge, "type", "bridge")
+            self.made_bridge = True
+            sh("ip", "link", "set", self.bridge, "up")
+            for h, (ns, outer, inner) in enumerate(self.names):
                 sh("ip", "netns", "add", ns)
+                self.made_ns.append(ns)
                 sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
                 sh("ip", "link", "set", inner, "netns", ns)
-                sh("ip", "link", "set", outer, "master", self.BRIDGE, "up")
+                sh("ip", "link", "set", outer, "master", self.bridge, "up")
                 sh("ip", "-n", ns, "addr", "add", f"{self.address(h)}/24", "dev", inner)
                 sh("ip", "-n", ns, "link", "set", inner, "up")
                 sh("ip", "-n", ns, "link", "set", "lo", "up")
                 for prefix, dev in (([], outer), (["ip", "netns", "exec", ns], inner)):
                     shape = (["netem", "delay", delay, "rate", rate] if delay else
-                             ["tbf", "rate", rate, "burst", "256kb", "latency", "20ms"])
+                             ["tbf", "rate", rate, "burst", self.BURST, "latency", "20ms"])
                     sh(*prefix, "tc", "qdisc", "add", "dev", dev, "root", *shape)
-        except subprocess.CalledProcessError as e:
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:
             self.close()
-            raise SystemExit(f"federation.py: --netns: {' '.join(e.cmd)}: {e.stderr.strip()} "
+            what = f"{' '.join(e.cmd)}: {e.stderr.strip()}" if isinstance(e, subprocess.CalledProcessError) else str(e)
+            raise SystemExit(f"federation.py: --netns: {what} "
                              "(needs root, iproute2 and the kernel's veth, bridge and tbf or netem)")
 
-    @staticmethod
-    def ns(h):
-        return f"shmpsfed{h}"
+    def ns(self, h):
+        return self.names[h][0]
 
     @staticmethod
     def address(h):
@@ -104,11 +111,14 @@ import socket, sys, time
 port = 47123
 if sys.argv[1] == "serve":
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((sys.argv[2], port)); s.listen(1); c, _ = s.accept()
+    s.bind((sys.argv[2], port)); s.listen(1); s.settimeout(30); c, _ = s.accept()
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for _ in range(1000): c.sendall(c.recv(1))
     left = 64 << 20
-    while left: left -= len(c.recv(min(left, 1 << 20)))
+    while left:
+        got = len(c.recv(min(left, 1 << 20)))
+        if not got: sys.exit("the sender went away")
+        left -= got
     c.sendall(b"k")
 else:
     for _ in range(100):
@@ -116,6 +126,8 @@ else:
             c = socket.create_connection((sys.argv[2], port)); break
         except OSError:
             time.sleep(0.05)
+    else:
+        sys.exit("no answer from the other namespace")
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     t = time.monotonic()
     for _ in range(1000): c.sendall(b"x"); c.recv(1)
@@ -129,22 +141,30 @@ else:
     def probe(self):
         """The link between hosts 0 and 1: (round trip us, Gbit/s)."""
         server = subprocess.Popen(self.wrap(1, [sys.executable, "-c", self.PROBE, "serve", self.address(1)]))
-        out = subprocess.run(self.wrap(0, [sys.executable, "-c", self.PROBE, "send", self.address(1)]),
-                             capture_output=True, text=True, check=True).stdout.split()
-        server.wait(timeout=30)
-        return float(out[0]), float(out[1])
+        try:
+            out = subprocess.run(self.wrap(0, [sys.executable, "-c", self.PROBE, "send", self.address(1)]),
+                                 capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:
+                raise SystemExit(f"federation.py: --netns: the link probe failed: {out.stderr.strip()}")
+            rtt, gbit = out.stdout.split()
+            return float(rtt), float(gbit)
+        finally:
+            server.kill()
+            server.wait()
 
     def wrap(self, h, cmd):
         return ["ip", "netns", "exec", self.ns(h)] + cmd
 
     def describe(self):
-        return (f"each host in its own network namespace, links shaped to {self.rate}"
-                + (f" and {self.delay}" if self.delay else " (tbf; no added delay)") + self.measured)
+        shaped = f" and {self.delay} (netem)" if self.delay else f" (tbf, burst {self.BURST}; no added delay)"
+        return f"each host in its own network namespace, links shaped to {self.rate}{shaped}{self.measured}"
 
     def close(self):
-        for h in range(8):
-            subprocess.run(["ip", "netns", "del", self.ns(h)], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.BRIDGE], capture_output=True)
+        for ns in self.made_ns:  # its veth pair goes with it
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        if self.made_bridge:
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        self.made_ns, self.made_bridge = [], False
 
 
 class Hosts:
@@ -293,7 +313,8 @@ def figure_round(args, runs):
     setups = [("gloo", 2), ("gloo", 3)]
     # Not MPI across namespaces: mpirun's ranks reach their local daemon
     # through the loopback, which a namespace of their own cuts off.
-    if not args.net and shutil.which("mpirun") and os.path.exists(os.path.join(args.bin, "..", "lib", "shmps", "libshmps_fed_mpi.so")):
+    mpi_plugin = os.path.join(args.bin, "..", "lib", "shmps", "libshmps_fed_mpi.so")
+    if not args.net and shutil.which("mpirun") and os.path.exists(mpi_plugin):
         setups += [("mpi", 2), ("mpi", 3)]
     for engine, hosts in setups:
         if engine == "gloo":
@@ -474,12 +495,14 @@ def main():
     out = args.out or tempfile.mkdtemp(prefix="federation")
     os.makedirs(out, exist_ok=True)
     runs = []
-    args.net = Network(args.netns, 4, args.delay) if args.netns else None
-    if args.net:
-        rtt, gbit = args.net.probe()
-        args.net.measured = f"; measured between two hosts: {rtt:.0f} us round trip, {gbit:.2f} Gbit/s one way"
-        print(f"network: {args.net.describe()}", flush=True)
+    if args.delay and not args.netns:
+        p.error("--delay needs --netns")
+    args.net = Network(args.netns, 4 if 1 in args.figures else 3, args.delay) if args.netns else None
     try:
+        if args.net:
+            rtt, gbit = args.net.probe()
+            args.net.measured = f"; measured between two hosts: {rtt:.0f} us round trip, {gbit:.2f} Gbit/s one way"
+            print(f"network: {args.net.describe()}", flush=True)
         for f, fn in ((3, figure_round), (4, figure_serve), (1, figure_parity), (2, figure_sweep)):
             if f in args.figures:
                 print(f"figure {f}", flush=True)
