@@ -364,15 +364,25 @@ BOOST_AUTO_TEST_CASE(a_host_waiting_to_join_makes_every_member_regroup) {
   }
 }
 
-BOOST_AUTO_TEST_CASE(hosts_serving_other_models_are_refused_naming_both) {
-  ModelFingerprint other = fingerprint(kN, 3);
-  other.hash = 0x9999;
-  Hosts hosts(2, FederationConfig{}, {fingerprint(), other});
+namespace {
+
+// The joins of two hosts serving `a` and `b`.
+std::vector<Status> joins_of(const ModelFingerprint& a, const ModelFingerprint& b) {
+  Hosts hosts(2, FederationConfig{}, {a, b});
   std::vector<Status> status(2);
   hosts.run([&](uint32_t r, Federator& f) {
     std::vector<float> ex(kN, 0.0f);
     status[r] = f.join(ex).status();
   });
+  return status;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(hosts_serving_other_models_are_refused_naming_both) {
+  ModelFingerprint other = fingerprint(kN, 3);
+  other.hash = 0x9999;
+  const std::vector<Status> status = joins_of(fingerprint(), other);
   for (uint32_t r = 0; r < 2; ++r) {
     BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
     const std::string& m = status[r].message();
@@ -398,12 +408,7 @@ BOOST_AUTO_TEST_CASE(hosts_with_other_outer_steps_are_refused_naming_both) {
                                                                     {unweighted, "outer nesterov unweighted (lr 0.7,"},
                                                                     {other_lr, "(lr 0.5,"}};
   for (const auto& [other, named] : others) {
-    Hosts hosts(2, FederationConfig{}, {model_fingerprint(base), model_fingerprint(other)});
-    std::vector<Status> status(2);
-    hosts.run([&](uint32_t r, Federator& f) {
-      std::vector<float> ex(kN, 0.0f);
-      status[r] = f.join(ex).status();
-    });
+    const std::vector<Status> status = joins_of(model_fingerprint(base), model_fingerprint(other));
     for (uint32_t r = 0; r < 2; ++r) {
       BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
       const std::string& m = status[r].message();
