@@ -26,9 +26,6 @@ constexpr uint32_t kFlagRegroup = 1u << 3;   // a round: this host's engine saw 
 struct Federator::Header {
   uint64_t magic;
   uint64_t round;  // the round this call completes; the join: the restored round (0: none)
-  // The membership epoch in which this host's last round completed
-  // (kUnknownEpoch: restored from a checkpoint, or none).
-  uint64_t round_epoch;
   uint64_t local_updates;
   uint64_t anchor_hash;
   ModelFingerprint model;
@@ -177,7 +174,6 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   Header mine{};
   mine.magic = kHeaderMagic;
   mine.round = joined_ ? round_ + 1 : round_;
-  mine.round_epoch = round_epoch_;
   mine.local_updates = local_updates;
   mine.anchor_hash = anchor_hash_;
   mine.model = fingerprint_;
@@ -213,7 +209,7 @@ Status Federator::restore(FederationState state) {
   if (state.anchor.size() != anchor_.size() || (!state.momentum.empty() && state.momentum.size() != anchor_.size()))
     return {ErrorCode::kInvalidArgument, "federation: the checkpoint's anchor does not fit this model"};
   round_ = state.round;
-  round_epoch_ = kUnknownEpoch;
+  history_ = {};
   forget_failed_round();
   restored_ = true;
   anchor_ = std::move(state.anchor);
@@ -238,13 +234,38 @@ std::optional<FederationState> Federator::state() const {
   return s;
 }
 
-Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum) {
+void RoundEpochs::completed(uint64_t round, uint64_t epoch) noexcept {
+  size_t used = 0;
+  while (used < kSpans && spans[used].first != 0) ++used;
+  if (used > 0 && spans[used - 1].epoch == epoch && spans[used - 1].last + 1 == round) {
+    spans[used - 1].last = round;
+    return;
+  }
+  if (used == kSpans) {
+    std::move(spans.begin() + 1, spans.end(), spans.begin());
+    used = kSpans - 1;
+  }
+  spans[used] = {epoch, round, round};
+}
+
+bool RoundEpochs::holds(uint64_t round, uint64_t epoch) const noexcept {
+  return std::any_of(spans.begin(), spans.end(), [&](const Span& s) {
+    return s.first != 0 && s.epoch == epoch && s.first <= round && round <= s.last;
+  });
+}
+
+Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, RoundEpochs* history) {
   // Into scratch first: a broadcast that fails halfway (a host gone) must
   // leave this host's anchor and momentum as they were.
   std::vector<float>& anchor_in = payload_;
   if (engine_.membership().rank == root) std::copy(anchor_.begin(), anchor_.end(), anchor_in.begin());
   if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(anchor_in)), root); !s.ok()) return s;
   uint64_t sent = anchor_in.size() * sizeof(float);
+  if (history != nullptr) {
+    *history = history_;
+    if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(history, 1)), root); !s.ok()) return s;
+    sent += sizeof *history;
+  }
   uint32_t started = momentum_started_ ? 1 : 0;
   std::vector<float> momentum_in;
   if (with_momentum && !momentum_.empty()) {
@@ -278,7 +299,8 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   }
   // A fresh group takes rank 0's weights as its anchor.
   if (!r.resumed && m.rank == 0) std::copy(exchange.begin(), exchange.end(), anchor_.begin());
-  Result<uint64_t> sent = receive_state(r.source_rank, r.resumed);
+  RoundEpochs history;  // the source's: which epoch completed the rounds its anchor holds
+  Result<uint64_t> sent = receive_state(r.source_rank, r.resumed, r.resumed ? &history : nullptr);
   if (!sent.ok()) return sent.status();
   const std::vector<float>& incoming = payload_;  // the group's anchor (receive_state())
   const uint64_t group_round = r.resumed ? all[r.source_rank].round : 0;
@@ -293,15 +315,14 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   // epoch holds this host's delta S - A of its snapshot S (an allreduce
   // that completed anywhere summed every member's): only the drift since
   // that snapshot is kept, W + (A' - S).
-  r.failed_round_merged = r.drift_kept && failed_.round != 0 && failed_.round == group_round &&
-                          failed_.epoch == all[r.source_rank].round_epoch;
+  r.failed_round_merged = r.drift_kept && failed_.round != 0 && history.holds(failed_.round, failed_.epoch);
   const std::vector<float>& base = r.failed_round_merged ? failed_.snapshot : anchor_;
   for (size_t i = 0; i < exchange.size(); ++i)
     exchange[i] = r.drift_kept ? incoming[i] - base[i] : incoming[i] - exchange[i];
   std::copy(incoming.begin(), incoming.end(), anchor_.begin());
   round_ = group_round;
   if (!r.resumed) round_ = 0;
-  round_epoch_ = r.resumed ? all[r.source_rank].round_epoch : m.epoch;
+  history_ = history;
   forget_failed_round();
   anchor_hash_ = hash_floats(anchor_);
   group_every_ms_ = group_every_ms;
@@ -371,7 +392,7 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
     outer_step(exchange, divisor);  // and the new anchor's hash
   }
   ++round_;
-  round_epoch_ = engine_.membership().epoch;
+  history_.completed(round_, engine_.membership().epoch);
   forget_failed_round();
   r.round = round_;
   return r;

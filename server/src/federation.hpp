@@ -6,6 +6,7 @@
 // order (docs/federation.md, "A round").
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -58,6 +59,26 @@ void apply_rank_in_name(ServerConfig& config, uint32_t rank);
 // across hosts; not cryptographic).
 uint64_t hash_floats(std::span<const float> values) noexcept;
 
+// Which membership epoch completed which rounds: the last kSpans runs of
+// consecutive rounds that one epoch completed, oldest first (rounds count
+// from 1: a span with first 0 is empty). Fixed-size: it crosses hosts as
+// bytes at the join.
+struct RoundEpochs {
+  static constexpr size_t kSpans = 8;
+  struct Span {
+    uint64_t epoch = 0;
+    uint64_t first = 0;
+    uint64_t last = 0;
+  };
+  std::array<Span, kSpans> spans{};
+
+  // Round `round` completed in `epoch`.
+  void completed(uint64_t round, uint64_t epoch) noexcept;
+  // Whether round `round` is known to have completed in `epoch`.
+  bool holds(uint64_t round, uint64_t epoch) const noexcept;
+};
+static_assert(std::is_trivially_copyable_v<RoundEpochs>);
+
 struct RoundResult {
   uint64_t round = 0;             // the round this call completed (1 for the first)
   uint32_t members = 0;           // hosts in it
@@ -83,7 +104,7 @@ struct RoundResult {
 class Federator {
  public:
   // What every member sends before any delta moves (the header).
-  static constexpr uint64_t kHeaderBytes = 88;
+  static constexpr uint64_t kHeaderBytes = 80;
 
   // `fingerprint.total_elements` sizes every span below.
   Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint);
@@ -102,9 +123,10 @@ class Federator {
   // W + (A - own anchor), but for a checkpoint older than the source's
   // round (its drift went into the rounds after it); a member without a
   // state, or with such a checkpoint, takes W = A. A member whose last
-  // round failed at its end (its allreduce) while the source completed it
-  // in the same epoch keeps only the drift since that round's snapshot S:
-  // W + (A - S), its delta being in A already. A join that fails
+  // round failed at its end (its allreduce) while the source's rounds
+  // show it completed in the same epoch keeps only the drift since that
+  // round's snapshot S: W + (A - S), its delta being in A already. A join
+  // that fails
   // leaves this host's state as it was. `exchange` holds this host's weights S on entry and the
   // correction on return (the consumer adds it to W). Errors:
   // kInvalidArgument when the models differ (the message names both), the
@@ -154,8 +176,9 @@ class Federator {
   Result<uint64_t> repair_anchor();
   // Broadcasts `root`'s anchor into payload_ (and, `with_momentum`, its
   // outer momentum into momentum_, committed only once every collective
-  // went through); the bytes this host sent.
-  Result<uint64_t> receive_state(uint32_t root, bool with_momentum);
+  // went through; with `history`, its RoundEpochs into *history); the
+  // bytes this host sent.
+  Result<uint64_t> receive_state(uint32_t root, bool with_momentum, RoundEpochs* history = nullptr);
   // A' from A and the mean delta (payload_ / divisor); writes A' - S into
   // exchange, and A''s hash.
   void outer_step(std::span<float> exchange, float divisor);
@@ -164,13 +187,11 @@ class Federator {
     failed_.snapshot = {};
   }
 
-  static constexpr uint64_t kUnknownEpoch = ~uint64_t{0};
-
   FederationConfig config_;
   FederationEngine& engine_;
   ModelFingerprint fingerprint_;
   uint64_t round_ = 0;
-  uint64_t round_epoch_ = kUnknownEpoch;  // the membership epoch in which round_ completed
+  RoundEpochs history_;  // of the rounds up to round_ (none known after a restore)
   uint64_t anchor_hash_ = 0;
   uint32_t group_every_ms_ = 0;
   bool joined_ = false;

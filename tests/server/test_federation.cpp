@@ -548,6 +548,79 @@ BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_at_th
   }
 }
 
+// The rounds' epochs: consecutive rounds of one epoch share a span; the
+// oldest span goes once there are more than kSpans.
+BOOST_AUTO_TEST_CASE(round_epochs_keep_the_last_spans) {
+  RoundEpochs h;
+  BOOST_TEST(!h.holds(1, 0));
+  uint64_t round = 0;
+  for (uint64_t epoch = 0; epoch < RoundEpochs::kSpans + 2; ++epoch)
+    for (int k = 0; k < 3; ++k) h.completed(++round, epoch);  // epoch e: rounds 3e+1 .. 3e+3
+  BOOST_TEST(!h.holds(1, 0));                                 // epochs 0 and 1 fell out
+  BOOST_TEST(!h.holds(6, 1));
+  BOOST_TEST(h.holds(7, 2));
+  BOOST_TEST(h.holds(9, 2));
+  BOOST_TEST(!h.holds(9, 3));  // another epoch's
+  BOOST_TEST(h.holds(round, RoundEpochs::kSpans + 1));
+  BOOST_TEST(!h.holds(round + 1, RoundEpochs::kSpans + 1));
+}
+
+// The same, when the members that completed the round went on without the
+// one that saw it fail (a round of their own, in another epoch) before it
+// joins again: the source's rounds still show round 2 completed in the
+// epoch it failed in.
+BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_after_later_rounds) {
+  FederationConfig config;
+  config.weight_by_updates = false;
+  Hosts hosts(3, config);
+  hosts.engines[2]->fail_after_at = 6;  // round 2's allreduce (as above)
+  std::vector<std::vector<float>> weights(3);
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 1.0f);
+    (void)f.join(ex);
+    for (uint32_t k = 0; k < 2; ++k) {
+      for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + 0.125f * static_cast<float>(r + 1);
+      weights[r] = ex;
+      (void)f.round(ex, 1);
+    }
+    for (size_t i = 0; i < kN; ++i) weights[r][i] += r == 2 ? 0.0625f : ex[i];  // host 2: applied since its S
+  });
+  BOOST_TEST_REQUIRE(hosts.feds[0]->round_number() == 2u);
+  BOOST_TEST_REQUIRE(hosts.feds[2]->round_number() == 1u);
+  // Hosts 0 and 1 go on in a group of two: round 3, host 0's delta 0.5.
+  auto pair = std::make_shared<FakeGroup>(2);
+  for (uint32_t r = 0; r < 2; ++r) hosts.engines[r]->move_to(pair, r);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      Federator& f = *hosts.feds[r];
+      f.rejoin();
+      std::vector<float> ex = weights[r];
+      (void)f.join(ex);
+      for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + (r == 0 ? 0.5f : 0.0f);
+      (void)f.round(ex, 1);
+      weights[r] = ex;  // W = A3 after the merge: the correction is A3 - S
+      for (size_t i = 0; i < kN; ++i) weights[r][i] = f.anchor()[i];
+    });
+  for (auto& t : threads) t.join();
+  BOOST_TEST_REQUIRE(hosts.feds[0]->round_number() == 3u);
+  const std::vector<float> a3(hosts.feds[0]->anchor().begin(), hosts.feds[0]->anchor().end());
+  // All three again.
+  auto all = std::make_shared<FakeGroup>(3);
+  for (uint32_t r = 0; r < 3; ++r) hosts.engines[r]->move_to(all, r);
+  std::vector<Result<RoundResult>> rejoined(3, Status{ErrorCode::kInternal, "not run"});
+  std::vector<std::vector<float>> corrections = weights;
+  hosts.run([&](uint32_t r, Federator& f) {
+    f.rejoin();
+    rejoined[r] = f.join(corrections[r]);
+  });
+  for (uint32_t r = 0; r < 3; ++r) BOOST_TEST_REQUIRE(rejoined[r].ok(), rejoined[r].status().to_string());
+  BOOST_TEST(rejoined[2]->round == 3u);
+  BOOST_TEST(rejoined[2]->failed_round_merged);
+  for (size_t i = 0; i < kN; i += 41)
+    BOOST_TEST(std::abs(weights[2][i] + corrections[2][i] - (a3[i] + 0.0625f)) <= 1e-6f, i);
+}
+
 // ---------------------------------------------------------------- servers
 
 namespace {

@@ -71,6 +71,14 @@ class FakeEngine final : public server::FederationEngine {
     return Reform::kFormed;
   }
   bool joiner_waiting() override { return joiner; }
+  // Into another group (as `rank`), under the next epoch: a group that
+  // went on without some members, or took them back. Between collectives
+  // only.
+  void move_to(std::shared_ptr<FakeGroup> group, uint32_t rank) {
+    group_ = std::move(group);
+    rank_ = rank;
+    ++epoch_;
+  }
 
   Status allreduce_sum(std::span<float> data) override {
     if (failing()) return fail();
