@@ -4,6 +4,7 @@
 #include <bit>
 #include <cstdio>
 #include <cstring>
+#include <new>
 #include <string_view>
 #include <type_traits>
 
@@ -315,15 +316,22 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   // epoch holds this host's delta S - A of its snapshot S (an allreduce
   // that completed anywhere summed every member's): only the drift since
   // that snapshot is kept, W + (A' - S).
+  // A group still behind that round cannot have merged it: the snapshot
+  // is kept for a later join, rebased onto this group's anchor as the
+  // drift is.
   r.failed_round_merged = r.drift_kept && failed_.round != 0 && history.holds(failed_.round, failed_.epoch);
+  if (r.failed_round_merged) r.failed_round_updates = failed_.updates;
+  const bool keep_failed = r.drift_kept && failed_.round != 0 && group_round < failed_.round;
   const std::vector<float>& base = r.failed_round_merged ? failed_.snapshot : anchor_;
-  for (size_t i = 0; i < exchange.size(); ++i)
+  for (size_t i = 0; i < exchange.size(); ++i) {
+    if (keep_failed) failed_.snapshot[i] += incoming[i] - anchor_[i];
     exchange[i] = r.drift_kept ? incoming[i] - base[i] : incoming[i] - exchange[i];
+  }
   std::copy(incoming.begin(), incoming.end(), anchor_.begin());
   round_ = group_round;
   if (!r.resumed) round_ = 0;
   history_ = history;
-  forget_failed_round();
+  if (!keep_failed) forget_failed_round();
   anchor_hash_ = hash_floats(anchor_);
   group_every_ms_ = group_every_ms;
   joined_ = has_state_ = true;
@@ -331,6 +339,18 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   r.round = round_;
   r.bytes = kHeaderBytes + *sent;
   return r;
+}
+
+void Federator::keep_failed_round(std::span<const float> snapshot, uint64_t local_updates) noexcept {
+  try {
+    failed_.snapshot.assign(snapshot.begin(), snapshot.end());
+  } catch (const std::bad_alloc&) {
+    forget_failed_round();  // without the memory: as if nobody had completed it
+    return;
+  }
+  failed_.round = round_ + 1;
+  failed_.epoch = engine_.membership().epoch;
+  failed_.updates = local_updates;
 }
 
 Result<uint64_t> Federator::repair_anchor() {
@@ -381,11 +401,13 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
     for (size_t i = 0; i < exchange.size(); ++i) payload_[i] = w * (exchange[i] - anchor_[i]);
     if (Status s = engine_.allreduce_sum(payload_); !s.ok()) {
       // Other members may have completed it (a host that died at its very
-      // end): the join after compares, and keeps S to tell which drift
-      // they merged.
-      failed_.round = round_ + 1;
-      failed_.epoch = engine_.membership().epoch;
-      failed_.snapshot.assign(exchange.begin(), exchange.end());
+      // end): the join after compares, and needs S to tell which drift
+      // they merged. Only an elastic engine joins again.
+      if (engine_.elastic()) {
+        keep_failed_round(exchange, local_updates);
+      } else {
+        forget_failed_round();
+      }
       return s;
     }
     r.bytes += payload_.size() * sizeof(float);

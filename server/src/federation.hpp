@@ -99,6 +99,7 @@ struct RoundResult {
   // the same epoch, with this host's delta in it: the drift kept is only
   // what was applied after that round's snapshot.
   bool failed_round_merged = false;
+  uint64_t failed_round_updates = 0;  // then: that round's local updates, merged with it
 };
 
 class Federator {
@@ -182,6 +183,8 @@ class Federator {
   // A' from A and the mean delta (payload_ / divisor); writes A' - S into
   // exchange, and A''s hash.
   void outer_step(std::span<float> exchange, float divisor);
+  // Records the round in progress as failed here, with its snapshot.
+  void keep_failed_round(std::span<const float> snapshot, uint64_t local_updates) noexcept;
   void forget_failed_round() noexcept {
     failed_.round = 0;
     failed_.snapshot = {};
@@ -201,11 +204,13 @@ class Federator {
   std::vector<float> anchor_;
   std::vector<float> payload_;   // the weighted deltas, summed in place by the engine
   std::vector<float> momentum_;  // kNesterov only
-  // The last round, when its allreduce failed here: its number, its epoch
-  // and this host's snapshot S (round 0: none; kept until the next join).
+  // The last round, when its allreduce failed here (an elastic engine):
+  // its number, its epoch, this host's snapshot S and local updates (round
+  // 0: none). Kept until a join into a group at or past that round.
   struct FailedRound {
     uint64_t round = 0;
     uint64_t epoch = 0;
+    uint64_t updates = 0;
     std::vector<float> snapshot;
   } failed_;
 };

@@ -232,7 +232,6 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
   Result<RoundResult> r = join ? federator_.join(exchange_) : federator_.round(exchange_, unmerged_updates_);
   const std::string what = join ? std::string("the join") : "round " + std::to_string(federator_.round_number() + 1);
   if (!r.ok()) {
-    if (!join) unmerged_at_failure_ = unmerged_updates_;
     // relaxed: statistics.
     with_stats([](shm::StatsBlock& s) { s.fed_failures.fetch_add(1, std::memory_order_relaxed); });
     log::error(r.status().message());
@@ -257,7 +256,7 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
   publish(*r, static_cast<uint64_t>(std::chrono::nanoseconds(Clock::now() - start).count()));
   // Merged, or gone: a join that does not keep the drift sets W = A.
   if (!join || !r->drift_kept) unmerged_updates_ = 0;
-  if (join && r->failed_round_merged) unmerged_updates_ -= std::min(unmerged_updates_, unmerged_at_failure_);
+  if (join) unmerged_updates_ -= std::min(unmerged_updates_, r->failed_round_updates);
   if (join) {
     // relaxed: read by stop() for its timeout only.
     group_every_ms_.store(federator_.group_every_ms(), std::memory_order_relaxed);

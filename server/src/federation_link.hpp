@@ -137,9 +137,6 @@ class FederationLink {
   // Local updates in the snapshots since the last merged round: a round
   // abandoned, or a join, merges none of them (they stay in W - A).
   uint64_t unmerged_updates_ = 0;
-  // unmerged_updates_ as of the last round that failed here: those the
-  // join subtracts when the source had completed that round (with them).
-  uint64_t unmerged_at_failure_ = 0;
 
   // ---- owned by whoever `phase_` names (SYNC(fed_phase))
   std::vector<float> exchange_;

@@ -489,17 +489,20 @@ BOOST_AUTO_TEST_CASE(an_engine_failure_leaves_the_anchor_unchanged) {
 // A host whose round failed at the very end of its allreduce, while the
 // other member completed it (its delta in the new anchor): at the join
 // after, it keeps only the drift since that round's snapshot, W + (A' -
-// S), and not W + (A' - A), which would count its delta twice. A round
-// failed in another epoch than the one the source completed it in (its
-// delta not in that anchor) keeps the whole drift.
+// S), and not W + (A' - A), which would count its delta twice. A host
+// whose round 2 failed where the other completed a round 2 without it (a
+// group of its own, another epoch: its delta not in that anchor) keeps
+// the whole drift.
 BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_at_the_join) {
   for (bool same_epoch : {true, false}) {
     FederationConfig config;
     config.weight_by_updates = false;
     Hosts hosts(2, config);
+    for (auto& engine : hosts.engines) engine->is_elastic = true;  // a failed round is followed by a join
     // Host 1's collectives: the join's allgather and broadcast (1, 2),
-    // round 1's allgather and allreduce (3, 4), round 2's (5, 6).
-    hosts.engines[1]->fail_after_at = 6;
+    // round 1's allgather and allreduce (3, 4), round 2's (5, 6): after
+    // meeting host 0, or alone and before any meeting.
+    (same_epoch ? hosts.engines[1]->fail_after_at : hosts.engines[1]->fail_at) = 6;
     const std::vector<float> init(kN, 1.0f);
     std::vector<Result<RoundResult>> second(2, Status{ErrorCode::kInternal, "not run"});
     std::vector<Result<RoundResult>> rejoined(2, Status{ErrorCode::kInternal, "not run"});
@@ -513,9 +516,7 @@ BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_at_th
       std::vector<float> s(f.anchor().begin(), f.anchor().end());
       for (float& v : s) v += r == 0 ? 0.25f : 1.0f;  // round 2: deltas 0.25 and 1
       ex = s;
-      // The other case: host 1 attempts round 2 under an epoch of its own
-      // (the fake group still meets), host 0 completes it in epoch 0.
-      if (!same_epoch && r == 1) hosts.engines[1]->reform(nullptr, {});
+      if (!same_epoch) hosts.engines[r]->move_to(std::make_shared<FakeGroup>(1), 0);  // each alone
       second[r] = f.round(ex, 1);
       // Host 0 merged (W = A2 + 0.125 applied since); host 1 saw the round
       // fail and applied 0.0625 more after its snapshot.
@@ -527,8 +528,8 @@ BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_at_th
     a2.assign(hosts.feds[0]->anchor().begin(), hosts.feds[0]->anchor().end());
     BOOST_TEST(hosts.feds[0]->round_number() == 2u);
     BOOST_TEST(hosts.feds[1]->round_number() == 1u);
-    for (auto& engine : hosts.engines) engine->reform(nullptr, {});
-    hosts.engines[1]->fail_after_at = 0;
+    auto pair = std::make_shared<FakeGroup>(2);
+    for (uint32_t r = 0; r < 2; ++r) hosts.engines[r]->move_to(pair, r);
     hosts.run([&](uint32_t r, Federator& f) {
       f.rejoin();
       corrections[r] = weights[r];
@@ -541,7 +542,8 @@ BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_at_th
     BOOST_TEST(!rejoined[0]->failed_round_merged);
     for (size_t i = 0; i < kN; i += 41) {
       BOOST_TEST(weights[0][i] + corrections[0][i] == a2[i] + 0.125f);  // its own round: drift kept whole
-      // A2 = A1 + (0.25 + 1) / 2; host 1's 1.0 is in it once.
+      // A2 = A1 + (0.25 + 1) / 2, host 1's 1.0 in it once; or A1 + 0.25,
+      // without it.
       const float want = same_epoch ? a2[i] + 0.0625f : a2[i] + 1.0625f;
       BOOST_TEST(std::abs(weights[1][i] + corrections[1][i] - want) <= 1e-6f, i);
     }
@@ -565,60 +567,115 @@ BOOST_AUTO_TEST_CASE(round_epochs_keep_the_last_spans) {
   BOOST_TEST(!h.holds(round + 1, RoundEpochs::kSpans + 1));
 }
 
-// The same, when the members that completed the round went on without the
-// one that saw it fail (a round of their own, in another epoch) before it
-// joins again: the source's rounds still show round 2 completed in the
-// epoch it failed in.
+namespace {
+
+// Runs body(host, federator) for `members` (hosts' indices) as one group
+// of their own (a new FakeGroup, a new epoch), each on a thread.
+void run_group(Hosts& hosts, const std::vector<uint32_t>& members,
+               const std::function<void(uint32_t, Federator&)>& body) {
+  auto group = std::make_shared<FakeGroup>(static_cast<uint32_t>(members.size()));
+  for (uint32_t rank = 0; rank < members.size(); ++rank) hosts.engines[members[rank]]->move_to(group, rank);
+  std::vector<std::thread> threads;
+  for (uint32_t h : members) threads.emplace_back([&, h] { body(h, *hosts.feds[h]); });
+  for (auto& t : threads) t.join();
+}
+
+}  // namespace
+
+// The same, later: hosts 0 and 1 complete round 2, host 2 sees it fail.
+// Host 0 goes on with host 3 (new, its rounds' epochs from host 0 by the
+// join) for round 3; then host 3 is the source when host 2 joins again,
+// and what it holds of round 2 came to it by the join.
 BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_after_later_rounds) {
   FederationConfig config;
   config.weight_by_updates = false;
-  Hosts hosts(3, config);
+  Hosts hosts(4, config);
+  for (auto& engine : hosts.engines) engine->is_elastic = true;
   hosts.engines[2]->fail_after_at = 6;  // round 2's allreduce (as above)
-  std::vector<std::vector<float>> weights(3);
-  hosts.run([&](uint32_t r, Federator& f) {
-    std::vector<float> ex(kN, 1.0f);
+  std::vector<std::vector<float>> weights(4, std::vector<float>(kN, 1.0f));
+  run_group(hosts, {0, 1, 2}, [&](uint32_t h, Federator& f) {
+    std::vector<float> ex = weights[h];
     (void)f.join(ex);
     for (uint32_t k = 0; k < 2; ++k) {
-      for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + 0.125f * static_cast<float>(r + 1);
-      weights[r] = ex;
+      for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + 0.125f * static_cast<float>(h + 1);
+      weights[h] = ex;
       (void)f.round(ex, 1);
     }
-    for (size_t i = 0; i < kN; ++i) weights[r][i] += r == 2 ? 0.0625f : ex[i];  // host 2: applied since its S
+    for (size_t i = 0; i < kN; ++i) weights[h][i] += h == 2 ? 0.0625f : ex[i];  // host 2: applied since its S
   });
   BOOST_TEST_REQUIRE(hosts.feds[0]->round_number() == 2u);
   BOOST_TEST_REQUIRE(hosts.feds[2]->round_number() == 1u);
-  // Hosts 0 and 1 go on in a group of two: round 3, host 0's delta 0.5.
-  auto pair = std::make_shared<FakeGroup>(2);
-  for (uint32_t r = 0; r < 2; ++r) hosts.engines[r]->move_to(pair, r);
-  std::vector<std::thread> threads;
-  for (uint32_t r = 0; r < 2; ++r)
-    threads.emplace_back([&, r] {
-      Federator& f = *hosts.feds[r];
-      f.rejoin();
-      std::vector<float> ex = weights[r];
-      (void)f.join(ex);
-      for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + (r == 0 ? 0.5f : 0.0f);
-      (void)f.round(ex, 1);
-      weights[r] = ex;  // W = A3 after the merge: the correction is A3 - S
-      for (size_t i = 0; i < kN; ++i) weights[r][i] = f.anchor()[i];
-    });
-  for (auto& t : threads) t.join();
-  BOOST_TEST_REQUIRE(hosts.feds[0]->round_number() == 3u);
-  const std::vector<float> a3(hosts.feds[0]->anchor().begin(), hosts.feds[0]->anchor().end());
-  // All three again.
-  auto all = std::make_shared<FakeGroup>(3);
-  for (uint32_t r = 0; r < 3; ++r) hosts.engines[r]->move_to(all, r);
-  std::vector<Result<RoundResult>> rejoined(3, Status{ErrorCode::kInternal, "not run"});
-  std::vector<std::vector<float>> corrections = weights;
-  hosts.run([&](uint32_t r, Federator& f) {
+  run_group(hosts, {0, 3}, [&](uint32_t h, Federator& f) {
     f.rejoin();
-    rejoined[r] = f.join(corrections[r]);
+    std::vector<float> ex = weights[h];
+    (void)f.join(ex);  // host 3: W = A2
+    for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + (h == 0 ? 0.5f : 0.0f);
+    (void)f.round(ex, 1);
+    weights[h].assign(f.anchor().begin(), f.anchor().end());  // W = A3 after the merge
   });
-  for (uint32_t r = 0; r < 3; ++r) BOOST_TEST_REQUIRE(rejoined[r].ok(), rejoined[r].status().to_string());
+  BOOST_TEST_REQUIRE(hosts.feds[3]->round_number() == 3u);
+  const std::vector<float> a3(hosts.feds[3]->anchor().begin(), hosts.feds[3]->anchor().end());
+  std::vector<Result<RoundResult>> rejoined(4, Status{ErrorCode::kInternal, "not run"});
+  std::vector<std::vector<float>> corrections = weights;
+  run_group(hosts, {3, 2}, [&](uint32_t h, Federator& f) {
+    f.rejoin();
+    rejoined[h] = f.join(corrections[h]);
+  });
+  for (uint32_t h : {2u, 3u}) BOOST_TEST_REQUIRE(rejoined[h].ok(), rejoined[h].status().to_string());
   BOOST_TEST(rejoined[2]->round == 3u);
+  BOOST_TEST(rejoined[2]->source_rank == 0u);  // host 3
   BOOST_TEST(rejoined[2]->failed_round_merged);
+  BOOST_TEST(rejoined[2]->failed_round_updates == 1u);
   for (size_t i = 0; i < kN; i += 41)
     BOOST_TEST(std::abs(weights[2][i] + corrections[2][i] - (a3[i] + 0.0625f)) <= 1e-6f, i);
+}
+
+// Hosts 1 and 2 see round 2 fail while host 0 completes it; the two meet
+// first in a group of their own, still at round 1 (one that cannot have
+// merged round 2), then join host 0: each keeps its snapshot through the
+// first join and takes only its drift since it at the second.
+BOOST_AUTO_TEST_CASE(a_failed_round_is_remembered_through_a_join_of_a_group_behind_it) {
+  FederationConfig config;
+  config.weight_by_updates = false;
+  Hosts hosts(3, config);
+  for (auto& engine : hosts.engines) engine->is_elastic = true;
+  for (uint32_t h : {1u, 2u}) hosts.engines[h]->fail_after_at = 6;
+  std::vector<std::vector<float>> weights(3, std::vector<float>(kN, 1.0f));
+  run_group(hosts, {0, 1, 2}, [&](uint32_t h, Federator& f) {
+    std::vector<float> ex = weights[h];
+    (void)f.join(ex);
+    for (uint32_t k = 0; k < 2; ++k) {
+      for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + 0.125f * static_cast<float>(h + 1);
+      weights[h] = ex;
+      (void)f.round(ex, 1);
+    }
+    for (size_t i = 0; i < kN; ++i) weights[h][i] += h == 0 ? ex[i] : 0.0625f;
+  });
+  BOOST_TEST_REQUIRE(hosts.feds[0]->round_number() == 2u);
+  const std::vector<float> a2(hosts.feds[0]->anchor().begin(), hosts.feds[0]->anchor().end());
+  std::vector<Result<RoundResult>> behind(3, Status{ErrorCode::kInternal, "not run"});
+  run_group(hosts, {1, 2}, [&](uint32_t h, Federator& f) {
+    f.rejoin();
+    std::vector<float> ex = weights[h];
+    behind[h] = f.join(ex);
+    for (size_t i = 0; i < kN; ++i) weights[h][i] += ex[i];
+  });
+  for (uint32_t h : {1u, 2u}) {
+    BOOST_TEST_REQUIRE(behind[h].ok(), behind[h].status().to_string());
+    BOOST_TEST(!behind[h]->failed_round_merged);
+  }
+  std::vector<Result<RoundResult>> rejoined(3, Status{ErrorCode::kInternal, "not run"});
+  std::vector<std::vector<float>> corrections = weights;
+  run_group(hosts, {0, 1, 2}, [&](uint32_t h, Federator& f) {
+    f.rejoin();
+    rejoined[h] = f.join(corrections[h]);
+  });
+  for (uint32_t h = 0; h < 3; ++h) BOOST_TEST_REQUIRE(rejoined[h].ok(), rejoined[h].status().to_string());
+  for (uint32_t h : {1u, 2u}) {
+    BOOST_TEST(rejoined[h]->failed_round_merged);
+    for (size_t i = 0; i < kN; i += 41)
+      BOOST_TEST(std::abs(weights[h][i] + corrections[h][i] - (a2[i] + 0.0625f)) <= 1e-6f, i);
+  }
 }
 
 // ---------------------------------------------------------------- servers

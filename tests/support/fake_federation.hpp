@@ -24,8 +24,11 @@ namespace shmps::test {
 
 class FakeGroup {
  public:
-  explicit FakeGroup(uint32_t size) : size_(size), inputs_(size) {}
+  explicit FakeGroup(uint32_t size) : size_(size), epoch_(++formed_), inputs_(size) {}
   uint32_t size() const { return size_; }
+  // An epoch of its own, for members moved into it (FakeEngine::move_to):
+  // unique in the process, as a real engine's is in its job.
+  uint64_t epoch() const { return epoch_; }
 
   // One collective step: `in` of every member, combined by `combine` (run
   // once, by the last to arrive, over all inputs in rank order) into the
@@ -47,7 +50,9 @@ class FakeGroup {
   }
 
  private:
+  inline static std::atomic<uint64_t> formed_{0};
   const uint32_t size_;
+  const uint64_t epoch_;
   std::mutex mu_;
   std::condition_variable cv_;
   uint32_t arrived_ = 0;
@@ -71,13 +76,13 @@ class FakeEngine final : public server::FederationEngine {
     return Reform::kFormed;
   }
   bool joiner_waiting() override { return joiner; }
-  // Into another group (as `rank`), under the next epoch: a group that
-  // went on without some members, or took them back. Between collectives
-  // only.
+  // Into another group (as `rank`), under that group's epoch: a group
+  // that went on without some members, or took them back. Between
+  // collectives only.
   void move_to(std::shared_ptr<FakeGroup> group, uint32_t rank) {
     group_ = std::move(group);
     rank_ = rank;
-    ++epoch_;
+    epoch_ = group_->epoch();
   }
 
   Status allreduce_sum(std::span<float> data) override {

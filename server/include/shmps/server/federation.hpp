@@ -75,7 +75,10 @@ bool parse_outer_step(std::string_view text, OuterStep* out) noexcept;
 
 // Who this host is in the group: its rank in the current epoch, and its
 // id, which stays (the MPI rank; Gloo's --fed-host). The epoch counts
-// formations of the group (0 for an engine with static membership).
+// formations of the group (0 for an engine with static membership): one
+// epoch is one group of the job, never reused, and it changes only in
+// reform(), so that a round and its epoch name one allreduce (the join
+// tells by them whether a round a host saw fail was merged elsewhere).
 struct Membership {
   uint64_t epoch = 0;
   uint32_t rank = 0;
