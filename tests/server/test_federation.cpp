@@ -580,6 +580,28 @@ void run_group(Hosts& hosts, const std::vector<uint32_t>& members,
   for (auto& t : threads) t.join();
 }
 
+// Hosts 0, 1 and 2 of `hosts` (elastic) join and run two rounds (host h's
+// delta 0.125 (h + 1) in each); round 2's allreduce fails at `failing`
+// after meeting the others. Each host's weights after: A2 where round 2
+// merged, else its snapshot S plus 0.0625 applied since.
+std::vector<std::vector<float>> two_rounds_failing_at(Hosts& hosts, const std::vector<uint32_t>& failing) {
+  for (auto& engine : hosts.engines) engine->is_elastic = true;
+  for (uint32_t h : failing) hosts.engines[h]->fail_after_at = 6;  // round 2's allreduce (as above)
+  std::vector<std::vector<float>> weights(hosts.feds.size(), std::vector<float>(kN, 1.0f));
+  run_group(hosts, {0, 1, 2}, [&](uint32_t h, Federator& f) {
+    std::vector<float> ex = weights[h];
+    (void)f.join(ex);
+    for (uint32_t k = 0; k < 2; ++k) {
+      for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + 0.125f * static_cast<float>(h + 1);
+      weights[h] = ex;
+      (void)f.round(ex, 1);
+    }
+    const bool failed = std::find(failing.begin(), failing.end(), h) != failing.end();
+    for (size_t i = 0; i < kN; ++i) weights[h][i] += failed ? 0.0625f : ex[i];
+  });
+  return weights;
+}
+
 }  // namespace
 
 // The same, later: hosts 0 and 1 complete round 2, host 2 sees it fail.
@@ -590,19 +612,7 @@ BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_after
   FederationConfig config;
   config.weight_by_updates = false;
   Hosts hosts(4, config);
-  for (auto& engine : hosts.engines) engine->is_elastic = true;
-  hosts.engines[2]->fail_after_at = 6;  // round 2's allreduce (as above)
-  std::vector<std::vector<float>> weights(4, std::vector<float>(kN, 1.0f));
-  run_group(hosts, {0, 1, 2}, [&](uint32_t h, Federator& f) {
-    std::vector<float> ex = weights[h];
-    (void)f.join(ex);
-    for (uint32_t k = 0; k < 2; ++k) {
-      for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + 0.125f * static_cast<float>(h + 1);
-      weights[h] = ex;
-      (void)f.round(ex, 1);
-    }
-    for (size_t i = 0; i < kN; ++i) weights[h][i] += h == 2 ? 0.0625f : ex[i];  // host 2: applied since its S
-  });
+  std::vector<std::vector<float>> weights = two_rounds_failing_at(hosts, {2});
   BOOST_TEST_REQUIRE(hosts.feds[0]->round_number() == 2u);
   BOOST_TEST_REQUIRE(hosts.feds[2]->round_number() == 1u);
   run_group(hosts, {0, 3}, [&](uint32_t h, Federator& f) {
@@ -638,19 +648,7 @@ BOOST_AUTO_TEST_CASE(a_failed_round_is_remembered_through_a_join_of_a_group_behi
   FederationConfig config;
   config.weight_by_updates = false;
   Hosts hosts(3, config);
-  for (auto& engine : hosts.engines) engine->is_elastic = true;
-  for (uint32_t h : {1u, 2u}) hosts.engines[h]->fail_after_at = 6;
-  std::vector<std::vector<float>> weights(3, std::vector<float>(kN, 1.0f));
-  run_group(hosts, {0, 1, 2}, [&](uint32_t h, Federator& f) {
-    std::vector<float> ex = weights[h];
-    (void)f.join(ex);
-    for (uint32_t k = 0; k < 2; ++k) {
-      for (size_t i = 0; i < kN; ++i) ex[i] = f.anchor()[i] + 0.125f * static_cast<float>(h + 1);
-      weights[h] = ex;
-      (void)f.round(ex, 1);
-    }
-    for (size_t i = 0; i < kN; ++i) weights[h][i] += h == 0 ? ex[i] : 0.0625f;
-  });
+  std::vector<std::vector<float>> weights = two_rounds_failing_at(hosts, {1, 2});
   BOOST_TEST_REQUIRE(hosts.feds[0]->round_number() == 2u);
   const std::vector<float> a2(hosts.feds[0]->anchor().begin(), hosts.feds[0]->anchor().end());
   std::vector<Result<RoundResult>> behind(3, Status{ErrorCode::kInternal, "not run"});
