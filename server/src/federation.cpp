@@ -315,10 +315,9 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   // A round this host saw fail that the source completed in the same
   // epoch holds this host's delta S - A of its snapshot S (an allreduce
   // that completed anywhere summed every member's): only the drift since
-  // that snapshot is kept, W + (A' - S).
-  // A group still behind that round cannot have merged it: the snapshot
-  // is kept for a later join, rebased onto this group's anchor as the
-  // drift is.
+  // that snapshot is kept, W + (A' - S). A group still behind that round
+  // cannot have merged it: the snapshot is kept for a later join, rebased
+  // onto this group's anchor as the drift is.
   r.failed_round_merged = r.drift_kept && failed_.round != 0 && history.holds(failed_.round, failed_.epoch);
   if (r.failed_round_merged) r.failed_round_updates = failed_.updates;
   const bool keep_failed = r.drift_kept && failed_.round != 0 && group_round < failed_.round;

@@ -127,11 +127,10 @@ class Federator {
   // round failed at its end (its allreduce) while the source's rounds
   // show it completed in the same epoch keeps only the drift since that
   // round's snapshot S: W + (A - S), its delta being in A already. A join
-  // that fails
-  // leaves this host's state as it was. `exchange` holds this host's weights S on entry and the
-  // correction on return (the consumer adds it to W). Errors:
-  // kInvalidArgument when the models differ (the message names both), the
-  // engine's.
+  // that fails leaves this host's state as it was. `exchange` holds this
+  // host's weights S on entry and the correction on return (the consumer
+  // adds it to W). Errors: kInvalidArgument when the models differ (the
+  // message names both), the engine's.
   Result<RoundResult> join(std::span<float> exchange);
 
   // One round: `exchange` holds the snapshot S on entry, taken after

@@ -256,8 +256,9 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
   publish(*r, static_cast<uint64_t>(std::chrono::nanoseconds(Clock::now() - start).count()));
   // Merged, or gone: a join that does not keep the drift sets W = A.
   if (!join || !r->drift_kept) unmerged_updates_ = 0;
-  if (join) unmerged_updates_ -= std::min(unmerged_updates_, r->failed_round_updates);
   if (join) {
+    // A round that failed here but merged elsewhere took its updates.
+    unmerged_updates_ -= std::min(unmerged_updates_, r->failed_round_updates);
     // relaxed: read by stop() for its timeout only.
     group_every_ms_.store(federator_.group_every_ms(), std::memory_order_relaxed);
     engine_->set_group_period_ms(federator_.group_every_ms());

@@ -700,9 +700,10 @@ class Worker::Impl {
     }
   }
 
-  // The elements of tensor `tensor_id`, or of all (kAllTensors); 0 for an
-  // id out of range.
-  uint64_t elements_of(uint32_t tensor_id) const noexcept;
+  // A public pull's entry (enter(), the stream's event) and its request:
+  // tensor `tensor_id` (or kAllTensors) as fp32 into [byte_offset, ...) of
+  // buffer `buffer_id`, held at most what the timeout leaves.
+  Result<Request> begin_pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream);
 
   static Status to_status(const Completion& c) {
     if (c.code == 0) return Status::Ok();
@@ -1149,48 +1150,35 @@ Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
   return wait(*ticket);
 }
 
-namespace {
-
-// A pull of `tensor_id` (or kAllTensors) into [byte_offset, + its fp32
-// bytes) of buffer `buffer_id`, held at most what the worker's timeout
-// leaves (pull_wait_ns).
-Request pull_request(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t elements,
-                     std::chrono::milliseconds timeout) {
+Result<Request> Worker::Impl::begin_pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
+  if (Status s = enter(Call::kRequest); !s.ok()) return s;
+  if (Status s = record_event(buffer_id, stream); !s.ok()) return s;
+  const uint64_t elements = tensor_id == kAllTensors     ? total_elements
+                            : tensor_id < tensors.size() ? tensors[tensor_id].element_count
+                                                         : 0;  // the server answers kUnknownTensor
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPull);
   req.tensor_id = tensor_id;
   req.buffer_id = buffer_id;
   req.byte_offset = byte_offset;
   req.byte_length = elements * sizeof(float);
-  req.wait_ns = pull_wait_ns(timeout);
+  req.wait_ns = pull_wait_ns(options.timeout);
   return req;
 }
 
-}  // namespace
-
-uint64_t Worker::Impl::elements_of(uint32_t tensor_id) const noexcept {
-  return tensor_id == kAllTensors     ? total_elements
-         : tensor_id < tensors.size() ? tensors[tensor_id].element_count
-                                      : 0;  // the server answers kUnknownTensor
-}
-
 Result<Worker::Ticket> Worker::pull_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
-  Impl& w = *impl_;
-  if (Status s = w.enter(Impl::Call::kRequest); !s.ok()) return s;
-  if (Status s = w.record_event(buffer_id, stream); !s.ok()) return s;
+  Result<Request> req = impl_->begin_pull(tensor_id, buffer_id, byte_offset, stream);
+  if (!req.ok()) return req.status();
   // A timeout of its own for the submit, as push_async's: a re-attach in
   // enter() may have used most of one.
-  shm::Deadline deadline(w.options.timeout);
-  return w.submit(pull_request(tensor_id, buffer_id, byte_offset, w.elements_of(tensor_id), w.options.timeout),
-                  deadline);
+  shm::Deadline deadline(impl_->options.timeout);
+  return impl_->submit(*req, deadline);
 }
 
 Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
-  Impl& w = *impl_;
-  if (Status s = w.enter(Impl::Call::kRequest); !s.ok()) return s;
-  if (Status s = w.record_event(buffer_id, stream); !s.ok()) return s;
-  // One timeout for the submit and the answer (request()).
-  auto c = w.request(pull_request(tensor_id, buffer_id, byte_offset, w.elements_of(tensor_id), w.options.timeout));
+  Result<Request> req = impl_->begin_pull(tensor_id, buffer_id, byte_offset, stream);
+  if (!req.ok()) return req.status();
+  auto c = impl_->request(*req);  // one timeout for the submit and the answer
   if (!c.ok()) return c.status();
   return c->version;
 }
