@@ -20,6 +20,7 @@
 
 #include "backend.hpp"
 #include "shmps/cuda_check.hpp"
+#include "shmps/kernels/model_passes.hpp"
 #include "shmps/kernels/optimizer_cuda.hpp"
 #include "shmps/server/log.hpp"
 #include "shmps/shm/segment.hpp"
@@ -443,7 +444,7 @@ class CudaBackend final : public Backend {
     if (delta.size() != total_) return {ErrorCode::kInternal, "add_to_weights: the length differs"};
     merge_scratch_.resize(total_);
     if (Status s = snapshot_weights(merge_scratch_); !s.ok()) return s;
-    for (size_t i = 0; i < total_; ++i) merge_scratch_[i] += delta[i];
+    kernels::add_cpu(merge_scratch_.data(), delta.data(), total_);
     return copy_on_stream(weights_, merge_scratch_.data(), cudaMemcpyHostToDevice, "cudaMemcpyAsync(weights_, merged)");
   }
 

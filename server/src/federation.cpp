@@ -8,13 +8,14 @@
 #include <string_view>
 #include <type_traits>
 
+#include "shmps/kernels/model_passes.hpp"
 #include "shmps/kernels/optimizer.hpp"
 
 namespace shmps::server {
 
 namespace {
 
-constexpr uint64_t kHeaderMagic = 0x32444546534d4853ull;  // "SHMSFED2" little-endian
+constexpr uint64_t kHeaderMagic = 0x33444546534d4853ull;  // "SHMSFED3" little-endian
 constexpr uint32_t kFlagJoin = 1u << 0;
 constexpr uint32_t kFlagLeaving = 1u << 1;
 constexpr uint32_t kFlagHasState = 1u << 2;  // the join: this host has an anchor (its round in the header)
@@ -122,34 +123,50 @@ void apply_rank_in_name(ServerConfig& config, uint32_t rank) {
 
 namespace {
 
-// hash_floats() in pieces: add() spans in order, each of an even length
-// but the last, then finish(). Two 32-bit words per step through a 64-bit
-// multiply-xorshift mix (one multiply per two elements; the chain is
-// serial).
+// hash_floats() in pieces: add() spans in order, each a multiple of
+// kStride elements long but the last, then finish(). Four chains of a
+// 64-bit multiply-xorshift mix, each taking every fourth pair of elements,
+// run side by side (one chain is serial, about 3 cycles an element);
+// finish() folds them into one.
 class FloatHash {
  public:
-  explicit FloatHash(size_t total) noexcept : h_(0x9e3779b97f4a7c15ull ^ total) {}
+  static constexpr size_t kStride = 8;  // elements: a pair for each chain
+
+  explicit FloatHash(size_t total) noexcept {
+    for (size_t k = 0; k < kLanes; ++k) h_[k] = (0x9e3779b97f4a7c15ull * (k + 1)) ^ total;
+  }
   void add(const float* p, size_t n) noexcept {
     size_t i = 0;
-    for (; i + 2 <= n; i += 2) {
-      uint64_t w;
-      std::memcpy(&w, p + i, sizeof w);
-      h_ = (h_ ^ w) * 0xff51afd7ed558ccdull;
-      h_ ^= h_ >> 32;
-    }
-    if (i < n) {  // the last element of an odd total
+    for (; i + kStride <= n; i += kStride)
+      for (size_t k = 0; k < kLanes; ++k) h_[k] = mix(h_[k], pair(p + i + 2 * k));
+    // The last span's tail: its pairs to the first chains, then the last
+    // element of an odd total.
+    for (size_t k = 0; i + 2 <= n; i += 2, ++k) h_[k] = mix(h_[k], pair(p + i));
+    if (i < n) {
       uint32_t w;
       std::memcpy(&w, p + i, sizeof w);
-      h_ = (h_ ^ w) * 0xc4ceb9fe1a85ec53ull;
+      h_[0] = (h_[0] ^ w) * 0xc4ceb9fe1a85ec53ull;
     }
   }
   uint64_t finish() const noexcept {
-    uint64_t h = h_ ^ (h_ >> 29);
+    uint64_t h = h_[0];
+    for (size_t k = 1; k < kLanes; ++k) h = mix(h, h_[k]);
+    h ^= h >> 29;
     return h * 0x94d049bb133111ebull ^ (h >> 32);
   }
 
  private:
-  uint64_t h_;
+  static constexpr size_t kLanes = 4;
+  static uint64_t pair(const float* p) noexcept {
+    uint64_t w;
+    std::memcpy(&w, p, sizeof w);
+    return w;
+  }
+  static uint64_t mix(uint64_t h, uint64_t w) noexcept {
+    h = (h ^ w) * 0xff51afd7ed558ccdull;
+    return h ^ (h >> 32);
+  }
+  uint64_t h_[kLanes];
 };
 
 }  // namespace
@@ -397,7 +414,7 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
     // when n d is exact.
     const float divisor = static_cast<float>(config_.weight_by_updates ? r.updates_total : r.members);
     const float w = config_.weight_by_updates ? static_cast<float>(local_updates) : 1.0f;
-    for (size_t i = 0; i < exchange.size(); ++i) payload_[i] = w * (exchange[i] - anchor_[i]);
+    kernels::weighted_difference_cpu(payload_.data(), exchange.data(), anchor_.data(), w, exchange.size());
     if (Status s = engine_.allreduce_sum(payload_); !s.ok()) {
       // Other members may have completed it (a host that died at its very
       // end): the join after compares, and needs S to tell which drift
@@ -422,33 +439,21 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
 void Federator::outer_step(std::span<float> exchange, float divisor) {
   // One pass over the model: the mean delta, the step, the correction, and
   // the new anchor's hash a block behind (while the block is in cache).
-  constexpr size_t kBlock = 4096;  // even: the hash takes the elements in pairs
+  constexpr size_t kBlock = 4096;
+  static_assert(kBlock % FloatHash::kStride == 0);
   const size_t n = anchor_.size();
   FloatHash hash(n);
-  // PyTorch's SGD (dampening 0, nesterov) on the pseudo-gradient
-  // g = -mean delta: buf = g on the first step, else momentum * buf + g;
-  // d = g + momentum * buf; A' = A - lr * d.
   const bool nesterov = config_.outer == OuterStep::kNesterov;
-  const float mu = config_.outer_momentum;
-  const float neg_lr = -config_.outer_lr;
+  const kernels::NesterovStep step{config_.outer_lr, config_.outer_momentum, momentum_started_};
   for (size_t base = 0; base < n; base += kBlock) {
-    const size_t end = std::min(n, base + kBlock);
-    if (!nesterov) {
-      for (size_t i = base; i < end; ++i) {
-        anchor_[i] += payload_[i] / divisor;
-        exchange[i] = anchor_[i] - exchange[i];
-      }
+    const size_t len = std::min(n, base + kBlock) - base;
+    if (nesterov) {
+      kernels::nesterov_step_cpu(&anchor_[base], &momentum_[base], &payload_[base], divisor, step, &exchange[base],
+                                 len);
     } else {
-      for (size_t i = base; i < end; ++i) {
-        const float g = -(payload_[i] / divisor);
-        const float buf = momentum_started_ ? momentum_[i] * mu + g : g;
-        momentum_[i] = buf;
-        const float d = g + buf * mu;
-        anchor_[i] = anchor_[i] + d * neg_lr;
-        exchange[i] = anchor_[i] - exchange[i];
-      }
+      kernels::average_step_cpu(&anchor_[base], &payload_[base], divisor, &exchange[base], len);
     }
-    hash.add(anchor_.data() + base, end - base);
+    hash.add(anchor_.data() + base, len);
   }
   if (nesterov) momentum_started_ = true;
   anchor_hash_ = hash.finish();

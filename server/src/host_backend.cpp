@@ -9,6 +9,7 @@
 
 #include "backend.hpp"
 #include "peer_guard.hpp"
+#include "shmps/kernels/model_passes.hpp"
 #include "shmps/shm/segment.hpp"
 
 namespace shmps::server {
@@ -188,8 +189,7 @@ class HostBackend final : public Backend {
 
   Status add_to_weights(std::span<const float> delta) override {
     if (delta.size() != weights_.size()) return {ErrorCode::kInternal, "add_to_weights: the length differs"};
-    float* w = weights_.data();
-    for (size_t i = 0; i < delta.size(); ++i) w[i] += delta[i];
+    kernels::add_cpu(weights_.data(), delta.data(), delta.size());
     return Status::Ok();
   }
 

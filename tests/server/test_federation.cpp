@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <mutex>
@@ -234,6 +235,65 @@ BOOST_AUTO_TEST_CASE(nesterov_outer_step_matches_pytorch_sgd_in_float64) {
   BOOST_TEST(std::memcmp(final_anchor[0].data(), final_anchor[1].data(), kN * sizeof(float)) == 0);
   // The correction is A' - S of the last snapshot.
   for (size_t i = 0; i < kN; i += 101) BOOST_TEST(final_correction[1][i] == final_anchor[1][i] - final_snapshot[1][i]);
+}
+
+// The outer step hashes the new anchor block by block as it writes it:
+// the same value hash_floats() gives for the whole anchor, at lengths that
+// end inside a block and on an odd element, for both outer steps.
+BOOST_AUTO_TEST_CASE(the_outer_steps_hash_is_the_anchors_hash) {
+  for (OuterStep outer : {OuterStep::kAverage, OuterStep::kNesterov})
+    for (uint64_t n : {uint64_t{1}, uint64_t{9}, uint64_t{4096}, uint64_t{2 * 4096 + 13}}) {
+      BOOST_TEST_CONTEXT(outer_step_name(outer) << ", " << n << " elements") {
+        FederationConfig config;
+        config.outer = outer;
+        ModelFingerprint f = fingerprint(n);
+        f.outer = outer_code(config);
+        Hosts hosts(2, config, {f, f});
+        std::vector<Status> status(2);
+        hosts.run([&](uint32_t r, Federator& fed) {
+          std::vector<float> ex = random_vector(30, n);
+          if (auto j = fed.join(ex); !j.ok()) status[r] = j.status();
+          for (int k = 0; k < 2 && status[r].ok(); ++k) {
+            ex = random_vector(31 + k * 2 + r, n);
+            status[r] = fed.round(ex, 1).status();
+          }
+        });
+        for (uint32_t r = 0; r < 2; ++r) {
+          BOOST_TEST_REQUIRE(status[r].ok(), status[r].to_string());
+          BOOST_TEST(hosts.feds[r]->anchor_hash() == hash_floats(hosts.feds[r]->anchor()));
+        }
+        BOOST_TEST(hosts.feds[0]->anchor_hash() == hosts.feds[1]->anchor_hash());
+      }
+    }
+}
+
+// The anchors' hash tells anchors apart that differ in one bit of any
+// element, in the order of elements (its chains each take every fourth
+// pair, and are folded in order), or in their length.
+BOOST_AUTO_TEST_CASE(the_anchor_hash_sees_every_bit_and_the_order) {
+  for (uint64_t n : {1, 2, 7, 8, 9, 16, 17, 33}) {
+    BOOST_TEST_CONTEXT(n << " elements") {
+      const std::vector<float> base = random_vector(40, n);
+      const uint64_t h = hash_floats(base);
+      for (uint64_t i = 0; i < n; ++i)
+        for (int bit : {0, 22, 31}) {
+          std::vector<float> v = base;
+          uint32_t word;
+          std::memcpy(&word, &v[i], sizeof word);
+          word ^= 1u << bit;
+          std::memcpy(&v[i], &word, sizeof word);
+          BOOST_TEST(hash_floats(v) != h, "bit " << bit << " of element " << i);
+        }
+      for (uint64_t i = 0; i + 2 < n; ++i) {  // an element swapped with one of the next pair (the next chain's)
+        std::vector<float> v = base;
+        std::swap(v[i], v[i + 2]);
+        BOOST_TEST(hash_floats(v) != h, "elements " << i << " and " << i + 2 << " swapped");
+      }
+      std::vector<float> longer = base;
+      longer.push_back(0.0f);
+      BOOST_TEST(hash_floats(longer) != h);
+    }
+  }
 }
 
 // When no host has updates, only the headers travel, and neither the
