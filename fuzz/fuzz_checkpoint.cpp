@@ -3,7 +3,8 @@
 // way a restarting server reads it. read_checkpoint() must never fault,
 // hang on the file, or allocate from the file's counts (libFuzzer's
 // -rss_limit_mb catches that); a file it accepts must hold exactly the
-// model's sizes (its federation section's too). The file is written to a memfd and read through
+// model's sizes (its federation section's too, and its record of epochs
+// fits its round). The file is written to a memfd and read through
 // /proc/self/fd, as from a path.
 // While the first reserved byte of the header (offset 48) is 0, the
 // harness rewrites the trailing CRC-32 over the bytes before it, so that
@@ -57,7 +58,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (read.ok() && read->federation &&
       (read->federation->anchor.size() != 7 ||
        (read->federation->momentum.size() != 0 && read->federation->momentum.size() != 7) ||
-       read->federation->round >= shmps::server::kMaxCheckpointVersion))
+       read->federation->round >= shmps::server::kMaxCheckpointVersion ||
+       !read->federation->history.plausible(read->federation->round)))
     __builtin_trap();
   return 0;
 }

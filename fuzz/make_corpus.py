@@ -171,8 +171,10 @@ def requests_corpus():
 CKPT_MAGIC = 0x314B4353504D4853  # "SHMPSCK1"
 
 
-def checkpoint(tensors, optimizer=2, state_arrays=2, version=5, steps=None, fill=0.25, crc_ok=True):
-    """One checkpoint file (checkpoint.cpp's CheckpointHeader and CheckpointTensor)."""
+def checkpoint(tensors, optimizer=2, state_arrays=2, version=5, steps=None, fill=0.25, crc_ok=True, federation=None,
+               fed_format=3):
+    """One checkpoint file (checkpoint.cpp's CheckpointHeader and CheckpointTensor); with `federation`, a list
+    of RoundEpochs spans (epoch, first, last), a federation section at round 4 (format 3; format 2 has no spans)."""
     total = 0
     records = b""
     for i, (name, shape) in enumerate(tensors):
@@ -183,9 +185,16 @@ def checkpoint(tensors, optimizer=2, state_arrays=2, version=5, steps=None, fill
         step = version if steps is None else steps[i]
         records += name.encode().ljust(64, b"\0") + struct.pack("<II4QQ", len(shape), 0,
                                                                 *(list(shape) + [0] * (4 - len(shape))), step)
-    header = struct.pack("<QIIQIIIIQ2Q", CKPT_MAGIC, 1, 64, version, optimizer, state_arrays, len(tensors), 0, total,
-                         0, 0)
+    fed = federation is not None
+    header = struct.pack("<QIIQIIIIQ2Q", CKPT_MAGIC, fed_format if fed else 1, 64, version, optimizer, state_arrays,
+                         len(tensors), 1 if fed else 0, total, 0, 0)
     payload = struct.pack("<%df" % (total * (1 + state_arrays)), *([fill] * (total * (1 + state_arrays))))
+    if fed:
+        spans = list(federation) + [(0, 0, 0)] * (8 - len(federation))
+        payload += struct.pack("<QIIQQ", 4, 0, 0, 2, 0)  # CheckpointFederationRecord: round 4, 2 unmerged updates
+        if fed_format >= 3:
+            payload += b"".join(struct.pack("<3Q", *span) for span in spans)  # RoundEpochs
+        payload += struct.pack("<%df" % total, *([fill / 2] * total))  # the anchor
     body = header + records + payload
     crc = zlib.crc32(body) if crc_ok else 0
     # The harness rewrites the CRC while header byte 48 is 0; near misses
@@ -204,6 +213,8 @@ def checkpoint_corpus():
         "sgd_model": checkpoint([("w", [7])], optimizer=1, state_arrays=0),
         "other_shapes": checkpoint([("a", [4]), ("b", [3])]),
         "truncated": checkpoint(model)[:100],
+        "federated": checkpoint(model, federation=[(2, 1, 3), (5, 4, 4)]),
+        "federated_format_2": checkpoint(model, federation=[], fed_format=2),
     }
 
 

@@ -59,6 +59,11 @@ uint64_t federation_arrays(uint32_t flags) {
   return (flags & kCheckpointOuterMomentum) != 0 ? 2 : 1;
 }
 
+// The federation section's RoundEpochs: from format 3.
+uint64_t round_epochs_bytes(uint32_t format) { return format >= 3 ? sizeof(RoundEpochs) : 0; }
+
+static_assert(sizeof(RoundEpochs) == 192 && std::is_trivially_copyable_v<RoundEpochs>);
+
 std::string errno_text() { return std::strerror(errno); }
 
 std::string file_name(uint64_t version) {
@@ -166,7 +171,7 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   if (size < sizeof h + 4) return corrupt("truncated header");
   if (!read_all(out->file.fd, &h, sizeof h)) return read_failed("truncated header");
   if (h.magic != kCheckpointMagic) return corrupt("not a shmps checkpoint (bad magic)");
-  if (h.format != 1 && h.format != kCheckpointFormat)
+  if (h.format == 0 || h.format > kCheckpointFormat)
     return corrupt("checkpoint format " + std::to_string(h.format) + ", this build reads 1 to " +
                    std::to_string(kCheckpointFormat));
   const uint32_t known_flags = h.format == 1 ? 0 : kCheckpointFederation | kCheckpointOuterMomentum;
@@ -194,10 +199,10 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
     return misfit(std::to_string(h.total_elements) + " parameters, this server has " + std::to_string(expect_total));
   out->ours = true;  // until a tensor record says otherwise
   // expect_total <= 2^40 (shm::validate_tensors()): no overflow below.
-  const uint64_t federation_bytes =
-      (h.flags & kCheckpointFederation) != 0
-          ? sizeof(CheckpointFederationRecord) + h.total_elements * federation_arrays(h.flags) * 4
-          : 0;
+  const uint64_t federation_bytes = (h.flags & kCheckpointFederation) != 0
+                                        ? sizeof(CheckpointFederationRecord) + round_epochs_bytes(h.format) +
+                                              h.total_elements * federation_arrays(h.flags) * 4
+                                        : 0;
   const uint64_t expected_size = sizeof h + uint64_t{h.tensor_count} * sizeof(CheckpointTensor) +
                                  h.total_elements * (1 + h.state_arrays) * 4 + federation_bytes + 4;
   if (expected_size != size) return corrupt("size " + std::to_string(size) + " does not match its header (truncated?)");
@@ -260,7 +265,10 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   crc.process_bytes(tensors.data(), tensors.size() * sizeof(CheckpointTensor));
   crc.process_bytes(data.weights.data(), data.weights.size() * sizeof(float));
   crc.process_bytes(data.state.data(), data.state.size() * sizeof(float));
-  if (data.federation) crc.process_bytes(&fed, sizeof fed);
+  if (data.federation) {
+    crc.process_bytes(&fed, sizeof fed);
+    crc.process_bytes(&data.federation->history, sizeof(RoundEpochs));
+  }
   for (std::span<const float> a : fed_arrays) crc.process_bytes(a.data(), a.size_bytes());
   const uint32_t checksum = crc.checksum();
 
@@ -282,7 +290,8 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   bool ok = write_all(fd, &h, sizeof h) && write_all(fd, tensors.data(), tensors.size() * sizeof(CheckpointTensor)) &&
             write_all(fd, data.weights.data(), data.weights.size() * sizeof(float)) &&
             write_all(fd, data.state.data(), data.state.size() * sizeof(float)) &&
-            (!data.federation || write_all(fd, &fed, sizeof fed));
+            (!data.federation ||
+             (write_all(fd, &fed, sizeof fed) && write_all(fd, &data.federation->history, sizeof(RoundEpochs))));
   for (std::span<const float> a : fed_arrays) ok = ok && write_all(fd, a.data(), a.size_bytes());
   ok = ok && write_all(fd, &checksum, sizeof checksum) && ::fsync(fd) == 0;
   const std::string write_error = ok ? "" : errno_text();
@@ -328,8 +337,9 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
   uint32_t stored = 0;
   bool ok = read_floats(data.weights) && read_floats(data.state);
   if (data.federation)
-    ok = ok && read_all(f.file.fd, &fed, sizeof fed) && read_floats(data.federation->anchor) &&
-         read_floats(data.federation->momentum);
+    ok = ok && read_all(f.file.fd, &fed, sizeof fed) &&
+         read_all(f.file.fd, &data.federation->history, round_epochs_bytes(h.format)) &&
+         read_floats(data.federation->anchor) && read_floats(data.federation->momentum);
   if (!ok || !read_all(f.file.fd, &stored, 4))
     return errno != 0 ? Status{ErrorCode::kIo, path + ": read: " + errno_text()} : corrupt("truncated");
   boost::crc_32_type crc;
@@ -339,6 +349,7 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
   crc.process_bytes(data.state.data(), data.state.size() * 4);
   if (data.federation) {
     crc.process_bytes(&fed, sizeof fed);
+    crc.process_bytes(&data.federation->history, round_epochs_bytes(h.format));
     crc.process_bytes(data.federation->anchor.data(), data.federation->anchor.size() * 4);
     crc.process_bytes(data.federation->momentum.data(), data.federation->momentum.size() * 4);
   }
@@ -348,6 +359,8 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
     if (fed.momentum_started > 1 || fed.round >= kMaxCheckpointVersion || fed.unmerged_updates >= kMaxCheckpointVersion)
       return corrupt("implausible federation record (round " + std::to_string(fed.round) + ", " +
                      std::to_string(fed.unmerged_updates) + " unmerged updates)");
+    if (!data.federation->history.plausible(fed.round))
+      return corrupt("implausible record of the rounds' epochs for round " + std::to_string(fed.round));
     data.federation->round = fed.round;
     data.federation->unmerged_updates = fed.unmerged_updates;
     data.federation->momentum_started = fed.momentum_started != 0;

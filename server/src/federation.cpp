@@ -226,8 +226,11 @@ Status Federator::restore(FederationState state) {
   if (joined_) return {ErrorCode::kInternal, "federation: restore() after join()"};
   if (state.anchor.size() != anchor_.size() || (!state.momentum.empty() && state.momentum.size() != anchor_.size()))
     return {ErrorCode::kInvalidArgument, "federation: the checkpoint's anchor does not fit this model"};
+  if (!state.history.plausible(state.round))
+    return {ErrorCode::kInvalidArgument,
+            "federation: the checkpoint's record of epochs does not fit its round " + std::to_string(state.round)};
   round_ = state.round;
-  history_ = {};
+  history_ = state.history;
   forget_failed_round();
   restored_ = true;
   anchor_ = std::move(state.anchor);
@@ -249,6 +252,7 @@ std::optional<FederationState> Federator::state() const {
   s.anchor = anchor_;
   s.momentum = momentum_;
   s.momentum_started = momentum_started_;
+  s.history = history_;
   return s;
 }
 
@@ -270,6 +274,21 @@ bool RoundEpochs::holds(uint64_t round, uint64_t epoch) const noexcept {
   return std::any_of(spans.begin(), spans.end(), [&](const Span& s) {
     return s.first != 0 && s.epoch == epoch && s.first <= round && round <= s.last;
   });
+}
+
+bool RoundEpochs::plausible(uint64_t round) const noexcept {
+  uint64_t after = 0;  // the last round of the span before
+  bool empty_seen = false;
+  for (const Span& s : spans) {
+    if (s.first == 0) {
+      if (s.last != 0 || s.epoch != 0) return false;
+      empty_seen = true;
+      continue;
+    }
+    if (empty_seen || s.first <= after || s.last < s.first || s.last > round) return false;
+    after = s.last;
+  }
+  return true;
 }
 
 Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, RoundEpochs* history) {

@@ -59,26 +59,6 @@ void apply_rank_in_name(ServerConfig& config, uint32_t rank);
 // across hosts; not cryptographic).
 uint64_t hash_floats(std::span<const float> values) noexcept;
 
-// Which membership epoch completed which rounds: the last kSpans runs of
-// consecutive rounds that one epoch completed, oldest first (rounds count
-// from 1: a span with first 0 is empty). Fixed-size: it crosses hosts as
-// bytes at the join.
-struct RoundEpochs {
-  static constexpr size_t kSpans = 8;
-  struct Span {
-    uint64_t epoch = 0;
-    uint64_t first = 0;
-    uint64_t last = 0;
-  };
-  std::array<Span, kSpans> spans{};
-
-  // Round `round` completed in `epoch`.
-  void completed(uint64_t round, uint64_t epoch) noexcept;
-  // Whether round `round` is known to have completed in `epoch`.
-  bool holds(uint64_t round, uint64_t epoch) const noexcept;
-};
-static_assert(std::is_trivially_copyable_v<RoundEpochs>);
-
 struct RoundResult {
   uint64_t round = 0;             // the round this call completed (1 for the first)
   uint32_t members = 0;           // hosts in it
@@ -110,9 +90,10 @@ class Federator {
   // `fingerprint.total_elements` sizes every span below.
   Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint);
 
-  // Before the join: resume from a checkpoint's state (its anchor, round
-  // and outer momentum, stored with the weights this host restored).
-  // kInvalidArgument when its sizes do not fit the model.
+  // Before the join: resume from a checkpoint's state (its anchor, round,
+  // outer momentum and which epochs completed its rounds, stored with the
+  // weights this host restored). kInvalidArgument when its sizes do not
+  // fit the model, or its record of epochs does not fit its round.
   Status restore(FederationState state);
 
   // The first collective: checks that every host serves the same model
@@ -193,7 +174,7 @@ class Federator {
   FederationEngine& engine_;
   ModelFingerprint fingerprint_;
   uint64_t round_ = 0;
-  RoundEpochs history_;  // of the rounds up to round_ (none known after a restore)
+  RoundEpochs history_;  // of the rounds up to round_ (a checkpoint's after a restore)
   uint64_t anchor_hash_ = 0;
   uint32_t group_every_ms_ = 0;
   bool joined_ = false;

@@ -93,14 +93,22 @@ BOOST_AUTO_TEST_CASE(a_written_checkpoint_reads_back_whole) {
   BOOST_TEST(names(dir.path) == std::vector<std::string>{"ckpt-00000000000000000009.shmps"});  // no temp file left
 }
 
+// Which epochs completed rounds 1..42: 1-30 in epoch 2, 31-40 in 5, 41-42 in 6.
+RoundEpochs some_history() {
+  RoundEpochs h;
+  for (uint64_t round = 1; round <= 42; ++round) h.completed(round, round <= 30 ? 2 : round <= 40 ? 5 : 6);
+  return h;
+}
+
 // A federated server's checkpoint holds the federation's state (anchor,
-// round, outer momentum, unmerged updates) after the optimizer state, in
-// format 2; one without it is written as format 1 (which older builds
-// read) and reads back without it.
+// round, outer momentum, unmerged updates, which epochs completed its
+// rounds) after the optimizer state, in format 3; one without it is
+// written as format 1 (which older builds read) and reads back without it.
 BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads) {
   test::TempDir dir("ckptfile");
   CheckpointData d = make_data(adam_layout(), 11, 0.5f);
-  d.federation = FederationState{42, true, std::vector<float>(7, 1.5f), std::vector<float>(7, -0.125f), 9};
+  d.federation =
+      FederationState{42, true, std::vector<float>(7, 1.5f), std::vector<float>(7, -0.125f), 9, some_history()};
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
   auto r = read_checkpoint(ckpt(dir, 11), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
@@ -110,6 +118,8 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
   BOOST_TEST(r->federation->unmerged_updates == 9u);
   BOOST_TEST(r->federation->anchor == d.federation->anchor);
   BOOST_TEST(r->federation->momentum == d.federation->momentum);
+  BOOST_TEST((r->federation->history == d.federation->history));
+  BOOST_TEST(r->federation->history.holds(35, 5));
   BOOST_TEST(r->weights == d.weights);
 
   d.federation->momentum.clear();  // the average outer step keeps none
@@ -127,11 +137,43 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
   std::memcpy(&format, contents(ckpt(dir, 13)).data() + 8, 4);  // CheckpointHeader::format
   BOOST_TEST(format == 1u);
   std::memcpy(&format, contents(ckpt(dir, 11)).data() + 8, 4);
-  BOOST_TEST(format == 2u);
+  BOOST_TEST(format == 3u);
   r = read_checkpoint(ckpt(dir, 13), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
   BOOST_TEST(!r->federation.has_value());
   BOOST_TEST(r->weights == plain.weights);
+}
+
+// A format-2 file (a federation section without the record of epochs,
+// as the builds before format 3 wrote it) still reads: its state restores
+// with no epochs known, as those builds restored it.
+BOOST_AUTO_TEST_CASE(a_format_2_federation_section_reads_without_epochs) {
+  test::TempDir dir("ckptfile");
+  CheckpointData d = make_data(adam_layout(), 11, 0.5f);
+  d.federation = FederationState{42, false, std::vector<float>(7, 1.5f), {}, 9, some_history()};
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
+  // Format 3 less the 192 bytes of RoundEpochs after the 32-byte record,
+  // checksummed again: what format 2 was.
+  std::string bytes = contents(ckpt(dir, 11));
+  const size_t record = 64 + 2 * 112 + 7 * 3 * 4;
+  bytes.erase(record + 32, 192);
+  const uint32_t format2 = 2;
+  std::memcpy(bytes.data() + 8, &format2, 4);
+  boost::crc_32_type crc;
+  crc.process_bytes(bytes.data(), bytes.size() - 4);
+  const uint32_t sum = crc.checksum();
+  std::memcpy(bytes.data() + bytes.size() - 4, &sum, 4);
+  put(ckpt(dir, 11), bytes);
+  auto r = read_checkpoint(ckpt(dir, 11), adam_layout());
+  BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
+  BOOST_TEST_REQUIRE(r->federation.has_value());
+  BOOST_TEST(r->federation->round == 42u);
+  BOOST_TEST(r->federation->anchor == d.federation->anchor);
+  BOOST_TEST((r->federation->history == RoundEpochs{}));
+  const uint32_t format4 = 4;
+  std::memcpy(bytes.data() + 8, &format4, 4);
+  put(ckpt(dir, 11), bytes);
+  BOOST_TEST(contains(error_of(read_checkpoint(ckpt(dir, 11), adam_layout())), "format 4, this build reads 1 to 3"));
 }
 
 // The section's flags and record are checked like the rest: unknown flags,
@@ -141,7 +183,7 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
 BOOST_AUTO_TEST_CASE(a_damaged_federation_section_is_refused) {
   test::TempDir dir("ckptfile");
   CheckpointData d = make_data(adam_layout(), 5);
-  d.federation = FederationState{3, false, std::vector<float>(7, 1.0f), {}};
+  d.federation = FederationState{3, false, std::vector<float>(7, 1.0f), {}, 0, {}};  // no rounds' epochs known
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
   const std::string good = contents(ckpt(dir, 5));
   const auto patched = [&](size_t offset, const void* value, size_t n) {
@@ -164,6 +206,17 @@ BOOST_AUTO_TEST_CASE(a_damaged_federation_section_is_refused) {
   const uint32_t started = 7;
   BOOST_TEST(contains(patched(record + 8, &started, 4), "implausible federation record"));
   BOOST_TEST(contains(patched(record + 16, &wrap, 8), "implausible federation record"));  // unmerged updates
+  // The record of epochs follows the 32-byte record: 8 spans {epoch,
+  // first, last}. Rounds past the checkpoint's round 3, a span ending
+  // before it starts, spans out of order or after an empty one: refused.
+  const size_t spans = record + 32;
+  const auto span = [&](size_t k, uint64_t epoch, uint64_t first, uint64_t last) {
+    const uint64_t v[3] = {epoch, first, last};
+    return patched(spans + k * 24, v, sizeof v);
+  };
+  BOOST_TEST(span(0, 1, 1, 3) == "(read fine)");  // rounds 1-3 in epoch 1: plausible
+  for (const std::string& e : {span(0, 1, 1, 4), span(0, 1, 3, 2), span(1, 1, 1, 2), span(0, 0, 0, 2)})
+    BOOST_TEST(contains(e, "implausible record of the rounds' epochs for round 3"), e);
 }
 
 BOOST_AUTO_TEST_CASE(another_models_file_is_refused_from_its_header) {

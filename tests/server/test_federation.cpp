@@ -339,10 +339,10 @@ BOOST_AUTO_TEST_CASE(a_join_resumes_from_the_newest_anchor_keeping_the_drift_of_
   Hosts hosts(4, config);
   const std::vector<float> a5 = random_vector(50), a7 = random_vector(70), m5 = random_vector(51, kN, 0.1f),
                            m7 = random_vector(71, kN, 0.1f);
-  BOOST_TEST_REQUIRE(hosts.feds[0]->restore({5, true, a5, m5}).ok());
-  BOOST_TEST_REQUIRE(hosts.feds[1]->restore({7, true, a7, m7}).ok());
-  BOOST_TEST_REQUIRE(hosts.feds[3]->restore({7, true, a7, m7}).ok());
-  BOOST_TEST(hosts.feds[2]->restore({1, false, std::vector<float>(kN + 1), {}}).code() ==
+  BOOST_TEST_REQUIRE(hosts.feds[0]->restore({5, true, a5, m5, 0, {}}).ok());
+  BOOST_TEST_REQUIRE(hosts.feds[1]->restore({7, true, a7, m7, 0, {}}).ok());
+  BOOST_TEST_REQUIRE(hosts.feds[3]->restore({7, true, a7, m7, 0, {}}).ok());
+  BOOST_TEST(hosts.feds[2]->restore({1, false, std::vector<float>(kN + 1), {}, 0, {}}).code() ==
              ErrorCode::kInvalidArgument);  // another model's size: refused, nothing restored
   std::vector<std::vector<float>> weights = {random_vector(1), random_vector(2), random_vector(3), random_vector(4)};
   std::vector<std::vector<float>> corrections = weights;
@@ -698,6 +698,47 @@ BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_after
   BOOST_TEST(rejoined[2]->failed_round_updates == 1u);
   for (size_t i = 0; i < kN; i += 41)
     BOOST_TEST(std::abs(weights[2][i] + corrections[2][i] - (a3[i] + 0.0625f)) <= 1e-6f, i);
+}
+
+// The same when the source was restarted from a checkpoint in between:
+// hosts 0 and 1 complete round 2, host 2 sees it fail; host 0 restarts
+// from its state (a checkpoint's) and is the source when host 2 joins
+// again. The checkpoint's record of which epoch completed its rounds
+// shows round 2 merged with host 2's delta in it.
+BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_by_a_restored_source) {
+  FederationConfig config;
+  config.weight_by_updates = false;
+  Hosts hosts(3, config);
+  std::vector<std::vector<float>> weights = two_rounds_failing_at(hosts, {2});
+  BOOST_TEST_REQUIRE(hosts.feds[0]->round_number() == 2u);
+  const std::vector<float> a2(hosts.feds[0]->anchor().begin(), hosts.feds[0]->anchor().end());
+  std::optional<FederationState> saved = hosts.feds[0]->state();
+  BOOST_TEST_REQUIRE(saved.has_value());
+  ModelFingerprint print = fingerprint();
+  print.outer = outer_code(config);
+  hosts.feds[0] = std::make_unique<Federator>(config, *hosts.engines[0], print);
+  BOOST_TEST_REQUIRE(hosts.feds[0]->restore(std::move(*saved)).ok());
+  std::vector<Result<RoundResult>> rejoined(3, Status{ErrorCode::kInternal, "not run"});
+  std::vector<std::vector<float>> corrections = weights;
+  run_group(hosts, {0, 2}, [&](uint32_t h, Federator& f) {
+    if (h == 2) f.rejoin();
+    rejoined[h] = f.join(corrections[h]);
+  });
+  for (uint32_t h : {0u, 2u}) BOOST_TEST_REQUIRE(rejoined[h].ok(), rejoined[h].status().to_string());
+  BOOST_TEST(rejoined[2]->source_rank == 0u);  // host 0, restored at round 2
+  BOOST_TEST(rejoined[2]->failed_round_merged);
+  BOOST_TEST(rejoined[2]->failed_round_updates == 1u);
+  for (size_t i = 0; i < kN; i += 41)
+    BOOST_TEST(std::abs(weights[2][i] + corrections[2][i] - (a2[i] + 0.0625f)) <= 1e-6f, i);
+  // A record that cannot be of the state's rounds is refused, nothing restored.
+  FederationState bad = *hosts.feds[0]->state();
+  bad.round = 1;  // its record holds round 2
+  Federator fresh(config, *hosts.engines[1], print);
+  const Status refused = fresh.restore(std::move(bad));
+  BOOST_TEST(refused.code() == ErrorCode::kInvalidArgument);
+  BOOST_TEST(refused.message().find("record of epochs does not fit its round 1") != std::string::npos,
+             refused.message());
+  BOOST_TEST(!fresh.state().has_value());
 }
 
 // Hosts 1 and 2 see round 2 fail while host 0 completes it; the two meet
