@@ -171,7 +171,7 @@ class Hosts:
     """H shmps-servers; federated over Gloo (a file store) when H > 1, each
     in its namespace of `net` when given."""
 
-    def __init__(self, bin_dir, hosts, every_ms=50, outer="average", model=MODEL, net=None):
+    def __init__(self, bin_dir, hosts, every_ms=50, outer="average", model=MODEL, net=None, outer_args=()):
         self.bin = bin_dir
         self.n = hosts
         self.name = f"fedfig{os.getpid()}_{int(time.monotonic() * 1000) % 100000}"
@@ -182,7 +182,7 @@ class Hosts:
             if hosts > 1:
                 cmd += ["--fed-rank-in-name", "--federation", "gloo", "--fed-store", "file:" + self.tmp + "/store",
                         "--fed-hosts", str(hosts), "--fed-host", str(h), "--fed-every-ms", str(every_ms),
-                        "--fed-outer", outer]
+                        "--fed-outer", outer, *outer_args]
                 if net:
                     cmd = net.wrap(h, cmd + ["--fed-address", net.address(h)])
             log = open(os.path.join(self.tmp, f"host{h}.log"), "w")
@@ -256,11 +256,11 @@ def evaluate(bin_dir, segment):
     return float(re.search(r"final test accuracy: ([0-9.]+)", out.stdout).group(1))
 
 
-def run_job(args, hosts, workers, seed, every_ms=50, outer="average"):
+def run_job(args, hosts, workers, seed, every_ms=50, outer="average", outer_args=()):
     """One job: `hosts` servers, each with a trainer of `workers` workers on
     its share of the data; the merged model's accuracy, the bytes sent, the
     wall time and host 0's curve."""
-    job = Hosts(args.bin, hosts, every_ms, outer, net=args.net)
+    job = Hosts(args.bin, hosts, every_ms, outer, net=args.net, outer_args=outer_args)
     try:
         trainers, csvs = [], []
         for h in range(hosts):
@@ -279,16 +279,21 @@ def run_job(args, hosts, workers, seed, every_ms=50, outer="average"):
         sent = job.settled()
         accuracy = evaluate(args.bin, job.segment(0))
         curve = [(t, n * hosts, a) for t, n, a in read_curve(csvs[0])]
-        return {"hosts": hosts, "workers": workers, "every_ms": every_ms, "outer": outer, "seed": seed,
+        return {"hosts": hosts, "workers": workers, "every_ms": every_ms, "outer": outer,
+                "outer_args": " ".join(outer_args), "seed": seed,
                 "accuracy": accuracy, "bytes": sent, "wall": wall, "curve": curve}
     finally:
         job.close()
 
 
 def figure_parity(args, runs):
+    # The outer lr and momentum when given (nesterov); the servers' defaults otherwise.
+    outer_args = [] if args.outer_lr is None else ["--fed-outer-lr", str(args.outer_lr)]
+    outer_args += [] if args.outer_momentum is None else ["--fed-outer-momentum", str(args.outer_momentum)]
     for rep in range(args.repeats):
         for hosts, workers in ((1, 4), (2, 2), (4, 1)):
-            r = run_job(args, hosts, workers, seed=1 + 10 * rep, every_ms=args.every_ms, outer=args.outer)
+            r = run_job(args, hosts, workers, seed=1 + 10 * rep, every_ms=args.every_ms, outer=args.outer,
+                        outer_args=outer_args)
             r["figure"] = 1
             runs.append(r)
             print(f"  parity {hosts}x{workers} repeat {rep}: accuracy {r['accuracy']:.4f}, wall {r['wall']:.1f} s, "
@@ -375,7 +380,7 @@ def summarize(runs):
     if parity:
         ref = med([r["accuracy"] for r in parity if r["hosts"] == 1])
         lines += [f"## 1. Accuracy parity (medians over repeats; rounds every {parity[0]['every_ms']} ms, "
-                  f"outer step {parity[0]['outer']})", "",
+                  f"outer step {' '.join([parity[0]['outer'], parity[0].get('outer_args', '')]).strip()})", "",
                   "| hosts x workers | final accuracy | vs 1 x 4 | training s | MB of deltas (all hosts) |", "|---|---:|---:|---:|---:|"]
         for hosts, workers in ((1, 4), (2, 2), (4, 1)):
             rs = [r for r in parity if r["hosts"] == hosts]
@@ -479,6 +484,9 @@ def main():
     p.add_argument("--figures", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--every-ms", type=int, default=50, help="figure 1's round period")
     p.add_argument("--outer", default="average", help="figure 1's outer step")
+    p.add_argument("--outer-lr", type=float, help="figure 1's outer lr (nesterov; the server's default otherwise)")
+    p.add_argument("--outer-momentum", type=float, help="figure 1's outer momentum (nesterov; 0: plain SGD on the "
+                   "negated mean delta, A' = A + lr x mean)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--netns", metavar="RATE", help="figure 5: every host in a network namespace, links shaped to "
                    "RATE (tc's units: 1gbit); needs root")
