@@ -174,7 +174,7 @@ CKPT_MAGIC = 0x314B4353504D4853  # "SHMPSCK1"
 def checkpoint(tensors, optimizer=2, state_arrays=2, version=5, steps=None, fill=0.25, crc_ok=True, federation=None,
                fed_format=3):
     """One checkpoint file (checkpoint.cpp's CheckpointHeader and CheckpointTensor); with `federation`, a list
-    of RoundEpochs spans (epoch, first, last), a federation section at round 4 (format 3; format 2 has no spans)."""
+    of RoundGroups spans (group, first, last), a federation section at round 4 (format 3; format 2 has no spans)."""
     total = 0
     records = b""
     for i, (name, shape) in enumerate(tensors):
@@ -193,7 +193,7 @@ def checkpoint(tensors, optimizer=2, state_arrays=2, version=5, steps=None, fill
         spans = list(federation) + [(0, 0, 0)] * (8 - len(federation))
         payload += struct.pack("<QIIQQ", 4, 0, 0, 2, 0)  # CheckpointFederationRecord: round 4, 2 unmerged updates
         if fed_format >= 3:
-            payload += b"".join(struct.pack("<3Q", *span) for span in spans)  # RoundEpochs
+            payload += b"".join(struct.pack("<3Q", *span) for span in spans)  # RoundGroups
         payload += struct.pack("<%df" % total, *([fill / 2] * total))  # the anchor
     body = header + records + payload
     crc = zlib.crc32(body) if crc_ok else 0

@@ -2,7 +2,8 @@
 // (AVX2: 8 fp32 per instruction) and for the baseline (SSE2), and the loader
 // picks one per machine (GCC function multiversioning, an ifunc). The math
 // is the same separately rounded operations either way (-ffp-contract=off:
-// no FMA), so both give the same bits (tests/kernels). AVX2 pays at
+// no FMA), so both give the same bits (tests/kernels check the clone the
+// machine they run on picks against scalar references). AVX2 pays at
 // cache-resident sizes; from 1 MiB memory bandwidth bounds both
 // (docs/benchmarks.md, "The kernels in one process"). GCC only: other
 // compilers build the baseline loop. Not under ThreadSanitizer: the loader

@@ -27,7 +27,7 @@ struct CheckpointHeader {
   uint32_t optimizer_kind;
   uint32_t state_arrays;
   uint32_t tensor_count;
-  uint32_t flags;  // kCheckpoint* (format 2; 0 in format 1)
+  uint32_t flags;  // kCheckpoint* (formats 2 and 3; 0 in format 1)
   uint64_t total_elements;
   uint64_t reserved[2];
 };
@@ -59,10 +59,8 @@ uint64_t federation_arrays(uint32_t flags) {
   return (flags & kCheckpointOuterMomentum) != 0 ? 2 : 1;
 }
 
-// The federation section's RoundEpochs: from format 3.
-uint64_t round_epochs_bytes(uint32_t format) { return format >= 3 ? sizeof(RoundEpochs) : 0; }
-
-static_assert(sizeof(RoundEpochs) == 192 && std::is_trivially_copyable_v<RoundEpochs>);
+// The federation section's RoundGroups: from format 3.
+uint64_t round_groups_bytes(uint32_t format) { return format >= 3 ? sizeof(RoundGroups) : 0; }
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -200,7 +198,7 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   out->ours = true;  // until a tensor record says otherwise
   // expect_total <= 2^40 (shm::validate_tensors()): no overflow below.
   const uint64_t federation_bytes = (h.flags & kCheckpointFederation) != 0
-                                        ? sizeof(CheckpointFederationRecord) + round_epochs_bytes(h.format) +
+                                        ? sizeof(CheckpointFederationRecord) + round_groups_bytes(h.format) +
                                               h.total_elements * federation_arrays(h.flags) * 4
                                         : 0;
   const uint64_t expected_size = sizeof h + uint64_t{h.tensor_count} * sizeof(CheckpointTensor) +
@@ -267,7 +265,7 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   crc.process_bytes(data.state.data(), data.state.size() * sizeof(float));
   if (data.federation) {
     crc.process_bytes(&fed, sizeof fed);
-    crc.process_bytes(&data.federation->history, sizeof(RoundEpochs));
+    crc.process_bytes(&data.federation->history, sizeof(RoundGroups));
   }
   for (std::span<const float> a : fed_arrays) crc.process_bytes(a.data(), a.size_bytes());
   const uint32_t checksum = crc.checksum();
@@ -291,7 +289,7 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
             write_all(fd, data.weights.data(), data.weights.size() * sizeof(float)) &&
             write_all(fd, data.state.data(), data.state.size() * sizeof(float)) &&
             (!data.federation ||
-             (write_all(fd, &fed, sizeof fed) && write_all(fd, &data.federation->history, sizeof(RoundEpochs))));
+             (write_all(fd, &fed, sizeof fed) && write_all(fd, &data.federation->history, sizeof(RoundGroups))));
   for (std::span<const float> a : fed_arrays) ok = ok && write_all(fd, a.data(), a.size_bytes());
   ok = ok && write_all(fd, &checksum, sizeof checksum) && ::fsync(fd) == 0;
   const std::string write_error = ok ? "" : errno_text();
@@ -338,7 +336,7 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
   bool ok = read_floats(data.weights) && read_floats(data.state);
   if (data.federation)
     ok = ok && read_all(f.file.fd, &fed, sizeof fed) &&
-         read_all(f.file.fd, &data.federation->history, round_epochs_bytes(h.format)) &&
+         read_all(f.file.fd, &data.federation->history, round_groups_bytes(h.format)) &&
          read_floats(data.federation->anchor) && read_floats(data.federation->momentum);
   if (!ok || !read_all(f.file.fd, &stored, 4))
     return errno != 0 ? Status{ErrorCode::kIo, path + ": read: " + errno_text()} : corrupt("truncated");
@@ -349,7 +347,7 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
   crc.process_bytes(data.state.data(), data.state.size() * 4);
   if (data.federation) {
     crc.process_bytes(&fed, sizeof fed);
-    crc.process_bytes(&data.federation->history, round_epochs_bytes(h.format));
+    crc.process_bytes(&data.federation->history, round_groups_bytes(h.format));
     crc.process_bytes(data.federation->anchor.data(), data.federation->anchor.size() * 4);
     crc.process_bytes(data.federation->momentum.data(), data.federation->momentum.size() * 4);
   }
@@ -360,7 +358,7 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
       return corrupt("implausible federation record (round " + std::to_string(fed.round) + ", " +
                      std::to_string(fed.unmerged_updates) + " unmerged updates)");
     if (!data.federation->history.plausible(fed.round))
-      return corrupt("implausible record of the rounds' epochs for round " + std::to_string(fed.round));
+      return corrupt("implausible record of the rounds' groups for round " + std::to_string(fed.round));
     data.federation->round = fed.round;
     data.federation->unmerged_updates = fed.unmerged_updates;
     data.federation->momentum_started = fed.momentum_started != 0;

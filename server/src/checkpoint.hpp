@@ -12,17 +12,16 @@
 //   state        fp32[state_arrays * total_elements]
 //   with kCheckpointFederation in the header's flags:
 //     CheckpointFederationRecord           32 B
-//     RoundEpochs                         192 B (format 3)
+//     RoundGroups                         192 B (format 3)
 //     anchor     fp32[total_elements]
 //     momentum   fp32[total_elements], with kCheckpointOuterMomentum
 //   crc32        uint32 of all bytes before it (Boost.CRC, CRC-32/ISO-HDLC)
 // Bump kCheckpointFormat on any change to these bytes. A checkpoint without
 // a federation section is written as format 1 (no flags), which older
-// builds read too; format 2 (a federation section without the RoundEpochs)
+// builds read too; format 2 (a federation section without the RoundGroups)
 // is still read.
 #pragma once
 
-#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -31,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "round_groups.hpp"
 #include "shmps/shm/layout.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/status.hpp"
@@ -52,33 +52,6 @@ struct CheckpointLayout {
   uint32_t state_arrays = 0;
 };
 
-// Which membership epoch completed which rounds: the last kSpans runs of
-// consecutive rounds that one epoch completed, oldest first (rounds count
-// from 1: a span with first 0 is empty). Fixed-size: it crosses hosts as
-// bytes at the join, and is stored in checkpoints (format 3), so that a
-// host restored from one can still show which rounds its anchor holds.
-struct RoundEpochs {
-  static constexpr size_t kSpans = 8;
-  struct Span {
-    uint64_t epoch = 0;
-    uint64_t first = 0;
-    uint64_t last = 0;
-    bool operator==(const Span&) const = default;
-  };
-  std::array<Span, kSpans> spans{};
-
-  // Round `round` completed in `epoch`.
-  void completed(uint64_t round, uint64_t epoch) noexcept;
-  // Whether round `round` is known to have completed in `epoch`.
-  bool holds(uint64_t round, uint64_t epoch) const noexcept;
-  // Whether this could be a record of rounds up to `round`, as completed()
-  // builds one: the empty spans last, each span's rounds within 1..round
-  // and after the span before it.
-  bool plausible(uint64_t round) const noexcept;
-  bool operator==(const RoundEpochs&) const = default;
-};
-static_assert(std::is_trivially_copyable_v<RoundEpochs>);
-
 // The federation's state as of the weights it is stored with
 // (Federator): the anchor every host agreed on at `round`, and the outer
 // optimizer's momentum (Nesterov outer step; empty otherwise). A restart
@@ -91,7 +64,7 @@ struct FederationState {
   // Local updates in W - anchor (none merged yet): the weight of this
   // host's delta in the next round after a restart that keeps the drift.
   uint64_t unmerged_updates = 0;
-  RoundEpochs history;  // of the rounds up to `round` (none in a format-2 file)
+  RoundGroups history;  // of the rounds up to `round` (none in a format-2 file)
 };
 
 // Everything a checkpoint holds, in host memory.

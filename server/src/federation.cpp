@@ -1,10 +1,14 @@
 #include "federation.hpp"
 
+#include <unistd.h>
 #include <algorithm>
+
 #include <bit>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <new>
+#include <random>
 #include <string_view>
 #include <type_traits>
 
@@ -30,6 +34,7 @@ struct Federator::Header {
   uint64_t round;  // the round this call completes; the join: the restored round (0: none)
   uint64_t local_updates;
   uint64_t anchor_hash;
+  uint64_t nonce;  // the join: this host's random number (the group's id hashes the members'); 0 in a round
   ModelFingerprint model;
   uint32_t every_ms;  // this host's period (the stop's timeout takes the group's longest)
   uint32_t flags;     // kFlag*
@@ -123,6 +128,12 @@ void apply_rank_in_name(ServerConfig& config, uint32_t rank) {
 
 namespace {
 
+// One step of a 64-bit multiply-xorshift mix: w into h.
+uint64_t mix64(uint64_t h, uint64_t w) noexcept {
+  h = (h ^ w) * 0xff51afd7ed558ccdull;
+  return h ^ (h >> 32);
+}
+
 // hash_floats() in pieces: add() spans in order, each a multiple of
 // kStride elements long but the last, then finish(). Four chains of a
 // 64-bit multiply-xorshift mix, each taking every fourth pair of elements,
@@ -138,10 +149,10 @@ class FloatHash {
   void add(const float* p, size_t n) noexcept {
     size_t i = 0;
     for (; i + kStride <= n; i += kStride)
-      for (size_t k = 0; k < kLanes; ++k) h_[k] = mix(h_[k], pair(p + i + 2 * k));
+      for (size_t k = 0; k < kLanes; ++k) h_[k] = mix64(h_[k], pair(p + i + 2 * k));
     // The last span's tail: its pairs to the first chains, then the last
     // element of an odd total.
-    for (size_t k = 0; i + 2 <= n; i += 2, ++k) h_[k] = mix(h_[k], pair(p + i));
+    for (size_t k = 0; i + 2 <= n; i += 2, ++k) h_[k] = mix64(h_[k], pair(p + i));
     if (i < n) {
       uint32_t w;
       std::memcpy(&w, p + i, sizeof w);
@@ -150,7 +161,7 @@ class FloatHash {
   }
   uint64_t finish() const noexcept {
     uint64_t h = h_[0];
-    for (size_t k = 1; k < kLanes; ++k) h = mix(h, h_[k]);
+    for (size_t k = 1; k < kLanes; ++k) h = mix64(h, h_[k]);
     h ^= h >> 29;
     return h * 0x94d049bb133111ebull ^ (h >> 32);
   }
@@ -162,12 +173,25 @@ class FloatHash {
     std::memcpy(&w, p, sizeof w);
     return w;
   }
-  static uint64_t mix(uint64_t h, uint64_t w) noexcept {
-    h = (h ^ w) * 0xff51afd7ed558ccdull;
-    return h ^ (h >> 32);
-  }
   uint64_t h_[kLanes];
 };
+
+}  // namespace
+
+namespace {
+
+// A seed no other process draws: the system's entropy, and the clock and
+// pid besides (a std::random_device that cannot be opened throws).
+uint64_t random_seed() noexcept {
+  uint64_t seed = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  seed = mix64(seed, static_cast<uint64_t>(::getpid()));
+  try {
+    std::random_device device;
+    seed = mix64(seed, (uint64_t{device()} << 32) | device());
+  } catch (const std::exception&) {
+  }
+  return seed;
+}
 
 }  // namespace
 
@@ -182,7 +206,8 @@ Federator::Federator(const FederationConfig& config, FederationEngine& engine, c
       engine_(engine),
       fingerprint_(fingerprint),
       anchor_(fingerprint.total_elements),
-      payload_(fingerprint.total_elements) {
+      payload_(fingerprint.total_elements),
+      nonces_(random_seed()) {
   if (config_.outer == OuterStep::kNesterov) momentum_.assign(fingerprint.total_elements, 0.0f);
 }
 
@@ -196,6 +221,7 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   mine.anchor_hash = anchor_hash_;
   mine.model = fingerprint_;
   mine.every_ms = config_.every_ms;
+  mine.nonce = joined_ ? 0 : nonces_();
   mine.flags = (joined_ ? 0 : kFlagJoin) | (leaving ? kFlagLeaving : 0) | (!joined_ && has_state_ ? kFlagHasState : 0) |
                (joined_ && !leaving && engine_.joiner_waiting() ? kFlagRegroup : 0);
   all->assign(m.size, Header{});
@@ -228,7 +254,7 @@ Status Federator::restore(FederationState state) {
     return {ErrorCode::kInvalidArgument, "federation: the checkpoint's anchor does not fit this model"};
   if (!state.history.plausible(state.round))
     return {ErrorCode::kInvalidArgument,
-            "federation: the checkpoint's record of epochs does not fit its round " + std::to_string(state.round)};
+            "federation: the checkpoint's record of groups does not fit its round " + std::to_string(state.round)};
   round_ = state.round;
   history_ = state.history;
   forget_failed_round();
@@ -256,42 +282,7 @@ std::optional<FederationState> Federator::state() const {
   return s;
 }
 
-void RoundEpochs::completed(uint64_t round, uint64_t epoch) noexcept {
-  size_t used = 0;
-  while (used < kSpans && spans[used].first != 0) ++used;
-  if (used > 0 && spans[used - 1].epoch == epoch && spans[used - 1].last + 1 == round) {
-    spans[used - 1].last = round;
-    return;
-  }
-  if (used == kSpans) {
-    std::move(spans.begin() + 1, spans.end(), spans.begin());
-    used = kSpans - 1;
-  }
-  spans[used] = {epoch, round, round};
-}
-
-bool RoundEpochs::holds(uint64_t round, uint64_t epoch) const noexcept {
-  return std::any_of(spans.begin(), spans.end(), [&](const Span& s) {
-    return s.first != 0 && s.epoch == epoch && s.first <= round && round <= s.last;
-  });
-}
-
-bool RoundEpochs::plausible(uint64_t round) const noexcept {
-  uint64_t after = 0;  // the last round of the span before
-  bool empty_seen = false;
-  for (const Span& s : spans) {
-    if (s.first == 0) {
-      if (s.last != 0 || s.epoch != 0) return false;
-      empty_seen = true;
-      continue;
-    }
-    if (empty_seen || s.first <= after || s.last < s.first || s.last > round) return false;
-    after = s.last;
-  }
-  return true;
-}
-
-Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, RoundEpochs* history) {
+Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, RoundGroups* history) {
   // Into scratch first: a broadcast that fails halfway (a host gone) must
   // leave this host's anchor and momentum as they were.
   std::vector<float>& anchor_in = payload_;
@@ -336,7 +327,10 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   }
   // A fresh group takes rank 0's weights as its anchor.
   if (!r.resumed && m.rank == 0) std::copy(exchange.begin(), exchange.end(), anchor_.begin());
-  RoundEpochs history;  // the source's: which epoch completed the rounds its anchor holds
+  // This group's id: every member's nonce, in rank order.
+  uint64_t group = 0x2545f4914f6cdd1dull ^ all.size();
+  for (const Header& h : all) group = mix64(group, h.nonce);
+  RoundGroups history;  // the source's: which group completed the rounds its anchor holds
   Result<uint64_t> sent = receive_state(r.source_rank, r.resumed, r.resumed ? &history : nullptr);
   if (!sent.ok()) return sent.status();
   const std::vector<float>& incoming = payload_;  // the group's anchor (receive_state())
@@ -349,12 +343,12 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   // host without an anchor.
   r.drift_kept = r.resumed && has_state_ && (!restored_ || round_ == group_round);
   // A round this host saw fail that the source completed in the same
-  // epoch holds this host's delta S - A of its snapshot S (an allreduce
+  // group holds this host's delta S - A of its snapshot S (an allreduce
   // that completed anywhere summed every member's): only the drift since
   // that snapshot is kept, W + (A' - S). A group still behind that round
   // cannot have merged it: the snapshot is kept for a later join, rebased
   // onto this group's anchor as the drift is.
-  r.failed_round_merged = r.drift_kept && failed_.round != 0 && history.holds(failed_.round, failed_.epoch);
+  r.failed_round_merged = r.drift_kept && failed_.round != 0 && history.holds(failed_.round, failed_.group);
   if (r.failed_round_merged) r.failed_round_updates = failed_.updates;
   const bool keep_failed = r.drift_kept && failed_.round != 0 && group_round < failed_.round;
   const std::vector<float>& base = r.failed_round_merged ? failed_.snapshot : anchor_;
@@ -369,12 +363,15 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   if (!keep_failed) forget_failed_round();
   anchor_hash_ = hash_floats(anchor_);
   group_every_ms_ = group_every_ms;
+  group_ = group;
   joined_ = has_state_ = true;
   restored_ = false;
   r.round = round_;
   r.bytes = kHeaderBytes + *sent;
   return r;
 }
+
+uint64_t Federator::round_group() const noexcept { return mix64(group_, engine_.membership().epoch); }
 
 void Federator::keep_failed_round(std::span<const float> snapshot, uint64_t local_updates) noexcept {
   try {
@@ -384,7 +381,7 @@ void Federator::keep_failed_round(std::span<const float> snapshot, uint64_t loca
     return;
   }
   failed_.round = round_ + 1;
-  failed_.epoch = engine_.membership().epoch;
+  failed_.group = round_group();
   failed_.updates = local_updates;
 }
 
@@ -449,7 +446,7 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
     outer_step(exchange, divisor);  // and the new anchor's hash
   }
   ++round_;
-  history_.completed(round_, engine_.membership().epoch);
+  history_.completed(round_, round_group());
   forget_failed_round();
   r.round = round_;
   return r;

@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -76,7 +77,7 @@ struct RoundResult {
   bool resumed = false;
   bool drift_kept = false;  // the join left this host's W - A as it was (its local updates not yet merged)
   // The join: a round this host saw fail had completed at the source, in
-  // the same epoch, with this host's delta in it: the drift kept is only
+  // the same group, with this host's delta in it: the drift kept is only
   // what was applied after that round's snapshot.
   bool failed_round_merged = false;
   uint64_t failed_round_updates = 0;  // then: that round's local updates, merged with it
@@ -85,15 +86,15 @@ struct RoundResult {
 class Federator {
  public:
   // What every member sends before any delta moves (the header).
-  static constexpr uint64_t kHeaderBytes = 80;
+  static constexpr uint64_t kHeaderBytes = 88;
 
   // `fingerprint.total_elements` sizes every span below.
   Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint);
 
   // Before the join: resume from a checkpoint's state (its anchor, round,
-  // outer momentum and which epochs completed its rounds, stored with the
+  // outer momentum and which groups completed its rounds, stored with the
   // weights this host restored). kInvalidArgument when its sizes do not
-  // fit the model, or its record of epochs does not fit its round.
+  // fit the model, or its record of groups does not fit its round.
   Status restore(FederationState state);
 
   // The first collective: checks that every host serves the same model
@@ -106,7 +107,7 @@ class Federator {
   // round (its drift went into the rounds after it); a member without a
   // state, or with such a checkpoint, takes W = A. A member whose last
   // round failed at its end (its allreduce) while the source's rounds
-  // show it completed in the same epoch keeps only the drift since that
+  // show it completed in the same group keeps only the drift since that
   // round's snapshot S: W + (A - S), its delta being in A already. A join
   // that fails leaves this host's state as it was. `exchange` holds this
   // host's weights S on entry and the correction on return (the consumer
@@ -157,14 +158,17 @@ class Federator {
   Result<uint64_t> repair_anchor();
   // Broadcasts `root`'s anchor into payload_ (and, `with_momentum`, its
   // outer momentum into momentum_, committed only once every collective
-  // went through; with `history`, its RoundEpochs into *history); the
+  // went through; with `history`, its RoundGroups into *history); the
   // bytes this host sent.
-  Result<uint64_t> receive_state(uint32_t root, bool with_momentum, RoundEpochs* history = nullptr);
+  Result<uint64_t> receive_state(uint32_t root, bool with_momentum, RoundGroups* history = nullptr);
   // A' from A and the mean delta (payload_ / divisor); writes A' - S into
   // exchange, and A''s hash.
   void outer_step(std::span<float> exchange, float divisor);
   // Records the round in progress as failed here, with its snapshot.
   void keep_failed_round(std::span<const float> snapshot, uint64_t local_updates) noexcept;
+  // The id the rounds completed now are recorded under: this group's
+  // (its join's) and the engine's epoch.
+  uint64_t round_group() const noexcept;
   void forget_failed_round() noexcept {
     failed_.round = 0;
     failed_.snapshot = {};
@@ -174,7 +178,8 @@ class Federator {
   FederationEngine& engine_;
   ModelFingerprint fingerprint_;
   uint64_t round_ = 0;
-  RoundEpochs history_;  // of the rounds up to round_ (a checkpoint's after a restore)
+  RoundGroups history_;  // of the rounds up to round_ (a checkpoint's after a restore)
+  uint64_t group_ = 0;   // this group's id (the join's members' nonces hashed)
   uint64_t anchor_hash_ = 0;
   uint32_t group_every_ms_ = 0;
   bool joined_ = false;
@@ -185,14 +190,16 @@ class Federator {
   std::vector<float> payload_;   // the weighted deltas, summed in place by the engine
   std::vector<float> momentum_;  // kNesterov only
   // The last round, when its allreduce failed here (an elastic engine):
-  // its number, its epoch, this host's snapshot S and local updates (round
-  // 0: none). Kept until a join into a group at or past that round.
+  // its number, its group (round_group()), this host's snapshot S and
+  // local updates (round 0: none). Kept until a join into a group at or
+  // past that round.
   struct FailedRound {
     uint64_t round = 0;
-    uint64_t epoch = 0;
+    uint64_t group = 0;
     uint64_t updates = 0;
     std::vector<float> snapshot;
   } failed_;
+  std::mt19937_64 nonces_;  // the joins' nonces
 };
 
 }  // namespace shmps::server

@@ -93,15 +93,15 @@ BOOST_AUTO_TEST_CASE(a_written_checkpoint_reads_back_whole) {
   BOOST_TEST(names(dir.path) == std::vector<std::string>{"ckpt-00000000000000000009.shmps"});  // no temp file left
 }
 
-// Which epochs completed rounds 1..42: 1-30 in epoch 2, 31-40 in 5, 41-42 in 6.
-RoundEpochs some_history() {
-  RoundEpochs h;
+// Which groups completed rounds 1..42: 1-30 group 2, 31-40 group 5, 41-42 group 6.
+RoundGroups some_history() {
+  RoundGroups h;
   for (uint64_t round = 1; round <= 42; ++round) h.completed(round, round <= 30 ? 2 : round <= 40 ? 5 : 6);
   return h;
 }
 
 // A federated server's checkpoint holds the federation's state (anchor,
-// round, outer momentum, unmerged updates, which epochs completed its
+// round, outer momentum, unmerged updates, which groups completed its
 // rounds) after the optimizer state, in format 3; one without it is
 // written as format 1 (which older builds read) and reads back without it.
 BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads) {
@@ -144,15 +144,15 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
   BOOST_TEST(r->weights == plain.weights);
 }
 
-// A format-2 file (a federation section without the record of epochs,
+// A format-2 file (a federation section without the record of groups,
 // as the builds before format 3 wrote it) still reads: its state restores
-// with no epochs known, as those builds restored it.
-BOOST_AUTO_TEST_CASE(a_format_2_federation_section_reads_without_epochs) {
+// with no groups known, as those builds restored it.
+BOOST_AUTO_TEST_CASE(a_format_2_federation_section_reads_without_groups) {
   test::TempDir dir("ckptfile");
   CheckpointData d = make_data(adam_layout(), 11, 0.5f);
   d.federation = FederationState{42, false, std::vector<float>(7, 1.5f), {}, 9, some_history()};
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
-  // Format 3 less the 192 bytes of RoundEpochs after the 32-byte record,
+  // Format 3 less the 192 bytes of RoundGroups after the 32-byte record,
   // checksummed again: what format 2 was.
   std::string bytes = contents(ckpt(dir, 11));
   const size_t record = 64 + 2 * 112 + 7 * 3 * 4;
@@ -169,7 +169,7 @@ BOOST_AUTO_TEST_CASE(a_format_2_federation_section_reads_without_epochs) {
   BOOST_TEST_REQUIRE(r->federation.has_value());
   BOOST_TEST(r->federation->round == 42u);
   BOOST_TEST(r->federation->anchor == d.federation->anchor);
-  BOOST_TEST((r->federation->history == RoundEpochs{}));
+  BOOST_TEST((r->federation->history == RoundGroups{}));
   const uint32_t format4 = 4;
   std::memcpy(bytes.data() + 8, &format4, 4);
   put(ckpt(dir, 11), bytes);
@@ -183,7 +183,7 @@ BOOST_AUTO_TEST_CASE(a_format_2_federation_section_reads_without_epochs) {
 BOOST_AUTO_TEST_CASE(a_damaged_federation_section_is_refused) {
   test::TempDir dir("ckptfile");
   CheckpointData d = make_data(adam_layout(), 5);
-  d.federation = FederationState{3, false, std::vector<float>(7, 1.0f), {}, 0, {}};  // no rounds' epochs known
+  d.federation = FederationState{3, false, std::vector<float>(7, 1.0f), {}, 0, {}};  // no rounds' groups known
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
   const std::string good = contents(ckpt(dir, 5));
   const auto patched = [&](size_t offset, const void* value, size_t n) {
@@ -206,17 +206,24 @@ BOOST_AUTO_TEST_CASE(a_damaged_federation_section_is_refused) {
   const uint32_t started = 7;
   BOOST_TEST(contains(patched(record + 8, &started, 4), "implausible federation record"));
   BOOST_TEST(contains(patched(record + 16, &wrap, 8), "implausible federation record"));  // unmerged updates
-  // The record of epochs follows the 32-byte record: 8 spans {epoch,
+  // The record of groups follows the 32-byte record: 8 spans {group,
   // first, last}. Rounds past the checkpoint's round 3, a span ending
   // before it starts, spans out of order or after an empty one: refused.
   const size_t spans = record + 32;
-  const auto span = [&](size_t k, uint64_t epoch, uint64_t first, uint64_t last) {
-    const uint64_t v[3] = {epoch, first, last};
+  const auto span = [&](size_t k, uint64_t group, uint64_t first, uint64_t last) {
+    const uint64_t v[3] = {group, first, last};
     return patched(spans + k * 24, v, sizeof v);
   };
-  BOOST_TEST(span(0, 1, 1, 3) == "(read fine)");  // rounds 1-3 in epoch 1: plausible
-  for (const std::string& e : {span(0, 1, 1, 4), span(0, 1, 3, 2), span(1, 1, 1, 2), span(0, 0, 0, 2)})
-    BOOST_TEST(contains(e, "implausible record of the rounds' epochs for round 3"), e);
+  // Two spans at once: {g1, f1, l1}, {g2, f2, l2}.
+  const auto spans2 = [&](uint64_t f1, uint64_t l1, uint64_t f2, uint64_t l2) {
+    const uint64_t v[6] = {7, f1, l1, 9, f2, l2};
+    return patched(spans, v, sizeof v);
+  };
+  BOOST_TEST(span(0, 1, 1, 3) == "(read fine)");  // rounds 1-3 in group 1: plausible
+  BOOST_TEST(spans2(1, 2, 3, 3) == "(read fine)");
+  for (const std::string& e : {span(0, 1, 1, 4), span(0, 1, 3, 2), span(1, 1, 1, 2), span(0, 0, 0, 2),
+                               spans2(2, 3, 1, 1), spans2(1, 2, 2, 3)})  // the last two out of order, overlapping
+    BOOST_TEST(contains(e, "implausible record of the rounds' groups for round 3"), e);
 }
 
 BOOST_AUTO_TEST_CASE(another_models_file_is_refused_from_its_header) {

@@ -610,21 +610,21 @@ BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_at_th
   }
 }
 
-// The rounds' epochs: consecutive rounds of one epoch share a span; the
+// The rounds' groups: consecutive rounds of one group share a span; the
 // oldest span goes once there are more than kSpans.
-BOOST_AUTO_TEST_CASE(round_epochs_keep_the_last_spans) {
-  RoundEpochs h;
+BOOST_AUTO_TEST_CASE(round_groups_keep_the_last_spans) {
+  RoundGroups h;
   BOOST_TEST(!h.holds(1, 0));
   uint64_t round = 0;
-  for (uint64_t epoch = 0; epoch < RoundEpochs::kSpans + 2; ++epoch)
-    for (int k = 0; k < 3; ++k) h.completed(++round, epoch);  // epoch e: rounds 3e+1 .. 3e+3
-  BOOST_TEST(!h.holds(1, 0));                                 // epochs 0 and 1 fell out
+  for (uint64_t group = 0; group < RoundGroups::kSpans + 2; ++group)
+    for (int k = 0; k < 3; ++k) h.completed(++round, group);  // group g: rounds 3g+1 .. 3g+3
+  BOOST_TEST(!h.holds(1, 0));                                 // groups 0 and 1 fell out
   BOOST_TEST(!h.holds(6, 1));
   BOOST_TEST(h.holds(7, 2));
   BOOST_TEST(h.holds(9, 2));
-  BOOST_TEST(!h.holds(9, 3));  // another epoch's
-  BOOST_TEST(h.holds(round, RoundEpochs::kSpans + 1));
-  BOOST_TEST(!h.holds(round + 1, RoundEpochs::kSpans + 1));
+  BOOST_TEST(!h.holds(9, 3));  // another group's
+  BOOST_TEST(h.holds(round, RoundGroups::kSpans + 1));
+  BOOST_TEST(!h.holds(round + 1, RoundGroups::kSpans + 1));
 }
 
 namespace {
@@ -665,7 +665,7 @@ std::vector<std::vector<float>> two_rounds_failing_at(Hosts& hosts, const std::v
 }  // namespace
 
 // The same, later: hosts 0 and 1 complete round 2, host 2 sees it fail.
-// Host 0 goes on with host 3 (new, its rounds' epochs from host 0 by the
+// Host 0 goes on with host 3 (new, its rounds' groups from host 0 by the
 // join) for round 3; then host 3 is the source when host 2 joins again,
 // and what it holds of round 2 came to it by the join.
 BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_after_later_rounds) {
@@ -703,7 +703,7 @@ BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_after
 // The same when the source was restarted from a checkpoint in between:
 // hosts 0 and 1 complete round 2, host 2 sees it fail; host 0 restarts
 // from its state (a checkpoint's) and is the source when host 2 joins
-// again. The checkpoint's record of which epoch completed its rounds
+// again. The checkpoint's record of which group completed its rounds
 // shows round 2 merged with host 2's delta in it.
 BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_by_a_restored_source) {
   FederationConfig config;
@@ -736,9 +736,73 @@ BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_by_a_
   Federator fresh(config, *hosts.engines[1], print);
   const Status refused = fresh.restore(std::move(bad));
   BOOST_TEST(refused.code() == ErrorCode::kInvalidArgument);
-  BOOST_TEST(refused.message().find("record of epochs does not fit its round 1") != std::string::npos,
+  BOOST_TEST(refused.message().find("record of groups does not fit its round 1") != std::string::npos,
              refused.message());
   BOOST_TEST(!fresh.state().has_value());
+}
+
+// A source restored from another job's checkpoint, whose record shows a
+// round of the same number completed under the same engine epoch (each
+// job's store counts its epochs from the start): the group ids differ
+// (every join's members' nonces), so the host that saw that round fail in
+// this job keeps its whole drift, none of which is in that anchor.
+BOOST_AUTO_TEST_CASE(another_jobs_checkpoint_does_not_show_this_jobs_failed_round) {
+  FederationConfig config;
+  config.weight_by_updates = false;
+  constexpr uint64_t kEpoch = 1000;  // both jobs' first epoch
+  const auto in_group = [](Hosts& hosts, uint64_t epoch) {
+    auto group = std::make_shared<FakeGroup>(2, epoch);
+    for (uint32_t r = 0; r < 2; ++r) hosts.engines[r]->move_to(group, r);
+  };
+  // The other job: two rounds at both hosts; host 0's state is its checkpoint.
+  Hosts other(2, config);
+  in_group(other, kEpoch);
+  other.run([&](uint32_t, Federator& f) {
+    std::vector<float> ex(kN, 1.0f);
+    (void)f.join(ex);
+    for (int k = 0; k < 2; ++k) {
+      ex.assign(f.anchor().begin(), f.anchor().end());
+      for (float& v : ex) v += 0.5f;
+      (void)f.round(ex, 1);
+    }
+  });
+  std::optional<FederationState> old_state = other.feds[0]->state();
+  BOOST_TEST_REQUIRE(old_state.has_value());
+  BOOST_TEST_REQUIRE(old_state->round == 2u);
+  // This job: round 2 fails at host 1 after meeting host 0, under the same epoch.
+  Hosts job(2, config);
+  for (auto& engine : job.engines) engine->is_elastic = true;
+  in_group(job, kEpoch);
+  job.engines[1]->fail_after_at = 6;  // round 2's allreduce (the join's 2, round 1's 2, round 2's 2)
+  std::vector<std::vector<float>> weights(2);
+  job.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 1.0f);
+    (void)f.join(ex);
+    for (int k = 0; k < 2; ++k) {
+      ex.assign(f.anchor().begin(), f.anchor().end());
+      for (float& v : ex) v += 0.25f;
+      weights[r] = ex;
+      (void)f.round(ex, 1);
+    }
+  });
+  BOOST_TEST_REQUIRE(job.feds[1]->round_number() == 1u);
+  // Host 0 restarts from the other job's checkpoint (round 2): the source.
+  ModelFingerprint print = fingerprint();
+  print.outer = outer_code(config);
+  job.feds[0] = std::make_unique<Federator>(config, *job.engines[0], print);
+  BOOST_TEST_REQUIRE(job.feds[0]->restore(std::move(*old_state)).ok());
+  in_group(job, kEpoch + 1);
+  std::vector<Result<RoundResult>> rejoined(2, Status{ErrorCode::kInternal, "not run"});
+  job.run([&](uint32_t r, Federator& f) {
+    if (r == 1) f.rejoin();
+    std::vector<float> ex = weights[r];
+    rejoined[r] = f.join(ex);
+  });
+  for (uint32_t r = 0; r < 2; ++r) BOOST_TEST_REQUIRE(rejoined[r].ok(), rejoined[r].status().to_string());
+  BOOST_TEST(rejoined[1]->source_rank == 0u);
+  BOOST_TEST(rejoined[1]->drift_kept);
+  BOOST_TEST(!rejoined[1]->failed_round_merged);
+  BOOST_TEST(rejoined[1]->failed_round_updates == 0u);
 }
 
 // Hosts 1 and 2 see round 2 fail while host 0 completes it; the two meet

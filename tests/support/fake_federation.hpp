@@ -25,6 +25,9 @@ namespace shmps::test {
 class FakeGroup {
  public:
   explicit FakeGroup(uint32_t size) : size_(size), epoch_(++formed_), inputs_(size) {}
+  // A given epoch: another job's group (a real engine's epochs count
+  // again with each store), which may repeat one of this job's.
+  FakeGroup(uint32_t size, uint64_t epoch) : size_(size), epoch_(epoch), inputs_(size) {}
   uint32_t size() const { return size_; }
   // An epoch of its own, for members moved into it (FakeEngine::move_to):
   // unique in the process, as a real engine's is in its job.

@@ -4,7 +4,7 @@
 // like the optimizers (optimizer_cpu.cpp), and, like them, every operation
 // separately rounded (no FMA), so that every host of a federation computes
 // the same bits on any x86-64 or other target. Host-only, reentrant; the
-// pointers of one call must not overlap, except where a comment says so.
+// arrays of one call must not overlap.
 #pragma once
 
 #include <cstdint>
