@@ -19,7 +19,8 @@ share of the data (--shard h/H). The Fashion-MNIST 784-256-10 MLP, Adam lr
      the consumer's snapshot and merge passes beside a memcpy
   4  local serving: push round trips of the 814 KB model at a host, not
      federated against federated with one other host (rounds every 50 ms
-     and 10 ms), interleaved, medians over --repeats
+     and 10 ms, the federation's threads at --fed-priority normal, low and
+     idle), interleaved, medians over --repeats
 
   5  with --netns RATE (root): every federated host in a network namespace
      of its own, on a bridge through a veth link shaped to RATE each way
@@ -171,7 +172,8 @@ class Hosts:
     """H shmps-servers; federated over Gloo (a file store) when H > 1, each
     in its namespace of `net` when given."""
 
-    def __init__(self, bin_dir, hosts, every_ms=50, outer="average", model=MODEL, net=None, outer_args=()):
+    def __init__(self, bin_dir, hosts, every_ms=50, outer="average", model=MODEL, net=None, fed_args=()):
+        # fed_args: more --fed-* options for every host (figure 1's outer lr, figure 4's priority).
         self.bin = bin_dir
         self.n = hosts
         self.name = f"fedfig{os.getpid()}_{int(time.monotonic() * 1000) % 100000}"
@@ -182,7 +184,7 @@ class Hosts:
             if hosts > 1:
                 cmd += ["--fed-rank-in-name", "--federation", "gloo", "--fed-store", "file:" + self.tmp + "/store",
                         "--fed-hosts", str(hosts), "--fed-host", str(h), "--fed-every-ms", str(every_ms),
-                        "--fed-outer", outer, *outer_args]
+                        "--fed-outer", outer, *fed_args]
                 if net:
                     cmd = net.wrap(h, cmd + ["--fed-address", net.address(h)])
             log = open(os.path.join(self.tmp, f"host{h}.log"), "w")
@@ -256,11 +258,11 @@ def evaluate(bin_dir, segment):
     return float(re.search(r"final test accuracy: ([0-9.]+)", out.stdout).group(1))
 
 
-def run_job(args, hosts, workers, seed, every_ms=50, outer="average", outer_args=()):
+def run_job(args, hosts, workers, seed, every_ms=50, outer="average", fed_args=()):
     """One job: `hosts` servers, each with a trainer of `workers` workers on
     its share of the data; the merged model's accuracy, the bytes sent, the
     wall time and host 0's curve."""
-    job = Hosts(args.bin, hosts, every_ms, outer, net=args.net, outer_args=outer_args)
+    job = Hosts(args.bin, hosts, every_ms, outer, net=args.net, fed_args=fed_args)
     try:
         trainers, csvs = [], []
         for h in range(hosts):
@@ -280,20 +282,22 @@ def run_job(args, hosts, workers, seed, every_ms=50, outer="average", outer_args
         accuracy = evaluate(args.bin, job.segment(0))
         curve = [(t, n * hosts, a) for t, n, a in read_curve(csvs[0])]
         return {"hosts": hosts, "workers": workers, "every_ms": every_ms, "outer": outer,
-                "outer_args": " ".join(outer_args), "seed": seed,
+                "fed_args": " ".join(fed_args), "seed": seed,
                 "accuracy": accuracy, "bytes": sent, "wall": wall, "curve": curve}
     finally:
         job.close()
 
 
 def figure_parity(args, runs):
-    # The outer lr and momentum when given (nesterov); the servers' defaults otherwise.
-    outer_args = [] if args.outer_lr is None else ["--fed-outer-lr", str(args.outer_lr)]
-    outer_args += [] if args.outer_momentum is None else ["--fed-outer-momentum", str(args.outer_momentum)]
+    # The outer lr and momentum when given (nesterov; the servers' defaults
+    # otherwise), and the federation's priority.
+    fed_args = [] if args.outer_lr is None else ["--fed-outer-lr", str(args.outer_lr)]
+    fed_args += [] if args.outer_momentum is None else ["--fed-outer-momentum", str(args.outer_momentum)]
+    fed_args += ["--fed-priority", args.priority]
     for rep in range(args.repeats):
         for hosts, workers in ((1, 4), (2, 2), (4, 1)):
             r = run_job(args, hosts, workers, seed=1 + 10 * rep, every_ms=args.every_ms, outer=args.outer,
-                        outer_args=outer_args)
+                        fed_args=fed_args)
             r["figure"] = 1
             runs.append(r)
             print(f"  parity {hosts}x{workers} repeat {rep}: accuracy {r['accuracy']:.4f}, wall {r['wall']:.1f} s, "
@@ -345,10 +349,10 @@ def figure_round(args, runs):
         runs.append(result)
 
 
-def serve_once(args, hosts, every_ms):
+def serve_once(args, hosts, every_ms, priority="normal"):
     model = ["--tensor", "w:203530", "--optimizer", "adam", "--lr", "0.001", "--backend", "host",
              "--max-staleness", "1000000"]
-    job = Hosts(args.bin, hosts, every_ms, model=model, net=args.net)
+    job = Hosts(args.bin, hosts, every_ms, model=model, net=args.net, fed_args=["--fed-priority", priority])
     try:
         out = subprocess.run([os.path.join(args.bin, "shmps-fed-bench"), "serve", "--connect", job.segment(0),
                               "--elements", "203530", "--pushes", str(args.pushes)],
@@ -360,10 +364,16 @@ def serve_once(args, hosts, every_ms):
         job.close()
 
 
+# Figure 4's settings: (label, hosts, period ms, --fed-priority).
+SERVE_SETTINGS = [("off", 1, 50, "normal")] + [
+    (f"on, {every} ms" + ("" if priority == "normal" else f", {priority}"), 2, every, priority)
+    for every in (50, 10) for priority in ("normal", "low", "idle")]
+
+
 def figure_serve(args, runs):
     for rep in range(args.repeats):
-        for label, hosts, every in (("off", 1, 50), ("on, 50 ms", 2, 50), ("on, 10 ms", 2, 10)):
-            r = serve_once(args, hosts, every)
+        for label, hosts, every, priority in SERVE_SETTINGS:
+            r = serve_once(args, hosts, every, priority)
             r.update({"figure": 4, "setting": label, "repeat": rep})
             runs.append(r)
             print(f"  serve {label} repeat {rep}: p50 {r['p50_us']:.0f} us, p99 {r['p99_us']:.0f} us, "
@@ -380,7 +390,7 @@ def summarize(runs):
     if parity:
         ref = med([r["accuracy"] for r in parity if r["hosts"] == 1])
         lines += [f"## 1. Accuracy parity (medians over repeats; rounds every {parity[0]['every_ms']} ms, "
-                  f"outer step {' '.join([parity[0]['outer'], parity[0].get('outer_args', '')]).strip()})", "",
+                  f"outer step {parity[0]['outer']}; {parity[0].get('fed_args', '')})", "",
                   "| hosts x workers | final accuracy | vs 1 x 4 | training s | MB of deltas (all hosts) |", "|---|---:|---:|---:|---:|"]
         for hosts, workers in ((1, 4), (2, 2), (4, 1)):
             rs = [r for r in parity if r["hosts"] == hosts]
@@ -415,8 +425,10 @@ def summarize(runs):
         off = [r for r in serve if r["setting"] == "off"]
         lines += ["## 4. Push round trip of 814 KB at host 0 (medians over repeats)", "",
                   "| federation | p50 us | p99 us | max us | pushes/s | p99 vs off |", "|---|---:|---:|---:|---:|---:|"]
-        for label in ("off", "on, 50 ms", "on, 10 ms"):
+        for label in [x[0] for x in SERVE_SETTINGS]:
             rs = [r for r in serve if r["setting"] == label]
+            if not rs:
+                continue
             lines.append(f"| {label} | {med([r['p50_us'] for r in rs]):.0f} | {med([r['p99_us'] for r in rs]):.0f} | "
                          f"{med([r['max_us'] for r in rs]):.0f} | {med([r['pushes_per_s'] for r in rs]):.0f} | "
                          f"{med([r['p99_us'] for r in rs]) / med([r['p99_us'] for r in off]):.2f} |")
@@ -484,6 +496,7 @@ def main():
     p.add_argument("--figures", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--every-ms", type=int, default=50, help="figure 1's round period")
     p.add_argument("--outer", default="average", help="figure 1's outer step")
+    p.add_argument("--priority", default="normal", help="figure 1's --fed-priority (normal, low, idle)")
     p.add_argument("--outer-lr", type=float, help="figure 1's outer lr (nesterov; the server's default otherwise)")
     p.add_argument("--outer-momentum", type=float, help="figure 1's outer momentum (nesterov; 0: plain SGD on the "
                    "negated mean delta, A' = A + lr x mean)")

@@ -46,6 +46,7 @@ namespace {
 // for both directions.
 constexpr const char* kFederationKindNames[] = {"none", "mpi", "gloo"};
 constexpr const char* kOuterStepNames[] = {"average", "nesterov"};
+constexpr const char* kFederationPriorityNames[] = {"normal", "low", "idle"};
 
 template <class E, size_t N>
 const char* name_of(E value, const char* const (&names)[N]) noexcept {
@@ -71,6 +72,12 @@ bool parse_federation_kind(std::string_view text, FederationKind* out) noexcept 
   return parse_name(text, kFederationKindNames, out);
 }
 bool parse_outer_step(std::string_view text, OuterStep* out) noexcept { return parse_name(text, kOuterStepNames, out); }
+const char* federation_priority_name(FederationPriority priority) noexcept {
+  return name_of(priority, kFederationPriorityNames);
+}
+bool parse_federation_priority(std::string_view text, FederationPriority* out) noexcept {
+  return parse_name(text, kFederationPriorityNames, out);
+}
 
 std::string ModelFingerprint::describe() const {
   const char* opt = kernels::optimizer_kind_name(static_cast<kernels::OptimizerKind>(optimizer));

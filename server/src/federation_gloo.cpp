@@ -40,6 +40,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <thread>
@@ -47,6 +48,7 @@
 
 #include "federation_plugin.hpp"
 #include "shmps/server/federation.hpp"
+#include "thread_priority.hpp"
 
 namespace shmps::server {
 
@@ -218,7 +220,19 @@ class GlooEngine final : public FederationEngine {
       gloo::transport::tcp::attr attr;
       attr.hostname = config.address;
       attr.ai_family = AF_UNSPEC;
-      engine->device_ = gloo::transport::tcp::CreateDevice(attr);
+      // The device starts its I/O thread, which wakes at every message of
+      // a collective: created from a thread lowered as --fed-priority
+      // asks, it is lowered too (the federation thread lowers itself).
+      std::exception_ptr failed;
+      std::thread([&] {
+        (void)lower_thread_priority(config.priority);  // a failure: the federation thread logs its own
+        try {
+          engine->device_ = gloo::transport::tcp::CreateDevice(attr);
+        } catch (...) {
+          failed = std::current_exception();
+        }
+      }).join();
+      if (failed) std::rethrow_exception(failed);
     } catch (const std::exception& e) {
       return Status{ErrorCode::kIo, gloo_error("cannot start", e)};
     }

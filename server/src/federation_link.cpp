@@ -6,6 +6,7 @@
 
 #include "shmps/server/log.hpp"
 #include "shmps/shm/futex.hpp"
+#include "thread_priority.hpp"
 
 namespace shmps::server {
 
@@ -331,6 +332,14 @@ bool FederationLink::regroup() {
 }
 
 void FederationLink::thread_main() {
+  if (const std::string why = lower_thread_priority(config_.priority); why.empty()) {
+    if (config_.priority != FederationPriority::kNormal)
+      log::info("federation: the round loop runs at --fed-priority " +
+                std::string(federation_priority_name(config_.priority)));
+  } else {
+    log::warn("federation: --fed-priority " + std::string(federation_priority_name(config_.priority)) +
+              ": the federation thread keeps its priority (" + why + ")");
+  }
   // The group first (an elastic engine forms it), then the join: the
   // members agree on the anchor.
   bool going = regroup();

@@ -214,7 +214,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   kernels::OptimizerConfig& o = c.optimizer;
   std::string config_file, optimizer = "sgd", backend = "auto", init = "zero", log_level = "info",
                            apply_threads = "auto", staleness_policy = "reject", federation = "none",
-                           fed_outer = "average";
+                           fed_outer = "average", fed_priority = "normal";
   bool fed_unweighted = false, fed_no_overlap = false;
   std::vector<std::string> tensors;
   float weight_decay = 0.0f;
@@ -286,8 +286,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "average the hosts' deltas plainly (default: weighted by each host's local updates of the round)")(
       "fed-no-overlap", po::bool_switch(&fed_no_overlap),
       "hold local pushes while a round exchanges (default: apply them; the merge keeps them)")(
-      "fed-max-drift", po::value(&fc.max_drift)->default_value(0),
-      "hold local pushes once this many updates are not yet in a merged round (0: no cap)")(
+      "fed-priority", po::value(&fed_priority)->default_value("normal"),
+      "the federation's threads against local serving: normal | low (nice 19) | idle (SCHED_IDLE: CPU time "
+      "serving leaves)")("fed-max-drift", po::value(&fc.max_drift)->default_value(0),
+                         "hold local pushes once this many updates are not yet in a merged round (0: no cap)")(
       "fed-rank-in-name", po::bool_switch(&fc.rank_in_name),
       "append .r<host> to --name and /r<host> to --checkpoint-dir (several federated servers on one machine)")(
       "fed-store", po::value(&fc.store),
@@ -442,6 +444,8 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
     return fail("--federation must be none, mpi or gloo, got '" + federation + "'");
   if (!parse_outer_step(fed_outer, &fc.outer))
     return fail("--fed-outer must be average or nesterov, got '" + fed_outer + "'");
+  if (!parse_federation_priority(fed_priority, &fc.priority))
+    return fail("--fed-priority must be normal, low or idle, got '" + fed_priority + "'");
   fc.weight_by_updates = !fed_unweighted;
   fc.overlap = !fed_no_overlap;
   if (!parse_log_level(log_level, &c.log_level))
@@ -521,6 +525,7 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   e.emplace_back("fed-outer-momentum", number_text(fed.outer_momentum));
   e.emplace_back("fed-unweighted", flag(!fed.weight_by_updates));
   e.emplace_back("fed-no-overlap", flag(!fed.overlap));
+  e.emplace_back("fed-priority", federation_priority_name(fed.priority));
   e.emplace_back("fed-max-drift", std::to_string(fed.max_drift));
   e.emplace_back("fed-rank-in-name", flag(fed.rank_in_name));
   e.emplace_back("fed-store", fed.store);

@@ -6,16 +6,21 @@
 // through the rounds (with the exchange overlapped and not), and the drift
 // cap holding pushes until a round merges.
 #define BOOST_TEST_MODULE federation
+#include <sched.h>
 #include <array>
 #include <boost/test/unit_test.hpp>
+
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "checkpoint.hpp"
@@ -1164,10 +1169,55 @@ BOOST_AUTO_TEST_CASE(an_elastic_group_regroups_and_keeps_every_push) {
   for (FakeEngine* e : two.engines) e->is_elastic = false;
 }
 
+namespace {
+
+// This process's threads' (nice value, scheduling policy), from
+// /proc/self/task/*/stat (fields 19 and 41, counted after the command).
+std::vector<std::pair<int, int>> thread_priorities() {
+  std::vector<std::pair<int, int>> out;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(task.path() / "stat");
+    std::string line;
+    if (!std::getline(in, line) || line.rfind(')') == std::string::npos) continue;  // a thread that just ended
+    std::istringstream fields(line.substr(line.rfind(')') + 2));                    // from field 3, the state
+    std::vector<std::string> f{std::istream_iterator<std::string>(fields), std::istream_iterator<std::string>()};
+    if (f.size() >= 39) out.emplace_back(std::stoi(f[16]), std::stoi(f[38]));
+  }
+  return out;
+}
+
+}  // namespace
+
+// --fed-priority lowers the federation thread, and only it: one thread at
+// SCHED_IDLE for the idle server, one at nice 19 for the low one, none
+// for normal ones (the engines' own threads: multihost_gloo_priority).
+BOOST_AUTO_TEST_CASE(the_federation_thread_runs_at_its_priority) {
+  const auto idle_threads = [] {
+    const auto all = thread_priorities();
+    return std::count_if(all.begin(), all.end(), [](auto t) { return t.second == SCHED_IDLE; });
+  };
+  const auto low_threads = [] {
+    const auto all = thread_priorities();
+    return std::count_if(all.begin(), all.end(), [](auto t) { return t.first == 19 && t.second == SCHED_OTHER; });
+  };
+  BOOST_TEST_REQUIRE(idle_threads() + low_threads() == 0, "the test itself runs lowered");
+  {
+    FederationConfig idle, low;
+    idle.priority = FederationPriority::kIdle;
+    low.priority = FederationPriority::kLow;
+    TwoServers two(idle, low);
+    BOOST_TEST(idle_threads() == 1);
+    BOOST_TEST(low_threads() == 1);
+  }
+  TwoServers normal(FederationConfig{}, FederationConfig{});
+  BOOST_TEST(idle_threads() == 0);
+  BOOST_TEST(low_threads() == 0);
+}
+
 BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
   auto ok = test::parse_server_args({"--name", "x", "--tensor", "w:4", "--federation", "mpi", "--fed-outer", "nesterov",
                                      "--fed-every-ms", "40", "--fed-max-drift", "9", "--fed-no-overlap",
-                                     "--fed-unweighted", "--fed-rank-in-name"});
+                                     "--fed-unweighted", "--fed-rank-in-name", "--fed-priority", "idle"});
   BOOST_TEST_REQUIRE(ok.ok(), ok.status().to_string());
   const FederationConfig& f = ok->config.federation;
   BOOST_TEST((f.kind == FederationKind::kMpi));
@@ -1177,6 +1227,7 @@ BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
   BOOST_TEST(!f.overlap);
   BOOST_TEST(!f.weight_by_updates);
   BOOST_TEST(f.rank_in_name);
+  BOOST_TEST((f.priority == FederationPriority::kIdle));
   // What rank 7 runs as, at start and for each reload alike.
   ServerConfig c = ok->config;
   c.checkpoint_dir = "/var/lib/shmps/x";
@@ -1210,6 +1261,7 @@ BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
       {{"--fed-every-ms", "0"}, "--fed-every-ms must be in 1..3600000"},
       {{"--fed-outer-momentum", "1"}, "--fed-outer-momentum must be in [0, 1)"},
       {{"--fed-outer-lr", "-1"}, "--fed-outer-lr must be finite and > 0"},
+      {{"--fed-priority", "high"}, "--fed-priority must be normal, low or idle, got 'high'"},
   };
   for (const auto& [args, want] : bad) {
     std::vector<std::string> all = {"--name", "x", "--tensor", "w:4"};

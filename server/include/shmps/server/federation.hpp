@@ -25,6 +25,13 @@ enum class FederationKind { kNone = 0, kMpi = 1, kGloo = 2 };
 // Nesterov momentum on the pseudo-gradient -mean delta (DiLoCo).
 enum class OuterStep { kAverage = 0, kNesterov = 1 };
 
+// How the federation's threads (the round loop, and the engine's own where
+// it starts them from it: Gloo's) are scheduled against local serving
+// (docs/operations.md, "Federation"): as every thread (kNormal); at nice
+// 19 (kLow); or under SCHED_IDLE (kIdle), on a CPU only when nothing else
+// wants it. Lowered, a round waits for CPU time that serving leaves.
+enum class FederationPriority { kNormal = 0, kLow = 1, kIdle = 2 };
+
 struct FederationConfig {
   FederationKind kind = FederationKind::kNone;
   // A round starts `every_ms` after the previous one's collectives ended
@@ -45,6 +52,7 @@ struct FederationConfig {
   // The most local updates since the last merged snapshot (0: no cap);
   // beyond it the server holds pushes until the next round merges.
   uint64_t max_drift = 0;
+  FederationPriority priority = FederationPriority::kNormal;
   // Append ".r<host>" to --name, and "/r<host>" to --checkpoint-dir
   // (several "hosts" on one machine; the host is the MPI rank, or --fed-host).
   bool rank_in_name = false;
@@ -66,12 +74,14 @@ struct FederationConfig {
 
 inline constexpr uint32_t kMaxFederationHosts = 64;
 
-// Each option value's name ("none", "mpi", "gloo"; "average", "nesterov"), and
-// back: false for a text that names none.
+// Each option value's name ("none", "mpi", "gloo"; "average", "nesterov";
+// "normal", "low", "idle"), and back: false for a text that names none.
 const char* federation_kind_name(FederationKind kind) noexcept;
 const char* outer_step_name(OuterStep step) noexcept;
+const char* federation_priority_name(FederationPriority priority) noexcept;
 bool parse_federation_kind(std::string_view text, FederationKind* out) noexcept;
 bool parse_outer_step(std::string_view text, OuterStep* out) noexcept;
+bool parse_federation_priority(std::string_view text, FederationPriority* out) noexcept;
 
 // Who this host is in the group: its rank in the current epoch, and its
 // id, which stays (the MPI rank; Gloo's --fed-host). The epoch counts
