@@ -40,13 +40,15 @@ as_root=()
 [ "$(id -u)" -eq 0 ] && as_root=(--allow-run-as-root)
 model=(--tensor fc1.weight:256x784 --tensor fc1.bias:256 --tensor fc2.weight:10x256 --tensor fc2.bias:10
        --optimizer adam --lr 0.001 --init normal --init-scale 0.05 --backend host)
-subset=(--workers 1 --epochs 2 --train-limit 30000)
+subset=(--workers 1 --epochs 3 --train-limit 30000)
 
 # start_job LOG [server options...]
 start_job() {
   local log=$1
   shift
-  mpirun "${as_root[@]}" --oversubscribe -np 3 "$server" --name "$name" --fed-rank-in-name --federation mpi \
+  # Open MPI's shared-memory segments in the test's directory: a job whose
+  # rank was killed leaves them behind, and /dev/shm must not keep them.
+  mpirun "${as_root[@]}" --oversubscribe --mca btl_vader_backing_directory "$work" -np 3 "$server" --name "$name" --fed-rank-in-name --federation mpi \
     --fed-every-ms 50 "${model[@]}" "$@" >"$work/$log.log" 2>&1 &
   mpi_pid=$!
   for _ in $(seq 100); do
