@@ -27,12 +27,7 @@ FederationLink::FederationLink(const FederationConfig& config, std::unique_ptr<F
 
 FederationLink::~FederationLink() {
   if (!thread_.joinable()) return;
-  {
-    std::lock_guard lock(mu_);
-    abandoned_ = true;
-    stop_ = true;
-  }
-  cv_.notify_all();
+  abandon();  // ends every wait of the thread, and it announces no leave
   thread_.join();
 }
 
@@ -42,18 +37,38 @@ void FederationLink::start(uint64_t version) {
 }
 
 void FederationLink::set_phase(Phase p) {
+  // SYNC(fed_phase): release publishes the exchange buffer's contents
+  // (the snapshot, or the correction) to the thread that acquires the new
+  // phase; the buffer changes hands with it.
+  phase_.store(static_cast<uint32_t>(p), std::memory_order_release);
+  shm::notify(thread_wake_);
+  // Only the thread sets these, and only it takes mu_ while serving goes
+  // on: under mu_, since once stop() gave up on the thread the segment that
+  // holds the word may be unmapped.
+  if (p == Phase::kWantSnapshot || p == Phase::kMergeReady || p == Phase::kDiscarded) {
+    std::lock_guard lock(mu_);
+    if (!abandoned_.load(std::memory_order_relaxed)) shm::notify(consumer_wake_);  // relaxed: written under mu_
+  }
+}
+
+void FederationLink::abandon() {
   {
     std::lock_guard lock(mu_);
-    // SYNC(fed_phase): release publishes the exchange buffer's contents
-    // (the snapshot, or the correction) to the thread that acquires the new
-    // phase; the buffer changes hands with it.
-    phase_.store(static_cast<uint32_t>(p), std::memory_order_release);
-    // Under mu_: once stop() gave up on the thread, the segment that holds
-    // the word may be unmapped.
-    if ((p == Phase::kWantSnapshot || p == Phase::kMergeReady || p == Phase::kDiscarded) && !abandoned_)
-      shm::notify(consumer_wake_);
+    abandoned_.store(true, std::memory_order_relaxed);  // relaxed: mu_ orders it against the thread's uses
   }
-  cv_.notify_all();
+  shm::notify(thread_wake_);
+}
+
+bool FederationLink::stopping() const noexcept {
+  // relaxed: flags; the wake word's notify() orders them before the
+  // waiter's re-check (shm::wait_until's protocol).
+  return stop_.load(std::memory_order_relaxed) || abandoned_.load(std::memory_order_relaxed);
+}
+
+bool FederationLink::sleep_until(Clock::time_point deadline, const std::function<bool()>& ready) {
+  // No spin: the thread's waits are long, and it may run at a lowered priority.
+  return shm::wait_until(thread_wake_, ready, nullptr, deadline, /*spin_iterations=*/0,
+                         std::chrono::milliseconds(100)) == shm::WaitResult::kReady;
 }
 
 FederationLink::Phase FederationLink::phase() const noexcept {
@@ -83,6 +98,9 @@ Result<FederationLink::Polled> FederationLink::poll(Backend& backend, uint64_t v
     return s;
   }
   if (snapshot) {
+    // This snapshot answers every request for a round made before it
+    // (the thread may be slow to take the phase: a lowered priority).
+    round_now_.store(false, std::memory_order_relaxed);  // relaxed: a flag, as in request_round()
     snapshot_updates_ = version - last_snapshot_version_;
     last_snapshot_version_ = snapshot_version_ = version;
     set_phase(Phase::kExchanging);
@@ -113,13 +131,9 @@ bool FederationLink::holding_pushes(uint64_t version) {
 }
 
 void FederationLink::request_round() {
-  // relaxed: the flag is re-read under mu_ by the timer's wait.
-  if (round_now_.load(std::memory_order_relaxed)) return;
-  {
-    std::lock_guard lock(mu_);
-    round_now_.store(true, std::memory_order_relaxed);
-  }
-  cv_.notify_all();
+  // relaxed: a flag; notify() orders it before the timer's re-check.
+  if (round_now_.exchange(true, std::memory_order_relaxed)) return;
+  shm::notify(thread_wake_);
 }
 
 Status FederationLink::restore(FederationState state) {
@@ -156,11 +170,8 @@ void FederationLink::publish_drift(uint64_t version) {
 
 bool FederationLink::stop(Backend& backend, uint64_t version) {
   if (!thread_.joinable()) return true;
-  {
-    std::lock_guard lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
+  stop_.store(true, std::memory_order_relaxed);  // relaxed: notify() orders it
+  shm::notify(thread_wake_);
   // relaxed: written once by the thread after its join; 0 (not joined yet)
   // only leaves our own period.
   const uint32_t period = std::max(config_.every_ms, group_every_ms_.load(std::memory_order_relaxed));
@@ -173,11 +184,7 @@ bool FederationLink::stop(Backend& backend, uint64_t version) {
     // A failed poll ends federation (kOff), so it is logged once.
     if (Result<Polled> r = poll(backend, version); !r.ok()) log::error("federation: at stop: " + r.status().message());
     if (Clock::now() >= deadline) {
-      {
-        std::lock_guard lock(mu_);
-        abandoned_ = true;
-      }
-      cv_.notify_all();
+      abandon();
       log::error("federation: the federation thread is still inside a collective after " + std::to_string(timeout_ms) +
                  " ms (a host gone?); leaving it behind: the engine is not finalised");
       thread_.detach();
@@ -192,15 +199,19 @@ bool FederationLink::stop(Backend& backend, uint64_t version) {
 // ------------------------------------------------------------ federation thread
 
 bool FederationLink::wait_for(Phase want) {
-  std::unique_lock lock(mu_);
-  cv_.wait(lock, [&] { return abandoned_ || phase() == want || phase() == Phase::kOff; });
-  return !abandoned_ && phase() == want;
+  // relaxed: abandoned_ is a flag here (its notify() wakes this wait).
+  const auto done = [&] {
+    return abandoned_.load(std::memory_order_relaxed) || phase() == want || phase() == Phase::kOff;
+  };
+  while (!sleep_until(Clock::time_point::max(), done)) {
+  }
+  return !abandoned_.load(std::memory_order_relaxed) && phase() == want;
 }
 
 template <class F>
 bool FederationLink::with_stats(F update) {
   std::lock_guard lock(mu_);
-  if (abandoned_) return false;
+  if (abandoned_.load(std::memory_order_relaxed)) return false;  // relaxed: written under mu_
   update(stats_);
   return true;
 }
@@ -291,15 +302,9 @@ bool FederationLink::form_group() {
   federator_.rejoin();
   FederationEngine::Reform last = FederationEngine::Reform::kFormed;
   while (true) {
-    {
-      std::lock_guard lock(mu_);
-      if (stop_ || abandoned_) return false;
-    }
+    if (stopping()) return false;
     std::string why;
-    const FederationEngine::Reform r = engine_->reform(&why, [this] {
-      std::lock_guard lock(mu_);
-      return stop_ || abandoned_;
-    });
+    const FederationEngine::Reform r = engine_->reform(&why, [this] { return stopping(); });
     if (r == FederationEngine::Reform::kFormed) {
       if (last == FederationEngine::Reform::kPaused) log::info("federation: a majority is back; federation resumes");
       return true;
@@ -312,8 +317,7 @@ bool FederationLink::form_group() {
     last = r;
     // Paused: a second between tries (each writes a few keys to the store).
     const auto pause = std::chrono::milliseconds(r == FederationEngine::Reform::kPaused ? 1000 : 50);
-    std::unique_lock lock(mu_);
-    cv_.wait_for(lock, pause, [&] { return stop_ || abandoned_; });
+    sleep_until(Clock::now() + pause, [this] { return stopping(); });
   }
 }
 
@@ -349,12 +353,10 @@ void FederationLink::thread_main() {
     // so the hosts' timers realign every round, whatever triggered a round
     // early on one of them.
     const auto deadline = Clock::now() + std::chrono::milliseconds(config_.every_ms);
-    std::unique_lock lock(mu_);
-    // relaxed: written under mu_.
-    cv_.wait_until(lock, deadline, [&] { return stop_ || round_now_.load(std::memory_order_relaxed); });
-    if (abandoned_ || stop_) break;
-    round_now_.store(false, std::memory_order_relaxed);
-    lock.unlock();
+    // relaxed: a flag, as in request_round().
+    sleep_until(deadline, [this] { return stopping() || round_now_.load(std::memory_order_relaxed); });
+    if (stopping()) break;
+    round_now_.store(false, std::memory_order_relaxed);  // relaxed: as above
     switch (exchange(/*join=*/false)) {
       case Outcome::kMerged:
         break;
@@ -371,12 +373,10 @@ void FederationLink::thread_main() {
   // outside a group: before a join, or while re-forming). After the
   // engine's failure or a peer's leave (end()), or once abandoned, no
   // collective.
-  bool abandoned = false;
-  {
-    std::lock_guard lock(mu_);
-    abandoned = abandoned_;
-  }
-  if (!abandoned && !ended_) {
+  // relaxed: a flag; the destructor sets only it, so the loop above ended
+  // on it and this read sees it; after stop(), at worst a leave is
+  // announced as stop() gives up.
+  if (!abandoned_.load(std::memory_order_relaxed) && !ended_) {
     if (Status s = federator_.leave(); !s.ok()) log::warn("federation: announcing the leave: " + s.message());
   }
   set_phase(Phase::kOff);

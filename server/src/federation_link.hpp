@@ -3,14 +3,17 @@
 // over the engine); the weights stay the consumer's: it copies them into
 // the exchange buffer when the thread asks for a snapshot, and adds the
 // correction A' - S when the round is done, each between two requests.
-// The phase word is the only state both threads touch outside mu_; the
+// The phase word and a few flags are what both threads share; the
 // exchange buffer belongs to whoever the phase says (docs/federation.md,
-// "A round").
+// "A round"). While serving, the consumer takes no lock the thread holds:
+// the thread may run at a lowered priority (--fed-priority), and a lock it
+// held while preempted would stall serving.
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -88,8 +91,8 @@ class FederationLink {
   bool stop(Backend& backend, uint64_t version);
 
  private:
-  // Both threads: the phase, changed under mu_ so that no wait misses it;
-  // phases that hand the consumer work also wake it.
+  // Both threads: the phase; every change wakes the thread, and the phases
+  // that hand the consumer work (the thread's) also wake the consumer.
   void set_phase(Phase p);
   Phase phase() const noexcept;
   void request_round();  // consumer: wake the timer now
@@ -114,6 +117,13 @@ class FederationLink {
   // Forms a group where the engine can and joins it, again after a join
   // the group's change abandoned. False when federation is over.
   bool regroup();
+  // Consumer: the thread must not touch the consumer's side again.
+  void abandon();
+  // Either thread: stop() or abandon() was called.
+  bool stopping() const noexcept;
+  // The thread: sleeps on thread_wake_ until ready() or `deadline`; true
+  // when ready().
+  bool sleep_until(std::chrono::steady_clock::time_point deadline, const std::function<bool()>& ready);
   // Waits until the consumer moved the phase to `want`; false when it
   // ended federation instead (kOff) or the link is abandoned.
   bool wait_for(Phase want);
@@ -149,19 +159,24 @@ class FederationLink {
 
   // ---- both threads
   std::atomic<uint32_t> phase_{static_cast<uint32_t>(Phase::kIdle)};
-  // Set under mu_; the consumer's request_round() reads it without, as a
-  // hint that spares it the lock.
-  std::atomic<bool> round_now_{false};  // the drift cap or every_versions asks for a round before the timer
+  // The drift cap or every_versions asks for a round before the timer: set
+  // by request_round(), cleared by the thread as the timer fires and by the
+  // consumer as it takes a snapshot.
+  std::atomic<bool> round_now_{false};
   std::atomic<bool> thread_done_{false};
   std::atomic<uint32_t> group_every_ms_{0};  // the group's longest period, once joined (stop()'s timeout)
   // Joined to a group now (an elastic one re-forming or paused is not):
   // the drift cap holds pushes only then, since only a group's merge
   // releases them.
   std::atomic<bool> in_group_{false};
-  std::mutex mu_;  // with cv_: the thread's waits (timer, phase changes, stop)
-  std::condition_variable cv_;
-  bool stop_ = false;       // under mu_: leave, then end the thread
-  bool abandoned_ = false;  // under mu_: the thread must not touch the consumer's side again
+  std::atomic<bool> stop_{false};  // leave, then end the thread
+  // The thread must not touch the consumer's side again (the segment may
+  // be unmapped): set under mu_, which the thread holds while it touches
+  // the segment; the consumer takes mu_ only to set it.
+  std::atomic<bool> abandoned_{false};
+  std::mutex mu_;
+  // The thread sleeps on it (timer, phase changes, stop); process-local.
+  shm::WaitWord thread_wake_{{0}, {0}};
   std::thread thread_;
 };
 

@@ -22,7 +22,7 @@ namespace shmps::server {
 // needs a privilege; raising it back would (RLIMIT_NICE, CAP_SYS_NICE), so
 // call it only on a thread that does the federation's work alone. "" on
 // success, else why.
-inline std::string lower_thread_priority(FederationPriority priority) noexcept {
+inline std::string lower_thread_priority(FederationPriority priority) {
   if (priority == FederationPriority::kLow) {
     // PRIO_PROCESS with a thread id: that thread only (Linux).
     if (::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19) != 0)

@@ -5,12 +5,17 @@
 # threads under SCHED_IDLE (the round loop and Gloo's I/O thread, started
 # from a lowered thread) and host 1 exactly two at nice 19; every other
 # thread of each is as it started (the consumer serves at full priority).
-# (Run under a nice value of 19 already, host 1's check cannot tell.)
 # Both stop cleanly on SIGTERM.
-# Usage: gloo_priority.sh <build-dir>. Exit 77 (skipped) without the Gloo plugin.
+# Usage: gloo_priority.sh <build-dir>. Exit 77 (skipped) without the Gloo
+# plugin, or when run at nice 19 or under a policy other than SCHED_OTHER
+# (a lowered thread would look like the others).
 set -euo pipefail
 build=$1
 [ -f "$build/lib/shmps/libshmps_fed_gloo.so" ] || { echo "SKIP: no Gloo plugin in $build (configure found no Gloo)"; exit 77; }
+# This shell's nice value and policy: fields 19 and 41 of its stat.
+read -r -a self <<<"$(sed 's/.*) //' /proc/$$/stat)"
+[ "${self[16]}" != 19 ] && [ "${self[38]}" = 0 ] ||
+  { echo "SKIP: this test runs at nice ${self[16]}, policy ${self[38]} already: a lowered thread looks like the others"; exit 77; }
 server=$build/bin/shmps-server
 inspect=$build/bin/shmps-inspect
 name=fedprio$$

@@ -27,7 +27,7 @@ enum class OuterStep { kAverage = 0, kNesterov = 1 };
 
 // How the federation's threads (the round loop, and the engine's own where
 // it starts them from it: Gloo's) are scheduled against local serving
-// (docs/operations.md, "Federation"): as every thread (kNormal); at nice
+// (docs/federation.md, "Running it"): as every thread (kNormal); at nice
 // 19 (kLow); or under SCHED_IDLE (kIdle), on a CPU only when nothing else
 // wants it. Lowered, a round waits for CPU time that serving leaves.
 enum class FederationPriority { kNormal = 0, kLow = 1, kIdle = 2 };
