@@ -20,7 +20,8 @@ share of the data (--shard h/H). The Fashion-MNIST 784-256-10 MLP, Adam lr
   4  local serving: push round trips of the 814 KB model at a host, not
      federated against federated with one other host (rounds every 50 ms
      and 10 ms, the federation's threads at --fed-priority normal, low and
-     idle), interleaved, medians over --repeats
+     idle; a second server not federated; a group whose rounds never
+     come), interleaved, medians over --repeats
 
   5  with --netns RATE (root): every federated host in a network namespace
      of its own, on a bridge through a veth link shaped to RATE each way
@@ -169,10 +170,11 @@ else:
 
 
 class Hosts:
-    """H shmps-servers; federated over Gloo (a file store) when H > 1, each
-    in its namespace of `net` when given."""
+    """H shmps-servers; federated over Gloo (a file store) when H > 1 unless
+    `federate` is false, each in its namespace of `net` when given."""
 
-    def __init__(self, bin_dir, hosts, every_ms=50, outer="average", model=MODEL, net=None, fed_args=()):
+    def __init__(self, bin_dir, hosts, every_ms=50, outer="average", model=MODEL, net=None, fed_args=(),
+                 federate=True):
         # fed_args: more --fed-* options for every host (figure 1's outer lr, figure 4's priority).
         self.bin = bin_dir
         self.n = hosts
@@ -180,8 +182,10 @@ class Hosts:
         self.tmp = tempfile.mkdtemp(prefix="fedfig")
         self.procs = []
         for h in range(hosts):
-            cmd = [os.path.join(bin_dir, "shmps-server"), "--name", self.name, "--max-workers", "8"] + model
-            if hosts > 1:
+            cmd = [os.path.join(bin_dir, "shmps-server"), "--max-workers", "8"] + model
+            federated = hosts > 1 and federate
+            cmd += ["--name", self.name if federated or hosts == 1 else self.segment(h)]
+            if federated:
                 cmd += ["--fed-rank-in-name", "--federation", "gloo", "--fed-store", "file:" + self.tmp + "/store",
                         "--fed-hosts", str(hosts), "--fed-host", str(h), "--fed-every-ms", str(every_ms),
                         "--fed-outer", outer, *fed_args]
@@ -190,7 +194,8 @@ class Hosts:
             log = open(os.path.join(self.tmp, f"host{h}.log"), "w")
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
         for h in range(hosts):
-            self.wait_for(lambda h=h: self.members(h) == (hosts if hosts > 1 else 0), 30, f"host {h} joined")
+            self.wait_for(lambda h=h: self.members(h) == (hosts if hosts > 1 and federate else 0), 30,
+                          f"host {h} joined")
 
     def segment(self, h):
         return self.name + (f".r{h}" if self.n > 1 else "")
@@ -349,10 +354,11 @@ def figure_round(args, runs):
         runs.append(result)
 
 
-def serve_once(args, hosts, every_ms, priority="normal"):
+def serve_once(args, hosts, every_ms, priority="normal", federate=True):
     model = ["--tensor", "w:203530", "--optimizer", "adam", "--lr", "0.001", "--backend", "host",
              "--max-staleness", "1000000"]
-    job = Hosts(args.bin, hosts, every_ms, model=model, net=args.net, fed_args=["--fed-priority", priority])
+    job = Hosts(args.bin, hosts, every_ms, model=model, net=args.net, fed_args=["--fed-priority", priority],
+                federate=federate)
     try:
         out = subprocess.run([os.path.join(args.bin, "shmps-fed-bench"), "serve", "--connect", job.segment(0),
                               "--elements", "203530", "--pushes", str(args.pushes)],
@@ -364,16 +370,19 @@ def serve_once(args, hosts, every_ms, priority="normal"):
         job.close()
 
 
-# Figure 4's settings: (label, hosts, period ms, --fed-priority).
-SERVE_SETTINGS = [("off", 1, 50, "normal")] + [
-    (f"on, {every} ms" + ("" if priority == "normal" else f", {priority}"), 2, every, priority)
+# Figure 4's settings: (label, hosts, period ms, --fed-priority, federated).
+# Two that split what federation costs: a second server beside host 0, not
+# federated; and a group formed whose rounds never come (an hour apart).
+SERVE_SETTINGS = [("off", 1, 50, "normal", False), ("off, a second server", 2, 50, "normal", False),
+                  ("on, no round", 2, 3_600_000, "normal", True)] + [
+    (f"on, {every} ms" + ("" if priority == "normal" else f", {priority}"), 2, every, priority, True)
     for every in (50, 10) for priority in ("normal", "low", "idle")]
 
 
 def figure_serve(args, runs):
     for rep in range(args.repeats):
-        for label, hosts, every, priority in SERVE_SETTINGS:
-            r = serve_once(args, hosts, every, priority)
+        for label, hosts, every, priority, federate in SERVE_SETTINGS:
+            r = serve_once(args, hosts, every, priority, federate)
             r.update({"figure": 4, "setting": label, "repeat": rep})
             runs.append(r)
             print(f"  serve {label} repeat {rep}: p50 {r['p50_us']:.0f} us, p99 {r['p99_us']:.0f} us, "
@@ -424,14 +433,16 @@ def summarize(runs):
     if serve:
         off = [r for r in serve if r["setting"] == "off"]
         lines += ["## 4. Push round trip of 814 KB at host 0 (medians over repeats)", "",
-                  "| federation | p50 us | p99 us | max us | pushes/s | p99 vs off |", "|---|---:|---:|---:|---:|---:|"]
+                  "| federation | p50 us | p99 us | max us | pushes/s | p99 vs off | pushes/s vs off |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for label in [x[0] for x in SERVE_SETTINGS]:
             rs = [r for r in serve if r["setting"] == label]
             if not rs:
                 continue
             lines.append(f"| {label} | {med([r['p50_us'] for r in rs]):.0f} | {med([r['p99_us'] for r in rs]):.0f} | "
                          f"{med([r['max_us'] for r in rs]):.0f} | {med([r['pushes_per_s'] for r in rs]):.0f} | "
-                         f"{med([r['p99_us'] for r in rs]) / med([r['p99_us'] for r in off]):.2f} |")
+                         f"{med([r['p99_us'] for r in rs]) / med([r['p99_us'] for r in off]):.2f} | "
+                         f"{med([r['pushes_per_s'] for r in rs]) / med([r['pushes_per_s'] for r in off]):.2f} |")
         lines.append("")
     return "\n".join(lines)
 
