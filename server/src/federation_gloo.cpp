@@ -221,11 +221,16 @@ class GlooEngine final : public FederationEngine {
       attr.hostname = config.address;
       attr.ai_family = AF_UNSPEC;
       // The device starts its I/O thread, which wakes at every message of
-      // a collective: created from a thread lowered as --fed-priority
-      // asks, it is lowered too (the federation thread lowers itself).
+      // a collective: created from a thread scheduled as it should be
+      // (lower_io_thread_priority), it inherits that (the federation
+      // thread lowers itself).
       std::exception_ptr failed;
       std::thread([&] {
-        (void)lower_thread_priority(config.priority);  // a failure: the federation thread logs its own
+        // A failure (seccomp, RLIMIT_NICE) leaves the I/O thread scheduled
+        // as the federation thread is, or unlowered: collectives may stall
+        // for a tick, nothing is wrong. The plugin has no log; the
+        // federation thread logs a failure of its own lowering.
+        (void)lower_io_thread_priority(config.priority);
         try {
           engine->device_ = gloo::transport::tcp::CreateDevice(attr);
         } catch (...) {

@@ -35,4 +35,25 @@ inline std::string lower_thread_priority(FederationPriority priority) {
   return "";
 }
 
+// For an engine's own I/O thread (Gloo's), started from a thread that
+// calls this: lowered as `priority` asks, and then, unless that made it
+// SCHED_IDLE, under SCHED_BATCH at the same nice value. A SCHED_BATCH
+// thread keeps its share of the CPU but does not preempt the running
+// thread as it wakes (it runs when that one sleeps or is preempted at a
+// tick). Gloo's I/O thread wakes at every message of a collective; where
+// it shared a CPU with the federation thread, collectives stalled for a
+// scheduler tick (4 ms here), and under SCHED_BATCH they did not
+// (docs/federation.md, "Gloo's 4 ms stalls"). A thread under another
+// policy than SCHED_OTHER (the server started under one) keeps it: this
+// only lowers. "" on success, else why.
+inline std::string lower_io_thread_priority(FederationPriority priority) {
+  if (std::string why = lower_thread_priority(priority); !why.empty() || priority == FederationPriority::kIdle)
+    return why;
+  if (::sched_getscheduler(0) != SCHED_OTHER) return "";
+  sched_param param{};
+  if (::sched_setscheduler(0, SCHED_BATCH, &param) != 0)
+    return std::string("sched_setscheduler(SCHED_BATCH): ") + std::strerror(errno);
+  return "";
+}
+
 }  // namespace shmps::server

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# --fed-priority with Gloo, real processes (CTest label multihost): two
+# --fed-priority with Gloo, real processes (CTest label multihost): three
 # shmps-servers federated through a file store, host 0 at --fed-priority
-# idle and host 1 at low. Once both show 2 members, host 0 has exactly two
-# threads under SCHED_IDLE (the round loop and Gloo's I/O thread, started
-# from a lowered thread) and host 1 exactly two at nice 19; every other
-# thread of each is as it started (the consumer serves at full priority).
-# Both stop cleanly on SIGTERM.
+# idle, host 1 at low and host 2 at normal. Once all show 3 members:
+# host 0 has exactly two threads under SCHED_IDLE (the round loop and
+# Gloo's I/O thread, started from a lowered thread); host 1 one at nice 19
+# (the round loop) and one at nice 19 under SCHED_BATCH (the I/O thread);
+# host 2 one under SCHED_BATCH (the I/O thread: it never preempts the
+# round loop as it wakes); every other thread of each is as it started
+# (the consumer serves at full priority). All stop cleanly on SIGTERM.
 # Usage: gloo_priority.sh <build-dir>. Exit 77 (skipped) without the Gloo
 # plugin, or when run at nice 19 or under a policy other than SCHED_OTHER
 # (a lowered thread would look like the others).
@@ -29,10 +31,10 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "FAIL: $*"; for f in "$work"/*.log; do echo "---- $f"; tail -15 "$f"; done; exit 1; }
 
-priorities=(idle low)
-for r in 0 1; do
-  "$server" --name "$name" --fed-rank-in-name --federation gloo --fed-store "file:$work/store" --fed-hosts 2 \
-    --fed-host "$r" --fed-every-ms 50 --fed-priority "${priorities[$r]}" --tensor w:1000 --optimizer adam \
+priorities=(idle low normal)
+for r in 0 1 2; do
+  "$server" --name "$name" --fed-rank-in-name --federation gloo --fed-store "file:$work/store" --fed-hosts 3 \
+    --fed-host "$r" --fed-every-ms 50 --fed-timeout-ms 30000 --fed-priority "${priorities[$r]}" --tensor w:1000 --optimizer adam \
     --backend host >"$work/host$r.log" 2>&1 &
   pids+=($!)
 done
@@ -41,11 +43,12 @@ members_of() {
   n=$("$inspect" "$name.r$1" 2>/dev/null | sed -n 's/^  federation *round [0-9]*, \([0-9]*\) hosts.*/\1/p')
   echo "${n:--1}"
 }
+formed() { [ "$(members_of 0)" = 3 ] && [ "$(members_of 1)" = 3 ] && [ "$(members_of 2)" = 3 ]; }
 for _ in $(seq 300); do
-  [ "$(members_of 0)" = 2 ] && [ "$(members_of 1)" = 2 ] && break
+  formed && break
   sleep 0.1
 done
-[ "$(members_of 0)" = 2 ] && [ "$(members_of 1)" = 2 ] || fail "the two hosts did not form a group within 30 s"
+formed || fail "the three hosts did not form a group within 30 s"
 
 # count PID NICE POLICY: threads of PID with that nice value and policy
 # (/proc/PID/task/*/stat fields 19 and 41, counted after the command).
@@ -63,19 +66,25 @@ all_threads() { ls /proc/"$1"/task | wc -l; }
 # the main thread's stat.
 base() { local f; read -r -a f <<<"$(sed 's/.*) //' /proc/"$1"/stat)"; echo "${f[16]}"; }
 nice0=$(base "${pids[0]}")
-idle=$(count "${pids[0]}" "$nice0" 5)  # SCHED_IDLE
-low=$(count "${pids[1]}" 19 0)         # SCHED_OTHER at nice 19
+# Policies: 0 SCHED_OTHER, 3 SCHED_BATCH, 5 SCHED_IDLE.
+idle=$(count "${pids[0]}" "$nice0" 5)
+low=$(count "${pids[1]}" 19 0)
+low_io=$(count "${pids[1]}" 19 3)
+normal_io=$(count "${pids[2]}" "$nice0" 3)
 [ "$idle" = 2 ] || fail "host 0 (--fed-priority idle) has $idle threads under SCHED_IDLE, not 2"
-[ "$low" = 2 ] || fail "host 1 (--fed-priority low) has $low threads at nice 19, not 2"
-for r in 0 1; do
-  rest=$(($(all_threads "${pids[$r]}") - 2))
+[ "$low" = 1 ] || fail "host 1 (--fed-priority low) has $low threads at nice 19 under SCHED_OTHER, not 1"
+[ "$low_io" = 1 ] || fail "host 1 (--fed-priority low) has $low_io threads at nice 19 under SCHED_BATCH, not 1"
+[ "$normal_io" = 1 ] || fail "host 2 (--fed-priority normal) has $normal_io threads under SCHED_BATCH, not 1"
+for r in 0 1 2; do
+  rest=$(($(all_threads "${pids[$r]}") - (r == 2 ? 1 : 2)))
   normal=$(count "${pids[$r]}" "$nice0" 0)
   [ "$normal" = "$rest" ] || fail "host $r: $normal of its other $rest threads at nice $nice0 and SCHED_OTHER"
 done
-echo "host 0: 2 threads under SCHED_IDLE; host 1: 2 at nice 19; the others as started"
+echo "host 0: 2 threads under SCHED_IDLE; host 1: 1 at nice 19, 1 at nice 19 under SCHED_BATCH;" \
+  "host 2: 1 under SCHED_BATCH; the others as started"
 
-for r in 0 1; do kill -TERM "${pids[$r]}"; done
-for r in 0 1; do
+for r in 0 1 2; do kill -TERM "${pids[$r]}"; done
+for r in 0 1 2; do
   wait "${pids[$r]}" || fail "host $r exited with $? on SIGTERM"
 done
 pids=()

@@ -32,6 +32,7 @@
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
+#include "thread_priority.hpp"
 #include "worker_support.hpp"
 
 using namespace shmps;
@@ -1228,6 +1229,27 @@ BOOST_AUTO_TEST_CASE(the_federation_thread_runs_at_its_priority,
   TwoServers normal(FederationConfig{}, FederationConfig{});
   BOOST_TEST(idle_threads() == 0);
   BOOST_TEST(low_threads() == 0);
+}
+
+// An engine's I/O thread (Gloo's) is lowered as the federation thread is,
+// and then under SCHED_BATCH, unless that made it SCHED_IDLE: it never
+// preempts the federation thread as it wakes.
+BOOST_AUTO_TEST_CASE(an_engines_io_thread_is_lowered_and_never_preempts_on_wake_up,
+                     *boost::unit_test::precondition(runs_at_normal_priority)) {
+  const auto scheduled = [](FederationPriority priority) {
+    std::pair<int, int> nice_and_policy{-100, -1};
+    std::string why;
+    std::thread([&] {
+      why = lower_io_thread_priority(priority);
+      nice_and_policy = {::getpriority(PRIO_PROCESS, static_cast<id_t>(::gettid())), ::sched_getscheduler(0)};
+    }).join();
+    BOOST_TEST(why == "");
+    return nice_and_policy;
+  };
+  const int nice = ::getpriority(PRIO_PROCESS, 0);
+  BOOST_TEST((scheduled(FederationPriority::kNormal) == std::pair{nice, SCHED_BATCH}));
+  BOOST_TEST((scheduled(FederationPriority::kLow) == std::pair{19, SCHED_BATCH}));
+  BOOST_TEST(scheduled(FederationPriority::kIdle).second == SCHED_IDLE);
 }
 
 BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
