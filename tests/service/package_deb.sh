@@ -21,7 +21,7 @@ prefix=$scratch/prefix
 cmake --install "$build" --prefix "$prefix" >/dev/null
 for f in bin/shmps-server bin/shmps-inspect include/shmps/worker.hpp include/shmps/status.hpp share/man/man1/shmps-server.1.gz \
          lib/systemd/system/shmps@.service share/doc/shmps/examples/shmps.conf.example \
-         share/doc/shmps/operations.md; do
+         share/doc/shmps/examples/federation.conf share/doc/shmps/operations.md; do
   [ -e "$prefix/$f" ] || fail "cmake --install: $f missing"
 done
 ls "$prefix"/lib*/cmake/shmps/shmpsConfig.cmake >/dev/null 2>&1 || fail "cmake --install: shmpsConfig.cmake missing"
@@ -49,7 +49,8 @@ echo "ok: $(basename "$deb") $(basename "$dev") $(basename "$dbgsym")"
 contents() { dpkg-deb -c "$1" | awk '{print $NF}'; }
 contents "$deb" > "$scratch/contents"
 for f in ./usr/bin/shmps-server ./usr/bin/shmps-inspect ./usr/lib/systemd/system/shmps@.service \
-         ./usr/share/doc/shmps/examples/shmps.conf.example ./usr/share/doc/shmps/operations.md \
+         ./usr/share/doc/shmps/examples/shmps.conf.example ./usr/share/doc/shmps/examples/federation.conf \
+         ./usr/share/doc/shmps/operations.md \
          ./usr/share/doc/shmps/copyright ./usr/share/doc/shmps/changelog.Debian.gz; do
   grep -qxF "$f" "$scratch/contents" || fail "shmps lacks $f"
 done
