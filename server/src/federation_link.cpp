@@ -203,8 +203,7 @@ bool FederationLink::wait_for(Phase want) {
   const auto done = [&] {
     return abandoned_.load(std::memory_order_relaxed) || phase() == want || phase() == Phase::kOff;
   };
-  while (!sleep_until(Clock::time_point::max(), done)) {
-  }
+  sleep_until(Clock::time_point::max(), done);  // no deadline: it returns only once done()
   return !abandoned_.load(std::memory_order_relaxed) && phase() == want;
 }
 

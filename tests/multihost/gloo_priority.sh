@@ -14,10 +14,17 @@
 set -euo pipefail
 build=$1
 [ -f "$build/lib/shmps/libshmps_fed_gloo.so" ] || { echo "SKIP: no Gloo plugin in $build (configure found no Gloo)"; exit 77; }
-# This shell's nice value and policy: fields 19 and 41 of its stat.
-read -r -a self <<<"$(sed 's/.*) //' /proc/$$/stat)"
-[ "${self[16]}" != 19 ] && [ "${self[38]}" = 0 ] ||
-  { echo "SKIP: this test runs at nice ${self[16]}, policy ${self[38]} already: a lowered thread looks like the others"; exit 77; }
+# nice_policy STATFILE: a task's nice value and scheduling policy (fields
+# 19 and 41 of /proc/.../stat, counted after the command, which may hold
+# spaces); nothing if the task just ended.
+nice_policy() {
+  local f
+  read -r -a f <<<"$(sed 's/.*) //' "$1" 2>/dev/null)" || return 0
+  [ "${#f[@]}" -ge 39 ] && echo "${f[16]} ${f[38]}"
+}
+read -r self_nice self_policy <<<"$(nice_policy /proc/$$/stat)"
+[ "$self_nice" != 19 ] && [ "$self_policy" = 0 ] ||
+  { echo "SKIP: this test runs at nice $self_nice, policy $self_policy already: a lowered thread looks like the others"; exit 77; }
 server=$build/bin/shmps-server
 inspect=$build/bin/shmps-inspect
 name=fedprio$$
@@ -53,18 +60,16 @@ formed || fail "the three hosts did not form a group within 30 s"
 # count PID NICE POLICY: threads of PID with that nice value and policy
 # (/proc/PID/task/*/stat fields 19 and 41, counted after the command).
 count() {
-  local n=0 t rest
+  local n=0 t
   for t in /proc/"$1"/task/*/stat; do
-    rest=$(sed 's/.*) //' "$t" 2>/dev/null) || continue
-    read -r -a f <<<"$rest"
-    [ "${f[16]}" = "$2" ] && [ "${f[38]}" = "$3" ] && n=$((n + 1))
+    [ "$(nice_policy "$t")" = "$2 $3" ] && n=$((n + 1))
   done
   echo $n
 }
 all_threads() { ls /proc/"$1"/task | wc -l; }
 # The nice value the servers started with (this test's own): field 19 of
 # the main thread's stat.
-base() { local f; read -r -a f <<<"$(sed 's/.*) //' /proc/"$1"/stat)"; echo "${f[16]}"; }
+base() { local nice policy; read -r nice policy <<<"$(nice_policy /proc/"$1"/stat)"; echo "$nice"; }
 nice0=$(base "${pids[0]}")
 # Policies: 0 SCHED_OTHER, 3 SCHED_BATCH, 5 SCHED_IDLE.
 idle=$(count "${pids[0]}" "$nice0" 5)

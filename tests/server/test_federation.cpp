@@ -1189,14 +1189,16 @@ std::vector<std::pair<int, int>> thread_priorities() {
   return out;
 }
 
-long idle_threads() {
+// This process's threads under SCHED_IDLE, and at nice 19 under SCHED_OTHER.
+long threads_where(bool (*pick)(std::pair<int, int>)) {
   const auto all = thread_priorities();
-  return std::count_if(all.begin(), all.end(), [](auto t) { return t.second == SCHED_IDLE; });
+  return std::count_if(all.begin(), all.end(), pick);
 }
-
+long idle_threads() {
+  return threads_where([](std::pair<int, int> t) { return t.second == SCHED_IDLE; });
+}
 long low_threads() {
-  const auto all = thread_priorities();
-  return std::count_if(all.begin(), all.end(), [](auto t) { return t.first == 19 && t.second == SCHED_OTHER; });
+  return threads_where([](std::pair<int, int> t) { return t.first == 19 && t.second == SCHED_OTHER; });
 }
 
 // The test counts threads under SCHED_IDLE, and SCHED_OTHER ones at nice
