@@ -16,6 +16,8 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "threads.hpp"
+
 namespace shmps::server {
 namespace {
 
@@ -463,6 +465,7 @@ bool CheckpointWriter::busy() const {
 }
 
 void CheckpointWriter::loop() {
+  name_this_thread("shmps-ckpt");
   std::unique_lock lock(mutex_);
   while (true) {
     cv_.wait(lock, [&] { return quit_ || has_job_; });

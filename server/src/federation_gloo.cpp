@@ -48,7 +48,7 @@
 
 #include "federation_plugin.hpp"
 #include "shmps/server/federation.hpp"
-#include "thread_priority.hpp"
+#include "threads.hpp"
 
 namespace shmps::server {
 
@@ -221,15 +221,16 @@ class GlooEngine final : public FederationEngine {
       attr.hostname = config.address;
       attr.ai_family = AF_UNSPEC;
       // The device starts its I/O thread, which wakes at every message of
-      // a collective: created from a thread scheduled as it should be
-      // (lower_io_thread_priority), it inherits that (the federation
-      // thread lowers itself).
+      // a collective: created from a thread named and scheduled as it
+      // should be (lower_io_thread_priority), it inherits both (the
+      // federation thread lowers itself).
       std::exception_ptr failed;
       std::thread([&] {
         // A failure (seccomp, RLIMIT_NICE) leaves the I/O thread scheduled
         // as the federation thread is, or unlowered: collectives may stall
         // for a tick, nothing is wrong. The plugin has no log; the
         // federation thread logs a failure of its own lowering.
+        name_this_thread("shmps-fed-io");
         (void)lower_io_thread_priority(config.priority);
         try {
           engine->device_ = gloo::transport::tcp::CreateDevice(attr);

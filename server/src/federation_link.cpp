@@ -6,7 +6,7 @@
 
 #include "shmps/server/log.hpp"
 #include "shmps/shm/futex.hpp"
-#include "thread_priority.hpp"
+#include "threads.hpp"
 
 namespace shmps::server {
 
@@ -335,6 +335,7 @@ bool FederationLink::regroup() {
 }
 
 void FederationLink::thread_main() {
+  name_this_thread("shmps-fed");
   if (const std::string why = lower_thread_priority(config_.priority); why.empty()) {
     if (config_.priority != FederationPriority::kNormal)
       log::info("federation: the round loop runs at --fed-priority " +

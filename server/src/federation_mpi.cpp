@@ -11,6 +11,7 @@
 
 #include "federation_plugin.hpp"
 #include "shmps/server/federation.hpp"
+#include "threads.hpp"
 
 namespace shmps::server {
 
@@ -33,8 +34,15 @@ class MpiEngine final : public FederationEngine {
     MPI_Initialized(&initialized);
     if (initialized != 0) return Status{ErrorCode::kIo, "federation (mpi): MPI is already initialised in this process"};
     int provided = 0;
-    if (int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided); rc != MPI_SUCCESS)
-      return Status{ErrorCode::kIo, mpi_error(rc, "MPI_Init_thread")};
+    // The threads MPI starts here (Open MPI's progress threads) take the
+    // calling thread's name: shmps-fed-io while they start, as an engine's
+    // own threads are named (threads.hpp); the caller keeps its own.
+    char own_name[16] = "";
+    (void)::pthread_getname_np(::pthread_self(), own_name, sizeof own_name);
+    name_this_thread("shmps-fed-io");
+    const int init = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+    name_this_thread(own_name);
+    if (init != MPI_SUCCESS) return Status{ErrorCode::kIo, mpi_error(init, "MPI_Init_thread")};
     auto engine = std::unique_ptr<MpiEngine>(new MpiEngine());
     if (provided < MPI_THREAD_SERIALIZED)
       return Status{ErrorCode::kIo, "federation (mpi): the MPI library offers no MPI_THREAD_SERIALIZED (got level " +

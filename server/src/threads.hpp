@@ -1,10 +1,12 @@
-// Lowering a thread's scheduling for --fed-priority (FederationPriority):
-// header-only, so that the engines' plugins use it without linking the
-// server. Linux applies nice values and policies per thread; a thread
-// inherits its creator's, so an engine that starts its threads from a
-// lowered one has them lowered too.
+// The server's threads: their names, and lowering their scheduling for
+// --fed-priority (FederationPriority). Header-only, so that the engines'
+// plugins use it without linking the server. Linux keeps a name, a nice
+// value and a policy per thread, and a thread inherits all three from its
+// creator: an engine that starts its threads from a named, lowered one has
+// them named and lowered too.
 #pragma once
 
+#include <pthread.h>
 #include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -16,6 +18,15 @@
 #include "shmps/server/federation.hpp"
 
 namespace shmps::server {
+
+// Names the calling thread as `top -H`, `ps -L`, perf and
+// /proc/PID/task/TID/comm show it (at most 15 characters), so that an
+// operator can tell the threads apart, or pin them apart (taskset -p, per
+// thread id): shmps-server (the consumer: the main thread, and the
+// OpenMP threads that split its large updates), shmps-fed (the
+// federation's round loop), shmps-fed-io (an engine's own threads: Gloo's
+// I/O thread), shmps-ckpt (the checkpoint writer). docs/operations.md.
+inline void name_this_thread(const char* name) noexcept { (void)::pthread_setname_np(::pthread_self(), name); }
 
 // Lowers the calling thread as `priority` asks (kNormal leaves it):
 // kLow sets its nice value to 19, kIdle its policy to SCHED_IDLE. Neither

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# --fed-priority with Gloo, real processes (CTest label multihost): three
-# shmps-servers federated through a file store, host 0 at --fed-priority
-# idle, host 1 at low and host 2 at normal. Once all show 3 members:
-# host 0 has exactly two threads under SCHED_IDLE (the round loop and
-# Gloo's I/O thread, started from a lowered thread); host 1 one at nice 19
-# (the round loop) and one at nice 19 under SCHED_BATCH (the I/O thread);
-# host 2 one under SCHED_BATCH (the I/O thread: it never preempts the
-# round loop as it wakes); every other thread of each is as it started
-# (the consumer serves at full priority). All stop cleanly on SIGTERM.
+# --fed-priority with Gloo, and the server's thread names, real processes
+# (CTest label multihost): three shmps-servers federated through a file
+# store, host 0 at --fed-priority idle, host 1 at low and host 2 at
+# normal. Once all show 3 members, each server's threads are the consumer
+# (shmps-server), the checkpoint writer (shmps-ckpt), one round loop
+# (shmps-fed) and one Gloo I/O thread (shmps-fed-io), and:
+# host 0's round loop and I/O thread are under SCHED_IDLE; host 1's round
+# loop at nice 19 and its I/O thread at nice 19 under SCHED_BATCH; host 2's
+# round loop as started and its I/O thread under SCHED_BATCH (it never
+# preempts the round loop as it wakes); every other thread of each is as
+# it started (the consumer serves at full priority). All stop cleanly on
+# SIGTERM.
 # Usage: gloo_priority.sh <build-dir>. Exit 77 (skipped) without the Gloo
 # plugin, or when run at nice 19 or under a policy other than SCHED_OTHER
 # (a lowered thread would look like the others).
@@ -42,7 +45,7 @@ priorities=(idle low normal)
 for r in 0 1 2; do
   "$server" --name "$name" --fed-rank-in-name --federation gloo --fed-store "file:$work/store" --fed-hosts 3 \
     --fed-host "$r" --fed-every-ms 50 --fed-timeout-ms 30000 --fed-priority "${priorities[$r]}" --tensor w:1000 --optimizer adam \
-    --backend host >"$work/host$r.log" 2>&1 &
+    --backend host --checkpoint-dir "$work/ckpt$r" >"$work/host$r.log" 2>&1 &
   pids+=($!)
 done
 members_of() {
@@ -57,36 +60,37 @@ for _ in $(seq 300); do
 done
 formed || fail "the three hosts did not form a group within 30 s"
 
-# count PID NICE POLICY: threads of PID with that nice value and policy
-# (/proc/PID/task/*/stat fields 19 and 41, counted after the command).
-count() {
-  local n=0 t
-  for t in /proc/"$1"/task/*/stat; do
-    [ "$(nice_policy "$t")" = "$2 $3" ] && n=$((n + 1))
-  done
-  echo $n
-}
-all_threads() { ls /proc/"$1"/task | wc -l; }
 # The nice value the servers started with (this test's own): field 19 of
 # the main thread's stat.
-base() { local nice policy; read -r nice policy <<<"$(nice_policy /proc/"$1"/stat)"; echo "$nice"; }
-nice0=$(base "${pids[0]}")
-# Policies: 0 SCHED_OTHER, 3 SCHED_BATCH, 5 SCHED_IDLE.
-idle=$(count "${pids[0]}" "$nice0" 5)
-low=$(count "${pids[1]}" 19 0)
-low_io=$(count "${pids[1]}" 19 3)
-normal_io=$(count "${pids[2]}" "$nice0" 3)
-[ "$idle" = 2 ] || fail "host 0 (--fed-priority idle) has $idle threads under SCHED_IDLE, not 2"
-[ "$low" = 1 ] || fail "host 1 (--fed-priority low) has $low threads at nice 19 under SCHED_OTHER, not 1"
-[ "$low_io" = 1 ] || fail "host 1 (--fed-priority low) has $low_io threads at nice 19 under SCHED_BATCH, not 1"
-[ "$normal_io" = 1 ] || fail "host 2 (--fed-priority normal) has $normal_io threads under SCHED_BATCH, not 1"
+read -r nice0 _ <<<"$(nice_policy /proc/"${pids[0]}"/stat)"
+# Policies: 0 SCHED_OTHER, 3 SCHED_BATCH, 5 SCHED_IDLE. For each host, the
+# round loop's and the I/O thread's nice value and policy.
+fed=("$nice0 5" "19 0" "$nice0 0")
+fed_io=("$nice0 5" "19 3" "$nice0 3")
 for r in 0 1 2; do
-  rest=$(($(all_threads "${pids[$r]}") - (r == 2 ? 1 : 2)))
-  normal=$(count "${pids[$r]}" "$nice0" 0)
-  [ "$normal" = "$rest" ] || fail "host $r: $normal of its other $rest threads at nice $nice0 and SCHED_OTHER"
+  seen=""
+  for t in /proc/"${pids[$r]}"/task/*; do
+    comm=$(cat "$t/comm" 2>/dev/null) || continue
+    np=$(nice_policy "$t/stat")
+    [ -n "$np" ] || continue
+    case $comm in
+      shmps-fed) want=${fed[$r]} ;;
+      shmps-fed-io) want=${fed_io[$r]} ;;
+      shmps-server | shmps-ckpt) want="$nice0 0" ;;
+      *) fail "host $r (--fed-priority ${priorities[$r]}): a thread named '$comm'" ;;
+    esac
+    [ "$np" = "$want" ] ||
+      fail "host $r (--fed-priority ${priorities[$r]}): $comm at nice and policy $np, not $want"
+    seen="$seen $comm"
+  done
+  for comm in shmps-server shmps-ckpt shmps-fed shmps-fed-io; do
+    n=$(tr ' ' '\n' <<<"$seen" | grep -cx -- "$comm" || true)
+    case $comm in shmps-server) ok=$((n >= 1)) ;; *) ok=$((n == 1)) ;; esac
+    [ "$ok" = 1 ] || fail "host $r: $n threads named $comm"
+  done
 done
-echo "host 0: 2 threads under SCHED_IDLE; host 1: 1 at nice 19, 1 at nice 19 under SCHED_BATCH;" \
-  "host 2: 1 under SCHED_BATCH; the others as started"
+echo "host 0: shmps-fed and shmps-fed-io under SCHED_IDLE; host 1: shmps-fed at nice 19, shmps-fed-io at nice 19" \
+  "under SCHED_BATCH; host 2: shmps-fed-io under SCHED_BATCH; shmps-server and shmps-ckpt as started"
 
 for r in 0 1 2; do kill -TERM "${pids[$r]}"; done
 for r in 0 1 2; do

@@ -119,6 +119,26 @@ reference=$(accuracy "$work/reference.log")
 # ---- three hosts, one trainer each.
 start_job servers
 start_trainers train 1 "${subset[@]}"
+# Each server's threads by name: one consumer (shmps-server: the trainer's
+# 203,530-element tensor is below the size whose updates OpenMP splits),
+# the round loop (shmps-fed), and whatever MPI started, named as an
+# engine's own threads are (shmps-fed-io; or shmps-fed, started later from
+# the round loop); the checkpoint writer (shmps-ckpt).
+for r in 0 1 2; do
+  server_pid=$("$inspect" --json "$name.r$r" | python3 -c "import json,sys; print(json.load(sys.stdin)['header']['server_pid'])")
+  consumers=0 loops=0 others=""
+  for t in /proc/"$server_pid"/task/*; do
+    comm=$(cat "$t/comm" 2>/dev/null) || continue
+    case $comm in
+      shmps-server) consumers=$((consumers + 1)) ;;
+      shmps-fed) loops=$((loops + 1)) ;;
+      shmps-fed-io | shmps-ckpt) ;;
+      *) others="$others '$comm'" ;;
+    esac
+  done
+  [ "$consumers" = 1 ] && [ "$loops" -ge 1 ] && [ -z "$others" ] ||
+    fail "host $r's server: $consumers threads named shmps-server (not 1), $loops shmps-fed (none), others:$others"
+done
 for r in 0 1 2; do wait "${pids[$r]}" || fail "shmps-train on host $r failed"; done
 
 # The same anchor on every host: once the trainers are done no host has

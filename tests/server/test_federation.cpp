@@ -32,7 +32,7 @@
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
-#include "thread_priority.hpp"
+#include "threads.hpp"
 #include "worker_support.hpp"
 
 using namespace shmps;
