@@ -21,7 +21,9 @@ share of the data (--shard h/H). The Fashion-MNIST 784-256-10 MLP, Adam lr
      federated against federated with one other host (rounds every 50 ms
      and 10 ms, the federation's threads at --fed-priority normal, low and
      idle; a second server not federated; a group whose rounds never
-     come), interleaved, medians over --repeats
+     come), interleaved, medians over --repeats; with --split-cpus, host
+     0 and the pushing worker on one CPU, host 0's federation (--fed-cpus)
+     and the other server on the rest (at the default priority only)
 
   5  with --netns RATE (root): every federated host in a network namespace
      of its own, on a bridge through a veth link shaped to RATE each way
@@ -174,8 +176,11 @@ class Hosts:
     `federate` is false, each in its namespace of `net` when given."""
 
     def __init__(self, bin_dir, hosts, every_ms=50, outer="average", model=MODEL, net=None, fed_args=(),
-                 federate=True):
+                 federate=True, split=None):
         # fed_args: more --fed-* options for every host (figure 1's outer lr, figure 4's priority).
+        # split: (serving CPU, the other CPUs as taskset lists them): host 0
+        # on the first, its federation's threads (--fed-cpus) and every
+        # other host on the others, as CPUAffinity= and fed-cpus would.
         self.bin = bin_dir
         self.n = hosts
         self.name = f"fedfig{os.getpid()}_{int(time.monotonic() * 1000) % 100000}"
@@ -191,6 +196,10 @@ class Hosts:
                         "--fed-outer", outer, *fed_args]
                 if net:
                     cmd = net.wrap(h, cmd + ["--fed-address", net.address(h)])
+                if split and h == 0:
+                    cmd += ["--fed-cpus", split[1]]
+            if split:
+                cmd = ["taskset", "-c", split[0] if h == 0 else split[1]] + cmd
             log = open(os.path.join(self.tmp, f"host{h}.log"), "w")
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
         for h in range(hosts):
@@ -354,15 +363,27 @@ def figure_round(args, runs):
         runs.append(result)
 
 
+def serving_split():
+    """(the CPU of host 0's consumer and the pushing worker, the rest) of
+    this process's CPUs, as taskset lists them: figure 4 with --split-cpus."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("federation.py: --split-cpus needs at least 2 CPUs")
+    return str(cpus[0]), ",".join(str(c) for c in cpus[1:])
+
+
 def serve_once(args, hosts, every_ms, priority="normal", federate=True):
     model = ["--tensor", "w:203530", "--optimizer", "adam", "--lr", "0.001", "--backend", "host",
              "--max-staleness", "1000000"]
+    split = serving_split() if args.split_cpus else None
     job = Hosts(args.bin, hosts, every_ms, model=model, net=args.net, fed_args=["--fed-priority", priority],
-                federate=federate)
+                federate=federate, split=split)
     try:
-        out = subprocess.run([os.path.join(args.bin, "shmps-fed-bench"), "serve", "--connect", job.segment(0),
-                              "--elements", "203530", "--pushes", str(args.pushes)],
-                             capture_output=True, text=True, check=True).stdout
+        bench = [os.path.join(args.bin, "shmps-fed-bench"), "serve", "--connect", job.segment(0),
+                 "--elements", "203530", "--pushes", str(args.pushes)]
+        if split:
+            bench = ["taskset", "-c", split[0]] + bench
+        out = subprocess.run(bench, capture_output=True, text=True, check=True).stdout
         r = json.loads([x for x in out.splitlines() if x.startswith("RESULT ")][0][len("RESULT "):])
         r["rounds"] = int(job.stats(0)["fed_round"])
         return r
@@ -380,10 +401,13 @@ SERVE_SETTINGS = [("off", 1, 50, "normal", False), ("off, a second server", 2, 5
 
 
 def figure_serve(args, runs):
+    # With --split-cpus the federation does not share the serving CPU, so
+    # its priority changes nothing there: the default priority only.
+    settings = [x for x in SERVE_SETTINGS if not args.split_cpus or x[3] == "normal"]
     for rep in range(args.repeats):
-        for label, hosts, every, priority, federate in SERVE_SETTINGS:
+        for label, hosts, every, priority, federate in settings:
             r = serve_once(args, hosts, every, priority, federate)
-            r.update({"figure": 4, "setting": label, "repeat": rep})
+            r.update({"figure": 4, "setting": label, "repeat": rep, "split_cpus": bool(args.split_cpus)})
             runs.append(r)
             print(f"  serve {label} repeat {rep}: p50 {r['p50_us']:.0f} us, p99 {r['p99_us']:.0f} us, "
                   f"{r['pushes_per_s']:.0f} pushes/s, {r['rounds']} rounds", flush=True)
@@ -432,17 +456,21 @@ def summarize(runs):
     serve = [r for r in runs if r.get("figure") == 4]
     if serve:
         off = [r for r in serve if r["setting"] == "off"]
-        lines += ["## 4. Push round trip of 814 KB at host 0 (medians over repeats)", "",
-                  "| federation | p50 us | p99 us | max us | pushes/s | p99 vs off | pushes/s vs off |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+        layout = ("; host 0 and the pushing worker on one CPU, host 0's federation and the other server on the "
+                  "others" if serve[0].get("split_cpus") else "")
+        lines += [f"## 4. Push round trip of 814 KB at host 0 (medians over repeats{layout}; ranges in brackets)",
+                  "", "| federation | p50 us | p99 us | max us | pushes/s | p99 vs off | pushes/s vs off | rounds a run |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for label in [x[0] for x in SERVE_SETTINGS]:
             rs = [r for r in serve if r["setting"] == label]
             if not rs:
                 continue
+            rate = [r["pushes_per_s"] for r in rs]
+            rounds = [r["rounds"] for r in rs]
             lines.append(f"| {label} | {med([r['p50_us'] for r in rs]):.0f} | {med([r['p99_us'] for r in rs]):.0f} | "
-                         f"{med([r['max_us'] for r in rs]):.0f} | {med([r['pushes_per_s'] for r in rs]):.0f} | "
+                         f"{med([r['max_us'] for r in rs]):.0f} | {med(rate):.0f} ({min(rate):.0f}-{max(rate):.0f}) | "
                          f"{med([r['p99_us'] for r in rs]) / med([r['p99_us'] for r in off]):.2f} | "
-                         f"{med([r['pushes_per_s'] for r in rs]) / med([r['pushes_per_s'] for r in off]):.2f} |")
+                         f"{med(rate) / med([r['pushes_per_s'] for r in off]):.2f} | {'-' if label.startswith('off') else f'{min(rounds)}-{max(rounds)}'} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -511,6 +539,9 @@ def main():
     p.add_argument("--outer-lr", type=float, help="figure 1's outer lr (nesterov; the server's default otherwise)")
     p.add_argument("--outer-momentum", type=float, help="figure 1's outer momentum (nesterov; 0: plain SGD on the "
                    "negated mean delta, A' = A + lr x mean)")
+    p.add_argument("--split-cpus", action="store_true", help="figure 4 with host 0 and the pushing worker on the "
+                   "first CPU of this process's mask, host 0's federation (--fed-cpus) and the other server on the "
+                   "rest: a host whose federation has cores of its own")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--netns", metavar="RATE", help="figure 5: every host in a network namespace, links shaped to "
                    "RATE (tc's units: 1gbit); needs root")

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include <bit>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -77,6 +78,48 @@ const char* federation_priority_name(FederationPriority priority) noexcept {
 }
 bool parse_federation_priority(std::string_view text, FederationPriority* out) noexcept {
   return parse_name(text, kFederationPriorityNames, out);
+}
+
+bool parse_cpu_list(std::string_view text, std::vector<uint32_t>* out) {
+  std::vector<bool> in(kMaxCpus, false);
+  const auto number = [](std::string_view digits, uint32_t* n) {
+    const char* end = digits.data() + digits.size();
+    const auto [ptr, ec] = std::from_chars(digits.data(), end, *n);
+    return !digits.empty() && ec == std::errc() && ptr == end && *n < kMaxCpus;
+  };
+  size_t start = 0;
+  while (true) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string_view item = text.substr(start, comma - start);
+    const size_t dash = item.find('-');
+    uint32_t first = 0, last = 0;
+    if (!number(item.substr(0, dash), &first)) return false;
+    if (dash == std::string_view::npos) {
+      last = first;
+    } else if (!number(item.substr(dash + 1), &last) || last < first) {
+      return false;
+    }
+    for (uint32_t c = first; c <= last; ++c) in[c] = true;
+    if (comma == text.size()) break;
+    start = comma + 1;
+  }
+  out->clear();
+  for (uint32_t c = 0; c < kMaxCpus; ++c)
+    if (in[c]) out->push_back(c);
+  return true;
+}
+
+std::string cpu_list_text(const std::vector<uint32_t>& cpus) {
+  std::string text;
+  for (size_t i = 0; i < cpus.size();) {
+    size_t j = i;
+    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1) ++j;
+    if (!text.empty()) text += ',';
+    text += std::to_string(cpus[i]);
+    if (j > i) text += '-' + std::to_string(cpus[j]);
+    i = j + 1;
+  }
+  return text;
 }
 
 std::string ModelFingerprint::describe() const {

@@ -221,17 +221,19 @@ class GlooEngine final : public FederationEngine {
       attr.hostname = config.address;
       attr.ai_family = AF_UNSPEC;
       // The device starts its I/O thread, which wakes at every message of
-      // a collective: created from a thread named and scheduled as it
-      // should be (lower_io_thread_priority), it inherits both (the
-      // federation thread lowers itself).
+      // a collective: created from a thread placed, scheduled and named as
+      // it should be (lower_io_thread_priority), it inherits all three
+      // (the federation thread sets its own).
       std::exception_ptr failed;
       std::thread([&] {
-        // A failure (seccomp, RLIMIT_NICE) leaves the I/O thread scheduled
-        // as the federation thread is, or unlowered: collectives may stall
-        // for a tick, nothing is wrong. The plugin has no log; the
-        // federation thread logs a failure of its own lowering.
-        name_this_thread("shmps-fed-io");
+        // A failure (seccomp, RLIMIT_NICE, no listed CPU usable) leaves
+        // the I/O thread scheduled as the federation thread is, or
+        // unlowered, or where the server runs: collectives may stall for
+        // a tick, nothing is wrong. The plugin has no log; the federation
+        // thread logs a failure of its own.
+        (void)pin_this_thread(config.cpus);
         (void)lower_io_thread_priority(config.priority);
+        name_this_thread("shmps-fed-io");
         try {
           engine->device_ = gloo::transport::tcp::CreateDevice(attr);
         } catch (...) {

@@ -335,7 +335,18 @@ bool FederationLink::regroup() {
 }
 
 void FederationLink::thread_main() {
-  name_this_thread("shmps-fed");
+  if (const std::string why = pin_this_thread(config_.cpus); !why.empty()) {
+    log::warn("federation: --fed-cpus " + cpu_list_text(config_.cpus) + ": the federation thread keeps its CPUs (" +
+              why + ")");
+  } else if (!config_.cpus.empty()) {
+    // The kernel keeps the listed CPUs that are online and in the cgroup.
+    const std::string got = cpu_list_text(this_thread_cpus());
+    if (got == cpu_list_text(config_.cpus))
+      log::info("federation: the round loop runs on CPUs " + got);
+    else
+      log::warn("federation: the round loop runs on CPUs " + got + " of --fed-cpus " + cpu_list_text(config_.cpus) +
+                " (the others are offline or outside the server's cgroup)");
+  }
   if (const std::string why = lower_thread_priority(config_.priority); why.empty()) {
     if (config_.priority != FederationPriority::kNormal)
       log::info("federation: the round loop runs at --fed-priority " +
@@ -344,6 +355,7 @@ void FederationLink::thread_main() {
     log::warn("federation: --fed-priority " + std::string(federation_priority_name(config_.priority)) +
               ": the federation thread keeps its priority (" + why + ")");
   }
+  name_this_thread("shmps-fed");  // placed and lowered first (threads.hpp)
   // The group first (an elastic engine forms it), then the join: the
   // members agree on the anchor.
   bool going = regroup();

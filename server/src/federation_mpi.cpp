@@ -6,7 +6,10 @@
 // thread alone.
 #include <mpi.h>
 
+#include <cerrno>
 #include <climits>
+#include <cstring>
+#include <string>
 #include <type_traits>
 
 #include "federation_plugin.hpp"
@@ -29,21 +32,33 @@ constexpr size_t kMaxCount = INT_MAX / 2;
 
 class MpiEngine final : public FederationEngine {
  public:
-  static Result<std::unique_ptr<FederationEngine>> create() {
+  static Result<std::unique_ptr<FederationEngine>> create(const FederationConfig& config) {
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (initialized != 0) return Status{ErrorCode::kIo, "federation (mpi): MPI is already initialised in this process"};
     int provided = 0;
     // The threads MPI starts here (Open MPI's progress threads) take the
-    // calling thread's name: shmps-fed-io while they start, as an engine's
-    // own threads are named (threads.hpp); the caller keeps its own.
+    // calling thread's CPUs and name: --fed-cpus and shmps-fed-io while
+    // they start, as an engine's own threads are placed and named
+    // (threads.hpp); the caller, the consumer to be, then gets its own
+    // back. A failure to place them leaves them where the server runs (the
+    // round loop logs its own).
     char own_name[16] = "";
     (void)::pthread_getname_np(::pthread_self(), own_name, sizeof own_name);
+    cpu_set_t own_cpus;
+    const bool placed = !config.cpus.empty() && ::sched_getaffinity(0, sizeof own_cpus, &own_cpus) == 0 &&
+                        pin_this_thread(config.cpus).empty();
     name_this_thread("shmps-fed-io");
     const int init = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
     name_this_thread(own_name);
+    const bool restored = !placed || ::sched_setaffinity(0, sizeof own_cpus, &own_cpus) == 0;
+    const int restore_errno = errno;
     if (init != MPI_SUCCESS) return Status{ErrorCode::kIo, mpi_error(init, "MPI_Init_thread")};
     auto engine = std::unique_ptr<MpiEngine>(new MpiEngine());
+    if (!restored)
+      return Status{ErrorCode::kIo, std::string("federation (mpi): cannot give the server's thread its CPUs back "
+                                                "after placing MPI's threads on --fed-cpus (sched_setaffinity: ") +
+                                        std::strerror(restore_errno) + ")"};
     if (provided < MPI_THREAD_SERIALIZED)
       return Status{ErrorCode::kIo, "federation (mpi): the MPI library offers no MPI_THREAD_SERIALIZED (got level " +
                                         std::to_string(provided) + "); the federation thread needs it"};
@@ -111,9 +126,9 @@ class MpiEngine final : public FederationEngine {
 }  // namespace shmps::server
 
 extern "C" __attribute__((visibility("default"))) void shmps_fed_mpi_make(
-    const shmps::server::FederationConfig& /*config*/, std::unique_ptr<shmps::server::FederationEngine>* engine,
+    const shmps::server::FederationConfig& config, std::unique_ptr<shmps::server::FederationEngine>* engine,
     shmps::Status* status) {
-  auto made = shmps::server::MpiEngine::create();
+  auto made = shmps::server::MpiEngine::create(config);
   if (!made.ok()) {
     *status = made.status();
     return;

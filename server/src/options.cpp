@@ -214,7 +214,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   kernels::OptimizerConfig& o = c.optimizer;
   std::string config_file, optimizer = "sgd", backend = "auto", init = "zero", log_level = "info",
                            apply_threads = "auto", staleness_policy = "reject", federation = "none",
-                           fed_outer = "average", fed_priority = "normal";
+                           fed_outer = "average", fed_priority = "normal", fed_cpus;
   bool fed_unweighted = false, fed_no_overlap = false;
   std::vector<std::string> tensors;
   float weight_decay = 0.0f;
@@ -288,8 +288,11 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "hold local pushes while a round exchanges (default: apply them; the merge keeps them)")(
       "fed-priority", po::value(&fed_priority)->default_value("normal"),
       "the federation's threads against local serving: normal | low (nice 19) | idle (SCHED_IDLE: CPU time "
-      "serving leaves)")("fed-max-drift", po::value(&fc.max_drift)->default_value(0),
-                         "hold local pushes once this many updates are not yet in a merged round (0: no cap)")(
+      "serving leaves)")("fed-cpus", po::value(&fed_cpus),
+                         "the CPUs of the federation's threads, as taskset lists them (3, 0,2-5); default (or "
+                         "empty): the server's")(
+      "fed-max-drift", po::value(&fc.max_drift)->default_value(0),
+      "hold local pushes once this many updates are not yet in a merged round (0: no cap)")(
       "fed-rank-in-name", po::bool_switch(&fc.rank_in_name),
       "append .r<host> to --name and /r<host> to --checkpoint-dir (several federated servers on one machine)")(
       "fed-store", po::value(&fc.store),
@@ -446,6 +449,9 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
     return fail("--fed-outer must be average or nesterov, got '" + fed_outer + "'");
   if (!parse_federation_priority(fed_priority, &fc.priority))
     return fail("--fed-priority must be normal, low or idle, got '" + fed_priority + "'");
+  if (!fed_cpus.empty() && !parse_cpu_list(fed_cpus, &fc.cpus))
+    return fail("--fed-cpus must list CPUs below " + std::to_string(kMaxCpus) + " as taskset does (3, 0,2-5), got '" +
+                fed_cpus + "'");
   fc.weight_by_updates = !fed_unweighted;
   fc.overlap = !fed_no_overlap;
   if (!parse_log_level(log_level, &c.log_level))
@@ -526,6 +532,7 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   e.emplace_back("fed-unweighted", flag(!fed.weight_by_updates));
   e.emplace_back("fed-no-overlap", flag(!fed.overlap));
   e.emplace_back("fed-priority", federation_priority_name(fed.priority));
+  e.emplace_back("fed-cpus", cpu_list_text(fed.cpus));
   e.emplace_back("fed-max-drift", std::to_string(fed.max_drift));
   e.emplace_back("fed-rank-in-name", flag(fed.rank_in_name));
   e.emplace_back("fed-store", fed.store);

@@ -1,9 +1,11 @@
-// The server's threads: their names, and lowering their scheduling for
-// --fed-priority (FederationPriority). Header-only, so that the engines'
-// plugins use it without linking the server. Linux keeps a name, a nice
-// value and a policy per thread, and a thread inherits all three from its
-// creator: an engine that starts its threads from a named, lowered one has
-// them named and lowered too.
+// The server's threads: their names, their CPUs for --fed-cpus, and
+// lowering their scheduling for --fed-priority (FederationPriority).
+// Header-only, so that the engines' plugins use it without linking the
+// server. Linux keeps a name, a CPU mask, a nice value and a policy per
+// thread, and a thread inherits all four from its creator: an engine that
+// starts its threads from a placed, lowered, named one has them placed,
+// lowered and named too. Place and lower a thread before naming it, so
+// that a thread seen by its name is already where it belongs.
 #pragma once
 
 #include <pthread.h>
@@ -12,8 +14,10 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "shmps/server/federation.hpp"
 
@@ -27,6 +31,33 @@ namespace shmps::server {
 // federation's round loop), shmps-fed-io (an engine's own threads: Gloo's
 // I/O thread), shmps-ckpt (the checkpoint writer). docs/operations.md.
 inline void name_this_thread(const char* name) noexcept { (void)::pthread_setname_np(::pthread_self(), name); }
+
+static_assert(kMaxCpus == CPU_SETSIZE, "FederationConfig::cpus are indices into a cpu_set_t");
+
+// The CPUs the calling thread may run on, ascending; empty if they cannot
+// be read.
+inline std::vector<uint32_t> this_thread_cpus() {
+  std::vector<uint32_t> cpus;
+  cpu_set_t set;
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
+  for (uint32_t c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus;
+}
+
+// Restricts the calling thread to `cpus` (FederationConfig::cpus; each
+// below kMaxCpus), which the threads it starts inherit; empty leaves it.
+// The kernel keeps those of them that are online and in the server's
+// cgroup, and refuses only a list without any: "" then, else why. The
+// CPUs the thread got: this_thread_cpus().
+inline std::string pin_this_thread(const std::vector<uint32_t>& cpus) {
+  if (cpus.empty()) return "";
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (uint32_t c : cpus) CPU_SET(c, &set);
+  if (::sched_setaffinity(0, sizeof set, &set) != 0) return std::string("sched_setaffinity: ") + std::strerror(errno);
+  return "";
+}
 
 // Lowers the calling thread as `priority` asks (kNormal leaves it):
 // kLow sets its nice value to 19, kIdle its policy to SCHED_IDLE. Neither

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# --fed-priority with Gloo, and the server's thread names, real processes
-# (CTest label multihost): three shmps-servers federated through a file
-# store, host 0 at --fed-priority idle, host 1 at low and host 2 at
+# --fed-priority and --fed-cpus with Gloo, and the server's thread names,
+# real processes (CTest label multihost): three shmps-servers federated
+# through a file store, host 0 at --fed-priority idle, host 1 at low with
+# --fed-cpus set to the first CPU this test may use, and host 2 at
 # normal. Once all show 3 members, each server's threads are the consumer
 # (shmps-server), the checkpoint writer (shmps-ckpt), one round loop
 # (shmps-fed) and one Gloo I/O thread (shmps-fed-io), and:
@@ -9,8 +10,9 @@
 # loop at nice 19 and its I/O thread at nice 19 under SCHED_BATCH; host 2's
 # round loop as started and its I/O thread under SCHED_BATCH (it never
 # preempts the round loop as it wakes); every other thread of each is as
-# it started (the consumer serves at full priority). All stop cleanly on
-# SIGTERM.
+# it started (the consumer serves at full priority). Host 1's round loop
+# and I/O thread run on that one CPU, every other thread on the CPUs this
+# test has. All stop cleanly on SIGTERM.
 # Usage: gloo_priority.sh <build-dir>. Exit 77 (skipped) without the Gloo
 # plugin, or when run at nice 19 or under a policy other than SCHED_OTHER
 # (a lowered thread would look like the others).
@@ -42,10 +44,18 @@ trap cleanup EXIT
 fail() { echo "FAIL: $*"; for f in "$work"/*.log; do echo "---- $f"; tail -15 "$f"; done; exit 1; }
 
 priorities=(idle low normal)
+# The CPUs this test may use ("0-1"), and the first of them.
+allowed=$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' /proc/$$/status)
+first_cpu=${allowed%%[-,]*}
+[ "$first_cpu" != "$allowed" ] ||
+  echo "NOTE: this test may use CPU $allowed only, so host 1's placement is not told apart from the others'"
+fed_cpus=("$allowed" "$first_cpu" "$allowed")
 for r in 0 1 2; do
+  placement=()
+  [ "$r" != 1 ] || placement=(--fed-cpus "$first_cpu")
   "$server" --name "$name" --fed-rank-in-name --federation gloo --fed-store "file:$work/store" --fed-hosts 3 \
     --fed-host "$r" --fed-every-ms 50 --fed-timeout-ms 30000 --fed-priority "${priorities[$r]}" --tensor w:1000 --optimizer adam \
-    --backend host --checkpoint-dir "$work/ckpt$r" >"$work/host$r.log" 2>&1 &
+    --backend host --checkpoint-dir "$work/ckpt$r" "${placement[@]}" >"$work/host$r.log" 2>&1 &
   pids+=($!)
 done
 members_of() {
@@ -73,14 +83,16 @@ for r in 0 1 2; do
     comm=$(cat "$t/comm" 2>/dev/null) || continue
     np=$(nice_policy "$t/stat")
     [ -n "$np" ] || continue
+    cpus=$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' "$t/status" 2>/dev/null) || continue
     case $comm in
-      shmps-fed) want=${fed[$r]} ;;
-      shmps-fed-io) want=${fed_io[$r]} ;;
-      shmps-server | shmps-ckpt) want="$nice0 0" ;;
+      shmps-fed) want=${fed[$r]} want_cpus=${fed_cpus[$r]} ;;
+      shmps-fed-io) want=${fed_io[$r]} want_cpus=${fed_cpus[$r]} ;;
+      shmps-server | shmps-ckpt) want="$nice0 0" want_cpus=$allowed ;;
       *) fail "host $r (--fed-priority ${priorities[$r]}): a thread named '$comm'" ;;
     esac
     [ "$np" = "$want" ] ||
       fail "host $r (--fed-priority ${priorities[$r]}): $comm at nice and policy $np, not $want"
+    [ "$cpus" = "$want_cpus" ] || fail "host $r: $comm on CPUs $cpus, not $want_cpus"
     seen="$seen $comm"
   done
   for comm in shmps-server shmps-ckpt shmps-fed shmps-fed-io; do
@@ -90,7 +102,8 @@ for r in 0 1 2; do
   done
 done
 echo "host 0: shmps-fed and shmps-fed-io under SCHED_IDLE; host 1: shmps-fed at nice 19, shmps-fed-io at nice 19" \
-  "under SCHED_BATCH; host 2: shmps-fed-io under SCHED_BATCH; shmps-server and shmps-ckpt as started"
+  "under SCHED_BATCH, both on CPU $first_cpu; host 2: shmps-fed-io under SCHED_BATCH; shmps-server and shmps-ckpt" \
+  "as started, on CPUs $allowed"
 
 for r in 0 1 2; do kill -TERM "${pids[$r]}"; done
 for r in 0 1 2; do

@@ -48,7 +48,8 @@ start_job() {
   shift
   # Open MPI's shared-memory segments in the test's directory: a job whose
   # rank was killed leaves them behind, and /dev/shm must not keep them.
-  mpirun "${as_root[@]}" --oversubscribe --mca btl_vader_backing_directory "$work" -np 3 "$server" --name "$name" --fed-rank-in-name --federation mpi \
+  # Ranks not bound to cores: each server runs where the test does.
+  mpirun "${as_root[@]}" --oversubscribe --bind-to none --mca btl_vader_backing_directory "$work" -np 3 "$server" --name "$name" --fed-rank-in-name --federation mpi \
     --fed-every-ms 50 "${model[@]}" "$@" >"$work/$log.log" 2>&1 &
   mpi_pid=$!
   for _ in $(seq 100); do
@@ -117,22 +118,36 @@ await_equal_anchors() {
 reference=$(accuracy "$work/reference.log")
 
 # ---- three hosts, one trainer each.
-start_job servers
+# The federation's threads on the first CPU this test may use.
+allowed=$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' /proc/$$/status)
+first_cpu=${allowed%%[-,]*}
+[ "$first_cpu" != "$allowed" ] ||
+  echo "NOTE: this test may use CPU $allowed only, so the federation's placement is not told apart from the consumer's"
+start_job servers --fed-cpus "$first_cpu"
 start_trainers train 1 "${subset[@]}"
 # Each server's threads by name: one consumer (shmps-server: the trainer's
 # 203,530-element tensor is below the size whose updates OpenMP splits),
-# the round loop (shmps-fed), and whatever MPI started, named as an
-# engine's own threads are (shmps-fed-io; or shmps-fed, started later from
-# the round loop); the checkpoint writer (shmps-ckpt).
+# the round loop (shmps-fed), and whatever MPI started, named and placed
+# as an engine's own threads are (shmps-fed-io; or shmps-fed, started
+# later from the round loop); the checkpoint writer (shmps-ckpt). The
+# federation's on --fed-cpus; the consumer where mpirun started it (not
+# bound: --bind-to none), on every CPU the test has.
 for r in 0 1 2; do
   server_pid=$("$inspect" --json "$name.r$r" | python3 -c "import json,sys; print(json.load(sys.stdin)['header']['server_pid'])")
   consumers=0 loops=0 others=""
   for t in /proc/"$server_pid"/task/*; do
     comm=$(cat "$t/comm" 2>/dev/null) || continue
+    cpus=$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' "$t/status" 2>/dev/null) || continue
     case $comm in
-      shmps-server) consumers=$((consumers + 1)) ;;
-      shmps-fed) loops=$((loops + 1)) ;;
-      shmps-fed-io | shmps-ckpt) ;;
+      shmps-server)
+        consumers=$((consumers + 1))
+        [ "$cpus" = "$allowed" ] || fail "host $r's consumer on CPUs $cpus, not $allowed (the federation's: $first_cpu)"
+        ;;
+      shmps-fed | shmps-fed-io)
+        [ "$comm" = shmps-fed ] && loops=$((loops + 1))
+        [ "$cpus" = "$first_cpu" ] || fail "host $r: $comm on CPUs $cpus, not --fed-cpus $first_cpu"
+        ;;
+      shmps-ckpt) ;;
       *) others="$others '$comm'" ;;
     esac
   done

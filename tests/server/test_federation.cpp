@@ -21,7 +21,9 @@
 #include <functional>
 #include <iterator>
 #include <mutex>
+#include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -1233,6 +1235,35 @@ BOOST_AUTO_TEST_CASE(the_federation_thread_runs_at_its_priority,
   BOOST_TEST(low_threads() == 0);
 }
 
+// --fed-cpus places the round loop (and what it starts), and only it: the
+// placed server's thread named shmps-fed runs on its CPU, the other's and
+// every other thread where the process runs.
+BOOST_AUTO_TEST_CASE(the_federation_thread_runs_on_its_cpus) {
+  const std::vector<uint32_t> all = this_thread_cpus();
+  if (all.size() < 2) {
+    BOOST_TEST_MESSAGE("skipped: this process may run on one CPU only, so a placed thread looks like the others");
+    return;
+  }
+  FederationConfig placed;
+  placed.cpus = {all.back()};
+  TwoServers two(placed, FederationConfig{});
+  // Each thread's name and CPUs, from /proc/self/task/*/{comm,status}.
+  std::multiset<std::pair<std::string, std::string>> threads;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(task.path() / "comm"), status(task.path() / "status");
+    std::string name, line, cpus;
+    if (!std::getline(comm, name)) continue;  // a thread that just ended
+    while (std::getline(status, line))
+      if (line.rfind("Cpus_allowed_list:", 0) == 0) cpus = line.substr(line.find_first_not_of(" \t", 18));
+    threads.emplace(name, cpus);
+  }
+  const std::string own = cpu_list_text(all), fed = std::to_string(all.back());
+  BOOST_TEST(threads.count({"shmps-fed", fed}) == 1);
+  BOOST_TEST(threads.count({"shmps-fed", own}) == 1);
+  BOOST_TEST(std::count_if(threads.begin(), threads.end(), [&](const auto& t) { return t.second != own; }) == 1,
+             "no other thread moved");
+}
+
 // An engine's I/O thread (Gloo's) is lowered as the federation thread is,
 // and then under SCHED_BATCH, unless that made it SCHED_IDLE: it never
 // preempts the federation thread as it wakes.
@@ -1254,10 +1285,58 @@ BOOST_AUTO_TEST_CASE(an_engines_io_thread_is_lowered_and_never_preempts_on_wake_
   BOOST_TEST(scheduled(FederationPriority::kIdle).second == SCHED_IDLE);
 }
 
+// pin_this_thread places the calling thread on the listed CPUs the kernel
+// lets it have, and the threads it starts inherit them; a list without a
+// usable CPU is refused with the reason, and an empty one changes nothing.
+BOOST_AUTO_TEST_CASE(a_pinned_thread_and_its_children_run_on_its_cpus) {
+  const std::vector<uint32_t> all = this_thread_cpus();
+  BOOST_TEST_REQUIRE(!all.empty());
+  // A CPU this process may not use, if any below kMaxCpus.
+  std::optional<uint32_t> unusable;
+  for (uint32_t c = kMaxCpus; c-- > 0 && !unusable;)
+    if (!std::binary_search(all.begin(), all.end(), c)) unusable = c;
+  std::thread([&] {
+    BOOST_TEST(pin_this_thread({}) == "");
+    BOOST_TEST((this_thread_cpus() == all), "an empty list leaves the thread where it was");
+    std::vector<uint32_t> one{all.back()};
+    if (unusable) one.push_back(*unusable);
+    std::sort(one.begin(), one.end());
+    BOOST_TEST(pin_this_thread(one) == "");
+    BOOST_TEST((this_thread_cpus() == std::vector<uint32_t>{all.back()}), "the usable CPUs of the list");
+    std::vector<uint32_t> childs;
+    std::thread([&] { childs = this_thread_cpus(); }).join();
+    BOOST_TEST((childs == std::vector<uint32_t>{all.back()}), "a thread it starts inherits them");
+    if (unusable) {
+      const std::string why = pin_this_thread({*unusable});
+      BOOST_TEST(why.find("sched_setaffinity: ") == 0, why);
+      BOOST_TEST((this_thread_cpus() == std::vector<uint32_t>{all.back()}), "a refused list changes nothing");
+    }
+  }).join();
+  BOOST_TEST((this_thread_cpus() == all), "the caller's own CPUs stay");
+}
+
+// --fed-cpus lists CPUs as taskset does, and the effective configuration
+// (--check-config) writes them back in the same form, ranges folded.
+BOOST_AUTO_TEST_CASE(cpu_lists_read_and_write_as_taskset_does) {
+  const std::vector<std::pair<std::string, std::string>> lists = {
+      {"3", "3"}, {"0,2-5", "0,2-5"}, {"5,4,3", "3-5"}, {"0-0,7,1-2", "0-2,7"}, {"1023", "1023"}};
+  for (const auto& [text, written] : lists) {
+    std::vector<uint32_t> cpus{99};
+    BOOST_TEST_REQUIRE(parse_cpu_list(text, &cpus), text);
+    BOOST_TEST(cpu_list_text(cpus) == written, text);
+  }
+  std::vector<uint32_t> cpus{4};
+  for (const char* bad : {"", ",", "1,,2", "2-", "-2", "a", "1024", "0-1024", "99999999999"})
+    BOOST_TEST(!parse_cpu_list(bad, &cpus), bad);
+  BOOST_TEST((cpus == std::vector<uint32_t>{4}), "a refused list leaves the output alone");
+  BOOST_TEST(cpu_list_text({}) == "");
+}
+
 BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
-  auto ok = test::parse_server_args({"--name", "x", "--tensor", "w:4", "--federation", "mpi", "--fed-outer", "nesterov",
-                                     "--fed-every-ms", "40", "--fed-max-drift", "9", "--fed-no-overlap",
-                                     "--fed-unweighted", "--fed-rank-in-name", "--fed-priority", "idle"});
+  auto ok =
+      test::parse_server_args({"--name", "x", "--tensor", "w:4", "--federation", "mpi", "--fed-outer", "nesterov",
+                               "--fed-every-ms", "40", "--fed-max-drift", "9", "--fed-no-overlap", "--fed-unweighted",
+                               "--fed-rank-in-name", "--fed-priority", "idle", "--fed-cpus", "5,0-2,2"});
   BOOST_TEST_REQUIRE(ok.ok(), ok.status().to_string());
   const FederationConfig& f = ok->config.federation;
   BOOST_TEST((f.kind == FederationKind::kMpi));
@@ -1268,6 +1347,10 @@ BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
   BOOST_TEST(!f.weight_by_updates);
   BOOST_TEST(f.rank_in_name);
   BOOST_TEST((f.priority == FederationPriority::kIdle));
+  BOOST_TEST((f.cpus == std::vector<uint32_t>{0, 1, 2, 5}));
+  auto unplaced = test::parse_server_args({"--name", "x", "--tensor", "w:4", "--fed-cpus", ""});
+  BOOST_TEST_REQUIRE(unplaced.ok(), unplaced.status().to_string());
+  BOOST_TEST(unplaced->config.federation.cpus.empty(), "an empty --fed-cpus is the default: the server's CPUs");
   // What rank 7 runs as, at start and for each reload alike.
   ServerConfig c = ok->config;
   c.checkpoint_dir = "/var/lib/shmps/x";
@@ -1302,6 +1385,12 @@ BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
       {{"--fed-outer-momentum", "1"}, "--fed-outer-momentum must be in [0, 1)"},
       {{"--fed-outer-lr", "-1"}, "--fed-outer-lr must be finite and > 0"},
       {{"--fed-priority", "high"}, "--fed-priority must be normal, low or idle, got 'high'"},
+      {{"--fed-cpus", "3-1"}, "--fed-cpus must list CPUs below 1024 as taskset does (3, 0,2-5), got '3-1'"},
+      {{"--fed-cpus", "1024"}, "got '1024'"},
+      {{"--fed-cpus", "1,"}, "got '1,'"},
+      {{"--fed-cpus", "-1"}, "got '-1'"},
+      {{"--fed-cpus", "0x1"}, "got '0x1'"},
+      {{"--fed-cpus", "1 2"}, "got '1 2'"},
   };
   for (const auto& [args, want] : bad) {
     std::vector<std::string> all = {"--name", "x", "--tensor", "w:4"};

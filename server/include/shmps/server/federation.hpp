@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "shmps/status.hpp"
 
@@ -53,6 +54,11 @@ struct FederationConfig {
   // beyond it the server holds pushes until the next round merges.
   uint64_t max_drift = 0;
   FederationPriority priority = FederationPriority::kNormal;
+  // The CPUs the federation's threads (the round loop and the engine's
+  // own) may run on, ascending and distinct; empty: those the server
+  // starts with. Off the cores that serve the workers, rounds take no CPU
+  // time from serving (docs/federation.md, figure 4).
+  std::vector<uint32_t> cpus;
   // Append ".r<host>" to --name, and "/r<host>" to --checkpoint-dir
   // (several "hosts" on one machine; the host is the MPI rank, or --fed-host).
   bool rank_in_name = false;
@@ -82,6 +88,12 @@ const char* federation_priority_name(FederationPriority priority) noexcept;
 bool parse_federation_kind(std::string_view text, FederationKind* out) noexcept;
 bool parse_outer_step(std::string_view text, OuterStep* out) noexcept;
 bool parse_federation_priority(std::string_view text, FederationPriority* out) noexcept;
+// A CPU list as `taskset -c` writes it ("3", "0,2-5"), each CPU below
+// kMaxCpus, into ascending distinct CPUs; false for any other text (an
+// empty one too). And back, in the same form.
+inline constexpr uint32_t kMaxCpus = 1024;  // CPU_SETSIZE
+bool parse_cpu_list(std::string_view text, std::vector<uint32_t>* out);
+std::string cpu_list_text(const std::vector<uint32_t>& cpus);
 
 // Who this host is in the group: its rank in the current epoch, and its
 // id, which stays (the MPI rank; Gloo's --fed-host). The epoch counts
