@@ -335,17 +335,16 @@ bool FederationLink::regroup() {
 }
 
 void FederationLink::thread_main() {
-  if (const std::string why = pin_this_thread(config_.cpus); !why.empty()) {
-    log::warn("federation: --fed-cpus " + cpu_list_text(config_.cpus) + ": the federation thread keeps its CPUs (" +
-              why + ")");
-  } else if (!config_.cpus.empty()) {
-    // The kernel keeps the listed CPUs that are online and in the cgroup.
-    const std::string got = cpu_list_text(this_thread_cpus());
-    if (got == cpu_list_text(config_.cpus))
-      log::info("federation: the round loop runs on CPUs " + got);
-    else
-      log::warn("federation: the round loop runs on CPUs " + got + " of --fed-cpus " + cpu_list_text(config_.cpus) +
+  if (!config_.cpus.empty()) {
+    const std::string wanted = cpu_list_text(config_.cpus);
+    if (const std::string why = pin_this_thread(config_.cpus); !why.empty()) {
+      log::warn("federation: --fed-cpus " + wanted + ": the federation thread keeps its CPUs (" + why + ")");
+    } else if (const std::vector<uint32_t> got = thread_cpus(); got == config_.cpus) {
+      log::info("federation: the round loop runs on CPUs " + wanted);
+    } else {  // the kernel kept the listed CPUs that are online and in the cgroup
+      log::warn("federation: the round loop runs on CPUs " + cpu_list_text(got) + " of --fed-cpus " + wanted +
                 " (the others are offline or outside the server's cgroup)");
+    }
   }
   if (const std::string why = lower_thread_priority(config_.priority); why.empty()) {
     if (config_.priority != FederationPriority::kNormal)

@@ -6,11 +6,10 @@
 // thread alone.
 #include <mpi.h>
 
-#include <cerrno>
 #include <climits>
-#include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "federation_plugin.hpp"
 #include "shmps/server/federation.hpp"
@@ -45,20 +44,19 @@ class MpiEngine final : public FederationEngine {
     // round loop logs its own).
     char own_name[16] = "";
     (void)::pthread_getname_np(::pthread_self(), own_name, sizeof own_name);
-    cpu_set_t own_cpus;
-    const bool placed = !config.cpus.empty() && ::sched_getaffinity(0, sizeof own_cpus, &own_cpus) == 0 &&
-                        pin_this_thread(config.cpus).empty();
+    const std::vector<uint32_t> own_cpus = config.cpus.empty() ? std::vector<uint32_t>{} : thread_cpus();
+    const bool placed = !own_cpus.empty() && pin_this_thread(config.cpus).empty();
     name_this_thread("shmps-fed-io");
     const int init = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
     name_this_thread(own_name);
-    const bool restored = !placed || ::sched_setaffinity(0, sizeof own_cpus, &own_cpus) == 0;
-    const int restore_errno = errno;
+    const std::string unrestored = placed ? pin_this_thread(own_cpus) : "";
     if (init != MPI_SUCCESS) return Status{ErrorCode::kIo, mpi_error(init, "MPI_Init_thread")};
     auto engine = std::unique_ptr<MpiEngine>(new MpiEngine());
-    if (!restored)
-      return Status{ErrorCode::kIo, std::string("federation (mpi): cannot give the server's thread its CPUs back "
-                                                "after placing MPI's threads on --fed-cpus (sched_setaffinity: ") +
-                                        std::strerror(restore_errno) + ")"};
+    if (!unrestored.empty())
+      return Status{ErrorCode::kIo,
+                    "federation (mpi): cannot give the server's thread its CPUs back after placing "
+                    "MPI's threads on --fed-cpus (" +
+                        unrestored + ")"};
     if (provided < MPI_THREAD_SERIALIZED)
       return Status{ErrorCode::kIo, "federation (mpi): the MPI library offers no MPI_THREAD_SERIALIZED (got level " +
                                         std::to_string(provided) + "); the federation thread needs it"};

@@ -34,12 +34,12 @@ inline void name_this_thread(const char* name) noexcept { (void)::pthread_setnam
 
 static_assert(kMaxCpus == CPU_SETSIZE, "FederationConfig::cpus are indices into a cpu_set_t");
 
-// The CPUs the calling thread may run on, ascending; empty if they cannot
-// be read.
-inline std::vector<uint32_t> this_thread_cpus() {
+// The CPUs thread `tid` of this process (0: the calling thread) may run
+// on, ascending; empty if they cannot be read.
+inline std::vector<uint32_t> thread_cpus(pid_t tid = 0) {
   std::vector<uint32_t> cpus;
   cpu_set_t set;
-  if (::sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
+  if (::sched_getaffinity(tid, sizeof set, &set) != 0) return cpus;
   for (uint32_t c = 0; c < CPU_SETSIZE; ++c)
     if (CPU_ISSET(c, &set)) cpus.push_back(c);
   return cpus;
@@ -49,7 +49,7 @@ inline std::vector<uint32_t> this_thread_cpus() {
 // below kMaxCpus), which the threads it starts inherit; empty leaves it.
 // The kernel keeps those of them that are online and in the server's
 // cgroup, and refuses only a list without any: "" then, else why. The
-// CPUs the thread got: this_thread_cpus().
+// CPUs the thread got: thread_cpus().
 inline std::string pin_this_thread(const std::vector<uint32_t>& cpus) {
   if (cpus.empty()) return "";
   cpu_set_t set;

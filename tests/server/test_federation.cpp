@@ -1239,7 +1239,7 @@ BOOST_AUTO_TEST_CASE(the_federation_thread_runs_at_its_priority,
 // placed server's thread named shmps-fed runs on its CPU, the other's and
 // every other thread where the process runs.
 BOOST_AUTO_TEST_CASE(the_federation_thread_runs_on_its_cpus) {
-  const std::vector<uint32_t> all = this_thread_cpus();
+  const std::vector<uint32_t> all = thread_cpus();
   if (all.size() < 2) {
     BOOST_TEST_MESSAGE("skipped: this process may run on one CPU only, so a placed thread looks like the others");
     return;
@@ -1247,20 +1247,18 @@ BOOST_AUTO_TEST_CASE(the_federation_thread_runs_on_its_cpus) {
   FederationConfig placed;
   placed.cpus = {all.back()};
   TwoServers two(placed, FederationConfig{});
-  // Each thread's name and CPUs, from /proc/self/task/*/{comm,status}.
-  std::multiset<std::pair<std::string, std::string>> threads;
+  // Each thread's name (/proc/self/task/TID/comm) and CPUs.
+  std::multiset<std::pair<std::string, std::vector<uint32_t>>> threads;
   for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
-    std::ifstream comm(task.path() / "comm"), status(task.path() / "status");
-    std::string name, line, cpus;
-    if (!std::getline(comm, name)) continue;  // a thread that just ended
-    while (std::getline(status, line))
-      if (line.rfind("Cpus_allowed_list:", 0) == 0) cpus = line.substr(line.find_first_not_of(" \t", 18));
+    std::ifstream comm(task.path() / "comm");
+    std::string name;
+    const std::vector<uint32_t> cpus = thread_cpus(std::stoi(task.path().filename().string()));
+    if (!std::getline(comm, name) || cpus.empty()) continue;  // a thread that just ended
     threads.emplace(name, cpus);
   }
-  const std::string own = cpu_list_text(all), fed = std::to_string(all.back());
-  BOOST_TEST(threads.count({"shmps-fed", fed}) == 1);
-  BOOST_TEST(threads.count({"shmps-fed", own}) == 1);
-  BOOST_TEST(std::count_if(threads.begin(), threads.end(), [&](const auto& t) { return t.second != own; }) == 1,
+  BOOST_TEST(threads.count({"shmps-fed", {all.back()}}) == 1);
+  BOOST_TEST(threads.count({"shmps-fed", all}) == 1);
+  BOOST_TEST(std::count_if(threads.begin(), threads.end(), [&](const auto& t) { return t.second != all; }) == 1,
              "no other thread moved");
 }
 
@@ -1289,7 +1287,7 @@ BOOST_AUTO_TEST_CASE(an_engines_io_thread_is_lowered_and_never_preempts_on_wake_
 // lets it have, and the threads it starts inherit them; a list without a
 // usable CPU is refused with the reason, and an empty one changes nothing.
 BOOST_AUTO_TEST_CASE(a_pinned_thread_and_its_children_run_on_its_cpus) {
-  const std::vector<uint32_t> all = this_thread_cpus();
+  const std::vector<uint32_t> all = thread_cpus();
   BOOST_TEST_REQUIRE(!all.empty());
   // A CPU this process may not use, if any below kMaxCpus.
   std::optional<uint32_t> unusable;
@@ -1297,22 +1295,22 @@ BOOST_AUTO_TEST_CASE(a_pinned_thread_and_its_children_run_on_its_cpus) {
     if (!std::binary_search(all.begin(), all.end(), c)) unusable = c;
   std::thread([&] {
     BOOST_TEST(pin_this_thread({}) == "");
-    BOOST_TEST((this_thread_cpus() == all), "an empty list leaves the thread where it was");
+    BOOST_TEST((thread_cpus() == all), "an empty list leaves the thread where it was");
     std::vector<uint32_t> one{all.back()};
     if (unusable) one.push_back(*unusable);
     std::sort(one.begin(), one.end());
     BOOST_TEST(pin_this_thread(one) == "");
-    BOOST_TEST((this_thread_cpus() == std::vector<uint32_t>{all.back()}), "the usable CPUs of the list");
+    BOOST_TEST((thread_cpus() == std::vector<uint32_t>{all.back()}), "the usable CPUs of the list");
     std::vector<uint32_t> childs;
-    std::thread([&] { childs = this_thread_cpus(); }).join();
+    std::thread([&] { childs = thread_cpus(); }).join();
     BOOST_TEST((childs == std::vector<uint32_t>{all.back()}), "a thread it starts inherits them");
     if (unusable) {
       const std::string why = pin_this_thread({*unusable});
       BOOST_TEST(why.find("sched_setaffinity: ") == 0, why);
-      BOOST_TEST((this_thread_cpus() == std::vector<uint32_t>{all.back()}), "a refused list changes nothing");
+      BOOST_TEST((thread_cpus() == std::vector<uint32_t>{all.back()}), "a refused list changes nothing");
     }
   }).join();
-  BOOST_TEST((this_thread_cpus() == all), "the caller's own CPUs stay");
+  BOOST_TEST((thread_cpus() == all), "the caller's own CPUs stay");
 }
 
 // --fed-cpus lists CPUs as taskset does, and the effective configuration
