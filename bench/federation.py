@@ -272,11 +272,19 @@ def evaluate(bin_dir, segment):
     return float(re.search(r"final test accuracy: ([0-9.]+)", out.stdout).group(1))
 
 
-def run_job(args, hosts, workers, seed, every_ms=50, outer="average", fed_args=()):
+def with_lr(model, lr):
+    """`model` (the servers' options) with Adam's lr set to `lr`."""
+    i = model.index("--lr")
+    return model[:i + 1] + [repr(lr)] + model[i + 2:]
+
+
+def run_job(args, hosts, workers, seed, every_ms=50, outer="average", fed_args=(), lr=None):
     """One job: `hosts` servers, each with a trainer of `workers` workers on
-    its share of the data; the merged model's accuracy, the bytes sent, the
-    wall time and host 0's curve."""
-    job = Hosts(args.bin, hosts, every_ms, outer, net=args.net, fed_args=fed_args)
+    its share of the data (Adam's lr `lr` when given, else MODEL's); the
+    merged model's accuracy, the bytes sent, the wall time and host 0's
+    curve."""
+    model = MODEL if lr is None else with_lr(MODEL, lr)
+    job = Hosts(args.bin, hosts, every_ms, outer, model=model, net=args.net, fed_args=fed_args)
     try:
         trainers, csvs = [], []
         for h in range(hosts):
@@ -296,7 +304,7 @@ def run_job(args, hosts, workers, seed, every_ms=50, outer="average", fed_args=(
         accuracy = evaluate(args.bin, job.segment(0))
         curve = [(t, n * hosts, a) for t, n, a in read_curve(csvs[0])]
         return {"hosts": hosts, "workers": workers, "every_ms": every_ms, "outer": outer,
-                "fed_args": " ".join(fed_args), "seed": seed,
+                "fed_args": " ".join(fed_args), "seed": seed, "lr": float(model[model.index("--lr") + 1]),
                 "accuracy": accuracy, "bytes": sent, "wall": wall, "curve": curve}
     finally:
         job.close()
@@ -311,7 +319,7 @@ def figure_parity(args, runs):
     for rep in range(args.repeats):
         for hosts, workers in ((1, 4), (2, 2), (4, 1)):
             r = run_job(args, hosts, workers, seed=1 + 10 * rep, every_ms=args.every_ms, outer=args.outer,
-                        fed_args=fed_args)
+                        fed_args=fed_args, lr=args.host_lr if hosts > 1 else None)
             r["figure"] = 1
             runs.append(r)
             print(f"  parity {hosts}x{workers} repeat {rep}: accuracy {r['accuracy']:.4f}, wall {r['wall']:.1f} s, "
@@ -424,11 +432,13 @@ def summarize(runs):
         ref = med([r["accuracy"] for r in parity if r["hosts"] == 1])
         lines += [f"## 1. Accuracy parity (medians over repeats; rounds every {parity[0]['every_ms']} ms, "
                   f"outer step {parity[0]['outer']}; {parity[0].get('fed_args', '')})", "",
-                  "| hosts x workers | final accuracy | vs 1 x 4 | training s | MB of deltas (all hosts) |", "|---|---:|---:|---:|---:|"]
+                  "| hosts x workers | Adam lr | final accuracy | vs 1 x 4 | training s | MB of deltas (all hosts) |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for hosts, workers in ((1, 4), (2, 2), (4, 1)):
             rs = [r for r in parity if r["hosts"] == hosts]
             acc = med([r["accuracy"] for r in rs])
-            lines.append(f"| {hosts} x {workers} | {acc:.4f} | {100 * (acc - ref):+.2f} pp | "
+            lr = rs[0].get("lr", 0.001)
+            lines.append(f"| {hosts} x {workers} | {lr:g} | {acc:.4f} | {100 * (acc - ref):+.2f} pp | "
                          f"{med([r['wall'] for r in rs]):.1f} | {med([r['bytes'] for r in rs]) / 1e6:.1f} |")
         lines.append("")
     sweep = [r for r in runs if r.get("figure") == 2]
@@ -539,6 +549,8 @@ def main():
     p.add_argument("--outer-lr", type=float, help="figure 1's outer lr (nesterov; the server's default otherwise)")
     p.add_argument("--outer-momentum", type=float, help="figure 1's outer momentum (nesterov; 0: plain SGD on the "
                    "negated mean delta, A' = A + lr x mean)")
+    p.add_argument("--host-lr", type=float, help="figure 1: the federated hosts' Adam lr (the 1 x 4 reference "
+                   "keeps 1e-3)")
     p.add_argument("--split-cpus", action="store_true", help="figure 4 with host 0 and the pushing worker on the "
                    "first CPU of this process's mask, host 0's federation (--fed-cpus) and the other server on the "
                    "rest: a host whose federation has cores of its own")
