@@ -3,17 +3,18 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <pwd.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <limits>
 #include <set>
 #include <thread>
 #include <vector>
@@ -143,8 +144,16 @@ std::string segment_object_name(const std::string& name) { return "shmps." + nam
 
 // ---------------------------------------------------------------- ShmObject
 
+// The object's mapping (MAP_SHARED), unmapped with the ShmObject.
 struct ShmObject::Region {
-  bip::mapped_region region;
+  void* address = nullptr;
+  size_t size = 0;
+  Region() = default;
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+  ~Region() {
+    if (address != nullptr) ::munmap(address, size);
+  }
 };
 
 ShmObject::ShmObject() = default;
@@ -152,20 +161,28 @@ ShmObject::~ShmObject() = default;
 
 namespace {
 
-// Fills identity fields from the descriptor and maps the object.
-Status map_object(bip::shared_memory_object& shm, bool read_only, const std::string& name, uint64_t* inode, uid_t* uid,
-                  gid_t* gid, mode_t* mode, bip::mapped_region* region) {
+// Fills identity fields from the descriptor and maps the object. Anything
+// but a regular file is refused before it is read: a FIFO or device placed
+// at the name must not block or feed its reader.
+Status map_object(int fd, bool read_only, const std::string& name, uint64_t* inode, uid_t* uid, gid_t* gid,
+                  mode_t* mode, void** address, size_t* size) {
   struct stat st {};
-  if (::fstat(shm.get_mapping_handle().handle, &st) != 0)
-    return {ErrorCode::kIo, "fstat '" + name + "': " + errno_text(errno)};
+  if (::fstat(fd, &st) != 0) return {ErrorCode::kIo, "fstat '" + name + "': " + errno_text(errno)};
   *inode = st.st_ino;
   *uid = st.st_uid;
   *gid = st.st_gid;
   *mode = st.st_mode & 0777;
+  if (!S_ISREG(st.st_mode))
+    return {ErrorCode::kIo, "shm object '" + name + "' is not a regular file (" +
+                                owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ")"};
   if (st.st_size == 0)
     return {ErrorCode::kIo,
             "shm object '" + name + "' is empty (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ")"};
-  *region = bip::mapped_region(shm, read_only ? bip::read_only : bip::read_write);
+  const auto bytes = static_cast<size_t>(st.st_size);
+  void* mapped = ::mmap(nullptr, bytes, read_only ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (mapped == MAP_FAILED) return {ErrorCode::kIo, "mmap '" + name + "': " + errno_text(errno)};
+  *address = mapped;
+  *size = bytes;
   return Status::Ok();
 }
 
@@ -179,13 +196,18 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
     return Status{ErrorCode::kInvalidArgument, "refusing to create '" + object_name + "' with mode 0" +
                                                    std::to_string(mode) + ": world-writable or not a permission mode"};
   if (bytes == 0) return Status{ErrorCode::kInvalidArgument, "shm object '" + object_name + "' of 0 bytes"};
+  if (bytes > static_cast<uint64_t>(std::numeric_limits<off_t>::max()))
+    return Status{ErrorCode::kNoCapacity, "shm object '" + object_name + "' of " + std::to_string(bytes) +
+                                              " bytes: larger than any file can be"};
   std::unique_ptr<ShmObject> obj(new ShmObject());
   obj->name_ = object_name;
   obj->region_ = std::make_unique<Region>();
+  bool created = false;
   try {
     // Boost applies the mode with fchmod on the new descriptor: no umask.
     bip::shared_memory_object shm(bip::create_only, object_name.c_str(), bip::read_write,
                                   bip::permissions(static_cast<int>(mode)));
+    created = true;
     const int fd = shm.get_mapping_handle().handle;
     if (group != static_cast<gid_t>(-1) && ::fchown(fd, static_cast<uid_t>(-1), group) != 0) {
       const int err = errno;
@@ -205,17 +227,18 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
                                                   " available"};
       return Status{ErrorCode::kIo, "posix_fallocate '" + object_name + "': " + errno_text(err)};
     }
-    if (Status s = map_object(shm, false, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
-                              &obj->region_->region);
+    if (Status s = map_object(fd, false, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
+                              &obj->region_->address, &obj->region_->size);
         !s.ok()) {
       bip::shared_memory_object::remove(object_name.c_str());
       return s;
     }
   } catch (const bip::interprocess_exception& e) {
+    if (created) bip::shared_memory_object::remove(object_name.c_str());  // made here: not left behind
     return from_boost(e, "create shm object '" + object_name + "'");
   }
-  obj->data_ = obj->region_->region.get_address();
-  obj->size_ = obj->region_->region.get_size();
+  obj->data_ = obj->region_->address;
+  obj->size_ = obj->region_->size;
   return obj;
 }
 
@@ -225,19 +248,21 @@ Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_nam
   std::unique_ptr<ShmObject> obj(new ShmObject());
   obj->name_ = object_name;
   obj->region_ = std::make_unique<Region>();
-  try {
-    bip::shared_memory_object shm(bip::open_only, object_name.c_str(), read_only ? bip::read_only : bip::read_write);
-    if (Status s = map_object(shm, read_only, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
-                              &obj->region_->region);
-        !s.ok())
-      return s;
-  } catch (const bip::interprocess_exception& e) {
-    if (const int err = e.get_native_error(); err == EACCES || err == EPERM)
-      return permission_denied(object_name, read_only, err);
-    return from_boost(e, "open shm object '" + object_name + "'");
+  // O_NONBLOCK: a FIFO at the name would block the open itself (map_object
+  // refuses it once open); a regular file ignores the flag.
+  const int fd = ::shm_open(object_name.c_str(), (read_only ? O_RDONLY : O_RDWR) | O_NONBLOCK, 0);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == EACCES || err == EPERM) return permission_denied(object_name, read_only, err);
+    const std::string what = "open shm object '" + object_name + "': ";
+    return Status{ErrorCode::kIo, what + (err == ENOENT ? std::string("does not exist") : errno_text(err))};
   }
-  obj->data_ = obj->region_->region.get_address();
-  obj->size_ = obj->region_->region.get_size();
+  const Status mapped = map_object(fd, read_only, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
+                                   &obj->region_->address, &obj->region_->size);
+  ::close(fd);  // the mapping stays
+  if (!mapped.ok()) return mapped;
+  obj->data_ = obj->region_->address;
+  obj->size_ = obj->region_->size;
   return obj;
 }
 

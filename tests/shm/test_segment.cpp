@@ -151,6 +151,28 @@ BOOST_AUTO_TEST_CASE(full_dev_shm_fails_at_creation_with_sizes) {
   BOOST_TEST(huge.status().message().find("available") != std::string::npos);
 }
 
+BOOST_AUTO_TEST_CASE(a_size_beyond_any_file_is_refused_and_leaves_no_object) {
+  const std::string object = "shmps.beyond_" + std::to_string(::getpid());
+  for (const size_t bytes : {size_t{1} << 63, ~size_t{0}}) {
+    auto created = ShmObject::create(object, bytes, 0600);
+    BOOST_TEST((created.status().code() == ErrorCode::kNoCapacity));
+    BOOST_TEST(created.status().message().find("larger than any file") != std::string::npos);
+    BOOST_TEST(::access(("/dev/shm/" + object).c_str(), F_OK) != 0);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(a_fifo_at_the_name_is_refused_without_blocking) {
+  const std::string name = test::unique_name("fifo");
+  const std::string path = "/dev/shm/" + segment_object_name(name);
+  BOOST_REQUIRE(::mkfifo(path.c_str(), 0600) == 0);
+  Cleanup cleanup{name};
+  for (const bool read_only : {true, false}) {
+    auto opened = Segment::open(name, read_only);  // would block in open() on a FIFO without a writer
+    BOOST_TEST((opened.status().code() == ErrorCode::kIo));
+    BOOST_TEST(opened.status().message().find("not a regular file") != std::string::npos);
+  }
+}
+
 BOOST_AUTO_TEST_CASE(names_are_validated) {
   BOOST_TEST(validate_name("job-1.a_b").ok());
   BOOST_TEST(!validate_name("").ok());

@@ -983,9 +983,12 @@ Worker::~Worker() {
   if (impl_->state() != State::kDetached) (void)impl_->detach();
 }
 
-Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& options) {
-  if (options.timeout.count() <= 0) return Status{ErrorCode::kInvalidArgument, "timeout must be > 0"};
-  if (options.wait_for_server.count() < 0) return Status{ErrorCode::kInvalidArgument, "wait_for_server must be >= 0"};
+Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& asked) {
+  if (asked.timeout.count() <= 0) return Status{ErrorCode::kInvalidArgument, "timeout must be > 0"};
+  if (asked.wait_for_server.count() < 0) return Status{ErrorCode::kInvalidArgument, "wait_for_server must be >= 0"};
+  WorkerOptions options = asked;
+  options.timeout = std::min(options.timeout, kMaxTimeout);
+  options.wait_for_server = std::min(options.wait_for_server, kMaxTimeout);
   auto trusted = trusted_owners(options.server_user);
   if (!trusted.ok()) return trusted.status();
   const auto give_up = std::chrono::steady_clock::now() + options.wait_for_server;
@@ -1016,6 +1019,7 @@ Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& options) {
 
 uint32_t Worker::worker_id() const noexcept { return impl_->id; }
 uint64_t Worker::generation() const noexcept { return impl_->generation; }
+pid_t Worker::server_pid() const noexcept { return impl_->server_pid; }
 const std::vector<TensorInfo>& Worker::tensors() const noexcept { return impl_->tensors; }
 uint64_t Worker::total_elements() const noexcept { return impl_->total_elements; }
 

@@ -33,6 +33,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/types.h>
+
 #include "shmps/server_stats.hpp"
 #include "shmps/status.hpp"
 
@@ -64,9 +66,16 @@ struct ServerStats {
   double avg_staleness = 0.0;  // avg_staleness_micro / 1e6: the mean of the last 128 applied pushes
 };
 
+// The longest wait a WorkerOptions timeout asks for: 100 years, far past
+// any job, and short enough that the steady clock plus it, in nanoseconds,
+// cannot overflow.
+inline constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 * 365 * 100);
+
 struct WorkerOptions {
-  std::string name;                          // server --name
-  std::chrono::milliseconds timeout{10000};  // per synchronous call
+  std::string name;  // server --name
+  // Per synchronous call; longer than kMaxTimeout is taken as kMaxTimeout
+  // (as is wait_for_server), in effect without end.
+  std::chrono::milliseconds timeout{10000};
   // When the server dies or is restarted: the calls in flight fail with
   // kServerRestarted (not acknowledged: maybe applied, at most once), and
   // the next call waits (up to its timeout) for a server of a new
@@ -159,6 +168,7 @@ class Worker {
 
   uint32_t worker_id() const noexcept;
   uint64_t generation() const noexcept;  // the server instance attached to
+  pid_t server_pid() const noexcept;     // that instance's process
   const std::vector<TensorInfo>& tensors() const noexcept;
   uint64_t total_elements() const noexcept;  // all tensors, elements
   // The tensor of that name, or nullptr.

@@ -63,7 +63,7 @@ class ShmObject {
   mode_t mode() const noexcept { return mode_; }
 
  private:
-  struct Region;  // the Boost mapping, kept out of this header
+  struct Region;  // the mapping (segment.cpp)
   ShmObject();
   std::unique_ptr<Region> region_;
   std::string name_;
