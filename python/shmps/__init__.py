@@ -11,7 +11,7 @@
 A Worker is the process's connection to one shmps-server (the C++
 shmps::Worker underneath); buffers are POSIX shared memory the server maps
 once, or CUDA memory it opens by IPC handle. Blocking calls release the GIL.
-One thread at a time may use a Worker; a buffer must not be written while a
+Calls on one Worker from several threads run one at a time; a buffer must not be written while a
 push reading it (or read while a pull writing it) is in flight. The torch
 layer is shmps.torch (RemoteOptimizer). docs/python.md has the whole API.
 """
@@ -105,6 +105,11 @@ class Worker:
     def generation(self):
         """The server instance attached to (changes when it restarts)."""
         return self._w.generation
+
+    @property
+    def server_pid(self):
+        """The process id of the server instance attached to."""
+        return self._w.server_pid
 
     @property
     def closed(self):
@@ -230,10 +235,9 @@ class Worker:
             return tensor
         raise TypeError(f"tensor must be a name, a TensorInfo, an id or None, not {type(tensor).__name__}")
 
-    @staticmethod
-    def _buffer_id(buffer):
+    def _buffer_id(self, buffer):
         if isinstance(buffer, Buffer):
-            return buffer.id
+            return self._w.buffer_id(buffer)  # refused when of another Worker, or unregistered
         if isinstance(buffer, int):
             return buffer
         raise TypeError(f"buffer must be a shmps.Buffer or a buffer id, not {type(buffer).__name__}")

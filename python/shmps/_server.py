@@ -112,8 +112,11 @@ class Server:
                 self.process = None
                 raise _errors.ServerNotRunningError(f"shmps-server exited {code} at start: {self._log_tail()}")
             try:
-                connect(self.name).close()
-                return self
+                with connect(self.name) as probe:
+                    # Another live server at the name answers too, while
+                    # this one fails its start (poll() above then says so).
+                    if probe.server_pid == self.process.pid:
+                        return self
             except (_errors.ServerNotRunningError, _errors.LayoutMismatchError):
                 pass
             if time.monotonic() > deadline:

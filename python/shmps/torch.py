@@ -56,22 +56,33 @@ class RemoteOptimizer:
         self._grads = torch.from_dlpack(self._grad_buf).view(torch.float32)
         self._weights = torch.from_dlpack(self._weight_buf).view(torch.float32)
         self._grads.zero_()
+        views = []  # (parameter, its weights' view, its gradient's view)
         with torch.no_grad():
             for name, p in self._params:
                 info = worker.tensor(name)
                 w = self._weights[info.offset:info.offset + info.count].view(p.shape)
                 if init:
                     w.copy_(p.detach())
+                views.append((p, w, self._grads[info.offset:info.offset + info.count].view(p.shape)))
+        try:
+            if init:
+                self._sync()
+                try:
+                    worker.init(self._weight_buf, stream=self._stream())
+                except _errors.InitRefusedError:
+                    pass  # another worker of the job initialised first
+            self.pull()
+        except BaseException:
+            # The model keeps its own tensors: they are replaced only below.
+            for buf in (self._grad_buf, self._weight_buf):
+                with contextlib.suppress(_errors.Error):
+                    worker.unregister_buffer(buf)
+            raise
+        with torch.no_grad():
+            for p, w, g in views:
                 p.data = w
-                p.grad = self._grads[info.offset:info.offset + info.count].view(p.shape)
+                p.grad = g
         self._grad_ptrs = [(name, p.grad.data_ptr()) for name, p in self._params]
-        if init:
-            self._sync()
-            try:
-                worker.init(self._weight_buf, stream=self._stream())
-            except _errors.InitRefusedError:
-                pass  # another worker of the job initialised first
-        self.pull()
 
     def _check_table(self):
         table = {t.name: t for t in self.worker.tensors}

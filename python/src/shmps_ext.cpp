@@ -2,18 +2,23 @@
 // binding of shmps::Worker (worker_lib). shmps/__init__.py builds the
 // Pythonic API on it: keyword arguments, dataclasses, exception classes,
 // torch streams. Every call that waits for the server releases the GIL.
-// Thread safety: as shmps::Worker's (one thread at a time per Worker; the
-// Python layer does not add a lock).
+// Thread safety: a Worker's calls from several threads run one at a time
+// (shmps::Worker serves one thread at a time), and close() waits for the
+// call in flight.
 #include <Python.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,8 +55,18 @@ auto unlocked(F&& f) {
   return f();
 }
 
-std::chrono::milliseconds to_ms(double seconds) {
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0 + 0.5));
+// Seconds as milliseconds, rounded up so that a positive wait never
+// becomes 0; beyond what milliseconds hold (infinity too) saturated, which
+// the worker library takes as shmps::kMaxTimeout. NaN is refused.
+std::chrono::milliseconds to_ms(double seconds, const char* what) {
+  if (std::isnan(seconds))
+    throw StatusError{
+        {shmps::ErrorCode::kInvalidArgument, std::string(what) + " must be a number of seconds, not NaN"}};
+  const double ms = std::ceil(seconds * 1000.0);
+  constexpr double kLimit = 9.0e18;  // below INT64_MAX, exactly representable
+  if (ms >= kLimit) return std::chrono::milliseconds::max();
+  if (ms <= -kLimit) return std::chrono::milliseconds::min();
+  return std::chrono::milliseconds(static_cast<int64_t>(ms));
 }
 
 // DLPack device types (dlpack.h): what __dlpack_device__ answers.
@@ -62,9 +77,14 @@ constexpr int kDLCUDA = 2;
 // memory only) and DLPack (host and device). `keep` owns the memory (the
 // shm mapping, or a DeviceMemory), so views stay valid after the buffer is
 // unregistered; `owner` keeps a framework's tensor alive for
-// register_device_buffer(tensor).
+// register_device_buffer(tensor). `worker` and `registration` name the
+// Worker and the registration it came from, so that a Buffer of another
+// Worker, or one unregistered whose id now names another buffer, is
+// refused rather than sent as a bare id (PyWorker::buffer_id()).
 struct Buffer {
   uint32_t id = 0;
+  uint64_t worker = 0;
+  uint64_t registration = 0;
   void* data = nullptr;
   size_t nbytes = 0;
   int device_type = kDLCPU;
@@ -101,17 +121,42 @@ class PyWorker {
  public:
   explicit PyWorker(std::unique_ptr<shmps::Worker> w) : w_(std::move(w)) {}
 
-  shmps::Worker& w() {
+  // f(worker) with the GIL released, one call at a time: shmps::Worker
+  // serves one thread at a time, and close() must not free it under a call
+  // in flight on another thread. The GIL is released before the lock is
+  // taken and taken back after it is released, so a thread holding the
+  // lock never waits for the GIL.
+  template <typename F>
+  auto call(F&& f) {
+    nb::gil_scoped_release released;
+    std::lock_guard<std::mutex> lock(mu_);
     if (!w_) throw StatusError{{shmps::ErrorCode::kUnknownWorker, "this Worker is closed"}};
-    return *w_;
+    return f(*w_);
   }
-  bool closed() const { return !w_; }
+
+  bool closed() {
+    nb::gil_scoped_release released;
+    std::lock_guard<std::mutex> lock(mu_);
+    return !w_;
+  }
+
+  // The id to send for `b`: refused when `b` came from another Worker, or
+  // was unregistered (its id may name another buffer by now).
+  uint32_t buffer_id(const Buffer& b) const {
+    if (b.worker != serial_)
+      throw StatusError{
+          {shmps::ErrorCode::kInvalidArgument, "buffer " + std::to_string(b.id) + " was registered by another Worker"}};
+    auto it = registrations_.find(b.id);
+    if (it == registrations_.end() || it->second != b.registration)
+      throw StatusError{{shmps::ErrorCode::kUnknownBuffer,
+                         "buffer " + std::to_string(b.id) + " was unregistered" +
+                             (it == registrations_.end() ? std::string() : " (its id now names another buffer)")}};
+    return b.id;
+  }
 
   Buffer register_buffer(size_t nbytes) {
-    shmps::Result<shmps::Buffer> r = unlocked([&] { return w().register_buffer(nbytes); });
-    shmps::Buffer b = take(std::move(r));
-    Buffer out;
-    out.id = b.id;
+    shmps::Buffer b = take(call([&](shmps::Worker& w) { return w.register_buffer(nbytes); }));
+    Buffer out = registered(b.id);
     out.data = b.data;
     out.nbytes = b.size;
     out.keep = b.mapping;
@@ -120,9 +165,8 @@ class PyWorker {
 
   Buffer alloc_device_buffer(size_t nbytes, int device) {
     std::shared_ptr<shmps::DeviceMemory> memory = take(shmps::DeviceMemory::allocate(nbytes, device));
-    shmps::Result<uint32_t> id = unlocked([&] { return w().register_device_buffer(memory->data(), nbytes); });
-    Buffer out;
-    out.id = take(std::move(id));
+    const uint32_t id = take(call([&](shmps::Worker& w) { return w.register_device_buffer(memory->data(), nbytes); }));
+    Buffer out = registered(id);
     out.data = memory->data();
     out.nbytes = nbytes;
     out.device_type = kDLCUDA;
@@ -133,10 +177,9 @@ class PyWorker {
   }
 
   Buffer register_device_buffer(uintptr_t ptr, size_t nbytes, int device, nb::object owner) {
-    shmps::Result<uint32_t> id =
-        unlocked([&] { return w().register_device_buffer(reinterpret_cast<const void*>(ptr), nbytes); });
-    Buffer out;
-    out.id = take(std::move(id));
+    const uint32_t id = take(
+        call([&](shmps::Worker& w) { return w.register_device_buffer(reinterpret_cast<const void*>(ptr), nbytes); }));
+    Buffer out = registered(id);
     out.data = reinterpret_cast<void*>(ptr);
     out.nbytes = nbytes;
     out.device_type = kDLCUDA;
@@ -147,60 +190,57 @@ class PyWorker {
   }
 
   void unregister_buffer(uint32_t id) {
-    shmps::Status s = unlocked([&] { return w().unregister_buffer(id); });
-    check(s);
+    check(call([&](shmps::Worker& w) { return w.unregister_buffer(id); }));
     kept_.erase(id);
+    registrations_.erase(id);
   }
 
   uint64_t push(uint32_t tensor, uint32_t buffer, uint64_t offset, uint64_t nbytes, uint32_t dtype, uint64_t version,
                 uintptr_t stream) {
-    return versioned(unlocked([&] {
-                       return w().push(tensor, buffer, offset, nbytes, static_cast<shmps::Dtype>(dtype), version,
-                                       reinterpret_cast<void*>(stream));
+    return versioned(call([&](shmps::Worker& w) {
+                       return Answer{w.push(tensor, buffer, offset, nbytes, static_cast<shmps::Dtype>(dtype), version,
+                                            reinterpret_cast<void*>(stream)),
+                                     w.last_version()};
                      }),
                      version);
   }
 
   uint64_t push_async(uint32_t tensor, uint32_t buffer, uint64_t offset, uint64_t nbytes, uint32_t dtype,
                       uint64_t version, uintptr_t stream) {
-    const uint64_t ticket = take(unlocked([&] {
-      return w().push_async(tensor, buffer, offset, nbytes, static_cast<shmps::Dtype>(dtype), version,
-                            reinterpret_cast<void*>(stream));
+    const uint64_t ticket = take(call([&](shmps::Worker& w) {
+      return w.push_async(tensor, buffer, offset, nbytes, static_cast<shmps::Dtype>(dtype), version,
+                          reinterpret_cast<void*>(stream));
     }));
     versions_[ticket] = version;
     return ticket;
   }
 
   uint64_t wait(uint64_t ticket) {
-    shmps::Result<uint64_t> r = unlocked([&] { return w().wait(ticket); });
+    Answer a = call([&](shmps::Worker& w) { return Answer{w.wait(ticket), w.last_version()}; });
     uint64_t version = 0;
     if (auto it = versions_.find(ticket); it != versions_.end()) {
       version = it->second;
       versions_.erase(it);
     }
-    return versioned(std::move(r), version);
+    return versioned(std::move(a), version);
   }
 
   uint64_t pull(uint32_t tensor, uint32_t buffer, uint64_t offset, uintptr_t stream) {
-    shmps::Result<uint64_t> r =
-        unlocked([&] { return w().pull(tensor, buffer, offset, reinterpret_cast<void*>(stream)); });
-    return take(std::move(r));
+    return take(
+        call([&](shmps::Worker& w) { return w.pull(tensor, buffer, offset, reinterpret_cast<void*>(stream)); }));
   }
 
   uint64_t pull_async(uint32_t tensor, uint32_t buffer, uint64_t offset, uintptr_t stream) {
-    shmps::Result<shmps::Worker::Ticket> r =
-        unlocked([&] { return w().pull_async(tensor, buffer, offset, reinterpret_cast<void*>(stream)); });
-    return take(std::move(r));
+    return take(
+        call([&](shmps::Worker& w) { return w.pull_async(tensor, buffer, offset, reinterpret_cast<void*>(stream)); }));
   }
 
   void init(uint32_t buffer, uint64_t offset, uintptr_t stream) {
-    shmps::Status s = unlocked([&] { return w().init(buffer, offset, reinterpret_cast<void*>(stream)); });
-    check(s);
+    check(call([&](shmps::Worker& w) { return w.init(buffer, offset, reinterpret_cast<void*>(stream)); }));
   }
 
   nb::dict stats() {
-    shmps::Result<shmps::ServerStats> r = unlocked([&] { return w().stats(); });
-    const shmps::ServerStats s = take(std::move(r));
+    const shmps::ServerStats s = take(call([](shmps::Worker& w) { return w.stats(); }));
     nb::dict d;
 #define SHMPS_STATS_ITEM(name, source, from) d[#name] = s.name;
     SHMPS_SERVER_STATS(SHMPS_STATS_ITEM)
@@ -210,27 +250,30 @@ class PyWorker {
   }
 
   void ping() {
-    shmps::Status s = unlocked([&] { return w().ping(); });
-    check(s);
+    check(call([](shmps::Worker& w) { return w.ping(); }));
   }
 
   void detach() {
-    shmps::Status s = unlocked([&] { return w().detach(); });
-    check(s);
+    check(call([](shmps::Worker& w) { return w.detach(); }));
   }
 
-  // Detaches (best effort, as the C++ destructor does) and frees what this
-  // Worker kept alive; further calls raise "closed".
+  // Detaches (best effort, as the C++ destructor does) once no call is in
+  // flight, and frees what this Worker kept alive; further calls raise
+  // "closed".
   void close() {
-    std::unique_ptr<shmps::Worker> w = std::move(w_);
-    unlocked([&] { w.reset(); });
+    {
+      nb::gil_scoped_release released;
+      std::lock_guard<std::mutex> lock(mu_);
+      w_.reset();
+    }
     kept_.clear();
-    versions_.clear();
+    versions_.clear();  // registrations_ stay: a Buffer passed after close() gets "closed"
   }
 
   nb::list tensors() {
+    const std::vector<shmps::TensorInfo> table = call([](shmps::Worker& w) { return w.tensors(); });
     nb::list out;
-    for (const shmps::TensorInfo& t : w().tensors()) {
+    for (const shmps::TensorInfo& t : table) {
       nb::list shape;
       for (uint64_t d : t.shape) shape.append(d);
       out.append(nb::make_tuple(t.id, t.name, nb::tuple(shape), t.element_offset, t.element_count));
@@ -239,35 +282,57 @@ class PyWorker {
   }
 
  private:
-  // A push's result; a stale rejection carries both versions.
-  uint64_t versioned(shmps::Result<uint64_t>&& r, uint64_t worker_version) {
-    if (r.ok()) return *r;
-    StatusError e{r.status()};
+  // A push's or a wait's result, with the server's version as the worker
+  // last saw it (a stale rejection names it).
+  struct Answer {
+    shmps::Result<uint64_t> result;
+    uint64_t server_version;
+  };
+
+  uint64_t versioned(Answer&& a, uint64_t worker_version) {
+    if (a.result.ok()) return *a.result;
+    StatusError e{a.result.status()};
     if (e.status.code() == shmps::ErrorCode::kStale) {
       e.worker_version = worker_version;
-      e.server_version = w_ ? w_->last_version() : 0;
+      e.server_version = a.server_version;
     }
     throw e;
+  }
+
+  // A Buffer for registration `id` just made, recorded as the live one.
+  Buffer registered(uint32_t id) {
+    Buffer out;
+    out.id = id;
+    out.worker = serial_;
+    out.registration = ++last_registration_;
+    registrations_[id] = out.registration;
+    return out;
   }
 
   struct Kept {
     std::shared_ptr<shmps::DeviceMemory> memory;
     nb::object owner;
   };
-  std::unique_ptr<shmps::Worker> w_;
-  std::map<uint32_t, Kept> kept_;          // by buffer id, while registered
-  std::map<uint64_t, uint64_t> versions_;  // push_async ticket -> its worker_version
+  inline static std::atomic<uint64_t> next_serial_{1};
+  const uint64_t serial_ = next_serial_.fetch_add(1, std::memory_order_relaxed);  // relaxed: a unique number
+  std::mutex mu_;                     // held for each call of w_, and by close()
+  std::unique_ptr<shmps::Worker> w_;  // written only under mu_
+  uint64_t last_registration_ = 0;
+  // Under the GIL:
+  std::map<uint32_t, uint64_t> registrations_;  // live buffer id -> its registration
+  std::map<uint32_t, Kept> kept_;               // by buffer id, while registered
+  std::map<uint64_t, uint64_t> versions_;       // push_async ticket -> its worker_version
 };
 
-PyWorker connect(const std::string& name, double timeout, bool reconnect, double wait_for_server,
-                 const std::string& server_user) {
+std::unique_ptr<PyWorker> connect(const std::string& name, double timeout, bool reconnect, double wait_for_server,
+                                  const std::string& server_user) {
   shmps::WorkerOptions o;
   o.name = name;
-  o.timeout = to_ms(timeout);
+  o.timeout = to_ms(timeout, "timeout");
   o.reconnect = reconnect;
-  o.wait_for_server = to_ms(wait_for_server);
+  o.wait_for_server = to_ms(wait_for_server, "wait_for_server");
   o.server_user = server_user;
-  return PyWorker(take(unlocked([&] { return shmps::Worker::connect(o); })));
+  return std::make_unique<PyWorker>(take(unlocked([&] { return shmps::Worker::connect(o); })));
 }
 
 }  // namespace
@@ -278,10 +343,17 @@ NB_MODULE(_shmps, m) {
     try {
       std::rethrow_exception(p);
     } catch (const StatusError& e) {
-      nb::object make = nb::module_::import_("shmps._errors").attr("make_error");
-      nb::object exc =
-          make(static_cast<uint32_t>(e.status.code()), e.status.message(), e.worker_version, e.server_version);
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+      // Making the exception runs Python code, where a pending signal's
+      // handler raises (Ctrl-C during the call: KeyboardInterrupt); that
+      // error is the one raised then.
+      try {
+        nb::object make = nb::module_::import_("shmps._errors").attr("make_error");
+        nb::object exc =
+            make(static_cast<uint32_t>(e.status.code()), e.status.message(), e.worker_version, e.server_version);
+        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+      } catch (nb::python_error& raised) {
+        raised.restore();
+      }
     }
   });
 
@@ -315,12 +387,17 @@ NB_MODULE(_shmps, m) {
       });
 
   nb::class_<PyWorker>(m, "Worker")
-      .def_prop_ro("worker_id", [](PyWorker& w) { return w.w().worker_id(); })
-      .def_prop_ro("generation", [](PyWorker& w) { return w.w().generation(); })
-      .def_prop_ro("total_elements", [](PyWorker& w) { return w.w().total_elements(); })
-      .def_prop_ro("last_version", [](PyWorker& w) { return w.w().last_version(); })
+      .def_prop_ro("worker_id", [](PyWorker& w) { return w.call([](shmps::Worker& x) { return x.worker_id(); }); })
+      .def_prop_ro("generation", [](PyWorker& w) { return w.call([](shmps::Worker& x) { return x.generation(); }); })
+      .def_prop_ro("server_pid",
+                   [](PyWorker& w) { return w.call([](shmps::Worker& x) { return int64_t{x.server_pid()}; }); })
+      .def_prop_ro("total_elements",
+                   [](PyWorker& w) { return w.call([](shmps::Worker& x) { return x.total_elements(); }); })
+      .def_prop_ro("last_version",
+                   [](PyWorker& w) { return w.call([](shmps::Worker& x) { return x.last_version(); }); })
       .def_prop_ro("closed", &PyWorker::closed)
       .def("tensors", &PyWorker::tensors)
+      .def("buffer_id", &PyWorker::buffer_id, "buffer"_a)
       .def("register_buffer", &PyWorker::register_buffer, "nbytes"_a)
       .def("alloc_device_buffer", &PyWorker::alloc_device_buffer, "nbytes"_a, "device"_a)
       .def("register_device_buffer", &PyWorker::register_device_buffer, "ptr"_a, "nbytes"_a, "device"_a, "owner"_a)

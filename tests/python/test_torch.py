@@ -156,6 +156,28 @@ def test_a_step_whose_pull_fails_still_counts_its_push(make_server):
         assert opt.step() == 2 and opt.applied and opt.pushes == 2
 
 
+def test_a_constructor_whose_pull_fails_leaves_the_model_as_it_was(make_server):
+    """The model's parameters and gradients are moved into the buffers only
+    once the first pull went through; a failure before leaves them, and
+    unregisters the buffers it made."""
+    model = Net()
+    model(torch.randn(2, 6)).sum().backward()
+    before = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
+
+    class FailingPull(shmps.torch.RemoteOptimizer):
+        def pull(self):
+            raise shmps.TimeoutError("no completion within the timeout")
+
+    with shmps.connect(server.name) as w:
+        with pytest.raises(shmps.TimeoutError):
+            FailingPull(model, w, init=True)
+        for (weights, grad), p in zip(before, model.parameters()):
+            assert torch.equal(p.detach(), weights) and torch.equal(p.grad, grad)
+        assert glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*") == []  # its buffers unregistered
+        shmps.torch.RemoteOptimizer(model, w)  # the model still works with a new one
+
+
 def test_mismatched_names_shapes_and_dtypes_are_refused_at_construction(make_server):
     model = Net()
     server = make_server(tensors=[("fc1.weight", (5, 6)), ("fc1.bias", (4,)), ("fc3.bias", (3,))])

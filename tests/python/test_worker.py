@@ -316,3 +316,137 @@ def test_reconnect_after_the_server_is_killed_and_restarted(make_server):
     finally:
         w.close()
         again.stop()
+
+
+def test_close_from_another_thread_waits_for_the_call_in_flight(make_server):
+    # close() while another thread is inside push/pull: that call ends, the
+    # next raises "closed"; nothing crashes (the Worker is not freed under
+    # the call).
+    server = make_server(max_staleness=1000000)
+    for _ in range(20):
+        w = shmps.connect(server.name)
+        grad, buf = w.register_buffer(w.total_elements * 4), w.register_buffer(w.total_elements * 4)
+        errors = []
+
+        def train():
+            try:
+                while True:
+                    w.push(grad, w.pull(buf))
+            except shmps.Error as e:
+                errors.append(e)
+
+        t = threading.Thread(target=train)
+        t.start()
+        time.sleep(0.01)
+        w.close()
+        t.join(10)
+        assert not t.is_alive()
+        assert isinstance(errors[0], shmps.UnknownWorkerError) and "closed" in str(errors[0])
+
+
+def test_threads_sharing_a_worker_take_turns(make_server):
+    server = make_server(max_staleness=1000000)
+    w = shmps.connect(server.name)
+    counts = [0] * 4
+
+    def run(k):
+        grad = w.register_buffer(w.total_elements * 4)
+        for _ in range(200):
+            w.push(grad, 0)
+            counts[k] += 1
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert counts == [200] * 4
+    assert w.stats().gradients_applied == 800
+    w.close()
+
+
+def test_a_buffer_of_another_worker_or_unregistered_is_refused(make_server):
+    server = make_server(lr=1.0)
+    w1, w2 = shmps.connect(server.name), shmps.connect(server.name)
+    n = w1.total_elements
+    buf2 = w2.register_buffer(n * 4)
+    g1 = w1.register_buffer(n * 4)
+    np.asarray(g1).view(np.float32)[:] = 1.0
+    with pytest.raises(shmps.InvalidArgumentError, match="another Worker"):
+        w2.push(g1, 0)
+    w1.unregister_buffer(g1)
+    h = w1.register_buffer(n * 4)  # may take g1's id
+    np.asarray(h).view(np.float32)[:] = 5.0
+    with pytest.raises(shmps.UnknownBufferError, match="unregistered"):
+        w1.push(g1, 0)
+    with pytest.raises(shmps.UnknownBufferError):
+        w1.pull(g1)
+    values, version = weights(w2, buf2)
+    assert version == 0 and np.all(values == 0.0)  # nothing was applied
+    assert w1.push(h, 0) == 1  # the live buffer still works
+    w1.close()
+    w2.close()
+
+
+def test_timeouts_beyond_any_clock_wait_and_nan_is_refused(make_server):
+    server = make_server(max_staleness=1000000)
+    for timeout in (1e10, 9e15, float("inf")):
+        w = shmps.connect(server.name, timeout=timeout)
+        grad = w.register_buffer(w.total_elements * 4)
+        os.kill(server.process.pid, signal.SIGSTOP)
+        threading.Timer(0.5, os.kill, (server.process.pid, signal.SIGCONT)).start()
+        start = time.monotonic()
+        w.push(grad, 0)  # waits for the server instead of timing out at once
+        assert time.monotonic() - start >= 0.4
+        w.close()
+    with shmps.connect(server.name, timeout=1e-4) as w:  # rounds up to 1 ms, not to 0
+        w.ping()
+    with pytest.raises(shmps.InvalidArgumentError, match="NaN"):
+        shmps.connect(server.name, timeout=float("nan"))
+
+
+def test_a_failed_register_buffer_leaves_no_object(make_server):
+    server = make_server()
+    w = shmps.connect(server.name)
+    for nbytes in (2**63, 2**64 - 1):
+        with pytest.raises(shmps.NoCapacityError):
+            w.register_buffer(nbytes)
+    assert glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*") == []
+    w.close()
+
+
+def test_a_fifo_at_the_name_is_refused_without_blocking():
+    name = unique_name("fifo")
+    path = f"/dev/shm/shmps.{name}"
+    os.mkfifo(path, 0o600)
+    try:
+        start = time.monotonic()
+        with pytest.raises(shmps.Error, match="not a regular file"):
+            shmps.connect(name)
+        assert time.monotonic() - start < 5
+    finally:
+        os.unlink(path)
+
+
+def test_server_start_fails_when_another_server_has_the_name(make_server):
+    first = make_server()
+    second = shmps.Server(tensors=[("other", (3,))], name=first.name, optimizer="sgd")
+    with pytest.raises(shmps.ServerNotRunningError, match="already serves"):
+        second.start()
+    with shmps.connect(first.name) as w:
+        assert w.server_pid == first.process.pid
+        assert [t.name for t in w.tensors] == [n for n, _ in SMALL]
+
+
+def test_ctrl_c_during_a_blocking_call_raises_keyboard_interrupt(make_server):
+    server = make_server()
+    w = shmps.connect(server.name, timeout=1)
+    grad = w.register_buffer(w.total_elements * 4)
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            w.push(grad, 0)
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    w.close()
