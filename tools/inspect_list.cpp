@@ -28,6 +28,13 @@ uint32_t workers_attached(const Snapshot& s) {
 
 std::string alive_text(const Snapshot& s) { return s.header.server_alive ? "alive" : "dead"; }
 
+// The model's fp32 bytes, saturating at 2^64 - 1 (a garbage element count
+// can pass 2^62).
+uint64_t model_bytes(const HeaderView& h) {
+  uint64_t bytes = 0;
+  return __builtin_mul_overflow(h.total_elements, uint64_t{4}, &bytes) ? ~uint64_t{0} : bytes;
+}
+
 }  // namespace
 
 std::vector<ListedSegment> list_segments() {
@@ -92,7 +99,7 @@ std::string render_list_text(const std::vector<ListedSegment>& list) {
     }
     const Snapshot& s = *r.segment;
     char mib[32];
-    std::snprintf(mib, sizeof mib, "%.2f", static_cast<double>(s.header.total_elements) * 4.0 / (1 << 20));
+    std::snprintf(mib, sizeof mib, "%.2f", static_cast<double>(model_bytes(s.header)) / (1 << 20));
     out += pad(r.name, width) + pad(std::to_string(s.header.server_pid), 11) + pad(alive_text(s), 6) +
            pad(server_state_name(s.header.server_state), 10) + pad(std::to_string(s.header.total_elements), 11) +
            pad(mib, 10) + pad(std::to_string(workers_attached(s)), 8) + owner + "\n";
@@ -119,7 +126,7 @@ json list_json(const std::vector<ListedSegment>& list) {
       j["state"] = server_state_name(h.server_state);
       j["generation"] = hex64(h.generation);
       j["parameters"] = h.total_elements;
-      j["model_bytes"] = h.total_elements * 4;
+      j["model_bytes"] = model_bytes(h);
       j["workers_attached"] = workers_attached(*r.segment);
     }
     segments.push_back(std::move(j));

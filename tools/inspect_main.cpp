@@ -33,6 +33,10 @@ struct Options {
   uint64_t count = 0;  // refreshes in --watch; 0: until SIGINT
 };
 
+// --interval-ms's largest value: a day. Beyond it the refresh deadline
+// (steady_clock's nanoseconds) could overflow.
+constexpr uint64_t kMaxIntervalMs = 86'400'000;
+
 volatile sig_atomic_t g_stop = 0;
 extern "C" void on_stop(int) { g_stop = 1; }
 
@@ -154,8 +158,9 @@ int main(int argc, char** argv) {
       "text, json (as --json) or prometheus (the text exposition format, for the node exporter's textfile "
       "collector)")("watch", po::bool_switch(&o.watch), "refresh a live view until SIGINT")(
       "list", po::bool_switch(&o.list), "one line per shmps segment in /dev/shm: server pid, alive, size, workers")(
-      "interval-ms", po::value(&o.interval_ms)->default_value(1000), "--watch: milliseconds between refreshes")(
-      "count", po::value(&o.count)->default_value(0), "--watch: stop after N refreshes (0: never)")(
+      "interval-ms", po::value(&o.interval_ms)->default_value(1000),
+      "--watch: milliseconds between refreshes (1 to 86400000)")("count", po::value(&o.count)->default_value(0),
+                                                                 "--watch: stop after N refreshes (0: never)")(
       "file", po::value(&o.file), "inspect a copy of a segment saved in this regular file instead");
   po::options_description hidden;
   hidden.add_options()("name", po::value(&o.name));
@@ -194,6 +199,9 @@ int main(int argc, char** argv) {
       throw po::error("give a segment <name> or --file PATH, exactly one");
     }
     if (o.watch && o.interval_ms == 0) throw po::error("--interval-ms must be at least 1");
+    if (o.interval_ms > kMaxIntervalMs)
+      throw po::error("--interval-ms must be at most " + std::to_string(kMaxIntervalMs) + " (a day), got " +
+                      std::to_string(o.interval_ms));
     if (!o.watch && (!vm["count"].defaulted() || !vm["interval-ms"].defaulted()))
       throw po::error("--count and --interval-ms need --watch");
   } catch (const po::error& e) {

@@ -20,15 +20,27 @@
 
 namespace shmps::inspect {
 
+namespace {
+
+// a + b, saturating at 2^64 - 1 (garbage buckets can sum past it).
+uint64_t add_saturating(uint64_t a, uint64_t b) {
+  uint64_t sum = 0;
+  return __builtin_add_overflow(a, b, &sum) ? ~uint64_t{0} : sum;
+}
+
+}  // namespace
+
 std::optional<uint64_t> HistogramView::quantile(double q) const {
   uint64_t total = 0;
-  for (uint64_t b : buckets) total += b;
+  for (uint64_t b : buckets) total = add_saturating(total, b);
   if (total == 0) return std::nullopt;
-  // The rank of the quantile, 1-based: the smallest count c with c >= q * total.
-  const auto rank = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(q * static_cast<double>(total))));
+  // The rank of the quantile, 1-based: the smallest count c with c >= q *
+  // total; 2^64 (a saturated total, rounded) is out of uint64_t's range.
+  const double wanted = std::ceil(q * static_cast<double>(total));
+  const uint64_t rank = wanted >= 0x1p64 ? total : std::max<uint64_t>(1, static_cast<uint64_t>(wanted));
   uint64_t seen = 0;
   for (size_t b = 0; b < buckets.size(); ++b) {
-    seen += buckets[b];
+    seen = add_saturating(seen, buckets[b]);
     if (seen >= rank) {
       const uint64_t upper = b == 0 ? 0 : b >= 64 ? ~uint64_t{0} : (uint64_t{1} << b) - 1;
       return std::min(upper, max);
@@ -586,8 +598,10 @@ std::string shape_text(const TensorView& t) {
   return out.empty() ? "-" : out;
 }
 
+// `s` left-aligned in a column of `width`; one that fills it still gets a
+// blank, so the next column never runs into it.
 std::string pad(const std::string& s, size_t width) {
-  return s.size() >= width ? s : s + std::string(width - s.size(), ' ');
+  return s.size() >= width ? s + " " : s + std::string(width - s.size(), ' ');
 }
 
 std::string request_text(const Snapshot& s, const shm::Request& r) {
@@ -773,16 +787,37 @@ std::string render_text(const Snapshot& s) {
 
 namespace {
 
-// A label value as the text exposition format wants it: \\, \" and \n escaped.
+// The length of the well-formed UTF-8 sequence at s[i] (the Unicode
+// standard's table 3-7), or 0 when there is none.
+size_t utf8_length(std::string_view s, size_t i) {
+  const auto byte = [&](size_t k) -> unsigned { return i + k < s.size() ? static_cast<unsigned char>(s[i + k]) : 0; };
+  const auto in = [&](size_t k, unsigned lo, unsigned hi) { return byte(k) >= lo && byte(k) <= hi; };
+  const unsigned c = byte(0);
+  if (c < 0x80) return 1;
+  if (c >= 0xc2 && c <= 0xdf) return in(1, 0x80, 0xbf) ? 2 : 0;
+  if (c >= 0xe0 && c <= 0xef)  // not overlong (e0), no surrogate (ed)
+    return in(1, c == 0xe0 ? 0xa0 : 0x80, c == 0xed ? 0x9f : 0xbf) && in(2, 0x80, 0xbf) ? 3 : 0;
+  if (c >= 0xf0 && c <= 0xf4)  // not overlong (f0), at most U+10FFFF (f4)
+    return in(1, c == 0xf0 ? 0x90 : 0x80, c == 0xf4 ? 0x8f : 0xbf) && in(2, 0x80, 0xbf) && in(3, 0x80, 0xbf) ? 4 : 0;
+  return 0;
+}
+
+// A label value as the text exposition format wants it: valid UTF-8 (a
+// byte that is not, e.g. of a --file path, becomes U+FFFD, as in the JSON),
+// with \\, \" and \n escaped.
 std::string label_value(const std::string& v) {
   std::string out;
-  for (char c : v) {
-    if (c == '\\' || c == '"')
-      out += std::string("\\") + c;
-    else if (c == '\n')
+  for (size_t i = 0; i < v.size();) {
+    const size_t n = utf8_length(v, i);
+    if (n == 0)
+      out += "\xef\xbf\xbd";  // U+FFFD
+    else if (v[i] == '\\' || v[i] == '"')
+      out += std::string("\\") + v[i];
+    else if (v[i] == '\n')
       out += "\\n";
     else
-      out += c;
+      out.append(v, i, n);
+    i += std::max<size_t>(n, 1);
   }
   return out;
 }

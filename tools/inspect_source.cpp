@@ -1,12 +1,17 @@
 #include "inspect_source.hpp"
 
 #include <fcntl.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
-#include <filesystem>
+#include <thread>
 
 namespace shmps::inspect {
 namespace {
@@ -26,38 +31,151 @@ struct Fd {
   }
 };
 
+// Private, zero-filled memory for `bytes` (at least a header's worth): an
+// anonymous mapping, page-aligned as a segment's mapping is (the layout's
+// structs are alignas(64)); pages never written cost no memory.
+std::shared_ptr<void> zeroed(size_t bytes) {
+  const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t length = (std::max(bytes, sizeof(shm::SegmentHeader)) + page - 1) / page * page;
+  void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+  return std::shared_ptr<void>(p, [length](void* q) { ::munmap(q, length); });
+}
+
+// Reads `bytes` at `offset` of a file whose size is known; false with
+// *error set on an I/O error or a file shorter than that.
+bool read_at(int fd, void* to, size_t bytes, size_t offset, const std::string& path, std::string* error) {
+  size_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::pread(fd, static_cast<char*>(to) + done, bytes - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      *error = "read '" + path + "': " + errno_text(errno);
+      return false;
+    }
+    if (n == 0) {
+      *error = "'" + path + "' shrank while being read";
+      return false;
+    }
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// The SIGBUS guard of copy_live(): an object truncated by its owner faults
+// on the pages past its new end. The handler is installed only around the
+// copy (the tool is single-threaded), so every SIGBUS it sees is the copy's;
+// it jumps back out of the copy, which holds nothing to clean up.
+sigjmp_buf g_copy_fault;
+extern "C" void on_copy_sigbus(int) { siglongjmp(g_copy_fault, 1); }
+
+// Copies a live mapping word by word in address order. acquire: a word
+// published with a release store (the layout version, a worker entry's
+// owner, a ring's tail or head) orders the words copied after it, as the
+// in-place reads of take_snapshot would.
+void copy_words(void* to, const void* from, size_t bytes) {
+  auto* out = static_cast<uint64_t*>(to);
+  const auto* in = static_cast<const uint64_t*>(from);
+  for (size_t i = 0; i < bytes / 8; ++i) out[i] = __atomic_load_n(in + i, __ATOMIC_ACQUIRE);
+  for (size_t i = bytes / 8 * 8; i < bytes; ++i)
+    static_cast<unsigned char*>(to)[i] = __atomic_load_n(static_cast<const unsigned char*>(from) + i, __ATOMIC_ACQUIRE);
+}
+
+// Each request lane and completion queue copied again in the order its
+// live reader needs: the head, then the tail, then the rest (the slots),
+// so that the copy's tail is at least its head and every slot below the
+// tail was published before it was copied. The copy in address order reads
+// a ring's tail (offset 0) before its head (offset 64), and a consumer
+// that moved between the two made the ring look corrupt (head past tail).
+void copy_rings(void* to, const void* from, const shm::SegmentHeader& h) {
+  const shm::Geometry g = shm::compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity);
+  constexpr size_t kTail = offsetof(shm::LaneHeader, tail);
+  constexpr size_t kHead = offsetof(shm::LaneHeader, head);
+  static_assert(kTail == 0 && kHead == 64);
+  for (uint64_t w = 0; w < h.max_workers; ++w) {
+    for (const uint64_t ring : {g.lanes_offset + w * g.lane_stride, g.completions_offset + w * g.completion_stride}) {
+      const uint64_t stride = ring < g.completions_offset ? g.lane_stride : g.completion_stride;
+      auto* out = static_cast<char*>(to) + ring;
+      const auto* in = static_cast<const char*>(from) + ring;
+      copy_words(out + kHead, in + kHead, 8);
+      copy_words(out + kTail, in + kTail, 8);
+      copy_words(out + 8, in + 8, kHead - 8);
+      copy_words(out + kHead + 8, in + kHead + 8, stride - kHead - 8);
+    }
+  }
+}
+
+// false: the mapping faulted (the object shrank) during the copy. With
+// `rings` (a validated header's), the rings are copied again as
+// copy_rings() says.
+bool guarded_copy(void* to, const void* from, size_t bytes, const shm::SegmentHeader* rings = nullptr) {
+  struct sigaction sa {
+  }, previous{};
+  sa.sa_handler = on_copy_sigbus;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGBUS, &sa, &previous);
+  volatile bool copied = false;
+  // savemask 1: the jump out of the handler unblocks SIGBUS again.
+  if (sigsetjmp(g_copy_fault, 1) == 0) {
+    if (rings != nullptr) {
+      copy_rings(to, from, *rings);
+    } else {
+      copy_words(to, from, bytes);
+    }
+    copied = true;
+  }
+  ::sigaction(SIGBUS, &previous, nullptr);
+  return copied;
+}
+
 }  // namespace
 
 Loaded load_segment(const std::string& name) {
-  const std::string object_path = "/dev/shm/" + shm::segment_object_name(name);
-  auto opened = shm::Segment::open(name, /*read_only=*/true);
-  if (!opened.ok()) {
-    const Status& s = opened.status();
-    switch (s.code()) {
-      case ErrorCode::kLayoutMismatch:
-        return failure(ExitCode::kBadSegment, s.message());
-      case ErrorCode::kServerNotRunning: {
-        // Segment::open says kServerNotRunning both for "no such object" and
-        // for "not published yet"; the object's existence tells them apart.
-        std::error_code ec;
-        const bool exists = std::filesystem::exists(object_path, ec);
-        return failure(exists ? ExitCode::kUnpublished : ExitCode::kNoSegment, s.message());
+  if (Status s = shm::validate_name(name); !s.ok()) return failure(ExitCode::kError, s.message());
+  const std::string object_name = shm::segment_object_name(name);
+  const std::string path = "/dev/shm/" + object_name;
+  // A server that is creating the segment may not have sized it (empty
+  // object) or published it yet: retry those for up to 2 s.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (true) {
+    Status s;
+    auto opened = shm::ShmObject::open(object_name, /*read_only=*/true);
+    if (!opened.ok()) {
+      const std::string& m = opened.status().message();
+      if (m.find("does not exist") != std::string::npos)
+        return failure(ExitCode::kNoSegment, "no shmps server named '" + name + "': " + path + " does not exist");
+      if (m.find("is empty") == std::string::npos) return failure(ExitCode::kError, m);
+      s = Status{ErrorCode::kServerNotRunning, "segment not sized yet (server starting)"};
+    } else {
+      const shm::ShmObject& live = **opened;
+      Loaded l;
+      l.image.copy = zeroed(live.size());
+      if (!l.image.copy) return failure(ExitCode::kError, "cannot allocate " + std::to_string(live.size()) + " bytes");
+      if (!guarded_copy(l.image.copy.get(), live.data(), live.size()))
+        return failure(ExitCode::kBadSegment, path + ": the segment shrank while being read");
+      l.image.source = path;
+      l.image.data = l.image.copy.get();
+      l.image.size = live.size();
+      s = shm::validate_segment(l.image.data, l.image.size);
+      if (s.ok()) {
+        // The geometry is the copy's (validated), not the live header's.
+        const auto& copied = *static_cast<const shm::SegmentHeader*>(l.image.data);
+        if (!guarded_copy(l.image.copy.get(), live.data(), live.size(), &copied))
+          return failure(ExitCode::kBadSegment, path + ": the segment shrank while being read");
+        return l;
       }
-      default:
-        return failure(ExitCode::kError, s.message());
     }
+    if (s.code() != ErrorCode::kServerNotRunning || std::chrono::steady_clock::now() >= deadline)
+      return failure(exit_code_for(s), path + ": " + s.message());
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  Loaded l;
-  l.image.source = object_path;
-  l.image.segment = std::move(opened).value();
-  l.image.data = l.image.segment->object().data();
-  l.image.size = l.image.segment->object().size();
-  return l;
 }
 
 Loaded load_file(const std::string& path) {
   Fd f;
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO would wait for a writer; a regular file
+  // ignores the flag.
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (f.fd < 0) {
     const int err = errno;
     if (err == ENOENT) return failure(ExitCode::kNoSegment, "no such file '" + path + "'");
@@ -73,23 +191,27 @@ Loaded load_file(const std::string& path) {
     return failure(ExitCode::kBadSegment, "'" + path + "' holds " + std::to_string(size) +
                                               " bytes, more than any shmps segment (" +
                                               std::to_string(largest.segment_size) + ")");
-  // 64-byte aligned like a mapping: the layout's structs are alignas(64).
-  const size_t alloc = (size + 63) / 64 * 64 + 64;
-  void* mem = std::aligned_alloc(64, alloc);
-  if (mem == nullptr) return failure(ExitCode::kError, "cannot allocate " + std::to_string(alloc) + " bytes");
   Loaded l;
-  l.image.copy.reset(mem);
-  std::memset(mem, 0, alloc);
-  size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::read(f.fd, static_cast<char*>(mem) + done, size - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return failure(ExitCode::kError, "read '" + path + "': " + errno_text(errno));
-    if (n == 0) return failure(ExitCode::kError, "'" + path + "' shrank while being read");
-    done += static_cast<size_t>(n);
+  l.image.copy = zeroed(size);
+  if (!l.image.copy) return failure(ExitCode::kError, "cannot allocate " + std::to_string(size) + " bytes");
+  std::string error;
+  // The header first. One that is not a segment's (magic, layout version),
+  // or whose size disagrees with the file's, fails validate_segment, which
+  // then reads only the header and zero pages that cost nothing.
+  const size_t head = std::min<uint64_t>(size, sizeof(shm::SegmentHeader));
+  if (!read_at(f.fd, l.image.copy.get(), head, 0, path, &error)) return failure(ExitCode::kError, error);
+  const auto& h = *static_cast<const shm::SegmentHeader*>(l.image.copy.get());
+  // relaxed: a private copy.
+  if (size < sizeof(shm::SegmentHeader) || h.magic != shm::kMagic ||
+      h.layout_version.load(std::memory_order_relaxed) != shm::kLayoutVersion || h.segment_size != size ||
+      shm::compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity).segment_size != size) {
+    if (Status s = shm::validate_segment(l.image.copy.get(), size); !s.ok())
+      return failure(exit_code_for(s), path + ": " + s.message());
   }
+  if (!read_at(f.fd, static_cast<char*>(l.image.copy.get()) + head, size - head, head, path, &error))
+    return failure(ExitCode::kError, error);
   l.image.source = path;
-  l.image.data = mem;
+  l.image.data = l.image.copy.get();
   l.image.size = size;
   return l;
 }

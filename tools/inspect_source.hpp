@@ -1,12 +1,12 @@
-// Where shmps-inspect's bytes come from: the live control segment mapped
-// read-only (PROT_READ, so a stray write faults instead of changing it), or
-// a private, 64-byte aligned copy of a segment saved in a regular file. The
-// image is validated by take_snapshot(); loading only maps or reads it.
+// Where shmps-inspect's bytes come from: the live control segment, mapped
+// read-only (PROT_READ, so a stray write faults instead of changing it) and
+// copied out under a SIGBUS guard, or a segment saved in a regular file.
+// Either way the image is a private, page-aligned copy, validated by
+// take_snapshot(); loading only copies or reads it.
 // An Image is owned by one thread at a time.
 #pragma once
 
 #include <cstddef>
-#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -27,12 +27,8 @@ enum class ExitCode : int {
 struct Image {
   std::string source;  // "/dev/shm/shmps.<name>" or the file's path
   const void* data = nullptr;
-  size_t size = 0;                        // bytes
-  std::unique_ptr<shm::Segment> segment;  // live: owns the read-only mapping
-  struct Free {
-    void operator()(void* p) const noexcept { std::free(p); }
-  };
-  std::unique_ptr<void, Free> copy;  // file: owns the copy
+  size_t size = 0;             // bytes
+  std::shared_ptr<void> copy;  // owns the private copy `data` points to
 };
 
 struct Loaded {
@@ -41,11 +37,16 @@ struct Loaded {
   std::string error;  // what went wrong, when exit != kOk
 };
 
-// Opens "shmps.<name>" read-only with Segment::open (which validates it and
-// waits up to 2 s for a segment still being published).
+// Copies "shmps.<name>" and validates the copy, as Segment::open does with
+// its mapping: waits up to 2 s for a segment still being sized or
+// published. A segment that shrinks while being copied (a SIGBUS on the
+// mapping) is kBadSegment, "the segment shrank while being read".
 Loaded load_segment(const std::string& name);
-// Reads a whole regular file into memory. A file larger than the largest
-// possible segment is refused (kBadSegment) without being read.
+// Reads a regular file into memory (anything else is refused without being
+// opened for long: a FIFO does not block). A file larger than the largest
+// possible segment is refused (kBadSegment) without being read; so is one
+// whose header is not a segment's or disagrees with the file's size, after
+// reading the header alone.
 Loaded load_file(const std::string& path);
 
 // The exit code for a take_snapshot() failure.

@@ -3,6 +3,8 @@
 // decoder against crafted garbage in an in-process segment image.
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -66,6 +68,7 @@ std::string segment_bytes(const std::string& name) {
 struct Run {
   int rc = -1;  // exit code, 128 + signal, or -1 on timeout
   std::string out, err;
+  long max_rss_kb = 0;  // the child's peak resident set
 };
 
 // shmps-inspect as a child, its stdout and stderr captured in files.
@@ -104,8 +107,10 @@ class Inspect {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (pid_ > 0) {
       int status = 0;
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      struct rusage usage {};
+      if (::wait4(pid_, &status, WNOHANG, &usage) == pid_) {
         r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        r.max_rss_kb = usage.ru_maxrss;
         pid_ = -1;
       } else if (std::chrono::steady_clock::now() >= deadline) {
         ::kill(pid_, SIGKILL);
@@ -155,6 +160,23 @@ struct RemoveSegment {
   std::string name;
   ~RemoveSegment() { shm::Segment::remove(name); }
 };
+
+// A published in-process segment (sgd, host backend) of `tensors`.
+std::unique_ptr<shm::Segment> crafted_segment(const std::string& name, std::vector<shm::TensorSpec> tensors,
+                                              uint32_t max_workers = 2, uint32_t lane_capacity = 4) {
+  shm::SegmentSpec spec;
+  spec.name = name;
+  spec.tensors = std::move(tensors);
+  spec.max_workers = max_workers;
+  spec.max_buffers = 1;
+  spec.lane_capacity = lane_capacity;
+  spec.config.optimizer_kind = 1;  // sgd
+  spec.config.backend = 1;         // host
+  auto seg = shm::Segment::create(spec, 7);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  (*seg)->publish();
+  return std::move(seg).value();
+}
 
 BOOST_AUTO_TEST_SUITE(inspect_tool)
 
@@ -880,6 +902,188 @@ BOOST_AUTO_TEST_CASE(names_of_raw_values) {
   BOOST_TEST(inspect::config_flags_text(0) == "none");
   BOOST_TEST(inspect::printable_name("ab\0cd", 5) == "ab");
   BOOST_TEST(inspect::printable_name("a\\b", 4) == "a\\x5cb");
+}
+
+// A FIFO is refused at once, not opened (which would block until a
+// writer came).
+BOOST_AUTO_TEST_CASE(file_refuses_a_fifo_without_blocking) {
+  TempFile fifo;
+  BOOST_REQUIRE(::mkfifo(fifo.path.c_str(), 0600) == 0);
+  const Run r = Inspect({"--file", fifo.path}).finish(std::chrono::seconds(5));
+  BOOST_TEST(r.rc == 1, r.err);
+  BOOST_TEST(contains(r.err, "'" + fifo.path + "' is not a regular file"), r.err);
+}
+
+// A large file is judged by its header before the rest is read: a 1 GiB
+// sparse file that is no segment costs a few pages, not a GiB.
+BOOST_AUTO_TEST_CASE(file_header_is_checked_before_the_body_is_read) {
+  const std::string name = test::unique_name("hdr");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  const std::string header = segment_bytes(name).substr(0, sizeof(shm::SegmentHeader));
+  constexpr off_t kSparse = off_t{1} << 30;
+  struct Case {
+    std::string what, first_bytes;
+    int rc;
+    std::string message;
+  };
+  std::string foreign = header;
+  poke<uint64_t>(&foreign, 0, 0x4141414141414141ull);
+  const std::vector<Case> cases{
+      {"zeros", "", 4, "not initialised"},
+      {"foreign magic", foreign, 3, "not a shmps segment"},
+      {"a segment's header, too large", header, 3, "segment_size"},
+  };
+  for (const Case& c : cases) {
+    BOOST_TEST_CONTEXT(c.what) {
+      TempFile file;
+      write_all(file.path, c.first_bytes);
+      BOOST_REQUIRE(::truncate(file.path.c_str(), kSparse) == 0);
+      const Run r = run_inspect({"--file", file.path});
+      BOOST_TEST(r.rc == c.rc, r.err);
+      BOOST_TEST(contains(r.err, c.message), r.err);
+      BOOST_TEST(contains(r.err, file.path), r.err);
+      BOOST_TEST(r.max_rss_kb < 128 * 1024, "peak RSS " << r.max_rss_kb << " KiB");
+    }
+  }
+}
+
+// A writer that truncates the live segment while shmps-inspect reads it
+// makes a refresh fail (exit 3: "shrank while being read", or a size
+// mismatch), never a SIGBUS; --watch goes on after such a refresh.
+BOOST_AUTO_TEST_CASE(live_segment_shrinking_while_read_is_no_crash) {
+  const std::string name = test::unique_name("shrink");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}}, /*max_workers=*/64, /*lane_capacity=*/1024);
+  const std::string full = segment_bytes(name);
+  const std::string path = "/dev/shm/" + shm::segment_object_name(name);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  BOOST_REQUIRE(fd >= 0);
+  const auto restore = [&full, fd] {
+    if (::ftruncate(fd, static_cast<off_t>(full.size())) != 0) return false;
+    for (size_t done = 0; done < full.size();) {
+      const ssize_t n = ::pwrite(fd, full.data() + done, full.size() - done, static_cast<off_t>(done));
+      if (n <= 0) return false;
+      done += static_cast<size_t>(n);
+    }
+    return true;
+  };
+  // The writer: a process of its own, making only system calls.
+  const pid_t writer = ::fork();
+  BOOST_REQUIRE(writer >= 0);
+  if (writer == 0) {
+    while (::ftruncate(fd, 4096) == 0 && ::usleep(500) == 0 && restore()) ::usleep(1000);
+    _exit(1);
+  }
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      if (pid <= 0) return;
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  } reap{writer};
+  const std::vector<std::vector<std::string>> commands{
+      {name}, {"--json", name}, {"--watch", "--json", "--count", "5", "--interval-ms", "1", name}};
+  int shrank = 0;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(4);
+  for (size_t n = 0; n < 30 || std::chrono::steady_clock::now() < until; ++n) {
+    const Run r = run_inspect(commands[n % commands.size()]);
+    BOOST_TEST_REQUIRE((r.rc == 0 || r.rc == 3), "exit " << r.rc << ": " << r.err);
+    shrank += contains(r.err, "shrank while being read") ? 1 : 0;
+  }
+  BOOST_TEST_MESSAGE(shrank << " refreshes saw the segment shrink during the copy");
+  ::kill(writer, SIGKILL);
+  BOOST_REQUIRE(::waitpid(writer, nullptr, 0) == writer);
+  reap.pid = -1;
+  BOOST_REQUIRE(restore());
+  ::close(fd);
+  BOOST_TEST(run_inspect({name}).rc == 0);
+}
+
+// --interval-ms is bounded (a day), so the refresh deadline cannot
+// overflow into no wait at all.
+BOOST_AUTO_TEST_CASE(interval_above_a_day_is_refused) {
+  const std::string name = test::unique_name("absent");
+  const Run too_long = run_inspect({"--watch", "--count", "1", "--interval-ms", "9223372036854", name});
+  BOOST_TEST(too_long.rc == 1);
+  BOOST_TEST(contains(too_long.err, "--interval-ms"), too_long.err);
+  BOOST_TEST(contains(too_long.err, "86400000"), too_long.err);
+  BOOST_TEST(run_inspect({"--watch", "--count", "1", "--interval-ms", "86400001", name}).rc == 1);
+  // A day is allowed (one refresh: no wait; the segment is absent: 2).
+  BOOST_TEST(run_inspect({"--watch", "--count", "1", "--interval-ms", "86400000", name}).rc == 2);
+}
+
+// --list: a model whose byte count passes 2^64 saturates instead of
+// wrapping to 0, in the JSON and the text alike.
+BOOST_AUTO_TEST_CASE(list_model_bytes_saturate) {
+  const std::string name = test::unique_name("huge");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  // 2^62 elements (4 * 2^62 wraps to 0): a shape validate_segment accepts.
+  shm::SegmentHeader& h = seg->header();
+  shm::TensorDesc& t =
+      *reinterpret_cast<shm::TensorDesc*>(static_cast<char*>(seg->object().data()) + h.tensor_table_offset);
+  t.shape[0] = uint64_t{1} << 62;
+  t.element_count = uint64_t{1} << 62;
+  h.total_elements = uint64_t{1} << 62;
+
+  const json j = parse_json(run_inspect({"--list", "--json"}));
+  json row;
+  for (const json& r : j["segments"])
+    if (r["name"] == name) row = r;
+  BOOST_REQUIRE_MESSAGE(row.is_object(), j.dump());
+  BOOST_TEST(row["parameters"] == uint64_t{1} << 62);
+  BOOST_TEST(row["model_bytes"] == ~uint64_t{0}, row);
+  const Run text = run_inspect({"--list"});
+  BOOST_TEST(contains(text.out, " 4611686018427387904 17592186044416.00 "), text.out);
+}
+
+// The tensor table keeps a blank between columns when a value fills its
+// column.
+BOOST_AUTO_TEST_CASE(tensor_table_columns_stay_apart) {
+  const std::string name = test::unique_name("wide");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {10001, 1001, 10, 10}}});  // "10001x1001x10x10": 16 characters
+  auto snap = inspect::take_snapshot(seg->object().data(), seg->object().size(), "test");
+  BOOST_REQUIRE_MESSAGE(snap.ok(), snap.status().to_string());
+  const std::string text = inspect::render_text(*snap);
+  BOOST_TEST(contains(text, " 10001x1001x10x10 1001100100 "), text);
+}
+
+// A --file path that is not UTF-8 becomes a valid UTF-8 label value
+// (U+FFFD for each bad byte), in the exposition and in shmps_up 0 alike.
+BOOST_AUTO_TEST_CASE(prometheus_labels_are_utf8) {
+  const std::string name = test::unique_name("utf8");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  TempFile base;
+  const std::string path = base.path + "\xff\xfe.seg";
+  const TempFile copy{path};
+  write_all(path, segment_bytes(name));
+  const std::string replaced = base.path + "\xef\xbf\xbd\xef\xbf\xbd.seg";
+  for (const std::string& file : {path, path + ".absent"}) {
+    BOOST_TEST_CONTEXT(file) {
+      const Run r = run_inspect({"--format", "prometheus", "--file", file});
+      BOOST_TEST((r.rc == 0 || r.rc == 2), r.err);
+      BOOST_TEST(contains(r.out, "shmps_up{name=\"" + replaced), r.out);
+      // nlohmann's strict dump throws on a string that is not UTF-8.
+      BOOST_CHECK_NO_THROW(json(r.out).dump());
+    }
+  }
+}
+
+// Quantiles of garbage buckets whose sum passes 2^64 are still quantiles.
+BOOST_AUTO_TEST_CASE(histogram_quantile_saturates) {
+  inspect::HistogramView hv;
+  hv.max = 5;
+  hv.buckets.assign(shm::kHistogramBuckets, 0);
+  hv.buckets[0] = uint64_t{1} << 63;
+  hv.buckets[1] = uint64_t{1} << 63;  // the sum wraps to 0
+  BOOST_REQUIRE(hv.quantile(0.5).has_value());
+  BOOST_TEST(*hv.quantile(0.5) == 0u);
+  BOOST_REQUIRE(hv.quantile(1.0).has_value());
+  BOOST_TEST(*hv.quantile(1.0) == 1u);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
