@@ -16,7 +16,9 @@ push reading it (or read while a pull writing it) is in flight. The torch
 layer is shmps.torch (RemoteOptimizer). docs/python.md has the whole API.
 """
 
+import builtins
 import dataclasses
+import operator
 import typing
 
 from . import _errors
@@ -28,8 +30,11 @@ from ._shmps import connect as _connect
 
 _errors.check_codes(ERROR_CODES)
 
+# The error classes named as builtins (TimeoutError, PermissionError: their
+# subclasses) are left out, so that `from shmps import *` does not shadow
+# the builtins; shmps.TimeoutError names them.
 __all__ = ["connect", "Worker", "Buffer", "TensorInfo", "Stats", "Server", "server_binary", "ALL_TENSORS", "Error"] + [
-    cls.__name__ for cls in _errors.BY_CODE.values()]
+    cls.__name__ for cls in _errors.BY_CODE.values() if not hasattr(builtins, cls.__name__)]
 
 # Gradient dtypes as the protocol numbers them (shmps::Dtype), by name.
 _DTYPES = {"float32": (1, 4), "float16": (2, 2), "bfloat16": (3, 2)}
@@ -58,6 +63,18 @@ Stats = dataclasses.make_dataclass("Stats", [(name, int) for name in STATS_FIELD
 Stats.__module__ = __name__
 Stats.__doc__ = ("A racy snapshot of the server's counters (each read atomically, the set not): "
                  + ", ".join(STATS_FIELDS) + ", and avg_staleness (avg_staleness_micro / 1e6).")
+
+
+def _unsigned(what, value, bits=64):
+    """`value` (an int, or anything with __index__) checked to fit the
+    protocol's unsigned field of `bits` bits; the error names the argument."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}") from None
+    if not 0 <= value < 1 << bits:
+        raise _errors.InvalidArgumentError(f"{what} must be in [0, 2**{bits}), not {value}")
+    return value
 
 
 def _stream_handle(stream):
@@ -127,7 +144,7 @@ class Worker:
         """A new shared-memory buffer of `nbytes` (> 0) the server maps once.
         torch.from_dlpack(buf), numpy.asarray(buf) and memoryview(buf) see
         its bytes in place (uint8; .view(float32) for fp32)."""
-        return self._w.register_buffer(nbytes)
+        return self._w.register_buffer(_unsigned("nbytes", nbytes))
 
     def alloc_device_buffer(self, nbytes, device=0):
         """Device memory of its own (not torch's allocator), registered:
@@ -173,24 +190,26 @@ class Worker:
     def wait(self, ticket):
         """The result of push_async(ticket), the version after the update,
         or of pull_async(ticket), the version pulled."""
-        return self._w.wait(ticket)
+        return self._w.wait(_unsigned("ticket", ticket))
 
     def pull(self, buffer, tensor=None, offset=0, stream=None):
         """Copies a consistent snapshot of `tensor` (None: all tensors) as
         fp32 into `buffer` at byte `offset`; returns its version."""
-        return self._w.pull(self._tensor_id(tensor), self._buffer_id(buffer), offset, _stream_handle(stream))
+        return self._w.pull(self._tensor_id(tensor), self._buffer_id(buffer), _unsigned("offset", offset),
+                            _stream_handle(stream))
 
     def pull_async(self, buffer, tensor=None, offset=0, stream=None):
         """As pull(), returning a ticket once the request is queued; the
         buffer's range is written until wait(ticket) returns the version
         (or raises)."""
-        return self._w.pull_async(self._tensor_id(tensor), self._buffer_id(buffer), offset, _stream_handle(stream))
+        return self._w.pull_async(self._tensor_id(tensor), self._buffer_id(buffer), _unsigned("offset", offset),
+                                  _stream_handle(stream))
 
     def init(self, buffer, offset=0, stream=None):
         """Sets the server's weights at version 0 from `buffer` (all tensors,
         fp32): accepted once, before any push applied; InitRefusedError says
         why not otherwise."""
-        self._w.init(self._buffer_id(buffer), offset, _stream_handle(stream))
+        self._w.init(self._buffer_id(buffer), _unsigned("offset", offset), _stream_handle(stream))
 
     def stats(self):
         return Stats(**self._w.stats())
@@ -232,14 +251,14 @@ class Worker:
         if isinstance(tensor, str):
             return self.tensor(tensor).id
         if isinstance(tensor, int):
-            return tensor
+            return _unsigned("tensor", tensor, 32)
         raise TypeError(f"tensor must be a name, a TensorInfo, an id or None, not {type(tensor).__name__}")
 
     def _buffer_id(self, buffer):
         if isinstance(buffer, Buffer):
             return self._w.buffer_id(buffer)  # refused when of another Worker, or unregistered
         if isinstance(buffer, int):
-            return buffer
+            return _unsigned("buffer", buffer, 32)
         raise TypeError(f"buffer must be a shmps.Buffer or a buffer id, not {type(buffer).__name__}")
 
     def _push_args(self, buffer, version, tensor, offset, nbytes, dtype, stream):
@@ -252,7 +271,8 @@ class Worker:
             count = self.total_elements if tensor_id == ALL_TENSORS else (
                 self.tensors[tensor_id].count if 0 <= tensor_id < len(self.tensors) else 0)
             nbytes = count * size
-        return tensor_id, self._buffer_id(buffer), offset, nbytes, code, version, _stream_handle(stream)
+        return (tensor_id, self._buffer_id(buffer), _unsigned("offset", offset), _unsigned("nbytes", nbytes), code,
+                _unsigned("version", version), _stream_handle(stream))
 
 
 def connect(name, timeout=10.0, reconnect=False, wait_for_server=0.0, server_user=""):

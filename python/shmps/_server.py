@@ -11,6 +11,7 @@ For real use the server runs on its own, under systemd (docs/operations.md).
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -54,6 +55,8 @@ def _tensor_specs(model=None, tensors=None):
         tensors = pairs
     specs = []
     for name, shape in tensors:
+        if isinstance(shape, (str, bytes)):
+            raise TypeError(f"tensor {name!r}: the shape must be a sequence of ints, not {shape!r}")
         dims = [int(d) for d in shape] or [1]  # a 0-d parameter is one element
         specs.append(f"{name}:{'x'.join(str(d) for d in dims)}")
     if not specs:
@@ -100,7 +103,10 @@ class Server:
     def start(self):
         """Starts the server and returns once it accepts workers."""
         if self._own_log:
-            fd, self._log_path = tempfile.mkstemp(prefix=f"shmps-server-{self.name}-", suffix=".log")
+            # The name only as far as a file name takes it: the server
+            # itself refuses a bad one, naming the rule.
+            tag = re.sub(r"[^A-Za-z0-9._-]", "_", self.name)[:32]
+            fd, self._log_path = tempfile.mkstemp(prefix=f"shmps-server-{tag}-", suffix=".log")
             os.close(fd)
         with open(self._log_path, "ab") as log:
             self.process = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)

@@ -450,3 +450,34 @@ def test_ctrl_c_during_a_blocking_call_raises_keyboard_interrupt(make_server):
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
     w.close()
+
+
+def test_arguments_out_of_range_name_themselves(make_server):
+    server = make_server()
+    with shmps.connect(server.name) as w:
+        grad = w.register_buffer(w.total_elements * 4)
+        for call, what in ((lambda: w.push(grad, -1), "version"), (lambda: w.push(grad, 0, offset=2**64), "offset"),
+                           (lambda: w.push(grad, 0, nbytes=-4), "nbytes"), (lambda: w.pull(grad, offset=-1), "offset"),
+                           (lambda: w.register_buffer(-1), "nbytes"), (lambda: w.wait(-1), "ticket"),
+                           (lambda: w.pull(grad, tensor=2**32), "tensor"), (lambda: w.pull(2**32), "buffer")):
+            with pytest.raises(shmps.InvalidArgumentError, match=what):
+                call()
+        with pytest.raises(TypeError, match="version must be an int"):
+            w.push(grad, 1.5)
+        assert w.push(grad, np.int64(0)) == 1  # anything with __index__
+        with pytest.raises(shmps.InvalidArgumentError, match="NUL"):
+            shmps.connect(server.name, server_user="root\x00x")
+
+
+def test_star_import_leaves_the_builtin_errors_alone():
+    scope = {}
+    exec("from shmps import *", scope)
+    assert "TimeoutError" not in scope and "PermissionError" not in scope
+    assert "StaleError" in scope and issubclass(shmps.TimeoutError, TimeoutError)
+
+
+def test_server_refuses_a_shape_given_as_text_and_a_bad_name_with_its_own_message():
+    with pytest.raises(TypeError, match="sequence of ints"):
+        shmps.Server(tensors=[("a", "33")])
+    with pytest.raises(shmps.ServerNotRunningError, match="name"):
+        shmps.Server(tensors=[("a", (1,))], name="a/b").start()

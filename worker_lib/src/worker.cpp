@@ -116,6 +116,8 @@ namespace {
 Result<std::vector<uid_t>> trusted_owners(const std::string& server_user) {
   std::vector<uid_t> uids{::geteuid()};
   if (uids[0] != 0) uids.push_back(0);
+  if (server_user.find('\0') != std::string::npos)
+    return Status{ErrorCode::kInvalidArgument, "WorkerOptions::server_user holds a NUL byte"};
   const std::string user = server_user.empty() ? "shmps" : server_user;
   uid_t uid = 0;
   uint64_t number = 0;
