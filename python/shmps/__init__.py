@@ -149,7 +149,7 @@ class Worker:
     def alloc_device_buffer(self, nbytes, device=0):
         """Device memory of its own (not torch's allocator), registered:
         torch.from_dlpack(buf) is a cuda tensor over it."""
-        return self._w.alloc_device_buffer(nbytes, _device_index(device))
+        return self._w.alloc_device_buffer(_unsigned("nbytes", nbytes), _device_index(device))
 
     def register_device_buffer(self, tensor):
         """Registers the CUDA memory of a contiguous torch tensor in place
@@ -172,7 +172,7 @@ class Worker:
     def unregister_buffer(self, buffer):
         """The server unmaps it; views of a host buffer stay valid memory
         that the server no longer reads."""
-        self._w.unregister_buffer(self._buffer_id(buffer))
+        self._w.unregister_buffer(*self._buffer_ref(buffer))
 
     # ---- requests ----
     def push(self, buffer, version, tensor=None, offset=0, nbytes=None, dtype="float32", stream=None):
@@ -195,21 +195,21 @@ class Worker:
     def pull(self, buffer, tensor=None, offset=0, stream=None):
         """Copies a consistent snapshot of `tensor` (None: all tensors) as
         fp32 into `buffer` at byte `offset`; returns its version."""
-        return self._w.pull(self._tensor_id(tensor), self._buffer_id(buffer), _unsigned("offset", offset),
+        return self._w.pull(self._tensor_id(tensor), *self._buffer_ref(buffer), _unsigned("offset", offset),
                             _stream_handle(stream))
 
     def pull_async(self, buffer, tensor=None, offset=0, stream=None):
         """As pull(), returning a ticket once the request is queued; the
         buffer's range is written until wait(ticket) returns the version
         (or raises)."""
-        return self._w.pull_async(self._tensor_id(tensor), self._buffer_id(buffer), _unsigned("offset", offset),
+        return self._w.pull_async(self._tensor_id(tensor), *self._buffer_ref(buffer), _unsigned("offset", offset),
                                   _stream_handle(stream))
 
     def init(self, buffer, offset=0, stream=None):
         """Sets the server's weights at version 0 from `buffer` (all tensors,
         fp32): accepted once, before any push applied; InitRefusedError says
         why not otherwise."""
-        self._w.init(self._buffer_id(buffer), _unsigned("offset", offset), _stream_handle(stream))
+        self._w.init(*self._buffer_ref(buffer), _unsigned("offset", offset), _stream_handle(stream))
 
     def stats(self):
         return Stats(**self._w.stats())
@@ -254,12 +254,17 @@ class Worker:
             return _unsigned("tensor", tensor, 32)
         raise TypeError(f"tensor must be a name, a TensorInfo, an id or None, not {type(tensor).__name__}")
 
-    def _buffer_id(self, buffer):
+    def _buffer_ref(self, buffer):
+        """(id, registration) for the native call, which refuses a Buffer
+        unregistered since (its id may name a newer buffer); a bare id goes
+        unchecked (registration 0)."""
         if isinstance(buffer, Buffer):
-            return self._w.buffer_id(buffer)  # refused when of another Worker, or unregistered
-        if isinstance(buffer, int):
-            return _unsigned("buffer", buffer, 32)
-        raise TypeError(f"buffer must be a shmps.Buffer or a buffer id, not {type(buffer).__name__}")
+            if buffer.worker != self._w.serial:
+                raise _errors.InvalidArgumentError(f"buffer {buffer.id} was registered by another Worker")
+            return buffer.id, buffer.registration
+        if isinstance(buffer, (bytes, str, float)) or not hasattr(buffer, "__index__"):
+            raise TypeError(f"buffer must be a shmps.Buffer or a buffer id, not {type(buffer).__name__}")
+        return _unsigned("buffer", buffer, 32), 0
 
     def _push_args(self, buffer, version, tensor, offset, nbytes, dtype, stream):
         try:
@@ -271,7 +276,7 @@ class Worker:
             count = self.total_elements if tensor_id == ALL_TENSORS else (
                 self.tensors[tensor_id].count if 0 <= tensor_id < len(self.tensors) else 0)
             nbytes = count * size
-        return (tensor_id, self._buffer_id(buffer), _unsigned("offset", offset), _unsigned("nbytes", nbytes), code,
+        return (tensor_id, *self._buffer_ref(buffer), _unsigned("offset", offset), _unsigned("nbytes", nbytes), code,
                 _unsigned("version", version), _stream_handle(stream))
 
 

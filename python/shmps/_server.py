@@ -9,6 +9,7 @@ the server accepts workers, and stops it (SIGTERM, then SIGKILL) on exit.
 For real use the server runs on its own, under systemd (docs/operations.md).
 """
 
+import contextlib
 import itertools
 import os
 import re
@@ -112,24 +113,32 @@ class Server:
             self.process = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         from . import connect
         deadline = time.monotonic() + self.start_timeout
-        while True:
-            code = self.process.poll()
-            if code is not None:
-                self.process = None
-                raise _errors.ServerNotRunningError(f"shmps-server exited {code} at start: {self._log_tail()}")
-            try:
-                with connect(self.name) as probe:
-                    # Another live server at the name answers too, while
-                    # this one fails its start (poll() above then says so).
-                    if probe.server_pid == self.process.pid:
-                        return self
-            except (_errors.ServerNotRunningError, _errors.LayoutMismatchError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise _errors.TimeoutError(f"shmps-server '{self.name}' did not accept a worker within "
-                                           f"{self.start_timeout} s: {self._log_tail()}")
-            time.sleep(0.01)
+        try:
+            while True:
+                code = self.process.poll()
+                if code is not None:
+                    self.process = None
+                    raise _errors.ServerNotRunningError(f"shmps-server exited {code} at start: {self._log_tail()}")
+                try:
+                    with connect(self.name) as probe:
+                        # Another live server at the name answers too, while
+                        # this one fails its start (poll() above then says so).
+                        if probe.server_pid == self.process.pid:
+                            return self
+                except (_errors.ServerNotRunningError, _errors.LayoutMismatchError):
+                    pass
+                except _errors.Error:
+                    # Refused before any server is asked (a bad name): the
+                    # server refuses it too, and its exit says why.
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.process.wait(max(0.0, deadline - time.monotonic()))
+                if time.monotonic() > deadline:
+                    raise _errors.TimeoutError(f"shmps-server '{self.name}' did not accept a worker within "
+                                               f"{self.start_timeout} s: {self._log_tail()}")
+                time.sleep(0.01)
+        except BaseException:
+            self.stop()  # no child left behind, whatever ended the wait
+            raise
 
     def stop(self, timeout=30.0):
         """SIGTERM, then SIGKILL after `timeout` seconds; returns the exit code."""

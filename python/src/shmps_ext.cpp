@@ -11,6 +11,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <chrono>
@@ -116,10 +117,21 @@ int buffer_getbuffer(PyObject* self, Py_buffer* view, int flags) {
 
 PyType_Slot buffer_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(buffer_getbuffer)}, {0, nullptr}};
 
+// fork()s of this process so far (pthread_atfork): a Worker made before
+// one is its parent's, and its lock may have been held by a parent's thread
+// that the child does not have.
+std::atomic<uint64_t> g_forks{0};
+extern "C" void count_fork() { g_forks.fetch_add(1, std::memory_order_relaxed); }  // relaxed: one thread in the child
+
 // shmps::Worker for Python; closed (null) after close().
 class PyWorker {
  public:
   explicit PyWorker(std::unique_ptr<shmps::Worker> w) : w_(std::move(w)) {}
+  ~PyWorker() {
+    if (forked()) (void)w_.release();  // the parent's: its state may be mid-call in another parent thread
+  }
+
+  uint64_t serial() const { return serial_; }
 
   // f(worker) with the GIL released, one call at a time: shmps::Worker
   // serves one thread at a time, and close() must not free it under a call
@@ -128,6 +140,9 @@ class PyWorker {
   // lock never waits for the GIL.
   template <typename F>
   auto call(F&& f) {
+    if (forked())
+      throw StatusError{{shmps::ErrorCode::kInvalidArgument,
+                         "this Worker was connected before a fork(): a fork()ed child must connect its own"}};
     nb::gil_scoped_release released;
     std::lock_guard<std::mutex> lock(mu_);
     if (!w_) throw StatusError{{shmps::ErrorCode::kUnknownWorker, "this Worker is closed"}};
@@ -135,28 +150,20 @@ class PyWorker {
   }
 
   bool closed() {
+    if (forked()) return !w_;  // nothing else runs it in the child
     nb::gil_scoped_release released;
     std::lock_guard<std::mutex> lock(mu_);
     return !w_;
   }
 
-  // The id to send for `b`: refused when `b` came from another Worker, or
-  // was unregistered (its id may name another buffer by now).
-  uint32_t buffer_id(const Buffer& b) const {
-    if (b.worker != serial_)
-      throw StatusError{
-          {shmps::ErrorCode::kInvalidArgument, "buffer " + std::to_string(b.id) + " was registered by another Worker"}};
-    auto it = registrations_.find(b.id);
-    if (it == registrations_.end() || it->second != b.registration)
-      throw StatusError{{shmps::ErrorCode::kUnknownBuffer,
-                         "buffer " + std::to_string(b.id) + " was unregistered" +
-                             (it == registrations_.end() ? std::string() : " (its id now names another buffer)")}};
-    return b.id;
-  }
-
   Buffer register_buffer(size_t nbytes) {
-    shmps::Buffer b = take(call([&](shmps::Worker& w) { return w.register_buffer(nbytes); }));
-    Buffer out = registered(b.id);
+    uint64_t registration = 0;
+    shmps::Buffer b = take(call([&](shmps::Worker& w) {
+      shmps::Result<shmps::Buffer> r = w.register_buffer(nbytes);
+      if (r.ok()) registration = record(r->id);
+      return r;
+    }));
+    Buffer out = made(b.id, registration);
     out.data = b.data;
     out.nbytes = b.size;
     out.keep = b.mapping;
@@ -165,39 +172,66 @@ class PyWorker {
 
   Buffer alloc_device_buffer(size_t nbytes, int device) {
     std::shared_ptr<shmps::DeviceMemory> memory = take(shmps::DeviceMemory::allocate(nbytes, device));
-    const uint32_t id = take(call([&](shmps::Worker& w) { return w.register_device_buffer(memory->data(), nbytes); }));
-    Buffer out = registered(id);
+    uint64_t registration = 0;
+    const uint32_t id = take(call([&](shmps::Worker& w) {
+      shmps::Result<uint32_t> r = w.register_device_buffer(memory->data(), nbytes);
+      if (r.ok()) registration = record(*r);
+      return r;
+    }));
+    Buffer out = made(id, registration);
     out.data = memory->data();
     out.nbytes = nbytes;
     out.device_type = kDLCUDA;
     out.device_id = device;
     out.keep = memory;
-    kept_[out.id] = {memory, nb::object()};  // the memory outlives its registration
+    kept_[out.id] = {memory, nb::object(), registration};  // the memory outlives its registration
     return out;
   }
 
   Buffer register_device_buffer(uintptr_t ptr, size_t nbytes, int device, nb::object owner) {
-    const uint32_t id = take(
-        call([&](shmps::Worker& w) { return w.register_device_buffer(reinterpret_cast<const void*>(ptr), nbytes); }));
-    Buffer out = registered(id);
+    uint64_t registration = 0;
+    const uint32_t id = take(call([&](shmps::Worker& w) {
+      shmps::Result<uint32_t> r = w.register_device_buffer(reinterpret_cast<const void*>(ptr), nbytes);
+      if (r.ok()) registration = record(*r);
+      return r;
+    }));
+    Buffer out = made(id, registration);
     out.data = reinterpret_cast<void*>(ptr);
     out.nbytes = nbytes;
     out.device_type = kDLCUDA;
     out.device_id = device;
     out.owner = owner;
-    kept_[out.id] = {nullptr, owner};  // the tensor outlives its registration
+    kept_[out.id] = {nullptr, owner, registration};  // the tensor outlives its registration
     return out;
   }
 
-  void unregister_buffer(uint32_t id) {
-    check(call([&](shmps::Worker& w) { return w.unregister_buffer(id); }));
-    kept_.erase(id);
-    registrations_.erase(id);
+  // `registration`: the Buffer's (0: a bare id, unchecked).
+  void unregister_buffer(uint32_t id, uint64_t registration) {
+    uint64_t removed = 0;
+    check(call([&](shmps::Worker& w) {
+      if (shmps::Status s = check_buffer(id, registration); !s.ok()) return s;
+      shmps::Status s = w.unregister_buffer(id);
+      if (s.ok()) {
+        auto it = registrations_.find(id);
+        if (it != registrations_.end()) {
+          removed = it->second;
+          registrations_.erase(it);
+        }
+      }
+      return s;
+    }));
+    // Only what that registration kept: another thread may have registered
+    // a new buffer under the id since.
+    if (auto it = kept_.find(id); it != kept_.end() && it->second.registration == removed) kept_.erase(it);
   }
 
-  uint64_t push(uint32_t tensor, uint32_t buffer, uint64_t offset, uint64_t nbytes, uint32_t dtype, uint64_t version,
-                uintptr_t stream) {
+  // The requests naming a buffer take its id and `registration` (the
+  // Buffer's; 0 for a bare id), checked under the lock with the request.
+  uint64_t push(uint32_t tensor, uint32_t buffer, uint64_t registration, uint64_t offset, uint64_t nbytes,
+                uint32_t dtype, uint64_t version, uintptr_t stream) {
     return versioned(call([&](shmps::Worker& w) {
+                       if (shmps::Status s = check_buffer(buffer, registration); !s.ok())
+                         return Answer{s, w.last_version()};
                        return Answer{w.push(tensor, buffer, offset, nbytes, static_cast<shmps::Dtype>(dtype), version,
                                             reinterpret_cast<void*>(stream)),
                                      w.last_version()};
@@ -205,9 +239,10 @@ class PyWorker {
                      version);
   }
 
-  uint64_t push_async(uint32_t tensor, uint32_t buffer, uint64_t offset, uint64_t nbytes, uint32_t dtype,
-                      uint64_t version, uintptr_t stream) {
-    const uint64_t ticket = take(call([&](shmps::Worker& w) {
+  uint64_t push_async(uint32_t tensor, uint32_t buffer, uint64_t registration, uint64_t offset, uint64_t nbytes,
+                      uint32_t dtype, uint64_t version, uintptr_t stream) {
+    const uint64_t ticket = take(call([&](shmps::Worker& w) -> shmps::Result<uint64_t> {
+      if (shmps::Status s = check_buffer(buffer, registration); !s.ok()) return s;
       return w.push_async(tensor, buffer, offset, nbytes, static_cast<shmps::Dtype>(dtype), version,
                           reinterpret_cast<void*>(stream));
     }));
@@ -225,18 +260,25 @@ class PyWorker {
     return versioned(std::move(a), version);
   }
 
-  uint64_t pull(uint32_t tensor, uint32_t buffer, uint64_t offset, uintptr_t stream) {
-    return take(
-        call([&](shmps::Worker& w) { return w.pull(tensor, buffer, offset, reinterpret_cast<void*>(stream)); }));
+  uint64_t pull(uint32_t tensor, uint32_t buffer, uint64_t registration, uint64_t offset, uintptr_t stream) {
+    return take(call([&](shmps::Worker& w) -> shmps::Result<uint64_t> {
+      if (shmps::Status s = check_buffer(buffer, registration); !s.ok()) return s;
+      return w.pull(tensor, buffer, offset, reinterpret_cast<void*>(stream));
+    }));
   }
 
-  uint64_t pull_async(uint32_t tensor, uint32_t buffer, uint64_t offset, uintptr_t stream) {
-    return take(
-        call([&](shmps::Worker& w) { return w.pull_async(tensor, buffer, offset, reinterpret_cast<void*>(stream)); }));
+  uint64_t pull_async(uint32_t tensor, uint32_t buffer, uint64_t registration, uint64_t offset, uintptr_t stream) {
+    return take(call([&](shmps::Worker& w) -> shmps::Result<shmps::Worker::Ticket> {
+      if (shmps::Status s = check_buffer(buffer, registration); !s.ok()) return s;
+      return w.pull_async(tensor, buffer, offset, reinterpret_cast<void*>(stream));
+    }));
   }
 
-  void init(uint32_t buffer, uint64_t offset, uintptr_t stream) {
-    check(call([&](shmps::Worker& w) { return w.init(buffer, offset, reinterpret_cast<void*>(stream)); }));
+  void init(uint32_t buffer, uint64_t registration, uint64_t offset, uintptr_t stream) {
+    check(call([&](shmps::Worker& w) {
+      if (shmps::Status s = check_buffer(buffer, registration); !s.ok()) return s;
+      return w.init(buffer, offset, reinterpret_cast<void*>(stream));
+    }));
   }
 
   nb::dict stats() {
@@ -261,7 +303,9 @@ class PyWorker {
   // flight, and frees what this Worker kept alive; further calls raise
   // "closed".
   void close() {
-    {
+    if (forked()) {
+      (void)w_.release();  // the parent's (see ~PyWorker)
+    } else {
       nb::gil_scoped_release released;
       std::lock_guard<std::mutex> lock(mu_);
       w_.reset();
@@ -299,29 +343,51 @@ class PyWorker {
     throw e;
   }
 
-  // A Buffer for registration `id` just made, recorded as the live one.
-  Buffer registered(uint32_t id) {
+  bool forked() const { return g_forks.load(std::memory_order_relaxed) != forks_; }  // relaxed: see count_fork
+
+  // Under mu_: records buffer `id` as registered now; its registration.
+  uint64_t record(uint32_t id) {
+    registrations_[id] = ++last_registration_;
+    return last_registration_;
+  }
+
+  // Under mu_: refused when `registration` (not 0) is not the live one of
+  // buffer `id`: the Buffer was unregistered, and the id may name another.
+  shmps::Status check_buffer(uint32_t id, uint64_t registration) const {
+    if (registration == 0) return shmps::Status::Ok();
+    auto it = registrations_.find(id);
+    if (it != registrations_.end() && it->second == registration) return shmps::Status::Ok();
+    return {shmps::ErrorCode::kUnknownBuffer,
+            "buffer " + std::to_string(id) + " was unregistered" +
+                (it == registrations_.end() ? std::string() : " (its id now names another buffer)")};
+  }
+
+  Buffer made(uint32_t id, uint64_t registration) const {
     Buffer out;
     out.id = id;
     out.worker = serial_;
-    out.registration = ++last_registration_;
-    registrations_[id] = out.registration;
+    out.registration = registration;
     return out;
   }
 
   struct Kept {
     std::shared_ptr<shmps::DeviceMemory> memory;
     nb::object owner;
+    uint64_t registration = 0;
   };
   inline static std::atomic<uint64_t> next_serial_{1};
   const uint64_t serial_ = next_serial_.fetch_add(1, std::memory_order_relaxed);  // relaxed: a unique number
-  std::mutex mu_;                     // held for each call of w_, and by close()
-  std::unique_ptr<shmps::Worker> w_;  // written only under mu_
+  const uint64_t forks_ = g_forks.load(std::memory_order_relaxed);                // relaxed: see count_fork
+  // Under the GIL. Declared before w_ so that they outlive it: the Worker
+  // detaches (and its requests in flight end) before the memory they read
+  // is freed.
+  std::map<uint32_t, Kept> kept_;          // by buffer id, while registered
+  std::map<uint64_t, uint64_t> versions_;  // push_async ticket -> its worker_version
+  std::mutex mu_;                          // held for each call of w_, and by close()
+  // Under mu_:
+  std::unique_ptr<shmps::Worker> w_;
   uint64_t last_registration_ = 0;
-  // Under the GIL:
   std::map<uint32_t, uint64_t> registrations_;  // live buffer id -> its registration
-  std::map<uint32_t, Kept> kept_;               // by buffer id, while registered
-  std::map<uint64_t, uint64_t> versions_;       // push_async ticket -> its worker_version
 };
 
 std::unique_ptr<PyWorker> connect(const std::string& name, double timeout, bool reconnect, double wait_for_server,
@@ -338,6 +404,7 @@ std::unique_ptr<PyWorker> connect(const std::string& name, double timeout, bool 
 }  // namespace
 
 NB_MODULE(_shmps, m) {
+  ::pthread_atfork(nullptr, nullptr, count_fork);
   m.doc() = "shmps worker library binding (use the shmps package)";
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -372,6 +439,8 @@ NB_MODULE(_shmps, m) {
                      "Memory registered with the server: the buffer protocol (host memory) and DLPack. The bytes "
                      "must not be written while a push reading them, or read while a pull writing them, is in flight.")
       .def_ro("id", &Buffer::id)
+      .def_ro("worker", &Buffer::worker)
+      .def_ro("registration", &Buffer::registration)
       .def_ro("nbytes", &Buffer::nbytes)
       .def_prop_ro("ptr", [](const Buffer& b) { return reinterpret_cast<uintptr_t>(b.data); })
       .def_prop_ro("is_cuda", [](const Buffer& b) { return b.device_type == kDLCUDA; })
@@ -397,18 +466,19 @@ NB_MODULE(_shmps, m) {
                    [](PyWorker& w) { return w.call([](shmps::Worker& x) { return x.last_version(); }); })
       .def_prop_ro("closed", &PyWorker::closed)
       .def("tensors", &PyWorker::tensors)
-      .def("buffer_id", &PyWorker::buffer_id, "buffer"_a)
+      .def_prop_ro("serial", &PyWorker::serial)
       .def("register_buffer", &PyWorker::register_buffer, "nbytes"_a)
       .def("alloc_device_buffer", &PyWorker::alloc_device_buffer, "nbytes"_a, "device"_a)
       .def("register_device_buffer", &PyWorker::register_device_buffer, "ptr"_a, "nbytes"_a, "device"_a, "owner"_a)
-      .def("unregister_buffer", &PyWorker::unregister_buffer, "buffer_id"_a)
-      .def("push", &PyWorker::push, "tensor"_a, "buffer"_a, "offset"_a, "nbytes"_a, "dtype"_a, "version"_a, "stream"_a)
-      .def("push_async", &PyWorker::push_async, "tensor"_a, "buffer"_a, "offset"_a, "nbytes"_a, "dtype"_a, "version"_a,
-           "stream"_a)
+      .def("unregister_buffer", &PyWorker::unregister_buffer, "buffer_id"_a, "registration"_a)
+      .def("push", &PyWorker::push, "tensor"_a, "buffer"_a, "registration"_a, "offset"_a, "nbytes"_a, "dtype"_a,
+           "version"_a, "stream"_a)
+      .def("push_async", &PyWorker::push_async, "tensor"_a, "buffer"_a, "registration"_a, "offset"_a, "nbytes"_a,
+           "dtype"_a, "version"_a, "stream"_a)
       .def("wait", &PyWorker::wait, "ticket"_a)
-      .def("pull", &PyWorker::pull, "tensor"_a, "buffer"_a, "offset"_a, "stream"_a)
-      .def("pull_async", &PyWorker::pull_async, "tensor"_a, "buffer"_a, "offset"_a, "stream"_a)
-      .def("init", &PyWorker::init, "buffer"_a, "offset"_a, "stream"_a)
+      .def("pull", &PyWorker::pull, "tensor"_a, "buffer"_a, "registration"_a, "offset"_a, "stream"_a)
+      .def("pull_async", &PyWorker::pull_async, "tensor"_a, "buffer"_a, "registration"_a, "offset"_a, "stream"_a)
+      .def("init", &PyWorker::init, "buffer"_a, "registration"_a, "offset"_a, "stream"_a)
       .def("stats", &PyWorker::stats)
       .def("ping", &PyWorker::ping)
       .def("detach", &PyWorker::detach)

@@ -481,3 +481,51 @@ def test_server_refuses_a_shape_given_as_text_and_a_bad_name_with_its_own_messag
         shmps.Server(tensors=[("a", "33")])
     with pytest.raises(shmps.ServerNotRunningError, match="name"):
         shmps.Server(tensors=[("a", (1,))], name="a/b").start()
+
+
+def test_a_child_forked_during_a_call_gets_an_error_not_a_hang(make_server):
+    # Another thread of the parent is inside a call (its lock held) when
+    # the process forks: the child's use of the parent's Worker raises at
+    # once, and closing it in the child neither blocks nor detaches.
+    server = make_server()
+    w = shmps.connect(server.name, timeout=2)
+    grad = w.register_buffer(w.total_elements * 4)
+    os.kill(server.process.pid, signal.SIGSTOP)
+    def push():
+        try:
+            w.push(grad, 0)  # answered once the server goes on, or timed out
+        except shmps.Error:
+            pass
+
+    t = threading.Thread(target=push)
+    try:
+        t.start()
+        time.sleep(0.2)  # the push is waiting for the stopped server
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                w.ping()
+            except shmps.InvalidArgumentError as e:
+                code = 0 if "connect its own" in str(e) else 2
+            except BaseException:
+                code = 3
+            if code == 0 and (w.closed or w.close() is not None):
+                code = 4
+            os._exit(code)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on its parent's Worker")
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        t.join(10)
+    w.ping()  # the parent's session is untouched
+    w.close()
