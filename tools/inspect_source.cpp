@@ -97,8 +97,17 @@ void copy_rings(void* to, const void* from, const shm::SegmentHeader& h) {
       const uint64_t stride = ring < g.completions_offset ? g.lane_stride : g.completion_stride;
       auto* out = static_cast<char*>(to) + ring;
       const auto* in = static_cast<const char*>(from) + ring;
-      copy_words(out + kHead, in + kHead, 8);
-      copy_words(out + kTail, in + kTail, 8);
+      // A few tries, as a live reader retries: preempted between the two
+      // loads, the ring may have moved more than its capacity.
+      for (int tries = 0; tries < 3; ++tries) {
+        copy_words(out + kHead, in + kHead, 8);
+        copy_words(out + kTail, in + kTail, 8);
+        uint64_t head = 0;
+        uint64_t tail = 0;
+        std::memcpy(&head, out + kHead, sizeof head);
+        std::memcpy(&tail, out + kTail, sizeof tail);
+        if (tail - head <= h.lane_capacity) break;
+      }
       copy_words(out + 8, in + 8, kHead - 8);
       copy_words(out + kHead + 8, in + kHead + 8, stride - kHead - 8);
     }
@@ -128,6 +137,26 @@ bool guarded_copy(void* to, const void* from, size_t bytes, const shm::SegmentHe
   return copied;
 }
 
+// Whether the header at `copy` is a published segment's of exactly `size`
+// bytes (magic, layout version, its size and the size its counts give):
+// only then is the rest worth reading. validate_segment says what is wrong
+// with one that is not, from the header alone.
+bool header_fits(const void* copy, uint64_t size) {
+  if (size < sizeof(shm::SegmentHeader)) return false;
+  const auto& h = *static_cast<const shm::SegmentHeader*>(copy);
+  // relaxed: a private copy.
+  return h.magic == shm::kMagic && h.layout_version.load(std::memory_order_relaxed) == shm::kLayoutVersion &&
+         h.segment_size == size &&
+         shm::compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity).segment_size == size;
+}
+
+// The largest segment any counts allow: bigger objects are not segments.
+uint64_t largest_segment_size() {
+  return shm::compute_geometry(shm::kMaxTensorsLimit, shm::kMaxWorkersLimit, shm::kMaxBuffersLimit,
+                               shm::kMaxLaneCapacity)
+      .segment_size;
+}
+
 }  // namespace
 
 Loaded load_segment(const std::string& name) {
@@ -148,15 +177,27 @@ Loaded load_segment(const std::string& name) {
       s = Status{ErrorCode::kServerNotRunning, "segment not sized yet (server starting)"};
     } else {
       const shm::ShmObject& live = **opened;
+      if (live.size() > largest_segment_size())
+        return failure(ExitCode::kBadSegment, path + " holds " + std::to_string(live.size()) +
+                                                  " bytes, more than any shmps segment (" +
+                                                  std::to_string(largest_segment_size()) + ")");
       Loaded l;
       l.image.copy = zeroed(live.size());
       if (!l.image.copy) return failure(ExitCode::kError, "cannot allocate " + std::to_string(live.size()) + " bytes");
-      if (!guarded_copy(l.image.copy.get(), live.data(), live.size()))
+      // The header first, as for --file: an object that is not a
+      // published segment of its size (a worker's buffer, a server still
+      // starting) is judged from its header and never copied whole.
+      const size_t head = std::min<size_t>(live.size(), sizeof(shm::SegmentHeader));
+      if (!guarded_copy(l.image.copy.get(), live.data(), head))
+        return failure(ExitCode::kBadSegment, path + ": the segment shrank while being read");
+      const bool fits = header_fits(l.image.copy.get(), live.size());
+      if (fits && !guarded_copy(l.image.copy.get(), live.data(), live.size()))
         return failure(ExitCode::kBadSegment, path + ": the segment shrank while being read");
       l.image.source = path;
       l.image.data = l.image.copy.get();
       l.image.size = live.size();
       s = shm::validate_segment(l.image.data, l.image.size);
+      if (!fits && s.ok()) s = Status{ErrorCode::kLayoutMismatch, "the header does not describe this object"};
       if (s.ok()) {
         // The geometry is the copy's (validated), not the live header's.
         const auto& copied = *static_cast<const shm::SegmentHeader*>(l.image.data);
@@ -185,12 +226,10 @@ Loaded load_file(const std::string& path) {
   if (::fstat(f.fd, &st) != 0) return failure(ExitCode::kError, "fstat '" + path + "': " + errno_text(errno));
   if (!S_ISREG(st.st_mode)) return failure(ExitCode::kError, "'" + path + "' is not a regular file");
   const auto size = static_cast<uint64_t>(st.st_size);
-  const shm::Geometry largest =
-      shm::compute_geometry(shm::kMaxTensorsLimit, shm::kMaxWorkersLimit, shm::kMaxBuffersLimit, shm::kMaxLaneCapacity);
-  if (size > largest.segment_size)
+  if (size > largest_segment_size())
     return failure(ExitCode::kBadSegment, "'" + path + "' holds " + std::to_string(size) +
                                               " bytes, more than any shmps segment (" +
-                                              std::to_string(largest.segment_size) + ")");
+                                              std::to_string(largest_segment_size()) + ")");
   Loaded l;
   l.image.copy = zeroed(size);
   if (!l.image.copy) return failure(ExitCode::kError, "cannot allocate " + std::to_string(size) + " bytes");
@@ -200,11 +239,7 @@ Loaded load_file(const std::string& path) {
   // then reads only the header and zero pages that cost nothing.
   const size_t head = std::min<uint64_t>(size, sizeof(shm::SegmentHeader));
   if (!read_at(f.fd, l.image.copy.get(), head, 0, path, &error)) return failure(ExitCode::kError, error);
-  const auto& h = *static_cast<const shm::SegmentHeader*>(l.image.copy.get());
-  // relaxed: a private copy.
-  if (size < sizeof(shm::SegmentHeader) || h.magic != shm::kMagic ||
-      h.layout_version.load(std::memory_order_relaxed) != shm::kLayoutVersion || h.segment_size != size ||
-      shm::compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity).segment_size != size) {
+  if (!header_fits(l.image.copy.get(), size)) {
     if (Status s = shm::validate_segment(l.image.copy.get(), size); !s.ok())
       return failure(exit_code_for(s), path + ": " + s.message());
   }

@@ -948,6 +948,28 @@ BOOST_AUTO_TEST_CASE(file_header_is_checked_before_the_body_is_read) {
   }
 }
 
+// A live object at a segment's name that is not a published segment of its
+// size (a foreign object, one still zero) is judged from its header, not
+// copied whole: --list meets every worker buffer left in /dev/shm.
+BOOST_AUTO_TEST_CASE(live_object_is_judged_by_its_header_before_a_copy) {
+  const std::string name = test::unique_name("bigobj");
+  const RemoveSegment cleanup{name};
+  const std::string path = "/dev/shm/" + shm::segment_object_name(name);
+  constexpr off_t kSparse = off_t{256} << 20;
+  for (const bool foreign : {true, false}) {
+    BOOST_TEST_CONTEXT((foreign ? "foreign magic" : "zeros")) {
+      write_all(path, foreign ? std::string(4096, 'A') : std::string());
+      BOOST_REQUIRE(::truncate(path.c_str(), kSparse) == 0);
+      const Run r = run_inspect({name});
+      BOOST_TEST(r.rc == (foreign ? 3 : 4), r.err);
+      BOOST_TEST(r.max_rss_kb < 64 * 1024, "peak RSS " << r.max_rss_kb << " KiB");
+      const Run listed = run_inspect({"--list"});
+      BOOST_TEST(listed.rc == 0, listed.err);
+      BOOST_TEST(listed.max_rss_kb < 64 * 1024, "peak RSS " << listed.max_rss_kb << " KiB");
+    }
+  }
+}
+
 // A writer that truncates the live segment while shmps-inspect reads it
 // makes a refresh fail (exit 3: "shrank while being read", or a size
 // mismatch), never a SIGBUS; --watch goes on after such a refresh.
