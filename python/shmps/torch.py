@@ -83,6 +83,7 @@ class RemoteOptimizer:
                 p.data = w
                 p.grad = g
         self._grad_ptrs = [(name, p.grad.data_ptr()) for name, p in self._params]
+        self._weight_ptrs = [p.data_ptr() for _, p in self._params]
 
     def _check_table(self):
         table = {t.name: t for t in self.worker.tensors}
@@ -127,6 +128,12 @@ class RemoteOptimizer:
                     f"parameter {name!r}: .grad no longer points into the shmps gradient buffer (it was set to None "
                     "or replaced, e.g. by zero_grad(set_to_none=True), torch 2.x's default): call "
                     "RemoteOptimizer.zero_grad() or model.zero_grad(set_to_none=False) instead")
+        for (name, _), (_, p), ptr in zip(self._grad_ptrs, self._params, self._weight_ptrs):
+            if p.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"parameter {name!r} no longer lives in the shmps weight buffer (its .data was reassigned): "
+                    "pulls would not reach it; copy into it in place instead (p.data.copy_(t), or "
+                    "model.load_state_dict, which copies)")
         self.applied = False
         ticket = self.worker.push_async(self._grad_buf, self.version, stream=self._stream())
         try:

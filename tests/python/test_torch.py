@@ -98,6 +98,20 @@ def test_grad_replaced_by_zero_grad_set_to_none_names_the_parameter(make_server)
             opt.step()
 
 
+def test_reassigned_data_names_the_parameter_and_in_place_copies_are_fine(make_server):
+    model = Net()
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    with shmps.connect(server.name) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w)
+        model.load_state_dict(Net().state_dict())  # copies in place: still in the buffer
+        model(torch.randn(2, 6)).sum().backward()
+        assert opt.step() == 1
+        model.fc2.bias.data = torch.zeros(3)  # a new tensor, outside the buffer
+        model(torch.randn(2, 6)).sum().backward()
+        with pytest.raises(RuntimeError, match="'fc2.bias'.*reassigned"):
+            opt.step()
+
+
 @pytest.mark.parametrize("on_stale", ["skip", "raise"])
 def test_a_stale_step_is_counted_and_leaves_fresh_weights(make_server, on_stale):
     """Two workers at max_staleness 0: the second one's step, computed
