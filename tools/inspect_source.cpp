@@ -9,9 +9,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstring>
-#include <thread>
+#include <filesystem>
 
 namespace shmps::inspect {
 namespace {
@@ -160,56 +159,45 @@ uint64_t largest_segment_size() {
 }  // namespace
 
 Loaded load_segment(const std::string& name) {
-  if (Status s = shm::validate_name(name); !s.ok()) return failure(ExitCode::kError, s.message());
-  const std::string object_name = shm::segment_object_name(name);
-  const std::string path = "/dev/shm/" + object_name;
-  // A server that is creating the segment may not have sized it (empty
-  // object) or published it yet: retry those for up to 2 s.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  while (true) {
-    Status s;
-    auto opened = shm::ShmObject::open(object_name, /*read_only=*/true);
-    if (!opened.ok()) {
-      const std::string& m = opened.status().message();
-      if (m.find("does not exist") != std::string::npos)
-        return failure(ExitCode::kNoSegment, "no shmps server named '" + name + "': " + path + " does not exist");
-      if (m.find("is empty") == std::string::npos) return failure(ExitCode::kError, m);
-      s = Status{ErrorCode::kServerNotRunning, "segment not sized yet (server starting)"};
-    } else {
-      const shm::ShmObject& live = **opened;
-      if (live.size() > largest_segment_size())
-        return failure(ExitCode::kBadSegment, path + " holds " + std::to_string(live.size()) +
-                                                  " bytes, more than any shmps segment (" +
-                                                  std::to_string(largest_segment_size()) + ")");
-      Loaded l;
-      l.image.copy = zeroed(live.size());
-      if (!l.image.copy) return failure(ExitCode::kError, "cannot allocate " + std::to_string(live.size()) + " bytes");
-      // The header first, as for --file: an object that is not a
-      // published segment of its size (a worker's buffer, a server still
-      // starting) is judged from its header and never copied whole.
-      const size_t head = std::min<size_t>(live.size(), sizeof(shm::SegmentHeader));
-      if (!guarded_copy(l.image.copy.get(), live.data(), head))
-        return failure(ExitCode::kBadSegment, path + ": the segment shrank while being read");
-      const bool fits = header_fits(l.image.copy.get(), live.size());
-      if (fits && !guarded_copy(l.image.copy.get(), live.data(), live.size()))
-        return failure(ExitCode::kBadSegment, path + ": the segment shrank while being read");
-      l.image.source = path;
-      l.image.data = l.image.copy.get();
-      l.image.size = live.size();
-      s = shm::validate_segment(l.image.data, l.image.size);
-      if (!fits && s.ok()) s = Status{ErrorCode::kLayoutMismatch, "the header does not describe this object"};
-      if (s.ok()) {
-        // The geometry is the copy's (validated), not the live header's.
-        const auto& copied = *static_cast<const shm::SegmentHeader*>(l.image.data);
-        if (!guarded_copy(l.image.copy.get(), live.data(), live.size(), &copied))
-          return failure(ExitCode::kBadSegment, path + ": the segment shrank while being read");
-        return l;
-      }
-    }
-    if (s.code() != ErrorCode::kServerNotRunning || std::chrono::steady_clock::now() >= deadline)
-      return failure(exit_code_for(s), path + ": " + s.message());
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const std::string path = "/dev/shm/" + shm::segment_object_name(name);
+  Loaded l;
+  const auto copy = [&](std::unique_ptr<shm::ShmObject>& live) -> Status {
+    const Status shrank{ErrorCode::kLayoutMismatch, path + ": the segment shrank while being read"};
+    const size_t size = live->size();
+    if (size > largest_segment_size())
+      return {ErrorCode::kLayoutMismatch, path + " holds " + std::to_string(size) +
+                                              " bytes, more than any shmps segment (" +
+                                              std::to_string(largest_segment_size()) + ")"};
+    l.image.copy = zeroed(size);
+    if (!l.image.copy) return {ErrorCode::kIo, "cannot allocate " + std::to_string(size) + " bytes"};
+    // The header first, as for --file: an object that is not a published
+    // segment of its size (a worker's buffer, a server still starting) is
+    // judged from its header and never copied whole.
+    if (!guarded_copy(l.image.copy.get(), live->data(), std::min<size_t>(size, sizeof(shm::SegmentHeader))))
+      return shrank;
+    const bool fits = header_fits(l.image.copy.get(), size);
+    if (fits && !guarded_copy(l.image.copy.get(), live->data(), size)) return shrank;
+    Status s = shm::validate_segment(l.image.copy.get(), size);
+    if (!s.ok()) return {s.code(), path + ": " + s.message()};
+    if (!fits) return {ErrorCode::kLayoutMismatch, path + ": the header does not describe this object"};
+    // The rings again, by the copy's geometry (validated), not the live header's.
+    if (!guarded_copy(l.image.copy.get(), live->data(), size,
+                      static_cast<const shm::SegmentHeader*>(l.image.copy.get())))
+      return shrank;
+    l.image.source = path;
+    l.image.data = l.image.copy.get();
+    l.image.size = size;
+    return Status::Ok();
+  };
+  const Status s = shm::open_segment_object(name, /*read_only=*/true, copy);
+  if (s.ok()) return l;
+  if (s.code() == ErrorCode::kServerNotRunning) {
+    // Both "no such object" and "not published yet": the object's
+    // existence tells them apart.
+    std::error_code ec;
+    return failure(std::filesystem::exists(path, ec) ? ExitCode::kUnpublished : ExitCode::kNoSegment, s.message());
   }
+  return failure(exit_code_for(s), s.message());
 }
 
 Loaded load_file(const std::string& path) {

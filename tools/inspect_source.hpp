@@ -37,10 +37,11 @@ struct Loaded {
   std::string error;  // what went wrong, when exit != kOk
 };
 
-// Copies "shmps.<name>" and validates the copy, as Segment::open does with
-// its mapping: waits up to 2 s for a segment still being sized or
-// published. A segment that shrinks while being copied (a SIGBUS on the
-// mapping) is kBadSegment, "the segment shrank while being read".
+// Copies "shmps.<name>" and validates the copy (shm::open_segment_object,
+// as Segment::open does with its mapping: up to 2 s for a segment still
+// being sized or published). A segment that shrinks while being copied (a
+// SIGBUS on the mapping) is kBadSegment, "the segment shrank while being
+// read".
 Loaded load_segment(const std::string& name);
 // Reads a regular file into memory (anything else is refused without being
 // opened for long: a FIFO does not block). A file larger than the largest

@@ -568,8 +568,9 @@ Status check_owner_and_mode(const std::string& path, uid_t uid, gid_t gid, mode_
 
 }  // namespace
 
-Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool read_only,
-                                               const std::vector<uid_t>* trusted_owners) {
+Status open_segment_object(const std::string& name, bool read_only,
+                           const std::function<Status(std::unique_ptr<ShmObject>&)>& accept,
+                           const std::function<Status(uid_t, gid_t, mode_t)>& on_empty) {
   if (Status s = validate_name(name); !s.ok()) return s;
   const std::string object_name = segment_object_name(name);
   const std::string path = "/dev/shm/" + object_name;
@@ -585,33 +586,50 @@ Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool rea
         return Status{ErrorCode::kServerNotRunning,
                       "no shmps server named '" + name + "': " + path + " does not exist"};
       if (m.find("is empty") == std::string::npos) return opened.status();
-      // An empty object is not worth waiting for unless its owner is trusted.
       struct stat st {};
-      if (trusted_owners != nullptr && ::lstat(path.c_str(), &st) == 0) {
-        if (Status t = check_owner_and_mode(path, st.st_uid, st.st_gid, st.st_mode, *trusted_owners); !t.ok()) return t;
+      if (on_empty && ::lstat(path.c_str(), &st) == 0) {
+        if (Status t = on_empty(st.st_uid, st.st_gid, st.st_mode); !t.ok()) return t;
       }
-      s = Status{ErrorCode::kServerNotRunning, "segment not sized yet (server starting)"};
+      s = Status{ErrorCode::kServerNotRunning, path + ": segment not sized yet (server starting)"};
     } else {
-      const ShmObject& obj = **opened;
-      if (trusted_owners != nullptr) {
-        if (Status t = check_owner_and_mode(path, obj.owner_uid(), obj.owner_gid(), obj.mode(), *trusted_owners);
-            !t.ok())
-          return t;
-      }
-      s = validate_segment(obj.data(), obj.size());
-      if (s.ok() && trusted_owners != nullptr && (obj.mode() & 0070) != 0 &&
-          (static_cast<const SegmentHeader*>(obj.data())->config.flags & kConfigGroupAccess) == 0)
-        return Status{ErrorCode::kPermission,
-                      path + " (" + owner_and_mode(obj.owner_uid(), obj.owner_gid(), obj.mode()) +
-                          ") gives its group access, but its server was not started with --group-access: not "
-                          "attaching to it. Remove it (sudo rm " +
-                          path + ") and restart the server"};
-      if (s.ok()) return std::unique_ptr<Segment>(new Segment(name, std::move(opened).value()));
+      s = accept(*opened);
+      if (s.ok()) return s;
     }
-    if (s.code() != ErrorCode::kServerNotRunning || std::chrono::steady_clock::now() >= deadline)
-      return Status{s.code(), path + ": " + s.message()};
+    if (s.code() != ErrorCode::kServerNotRunning || std::chrono::steady_clock::now() >= deadline) return s;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+}
+
+Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool read_only,
+                                               const std::vector<uid_t>* trusted_owners) {
+  const std::string path = "/dev/shm/" + segment_object_name(name);
+  std::unique_ptr<Segment> segment;
+  const auto accept = [&](std::unique_ptr<ShmObject>& obj) -> Status {
+    if (trusted_owners != nullptr) {
+      if (Status t = check_owner_and_mode(path, obj->owner_uid(), obj->owner_gid(), obj->mode(), *trusted_owners);
+          !t.ok())
+        return t;
+    }
+    if (Status s = validate_segment(obj->data(), obj->size()); !s.ok())
+      return Status{s.code(), path + ": " + s.message()};
+    if (trusted_owners != nullptr && (obj->mode() & 0070) != 0 &&
+        (static_cast<const SegmentHeader*>(obj->data())->config.flags & kConfigGroupAccess) == 0)
+      return Status{ErrorCode::kPermission,
+                    path + " (" + owner_and_mode(obj->owner_uid(), obj->owner_gid(), obj->mode()) +
+                        ") gives its group access, but its server was not started with --group-access: not "
+                        "attaching to it. Remove it (sudo rm " +
+                        path + ") and restart the server"};
+    segment.reset(new Segment(name, std::move(obj)));
+    return Status::Ok();
+  };
+  // An empty object is not worth waiting for unless its owner is trusted.
+  const auto trust_empty = [&](uid_t uid, gid_t gid, mode_t mode) {
+    return check_owner_and_mode(path, uid, gid, mode, *trusted_owners);
+  };
+  Status s = trusted_owners != nullptr ? open_segment_object(name, read_only, accept, trust_empty)
+                                       : open_segment_object(name, read_only, accept);
+  if (!s.ok()) return s;
+  return segment;
 }
 
 void Segment::remove(const std::string& name) { ShmObject::remove(segment_object_name(name)); }

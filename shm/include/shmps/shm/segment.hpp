@@ -8,6 +8,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -116,6 +117,19 @@ Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t 
 // version is not published yet, or kOk. Reads only.
 Status validate_segment(const void* base, size_t size);
 
+// Opens the object of segment "shmps.<name>" (read-only or not) and hands
+// it to `accept`, which judges it (the mapping itself, or a copy of it) and
+// takes it when it is good. Retried for up to 2 s while the object is empty
+// (a server that has not sized it yet) or accept() answers
+// kServerNotRunning (one that has not published it yet); the last answer
+// then. No such object: kServerNotRunning, "no shmps server named ...".
+// `on_empty`, when given, judges an empty object by its owner and mode
+// before it is waited for (a worker waits only for a server it trusts).
+// Other errors as ShmObject::open's.
+Status open_segment_object(const std::string& name, bool read_only,
+                           const std::function<Status(std::unique_ptr<ShmObject>&)>& accept,
+                           const std::function<Status(uid_t, gid_t, mode_t)>& on_empty = {});
+
 class Segment {
  public:
   // Server: creates and initialises the control segment, leaving it
@@ -124,8 +138,8 @@ class Segment {
   // is dead; a live server is never clobbered (kInvalidArgument naming its
   // pid), a foreign object is never adopted (kLayoutMismatch).
   static Result<std::unique_ptr<Segment>> create(const SegmentSpec& spec, uint64_t generation);
-  // Worker or shmps-inspect: opens and validates "shmps.<name>". Waits up
-  // to 2 s for a segment still being initialised. With `trusted_owners`
+  // Worker: opens and validates "shmps.<name>" (open_segment_object()).
+  // Waits up to 2 s for a segment still being initialised. With `trusted_owners`
   // (a worker), the object is checked before a byte of it is read: owned
   // by one of those uids, not world-writable, and its group bits only as
   // the server's kConfigGroupAccess says. Errors: kServerNotRunning (no
