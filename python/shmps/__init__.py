@@ -11,9 +11,10 @@
 A Worker is the process's connection to one shmps-server (the C++
 shmps::Worker underneath); buffers are POSIX shared memory the server maps
 once, or CUDA memory it opens by IPC handle. Blocking calls release the GIL.
-Calls on one Worker from several threads run one at a time; a buffer must not be written while a
-push reading it (or read while a pull writing it) is in flight. The torch
-layer is shmps.torch (RemoteOptimizer). docs/python.md has the whole API.
+Calls on one Worker from several threads run one at a time; a buffer must
+not be written while a push reading it (or read while a pull writing it) is
+in flight. The torch layer is shmps.torch (RemoteOptimizer). docs/python.md
+has the whole API.
 """
 
 import builtins
@@ -262,7 +263,7 @@ class Worker:
             if buffer.worker != self._w.serial:
                 raise _errors.InvalidArgumentError(f"buffer {buffer.id} was registered by another Worker")
             return buffer.id, buffer.registration
-        if isinstance(buffer, (bytes, str, float)) or not hasattr(buffer, "__index__"):
+        if not hasattr(buffer, "__index__"):
             raise TypeError(f"buffer must be a shmps.Buffer or a buffer id, not {type(buffer).__name__}")
         return _unsigned("buffer", buffer, 32), 0
 

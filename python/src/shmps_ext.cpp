@@ -11,7 +11,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
-#include <pthread.h>
 
 #include <atomic>
 #include <chrono>
@@ -80,8 +79,9 @@ constexpr int kDLCUDA = 2;
 // unregistered; `owner` keeps a framework's tensor alive for
 // register_device_buffer(tensor). `worker` and `registration` name the
 // Worker and the registration it came from, so that a Buffer of another
-// Worker, or one unregistered whose id now names another buffer, is
-// refused rather than sent as a bare id (PyWorker::buffer_id()).
+// Worker (shmps/__init__.py), or one unregistered whose id now names
+// another buffer (PyWorker::check_buffer()), is refused rather than sent
+// as a bare id.
 struct Buffer {
   uint32_t id = 0;
   uint64_t worker = 0;
@@ -116,12 +116,6 @@ int buffer_getbuffer(PyObject* self, Py_buffer* view, int flags) {
 }
 
 PyType_Slot buffer_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(buffer_getbuffer)}, {0, nullptr}};
-
-// fork()s of this process so far (pthread_atfork): a Worker made before
-// one is its parent's, and its lock may have been held by a parent's thread
-// that the child does not have.
-std::atomic<uint64_t> g_forks{0};
-extern "C" void count_fork() { g_forks.fetch_add(1, std::memory_order_relaxed); }  // relaxed: one thread in the child
 
 // shmps::Worker for Python; closed (null) after close().
 class PyWorker {
@@ -343,7 +337,9 @@ class PyWorker {
     throw e;
   }
 
-  bool forked() const { return g_forks.load(std::memory_order_relaxed) != forks_; }  // relaxed: see count_fork
+  // A Worker made before a fork() is the parent's, and its lock may have
+  // been held by a parent's thread that the child does not have.
+  bool forked() const { return shmps::fork_generation() != forks_; }
 
   // Under mu_: records buffer `id` as registered now; its registration.
   uint64_t record(uint32_t id) {
@@ -377,7 +373,7 @@ class PyWorker {
   };
   inline static std::atomic<uint64_t> next_serial_{1};
   const uint64_t serial_ = next_serial_.fetch_add(1, std::memory_order_relaxed);  // relaxed: a unique number
-  const uint64_t forks_ = g_forks.load(std::memory_order_relaxed);                // relaxed: see count_fork
+  const uint64_t forks_ = shmps::fork_generation();
   // Under the GIL. Declared before w_ so that they outlive it: the Worker
   // detaches (and its requests in flight end) before the memory they read
   // is freed.
@@ -404,7 +400,6 @@ std::unique_ptr<PyWorker> connect(const std::string& name, double timeout, bool 
 }  // namespace
 
 NB_MODULE(_shmps, m) {
-  ::pthread_atfork(nullptr, nullptr, count_fork);
   m.doc() = "shmps worker library binding (use the shmps package)";
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {

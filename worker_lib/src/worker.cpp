@@ -94,10 +94,10 @@ struct FaultPoint {
 };
 }  // namespace
 
-// Bumped in the child of every fork() (pthread_atfork). A Worker remembers
-// the value it was connected under: one inherited across fork() refuses
-// every call, which would share the parent's single-producer lane, and its
-// destructor leaves the parent's session and buffers alone.
+// fork_generation()'s count. A Worker remembers the value it was connected
+// under: one inherited across fork() refuses every call, which would share
+// the parent's single-producer lane, and its destructor leaves the
+// parent's session and buffers alone.
 std::atomic<uint64_t> g_fork_generation{0};
 
 uint64_t fork_generation() {

@@ -149,6 +149,13 @@ class DeviceMemory {
   int device_;
 };
 
+// How many fork()s made this process from the one it started as (bumped in
+// each child by pthread_atfork). A Worker connected under another value is
+// its parent's: its calls are refused ("a fork()ed child must connect its
+// own"); a wrapper with state of its own (a lock a parent's thread may have
+// held) compares the value it saw at connect() to tell the same.
+uint64_t fork_generation();
+
 class Worker {
  public:
   using Ticket = uint64_t;  // an asynchronous request's id
