@@ -162,6 +162,15 @@ def med(values):
     return statistics.median(values) if values else None
 
 
+def tail_share(run):
+    """The share of a run's updates made after its first worker ended (the
+    others trained on without it), or None where the run does not say."""
+    ends = run.get("ends")
+    if not ends or not run["updates"]:
+        return None
+    return (run["updates"] - ends[0][2]) / run["updates"]
+
+
 def summarize(runs, args):
     delay = med([r['delay'] for r in runs if r['delay']])
     straggler = "no straggler" if delay is None else \
@@ -169,8 +178,8 @@ def summarize(runs, args):
     lines = [f"{PROCS} workers (and 1 alone), {args.epochs} epochs, max_staleness {args.max_staleness}, "
              f"medians of {args.repeats}; {straggler}", "",
              f"| configuration | final test acc | time to {TARGET} | wall | updates | wasted (rejected) | "
-             "staleness p50 / p99 / max | pulls held (time) | pushes scaled |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "staleness p50 / p99 / max | pulls held (time) | pushes scaled | updates after the first worker ended |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     by_label = {}
     for label, arm, procs, straggler in configurations():
         rs = [r for r in runs if r["label"] == label]
@@ -187,9 +196,11 @@ def summarize(runs, args):
         t_text = "never" if med(t) is None else f"{med(t):.1f} s"
         if reached != len(rs):
             t_text += f" ({reached}/{len(rs)})"
+        tails = [tail_share(r) for r in rs]
+        tail = "-" if med(tails) is None else f"{100 * med(tails):.1f}%"
         lines.append(f"| {label} | {med([r['curve'][-1][2] for r in rs]):.4f} | {t_text} | "
                      f"{med([r['wall'] for r in rs]):.1f} s | {med([r['updates'] for r in rs]):.0f} | "
-                     f"{med([r['rejected'] for r in rs]):.0f} | {stal} | {held} | {scaled} |")
+                     f"{med([r['rejected'] for r in rs]):.0f} | {stal} | {held} | {scaled} | {tail} |")
 
     def acc(label):
         return med([r["curve"][-1][2] for r in by_label.get(label, [])])

@@ -150,11 +150,19 @@ def run_torch_arm(arm, procs, epochs, seed, train_limit, eval_every, lr, batch, 
         start = time.monotonic()
         gate.set()
         next_eval = eval_every
-        while any(w.is_alive() for w in workers):
+        # (workers still running, seconds, updates) each time one ends: how
+        # much of the run the last workers trained without the others.
+        ends = []
+        alive = procs
+        while alive:
             done = sum(updates)
             if done >= next_eval:
                 snaps.append((time.monotonic() - start, done, snapshot()))
                 next_eval = (done // eval_every + 1) * eval_every
+            now_alive = sum(w.is_alive() for w in workers)
+            if now_alive != alive:
+                ends.append((now_alive, time.monotonic() - start, sum(updates)))
+                alive = now_alive
             time.sleep(0.002)
         wall = time.monotonic() - start
         for w in workers:
@@ -176,7 +184,7 @@ def run_torch_arm(arm, procs, epochs, seed, train_limit, eval_every, lr, batch, 
             server.stop()
 
     return {"wall": wall, "updates": sum(updates), "rejected": sum(stale), "curve": score(snaps, tx, ty),
-            "staleness": staleness}
+            "staleness": staleness, "ends": ends}
 
 
 def score(snaps, tx, ty):
