@@ -238,11 +238,15 @@ await_equal_anchors
 [ -n "$same" ] || fail "after the restart the anchor hashes never agreed: ${hashes[*]} at rounds ${rounds[*]}"
 [ "$same" -ge "$newest" ] || fail "resumed at round $same, below the newest checkpointed round $newest"
 echo "resumed at round $newest: anchor hash ${hashes[0]} on all three hosts"
-# The run goes on: another epoch per host, merged, still a good model.
-start_trainers resumed 7 --workers 1 --epochs 1 --train-limit 10000
+# The run goes on: two more epochs per host, merged, still a good model.
+# The checkpoints hold a second or two of training (the kill comes soon
+# after round 10), so the resumed run is given about the rest of the
+# reference's budget: with less, the score sits within noise of the 1 pp
+# margin.
+start_trainers resumed 7 --workers 1 --epochs 2 --train-limit 30000
 for r in 0 1 2; do wait "${pids[$r]}" || fail "shmps-train on host $r failed after the restart"; done
 await_equal_anchors
 [ -n "$same" ] || fail "after more training the anchor hashes never agreed: ${hashes[*]}"
-score_at_least_reference resumed 0 "the model after the restart and one more epoch"
+score_at_least_reference resumed 0 "the model after the restart and two more epochs"
 stop_job restarted
 echo "PASS"
