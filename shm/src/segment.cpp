@@ -163,9 +163,11 @@ namespace {
 
 // Fills identity fields from the descriptor and maps the object. Anything
 // but a regular file is refused before it is read: a FIFO or device placed
-// at the name must not block or feed its reader.
+// at the name must not block or feed its reader. *empty: refused for its
+// 0 bytes.
 Status map_object(int fd, bool read_only, const std::string& name, uint64_t* inode, uid_t* uid, gid_t* gid,
-                  mode_t* mode, void** address, size_t* size) {
+                  mode_t* mode, void** address, size_t* size, bool* empty) {
+  *empty = false;
   struct stat st {};
   if (::fstat(fd, &st) != 0) return {ErrorCode::kIo, "fstat '" + name + "': " + errno_text(errno)};
   *inode = st.st_ino;
@@ -175,9 +177,11 @@ Status map_object(int fd, bool read_only, const std::string& name, uint64_t* ino
   if (!S_ISREG(st.st_mode))
     return {ErrorCode::kIo, "shm object '" + name + "' is not a regular file (" +
                                 owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ")"};
-  if (st.st_size == 0)
+  if (st.st_size == 0) {
+    *empty = true;
     return {ErrorCode::kIo,
             "shm object '" + name + "' is empty (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ")"};
+  }
   const auto bytes = static_cast<size_t>(st.st_size);
   void* mapped = ::mmap(nullptr, bytes, read_only ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (mapped == MAP_FAILED) return {ErrorCode::kIo, "mmap '" + name + "': " + errno_text(errno)};
@@ -227,8 +231,9 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
                                                   " available"};
       return Status{ErrorCode::kIo, "posix_fallocate '" + object_name + "': " + errno_text(err)};
     }
+    bool empty = false;
     if (Status s = map_object(fd, false, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
-                              &obj->region_->address, &obj->region_->size);
+                              &obj->region_->address, &obj->region_->size, &empty);
         !s.ok()) {
       bip::shared_memory_object::remove(object_name.c_str());
       return s;
@@ -242,7 +247,11 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
   return obj;
 }
 
-Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_name, bool read_only) {
+Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_name, bool read_only,
+                                                   OpenFailure* failure) {
+  OpenFailure unused = OpenFailure::kOther;
+  OpenFailure& why = failure != nullptr ? *failure : unused;
+  why = OpenFailure::kOther;
   if (object_name.empty() || object_name.size() >= kNameBytes || object_name.find('/') != std::string::npos)
     return Status{ErrorCode::kInvalidArgument, "bad shm object name '" + object_name + "'"};
   std::unique_ptr<ShmObject> obj(new ShmObject());
@@ -255,11 +264,14 @@ Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_nam
     const int err = errno;
     if (err == EACCES || err == EPERM) return permission_denied(object_name, read_only, err);
     const std::string what = "open shm object '" + object_name + "': ";
+    if (err == ENOENT) why = OpenFailure::kNoObject;
     return Status{ErrorCode::kIo, what + (err == ENOENT ? std::string("does not exist") : errno_text(err))};
   }
+  bool empty = false;
   const Status mapped = map_object(fd, read_only, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
-                                   &obj->region_->address, &obj->region_->size);
+                                   &obj->region_->address, &obj->region_->size, &empty);
   ::close(fd);  // the mapping stays
+  if (empty) why = OpenFailure::kEmpty;
   if (!mapped.ok()) return mapped;
   obj->data_ = obj->region_->address;
   obj->size_ = obj->region_->size;
@@ -578,14 +590,14 @@ Status open_segment_object(const std::string& name, bool read_only,
   // object) or written it (zero header) yet: retry those for up to 2 s.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   while (true) {
-    auto opened = ShmObject::open(object_name, read_only);
+    ShmObject::OpenFailure failure = ShmObject::OpenFailure::kOther;
+    auto opened = ShmObject::open(object_name, read_only, &failure);
     Status s;
     if (!opened.ok()) {
-      const std::string& m = opened.status().message();
-      if (m.find("does not exist") != std::string::npos)
+      if (failure == ShmObject::OpenFailure::kNoObject)
         return Status{ErrorCode::kServerNotRunning,
                       "no shmps server named '" + name + "': " + path + " does not exist"};
-      if (m.find("is empty") == std::string::npos) return opened.status();
+      if (failure != ShmObject::OpenFailure::kEmpty) return opened.status();
       struct stat st {};
       if (on_empty && ::lstat(path.c_str(), &st) == 0) {
         if (Status t = on_empty(st.st_uid, st.st_gid, st.st_mode); !t.ok()) return t;

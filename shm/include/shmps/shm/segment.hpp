@@ -44,11 +44,17 @@ class ShmObject {
   // kPermission, kNoCapacity, kIo (EEXIST included).
   static Result<std::unique_ptr<ShmObject>> create(const std::string& object_name, size_t bytes, mode_t mode,
                                                    gid_t group = static_cast<gid_t>(-1));
-  // Maps an existing object whole. Errors: kIo with "does not exist" for
-  // ENOENT; kPermission naming the object's path, owner user:group and
+  // Why open() failed, where a caller treats the case apart (a server that
+  // is not there yet): no object at the name, or one of 0 bytes, which its
+  // creator has not sized yet. kOther: any other failure.
+  enum class OpenFailure : uint8_t { kOther, kNoObject, kEmpty };
+  // Maps an existing object whole. Errors: kIo ("does not exist" for
+  // ENOENT, "is empty" with its owner and mode for 0 bytes: *failure says
+  // which); kPermission naming the object's path, owner user:group and
   // mode, this process's user, and what would let it in (the group to
   // join, --group-access); kIo.
-  static Result<std::unique_ptr<ShmObject>> open(const std::string& object_name, bool read_only);
+  static Result<std::unique_ptr<ShmObject>> open(const std::string& object_name, bool read_only,
+                                                 OpenFailure* failure = nullptr);
   // shm_unlink; nothing happens when it is already gone.
   static void remove(const std::string& object_name);
 
