@@ -54,6 +54,8 @@ std::string_view error_code_name(ErrorCode code) noexcept {
       return "internal";
     case ErrorCode::kInitRefused:
       return "init_refused";
+    case ErrorCode::kInterrupted:
+      return "interrupted";
   }
   return "unknown";
 }

@@ -20,6 +20,8 @@ has the whole API.
 import builtins
 import dataclasses
 import operator
+import os
+import threading
 import typing
 
 from . import _errors
@@ -27,12 +29,24 @@ from ._errors import *  # noqa: F401,F403 (the exception classes)
 from ._errors import Error, StaleError
 from ._server import Server, server_binary
 from ._shmps import ALL_TENSORS, ERROR_CODES, STATS_FIELDS, Buffer
+from ._shmps import _set_main_thread
 from ._shmps import connect as _connect
 
 _errors.check_codes(ERROR_CODES)
 
-# The error classes named as builtins (TimeoutError, PermissionError: their
-# subclasses) are left out, so that `from shmps import *` does not shadow
+
+# A blocking call on the main thread runs the signal handlers while it
+# waits (Ctrl-C raises KeyboardInterrupt within about 20 ms): the extension
+# needs to know which thread that is, here and in a fork()ed child.
+def _note_main_thread():
+    _set_main_thread(threading.main_thread().ident)
+
+
+_note_main_thread()
+os.register_at_fork(after_in_child=_note_main_thread)
+
+# The error classes named as builtins (TimeoutError, PermissionError,
+# InterruptedError: their subclasses) are left out, so that `from shmps import *` does not shadow
 # the builtins; shmps.TimeoutError names them.
 __all__ = ["connect", "Worker", "Buffer", "TensorInfo", "Stats", "Server", "server_binary", "ALL_TENSORS", "Error"] + [
     cls.__name__ for cls in _errors.BY_CODE.values() if not hasattr(builtins, cls.__name__)]

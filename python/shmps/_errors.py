@@ -76,13 +76,17 @@ CudaError = _error("CudaError", 20, "cuda", "A CUDA call failed; the message nam
 InternalError = _error("InternalError", 21, "internal", "A broken invariant inside shmps (a bug).")
 InitRefusedError = _error("InitRefusedError", 22, "init_refused",
                           "init() was refused: the weights were already initialised, or pushes applied.")
+InterruptedError = _error("InterruptedError", 23, "interrupted",
+                          "A pull the server held back (--staleness-policy wait) was cancelled by an interrupted "
+                          "wait; nothing was copied. (The interrupted wait itself raises its signal handler's "
+                          "exception.)", builtins.InterruptedError)
 
 BY_CODE = {
     cls.code: cls
     for cls in (StaleError, BadLengthError, BadDtypeError, NonFiniteError, UnknownWorkerError, UnknownBufferError,
                 UnknownTensorError, BadRangeError, BadRequestError, BusyError, TimeoutError, ServerNotRunningError,
                 ServerRestartedError, LayoutMismatchError, PermissionError, NoCapacityError, InvalidArgumentError,
-                IoError, ShuttingDownError, CudaError, InternalError, InitRefusedError)
+                IoError, ShuttingDownError, CudaError, InternalError, InitRefusedError, InterruptedError)
 }
 
 

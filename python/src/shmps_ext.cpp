@@ -48,11 +48,40 @@ T take(shmps::Result<T>&& r) {
   return std::move(r).value();
 }
 
+// The thread Python runs signal handlers on (threading.main_thread(),
+// set by the package at import and in a fork()ed child).
+std::atomic<unsigned long> main_thread{0};
+
+// WorkerOptions::interrupted: while a call on the main thread waits with
+// the GIL released, runs the interpreter's signal handlers. A handler that
+// raised (Ctrl-C: KeyboardInterrupt) ends the wait and leaves its
+// exception set, for raised_during() to raise once the call returns; the
+// C++ call then fails with kInterrupted (an answer that came meanwhile is
+// kept for wait()). A wait with the GIL held is left alone (none of the
+// calls here wait so): nothing there would raise what a handler set.
+bool signal_handler_raised() {
+  if (PyThread_get_thread_ident() != main_thread.load(std::memory_order_relaxed)) return false;  // relaxed: one word
+  if (PyGILState_Check()) return false;
+  nb::gil_scoped_acquire gil;
+  return PyErr_Occurred() != nullptr || PyErr_CheckSignals() != 0;  // once raised, it stays the answer
+}
+
+// With the GIL: the exception a signal's handler raised while the call
+// returning `result` waited, if any, instead of its result.
+template <typename T>
+T raised_during(T&& result) {
+  if (PyErr_Occurred()) throw nb::python_error();
+  return std::forward<T>(result);
+}
+
 // f() with the GIL released: every call that waits for the server.
 template <typename F>
 auto unlocked(F&& f) {
-  nb::gil_scoped_release released;
-  return f();
+  auto result = [&] {
+    nb::gil_scoped_release released;
+    return f();
+  }();
+  return raised_during(std::move(result));
 }
 
 // Seconds as milliseconds, rounded up so that a positive wait never
@@ -130,21 +159,36 @@ class PyWorker {
   // f(worker) with the GIL released, one call at a time: shmps::Worker
   // serves one thread at a time, and close() must not free it under a call
   // in flight on another thread. The GIL is released before the lock is
-  // taken and taken back after it is released, so a thread holding the
-  // lock never waits for the GIL.
+  // taken, so no thread waits for the lock holding the GIL; the holder
+  // takes the GIL only to run signal handlers (signal_handler_raised()),
+  // and a handler that calls this Worker again on that thread is refused
+  // instead of waiting for the lock it holds.
   template <typename F>
   auto call(F&& f) {
     if (forked())
       throw StatusError{{shmps::ErrorCode::kInvalidArgument,
                          "this Worker was connected before a fork(): a fork()ed child must connect its own"}};
-    nb::gil_scoped_release released;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!w_) throw StatusError{{shmps::ErrorCode::kUnknownWorker, "this Worker is closed"}};
-    return f(*w_);
+    refuse_reentry("a call");
+    auto result = [&] {
+      nb::gil_scoped_release released;
+      Locked locked(*this);
+      if (!w_) throw StatusError{{shmps::ErrorCode::kUnknownWorker, "this Worker is closed"}};
+      return f(*w_);
+    }();
+    return raised_during(std::move(result));
+  }
+
+  // f(worker) for an identity value (its id, generation, size), which no
+  // call changes while this thread reads it: also from a signal handler
+  // while this thread's call waits (a repr() in the handler).
+  template <typename F>
+  auto identity(F&& f) {
+    if (!forked() && holds_lock()) return f(*w_);  // its call waits in the handler's frame below us
+    return call(std::forward<F>(f));
   }
 
   bool closed() {
-    if (forked()) return !w_;  // nothing else runs it in the child
+    if (forked() || holds_lock()) return !w_;  // nothing else runs it now
     nb::gil_scoped_release released;
     std::lock_guard<std::mutex> lock(mu_);
     return !w_;
@@ -300,9 +344,10 @@ class PyWorker {
     if (forked()) {
       (void)w_.release();  // the parent's (see ~PyWorker)
     } else {
+      refuse_reentry("close()");
       nb::gil_scoped_release released;
       std::lock_guard<std::mutex> lock(mu_);
-      w_.reset();
+      w_.reset();  // detaches (a detach is not interrupted: it cancels a held pull instead)
     }
     kept_.clear();
     versions_.clear();  // registrations_ stay: a Buffer passed after close() gets "closed"
@@ -340,6 +385,27 @@ class PyWorker {
   // A Worker made before a fork() is the parent's, and its lock may have
   // been held by a parent's thread that the child does not have.
   bool forked() const { return shmps::fork_generation() != forks_; }
+
+  // mu_ held by call(), with the holding thread noted for holds_lock().
+  struct Locked {
+    explicit Locked(PyWorker& pw) : w(pw), lock(pw.mu_) {
+      w.holder_.store(PyThread_get_thread_ident(), std::memory_order_relaxed);  // relaxed: see holds_lock()
+    }
+    ~Locked() { w.holder_.store(0, std::memory_order_relaxed); }
+    PyWorker& w;
+    std::lock_guard<std::mutex> lock;
+  };
+  // This thread holds mu_: a signal's handler runs on it while its call
+  // waits. (Only the holder stores its own id, so a thread reads its own id
+  // here only when it holds the lock; relaxed suffices.)
+  bool holds_lock() const { return holder_.load(std::memory_order_relaxed) == PyThread_get_thread_ident(); }
+  void refuse_reentry(const char* what) const {
+    if (holds_lock())
+      throw StatusError{{shmps::ErrorCode::kInvalidArgument,
+                         std::string(what) +
+                             " from a signal handler while a call of this Worker waits on the same thread: raise "
+                             "from the handler instead (the call then ends), and use the Worker after"}};
+  }
 
   // Under mu_: records buffer `id` as registered now; its registration.
   uint64_t record(uint32_t id) {
@@ -380,6 +446,7 @@ class PyWorker {
   std::map<uint32_t, Kept> kept_;          // by buffer id, while registered
   std::map<uint64_t, uint64_t> versions_;  // push_async ticket -> its worker_version
   std::mutex mu_;                          // held for each call of w_, and by close()
+  std::atomic<unsigned long> holder_{0};   // the thread in call() holding mu_ (0: none)
   // Under mu_:
   std::unique_ptr<shmps::Worker> w_;
   uint64_t last_registration_ = 0;
@@ -394,6 +461,7 @@ std::unique_ptr<PyWorker> connect(const std::string& name, double timeout, bool 
   o.reconnect = reconnect;
   o.wait_for_server = to_ms(wait_for_server, "wait_for_server");
   o.server_user = server_user;
+  o.interrupted = signal_handler_raised;
   return std::make_unique<PyWorker>(take(unlocked([&] { return shmps::Worker::connect(o); })));
 }
 
@@ -419,6 +487,7 @@ NB_MODULE(_shmps, m) {
     }
   });
 
+  m.def("_set_main_thread", [](unsigned long ident) { main_thread.store(ident, std::memory_order_relaxed); });
   m.attr("ALL_TENSORS") = shmps::kAllTensors;
   nb::dict codes;
   for (uint32_t c = 0; c <= static_cast<uint32_t>(shmps::kLastErrorCode); ++c)
@@ -451,12 +520,13 @@ NB_MODULE(_shmps, m) {
       });
 
   nb::class_<PyWorker>(m, "Worker")
-      .def_prop_ro("worker_id", [](PyWorker& w) { return w.call([](shmps::Worker& x) { return x.worker_id(); }); })
-      .def_prop_ro("generation", [](PyWorker& w) { return w.call([](shmps::Worker& x) { return x.generation(); }); })
+      .def_prop_ro("worker_id", [](PyWorker& w) { return w.identity([](shmps::Worker& x) { return x.worker_id(); }); })
+      .def_prop_ro("generation",
+                   [](PyWorker& w) { return w.identity([](shmps::Worker& x) { return x.generation(); }); })
       .def_prop_ro("server_pid",
-                   [](PyWorker& w) { return w.call([](shmps::Worker& x) { return int64_t{x.server_pid()}; }); })
+                   [](PyWorker& w) { return w.identity([](shmps::Worker& x) { return int64_t{x.server_pid()}; }); })
       .def_prop_ro("total_elements",
-                   [](PyWorker& w) { return w.call([](shmps::Worker& x) { return x.total_elements(); }); })
+                   [](PyWorker& w) { return w.identity([](shmps::Worker& x) { return x.total_elements(); }); })
       .def_prop_ro("last_version",
                    [](PyWorker& w) { return w.call([](shmps::Worker& x) { return x.last_version(); }); })
       .def_prop_ro("closed", &PyWorker::closed)

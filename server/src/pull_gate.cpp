@@ -4,8 +4,8 @@
 
 namespace shmps::server {
 
-PullGate::PullGate(const ServerConfig& config, const Sessions& sessions)
-    : config_(config), sessions_(sessions), slots_(config.max_workers) {}
+PullGate::PullGate(const ServerConfig& config, const Sessions& sessions, const shm::Segment& segment)
+    : config_(config), sessions_(sessions), segment_(segment), slots_(config.max_workers) {}
 
 PullGate::Slot& PullGate::slot(uint32_t i) {
   Slot& s = slots_[i];
@@ -61,6 +61,13 @@ void PullGate::park(uint32_t i, const shm::Request& req, uint64_t since) {
   s.parked_at = since;
 }
 
+bool PullGate::cancelled(uint32_t i) {
+  const Slot& s = slot(i);
+  // relaxed: the doorbell the worker rang after it published the word
+  // (SYNC(doorbell)); the value is only compared with the id we hold.
+  return s.parked && segment_.worker(i).cancel_request.load(std::memory_order_relaxed) == s.request.request_id;
+}
+
 std::string PullGate::holding_text(uint32_t i) {
   uint32_t who = 0;
   const uint64_t low = slowest(&who);
@@ -78,9 +85,10 @@ void PullGate::release_if(uint64_t now, bool all, std::vector<Released>* out) {
     Slot& s = slot(i);  // a session that ended drops its pull here
     if (!s.parked) continue;
     const uint64_t waited = now > s.parked_at ? now - s.parked_at : 0;
-    const bool wait = !all && must_wait(i);
+    const bool cancel = !all && cancelled(i);
+    const bool wait = !all && !cancel && must_wait(i);
     if (wait && waited < s.request.wait_ns) continue;
-    out->push_back({i, s.request, waited, wait,
+    out->push_back({i, s.request, waited, wait, cancel,
                     wait ? "held " + std::to_string(waited / 1'000'000) + " ms: " + holding_text(i) : std::string()});
     s.parked = false;
     --parked_;

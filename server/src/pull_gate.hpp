@@ -3,8 +3,10 @@
 // more than max_staleness clocks ahead of the slowest worker is held back
 // (parked) until the slowest catches up, that worker stops counting (it
 // detached, died or was evicted), the policy changes, or the pull's own
-// wait (Request::wait_ns) runs out. While its pull is parked, the rest of
-// that worker's lane waits behind it (requests are served in order).
+// wait (Request::wait_ns) runs out, or its worker cancels it
+// (WorkerEntry::cancel_request: its wait was interrupted). While its pull
+// is parked, the rest of that worker's lane waits behind it (requests are
+// served in order).
 // docs/design.md, "Staleness policies". Consumer thread only.
 #pragma once
 
@@ -15,12 +17,13 @@
 #include "sessions.hpp"
 #include "shmps/server/config.hpp"
 #include "shmps/shm/layout.hpp"
+#include "shmps/shm/segment.hpp"
 
 namespace shmps::server {
 
 class PullGate {
  public:
-  PullGate(const ServerConfig& config, const Sessions& sessions);
+  PullGate(const ServerConfig& config, const Sessions& sessions, const shm::Segment& segment);
 
   // Worker i's push was applied: its clock advances, and it counts toward
   // the slowest from now on.
@@ -31,6 +34,8 @@ class PullGate {
   // from then: the worker's own deadline runs from its submit).
   void park(uint32_t i, const shm::Request& req, uint64_t since);
   bool parked(uint32_t i) { return slot(i).parked; }  // false once its session ended
+  // Worker i's parked pull is one its worker cancelled.
+  bool cancelled(uint32_t i);
   bool any_parked() const { return parked_ != 0; }
 
   // A parked pull whose wait ended.
@@ -39,6 +44,7 @@ class PullGate {
     shm::Request request;
     uint64_t waited_ns;
     bool timed_out;  // its wait_ns ran out first: answer kTimeout with `why`
+    bool cancelled;  // its worker gave up waiting: answer kInterrupted
     // "held 602 ms: worker 0 at clock 1, this one at 4 (max 2 ahead)": it
     // fits a completion's message (63 characters) for clocks below 10^6.
     std::string why;
@@ -70,6 +76,7 @@ class PullGate {
 
   const ServerConfig& config_;
   const Sessions& sessions_;
+  const shm::Segment& segment_;
   std::vector<Slot> slots_;
   uint32_t parked_ = 0;
 };

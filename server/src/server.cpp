@@ -65,7 +65,7 @@ class Server::Impl {
         backend(std::move(b)),
         held(config.max_workers),
         sessions(config, *segment, held, worker_lines),
-        gate(config, sessions),
+        gate(config, sessions, *segment),
         handler(config, model, *backend, sessions, gate, *segment, rejections),
         held_at(config.max_workers, 0) {}
 
@@ -364,8 +364,10 @@ class Server::Impl {
   bool serve_lane(uint32_t i) {
     WorkerSlot& slot = sessions[i];
     if (!sessions.sync(i)) return false;
-    if (gate.parked(i)) return false;  // its pull goes first (release_pulls())
-    slot.lane.prefetch_next();         // the request's line travels while we check the entry
+    // Its pull goes first (release_pulls()); one its worker cancelled, in
+    // the loop's next turn.
+    if (gate.parked(i)) return gate.cancelled(i);
+    slot.lane.prefetch_next();  // the request's line travels while we check the entry
     shm::WorkerEntry& entry = segment->worker(i);
     uint32_t served = 0;
     bool drained = false;         // the batch ended on an empty lane
@@ -461,8 +463,15 @@ class Server::Impl {
     shm::bump(stats().wait_ns, r.waited_ns);
     shm::bump(segment->worker(i).pulls_waited);
     shm::bump(segment->worker(i).wait_ns, r.waited_ns);
-    Answer a = r.timed_out ? handler.reject(i, r.request, ErrorCode::kTimeout, r.why)
-                           : handler.handle(i, r.request, shm::monotonic_ns());
+    Answer a;
+    if (r.cancelled) {  // withdrawn by its worker: answered, not counted as a rejection
+      a.completion = RequestHandler::answer(r.request, ErrorCode::kInterrupted,
+                                            "cancelled by the worker: its wait was interrupted");
+      a.completion.version = model.version;
+    } else {
+      a = r.timed_out ? handler.reject(i, r.request, ErrorCode::kTimeout, r.why)
+                      : handler.handle(i, r.request, shm::monotonic_ns());
+    }
     if (!a.device.ok()) fatal(a.device);
     post(i, a);
     ring_doorbell(i);  // the rest of its lane

@@ -296,6 +296,9 @@ int hostile_writer(const std::string& name, uint64_t seed, std::chrono::millisec
         entry.pushes_applied.store(rng(), std::memory_order_relaxed);  // relaxed: garbage on purpose
         entry.last_request_ns.store(rng(), std::memory_order_relaxed);
         fill(entry.reserved0, sizeof entry.reserved0);
+        // relaxed: garbage on purpose (the server reads it only for a pull it
+        // holds under --staleness-policy wait: test_staleness).
+        entry.cancel_request.store(pick(2) != 0 ? rng() : pick(64), std::memory_order_relaxed);
         break;
       }
       case 6: {  // a buffer descriptor: garbage, or a name of the right shape for no object

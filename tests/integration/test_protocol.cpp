@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <cstring>
@@ -454,6 +455,52 @@ BOOST_AUTO_TEST_CASE(wait_for_server_rides_out_a_restart_and_gives_up_after_the_
   BOOST_TEST((*w)->ping().ok());
   o.wait_for_server = -1ms;
   BOOST_TEST((Worker::connect(o).status().code() == ErrorCode::kInvalidArgument));
+}
+
+// WorkerOptions::interrupted is asked while connect() waits for a server
+// (wait_for_server) and while a reconnecting call waits for one to come
+// back: true ends either wait with kInterrupted, long before its timeout.
+BOOST_AUTO_TEST_CASE(an_interrupted_wait_for_a_server_gives_up_at_once) {
+  const std::string name = test::unique_name("interrupted");
+  WorkerOptions o = test::worker_options(name, 20s, /*reconnect=*/true);
+  o.wait_for_server = 20s;
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> asked{0};
+  o.interrupted = [&] {
+    asked.fetch_add(1);
+    return stop.load();
+  };
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(200ms);
+    stop.store(true);
+  });
+  auto t0 = std::chrono::steady_clock::now();
+  auto none = Worker::connect(o);
+  stopper.join();
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 2s));
+  BOOST_REQUIRE(!none.ok());
+  BOOST_TEST((none.status().code() == ErrorCode::kInterrupted), none.status().to_string());
+  BOOST_TEST(none.status().message().find("no shmps server named") != std::string::npos, none.status().message());
+  BOOST_TEST(asked.load() > 1u);  // asked between polls, not only at the end
+
+  stop.store(false);
+  auto server = std::make_unique<test::ServerProcess>(name, kSmall);
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  BOOST_REQUIRE((*w)->ping().ok());
+  server->process().kill_and_reap();  // the segment stays, its server is dead
+  Status lost = (*w)->ping();         // the call that finds it dead: reconnect waits for the next call
+  BOOST_TEST((lost.code() == ErrorCode::kServerRestarted || lost.code() == ErrorCode::kServerNotRunning),
+             lost.to_string());
+  stop.store(true);
+  t0 = std::chrono::steady_clock::now();
+  Status waited = (*w)->ping();  // waits for a server that is not coming, then is asked to stop
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 2s));
+  BOOST_TEST((waited.code() == ErrorCode::kInterrupted), waited.to_string());
+  stop.store(false);
+  server.reset();  // (its end unlinks the dead server's segment)
+  server = std::make_unique<test::ServerProcess>(name, kSmall);
+  BOOST_TEST((*w)->ping().ok());  // the Worker re-attaches on its next call
 }
 
 // shmps::ServerProcess (server_process.hpp): a server that exits at start

@@ -15,7 +15,9 @@
 #include <vector>
 
 #include "shmps/kernels/optimizer.hpp"
+#include "shmps/shm/futex.hpp"
 #include "shmps/shm/proc.hpp"
+#include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
 #include "worker_support.hpp"
@@ -60,7 +62,8 @@ test::Process start_slow_worker(const std::string& name, Control* control) {
 // The test process's own worker: pull, then push (a step).
 struct FastWorker {
   explicit FastWorker(const std::string& name, std::chrono::milliseconds timeout = 10s)
-      : w(test::connect(name, timeout)) {
+      : FastWorker(test::connect(name, timeout)) {}
+  explicit FastWorker(std::unique_ptr<Worker> worker) : w(std::move(worker)) {
     auto g = w->register_buffer(16);
     auto p = w->register_buffer(16);
     BOOST_REQUIRE(g.ok() && p.ok());
@@ -203,6 +206,116 @@ BOOST_AUTO_TEST_CASE(wait_times_out_cleanly_and_the_session_goes_on) {
   BOOST_TEST(s.rejected_timeout == 1u);
   BOOST_TEST(s.my_pulls_waited == 1u);
   BOOST_TEST(s.my_pushes_rejected == 0u);
+}
+
+// WorkerOptions::interrupted, asked while a held pull sleeps, ends its wait
+// at once with kInterrupted, and the worker cancels the pull: the server
+// answers it at once (kInterrupted, not counted as a rejection) instead of
+// at the end of its wait, so the rest of the lane (here a ping, as a
+// detach would be) goes on while the slow worker is still behind.
+BOOST_AUTO_TEST_CASE(an_interrupted_wait_cancels_the_held_pull_and_the_session_goes_on) {
+  test::ServerProcess server(test::unique_name("ssp_interrupt"), kWait);
+  auto* control = test::map_shared<Control>();
+  test::Process slow = start_slow_worker(server.name(), control);
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> asked{0};
+  WorkerOptions o = test::worker_options(server.name(), 20s, false);
+  o.interrupted = [&] {
+    asked.fetch_add(1);
+    return stop.load();
+  };
+  auto connected = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(connected.ok(), connected.status().to_string());
+  FastWorker fast(std::move(connected).value());
+  fast_at_the_bound(control, fast);
+  fast.step();  // clock 4: the next pull is held
+  {
+    PendingPull held(fast);
+    BOOST_TEST(!held.finished_within(300ms));
+    BOOST_TEST(asked.load() > 0u);  // asked while it slept
+    // A cancel word that names another request (garbage, or a stale id)
+    // releases nothing.
+    auto seg = shm::Segment::open(server.name(), /*read_only=*/false);
+    BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+    const uint32_t id = fast.w->worker_id();
+    for (uint64_t garbage : {uint64_t{1}, uint64_t{0xdeadbeefdeadbeef}}) {
+      // relaxed: garbage on purpose, published by the doorbell below.
+      (*seg)->worker(id).cancel_request.store(garbage, std::memory_order_relaxed);
+      // seq_cst: as a worker rings.
+      (*seg)->header().doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64), std::memory_order_seq_cst);
+      shm::notify((*seg)->header().server_wake);
+      BOOST_TEST(!held.finished_within(150ms));
+    }
+    const uint64_t t0 = shm::monotonic_ns();
+    stop.store(true);
+    BOOST_REQUIRE(held.finished_within(2s));
+    BOOST_TEST(held.returned_ns.load() - t0 < 200'000'000u);  // a 20 ms slice, not the 20 s timeout
+    BOOST_TEST((held.result.status().code() == ErrorCode::kInterrupted), held.result.status().to_string());
+    BOOST_TEST(
+        held.result.status().message().find("interrupted while waiting for the server's answer") != std::string::npos,
+        held.result.status().message());
+  }
+  stop.store(false);
+  // The slow worker has not moved, and the lane is not stuck behind the pull.
+  const uint64_t t1 = shm::monotonic_ns();
+  BOOST_TEST(fast.w->ping().ok());
+  BOOST_TEST(shm::monotonic_ns() - t1 < 2'000'000'000u);
+  BOOST_TEST(control->pushes_done.load() == 1u);
+  ServerStats s = fast.stats();
+  BOOST_TEST(s.my_pulls_waited == 1u);
+  BOOST_TEST(s.rejected_timeout == 0u);
+  BOOST_TEST(s.rejected_invalid == 0u);
+  BOOST_TEST(s.my_pulls == 3u);  // the cancelled pull copied nothing
+  // The next pull is held again until the slow worker catches up.
+  control->pushes_wanted.store(3);
+  BOOST_REQUIRE(test::eventually([&] { return control->pushes_done.load() == 3; }));
+  auto again = fast.pull();
+  BOOST_REQUIRE_MESSAGE(again.ok(), again.status().to_string());
+  BOOST_TEST(*again == 6u);  // the fast worker's 3 pushes and the slow one's 3
+  BOOST_TEST(control->failed.load() == 0u);
+}
+
+// A worker killed between writing its cancel word and ringing its doorbell
+// (fault point after_cancel) takes its held pull with its session, and the
+// next owner of its entry starts with the word cleared: its own held pull,
+// of the same request id, stays held until the slow worker pushes.
+BOOST_AUTO_TEST_CASE(a_worker_killed_while_cancelling_leaves_no_cancel_behind) {
+  test::ServerProcess server(test::unique_name("ssp_cancel_kill"), kWait);
+  auto* control = test::map_shared<Control>();
+  test::Process slow = start_slow_worker(server.name(), control);
+  control->pushes_wanted.store(1);
+  BOOST_REQUIRE(test::eventually([&] { return control->pushes_done.load() == 1; }));
+  const std::string name = server.name();
+  // Both take the same steps: 2 registrations, 3 pulls and 3 pushes (clock
+  // 4 against the slow worker's 1), then pull number 9, which is held.
+  const auto ahead = [](FastWorker& w) {
+    for (int k = 0; k < 3; ++k) w.step();
+  };
+  test::Process doomed = test::Process::fork_fn([name, ahead] {
+    ::setenv("SHMPS_FAULT", "after_cancel", 1);
+    WorkerOptions o = test::worker_options(name, 20s, false);
+    const auto start = std::chrono::steady_clock::now();
+    o.interrupted = [start] { return std::chrono::steady_clock::now() - start > 300ms; };
+    auto w = Worker::connect(o);
+    if (!w.ok()) return 2;
+    FastWorker fast(std::move(w).value());
+    ahead(fast);
+    (void)fast.pull();  // held, interrupted, killed at after_cancel
+    return 3;
+  });
+  BOOST_TEST(doomed.wait(20s) == 128 + SIGKILL);
+  BOOST_REQUIRE(test::eventually([&] {
+    auto s = test::connect(name)->stats();
+    return s.ok() && s->workers_died == 1u;
+  }));
+  FastWorker next(name);
+  ahead(next);
+  PendingPull held(next);
+  BOOST_TEST(!held.finished_within(400ms));  // not cancelled by the dead worker's word
+  control->pushes_wanted.store(3);
+  BOOST_REQUIRE(held.finished_within(5s));
+  BOOST_TEST(held.result.ok(), held.result.status().to_string());
+  BOOST_TEST(control->failed.load() == 0u);
 }
 
 // A worker that attaches late joins at the slowest clock, and one that only

@@ -7,6 +7,7 @@ import mmap
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -178,6 +179,119 @@ def test_staleness_policies_through_python(make_server):
         fast.pull(g_fast)
         s = fast.stats()
         assert s.my_pulls_waited == 1 and s.rejected_timeout == 1 and s.my_wait_ns > 0
+
+
+class _Raised(Exception):
+    pass
+
+
+def test_a_signal_handler_that_raises_ends_a_held_pull_at_once(make_server):
+    """A blocking call runs the signal handlers while it waits: a handler
+    that raises ends the wait with its exception (the request stays in
+    flight), one that does not leaves the call waiting, and the Worker goes
+    on."""
+    server = make_server(staleness_policy="wait", max_staleness=0)
+    calls = []
+
+    def handler(signum, frame):
+        calls.append(time.monotonic())
+        if len(calls) == 2:
+            raise _Raised("second signal")
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGUSR1)) for t in (0.2, 0.5)]
+    try:
+        with shmps.connect(server.name) as slow, shmps.connect(server.name, timeout=30) as fast:
+            g_slow = slow.register_buffer(slow.total_elements * 4)
+            g_fast = fast.register_buffer(fast.total_elements * 4)
+            slow.push(g_slow, slow.pull(g_slow))  # slow: clock 1
+            fast.push(g_fast, fast.pull(g_fast))  # fast: clock 2, its next pull is held
+            start = time.monotonic()
+            for t in timers:
+                t.start()
+            with pytest.raises(_Raised):
+                fast.pull(g_fast)
+            assert len(calls) == 2 and start + 0.15 < calls[0] < calls[1]  # the first did not end the wait
+            assert time.monotonic() - calls[1] < 0.2  # within a slice of the handler, not the 30 s timeout
+            # The held pull was cancelled: the lane is not stuck behind it,
+            # though the slow worker has not moved.
+            before = time.monotonic()
+            fast.ping()
+            assert time.monotonic() - before < 2.0
+            assert fast.stats().my_pulls_waited == 1
+            slow.push(g_slow, slow.pull(g_slow))  # slow: clock 2
+            assert fast.pull(g_fast) == 3
+    finally:
+        for t in timers:
+            t.cancel()
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_a_signal_handler_calling_the_waiting_worker_is_refused_not_deadlocked(make_server):
+    """A handler that uses the Worker whose call waits on the same thread
+    would wait for itself: it gets InvalidArgumentError (repr and closed
+    still answer), which ends the wait as any exception a handler raises."""
+    server = make_server(staleness_policy="wait", max_staleness=0)
+    seen = []
+
+    def handler(signum, frame):
+        seen.append(repr(fast))
+        fast.ping()
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        with shmps.connect(server.name) as slow, shmps.connect(server.name, timeout=30) as fast:
+            g_slow = slow.register_buffer(slow.total_elements * 4)
+            g_fast = fast.register_buffer(fast.total_elements * 4)
+            slow.push(g_slow, slow.pull(g_slow))
+            fast.push(g_fast, fast.pull(g_fast))
+            timer.start()
+            start = time.monotonic()
+            with pytest.raises(shmps.InvalidArgumentError, match="from a signal handler while a call of this Worker"):
+                fast.pull(g_fast)
+            assert time.monotonic() - start < 5.0
+            assert len(seen) == 1 and "closed" not in seen[0]
+            fast.ping()  # usable after
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_ctrl_c_interrupts_a_blocking_call_of_a_python_worker(make_server):
+    """SIGINT, as Ctrl-C sends it, raises KeyboardInterrupt in a worker
+    blocked in a held pull within a fraction of a second, not at its
+    timeout."""
+    server = make_server(staleness_policy="wait", max_staleness=0)
+    script = f"""
+import sys, time, shmps
+with shmps.connect({server.name!r}) as slow, shmps.connect({server.name!r}, timeout=60) as fast:
+    g_slow = slow.register_buffer(slow.total_elements * 4)
+    g_fast = fast.register_buffer(fast.total_elements * 4)
+    slow.push(g_slow, slow.pull(g_slow))
+    fast.push(g_fast, fast.pull(g_fast))
+    try:
+        ticket = fast.pull_async(g_fast)  # held: fast is 1 clock ahead, max 0
+        print("holding", flush=True)
+        fast.wait(ticket)
+    except KeyboardInterrupt:
+        print("interrupted", time.monotonic(), flush=True)
+        sys.exit(0)
+sys.exit(3)
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "holding"
+        time.sleep(0.3)
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=20)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0, out
+    word, when = out.split()
+    assert word == "interrupted" and float(when) - sent < 1.0
 
 
 def test_push_async_wait_and_stats_move(make_server):

@@ -11,7 +11,7 @@ using namespace shmps::shm;
 BOOST_AUTO_TEST_SUITE(layout)
 
 BOOST_AUTO_TEST_CASE(version_and_magic_are_pinned) {
-  BOOST_TEST(kLayoutVersion == 10u);
+  BOOST_TEST(kLayoutVersion == 11u);
   BOOST_TEST(kBufferInProcess == 1u);
   BOOST_TEST(kWeightsExportPresent == 1u);
   BOOST_TEST(kMagic == 0x31474553504d4853ull);
@@ -63,6 +63,7 @@ BOOST_AUTO_TEST_CASE(field_offsets_are_pinned) {
   BOOST_TEST(offsetof(ConfigBlock, staleness_policy) == 48u);
   BOOST_TEST(offsetof(TensorDesc, element_offset) == 104u);
   BOOST_TEST(offsetof(WorkerEntry, lease) == 16u);
+  BOOST_TEST(offsetof(WorkerEntry, cancel_request) == 24u);
   BOOST_TEST(offsetof(WorkerEntry, pushes_applied) == 64u);
   BOOST_TEST(offsetof(WorkerEntry, stats_reply) == 128u);
   BOOST_TEST(offsetof(LaneHeader, head) == 64u);

@@ -511,6 +511,8 @@ class Worker::Impl {
       if (s.code() == ErrorCode::kTimeout)
         return Status{ErrorCode::kBusy,
                       "request lane full: " + std::to_string(capacity) + " requests in flight for the whole timeout"};
+      if (s.code() == ErrorCode::kInterrupted)
+        return Status{s.code(), "interrupted while the request lane was full; the request was not sent"};
       if (!s.ok()) return s;
     }
     req.request_id = next_request_id;
@@ -527,13 +529,32 @@ class Worker::Impl {
     lane.publish();
     ++next_request_id;
     fault_point.hit("after_publish");
-    auto& h = segment->header();
-    // seq_cst: Dekker pattern with the server's sleep (read doorbell after
-    // announcing itself); the release part publishes the lane tail too.
-    h.doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
-    shm::notify(h.server_wake);
+    ring_doorbell();  // publishes the lane's tail too
     fault_point.hit("after_doorbell");
     return req.request_id;
+  }
+
+  // Tells the server our entry has news (a request, an attach, a cancel)
+  // and wakes it if it sleeps.
+  void ring_doorbell() {
+    auto& h = segment->header();
+    // seq_cst: the Dekker pattern with the server's sleep (futex.hpp: it
+    // announces itself, then reads the doorbells); the release part
+    // publishes what we wrote before.
+    h.doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
+    shm::notify(h.server_wake);
+  }
+
+  // Asks the server to answer our first unanswered request at once
+  // (kInterrupted) if it is a pull it holds back (--staleness-policy wait;
+  // only the first unanswered request can be held), so what we send next is
+  // not stuck behind it. Any other request runs its course; its answer is
+  // kept for wait().
+  void cancel_held_pull() {
+    // relaxed: published by the doorbell's fetch_or (SYNC(doorbell)).
+    entry().cancel_request.store(last_completed_id + 1, std::memory_order_relaxed);
+    fault_point.hit("after_cancel");
+    ring_doorbell();
   }
 
   uint32_t wait_key(const Request& req) const {
@@ -543,6 +564,10 @@ class Worker::Impl {
     if (req.opcode == static_cast<uint32_t>(Opcode::kPull)) return t + 1 + tensor;
     return 2 * t + 2;
   }
+
+  // WorkerOptions::interrupted's answer (false when there is none, and
+  // while detaching: a detach is not given up halfway).
+  bool asked_to_stop() const { return state_ != State::kDetaching && options.interrupted && options.interrupted(); }
 
   // Waits for the next completion. A worker waiting for the server's reply
   // either spins (a round trip costs far less than a futex wake-up) or
@@ -614,11 +639,18 @@ class Worker::Impl {
     bool got = false;
     if (Status s = take_answer(out, &got); !s.ok() || got) return s;
     Status why;
+    bool interrupted = false;
     const auto w = wait_for_completion(deadline, [&] {
       why = session_over();
-      return !why.ok();
+      if (!why.ok()) return true;
+      interrupted = asked_to_stop();
+      return interrupted;
     });
     if (w == shm::WaitResult::kTimeout) return {ErrorCode::kTimeout, "no completion within the timeout"};
+    if (w == shm::WaitResult::kAborted && interrupted) {  // an answer that came meanwhile stays for wait()
+      cancel_held_pull();
+      return {ErrorCode::kInterrupted, "interrupted while waiting for the server's answer"};
+    }
     // Aborted: the server may still have answered before it died or stopped.
     if (w == shm::WaitResult::kAborted && !answer_ready()) {
       const State to = ended_as(why);
@@ -851,13 +883,13 @@ class Worker::Impl {
     fault_point.hit("after_claim");
     shm::WorkerEntry& e = segment->worker(id);
     e.pid_start_time = shm::process_start_time(::getpid());
+    // relaxed: published with pid_start_time by the doorbell below; a
+    // previous owner's word must not name one of our request ids.
+    e.cancel_request.store(0, std::memory_order_relaxed);
     // The attach handshake (server.cpp, attach()): ring, then wait for the
     // server to move our claim to (pid, kAttached), which it does after
     // resetting our lane and queue and issuing a lease.
-    // seq_cst: the Dekker pattern with the server's sleep (futex.hpp); the
-    // release part publishes pid_start_time.
-    h.doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
-    shm::notify(h.server_wake);
+    ring_doorbell();  // publishes pid_start_time
     const uint64_t want = shm::make_owner(pid, WorkerState::kAttached);
     const uint64_t evicted_word = shm::make_owner(pid, WorkerState::kDetached);
     Status why;
@@ -875,6 +907,8 @@ class Worker::Impl {
             return true;
           }
           why = server_gone();
+          if (why.ok() && asked_to_stop())
+            why = {ErrorCode::kInterrupted, "interrupted while waiting for the server to accept the attach"};
           return !why.ok();
         },
         Clock::now() + options.timeout);
@@ -917,6 +951,7 @@ class Worker::Impl {
       if (!seg.ok() && seg.status().code() == ErrorCode::kPermission) return seg.status();
       if (seg.ok() && (state_ == State::kEvicted || (*seg)->header().generation != ended.generation)) {
         Status s = attach_to(std::move(seg).value());
+        if (s.code() == ErrorCode::kInterrupted) return s;
         for (uint32_t b = 0; b < buffers.size() && s.ok(); ++b)
           if (buffers[b].in_use)
             s = buffers[b].device ? send_register_device(b)
@@ -926,6 +961,8 @@ class Worker::Impl {
       }
       if (Clock::now() >= give_up)
         return {ErrorCode::kServerNotRunning, "server '" + options.name + "' did not come back within the timeout"};
+      if (asked_to_stop())
+        return {ErrorCode::kInterrupted, "interrupted while waiting for server '" + options.name + "' to come back"};
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }
@@ -955,6 +992,8 @@ class Worker::Impl {
       if (Status why = session_over(); !why.ok()) {
         result = end_session(ended_as(why), why);
       } else if (result = transition(State::kDetaching); result.ok()) {
+        // A pull the server holds for us would hold the detach behind it.
+        if (in_flight() > 0) cancel_held_pull();
         Request req{};
         req.opcode = static_cast<uint32_t>(Opcode::kDetach);
         auto c = request(req);  // may end the session: kServerGone, kEvicted
@@ -1014,6 +1053,9 @@ Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& asked) {
                                     " ms for it: WorkerOptions::wait_for_server)"};
       return s;
     }
+    if (asked.interrupted && asked.interrupted())
+      return Status{ErrorCode::kInterrupted,
+                    "interrupted while waiting for server '" + options.name + "' (" + s.message() + ")"};
     std::this_thread::sleep_for(
         std::min<std::chrono::steady_clock::duration>(give_up - now, std::chrono::milliseconds(10)));
   }

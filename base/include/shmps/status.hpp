@@ -39,8 +39,9 @@ enum class ErrorCode : uint32_t {
   kCuda = 20,              // a CUDA runtime call failed; message names it
   kInternal = 21,          // a broken invariant inside shmps (a bug)
   kInitRefused = 22,       // init: the weights were already initialised, or a push already applied
+  kInterrupted = 23,       // a wait ended by WorkerOptions::interrupted; a held pull its worker cancelled
 };
-inline constexpr ErrorCode kLastErrorCode = ErrorCode::kInitRefused;
+inline constexpr ErrorCode kLastErrorCode = ErrorCode::kInterrupted;
 
 // Short stable name, e.g. "stale"; "unknown" for values outside the enum.
 std::string_view error_code_name(ErrorCode code) noexcept;

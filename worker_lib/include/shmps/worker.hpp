@@ -29,6 +29,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -111,6 +112,23 @@ struct WorkerOptions {
   // kPermission, naming the object's owner, mode and the fix. A name that
   // no user has is kInvalidArgument.
   std::string server_user;
+  // Asked while a call waits: for an answer once the wait sleeps (about
+  // every 20 ms; never during its first spin, a few milliseconds at most),
+  // for the server to accept an attach, to come back (reconnect) or to
+  // appear (wait_for_server); not during a detach, nor while connect()
+  // waits up to 2 s for a starting server to publish its segment. True
+  // ends the wait: the call fails with kInterrupted. A request already
+  // sent stays in flight, as after kTimeout: the server may still serve
+  // it (a push may still be applied), and wait() still collects a ticket
+  // (an answer that came meanwhile is kept for it). A pull the server
+  // holds back (--staleness-policy wait) is cancelled (as a detach cancels
+  // one): the server answers it kInterrupted at once, so the requests
+  // behind it go on. Runs on the calling thread. For a caller that must
+  // stay responsive to its user: the Python binding runs the interpreter's
+  // signal handlers here (Ctrl-C), a C++ job may read its stop flag. Empty
+  // (the default): waits end only by their answer, their timeout or the
+  // session's end.
+  std::function<bool()> interrupted;
 };
 
 // A buffer registered with the server. `data` stays mapped while the Worker
@@ -228,9 +246,10 @@ class Worker {
   // kNonFinite, kUnknownBuffer, kUnknownTensor, kBadRange, kBusy (lane full
   // for the whole timeout), kTimeout, kServerNotRunning, kServerRestarted,
   // kShuttingDown, kCuda (a device buffer's event could not be recorded;
-  // the server's device failed). On any error nothing was applied (a
-  // kCuda from the server's device: its weights may be half-written, and
-  // the server stops).
+  // the server's device failed), kInterrupted (WorkerOptions::interrupted).
+  // On any error nothing was applied (a kCuda from the server's device: its
+  // weights may be half-written, and the server stops), but for kTimeout
+  // and kInterrupted, after which the push is still in flight and may be.
   Result<uint64_t> push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
                         uint64_t worker_version, void* stream = nullptr);
 

@@ -59,7 +59,9 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 //    slots in StatsBlock (the staleness policies' and apply_threads);
 //    WorkerEntry::pulls_waited, wait_ns, pushes_scaled.
 // 9: StatsBlock's fed_* counters (federation); StatsReply's but fed_pushes_held.
-inline constexpr uint32_t kLayoutVersion = 10;
+// 10: StatsBlock::fed_epoch (the Gloo engine's membership).
+// 11: WorkerEntry::cancel_request (a reserved word before), ErrorCode::kInterrupted.
+inline constexpr uint32_t kLayoutVersion = 11;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;  // 4 doorbell words
@@ -365,7 +367,15 @@ struct WorkerEntry {
   std::atomic<uint64_t> owner;
   uint64_t pid_start_time;  // worker writes after claiming (0: not yet)
   uint64_t lease;           // server writes at attach; requests must carry it
-  uint64_t reserved0[5];
+  // The id of a request whose answer the worker no longer waits for (its
+  // wait was interrupted, or it detaches): the server answers it
+  // kInterrupted if it is a pull held back by --staleness-policy wait, so
+  // the rest of the lane (a detach) goes on. Worker writes, then rings its
+  // doorbell (which publishes it); zeroed at claim and at attach; the
+  // server only compares it with the id of the pull it holds, so garbage
+  // can cancel nothing but that worker's own held pull.
+  std::atomic<uint64_t> cancel_request;
+  uint64_t reserved0[4];
   // --- line 1: counters, server writes (relaxed; monotonic, racy readers) ---
   std::atomic<uint64_t> pushes_applied;
   std::atomic<uint64_t> pushes_rejected;
@@ -385,6 +395,7 @@ static_assert(sizeof(WorkerEntry) == 512);
 static_assert(offsetof(WorkerEntry, owner) == 0);
 static_assert(offsetof(WorkerEntry, pid_start_time) == 8);
 static_assert(offsetof(WorkerEntry, lease) == 16);
+static_assert(offsetof(WorkerEntry, cancel_request) == 24);
 static_assert(offsetof(WorkerEntry, pushes_applied) == 64);
 static_assert(offsetof(WorkerEntry, applied_bytes) == 96);
 static_assert(offsetof(WorkerEntry, stats_reply) == 128);
