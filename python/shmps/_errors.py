@@ -77,9 +77,9 @@ InternalError = _error("InternalError", 21, "internal", "A broken invariant insi
 InitRefusedError = _error("InitRefusedError", 22, "init_refused",
                           "init() was refused: the weights were already initialised, or pushes applied.")
 InterruptedError = _error("InterruptedError", 23, "interrupted",
-                          "A pull the server held back (--staleness-policy wait) was cancelled by an interrupted "
-                          "wait; nothing was copied. (The interrupted wait itself raises its signal handler's "
-                          "exception.)", builtins.InterruptedError)
+                          "A pull the server held back (--staleness-policy wait) was withdrawn by its Worker "
+                          "(an interrupted wait, or a detach); nothing was copied. (The interrupted wait itself "
+                          "raises its signal handler's exception.)", builtins.InterruptedError)
 
 BY_CODE = {
     cls.code: cls

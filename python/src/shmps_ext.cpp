@@ -57,8 +57,9 @@ std::atomic<unsigned long> main_thread{0};
 // raised (Ctrl-C: KeyboardInterrupt) ends the wait and leaves its
 // exception set, for raised_during() to raise once the call returns; the
 // C++ call then fails with kInterrupted (an answer that came meanwhile is
-// kept for wait()). A wait with the GIL held is left alone (none of the
-// calls here wait so): nothing there would raise what a handler set.
+// kept for wait()). A wait with the GIL held (a Worker freed without
+// close(): its detach, which does not ask anyway) is left alone: nothing
+// there would raise what a handler set.
 bool signal_handler_raised() {
   if (PyThread_get_thread_ident() != main_thread.load(std::memory_order_relaxed)) return false;  // relaxed: one word
   if (PyGILState_Check()) return false;
@@ -178,9 +179,11 @@ class PyWorker {
     return raised_during(std::move(result));
   }
 
-  // f(worker) for an identity value (its id, generation, size), which no
-  // call changes while this thread reads it: also from a signal handler
-  // while this thread's call waits (a repr() in the handler).
+  // f(worker) for an identity value (its id, generation, size): also from
+  // a signal handler while this thread's call waits (a repr() there),
+  // without the lock that call holds: it is paused in the handler's frame
+  // below, so nothing writes them meanwhile (after an interrupted
+  // re-attach they may be that attempt's).
   template <typename F>
   auto identity(F&& f) {
     if (!forked() && holds_lock()) return f(*w_);  // its call waits in the handler's frame below us

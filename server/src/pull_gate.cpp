@@ -63,9 +63,12 @@ void PullGate::park(uint32_t i, const shm::Request& req, uint64_t since) {
 
 bool PullGate::cancelled(uint32_t i) {
   const Slot& s = slot(i);
-  // relaxed: the doorbell the worker rang after it published the word
-  // (SYNC(doorbell)); the value is only compared with the id we hold.
-  return s.parked && segment_.worker(i).cancel_request.load(std::memory_order_relaxed) == s.request.request_id;
+  if (!s.parked) return false;
+  // relaxed: a word polled at every turn while the pull is parked; the
+  // doorbell the worker rings after writing it makes a sleeping server
+  // take a turn. Only compared with the id of the pull held.
+  const uint64_t upto = segment_.worker(i).cancel_request.load(std::memory_order_relaxed);
+  return upto != 0 && s.request.request_id <= upto;
 }
 
 std::string PullGate::holding_text(uint32_t i) {

@@ -34,7 +34,8 @@ class PullGate {
   // from then: the worker's own deadline runs from its submit).
   void park(uint32_t i, const shm::Request& req, uint64_t since);
   bool parked(uint32_t i) { return slot(i).parked; }  // false once its session ended
-  // Worker i's parked pull is one its worker cancelled.
+  // Worker i's parked pull is one its worker withdrew: its id is at most
+  // WorkerEntry::cancel_request.
   bool cancelled(uint32_t i);
   bool any_parked() const { return parked_ != 0; }
 

@@ -466,7 +466,7 @@ class Server::Impl {
     Answer a;
     if (r.cancelled) {  // withdrawn by its worker: answered, not counted as a rejection
       a.completion = RequestHandler::answer(r.request, ErrorCode::kInterrupted,
-                                            "cancelled by the worker: its wait was interrupted");
+                                            "withdrawn by its worker (interrupted wait or detach)");
       a.completion.version = model.version;
     } else {
       a = r.timed_out ? handler.reject(i, r.request, ErrorCode::kTimeout, r.why)

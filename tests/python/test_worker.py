@@ -212,7 +212,7 @@ def test_a_signal_handler_that_raises_ends_a_held_pull_at_once(make_server):
             with pytest.raises(_Raised):
                 fast.pull(g_fast)
             assert len(calls) == 2 and start + 0.15 < calls[0] < calls[1]  # the first did not end the wait
-            assert time.monotonic() - calls[1] < 0.2  # within a slice of the handler, not the 30 s timeout
+            assert time.monotonic() - calls[1] < 1.0  # a 20 ms slice after the handler, not the 30 s timeout
             # The held pull was cancelled: the lane is not stuck behind it,
             # though the slow worker has not moved.
             before = time.monotonic()
@@ -224,6 +224,43 @@ def test_a_signal_handler_that_raises_ends_a_held_pull_at_once(make_server):
     finally:
         for t in timers:
             t.cancel()
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_an_interrupted_wait_withdraws_every_held_pull(make_server):
+    """Two pulls sent ahead under wait, both to be held: interrupting the
+    wait for the first withdraws both. Waiting for either again raises
+    shmps.InterruptedError (the server's answer: nothing copied), and
+    close() does not wait behind them."""
+    server = make_server(staleness_policy="wait", max_staleness=0)
+
+    def handler(signum, frame):
+        raise _Raised("interrupt")
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        slow = shmps.connect(server.name)
+        fast = shmps.connect(server.name, timeout=30)
+        g_slow = slow.register_buffer(slow.total_elements * 4)
+        w1 = fast.register_buffer(fast.total_elements * 4)
+        w2 = fast.register_buffer(fast.total_elements * 4)
+        slow.push(g_slow, slow.pull(g_slow))  # slow: clock 1
+        fast.push(w1, fast.pull(w1))  # fast: clock 2, its pulls are held
+        tickets = [fast.pull_async(w1), fast.pull_async(w2)]
+        timer.start()
+        with pytest.raises(_Raised):
+            fast.wait(tickets[0])
+        for t in tickets:
+            with pytest.raises(shmps.InterruptedError, match="withdrawn by its worker"):
+                fast.wait(t)
+        assert fast.stats().my_pulls_waited == 2
+        before = time.monotonic()
+        fast.close()
+        assert time.monotonic() - before < 2.0
+        slow.close()
+    finally:
+        timer.cancel()
         signal.signal(signal.SIGUSR1, old)
 
 

@@ -545,14 +545,14 @@ class Worker::Impl {
     shm::notify(h.server_wake);
   }
 
-  // Asks the server to answer our first unanswered request at once
-  // (kInterrupted) if it is a pull it holds back (--staleness-policy wait;
-  // only the first unanswered request can be held), so what we send next is
-  // not stuck behind it. Any other request runs its course; its answer is
-  // kept for wait().
-  void cancel_held_pull() {
+  // Withdraws every pull sent so far that the server holds back
+  // (--staleness-policy wait), now or once it reaches it: the server
+  // answers it kInterrupted at once, so what we send next is not stuck
+  // behind it. Any other request runs its course; answers are kept for
+  // wait().
+  void cancel_held_pulls() {
     // relaxed: published by the doorbell's fetch_or (SYNC(doorbell)).
-    entry().cancel_request.store(last_completed_id + 1, std::memory_order_relaxed);
+    entry().cancel_request.store(next_request_id - 1, std::memory_order_relaxed);
     fault_point.hit("after_cancel");
     ring_doorbell();
   }
@@ -565,9 +565,22 @@ class Worker::Impl {
     return 2 * t + 2;
   }
 
-  // WorkerOptions::interrupted's answer (false when there is none, and
-  // while detaching: a detach is not given up halfway).
-  bool asked_to_stop() const { return state_ != State::kDetaching && options.interrupted && options.interrupted(); }
+  // WorkerOptions::interrupted's answer: false when there is none, while
+  // detaching, and while a buffer is registered or unregistered (the
+  // worker's and the server's tables of buffers must not part: an id the
+  // server took while we gave it up would be refused to every later
+  // registration). Those answer promptly unless queued behind a held pull.
+  bool asked_to_stop() const {
+    return state_ != State::kDetaching && uninterruptible == 0 && options.interrupted && options.interrupted();
+  }
+  int uninterruptible = 0;  // NoInterrupt scopes open
+  struct NoInterrupt {
+    explicit NoInterrupt(Impl& i) : impl(i) { ++impl.uninterruptible; }
+    ~NoInterrupt() { --impl.uninterruptible; }
+    NoInterrupt(const NoInterrupt&) = delete;
+    NoInterrupt& operator=(const NoInterrupt&) = delete;
+    Impl& impl;
+  };
 
   // Waits for the next completion. A worker waiting for the server's reply
   // either spins (a round trip costs far less than a futex wake-up) or
@@ -648,7 +661,7 @@ class Worker::Impl {
     });
     if (w == shm::WaitResult::kTimeout) return {ErrorCode::kTimeout, "no completion within the timeout"};
     if (w == shm::WaitResult::kAborted && interrupted) {  // an answer that came meanwhile stays for wait()
-      cancel_held_pull();
+      cancel_held_pulls();
       return {ErrorCode::kInterrupted, "interrupted while waiting for the server's answer"};
     }
     // Aborted: the server may still have answered before it died or stopped.
@@ -794,6 +807,7 @@ class Worker::Impl {
   // describes it again first when the server's side changed (a server
   // restarted in or out of this process needs pointers or IPC handles).
   Status send_register_device(uint32_t b) {
+    NoInterrupt whole(*this);
     Registered& r = buffers[b];
     if (r.in_process != server_in_process()) {
       auto again = detail::describe_device_buffer(r.device_ptr, r.device_bytes, server_in_process());
@@ -969,6 +983,7 @@ class Worker::Impl {
 
   // Writes buffer b's descriptor into our entry and registers it.
   Status send_register(uint32_t b, const std::string& object_name, size_t bytes) {
+    NoInterrupt whole(*this);
     shm::BufferDesc& desc = segment->buffer(id, b);
     std::memset(&desc, 0, sizeof desc);
     desc.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
@@ -993,7 +1008,7 @@ class Worker::Impl {
         result = end_session(ended_as(why), why);
       } else if (result = transition(State::kDetaching); result.ok()) {
         // A pull the server holds for us would hold the detach behind it.
-        if (in_flight() > 0) cancel_held_pull();
+        if (in_flight() > 0) cancel_held_pulls();
         Request req{};
         req.opcode = static_cast<uint32_t>(Opcode::kDetach);
         auto c = request(req);  // may end the session: kServerGone, kEvicted
@@ -1150,6 +1165,7 @@ Status Worker::unregister_buffer(uint32_t buffer_id) {
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kUnregisterBuffer);
   req.buffer_id = buffer_id;
+  Impl::NoInterrupt whole(w);
   auto c = w.request(req);
   if (!c.ok()) return c.status();
   Impl::Registered& r = w.buffers[buffer_id];

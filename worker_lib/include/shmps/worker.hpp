@@ -113,17 +113,19 @@ struct WorkerOptions {
   // no user has is kInvalidArgument.
   std::string server_user;
   // Asked while a call waits: for an answer once the wait sleeps (about
-  // every 20 ms; never during its first spin, a few milliseconds at most),
+  // every 20 ms; not during its first spin, up to 20,000 polls),
   // for the server to accept an attach, to come back (reconnect) or to
   // appear (wait_for_server); not during a detach, nor while connect()
   // waits up to 2 s for a starting server to publish its segment. True
   // ends the wait: the call fails with kInterrupted. A request already
   // sent stays in flight, as after kTimeout: the server may still serve
   // it (a push may still be applied), and wait() still collects a ticket
-  // (an answer that came meanwhile is kept for it). A pull the server
-  // holds back (--staleness-policy wait) is cancelled (as a detach cancels
-  // one): the server answers it kInterrupted at once, so the requests
-  // behind it go on. Runs on the calling thread. For a caller that must
+  // (an answer that came meanwhile is kept for it). The pulls sent so far
+  // that the server holds back (--staleness-policy wait) are withdrawn (as
+  // a detach withdraws them): the server answers them kInterrupted at
+  // once, so the requests behind them go on. Not asked while a buffer is
+  // registered or unregistered. Runs on the calling thread; must not
+  // throw. For a caller that must
   // stay responsive to its user: the Python binding runs the interpreter's
   // signal handlers here (Ctrl-C), a C++ job may read its stop flag. Empty
   // (the default): waits end only by their answer, their timeout or the
@@ -184,7 +186,8 @@ class Worker {
   // stopping, for the whole wait: the message names the segment),
   // kLayoutMismatch (foreign file or other layout version: both versions
   // in the message), kPermission, kNoCapacity (max workers reached),
-  // kTimeout, kInvalidArgument (timeout <= 0, wait_for_server < 0).
+  // kTimeout, kInvalidArgument (timeout <= 0, wait_for_server < 0),
+  // kInterrupted (options.interrupted).
   static Result<std::unique_ptr<Worker>> connect(const WorkerOptions& options);
 
   ~Worker();  // detaches (best effort) and unmaps/unlinks its buffers

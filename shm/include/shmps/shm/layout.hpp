@@ -367,13 +367,13 @@ struct WorkerEntry {
   std::atomic<uint64_t> owner;
   uint64_t pid_start_time;  // worker writes after claiming (0: not yet)
   uint64_t lease;           // server writes at attach; requests must carry it
-  // The id of a request whose answer the worker no longer waits for (its
-  // wait was interrupted, or it detaches): the server answers it
-  // kInterrupted if it is a pull held back by --staleness-policy wait, so
-  // the rest of the lane (a detach) goes on. Worker writes, then rings its
-  // doorbell (which publishes it); zeroed at claim and at attach; the
-  // server only compares it with the id of the pull it holds, so garbage
-  // can cancel nothing but that worker's own held pull.
+  // The last request id the worker had sent when it stopped waiting (its
+  // wait was interrupted, or it detaches): the server answers kInterrupted
+  // to a pull of an id up to it that it holds back (--staleness-policy
+  // wait), so the rest of the lane (a detach) goes on. Worker writes, then
+  // rings its doorbell; zeroed at claim and at attach (0: none); the server
+  // only compares it with the id of the pull it holds for that worker, so
+  // garbage can withdraw nothing but that worker's own held pulls.
   std::atomic<uint64_t> cancel_request;
   uint64_t reserved0[4];
   // --- line 1: counters, server writes (relaxed; monotonic, racy readers) ---
