@@ -313,12 +313,15 @@ BOOST_AUTO_TEST_CASE(a_worker_killed_while_cancelling_leaves_no_cancel_behind) {
   BOOST_TEST(doomed.wait(20s) == 128 + SIGKILL);
   auto seg = shm::Segment::open(name, /*read_only=*/true);  // watched without taking an entry
   BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  const uint32_t entry = control->entry.load();
+  BOOST_REQUIRE(entry < shm::kMaxWorkersLimit);
   BOOST_REQUIRE(test::eventually([&] {
-    // relaxed: a counter polled until it moves.
-    return (*seg)->stats().workers_died.load(std::memory_order_relaxed) == 1u;
+    // relaxed: polled until the server has counted the death and freed the entry.
+    return (*seg)->stats().workers_died.load(std::memory_order_relaxed) == 1u &&
+           (*seg)->worker(entry).owner.load(std::memory_order_relaxed) == 0u;
   }));
   FastWorker next(name);
-  BOOST_REQUIRE(next.w->worker_id() == control->entry.load());  // the dead worker's entry
+  BOOST_REQUIRE(next.w->worker_id() == entry);  // the dead worker's entry
   ahead(next);
   PendingPull held(next);
   BOOST_TEST(!held.finished_within(400ms));  // not cancelled by the dead worker's word

@@ -43,6 +43,17 @@ using namespace shmps;
 
 namespace {
 
+// A sanitizer build keeps shadow memory for what the tool touches
+// (ThreadSanitizer several times it), and --list under ctest -j2 also
+// copies the segments of tests running beside it: the bounds on the tool's
+// peak RSS are widened there. The failures they guard against (a whole
+// 256 MiB object copied) still exceed them.
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+constexpr long kRssScale = 4;
+#else
+constexpr long kRssScale = 1;
+#endif
+
 const std::vector<std::string> kTensorArgs{"--tensor", "fc.weight:4x3", "--tensor", "fc.bias:4"};
 constexpr uint64_t kAllBytes = 16 * sizeof(float);  // both tensors, fp32
 
@@ -943,7 +954,7 @@ BOOST_AUTO_TEST_CASE(file_header_is_checked_before_the_body_is_read) {
       BOOST_TEST(r.rc == c.rc, r.err);
       BOOST_TEST(contains(r.err, c.message), r.err);
       BOOST_TEST(contains(r.err, file.path), r.err);
-      BOOST_TEST(r.max_rss_kb < 128 * 1024, "peak RSS " << r.max_rss_kb << " KiB");
+      BOOST_TEST(r.max_rss_kb < kRssScale * 128 * 1024, "peak RSS " << r.max_rss_kb << " KiB");
     }
   }
 }
@@ -962,10 +973,10 @@ BOOST_AUTO_TEST_CASE(live_object_is_judged_by_its_header_before_a_copy) {
       BOOST_REQUIRE(::truncate(path.c_str(), kSparse) == 0);
       const Run r = run_inspect({name});
       BOOST_TEST(r.rc == (foreign ? 3 : 4), r.err);
-      BOOST_TEST(r.max_rss_kb < 64 * 1024, "peak RSS " << r.max_rss_kb << " KiB");
+      BOOST_TEST(r.max_rss_kb < kRssScale * 64 * 1024, "peak RSS " << r.max_rss_kb << " KiB");
       const Run listed = run_inspect({"--list"});
       BOOST_TEST(listed.rc == 0, listed.err);
-      BOOST_TEST(listed.max_rss_kb < 64 * 1024, "peak RSS " << listed.max_rss_kb << " KiB");
+      BOOST_TEST(listed.max_rss_kb < kRssScale * 64 * 1024, "peak RSS " << listed.max_rss_kb << " KiB");
     }
   }
 }
