@@ -46,8 +46,9 @@ _note_main_thread()
 os.register_at_fork(after_in_child=_note_main_thread)
 
 # The error classes named as builtins (TimeoutError, PermissionError,
-# InterruptedError: their subclasses) are left out, so that `from shmps import *` does not shadow
-# the builtins; shmps.TimeoutError names them.
+# InterruptedError: their subclasses) are left out, so that
+# `from shmps import *` does not shadow the builtins; shmps.TimeoutError
+# names them.
 __all__ = ["connect", "Worker", "Buffer", "TensorInfo", "Stats", "Server", "server_binary", "ALL_TENSORS", "Error"] + [
     cls.__name__ for cls in _errors.BY_CODE.values() if not hasattr(builtins, cls.__name__)]
 

@@ -128,10 +128,7 @@ int hostile_writer(const std::string& name, uint64_t seed, std::chrono::millisec
     for (size_t k = 0; k < n; ++k) b[k] = static_cast<unsigned char>(rng());
   };
   const auto pick = [&](uint64_t n) { return rng() % n; };
-  const auto ring = [&] {
-    seg.header().doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
-    shm::notify(seg.header().server_wake);
-  };
+  const auto ring = [&] { test::ring_doorbell(seg, id); };
   // Half of the runs start by claiming to be attached without an attach.
   if (pick(2) == 0) entry.owner.store(shm::make_owner(pid, shm::WorkerState::kAttached), std::memory_order_release);
   // Our own view of the tail; resynchronised from the segment now and then.

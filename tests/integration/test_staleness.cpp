@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "shmps/kernels/optimizer.hpp"
-#include "shmps/shm/futex.hpp"
 #include "shmps/shm/proc.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
@@ -243,9 +242,7 @@ BOOST_AUTO_TEST_CASE(an_interrupted_wait_cancels_the_held_pull_and_the_session_g
     for (uint64_t garbage : {uint64_t{1}, uint64_t{8}}) {
       // relaxed: garbage on purpose, published by the doorbell below.
       (*seg)->worker(id).cancel_request.store(garbage, std::memory_order_relaxed);
-      // seq_cst: as a worker rings.
-      (*seg)->header().doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64), std::memory_order_seq_cst);
-      shm::notify((*seg)->header().server_wake);
+      test::ring_doorbell(**seg, id);
       BOOST_TEST(!held.finished_within(150ms));
     }
     const uint64_t t0 = shm::monotonic_ns();

@@ -16,11 +16,21 @@
 #include <stdexcept>
 #include <string>
 
+#include "shmps/shm/futex.hpp"
 #include "shmps/shm/proc.hpp"
+#include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
 
 namespace shmps::test {
+
+// Rings entry `id`'s doorbell and wakes the server, as a worker does after
+// writing to its entry or lane (for tests that play a worker by hand).
+inline void ring_doorbell(const shm::Segment& seg, uint32_t id) {
+  // seq_cst: the Dekker pattern with the server's sleep, as a worker rings.
+  seg.header().doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64), std::memory_order_seq_cst);  // SYNC(doorbell)
+  shm::notify(seg.header().server_wake);
+}
 
 // A Worker of server `name`, or nullptr (for forked children: they report
 // failure by exit code).

@@ -113,9 +113,9 @@ struct WorkerOptions {
   // no user has is kInvalidArgument.
   std::string server_user;
   // Asked while a call waits: for an answer once the wait sleeps (about
-  // every 20 ms; not during its first spin, up to 20,000 polls),
-  // for the server to accept an attach, to come back (reconnect) or to
-  // appear (wait_for_server); not during a detach, nor while connect()
+  // every 20 ms; not during its first spin, up to 20,000 polls), for the
+  // server to accept an attach, to come back (reconnect) or to appear
+  // (wait_for_server); not during a detach, nor while connect()
   // waits up to 2 s for a starting server to publish its segment. True
   // ends the wait: the call fails with kInterrupted. A request already
   // sent stays in flight, as after kTimeout: the server may still serve
@@ -125,11 +125,10 @@ struct WorkerOptions {
   // a detach withdraws them): the server answers them kInterrupted at
   // once, so the requests behind them go on. Not asked while a buffer is
   // registered or unregistered. Runs on the calling thread; must not
-  // throw. For a caller that must
-  // stay responsive to its user: the Python binding runs the interpreter's
-  // signal handlers here (Ctrl-C), a C++ job may read its stop flag. Empty
-  // (the default): waits end only by their answer, their timeout or the
-  // session's end.
+  // throw. For a caller that must stay responsive to its user: the Python
+  // binding runs the interpreter's signal handlers here (Ctrl-C), a C++
+  // job may read its stop flag. Empty (the default): waits end only by
+  // their answer, their timeout or the session's end.
   std::function<bool()> interrupted;
 };
 
