@@ -85,11 +85,14 @@ class Backend {
   // The weights' export, published in the segment; absent for host memory.
   virtual WeightsExport weights_export() const { return {}; }
 
-  // Allocates the weights (sum of extents, fp32) and `state_arrays` optimizer
-  // state arrays of the same length (zeroed), from `initial` (taken: the
-  // host backend keeps that very vector, so the peak is one copy).
-  virtual Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays,
-                          std::vector<float> initial) = 0;
+  // Allocates the weights (`total` fp32, the sum of the extents) and
+  // `state_arrays` optimizer state arrays of the same length, all zeroed
+  // and touched, so memory the host or device lacks fails the start (with
+  // the bytes asked for in the message), not a later update.
+  virtual Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays, uint64_t total) = 0;
+  // Writes weights [first, first + values.size()) (the initial values,
+  // after allocate(); within the allocation).
+  virtual Status write_weights(uint64_t first, std::span<const float> values) = 0;
 
   // Opens the buffer a worker described (a private copy of its desc; the
   // backend validates kind and handle). `expected_prefix`: the shm name

@@ -75,7 +75,7 @@ Status validate(const ServerConfig& config) {
   return Status::Ok();
 }
 
-Status read_init_file(const std::string& path, uint64_t total_elements, float* weights) {
+Status read_init_file(const std::string& path, uint64_t total_elements, const WeightsSink& sink) {
   const std::string what = "--init-file " + path;
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return {ErrorCode::kIo, what + ": cannot open: " + errno_text(errno)};
@@ -91,12 +91,11 @@ Status read_init_file(const std::string& path, uint64_t total_elements, float* w
   if (size != need)
     return {ErrorCode::kInvalidArgument, what + " holds " + std::to_string(size) + " bytes; the tensors need " +
                                              std::to_string(need) + " (raw fp32, all tensors in order)"};
-  // Without `weights`, one chunk at a time: a check need not hold the model.
-  constexpr uint64_t kChunkElements = 1 << 18;
-  std::vector<float> chunk(weights == nullptr ? std::min(total_elements, kChunkElements) : 0);
+  constexpr uint64_t kChunkElements = 1 << 20;
+  std::vector<float> chunk(std::min(total_elements, kChunkElements));
   for (uint64_t done = 0; done < total_elements;) {
-    const uint64_t n = weights == nullptr ? std::min(total_elements - done, kChunkElements) : total_elements - done;
-    float* into = weights == nullptr ? chunk.data() : weights + done;
+    const uint64_t n = std::min(total_elements - done, kChunkElements);
+    float* into = chunk.data();
     auto* bytes = reinterpret_cast<char*>(into);
     for (uint64_t got = 0; got < n * sizeof(float);) {
       const ssize_t r = ::read(fd, bytes + got, std::min<uint64_t>(n * sizeof(float) - got, 1 << 30));
@@ -110,6 +109,8 @@ Status read_init_file(const std::string& path, uint64_t total_elements, float* w
     }
     if (!std::all_of(into, into + n, [](float x) { return std::isfinite(x); }))
       return {ErrorCode::kInvalidArgument, what + " contains NaN or Inf"};
+    if (sink)
+      if (Status s = sink(done, std::span<const float>(into, n)); !s.ok()) return s;
     done += n;
   }
   return Status::Ok();

@@ -263,10 +263,10 @@ class CudaBackend final : public Backend {
   WeightsExport weights_export() const override { return export_; }
 
   // ---------------------------------------------------------------- memory
-  Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays, std::vector<float> initial) override {
+  Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays, uint64_t total) override {
     bind();
     tensors_ = tensors;
-    total_ = initial.size();
+    total_ = total;
     const uint64_t bytes = total_ * sizeof(float);
     weights_alloc_ = round_up(bytes);
     if (Status s = alloc(&weights_, weights_alloc_); !s.ok()) return s;
@@ -275,10 +275,6 @@ class CudaBackend final : public Backend {
       if (Status s = alloc(&p, weights_alloc_); !s.ok()) return s;
       state_.push_back(p);
     }
-    if (Status s = call(cudaMemcpy(weights_, initial.data(), bytes, cudaMemcpyHostToDevice),
-                        "cudaMemcpy(weights, initial)", __LINE__);
-        !s.ok())
-      return s;
     int* flag = nullptr;
     if (Status s = alloc(&flag, sizeof(int)); !s.ok()) return s;
     flag_dev_ = flag;
@@ -292,6 +288,15 @@ class CudaBackend final : public Backend {
     export_.allocation_bytes = weights_alloc_;
     std::memcpy(export_.device_uuid, uuid_bytes_, sizeof uuid_bytes_);
     return call(cudaDeviceSynchronize(), "cudaDeviceSynchronize()", __LINE__);
+  }
+
+  Status write_weights(uint64_t first, std::span<const float> values) override {
+    if (!sticky_.ok()) return sticky_;
+    if (first > total_ || values.size() > total_ - first)
+      return {ErrorCode::kInvalidArgument, "write_weights beyond the weights"};
+    bind();
+    return call(cudaMemcpy(weights_ + first, values.data(), values.size_bytes(), cudaMemcpyHostToDevice),
+                "cudaMemcpy(weights + first, values, bytes, cudaMemcpyHostToDevice)", __LINE__);
   }
 
   Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc,

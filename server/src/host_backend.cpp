@@ -90,27 +90,6 @@ class HostArray {
   size_t n_ = 0;
 };
 
-// Copies `from` into `to` a few MiB at a time, giving each copied span of
-// `from` back to the kernel as it goes, so the server's peak memory holds
-// the weights once, not twice. `from` is left with zeros in those pages
-// (its caller drops it next).
-void move_into(std::vector<float>& from, const HostArray& to) {
-  constexpr size_t kChunk = size_t{1} << 22;  // bytes
-  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  auto* src = reinterpret_cast<char*>(from.data());
-  auto* dst = reinterpret_cast<char*>(to.data());
-  const size_t bytes = from.size() * sizeof(float);
-  for (size_t done = 0; done < bytes;) {
-    const size_t n = std::min(kChunk, bytes - done);
-    std::memcpy(dst + done, src + done, n);
-    // Only whole pages inside the span: never the allocator's header.
-    const uintptr_t first = (reinterpret_cast<uintptr_t>(src + done) + page - 1) / page * page;
-    const uintptr_t last = reinterpret_cast<uintptr_t>(src + done + n) / page * page;
-    if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
-    done += n;
-  }
-}
-
 class HostBackend final : public Backend {
  public:
   HostBackend() { install_peer_guard(); }
@@ -121,23 +100,29 @@ class HostBackend final : public Backend {
     return {ErrorCode::kBadRange, "the buffer object shrank under the server (SIGBUS); dropped"};
   }
 
-  Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays, std::vector<float> initial) override {
+  Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays, uint64_t total) override {
     tensors_ = tensors;
     try {
-      weights_ = HostArray(initial.size());
-      move_into(initial, weights_);
-      // Zeroed in place (no temporary to copy from) and touched now, so
-      // memory the host lacks fails the start, not a later update.
+      // Zeroed in place and touched now, so memory the host lacks fails
+      // the start, not a later update.
+      weights_ = HostArray(total);
+      std::memset(weights_.data(), 0, weights_.size() * sizeof(float));
       state_.clear();
       for (size_t a = 0; a < state_arrays; ++a) {
         state_.emplace_back(weights_.size());
         std::memset(state_.back().data(), 0, weights_.size() * sizeof(float));
       }
     } catch (const std::bad_alloc&) {
-      return {ErrorCode::kNoCapacity, "cannot map " +
-                                          std::to_string(initial.size() * sizeof(float) * (1 + state_arrays)) +
+      return {ErrorCode::kNoCapacity, "cannot map " + std::to_string(total * sizeof(float) * (1 + state_arrays)) +
                                           " bytes of weights and optimizer state"};
     }
+    return Status::Ok();
+  }
+
+  Status write_weights(uint64_t first, std::span<const float> values) override {
+    if (first > weights_.size() || values.size() > weights_.size() - first)
+      return {ErrorCode::kInvalidArgument, "write_weights beyond the weights"};
+    std::memcpy(weights_.data() + first, values.data(), values.size_bytes());
     return Status::Ok();
   }
 

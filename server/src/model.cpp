@@ -1,33 +1,44 @@
 #include "model.hpp"
 
+#include <algorithm>
 #include <random>
 
 #include "shmps/server/config.hpp"
 
 namespace shmps::server {
 
-Result<std::vector<float>> initial_weights(const InitSpec& init, uint64_t total) {
-  std::vector<float> w(total, 0.0f);
+namespace {
+
+// Draws `total` values from `dist` in chunks; the sequence is that of one
+// loop over all of them.
+template <typename Dist>
+Status draw(uint64_t total, uint64_t seed, Dist dist, const WeightsSink& sink) {
+  constexpr uint64_t kChunkElements = 1 << 20;
+  std::mt19937_64 rng(seed);
+  std::vector<float> chunk(std::min(total, kChunkElements));
+  for (uint64_t done = 0; done < total;) {
+    const uint64_t n = std::min(total - done, kChunkElements);
+    for (uint64_t i = 0; i < n; ++i) chunk[i] = dist(rng);
+    if (Status s = sink(done, std::span<const float>(chunk.data(), n)); !s.ok()) return s;
+    done += n;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status initial_weights(const InitSpec& init, uint64_t total, const WeightsSink& sink) {
   switch (init.kind) {
     case InitSpec::Kind::kZero:
-      break;
-    case InitSpec::Kind::kNormal: {
-      std::mt19937_64 rng(init.seed);
-      std::normal_distribution<float> dist(0.0f, init.scale);
-      for (float& x : w) x = dist(rng);
-      break;
-    }
-    case InitSpec::Kind::kUniform: {
-      std::mt19937_64 rng(init.seed);
-      std::uniform_real_distribution<float> dist(-init.scale, init.scale);
-      for (float& x : w) x = dist(rng);
-      break;
-    }
+      return Status::Ok();
+    case InitSpec::Kind::kNormal:
+      return draw(total, init.seed, std::normal_distribution<float>(0.0f, init.scale), sink);
+    case InitSpec::Kind::kUniform:
+      return draw(total, init.seed, std::uniform_real_distribution<float>(-init.scale, init.scale), sink);
     case InitSpec::Kind::kFile:
-      if (Status s = read_init_file(init.file, total, w.data()); !s.ok()) return s;
-      break;
+      return read_init_file(init.file, total, sink);
   }
-  return w;
+  return Status::Ok();
 }
 
 }  // namespace shmps::server

@@ -49,9 +49,12 @@ struct Model {
   StalenessWindow staleness;
 };
 
-// The weights --init asks for: zeros, N(0, scale) or U(-scale, scale) from
-// a seeded mt19937_64, or the raw fp32 of --init-file. Errors: the file's
-// (kIo, kInvalidArgument).
-Result<std::vector<float>> initial_weights(const InitSpec& init, uint64_t total);
+// The weights --init asks for: N(0, scale) or U(-scale, scale) from a
+// seeded mt19937_64, or the raw fp32 of --init-file, given to `sink` in
+// order, a chunk at a time, so the server never holds a host copy of the
+// model (on the CUDA backend the weights live on the device only). Zeros
+// give nothing: a backend's arrays start at zero. Errors: the file's (kIo,
+// kInvalidArgument), the sink's.
+Status initial_weights(const InitSpec& init, uint64_t total, const WeightsSink& sink);
 
 }  // namespace shmps::server

@@ -467,7 +467,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       for (uint64_t d : t.shape) n *= d;  // validate(): at most 2^40 in all
       total += n;
     }
-    if (Status s = read_init_file(c.init.file, total, nullptr); !s.ok()) return s;
+    if (Status s = read_init_file(c.init.file, total); !s.ok()) return s;
   }
   return out;
 }

@@ -804,9 +804,13 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   model.total_elements = seg.header().total_elements;
   impl->sessions.unlink_orphan_buffers(0);  // left by workers of a crashed predecessor
 
-  auto init = initial_weights(config.init, model.total_elements);
-  if (!init.ok()) return fail(init.status());
-  if (Status s = impl->backend->allocate(extents, kernels::state_arrays(config.optimizer), std::move(init).value());
+  Backend& backend_ref = *impl->backend;
+  if (Status s = backend_ref.allocate(extents, kernels::state_arrays(config.optimizer), model.total_elements); !s.ok())
+    return fail(s);
+  if (Status s = initial_weights(config.init, model.total_elements,
+                                 [&backend_ref](uint64_t first, std::span<const float> values) {
+                                   return backend_ref.write_weights(first, values);
+                                 });
       !s.ok())
     return fail(s);
   // The weights' IPC export (CUDA backend), for workers that map them

@@ -429,6 +429,8 @@ BOOST_AUTO_TEST_CASE(reject_is_the_default) {
 
 // --apply-threads auto: the server's CPUs, less one per other attached
 // worker that is computing (nothing queued); a number is taken as it is.
+// Host backend: apply threads split the CPU kernels (the CUDA backend
+// reports 0).
 BOOST_AUTO_TEST_CASE(apply_threads_follow_the_computing_workers) {
   cpu_set_t mine;
   BOOST_REQUIRE(sched_getaffinity(0, sizeof mine, &mine) == 0);
@@ -445,7 +447,7 @@ BOOST_AUTO_TEST_CASE(apply_threads_follow_the_computing_workers) {
     return s->apply_threads;
   };
   {
-    test::ServerProcess server(test::unique_name("threads"), {"--tensor", tensor});
+    test::ServerProcess server(test::unique_name("threads"), {"--tensor", tensor, "--backend", "host"});
     auto a = test::connect(server.name());
     auto buf = a->register_buffer(elements * 4);
     BOOST_REQUIRE(buf.ok());
@@ -459,7 +461,8 @@ BOOST_AUTO_TEST_CASE(apply_threads_follow_the_computing_workers) {
   {
     // A number caps the team even for a worker alone (auto would take
     // every CPU); more than OpenMP's own count runs on that count.
-    test::ServerProcess server(test::unique_name("threads1"), {"--tensor", tensor, "--apply-threads", "1"});
+    test::ServerProcess server(test::unique_name("threads1"),
+                               {"--tensor", tensor, "--backend", "host", "--apply-threads", "1"});
     auto a = test::connect(server.name());
     auto buf = a->register_buffer(elements * 4);
     BOOST_REQUIRE(buf.ok());
@@ -467,7 +470,8 @@ BOOST_AUTO_TEST_CASE(apply_threads_follow_the_computing_workers) {
     BOOST_TEST(push_and_read(*a, *buf) == 1u);
   }
   {
-    test::ServerProcess server(test::unique_name("threads_many"), {"--tensor", tensor, "--apply-threads", "1024"});
+    test::ServerProcess server(test::unique_name("threads_many"),
+                               {"--tensor", tensor, "--backend", "host", "--apply-threads", "1024"});
     auto a = test::connect(server.name());
     auto buf = a->register_buffer(elements * 4);
     BOOST_REQUIRE(buf.ok());

@@ -71,8 +71,11 @@ class GatedBackend final : public Backend {
                               : Status::Ok();
   }
   Status synchronize() override { return healthy(); }
-  Status allocate(const std::vector<TensorExtent>& t, size_t s, std::vector<float> init) override {
-    return host_->allocate(t, s, std::move(init));
+  Status allocate(const std::vector<TensorExtent>& t, size_t s, uint64_t total) override {
+    return host_->allocate(t, s, total);
+  }
+  Status write_weights(uint64_t first, std::span<const float> values) override {
+    return host_->write_weights(first, values);
   }
   Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& d, const std::string& prefix) override {
     auto p = host_->open_peer(d, prefix);

@@ -193,7 +193,10 @@ BOOST_AUTO_TEST_SUITE(inspect_tool)
 
 BOOST_AUTO_TEST_CASE(live_segment_as_json) {
   const std::string name = test::unique_name("insp");
-  test::ServerProcess server(name, kTensorArgs);
+  // The backend pinned, so the JSON's value is known on a host with a GPU.
+  std::vector<std::string> args = kTensorArgs;
+  args.insert(args.end(), {"--backend", "host"});
+  test::ServerProcess server(name, args);
   auto worker = connect(name);
   auto buffer = worker->register_buffer(kAllBytes);
   BOOST_REQUIRE_MESSAGE(buffer.ok(), buffer.status().to_string());
@@ -452,7 +455,10 @@ BOOST_AUTO_TEST_CASE(live_segment_in_prometheus_format) {
 
 BOOST_AUTO_TEST_CASE(inspect_does_not_change_the_segment) {
   const std::string name = test::unique_name("insp");
-  test::ServerProcess server(name, kTensorArgs);
+  // The backend pinned, so the JSON's value is known on a host with a GPU.
+  std::vector<std::string> args = kTensorArgs;
+  args.insert(args.end(), {"--backend", "host"});
+  test::ServerProcess server(name, args);
   auto worker = connect(name);
   auto buffer = worker->register_buffer(kAllBytes);
   BOOST_REQUIRE(buffer.ok());
@@ -496,7 +502,10 @@ BOOST_AUTO_TEST_CASE(inspect_does_not_change_the_segment) {
 
 BOOST_AUTO_TEST_CASE(text_output_mentions_every_section_and_a_queued_push) {
   const std::string name = test::unique_name("insp");
-  test::ServerProcess server(name, kTensorArgs);
+  // The backend pinned, so the JSON's value is known on a host with a GPU.
+  std::vector<std::string> args = kTensorArgs;
+  args.insert(args.end(), {"--backend", "host"});
+  test::ServerProcess server(name, args);
   auto worker = connect(name);
   auto buffer = worker->register_buffer(kAllBytes);
   BOOST_REQUIRE(buffer.ok());

@@ -7,6 +7,8 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -100,11 +102,14 @@ Status validate(const ServerConfig& config);
 // Reads an --init-file as the server starts from it: a regular file
 // (opened without blocking, so a FIFO is refused rather than waited on) of
 // exactly 4 * total_elements bytes of raw little-endian fp32, all finite.
-// With `weights` != nullptr (total_elements long) the values land there;
-// with nullptr the file is only checked, in chunks (--check-config).
-// Errors: kIo naming the path with the errno text (cannot open, read
-// failed), kInvalidArgument (not a regular file, the wrong size, NaN or
-// Inf). Reentrant.
-Status read_init_file(const std::string& path, uint64_t total_elements, float* weights);
+// Read in chunks, so neither a check nor a start holds a copy of the model.
+// Each chunk, once checked, goes to `sink` in order (`first`: the index of
+// values[0]); an error `sink` returns ends the read with it. Without a sink
+// the file is only checked (--check-config). A sink may have seen the
+// chunks before a later one fails the read. Errors: kIo naming the path
+// with the errno text (cannot open, read failed), kInvalidArgument (not a
+// regular file, the wrong size, NaN or Inf), the sink's. Reentrant.
+using WeightsSink = std::function<Status(uint64_t first, std::span<const float> values)>;
+Status read_init_file(const std::string& path, uint64_t total_elements, const WeightsSink& sink = {});
 
 }  // namespace shmps::server
