@@ -5,7 +5,11 @@
 #include <unistd.h>
 
 #include <boost/test/unit_test.hpp>
+#include <cmath>
+#include <filesystem>
 #include <fstream>
+#include <limits>
+#include <random>
 #include <thread>
 
 #include "server_support.hpp"
@@ -103,6 +107,58 @@ BOOST_AUTO_TEST_CASE(init_file_sets_the_weights_and_its_size_is_checked) {
   config.tensors = {{"a", {2, 3}}};
   auto bad = Server::create(config);
   BOOST_TEST(bad.status().message().find("holds 20 bytes; the tensors need 24") != std::string::npos);
+  ::unlink(path.c_str());
+}
+
+// The initial weights reach the backend a chunk (2^20 values) at a time:
+// across chunk and tensor boundaries they are the one sequence a single
+// loop draws, or the file's values in order; a bad value in a later chunk
+// still fails the start and leaves no segment.
+BOOST_AUTO_TEST_CASE(initial_weights_span_chunks_as_one_sequence) {
+  constexpr uint64_t kA = 1'500'000, kB = 1'200'001;  // 2.6 chunks, the tensor boundary inside the 2nd
+  ServerConfig config;
+  config.name = test::unique_name("chunks");
+  config.tensors = {{"a", {kA}}, {"b", {kB}}};
+  config.init.seed = 11;
+  config.init.scale = 0.5f;
+  const auto reference = [&](auto dist) {
+    std::mt19937_64 rng(config.init.seed);
+    std::vector<float> w(kA + kB);
+    for (float& x : w) x = dist(rng);
+    return w;
+  };
+  config.init.kind = InitSpec::Kind::kNormal;
+  {
+    auto s = Server::create(config);
+    BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
+    BOOST_TEST(((*s)->weights() == reference(std::normal_distribution<float>(0.0f, 0.5f))));
+  }
+  config.init.kind = InitSpec::Kind::kUniform;
+  {
+    auto s = Server::create(config);
+    BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
+    BOOST_TEST(((*s)->weights() == reference(std::uniform_real_distribution<float>(-0.5f, 0.5f))));
+  }
+  const std::string path = "/tmp/shmps_init_chunks_" + std::to_string(::getpid()) + ".bin";
+  std::vector<float> values(kA + kB);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i % 65521) - 7.0f;
+  const auto write = [&] {
+    std::ofstream(path, std::ios::binary)
+        .write(reinterpret_cast<const char*>(values.data()), static_cast<std::streamsize>(values.size() * 4));
+  };
+  write();
+  config.init.kind = InitSpec::Kind::kFile;
+  config.init.file = path;
+  {
+    auto s = Server::create(config);
+    BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
+    BOOST_TEST(((*s)->weights() == values));
+  }
+  values[(2 << 20) + 5] = std::numeric_limits<float>::quiet_NaN();  // in the third chunk
+  write();
+  auto bad = Server::create(config);
+  BOOST_TEST(bad.status().message().find("contains NaN or Inf") != std::string::npos, bad.status().to_string());
+  BOOST_TEST(!std::filesystem::exists("/dev/shm/shmps." + config.name), "segment left behind");
   ::unlink(path.c_str());
 }
 
