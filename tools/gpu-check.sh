@@ -657,7 +657,7 @@ python_pkg=""
 if [[ -n $python_why ]]; then
   not_run "python: pytest tests/python" "$python_why"
 elif [[ $mode == prebuilt ]]; then
-  pybuild=$trees/build/gpu-python  # kept: a later call reuses it (docs/cuda.md, "First GPU session")
+  pybuild=$trees/build/gpu-python  # kept: a later call reuses it (docs/cuda.md, "A GPU session")
   generator=()
   have ninja && generator=(-G Ninja)
   # nanobind's own sources and the extension: 40 s on the rehearsal's 2
