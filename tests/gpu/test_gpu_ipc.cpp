@@ -7,7 +7,8 @@
 // memory back), and a worker killed with a push in flight.
 // CUDA runs only in forked children: the test process itself never
 // initialises CUDA (a child forked after that could not use it). Without a
-// device every case is skipped with the reason. NOT YET RUN ON A GPU.
+// device every case is skipped with the reason (docs/cuda.md: run on an
+// H200 by tools/gpu-check.sh).
 #define BOOST_TEST_MODULE test_gpu_ipc
 #include <signal.h>
 #include <sys/mman.h>
@@ -141,6 +142,75 @@ BOOST_AUTO_TEST_CASE(seed_push_at_version_0_returns_1_and_applies_sgd_from_devic
     const std::vector<float> after = download(weights, n);
     for (uint64_t i = 0; i < n; ++i)
       EXPECT(std::fabs(after[i] - (before[i] - 0.5f * host[i])) <= 1e-6f, "element " + std::to_string(i));
+    return 0;
+  });
+}
+
+// The caller's stream orders the server's work after its own, for the
+// blocking calls (which wait for the stream before they send) and the
+// asynchronous ones (which record an interprocess event the server's
+// stream waits for): a host function holds the stream 50 ms before the
+// gradient is copied in, and the push applies that gradient; a copy out of
+// the weights' buffer held the same way still reads the old weights, not
+// the pull's.
+BOOST_AUTO_TEST_CASE(the_callers_stream_orders_blocking_and_async_calls) {
+  test::ServerProcess server(test::unique_name("gorder"), cuda_args({"--tensor", "w:4096"}));
+  in_child([&] {
+    auto w = connect(server.name());
+    EXPECT(w != nullptr, "connect");
+    const uint64_t n = w->total_elements();
+    float *grad = nullptr, *weights = nullptr, *host = nullptr, *snapshot = nullptr;
+    CK(cudaMalloc(&grad, n * 4));
+    CK(cudaMalloc(&weights, n * 4));
+    CK(cudaMallocHost(&host, n * 4));  // pinned: the copies stay asynchronous
+    CK(cudaMallocHost(&snapshot, n * 4));
+    cudaStream_t stream = nullptr;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto g = w->register_device_buffer(grad, n * 4);
+    EXPECT(g.ok(), g.status().to_string());
+    auto wb = w->register_device_buffer(weights, n * 4);
+    EXPECT(wb.ok(), wb.status().to_string());
+    auto v = w->pull(kAllTensors, *wb, 0, stream);
+    EXPECT(v.ok() && *v == 0, v.status().to_string());
+    uint64_t version = *v;
+    const cudaHostFn_t hold = [](void*) { std::this_thread::sleep_for(50ms); };
+    for (const bool async : {false, true}) {
+      const std::string call = async ? "push_async/pull_async" : "push/pull";
+      const std::vector<float> before = download(weights, n);
+      for (uint64_t i = 0; i < n; ++i) host[i] = static_cast<float>(i % 7) - 3.0f + (async ? 0.5f : 0.0f);
+      CK(cudaMemsetAsync(grad, 0, n * 4, stream));
+      CK(cudaLaunchHostFunc(stream, hold, nullptr));
+      CK(cudaMemcpyAsync(grad, host, n * 4, cudaMemcpyHostToDevice, stream));
+      Result<uint64_t> pushed = Status{ErrorCode::kInvalidArgument, "not pushed"};
+      if (async) {
+        auto t = w->push_async(kAllTensors, *g, 0, n * 4, Dtype::kF32, version, stream);
+        EXPECT(t.ok(), call + ": " + t.status().to_string());
+        pushed = w->wait(*t);
+      } else {
+        pushed = w->push(kAllTensors, *g, 0, n * 4, Dtype::kF32, version, stream);
+      }
+      EXPECT(pushed.ok() && *pushed == version + 1, call + ": " + pushed.status().to_string());
+      version = *pushed;
+      CK(cudaLaunchHostFunc(stream, hold, nullptr));
+      CK(cudaMemcpyAsync(snapshot, weights, n * 4, cudaMemcpyDeviceToHost, stream));
+      Result<uint64_t> pulled = Status{ErrorCode::kInvalidArgument, "not pulled"};
+      if (async) {
+        auto t = w->pull_async(kAllTensors, *wb, 0, stream);
+        EXPECT(t.ok(), call + ": " + t.status().to_string());
+        pulled = w->wait(*t);
+      } else {
+        pulled = w->pull(kAllTensors, *wb, 0, stream);
+      }
+      EXPECT(pulled.ok() && *pulled == version, call + ": " + pulled.status().to_string());
+      CK(cudaStreamSynchronize(stream));
+      const std::vector<float> after = download(weights, n);
+      for (uint64_t i = 0; i < n; ++i) {
+        EXPECT(snapshot[i] == before[i],
+               call + ": the copy out read the pull's weights at element " + std::to_string(i));
+        EXPECT(std::fabs(after[i] - (before[i] - 0.5f * host[i])) <= 1e-6f,
+               call + ": the push applied an unfinished gradient at element " + std::to_string(i));
+      }
+    }
     return 0;
   });
 }

@@ -38,6 +38,10 @@ Result<DeviceBuffer> describe_device_buffer(const void* ptr, size_t bytes, bool 
 // Records the buffer's event on `stream` (a cudaStream_t; nullptr: the
 // legacy default stream), after the work that wrote the buffer.
 Status record_device_event(const DeviceBuffer& buffer, void* stream);
+// Whether `stream` (as above, on the buffer's device) has run everything
+// enqueued on it so far (cuStreamQuery): true, false while work is left,
+// or kCuda naming the failure (an error of the stream's own work too).
+Result<bool> device_stream_idle(const DeviceBuffer& buffer, void* stream);
 // Destroys the event and releases the context (after the server closed its
 // side: unregister done).
 void release_device_buffer(DeviceBuffer& buffer);

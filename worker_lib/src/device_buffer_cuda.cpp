@@ -42,6 +42,7 @@ namespace {
   X(cuEventCreate) \
   X(cuEventRecord) \
   X(cuEventDestroy) \
+  X(cuStreamQuery) \
   X(cuMemAlloc) \
   X(cuMemFree)
 // clang-format on
@@ -225,6 +226,17 @@ Status record_device_event(const DeviceBuffer& buffer, void* stream) {
       !e.empty())
     return failed(e);
   return Status::Ok();
+}
+
+Result<bool> device_stream_idle(const DeviceBuffer& buffer, void* stream) {
+  const Driver& d = driver();
+  if (!d.error.empty()) return failed(d.error);
+  ContextScope scope(d, static_cast<CUcontext>(buffer.context));
+  if (!scope.ok()) return failed("cuCtxPushCurrent of the device's primary context failed");
+  const CUresult r = d.cuStreamQuery_(static_cast<CUstream>(stream));
+  if (r == CUDA_ERROR_NOT_READY) return false;
+  if (r != CUDA_SUCCESS) return failed(cu_error_text(d, "cuStreamQuery(stream)", r, __LINE__));
+  return true;
 }
 
 void release_device_buffer(DeviceBuffer& buffer) {

@@ -747,10 +747,15 @@ class Worker::Impl {
     }
   }
 
-  // A public pull's entry (enter(), the stream's event) and its request:
-  // tensor `tensor_id` (or kAllTensors) as fp32 into [byte_offset, ...) of
-  // buffer `buffer_id`, held at most what the timeout leaves.
-  Result<Request> begin_pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream);
+  // A public pull's entry (enter(), then the stream: settled when
+  // `blocking`, else its event recorded) and its request: tensor
+  // `tensor_id` (or kAllTensors) as fp32 into [byte_offset, ...) of buffer
+  // `buffer_id`, held at most what the timeout leaves.
+  Result<Request> begin_pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream, bool blocking);
+  // push_async's and push's body: the stream settled when `blocking`, else
+  // its event recorded, then the request submitted.
+  Result<Worker::Ticket> send_push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes,
+                                   Dtype dtype, uint64_t worker_version, void* stream, bool blocking);
 
   static Status to_status(const Completion& c) {
     if (c.code == 0) return Status::Ok();
@@ -840,12 +845,41 @@ class Worker::Impl {
     return c.ok() ? Status::Ok() : c.status();
   }
 
-  // Before a push or pull of buffer b: a device buffer's event is recorded
-  // on the caller's stream (the server's work waits for it). Unknown ids
-  // are left to the server to reject.
+  // Before an asynchronous push or pull of buffer b (push_async,
+  // pull_async): a device buffer's interprocess event is recorded on the
+  // caller's stream, and the server's stream waits for it. Unknown ids are
+  // left to the server to reject.
   Status record_event(uint32_t b, void* stream) {
     if (b >= buffers.size() || !buffers[b].in_use || !buffers[b].device) return Status::Ok();
     return detail::record_device_event(buffers[b].desc, stream);
+  }
+
+  // Before a blocking push, pull or init of buffer b: waits until the
+  // caller's stream has run everything enqueued on it (the gradient is
+  // written, the previous weights are read), instead of recording the
+  // event. The call blocks until the server's answer anyway, and an
+  // interprocess event record delays the server's next device work by
+  // about 280 us on an H200 (docs/cuda.md, "Ordering across processes");
+  // the server's wait on the event's older record is then already met.
+  // Polls cuStreamQuery, yielding the CPU every 64 polls; a timeout of its
+  // own (kTimeout) and the interrupted hook (kInterrupted) end it, and
+  // nothing has been sent then.
+  Status settle_stream(uint32_t b, void* stream) {
+    if (b >= buffers.size() || !buffers[b].in_use || !buffers[b].device) return Status::Ok();
+    shm::Deadline deadline(options.timeout);
+    for (uint64_t polls = 1;; ++polls) {
+      Result<bool> idle = detail::device_stream_idle(buffers[b].desc, stream);
+      if (!idle.ok() || *idle) return idle.status();
+      if (polls % 64 == 0) {
+        if (shm::Deadline::Clock::now() >= deadline.time())
+          return {ErrorCode::kTimeout, "the caller's stream did not finish its work on buffer " + std::to_string(b) +
+                                           " within the timeout; nothing was sent"};
+        if (asked_to_stop()) return {ErrorCode::kInterrupted, "interrupted while waiting for the caller's stream"};
+        std::this_thread::yield();
+      } else {
+        shm::cpu_relax();
+      }
+    }
   }
 
   // Claims an entry of `seg`, attaches, and (first time) reads the tensor
@@ -1179,8 +1213,14 @@ Status Worker::unregister_buffer(uint32_t buffer_id) {
 
 Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes,
                                           Dtype dtype, uint64_t worker_version, void* stream) {
-  if (Status s = impl_->enter(Impl::Call::kPush); !s.ok()) return s;
-  if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
+  return impl_->send_push(tensor_id, buffer_id, byte_offset, bytes, dtype, worker_version, stream, false);
+}
+
+Result<Worker::Ticket> Worker::Impl::send_push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
+                                               uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream,
+                                               bool blocking) {
+  if (Status s = enter(Call::kPush); !s.ok()) return s;
+  if (Status s = blocking ? settle_stream(buffer_id, stream) : record_event(buffer_id, stream); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPush);
   req.tensor_id = tensor_id;
@@ -1191,8 +1231,8 @@ Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id
   req.worker_version = worker_version;
   // A timeout of its own: a re-attach in enter() that took most of one
   // leaves the submit a whole one. Read from the clock only if used.
-  shm::Deadline deadline(impl_->options.timeout);
-  return impl_->submit(req, deadline);
+  shm::Deadline deadline(options.timeout);
+  return submit(req, deadline);
 }
 
 Result<uint64_t> Worker::wait(Ticket ticket) {
@@ -1209,14 +1249,15 @@ uint64_t Worker::last_version() const noexcept { return impl_->last_version; }
 
 Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
                               uint64_t worker_version, void* stream) {
-  auto ticket = push_async(tensor_id, buffer_id, byte_offset, bytes, dtype, worker_version, stream);
+  auto ticket = impl_->send_push(tensor_id, buffer_id, byte_offset, bytes, dtype, worker_version, stream, true);
   if (!ticket.ok()) return ticket.status();
   return wait(*ticket);
 }
 
-Result<Request> Worker::Impl::begin_pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
+Result<Request> Worker::Impl::begin_pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream,
+                                         bool blocking) {
   if (Status s = enter(Call::kRequest); !s.ok()) return s;
-  if (Status s = record_event(buffer_id, stream); !s.ok()) return s;
+  if (Status s = blocking ? settle_stream(buffer_id, stream) : record_event(buffer_id, stream); !s.ok()) return s;
   const uint64_t elements = tensor_id == kAllTensors     ? total_elements
                             : tensor_id < tensors.size() ? tensors[tensor_id].element_count
                                                          : 0;  // the server answers kUnknownTensor
@@ -1231,7 +1272,7 @@ Result<Request> Worker::Impl::begin_pull(uint32_t tensor_id, uint32_t buffer_id,
 }
 
 Result<Worker::Ticket> Worker::pull_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
-  Result<Request> req = impl_->begin_pull(tensor_id, buffer_id, byte_offset, stream);
+  Result<Request> req = impl_->begin_pull(tensor_id, buffer_id, byte_offset, stream, false);
   if (!req.ok()) return req.status();
   // A timeout of its own for the submit, as push_async's: a re-attach in
   // enter() may have used most of one.
@@ -1240,7 +1281,7 @@ Result<Worker::Ticket> Worker::pull_async(uint32_t tensor_id, uint32_t buffer_id
 }
 
 Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
-  Result<Request> req = impl_->begin_pull(tensor_id, buffer_id, byte_offset, stream);
+  Result<Request> req = impl_->begin_pull(tensor_id, buffer_id, byte_offset, stream, true);
   if (!req.ok()) return req.status();
   auto c = impl_->request(*req);  // one timeout for the submit and the answer
   if (!c.ok()) return c.status();
@@ -1249,7 +1290,7 @@ Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
 
 Status Worker::init(uint32_t buffer_id, uint64_t byte_offset, void* stream) {
   if (Status s = impl_->enter(Impl::Call::kRequest); !s.ok()) return s;
-  if (Status s = impl_->record_event(buffer_id, stream); !s.ok()) return s;
+  if (Status s = impl_->settle_stream(buffer_id, stream); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kInit);
   req.tensor_id = kAllTensors;

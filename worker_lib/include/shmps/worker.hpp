@@ -11,9 +11,11 @@
 // test_faults.cpp). Unset, it costs a predictable branch per point.
 //
 // Device buffers (register_device_buffer): CUDA memory stays where it is;
-// the server maps its allocation once by CUDA IPC handle, and an event
-// recorded on the caller's stream orders the server's reads and writes
-// after the caller's work. No CUDA types appear here: streams are void*.
+// the server maps its allocation once by CUDA IPC handle. The server's
+// reads and writes come after the caller's work on its stream: a blocking
+// call waits for that stream before it sends, an asynchronous one records
+// an interprocess event on it that the server's stream waits for. No CUDA
+// types appear here: streams are void*.
 //
 // Thread safety: one Worker is used by one thread at a time (it owns one
 // single-producer lane). Separate Worker objects, in one process or many,
@@ -237,18 +239,22 @@ class Worker {
   // version after the update.
   // `stream` (a cudaStream_t; nullptr: the legacy default stream) matters
   // only for a device buffer: the gradient is the one written by the work
-  // enqueued on `stream` before this call. An event is recorded on it, and
-  // the server's kernel waits for that event on the device (no host
-  // synchronisation). When the push completes (here, or in wait() for
-  // push_async) the server has finished reading the buffer; the caller may
-  // overwrite it. Ignored for host buffers.
+  // enqueued on `stream` before this call. push() waits (polling, up to the
+  // timeout, interruptible) until that work has run, then sends: it
+  // returns only after the server's apply anyway, and this spares the
+  // server's next device work the delay an interprocess event record
+  // costs (docs/cuda.md, "Ordering across processes"). push_async()
+  // records an event on `stream` instead, and the server's kernel waits
+  // for it on the device (no host synchronisation). When the push completes
+  // (here, or in wait() for push_async) the server has finished reading the
+  // buffer; the caller may overwrite it. Ignored for host buffers.
   // Errors: kStale (message has both versions), kBadRequest
   // (worker_version ahead of the server's: not a version it served),
   // kBadLength, kBadDtype,
   // kNonFinite, kUnknownBuffer, kUnknownTensor, kBadRange, kBusy (lane full
   // for the whole timeout), kTimeout, kServerNotRunning, kServerRestarted,
-  // kShuttingDown, kCuda (a device buffer's event could not be recorded;
-  // the server's device failed), kInterrupted (WorkerOptions::interrupted).
+  // kShuttingDown, kCuda (a device buffer's stream or event failed; the
+  // server's device failed), kInterrupted (WorkerOptions::interrupted).
   // On any error nothing was applied (a kCuda from the server's device: its
   // weights may be half-written, and the server stops), but for kTimeout
   // and kInterrupted, after which the push is still in flight and may be.
@@ -277,15 +283,17 @@ class Worker {
   // as fp32 into buffer `buffer_id` at `byte_offset`; returns its version.
   // For a device buffer, `stream` (as in push) is where the caller's last
   // use of the buffer was enqueued (e.g. reads of the previous weights):
-  // the server's copy waits for it; when pull returns the weights are in
-  // the buffer, and work the caller enqueues afterwards sees them.
+  // the server's copy comes after it (pull waits for the stream before it
+  // sends, pull_async records an event, as push and push_async); when pull
+  // returns the weights are in the buffer, and work the caller enqueues
+  // afterwards sees them.
   // Under the server's --staleness-policy wait, a pull by a worker more
   // than max_staleness clocks (applied pushes) ahead of the slowest worker
   // is held until the slowest catches up or leaves; after most of the
   // timeout (all but a quarter of it, at least 50 ms or half of it, at
   // most 500 ms) it fails with kTimeout saying whom it waited for.
-  // Errors: kUnknownBuffer, kUnknownTensor, kBadRange, kCuda (recording
-  // the event failed), kTimeout and request errors.
+  // Errors: kUnknownBuffer, kUnknownTensor, kBadRange, kCuda (the stream
+  // or the event failed), kTimeout and request errors.
   Result<uint64_t> pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);
   // As pull(), but returns once the request is in the lane; wait() returns
   // the version pulled, or the error (the server's refusals, such as
