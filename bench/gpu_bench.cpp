@@ -1,12 +1,13 @@
 // shmps-gpu-bench: the CUDA backend's numbers on one GPU (docs/cuda.md,
-// "GPU benchmark goals"). Prints one table:
+// "GPU benchmarks"). Prints one table:
 //   - apply throughput per optimizer (SGD 12 B/param, SGD+momentum 20,
 //     Adam 28) as a fraction of the device-to-device copy bandwidth
 //     measured in the same run (goal >= 80%);
 //   - cudaIpcOpenMemHandle + close cost per allocation size (2 MiB .. 8 GiB;
 //     the exporting process is a child forked before CUDA starts here);
-//   - push round trip of a 4 KB gradient from device memory with the event
-//     protocol, p50/p99, against a shmps-server --backend cuda;
+//   - push round trip of a 4 KB gradient from device memory (Worker::push,
+//     blocking, on the caller's stream), p50/p99, against a shmps-server
+//     --backend cuda;
 //   - pushes/s of 8 worker processes on one GPU (this program re-executed);
 //   - a 64 MiB gradient three ways: shmps push+apply by IPC handle, the same
 //     work in one process (check + apply on a stream), and the staged path a
@@ -14,6 +15,7 @@
 //     receiving process, host to device, check + apply there).
 // Medians over repeats. --quick: fewer sizes, repeats and seconds.
 // Without a device: prints "no CUDA device: skipped (...)" and exits 0.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -23,6 +25,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -40,8 +43,22 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The exporter and receiver children: a failure kills and reaps them, so
+// none is left holding a CUDA context.
+std::vector<pid_t> g_children;
+
+// Waits for a child that was told to end, and forgets it.
+void reap(pid_t pid) {
+  ::waitpid(pid, nullptr, 0);
+  std::erase(g_children, pid);
+}
+
 [[noreturn]] void die(const std::string& what) {
   std::fprintf(stderr, "shmps-gpu-bench: %s\n", what.c_str());
+  for (pid_t pid : g_children) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+  }
   std::exit(1);
 }
 
@@ -89,9 +106,13 @@ struct Exporter {
 };
 Exporter start_exporter() {
   int down[2], up[2];
-  if (::pipe(down) != 0 || ::pipe(up) != 0) die("pipe");
+  // Close-on-exec: the servers and workers this program starts must not
+  // hold the children's ends open.
+  if (::pipe2(down, O_CLOEXEC) != 0 || ::pipe2(up, O_CLOEXEC) != 0) die("pipe");
   Exporter ex;
   ex.pid = ::fork();
+  if (ex.pid < 0) die("fork");
+  if (ex.pid > 0) g_children.push_back(ex.pid);
   if (ex.pid == 0) {
     ::close(down[1]);
     ::close(up[0]);
@@ -209,12 +230,18 @@ bool write_full(int fd, const void* p, size_t n) {
   ::_exit(0);
 }
 
-Receiver start_receiver() {
+// Forked after the exporter, whose parent-side ends it closes (the exporter
+// sees its end of file when this process is gone).
+Receiver start_receiver(const Exporter& exporter) {
   int fds[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM, 0, fds) != 0) die("socketpair");
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) die("socketpair");
   Receiver r;
   r.pid = ::fork();
+  if (r.pid < 0) die("fork");
+  if (r.pid > 0) g_children.push_back(r.pid);
   if (r.pid == 0) {
+    ::close(exporter.to_child);
+    ::close(exporter.from_child);
     ::close(fds[0]);
     receive_staged(fds[1]);
   }
@@ -257,7 +284,8 @@ std::unique_ptr<shmps::ServerProcess> start_server(const std::string& tag, uint6
   return std::move(s).value();
 }
 
-// Pushes a 4 KB-per-push device gradient for `seconds`; returns pushes/s
+// Pushes the server's whole model (4 KB or 64 MiB here) from device memory
+// with Worker::push on a stream of its own for `seconds`; returns pushes/s
 // (p50/p99 of the round trip in *lat_us when given).
 double push_loop(const std::string& name, double seconds, std::vector<double>* lat_us) {
   shmps::WorkerOptions o;
@@ -341,8 +369,10 @@ int main(int argc, char** argv) {
     std::printf("no CUDA device: skipped (%s)\n", reason.c_str());
     return 0;
   }
+  // A child that died makes a write fail (reported) rather than kill us.
+  std::signal(SIGPIPE, SIG_IGN);
   Exporter exporter = start_exporter();  // both before CUDA starts in this process
-  Receiver receiver = start_receiver();
+  Receiver receiver = start_receiver(exporter);
 
   const int repeats = quick ? 5 : 20;
   cudaDeviceProp prop{};
@@ -419,7 +449,7 @@ int main(int argc, char** argv) {
   }
   const uint64_t end_marker = 0;
   (void)!::write(exporter.to_child, &end_marker, sizeof end_marker);
-  ::waitpid(exporter.pid, nullptr, 0);
+  reap(exporter.pid);
 
   // Push round trip of a 4 KB gradient (1024 fp32), one worker.
   const auto server = start_server("rt", 1024);
@@ -489,9 +519,9 @@ int main(int argc, char** argv) {
   const double staged = staged_ms(receiver, big, quick ? 5 : repeats);
   const uint64_t receiver_end = 0;
   (void)write_full(receiver.fd, &receiver_end, sizeof receiver_end);
-  ::waitpid(receiver.pid, nullptr, 0);
+  reap(receiver.pid);
   std::printf("\n%-40s %12s %14s\n", "64 MiB gradient, check + SGD apply", "median (ms)", "staged / this");
-  std::printf("%-40s %12.3f %14.1f\n", "shmps push+apply (IPC handle, event)", shmps_ms, staged / shmps_ms);
+  std::printf("%-40s %12.3f %14.1f\n", "shmps push+apply (IPC handle)", shmps_ms, staged / shmps_ms);
   std::printf("%-40s %12.3f %14.1f\n", "same work in one process", same_work_ms, staged / same_work_ms);
   std::printf("%-40s %12.3f %14s\n", "staged: D2H, Unix socket, H2D", staged, "1.0");
   std::printf("staged path goal (>= 20x slower than shmps): %s\n", staged >= 20.0 * shmps_ms ? "met" : "MISSED");

@@ -35,7 +35,7 @@ enum class WorkerOp : int { kNone, kPlainEvent, kIpcEvent, kWriteValue, kExit };
 struct Shared {
   std::atomic<uint64_t> seq{0}, ack{0};
   std::atomic<int> op{0};
-  std::atomic<int> ready{0};  // 1: handles written; -1: the worker failed (error)
+  std::atomic<int> ready{0};  // 1: handles written; -1: the worker failed (error); -2: no device (error)
   cudaIpcEventHandle_t event{};
   cudaIpcMemHandle_t word{};
   char error[256] = {};
@@ -53,7 +53,7 @@ WriteValueFn driver_fn(const char* name) {
 }
 
 [[noreturn]] void die(const std::string& what) {
-  std::printf("shmps-gpu-sync-probe: %s\n", what.c_str());
+  std::fprintf(stderr, "shmps-gpu-sync-probe: %s\n", what.c_str());
   std::exit(1);
 }
 
@@ -70,13 +70,13 @@ __global__ void tiny(float* p) {
 
 [[noreturn]] void run_worker(Shared* sh) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never left spinning by a server that died
-  const auto fail = [sh](const char* what, cudaError_t e) {
+  const auto fail = [sh](const char* what, cudaError_t e, int code = -1) {
     std::snprintf(sh->error, sizeof sh->error, "%s: %s", what, cudaGetErrorName(e));
-    sh->ready.store(-1);
+    sh->ready.store(code);
     _exit(1);
   };
   cudaError_t e = cudaSetDevice(0);
-  if (e != cudaSuccess) fail("cudaSetDevice(0)", e);
+  if (e != cudaSuccess) fail("cudaSetDevice(0)", e, -2);
   cudaStream_t s = nullptr;
   cudaEvent_t ipc = nullptr, plain = nullptr;
   uint32_t* word = nullptr;
@@ -143,10 +143,14 @@ int main(int argc, char** argv) {
     int status = 0;
     if (waitpid(pid, &status, WNOHANG) == pid) break;
   }
+  if (sh->ready.load() == -2) {
+    waitpid(pid, nullptr, 0);
+    std::printf("no CUDA device: skipped (%s)\n", sh->error);
+    return 0;
+  }
   if (sh->ready.load() != 1) {
     waitpid(pid, nullptr, 0);
-    std::printf("no CUDA device: skipped (%s)\n", sh->error[0] ? sh->error : "the worker process failed");
-    return 0;
+    die(std::string("the worker process failed: ") + (sh->error[0] ? sh->error : "it died"));
   }
 
   CK(cudaSetDevice(0));
@@ -190,8 +194,9 @@ int main(int argc, char** argv) {
       sh->op.store(static_cast<int>(op));
       sh->ack.store(k);
       ++k;
-      while (sh->seq.load() != k) {
-      }
+      while (sh->seq.load() != k)
+        if (sh->ready.load() != 1 || waitpid(pid, nullptr, WNOHANG) == pid)
+          die(std::string("the worker process failed: ") + (sh->error[0] ? sh->error : "it died"));
       const auto t0 = Clock::now();
       server(k);
       const auto t1 = Clock::now();

@@ -694,8 +694,8 @@ if have compute-sanitizer; then
     args=()
     [[ $2 == test_gpu_ipc ]] && args=(--run_test="$seed")
     echo "== compute-sanitizer --tool $1 $2 ${args[*]}" >> "$work/sanitizer.txt"
-    # racecheck runs the kernel tests' large tensors about 1.3x slower
-    # than memcheck (about 45 s on an H200).
+    # racecheck takes longer than memcheck over the kernel tests' large
+    # tensors (docs/cuda.md, "Status").
     STEP_OUT=$work/sanitizer.part step "compute-sanitizer $1 $2" $([[ $1 == racecheck ]] && echo 90 || echo 45) \
       compute-sanitizer --tool "$1" --error-exitcode 99 --target-processes all \
         "$build/bin/$2" "${args[@]}" --log_level=test_suite --color_output=no

@@ -5,8 +5,8 @@
 // Every apply and copy is enqueued on one stream, in request order; the
 // server learns when it is done through fences (backend.hpp) and never
 // waits for one request's device work while serving the ring.
-// Used only by the server's consumer thread. NOT YET RUN ON A GPU: compiled
-// in CI without a driver (docs/cuda.md, "Status").
+// Used only by the server's consumer thread. Compiled in CI without a
+// driver; its tests run where a GPU is (docs/cuda.md, "Status").
 #include <cuda.h>  // CUdeviceptr / CUresult for cuMemGetAddressRange (types only; no link to libcuda)
 #include <cuda_runtime.h>
 #include <unistd.h>
@@ -295,8 +295,14 @@ class CudaBackend final : public Backend {
     if (first > total_ || values.size() > total_ - first)
       return {ErrorCode::kInvalidArgument, "write_weights beyond the weights"};
     bind();
-    return call(cudaMemcpy(weights_ + first, values.data(), values.size_bytes(), cudaMemcpyHostToDevice),
-                "cudaMemcpy(weights + first, values, bytes, cudaMemcpyHostToDevice)", __LINE__);
+    // On our stream and waited for: a pageable cudaMemcpy may return before
+    // the data reaches the device, and the first request's work must see it.
+    if (Status s =
+            call(cudaMemcpyAsync(weights_ + first, values.data(), values.size_bytes(), cudaMemcpyHostToDevice, stream_),
+                 "cudaMemcpyAsync(weights + first, values, bytes, cudaMemcpyHostToDevice, stream_)", __LINE__);
+        !s.ok())
+      return s;
+    return synchronize();
   }
 
   Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc,
@@ -394,8 +400,9 @@ class CudaBackend final : public Backend {
     if (!sticky_.ok()) return sticky_;
     bind();
     const auto& g = static_cast<const CudaPeer&>(grad);
-    // On every push: the worker records its event after writing the
-    // gradient; our stream waits for that record (cheap when it is done).
+    // On every push our stream waits for the worker's event: recorded after
+    // the gradient by push_async; by a blocking push, which waited for its
+    // stream before sending, not recorded (or recorded earlier), so met.
     if (Status s = wait_for_writer(g); !s.ok()) return s;
     const TensorExtent& t = tensors_[tensor];
     kernels::TensorState ts;
@@ -425,7 +432,7 @@ class CudaBackend final : public Backend {
     if (!sticky_.ok()) return sticky_;
     bind();
     const auto& s = static_cast<const CudaPeer&>(src);
-    // The worker records its event after writing the initial weights.
+    // The worker's event, as in apply(): init waited for its stream.
     if (Status st = wait_for_writer(s); !st.ok()) return st;
     dirty_ = true;
     return call(

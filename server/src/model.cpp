@@ -13,6 +13,7 @@ namespace {
 // loop over all of them.
 template <typename Dist>
 Status draw(uint64_t total, uint64_t seed, Dist dist, const WeightsSink& sink) {
+  if (!sink) return Status::Ok();
   constexpr uint64_t kChunkElements = 1 << 20;
   std::mt19937_64 rng(seed);
   std::vector<float> chunk(std::min(total, kChunkElements));

@@ -4,7 +4,8 @@
 // The seed's two tests on device memory, two gradients inside one
 // allocation with poison around them, one buffer pushed 100 times (one
 // open), 1,000 register/push/unregister cycles (opens == closes, device
-// memory back), and a worker killed with a push in flight.
+// memory back), a worker killed with a push in flight, and the caller's
+// stream ordering blocking and asynchronous calls.
 // CUDA runs only in forked children: the test process itself never
 // initialises CUDA (a child forked after that could not use it). Without a
 // device every case is skipped with the reason (docs/cuda.md: run on an

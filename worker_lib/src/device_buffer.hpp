@@ -1,6 +1,7 @@
 // worker_lib's CUDA half (private): describing a device buffer for the
 // server (IPC handle of its allocation, offset, device UUID, interprocess
-// event) and recording that event before a push. Built from
+// event) and recording that event before an asynchronous push, or waiting
+// for the caller's stream before a blocking one. Built from
 // device_buffer_cuda.cpp with CUDA, from device_buffer_stub.cpp without
 // (every call then fails with kCuda "built without CUDA"). No CUDA types
 // here. Thread-safe as the CUDA driver is; one buffer's event must not be
@@ -21,9 +22,10 @@ struct DeviceBuffer {
   uint8_t mem_handle[64] = {};  // cudaIpcMemHandle_t of the allocation
   uint8_t event_handle[64] = {};
   uint8_t device_uuid[16] = {};
-  void* event = nullptr;    // CUevent (a cudaEvent_t), interprocess, no timing
-  void* context = nullptr;  // CUcontext: the device's primary context, retained while the buffer lives
-  int device = 0;           // ordinal in this process
+  void* event = nullptr;        // CUevent (a cudaEvent_t), interprocess, no timing
+  void* stream_mark = nullptr;  // CUevent, this process only, no timing: a blocking call's wait
+  void* context = nullptr;      // CUcontext: the device's primary context, retained while the buffer lives
+  int device = 0;               // ordinal in this process
 };
 
 // Describes [ptr, ptr + bytes): device memory of one cudaMalloc
@@ -38,10 +40,16 @@ Result<DeviceBuffer> describe_device_buffer(const void* ptr, size_t bytes, bool 
 // Records the buffer's event on `stream` (a cudaStream_t; nullptr: the
 // legacy default stream), after the work that wrote the buffer.
 Status record_device_event(const DeviceBuffer& buffer, void* stream);
-// Whether `stream` (as above, on the buffer's device) has run everything
-// enqueued on it so far (cuStreamQuery): true, false while work is left,
-// or kCuda naming the failure (an error of the stream's own work too).
-Result<bool> device_stream_idle(const DeviceBuffer& buffer, void* stream);
+// Records the buffer's private (not interprocess) event on `stream`, as
+// above: a blocking call then waits for it (device_stream_marked) instead
+// of sending the interprocess event to the server. Same ordering as the
+// interprocess record, the legacy default stream's implicit
+// synchronisation included.
+Status mark_device_stream(const DeviceBuffer& buffer, void* stream);
+// Whether the last mark_device_stream() has been reached (cuEventQuery):
+// true, false while the stream's work before it runs, or kCuda naming the
+// failure (an error of that work too).
+Result<bool> device_stream_marked(const DeviceBuffer& buffer);
 // Destroys the event and releases the context (after the server closed its
 // side: unregister done).
 void release_device_buffer(DeviceBuffer& buffer);

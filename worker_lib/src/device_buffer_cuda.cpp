@@ -42,7 +42,7 @@ namespace {
   X(cuEventCreate) \
   X(cuEventRecord) \
   X(cuEventDestroy) \
-  X(cuStreamQuery) \
+  X(cuEventQuery) \
   X(cuMemAlloc) \
   X(cuMemFree)
 // clang-format on
@@ -159,6 +159,9 @@ Status describe_in_context(const Driver& d, CUdevice device, CUdeviceptr address
       !e.empty())
     return failed(e);
   b->event = ev;
+  CUevent mark = nullptr;
+  if (std::string e = SHMPS_CU_ERROR(d, d.cuEventCreate_(&mark, CU_EVENT_DISABLE_TIMING)); !e.empty()) return failed(e);
+  b->stream_mark = mark;
   if (!in_process) {
     CUipcEventHandle eh{};
     if (std::string e = SHMPS_CU_ERROR(d, d.cuIpcGetEventHandle_(&eh, ev)); !e.empty()) return failed(e);
@@ -228,25 +231,39 @@ Status record_device_event(const DeviceBuffer& buffer, void* stream) {
   return Status::Ok();
 }
 
-Result<bool> device_stream_idle(const DeviceBuffer& buffer, void* stream) {
+Status mark_device_stream(const DeviceBuffer& buffer, void* stream) {
   const Driver& d = driver();
   if (!d.error.empty()) return failed(d.error);
   ContextScope scope(d, static_cast<CUcontext>(buffer.context));
   if (!scope.ok()) return failed("cuCtxPushCurrent of the device's primary context failed");
-  const CUresult r = d.cuStreamQuery_(static_cast<CUstream>(stream));
+  if (std::string e =
+          SHMPS_CU_ERROR(d, d.cuEventRecord_(static_cast<CUevent>(buffer.stream_mark), static_cast<CUstream>(stream)));
+      !e.empty())
+    return failed(e);
+  return Status::Ok();
+}
+
+Result<bool> device_stream_marked(const DeviceBuffer& buffer) {
+  const Driver& d = driver();
+  if (!d.error.empty()) return failed(d.error);
+  ContextScope scope(d, static_cast<CUcontext>(buffer.context));
+  if (!scope.ok()) return failed("cuCtxPushCurrent of the device's primary context failed");
+  const CUresult r = d.cuEventQuery_(static_cast<CUevent>(buffer.stream_mark));
   if (r == CUDA_ERROR_NOT_READY) return false;
-  if (r != CUDA_SUCCESS) return failed(cu_error_text(d, "cuStreamQuery(stream)", r, __LINE__));
+  if (r != CUDA_SUCCESS) return failed(cu_error_text(d, "cuEventQuery(stream_mark)", r, __LINE__));
   return true;
 }
 
 void release_device_buffer(DeviceBuffer& buffer) {
   const Driver& d = driver();
   if (!d.error.empty()) return;
-  if (buffer.event != nullptr) {
+  if (buffer.event != nullptr || buffer.stream_mark != nullptr) {
     ContextScope scope(d, static_cast<CUcontext>(buffer.context));
-    (void)d.cuEventDestroy_(static_cast<CUevent>(buffer.event));
+    if (buffer.event != nullptr) (void)d.cuEventDestroy_(static_cast<CUevent>(buffer.event));
+    if (buffer.stream_mark != nullptr) (void)d.cuEventDestroy_(static_cast<CUevent>(buffer.stream_mark));
   }
   buffer.event = nullptr;
+  buffer.stream_mark = nullptr;
   if (buffer.context != nullptr) {
     CUdevice device = 0;
     if (d.cuDeviceGet_(&device, buffer.device) == CUDA_SUCCESS) (void)d.cuDevicePrimaryCtxRelease_(device);

@@ -46,6 +46,16 @@ constexpr uint64_t kMaxSpinPolls = 20000;    // the longest: ten times the short
 constexpr uint64_t kTimedAfterPolls = 256;   // a wait this long reads the clock (once)
 constexpr uint64_t kSleepAboveNs = 250'000;  // longer expected waits sleep at once
 
+// Sizing of a blocking call's wait for the caller's stream
+// (Worker::Impl::settle_stream()): a short spin catches a stream that is
+// about done; then sleeps growing to kStreamMaxSleep, so a long backward
+// pass costs the CPU little and its end is seen within that much; the
+// interrupted hook is asked at most every kStreamAskEvery (it may take the
+// Python interpreter's lock).
+constexpr int kStreamSpinPolls = 256;
+constexpr auto kStreamMaxSleep = std::chrono::microseconds(500);
+constexpr auto kStreamAskEvery = std::chrono::milliseconds(20);
+
 // How long the server may hold a pull (--staleness-policy wait): the call's
 // timeout less a margin for the answer to arrive before the worker's own
 // deadline (a quarter of it, at least 50 ms or half the timeout, at most
@@ -855,30 +865,40 @@ class Worker::Impl {
   }
 
   // Before a blocking push, pull or init of buffer b: waits until the
-  // caller's stream has run everything enqueued on it (the gradient is
-  // written, the previous weights are read), instead of recording the
-  // event. The call blocks until the server's answer anyway, and an
-  // interprocess event record delays the server's next device work by
-  // about 280 us on an H200 (docs/cuda.md, "Ordering across processes");
-  // the server's wait on the event's older record is then already met.
-  // Polls cuStreamQuery, yielding the CPU every 64 polls; a timeout of its
-  // own (kTimeout) and the interrupted hook (kInterrupted) end it, and
-  // nothing has been sent then.
+  // caller's stream has run the work enqueued on it so far (the gradient is
+  // written, the previous weights are read), marked by the buffer's private
+  // event, instead of recording the interprocess one: the call blocks until
+  // the server's answer anyway, and an interprocess record delays the
+  // server's next device work (docs/cuda.md, "Ordering across processes").
+  // The server's wait on the interprocess event's older record is met, or
+  // orders after more (a push_async's record on another stream). A timeout
+  // of its own (kTimeout) and the interrupted hook (kInterrupted) end the
+  // wait; nothing has been sent then.
   Status settle_stream(uint32_t b, void* stream) {
     if (b >= buffers.size() || !buffers[b].in_use || !buffers[b].device) return Status::Ok();
+    const detail::DeviceBuffer& desc = buffers[b].desc;
+    if (Status s = detail::mark_device_stream(desc, stream); !s.ok()) return s;
     shm::Deadline deadline(options.timeout);
-    for (uint64_t polls = 1;; ++polls) {
-      Result<bool> idle = detail::device_stream_idle(buffers[b].desc, stream);
-      if (!idle.ok() || *idle) return idle.status();
-      if (polls % 64 == 0) {
-        if (shm::Deadline::Clock::now() >= deadline.time())
-          return {ErrorCode::kTimeout, "the caller's stream did not finish its work on buffer " + std::to_string(b) +
-                                           " within the timeout; nothing was sent"};
-        if (asked_to_stop()) return {ErrorCode::kInterrupted, "interrupted while waiting for the caller's stream"};
-        std::this_thread::yield();
-      } else {
+    auto sleep = std::chrono::microseconds(0);
+    Clock::time_point asked{};
+    for (int polls = 0;; ++polls) {
+      Result<bool> reached = detail::device_stream_marked(desc);
+      if (!reached.ok() || *reached) return reached.status();
+      if (polls < kStreamSpinPolls) {
         shm::cpu_relax();
+        continue;
       }
+      const auto now = Clock::now();
+      if (now >= deadline.time())
+        return {ErrorCode::kTimeout, "the caller's stream did not reach the push or pull of buffer " +
+                                         std::to_string(b) + " within the timeout; nothing was sent"};
+      if (now - asked >= kStreamAskEvery) {
+        asked = now;
+        if (asked_to_stop())
+          return {ErrorCode::kInterrupted, "interrupted while waiting for the caller's stream; nothing was sent"};
+      }
+      sleep = std::min<std::chrono::microseconds>(kStreamMaxSleep, std::max(2 * sleep, std::chrono::microseconds(10)));
+      std::this_thread::sleep_for(sleep);
     }
   }
 

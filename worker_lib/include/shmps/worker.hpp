@@ -239,8 +239,8 @@ class Worker {
   // version after the update.
   // `stream` (a cudaStream_t; nullptr: the legacy default stream) matters
   // only for a device buffer: the gradient is the one written by the work
-  // enqueued on `stream` before this call. push() waits (polling, up to the
-  // timeout, interruptible) until that work has run, then sends: it
+  // enqueued on `stream` before this call. push() waits (its own timeout,
+  // interruptible) until that work has run, then sends: it
   // returns only after the server's apply anyway, and this spares the
   // server's next device work the delay an interprocess event record
   // costs (docs/cuda.md, "Ordering across processes"). push_async()
@@ -257,7 +257,9 @@ class Worker {
   // server's device failed), kInterrupted (WorkerOptions::interrupted).
   // On any error nothing was applied (a kCuda from the server's device: its
   // weights may be half-written, and the server stops), but for kTimeout
-  // and kInterrupted, after which the push is still in flight and may be.
+  // and kInterrupted, after which the push is still in flight and may be,
+  // unless the message says nothing was sent (push() waiting for a device
+  // buffer's stream, which has a timeout of its own before the request's).
   Result<uint64_t> push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
                         uint64_t worker_version, void* stream = nullptr);
 
@@ -311,7 +313,8 @@ class Worker {
   // concurrent initialisers the first wins.
   // Errors: kInitRefused (already initialised, by whom, or pushes applied:
   // the message says which), kNonFinite (NaN or Inf, unless the server
-  // allows them), kBadLength, kBadRange, kUnknownBuffer, request errors.
+  // allows them), kBadLength, kBadRange, kUnknownBuffer, kCuda (a device
+  // buffer's stream failed), request errors.
   // Nothing changes on any error.
   Status init(uint32_t buffer_id, uint64_t byte_offset = 0, void* stream = nullptr);
 
