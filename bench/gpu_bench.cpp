@@ -370,6 +370,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   // A child that died makes a write fail (reported) rather than kill us.
+  // Inherited by the servers and workers started here, which write to no
+  // pipe a reader may leave.
   std::signal(SIGPIPE, SIG_IGN);
   Exporter exporter = start_exporter();  // both before CUDA starts in this process
   Receiver receiver = start_receiver(exporter);
@@ -456,8 +458,8 @@ int main(int argc, char** argv) {
   std::vector<double> lat;
   (void)push_loop(server->name(), quick ? 1.0 : 3.0, &lat);
   std::printf("\n%-28s %12s %12s %10s\n", "push round trip, 4 KB", "p50 (us)", "p99 (us)", "pushes");
-  std::printf("%-28s %12.1f %12.1f %10zu\n", "device buffer, event", percentile(lat, 0.5), percentile(lat, 0.99),
-              lat.size());
+  std::printf("%-28s %12.1f %12.1f %10zu\n", "device buffer, blocking push", percentile(lat, 0.5),
+              percentile(lat, 0.99), lat.size());
 
   // 8 worker processes (this program with --push-worker), one GPU.
   const int workers = 8;
@@ -471,11 +473,17 @@ int main(int argc, char** argv) {
     pipes.push_back(f);
   }
   double total = 0;
+  int failed = 0;
   for (FILE* f : pipes) {
     double rate = 0;
-    if (std::fscanf(f, "%lf", &rate) == 1) total += rate;
-    ::pclose(f);
+    const bool read = std::fscanf(f, "%lf", &rate) == 1;
+    const int status = ::pclose(f);
+    if (read && WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      total += rate;
+    else
+      ++failed;
   }
+  if (failed > 0) die(std::to_string(failed) + " of the " + std::to_string(workers) + " push workers failed");
   std::printf("%-28s %12.0f pushes/s (sum of %d processes, 4 KB each)\n", "8 workers, one GPU", total, workers);
   server->stop();
 

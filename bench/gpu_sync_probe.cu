@@ -75,8 +75,12 @@ __global__ void tiny(float* p) {
     sh->ready.store(code);
     _exit(1);
   };
-  cudaError_t e = cudaSetDevice(0);
-  if (e != cudaSuccess) fail("cudaSetDevice(0)", e, -2);
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver || (e == cudaSuccess && count == 0))
+    fail("cudaGetDeviceCount", e == cudaSuccess ? cudaErrorNoDevice : e, -2);  // the only skip
+  if (e != cudaSuccess) fail("cudaGetDeviceCount", e);
+  if ((e = cudaSetDevice(0)) != cudaSuccess) fail("cudaSetDevice(0)", e);
   cudaStream_t s = nullptr;
   cudaEvent_t ipc = nullptr, plain = nullptr;
   uint32_t* word = nullptr;
@@ -194,8 +198,8 @@ int main(int argc, char** argv) {
       sh->op.store(static_cast<int>(op));
       sh->ack.store(k);
       ++k;
-      while (sh->seq.load() != k)
-        if (sh->ready.load() != 1 || waitpid(pid, nullptr, WNOHANG) == pid)
+      for (uint64_t polls = 1; sh->seq.load() != k; ++polls)
+        if (sh->ready.load() != 1 || (polls % 65536 == 0 && waitpid(pid, nullptr, WNOHANG) == pid))
           die(std::string("the worker process failed: ") + (sh->error[0] ? sh->error : "it died"));
       const auto t0 = Clock::now();
       server(k);

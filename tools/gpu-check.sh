@@ -660,8 +660,8 @@ elif [[ $mode == prebuilt ]]; then
   pybuild=$trees/build/gpu-python  # kept: a later call reuses it (docs/cuda.md, "A GPU session")
   generator=()
   have ninja && generator=(-G Ninja)
-  # nanobind's own sources and the extension: 40 s on the rehearsal's 2
-  # cores, so the cap grows below 8.
+  # nanobind's own sources and the extension: the cap grows below 8 cores
+  # (docs/cuda.md, "GPU check", gives the times).
   STEP_NOTE="$py, nanobind $(py_fact nanobind | cut -d';' -f1), against $build/$(manifest prefix)" \
   step "python: build the extension against the carried prefix" $(( cores >= 8 ? 60 : 60 * 8 / cores )) \
     bash -c 'cmake -S "$1/python" -B "$2" "${@:6}" -DCMAKE_PREFIX_PATH="$3" -DPython_EXECUTABLE="$4" \

@@ -400,9 +400,10 @@ class CudaBackend final : public Backend {
     if (!sticky_.ok()) return sticky_;
     bind();
     const auto& g = static_cast<const CudaPeer&>(grad);
-    // On every push our stream waits for the worker's event: recorded after
-    // the gradient by push_async; by a blocking push, which waited for its
-    // stream before sending, not recorded (or recorded earlier), so met.
+    // On every push our stream waits for the worker's interprocess event:
+    // recorded after the gradient by push_async. A blocking push waited for
+    // its stream before sending and records none: the wait is then met, or
+    // orders after an earlier push_async's record (more, never less).
     if (Status s = wait_for_writer(g); !s.ok()) return s;
     const TensorExtent& t = tensors_[tensor];
     kernels::TensorState ts;

@@ -64,6 +64,44 @@ BOOST_AUTO_TEST_CASE(worker_reattaches_to_the_next_generation_and_keeps_its_buff
   BOOST_TEST(*pushed == 6u);
 }
 
+// A server restarted with a smaller --max-buffers: the re-attach keeps the
+// buffers whose ids it still has and lets go of the others (their shm
+// objects unlinked, nothing leaked), and those ids are refused.
+BOOST_AUTO_TEST_CASE(a_reattach_to_fewer_buffer_slots_lets_go_of_the_buffers_beyond_them) {
+  test::TempDir dir("restart");
+  const std::string name = test::unique_name("fewerbufs");
+  std::vector<std::string> a = args(dir.path);
+  a.insert(a.end(), {"--max-buffers", "4"});
+  auto server = std::make_unique<test::ServerProcess>(name, a);
+  auto w = connect(name, /*reconnect=*/true);
+  std::vector<Buffer> bufs;
+  for (int i = 0; i < 3; ++i) {
+    auto b = w->register_buffer(4);
+    BOOST_REQUIRE(b.ok());
+    bufs.push_back(*b);
+  }
+  const std::string prefix = "shmps." + name + ".p" + std::to_string(::getpid()) + ".";
+  const auto objects = [&] {
+    size_t n = 0;
+    for (const auto& e : fs::directory_iterator("/dev/shm"))
+      if (e.path().filename().string().rfind(prefix, 0) == 0) ++n;
+    return n;
+  };
+  BOOST_TEST(objects() == 3u);
+  BOOST_REQUIRE(server->stop() == 0);
+  server.reset();
+  a = args(dir.path);
+  a.insert(a.end(), {"--max-buffers", "2"});
+  test::ServerProcess next(name, a);
+  auto v = w->pull(0, bufs[0].id, 0);  // re-attaches
+  BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+  BOOST_TEST(objects() == 2u);
+  BOOST_TEST(bufs[2].id == 2u);
+  auto refused = w->pull(0, bufs[2].id, 0);
+  BOOST_TEST(!refused.ok());
+  BOOST_TEST(w->pull(0, bufs[1].id, 0).ok());
+}
+
 // A gradient computed against the previous server's weights is refused
 // once: the push that finds a new generation fails with kServerRestarted,
 // without being submitted; a pull then proceeds.

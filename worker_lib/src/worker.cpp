@@ -807,11 +807,12 @@ class Worker::Impl {
   // Unmaps and unlinks every buffer (device buffers: destroys their event;
   // the memory is the caller's).
   void drop_buffers() {
-    for (auto& b : buffers) {
-      if (b.in_use && b.object) shm::ShmObject::remove(b.object->name());
-      if (b.device) detail::release_device_buffer(b.desc);
-      b = Registered{};
-    }
+    for (auto& b : buffers) drop(b);
+  }
+  static void drop(Registered& b) {
+    if (b.in_use && b.object) shm::ShmObject::remove(b.object->name());
+    if (b.device) detail::release_device_buffer(b.desc);
+    b = Registered{};
   }
 
   // Whether the attached server runs in this very process (it then takes
@@ -890,7 +891,7 @@ class Worker::Impl {
       }
       const auto now = Clock::now();
       if (now >= deadline.time())
-        return {ErrorCode::kTimeout, "the caller's stream did not reach the push or pull of buffer " +
+        return {ErrorCode::kTimeout, "the caller's stream did not reach this call's mark on buffer " +
                                          std::to_string(b) + " within the timeout; nothing was sent"};
       if (now - asked >= kStreamAskEvery) {
         asked = now;
@@ -997,6 +998,10 @@ class Worker::Impl {
     lane = shm::SpscProducer<Request>(&segment->lane(id), segment->lane_slots(id), capacity);
     stamps = segment->lane_stamps(id);
     completions = shm::SpscConsumer<Completion>(&segment->completions(id), segment->completion_slots(id), capacity);
+    // A server restarted with a smaller --max-buffers: buffers at ids it
+    // no longer has are let go (objects unlinked, device events released),
+    // and those ids are refused from now on.
+    for (size_t b = h.max_buffers; b < buffers.size(); ++b) drop(buffers[b]);
     buffers.resize(h.max_buffers);
     tensors = std::move(table);
     expected_ns.assign(2 * tensors.size() + 3, 0);

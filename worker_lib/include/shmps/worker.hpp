@@ -295,7 +295,10 @@ class Worker {
   // timeout (all but a quarter of it, at least 50 ms or half of it, at
   // most 500 ms) it fails with kTimeout saying whom it waited for.
   // Errors: kUnknownBuffer, kUnknownTensor, kBadRange, kCuda (the stream
-  // or the event failed), kTimeout and request errors.
+  // or the event failed), kTimeout and request errors. A kTimeout or
+  // kInterrupted of pull() or init() while waiting for a device buffer's
+  // stream (a timeout of its own before the request's) says nothing was
+  // sent.
   Result<uint64_t> pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);
   // As pull(), but returns once the request is in the lane; wait() returns
   // the version pulled, or the error (the server's refusals, such as
