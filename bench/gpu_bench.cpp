@@ -72,6 +72,8 @@ void reap(pid_t pid) {
 using shmps::bench::beside_this_program;
 using shmps::bench::median;
 using shmps::bench::percentile;
+using shmps::bench::read_full;
+using shmps::bench::write_full;
 
 // Whether a device exists, asked in a child so this process has not
 // started CUDA yet (children forked later must be able to use it).
@@ -171,28 +173,6 @@ struct Receiver {
   pid_t pid = -1;
   int fd = -1;
 };
-
-bool read_full(int fd, void* p, size_t n) {
-  auto* c = static_cast<char*>(p);
-  while (n > 0) {
-    const ssize_t r = ::read(fd, c, n);
-    if (r <= 0) return false;
-    c += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
-
-bool write_full(int fd, const void* p, size_t n) {
-  const auto* c = static_cast<const char*>(p);
-  while (n > 0) {
-    const ssize_t r = ::write(fd, c, n);
-    if (r <= 0) return false;
-    c += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
 
 [[noreturn]] void receive_staged(int fd) {
   uint64_t size = 0;

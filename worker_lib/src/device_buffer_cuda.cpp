@@ -217,30 +217,30 @@ Result<DeviceBuffer> describe_device_buffer(const void* ptr, size_t bytes, bool 
   return b;
 }
 
-Status record_device_event(const DeviceBuffer& buffer, void* stream) {
+namespace {
+
+// Records `event`, one of the buffer's, on `stream`: a null stream is the
+// buffer's device's legacy default stream while its primary context is
+// current.
+Status record_on_stream(const DeviceBuffer& buffer, void* event, void* stream) {
   const Driver& d = driver();
   if (!d.error.empty()) return failed(d.error);
-  // The event belongs to the buffer's device: a null stream is that
-  // device's legacy default stream while its primary context is current.
   ContextScope scope(d, static_cast<CUcontext>(buffer.context));
   if (!scope.ok()) return failed("cuCtxPushCurrent of the device's primary context failed");
-  if (std::string e =
-          SHMPS_CU_ERROR(d, d.cuEventRecord_(static_cast<CUevent>(buffer.event), static_cast<CUstream>(stream)));
+  if (std::string e = SHMPS_CU_ERROR(d, d.cuEventRecord_(static_cast<CUevent>(event), static_cast<CUstream>(stream)));
       !e.empty())
     return failed(e);
   return Status::Ok();
 }
 
+}  // namespace
+
+Status record_device_event(const DeviceBuffer& buffer, void* stream) {
+  return record_on_stream(buffer, buffer.event, stream);
+}
+
 Status mark_device_stream(const DeviceBuffer& buffer, void* stream) {
-  const Driver& d = driver();
-  if (!d.error.empty()) return failed(d.error);
-  ContextScope scope(d, static_cast<CUcontext>(buffer.context));
-  if (!scope.ok()) return failed("cuCtxPushCurrent of the device's primary context failed");
-  if (std::string e =
-          SHMPS_CU_ERROR(d, d.cuEventRecord_(static_cast<CUevent>(buffer.stream_mark), static_cast<CUstream>(stream)));
-      !e.empty())
-    return failed(e);
-  return Status::Ok();
+  return record_on_stream(buffer, buffer.stream_mark, stream);
 }
 
 Result<bool> device_stream_marked(const DeviceBuffer& buffer) {

@@ -856,28 +856,28 @@ class Worker::Impl {
     return c.ok() ? Status::Ok() : c.status();
   }
 
-  // Before an asynchronous push or pull of buffer b (push_async,
-  // pull_async): a device buffer's interprocess event is recorded on the
-  // caller's stream, and the server's stream waits for it. Unknown ids are
-  // left to the server to reject.
-  Status record_event(uint32_t b, void* stream) {
+  // Before a push, pull or init of buffer b: orders the server's work on a
+  // device buffer after the caller's on `stream` (unknown ids are left to
+  // the server to reject; host buffers need nothing).
+  // - An asynchronous call (push_async, pull_async) records the buffer's
+  //   interprocess event there, and the server's stream waits for it.
+  // - A blocking call (push, pull, init) waits until the stream has run the
+  //   work enqueued on it so far (the gradient is written, the previous
+  //   weights are read), marked by the buffer's private event: the call
+  //   blocks until the server's answer anyway, and an interprocess record
+  //   delays the server's next device work (docs/cuda.md, "Ordering across
+  //   processes"). The server's wait on the interprocess event's older
+  //   record is then met, or orders after more (a push_async's record on
+  //   another stream). A timeout of its own (kTimeout) and the interrupted
+  //   hook (kInterrupted) end the wait; nothing has been sent then.
+  Status order_after_stream(uint32_t b, void* stream, bool blocking) {
     if (b >= buffers.size() || !buffers[b].in_use || !buffers[b].device) return Status::Ok();
-    return detail::record_device_event(buffers[b].desc, stream);
+    if (!blocking) return detail::record_device_event(buffers[b].desc, stream);
+    return settle_stream(b, buffers[b].desc, stream);
   }
 
-  // Before a blocking push, pull or init of buffer b: waits until the
-  // caller's stream has run the work enqueued on it so far (the gradient is
-  // written, the previous weights are read), marked by the buffer's private
-  // event, instead of recording the interprocess one: the call blocks until
-  // the server's answer anyway, and an interprocess record delays the
-  // server's next device work (docs/cuda.md, "Ordering across processes").
-  // The server's wait on the interprocess event's older record is met, or
-  // orders after more (a push_async's record on another stream). A timeout
-  // of its own (kTimeout) and the interrupted hook (kInterrupted) end the
-  // wait; nothing has been sent then.
-  Status settle_stream(uint32_t b, void* stream) {
-    if (b >= buffers.size() || !buffers[b].in_use || !buffers[b].device) return Status::Ok();
-    const detail::DeviceBuffer& desc = buffers[b].desc;
+  // order_after_stream()'s blocking wait for device buffer b (`desc`).
+  Status settle_stream(uint32_t b, const detail::DeviceBuffer& desc, void* stream) {
     if (Status s = detail::mark_device_stream(desc, stream); !s.ok()) return s;
     shm::Deadline deadline(options.timeout);
     auto sleep = std::chrono::microseconds(0);
@@ -1245,7 +1245,7 @@ Result<Worker::Ticket> Worker::Impl::send_push(uint32_t tensor_id, uint32_t buff
                                                uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream,
                                                bool blocking) {
   if (Status s = enter(Call::kPush); !s.ok()) return s;
-  if (Status s = blocking ? settle_stream(buffer_id, stream) : record_event(buffer_id, stream); !s.ok()) return s;
+  if (Status s = order_after_stream(buffer_id, stream, blocking); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPush);
   req.tensor_id = tensor_id;
@@ -1282,7 +1282,7 @@ Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
 Result<Request> Worker::Impl::begin_pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream,
                                          bool blocking) {
   if (Status s = enter(Call::kRequest); !s.ok()) return s;
-  if (Status s = blocking ? settle_stream(buffer_id, stream) : record_event(buffer_id, stream); !s.ok()) return s;
+  if (Status s = order_after_stream(buffer_id, stream, blocking); !s.ok()) return s;
   const uint64_t elements = tensor_id == kAllTensors     ? total_elements
                             : tensor_id < tensors.size() ? tensors[tensor_id].element_count
                                                          : 0;  // the server answers kUnknownTensor
@@ -1315,7 +1315,7 @@ Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
 
 Status Worker::init(uint32_t buffer_id, uint64_t byte_offset, void* stream) {
   if (Status s = impl_->enter(Impl::Call::kRequest); !s.ok()) return s;
-  if (Status s = impl_->settle_stream(buffer_id, stream); !s.ok()) return s;
+  if (Status s = impl_->order_after_stream(buffer_id, stream, /*blocking=*/true); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kInit);
   req.tensor_id = kAllTensors;
