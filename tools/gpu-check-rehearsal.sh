@@ -40,6 +40,13 @@
 set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd -P)
 fail() { echo "FAIL: $*" >&2; exit 1; }
+# explain OUTDIR: the failed rows and the failing tests' own messages, printed
+# just before the FAIL line, since CI keeps only the end of the output.
+explain() {
+  echo "== what failed"
+  grep -F '**FAILED**' "$1/results.md" 2>/dev/null | head -10 || true
+  grep -E 'error: in "|\*\*\*(Failed|Timeout|Exception)|^E   |^FAILED ' "$1/gpu-check.log" 2>/dev/null | tail -25 || true
+}
 
 # ---- inside the namespace: hide, verify, run, check ----
 if [[ ${1:-} == --inside ]]; then
@@ -198,10 +205,10 @@ STUB
     "$repo/tools/gpu-check.sh" "$out") > "$scratch/run-$mode.txt" 2>&1 || rc=$?
   cat "$scratch/run-$mode.txt"
   echo "----"
-  [[ $rc == 0 ]] || fail "gpu-check.sh exited $rc ($mode); see $out/results.md and $out/gpu-check.log"
+  [[ $rc == 0 ]] || { explain "$out"; fail "gpu-check.sh exited $rc ($mode); see $out/results.md and $out/gpu-check.log"; }
   grep -q "^mode: $mode$" "$out/probe.txt" || fail "the probe chose $(sed -n 's/^mode: //p' "$out/probe.txt"), not $mode"
   grep -q '^- verdict: \*\*passed' "$out/results.md" || fail "verdict ($mode): $(grep '^- verdict' "$out/results.md")"
-  ! grep -q '\*\*FAILED\*\*' "$out/results.md" || fail "FAILED rows ($mode): $(grep -F '**FAILED**' "$out/results.md" | head -5)"
+  ! grep -q '\*\*FAILED\*\*' "$out/results.md" || { explain "$out"; fail "FAILED rows ($mode)"; }
   grep -Eq '^\| test_gpu_ipc\.[a-z_0-9]+ \| skipped' "$out/results.md" || fail "no skipped test_gpu_ipc case in results.md"
   grep -Eq '^\| test_cuda_kernels\.[a-z_0-9]+ \| skipped' "$out/results.md" || fail "no skipped test_cuda_kernels case"
   suite_passed=$(grep -E '^\| [^|]+ \| - \| passed' "$out/results.md" | grep -vc '^| python\.' || true)
