@@ -11,9 +11,9 @@
 A Worker is the process's connection to one shmps-server (the C++
 shmps::Worker underneath); buffers are POSIX shared memory the server maps
 once, or CUDA memory it opens by IPC handle. Blocking calls release the GIL.
-Calls on one Worker from several threads run one at a time; a buffer must
-not be written while a push reading it (or read while a pull writing it) is
-in flight. The torch layer is shmps.torch (RemoteOptimizer). docs/python.md
+Calls on one Worker from several threads run one at a time (interrupt()
+and close() end the one that waits); a buffer must not be written while a
+push reading it (or read while a pull writing it) is in flight. The torch layer is shmps.torch (RemoteOptimizer). docs/python.md
 has the whole API.
 """
 
@@ -238,8 +238,19 @@ class Worker:
         """Ends the session with the server; further calls raise UnknownWorkerError."""
         self._w.detach()
 
+    def interrupt(self):
+        """Ends the call of this Worker that waits now, on any thread: it
+        raises InterruptedError within about 20 ms (a pull that
+        --staleness-policy wait holds is withdrawn; a push may still be
+        applied, as after a timeout). Calls begun after it are not affected;
+        with none waiting it does nothing. Safe from any thread and from a
+        signal handler."""
+        self._w.interrupt()
+
     def close(self):
-        """Detaches (best effort) and releases the buffers; idempotent."""
+        """Detaches (best effort) and releases the buffers; idempotent. A
+        call waiting on another thread raises InterruptedError instead of
+        being waited for; later calls raise UnknownWorkerError."""
         if not self._w.closed:
             self._w.close()
 

@@ -3,8 +3,8 @@
 // Pythonic API on it: keyword arguments, dataclasses, exception classes,
 // torch streams. Every call that waits for the server releases the GIL.
 // Thread safety: a Worker's calls from several threads run one at a time
-// (shmps::Worker serves one thread at a time), and close() waits for the
-// call in flight.
+// (shmps::Worker serves one thread at a time); interrupt() and close() from
+// another thread end the call that waits.
 #include <Python.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -66,6 +66,22 @@ bool signal_handler_raised() {
   nb::gil_scoped_acquire gil;
   return PyErr_Occurred() != nullptr || PyErr_CheckSignals() != 0;  // once raised, it stays the answer
 }
+
+// What another thread asked of a Worker's waiting call: interrupt() (ends
+// the call waiting then) and close() (ends every call until it has the
+// Worker). Shared by the PyWorker and its WorkerOptions::interrupted hook,
+// which the Worker asks on the thread of its call.
+struct Stops {
+  std::atomic<uint64_t> interrupts{0};  // interrupt()s so far
+  std::atomic<bool> closing{false};     // close() began: every call ends until it has the Worker
+  uint64_t seen = 0;  // `interrupts` when the call in flight began: written and read by its thread under mu_
+
+  bool asked() const {
+    // relaxed: requests to stop waiting that publish no data; a call that
+    // misses one sees it at its next ask, 20 ms later.
+    return closing.load(std::memory_order_relaxed) || interrupts.load(std::memory_order_relaxed) != seen;
+  }
+};
 
 // With the GIL: the exception a signal's handler raised while the call
 // returning `result` waited, if any, instead of its result.
@@ -150,7 +166,8 @@ PyType_Slot buffer_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(buffer_g
 // shmps::Worker for Python; closed (null) after close().
 class PyWorker {
  public:
-  explicit PyWorker(std::unique_ptr<shmps::Worker> w) : w_(std::move(w)) {}
+  PyWorker(std::unique_ptr<shmps::Worker> w, std::shared_ptr<Stops> stops)
+      : stops_(std::move(stops)), w_(std::move(w)) {}
   ~PyWorker() {
     if (forked()) (void)w_.release();  // the parent's: its state may be mid-call in another parent thread
   }
@@ -173,7 +190,9 @@ class PyWorker {
     auto result = [&] {
       nb::gil_scoped_release released;
       Locked locked(*this);
-      if (!w_) throw StatusError{{shmps::ErrorCode::kUnknownWorker, "this Worker is closed"}};
+      if (!w_ || stops_->closing.load(std::memory_order_relaxed))  // relaxed: see Stops::asked()
+        throw StatusError{{shmps::ErrorCode::kUnknownWorker, "this Worker is closed"}};
+      stops_->seen = stops_->interrupts.load(std::memory_order_relaxed);  // relaxed: see Stops::asked()
       return f(*w_);
     }();
     return raised_during(std::move(result));
@@ -190,12 +209,8 @@ class PyWorker {
     return call(std::forward<F>(f));
   }
 
-  bool closed() {
-    if (forked() || holds_lock()) return !w_;  // nothing else runs it now
-    nb::gil_scoped_release released;
-    std::lock_guard<std::mutex> lock(mu_);
-    return !w_;
-  }
+  // Without the lock, so that it answers while another thread's call waits.
+  bool closed() const { return closed_.load(std::memory_order_relaxed); }  // relaxed: a flag read for itself
 
   Buffer register_buffer(size_t nbytes) {
     uint64_t registration = 0;
@@ -340,17 +355,27 @@ class PyWorker {
     check(call([](shmps::Worker& w) { return w.detach(); }));
   }
 
+  // Ends the call that waits now, on whichever thread: it fails with
+  // kInterrupted at its next ask (a held pull withdrawn, as for Ctrl-C).
+  // Calls begun later are not affected. Takes no lock: it must not wait
+  // for the call it ends.
+  void interrupt() { stops_->interrupts.fetch_add(1, std::memory_order_relaxed); }  // relaxed: see Stops::asked()
+
   // Detaches (best effort, as the C++ destructor does) once no call is in
   // flight, and frees what this Worker kept alive; further calls raise
-  // "closed".
+  // "closed". A call waiting on another thread is interrupted rather than
+  // waited for, and so is any call begun meanwhile.
   void close() {
     if (forked()) {
-      (void)w_.release();  // the parent's (see ~PyWorker)
+      (void)w_.release();                              // the parent's (see ~PyWorker)
+      closed_.store(true, std::memory_order_relaxed);  // relaxed: see closed()
     } else {
       refuse_reentry("close()");
+      stops_->closing.store(true, std::memory_order_relaxed);  // relaxed: see Stops::asked()
       nb::gil_scoped_release released;
       std::lock_guard<std::mutex> lock(mu_);
       w_.reset();  // detaches (a detach is not interrupted: it cancels a held pull instead)
+      closed_.store(true, std::memory_order_relaxed);  // relaxed: see closed()
     }
     kept_.clear();
     versions_.clear();  // registrations_ stay: a Buffer passed after close() gets "closed"
@@ -449,6 +474,8 @@ class PyWorker {
   std::map<uint32_t, Kept> kept_;          // by buffer id, while registered
   std::map<uint64_t, uint64_t> versions_;  // push_async ticket -> its worker_version
   std::mutex mu_;                          // held for each call of w_, and by close()
+  const std::shared_ptr<Stops> stops_;     // also the hook's, in w_'s options
+  std::atomic<bool> closed_{false};        // w_ is gone (set by close())
   std::atomic<unsigned long> holder_{0};   // the thread in call() holding mu_ (0: none)
   // Under mu_:
   std::unique_ptr<shmps::Worker> w_;
@@ -464,8 +491,9 @@ std::unique_ptr<PyWorker> connect(const std::string& name, double timeout, bool 
   o.reconnect = reconnect;
   o.wait_for_server = to_ms(wait_for_server, "wait_for_server");
   o.server_user = server_user;
-  o.interrupted = signal_handler_raised;
-  return std::make_unique<PyWorker>(take(unlocked([&] { return shmps::Worker::connect(o); })));
+  auto stops = std::make_shared<Stops>();
+  o.interrupted = [stops] { return stops->asked() || signal_handler_raised(); };
+  return std::make_unique<PyWorker>(take(unlocked([&] { return shmps::Worker::connect(o); })), std::move(stops));
 }
 
 }  // namespace
@@ -550,6 +578,7 @@ NB_MODULE(_shmps, m) {
       .def("stats", &PyWorker::stats)
       .def("ping", &PyWorker::ping)
       .def("detach", &PyWorker::detach)
+      .def("interrupt", &PyWorker::interrupt)
       .def("close", &PyWorker::close);
 
   m.def("connect", &connect, "name"_a, "timeout"_a, "reconnect"_a, "wait_for_server"_a, "server_user"_a);

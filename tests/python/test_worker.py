@@ -264,6 +264,115 @@ def test_an_interrupted_wait_withdraws_every_held_pull(make_server):
         signal.signal(signal.SIGUSR1, old)
 
 
+def _held_pull_in_a_thread(server):
+    """(slow, fast, g_slow, g_fast, thread, outcome): fast is one clock ahead
+    of slow under wait with max_staleness 0, and `thread` is in fast.pull,
+    held until slow pushes; `outcome` gets ("ok", version) or
+    ("error", exception, seconds after it began)."""
+    slow = shmps.connect(server.name)
+    fast = shmps.connect(server.name, timeout=30)
+    g_slow = slow.register_buffer(slow.total_elements * 4)
+    g_fast = fast.register_buffer(fast.total_elements * 4)
+    slow.push(g_slow, slow.pull(g_slow))  # slow: clock 1
+    fast.push(g_fast, fast.pull(g_fast))  # fast: clock 2, its next pull is held
+    outcome = []
+
+    def pull():
+        try:
+            outcome.append(("ok", fast.pull(g_fast)))
+        except Exception as e:  # noqa: BLE001 (the test inspects what was raised)
+            outcome.append(("error", e, time.monotonic()))
+
+    thread = threading.Thread(target=pull)
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive() and not outcome, f"the fast worker's pull was not held: {outcome}"
+    return slow, fast, g_slow, g_fast, thread, outcome
+
+
+def test_interrupt_ends_a_call_waiting_on_another_thread(make_server):
+    """Worker.interrupt() from another thread ends the call that waits (a
+    held pull, withdrawn) with InterruptedError within a fraction of a
+    second of its 30 s timeout; a call begun after it is not affected."""
+    server = make_server(staleness_policy="wait", max_staleness=0)
+    slow, fast, g_slow, g_fast, thread, outcome = _held_pull_in_a_thread(server)
+    try:
+        asked = time.monotonic()
+        fast.interrupt()
+        thread.join(10)
+        assert not thread.is_alive()
+        assert outcome[0][0] == "error" and isinstance(outcome[0][1], shmps.InterruptedError), outcome
+        assert outcome[0][2] - asked < 1.0  # a 20 ms slice, not the 30 s timeout
+        before = time.monotonic()
+        fast.ping()  # the lane is not stuck behind the withdrawn pull
+        assert time.monotonic() - before < 2.0
+        assert fast.stats().my_pulls_waited == 1
+        fast.interrupt()  # none waits: nothing to end, and nothing left for the next call
+        released = threading.Timer(0.3, lambda: slow.push(g_slow, slow.pull(g_slow)))  # slow: clock 2
+        released.start()
+        assert fast.pull(g_fast) == 3  # held again, then served
+        released.join()
+        assert fast.stats().my_pulls_waited == 2
+    finally:
+        fast.close()
+        slow.close()
+
+
+def _signalled_during_a_held_pull(server, on_signal, raises, match):
+    """The main thread's pull, held under wait (max_staleness 0), while a
+    SIGUSR1 0.2 s in runs on_signal(fast): the pull must raise `raises`
+    (matching `match`) within 5 s, and the Worker answer a ping after."""
+    workers = {}
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: on_signal(workers["fast"]))
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        with shmps.connect(server.name) as slow, shmps.connect(server.name, timeout=30) as fast:
+            workers["fast"] = fast
+            g_slow = slow.register_buffer(slow.total_elements * 4)
+            g_fast = fast.register_buffer(fast.total_elements * 4)
+            slow.push(g_slow, slow.pull(g_slow))  # slow: clock 1
+            fast.push(g_fast, fast.pull(g_fast))  # fast: clock 2, its next pull is held
+            timer.start()
+            start = time.monotonic()
+            with pytest.raises(raises, match=match):
+                fast.pull(g_fast)
+            assert time.monotonic() - start < 5.0
+            fast.ping()  # usable after
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_interrupt_from_a_signal_handler_ends_the_main_threads_call(make_server):
+    """A handler that calls interrupt() and returns (raises nothing) ends
+    the main thread's waiting call with InterruptedError."""
+    server = make_server(staleness_policy="wait", max_staleness=0)
+    _signalled_during_a_held_pull(server, lambda fast: fast.interrupt(), shmps.InterruptedError,
+                                  "interrupted while waiting")
+
+
+def test_close_from_another_thread_ends_a_held_pull_instead_of_waiting(make_server):
+    """close() while another thread's pull is held: close returns within a
+    fraction of the call's 30 s timeout, the call raises InterruptedError,
+    and the thread's next call raises "closed"."""
+    server = make_server(staleness_policy="wait", max_staleness=0)
+    slow, fast, g_slow, g_fast, thread, outcome = _held_pull_in_a_thread(server)
+    try:
+        before = time.monotonic()
+        fast.close()
+        assert time.monotonic() - before < 2.0
+        thread.join(10)
+        assert not thread.is_alive()
+        assert outcome[0][0] == "error" and isinstance(outcome[0][1], shmps.InterruptedError), outcome
+        assert fast.closed
+        with pytest.raises(shmps.UnknownWorkerError, match="closed"):
+            fast.ping()
+        assert slow.stats().workers_attached == 1  # close() detached it
+    finally:
+        fast.close()
+        slow.close()
+
+
 def test_a_signal_handler_calling_the_waiting_worker_is_refused_not_deadlocked(make_server):
     """A handler that uses the Worker whose call waits on the same thread
     would wait for itself: it gets InvalidArgumentError (repr and closed
@@ -271,28 +380,13 @@ def test_a_signal_handler_calling_the_waiting_worker_is_refused_not_deadlocked(m
     server = make_server(staleness_policy="wait", max_staleness=0)
     seen = []
 
-    def handler(signum, frame):
+    def handler(fast):
         seen.append(repr(fast))
         fast.ping()
 
-    old = signal.signal(signal.SIGUSR1, handler)
-    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
-    try:
-        with shmps.connect(server.name) as slow, shmps.connect(server.name, timeout=30) as fast:
-            g_slow = slow.register_buffer(slow.total_elements * 4)
-            g_fast = fast.register_buffer(fast.total_elements * 4)
-            slow.push(g_slow, slow.pull(g_slow))
-            fast.push(g_fast, fast.pull(g_fast))
-            timer.start()
-            start = time.monotonic()
-            with pytest.raises(shmps.InvalidArgumentError, match="from a signal handler while a call of this Worker"):
-                fast.pull(g_fast)
-            assert time.monotonic() - start < 5.0
-            assert len(seen) == 1 and "closed" not in seen[0]
-            fast.ping()  # usable after
-    finally:
-        timer.cancel()
-        signal.signal(signal.SIGUSR1, old)
+    _signalled_during_a_held_pull(server, handler, shmps.InvalidArgumentError,
+                                  "from a signal handler while a call of this Worker")
+    assert len(seen) == 1 and "closed" not in seen[0]
 
 
 def test_ctrl_c_interrupts_a_blocking_call_of_a_python_worker(make_server):
@@ -469,10 +563,10 @@ def test_reconnect_after_the_server_is_killed_and_restarted(make_server):
         again.stop()
 
 
-def test_close_from_another_thread_waits_for_the_call_in_flight(make_server):
-    # close() while another thread is inside push/pull: that call ends, the
-    # next raises "closed"; nothing crashes (the Worker is not freed under
-    # the call).
+def test_close_from_another_thread_ends_the_call_in_flight(make_server):
+    # close() while another thread is inside push/pull: that call ends
+    # (answered, or interrupted where it waited), the next raises "closed";
+    # nothing crashes (the Worker is not freed under the call).
     server = make_server(max_staleness=1000000)
     for _ in range(20):
         w = shmps.connect(server.name)
@@ -492,7 +586,8 @@ def test_close_from_another_thread_waits_for_the_call_in_flight(make_server):
         w.close()
         t.join(10)
         assert not t.is_alive()
-        assert isinstance(errors[0], shmps.UnknownWorkerError) and "closed" in str(errors[0])
+        assert (isinstance(errors[0], shmps.UnknownWorkerError) and "closed" in str(errors[0])
+                or isinstance(errors[0], shmps.InterruptedError)), errors
 
 
 def test_threads_sharing_a_worker_take_turns(make_server):
