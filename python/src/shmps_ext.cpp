@@ -167,7 +167,9 @@ PyType_Slot buffer_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(buffer_g
 class PyWorker {
  public:
   PyWorker(std::unique_ptr<shmps::Worker> w, std::shared_ptr<Stops> stops)
-      : stops_(std::move(stops)), w_(std::move(w)) {}
+      : stops_(std::move(stops)), w_(std::move(w)) {
+    note_identity();
+  }
   ~PyWorker() {
     if (forked()) (void)w_.release();  // the parent's: its state may be mid-call in another parent thread
   }
@@ -183,9 +185,7 @@ class PyWorker {
   // instead of waiting for the lock it holds.
   template <typename F>
   auto call(F&& f) {
-    if (forked())
-      throw StatusError{{shmps::ErrorCode::kInvalidArgument,
-                         "this Worker was connected before a fork(): a fork()ed child must connect its own"}};
+    refuse_forked();
     refuse_reentry("a call");
     auto result = [&] {
       nb::gil_scoped_release released;
@@ -193,20 +193,30 @@ class PyWorker {
       if (!w_ || stops_->closing.load(std::memory_order_relaxed))  // relaxed: see Stops::asked()
         throw StatusError{{shmps::ErrorCode::kUnknownWorker, "this Worker is closed"}};
       stops_->seen = stops_->interrupts.load(std::memory_order_relaxed);  // relaxed: see Stops::asked()
+      struct Noted {  // a re-attach inside f changed them, even where f throws
+        PyWorker& w;
+        ~Noted() { w.note_identity(); }
+      } noted{*this};
       return f(*w_);
     }();
     return raised_during(std::move(result));
   }
 
-  // f(worker) for an identity value (its id, generation, size): also from
-  // a signal handler while this thread's call waits (a repr() there),
-  // without the lock that call holds: it is paused in the handler's frame
-  // below, so nothing writes them meanwhile (after an interrupted
-  // re-attach they may be that attempt's).
-  template <typename F>
-  auto identity(F&& f) {
-    if (!forked() && holds_lock()) return f(*w_);  // its call waits in the handler's frame below us
-    return call(std::forward<F>(f));
+  // The identity values as of the end of the last call (a re-attach inside
+  // a call changes them), without the call lock: they answer while another
+  // thread's call waits, and from a signal handler while this thread's
+  // does (a repr() there).
+  struct Identity {
+    uint32_t worker_id = 0;
+    uint64_t generation = 0;
+    int64_t server_pid = 0;
+    uint64_t total_elements = 0;
+  };
+  Identity identity() const {
+    refuse_forked();
+    if (closed()) throw StatusError{{shmps::ErrorCode::kUnknownWorker, "this Worker is closed"}};
+    std::lock_guard<std::mutex> lock(identity_mu_);
+    return identity_;
   }
 
   // Without the lock, so that it answers while another thread's call waits.
@@ -413,6 +423,18 @@ class PyWorker {
   // A Worker made before a fork() is the parent's, and its lock may have
   // been held by a parent's thread that the child does not have.
   bool forked() const { return shmps::fork_generation() != forks_; }
+  void refuse_forked() const {
+    if (forked())
+      throw StatusError{{shmps::ErrorCode::kInvalidArgument,
+                         "this Worker was connected before a fork(): a fork()ed child must connect its own"}};
+  }
+
+  // Under mu_ (or before any call): identity_ from w_.
+  void note_identity() {
+    if (!w_) return;
+    std::lock_guard<std::mutex> lock(identity_mu_);
+    identity_ = {w_->worker_id(), w_->generation(), int64_t{w_->server_pid()}, w_->total_elements()};
+  }
 
   // mu_ held by call(), with the holding thread noted for holds_lock().
   struct Locked {
@@ -476,7 +498,9 @@ class PyWorker {
   std::mutex mu_;                          // held for each call of w_, and by close()
   const std::shared_ptr<Stops> stops_;     // also the hook's, in w_'s options
   std::atomic<bool> closed_{false};        // w_ is gone (set by close())
-  std::atomic<unsigned long> holder_{0};   // the thread in call() holding mu_ (0: none)
+  mutable std::mutex identity_mu_;         // held only to copy identity_, never while a call waits
+  Identity identity_;
+  std::atomic<unsigned long> holder_{0};  // the thread in call() holding mu_ (0: none)
   // Under mu_:
   std::unique_ptr<shmps::Worker> w_;
   uint64_t last_registration_ = 0;
@@ -551,13 +575,10 @@ NB_MODULE(_shmps, m) {
       });
 
   nb::class_<PyWorker>(m, "Worker")
-      .def_prop_ro("worker_id", [](PyWorker& w) { return w.identity([](shmps::Worker& x) { return x.worker_id(); }); })
-      .def_prop_ro("generation",
-                   [](PyWorker& w) { return w.identity([](shmps::Worker& x) { return x.generation(); }); })
-      .def_prop_ro("server_pid",
-                   [](PyWorker& w) { return w.identity([](shmps::Worker& x) { return int64_t{x.server_pid()}; }); })
-      .def_prop_ro("total_elements",
-                   [](PyWorker& w) { return w.identity([](shmps::Worker& x) { return x.total_elements(); }); })
+      .def_prop_ro("worker_id", [](const PyWorker& w) { return w.identity().worker_id; })
+      .def_prop_ro("generation", [](const PyWorker& w) { return w.identity().generation; })
+      .def_prop_ro("server_pid", [](const PyWorker& w) { return w.identity().server_pid; })
+      .def_prop_ro("total_elements", [](const PyWorker& w) { return w.identity().total_elements; })
       .def_prop_ro("last_version",
                    [](PyWorker& w) { return w.call([](shmps::Worker& x) { return x.last_version(); }); })
       .def_prop_ro("closed", &PyWorker::closed)

@@ -297,6 +297,11 @@ def test_interrupt_ends_a_call_waiting_on_another_thread(make_server):
     server = make_server(staleness_policy="wait", max_staleness=0)
     slow, fast, g_slow, g_fast, thread, outcome = _held_pull_in_a_thread(server)
     try:
+        # The identity answers without waiting for the held call's lock.
+        before = time.monotonic()
+        assert f"worker {fast.worker_id}" in repr(fast) and not fast.closed
+        assert fast.generation == slow.generation and fast.server_pid == server.process.pid
+        assert time.monotonic() - before < 1.0
         asked = time.monotonic()
         fast.interrupt()
         thread.join(10)
@@ -556,7 +561,7 @@ def test_reconnect_after_the_server_is_killed_and_restarted(make_server):
         with pytest.raises(shmps.ServerRestartedError):
             w.push(grad, 1)  # computed against the dead server's weights
         version = w.pull(out)  # re-attached, buffers registered again under their ids
-        assert version == 0 and w.generation != generation
+        assert version == 0 and w.generation != generation and w.server_pid == again.process.pid
         assert w.push(grad, version) == 1
     finally:
         w.close()
