@@ -13,8 +13,8 @@ shmps::Worker underneath); buffers are POSIX shared memory the server maps
 once, or CUDA memory it opens by IPC handle. Blocking calls release the GIL.
 Calls on one Worker from several threads run one at a time (interrupt()
 and close() end the one that waits); a buffer must not be written while a
-push reading it (or read while a pull writing it) is in flight. The torch layer is shmps.torch (RemoteOptimizer). docs/python.md
-has the whole API.
+push reading it (or read while a pull writing it) is in flight. The torch
+layer is shmps.torch (RemoteOptimizer). docs/python.md has the whole API.
 """
 
 import builtins
@@ -239,20 +239,21 @@ class Worker:
         self._w.detach()
 
     def interrupt(self):
-        """Ends the call of this Worker that waits now, on any thread: it
-        raises InterruptedError within about 20 ms (a pull that
-        --staleness-policy wait holds is withdrawn; a push may still be
-        applied, as after a timeout). Calls begun after it are not affected;
-        with none waiting it does nothing. Safe from any thread and from a
-        signal handler."""
+        """Ends the call of this Worker in flight, on any thread, where it
+        waits (for an answer, a pull that --staleness-policy wait holds,
+        room in the lane, a reconnect): it raises InterruptedError within
+        about 20 ms; a held pull is withdrawn, and a push may still be
+        applied, as after a timeout. Calls begun after it are not affected,
+        nor registering and unregistering buffers or detach(). Safe from
+        any thread and from a signal handler."""
         self._w.interrupt()
 
     def close(self):
         """Detaches (best effort) and releases the buffers; idempotent. A
         call waiting on another thread raises InterruptedError instead of
-        being waited for; later calls raise UnknownWorkerError."""
-        if not self._w.closed:
-            self._w.close()
+        being waited for; later calls raise UnknownWorkerError. `closed` is
+        true from the moment it begins."""
+        self._w.close()
 
     def __enter__(self):
         return self

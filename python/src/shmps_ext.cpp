@@ -67,20 +67,25 @@ bool signal_handler_raised() {
   return PyErr_Occurred() != nullptr || PyErr_CheckSignals() != 0;  // once raised, it stays the answer
 }
 
-// What another thread asked of a Worker's waiting call: interrupt() (ends
-// the call waiting then) and close() (ends every call until it has the
-// Worker). Shared by the PyWorker and its WorkerOptions::interrupted hook,
-// which the Worker asks on the thread of its call.
+// A Worker's life in the binding: open; closing (close() began, and every
+// call waiting or begun meanwhile ends, until close() has the Worker);
+// closed (the C++ Worker is gone).
+enum class Life : uint8_t { kOpen, kClosing, kClosed };
+
+// What other threads ask of a Worker's calls: interrupt() (ends the call
+// waiting then) and close(). Shared by the PyWorker and its
+// WorkerOptions::interrupted hook, which the Worker asks on the thread of
+// its call.
 struct Stops {
   std::atomic<uint64_t> interrupts{0};  // interrupt()s so far
-  std::atomic<bool> closing{false};     // close() began: every call ends until it has the Worker
+  std::atomic<Life> life{Life::kOpen};
   uint64_t seen = 0;  // `interrupts` when the call in flight began: written and read by its thread under mu_
 
-  bool asked() const {
-    // relaxed: requests to stop waiting that publish no data; a call that
-    // misses one sees it at its next ask, 20 ms later.
-    return closing.load(std::memory_order_relaxed) || interrupts.load(std::memory_order_relaxed) != seen;
-  }
+  // relaxed (here and at every access of these two): requests to stop
+  // waiting that publish no data; a call that misses one sees it at its
+  // next ask, 20 ms later.
+  Life now() const { return life.load(std::memory_order_relaxed); }
+  bool asked() const { return now() != Life::kOpen || interrupts.load(std::memory_order_relaxed) != seen; }
 };
 
 // With the GIL: the exception a signal's handler raised while the call
@@ -190,7 +195,7 @@ class PyWorker {
     auto result = [&] {
       nb::gil_scoped_release released;
       Locked locked(*this);
-      if (!w_ || stops_->closing.load(std::memory_order_relaxed))  // relaxed: see Stops::asked()
+      if (!w_ || stops_->now() != Life::kOpen)
         throw StatusError{{shmps::ErrorCode::kUnknownWorker, "this Worker is closed"}};
       stops_->seen = stops_->interrupts.load(std::memory_order_relaxed);  // relaxed: see Stops::asked()
       struct Noted {  // a re-attach inside f changed them, even where f throws
@@ -219,8 +224,9 @@ class PyWorker {
     return identity_;
   }
 
-  // Without the lock, so that it answers while another thread's call waits.
-  bool closed() const { return closed_.load(std::memory_order_relaxed); }  // relaxed: a flag read for itself
+  // Without the lock, so that it answers while another thread's call
+  // waits: true from the moment close() begins.
+  bool closed() const { return stops_->now() != Life::kOpen; }
 
   Buffer register_buffer(size_t nbytes) {
     uint64_t registration = 0;
@@ -321,7 +327,9 @@ class PyWorker {
     uint64_t version = 0;
     if (auto it = versions_.find(ticket); it != versions_.end()) {
       version = it->second;
-      versions_.erase(it);
+      // A wait that timed out or was interrupted may be waited for again.
+      const shmps::ErrorCode code = a.result.ok() ? shmps::ErrorCode::kOk : a.result.status().code();
+      if (code != shmps::ErrorCode::kTimeout && code != shmps::ErrorCode::kInterrupted) versions_.erase(it);
     }
     return versioned(std::move(a), version);
   }
@@ -365,27 +373,30 @@ class PyWorker {
     check(call([](shmps::Worker& w) { return w.detach(); }));
   }
 
-  // Ends the call that waits now, on whichever thread: it fails with
-  // kInterrupted at its next ask (a held pull withdrawn, as for Ctrl-C).
-  // Calls begun later are not affected. Takes no lock: it must not wait
-  // for the call it ends.
-  void interrupt() { stops_->interrupts.fetch_add(1, std::memory_order_relaxed); }  // relaxed: see Stops::asked()
+  // Ends the call in flight, on whichever thread, where it waits: it fails
+  // with kInterrupted at its next ask (a held pull withdrawn, as for
+  // Ctrl-C). Calls begun later are not affected, nor what the C++ Worker
+  // does not interrupt (registering and unregistering buffers, a detach).
+  // Takes no lock: it must not wait for the call it ends.
+  void interrupt() { stops_->interrupts.fetch_add(1, std::memory_order_relaxed); }  // relaxed: see Stops
 
   // Detaches (best effort, as the C++ destructor does) once no call is in
   // flight, and frees what this Worker kept alive; further calls raise
   // "closed". A call waiting on another thread is interrupted rather than
-  // waited for, and so is any call begun meanwhile.
+  // waited for, and so is any call begun meanwhile. A second close()
+  // returns once the first has detached.
   void close() {
     if (forked()) {
-      (void)w_.release();                              // the parent's (see ~PyWorker)
-      closed_.store(true, std::memory_order_relaxed);  // relaxed: see closed()
+      (void)w_.release();                                            // the parent's (see ~PyWorker)
+      stops_->life.store(Life::kClosed, std::memory_order_relaxed);  // relaxed: see Stops
     } else {
       refuse_reentry("close()");
-      stops_->closing.store(true, std::memory_order_relaxed);  // relaxed: see Stops::asked()
+      Life open = Life::kOpen;
+      stops_->life.compare_exchange_strong(open, Life::kClosing, std::memory_order_relaxed);  // relaxed: see Stops
       nb::gil_scoped_release released;
       std::lock_guard<std::mutex> lock(mu_);
       w_.reset();  // detaches (a detach is not interrupted: it cancels a held pull instead)
-      closed_.store(true, std::memory_order_relaxed);  // relaxed: see closed()
+      stops_->life.store(Life::kClosed, std::memory_order_relaxed);  // relaxed: see Stops
     }
     kept_.clear();
     versions_.clear();  // registrations_ stay: a Buffer passed after close() gets "closed"
@@ -497,7 +508,6 @@ class PyWorker {
   std::map<uint64_t, uint64_t> versions_;  // push_async ticket -> its worker_version
   std::mutex mu_;                          // held for each call of w_, and by close()
   const std::shared_ptr<Stops> stops_;     // also the hook's, in w_'s options
-  std::atomic<bool> closed_{false};        // w_ is gone (set by close())
   mutable std::mutex identity_mu_;         // held only to copy identity_, never while a call waits
   Identity identity_;
   std::atomic<unsigned long> holder_{0};  // the thread in call() holding mu_ (0: none)
