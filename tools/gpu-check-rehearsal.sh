@@ -259,6 +259,8 @@ STUB
     compgen -G "$repo/build/cuda/python/shmps/_shmps*.so" > /dev/null || fail "the tree's build made no Python extension"
   fi
   echo "ok: $mode: $suite_passed suite tests and $py_passed Python tests passed, GPU and CUDA cases skipped, bench skipped, $n files in OUTDIR"
+  # Named in CI's output: what passed only at its second try.
+  grep -o 'passed on a second try: [^|;]*' "$out/results.md" | sed "s/^/note ($mode): /" || true
   exit 0
 fi
 
