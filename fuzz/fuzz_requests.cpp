@@ -99,8 +99,8 @@ class Harness {
     auto opened = shm::Segment::open(name_, /*read_only=*/false);
     if (!opened.ok()) fail(opened.status().to_string().c_str());
     seg_ = std::move(opened).value();
-    cap_ = seg_->header().lane_capacity;
-    max_buffers_ = seg_->header().max_buffers;
+    cap_ = seg_->layout().lane_capacity;
+    max_buffers_ = seg_->layout().max_buffers;
     pid_ = static_cast<uint32_t>(::getpid());
     start_time_ = shm::process_start_time(::getpid());
     for (size_t k = 0; k < kObjects; ++k) {
@@ -263,8 +263,8 @@ class Harness {
   }
 
   uint64_t tensor_elements(uint32_t tensor_id) const {
-    if (tensor_id == shm::kAllTensors) return seg_->header().total_elements;
-    if (tensor_id < seg_->header().tensor_count) return seg_->tensor(tensor_id).element_count;
+    if (tensor_id == shm::kAllTensors) return seg_->layout().total_elements;
+    if (tensor_id < seg_->layout().tensor_count) return seg_->layout().tensors[tensor_id].element_count;
     return 1;
   }
 

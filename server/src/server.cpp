@@ -796,12 +796,12 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   shm::Segment& seg = *impl->segment;
   Model& model = impl->model;
   std::vector<TensorExtent> extents;
-  for (uint32_t t = 0; t < seg.header().tensor_count; ++t) {
-    model.tensors.push_back(seg.tensor(t));
-    extents.push_back({seg.tensor(t).element_offset, seg.tensor(t).element_count});
+  for (const shm::TensorDesc& t : seg.layout().tensors) {
+    model.tensors.push_back(t);
+    extents.push_back({t.element_offset, t.element_count});
   }
   model.steps.assign(extents.size(), 0);
-  model.total_elements = seg.header().total_elements;
+  model.total_elements = seg.layout().total_elements;
   impl->sessions.unlink_orphan_buffers(0);  // left by workers of a crashed predecessor
 
   Backend& backend_ref = *impl->backend;
@@ -856,9 +856,9 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   char mode[8];
   std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(spec.mode));
   log::info("serving /dev/shm/" + shm::segment_object_name(config.name) + " (mode " + mode + ", " +
-            std::to_string(seg.header().segment_size / 1024) + " KiB): " + std::to_string(model.tensors.size()) +
-            " tensors, " + std::to_string(model.total_elements) + " parameters, optimizer " +
-            kernels::optimizer_kind_name(o.kind) + ", backend " + impl->backend->name());
+            std::to_string(seg.layout().geometry.segment_size / 1024) +
+            " KiB): " + std::to_string(model.tensors.size()) + " tensors, " + std::to_string(model.total_elements) +
+            " parameters, optimizer " + kernels::optimizer_kind_name(o.kind) + ", backend " + impl->backend->name());
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 

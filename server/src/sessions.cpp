@@ -59,7 +59,7 @@ void Sessions::attach(uint32_t i, uint64_t claimed) {
   if (pid <= 0 || start == 0 || !shm::process_alive(pid, start)) return;  // not ready yet, or reaped soon
   WorkerSlot& slot = slots_[i];
   reset_lanes(i);
-  uint64_t lease = (++lease_counter_ << 16) ^ (segment_.header().generation & 0xFFFF) ^ (uint64_t{i} << 56);
+  uint64_t lease = (++lease_counter_ << 16) ^ (segment_.layout().generation & 0xFFFF) ^ (uint64_t{i} << 56);
   if (lease == 0) lease = 1;
   entry.lease = lease;
   // relaxed: published by the release CAS below.

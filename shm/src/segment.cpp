@@ -395,6 +395,60 @@ Status validate_segment(const void* base, size_t size) {
 
 // ---------------------------------------------------------------- Segment
 
+namespace {
+
+// The layout of a validated header and its tensor table.
+SegmentLayout layout_of(const SegmentHeader& h, const TensorDesc* table) {
+  SegmentLayout l;
+  l.tensor_count = h.tensor_count;
+  l.max_workers = h.max_workers;
+  l.max_buffers = h.max_buffers;
+  l.lane_capacity = h.lane_capacity;
+  l.total_elements = h.total_elements;
+  l.generation = h.generation;
+  l.server_pid = h.server_pid;
+  l.server_start_time = h.server_start_time;
+  l.config_flags = h.config.flags;
+  l.geometry = compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity);
+  l.tensors.assign(table, table + h.tensor_count);
+  return l;
+}
+
+// Private memory for a copy of a segment's header and tensor table,
+// aligned as the header is.
+struct alignas(kCacheLine) CacheLine {
+  unsigned char bytes[kCacheLine];
+};
+static_assert(sizeof(SegmentHeader) % kCacheLine == 0 && sizeof(TensorDesc) % kCacheLine == 0);
+
+// Copies the header and the tensor table of the mapping `obj` into *copy
+// and validates the copy (validate_segment() reads nothing else): what was
+// checked is what the layout is made of, however the mapping changes
+// meanwhile. The table is copied for the copied header's tensor_count when
+// that is within the limit (validation refuses it otherwise); a mapping
+// too small for it fails validation's size check before the table is read.
+Status copy_and_validate(const ShmObject& obj, std::vector<CacheLine>* copy) {
+  const size_t size = obj.size();
+  if (size < sizeof(SegmentHeader)) return validate_segment(obj.data(), size);  // names the size, reads nothing
+  const auto& live = *static_cast<const SegmentHeader*>(obj.data());
+  // SYNC(segment_published): acquire pairs with Segment::publish(), so that
+  // the header and table copied after it are the ones the server published.
+  (void)live.layout_version.load(std::memory_order_acquire);
+  copy->assign(sizeof(SegmentHeader) / kCacheLine, CacheLine{});
+  std::memcpy(copy->data(), &live, sizeof(SegmentHeader));
+  const uint32_t count = reinterpret_cast<const SegmentHeader*>(copy->data())->tensor_count;
+  if (count <= kMaxTensorsLimit) {
+    const size_t table = uint64_t{count} * sizeof(TensorDesc);
+    copy->resize((sizeof(SegmentHeader) + table) / kCacheLine, CacheLine{});
+    std::memcpy(reinterpret_cast<char*>(copy->data()) + sizeof(SegmentHeader),
+                static_cast<const char*>(obj.data()) + sizeof(SegmentHeader),
+                std::min(table, size - sizeof(SegmentHeader)));
+  }
+  return validate_segment(copy->data(), size);
+}
+
+}  // namespace
+
 Status validate_tensors(const std::vector<TensorSpec>& tensors) {
   if (tensors.empty() || tensors.size() > kMaxTensorsLimit)
     return {ErrorCode::kInvalidArgument,
@@ -500,7 +554,9 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
   }
   if (!created.ok()) return created.status();
 
-  std::unique_ptr<Segment> seg(new Segment(spec.name, std::move(created).value()));
+  SegmentLayout geometry_only;
+  geometry_only.geometry = g;  // the whole layout once the header is written, below
+  std::unique_ptr<Segment> seg(new Segment(spec.name, std::move(created).value(), std::move(geometry_only)));
   // The object is fresh and zero-filled: set only what is not zero.
   SegmentHeader& h = seg->header();
   h.magic = kMagic;
@@ -543,6 +599,7 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
     offset += count;
   }
   h.total_elements = offset;
+  seg->layout_ = layout_of(h, &seg->tensor(0));
   return seg;
 }
 
@@ -622,16 +679,17 @@ Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool rea
           !t.ok())
         return t;
     }
-    if (Status s = validate_segment(obj->data(), obj->size()); !s.ok())
-      return Status{s.code(), path + ": " + s.message()};
-    if (trusted_owners != nullptr && (obj->mode() & 0070) != 0 &&
-        (static_cast<const SegmentHeader*>(obj->data())->config.flags & kConfigGroupAccess) == 0)
+    std::vector<CacheLine> copy;
+    if (Status s = copy_and_validate(*obj, &copy); !s.ok()) return Status{s.code(), path + ": " + s.message()};
+    const auto& h = *reinterpret_cast<const SegmentHeader*>(copy.data());
+    if (trusted_owners != nullptr && (obj->mode() & 0070) != 0 && (h.config.flags & kConfigGroupAccess) == 0)
       return Status{ErrorCode::kPermission,
                     path + " (" + owner_and_mode(obj->owner_uid(), obj->owner_gid(), obj->mode()) +
                         ") gives its group access, but its server was not started with --group-access: not "
                         "attaching to it. Remove it (sudo rm " +
                         path + ") and restart the server"};
-    segment.reset(new Segment(name, std::move(obj)));
+    segment.reset(new Segment(name, std::move(obj),
+                              layout_of(h, reinterpret_cast<const TensorDesc*>(copy.data() + sizeof h / kCacheLine))));
     return Status::Ok();
   };
   // An empty object is not worth waiting for unless its owner is trusted.

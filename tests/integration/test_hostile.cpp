@@ -23,6 +23,7 @@
 #include "raw_client.hpp"
 #include "shmps/shm/futex.hpp"
 #include "shmps/shm/proc.hpp"
+#include "shmps/shm/ring.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
@@ -465,7 +466,7 @@ BOOST_AUTO_TEST_CASE(reused_request_id_does_not_replay_stale_slots) {
   test::ServerProcess server(test::unique_name("replay"),
                              {"--tensor", "w:1", "--max-workers", "1", "--ring-capacity", "8"});
   test::RawClient raw(server.name());
-  const uint32_t cap = raw.segment().header().lane_capacity;
+  const uint32_t cap = raw.segment().layout().lane_capacity;
   BOOST_REQUIRE(cap == 8u);
   for (uint32_t i = 0; i < cap; ++i) BOOST_REQUIRE(raw.call(raw.request(shm::Opcode::kPing)).code == 0u);
   shm::Request again = raw.request(shm::Opcode::kPing);
@@ -571,6 +572,121 @@ BOOST_AUTO_TEST_CASE(forged_owner_pid_does_not_unlink_a_living_workers_buffers) 
   BOOST_REQUIRE_EQUAL(forger.wait(10s), 0);
   BOOST_TEST(victims_objects() == 1u, "the victim's buffer object was unlinked");
   BOOST_TEST(victim->ping().ok());
+}
+
+// Any process that may write the segment can rewrite its header's counts
+// and offsets after the server and the workers checked them. Neither may
+// follow them: the server keeps serving, the attached worker keeps
+// pushing, and a newcomer is refused with the header's fault named.
+BOOST_AUTO_TEST_CASE(header_geometry_rewritten_under_a_live_server_moves_nobody) {
+  test::ServerProcess server(test::unique_name("geometry"), kCounting);
+  Shared* shared = test::map_shared<Shared>();
+  auto good = test::Process::fork_fn([&] { return good_worker(server.name(), shared, 0); });
+  BOOST_REQUIRE(test::eventually([&] { return shared->acked[0].load() > 50; }));
+
+  auto seg = shm::Segment::open(server.name(), /*read_only=*/false);
+  BOOST_REQUIRE(seg.ok());
+  shm::SegmentHeader& h = (*seg)->header();
+  std::vector<char> saved(reinterpret_cast<const char*>(&h), reinterpret_cast<const char*>(&h) + 4096);
+  const auto scribble = [&h] {
+    for (uint64_t* field : {&h.tensor_table_offset, &h.worker_table_offset, &h.lanes_offset, &h.lane_stride,
+                            &h.completions_offset, &h.completion_stride, &h.stats_offset, &h.total_elements})
+      *field = 0x7fff'ffff'ffffULL;
+    h.worker_entry_size = 0xffff'ffff;
+    h.lane_capacity = 1u << 16;
+    h.max_workers = 0xffff'ffff;
+    h.max_buffers = 0xffff'ffff;
+    h.tensor_count = 0xffff'ffff;
+  };
+  scribble();
+  const uint64_t at_scribble = shared->acked[0].load();
+  std::this_thread::sleep_for(100ms);
+  scribble();  // again, past anything the server rewrote meanwhile
+  auto late = Worker::connect(test::worker_options(server.name(), 1s, false));
+  BOOST_TEST((late.status().code() == ErrorCode::kLayoutMismatch), late.status().to_string());
+  BOOST_TEST(test::eventually([&] { return shared->acked[0].load() > at_scribble + 200; }),
+             "the attached worker stopped being served");
+  shared->stop.store(1);
+  BOOST_TEST(good.wait(20s) == 0);
+  BOOST_TEST(shared->errors.load() == 0u, shared->first_error);
+  BOOST_TEST(shared->torn.load() == 0u);
+  BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
+
+  // Put back, the segment serves a newcomer: the server never used the
+  // header's words.
+  std::memcpy(&h.tensor_table_offset, saved.data() + offsetof(shm::SegmentHeader, tensor_table_offset),
+              offsetof(shm::SegmentHeader, config) - offsetof(shm::SegmentHeader, tensor_table_offset));
+  auto w = connect(server.name(), 3s);
+  BOOST_TEST(w->ping().ok());
+  ::munmap(shared, sizeof(Shared));
+}
+
+// A server (or anything writing the segment) that marks a worker's entry
+// detached and keeps feeding its completion queue in id order: the worker
+// ends its session without taking answers to requests it never sent, so
+// the call returns at once and nothing grows.
+BOOST_AUTO_TEST_CASE(a_queue_fed_after_the_entry_is_detached_does_not_hold_the_worker) {
+  shm::SegmentSpec spec;
+  spec.name = test::unique_name("feed");
+  spec.tensors = {{"w", {1}}};
+  spec.max_workers = 1;
+  spec.max_buffers = 1;
+  spec.lane_capacity = 8;
+  spec.config.optimizer_kind = 1;
+  spec.config.backend = 1;
+  auto created = shm::Segment::create(spec, 1);
+  BOOST_REQUIRE(created.ok());
+  struct Removed {
+    std::string name;
+    ~Removed() { shm::Segment::remove(name); }
+  } removed{spec.name};
+  shm::Segment& seg = **created;
+  seg.header().server_state.store(static_cast<uint32_t>(shm::ServerState::kRunning));
+  seg.publish();
+
+  // The fake server, in this process (so it looks alive): accepts the
+  // attach, then, told to, marks the entry detached and feeds the queue
+  // for 2 s.
+  std::atomic<bool> evict{false};
+  std::atomic<uint64_t> fed{0};
+  std::thread fake([&] {
+    shm::WorkerEntry& e = seg.worker(0);
+    uint32_t pid = 0;
+    while (!evict.load()) {
+      uint64_t owner = e.owner.load();
+      if (shm::owner_state(owner) == static_cast<uint32_t>(shm::WorkerState::kClaimed)) {
+        pid = shm::owner_pid(owner);
+        e.lease = 7;
+        e.owner.compare_exchange_strong(owner, shm::make_owner(pid, shm::WorkerState::kAttached));
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+    e.owner.store(shm::make_owner(pid, shm::WorkerState::kDetached));
+    shm::SpscProducer<shm::Completion> queue(&seg.completions(0), seg.completion_slots(0), spec.lane_capacity);
+    const auto until = std::chrono::steady_clock::now() + 2s;
+    for (uint64_t id = 1; std::chrono::steady_clock::now() < until;) {
+      shm::Completion c{};
+      c.request_id = id;
+      if (queue.try_push(c) == shm::RingResult::kOk) {
+        ++id;
+        fed.fetch_add(1);
+      } else {
+        std::this_thread::sleep_for(100us);
+      }
+    }
+  });
+  auto w = Worker::connect(test::worker_options(spec.name, 2s, false));
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  evict.store(true);
+  BOOST_REQUIRE(test::eventually([&] { return fed.load() >= spec.lane_capacity; }));
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = (*w)->ping();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  BOOST_TEST((s.code() == ErrorCode::kUnknownWorker), s.to_string());
+  BOOST_TEST((took < 1s), "the ping took " << std::chrono::duration<double>(took).count() << " s");
+  fake.join();
+  BOOST_TEST(fed.load() == uint64_t{spec.lane_capacity},
+             "the worker took " << fed.load() - spec.lane_capacity << " answers to requests it never sent");
 }
 
 BOOST_AUTO_TEST_SUITE_END()

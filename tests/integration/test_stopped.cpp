@@ -47,7 +47,7 @@ uint64_t read_stat(const std::string& name, std::atomic<uint64_t> shm::StatsBloc
 uint64_t owner_of(const std::string& name, pid_t pid) {
   auto seg = shm::Segment::open(name, /*read_only=*/true);
   BOOST_REQUIRE(seg.ok());
-  for (uint32_t i = 0; i < (*seg)->header().max_workers; ++i) {
+  for (uint32_t i = 0; i < (*seg)->layout().max_workers; ++i) {
     const uint64_t owner = (*seg)->worker(i).owner.load();
     if (shm::owner_pid(owner) == static_cast<uint32_t>(pid)) return owner;
   }

@@ -238,6 +238,58 @@ BOOST_AUTO_TEST_CASE(validation_catches_each_corruption) {
   BOOST_TEST(!validate_segment(good.data(), 100).ok());
 }
 
+// Any process that may write the segment may change its header after a
+// peer checked it: every accessor of the creator's and an opener's Segment
+// keeps the addresses the validated layout gives, and the opener's tensor
+// table and counts are its private copy.
+BOOST_AUTO_TEST_CASE(a_header_scribbled_after_the_check_moves_no_accessor) {
+  const std::string name = test::unique_name("scribble");
+  Cleanup cleanup{name};
+  auto created = Segment::create(small_spec(name), 5);
+  BOOST_REQUIRE(created.ok());
+  (*created)->publish();
+  auto opened = Segment::open(name, /*read_only=*/false);
+  BOOST_REQUIRE_MESSAGE(opened.ok(), opened.status().to_string());
+  const auto addresses = [](const Segment& s) {
+    return std::vector<const void*>{&s.worker(3),    &s.buffer(3, 1),  s.buffer_table_bytes(2), &s.lane(3),
+                                    s.lane_slots(3), s.lane_stamps(3), &s.completions(3),       s.completion_slots(3),
+                                    &s.stats(),      &s.tensor(1)};
+  };
+  const std::vector<const void*> before_created = addresses(**created);
+  const std::vector<const void*> before_opened = addresses(**opened);
+  SegmentHeader& h = (*opened)->header();
+  const uint64_t garbage = 0x7fff'ffff'ffffULL;
+  for (uint64_t* field : {&h.tensor_table_offset, &h.worker_table_offset, &h.lanes_offset, &h.lane_stride,
+                          &h.completions_offset, &h.completion_stride, &h.stats_offset, &h.total_elements})
+    *field = garbage;
+  h.worker_entry_size = 0xffff'ffff;
+  h.lane_capacity = 1u << 31;
+  h.max_workers = 100000;
+  h.max_buffers = 100000;
+  h.tensor_count = 7;
+  h.generation = 77;
+  std::memset((*opened)->tensor(0).name, 'x', sizeof((*opened)->tensor(0).name));  // no NUL left
+  (*opened)->tensor(0).ndim = 1000;
+  BOOST_TEST(addresses(**created) == before_created);
+  BOOST_TEST(addresses(**opened) == before_opened);
+  for (const Segment* s : {created->get(), opened->get()}) {
+    const SegmentLayout& l = s->layout();
+    BOOST_TEST(l.tensor_count == 2u);
+    BOOST_TEST(l.max_workers == 4u);
+    BOOST_TEST(l.max_buffers == 2u);
+    BOOST_TEST(l.lane_capacity == 8u);
+    BOOST_TEST(l.total_elements == 16u);
+    BOOST_TEST(l.generation == 5u);
+    BOOST_REQUIRE(l.tensors.size() == 2u);
+    BOOST_TEST(std::string(l.tensors[0].name) == "fc1.weight");
+    BOOST_TEST(l.tensors[0].ndim == 2u);
+    BOOST_TEST(l.tensors[1].element_offset == 12u);
+  }
+  // A newcomer checks the header as it is now.
+  auto late = Segment::open(name, true);
+  BOOST_TEST((late.status().code() == ErrorCode::kLayoutMismatch));
+}
+
 BOOST_AUTO_TEST_CASE(process_identity_survives_zombies) {
   BOOST_TEST(process_alive(::getpid(), process_start_time(::getpid())));
   BOOST_TEST(!process_alive(::getpid(), process_start_time(::getpid()) + 1));  // "reused pid"

@@ -199,7 +199,7 @@ Result<std::unique_ptr<ServerProcess>> ServerProcess::start(const Options& optio
     // Published by this child: its pid in a header whose version is set
     // (the segment is validated as a worker would).
     if (auto seg = shm::Segment::open(options.name, /*read_only=*/true);
-        seg.ok() && (*seg)->header().server_pid == static_cast<uint32_t>(server->child_.pid()))
+        seg.ok() && (*seg)->layout().server_pid == static_cast<uint32_t>(server->child_.pid()))
       return server;
     if (std::chrono::steady_clock::now() >= deadline) {
       server->child_.kill_and_reap();

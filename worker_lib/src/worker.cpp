@@ -694,9 +694,12 @@ class Worker::Impl {
   // when its slot holds the one we expect, else through the tail. Copies the
   // first line, and the message only with a failure (a success leaves an
   // older message there: layout.hpp, Completion). An answer out of request
-  // order, or a corrupt queue, is kInternal.
+  // order, or a corrupt queue, is kInternal. With nothing in flight there
+  // is nothing to take (an answer to a request never sent is not one), so
+  // no queue, however it is fed, makes a drain of answers run on.
   Status take_answer(Completion* out, bool* got) {
     *got = false;
+    if (in_flight() == 0) return Status::Ok();
     const Completion* slot = nullptr;
     if (completions.seq_published(last_completed_id + 1)) {
       slot = completions.peek_published();
@@ -904,10 +907,12 @@ class Worker::Impl {
   }
 
   // Claims an entry of `seg`, attaches, and (first time) reads the tensor
-  // table; on a re-attach the table must be the same.
+  // table; on a re-attach the table must be the same. Counts, ids and the
+  // table come from the layout validated at open (a private copy), never
+  // from the live header.
   Status attach_to(std::unique_ptr<shm::Segment> seg) {
     segment = std::move(seg);
-    auto& h = segment->header();
+    const shm::SegmentLayout& h = segment->layout();
     generation = h.generation;
     server_pid = static_cast<pid_t>(h.server_pid);
     server_start = h.server_start_time;
@@ -917,7 +922,7 @@ class Worker::Impl {
               s.message() + " (stale segment /dev/shm/" + shm::segment_object_name(options.name) + ")"};
     std::vector<TensorInfo> table;
     for (uint32_t t = 0; t < h.tensor_count; ++t) {
-      const shm::TensorDesc& d = segment->tensor(t);  // validated by Segment::open
+      const shm::TensorDesc& d = h.tensors[t];
       TensorInfo info;
       info.id = t;
       info.name = d.name;
@@ -1022,7 +1027,7 @@ class Worker::Impl {
     while (true) {
       auto seg = shm::Segment::open(options.name, /*read_only=*/false, &trusted);
       if (!seg.ok() && seg.status().code() == ErrorCode::kPermission) return seg.status();
-      if (seg.ok() && (state_ == State::kEvicted || (*seg)->header().generation != ended.generation)) {
+      if (seg.ok() && (state_ == State::kEvicted || (*seg)->layout().generation != ended.generation)) {
         Status s = attach_to(std::move(seg).value());
         if (s.code() == ErrorCode::kInterrupted) return s;
         for (uint32_t b = 0; b < buffers.size() && s.ok(); ++b)
@@ -1165,7 +1170,7 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
   // of the segment's group) gets group-shared buffers; otherwise nobody but
   // this user may open them.
   const shm::ShmObject& control = w.segment->object();
-  const bool group_shared = (w.segment->header().config.flags & shm::kConfigGroupAccess) != 0;
+  const bool group_shared = (w.segment->layout().config_flags & shm::kConfigGroupAccess) != 0;
   auto object = shm::ShmObject::create(object_name, bytes, group_shared ? 0660 : 0600,
                                        group_shared ? control.owner_gid() : static_cast<gid_t>(-1));
   if (!object.ok()) return object.status();

@@ -116,12 +116,30 @@ struct Geometry {
 Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t max_buffers,
                           uint32_t lane_capacity) noexcept;
 
-// Validates a whole segment image of `size` bytes (a live mapping or a copy
-// in a file): magic, layout version, every size and offset, every tensor
-// descriptor, the config enums. Returns kLayoutMismatch (foreign object,
-// other version: both numbers in the message), kServerNotRunning when the
-// version is not published yet, or kOk. Reads only.
+// Validates a segment image of `size` bytes (a copy of a live mapping, or of
+// a file): magic, layout version, every size and offset, every tensor
+// descriptor, the config enums. Reads only the header and the tensor table,
+// so a copy of those two (SegmentHeader, then tensor_count TensorDescs)
+// with the mapping's size validates a segment without reading it twice.
+// Returns kLayoutMismatch (foreign object, other version: both numbers in
+// the message), kServerNotRunning when the version is not published yet,
+// or kOk.
 Status validate_segment(const void* base, size_t size);
+
+// What a segment's header said when it was validated (or created), kept in
+// private memory: every accessor of Segment computes its addresses from
+// this copy and never from the header's words, which any process that may
+// write the segment could change after the check.
+struct SegmentLayout {
+  uint32_t tensor_count = 0, max_workers = 0, max_buffers = 0, lane_capacity = 0;
+  uint64_t total_elements = 0;
+  uint64_t generation = 0;
+  uint32_t server_pid = 0;
+  uint64_t server_start_time = 0;
+  uint32_t config_flags = 0;  // ConfigBlock::flags (kConfigGroupAccess): fixed for a server's life
+  Geometry geometry{};
+  std::vector<TensorDesc> tensors;  // tensor_count descriptors, validated
+};
 
 // Opens the object of segment "shmps.<name>" (read-only or not) and hands
 // it to `accept`, which judges it (the mapping itself, or a copy of it) and
@@ -158,23 +176,27 @@ class Segment {
   // Server: release-stores the layout version; openers may use it from now.
   void publish() noexcept;
 
+  // The live header: read its live words (state, heartbeat, doorbells,
+  // the weights' export); its counts and offsets are layout()'s.
   SegmentHeader& header() const noexcept { return *static_cast<SegmentHeader*>(object_->data()); }
+  const SegmentLayout& layout() const noexcept { return layout_; }
+  // The live descriptor (the server writes it at create()); an opener reads
+  // layout().tensors.
   TensorDesc& tensor(uint32_t i) const noexcept {
-    return at<TensorDesc>(header().tensor_table_offset + i * sizeof(TensorDesc));
+    return at<TensorDesc>(g().tensor_table_offset + i * sizeof(TensorDesc));
   }
+  // i < layout().max_workers, and so on: the callers' bounds are the layout's.
   WorkerEntry& worker(uint32_t i) const noexcept {
-    return at<WorkerEntry>(header().worker_table_offset + i * header().worker_entry_size);
+    return at<WorkerEntry>(g().worker_table_offset + i * g().worker_entry_size);
   }
   BufferDesc& buffer(uint32_t worker, uint32_t i) const noexcept {
-    return at<BufferDesc>(header().worker_table_offset + worker * header().worker_entry_size + sizeof(WorkerEntry) +
+    return at<BufferDesc>(g().worker_table_offset + worker * g().worker_entry_size + sizeof(WorkerEntry) +
                           i * sizeof(BufferDesc));
   }
   void* buffer_table_bytes(uint32_t worker) const noexcept { return &buffer(worker, 0); }
-  LaneHeader& lane(uint32_t i) const noexcept {
-    return at<LaneHeader>(header().lanes_offset + i * header().lane_stride);
-  }
+  LaneHeader& lane(uint32_t i) const noexcept { return at<LaneHeader>(g().lanes_offset + i * g().lane_stride); }
   Request* lane_slots(uint32_t i) const noexcept {
-    return &at<Request>(header().lanes_offset + i * header().lane_stride + sizeof(LaneHeader));
+    return &at<Request>(g().lanes_offset + i * g().lane_stride + sizeof(LaneHeader));
   }
   // Lane i's publish_ns[lane_capacity]: the CLOCK_MONOTONIC time the worker
   // published the request in the slot of the same index (written before
@@ -182,27 +204,30 @@ class Segment {
   // both relaxed through atomic_ref; a garbage stamp makes one wrong
   // queue_ns sample, nothing else).
   uint64_t* lane_stamps(uint32_t i) const noexcept {
-    return &at<uint64_t>(header().lanes_offset + i * header().lane_stride + sizeof(LaneHeader) +
-                         uint64_t{header().lane_capacity} * sizeof(Request));
+    return &at<uint64_t>(g().lanes_offset + i * g().lane_stride + sizeof(LaneHeader) +
+                         uint64_t{layout_.lane_capacity} * sizeof(Request));
   }
   LaneHeader& completions(uint32_t i) const noexcept {
-    return at<LaneHeader>(header().completions_offset + i * header().completion_stride);
+    return at<LaneHeader>(g().completions_offset + i * g().completion_stride);
   }
   Completion* completion_slots(uint32_t i) const noexcept {
-    return &at<Completion>(header().completions_offset + i * header().completion_stride + sizeof(LaneHeader));
+    return &at<Completion>(g().completions_offset + i * g().completion_stride + sizeof(LaneHeader));
   }
-  StatsBlock& stats() const noexcept { return at<StatsBlock>(header().stats_offset); }
+  StatsBlock& stats() const noexcept { return at<StatsBlock>(g().stats_offset); }
   const ShmObject& object() const noexcept { return *object_; }
   const std::string& name() const noexcept { return name_; }
 
  private:
-  Segment(std::string name, std::unique_ptr<ShmObject> object) : name_(std::move(name)), object_(std::move(object)) {}
+  Segment(std::string name, std::unique_ptr<ShmObject> object, SegmentLayout layout)
+      : name_(std::move(name)), object_(std::move(object)), layout_(std::move(layout)) {}
+  const Geometry& g() const noexcept { return layout_.geometry; }
   template <typename T>
   T& at(uint64_t offset) const noexcept {
     return *reinterpret_cast<T*>(static_cast<char*>(object_->data()) + offset);
   }
   std::string name_;
   std::unique_ptr<ShmObject> object_;
+  SegmentLayout layout_;
 };
 
 }  // namespace shmps::shm
