@@ -68,17 +68,11 @@ bool read_at(int fd, void* to, size_t bytes, size_t offset, const std::string& p
 sigjmp_buf g_copy_fault;
 extern "C" void on_copy_sigbus(int) { siglongjmp(g_copy_fault, 1); }
 
-// Copies a live mapping word by word in address order. acquire: a word
-// published with a release store (the layout version, a worker entry's
-// owner, a ring's tail or head) orders the words copied after it, as the
-// in-place reads of take_snapshot would.
-void copy_words(void* to, const void* from, size_t bytes) {
-  auto* out = static_cast<uint64_t*>(to);
-  const auto* in = static_cast<const uint64_t*>(from);
-  for (size_t i = 0; i < bytes / 8; ++i) out[i] = __atomic_load_n(in + i, __ATOMIC_ACQUIRE);
-  for (size_t i = bytes / 8 * 8; i < bytes; ++i)
-    static_cast<unsigned char*>(to)[i] = __atomic_load_n(static_cast<const unsigned char*>(from) + i, __ATOMIC_ACQUIRE);
-}
+// A live mapping is copied word by word in address order
+// (shm::copy_shared): a word published with a release store (the layout
+// version, a worker entry's owner, a ring's tail or head) orders the words
+// copied after it, as the in-place reads of take_snapshot would.
+using shm::copy_shared;
 
 // Each request lane and completion queue copied again in the order its
 // live reader needs: the head, then the tail, then the rest (the slots),
@@ -99,16 +93,16 @@ void copy_rings(void* to, const void* from, const shm::SegmentHeader& h) {
       // A few tries, as a live reader retries: preempted between the two
       // loads, the ring may have moved more than its capacity.
       for (int tries = 0; tries < 3; ++tries) {
-        copy_words(out + kHead, in + kHead, 8);
-        copy_words(out + kTail, in + kTail, 8);
+        copy_shared(out + kHead, in + kHead, 8);
+        copy_shared(out + kTail, in + kTail, 8);
         uint64_t head = 0;
         uint64_t tail = 0;
         std::memcpy(&head, out + kHead, sizeof head);
         std::memcpy(&tail, out + kTail, sizeof tail);
         if (tail - head <= h.lane_capacity) break;
       }
-      copy_words(out + 8, in + 8, kHead - 8);
-      copy_words(out + kHead + 8, in + kHead + 8, stride - kHead - 8);
+      copy_shared(out + 8, in + 8, kHead - 8);
+      copy_shared(out + kHead + 8, in + kHead + 8, stride - kHead - 8);
     }
   }
 }
@@ -128,7 +122,7 @@ bool guarded_copy(void* to, const void* from, size_t bytes, const shm::SegmentHe
     if (rings != nullptr) {
       copy_rings(to, from, *rings);
     } else {
-      copy_words(to, from, bytes);
+      copy_shared(to, from, bytes);
     }
     copied = true;
   }

@@ -395,6 +395,17 @@ Status validate_segment(const void* base, size_t size) {
 
 // ---------------------------------------------------------------- Segment
 
+void copy_shared(void* to, const void* from, size_t bytes) noexcept {
+  // acquire (the GCC builtins, as std::atomic_ref<const T> is not in
+  // C++20): the caller's SYNC pairs, e.g. SYNC(segment_published), are
+  // what the acquire of the word that publishes orders.
+  auto* out = static_cast<uint64_t*>(to);
+  const auto* in = static_cast<const uint64_t*>(from);
+  for (size_t i = 0; i < bytes / 8; ++i) out[i] = __atomic_load_n(in + i, __ATOMIC_ACQUIRE);
+  for (size_t i = bytes / 8 * 8; i < bytes; ++i)
+    static_cast<unsigned char*>(to)[i] = __atomic_load_n(static_cast<const unsigned char*>(from) + i, __ATOMIC_ACQUIRE);
+}
+
 namespace {
 
 // The layout of a validated header and its tensor table.
@@ -435,12 +446,12 @@ Status copy_and_validate(const ShmObject& obj, std::vector<CacheLine>* copy) {
   // the header and table copied after it are the ones the server published.
   (void)live.layout_version.load(std::memory_order_acquire);
   copy->assign(sizeof(SegmentHeader) / kCacheLine, CacheLine{});
-  std::memcpy(copy->data(), &live, sizeof(SegmentHeader));
+  copy_shared(copy->data(), &live, sizeof(SegmentHeader));  // the server writes its live words meanwhile
   const uint32_t count = reinterpret_cast<const SegmentHeader*>(copy->data())->tensor_count;
   if (count <= kMaxTensorsLimit) {
     const size_t table = uint64_t{count} * sizeof(TensorDesc);
     copy->resize((sizeof(SegmentHeader) + table) / kCacheLine, CacheLine{});
-    std::memcpy(reinterpret_cast<char*>(copy->data()) + sizeof(SegmentHeader),
+    copy_shared(reinterpret_cast<char*>(copy->data()) + sizeof(SegmentHeader),
                 static_cast<const char*>(obj.data()) + sizeof(SegmentHeader),
                 std::min(table, size - sizeof(SegmentHeader)));
   }

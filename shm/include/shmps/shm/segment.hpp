@@ -126,6 +126,13 @@ Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t 
 // or kOk.
 Status validate_segment(const void* base, size_t size);
 
+// Copies `bytes` of shared memory that other processes may be writing:
+// word by word (8 bytes, then the rest byte by byte) with acquire loads in
+// address order, so no word is torn and what a word published with a
+// release store orders is visible in the words copied after it. `from`
+// is 8-byte aligned.
+void copy_shared(void* to, const void* from, size_t bytes) noexcept;
+
 // What a segment's header said when it was validated (or created), kept in
 // private memory: every accessor of Segment computes its addresses from
 // this copy and never from the header's words, which any process that may
