@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The memory-order rule of the house style, checked (in the spirit of
 iceoryx's check_atomic_usage.sh): every acquire, release or acq_rel access
+(std::memory_order_*, or the GCC builtins' __ATOMIC_*)
 carries a SYNC(tag) naming what it publishes or consumes, on its statement
 or in the comment right above it, and every tag appears at two places at
 least (both ends of the pair). Relaxed and seq_cst accesses say why in
@@ -17,7 +18,7 @@ import sys
 # it on purpose.
 DIRS = ("base", "shm", "kernels", "server", "worker_lib", "python", "tools", "bench", "examples")
 SUFFIXES = (".cpp", ".hpp", ".cu", ".h")
-ORDER = re.compile(r"memory_order_(acquire|release|acq_rel)\b")
+ORDER = re.compile(r"memory_order_(?:acquire|release|acq_rel)\b|__ATOMIC_(?:ACQUIRE|RELEASE|ACQ_REL)\b")
 SYNC = re.compile(r"SYNC\(([a-z0-9_]+)\)")
 ABOVE = 4  # comment lines above an access that may carry its tag or reason
 

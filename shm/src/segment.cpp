@@ -336,8 +336,9 @@ Status validate_segment(const void* base, size_t size) {
   if (h.magic != kMagic) {
     return {ErrorCode::kLayoutMismatch, "not a shmps segment: magic " + hex64(h.magic) + ", expected " + hex64(kMagic)};
   }
-  // SYNC(segment_published): acquire pairs with Segment::publish().
-  const uint32_t version = h.layout_version.load(std::memory_order_acquire);
+  // relaxed: a private copy; its maker's copy of the live segment was the
+  // acquire side (shm::copy_shared).
+  const uint32_t version = h.layout_version.load(std::memory_order_relaxed);
   if (version == 0) return {ErrorCode::kServerNotRunning, "segment not published yet (server starting)"};
   if (version != kLayoutVersion)
     return {ErrorCode::kLayoutMismatch, "segment has layout version " + std::to_string(version) +
@@ -396,19 +397,21 @@ Status validate_segment(const void* base, size_t size) {
 // ---------------------------------------------------------------- Segment
 
 void copy_shared(void* to, const void* from, size_t bytes) noexcept {
-  // acquire (the GCC builtins, as std::atomic_ref<const T> is not in
-  // C++20): the caller's SYNC pairs, e.g. SYNC(segment_published), are
-  // what the acquire of the word that publishes orders.
   auto* out = static_cast<uint64_t*>(to);
   const auto* in = static_cast<const uint64_t*>(from);
+  // acquire (the GCC builtins: std::atomic_ref<const T> is not in C++20),
+  // each word: SYNC(segment_published) for an opener's copy of the header;
+  // for shmps-inspect's copy of a whole segment, every pair of
+  // docs/design.md's table whose release word it copies.
   for (size_t i = 0; i < bytes / 8; ++i) out[i] = __atomic_load_n(in + i, __ATOMIC_ACQUIRE);
+  // SYNC(segment_published): the tail, byte by byte, as the words above.
   for (size_t i = bytes / 8 * 8; i < bytes; ++i)
     static_cast<unsigned char*>(to)[i] = __atomic_load_n(static_cast<const unsigned char*>(from) + i, __ATOMIC_ACQUIRE);
 }
 
 namespace {
 
-// The layout of a validated header and its tensor table.
+// The layout of a validated header and its tensor table (an opener's copy).
 SegmentLayout layout_of(const SegmentHeader& h, const TensorDesc* table) {
   SegmentLayout l;
   l.tensor_count = h.tensor_count;
@@ -442,11 +445,10 @@ Status copy_and_validate(const ShmObject& obj, std::vector<CacheLine>* copy) {
   const size_t size = obj.size();
   if (size < sizeof(SegmentHeader)) return validate_segment(obj.data(), size);  // names the size, reads nothing
   const auto& live = *static_cast<const SegmentHeader*>(obj.data());
-  // SYNC(segment_published): acquire pairs with Segment::publish(), so that
-  // the header and table copied after it are the ones the server published.
-  (void)live.layout_version.load(std::memory_order_acquire);
   copy->assign(sizeof(SegmentHeader) / kCacheLine, CacheLine{});
-  copy_shared(copy->data(), &live, sizeof(SegmentHeader));  // the server writes its live words meanwhile
+  // SYNC(segment_published): copy_shared's acquire of the layout version,
+  // the header's second word, orders the rest of the copy after publish().
+  copy_shared(copy->data(), &live, sizeof(SegmentHeader));
   const uint32_t count = reinterpret_cast<const SegmentHeader*>(copy->data())->tensor_count;
   if (count <= kMaxTensorsLimit) {
     const size_t table = uint64_t{count} * sizeof(TensorDesc);
@@ -565,22 +567,49 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
   }
   if (!created.ok()) return created.status();
 
-  SegmentLayout geometry_only;
-  geometry_only.geometry = g;  // the whole layout once the header is written, below
-  std::unique_ptr<Segment> seg(new Segment(spec.name, std::move(created).value(), std::move(geometry_only)));
+  // The layout first, in private memory: the server's accessors use it,
+  // and the header and table are written from it (the object may be
+  // written by others from the moment it exists).
+  SegmentLayout l;
+  l.tensor_count = static_cast<uint32_t>(spec.tensors.size());
+  l.max_workers = spec.max_workers;
+  l.max_buffers = spec.max_buffers;
+  l.lane_capacity = spec.lane_capacity;
+  l.generation = generation;
+  l.server_pid = static_cast<uint32_t>(::getpid());
+  l.server_start_time = process_start_time(::getpid());
+  l.config_flags = spec.config.flags;
+  l.geometry = g;
+  for (const TensorSpec& ts : spec.tensors) {
+    TensorDesc t{};  // zeroed: the name NUL-padded, the shape 0 past ndim
+    std::memcpy(t.name, ts.name.data(), ts.name.size());
+    t.dtype = static_cast<uint32_t>(Dtype::kF32);
+    t.ndim = static_cast<uint32_t>(ts.shape.size());
+    uint64_t count = 1;  // validate_spec(): no overflow, at most 2^40 in all
+    for (size_t d = 0; d < ts.shape.size(); ++d) {
+      t.shape[d] = ts.shape[d];
+      count *= ts.shape[d];
+    }
+    t.element_offset = l.total_elements;
+    t.element_count = count;
+    l.total_elements += count;
+    l.tensors.push_back(t);
+  }
+  std::unique_ptr<Segment> seg(new Segment(spec.name, std::move(created).value(), std::move(l)));
+  const SegmentLayout& layout = seg->layout_;
   // The object is fresh and zero-filled: set only what is not zero.
   SegmentHeader& h = seg->header();
   h.magic = kMagic;
   h.header_size = sizeof(SegmentHeader);
   h.segment_size = g.segment_size;
-  h.generation = generation;
-  h.server_pid = static_cast<uint32_t>(::getpid());
-  h.server_start_time = process_start_time(::getpid());
+  h.generation = layout.generation;
+  h.server_pid = layout.server_pid;
+  h.server_start_time = layout.server_start_time;
   h.server_state.store(static_cast<uint32_t>(ServerState::kStarting),
                        std::memory_order_relaxed);                  // relaxed: published by publish()
   h.heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);  // relaxed: published by publish()
   h.tensor_table_offset = g.tensor_table_offset;
-  h.tensor_count = static_cast<uint32_t>(spec.tensors.size());
+  h.tensor_count = layout.tensor_count;
   h.tensor_desc_size = sizeof(TensorDesc);
   h.worker_table_offset = g.worker_table_offset;
   h.max_workers = spec.max_workers;
@@ -593,31 +622,16 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
   h.completion_stride = g.completion_stride;
   h.stats_offset = g.stats_offset;
   h.config = spec.config;
-  uint64_t offset = 0;
-  for (uint32_t i = 0; i < spec.tensors.size(); ++i) {
-    const TensorSpec& ts = spec.tensors[i];
-    TensorDesc& t = seg->tensor(i);
-    std::memcpy(t.name, ts.name.data(), ts.name.size());
-    t.dtype = static_cast<uint32_t>(Dtype::kF32);
-    t.ndim = static_cast<uint32_t>(ts.shape.size());
-    uint64_t count = 1;  // validate_spec(): no overflow, at most 2^40 in all
-    for (size_t d = 0; d < ts.shape.size(); ++d) {
-      t.shape[d] = ts.shape[d];
-      count *= ts.shape[d];
-    }
-    t.element_offset = offset;
-    t.element_count = count;
-    offset += count;
-  }
-  h.total_elements = offset;
-  seg->layout_ = layout_of(h, &seg->tensor(0));
+  h.total_elements = layout.total_elements;
+  std::memcpy(&seg->tensor(0), layout.tensors.data(), layout.tensors.size() * sizeof(TensorDesc));
   return seg;
 }
 
 void Segment::publish() noexcept {
-  // SYNC(segment_published): release pairs with validate_segment()'s acquire
-  // load; everything written by create() is visible to an opener that sees
-  // the version.
+  // SYNC(segment_published): release pairs with the acquire loads of an
+  // opener's copy of the header (copy_and_validate(), shm::copy_shared);
+  // everything written by create() is visible to an opener that sees the
+  // version.
   header().layout_version.store(kLayoutVersion, std::memory_order_release);
 }
 
@@ -699,8 +713,8 @@ Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool rea
                         ") gives its group access, but its server was not started with --group-access: not "
                         "attaching to it. Remove it (sudo rm " +
                         path + ") and restart the server"};
-    segment.reset(new Segment(name, std::move(obj),
-                              layout_of(h, reinterpret_cast<const TensorDesc*>(copy.data() + sizeof h / kCacheLine))));
+    const auto* table = reinterpret_cast<const TensorDesc*>(reinterpret_cast<const char*>(copy.data()) + sizeof h);
+    segment.reset(new Segment(name, std::move(obj), layout_of(h, table)));
     return Status::Ok();
   };
   // An empty object is not worth waiting for unless its owner is trusted.

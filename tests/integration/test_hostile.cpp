@@ -675,6 +675,14 @@ BOOST_AUTO_TEST_CASE(a_queue_fed_after_the_entry_is_detached_does_not_hold_the_w
       }
     }
   });
+  struct Joined {  // a failed BOOST_REQUIRE below must not leave the thread joinable
+    std::atomic<bool>& evict;
+    std::thread& thread;
+    ~Joined() {
+      evict.store(true);
+      if (thread.joinable()) thread.join();
+    }
+  } joined{evict, fake};
   auto w = Worker::connect(test::worker_options(spec.name, 2s, false));
   BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
   evict.store(true);

@@ -61,8 +61,8 @@ BOOST_AUTO_TEST_CASE(create_publish_open_roundtrip) {
   BOOST_TEST(h.tensor_count == 2u);
   BOOST_TEST(h.total_elements == 16u);
   BOOST_TEST(h.server_pid == static_cast<uint32_t>(::getpid()));
-  BOOST_TEST((*opened)->tensor(1).element_offset == 12u);
-  BOOST_TEST(std::string((*opened)->tensor(0).name) == "fc1.weight");
+  BOOST_TEST((*opened)->layout().tensors.at(1).element_offset == 12u);
+  BOOST_TEST(std::string((*opened)->layout().tensors.at(0).name) == "fc1.weight");
 }
 
 BOOST_AUTO_TEST_CASE(unpublished_segment_is_not_opened) {
@@ -251,9 +251,9 @@ BOOST_AUTO_TEST_CASE(a_header_scribbled_after_the_check_moves_no_accessor) {
   auto opened = Segment::open(name, /*read_only=*/false);
   BOOST_REQUIRE_MESSAGE(opened.ok(), opened.status().to_string());
   const auto addresses = [](const Segment& s) {
-    return std::vector<const void*>{&s.worker(3),    &s.buffer(3, 1),  s.buffer_table_bytes(2), &s.lane(3),
-                                    s.lane_slots(3), s.lane_stamps(3), &s.completions(3),       s.completion_slots(3),
-                                    &s.stats(),      &s.tensor(1)};
+    return std::vector<const void*>{&s.worker(3),      &s.buffer(3, 1),       s.buffer_table_bytes(2),
+                                    &s.lane(3),        s.lane_slots(3),       s.lane_stamps(3),
+                                    &s.completions(3), s.completion_slots(3), &s.stats()};
   };
   const std::vector<const void*> before_created = addresses(**created);
   const std::vector<const void*> before_opened = addresses(**opened);
@@ -268,8 +268,9 @@ BOOST_AUTO_TEST_CASE(a_header_scribbled_after_the_check_moves_no_accessor) {
   h.max_buffers = 100000;
   h.tensor_count = 7;
   h.generation = 77;
-  std::memset((*opened)->tensor(0).name, 'x', sizeof((*opened)->tensor(0).name));  // no NUL left
-  (*opened)->tensor(0).ndim = 1000;
+  auto& table0 = *reinterpret_cast<TensorDesc*>(reinterpret_cast<char*>(&h) + sizeof(SegmentHeader));
+  std::memset(table0.name, 'x', sizeof table0.name);  // no NUL left
+  table0.ndim = 1000;
   BOOST_TEST(addresses(**created) == before_created);
   BOOST_TEST(addresses(**opened) == before_opened);
   for (const Segment* s : {created->get(), opened->get()}) {

@@ -187,11 +187,6 @@ class Segment {
   // the weights' export); its counts and offsets are layout()'s.
   SegmentHeader& header() const noexcept { return *static_cast<SegmentHeader*>(object_->data()); }
   const SegmentLayout& layout() const noexcept { return layout_; }
-  // The live descriptor (the server writes it at create()); an opener reads
-  // layout().tensors.
-  TensorDesc& tensor(uint32_t i) const noexcept {
-    return at<TensorDesc>(g().tensor_table_offset + i * sizeof(TensorDesc));
-  }
   // i < layout().max_workers, and so on: the callers' bounds are the layout's.
   WorkerEntry& worker(uint32_t i) const noexcept {
     return at<WorkerEntry>(g().worker_table_offset + i * g().worker_entry_size);
@@ -228,6 +223,10 @@ class Segment {
   Segment(std::string name, std::unique_ptr<ShmObject> object, SegmentLayout layout)
       : name_(std::move(name)), object_(std::move(object)), layout_(std::move(layout)) {}
   const Geometry& g() const noexcept { return layout_.geometry; }
+  // The live descriptor, written once by create(); everyone reads layout().tensors.
+  TensorDesc& tensor(uint32_t i) const noexcept {
+    return at<TensorDesc>(g().tensor_table_offset + i * sizeof(TensorDesc));
+  }
   template <typename T>
   T& at(uint64_t offset) const noexcept {
     return *reinterpret_cast<T*>(static_cast<char*>(object_->data()) + offset);
