@@ -17,7 +17,8 @@
 #    /usr/share/pkgconfig bound over those folders, so they are "not
 #    found", as there); the original checkout and its build trees hidden
 #    under an empty tmpfs; checks with ldd, the compiler, the linker and
-#    pkg-config that all of it is gone; then gpu-check.sh with
+#    pkg-config that all of it is gone; in prebuilt also xz, so that the
+#    tree unpacks with python3's tarfile; then gpu-check.sh with
 #    SHMPS_GPU_CHECK_MODE=MODE. With no driver here the GPU tests skip with
 #    their reason, shmps-gpu-bench prints "no CUDA device: skipped", and a
 #    stand-in compute-sanitizer runs the sanitizer steps' programs. The
@@ -33,7 +34,7 @@
 #    least 20 tests passed, the three CUDA cases skipped), and OUTDIR
 #    within what a run call brings back (8 files, 16 MiB each).
 # Root only (mount namespaces): exit 77 (skipped) otherwise. Takes, on 2
-# cores: the pack 10-45 s, prebuilt 40-125 s (mostly the suite; the Python
+# cores: the pack 20-60 s, prebuilt 40-125 s (mostly the suite; the Python
 # step 15-20 s of it), build 4-9 minutes (a full build; the longer times
 # on a shared machine).
 # SHMPS_REHEARSAL_KEEP=1 keeps the scratch folder.
@@ -126,6 +127,14 @@ if [[ ${1:-} == --inside ]]; then
   hide_in /usr/share/cmake nlohmann_json
   hide_in /usr/share/pkgconfig nlohmann_json.pc
   [[ -d /usr/share/datasets ]] && mount -t tmpfs -o size=1m,mode=0755 none /usr/share/datasets
+  # prebuilt also rehearses a machine without xz: the tree then unpacks
+  # with python3's tarfile (an empty, non-executable file over xz).
+  if [[ $mode == prebuilt ]]; then
+    xz_bin=$(command -v xz) || fail "no xz here"
+    : > "$hide/no-xz" && chmod 0644 "$hide/no-xz"
+    mount --bind "$hide/no-xz" "$xz_bin"
+    ! xz --version >/dev/null 2>&1 || fail "xz still runs after hiding it"
+  fi
 
   # The stand-in python3: a wrapper first on PATH (from $hide/bin, below)
   # that puts the hidden libraries numpy and torch load, as links into the
@@ -240,6 +249,8 @@ STUB
     grep -q '^ldd: [0-9]* programs, 0 with unresolved' "$out/probe.txt" || fail "ldd found unresolved libraries"
     grep -q "^unpacked into /tmp/shmps-gpu-check/trees/build/default " "$out/probe.txt" ||
       fail "a checkout other users cannot reach did not put the tree under /tmp/shmps-gpu-check/trees"
+    grep -q "^unpacked with python3's tarfile (no xz here)$" "$out/probe.txt" ||
+      fail "without xz the tree did not unpack with python3: $(grep '^unpacked with' "$out/probe.txt")"
     grep -q '^| python: build the extension against the carried prefix | 0 |' "$out/results.md" ||
       fail "the extension did not build against the carried prefix"
     # This machine's C++ runtime instead of the carried one (what a glibc
@@ -251,6 +262,7 @@ STUB
       fail "with this machine's C++ runtime: $(grep -E '^(C\+\+ runtime|ldd):' "$scratch/probe-host-cxx/probe.txt")"
   else
     grep -q 'not reachable by other users' "$out/probe.txt" && fail "the probe says other users cannot reach $repo"
+    grep -q '^unpacked with tar and xz$' "$out/probe.txt" || fail "the tree did not unpack with xz: $(grep '^unpacked with' "$out/probe.txt")"
     libs=$(ldd "$repo/build/cuda/bin/shmps-server")
     grep -q '/tmp/shmps-gpu-check/sysroot/.*libboost_program_options' <<< "$libs" ||
       fail "the built shmps-server does not load Boost from the sysroot"

@@ -114,11 +114,11 @@ probe() {
   echo
   echo "## tools"
   local t
-  for t in cmake ctest ninja c++ g++ gcc clang++ nvcc compute-sanitizer pkg-config dpkg-deb ar tar gzip python3 gdb; do
+  for t in cmake ctest ninja c++ g++ gcc clang++ nvcc compute-sanitizer pkg-config dpkg-deb ar tar gzip xz python3 gdb; do
     if have "$t"; then
       case $t in
         nvcc) echo "$t: $(command -v $t): $(timeout 10 nvcc --version 2>&1 | grep -i release)" ;;
-        tar|gzip|ar|dpkg-deb) echo "$t: $(command -v $t)" ;;
+        tar|gzip|xz|ar|dpkg-deb) echo "$t: $(command -v $t)" ;;
         *) echo "$t: $(command -v $t): $(first_line "$t" --version)" ;;
       esac
     else
@@ -144,8 +144,8 @@ probe() {
   done
   echo
   echo "## carried pack ($pack)"
-  if [[ ! -f $pack/manifest.txt || ! -f $pack/build.tar.gz ]]; then
-    echo "missing: no manifest.txt or build.tar.gz (run tools/gpu-pack.sh here first, and carry .gpu)"
+  if [[ ! -f $pack/manifest.txt || ! -f $pack/build.tar.xz ]]; then
+    echo "missing: no manifest.txt or build.tar.xz (run tools/gpu-pack.sh here first, and carry .gpu)"
     prebuilt_why="no carried tree"
   else
     grep -E '^(build_dir|source_dir|commit|uncommitted_changes|made_on|cuda_|glibc|cxxabi|debs_glibc)' "$pack/manifest.txt"
@@ -174,8 +174,22 @@ probe_prebuilt() {
   if [[ -e $build && ! -f $build/gpu-pack.manifest ]]; then build=$trees/build/gpu-prebuilt; fi
   rm -rf "$build" && mkdir -p "$build"
   local t=$SECONDS
-  if ! tar -C "$build" -xzf "$pack/build.tar.gz" 2>&1; then prebuilt_why="build.tar.gz does not unpack"; return; fi
+  local how
+  if xz --version >/dev/null 2>&1; then
+    how="tar and xz"
+    tar -C "$build" -xJf "$pack/build.tar.xz" 2>&1 || { prebuilt_why="build.tar.xz does not unpack"; return; }
+  elif have python3; then
+    # The tree is the pack's own: links and modes as they are.
+    how="python3's tarfile (no xz here)"
+    python3 -c 'import sys, tarfile
+with tarfile.open(sys.argv[1], "r:xz") as t:
+    t.extractall(sys.argv[2], **({"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}))' \
+      "$pack/build.tar.xz" "$build" 2>&1 || { prebuilt_why="build.tar.xz does not unpack with python3"; return; }
+  else
+    prebuilt_why="neither xz nor python3 here to unpack build.tar.xz"; return
+  fi
   echo "unpacked into $build in $((SECONDS - t)) s"
+  echo "unpacked with $how"
   old_build=$(manifest build_dir) old_src=$(manifest source_dir)
   # Paths of the build host, in the order longest first (the build tree
   # may lie inside the source tree).

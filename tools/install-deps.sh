@@ -15,7 +15,8 @@
 # 1.13 (CPU), numpy and pytest, and a venv over them (.venv, made with
 # --system-site-packages, git-ignored) holding nanobind and scikit-build-core
 # from PyPI, which CMake then uses;
-# patchelf for tools/gpu-pack.sh (the GPU machine's carried tree);
+# patchelf and xz-utils for tools/gpu-pack.sh (the GPU machine's carried
+# tree);
 # Open MPI (openmpi-bin, libopenmpi-dev) for the federation's MPI engine,
 # Gloo (libgloo-dev) for its elastic engine, and redis-server for the
 # Gloo test's Redis store (docs/federation.md).
@@ -31,7 +32,7 @@ packages=(
   libzmq3-dev
   help2man lintian file clang-format
   python3-dev python3-venv python3-torch python3-numpy python3-pytest
-  patchelf
+  patchelf xz-utils
   openmpi-bin libopenmpi-dev libgloo-dev redis-server
 )
 as_root=()
