@@ -2,6 +2,7 @@
 
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -20,8 +21,37 @@ struct Range {
 Range g_ranges[kRanges];
 struct sigaction g_previous {};
 
+struct OwnSegment {
+  std::atomic<uintptr_t> begin{0};  // 0: none
+  std::atomic<uintptr_t> end{0};
+  std::atomic<int> fd{-1};
+  std::atomic<uint64_t> inode{0};  // the object's: a descriptor number reused after close is not it
+  std::atomic<uint64_t> regrowths{0};
+};
+OwnSegment g_segment;
+
+// A fault in the control segment: true when the object was short and is
+// whole again, so the access can retry.
+bool regrow_segment(uintptr_t addr) {
+  // SYNC(guard_segment): pairs with guard_segment()'s release of begin.
+  const uintptr_t begin = g_segment.begin.load(std::memory_order_acquire);
+  if (begin == 0 || addr < begin || addr >= g_segment.end.load(std::memory_order_relaxed))
+    return false;                                               // relaxed: ordered by begin
+  const int fd = g_segment.fd.load(std::memory_order_relaxed);  // relaxed: ordered by begin
+  const auto bytes = static_cast<off_t>(g_segment.end.load(std::memory_order_relaxed) - begin);
+  struct stat st {};
+  // Not short: the fault has another cause (a page the kernel could not
+  // supply), which growing would not cure, and returning would repeat.
+  if (::fstat(fd, &st) != 0 || st.st_ino != g_segment.inode.load(std::memory_order_relaxed) || st.st_size >= bytes)
+    return false;
+  if (::ftruncate(fd, bytes) != 0) return false;
+  g_segment.regrowths.fetch_add(1, std::memory_order_relaxed);  // relaxed: a count the consumer polls
+  return true;
+}
+
 void on_sigbus(int signo, siginfo_t* info, void* context) {
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
+  if (regrow_segment(addr)) return;
   for (Range& r : g_ranges) {
     // SYNC(guard_range): pairs with guard_range()'s release of begin (end is set first).
     const uintptr_t begin = r.begin.load(std::memory_order_acquire);
@@ -80,6 +110,27 @@ GuardId guard_range(const void* begin, size_t bytes) {
 void release_range(GuardId id) {
   if (id == 0 || id > kRanges) return;
   g_ranges[id - 1].begin.store(0, std::memory_order_release);  // SYNC(guard_range): the range is free
+}
+
+void guard_segment(const void* begin, size_t bytes, int fd) {
+  g_segment.begin.store(0, std::memory_order_release);  // SYNC(guard_segment): none while the words change
+  struct stat st {};
+  if (begin == nullptr || bytes == 0 || fd < 0 || ::fstat(fd, &st) != 0) return;
+  g_segment.fd.store(fd, std::memory_order_relaxed);
+  g_segment.inode.store(st.st_ino, std::memory_order_relaxed);
+  g_segment.end.store(reinterpret_cast<uintptr_t>(begin) + bytes, std::memory_order_relaxed);
+  // SYNC(guard_segment): the handler that sees begin sees end and fd too.
+  g_segment.begin.store(reinterpret_cast<uintptr_t>(begin), std::memory_order_release);
+}
+
+void unguard_segment(const void* begin) {
+  uintptr_t expected = reinterpret_cast<uintptr_t>(begin);
+  // SYNC(guard_segment): none from here.
+  g_segment.begin.compare_exchange_strong(expected, 0, std::memory_order_release, std::memory_order_relaxed);
+}
+
+uint64_t segment_regrowths() {
+  return g_segment.regrowths.load(std::memory_order_relaxed);  // relaxed: a count; the pages are the kernel's
 }
 
 bool range_poisoned(GuardId id) {

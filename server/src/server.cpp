@@ -7,6 +7,7 @@
 // "The server's files", maps them.
 #include "shmps/server/server.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,6 +23,7 @@
 #include "federation_link.hpp"
 #include "held_completions.hpp"
 #include "model.hpp"
+#include "peer_guard.hpp"
 #include "pull_gate.hpp"
 #include "rate_log.hpp"
 #include "reload.hpp"
@@ -55,6 +57,41 @@ uint64_t random_generation() {
   return g == 0 ? 1 : g;
 }
 
+// The configuration block of the header: what workers and shmps-inspect
+// read of the running configuration.
+shm::ConfigBlock config_block(const ServerConfig& config, shm::Backend backend) {
+  shm::ConfigBlock cb{};
+  const kernels::OptimizerConfig& o = config.optimizer;
+  cb.optimizer_kind = static_cast<uint32_t>(o.kind);
+  cb.flags = (o.nesterov ? shm::kConfigNesterov : 0) | (o.amsgrad ? shm::kConfigAmsgrad : 0) |
+             (config.allow_nonfinite ? shm::kConfigAllowNonFinite : 0) |
+             (config.group_access ? shm::kConfigGroupAccess : 0);
+  cb.lr = o.lr;
+  cb.momentum = o.momentum;
+  cb.dampening = o.dampening;
+  cb.weight_decay = o.weight_decay;
+  cb.beta1 = o.beta1;
+  cb.beta2 = o.beta2;
+  cb.eps = o.eps;
+  cb.backend = static_cast<uint32_t>(backend);
+  cb.max_staleness = config.max_staleness;
+  cb.staleness_policy = static_cast<uint32_t>(config.staleness_policy);
+  return cb;
+}
+
+// The weights' IPC export (CUDA backend), for workers that map them
+// themselves; nothing for a backend without one.
+void write_weights_export(shm::SegmentHeader& header, const WeightsExport& ex, uint64_t total_elements) {
+  if (!ex.present) return;
+  shm::WeightsExportBlock& w = header.weights_export;
+  w.flags = shm::kWeightsExportPresent;
+  w.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
+  w.allocation_bytes = ex.allocation_bytes;
+  w.weights_bytes = total_elements * sizeof(float);
+  std::memcpy(w.device_uuid, ex.device_uuid, sizeof w.device_uuid);
+  std::memcpy(w.ipc_handle, ex.ipc_handle, sizeof w.ipc_handle);
+}
+
 }  // namespace
 
 class Server::Impl {
@@ -67,7 +104,16 @@ class Server::Impl {
         sessions(config, *segment, held, worker_lines),
         gate(config, sessions, *segment),
         handler(config, model, *backend, sessions, gate, *segment, rejections),
-        held_at(config.max_workers, 0) {}
+        held_at(config.max_workers, 0) {
+    // Every worker may write the segment, and so shrink it: the guard
+    // grows it back where the server would die of SIGBUS (repair_segment()).
+    install_peer_guard();
+    guard_segment(segment->object().data(), segment->object().size(), segment->object().descriptor());
+    regrowths_repaired = segment_regrowths();  // the process's count: earlier ones were another server's
+  }
+  ~Impl() { unguard_segment(segment->object().data()); }
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
 
   // ---- set by create(), constant after it (config: run() applies a
   // reload's live keys in place, on the consumer thread)
@@ -96,7 +142,8 @@ class Server::Impl {
   uint64_t last_heartbeat = 0;
   uint64_t last_housekeeping = 0;
   uint64_t last_segment_check = 0;
-  size_t watch_cursor = 0;  // where watch_lanes() resumes its round robin
+  uint64_t regrowths_repaired = 0;  // segment_regrowths() when repair_segment() last ran
+  size_t watch_cursor = 0;          // where watch_lanes() resumes its round robin
   // The service manager (sd_notify) and the STATUS= line.
   RunOptions run_options;
   ServiceNotifier notifier;
@@ -214,6 +261,10 @@ class Server::Impl {
   void periodic(uint64_t now) {
     sessions.publish_depth();  // for readers of the stats block (shmps-inspect)
     if (federation) federation->publish_drift(model.version);
+    if (const uint64_t regrown = segment_regrowths(); regrown != regrowths_repaired) {
+      regrowths_repaired = regrown;
+      repair_segment();
+    }
     if (now - last_segment_check >= kSegmentCheckNs) {
       last_segment_check = now;
       check_segment_name();
@@ -601,6 +652,39 @@ class Server::Impl {
     return ::stat(path.c_str(), &st) == 0 && st.st_ino == segment->object().inode();
   }
 
+  // Another process that may write the segment shrank it, and the SIGBUS
+  // guard grew it back (peer_guard.hpp): the lost pages read as zeros. The
+  // header and the tensor table are written again, so workers can attach;
+  // a worker whose entry, lane or queue was lost meets the checks any
+  // garbage there meets (its lane is stopped, its session ends); the stats
+  // block's counters restart from what is left.
+  void repair_segment() {
+    const shm::ShmObject& object = segment->object();
+    const int reserve = ::posix_fallocate(object.descriptor(), 0, static_cast<off_t>(object.size()));
+    segment->write_header(config_block(config, backend->kind()), shm::ServerState::kRunning);
+    write_weights_export(segment->header(), backend->weights_export(), model.total_elements);
+    // Only the consumer waits on the word, and it is not waiting now.
+    segment->header().server_wake.waiters.store(0, std::memory_order_relaxed);  // relaxed: a hint to notifiers
+    segment->publish();
+    // The gauges the server knows for itself; counters restart from what is left.
+    uint64_t buffers = 0;
+    for (uint32_t i = 0; i < config.max_workers; ++i)
+      for (const auto& b : sessions[i].buffers) buffers += b != nullptr ? 1 : 0;
+    shm::StatsBlock& st = stats();
+    constexpr auto relaxed = std::memory_order_relaxed;  // relaxed: statistics, as every store to the block
+    st.version.store(model.version, relaxed);
+    st.workers_attached.store(sessions.attached_lanes().size(), relaxed);
+    st.buffers_registered.store(buffers, relaxed);
+    applied_at_last_status = st.gradients_applied.load(relaxed);
+    log::error(
+        "/dev/shm/" + object.name() + " was shrunk under the running server by a process that may write it (" +
+        "owner " + shm::owner_text(object.owner_uid(), object.owner_gid()) + ", mode " + shm::mode_text(object.mode()) +
+        "); grown back to " + std::to_string(object.size()) +
+        " bytes, the lost pages as zeros: the header and tensor table rewritten, the weights kept; workers "
+        "whose entries or lanes were lost are stopped by the usual checks" +
+        (reserve == 0 ? std::string() : "; reserving its pages again failed: " + std::string(std::strerror(reserve))));
+  }
+
   void check_segment_name() {
     if (segment_is_ours()) return;
     failure = Status{ErrorCode::kIo, "/dev/shm/" + shm::segment_object_name(config.name) +
@@ -766,22 +850,7 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   spec.max_buffers = config.max_buffers;
   spec.lane_capacity = config.lane_capacity;
   spec.mode = config.group_access ? 0660 : 0600;
-  shm::ConfigBlock& cb = spec.config;
-  const kernels::OptimizerConfig& o = config.optimizer;
-  cb.optimizer_kind = static_cast<uint32_t>(o.kind);
-  cb.flags = (o.nesterov ? shm::kConfigNesterov : 0) | (o.amsgrad ? shm::kConfigAmsgrad : 0) |
-             (config.allow_nonfinite ? shm::kConfigAllowNonFinite : 0) |
-             (config.group_access ? shm::kConfigGroupAccess : 0);
-  cb.lr = o.lr;
-  cb.momentum = o.momentum;
-  cb.dampening = o.dampening;
-  cb.weight_decay = o.weight_decay;
-  cb.beta1 = o.beta1;
-  cb.beta2 = o.beta2;
-  cb.eps = o.eps;
-  cb.backend = static_cast<uint32_t>(backend->kind());
-  cb.max_staleness = config.max_staleness;
-  cb.staleness_policy = static_cast<uint32_t>(config.staleness_policy);
+  spec.config = config_block(config, backend->kind());
 
   auto segment = shm::Segment::create(spec, random_generation());
   if (!segment.ok()) return segment.status();
@@ -813,17 +882,8 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
                                  });
       !s.ok())
     return fail(s);
-  // The weights' IPC export (CUDA backend), for workers that map them
-  // themselves; published with the segment below.
-  if (const WeightsExport ex = impl->backend->weights_export(); ex.present) {
-    shm::WeightsExportBlock& w = seg.header().weights_export;
-    w.flags = shm::kWeightsExportPresent;
-    w.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
-    w.allocation_bytes = ex.allocation_bytes;
-    w.weights_bytes = model.total_elements * sizeof(float);
-    std::memcpy(w.device_uuid, ex.device_uuid, sizeof w.device_uuid);
-    std::memcpy(w.ipc_handle, ex.ipc_handle, sizeof w.ipc_handle);
-  }
+  // Published with the segment below.
+  write_weights_export(seg.header(), impl->backend->weights_export(), model.total_elements);
   if (!config.checkpoint_dir.empty()) {
     impl->checkpoints = std::make_unique<CheckpointPolicy>(impl->config, model, *impl->backend, seg.stats());
     if (Status s = impl->checkpoints->start(shm::monotonic_ns()); !s.ok()) return fail(s);
@@ -858,7 +918,8 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   log::info("serving /dev/shm/" + shm::segment_object_name(config.name) + " (mode " + mode + ", " +
             std::to_string(seg.layout().geometry.segment_size / 1024) +
             " KiB): " + std::to_string(model.tensors.size()) + " tensors, " + std::to_string(model.total_elements) +
-            " parameters, optimizer " + kernels::optimizer_kind_name(o.kind) + ", backend " + impl->backend->name());
+            " parameters, optimizer " + kernels::optimizer_kind_name(config.optimizer.kind) + ", backend " +
+            impl->backend->name());
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 

@@ -144,20 +144,24 @@ std::string segment_object_name(const std::string& name) { return "shmps." + nam
 
 // ---------------------------------------------------------------- ShmObject
 
-// The object's mapping (MAP_SHARED), unmapped with the ShmObject.
+// The object's mapping (MAP_SHARED), unmapped with the ShmObject, and the
+// creator's descriptor, closed with it.
 struct ShmObject::Region {
   void* address = nullptr;
   size_t size = 0;
+  int fd = -1;
   Region() = default;
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
   ~Region() {
     if (address != nullptr) ::munmap(address, size);
+    if (fd >= 0) ::close(fd);
   }
 };
 
 ShmObject::ShmObject() = default;
 ShmObject::~ShmObject() = default;
+int ShmObject::descriptor() const noexcept { return region_->fd; }
 
 namespace {
 
@@ -193,7 +197,7 @@ Status map_object(int fd, bool read_only, const std::string& name, uint64_t* ino
 }  // namespace
 
 Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_name, size_t bytes, mode_t mode,
-                                                     gid_t group) {
+                                                     gid_t group, bool keep_descriptor) {
   if (object_name.empty() || object_name.size() >= kNameBytes || object_name.find('/') != std::string::npos)
     return Status{ErrorCode::kInvalidArgument, "bad shm object name '" + object_name + "'"};
   if ((mode & 0002) != 0 || (mode & ~mode_t{0777}) != 0)
@@ -237,6 +241,13 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
         !s.ok()) {
       bip::shared_memory_object::remove(object_name.c_str());
       return s;
+    }
+    // Boost closes its descriptor with `shm`; a creator that asks keeps one.
+    if (keep_descriptor) obj->region_->fd = ::fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    if (keep_descriptor && obj->region_->fd < 0) {
+      const int err = errno;
+      bip::shared_memory_object::remove(object_name.c_str());
+      return Status{ErrorCode::kIo, "keeping a descriptor of '" + object_name + "': " + errno_text(err)};
     }
   } catch (const bip::interprocess_exception& e) {
     if (created) bip::shared_memory_object::remove(object_name.c_str());  // made here: not left behind
@@ -560,10 +571,12 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
   const std::string object_name = segment_object_name(spec.name);
   const Geometry g = compute_geometry(static_cast<uint32_t>(spec.tensors.size()), spec.max_workers, spec.max_buffers,
                                       spec.lane_capacity);
-  auto created = ShmObject::create(object_name, g.segment_size, spec.mode);
+  auto created =
+      ShmObject::create(object_name, g.segment_size, spec.mode, static_cast<gid_t>(-1), /*keep_descriptor=*/true);
   if (!created.ok() && created.status().message().find("already exists") != std::string::npos) {
     if (Status s = clear_stale_object(object_name, spec.name); !s.ok()) return s;
-    created = ShmObject::create(object_name, g.segment_size, spec.mode);
+    created =
+        ShmObject::create(object_name, g.segment_size, spec.mode, static_cast<gid_t>(-1), /*keep_descriptor=*/true);
   }
   if (!created.ok()) return created.status();
 
@@ -596,35 +609,39 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
     l.tensors.push_back(t);
   }
   std::unique_ptr<Segment> seg(new Segment(spec.name, std::move(created).value(), std::move(l)));
-  const SegmentLayout& layout = seg->layout_;
-  // The object is fresh and zero-filled: set only what is not zero.
-  SegmentHeader& h = seg->header();
+  // The object is fresh and zero-filled: the header's other words are 0.
+  seg->write_header(spec.config, ServerState::kStarting);
+  return seg;
+}
+
+void Segment::write_header(const ConfigBlock& config, ServerState state) noexcept {
+  const SegmentLayout& layout = layout_;
+  const Geometry& g = layout.geometry;
+  SegmentHeader& h = header();
   h.magic = kMagic;
   h.header_size = sizeof(SegmentHeader);
   h.segment_size = g.segment_size;
   h.generation = layout.generation;
   h.server_pid = layout.server_pid;
   h.server_start_time = layout.server_start_time;
-  h.server_state.store(static_cast<uint32_t>(ServerState::kStarting),
-                       std::memory_order_relaxed);                  // relaxed: published by publish()
-  h.heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);  // relaxed: published by publish()
+  h.server_state.store(static_cast<uint32_t>(state), std::memory_order_relaxed);  // relaxed: published by publish()
+  h.heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);                // relaxed: published by publish()
   h.tensor_table_offset = g.tensor_table_offset;
   h.tensor_count = layout.tensor_count;
   h.tensor_desc_size = sizeof(TensorDesc);
   h.worker_table_offset = g.worker_table_offset;
-  h.max_workers = spec.max_workers;
+  h.max_workers = layout.max_workers;
   h.worker_entry_size = static_cast<uint32_t>(g.worker_entry_size);
-  h.max_buffers = spec.max_buffers;
-  h.lane_capacity = spec.lane_capacity;
+  h.max_buffers = layout.max_buffers;
+  h.lane_capacity = layout.lane_capacity;
   h.lanes_offset = g.lanes_offset;
   h.lane_stride = g.lane_stride;
   h.completions_offset = g.completions_offset;
   h.completion_stride = g.completion_stride;
   h.stats_offset = g.stats_offset;
-  h.config = spec.config;
+  h.config = config;
   h.total_elements = layout.total_elements;
-  std::memcpy(&seg->tensor(0), layout.tensors.data(), layout.tensors.size() * sizeof(TensorDesc));
-  return seg;
+  std::memcpy(&tensor(0), layout.tensors.data(), layout.tensors.size() * sizeof(TensorDesc));
 }
 
 void Segment::publish() noexcept {

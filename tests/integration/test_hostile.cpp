@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <boost/test/unit_test.hpp>
@@ -572,6 +573,64 @@ BOOST_AUTO_TEST_CASE(forged_owner_pid_does_not_unlink_a_living_workers_buffers) 
   BOOST_REQUIRE_EQUAL(forger.wait(10s), 0);
   BOOST_TEST(victims_objects() == 1u, "the victim's buffer object was unlinked");
   BOOST_TEST(victim->ping().ok());
+}
+
+// Any process that may write the segment may also shrink it (ftruncate).
+// The server touches the lost pages at its next heartbeat, which without
+// its guard kills it with SIGBUS; with it the server grows the object back
+// (the lost pages as zeros), rewrites the header and the tensor table, and
+// serves newcomers with the weights it had. Shrunk whole and by half.
+BOOST_AUTO_TEST_CASE(control_segment_shrunk_under_a_live_server_is_grown_back) {
+  test::ServerProcess server(test::unique_name("shrunk"), kCounting);
+  float expected = 0.0f;
+  // Pushes -1 `pushes` times (the weight counts them), then pulls the weight.
+  const auto push_and_pull = [&](int pushes) -> float {
+    auto w = connect(server.name(), 3s);
+    auto grad = w->register_buffer(4);
+    auto out = w->register_buffer(4);
+    BOOST_REQUIRE(grad.ok() && out.ok());
+    *static_cast<float*>(grad->data) = -1.0f;
+    for (int i = 0; i < pushes; ++i) BOOST_REQUIRE(w->push(0, grad->id, 0, 4, Dtype::kF32, 0).ok());
+    BOOST_REQUIRE(w->pull(0, out->id, 0).ok());
+    return *static_cast<const float*>(out->data);
+  };  // the worker detaches: nothing of this process maps the segment after it
+  expected += 5.0f;
+  BOOST_TEST(push_and_pull(5) == expected);
+
+  const std::string object = shm::segment_object_name(server.name());
+  const int fd = ::shm_open(object.c_str(), O_RDWR, 0);
+  BOOST_REQUIRE(fd >= 0);
+  const auto size = [fd] {
+    struct stat st {};
+    return ::fstat(fd, &st) == 0 ? st.st_size : off_t{-1};
+  };
+  const off_t full = size();
+  BOOST_REQUIRE(full > 4096);
+  for (const off_t to : {off_t{0}, full / 2}) {
+    BOOST_TEST_CONTEXT("shrunk to " << to << " of " << full << " bytes") {
+      BOOST_REQUIRE(::ftruncate(fd, to) == 0);
+      BOOST_TEST(test::eventually([&] { return size() == full; }, 3s), "the segment was not grown back");
+      BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died of the shrunk segment");
+      {
+        // The stats block's gauges the server knows come back with the
+        // repair (the counters restart from zero).
+        auto w = connect(server.name(), 3s);
+        BOOST_TEST(test::eventually(
+                       [&] {
+                         auto st = w->stats();
+                         return st.ok() && st->version == static_cast<uint64_t>(expected) && st->workers_attached == 1;
+                       },
+                       3s),
+                   "the version and attached gauges were not restored");
+      }
+      // A newcomer attaches (the header and table are whole again) and
+      // sees the weights the server kept.
+      expected += 3.0f;
+      BOOST_TEST(push_and_pull(3) == expected);
+    }
+  }
+  ::close(fd);
+  BOOST_TEST(server.stop() == 0);
 }
 
 // Any process that may write the segment can rewrite its header's counts

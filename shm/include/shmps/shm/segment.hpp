@@ -42,8 +42,10 @@ class ShmObject {
   // that group (fchown; the caller must belong to it), so a server running
   // as another user of the group can map it. Errors: kInvalidArgument,
   // kPermission, kNoCapacity, kIo (EEXIST included).
+  // With `keep_descriptor`, descriptor() stays open with the mapping (one
+  // more kIo: no descriptor left).
   static Result<std::unique_ptr<ShmObject>> create(const std::string& object_name, size_t bytes, mode_t mode,
-                                                   gid_t group = static_cast<gid_t>(-1));
+                                                   gid_t group = static_cast<gid_t>(-1), bool keep_descriptor = false);
   // Why open() failed, where a caller treats the case apart (a server that
   // is not there yet): no object at the name, or one of 0 bytes, which its
   // creator has not sized yet. kOther: any other failure.
@@ -68,9 +70,13 @@ class ShmObject {
   uid_t owner_uid() const noexcept { return uid_; }
   gid_t owner_gid() const noexcept { return gid_; }
   mode_t mode() const noexcept { return mode_; }
+  // The creator's descriptor, kept open with the mapping when create() was
+  // asked to (else -1): the server grows its control segment back through it
+  // when another process shrinks the object (server/src/peer_guard.hpp).
+  int descriptor() const noexcept;
 
  private:
-  struct Region;  // the mapping (segment.cpp)
+  struct Region;  // the mapping and the creator's descriptor (segment.cpp)
   ShmObject();
   std::unique_ptr<Region> region_;
   std::string name_;
@@ -182,6 +188,12 @@ class Segment {
 
   // Server: release-stores the layout version; openers may use it from now.
   void publish() noexcept;
+  // Server: writes the header's words that describe the layout (magic,
+  // sizes, counts, offsets, identity), `config`, `state`, the heartbeat
+  // and the tensor table, all from layout(). create() does it once; the
+  // server again after the object lost pages (server/src/peer_guard.hpp),
+  // then writes the weights' export and publish()es.
+  void write_header(const ConfigBlock& config, ServerState state) noexcept;
 
   // The live header: read its live words (state, heartbeat, doorbells,
   // the weights' export); its counts and offsets are layout()'s.
