@@ -571,12 +571,14 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
   const std::string object_name = segment_object_name(spec.name);
   const Geometry g = compute_geometry(static_cast<uint32_t>(spec.tensors.size()), spec.max_workers, spec.max_buffers,
                                       spec.lane_capacity);
-  auto created =
-      ShmObject::create(object_name, g.segment_size, spec.mode, static_cast<gid_t>(-1), /*keep_descriptor=*/true);
+  // The descriptor stays: the server grows the object back through it (server/src/peer_guard.hpp).
+  const auto create_object = [&] {
+    return ShmObject::create(object_name, g.segment_size, spec.mode, static_cast<gid_t>(-1), /*keep_descriptor=*/true);
+  };
+  auto created = create_object();
   if (!created.ok() && created.status().message().find("already exists") != std::string::npos) {
     if (Status s = clear_stale_object(object_name, spec.name); !s.ok()) return s;
-    created =
-        ShmObject::create(object_name, g.segment_size, spec.mode, static_cast<gid_t>(-1), /*keep_descriptor=*/true);
+    created = create_object();
   }
   if (!created.ok()) return created.status();
 

@@ -583,7 +583,9 @@ BOOST_AUTO_TEST_CASE(forged_owner_pid_does_not_unlink_a_living_workers_buffers) 
 BOOST_AUTO_TEST_CASE(control_segment_shrunk_under_a_live_server_is_grown_back) {
   test::ServerProcess server(test::unique_name("shrunk"), kCounting);
   float expected = 0.0f;
-  // Pushes -1 `pushes` times (the weight counts them), then pulls the weight.
+  // Pushes -1 `pushes` times (the weight counts them), then pulls the
+  // weight; its worker detaches on return, so nothing of this process maps
+  // the segment while it is shrunk.
   const auto push_and_pull = [&](int pushes) -> float {
     auto w = connect(server.name(), 3s);
     auto grad = w->register_buffer(4);
@@ -593,7 +595,7 @@ BOOST_AUTO_TEST_CASE(control_segment_shrunk_under_a_live_server_is_grown_back) {
     for (int i = 0; i < pushes; ++i) BOOST_REQUIRE(w->push(0, grad->id, 0, 4, Dtype::kF32, 0).ok());
     BOOST_REQUIRE(w->pull(0, out->id, 0).ok());
     return *static_cast<const float*>(out->data);
-  };  // the worker detaches: nothing of this process maps the segment after it
+  };
   expected += 5.0f;
   BOOST_TEST(push_and_pull(5) == expected);
 
