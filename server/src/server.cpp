@@ -79,17 +79,18 @@ shm::ConfigBlock config_block(const ServerConfig& config, shm::Backend backend) 
   return cb;
 }
 
-// The weights' IPC export (CUDA backend), for workers that map them
-// themselves; nothing for a backend without one.
-void write_weights_export(shm::SegmentHeader& header, const WeightsExport& ex, uint64_t total_elements) {
-  if (!ex.present) return;
-  shm::WeightsExportBlock& w = header.weights_export;
+// The header's block for the weights' IPC export (CUDA backend), for
+// workers that map them themselves; empty for a backend without one.
+shm::WeightsExportBlock weights_export_block(const WeightsExport& ex, uint64_t total_elements) {
+  shm::WeightsExportBlock w{};
+  if (!ex.present) return w;
   w.flags = shm::kWeightsExportPresent;
   w.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
   w.allocation_bytes = ex.allocation_bytes;
   w.weights_bytes = total_elements * sizeof(float);
   std::memcpy(w.device_uuid, ex.device_uuid, sizeof w.device_uuid);
   std::memcpy(w.ipc_handle, ex.ipc_handle, sizeof w.ipc_handle);
+  return w;
 }
 
 }  // namespace
@@ -143,6 +144,8 @@ class Server::Impl {
   uint64_t last_housekeeping = 0;
   uint64_t last_segment_check = 0;
   uint64_t regrowths_repaired = 0;  // segment_regrowths() when repair_segment() last ran
+  uint64_t segment_repairs = 0;     // repair_segment()'s runs
+  uint64_t last_repair_log = 0;     // when repair_segment() last logged
   size_t watch_cursor = 0;          // where watch_lanes() resumes its round robin
   // The service manager (sd_notify) and the STATUS= line.
   RunOptions run_options;
@@ -263,11 +266,11 @@ class Server::Impl {
     if (federation) federation->publish_drift(model.version);
     if (const uint64_t regrown = segment_regrowths(); regrown != regrowths_repaired) {
       regrowths_repaired = regrown;
-      repair_segment();
+      repair_segment("was shrunk");
     }
     if (now - last_segment_check >= kSegmentCheckNs) {
       last_segment_check = now;
-      check_segment_name();
+      check_segment();
     }
     if (checkpoints) checkpoints->tick(now);
     // The relaxed load keeps the locked exchange off the common path (a
@@ -652,17 +655,55 @@ class Server::Impl {
     return ::stat(path.c_str(), &st) == 0 && st.st_ino == segment->object().inode();
   }
 
-  // Another process that may write the segment shrank it, and the SIGBUS
-  // guard grew it back (peer_guard.hpp): the lost pages read as zeros. The
-  // header and the tensor table are written again, so workers can attach;
-  // a worker whose entry, lane or queue was lost meets the checks any
-  // garbage there meets (its lane is stopped, its session ends); the stats
-  // block's counters restart from what is left.
-  void repair_segment() {
+  // What the segment's header says, as the server wrote it.
+  shm::ConfigBlock header_config() const { return config_block(config, backend->kind()); }
+  shm::WeightsExportBlock header_export() const {
+    return weights_export_block(backend->weights_export(), model.total_elements);
+  }
+
+  // Every kSegmentCheckNs: the object at the segment's name is still ours
+  // (or the server stops), whole, and its header and tensor table still
+  // say what the server wrote (or they are repaired). Catches what the
+  // SIGBUS guard cannot: a shrink the server has not touched, one undone
+  // before it did (the lost pages zeros), a part of a page lost, words
+  // written over.
+  void check_segment() {
+    if (!segment_is_ours()) {
+      failure = Status{ErrorCode::kIo, "/dev/shm/" + shm::segment_object_name(config.name) +
+                                           " was removed or replaced under the running server (systemd-logind's "
+                                           "RemoveIPC=yes removes a user's POSIX shm at logout: run shmps as a "
+                                           "system user); stopping so a restart gives workers a fresh segment"};
+      log::error(failure.message());
+      stop.store(true, std::memory_order_release);  // SYNC(stop)
+      return;
+    }
+    const shm::ShmObject& object = segment->object();
+    const auto bytes = static_cast<off_t>(object.size());
+    struct stat st {};
+    if (::fstat(object.descriptor(), &st) == 0 && st.st_size < bytes) {
+      if (::ftruncate(object.descriptor(), bytes) != 0) {
+        log::error("/dev/shm/" + object.name() +
+                   " was shrunk under the running server; growing it back failed: " + std::strerror(errno));
+        return;
+      }
+      repair_segment("was shrunk");
+    } else if (!segment->header_intact(header_config(), shm::ServerState::kRunning, header_export())) {
+      repair_segment("had its header or tensor table written over");
+    }
+  }
+
+  // Another process that may write the segment shrank it (and the SIGBUS
+  // guard or check_segment() grew it back: the lost pages read as zeros),
+  // or wrote over its header. The header and the tensor table are written
+  // again, so workers can attach; a worker whose entry, lane or queue was
+  // lost meets the checks any garbage there meets (its lane is stopped,
+  // its session ends); the stats block's counters restart from what is
+  // left. At most one log line a second: a process that does it again and
+  // again cannot flood the journal.
+  void repair_segment(const char* what) {
     const shm::ShmObject& object = segment->object();
     const int reserve = ::posix_fallocate(object.descriptor(), 0, static_cast<off_t>(object.size()));
-    segment->write_header(config_block(config, backend->kind()), shm::ServerState::kRunning);
-    write_weights_export(segment->header(), backend->weights_export(), model.total_elements);
+    segment->write_header(header_config(), shm::ServerState::kRunning, header_export());
     // Only the consumer waits on the word, and it is not waiting now.
     segment->header().server_wake.waiters.store(0, std::memory_order_relaxed);  // relaxed: a hint to notifiers
     segment->publish();
@@ -676,23 +717,17 @@ class Server::Impl {
     st.workers_attached.store(sessions.attached_lanes().size(), relaxed);
     st.buffers_registered.store(buffers, relaxed);
     applied_at_last_status = st.gradients_applied.load(relaxed);
+    ++segment_repairs;
+    const uint64_t now = shm::monotonic_ns();
+    if (segment_repairs > 1 && now - last_repair_log < kSegmentCheckNs) return;
+    last_repair_log = now;
     log::error(
-        "/dev/shm/" + object.name() + " was shrunk under the running server by a process that may write it (" +
+        "/dev/shm/" + object.name() + " " + what + " under the running server by a process that may write it (" +
         "owner " + shm::owner_text(object.owner_uid(), object.owner_gid()) + ", mode " + shm::mode_text(object.mode()) +
-        "); grown back to " + std::to_string(object.size()) +
-        " bytes, the lost pages as zeros: the header and tensor table rewritten, the weights kept; workers "
-        "whose entries or lanes were lost are stopped by the usual checks" +
+        "); repaired (" + std::to_string(segment_repairs) +
+        " repairs so far): the header and tensor table rewritten, the weights kept, lost pages as zeros; "
+        "workers whose entries or lanes were lost are stopped by the usual checks" +
         (reserve == 0 ? std::string() : "; reserving its pages again failed: " + std::string(std::strerror(reserve))));
-  }
-
-  void check_segment_name() {
-    if (segment_is_ours()) return;
-    failure = Status{ErrorCode::kIo, "/dev/shm/" + shm::segment_object_name(config.name) +
-                                         " was removed or replaced under the running server (systemd-logind's "
-                                         "RemoveIPC=yes removes a user's POSIX shm at logout: run shmps as a system "
-                                         "user); stopping so a restart gives workers a fresh segment"};
-    log::error(failure.message());
-    stop.store(true, std::memory_order_release);  // SYNC(stop)
   }
 
   void shutdown() {
@@ -883,7 +918,7 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
       !s.ok())
     return fail(s);
   // Published with the segment below.
-  write_weights_export(seg.header(), impl->backend->weights_export(), model.total_elements);
+  seg.header().weights_export = weights_export_block(impl->backend->weights_export(), model.total_elements);
   if (!config.checkpoint_dir.empty()) {
     impl->checkpoints = std::make_unique<CheckpointPolicy>(impl->config, model, *impl->backend, seg.stats());
     if (Status s = impl->checkpoints->start(shm::monotonic_ns()); !s.ok()) return fail(s);

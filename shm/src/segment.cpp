@@ -612,14 +612,18 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
   }
   std::unique_ptr<Segment> seg(new Segment(spec.name, std::move(created).value(), std::move(l)));
   // The object is fresh and zero-filled: the header's other words are 0.
-  seg->write_header(spec.config, ServerState::kStarting);
+  seg->write_header(spec.config, ServerState::kStarting, WeightsExportBlock{});
   return seg;
 }
 
-void Segment::write_header(const ConfigBlock& config, ServerState state) noexcept {
-  const SegmentLayout& layout = layout_;
+namespace {
+
+// The words of a header that say what the server made (all but the
+// layout version, the heartbeat and the words workers write), and the
+// tensor table, from `layout`: into the live header or a private image.
+void fill_header(SegmentHeader& h, TensorDesc* table, const SegmentLayout& layout, const ConfigBlock& config,
+                 ServerState state, const WeightsExportBlock& exported) noexcept {
   const Geometry& g = layout.geometry;
-  SegmentHeader& h = header();
   h.magic = kMagic;
   h.header_size = sizeof(SegmentHeader);
   h.segment_size = g.segment_size;
@@ -627,7 +631,6 @@ void Segment::write_header(const ConfigBlock& config, ServerState state) noexcep
   h.server_pid = layout.server_pid;
   h.server_start_time = layout.server_start_time;
   h.server_state.store(static_cast<uint32_t>(state), std::memory_order_relaxed);  // relaxed: published by publish()
-  h.heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);                // relaxed: published by publish()
   h.tensor_table_offset = g.tensor_table_offset;
   h.tensor_count = layout.tensor_count;
   h.tensor_desc_size = sizeof(TensorDesc);
@@ -643,7 +646,30 @@ void Segment::write_header(const ConfigBlock& config, ServerState state) noexcep
   h.stats_offset = g.stats_offset;
   h.config = config;
   h.total_elements = layout.total_elements;
-  std::memcpy(&tensor(0), layout.tensors.data(), layout.tensors.size() * sizeof(TensorDesc));
+  h.weights_export = exported;
+  std::memcpy(table, layout.tensors.data(), layout.tensors.size() * sizeof(TensorDesc));
+}
+
+}  // namespace
+
+void Segment::write_header(const ConfigBlock& config, ServerState state, const WeightsExportBlock& exported) noexcept {
+  SegmentHeader& h = header();
+  fill_header(h, &tensor(0), layout_, config, state, exported);
+  h.heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);  // relaxed: published by publish()
+}
+
+bool Segment::header_intact(const ConfigBlock& config, ServerState state, const WeightsExportBlock& exported) const {
+  // The table follows the header (compute_geometry()).
+  const size_t bytes = sizeof(SegmentHeader) + layout_.tensors.size() * sizeof(TensorDesc);
+  std::vector<CacheLine> seen(bytes / kCacheLine);
+  copy_shared(seen.data(), &header(), bytes);
+  // The image as the server would write it over what is there: equal
+  // exactly when every word the server wrote still holds its value.
+  std::vector<CacheLine> expected = seen;
+  auto& h = *reinterpret_cast<SegmentHeader*>(expected.data());
+  fill_header(h, reinterpret_cast<TensorDesc*>(&h + 1), layout_, config, state, exported);
+  h.layout_version.store(kLayoutVersion, std::memory_order_relaxed);  // relaxed: private memory
+  return std::memcmp(seen.data(), expected.data(), bytes) == 0;
 }
 
 void Segment::publish() noexcept {

@@ -8,6 +8,7 @@
 #define BOOST_TEST_MODULE test_shm_segment
 #include <boost/test/unit_test.hpp>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "shmps/shm/proc.hpp"
@@ -289,6 +290,61 @@ BOOST_AUTO_TEST_CASE(a_header_scribbled_after_the_check_moves_no_accessor) {
   // A newcomer checks the header as it is now.
   auto late = Segment::open(name, true);
   BOOST_TEST((late.status().code() == ErrorCode::kLayoutMismatch));
+}
+
+// header_intact() answers whether every word write_header() wrote still
+// holds it (the server's periodic check), whatever else workers write, and
+// write_header() + publish() make it true again.
+BOOST_AUTO_TEST_CASE(header_intact_sees_the_servers_words_only) {
+  const std::string name = test::unique_name("intact");
+  Cleanup cleanup{name};
+  const SegmentSpec spec = small_spec(name);
+  auto created = Segment::create(spec, 9);
+  BOOST_REQUIRE(created.ok());
+  Segment& seg = **created;
+  WeightsExportBlock exported{};
+  exported.flags = kWeightsExportPresent;
+  exported.allocation_bytes = 1u << 21;
+  seg.header().weights_export = exported;
+  seg.header().server_state.store(static_cast<uint32_t>(ServerState::kRunning));
+  const auto intact = [&] { return seg.header_intact(spec.config, ServerState::kRunning, exported); };
+  BOOST_TEST(!intact(), "unpublished");
+  seg.publish();
+  BOOST_TEST(intact());
+  BOOST_TEST(!seg.header_intact(spec.config, ServerState::kStarting, exported), "another state");
+  SegmentHeader& h = seg.header();
+  // Words that are not the server's to keep: workers' doorbells and wake
+  // word, the heartbeat, reserved space.
+  h.doorbell[0].store(5);
+  h.server_wake.waiters.store(3);
+  h.heartbeat_ns.store(1);
+  h.reserved0 = 7;
+  BOOST_TEST(intact());
+  auto& table1 =
+      *reinterpret_cast<TensorDesc*>(reinterpret_cast<char*>(&h) + sizeof(SegmentHeader) + sizeof(TensorDesc));
+  const std::vector<std::function<void()>> harms = {
+      [&] { h.magic = 0; },
+      [&] { h.layout_version.store(0); },
+      [&] { h.generation ^= 1; },
+      [&] { h.lanes_offset += 64; },
+      [&] { h.config.lr = 1e9f; },
+      [&] { h.weights_export.ipc_handle[63] ^= 1; },
+      [&] { table1.element_count = 1u << 30; },
+      [&] { std::memset(static_cast<void*>(&h), 0, sizeof h); },
+  };
+  for (size_t i = 0; i < harms.size(); ++i) {
+    BOOST_TEST_CONTEXT("harm " << i) {
+      harms[i]();
+      BOOST_TEST(!intact());
+      seg.write_header(spec.config, ServerState::kRunning, exported);
+      seg.publish();
+      BOOST_TEST(intact());
+    }
+  }
+  // What the repair wrote is what a newcomer checks.
+  auto opened = Segment::open(name, true);
+  BOOST_REQUIRE_MESSAGE(opened.ok(), opened.status().to_string());
+  BOOST_TEST((*opened)->layout().tensors.at(1).element_count == 4u);
 }
 
 BOOST_AUTO_TEST_CASE(process_identity_survives_zombies) {

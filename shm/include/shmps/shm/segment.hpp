@@ -189,11 +189,18 @@ class Segment {
   // Server: release-stores the layout version; openers may use it from now.
   void publish() noexcept;
   // Server: writes the header's words that describe the layout (magic,
-  // sizes, counts, offsets, identity), `config`, `state`, the heartbeat
-  // and the tensor table, all from layout(). create() does it once; the
-  // server again after the object lost pages (server/src/peer_guard.hpp),
-  // then writes the weights' export and publish()es.
-  void write_header(const ConfigBlock& config, ServerState state) noexcept;
+  // sizes, counts, offsets, identity), `config`, `state`, the weights'
+  // export, the heartbeat and the tensor table, all but the last three
+  // from layout(). create() does it once (no export yet), the server
+  // again after another process wrote over them or the object lost pages
+  // (server/src/peer_guard.hpp), then publish()es.
+  void write_header(const ConfigBlock& config, ServerState state, const WeightsExportBlock& exported) noexcept;
+  // Server: whether the header says what write_header() wrote (given the
+  // same arguments; the heartbeat and the words workers write aside), the
+  // tensor table too, and the layout version is published. Reads a
+  // private copy of the live words; the caller guards the mapping against
+  // SIGBUS (peer_guard) or knows the object whole.
+  bool header_intact(const ConfigBlock& config, ServerState state, const WeightsExportBlock& exported) const;
 
   // The live header: read its live words (state, heartbeat, doorbells,
   // the weights' export); its counts and offsets are layout()'s.
