@@ -103,14 +103,23 @@ class Server:
 
     def start(self):
         """Starts the server and returns once it accepts workers."""
+        if self.process is not None and self.process.poll() is None:
+            raise _errors.InvalidArgumentError(f"shmps-server '{self.name}' is already started (pid "
+                                               f"{self.process.pid}); stop() it first")
         if self._own_log:
             # The name only as far as a file name takes it: the server
             # itself refuses a bad one, naming the rule.
             tag = re.sub(r"[^A-Za-z0-9._-]", "_", self.name)[:32]
             fd, self._log_path = tempfile.mkstemp(prefix=f"shmps-server-{tag}-", suffix=".log")
             os.close(fd)
-        with open(self._log_path, "ab") as log:
-            self.process = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        try:
+            with open(self._log_path, "ab") as log:
+                self.process = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        except BaseException:
+            if self._own_log:  # nothing ran: no log to keep
+                with contextlib.suppress(OSError):
+                    os.unlink(self._log_path)
+            raise
         from . import connect
         deadline = time.monotonic() + self.start_timeout
         try:

@@ -11,6 +11,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -88,6 +89,32 @@ struct Stops {
   bool asked() const { return now() != Life::kOpen || interrupts.load(std::memory_order_relaxed) != seen; }
 };
 
+// The GIL released for a scope (nb::gil_scoped_release, but for the
+// interpreter's exit). A daemon thread whose call returns while the
+// interpreter finalizes would be ended inside PyEval_RestoreThread
+// (pthread_exit, whose unwinding through this noexcept destructor is
+// std::terminate: an abort at exit); it waits for the process's end
+// instead, as Python 3.14 makes such threads do.
+class GilReleased {
+ public:
+  GilReleased() : state_(PyEval_SaveThread()) {}
+  ~GilReleased() {
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing() != 0;
+#else
+    const bool finalizing = _Py_IsFinalizing() != 0;
+#endif
+    if (finalizing)
+      for (;;) ::pause();
+    PyEval_RestoreThread(state_);
+  }
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
 // With the GIL: the exception a signal's handler raised while the call
 // returning `result` waited, if any, instead of its result.
 template <typename T>
@@ -100,7 +127,7 @@ T raised_during(T&& result) {
 template <typename F>
 auto unlocked(F&& f) {
   auto result = [&] {
-    nb::gil_scoped_release released;
+    GilReleased released;
     return f();
   }();
   return raised_during(std::move(result));
@@ -193,7 +220,7 @@ class PyWorker {
     refuse_forked();
     refuse_reentry("a call");
     auto result = [&] {
-      nb::gil_scoped_release released;
+      GilReleased released;
       Locked locked(*this);
       if (!w_ || stops_->now() != Life::kOpen)
         throw StatusError{{shmps::ErrorCode::kUnknownWorker, "this Worker is closed"}};
@@ -393,7 +420,7 @@ class PyWorker {
       refuse_reentry("close()");
       Life open = Life::kOpen;
       stops_->life.compare_exchange_strong(open, Life::kClosing, std::memory_order_relaxed);  // relaxed: see Stops
-      nb::gil_scoped_release released;
+      GilReleased released;
       std::lock_guard<std::mutex> lock(mu_);
       w_.reset();  // detaches (a detach is not interrupted: it cancels a held pull instead)
       stops_->life.store(Life::kClosed, std::memory_order_relaxed);  // relaxed: see Stops

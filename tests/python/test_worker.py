@@ -725,6 +725,38 @@ def test_server_start_fails_when_another_server_has_the_name(make_server):
         assert [t.name for t in w.tensors] == [n for n, _ in SMALL]
 
 
+def test_starting_a_started_server_again_is_refused_and_orphans_nothing(make_server):
+    server = make_server()
+    pid = server.process.pid
+    with pytest.raises(shmps.InvalidArgumentError, match="already started"):
+        server.start()
+    assert server.process is not None and server.process.pid == pid
+    assert server.stop() == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_daemon_thread_inside_a_call_at_exit_does_not_abort_the_interpreter(make_server):
+    """The interpreter's exit while a daemon thread's call returns: the
+    thread would be ended inside the GIL's reacquisition (pthread_exit
+    through a noexcept destructor: std::terminate, exit 134); it waits for
+    the process's end instead, and the exit is clean."""
+    server = make_server()
+    script = f"""
+import threading, time, shmps
+w = shmps.connect({server.name!r})
+def loop():
+    while True:
+        w.ping()
+threading.Thread(target=loop, daemon=True).start()
+time.sleep(0.3)
+"""
+    for _ in range(3):
+        child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert child.returncode == 0, child.stderr
+        assert "terminate" not in child.stderr, child.stderr
+
+
 def test_ctrl_c_during_a_blocking_call_raises_keyboard_interrupt(make_server):
     server = make_server()
     w = shmps.connect(server.name, timeout=1)
