@@ -856,7 +856,11 @@ class Exposition {
     std::snprintf(buf, sizeof buf, "%.11g", v);
     return buf;
   }
+  // The exposition format spells the non-finite values NaN, +Inf, -Inf
+  // (a garbage segment's configuration may hold them).
   static std::string num17(double v) {
+    if (std::isnan(v)) return "NaN";
+    if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
     char buf[40];
     std::snprintf(buf, sizeof buf, "%.17g", v);
     return buf;

@@ -1,10 +1,13 @@
 #include "shmps/server/options.hpp"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <boost/program_options.hpp>
 #include <cerrno>
 #include <charconv>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -20,6 +23,24 @@ namespace po = boost::program_options;
 
 namespace shmps::server {
 namespace {
+
+// Whether the start could use `dir` for checkpoints: a directory, or a
+// path the first existing ancestor of which is a directory this process
+// may create entries in.
+Status check_checkpoint_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path at = fs::absolute(dir, ec);
+  const auto fail = [&dir](const std::string& why) {
+    return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": " + why};
+  };
+  if (fs::exists(at, ec)) return fs::is_directory(at, ec) ? Status::Ok() : fail(std::strerror(ENOTDIR));
+  while (at.has_parent_path() && at != at.parent_path() && !fs::exists(at, ec)) at = at.parent_path();
+  if (!fs::is_directory(at, ec)) return fail(at.string() + ": " + std::strerror(ENOTDIR));
+  if (::access(at.c_str(), W_OK | X_OK) != 0)
+    return fail("cannot create it in " + at.string() + ": " + std::strerror(errno));
+  return Status::Ok();
+}
 
 // One "key = value" line of a config file.
 struct FileEntry {
@@ -342,6 +363,12 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       // of a non-composing key); `tensor` lines compose after the command
       // line's.
       for (const FileEntry& e : *entries) {
+        // program_options reads an empty value as true for a switch: a
+        // line blanked to unset allow-nonfinite would turn it on.
+        if (const auto* option = server.find_nothrow(e.key, false);
+            e.value.empty() && option != nullptr && option->semantic()->max_tokens() == 0)
+          return invalid(file_line(file, e.line) + ": key '" + e.key +
+                         "' has no value: give true or false (or remove the line to leave it off)");
         po::parsed_options one(&server);
         one.options.emplace_back(e.key, std::vector<std::string>{e.value});
         try {
@@ -469,6 +496,9 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
     }
     if (Status s = read_init_file(c.init.file, total); !s.ok()) return s;
   }
+  // The start creates the checkpoint directory, or fails as this says.
+  if (out.check && !c.checkpoint_dir.empty())
+    if (Status s = check_checkpoint_dir(c.checkpoint_dir); !s.ok()) return s;
   return out;
 }
 

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -84,6 +85,9 @@ BOOST_AUTO_TEST_CASE(config_file_errors_name_the_line_and_the_key) {
   BOOST_TEST(contains(file_error(kHead + "config = other.conf\n"),
                       "line 3: unknown key 'config' (valid on the command line only)"));
   BOOST_TEST(contains(file_error(kHead + " = 3\n"), "line 3: no key before '='"));
+  // A blanked switch is refused (program_options would read it as true).
+  for (const char* key : {"allow-nonfinite", "group-access", "nesterov", "amsgrad"})
+    BOOST_TEST(contains(file_error(kHead + key + " =\n"), std::string("line 3: key '") + key + "' has no value"));
 }
 
 BOOST_AUTO_TEST_CASE(malformed_tensors_name_the_problem_and_the_expected_form) {
@@ -296,6 +300,23 @@ BOOST_AUTO_TEST_CASE(check_config_reads_the_init_file_as_the_start_does) {
   BOOST_REQUIRE(!check.ok());
   BOOST_TEST(check.status().to_string() ==
              "io: --init-file /nonexistent/init.bin: cannot open: No such file or directory (errno 2)");
+}
+
+// --check-config refuses a checkpoint directory the start could not use:
+// a file, or a path under a file; a directory, or one it can create, passes.
+BOOST_AUTO_TEST_CASE(check_config_refuses_a_checkpoint_dir_the_start_would) {
+  ConfFile file("x");
+  const auto check = [](const std::string& dir) {
+    return test::parse_server_args({"--name", "j", "--tensor", "w:4", "--checkpoint-dir", dir, "--check-config"});
+  };
+  for (const std::string& bad : {file.path, file.path + "/sub"}) {
+    auto p = check(bad);
+    BOOST_TEST(!p.ok(), bad);
+    if (!p.ok()) BOOST_TEST(contains(p.status().message(), "Not a directory"), p.status().message());
+  }
+  const std::string tmp = std::filesystem::temp_directory_path().string();
+  BOOST_TEST(check(tmp).ok());
+  BOOST_TEST(check(tmp + "/" + test::unique_name("ckpt") + "/deeper").ok());
 }
 
 BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {

@@ -20,6 +20,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <regex>
 #include <sstream>
@@ -1111,6 +1112,27 @@ BOOST_AUTO_TEST_CASE(prometheus_labels_are_utf8) {
       BOOST_TEST(contains(r.out, "shmps_up{name=\"" + replaced), r.out);
       // nlohmann's strict dump throws on a string that is not UTF-8.
       BOOST_CHECK_NO_THROW(json(r.out).dump());
+    }
+  }
+}
+
+// Non-finite values (a garbage configuration) are spelled as the
+// exposition format spells them: NaN, +Inf, -Inf.
+BOOST_AUTO_TEST_CASE(prometheus_spells_non_finite_values) {
+  const std::string name = test::unique_name("nonfinite");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  for (const auto& [value, spelled] :
+       std::vector<std::pair<float, std::string>>{{std::numeric_limits<float>::quiet_NaN(), "NaN"},
+                                                  {std::numeric_limits<float>::infinity(), "+Inf"},
+                                                  {-std::numeric_limits<float>::infinity(), "-Inf"}}) {
+    BOOST_TEST_CONTEXT(spelled) {
+      seg->header().config.lr = value;
+      const TempFile copy;
+      write_all(copy.path, segment_bytes(name));
+      const Run r = run_inspect({"--format", "prometheus", "--file", copy.path});
+      BOOST_TEST(r.rc == 0, r.err);
+      BOOST_TEST(contains(r.out, "} " + spelled + "\n"), r.out);
     }
   }
 }
