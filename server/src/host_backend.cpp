@@ -25,6 +25,7 @@ class HostPeer final : public PeerBuffer {
   ~HostPeer() override { release_range(guard_); }
   uint64_t length() const noexcept override { return length_; }
   bool intact() const noexcept { return !range_poisoned(guard_); }
+  bool guarded() const noexcept { return guard_ != 0 || object_->size() == 0; }  // nothing to lose
   char* at(uint64_t byte_offset) const noexcept { return static_cast<char*>(object_->data()) + offset_ + byte_offset; }
 
  private:
@@ -132,7 +133,12 @@ class HostBackend final : public Backend {
       return Status{ErrorCode::kBadRequest, "the host backend takes only POSIX shm buffers"};
     auto opened = open_worker_object(desc, expected_prefix);
     if (!opened.ok()) return opened.status();
-    return std::unique_ptr<PeerBuffer>(new HostPeer(std::move(opened).value(), desc.offset, desc.length));
+    auto peer = std::make_unique<HostPeer>(std::move(opened).value(), desc.offset, desc.length);
+    // Unguarded, a buffer truncated under the server would kill it (SIGBUS).
+    if (!peer->guarded())
+      return Status{ErrorCode::kNoCapacity,
+                    "this process guards " + std::to_string(kGuardedRanges) + " buffers at most, all in use"};
+    return std::unique_ptr<PeerBuffer>(std::move(peer));
   }
 
   Result<bool> all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n, kernels::GradDtype dtype) override {

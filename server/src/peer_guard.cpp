@@ -11,14 +11,12 @@
 namespace shmps::server {
 namespace {
 
-constexpr uint32_t kRanges = 4096;
-
 struct Range {
   std::atomic<uintptr_t> begin{0};  // 0: free
   std::atomic<uintptr_t> end{0};
   std::atomic<uint32_t> poisoned{0};
 };
-Range g_ranges[kRanges];
+Range g_ranges[kGuardedRanges];
 struct sigaction g_previous {};
 
 struct OwnSegment {
@@ -95,7 +93,7 @@ void install_peer_guard() {
 
 GuardId guard_range(const void* begin, size_t bytes) {
   if (bytes == 0) return 0;
-  for (uint32_t i = 0; i < kRanges; ++i) {
+  for (uint32_t i = 0; i < kGuardedRanges; ++i) {
     Range& r = g_ranges[i];
     if (r.begin.load(std::memory_order_relaxed) != 0) continue;  // relaxed: only the consumer writes
     r.poisoned.store(0, std::memory_order_relaxed);
@@ -108,7 +106,7 @@ GuardId guard_range(const void* begin, size_t bytes) {
 }
 
 void release_range(GuardId id) {
-  if (id == 0 || id > kRanges) return;
+  if (id == 0 || id > kGuardedRanges) return;
   g_ranges[id - 1].begin.store(0, std::memory_order_release);  // SYNC(guard_range): the range is free
 }
 
@@ -134,7 +132,7 @@ uint64_t segment_regrowths() {
 }
 
 bool range_poisoned(GuardId id) {
-  if (id == 0 || id > kRanges) return false;
+  if (id == 0 || id > kGuardedRanges) return false;
   return g_ranges[id - 1].poisoned.load(std::memory_order_relaxed) !=
          0;  // relaxed: set by a handler on this or an OpenMP thread that has returned
 }

@@ -18,13 +18,20 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "shmps/shm/layout.hpp"
+
 namespace shmps::server {
 
 // Installs the SIGBUS handler once per process (idempotent, thread-safe).
 void install_peer_guard();
 
-// A registered range; 0 when the table (4096 ranges) is full, then the
-// range is unguarded and a truncation would crash the server as before.
+// Ranges guarded at once in a process: every buffer one server can hold
+// (workers x buffers, at the limits).
+inline constexpr uint32_t kGuardedRanges = shm::kMaxWorkersLimit * shm::kMaxBuffersLimit;
+
+// A registered range; 0 when all kGuardedRanges are in use: the caller
+// then refuses the buffer (unguarded, its truncation would kill the
+// server).
 using GuardId = uint32_t;
 GuardId guard_range(const void* begin, size_t bytes);
 void release_range(GuardId id);

@@ -139,10 +139,24 @@ Answer RequestHandler::register_buffer(uint32_t i, const Request& req) {
     return reject(
         i, req, ErrorCode::kUnknownBuffer,
         "buffer id " + std::to_string(req.buffer_id) + " >= max_buffers " + std::to_string(config_.max_buffers));
-  if (slot.buffers[req.buffer_id]) return reject(i, req, ErrorCode::kBadRequest, "buffer id already registered");
   // Copy the descriptor out of shared memory before validating it.
   shm::BufferDesc desc;
   std::memcpy(&desc, &segment_.buffer(i, req.buffer_id), sizeof desc);
+  // A descriptor that names its registration (worker_lib's) belongs to
+  // that request only: one that timed out and comes after the worker
+  // wrote the id anew registers nothing. And a worker that writes an id
+  // anew holds it free (its registration there timed out, and was served
+  // after all): the old registration goes.
+  const bool stamped = desc.request_id != 0;
+  if (stamped && desc.request_id != req.request_id)
+    return reject(i, req, ErrorCode::kBadRequest,
+                  "buffer " + std::to_string(req.buffer_id) + "'s descriptor was written for request " +
+                      std::to_string(desc.request_id) + ", not this one (" + std::to_string(req.request_id) +
+                      "): a registration that timed out, overtaken by a later one; nothing registered");
+  if (slot.buffers[req.buffer_id]) {
+    if (!stamped) return reject(i, req, ErrorCode::kBadRequest, "buffer id already registered");
+    sessions_.close_buffer(i, req.buffer_id);
+  }
   if (desc.kind == static_cast<uint32_t>(shm::BufferKind::kHostShm) &&
       std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
     return reject(i, req, ErrorCode::kBadRequest, "buffer handle is not a terminated name");

@@ -17,6 +17,7 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <utility>
 
 #include "backend.hpp"
 #include "checkpoint_policy.hpp"
@@ -105,7 +106,8 @@ class Server::Impl {
         sessions(config, *segment, held, worker_lines),
         gate(config, sessions, *segment),
         handler(config, model, *backend, sessions, gate, *segment, rejections),
-        held_at(config.max_workers, 0) {
+        held_at(config.max_workers, 0),
+        behind(config.max_workers, 0) {
     // Every worker may write the segment, and so shrink it: the guard
     // grows it back where the server would die of SIGBUS (repair_segment()).
     install_peer_guard();
@@ -136,6 +138,7 @@ class Server::Impl {
   std::unique_ptr<FederationLink> federation;     // none while config.federation.kind is kNone
   bool pushes_held = false;                       // a lane waits for the federation's merge (push_waits_for_merge())
   std::vector<uint64_t> held_at;                  // per lane: 1 + the index of the push counted as held there
+  std::vector<uint8_t> behind;                    // per lane: 1 while its completion queue was full (serve_lane())
   Status failure;                                 // why run() stops on its own (the device, the segment's name)
   bool removed = false;                           // the segment is gone (shutdown() ran)
   uint64_t loop_now = 0;                          // CLOCK_MONOTONIC ns at the start of this turn of the loop
@@ -263,6 +266,8 @@ class Server::Impl {
   // request stops the watchdog keep-alives, and systemd restarts it.
   void periodic(uint64_t now) {
     sessions.publish_depth();  // for readers of the stats block (shmps-inspect)
+    for (uint32_t i = 0; i < config.max_workers; ++i)
+      if (std::exchange(behind[i], 0) != 0) ring_doorbell(i);  // its completion queue was full: try again
     if (federation) federation->publish_drift(model.version);
     if (const uint64_t regrown = segment_regrowths(); regrown != regrowths_repaired) {
       regrowths_repaired = regrown;
@@ -426,8 +431,21 @@ class Server::Impl {
     uint32_t served = 0;
     bool drained = false;         // the batch ended on an empty lane
     bool held_for_merge = false;  // the batch ended on a push that waits for the federation's merge
+    bool queue_full = false;      // the batch ended on a full completion queue
     while (served < kBatchPerLane) {
-      if (!slot.completions.has_space()) break;         // worker is behind; it will catch up
+      if (!slot.completions.has_space()) {
+        if (slot.completions.head_impossible()) {
+          evict(i, "its completion queue indices are corrupt");
+          return true;
+        }
+        // The worker has not read its answers: more than a lane's capacity
+        // in flight, which worker_lib never has. Looked at again each
+        // heartbeat (periodic()), not at once: the lane must not keep the
+        // server from sleeping.
+        queue_full = true;
+        behind[i] = 1;
+        break;
+      }
       if (held.held(i) >= config.lane_capacity) break;  // its device work is behind
       if (!failure.ok()) break;  // the device failed: nothing more is taken (shutdown fails the rest)
       if (push_waits_for_merge(i, slot)) {
@@ -497,7 +515,7 @@ class Server::Impl {
     }
     if (served > 0) shm::notify(slot.lane.header()->space_ready);
     // More left: come back (but for a push that waits for the merge).
-    if (!drained && !held_for_merge && slot.lane.refresh() == shm::RingResult::kOk) ring_doorbell(i);
+    if (!drained && !held_for_merge && !queue_full && slot.lane.refresh() == shm::RingResult::kOk) ring_doorbell(i);
     return served > 0;
   }
 
@@ -765,13 +783,17 @@ class Server::Impl {
       c.version = model.version;
       post_now(r.worker, c);
     }
-    // Fail what is queued: nothing more is applied.
+    // Fail what is queued: nothing more is applied. At most a lane's
+    // capacity each (a client that keeps publishing cannot hold the
+    // shutdown), and only while the lane is still attached (post_now()
+    // may evict).
     uint64_t failed = 0;
     for (uint32_t i = 0; i < config.max_workers; ++i) {
       WorkerSlot& slot = sessions[i];
-      if (!slot.attached()) continue;
       Request req;
-      while (slot.completions.has_space() && slot.lane.try_pop(&req) == shm::RingResult::kOk) {
+      for (uint32_t n = 0; n < config.lane_capacity && slot.attached() && slot.completions.has_space() &&
+                           slot.lane.try_pop(&req) == shm::RingResult::kOk;
+           ++n) {
         Completion c = RequestHandler::answer(req, ErrorCode::kShuttingDown, "server is shutting down");
         c.version = model.version;
         post_now(i, c);

@@ -246,9 +246,11 @@ void Sessions::unlink_orphan_buffers(uint32_t dead_pid) {
   for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
     const std::string file = e.path().filename().string();
     if (file.rfind(buffer_prefix_, 0) != 0) continue;
-    // After the prefix: "<pid>.<n>".
+    // After the prefix: "<pid>.<n>", nothing else.
     const size_t dot = file.find('.', buffer_prefix_.size());
-    if (dot == std::string::npos) continue;
+    if (dot == std::string::npos || dot + 1 == file.size() ||
+        file.find_first_not_of("0123456789", dot + 1) != std::string::npos)
+      continue;
     const std::string pid_text = file.substr(buffer_prefix_.size(), dot - buffer_prefix_.size());
     if (pid_text.empty() || pid_text.size() > 10 || pid_text.find_first_not_of("0123456789") != std::string::npos)
       continue;

@@ -137,6 +137,15 @@ Status validate_name(const std::string& name) {
         (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
     if (!ok) return {ErrorCode::kInvalidArgument, "name '" + name + "' may hold only [A-Za-z0-9._-]"};
   }
+  // "<a>.p<digits>.<b>" is the shape of server <a>'s worker buffers
+  // ("shmps.<a>.p<pid>.<n>"): <a>'s server would remove such a segment as a
+  // dead worker's buffer, and shmps-inspect --list would not show it.
+  for (size_t dot = name.find(".p"); dot != std::string::npos; dot = name.find(".p", dot + 1)) {
+    const size_t digits = name.find_first_not_of("0123456789", dot + 2);
+    if (digits != dot + 2 && digits != std::string::npos && name[digits] == '.')
+      return {ErrorCode::kInvalidArgument, "name '" + name + "' holds '" + name.substr(dot, digits - dot + 1) +
+                                               "', the shape of a worker buffer's name (shmps.<name>.p<pid>.<n>)"};
+  }
   return Status::Ok();
 }
 

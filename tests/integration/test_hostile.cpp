@@ -18,8 +18,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "raw_client.hpp"
@@ -701,6 +704,83 @@ BOOST_AUTO_TEST_CASE(header_geometry_rewritten_under_a_live_server_moves_nobody)
              "the header was not repaired");
   if (w) BOOST_TEST(w->ping().ok());
   ::munmap(shared, sizeof(Shared));
+}
+
+// Any process that may write the segment can forge the server's state
+// word kStopped. A worker that sees it ends its session, as it must for a
+// server that stopped; the server's check writes kRunning back within a
+// second, and a reconnecting worker attaches again to the same server
+// (same generation, alive and running) instead of waiting for another.
+BOOST_AUTO_TEST_CASE(a_forged_stopped_state_does_not_lock_reconnecting_workers_out) {
+  test::ServerProcess server(test::unique_name("forged"), kCounting);
+  auto w = connect(server.name(), 5s, /*reconnect=*/true);
+  auto grad = w->register_buffer(4);
+  auto out = w->register_buffer(4);
+  BOOST_REQUIRE(grad.ok() && out.ok());
+  *static_cast<float*>(grad->data) = -1.0f;
+  BOOST_REQUIRE(w->push(0, grad->id, 0, 4, Dtype::kF32, 0).ok());
+  auto seg = shm::Segment::open(server.name(), /*read_only=*/false);
+  BOOST_REQUIRE(seg.ok());
+  (*seg)->header().server_state.store(static_cast<uint32_t>(shm::ServerState::kStopped));
+  const uint64_t generation = w->generation();
+  // Each call sees the forged word until the server writes it back.
+  for (int i = 0; i < 3; ++i) {
+    const auto pushed = w->push(0, grad->id, 0, 4, Dtype::kF32, 0);
+    BOOST_REQUIRE_MESSAGE(pushed.ok(), pushed.status().to_string());
+  }
+  BOOST_REQUIRE(w->pull(0, out->id, 0).ok());
+  BOOST_TEST(*static_cast<const float*>(out->data) == 4.0f);
+  BOOST_TEST(w->generation() == generation);
+  BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
+  w.reset();
+  BOOST_TEST(server.stop() == 0);
+}
+
+// A client that sends more than its lane's capacity without reading its
+// answers fills its completion queue; the server can serve that lane no
+// further until it reads them. It must not spin on the lane meanwhile (its
+// CPU time over a second stays a fraction of it: it sleeps), and once the
+// client has read, the rest is answered (the server looks again every
+// heartbeat).
+BOOST_AUTO_TEST_CASE(a_client_that_reads_no_answers_does_not_keep_the_server_busy) {
+  test::ServerProcess server(test::unique_name("unread"), kCounting);
+  test::RawClient c(server.name());
+  const uint32_t capacity = c.segment().layout().lane_capacity;
+  uint64_t id = 100;
+  const auto send_pings = [&] {
+    for (uint32_t n = 0; n < capacity; ++n) {
+      shm::Request r = c.request(shm::Opcode::kPing);
+      r.request_id = id++;
+      BOOST_REQUIRE(test::eventually([&] { return c.send(r); }, 3s));
+    }
+  };
+  send_pings();  // answered: the completion queue is full
+  BOOST_REQUIRE(test::eventually([&] { return c.segment().lane(c.id()).head.load() == capacity; }, 3s));
+  send_pings();  // waits in the lane
+  const auto cpu_ticks = [&] {
+    std::ifstream stat("/proc/" + std::to_string(server.process().pid()) + "/stat");
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    std::istringstream fields(text.substr(text.rfind(')') + 2));
+    std::string field;
+    uint64_t utime = 0, stime = 0;
+    for (int k = 3; k <= 15 && fields >> field; ++k) {
+      if (k == 14) utime = std::stoull(field);
+      if (k == 15) stime = std::stoull(field);
+    }
+    return utime + stime;
+  };
+  const uint64_t before = cpu_ticks();
+  std::this_thread::sleep_for(1s);
+  const uint64_t used = cpu_ticks() - before;
+  const auto per_second = static_cast<uint64_t>(::sysconf(_SC_CLK_TCK));
+  BOOST_TEST(used * 4 < per_second, "the server used " << used << " of " << per_second << " ticks in a second");
+  BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
+  for (uint32_t n = 0; n < 2 * capacity; ++n) {
+    const shm::Completion done = c.receive(3s);
+    BOOST_TEST(done.request_id == 100 + n);
+    BOOST_TEST(done.code == 0u);
+  }
+  BOOST_TEST(server.stop() == 0);
 }
 
 // A server (or anything writing the segment) that marks a worker's entry

@@ -765,4 +765,62 @@ BOOST_AUTO_TEST_CASE(server_of_another_user_maps_group_shared_buffers) {
   BOOST_TEST(server.wait(10s) == 0);
 }
 
+// A registration that times out (the server stopped) is still in the lane
+// and is served when the server resumes. The worker holds its id free
+// again; whether the caller registers anew at once or later, the Worker
+// and the server stay in step: the late registration never takes the new
+// descriptor (it names its request), and a new one at an id the server
+// still holds replaces it. Likewise an unregister that timed out and was
+// served after all: unregistering again lets the buffer go.
+BOOST_AUTO_TEST_CASE(registrations_that_timed_out_leave_worker_and_server_in_step) {
+  test::ServerProcess server(test::unique_name("regto"), kSmall);
+  auto w = connect(server.name(), 1s);
+  const uint64_t bytes = 16 * sizeof(float);
+  auto first = w->register_buffer(bytes);
+  BOOST_REQUIRE(first.ok());
+  const pid_t pid = server.process().pid();
+  const auto stopped_for = [&](auto&& call) {
+    BOOST_REQUIRE(::kill(pid, SIGSTOP) == 0);
+    auto result = call();
+    BOOST_REQUIRE(::kill(pid, SIGCONT) == 0);
+    return result;
+  };
+  const auto usable = [&](uint32_t id) {
+    auto pulled = w->pull(shm::kAllTensors, id, 0);
+    return pulled.ok();
+  };
+  // Retried at once: the timed-out request is served after the new
+  // descriptor is written, before the retry.
+  BOOST_REQUIRE(::kill(pid, SIGSTOP) == 0);
+  auto timed_out = w->register_buffer(bytes);
+  BOOST_TEST((timed_out.status().code() == ErrorCode::kTimeout), timed_out.status().to_string());
+  std::thread resume([pid] {
+    std::this_thread::sleep_for(300ms);
+    ::kill(pid, SIGCONT);
+  });
+  auto retried = w->register_buffer(bytes);
+  resume.join();
+  BOOST_REQUIRE_MESSAGE(retried.ok(), retried.status().to_string());
+  BOOST_TEST(usable(retried->id));
+  // Retried later: the timed-out registration was served first.
+  auto late = stopped_for([&] { return w->register_buffer(bytes); });
+  BOOST_TEST((late.status().code() == ErrorCode::kTimeout), late.status().to_string());
+  BOOST_REQUIRE(w->ping().ok());  // served, in order, after the registration
+  auto again = w->register_buffer(bytes);
+  BOOST_REQUIRE_MESSAGE(again.ok(), again.status().to_string());
+  BOOST_TEST(usable(again->id));
+  // An unregister that timed out, then was served.
+  const Status gone = stopped_for([&] { return w->unregister_buffer(again->id); });
+  BOOST_TEST((gone.code() == ErrorCode::kTimeout), gone.to_string());
+  BOOST_REQUIRE(w->ping().ok());
+  BOOST_TEST(w->unregister_buffer(again->id).ok());
+  BOOST_TEST((w->unregister_buffer(again->id).code() == ErrorCode::kUnknownBuffer));
+  auto reused = w->register_buffer(bytes);
+  BOOST_REQUIRE_MESSAGE(reused.ok(), reused.status().to_string());
+  BOOST_TEST(usable(reused->id));
+  BOOST_TEST(usable(first->id));
+  w.reset();
+  BOOST_TEST(server.stop() == 0);
+}
+
 BOOST_AUTO_TEST_SUITE_END()

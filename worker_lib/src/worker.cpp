@@ -526,6 +526,10 @@ class Worker::Impl {
       if (!s.ok()) return s;
     }
     req.request_id = next_request_id;
+    // The descriptor a registration carries names it (layout.hpp,
+    // BufferDesc::request_id); the lane's release below publishes it.
+    if (req.opcode == static_cast<uint32_t>(Opcode::kRegisterBuffer) && req.buffer_id < buffers.size())
+      segment->buffer(id, req.buffer_id).request_id = req.request_id;
     inflight_key[req.request_id & (capacity - 1)] = wait_key(req);
     req.worker_id = id;
     req.lease = lease;
@@ -1017,7 +1021,9 @@ class Worker::Impl {
 
   // From kServerGone or kEvicted (reconnect): waits up to one timeout,
   // counted from here, for a server under the same name (kServerGone: of
-  // another generation than the one that ended; kEvicted: any), attaches
+  // another generation than the one that ended, or the same one running
+  // and alive, as after a state word forged kStopped that the server has
+  // written back; kEvicted: any), attaches
   // to it and registers every buffer again under its old id. A session that
   // ends during the registrations is waited past in the same way; one that
   // holds while the server refuses a registration (or does not answer)
@@ -1027,7 +1033,8 @@ class Worker::Impl {
     while (true) {
       auto seg = shm::Segment::open(options.name, /*read_only=*/false, &trusted);
       if (!seg.ok() && seg.status().code() == ErrorCode::kPermission) return seg.status();
-      if (seg.ok() && (state_ == State::kEvicted || (*seg)->layout().generation != ended.generation)) {
+      if (seg.ok() &&
+          (state_ == State::kEvicted || (*seg)->layout().generation != ended.generation || running_and_alive(**seg))) {
         Status s = attach_to(std::move(seg).value());
         if (s.code() == ErrorCode::kInterrupted) return s;
         for (uint32_t b = 0; b < buffers.size() && s.ok(); ++b)
@@ -1043,6 +1050,13 @@ class Worker::Impl {
         return {ErrorCode::kInterrupted, "interrupted while waiting for server '" + options.name + "' to come back"};
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
+  }
+
+  static bool running_and_alive(const shm::Segment& seg) {
+    // acquire: SYNC(server_stopped), as server_gone()'s.
+    return seg.header().server_state.load(std::memory_order_acquire) ==
+               static_cast<uint32_t>(shm::ServerState::kRunning) &&
+           shm::process_alive(static_cast<pid_t>(seg.layout().server_pid), seg.layout().server_start_time);
   }
 
   // Writes buffer b's descriptor into our entry and registers it.
@@ -1231,7 +1245,9 @@ Status Worker::unregister_buffer(uint32_t buffer_id) {
   req.buffer_id = buffer_id;
   Impl::NoInterrupt whole(w);
   auto c = w.request(req);
-  if (!c.ok()) return c.status();
+  // kUnknownBuffer: the server no longer has it (an earlier unregister
+  // that timed out was served after all): let it go here too.
+  if (!c.ok() && c.status().code() != ErrorCode::kUnknownBuffer) return c.status();
   Impl::Registered& r = w.buffers[buffer_id];
   // The server answered after its last use of the buffer (its completions
   // wait for the device work reading or writing it).

@@ -332,7 +332,12 @@ struct BufferDesc {
   uint8_t handle[64];        // kHostShm: NUL-terminated shm name; kCudaIpc: cudaIpcMemHandle_t
   uint8_t event_handle[64];  // kCudaIpc: cudaIpcEventHandle_t
   uint8_t device_uuid[16];   // kCudaIpc
-  uint64_t reserved[3];
+  // The request_id of the kRegisterBuffer that carries this descriptor
+  // (worker_lib writes it as it publishes the request); 0: not checked.
+  // A registration that timed out and is served after the worker wrote
+  // the id's descriptor anew is refused by it, not read for the new one.
+  uint64_t request_id;
+  uint64_t reserved[2];
 };
 static_assert(std::is_trivially_copyable_v<BufferDesc> && std::is_standard_layout_v<BufferDesc>);
 static_assert(sizeof(BufferDesc) == 192);
@@ -341,6 +346,7 @@ static_assert(offsetof(BufferDesc, offset) == 16);
 static_assert(offsetof(BufferDesc, handle) == 24);
 static_assert(offsetof(BufferDesc, event_handle) == 88);
 static_assert(offsetof(BufferDesc, device_uuid) == 152);
+static_assert(offsetof(BufferDesc, request_id) == 168);
 
 // What a kStats request returns: the server writes it into the requesting
 // worker's entry, then publishes the completion (which orders it).

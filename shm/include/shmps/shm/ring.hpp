@@ -93,13 +93,17 @@ class SpscProducer {
   // see stage()) only when the last head read says the ring is full: the
   // consumer stores its head on every pop, so reading it each time costs a
   // cache-line transfer between cores per request (about 35 ns of a 4 KiB
-  // push's round trip, by perf). A head that is impossible counts as space:
-  // stage() then reports kCorrupt.
+  // push's round trip, by perf). A head that is impossible (more than
+  // capacity behind the tail, or ahead of it) counts as no space too:
+  // head_impossible() tells them apart.
   bool has_space() noexcept {
     if (tail_ - cached_head_ <= mask_) return true;
     cached_head_ = header_->head.load(std::memory_order_acquire);  // SYNC(slot_released)
     return tail_ - cached_head_ <= mask_;
   }
+  // After has_space() said no: whether the head it read is one no consumer
+  // could have written (so the ring is not full but corrupt).
+  bool head_impossible() const noexcept { return tail_ - cached_head_ > mask_ + 1; }
   uint64_t tail() const noexcept { return tail_; }
   LaneHeader* header() const noexcept { return header_; }
 
