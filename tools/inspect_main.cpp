@@ -190,6 +190,8 @@ int main(int argc, char** argv) {
       if (o.json) throw po::error("--json and --format prometheus: give one");
     } else if (o.format != "text") {
       throw po::error("--format must be text, json or prometheus, got '" + o.format + "'");
+    } else if (o.json && !vm["format"].defaulted()) {
+      throw po::error("--json and --format text: give one");
     }
     if (o.format == "prometheus" && (o.list || o.watch))
       throw po::error("--format prometheus takes neither --list nor --watch");

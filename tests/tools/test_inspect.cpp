@@ -446,6 +446,7 @@ BOOST_AUTO_TEST_CASE(live_segment_in_prometheus_format) {
 
   BOOST_TEST(run_inspect({"--format", "yaml", name}).rc == 1);
   BOOST_TEST(run_inspect({"--format", "prometheus", "--json", name}).rc == 1);
+  BOOST_TEST(run_inspect({"--format", "text", "--json", name}).rc == 1);
   BOOST_TEST(run_inspect({"--format", "prometheus", "--watch", name}).rc == 1);
   // No segment: shmps_up 0 alone, so a textfile scrape sees the server down.
   const std::string gone = test::unique_name("promgone");
