@@ -52,7 +52,7 @@ std::vector<ListedSegment> list_segments() {
     std::smatch m;
     const bool buffer_like = std::regex_match(name, m, buffer_name);
     if (buffer_like && names.count(m[1].str()) != 0) continue;
-    if (!shm::validate_name(name).ok()) continue;  // no server could have made it
+    if (!buffer_like && !shm::validate_name(name).ok()) continue;  // no server could have made it
     ListedSegment row;
     row.name = name;
     row.source = std::string(kShmDir) + "/" + kPrefix + name;
@@ -62,8 +62,13 @@ std::vector<ListedSegment> list_segments() {
     row.owner_gid = st.st_gid;
     row.mode = st.st_mode & 0777;
     row.bytes = static_cast<uint64_t>(st.st_size);
-    Loaded loaded = load_segment(name);
-    if (loaded.exit != ExitCode::kOk) {
+    // No server may take a buffer's name: one without its segment is left
+    // by a worker of a server that is gone.
+    Loaded loaded = buffer_like ? Loaded{} : load_segment(name);
+    if (buffer_like) {
+      row.exit = ExitCode::kBadSegment;
+      row.error = "not a segment";
+    } else if (loaded.exit != ExitCode::kOk) {
       row.exit = loaded.exit;
       row.error = loaded.error;
     } else {

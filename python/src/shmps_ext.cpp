@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -89,24 +90,35 @@ struct Stops {
   bool asked() const { return now() != Life::kOpen || interrupts.load(std::memory_order_relaxed) != seen; }
 };
 
+// The interpreter's exit, for GilReleased: set by an atexit hook (which
+// runs with the GIL, before finalization begins); `reacquiring` counts the
+// threads between their look at `exiting` and their return from
+// PyEval_RestoreThread, which the hook waits out with the GIL released.
+std::atomic<bool> exiting{false};
+std::atomic<int> reacquiring{0};
+
 // The GIL released for a scope (nb::gil_scoped_release, but for the
-// interpreter's exit). A daemon thread whose call returns while the
-// interpreter finalizes would be ended inside PyEval_RestoreThread
-// (pthread_exit, whose unwinding through this noexcept destructor is
-// std::terminate: an abort at exit); it waits for the process's end
-// instead, as Python 3.14 makes such threads do.
+// interpreter's exit). A daemon thread that takes the GIL back once the
+// interpreter finalizes is ended inside PyEval_RestoreThread (pthread_exit,
+// whose unwinding through this noexcept destructor is std::terminate: an
+// abort at exit). A thread other than the main one whose call returns
+// after the atexit hook ran waits for the process's end instead, as Python
+// 3.14 makes such threads do; the main thread (finalization runs on it)
+// always takes the GIL back.
 class GilReleased {
  public:
   GilReleased() : state_(PyEval_SaveThread()) {}
   ~GilReleased() {
-#if PY_VERSION_HEX >= 0x030D0000
-    const bool finalizing = Py_IsFinalizing() != 0;
-#else
-    const bool finalizing = _Py_IsFinalizing() != 0;
-#endif
-    if (finalizing)
+    const bool main = PyThread_get_thread_ident() == main_thread.load(std::memory_order_relaxed);  // relaxed: one word
+    // seq_cst, with the hook's: a thread that counts itself after the hook
+    // looked sees `exiting`; one counted before is waited for.
+    reacquiring.fetch_add(1, std::memory_order_seq_cst);
+    if (!main && exiting.load(std::memory_order_seq_cst)) {
+      reacquiring.fetch_sub(1, std::memory_order_seq_cst);
       for (;;) ::pause();
+    }
     PyEval_RestoreThread(state_);
+    reacquiring.fetch_sub(1, std::memory_order_seq_cst);
   }
   GilReleased(const GilReleased&) = delete;
   GilReleased& operator=(const GilReleased&) = delete;
@@ -114,6 +126,15 @@ class GilReleased {
  private:
   PyThreadState* state_;
 };
+
+// The atexit hook (main thread, GIL held): from here no other thread takes
+// the GIL back through GilReleased; those already on their way get it now.
+void at_exit() {
+  exiting.store(true, std::memory_order_seq_cst);
+  PyThreadState* state = PyEval_SaveThread();
+  while (reacquiring.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
+  PyEval_RestoreThread(state);
+}
 
 // With the GIL: the exception a signal's handler raised while the call
 // returning `result` waited, if any, instead of its result.
@@ -580,6 +601,7 @@ NB_MODULE(_shmps, m) {
   });
 
   m.def("_set_main_thread", [](unsigned long ident) { main_thread.store(ident, std::memory_order_relaxed); });
+  nb::module_::import_("atexit").attr("register")(nb::cpp_function(at_exit));
   m.attr("ALL_TENSORS") = shmps::kAllTensors;
   nb::dict codes;
   for (uint32_t c = 0; c <= static_cast<uint32_t>(shmps::kLastErrorCode); ++c)

@@ -150,8 +150,10 @@ Answer RequestHandler::register_buffer(uint32_t i, const Request& req) {
   const bool stamped = desc.request_id != 0;
   if (stamped && desc.request_id != req.request_id)
     return reject(i, req, ErrorCode::kBadRequest,
-                  "buffer " + std::to_string(req.buffer_id) + "'s descriptor was written for request " +
-                      std::to_string(desc.request_id) + ", not this one (" + std::to_string(req.request_id) +
+                  "buffer " + std::to_string(req.buffer_id) + "'s descriptor was written for " +
+                      (desc.request_id == ~uint64_t{0} ? std::string("a request not yet sent")
+                                                       : "request " + std::to_string(desc.request_id)) +
+                      ", not this one (" + std::to_string(req.request_id) +
                       "): a registration that timed out, overtaken by a later one; nothing registered");
   if (slot.buffers[req.buffer_id]) {
     if (!stamped) return reject(i, req, ErrorCode::kBadRequest, "buffer id already registered");

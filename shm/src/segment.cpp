@@ -137,15 +137,17 @@ Status validate_name(const std::string& name) {
         (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
     if (!ok) return {ErrorCode::kInvalidArgument, "name '" + name + "' may hold only [A-Za-z0-9._-]"};
   }
-  // "<a>.p<digits>.<b>" is the shape of server <a>'s worker buffers
-  // ("shmps.<a>.p<pid>.<n>"): <a>'s server would remove such a segment as a
-  // dead worker's buffer, and shmps-inspect --list would not show it.
-  for (size_t dot = name.find(".p"); dot != std::string::npos; dot = name.find(".p", dot + 1)) {
-    const size_t digits = name.find_first_not_of("0123456789", dot + 2);
-    if (digits != dot + 2 && digits != std::string::npos && name[digits] == '.')
-      return {ErrorCode::kInvalidArgument, "name '" + name + "' holds '" + name.substr(dot, digits - dot + 1) +
-                                               "', the shape of a worker buffer's name (shmps.<name>.p<pid>.<n>)"};
-  }
+  // "<a>.p<digits>.<digits>" is the name of one of server <a>'s worker
+  // buffers ("shmps.<a>.p<pid>.<n>"): <a>'s server would remove such a
+  // segment as a dead worker's buffer.
+  const size_t last = name.rfind('.');
+  const size_t pid_dot = last == std::string::npos || last == 0 ? std::string::npos : name.rfind(".p", last - 1);
+  const auto digits = [&name](size_t from, size_t to) {
+    return to > from && name.find_first_not_of("0123456789", from) >= to;
+  };
+  if (pid_dot != std::string::npos && pid_dot > 0 && digits(pid_dot + 2, last) && digits(last + 1, name.size()))
+    return {ErrorCode::kInvalidArgument, "name '" + name + "' ends in '" + name.substr(pid_dot) +
+                                             "', the shape of a worker buffer's name (shmps.<name>.p<pid>.<n>)"};
   return Status::Ok();
 }
 

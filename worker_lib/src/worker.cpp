@@ -840,7 +840,7 @@ class Worker::Impl {
       r.in_process = server_in_process();
     }
     shm::BufferDesc& desc = segment->buffer(id, b);
-    std::memset(&desc, 0, sizeof desc);
+    clear_descriptor(desc);
     desc.kind = static_cast<uint32_t>(shm::BufferKind::kCudaIpc);
     desc.length = r.device_bytes;
     desc.offset = r.desc.offset;
@@ -1059,11 +1059,20 @@ class Worker::Impl {
            shm::process_alive(static_cast<pid_t>(seg.layout().server_pid), seg.layout().server_start_time);
   }
 
+  // Zeroes a descriptor about to be written, but for its request id,
+  // which names no request until submit() stamps it: a registration of
+  // this id that timed out and is served meanwhile registers nothing.
+  static void clear_descriptor(shm::BufferDesc& desc) {
+    desc.request_id = ~uint64_t{0};
+    std::memset(&desc, 0, offsetof(shm::BufferDesc, request_id));
+    std::memset(desc.reserved, 0, sizeof desc.reserved);
+  }
+
   // Writes buffer b's descriptor into our entry and registers it.
   Status send_register(uint32_t b, const std::string& object_name, size_t bytes) {
     NoInterrupt whole(*this);
     shm::BufferDesc& desc = segment->buffer(id, b);
-    std::memset(&desc, 0, sizeof desc);
+    clear_descriptor(desc);
     desc.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
     desc.length = bytes;
     desc.offset = 0;
