@@ -28,7 +28,9 @@ class RemoteOptimizer:
     "skip" counts a push rejected as too stale (self.stale) and pulls fresh
     weights; "raise" raises the StaleError. `init`: first set the server's
     weights to the model's own (worker.init); the first initialiser of a job
-    wins, the others' InitRefusedError is taken as "already initialised"."""
+    wins, the others' InitRefusedError is taken as "already initialised".
+    close() (or leaving a `with` block) gives the model its parameters back
+    and frees the two buffers on the server; the Worker stays open."""
 
     def __init__(self, model, worker, on_stale="skip", init=False):
         if on_stale not in ("skip", "raise"):
@@ -38,6 +40,7 @@ class RemoteOptimizer:
         self.pushes = 0       # pushes applied
         self.stale = 0        # pushes rejected as too stale
         self.applied = False  # whether the last step's push was applied
+        self.closed = False
         self._params = list(model.named_parameters())
         self._check_table()
         devices = {p.device for _, p in self._params}
@@ -111,10 +114,42 @@ class RemoteOptimizer:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def _check_open(self, what):
+        if self.closed:
+            raise RuntimeError(f"RemoteOptimizer.{what}() after close(): the model's parameters are its own again; "
+                               "make a new RemoteOptimizer to train through the server")
+
     def zero_grad(self, set_to_none=False):
         """Zeroes the gradient buffer; .grad is never set to None (it must stay a view of the buffer)."""
         del set_to_none  # accepted for torch.optim's signature; the buffer is always zeroed
+        self._check_open("zero_grad")
         self._grads.zero_()
+
+    def close(self):
+        """Gives the model its parameters back: every p.data and p.grad
+        becomes a tensor of its own (on the same device) holding what the
+        buffers hold now (the weights last pulled, the last gradient), and
+        the two buffers are unregistered from the Worker, which stays open
+        (best effort: a closed Worker or a server gone has nothing left to
+        free). Idempotent; step(), pull() and zero_grad() after it raise."""
+        if self.closed:
+            return
+        self.closed = True
+        with torch.no_grad():
+            for _, p in self._params:
+                p.data = p.data.clone()
+                if p.grad is not None:
+                    p.grad = p.grad.clone()
+        for buf in (self._grad_buf, self._weight_buf):
+            with contextlib.suppress(_errors.Error):
+                self.worker.unregister_buffer(buf)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
     def step(self):
         """Pushes the gradients against the version last pulled, then pulls
@@ -122,6 +157,7 @@ class RemoteOptimizer:
         both, and sees its own update). Returns the version pulled; a
         StaleError under on_stale="raise" comes with the weights already
         pulled."""
+        self._check_open("step")
         for (name, ptr), (_, p) in zip(self._grad_ptrs, self._params):
             if p.grad is None or p.grad.data_ptr() != ptr:
                 raise RuntimeError(
@@ -164,5 +200,6 @@ class RemoteOptimizer:
 
     def pull(self):
         """Pulls the server's newest weights into the parameters (no push); returns their version."""
+        self._check_open("pull")
         self.version = self.worker.pull(self._weight_buf, stream=self._stream())
         return self.version

@@ -223,8 +223,17 @@ class PyWorker {
       : stops_(std::move(stops)), w_(std::move(w)) {
     note_identity();
   }
+  // A Worker dropped without close() detaches here, as close() would, with
+  // the GIL released: the detach waits for the server's answer (up to the
+  // Worker's timeout when the server is stopped or busy), and every other
+  // thread runs meanwhile. No call is in flight: each holds a reference.
   ~PyWorker() {
-    if (forked()) (void)w_.release();  // the parent's: its state may be mid-call in another parent thread
+    if (forked()) {
+      (void)w_.release();  // the parent's: its state may be mid-call in another parent thread
+    } else if (w_ && PyGILState_Check()) {
+      GilReleased released;
+      w_.reset();
+    }
   }
 
   uint64_t serial() const { return serial_; }

@@ -524,15 +524,18 @@ Status validate_spec(const SegmentSpec& spec) {
 
 namespace {
 
-// A start leaves the object empty only between creating and sizing it
-// (microseconds); one empty for this long is a start that died there.
+// A start leaves the object empty, or sized with a header that names no
+// server yet, only between creating it and writing the header
+// (microseconds; posix_fallocate of a large segment, milliseconds): one
+// like that for this long is a start that died there.
 constexpr int64_t kCrashedStartSeconds = 10;
 
 // Something holds the segment's name: removes it if it is a segment of
-// ours whose server is dead, or an empty object of ours older than
-// kCrashedStartSeconds (a start that died between creating and sizing it;
-// a younger one may be another server starting under the name); refuses,
-// naming its owner and mode, anything else.
+// ours whose server is dead, or an object of ours that names no server
+// (empty, or its header not written yet) and is older than
+// kCrashedStartSeconds (a younger one may be another server starting
+// under the name: replacing it would leave that server serving an object
+// nobody can open); refuses, naming its owner and mode, anything else.
 Status clear_stale_object(const std::string& object_name, const std::string& name) {
   const std::string path = "/dev/shm/" + object_name;
   struct stat st {};
@@ -544,14 +547,17 @@ Status clear_stale_object(const std::string& object_name, const std::string& nam
             path + who + " belongs to another user, not to " + user_name(::geteuid()) +
                 ": not adopting it; if it is stale, its owner or root must remove it (sudo rm " + path + ")"};
   if (!S_ISREG(st.st_mode)) return {ErrorCode::kLayoutMismatch, path + who + " is not a shm object; remove it by hand"};
-  if (st.st_size == 0) {
+  const auto maybe_starting = [&](const std::string& what) -> Status {
     struct timespec now {};
     ::clock_gettime(CLOCK_REALTIME, &now);
-    if (now.tv_sec - st.st_mtim.tv_sec < kCrashedStartSeconds)
-      return {ErrorCode::kInvalidArgument, path + who + " is empty: another shmps-server may be starting under '" +
-                                               name + "'; if none is, remove it (rm " + path + ") or wait " +
-                                               std::to_string(kCrashedStartSeconds) +
-                                               " s, after which a start replaces it"};
+    if (now.tv_sec - st.st_mtim.tv_sec >= kCrashedStartSeconds) return Status::Ok();
+    return {ErrorCode::kInvalidArgument, path + who + " is " + what + ": another shmps-server may be starting under '" +
+                                             name + "'; if none is, remove it (rm " + path + ") or wait " +
+                                             std::to_string(kCrashedStartSeconds) +
+                                             " s, after which a start replaces it"};
+  };
+  if (st.st_size == 0) {
+    if (Status s = maybe_starting("empty"); !s.ok()) return s;
   } else {
     auto existing = ShmObject::open(object_name, /*read_only=*/true);
     if (!existing.ok()) return Status{existing.status().code(), existing.status().message() + who};
@@ -563,13 +569,18 @@ Status clear_stale_object(const std::string& object_name, const std::string& nam
       return {ErrorCode::kLayoutMismatch,
               path + who + " is " + std::to_string(old.size()) +
                   " bytes, too small for a shmps segment; remove it by hand if it is stale"};
-    const auto& h = *static_cast<const SegmentHeader*>(old.data());
+    SegmentHeader h;  // a private copy: a starting server may be writing it
+    copy_shared(&h, old.data(), sizeof h);
     if (h.magic != kMagic && h.magic != 0)
       return {ErrorCode::kLayoutMismatch,
               path + who + " exists and is not a shmps segment; remove it by hand if it is stale"};
-    if (h.magic == kMagic && process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time))
-      return {ErrorCode::kInvalidArgument,
-              "a live shmps-server (pid " + std::to_string(h.server_pid) + ") already serves '" + name + "'"};
+    if (h.magic == kMagic && h.server_pid != 0 && h.server_start_time != 0) {
+      if (process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time))
+        return {ErrorCode::kInvalidArgument,
+                "a live shmps-server (pid " + std::to_string(h.server_pid) + ") already serves '" + name + "'"};
+    } else if (Status s = maybe_starting("a segment whose header names no server yet"); !s.ok()) {
+      return s;
+    }
   }
   ShmObject::remove(object_name);
   return Status::Ok();

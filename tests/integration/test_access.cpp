@@ -303,6 +303,47 @@ BOOST_AUTO_TEST_CASE(own_empty_object_is_a_crashed_start_and_is_replaced) {
   BOOST_TEST(w->ping().ok());
 }
 
+// The same for an object sized but with its header not written yet (a
+// start between sizing and writing it, or one that died there), and for
+// a header that names no server process: refused while fresh (replacing
+// it would leave the other starting server serving an unlinked object),
+// replaced once older than a start takes. A dead server's segment is
+// replaced at once, whatever its age.
+BOOST_AUTO_TEST_CASE(own_unwritten_segment_is_a_start_in_progress_until_it_is_old) {
+  const std::string name = test::unique_name("unwritten");
+  const std::string object = shm::segment_object_name(name);
+  const std::string path = "/dev/shm/" + object;
+  const auto place = [&](uint64_t magic, uint32_t pid) {
+    shm::ShmObject::remove(object);
+    auto obj = shm::ShmObject::create(object, 2 * sizeof(shm::SegmentHeader), 0600);
+    BOOST_REQUIRE(obj.ok());
+    auto& h = *static_cast<shm::SegmentHeader*>((*obj)->data());
+    h.magic = magic;
+    h.server_pid = pid;
+    h.server_start_time = pid == 0 ? 0 : 1;  // no process started at tick 1: dead
+  };
+  for (const uint64_t magic : {uint64_t{0}, shm::kMagic}) {
+    BOOST_TEST_CONTEXT("magic " << magic) {
+      place(magic, 0);
+      const auto fresh = test::run_captured({test::program_path("shmps-server"), "--name", name, "--tensor", "w:4"});
+      BOOST_TEST(fresh.exit_code == 1, fresh.output);
+      BOOST_TEST(fresh.output.find("mode 0600) is a segment whose header names no server yet: another shmps-server "
+                                   "may be starting") != std::string::npos,
+                 fresh.output);
+      BOOST_TEST(stat_of(object).st_size == static_cast<off_t>(2 * sizeof(shm::SegmentHeader)));  // left alone
+      const struct timespec minute_ago[2] = {{::time(nullptr) - 60, 0}, {::time(nullptr) - 60, 0}};
+      BOOST_REQUIRE(::utimensat(AT_FDCWD, path.c_str(), minute_ago, 0) == 0);
+      {
+        test::ServerProcess server(name, kTiny);
+        BOOST_TEST(connect(name)->ping().ok());
+      }
+    }
+  }
+  place(shm::kMagic, 0x5a5a5a5a);  // fresh, but its server is dead
+  test::ServerProcess server(name, kTiny);
+  BOOST_TEST(connect(name)->ping().ok());
+}
+
 // A shmps-server run by another user (nobody), as an attacker on the host
 // would run one to answer the attach: a root worker attaches only when told
 // that user runs its server (WorkerOptions::server_user), and never to a

@@ -549,6 +549,60 @@ BOOST_AUTO_TEST_CASE(buffer_truncated_after_registration_does_not_kill_the_serve
   BOOST_TEST(w->ping().ok());
 }
 
+// A registration of a buffer id the server still holds. worker_lib stamps
+// each descriptor with the request that carries it, and writes an id anew
+// only when it holds the id free (its registration there timed out, and
+// the server served it after all): a stamped registration replaces the
+// old mapping. An unstamped one (request id 0, a raw client) is refused
+// as a double registration and changes nothing.
+BOOST_AUTO_TEST_CASE(a_stamped_registration_of_a_held_buffer_id_replaces_its_mapping) {
+  test::ServerProcess server(test::unique_name("rereg"), kCounting);  // 4 floats in all, weights 0
+  test::RawClient raw(server.name());
+  const std::string prefix = shm::segment_object_name(server.name()) + ".p" + std::to_string(::getpid()) + ".";
+  constexpr size_t kBytes = 4 * sizeof(float);
+  auto first = shm::ShmObject::create(prefix + "0", kBytes, 0600);
+  auto second = shm::ShmObject::create(prefix + "1", kBytes, 0600);
+  BOOST_REQUIRE(first.ok() && second.ok());
+  const auto pulled_into = [&](const shm::ShmObject& obj) {
+    std::memset((*first)->data(), 0x5a, kBytes);
+    std::memset((*second)->data(), 0x5a, kBytes);
+    shm::Request r = raw.request(shm::Opcode::kPull);
+    r.tensor_id = shm::kAllTensors;
+    r.byte_length = kBytes;
+    r.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
+    BOOST_REQUIRE(raw.call(r).code == 0u);
+    const auto* written = static_cast<const float*>(obj.data());
+    const auto* other = static_cast<const unsigned char*>((&obj == first->get() ? *second : *first)->data());
+    return written[0] == 0.0f && written[3] == 0.0f && other[0] == 0x5a && other[kBytes - 1] == 0x5a;
+  };
+  shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
+  const auto describe = [&](const std::string& object, uint64_t request_id) {
+    std::memset(&d, 0, sizeof d);
+    d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+    d.length = kBytes;
+    std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", object.c_str());
+    d.request_id = request_id;
+  };
+  uint64_t next = raw.call(raw.request(shm::Opcode::kPing)).request_id + 1;
+  describe(prefix + "0", next++);
+  BOOST_REQUIRE(raw.call(raw.request(shm::Opcode::kRegisterBuffer)).code == 0u);
+  BOOST_TEST(pulled_into(**first));
+  ++next;
+  describe(prefix + "1", 0);
+  const shm::Completion refused = raw.call(raw.request(shm::Opcode::kRegisterBuffer));
+  ++next;
+  BOOST_TEST(refused.code == static_cast<uint32_t>(ErrorCode::kBadRequest));
+  BOOST_TEST(std::string(refused.message).find("already registered") != std::string::npos, refused.message);
+  BOOST_TEST(pulled_into(**first));  // still the first object
+  ++next;
+  describe(prefix + "1", next++);
+  const shm::Completion replaced = raw.call(raw.request(shm::Opcode::kRegisterBuffer));
+  BOOST_TEST(replaced.code == 0u, replaced.message);
+  BOOST_TEST(pulled_into(**second));
+  shm::ShmObject::remove(prefix + "0");
+  shm::ShmObject::remove(prefix + "1");
+}
+
 // A worker that writes a living process's pid into its owner word, with a
 // start time that does not match, looks dead to the server, which
 // releases the entry; it must not unlink that living process's buffer

@@ -192,6 +192,36 @@ def test_a_constructor_whose_pull_fails_leaves_the_model_as_it_was(make_server):
         shmps.torch.RemoteOptimizer(model, w)  # the model still works with a new one
 
 
+def test_close_gives_the_model_its_parameters_back_and_frees_the_buffers(make_server):
+    model = Net()
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()], lr=0.1)
+    with shmps.connect(server.name) as w:
+        with shmps.torch.RemoteOptimizer(model, w, init=True) as opt:
+            opt.zero_grad()
+            model(torch.randn(2, 6)).sum().backward()
+            assert opt.step() == 1
+            weights = [p.detach().clone() for p in model.parameters()]
+            grads = [p.grad.clone() for p in model.parameters()]
+            buffers = [(t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in (opt._weights, opt._grads)]
+        assert opt.closed
+        for p, weight, grad in zip(model.parameters(), weights, grads):
+            assert torch.equal(p.detach(), weight) and torch.equal(p.grad, grad)
+            for t in (p.data, p.grad):
+                assert not any(lo <= t.data_ptr() < hi for lo, hi in buffers)  # its own memory
+        assert glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*") == []  # unregistered
+        opt.close()  # idempotent
+        for call in (opt.step, opt.pull, opt.zero_grad):
+            with pytest.raises(RuntimeError, match="after close"):
+                call()
+        # The model trains on its own, and through a new RemoteOptimizer.
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        assert w.pull(w.register_buffer(w.total_elements * 4)) == 1  # the server did not see it
+        again = shmps.torch.RemoteOptimizer(model, w)
+        for p, weight in zip(model.parameters(), weights):
+            assert torch.equal(p.detach(), weight)  # pulled the server's
+        again.close()
+
+
 def test_mismatched_names_shapes_and_dtypes_are_refused_at_construction(make_server):
     model = Net()
     server = make_server(tensors=[("fc1.weight", (5, 6)), ("fc1.bias", (4,)), ("fc3.bias", (3,))])

@@ -483,10 +483,10 @@ def test_init_sets_the_weights_once_before_any_push(make_server):
     b.close()
 
 
-def test_a_push_to_a_stopped_server_times_out_while_other_threads_run(make_server):
-    server = make_server()
-    w = shmps.connect(server.name, timeout=0.5)
-    grad = w.register_buffer(w.total_elements * 4)
+def ticks_while_stopped(server, call):
+    """call() with the server SIGSTOPped and another thread appending
+    time.monotonic() every 5 ms, which it can only do while the GIL is
+    free: the seconds call() took, and the ticks made meanwhile."""
     ticks = []
     done = threading.Event()
 
@@ -500,18 +500,50 @@ def test_a_push_to_a_stopped_server_times_out_while_other_threads_run(make_serve
     try:
         t.start()
         start = time.monotonic()
-        with pytest.raises(shmps.TimeoutError):
-            w.push(grad, 0)
+        call()
         waited = time.monotonic() - start
     finally:
         done.set()
         t.join()
         os.kill(server.process.pid, signal.SIGCONT)
+    return waited, sum(1 for x in ticks if start < x < start + waited)
+
+
+def test_a_push_to_a_stopped_server_times_out_while_other_threads_run(make_server):
+    server = make_server()
+    w = shmps.connect(server.name, timeout=0.5)
+    grad = w.register_buffer(w.total_elements * 4)
+
+    def push():
+        with pytest.raises(shmps.TimeoutError):
+            w.push(grad, 0)
+
+    waited, ticks = ticks_while_stopped(server, push)
     assert waited >= 0.4
     # The GIL was released: the other thread kept ticking during the wait.
-    assert sum(1 for x in ticks if start < x < start + waited) > 20
+    assert ticks > 20
     assert isinstance(shmps.TimeoutError("x"), TimeoutError)
     w.close()
+
+
+def test_a_worker_dropped_without_close_detaches_while_other_threads_run(make_server):
+    """A Worker freed by the garbage collector detaches as close() does,
+    waiting for the server's answer (here its timeout: the server is
+    stopped) with the GIL released; the server frees its entry."""
+    server = make_server()
+    held = [shmps.connect(server.name, timeout=0.5)]
+    held[0].register_buffer(held[0].total_elements * 4)
+    observer = shmps.connect(server.name)
+    assert observer.stats().workers_attached == 2
+    waited, ticks = ticks_while_stopped(server, held.clear)  # the last reference: its detach times out
+    assert waited >= 0.4
+    assert ticks > 20
+    # The detach was sent: served once the server runs again.
+    deadline = time.monotonic() + 10
+    while observer.stats().workers_attached != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    observer.close()
 
 
 def test_an_interrupted_wait_for_a_push_keeps_its_ticket_and_version(make_server):
