@@ -568,6 +568,7 @@ json to_json(const Snapshot& s) {
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_JSON)
 #undef SHMPS_STATS_JSON
   stats["avg_staleness"] = static_cast<double>(st.avg_staleness_micro) / 1e6;
+  stats["scheduled_lr"] = static_cast<double>(st.scheduled_lr_pico) / 1e12;
   json histograms = json::object();
   const auto histogram_json = [](const HistogramView& hv, const char* unit) {
     return json{{"unit", unit},
@@ -755,6 +756,8 @@ std::string render_text(const Snapshot& s) {
             : num(static_cast<double>(st.scale_factor_sum_micro) / 1e6 / static_cast<double>(st.pushes_scaled)))
     << ")\n";
   o << "  apply threads   " << st.apply_threads << " (the last update of a tensor from 4 MiB)\n";
+  o << "  scheduled lr    " << num(static_cast<double>(st.scheduled_lr_pico) / 1e12)
+    << " (the next update's, by --lr-schedule)\n";
   if (st.fed_members != 0)
     o << "  federation      round " << st.fed_round << ", " << st.fed_members << " hosts"
       << (st.fed_epoch != 0 ? " (epoch " + std::to_string(st.fed_epoch) + ")" : std::string()) << ", last round "
@@ -823,17 +826,19 @@ std::string label_value(const std::string& v) {
 }
 
 // Prometheus's names: a counter ends in _total; a value in millionths
-// (name_micro) is given in its unit, one in ns (name_ns) in seconds
-// (name_seconds).
+// (name_micro) or 1e-12ths (name_pico) is given in its unit, one in ns
+// (name_ns) in seconds (name_seconds).
 std::string metric_name(const std::string& name, const std::string& kind) {
   std::string base = name;
   if (ends_with(base, "_micro")) base.resize(base.size() - 6);
+  if (ends_with(base, "_pico")) base.resize(base.size() - 5);
   if (ends_with(base, "_ns")) base.replace(base.size() - 3, 3, "_seconds");
   return "shmps_" + base + (kind == "counter" ? "_total" : "");
 }
 
 double metric_value(const std::string& name, uint64_t v) {
   if (ends_with(name, "_micro")) return static_cast<double>(v) / 1e6;
+  if (ends_with(name, "_pico")) return static_cast<double>(v) / 1e12;
   if (ends_with(name, "_ns")) return static_cast<double>(v) / 1e9;
   return static_cast<double>(v);
 }
@@ -894,7 +899,8 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
   e.sample("shmps_server_state", h.server_state);
   e.family("shmps_parameters", "gauge", "Parameters (fp32 elements) of the model, all tensors.");
   e.sample("shmps_parameters", static_cast<double>(h.total_elements));
-  e.family("shmps_learning_rate", "gauge", "The optimizer's learning rate now.");
+  e.family("shmps_learning_rate", "gauge",
+           "The configured learning rate (--lr; each update's follows --lr-schedule from it: shmps_scheduled_lr).");
   e.sample("shmps_learning_rate", s.config.lr);
   e.family("shmps_max_staleness", "gauge",
            "The staleness bound: versions (policy reject), clocks ahead of the slowest worker (wait).");

@@ -128,21 +128,29 @@ class RemoteOptimizer:
     def close(self):
         """Gives the model its parameters back: every p.data and p.grad
         becomes a tensor of its own (on the same device) holding what the
-        buffers hold now (the weights last pulled, the last gradient), and
-        the two buffers are unregistered from the Worker, which stays open
+        buffers hold (the weights last pulled, the last gradient), and the
+        two buffers are unregistered from the Worker, which stays open
         (best effort: a closed Worker or a server gone has nothing left to
-        free). Idempotent; step(), pull() and zero_grad() after it raise."""
+        free), and dropped. Idempotent; step(), pull() and zero_grad()
+        after it raise. A close() that raises (no memory for the copies)
+        leaves the model on the buffers, and may be called again."""
         if self.closed:
             return
-        self.closed = True
+        # Unregistered first: a request still in flight on them (a step()
+        # that Ctrl-C ended) is served before the unregister is answered,
+        # so what is copied below is final. Their memory stays valid while
+        # a view of it lives.
+        for buf in (self._grad_buf, self._weight_buf):
+            with contextlib.suppress(_errors.Error):
+                self.worker.unregister_buffer(buf)
+        self._sync()  # a gradient backward() wrote on the current stream
         with torch.no_grad():
             for _, p in self._params:
                 p.data = p.data.clone()
                 if p.grad is not None:
                     p.grad = p.grad.clone()
-        for buf in (self._grad_buf, self._weight_buf):
-            with contextlib.suppress(_errors.Error):
-                self.worker.unregister_buffer(buf)
+        self._grads = self._weights = self._grad_buf = self._weight_buf = None
+        self.closed = True
 
     def __enter__(self):
         return self

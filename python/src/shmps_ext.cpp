@@ -59,9 +59,9 @@ std::atomic<unsigned long> main_thread{0};
 // raised (Ctrl-C: KeyboardInterrupt) ends the wait and leaves its
 // exception set, for raised_during() to raise once the call returns; the
 // C++ call then fails with kInterrupted (an answer that came meanwhile is
-// kept for wait()). A wait with the GIL held (a Worker freed without
-// close(): its detach, which does not ask anyway) is left alone: nothing
-// there would raise what a handler set.
+// kept for wait()). A wait with the GIL held is left alone: nothing there
+// would raise what a handler set. (A detach, close()'s or that of a Worker
+// freed without close(), never asks.)
 bool signal_handler_raised() {
   if (PyThread_get_thread_ident() != main_thread.load(std::memory_order_relaxed)) return false;  // relaxed: one word
   if (PyGILState_Check()) return false;

@@ -235,7 +235,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   kernels::OptimizerConfig& o = c.optimizer;
   std::string config_file, optimizer = "sgd", backend = "auto", init = "zero", log_level = "info",
                            apply_threads = "auto", staleness_policy = "reject", federation = "none",
-                           fed_outer = "average", fed_priority = "normal", fed_cpus;
+                           fed_outer = "average", fed_priority = "normal", fed_cpus, lr_schedule = "constant";
   bool fed_unweighted = false, fed_no_overlap = false;
   std::vector<std::string> tensors;
   float weight_decay = 0.0f;
@@ -250,6 +250,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "NAME:SHAPE[:f32], e.g. fc1.weight:256x784; repeatable, in order (required)")(
       "optimizer", po::value(&optimizer)->default_value("sgd"), "sgd | adam | adamw")(
       "lr", po::value(&o.lr)->default_value(0.001f), "learning rate (> 0); changes live on SIGHUP")(
+      "lr-schedule", po::value(&lr_schedule)->default_value("constant"),
+      "the lr of each update from lr and the updates before it, as torch.optim.lr_scheduler's: constant | "
+      "step:SIZE:GAMMA | exponential:GAMMA | cosine:T_MAX[:ETA_MIN] | linear:START:END:ITERS, phases joined "
+      "by commas run in turn (linear:0.01:1:500,cosine:9500: a warm-up, then cosine); changes live on SIGHUP")(
       "momentum", po::value(&o.momentum)->default_value(0.0f), "SGD momentum (>= 0)")(
       "dampening", po::value(&o.dampening)->default_value(0.0f), "SGD dampening (>= 0)")(
       "nesterov", po::bool_switch(&o.nesterov), "SGD Nesterov momentum (needs momentum > 0, dampening 0)")(
@@ -459,6 +463,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   } else {
     return fail("--init must be zero, normal, uniform or file, got '" + init + "'");
   }
+  if (Result<kernels::LrSchedule> schedule = kernels::parse_lr_schedule(lr_schedule); schedule.ok())
+    c.lr_schedule = std::move(schedule).value();
+  else
+    return fail(schedule.status().message());
   if (!parse_staleness_policy(staleness_policy, &c.staleness_policy))
     return fail("--staleness-policy must be reject, wait or scale, got '" + staleness_policy + "'");
   if (apply_threads == "auto") {
@@ -514,6 +522,7 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   }
   e.emplace_back("optimizer", kernels::optimizer_kind_name(o.kind));
   e.emplace_back("lr", number_text(o.lr));
+  e.emplace_back("lr-schedule", kernels::lr_schedule_text(c.lr_schedule));
   if (optimizer_uses(o.kind, "momentum")) {
     e.emplace_back("momentum", number_text(o.momentum));
     e.emplace_back("dampening", number_text(o.dampening));

@@ -57,6 +57,9 @@ void apply_live(ServerConfig& running, const ServerConfig& next, shm::ConfigBloc
       // store, never torn); the server reads its own copy.
       std::atomic_ref<float>(shared.lr).store(running.optimizer.lr, std::memory_order_relaxed);
       log::info(change);
+    } else if (key == "lr-schedule") {
+      running.lr_schedule = next.lr_schedule;  // from the next update, at the version reached
+      log::info(change);
     } else if (key == "max-staleness") {
       running.max_staleness = next.max_staleness;
       // relaxed: as lr above.

@@ -238,15 +238,18 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
                   "staleness " + std::to_string(staleness) + " > max_staleness " +
                       std::to_string(config_.max_staleness) + " (v" + std::to_string(req.worker_version) + " vs v" +
                       std::to_string(version) + ")");
-  // scale: what reject would throw away is applied with lr * b / staleness
-  // (scaled_lr()); the step count and the moments advance as for any push.
+  // The lr of this update: the schedule's at this version; under scale,
+  // what reject would throw away is applied with that lr * b / staleness
+  // (scaled_lr()). The step count and the moments advance as for any push.
   const bool scaled = policy == shm::StalenessPolicy::kScale && staleness > scale_bound(config_.max_staleness);
-  kernels::OptimizerConfig scaled_optimizer;
-  if (scaled) {
-    scaled_optimizer = config_.optimizer;
-    scaled_optimizer.lr = scaled_lr(config_.optimizer.lr, staleness, config_.max_staleness);
+  const bool scheduled = !config_.lr_schedule.constant();
+  kernels::OptimizerConfig stepped;
+  if (scaled || scheduled) {
+    stepped = config_.optimizer;
+    if (scheduled) stepped.lr = next_lr(config_, version);
+    if (scaled) stepped.lr = scaled_lr(stepped.lr, staleness, config_.max_staleness);
   }
-  const kernels::OptimizerConfig& optimizer = scaled ? scaled_optimizer : config_.optimizer;
+  const kernels::OptimizerConfig& optimizer = scaled || scheduled ? stepped : config_.optimizer;
   shm::StatsBlock& st = segment_.stats();
   if (target->elements >= kernels::kCpuSplitMinElements && splits(*target)) {
     const uint32_t threads = backend_.set_apply_threads(sessions_.apply_threads(i));

@@ -34,6 +34,12 @@ inline float scaled_lr(float lr, uint64_t staleness, uint64_t max_staleness) {
   return staleness > b ? lr * static_cast<float>(b) / static_cast<float>(staleness) : lr;
 }
 
+// The lr of the update after `updates` (the version): --lr-schedule's, from
+// --lr.
+inline float next_lr(const ServerConfig& config, uint64_t updates) {
+  return static_cast<float>(kernels::scheduled_lr(config.lr_schedule, config.optimizer.lr, updates));
+}
+
 struct Answer {
   shm::Completion completion;
   // The buffer the request's device work uses (asynchronous backends): the

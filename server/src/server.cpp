@@ -173,6 +173,7 @@ class Server::Impl {
     last_watchdog = last_status = shm::monotonic_ns();
     applied_at_last_status = stats().gradients_applied.load(std::memory_order_relaxed);  // relaxed: our own counter
     if (federation) federation->start(model.version);
+    publish_lr();
     if (notifier.enabled()) {
       log::info(notifier.watchdog_ns() == 0 ? std::string("notifying systemd; no watchdog")
                                             : "notifying systemd; watchdog keep-alive every " +
@@ -262,10 +263,19 @@ class Server::Impl {
     return true;
   }
 
+  // The lr the next update gets (--lr-schedule at this version), in
+  // 1e-12ths, for readers of the stats block; saturated past 1.8e7.
+  void publish_lr() {
+    const double pico = static_cast<double>(next_lr(config, model.version)) * 1e12;
+    const uint64_t value = pico + 0.5 < 0x1p64 ? static_cast<uint64_t>(pico + 0.5) : ~uint64_t{0};
+    stats().scheduled_lr_pico.store(value, std::memory_order_relaxed);  // relaxed: statistic
+  }
+
   // Every kHeartbeatNs, from the loop and only there: a consumer stuck in a
   // request stops the watchdog keep-alives, and systemd restarts it.
   void periodic(uint64_t now) {
     sessions.publish_depth();  // for readers of the stats block (shmps-inspect)
+    publish_lr();
     for (uint32_t i = 0; i < config.max_workers; ++i)
       if (std::exchange(behind[i], 0) != 0) ring_doorbell(i);  // its completion queue was full: try again
     if (federation) federation->publish_drift(model.version);

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <pwd.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -27,6 +28,10 @@ namespace shmps::shm {
 namespace {
 
 constexpr uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+// ShmObject::create's refusal of a fresh object another process locked
+// first; Segment::create tries again on it.
+constexpr std::string_view kLockedByAnother = "was locked by another process as it was created";
 
 // Turns a Boost.Interprocess exception into a Status.
 Status from_boost(const bip::interprocess_exception& e, const std::string& what) {
@@ -228,6 +233,11 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
                                   bip::permissions(static_cast<int>(mode)));
     created = true;
     const int fd = shm.get_mapping_handle().handle;
+    // The creator's lock, held with the kept descriptor for the object's
+    // life. Busy on a fresh object: a starting server took it between our
+    // create and here, found it unlocked, and removes it.
+    if (keep_descriptor && ::flock(fd, LOCK_EX | LOCK_NB) != 0)
+      return Status{ErrorCode::kIo, "shm object '" + object_name + "' " + std::string(kLockedByAnother)};
     if (group != static_cast<gid_t>(-1) && ::fchown(fd, static_cast<uid_t>(-1), group) != 0) {
       const int err = errno;
       bip::shared_memory_object::remove(object_name.c_str());
@@ -524,18 +534,16 @@ Status validate_spec(const SegmentSpec& spec) {
 
 namespace {
 
-// A start leaves the object empty, or sized with a header that names no
-// server yet, only between creating it and writing the header
-// (microseconds; posix_fallocate of a large segment, milliseconds): one
-// like that for this long is a start that died there.
-constexpr int64_t kCrashedStartSeconds = 10;
-
-// Something holds the segment's name: removes it if it is a segment of
-// ours whose server is dead, or an object of ours that names no server
-// (empty, or its header not written yet) and is older than
-// kCrashedStartSeconds (a younger one may be another server starting
-// under the name: replacing it would leave that server serving an object
-// nobody can open); refuses, naming its owner and mode, anything else.
+// Something holds the segment's name. A server holds an exclusive flock on
+// its segment from creating it to its exit (ShmObject::create with
+// keep_descriptor), so an object of ours that nobody has locked is what a
+// server that died left, at whatever step it died: empty, its header not
+// written yet, or a whole segment. Removes such an object, holding its lock
+// meanwhile (a removal happens only under the lock: two servers starting
+// cannot both judge one object dead); refuses one locked by a live process
+// (a server starting or serving under the name), a segment whose header
+// names a live server (a build that took no lock), and, naming its owner
+// and mode, anything that is not ours.
 Status clear_stale_object(const std::string& object_name, const std::string& name) {
   const std::string path = "/dev/shm/" + object_name;
   struct stat st {};
@@ -547,42 +555,50 @@ Status clear_stale_object(const std::string& object_name, const std::string& nam
             path + who + " belongs to another user, not to " + user_name(::geteuid()) +
                 ": not adopting it; if it is stale, its owner or root must remove it (sudo rm " + path + ")"};
   if (!S_ISREG(st.st_mode)) return {ErrorCode::kLayoutMismatch, path + who + " is not a shm object; remove it by hand"};
-  const auto maybe_starting = [&](const std::string& what) -> Status {
-    struct timespec now {};
-    ::clock_gettime(CLOCK_REALTIME, &now);
-    if (now.tv_sec - st.st_mtim.tv_sec >= kCrashedStartSeconds) return Status::Ok();
-    return {ErrorCode::kInvalidArgument, path + who + " is " + what + ": another shmps-server may be starting under '" +
-                                             name + "'; if none is, remove it (rm " + path + ") or wait " +
-                                             std::to_string(kCrashedStartSeconds) +
-                                             " s, after which a start replaces it"};
-  };
-  if (st.st_size == 0) {
-    if (Status s = maybe_starting("empty"); !s.ok()) return s;
-  } else {
-    auto existing = ShmObject::open(object_name, /*read_only=*/true);
-    if (!existing.ok()) return Status{existing.status().code(), existing.status().message() + who};
-    const ShmObject& old = **existing;
-    // The descriptor's owner, not the name's a moment ago.
-    if (old.owner_uid() != ::geteuid())
-      return {ErrorCode::kPermission, path + who + " belongs to another user: not adopting it"};
-    if (old.size() < sizeof(SegmentHeader))
+  // O_NONBLOCK: a FIFO put there since the lstat must not block the open.
+  const int fd = ::shm_open(object_name.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC, 0);
+  if (fd < 0) return errno == ENOENT ? Status::Ok() : Status{ErrorCode::kIo, "open " + path + ": " + errno_text(errno)};
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }  // releases the lock, after the removal
+  } closer{fd};
+  struct stat held {};
+  if (::fstat(fd, &held) != 0) return {ErrorCode::kIo, "fstat " + path + ": " + errno_text(errno)};
+  const std::string held_who = " (" + owner_and_mode(held.st_uid, held.st_gid, held.st_mode) + ")";
+  // The descriptor's owner and type, not the name's a moment ago.
+  if (held.st_uid != ::geteuid())
+    return {ErrorCode::kPermission, path + held_who + " belongs to another user: not adopting it"};
+  if (!S_ISREG(held.st_mode))
+    return {ErrorCode::kLayoutMismatch, path + held_who + " is not a shm object; remove it by hand"};
+  SegmentHeader h{};  // zero: an object too small to hold one names no server
+  if (held.st_size > 0) {
+    if (static_cast<uint64_t>(held.st_size) < sizeof(SegmentHeader))
       return {ErrorCode::kLayoutMismatch,
-              path + who + " is " + std::to_string(old.size()) +
+              path + held_who + " is " + std::to_string(held.st_size) +
                   " bytes, too small for a shmps segment; remove it by hand if it is stale"};
-    SegmentHeader h;  // a private copy: a starting server may be writing it
-    copy_shared(&h, old.data(), sizeof h);
+    void* header = ::mmap(nullptr, sizeof h, PROT_READ, MAP_SHARED, fd, 0);
+    if (header == MAP_FAILED) return {ErrorCode::kIo, "mmap " + path + ": " + errno_text(errno)};
+    copy_shared(&h, header, sizeof h);  // a private copy: a starting server may be writing it
+    ::munmap(header, sizeof h);
     if (h.magic != kMagic && h.magic != 0)
       return {ErrorCode::kLayoutMismatch,
-              path + who + " exists and is not a shmps segment; remove it by hand if it is stale"};
-    if (h.magic == kMagic && h.server_pid != 0 && h.server_start_time != 0) {
-      if (process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time))
-        return {ErrorCode::kInvalidArgument,
-                "a live shmps-server (pid " + std::to_string(h.server_pid) + ") already serves '" + name + "'"};
-    } else if (Status s = maybe_starting("a segment whose header names no server yet"); !s.ok()) {
-      return s;
-    }
+              path + held_who + " exists and is not a shmps segment; remove it by hand if it is stale"};
   }
-  ShmObject::remove(object_name);
+  const bool names_a_live_server =
+      h.magic == kMagic && h.server_pid != 0 && process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time);
+  if (names_a_live_server)
+    return {ErrorCode::kInvalidArgument,
+            "a live shmps-server (pid " + std::to_string(h.server_pid) + ") already serves '" + name + "'"};
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK) return {ErrorCode::kIo, "flock " + path + ": " + errno_text(errno)};
+    return {ErrorCode::kInvalidArgument, "another shmps-server is starting under '" + name + "': " + path + held_who +
+                                             " is locked by a live process; not replacing it"};
+  }
+  // Still the object at the name (only a holder of its lock removes it):
+  // the one whose lock we hold goes.
+  struct stat now {};
+  if (::lstat(path.c_str(), &now) == 0 && now.st_ino == held.st_ino && now.st_dev == held.st_dev)
+    ShmObject::remove(object_name);
   return Status::Ok();
 }
 
@@ -593,14 +609,31 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
   const std::string object_name = segment_object_name(spec.name);
   const Geometry g = compute_geometry(static_cast<uint32_t>(spec.tensors.size()), spec.max_workers, spec.max_buffers,
                                       spec.lane_capacity);
-  // The descriptor stays: the server grows the object back through it (server/src/peer_guard.hpp).
-  const auto create_object = [&] {
-    return ShmObject::create(object_name, g.segment_size, spec.mode, static_cast<gid_t>(-1), /*keep_descriptor=*/true);
-  };
-  auto created = create_object();
-  if (!created.ok() && created.status().message().find("already exists") != std::string::npos) {
-    if (Status s = clear_stale_object(object_name, spec.name); !s.ok()) return s;
-    created = create_object();
+  // The descriptor stays, locked: the server grows the object back through
+  // it (server/src/peer_guard.hpp), and its lock tells another starting
+  // server that this one lives (clear_stale_object()).
+  const std::string path = "/dev/shm/" + object_name;
+  Result<std::unique_ptr<ShmObject>> created = Status{ErrorCode::kInternal, "not created"};
+  // Another server starting under the name may remove an object of ours
+  // that it opened before we locked it, as a dead start's: then we meet its
+  // own object at the next try, and stop there.
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    created = ShmObject::create(object_name, g.segment_size, spec.mode, static_cast<gid_t>(-1),
+                                /*keep_descriptor=*/true);
+    if (!created.ok()) {
+      const std::string& why = created.status().message();
+      if (why.find(kLockedByAnother) != std::string::npos) continue;
+      if (why.find("already exists") == std::string::npos) return created.status();
+      if (Status s = clear_stale_object(object_name, spec.name); !s.ok()) return s;
+      continue;
+    }
+    // Removed before our lock took (the other server's check and removal
+    // fitting between our create and lock): not ours to serve.
+    struct stat now {};
+    if (::lstat(path.c_str(), &now) == 0 && now.st_ino == (*created)->inode()) break;
+    created = Status{
+        ErrorCode::kInvalidArgument,
+        path + " was removed as this server created it, by another shmps-server starting under '" + spec.name + "'"};
   }
   if (!created.ok()) return created.status();
 

@@ -9,6 +9,8 @@
 #define BOOST_TEST_MODULE test_access
 #include <fcntl.h>
 #include <grp.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -278,70 +280,106 @@ BOOST_AUTO_TEST_CASE(name_held_by_another_user_is_never_adopted) {
   }
 }
 
-// An empty object of the server's own user at the name is what a start that
-// died between creating and sizing the segment leaves: once it is older
-// than a start takes, the next start replaces it instead of failing the
-// same way every time. A fresh one may be another server starting: refused.
-BOOST_AUTO_TEST_CASE(own_empty_object_is_a_crashed_start_and_is_replaced) {
-  const std::string name = test::unique_name("empty");
-  const std::string object = shm::segment_object_name(name);
-  const int fd = ::shm_open(object.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  BOOST_REQUIRE(fd >= 0);
-  ::close(fd);
-  const auto fresh = test::run_captured({test::program_path("shmps-server"), "--name", name, "--tensor", "w:4"});
-  BOOST_TEST(fresh.exit_code == 1, fresh.output);
-  BOOST_TEST(fresh.output.find("(owner " + shm::owner_text(::geteuid(), ::getegid()) +
-                               ", mode 0600) is empty: another shmps-server may be starting") != std::string::npos,
-             fresh.output);
-  BOOST_TEST(stat_of(object).st_size == 0);  // left alone
-  // The same object a minute old: a start that died.
-  const struct timespec minute_ago[2] = {{::time(nullptr) - 60, 0}, {::time(nullptr) - 60, 0}};
-  BOOST_REQUIRE(::utimensat(AT_FDCWD, ("/dev/shm/" + object).c_str(), minute_ago, 0) == 0);
-  test::ServerProcess server(name, kTiny);
-  BOOST_TEST(stat_of(object).st_size > 0);
-  auto w = connect(name);
-  BOOST_TEST(w->ping().ok());
-}
-
-// The same for an object sized but with its header not written yet (a
-// start between sizing and writing it, or one that died there), and for
-// a header that names no server process: refused while fresh (replacing
-// it would leave the other starting server serving an unlinked object),
-// replaced once older than a start takes. A dead server's segment is
-// replaced at once, whatever its age.
-BOOST_AUTO_TEST_CASE(own_unwritten_segment_is_a_start_in_progress_until_it_is_old) {
-  const std::string name = test::unique_name("unwritten");
+// An object of the server's own user at the name, in each shape a server
+// that died leaves it (empty: it died between creating and sizing it;
+// sized with its header not written yet; a header naming no process; a
+// whole segment of a dead server): while a live process holds its lock
+// (a server starting or serving under the name holds it from creating the
+// object to its exit) a start refuses it and leaves it alone; once that
+// process is gone, the next start replaces it at once.
+BOOST_AUTO_TEST_CASE(own_object_is_replaced_once_no_live_process_holds_its_lock) {
+  const std::string name = test::unique_name("leftover");
   const std::string object = shm::segment_object_name(name);
   const std::string path = "/dev/shm/" + object;
-  const auto place = [&](uint64_t magic, uint32_t pid) {
-    shm::ShmObject::remove(object);
-    auto obj = shm::ShmObject::create(object, 2 * sizeof(shm::SegmentHeader), 0600);
-    BOOST_REQUIRE(obj.ok());
-    auto& h = *static_cast<shm::SegmentHeader*>((*obj)->data());
-    h.magic = magic;
-    h.server_pid = pid;
-    h.server_start_time = pid == 0 ? 0 : 1;  // no process started at tick 1: dead
+  struct Shape {
+    const char* what;
+    size_t bytes;
+    uint64_t magic;
+    uint32_t pid;
   };
-  for (const uint64_t magic : {uint64_t{0}, shm::kMagic}) {
-    BOOST_TEST_CONTEXT("magic " << magic) {
-      place(magic, 0);
-      const auto fresh = test::run_captured({test::program_path("shmps-server"), "--name", name, "--tensor", "w:4"});
-      BOOST_TEST(fresh.exit_code == 1, fresh.output);
-      BOOST_TEST(fresh.output.find("mode 0600) is a segment whose header names no server yet: another shmps-server "
-                                   "may be starting") != std::string::npos,
-                 fresh.output);
-      BOOST_TEST(stat_of(object).st_size == static_cast<off_t>(2 * sizeof(shm::SegmentHeader)));  // left alone
-      const struct timespec minute_ago[2] = {{::time(nullptr) - 60, 0}, {::time(nullptr) - 60, 0}};
-      BOOST_REQUIRE(::utimensat(AT_FDCWD, path.c_str(), minute_ago, 0) == 0);
-      {
-        test::ServerProcess server(name, kTiny);
-        BOOST_TEST(connect(name)->ping().ok());
+  for (const Shape& shape :
+       {Shape{"empty", 0, 0, 0}, Shape{"unwritten", 8192, 0, 0}, Shape{"no process", 8192, shm::kMagic, 0},
+        Shape{"dead server", 8192, shm::kMagic, 0x5a5a5a5a}}) {
+    BOOST_TEST_CONTEXT(shape.what) {
+      const int fd = ::shm_open(object.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      BOOST_REQUIRE(fd >= 0);
+      if (shape.bytes != 0) {
+        BOOST_REQUIRE(::ftruncate(fd, static_cast<off_t>(shape.bytes)) == 0);
+        shm::SegmentHeader h{};
+        h.magic = shape.magic;
+        h.server_pid = shape.pid;
+        h.server_start_time = 1;  // no process started at tick 1
+        BOOST_REQUIRE(::pwrite(fd, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h));
       }
+      ::close(fd);
+      // A process holding the object's lock, as a starting server does.
+      auto holder = test::Process::fork_fn([&] {
+        const int held = ::shm_open(object.c_str(), O_RDONLY, 0);
+        if (held < 0 || ::flock(held, LOCK_EX) != 0) return 2;
+        for (;;) ::pause();
+      });
+      BOOST_REQUIRE(test::eventually([&] {
+        const int probe = ::shm_open(object.c_str(), O_RDONLY, 0);
+        const bool busy = ::flock(probe, LOCK_EX | LOCK_NB) != 0;
+        ::close(probe);
+        return busy;
+      }));
+      const auto refused = test::run_captured({test::program_path("shmps-server"), "--name", name, "--tensor", "w:4"});
+      BOOST_TEST(refused.exit_code == 1, refused.output);
+      BOOST_TEST(refused.output.find("another shmps-server is starting under '" + name + "': " + path + " (owner " +
+                                     shm::owner_text(::geteuid(), ::getegid()) +
+                                     ", mode 0600) is locked by a live process; not replacing it") != std::string::npos,
+                 refused.output);
+      BOOST_TEST(stat_of(object).st_size == static_cast<off_t>(shape.bytes));  // left alone
+      holder.kill_and_reap();
+      test::ServerProcess server(name, kTiny);
+      BOOST_TEST(stat_of(object).st_size > static_cast<off_t>(shape.bytes));
+      BOOST_TEST(connect(name)->ping().ok());
     }
   }
-  place(shm::kMagic, 0x5a5a5a5a);  // fresh, but its server is dead
-  test::ServerProcess server(name, kTiny);
-  BOOST_TEST(connect(name)->ping().ok());
+}
+
+// Servers started under one name at the same moment: exactly one serves,
+// the others exit with a clear refusal, and the one serving is the one
+// whose segment is at the name (none is left serving an object that
+// another removed as a dead start's).
+BOOST_AUTO_TEST_CASE(servers_started_at_once_under_one_name_leave_exactly_one_serving) {
+  const std::string server_bin = test::program_path("shmps-server");
+  for (int round = 0; round < 10; ++round) {
+    BOOST_TEST_CONTEXT("round " << round) {
+      const std::string name = test::unique_name("race");
+      std::vector<test::Process> servers;
+      for (int k = 0; k < 3; ++k)
+        // A large segment (100 MiB): its sizing takes long enough for the
+        // others to find it unwritten.
+        servers.push_back(test::Process::spawn({server_bin, "--name", name, "--tensor", "w:4", "--max-workers", "256",
+                                                "--ring-capacity", "2048", "--log-level", "error"}));
+      std::vector<int> codes(servers.size(), -2);
+      BOOST_REQUIRE(test::eventually([&] {
+        size_t exited = 0;
+        for (size_t k = 0; k < servers.size(); ++k) {
+          if (int c = 0; codes[k] == -2 && servers[k].try_wait(&c)) codes[k] = c;
+          exited += codes[k] != -2 ? 1 : 0;
+        }
+        return exited == servers.size() - 1;
+      }));
+      size_t running = servers.size();
+      for (size_t k = 0; k < servers.size(); ++k)
+        if (codes[k] != -2) {
+          BOOST_TEST(codes[k] == 1);
+        } else {
+          running = k;
+        }
+      BOOST_REQUIRE(running < servers.size());
+      BOOST_REQUIRE(test::eventually([&] {
+        auto seg = shm::Segment::open(name, /*read_only=*/true);
+        return seg.ok() && (*seg)->header().server_pid == static_cast<uint32_t>(servers[running].pid());
+      }));
+      BOOST_TEST(connect(name)->ping().ok());
+      servers[running].signal(SIGTERM);
+      BOOST_TEST(servers[running].wait(std::chrono::seconds(10)) == 0);
+    }
+  }
 }
 
 // A shmps-server run by another user (nobody), as an attacker on the host

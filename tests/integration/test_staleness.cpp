@@ -1,5 +1,6 @@
 // The staleness policies end to end (--staleness-policy reject | wait |
-// scale), and the apply-thread choice (--apply-threads), with a real
+// scale), --lr-schedule with them, and the apply-thread choice
+// (--apply-threads), with a real
 // shmps-server and real worker processes. The slow worker is a forked
 // child that pushes only when the test tells it to (a page of shared
 // counters), or dies when the test kills it.
@@ -10,7 +11,11 @@
 #include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <functional>
+#include <numbers>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -106,6 +111,41 @@ struct PendingPull {
   Result<uint64_t> result{Status{ErrorCode::kInternal, "not returned"}};
   std::thread thread;
 };
+
+// Pushes w's gradient (tensor w, 4 elements; g[e] = 0.1 (e + 1) - slope k
+// at push k) against the version `stalenesses[k]` behind the server's,
+// runs the same updates through the kernels from the weights pulled
+// first, each with the lr lr_of(version, staleness), and checks that the
+// server's weights equal them bit for bit (the same fp32 operations).
+// Returns the version reached.
+uint64_t push_and_match_the_kernels(FastWorker& w, kernels::OptimizerConfig config,
+                                    std::span<const uint64_t> stalenesses, float slope,
+                                    const std::function<float(uint64_t, uint64_t)>& lr_of) {
+  auto v0 = w.pull();
+  BOOST_REQUIRE(v0.ok());
+  std::vector<float> weights(static_cast<const float*>(w.weights.data), static_cast<const float*>(w.weights.data) + 4);
+  std::vector<float> state(8, 0.0f);
+  float* g = static_cast<float*>(w.grad.data);
+  uint64_t version = *v0;
+  for (uint64_t k = 0; k < stalenesses.size(); ++k) {
+    for (int e = 0; e < 4; ++e) g[e] = 0.1f * static_cast<float>(e + 1) - slope * static_cast<float>(k);
+    const uint64_t at = version - std::min(version, stalenesses[k]);
+    auto v = w.w->push(0, w.grad.id, 0, 16, Dtype::kF32, at);
+    BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+    config.lr = lr_of(version, version - at);
+    kernels::TensorState ts;
+    ts.weights = weights.data();
+    ts.state[0] = state.data();
+    ts.state[1] = state.data() + 4;
+    ts.n = 4;
+    kernels::apply_cpu(config, ts, g, kernels::GradDtype::kF32, k + 1);
+    version = *v;
+  }
+  BOOST_REQUIRE(w.pull().ok());
+  const float* served = static_cast<const float*>(w.weights.data);
+  for (int e = 0; e < 4; ++e) BOOST_TEST(served[e] == weights[e]);
+  return version;
+}
 
 const std::vector<std::string> kWait = {"--tensor",        "w:4", "--lr", "0.5", "--staleness-policy", "wait",
                                         "--max-staleness", "2"};
@@ -363,35 +403,14 @@ BOOST_AUTO_TEST_CASE(scale_applies_lr_times_bound_over_staleness_bitwise_and_rej
                                  {"--tensor", "w:4", "--lr", "0.3", "--optimizer", optimizer, "--staleness-policy",
                                   "scale", "--max-staleness", std::to_string(c.max_staleness), "--init", "uniform"});
       FastWorker w(server.name());
-      auto v0 = w.pull();
-      BOOST_REQUIRE(v0.ok());
-      std::vector<float> weights(static_cast<const float*>(w.weights.data),
-                                 static_cast<const float*>(w.weights.data) + 4);
-      std::vector<float> state(8, 0.0f);
       kernels::OptimizerConfig config;
       BOOST_REQUIRE(kernels::parse_optimizer_kind(optimizer, &config.kind));
       if (config.kind == kernels::OptimizerKind::kAdamW) config.weight_decay = 0.01f;  // the server's default for AdamW
-      float* g = static_cast<float*>(w.grad.data);
       const uint64_t stalenesses[] = {0, 1, 2, 1, 3};
-      uint64_t version = 0;
-      for (uint64_t k = 0; k < std::size(stalenesses); ++k) {
-        for (int e = 0; e < 4; ++e) g[e] = 0.1f * static_cast<float>(e + 1) - 0.05f * static_cast<float>(k);
-        const uint64_t at = version - std::min(version, stalenesses[k]);
-        auto v = w.w->push(0, w.grad.id, 0, 16, Dtype::kF32, at);
-        BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
-        const uint64_t t = version - at, b = std::max<uint64_t>(1, c.max_staleness);
-        config.lr = t > b ? 0.3f * static_cast<float>(b) / static_cast<float>(t) : 0.3f;
-        kernels::TensorState ts;
-        ts.weights = weights.data();
-        ts.state[0] = state.data();
-        ts.state[1] = state.data() + 4;
-        ts.n = 4;
-        kernels::apply_cpu(config, ts, g, kernels::GradDtype::kF32, k + 1);
-        version = *v;
-      }
-      BOOST_REQUIRE(w.pull().ok());
-      const float* served = static_cast<const float*>(w.weights.data);
-      for (int e = 0; e < 4; ++e) BOOST_TEST(served[e] == weights[e]);  // exact: same fp32 operations
+      push_and_match_the_kernels(w, config, stalenesses, 0.05f, [&](uint64_t, uint64_t t) {
+        const uint64_t b = std::max<uint64_t>(1, c.max_staleness);
+        return t > b ? 0.3f * static_cast<float>(b) / static_cast<float>(t) : 0.3f;
+      });
       const ServerStats s = w.stats();
       BOOST_TEST(s.rejected_stale == 0u);
       BOOST_TEST(s.pushes_scaled == c.scaled);
@@ -399,6 +418,43 @@ BOOST_AUTO_TEST_CASE(scale_applies_lr_times_bound_over_staleness_bitwise_and_rej
       BOOST_TEST(s.scale_factor_sum_micro == c.factor_micro);
     }
   }
+}
+
+// --lr-schedule: each update gets the schedule's lr at the version it
+// applies to, here a linear warm-up then cosine annealing (as torch's
+// SequentialLR runs them), followed past T_max, and under scale that lr
+// times b / staleness: bitwise against the kernels run with the lr of
+// torch's closed forms, written out here. The stats block's gauge shows
+// the next update's lr.
+BOOST_AUTO_TEST_CASE(lr_schedule_gives_each_update_its_lr_under_scale_too) {
+  const double base = 0.3f;  // the server's lr is a float
+  // SequentialLR([LinearLR(opt, 0.25, 1.0, 3), CosineAnnealingLR(opt, 4, 0.01)], milestones=[3]).
+  const auto torch_lr = [base](uint64_t k) {
+    if (k < 3) return base * (0.25 + 0.75 * static_cast<double>(k) / 3.0);
+    return 0.01 + (base - 0.01) * (1.0 + std::cos(std::numbers::pi * static_cast<double>(k - 3) / 4.0)) / 2.0;
+  };
+  test::ServerProcess server(
+      test::unique_name("lrsched"),
+      {"--tensor", "w:4", "--lr", "0.3", "--optimizer", "adam", "--lr-schedule", "linear:0.25:1:3,cosine:4:0.01",
+       "--staleness-policy", "scale", "--max-staleness", "1", "--init", "uniform"});
+  FastWorker w(server.name());
+  kernels::OptimizerConfig config;
+  config.kind = kernels::OptimizerKind::kAdam;
+  const uint64_t stalenesses[] = {0, 1, 2, 0, 3, 1, 0, 2, 0, 0, 1};  // 2 and 3: scaled by 1/2 and 1/3
+  const uint64_t version = push_and_match_the_kernels(w, config, stalenesses, 0.03f, [&](uint64_t v, uint64_t t) {
+    const auto lr = static_cast<float>(torch_lr(v));
+    return t > 1 ? lr * 1.0f / static_cast<float>(t) : lr;
+  });
+  BOOST_TEST(w.stats().pushes_scaled == 3u);
+  auto seg = shm::Segment::open(server.name(), /*read_only=*/true);
+  BOOST_REQUIRE(seg.ok());
+  const auto expected_pico =
+      static_cast<uint64_t>(static_cast<double>(static_cast<float>(torch_lr(version))) * 1e12 + 0.5);
+  BOOST_TEST(test::eventually([&] {
+               return (*seg)->stats().scheduled_lr_pico.load(std::memory_order_relaxed) ==
+                      expected_pico;  // relaxed: a statistic
+             }),
+             (*seg)->stats().scheduled_lr_pico.load(std::memory_order_relaxed) << " vs " << expected_pico);
 }
 
 // A new session on a reused entry starts its policy counters at 0.

@@ -49,8 +49,9 @@ OPTIMIZERS = {
 }
 
 
-def run_remote(make_server, options, device, steps=25, backend="host"):
-    """The model's weights after `steps` RemoteOptimizer steps on fixed gradients, and torch.optim's.
+def run_remote(make_server, options, device, steps=25, backend="host", scheduler=None):
+    """The model's weights after `steps` RemoteOptimizer steps on fixed gradients, and torch.optim's
+    (stepping `scheduler(optimizer)` after each step, when given).
     A model on a GPU needs backend="cuda": the host backend takes only shared-memory buffers."""
     torch.manual_seed(0)
     local = Net()
@@ -59,6 +60,7 @@ def run_remote(make_server, options, device, steps=25, backend="host"):
     server = make_server(tensors=[(n, tuple(p.shape)) for n, p in local.named_parameters()], backend=backend,
                          **options[0])
     reference = options[1](local.parameters())
+    schedule = scheduler(reference) if scheduler else None
     worst = 0.0
     with shmps.connect(server.name) as w:
         opt = shmps.torch.RemoteOptimizer(remote, w, on_stale="raise", init=True)
@@ -69,6 +71,8 @@ def run_remote(make_server, options, device, steps=25, backend="host"):
                 p.grad = g.clone()
                 q.grad.copy_(g)
             reference.step()
+            if schedule:
+                schedule.step()
             assert opt.step() == step + 1
             for (name, p), q in zip(local.named_parameters(), remote.parameters()):
                 diff = (p.detach() - q.detach().cpu()).abs().max().item()
@@ -82,6 +86,26 @@ def test_remote_optimizer_equals_torch_optim(make_server, which):
     print(f"{which}: worst relative difference from torch.optim over 25 steps: {worst:.3g}")
     # The server's kernels compute PyTorch's formulas in fp32 (docs/optimizers.md);
     # their operation order may differ by a rounding step.
+    assert worst <= 1e-6
+
+
+# (shmps-server --lr-schedule, the torch.optim.lr_scheduler that defines it)
+SCHEDULES = {
+    "step": ("step:4:0.5", lambda o: torch.optim.lr_scheduler.StepLR(o, 4, 0.5)),
+    "exponential": ("exponential:0.9", lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.9)),
+    "warmup_cosine": ("linear:0.25:1:3,cosine:8:0.001", lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o, [torch.optim.lr_scheduler.LinearLR(o, 0.25, 1.0, 3), torch.optim.lr_scheduler.CosineAnnealingLR(o, 8, 0.001)],
+        milestones=[3])),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The epoch parameter")  # SequentialLR's own call of a scheduler's step(0)
+@pytest.mark.parametrize("which", sorted(SCHEDULES))
+def test_the_servers_lr_schedule_equals_torchs_scheduler(make_server, which):
+    text, scheduler = SCHEDULES[which]
+    server_options, optim = OPTIMIZERS["adam"]
+    worst, _ = run_remote(make_server, (dict(server_options, lr_schedule=text), optim), "cpu", scheduler=scheduler)
+    print(f"{which}: worst relative difference from torch.optim with its scheduler over 25 steps: {worst:.3g}")
     assert worst <= 1e-6
 
 

@@ -369,6 +369,57 @@ BOOST_AUTO_TEST_CASE(sighup_reloads_lr_and_max_staleness_from_the_config_file) {
   BOOST_TEST(server.wait(10s) == 0);
 }
 
+// --lr-schedule changes on SIGHUP, from the next update and at the
+// version reached (the schedule is a function of the version); a bad one
+// is refused with the option named, and the running one stays.
+BOOST_AUTO_TEST_CASE(sighup_switches_the_lr_schedule_at_the_version_reached) {
+  TempPath err("stderr");
+  TempPath conf("conf");
+  const std::string name = test::unique_name("svc_hup_sched");
+  SegmentGuard guard(name);
+  const auto write_conf = [&](const std::string& body) {
+    std::ofstream(conf.path) << "name = " << name << "\ntensor = w:4\noptimizer = sgd\nlr = 1\n" << body;
+  };
+  write_conf("lr-schedule = step:1:0.5\n");
+  test::Process server = spawn_server({"--config", conf.path}, {}, err.path);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
+                        "no segment; stderr:\n" + read_file(err.path));
+  const auto log_has = [&](const std::string& text) {
+    return test::eventually([&] { return contains(read_file(err.path), text); }, 5s);
+  };
+  auto worker = connect(name);
+  auto grad = worker->register_buffer(16);
+  auto weights = worker->register_buffer(16);
+  BOOST_REQUIRE(grad.ok() && weights.ok());
+  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+  const auto push_then_w0 = [&] {
+    auto v = worker->pull(kAllTensors, weights->id, 0);
+    BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+    BOOST_REQUIRE(worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, *v).ok());
+    BOOST_REQUIRE(worker->pull(kAllTensors, weights->id, 0).ok());
+    return static_cast<const float*>(weights->data)[0];
+  };
+  BOOST_TEST(push_then_w0() == -1.0f);  // lr 1
+  BOOST_TEST(push_then_w0() == -1.5f);  // lr 0.5
+  write_conf("lr-schedule = constant\n");
+  server.signal(SIGHUP);
+  BOOST_TEST(log_has("shmps-server info: reload: lr-schedule step:1:0.5 -> constant"), read_file(err.path));
+  BOOST_TEST(push_then_w0() == -2.5f);  // lr 1
+  write_conf("lr-schedule = exponential:0.5\n");
+  server.signal(SIGHUP);
+  BOOST_TEST(log_has("reload: lr-schedule constant -> exponential:0.5"), read_file(err.path));
+  BOOST_TEST(push_then_w0() == -2.625f);  // version 3: lr 0.5^3
+  write_conf("lr-schedule = cosine:0\n");
+  server.signal(SIGHUP);
+  BOOST_TEST(log_has("reload failed, keeping the running configuration: config file " + conf.path +
+                     " line 5: key 'lr-schedule': 'cosine:0': expected cosine:T_MAX with T_MAX at least 1"),
+             read_file(err.path));
+  BOOST_TEST(push_then_w0() == -2.6875f);  // still exponential: version 4, lr 0.5^4
+  worker.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+}
+
 // The staleness policy switches on SIGHUP without losing a request: a pull
 // held under wait is answered once the policy is reject; then a stale push
 // is rejected, and under scale applied.

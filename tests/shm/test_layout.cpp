@@ -11,7 +11,7 @@ using namespace shmps::shm;
 BOOST_AUTO_TEST_SUITE(layout)
 
 BOOST_AUTO_TEST_CASE(version_and_magic_are_pinned) {
-  BOOST_TEST(kLayoutVersion == 11u);
+  BOOST_TEST(kLayoutVersion == 12u);
   BOOST_TEST(kBufferInProcess == 1u);
   BOOST_TEST(kWeightsExportPresent == 1u);
   BOOST_TEST(kMagic == 0x31474553504d4853ull);

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "shmps/kernels/lr_schedule.hpp"
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/server/federation.hpp"
 #include "shmps/shm/segment.hpp"
@@ -42,6 +43,9 @@ struct ServerConfig {
   std::string name;  // segment is /dev/shm/shmps.<name>
   std::vector<shm::TensorSpec> tensors;
   kernels::OptimizerConfig optimizer;
+  // The lr of each update, from optimizer.lr and the updates applied
+  // before it (the version): torch.optim.lr_scheduler's schedules.
+  kernels::LrSchedule lr_schedule;
   uint64_t max_staleness = 4;
   // What max_staleness bounds, and how (layout.hpp, StalenessPolicy;
   // docs/design.md, "Staleness policies"): reject stale pushes, hold pulls

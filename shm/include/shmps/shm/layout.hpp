@@ -61,7 +61,8 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 // 9: StatsBlock's fed_* counters (federation); StatsReply's but fed_pushes_held.
 // 10: StatsBlock::fed_epoch (the Gloo engine's membership).
 // 11: WorkerEntry::cancel_request (a reserved word before), ErrorCode::kInterrupted.
-inline constexpr uint32_t kLayoutVersion = 11;
+// 12: StatsBlock::scheduled_lr_pico (--lr-schedule).
+inline constexpr uint32_t kLayoutVersion = 12;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;  // 4 doorbell words
@@ -485,7 +486,7 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
 // The server-wide counters, declared once: SHMPS_STATS_BLOCK_COUNTERS(X)
 // expands X(name, kind, help) in StatsBlock's order (help as Prometheus
 // shows it: a name ending in _micro holds millionths, exported divided by
-// 1e6 under the name without the suffix); shmps-inspect's view,
+// 1e6 under the name without the suffix, one ending in _pico 1e-12ths); shmps-inspect's view,
 // its JSON names and Prometheus metrics (kind: counter, only ever grows;
 // gauge, goes up and down) and the worker's reply (shmps/server_stats.hpp,
 // source `block`) take them from here. A name ending in _bytes counts
@@ -522,7 +523,8 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
   X(fed_anchor_hash, gauge, "Hash of the federation's anchor (equal on every host after a round).") \
   X(fed_failures, counter, "Federation rounds that failed (the engine's error; federation then ends, or an elastic group re-forms).") \
   X(fed_pushes_held, counter, "Times a push waited for a federation round's merge (drift cap, or no overlap).") \
-  X(fed_epoch, gauge, "Membership epoch of the federation's group (rises as an elastic group re-forms; 0: static).")
+  X(fed_epoch, gauge, "Membership epoch of the federation's group (rises as an elastic group re-forms; 0: static).") \
+  X(scheduled_lr_pico, gauge, "The lr the next update gets by --lr-schedule (before --staleness-policy scale).")
 // clang-format on
 #define SHMPS_STATS_COUNT(name, kind, help) +1
 inline constexpr size_t kStatsBlockCounters = 0 SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_COUNT);

@@ -42,8 +42,11 @@ class ShmObject {
   // that group (fchown; the caller must belong to it), so a server running
   // as another user of the group can map it. Errors: kInvalidArgument,
   // kPermission, kNoCapacity, kIo (EEXIST included).
-  // With `keep_descriptor`, descriptor() stays open with the mapping (one
-  // more kIo: no descriptor left).
+  // With `keep_descriptor`, descriptor() stays open with the mapping and
+  // holds an exclusive flock on the object until it closes: a server's
+  // lock, which tells another server starting under the name that this
+  // one lives (two more kIo: no descriptor left, or another process locked
+  // the fresh object first).
   static Result<std::unique_ptr<ShmObject>> create(const std::string& object_name, size_t bytes, mode_t mode,
                                                    gid_t group = static_cast<gid_t>(-1), bool keep_descriptor = false);
   // Why open() failed, where a caller treats the case apart (a server that
