@@ -758,6 +758,7 @@ std::string render_text(const Snapshot& s) {
   o << "  apply threads   " << st.apply_threads << " (the last update of a tensor from 4 MiB)\n";
   o << "  scheduled lr    " << num(static_cast<double>(st.scheduled_lr_pico) / 1e12)
     << " (the next update's, by --lr-schedule)\n";
+  o << "  checkpoints     " << st.checkpoints_written << " written, " << st.checkpoint_failures << " failed\n";
   if (st.fed_members != 0)
     o << "  federation      round " << st.fed_round << ", " << st.fed_members << " hosts"
       << (st.fed_epoch != 0 ? " (epoch " + std::to_string(st.fed_epoch) + ")" : std::string()) << ", last round "

@@ -277,7 +277,9 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   // Never over another model's checkpoint (a server started with the wrong
   // options on this directory), nor over something that is not a file.
   // One of ours, even damaged, may go: this write replaces it.
-  if (struct stat st{}; ::lstat(final_path.c_str(), &st) == 0) {
+  // An empty file holds nothing to lose (a crash before its first byte, or
+  // a file made by hand).
+  if (struct stat st{}; ::lstat(final_path.c_str(), &st) == 0 && !(S_ISREG(st.st_mode) && st.st_size == 0)) {
     if (!S_ISREG(st.st_mode))
       return {ErrorCode::kLayoutMismatch, "checkpoint: not replacing " + final_path + ": not a regular file"};
     OpenedCheckpoint existing;
@@ -285,7 +287,12 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
       return {ErrorCode::kLayoutMismatch,
               "checkpoint: not replacing " + final_path + ", not a checkpoint of this model (" + fits.message() + ")"};
   }
-  const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+  // A file of our own making: whatever is at the temp name goes first (a
+  // FIFO there would block the open, and with it every later checkpoint
+  // and the stop), and O_EXCL refuses what could not go.
+  if (::unlink(temp_path.c_str()) != 0 && errno != ENOENT)
+    return {ErrorCode::kIo, "checkpoint: cannot remove " + temp_path + ": " + errno_text()};
+  const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) return {ErrorCode::kIo, "checkpoint: open " + temp_path + ": " + errno_text()};
   bool ok = write_all(fd, &h, sizeof h) && write_all(fd, tensors.data(), tensors.size() * sizeof(CheckpointTensor)) &&
             write_all(fd, data.weights.data(), data.weights.size() * sizeof(float)) &&
@@ -459,6 +466,11 @@ std::optional<uint64_t> CheckpointWriter::last_written() const {
   return last_written_;
 }
 
+uint64_t CheckpointWriter::written() const {
+  std::lock_guard lock(mutex_);
+  return written_;
+}
+
 bool CheckpointWriter::busy() const {
   std::lock_guard lock(mutex_);
   return has_job_ || writing_;
@@ -478,10 +490,12 @@ void CheckpointWriter::loop() {
     if (s.ok()) prune_checkpoints(dir_, keep_, job.version, job.layout);
     lock.lock();
     writing_ = false;
-    if (s.ok())
+    if (s.ok()) {
       last_written_ = job.version;
-    else
+      ++written_;
+    } else {
       result_ = s;
+    }
     cv_.notify_all();
   }
 }

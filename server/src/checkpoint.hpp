@@ -134,6 +134,8 @@ class CheckpointWriter {
   bool busy() const;
   // The version of the last write that succeeded, else `on_disk`.
   std::optional<uint64_t> last_written() const;
+  // The writes that succeeded.
+  uint64_t written() const;
 
  private:
   void loop();
@@ -147,6 +149,7 @@ class CheckpointWriter {
   CheckpointData job_;
   Status result_;
   std::optional<uint64_t> last_written_;
+  uint64_t written_ = 0;
   std::thread thread_;
 };
 

@@ -1,5 +1,9 @@
 #include "checkpoint_policy.hpp"
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <optional>
 
@@ -33,7 +37,15 @@ bool CheckpointPolicy::snapshot(CheckpointData* out) const {
 Status CheckpointPolicy::start(uint64_t now) {
   std::error_code ec;
   std::filesystem::create_directories(config_.checkpoint_dir, ec);
-  if (ec) return Status{ErrorCode::kIo, "--checkpoint-dir " + config_.checkpoint_dir + ": " + ec.message()};
+  const std::string what = "--checkpoint-dir " + config_.checkpoint_dir + ": ";
+  if (ec && std::filesystem::is_symlink(std::filesystem::symlink_status(config_.checkpoint_dir)))
+    return Status{ErrorCode::kIo, what + "a symbolic link to " +
+                                      std::filesystem::read_symlink(config_.checkpoint_dir, ec).string() +
+                                      ", which does not exist"};
+  if (ec) return Status{ErrorCode::kIo, what + ec.message()};
+  // Refused now rather than at every checkpoint and at stop.
+  if (::access(config_.checkpoint_dir.c_str(), W_OK | X_OK) != 0)
+    return Status{ErrorCode::kIo, what + "cannot write checkpoints in it: " + std::strerror(errno)};
   remove_temp_files(config_.checkpoint_dir);
   std::optional<uint64_t> restored;
   const CheckpointLayout l = layout();
@@ -57,15 +69,25 @@ Status CheckpointPolicy::start(uint64_t now) {
   }
   if (!restored)
     log::info("no valid checkpoint in " + config_.checkpoint_dir + "; starting from the configured initial values");
+  restored_ = restored.has_value();
   writer_ = std::make_unique<CheckpointWriter>(config_.checkpoint_dir, config_.checkpoint_keep, restored);
   last_ns_ = now;
   return Status::Ok();
 }
 
+void CheckpointPolicy::publish_result() {
+  if (Status s = writer_->take_result(); !s.ok()) {
+    log::error(s.message());
+    shm::bump(stats_.checkpoint_failures);
+  }
+  // relaxed: a statistic, as every store to the block.
+  stats_.checkpoints_written.store(writer_->written(), std::memory_order_relaxed);
+}
+
 void CheckpointPolicy::maybe(uint64_t now) {
-  if (Status s = writer_->take_result(); !s.ok()) log::error(s.message());
-  // Merged federation rounds change the weights but not the version.
-  if (model_.version == last_version_ && model_.merges == last_merges_) return;
+  publish_result();
+  // Merged federation rounds and inits change the weights but not the version.
+  if (model_.version == last_version_ && model_.unversioned_changes == last_unversioned_) return;
   const bool by_count = config_.checkpoint_every != 0 && model_.version - last_version_ >= config_.checkpoint_every;
   const bool by_time =
       config_.checkpoint_interval_s != 0 && now - last_ns_ >= uint64_t{config_.checkpoint_interval_s} * 1'000'000'000;
@@ -76,13 +98,18 @@ void CheckpointPolicy::maybe(uint64_t now) {
   writer_->submit(std::move(data));
   log::info("checkpoint of version " + std::to_string(model_.version) + " handed to the writer");
   last_version_ = model_.version;
-  last_merges_ = model_.merges;
+  last_unversioned_ = model_.unversioned_changes;
   last_ns_ = now;
 }
 
 Status CheckpointPolicy::write_final() {
-  if (Status s = writer_->drain(); !s.ok()) log::error(s.message());
-  if (model_.version == writer_->last_written() && model_.merges == last_merges_) return Status::Ok();
+  if (Status s = writer_->drain(); !s.ok()) {
+    log::error(s.message());
+    shm::bump(stats_.checkpoint_failures);
+  }
+  // relaxed: as in publish_result().
+  stats_.checkpoints_written.store(writer_->written(), std::memory_order_relaxed);
+  if (model_.version == writer_->last_written() && model_.unversioned_changes == last_unversioned_) return Status::Ok();
   CheckpointData data;
   if (!snapshot(&data)) {
     // The federation stopped before this (a round cannot be in flight):
@@ -92,11 +119,14 @@ Status CheckpointPolicy::write_final() {
     data = CheckpointData{};
     static_cast<void>(snapshot(&data));
   }
-  if (Status s = write_checkpoint(config_.checkpoint_dir, data); !s.ok())
+  if (Status s = write_checkpoint(config_.checkpoint_dir, data); !s.ok()) {
+    shm::bump(stats_.checkpoint_failures);
     return Status{s.code(), "final " + s.message()};
+  }
+  shm::bump(stats_.checkpoints_written);
   prune_checkpoints(config_.checkpoint_dir, config_.checkpoint_keep, model_.version, layout());
   last_version_ = model_.version;
-  last_merges_ = model_.merges;
+  last_unversioned_ = model_.unversioned_changes;
   log::info("final checkpoint written: version " + std::to_string(model_.version) + " in " + config_.checkpoint_dir);
   return Status::Ok();
 }

@@ -4,10 +4,11 @@
 // is handed to the writer thread (checkpoint.hpp) every --checkpoint-every
 // updates and every --checkpoint-interval-s seconds, and the final one is
 // written at stop unless that version is on disk already. A merged
-// federation round changes the weights without a new version: it counts
-// as a change for the interval and the final checkpoint (which then
-// rewrites the file of that version), and each checkpoint stores the
-// federation's state as of its weights. Consumer thread only (the writer
+// federation round, an init or an update cut short changes the weights
+// without a new version (Model::unversioned_changes): it counts as a
+// change for the interval and the final checkpoint (which then rewrites
+// the file of that version), and each checkpoint stores the federation's
+// state as of its weights. Consumer thread only (the writer
 // thread is CheckpointWriter's).
 #pragma once
 
@@ -52,6 +53,8 @@ class CheckpointPolicy {
   // the weights, and the checkpoint waits for the next push or tick.
   using FederationSource = std::function<bool(std::optional<FederationState>*)>;
   void set_federation_source(FederationSource source) { federation_source_ = std::move(source); }
+  // Whether start() restored a checkpoint.
+  bool restored() const { return restored_; }
   // The federation's state in the checkpoint start() restored, once.
   std::optional<FederationState> take_restored_federation() { return std::exchange(restored_federation_, {}); }
 
@@ -60,6 +63,8 @@ class CheckpointPolicy {
   // False when the federation's state cannot be had now (see
   // set_federation_source()).
   bool snapshot(CheckpointData* out) const;
+  // The writer's last result into the log and the stats block's counters.
+  void publish_result();
   // Hands a snapshot to the writer when a trigger fired and it is idle;
   // never waits for the disk. A trigger that finds the writer busy fires
   // again on the next push or tick, so under load a checkpoint may land a
@@ -71,11 +76,12 @@ class CheckpointPolicy {
   Backend& backend_;
   shm::StatsBlock& stats_;
   std::unique_ptr<CheckpointWriter> writer_;
-  uint64_t last_version_ = 0;  // handed to the writer (or restored)
-  uint64_t last_merges_ = 0;   // Model::merges then (a merge changes the weights, not the version)
+  uint64_t last_version_ = 0;      // handed to the writer (or restored)
+  uint64_t last_unversioned_ = 0;  // Model::unversioned_changes then
   uint64_t last_ns_ = 0;
   FederationSource federation_source_;
   std::optional<FederationState> restored_federation_;
+  bool restored_ = false;
 };
 
 }  // namespace shmps::server

@@ -44,8 +44,11 @@ struct Model {
   uint64_t total_elements = 0;
   std::vector<uint64_t> steps;  // per tensor, PyTorch's step count
   uint64_t version = 0;         // applied pushes (or the restored checkpoint's)
-  uint64_t merges = 0;          // federation rounds merged into the weights (they change W, not the version)
-  std::string initialised_by;   // "worker 2 (pid 4711)" once a worker's init was accepted
+  // Changes of the weights that leave the version alone: a merged
+  // federation round, an init, an update cut short (a device error, a
+  // buffer truncated under --allow-nonfinite). Checkpoints count them.
+  uint64_t unversioned_changes = 0;
+  std::string initialised_by;  // "worker 2 (pid 4711)" once a worker's init was accepted
   StalenessWindow staleness;
 };
 

@@ -271,6 +271,7 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
   std::shared_ptr<PeerBuffer> hold = async_ ? sessions_[i].buffers[req.buffer_id] : nullptr;
   for (uint32_t t = target->first; t < target->last; ++t) {
     if (Status s = backend_.apply(optimizer, t, ++model_.steps[t], *target->buffer, byte_offset, dtype); !s.ok()) {
+      ++model_.unversioned_changes;  // the tensors before t were updated, and their steps
       Answer a = backend_failed(i, req, s);
       a.hold = std::move(hold);
       return a;
@@ -280,6 +281,7 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
   // Only with --allow-nonfinite (no check pass) or a worker truncating
   // during the apply: zeros were read for the missing pages.
   if (Status s = backend_.peer_intact(*target->buffer); !s.ok()) {
+    ++model_.unversioned_changes;
     Answer a =
         drop_buffer(i, req, Status{s.code(), s.message() + "; the update was applied with zeros for the lost pages"});
     a.hold = std::move(hold);
@@ -365,8 +367,10 @@ Answer RequestHandler::init(uint32_t i, const Request& req) {
   // Completed once the copy is done.
   std::shared_ptr<PeerBuffer> hold = async_ ? sessions_[i].buffers[req.buffer_id] : nullptr;
   Answer a;
-  if (Status s = backend_.copy_in(0, model_.total_elements, *target->buffer, req.byte_offset); !s.ok()) {
-    a = backend_failed(i, req, s);
+  const Status copied = backend_.copy_in(0, model_.total_elements, *target->buffer, req.byte_offset);
+  ++model_.unversioned_changes;  // the weights, whole or in part, even when the copy failed
+  if (!copied.ok()) {
+    a = backend_failed(i, req, copied);
   } else if (Status intact = backend_.peer_intact(*target->buffer); !intact.ok()) {
     a = drop_buffer(i, req, intact);
   } else {

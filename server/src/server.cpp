@@ -234,7 +234,7 @@ class Server::Impl {
     }
     if (*r == FederationLink::Polled::kNothing || *r == FederationLink::Polled::kSnapshot)
       return *r == FederationLink::Polled::kSnapshot;
-    if (*r == FederationLink::Polled::kMerge) ++model.merges;
+    if (*r == FederationLink::Polled::kMerge) ++model.unversioned_changes;
     if (pushes_held) {
       pushes_held = false;
       housekeeping();  // every living lane, served
@@ -943,17 +943,22 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   Backend& backend_ref = *impl->backend;
   if (Status s = backend_ref.allocate(extents, kernels::state_arrays(config.optimizer), model.total_elements); !s.ok())
     return fail(s);
-  if (Status s = initial_weights(config.init, model.total_elements,
-                                 [&backend_ref](uint64_t first, std::span<const float> values) {
-                                   return backend_ref.write_weights(first, values);
-                                 });
-      !s.ok())
-    return fail(s);
+  // A restored checkpoint replaces the initial weights: an --init-file
+  // that cannot be read then stops nothing (a restart after the file was
+  // cleaned up, as shmps-train does with its own).
+  const Status initialised =
+      initial_weights(config.init, model.total_elements, [&backend_ref](uint64_t first, std::span<const float> values) {
+        return backend_ref.write_weights(first, values);
+      });
+  if (!initialised.ok() && config.checkpoint_dir.empty()) return fail(initialised);
   // Published with the segment below.
   seg.header().weights_export = weights_export_block(impl->backend->weights_export(), model.total_elements);
   if (!config.checkpoint_dir.empty()) {
     impl->checkpoints = std::make_unique<CheckpointPolicy>(impl->config, model, *impl->backend, seg.stats());
     if (Status s = impl->checkpoints->start(shm::monotonic_ns()); !s.ok()) return fail(s);
+    if (!initialised.ok() && !impl->checkpoints->restored()) return fail(initialised);
+    if (!initialised.ok())
+      log::warn(initialised.message() + "; not needed: the weights and state are the restored checkpoint's");
   }
   if (engine) {
     const Membership m = engine->membership();

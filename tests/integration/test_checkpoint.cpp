@@ -14,6 +14,7 @@
 #include <fstream>
 
 #include "shmps/kernels/optimizer.hpp"
+#include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
 #include "worker_support.hpp"
@@ -238,8 +239,9 @@ BOOST_AUTO_TEST_CASE(a_failed_periodic_write_does_not_stand_for_the_final_checkp
   test::TempDir dir("ckpt");
   const std::string name = test::unique_name("failed");
   const fs::path log = dir.path / "server.log";
-  // A directory where the writer's temp file for version 6 goes: its open
-  // fails (EISDIR), as on a full or read-only disk.
+  // A directory where the writer's temp file for version 6 goes: it can
+  // neither remove it nor create its file (EISDIR), as on a full or
+  // read-only disk.
   const fs::path blocker = dir.path / ("." + ckpt_name(6) + ".tmp");
   fs::create_directory(blocker);
   std::unique_ptr<Worker> w;
@@ -249,7 +251,8 @@ BOOST_AUTO_TEST_CASE(a_failed_periodic_write_does_not_stand_for_the_final_checkp
   push_steps(*w, *g, 0, 3);
   BOOST_REQUIRE(test::eventually([&] { return fs::exists(dir.path / ckpt_name(3)); }, 10s));
   push_steps(*w, *g, 3, 6);
-  BOOST_REQUIRE(test::eventually([&] { return read_text(log).find("checkpoint: open") != std::string::npos; }, 10s));
+  BOOST_REQUIRE(
+      test::eventually([&] { return read_text(log).find("checkpoint: cannot remove") != std::string::npos; }, 10s));
   fs::remove(blocker);  // the disk is fine again
   w.reset();
   server.signal(SIGTERM);
@@ -272,7 +275,7 @@ BOOST_AUTO_TEST_CASE(a_final_checkpoint_that_cannot_be_written_fails_the_exit_co
   w.reset();
   server.signal(SIGTERM);
   BOOST_TEST(server.wait(10s) == 1);  // not 0: systemd and the operator must learn of it
-  BOOST_TEST(read_text(log).find("final checkpoint: open") != std::string::npos, read_text(log));
+  BOOST_TEST(read_text(log).find("final checkpoint: cannot remove") != std::string::npos, read_text(log));
 }
 
 BOOST_AUTO_TEST_CASE(a_huge_file_or_a_fifo_named_like_a_checkpoint_neither_stops_nor_hangs_the_start) {
@@ -302,6 +305,132 @@ BOOST_AUTO_TEST_CASE(a_huge_file_or_a_fifo_named_like_a_checkpoint_neither_stops
   BOOST_TEST(restored_version() == 2u);                                   // from the valid one below it
   BOOST_REQUIRE(::mkfifo((dir.path / ckpt_name(9)).c_str(), 0600) == 0);  // open() for reading would wait for ever
   BOOST_TEST(restored_version() == 2u);
+}
+
+// A FIFO at the writer's temp name (left there by hand or by another
+// program) would block its open for ever, and with it every later
+// checkpoint and the stop: the writer removes whatever is at that name and
+// creates its own file. The stats block counts the writes.
+BOOST_AUTO_TEST_CASE(a_fifo_at_the_temp_name_blocks_neither_the_writer_nor_the_stop) {
+  test::TempDir dir("ckpt");
+  const std::string name = test::unique_name("tmpfifo");
+  BOOST_REQUIRE(::mkfifo((dir.path / ("." + ckpt_name(3) + ".tmp")).c_str(), 0600) == 0);
+  test::ServerProcess server(name, adam_args(dir.path, {"--checkpoint-every", "3"}));
+  auto w = connect(name);
+  auto g = w->register_buffer(28);
+  BOOST_REQUIRE(g.ok());
+  push_steps(*w, *g, 0, 3);
+  BOOST_TEST(test::eventually([&] { return fs::exists(dir.path / ckpt_name(3)); }, 10s));
+  auto seg = shm::Segment::open(name, /*read_only=*/true);
+  BOOST_REQUIRE(seg.ok());
+  BOOST_TEST(test::eventually([&] {
+    return (*seg)->stats().checkpoints_written.load(std::memory_order_relaxed) == 1;  // relaxed: a statistic
+  }));
+  BOOST_TEST((*seg)->stats().checkpoint_failures.load(std::memory_order_relaxed) == 0u);  // relaxed: as above
+  push_steps(*w, *g, 3, 4);
+  w.reset();
+  BOOST_TEST(server.stop() == 0);
+  BOOST_TEST(fs::exists(dir.path / ckpt_name(4)));
+}
+
+// An empty file at a checkpoint's name holds nothing to lose: the writer
+// replaces it (the restore skipped it as truncated).
+BOOST_AUTO_TEST_CASE(an_empty_file_at_a_checkpoints_name_is_replaced) {
+  test::TempDir dir("ckpt");
+  const std::string name = test::unique_name("emptyckpt");
+  std::ofstream(dir.path / ckpt_name(2)).flush();
+  run_steps(name, adam_args(dir.path), 0, 2);  // its final checkpoint is version 2's
+  BOOST_TEST(fs::file_size(dir.path / ckpt_name(2)) > 0u);
+}
+
+// An init changes the weights, not the version: a clean stop after it
+// writes the final checkpoint, and the restart serves the init's weights
+// (before, the stop saw the version on disk already and wrote nothing).
+BOOST_AUTO_TEST_CASE(an_init_is_in_the_final_checkpoint) {
+  test::TempDir dir("ckpt");
+  const std::string name = test::unique_name("initckpt");
+  const std::vector<std::string> args = {"--tensor", "w:4", "--checkpoint-dir", dir.path.string()};
+  run_steps(name, {"--tensor", "w:4", "--checkpoint-dir", dir.path.string(), "--optimizer", "sgd"}, 0, 0);
+  {
+    test::ServerProcess server(name, args);  // restores version 0
+    auto w = connect(name);
+    auto b = w->register_buffer(16);
+    BOOST_REQUIRE(b.ok());
+    std::fill_n(static_cast<float*>(b->data), 4, 7.0f);
+    BOOST_REQUIRE(w->init(b->id, 0).ok());
+    w.reset();
+    BOOST_TEST(server.stop() == 0);
+  }
+  test::ServerProcess server(name, args);
+  auto w = connect(name);
+  auto b = w->register_buffer(16);
+  BOOST_REQUIRE(b.ok());
+  BOOST_REQUIRE(w->pull(kAllTensors, b->id, 0).ok());
+  BOOST_TEST(static_cast<const float*>(b->data)[3] == 7.0f);
+}
+
+// A restart whose --init-file is gone (cleaned up after the first start)
+// serves the restored checkpoint, with a warning; with no checkpoint to
+// restore, the missing file stops the start as before.
+BOOST_AUTO_TEST_CASE(an_init_file_gone_is_not_needed_when_a_checkpoint_is_restored) {
+  test::TempDir dir("ckpt");
+  const std::string name = test::unique_name("initgone");
+  const fs::path init = dir.path / "init.bin";
+  {
+    std::ofstream out(init, std::ios::binary);
+    const float values[7] = {1, 2, 3, 4, 5, 6, 7};
+    out.write(reinterpret_cast<const char*>(values), sizeof values);
+  }
+  const fs::path ckpts = dir.path / "ckpts";
+  std::vector<std::string> args = adam_args(ckpts, {"--init-file", init.string()});
+  run_steps(name, args, 0, 3);
+  fs::remove(init);
+  const fs::path log = dir.path / "server.log";
+  std::unique_ptr<Worker> w;
+  test::Process server = spawn_logged(name, args, log, &w);
+  auto b = w->register_buffer(28);
+  BOOST_REQUIRE(b.ok());
+  uint64_t version = 0;
+  pull(*w, *b, &version);
+  BOOST_TEST(version == 3u);
+  BOOST_TEST(read_text(log).find("--init-file " + init.string()) != std::string::npos, read_text(log));
+  BOOST_TEST(
+      read_text(log).find("not needed: the weights and state are the restored checkpoint's") != std::string::npos,
+      read_text(log));
+  w.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+  const auto none =
+      test::run_captured({test::program_path("shmps-server"), "--name", name, "--tensor", "a:2x2", "--tensor", "b:3",
+                          "--init-file", init.string(), "--checkpoint-dir", (dir.path / "empty").string()});
+  BOOST_TEST(none.exit_code == 1, none.output);
+  BOOST_TEST(none.output.find("--init-file " + init.string()) != std::string::npos, none.output);
+}
+
+// A checkpoint directory that is a symbolic link to nothing: refused by
+// --check-config and at start, naming the link's target (the start said
+// "File exists").
+BOOST_AUTO_TEST_CASE(a_checkpoint_dir_that_links_to_nothing_is_refused_naming_the_target) {
+  test::TempDir dir("ckpt");
+  const fs::path link = dir.path / "dangling";
+  fs::create_symlink(dir.path / "nowhere", link);
+  for (const bool check : {true, false}) {
+    std::vector<std::string> argv = {test::program_path("shmps-server"),
+                                     "--name",
+                                     test::unique_name("dangling"),
+                                     "--tensor",
+                                     "w:4",
+                                     "--checkpoint-dir",
+                                     link.string()};
+    if (check) argv.push_back("--check-config");
+    const auto run = test::run_captured(argv);
+    BOOST_TEST_CONTEXT((check ? "--check-config" : "start")) {
+      BOOST_TEST(run.exit_code != 0, run.output);
+      BOOST_TEST(run.output.find("--checkpoint-dir " + link.string() + ": a symbolic link to " +
+                                 (dir.path / "nowhere").string() + ", which does not exist") != std::string::npos,
+                 run.output);
+    }
+  }
 }
 
 BOOST_AUTO_TEST_CASE(a_server_of_another_model_leaves_that_models_checkpoints_alone) {

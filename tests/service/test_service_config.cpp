@@ -317,6 +317,19 @@ BOOST_AUTO_TEST_CASE(check_config_refuses_a_checkpoint_dir_the_start_would) {
   const std::string tmp = std::filesystem::temp_directory_path().string();
   BOOST_TEST(check(tmp).ok());
   BOOST_TEST(check(tmp + "/" + test::unique_name("ckpt") + "/deeper").ok());
+  // A directory this process may not write in (0555; as root, checked by a
+  // child that runs as nobody, for whom root's 0755 one is the same).
+  test::TempDir dir("ckpt_ro");
+  std::filesystem::permissions(dir.path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_exec |
+                                             std::filesystem::perms::group_read | std::filesystem::perms::group_exec |
+                                             std::filesystem::perms::others_read | std::filesystem::perms::others_exec);
+  auto child = test::Process::fork_fn([&] {
+    if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) return 90;
+    auto p = check(dir.path.string());
+    return !p.ok() && contains(p.status().message(), "cannot write checkpoints in it: Permission denied") ? 0 : 1;
+  });
+  BOOST_TEST(child.wait(std::chrono::seconds(10)) == 0);
+  std::filesystem::permissions(dir.path, std::filesystem::perms::owner_all);
 }
 
 BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {

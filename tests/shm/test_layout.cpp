@@ -30,7 +30,7 @@ BOOST_AUTO_TEST_CASE(struct_sizes_are_pinned) {
   BOOST_TEST(sizeof(LaneHeader) == 256u);
   BOOST_TEST(sizeof(Request) == 64u);
   BOOST_TEST(sizeof(Completion) == 128u);
-  BOOST_TEST(sizeof(StatsBlock) == 2048u);
+  BOOST_TEST(sizeof(StatsBlock) == 2176u);
   BOOST_TEST(sizeof(Histogram) == 512u);
   BOOST_TEST(kHistogramBuckets == 60u);
   BOOST_TEST(sizeof(WeightsExportBlock) == 128u);
@@ -74,11 +74,11 @@ BOOST_AUTO_TEST_CASE(field_offsets_are_pinned) {
   BOOST_TEST(offsetof(Completion, message) == 64u);
   BOOST_TEST(offsetof(StatsBlock, workers_evicted) == 104u);
   BOOST_TEST(offsetof(StatsBlock, apply_threads) == 152u);
-  BOOST_TEST(offsetof(StatsBlock, rejected) == 256u);
+  BOOST_TEST(offsetof(StatsBlock, rejected) == 384u);
   BOOST_TEST(offsetof(WorkerEntry, pushes_scaled) == 120u);
-  BOOST_TEST(offsetof(StatsBlock, apply_ns) == 512u);
-  BOOST_TEST(offsetof(StatsBlock, queue_ns) == 1024u);
-  BOOST_TEST(offsetof(StatsBlock, staleness) == 1536u);
+  BOOST_TEST(offsetof(StatsBlock, apply_ns) == 640u);
+  BOOST_TEST(offsetof(StatsBlock, queue_ns) == 1152u);
+  BOOST_TEST(offsetof(StatsBlock, staleness) == 1664u);
   BOOST_TEST(offsetof(Histogram, buckets) == 32u);
 }
 

@@ -135,11 +135,18 @@ BOOST_AUTO_TEST_CASE(stale_segment_of_dead_server_is_replaced_live_one_is_not) {
   auto second = Segment::create(small_spec(name), 2);
   BOOST_TEST((second.status().code() == ErrorCode::kInvalidArgument));
   BOOST_TEST(second.status().message().find("live shmps-server") != std::string::npos);
-  // Pretend its server died: a dead child's pid.
+  // Its server dies: the header names a dead child's pid, and the
+  // creator's lock goes with its descriptor (the object stays, as a
+  // crashed server leaves it).
   auto child = test::Process::fork_fn([] { return 0; });
   const pid_t dead = child.pid();
   child.wait(std::chrono::seconds(5));
   (*first)->header().server_pid = static_cast<uint32_t>(dead);
+  auto locked = Segment::create(small_spec(name), 3);  // still locked: a live process holds it
+  BOOST_TEST(locked.status().message().find("is locked by a live process") != std::string::npos,
+             locked.status().to_string());
+  first->reset();
+  BOOST_REQUIRE(::access(("/dev/shm/" + segment_object_name(name)).c_str(), F_OK) == 0);
   auto third = Segment::create(small_spec(name), 3);
   BOOST_REQUIRE_MESSAGE(third.ok(), third.status().to_string());
   BOOST_TEST((*third)->header().generation == 3u);

@@ -29,7 +29,7 @@
 //                           |   (128 B each; server produces, worker       |
 //                           |   consumes)                                  |
 //   stats_offset            +----------------------------------------------+
-//                           | StatsBlock                         2048 B    |
+//                           | StatsBlock                         2176 B    |
 //   segment_size            +----------------------------------------------+
 // Every section starts on a 64-byte boundary.
 //
@@ -61,7 +61,8 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 // 9: StatsBlock's fed_* counters (federation); StatsReply's but fed_pushes_held.
 // 10: StatsBlock::fed_epoch (the Gloo engine's membership).
 // 11: WorkerEntry::cancel_request (a reserved word before), ErrorCode::kInterrupted.
-// 12: StatsBlock::scheduled_lr_pico (--lr-schedule).
+// 12: StatsBlock::scheduled_lr_pico (--lr-schedule), checkpoints_written,
+//     checkpoint_failures; 48 counter slots (StatsBlock 2176 B).
 inline constexpr uint32_t kLayoutVersion = 12;
 inline constexpr size_t kCacheLine = 64;
 
@@ -524,12 +525,14 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
   X(fed_failures, counter, "Federation rounds that failed (the engine's error; federation then ends, or an elastic group re-forms).") \
   X(fed_pushes_held, counter, "Times a push waited for a federation round's merge (drift cap, or no overlap).") \
   X(fed_epoch, gauge, "Membership epoch of the federation's group (rises as an elastic group re-forms; 0: static).") \
-  X(scheduled_lr_pico, gauge, "The lr the next update gets by --lr-schedule (before --staleness-policy scale).")
+  X(scheduled_lr_pico, gauge, "The lr the next update gets by --lr-schedule (before --staleness-policy scale).") \
+  X(checkpoints_written, counter, "Checkpoints this server wrote (--checkpoint-dir).") \
+  X(checkpoint_failures, counter, "Checkpoint writes that failed (the error is in the log).")
 // clang-format on
 #define SHMPS_STATS_COUNT(name, kind, help) +1
 inline constexpr size_t kStatsBlockCounters = 0 SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_COUNT);
 #undef SHMPS_STATS_COUNT
-inline constexpr size_t kStatsCounterSlots = 32;
+inline constexpr size_t kStatsCounterSlots = 48;
 static_assert(kStatsBlockCounters <= kStatsCounterSlots);
 
 // A histogram of log2 buckets, written by the server alone (relaxed
@@ -600,12 +603,12 @@ struct StatsBlock {
 #undef SHMPS_STATS_HISTOGRAM
 };
 static_assert(std::is_standard_layout_v<StatsBlock>);
-static_assert(sizeof(StatsBlock) == 2048);
+static_assert(sizeof(StatsBlock) == 2176);
 static_assert(offsetof(StatsBlock, workers_evicted) == 104);
 static_assert(offsetof(StatsBlock, applied_bytes) == 112);
-static_assert(offsetof(StatsBlock, rejected) == 256);
-static_assert(offsetof(StatsBlock, apply_ns) == 512);
-static_assert(offsetof(StatsBlock, queue_ns) == 1024);
-static_assert(offsetof(StatsBlock, staleness) == 1536);
+static_assert(offsetof(StatsBlock, rejected) == 384);
+static_assert(offsetof(StatsBlock, apply_ns) == 640);
+static_assert(offsetof(StatsBlock, queue_ns) == 1152);
+static_assert(offsetof(StatsBlock, staleness) == 1664);
 
 }  // namespace shmps::shm
