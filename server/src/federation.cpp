@@ -251,6 +251,18 @@ uint64_t hash_floats(std::span<const float> values) noexcept {
   return h.finish();
 }
 
+namespace {
+
+// Whether every value is finite: no exponent of all ones (one pass, no
+// branch per value).
+bool all_finite(std::span<const float> values) {
+  uint32_t non_finite = 0;
+  for (const float v : values) non_finite |= (std::bit_cast<uint32_t>(v) & 0x7f800000u) == 0x7f800000u ? 1u : 0u;
+  return non_finite == 0;
+}
+
+}  // namespace
+
 Federator::Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint)
     : config_(config),
       engine_(engine),
@@ -284,11 +296,20 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
       return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) +
                                                " sent no shmps round header (magic " + hex64(h.magic) +
                                                "): is every rank a shmps-server of the same version?"};
-    if (h.model != fingerprint_)
-      return {ErrorCode::kInvalidArgument,
+    if (h.model != fingerprint_) {
+      // The odd one out ends its federation (a configuration to fix); the
+      // others, the most hosts of one model (with rank 0's on a tie), leave
+      // it out: kIo, and an elastic group re-forms without it.
+      uint32_t same = 0;
+      for (const Header& other : *all) same += other.model == fingerprint_ ? 1 : 0;
+      const bool reference = 2 * same > m.size || (2 * same == m.size && (*all)[0].model == fingerprint_);
+      return {reference ? ErrorCode::kIo : ErrorCode::kInvalidArgument,
               "federation: host rank " + std::to_string(r) + " serves another model: " + h.model.describe() +
                   "; this host (rank " + std::to_string(m.rank) + ") serves " + fingerprint_.describe() +
-                  "; start every host with the same --tensor, --optimizer and --fed-outer options"};
+                  (reference ? std::string("; leaving it out")
+                             : std::string("; start every host with the same --tensor, --optimizer and --fed-outer "
+                                           "options"))};
+    }
     // At the join the members' restored rounds may differ (join() settles them).
     if ((h.flags & kFlagJoin) != (mine.flags & kFlagJoin) || (!(mine.flags & kFlagJoin) && h.round != mine.round))
       return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) + " is at round " +
@@ -446,6 +467,16 @@ Result<uint64_t> Federator::repair_anchor() {
 Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_updates) {
   if (!joined_) return Status{ErrorCode::kInternal, "federation: round() before join()"};
   std::vector<Header> all;
+  // Weights that hold NaN or Inf (--allow-nonfinite, or updates that
+  // overflowed) would make every host's the same through the mean delta:
+  // this host leaves instead (the others see it go, as at a stop), and
+  // serves its workers alone.
+  if (!all_finite(exchange)) {
+    static_cast<void>(gather_headers(0, /*leaving=*/true, &all));
+    return Status{ErrorCode::kInvalidArgument,
+                  "federation: this host's weights hold NaN or Inf (an update that overflowed, or "
+                  "--allow-nonfinite); leaving the federation rather than sending them to every host"};
+  }
   if (Status s = gather_headers(local_updates, false, &all); !s.ok()) return s;
   RoundResult r;
   r.members = static_cast<uint32_t>(all.size());

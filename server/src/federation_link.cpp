@@ -246,7 +246,9 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
     // relaxed: statistics.
     with_stats([](shm::StatsBlock& s) { s.fed_failures.fetch_add(1, std::memory_order_relaxed); });
     log::error(r.status().message());
-    // Another model, another round: a configuration to fix, not a host to wait for.
+    // kIo: a host failed or was left out (an elastic group re-forms without
+    // it); anything else is this host's configuration to fix (its model or
+    // round is not the group's), and ends its federation.
     if (!engine_->elastic() || r.status().code() != ErrorCode::kIo) {
       end(what + " failed");
       return Outcome::kOver;
@@ -314,8 +316,12 @@ bool FederationLink::form_group() {
       // relaxed: statistics; 0 members while paused.
       with_stats([](shm::StatsBlock& s) { s.fed_members.store(0, std::memory_order_relaxed); });
     last = r;
-    // Paused: a second between tries (each writes a few keys to the store).
-    const auto pause = std::chrono::milliseconds(r == FederationEngine::Reform::kPaused ? 1000 : 50);
+    // Paused: up to a second between tries (each writes a few keys to the
+    // store), and never as long as a try waits for the others
+    // (--fed-timeout-ms): two paused hosts whose pauses outlasted each
+    // other's tries never met, each trying while the other paused.
+    const auto pause = std::chrono::milliseconds(
+        r == FederationEngine::Reform::kPaused ? std::min<uint64_t>(1000, config_.timeout_ms / 2) : 50);
     sleep_until(Clock::now() + pause, [this] { return stopping(); });
   }
 }

@@ -763,11 +763,6 @@ class Server::Impl {
     auto& h = segment->header();
     // SYNC(server_stopped): workers that see kStopping take no new session.
     h.server_state.store(static_cast<uint32_t>(shm::ServerState::kStopping), std::memory_order_release);
-    // The federation leaves first (its last collective pairs with the
-    // others' next round; a round in flight is merged). A thread stuck in
-    // a collective stays behind with its engine, never finalised: the
-    // launcher then sees this process end without MPI_Finalize.
-    if (federation && !federation->stop(*backend, model.version)) static_cast<void>(federation.release());
     // Device work in flight: completed when the device is healthy, failed
     // (weights may be half-written) when it is not.
     const Status device = backend->healthy().ok() ? backend->synchronize() : backend->healthy();
@@ -810,6 +805,13 @@ class Server::Impl {
         ++failed;
       }
     }
+    // Then the federation leaves, the workers answered (its stop waits up
+    // to the engine's timeout for a host that hangs): its last collective
+    // pairs with the others' next round, and a round in flight is merged.
+    // A thread stuck in a collective stays behind with its engine, never
+    // finalised: the launcher then sees this process end without
+    // MPI_Finalize.
+    if (federation && !federation->stop(*backend, model.version)) static_cast<void>(federation.release());
     // SYNC(server_stopped): release pairs with the workers' acquire load of
     // the state; every completion above is visible before kStopped.
     h.server_state.store(static_cast<uint32_t>(shm::ServerState::kStopped), std::memory_order_release);
