@@ -759,21 +759,35 @@ std::string render_text(const Snapshot& s) {
   o << "  scheduled lr    " << num(static_cast<double>(st.scheduled_lr_pico) / 1e12)
     << " (the next update's, by --lr-schedule)\n";
   o << "  checkpoints     " << st.checkpoints_written << " written, " << st.checkpoint_failures << " failed\n";
-  if (st.fed_members != 0)
-    o << "  federation      round " << st.fed_round << ", " << st.fed_members << " hosts"
-      << (st.fed_epoch != 0 ? " (epoch " + std::to_string(st.fed_epoch) + ")" : std::string()) << ", last round "
-      << duration_text(st.fed_round_ns) << ", " << st.fed_bytes << " bytes sent, drift " << st.fed_drift
-      << " updates, anchor " << hex64(st.fed_anchor_hash) << ", pushes held " << st.fed_pushes_held
-      << ", failed rounds " << st.fed_failures << "\n";
-  else if (st.fed_epoch != 0)
-    // An elastic group between epochs: paused without a majority, or
-    // re-forming (the server log says which).
-    o << "  federation      in no group now, after round " << st.fed_round << " (epoch " << st.fed_epoch
-      << ", failed rounds " << st.fed_failures << "); serving the local workers\n";
-  else if (st.fed_round != 0 || st.fed_failures != 0)
-    o << "  federation      ended after round " << st.fed_round << " (failed rounds " << st.fed_failures << ")\n";
-  else
-    o << "  federation      off\n";
+  const auto since = [&st] {
+    return "after round " + std::to_string(st.fed_round) +
+           (st.fed_epoch != 0 ? " (epoch " + std::to_string(st.fed_epoch) + ", " : std::string(" (")) +
+           "failed rounds " + std::to_string(st.fed_failures) + ")";
+  };
+  switch (static_cast<shm::FederationState>(st.fed_state)) {
+    case shm::FederationState::kInGroup:
+      o << "  federation      round " << st.fed_round << ", " << st.fed_members << " hosts"
+        << (st.fed_epoch != 0 ? " (epoch " + std::to_string(st.fed_epoch) + ")" : std::string()) << ", last round "
+        << duration_text(st.fed_round_ns) << ", " << st.fed_bytes << " bytes sent, drift " << st.fed_drift
+        << " updates, anchor " << hex64(st.fed_anchor_hash) << ", pushes held " << st.fed_pushes_held
+        << ", failed rounds " << st.fed_failures << "\n";
+      break;
+    case shm::FederationState::kForming:
+      o << "  federation      forming a group, " << since() << "; serving the local workers\n";
+      break;
+    case shm::FederationState::kPaused:
+      o << "  federation      paused: no majority of the last group's hosts, " << since()
+        << "; serving the local workers, trying again\n";
+      break;
+    case shm::FederationState::kEnded:
+      o << "  federation      ended " << since() << ": serving the local workers alone (the log says why)\n";
+      break;
+    case shm::FederationState::kOff:
+      o << "  federation      off\n";
+      break;
+    default:
+      o << "  federation      state " << st.fed_state << " (not one this build knows)\n";
+  }
   const auto histogram_text = [](const HistogramView& hv, bool ns) {
     if (!hv.quantile(0.5)) return std::string("none yet");
     const auto v = [ns](uint64_t x) { return ns ? duration_text(x) : std::to_string(x); };

@@ -218,9 +218,16 @@ bool FederationLink::with_stats(F update) {
 void FederationLink::end(const std::string& why) {
   ended_ = true;
   log::warn("federation: " + why + "; serving the local workers alone from now on");
-  // relaxed: statistics; 0 members says federation is off.
-  with_stats([](shm::StatsBlock& s) { s.fed_members.store(0, std::memory_order_relaxed); });
+  publish_state(shm::FederationState::kEnded);
   set_phase(Phase::kOff);
+}
+
+void FederationLink::publish_state(shm::FederationState state) {
+  with_stats([state](shm::StatsBlock& s) {
+    // relaxed: statistics, each a value of its own.
+    s.fed_state.store(static_cast<uint64_t>(state), std::memory_order_relaxed);
+    if (state != shm::FederationState::kInGroup) s.fed_members.store(0, std::memory_order_relaxed);
+  });
 }
 
 void FederationLink::publish(const RoundResult& r, uint64_t round_ns) {
@@ -228,6 +235,7 @@ void FederationLink::publish(const RoundResult& r, uint64_t round_ns) {
     // relaxed: statistics, each a value of its own.
     s.fed_round.store(r.round, std::memory_order_relaxed);
     s.fed_members.store(r.members, std::memory_order_relaxed);
+    s.fed_state.store(static_cast<uint64_t>(shm::FederationState::kInGroup), std::memory_order_relaxed);
     s.fed_round_ns.store(round_ns, std::memory_order_relaxed);
     s.fed_bytes.fetch_add(r.bytes, std::memory_order_relaxed);
     s.fed_anchor_hash.store(federator_.anchor_hash(), std::memory_order_relaxed);
@@ -295,6 +303,7 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
 
 FederationLink::Outcome FederationLink::discard() {
   in_group_.store(false, std::memory_order_relaxed);  // relaxed: holding_pushes()'s hint
+  publish_state(shm::FederationState::kForming);
   set_phase(Phase::kDiscarded);
   return wait_for(Phase::kIdle) ? Outcome::kRegroup : Outcome::kOver;
 }
@@ -307,14 +316,15 @@ bool FederationLink::form_group() {
     std::string why;
     const FederationEngine::Reform r = engine_->reform(&why, [this] { return stopping(); });
     if (r == FederationEngine::Reform::kFormed) {
-      if (last == FederationEngine::Reform::kPaused) log::info("federation: a majority is back; federation resumes");
+      if (last == FederationEngine::Reform::kPaused) {
+        log::info("federation: a majority is back; federation resumes");
+        publish_state(shm::FederationState::kForming);
+      }
       return true;
     }
     // Logged when it changes, not on every try.
     if (r != last) (r == FederationEngine::Reform::kPaused ? log::warn(why) : log::info(why + "; trying again"));
-    if (r == FederationEngine::Reform::kPaused)
-      // relaxed: statistics; 0 members while paused.
-      with_stats([](shm::StatsBlock& s) { s.fed_members.store(0, std::memory_order_relaxed); });
+    if (r == FederationEngine::Reform::kPaused) publish_state(shm::FederationState::kPaused);
     last = r;
     // Paused: up to a second between tries (each writes a few keys to the
     // store), and never as long as a try waits for the others
@@ -363,6 +373,7 @@ void FederationLink::thread_main() {
   name_this_thread("shmps-fed");  // placed and lowered first (threads.hpp)
   // The group first (an elastic engine forms it), then the join: the
   // members agree on the anchor.
+  publish_state(shm::FederationState::kForming);
   bool going = regroup();
   while (going) {
     // The period counts from the end of the last round: its collectives end

@@ -132,6 +132,8 @@ class FederationLink {
   template <class F>
   bool with_stats(F update);
   void end(const std::string& why);  // kOff, for good, with the reason logged
+  // StatsBlock::fed_state (and 0 members outside a group).
+  void publish_state(shm::FederationState state);
   void publish(const RoundResult& r, uint64_t round_ns);
 
   // ---- constant after construction

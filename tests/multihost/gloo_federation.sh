@@ -120,6 +120,11 @@ within_limit() { python3 -c "import sys; sys.exit(0 if $1 <= $slack * ($timeout_
 job=${name}lone
 start_host "$job" 0 "file:$work/lone-store"
 await_log "$work/$job.host0.log" "no majority to form its first group: start the others"
+# StatsBlock::fed_state 3 (paused), and shmps-inspect says so (a paused
+# host that never formed a group showed "federation off").
+[ "$(stat_of "$job" 0 fed_state)" = 3 ] || fail "the lone host's fed_state is $(stat_of "$job" 0 fed_state), not 3 (paused)"
+"$inspect" "$job.r0" | grep -q "federation      paused: no majority" ||
+  fail "shmps-inspect shows: $("$inspect" "$job.r0" | grep federation)"
 "$train" --connect "$job.r0" --evaluate >"$work/lone.log" 2>&1 || fail "host 0 alone does not serve: $(tail -3 "$work/lone.log")"
 t0=$(date +%s%N)
 kill -TERM "${host_pid[$job.0]}"
@@ -131,6 +136,7 @@ echo "a lone host of 3 paused with the fix in its log, served, and stopped in $(
 job=$name
 for r in 0 1 2; do start_host "$job" $r "file:$work/store"; done
 echo "formed with 3 members in $(await_members "$job" 3 0 1 2) s"
+[ "$(stat_of "$job" 1 fed_state)" = 2 ] || fail "host 1's fed_state is $(stat_of "$job" 1 fed_state), not 2 (in a group)"
 declare -A trainer=()
 for r in 0 1 2; do
   "$train" --workers 1 --epochs 3 --train-limit 20000 --connect "$job.r$r" --seed $((r + 1)) >"$work/train$r.log" 2>&1 &

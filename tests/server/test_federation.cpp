@@ -1080,11 +1080,16 @@ BOOST_AUTO_TEST_CASE(a_stopping_server_leaves_and_the_other_serves_alone) {
   f.every_ms = 30;
   TwoServers two(f, f);
   BOOST_TEST_REQUIRE(test::eventually([&] { return stat(two.names[0], &ServerStats::fed_members) == 2; }));
+  BOOST_TEST(block_stat(two.names[0], &shm::StatsBlock::fed_state) ==
+             static_cast<uint64_t>(shm::FederationState::kInGroup));
   const auto start = std::chrono::steady_clock::now();
   two.servers[1]->stop();  // checks that run() returned ok
   const double stop_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   BOOST_TEST(stop_s < 5.0, "the stop took " << stop_s << " s");
   BOOST_TEST_REQUIRE(test::eventually([&] { return stat(two.names[0], &ServerStats::fed_members) == 0; }));
+  // A static engine cannot re-form: ended, as shmps-inspect then says.
+  BOOST_TEST(block_stat(two.names[0], &shm::StatsBlock::fed_state) ==
+             static_cast<uint64_t>(shm::FederationState::kEnded));
   push_halves(two.names[0], 2);
   BOOST_TEST(pull_weights(two.names[0])[0] == 1.0f);
   BOOST_TEST(stat(two.names[0], &ServerStats::fed_failures) == 0u);

@@ -61,8 +61,9 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 // 9: StatsBlock's fed_* counters (federation); StatsReply's but fed_pushes_held.
 // 10: StatsBlock::fed_epoch (the Gloo engine's membership).
 // 11: WorkerEntry::cancel_request (a reserved word before), ErrorCode::kInterrupted.
-// 12: StatsBlock::scheduled_lr_pico (--lr-schedule), checkpoints_written,
-//     checkpoint_failures; 48 counter slots (StatsBlock 2176 B).
+// 12: StatsBlock::fed_state, scheduled_lr_pico (--lr-schedule),
+//     checkpoints_written, checkpoint_failures; 48 counter slots
+//     (StatsBlock 2176 B).
 inline constexpr uint32_t kLayoutVersion = 12;
 inline constexpr size_t kCacheLine = 64;
 
@@ -192,6 +193,21 @@ inline constexpr uint32_t kStalenessPolicyMax = 2;
 constexpr const char* staleness_policy_name(uint32_t policy) {
   constexpr const char* kNames[] = {"reject", "wait", "scale"};
   return policy <= kStalenessPolicyMax ? kNames[policy] : nullptr;
+}
+// StatsBlock::fed_state: where a federated server's federation stands.
+// Values are part of the layout.
+enum class FederationState : uint32_t {
+  kOff = 0,      // not federated (--federation none), or stopping
+  kForming = 1,  // forming its first group, or re-forming after a failed round
+  kInGroup = 2,  // a member of a group, merging rounds
+  kPaused = 3,   // no majority of the last group's hosts: serving its workers alone, trying again
+  kEnded = 4,    // over for good (a misconfiguration, MPI's group broken): serving its workers alone
+};
+inline constexpr uint32_t kFederationStateMax = 4;
+// "off", "forming", "in a group", "paused", "ended"; nullptr outside the enum.
+constexpr const char* federation_state_name(uint32_t state) {
+  constexpr const char* kNames[] = {"off", "forming", "in a group", "paused", "ended"};
+  return state <= kFederationStateMax ? kNames[state] : nullptr;
 }
 inline constexpr uint32_t kConfigNesterov = 1u << 0;
 inline constexpr uint32_t kConfigAmsgrad = 1u << 1;
@@ -525,6 +541,7 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
   X(fed_failures, counter, "Federation rounds that failed (the engine's error; federation then ends, or an elastic group re-forms).") \
   X(fed_pushes_held, counter, "Times a push waited for a federation round's merge (drift cap, or no overlap).") \
   X(fed_epoch, gauge, "Membership epoch of the federation's group (rises as an elastic group re-forms; 0: static).") \
+  X(fed_state, gauge, "The federation's state: 0 off, 1 forming a group, 2 in a group, 3 paused (no majority of the last group), 4 ended.") \
   X(scheduled_lr_pico, gauge, "The lr the next update gets by --lr-schedule (before --staleness-policy scale).") \
   X(checkpoints_written, counter, "Checkpoints this server wrote (--checkpoint-dir).") \
   X(checkpoint_failures, counter, "Checkpoint writes that failed (the error is in the log).")
