@@ -471,6 +471,11 @@ uint64_t CheckpointWriter::written() const {
   return written_;
 }
 
+uint64_t CheckpointWriter::failed() const {
+  std::lock_guard lock(mutex_);
+  return failed_;
+}
+
 bool CheckpointWriter::busy() const {
   std::lock_guard lock(mutex_);
   return has_job_ || writing_;
@@ -494,7 +499,8 @@ void CheckpointWriter::loop() {
       last_written_ = job.version;
       ++written_;
     } else {
-      result_ = s;
+      result_ = s;  // the newest failure's message; failed_ counts them all
+      ++failed_;
     }
     cv_.notify_all();
   }

@@ -134,8 +134,9 @@ class CheckpointWriter {
   bool busy() const;
   // The version of the last write that succeeded, else `on_disk`.
   std::optional<uint64_t> last_written() const;
-  // The writes that succeeded.
+  // The writes that succeeded, and those that failed.
   uint64_t written() const;
+  uint64_t failed() const;
 
  private:
   void loop();
@@ -150,6 +151,7 @@ class CheckpointWriter {
   Status result_;
   std::optional<uint64_t> last_written_;
   uint64_t written_ = 0;
+  uint64_t failed_ = 0;
   std::thread thread_;
 };
 

@@ -76,12 +76,11 @@ Status CheckpointPolicy::start(uint64_t now) {
 }
 
 void CheckpointPolicy::publish_result() {
-  if (Status s = writer_->take_result(); !s.ok()) {
-    log::error(s.message());
-    shm::bump(stats_.checkpoint_failures);
-  }
-  // relaxed: a statistic, as every store to the block.
+  if (Status s = writer_->take_result(); !s.ok()) log::error(s.message());
+  // relaxed: statistics, as every store to the block: the writer's counts
+  // (write_final() adds the final write's).
   stats_.checkpoints_written.store(writer_->written(), std::memory_order_relaxed);
+  stats_.checkpoint_failures.store(writer_->failed(), std::memory_order_relaxed);
 }
 
 void CheckpointPolicy::maybe(uint64_t now) {
@@ -103,12 +102,10 @@ void CheckpointPolicy::maybe(uint64_t now) {
 }
 
 Status CheckpointPolicy::write_final() {
-  if (Status s = writer_->drain(); !s.ok()) {
-    log::error(s.message());
-    shm::bump(stats_.checkpoint_failures);
-  }
+  if (Status s = writer_->drain(); !s.ok()) log::error(s.message());
   // relaxed: as in publish_result().
   stats_.checkpoints_written.store(writer_->written(), std::memory_order_relaxed);
+  stats_.checkpoint_failures.store(writer_->failed(), std::memory_order_relaxed);
   if (model_.version == writer_->last_written() && model_.unversioned_changes == last_unversioned_) return Status::Ok();
   CheckpointData data;
   if (!snapshot(&data)) {

@@ -297,18 +297,27 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
                                                " sent no shmps round header (magic " + hex64(h.magic) +
                                                "): is every rank a shmps-server of the same version?"};
     if (h.model != fingerprint_) {
-      // The odd one out ends its federation (a configuration to fix); the
-      // others, the most hosts of one model (with rank 0's on a tie), leave
-      // it out: kIo, and an elastic group re-forms without it.
+      // The hosts outside a strict majority of one model end their
+      // federation (a configuration to fix); the majority leaves them out
+      // (kIo: an elastic group re-forms without them). Without a majority,
+      // nobody can tell which is wrong: every host ends.
+      uint32_t largest = 0;
+      for (const Header& a : *all) {
+        uint32_t n = 0;
+        for (const Header& b : *all) n += b.model == a.model ? 1 : 0;
+        largest = std::max(largest, n);
+      }
       uint32_t same = 0;
       for (const Header& other : *all) same += other.model == fingerprint_ ? 1 : 0;
-      const bool reference = 2 * same > m.size || (2 * same == m.size && (*all)[0].model == fingerprint_);
-      return {reference ? ErrorCode::kIo : ErrorCode::kInvalidArgument,
+      const bool kept = 2 * same > m.size && engine_.elastic();
+      const bool majority = 2 * largest > m.size;
+      return {kept ? ErrorCode::kIo : ErrorCode::kInvalidArgument,
               "federation: host rank " + std::to_string(r) + " serves another model: " + h.model.describe() +
                   "; this host (rank " + std::to_string(m.rank) + ") serves " + fingerprint_.describe() +
-                  (reference ? std::string("; leaving it out")
-                             : std::string("; start every host with the same --tensor, --optimizer and --fed-outer "
-                                           "options"))};
+                  (kept ? std::string("; leaving it out, as the majority")
+                        : std::string("; start every host with the same --tensor, --optimizer and --fed-outer "
+                                      "options") +
+                              (majority ? "" : " (no model has a majority of the hosts)"))};
     }
     // At the join the members' restored rounds may differ (join() settles them).
     if ((h.flags & kFlagJoin) != (mine.flags & kFlagJoin) || (!(mine.flags & kFlagJoin) && h.round != mine.round))

@@ -168,7 +168,7 @@ void FederationLink::publish_drift(uint64_t version) {
   stats_.fed_drift.store(version - merged_version_, std::memory_order_relaxed);
 }
 
-bool FederationLink::stop(Backend& backend, uint64_t version) {
+bool FederationLink::stop(Backend& backend, uint64_t version, uint64_t* merges) {
   if (!thread_.joinable()) return true;
   stop_.store(true, std::memory_order_relaxed);  // relaxed: notify() orders it
   shm::notify(thread_wake_);
@@ -182,7 +182,10 @@ bool FederationLink::stop(Backend& backend, uint64_t version) {
   // SYNC(fed_done): pairs with the thread's release as it ends.
   while (!thread_done_.load(std::memory_order_acquire)) {
     // A failed poll ends federation (kOff), so it is logged once.
-    if (Result<Polled> r = poll(backend, version); !r.ok()) log::error("federation: at stop: " + r.status().message());
+    if (Result<Polled> r = poll(backend, version); !r.ok())
+      log::error("federation: at stop: " + r.status().message());
+    else if (*r == Polled::kMerge)
+      ++*merges;
     if (Clock::now() >= deadline) {
       abandon();
       log::error("federation: the federation thread is still inside a collective after " + std::to_string(timeout_ms) +

@@ -87,8 +87,9 @@ class FederationLink {
   // collective after two of the group's longest periods plus 5 s (a peer
   // gone: MPI cannot cancel) is reported and left behind, never touching
   // the stats block again; false then: leak the link, and with it the
-  // engine (not finalised).
-  bool stop(Backend& backend, uint64_t version);
+  // engine (not finalised). *merges: the rounds merged meanwhile (they
+  // change the weights, not the version).
+  bool stop(Backend& backend, uint64_t version, uint64_t* merges);
 
  private:
   // Both threads: the phase; every change wakes the thread, and the phases

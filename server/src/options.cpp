@@ -502,8 +502,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   if (Status s = validate(c); !s.ok()) return fail(s.message());
   out.check = vm.count("check-config") != 0;
   // The start reads the init file; a check that passed it would promise a
-  // start that fails. Same reader, so the same message.
-  if (out.check && c.init.kind == InitSpec::Kind::kFile) {
+  // start that fails. Same reader, so the same message. With a checkpoint
+  // directory the start needs it only when no checkpoint is restored,
+  // which a check cannot know: not refused then.
+  if (out.check && c.init.kind == InitSpec::Kind::kFile && c.checkpoint_dir.empty()) {
     uint64_t total = 0;
     for (const shm::TensorSpec& t : c.tensors) {
       uint64_t n = 1;

@@ -811,7 +811,9 @@ class Server::Impl {
     // A thread stuck in a collective stays behind with its engine, never
     // finalised: the launcher then sees this process end without
     // MPI_Finalize.
-    if (federation && !federation->stop(*backend, model.version)) static_cast<void>(federation.release());
+    uint64_t merged = 0;
+    if (federation && !federation->stop(*backend, model.version, &merged)) static_cast<void>(federation.release());
+    model.unversioned_changes += merged;  // the final checkpoint writes what a merge at stop changed
     // SYNC(server_stopped): release pairs with the workers' acquire load of
     // the state; every completion above is visible before kStopped.
     h.server_state.store(static_cast<uint32_t>(shm::ServerState::kStopped), std::memory_order_release);

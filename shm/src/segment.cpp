@@ -584,8 +584,10 @@ Status clear_stale_object(const std::string& object_name, const std::string& nam
       return {ErrorCode::kLayoutMismatch,
               path + held_who + " exists and is not a shmps segment; remove it by hand if it is stale"};
   }
-  const bool names_a_live_server =
-      h.magic == kMagic && h.server_pid != 0 && process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time);
+  // Both words: a pid without its start time (a header half written)
+  // would take any process that reused the pid for the server.
+  const bool names_a_live_server = h.magic == kMagic && h.server_pid != 0 && h.server_start_time != 0 &&
+                                   process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time);
   if (names_a_live_server)
     return {ErrorCode::kInvalidArgument,
             "a live shmps-server (pid " + std::to_string(h.server_pid) + ") already serves '" + name + "'"};

@@ -437,9 +437,11 @@ BOOST_AUTO_TEST_CASE(a_host_waiting_to_join_makes_every_member_regroup) {
 
 namespace {
 
-// The joins of hosts serving `models`, one each.
-std::vector<Status> joins_of(const std::vector<ModelFingerprint>& models) {
+// The joins of hosts serving `models`, one each, over an elastic engine
+// or not.
+std::vector<Status> joins_of(const std::vector<ModelFingerprint>& models, bool elastic = false) {
   Hosts hosts(static_cast<uint32_t>(models.size()), FederationConfig{}, models);
+  for (auto& engine : hosts.engines) engine->is_elastic = elastic;
   std::vector<Status> status(models.size());
   hosts.run([&](uint32_t r, Federator& f) {
     std::vector<float> ex(kN, 0.0f);
@@ -451,29 +453,37 @@ std::vector<Status> joins_of(const ModelFingerprint& a, const ModelFingerprint& 
 
 }  // namespace
 
-// Each host names both models. The odd one out is told the fix and ends
-// its federation (kInvalidArgument); the others, the most hosts of one
-// model (rank 0's on a tie), leave it out (kIo: an elastic group re-forms
-// without it, where one host's mistake ended federation for all).
+// Each host names both models, and the hosts outside a strict majority
+// of one model are told the fix and end their federation
+// (kInvalidArgument). The majority, over an elastic engine, leaves them
+// out (kIo: the group re-forms without them, where one host's mistake
+// ended federation for all); over a static one it ends too. Without a
+// majority (two hosts, one each), every host ends.
 BOOST_AUTO_TEST_CASE(hosts_serving_other_models_are_refused_naming_both) {
   ModelFingerprint other = fingerprint(kN, 3);
   other.hash = 0x9999;
-  const std::vector<Status> status = joins_of(fingerprint(), other);
-  for (uint32_t r = 0; r < 2; ++r) {
-    BOOST_TEST_CONTEXT("rank " << r) {
-      BOOST_TEST(status[r].code() == (r == 0 ? ErrorCode::kIo : ErrorCode::kInvalidArgument));
-      const std::string& m = status[r].message();
-      BOOST_TEST(m.find("serves another model") != std::string::npos, m);
-      BOOST_TEST(m.find("optimizer adam,") != std::string::npos, m);                       // kind 2
-      BOOST_TEST(m.find("optimizer adamw,") != std::string::npos, m);                      // kind 3
-      BOOST_TEST(m.find(r == 0 ? "leaving it out" : "--tensor") != std::string::npos, m);  // the fix, to the odd one
+  for (const bool elastic : {false, true}) {
+    BOOST_TEST_CONTEXT("elastic " << elastic) {
+      const std::vector<Status> status = joins_of({fingerprint(), other}, elastic);
+      for (uint32_t r = 0; r < 2; ++r) {
+        BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+        const std::string& m = status[r].message();
+        BOOST_TEST(m.find("serves another model") != std::string::npos, m);
+        BOOST_TEST(m.find("optimizer adam,") != std::string::npos, m);   // kind 2
+        BOOST_TEST(m.find("optimizer adamw,") != std::string::npos, m);  // kind 3
+        BOOST_TEST(m.find("--tensor") != std::string::npos, m);          // the fix
+        BOOST_TEST(m.find("no model has a majority") != std::string::npos, m);
+      }
+      // Two against one: the majority leaves rank 0 out when it can re-form.
+      const std::vector<Status> three = joins_of({other, fingerprint(), fingerprint()}, elastic);
+      BOOST_TEST(three[0].code() == ErrorCode::kInvalidArgument);
+      BOOST_TEST(three[0].message().find("no model has a majority") == std::string::npos, three[0].message());
+      for (uint32_t r : {1u, 2u}) {
+        BOOST_TEST(three[r].code() == (elastic ? ErrorCode::kIo : ErrorCode::kInvalidArgument));
+        BOOST_TEST((three[r].message().find("leaving it out") != std::string::npos) == elastic, three[r].message());
+      }
     }
   }
-  // Two against one: the majority leaves rank 0 out.
-  const std::vector<Status> three = joins_of({other, fingerprint(), fingerprint()});
-  BOOST_TEST(three[0].code() == ErrorCode::kInvalidArgument);
-  BOOST_TEST(three[1].code() == ErrorCode::kIo);
-  BOOST_TEST(three[2].code() == ErrorCode::kIo);
 }
 
 // The outer step is part of what hosts must agree on, with its weighting
@@ -493,7 +503,7 @@ BOOST_AUTO_TEST_CASE(hosts_with_other_outer_steps_are_refused_naming_both) {
   for (const auto& [other, named] : others) {
     const std::vector<Status> status = joins_of(model_fingerprint(base), model_fingerprint(other));
     for (uint32_t r = 0; r < 2; ++r) {
-      BOOST_TEST(status[r].code() == (r == 0 ? ErrorCode::kIo : ErrorCode::kInvalidArgument));  // rank 0's is kept
+      BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
       const std::string& m = status[r].message();
       BOOST_TEST(m.find("outer nesterov weighted (lr 0.7, momentum 0.9)") != std::string::npos, m);
       BOOST_TEST(m.find(named) != std::string::npos, m);
