@@ -43,6 +43,7 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <random>
 #include <thread>
 #include <type_traits>
 
@@ -189,8 +190,9 @@ struct Want {
   uint32_t hosts;         // the writer's --fed-hosts
   uint64_t last_epoch;    // the last epoch the writer was a member of (0: none)
   uint64_t last_members;  // that epoch's members (0: none)
+  uint64_t writer;        // a random number of the writing server: two servers given one --fed-host differ in it
 };
-static_assert(sizeof(Want) == 24 && std::is_trivially_copyable_v<Want>);
+static_assert(sizeof(Want) == 32 && std::is_trivially_copyable_v<Want>);
 
 std::string hosts_text(uint64_t mask) {
   std::string text = "{";
@@ -436,10 +438,23 @@ class GlooEngine final : public FederationEngine {
     const bool joining = keys_at(k, "view") != 0;
     if (joining) ++k;
     const uint64_t me = 1ull << config_.host;
-    const Want mine{kWantMagic, config_.hosts, last_epoch_, last_members_};
+    const Want mine{kWantMagic, config_.hosts, last_epoch_, last_members_, writer_};
     // Already there when an earlier write went through but its answer was
     // lost (a Redis timeout): keys are written once.
     if (!store_->has(key(k, "want", config_.host))) store_->set(key(k, "want", config_.host), &mine, sizeof mine);
+    // Another server's, when two were given this host id: the one that
+    // finds the other's want gives up, the other goes on (before, both
+    // took turns in the group, re-forming it about ten times a second).
+    Want there{};
+    if (const std::vector<char> bytes = store_->get(key(k, "want", config_.host)); bytes.size() == sizeof there)
+      std::memcpy(&there, bytes.data(), sizeof there);
+    if (there.magic == kWantMagic && there.writer != writer_) {
+      *why = "federation (gloo): another server wants in as host " + std::to_string(config_.host) +
+             " (its want at attempt " + std::to_string(k) +
+             " is not this server's): two servers were given --fed-host " + std::to_string(config_.host) +
+             "; give each host its own id";
+      return Reform::kRefused;
+    }
     attempt_ = k;  // only now: the attempts in the store stay without gaps
 
     // Settle: until every member of the last epoch (at the first, every
@@ -554,7 +569,8 @@ class GlooEngine final : public FederationEngine {
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;  // the current group; none between groups
   Membership membership_;
-  uint64_t attempt_ = 0;       // this host's last attempt
+  const uint64_t writer_ = std::random_device{}() | uint64_t{std::random_device{}()} << 32;  // Want::writer
+  uint64_t attempt_ = 0;                                                                     // this host's last attempt
   uint64_t last_epoch_ = 0;    // the last group this host was in
   uint64_t last_members_ = 0;  // its hosts
 };

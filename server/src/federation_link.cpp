@@ -318,6 +318,10 @@ bool FederationLink::form_group() {
     if (stopping()) return false;
     std::string why;
     const FederationEngine::Reform r = engine_->reform(&why, [this] { return stopping(); });
+    if (r == FederationEngine::Reform::kRefused) {
+      end(why);
+      return false;
+    }
     if (r == FederationEngine::Reform::kFormed) {
       if (last == FederationEngine::Reform::kPaused) {
         log::info("federation: a majority is back; federation resumes");

@@ -9,6 +9,8 @@
 #  2. SIGSTOP host 2 (a hung host): hosts 0 and 1 show 2 members within the
 #     timeout plus 1 s, their workers see no error; after SIGCONT host 2
 #     joins again: 3 members, equal anchors, a good merged model.
+#  2b. Two servers given one --fed-host id: one says so and ends its
+#     federation, the group forms with the other.
 #  3. The same group formed through a Redis store (a redis-server this test
 #     starts on 127.0.0.1), and a SIGKILLed host left behind there too.
 # Then SIGTERM: every server stops cleanly, nothing is left in /dev/shm.
@@ -189,6 +191,33 @@ for r in 0 1 2; do
   unset "host_pid[$job.$r]"
 done
 ls /dev/shm/shmps."$job".* >/dev/null 2>&1 && fail "left in /dev/shm: $(ls /dev/shm/shmps."$job".*)"
+
+# ---- 2b. Two servers given one --fed-host id (the second under another
+# name): the one that finds the other's want says so, with the fix, and
+# ends its federation; the group forms with the other (before: no error,
+# and the two took turns in a group re-formed about ten times a second).
+job=${name}dup
+start_host "$job" 0 "file:$work/dup-store"
+start_host "$job" 1 "file:$work/dup-store"
+start_host "${job}b" 1 "file:$work/dup-store"
+for _ in $(seq 200); do
+  grep -q "two servers were given --fed-host 1" "$work/$job.host1.log" "$work/${job}b.host1.log" && break
+  sleep 0.05
+done
+if grep -q "two servers were given --fed-host 1" "$work/${job}b.host1.log"; then
+  refused=${job}b kept=$job
+elif grep -q "two servers were given --fed-host 1" "$work/$job.host1.log"; then
+  refused=$job kept=${job}b
+else
+  fail "neither server of host 1 said it shares its id within 10 s"
+fi
+[ "$(stat_of "$refused" 1 fed_state)" = 4 ] || fail "the refused host 1's fed_state is $(stat_of "$refused" 1 fed_state), not 4 (ended)"
+echo "a second host 1 ended its federation naming the shared id; the group: $(await_members "$kept" 2 1) s to 2 members"
+for j in "$job.0" "$job.1" "${job}b.1"; do
+  kill -TERM "${host_pid[$j]}"
+  wait "${host_pid[$j]}" || fail "$j exited non-zero after SIGTERM"
+  unset "host_pid[$j]"
+done
 
 # ---- 3. The Redis store.
 if ! command -v redis-server >/dev/null; then

@@ -132,9 +132,10 @@ class FederationEngine {
   virtual bool elastic() const noexcept { return false; }
   // What one reform() did.
   enum class Reform {
-    kFormed,  // a group of a new epoch, this host in it (membership())
-    kPaused,  // the hosts there are no majority of the last epoch's members: try again later
-    kFailed,  // the hosts did not agree, or the store or a rendezvous failed: try again
+    kFormed,   // a group of a new epoch, this host in it (membership())
+    kPaused,   // the hosts there are no majority of the last epoch's members: try again later
+    kFailed,   // the hosts did not agree, or the store or a rendezvous failed: try again
+    kRefused,  // this host cannot be in any group as configured (another server has its host id): give up
   };
   // An elastic engine: one attempt at forming the group of a new epoch
   // with the hosts that want to be in it, bounded by the engine's
