@@ -48,6 +48,9 @@ struct Model {
   // federation round, an init, an update cut short (a device error, a
   // buffer truncated under --allow-nonfinite). Checkpoints count them.
   uint64_t unversioned_changes = 0;
+  // Federation rounds merged into the weights, the join's included: from
+  // the first, the weights are the group's (an init is refused).
+  uint64_t rounds_merged = 0;
   std::string initialised_by;  // "worker 2 (pid 4711)" once a worker's init was accepted
   StalenessWindow staleness;
 };

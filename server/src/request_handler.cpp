@@ -357,6 +357,11 @@ Answer RequestHandler::init(uint32_t i, const Request& req) {
     return reject(i, req, ErrorCode::kInitRefused, "already initialised by " + model_.initialised_by);
   if (model_.version != 0)
     return reject(i, req, ErrorCode::kInitRefused, "version is " + std::to_string(model_.version) + ": pushes applied");
+  // The next round would average it into every host's weights.
+  if (model_.rounds_merged != 0)
+    return reject(i, req, ErrorCode::kInitRefused,
+                  "the weights are the federation's (" + std::to_string(model_.rounds_merged) +
+                      " rounds merged): initialise before its group forms");
   if (!config_.allow_nonfinite) {
     const Result<bool> finite =
         backend_.all_finite(*target->buffer, req.byte_offset, target->elements, kernels::GradDtype::kF32);

@@ -234,7 +234,10 @@ class Server::Impl {
     }
     if (*r == FederationLink::Polled::kNothing || *r == FederationLink::Polled::kSnapshot)
       return *r == FederationLink::Polled::kSnapshot;
-    if (*r == FederationLink::Polled::kMerge) ++model.unversioned_changes;
+    if (*r == FederationLink::Polled::kMerge) {
+      ++model.unversioned_changes;
+      ++model.rounds_merged;
+    }
     if (pushes_held) {
       pushes_held = false;
       housekeeping();  // every living lane, served

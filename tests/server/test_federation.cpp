@@ -1083,6 +1083,24 @@ BOOST_AUTO_TEST_CASE(without_overlap_a_push_waits_for_the_merge) {
   BOOST_TEST(pull_weights(two.names[0])[0] == 1.0f);
 }
 
+// Once its group merged a round (the join's included), a host refuses a
+// worker's init: the next round would average it into every host's
+// weights (a Python RemoteOptimizer(init=True) on each host did that).
+BOOST_AUTO_TEST_CASE(an_init_after_the_join_is_refused) {
+  FederationConfig f;
+  f.every_ms = 30;
+  TwoServers two(f, f);
+  BOOST_TEST_REQUIRE(test::eventually([&] { return stat(two.names[1], &ServerStats::fed_round) >= 1; }));
+  auto w = test::connect(two.names[1]);
+  auto buf = w->register_buffer(16);
+  BOOST_REQUIRE(buf.ok());
+  std::fill_n(static_cast<float*>(buf->data), 4, 7.0f);
+  const Status init = w->init(buf->id, 0);
+  BOOST_TEST((init.code() == ErrorCode::kInitRefused), init.to_string());
+  BOOST_TEST(init.message().find("the weights are the federation's") != std::string::npos, init.message());
+  BOOST_TEST(pull_weights(two.names[1])[0] == 0.0f);  // unchanged
+}
+
 // A server that stops announces its leave: the other ends federation
 // (0 members in its stats) and keeps serving its workers alone.
 BOOST_AUTO_TEST_CASE(a_stopping_server_leaves_and_the_other_serves_alone) {
