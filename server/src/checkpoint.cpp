@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -411,6 +412,32 @@ void prune_checkpoints(const std::string& dir, uint32_t keep, uint64_t newest, c
     }
     ::unlink(path.c_str());
   }
+}
+
+// Whether the start could use `dir` for checkpoints: a directory this
+// process may create files in, or a path the first existing ancestor of
+// which is a directory it may create entries in (not a symbolic link to
+// nothing: the start could not create it).
+Status check_checkpoint_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path at = fs::absolute(dir, ec);
+  const auto fail = [&dir](const std::string& why) {
+    return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": " + why};
+  };
+  if (fs::exists(at, ec)) {
+    if (!fs::is_directory(at, ec)) return fail(std::strerror(ENOTDIR));
+    if (::access(at.c_str(), W_OK | X_OK) != 0)
+      return fail("cannot write checkpoints in it: " + std::string(std::strerror(errno)));
+    return Status::Ok();
+  }
+  if (fs::is_symlink(fs::symlink_status(at, ec)))
+    return fail("a symbolic link to " + fs::read_symlink(at, ec).string() + ", which does not exist");
+  while (at.has_parent_path() && at != at.parent_path() && !fs::exists(at, ec)) at = at.parent_path();
+  if (!fs::is_directory(at, ec)) return fail(at.string() + ": " + std::strerror(ENOTDIR));
+  if (::access(at.c_str(), W_OK | X_OK) != 0)
+    return fail("cannot create it in " + at.string() + ": " + std::strerror(errno));
+  return Status::Ok();
 }
 
 void remove_temp_files(const std::string& dir) {

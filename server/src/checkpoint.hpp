@@ -116,6 +116,13 @@ void prune_checkpoints(const std::string& dir, uint32_t keep, uint64_t newest, c
 // directory serves one server.
 void remove_temp_files(const std::string& dir);
 
+// Whether a server could keep its checkpoints in `dir`: a directory this
+// process may create files in, or a path whose first existing ancestor is
+// a directory it may create entries in (not a symbolic link to nothing).
+// The start and --check-config refuse the same. Errors: kIo,
+// "--checkpoint-dir <dir>: <why>".
+Status check_checkpoint_dir(const std::string& dir);
+
 // A background writer: submit() hands a snapshot over and returns at once;
 // one write at a time (a submit while one is in flight is refused, so the
 // consumer never waits for a disk).

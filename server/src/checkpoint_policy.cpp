@@ -1,9 +1,5 @@
 #include "checkpoint_policy.hpp"
 
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
 #include <optional>
 
@@ -35,17 +31,11 @@ bool CheckpointPolicy::snapshot(CheckpointData* out) const {
 }
 
 Status CheckpointPolicy::start(uint64_t now) {
+  // Refused now rather than at every checkpoint and at stop.
+  if (Status s = check_checkpoint_dir(config_.checkpoint_dir); !s.ok()) return s;
   std::error_code ec;
   std::filesystem::create_directories(config_.checkpoint_dir, ec);
-  const std::string what = "--checkpoint-dir " + config_.checkpoint_dir + ": ";
-  if (ec && std::filesystem::is_symlink(std::filesystem::symlink_status(config_.checkpoint_dir)))
-    return Status{ErrorCode::kIo, what + "a symbolic link to " +
-                                      std::filesystem::read_symlink(config_.checkpoint_dir, ec).string() +
-                                      ", which does not exist"};
-  if (ec) return Status{ErrorCode::kIo, what + ec.message()};
-  // Refused now rather than at every checkpoint and at stop.
-  if (::access(config_.checkpoint_dir.c_str(), W_OK | X_OK) != 0)
-    return Status{ErrorCode::kIo, what + "cannot write checkpoints in it: " + std::strerror(errno)};
+  if (ec) return Status{ErrorCode::kIo, "--checkpoint-dir " + config_.checkpoint_dir + ": " + ec.message()};
   remove_temp_files(config_.checkpoint_dir);
   std::optional<uint64_t> restored;
   const CheckpointLayout l = layout();
@@ -78,14 +68,14 @@ Status CheckpointPolicy::start(uint64_t now) {
 void CheckpointPolicy::publish_result() {
   if (Status s = writer_->take_result(); !s.ok()) log::error(s.message());
   // relaxed: statistics, as every store to the block: the writer's counts
-  // (write_final() adds the final write's).
+  // (write_final() bumps them for the final write).
   stats_.checkpoints_written.store(writer_->written(), std::memory_order_relaxed);
   stats_.checkpoint_failures.store(writer_->failed(), std::memory_order_relaxed);
 }
 
 void CheckpointPolicy::maybe(uint64_t now) {
   publish_result();
-  // Merged federation rounds and inits change the weights but not the version.
+  // Changes that leave the version alone count too (Model::unversioned_changes).
   if (model_.version == last_version_ && model_.unversioned_changes == last_unversioned_) return;
   const bool by_count = config_.checkpoint_every != 0 && model_.version - last_version_ >= config_.checkpoint_every;
   const bool by_time =
@@ -103,9 +93,7 @@ void CheckpointPolicy::maybe(uint64_t now) {
 
 Status CheckpointPolicy::write_final() {
   if (Status s = writer_->drain(); !s.ok()) log::error(s.message());
-  // relaxed: as in publish_result().
-  stats_.checkpoints_written.store(writer_->written(), std::memory_order_relaxed);
-  stats_.checkpoint_failures.store(writer_->failed(), std::memory_order_relaxed);
+  publish_result();  // the drained write's counts (its message is logged above)
   if (model_.version == writer_->last_written() && model_.unversioned_changes == last_unversioned_) return Status::Ok();
   CheckpointData data;
   if (!snapshot(&data)) {

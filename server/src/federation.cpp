@@ -251,18 +251,6 @@ uint64_t hash_floats(std::span<const float> values) noexcept {
   return h.finish();
 }
 
-namespace {
-
-// Whether every value is finite: no exponent of all ones (one pass, no
-// branch per value).
-bool all_finite(std::span<const float> values) {
-  uint32_t non_finite = 0;
-  for (const float v : values) non_finite |= (std::bit_cast<uint32_t>(v) & 0x7f800000u) == 0x7f800000u ? 1u : 0u;
-  return non_finite == 0;
-}
-
-}  // namespace
-
 Federator::Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint)
     : config_(config),
       engine_(engine),
@@ -480,7 +468,7 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
   // overflowed) would make every host's the same through the mean delta:
   // this host leaves instead (the others see it go, as at a stop), and
   // serves its workers alone.
-  if (!all_finite(exchange)) {
+  if (!kernels::all_finite_cpu(exchange.data(), kernels::GradDtype::kF32, exchange.size())) {
     static_cast<void>(gather_headers(0, /*leaving=*/true, &all));
     return Status{ErrorCode::kInvalidArgument,
                   "federation: this host's weights hold NaN or Inf (an update that overflowed, or "

@@ -443,8 +443,8 @@ class GlooEngine final : public FederationEngine {
     // lost (a Redis timeout): keys are written once.
     if (!store_->has(key(k, "want", config_.host))) store_->set(key(k, "want", config_.host), &mine, sizeof mine);
     // Another server's, when two were given this host id: the one that
-    // finds the other's want gives up, the other goes on (before, both
-    // took turns in the group, re-forming it about ten times a second).
+    // finds the other's want gives up and the other goes on; left to both,
+    // they would take turns in the group, re-forming it on every try.
     Want there{};
     if (const std::vector<char> bytes = store_->get(key(k, "want", config_.host)); bytes.size() == sizeof there)
       std::memcpy(&there, bytes.data(), sizeof there);

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <utility>
 
+#include "shmps/kernels/optimizer.hpp"
 #include "shmps/server/log.hpp"
 #include "shmps/shm/futex.hpp"
 #include "threads.hpp"
@@ -378,6 +379,7 @@ void FederationLink::thread_main() {
               ": the federation thread keeps its priority (" + why + ")");
   }
   name_this_thread("shmps-fed");  // placed and lowered first (threads.hpp)
+  kernels::set_cpu_threads(1);    // the round's finiteness check stays on this thread, not OpenMP's
   // The group first (an elastic engine forms it), then the join: the
   // members agree on the anchor.
   publish_state(shm::FederationState::kForming);

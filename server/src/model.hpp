@@ -51,6 +51,10 @@ struct Model {
   // Federation rounds merged into the weights, the join's included: from
   // the first, the weights are the group's (an init is refused).
   uint64_t rounds_merged = 0;
+  void merged(uint64_t rounds) {
+    rounds_merged += rounds;
+    unversioned_changes += rounds;
+  }
   std::string initialised_by;  // "worker 2 (pid 4711)" once a worker's init was accepted
   StalenessWindow staleness;
 };

@@ -234,10 +234,7 @@ class Server::Impl {
     }
     if (*r == FederationLink::Polled::kNothing || *r == FederationLink::Polled::kSnapshot)
       return *r == FederationLink::Polled::kSnapshot;
-    if (*r == FederationLink::Polled::kMerge) {
-      ++model.unversioned_changes;
-      ++model.rounds_merged;
-    }
+    if (*r == FederationLink::Polled::kMerge) model.merged(1);
     if (pushes_held) {
       pushes_held = false;
       housekeeping();  // every living lane, served
@@ -816,7 +813,7 @@ class Server::Impl {
     // MPI_Finalize.
     uint64_t merged = 0;
     if (federation && !federation->stop(*backend, model.version, &merged)) static_cast<void>(federation.release());
-    model.unversioned_changes += merged;  // the final checkpoint writes what a merge at stop changed
+    model.merged(merged);  // the final checkpoint writes what a merge at stop changed
     // SYNC(server_stopped): release pairs with the workers' acquire load of
     // the state; every completion above is visible before kStopped.
     h.server_state.store(static_cast<uint32_t>(shm::ServerState::kStopped), std::memory_order_release);
@@ -952,7 +949,7 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
     return fail(s);
   // A restored checkpoint replaces the initial weights: an --init-file
   // that cannot be read then stops nothing (a restart after the file was
-  // cleaned up, as shmps-train does with its own).
+  // cleaned up).
   const Status initialised =
       initial_weights(config.init, model.total_elements, [&backend_ref](uint64_t first, std::span<const float> values) {
         return backend_ref.write_weights(first, values);

@@ -344,8 +344,8 @@ BOOST_AUTO_TEST_CASE(an_empty_file_at_a_checkpoints_name_is_replaced) {
 }
 
 // An init changes the weights, not the version: a clean stop after it
-// writes the final checkpoint, and the restart serves the init's weights
-// (before, the stop saw the version on disk already and wrote nothing).
+// writes the final checkpoint even though that version is on disk, and
+// the restart serves the init's weights.
 BOOST_AUTO_TEST_CASE(an_init_is_in_the_final_checkpoint) {
   test::TempDir dir("ckpt");
   const std::string name = test::unique_name("initckpt");
@@ -371,7 +371,7 @@ BOOST_AUTO_TEST_CASE(an_init_is_in_the_final_checkpoint) {
 
 // A restart whose --init-file is gone (cleaned up after the first start)
 // serves the restored checkpoint, with a warning; with no checkpoint to
-// restore, the missing file stops the start as before.
+// restore, the missing file stops the start.
 BOOST_AUTO_TEST_CASE(an_init_file_gone_is_not_needed_when_a_checkpoint_is_restored) {
   test::TempDir dir("ckpt");
   const std::string name = test::unique_name("initgone");
@@ -408,8 +408,8 @@ BOOST_AUTO_TEST_CASE(an_init_file_gone_is_not_needed_when_a_checkpoint_is_restor
 }
 
 // A checkpoint directory that is a symbolic link to nothing: refused by
-// --check-config and at start, naming the link's target (the start said
-// "File exists").
+// --check-config and at start, naming the link's target rather than
+// create_directories()' "File exists".
 BOOST_AUTO_TEST_CASE(a_checkpoint_dir_that_links_to_nothing_is_refused_naming_the_target) {
   test::TempDir dir("ckpt");
   const fs::path link = dir.path / "dangling";

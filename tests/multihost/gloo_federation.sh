@@ -122,8 +122,8 @@ within_limit() { python3 -c "import sys; sys.exit(0 if $1 <= $slack * ($timeout_
 job=${name}lone
 start_host "$job" 0 "file:$work/lone-store"
 await_log "$work/$job.host0.log" "no majority to form its first group: start the others"
-# StatsBlock::fed_state 3 (paused), and shmps-inspect says so (a paused
-# host that never formed a group showed "federation off").
+# StatsBlock::fed_state 3 (paused), and shmps-inspect says so, for a
+# host that never formed a group too.
 [ "$(stat_of "$job" 0 fed_state)" = 3 ] || fail "the lone host's fed_state is $(stat_of "$job" 0 fed_state), not 3 (paused)"
 "$inspect" "$job.r0" | grep -q "federation      paused: no majority" ||
   fail "shmps-inspect shows: $("$inspect" "$job.r0" | grep federation)"
@@ -194,8 +194,7 @@ ls /dev/shm/shmps."$job".* >/dev/null 2>&1 && fail "left in /dev/shm: $(ls /dev/
 
 # ---- 2b. Two servers given one --fed-host id (the second under another
 # name): the one that finds the other's want says so, with the fix, and
-# ends its federation; the group forms with the other (before: no error,
-# and the two took turns in a group re-formed about ten times a second).
+# ends its federation; the group forms with the other.
 job=${name}dup
 start_host "$job" 0 "file:$work/dup-store"
 start_host "$job" 1 "file:$work/dup-store"

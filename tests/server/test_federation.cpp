@@ -456,8 +456,8 @@ std::vector<Status> joins_of(const ModelFingerprint& a, const ModelFingerprint& 
 // Each host names both models, and the hosts outside a strict majority
 // of one model are told the fix and end their federation
 // (kInvalidArgument). The majority, over an elastic engine, leaves them
-// out (kIo: the group re-forms without them, where one host's mistake
-// ended federation for all); over a static one it ends too. Without a
+// out (kIo: the group re-forms without them, so one host's mistake does
+// not end federation for all); over a static one it ends too. Without a
 // majority (two hosts, one each), every host ends.
 BOOST_AUTO_TEST_CASE(hosts_serving_other_models_are_refused_naming_both) {
   ModelFingerprint other = fingerprint(kN, 3);
@@ -1085,7 +1085,7 @@ BOOST_AUTO_TEST_CASE(without_overlap_a_push_waits_for_the_merge) {
 
 // Once its group merged a round (the join's included), a host refuses a
 // worker's init: the next round would average it into every host's
-// weights (a Python RemoteOptimizer(init=True) on each host did that).
+// weights (a Python RemoteOptimizer(init=True) on each host would).
 BOOST_AUTO_TEST_CASE(an_init_after_the_join_is_refused) {
   FederationConfig f;
   f.every_ms = 30;

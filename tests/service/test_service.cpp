@@ -201,6 +201,54 @@ struct SegmentGuard {
 
 using test::connect;
 
+// A worker of server `name` (tensor w:4) with a gradient buffer of ones
+// and a buffer for the weights.
+struct OnesWorker {
+  explicit OnesWorker(const std::string& name)
+      : worker(connect(name)), grad(worker->register_buffer(16)), weights(worker->register_buffer(16)) {
+    BOOST_REQUIRE(grad.ok() && weights.ok());
+    std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+  }
+  // Pulls, and returns the first weight.
+  float w0() {
+    auto v = worker->pull(kAllTensors, weights->id, 0);
+    BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+    return static_cast<const float*>(weights->data)[0];
+  }
+  std::unique_ptr<Worker> worker;
+  Result<Buffer> grad;
+  Result<Buffer> weights;
+};
+
+// A shmps-server started from a config file ("name = <name>" then `rest`
+// then `body`), its stderr in a file, for tests that rewrite the body and
+// reload it (SIGHUP).
+struct ReloadableServer {
+  ReloadableServer(const std::string& tag, std::string rest_of_head, const std::string& body)
+      : name(test::unique_name(tag)), guard(name), head("name = " + name + "\n" + std::move(rest_of_head)) {
+    write(body);
+    process = spawn_server({"--config", conf.path}, {}, err.path);
+    BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, process.pid()); }),
+                          "no segment; stderr:\n" + log());
+  }
+  void write(const std::string& body) const { std::ofstream(conf.path) << head << body; }
+  void reload(const std::string& body) {
+    write(body);
+    process.signal(SIGHUP);
+  }
+  std::string log() const { return read_file(err.path); }
+  bool log_has(const std::string& text) const {
+    return test::eventually([&] { return contains(log(), text); }, 5s);
+  }
+
+  TempPath err{"stderr"};
+  TempPath conf{"conf"};
+  std::string name;
+  SegmentGuard guard;
+  std::string head;
+  test::Process process;
+};
+
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(service)
@@ -302,41 +350,23 @@ BOOST_AUTO_TEST_CASE(notify_ready_status_watchdog_reload_stopping_in_order) {
 }
 
 BOOST_AUTO_TEST_CASE(sighup_reloads_lr_and_max_staleness_from_the_config_file) {
-  TempPath err("stderr");
-  TempPath conf("conf");
-  const std::string name = test::unique_name("svc_hup");
-  SegmentGuard guard(name);
-  const auto write_conf = [&](const std::string& body) {
-    std::ofstream(conf.path) << "# test\nname = " << name << "\ntensor = w:4\noptimizer = sgd\n" << body;
-  };
-  write_conf("lr = 0.5\nmax-staleness = 4\nlog-level = info\n");
   // No $NOTIFY_SOCKET: outside systemd the server runs all the same.
-  test::Process server = spawn_server({"--config", conf.path}, {}, err.path);
-  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
-                        "no segment; stderr:\n" + read_file(err.path));
+  ReloadableServer s("svc_hup", "# test\ntensor = w:4\noptimizer = sgd\n",
+                     "lr = 0.5\nmax-staleness = 4\nlog-level = info\n");
+  const std::string& name = s.name;
+  test::Process& server = s.process;
 
-  auto worker = connect(name);
-  auto grad = worker->register_buffer(16);
-  auto weights = worker->register_buffer(16);
-  BOOST_REQUIRE(grad.ok() && weights.ok());
-  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
-  const auto w0 = [&] {
-    auto v = worker->pull(kAllTensors, weights->id, 0);
-    BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
-    return static_cast<const float*>(weights->data)[0];
-  };
-  const auto log_has = [&](const std::string& text) {
-    return test::eventually([&] { return contains(read_file(err.path), text); }, 5s);
-  };
+  OnesWorker ones(name);
+  auto& [worker, grad, weights] = ones;
+  const auto w0 = [&] { return ones.w0(); };
 
   BOOST_REQUIRE(worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0).ok());
   BOOST_TEST(w0() == -0.5f);
 
   // lr and max-staleness change live; max-workers needs a restart.
-  write_conf("lr = 0.25\nmax-staleness = 1\nmax-workers = 8\nlog-level = debug\n");
-  server.signal(SIGHUP);
-  BOOST_REQUIRE_MESSAGE(log_has("reloaded the configuration"), read_file(err.path));
-  const std::string log = read_file(err.path);
+  s.reload("lr = 0.25\nmax-staleness = 1\nmax-workers = 8\nlog-level = debug\n");
+  BOOST_REQUIRE_MESSAGE(s.log_has("reloaded the configuration"), s.log());
+  const std::string log = s.log();
   BOOST_TEST(contains(log, "shmps-server info: reload: lr 0.5 -> 0.25"), log);
   BOOST_TEST(contains(log, "reload: max-staleness 4 -> 1"), log);
   BOOST_TEST(contains(log, "reload: log-level info -> debug"), log);
@@ -350,17 +380,16 @@ BOOST_AUTO_TEST_CASE(sighup_reloads_lr_and_max_staleness_from_the_config_file) {
   BOOST_TEST(w0() == -0.75f);                                               // -0.5 - 0.25 * 1
   auto stale = worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0);  // 2 behind, limit now 1
   BOOST_TEST((stale.status().code() == ErrorCode::kStale));
-  BOOST_TEST(log_has("rejected push from worker 0"));
+  BOOST_TEST(s.log_has("rejected push from worker 0"));
 
   // Debug lines now appear.
   BOOST_REQUIRE(worker->register_buffer(16).ok());
-  BOOST_TEST(log_has("shmps-server debug: worker 0 registered buffer"));
+  BOOST_TEST(s.log_has("shmps-server debug: worker 0 registered buffer"));
 
   // A broken file: an error naming the line and key; the old config stays.
-  write_conf("lr = fast\n");
-  server.signal(SIGHUP);
-  BOOST_REQUIRE_MESSAGE(log_has("reload failed"), read_file(err.path));
-  BOOST_TEST(contains(read_file(err.path), "line 5: key 'lr': invalid value 'fast'"), read_file(err.path));
+  s.reload("lr = fast\n");
+  BOOST_REQUIRE_MESSAGE(s.log_has("reload failed"), s.log());
+  BOOST_TEST(contains(s.log(), "line 5: key 'lr': invalid value 'fast'"), s.log());
   BOOST_REQUIRE(worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 2).ok());
   BOOST_TEST(w0() == -1.0f);  // still lr 0.25
 
@@ -373,47 +402,30 @@ BOOST_AUTO_TEST_CASE(sighup_reloads_lr_and_max_staleness_from_the_config_file) {
 // version reached (the schedule is a function of the version); a bad one
 // is refused with the option named, and the running one stays.
 BOOST_AUTO_TEST_CASE(sighup_switches_the_lr_schedule_at_the_version_reached) {
-  TempPath err("stderr");
-  TempPath conf("conf");
-  const std::string name = test::unique_name("svc_hup_sched");
-  SegmentGuard guard(name);
-  const auto write_conf = [&](const std::string& body) {
-    std::ofstream(conf.path) << "name = " << name << "\ntensor = w:4\noptimizer = sgd\nlr = 1\n" << body;
-  };
-  write_conf("lr-schedule = step:1:0.5\n");
-  test::Process server = spawn_server({"--config", conf.path}, {}, err.path);
-  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
-                        "no segment; stderr:\n" + read_file(err.path));
-  const auto log_has = [&](const std::string& text) {
-    return test::eventually([&] { return contains(read_file(err.path), text); }, 5s);
-  };
-  auto worker = connect(name);
-  auto grad = worker->register_buffer(16);
-  auto weights = worker->register_buffer(16);
-  BOOST_REQUIRE(grad.ok() && weights.ok());
-  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+  ReloadableServer s("svc_hup_sched", "tensor = w:4\noptimizer = sgd\nlr = 1\n", "lr-schedule = step:1:0.5\n");
+  const std::string& name = s.name;
+  test::Process& server = s.process;
+  OnesWorker ones(name);
+  auto& [worker, grad, weights] = ones;
   const auto push_then_w0 = [&] {
     auto v = worker->pull(kAllTensors, weights->id, 0);
     BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
     BOOST_REQUIRE(worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, *v).ok());
-    BOOST_REQUIRE(worker->pull(kAllTensors, weights->id, 0).ok());
-    return static_cast<const float*>(weights->data)[0];
+    return ones.w0();
   };
+
   BOOST_TEST(push_then_w0() == -1.0f);  // lr 1
   BOOST_TEST(push_then_w0() == -1.5f);  // lr 0.5
-  write_conf("lr-schedule = constant\n");
-  server.signal(SIGHUP);
-  BOOST_TEST(log_has("shmps-server info: reload: lr-schedule step:1:0.5 -> constant"), read_file(err.path));
+  s.reload("lr-schedule = constant\n");
+  BOOST_TEST(s.log_has("shmps-server info: reload: lr-schedule step:1:0.5 -> constant"), s.log());
   BOOST_TEST(push_then_w0() == -2.5f);  // lr 1
-  write_conf("lr-schedule = exponential:0.5\n");
-  server.signal(SIGHUP);
-  BOOST_TEST(log_has("reload: lr-schedule constant -> exponential:0.5"), read_file(err.path));
+  s.reload("lr-schedule = exponential:0.5\n");
+  BOOST_TEST(s.log_has("reload: lr-schedule constant -> exponential:0.5"), s.log());
   BOOST_TEST(push_then_w0() == -2.625f);  // version 3: lr 0.5^3
-  write_conf("lr-schedule = cosine:0\n");
-  server.signal(SIGHUP);
-  BOOST_TEST(log_has("reload failed, keeping the running configuration: config file " + conf.path +
-                     " line 5: key 'lr-schedule': 'cosine:0': expected cosine:T_MAX with T_MAX at least 1"),
-             read_file(err.path));
+  s.reload("lr-schedule = cosine:0\n");
+  BOOST_TEST(s.log_has("reload failed, keeping the running configuration: config file " + s.conf.path +
+                       " line 5: key 'lr-schedule': 'cosine:0': expected cosine:T_MAX with T_MAX at least 1"),
+             s.log());
   BOOST_TEST(push_then_w0() == -2.6875f);  // still exponential: version 4, lr 0.5^4
   worker.reset();
   server.signal(SIGTERM);
@@ -424,20 +436,9 @@ BOOST_AUTO_TEST_CASE(sighup_switches_the_lr_schedule_at_the_version_reached) {
 // held under wait is answered once the policy is reject; then a stale push
 // is rejected, and under scale applied.
 BOOST_AUTO_TEST_CASE(sighup_switches_the_staleness_policy_without_losing_a_held_pull) {
-  TempPath err("stderr");
-  TempPath conf("conf");
-  const std::string name = test::unique_name("svc_hup_policy");
-  SegmentGuard guard(name);
-  const auto write_conf = [&](const std::string& body) {
-    std::ofstream(conf.path) << "name = " << name << "\ntensor = w:4\nmax-staleness = 1\n" << body;
-  };
-  write_conf("staleness-policy = wait\n");
-  test::Process server = spawn_server({"--config", conf.path}, {}, err.path);
-  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
-                        "no segment; stderr:\n" + read_file(err.path));
-  const auto log_has = [&](const std::string& text) {
-    return test::eventually([&] { return contains(read_file(err.path), text); }, 5s);
-  };
+  ReloadableServer s("svc_hup_policy", "tensor = w:4\nmax-staleness = 1\n", "staleness-policy = wait\n");
+  const std::string& name = s.name;
+  test::Process& server = s.process;
   auto slow = connect(name);
   auto fast = connect(name);
   auto slow_grad = slow->register_buffer(16);
@@ -457,9 +458,8 @@ BOOST_AUTO_TEST_CASE(sighup_switches_the_staleness_policy_without_losing_a_held_
     done.store(true);
   });
   BOOST_TEST(!test::eventually([&] { return done.load(); }, 300ms), "the pull was not held");
-  write_conf("staleness-policy = reject\n");
-  server.signal(SIGHUP);
-  BOOST_TEST(log_has("reload: staleness-policy wait -> reject"), read_file(err.path));
+  s.reload("staleness-policy = reject\n");
+  BOOST_TEST(s.log_has("reload: staleness-policy wait -> reject"), s.log());
   const bool answered = test::eventually([&] { return done.load(); }, 5s);
   pulling.join();
   BOOST_TEST(answered);
@@ -467,9 +467,8 @@ BOOST_AUTO_TEST_CASE(sighup_switches_the_staleness_policy_without_losing_a_held_
   BOOST_TEST(segment_config(name).staleness_policy == static_cast<uint32_t>(shm::StalenessPolicy::kReject));
   // reject: the slow worker's gradient of version 0 is 3 behind.
   BOOST_TEST((slow->push(0, slow_grad->id, 0, 16, Dtype::kF32, 0).status().code() == ErrorCode::kStale));
-  write_conf("staleness-policy = scale\n");
-  server.signal(SIGHUP);
-  BOOST_TEST(log_has("reload: staleness-policy reject -> scale"), read_file(err.path));
+  s.reload("staleness-policy = scale\n");
+  BOOST_TEST(s.log_has("reload: staleness-policy reject -> scale"), s.log());
   BOOST_TEST(slow->push(0, slow_grad->id, 0, 16, Dtype::kF32, 0).ok());  // applied with lr / 3
   auto st = slow->stats();
   BOOST_REQUIRE(st.ok());
@@ -485,35 +484,22 @@ BOOST_AUTO_TEST_CASE(sighup_switches_the_staleness_policy_without_losing_a_held_
 // A reload re-parses the file: a hyperparameter the optimizer does not use
 // is refused there as at start, and nothing of that file is applied.
 BOOST_AUTO_TEST_CASE(sighup_refuses_a_hyperparameter_the_optimizer_does_not_use) {
-  TempPath err("stderr");
-  TempPath conf("conf");
-  const std::string name = test::unique_name("svc_hup_opt");
-  SegmentGuard guard(name);
-  const auto write_conf = [&](const std::string& body) {
-    std::ofstream(conf.path) << "name = " << name << "\ntensor = w:4\noptimizer = sgd\n" << body;
-  };
-  write_conf("lr = 0.5\n");
-  test::Process server = spawn_server({"--config", conf.path}, {}, err.path);
-  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
-                        "no segment; stderr:\n" + read_file(err.path));
-  auto worker = connect(name);
-  auto grad = worker->register_buffer(16);
-  auto weights = worker->register_buffer(16);
-  BOOST_REQUIRE(grad.ok() && weights.ok());
-  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+  ReloadableServer s("svc_hup_opt", "tensor = w:4\noptimizer = sgd\n", "lr = 0.5\n");
+  const std::string& name = s.name;
+  test::Process& server = s.process;
+  OnesWorker ones(name);
+  auto& [worker, grad, weights] = ones;
 
-  write_conf("lr = 0.25\nbeta1 = 0.8\n");
-  server.signal(SIGHUP);
-  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return contains(read_file(err.path), "reload failed"); }, 5s),
-                        read_file(err.path));
-  BOOST_TEST(contains(read_file(err.path),
+  s.reload("lr = 0.25\nbeta1 = 0.8\n");
+  BOOST_REQUIRE_MESSAGE(s.log_has("reload failed"), s.log());
+  BOOST_TEST(contains(s.log(),
                       "shmps-server error: reload failed, keeping the running configuration: --optimizer sgd does not "
                       "use beta1 (config file " +
-                          conf.path +
+                          s.conf.path +
                           " line 5): an Adam/AdamW option; remove it, or choose "
                           "--optimizer adam or adamw\n"),
-             read_file(err.path));
-  BOOST_TEST(!contains(read_file(err.path), "reload: lr"), read_file(err.path));
+             s.log());
+  BOOST_TEST(!contains(s.log(), "reload: lr"), s.log());
   BOOST_REQUIRE(worker->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0).ok());
   BOOST_REQUIRE(worker->pull(kAllTensors, weights->id, 0).ok());
   BOOST_TEST(static_cast<const float*>(weights->data)[0] == -0.5f);  // still lr 0.5
