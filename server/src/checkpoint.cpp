@@ -51,7 +51,7 @@ struct CheckpointFederationRecord {
   uint32_t momentum_started;  // 0 or 1
   uint32_t reserved0;
   uint64_t unmerged_updates;
-  uint64_t reserved1;
+  uint64_t lineage;  // 0: unknown (written as reserved, 0, before it was recorded)
 };
 static_assert(sizeof(CheckpointFederationRecord) == 32 && std::is_trivially_copyable_v<CheckpointFederationRecord>);
 
@@ -245,6 +245,7 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
     fed.round = data.federation->round;
     fed.momentum_started = data.federation->momentum_started ? 1 : 0;
     fed.unmerged_updates = data.federation->unmerged_updates;
+    fed.lineage = data.federation->lineage;
   }
   // The federation section's arrays (none without it).
   std::vector<std::span<const float>> fed_arrays;
@@ -371,6 +372,7 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
       return corrupt("implausible record of the rounds' groups for round " + std::to_string(fed.round));
     data.federation->round = fed.round;
     data.federation->unmerged_updates = fed.unmerged_updates;
+    data.federation->lineage = fed.lineage;
     data.federation->momentum_started = fed.momentum_started != 0;
   }
   for (size_t i = 0; i < f.tensors.size(); ++i) {

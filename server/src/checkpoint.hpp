@@ -65,6 +65,9 @@ struct FederationState {
   // host's delta in the next round after a restart that keeps the drift.
   uint64_t unmerged_updates = 0;
   RoundGroups history;  // of the rounds up to `round` (none in a format-2 file)
+  // The lineage of the anchor (Federator::lineage()); 0: unknown (a file
+  // written before it was recorded).
+  uint64_t lineage = 0;
 };
 
 // Everything a checkpoint holds, in host memory.

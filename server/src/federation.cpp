@@ -20,7 +20,7 @@ namespace shmps::server {
 
 namespace {
 
-constexpr uint64_t kHeaderMagic = 0x33444546534d4853ull;  // "SHMSFED3" little-endian
+constexpr uint64_t kHeaderMagic = 0x34444546534d4853ull;  // "SHMSFED4" little-endian
 constexpr uint32_t kFlagJoin = 1u << 0;
 constexpr uint32_t kFlagLeaving = 1u << 1;
 constexpr uint32_t kFlagHasState = 1u << 2;  // the join: this host has an anchor (its round in the header)
@@ -35,7 +35,8 @@ struct Federator::Header {
   uint64_t round;  // the round this call completes; the join: the restored round (0: none)
   uint64_t local_updates;
   uint64_t anchor_hash;
-  uint64_t nonce;  // the join: this host's random number (the group's id hashes the members'); 0 in a round
+  uint64_t nonce;    // the join: this host's random number (the group's id hashes the members'); 0 in a round
+  uint64_t lineage;  // the join: this host's lineage (Federator::lineage()), with kFlagHasState; 0: unknown
   ModelFingerprint model;
   uint32_t every_ms;  // this host's period (the stop's timeout takes the group's longest)
   uint32_t flags;     // kFlag*
@@ -272,6 +273,7 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   mine.model = fingerprint_;
   mine.every_ms = config_.every_ms;
   mine.nonce = joined_ ? 0 : nonces_();
+  mine.lineage = lineage_;
   mine.flags = (joined_ ? 0 : kFlagJoin) | (leaving ? kFlagLeaving : 0) | (!joined_ && has_state_ ? kFlagHasState : 0) |
                (joined_ && !leaving && engine_.joiner_waiting() ? kFlagRegroup : 0);
   all->assign(m.size, Header{});
@@ -325,6 +327,7 @@ Status Federator::restore(FederationState state) {
             "federation: the checkpoint's record of groups does not fit its round " + std::to_string(state.round)};
   round_ = state.round;
   history_ = state.history;
+  lineage_ = state.lineage;
   forget_failed_round();
   restored_ = true;
   anchor_ = std::move(state.anchor);
@@ -347,6 +350,7 @@ std::optional<FederationState> Federator::state() const {
   s.momentum = momentum_;
   s.momentum_started = momentum_started_;
   s.history = history_;
+  s.lineage = lineage_;
   return s;
 }
 
@@ -381,6 +385,8 @@ Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, Rou
 Result<RoundResult> Federator::join(std::span<float> exchange) {
   std::vector<Header> all;
   if (Status s = gather_headers(0, false, &all); !s.ok()) return s;
+  uint64_t lineage = 0;
+  if (Status s = settle_lineage(all, &lineage); !s.ok()) return s;
   const Membership m = engine_.membership();
   RoundResult r;
   r.members = m.size;
@@ -432,11 +438,73 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   anchor_hash_ = hash_floats(anchor_);
   group_every_ms_ = group_every_ms;
   group_ = group;
+  lineage_ = lineage != 0 ? lineage : group;  // a fresh group's, or one resumed from states of none known
   joined_ = has_state_ = true;
   restored_ = false;
   r.round = round_;
   r.bytes = kHeaderBytes + *sent;
   return r;
+}
+
+Status Federator::settle_lineage(const std::vector<Header>& all, uint64_t* lineage) const {
+  const auto known = [](const Header& h) { return (h.flags & kFlagHasState) != 0 && h.lineage != 0; };
+  // Each lineage's members (in rank order), their highest round.
+  struct Held {
+    uint64_t lineage = 0;
+    uint64_t round = 0;
+    std::vector<uint32_t> ranks;
+  };
+  std::vector<Held> held;
+  uint32_t holders = 0;
+  for (uint32_t k = 0; k < all.size(); ++k) {
+    if (!known(all[k])) continue;
+    ++holders;
+    auto it = std::find_if(held.begin(), held.end(), [&](const Held& h) { return h.lineage == all[k].lineage; });
+    if (it == held.end()) it = held.insert(held.end(), Held{all[k].lineage, 0, {}});
+    it->round = std::max(it->round, all[k].round);
+    it->ranks.push_back(k);
+  }
+  *lineage = held.empty() ? 0 : held[0].lineage;
+  if (held.size() <= 1) return Status::Ok();
+  // Unrelated histories: the source's anchor would replace the others',
+  // and with it every round merged into them. The members outside a
+  // strict majority of the states end their federation (their weights
+  // stay as they are); the majority leaves them out where the engine can
+  // re-form (kIo), as for a model mismatch. Without a majority, or over
+  // a static engine, every member ends.
+  const auto largest = std::max_element(held.begin(), held.end(),
+                                        [](const Held& a, const Held& b) { return a.ranks.size() < b.ranks.size(); });
+  const bool majority = 2 * largest->ranks.size() > holders;
+  const Membership m = engine_.membership();
+  const bool outside = known(all[m.rank]) && (!majority || all[m.rank].lineage != largest->lineage);
+  // A member without a known lineage may re-form with any, or with none.
+  const bool kept = !outside && engine_.elastic();
+  std::string text =
+      "federation: the hosts' anchors belong to unrelated lineages (hosts of a job restarted "
+      "without their checkpoints, or a checkpoint of another job):";
+  for (const Held& h : held) {
+    text += " lineage " + hex64(h.lineage) + " at round " + std::to_string(h.round) + " (rank";
+    for (const uint32_t k : h.ranks) text += " " + std::to_string(k);
+    text += ")";
+  }
+  text += "; this host is rank " + std::to_string(m.rank);
+  if (kept) {
+    text += majority ? "; leaving out the hosts outside lineage " + hex64(largest->lineage) + ", the majority"
+                     : std::string("; leaving them out (no lineage has a majority of them)");
+  } else if (outside && majority) {
+    text += ", outside the majority: joining it would replace this host's anchor and the rounds merged into it. " +
+            std::string(
+                "The weights stay as they are; to join the others, restart this host without its federation "
+                "state (an empty --checkpoint-dir)");
+  } else {
+    text += majority ? std::string("; restart the hosts outside lineage ") + hex64(largest->lineage) +
+                           " without their federation state (an empty --checkpoint-dir)"
+                     : std::string(
+                           "; no lineage has a majority of them: every host ends its federation; restart "
+                           "all but one lineage's hosts without their federation state (an empty "
+                           "--checkpoint-dir)");
+  }
+  return {kept ? ErrorCode::kIo : ErrorCode::kInvalidArgument, text};
 }
 
 uint64_t Federator::round_group() const noexcept { return mix64(group_, engine_.membership().epoch); }

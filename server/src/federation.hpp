@@ -86,7 +86,7 @@ struct RoundResult {
 class Federator {
  public:
   // What every member sends before any delta moves (the header).
-  static constexpr uint64_t kHeaderBytes = 88;
+  static constexpr uint64_t kHeaderBytes = 96;
 
   // `fingerprint.total_elements` sizes every span below.
   Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint);
@@ -141,6 +141,10 @@ class Federator {
 
   uint64_t round_number() const noexcept { return round_; }
   uint64_t anchor_hash() const noexcept { return anchor_hash_; }
+  // The id of the history this anchor belongs to (0: unknown, a state
+  // restored from a checkpoint that predates it): drawn at a fresh group's
+  // join (its group id), kept by every join that continues it.
+  uint64_t lineage() const noexcept { return lineage_; }
   // The longest --fed-every-ms of the group, known after the join.
   uint32_t group_every_ms() const noexcept { return group_every_ms_; }
   std::span<const float> anchor() const noexcept { return anchor_; }
@@ -153,6 +157,9 @@ class Federator {
   // Gathers every member's header; checks magic, model and round. Fills
   // `all` (one per member).
   Status gather_headers(uint64_t local_updates, bool leaving, std::vector<Header>* all);
+  // The join: the lineage the group continues (0: none known), or the
+  // refusal of members whose states belong to unrelated lineages.
+  Status settle_lineage(const std::vector<Header>& all, uint64_t* lineage) const;
   // Makes rank 0's anchor (and outer momentum) everybody's; the bytes
   // this host sent.
   Result<uint64_t> repair_anchor();
@@ -178,8 +185,9 @@ class Federator {
   FederationEngine& engine_;
   ModelFingerprint fingerprint_;
   uint64_t round_ = 0;
-  RoundGroups history_;  // of the rounds up to round_ (a checkpoint's after a restore)
-  uint64_t group_ = 0;   // this group's id (the join's members' nonces hashed)
+  RoundGroups history_;   // of the rounds up to round_ (a checkpoint's after a restore)
+  uint64_t group_ = 0;    // this group's id (the join's members' nonces hashed)
+  uint64_t lineage_ = 0;  // lineage(): the state's, restored or joined
   uint64_t anchor_hash_ = 0;
   uint32_t group_every_ms_ = 0;
   bool joined_ = false;

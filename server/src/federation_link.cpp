@@ -296,7 +296,8 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
               ", outer step " + outer_step_name(config_.outer) +
               (r->resumed ? "; resumed at round " + std::to_string(r->round) + " from rank " +
                                 std::to_string(r->source_rank) + "'s anchor"
-                          : "; rank 0's weights are the anchor"));
+                          : "; rank 0's weights are the anchor") +
+              " (lineage " + hex64(federator_.lineage()) + ")");
   }
   if (r->anchors_repaired)
     log::warn("federation: round " + std::to_string(r->round) + ": the anchors differed between hosts; rank 0's " +

@@ -11,6 +11,9 @@
 #     joins again: 3 members, equal anchors, a good merged model.
 #  2b. Two servers given one --fed-host id: one says so and ends its
 #     federation, the group forms with the other.
+#  2c. A host paused (SIGSTOP) while the others restart without their
+#     checkpoints: on SIGCONT it is refused as another lineage, keeping
+#     its anchor, and the others go on without it.
 #  3. The same group formed through a Redis store (a redis-server this test
 #     starts on 127.0.0.1), and a SIGKILLed host left behind there too.
 # Then SIGTERM: every server stops cleanly, nothing is left in /dev/shm.
@@ -216,6 +219,41 @@ for j in "$job.0" "$job.1" "${job}b.1"; do
   kill -TERM "${host_pid[$j]}"
   wait "${host_pid[$j]}" || fail "$j exited non-zero after SIGTERM"
   unset "host_pid[$j]"
+done
+
+# ---- 2c. A host paused through a restart of the others without their
+# checkpoints: the group it meets on SIGCONT is a new job's (another
+# lineage) at a higher round. It is refused with the fix and ends its
+# federation, its anchor and round as they were, rather than taking the
+# new job's anchor; the others re-form without it.
+job=${name}lin
+for r in 0 1 2; do start_host "$job" $r "file:$work/lin-store"; done
+await_members "$job" 3 0 1 2 >/dev/null
+await_round "$job" 3 0 1 2
+kill -STOP "${host_pid[$job.2]}"
+await_members "$job" 2 0 1 >/dev/null
+paused_round=$(stat_of "$job" 2 fed_round) paused_hash=$(stat_of "$job" 2 fed_anchor_hash)
+for r in 0 1; do kill -KILL "${host_pid[$job.$r]}"; wait "${host_pid[$job.$r]}" 2>/dev/null || true; done
+rm -rf "$work/ckpt-$job/r0" "$work/ckpt-$job/r1" /dev/shm/shmps."$job".r0 /dev/shm/shmps."$job".r1
+for r in 0 1; do start_host "$job" $r "file:$work/lin-store"; done
+await_members "$job" 2 0 1 >/dev/null
+await_round "$job" $((paused_round + 5)) 0 1
+kill -CONT "${host_pid[$job.2]}"
+for _ in $(seq 300); do [ "$(stat_of "$job" 2 fed_state)" = 4 ] && break; sleep 0.1; done
+[ "$(stat_of "$job" 2 fed_state)" = 4 ] || fail "the paused host's fed_state is $(stat_of "$job" 2 fed_state), not 4 (ended)"
+grep -q "unrelated lineages.*rank 2, outside the majority" "$work/$job.host2.log" ||
+  fail "the paused host did not name the lineages: $(grep federation "$work/$job.host2.log" | tail -3)"
+[ "$(stat_of "$job" 2 fed_round)" = "$paused_round" ] && [ "$(stat_of "$job" 2 fed_anchor_hash)" = "$paused_hash" ] ||
+  fail "the paused host's round or anchor changed: round $(stat_of "$job" 2 fed_round), was $paused_round"
+before=$(stat_of "$job" 0 fed_round)
+await_members "$job" 2 0 1 >/dev/null
+await_round "$job" $((before + 3)) 0 1
+"$train" --connect "$job.r2" --evaluate >"$work/lin.log" 2>&1 || fail "the paused host does not serve: $(tail -3 "$work/lin.log")"
+echo "a host paused through a restart of the others without checkpoints: refused at round $paused_round, its anchor kept; the others went on"
+for r in 0 1 2; do
+  kill -TERM "${host_pid[$job.$r]}"
+  wait "${host_pid[$job.$r]}" || fail "host $r of $job exited non-zero after SIGTERM"
+  unset "host_pid[$job.$r]"
 done
 
 # ---- 3. The Redis store.

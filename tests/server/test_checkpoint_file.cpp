@@ -108,7 +108,7 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
   test::TempDir dir("ckptfile");
   CheckpointData d = make_data(adam_layout(), 11, 0.5f);
   d.federation =
-      FederationState{42, true, std::vector<float>(7, 1.5f), std::vector<float>(7, -0.125f), 9, some_history()};
+      FederationState{42, true, std::vector<float>(7, 1.5f), std::vector<float>(7, -0.125f), 9, some_history(), 0xabcd};
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
   auto r = read_checkpoint(ckpt(dir, 11), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
@@ -120,6 +120,7 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
   BOOST_TEST(r->federation->momentum == d.federation->momentum);
   BOOST_TEST((r->federation->history == d.federation->history));
   BOOST_TEST(r->federation->history.holds(35, 5));
+  BOOST_TEST(r->federation->lineage == 0xabcdu);
   BOOST_TEST(r->weights == d.weights);
 
   d.federation->momentum.clear();  // the average outer step keeps none

@@ -511,6 +511,124 @@ BOOST_AUTO_TEST_CASE(hosts_with_other_outer_steps_are_refused_naming_both) {
   }
 }
 
+namespace {
+
+// A state at `round` of lineage `lineage` (0: unknown), its anchor all `a`.
+FederationState state_of(uint64_t lineage, uint64_t round, float a) {
+  FederationState s;
+  s.round = round;
+  s.anchor.assign(kN, a);
+  s.lineage = lineage;
+  return s;
+}
+
+// The joins of hosts restored from `states` (none: a fresh host), each
+// weights all 9, over an elastic engine or not; each host's state after.
+struct Joins {
+  std::vector<Result<RoundResult>> joined;
+  std::vector<std::optional<FederationState>> after;
+  std::vector<std::vector<float>> corrections;
+};
+Joins joins_from(const std::vector<std::optional<FederationState>>& states, bool elastic) {
+  const auto n = static_cast<uint32_t>(states.size());
+  Hosts hosts(n, FederationConfig{});
+  Joins j{std::vector<Result<RoundResult>>(n, Status{ErrorCode::kInternal, "not run"}),
+          std::vector<std::optional<FederationState>>(n), std::vector<std::vector<float>>(n)};
+  for (uint32_t r = 0; r < n; ++r) {
+    hosts.engines[r]->is_elastic = elastic;
+    if (states[r]) BOOST_TEST_REQUIRE(hosts.feds[r]->restore(*states[r]).ok());
+  }
+  hosts.run([&](uint32_t r, Federator& f) {
+    j.corrections[r].assign(kN, 9.0f);
+    j.joined[r] = f.join(j.corrections[r]);
+  });
+  for (uint32_t r = 0; r < n; ++r) j.after[r] = hosts.feds[r]->state();
+  return j;
+}
+
+bool mentions(const Status& s, const std::string& text) { return s.message().find(text) != std::string::npos; }
+
+}  // namespace
+
+// Hosts whose anchors belong to unrelated lineages (a job restarted
+// without checkpoints, met by a host of the old one that paused through
+// it; a checkpoint of another job) are refused at the join, naming every
+// lineage, rather than one anchor replacing the others and every round
+// merged into them. As for a model mismatch, the hosts outside a strict
+// majority of the states end their federation with their state as it was;
+// the majority (and hosts without a state) leave them out where the
+// engine re-forms; without a majority every host with a state ends.
+BOOST_AUTO_TEST_CASE(hosts_of_unrelated_lineages_are_refused_keeping_their_state) {
+  const FederationState old_job = state_of(0xa1, 50, 1.0f), new_job = state_of(0xb2, 12, 2.0f);
+  for (const bool elastic : {false, true}) {
+    BOOST_TEST_CONTEXT("elastic " << elastic) {
+      // The old job's host (round 50, the highest) against two of the new job's.
+      const Joins three = joins_from({old_job, new_job, new_job}, elastic);
+      BOOST_TEST(three.joined[0].status().code() == ErrorCode::kInvalidArgument);
+      BOOST_TEST(mentions(three.joined[0].status(), "lineage 0x00000000000000a1 at round 50 (rank 0)"),
+                 three.joined[0].status().message());
+      BOOST_TEST(mentions(three.joined[0].status(), "lineage 0x00000000000000b2 at round 12 (rank 1 2)"),
+                 three.joined[0].status().message());
+      BOOST_TEST(mentions(three.joined[0].status(), "outside the majority"), three.joined[0].status().message());
+      BOOST_TEST(mentions(three.joined[0].status(), "--checkpoint-dir"), three.joined[0].status().message());
+      for (uint32_t r : {1u, 2u}) {
+        BOOST_TEST(three.joined[r].status().code() == (elastic ? ErrorCode::kIo : ErrorCode::kInvalidArgument));
+        BOOST_TEST(
+            mentions(three.joined[r].status(), elastic ? "leaving out the hosts outside lineage 0x00000000000000b2"
+                                                       : "restart the hosts outside lineage 0x00000000000000b2"),
+            three.joined[r].status().message());
+      }
+      // Nothing changed: each state is the one restored, and no correction.
+      for (uint32_t r = 0; r < 3; ++r) {
+        const FederationState& want = r == 0 ? old_job : new_job;
+        BOOST_TEST_REQUIRE(three.after[r].has_value());
+        BOOST_TEST(three.after[r]->round == want.round);
+        BOOST_TEST(three.after[r]->lineage == want.lineage);
+        BOOST_TEST((three.after[r]->anchor == want.anchor));
+        BOOST_TEST(
+            std::all_of(three.corrections[r].begin(), three.corrections[r].end(), [](float v) { return v == 9.0f; }));
+      }
+      // One of each, and a fresh host: no majority; the states' hosts end,
+      // the fresh one re-forms where the engine can.
+      const Joins split = joins_from({old_job, new_job, std::nullopt}, elastic);
+      for (uint32_t r : {0u, 1u}) {
+        BOOST_TEST(split.joined[r].status().code() == ErrorCode::kInvalidArgument);
+        BOOST_TEST(mentions(split.joined[r].status(), "no lineage has a majority"), split.joined[r].status().message());
+      }
+      BOOST_TEST(split.joined[2].status().code() == (elastic ? ErrorCode::kIo : ErrorCode::kInvalidArgument));
+      BOOST_TEST(!split.after[2].has_value());
+    }
+  }
+}
+
+// A lineage is drawn at a fresh group's join, the same on every member and
+// another for another group; joins that continue it keep it (an older
+// checkpoint of it, a fresh host), and a state of unknown lineage (a
+// checkpoint written before lineages were recorded) joins any, taking the
+// group's; it reaches the state a checkpoint stores.
+BOOST_AUTO_TEST_CASE(a_lineage_is_drawn_by_a_fresh_group_and_kept_by_the_joins_that_continue_it) {
+  const Joins fresh = joins_from({std::nullopt, std::nullopt}, false);
+  const Joins other = joins_from({std::nullopt, std::nullopt}, false);
+  BOOST_TEST_REQUIRE(fresh.after[0].has_value());
+  BOOST_TEST_REQUIRE(other.after[0].has_value());
+  const uint64_t lineage = fresh.after[0]->lineage;
+  BOOST_TEST(lineage != 0u);
+  BOOST_TEST(fresh.after[1]->lineage == lineage);
+  BOOST_TEST(other.after[0]->lineage != lineage);
+  const Joins resumed =
+      joins_from({state_of(lineage, 3, 1.0f), state_of(lineage, 7, 2.0f), state_of(0, 5, 3.0f), std::nullopt}, false);
+  for (uint32_t r = 0; r < 4; ++r) {
+    BOOST_TEST_REQUIRE(resumed.joined[r].ok(), resumed.joined[r].status().to_string());
+    BOOST_TEST(resumed.joined[r]->source_rank == 1u);
+    BOOST_TEST(resumed.after[r]->lineage == lineage);
+  }
+  // States all of unknown lineage: the group draws one.
+  const Joins unknown = joins_from({state_of(0, 5, 3.0f), state_of(0, 5, 3.0f)}, false);
+  BOOST_TEST_REQUIRE(unknown.joined[0].ok(), unknown.joined[0].status().to_string());
+  BOOST_TEST(unknown.after[0]->lineage != 0u);
+  BOOST_TEST(unknown.after[1]->lineage == unknown.after[0]->lineage);
+}
+
 BOOST_AUTO_TEST_CASE(a_leaving_host_ends_the_round_with_nothing_exchanged) {
   Hosts hosts(3, FederationConfig{});
   std::vector<RoundResult> results(3);
@@ -828,6 +946,9 @@ BOOST_AUTO_TEST_CASE(another_jobs_checkpoint_does_not_show_this_jobs_failed_roun
   std::optional<FederationState> old_state = other.feds[0]->state();
   BOOST_TEST_REQUIRE(old_state.has_value());
   BOOST_TEST_REQUIRE(old_state->round == 2u);
+  // As a checkpoint written before lineages were recorded: one of another
+  // lineage is refused at the join (hosts_of_unrelated_lineages_...).
+  old_state->lineage = 0;
   // This job: round 2 fails at host 1 after meeting host 0, under the same epoch.
   Hosts job(2, config);
   for (auto& engine : job.engines) engine->is_elastic = true;
