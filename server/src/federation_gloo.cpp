@@ -11,6 +11,8 @@
 //   a<k>/gloo/...     Gloo's rendezvous of the group formed at k
 //   a<k>/formed       the group's members, written by its rank 0 once
 //                     the rendezvous went through
+//   floor             an epoch F: the attempts up to F were decided (the
+//                     store was wiped under the group of epoch F)
 // A host writes its want, waits until the last epoch's members all want
 // too (or a settle time passes), writes what it saw as its view, and reads
 // the views of the hosts it saw: all equal, the group is those hosts (an
@@ -21,7 +23,11 @@
 // group; at the first, of all --fed-hosts): a minority pauses instead. A
 // host that wants in later writes its want at the attempt after the
 // group's epoch, which the members look for once per round
-// (joiner_waiting()).
+// (joiner_waiting()). A store wiped under a running group (a Redis
+// restarted without persistence) has lost the attempts a newcomer counts
+// from: the group's rank 0, finding its `formed` record gone, writes the
+// floor and the record again, and a newcomer's first attempt is then the
+// one after the group's epoch, as in a store never wiped.
 //
 // Used by the federation thread alone (Gloo's stores are not thread-safe).
 #include <gloo/allgather.h>
@@ -36,6 +42,7 @@
 #include <gloo/transport/tcp/device.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <bit>
 #include <chrono>
 #include <csignal>
@@ -65,6 +72,9 @@ constexpr milliseconds kPoll{5};
 constexpr milliseconds kSettle{200};
 // How often a group's member tries to open a store that failed again.
 constexpr std::chrono::seconds kStoreRetry{5};
+// The highest floor believed (a garbage one beyond it is ignored): far
+// past any epoch, and far from the gallop's overflow.
+constexpr uint64_t kMaxFloor = uint64_t{1} << 48;
 // Tags a Want ("SHFW").
 constexpr uint32_t kWantMagic = 0x57464853;
 
@@ -323,6 +333,7 @@ class GlooEngine final : public FederationEngine {
         if (!store.ok()) return false;
         store_ = std::move(store).value();
       }
+      if (membership_.rank == 0) restore_wiped_records();
       // Only a want of this job counts: another's, or garbage, would make
       // the group re-form every round for nothing.
       const uint64_t attempt = membership_.epoch + 1;
@@ -363,11 +374,33 @@ class GlooEngine final : public FederationEngine {
   }
   uint64_t wants_at(uint64_t attempt) { return keys_at(attempt, "want"); }
 
-  // The highest attempt any host started (0: none). Attempts are started
-  // in order, each with a want, so the started ones are 1..highest:
-  // gallop, then bisect.
-  uint64_t highest_attempt() {
-    uint64_t lo = attempt_, hi = attempt_ + 1;
+  static std::string formed_key(uint64_t attempt) { return "a" + std::to_string(attempt) + "/formed"; }
+
+  // The store's floor (0: none, or not a plausible one).
+  uint64_t floor_in_store() {
+    if (!store_->has("floor")) return 0;
+    const std::vector<char> bytes = store_->get("floor");
+    uint64_t floor = 0;
+    if (bytes.size() == sizeof floor) std::memcpy(&floor, bytes.data(), sizeof floor);
+    return floor <= kMaxFloor ? floor : 0;
+  }
+
+  // The group's rank 0, once a round: when the store lost this group's
+  // `formed` record (wiped), writes the floor at this epoch, then the
+  // record again (so that this runs once per wipe). Throws the store's
+  // exceptions.
+  void restore_wiped_records() {
+    const uint64_t epoch = membership_.epoch;
+    if (store_->has(formed_key(epoch))) return;
+    if (!store_->has("floor")) store_->set("floor", &epoch, sizeof epoch);
+    store_->set(formed_key(epoch), &last_members_, sizeof last_members_);
+  }
+
+  // The highest attempt any host started since `floor` (`floor` when
+  // none). Attempts are started in order, each with a want, so the
+  // started ones are floor+1..highest: gallop, then bisect.
+  uint64_t highest_attempt(uint64_t floor) {
+    uint64_t lo = std::max(attempt_, floor), hi = lo + 1;
     while (wants_at(hi) != 0) {
       lo = hi;
       hi *= 2;
@@ -419,9 +452,8 @@ class GlooEngine final : public FederationEngine {
   // epoch bounds the search. 0 when none formed.
   uint64_t newest_group(uint64_t attempt, uint64_t known_epoch) {
     for (uint64_t k = attempt - 1; k >= 1 && k >= known_epoch; --k) {
-      const std::string formed = "a" + std::to_string(k) + "/formed";
-      if (!store_->has(formed)) continue;
-      const std::vector<char> bytes = store_->get(formed);
+      if (!store_->has(formed_key(k))) continue;
+      const std::vector<char> bytes = store_->get(formed_key(k));
       uint64_t members = 0;
       if (bytes.size() == sizeof members) std::memcpy(&members, bytes.data(), sizeof members);
       if (members != 0 && (members & ~all_hosts_) == 0) return members;
@@ -433,8 +465,9 @@ class GlooEngine final : public FederationEngine {
     // The attempt after this host's last and after any started (a group
     // that formed since, or others' attempts), but never one already
     // decided without this host: then it joins a running group, whose
-    // members look for it once a round.
-    uint64_t k = std::max(attempt_ + 1, highest_attempt());
+    // members look for it once a round. Past the floor, which was decided.
+    const uint64_t floor = floor_in_store();
+    uint64_t k = std::max({attempt_ + 1, highest_attempt(floor), floor + 1});
     const bool joining = keys_at(k, "view") != 0;
     if (joining) ++k;
     const uint64_t me = 1ull << config_.host;
@@ -551,7 +584,7 @@ class GlooEngine final : public FederationEngine {
     context->setTimeout(timeout_);
     RendezvousStore rendezvous(*store_, "a" + std::to_string(k) + "/gloo/", Clock::now() + timeout_, cancelled);
     context->connectFullMesh(rendezvous, device_);
-    if (rank == 0) store_->set("a" + std::to_string(k) + "/formed", &seen, sizeof seen);
+    if (rank == 0) store_->set(formed_key(k), &seen, sizeof seen);
     context_ = std::move(context);
     membership_ = {k, static_cast<uint32_t>(rank), static_cast<uint32_t>(size), config_.host};
     last_epoch_ = k;

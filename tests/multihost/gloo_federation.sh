@@ -8,7 +8,9 @@
 #     3 members, equal anchors; every worker's run finishes without error.
 #  2. SIGSTOP host 2 (a hung host): hosts 0 and 1 show 2 members within the
 #     timeout plus 1 s, their workers see no error; after SIGCONT host 2
-#     joins again: 3 members, equal anchors, a good merged model.
+#     joins again: 3 members, equal anchors, a good merged model. Then
+#     the store wiped under the group and host 1 restarted: it joins
+#     within the timeout plus 1 s.
 #  2b. Two servers given one --fed-host id: one says so and ends its
 #     federation, the group forms with the other.
 #  2c. A host paused (SIGSTOP) while the others restart without their
@@ -188,6 +190,20 @@ epoch=$(stat_of "$job" 0 fed_epoch)
 merged=$(accuracy "$work/merged.log")
 echo "merged model: test accuracy $merged"
 python3 -c "import sys; sys.exit(0 if $merged >= 0.80 else 1)" || fail "the merged model reached only $merged"
+# The store wiped under the running group (as a Redis restarted without
+# persistence loses it), then host 1 SIGKILLed and restarted: it meets
+# the group at the attempt after its epoch within the limit, rather than
+# counting attempts up from 1 (a settle time each).
+kill -KILL "${host_pid[$job.1]}"
+wait "${host_pid[$job.1]}" 2>/dev/null || true
+await_members "$job" 2 0 2 >/dev/null
+epoch=$(stat_of "$job" 0 fed_epoch)
+find "$work/store" -mindepth 1 -delete
+start_host "$job" 1 "file:$work/store"
+took=$(await_members "$job" 3 0 1 2)
+echo "store wiped under the group at epoch $epoch: host 1 restarted, 3 members after $took s, epoch $(stat_of "$job" 0 fed_epoch)"
+within_limit "$took" || fail "rejoining through a wiped store took $took s"
+await_equal_anchors "$job"
 for r in 0 1 2; do kill -TERM "${host_pid[$job.$r]}"; done
 for r in 0 1 2; do
   wait "${host_pid[$job.$r]}" || fail "host $r exited non-zero after SIGTERM"
