@@ -10,7 +10,9 @@ For real use the server runs on its own, under systemd (docs/operations.md).
 """
 
 import contextlib
+import fcntl
 import itertools
+import operator
 import os
 import re
 import shutil
@@ -49,16 +51,25 @@ def _tensor_specs(model=None, tensors=None):
     if model is not None:
         pairs = []
         for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue  # frozen: each process's own (shmps.torch.RemoteOptimizer leaves it out too)
             if p.is_sparse or str(p.dtype) != "torch.float32":
                 raise TypeError(f"parameter {name!r} is {'sparse' if p.is_sparse else p.dtype}: shmps serves dense "
                                 "float32 parameters only")
             pairs.append((name, tuple(p.shape)))
         tensors = pairs
+        if not tensors:
+            raise ValueError("the model has no trainable parameters (every one has requires_grad=False)")
+    if isinstance(tensors, dict):
+        tensors = tensors.items()
     specs = []
     for name, shape in tensors:
         if isinstance(shape, (str, bytes)):
             raise TypeError(f"tensor {name!r}: the shape must be a sequence of ints, not {shape!r}")
-        dims = [int(d) for d in shape] or [1]  # a 0-d parameter is one element
+        try:
+            dims = [operator.index(d) for d in shape] or [1]  # a 0-d parameter is one element
+        except TypeError:
+            raise TypeError(f"tensor {name!r}: the shape must be a sequence of ints, not {shape!r}") from None
         specs.append(f"{name}:{'x'.join(str(d) for d in dims)}")
     if not specs:
         raise ValueError("the model has no parameters")
@@ -86,7 +97,9 @@ class Server:
 
     def __init__(self, model=None, *, tensors=None, name=None, optimizer="adam", binary=None, log=None,
                  start_timeout=30.0, **options):
-        self.name = name or f"py{os.getpid()}_{next(_names)}"
+        if not isinstance(optimizer, str):
+            raise TypeError(f"optimizer must be a name (sgd, adam or adamw), not {optimizer!r}")
+        self.name = name if name is not None else f"py{os.getpid()}_{next(_names)}"
         self.binary = binary or server_binary()
         self.args = [self.binary, "--name", self.name]
         for spec in _tensor_specs(model, tensors):
@@ -96,6 +109,7 @@ class Server:
         self._log_path = log
         self._own_log = log is None
         self.process = None
+        self._starter = None  # the pid of the process that started it: only it stops it
 
     @property
     def log_path(self):
@@ -114,7 +128,11 @@ class Server:
             os.close(fd)
         try:
             with open(self._log_path, "ab") as log:
-                self.process = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                # --parent-pid: the server stops once this process is gone,
+                # even when it ends without stop() (SIGTERM, SIGKILL, exit).
+                self.process = subprocess.Popen(self.args + ["--parent-pid", str(os.getpid())],
+                                                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                self._starter = os.getpid()
         except BaseException:
             if self._own_log:  # nothing ran: no log to keep
                 with contextlib.suppress(OSError):
@@ -129,13 +147,20 @@ class Server:
                     self.process = None
                     raise _errors.ServerNotRunningError(f"shmps-server exited {code} at start: {self._log_tail()}")
                 try:
-                    with connect(self.name) as probe:
+                    with connect(self.name, timeout=max(0.001, min(10.0, deadline - time.monotonic()))) as probe:
                         # Another live server at the name answers too, while
                         # this one fails its start (poll() above then says so).
                         if probe.server_pid == self.process.pid:
                             return self
-                except (_errors.ServerNotRunningError, _errors.LayoutMismatchError):
+                except (_errors.ServerNotRunningError, _errors.LayoutMismatchError, _errors.TimeoutError):
                     pass
+                except _errors.NoCapacityError:
+                    # A server answered, full: workers that waited for it
+                    # took every slot first. Another server at the name
+                    # would have made this one exit at once.
+                    time.sleep(0.05)
+                    if self.process.poll() is None:
+                        return self
                 except _errors.Error:
                     # Refused before any server is asked (a bad name): the
                     # server refuses it too, and its exit says why.
@@ -150,20 +175,49 @@ class Server:
             raise
 
     def stop(self, timeout=30.0):
-        """SIGTERM, then SIGKILL after `timeout` seconds; returns the exit code."""
+        """SIGTERM, then SIGKILL after `timeout` seconds; returns the exit
+        code. In a process other than the one that started it (a fork()ed
+        child) only lets go of it: returns None."""
         if self.process is None:
             return None
         p, self.process = self.process, None
+        if self._starter != os.getpid():
+            return None
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGCONT)  # a stopped server handles the SIGTERM too
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if p.returncode != 0:
+            self._remove_dead_segment()
         if self._own_log and p.returncode == 0:
-            os.unlink(self._log_path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._log_path)
         return p.returncode
+
+    def _remove_dead_segment(self):
+        """After a server that did not stop cleanly (killed): its segment,
+        unless a live server holds it. A server holds an exclusive flock on
+        its segment while it lives; the object is removed under that lock,
+        as a starting server removes a dead one's."""
+        path = f"/dev/shm/shmps.{self.name}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st = os.fstat(fd)
+            if st.st_uid == os.geteuid() and st.st_ino == os.stat(path, follow_symlinks=False).st_ino:
+                os.unlink(path)
+        except OSError:
+            pass  # held by a live server, or gone meanwhile
+        finally:
+            os.close(fd)
 
     def _log_tail(self, lines=20):
         try:

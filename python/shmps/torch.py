@@ -23,8 +23,10 @@ from . import _errors
 
 
 class RemoteOptimizer:
-    """Trains `model` through `worker`'s server. The model's parameter names
-    and shapes must be the server's tensor table (any order). `on_stale`:
+    """Trains `model` through `worker`'s server. The names and shapes of the
+    model's trainable parameters must be the server's tensor table (any
+    order); frozen ones (requires_grad=False) stay the model's own, as
+    torch.optim leaves a parameter without a gradient alone. `on_stale`:
     "skip" counts a push rejected as too stale (self.stale) and pulls fresh
     weights; "raise" raises the StaleError. `init`: first set the server's
     weights to the model's own (worker.init); the first initialiser of a job
@@ -41,7 +43,10 @@ class RemoteOptimizer:
         self.stale = 0        # pushes rejected as too stale
         self.applied = False  # whether the last step's push was applied
         self.closed = False
-        self._params = list(model.named_parameters())
+        self._pending = None  # a push whose step() a KeyboardInterrupt ended: settled before the buffers are touched
+        named = list(model.named_parameters())
+        self._params = [(n, p) for n, p in named if p.requires_grad]
+        self._frozen = [(n, p) for n, p in named if not p.requires_grad]
         self._check_table()
         devices = {p.device for _, p in self._params}
         if len(devices) != 1:
@@ -101,9 +106,15 @@ class RemoteOptimizer:
                 problems.append(f"{name} {tuple(p.shape)} is not on the server")
             elif p.numel() != t.count or (tuple(p.shape) != t.shape and not (p.dim() == 0 and t.shape == (1,))):
                 problems.append(f"{name} is {tuple(p.shape)} here, {t.shape} on the server")
+        frozen = {n for n, _ in self._frozen}
         missing = [n for n in table if n not in names]
         if missing:
-            problems.append(f"the server's {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in the model")
+            problems.append(f"the server's {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in the model"
+                            + (" as trainable parameters (frozen ones, requires_grad=False, stay each process's own: "
+                               "start the server from the model once it is frozen)"
+                               if any(n in frozen for n in missing) else ""))
+        if not self._params and not problems:
+            problems.append("the model has no trainable parameters (every one has requires_grad=False)")
         if problems:
             raise ValueError(f"the model does not match server {self.worker.name!r}: " + "; ".join(problems))
 
@@ -119,10 +130,20 @@ class RemoteOptimizer:
             raise RuntimeError(f"RemoteOptimizer.{what}() after close(): the model's parameters are its own again; "
                                "make a new RemoteOptimizer to train through the server")
 
+    def _settle_pending(self):
+        """The push of a step() that a KeyboardInterrupt ended, waited for
+        and counted before the gradient buffer is written or freed (the
+        server may still read it); its errors raise, but for a StaleError,
+        counted as step() counts it."""
+        ticket, self._pending = self._pending, None
+        if ticket is not None:
+            self._settle(ticket)
+
     def zero_grad(self, set_to_none=False):
         """Zeroes the gradient buffer; .grad is never set to None (it must stay a view of the buffer)."""
         del set_to_none  # accepted for torch.optim's signature; the buffer is always zeroed
         self._check_open("zero_grad")
+        self._settle_pending()
         self._grads.zero_()
 
     def close(self):
@@ -136,18 +157,24 @@ class RemoteOptimizer:
         leaves the model on the buffers, and may be called again."""
         if self.closed:
             return
-        # Unregistered first: a request still in flight on them (a step()
-        # that Ctrl-C ended) is served before the unregister is answered,
-        # so what is copied below is final. Their memory stays valid while
-        # a view of it lives.
+        # A push a Ctrl-C left in flight: its answer taken (a server gone
+        # has none to give).
+        with contextlib.suppress(_errors.Error):
+            self._settle_pending()
+        # Unregistered first: a request still in flight on them is served
+        # before the unregister is answered, so what is copied below is
+        # final. Their memory stays valid while a view of it lives.
         for buf in (self._grad_buf, self._weight_buf):
             with contextlib.suppress(_errors.Error):
                 self.worker.unregister_buffer(buf)
         self._sync()  # a gradient backward() wrote on the current stream
+        # Only what still lives in this optimizer's buffers: a parameter
+        # another RemoteOptimizer took over since is that one's.
         with torch.no_grad():
-            for _, p in self._params:
-                p.data = p.data.clone()
-                if p.grad is not None:
+            for (_, p), ptr, (_, grad_ptr) in zip(self._params, self._weight_ptrs, self._grad_ptrs):
+                if p.data_ptr() == ptr:
+                    p.data = p.data.clone()
+                if p.grad is not None and p.grad.data_ptr() == grad_ptr:
                     p.grad = p.grad.clone()
         self._grads = self._weights = self._grad_buf = self._weight_buf = None
         self.closed = True
@@ -166,28 +193,55 @@ class RemoteOptimizer:
         StaleError under on_stale="raise" comes with the weights already
         pulled."""
         self._check_open("step")
-        for (name, ptr), (_, p) in zip(self._grad_ptrs, self._params):
-            if p.grad is None or p.grad.data_ptr() != ptr:
-                raise RuntimeError(
-                    f"parameter {name!r}: .grad no longer points into the shmps gradient buffer (it was set to None "
-                    "or replaced, e.g. by zero_grad(set_to_none=True), torch 2.x's default): call "
-                    "RemoteOptimizer.zero_grad() or model.zero_grad(set_to_none=False) instead")
+        self._settle_pending()
         for (name, _), (_, p), ptr in zip(self._grad_ptrs, self._params, self._weight_ptrs):
             if p.data_ptr() != ptr:
                 raise RuntimeError(
-                    f"parameter {name!r} no longer lives in the shmps weight buffer (its .data was reassigned): "
-                    "pulls would not reach it; copy into it in place instead (p.data.copy_(t), or "
-                    "model.load_state_dict, which copies)")
+                    f"parameter {name!r} no longer lives in this RemoteOptimizer's weight buffer (its .data was "
+                    "reassigned, moved by model.share_memory() or .to(), or taken over by another RemoteOptimizer): "
+                    "pulls would not reach it; copy into it in place instead (p.data.copy_(t))")
+        for (name, ptr), (_, p) in zip(self._grad_ptrs, self._params):
+            if p.grad is None or p.grad.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"parameter {name!r}: .grad no longer points into this RemoteOptimizer's gradient buffer (it was "
+                    "set to None or replaced, e.g. by zero_grad(set_to_none=True), torch 2.x's default): call "
+                    "RemoteOptimizer.zero_grad() or model.zero_grad(set_to_none=False) instead")
+        for name, p in self._frozen:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"parameter {name!r} was frozen (requires_grad=False) when this RemoteOptimizer was made, so it "
+                    "is not on the server and its gradient would go nowhere: make a new server and RemoteOptimizer "
+                    "for the unfrozen model")
         self.applied = False
-        ticket = self.worker.push_async(self._grad_buf, self.version, stream=self._stream())
+        try:
+            ticket = self.worker.push_async(self._grad_buf, self.version, stream=self._stream())
+        except _errors.ServerRestartedError:
+            # A restarted server (reconnect=True): the push, computed on the
+            # old server's weights, is refused; the pull re-attaches and
+            # takes the new server's, so the next step() pushes against them.
+            with contextlib.suppress(_errors.Error):
+                self.pull()
+            raise
         try:
             self.pull()
-        except BaseException:
+        except _errors.Error as e:
             # The push's answer is still taken from the lane and counted
             # (.applied tells whether to redo the minibatch); the pull's
-            # error is the one raised.
+            # error is the one raised. A server that died under them: the
+            # next pull re-attaches (reconnect=True) and takes the new
+            # server's weights, so the next step() pushes against them.
             with contextlib.suppress(_errors.Error):
                 self._settle(ticket)
+            if isinstance(e, _errors.ServerRestartedError):
+                with contextlib.suppress(_errors.Error):
+                    self.pull()
+            raise
+        except BaseException:
+            # Ctrl-C (or another signal handler's exception): raised at
+            # once; the push is waited for before the gradient buffer is
+            # next written (zero_grad(), step(), close()), not now, since a
+            # server that stalled would hold the interrupt for its timeout.
+            self._pending = ticket
             raise
         stale = self._settle(ticket)
         if stale is not None and self.on_stale == "raise":
@@ -209,5 +263,6 @@ class RemoteOptimizer:
     def pull(self):
         """Pulls the server's newest weights into the parameters (no push); returns their version."""
         self._check_open("pull")
+        self._settle_pending()
         self.version = self.worker.pull(self._weight_buf, stream=self._stream())
         return self.version

@@ -3,9 +3,16 @@
 // request_reload(), the reload parsing the command line again.
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
 
+#include "shmps/server/log.hpp"
 #include "shmps/server/options.hpp"
 #include "shmps/server/server.hpp"
 
@@ -30,9 +37,52 @@ void handle(int signo, void (*handler)(int)) {
   ::sigaction(signo, &sa, nullptr);
 }
 
+// Stops the server once `parent_pid` is no longer its parent (the parent
+// died: the process was re-parented), polling every 100 ms; a process
+// event would need a pidfd per parent, and the poll costs nothing.
+class ParentWatch {
+ public:
+  ParentWatch(Server& server, uint32_t parent_pid) {
+    if (parent_pid == 0) return;
+    thread_ = std::thread([this, &server, parent_pid] {
+      // The stop and reload signals go to the thread that handles them.
+      sigset_t signals;
+      sigemptyset(&signals);
+      for (const int signo : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&signals, signo);
+      ::pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+      std::unique_lock lock(mu_);
+      while (!done_) {
+        if (static_cast<uint32_t>(::getppid()) != parent_pid) {
+          log::info("the parent process (pid " + std::to_string(parent_pid) + ", --parent-pid) is gone: stopping");
+          server.request_stop();
+          return;
+        }
+        wake_.wait_for(lock, std::chrono::milliseconds(100));
+      }
+    });
+  }
+  ~ParentWatch() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard lock(mu_);
+      done_ = true;
+    }
+    wake_.notify_one();
+    thread_.join();
+  }
+  ParentWatch(const ParentWatch&) = delete;
+  ParentWatch& operator=(const ParentWatch&) = delete;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool done_ = false;  // guarded by mu_
+  std::thread thread_;
+};
+
 }  // namespace
 
-Status run_server(const ServerConfig& config, const std::vector<std::string>& argv) {
+Status run_server(const ServerConfig& config, const std::vector<std::string>& argv, uint32_t parent_pid) {
   // A SIGHUP during start-up must not kill the daemon (its default action);
   // the configuration it would re-read was read just now anyway. SIGINT and
   // SIGTERM are held back (blocked, so pending) while the server is created:
@@ -71,7 +121,11 @@ Status run_server(const ServerConfig& config, const std::vector<std::string>& ar
       return std::move(parsed).value().config;
     };
   }
-  Status s = (*server)->run(options);
+  Status s;
+  {
+    ParentWatch watch(**server, parent_pid);
+    s = (*server)->run(options);
+  }
   g_server.store(nullptr, std::memory_order_release);  // SYNC(signal_server)
   return s;
 }

@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
     }
     // SIGHUP parses the same command line again (re-reading its --config).
     const std::vector<std::string> args(argv, argv + argc);
-    const shmps::Status s = shmps::server::run_server(parsed->config, args);
+    const shmps::Status s = shmps::server::run_server(parsed->config, args, parsed->parent_pid);
     if (!s.ok()) {
       shmps::server::log::error(s.to_string());
       return 1;

@@ -79,8 +79,8 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
     if (e.key.empty()) return invalid(file_line(file, line) + ": no key before '='");
     const po::option_description* d = allowed.find_nothrow(e.key, /*approx=*/false);
     if (d == nullptr) {
-      const bool command_line_only =
-          e.key == "config" || e.key == "help" || e.key == "version" || e.key == "check-config";
+      const bool command_line_only = e.key == "config" || e.key == "help" || e.key == "version" ||
+                                     e.key == "check-config" || e.key == "parent-pid";
       return invalid(file_line(file, line) + ": unknown key '" + e.key + "'" +
                      (command_line_only ? " (valid on the command line only)" : ""));
     }
@@ -226,7 +226,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   po::options_description generic("General (command line only)");
   generic.add_options()("help,h", "print this help and exit")("version", "print the version and exit")(
       "check-config", "check the options and the --config file, print the effective configuration, exit")(
-      "config", po::value(&config_file), "read options from this file (key = value lines, '#' comments)");
+      "config", po::value(&config_file), "read options from this file (key = value lines, '#' comments)")(
+      "parent-pid", po::value(&out.parent_pid),
+      "stop, as on SIGTERM, once process PID is no longer this server's parent (the launcher exited or was "
+      "killed); shmps.Server passes its own pid");
   po::options_description server("Server (also valid in the config file, as key = value)");
   server.add_options()("name", po::value(&c.name), "instance name: the segment is /dev/shm/shmps.<name> (required)")(
       "tensor", po::value(&tensors)->composing(),

@@ -136,6 +136,131 @@ def test_reassigned_data_names_the_parameter_and_in_place_copies_are_fine(make_s
             opt.step()
 
 
+def test_frozen_parameters_stay_the_models_own_as_torch_optim_leaves_them(make_server):
+    """requires_grad=False parameters are not on the server (shmps.Server
+    leaves them out of the table) and RemoteOptimizer leaves them alone:
+    AdamW's decay does not touch them and the trainable ones follow
+    torch.optim.AdamW on the same gradients. Unfreezing one later is
+    refused at the next step, naming it."""
+    torch.manual_seed(0)
+    local, remote = Net(), Net()
+    remote.load_state_dict(local.state_dict())
+    for m in (local, remote):
+        m.fc1.requires_grad_(False)
+    frozen = [p.detach().clone() for p in remote.fc1.parameters()]
+    reference = torch.optim.AdamW(local.parameters(), lr=0.01, weight_decay=0.5)
+    with shmps.Server(remote, name=unique_name("frozen"), optimizer="adamw", lr=0.01, weight_decay=0.5,
+                      backend="host") as server, shmps.connect(server.name) as w:
+        assert [t.name for t in w.tensors] == ["fc2.weight", "fc2.bias"]
+        opt = shmps.torch.RemoteOptimizer(remote, w, init=True)
+        x = torch.randn(4, 6)
+        for _ in range(5):
+            reference.zero_grad()
+            opt.zero_grad()
+            local(x).sum().backward()
+            remote(x).sum().backward()
+            reference.step()
+            opt.step()
+        for p, before in zip(remote.fc1.parameters(), frozen):
+            assert torch.equal(p.detach(), before) and p.grad is None
+        for p, q in zip(local.fc2.parameters(), remote.fc2.parameters()):
+            assert torch.allclose(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)
+        remote.fc1.weight.requires_grad_(True)
+        with pytest.raises(RuntimeError, match="'fc1.weight' was frozen"):
+            opt.step()
+        remote.fc1.weight.requires_grad_(False)
+        opt.close()
+    # A server whose table has a parameter the model froze: named, with the fix.
+    with shmps.Server(tensors=[(n, tuple(p.shape)) for n, p in Net().named_parameters()],
+                      name=unique_name("frozen2"), optimizer="sgd", backend="host") as server:
+        with shmps.connect(server.name) as w, pytest.raises(ValueError, match="fc1.weight.*frozen ones"):
+            shmps.torch.RemoteOptimizer(remote, w)
+
+
+def test_ctrl_c_during_a_step_on_a_stalled_server_raises_at_once(make_server):
+    """A KeyboardInterrupt (here a signal handler's exception) ends step()
+    within the handler's latency, not the Worker's timeout; the push left
+    in flight is waited for and counted by the next call that touches the
+    gradient buffer."""
+    import signal
+    import time
+
+    class Interrupted(Exception):
+        pass
+
+    def raise_interrupted(signo, frame):
+        raise Interrupted()
+
+    model = Net()
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    previous = signal.signal(signal.SIGALRM, raise_interrupted)
+    try:
+        with shmps.connect(server.name, timeout=8) as w:
+            opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+            model(torch.randn(2, 6)).sum().backward()
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0.3)
+                start = time.monotonic()
+                with pytest.raises(Interrupted):
+                    opt.step()
+                took = time.monotonic() - start
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            assert took < 2.0, f"step() held the interrupt for {took:.1f} s"
+            assert opt.pushes == 0
+            opt.zero_grad()  # waits for the push first, and counts it
+            assert (opt.pushes, opt.applied) == (1, True)
+            model(torch.randn(2, 6)).sum().backward()
+            assert opt.step() == 2 and opt.pushes == 2
+            opt.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_restarted_server_costs_one_failed_step(make_server):
+    """With reconnect=True, the step after a server restart raises
+    ServerRestartedError (its gradient is of the old weights) having pulled
+    the new server's weights, and the next step goes through."""
+    model = Net()
+    tensors = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    server = make_server(tensors=tensors)
+    with shmps.connect(server.name, timeout=10, reconnect=True) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+        model(torch.randn(2, 6)).sum().backward()
+        assert opt.step() == 1
+        server.process.kill()
+        server.process.wait()
+        server.process = None
+        again = shmps.Server(tensors=tensors, name=server.name, optimizer="sgd", backend="host", init="uniform")
+        again.start()
+        try:
+            with pytest.raises(shmps.ServerRestartedError):
+                opt.step()
+            assert opt.version == 0  # the new server's weights, pulled
+            opt.zero_grad()
+            model(torch.randn(2, 6)).sum().backward()
+            assert opt.step() == 1 and opt.applied
+            opt.close()
+        finally:
+            again.stop()
+
+
+def test_closing_an_older_optimizer_leaves_a_newer_ones_parameters(make_server):
+    model = Net()
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    with shmps.connect(server.name) as w:
+        first = shmps.torch.RemoteOptimizer(model, w, init=True)
+        second = shmps.torch.RemoteOptimizer(model, w)
+        first.close()
+        model(torch.randn(2, 6)).sum().backward()
+        assert second.step() == 1  # its views untouched by the first's close()
+        with pytest.raises(RuntimeError, match="taken over by another RemoteOptimizer"):
+            shmps.torch.RemoteOptimizer(model, w) and second.step()
+        second.close()
+
+
 @pytest.mark.parametrize("on_stale", ["skip", "raise"])
 def test_a_stale_step_is_counted_and_leaves_fresh_weights(make_server, on_stale):
     """Two workers at max_staleness 0: the second one's step, computed

@@ -768,6 +768,102 @@ def test_starting_a_started_server_again_is_refused_and_orphans_nothing(make_ser
         os.kill(pid, 0)
 
 
+def _gone_within(pid, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "exit"])
+def test_a_launcher_that_ends_without_stop_leaves_no_server(how):
+    """shmps.Server passes --parent-pid: a script killed, or one that exits
+    without stop(), takes its server with it (a clean stop: nothing left
+    in /dev/shm)."""
+    name = unique_name("orphan" + how)
+    script = f"""
+import os, sys, time, shmps
+s = shmps.Server(tensors=[("w", (4,))], name={name!r}, optimizer="sgd", backend="host").start()
+print(s.process.pid, flush=True)
+if {how!r} == "exit":
+    os._exit(3)
+time.sleep(60)
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(child.stdout.readline())
+        if how == "SIGKILL":
+            child.kill()
+        child.wait(10)
+        assert _gone_within(server_pid, 5), "the server outlived its launcher"
+    finally:
+        child.kill()
+        child.wait()
+    assert not glob.glob(f"/dev/shm/shmps.{name}*")
+
+
+def test_stop_ends_a_stopped_server_at_once_and_removes_a_killed_ones_segment(make_server):
+    """stop() of a SIGSTOPped server continues it, so it handles the
+    SIGTERM (not a wait for the whole timeout, then SIGKILL); after a
+    server that was killed, stop() removes the segment it left (no live
+    server holds its lock)."""
+    server = make_server()
+    os.kill(server.process.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    assert server.stop(timeout=30) == 0
+    assert time.monotonic() - start < 5
+    killed = make_server()
+    killed.process.kill()
+    killed.process.wait()
+    assert os.path.exists(f"/dev/shm/shmps.{killed.name}")
+    assert killed.stop() == -signal.SIGKILL
+    assert not os.path.exists(f"/dev/shm/shmps.{killed.name}")
+
+
+def test_a_forked_child_leaving_the_with_block_lets_the_parents_server_be(make_server):
+    with shmps.Server(tensors=SMALL, name=unique_name("forkwith"), optimizer="sgd", backend="host") as server:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                server.stop()  # as leaving the block would: only lets go here
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        with shmps.connect(server.name) as w:
+            assert w.server_pid == server.process.pid  # still serving
+    assert server.process is None and not glob.glob(f"/dev/shm/shmps.{server.name}*")
+
+
+def test_a_start_whose_probe_finds_the_server_full_is_a_start(monkeypatch):
+    """Workers that waited for the server may take every slot before the
+    launcher's probe: the answer NoCapacityError comes from a running
+    server, not a failed start."""
+
+    def full(*args, **kwargs):
+        raise shmps.NoCapacityError("no_capacity: max workers reached")
+
+    monkeypatch.setattr(shmps, "connect", full)
+    server = shmps.Server(tensors=SMALL, name=unique_name("full"), optimizer="sgd", backend="host")
+    server.start()
+    try:
+        assert server.process.poll() is None
+    finally:
+        assert server.stop() == 0
+
+
+def test_the_launchers_table_and_options_are_checked_before_a_start():
+    specs = shmps._server._tensor_specs(tensors={"w": (2, 3), "b": (3,)})
+    assert specs == ["w:2x3", "b:3"]
+    with pytest.raises(TypeError, match="sequence of ints"):
+        shmps._server._tensor_specs(tensors=[("w", (2.7,))])
+    with pytest.raises(TypeError, match="optimizer must be a name"):
+        shmps.Server(tensors=SMALL, optimizer=None)
+
+
 def test_a_daemon_thread_inside_a_call_at_exit_does_not_abort_the_interpreter(make_server):
     """The interpreter's exit while a daemon thread's call returns: the
     thread would be ended inside the GIL's reacquisition (pthread_exit

@@ -84,6 +84,8 @@ BOOST_AUTO_TEST_CASE(config_file_errors_name_the_line_and_the_key) {
   BOOST_TEST(contains(file_error(kHead + "[server]\n"), "line 3: sections ('[server]') are not supported"));
   BOOST_TEST(contains(file_error(kHead + "config = other.conf\n"),
                       "line 3: unknown key 'config' (valid on the command line only)"));
+  BOOST_TEST(contains(file_error(kHead + "parent-pid = 1\n"),
+                      "line 3: unknown key 'parent-pid' (valid on the command line only)"));
   BOOST_TEST(contains(file_error(kHead + " = 3\n"), "line 3: no key before '='"));
   // A blanked switch is refused (program_options would read it as true).
   for (const char* key : {"allow-nonfinite", "group-access", "nesterov", "amsgrad"})

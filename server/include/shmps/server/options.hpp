@@ -18,9 +18,10 @@ namespace shmps::server {
 
 struct ParsedOptions {
   ServerConfig config;
-  bool help = false;     // --help was given: print help_text, exit 0
-  bool version = false;  // --version was given: print version_text(), exit 0
-  bool check = false;    // --check-config: config is valid; print it, exit 0
+  bool help = false;        // --help was given: print help_text, exit 0
+  bool version = false;     // --version was given: print version_text(), exit 0
+  bool check = false;       // --check-config: config is valid; print it, exit 0
+  uint32_t parent_pid = 0;  // --parent-pid: run_server()'s (0: none)
   std::string help_text;
 };
 

@@ -92,8 +92,11 @@ class Server {
 // request_stop() and SIGHUP to request_reload(). `argv` is the command line
 // parse_options() turned into `config`: a reload parses it again, which
 // re-reads its --config file (the command line still wins over the file).
-// Empty argv: SIGHUP is logged and ignored. Logs to stderr (log.hpp).
+// Empty argv: SIGHUP is logged and ignored. `parent_pid` (--parent-pid;
+// 0: none): the server stops, as on SIGTERM, once that process is no
+// longer its parent (checked every 100 ms), so that a launcher killed
+// without stopping it leaves no server behind. Logs to stderr (log.hpp).
 // Returns run()'s status.
-Status run_server(const ServerConfig& config, const std::vector<std::string>& argv = {});
+Status run_server(const ServerConfig& config, const std::vector<std::string>& argv = {}, uint32_t parent_pid = 0);
 
 }  // namespace shmps::server
