@@ -145,7 +145,8 @@ class Server:
                 code = self.process.poll()
                 if code is not None:
                     self.process = None
-                    raise _errors.ServerNotRunningError(f"shmps-server exited {code} at start: {self._log_tail()}")
+                    raise _errors.ServerNotRunningError(f"shmps-server exited {code} at start (its log: "
+                                                        f"{self._log_path}): {self._log_tail()}")
                 try:
                     with connect(self.name, timeout=max(0.001, min(10.0, deadline - time.monotonic()))) as probe:
                         # Another live server at the name answers too, while
@@ -168,7 +169,8 @@ class Server:
                         self.process.wait(max(0.0, deadline - time.monotonic()))
                 if time.monotonic() > deadline:
                     raise _errors.TimeoutError(f"shmps-server '{self.name}' did not accept a worker within "
-                                               f"{self.start_timeout} s: {self._log_tail()}")
+                                               f"{self.start_timeout} s (its log: {self._log_path}): "
+                                               f"{self._log_tail()}")
                 time.sleep(0.01)
         except BaseException:
             self.stop()  # no child left behind, whatever ended the wait

@@ -23,8 +23,9 @@ namespace {
 constexpr uint64_t kHeaderMagic = 0x34444546534d4853ull;  // "SHMSFED4" little-endian
 constexpr uint32_t kFlagJoin = 1u << 0;
 constexpr uint32_t kFlagLeaving = 1u << 1;
-constexpr uint32_t kFlagHasState = 1u << 2;  // the join: this host has an anchor (its round in the header)
-constexpr uint32_t kFlagRegroup = 1u << 3;   // a round: this host's engine saw a host waiting to join
+constexpr uint32_t kFlagHasState = 1u << 2;   // the join: this host has an anchor (its round in the header)
+constexpr uint32_t kFlagRegroup = 1u << 3;    // a round: this host's engine saw a host waiting to join
+constexpr uint32_t kFlagNonFinite = 1u << 4;  // the join: this host's weights or anchor hold NaN or Inf
 
 }  // namespace
 
@@ -262,7 +263,7 @@ Federator::Federator(const FederationConfig& config, FederationEngine& engine, c
   if (config_.outer == OuterStep::kNesterov) momentum_.assign(fingerprint.total_elements, 0.0f);
 }
 
-Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vector<Header>* all) {
+Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vector<Header>* all, bool non_finite) {
   static_assert(sizeof(Header) == kHeaderBytes && std::is_trivially_copyable_v<Header>);
   const Membership m = engine_.membership();
   Header mine{};
@@ -275,7 +276,7 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   mine.nonce = joined_ ? 0 : nonces_();
   mine.lineage = lineage_;
   mine.flags = (joined_ ? 0 : kFlagJoin) | (leaving ? kFlagLeaving : 0) | (!joined_ && has_state_ ? kFlagHasState : 0) |
-               (joined_ && !leaving && engine_.joiner_waiting() ? kFlagRegroup : 0);
+               (joined_ && !leaving && engine_.joiner_waiting() ? kFlagRegroup : 0) | (non_finite ? kFlagNonFinite : 0);
   all->assign(m.size, Header{});
   if (Status s = engine_.allgather(std::as_bytes(std::span(&mine, 1)), std::as_writable_bytes(std::span(*all)));
       !s.ok())
@@ -383,8 +384,17 @@ Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, Rou
 }
 
 Result<RoundResult> Federator::join(std::span<float> exchange) {
+  // Weights or a restored anchor that hold NaN or Inf would become every
+  // host's (a fresh group's anchor is rank 0's weights, a resumed one the
+  // source's anchor): such a host says so in its header and stays out, as
+  // a round's check makes it leave.
+  const auto finite = [](std::span<const float> v) {
+    return kernels::all_finite_cpu(v.data(), kernels::GradDtype::kF32, v.size());
+  };
+  const bool non_finite = !finite(exchange) || (has_state_ && !finite(anchor_));
   std::vector<Header> all;
-  if (Status s = gather_headers(0, false, &all); !s.ok()) return s;
+  if (Status s = gather_headers(0, false, &all, non_finite); !s.ok()) return s;
+  if (Status s = refuse_non_finite(all); !s.ok()) return s;
   uint64_t lineage = 0;
   if (Status s = settle_lineage(all, &lineage); !s.ok()) return s;
   const Membership m = engine_.membership();
@@ -444,6 +454,22 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   r.round = round_;
   r.bytes = kHeaderBytes + *sent;
   return r;
+}
+
+Status Federator::refuse_non_finite(const std::vector<Header>& all) const {
+  const auto it = std::find_if(all.begin(), all.end(), [](const Header& h) { return (h.flags & kFlagNonFinite) != 0; });
+  if (it == all.end()) return Status::Ok();
+  const auto rank = static_cast<uint32_t>(it - all.begin());
+  const Membership m = engine_.membership();
+  if ((all[m.rank].flags & kFlagNonFinite) != 0)
+    return {ErrorCode::kInvalidArgument,
+            "federation: this host's weights (or the anchor it restored) hold NaN or Inf (an update that overflowed, "
+            "or --allow-nonfinite): not joining, rather than sending them to every host"};
+  const std::string text =
+      "federation: host rank " + std::to_string(rank) + "'s weights (or the anchor it restored) hold NaN or Inf";
+  return engine_.elastic() ? Status{ErrorCode::kIo, text + "; leaving it out"}
+                           : Status{ErrorCode::kInvalidArgument,
+                                    text + "; " + engine_.name() + " cannot re-form the group without it"};
 }
 
 Status Federator::settle_lineage(const std::vector<Header>& all, uint64_t* lineage) const {

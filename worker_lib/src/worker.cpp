@@ -258,6 +258,8 @@ static_assert(reaches(State::kConnecting, State::kDetached) && reaches(State::kA
 class Worker::Impl {
  public:
   WorkerOptions options;
+  // "5000 ms", for the messages of a timeout.
+  std::string timeout_text() const { return std::to_string(options.timeout.count()) + " ms"; }
   std::vector<uid_t> trusted;                 // who may own the segment: trusted_owners(options.server_user)
   uint64_t forked_under = fork_generation();  // g_fork_generation at connect()
   pid_t owner_pid = ::getpid();
@@ -673,7 +675,9 @@ class Worker::Impl {
       interrupted = asked_to_stop();
       return interrupted;
     });
-    if (w == shm::WaitResult::kTimeout) return {ErrorCode::kTimeout, "no completion within the timeout"};
+    if (w == shm::WaitResult::kTimeout)
+      return {ErrorCode::kTimeout, "server '" + options.name + "' gave no answer within the timeout (" +
+                                       timeout_text() + "): stopped, or busy past it"};
     if (w == shm::WaitResult::kAborted && interrupted) {  // an answer that came meanwhile stays for wait()
       cancel_held_pulls();
       return {ErrorCode::kInterrupted, "interrupted while waiting for the server's answer"};
@@ -992,7 +996,8 @@ class Worker::Impl {
         Clock::now() + options.timeout);
     if (w != shm::WaitResult::kReady) {
       if (w == shm::WaitResult::kTimeout)
-        why = {ErrorCode::kTimeout, "the server did not accept the attach within the timeout"};
+        why = {ErrorCode::kTimeout,
+               "server '" + options.name + "' did not accept the attach within the timeout (" + timeout_text() + ")"};
       release_entry();
       return why;
     }
