@@ -84,6 +84,8 @@ Stats.__doc__ = ("A racy snapshot of the server's counters (each read atomically
 def _unsigned(what, value, bits=64):
     """`value` (an int, or anything with __index__) checked to fit the
     protocol's unsigned field of `bits` bits; the error names the argument."""
+    if isinstance(value, bool):  # an int to operator.index, never meant as one here
+        raise TypeError(f"{what} must be an int, not bool")
     try:
         value = operator.index(value)
     except TypeError:
@@ -97,8 +99,8 @@ def _stream_handle(stream):
     """A raw cudaStream_t (int) from None, an int, or a torch.cuda.Stream."""
     if stream is None:
         return 0
-    if isinstance(stream, int):
-        return stream
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return _unsigned("stream", stream)
     handle = getattr(stream, "cuda_stream", None)
     if handle is None:
         raise TypeError(f"stream must be a torch.cuda.Stream, a raw cudaStream_t (int) or None, not {type(stream).__name__}")
@@ -278,7 +280,7 @@ class Worker:
             return tensor.id
         if isinstance(tensor, str):
             return self.tensor(tensor).id
-        if isinstance(tensor, int):
+        if hasattr(tensor, "__index__"):  # an int, numpy's integers
             return _unsigned("tensor", tensor, 32)
         raise TypeError(f"tensor must be a name, a TensorInfo, an id or None, not {type(tensor).__name__}")
 
@@ -290,8 +292,9 @@ class Worker:
             if buffer.worker != self._w.serial:
                 raise _errors.InvalidArgumentError(f"buffer {buffer.id} was registered by another Worker")
             return buffer.id, buffer.registration
-        if not hasattr(buffer, "__index__"):
-            raise TypeError(f"buffer must be a shmps.Buffer or a buffer id, not {type(buffer).__name__}")
+        if not hasattr(buffer, "__index__") or getattr(buffer, "ndim", 0) != 0:  # a numpy array is no id
+            raise TypeError(f"buffer must be a shmps.Buffer (Worker.register_buffer()'s) or a buffer id, not "
+                            f"{type(buffer).__name__}")
         return _unsigned("buffer", buffer, 32), 0
 
     def _push_args(self, buffer, version, tensor, offset, nbytes, dtype, stream):

@@ -912,6 +912,13 @@ def test_arguments_out_of_range_name_themselves(make_server):
         with pytest.raises(TypeError, match="version must be an int"):
             w.push(grad, 1.5)
         assert w.push(grad, np.int64(0)) == 1  # anything with __index__
+        assert w.pull(grad, tensor=np.int64(0)) == 1  # a tensor id too
+        with pytest.raises(TypeError, match="nbytes must be an int, not bool"):
+            w.register_buffer(True)
+        with pytest.raises(TypeError, match="shmps.Buffer"):
+            w.pull(np.zeros(4))
+        with pytest.raises(shmps.InvalidArgumentError, match="stream"):
+            w.pull(grad, stream=-1)
         with pytest.raises(shmps.InvalidArgumentError, match="NUL"):
             shmps.connect(server.name, server_user="root\x00x")
 
