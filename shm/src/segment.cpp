@@ -637,7 +637,17 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
         ErrorCode::kInvalidArgument,
         path + " was removed as this server created it, by another shmps-server starting under '" + spec.name + "'"};
   }
-  if (!created.ok()) return created.status();
+  if (!created.ok()) {
+    const std::string& why = created.status().message();
+    if (why.find(kLockedByAnother) == std::string::npos && why.find("already exists") == std::string::npos)
+      return created.status();
+    // Every try met an object that came back, or stayed locked: another
+    // server starts under the name again and again (a crash loop).
+    return Status{created.status().code(), "gave up creating " + path + " after 8 tries, each meeting an object " +
+                                               "another process made there (is another shmps-server starting "
+                                               "under '" +
+                                               spec.name + "' in a loop?): " + why};
+  }
 
   // The layout first, in private memory: the server's accessors use it,
   // and the header and table are written from it (the object may be
