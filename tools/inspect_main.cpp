@@ -5,10 +5,12 @@
 #include <signal.h>
 
 #include <boost/program_options.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <iostream>
+#include <cstring>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -48,9 +50,19 @@ void install_stop_handler() {
   ::sigaction(SIGTERM, &sa, nullptr);
 }
 
-void write_out(const std::string& text) {
-  std::fwrite(text.data(), 1, text.size(), stdout);
-  std::fflush(stdout);
+// Writes `text` to stdout and flushes it. false, with the error on
+// stderr, when it did not all arrive (a full disk, a closed descriptor): a
+// report that did not get out is a failure (exit 1), not a silent 0.
+bool write_out(const std::string& text) {
+  errno = 0;
+  const size_t written = std::fwrite(text.data(), 1, text.size(), stdout);
+  const bool ok = written == text.size() && std::fflush(stdout) == 0 && std::ferror(stdout) == 0;
+  if (!ok) {
+    const int err = errno;
+    std::fprintf(stderr, "shmps-inspect: writing to stdout: %s\n",
+                 err != 0 ? std::strerror(err) : "the stream is in error");
+  }
+  return ok;
 }
 
 // One look at the segment: the rendered report in *out, or the error in
@@ -92,11 +104,11 @@ ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
 
 ExitCode run_list(const Options& o) {
   const auto list = shmps::inspect::list_segments();
-  if (o.json)
-    write_out(shmps::inspect::list_json(list).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
-  else
-    write_out(shmps::inspect::render_list_text(list));
-  return ExitCode::kOk;
+  const bool written =
+      o.json ? write_out(shmps::inspect::list_json(list).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) +
+                         "\n")
+             : write_out(shmps::inspect::render_list_text(list));
+  return written ? ExitCode::kOk : ExitCode::kError;
 }
 
 ExitCode run_once(const Options& o) {
@@ -104,11 +116,12 @@ ExitCode run_once(const Options& o) {
   const ExitCode rc = inspect_once(o, &out, &error);
   if (rc != ExitCode::kOk) {
     std::fprintf(stderr, "shmps-inspect: %s\n", error.c_str());
-    if (o.format == "prometheus") write_out(shmps::inspect::render_prometheus_down(o.name.empty() ? o.file : o.name));
+    if (o.format == "prometheus" &&
+        !write_out(shmps::inspect::render_prometheus_down(o.name.empty() ? o.file : o.name)))
+      return ExitCode::kError;
     return rc;
   }
-  write_out(out);
-  return rc;
+  return write_out(out) ? rc : ExitCode::kError;
 }
 
 // Re-opens the segment at every refresh, so a restarted server (a new
@@ -122,17 +135,17 @@ ExitCode run_watch(const Options& o) {
     std::string out, error;
     rc = inspect_once(o, &out, &error, &previous);
     if (o.json) {
-      if (rc == ExitCode::kOk)
-        write_out(out);
-      else
+      if (rc != ExitCode::kOk)
         std::fprintf(stderr, "shmps-inspect: %s\n", error.c_str());
+      else if (!write_out(out))
+        return ExitCode::kError;
     } else {
       // ANSI: cursor home, clear screen.
       std::string screen = "\x1b[H\x1b[2J";
       screen += rc == ExitCode::kOk ? out : "shmps-inspect: " + error + "\n";
       screen +=
           "-- refresh " + std::to_string(n) + ", every " + std::to_string(o.interval_ms) + " ms; Ctrl-C to stop --\n";
-      write_out(screen);
+      if (!write_out(screen)) return ExitCode::kError;
     }
     if (o.count != 0 && n == o.count) break;
     const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(o.interval_ms);
@@ -173,15 +186,14 @@ int main(int argc, char** argv) {
     const po::parsed_options parsed = po::command_line_parser(argc, argv).options(all).positional(positional).run();
     shmps::cli::refuse_negative_unsigned(parsed);
     po::store(parsed, vm);
-    if (vm.count("version") != 0) {
-      std::cout << shmps::cli::version_line("shmps-inspect") << "\n";
-      return 0;
-    }
+    if (vm.count("version") != 0)
+      return write_out(shmps::cli::version_line("shmps-inspect") + "\n") ? 0 : static_cast<int>(ExitCode::kError);
     if (vm.count("help") != 0) {
-      std::cout << visible
-                << "\nExit codes: 0 ok, 1 error (usage, permission, I/O), 2 no such segment,\n"
-                   "3 corrupt/foreign/other layout version, 4 not published yet.\n";
-      return 0;
+      std::ostringstream help;
+      help << visible
+           << "\nExit codes: 0 ok, 1 error (usage, permission, I/O, writing the output), 2 no such segment,\n"
+              "3 corrupt/foreign/other layout version, 4 not published yet.\n";
+      return write_out(help.str()) ? 0 : static_cast<int>(ExitCode::kError);
     }
     po::notify(vm);
     if (o.format == "json") {

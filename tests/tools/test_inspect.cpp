@@ -1151,4 +1151,27 @@ BOOST_AUTO_TEST_CASE(histogram_quantile_saturates) {
   BOOST_TEST(*hv.quantile(1.0) == 1u);
 }
 
+// A write error on stdout (a full disk, a closed descriptor) fails the
+// run: exit 1, the error on stderr.
+BOOST_AUTO_TEST_CASE(write_errors_on_stdout_exit_1) {
+  const std::string name = test::unique_name("wfull");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  const std::string tool = test::program_path("shmps-inspect");
+  const TempFile err;
+  for (const std::string& args :
+       {name, "--json " + name, "--format prometheus " + name, std::string("--list"), std::string("--list --json"),
+        std::string("--help"), std::string("--version"), "--watch --count 2 --interval-ms 1 " + name}) {
+    for (const std::string& redirect : {std::string("> /dev/full"), std::string(">&-")}) {
+      BOOST_TEST_CONTEXT(args << " " << redirect) {
+        const int status = std::system((tool + " " + args + " " + redirect + " 2> " + err.path).c_str());
+        BOOST_TEST(WIFEXITED(status));
+        BOOST_TEST(WEXITSTATUS(status) == 1);
+        const std::string message = shmps::test::read_file(err.path);
+        BOOST_TEST(contains(message, "stdout"), message);
+      }
+    }
+  }
+}
+
 BOOST_AUTO_TEST_SUITE_END()
