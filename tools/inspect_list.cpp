@@ -20,6 +20,22 @@ std::string pad(const std::string& s, size_t width) {
   return s.size() >= width ? s + " " : s + std::string(width - s.size() + 1, ' ');
 }
 
+// The name column's widest: a longer name (any user may create one) is cut
+// there, so that one row does not widen every row.
+constexpr size_t kNameColumn = 40;
+
+// A name as the table shows it: escaped (printable_text), and cut to
+// kNameColumn characters with "..." when longer, never inside a \xNN.
+std::string name_cell(const std::string& name) {
+  std::string shown = printable_text(name);
+  if (shown.size() <= kNameColumn) return shown;
+  size_t cut = kNameColumn - 3;
+  // Every '\' in the escaped text starts a \xNN (a backslash itself is \x5c).
+  const size_t escape = shown.rfind('\\', cut);
+  if (escape != std::string::npos && escape + 4 > cut) cut = escape;
+  return shown.substr(0, cut) + "...";
+}
+
 uint32_t workers_attached(const Snapshot& s) {
   return static_cast<uint32_t>(std::count_if(s.workers.begin(), s.workers.end(), [](const WorkerView& w) {
     return w.state == static_cast<uint32_t>(shm::WorkerState::kAttached);
@@ -80,9 +96,15 @@ std::vector<ListedSegment> list_segments() {
         row.error = snap.status().message();
       }
     }
-    if (!row.segment && buffer_like)
-      row.error += " (named as a worker's buffer of segment '" + m[1].str() +
-                   "', which is not there; a server started under that name removes it once its worker is gone)";
+    if (!row.segment && buffer_like) {
+      row.error += " (named as a worker's buffer of segment '" + m[1].str() + "', which is not there; ";
+      // A server removes the buffers of its dead workers, under its own
+      // name only.
+      const Status segment_name = shm::validate_name(m[1].str());
+      row.error += segment_name.ok() ? "a server started under that name removes it once its worker is gone)"
+                                     : "no server can take that name (" + segment_name.message() +
+                                           "), so none removes it: remove it by hand once no process uses it)";
+    }
     out.push_back(std::move(row));
   }
   return out;
@@ -91,21 +113,21 @@ std::vector<ListedSegment> list_segments() {
 std::string render_list_text(const std::vector<ListedSegment>& list) {
   if (list.empty()) return std::string("no shmps segments in ") + kShmDir + "\n";
   size_t width = 4;
-  for (const ListedSegment& r : list) width = std::max(width, r.name.size());
+  for (const ListedSegment& r : list) width = std::max(width, name_cell(r.name).size());
   std::string out = pad("name", width) + "server pid  alive  state      parameters  model MiB  workers  owner, mode\n";
   std::string problems;
   for (const ListedSegment& r : list) {
     const std::string owner = shm::owner_text(r.owner_uid, r.owner_gid) + " " + shm::mode_text(r.mode);
     if (!r.segment) {
-      out += pad(r.name, width) + pad("-", 11) + pad("-", 6) + pad("unreadable", 10) + pad("-", 11) + pad("-", 10) +
-             pad("-", 8) + owner + "\n";
-      problems += "  " + r.name + ": " + r.error + "\n";
+      out += pad(name_cell(r.name), width) + pad("-", 11) + pad("-", 6) + pad("unreadable", 10) + pad("-", 11) +
+             pad("-", 10) + pad("-", 8) + owner + "\n";
+      problems += "  " + printable_text(r.name) + ": " + printable_text(r.error) + "\n";
       continue;
     }
     const Snapshot& s = *r.segment;
     char mib[32];
     std::snprintf(mib, sizeof mib, "%.2f", static_cast<double>(model_bytes(s.header)) / (1 << 20));
-    out += pad(r.name, width) + pad(std::to_string(s.header.server_pid), 11) + pad(alive_text(s), 6) +
+    out += pad(name_cell(r.name), width) + pad(std::to_string(s.header.server_pid), 11) + pad(alive_text(s), 6) +
            pad(server_state_name(s.header.server_state), 10) + pad(std::to_string(s.header.total_elements), 11) +
            pad(mib, 10) + pad(std::to_string(workers_attached(s)), 8) + owner + "\n";
   }
@@ -116,13 +138,14 @@ std::string render_list_text(const std::vector<ListedSegment>& list) {
 json list_json(const std::vector<ListedSegment>& list) {
   json segments = json::array();
   for (const ListedSegment& r : list) {
-    json j{{"name", r.name},
-           {"source", r.source},
+    // Names as the user who made the file gave them, whole, escaped.
+    json j{{"name", printable_text(r.name)},
+           {"source", printable_text(r.source)},
            {"owner", shm::owner_text(r.owner_uid, r.owner_gid)},
            {"mode", shm::mode_text(r.mode)},
            {"bytes", r.bytes}};
     if (!r.segment) {
-      j["error"] = r.error;
+      j["error"] = printable_text(r.error);
       j["exit_code"] = static_cast<int>(r.exit);
     } else {
       const HeaderView& h = r.segment->header;

@@ -19,7 +19,7 @@
 namespace shmps::inspect {
 
 struct ListedSegment {
-  std::string name;    // the server's --name
+  std::string name;    // the server's --name; raw, as the file is named (the output escapes it)
   std::string source;  // "/dev/shm/shmps.<name>"
   uid_t owner_uid = 0;
   gid_t owner_gid = 0;
@@ -37,12 +37,13 @@ std::vector<ListedSegment> list_segments();
 
 // A table: name, server pid, alive or dead, state, parameters, workers
 // attached, owner, mode; then one line per object that is not a readable
-// segment.
+// segment. Names are escaped (printable_text), and cut with "..." past 40
+// characters in the table (whole in the lines below it).
 std::string render_list_text(const std::vector<ListedSegment>& list);
 // {"segments": [{name, source, owner, mode, bytes, server_pid, server_alive,
 // state, generation, parameters, model_bytes, workers_attached}, ...]},
 // unreadable entries with "error" and "exit_code" instead of the segment's
-// fields.
+// fields. Names, sources and errors escaped (printable_text), never cut.
 nlohmann::json list_json(const std::vector<ListedSegment>& list);
 
 }  // namespace shmps::inspect

@@ -222,21 +222,26 @@ std::string config_flags_text(uint32_t flags) {
   return out.empty() ? "none" : out;
 }
 
-std::string printable_name(const void* bytes, size_t n) {
-  const auto* p = static_cast<const unsigned char*>(bytes);
-  const void* nul = std::memchr(p, '\0', n);
-  const size_t len = nul != nullptr ? static_cast<size_t>(static_cast<const unsigned char*>(nul) - p) : n;
+std::string printable_text(std::string_view text) {
   std::string out;
-  for (size_t i = 0; i < len; ++i) {
-    const unsigned char c = p[i];
+  for (const char ch : text) {
+    const auto c = static_cast<unsigned char>(ch);
     if (c >= 0x20 && c < 0x7f && c != '\\') {
-      out += static_cast<char>(c);
+      out += ch;
     } else {
       char buf[8];
       std::snprintf(buf, sizeof buf, "\\x%02x", c);
       out += buf;
     }
   }
+  return out;
+}
+
+std::string printable_name(const void* bytes, size_t n) {
+  const auto* p = static_cast<const char*>(bytes);
+  const void* nul = std::memchr(p, '\0', n);
+  const size_t len = nul != nullptr ? static_cast<size_t>(static_cast<const char*>(nul) - p) : n;
+  std::string out = printable_text(std::string_view(p, len));
   if (nul == nullptr) out += " (unterminated)";
   return out;
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -205,5 +206,8 @@ std::string config_flags_text(uint32_t flags);
 // appended when there is none), with every byte outside printable ASCII,
 // and the backslash, written as \xNN: safe for a terminal and for JSON.
 std::string printable_name(const void* bytes, size_t n);
+// All of `text` escaped as printable_name() escapes a name (no NUL rule):
+// for names from elsewhere, e.g. the files in /dev/shm that --list shows.
+std::string printable_text(std::string_view text);
 
 }  // namespace shmps::inspect

@@ -23,6 +23,7 @@
 #include <limits>
 #include <map>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -1149,6 +1150,52 @@ BOOST_AUTO_TEST_CASE(histogram_quantile_saturates) {
   BOOST_TEST(*hv.quantile(0.5) == 0u);
   BOOST_REQUIRE(hv.quantile(1.0).has_value());
   BOOST_TEST(*hv.quantile(1.0) == 1u);
+}
+
+// A /dev/shm object made by hand (any name a user may give one, which
+// ShmObject::create would refuse), removed at scope exit.
+struct RawObject {
+  std::string path;
+  RawObject(const std::string& file, off_t bytes) : path("/dev/shm/" + file) {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    BOOST_REQUIRE_MESSAGE(fd >= 0, path << ": " << std::strerror(errno));
+    const bool sized = ::ftruncate(fd, bytes) == 0;
+    ::close(fd);
+    BOOST_REQUIRE(sized);
+  }
+  ~RawObject() { ::unlink(path.c_str()); }
+  RawObject(const RawObject&) = delete;
+  RawObject& operator=(const RawObject&) = delete;
+};
+
+// --list prints names other users chose: escaped as every name from the
+// segment is (no terminal escape gets through), a long one cut in the
+// table (the JSON keeps it whole, escaped), and no advice that a server
+// removes an object no server could be named for.
+BOOST_AUTO_TEST_CASE(list_escapes_names_and_caps_their_width) {
+  const std::string tag = test::unique_name("lsesc");
+  const std::string evil = tag + "\x1b]2;owned\x07\x1b[31m.p1.2";  // a buffer's shape, its "segment" no name
+  const std::string evil_escaped = tag + "\\x1b]2;owned\\x07\\x1b[31m.p1.2";
+  const std::string long_name = tag + std::string(180, 'L') + ".p1.2";
+  const RawObject a("shmps." + evil, 4096), b("shmps." + long_name, 4096);
+
+  const Run text = run_inspect({"--list"});
+  BOOST_TEST(text.rc == 0, text.err);
+  BOOST_TEST(text.out.find('\x1b') == std::string::npos, text.out);
+  BOOST_TEST(text.out.find('\x07') == std::string::npos, text.out);
+  BOOST_TEST(contains(text.out, evil_escaped), text.out);
+  // The table's header: the name column is capped, whatever the names.
+  const std::string header = text.out.substr(0, text.out.find('\n'));
+  BOOST_TEST(header.find("server pid") <= 64u, header);
+  BOOST_TEST(!contains(text.out, "a server started under that name removes it"), text.out);
+  BOOST_TEST(contains(text.out, "no server can take"), text.out);
+
+  const json j = parse_json(run_inspect({"--list", "--json"}));
+  std::set<std::string> names;
+  for (const json& row : j["segments"]) names.insert(row["name"].get<std::string>());
+  BOOST_TEST(names.count(evil_escaped) == 1u, j.dump());
+  BOOST_TEST(names.count(long_name) == 1u, j.dump());
+  BOOST_TEST(names.count(evil) == 0u);
 }
 
 // A write error on stdout (a full disk, a closed descriptor) fails the
