@@ -118,7 +118,7 @@ class Harness {
       const std::string file = e.path().filename().string();
       if (file.rfind(prefix, 0) != 0) continue;
       const auto pid = std::strtol(file.c_str() + prefix.size(), nullptr, 10);
-      if (pid > 0 && !shm::process_alive(static_cast<pid_t>(pid), 0)) shm::ShmObject::remove(file);
+      if (pid > 0 && !shm::pid_in_use(static_cast<pid_t>(pid))) shm::ShmObject::remove(file);
     }
   }
 

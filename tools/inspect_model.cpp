@@ -269,7 +269,8 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
   hv.generation = h.generation;
   hv.server_pid = h.server_pid;
   hv.server_start_time = h.server_start_time;
-  // A pid above INT_MAX turns negative here, which process_alive rejects.
+  // A pid above INT_MAX turns negative here, which process_alive rejects;
+  // a start time of 0 (a server always writes its own) names no process.
   hv.server_alive = shm::process_alive(static_cast<pid_t>(hv.server_pid), hv.server_start_time);
   if (hv.server_alive) {
     // starttime counts clock ticks since boot (proc(5)), as CLOCK_BOOTTIME does.
@@ -348,7 +349,12 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
       w.pid = shm::owner_pid(owner);
       w.state = shm::owner_state(owner);
       w.pid_start_time = e.pid_start_time;
-      const shm::ProcessState ps = shm::process_state(static_cast<pid_t>(w.pid), w.pid_start_time);
+      // As the server judges it (server/src/sessions.cpp, reap): an entry
+      // without a start time (claimed, its worker yet to write it) by
+      // whatever process holds the pid.
+      const auto pid = static_cast<pid_t>(w.pid);
+      const shm::ProcessState ps =
+          w.pid_start_time != 0 ? shm::process_state(pid, w.pid_start_time) : shm::pid_state(pid);
       w.pid_alive = ps != shm::ProcessState::kGone;
       w.pid_stopped = ps == shm::ProcessState::kStopped;
       w.lease = e.lease;
@@ -656,8 +662,11 @@ std::string render_text(const Snapshot& s) {
   o << "  magic           " << hex64(h.magic) << "\n";
   o << "  layout version  " << h.layout_version << "\n";
   o << "  segment size    " << h.segment_size << " bytes\n";
-  o << "  server          pid " << h.server_pid << " (" << (h.server_alive ? "alive" : "dead") << "), start time "
-    << h.server_start_time;
+  o << "  server          pid " << h.server_pid << " ("
+    << (h.server_alive             ? "alive"
+        : h.server_start_time == 0 ? "not judged: no start time in the header, which a server always writes"
+                                   : "dead")
+    << "), start time " << h.server_start_time;
   if (h.server_uptime_s) o << ", up " << num(*h.server_uptime_s) << " s";
   o << "\n";
   o << "  generation      " << hex64(h.generation) << "\n";

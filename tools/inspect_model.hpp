@@ -28,7 +28,7 @@ struct HeaderView {
   uint64_t generation = 0;
   uint32_t server_pid = 0;
   uint64_t server_start_time = 0;            // clock ticks since boot
-  bool server_alive = false;                 // process_alive(pid, start time) on this host, now
+  bool server_alive = false;                 // process_alive(pid, start time) on this host, now; false for start time 0
   std::optional<double> server_uptime_s;     // since server_start_time, by this host's clock; while alive
   uint32_t server_state = 0;                 // shm::ServerState, unchecked
   uint64_t heartbeat_ns = 0;                 // CLOCK_MONOTONIC
@@ -83,7 +83,7 @@ struct WorkerView {
   uint32_t pid = 0;    // from the owner word
   uint32_t state = 0;  // shm::WorkerState, unchecked
   uint64_t pid_start_time = 0;
-  bool pid_alive = false;    // process_alive(pid, pid_start_time) on this host, now
+  bool pid_alive = false;    // process_alive(pid, pid_start_time) on this host, now (start time 0: any process at pid)
   bool pid_stopped = false;  // alive but stopped (SIGSTOP, a tracer): the server evicts it after a while
   uint64_t lease = 0;
   uint64_t pushes_applied = 0;

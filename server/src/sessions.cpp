@@ -195,7 +195,9 @@ Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
   }
   const pid_t pid = static_cast<pid_t>(shm::owner_pid(owner));
   const uint64_t start = owner == slot.owner ? slot.pid_start_time : entry.pid_start_time;
-  const shm::ProcessState state = shm::process_state(pid, start);
+  // 0: a worker between its claim and the store of its start time; any
+  // process at the pid counts until it writes it.
+  const shm::ProcessState state = start != 0 ? shm::process_state(pid, start) : shm::pid_state(pid);
   if (state != shm::ProcessState::kGone)
     return owner == slot.owner && stopped_too_long(i, state, now, why) ? Owner::kStopped : Owner::kLiving;
   const bool was_attached = owner == slot.owner;
@@ -206,7 +208,7 @@ Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
   release_entry(i, owner);
   // Only when no process of that pid exists: the owner word (and the start
   // time we judged by) may be a forgery naming a living worker.
-  if (!shm::process_alive(pid, 0)) unlink_orphan_buffers(static_cast<uint32_t>(pid));
+  if (!shm::pid_in_use(pid)) unlink_orphan_buffers(static_cast<uint32_t>(pid));
   return Owner::kReaped;
 }
 
@@ -255,7 +257,7 @@ void Sessions::unlink_orphan_buffers(uint32_t dead_pid) {
     if (pid_text.empty() || pid_text.size() > 10 || pid_text.find_first_not_of("0123456789") != std::string::npos)
       continue;
     const auto pid = static_cast<uint32_t>(std::stoul(pid_text));
-    if (dead_pid != 0 ? pid != dead_pid : shm::process_alive(static_cast<pid_t>(pid), 0)) continue;
+    if (dead_pid != 0 ? pid != dead_pid : shm::pid_in_use(static_cast<pid_t>(pid))) continue;
     shm::ShmObject::remove(file);
     log::info("removed orphaned buffer object /dev/shm/" + file);
   }

@@ -62,7 +62,10 @@ uint64_t process_start_time(pid_t pid) noexcept {
   return read_stat(pid, &state, &start) ? start : 0;
 }
 
-ProcessState process_state(pid_t pid, uint64_t start_time) noexcept {
+namespace {
+
+// The state of the process at pid; with `start_time`, only if it started then.
+ProcessState state_of(pid_t pid, const uint64_t* start_time) noexcept {
   char state = 0;
   uint64_t start = 0;
   if (!read_stat(pid, &state, &start)) return ProcessState::kGone;
@@ -70,13 +73,25 @@ ProcessState process_state(pid_t pid, uint64_t start_time) noexcept {
   // running is a living process: they may still write its lane.
   if (state == 'Z' && live_threads(pid) > 1) state = 'S';
   if (state == 'Z' || state == 'X' || state == 'x') return ProcessState::kGone;
-  if (start_time != 0 && start != start_time) return ProcessState::kGone;
+  if (start_time != nullptr && start != *start_time) return ProcessState::kGone;
   return state == 'T' || state == 't' ? ProcessState::kStopped : ProcessState::kRunning;
+}
+
+}  // namespace
+
+ProcessState process_state(pid_t pid, uint64_t start_time) noexcept {
+  // 0 is no start time: no process is "the one that started at 0".
+  if (start_time == 0) return ProcessState::kGone;
+  return state_of(pid, &start_time);
 }
 
 bool process_alive(pid_t pid, uint64_t start_time) noexcept {
   return process_state(pid, start_time) != ProcessState::kGone;
 }
+
+ProcessState pid_state(pid_t pid) noexcept { return state_of(pid, nullptr); }
+
+bool pid_in_use(pid_t pid) noexcept { return pid_state(pid) != ProcessState::kGone; }
 
 uint64_t monotonic_ns() noexcept {
   timespec ts{};

@@ -54,7 +54,7 @@ uint64_t owner_of(const std::string& name, pid_t pid) {
   return 0;
 }
 
-bool is_stopped(pid_t pid) { return shm::process_state(pid, 0) == shm::ProcessState::kStopped; }
+bool is_stopped(pid_t pid) { return shm::pid_state(pid) == shm::ProcessState::kStopped; }
 
 }  // namespace
 

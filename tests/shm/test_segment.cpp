@@ -370,10 +370,19 @@ BOOST_AUTO_TEST_CASE(process_identity_survives_zombies) {
   const pid_t child = ::fork();
   if (child == 0) _exit(0);
   // Not reaped yet: a zombie, which kill(pid, 0) would call alive.
-  BOOST_TEST(test::eventually([&] { return !process_alive(child, 0); }));
+  BOOST_TEST(test::eventually([&] { return !pid_in_use(child); }));
   BOOST_TEST(::kill(child, 0) == 0);
   int status = 0;
   ::waitpid(child, &status, 0);
+}
+
+// A start time of 0 is no process's identity (a segment's header without
+// the server's start time, an entry before its worker wrote one): with it
+// no process counts as alive, whatever lives at the pid.
+BOOST_AUTO_TEST_CASE(unknown_start_time_names_no_process) {
+  BOOST_TEST((process_state(::getpid(), 0) == ProcessState::kGone));
+  BOOST_TEST(!process_alive(::getpid(), 0));
+  BOOST_TEST((process_state(::getpid(), process_start_time(::getpid())) == ProcessState::kRunning));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -324,7 +324,7 @@ BOOST_AUTO_TEST_CASE(histograms_of_apply_queue_and_staleness) {
   BOOST_REQUIRE(::kill(server.process().pid(), SIGSTOP) == 0);
   // kill() returns before the server has stopped: publish only once it has.
   BOOST_REQUIRE(
-      test::eventually([&] { return shm::process_state(server.process().pid(), 0) == shm::ProcessState::kStopped; }));
+      test::eventually([&] { return shm::pid_state(server.process().pid()) == shm::ProcessState::kStopped; }));
   auto ticket = worker->push_async(kAllTensors, buffer->id, 0, kAllBytes, Dtype::kF32, 11);
   BOOST_REQUIRE(ticket.ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -1219,6 +1219,22 @@ BOOST_AUTO_TEST_CASE(write_errors_on_stdout_exit_1) {
       }
     }
   }
+}
+
+// A header without the server's start time (a real server always writes
+// it) names no server: a live process at that pid is not shown alive.
+BOOST_AUTO_TEST_CASE(server_without_start_time_is_not_alive) {
+  const std::string name = test::unique_name("nostart");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});  // our pid, our start time
+  seg->header().server_start_time = 0;
+  auto snap = inspect::take_snapshot(seg->object().data(), seg->object().size(), "test");
+  BOOST_REQUIRE_MESSAGE(snap.ok(), snap.status().to_string());
+  BOOST_TEST(!snap->header.server_alive);
+  BOOST_TEST(!snap->header.server_uptime_s.has_value());
+  const std::string text = inspect::render_text(*snap);
+  BOOST_TEST(contains(text, "no start time"), text);
+  BOOST_TEST(inspect::to_json(*snap)["header"]["server_alive"] == false);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -14,8 +14,10 @@ namespace shmps::shm {
 // exist (or /proc is unreadable).
 uint64_t process_start_time(pid_t pid) noexcept;
 
-// True when pid exists, is not a zombie or dead, and (when start_time != 0)
-// started at start_time, i.e. it is the same process.
+// True when pid exists, is not a zombie or dead, and started at
+// start_time, i.e. it is the same process. A start_time of 0 is no
+// process's (every process has started by a tick past boot; a header or
+// entry that holds 0 names none): false, whatever lives at the pid.
 bool process_alive(pid_t pid, uint64_t start_time) noexcept;
 
 // What /proc says about a process, read once.
@@ -24,8 +26,14 @@ enum class ProcessState {
   kRunning,  // alive and not stopped (running, sleeping, in disk wait, ...)
   kStopped,  // stopped by a signal (SIGSTOP, SIGTSTP: 'T') or by a tracer ('t')
 };
-// As process_alive(), and whether the process is stopped.
+// As process_alive() (start_time 0: kGone), and whether the process is stopped.
 ProcessState process_state(pid_t pid, uint64_t start_time) noexcept;
+
+// The same for whatever process holds pid now, whenever it started: for a
+// pid whose start time is not known (yet), where any process at the pid
+// must count, e.g. before removing what that pid's process might use.
+ProcessState pid_state(pid_t pid) noexcept;
+bool pid_in_use(pid_t pid) noexcept;
 
 // CLOCK_MONOTONIC in nanoseconds (the same clock in every process).
 uint64_t monotonic_ns() noexcept;
