@@ -80,13 +80,19 @@ std::vector<ListedSegment> list_segments() {
     row.bytes = static_cast<uint64_t>(st.st_size);
     // No server may take a buffer's name: one without its segment is left
     // by a worker of a server that is gone.
-    Loaded loaded = buffer_like ? Loaded{} : load_segment(name);
+    // One look, no wait: any user can leave empty objects at valid names,
+    // and a 2 s wait for each would make --list as slow as they please.
+    Loaded loaded = buffer_like ? Loaded{} : load_segment(name, /*wait_for_start=*/false);
     if (buffer_like) {
       row.exit = ExitCode::kBadSegment;
       row.error = "not a segment";
     } else if (loaded.exit != ExitCode::kOk) {
       row.exit = loaded.exit;
       row.error = loaded.error;
+      if (loaded.exit == ExitCode::kUnpublished)
+        row.error +=
+            "; not waited for: a server starting, or what a start that crashed left (the next start under "
+            "the name replaces it)";
     } else {
       auto snap = take_snapshot(loaded.image.data, loaded.image.size, loaded.image.source);
       if (snap.ok()) {

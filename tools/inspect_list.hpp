@@ -31,8 +31,8 @@ struct ListedSegment {
 };
 
 // The segments in /dev/shm, sorted by name. Each is read as load_segment()
-// and take_snapshot() read it (one still being published costs load_segment's
-// wait of up to 2 s).
+// and take_snapshot() read it, without load_segment's wait: an object
+// still empty or unpublished is listed as such at once (kUnpublished).
 std::vector<ListedSegment> list_segments();
 
 // A table: name, server pid, alive or dead, state, parameters, workers

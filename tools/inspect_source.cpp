@@ -143,25 +143,18 @@ bool header_fits(const void* copy, uint64_t size) {
          shm::compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity).segment_size == size;
 }
 
-// The largest segment any counts allow: bigger objects are not segments.
-uint64_t largest_segment_size() {
-  return shm::compute_geometry(shm::kMaxTensorsLimit, shm::kMaxWorkersLimit, shm::kMaxBuffersLimit,
-                               shm::kMaxLaneCapacity)
-      .segment_size;
-}
+using shm::largest_segment_size;
 
 }  // namespace
 
-Loaded load_segment(const std::string& name) {
+Loaded load_segment(const std::string& name, bool wait_for_start) {
   const std::string path = "/dev/shm/" + shm::segment_object_name(name);
   Loaded l;
   const auto copy = [&](std::unique_ptr<shm::ShmObject>& live) -> Status {
     const Status shrank{ErrorCode::kLayoutMismatch, path + ": the segment shrank while being read"};
+    // No larger than largest_segment_size(): open_segment_object refused
+    // a larger object before mapping it.
     const size_t size = live->size();
-    if (size > largest_segment_size())
-      return {ErrorCode::kLayoutMismatch, path + " holds " + std::to_string(size) +
-                                              " bytes, more than any shmps segment (" +
-                                              std::to_string(largest_segment_size()) + ")"};
     l.image.copy = zeroed(size);
     if (!l.image.copy) return {ErrorCode::kIo, "cannot allocate " + std::to_string(size) + " bytes"};
     // The header first, as for --file: an object that is not a published
@@ -183,7 +176,8 @@ Loaded load_segment(const std::string& name) {
     l.image.size = size;
     return Status::Ok();
   };
-  const Status s = shm::open_segment_object(name, /*read_only=*/true, copy);
+  const Status s = shm::open_segment_object(name, /*read_only=*/true, copy, {},
+                                            wait_for_start ? shm::kSegmentStartWait : std::chrono::milliseconds(0));
   if (s.ok()) return l;
   if (s.code() == ErrorCode::kServerNotRunning) {
     // Both "no such object" and "not published yet": the object's

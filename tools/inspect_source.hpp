@@ -38,11 +38,13 @@ struct Loaded {
 };
 
 // Copies "shmps.<name>" and validates the copy (shm::open_segment_object,
-// as Segment::open does with its mapping: up to 2 s for a segment still
-// being sized or published). A segment that shrinks while being copied (a
-// SIGBUS on the mapping) is kBadSegment, "the segment shrank while being
-// read".
-Loaded load_segment(const std::string& name);
+// as Segment::open does with its mapping: with `wait_for_start`, up to 2 s
+// for a segment still being sized or published; without, one look, and
+// such a segment is kUnpublished at once). An object larger than any
+// segment is kBadSegment before it is mapped. A segment that shrinks while
+// being copied (a SIGBUS on the mapping) is kBadSegment, "the segment
+// shrank while being read".
+Loaded load_segment(const std::string& name, bool wait_for_start = true);
 // Reads a regular file into memory (anything else is refused without being
 // opened for long: a FIFO does not block). A file larger than the largest
 // possible segment is refused (kBadSegment) without being read; so is one

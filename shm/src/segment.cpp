@@ -186,7 +186,8 @@ namespace {
 // at the name must not block or feed its reader. *empty: refused for its
 // 0 bytes.
 Status map_object(int fd, bool read_only, const std::string& name, uint64_t* inode, uid_t* uid, gid_t* gid,
-                  mode_t* mode, void** address, size_t* size, bool* empty) {
+                  mode_t* mode, void** address, size_t* size, bool* empty, bool* too_large = nullptr,
+                  uint64_t max_bytes = ~uint64_t{0}) {
   *empty = false;
   struct stat st {};
   if (::fstat(fd, &st) != 0) return {ErrorCode::kIo, "fstat '" + name + "': " + errno_text(errno)};
@@ -201,6 +202,12 @@ Status map_object(int fd, bool read_only, const std::string& name, uint64_t* ino
     *empty = true;
     return {ErrorCode::kIo,
             "shm object '" + name + "' is empty (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ")"};
+  }
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    if (too_large != nullptr) *too_large = true;
+    return {ErrorCode::kLayoutMismatch, "shm object '" + name + "' holds " + std::to_string(st.st_size) +
+                                            " bytes, more than the " + std::to_string(max_bytes) + " it may (" +
+                                            owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ")"};
   }
   const auto bytes = static_cast<size_t>(st.st_size);
   void* mapped = ::mmap(nullptr, bytes, read_only ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -279,8 +286,8 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
   return obj;
 }
 
-Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_name, bool read_only,
-                                                   OpenFailure* failure) {
+Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_name, bool read_only, OpenFailure* failure,
+                                                   uint64_t max_bytes) {
   OpenFailure unused = OpenFailure::kOther;
   OpenFailure& why = failure != nullptr ? *failure : unused;
   why = OpenFailure::kOther;
@@ -300,10 +307,12 @@ Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_nam
     return Status{ErrorCode::kIo, what + (err == ENOENT ? std::string("does not exist") : errno_text(err))};
   }
   bool empty = false;
+  bool too_large = false;
   const Status mapped = map_object(fd, read_only, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
-                                   &obj->region_->address, &obj->region_->size, &empty);
+                                   &obj->region_->address, &obj->region_->size, &empty, &too_large, max_bytes);
   ::close(fd);  // the mapping stays
   if (empty) why = OpenFailure::kEmpty;
+  if (too_large) why = OpenFailure::kTooLarge;
   if (!mapped.ok()) return mapped;
   obj->data_ = obj->region_->address;
   obj->size_ = obj->region_->size;
@@ -315,6 +324,10 @@ void ShmObject::remove(const std::string& object_name) {
 }
 
 // ---------------------------------------------------------------- geometry
+
+uint64_t largest_segment_size() noexcept {
+  return compute_geometry(kMaxTensorsLimit, kMaxWorkersLimit, kMaxBuffersLimit, kMaxLaneCapacity).segment_size;
+}
 
 Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t max_buffers,
                           uint32_t lane_capacity) noexcept {
@@ -776,21 +789,26 @@ Status check_owner_and_mode(const std::string& path, uid_t uid, gid_t gid, mode_
 
 Status open_segment_object(const std::string& name, bool read_only,
                            const std::function<Status(std::unique_ptr<ShmObject>&)>& accept,
-                           const std::function<Status(uid_t, gid_t, mode_t)>& on_empty) {
+                           const std::function<Status(uid_t, gid_t, mode_t)>& on_empty,
+                           std::chrono::milliseconds wait) {
   if (Status s = validate_name(name); !s.ok()) return s;
   const std::string object_name = segment_object_name(name);
   const std::string path = "/dev/shm/" + object_name;
   // A server that is creating the segment may not have sized it (empty
-  // object) or written it (zero header) yet: retry those for up to 2 s.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  // object) or written it (zero header) yet: retry those for `wait`.
+  const auto deadline = std::chrono::steady_clock::now() + wait;
   while (true) {
     ShmObject::OpenFailure failure = ShmObject::OpenFailure::kOther;
-    auto opened = ShmObject::open(object_name, read_only, &failure);
+    auto opened = ShmObject::open(object_name, read_only, &failure, largest_segment_size());
     Status s;
     if (!opened.ok()) {
       if (failure == ShmObject::OpenFailure::kNoObject)
         return Status{ErrorCode::kServerNotRunning,
                       "no shmps server named '" + name + "': " + path + " does not exist"};
+      if (failure == ShmObject::OpenFailure::kTooLarge)
+        return Status{ErrorCode::kLayoutMismatch, path + " holds more than any shmps segment (" +
+                                                      std::to_string(largest_segment_size()) +
+                                                      " bytes): " + opened.status().message()};
       if (failure != ShmObject::OpenFailure::kEmpty) return opened.status();
       struct stat st {};
       if (on_empty && ::lstat(path.c_str(), &st) == 0) {

@@ -376,6 +376,27 @@ BOOST_AUTO_TEST_CASE(process_identity_survives_zombies) {
   ::waitpid(child, &status, 0);
 }
 
+// An object larger than any segment is refused before it is mapped
+// (kLayoutMismatch), not as a failed mmap of terabytes (kIo, ENOMEM).
+BOOST_AUTO_TEST_CASE(an_object_larger_than_any_segment_is_refused_before_its_mapping) {
+  const std::string name = "oversize_" + std::to_string(::getpid());
+  const std::string path = "/dev/shm/" + segment_object_name(name);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  BOOST_REQUIRE(fd >= 0);
+  const bool sized = ::ftruncate(fd, off_t{0x7fffffffffff}) == 0;
+  ::close(fd);
+  struct Unlink {
+    std::string path;
+    ~Unlink() { ::unlink(path.c_str()); }
+  } unlink_it{path};
+  BOOST_REQUIRE(sized);
+  auto opened = Segment::open(name, true);
+  BOOST_REQUIRE(!opened.ok());
+  BOOST_TEST((opened.status().code() == ErrorCode::kLayoutMismatch), opened.status().to_string());
+  BOOST_TEST(opened.status().message().find("more than any shmps segment") != std::string::npos,
+             opened.status().to_string());
+}
+
 // A start time of 0 is no process's identity (a segment's header without
 // the server's start time, an entry before its worker wrote one): with it
 // no process counts as alive, whatever lives at the pid.

@@ -1237,4 +1237,50 @@ BOOST_AUTO_TEST_CASE(server_without_start_time_is_not_alive) {
   BOOST_TEST(inspect::to_json(*snap)["header"]["server_alive"] == false);
 }
 
+// --list does not wait for an object that is empty or not yet written (a
+// server starting, or a start that crashed): each is reported at once.
+// A single name still waits (a server mid-start is ridden out).
+BOOST_AUTO_TEST_CASE(list_reports_unwritten_objects_without_waiting) {
+  const std::string tag = test::unique_name("lswait");
+  std::vector<std::unique_ptr<RawObject>> objects;
+  for (int i = 0; i < 3; ++i)
+    objects.push_back(std::make_unique<RawObject>("shmps." + tag + "e" + std::to_string(i), 0));
+  objects.push_back(std::make_unique<RawObject>("shmps." + tag + "z", 8192));  // a zero header
+  const auto start = std::chrono::steady_clock::now();
+  const json j = parse_json(run_inspect({"--list", "--json"}));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  BOOST_TEST(seconds < 1.5, "--list took " << seconds << " s");
+  int seen = 0;
+  for (const json& row : j["segments"]) {
+    const std::string n = row["name"].get<std::string>();
+    if (n.rfind(tag, 0) != 0) continue;
+    ++seen;
+    BOOST_TEST(row["exit_code"] == 4, row);
+    BOOST_TEST(contains(row["error"].get<std::string>(), "a server starting, or"), row);
+  }
+  BOOST_TEST(seen == 4);
+  const Run single = run_inspect({tag + "e0"});
+  BOOST_TEST(single.rc == 4, single.err);
+}
+
+// An object larger than any segment is refused as one (exit 3), before
+// it is mapped, live as with --file.
+BOOST_AUTO_TEST_CASE(oversized_live_object_is_no_segment) {
+  const std::string name = test::unique_name("big");
+  const RawObject big("shmps." + name, off_t{0x7fffffffffff});
+  for (const std::vector<std::string>& args : {std::vector<std::string>{name}, {"--list", "--json"}}) {
+    const Run r = run_inspect(args);
+    if (args.size() == 1) {
+      BOOST_TEST(r.rc == 3, r.err);
+      BOOST_TEST(contains(r.err, "more than any shmps segment"), r.err);
+    } else {
+      for (const json& row : parse_json(r)["segments"])
+        if (row["name"] == name) {
+          BOOST_TEST(row["exit_code"] == 3, row);
+          BOOST_TEST(contains(row["error"].get<std::string>(), "more than any shmps segment"), row);
+        }
+    }
+  }
+}
+
 BOOST_AUTO_TEST_SUITE_END()

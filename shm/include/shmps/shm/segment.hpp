@@ -7,6 +7,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -52,14 +53,18 @@ class ShmObject {
   // Why open() failed, where a caller treats the case apart (a server that
   // is not there yet): no object at the name, or one of 0 bytes, which its
   // creator has not sized yet. kOther: any other failure.
-  enum class OpenFailure : uint8_t { kOther, kNoObject, kEmpty };
+  // kTooLarge: more bytes than the caller's max_bytes.
+  enum class OpenFailure : uint8_t { kOther, kNoObject, kEmpty, kTooLarge };
   // Maps an existing object whole. Errors: kIo ("does not exist" for
   // ENOENT, "is empty" with its owner and mode for 0 bytes: *failure says
   // which); kPermission naming the object's path, owner user:group and
   // mode, this process's user, and what would let it in (the group to
-  // join, --group-access); kIo.
+  // join, --group-access); kIo. An object of more than `max_bytes` is
+  // refused before it is mapped (kLayoutMismatch, *failure kTooLarge): a
+  // mapping of terabytes fails (ENOMEM) or reserves address space for
+  // nothing.
   static Result<std::unique_ptr<ShmObject>> open(const std::string& object_name, bool read_only,
-                                                 OpenFailure* failure = nullptr);
+                                                 OpenFailure* failure = nullptr, uint64_t max_bytes = ~uint64_t{0});
   // shm_unlink; nothing happens when it is already gone.
   static void remove(const std::string& object_name);
 
@@ -122,6 +127,10 @@ struct Geometry {
   uint64_t lanes_offset, lane_stride, completions_offset, completion_stride;
   uint64_t stats_offset, segment_size;
 };
+// The size of the largest segment any counts allow (kMax*Limit,
+// kMaxLaneCapacity): an object larger than this is no shmps segment.
+uint64_t largest_segment_size() noexcept;
+
 Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t max_buffers,
                           uint32_t lane_capacity) noexcept;
 
@@ -165,10 +174,15 @@ struct SegmentLayout {
 // then. No such object: kServerNotRunning, "no shmps server named ...".
 // `on_empty`, when given, judges an empty object by its owner and mode
 // before it is waited for (a worker waits only for a server it trusts).
-// Other errors as ShmObject::open's.
+// `wait`: how long to retry (0: one look, for a reader that reports what
+// is there rather than riding out a start, e.g. shmps-inspect --list).
+// An object larger than largest_segment_size() is kLayoutMismatch before
+// it is mapped. Other errors as ShmObject::open's.
+inline constexpr std::chrono::milliseconds kSegmentStartWait{2000};
 Status open_segment_object(const std::string& name, bool read_only,
                            const std::function<Status(std::unique_ptr<ShmObject>&)>& accept,
-                           const std::function<Status(uid_t, gid_t, mode_t)>& on_empty = {});
+                           const std::function<Status(uid_t, gid_t, mode_t)>& on_empty = {},
+                           std::chrono::milliseconds wait = kSegmentStartWait);
 
 class Segment {
  public:
