@@ -448,7 +448,9 @@ json completion_json(uint64_t index, uint32_t capacity, const shm::Completion& c
               {"opcode", opcode_name(c.opcode)},
               {"code", error_name(c.code)},
               {"version", c.version},
-              {"value", c.value},
+              // An attach's value is the lease (random high bits, past
+              // 2^53): 0x-hex as every lease; the others' are counts.
+              {"value", c.opcode == static_cast<uint32_t>(shm::Opcode::kAttach) ? json(hex64(c.value)) : json(c.value)},
               // A success leaves an earlier answer's message in the slot
               // (layout.hpp, Completion): only a failure's is its own.
               {"message", c.code != 0 ? printable_name(c.message, sizeof c.message) : std::string()}};
@@ -467,12 +469,15 @@ json queue_json(const QueueView<Slot>& q, F&& slot_json) {
 }  // namespace
 
 // Values that may pass 2^53, where jq and JavaScript round a JSON number,
-// are strings: the random generation and lease as 0x-hex (as the text shows
-// them), CLOCK_MONOTONIC nanoseconds (past 2^53 after 104 days of uptime)
+// are strings: the random generation and leases (an attach's completion
+// value included) and the doorbell's bitmap words as 0x-hex (as the text
+// shows them), CLOCK_MONOTONIC nanoseconds (past 2^53 after 104 days of uptime)
 // as decimal, and so are byte counts (8 PiB: days at tens of GB/s).
 // Counters of events stay numbers.
 json to_json(const Snapshot& s) {
   const HeaderView& h = s.header;
+  json doorbell = json::array();
+  for (const uint64_t word : h.doorbell) doorbell.push_back(hex64(word));
   json j;
   j["source"] = s.source;
   j["header"] = json{{"magic", hex64(h.magic)},
@@ -492,7 +497,7 @@ json to_json(const Snapshot& s) {
                      {"max_buffers", h.max_buffers},
                      {"lane_capacity", h.lane_capacity},
                      {"total_elements", h.total_elements},
-                     {"doorbell", h.doorbell}};
+                     {"doorbell", std::move(doorbell)}};
   const ConfigView& c = s.config;
   j["config"] = json{{"optimizer", optimizer_name(c.optimizer_kind)},
                      {"lr", json_float(c.lr)},

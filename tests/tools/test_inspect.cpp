@@ -1237,6 +1237,35 @@ BOOST_AUTO_TEST_CASE(server_without_start_time_is_not_alive) {
   BOOST_TEST(inspect::to_json(*snap)["header"]["server_alive"] == false);
 }
 
+// 64-bit words that pass 2^53 are strings in the JSON: the doorbell's
+// bitmaps and an attach's lease in its completion, as 0x-hex.
+BOOST_AUTO_TEST_CASE(json_gives_doorbell_and_attach_lease_as_hex) {
+  const std::string name = test::unique_name("hexjson");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  seg->header().doorbell[0].store((uint64_t{1} << 60) | 1, std::memory_order_relaxed);
+  shm::Completion attach{};
+  attach.request_id = 1;
+  attach.opcode = static_cast<uint32_t>(shm::Opcode::kAttach);
+  attach.value = (uint64_t{1} << 56) | 5;
+  shm::Completion push{};
+  push.request_id = 2;
+  push.opcode = static_cast<uint32_t>(shm::Opcode::kPush);
+  push.value = 3;  // staleness: a count
+  seg->completion_slots(0)[0] = attach;
+  seg->completion_slots(0)[1] = push;
+  seg->completions(0).tail.store(2, std::memory_order_relaxed);
+  auto snap = inspect::take_snapshot(seg->object().data(), seg->object().size(), "test");
+  BOOST_REQUIRE_MESSAGE(snap.ok(), snap.status().to_string());
+  const json j = inspect::to_json(*snap);
+  BOOST_TEST(j["header"]["doorbell"][0] == "0x1000000000000001", j["header"]);
+  BOOST_REQUIRE(j["completions"].size() >= 1u);
+  const json& slots = j["completions"][0]["slots"];
+  BOOST_REQUIRE(slots.size() == 2u);
+  BOOST_TEST(slots[0]["value"] == "0x0100000000000005", slots);
+  BOOST_TEST(slots[1]["value"] == 3, slots);
+}
+
 // --list does not wait for an object that is empty or not yet written (a
 // server starting, or a start that crashed): each is reported at once.
 // A single name still waits (a server mid-start is ridden out).
