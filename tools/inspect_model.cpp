@@ -783,7 +783,11 @@ std::string render_text(const Snapshot& s) {
            (st.fed_epoch != 0 ? " (epoch " + std::to_string(st.fed_epoch) + ", " : std::string(" (")) +
            "failed rounds " + std::to_string(st.fed_failures) + ")";
   };
-  switch (static_cast<shm::FederationState>(st.fed_state)) {
+  // The counter is 64 bits: range-checked before the cast to the 32-bit
+  // enum, which would take 2^32 + 2 for kInGroup.
+  const auto fed_state = st.fed_state <= shm::kFederationStateMax ? static_cast<shm::FederationState>(st.fed_state)
+                                                                  : shm::FederationState{0xffffffffu};
+  switch (fed_state) {
     case shm::FederationState::kInGroup:
       o << "  federation      round " << st.fed_round << ", " << st.fed_members << " hosts"
         << (st.fed_epoch != 0 ? " (epoch " + std::to_string(st.fed_epoch) + ")" : std::string()) << ", last round "
@@ -805,7 +809,7 @@ std::string render_text(const Snapshot& s) {
       o << "  federation      off\n";
       break;
     default:
-      o << "  federation      state " << st.fed_state << " (not one this build knows)\n";
+      o << "  federation      unknown(" << st.fed_state << ") (not a state this build knows)\n";
   }
   const auto histogram_text = [](const HistogramView& hv, bool ns) {
     if (!hv.quantile(0.5)) return std::string("none yet");

@@ -1312,4 +1312,18 @@ BOOST_AUTO_TEST_CASE(oversized_live_object_is_no_segment) {
   }
 }
 
+// A 64-bit federation state is range-checked before its cast: 2^32 + 2 is
+// no "in a group".
+BOOST_AUTO_TEST_CASE(federation_state_out_of_range_is_unknown) {
+  const std::string name = test::unique_name("fedst");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  seg->stats().fed_state.store((uint64_t{1} << 32) + 2, std::memory_order_relaxed);
+  auto snap = inspect::take_snapshot(seg->object().data(), seg->object().size(), "test");
+  BOOST_REQUIRE_MESSAGE(snap.ok(), snap.status().to_string());
+  const std::string text = inspect::render_text(*snap);
+  BOOST_TEST(contains(text, "federation      unknown(4294967298)"), text);
+  BOOST_TEST(!contains(text, "hosts"), text);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
