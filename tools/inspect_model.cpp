@@ -986,9 +986,11 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
   SHMPS_STATS_HISTOGRAMS(SHMPS_STATS_HISTOGRAM_PROMETHEUS)
 #undef SHMPS_STATS_HISTOGRAM_PROMETHEUS
   e.family("shmps_requests_rejected_total", "counter", "Requests refused, by cause (the error code's name).");
-  for (uint32_t code = 1; code < st.rejected.size(); ++code) {
+  // Code 0 ("ok") and codes outside the enum are no causes: a count under
+  // them is garbage, shown (as text and JSON show it) only when not 0.
+  for (uint32_t code = 0; code < st.rejected.size(); ++code) {
     const std::string cause = error_name(code);
-    if (cause.rfind("unknown(", 0) == 0 && st.rejected[code] == 0) continue;
+    if ((code == 0 || cause.rfind("unknown(", 0) == 0) && st.rejected[code] == 0) continue;
     e.sample("shmps_requests_rejected_total", static_cast<double>(st.rejected[code]),
              ",cause=\"" + label_value(cause) + "\"");
   }

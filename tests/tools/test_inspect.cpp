@@ -1326,4 +1326,19 @@ BOOST_AUTO_TEST_CASE(federation_state_out_of_range_is_unknown) {
   BOOST_TEST(!contains(text, "hosts"), text);
 }
 
+// Rejections counted under code 0 ("ok": garbage, since nothing is refused
+// with it) show in every format alike.
+BOOST_AUTO_TEST_CASE(rejected_ok_shows_in_every_format) {
+  const std::string name = test::unique_name("rejok");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  seg->stats().rejected[0].store(5, std::memory_order_relaxed);
+  auto snap = inspect::take_snapshot(seg->object().data(), seg->object().size(), "test");
+  BOOST_REQUIRE_MESSAGE(snap.ok(), snap.status().to_string());
+  BOOST_TEST(contains(inspect::render_text(*snap), "rejected        ok 5"));
+  BOOST_TEST(inspect::to_json(*snap)["stats"]["rejected"]["ok"] == 5);
+  const std::string prom = inspect::render_prometheus(*snap, "x");
+  BOOST_TEST(contains(prom, "shmps_requests_rejected_total{name=\"x\",cause=\"ok\"} 5\n"), prom);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
