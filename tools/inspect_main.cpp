@@ -2,6 +2,7 @@
 // tensors, workers, lanes, completion queues, stats) as text or JSON, once
 // or as a live view. Read-only: the segment is mapped PROT_READ.
 // Usage and exit codes: docs/inspect.md.
+#include <poll.h>
 #include <signal.h>
 
 #include <boost/program_options.hpp>
@@ -12,7 +13,6 @@
 #include <optional>
 #include <sstream>
 #include <string>
-#include <thread>
 
 #include "inspect_list.hpp"
 #include "inspect_model.hpp"
@@ -124,14 +124,37 @@ ExitCode run_once(const Options& o) {
   return write_out(out) ? rc : ExitCode::kError;
 }
 
+// Sleeps until `until`, or until SIGINT/SIGTERM (g_stop). The signals are
+// blocked by the caller outside this wait and unblocked only inside ppoll,
+// atomically, so one that comes during a refresh ends the wait at once
+// instead of being missed for a whole interval.
+void wait_until(std::chrono::steady_clock::time_point until, const sigset_t& unblocked) {
+  while (g_stop == 0) {
+    const auto left = until - std::chrono::steady_clock::now();
+    if (left <= std::chrono::nanoseconds::zero()) return;
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    const timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+    ::ppoll(nullptr, 0, &ts, &unblocked);  // a timeout, or EINTR from the handler
+  }
+}
+
 // Re-opens the segment at every refresh, so a restarted server (a new
 // object under the same name) is followed. The exit code is the last
-// refresh's.
+// refresh's. The interval is slept exactly (steady clock), from the start
+// of one refresh to the next.
 ExitCode run_watch(const Options& o) {
   install_stop_handler();
+  sigset_t stop_signals, unblocked;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  ::sigprocmask(SIG_BLOCK, &stop_signals, &unblocked);
+  sigdelset(&unblocked, SIGINT);
+  sigdelset(&unblocked, SIGTERM);
   ExitCode rc = ExitCode::kOk;
   std::optional<shmps::inspect::Snapshot> previous;
   for (uint64_t n = 1; g_stop == 0 && (o.count == 0 || n <= o.count); ++n) {
+    const auto started = std::chrono::steady_clock::now();
     std::string out, error;
     rc = inspect_once(o, &out, &error, &previous);
     if (o.json) {
@@ -148,9 +171,7 @@ ExitCode run_watch(const Options& o) {
       if (!write_out(screen)) return ExitCode::kError;
     }
     if (o.count != 0 && n == o.count) break;
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(o.interval_ms);
-    while (g_stop == 0 && std::chrono::steady_clock::now() < until)
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    wait_until(started + std::chrono::milliseconds(o.interval_ms), unblocked);
   }
   return rc;
 }

@@ -1084,7 +1084,13 @@ std::optional<Rates> rates_between(const Snapshot& a, const Snapshot& b) {
 }
 
 std::string render_rates_text(const Rates& r) {
-  std::string out = "== rates (over the last " + rate_text(r.seconds) + " s) ==\n";
+  // The window in ms below a second (--interval-ms 5 is no "0.0 s").
+  char window[32];
+  if (r.seconds < 1)
+    std::snprintf(window, sizeof window, "%.1f ms", r.seconds * 1e3);
+  else
+    std::snprintf(window, sizeof window, "%.1f s", r.seconds);
+  std::string out = std::string("== rates (over the last ") + window + ") ==\n";
   out += "  total           " + rate_text(r.pushes) + " pushes/s, " + rate_text(r.pulls) + " pulls/s, " +
          bytes_rate_text(r.bytes) + " applied, " + rate_text(r.requests) + " requests/s\n";
   std::string rejected;

@@ -1266,6 +1266,27 @@ BOOST_AUTO_TEST_CASE(json_gives_doorbell_and_attach_lease_as_hex) {
   BOOST_TEST(slots[1]["value"] == 3, slots);
 }
 
+// --interval-ms below 10 is what it says (no 10 ms steps), and the rates
+// name a window below a second in ms.
+BOOST_AUTO_TEST_CASE(watch_interval_is_exact_and_its_window_shown) {
+  const std::string name = test::unique_name("fastw");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  const Run r = run_inspect({"--watch", "--json", "--interval-ms", "1", "--count", "10", name});
+  BOOST_REQUIRE_MESSAGE(r.rc == 0, r.err);
+  std::istringstream lines(r.out);
+  double shortest = 1e9;
+  for (std::string line; std::getline(lines, line);) {
+    const json doc = json::parse(line);
+    if (!doc["rates"].is_null()) shortest = std::min(shortest, doc["rates"]["seconds"].get<double>());
+  }
+  BOOST_TEST(shortest < 0.009, "shortest refresh " << shortest << " s");
+  const Run text = run_inspect({"--watch", "--interval-ms", "2", "--count", "2", name});
+  BOOST_TEST(text.rc == 0, text.err);
+  BOOST_TEST(std::regex_search(text.out, std::regex(R"(over the last [0-9.]+ ms\))")), text.out);
+  BOOST_TEST(!contains(text.out, "over the last 0.0 s"), text.out);
+}
+
 // --list does not wait for an object that is empty or not yet written (a
 // server starting, or a start that crashed): each is reported at once.
 // A single name still waits (a server mid-start is ridden out).
