@@ -82,6 +82,8 @@ ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
     *error = image.source + ": " + snap.status().message();
     return shmps::inspect::exit_code_for(snap.status());
   }
+  snap->object = shmps::inspect::judge_object(image.source, image.owner.uid, image.owner.gid, image.owner.mode,
+                                              snap->config.flags, image.owner.live);
   std::optional<shmps::inspect::Rates> rates;
   if (previous != nullptr && *previous) rates = shmps::inspect::rates_between(**previous, *snap);
   if (o.format == "prometheus") {

@@ -246,6 +246,23 @@ std::string printable_name(const void* bytes, size_t n) {
   return out;
 }
 
+ObjectView judge_object(const std::string& path, uint32_t uid, uint32_t gid, uint32_t mode, uint32_t config_flags,
+                        bool live) {
+  ObjectView v;
+  v.uid = uid;
+  v.gid = gid;
+  v.owner = shm::owner_text(uid, gid);
+  v.mode = shm::mode_text(mode);
+  if (!live) return v;
+  // The default server user never fails (no "shmps" user: not trusted).
+  const auto trusted = shm::trusted_owners("");
+  Status s = trusted.ok() ? shm::check_owner_and_mode(path, uid, gid, mode, *trusted) : trusted.status();
+  if (s.ok()) s = shm::check_group_access(path, uid, gid, mode, config_flags);
+  v.trusted = s.ok();
+  if (!s.ok()) v.trust_problem = s.message();
+  return v;
+}
+
 // ---------------------------------------------------------------- snapshot
 
 Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string& source) {
@@ -480,6 +497,16 @@ json to_json(const Snapshot& s) {
   for (const uint64_t word : h.doorbell) doorbell.push_back(hex64(word));
   json j;
   j["source"] = s.source;
+  if (s.object)
+    j["object"] = json{
+        {"owner", s.object->owner},
+        {"uid", s.object->uid},
+        {"gid", s.object->gid},
+        {"mode", s.object->mode},
+        {"trusted", s.object->trusted ? json(*s.object->trusted) : json(nullptr)},
+        {"trust_problem", s.object->trusted && !*s.object->trusted ? json(s.object->trust_problem) : json(nullptr)}};
+  else
+    j["object"] = nullptr;
   j["header"] = json{{"magic", hex64(h.magic)},
                      {"layout_version", h.layout_version},
                      {"header_size", h.header_size},
@@ -664,6 +691,13 @@ std::string render_text(const Snapshot& s) {
   const HeaderView& h = s.header;
   o << "shmps segment " << s.source << "\n";
   o << "== header ==\n";
+  if (s.object) {
+    o << "  object          owner " << s.object->owner << " (uid " << s.object->uid << "), mode " << s.object->mode
+      << (s.object->trusted ? "" : " (a copy: not judged)") << "\n";
+    if (s.object->trusted && !*s.object->trusted)
+      o << "  NOT TRUSTED     a worker of this user (uid " << ::geteuid()
+        << ") would refuse it: " << s.object->trust_problem << "\n";
+  }
   o << "  magic           " << hex64(h.magic) << "\n";
   o << "  layout version  " << h.layout_version << "\n";
   o << "  segment size    " << h.segment_size << " bytes\n";
@@ -928,6 +962,11 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
   const HeaderView& h = s.header;
   e.family("shmps_up", "gauge", "1 while the segment's server process is alive, else 0.");
   e.sample("shmps_up", h.server_alive ? 1 : 0);
+  if (s.object && s.object->trusted) {
+    e.family("shmps_segment_trusted", "gauge",
+             "1 when a worker of this user would trust the segment's object (owner, mode), else 0.");
+    e.sample("shmps_segment_trusted", *s.object->trusted ? 1 : 0);
+  }
   e.family("shmps_info", "gauge", "The server's identity and configuration, as labels; always 1.");
   e.sample("shmps_info", 1,
            ",pid=\"" + std::to_string(h.server_pid) + "\",generation=\"" + hex64(h.generation) + "\",optimizer=\"" +

@@ -133,9 +133,25 @@ struct StatsView {
 #undef SHMPS_STATS_HISTOGRAM
 };
 
+// The object (or --file) the snapshot was taken from: its owner and mode,
+// and, for a live segment, whether a worker of this process's user (with
+// the default server user) would trust it: shm::trusted_owners,
+// check_owner_and_mode and check_group_access, the worker's own rules.
+struct ObjectView {
+  uint32_t uid = 0, gid = 0;
+  std::string owner;            // "alice:staff" (shm::owner_text)
+  std::string mode;             // "0600"
+  std::optional<bool> trusted;  // absent for a --file copy: not judged
+  std::string trust_problem;    // the worker's refusal, when not trusted
+};
+// `config_flags`: the snapshot's (kConfigGroupAccess).
+ObjectView judge_object(const std::string& path, uint32_t uid, uint32_t gid, uint32_t mode, uint32_t config_flags,
+                        bool live);
+
 struct Snapshot {
-  std::string source;     // "/dev/shm/shmps.<name>" or the file's path
-  uint64_t taken_ns = 0;  // CLOCK_MONOTONIC when it was taken
+  std::string source;                // "/dev/shm/shmps.<name>" or the file's path
+  std::optional<ObjectView> object;  // set by the caller (take_snapshot sees bytes only)
+  uint64_t taken_ns = 0;             // CLOCK_MONOTONIC when it was taken
   HeaderView header;
   ConfigView config;
   std::optional<WeightsExportView> weights_export;  // absent with the host backend

@@ -172,6 +172,7 @@ Loaded load_segment(const std::string& name, bool wait_for_start) {
                       static_cast<const shm::SegmentHeader*>(l.image.copy.get())))
       return shrank;
     l.image.source = path;
+    l.image.owner = ImageOwner{live->owner_uid(), live->owner_gid(), live->mode(), /*live=*/true};
     l.image.data = l.image.copy.get();
     l.image.size = size;
     return Status::Ok();
@@ -222,6 +223,7 @@ Loaded load_file(const std::string& path) {
   if (!read_at(f.fd, static_cast<char*>(l.image.copy.get()) + head, size - head, head, path, &error))
     return failure(ExitCode::kError, error);
   l.image.source = path;
+  l.image.owner = ImageOwner{st.st_uid, st.st_gid, st.st_mode & 0777, /*live=*/false};
   l.image.data = l.image.copy.get();
   l.image.size = size;
   return l;

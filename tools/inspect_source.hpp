@@ -6,6 +6,8 @@
 // An Image is owned by one thread at a time.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -24,8 +26,17 @@ enum class ExitCode : int {
   kUnpublished = 4,  // the segment exists but its server has not published it
 };
 
+// Who owns the object or file the image was copied from.
+struct ImageOwner {
+  uid_t uid = 0;
+  gid_t gid = 0;
+  mode_t mode = 0;    // permission bits
+  bool live = false;  // the live segment's object (not a --file copy)
+};
+
 struct Image {
   std::string source;  // "/dev/shm/shmps.<name>" or the file's path
+  ImageOwner owner;
   const void* data = nullptr;
   size_t size = 0;             // bytes
   std::shared_ptr<void> copy;  // owns the private copy `data` points to

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <boost/interprocess/shared_memory_object.hpp>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -760,10 +761,38 @@ void Segment::publish() noexcept {
   header().layout_version.store(kLayoutVersion, std::memory_order_release);
 }
 
-namespace {
+// The uids a worker trusts to own its segment: its own effective user,
+// root, and the server's user (WorkerOptions::server_user; by default the
+// packaged unit's "shmps", where that user exists).
+Result<std::vector<uid_t>> trusted_owners(const std::string& server_user) {
+  std::vector<uid_t> uids{::geteuid()};
+  if (uids[0] != 0) uids.push_back(0);
+  if (server_user.find('\0') != std::string::npos)
+    return Status{ErrorCode::kInvalidArgument, "WorkerOptions::server_user holds a NUL byte"};
+  const std::string user = server_user.empty() ? "shmps" : server_user;
+  uid_t uid = 0;
+  uint64_t number = 0;
+  const auto [end, err] = std::from_chars(user.data(), user.data() + user.size(), number);
+  if (err == std::errc() && end == user.data() + user.size()) {
+    // (uid_t)-1 means "no user" to chown and setreuid: never an owner.
+    if (number >= uint64_t{static_cast<uid_t>(-1)})
+      return Status{ErrorCode::kInvalidArgument, "WorkerOptions::server_user '" + server_user + "': not a uid"};
+    uid = static_cast<uid_t>(number);
+  } else {
+    std::vector<char> buf(16384);
+    struct passwd pw {};
+    struct passwd* found = nullptr;
+    if (::getpwnam_r(user.c_str(), &pw, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
+      if (server_user.empty()) return uids;  // no packaged user here: nothing more to trust
+      return Status{ErrorCode::kInvalidArgument,
+                    "WorkerOptions::server_user '" + server_user + "': no such user (give a login name or a uid)"};
+    }
+    uid = found->pw_uid;
+  }
+  if (std::find(uids.begin(), uids.end(), uid) == uids.end()) uids.push_back(uid);
+  return uids;
+}
 
-// A worker's checks of the object at the segment's name, made on the
-// descriptor it mapped (no name lookup in between), before it reads a byte.
 Status check_owner_and_mode(const std::string& path, uid_t uid, gid_t gid, mode_t mode,
                             const std::vector<uid_t>& trusted) {
   const std::string who = " (" + owner_and_mode(uid, gid, mode) + ")";
@@ -785,7 +814,14 @@ Status check_owner_and_mode(const std::string& path, uid_t uid, gid_t gid, mode_
   return Status::Ok();
 }
 
-}  // namespace
+Status check_group_access(const std::string& path, uid_t uid, gid_t gid, mode_t mode, uint32_t config_flags) {
+  if ((mode & 0070) != 0 && (config_flags & kConfigGroupAccess) == 0)
+    return Status{ErrorCode::kPermission, path + " (" + owner_and_mode(uid, gid, mode) +
+                                              ") gives its group access, but its server was not started with "
+                                              "--group-access: not attaching to it. Remove it (sudo rm " +
+                                              path + ") and restart the server"};
+  return Status::Ok();
+}
 
 Status open_segment_object(const std::string& name, bool read_only,
                            const std::function<Status(std::unique_ptr<ShmObject>&)>& accept,
@@ -837,12 +873,10 @@ Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool rea
     std::vector<CacheLine> copy;
     if (Status s = copy_and_validate(*obj, &copy); !s.ok()) return Status{s.code(), path + ": " + s.message()};
     const auto& h = *reinterpret_cast<const SegmentHeader*>(copy.data());
-    if (trusted_owners != nullptr && (obj->mode() & 0070) != 0 && (h.config.flags & kConfigGroupAccess) == 0)
-      return Status{ErrorCode::kPermission,
-                    path + " (" + owner_and_mode(obj->owner_uid(), obj->owner_gid(), obj->mode()) +
-                        ") gives its group access, but its server was not started with --group-access: not "
-                        "attaching to it. Remove it (sudo rm " +
-                        path + ") and restart the server"};
+    if (trusted_owners != nullptr) {
+      if (Status g = check_group_access(path, obj->owner_uid(), obj->owner_gid(), obj->mode(), h.config.flags); !g.ok())
+        return g;
+    }
     const auto* table = reinterpret_cast<const TensorDesc*>(reinterpret_cast<const char*>(copy.data()) + sizeof h);
     segment.reset(new Segment(name, std::move(obj), layout_of(h, table)));
     return Status::Ok();

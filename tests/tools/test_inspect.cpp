@@ -1362,4 +1362,44 @@ BOOST_AUTO_TEST_CASE(rejected_ok_shows_in_every_format) {
   BOOST_TEST(contains(prom, "shmps_requests_rejected_total{name=\"x\",cause=\"ok\"} 5\n"), prom);
 }
 
+// The object's owner and mode are shown, and whether a worker of this user
+// would trust it (worker_lib's rules): a world-writable one, one with
+// group bits its server did not ask for, one of another user are not.
+BOOST_AUTO_TEST_CASE(owner_mode_and_trust_are_shown) {
+  const std::string name = test::unique_name("trust");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  const std::string path = "/dev/shm/" + shm::segment_object_name(name);
+  struct Case {
+    mode_t mode;
+    bool other_user;
+    bool trusted;
+    std::string why;
+  };
+  std::vector<Case> cases{
+      {0600, false, true, ""}, {0666, false, false, "world-writable"}, {0640, false, false, "--group-access"}};
+  if (::geteuid() == 0) cases.push_back({0600, true, false, "not owned by a user this worker trusts"});
+  for (const Case& c : cases) {
+    BOOST_TEST_CONTEXT("mode " << std::oct << c.mode << std::dec << (c.other_user ? ", another user" : "")) {
+      BOOST_REQUIRE(::chmod(path.c_str(), c.mode) == 0);
+      BOOST_REQUIRE(::chown(path.c_str(), c.other_user ? 65534 : ::geteuid(), static_cast<gid_t>(-1)) == 0);
+      const json j = parse_json(run_inspect({"--json", name}));
+      char mode[8];
+      std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(c.mode));
+      BOOST_TEST(j["object"]["mode"] == mode, j["object"]);
+      BOOST_TEST(j["object"]["uid"] == (c.other_user ? 65534u : ::geteuid()), j["object"]);
+      BOOST_TEST(j["object"]["trusted"] == c.trusted, j["object"]);
+      const Run text = run_inspect({name});
+      BOOST_TEST(contains(text.out, std::string("  object          owner ")), text.out);
+      BOOST_TEST(contains(text.out, std::string(", mode ") + mode), text.out);
+      BOOST_TEST(contains(text.out, "NOT TRUSTED") != c.trusted, text.out);
+      if (!c.trusted) BOOST_TEST(contains(text.out, c.why), text.out);
+      const Run prom = run_inspect({"--format", "prometheus", name});
+      BOOST_TEST(contains(prom.out, "shmps_segment_trusted{name=\"" + name + "\"} " + (c.trusted ? "1" : "0") + "\n"),
+                 prom.out);
+    }
+  }
+  BOOST_REQUIRE(::chown(path.c_str(), ::geteuid(), static_cast<gid_t>(-1)) == 0);
+}
+
 BOOST_AUTO_TEST_SUITE_END()

@@ -120,37 +120,7 @@ uint64_t fork_generation() {
 
 namespace {
 
-// The uids a worker trusts to own its segment: its own effective user,
-// root, and the server's user (WorkerOptions::server_user; by default the
-// packaged unit's "shmps", where that user exists).
-Result<std::vector<uid_t>> trusted_owners(const std::string& server_user) {
-  std::vector<uid_t> uids{::geteuid()};
-  if (uids[0] != 0) uids.push_back(0);
-  if (server_user.find('\0') != std::string::npos)
-    return Status{ErrorCode::kInvalidArgument, "WorkerOptions::server_user holds a NUL byte"};
-  const std::string user = server_user.empty() ? "shmps" : server_user;
-  uid_t uid = 0;
-  uint64_t number = 0;
-  const auto [end, err] = std::from_chars(user.data(), user.data() + user.size(), number);
-  if (err == std::errc() && end == user.data() + user.size()) {
-    // (uid_t)-1 means "no user" to chown and setreuid: never an owner.
-    if (number >= uint64_t{static_cast<uid_t>(-1)})
-      return Status{ErrorCode::kInvalidArgument, "WorkerOptions::server_user '" + server_user + "': not a uid"};
-    uid = static_cast<uid_t>(number);
-  } else {
-    std::vector<char> buf(16384);
-    struct passwd pw {};
-    struct passwd* found = nullptr;
-    if (::getpwnam_r(user.c_str(), &pw, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
-      if (server_user.empty()) return uids;  // no packaged user here: nothing more to trust
-      return Status{ErrorCode::kInvalidArgument,
-                    "WorkerOptions::server_user '" + server_user + "': no such user (give a login name or a uid)"};
-    }
-    uid = found->pw_uid;
-  }
-  if (std::find(uids.begin(), uids.end(), uid) == uids.end()) uids.push_back(uid);
-  return uids;
-}
+using shm::trusted_owners;
 
 // The lifecycle of a Worker's session. A session is one attach to one
 // server generation: from kAttached until it ends, the entry, the lane and

@@ -32,6 +32,22 @@ std::string segment_object_name(const std::string& name);
 std::string owner_text(uid_t uid, gid_t gid);
 std::string mode_text(mode_t mode);
 
+// Who a worker trusts with its segment (docs/operations.md, "Who a worker
+// trusts"), declared once for worker_lib and shmps-inspect.
+// The uids that may own it: the process's effective user, root, and the
+// server's user (`server_user`, a login name or a uid; empty: the packaged
+// unit's "shmps", where that user exists). Errors: kInvalidArgument (a
+// server_user that names no user).
+Result<std::vector<uid_t>> trusted_owners(const std::string& server_user);
+// The object at `path` (its owner and mode, from the descriptor mapped):
+// owned by one of `trusted`, never world-writable. kPermission naming the
+// owner, the mode and the fix.
+Status check_owner_and_mode(const std::string& path, uid_t uid, gid_t gid, mode_t mode,
+                            const std::vector<uid_t>& trusted);
+// Its group bits only when its server asked for group access
+// (kConfigGroupAccess in `config_flags`, read from the validated header).
+Status check_group_access(const std::string& path, uid_t uid, gid_t gid, mode_t mode, uint32_t config_flags);
+
 // A mapped POSIX shm object.
 class ShmObject {
  public:
