@@ -157,10 +157,9 @@ class Server:
                     pass
                 except _errors.NoCapacityError:
                     # A server answered, full: workers that waited for it
-                    # took every slot first. Another server at the name
-                    # would have made this one exit at once.
-                    time.sleep(0.05)
-                    if self.process.poll() is None:
+                    # took every slot first. Ours, when it holds the
+                    # segment's lock (another server's would be another's).
+                    if self._holds_segment_lock():
                         return self
                 except _errors.Error:
                     # Refused before any server is asked (a bad name): the
@@ -200,6 +199,24 @@ class Server:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._log_path)
         return p.returncode
+
+    def _holds_segment_lock(self):
+        """Whether this server's process holds the flock of the object at
+        its segment's name, as a serving server does (from /proc/locks)."""
+        try:
+            st = os.stat(f"/dev/shm/shmps.{self.name}", follow_symlinks=False)
+            with open("/proc/locks") as f:
+                locks = f.read().splitlines()
+        except OSError:
+            return False
+        inode = f":{st.st_ino}"
+        for line in locks:
+            fields = line.split()
+            # "1: FLOCK  ADVISORY  WRITE 4242 00:1a:123 0 EOF"; waiters have "->" after the id.
+            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[4] == str(self.process.pid) \
+                    and fields[5].endswith(inode):
+                return True
+        return False
 
     def _remove_dead_segment(self):
         """After a server that did not stop cleanly (killed): its segment,

@@ -43,7 +43,10 @@ class RemoteOptimizer:
         self.stale = 0        # pushes rejected as too stale
         self.applied = False  # whether the last step's push was applied
         self.closed = False
-        self._pending = None  # a push whose step() a KeyboardInterrupt ended: settled before the buffers are touched
+        # A push whose answer is not taken yet (its step() interrupted, or a
+        # wait for it that timed out): taken before the gradient buffer is
+        # written or freed (_settle_pending()).
+        self._pending = None
         named = list(model.named_parameters())
         self._params = [(n, p) for n, p in named if p.requires_grad]
         self._frozen = [(n, p) for n, p in named if not p.requires_grad]
@@ -135,9 +138,18 @@ class RemoteOptimizer:
         and counted before the gradient buffer is written or freed (the
         server may still read it); its errors raise, but for a StaleError,
         counted as step() counts it."""
-        ticket, self._pending = self._pending, None
-        if ticket is not None:
+        ticket = self._pending
+        if ticket is None:
+            return
+        try:
             self._settle(ticket)
+        except _errors.Error as e:
+            # Answered with an error: settled. A wait that timed out or was
+            # interrupted leaves it pending, for the next call to wait for.
+            if not isinstance(e, (_errors.TimeoutError, _errors.InterruptedError)):
+                self._pending = None
+            raise
+        self._pending = None
 
     def zero_grad(self, set_to_none=False):
         """Zeroes the gradient buffer; .grad is never set to None (it must stay a view of the buffer)."""
@@ -224,24 +236,25 @@ class RemoteOptimizer:
             raise
         try:
             self.pull()
-        except _errors.Error as e:
-            # The push's answer is still taken from the lane and counted
-            # (.applied tells whether to redo the minibatch); the pull's
-            # error is the one raised. A server that died under them: the
-            # next pull re-attaches (reconnect=True) and takes the new
-            # server's weights, so the next step() pushes against them.
-            with contextlib.suppress(_errors.Error):
-                self._settle(ticket)
-            if isinstance(e, _errors.ServerRestartedError):
-                with contextlib.suppress(_errors.Error):
-                    self.pull()
-            raise
-        except BaseException:
-            # Ctrl-C (or another signal handler's exception): raised at
-            # once; the push is waited for before the gradient buffer is
-            # next written (zero_grad(), step(), close()), not now, since a
-            # server that stalled would hold the interrupt for its timeout.
+        except BaseException as e:
+            # The push stays pending until its answer is taken and counted
+            # (.applied tells whether to redo the minibatch): the gradient
+            # buffer is not written (zero_grad(), step(), close()) before.
+            # Interrupted (Ctrl-C, a signal handler's exception,
+            # Worker.interrupt()): raised at once, the push waited for by
+            # the next call, since a server that stalled would hold the
+            # interrupt for its timeout. Another error of the pull: the
+            # push's answer is taken now if it comes; the pull's error is
+            # the one raised. A server that died under them: the next pull
+            # re-attaches (reconnect=True) and takes the new server's
+            # weights, so the next step() pushes against them.
             self._pending = ticket
+            if isinstance(e, _errors.Error) and not isinstance(e, _errors.InterruptedError):
+                with contextlib.suppress(_errors.Error):
+                    self._settle_pending()
+                if isinstance(e, _errors.ServerRestartedError):
+                    with contextlib.suppress(_errors.Error):
+                        self.pull()
             raise
         stale = self._settle(ticket)
         if stale is not None and self.on_stale == "raise":

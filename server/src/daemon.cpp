@@ -44,12 +44,13 @@ class ParentWatch {
  public:
   ParentWatch(Server& server, uint32_t parent_pid) {
     if (parent_pid == 0) return;
+    // The stop and reload signals go to the thread that handles them: the
+    // new thread starts with them blocked (it inherits this mask).
+    sigset_t signals, previous;
+    sigemptyset(&signals);
+    for (const int signo : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&signals, signo);
+    ::pthread_sigmask(SIG_BLOCK, &signals, &previous);
     thread_ = std::thread([this, &server, parent_pid] {
-      // The stop and reload signals go to the thread that handles them.
-      sigset_t signals;
-      sigemptyset(&signals);
-      for (const int signo : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&signals, signo);
-      ::pthread_sigmask(SIG_BLOCK, &signals, nullptr);
       std::unique_lock lock(mu_);
       while (!done_) {
         if (static_cast<uint32_t>(::getppid()) != parent_pid) {
@@ -60,6 +61,7 @@ class ParentWatch {
         wake_.wait_for(lock, std::chrono::milliseconds(100));
       }
     });
+    ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
   }
   ~ParentWatch() {
     if (!thread_.joinable()) return;
@@ -83,6 +85,10 @@ class ParentWatch {
 }  // namespace
 
 Status run_server(const ServerConfig& config, const std::vector<std::string>& argv, uint32_t parent_pid) {
+  if (parent_pid != 0 && static_cast<uint32_t>(::getppid()) != parent_pid)
+    return {ErrorCode::kInvalidArgument, "--parent-pid " + std::to_string(parent_pid) +
+                                             " is not this server's parent (pid " + std::to_string(::getppid()) +
+                                             "): the launcher is gone already, or the pid is wrong"};
   // A SIGHUP during start-up must not kill the daemon (its default action);
   // the configuration it would re-read was read just now anyway. SIGINT and
   // SIGTERM are held back (blocked, so pending) while the server is created:

@@ -37,7 +37,7 @@ struct Federator::Header {
   uint64_t local_updates;
   uint64_t anchor_hash;
   uint64_t nonce;    // the join: this host's random number (the group's id hashes the members'); 0 in a round
-  uint64_t lineage;  // the join: this host's lineage (Federator::lineage()), with kFlagHasState; 0: unknown
+  uint64_t lineage;  // this host's lineage (Federator::lineage()), read at the join; 0: unknown
   ModelFingerprint model;
   uint32_t every_ms;  // this host's period (the stop's timeout takes the group's longest)
   uint32_t flags;     // kFlag*
@@ -404,7 +404,10 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   for (uint32_t k = 0; k < all.size(); ++k) {
     group_every_ms = std::max(group_every_ms, all[k].every_ms);
     // The newest anchor the group agreed on: it holds every merged round.
-    if ((all[k].flags & kFlagHasState) != 0 && (!r.resumed || all[k].round > all[r.source_rank].round)) {
+    // Of the group's lineage where one is known: a state of unknown
+    // lineage (an older checkpoint) rebases onto it, never replaces it.
+    const bool of_lineage = lineage == 0 || all[k].lineage == lineage;
+    if ((all[k].flags & kFlagHasState) != 0 && of_lineage && (!r.resumed || all[k].round > all[r.source_rank].round)) {
       r.source_rank = k;
       r.resumed = true;
     }
@@ -496,8 +499,9 @@ Status Federator::settle_lineage(const std::vector<Header>& all, uint64_t* linea
   // and with it every round merged into them. The members outside a
   // strict majority of the states end their federation (their weights
   // stay as they are); the majority leaves them out where the engine can
-  // re-form (kIo), as for a model mismatch. Without a majority, or over
-  // a static engine, every member ends.
+  // re-form (kIo), as for a model mismatch. Without a majority every
+  // member with a state ends (those without re-form where the engine
+  // can); over a static engine every member ends.
   const auto largest = std::max_element(held.begin(), held.end(),
                                         [](const Held& a, const Held& b) { return a.ranks.size() < b.ranks.size(); });
   const bool majority = 2 * largest->ranks.size() > holders;

@@ -11,8 +11,9 @@
 //   a<k>/gloo/...     Gloo's rendezvous of the group formed at k
 //   a<k>/formed       the group's members, written by its rank 0 once
 //                     the rendezvous went through
-//   floor             an epoch F: the attempts up to F were decided (the
-//                     store was wiped under the group of epoch F)
+//   floor             a Floor: the attempts up to its epoch F were
+//                     decided (the store was wiped under the group of
+//                     epoch F, or before it formed)
 // A host writes its want, waits until the last epoch's members all want
 // too (or a settle time passes), writes what it saw as its view, and reads
 // the views of the hosts it saw: all equal, the group is those hosts (an
@@ -25,7 +26,9 @@
 // group's epoch, which the members look for once per round
 // (joiner_waiting()). A store wiped under a running group (a Redis
 // restarted without persistence) has lost the attempts a newcomer counts
-// from: the group's rank 0, finding its `formed` record gone, writes the
+// from: the group's rank 0, finding its `formed` record gone (once a
+// round), or the first attempt's wants gone where the group formed past
+// it (as it forms: a store wiped while the group re-formed), writes the
 // floor and the record again, and a newcomer's first attempt is then the
 // one after the group's epoch, as in a store never wiped.
 //
@@ -75,6 +78,12 @@ constexpr std::chrono::seconds kStoreRetry{5};
 // The highest floor believed (a garbage one beyond it is ignored): far
 // past any epoch, and far from the gallop's overflow.
 constexpr uint64_t kMaxFloor = uint64_t{1} << 48;
+// How far back newest_group() looks for a `formed` record: a group forms
+// within a few attempts of the one before it; a longer search (a floor or
+// wants far past the last group) would cost a store call per attempt.
+constexpr uint64_t kFormedSearch = 256;
+// Tags a Floor ("SHFF").
+constexpr uint32_t kFloorMagic = 0x46464853;
 // Tags a Want ("SHFW").
 constexpr uint32_t kWantMagic = 0x57464853;
 
@@ -203,6 +212,14 @@ struct Want {
   uint64_t writer;        // a random number of the writing server: two servers given one --fed-host differ in it
 };
 static_assert(sizeof(Want) == 32 && std::is_trivially_copyable_v<Want>);
+
+// The store's floor, checked as a Want is (floor_in_store()).
+struct Floor {
+  uint32_t magic;  // kFloorMagic
+  uint32_t hosts;  // the writer's --fed-hosts
+  uint64_t epoch;  // the attempts up to it were decided
+};
+static_assert(sizeof(Floor) == 16 && std::is_trivially_copyable_v<Floor>);
 
 std::string hosts_text(uint64_t mask) {
   std::string text = "{";
@@ -333,7 +350,7 @@ class GlooEngine final : public FederationEngine {
         if (!store.ok()) return false;
         store_ = std::move(store).value();
       }
-      if (membership_.rank == 0) restore_wiped_records();
+      if (membership_.rank == 0) restore_wiped_records(/*as_formed=*/false);
       // Only a want of this job counts: another's, or garbage, would make
       // the group re-form every round for nothing.
       const uint64_t attempt = membership_.epoch + 1;
@@ -376,24 +393,30 @@ class GlooEngine final : public FederationEngine {
 
   static std::string formed_key(uint64_t attempt) { return "a" + std::to_string(attempt) + "/formed"; }
 
-  // The store's floor (0: none, or not a plausible one).
+  // The store's floor's epoch (0: none, or not one of this job's).
   uint64_t floor_in_store() {
     if (!store_->has("floor")) return 0;
     const std::vector<char> bytes = store_->get("floor");
-    uint64_t floor = 0;
-    if (bytes.size() == sizeof floor) std::memcpy(&floor, bytes.data(), sizeof floor);
-    return floor <= kMaxFloor ? floor : 0;
+    Floor f{};
+    if (bytes.size() == sizeof f) std::memcpy(&f, bytes.data(), sizeof f);
+    return f.magic == kFloorMagic && f.hosts == config_.hosts && f.epoch <= kMaxFloor ? f.epoch : 0;
   }
 
-  // The group's rank 0, once a round: when the store lost this group's
-  // `formed` record (wiped), writes the floor at this epoch, then the
-  // record again (so that this runs once per wipe). Throws the store's
-  // exceptions.
-  void restore_wiped_records() {
+  // The group's rank 0: when the store lost this group's `formed` record
+  // (a wipe under the running group; checked once a round), or, with
+  // `as_formed`, the wants of the first attempt the group's epoch is past
+  // (a wipe before it formed), writes the floor at this epoch unless one
+  // is there, then the record again. Throws the store's exceptions.
+  void restore_wiped_records(bool as_formed) {
     const uint64_t epoch = membership_.epoch;
-    if (store_->has(formed_key(epoch))) return;
-    if (!store_->has("floor")) store_->set("floor", &epoch, sizeof epoch);
-    store_->set(formed_key(epoch), &last_members_, sizeof last_members_);
+    const bool formed_lost = !store_->has(formed_key(epoch));
+    const bool attempts_lost = as_formed && epoch > 1 && !store_->has("floor") && wants_at(1) == 0;
+    if (!formed_lost && !attempts_lost) return;
+    if (!store_->has("floor")) {
+      const Floor f{kFloorMagic, config_.hosts, epoch};
+      store_->set("floor", &f, sizeof f);
+    }
+    if (formed_lost) store_->set(formed_key(epoch), &last_members_, sizeof last_members_);
   }
 
   // The highest attempt any host started since `floor` (`floor` when
@@ -449,9 +472,10 @@ class GlooEngine final : public FederationEngine {
 
   // The members of the newest group formed before `attempt`, from the
   // store's records (rank 0 of each writes one); the hosts' own newest
-  // epoch bounds the search. 0 when none formed.
+  // epoch, and kFormedSearch, bound the search. 0 when none found.
   uint64_t newest_group(uint64_t attempt, uint64_t known_epoch) {
-    for (uint64_t k = attempt - 1; k >= 1 && k >= known_epoch; --k) {
+    const uint64_t oldest = std::max({uint64_t{1}, known_epoch, attempt > kFormedSearch ? attempt - kFormedSearch : 0});
+    for (uint64_t k = attempt - 1; k >= oldest; --k) {
       if (!store_->has(formed_key(k))) continue;
       const std::vector<char> bytes = store_->get(formed_key(k));
       uint64_t members = 0;
@@ -509,6 +533,13 @@ class GlooEngine final : public FederationEngine {
       if (keys_at(k, "view") != 0) {
         seen = wants_at(k);  // another host decided: as complete as it gets
         break;
+      }
+      // A group's rank 0 found the store wiped and wrote a floor at or past
+      // this attempt: the group looks for this host after the floor.
+      if (floor_in_store() >= k) {
+        *why = "federation (gloo): attempt " + std::to_string(k) + " is at or below the store's floor (the store " +
+               "was wiped under a running group)";
+        return Reform::kFailed;
       }
       std::this_thread::sleep_for(kPoll);
       seen = wants_at(k);
@@ -589,6 +620,14 @@ class GlooEngine final : public FederationEngine {
     membership_ = {k, static_cast<uint32_t>(rank), static_cast<uint32_t>(size), config_.host};
     last_epoch_ = k;
     last_members_ = seen;
+    if (rank == 0) {
+      try {
+        restore_wiped_records(/*as_formed=*/true);
+      } catch (const std::exception&) {
+        // The group stands: without a floor, only a newcomer's first
+        // attempts are slower.
+      }
+    }
     return Reform::kFormed;
   }
 

@@ -219,6 +219,48 @@ def test_ctrl_c_during_a_step_on_a_stalled_server_raises_at_once(make_server):
         signal.signal(signal.SIGALRM, previous)
 
 
+def test_a_push_whose_wait_timed_out_or_was_interrupted_stays_pending(make_server):
+    """On a stalled server, a step() that times out, or that another thread
+    interrupts, raises without losing its push: the next zero_grad() waits
+    for it (and, timing out again, still keeps it), so the buffer is not
+    zeroed before the server read it; once answered it is counted, and the
+    weights moved by the whole gradient."""
+    import signal
+    import threading
+    import time
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    server = make_server(tensors=[("weight", (1, 2))], lr=1.0)
+    with shmps.connect(server.name, timeout=1) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+        before = model.weight.detach().clone()
+        for interrupt in (False, True):
+            opt.zero_grad()
+            model.weight.grad.fill_(1.0)
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                if interrupt:
+                    threading.Timer(0.2, w.interrupt).start()
+                    with pytest.raises(shmps.InterruptedError):
+                        opt.step()
+                    assert time.monotonic() - start < 0.9  # not the timeout
+                else:
+                    with pytest.raises(shmps.TimeoutError):
+                        opt.step()
+                with pytest.raises(shmps.TimeoutError):
+                    opt.zero_grad()  # still unanswered: kept, the buffer untouched
+                assert opt._pending is not None and bool((model.weight.grad == 1.0).all())
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            opt.zero_grad()
+            assert opt._pending is None and opt.applied
+        assert opt.pushes == 2
+        opt.pull()
+        assert torch.allclose(model.weight.detach(), before - 2.0)  # both gradients whole
+        opt.close()
+
+
 def test_a_restarted_server_costs_one_failed_step(make_server):
     """With reconnect=True, the step after a server restart raises
     ServerRestartedError (its gradient is of the old weights) having pulled
@@ -256,9 +298,11 @@ def test_closing_an_older_optimizer_leaves_a_newer_ones_parameters(make_server):
         first.close()
         model(torch.randn(2, 6)).sum().backward()
         assert second.step() == 1  # its views untouched by the first's close()
+        third = shmps.torch.RemoteOptimizer(model, w)
         with pytest.raises(RuntimeError, match="taken over by another RemoteOptimizer"):
-            shmps.torch.RemoteOptimizer(model, w) and second.step()
+            second.step()
         second.close()
+        third.close()
 
 
 @pytest.mark.parametrize("on_stale", ["skip", "raise"])

@@ -658,6 +658,16 @@ BOOST_AUTO_TEST_CASE(a_lineage_is_drawn_by_a_fresh_group_and_kept_by_the_joins_t
     BOOST_TEST(resumed.joined[r]->source_rank == 1u);
     BOOST_TEST(resumed.after[r]->lineage == lineage);
   }
+  // A state of unknown lineage at a higher round does not replace the
+  // known lineage's anchor: the source is of the lineage.
+  const Joins older = joins_from({state_of(0, 100, 3.0f), state_of(0xc3, 5, 1.0f)}, false);
+  for (uint32_t r = 0; r < 2; ++r) {
+    BOOST_TEST_REQUIRE(older.joined[r].ok(), older.joined[r].status().to_string());
+    BOOST_TEST(older.joined[r]->source_rank == 1u);
+    BOOST_TEST(older.after[r]->round == 5u);
+    BOOST_TEST(older.after[r]->lineage == 0xc3u);
+    BOOST_TEST(older.after[r]->anchor[0] == 1.0f);
+  }
   // States all of unknown lineage: the group draws one.
   const Joins unknown = joins_from({state_of(0, 5, 3.0f), state_of(0, 5, 3.0f)}, false);
   BOOST_TEST_REQUIRE(unknown.joined[0].ok(), unknown.joined[0].status().to_string());
@@ -954,11 +964,12 @@ BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_by_a_
   BOOST_TEST(!fresh.state().has_value());
 }
 
-// A source restored from another job's checkpoint, whose record shows a
-// round of the same number completed under the same engine epoch (each
-// job's store counts its epochs from the start): the group ids differ
-// (every join's members' nonces), so the host that saw that round fail in
-// this job keeps its whole drift, none of which is in that anchor.
+// A host restored from another job's checkpoint (of unknown lineage),
+// whose record shows a round of the same number completed under the same
+// engine epoch (each job's store counts its epochs from the start), at a
+// higher round than this job's host: the source is of the job's lineage,
+// and the host that saw that round fail in this job keeps its whole
+// drift, none of which is in any anchor.
 BOOST_AUTO_TEST_CASE(another_jobs_checkpoint_does_not_show_this_jobs_failed_round) {
   FederationConfig config;
   config.weight_by_updates = false;
@@ -1002,7 +1013,9 @@ BOOST_AUTO_TEST_CASE(another_jobs_checkpoint_does_not_show_this_jobs_failed_roun
     }
   });
   BOOST_TEST_REQUIRE(job.feds[1]->round_number() == 1u);
-  // Host 0 restarts from the other job's checkpoint (round 2): the source.
+  // Host 0 restarts from the other job's checkpoint (round 2, of unknown
+  // lineage): the source is host 1, of the job's lineage, whose record
+  // shows round 2 failed.
   ModelFingerprint print = fingerprint();
   print.outer = outer_code(config);
   job.feds[0] = std::make_unique<Federator>(config, *job.engines[0], print);
@@ -1015,7 +1028,7 @@ BOOST_AUTO_TEST_CASE(another_jobs_checkpoint_does_not_show_this_jobs_failed_roun
     rejoined[r] = f.join(ex);
   });
   for (uint32_t r = 0; r < 2; ++r) BOOST_TEST_REQUIRE(rejoined[r].ok(), rejoined[r].status().to_string());
-  BOOST_TEST(rejoined[1]->source_rank == 0u);
+  BOOST_TEST(rejoined[1]->source_rank == 1u);
   BOOST_TEST(rejoined[1]->drift_kept);
   BOOST_TEST(!rejoined[1]->failed_round_merged);
   BOOST_TEST(rejoined[1]->failed_round_updates == 0u);
