@@ -11,6 +11,7 @@
 #include <cstring>
 #include <ctime>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string_view>
@@ -611,7 +612,10 @@ json to_json(const Snapshot& s) {
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_JSON)
 #undef SHMPS_STATS_JSON
   stats["avg_staleness"] = static_cast<double>(st.avg_staleness_micro) / 1e6;
-  stats["scheduled_lr"] = static_cast<double>(st.scheduled_lr_pico) / 1e12;
+  if (st.scheduled_lr_pico == shm::kScheduledLrNotFinite)
+    stats["scheduled_lr"] = nullptr;  // not finite: pushes are refused
+  else
+    stats["scheduled_lr"] = static_cast<double>(st.scheduled_lr_pico) / 1e12;
   json histograms = json::object();
   const auto histogram_json = [](const HistogramView& hv, const char* unit) {
     return json{{"unit", unit},
@@ -809,8 +813,11 @@ std::string render_text(const Snapshot& s) {
             : num(static_cast<double>(st.scale_factor_sum_micro) / 1e6 / static_cast<double>(st.pushes_scaled)))
     << ")\n";
   o << "  apply threads   " << st.apply_threads << " (the last update of a tensor from 4 MiB)\n";
-  o << "  scheduled lr    " << num(static_cast<double>(st.scheduled_lr_pico) / 1e12)
-    << " (the next update's, by --lr-schedule)\n";
+  if (st.scheduled_lr_pico == shm::kScheduledLrNotFinite)
+    o << "  scheduled lr    not finite: --lr-schedule grew past the float range; pushes are refused\n";
+  else
+    o << "  scheduled lr    " << num(static_cast<double>(st.scheduled_lr_pico) / 1e12)
+      << " (the next update's, by --lr-schedule)\n";
   o << "  checkpoints     " << st.checkpoints_written << " written, " << st.checkpoint_failures << " failed\n";
   const auto since = [&st] {
     return "after round " + std::to_string(st.fed_round) +
@@ -909,6 +916,7 @@ std::string metric_name(const std::string& name, const std::string& kind) {
 }
 
 double metric_value(const std::string& name, uint64_t v) {
+  if (name == "scheduled_lr_pico" && v == shm::kScheduledLrNotFinite) return std::numeric_limits<double>::infinity();
   if (ends_with(name, "_micro")) return static_cast<double>(v) / 1e6;
   if (ends_with(name, "_pico")) return static_cast<double>(v) / 1e12;
   if (ends_with(name, "_ns")) return static_cast<double>(v) / 1e9;

@@ -2,7 +2,9 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -431,6 +433,13 @@ Status check_checkpoint_dir(const std::string& dir) {
     if (!fs::is_directory(at, ec)) return fail(std::strerror(ENOTDIR));
     if (::access(at.c_str(), W_OK | X_OK) != 0)
       return fail("cannot write checkpoints in it: " + std::string(std::strerror(errno)));
+    // The kernel's own file systems: access() lets root in, but no file
+    // can be created there.
+    if (struct statfs fsinfo{}; ::statfs(at.c_str(), &fsinfo) == 0) {
+      const auto type = static_cast<unsigned long>(fsinfo.f_type);
+      if (type == PROC_SUPER_MAGIC || type == SYSFS_MAGIC || type == CGROUP2_SUPER_MAGIC || type == DEBUGFS_MAGIC)
+        return fail("on a kernel file system (procfs, sysfs, cgroup or debugfs), where no file can be created");
+    }
     return Status::Ok();
   }
   if (fs::is_symlink(fs::symlink_status(at, ec)))

@@ -16,9 +16,13 @@ Status validate(const ServerConfig& config) {
   if (Status s = kernels::validate(config.optimizer); !s.ok()) return invalid(s.message());
   if (config.tensors.empty()) return invalid("at least one --tensor is required");
   if (Status s = shm::validate_tensors(config.tensors); !s.ok()) return invalid("--tensor: " + s.message());
+  // At most 1e30: a normal draw reaches several standard deviations, and
+  // a uniform one spans twice the half-width; far larger ones overflow the
+  // float range into Inf and NaN weights.
+  constexpr float kMaxInitScale = 1e30f;
   if ((config.init.kind == InitSpec::Kind::kNormal || config.init.kind == InitSpec::Kind::kUniform) &&
-      !(std::isfinite(config.init.scale) && config.init.scale > 0.0f))
-    return invalid("--init-scale must be finite and > 0 for --init normal or uniform, got " +
+      !(std::isfinite(config.init.scale) && config.init.scale > 0.0f && config.init.scale <= kMaxInitScale))
+    return invalid("--init-scale must be > 0 and at most 1e30 for --init normal or uniform, got " +
                    std::to_string(config.init.scale));
   const uint32_t cap = config.lane_capacity;
   if (cap < 2 || cap > shm::kMaxLaneCapacity || (cap & (cap - 1)) != 0)

@@ -29,6 +29,12 @@ extern "C" void on_stop_signal(int) {
 extern "C" void on_reload_signal(int) {
   if (Server* s = g_server.load(std::memory_order_acquire)) s->request_reload();  // SYNC(signal_server)
 }
+// A SIGHUP during start-up (the file may have changed since it was read):
+// remembered, and the reload requested once the server runs. Relaxed: the
+// flag carries nothing else, and is read on the thread that installs the
+// handler after it.
+std::atomic<bool> g_reload_at_start{false};
+extern "C" void on_early_reload_signal(int) { g_reload_at_start.store(true, std::memory_order_relaxed); }
 
 void handle(int signo, void (*handler)(int)) {
   struct sigaction sa {};
@@ -89,8 +95,8 @@ Status run_server(const ServerConfig& config, const std::vector<std::string>& ar
     return {ErrorCode::kInvalidArgument, "--parent-pid " + std::to_string(parent_pid) +
                                              " is not this server's parent (pid " + std::to_string(::getppid()) +
                                              "): the launcher is gone already, or the pid is wrong"};
-  // A SIGHUP during start-up must not kill the daemon (its default action);
-  // the configuration it would re-read was read just now anyway. SIGINT and
+  // A SIGHUP during start-up must not kill the daemon (its default action):
+  // it is remembered, and the reload runs once the server serves. SIGINT and
   // SIGTERM are held back (blocked, so pending) while the server is created:
   // one that arrives after the segment is published but before the handlers
   // are in place would otherwise kill the process without its shutdown
@@ -98,7 +104,7 @@ Status run_server(const ServerConfig& config, const std::vector<std::string>& ar
   // handlers are installed, a pending one stops run() at once, cleanly.
   // Threads started meanwhile (checkpoint writer, OpenMP) keep them
   // blocked, so they are delivered to this thread.
-  handle(SIGHUP, SIG_IGN);
+  handle(SIGHUP, on_early_reload_signal);
   sigset_t stop_signals, previous;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
@@ -113,6 +119,8 @@ Status run_server(const ServerConfig& config, const std::vector<std::string>& ar
   handle(SIGINT, on_stop_signal);
   handle(SIGTERM, on_stop_signal);
   handle(SIGHUP, on_reload_signal);
+  // relaxed: g_reload_at_start's own value only (above).
+  if (g_reload_at_start.exchange(false, std::memory_order_relaxed)) (*server)->request_reload();
   ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
   RunOptions options;
   options.notify_service_manager = true;

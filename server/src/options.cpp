@@ -1,5 +1,6 @@
 #include "shmps/server/options.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -45,30 +46,71 @@ std::string file_line(const std::string& file, int line) {
 
 Status invalid(std::string message) { return Status{ErrorCode::kInvalidArgument, std::move(message)}; }
 
-// Reads a config file with program_options' syntax ('#' to the end of the
-// line is a comment, blank lines are skipped, "key = value" with blanks
-// around both trimmed) but checks every key itself, so that an error can
+// Reads a config file with program_options' syntax ('#' at the start of a
+// line or after a blank begins a comment to the end of the line, blank
+// lines are skipped, "key = value" with blanks around both trimmed; a
+// leading UTF-8 byte order mark is skipped) but checks every key itself,
+// so that an error can
 // name its line: program_options reports neither lines nor, for a file,
 // which occurrence was wrong.
 Result<std::vector<FileEntry>> read_config_file(const std::string& file, const po::options_description& allowed) {
-  // A regular file of sane size: a FIFO would block the start (and give
-  // nothing to a reload), /dev/zero would be read until memory ran out.
+  // A regular file of sane size, judged on the descriptor that is read
+  // (a check of the path, then an open of it, could meet another object
+  // swapped in between): a FIFO would block the start, or a reload on
+  // the serving thread; /dev/zero would be read until memory ran out.
+  // Non-blocking: the open of a FIFO returns at once.
   constexpr off_t kMaxConfigBytes = 1 << 20;
-  if (struct stat st{}; ::stat(file.c_str(), &st) == 0) {
-    if (!S_ISREG(st.st_mode)) return invalid("--config " + file + ": not a regular file");
-    if (st.st_size > kMaxConfigBytes)
-      return invalid("--config " + file + ": " + std::to_string(st.st_size) + " bytes; a config file is at most 1 MiB");
+  int fd = -1;
+  do {
+    fd = ::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) return invalid("--config " + file + ": cannot open: " + errno_text(errno));
+  std::string contents;
+  {
+    struct stat st {};
+    const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+    if (!regular || st.st_size > kMaxConfigBytes) {
+      ::close(fd);
+      return invalid("--config " + file + ": " +
+                     (!regular ? std::string("not a regular file")
+                               : std::to_string(st.st_size) + " bytes; a config file is at most 1 MiB"));
+    }
+    // Up to one byte past the limit: a file that grew after the fstat is
+    // refused as one that was too large.
+    contents.resize(static_cast<size_t>(kMaxConfigBytes) + 1);
+    size_t got = 0;
+    while (got < contents.size()) {
+      const ssize_t n = ::read(fd, contents.data() + got, contents.size() - got);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const std::string why = errno_text(errno);
+        ::close(fd);
+        return Status{ErrorCode::kIo, "--config " + file + ": read failed: " + why};
+      }
+      if (n == 0) break;
+      got += static_cast<size_t>(n);
+    }
+    ::close(fd);
+    if (got > static_cast<size_t>(kMaxConfigBytes))
+      return invalid("--config " + file + ": more than 1 MiB; a config file is at most 1 MiB");
+    contents.resize(got);
   }
-  errno = 0;
-  std::ifstream in(file);
-  if (!in) return invalid("--config " + file + ": cannot open: " + errno_text(errno));
+  // A UTF-8 byte order mark (an editor's) is no part of the first key.
+  if (contents.rfind("\xEF\xBB\xBF", 0) == 0) contents.erase(0, 3);
+  std::istringstream in(contents);
   std::vector<FileEntry> entries;
   std::map<std::string, int> first_line;
   std::string text;
   for (int line = 1; std::getline(in, text); ++line) {
     // A NUL would cut a path short without a word (C strings downstream).
     if (text.find('\0') != std::string::npos) return invalid(file_line(file, line) + ": holds a NUL byte");
-    if (const size_t hash = text.find('#'); hash != std::string::npos) text.resize(hash);
+    // A comment starts a line or follows a blank: a '#' inside a value
+    // (a path such as /srv/job#1) is the value's.
+    for (size_t hash = text.find('#'); hash != std::string::npos; hash = text.find('#', hash + 1))
+      if (hash == 0 || text[hash - 1] == ' ' || text[hash - 1] == '\t') {
+        text.resize(hash);
+        break;
+      }
     const std::string s = trim(text);
     if (s.empty()) continue;
     if (s.front() == '[')
@@ -95,7 +137,6 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
     }
     entries.push_back(std::move(e));
   }
-  if (in.bad()) return Status{ErrorCode::kIo, "--config " + file + ": read failed: " + errno_text(errno)};
   return entries;
 }
 

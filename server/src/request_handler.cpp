@@ -1,5 +1,7 @@
 #include "request_handler.hpp"
 
+#include <cmath>
+
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -248,6 +250,12 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
     stepped = config_.optimizer;
     if (scheduled) stepped.lr = next_lr(config_, version);
     if (scaled) stepped.lr = scaled_lr(stepped.lr, staleness, config_.max_staleness);
+    // A schedule that grows past the float range (exponential:GAMMA with
+    // GAMMA > 1, as torch's) would write Inf or NaN into every weight.
+    if (!std::isfinite(stepped.lr))
+      return reject(i, req, ErrorCode::kNonFinite,
+                    "--lr-schedule gives update " + std::to_string(version + 1) +
+                        " a learning rate past the float range; nothing applied: fix the schedule (and reload)");
   }
   const kernels::OptimizerConfig& optimizer = scaled || scheduled ? stepped : config_.optimizer;
   shm::StatsBlock& st = segment_.stats();

@@ -266,8 +266,9 @@ class Server::Impl {
   // The lr the next update gets (--lr-schedule at this version), in
   // 1e-12ths, for readers of the stats block; saturated past 1.8e7.
   void publish_lr() {
+    // ~0: past what the word holds, or not finite (shm::kScheduledLrNotFinite).
     const double pico = static_cast<double>(next_lr(config, model.version)) * 1e12;
-    const uint64_t value = pico + 0.5 < 0x1p64 ? static_cast<uint64_t>(pico + 0.5) : ~uint64_t{0};
+    const uint64_t value = pico + 0.5 < 0x1p64 ? static_cast<uint64_t>(pico + 0.5) : shm::kScheduledLrNotFinite;
     stats().scheduled_lr_pico.store(value, std::memory_order_relaxed);  // relaxed: statistic
   }
 

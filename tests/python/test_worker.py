@@ -156,6 +156,59 @@ def test_a_stale_push_raises_stale_error_with_both_versions(make_server):
         assert "staleness 2 > max_staleness 1" in str(e.value)
 
 
+def test_an_lr_schedule_past_the_float_range_refuses_pushes_and_changes_nothing(make_server):
+    """exponential:1e300 overflows a float at the first update: the push is
+    refused naming the schedule, the weights stay, the stats say so."""
+    server = make_server(init="uniform", lr=0.1, lr_schedule="exponential:1e300")
+    with shmps.connect(server.name) as w:
+        grad, out = w.register_buffer(w.total_elements * 4), w.register_buffer(w.total_elements * 4)
+        np.asarray(grad).view(np.float32)[:] = 1.0
+        assert w.push(grad, 0) == 1  # update 1: lr 0.1
+        before = np.asarray(out).view(np.float32).copy() if w.pull(out) == 1 else None
+        with pytest.raises(shmps.NonFiniteError, match="lr-schedule"):
+            w.push(grad, 1)
+        assert w.pull(out) == 1
+        assert np.array_equal(np.asarray(out).view(np.float32), before)
+        inspect = os.path.join(os.path.dirname(shmps.server_binary()), "shmps-inspect")
+        text = subprocess.run([inspect, server.name], capture_output=True, text=True, check=True).stdout
+        assert "scheduled lr    not finite" in text
+
+
+def test_a_sighup_during_the_start_is_applied_once_the_server_serves(tmp_path):
+    """The file may change while a large model initialises: the reload a
+    SIGHUP asks for then runs once the server serves, instead of the signal
+    being dropped."""
+    import json
+
+    name = unique_name("hupstart")
+    conf = tmp_path / "s.conf"
+    conf.write_text("lr = 0.5\n")
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([shmps.server_binary(), "--name", name, "--tensor", "w:100000000", "--init", "normal",
+                               "--config", str(conf)], stdout=log, stderr=log)
+    try:
+        time.sleep(0.2)
+        conf.write_text("lr = 0.25\n")
+        os.kill(server.pid, signal.SIGHUP)
+        serving_before = "serving /dev/shm" in open(tmp_path / "server.log").read()
+        inspect = os.path.join(os.path.dirname(shmps.server_binary()), "shmps-inspect")
+        lr = None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and lr != 0.25:
+            run = subprocess.run([inspect, "--json", name], capture_output=True, text=True)
+            if run.returncode == 0:
+                lr = json.loads(run.stdout)["config"]["lr"]
+            time.sleep(0.05)
+        if serving_before:
+            pytest.skip("the server was serving before the SIGHUP: the start was too quick to land one in it")
+        assert lr == 0.25, open(tmp_path / "server.log").read()
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+    assert not glob.glob(f"/dev/shm/shmps.{name}*")
+
+
 def test_staleness_policies_through_python(make_server):
     """scale: a stale push is applied and counted; wait: a pull held past
     its wait raises TimeoutError naming the slowest worker."""

@@ -3,6 +3,7 @@
 // and documents every option; config_entries() round-trips; and a reload in
 // process applies lr / max_staleness / log level live and nothing else.
 #define BOOST_TEST_MODULE test_service_config
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -200,19 +201,35 @@ BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
       contains(file_error(kHead + std::string("checkpoint-dir = /tmp/ckA\0evil\n", 31)), "line 3: holds a NUL byte"));
   BOOST_TEST(contains(file_error(kHead + "checkpoint-dir =\n"), "line 3: key 'checkpoint-dir': is an empty path"));
   BOOST_TEST(contains(file_error(kHead + "init-file =\n"), "line 3: key 'init-file': is an empty path"));
-  // init-scale: NaN weights, or a negative stddev, before.
-  for (const char* scale : {"nan", "inf", "-1", "0"})
+  // init-scale: NaN weights, or a negative stddev; past 1e30, draws that
+  // overflow the float range.
+  for (const char* scale : {"nan", "inf", "-1", "0", "1e38"})
     BOOST_TEST(contains(file_error(kHead + "init = uniform\ninit-scale = " + scale + "\n"),
-                        "line 4: key 'init-scale': must be finite and > 0"),
+                        "line 4: key 'init-scale': must be > 0 and at most 1e30"),
                scale);
+  // A '#' begins a comment at the start of a line or after a blank, not
+  // inside a value; a leading byte order mark is no part of the first key.
+  {
+    const std::string dir = "/tmp/shmps_cfg_" + std::to_string(::getpid());
+    std::filesystem::create_directories(dir);
+    const std::string path = dir + "/c.conf";
+    std::ofstream(path) << "\xEF\xBB\xBF" << kHead << "checkpoint-dir = " << dir << "/job#1   # a comment\n";
+    auto p = test::parse_server_args({"--config", path});
+    BOOST_TEST_REQUIRE(p.ok(), p.status().message());
+    BOOST_TEST(p->config.checkpoint_dir == dir + "/job#1");
+    std::filesystem::remove_all(dir);
+  }
   BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--init-scale", "nan"})
                  .ok());  // unused by --init zero
   // Not a regular file, or over 1 MiB: refused unread (/dev/zero would be read until memory ran out).
-  for (const std::string path : {"/dev/zero", "/tmp"}) {
+  const std::string fifo = "/tmp/shmps_cfg_fifo_" + std::to_string(::getpid());
+  BOOST_TEST_REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  for (const std::string& path : {std::string("/dev/zero"), std::string("/tmp"), fifo}) {
     auto p = test::parse_server_args({"--config", path});
     BOOST_TEST(!p.ok(), path);
     if (!p.ok()) BOOST_TEST(contains(p.status().message(), "not a regular file"), p.status().message());
   }
+  ::unlink(fifo.c_str());
   const ConfFile huge(kHead + std::string(1 << 20, '#'));
   auto big = test::parse_server_args({"--config", huge.path});
   BOOST_TEST(!big.ok());

@@ -511,6 +511,10 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
 // ending in _ns counts nanoseconds: Prometheus gets seconds (_seconds), JSON
 // a string. At most kStatsCounterSlots.
 // clang-format off
+// StatsBlock::scheduled_lr_pico when the schedule's lr is past the word's
+// range or not finite (the server then refuses pushes: --lr-schedule).
+inline constexpr uint64_t kScheduledLrNotFinite = ~uint64_t{0};
+
 #define SHMPS_STATS_BLOCK_COUNTERS(X) \
   X(version, gauge, "Updates applied to the weights (or the restored checkpoint's version).") \
   X(gradients_applied, counter, "Gradients applied.") \
@@ -542,7 +546,7 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
   X(fed_pushes_held, counter, "Times a push waited for a federation round's merge (drift cap, or no overlap).") \
   X(fed_epoch, gauge, "Membership epoch of the federation's group (rises as an elastic group re-forms; 0: static).") \
   X(fed_state, gauge, "The federation's state: 0 off, 1 forming a group, 2 in a group, 3 paused (no majority of the last group), 4 ended.") \
-  X(scheduled_lr_pico, gauge, "The lr the next update gets by --lr-schedule (before --staleness-policy scale).") \
+  X(scheduled_lr_pico, gauge, "The lr the next update gets by --lr-schedule (before --staleness-policy scale); all ones: not finite.") \
   X(checkpoints_written, counter, "Checkpoints this server wrote (--checkpoint-dir).") \
   X(checkpoint_failures, counter, "Checkpoint writes that failed (the error is in the log).")
 // clang-format on
