@@ -287,6 +287,10 @@ class Server::Impl {
     if (now - last_segment_check >= kSegmentCheckNs) {
       last_segment_check = now;
       check_segment();
+      // Buffer objects of processes gone without an entry here (a worker
+      // evicted, or of a server before, that died later): no reap names
+      // their pid.
+      sessions.unlink_orphan_buffers(0);
     }
     if (checkpoints) checkpoints->tick(now);
     // The relaxed load keeps the locked exchange off the common path (a

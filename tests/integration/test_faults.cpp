@@ -44,6 +44,21 @@ size_t leftover_buffers(const std::string& name, pid_t pid) {
 
 BOOST_AUTO_TEST_SUITE(faults)
 
+// A buffer object whose process is gone and holds no entry (a worker
+// evicted before it died, or one of a server before this one) is removed
+// by the server's periodic sweep, not left until the server stops.
+BOOST_AUTO_TEST_CASE(a_dead_processs_buffer_without_an_entry_is_swept) {
+  test::ServerProcess server(test::unique_name("sweep"), {"--tensor", "w:1"});
+  auto gone = test::Process::fork_fn([] { return 0; });
+  const pid_t pid = gone.pid();
+  BOOST_REQUIRE(gone.wait() == 0);  // reaped: no process holds the pid
+  const std::string object = "shmps." + server.name() + ".p" + std::to_string(pid) + ".0";
+  auto made = shm::ShmObject::create(object, 4096, 0600);
+  BOOST_REQUIRE_MESSAGE(made.ok(), made.status().to_string());
+  BOOST_TEST(leftover_buffers(server.name(), pid) == 1u);
+  BOOST_TEST(test::eventually([&] { return leftover_buffers(server.name(), pid) == 0; }, 5s));
+}
+
 BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
   const char* points[] = {"after_claim",   "after_buffer_create", "after_register",  "before_publish",
                           "after_publish", "after_doorbell",      "after_completion"};

@@ -5,6 +5,7 @@
 #include <grp.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -222,6 +223,31 @@ BOOST_AUTO_TEST_CASE(a_forked_child_cannot_use_its_parents_worker_or_end_its_ses
     w.reset();  // the destructor must not detach the parent's session
     auto own = Worker::connect(test::worker_options(server.name(), std::chrono::seconds(5), false));
     if (!own.ok() || !(*own)->ping().ok()) code = 4;
+    ::_exit(code);
+  }
+  int status = 0;
+  BOOST_REQUIRE(::waitpid(child, &status, 0) == child);
+  BOOST_TEST((WIFEXITED(status) && WEXITSTATUS(status) == 0), "child exit status " << status);
+  BOOST_TEST(w->ping().ok());
+  BOOST_TEST(w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, *w->pull(kAllTensors, buf->id, 0)).ok());
+}
+
+// A child made without the atfork handlers (the raw fork system call, as
+// _Fork() and clone() do): its detach() is refused and its destructor lets
+// go, so the parent's session and buffers stay.
+BOOST_AUTO_TEST_CASE(a_child_forked_without_atfork_handlers_leaves_the_parents_session) {
+  test::ServerProcess server(test::unique_name("rawfork"), kSmall);
+  auto w = connect(server.name());
+  const uint64_t bytes = w->total_elements() * 4;
+  auto buf = w->register_buffer(bytes);
+  BOOST_REQUIRE(buf.ok());
+  const auto child = static_cast<pid_t>(::syscall(SYS_fork));
+  BOOST_REQUIRE(child >= 0);
+  if (child == 0) {
+    const Status s = w->detach();
+    int code =
+        s.code() == ErrorCode::kInvalidArgument && s.message().find("connect its own") != std::string::npos ? 0 : 1;
+    w.reset();
     ::_exit(code);
   }
   int status = 0;

@@ -64,6 +64,24 @@ BOOST_AUTO_TEST_CASE(worker_reattaches_to_the_next_generation_and_keeps_its_buff
   BOOST_TEST(*pushed == 6u);
 }
 
+// A server restarted with another tensor table is refused (kLayoutMismatch)
+// at the re-attach, and the Worker still names the server it attached to.
+BOOST_AUTO_TEST_CASE(a_reattach_refused_for_another_table_keeps_the_identity_attached_to) {
+  const std::string name = test::unique_name("othertable");
+  auto server = std::make_unique<test::ServerProcess>(name, std::vector<std::string>{"--tensor", "w:1"});
+  auto w = connect(name, /*reconnect=*/true);
+  BOOST_REQUIRE(w->ping().ok());
+  const uint64_t generation = w->generation();
+  const pid_t pid = w->server_pid();
+  BOOST_REQUIRE(server->stop() == 0);
+  server.reset();
+  test::ServerProcess other(name, {"--tensor", "v:2"});
+  const Status s = w->ping();
+  BOOST_TEST((s.code() == ErrorCode::kLayoutMismatch), s.to_string());
+  BOOST_TEST(w->generation() == generation);
+  BOOST_TEST(w->server_pid() == pid);
+}
+
 // A server restarted with a smaller --max-buffers: the re-attach keeps the
 // buffers whose ids it still has and lets go of the others (their shm
 // objects unlinked, nothing leaked), and those ids are refused.

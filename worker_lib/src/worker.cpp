@@ -14,6 +14,7 @@
 #include <iterator>
 #include <limits>
 #include <thread>
+#include <tuple>
 
 #include "device_buffer.hpp"
 #include "shmps/shm/futex.hpp"
@@ -388,6 +389,9 @@ class Worker::Impl {
   Status owned() const {
     if (!inherited()) [[likely]]
       return Status::Ok();
+    return owned_by_another();
+  }
+  Status owned_by_another() const {
     return {ErrorCode::kInvalidArgument, "this Worker was connected by process " + std::to_string(owner_pid) +
                                              "; a fork()ed child must connect its own (its calls would share the "
                                              "parent's lane)"};
@@ -495,7 +499,12 @@ class Worker::Impl {
                       "request lane full: " + std::to_string(capacity) + " requests in flight for the whole timeout"};
       if (s.code() == ErrorCode::kInterrupted)
         return Status{s.code(), "interrupted while the request lane was full; the request was not sent"};
-      if (!s.ok()) return s;
+      // The session ended under the requests in flight: this one never
+      // entered the lane.
+      if (!s.ok())
+        return Status{s.code(), s.message() +
+                                    " (said of the requests in flight; this one was not sent: the lane was "
+                                    "full)"};
     }
     req.request_id = next_request_id;
     // The descriptor a registration carries names it (layout.hpp,
@@ -891,6 +900,9 @@ class Worker::Impl {
   Status attach_to(std::unique_ptr<shm::Segment> seg) {
     segment = std::move(seg);
     const shm::SegmentLayout& h = segment->layout();
+    // The identity of the server last attached, kept where this one is
+    // refused (another tensor table).
+    const auto before = std::make_tuple(generation, server_pid, server_start, capacity);
     generation = h.generation;
     server_pid = static_cast<pid_t>(h.server_pid);
     server_start = h.server_start_time;
@@ -912,8 +924,10 @@ class Worker::Impl {
     }
     if (!tensors.empty()) {
       const auto same = [](const TensorInfo& a, const TensorInfo& b) { return a.name == b.name && a.shape == b.shape; };
-      if (!std::equal(tensors.begin(), tensors.end(), table.begin(), table.end(), same))
+      if (!std::equal(tensors.begin(), tensors.end(), table.begin(), table.end(), same)) {
+        std::tie(generation, server_pid, server_start, capacity) = before;
         return {ErrorCode::kLayoutMismatch, "the restarted server '" + options.name + "' serves other tensors"};
+      }
     }
 
     // Claim a free entry: CAS kFree -> (pid, kClaimed).
@@ -1097,7 +1111,10 @@ Worker::Worker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Worker::~Worker() {
   if (!impl_) return;
   // An inherited Worker only unmaps: the session and buffer names are the parent's.
-  if (impl_->inherited()) return;
+  // The pid too, for a child made without the atfork handlers (_Fork(),
+  // clone()): its calls are not refused (the check would cost a system
+  // call each), but its destructor must not end the parent's session.
+  if (impl_->inherited() || ::getpid() != impl_->owner_pid) return;
   if (impl_->state() != State::kDetached) (void)impl_->detach();
 }
 
@@ -1368,6 +1385,7 @@ DeviceMemory::~DeviceMemory() { detail::free_device_memory(data_, device_); }
 
 Status Worker::detach() {
   if (Status s = impl_->enter(Impl::Call::kDetach); !s.ok()) return s;
+  if (::getpid() != impl_->owner_pid) return impl_->owned_by_another();
   return impl_->detach();
 }
 

@@ -25,7 +25,12 @@
 // fork()ed child, every call of an inherited Worker fails with
 // kInvalidArgument ("connect its own": sharing the parent's lane would
 // corrupt it), and its destructor only unmaps, leaving the parent's session
-// and buffers alone; the child connects a Worker of its own.
+// and buffers alone; the child connects a Worker of its own. A child made
+// without the atfork handlers (_Fork(), a raw clone()) is told apart by
+// detach() and the destructor (its pid) but not by the other calls: it
+// must not use the parent's Worker. After an exec() without detach(), the
+// process keeps its entry and buffer objects (the same pid and start time)
+// until it exits.
 #pragma once
 
 #include <chrono>
@@ -278,7 +283,9 @@ class Worker {
   // a push_async's or a pull_async's result. Wait for every ticket: the
   // answer of one never waited for stays held by the Worker.
   // Errors: those of push() or pull(); kInvalidArgument for a ticket never
-  // issued or already waited for.
+  // issued or already waited for, but for one lost with its session (a
+  // server gone, an eviction): that answers its loss (kServerRestarted or
+  // kServerNotRunning) every time it is asked.
   Result<uint64_t> wait(Ticket ticket);
 
   // Copies a consistent snapshot of tensor `tensor_id` (or kAllTensors)
