@@ -483,6 +483,33 @@ BOOST_AUTO_TEST_CASE(wait_for_server_rides_out_a_restart_and_gives_up_after_the_
   BOOST_TEST((Worker::connect(o).status().code() == ErrorCode::kInvalidArgument));
 }
 
+// The interrupted hook calling the Worker it interrupts is refused
+// (kInvalidArgument): the inner call would take the waiting call's
+// answers. The outer call ends as the hook says, and the Worker goes on.
+BOOST_AUTO_TEST_CASE(a_call_from_the_interrupted_hook_is_refused) {
+  test::ServerProcess server(test::unique_name("hookcall"), kSmall);
+  WorkerOptions o = test::worker_options(server.name(), 10s, /*reconnect=*/false);
+  Worker* self = nullptr;
+  Status inner = Status::Ok();
+  o.interrupted = [&] {
+    if (self == nullptr) return false;
+    inner = self->ping();
+    return true;
+  };
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  BOOST_REQUIRE((*w)->ping().ok());
+  self = w->get();
+  server.process().pause();
+  const Status outer = (*w)->ping();  // waits; the hook calls the Worker, then says stop
+  server.process().resume();
+  self = nullptr;
+  BOOST_TEST((outer.code() == ErrorCode::kInterrupted), outer.to_string());
+  BOOST_TEST((inner.code() == ErrorCode::kInvalidArgument), inner.to_string());
+  BOOST_TEST(inner.message().find("interrupted hook") != std::string::npos, inner.message());
+  BOOST_TEST((*w)->ping().ok());
+}
+
 // WorkerOptions::interrupted is asked while connect() waits for a server
 // (wait_for_server) and while a reconnecting call waits for one to come
 // back: true ends either wait with kInterrupted, long before its timeout.

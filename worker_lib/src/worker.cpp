@@ -387,8 +387,12 @@ class Worker::Impl {
   bool inherited() const { return fork_generation() != forked_under; }
   // Step 1 of enter().
   Status owned() const {
-    if (!inherited()) [[likely]]
+    if (!inherited() && !in_hook) [[likely]]
       return Status::Ok();
+    if (in_hook)
+      return {ErrorCode::kInvalidArgument,
+              "a call of this Worker from its own WorkerOptions::interrupted hook, inside the call it may interrupt "
+              "(it would take that call's answers): the hook must not call the Worker"};
     return owned_by_another();
   }
   Status owned_by_another() const {
@@ -566,9 +570,18 @@ class Worker::Impl {
   // server took while we gave it up would be refused to every later
   // registration). Those answer promptly unless queued behind a held pull.
   bool asked_to_stop() const {
-    return state_ != State::kDetaching && uninterruptible == 0 && options.interrupted && options.interrupted();
+    if (state_ == State::kDetaching || uninterruptible != 0 || !options.interrupted) return false;
+    // A call of this Worker from inside the hook would take the waiting
+    // call's answers (owned() refuses it).
+    in_hook = true;
+    struct Out {
+      bool& flag;
+      ~Out() { flag = false; }
+    } out{in_hook};
+    return options.interrupted();
   }
-  int uninterruptible = 0;  // NoInterrupt scopes open
+  mutable bool in_hook = false;  // asked_to_stop() is running the interrupted hook
+  int uninterruptible = 0;       // NoInterrupt scopes open
   struct NoInterrupt {
     explicit NoInterrupt(Impl& i) : impl(i) { ++impl.uninterruptible; }
     ~NoInterrupt() { --impl.uninterruptible; }

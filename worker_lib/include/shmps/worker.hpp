@@ -132,10 +132,11 @@ struct WorkerOptions {
   // a detach withdraws them): the server answers them kInterrupted at
   // once, so the requests behind them go on. Not asked while a buffer is
   // registered or unregistered. Runs on the calling thread; must not
-  // throw. For a caller that must stay responsive to its user: the Python
-  // binding runs the interpreter's signal handlers here (Ctrl-C), a C++
-  // job may read its stop flag. Empty (the default): waits end only by
-  // their answer, their timeout or the session's end.
+  // throw, nor call this Worker (such a call fails with
+  // kInvalidArgument). For a caller that must stay responsive to its
+  // user: the Python binding runs the interpreter's signal handlers here
+  // (Ctrl-C), a C++ job may read its stop flag. Empty (the default): waits
+  // end only by their answer, their timeout or the session's end.
   std::function<bool()> interrupted;
 };
 
