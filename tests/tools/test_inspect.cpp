@@ -1324,7 +1324,8 @@ BOOST_AUTO_TEST_CASE(oversized_live_object_is_no_segment) {
       BOOST_TEST(r.rc == 3, r.err);
       BOOST_TEST(contains(r.err, "more than any shmps segment"), r.err);
     } else {
-      for (const json& row : parse_json(r)["segments"])
+      const json doc = parse_json(r);  // named: a range over a temporary's member outlives it
+      for (const json& row : doc["segments"])
         if (row["name"] == name) {
           BOOST_TEST(row["exit_code"] == 3, row);
           BOOST_TEST(contains(row["error"].get<std::string>(), "more than any shmps segment"), row);
