@@ -132,6 +132,7 @@ Status run_server(const ServerConfig& config, const std::vector<std::string>& ar
       if (!parsed.ok()) return parsed.status();
       if (parsed->help || parsed->version || parsed->check)
         return Status{ErrorCode::kInvalidArgument, "the command line asks for --help, --version or --check-config"};
+      for (const std::string& line : parsed->shadowed) log::warn("reload: " + line);
       return std::move(parsed).value().config;
     };
   }

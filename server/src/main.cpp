@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
         std::printf("%s = %s\n", key.c_str(), value.c_str());
       return 0;
     }
+    for (const std::string& line : parsed->shadowed) shmps::server::log::warn(line);
     // SIGHUP parses the same command line again (re-reading its --config).
     const std::vector<std::string> args(argv, argv + argc);
     const shmps::Status s = shmps::server::run_server(parsed->config, args, parsed->parent_pid);

@@ -411,6 +411,9 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
           tensor_origin.push_back(file_line(file, e.line));
         else if (on_cmdline.count(e.key) == 0)
           line_of[e.key] = e.line;
+        else
+          out.shadowed.push_back(file_line(file, e.line) + ": key '" + e.key + "' = " + e.value +
+                                 " is not used: the command line's --" + e.key + " wins");
       }
     }
     po::notify(vm);

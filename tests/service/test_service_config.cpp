@@ -207,6 +207,19 @@ BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
     BOOST_TEST(contains(file_error(kHead + "init = uniform\ninit-scale = " + scale + "\n"),
                         "line 4: key 'init-scale': must be > 0 and at most 1e30"),
                scale);
+  // A key the command line gives too: the command line's value wins, and
+  // the file's line is named as not used (logged at start and reload).
+  {
+    const std::string path = "/tmp/shmps_cfg_shadow_" + std::to_string(::getpid()) + ".conf";
+    std::ofstream(path) << kHead << "lr = 0.9\n";
+    auto p = test::parse_server_args({"--config", path, "--lr", "0.1"});
+    BOOST_TEST_REQUIRE(p.ok(), p.status().message());
+    BOOST_TEST(p->config.optimizer.lr == 0.1f);
+    BOOST_TEST_REQUIRE(p->shadowed.size() == 1u);
+    BOOST_TEST(contains(p->shadowed[0], "line 3: key 'lr' = 0.9 is not used: the command line's --lr wins"),
+               p->shadowed[0]);
+    std::filesystem::remove(path);
+  }
   // A '#' begins a comment at the start of a line or after a blank, not
   // inside a value; a leading byte order mark is no part of the first key.
   {

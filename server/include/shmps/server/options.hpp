@@ -22,6 +22,10 @@ struct ParsedOptions {
   bool version = false;     // --version was given: print version_text(), exit 0
   bool check = false;       // --check-config: config is valid; print it, exit 0
   uint32_t parent_pid = 0;  // --parent-pid: run_server()'s (0: none)
+  // Keys the config file sets that the command line also gives (the
+  // command line's value wins), each "config file F line N: key 'k' = v is
+  // not used: ...": logged as warnings at start and at each reload.
+  std::vector<std::string> shadowed;
   std::string help_text;
 };
 
