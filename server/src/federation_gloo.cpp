@@ -307,8 +307,10 @@ class GlooEngine final : public FederationEngine {
   Status broadcast(std::span<std::byte> data, uint32_t root) override {
     return collective("broadcast", [&] {
       gloo::BroadcastOptions o(context_);
+      // In place at every rank, the root's too: an input over the same
+      // bytes would make Gloo copy them onto themselves while its I/O
+      // thread sends them (a race tsan reports).
       auto* p = reinterpret_cast<uint8_t*>(data.data());
-      if (membership_.rank == root) o.setInput(p, data.size());
       o.setOutput(p, data.size());
       o.setRoot(static_cast<int>(root));
       o.setTimeout(timeout_);
