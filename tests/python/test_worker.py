@@ -169,9 +169,15 @@ def test_an_lr_schedule_past_the_float_range_refuses_pushes_and_changes_nothing(
             w.push(grad, 1)
         assert w.pull(out) == 1
         assert np.array_equal(np.asarray(out).view(np.float32), before)
+        # The stats block's scheduled lr is refreshed every 10 ms.
         inspect = os.path.join(os.path.dirname(shmps.server_binary()), "shmps-inspect")
-        text = subprocess.run([inspect, server.name], capture_output=True, text=True, check=True).stdout
-        assert "scheduled lr    not finite" in text
+        deadline = time.monotonic() + 5
+        while True:
+            text = subprocess.run([inspect, server.name], capture_output=True, text=True, check=True).stdout
+            if "scheduled lr    not finite" in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert "scheduled lr    not finite" in text, text
 
 
 def test_a_sighup_during_the_start_is_applied_once_the_server_serves(tmp_path):
