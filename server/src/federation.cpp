@@ -253,6 +253,15 @@ uint64_t hash_floats(std::span<const float> values) noexcept {
   return h.finish();
 }
 
+namespace {
+
+// The optimizers' own vectorized check, for a float span.
+bool all_finite(std::span<const float> values) {
+  return kernels::all_finite_cpu(values.data(), kernels::GradDtype::kF32, values.size());
+}
+
+}  // namespace
+
 Federator::Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint)
     : config_(config),
       engine_(engine),
@@ -388,10 +397,7 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   // host's (a fresh group's anchor is rank 0's weights, a resumed one the
   // source's anchor): such a host says so in its header and stays out, as
   // a round's check makes it leave.
-  const auto finite = [](std::span<const float> v) {
-    return kernels::all_finite_cpu(v.data(), kernels::GradDtype::kF32, v.size());
-  };
-  const bool non_finite = !finite(exchange) || (has_state_ && !finite(anchor_));
+  const bool non_finite = !all_finite(exchange) || (has_state_ && !all_finite(anchor_));
   std::vector<Header> all;
   if (Status s = gather_headers(0, false, &all, non_finite); !s.ok()) return s;
   if (Status s = refuse_non_finite(all); !s.ok()) return s;
@@ -566,7 +572,7 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
   // overflowed) would make every host's the same through the mean delta:
   // this host leaves instead (the others see it go, as at a stop), and
   // serves its workers alone.
-  if (!kernels::all_finite_cpu(exchange.data(), kernels::GradDtype::kF32, exchange.size())) {
+  if (!all_finite(exchange)) {
     static_cast<void>(gather_headers(0, /*leaving=*/true, &all));
     return Status{ErrorCode::kInvalidArgument,
                   "federation: this host's weights hold NaN or Inf (an update that overflowed, or "

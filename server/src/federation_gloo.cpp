@@ -82,6 +82,8 @@ constexpr uint64_t kMaxFloor = uint64_t{1} << 48;
 // within a few attempts of the one before it; a longer search (a floor or
 // wants far past the last group) would cost a store call per attempt.
 constexpr uint64_t kFormedSearch = 256;
+// The store's key of the Floor record.
+constexpr const char* kFloorKey = "floor";
 // Tags a Floor ("SHFF").
 constexpr uint32_t kFloorMagic = 0x46464853;
 // Tags a Want ("SHFW").
@@ -397,8 +399,8 @@ class GlooEngine final : public FederationEngine {
 
   // The store's floor's epoch (0: none, or not one of this job's).
   uint64_t floor_in_store() {
-    if (!store_->has("floor")) return 0;
-    const std::vector<char> bytes = store_->get("floor");
+    if (!store_->has(kFloorKey)) return 0;
+    const std::vector<char> bytes = store_->get(kFloorKey);
     Floor f{};
     if (bytes.size() == sizeof f) std::memcpy(&f, bytes.data(), sizeof f);
     return f.magic == kFloorMagic && f.hosts == config_.hosts && f.epoch <= kMaxFloor ? f.epoch : 0;
@@ -412,11 +414,11 @@ class GlooEngine final : public FederationEngine {
   void restore_wiped_records(bool as_formed) {
     const uint64_t epoch = membership_.epoch;
     const bool formed_lost = !store_->has(formed_key(epoch));
-    const bool attempts_lost = as_formed && epoch > 1 && !store_->has("floor") && wants_at(1) == 0;
+    const bool attempts_lost = as_formed && epoch > 1 && !store_->has(kFloorKey) && wants_at(1) == 0;
     if (!formed_lost && !attempts_lost) return;
-    if (!store_->has("floor")) {
+    if (!store_->has(kFloorKey)) {
       const Floor f{kFloorMagic, config_.hosts, epoch};
-      store_->set("floor", &f, sizeof f);
+      store_->set(kFloorKey, &f, sizeof f);
     }
     if (formed_lost) store_->set(formed_key(epoch), &last_members_, sizeof last_members_);
   }

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <thread>
 
@@ -203,28 +204,27 @@ BOOST_AUTO_TEST_CASE(init_sets_the_weights_once_and_only_before_the_first_push) 
   BOOST_TEST(pull_all(*w, *g) == at_1);
 }
 
-// A fork()ed child that calls its parent's Worker is refused, and its
-// exit leaves the parent's session and buffers alone.
-BOOST_AUTO_TEST_CASE(a_forked_child_cannot_use_its_parents_worker_or_end_its_session) {
-  test::ServerProcess server(test::unique_name("fork"), kSmall);
+namespace {
+
+bool refused_as_inherited(const Status& s) {
+  return s.code() == ErrorCode::kInvalidArgument && s.message().find("connect its own") != std::string::npos;
+}
+
+// A child made by `fork_child` (its pid, 0 in the child) runs `in_child`
+// on the parent's Worker and buffer (the exit code says what it saw: no
+// Boost.Test in the child); then the parent's session and buffer still
+// work.
+void parent_session_survives_a_child(
+    const std::string& tag, const std::function<pid_t()>& fork_child,
+    const std::function<int(std::unique_ptr<Worker>&, const Buffer&, const std::string& name)>& in_child) {
+  test::ServerProcess server(test::unique_name(tag), kSmall);
   auto w = connect(server.name());
   const uint64_t bytes = w->total_elements() * 4;
   auto buf = w->register_buffer(bytes);
   BOOST_REQUIRE(buf.ok());
-  const pid_t child = ::fork();
+  const pid_t child = fork_child();
   BOOST_REQUIRE(child >= 0);
-  if (child == 0) {
-    // No Boost.Test in the child: the exit code says what it saw.
-    const Status s = w->ping();
-    int code =
-        s.code() == ErrorCode::kInvalidArgument && s.message().find("connect its own") != std::string::npos ? 0 : 1;
-    if (w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, 0).ok()) code = 2;
-    if (w->detach().ok()) code = 3;
-    w.reset();  // the destructor must not detach the parent's session
-    auto own = Worker::connect(test::worker_options(server.name(), std::chrono::seconds(5), false));
-    if (!own.ok() || !(*own)->ping().ok()) code = 4;
-    ::_exit(code);
-  }
+  if (child == 0) ::_exit(in_child(w, *buf, server.name()));
   int status = 0;
   BOOST_REQUIRE(::waitpid(child, &status, 0) == child);
   BOOST_TEST((WIFEXITED(status) && WEXITSTATUS(status) == 0), "child exit status " << status);
@@ -232,29 +232,35 @@ BOOST_AUTO_TEST_CASE(a_forked_child_cannot_use_its_parents_worker_or_end_its_ses
   BOOST_TEST(w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, *w->pull(kAllTensors, buf->id, 0)).ok());
 }
 
+}  // namespace
+
+// A fork()ed child that calls its parent's Worker is refused, and its
+// exit leaves the parent's session and buffers alone.
+BOOST_AUTO_TEST_CASE(a_forked_child_cannot_use_its_parents_worker_or_end_its_session) {
+  parent_session_survives_a_child(
+      "fork", [] { return ::fork(); },
+      [](std::unique_ptr<Worker>& w, const Buffer& buf, const std::string& name) {
+        int code = refused_as_inherited(w->ping()) ? 0 : 1;
+        if (w->push(kAllTensors, buf.id, 0, w->total_elements() * 4, Dtype::kF32, 0).ok()) code = 2;
+        if (w->detach().ok()) code = 3;
+        w.reset();  // the destructor must not detach the parent's session
+        auto own = Worker::connect(test::worker_options(name, std::chrono::seconds(5), false));
+        if (!own.ok() || !(*own)->ping().ok()) code = 4;
+        return code;
+      });
+}
+
 // A child made without the atfork handlers (the raw fork system call, as
 // _Fork() and clone() do): its detach() is refused and its destructor lets
 // go, so the parent's session and buffers stay.
 BOOST_AUTO_TEST_CASE(a_child_forked_without_atfork_handlers_leaves_the_parents_session) {
-  test::ServerProcess server(test::unique_name("rawfork"), kSmall);
-  auto w = connect(server.name());
-  const uint64_t bytes = w->total_elements() * 4;
-  auto buf = w->register_buffer(bytes);
-  BOOST_REQUIRE(buf.ok());
-  const auto child = static_cast<pid_t>(::syscall(SYS_fork));
-  BOOST_REQUIRE(child >= 0);
-  if (child == 0) {
-    const Status s = w->detach();
-    int code =
-        s.code() == ErrorCode::kInvalidArgument && s.message().find("connect its own") != std::string::npos ? 0 : 1;
-    w.reset();
-    ::_exit(code);
-  }
-  int status = 0;
-  BOOST_REQUIRE(::waitpid(child, &status, 0) == child);
-  BOOST_TEST((WIFEXITED(status) && WEXITSTATUS(status) == 0), "child exit status " << status);
-  BOOST_TEST(w->ping().ok());
-  BOOST_TEST(w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, *w->pull(kAllTensors, buf->id, 0)).ok());
+  parent_session_survives_a_child(
+      "rawfork", [] { return static_cast<pid_t>(::syscall(SYS_fork)); },
+      [](std::unique_ptr<Worker>& w, const Buffer&, const std::string&) {
+        const int code = refused_as_inherited(w->detach()) ? 0 : 1;
+        w.reset();
+        return code;
+      });
 }
 
 BOOST_AUTO_TEST_CASE(every_bad_push_gets_its_error_and_changes_nothing) {
