@@ -134,10 +134,10 @@ class RemoteOptimizer:
                                "make a new RemoteOptimizer to train through the server")
 
     def _settle_pending(self):
-        """The push of a step() that a KeyboardInterrupt ended, waited for
-        and counted before the gradient buffer is written or freed (the
-        server may still read it); its errors raise, but for a StaleError,
-        counted as step() counts it."""
+        """The pending push (self._pending) waited for and counted before
+        the gradient buffer is written or freed (the server may still read
+        it); its errors raise, but for a StaleError, counted as step()
+        counts it."""
         ticket = self._pending
         if ticket is None:
             return
@@ -228,11 +228,8 @@ class RemoteOptimizer:
         try:
             ticket = self.worker.push_async(self._grad_buf, self.version, stream=self._stream())
         except _errors.ServerRestartedError:
-            # A restarted server (reconnect=True): the push, computed on the
-            # old server's weights, is refused; the pull re-attaches and
-            # takes the new server's, so the next step() pushes against them.
-            with contextlib.suppress(_errors.Error):
-                self.pull()
+            # The push, computed on the old server's weights, is refused.
+            self._pull_after_restart()
             raise
         try:
             self.pull()
@@ -245,21 +242,26 @@ class RemoteOptimizer:
             # the next call, since a server that stalled would hold the
             # interrupt for its timeout. Another error of the pull: the
             # push's answer is taken now if it comes; the pull's error is
-            # the one raised. A server that died under them: the next pull
-            # re-attaches (reconnect=True) and takes the new server's
-            # weights, so the next step() pushes against them.
+            # the one raised.
             self._pending = ticket
             if isinstance(e, _errors.Error) and not isinstance(e, _errors.InterruptedError):
                 with contextlib.suppress(_errors.Error):
                     self._settle_pending()
                 if isinstance(e, _errors.ServerRestartedError):
-                    with contextlib.suppress(_errors.Error):
-                        self.pull()
+                    self._pull_after_restart()
             raise
         stale = self._settle(ticket)
         if stale is not None and self.on_stale == "raise":
             raise stale
         return self.version
+
+    def _pull_after_restart(self):
+        """After a server died or restarted under a step() (reconnect=True):
+        the pull re-attaches and takes the new server's weights, so the next
+        step() pushes against them (best effort: its error is the step's to
+        report)."""
+        with contextlib.suppress(_errors.Error):
+            self.pull()
 
     def _settle(self, ticket):
         """Waits for the push `ticket` and counts it; returns its StaleError
