@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "backend.hpp"
 #include "checkpoint.hpp"
 #include "shmps/cli.hpp"
 
@@ -150,21 +151,142 @@ std::string relocate(const std::string& message, const std::string& where) {
   return where + ": key '" + key + "': " + rest;
 }
 
-// The hyperparameter options only one optimizer family reads: SGD's, or
-// Adam's and AdamW's. lr and weight-decay are every optimizer's.
-struct FamilyOption {
-  const char* key;
-  bool sgd;
-};
-constexpr FamilyOption kFamilyOptions[] = {{"momentum", true}, {"dampening", true}, {"nesterov", true},
-                                           {"beta1", false},   {"beta2", false},    {"eps", false},
-                                           {"amsgrad", false}};
+// What an option is read under. An option given where the rest of the
+// configuration does not read it (--momentum with adam, --init-seed with
+// --init zero, --fed-store without --federation gloo) is refused rather
+// than silently ignored, and --check-config prints only what is read, so
+// that its output parses back.
+enum class Reader { kSgd, kAdam, kRandomInit, kFileInit, kDevice, kFederation, kGloo, kNesterovOuter, kCheckpoints };
 
-// Whether an optimizer of `kind` reads option `key`.
-bool optimizer_uses(kernels::OptimizerKind kind, std::string_view key) {
-  for (const FamilyOption& f : kFamilyOptions)
-    if (key == f.key) return f.sgd == (kind == kernels::OptimizerKind::kSgd);
+// How a refusal names a reader: "<setting> does not use --x: <one>; remove
+// it, or <fix>".
+struct ReaderText {
+  Reader reader;
+  const char* one;   // what one such option is
+  const char* many;  // what several are
+  const char* fix;
+};
+// In the order refusals are reported: the federation's before Gloo's and
+// the outer step's, so that --fed-store without a federation names
+// --federation none.
+constexpr ReaderText kReaders[] = {
+    {Reader::kSgd, "an SGD option", "SGD options", "choose --optimizer sgd"},
+    {Reader::kAdam, "an Adam/AdamW option", "Adam/AdamW options", "choose --optimizer adam or adamw"},
+    {Reader::kRandomInit, "an option of --init normal and uniform", "options of --init normal and uniform",
+     "choose --init normal or uniform"},
+    {Reader::kFileInit, "an option of --init file", "options of --init file", "choose --init file"},
+    {Reader::kDevice, "an option of --backend cuda and auto", "options of --backend cuda and auto",
+     "choose --backend cuda or auto"},
+    {Reader::kFederation, "a federation option", "federation options", "choose --federation mpi or gloo"},
+    {Reader::kGloo, "an option of --federation gloo", "options of --federation gloo", "choose --federation gloo"},
+    {Reader::kNesterovOuter, "an option of --fed-outer nesterov", "options of --fed-outer nesterov",
+     "choose --fed-outer nesterov"},
+    {Reader::kCheckpoints, "a checkpoint option", "checkpoint options", "give --checkpoint-dir DIR"},
+};
+
+// The options read only under some setting; a key may need several (every
+// --fed-* option needs a federation). Every other option is always read.
+struct ConditionalOption {
+  const char* key;
+  Reader reader;
+};
+constexpr ConditionalOption kConditionalOptions[] = {
+    {"momentum", Reader::kSgd},
+    {"dampening", Reader::kSgd},
+    {"nesterov", Reader::kSgd},
+    {"beta1", Reader::kAdam},
+    {"beta2", Reader::kAdam},
+    {"eps", Reader::kAdam},
+    {"amsgrad", Reader::kAdam},
+    {"init-scale", Reader::kRandomInit},
+    {"init-seed", Reader::kRandomInit},
+    {"init-file", Reader::kFileInit},
+    {"device", Reader::kDevice},
+    {"checkpoint-every", Reader::kCheckpoints},
+    {"checkpoint-interval-s", Reader::kCheckpoints},
+    {"checkpoint-keep", Reader::kCheckpoints},
+    {"fed-every-ms", Reader::kFederation},
+    {"fed-every-versions", Reader::kFederation},
+    {"fed-outer", Reader::kFederation},
+    {"fed-outer-lr", Reader::kFederation},
+    {"fed-outer-lr", Reader::kNesterovOuter},
+    {"fed-outer-momentum", Reader::kFederation},
+    {"fed-outer-momentum", Reader::kNesterovOuter},
+    {"fed-unweighted", Reader::kFederation},
+    {"fed-no-overlap", Reader::kFederation},
+    {"fed-priority", Reader::kFederation},
+    {"fed-cpus", Reader::kFederation},
+    {"fed-max-drift", Reader::kFederation},
+    {"fed-rank-in-name", Reader::kFederation},
+    {"fed-store", Reader::kFederation},
+    {"fed-store", Reader::kGloo},
+    {"fed-hosts", Reader::kFederation},
+    {"fed-hosts", Reader::kGloo},
+    {"fed-host", Reader::kFederation},
+    {"fed-host", Reader::kGloo},
+    {"fed-address", Reader::kFederation},
+    {"fed-address", Reader::kGloo},
+    {"fed-timeout-ms", Reader::kFederation},
+    {"fed-timeout-ms", Reader::kGloo},
+};
+
+bool reads(const ServerConfig& c, Reader r) {
+  switch (r) {
+    case Reader::kSgd:
+      return c.optimizer.kind == kernels::OptimizerKind::kSgd;
+    case Reader::kAdam:
+      return c.optimizer.kind != kernels::OptimizerKind::kSgd;
+    case Reader::kRandomInit:
+      return c.init.kind == InitSpec::Kind::kNormal || c.init.kind == InitSpec::Kind::kUniform;
+    case Reader::kFileInit:
+      return c.init.kind == InitSpec::Kind::kFile;
+    case Reader::kDevice:
+      return c.backend != BackendKind::kHost;
+    case Reader::kFederation:
+      return c.federation.kind != FederationKind::kNone;
+    case Reader::kGloo:
+      return c.federation.kind == FederationKind::kGloo;
+    case Reader::kNesterovOuter:
+      return c.federation.outer == OuterStep::kNesterov;
+    case Reader::kCheckpoints:
+      return !c.checkpoint_dir.empty();
+  }
   return true;
+}
+
+// Whether the configuration reads option `key`.
+bool reads(const ServerConfig& c, std::string_view key) {
+  for (const ConditionalOption& o : kConditionalOptions)
+    if (key == o.key && !reads(c, o.reader)) return false;
+  return true;
+}
+
+constexpr const char* kInitNames[] = {"zero", "normal", "uniform", "file"};
+
+const char* backend_name(BackendKind kind) {
+  return kind == BackendKind::kHost ? "host" : kind == BackendKind::kCuda ? "cuda" : "auto";
+}
+
+// The setting that leaves reader `r` out, as a refusal names it.
+std::string setting_text(const ServerConfig& c, Reader r) {
+  switch (r) {
+    case Reader::kSgd:
+    case Reader::kAdam:
+      return "--optimizer " + std::string(kernels::optimizer_kind_name(c.optimizer.kind));
+    case Reader::kRandomInit:
+    case Reader::kFileInit:
+      return "--init " + std::string(kInitNames[static_cast<int>(c.init.kind)]);
+    case Reader::kDevice:
+      return "--backend " + std::string(backend_name(c.backend));
+    case Reader::kFederation:
+    case Reader::kGloo:
+      return "--federation " + std::string(federation_kind_name(c.federation.kind));
+    case Reader::kNesterovOuter:
+      return "--fed-outer " + std::string(outer_step_name(c.federation.outer));
+    case Reader::kCheckpoints:
+      return "a server without --checkpoint-dir";
+  }
+  return {};
 }
 
 std::string number_text(float v) {
@@ -448,29 +570,6 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   }
   if (!kernels::parse_optimizer_kind(optimizer, &o.kind))
     return fail("--optimizer must be sgd, adam or adamw, got '" + optimizer + "'");
-  // An option the optimizer does not read would be silently ignored
-  // (--momentum with adam): refuse each one given, on the command line or
-  // in the file. Defaults are not given (variables_map::defaulted()).
-  {
-    std::vector<std::string> unused;
-    for (const FamilyOption& f : kFamilyOptions) {
-      const std::string key = f.key;
-      if (vm.count(key) == 0 || vm[key].defaulted() || optimizer_uses(o.kind, key)) continue;
-      const auto line = line_of.find(key);
-      unused.push_back(line == line_of.end() ? "--" + key : key + " (" + file_line(file, line->second) + ")");
-    }
-    if (!unused.empty()) {
-      std::string list;
-      for (size_t i = 0; i < unused.size(); ++i)
-        list += (i == 0 ? "" : i + 1 == unused.size() ? " and " : ", ") + unused[i];
-      const bool sgd = o.kind == kernels::OptimizerKind::kSgd;
-      const bool one = unused.size() == 1;
-      const std::string family = sgd ? "Adam/AdamW" : "SGD";
-      return invalid("--optimizer " + std::string(kernels::optimizer_kind_name(o.kind)) + " does not use " + list +
-                     ": " + (one ? "an " + family + " option" : family + " options") + "; remove " +
-                     (one ? "it" : "them") + ", or choose " + (sgd ? "--optimizer adam or adamw" : "--optimizer sgd"));
-    }
-  }
   o.weight_decay = vm.count("weight-decay") ? weight_decay : (o.kind == kernels::OptimizerKind::kAdamW ? 0.01f : 0.0f);
   if (backend == "host")
     c.backend = BackendKind::kHost;
@@ -480,7 +579,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
     c.backend = BackendKind::kAuto;
   else
     return fail("--backend must be host, cuda or auto, got '" + backend + "'");
-  if (vm.count("init-file")) init = "file";
+  if (vm.count("init-file") && vm["init"].defaulted()) init = "file";
   if (init == "zero")
     c.init.kind = InitSpec::Kind::kZero;
   else if (init == "normal")
@@ -521,6 +620,26 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   fc.overlap = !fed_no_overlap;
   if (!parse_log_level(log_level, &c.log_level))
     return fail("--log-level must be error, warn, info or debug, got '" + log_level + "'");
+  // An option given where nothing reads it would be silently ignored:
+  // refuse each, on the command line or in the file. Defaults are not
+  // given (variables_map::defaulted()).
+  for (const ReaderText& r : kReaders) {
+    if (reads(c, r.reader)) continue;
+    std::vector<std::string> unused;
+    for (const ConditionalOption& option : kConditionalOptions) {
+      const std::string key = option.key;
+      if (option.reader != r.reader || vm.count(key) == 0 || vm[key].defaulted()) continue;
+      const auto line = line_of.find(key);
+      unused.push_back(line == line_of.end() ? "--" + key : key + " (" + file_line(file, line->second) + ")");
+    }
+    if (unused.empty()) continue;
+    std::string list;
+    for (size_t i = 0; i < unused.size(); ++i)
+      list += (i == 0 ? "" : i + 1 == unused.size() ? " and " : ", ") + unused[i];
+    const bool one = unused.size() == 1;
+    return invalid(setting_text(c, r.reader) + " does not use " + list + ": " + (one ? r.one : r.many) + "; remove " +
+                   (one ? "it" : "them") + ", or " + r.fix);
+  }
   if (Status s = validate(c); !s.ok()) return fail(s.message());
   out.check = vm.count("check-config") != 0;
   // The start reads the init file; a check that passed it would promise a
@@ -536,6 +655,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
     }
     if (Status s = read_init_file(c.init.file, total); !s.ok()) return s;
   }
+  // --backend cuda starts only where a device is; auto falls back to host.
+  if (std::string why; out.check && c.backend == BackendKind::kCuda && !cuda_backend_available(&why))
+    return fail("--backend cuda needs a usable CUDA device, and this host has none (" + why +
+                "); use --backend host, or auto (the host backend where no device is present)");
   // The start creates the checkpoint directory, or fails as this says.
   if (out.check && !c.checkpoint_dir.empty())
     if (Status s = check_checkpoint_dir(c.checkpoint_dir); !s.ok()) return s;
@@ -555,29 +678,22 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   e.emplace_back("optimizer", kernels::optimizer_kind_name(o.kind));
   e.emplace_back("lr", number_text(o.lr));
   e.emplace_back("lr-schedule", kernels::lr_schedule_text(c.lr_schedule));
-  if (optimizer_uses(o.kind, "momentum")) {
-    e.emplace_back("momentum", number_text(o.momentum));
-    e.emplace_back("dampening", number_text(o.dampening));
-    e.emplace_back("nesterov", flag(o.nesterov));
-  }
+  e.emplace_back("momentum", number_text(o.momentum));
+  e.emplace_back("dampening", number_text(o.dampening));
+  e.emplace_back("nesterov", flag(o.nesterov));
   e.emplace_back("weight-decay", number_text(o.weight_decay));
-  if (optimizer_uses(o.kind, "beta1")) {
-    e.emplace_back("beta1", number_text(o.beta1));
-    e.emplace_back("beta2", number_text(o.beta2));
-    e.emplace_back("eps", number_text(o.eps));
-    e.emplace_back("amsgrad", flag(o.amsgrad));
-  }
+  e.emplace_back("beta1", number_text(o.beta1));
+  e.emplace_back("beta2", number_text(o.beta2));
+  e.emplace_back("eps", number_text(o.eps));
+  e.emplace_back("amsgrad", flag(o.amsgrad));
   e.emplace_back("max-staleness", std::to_string(c.max_staleness));
   e.emplace_back("staleness-policy", shm::staleness_policy_name(static_cast<uint32_t>(c.staleness_policy)));
   e.emplace_back("allow-nonfinite", flag(c.allow_nonfinite));
   e.emplace_back("ring-capacity", std::to_string(c.lane_capacity));
   e.emplace_back("max-workers", std::to_string(c.max_workers));
   e.emplace_back("max-buffers", std::to_string(c.max_buffers));
-  e.emplace_back("backend", c.backend == BackendKind::kHost   ? "host"
-                            : c.backend == BackendKind::kCuda ? "cuda"
-                                                              : "auto");
+  e.emplace_back("backend", backend_name(c.backend));
   if (!c.device.empty()) e.emplace_back("device", c.device);
-  static constexpr const char* kInitNames[] = {"zero", "normal", "uniform", "file"};
   e.emplace_back("init", kInitNames[static_cast<int>(c.init.kind)]);
   e.emplace_back("init-scale", number_text(c.init.scale));
   e.emplace_back("init-seed", std::to_string(c.init.seed));
@@ -591,8 +707,6 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   e.emplace_back("checkpoint-interval-s", std::to_string(c.checkpoint_interval_s));
   e.emplace_back("checkpoint-keep", std::to_string(c.checkpoint_keep));
   e.emplace_back("log-level", log_level_name(c.log_level));
-  // Every key, federated or not, so that --check-config shows what a
-  // --federation would run with.
   const FederationConfig& fed = c.federation;
   e.emplace_back("federation", federation_kind_name(fed.kind));
   e.emplace_back("fed-every-ms", std::to_string(fed.every_ms));
@@ -611,6 +725,8 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   e.emplace_back("fed-host", std::to_string(fed.host));
   e.emplace_back("fed-address", fed.address);
   e.emplace_back("fed-timeout-ms", std::to_string(fed.timeout_ms));
+  // What the configuration reads, so that the entries parse back.
+  std::erase_if(e, [&](const auto& entry) { return !reads(c, entry.first); });
   return e;
 }
 

@@ -1588,7 +1588,7 @@ BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
   BOOST_TEST(f.rank_in_name);
   BOOST_TEST((f.priority == FederationPriority::kIdle));
   BOOST_TEST((f.cpus == std::vector<uint32_t>{0, 1, 2, 5}));
-  auto unplaced = test::parse_server_args({"--name", "x", "--tensor", "w:4", "--fed-cpus", ""});
+  auto unplaced = test::parse_server_args({"--name", "x", "--tensor", "w:4", "--federation", "mpi", "--fed-cpus", ""});
   BOOST_TEST_REQUIRE(unplaced.ok(), unplaced.status().to_string());
   BOOST_TEST(unplaced->config.federation.cpus.empty(), "an empty --fed-cpus is the default: the server's CPUs");
   // What rank 7 runs as, at start and for each reload alike.
@@ -1621,9 +1621,11 @@ BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
       {with_gloo({"--fed-hosts", "3", "--fed-timeout-ms", "5"}), "--fed-timeout-ms must be in 100..3600000"},
       {{"--federation", "tcp"}, "--federation must be none, mpi or gloo"},
       {{"--fed-outer", "adam"}, "--fed-outer must be average or nesterov"},
-      {{"--fed-every-ms", "0"}, "--fed-every-ms must be in 1..3600000"},
-      {{"--fed-outer-momentum", "1"}, "--fed-outer-momentum must be in [0, 1)"},
-      {{"--fed-outer-lr", "-1"}, "--fed-outer-lr must be finite and > 0"},
+      {{"--federation", "mpi", "--fed-every-ms", "0"}, "--fed-every-ms must be in 1..3600000"},
+      {{"--federation", "mpi", "--fed-outer", "nesterov", "--fed-outer-momentum", "1"},
+       "--fed-outer-momentum must be in [0, 1)"},
+      {{"--federation", "mpi", "--fed-outer", "nesterov", "--fed-outer-lr", "-1"},
+       "--fed-outer-lr must be finite and > 0"},
       {{"--fed-priority", "high"}, "--fed-priority must be normal, low or idle, got 'high'"},
       {{"--fed-cpus", "3-1"}, "--fed-cpus must list CPUs below 1024 as taskset does (3, 0,2-5), got '3-1'"},
       {{"--fed-cpus", "1024"}, "got '1024'"},

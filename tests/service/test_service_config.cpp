@@ -17,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "backend.hpp"
 #include "server_support.hpp"
 #include "shmps/server/log.hpp"
 #include "shmps/server/options.hpp"
@@ -183,6 +184,79 @@ BOOST_AUTO_TEST_CASE(hyperparameters_the_optimizer_does_not_use_are_refused) {
   for (const std::string k : {"lr", "weight-decay"}) BOOST_TEST(adam_keys.count(k) + sgd_keys.count(k) == 2u, k);
 }
 
+// The rule of the optimizer's hyperparameters, for every option read only
+// under some setting: given where nothing reads it, it is refused.
+BOOST_AUTO_TEST_CASE(options_the_configuration_does_not_read_are_refused) {
+  const auto refusal = [](std::vector<std::string> extra) {
+    std::vector<std::string> args{"--name", "j", "--tensor", "w:4"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto p = test::parse_server_args(args);
+    BOOST_TEST(!p.ok(), "accepted: " << extra[0] << " " << extra[1]);
+    return p.ok() ? std::string() : p.status().message();
+  };
+  BOOST_TEST(refusal({"--init-scale", "nan", "--init-seed", "3"}) ==
+             "--init zero does not use --init-scale and --init-seed: options of --init normal and uniform; remove "
+             "them, or choose --init normal or uniform");
+  // --init-file implies --init file only where --init is not given.
+  BOOST_TEST(refusal({"--init", "normal", "--init-file", "/tmp/w.f32"}) ==
+             "--init normal does not use --init-file: an option of --init file; remove it, or choose --init file");
+  BOOST_TEST(refusal({"--init", "file", "--init-file", "/tmp/w.f32", "--init-seed", "2"}) ==
+             "--init file does not use --init-seed: an option of --init normal and uniform; remove it, or choose "
+             "--init normal or uniform");
+  BOOST_TEST(refusal({"--backend", "host", "--device", "GPU-1234"}) ==
+             "--backend host does not use --device: an option of --backend cuda and auto; remove it, or choose "
+             "--backend cuda or auto");
+  BOOST_TEST(refusal({"--checkpoint-keep", "5"}) ==
+             "a server without --checkpoint-dir does not use --checkpoint-keep: a checkpoint option; remove it, or "
+             "give --checkpoint-dir DIR");
+  // A federation's options without one; Gloo's elsewhere; the outer
+  // step's hyperparameters without nesterov. A switch given false counts.
+  BOOST_TEST(refusal({"--fed-every-ms", "100", "--fed-store", "file:/tmp/s", "--fed-unweighted"}) ==
+             "--federation none does not use --fed-every-ms, --fed-unweighted and --fed-store: federation options; "
+             "remove them, or choose --federation mpi or gloo");
+  BOOST_TEST(refusal({"--federation", "mpi", "--fed-timeout-ms", "2000"}) ==
+             "--federation mpi does not use --fed-timeout-ms: an option of --federation gloo; remove it, or choose "
+             "--federation gloo");
+  BOOST_TEST(refusal({"--federation", "mpi", "--fed-outer-lr", "0.5"}) ==
+             "--fed-outer average does not use --fed-outer-lr: an option of --fed-outer nesterov; remove it, or "
+             "choose --fed-outer nesterov");
+  // From the file, with its line.
+  const ConfFile f(kHead + "federation = mpi\nfed-rank-in-name = false\nfed-hosts = 3\n");
+  auto from_file = test::parse_server_args({"--config", f.path});
+  BOOST_REQUIRE(!from_file.ok());
+  BOOST_TEST(from_file.status().message() == "--federation mpi does not use fed-hosts (config file " + f.path +
+                                                 " line 5): an option of --federation gloo; remove it, or choose "
+                                                 "--federation gloo");
+  // What each setting reads is accepted, and --check-config prints only
+  // what is read (so its output parses back).
+  for (const std::vector<std::string>& ok : std::vector<std::vector<std::string>>{
+           {"--init", "uniform", "--init-scale", "0.5", "--init-seed", "9"},
+           {"--init-file", "/tmp/w.f32"},
+           {"--backend", "cuda", "--device", "GPU-1234"},
+           {"--device", "GPU-1234"},
+           {"--checkpoint-dir", "/tmp/ck", "--checkpoint-keep", "5", "--checkpoint-every", "3"},
+           {"--federation", "mpi", "--fed-every-ms", "100", "--fed-rank-in-name", "--fed-outer", "nesterov",
+            "--fed-outer-lr", "0.5"},
+           {"--federation", "gloo", "--fed-store", "file:/tmp/s", "--fed-hosts", "2", "--fed-timeout-ms", "900"}}) {
+    std::vector<std::string> args{"--name", "j", "--tensor", "w:4"};
+    args.insert(args.end(), ok.begin(), ok.end());
+    auto p = test::parse_server_args(args);
+    BOOST_TEST_REQUIRE(p.ok(), ok[0] << " " << ok[1] << ": " << p.status().message());
+    std::string body;
+    for (const auto& [key, value] : config_entries(p->config)) body += key + " = " + value + "\n";
+    ConfFile printed(body);
+    auto back = test::parse_server_args({"--config", printed.path});
+    BOOST_TEST(back.ok(), ok[0] << " " << ok[1] << ": " << back.status().message() << "\n" << body);
+  }
+  std::set<std::string> keys;
+  auto plain = test::parse_server_args({"--name", "j", "--tensor", "w:4"});
+  BOOST_REQUIRE(plain.ok());
+  for (const auto& e : config_entries(plain->config)) keys.insert(e.first);
+  for (const std::string k : {"init-scale", "init-seed", "checkpoint-keep", "fed-every-ms", "fed-store"})
+    BOOST_TEST(keys.count(k) == 0u, k);
+  BOOST_TEST(keys.count("federation") == 1u);
+}
+
 BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
   // lexical_cast read "-1" for an unsigned option as 2^64 - 1 (or 2^32 - 1),
   // and "-4294967295" as 1.
@@ -232,8 +306,6 @@ BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
     BOOST_TEST(p->config.checkpoint_dir == dir + "/job#1");
     std::filesystem::remove_all(dir);
   }
-  BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--init-scale", "nan"})
-                 .ok());  // unused by --init zero
   // Not a regular file, or over 1 MiB: refused unread (/dev/zero would be read until memory ran out).
   const std::string fifo = "/tmp/shmps_cfg_fifo_" + std::to_string(::getpid());
   BOOST_TEST_REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
@@ -338,6 +410,28 @@ BOOST_AUTO_TEST_CASE(check_config_reads_the_init_file_as_the_start_does) {
   BOOST_TEST(test::parse_server_args(check_args).ok());
 }
 
+// --check-config --backend cuda where no device is usable: refused, as the
+// start is; auto passes (the start falls back to the host backend).
+BOOST_AUTO_TEST_CASE(check_config_refuses_backend_cuda_without_a_device) {
+  auto check = test::parse_server_args({"--name", "j", "--tensor", "w:4", "--backend", "cuda", "--check-config"});
+  if (std::string why; cuda_backend_available(&why)) {
+    BOOST_TEST(check.ok(), check.status().message());
+  } else {
+    BOOST_REQUIRE(!check.ok());
+    BOOST_TEST(check.status().message() == "--backend cuda needs a usable CUDA device, and this host has none (" + why +
+                                               "); use --backend host, or auto (the host backend where no device "
+                                               "is present)");
+    const ConfFile f(kHead + "backend = cuda\n");
+    auto from_file = test::parse_server_args({"--config", f.path, "--check-config"});
+    BOOST_REQUIRE(!from_file.ok());
+    BOOST_TEST(contains(from_file.status().message(), "line 3: key 'backend': cuda needs a usable CUDA device"),
+               from_file.status().message());
+  }
+  // A plain parse (the start, a reload) leaves the device to the backend.
+  BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--backend", "cuda"}).ok());
+  BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--backend", "auto", "--check-config"}).ok());
+}
+
 // --check-config refuses a checkpoint directory the start could not use:
 // a file, or a path under a file; a directory, or one it can create, passes.
 BOOST_AUTO_TEST_CASE(check_config_refuses_a_checkpoint_dir_the_start_would) {
@@ -380,8 +474,9 @@ BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
   BOOST_TEST(p->config.tensors.size() == 4u);
 
   // With every commented-out "# key = value" line switched on, it still
-  // parses, and its keys are exactly the options: once per optimizer, with
-  // the other family's hyperparameters left off (they are refused, below).
+  // parses, and its keys are exactly the options read, in variants that
+  // set what chooses the options read (the optimizer, init, federation,
+  // outer step) and leave off what each does not read (refused, below).
   // "# key = value" with a lower-case key: a documented option, not prose.
   const auto is_commented_option = [](const std::string& line) {
     if (line.rfind("# ", 0) != 0) return false;
@@ -391,25 +486,48 @@ BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
   };
   const std::set<std::string> sgd_only{"momentum", "dampening", "nesterov"};
   const std::set<std::string> adam_only{"beta1", "beta2", "eps", "amsgrad"};
+  struct Variant {
+    std::map<std::string, std::string> set;
+    std::set<std::string> skip;
+  };
+  const std::map<std::string, std::string> gloo{{"federation", "gloo"}, {"fed-hosts", "2"}};
+  const auto set_also = [](std::map<std::string, std::string> a, const std::map<std::string, std::string>& b) {
+    a.insert(b.begin(), b.end());
+    return a;
+  };
+  const auto skip_also = [](std::set<std::string> a, const std::set<std::string>& b) {
+    a.insert(b.begin(), b.end());
+    return a;
+  };
+  const std::vector<Variant> variants = {
+      {set_also(gloo, {{"optimizer", "sgd"}, {"init", "normal"}, {"fed-outer", "nesterov"}}),
+       skip_also(adam_only, {"init-file"})},
+      {set_also(gloo, {{"optimizer", "adam"}, {"init", "uniform"}}),
+       skip_also(sgd_only, {"init-file", "fed-outer-lr", "fed-outer-momentum"})},
+      {set_also(gloo, {{"optimizer", "adamw"}, {"init", "file"}, {"fed-outer", "nesterov"}}),
+       skip_also(sgd_only, {"init-scale", "init-seed"})},
+  };
   // The example with its commented options switched on, but for `skip`,
-  // and its optimizer set to `optimizer`; `documented` gets its keys.
-  const auto switched_on = [&](const std::string& optimizer, const std::set<std::string>& skip,
-                               std::set<std::string>* documented) {
+  // and the keys of `set` given those values; `documented` gets its keys.
+  const auto switched_on = [&](const Variant& v, std::set<std::string>* documented) {
     std::istringstream in(read_file(example));
     std::ostringstream all;
     for (std::string line; std::getline(in, line);) {
-      if (is_commented_option(line) && skip.count(line.substr(2, line.find(' ', 2) - 2)) == 0) line = line.substr(2);
-      if (line.rfind("optimizer = ", 0) == 0) line = "optimizer = " + optimizer;
-      if (!line.empty() && line[0] != '#') documented->insert(line.substr(0, line.find(' ')));
+      if (is_commented_option(line) && v.skip.count(line.substr(2, line.find(' ', 2) - 2)) == 0) line = line.substr(2);
+      if (!line.empty() && line[0] != '#') {
+        const std::string key = line.substr(0, line.find(' '));
+        if (const auto it = v.set.find(key); it != v.set.end()) line = key + " = " + it->second;
+        documented->insert(key);
+      }
       all << line << "\n";
     }
     return all.str();
   };
   std::set<std::string> documented_by_any, option_of_any;
-  for (const std::string optimizer : {"sgd", "adam", "adamw"}) {
-    BOOST_TEST_CONTEXT("optimizer = " << optimizer) {
+  for (size_t i = 0; i < variants.size(); ++i) {
+    BOOST_TEST_CONTEXT("variant " << i) {
       std::set<std::string> documented;
-      ConfFile f(switched_on(optimizer, optimizer == "sgd" ? adam_only : sgd_only, &documented));
+      ConfFile f(switched_on(variants[i], &documented));
       auto every = test::parse_server_args({"--config", f.path});
       BOOST_REQUIRE_MESSAGE(every.ok(), every.status().to_string());
       std::set<std::string> options;
@@ -426,7 +544,7 @@ BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
     for (const std::string& k : *family) BOOST_TEST(option_of_any.count(k) == 1u, "never an option: " << k);
   // Every line switched on: the example's sgd refuses the Adam lines, each named.
   std::set<std::string> ignored;
-  ConfFile both(switched_on("sgd", {}, &ignored));
+  ConfFile both(switched_on({}, &ignored));
   auto refused = test::parse_server_args({"--config", both.path});
   BOOST_REQUIRE(!refused.ok());
   const std::string m = refused.status().message();
