@@ -833,7 +833,7 @@ Status open_segment_object(const std::string& name, bool read_only,
   // A server that is creating the segment may not have sized it (empty
   // object) or written it (zero header) yet: retry those for `wait`.
   const auto deadline = std::chrono::steady_clock::now() + wait;
-  while (true) {
+  for (bool first_look = true;; first_look = false) {
     ShmObject::OpenFailure failure = ShmObject::OpenFailure::kOther;
     auto opened = ShmObject::open(object_name, read_only, &failure, largest_segment_size());
     Status s;
@@ -847,8 +847,21 @@ Status open_segment_object(const std::string& name, bool read_only,
                                                       " bytes): " + opened.status().message()};
       if (failure != ShmObject::OpenFailure::kEmpty) return opened.status();
       struct stat st {};
-      if (on_empty && ::lstat(path.c_str(), &st) == 0) {
-        if (Status t = on_empty(st.st_uid, st.st_gid, st.st_mode); !t.ok()) return t;
+      if (::lstat(path.c_str(), &st) == 0) {
+        if (on_empty)
+          if (Status t = on_empty(st.st_uid, st.st_gid, st.st_mode); !t.ok()) return t;
+        // A starting server sizes the object right after creating it: one
+        // already empty for longer than a start's wait at the first look is
+        // what a start that died before sizing it left, not worth waiting for.
+        const auto age = std::chrono::system_clock::now() -
+                         std::chrono::system_clock::time_point(std::chrono::seconds(st.st_ctim.tv_sec) +
+                                                               std::chrono::nanoseconds(st.st_ctim.tv_nsec));
+        if (first_look && age > kSegmentStartWait)
+          return Status{ErrorCode::kServerNotRunning,
+                        path + " (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ") has been empty for " +
+                            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(age).count()) +
+                            " s: a server start that died before sizing it left it; the next start of server '" + name +
+                            "' replaces it"};
       }
       s = Status{ErrorCode::kServerNotRunning, path + ": segment not sized yet (server starting)"};
     } else {

@@ -7,8 +7,10 @@
 
 #define BOOST_TEST_MODULE test_shm_segment
 #include <boost/test/unit_test.hpp>
+#include <chrono>
 #include <cstring>
 #include <functional>
+#include <thread>
 #include <vector>
 
 #include "shmps/shm/proc.hpp"
@@ -97,6 +99,35 @@ BOOST_AUTO_TEST_CASE(missing_segment_names_the_object) {
   auto opened = Segment::open("no_such_server_here", false);
   BOOST_TEST((opened.status().code() == ErrorCode::kServerNotRunning));
   BOOST_TEST(opened.status().message().find("/dev/shm/shmps.no_such_server_here") != std::string::npos);
+}
+
+// An empty object is what a server creates and sizes at once: a young one
+// is waited for (kSegmentStartWait), one older than that is a dead start's
+// leftover, reported at once; the next start replaces it.
+BOOST_AUTO_TEST_CASE(an_empty_object_is_waited_for_only_while_a_start_could_size_it) {
+  const std::string name = test::unique_name("empty");
+  Cleanup cleanup{name};
+  write_object(name, {});
+  auto started = std::chrono::steady_clock::now();
+  auto young = Segment::open(name, false);
+  const auto waited = std::chrono::steady_clock::now() - started;
+  BOOST_TEST((young.status().code() == ErrorCode::kServerNotRunning));
+  BOOST_TEST(young.status().message().find("not sized yet") != std::string::npos, young.status().message());
+  // The open waited out the start (less what the object's age was at the first look).
+  BOOST_TEST((waited > kSegmentStartWait / 2));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  started = std::chrono::steady_clock::now();
+  auto old = Segment::open(name, false);
+  BOOST_TEST((old.status().code() == ErrorCode::kServerNotRunning));
+  BOOST_TEST(old.status().message().find(") has been empty for ") != std::string::npos, old.status().message());
+  BOOST_TEST(old.status().message().find(" s: a server start that died before sizing it left it; the next start of "
+                                         "server '" +
+                                         name + "' replaces it") != std::string::npos,
+             old.status().message());
+  BOOST_TEST(old.status().message().find("mode 0600") != std::string::npos, old.status().message());
+  BOOST_TEST((std::chrono::steady_clock::now() - started < kSegmentStartWait / 2));
+  auto created = Segment::create(small_spec(name), 1);
+  BOOST_TEST(created.ok(), created.status().to_string());
 }
 
 BOOST_AUTO_TEST_CASE(foreign_object_is_refused_and_never_replaced) {

@@ -185,7 +185,8 @@ struct SegmentLayout {
 // Opens the object of segment "shmps.<name>" (read-only or not) and hands
 // it to `accept`, which judges it (the mapping itself, or a copy of it) and
 // takes it when it is good. Retried for up to 2 s while the object is empty
-// (a server that has not sized it yet) or accept() answers
+// (a server that has not sized it yet; not when it was already empty for
+// longer at the first look: a dead start's) or accept() answers
 // kServerNotRunning (one that has not published it yet); the last answer
 // then. No such object: kServerNotRunning, "no shmps server named ...".
 // `on_empty`, when given, judges an empty object by its owner and mode
@@ -209,7 +210,8 @@ class Segment {
   // pid), a foreign object is never adopted (kLayoutMismatch).
   static Result<std::unique_ptr<Segment>> create(const SegmentSpec& spec, uint64_t generation);
   // Worker: opens and validates "shmps.<name>" (open_segment_object()).
-  // Waits up to 2 s for a segment still being initialised. With `trusted_owners`
+  // Waits up to 2 s for a segment still being initialised, but not for an
+  // object already empty for longer (a dead start's). With `trusted_owners`
   // (a worker), the object is checked before a byte of it is read: owned
   // by one of those uids, not world-writable, and its group bits only as
   // the server's kConfigGroupAccess says. Errors: kServerNotRunning (no
