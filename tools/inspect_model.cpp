@@ -816,8 +816,8 @@ std::string render_text(const Snapshot& s) {
   if (st.scheduled_lr_pico == shm::kScheduledLrNotFinite)
     o << "  scheduled lr    not finite: --lr-schedule grew past the float range; pushes are refused\n";
   else
-    o << "  scheduled lr    " << num(static_cast<double>(st.scheduled_lr_pico) / 1e12)
-      << " (the next update's, by --lr-schedule)\n";
+    o << "  scheduled lr    " << (st.scheduled_lr_pico == shm::kScheduledLrSaturated ? "at least " : "")
+      << num(static_cast<double>(st.scheduled_lr_pico) / 1e12) << " (the next update's, by --lr-schedule)\n";
   o << "  checkpoints     " << st.checkpoints_written << " written, " << st.checkpoint_failures << " failed\n";
   const auto since = [&st] {
     return "after round " + std::to_string(st.fed_round) +

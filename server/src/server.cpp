@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <optional>
@@ -264,11 +265,15 @@ class Server::Impl {
   }
 
   // The lr the next update gets (--lr-schedule at this version), in
-  // 1e-12ths, for readers of the stats block; saturated past 1.8e7.
+  // 1e-12ths, for readers of the stats block: a finite lr past what the
+  // word holds (1.8e7) saturates (shm::kScheduledLrSaturated), one that is
+  // not finite is shm::kScheduledLrNotFinite.
   void publish_lr() {
-    // ~0: past what the word holds, or not finite (shm::kScheduledLrNotFinite).
-    const double pico = static_cast<double>(next_lr(config, model.version)) * 1e12;
-    const uint64_t value = pico + 0.5 < 0x1p64 ? static_cast<uint64_t>(pico + 0.5) : shm::kScheduledLrNotFinite;
+    const float lr = next_lr(config, model.version);
+    const double pico = static_cast<double>(lr) * 1e12 + 0.5;
+    const uint64_t value = !std::isfinite(lr)                                       ? shm::kScheduledLrNotFinite
+                           : pico < static_cast<double>(shm::kScheduledLrSaturated) ? static_cast<uint64_t>(pico)
+                                                                                    : shm::kScheduledLrSaturated;
     stats().scheduled_lr_pico.store(value, std::memory_order_relaxed);  // relaxed: statistic
   }
 

@@ -180,6 +180,32 @@ def test_an_lr_schedule_past_the_float_range_refuses_pushes_and_changes_nothing(
         assert "scheduled lr    not finite" in text, text
 
 
+def test_a_finite_lr_past_the_stats_word_is_applied_and_shown_saturated(make_server):
+    """The stats block holds the scheduled lr in 1e-12ths, up to 1.8e7: a
+    larger finite lr is applied, and shown as at least that, not as the
+    not-finite lr that refuses pushes."""
+    import json
+
+    server = make_server(lr=1e8)
+    with shmps.connect(server.name) as w:
+        grad, out = w.register_buffer(w.total_elements * 4), w.register_buffer(w.total_elements * 4)
+        np.asarray(grad).view(np.float32)[:] = 1.0
+        assert w.push(grad, 0) == 1
+        assert w.pull(out) == 1
+        assert np.all(np.asarray(out).view(np.float32) == np.float32(-1e8))
+        inspect = os.path.join(os.path.dirname(shmps.server_binary()), "shmps-inspect")
+        deadline = time.monotonic() + 5
+        while True:
+            text = subprocess.run([inspect, server.name], capture_output=True, text=True, check=True).stdout
+            if "scheduled lr    at least " in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert "scheduled lr    at least 1.8" in text, text
+        stats = json.loads(subprocess.run([inspect, server.name, "--json"], capture_output=True, text=True,
+                                          check=True).stdout)["stats"]
+        assert stats["scheduled_lr"] is not None and 1.8e7 < stats["scheduled_lr"] < 1.9e7, stats
+
+
 def test_a_sighup_during_the_start_is_applied_once_the_server_serves(tmp_path):
     """The file may change while a large model initialises: the reload a
     SIGHUP asks for then runs once the server serves, instead of the signal

@@ -511,9 +511,11 @@ inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
 // ending in _ns counts nanoseconds: Prometheus gets seconds (_seconds), JSON
 // a string. At most kStatsCounterSlots.
 // clang-format off
-// StatsBlock::scheduled_lr_pico when the schedule's lr is past the word's
-// range or not finite (the server then refuses pushes: --lr-schedule).
+// StatsBlock::scheduled_lr_pico when the schedule's lr is not finite (the
+// server then refuses pushes: --lr-schedule), and when it is finite but
+// past what the word holds (1.8e7 and more, applied as it is).
 inline constexpr uint64_t kScheduledLrNotFinite = ~uint64_t{0};
+inline constexpr uint64_t kScheduledLrSaturated = ~uint64_t{0} - 1;
 
 #define SHMPS_STATS_BLOCK_COUNTERS(X) \
   X(version, gauge, "Updates applied to the weights (or the restored checkpoint's version).") \
@@ -538,7 +540,7 @@ inline constexpr uint64_t kScheduledLrNotFinite = ~uint64_t{0};
   X(apply_threads, gauge, "Threads the last update of a tensor from 4 MiB ran on (host backend).") \
   X(fed_round, gauge, "Federation rounds this host completed (0: not federated).") \
   X(fed_members, gauge, "Hosts in the last federation round.") \
-  X(fed_round_ns, gauge, "Time of the last federation round (headers, delta allreduce, outer step), in ns.") \
+  X(fed_round_ns, gauge, "Time of the last federation round (headers, delta allreduce, outer step).") \
   X(fed_bytes, counter, "Bytes this host contributed to the federation's collectives.") \
   X(fed_drift, gauge, "Local updates not yet in a merged federation round.") \
   X(fed_anchor_hash, gauge, "Hash of the federation's anchor (equal on every host after a round).") \
@@ -546,7 +548,7 @@ inline constexpr uint64_t kScheduledLrNotFinite = ~uint64_t{0};
   X(fed_pushes_held, counter, "Times a push waited for a federation round's merge (drift cap, or no overlap).") \
   X(fed_epoch, gauge, "Membership epoch of the federation's group (rises as an elastic group re-forms; 0: static).") \
   X(fed_state, gauge, "The federation's state: 0 off, 1 forming a group, 2 in a group, 3 paused (no majority of the last group), 4 ended.") \
-  X(scheduled_lr_pico, gauge, "The lr the next update gets by --lr-schedule (before --staleness-policy scale); all ones: not finite.") \
+  X(scheduled_lr_pico, gauge, "The lr the next update gets by --lr-schedule (before --staleness-policy scale); +Inf: not finite.") \
   X(checkpoints_written, counter, "Checkpoints this server wrote (--checkpoint-dir).") \
   X(checkpoint_failures, counter, "Checkpoint writes that failed (the error is in the log).")
 // clang-format on
