@@ -1,5 +1,7 @@
 #include "sessions.hpp"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
@@ -244,23 +246,27 @@ void Sessions::publish_depth() {
 }
 
 void Sessions::unlink_orphan_buffers(uint32_t dead_pid) {
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
-    const std::string file = e.path().filename().string();
-    if (file.rfind(buffer_prefix_, 0) != 0) continue;
-    // After the prefix: "<pid>.<n>", nothing else.
-    const size_t dot = file.find('.', buffer_prefix_.size());
-    if (dot == std::string::npos || dot + 1 == file.size() ||
-        file.find_first_not_of("0123456789", dot + 1) != std::string::npos)
-      continue;
-    const std::string pid_text = file.substr(buffer_prefix_.size(), dot - buffer_prefix_.size());
-    if (pid_text.empty() || pid_text.size() > 10 || pid_text.find_first_not_of("0123456789") != std::string::npos)
-      continue;
-    const auto pid = static_cast<uint32_t>(std::stoul(pid_text));
-    if (dead_pid != 0 ? pid != dead_pid : shm::pid_in_use(static_cast<pid_t>(pid))) continue;
-    shm::ShmObject::remove(file);
-    log::info("removed orphaned buffer object /dev/shm/" + file);
+  std::set<std::string> still_unremovable;
+  for (const shm::OrphanBuffer& o : shm::orphan_buffers(config_.name, static_cast<pid_t>(dead_pid))) {
+    const std::string path = "/dev/shm/" + o.object_name;
+    if (const int err = shm::ShmObject::remove(o.object_name); err == 0) {
+      log::info("removed orphaned buffer object " + path);
+    } else if (still_unremovable.insert(o.object_name).second && unremovable_.count(o.object_name) == 0) {
+      // Said once per object: the sweep runs every second.
+      struct stat st {};
+      const std::string who = ::lstat(path.c_str(), &st) == 0 ? " (owner " + shm::owner_text(st.st_uid, st.st_gid) +
+                                                                    ", mode " + shm::mode_text(st.st_mode) + ")"
+                                                              : "";
+      log::warn("cannot remove orphaned buffer object " + path + who + ": " + errno_text(err) +
+                (err == EPERM || err == EACCES
+                     ? std::string("; /dev/shm is sticky: only its owner (or root) may remove it. A worker of that "
+                                   "user removes it as it attaches to '") +
+                           config_.name + "', or remove it by hand (sudo rm " + path + ")"
+                     : std::string()));
+    }
   }
+  // Only those still there are remembered; one that comes back is said again.
+  unremovable_ = std::move(still_unremovable);
 }
 
 }  // namespace shmps::server

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -88,7 +89,9 @@ class Sessions {
   // Unlinks the buffer objects "shmps.<name>.p<pid>.<n>" of a worker that
   // died (worker_lib unlinks them itself at unregister and detach). With
   // pid 0: those of every dead pid (at start, after a crash of the
-  // previous server, and at stop).
+  // previous server, every second, and at stop). One it may not remove
+  // (another user's: /dev/shm is sticky) is logged once, with the fix;
+  // worker_lib removes its own user's as it attaches.
   void unlink_orphan_buffers(uint32_t dead_pid);
 
   void log(LogLevel level, const std::string& line) { lines_.write(level, line, shm::monotonic_ns()); }
@@ -132,6 +135,9 @@ class Sessions {
   cpu_set_t server_cpus_;    // the server's affinity mask at start
   uint32_t server_cpu_count_ = 1;
   std::string buffer_prefix_;
+  // Orphaned buffer objects the last sweep could not remove (another
+  // user's in the sticky /dev/shm), so that each is logged once.
+  std::set<std::string> unremovable_;
 };
 
 }  // namespace shmps::server

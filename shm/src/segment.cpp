@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <limits>
 #include <set>
 #include <thread>
@@ -158,6 +159,36 @@ Status validate_name(const std::string& name) {
 }
 
 std::string segment_object_name(const std::string& name) { return "shmps." + name; }
+
+std::string buffer_object_name(const std::string& name, pid_t pid, uint64_t n) {
+  return segment_object_name(name) + ".p" + std::to_string(pid) + "." + std::to_string(n);
+}
+
+std::vector<OrphanBuffer> orphan_buffers(const std::string& name, pid_t pid) {
+  const std::string prefix = segment_object_name(name) + ".p";
+  std::vector<OrphanBuffer> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string file = e.path().filename().string();
+    if (file.rfind(prefix, 0) != 0) continue;
+    // After the prefix: "<pid>.<n>", nothing else.
+    const size_t dot = file.find('.', prefix.size());
+    if (dot == std::string::npos || dot + 1 == file.size() ||
+        file.find_first_not_of("0123456789", dot + 1) != std::string::npos)
+      continue;
+    const std::string pid_text = file.substr(prefix.size(), dot - prefix.size());
+    if (pid_text.empty() || pid_text.size() > 10 || pid_text.find_first_not_of("0123456789") != std::string::npos)
+      continue;
+    const unsigned long value = std::stoul(pid_text);
+    if (value == 0 || value > static_cast<unsigned long>(std::numeric_limits<pid_t>::max())) continue;
+    const auto owner_pid = static_cast<pid_t>(value);
+    if (pid != 0 ? owner_pid != pid : pid_in_use(owner_pid)) continue;
+    struct stat st {};
+    if (::lstat(e.path().c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    out.push_back({file, owner_pid, st.st_uid});
+  }
+  return out;
+}
 
 // ---------------------------------------------------------------- ShmObject
 
@@ -320,8 +351,8 @@ Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_nam
   return obj;
 }
 
-void ShmObject::remove(const std::string& object_name) {
-  bip::shared_memory_object::remove(object_name.c_str());  // false when absent: fine
+int ShmObject::remove(const std::string& object_name) {
+  return ::shm_unlink(object_name.c_str()) == 0 || errno == ENOENT ? 0 : errno;
 }
 
 // ---------------------------------------------------------------- geometry

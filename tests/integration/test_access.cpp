@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <optional>
+#include <thread>
 
 #include "raw_client.hpp"
 #include "shmps/shm/futex.hpp"
@@ -463,6 +464,80 @@ BOOST_AUTO_TEST_CASE(worker_attaches_only_to_a_segment_it_trusts) {
   auto w = Worker::connect(o);
   BOOST_TEST((w.status().code() == ErrorCode::kPermission), w.status().to_string());
   BOOST_TEST(w.status().message().find(untrusted) != std::string::npos, w.status().to_string());
+}
+
+// /dev/shm is sticky: a server running as another user than its worker may
+// not remove the buffer objects of a worker that died. It says so once per
+// object (its sweep runs every second), and the next worker of that user
+// removes them as it attaches.
+BOOST_AUTO_TEST_CASE(a_dead_workers_buffers_the_server_may_not_remove_go_with_the_next_worker_of_their_user) {
+  if (!is_root()) {
+    BOOST_TEST_MESSAGE("skipped: needs root to run the server as another user (nobody) than its worker");
+    return;
+  }
+  const std::string name = test::unique_name("orphan");
+  const std::string object = shm::segment_object_name(name);
+  const std::string server = test::program_path("shmps-server");
+  const std::string log_path = "/tmp/" + name + ".log";
+  const int log_fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  BOOST_REQUIRE(log_fd >= 0);
+  struct Cleanup {
+    std::string object, log;
+    ~Cleanup() {
+      shm::ShmObject::remove(object);
+      ::unlink(log.c_str());
+    }
+  } cleanup{object, log_path};
+  // Buffers of the root worker are 0660 with the segment's group, nogroup:
+  // the server, nobody, may open them, and not remove them.
+  auto server_process = test::Process::fork_fn([&] {
+    if (::dup2(log_fd, STDERR_FILENO) < 0 || !become_nobody()) return 90;
+    ::execl(server.c_str(), server.c_str(), "--name", name.c_str(), "--tensor", "w:4", "--group-access",
+            static_cast<char*>(nullptr));
+    return 91;
+  });
+  ::close(log_fd);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return shm::Segment::open(name, /*read_only=*/true).ok(); }),
+                        "the server run as nobody did not publish /dev/shm/" << object);
+  WorkerOptions o;
+  o.name = name;
+  o.server_user = "nobody";
+  o.timeout = 5s;
+  auto worker = test::Process::fork_fn([&] {
+    auto w = Worker::connect(o);
+    if (!w.ok()) return 92;
+    for (int i = 0; i < 2; ++i)
+      if (!(*w)->register_buffer(64).ok()) return 93;
+    ::pause();
+    return 0;
+  });
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return buffer_objects(name).size() == 2; }),
+                        "the worker did not register its 2 buffers");
+  worker.kill_and_reap();
+  const auto warnings = [&] {
+    const std::string log = test::read_file(log_path);
+    size_t n = 0;
+    for (size_t at = log.find("cannot remove orphaned buffer object"); at != std::string::npos;
+         at = log.find("cannot remove orphaned buffer object", at + 1))
+      ++n;
+    return n;
+  };
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return warnings() == 2; }), test::read_file(log_path));
+  std::this_thread::sleep_for(2500ms);  // two more sweeps: said once per object, and nothing removed
+  BOOST_TEST(warnings() == 2u, test::read_file(log_path));
+  BOOST_TEST(buffer_objects(name).size() == 2u);
+  const std::string log = test::read_file(log_path);
+  BOOST_TEST(log.find("(owner root:nogroup, mode 0660): Permission denied (errno 13); /dev/shm is sticky: only its "
+                      "owner (or root) may remove it. A worker of that user removes it as it attaches to '" +
+                      name + "'") != std::string::npos,
+             log);
+  BOOST_TEST(log.find("removed orphaned buffer object") == std::string::npos, log);
+  auto next = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(next.ok(), next.status().to_string());
+  BOOST_TEST(buffer_objects(name).empty());
+  next.value().reset();
+  server_process.signal(SIGTERM);
+  BOOST_TEST(server_process.wait(10s) == 0);
 }
 
 BOOST_AUTO_TEST_CASE(workers_never_create_the_control_segment) {

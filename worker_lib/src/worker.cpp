@@ -1149,7 +1149,14 @@ Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& asked) {
       impl->options = options;
       impl->trusted = *trusted;
       s = impl->attach_to(std::move(segment).value());
-      if (s.ok()) return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+      if (s.ok()) {
+        // This user's buffer objects that dead workers of this server left:
+        // a server running as another user may not remove them (/dev/shm
+        // is sticky), so each worker that attaches does.
+        for (const shm::OrphanBuffer& o : shm::orphan_buffers(options.name))
+          if (o.owner == ::geteuid()) shm::ShmObject::remove(o.object_name);
+        return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+      }
     }
     // Only "no server yet" is worth waiting for: a segment of another
     // layout, a permission or a full table stays what it is.
@@ -1192,8 +1199,8 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
   // The counter is process-wide: several Workers of one process share the pid.
   static std::atomic<uint64_t> buffer_counter{0};
   const std::string object_name =
-      shm::segment_object_name(w.options.name) + ".p" + std::to_string(::getpid()) + "." +
-      std::to_string(buffer_counter.fetch_add(1, std::memory_order_relaxed));  // relaxed: a unique number only
+      shm::buffer_object_name(w.options.name, ::getpid(),
+                              buffer_counter.fetch_add(1, std::memory_order_relaxed));  // relaxed: a unique number only
   // Only a server started with --group-access (it may run as another user
   // of the segment's group) gets group-shared buffers; otherwise nobody but
   // this user may open them.

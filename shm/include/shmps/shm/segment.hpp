@@ -25,6 +25,19 @@ namespace shmps::shm {
 Status validate_name(const std::string& name);
 // "shmps.<name>": the POSIX shm object of the control segment.
 std::string segment_object_name(const std::string& name);
+// "shmps.<name>.p<pid>.<n>": buffer `n` of the worker process `pid` of
+// server `name` (the server opens only objects named so).
+std::string buffer_object_name(const std::string& name, pid_t pid, uint64_t n);
+// A buffer object of server `name` left by a worker process that is gone:
+// its object name, its pid, and its owner.
+struct OrphanBuffer {
+  std::string object_name;
+  pid_t pid;
+  uid_t owner;
+};
+// The buffer objects of server `name` in /dev/shm whose pid is `pid`, or,
+// with pid 0, whose pid no process uses (pid_in_use()).
+std::vector<OrphanBuffer> orphan_buffers(const std::string& name, pid_t pid = 0);
 
 // "alice:staff" (login and group names, "uid N"/"gid N" where the
 // databases have none) and "0660": an object's owner and mode as every
@@ -81,8 +94,10 @@ class ShmObject {
   // nothing.
   static Result<std::unique_ptr<ShmObject>> open(const std::string& object_name, bool read_only,
                                                  OpenFailure* failure = nullptr, uint64_t max_bytes = ~uint64_t{0});
-  // shm_unlink; nothing happens when it is already gone.
-  static void remove(const std::string& object_name);
+  // shm_unlink; nothing happens when it is already gone. Returns 0, or
+  // the errno of a failed unlink (EPERM: another user's object in the
+  // sticky /dev/shm).
+  static int remove(const std::string& object_name);
 
   ~ShmObject();
   void* data() const noexcept { return data_; }
