@@ -15,8 +15,10 @@ namespace shmps::train {
 class Child {
  public:
   Child() = default;
-  explicit Child(ChildProcess process) : process_(std::move(process)) {}
+  explicit Child(ChildProcess process) : pid_(process.pid()), process_(std::move(process)) {}
 
+  // The child's pid, kept after it is reaped.
+  pid_t pid() const { return pid_; }
   bool running() const { return process_.running(); }
   void signal(int signo) const { process_.signal(signo); }
   // Reaps the child if it has exited; true once it has.
@@ -39,6 +41,7 @@ class Child {
   int status() const { return status_; }
 
  private:
+  pid_t pid_ = -1;
   ChildProcess process_;
   int status_ = -1;
 };

@@ -158,6 +158,18 @@ Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, OwnS
   options.reconnect = true;
   while (true) {
     Result<std::unique_ptr<Worker>> w = Worker::connect(options);
+    if (w.ok() && server != nullptr && (*w)->server_pid() != server->pid()) {
+      const pid_t other = (*w)->server_pid();
+      w = Status(ErrorCode::kInvalidArgument,
+                 "another shmps-server (pid " + std::to_string(other) + ") serves '" + name +
+                     "', not the one shmps-train started: choose another --name, or --connect " + name + " to use it");
+      // Ours exits at once (it refuses a live server's name): say that.
+      if (!server->poll() && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        continue;
+      }
+      return w;
+    }
     const ErrorCode code = w.status().code();
     const bool starting =
         code == ErrorCode::kServerNotRunning || (server != nullptr && code == ErrorCode::kLayoutMismatch);

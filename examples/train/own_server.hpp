@@ -46,6 +46,8 @@ class OwnServer {
   bool poll() { return child_.poll(); }
   // Exit code, or 128 + signal; valid once poll() returned true.
   int status() const { return child_.status(); }
+  // The pid of the server started last.
+  pid_t pid() const { return child_.pid(); }
   bool restartable() const { return !checkpoint_dir_.empty(); }
   int restarts() const { return restarts_; }
 
@@ -61,7 +63,9 @@ class OwnServer {
 // segment yet). With a server of our own (`server` != nullptr) a layout
 // mismatch is retried too: between the server's shm_open and its header
 // write, the object is briefly empty or zero, which connect reports as a
-// foreign file; and its exit ends the wait (kServerNotRunning).
+// foreign file; and its exit ends the wait (kServerNotRunning). A segment
+// that another server publishes under the name is not ours: never
+// attached to (our server refuses to start beside it).
 Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, OwnServer* server,
                                                    std::chrono::milliseconds patience);
 

@@ -22,6 +22,7 @@
 #include "idx.hpp"
 #include "mlp.hpp"
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
@@ -235,6 +236,29 @@ BOOST_FIXTURE_TEST_CASE(connect_refuses_a_server_whose_weights_are_all_zero, Tra
   BOOST_REQUIRE_EQUAL(rc, 0);
   BOOST_TEST(final_accuracy() > 0.60);
   BOOST_TEST(normal.stop() == 0);
+}
+
+// --name of a server already running: shmps-train's own server refuses to
+// start beside it, and shmps-train never attaches to the other one (its
+// weights, optimizer and lr are another job's).
+BOOST_FIXTURE_TEST_CASE(a_name_another_server_serves_is_refused_untouched, TrainRun) {
+  std::vector<std::string> args = server_args("");
+  args.insert(args.end(), {"--init", "normal", "--init-scale", "0.05"});
+  ServerProcess other(name, args);
+  run({"--train-limit", "1000", "--test-limit", "100", "--epochs", "1", "--workers", "1"});
+  BOOST_TEST(rc == 1);
+  BOOST_TEST(output.find("another shmps-server (pid " + std::to_string(other.process().pid()) + ") serves '" + name +
+                         "', not the one shmps-train started: choose another --name, or --connect " + name +
+                         " to use it") != std::string::npos,
+             output);
+  BOOST_TEST(output.find("epoch ") == std::string::npos, output);
+  auto w = shmps::test::connect(name);
+  auto stats = w->stats();
+  BOOST_REQUIRE(stats.ok());
+  BOOST_TEST(stats->gradients_applied == 0u);
+  BOOST_TEST(stats->version == 0u);
+  w.reset();
+  BOOST_TEST(other.stop() == 0);
 }
 
 BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
