@@ -134,12 +134,6 @@ struct Fd {
   int fd = -1;
 };
 
-uint64_t element_count(const shm::TensorSpec& t) {
-  uint64_t n = 1;
-  for (uint64_t d : t.shape) n *= d;
-  return n;
-}
-
 // An open checkpoint file whose header and tensor records passed every
 // check that needs no payload: open_checkpoint().
 struct OpenedCheckpoint {
@@ -191,8 +185,7 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   }
   // The layout before the size, and both before any allocation the file's
   // counts would size.
-  uint64_t expect_total = 0;
-  for (const shm::TensorSpec& t : expect.tensors) expect_total += element_count(t);
+  const uint64_t expect_total = shm::total_elements(expect.tensors);
   if (h.tensor_count != expect.tensors.size())
     return misfit(std::to_string(h.tensor_count) + " tensors, this server has " +
                   std::to_string(expect.tensors.size()));

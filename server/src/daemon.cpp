@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "service.hpp"
 #include "shmps/server/log.hpp"
 #include "shmps/server/options.hpp"
 #include "shmps/server/server.hpp"
@@ -110,6 +111,10 @@ Status run_server(const ServerConfig& config, const std::vector<std::string>& ar
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
   ::pthread_sigmask(SIG_BLOCK, &stop_signals, &previous);
+  // Restoring a large checkpoint (or reading a large --init-file) may take
+  // longer than TimeoutStartSec=.
+  if (!config.checkpoint_dir.empty() || config.init.kind == InitSpec::Kind::kFile)
+    ServiceNotifier::from_environment().extend_timeout(checkpoint_io_allowance(shm::total_elements(config.tensors)));
   auto server = Server::create(config);
   if (!server.ok()) {
     ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);

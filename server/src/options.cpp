@@ -646,15 +646,8 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   // start that fails. Same reader, so the same message. With a checkpoint
   // directory the start needs it only when no checkpoint is restored,
   // which a check cannot know: not refused then.
-  if (out.check && c.init.kind == InitSpec::Kind::kFile && c.checkpoint_dir.empty()) {
-    uint64_t total = 0;
-    for (const shm::TensorSpec& t : c.tensors) {
-      uint64_t n = 1;
-      for (uint64_t d : t.shape) n *= d;  // validate(): at most 2^40 in all
-      total += n;
-    }
-    if (Status s = read_init_file(c.init.file, total); !s.ok()) return s;
-  }
+  if (out.check && c.init.kind == InitSpec::Kind::kFile && c.checkpoint_dir.empty())
+    if (Status s = read_init_file(c.init.file, shm::total_elements(c.tensors)); !s.ok()) return s;
   // --backend cuda starts only where a device is; auto falls back to host.
   if (std::string why; out.check && c.backend == BackendKind::kCuda && !cuda_backend_available(&why))
     return fail("--backend cuda needs a usable CUDA device, and this host has none (" + why +

@@ -37,5 +37,14 @@ void ServiceNotifier::reloading(uint64_t monotonic_ns) {
   send("RELOADING=1\nMONOTONIC_USEC=" + std::to_string(monotonic_ns / 1000));
 }
 void ServiceNotifier::stopping(std::string_view status) { send("STOPPING=1\nSTATUS=" + std::string(status)); }
+void ServiceNotifier::extend_timeout(std::chrono::microseconds allowance) {
+  send("EXTEND_TIMEOUT_USEC=" + std::to_string(allowance.count()));
+}
+
+std::chrono::microseconds checkpoint_io_allowance(uint64_t total_elements) {
+  constexpr uint64_t kBytesPerSecond = 20'000'000;
+  const uint64_t bytes = total_elements * sizeof(float) * 6;  // at most 2^40 elements: no overflow
+  return std::chrono::seconds(30) + std::chrono::microseconds(bytes / (kBytesPerSecond / 1'000'000));
+}
 
 }  // namespace shmps::server

@@ -1,5 +1,6 @@
 // The daemon's half of systemd's notification protocol (sd_notify(3)):
-// READY=1, STATUS=, WATCHDOG=1, RELOADING=1 and STOPPING=1 datagrams to
+// READY=1, STATUS=, WATCHDOG=1, RELOADING=1, STOPPING=1 and
+// EXTEND_TIMEOUT_USEC= datagrams to
 // $NOTIFY_SOCKET. Without $NOTIFY_SOCKET every call is a no-op and costs
 // nothing, so the server behaves the same outside systemd.
 // Thread safety: one ServiceNotifier is used by one thread (the server's
@@ -7,11 +8,19 @@
 // seconds, never per request.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <string_view>
 
 namespace shmps::server {
+
+// How long reading or writing the checkpoint of a model of
+// `total_elements` parameters may take: 30 s, plus its bytes (at most six
+// fp32 arrays: the weights, three of optimizer state, the federation's
+// anchor and momentum) at 20 MB/s, a slow disk's rate. Bounded, so that a
+// hung file system still ends in the service manager's SIGKILL.
+std::chrono::microseconds checkpoint_io_allowance(uint64_t total_elements);
 
 class ServiceNotifier {
  public:
@@ -38,6 +47,10 @@ class ServiceNotifier {
   void reloading(uint64_t monotonic_ns);
   // "STOPPING=1" plus "STATUS=<status>": shutdown began.
   void stopping(std::string_view status);
+  // "EXTEND_TIMEOUT_USEC=<allowance>": the start or stop under way may
+  // outlast TimeoutStartSec=/TimeoutStopSec= (a large checkpoint to read or
+  // write) by up to `allowance`. Never shortens the unit's own timeout.
+  void extend_timeout(std::chrono::microseconds allowance);
 
  private:
   void send(const std::string& message);

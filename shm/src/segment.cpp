@@ -160,6 +160,18 @@ Status validate_name(const std::string& name) {
 
 std::string segment_object_name(const std::string& name) { return "shmps." + name; }
 
+uint64_t element_count(const TensorSpec& t) {
+  uint64_t n = 1;
+  for (const uint64_t d : t.shape) n *= d;
+  return n;
+}
+
+uint64_t total_elements(const std::vector<TensorSpec>& tensors) {
+  uint64_t total = 0;
+  for (const TensorSpec& t : tensors) total += element_count(t);
+  return total;
+}
+
 std::string buffer_object_name(const std::string& name, pid_t pid, uint64_t n) {
   return segment_object_name(name) + ".p" + std::to_string(pid) + "." + std::to_string(n);
 }

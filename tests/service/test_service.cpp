@@ -349,6 +349,44 @@ BOOST_AUTO_TEST_CASE(notify_ready_status_watchdog_reload_stopping_in_order) {
   BOOST_TEST(contains(log, "shmps-server info: stopped: version 5, gradients applied 5"), log);
 }
 
+// With checkpoints, a start (restoring one) and a stop (writing the final
+// one) may outlast TimeoutStartSec=/TimeoutStopSec=: each asks for an
+// allowance (EXTEND_TIMEOUT_USEC=), the start's before READY=1, the stop's
+// after STOPPING=1.
+BOOST_AUTO_TEST_CASE(checkpoint_io_extends_the_start_and_stop_timeouts) {
+  NotifySocket socket;
+  TempPath err("stderr");
+  test::TempDir dir("svc_extend");
+  const std::string name = test::unique_name("svc_extend");
+  SegmentGuard guard(name);
+  ServiceEnv env;
+  env.notify_socket = socket.path();
+  test::Process server =
+      spawn_server({"--name", name, "--tensor", "w:4", "--checkpoint-dir", dir.path.string()}, env, err.path);
+  std::vector<Message> messages;
+  const auto index_of = [&](const std::string& what, std::chrono::seconds patience) -> std::optional<size_t> {
+    const auto deadline = std::chrono::steady_clock::now() + patience;
+    while (true) {
+      for (size_t i = 0; i < messages.size(); ++i)
+        if (messages[i].has(what)) return i;
+      if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
+      if (auto m = socket.receive(100ms)) messages.push_back(*m);
+    }
+  };
+  const auto ready = index_of("READY=1", 10s);
+  BOOST_REQUIRE_MESSAGE(ready, read_file(err.path));
+  BOOST_REQUIRE(!messages.empty());
+  BOOST_TEST(messages[0].value("EXTEND_TIMEOUT_USEC") == "30000004", messages[0].text);  // 30 s + 96 B at 20 MB/s
+  BOOST_TEST(*ready > 0u);
+  server.signal(SIGTERM);
+  BOOST_REQUIRE(server.wait(10s) == 0);
+  while (auto m = socket.receive(0ms)) messages.push_back(*m);
+  const auto stopping = index_of("STOPPING=1", 0s);
+  BOOST_REQUIRE(stopping);
+  BOOST_REQUIRE(*stopping + 1 < messages.size());
+  BOOST_TEST(messages.back().value("EXTEND_TIMEOUT_USEC") == "30000004", messages.back().text);
+}
+
 BOOST_AUTO_TEST_CASE(sighup_reloads_lr_and_max_staleness_from_the_config_file) {
   // No $NOTIFY_SOCKET: outside systemd the server runs all the same.
   ReloadableServer s("svc_hup", "# test\ntensor = w:4\noptimizer = sgd\n",

@@ -136,6 +136,11 @@ struct TensorSpec {
 // of fp32). Checkpoint files are read against the same bound.
 inline constexpr uint64_t kMaxTotalElements = uint64_t{1} << 40;
 
+// The elements of one tensor, and of all (their shapes' products; at most
+// kMaxTotalElements once validate_tensors() passed them).
+uint64_t element_count(const TensorSpec& t);
+uint64_t total_elements(const std::vector<TensorSpec>& tensors);
+
 // Checks a model's tensor list: 1..kMaxTensorsLimit tensors, each named
 // 1..63 printable bytes without blanks or ':', names unique, 1..4
 // dimensions of 1..2^40, at most kMaxTotalElements elements in all.
