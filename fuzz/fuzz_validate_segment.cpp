@@ -18,9 +18,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   void* image = nullptr;
   if (::posix_memalign(&image, 64, size == 0 ? 1 : size) != 0) return 0;
   if (size != 0) std::memcpy(image, data, size);
-  // While the first reserved byte of the header is 0 (as in every seed),
-  // the layout version is set to this build's: seeds stay valid across a
-  // version bump, and the fuzzer can still clear that byte to try others.
+  // While the first byte of SegmentHeader::reserved5 (offset 576) is 0 (as
+  // in every valid seed), the layout version is set to this build's: seeds
+  // stay valid across a version bump, and setting that byte non-zero lets
+  // the fuzzer try other versions.
   constexpr size_t kVersionAt = offsetof(shmps::shm::SegmentHeader, layout_version);
   constexpr size_t kSwitchAt = offsetof(shmps::shm::SegmentHeader, reserved5);
   if (size > kSwitchAt && static_cast<const uint8_t*>(image)[kSwitchAt] == 0)
