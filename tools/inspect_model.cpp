@@ -1015,7 +1015,7 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
   const auto histogram = [&](const std::string& base, const HistogramView& hv, bool ns, const std::string& help) {
     const std::string metric = "shmps_" + (ns ? base.substr(0, base.size() - 3) + "_seconds" : base);
     e.family(metric, "histogram", help);
-    const uint32_t first = ns ? 7 : 0, last = ns ? 36 : 20;  // 128 ns .. 68.7 s; 1 .. 2^20 versions
+    const uint32_t first = ns ? 7 : 0, last = ns ? 36 : 20;  // le 127 ns .. 68.7 s; 0 .. 2^20 - 1 versions
     uint64_t cumulative = 0;
     for (uint32_t b = 0; b < hv.buckets.size(); ++b) {
       // Bucket b holds [2^(b-1), 2^b): at or below le = 2^b - 1, for integers.

@@ -2,7 +2,8 @@
 // crash loop of workers cannot flood the journal: rejections at most one
 // line per cause per second (the rest counted and reported with the next
 // line, or by flush()), worker lifecycle lines (attached, detached, died,
-// evicted) at most kWorkerLinesPerSecond a second. Consumer thread only.
+// evicted) at most WorkerLineLog::kLinesPerSecond a second. Consumer
+// thread only.
 #pragma once
 
 #include <array>

@@ -5,10 +5,12 @@
 // request lane: no gradient byte goes through the ring or a socket.
 //
 // Testing aid: with SHMPS_FAULT=<point>[:<n>] in the environment, the
-// process SIGKILLs itself the n-th time (default 1st) it reaches <point>:
-// after_claim, after_buffer_create, after_register, before_publish,
-// after_publish, after_doorbell, after_completion (tests/integration/
-// test_faults.cpp). Unset, it costs a predictable branch per point.
+// process SIGKILLs itself the n-th time (default 1st) it reaches <point>
+// (with :stop appended, SHMPS_FAULT=<point>:<n>:stop, it SIGSTOPs itself
+// instead): after_claim, after_buffer_create, after_register,
+// before_publish, after_publish, after_doorbell, after_completion,
+// after_cancel (tests/integration/test_faults.cpp, docs/reliability.md).
+// Unset, it costs a predictable branch per point.
 //
 // Device buffers (register_device_buffer): CUDA memory stays where it is;
 // the server maps its allocation once by CUDA IPC handle. The server's

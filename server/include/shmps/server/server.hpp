@@ -28,9 +28,10 @@ struct RunOptions {
   // the shutdown begins.
   bool notify_service_manager = false;
   // Called on the consumer thread after request_reload(): the configuration
-  // to switch to. What can change live is applied (lr, max_staleness,
-  // apply_threads, log level) and logged old -> new; any other difference is logged as needing
-  // a restart. An error is logged and the running configuration kept.
+  // to switch to. What can change live is applied (lr, lr_schedule,
+  // max_staleness, staleness_policy, apply_threads, log level) and logged
+  // old -> new; any other difference is logged as needing a restart. An
+  // error is logged and the running configuration kept.
   // Empty: a reload request is logged and ignored.
   std::function<Result<ServerConfig>()> reload;
 };
