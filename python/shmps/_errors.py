@@ -1,7 +1,7 @@
 """The exception classes of shmps: one per shmps::ErrorCode, all under Error.
 
 The compiled module raises them through make_error(); their codes and names
-are shmps::ErrorCode's (shm/include/shmps/status.hpp), checked against the
+are shmps::ErrorCode's (base/include/shmps/status.hpp), checked against the
 extension's table when the package is imported.
 """
 
@@ -77,9 +77,10 @@ InternalError = _error("InternalError", 21, "internal", "A broken invariant insi
 InitRefusedError = _error("InitRefusedError", 22, "init_refused",
                           "init() was refused: the weights were already initialised, or pushes applied.")
 InterruptedError = _error("InterruptedError", 23, "interrupted",
-                          "A pull the server held back (--staleness-policy wait) was withdrawn by its Worker "
-                          "(an interrupted wait, or a detach); nothing was copied. (The interrupted wait itself "
-                          "raises its signal handler's exception.)", builtins.InterruptedError)
+                          "A call ended by Worker.interrupt() or by close() from another thread, or a pull the "
+                          "server held back (--staleness-policy wait) that its Worker withdrew (an interrupted "
+                          "wait, or a detach; nothing was copied). A wait ended by a signal handler raises the "
+                          "handler's exception instead.", builtins.InterruptedError)
 
 BY_CODE = {
     cls.code: cls
