@@ -21,6 +21,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MAGIC = 0x31474553504D4853
 
 
+# The harness's switch (fuzz_validate_segment.cpp, kSwitchAt): the first
+# byte of SegmentHeader::reserved5. Non-zero: the image keeps its own layout
+# version instead of having the current one written into it.
+SWITCH_AT = 576
+
+
 def layout_version():
     """kLayoutVersion as shm/include/shmps/shm/layout.hpp defines it."""
     with open(os.path.join(HERE, "..", "shm", "include", "shmps", "shm", "layout.hpp")) as f:
@@ -229,10 +235,11 @@ def main():
     }
     near_misses = {
         "foreign": bytes([0x5A]) * 4096,
-        "unpublished": seg["minimal"][:8] + bytes(4) + seg["minimal"][12:448] + b"\x01" + seg["minimal"][449:],
-        # The harness sets the current version while header byte 448 is 0.
-        "other_version": seg["minimal"][:8] + struct.pack("<I", LAYOUT_VERSION + 1) + seg["minimal"][12:448] +
-                         b"\x01" + seg["minimal"][449:],
+        "unpublished": seg["minimal"][:8] + bytes(4) + seg["minimal"][12:SWITCH_AT] + b"\x01" +
+                       seg["minimal"][SWITCH_AT + 1:],
+        # The harness sets the current version while its switch byte is 0.
+        "other_version": seg["minimal"][:8] + struct.pack("<I", LAYOUT_VERSION + 1) + seg["minimal"][12:SWITCH_AT] +
+                         b"\x01" + seg["minimal"][SWITCH_AT + 1:],
         "truncated": seg["minimal"][:4096],
     }
     files = {"fuzz_validate_segment": {**seg, **near_misses}, "fuzz_requests": requests_corpus(),

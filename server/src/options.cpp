@@ -415,10 +415,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "max-staleness", po::value(&c.max_staleness)->default_value(4),
       "the staleness bound: versions (reject), clocks ahead of the slowest worker (wait); changes live on SIGHUP")(
       "staleness-policy", po::value(&staleness_policy)->default_value("reject"),
-      "reject (stale pushes) | wait (hold pulls of workers max-staleness clocks ahead: SSP) | scale (apply every "
-      "push, past max-staleness versions with lr * max-staleness / staleness); changes live on SIGHUP")(
-      "allow-nonfinite", po::bool_switch(&c.allow_nonfinite),
-      "apply gradients holding NaN or Inf (rejected by default)")(
+      "reject (stale pushes) | wait (hold pulls of workers more than max-staleness clocks ahead: SSP) | scale "
+      "(apply every push, past max-staleness versions with lr * max(1, max-staleness) / staleness); changes live "
+      "on SIGHUP")("allow-nonfinite", po::bool_switch(&c.allow_nonfinite),
+                   "apply gradients holding NaN or Inf (rejected by default)")(
       "ring-capacity", po::value(&c.lane_capacity)->default_value(64), "slots per worker request lane (power of two)")(
       "max-workers", po::value(&c.max_workers)->default_value(16), "worker table size (1..256)")(
       "max-buffers", po::value(&c.max_buffers)->default_value(16), "registered buffers per worker (1..64)")(
