@@ -1,5 +1,8 @@
 #include "idx.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -37,9 +40,20 @@ class IdxFile {
     if (!std::filesystem::exists(path, ec)) return Status(ErrorCode::kIo, missing_file_message(path));
     IdxFile f;
     f.path_ = path;
+    // O_NONBLOCK: a FIFO at the path must not block the open; a regular
+    // file only (a FIFO or a device would block or never end the read).
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return Status(ErrorCode::kIo, path + ": cannot open: " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return Status(ErrorCode::kInvalidArgument, path + ": not a regular file");
+    }
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     errno = 0;
-    f.file_.reset(gzopen(path.c_str(), "rb"));
+    f.file_.reset(gzdopen(fd, "rb"));  // owns fd from here
     if (!f.file_) {
+      ::close(fd);
       return Status(ErrorCode::kIo, path + ": cannot open: " + (errno != 0 ? std::strerror(errno) : "out of memory"));
     }
     gzbuffer(f.file_.get(), 1 << 17);
@@ -190,6 +204,7 @@ Result<Dataset> load_fashion_mnist(const std::string& dir, Split split, size_t l
   };
   Result<Dataset> d = load_idx_dataset(pick(prefix + "-images-idx3-ubyte"), pick(prefix + "-labels-idx1-ubyte"), limit);
   if (!d.ok()) return d;
+  if (d->count == 0) return Status(ErrorCode::kInvalidArgument, prefix + "-images-idx3-ubyte holds no images");
   if (d->features != 28 * 28) {
     return Status(ErrorCode::kInvalidArgument, prefix + "-images-idx3-ubyte: images have " +
                                                    std::to_string(d->features) +

@@ -64,11 +64,7 @@ class LocalPath final : public UpdatePath {
 }  // namespace
 
 int run_in_process(const Options& o, const MlpShape& shape, const Dataset& train, const Dataset& test) {
-  const kernels::OptimizerConfig config = optimizer_config(o);
-  if (const Status bad = kernels::validate(config); !bad.ok()) {
-    std::cerr << "shmps-train: " << bad.message() << "\n";  // what the server would have said
-    return kExitUsage;
-  }
+  const kernels::OptimizerConfig config = optimizer_config(o);  // checked by parse_options()
   std::vector<float> init(mlp_parameter_count(shape));
   he_init(shape, init, o.seed);
   LocalPath path(shape, std::move(init), config);

@@ -75,7 +75,9 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   if (!shard.empty()) {
     const size_t slash = shard.find('/');
     try {
-      if (slash == std::string::npos) throw std::invalid_argument(shard);
+      // Digits only: stoul reads "-1" as 2^64 - 1.
+      if (slash == std::string::npos || shard.find_first_not_of("0123456789/") != std::string::npos)
+        throw std::invalid_argument(shard);
       size_t used = 0;
       o.shard_index = std::stoul(shard.substr(0, slash), &used);
       if (used != slash) throw std::invalid_argument(shard);
@@ -87,14 +89,23 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
     if (o.shard_count == 0 || o.shard_index >= o.shard_count)
       bad = "--shard must be I/N with I < N, got '" + shard + "'";
   }
-  if (o.workers < 1 || o.workers > 256) bad = "--workers must be 1..256";
+  // Its own server has two entries more (the evaluation worker, one spare),
+  // and a server at most 256.
+  if (o.workers < 1 || o.workers > 254) bad = "--workers must be 1..254";
   if (o.epochs < 1) bad = "--epochs must be >= 1";
   if (o.batch < 1 || o.batch > 8192) bad = "--batch must be 1..8192";
   if (o.optimizer != "adam" && o.optimizer != "adamw" && o.optimizer != "sgd") {
     bad = "--optimizer must be adam, adamw or sgd";
   }
-  if (o.lr == 0.0) o.lr = default_lr(o.optimizer);
-  if (!(o.lr > 0.0) || !std::isfinite(o.lr)) bad = "--lr must be > 0";
+  if (vm.count("lr") == 0) o.lr = default_lr(o.optimizer);
+  if (!(o.lr > 0.0) || !std::isfinite(o.lr)) bad = "--lr must be finite and > 0";
+  if (vm.count("weight-decay") != 0 && !(o.weight_decay >= 0.0 && std::isfinite(o.weight_decay)))
+    bad = "--weight-decay must be finite and >= 0";
+  // The hyperparameters as the server (or --in-process) checks them, so a
+  // bad one is a usage error here rather than the server's exit 1. With
+  // --connect the server's own optimizer applies.
+  if (bad.empty() && o.connect.empty())
+    if (const Status s = kernels::validate(optimizer_config(o)); !s.ok()) bad = s.message();
   if (o.evals_per_epoch < 1 || o.evals_per_epoch > 1000) bad = "--evals-per-epoch must be 1..1000";
   if (o.evaluate && o.connect.empty()) bad = "--evaluate scores a running server's weights: it needs --connect";
   if (o.in_process) {

@@ -15,7 +15,8 @@ namespace shmps::train {
 
 // Exit status: 0 done, kExitFailure a runtime failure (server, worker,
 // mismatch of counts), kExitUsage bad usage, missing dataset, or a
-// --connect server whose weights are all zero.
+// --connect server whose weights are all zero; 128 + N when signal N
+// (SIGINT, SIGTERM, SIGHUP) stopped the job, after its cleanup.
 inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
 
@@ -24,7 +25,7 @@ struct Options {
   size_t epochs = 20;
   size_t batch = 64;
   std::string optimizer = "adam";
-  double lr = 0.0;  // 0: the optimizer's default
+  double lr = 0.0;  // parse_options(): the optimizer's default where --lr is not given
   double momentum = 0.9;
   bool nesterov = false;
   double weight_decay = -1.0;  // < 0: the server's default (0; AdamW 0.01)

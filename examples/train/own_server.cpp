@@ -39,11 +39,16 @@ std::string tensor_arg(const ParamTensor& t) {
   return s;
 }
 
+// Where the temp files go: $TMPDIR, else /tmp.
+std::string temp_dir() {
+  const char* tmp = std::getenv("TMPDIR");
+  return tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+}
+
 // Writes the flat parameters as raw little-endian fp32 to a new temp file.
 Result<std::string> write_init_file(const std::vector<float>& params) {
   static_assert(std::endian::native == std::endian::little, "the init file is little-endian fp32");
-  const char* tmp = std::getenv("TMPDIR");
-  std::string path = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/shmps-train-init-XXXXXX";
+  std::string path = temp_dir() + "/shmps-train-init-XXXXXX";
   const int fd = ::mkstemp(path.data());
   if (fd < 0) return Status(ErrorCode::kIo, path + ": mkstemp: " + std::strerror(errno));
   const auto* p = reinterpret_cast<const char*>(params.data());
@@ -111,9 +116,9 @@ int OwnServer::start(const Options& o, const MlpShape& shape) {
   if (o.checkpoint_every != 0) {
     // A server that dies mid-run is restarted and resumes from its last
     // checkpoint (what systemd's Restart=on-failure does for a service).
-    char dir[] = "/tmp/shmps-train-ckpt-XXXXXX";
-    if (::mkdtemp(dir) == nullptr) {
-      std::cerr << "shmps-train: mkdtemp: " << std::strerror(errno) << "\n";
+    std::string dir = temp_dir() + "/shmps-train-ckpt-XXXXXX";
+    if (::mkdtemp(dir.data()) == nullptr) {
+      std::cerr << "shmps-train: " << dir << ": mkdtemp: " << std::strerror(errno) << "\n";
       return kExitFailure;
     }
     checkpoint_dir_ = dir;

@@ -1,13 +1,18 @@
 #include "trainer.hpp"
 
+#include <signal.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <string>
 #include <thread>
 #include <utility>
 
 #include "in_process.hpp"
+#include "shmps/shm/segment.hpp"
 #include "train_loop.hpp"
 
 namespace shmps::train {
@@ -15,10 +20,32 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The signal that asked the job to stop (SIGINT: Ctrl-C; SIGTERM; SIGHUP),
+// or 0. The watch loop ends the job on it, so that the destructor stops the
+// workers and the server and removes the temp files.
+std::atomic<int> g_stop_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "written by a signal handler");
+
+void on_stop_signal(int signo) { g_stop_signal.store(signo, std::memory_order_relaxed); }  // relaxed: a flag
+
+// The exit code of a job stopped by a signal: 128 + its number, as a shell
+// reports a process killed by it.
+int stopped_by_signal() {
+  const int signo = g_stop_signal.load(std::memory_order_relaxed);  // relaxed: a flag
+  std::cerr << "shmps-train: stopped by signal " << signo << " (" << strsignal(signo)
+            << "); stopping the workers and the server\n";
+  return 128 + signo;
+}
+
 }  // namespace
 
 Trainer::~Trainer() {
   for (Child& c : workers_) c.kill_and_reap();
+  // Their buffer objects: a server that stopped first (a signal to the
+  // whole process group) swept only the workers dead by then.
+  const std::string server_name = o_.connect.empty() ? o_.name : o_.connect;
+  for (const Child& c : workers_)
+    for (const shm::OrphanBuffer& b : shm::orphan_buffers(server_name, c.pid())) shm::ShmObject::remove(b.object_name);
   eval_.reset();
   server_.reset();  // stops it, removes its files
 }
@@ -26,6 +53,13 @@ Trainer::~Trainer() {
 int Trainer::run() {
   if (int rc = load_data(); rc != 0) return rc;
   if (o_.in_process) return run_in_process(o_, shape_, train_, test_);
+  // From here a signal ends the job through the destructor: temp files,
+  // workers and the server are cleaned up. Workers take the default action
+  // again (run_worker()); the server execs, which resets them.
+  struct sigaction stop {};
+  stop.sa_handler = on_stop_signal;
+  sigemptyset(&stop.sa_mask);
+  for (const int signo : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(signo, &stop, nullptr);
   const std::string server_name = o_.connect.empty() ? o_.name : o_.connect;
   if (int rc = attach(server_name); rc != 0) return rc;
   if (o_.evaluate) {
@@ -53,6 +87,7 @@ int Trainer::run() {
               o_.workers, o_.batch, setup.c_str(), o_.epochs, static_cast<unsigned long long>(per_epoch));
   std::fflush(stdout);
 
+  if (g_stop_signal.load(std::memory_order_relaxed) != 0) return stopped_by_signal();  // relaxed: a flag
   SharedSlots slots(o_.workers);
   if (int rc = fork_workers(server_name, slots); rc != 0) return rc;
   set_blas_threads(1);
@@ -68,7 +103,8 @@ int Trainer::run() {
   // SYNC(start_gate): see run_worker.
   slots.gate().open.store(1, std::memory_order_release);
 
-  if (int rc = watch(schedule, curve); rc != 0) return rc;  // the destructor kills the rest
+  if (int rc = watch(schedule, curve); rc != 0) return rc;                             // the destructor kills the rest
+  if (g_stop_signal.load(std::memory_order_relaxed) != 0) return stopped_by_signal();  // relaxed: a flag
   const double train_s = std::chrono::duration<double>(Clock::now() - start_).count();
   // The last evaluation may have seen the final weights already.
   if (curve.last_recorded_version() != total && !take(curve)) return kExitFailure;
@@ -196,6 +232,7 @@ int Trainer::watch(const EvalSchedule& schedule, Curve& curve) {
   size_t running = workers_.size();
   while (running > 0) {
     std::this_thread::sleep_for(poll_every);
+    if (g_stop_signal.load(std::memory_order_relaxed) != 0) return stopped_by_signal();  // relaxed: a flag
     for (size_t i = 0; i < workers_.size(); ++i) {
       if (!workers_[i].running() || !workers_[i].poll()) continue;
       --running;

@@ -281,6 +281,11 @@ BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
     BOOST_TEST(contains(file_error(kHead + "init = uniform\ninit-scale = " + scale + "\n"),
                         "line 4: key 'init-scale': must be > 0 and at most 1e30"),
                scale);
+  // A forgotten --config: the word is refused by name (program_options
+  // would drop it, and the server start with none of the file's options).
+  auto stray = test::parse_server_args({"--name", "j", "--tensor", "w:4", "job1.conf"});
+  BOOST_TEST_REQUIRE(!stray.ok());
+  BOOST_TEST(stray.status().message() == "unexpected argument 'job1.conf': every option is --name value (see --help)");
   // A key the command line gives too: the command line's value wins, and
   // the file's line is named as not used (logged at start and reload).
   {

@@ -1,6 +1,7 @@
 // The IDX reader on files the test writes itself, plain and gzipped: good
 // data, a limit, truncation, wrong magic, zero dimensions, labels out of
 // range, image/label count mismatch and a missing file.
+#include <sys/stat.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -243,6 +244,24 @@ BOOST_FIXTURE_TEST_CASE(fashion_mnist_layout_plain_files, TempDir) {
   shmps::Result<Dataset> wrong = load_fashion_mnist(dir.string(), Split::kTrain);
   BOOST_REQUIRE(!wrong.ok());
   BOOST_TEST(wrong.status().message().find("784") != std::string::npos, wrong.status().message());
+}
+
+// A FIFO (or a device) at a dataset's path is refused at once: reading it
+// would block, or never end. A set of 0 images trains nothing and scores
+// nothing: refused too.
+BOOST_FIXTURE_TEST_CASE(a_fifo_or_an_empty_set_is_refused, TempDir) {
+  const std::string fifo = (dir / "t10k-images-idx3-ubyte").string();
+  BOOST_REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  write("t10k-labels-idx1-ubyte", labels_file({3, 4}, 2));
+  shmps::Result<Dataset> d = load_fashion_mnist(dir.string(), Split::kTest);
+  BOOST_REQUIRE(!d.ok());
+  BOOST_TEST(d.status().message() == fifo + ": not a regular file");
+  fs::remove(fifo);
+  write("t10k-images-idx3-ubyte", images_file(0, 28, 28, 0));
+  write("t10k-labels-idx1-ubyte", labels_file({}, 0));
+  shmps::Result<Dataset> empty = load_fashion_mnist(dir.string(), Split::kTest);
+  BOOST_REQUIRE(!empty.ok());
+  BOOST_TEST(empty.status().message() == (dir / "t10k").string() + "-images-idx3-ubyte holds no images");
 }
 
 BOOST_AUTO_TEST_CASE(a_shard_takes_every_nth_image_from_its_index) {

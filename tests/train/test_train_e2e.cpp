@@ -261,6 +261,37 @@ BOOST_FIXTURE_TEST_CASE(a_name_another_server_serves_is_refused_untouched, Train
   BOOST_TEST(other.stop() == 0);
 }
 
+// SIGTERM (or Ctrl-C's SIGINT) mid-run: the job stops its workers and its
+// server and removes its temp files ($TMPDIR's init file and checkpoint
+// folder) and every shm object of the job, exiting 128 + the signal.
+BOOST_FIXTURE_TEST_CASE(a_signal_mid_run_stops_the_job_and_leaves_nothing, TrainRun) {
+  const fs::path tmp = dir / "tmp";
+  fs::create_directories(tmp);
+  std::string cmd = "TMPDIR=" + shmps::test::shell_quote(tmp.string()) + " exec " +
+                    shmps::test::shell_quote(shmps::test::program_path("shmps-train")) + " --name " +
+                    shmps::test::shell_quote(name) +
+                    " --workers 2 --epochs 50 --train-limit 20000 --test-limit 100 --checkpoint-every 20 >" +
+                    shmps::test::shell_quote(out) + " 2>&1";
+  Process train = Process::spawn({"/bin/sh", "-c", cmd});
+  // Training has begun once a checkpoint was written (every 20 updates).
+  BOOST_REQUIRE_MESSAGE(shmps::test::eventually(
+                            [&] {
+                              for (const auto& e : fs::recursive_directory_iterator(tmp))
+                                if (e.path().filename().string().rfind("ckpt-", 0) == 0) return true;
+                              return false;
+                            },
+                            60s),
+                        shmps::test::read_file(out));
+  train.signal(SIGTERM);
+  rc = train.wait(30s);
+  output = shmps::test::read_file(out);
+  BOOST_TEST(rc == 128 + SIGTERM, output);
+  BOOST_TEST(output.find("shmps-train: stopped by signal 15") != std::string::npos, output);
+  BOOST_TEST(fs::is_empty(tmp), "temp files left in " << tmp);
+  for (const auto& e : fs::directory_iterator("/dev/shm"))
+    BOOST_TEST(e.path().filename().string().rfind("shmps." + name, 0) != 0, e.path() << " left behind");
+}
+
 BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
   Process p = start({"--train-limit", "20000", "--test-limit", "1000", "--epochs", "20", "--workers", "2"});
   // Wait for training to start, then SIGKILL one worker (a child that is
@@ -414,10 +445,28 @@ BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
     BOOST_TEST(rc == 2);
     BOOST_TEST(output.find("--shard must be I/N with I < N") != std::string::npos, output);
   }
-  // Checked as the server checks its options.
-  run({"--in-process", "--train-limit", "100", "--test-limit", "100", "--optimizer", "sgd", "--momentum=-1"});
+  // Checked as the server checks its options, before anything starts: a
+  // usage error (exit 2), never a value replaced by a default.
+  for (const std::vector<std::string>& bad :
+       std::vector<std::vector<std::string>>{{"--optimizer", "sgd", "--momentum=-1"},
+                                             {"--in-process", "--optimizer", "sgd", "--momentum=-1"},
+                                             {"--optimizer", "sgd", "--momentum", "nan"},
+                                             {"--optimizer", "sgd", "--momentum", "0", "--nesterov"},
+                                             {"--lr", "0"},
+                                             {"--weight-decay=-1"},
+                                             {"--weight-decay", "inf"},
+                                             {"--shard", "0/-1"},
+                                             {"--workers", "255"}}) {
+    run(bad);
+    BOOST_TEST(rc == 2, bad[0] << " " << bad[1]);
+    BOOST_TEST(output.find("epoch ") == std::string::npos, output);
+  }
+  // A stray word: the parser's own complaint, not "ambiguous" and a list
+  // of every option.
+  run({"--workers", "2", "4"});
   BOOST_TEST(rc == 2);
-  BOOST_TEST(output.find("--momentum must") != std::string::npos, output);
+  BOOST_TEST(output.find("unexpected argument '4': every option is --name value") != std::string::npos, output);
+  BOOST_TEST(output.find("ambiguous") == std::string::npos, output);
   // The CSV cannot be written: the path and the reason.
   run({"--in-process", "--train-limit", "100", "--test-limit", "100", "--epochs", "1", "--csv", "/nonexistent/c.csv"});
   BOOST_TEST(rc == 1);

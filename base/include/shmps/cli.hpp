@@ -31,10 +31,17 @@ inline bool negative_for_unsigned(const boost::program_options::option_descripti
 
 // Call before po::store(): throws boost::program_options::error
 // "--<key> must be a non-negative integer, got '<value>'" for the first
-// option of `parsed` that negative_for_unsigned() refuses.
+// option of `parsed` that negative_for_unsigned() refuses, and
+// "unexpected argument" for a word that no option takes.
 inline void refuse_negative_unsigned(const boost::program_options::parsed_options& parsed) {
   if (parsed.description == nullptr) return;
   for (const boost::program_options::option& opt : parsed.options) {
+    // A word no positional option takes (a parser without positional()
+    // leaves its key empty): store() would drop it silently, and
+    // find_nothrow("") throws "ambiguous", listing every option.
+    if (opt.string_key.empty())
+      throw boost::program_options::error("unexpected argument '" + (opt.value.empty() ? "" : opt.value[0]) +
+                                          "': every option is --name value (see --help)");
     const boost::program_options::option_description* d = parsed.description->find_nothrow(opt.string_key, false);
     if (d == nullptr) continue;
     for (const std::string& value : opt.value)
