@@ -5,7 +5,11 @@
 namespace shmps::server {
 
 PullGate::PullGate(const ServerConfig& config, const Sessions& sessions, const shm::Segment& segment)
-    : config_(config), sessions_(sessions), segment_(segment), slots_(config.max_workers) {}
+    : config_(config),
+      sessions_(sessions),
+      segment_(segment),
+      slots_(config.max_workers),
+      gating_(config.staleness_policy == shm::StalenessPolicy::kWait) {}
 
 PullGate::Slot& PullGate::slot(uint32_t i) {
   Slot& s = slots_[i];
@@ -31,21 +35,35 @@ uint64_t PullGate::slowest(uint32_t* who) {
   return low;
 }
 
+void PullGate::follow_policy() {
+  const bool gating = config_.staleness_policy == shm::StalenessPolicy::kWait;
+  // Switched to wait (SIGHUP): the clocks drawn apart under another policy
+  // start level, so that the bound holds from the switch on instead of
+  // holding the fast workers until the slow ones made up the whole gap.
+  if (gating && !gating_)
+    for (Slot& s : slots_) s.clock = 0;
+  gating_ = gating;
+}
+
 void PullGate::pushed(uint32_t i) {
+  follow_policy();
   Slot& s = slot(i);
   if (!s.counts) {
-    // Its first push: it joins at the slowest clock, so a worker that
-    // attaches late is not behind by the pushes made before it came.
+    // Its first push places it at the slowest clock (1 for the first
+    // worker to push), so a worker that attaches late is not behind by the
+    // pushes made before it came, nor ahead of a worker of as many pushes.
     uint32_t who = 0;
     const uint64_t low = slowest(&who);
-    s.clock = who == std::numeric_limits<uint32_t>::max() ? 0 : low;
+    s.clock = who == std::numeric_limits<uint32_t>::max() ? 1 : low;
     s.counts = true;
+    return;
   }
   ++s.clock;
 }
 
 bool PullGate::must_wait(uint32_t i) {
-  if (config_.staleness_policy != shm::StalenessPolicy::kWait) return false;
+  follow_policy();
+  if (!gating_) return false;
   const Slot& s = slot(i);
   if (!s.counts) return false;
   uint32_t who = 0;
@@ -74,8 +92,8 @@ bool PullGate::cancelled(uint32_t i) {
 std::string PullGate::holding_text(uint32_t i) {
   uint32_t who = 0;
   const uint64_t low = slowest(&who);
-  return "worker " + std::to_string(who) + " at clock " + std::to_string(low) + ", this one at " +
-         std::to_string(slots_[i].clock) + " (max " + std::to_string(config_.max_staleness) + " ahead)";
+  return "at clock " + std::to_string(slots_[i].clock) + ", more than " + std::to_string(config_.max_staleness) +
+         " ahead of worker " + std::to_string(who) + " at " + std::to_string(low);
 }
 
 void PullGate::release(uint64_t now, std::vector<Released>* out) { release_if(now, false, out); }
@@ -91,8 +109,7 @@ void PullGate::release_if(uint64_t now, bool all, std::vector<Released>* out) {
     const bool cancel = !all && cancelled(i);
     const bool wait = !all && !cancel && must_wait(i);
     if (wait && waited < s.request.wait_ns) continue;
-    out->push_back({i, s.request, waited, wait, cancel,
-                    wait ? "held " + std::to_string(waited / 1'000'000) + " ms: " + holding_text(i) : std::string()});
+    out->push_back({i, s.request, waited, wait, cancel, wait ? holding_text(i) : std::string()});
     s.parked = false;
     --parked_;
   }

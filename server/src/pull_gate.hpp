@@ -25,8 +25,8 @@ class PullGate {
  public:
   PullGate(const ServerConfig& config, const Sessions& sessions, const shm::Segment& segment);
 
-  // Worker i's push was applied: its clock advances, and it counts toward
-  // the slowest from now on.
+  // Worker i's push was applied: its clock advances (its first places it
+  // at the slowest clock), and it counts toward the slowest from now on.
   void pushed(uint32_t i);
   // True when a pull by worker i must be held back now.
   bool must_wait(uint32_t i);
@@ -46,8 +46,8 @@ class PullGate {
     uint64_t waited_ns;
     bool timed_out;  // its wait_ns ran out first: answer kTimeout with `why`
     bool cancelled;  // its worker gave up waiting: answer kInterrupted
-    // "held 602 ms: worker 0 at clock 1, this one at 4 (max 2 ahead)": it
-    // fits a completion's message (63 characters) for clocks below 10^6.
+    // "at clock 4, more than 2 ahead of worker 0 at 1": it fits a
+    // completion's message (63 characters) for clocks below 10^7.
     std::string why;
   };
   // The parked pulls that may go on at `now` (appended to *out); a pull of
@@ -73,6 +73,9 @@ class PullGate {
   // The slowest counting worker's clock and index (UINT32_MAX: none).
   uint64_t slowest(uint32_t* who);
   std::string holding_text(uint32_t i);
+  // Notes a switch of the policy (a reload) into wait: the clocks restart
+  // level there.
+  void follow_policy();
   void release_if(uint64_t now, bool all, std::vector<Released>* out);
 
   const ServerConfig& config_;
@@ -80,6 +83,7 @@ class PullGate {
   const shm::Segment& segment_;
   std::vector<Slot> slots_;
   uint32_t parked_ = 0;
+  bool gating_;  // the policy was wait when last looked at
 };
 
 }  // namespace shmps::server

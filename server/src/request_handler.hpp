@@ -7,6 +7,7 @@
 // in the stats block and logged, rate-limited. Consumer thread only.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string_view>
@@ -31,7 +32,12 @@ inline uint64_t scale_bound(uint64_t max_staleness) { return max_staleness > 1 ?
 // against the kernels run with that lr).
 inline float scaled_lr(float lr, uint64_t staleness, uint64_t max_staleness) {
   const uint64_t b = scale_bound(max_staleness);
-  return staleness > b ? lr * static_cast<float>(b) / static_cast<float>(staleness) : lr;
+  if (staleness <= b) return lr;
+  const float scaled = lr * static_cast<float>(b) / static_cast<float>(staleness);
+  // lr * b alone may pass the float range where the result does not.
+  return std::isfinite(scaled) || !std::isfinite(lr)
+             ? scaled
+             : static_cast<float>(static_cast<double>(lr) * static_cast<double>(b) / static_cast<double>(staleness));
 }
 
 // The lr of the update after `updates` (the version): --lr-schedule's, from

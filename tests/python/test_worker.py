@@ -257,13 +257,31 @@ def test_staleness_policies_through_python(make_server):
         g_slow = slow.register_buffer(slow.total_elements * 4)
         g_fast = fast.register_buffer(fast.total_elements * 4)
         slow.push(g_slow, slow.pull(g_slow))  # slow: clock 1
-        fast.push(g_fast, fast.pull(g_fast))  # fast joins at 1: clock 2
-        with pytest.raises(shmps.TimeoutError, match=r"at clock 1, this one at 2 \(max 0 ahead\)"):
+        fast.push(g_fast, fast.pull(g_fast))  # fast joins at the slowest clock, 1: as many pushes, not ahead
+        fast.push(g_fast, fast.pull(g_fast))  # fast: clock 2
+        with pytest.raises(shmps.TimeoutError, match=r"at clock 2, more than 0 ahead of worker \d+ at 1"):
             fast.pull(g_fast)
         slow.push(g_slow, slow.pull(g_slow))  # slow: clock 2
         fast.pull(g_fast)
         s = fast.stats()
         assert s.my_pulls_waited == 1 and s.rejected_timeout == 1 and s.my_wait_ns > 0
+
+
+def test_scale_applies_a_finite_scaled_lr_even_where_lr_times_the_bound_is_not(make_server):
+    """scale: lr * b / t with lr 1e38 and b 4 is 8e37 for t 5, finite,
+    though lr * b alone passes the float range: applied, not refused as a
+    learning rate past the float range."""
+    server = make_server(staleness_policy="scale", max_staleness=4, lr=1e38)
+    with shmps.connect(server.name) as w:
+        grad, out = w.register_buffer(w.total_elements * 4), w.register_buffer(w.total_elements * 4)
+        np.asarray(grad).view(np.float32)[:] = 1e-30
+        for _ in range(6):
+            w.push(grad, 0)  # staleness 0..5: the last past the bound 4
+        assert w.pull(out) == 6
+        s = w.stats()
+        assert (s.pushes_scaled, s.scale_factor_sum_micro, s.rejected_nonfinite) == (1, 800000, 0)
+        expected = np.float32(-5e8) - np.float32(8e7)  # 5 full steps of 1e38 * 1e-30, then 4/5 of one
+        assert np.allclose(np.asarray(out).view(np.float32), expected, rtol=1e-6)
 
 
 class _Raised(Exception):
@@ -290,6 +308,7 @@ def test_a_signal_handler_that_raises_ends_a_held_pull_at_once(make_server):
             g_slow = slow.register_buffer(slow.total_elements * 4)
             g_fast = fast.register_buffer(fast.total_elements * 4)
             slow.push(g_slow, slow.pull(g_slow))  # slow: clock 1
+            fast.push(g_fast, fast.pull(g_fast))  # fast joins at the slowest clock, 1
             fast.push(g_fast, fast.pull(g_fast))  # fast: clock 2, its next pull is held
             start = time.monotonic()
             for t in timers:
@@ -305,7 +324,7 @@ def test_a_signal_handler_that_raises_ends_a_held_pull_at_once(make_server):
             assert time.monotonic() - before < 2.0
             assert fast.stats().my_pulls_waited == 1
             slow.push(g_slow, slow.pull(g_slow))  # slow: clock 2
-            assert fast.pull(g_fast) == 3
+            assert fast.pull(g_fast) == 4  # 2 pushes of each
     finally:
         for t in timers:
             t.cancel()
@@ -331,6 +350,7 @@ def test_an_interrupted_wait_withdraws_every_held_pull(make_server):
         w1 = fast.register_buffer(fast.total_elements * 4)
         w2 = fast.register_buffer(fast.total_elements * 4)
         slow.push(g_slow, slow.pull(g_slow))  # slow: clock 1
+        fast.push(w1, fast.pull(w1))  # fast joins at the slowest clock, 1
         fast.push(w1, fast.pull(w1))  # fast: clock 2, its pulls are held
         tickets = [fast.pull_async(w1), fast.pull_async(w2)]
         timer.start()
@@ -359,6 +379,7 @@ def _held_pull_in_a_thread(server):
     g_slow = slow.register_buffer(slow.total_elements * 4)
     g_fast = fast.register_buffer(fast.total_elements * 4)
     slow.push(g_slow, slow.pull(g_slow))  # slow: clock 1
+    fast.push(g_fast, fast.pull(g_fast))  # fast joins at the slowest clock, 1
     fast.push(g_fast, fast.pull(g_fast))  # fast: clock 2, its next pull is held
     outcome = []
 
@@ -403,7 +424,7 @@ def test_interrupt_ends_a_call_waiting_on_another_thread(make_server):
         fast.interrupt()  # none waits: nothing to end, and nothing left for the next call
         released = threading.Timer(0.3, lambda: slow.push(g_slow, slow.pull(g_slow)))  # slow: clock 2
         released.start()
-        assert fast.pull(g_fast) == 3  # served after slow's push, not interrupted
+        assert fast.pull(g_fast) == 4  # served after slow's push, not interrupted
         released.join()
     finally:
         fast.close()
@@ -423,6 +444,7 @@ def _signalled_during_a_held_pull(server, on_signal, raises, match):
             g_slow = slow.register_buffer(slow.total_elements * 4)
             g_fast = fast.register_buffer(fast.total_elements * 4)
             slow.push(g_slow, slow.pull(g_slow))  # slow: clock 1
+            fast.push(g_fast, fast.pull(g_fast))  # fast joins at the slowest clock, 1
             fast.push(g_fast, fast.pull(g_fast))  # fast: clock 2, its next pull is held
             signal.setitimer(signal.ITIMER_REAL, 0.2, 0.2)
             start = time.monotonic()
@@ -495,6 +517,7 @@ with shmps.connect({server.name!r}) as slow, shmps.connect({server.name!r}, time
     g_slow = slow.register_buffer(slow.total_elements * 4)
     g_fast = fast.register_buffer(fast.total_elements * 4)
     slow.push(g_slow, slow.pull(g_slow))
+    fast.push(g_fast, fast.pull(g_fast))  # joins at the slow one's clock
     fast.push(g_fast, fast.pull(g_fast))
     try:
         ticket = fast.pull_async(g_fast)  # held: fast is 1 clock ahead, max 0

@@ -483,12 +483,13 @@ BOOST_AUTO_TEST_CASE(sighup_switches_the_staleness_policy_without_losing_a_held_
   auto fast_grad = fast->register_buffer(16);
   auto fast_weights = fast->register_buffer(16);
   BOOST_REQUIRE(slow_grad.ok() && fast_grad.ok() && fast_weights.ok());
-  BOOST_REQUIRE(slow->push(0, slow_grad->id, 0, 16, Dtype::kF32, 0).ok());  // slow: clock 1
-  for (int k = 0; k < 2; ++k) {                                             // fast: clocks 2, 3
+  const auto fast_step = [&] {
     auto v = fast->pull(0, fast_weights->id, 0);
     BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
     BOOST_REQUIRE(fast->push(0, fast_grad->id, 0, 16, Dtype::kF32, *v).ok());
-  }
+  };
+  BOOST_REQUIRE(slow->push(0, slow_grad->id, 0, 16, Dtype::kF32, 0).ok());  // slow: clock 1
+  for (int k = 0; k < 3; ++k) fast_step();  // fast: joins at the slowest clock, 1; then 2, 3
   std::atomic<bool> done{false};
   Result<uint64_t> held{Status{ErrorCode::kInternal, "not returned"}};
   std::thread pulling([&] {
@@ -503,16 +504,35 @@ BOOST_AUTO_TEST_CASE(sighup_switches_the_staleness_policy_without_losing_a_held_
   BOOST_TEST(answered);
   BOOST_TEST(held.ok(), held.status().to_string());
   BOOST_TEST(segment_config(name).staleness_policy == static_cast<uint32_t>(shm::StalenessPolicy::kReject));
-  // reject: the slow worker's gradient of version 0 is 3 behind.
+  // reject: the slow worker's gradient of version 0 is 4 behind.
   BOOST_TEST((slow->push(0, slow_grad->id, 0, 16, Dtype::kF32, 0).status().code() == ErrorCode::kStale));
   s.reload("staleness-policy = scale\n");
   BOOST_TEST(s.log_has("reload: staleness-policy reject -> scale"), s.log());
-  BOOST_TEST(slow->push(0, slow_grad->id, 0, 16, Dtype::kF32, 0).ok());  // applied with lr / 3
+  BOOST_TEST(slow->push(0, slow_grad->id, 0, 16, Dtype::kF32, 0).ok());  // applied with lr / 4
   auto st = slow->stats();
   BOOST_REQUIRE(st.ok());
   BOOST_TEST(st->my_pushes_scaled == 1u);
   BOOST_TEST(st->my_pushes_rejected == 1u);
   BOOST_TEST(fast->stats()->my_pulls_waited == 1u);
+  // Back to wait after the fast worker ran 10 clocks ahead under scale: the
+  // clocks start level at the switch, so its next pulls are held only once
+  // it is again more than 1 ahead of the slow one, and not for the gap.
+  for (int k = 0; k < 10; ++k) fast_step();
+  s.reload("staleness-policy = wait\n");
+  BOOST_TEST(s.log_has("reload: staleness-policy scale -> wait"), s.log());
+  for (int k = 0; k < 2; ++k) fast_step();  // clocks 1, 2 since the switch; the slow one at 0
+  BOOST_TEST(fast->stats()->my_pulls_waited == 1u);
+  done.store(false);
+  std::thread pulling_again([&] {
+    held = fast->pull(0, fast_weights->id, 0);  // 2 ahead of the slowest, bound 1: held
+    done.store(true);
+  });
+  BOOST_TEST(!test::eventually([&] { return done.load(); }, 300ms), "the pull was not held");
+  BOOST_TEST(slow->push(0, slow_grad->id, 0, 16, Dtype::kF32, 0).ok());  // the slow one catches up
+  BOOST_TEST(test::eventually([&] { return done.load(); }, 5s));
+  pulling_again.join();
+  BOOST_TEST(held.ok(), held.status().to_string());
+  BOOST_TEST(fast->stats()->my_pulls_waited == 2u);
   slow.reset();
   fast.reset();
   server.signal(SIGTERM);
