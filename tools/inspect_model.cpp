@@ -806,8 +806,8 @@ std::string render_text(const Snapshot& s) {
   o << "  buffers         " << st.buffers_registered << " registered, mappings " << st.mappings_opened << " opened, "
     << st.mappings_closed << " closed\n";
   o << "  lanes corrupt   " << st.lanes_corrupt << "\n";
-  o << "  staleness policy pulls held " << st.pulls_waited << " (" << duration_text(st.wait_ns)
-    << " in all), pushes scaled " << st.pushes_scaled << " (mean factor "
+  o << "  staleness policy pulls held " << st.pulls_waited << " (" << duration_text(st.wait_ns) << " in all), "
+    << st.pulls_held << " now, pushes scaled " << st.pushes_scaled << " (mean factor "
     << (st.pushes_scaled == 0
             ? std::string("-")
             : num(static_cast<double>(st.scale_factor_sum_micro) / 1e6 / static_cast<double>(st.pushes_scaled)))

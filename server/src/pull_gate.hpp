@@ -38,6 +38,9 @@ class PullGate {
   // WorkerEntry::cancel_request.
   bool cancelled(uint32_t i);
   bool any_parked() const { return parked_ != 0; }
+  // The pulls held now (one of a session that ended counts until the next
+  // release() drops it).
+  uint32_t parked_count() const { return parked_; }
 
   // A parked pull whose wait ended.
   struct Released {

@@ -281,6 +281,7 @@ class Server::Impl {
   // request stops the watchdog keep-alives, and systemd restarts it.
   void periodic(uint64_t now) {
     sessions.publish_depth();  // for readers of the stats block (shmps-inspect)
+    stats().pulls_held.store(gate.parked_count(), std::memory_order_relaxed);  // relaxed: a gauge for readers
     publish_lr();
     for (uint32_t i = 0; i < config.max_workers; ++i)
       if (std::exchange(behind[i], 0) != 0) ring_doorbell(i);  // its completion queue was full: try again

@@ -209,12 +209,20 @@ BOOST_AUTO_TEST_CASE(wait_releases_a_held_pull_when_the_slowest_worker_is_killed
   fast.step();  // clock 4
   PendingPull held(fast);
   BOOST_TEST(!held.finished_within(300ms));
+  // The stats block shows it held now, before it is answered.
+  auto seg = shm::Segment::open(server.name(), /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  // relaxed: a gauge the server refreshes every 10 ms.
+  const auto held_now = [&] { return (*seg)->stats().pulls_held.load(std::memory_order_relaxed); };
+  BOOST_TEST(test::eventually([&] { return held_now() == 1u; }));
+  BOOST_TEST((*seg)->stats().pulls_waited.load(std::memory_order_relaxed) == 0u);  // counted once answered
   const uint64_t killed_at = shm::monotonic_ns();
   slow.signal(SIGKILL);
   BOOST_REQUIRE_MESSAGE(held.finished_within(5s), "the pull stayed held after the slowest worker died");
   BOOST_REQUIRE_MESSAGE(held.result.ok(), held.result.status().to_string());
   // The server finds dead workers every 50 ms.
   BOOST_TEST(held.returned_ns.load() - killed_at < 2'000'000'000u);
+  BOOST_TEST(test::eventually([&] { return held_now() == 0u; }));
   fast.step();  // alone now: never held
   BOOST_TEST(fast.stats().my_pulls_waited == 1u);
 }

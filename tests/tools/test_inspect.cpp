@@ -283,6 +283,7 @@ BOOST_AUTO_TEST_CASE(staleness_policy_counters_in_every_format) {
   BOOST_TEST(j["stats"]["pushes_scaled"] == 1);
   BOOST_TEST(j["stats"]["scale_factor_sum_micro"] == 500000);
   BOOST_TEST(j["stats"]["pulls_waited"] == 0);
+  BOOST_TEST(j["stats"]["pulls_held"] == 0);
   BOOST_TEST(j["stats"]["wait_ns"] == "0");      // ns: a string
   BOOST_TEST(j["stats"]["apply_threads"] == 0);  // no tensor from 4 MiB yet
   BOOST_REQUIRE(j["workers"].size() == 1u);
@@ -293,6 +294,9 @@ BOOST_AUTO_TEST_CASE(staleness_policy_counters_in_every_format) {
   BOOST_TEST(contains(text.out, "max_staleness   1 (policy scale)"), text.out);
   BOOST_TEST(contains(text.out, "pushes scaled 1 (mean factor 0.5)"), text.out);
   BOOST_TEST(contains(text.out, "pulls held 0 (0 ns in all), pushes scaled 1\n"), text.out);
+  BOOST_TEST(
+      contains(text.out, "staleness policy pulls held 0 (0 ns in all), 0 now, pushes scaled 1 (mean factor 0.5)"),
+      text.out);
 
   const Run prom = run_inspect({"--format", "prometheus", name});
   const std::string n = "{name=\"" + name + "\"";
