@@ -101,6 +101,10 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   if (!(o.lr > 0.0) || !std::isfinite(o.lr)) bad = "--lr must be finite and > 0";
   if (vm.count("weight-decay") != 0 && !(o.weight_decay >= 0.0 && std::isfinite(o.weight_decay)))
     bad = "--weight-decay must be finite and >= 0";
+  // As the server refuses what the optimizer does not read.
+  if (o.optimizer != "sgd" && (!vm["momentum"].defaulted() || o.nesterov))
+    bad = "--optimizer " + o.optimizer +
+          " does not use --momentum or --nesterov: SGD options; remove them, or choose " + "--optimizer sgd";
   // The hyperparameters as the server (or --in-process) checks them, so a
   // bad one is a usage error here rather than the server's exit 1. With
   // --connect the server's own optimizer applies.

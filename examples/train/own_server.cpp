@@ -15,6 +15,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "shmps/shm/proc.hpp"
+
 namespace shmps::train {
 namespace {
 
@@ -155,6 +157,20 @@ void OwnServer::release_init_file() {
   init_file_.clear();
 }
 
+namespace {
+
+// Whether process `pid` is `ancestor` or one of its descendants (the
+// server behind a --server-bin wrapper that forks).
+bool descends_from(pid_t pid, pid_t ancestor) {
+  for (int depth = 0; depth < 32 && pid > 1; ++depth) {
+    if (pid == ancestor) return true;
+    pid = shm::parent_pid(pid);
+  }
+  return false;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, OwnServer* server,
                                                    std::chrono::milliseconds patience) {
   const auto deadline = Clock::now() + patience;
@@ -163,16 +179,14 @@ Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, OwnS
   options.reconnect = true;
   while (true) {
     Result<std::unique_ptr<Worker>> w = Worker::connect(options);
-    if (w.ok() && server != nullptr && (*w)->server_pid() != server->pid()) {
+    if (w.ok() && server != nullptr && !descends_from((*w)->server_pid(), server->pid())) {
       const pid_t other = (*w)->server_pid();
       w = Status(ErrorCode::kInvalidArgument,
                  "another shmps-server (pid " + std::to_string(other) + ") serves '" + name +
                      "', not the one shmps-train started: choose another --name, or --connect " + name + " to use it");
-      // Ours exits at once (it refuses a live server's name): say that.
-      if (!server->poll() && Clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        continue;
-      }
+      // Ours exits at once (it refuses a live server's name); the other
+      // job's server is not attached to again meanwhile.
+      while (!server->poll() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(20));
       return w;
     }
     const ErrorCode code = w.status().code();

@@ -32,6 +32,7 @@
 
 #include "mlp.hpp"
 #include "options.hpp"
+#include "stop_signals.hpp"
 #include "trainer.hpp"
 
 namespace {
@@ -66,8 +67,13 @@ int main(int argc, char** argv) {
     shmps::train::Options options;
     if (std::optional<int> rc = shmps::train::parse_options(argc, argv, options)) return *rc;
     use_the_cpus_blas_kernels(argv);  // after --help and bad options, before the first thread or child
-    shmps::train::Trainer trainer(std::move(options));
-    return trainer.run();
+    int rc = 0;
+    {
+      shmps::train::Trainer trainer(std::move(options));
+      rc = trainer.run();
+    }  // the cleanup, before dying of a signal that stopped the job
+    shmps::train::die_of_stop_signal();
+    return rc;
   } catch (const std::exception& e) {
     std::cerr << "shmps-train: " << e.what() << "\n";
     return 1;

@@ -3,7 +3,6 @@
 #include <signal.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -12,7 +11,9 @@
 #include <utility>
 
 #include "in_process.hpp"
+#include "shmps/shm/proc.hpp"
 #include "shmps/shm/segment.hpp"
+#include "stop_signals.hpp"
 #include "train_loop.hpp"
 
 namespace shmps::train {
@@ -20,18 +21,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The signal that asked the job to stop (SIGINT: Ctrl-C; SIGTERM; SIGHUP),
-// or 0. The watch loop ends the job on it, so that the destructor stops the
-// workers and the server and removes the temp files.
-std::atomic<int> g_stop_signal{0};
-static_assert(std::atomic<int>::is_always_lock_free, "written by a signal handler");
-
-void on_stop_signal(int signo) { g_stop_signal.store(signo, std::memory_order_relaxed); }  // relaxed: a flag
-
-// The exit code of a job stopped by a signal: 128 + its number, as a shell
-// reports a process killed by it.
+// The exit code of a job a signal stopped (stop_signals.hpp): 128 + its
+// number, as a shell reports a process killed by it; main() then dies of
+// it, after the cleanup.
 int stopped_by_signal() {
-  const int signo = g_stop_signal.load(std::memory_order_relaxed);  // relaxed: a flag
+  const int signo = stop_signal();
   std::cerr << "shmps-train: stopped by signal " << signo << " (" << strsignal(signo)
             << "); stopping the workers and the server\n";
   return 128 + signo;
@@ -40,12 +34,17 @@ int stopped_by_signal() {
 }  // namespace
 
 Trainer::~Trainer() {
-  for (Child& c : workers_) c.kill_and_reap();
-  // Their buffer objects: a server that stopped first (a signal to the
-  // whole process group) swept only the workers dead by then.
+  // The buffer objects of the workers killed here: a server that stopped
+  // first (a signal to the whole process group) swept only the workers
+  // dead by then. Only a pid no process has taken again.
   const std::string server_name = o_.connect.empty() ? o_.name : o_.connect;
-  for (const Child& c : workers_)
-    for (const shm::OrphanBuffer& b : shm::orphan_buffers(server_name, c.pid())) shm::ShmObject::remove(b.object_name);
+  for (Child& c : workers_) {
+    if (!c.running()) continue;
+    c.kill_and_reap();
+    if (!shm::pid_in_use(c.pid()))
+      for (const shm::OrphanBuffer& b : shm::orphan_buffers(server_name, c.pid()))
+        shm::ShmObject::remove(b.object_name);
+  }
   eval_.reset();
   server_.reset();  // stops it, removes its files
 }
@@ -54,17 +53,17 @@ int Trainer::run() {
   if (int rc = load_data(); rc != 0) return rc;
   if (o_.in_process) return run_in_process(o_, shape_, train_, test_);
   // From here a signal ends the job through the destructor: temp files,
-  // workers and the server are cleaned up. Workers take the default action
-  // again (run_worker()); the server execs, which resets them.
-  struct sigaction stop {};
-  stop.sa_handler = on_stop_signal;
-  sigemptyset(&stop.sa_mask);
-  for (const int signo : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(signo, &stop, nullptr);
+  // workers and the server are cleaned up (stop_signals.hpp). Workers take
+  // their former dispositions again (run_worker()); the server execs,
+  // which resets caught ones.
+  catch_stop_signals();
   const std::string server_name = o_.connect.empty() ? o_.name : o_.connect;
   if (int rc = attach(server_name); rc != 0) return rc;
+  if (stop_signal() != 0) return stopped_by_signal();
   if (o_.evaluate) {
     Curve curve(shape_, train_, test_, /*per_epoch=*/1, /*defer=*/false);
     if (!take(curve)) return kExitFailure;
+    if (stop_signal() != 0) return stopped_by_signal();
     std::printf("final test accuracy: %.4f (the weights of server '%s', nothing trained)\n",
                 curve.final_test_accuracy(), server_name.c_str());
     return 0;
@@ -87,7 +86,7 @@ int Trainer::run() {
               o_.workers, o_.batch, setup.c_str(), o_.epochs, static_cast<unsigned long long>(per_epoch));
   std::fflush(stdout);
 
-  if (g_stop_signal.load(std::memory_order_relaxed) != 0) return stopped_by_signal();  // relaxed: a flag
+  if (stop_signal() != 0) return stopped_by_signal();
   SharedSlots slots(o_.workers);
   if (int rc = fork_workers(server_name, slots); rc != 0) return rc;
   set_blas_threads(1);
@@ -103,8 +102,8 @@ int Trainer::run() {
   // SYNC(start_gate): see run_worker.
   slots.gate().open.store(1, std::memory_order_release);
 
-  if (int rc = watch(schedule, curve); rc != 0) return rc;                             // the destructor kills the rest
-  if (g_stop_signal.load(std::memory_order_relaxed) != 0) return stopped_by_signal();  // relaxed: a flag
+  if (int rc = watch(schedule, curve); rc != 0) return rc;  // the destructor kills the rest
+  if (stop_signal() != 0) return stopped_by_signal();
   const double train_s = std::chrono::duration<double>(Clock::now() - start_).count();
   // The last evaluation may have seen the final weights already.
   if (curve.last_recorded_version() != total && !take(curve)) return kExitFailure;
@@ -115,6 +114,7 @@ int Trainer::run() {
     return kExitFailure;
   }
   curve.score_deferred();
+  if (stop_signal() != 0) return stopped_by_signal();
   const bool agree = counts_agree(slots, *end, total);
   std::printf("final test accuracy: %.4f (wall time %.1f s, %zu workers)\n", curve.final_test_accuracy(), train_s,
               o_.workers);
@@ -232,7 +232,7 @@ int Trainer::watch(const EvalSchedule& schedule, Curve& curve) {
   size_t running = workers_.size();
   while (running > 0) {
     std::this_thread::sleep_for(poll_every);
-    if (g_stop_signal.load(std::memory_order_relaxed) != 0) return stopped_by_signal();  // relaxed: a flag
+    if (stop_signal() != 0) return stopped_by_signal();
     for (size_t i = 0; i < workers_.size(); ++i) {
       if (!workers_[i].running() || !workers_[i].poll()) continue;
       --running;

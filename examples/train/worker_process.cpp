@@ -18,6 +18,7 @@
 
 #include "options.hpp"
 #include "shmps/worker.hpp"
+#include "stop_signals.hpp"
 
 namespace shmps::train {
 
@@ -65,9 +66,9 @@ class ServerPath final : public UpdatePath {
 // The body of one worker process; returns its exit code.
 int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& shape, StartGate& gate, WorkerSlot& slot) {
   const std::string who = "shmps-train worker " + std::to_string(plan.index) + ": ";
-  // The parent's handlers only set its stop flag (trainer.cpp): a worker
-  // ends on these as any process does (Ctrl-C reaches the whole group).
-  for (const int signo : {SIGINT, SIGTERM, SIGHUP}) ::signal(signo, SIG_DFL);
+  // The parent's handlers only set its stop flag: a worker ends on these
+  // as the job was started to (Ctrl-C reaches the whole group).
+  restore_stop_signals();
   set_blas_threads(1);
   WorkerOptions options;
   options.name = plan.server_name;

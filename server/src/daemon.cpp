@@ -112,9 +112,12 @@ Status run_server(const ServerConfig& config, const std::vector<std::string>& ar
   sigaddset(&stop_signals, SIGTERM);
   ::pthread_sigmask(SIG_BLOCK, &stop_signals, &previous);
   // Restoring a large checkpoint (or reading a large --init-file) may take
-  // longer than TimeoutStartSec=.
+  // longer than TimeoutStartSec=: up to --checkpoint-keep files are read
+  // (corrupt newer ones passed over), then maybe the init file.
   if (!config.checkpoint_dir.empty() || config.init.kind == InitSpec::Kind::kFile)
-    ServiceNotifier::from_environment().extend_timeout(checkpoint_io_allowance(shm::total_elements(config.tensors)));
+    ServiceNotifier::from_environment().extend_timeout(
+        checkpoint_io_allowance(shm::total_elements(config.tensors)) *
+        (config.checkpoint_dir.empty() ? 1 : config.checkpoint_keep + 1));
   auto server = Server::create(config);
   if (!server.ok()) {
     ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);

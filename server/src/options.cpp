@@ -254,13 +254,6 @@ bool reads(const ServerConfig& c, Reader r) {
   return true;
 }
 
-// Whether the configuration reads option `key`.
-bool reads(const ServerConfig& c, std::string_view key) {
-  for (const ConditionalOption& o : kConditionalOptions)
-    if (key == o.key && !reads(c, o.reader)) return false;
-  return true;
-}
-
 constexpr const char* kInitNames[] = {"zero", "normal", "uniform", "file"};
 
 const char* backend_name(BackendKind kind) {
@@ -650,12 +643,18 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
     if (Status s = read_init_file(c.init.file, shm::total_elements(c.tensors)); !s.ok()) return s;
   // --backend cuda starts only where a device is; auto falls back to host.
   if (std::string why; out.check && c.backend == BackendKind::kCuda && !cuda_backend_available(&why))
-    return fail("--backend cuda needs a usable CUDA device, and this host has none (" + why +
+    return fail("--backend cuda needs a usable CUDA device, and none is usable here (" + why +
                 "); use --backend host, or auto (the host backend where no device is present)");
   // The start creates the checkpoint directory, or fails as this says.
   if (out.check && !c.checkpoint_dir.empty())
     if (Status s = check_checkpoint_dir(c.checkpoint_dir); !s.ok()) return s;
   return out;
+}
+
+bool config_reads(const ServerConfig& c, std::string_view key) {
+  for (const ConditionalOption& o : kConditionalOptions)
+    if (key == o.key && !reads(c, o.reader)) return false;
+  return true;
 }
 
 std::vector<std::pair<std::string, std::string>> config_entries(const ServerConfig& c) {
@@ -719,7 +718,7 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   e.emplace_back("fed-address", fed.address);
   e.emplace_back("fed-timeout-ms", std::to_string(fed.timeout_ms));
   // What the configuration reads, so that the entries parse back.
-  std::erase_if(e, [&](const auto& entry) { return !reads(c, entry.first); });
+  std::erase_if(e, [&](const auto& entry) { return !config_reads(c, entry.first); });
   return e;
 }
 

@@ -44,6 +44,9 @@ void apply_live(ServerConfig& running, const ServerConfig& next, shm::ConfigBloc
   for (const std::string& key : keys) {
     const std::string old_value = value_of(before, key), new_value = value_of(after, key);
     if (old_value == new_value) continue;
+    // Read on one side only: it comes or goes with the setting that makes
+    // it read (momentum with the optimizer), whose change is logged itself.
+    if (!config_reads(running, key) || !config_reads(next, key)) continue;
     const std::string change = "reload: " + key + " " + old_value + " -> " + new_value;
     if (key == "lr") {
       kernels::OptimizerConfig candidate = running.optimizer;

@@ -847,7 +847,8 @@ class Server::Impl {
               count(st.workers_evicted) + ", queued requests failed " + std::to_string(failed) + ", up " +
               fixed1(static_cast<double>(shm::monotonic_ns() - created_ns) / 1e9) + " s");
     if (checkpoints && (failure.ok() || failure.code() != ErrorCode::kCuda)) {
-      notifier.extend_timeout(checkpoint_io_allowance(model.total_elements));
+      // A periodic write in flight is drained first, then the final one.
+      notifier.extend_timeout(checkpoint_io_allowance(model.total_elements) * 2);
       if (Status s = checkpoints->write_final(); !s.ok()) {
         log::error(s.message());
         if (failure.ok()) failure = s;

@@ -265,8 +265,12 @@ void Sessions::unlink_orphan_buffers(uint32_t dead_pid) {
                      : std::string()));
     }
   }
-  // Only those still there are remembered; one that comes back is said again.
-  unremovable_ = std::move(still_unremovable);
+  // A sweep of every dead pid keeps only those still there (one that comes
+  // back is said again); a sweep of one pid adds its own.
+  if (dead_pid == 0)
+    unremovable_ = std::move(still_unremovable);
+  else
+    unremovable_.merge(still_unremovable);
 }
 
 }  // namespace shmps::server

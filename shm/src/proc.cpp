@@ -1,9 +1,11 @@
 #include "shmps/shm/proc.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -11,31 +13,39 @@
 namespace shmps::shm {
 namespace {
 
-// Reads /proc/<pid>/stat; fills state and start time. False if unreadable.
-bool read_stat(pid_t pid, char* state, uint64_t* start_time) noexcept {
-  if (pid <= 0) return false;
+// What read_stat() found.
+enum class Stat { kRead, kGone, kUnknown };
+
+// Reads /proc/<pid>/stat; fills state, parent pid and start time. kGone
+// when no such process is there; kUnknown when this process could not
+// read it (EMFILE, ENOMEM...): not a sign that the process is gone.
+Stat read_stat(pid_t pid, char* state, pid_t* parent, uint64_t* start_time) noexcept {
+  if (pid <= 0) return Stat::kGone;
   char path[64];
   std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
   const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
+  if (fd < 0) return errno == ENOENT || errno == ESRCH ? Stat::kGone : Stat::kUnknown;
   char buf[1024];
   const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  const int read_errno = errno;
   ::close(fd);
-  if (n <= 0) return false;
+  if (n < 0) return read_errno == ESRCH ? Stat::kGone : Stat::kUnknown;  // ESRCH: it exited since the open
+  if (n == 0) return Stat::kGone;
   buf[n] = '\0';
   // comm (field 2) may contain spaces and parentheses: parse after the last ')'.
   const char* p = std::strrchr(buf, ')');
-  if (p == nullptr || p[1] == '\0') return false;
+  if (p == nullptr || p[1] == '\0') return Stat::kUnknown;
   p += 2;  // field 3: state
   *state = *p;
-  // Fields 4..21 are skipped; field 22 is starttime.
+  // Field 4 is the parent's pid; fields 5..21 are skipped; field 22 is starttime.
   for (int field = 3; field < 22; ++field) {
     p = std::strchr(p, ' ');
-    if (p == nullptr) return false;
+    if (p == nullptr) return Stat::kUnknown;
     ++p;
+    if (field == 3) *parent = static_cast<pid_t>(std::strtol(p, nullptr, 10));
   }
   *start_time = std::strtoull(p, nullptr, 10);
-  return true;
+  return Stat::kRead;
 }
 
 // The Threads: count of /proc/<pid>/status (the thread group, the zombie
@@ -58,8 +68,16 @@ long live_threads(pid_t pid) noexcept {
 
 uint64_t process_start_time(pid_t pid) noexcept {
   char state = 0;
+  pid_t parent = 0;
   uint64_t start = 0;
-  return read_stat(pid, &state, &start) ? start : 0;
+  return read_stat(pid, &state, &parent, &start) == Stat::kRead ? start : 0;
+}
+
+pid_t parent_pid(pid_t pid) noexcept {
+  char state = 0;
+  pid_t parent = 0;
+  uint64_t start = 0;
+  return read_stat(pid, &state, &parent, &start) == Stat::kRead ? parent : -1;
 }
 
 namespace {
@@ -67,8 +85,19 @@ namespace {
 // The state of the process at pid; with `start_time`, only if it started then.
 ProcessState state_of(pid_t pid, const uint64_t* start_time) noexcept {
   char state = 0;
+  pid_t parent = 0;
   uint64_t start = 0;
-  if (!read_stat(pid, &state, &start)) return ProcessState::kGone;
+  switch (read_stat(pid, &state, &parent, &start)) {
+    case Stat::kRead:
+      break;
+    case Stat::kGone:
+      return ProcessState::kGone;
+    case Stat::kUnknown:
+      // Unreadable here, not shown gone: alive unless the kernel says no
+      // such process (a live one is never taken for dead: it would be
+      // reaped, its buffers removed).
+      return ::kill(pid, 0) == 0 || errno == EPERM ? ProcessState::kRunning : ProcessState::kGone;
+  }
   // A zombie main thread (it called pthread_exit) with other threads still
   // running is a living process: they may still write its lane.
   if (state == 'Z' && live_threads(pid) > 1) state = 'S';

@@ -901,10 +901,10 @@ Status open_segment_object(const std::string& name, bool read_only,
                                                                std::chrono::nanoseconds(st.st_ctim.tv_nsec));
         if (first_look && age > kSegmentStartWait)
           return Status{ErrorCode::kServerNotRunning,
-                        path + " (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ") has been empty for " +
+                        path + " (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ") is empty, unchanged for " +
                             std::to_string(std::chrono::duration_cast<std::chrono::seconds>(age).count()) +
                             " s: a server start that died before sizing it left it; the next start of server '" + name +
-                            "' replaces it"};
+                            "' by its owner replaces it"};
       }
       s = Status{ErrorCode::kServerNotRunning, path + ": segment not sized yet (server starting)"};
     } else {

@@ -138,3 +138,19 @@ PATH="$stubs:$PATH" sh "$scratch/control/postinst" configure || fail "postinst c
 grep -q '^adduser --system --group .*shmps$' "$scratch/calls" || fail "postinst did not create the system user: $(cat "$scratch/calls")"
 grep -q '^install -d -m 0755 /etc/shmps$' "$scratch/calls" || fail "postinst did not create /etc/shmps: $(cat "$scratch/calls")"
 echo "ok: postinst creates the system user shmps and /etc/shmps"
+# It checks each instance's config with this version's shmps-server (as
+# the service user: runuser, stubbed to run the command as is) and names
+# one it refuses.
+confs=$scratch/confs
+mkdir "$confs"
+printf 'name = good\ntensor = w:4\n' > "$confs/good.conf"
+printf 'name = bad\ntensor = w:4\ninit-seed = 3\n' > "$confs/bad.conf"
+printf '#!/bin/sh\nshift 3\nexec "$@"\n' > "$stubs/runuser"
+chmod +x "$stubs/runuser"
+out=$(PATH="$stubs:$build/bin:$PATH" SHMPS_CONFIG_DIR="$confs" sh "$scratch/control/postinst" configure 2>&1) ||
+  fail "postinst configure exited $? with configs: $out"
+printf '%s\n' "$out" | grep -qF "shmps: $confs/bad.conf does not pass this version's --check-config" ||
+  fail "postinst did not name the refused config: $out"
+printf '%s\n' "$out" | grep -qF "does not use init-seed" || fail "postinst did not show why: $out"
+printf '%s\n' "$out" | grep -qF "good.conf" && fail "postinst named a config that passes: $out"
+echo "ok: postinst names an instance config this version refuses"

@@ -423,7 +423,8 @@ BOOST_AUTO_TEST_CASE(check_config_refuses_backend_cuda_without_a_device) {
     BOOST_TEST(check.ok(), check.status().message());
   } else {
     BOOST_REQUIRE(!check.ok());
-    BOOST_TEST(check.status().message() == "--backend cuda needs a usable CUDA device, and this host has none (" + why +
+    BOOST_TEST(check.status().message() == "--backend cuda needs a usable CUDA device, and none is usable here (" +
+                                               why +
                                                "); use --backend host, or auto (the host backend where no device "
                                                "is present)");
     const ConfFile f(kHead + "backend = cuda\n");

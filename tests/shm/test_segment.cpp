@@ -1,6 +1,7 @@
 // Segment creation, validation and replacement rules, and shm objects.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -119,10 +120,10 @@ BOOST_AUTO_TEST_CASE(an_empty_object_is_waited_for_only_while_a_start_could_size
   started = std::chrono::steady_clock::now();
   auto old = Segment::open(name, false);
   BOOST_TEST((old.status().code() == ErrorCode::kServerNotRunning));
-  BOOST_TEST(old.status().message().find(") has been empty for ") != std::string::npos, old.status().message());
+  BOOST_TEST(old.status().message().find(") is empty, unchanged for ") != std::string::npos, old.status().message());
   BOOST_TEST(old.status().message().find(" s: a server start that died before sizing it left it; the next start of "
                                          "server '" +
-                                         name + "' replaces it") != std::string::npos,
+                                         name + "' by its owner replaces it") != std::string::npos,
              old.status().message());
   BOOST_TEST(old.status().message().find("mode 0600") != std::string::npos, old.status().message());
   BOOST_TEST((std::chrono::steady_clock::now() - started < kSegmentStartWait / 2));
@@ -405,6 +406,27 @@ BOOST_AUTO_TEST_CASE(process_identity_survives_zombies) {
   BOOST_TEST(::kill(child, 0) == 0);
   int status = 0;
   ::waitpid(child, &status, 0);
+}
+
+// A process out of descriptors cannot read /proc: the processes it asks
+// about are not taken for gone (a server would reap a live worker, a
+// worker remove a live one's buffers); the parent's pid is read too.
+BOOST_AUTO_TEST_CASE(a_process_out_of_descriptors_takes_nobody_for_dead) {
+  const pid_t me = ::getpid();
+  const uint64_t my_start = process_start_time(me);
+  BOOST_TEST(parent_pid(me) == ::getppid());
+  BOOST_TEST(parent_pid(999'999'999) == -1);
+  auto child = test::Process::fork_fn([me, my_start] {
+    const rlimit few{16, 16};
+    if (::setrlimit(RLIMIT_NOFILE, &few) != 0) return 90;
+    while (::open("/dev/null", O_RDONLY) >= 0) {
+    }
+    if (errno != EMFILE) return 91;
+    if (!pid_in_use(me) || !process_alive(me, my_start)) return 92;
+    if (pid_in_use(999'999'999)) return 93;  // no such pid: the kernel says so
+    return 0;
+  });
+  BOOST_TEST(child.wait(std::chrono::seconds(10)) == 0);
 }
 
 // An object larger than any segment is refused before it is mapped

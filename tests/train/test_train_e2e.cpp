@@ -283,13 +283,39 @@ BOOST_FIXTURE_TEST_CASE(a_signal_mid_run_stops_the_job_and_leaves_nothing, Train
                             60s),
                         shmps::test::read_file(out));
   train.signal(SIGTERM);
-  rc = train.wait(30s);
+  rc = train.wait(30s);  // 128 + SIGTERM: killed by it, after the cleanup
   output = shmps::test::read_file(out);
   BOOST_TEST(rc == 128 + SIGTERM, output);
   BOOST_TEST(output.find("shmps-train: stopped by signal 15") != std::string::npos, output);
   BOOST_TEST(fs::is_empty(tmp), "temp files left in " << tmp);
   for (const auto& e : fs::directory_iterator("/dev/shm"))
     BOOST_TEST(e.path().filename().string().rfind("shmps." + name, 0) != 0, e.path() << " left behind");
+}
+
+// A signal the job was started with ignored (nohup: SIGHUP) stays ignored,
+// in the parent and its workers: the job runs to its end.
+BOOST_FIXTURE_TEST_CASE(an_ignored_hangup_stays_ignored, TrainRun) {
+  const fs::path tmp = dir / "tmp";
+  fs::create_directories(tmp);
+  std::string cmd = "trap '' HUP; TMPDIR=" + shmps::test::shell_quote(tmp.string()) + " exec " +
+                    shmps::test::shell_quote(shmps::test::program_path("shmps-train")) + " --name " +
+                    shmps::test::shell_quote(name) +
+                    " --workers 2 --epochs 2 --train-limit 6000 --test-limit 100 --checkpoint-every 20 >" +
+                    shmps::test::shell_quote(out) + " 2>&1";
+  Process train = Process::spawn({"/bin/sh", "-c", cmd});
+  BOOST_REQUIRE_MESSAGE(shmps::test::eventually(
+                            [&] {
+                              for (const auto& e : fs::recursive_directory_iterator(tmp))
+                                if (e.path().filename().string().rfind("ckpt-", 0) == 0) return true;
+                              return false;
+                            },
+                            60s),
+                        shmps::test::read_file(out));
+  train.signal(SIGHUP);
+  rc = train.wait(120s);
+  output = shmps::test::read_file(out);
+  BOOST_TEST(rc == 0, output);
+  BOOST_TEST(output.find("final test accuracy") != std::string::npos, output);
 }
 
 BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
@@ -456,7 +482,9 @@ BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
                                              {"--weight-decay=-1"},
                                              {"--weight-decay", "inf"},
                                              {"--shard", "0/-1"},
-                                             {"--workers", "255"}}) {
+                                             {"--workers", "255"},
+                                             {"--in-process", "--momentum", "0.5"},
+                                             {"--optimizer", "adamw", "--nesterov"}}) {
     run(bad);
     BOOST_TEST(rc == 2, bad[0] << " " << bad[1]);
     BOOST_TEST(output.find("epoch ") == std::string::npos, output);

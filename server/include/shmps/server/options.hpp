@@ -57,10 +57,15 @@ bool parse_log_level(std::string_view text, LogLevel* out) noexcept;
 bool parse_staleness_policy(std::string_view text, shm::StalenessPolicy* out) noexcept;
 
 // Every option of `config` as (key, value) in --help order, spelt as a
-// config file takes it: one `tensor` entry per tensor, `init-file` only when
-// set, the optimizer hyperparameters only those its optimizer reads. Joined
-// as "key = value" lines it parses back to the same config.
+// config file takes it: one `tensor` entry per tensor, `init-file`,
+// `device` and `checkpoint-dir` only when set, and only the options the
+// rest of it reads (config_reads()). Joined as "key = value" lines it
+// parses back to the same config.
 std::vector<std::pair<std::string, std::string>> config_entries(const ServerConfig& config);
+// Whether `config` reads option `key`: false for one that only another
+// setting makes read (--momentum under adam, --fed-store without gloo,
+// --checkpoint-keep without --checkpoint-dir); true for every other key.
+bool config_reads(const ServerConfig& config, std::string_view key);
 
 // The shmps release the server was built from, e.g. "0.1.0".
 const char* version_text() noexcept;

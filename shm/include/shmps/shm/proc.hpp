@@ -13,6 +13,9 @@ namespace shmps::shm {
 // Start time of pid in clock ticks since boot; 0 when the process does not
 // exist (or /proc is unreadable).
 uint64_t process_start_time(pid_t pid) noexcept;
+// The pid of pid's parent; -1 when the process does not exist (or /proc
+// is unreadable).
+pid_t parent_pid(pid_t pid) noexcept;
 
 // True when pid exists, is not a zombie or dead, and started at
 // start_time, i.e. it is the same process. A start_time of 0 is no
@@ -20,7 +23,10 @@ uint64_t process_start_time(pid_t pid) noexcept;
 // entry that holds 0 names none): false, whatever lives at the pid.
 bool process_alive(pid_t pid, uint64_t start_time) noexcept;
 
-// What /proc says about a process, read once.
+// What /proc says about a process, read once. A /proc entry this process
+// cannot read (out of descriptors or memory) is not taken for a process
+// gone: kill(pid, 0) decides then, and a living process counts as
+// kRunning, its start time unchecked.
 enum class ProcessState {
   kGone,     // no such process, a zombie, or another process that reused the pid
   kRunning,  // alive and not stopped (running, sleeping, in disk wait, ...)
