@@ -156,6 +156,22 @@ def test_a_stale_push_raises_stale_error_with_both_versions(make_server):
         assert "staleness 2 > max_staleness 1" in str(e.value)
 
 
+def _inspect():
+    return os.path.join(os.path.dirname(shmps.server_binary()), "shmps-inspect")
+
+
+def _inspect_until(name, part, patience=5.0):
+    """shmps-inspect's text for server `name` once it holds `part` (the
+    stats block's gauges are refreshed every 10 ms), or the last one read
+    after `patience` seconds."""
+    deadline = time.monotonic() + patience
+    while True:
+        text = subprocess.run([_inspect(), name], capture_output=True, text=True, check=True).stdout
+        if part in text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.02)
+
+
 def test_an_lr_schedule_past_the_float_range_refuses_pushes_and_changes_nothing(make_server):
     """exponential:1e300 overflows a float at the first update: the push is
     refused naming the schedule, the weights stay, the stats say so."""
@@ -169,14 +185,7 @@ def test_an_lr_schedule_past_the_float_range_refuses_pushes_and_changes_nothing(
             w.push(grad, 1)
         assert w.pull(out) == 1
         assert np.array_equal(np.asarray(out).view(np.float32), before)
-        # The stats block's scheduled lr is refreshed every 10 ms.
-        inspect = os.path.join(os.path.dirname(shmps.server_binary()), "shmps-inspect")
-        deadline = time.monotonic() + 5
-        while True:
-            text = subprocess.run([inspect, server.name], capture_output=True, text=True, check=True).stdout
-            if "scheduled lr    not finite" in text or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
+        text = _inspect_until(server.name, "scheduled lr    not finite")
         assert "scheduled lr    not finite" in text, text
 
 
@@ -193,15 +202,9 @@ def test_a_finite_lr_past_the_stats_word_is_applied_and_shown_saturated(make_ser
         assert w.push(grad, 0) == 1
         assert w.pull(out) == 1
         assert np.all(np.asarray(out).view(np.float32) == np.float32(-1e8))
-        inspect = os.path.join(os.path.dirname(shmps.server_binary()), "shmps-inspect")
-        deadline = time.monotonic() + 5
-        while True:
-            text = subprocess.run([inspect, server.name], capture_output=True, text=True, check=True).stdout
-            if "scheduled lr    at least " in text or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
+        text = _inspect_until(server.name, "scheduled lr    at least ")
         assert "scheduled lr    at least 1.8" in text, text
-        stats = json.loads(subprocess.run([inspect, server.name, "--json"], capture_output=True, text=True,
+        stats = json.loads(subprocess.run([_inspect(), server.name, "--json"], capture_output=True, text=True,
                                           check=True).stdout)["stats"]
         assert stats["scheduled_lr"] is not None and 1.8e7 < stats["scheduled_lr"] < 1.9e7, stats
 
@@ -223,11 +226,10 @@ def test_a_sighup_during_the_start_is_applied_once_the_server_serves(tmp_path):
         conf.write_text("lr = 0.25\n")
         os.kill(server.pid, signal.SIGHUP)
         serving_before = "serving /dev/shm" in open(tmp_path / "server.log").read()
-        inspect = os.path.join(os.path.dirname(shmps.server_binary()), "shmps-inspect")
         lr = None
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and lr != 0.25:
-            run = subprocess.run([inspect, "--json", name], capture_output=True, text=True)
+            run = subprocess.run([_inspect(), "--json", name], capture_output=True, text=True)
             if run.returncode == 0:
                 lr = json.loads(run.stdout)["config"]["lr"]
             time.sleep(0.05)

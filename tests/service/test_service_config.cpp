@@ -52,6 +52,15 @@ std::string file_error(const std::string& body, std::vector<std::string> extra =
   return m;
 }
 
+// parse_options' error for a server named j of tensor w:4 and `extra`.
+std::string refusal(const std::vector<std::string>& extra) {
+  std::vector<std::string> args{"--name", "j", "--tensor", "w:4"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto p = test::parse_server_args(args);
+  BOOST_TEST(!p.ok(), "accepted: " << extra[0] << " " << extra[1]);
+  return p.ok() ? std::string() : p.status().message();
+}
+
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 using shmps::test::read_file;
@@ -125,13 +134,6 @@ BOOST_AUTO_TEST_CASE(malformed_tensors_name_the_problem_and_the_expected_form) {
 }
 
 BOOST_AUTO_TEST_CASE(hyperparameters_the_optimizer_does_not_use_are_refused) {
-  const auto refusal = [](std::vector<std::string> extra) {
-    std::vector<std::string> args{"--name", "j", "--tensor", "w:4"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    auto p = test::parse_server_args(args);
-    BOOST_TEST(!p.ok(), "accepted: " << extra[0] << " " << extra[1]);
-    return p.ok() ? std::string() : p.status().message();
-  };
   BOOST_TEST(refusal({"--optimizer", "adam", "--momentum", "0.9"}) ==
              "--optimizer adam does not use --momentum: an SGD option; remove it, or choose --optimizer sgd");
   BOOST_TEST(
@@ -187,13 +189,6 @@ BOOST_AUTO_TEST_CASE(hyperparameters_the_optimizer_does_not_use_are_refused) {
 // The rule of the optimizer's hyperparameters, for every option read only
 // under some setting: given where nothing reads it, it is refused.
 BOOST_AUTO_TEST_CASE(options_the_configuration_does_not_read_are_refused) {
-  const auto refusal = [](std::vector<std::string> extra) {
-    std::vector<std::string> args{"--name", "j", "--tensor", "w:4"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    auto p = test::parse_server_args(args);
-    BOOST_TEST(!p.ok(), "accepted: " << extra[0] << " " << extra[1]);
-    return p.ok() ? std::string() : p.status().message();
-  };
   BOOST_TEST(refusal({"--init-scale", "nan", "--init-seed", "3"}) ==
              "--init zero does not use --init-scale and --init-seed: options of --init normal and uniform; remove "
              "them, or choose --init normal or uniform");

@@ -83,6 +83,27 @@ struct TrainRun {
     return Process::spawn({"/bin/sh", "-c", cmd});
   }
 
+  // Starts shmps-train (2 workers, checkpoints every 20 updates, `args`)
+  // with $TMPDIR `tmp`, after the shell command `before`; returns once
+  // training has begun (a checkpoint was written).
+  Process start_in_tmpdir(const fs::path& tmp, const std::string& before, const std::string& args) const {
+    fs::create_directories(tmp);
+    const std::string cmd = before + "TMPDIR=" + shmps::test::shell_quote(tmp.string()) + " exec " +
+                            shmps::test::shell_quote(shmps::test::program_path("shmps-train")) + " --name " +
+                            shmps::test::shell_quote(name) + " --workers 2 --test-limit 100 --checkpoint-every 20 " +
+                            args + " >" + shmps::test::shell_quote(out) + " 2>&1";
+    Process train = Process::spawn({"/bin/sh", "-c", cmd});
+    BOOST_REQUIRE_MESSAGE(shmps::test::eventually(
+                              [&] {
+                                for (const auto& e : fs::recursive_directory_iterator(tmp))
+                                  if (e.path().filename().string().rfind("ckpt-", 0) == 0) return true;
+                                return false;
+                              },
+                              60s),
+                          shmps::test::read_file(out));
+    return train;
+  }
+
   // Runs to the end (fails the test on timeout); keeps rc and output.
   void run(const std::vector<std::string>& args, std::chrono::seconds timeout = 150s) {
     Process p = start(args);
@@ -266,22 +287,7 @@ BOOST_FIXTURE_TEST_CASE(a_name_another_server_serves_is_refused_untouched, Train
 // folder) and every shm object of the job, exiting 128 + the signal.
 BOOST_FIXTURE_TEST_CASE(a_signal_mid_run_stops_the_job_and_leaves_nothing, TrainRun) {
   const fs::path tmp = dir / "tmp";
-  fs::create_directories(tmp);
-  std::string cmd = "TMPDIR=" + shmps::test::shell_quote(tmp.string()) + " exec " +
-                    shmps::test::shell_quote(shmps::test::program_path("shmps-train")) + " --name " +
-                    shmps::test::shell_quote(name) +
-                    " --workers 2 --epochs 50 --train-limit 20000 --test-limit 100 --checkpoint-every 20 >" +
-                    shmps::test::shell_quote(out) + " 2>&1";
-  Process train = Process::spawn({"/bin/sh", "-c", cmd});
-  // Training has begun once a checkpoint was written (every 20 updates).
-  BOOST_REQUIRE_MESSAGE(shmps::test::eventually(
-                            [&] {
-                              for (const auto& e : fs::recursive_directory_iterator(tmp))
-                                if (e.path().filename().string().rfind("ckpt-", 0) == 0) return true;
-                              return false;
-                            },
-                            60s),
-                        shmps::test::read_file(out));
+  Process train = start_in_tmpdir(tmp, "", "--epochs 50 --train-limit 20000");
   train.signal(SIGTERM);
   rc = train.wait(30s);  // 128 + SIGTERM: killed by it, after the cleanup
   output = shmps::test::read_file(out);
@@ -295,22 +301,7 @@ BOOST_FIXTURE_TEST_CASE(a_signal_mid_run_stops_the_job_and_leaves_nothing, Train
 // A signal the job was started with ignored (nohup: SIGHUP) stays ignored,
 // in the parent and its workers: the job runs to its end.
 BOOST_FIXTURE_TEST_CASE(an_ignored_hangup_stays_ignored, TrainRun) {
-  const fs::path tmp = dir / "tmp";
-  fs::create_directories(tmp);
-  std::string cmd = "trap '' HUP; TMPDIR=" + shmps::test::shell_quote(tmp.string()) + " exec " +
-                    shmps::test::shell_quote(shmps::test::program_path("shmps-train")) + " --name " +
-                    shmps::test::shell_quote(name) +
-                    " --workers 2 --epochs 2 --train-limit 6000 --test-limit 100 --checkpoint-every 20 >" +
-                    shmps::test::shell_quote(out) + " 2>&1";
-  Process train = Process::spawn({"/bin/sh", "-c", cmd});
-  BOOST_REQUIRE_MESSAGE(shmps::test::eventually(
-                            [&] {
-                              for (const auto& e : fs::recursive_directory_iterator(tmp))
-                                if (e.path().filename().string().rfind("ckpt-", 0) == 0) return true;
-                              return false;
-                            },
-                            60s),
-                        shmps::test::read_file(out));
+  Process train = start_in_tmpdir(dir / "tmp", "trap '' HUP; ", "--epochs 2 --train-limit 6000");
   train.signal(SIGHUP);
   rc = train.wait(120s);
   output = shmps::test::read_file(out);
