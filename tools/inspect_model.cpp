@@ -383,7 +383,9 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
       w.pulls = e.pulls.load(std::memory_order_relaxed);
       w.pulls_waited = e.pulls_waited.load(std::memory_order_relaxed);
       w.wait_ns = e.wait_ns.load(std::memory_order_relaxed);
+      w.pulls_timed_out = e.pulls_timed_out.load(std::memory_order_relaxed);
       w.pushes_scaled = e.pushes_scaled.load(std::memory_order_relaxed);
+      w.scale_factor_sum_micro = e.scale_factor_sum_micro.load(std::memory_order_relaxed);
       w.last_request_ns = e.last_request_ns.load(std::memory_order_relaxed);
       w.last_request_age_ms = age_ms(now, w.last_request_ns);
       for (uint32_t k = 0; k < b.max_buffers; ++k) {
@@ -579,7 +581,9 @@ json to_json(const Snapshot& s) {
                            {"pulls", w.pulls},
                            {"pulls_waited", w.pulls_waited},
                            {"wait_ns", std::to_string(w.wait_ns)},
+                           {"pulls_timed_out", w.pulls_timed_out},
                            {"pushes_scaled", w.pushes_scaled},
+                           {"scale_factor_sum_micro", w.scale_factor_sum_micro},
                            {"last_request_ns", std::to_string(w.last_request_ns)},
                            {"last_request_age_ms", optional_json(w.last_request_age_ms)},
                            {"buffers", std::move(buffers)}});
@@ -761,8 +765,12 @@ std::string render_text(const Snapshot& s) {
       << w.pushes_rejected << ", pulls " << w.pulls << ", last request "
       << age_text(w.last_request_age_ms, w.last_request_ns) << "\n";
     if (w.pulls_waited != 0 || w.pushes_scaled != 0)
-      o << "    pulls held " << w.pulls_waited << " (" << duration_text(w.wait_ns) << " in all), pushes scaled "
-        << w.pushes_scaled << "\n";
+      o << "    pulls held " << w.pulls_waited << " (" << duration_text(w.wait_ns) << " in all, " << w.pulls_timed_out
+        << " timed out), pushes scaled " << w.pushes_scaled << " (mean factor "
+        << (w.pushes_scaled == 0
+                ? std::string("-")
+                : num(static_cast<double>(w.scale_factor_sum_micro) / 1e6 / static_cast<double>(w.pushes_scaled)))
+        << ")\n";
     for (const BufferView& b : w.buffers) {
       o << "    buffer " << b.id << ": " << buffer_kind_name(b.kind) << ", " << b.length << " bytes at offset "
         << b.offset;
@@ -1065,6 +1073,13 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
   per_worker("shmps_worker_pushes_scaled_total", "counter",
              "Pushes of this worker applied with a reduced lr (--staleness-policy scale).",
              [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.pushes_scaled)); });
+  per_worker("shmps_worker_pulls_timed_out_total", "counter",
+             "Pulls of this worker held back past their wait (answered timeout).",
+             [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.pulls_timed_out)); });
+  per_worker(
+      "shmps_worker_scale_factor_sum_total", "counter",
+      "Sum of the lr factors of this worker's scaled pushes (mean factor: this / pushes_scaled).",
+      [](const WorkerView& w) { return std::optional<double>(static_cast<double>(w.scale_factor_sum_micro) / 1e6); });
   per_worker("shmps_worker_last_request_age_seconds", "gauge", "Time since this worker's last request.",
              [](const WorkerView& w) -> std::optional<double> {
                if (!w.last_request_age_ms) return std::nullopt;

@@ -92,7 +92,9 @@ struct WorkerView {
   uint64_t applied_bytes = 0;                   // of its applied pushes
   uint64_t pulls_waited = 0;                    // held back by --staleness-policy wait
   uint64_t wait_ns = 0;                         // their time held, in all
+  uint64_t pulls_timed_out = 0;                 // held past their wait
   uint64_t pushes_scaled = 0;                   // applied with a reduced lr
+  uint64_t scale_factor_sum_micro = 0;          // their lr factors, in millionths
   uint64_t last_request_ns = 0;                 // 0: none yet
   std::optional<uint64_t> last_request_age_ms;  // empty when none or in the future
   std::vector<BufferView> buffers;              // the non-empty descriptors

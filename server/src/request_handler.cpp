@@ -297,12 +297,13 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
   }
   ++model_.version;
   if (scaled) {
-    shm::bump(st.pushes_scaled);
     // b < staleness: a factor below 1, in millionths (doubles: b may be huge).
-    shm::bump(st.scale_factor_sum_micro,
-              static_cast<uint64_t>(1e6 * static_cast<double>(scale_bound(config_.max_staleness)) /
-                                    static_cast<double>(staleness)));
+    const auto factor_micro = static_cast<uint64_t>(1e6 * static_cast<double>(scale_bound(config_.max_staleness)) /
+                                                    static_cast<double>(staleness));
+    shm::bump(st.pushes_scaled);
+    shm::bump(st.scale_factor_sum_micro, factor_micro);
     shm::bump(segment_.worker(i).pushes_scaled);
+    shm::bump(segment_.worker(i).scale_factor_sum_micro, factor_micro);
   }
   // relaxed: statistics; the completion's release publishes them to the pusher.
   st.avg_staleness_micro.store(model_.staleness.record(staleness), std::memory_order_relaxed);

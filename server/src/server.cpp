@@ -562,6 +562,7 @@ class Server::Impl {
                                             "withdrawn by its worker (interrupted wait or detach)");
       a.completion.version = model.version;
     } else {
+      if (r.timed_out) shm::bump(segment->worker(i).pulls_timed_out);
       a = r.timed_out ? handler.reject(i, r.request, ErrorCode::kTimeout, r.why)
                       : handler.handle(i, r.request, shm::monotonic_ns());
     }

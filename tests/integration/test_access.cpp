@@ -482,12 +482,13 @@ BOOST_AUTO_TEST_CASE(a_dead_workers_buffers_the_server_may_not_remove_go_with_th
   const int log_fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   BOOST_REQUIRE(log_fd >= 0);
   struct Cleanup {
-    std::string object, log;
-    ~Cleanup() {
+    std::string name, object, log;
+    ~Cleanup() {  // whatever a failed check left behind too
+      for (const std::string& b : buffer_objects(name)) shm::ShmObject::remove(b);
       shm::ShmObject::remove(object);
       ::unlink(log.c_str());
     }
-  } cleanup{object, log_path};
+  } cleanup{name, object, log_path};
   // Buffers of the root worker are 0660 with the segment's group, nogroup:
   // the server, nobody, may open them, and not remove them.
   auto server_process = test::Process::fork_fn([&] {

@@ -256,6 +256,11 @@ BOOST_AUTO_TEST_CASE(wait_times_out_cleanly_and_the_session_goes_on) {
   BOOST_TEST(s.rejected_timeout == 1u);
   BOOST_TEST(s.my_pulls_waited == 1u);
   BOOST_TEST(s.my_pushes_rejected == 0u);
+  // The entry counts its own timeouts (shmps-inspect's per-worker view).
+  auto seg = shm::Segment::open(server.name(), /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  // relaxed: the completions above ordered the server's counts before us.
+  BOOST_TEST((*seg)->worker(fast.w->worker_id()).pulls_timed_out.load(std::memory_order_relaxed) == 1u);
 }
 
 // WorkerOptions::interrupted, asked while a held pull sleeps, ends its wait
@@ -427,6 +432,7 @@ BOOST_AUTO_TEST_CASE(scale_applies_lr_times_bound_over_staleness_bitwise_and_rej
       BOOST_TEST(s.pushes_scaled == c.scaled);
       BOOST_TEST(s.my_pushes_scaled == c.scaled);
       BOOST_TEST(s.scale_factor_sum_micro == c.factor_micro);
+      BOOST_TEST(s.my_scale_factor_sum_micro == c.factor_micro);
     }
   }
 }

@@ -253,6 +253,7 @@ def test_staleness_policies_through_python(make_server):
             w.push(grad, 0)  # staleness 0, 1, 2: the last at lr / 2
         s = w.stats()
         assert (s.pushes_scaled, s.my_pushes_scaled, s.scale_factor_sum_micro) == (1, 1, 500000)
+        assert s.my_scale_factor_sum_micro == 500000
         assert s.rejected_stale == 0
     server = make_server(staleness_policy="wait", max_staleness=0, tag="ssp")
     with shmps.connect(server.name) as slow, shmps.connect(server.name, timeout=0.4) as fast:

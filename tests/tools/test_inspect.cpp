@@ -288,12 +288,15 @@ BOOST_AUTO_TEST_CASE(staleness_policy_counters_in_every_format) {
   BOOST_TEST(j["stats"]["apply_threads"] == 0);  // no tensor from 4 MiB yet
   BOOST_REQUIRE(j["workers"].size() == 1u);
   BOOST_TEST(j["workers"][0]["pushes_scaled"] == 1);
+  BOOST_TEST(j["workers"][0]["scale_factor_sum_micro"] == 500000);
+  BOOST_TEST(j["workers"][0]["pulls_timed_out"] == 0);
   BOOST_TEST(j["workers"][0]["wait_ns"] == "0");
 
   const Run text = run_inspect({name});
   BOOST_TEST(contains(text.out, "max_staleness   1 (policy scale)"), text.out);
   BOOST_TEST(contains(text.out, "pushes scaled 1 (mean factor 0.5)"), text.out);
-  BOOST_TEST(contains(text.out, "pulls held 0 (0 ns in all), pushes scaled 1\n"), text.out);
+  BOOST_TEST(contains(text.out, "pulls held 0 (0 ns in all, 0 timed out), pushes scaled 1 (mean factor 0.5)\n"),
+             text.out);
   BOOST_TEST(
       contains(text.out, "staleness policy pulls held 0 (0 ns in all), 0 now, pushes scaled 1 (mean factor 0.5)"),
       text.out);
@@ -306,6 +309,8 @@ BOOST_AUTO_TEST_CASE(staleness_policy_counters_in_every_format) {
              prom.out);
   BOOST_TEST(contains(prom.out, ",staleness_policy=\"scale\"} 1\n"), prom.out);
   BOOST_TEST(contains(prom.out, "shmps_worker_pushes_scaled_total" + n), prom.out);
+  BOOST_TEST(contains(prom.out, "shmps_worker_scale_factor_sum_total" + n), prom.out);
+  BOOST_TEST(contains(prom.out, "shmps_worker_pulls_timed_out_total" + n), prom.out);
 }
 
 // The server's histograms: apply time and staleness of every applied push,

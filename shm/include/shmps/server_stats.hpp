@@ -24,7 +24,8 @@
 // last update of a tensor from 4 MiB ran on; the federation's (zero when
 // the server is not federated): rounds completed, hosts in the last round,
 // its time in ns, bytes contributed, local updates not yet merged, the
-// anchor's hash, failed rounds.
+// anchor's hash, failed rounds; the sum of the asking worker's own scale
+// factors, in millionths.
 // Plain preprocessor lists; part of the public API (installed with
 // worker.hpp). Append only: the order is the reply's layout.
 #pragma once
@@ -60,4 +61,5 @@
   X(fed_bytes, block, fed_bytes)                           \
   X(fed_drift, block, fed_drift)                           \
   X(fed_anchor_hash, block, fed_anchor_hash)               \
-  X(fed_failures, block, fed_failures)
+  X(fed_failures, block, fed_failures)                     \
+  X(my_scale_factor_sum_micro, entry, scale_factor_sum_micro)

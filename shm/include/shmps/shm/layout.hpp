@@ -372,12 +372,14 @@ static_assert(offsetof(BufferDesc, request_id) == 168);
 #define SHMPS_STATS_COUNT(name, source, from) +1
 inline constexpr size_t kServerStatsCount = 0 SHMPS_SERVER_STATS(SHMPS_STATS_COUNT);
 #undef SHMPS_STATS_COUNT
+// The 32 words of the entry's reply area are all in use: a further counter
+// needs a larger area (a change of the layout).
 struct StatsReply {
 #define SHMPS_STATS_FIELD(name, source, from) uint64_t name;
   SHMPS_SERVER_STATS(SHMPS_STATS_FIELD)
 #undef SHMPS_STATS_FIELD
-  uint64_t reserved[32 - kServerStatsCount];
 };
+static_assert(kServerStatsCount == 32, "the reply area holds 32 counters");
 static_assert(std::is_trivially_copyable_v<StatsReply>);
 static_assert(sizeof(StatsReply) == 256);
 static_assert(offsetof(StatsReply, my_pulls) == 104);
@@ -411,7 +413,10 @@ struct WorkerEntry {
   std::atomic<uint64_t> pushes_scaled;    // applied with a reduced lr (--staleness-policy scale)
   // --- lines 2-5: reply area of kStats ---
   StatsReply stats_reply;
-  uint64_t reserved2[16];
+  // --- line 6: more counters, server writes (as line 1) ---
+  std::atomic<uint64_t> scale_factor_sum_micro;  // of its scaled pushes: their lr factors, in millionths
+  std::atomic<uint64_t> pulls_timed_out;         // its pulls held past their wait (answered kTimeout)
+  uint64_t reserved2[14];
   // --- followed by BufferDesc[max_buffers] ---
 };
 static_assert(std::is_standard_layout_v<WorkerEntry>);
@@ -423,6 +428,7 @@ static_assert(offsetof(WorkerEntry, cancel_request) == 24);
 static_assert(offsetof(WorkerEntry, pushes_applied) == 64);
 static_assert(offsetof(WorkerEntry, applied_bytes) == 96);
 static_assert(offsetof(WorkerEntry, stats_reply) == 128);
+static_assert(offsetof(WorkerEntry, scale_factor_sum_micro) == 384);
 
 // Head of a request lane or a completion queue. The producer owns `tail`,
 // the consumer owns `head` (each on its own cache line); both are free-
