@@ -104,7 +104,7 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   // As the server refuses what the optimizer does not read.
   if (o.optimizer != "sgd" && (!vm["momentum"].defaulted() || o.nesterov))
     bad = "--optimizer " + o.optimizer +
-          " does not use --momentum or --nesterov: SGD options; remove them, or choose " + "--optimizer sgd";
+          " does not use --momentum or --nesterov: SGD options; remove them, or choose --optimizer sgd";
   // The hyperparameters as the server (or --in-process) checks them, so a
   // bad one is a usage error here rather than the server's exit 1. With
   // --connect the server's own optimizer applies.

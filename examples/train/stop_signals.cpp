@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <iterator>
 
 namespace shmps::train {
 namespace {
@@ -13,7 +14,7 @@ std::atomic<int> g_signal{0};
 static_assert(std::atomic<int>::is_always_lock_free, "written by a signal handler");
 // Which of kStopSignals catch_stop_signals() caught (written before any
 // handler runs or any worker is forked).
-bool g_caught[3] = {};
+bool g_caught[std::size(kStopSignals)] = {};
 
 void on_stop_signal(int signo) {
   g_signal.store(signo, std::memory_order_relaxed);  // relaxed: a flag the main thread polls
@@ -23,7 +24,7 @@ void on_stop_signal(int signo) {
 }  // namespace
 
 void catch_stop_signals() {
-  for (int k = 0; k < 3; ++k) {
+  for (size_t k = 0; k < std::size(kStopSignals); ++k) {
     struct sigaction old {};
     if (::sigaction(kStopSignals[k], nullptr, &old) != 0 || old.sa_handler == SIG_IGN) continue;
     struct sigaction stop {};
@@ -34,7 +35,7 @@ void catch_stop_signals() {
 }
 
 void restore_stop_signals() {
-  for (int k = 0; k < 3; ++k)
+  for (size_t k = 0; k < std::size(kStopSignals); ++k)
     if (g_caught[k]) ::signal(kStopSignals[k], SIG_DFL);
 }
 

@@ -4,12 +4,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <set>
 #include <sstream>
@@ -151,136 +153,104 @@ std::string relocate(const std::string& message, const std::string& where) {
   return where + ": key '" + key + "': " + rest;
 }
 
-// What an option is read under. An option given where the rest of the
-// configuration does not read it (--momentum with adam, --init-seed with
-// --init zero, --fed-store without --federation gloo) is refused rather
-// than silently ignored, and --check-config prints only what is read, so
-// that its output parses back.
-enum class Reader { kSgd, kAdam, kRandomInit, kFileInit, kDevice, kFederation, kGloo, kNesterovOuter, kCheckpoints };
-
-// How a refusal names a reader: "<setting> does not use --x: <one>; remove
-// it, or <fix>".
-struct ReaderText {
-  Reader reader;
-  const char* one;   // what one such option is
-  const char* many;  // what several are
-  const char* fix;
-};
-// In the order refusals are reported: the federation's before Gloo's and
-// the outer step's, so that --fed-store without a federation names
-// --federation none.
-constexpr ReaderText kReaders[] = {
-    {Reader::kSgd, "an SGD option", "SGD options", "choose --optimizer sgd"},
-    {Reader::kAdam, "an Adam/AdamW option", "Adam/AdamW options", "choose --optimizer adam or adamw"},
-    {Reader::kRandomInit, "an option of --init normal and uniform", "options of --init normal and uniform",
-     "choose --init normal or uniform"},
-    {Reader::kFileInit, "an option of --init file", "options of --init file", "choose --init file"},
-    {Reader::kDevice, "an option of --backend cuda and auto", "options of --backend cuda and auto",
-     "choose --backend cuda or auto"},
-    {Reader::kFederation, "a federation option", "federation options", "choose --federation mpi or gloo"},
-    {Reader::kGloo, "an option of --federation gloo", "options of --federation gloo", "choose --federation gloo"},
-    {Reader::kNesterovOuter, "an option of --fed-outer nesterov", "options of --fed-outer nesterov",
-     "choose --fed-outer nesterov"},
-    {Reader::kCheckpoints, "a checkpoint option", "checkpoint options", "give --checkpoint-dir DIR"},
-};
-
-// The options read only under some setting; a key may need several (every
-// --fed-* option needs a federation). Every other option is always read.
-struct ConditionalOption {
-  const char* key;
-  Reader reader;
-};
-constexpr ConditionalOption kConditionalOptions[] = {
-    {"momentum", Reader::kSgd},
-    {"dampening", Reader::kSgd},
-    {"nesterov", Reader::kSgd},
-    {"beta1", Reader::kAdam},
-    {"beta2", Reader::kAdam},
-    {"eps", Reader::kAdam},
-    {"amsgrad", Reader::kAdam},
-    {"init-scale", Reader::kRandomInit},
-    {"init-seed", Reader::kRandomInit},
-    {"init-file", Reader::kFileInit},
-    {"device", Reader::kDevice},
-    {"checkpoint-every", Reader::kCheckpoints},
-    {"checkpoint-interval-s", Reader::kCheckpoints},
-    {"checkpoint-keep", Reader::kCheckpoints},
-    {"fed-every-ms", Reader::kFederation},
-    {"fed-every-versions", Reader::kFederation},
-    {"fed-outer", Reader::kFederation},
-    {"fed-outer-lr", Reader::kFederation},
-    {"fed-outer-lr", Reader::kNesterovOuter},
-    {"fed-outer-momentum", Reader::kFederation},
-    {"fed-outer-momentum", Reader::kNesterovOuter},
-    {"fed-unweighted", Reader::kFederation},
-    {"fed-no-overlap", Reader::kFederation},
-    {"fed-priority", Reader::kFederation},
-    {"fed-cpus", Reader::kFederation},
-    {"fed-max-drift", Reader::kFederation},
-    {"fed-rank-in-name", Reader::kFederation},
-    {"fed-store", Reader::kFederation},
-    {"fed-store", Reader::kGloo},
-    {"fed-hosts", Reader::kFederation},
-    {"fed-hosts", Reader::kGloo},
-    {"fed-host", Reader::kFederation},
-    {"fed-host", Reader::kGloo},
-    {"fed-address", Reader::kFederation},
-    {"fed-address", Reader::kGloo},
-    {"fed-timeout-ms", Reader::kFederation},
-    {"fed-timeout-ms", Reader::kGloo},
-};
-
-bool reads(const ServerConfig& c, Reader r) {
-  switch (r) {
-    case Reader::kSgd:
-      return c.optimizer.kind == kernels::OptimizerKind::kSgd;
-    case Reader::kAdam:
-      return c.optimizer.kind != kernels::OptimizerKind::kSgd;
-    case Reader::kRandomInit:
-      return c.init.kind == InitSpec::Kind::kNormal || c.init.kind == InitSpec::Kind::kUniform;
-    case Reader::kFileInit:
-      return c.init.kind == InitSpec::Kind::kFile;
-    case Reader::kDevice:
-      return c.backend != BackendKind::kHost;
-    case Reader::kFederation:
-      return c.federation.kind != FederationKind::kNone;
-    case Reader::kGloo:
-      return c.federation.kind == FederationKind::kGloo;
-    case Reader::kNesterovOuter:
-      return c.federation.outer == OuterStep::kNesterov;
-    case Reader::kCheckpoints:
-      return !c.checkpoint_dir.empty();
-  }
-  return true;
-}
-
 constexpr const char* kInitNames[] = {"zero", "normal", "uniform", "file"};
 
 const char* backend_name(BackendKind kind) {
   return kind == BackendKind::kHost ? "host" : kind == BackendKind::kCuda ? "cuda" : "auto";
 }
 
-// The setting that leaves reader `r` out, as a refusal names it.
-std::string setting_text(const ServerConfig& c, Reader r) {
-  switch (r) {
-    case Reader::kSgd:
-    case Reader::kAdam:
-      return "--optimizer " + std::string(kernels::optimizer_kind_name(c.optimizer.kind));
-    case Reader::kRandomInit:
-    case Reader::kFileInit:
-      return "--init " + std::string(kInitNames[static_cast<int>(c.init.kind)]);
-    case Reader::kDevice:
-      return "--backend " + std::string(backend_name(c.backend));
-    case Reader::kFederation:
-    case Reader::kGloo:
-      return "--federation " + std::string(federation_kind_name(c.federation.kind));
-    case Reader::kNesterovOuter:
-      return "--fed-outer " + std::string(outer_step_name(c.federation.outer));
-    case Reader::kCheckpoints:
-      return "a server without --checkpoint-dir";
-  }
-  return {};
+// What an option is read under. An option given where the rest of the
+// configuration does not read it (--momentum with adam, --init-seed with
+// --init zero, --fed-store without --federation gloo) is refused rather
+// than silently ignored, and --check-config prints only what is read, so
+// that its output parses back.
+struct Reader {
+  // The options only this setting makes read; a key may need several
+  // readers (every --fed-* option needs a federation). Every option in no
+  // reader's list is always read.
+  std::initializer_list<const char*> keys;
+  bool (*reads)(const ServerConfig&);
+  // How a refusal names it: "<setting> does not use --x: <one>; remove it,
+  // or <fix>".
+  std::string (*setting)(const ServerConfig&);
+  const char* one;   // what one such option is
+  const char* many;  // what several are
+  const char* fix;
+};
+
+std::string optimizer_setting(const ServerConfig& c) {
+  return "--optimizer " + std::string(kernels::optimizer_kind_name(c.optimizer.kind));
 }
+std::string init_setting(const ServerConfig& c) {
+  return "--init " + std::string(kInitNames[static_cast<int>(c.init.kind)]);
+}
+std::string federation_setting(const ServerConfig& c) {
+  return "--federation " + std::string(federation_kind_name(c.federation.kind));
+}
+
+// In the order refusals are reported: the federation's before Gloo's and
+// the outer step's, so that --fed-store without a federation names
+// --federation none.
+const Reader kReaders[] = {
+    {{"momentum", "dampening", "nesterov"},
+     [](const ServerConfig& c) { return c.optimizer.kind == kernels::OptimizerKind::kSgd; },
+     optimizer_setting,
+     "an SGD option",
+     "SGD options",
+     "choose --optimizer sgd"},
+    {{"beta1", "beta2", "eps", "amsgrad"},
+     [](const ServerConfig& c) { return c.optimizer.kind != kernels::OptimizerKind::kSgd; },
+     optimizer_setting,
+     "an Adam/AdamW option",
+     "Adam/AdamW options",
+     "choose --optimizer adam or adamw"},
+    {{"init-scale", "init-seed"},
+     [](const ServerConfig& c) {
+       return c.init.kind == InitSpec::Kind::kNormal || c.init.kind == InitSpec::Kind::kUniform;
+     },
+     init_setting,
+     "an option of --init normal and uniform",
+     "options of --init normal and uniform",
+     "choose --init normal or uniform"},
+    {{"init-file"},
+     [](const ServerConfig& c) { return c.init.kind == InitSpec::Kind::kFile; },
+     init_setting,
+     "an option of --init file",
+     "options of --init file",
+     "choose --init file"},
+    {{"device"},
+     [](const ServerConfig& c) { return c.backend != BackendKind::kHost; },
+     [](const ServerConfig& c) { return "--backend " + std::string(backend_name(c.backend)); },
+     "an option of --backend cuda and auto",
+     "options of --backend cuda and auto",
+     "choose --backend cuda or auto"},
+    {{"fed-every-ms", "fed-every-versions", "fed-outer", "fed-outer-lr", "fed-outer-momentum", "fed-unweighted",
+      "fed-no-overlap", "fed-priority", "fed-cpus", "fed-max-drift", "fed-rank-in-name", "fed-store", "fed-hosts",
+      "fed-host", "fed-address", "fed-timeout-ms"},
+     [](const ServerConfig& c) { return c.federation.kind != FederationKind::kNone; },
+     federation_setting,
+     "a federation option",
+     "federation options",
+     "choose --federation mpi or gloo"},
+    {{"fed-store", "fed-hosts", "fed-host", "fed-address", "fed-timeout-ms"},
+     [](const ServerConfig& c) { return c.federation.kind == FederationKind::kGloo; },
+     federation_setting,
+     "an option of --federation gloo",
+     "options of --federation gloo",
+     "choose --federation gloo"},
+    {{"fed-outer-lr", "fed-outer-momentum"},
+     [](const ServerConfig& c) { return c.federation.outer == OuterStep::kNesterov; },
+     [](const ServerConfig& c) { return "--fed-outer " + std::string(outer_step_name(c.federation.outer)); },
+     "an option of --fed-outer nesterov",
+     "options of --fed-outer nesterov",
+     "choose --fed-outer nesterov"},
+    {{"checkpoint-every", "checkpoint-interval-s", "checkpoint-keep"},
+     [](const ServerConfig& c) { return !c.checkpoint_dir.empty(); },
+     [](const ServerConfig&) { return std::string("a server without --checkpoint-dir"); },
+     "a checkpoint option",
+     "checkpoint options",
+     "give --checkpoint-dir DIR"},
+};
 
 std::string number_text(float v) {
   char buf[32];
@@ -616,12 +586,11 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   // An option given where nothing reads it would be silently ignored:
   // refuse each, on the command line or in the file. Defaults are not
   // given (variables_map::defaulted()).
-  for (const ReaderText& r : kReaders) {
-    if (reads(c, r.reader)) continue;
+  for (const Reader& r : kReaders) {
+    if (r.reads(c)) continue;
     std::vector<std::string> unused;
-    for (const ConditionalOption& option : kConditionalOptions) {
-      const std::string key = option.key;
-      if (option.reader != r.reader || vm.count(key) == 0 || vm[key].defaulted()) continue;
+    for (const std::string key : r.keys) {
+      if (vm.count(key) == 0 || vm[key].defaulted()) continue;
       const auto line = line_of.find(key);
       unused.push_back(line == line_of.end() ? "--" + key : key + " (" + file_line(file, line->second) + ")");
     }
@@ -630,7 +599,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
     for (size_t i = 0; i < unused.size(); ++i)
       list += (i == 0 ? "" : i + 1 == unused.size() ? " and " : ", ") + unused[i];
     const bool one = unused.size() == 1;
-    return invalid(setting_text(c, r.reader) + " does not use " + list + ": " + (one ? r.one : r.many) + "; remove " +
+    return invalid(r.setting(c) + " does not use " + list + ": " + (one ? r.one : r.many) + "; remove " +
                    (one ? "it" : "them") + ", or " + r.fix);
   }
   if (Status s = validate(c); !s.ok()) return fail(s.message());
@@ -652,8 +621,8 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
 }
 
 bool config_reads(const ServerConfig& c, std::string_view key) {
-  for (const ConditionalOption& o : kConditionalOptions)
-    if (key == o.key && !reads(c, o.reader)) return false;
+  for (const Reader& r : kReaders)
+    if (!r.reads(c) && std::find(r.keys.begin(), r.keys.end(), key) != r.keys.end()) return false;
   return true;
 }
 
