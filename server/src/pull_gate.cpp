@@ -2,6 +2,8 @@
 
 #include <limits>
 
+#include "shmps/shm/proc.hpp"
+
 namespace shmps::server {
 
 PullGate::PullGate(const ServerConfig& config, const Sessions& sessions, const shm::Segment& segment)
@@ -15,7 +17,11 @@ PullGate::Slot& PullGate::slot(uint32_t i) {
   Slot& s = slots_[i];
   const uint64_t lease = sessions_[i].attached() ? sessions_[i].lease : 0;
   if (s.lease != lease) {
-    if (s.parked) --parked_;
+    if (s.parked) {
+      --parked_;
+      const uint64_t now = shm::monotonic_ns();
+      ended_.push_back({i, s.request, now > s.parked_at ? now - s.parked_at : 0, false, false, true, {}});
+    }
     s = Slot{};
     s.lease = lease;
   }
@@ -101,15 +107,18 @@ void PullGate::release(uint64_t now, std::vector<Released>* out) { release_if(no
 void PullGate::release_all(uint64_t now, std::vector<Released>* out) { release_if(now, true, out); }
 
 void PullGate::release_if(uint64_t now, bool all, std::vector<Released>* out) {
+  for (uint32_t i = 0; i < slots_.size() && parked_ != 0; ++i)
+    if (slots_[i].parked) slot(i);  // a session that ended drops its pull here
+  out->insert(out->end(), ended_.begin(), ended_.end());
+  ended_.clear();
   for (uint32_t i = 0; i < slots_.size() && parked_ != 0; ++i) {
     if (!slots_[i].parked) continue;
-    Slot& s = slot(i);  // a session that ended drops its pull here
-    if (!s.parked) continue;
+    Slot& s = slots_[i];
     const uint64_t waited = now > s.parked_at ? now - s.parked_at : 0;
     const bool cancel = !all && cancelled(i);
     const bool wait = !all && !cancel && must_wait(i);
     if (wait && waited < s.request.wait_ns) continue;
-    out->push_back({i, s.request, waited, wait, cancel, wait ? holding_text(i) : std::string()});
+    out->push_back({i, s.request, waited, wait, cancel, false, wait ? holding_text(i) : std::string()});
     s.parked = false;
     --parked_;
   }

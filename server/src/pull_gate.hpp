@@ -37,7 +37,9 @@ class PullGate {
   // Worker i's parked pull is one its worker withdrew: its id is at most
   // WorkerEntry::cancel_request.
   bool cancelled(uint32_t i);
-  bool any_parked() const { return parked_ != 0; }
+  // True while a pull is held, or one dropped with its session is still to
+  // be counted by release().
+  bool any_parked() const { return parked_ != 0 || !ended_.empty(); }
   // The pulls held now (one of a session that ended counts until the next
   // release() drops it).
   uint32_t parked_count() const { return parked_; }
@@ -49,12 +51,15 @@ class PullGate {
     uint64_t waited_ns;
     bool timed_out;  // its wait_ns ran out first: answer kTimeout with `why`
     bool cancelled;  // its worker gave up waiting: answer kInterrupted
+    // Its session ended first (the worker detached, died or was evicted):
+    // counted as waited, answered to nobody (worker i may be another now).
+    bool ended;
     // "at clock 4, more than 2 ahead of worker 0 at 1": it fits a
     // completion's message (63 characters) for clocks below 10^7.
     std::string why;
   };
-  // The parked pulls that may go on at `now` (appended to *out); a pull of
-  // a session that ended is dropped without an answer.
+  // The parked pulls that may go on at `now` (appended to *out), and those
+  // dropped with their session since the last call (`ended`).
   void release(uint64_t now, std::vector<Released>* out);
   // Every parked pull of a live session, whatever its wait (shutdown).
   void release_all(uint64_t now, std::vector<Released>* out);
@@ -86,7 +91,8 @@ class PullGate {
   const shm::Segment& segment_;
   std::vector<Slot> slots_;
   uint32_t parked_ = 0;
-  bool gating_;  // the policy was wait when last looked at
+  std::vector<Released> ended_;  // dropped by slot() with their session, for release()
+  bool gating_;                  // the policy was wait when last looked at
 };
 
 }  // namespace shmps::server

@@ -542,7 +542,8 @@ class Server::Impl {
 
   // Answers the parked pulls (--staleness-policy wait) that may go on at
   // `now`: served, or refused when their wait ran out. Their lanes are
-  // served again from the next turn. True when any was answered.
+  // served again from the next turn. Counts those dropped with their
+  // session. True when any was answered or dropped.
   bool release_pulls(uint64_t now) {
     released.clear();
     gate.release(now, &released);
@@ -554,6 +555,7 @@ class Server::Impl {
     const uint32_t i = r.worker;
     shm::bump(stats().pulls_waited);
     shm::bump(stats().wait_ns, r.waited_ns);
+    if (r.ended) return;  // entry i is no longer its worker's
     shm::bump(segment->worker(i).pulls_waited);
     shm::bump(segment->worker(i).wait_ns, r.waited_ns);
     Answer a;
@@ -651,14 +653,16 @@ class Server::Impl {
       if (Status s = backend->synchronize(); !s.ok()) fatal(s);
       drain_held();
     }
+    // Said before the session ends, which drops the pull.
+    const std::string held_pull = gate.parked(i) ? "; its pull held by --staleness-policy wait dropped unanswered" : "";
     sessions.mark_detached(i);
     // Counted after the entry says Detached, so a reader that sees the
     // count sees the entry released (test_stopped reads them in that order).
     // relaxed: statistics.
     if (corrupt) stats().lanes_corrupt.fetch_add(1, std::memory_order_relaxed);
     stats().workers_evicted.fetch_add(1, std::memory_order_relaxed);
-    sessions.log(LogLevel::kWarn,
-                 "evicting worker " + std::to_string(i) + " (pid " + std::to_string(sessions[i].pid()) + "): " + why);
+    sessions.log(LogLevel::kWarn, "evicting worker " + std::to_string(i) + " (pid " +
+                                      std::to_string(sessions[i].pid()) + "): " + why + held_pull);
     sessions.end(i, "");
   }
 
@@ -795,7 +799,7 @@ class Server::Impl {
     released.clear();
     gate.release_all(shm::monotonic_ns(), &released);
     for (const PullGate::Released& r : released) {
-      if (!sessions[r.worker].completions.has_space()) continue;
+      if (r.ended || !sessions[r.worker].completions.has_space()) continue;
       Completion c = RequestHandler::answer(r.request, ErrorCode::kShuttingDown, "server is shutting down");
       c.version = model.version;
       post_now(r.worker, c);

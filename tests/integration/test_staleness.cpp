@@ -227,6 +227,58 @@ BOOST_AUTO_TEST_CASE(wait_releases_a_held_pull_when_the_slowest_worker_is_killed
   BOOST_TEST(fast.stats().my_pulls_waited == 1u);
 }
 
+// A held pull whose session ends (its worker evicted as stopped too long,
+// or killed) is dropped unanswered, and counted as waited with its time.
+BOOST_AUTO_TEST_CASE(a_held_pull_dropped_with_its_session_counts_as_waited) {
+  std::vector<std::string> args = kWait;
+  args.insert(args.end(), {"--stopped-worker-timeout-ms", "200"});
+  test::ServerProcess server(test::unique_name("ssp_drop"), args);
+  auto* control = test::map_shared<Control>();
+  test::Process slow = start_slow_worker(server.name(), control);
+  control->pushes_wanted.store(1);
+  BOOST_REQUIRE(test::eventually([&] { return control->pushes_done.load() == 1; }));
+  auto seg = shm::Segment::open(server.name(), /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  // relaxed: counters the server refreshes; polled until they settle.
+  const auto stat = [&](std::atomic<uint64_t> shm::StatsBlock::*field) {
+    return ((*seg)->stats().*field).load(std::memory_order_relaxed);
+  };
+  const std::string name = server.name();
+  // Four steps (clock 4 against the slow worker's 1), then a pull: held.
+  const auto held_worker = [name] {
+    return test::Process::fork_fn([name] {
+      auto w = test::try_connect(name, 20s);
+      if (!w) return 2;
+      auto grad = w->register_buffer(16);
+      auto weights = w->register_buffer(16);
+      if (!grad.ok() || !weights.ok()) return 3;
+      for (int k = 0; k < 4; ++k) {
+        auto v = w->pull(0, weights->id, 0);
+        if (!v.ok() || !w->push(0, grad->id, 0, 16, Dtype::kF32, *v).ok()) return 4;
+      }
+      (void)w->pull(0, weights->id, 0);
+      return 5;
+    });
+  };
+  test::Process stopped = held_worker();
+  BOOST_REQUIRE(test::eventually([&] { return stat(&shm::StatsBlock::pulls_held) == 1u; }));
+  stopped.signal(SIGSTOP);
+  BOOST_REQUIRE(test::eventually([&] { return stat(&shm::StatsBlock::workers_evicted) == 1u; }, 5s));
+  BOOST_TEST(test::eventually([&] { return stat(&shm::StatsBlock::pulls_held) == 0u; }));
+  BOOST_TEST(stat(&shm::StatsBlock::pulls_waited) == 1u);
+  BOOST_TEST(stat(&shm::StatsBlock::wait_ns) >= 200'000'000u);  // held at least until the eviction
+  stopped.signal(SIGKILL);
+  BOOST_TEST(stopped.wait(10s) == 128 + SIGKILL);
+
+  test::Process killed = held_worker();
+  BOOST_REQUIRE(test::eventually([&] { return stat(&shm::StatsBlock::pulls_held) == 1u; }));
+  killed.signal(SIGKILL);
+  BOOST_TEST(killed.wait(10s) == 128 + SIGKILL);
+  BOOST_TEST(test::eventually([&] { return stat(&shm::StatsBlock::pulls_waited) == 2u; }, 5s));
+  BOOST_TEST(test::eventually([&] { return stat(&shm::StatsBlock::pulls_held) == 0u; }));  // a gauge: every 10 ms
+  BOOST_TEST(control->failed.load() == 0u);
+}
+
 // A pull held for its whole wait fails with kTimeout naming whom it waited
 // for; the session goes on, and the next pull is served once the slow
 // worker caught up.
