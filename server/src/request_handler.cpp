@@ -168,7 +168,7 @@ Answer RequestHandler::register_buffer(uint32_t i, const Request& req) {
   // Only objects named for this worker's pid: never the control segment
   // or another worker's buffer.
   const uint32_t pid = slot.pid();
-  auto peer = backend_.open_peer_of(desc, sessions_.buffer_prefix() + std::to_string(pid) + ".", pid);
+  auto peer = backend_.open_peer_of(desc, shm::buffer_object_prefix(config_.name, static_cast<pid_t>(pid)), pid);
   if (!peer.ok()) return backend_failed(i, req, peer.status());
   sessions_.add_buffer(i, req.buffer_id, std::move(peer).value());
   if (log::enabled(LogLevel::kDebug))

@@ -22,8 +22,7 @@ Sessions::Sessions(const ServerConfig& config, shm::Segment& segment, HeldComple
       held_(held),
       lines_(lines),
       slots_(config.max_workers),
-      attached_bits_((config.max_workers + 63) / 64, 0),
-      buffer_prefix_(shm::segment_object_name(config.name) + ".p") {
+      attached_bits_((config.max_workers + 63) / 64, 0) {
   for (uint32_t i = 0; i < config.max_workers; ++i) reset_lanes(i);
   CPU_ZERO(&server_cpus_);
   if (sched_getaffinity(0, sizeof server_cpus_, &server_cpus_) == 0) {

@@ -52,8 +52,6 @@ class Sessions {
   // The attached slots' indices, and the same as doorbell-word bitmaps.
   const std::vector<uint32_t>& attached_lanes() const { return attached_lanes_; }
   uint64_t attached_bits(uint32_t word) const { return attached_bits_[word]; }
-  // "shmps.<name>.p": worker buffers are "<prefix><pid>.<n>".
-  const std::string& buffer_prefix() const { return buffer_prefix_; }
 
   // Reconciles our record of entry i with its owner word. True when its
   // lane may be served: attached by us and unchanged. A Claimed entry gets
@@ -134,7 +132,6 @@ class Sessions {
   uint64_t high_water_ = 0;  // mirror of StatsBlock::ring_high_water
   cpu_set_t server_cpus_;    // the server's affinity mask at start
   uint32_t server_cpu_count_ = 1;
-  std::string buffer_prefix_;
   // Orphaned buffer objects the last sweep could not remove (another
   // user's in the sticky /dev/shm), so that each is logged once.
   std::set<std::string> unremovable_;

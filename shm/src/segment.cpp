@@ -172,12 +172,16 @@ uint64_t total_elements(const std::vector<TensorSpec>& tensors) {
   return total;
 }
 
+std::string buffer_object_prefix(const std::string& name, pid_t pid) {
+  return segment_object_name(name) + ".p" + (pid != 0 ? std::to_string(pid) + "." : std::string());
+}
+
 std::string buffer_object_name(const std::string& name, pid_t pid, uint64_t n) {
-  return segment_object_name(name) + ".p" + std::to_string(pid) + "." + std::to_string(n);
+  return buffer_object_prefix(name, pid) + std::to_string(n);
 }
 
 std::vector<OrphanBuffer> orphan_buffers(const std::string& name, pid_t pid) {
-  const std::string prefix = segment_object_name(name) + ".p";
+  const std::string prefix = buffer_object_prefix(name);
   std::vector<OrphanBuffer> out;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {

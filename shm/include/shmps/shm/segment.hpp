@@ -28,6 +28,9 @@ std::string segment_object_name(const std::string& name);
 // "shmps.<name>.p<pid>.<n>": buffer `n` of the worker process `pid` of
 // server `name` (the server opens only objects named so).
 std::string buffer_object_name(const std::string& name, pid_t pid, uint64_t n);
+// "shmps.<name>.p<pid>.": what the names of worker `pid`'s buffers start
+// with; with pid 0, "shmps.<name>.p": those of every worker.
+std::string buffer_object_prefix(const std::string& name, pid_t pid = 0);
 // A buffer object of server `name` left by a worker process that is gone:
 // its object name, its pid, and its owner.
 struct OrphanBuffer {
