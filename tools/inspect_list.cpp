@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <regex>
 #include <set>
 
 namespace shmps::inspect {
@@ -61,13 +60,12 @@ std::vector<ListedSegment> list_segments() {
     if (file.rfind(kPrefix, 0) == 0 && file.size() > std::char_traits<char>::length(kPrefix))
       names.insert(file.substr(std::char_traits<char>::length(kPrefix)));
   }
-  // A worker's buffer: "<segment name>.p<pid>.<n>" beside its segment.
-  static const std::regex buffer_name(R"((.+)\.p[0-9]+\.[0-9]+)");
   std::vector<ListedSegment> out;
   for (const std::string& name : names) {
-    std::smatch m;
-    const bool buffer_like = std::regex_match(name, m, buffer_name);
-    if (buffer_like && names.count(m[1].str()) != 0) continue;
+    // A worker's buffer: "<segment name>.p<pid>.<n>" beside its segment.
+    const auto buffer = shm::parse_buffer_object_name(kPrefix + name);
+    const bool buffer_like = buffer.has_value();
+    if (buffer_like && names.count(buffer->server) != 0) continue;
     if (!buffer_like && !shm::validate_name(name).ok()) continue;  // no server could have made it
     ListedSegment row;
     row.name = name;
@@ -103,10 +101,10 @@ std::vector<ListedSegment> list_segments() {
       }
     }
     if (!row.segment && buffer_like) {
-      row.error += " (named as a worker's buffer of segment '" + m[1].str() + "', which is not there; ";
+      row.error += " (named as a worker's buffer of segment '" + buffer->server + "', which is not there; ";
       // A server removes the buffers of its dead workers, under its own
       // name only.
-      const Status segment_name = shm::validate_name(m[1].str());
+      const Status segment_name = shm::validate_name(buffer->server);
       row.error += segment_name.ok() ? "a server started under that name removes it once its worker is gone)"
                                      : "no server can take that name (" + segment_name.message() +
                                            "), so none removes it: remove it by hand once no process uses it)";

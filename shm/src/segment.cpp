@@ -144,16 +144,10 @@ Status validate_name(const std::string& name) {
         (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
     if (!ok) return {ErrorCode::kInvalidArgument, "name '" + name + "' may hold only [A-Za-z0-9._-]"};
   }
-  // "<a>.p<digits>.<digits>" is the name of one of server <a>'s worker
-  // buffers ("shmps.<a>.p<pid>.<n>"): <a>'s server would remove such a
-  // segment as a dead worker's buffer.
-  const size_t last = name.rfind('.');
-  const size_t pid_dot = last == std::string::npos || last == 0 ? std::string::npos : name.rfind(".p", last - 1);
-  const auto digits = [&name](size_t from, size_t to) {
-    return to > from && name.find_first_not_of("0123456789", from) >= to;
-  };
-  if (pid_dot != std::string::npos && pid_dot > 0 && digits(pid_dot + 2, last) && digits(last + 1, name.size()))
-    return {ErrorCode::kInvalidArgument, "name '" + name + "' ends in '" + name.substr(pid_dot) +
+  // A worker buffer's name of server <a> ("shmps.<a>.p<pid>.<n>"): <a>'s
+  // server would remove such a segment as a dead worker's buffer.
+  if (const auto buffer = parse_buffer_object_name(segment_object_name(name)))
+    return {ErrorCode::kInvalidArgument, "name '" + name + "' ends in '" + name.substr(buffer->server.size()) +
                                              "', the shape of a worker buffer's name (shmps.<name>.p<pid>.<n>)"};
   return Status::Ok();
 }
@@ -180,28 +174,39 @@ std::string buffer_object_name(const std::string& name, pid_t pid, uint64_t n) {
   return buffer_object_prefix(name, pid) + std::to_string(n);
 }
 
+std::optional<BufferObjectName> parse_buffer_object_name(std::string_view object_name) {
+  constexpr std::string_view kSegmentPrefix = "shmps.";
+  if (!object_name.starts_with(kSegmentPrefix)) return std::nullopt;
+  // Read from the end: "<n>", then "<pid>", then ".p"; the rest is the server's.
+  const auto number_before = [&](size_t end, uint64_t* value) -> size_t {
+    size_t begin = end;
+    while (begin > 0 && object_name[begin - 1] >= '0' && object_name[begin - 1] <= '9') --begin;
+    if (begin == end || std::from_chars(object_name.data() + begin, object_name.data() + end, *value).ec != std::errc{})
+      return std::string_view::npos;  // none, or past 2^64 - 1
+    return begin;
+  };
+  uint64_t n = 0, pid = 0;
+  const size_t n_at = number_before(object_name.size(), &n);
+  if (n_at == std::string_view::npos || n_at < 1 || object_name[n_at - 1] != '.') return std::nullopt;
+  const size_t pid_at = number_before(n_at - 1, &pid);
+  if (pid_at == std::string_view::npos || pid_at < 2 || object_name.substr(pid_at - 2, 2) != ".p") return std::nullopt;
+  if (pid == 0 || pid > static_cast<uint64_t>(std::numeric_limits<pid_t>::max())) return std::nullopt;
+  if (pid_at - 2 <= kSegmentPrefix.size()) return std::nullopt;  // no server name
+  return BufferObjectName{std::string(object_name.substr(kSegmentPrefix.size(), pid_at - 2 - kSegmentPrefix.size())),
+                          static_cast<pid_t>(pid), n};
+}
+
 std::vector<OrphanBuffer> orphan_buffers(const std::string& name, pid_t pid) {
-  const std::string prefix = buffer_object_prefix(name);
   std::vector<OrphanBuffer> out;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
     const std::string file = e.path().filename().string();
-    if (file.rfind(prefix, 0) != 0) continue;
-    // After the prefix: "<pid>.<n>", nothing else.
-    const size_t dot = file.find('.', prefix.size());
-    if (dot == std::string::npos || dot + 1 == file.size() ||
-        file.find_first_not_of("0123456789", dot + 1) != std::string::npos)
-      continue;
-    const std::string pid_text = file.substr(prefix.size(), dot - prefix.size());
-    if (pid_text.empty() || pid_text.size() > 10 || pid_text.find_first_not_of("0123456789") != std::string::npos)
-      continue;
-    const unsigned long value = std::stoul(pid_text);
-    if (value == 0 || value > static_cast<unsigned long>(std::numeric_limits<pid_t>::max())) continue;
-    const auto owner_pid = static_cast<pid_t>(value);
-    if (pid != 0 ? owner_pid != pid : pid_in_use(owner_pid)) continue;
+    const auto parsed = parse_buffer_object_name(file);
+    if (!parsed || parsed->server != name) continue;
+    if (pid != 0 ? parsed->pid != pid : pid_in_use(parsed->pid)) continue;
     struct stat st {};
     if (::lstat(e.path().c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
-    out.push_back({file, owner_pid, st.st_uid});
+    out.push_back({file, parsed->pid, st.st_uid});
   }
   return out;
 }

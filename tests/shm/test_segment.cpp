@@ -228,12 +228,29 @@ BOOST_AUTO_TEST_CASE(names_are_validated) {
     BOOST_TEST(!s.ok(), buffer_like);
     BOOST_TEST(s.message().find("worker buffer") != std::string::npos, s.message());
   }
-  for (const char* fine :
-       {"job.p1", "job.p.1", "job.px.1", "p1.x", "job.q1.2", "job.p1x.2", "job.p1.x", "train.p3.8xlarge", "p1.2"})
-    BOOST_TEST(validate_name(fine).ok(), fine);
+  for (const char* fine : {"job.p1", "job.p.1", "job.px.1", "p1.x", "job.q1.2", "job.p1x.2", "job.p1.x",
+                           "train.p3.8xlarge", "p1.2", "job.p0.1", "job.p99999999999.1"})
+    BOOST_TEST(validate_name(fine).ok(), fine);  // no worker's buffer is named so (pid 0, past pid_t)
   SegmentSpec spec = small_spec("ok");
   spec.tensors.push_back({"fc1.bias", {1}});
   BOOST_TEST((Segment::create(spec, 1).status().code() == ErrorCode::kInvalidArgument));  // duplicate
+}
+
+// The one reading of a buffer object's name, shared by the server's orphan
+// sweep, the name check above and shmps-inspect --list.
+BOOST_AUTO_TEST_CASE(buffer_object_names_parse_from_the_end) {
+  BOOST_TEST(buffer_object_name("job", 42, 7) == "shmps.job.p42.7");
+  BOOST_TEST(buffer_object_prefix("job", 42) == "shmps.job.p42.");
+  BOOST_TEST(buffer_object_prefix("job") == "shmps.job.p");
+  const auto parsed = parse_buffer_object_name(buffer_object_name("a.p1", 2147483647, 18446744073709551615u));
+  BOOST_REQUIRE(parsed.has_value());
+  BOOST_TEST(parsed->server == "a.p1");
+  BOOST_TEST(parsed->pid == 2147483647);
+  BOOST_TEST(parsed->n == 18446744073709551615u);
+  for (const char* not_a_buffer : {"shmps.job", "job.p1.2", "shmps..p1.2", "shmps.p1.2", "shmps.job.p0.2",
+                                   "shmps.job.p2147483648.2", "shmps.job.p1.", "shmps.job.p.2", "shmps.job.q1.2",
+                                   "shmps.job.p1.2x", "shmps.job.p1x.2", "shmps.job.p1.99999999999999999999"})
+    BOOST_TEST(!parse_buffer_object_name(not_a_buffer).has_value(), not_a_buffer);
 }
 
 BOOST_AUTO_TEST_CASE(oversized_tensors_are_refused_before_the_object_exists) {

@@ -11,7 +11,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "shmps/shm/layout.hpp"
@@ -31,6 +33,15 @@ std::string buffer_object_name(const std::string& name, pid_t pid, uint64_t n);
 // "shmps.<name>.p<pid>.": what the names of worker `pid`'s buffers start
 // with; with pid 0, "shmps.<name>.p": those of every worker.
 std::string buffer_object_prefix(const std::string& name, pid_t pid = 0);
+// What an object name of buffer_object_name()'s shape says: the server's
+// name (any text before ".p<pid>.<n>", which a server's own name may
+// contain), the worker's pid (1..pid_t's maximum) and n.
+struct BufferObjectName {
+  std::string server;
+  pid_t pid;
+  uint64_t n;
+};
+std::optional<BufferObjectName> parse_buffer_object_name(std::string_view object_name);
 // A buffer object of server `name` left by a worker process that is gone:
 // its object name, its pid, and its owner.
 struct OrphanBuffer {
