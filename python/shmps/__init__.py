@@ -202,13 +202,23 @@ class Worker:
         return self._w.push(*self._push_args(buffer, version, tensor, offset, nbytes, dtype, stream))
 
     def push_async(self, buffer, version, tensor=None, offset=0, nbytes=None, dtype="float32", stream=None):
-        """As push(), returning a ticket once the request is queued; wait(ticket) returns its result."""
+        """As push(), returning a ticket once the request is queued;
+        wait(ticket) returns its result. Wait for every ticket: the Worker
+        keeps each answer until it is taken."""
         return self._w.push_async(*self._push_args(buffer, version, tensor, offset, nbytes, dtype, stream))
 
     def wait(self, ticket):
         """The result of push_async(ticket), the version after the update,
         or of pull_async(ticket), the version pulled."""
         return self._w.wait(_unsigned("ticket", ticket))
+
+    def pushes_in_flight(self, buffer):
+        """The tickets of the push_async()s from `buffer` not waited for
+        yet (or whose wait timed out or was interrupted), oldest first:
+        the buffer may be written again once each is waited for. A ticket
+        whose push_async() a signal's handler interrupted as it returned
+        (Ctrl-C: the ticket never reached the caller) is among them."""
+        return self._w.pushes_in_flight(*self._buffer_ref(buffer))
 
     def pull(self, buffer, tensor=None, offset=0, stream=None):
         """Copies a consistent snapshot of `tensor` (None: all tensors) as
@@ -269,7 +279,10 @@ class Worker:
                         "child process")
 
     def __repr__(self):
-        state = "closed" if self.closed else f"worker {self.worker_id}"
+        try:
+            state = "closed" if self.closed else f"worker {self.worker_id}"
+        except _errors.Error:  # a fork()ed child's copy: its identity is the parent's
+            state = "not usable in this process"
         return f"shmps.Worker({self.name!r}, {state}, {len(self.tensors)} tensors, {self.total_elements} elements)"
 
     # ---- argument conversion ----
@@ -320,4 +333,6 @@ def connect(name, timeout=10.0, reconnect=False, wait_for_server=0.0, server_use
     `server_user`: the user the server runs as when it is neither this
     process's user nor root (default: the packaged unit's "shmps", where it
     exists); a segment owned by anyone else raises PermissionError."""
+    if isinstance(reconnect, (str, bytes)) or reconnect not in (True, False):  # "no" would be true
+        raise TypeError(f"reconnect must be True or False, not {reconnect!r}")
     return Worker(_connect(name, float(timeout), bool(reconnect), float(wait_for_server), str(server_user)), name)

@@ -12,6 +12,7 @@ For real use the server runs on its own, under systemd (docs/operations.md).
 import contextlib
 import fcntl
 import itertools
+import math
 import operator
 import os
 import re
@@ -59,11 +60,17 @@ def _tensor_specs(model=None, tensors=None):
             pairs.append((name, tuple(p.shape)))
         tensors = pairs
         if not tensors:
-            raise ValueError("the model has no trainable parameters (every one has requires_grad=False)")
+            raise ValueError("the model has no trainable parameters" +
+                             (" (every one has requires_grad=False)" if any(True for _ in model.parameters()) else ""))
     if isinstance(tensors, dict):
         tensors = tensors.items()
     specs = []
     for name, shape in tensors:
+        if not isinstance(name, str):
+            raise TypeError(f"a tensor's name must be a str, not {name!r}")
+        if ":" in name:
+            raise ValueError(f"tensor name {name!r} holds ':', which shmps-server's --tensor NAME:SHAPE cannot carry "
+                             "(names are 1..63 printable characters without blanks or ':')")
         if isinstance(shape, (str, bytes)):
             raise TypeError(f"tensor {name!r}: the shape must be a sequence of ints, not {shape!r}")
         try:
@@ -99,6 +106,11 @@ class Server:
                  start_timeout=30.0, **options):
         if not isinstance(optimizer, str):
             raise TypeError(f"optimizer must be a name (sgd, adam or adamw), not {optimizer!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str (the segment's name), not {name!r}")
+        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) \
+                or math.isnan(start_timeout) or start_timeout <= 0:
+            raise ValueError(f"start_timeout must be a positive number of seconds, not {start_timeout!r}")
         self.name = name if name is not None else f"py{os.getpid()}_{next(_names)}"
         self.binary = binary or server_binary()
         self.args = [self.binary, "--name", self.name]
@@ -130,8 +142,13 @@ class Server:
             with open(self._log_path, "ab") as log:
                 # --parent-pid: the server stops once this process is gone,
                 # even when it ends without stop() (SIGTERM, SIGKILL, exit).
+                # A session of its own: a terminal's Ctrl-C (SIGINT to the
+                # foreground process group) reaches this process only, whose
+                # KeyboardInterrupt then stops the server (stop()), after
+                # the pushes in flight are answered.
                 self.process = subprocess.Popen(self.args + ["--parent-pid", str(os.getpid())],
-                                                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                                                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                                start_new_session=True)
                 self._starter = os.getpid()
         except BaseException:
             if self._own_log:  # nothing ran: no log to keep

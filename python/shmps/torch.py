@@ -16,6 +16,7 @@ reads them: nothing is copied on the worker's side. The optimizer itself
 """
 
 import contextlib
+import weakref
 
 import torch
 
@@ -43,10 +44,6 @@ class RemoteOptimizer:
         self.stale = 0        # pushes rejected as too stale
         self.applied = False  # whether the last step's push was applied
         self.closed = False
-        # A push whose answer is not taken yet (its step() interrupted, or a
-        # wait for it that timed out): taken before the gradient buffer is
-        # written or freed (_settle_pending()).
-        self._pending = None
         named = list(model.named_parameters())
         self._params = [(n, p) for n, p in named if p.requires_grad]
         self._frozen = [(n, p) for n, p in named if not p.requires_grad]
@@ -95,6 +92,10 @@ class RemoteOptimizer:
                 p.grad = g
         self._grad_ptrs = [(name, p.grad.data_ptr()) for name, p in self._params]
         self._weight_ptrs = [p.data_ptr() for _, p in self._params]
+        # Dropped without close(): the two buffers are unregistered (the
+        # model keeps its views, whose memory outlives the registration).
+        self._finalizer = weakref.finalize(self, _unregister, worker, self._grad_buf, self._weight_buf)
+        self._finalizer.atexit = False  # at exit the Worker's close() frees them
 
     def _check_table(self):
         table = {t.name: t for t in self.worker.tensors}
@@ -134,22 +135,15 @@ class RemoteOptimizer:
                                "make a new RemoteOptimizer to train through the server")
 
     def _settle_pending(self):
-        """The pending push (self._pending) waited for and counted before
-        the gradient buffer is written or freed (the server may still read
-        it); its errors raise, but for a StaleError, counted as step()
-        counts it."""
-        ticket = self._pending
-        if ticket is None:
-            return
-        try:
+        """Every push from the gradient buffer not answered yet (its step()
+        interrupted, even between push_async() and the ticket's return, or
+        a wait for it that timed out) waited for and counted before the
+        buffer is written or freed: the server may still read it. Errors
+        raise, but for a StaleError, counted as step() counts it; a wait
+        that timed out or was interrupted leaves its push for the next
+        call (the Worker keeps the ticket)."""
+        for ticket in self.worker.pushes_in_flight(self._grad_buf):
             self._settle(ticket)
-        except _errors.Error as e:
-            # Answered with an error: settled. A wait that timed out or was
-            # interrupted leaves it pending, for the next call to wait for.
-            if not isinstance(e, (_errors.TimeoutError, _errors.InterruptedError)):
-                self._pending = None
-            raise
-        self._pending = None
 
     def zero_grad(self, set_to_none=False):
         """Zeroes the gradient buffer; .grad is never set to None (it must stay a view of the buffer)."""
@@ -176,9 +170,8 @@ class RemoteOptimizer:
         # Unregistered first: a request still in flight on them is served
         # before the unregister is answered, so what is copied below is
         # final. Their memory stays valid while a view of it lives.
-        for buf in (self._grad_buf, self._weight_buf):
-            with contextlib.suppress(_errors.Error):
-                self.worker.unregister_buffer(buf)
+        self._finalizer.detach()
+        _unregister(self.worker, self._grad_buf, self._weight_buf)
         self._sync()  # a gradient backward() wrote on the current stream
         # Only what still lives in this optimizer's buffers: a parameter
         # another RemoteOptimizer took over since is that one's.
@@ -224,6 +217,13 @@ class RemoteOptimizer:
                     f"parameter {name!r} was frozen (requires_grad=False) when this RemoteOptimizer was made, so it "
                     "is not on the server and its gradient would go nowhere: make a new server and RemoteOptimizer "
                     "for the unfrozen model")
+        for name, p in self._params:
+            if not p.requires_grad:
+                raise RuntimeError(
+                    f"parameter {name!r} was trainable when this RemoteOptimizer was made and is frozen now "
+                    "(requires_grad=False): the server would go on moving it (momentum, weight decay, Adam's "
+                    "moments) and every pull would overwrite it: make a new server and RemoteOptimizer for the "
+                    "frozen model")
         self.applied = False
         try:
             ticket = self.worker.push_async(self._grad_buf, self.version, stream=self._stream())
@@ -232,19 +232,19 @@ class RemoteOptimizer:
             self._pull_after_restart()
             raise
         try:
-            self.pull()
+            # Not self.pull(), which would first wait for this push.
+            self.version = self.worker.pull(self._weight_buf, stream=self._stream())
         except BaseException as e:
-            # The push stays pending until its answer is taken and counted
+            # The push stays in flight until its answer is taken and counted
             # (.applied tells whether to redo the minibatch): the gradient
-            # buffer is not written (zero_grad(), step(), close()) before.
-            # Interrupted (Ctrl-C, a signal handler's exception,
-            # Worker.interrupt()): raised at once, the push waited for by
-            # the next call, since a server that stalled would hold the
-            # interrupt for its timeout. Another error of the pull: the
-            # push's answer is taken now if it comes; the pull's error is
-            # the one raised.
-            self._pending = ticket
-            if isinstance(e, _errors.Error) and not isinstance(e, _errors.InterruptedError):
+            # buffer is not written (zero_grad(), step(), close()) before;
+            # the Worker keeps its ticket (pushes_in_flight()). Interrupted
+            # (Ctrl-C, a signal handler's exception, Worker.interrupt()) or
+            # timed out: raised at once, the push waited for by the next
+            # call, since a server that stalled would hold the step for
+            # another timeout. Another error of the pull: the push's answer
+            # is taken now if it comes; the pull's error is the one raised.
+            if isinstance(e, _errors.Error) and not isinstance(e, (_errors.InterruptedError, _errors.TimeoutError)):
                 with contextlib.suppress(_errors.Error):
                     self._settle_pending()
                 if isinstance(e, _errors.ServerRestartedError):
@@ -281,3 +281,11 @@ class RemoteOptimizer:
         self._settle_pending()
         self.version = self.worker.pull(self._weight_buf, stream=self._stream())
         return self.version
+
+
+def _unregister(worker, *buffers):
+    """Frees a RemoteOptimizer's buffers on the server (best effort: a
+    closed Worker or a server gone has nothing left to free)."""
+    for buf in buffers:
+        with contextlib.suppress(_errors.Error):
+            worker.unregister_buffer(buf)

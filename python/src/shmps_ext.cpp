@@ -370,25 +370,45 @@ class PyWorker {
 
   uint64_t push_async(uint32_t tensor, uint32_t buffer, uint64_t registration, uint64_t offset, uint64_t nbytes,
                       uint32_t dtype, uint64_t version, uintptr_t stream) {
-    const uint64_t ticket = take(call([&](shmps::Worker& w) -> shmps::Result<uint64_t> {
+    // Noted inside the call: a signal's handler that raises as it returns
+    // loses the ticket to its caller, not to pushes_in_flight().
+    return take(call([&](shmps::Worker& w) -> shmps::Result<uint64_t> {
       if (shmps::Status s = check_buffer(buffer, registration); !s.ok()) return s;
-      return w.push_async(tensor, buffer, offset, nbytes, static_cast<shmps::Dtype>(dtype), version,
-                          reinterpret_cast<void*>(stream));
+      shmps::Result<uint64_t> ticket = w.push_async(tensor, buffer, offset, nbytes, static_cast<shmps::Dtype>(dtype),
+                                                    version, reinterpret_cast<void*>(stream));
+      if (ticket.ok()) pushes_[*ticket] = {version, buffer, registration};
+      return ticket;
     }));
-    versions_[ticket] = version;
-    return ticket;
   }
 
   uint64_t wait(uint64_t ticket) {
-    Answer a = call([&](shmps::Worker& w) { return Answer{w.wait(ticket), w.last_version()}; });
     uint64_t version = 0;
-    if (auto it = versions_.find(ticket); it != versions_.end()) {
-      version = it->second;
-      // A wait that timed out or was interrupted may be waited for again.
-      const shmps::ErrorCode code = a.result.ok() ? shmps::ErrorCode::kOk : a.result.status().code();
-      if (code != shmps::ErrorCode::kTimeout && code != shmps::ErrorCode::kInterrupted) versions_.erase(it);
-    }
+    Answer a = call([&](shmps::Worker& w) {
+      Answer answer{w.wait(ticket), w.last_version()};
+      if (auto it = pushes_.find(ticket); it != pushes_.end()) {
+        version = it->second.version;
+        // A wait that timed out or was interrupted may be waited for again.
+        const shmps::ErrorCode code = answer.result.ok() ? shmps::ErrorCode::kOk : answer.result.status().code();
+        if (code != shmps::ErrorCode::kTimeout && code != shmps::ErrorCode::kInterrupted) pushes_.erase(it);
+      }
+      return answer;
+    });
     return versioned(std::move(a), version);
+  }
+
+  // The push_async tickets from buffer `buffer` (of `registration`) not
+  // yet waited for, oldest first: what must be waited for before the
+  // buffer is written again (shmps.torch.RemoteOptimizer's gradients).
+  nb::list pushes_in_flight(uint32_t buffer, uint64_t registration) {
+    std::vector<uint64_t> tickets;
+    call([&](shmps::Worker&) {
+      for (const auto& [ticket, push] : pushes_)
+        if (push.buffer == buffer && push.registration == registration) tickets.push_back(ticket);
+      return 0;
+    });
+    nb::list out;
+    for (uint64_t t : tickets) out.append(t);
+    return out;
   }
 
   uint64_t pull(uint32_t tensor, uint32_t buffer, uint64_t registration, uint64_t offset, uintptr_t stream) {
@@ -456,7 +476,7 @@ class PyWorker {
       stops_->life.store(Life::kClosed, std::memory_order_relaxed);  // relaxed: see Stops
     }
     kept_.clear();
-    versions_.clear();  // registrations_ stay: a Buffer passed after close() gets "closed"
+    pushes_.clear();  // registrations_ stay: a Buffer passed after close() gets "closed"
   }
 
   nb::list tensors() {
@@ -561,17 +581,22 @@ class PyWorker {
   // Under the GIL. Declared before w_ so that they outlive it: the Worker
   // detaches (and its requests in flight end) before the memory they read
   // is freed.
-  std::map<uint32_t, Kept> kept_;          // by buffer id, while registered
-  std::map<uint64_t, uint64_t> versions_;  // push_async ticket -> its worker_version
-  std::mutex mu_;                          // held for each call of w_, and by close()
-  const std::shared_ptr<Stops> stops_;     // also the hook's, in w_'s options
-  mutable std::mutex identity_mu_;         // held only to copy identity_, never while a call waits
+  std::map<uint32_t, Kept> kept_;       // by buffer id, while registered
+  std::mutex mu_;                       // held for each call of w_, and by close()
+  const std::shared_ptr<Stops> stops_;  // also the hook's, in w_'s options
+  mutable std::mutex identity_mu_;      // held only to copy identity_, never while a call waits
   Identity identity_;
   std::atomic<unsigned long> holder_{0};  // the thread in call() holding mu_ (0: none)
   // Under mu_:
   std::unique_ptr<shmps::Worker> w_;
   uint64_t last_registration_ = 0;
   std::map<uint32_t, uint64_t> registrations_;  // live buffer id -> its registration
+  struct PushInFlight {
+    uint64_t version;  // its worker_version, for a StaleError's
+    uint32_t buffer;
+    uint64_t registration;
+  };
+  std::map<uint64_t, PushInFlight> pushes_;  // push_async tickets not waited for (or whose wait timed out)
 };
 
 std::unique_ptr<PyWorker> connect(const std::string& name, double timeout, bool reconnect, double wait_for_server,
@@ -591,6 +616,9 @@ std::unique_ptr<PyWorker> connect(const std::string& name, double timeout, bool 
 
 NB_MODULE(_shmps, m) {
   m.doc() = "shmps worker library binding (use the shmps package)";
+  // A Worker or Buffer still referenced when the interpreter ends (a global
+  // while a daemon thread lives) is no leak of this binding's: no warning.
+  nb::set_leak_warnings(false);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -661,6 +689,7 @@ NB_MODULE(_shmps, m) {
       .def("push_async", &PyWorker::push_async, "tensor"_a, "buffer"_a, "registration"_a, "offset"_a, "nbytes"_a,
            "dtype"_a, "version"_a, "stream"_a)
       .def("wait", &PyWorker::wait, "ticket"_a)
+      .def("pushes_in_flight", &PyWorker::pushes_in_flight, "buffer"_a, "registration"_a)
       .def("pull", &PyWorker::pull, "tensor"_a, "buffer"_a, "registration"_a, "offset"_a, "stream"_a)
       .def("pull_async", &PyWorker::pull_async, "tensor"_a, "buffer"_a, "registration"_a, "offset"_a, "stream"_a)
       .def("init", &PyWorker::init, "buffer"_a, "registration"_a, "offset"_a, "stream"_a)

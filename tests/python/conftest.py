@@ -21,6 +21,16 @@ def unique_name(tag):
     return f"p{os.getpid()}_{next(_counter)}_{tag}"[:32]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _temporary_files_in_pytests_own_directory(tmp_path_factory):
+    """The logs shmps.Server keeps of servers a test killed go where
+    pytest prunes its old runs, not into /tmp."""
+    import tempfile
+    previous, tempfile.tempdir = tempfile.tempdir, str(tmp_path_factory.mktemp("tmp"))
+    yield
+    tempfile.tempdir = previous
+
+
 @pytest.fixture
 def make_server(request):
     """make_server(tensors=SMALL, **options) -> a started shmps.Server,

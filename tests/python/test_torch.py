@@ -250,11 +250,11 @@ def test_a_push_whose_wait_timed_out_or_was_interrupted_stays_pending(make_serve
                         opt.step()
                 with pytest.raises(shmps.TimeoutError):
                     opt.zero_grad()  # still unanswered: kept, the buffer untouched
-                assert opt._pending is not None and bool((model.weight.grad == 1.0).all())
+                assert len(w.pushes_in_flight(opt._grad_buf)) == 1 and bool((model.weight.grad == 1.0).all())
             finally:
                 os.kill(server.process.pid, signal.SIGCONT)
             opt.zero_grad()
-            assert opt._pending is None and opt.applied
+            assert w.pushes_in_flight(opt._grad_buf) == [] and opt.applied
         assert opt.pushes == 2
         opt.pull()
         assert torch.allclose(model.weight.detach(), before - 2.0)  # both gradients whole
@@ -341,26 +341,122 @@ def test_a_stale_step_is_counted_and_leaves_fresh_weights(make_server, on_stale)
 
 def test_a_step_whose_pull_fails_still_counts_its_push(make_server):
     """The pull's error is raised; the push queued before it is answered,
-    counted (.applied) and taken from the lane, so the next step works."""
+    counted (.applied) and taken from the lane, so the next step works. A
+    pull that timed out leaves the push for the next call instead (one
+    timeout per call, not two)."""
     model = Net()
     server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
     with shmps.connect(server.name) as w:
         opt = shmps.torch.RemoteOptimizer(model, w, init=True)
-        pull = opt.pull
+        pull = w.pull
+        for error, settled in ((shmps.BusyError, True), (shmps.TimeoutError, False)):
 
-        def failing_pull():
-            pull()
-            raise shmps.TimeoutError("held past the timeout")
+            def failing_pull(*args, **kwargs):
+                pull(*args, **kwargs)
+                raise error("the pull failed")
 
-        opt.pull = failing_pull
+            w.pull = failing_pull
+            pushes = opt.pushes
+            opt.zero_grad()
+            model(torch.randn(2, 6)).sum().backward()
+            with pytest.raises(error, match="the pull failed"):
+                opt.step()
+            assert (opt.applied, opt.pushes, opt.stale) == (settled, pushes + settled, 0)
+            assert len(w.pushes_in_flight(opt._grad_buf)) == (0 if settled else 1)
+            w.pull = pull
+        opt.zero_grad()  # takes the push the timed-out step left
+        assert (opt.applied, opt.pushes) == (True, 2)
         model(torch.randn(2, 6)).sum().backward()
-        with pytest.raises(shmps.TimeoutError, match="held past"):
-            opt.step()
-        assert (opt.applied, opt.pushes, opt.stale) == (True, 1, 0)
-        opt.pull = pull
+        assert opt.step() == 3 and opt.applied and opt.pushes == 3
+
+
+def test_a_step_against_a_stalled_server_waits_one_timeout(make_server):
+    """step() raises TimeoutError after the Worker's timeout, not twice it
+    (the pull's, then the push's again)."""
+    import signal
+    import time
+
+    model = torch.nn.Linear(4, 2)
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    with shmps.connect(server.name, timeout=1) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+        model(torch.randn(2, 4)).sum().backward()
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(shmps.TimeoutError):
+                opt.step()
+            assert time.monotonic() - start < 1.8
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        opt.close()
+
+
+def test_a_push_whose_ticket_an_interrupt_took_is_still_waited_for(make_server):
+    """Ctrl-C as push_async() returns (the handler's KeyboardInterrupt comes
+    before the ticket reaches step()): the Worker keeps the ticket, so the
+    next zero_grad() waits for the push before it zeroes the gradient the
+    server may still read, and counts it."""
+    import signal
+
+    model = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    server = make_server(tensors=[("weight", (1, 4))], optimizer="sgd", lr=1.0)
+    with shmps.connect(server.name, timeout=5) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+        push_async = w.push_async
+
+        def interrupted(*args, **kwargs):
+            push_async(*args, **kwargs)
+            raise KeyboardInterrupt
+
         opt.zero_grad()
-        model(torch.randn(2, 6)).sum().backward()
-        assert opt.step() == 2 and opt.applied and opt.pushes == 2
+        model(torch.ones(1, 4)).sum().backward()  # a gradient of ones
+        os.kill(server.process.pid, signal.SIGSTOP)  # the push stays unread
+        try:
+            w.push_async = interrupted
+            with pytest.raises(KeyboardInterrupt):
+                opt.step()
+            w.push_async = push_async
+            assert len(w.pushes_in_flight(opt._grad_buf)) == 1
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        opt.zero_grad()  # waits for the push first
+        assert opt.pushes == 1 and opt.applied
+        opt.pull()
+        assert model.weight.detach().tolist() == [[-1.0, -1.0, -1.0, -1.0]]  # the whole gradient applied
+        opt.close()
+
+
+def test_a_parameter_frozen_after_the_optimizer_was_made_is_refused(make_server):
+    """The server would go on moving it (momentum, weight decay): step()
+    raises instead, as for one unfrozen later."""
+    model = torch.nn.Linear(4, 2)
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()], optimizer="sgd",
+                         lr=0.1, momentum=0.9, weight_decay=0.1)
+    with shmps.connect(server.name) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        model.bias.requires_grad_(False)
+        with pytest.raises(RuntimeError, match="'bias' was trainable when this RemoteOptimizer was made"):
+            opt.step()
+        opt.close()
+
+
+def test_a_remote_optimizer_dropped_without_close_frees_its_buffers(make_server):
+    """Made once per epoch and dropped: its two registrations go with it,
+    so the Worker's buffer slots (16 by default) do not run out."""
+    import gc
+
+    model = torch.nn.Linear(4, 2)
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    with shmps.connect(server.name) as w:
+        for _ in range(12):  # kept, the 9th would raise NoCapacityError
+            opt = shmps.torch.RemoteOptimizer(model, w)
+            del opt
+            gc.collect()
+        w.register_buffer(16)
 
 
 def test_a_constructor_whose_pull_fails_leaves_the_model_as_it_was(make_server):
@@ -534,3 +630,10 @@ def test_expandable_segments_fail_with_a_pointer_to_alloc_device_buffer(make_ser
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert "REFUSED" in out.stdout, out.stdout + out.stderr
     assert "alloc_device_buffer" in out.stdout
+
+
+def test_a_model_without_trainable_parameters_says_which_case():
+    with pytest.raises(ValueError, match="no trainable parameters$"):
+        shmps.Server(torch.nn.ReLU())  # none at all: not "every one frozen"
+    with pytest.raises(ValueError, match="every one has requires_grad=False"):
+        shmps.Server(torch.nn.Linear(2, 2).requires_grad_(False))

@@ -987,6 +987,80 @@ def test_the_launchers_table_and_options_are_checked_before_a_start():
         shmps._server._tensor_specs(tensors=[("w", (2.7,))])
     with pytest.raises(TypeError, match="optimizer must be a name"):
         shmps.Server(tensors=SMALL, optimizer=None)
+    with pytest.raises(ValueError, match="holds ':'"):
+        shmps.Server(tensors=[("a:b", (2,))])
+    with pytest.raises(TypeError, match="name must be a str"):
+        shmps.Server(tensors=[(1, (2,))])
+    with pytest.raises(TypeError, match="name must be a str"):
+        shmps.Server(tensors=SMALL, name=123)
+    for bad in (float("nan"), 0, -1.0, "10"):
+        with pytest.raises(ValueError, match="start_timeout must be a positive number"):
+            shmps.Server(tensors=SMALL, start_timeout=bad)
+    with pytest.raises(TypeError, match="reconnect must be True or False"):
+        shmps.connect("x", reconnect="no")
+
+
+def test_ctrl_c_in_a_terminal_reaches_the_script_not_its_server(tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground process
+    group. The server a shmps.Server started runs in a session of its own,
+    so the script's KeyboardInterrupt handler still finds it serving (it
+    can take the last step's answer and pull), and leaving the with block
+    stops it cleanly."""
+    script = f"""
+import sys, time, shmps
+with shmps.Server(tensors=[("w", (4,))], name={unique_name("ctrlc")!r}, optimizer="sgd", backend="host",
+                  log={str(tmp_path / "server.log")!r}) as server, shmps.connect(server.name) as w:
+    g = w.register_buffer(16)
+    try:
+        print("ready", flush=True)
+        while True:
+            w.push(g, w.pull(g))
+    except KeyboardInterrupt:
+        print("interrupted; the server answers: version", w.pull(g), flush=True)
+print("stopped", flush=True)
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(0.2)
+        os.killpg(child.pid, signal.SIGINT)  # as the terminal sends it
+        out, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0, err
+    assert "interrupted; the server answers: version" in out and out.rstrip().endswith("stopped"), out + err
+
+
+def test_repr_answers_in_a_forked_child(make_server):
+    server = make_server()
+    w = shmps.connect(server.name)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if "not usable in this process" in repr(w) else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert f"worker {w.worker_id}" in repr(w)
+    w.close()
+
+
+def test_a_worker_alive_at_the_interpreters_exit_prints_no_leak_warning(make_server):
+    """A Worker and Buffer still global at exit, while a daemon thread
+    lives, are not a leak of the binding's: nanobind's warning is off."""
+    server = make_server()
+    script = f"""
+import threading, time, shmps
+w = shmps.connect({server.name!r})
+b = w.register_buffer(16)
+threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+"""
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert "leaked" not in child.stderr, child.stderr
 
 
 def test_a_daemon_thread_inside_a_call_at_exit_does_not_abort_the_interpreter(make_server):
