@@ -24,11 +24,19 @@ def unique_name(tag):
 @pytest.fixture(autouse=True, scope="session")
 def _temporary_files_in_pytests_own_directory(tmp_path_factory):
     """The logs shmps.Server keeps of servers a test killed go where
-    pytest prunes its old runs, not into /tmp."""
+    pytest prunes its old runs, not into /tmp: this process's and its
+    children's (the scripts some tests run)."""
     import tempfile
-    previous, tempfile.tempdir = tempfile.tempdir, str(tmp_path_factory.mktemp("tmp"))
+    directory = str(tmp_path_factory.mktemp("tmp"))
+    previous, tempfile.tempdir = tempfile.tempdir, directory
+    previous_env = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = directory
     yield
     tempfile.tempdir = previous
+    if previous_env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = previous_env
 
 
 @pytest.fixture
