@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <new>
+#include <string_view>
 
 #include "backend.hpp"
 #include "peer_guard.hpp"
@@ -214,10 +215,14 @@ Result<std::unique_ptr<shm::ShmObject>> open_worker_object(const shm::BufferDesc
   if (std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
     return Status{ErrorCode::kBadRequest, "buffer handle is not a terminated name"};
   const std::string object_name(reinterpret_cast<const char*>(desc.handle));
-  // Only objects this worker created: never the control segment or
-  // another worker's buffer.
-  if (object_name.rfind(expected_prefix, 0) != 0)
-    return Status{ErrorCode::kBadRequest, "buffer name must start with " + expected_prefix};
+  // Only objects named as this worker's buffers ("<prefix><n>", n digits):
+  // never a control segment (a server may be named "job.p42.x") or another
+  // worker's buffer ("shmps.job.p42.p43.1" is worker 43's of server
+  // "job.p42").
+  const std::string_view n = std::string_view(object_name).substr(std::min(object_name.size(), expected_prefix.size()));
+  if (!object_name.starts_with(expected_prefix) || n.empty() || n.size() > 20 ||
+      n.find_first_not_of("0123456789") != std::string_view::npos)
+    return Status{ErrorCode::kBadRequest, "buffer name must be " + expected_prefix + "<n>"};
   auto opened = shm::ShmObject::open(object_name, /*read_only=*/false);
   if (!opened.ok()) {
     if (opened.status().code() == ErrorCode::kPermission) return opened.status();

@@ -352,7 +352,18 @@ BOOST_AUTO_TEST_CASE(garbage_descriptors_and_buffers_from_a_raw_client) {
   std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s",
                 shm::segment_object_name(server.name()).c_str());
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest));
-  const std::string own = shm::segment_object_name(server.name()) + ".p" + std::to_string(::getpid()) + ".x";
+  // Objects that start as this worker's buffer names do but are not one:
+  // the control segment of a server named "<name>.p<pid>.x", and worker
+  // 1's buffer of a server named "<name>.p<pid>".
+  const std::string prefix = shm::buffer_object_prefix(server.name(), ::getpid());
+  for (const std::string& foreign : {prefix + "x", prefix + "p1.0", prefix + "1.2"}) {
+    auto planted = shm::ShmObject::create(foreign, 4096, 0600);
+    BOOST_REQUIRE(planted.ok());
+    std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", foreign.c_str());
+    BOOST_TEST((code(raw.call(r)) == ErrorCode::kBadRequest), foreign);
+    shm::ShmObject::remove(foreign);
+  }
+  const std::string own = shm::buffer_object_name(server.name(), ::getpid(), 7);
   std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", own.c_str());
   BOOST_TEST((code(raw.call(r)) == ErrorCode::kUnknownBuffer));
   auto obj = shm::ShmObject::create(own, 4096, 0600);
