@@ -212,6 +212,11 @@ class Worker:
         or of pull_async(ticket), the version pulled."""
         return self._w.wait(_unsigned("ticket", ticket))
 
+    def answered(self, ticket):
+        """Whether wait(ticket) returns at once: its answer came (kept for
+        wait), or it was lost with its session."""
+        return self._w.answered(_unsigned("ticket", ticket))
+
     def pushes_in_flight(self, buffer):
         """The tickets of the push_async()s from `buffer` not waited for
         yet (or whose wait timed out or was interrupted), oldest first:

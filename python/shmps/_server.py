@@ -141,14 +141,12 @@ class Server:
         try:
             with open(self._log_path, "ab") as log:
                 # --parent-pid: the server stops once this process is gone,
-                # even when it ends without stop() (SIGTERM, SIGKILL, exit).
-                # A session of its own: a terminal's Ctrl-C (SIGINT to the
-                # foreground process group) reaches this process only, whose
-                # KeyboardInterrupt then stops the server (stop()), after
-                # the pushes in flight are answered.
+                # even when it ends without stop() (SIGTERM, SIGKILL, exit),
+                # and ignores SIGINT: a terminal's Ctrl-C raises
+                # KeyboardInterrupt here, and the server still serves the
+                # handler (its last answers, a pull) until stop().
                 self.process = subprocess.Popen(self.args + ["--parent-pid", str(os.getpid())],
-                                                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                                start_new_session=True)
+                                                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
                 self._starter = os.getpid()
         except BaseException:
             if self._own_log:  # nothing ran: no log to keep

@@ -134,15 +134,18 @@ class RemoteOptimizer:
             raise RuntimeError(f"RemoteOptimizer.{what}() after close(): the model's parameters are its own again; "
                                "make a new RemoteOptimizer to train through the server")
 
-    def _settle_pending(self):
+    def _settle_pending(self, answered_only=False):
         """Every push from the gradient buffer not answered yet (its step()
         interrupted, even between push_async() and the ticket's return, or
         a wait for it that timed out) waited for and counted before the
         buffer is written or freed: the server may still read it. Errors
         raise, but for a StaleError, counted as step() counts it; a wait
         that timed out or was interrupted leaves its push for the next
-        call (the Worker keeps the ticket)."""
+        call (the Worker keeps the ticket). `answered_only`: those whose
+        answer came, without waiting."""
         for ticket in self.worker.pushes_in_flight(self._grad_buf):
+            if answered_only and not self.worker.answered(ticket):
+                return  # answers come in order: none after it came either
             self._settle(ticket)
 
     def zero_grad(self, set_to_none=False):
@@ -238,17 +241,21 @@ class RemoteOptimizer:
             # The push stays in flight until its answer is taken and counted
             # (.applied tells whether to redo the minibatch): the gradient
             # buffer is not written (zero_grad(), step(), close()) before;
-            # the Worker keeps its ticket (pushes_in_flight()). Interrupted
-            # (Ctrl-C, a signal handler's exception, Worker.interrupt()) or
-            # timed out: raised at once, the push waited for by the next
-            # call, since a server that stalled would hold the step for
-            # another timeout. Another error of the pull: the push's answer
-            # is taken now if it comes; the pull's error is the one raised.
-            if isinstance(e, _errors.Error) and not isinstance(e, (_errors.InterruptedError, _errors.TimeoutError)):
-                with contextlib.suppress(_errors.Error):
-                    self._settle_pending()
-                if isinstance(e, _errors.ServerRestartedError):
-                    self._pull_after_restart()
+            # the Worker keeps its ticket (pushes_in_flight()). An answer
+            # that came is counted now (a pull the server held past its
+            # wait, answered kTimeout, comes after its push's answer).
+            # Interrupted (Ctrl-C, a signal handler's exception,
+            # Worker.interrupt()) or timed out: raised at once, an
+            # unanswered push waited for by the next call, since a server
+            # that stalled would hold the step for another timeout. Another
+            # error of the pull: the push's answer is taken now if it comes;
+            # the pull's error is the one raised.
+            blocking = isinstance(e, _errors.Error) and not isinstance(
+                e, (_errors.InterruptedError, _errors.TimeoutError))
+            with contextlib.suppress(_errors.Error):
+                self._settle_pending(answered_only=not blocking)
+            if isinstance(e, _errors.ServerRestartedError):
+                self._pull_after_restart()
             raise
         stale = self._settle(ticket)
         if stale is not None and self.on_stale == "raise":

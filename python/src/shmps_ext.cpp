@@ -396,6 +396,10 @@ class PyWorker {
     return versioned(std::move(a), version);
   }
 
+  bool answered(uint64_t ticket) {
+    return call([&](shmps::Worker& w) { return w.answered(ticket); });
+  }
+
   // The push_async tickets from buffer `buffer` (of `registration`) not
   // yet waited for, oldest first: what must be waited for before the
   // buffer is written again (shmps.torch.RemoteOptimizer's gradients).
@@ -690,6 +694,7 @@ NB_MODULE(_shmps, m) {
            "dtype"_a, "version"_a, "stream"_a)
       .def("wait", &PyWorker::wait, "ticket"_a)
       .def("pushes_in_flight", &PyWorker::pushes_in_flight, "buffer"_a, "registration"_a)
+      .def("answered", &PyWorker::answered, "ticket"_a)
       .def("pull", &PyWorker::pull, "tensor"_a, "buffer"_a, "registration"_a, "offset"_a, "stream"_a)
       .def("pull_async", &PyWorker::pull_async, "tensor"_a, "buffer"_a, "registration"_a, "offset"_a, "stream"_a)
       .def("init", &PyWorker::init, "buffer"_a, "registration"_a, "offset"_a, "stream"_a)

@@ -124,7 +124,12 @@ Status run_server(const ServerConfig& config, const std::vector<std::string>& ar
     return server.status();
   }
   g_server.store(server->get(), std::memory_order_release);  // SYNC(signal_server)
-  handle(SIGINT, on_stop_signal);
+  // Under --parent-pid the parent stops it: a terminal's Ctrl-C (SIGINT to
+  // the foreground process group, the server in it) is the parent's to
+  // handle, which may still need the server (shmps.Server's script takes
+  // its last answers in its KeyboardInterrupt handler). Ctrl-Z still stops
+  // both, so the stopped script is not evicted as a stopped worker.
+  handle(SIGINT, parent_pid != 0 ? SIG_IGN : on_stop_signal);
   handle(SIGTERM, on_stop_signal);
   handle(SIGHUP, on_reload_signal);
   // relaxed: g_reload_at_start's own value only (above).

@@ -1000,16 +1000,18 @@ def test_the_launchers_table_and_options_are_checked_before_a_start():
         shmps.connect("x", reconnect="no")
 
 
-def test_ctrl_c_in_a_terminal_reaches_the_script_not_its_server(tmp_path):
-    """A terminal's Ctrl-C sends SIGINT to the whole foreground process
-    group. The server a shmps.Server started runs in a session of its own,
-    so the script's KeyboardInterrupt handler still finds it serving (it
-    can take the last step's answer and pull), and leaving the with block
-    stops it cleanly."""
+def test_ctrl_c_and_ctrl_z_in_a_terminal_are_the_scripts_not_its_servers(tmp_path):
+    """A terminal's Ctrl-Z and Ctrl-C signal the whole foreground process
+    group, the server a shmps.Server started included. Stopped together,
+    the script is not evicted as a stopped worker (the server's timeout
+    here is 300 ms); the server ignores SIGINT, so the script's
+    KeyboardInterrupt handler still finds it serving (it can take the last
+    step's answer and pull), and leaving the with block stops it cleanly."""
     script = f"""
 import sys, time, shmps
 with shmps.Server(tensors=[("w", (4,))], name={unique_name("ctrlc")!r}, optimizer="sgd", backend="host",
-                  log={str(tmp_path / "server.log")!r}) as server, shmps.connect(server.name) as w:
+                  stopped_worker_timeout_ms=300, log={str(tmp_path / "server.log")!r}) as server, \\
+        shmps.connect(server.name) as w:
     g = w.register_buffer(16)
     try:
         print("ready", flush=True)
@@ -1024,7 +1026,12 @@ print("stopped", flush=True)
     try:
         assert child.stdout.readline().strip() == "ready"
         time.sleep(0.2)
-        os.killpg(child.pid, signal.SIGINT)  # as the terminal sends it
+        # Ctrl-Z (SIGSTOP: a group without a terminal ignores SIGTSTP), fg.
+        os.killpg(child.pid, signal.SIGSTOP)
+        time.sleep(1.0)
+        os.killpg(child.pid, signal.SIGCONT)
+        time.sleep(0.3)
+        os.killpg(child.pid, signal.SIGINT)  # Ctrl-C
         out, err = child.communicate(timeout=30)
     finally:
         child.kill()

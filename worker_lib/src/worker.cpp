@@ -1312,6 +1312,13 @@ Result<uint64_t> Worker::wait(Ticket ticket) {
   return c->version;
 }
 
+bool Worker::answered(Ticket ticket) const noexcept {
+  if (ticket == 0 || ticket >= impl_->next_request_id) return false;
+  for (const Impl::LostRange& r : impl_->lost)
+    if (r.holds(ticket)) return true;
+  return ticket <= impl_->last_completed_id;
+}
+
 uint64_t Worker::last_version() const noexcept { return impl_->last_version; }
 
 Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,

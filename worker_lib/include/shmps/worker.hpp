@@ -290,6 +290,11 @@ class Worker {
   // server gone, an eviction): that answers its loss (kServerRestarted or
   // kServerNotRunning) every time it is asked.
   Result<uint64_t> wait(Ticket ticket);
+  // True when wait(ticket) returns at once: its answer came (and is kept
+  // for wait, or was taken), or it was lost with its session. An answer
+  // comes in request order, so a later request's answer means this one's
+  // came too.
+  bool answered(Ticket ticket) const noexcept;
 
   // Copies a consistent snapshot of tensor `tensor_id` (or kAllTensors)
   // as fp32 into buffer `buffer_id` at `byte_offset`; returns its version.
