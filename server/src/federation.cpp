@@ -25,7 +25,7 @@ constexpr uint32_t kFlagJoin = 1u << 0;
 constexpr uint32_t kFlagLeaving = 1u << 1;
 constexpr uint32_t kFlagHasState = 1u << 2;   // the join: this host has an anchor (its round in the header)
 constexpr uint32_t kFlagRegroup = 1u << 3;    // a round: this host's engine saw a host waiting to join
-constexpr uint32_t kFlagNonFinite = 1u << 4;  // the join: this host's weights or anchor hold NaN or Inf
+constexpr uint32_t kFlagNonFinite = 1u << 4;  // the join: this host's weights, anchor or outer momentum hold NaN or Inf
 
 }  // namespace
 
@@ -393,11 +393,12 @@ Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, Rou
 }
 
 Result<RoundResult> Federator::join(std::span<float> exchange) {
-  // Weights or a restored anchor that hold NaN or Inf would become every
-  // host's (a fresh group's anchor is rank 0's weights, a resumed one the
-  // source's anchor): such a host says so in its header and stays out, as
-  // a round's check makes it leave.
-  const bool non_finite = !all_finite(exchange) || (has_state_ && !all_finite(anchor_));
+  // Weights, or a restored anchor or outer momentum, that hold NaN or Inf
+  // would become every host's (a fresh group's anchor is rank 0's weights,
+  // a resumed one the source's anchor and momentum, and a NaN momentum
+  // makes the next outer step's anchor NaN): such a host says so in its
+  // header and stays out, as a round's check makes it leave.
+  const bool non_finite = !all_finite(exchange) || (has_state_ && (!all_finite(anchor_) || !all_finite(momentum_)));
   std::vector<Header> all;
   if (Status s = gather_headers(0, false, &all, non_finite); !s.ok()) return s;
   if (Status s = refuse_non_finite(all); !s.ok()) return s;
@@ -471,11 +472,13 @@ Status Federator::refuse_non_finite(const std::vector<Header>& all) const {
   const auto rank = static_cast<uint32_t>(it - all.begin());
   const Membership m = engine_.membership();
   if ((all[m.rank].flags & kFlagNonFinite) != 0)
-    return {ErrorCode::kInvalidArgument,
-            "federation: this host's weights (or the anchor it restored) hold NaN or Inf (an update that overflowed, "
-            "or --allow-nonfinite): not joining, rather than sending them to every host"};
-  const std::string text =
-      "federation: host rank " + std::to_string(rank) + "'s weights (or the anchor it restored) hold NaN or Inf";
+    return {
+        ErrorCode::kInvalidArgument,
+        "federation: this host's weights (or the anchor or outer momentum it restored) hold NaN or Inf (an "
+        "update that overflowed, --allow-nonfinite, or a checkpoint that holds them): not joining, rather than sending "
+        "them to every host"};
+  const std::string text = "federation: host rank " + std::to_string(rank) +
+                           "'s weights (or the anchor or outer momentum it restored) hold NaN or Inf";
   return engine_.elastic() ? Status{ErrorCode::kIo, text + "; leaving it out"}
                            : Status{ErrorCode::kInvalidArgument,
                                     text + "; " + engine_.name() + " cannot re-form the group without it"};

@@ -113,9 +113,9 @@ class Federator {
   // host's weights S on entry and the correction on return (the consumer
   // adds it to W). Errors: kInvalidArgument when the models differ (the
   // message names both), when states of unrelated lineages meet
-  // (settle_lineage()), when this host's weights or anchor hold NaN or Inf
-  // (kIo at the others of an elastic engine: they leave it out); the
-  // engine's.
+  // (settle_lineage()), when this host's weights, anchor or outer
+  // momentum hold NaN or Inf (kIo at the others of an elastic engine: they
+  // leave it out); the engine's.
   Result<RoundResult> join(std::span<float> exchange);
 
   // One round: `exchange` holds the snapshot S on entry, taken after
@@ -159,11 +159,13 @@ class Federator {
   struct Header;
   // Gathers every member's header; checks magic, model and round. Fills
   // `all` (one per member).
-  // `non_finite` (the join): this host's weights or anchor hold NaN or Inf.
+  // `non_finite` (the join): this host's weights, anchor or outer momentum
+  // hold NaN or Inf.
   Status gather_headers(uint64_t local_updates, bool leaving, std::vector<Header>* all, bool non_finite = false);
-  // The join: a member whose weights or anchor are not finite (its header
-  // says so) is refused (kInvalidArgument at that host); the others leave
-  // it out (kIo) where the engine re-forms, and end otherwise.
+  // The join: a member whose weights, anchor or outer momentum are not
+  // finite (its header says so) is refused (kInvalidArgument at that
+  // host); the others leave it out (kIo) where the engine re-forms, and
+  // end otherwise.
   Status refuse_non_finite(const std::vector<Header>& all) const;
   // The join: the lineage the group continues (0: none known), or the
   // refusal of members whose states belong to unrelated lineages.

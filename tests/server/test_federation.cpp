@@ -601,37 +601,46 @@ BOOST_AUTO_TEST_CASE(hosts_of_unrelated_lineages_are_refused_keeping_their_state
   }
 }
 
-// A host whose weights (or restored anchor) hold NaN or Inf at the join
-// stays out: at a fresh group's join rank 0's weights become every host's
-// anchor, at a resumed one the source's anchor does. It is refused; the
-// others leave it out where the engine re-forms (kIo) and end where it
-// cannot; no state changes.
+// A host whose weights (or restored anchor or outer momentum) hold NaN or
+// Inf at the join stays out: at a fresh group's join rank 0's weights
+// become every host's anchor, at a resumed one the source's anchor and
+// momentum do (a NaN momentum makes every host's next anchor NaN). It is
+// refused; the others leave it out where the engine re-forms (kIo) and end
+// where it cannot; no state changes.
 BOOST_AUTO_TEST_CASE(a_host_whose_weights_are_not_finite_at_the_join_stays_out) {
+  enum class Where { kWeights, kAnchor, kMomentum };
   for (const bool elastic : {false, true}) {
-    for (const bool in_anchor : {false, true}) {
-      BOOST_TEST_CONTEXT("elastic " << elastic << ", in the anchor " << in_anchor) {
-        Hosts hosts(3, FederationConfig{});
+    for (const Where where : {Where::kWeights, Where::kAnchor, Where::kMomentum}) {
+      BOOST_TEST_CONTEXT("elastic " << elastic << ", in " << static_cast<int>(where)) {
+        FederationConfig config;
+        config.outer = OuterStep::kNesterov;
+        config.outer_lr = 0.7f;
+        config.outer_momentum = 0.9f;
+        Hosts hosts(3, config);
         for (auto& engine : hosts.engines) engine->is_elastic = elastic;
-        if (in_anchor) {
+        if (where != Where::kWeights) {
           FederationState state = state_of(0x5, 4, 1.0f);
-          state.anchor[7] = std::numeric_limits<float>::quiet_NaN();
+          state.momentum.assign(kN, 0.25f);
+          state.momentum_started = true;
+          (where == Where::kAnchor ? state.anchor : state.momentum)[7] = std::numeric_limits<float>::quiet_NaN();
           BOOST_TEST_REQUIRE(hosts.feds[0]->restore(std::move(state)).ok());
         }
         std::vector<Status> status(3);
         hosts.run([&](uint32_t r, Federator& f) {
           std::vector<float> ex(kN, 1.0f);
-          if (r == 0 && !in_anchor) ex[5] = std::numeric_limits<float>::infinity();
+          if (r == 0 && where == Where::kWeights) ex[5] = std::numeric_limits<float>::infinity();
           status[r] = f.join(ex).status();
         });
         BOOST_TEST(status[0].code() == ErrorCode::kInvalidArgument);
-        BOOST_TEST(mentions(status[0], "this host's weights (or the anchor it restored) hold NaN or Inf"),
-                   status[0].message());
+        BOOST_TEST(
+            mentions(status[0], "this host's weights (or the anchor or outer momentum it restored) hold NaN or Inf"),
+            status[0].message());
         for (uint32_t r : {1u, 2u}) {
           BOOST_TEST(status[r].code() == (elastic ? ErrorCode::kIo : ErrorCode::kInvalidArgument));
           BOOST_TEST(mentions(status[r], "host rank 0's weights"), status[r].message());
           BOOST_TEST(!hosts.feds[r]->state().has_value());  // not joined
         }
-        BOOST_TEST(hosts.feds[0]->state().has_value() == in_anchor);
+        BOOST_TEST(hosts.feds[0]->state().has_value() == (where != Where::kWeights));
       }
     }
   }
