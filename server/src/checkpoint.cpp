@@ -134,6 +134,13 @@ struct Fd {
   int fd = -1;
 };
 
+// "'fc1.weight' of shape 128x784", as --tensor names a shape.
+std::string tensor_text(const std::string& name, const std::vector<uint64_t>& shape) {
+  std::string text = "'" + name + "' of shape ";
+  for (size_t d = 0; d < shape.size(); ++d) text += (d == 0 ? "" : "x") + std::to_string(shape[d]);
+  return text;
+}
+
 // An open checkpoint file whose header and tensor records passed every
 // check that needs no payload: open_checkpoint().
 struct OpenedCheckpoint {
@@ -210,8 +217,10 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
     if (std::memchr(t.name, '\0', sizeof t.name) == nullptr || t.ndim == 0 || t.ndim > shm::kMaxDims)
       return corrupt("bad tensor record " + std::to_string(i));
     const shm::TensorSpec& want = expect.tensors[i];
-    if (want.name != t.name || want.shape != std::vector<uint64_t>(t.shape, t.shape + t.ndim))
-      return misfit("tensor " + std::to_string(i) + " is '" + std::string(t.name) + "' of another shape or name");
+    const std::vector<uint64_t> shape(t.shape, t.shape + t.ndim);
+    if (want.name != t.name || want.shape != shape)
+      return misfit("tensor " + std::to_string(i) + " is " + tensor_text(t.name, shape) + " in the file, " +
+                    tensor_text(want.name, want.shape) + " in this server");
   }
   return Status::Ok();
 }

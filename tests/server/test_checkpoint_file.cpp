@@ -247,6 +247,24 @@ BOOST_AUTO_TEST_CASE(another_models_file_is_refused_from_its_header) {
   BOOST_TEST(contains(error_of(big), std::to_string(huge) + " parameters"), error_of(big));
 }
 
+// A tensor of another name or shape (the same count and total): the
+// message names the file's tensor and the server's, each with its shape.
+BOOST_AUTO_TEST_CASE(a_tensor_that_does_not_fit_is_named_on_both_sides) {
+  test::TempDir dir("ckptfile");
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), make_data(adam_layout(), 3)).ok());
+  CheckpointLayout renamed = adam_layout();
+  renamed.tensors[1] = {"c", {3}};
+  const std::string by_name = error_of(read_checkpoint(ckpt(dir, 3), renamed));
+  BOOST_TEST(contains(by_name,
+                      "does not fit this configuration (tensor 1 is 'b' of shape 3 in the file, 'c' of "
+                      "shape 3 in this server)"),
+             by_name);
+  CheckpointLayout reshaped = adam_layout();
+  reshaped.tensors[0] = {"a", {4, 1}};
+  const std::string by_shape = error_of(read_checkpoint(ckpt(dir, 3), reshaped));
+  BOOST_TEST(contains(by_shape, "tensor 0 is 'a' of shape 2x2 in the file, 'a' of shape 4x1 in this server"), by_shape);
+}
+
 BOOST_AUTO_TEST_CASE(what_is_not_a_regular_file_is_refused_without_blocking) {
   test::TempDir dir("ckptfile");
   BOOST_REQUIRE(::mkfifo(ckpt(dir, 9).c_str(), 0600) == 0);  // opening it for reading would wait for a writer
