@@ -134,7 +134,8 @@ struct Fd {
   int fd = -1;
 };
 
-// "'fc1.weight' of shape 128x784", as --tensor names a shape.
+// "'fc1.weight' of shape 128x784", as --tensor names a shape. The name is
+// as the file holds it: the log escapes what is not printable.
 std::string tensor_text(const std::string& name, const std::vector<uint64_t>& shape) {
   std::string text = "'" + name + "' of shape ";
   for (size_t d = 0; d < shape.size(); ++d) text += (d == 0 ? "" : "x") + std::to_string(shape[d]);

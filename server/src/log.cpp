@@ -33,6 +33,68 @@ void append_timestamp(std::string& line) {
   line.append(text, n);
 }
 
+// The length of the well-formed UTF-8 sequence at the start of `s` (2 to
+// 4 bytes: no overlong form, no surrogate, nothing past U+10FFFF), or 0.
+size_t utf8_sequence(std::string_view s) noexcept {
+  const auto byte = [&s](size_t i) { return static_cast<unsigned char>(s[i]); };
+  const unsigned char c = byte(0);
+  size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xbf;  // the second byte's range
+  if (c >= 0xc2 && c <= 0xdf) {
+    n = 2;
+  } else if (c >= 0xe0 && c <= 0xef) {
+    n = 3;
+    if (c == 0xe0) lo = 0xa0;
+    if (c == 0xed) hi = 0x9f;
+  } else if (c >= 0xf0 && c <= 0xf4) {
+    n = 4;
+    if (c == 0xf0) lo = 0x90;
+    if (c == 0xf4) hi = 0x8f;
+  } else {
+    return 0;
+  }
+  if (s.size() < n || byte(1) < lo || byte(1) > hi) return 0;
+  for (size_t i = 2; i < n; ++i)
+    if (byte(i) < 0x80 || byte(i) > 0xbf) return 0;
+  return n;
+}
+
+// `text` as one line a terminal and the journal show as text: a newline
+// or carriage return becomes a space (an event stays one entry); every
+// other control character (C0, DEL, and C1 as UTF-8) and every byte that
+// is not part of well-formed UTF-8 becomes \xNN. Names from files and
+// peers (a checkpoint's tensor names, a path) reach the log through here.
+void append_escaped(std::string& line, std::string_view text) {
+  const auto escape = [&line](unsigned char c) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    line += "\\x";
+    line += kHex[c >> 4];
+    line += kHex[c & 0xf];
+  };
+  for (size_t i = 0; i < text.size();) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c == '\n' || c == '\r') {
+      line += ' ';
+      ++i;
+    } else if (c < 0x20 || c == 0x7f) {
+      escape(c);
+      ++i;
+    } else if (c < 0x80) {
+      line += static_cast<char>(c);
+      ++i;
+    } else if (const size_t n = utf8_sequence(text.substr(i));
+               n == 0 || (c == 0xc2 && static_cast<unsigned char>(text[i + 1]) < 0xa0)) {
+      // Not UTF-8, or a C1 control (U+0080..U+009F): its bytes one by one.
+      const size_t bytes = n == 0 ? 1 : n;
+      for (size_t k = 0; k < bytes; ++k) escape(static_cast<unsigned char>(text[i + k]));
+      i += bytes;
+    } else {
+      line.append(text.substr(i, n));
+      i += n;
+    }
+  }
+}
+
 }  // namespace
 
 void set_level(LogLevel l) noexcept { g_level.store(static_cast<int>(l), std::memory_order_relaxed); }
@@ -62,7 +124,7 @@ void write(LogLevel l, std::string_view text) {
   line += "shmps-server ";
   line += log_level_name(l);
   line += ": ";
-  for (char ch : text) line += (ch == '\n' || ch == '\r') ? ' ' : ch;
+  append_escaped(line, text);
   line += '\n';
   const char* p = line.data();
   size_t left = line.size();

@@ -3,9 +3,11 @@
 // in the directory: what may be restored, what pruning may delete, what a
 // write may replace. The server-level behaviour is in test_checkpoint.
 #define BOOST_TEST_MODULE test_checkpoint_file
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/crc.hpp>
 #include <boost/test/unit_test.hpp>
 #include <cmath>
@@ -15,6 +17,7 @@
 #include <limits>
 
 #include "checkpoint.hpp"
+#include "shmps/server/log.hpp"
 #include "test_support.hpp"
 
 using namespace shmps;
@@ -263,6 +266,49 @@ BOOST_AUTO_TEST_CASE(a_tensor_that_does_not_fit_is_named_on_both_sides) {
   reshaped.tensors[0] = {"a", {4, 1}};
   const std::string by_shape = error_of(read_checkpoint(ckpt(dir, 3), reshaped));
   BOOST_TEST(contains(by_shape, "tensor 0 is 'a' of shape 2x2 in the file, 'a' of shape 4x1 in this server"), by_shape);
+}
+
+// What log::write() makes of `text`: the line it writes to stderr
+// (redirected to a file for the call).
+std::string logged(std::string_view text) {
+  test::TempDir dir("ckptlog");
+  const std::string path = (dir.path / "stderr").string();
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  BOOST_REQUIRE(fd >= 0);
+  const int saved = ::dup(STDERR_FILENO);
+  BOOST_REQUIRE(saved >= 0);
+  ::dup2(fd, STDERR_FILENO);
+  ::close(fd);
+  log::error(text);
+  ::dup2(saved, STDERR_FILENO);
+  ::close(saved);
+  return contents(path);
+}
+
+// A tensor name in a checkpoint file holding control characters (a
+// terminal's escape sequences, a bell, a C1 CSI) and bytes that are not
+// UTF-8 reaches the log, through the misfit message, as \xNN text: the
+// line holds no control byte but its final newline, and well-formed UTF-8
+// stays as it is.
+BOOST_AUTO_TEST_CASE(control_characters_of_a_files_tensor_name_are_escaped_in_the_log) {
+  test::TempDir dir("ckptfile");
+  CheckpointLayout hostile = adam_layout();
+  hostile.tensors[1].name = "b\x1b[2J\x07\xff\xc2\x9b\xc3\xa9\r\nx";
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), make_data(hostile, 3)).ok());
+  const std::string message = error_of(read_checkpoint(ckpt(dir, 3), adam_layout()));
+  BOOST_TEST_REQUIRE(contains(message, hostile.tensors[1].name), message);  // raw in the Status
+  const std::string line = logged("checkpoint " + message);
+  BOOST_TEST(contains(line, "tensor 1 is 'b\\x1b[2J\\x07\\xff\\xc2\\x9b\xc3\xa9  x' of shape 3 in the file"), line);
+  BOOST_TEST_REQUIRE(!line.empty());
+  BOOST_TEST(line.back() == '\n');
+  const auto control = std::find_if(line.begin(), line.end() - 1, [](char ch) {
+    const auto c = static_cast<unsigned char>(ch);
+    return c < 0x20 || c == 0x7f;
+  });
+  BOOST_TEST((control == line.end() - 1), "a control byte at " << (control - line.begin()) << " in: " << line);
+  // Truncated and overlong sequences, and a surrogate, byte by byte.
+  const std::string odd = logged(std::string("\xe2\x82 \xc0\xaf \xed\xa0\x80 \xf4\x90\x80\x80 ok \xe2\x82\xac"));
+  BOOST_TEST(contains(odd, "\\xe2\\x82 \\xc0\\xaf \\xed\\xa0\\x80 \\xf4\\x90\\x80\\x80 ok \xe2\x82\xac\n"), odd);
 }
 
 BOOST_AUTO_TEST_CASE(what_is_not_a_regular_file_is_refused_without_blocking) {

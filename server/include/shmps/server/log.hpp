@@ -22,8 +22,12 @@ void set_level(LogLevel level) noexcept;
 LogLevel level() noexcept;
 inline bool enabled(LogLevel l) noexcept { return static_cast<int>(l) <= static_cast<int>(level()); }
 
-// Writes one line (a trailing newline is added; embedded newlines are
-// replaced by spaces so an event stays one journal entry).
+// Writes one line (a trailing newline is added; embedded newlines and
+// carriage returns are replaced by spaces so an event stays one journal
+// entry). Every other control character (C0, DEL, C1) and every byte
+// outside well-formed UTF-8 is written as \xNN, so that a name read from
+// a file (a checkpoint's tensor names) cannot move the terminal's cursor
+// or forge a line; a backslash in the text is written as it is.
 void write(LogLevel level, std::string_view text);
 inline void error(std::string_view text) { write(LogLevel::kError, text); }
 inline void warn(std::string_view text) { write(LogLevel::kWarn, text); }
