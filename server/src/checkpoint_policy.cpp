@@ -49,6 +49,8 @@ Status CheckpointPolicy::start(uint64_t now) {
     model_.steps = data->steps;
     model_.version = data->version;
     restored_federation_ = std::move(data->federation);
+    restored_path_ = path;
+    if (!restored_federation_) unfederated_version_ = model_.version;
     last_version_ = model_.version;
     // relaxed: published with the segment (publish() is a release store).
     stats_.version.store(model_.version, std::memory_order_relaxed);
@@ -73,6 +75,17 @@ void CheckpointPolicy::publish_result() {
   stats_.checkpoint_failures.store(writer_->failed(), std::memory_order_relaxed);
 }
 
+bool CheckpointPolicy::keeps_unfederated_checkpoint() {
+  if (!federation_source_ || unfederated_version_ != model_.version) return false;
+  if (!unfederated_logged_)
+    log::warn("not checkpointing version " + std::to_string(model_.version) + " over " + restored_path_ +
+              ": it holds no federation state, and weights of a run without federation that the join may have "
+              "replaced; the next version is checkpointed to a file of its own (docs/federation.md, "
+              "\"Checkpoints and restarts\")");
+  unfederated_logged_ = true;
+  return true;
+}
+
 void CheckpointPolicy::maybe(uint64_t now) {
   publish_result();
   // Changes that leave the version alone count too (Model::unversioned_changes).
@@ -81,7 +94,7 @@ void CheckpointPolicy::maybe(uint64_t now) {
   const bool by_time =
       config_.checkpoint_interval_s != 0 && now - last_ns_ >= uint64_t{config_.checkpoint_interval_s} * 1'000'000'000;
   if (!by_count && !by_time) return;
-  if (writer_->busy()) return;
+  if (writer_->busy() || keeps_unfederated_checkpoint()) return;
   CheckpointData data;
   if (!snapshot(&data)) return;
   writer_->submit(std::move(data));
@@ -95,6 +108,7 @@ Status CheckpointPolicy::write_final() {
   if (Status s = writer_->drain(); !s.ok()) log::error(s.message());
   publish_result();  // the drained write's counts (its message is logged above)
   if (model_.version == writer_->last_written() && model_.unversioned_changes == last_unversioned_) return Status::Ok();
+  if (keeps_unfederated_checkpoint()) return Status::Ok();
   CheckpointData data;
   if (!snapshot(&data)) {
     // The federation stopped before this (a round cannot be in flight):

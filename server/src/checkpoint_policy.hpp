@@ -7,8 +7,9 @@
 // federation round, an init or an update cut short changes the weights
 // without a new version (Model::unversioned_changes): it counts as a
 // change for the interval and the final checkpoint (which then rewrites
-// the file of that version), and each checkpoint stores the federation's
-// state as of its weights. Consumer thread only (the writer
+// the file of that version; but not a restored file without federation
+// state: keeps_unfederated_checkpoint()), and each checkpoint stores the
+// federation's state as of its weights. Consumer thread only (the writer
 // thread is CheckpointWriter's).
 #pragma once
 
@@ -16,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "backend.hpp"
@@ -55,6 +57,8 @@ class CheckpointPolicy {
   void set_federation_source(FederationSource source) { federation_source_ = std::move(source); }
   // Whether start() restored a checkpoint.
   bool restored() const { return restored_; }
+  // The file start() restored ("" when none).
+  const std::string& restored_path() const { return restored_path_; }
   // The federation's state in the checkpoint start() restored, once.
   std::optional<FederationState> take_restored_federation() { return std::exchange(restored_federation_, {}); }
 
@@ -65,6 +69,13 @@ class CheckpointPolicy {
   bool snapshot(CheckpointData* out) const;
   // The writer's last result into the log and the stats block's counters.
   void publish_result();
+  // A federated server's write at the version of the checkpoint it
+  // restored when that one holds no federation state (a job that ran
+  // without federation): the join replaced its weights with the group's,
+  // and that file keeps the only copy of them. Such a write is skipped
+  // (the next version's checkpoint goes to a file of its own); the first
+  // skip is logged.
+  bool keeps_unfederated_checkpoint();
   // Hands a snapshot to the writer when a trigger fired and it is idle;
   // never waits for the disk. A trigger that finds the writer busy fires
   // again on the next push or tick, so under load a checkpoint may land a
@@ -81,6 +92,11 @@ class CheckpointPolicy {
   uint64_t last_ns_ = 0;
   FederationSource federation_source_;
   std::optional<FederationState> restored_federation_;
+  std::string restored_path_;
+  // The version of the checkpoint restored without federation state
+  // (keeps_unfederated_checkpoint(), once a federation source is set).
+  std::optional<uint64_t> unfederated_version_;
+  bool unfederated_logged_ = false;
   bool restored_ = false;
 };
 

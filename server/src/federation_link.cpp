@@ -298,6 +298,17 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
                                 std::to_string(r->source_rank) + "'s anchor"
                           : "; rank 0's weights are the anchor") +
               " (lineage " + hex64(federator_.lineage()) + ")");
+    // A fresh group's rank 0 keeps its weights (they became the anchor).
+    if (!unfederated_checkpoint_.empty() && (r->resumed || m.rank != 0))
+      log::warn("federation: the weights restored from " + unfederated_checkpoint_ +
+                ", a checkpoint without federation state (a run without federation), were replaced by the join "
+                "with " +
+                (r->resumed ? "the group's anchor of round " + std::to_string(r->round) + " (rank " +
+                                  std::to_string(r->source_rank) + "'s)"
+                            : std::string("rank 0's weights (a fresh group)")) +
+                "; that file is not written over: copy it elsewhere to keep those weights (pruning deletes it once "
+                "--checkpoint-keep newer checkpoints are written)");
+    unfederated_checkpoint_.clear();
   }
   if (r->anchors_repaired)
     log::warn("federation: round " + std::to_string(r->round) + ": the anchors differed between hosts; rank 0's " +

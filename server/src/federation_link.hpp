@@ -54,6 +54,10 @@ class FederationLink {
   // Before start(): resume from the state a checkpoint stored with the
   // weights the server restored (Federator::restore()).
   Status restore(FederationState state);
+  // Before start(): the weights are those of a checkpoint without
+  // federation state (`checkpoint` names it). The join that replaces them
+  // (with rank 0's weights, or the group's anchor) says so in a warning.
+  void restored_without_state(std::string checkpoint) { unfederated_checkpoint_ = std::move(checkpoint); }
   // Starts the thread at the model's `version` (the drift counts from
   // it); its first job is the join (Federator::join).
   void start(uint64_t version);
@@ -150,6 +154,9 @@ class FederationLink {
   // Local updates in the snapshots since the last merged round: a round
   // abandoned, or a join, merges none of them (they stay in W - A).
   uint64_t unmerged_updates_ = 0;
+  // restored_without_state()'s checkpoint, until the first join that
+  // went through ("": none).
+  std::string unfederated_checkpoint_;
 
   // ---- owned by whoever `phase_` names (SYNC(fed_phase))
   std::vector<float> exchange_;

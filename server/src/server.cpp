@@ -995,6 +995,8 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
         const uint64_t round = state->round;
         if (Status s = impl->federation->restore(std::move(*state)); !s.ok()) return fail(s);
         log::info("federation: resuming from the checkpoint's anchor of round " + std::to_string(round));
+      } else if (impl->checkpoints->restored()) {
+        impl->federation->restored_without_state(impl->checkpoints->restored_path());
       }
       // The checkpoints carry the federation's state while the link lives
       // (a link left behind at stop is released first).

@@ -6,8 +6,10 @@
 // through the rounds (with the exchange overlapped and not), and the drift
 // cap holding pushes until a round merges.
 #define BOOST_TEST_MODULE federation
+#include <fcntl.h>
 #include <sched.h>
 #include <sys/resource.h>
+#include <unistd.h>
 #include <algorithm>
 #include <array>
 #include <boost/test/unit_test.hpp>
@@ -1325,6 +1327,75 @@ BOOST_AUTO_TEST_CASE(weights_changed_only_by_merges_are_checkpointed) {
   BOOST_TEST_REQUIRE(data.ok(), data.status().to_string());
   BOOST_TEST(data->version == 0u);
   for (float w : data->weights) BOOST_TEST(w == 2.0f);
+}
+
+namespace {
+
+// While it lives, what the process writes to stderr (the in-process
+// servers' log) goes to `path`.
+struct StderrTo {
+  explicit StderrTo(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    BOOST_REQUIRE(fd >= 0);
+    saved = ::dup(STDERR_FILENO);
+    BOOST_REQUIRE(saved >= 0);
+    ::dup2(fd, STDERR_FILENO);
+    ::close(fd);
+  }
+  ~StderrTo() {
+    ::dup2(saved, STDERR_FILENO);
+    ::close(saved);
+  }
+  StderrTo(const StderrTo&) = delete;
+  StderrTo& operator=(const StderrTo&) = delete;
+  int saved = -1;
+};
+
+}  // namespace
+
+// A federated host that restores a checkpoint without federation state (a
+// job that ran without federation) has its weights replaced at the join,
+// here by rank 0's: the join says so, naming the file, and no checkpoint
+// of that version is written over it (the merge changed the weights, so
+// the final checkpoint would have been); after a push, the next version's
+// checkpoint goes to a file of its own, with the federation's state.
+BOOST_AUTO_TEST_CASE(a_checkpoint_without_federation_state_is_not_written_over) {
+  test::TempDir dir("fedunf"), logs("fedunflog");
+  CheckpointData trained;
+  trained.version = 5;
+  trained.layout.tensors = {{"w", {4}}};
+  trained.layout.optimizer_kind = static_cast<uint32_t>(kernels::OptimizerKind::kSgd);
+  trained.steps = {5};
+  trained.weights.assign(4, 7.0f);
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), trained).ok());
+  const std::string file = list_checkpoints(dir.path.string()).front();
+  const std::string before = test::read_file(file);
+  FederationConfig f;
+  f.every_ms = 20;
+  const std::string log_path = (logs.path / "stderr").string();
+  for (const int pushes : {0, 1}) {
+    BOOST_TEST_CONTEXT("pushes " << pushes) {
+      {
+        StderrTo capture(log_path);
+        TwoServers two(f, f, {"", dir.path.string()});  // host 1 restores version 5
+        BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(two.names[1])[0] == 0.0f; }));
+        if (pushes > 0) push_halves(two.names[1], pushes);
+        two.servers[1]->stop();
+      }
+      const std::string log = test::read_file(log_path);
+      BOOST_TEST(log.find("federation: the weights restored from " + file +
+                          ", a checkpoint without federation state (a run without federation), were replaced by "
+                          "the join with rank 0's weights") != std::string::npos,
+                 log);
+      BOOST_TEST(test::read_file(file) == before);
+    }
+  }
+  const std::vector<std::string> files = list_checkpoints(dir.path.string());
+  BOOST_TEST_REQUIRE(files.size() == 2u);
+  auto next = read_checkpoint(files.front(), trained.layout);
+  BOOST_TEST_REQUIRE(next.ok(), next.status().to_string());
+  BOOST_TEST(next->version == 6u);
+  BOOST_TEST(next->federation.has_value());
 }
 
 // Checkpoints carry the federation's state: after a run, both hosts'
