@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/magic.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
 #include <unistd.h>
@@ -18,6 +19,7 @@
 #include <span>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #include "threads.hpp"
 
@@ -462,6 +464,50 @@ void remove_temp_files(const std::string& dir) {
     ::closedir(d);
   }
   for (const std::string& t : temps) ::unlink(t.c_str());
+}
+
+CheckpointDirLock& CheckpointDirLock::operator=(CheckpointDirLock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+CheckpointDirLock::~CheckpointDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the flock
+}
+
+Result<CheckpointDirLock> CheckpointDirLock::acquire(const std::string& dir) {
+  const std::string path = dir + "/" + kCheckpointLockName;
+  // O_NONBLOCK: a FIFO planted there must not block the start; O_NOFOLLOW:
+  // nor a link lead the pid's write elsewhere.
+  CheckpointDirLock lock;
+  lock.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (lock.fd_ < 0) return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": open " + path + ": " + errno_text()};
+  struct stat st {};
+  if (::fstat(lock.fd_, &st) != 0 || !S_ISREG(st.st_mode))
+    return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": " + path + " is not a regular file"};
+  if (::flock(lock.fd_, LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK)
+      return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": flock " + path + ": " + errno_text()};
+    // The holder wrote its pid once it held the lock.
+    char text[32] = {};
+    const ssize_t n = ::pread(lock.fd_, text, sizeof text - 1, 0);
+    unsigned long pid = 0;
+    const bool named = n > 0 && std::sscanf(text, "pid %lu", &pid) == 1 && pid != 0;
+    return Status{ErrorCode::kInvalidArgument,
+                  "--checkpoint-dir " + dir + " is in use by another shmps-server" +
+                      (named ? " (pid " + std::to_string(pid) + ")" : std::string()) + ", which holds " + path +
+                      ": a checkpoint directory serves one server (each would write over and prune the other's "
+                      "checkpoints); give each server a directory of its own (federated hosts on one machine: "
+                      "--fed-rank-in-name), or stop the other first"};
+  }
+  const std::string mine = "pid " + std::to_string(::getpid()) + "\n";
+  // The pid only names the holder in another server's message: a write
+  // that fails leaves the lock held all the same.
+  if (::ftruncate(lock.fd_, 0) == 0) static_cast<void>(::pwrite(lock.fd_, mine.data(), mine.size(), 0));
+  return lock;
 }
 
 CheckpointWriter::CheckpointWriter(std::string dir, uint32_t keep, std::optional<uint64_t> on_disk)

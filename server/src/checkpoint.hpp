@@ -28,6 +28,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "round_groups.hpp"
@@ -115,9 +116,41 @@ std::vector<std::string> list_checkpoints(const std::string& dir);
 void prune_checkpoints(const std::string& dir, uint32_t keep, uint64_t newest, const CheckpointLayout& layout);
 
 // Deletes the temp files (.ckpt-<version>.shmps.tmp) a writer killed in
-// mid-write left. At server start, before its writer runs: a checkpoint
-// directory serves one server.
+// mid-write left. At server start, before its writer runs, with the
+// directory's lock held (CheckpointDirLock): a checkpoint directory serves
+// one server.
 void remove_temp_files(const std::string& dir);
+
+// The name of a checkpoint directory's lock file (CheckpointDirLock): no
+// checkpoint's or temp file's name, so the restore, pruning and the temp
+// files' removal never take it for one.
+inline constexpr const char* kCheckpointLockName = ".lock";
+
+// One server's hold of its checkpoint directory: two servers on one
+// directory would write over and prune each other's checkpoints, and a
+// restart would restore the other's weights. An exclusive flock(2) on
+// <dir>/.lock (created 0600, as the checkpoints), held while the object
+// lives, released by the kernel however the process ends (no stale lock
+// after a crash). The file holds the holder's pid ("pid 4242"), for the
+// message of the server refused. One owner; move-only.
+class CheckpointDirLock {
+ public:
+  CheckpointDirLock() = default;
+  CheckpointDirLock(CheckpointDirLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  CheckpointDirLock& operator=(CheckpointDirLock&& other) noexcept;
+  CheckpointDirLock(const CheckpointDirLock&) = delete;
+  CheckpointDirLock& operator=(const CheckpointDirLock&) = delete;
+  ~CheckpointDirLock();
+
+  // Takes the lock of the existing directory `dir` without waiting.
+  // Errors: kInvalidArgument when another process holds it (the message
+  // names the directory and the holder's pid), kIo (the lock file cannot
+  // be opened or locked, or is not a regular file).
+  static Result<CheckpointDirLock> acquire(const std::string& dir);
+
+ private:
+  int fd_ = -1;
+};
 
 // Whether a server could keep its checkpoints in `dir`: a directory this
 // process may create files in, or a path whose first existing ancestor is

@@ -36,6 +36,11 @@ Status CheckpointPolicy::start(uint64_t now) {
   std::error_code ec;
   std::filesystem::create_directories(config_.checkpoint_dir, ec);
   if (ec) return Status{ErrorCode::kIo, "--checkpoint-dir " + config_.checkpoint_dir + ": " + ec.message()};
+  // Before anything in the directory is touched: another server's writer
+  // may be writing there.
+  auto lock = CheckpointDirLock::acquire(config_.checkpoint_dir);
+  if (!lock.ok()) return lock.status();
+  dir_lock_ = std::move(lock).value();
   remove_temp_files(config_.checkpoint_dir);
   std::optional<uint64_t> restored;
   const CheckpointLayout l = layout();

@@ -32,11 +32,13 @@ class CheckpointPolicy {
  public:
   CheckpointPolicy(const ServerConfig& config, Model& model, Backend& backend, shm::StatsBlock& stats);
 
-  // Creates the directory, removes the temp files of a writer killed
-  // mid-write, restores the newest valid checkpoint (a corrupt, truncated
-  // or foreign file is reported and the previous one tried; with none, the
+  // Creates the directory, takes its lock (CheckpointDirLock, held for the
+  // policy's life), removes the temp files of a writer killed mid-write,
+  // restores the newest valid checkpoint (a corrupt, truncated or foreign
+  // file is reported and the previous one tried; with none, the
   // configured initial values stay) and starts the writer. Errors: kIo
-  // (the directory), the backend's.
+  // (the directory), kInvalidArgument (another server holds the
+  // directory), the backend's.
   Status start(uint64_t now);
   // After an applied push: the count trigger.
   void after_push(uint64_t now) {
@@ -86,6 +88,9 @@ class CheckpointPolicy {
   Model& model_;
   Backend& backend_;
   shm::StatsBlock& stats_;
+  // Held from start() until the policy goes, after the writer (declared
+  // before it): the final checkpoint is written under it.
+  CheckpointDirLock dir_lock_;
   std::unique_ptr<CheckpointWriter> writer_;
   uint64_t last_version_ = 0;      // handed to the writer (or restored)
   uint64_t last_unversioned_ = 0;  // Model::unversioned_changes then

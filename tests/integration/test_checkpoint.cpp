@@ -27,9 +27,11 @@ namespace k = shmps::kernels;
 
 namespace {
 
+// The files in `dir` but the server's lock (kCheckpointLockName).
 std::vector<std::string> checkpoint_files(const fs::path& dir) {
   std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename() != ".lock") names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   return names;
 }

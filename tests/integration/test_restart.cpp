@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <filesystem>
@@ -220,6 +221,66 @@ BOOST_AUTO_TEST_CASE(without_reconnect_a_dead_server_is_final) {
   server.reset();
   test::ServerProcess next(name, args(dir.path));
   BOOST_TEST((w->ping().code() == ErrorCode::kServerNotRunning));
+}
+
+// A checkpoint directory serves one server. A second server (another
+// name) started on the directory of a running one is refused, naming the
+// directory and the holder's pid, and leaves the files there as they
+// were; the first goes on checkpointing. Once the first has stopped (its
+// final checkpoint written under the lock), the second starts and
+// restores that checkpoint. Without the lock the second started,
+// restored the first's checkpoint, and both wrote and pruned one set of
+// files.
+BOOST_AUTO_TEST_CASE(a_second_server_on_a_checkpoint_directory_in_use_is_refused) {
+  test::TempDir dir("restart");
+  const std::string first_name = test::unique_name("holder"), second_name = test::unique_name("second");
+  auto first = std::make_unique<test::ServerProcess>(first_name, args(dir.path));
+  const auto checkpoints = [&] {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir.path))
+      if (e.path().filename() != ".lock")
+        names.push_back(e.path().filename().string() + " " + test::read_file(e.path()));
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  {
+    auto w = connect(first_name, false);
+    auto buf = w->register_buffer(4);
+    BOOST_REQUIRE(buf.ok());
+    for (int i = 0; i < 3; ++i) {
+      *static_cast<float*>(buf->data) = -1.0f;
+      BOOST_REQUIRE(w->push(0, buf->id, 0, 4, Dtype::kF32, 0).ok());
+    }
+    BOOST_REQUIRE(test::eventually([&] { return fs::exists(dir.path / "ckpt-00000000000000000003.shmps"); }));
+  }
+  const std::vector<std::string> before = checkpoints();
+  std::vector<std::string> argv = {test::program_path("shmps-server"), "--name", second_name};
+  for (const std::string& a : args(dir.path)) argv.push_back(a);
+  const test::Captured refused = test::run_captured(argv, 5s);
+  BOOST_TEST(refused.exit_code == 1, refused.output);
+  BOOST_TEST(refused.output.find("--checkpoint-dir " + dir.path.string() + " is in use by another shmps-server (pid " +
+                                 std::to_string(first->process().pid()) + ")") != std::string::npos,
+             refused.output);
+  BOOST_TEST(!fs::exists("/dev/shm/shmps." + second_name));  // its segment removed
+  BOOST_TEST(checkpoints() == before);
+  {
+    auto w = connect(first_name, false);  // the first serves on, and checkpoints
+    auto buf = w->register_buffer(4);
+    BOOST_REQUIRE(buf.ok());
+    *static_cast<float*>(buf->data) = -1.0f;
+    BOOST_REQUIRE(w->push(0, buf->id, 0, 4, Dtype::kF32, 0).ok());
+    BOOST_TEST(test::eventually([&] { return fs::exists(dir.path / "ckpt-00000000000000000004.shmps"); }));
+  }
+  BOOST_REQUIRE(first->stop() == 0);
+  first.reset();
+  test::ServerProcess second(second_name, args(dir.path));
+  auto w = connect(second_name, false);
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE(buf.ok());
+  auto v = w->pull(0, buf->id, 0);
+  BOOST_REQUIRE(v.ok());
+  BOOST_TEST(*v == 4u);
+  BOOST_TEST(*static_cast<float*>(buf->data) == 4.0f);
 }
 
 // kill -9 the server under load and start it again, 50 times: it always
