@@ -436,6 +436,12 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   // the group's round went into the rounds after it: W = A then, as for a
   // host without an anchor.
   r.drift_kept = r.resumed && has_state_ && (!restored_ || round_ == group_round);
+  r.restored_drift_dropped = r.resumed && has_state_ && restored_ && round_ < group_round;
+  if (r.restored_drift_dropped) {
+    r.restored_round = round_;
+    const uint64_t own_group = history_.group_of(round_);  // history_: the checkpoint's record still
+    r.restored_drift_merged = own_group != 0 && history.holds(round_ + 1, own_group);
+  }
   // A round this host saw fail that the source completed in the same
   // group holds this host's delta S - A of its snapshot S (an allreduce
   // that completed anywhere summed every member's): only the drift since

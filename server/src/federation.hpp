@@ -81,6 +81,17 @@ struct RoundResult {
   // what was applied after that round's snapshot.
   bool failed_round_merged = false;
   uint64_t failed_round_updates = 0;  // then: that round's local updates, merged with it
+  // The join: this host restored a checkpoint of round `restored_round`,
+  // older than the group's, and took W = A, dropping the checkpoint's
+  // drift W - A_ckpt (and the updates since the restart).
+  bool restored_drift_dropped = false;
+  uint64_t restored_round = 0;
+  // Then: the source's record shows round restored_round + 1 completed in
+  // the checkpoint's own group of its round (the same members), so this
+  // host's drift went into it. Otherwise the record cannot tell whether
+  // this host was a member of that round (docs/federation.md, "Not done
+  // yet").
+  bool restored_drift_merged = false;
 };
 
 class Federator {

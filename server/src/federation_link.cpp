@@ -140,7 +140,7 @@ void FederationLink::request_round() {
 Status FederationLink::restore(FederationState state) {
   const uint64_t unmerged = state.unmerged_updates;
   if (Status s = federator_.restore(std::move(state)); !s.ok()) return s;
-  unmerged_updates_ = unmerged;  // before start(): the thread's from then on
+  unmerged_updates_ = restored_unmerged_ = unmerged;  // before start(): the thread's from then on
   return Status::Ok();
 }
 
@@ -279,6 +279,7 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
     return discard();
   }
   publish(*r, static_cast<uint64_t>(std::chrono::nanoseconds(Clock::now() - start).count()));
+  if (r->restored_drift_dropped) log_dropped_drift(*r);
   // Merged, or gone: a join that does not keep the drift sets W = A.
   if (!join || !r->drift_kept) unmerged_updates_ = 0;
   if (join) {
@@ -315,6 +316,30 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
               "was broadcast");
   set_phase(Phase::kMergeReady);
   return wait_for(Phase::kIdle) ? Outcome::kMerged : Outcome::kOver;
+}
+
+void FederationLink::log_dropped_drift(const RoundResult& r) const {
+  // unmerged_updates_: the checkpoint's, and those of the join's snapshot
+  // since the restart.
+  const uint64_t in_checkpoint = std::min(unmerged_updates_, restored_unmerged_);
+  const uint64_t since_restart = unmerged_updates_ - in_checkpoint;
+  if (in_checkpoint == 0 && since_restart == 0) return;
+  const std::string next = std::to_string(r.restored_round + 1);
+  std::string text = "federation: the join takes the group's anchor of round " + std::to_string(r.round) +
+                     " as the weights, over the checkpoint's of round " + std::to_string(r.restored_round);
+  if (since_restart != 0)
+    text += "; the " + std::to_string(since_restart) + " local updates applied since the restart are dropped";
+  if (in_checkpoint != 0)
+    text += "; the checkpoint's " + std::to_string(in_checkpoint) + " local updates not merged as of its round " +
+            (r.restored_drift_merged
+                 ? "went into round " + next + " (this host was a member)"
+                 : "are dropped: merged already if this host was a member of round " + next +
+                       ", lost if it was gone by then (the record of groups cannot tell: docs/federation.md, \"Not "
+                       "done yet\")");
+  if (since_restart == 0 && r.restored_drift_merged)
+    log::info(text);
+  else
+    log::warn(text);
 }
 
 FederationLink::Outcome FederationLink::discard() {

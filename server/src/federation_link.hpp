@@ -113,6 +113,10 @@ class FederationLink {
   // One round (or the join): asks for the snapshot, runs the Federator
   // over it, hands the correction back and waits for the merge.
   Outcome exchange(bool join);
+  // The join took W = A over a checkpoint older than the group's round
+  // (RoundResult::restored_drift_dropped): logs the local updates that
+  // dropped, and whether the record shows the checkpoint's merged.
+  void log_dropped_drift(const RoundResult& r) const;
   // Hands an abandoned round's snapshot back (kDiscarded) and waits for
   // the consumer to take it.
   Outcome discard();
@@ -154,6 +158,8 @@ class FederationLink {
   // Local updates in the snapshots since the last merged round: a round
   // abandoned, or a join, merges none of them (they stay in W - A).
   uint64_t unmerged_updates_ = 0;
+  // The unmerged local updates of the checkpoint restored (restore()).
+  uint64_t restored_unmerged_ = 0;
   // restored_without_state()'s checkpoint, until the first join that
   // went through ("": none).
   std::string unfederated_checkpoint_;

@@ -24,6 +24,12 @@ bool RoundGroups::holds(uint64_t round, uint64_t group) const noexcept {
   });
 }
 
+uint64_t RoundGroups::group_of(uint64_t round) const noexcept {
+  for (const Span& s : spans)
+    if (s.first != 0 && s.first <= round && round <= s.last) return s.group;
+  return 0;
+}
+
 bool RoundGroups::plausible(uint64_t round) const noexcept {
   uint64_t after = 0;  // the last round of the span before
   bool empty_seen = false;

@@ -34,6 +34,9 @@ struct RoundGroups {
   void completed(uint64_t round, uint64_t group) noexcept;
   // Whether round `round` is known to have completed in `group`.
   bool holds(uint64_t round, uint64_t group) const noexcept;
+  // The group that completed round `round`; 0 when the record does not
+  // reach back to it.
+  uint64_t group_of(uint64_t round) const noexcept;
   // Whether this could be a record of rounds up to `round`, as completed()
   // builds one: the empty spans last, each span's rounds within 1..round
   // and after the span before it.

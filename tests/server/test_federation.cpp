@@ -648,6 +648,33 @@ BOOST_AUTO_TEST_CASE(a_host_whose_weights_are_not_finite_at_the_join_stays_out) 
   }
 }
 
+// A host restored from a checkpoint older than the group's round takes
+// W = A, dropping the checkpoint's drift: the join says so, and whether
+// the source's record shows the next round completed by the checkpoint's
+// own group (this host a member: its drift went into that round) or by
+// another (the record cannot tell whether this host was in it).
+BOOST_AUTO_TEST_CASE(a_join_over_an_older_checkpoint_tells_whether_its_drift_was_merged) {
+  for (const bool same_group : {true, false}) {
+    BOOST_TEST_CONTEXT("round 6 in the checkpoint's group " << same_group) {
+      FederationState older = state_of(0x77, 5, 1.0f), newer = state_of(0x77, 7, 2.0f);
+      for (uint64_t k = 1; k <= 5; ++k) {
+        older.history.completed(k, 0x11);
+        newer.history.completed(k, 0x11);
+      }
+      for (uint64_t k = 6; k <= 7; ++k) newer.history.completed(k, same_group ? 0x11 : 0x22);
+      const Joins j = joins_from({older, newer}, false);
+      for (uint32_t r = 0; r < 2; ++r) BOOST_TEST_REQUIRE(j.joined[r].ok(), j.joined[r].status().to_string());
+      BOOST_TEST(j.joined[0]->restored_drift_dropped);
+      BOOST_TEST(!j.joined[0]->drift_kept);
+      BOOST_TEST(j.joined[0]->restored_round == 5u);
+      BOOST_TEST(j.joined[0]->restored_drift_merged == same_group);
+      BOOST_TEST(!j.joined[1]->restored_drift_dropped);  // the source: its drift kept
+      BOOST_TEST(j.joined[1]->drift_kept);
+      for (size_t i = 0; i < kN; i += 97) BOOST_TEST(9.0f + j.corrections[0][i] == 2.0f);  // W = A
+    }
+  }
+}
+
 // A lineage is drawn at a fresh group's join, the same on every member and
 // another for another group; joins that continue it keep it (an older
 // checkpoint of it, a fresh host), and a state of unknown lineage (a
