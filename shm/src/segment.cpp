@@ -144,10 +144,18 @@ Status validate_name(const std::string& name) {
         (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
     if (!ok) return {ErrorCode::kInvalidArgument, "name '" + name + "' may hold only [A-Za-z0-9._-]"};
   }
-  // A worker buffer's name of server <a> ("shmps.<a>.p<pid>.<n>"): <a>'s
-  // server would remove such a segment as a dead worker's buffer.
-  if (const auto buffer = parse_buffer_object_name(segment_object_name(name)))
-    return {ErrorCode::kInvalidArgument, "name '" + name + "' ends in '" + name.substr(buffer->server.size()) +
+  // "<a>.p<digits>.<digits>" has the shape of one of server <a>'s worker
+  // buffers ("shmps.<a>.p<pid>.<n>"): <a>'s server would remove such a
+  // segment as a dead worker's buffer. Any digits, wider than
+  // parse_buffer_object_name() reads (pid 0, past pid_t, n past 2^64): a
+  // server of an older release sweeps those too.
+  const size_t last = name.rfind('.');
+  const size_t pid_dot = last == std::string::npos || last == 0 ? std::string::npos : name.rfind(".p", last - 1);
+  const auto digits = [&name](size_t from, size_t to) {
+    return to > from && name.find_first_not_of("0123456789", from) >= to;
+  };
+  if (pid_dot != std::string::npos && pid_dot > 0 && digits(pid_dot + 2, last) && digits(last + 1, name.size()))
+    return {ErrorCode::kInvalidArgument, "name '" + name + "' ends in '" + name.substr(pid_dot) +
                                              "', the shape of a worker buffer's name (shmps.<name>.p<pid>.<n>)"};
   return Status::Ok();
 }
@@ -167,7 +175,7 @@ uint64_t total_elements(const std::vector<TensorSpec>& tensors) {
 }
 
 std::string buffer_object_prefix(const std::string& name, pid_t pid) {
-  return segment_object_name(name) + ".p" + (pid != 0 ? std::to_string(pid) + "." : std::string());
+  return segment_object_name(name) + ".p" + std::to_string(pid) + ".";
 }
 
 std::string buffer_object_name(const std::string& name, pid_t pid, uint64_t n) {

@@ -228,9 +228,12 @@ BOOST_AUTO_TEST_CASE(names_are_validated) {
     BOOST_TEST(!s.ok(), buffer_like);
     BOOST_TEST(s.message().find("worker buffer") != std::string::npos, s.message());
   }
-  for (const char* fine : {"job.p1", "job.p.1", "job.px.1", "p1.x", "job.q1.2", "job.p1x.2", "job.p1.x",
-                           "train.p3.8xlarge", "p1.2", "job.p0.1", "job.p99999999999.1"})
-    BOOST_TEST(validate_name(fine).ok(), fine);  // no worker's buffer is named so (pid 0, past pid_t)
+  // Refused whatever the numbers (an older server's sweep reads any digits).
+  for (const char* buffer_like : {"job.p0.1", "job.p99999999999.1", "job.p1.123456789012345678901"})
+    BOOST_TEST(!validate_name(buffer_like).ok(), buffer_like);
+  for (const char* fine :
+       {"job.p1", "job.p.1", "job.px.1", "p1.x", "job.q1.2", "job.p1x.2", "job.p1.x", "train.p3.8xlarge", "p1.2"})
+    BOOST_TEST(validate_name(fine).ok(), fine);
   SegmentSpec spec = small_spec("ok");
   spec.tensors.push_back({"fc1.bias", {1}});
   BOOST_TEST((Segment::create(spec, 1).status().code() == ErrorCode::kInvalidArgument));  // duplicate
@@ -241,7 +244,6 @@ BOOST_AUTO_TEST_CASE(names_are_validated) {
 BOOST_AUTO_TEST_CASE(buffer_object_names_parse_from_the_end) {
   BOOST_TEST(buffer_object_name("job", 42, 7) == "shmps.job.p42.7");
   BOOST_TEST(buffer_object_prefix("job", 42) == "shmps.job.p42.");
-  BOOST_TEST(buffer_object_prefix("job") == "shmps.job.p");
   const auto parsed = parse_buffer_object_name(buffer_object_name("a.p1", 2147483647, 18446744073709551615u));
   BOOST_REQUIRE(parsed.has_value());
   BOOST_TEST(parsed->server == "a.p1");

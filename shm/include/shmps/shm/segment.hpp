@@ -31,8 +31,8 @@ std::string segment_object_name(const std::string& name);
 // server `name` (the server opens only objects named so).
 std::string buffer_object_name(const std::string& name, pid_t pid, uint64_t n);
 // "shmps.<name>.p<pid>.": what the names of worker `pid`'s buffers start
-// with; with pid 0, "shmps.<name>.p": those of every worker.
-std::string buffer_object_prefix(const std::string& name, pid_t pid = 0);
+// with (each is this and "<n>").
+std::string buffer_object_prefix(const std::string& name, pid_t pid);
 // What an object name of buffer_object_name()'s shape says: the server's
 // name (any text before ".p<pid>.<n>", which a server's own name may
 // contain), the worker's pid (1..pid_t's maximum) and n.
