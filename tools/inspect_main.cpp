@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <boost/program_options.hpp>
 #include <cerrno>
 #include <chrono>
@@ -129,14 +130,17 @@ ExitCode run_once(const Options& o) {
 // Sleeps until `until`, or until SIGINT/SIGTERM (g_stop). The signals are
 // blocked by the caller outside this wait and unblocked only inside ppoll,
 // atomically, so one that comes during a refresh ends the wait at once
-// instead of being missed for a whole interval.
+// instead of being missed for a whole interval. ppoll runs at least once,
+// with a zero timeout when `until` has passed (a refresh as slow as the
+// interval): it is the only place a pending signal is delivered.
 void wait_until(std::chrono::steady_clock::time_point until, const sigset_t& unblocked) {
   while (g_stop == 0) {
-    const auto left = until - std::chrono::steady_clock::now();
-    if (left <= std::chrono::nanoseconds::zero()) return;
+    const auto left = std::max(until - std::chrono::steady_clock::now(),
+                               std::chrono::steady_clock::duration(std::chrono::nanoseconds::zero()));
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
     const timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
     ::ppoll(nullptr, 0, &ts, &unblocked);  // a timeout, or EINTR from the handler
+    if (ns == 0) return;
   }
 }
 
@@ -181,6 +185,9 @@ ExitCode run_watch(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A reader that went away (`| head -1`) makes a write fail with EPIPE,
+  // reported as every write error is (exit 1), instead of killing the tool.
+  ::signal(SIGPIPE, SIG_IGN);
   Options o;
   po::options_description visible(
       "shmps-inspect [options] <name>\n"

@@ -1419,4 +1419,51 @@ BOOST_AUTO_TEST_CASE(owner_mode_and_trust_are_shown) {
   BOOST_REQUIRE(::chown(path.c_str(), ::geteuid(), static_cast<gid_t>(-1)) == 0);
 }
 
+// A pending SIGTERM ends --watch even when every refresh takes longer than
+// the interval (an object never published: each refresh waits 2 s for its
+// server), with the last refresh's exit code.
+BOOST_AUTO_TEST_CASE(watch_ends_on_sigterm_when_refreshes_outlast_the_interval) {
+  const std::string name = test::unique_name("slowwatch");
+  const RawObject zeros("shmps." + name, 8192);
+  Inspect watcher({"--watch", "--interval-ms", "100", name});
+  // The first screen means the handler is installed (before the loop).
+  BOOST_REQUIRE(test::eventually([&] { return contains(watcher.out_so_far(), "refresh 1,"); }));
+  watcher.signal(SIGTERM);
+  const auto sent = std::chrono::steady_clock::now();
+  const Run r = watcher.finish(std::chrono::seconds(10));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - sent).count();
+  BOOST_TEST(r.rc == 4, r.err);
+  BOOST_TEST(seconds < 3.0, "--watch ended " << seconds << " s after SIGTERM");
+}
+
+// A reader that goes away (`| head -1`) makes the write fail: exit 1 with
+// the error, as every write error, not death by SIGPIPE.
+BOOST_AUTO_TEST_CASE(closed_pipe_on_stdout_exits_1) {
+  const std::string name = test::unique_name("epipe");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  const TempFile err;
+  int fds[2];
+  BOOST_REQUIRE(::pipe(fds) == 0);
+  ::close(fds[0]);  // no reader
+  const std::string tool = test::program_path("shmps-inspect");
+  const pid_t child = ::fork();
+  BOOST_REQUIRE(child >= 0);
+  if (child == 0) {
+    ::signal(SIGPIPE, SIG_DFL);  // whatever the test runner set
+    const int e = ::open(err.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (e < 0 || ::dup2(fds[1], 1) < 0 || ::dup2(e, 2) < 0) _exit(126);
+    ::execl(tool.c_str(), tool.c_str(), "--watch", "--interval-ms", "10", "--count", "20", name.c_str(),
+            static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ::close(fds[1]);
+  int status = 0;
+  BOOST_REQUIRE(::waitpid(child, &status, 0) == child);
+  BOOST_TEST(WIFEXITED(status), "killed by signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0));
+  BOOST_TEST(WEXITSTATUS(status) == 1);
+  const std::string message = shmps::test::read_file(err.path);
+  BOOST_TEST(contains(message, "writing to stdout: Broken pipe"), message);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
