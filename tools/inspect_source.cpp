@@ -61,8 +61,9 @@ bool read_at(int fd, void* to, size_t bytes, size_t offset, const std::string& p
   return true;
 }
 
-// The SIGBUS guard of copy_live(): an object truncated by its owner faults
-// on the pages past its new end. The handler is installed only around the
+// The SIGBUS guard of the live copy: an object truncated by its owner
+// faults on the pages past its new end, and a hole of a sparse object when
+// tmpfs has no memory left for its page. The handler is installed only around the
 // copy (the tool is single-threaded), so every SIGBUS it sees is the copy's;
 // it jumps back out of the copy, which holds nothing to clean up.
 sigjmp_buf g_copy_fault;
@@ -74,43 +75,86 @@ extern "C" void on_copy_sigbus(int) { siglongjmp(g_copy_fault, 1); }
 // copied after it, as the in-place reads of take_snapshot would.
 using shm::copy_shared;
 
-// Each request lane and completion queue copied again in the order its
-// live reader needs: the head, then the tail, then the rest (the slots),
-// so that the copy's tail is at least its head and every slot below the
-// tail was published before it was copied. The copy in address order reads
-// a ring's tail (offset 0) before its head (offset 64), and a consumer
-// that moved between the two made the ring look corrupt (head past tail).
-void copy_rings(void* to, const void* from, const shm::SegmentHeader& h) {
-  const shm::Geometry g = shm::compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity);
+// A segment's counts, kept from one copy of its header: the geometry a
+// copy follows, which the live header (any writer may change it) does not
+// move under the copy.
+struct Counts {
+  uint32_t tensor_count = 0, max_workers = 0, max_buffers = 0, lane_capacity = 0;
+  explicit Counts(const shm::SegmentHeader& h)
+      : tensor_count(h.tensor_count),
+        max_workers(h.max_workers),
+        max_buffers(h.max_buffers),
+        lane_capacity(h.lane_capacity) {}
+  shm::Geometry geometry() const {
+    return shm::compute_geometry(tensor_count, max_workers, max_buffers, lane_capacity);
+  }
+  bool operator==(const Counts&) const = default;
+};
+
+// Copies `count` slots of `slot_bytes` from ring index `first` on, each at
+// index & (capacity - 1) after the ring's LaneHeader: at most two runs.
+void copy_slots(char* out, const char* in, uint64_t first, uint64_t count, uint32_t capacity, size_t slot_bytes) {
+  const uint64_t start = first & (capacity - 1);
+  const uint64_t run = std::min<uint64_t>(count, capacity - start);
+  copy_shared(out + sizeof(shm::LaneHeader) + start * slot_bytes, in + sizeof(shm::LaneHeader) + start * slot_bytes,
+              run * slot_bytes);
+  if (count > run) copy_shared(out + sizeof(shm::LaneHeader), in + sizeof(shm::LaneHeader), (count - run) * slot_bytes);
+}
+
+// Each request lane and completion queue, copied in the order its live
+// reader needs: the head, then the tail, then the rest of its LaneHeader,
+// then the slots [head, tail) it holds (every slot below that tail was
+// published before it, SYNC(slot_published) through copy_shared's
+// acquire), so that the copy's tail is at least its head. Only those slots
+// are read (take_snapshot decodes nothing else; a lane's publish stamps
+// not at all): the rest of the ring stays zero in the copy, and the holes
+// of a sparse segment are never read, which would make tmpfs allocate them.
+// A ring whose tail - head exceeds its capacity (corrupt, or reset in
+// between) gets no slots; take_snapshot reports it corrupt.
+void copy_rings(void* to, const void* from, const Counts& h) {
+  const shm::Geometry g = h.geometry();
   constexpr size_t kTail = offsetof(shm::LaneHeader, tail);
   constexpr size_t kHead = offsetof(shm::LaneHeader, head);
   static_assert(kTail == 0 && kHead == 64);
   for (uint64_t w = 0; w < h.max_workers; ++w) {
     for (const uint64_t ring : {g.lanes_offset + w * g.lane_stride, g.completions_offset + w * g.completion_stride}) {
-      const uint64_t stride = ring < g.completions_offset ? g.lane_stride : g.completion_stride;
+      const size_t slot_bytes = ring < g.completions_offset ? sizeof(shm::Request) : sizeof(shm::Completion);
       auto* out = static_cast<char*>(to) + ring;
       const auto* in = static_cast<const char*>(from) + ring;
+      uint64_t head = 0;
+      uint64_t tail = 0;
       // A few tries, as a live reader retries: preempted between the two
       // loads, the ring may have moved more than its capacity.
       for (int tries = 0; tries < 3; ++tries) {
         copy_shared(out + kHead, in + kHead, 8);
         copy_shared(out + kTail, in + kTail, 8);
-        uint64_t head = 0;
-        uint64_t tail = 0;
         std::memcpy(&head, out + kHead, sizeof head);
         std::memcpy(&tail, out + kTail, sizeof tail);
         if (tail - head <= h.lane_capacity) break;
       }
       copy_shared(out + 8, in + 8, kHead - 8);
-      copy_shared(out + kHead + 8, in + kHead + 8, stride - kHead - 8);
+      copy_shared(out + kHead + 8, in + kHead + 8, sizeof(shm::LaneHeader) - kHead - 8);
+      if (tail - head <= h.lane_capacity) copy_slots(out, in, head, tail - head, h.lane_capacity, slot_bytes);
     }
   }
 }
 
-// false: the mapping faulted (the object shrank) during the copy. With
-// `rings` (a validated header's), the rings are copied again as
-// copy_rings() says.
-bool guarded_copy(void* to, const void* from, size_t bytes, const shm::SegmentHeader* rings = nullptr) {
+// The regions of a validated header's segment outside its rings, in
+// address order: the header, the tensor and worker tables, then the stats
+// block to the end.
+void copy_outside_rings(void* to, const void* from, const Counts& h, size_t size) {
+  const shm::Geometry g = h.geometry();
+  copy_shared(to, from, g.lanes_offset);
+  copy_shared(static_cast<char*>(to) + g.stats_offset, static_cast<const char*>(from) + g.stats_offset,
+              size - g.stats_offset);
+}
+
+// false: the mapping faulted during the copy: the object shrank, or tmpfs
+// had no memory for a page read (a hole of a sparse object). With
+// `layout` (the counts of a header that fits the object, header_fits()),
+// the segment is copied as copy_outside_rings() and copy_rings() say;
+// without, the first `bytes` in address order.
+bool guarded_copy(void* to, const void* from, size_t bytes, const Counts* layout = nullptr) {
   struct sigaction sa {
   }, previous{};
   sa.sa_handler = on_copy_sigbus;
@@ -119,8 +163,9 @@ bool guarded_copy(void* to, const void* from, size_t bytes, const shm::SegmentHe
   volatile bool copied = false;
   // savemask 1: the jump out of the handler unblocks SIGBUS again.
   if (sigsetjmp(g_copy_fault, 1) == 0) {
-    if (rings != nullptr) {
-      copy_rings(to, from, *rings);
+    if (layout != nullptr) {
+      copy_outside_rings(to, from, *layout, bytes);
+      copy_rings(to, from, *layout);
     } else {
       copy_shared(to, from, bytes);
     }
@@ -151,7 +196,8 @@ Loaded load_segment(const std::string& name, bool wait_for_start) {
   const std::string path = "/dev/shm/" + shm::segment_object_name(name);
   Loaded l;
   const auto copy = [&](std::unique_ptr<shm::ShmObject>& live) -> Status {
-    const Status shrank{ErrorCode::kLayoutMismatch, path + ": the segment shrank while being read"};
+    const Status shrank{ErrorCode::kLayoutMismatch,
+                        path + ": the segment shrank while being read, or /dev/shm had no memory for a page read"};
     // No larger than largest_segment_size(): open_segment_object refused
     // a larger object before mapping it.
     const size_t size = live->size();
@@ -163,14 +209,19 @@ Loaded load_segment(const std::string& name, bool wait_for_start) {
     if (!guarded_copy(l.image.copy.get(), live->data(), std::min<size_t>(size, sizeof(shm::SegmentHeader))))
       return shrank;
     const bool fits = header_fits(l.image.copy.get(), size);
-    if (fits && !guarded_copy(l.image.copy.get(), live->data(), size)) return shrank;
+    if (fits) {
+      // By the copied header's counts (header_fits checked them against
+      // the object's size), not the live header's; the header copied again
+      // with the rest must still hold them, or the copy follows another
+      // geometry than the one decoded.
+      const Counts counts(*static_cast<const shm::SegmentHeader*>(l.image.copy.get()));
+      if (!guarded_copy(l.image.copy.get(), live->data(), size, &counts)) return shrank;
+      if (!(Counts(*static_cast<const shm::SegmentHeader*>(l.image.copy.get())) == counts))
+        return {ErrorCode::kLayoutMismatch, path + ": the segment's counts changed while being read"};
+    }
     Status s = shm::validate_segment(l.image.copy.get(), size);
     if (!s.ok()) return {s.code(), path + ": " + s.message()};
     if (!fits) return {ErrorCode::kLayoutMismatch, path + ": the header does not describe this object"};
-    // The rings again, by the copy's geometry (validated), not the live header's.
-    if (!guarded_copy(l.image.copy.get(), live->data(), size,
-                      static_cast<const shm::SegmentHeader*>(l.image.copy.get())))
-      return shrank;
     l.image.source = path;
     l.image.owner = ImageOwner{live->owner_uid(), live->owner_gid(), live->mode(), /*live=*/true};
     l.image.data = l.image.copy.get();

@@ -53,8 +53,10 @@ struct Loaded {
 // for a segment still being sized or published; without, one look, and
 // such a segment is kUnpublished at once). An object larger than any
 // segment is kBadSegment before it is mapped. A segment that shrinks while
-// being copied (a SIGBUS on the mapping) is kBadSegment, "the segment
-// shrank while being read".
+// being copied, or whose hole tmpfs has no memory for (a SIGBUS on the
+// mapping), is kBadSegment, "the segment shrank while being read, or
+// /dev/shm had no memory for a page read". Of a segment, only what the
+// snapshot decodes is read (each ring's live slots, not its holes).
 Loaded load_segment(const std::string& name, bool wait_for_start = true);
 // Reads a regular file into memory (anything else is refused without being
 // opened for long: a FIFO does not block). A file larger than the largest

@@ -1466,4 +1466,59 @@ BOOST_AUTO_TEST_CASE(closed_pipe_on_stdout_exits_1) {
   BOOST_TEST(contains(message, "writing to stdout: Broken pipe"), message);
 }
 
+// Inspecting a sparse segment reads none of its holes (tmpfs would
+// allocate every page read): only the parts outside the rings, each
+// ring's header and its live slots. The object's allocated blocks stay
+// where they were, and the tool's memory small; the live slots still show.
+BOOST_AUTO_TEST_CASE(sparse_segment_is_not_allocated_by_a_read) {
+  const std::string name = test::unique_name("sparse");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}}, /*max_workers=*/64, /*lane_capacity=*/4096);
+  const std::string path = "/dev/shm/" + shm::segment_object_name(name);
+  const shm::Geometry& g = seg->layout().geometry;
+  BOOST_REQUIRE(g.stats_offset - g.lanes_offset > (off_t{32} << 20));
+  // The rings' pages back to holes (the server reserves them all at create).
+  {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    BOOST_REQUIRE(fd >= 0);
+    const off_t first = static_cast<off_t>((g.lanes_offset + 4095) / 4096 * 4096);
+    const off_t last = static_cast<off_t>(g.stats_offset / 4096 * 4096);
+    const int punched = ::fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, first, last - first);
+    ::close(fd);
+    BOOST_REQUIRE_MESSAGE(punched == 0, std::strerror(errno));
+  }
+  // Two completions queued, wrapping the ring's end, in a worker's queue.
+  shm::Completion c{};
+  c.opcode = static_cast<uint32_t>(shm::Opcode::kPing);
+  c.request_id = 41;
+  seg->completion_slots(5)[4095] = c;
+  c.request_id = 42;
+  seg->completion_slots(5)[0] = c;
+  seg->completions(5).head.store(4095, std::memory_order_relaxed);
+  seg->completions(5).tail.store(4097, std::memory_order_relaxed);
+  const auto blocks = [&path] {
+    struct stat st {};
+    BOOST_REQUIRE(::stat(path.c_str(), &st) == 0);
+    return static_cast<long long>(st.st_blocks) * 512;
+  };
+  const long long before = blocks();
+  const Run r = run_inspect({"--json", name});
+  const json j = parse_json(r);
+  BOOST_TEST(blocks() - before < (4ll << 20), "allocated " << (blocks() - before) << " bytes");
+  BOOST_TEST(r.max_rss_kb < kRssScale * 32 * 1024, "peak RSS " << r.max_rss_kb << " KiB");
+  bool seen = false;
+  for (const json& q : j["completions"]) {
+    if (q["worker"] != 5) continue;
+    seen = true;
+    BOOST_TEST(q["depth"] == 2, q);
+    BOOST_REQUIRE(q["slots"].size() == 2u);
+    BOOST_TEST(q["slots"][0]["request_id"] == 41, q);
+    BOOST_TEST(q["slots"][1]["request_id"] == 42, q);
+  }
+  BOOST_TEST(seen, j["completions"]);
+  const Run listed = run_inspect({"--list"});
+  BOOST_TEST(listed.rc == 0, listed.err);
+  BOOST_TEST(blocks() - before < (4ll << 20), "--list allocated " << (blocks() - before) << " bytes");
+}
+
 BOOST_AUTO_TEST_SUITE_END()
