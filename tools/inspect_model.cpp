@@ -81,6 +81,15 @@ std::string num(double v) {
   return buf;
 }
 
+// Seconds as num() gives them, but whole from 10^6 on (an uptime past 11.6
+// days), which %g would give as 1.23457e+06.
+std::string seconds_text(double s) {
+  if (!std::isfinite(s) || s < 1e6) return num(s);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.0f", s);
+  return buf;
+}
+
 // A float as the double of its shortest decimal form, so JSON shows 0.001
 // rather than 0.0010000000474974513.
 double json_float(float v) {
@@ -606,13 +615,15 @@ json to_json(const Snapshot& s) {
     if (st.rejected[code] != 0) rejected[error_name(code)] = st.rejected[code];
   json stats = json::object();
   // A byte count (a name ending in _bytes) passes 2^53 after days (8 PiB),
-  // a time in ns (_ns) after 104 days: strings, as the 64-bit values of
-  // to_json()'s rule.
+  // a time in ns (_ns) after 104 days, a value in 1e-12ths (_pico: the
+  // scheduled lr, whose sentinels are 2^64 - 1 and 2^64 - 2) from an lr of
+  // 9007: strings, as the 64-bit values of to_json()'s rule.
 // A hash (_hash) is 0x-hex, as the generation.
-#define SHMPS_STATS_JSON(name, kind, help)                                                               \
-  stats[#name] = ends_with(#name, "_hash")                               ? json(hex64(st.name))          \
-                 : ends_with(#name, "_bytes") || ends_with(#name, "_ns") ? json(std::to_string(st.name)) \
-                                                                         : json(st.name);
+#define SHMPS_STATS_JSON(name, kind, help)                                                            \
+  stats[#name] = ends_with(#name, "_hash") ? json(hex64(st.name))                                     \
+                 : ends_with(#name, "_bytes") || ends_with(#name, "_ns") || ends_with(#name, "_pico") \
+                     ? json(std::to_string(st.name))                                                  \
+                     : json(st.name);
   SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_JSON)
 #undef SHMPS_STATS_JSON
   stats["avg_staleness"] = static_cast<double>(st.avg_staleness_micro) / 1e6;
@@ -675,8 +686,11 @@ std::string request_text(const Snapshot& s, const shm::Request& r) {
 }
 
 std::string completion_text(const shm::Completion& c) {
-  std::string out = "request " + std::to_string(c.request_id) + " " + opcode_name(c.opcode) + " -> " +
-                    error_name(c.code) + " version " + std::to_string(c.version) + " value " + std::to_string(c.value);
+  std::string out =
+      "request " + std::to_string(c.request_id) + " " + opcode_name(c.opcode) + " -> " + error_name(c.code) +
+      " version " + std::to_string(c.version) + " value " +
+      // An attach's value is the lease: 0x-hex, as every lease.
+      (c.opcode == static_cast<uint32_t>(shm::Opcode::kAttach) ? hex64(c.value) : std::to_string(c.value));
   if (c.code != 0) out += " \"" + printable_name(c.message, sizeof c.message) + "\"";
   return out;
 }
@@ -714,7 +728,7 @@ std::string render_text(const Snapshot& s) {
         : h.server_start_time == 0 ? "not judged: no start time in the header, which a server always writes"
                                    : "dead")
     << "), start time " << h.server_start_time;
-  if (h.server_uptime_s) o << ", up " << num(*h.server_uptime_s) << " s";
+  if (h.server_uptime_s) o << ", up " << seconds_text(*h.server_uptime_s) << " s";
   o << "\n";
   o << "  generation      " << hex64(h.generation) << "\n";
   o << "  state           " << server_state_name(h.server_state) << "\n";
@@ -1094,17 +1108,23 @@ namespace shmps::inspect {
 
 namespace {
 
-double per_second(uint64_t before, uint64_t after, double seconds) {
-  return after >= before ? static_cast<double>(after - before) / seconds : 0.0;
+// Empty when the counter went back (Rates).
+Rates::Rate per_second(uint64_t before, uint64_t after, double seconds) {
+  if (after < before) return std::nullopt;
+  return static_cast<double>(after - before) / seconds;
 }
 
-std::string rate_text(double v) {
+std::string rate_text(const Rates::Rate& rate) {
+  if (!rate) return "-";
+  const double v = *rate;
   char buf[32];
   std::snprintf(buf, sizeof buf, v >= 100 ? "%.0f" : "%.1f", v);
   return buf;
 }
 
-std::string bytes_rate_text(double v) {
+std::string bytes_rate_text(const Rates::Rate& rate) {
+  if (!rate) return "- B/s";
+  const double v = *rate;
   char buf[32];
   if (v >= 1e9)
     std::snprintf(buf, sizeof buf, "%.2f GB/s", v / 1e9);
@@ -1126,7 +1146,7 @@ std::optional<Rates> rates_between(const Snapshot& a, const Snapshot& b) {
   r.bytes = per_second(a.stats.applied_bytes, b.stats.applied_bytes, r.seconds);
   r.requests = per_second(a.stats.requests, b.stats.requests, r.seconds);
   for (uint32_t code = 0; code < b.stats.rejected.size() && code < a.stats.rejected.size(); ++code)
-    if (b.stats.rejected[code] > a.stats.rejected[code])
+    if (b.stats.rejected[code] != a.stats.rejected[code])
       r.rejected.emplace_back(error_name(code), per_second(a.stats.rejected[code], b.stats.rejected[code], r.seconds));
   for (const WorkerView& w : b.workers) {
     const auto same = std::find_if(a.workers.begin(), a.workers.end(), [&](const WorkerView& v) {
@@ -1166,18 +1186,19 @@ std::string render_rates_text(const Rates& r) {
 }
 
 nlohmann::json rates_json(const Rates& r) {
+  const auto rate = [](const Rates::Rate& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
   nlohmann::json rejected = nlohmann::json::object();
-  for (const auto& [cause, v] : r.rejected) rejected[cause] = v;
+  for (const auto& [cause, v] : r.rejected) rejected[cause] = rate(v);
   nlohmann::json workers = nlohmann::json::array();
   for (const Rates::Worker& w : r.workers)
     workers.push_back({{"id", w.id},
                        {"pid", w.pid},
-                       {"pushes_per_s", w.pushes},
-                       {"rejected_per_s", w.rejected},
-                       {"pulls_per_s", w.pulls},
-                       {"bytes_per_s", w.bytes}});
-  return {{"seconds", r.seconds},         {"pushes_per_s", r.pushes},     {"pulls_per_s", r.pulls},
-          {"bytes_per_s", r.bytes},       {"requests_per_s", r.requests}, {"rejected_per_s", std::move(rejected)},
+                       {"pushes_per_s", rate(w.pushes)},
+                       {"rejected_per_s", rate(w.rejected)},
+                       {"pulls_per_s", rate(w.pulls)},
+                       {"bytes_per_s", rate(w.bytes)}});
+  return {{"seconds", r.seconds},         {"pushes_per_s", rate(r.pushes)},     {"pulls_per_s", rate(r.pulls)},
+          {"bytes_per_s", rate(r.bytes)}, {"requests_per_s", rate(r.requests)}, {"rejected_per_s", std::move(rejected)},
           {"workers", std::move(workers)}};
 }
 

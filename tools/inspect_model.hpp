@@ -174,20 +174,23 @@ nlohmann::json to_json(const Snapshot& snapshot);
 
 // What changed per second between two snapshots of one server (--watch):
 // in total and per worker session (same entry, pid and lease in both).
+// A rate is empty (unknown: "-" in text, null in JSON) when its counter
+// went back between the two snapshots: a restart under the same
+// generation cannot happen, so that is a garbage write.
 struct Rates {
+  using Rate = std::optional<double>;
   double seconds = 0;  // between the two snapshots
-  double pushes = 0, pulls = 0, bytes = 0, requests = 0;
-  std::vector<std::pair<std::string, double>> rejected;  // by cause, those that moved
+  Rate pushes, pulls, bytes, requests;
+  std::vector<std::pair<std::string, Rate>> rejected;  // by cause, those that moved
   struct Worker {
     uint32_t id = 0;
     uint32_t pid = 0;
-    double pushes = 0, rejected = 0, pulls = 0, bytes = 0;
+    Rate pushes, rejected, pulls, bytes;
   };
   std::vector<Worker> workers;
 };
 // Empty when the snapshots are of different server generations or no time
-// passed between them. Counters that went back (a restart under the same
-// generation cannot happen; a garbage entry can) count as 0.
+// passed between them.
 std::optional<Rates> rates_between(const Snapshot& before, const Snapshot& after);
 std::string render_rates_text(const Rates& rates);
 nlohmann::json rates_json(const Rates& rates);

@@ -1280,6 +1280,10 @@ BOOST_AUTO_TEST_CASE(json_gives_doorbell_and_attach_lease_as_hex) {
   BOOST_REQUIRE(slots.size() == 2u);
   BOOST_TEST(slots[0]["value"] == "0x0100000000000005", slots);
   BOOST_TEST(slots[1]["value"] == 3, slots);
+  // The text as the JSON: the lease in 0x-hex, the staleness a count.
+  const std::string text = inspect::render_text(*snap);
+  BOOST_TEST(contains(text, " attach -> ok version 0 value 0x0100000000000005\n"), text);
+  BOOST_TEST(contains(text, " push -> ok version 0 value 3\n"), text);
 }
 
 // --interval-ms below 10 is what it says (no 10 ms steps), and the rates
@@ -1519,6 +1523,78 @@ BOOST_AUTO_TEST_CASE(sparse_segment_is_not_allocated_by_a_read) {
   const Run listed = run_inspect({"--list"});
   BOOST_TEST(listed.rc == 0, listed.err);
   BOOST_TEST(blocks() - before < (4ll << 20), "--list allocated " << (blocks() - before) << " bytes");
+}
+
+// A counter that went back within one generation (a garbage write) has no
+// rate: "-" in the text, null in the JSON, not a silent 0.
+BOOST_AUTO_TEST_CASE(counter_going_back_has_no_rate) {
+  inspect::Snapshot a, b;
+  a.header.generation = b.header.generation = 7;
+  a.taken_ns = 1'000'000'000;
+  b.taken_ns = 2'000'000'000;
+  a.stats.gradients_applied = 10;
+  b.stats.gradients_applied = 4;
+  a.stats.requests = 1;
+  b.stats.requests = 3;
+  a.stats.rejected.assign(shm::kRejectCauses, 0);
+  b.stats.rejected.assign(shm::kRejectCauses, 0);
+  a.stats.rejected[1] = 5;
+  inspect::WorkerView w;
+  w.id = 0;
+  w.pid = 99;
+  w.pulls = 8;
+  a.workers.push_back(w);
+  w.pulls = 2;
+  b.workers.push_back(w);
+  const auto r = inspect::rates_between(a, b);
+  BOOST_REQUIRE(r.has_value());
+  BOOST_TEST(!r->pushes.has_value());
+  BOOST_TEST(r->requests.value_or(-1) == 2.0);
+  const std::string text = inspect::render_rates_text(*r);
+  BOOST_TEST(contains(text, "total           - pushes/s, 0.0 pulls/s"), text);
+  BOOST_TEST(contains(text, "worker 0 (pid 99): 0.0 pushes/s, - pulls/s"), text);
+  BOOST_TEST(contains(text, inspect::error_name(1) + " -"), text);
+  const json j = inspect::rates_json(*r);
+  BOOST_TEST(j["pushes_per_s"].is_null(), j);
+  BOOST_TEST(j["requests_per_s"] == 2.0, j);
+  BOOST_TEST(j["workers"][0]["pulls_per_s"].is_null(), j);
+  BOOST_TEST(j["rejected_per_s"][inspect::error_name(1)].is_null(), j);
+}
+
+// An uptime past 11.6 days prints without an exponent: "up 1234568 s",
+// not "1.23457e+06 s".
+BOOST_AUTO_TEST_CASE(long_uptime_prints_without_exponent) {
+  const std::string name = test::unique_name("uptime");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  auto snap = inspect::take_snapshot(seg->object().data(), seg->object().size(), "test");
+  BOOST_REQUIRE_MESSAGE(snap.ok(), snap.status().to_string());
+  snap->header.server_alive = true;
+  snap->header.server_uptime_s = 1234567.8;
+  const std::string text = inspect::render_text(*snap);
+  BOOST_TEST(contains(text, ", up 1234568 s\n"), text);
+  BOOST_TEST(!contains(text, "e+06 s"), text);
+  // Not a quantity of seconds: the scheduled lr keeps %g (docs/operations.md).
+  seg->stats().scheduled_lr_pico.store(shm::kScheduledLrSaturated, std::memory_order_relaxed);
+  auto saturated = inspect::take_snapshot(seg->object().data(), seg->object().size(), "test");
+  BOOST_REQUIRE(saturated.ok());
+  const std::string lr = inspect::render_text(*saturated);
+  BOOST_TEST(contains(lr, "scheduled lr    at least 1.84467e+07 "), lr);
+}
+
+// The scheduled lr in 1e-12ths passes 2^53 (its sentinels are 2^64 - 1
+// and 2^64 - 2): a decimal string in the JSON, exact.
+BOOST_AUTO_TEST_CASE(scheduled_lr_pico_is_a_string_in_json) {
+  const std::string name = test::unique_name("lrpico");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  for (const uint64_t v : {shm::kScheduledLrSaturated, shm::kScheduledLrNotFinite, uint64_t{1'000'000'000}}) {
+    seg->stats().scheduled_lr_pico.store(v, std::memory_order_relaxed);
+    auto snap = inspect::take_snapshot(seg->object().data(), seg->object().size(), "test");
+    BOOST_REQUIRE_MESSAGE(snap.ok(), snap.status().to_string());
+    const json j = inspect::to_json(*snap);
+    BOOST_TEST(j["stats"]["scheduled_lr_pico"] == std::to_string(v), j["stats"]);
+  }
 }
 
 BOOST_AUTO_TEST_SUITE_END()
