@@ -51,6 +51,12 @@ void install_stop_handler() {
   ::sigaction(SIGTERM, &sa, nullptr);
 }
 
+// Prints "shmps-inspect: <message>" on stderr, escaped (printable_text):
+// a message may quote a --file path or a <name> as the user gave them.
+void report_error(const std::string& message) {
+  std::fprintf(stderr, "shmps-inspect: %s\n", shmps::inspect::printable_text(message).c_str());
+}
+
 // Writes `text` to stdout and flushes it. false, with the error on
 // stderr, when it did not all arrive (a full disk, a closed descriptor): a
 // report that did not get out is a failure (exit 1), not a silent 0.
@@ -118,7 +124,7 @@ ExitCode run_once(const Options& o) {
   std::string out, error;
   const ExitCode rc = inspect_once(o, &out, &error);
   if (rc != ExitCode::kOk) {
-    std::fprintf(stderr, "shmps-inspect: %s\n", error.c_str());
+    report_error(error);
     if (o.format == "prometheus" &&
         !write_out(shmps::inspect::render_prometheus_down(o.name.empty() ? o.file : o.name)))
       return ExitCode::kError;
@@ -165,13 +171,13 @@ ExitCode run_watch(const Options& o) {
     rc = inspect_once(o, &out, &error, &previous);
     if (o.json) {
       if (rc != ExitCode::kOk)
-        std::fprintf(stderr, "shmps-inspect: %s\n", error.c_str());
+        report_error(error);
       else if (!write_out(out))
         return ExitCode::kError;
     } else {
       // ANSI: cursor home, clear screen.
       std::string screen = "\x1b[H\x1b[2J";
-      screen += rc == ExitCode::kOk ? out : "shmps-inspect: " + error + "\n";
+      screen += rc == ExitCode::kOk ? out : "shmps-inspect: " + shmps::inspect::printable_text(error) + "\n";
       screen +=
           "-- refresh " + std::to_string(n) + ", every " + std::to_string(o.interval_ms) + " ms; Ctrl-C to stop --\n";
       if (!write_out(screen)) return ExitCode::kError;
@@ -249,7 +255,7 @@ int main(int argc, char** argv) {
     if (!o.watch && (!vm["count"].defaulted() || !vm["interval-ms"].defaulted()))
       throw po::error("--count and --interval-ms need --watch");
   } catch (const po::error& e) {
-    std::fprintf(stderr, "shmps-inspect: %s (see --help)\n", e.what());
+    report_error(std::string(e.what()) + " (see --help)");
     return static_cast<int>(ExitCode::kError);
   }
   return static_cast<int>(o.list ? run_list(o) : o.watch ? run_watch(o) : run_once(o));

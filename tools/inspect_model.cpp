@@ -711,7 +711,7 @@ std::string indices_text(const QueueView<Slot>& q, uint32_t capacity) {
 std::string render_text(const Snapshot& s) {
   std::ostringstream o;
   const HeaderView& h = s.header;
-  o << "shmps segment " << s.source << "\n";
+  o << "shmps segment " << printable_text(s.source) << "\n";  // a --file path as the user gave it
   o << "== header ==\n";
   if (s.object) {
     o << "  object          owner " << s.object->owner << " (uid " << s.object->uid << "), mode " << s.object->mode
@@ -926,6 +926,25 @@ std::string label_value(const std::string& v) {
   return out;
 }
 
+// The `name` label's value: the segment's name or a --file path as the
+// user gave it, its control bytes (and `\`) written as \xNN as
+// printable_text() writes them, so a scraped label cannot carry an escape
+// sequence to a terminal; bytes from 0x80 up are left to label_value().
+std::string name_label(const std::string& name) {
+  std::string out;
+  for (const char ch : name) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c != 0x7f && c != '\\') {
+      out += ch;
+    } else {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    }
+  }
+  return "name=\"" + label_value(out) + "\"";
+}
+
 // Prometheus's names: a counter ends in _total; a value in millionths
 // (name_micro) or 1e-12ths (name_pico) is given in its unit, one in ns
 // (name_ns) in seconds (name_seconds).
@@ -981,14 +1000,14 @@ class Exposition {
 }  // namespace
 
 std::string render_prometheus_down(const std::string& name) {
-  Exposition e("name=\"" + label_value(name) + "\"");
+  Exposition e(name_label(name));
   e.family("shmps_up", "gauge", "1 while the segment's server process is alive, else 0.");
   e.sample("shmps_up", 0);
   return e.text();
 }
 
 std::string render_prometheus(const Snapshot& s, const std::string& name) {
-  Exposition e("name=\"" + label_value(name) + "\"");
+  Exposition e(name_label(name));
   const HeaderView& h = s.header;
   e.family("shmps_up", "gauge", "1 while the segment's server process is alive, else 0.");
   e.sample("shmps_up", h.server_alive ? 1 : 0);

@@ -1525,6 +1525,41 @@ BOOST_AUTO_TEST_CASE(sparse_segment_is_not_allocated_by_a_read) {
   BOOST_TEST(blocks() - before < (4ll << 20), "--list allocated " << (blocks() - before) << " bytes");
 }
 
+// A --file path and a <name> are the user's bytes: escaped in messages,
+// in the text and in the Prometheus name label, as names from the segment.
+BOOST_AUTO_TEST_CASE(user_given_paths_and_names_are_escaped) {
+  const std::string name = test::unique_name("escpath");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  TempFile base;
+  const std::string path = base.path + "\x1b[31m\r.seg";
+  const std::string escaped = base.path + "\\x1b[31m\\x0d.seg";
+  const TempFile file{path};
+  const auto raw = [](const std::string& text) {
+    return text.find('\x1b') != std::string::npos || text.find('\r') != std::string::npos;
+  };
+  const Run absent = run_inspect({"--file", path + ".absent"});
+  BOOST_TEST(absent.rc == 2);
+  BOOST_TEST(!raw(absent.err), absent.err);
+  BOOST_TEST(contains(absent.err, escaped + ".absent"), absent.err);
+  const Run bad_name = run_inspect({"bad\x1b[2Jname\r"});
+  BOOST_TEST(bad_name.rc == 1);
+  BOOST_TEST(!raw(bad_name.err), bad_name.err);
+  BOOST_TEST(contains(bad_name.err, "bad\\x1b[2Jname\\x0d"), bad_name.err);
+  write_all(path, segment_bytes(name));
+  const Run text = run_inspect({"--file", path});
+  BOOST_TEST(text.rc == 0, text.err);
+  BOOST_TEST(!raw(text.out), text.out);
+  BOOST_TEST(contains(text.out, "shmps segment " + escaped + "\n"), text.out);
+  for (const std::string& file_arg : {path, path + ".absent"}) {
+    const Run prom = run_inspect({"--format", "prometheus", "--file", file_arg});
+    BOOST_TEST(!raw(prom.out), prom.out);
+    // The label's backslash is the exposition format's \\.
+    BOOST_TEST(contains(prom.out, "shmps_up{name=\"" + base.path + "\\\\x1b[31m\\\\x0d.seg"), prom.out);
+    BOOST_TEST(!raw(prom.err), prom.err);
+  }
+}
+
 // A counter that went back within one generation (a garbage write) has no
 // rate: "-" in the text, null in the JSON, not a silent 0.
 BOOST_AUTO_TEST_CASE(counter_going_back_has_no_rate) {
