@@ -66,7 +66,9 @@ std::vector<ListedSegment> list_segments() {
     const auto buffer = shm::parse_buffer_object_name(kPrefix + name);
     const bool buffer_like = buffer.has_value();
     if (buffer_like && names.count(buffer->server) != 0) continue;
-    if (!buffer_like && !shm::validate_name(name).ok()) continue;  // no server could have made it
+    // A name no server can take (a space, a control byte, too long) is
+    // listed too, as not a segment: it is what a user sees in /dev/shm.
+    const Status name_ok = buffer_like ? Status::Ok() : shm::validate_name(name);
     ListedSegment row;
     row.name = name;
     row.source = std::string(kShmDir) + "/" + kPrefix + name;
@@ -80,14 +82,20 @@ std::vector<ListedSegment> list_segments() {
     // by a worker of a server that is gone.
     // One look, no wait: any user can leave empty objects at valid names,
     // and a 2 s wait for each would make --list as slow as they please.
-    Loaded loaded = buffer_like ? Loaded{} : load_segment(name, /*wait_for_start=*/false);
+    Loaded loaded = buffer_like || !name_ok.ok() ? Loaded{} : load_segment(name, /*wait_for_start=*/false);
     if (buffer_like) {
       row.exit = ExitCode::kBadSegment;
       row.error = "not a segment";
+    } else if (!name_ok.ok()) {
+      row.exit = ExitCode::kBadSegment;
+      row.error = "not a segment: no server can take this name (" + name_ok.message() +
+                  "); remove it by hand once no process uses it";
     } else if (loaded.exit != ExitCode::kOk) {
       row.exit = loaded.exit;
       row.error = loaded.error;
-      if (loaded.exit == ExitCode::kUnpublished)
+      // shm's message for an object empty for longer than a start's wait
+      // already says what left it and what replaces it.
+      if (loaded.exit == ExitCode::kUnpublished && loaded.error.find("replaces it") == std::string::npos)
         row.error +=
             "; not waited for: a server starting, or what a start that crashed left (the next start under "
             "the name replaces it)";

@@ -1560,6 +1560,47 @@ BOOST_AUTO_TEST_CASE(user_given_paths_and_names_are_escaped) {
   }
 }
 
+// --list shows an object at a shmps name no server can take (a space, an
+// escape, a newline) as not a segment, its name escaped.
+BOOST_AUTO_TEST_CASE(list_shows_objects_at_names_no_server_can_take) {
+  const std::string tag = test::unique_name("lsbad");
+  const RawObject odd("shmps." + tag + " x\x1b[2J\ny", 4096);
+  const std::string escaped = tag + " x\\x1b[2J\\x0ay";
+  const json j = parse_json(run_inspect({"--list", "--json"}));
+  bool seen = false;
+  for (const json& row : j["segments"]) {
+    if (row["name"] != escaped) continue;
+    seen = true;
+    BOOST_TEST(row["exit_code"] == 3, row);
+    BOOST_TEST(contains(row["error"].get<std::string>(), "no server can take this name"), row);
+  }
+  BOOST_TEST(seen, j.dump());
+  const Run text = run_inspect({"--list"});
+  BOOST_TEST(text.rc == 0, text.err);
+  BOOST_TEST(text.out.find('\x1b') == std::string::npos, text.out);
+  BOOST_TEST(contains(text.out, "  " + escaped + ": not a segment"), text.out);
+}
+
+// An object empty for longer than a start's wait: --list's reason says
+// once what left it and what replaces it.
+BOOST_AUTO_TEST_CASE(list_reason_for_a_dead_start_says_it_once) {
+  const std::string name = test::unique_name("lsonce");
+  const RawObject empty("shmps." + name, 0);
+  std::this_thread::sleep_for(shm::kSegmentStartWait + std::chrono::milliseconds(300));
+  const json j = parse_json(run_inspect({"--list", "--json"}));
+  bool seen = false;
+  for (const json& row : j["segments"]) {
+    if (row["name"] != name) continue;
+    seen = true;
+    const std::string error = row["error"].get<std::string>();
+    BOOST_TEST(row["exit_code"] == 4, row);
+    size_t said = 0;
+    for (size_t pos = 0; (pos = error.find("replaces it", pos)) != std::string::npos; ++pos) ++said;
+    BOOST_TEST(said == 1u, error);
+  }
+  BOOST_TEST(seen, j.dump());
+}
+
 // A counter that went back within one generation (a garbage write) has no
 // rate: "-" in the text, null in the JSON, not a silent 0.
 BOOST_AUTO_TEST_CASE(counter_going_back_has_no_rate) {
