@@ -41,7 +41,11 @@ uint32_t workers_attached(const Snapshot& s) {
   }));
 }
 
-std::string alive_text(const Snapshot& s) { return s.header.server_alive ? "alive" : "dead"; }
+// "copy": the server lives but does not hold this object (judge_server_lock).
+std::string alive_text(const Snapshot& s) {
+  if (s.header.server_alive) return "alive";
+  return s.header.server_holds_object ? "copy" : "dead";
+}
 
 // The model's fp32 bytes, saturating at 2^64 - 1 (a garbage element count
 // can pass 2^62).
@@ -102,6 +106,7 @@ std::vector<ListedSegment> list_segments() {
     } else {
       auto snap = take_snapshot(loaded.image.data, loaded.image.size, loaded.image.source);
       if (snap.ok()) {
+        judge_server_lock(&*snap, loaded.image.owner.device, loaded.image.owner.inode);
         row.segment = std::move(snap).value();
       } else {
         row.exit = exit_code_for(snap.status());
@@ -163,6 +168,7 @@ json list_json(const std::vector<ListedSegment>& list) {
       const HeaderView& h = r.segment->header;
       j["server_pid"] = h.server_pid;
       j["server_alive"] = h.server_alive;
+      j["server_holds_object"] = h.server_holds_object ? json(*h.server_holds_object) : json(nullptr);
       j["state"] = server_state_name(h.server_state);
       j["generation"] = hex64(h.generation);
       j["parameters"] = h.total_elements;

@@ -91,6 +91,7 @@ ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
   }
   snap->object = shmps::inspect::judge_object(image.source, image.owner.uid, image.owner.gid, image.owner.mode,
                                               snap->config.flags, image.owner.live);
+  if (image.owner.live) shmps::inspect::judge_server_lock(&*snap, image.owner.device, image.owner.inode);
   std::optional<shmps::inspect::Rates> rates;
   if (previous != nullptr && *previous) rates = shmps::inspect::rates_between(**previous, *snap);
   if (o.format == "prometheus") {

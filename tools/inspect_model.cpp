@@ -1,5 +1,6 @@
 #include "inspect_model.hpp"
 
+#include <sys/sysmacros.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -273,6 +275,37 @@ ObjectView judge_object(const std::string& path, uint32_t uid, uint32_t gid, uin
   return v;
 }
 
+std::optional<bool> holds_flock(pid_t pid, uint64_t device, uint64_t inode) {
+  std::ifstream locks("/proc/locks");
+  if (!locks) return std::nullopt;
+  const std::string wanted_pid = std::to_string(pid);
+  // "1: FLOCK  ADVISORY  WRITE 4242 00:1a:123 0 EOF" (proc(5)): the
+  // device's major and minor in hex, the inode in decimal. A waiter's line
+  // has "->" after the id, so its second field is not FLOCK.
+  for (std::string line; std::getline(locks, line);) {
+    std::istringstream fields(line);
+    std::string id, kind, mode, access, holder, file;
+    if (!(fields >> id >> kind >> mode >> access >> holder >> file)) continue;
+    if (kind != "FLOCK" || holder != wanted_pid) continue;
+    unsigned major_id = 0, minor_id = 0;
+    unsigned long long ino = 0;
+    if (std::sscanf(file.c_str(), "%x:%x:%llu", &major_id, &minor_id, &ino) != 3) continue;
+    if (ino == inode && major_id == major(device) && minor_id == minor(device)) return true;
+  }
+  return locks.bad() ? std::nullopt : std::optional<bool>(false);
+}
+
+void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode) {
+  HeaderView& h = snapshot->header;
+  if (!h.server_alive) return;
+  // A pid above INT_MAX made server_alive false above.
+  h.server_holds_object = holds_flock(static_cast<pid_t>(h.server_pid), device, inode);
+  if (h.server_holds_object && !*h.server_holds_object) {
+    h.server_alive = false;
+    h.server_uptime_s.reset();
+  }
+}
+
 // ---------------------------------------------------------------- snapshot
 
 Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string& source) {
@@ -527,6 +560,7 @@ json to_json(const Snapshot& s) {
                      {"server_pid", h.server_pid},
                      {"server_start_time", h.server_start_time},
                      {"server_alive", h.server_alive},
+                     {"server_holds_object", h.server_holds_object ? json(*h.server_holds_object) : json(nullptr)},
                      {"server_uptime_s", h.server_uptime_s ? json(*h.server_uptime_s) : json(nullptr)},
                      {"state", server_state_name(h.server_state)},
                      {"heartbeat_ns", std::to_string(h.heartbeat_ns)},
@@ -724,7 +758,10 @@ std::string render_text(const Snapshot& s) {
   o << "  layout version  " << h.layout_version << "\n";
   o << "  segment size    " << h.segment_size << " bytes\n";
   o << "  server          pid " << h.server_pid << " ("
-    << (h.server_alive             ? "alive"
+    << (h.server_alive ? "alive"
+        : h.server_holds_object
+            ? "alive, but not serving this object: it does not hold its lock, as a serving server does; a copy of "
+              "its segment"
         : h.server_start_time == 0 ? "not judged: no start time in the header, which a server always writes"
                                    : "dead")
     << "), start time " << h.server_start_time;

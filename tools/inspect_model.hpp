@@ -6,6 +6,8 @@
 // consistent). Functions are thread-safe; they only read the image.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -29,6 +31,8 @@ struct HeaderView {
   uint32_t server_pid = 0;
   uint64_t server_start_time = 0;            // clock ticks since boot
   bool server_alive = false;                 // process_alive(pid, start time) on this host, now; false for start time 0
+                                             // and for a live object its process does not hold (judge_server_lock)
+  std::optional<bool> server_holds_object;   // judge_server_lock's answer for a live process; else empty
   std::optional<double> server_uptime_s;     // since server_start_time, by this host's clock; while alive
   uint32_t server_state = 0;                 // shm::ServerState, unchecked
   uint64_t heartbeat_ns = 0;                 // CLOCK_MONOTONIC
@@ -150,6 +154,12 @@ struct ObjectView {
 ObjectView judge_object(const std::string& path, uint32_t uid, uint32_t gid, uint32_t mode, uint32_t config_flags,
                         bool live);
 
+// Whether process `pid` holds a flock on the file (device, inode), as
+// /proc/locks lists it. Read-only: it never takes a lock itself (that
+// could make a starting server fail). Empty when /proc/locks cannot be
+// read.
+std::optional<bool> holds_flock(pid_t pid, uint64_t device, uint64_t inode);
+
 struct Snapshot {
   std::string source;                // "/dev/shm/shmps.<name>" or the file's path
   std::optional<ObjectView> object;  // set by the caller (take_snapshot sees bytes only)
@@ -163,6 +173,14 @@ struct Snapshot {
   std::vector<CompletionQueueView> completions;  // queues of entries in use, or with indices != 0
   StatsView stats;
 };
+
+// For a snapshot of the live object (device, inode): a serving server
+// holds an exclusive flock on its segment's object, so a server process
+// that is alive but holds none on this one is not serving it (a copy of
+// its segment under another name): server_holds_object false, and
+// server_alive false with no uptime. Unchanged when the process is not
+// alive or /proc/locks cannot be read. Not for a --file copy.
+void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode);
 
 // Validates the image (validate_segment) and decodes it. `size` is the
 // image's length in bytes; `base` must be 64-byte aligned. Errors:

@@ -223,7 +223,11 @@ Loaded load_segment(const std::string& name, bool wait_for_start) {
     if (!s.ok()) return {s.code(), path + ": " + s.message()};
     if (!fits) return {ErrorCode::kLayoutMismatch, path + ": the header does not describe this object"};
     l.image.source = path;
-    l.image.owner = ImageOwner{live->owner_uid(), live->owner_gid(), live->mode(), /*live=*/true};
+    // Every object of the name lies in /dev/shm's file system.
+    struct stat dir {};
+    const uint64_t device = ::stat("/dev/shm", &dir) == 0 ? static_cast<uint64_t>(dir.st_dev) : 0;
+    l.image.owner =
+        ImageOwner{live->owner_uid(), live->owner_gid(), live->mode(), /*live=*/true, device, live->inode()};
     l.image.data = l.image.copy.get();
     l.image.size = size;
     return Status::Ok();

@@ -30,8 +30,9 @@ enum class ExitCode : int {
 struct ImageOwner {
   uid_t uid = 0;
   gid_t gid = 0;
-  mode_t mode = 0;    // permission bits
-  bool live = false;  // the live segment's object (not a --file copy)
+  mode_t mode = 0;                 // permission bits
+  bool live = false;               // the live segment's object (not a --file copy)
+  uint64_t device = 0, inode = 0;  // the live object's (/proc/locks names it so); 0 for a --file copy
 };
 
 struct Image {

@@ -1525,6 +1525,43 @@ BOOST_AUTO_TEST_CASE(sparse_segment_is_not_allocated_by_a_read) {
   BOOST_TEST(blocks() - before < (4ll << 20), "--list allocated " << (blocks() - before) << " bytes");
 }
 
+// A copy of a live server's segment under another name is no live server:
+// the server holds a flock on the object it serves, not on the copy.
+BOOST_AUTO_TEST_CASE(copy_of_a_live_segment_is_not_alive) {
+  const std::string name = test::unique_name("orig"), copy = test::unique_name("copy");
+  test::ServerProcess server(name, kTensorArgs);
+  const std::string bytes = segment_bytes(name);
+  const RawObject copied("shmps." + copy, 0);
+  write_all(copied.path, bytes);
+  const json live = parse_json(run_inspect({"--json", name}));
+  BOOST_TEST(live["header"]["server_alive"] == true, live["header"]);
+  BOOST_TEST(live["header"]["server_holds_object"] == true, live["header"]);
+  const json j = parse_json(run_inspect({"--json", copy}));
+  BOOST_TEST(j["header"]["server_pid"] == server.process().pid());
+  BOOST_TEST(j["header"]["server_alive"] == false, j["header"]);
+  BOOST_TEST(j["header"]["server_holds_object"] == false, j["header"]);
+  BOOST_TEST(j["header"]["server_uptime_s"].is_null(), j["header"]);
+  const Run text = run_inspect({copy});
+  BOOST_TEST(contains(text.out, "alive, but not serving this object"), text.out);
+  const Run prom = run_inspect({"--format", "prometheus", copy});
+  BOOST_TEST(contains(prom.out, "shmps_up{name=\"" + copy + "\"} 0\n"), prom.out);
+  BOOST_TEST(contains(run_inspect({"--format", "prometheus", name}).out, "shmps_up{name=\"" + name + "\"} 1\n"));
+  const json list = parse_json(run_inspect({"--list", "--json"}));
+  std::map<std::string, json> rows;
+  for (const json& row : list["segments"]) rows[row["name"].get<std::string>()] = row;
+  BOOST_REQUIRE(rows.count(copy) == 1u);
+  BOOST_TEST(rows[copy]["server_alive"] == false, rows[copy]);
+  BOOST_TEST(rows[name]["server_alive"] == true, rows[name]);
+  const Run listed = run_inspect({"--list"});
+  std::istringstream lines(listed.out);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind(copy + " ", 0) == 0) BOOST_TEST(contains(line, " copy "), line);
+  // A --file copy keeps the process rule: no object to hold.
+  const TempFile file;
+  write_all(file.path, bytes);
+  BOOST_TEST(parse_json(run_inspect({"--json", "--file", file.path}))["header"]["server_alive"] == true);
+}
+
 // A --file path and a <name> are the user's bytes: escaped in messages,
 // in the text and in the Prometheus name label, as names from the segment.
 BOOST_AUTO_TEST_CASE(user_given_paths_and_names_are_escaped) {
