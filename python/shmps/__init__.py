@@ -18,6 +18,7 @@ layer is shmps.torch (RemoteOptimizer). docs/python.md has the whole API.
 """
 
 import builtins
+import contextlib
 import dataclasses
 import operator
 import os
@@ -130,6 +131,7 @@ class Worker:
                         for t in native.tensors()]
         self.total_elements = native.total_elements
         self._by_name = {t.name: t for t in self.tensors}
+        self._dropped = []  # buffers to free at the next registration (free_later())
 
     # ---- identity ----
     @property
@@ -162,11 +164,13 @@ class Worker:
         """A new shared-memory buffer of `nbytes` (> 0) the server maps once.
         torch.from_dlpack(buf), numpy.asarray(buf) and memoryview(buf) see
         its bytes in place (uint8; .view(float32) for fp32)."""
+        self._free_dropped()
         return self._w.register_buffer(_unsigned("nbytes", nbytes))
 
     def alloc_device_buffer(self, nbytes, device=0):
         """Device memory of its own (not torch's allocator), registered:
         torch.from_dlpack(buf) is a cuda tensor over it."""
+        self._free_dropped()
         return self._w.alloc_device_buffer(_unsigned("nbytes", nbytes), _device_index(device))
 
     def register_device_buffer(self, tensor):
@@ -178,6 +182,7 @@ class Worker:
             raise _errors.InvalidArgumentError("register_device_buffer takes a CUDA tensor; use register_buffer for host memory")
         if not tensor.is_contiguous():
             raise _errors.InvalidArgumentError("register_device_buffer takes a contiguous tensor")
+        self._free_dropped()
         try:
             return self._w.register_device_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
                                                   tensor.device.index or 0, tensor)
@@ -191,6 +196,23 @@ class Worker:
         """The server unmaps it; views of a host buffer stay valid memory
         that the server no longer reads."""
         self._w.unregister_buffer(*self._buffer_ref(buffer))
+
+    def free_later(self, *buffers):
+        """Unregisters `buffers` at this Worker's next registration, after
+        their pushes in flight are answered, instead of now: for a
+        finalizer (a garbage collection may run it on any thread, or in a
+        signal handler while this Worker's call waits), which must not
+        wait for the server."""
+        self._dropped.extend(buffers)
+
+    def _free_dropped(self):
+        while self._dropped:
+            buf = self._dropped.pop()
+            with contextlib.suppress(Error):  # best effort: the slot is what it frees
+                for ticket in self.pushes_in_flight(buf):
+                    with contextlib.suppress(Error):
+                        self.wait(ticket)
+                self.unregister_buffer(buf)
 
     # ---- requests ----
     def push(self, buffer, version, tensor=None, offset=0, nbytes=None, dtype="float32", stream=None):

@@ -92,10 +92,12 @@ class RemoteOptimizer:
                 p.grad = g
         self._grad_ptrs = [(name, p.grad.data_ptr()) for name, p in self._params]
         self._weight_ptrs = [p.data_ptr() for _, p in self._params]
-        # Dropped without close(): the two buffers are unregistered (the
-        # model keeps its views, whose memory outlives the registration).
-        self._finalizer = weakref.finalize(self, _unregister, worker, self._grad_buf, self._weight_buf)
-        self._finalizer.atexit = False  # at exit the Worker's close() frees them
+        # Dropped without close(): the two buffers are freed at the Worker's
+        # next registration (the model keeps its views, whose memory
+        # outlives the registration). Not at exit: the server frees a
+        # process's buffers when it is gone.
+        self._finalizer = weakref.finalize(self, worker.free_later, self._grad_buf, self._weight_buf)
+        self._finalizer.atexit = False
 
     def _check_table(self):
         table = {t.name: t for t in self.worker.tensors}

@@ -230,6 +230,7 @@ class PyWorker {
   ~PyWorker() {
     if (forked()) {
       (void)w_.release();  // the parent's: its state may be mid-call in another parent thread
+      abandon_books();
     } else if (w_ && PyGILState_Check()) {
       GilReleased released;
       w_.reset();
@@ -376,7 +377,9 @@ class PyWorker {
       if (shmps::Status s = check_buffer(buffer, registration); !s.ok()) return s;
       shmps::Result<uint64_t> ticket = w.push_async(tensor, buffer, offset, nbytes, static_cast<shmps::Dtype>(dtype),
                                                     version, reinterpret_cast<void*>(stream));
-      if (ticket.ok()) pushes_[*ticket] = {version, buffer, registration};
+      // By the live registration, whether the caller named the buffer by
+      // its Buffer or by a bare id (registration 0).
+      if (ticket.ok()) pushes_[*ticket] = {version, buffer, live_registration(buffer)};
       return ticket;
     }));
   }
@@ -406,8 +409,9 @@ class PyWorker {
   nb::list pushes_in_flight(uint32_t buffer, uint64_t registration) {
     std::vector<uint64_t> tickets;
     call([&](shmps::Worker&) {
+      const uint64_t wanted = registration != 0 ? registration : live_registration(buffer);
       for (const auto& [ticket, push] : pushes_)
-        if (push.buffer == buffer && push.registration == registration) tickets.push_back(ticket);
+        if (push.buffer == buffer && push.registration == wanted) tickets.push_back(ticket);
       return 0;
     });
     nb::list out;
@@ -468,7 +472,8 @@ class PyWorker {
   // returns once the first has detached.
   void close() {
     if (forked()) {
-      (void)w_.release();                                            // the parent's (see ~PyWorker)
+      (void)w_.release();  // the parent's (see ~PyWorker)
+      abandon_books();
       stops_->life.store(Life::kClosed, std::memory_order_relaxed);  // relaxed: see Stops
     } else {
       refuse_reentry("close()");
@@ -476,11 +481,20 @@ class PyWorker {
       stops_->life.compare_exchange_strong(open, Life::kClosing, std::memory_order_relaxed);  // relaxed: see Stops
       GilReleased released;
       std::lock_guard<std::mutex> lock(mu_);
-      w_.reset();  // detaches (a detach is not interrupted: it cancels a held pull instead)
+      w_.reset();       // detaches (a detach is not interrupted: it cancels a held pull instead)
+      pushes_.clear();  // registrations_ stay: a Buffer passed after close() gets "closed"
       stops_->life.store(Life::kClosed, std::memory_order_relaxed);  // relaxed: see Stops
     }
     kept_.clear();
-    pushes_.clear();  // registrations_ stay: a Buffer passed after close() gets "closed"
+  }
+
+  // In a fork()ed child: the maps kept under mu_ change with the GIL
+  // released, so fork() may have copied one mid-change in another thread
+  // of the parent; they are let go unread (a move takes only the root),
+  // never walked or freed.
+  void abandon_books() {
+    (void)new std::map<uint32_t, uint64_t>(std::move(registrations_));
+    (void)new std::map<uint64_t, PushInFlight>(std::move(pushes_));
   }
 
   nb::list tensors() {
@@ -553,6 +567,12 @@ class PyWorker {
   uint64_t record(uint32_t id) {
     registrations_[id] = ++last_registration_;
     return last_registration_;
+  }
+
+  // Under mu_: buffer `id`'s registration (0: not registered).
+  uint64_t live_registration(uint32_t id) const {
+    const auto it = registrations_.find(id);
+    return it == registrations_.end() ? 0 : it->second;
   }
 
   // Under mu_: refused when `registration` (not 0) is not the live one of

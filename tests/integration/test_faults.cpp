@@ -34,7 +34,7 @@ struct Shared {
 // Buffer objects of process `pid` still in /dev/shm.
 size_t leftover_buffers(const std::string& name, pid_t pid) {
   size_t n = 0;
-  const std::string prefix = "shmps." + name + ".p" + std::to_string(pid) + ".";
+  const std::string prefix = shm::buffer_object_prefix(name, pid);
   for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
     if (e.path().filename().string().rfind(prefix, 0) == 0) ++n;
   return n;
@@ -52,7 +52,7 @@ BOOST_AUTO_TEST_CASE(a_dead_processs_buffer_without_an_entry_is_swept) {
   auto gone = test::Process::fork_fn([] { return 0; });
   const pid_t pid = gone.pid();
   BOOST_REQUIRE(gone.wait() == 0);  // reaped: no process holds the pid
-  const std::string object = "shmps." + server.name() + ".p" + std::to_string(pid) + ".0";
+  const std::string object = shm::buffer_object_name(server.name(), pid, 0);
   auto made = shm::ShmObject::create(object, 4096, 0600);
   BOOST_REQUIRE_MESSAGE(made.ok(), made.status().to_string());
   BOOST_TEST(leftover_buffers(server.name(), pid) == 1u);

@@ -521,7 +521,7 @@ BOOST_AUTO_TEST_CASE(buffer_truncated_after_registration_does_not_kill_the_serve
   test::ServerProcess server(test::unique_name("trunc"), args);
   test::RawClient raw(server.name());
   // Named as worker_lib names buffers: "shmps.<name>.p<pid>.<n>".
-  const std::string object = shm::segment_object_name(server.name()) + ".p" + std::to_string(::getpid()) + ".0";
+  const std::string object = shm::buffer_object_name(server.name(), ::getpid(), 0);
   auto obj = shm::ShmObject::create(object, 4096, 0600);
   BOOST_REQUIRE(obj.ok());
   shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
@@ -558,7 +558,7 @@ BOOST_AUTO_TEST_CASE(buffer_truncated_after_registration_does_not_kill_the_serve
 BOOST_AUTO_TEST_CASE(a_stamped_registration_of_a_held_buffer_id_replaces_its_mapping) {
   test::ServerProcess server(test::unique_name("rereg"), kCounting);  // 4 floats in all, weights 0
   test::RawClient raw(server.name());
-  const std::string prefix = shm::segment_object_name(server.name()) + ".p" + std::to_string(::getpid()) + ".";
+  const std::string prefix = shm::buffer_object_prefix(server.name(), ::getpid());
   constexpr size_t kBytes = 4 * sizeof(float);
   auto first = shm::ShmObject::create(prefix + "0", kBytes, 0600);
   auto second = shm::ShmObject::create(prefix + "1", kBytes, 0600);
@@ -613,7 +613,7 @@ BOOST_AUTO_TEST_CASE(forged_owner_pid_does_not_unlink_a_living_workers_buffers) 
   auto victim = connect(server.name());
   auto buf = victim->register_buffer(16);
   BOOST_REQUIRE(buf.ok());
-  const std::string prefix = shm::segment_object_name(server.name()) + ".p" + std::to_string(::getpid()) + ".";
+  const std::string prefix = shm::buffer_object_prefix(server.name(), ::getpid());
   const auto victims_objects = [&] {
     size_t n = 0;
     for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
 #include "worker_support.hpp"
@@ -99,7 +100,7 @@ BOOST_AUTO_TEST_CASE(a_reattach_to_fewer_buffer_slots_lets_go_of_the_buffers_bey
     BOOST_REQUIRE(b.ok());
     bufs.push_back(*b);
   }
-  const std::string prefix = "shmps." + name + ".p" + std::to_string(::getpid()) + ".";
+  const std::string prefix = shm::buffer_object_prefix(name, ::getpid());
   const auto objects = [&] {
     size_t n = 0;
     for (const auto& e : fs::directory_iterator("/dev/shm"))

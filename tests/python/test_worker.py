@@ -1189,3 +1189,24 @@ def test_a_child_forked_during_a_call_gets_an_error_not_a_hang(make_server):
         t.join(10)
     w.ping()  # the parent's session is untouched
     w.close()
+
+
+def test_pushes_in_flight_and_answered_whatever_names_the_buffer(make_server):
+    """A push_async made with a bare id is in flight from its Buffer, and
+    the reverse; answered() says whether its wait would return at once."""
+    server = make_server()
+    with shmps.connect(server.name, timeout=5) as w:
+        g = w.register_buffer(w.total_elements * 4)
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            by_id = w.push_async(g.id, 0)
+            by_buffer = w.push_async(g, 0)
+            assert w.pushes_in_flight(g) == [by_id, by_buffer]
+            assert w.pushes_in_flight(g.id) == [by_id, by_buffer]
+            assert not w.answered(by_id) and not w.answered(by_buffer)
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert w.pull(g) == 2  # behind both: their answers came
+        assert w.answered(by_id) and w.answered(by_buffer)
+        assert w.wait(by_id) == 1 and w.wait(by_buffer) == 2
+        assert w.pushes_in_flight(g) == []

@@ -181,7 +181,7 @@ BOOST_AUTO_TEST_CASE(push_completes_after_its_fence_while_other_workers_are_serv
 BOOST_AUTO_TEST_CASE(completions_of_one_worker_keep_request_order) {
   GatedServer s("order");
   test::RawClient raw(s.config.name);
-  const std::string object = shm::segment_object_name(s.config.name) + ".p" + std::to_string(::getpid()) + ".order";
+  const std::string object = shm::buffer_object_name(s.config.name, ::getpid(), 902);
   auto obj = shm::ShmObject::create(object, 16, 0600);
   BOOST_REQUIRE(obj.ok());
   std::fill_n(static_cast<float*>((*obj)->data()), 4, 1.0f);
@@ -230,7 +230,7 @@ BOOST_AUTO_TEST_CASE(completions_of_one_worker_keep_request_order) {
 BOOST_AUTO_TEST_CASE(a_dead_workers_mapping_is_closed_after_its_work) {
   GatedServer s("death");
   test::RawClient raw(s.config.name);
-  const std::string object = shm::segment_object_name(s.config.name) + ".p" + std::to_string(::getpid()) + ".death";
+  const std::string object = shm::buffer_object_name(s.config.name, ::getpid(), 903);
   auto obj = shm::ShmObject::create(object, 16, 0600);
   BOOST_REQUIRE(obj.ok());
   shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);

@@ -107,7 +107,7 @@ BOOST_AUTO_TEST_CASE(register_push_unregister_1000_times_leaves_no_mapping) {
 BOOST_AUTO_TEST_CASE(recreated_object_of_the_same_name_gets_a_fresh_mapping) {
   CacheServer s("recycle");
   test::RawClient raw(s.config.name);
-  const std::string object = shm::segment_object_name(s.config.name) + ".p" + std::to_string(::getpid()) + ".same";
+  const std::string object = shm::buffer_object_name(s.config.name, ::getpid(), 901);
   // `version`: the server's version before this round's push (the test
   // thread must not read Server::version() while the server runs).
   const auto round = [&](float g, uint64_t version) {
