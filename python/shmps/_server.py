@@ -12,7 +12,6 @@ For real use the server runs on its own, under systemd (docs/operations.md).
 import contextlib
 import fcntl
 import itertools
-import math
 import operator
 import os
 import re
@@ -108,9 +107,13 @@ class Server:
             raise TypeError(f"optimizer must be a name (sgd, adam or adamw), not {optimizer!r}")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str (the segment's name), not {name!r}")
-        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) \
-                or math.isnan(start_timeout) or start_timeout <= 0:
+        try:
+            timeout_ok = not isinstance(start_timeout, (bool, str, bytes)) and float(start_timeout) > 0  # NaN: False
+        except (TypeError, ValueError):
+            timeout_ok = False
+        if not timeout_ok:
             raise ValueError(f"start_timeout must be a positive number of seconds, not {start_timeout!r}")
+        start_timeout = float(start_timeout)
         self.name = name if name is not None else f"py{os.getpid()}_{next(_names)}"
         self.binary = binary or server_binary()
         self.args = [self.binary, "--name", self.name]

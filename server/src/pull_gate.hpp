@@ -40,8 +40,8 @@ class PullGate {
   // True while a pull is held, or one dropped with its session is still to
   // be counted by release().
   bool any_parked() const { return parked_ != 0 || !ended_.empty(); }
-  // The pulls held now (one of a session that ended counts until the next
-  // release() drops it).
+  // The pulls held now (one of a session that ended counts until the gate
+  // next looks at its worker's slot).
   uint32_t parked_count() const { return parked_; }
 
   // A parked pull whose wait ended.
@@ -61,7 +61,8 @@ class PullGate {
   // The parked pulls that may go on at `now` (appended to *out), and those
   // dropped with their session since the last call (`ended`).
   void release(uint64_t now, std::vector<Released>* out);
-  // Every parked pull of a live session, whatever its wait (shutdown).
+  // Every parked pull of a live session, whatever its wait (shutdown), and
+  // as release(), those dropped with their session (`ended`).
   void release_all(uint64_t now, std::vector<Released>* out);
 
  private:

@@ -539,7 +539,7 @@ inline constexpr uint64_t kScheduledLrSaturated = ~uint64_t{0} - 1;
   X(lanes_corrupt, counter, "Lanes whose indices were garbage.") \
   X(workers_evicted, counter, "Sessions the server ended (a process stopped too long, a corrupt lane).") \
   X(applied_bytes, counter, "Bytes of gradient applied (as pushed: 2 per element for f16 and bf16).") \
-  X(pulls_waited, counter, "Pulls held back by --staleness-policy wait (until the slowest caught up, or their wait ran out).") \
+  X(pulls_waited, counter, "Pulls held back by --staleness-policy wait (until the slowest caught up, their wait ran out, their worker withdrew them, or their session ended).") \
   X(wait_ns, counter, "Time pulls were held back by --staleness-policy wait, in all.") \
   X(pushes_scaled, counter, "Pushes applied with a reduced lr by --staleness-policy scale.") \
   X(scale_factor_sum_micro, counter, "Sum of the lr factors of scaled pushes (mean factor: this / pushes_scaled).") \
