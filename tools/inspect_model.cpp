@@ -234,11 +234,11 @@ std::string config_flags_text(uint32_t flags) {
   return out.empty() ? "none" : out;
 }
 
-std::string printable_text(std::string_view text) {
+std::string printable_text(std::string_view text, bool keep_high) {
   std::string out;
   for (const char ch : text) {
     const auto c = static_cast<unsigned char>(ch);
-    if (c >= 0x20 && c < 0x7f && c != '\\') {
+    if (c >= 0x20 && c != 0x7f && (c < 0x80 || keep_high) && c != '\\') {
       out += ch;
     } else {
       char buf[8];
@@ -968,18 +968,7 @@ std::string label_value(const std::string& v) {
 // printable_text() writes them, so a scraped label cannot carry an escape
 // sequence to a terminal; bytes from 0x80 up are left to label_value().
 std::string name_label(const std::string& name) {
-  std::string out;
-  for (const char ch : name) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (c >= 0x20 && c != 0x7f && c != '\\') {
-      out += ch;
-    } else {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    }
-  }
-  return "name=\"" + label_value(out) + "\"";
+  return "name=\"" + label_value(printable_text(name, /*keep_high=*/true)) + "\"";
 }
 
 // Prometheus's names: a counter ends in _total; a value in millionths

@@ -247,6 +247,8 @@ std::string config_flags_text(uint32_t flags);
 std::string printable_name(const void* bytes, size_t n);
 // All of `text` escaped as printable_name() escapes a name (no NUL rule):
 // for names from elsewhere, e.g. the files in /dev/shm that --list shows.
-std::string printable_text(std::string_view text);
+// `keep_high`: bytes from 0x80 up are kept as they are (a Prometheus label
+// carries UTF-8).
+std::string printable_text(std::string_view text, bool keep_high = false);
 
 }  // namespace shmps::inspect

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <filesystem>
 
+#include "shmps/unique_fd.hpp"
+
 namespace shmps::inspect {
 namespace {
 
@@ -21,14 +23,6 @@ Loaded failure(ExitCode exit, std::string error) {
   l.error = std::move(error);
   return l;
 }
-
-// Closes a descriptor at scope exit.
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 // Private, zero-filled memory for `bytes` (at least a header's worth): an
 // anonymous mapping, page-aligned as a segment's mapping is (the layout's
@@ -245,7 +239,7 @@ Loaded load_segment(const std::string& name, bool wait_for_start) {
 }
 
 Loaded load_file(const std::string& path) {
-  Fd f;
+  UniqueFd f;
   // O_NONBLOCK: opening a FIFO would wait for a writer; a regular file
   // ignores the flag.
   f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);

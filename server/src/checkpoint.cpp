@@ -126,16 +126,6 @@ bool read_all(int fd, void* data, size_t bytes) {
   return true;
 }
 
-struct Fd {
-  Fd() = default;
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-  int fd = -1;
-};
-
 // "'fc1.weight' of shape 128x784", as --tensor names a shape. The name is
 // as the file holds it: the log escapes what is not printable.
 std::string tensor_text(const std::string& name, const std::vector<uint64_t>& shape) {
@@ -147,7 +137,7 @@ std::string tensor_text(const std::string& name, const std::vector<uint64_t>& sh
 // An open checkpoint file whose header and tensor records passed every
 // check that needs no payload: open_checkpoint().
 struct OpenedCheckpoint {
-  Fd file;
+  UniqueFd file;
   CheckpointHeader header{};
   std::vector<CheckpointTensor> tensors;
   // Its header and tensor records name this model, whatever else failed
@@ -466,34 +456,23 @@ void remove_temp_files(const std::string& dir) {
   for (const std::string& t : temps) ::unlink(t.c_str());
 }
 
-CheckpointDirLock& CheckpointDirLock::operator=(CheckpointDirLock&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = std::exchange(other.fd_, -1);
-  }
-  return *this;
-}
-
-CheckpointDirLock::~CheckpointDirLock() {
-  if (fd_ >= 0) ::close(fd_);  // releases the flock
-}
-
 Result<CheckpointDirLock> CheckpointDirLock::acquire(const std::string& dir) {
   const std::string path = dir + "/" + kCheckpointLockName;
   // O_NONBLOCK: a FIFO planted there must not block the start; O_NOFOLLOW:
   // nor a link lead the pid's write elsewhere.
   CheckpointDirLock lock;
-  lock.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (lock.fd_ < 0) return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": open " + path + ": " + errno_text()};
+  lock.fd_.fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (lock.fd_.fd < 0)
+    return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": open " + path + ": " + errno_text()};
   struct stat st {};
-  if (::fstat(lock.fd_, &st) != 0 || !S_ISREG(st.st_mode))
+  if (::fstat(lock.fd_.fd, &st) != 0 || !S_ISREG(st.st_mode))
     return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": " + path + " is not a regular file"};
-  if (::flock(lock.fd_, LOCK_EX | LOCK_NB) != 0) {
+  if (::flock(lock.fd_.fd, LOCK_EX | LOCK_NB) != 0) {
     if (errno != EWOULDBLOCK)
       return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": flock " + path + ": " + errno_text()};
     // The holder wrote its pid once it held the lock.
     char text[32] = {};
-    const ssize_t n = ::pread(lock.fd_, text, sizeof text - 1, 0);
+    const ssize_t n = ::pread(lock.fd_.fd, text, sizeof text - 1, 0);
     unsigned long pid = 0;
     const bool named = n > 0 && std::sscanf(text, "pid %lu", &pid) == 1 && pid != 0;
     return Status{ErrorCode::kInvalidArgument,
@@ -506,7 +485,7 @@ Result<CheckpointDirLock> CheckpointDirLock::acquire(const std::string& dir) {
   const std::string mine = "pid " + std::to_string(::getpid()) + "\n";
   // The pid only names the holder in another server's message: a write
   // that fails leaves the lock held all the same.
-  if (::ftruncate(lock.fd_, 0) == 0) static_cast<void>(::pwrite(lock.fd_, mine.data(), mine.size(), 0));
+  if (::ftruncate(lock.fd_.fd, 0) == 0) static_cast<void>(::pwrite(lock.fd_.fd, mine.data(), mine.size(), 0));
   return lock;
 }
 

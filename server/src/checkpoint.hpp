@@ -35,6 +35,7 @@
 #include "shmps/shm/layout.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/status.hpp"
+#include "shmps/unique_fd.hpp"
 
 namespace shmps::server {
 
@@ -135,13 +136,6 @@ inline constexpr const char* kCheckpointLockName = ".lock";
 // message of the server refused. One owner; move-only.
 class CheckpointDirLock {
  public:
-  CheckpointDirLock() = default;
-  CheckpointDirLock(CheckpointDirLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  CheckpointDirLock& operator=(CheckpointDirLock&& other) noexcept;
-  CheckpointDirLock(const CheckpointDirLock&) = delete;
-  CheckpointDirLock& operator=(const CheckpointDirLock&) = delete;
-  ~CheckpointDirLock();
-
   // Takes the lock of the existing directory `dir` without waiting.
   // Errors: kInvalidArgument when another process holds it (the message
   // names the directory and the holder's pid), kIo (the lock file cannot
@@ -149,7 +143,7 @@ class CheckpointDirLock {
   static Result<CheckpointDirLock> acquire(const std::string& dir);
 
  private:
-  int fd_ = -1;
+  UniqueFd fd_;  // its close releases the flock
 };
 
 // Whether a server could keep its checkpoints in `dir`: a directory this
