@@ -50,7 +50,8 @@ os.register_at_fork(after_in_child=_note_main_thread)
 # InterruptedError: their subclasses) are left out, so that
 # `from shmps import *` does not shadow the builtins; shmps.TimeoutError
 # names them.
-__all__ = ["connect", "Worker", "Buffer", "TensorInfo", "Stats", "Server", "server_binary", "ALL_TENSORS", "Error"] + [
+__all__ = ["connect", "Worker", "Buffer", "TensorInfo", "PushOutcomes", "Stats", "Server", "server_binary",
+           "ALL_TENSORS", "Error"] + [
     cls.__name__ for cls in _errors.BY_CODE.values() if not hasattr(builtins, cls.__name__)]
 
 # Gradient dtypes as the protocol numbers them (shmps::Dtype), by name.
@@ -71,6 +72,17 @@ class TensorInfo:
     @property
     def nbytes(self):
         return self.count * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class PushOutcomes:
+    """What wait() took of the push_async()s from one buffer registration:
+    pushes applied and refused as too stale, and the last answer taken
+    (its ticket, 0 for none, and whether it was applied)."""
+    applied: int = 0
+    stale: int = 0
+    last_ticket: int = 0
+    last_applied: bool = False
 
 
 # The server's counters, from the extension's list (shmps/server_stats.hpp
@@ -246,6 +258,16 @@ class Worker:
         whose push_async() a signal's handler interrupted as it returned
         (Ctrl-C: the ticket never reached the caller) is among them."""
         return self._w.pushes_in_flight(*self._buffer_ref(buffer))
+
+    def push_outcomes(self, buffer):
+        """PushOutcomes of the push_async()s from `buffer` (this
+        registration of it) whose answers wait() took, counted inside
+        wait(): a signal's handler that raises as wait() returns (Ctrl-C)
+        takes the answer from its caller, not from these counts. Named by
+        its Buffer, it answers while another thread's call waits, after
+        close(), and from a signal handler; the counts go with the
+        registration (unregister_buffer)."""
+        return PushOutcomes(*self._w.push_outcomes(*self._buffer_ref(buffer)))
 
     def pull(self, buffer, tensor=None, offset=0, stream=None):
         """Copies a consistent snapshot of `tensor` (None: all tensors) as

@@ -40,10 +40,9 @@ class RemoteOptimizer:
             raise ValueError(f"on_stale must be 'skip' or 'raise', not {on_stale!r}")
         self.worker = worker
         self.on_stale = on_stale
-        self.pushes = 0       # pushes applied
-        self.stale = 0        # pushes rejected as too stale
-        self.applied = False  # whether the last step's push was applied
         self.closed = False
+        self._step_mark = 0  # the last push answer taken before the current step's push
+        self._final = None   # the PushOutcomes as the buffers were unregistered (close())
         named = list(model.named_parameters())
         self._params = [(n, p) for n, p in named if p.requires_grad]
         self._frozen = [(n, p) for n, p in named if not p.requires_grad]
@@ -136,6 +135,29 @@ class RemoteOptimizer:
             raise RuntimeError(f"RemoteOptimizer.{what}() after close(): the model's parameters are its own again; "
                                "make a new RemoteOptimizer to train through the server")
 
+    # The counts are the Worker's, kept inside wait() (Worker.push_outcomes):
+    # a Ctrl-C as wait() returns takes the answer from step(), not from them.
+    def _outcomes(self):
+        return self._final if self._final is not None else self.worker.push_outcomes(self._grad_buf)
+
+    @property
+    def pushes(self):
+        """Pushes applied."""
+        return self._outcomes().applied
+
+    @property
+    def stale(self):
+        """Pushes rejected as too stale."""
+        return self._outcomes().stale
+
+    @property
+    def applied(self):
+        """Whether the last step's push was applied: False from the step's
+        start until its answer is taken (by that step, or by the call that
+        waits for it after Ctrl-C or a timeout ended the step)."""
+        o = self._outcomes()
+        return o.last_ticket != self._step_mark and o.last_applied
+
     def _settle_pending(self, answered_only=False):
         """Every push from the gradient buffer not answered yet (its step()
         interrupted, even between push_async() and the ticket's return, or
@@ -172,6 +194,8 @@ class RemoteOptimizer:
         # has none to give).
         with contextlib.suppress(_errors.Error):
             self._settle_pending()
+        if self._final is None:  # the counts go with the registration
+            self._final = self.worker.push_outcomes(self._grad_buf)
         # Unregistered first: a request still in flight on them is served
         # before the unregister is answered, so what is copied below is
         # final. Their memory stays valid while a view of it lives.
@@ -229,7 +253,7 @@ class RemoteOptimizer:
                     "(requires_grad=False): the server would go on moving it (momentum, weight decay, Adam's "
                     "moments) and every pull would overwrite it: make a new server and RemoteOptimizer for the "
                     "frozen model")
-        self.applied = False
+        self._step_mark = self._outcomes().last_ticket
         try:
             ticket = self.worker.push_async(self._grad_buf, self.version, stream=self._stream())
         except _errors.ServerRestartedError:
@@ -273,15 +297,12 @@ class RemoteOptimizer:
             self.pull()
 
     def _settle(self, ticket):
-        """Waits for the push `ticket` and counts it; returns its StaleError
-        (None when applied). Any other error raises."""
+        """Waits for the push `ticket` (the Worker counts it); returns its
+        StaleError (None when applied). Any other error raises."""
         try:
             self.worker.wait(ticket)
         except _errors.StaleError as e:
-            self.stale += 1
             return e
-        self.pushes += 1
-        self.applied = True
         return None
 
     def pull(self):

@@ -217,6 +217,14 @@ int buffer_getbuffer(PyObject* self, Py_buffer* view, int flags) {
 PyType_Slot buffer_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(buffer_getbuffer)}, {0, nullptr}};
 
 // shmps::Worker for Python; closed (null) after close().
+// Per buffer registration, the push_async() answers that wait() took.
+struct PushOutcomes {
+  uint64_t applied = 0;
+  uint64_t stale = 0;        // refused as too stale (kStale)
+  uint64_t last_ticket = 0;  // the last answer taken (0: none)
+  bool last_applied = false;
+};
+
 class PyWorker {
  public:
   PyWorker(std::unique_ptr<shmps::Worker> w, std::shared_ptr<Stops> stops)
@@ -346,6 +354,8 @@ class PyWorker {
         if (it != registrations_.end()) {
           removed = it->second;
           registrations_.erase(it);
+          std::lock_guard<std::mutex> lock(outcomes_mu_);
+          outcomes_.erase(removed);
         }
       }
       return s;
@@ -392,11 +402,28 @@ class PyWorker {
         version = it->second.version;
         // A wait that timed out or was interrupted may be waited for again.
         const shmps::ErrorCode code = answer.result.ok() ? shmps::ErrorCode::kOk : answer.result.status().code();
-        if (code != shmps::ErrorCode::kTimeout && code != shmps::ErrorCode::kInterrupted) pushes_.erase(it);
+        if (code != shmps::ErrorCode::kTimeout && code != shmps::ErrorCode::kInterrupted) {
+          count_outcome(it->second.registration, ticket, code);
+          pushes_.erase(it);
+        }
       }
       return answer;
     });
     return versioned(std::move(a), version);
+  }
+
+  // What wait() took of the push_async()s from buffer `buffer` (of
+  // `registration`; 0: its live one), counted inside the call, so that a
+  // signal's handler raising as wait() returns does not lose the count.
+  // Named by its Buffer, without the call lock, as identity(): it answers
+  // while another thread's call waits, and after close(). A bare id is
+  // looked up as a call.
+  PushOutcomes push_outcomes(uint32_t buffer, uint64_t registration) {
+    refuse_forked();
+    if (registration == 0) registration = call([&](shmps::Worker&) { return live_registration(buffer); });
+    std::lock_guard<std::mutex> lock(outcomes_mu_);
+    auto it = outcomes_.find(registration);
+    return it != outcomes_.end() ? it->second : PushOutcomes{};
   }
 
   bool answered(uint64_t ticket) {
@@ -495,6 +522,7 @@ class PyWorker {
   void abandon_books() {
     (void)new std::map<uint32_t, uint64_t>(std::move(registrations_));
     (void)new std::map<uint64_t, PushInFlight>(std::move(pushes_));
+    (void)new std::map<uint64_t, PushOutcomes>(std::move(outcomes_));
   }
 
   nb::list tensors() {
@@ -621,6 +649,19 @@ class PyWorker {
     uint64_t registration;
   };
   std::map<uint64_t, PushInFlight> pushes_;  // push_async tickets not waited for (or whose wait timed out)
+  // Under outcomes_mu_ (taken under mu_, or alone, held only to copy or
+  // count): by registration, the push_async answers wait() took.
+  mutable std::mutex outcomes_mu_;
+  std::map<uint64_t, PushOutcomes> outcomes_;
+
+  void count_outcome(uint64_t registration, uint64_t ticket, shmps::ErrorCode code) {
+    std::lock_guard<std::mutex> lock(outcomes_mu_);
+    PushOutcomes& o = outcomes_[registration];
+    o.applied += code == shmps::ErrorCode::kOk;
+    o.stale += code == shmps::ErrorCode::kStale;
+    o.last_ticket = ticket;
+    o.last_applied = code == shmps::ErrorCode::kOk;
+  }
 };
 
 std::unique_ptr<PyWorker> connect(const std::string& name, double timeout, bool reconnect, double wait_for_server,
@@ -715,6 +756,13 @@ NB_MODULE(_shmps, m) {
       .def("wait", &PyWorker::wait, "ticket"_a)
       .def("pushes_in_flight", &PyWorker::pushes_in_flight, "buffer"_a, "registration"_a)
       .def("answered", &PyWorker::answered, "ticket"_a)
+      .def(
+          "push_outcomes",
+          [](PyWorker& w, uint32_t buffer, uint64_t registration) {
+            const PushOutcomes o = w.push_outcomes(buffer, registration);
+            return nb::make_tuple(o.applied, o.stale, o.last_ticket, o.last_applied);
+          },
+          "buffer"_a, "registration"_a)
       .def("pull", &PyWorker::pull, "tensor"_a, "buffer"_a, "registration"_a, "offset"_a, "stream"_a)
       .def("pull_async", &PyWorker::pull_async, "tensor"_a, "buffer"_a, "registration"_a, "offset"_a, "stream"_a)
       .def("init", &PyWorker::init, "buffer"_a, "registration"_a, "offset"_a, "stream"_a)

@@ -432,6 +432,32 @@ def test_a_push_whose_ticket_an_interrupt_took_is_still_waited_for(make_server):
         opt.close()
 
 
+def test_a_push_whose_answer_an_interrupt_took_is_still_counted(make_server):
+    """Ctrl-C as the step's wait() returns (the handler's KeyboardInterrupt
+    comes before step() sees the answer): the Worker counted the answer
+    inside wait(), so .pushes and .applied have it."""
+    model = torch.nn.Linear(4, 1, bias=False)
+    server = make_server(tensors=[("weight", (1, 4))], optimizer="sgd", lr=1.0)
+    with shmps.connect(server.name, timeout=5) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+        wait = w.wait
+
+        def interrupted(ticket):
+            wait(ticket)
+            raise KeyboardInterrupt
+
+        opt.zero_grad()
+        model(torch.ones(1, 4)).sum().backward()
+        w.wait = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        w.wait = wait
+        assert (opt.pushes, opt.stale, opt.applied) == (1, 0, True)
+        assert w.pushes_in_flight(opt._grad_buf) == []
+        opt.close()
+        assert (opt.pushes, opt.applied) == (1, True)  # kept past close()
+
+
 def test_a_parameter_frozen_after_the_optimizer_was_made_is_refused(make_server):
     """The server would go on moving it (momentum, weight decay): step()
     raises instead, as for one unfrozen later."""

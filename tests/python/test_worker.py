@@ -688,6 +688,49 @@ def test_an_interrupted_wait_for_a_push_keeps_its_ticket_and_version(make_server
         assert (e.value.worker_version, e.value.server_version) == (1, 10)
 
 
+def test_push_outcomes_count_what_wait_took_per_registration(make_server):
+    """The answers wait() took of a buffer's push_async()s: applied and
+    stale, and the last one; a blocking push, an interrupted wait and
+    another buffer's pushes are not among them. They answer after the
+    Worker's close() and go with the registration."""
+    server = make_server(max_staleness=1)
+    w = shmps.connect(server.name, timeout=30)
+    grad = w.register_buffer(w.total_elements * 4)
+    other = w.register_buffer(w.total_elements * 4)
+    assert w.push_outcomes(grad) == shmps.PushOutcomes()
+    w.push(grad, 0)  # blocking: not counted
+    first = w.push_async(grad, w.pull(grad))
+    assert w.wait(first) == 2
+    w.wait(w.push_async(other, 2))  # another buffer's
+    done = threading.Event()
+
+    def keep_interrupting():  # until the wait has ended: one before it began is not its
+        while not done.wait(0.1):
+            w.interrupt()
+
+    os.kill(server.process.pid, signal.SIGSTOP)
+    interrupter = threading.Thread(target=keep_interrupting)
+    try:
+        stale = w.push_async(grad, 0)  # 3 versions behind
+        interrupter.start()
+        with pytest.raises(shmps.InterruptedError):
+            w.wait(stale)  # not answered: not counted
+        assert w.push_outcomes(grad) == shmps.PushOutcomes(applied=1, stale=0, last_ticket=first, last_applied=True)
+    finally:
+        done.set()
+        interrupter.join()
+        os.kill(server.process.pid, signal.SIGCONT)
+    with pytest.raises(shmps.StaleError):
+        w.wait(stale)
+    assert w.push_outcomes(grad) == shmps.PushOutcomes(applied=1, stale=1, last_ticket=stale, last_applied=False)
+    assert w.push_outcomes(grad.id) == w.push_outcomes(grad)  # a bare id: the live registration's
+    assert w.push_outcomes(other).applied == 1
+    w.unregister_buffer(other)
+    assert w.push_outcomes(other) == shmps.PushOutcomes()  # gone with it
+    w.close()
+    assert w.push_outcomes(grad).stale == 1  # the Buffer's registration, after close()
+
+
 def test_a_forked_child_cannot_use_its_parents_worker_and_connects_its_own(make_server):
     server = make_server()
     w = shmps.connect(server.name)
