@@ -84,7 +84,7 @@ Answer RequestHandler::handle(uint32_t i, const Request& req, uint64_t now) {
   entry.last_request_ns.store(now, std::memory_order_relaxed);
   switch (static_cast<Opcode>(req.opcode)) {
     case Opcode::kDetach:
-      return ok(req, 0);
+      return ok(req, model_.version);
     case Opcode::kRegisterBuffer:
       return register_buffer(i, req);
     case Opcode::kUnregisterBuffer:
@@ -174,14 +174,14 @@ Answer RequestHandler::register_buffer(uint32_t i, const Request& req) {
   if (log::enabled(LogLevel::kDebug))
     log::debug("worker " + std::to_string(i) + " registered buffer " + std::to_string(req.buffer_id) + " (" +
                std::to_string(desc.length) + " bytes)");
-  return ok(req, 0);
+  return ok(req, model_.version);
 }
 
 Answer RequestHandler::unregister_buffer(uint32_t i, const Request& req) {
   if (sessions_[i].buffer(req.buffer_id) == nullptr)
     return reject(i, req, ErrorCode::kUnknownBuffer, "buffer " + std::to_string(req.buffer_id) + " is not registered");
   sessions_.close_buffer(i, req.buffer_id);
-  return ok(req, 0);
+  return ok(req, model_.version);
 }
 
 Result<RequestHandler::Target> RequestHandler::resolve(uint32_t i, const Request& req, uint64_t element_size,

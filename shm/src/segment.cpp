@@ -281,7 +281,8 @@ Status map_object(int fd, bool read_only, const std::string& name, uint64_t* ino
 }  // namespace
 
 Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_name, size_t bytes, mode_t mode,
-                                                     gid_t group, bool keep_descriptor) {
+                                                     gid_t group, bool keep_descriptor, bool* name_taken) {
+  if (name_taken != nullptr) *name_taken = false;
   if (object_name.empty() || object_name.size() >= kNameBytes || object_name.find('/') != std::string::npos)
     return Status{ErrorCode::kInvalidArgument, "bad shm object name '" + object_name + "'"};
   if ((mode & 0002) != 0 || (mode & ~mode_t{0777}) != 0)
@@ -340,6 +341,7 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
     }
   } catch (const bip::interprocess_exception& e) {
     if (created) bip::shared_memory_object::remove(object_name.c_str());  // made here: not left behind
+    if (!created && name_taken != nullptr) *name_taken = e.get_native_error() == EEXIST;
     return from_boost(e, "create shm object '" + object_name + "'");
   }
   obj->data_ = obj->region_->address;
@@ -693,13 +695,14 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
   // Another server starting under the name may remove an object of ours
   // that it opened before we locked it, as a dead start's: then we meet its
   // own object at the next try, and stop there.
+  bool taken = false;
   for (int attempt = 0; attempt < 8; ++attempt) {
     created = ShmObject::create(object_name, g.segment_size, spec.mode, static_cast<gid_t>(-1),
-                                /*keep_descriptor=*/true);
+                                /*keep_descriptor=*/true, &taken);
     if (!created.ok()) {
       const std::string& why = created.status().message();
       if (why.find(kLockedByAnother) != std::string::npos) continue;
-      if (why.find("already exists") == std::string::npos) return created.status();
+      if (!taken) return created.status();
       if (Status s = clear_stale_object(object_name, spec.name); !s.ok()) return s;
       continue;
     }
@@ -713,8 +716,7 @@ Result<std::unique_ptr<Segment>> Segment::create(const SegmentSpec& spec, uint64
   }
   if (!created.ok()) {
     const std::string& why = created.status().message();
-    if (why.find(kLockedByAnother) == std::string::npos && why.find("already exists") == std::string::npos)
-      return created.status();
+    if (why.find(kLockedByAnother) == std::string::npos && !taken) return created.status();
     // Every try met an object that came back, or stayed locked: another
     // server starts under the name again and again (a crash loop).
     return Status{created.status().code(), "gave up creating " + path + " after 8 tries, each meeting an object " +

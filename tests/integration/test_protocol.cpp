@@ -156,6 +156,46 @@ BOOST_AUTO_TEST_CASE(last_version_is_the_servers_version_in_a_stale_answer) {
   auto stale = w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, 1);  // staleness 2 > 1
   BOOST_TEST((stale.status().code() == ErrorCode::kStale));
   BOOST_TEST(w->last_version() == 3u);
+  // Every answer carries the server's version: registering and
+  // unregistering a buffer, or a ping, keep it.
+  auto other = w->register_buffer(bytes);
+  BOOST_REQUIRE(other.ok());
+  BOOST_TEST(w->last_version() == 3u);
+  BOOST_REQUIRE(w->unregister_buffer(other->id).ok());
+  BOOST_TEST(w->last_version() == 3u);
+  BOOST_REQUIRE(w->ping().ok());
+  BOOST_TEST(w->last_version() == 3u);
+}
+
+// A buffer object's name may be taken by an object of this pid that this
+// Worker did not make (the process's image before an exec(), another copy
+// of worker_lib in the process): the registration takes the next number,
+// and leaves the other object alone.
+BOOST_AUTO_TEST_CASE(a_buffer_name_taken_by_another_object_of_this_pid_is_passed_over) {
+  test::ServerProcess server(test::unique_name("taken"), kSmall);
+  auto w = connect(server.name());
+  struct Taken : std::vector<std::unique_ptr<shm::ShmObject>> {
+    ~Taken() {
+      for (const auto& o : *this) shm::ShmObject::remove(o->name());
+    }
+  } taken;
+  for (uint64_t n = 0; n < 1000; ++n) {
+    const std::string object = shm::buffer_object_name(server.name(), ::getpid(), n);
+    auto o = shm::ShmObject::create(object, 8, 0600);
+    if (o.ok()) taken.push_back(std::move(o).value());
+  }
+  BOOST_REQUIRE(!taken.empty());
+  for (auto& o : taken) static_cast<float*>(o->data())[0] = 42.0f;
+  const uint64_t bytes = w->total_elements() * 4;
+  for (int k = 0; k < 3; ++k) {
+    auto buf = w->register_buffer(bytes);
+    BOOST_REQUIRE_MESSAGE(buf.ok(), buf.status().to_string());
+    BOOST_TEST(w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, w->last_version()).ok());
+  }
+  for (auto& o : taken) {
+    BOOST_TEST(o->size() == 8u);
+    BOOST_TEST(static_cast<float*>(o->data())[0] == 42.0f);
+  }
 }
 
 // init: the weights at version 0 from a worker's buffer, once, and only
@@ -779,6 +819,32 @@ BOOST_AUTO_TEST_CASE(detach_frees_the_entry_at_once_for_a_living_process) {
   BOOST_REQUIRE(s.ok());
   BOOST_TEST(s->workers_died == 0u);
   BOOST_TEST(s->workers_attached == 1u);
+}
+
+// An entry held by a process that is gone is the server's to free, within
+// its housekeeping period: a connect meanwhile waits for it rather than
+// answering kNoCapacity.
+BOOST_AUTO_TEST_CASE(a_connect_waits_for_the_entry_of_a_process_gone) {
+  test::ServerProcess server(test::unique_name("gone"), {"--tensor", "w:1", "--max-workers", "1"});
+  for (int round = 0; round < 5; ++round) {
+    test::Process child = test::Process::fork_fn([&] {
+      auto w = Worker::connect(test::worker_options(server.name(), 5s, false));
+      if (!w.ok() || !(*w)->ping().ok()) return 1;
+      (void)std::move(w).value().release();  // no detach: the entry stays taken
+      return 0;
+    });
+    BOOST_REQUIRE(child.wait(10s) == 0);
+    auto w = Worker::connect(test::worker_options(server.name(), 5s, false));
+    BOOST_REQUIRE_MESSAGE(w.ok(), "round " << round << ": " << w.status().to_string());
+    BOOST_TEST((*w)->ping().ok());
+  }
+  // Held by a living process, the entry is no one else's: kNoCapacity
+  // without waiting for the timeout.
+  auto holder = connect(server.name());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto refused = Worker::connect(test::worker_options(server.name(), 5s, false));
+  BOOST_TEST((refused.status().code() == ErrorCode::kNoCapacity), refused.status().to_string());
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 4s));
 }
 
 BOOST_AUTO_TEST_CASE(ring_depth_high_water_counts_queued_requests) {

@@ -122,6 +122,43 @@ BOOST_AUTO_TEST_CASE(a_reattach_to_fewer_buffer_slots_lets_go_of_the_buffers_bey
   BOOST_TEST(w->pull(0, bufs[1].id, 0).ok());
 }
 
+// A buffer the restarted server refuses (its object shrank to nothing)
+// does not keep the others from being registered again: the re-attaching
+// call reports it, by its id, and the other buffers serve on.
+BOOST_AUTO_TEST_CASE(a_buffer_the_restarted_server_refuses_leaves_the_others_registered) {
+  test::TempDir dir("restart");
+  const std::string name = test::unique_name("refusedbuf");
+  auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+  auto w = connect(name, /*reconnect=*/true);
+  std::vector<Buffer> bufs;
+  for (int i = 0; i < 3; ++i) {
+    auto b = w->register_buffer(4);
+    BOOST_REQUIRE(b.ok());
+    bufs.push_back(*b);
+  }
+  // Buffer 0's object: the first of this worker's names.
+  const std::string prefix = shm::buffer_object_prefix(name, ::getpid());
+  std::vector<std::string> objects;
+  for (const auto& e : fs::directory_iterator("/dev/shm"))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) objects.push_back(e.path().string());
+  BOOST_REQUIRE(objects.size() == 3u);
+  std::sort(objects.begin(), objects.end(), [](const std::string& a, const std::string& b) {
+    return a.size() != b.size() ? a.size() < b.size() : a < b;
+  });
+  BOOST_REQUIRE(server->stop() == 0);
+  server.reset();
+  BOOST_REQUIRE(::truncate(objects[0].c_str(), 0) == 0);
+  test::ServerProcess next(name, args(dir.path));
+  const Status first = w->ping();  // re-attaches
+  BOOST_TEST((first.code() != ErrorCode::kOk));
+  BOOST_TEST(first.message().find("buffer 0 registered again") != std::string::npos, first.to_string());
+  for (int i : {1, 2}) {
+    auto v = w->pull(0, bufs[i].id, 0);
+    BOOST_TEST(v.ok(), "buffer " << i << ": " << v.status().to_string());
+  }
+  BOOST_TEST((w->pull(0, bufs[0].id, 0).status().code() == ErrorCode::kUnknownBuffer));
+}
+
 // A gradient computed against the previous server's weights is refused
 // once: the push that finds a new generation fails with kServerRestarted,
 // without being submitted; a pull then proceeds.

@@ -943,18 +943,27 @@ class Worker::Impl {
       }
     }
 
-    // Claim a free entry: CAS kFree -> (pid, kClaimed).
+    // Claim a free entry: CAS kFree -> (pid, kClaimed). While an entry is
+    // held by a process that is gone, which the server frees within its
+    // housekeeping period, the claim is tried again, up to the timeout.
     const auto pid = static_cast<uint32_t>(::getpid());
+    const auto claim_until = Clock::now() + options.timeout;
     bool claimed = false;
-    for (uint32_t i = 0; i < h.max_workers && !claimed; ++i) {
-      uint64_t expected = 0;
-      // acq_rel: SYNC(worker_claim) acquire pairs with the release that freed
-      // the entry (indices reset); release publishes our pid to the server.
-      if (segment->worker(i).owner.compare_exchange_strong(expected, shm::make_owner(pid, WorkerState::kClaimed),
-                                                           std::memory_order_acq_rel, std::memory_order_relaxed)) {
-        id = i;
-        claimed = true;
+    while (true) {
+      for (uint32_t i = 0; i < h.max_workers && !claimed; ++i) {
+        uint64_t expected = 0;
+        // acq_rel: SYNC(worker_claim) acquire pairs with the release that
+        // freed the entry (indices reset); release publishes our pid to the
+        // server.
+        if (segment->worker(i).owner.compare_exchange_strong(expected, shm::make_owner(pid, WorkerState::kClaimed),
+                                                             std::memory_order_acq_rel, std::memory_order_relaxed)) {
+          id = i;
+          claimed = true;
+        }
       }
+      if (claimed || Clock::now() >= claim_until || asked_to_stop() || !an_entry_of_a_process_gone(h.max_workers))
+        break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     if (!claimed)
       return {ErrorCode::kNoCapacity,
@@ -1039,10 +1048,7 @@ class Worker::Impl {
           (state_ == State::kEvicted || (*seg)->layout().generation != ended.generation || running_and_alive(**seg))) {
         Status s = attach_to(std::move(seg).value());
         if (s.code() == ErrorCode::kInterrupted) return s;
-        for (uint32_t b = 0; b < buffers.size() && s.ok(); ++b)
-          if (buffers[b].in_use)
-            s = buffers[b].device ? send_register_device(b)
-                                  : send_register(b, buffers[b].object->name(), buffers[b].object->size());
+        if (s.ok()) s = register_again();
         if (s.ok() || in_session()) return s;
         if (s.code() == ErrorCode::kLayoutMismatch || s.code() == ErrorCode::kNoCapacity) return s;
       }
@@ -1052,6 +1058,37 @@ class Worker::Impl {
         return {ErrorCode::kInterrupted, "interrupted while waiting for server '" + options.name + "' to come back"};
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
+  }
+
+  // Whether one of the first `count` entries is held by a process that is
+  // gone (the server frees it within its housekeeping period).
+  bool an_entry_of_a_process_gone(uint32_t count) const {
+    for (uint32_t i = 0; i < count; ++i) {
+      // relaxed: a hint only; the claim's CAS decides.
+      const uint64_t owner = segment->worker(i).owner.load(std::memory_order_relaxed);
+      if (owner != 0 && shm::pid_state(static_cast<pid_t>(shm::owner_pid(owner))) == shm::ProcessState::kGone)
+        return true;
+    }
+    return false;
+  }
+
+  // Every buffer in use registered again under its id, after a re-attach.
+  // One the new server refuses (its object shrank or went) does not keep
+  // the others from it: the first refusal is returned, naming its buffer.
+  // A session that ends, a timeout or an interrupt stops the round.
+  Status register_again() {
+    Status first;
+    for (uint32_t b = 0; b < buffers.size(); ++b) {
+      if (!buffers[b].in_use) continue;
+      const Status s = buffers[b].device ? send_register_device(b)
+                                         : send_register(b, buffers[b].object->name(), buffers[b].object->size());
+      if (s.ok()) continue;
+      if (!in_session() || s.code() == ErrorCode::kTimeout || s.code() == ErrorCode::kInterrupted) return s;
+      if (first.ok())
+        first = {s.code(),
+                 "buffer " + std::to_string(b) + " registered again with the restarted server: " + s.message()};
+    }
+    return first;
   }
 
   static bool running_and_alive(const shm::Segment& seg) {
@@ -1195,19 +1232,30 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
   while (id < w.buffers.size() && w.buffers[id].in_use) ++id;
   if (id == w.buffers.size())
     return Status{ErrorCode::kNoCapacity, "all " + std::to_string(w.buffers.size()) + " buffer slots are in use"};
-  // Named so the server accepts it: "shmps.<name>.p<pid>.<n>".
-  // The counter is process-wide: several Workers of one process share the pid.
-  static std::atomic<uint64_t> buffer_counter{0};
-  const std::string object_name =
-      shm::buffer_object_name(w.options.name, ::getpid(),
-                              buffer_counter.fetch_add(1, std::memory_order_relaxed));  // relaxed: a unique number only
   // Only a server started with --group-access (it may run as another user
   // of the segment's group) gets group-shared buffers; otherwise nobody but
   // this user may open them.
   const shm::ShmObject& control = w.segment->object();
   const bool group_shared = (w.segment->layout().config_flags & shm::kConfigGroupAccess) != 0;
-  auto object = shm::ShmObject::create(object_name, bytes, group_shared ? 0660 : 0600,
-                                       group_shared ? control.owner_gid() : static_cast<gid_t>(-1));
+  // Named so the server accepts it: "shmps.<name>.p<pid>.<n>". The counter
+  // is process-wide: several Workers of one process share the pid. A name
+  // may still be taken, by this pid's image before an exec() (its Worker
+  // keeps its objects) or by another copy of this library in the process
+  // (linked statically into two extensions): the next number is tried.
+  static std::atomic<uint64_t> buffer_counter{0};
+  constexpr int kNameTries = 1024;
+  std::string object_name;
+  Result<std::unique_ptr<shm::ShmObject>> object = Status{ErrorCode::kInternal, "not created"};
+  for (int tries = 1;; ++tries) {
+    object_name = shm::buffer_object_name(
+        w.options.name, ::getpid(),
+        buffer_counter.fetch_add(1, std::memory_order_relaxed));  // relaxed: a unique number only
+    bool taken = false;
+    object = shm::ShmObject::create(object_name, bytes, group_shared ? 0660 : 0600,
+                                    group_shared ? control.owner_gid() : static_cast<gid_t>(-1),
+                                    /*keep_descriptor=*/false, &taken);
+    if (object.ok() || !taken || tries == kNameTries) break;
+  }
   if (!object.ok()) return object.status();
   w.fault_point.hit("after_buffer_create");
   if (Status st = w.send_register(id, object_name, bytes); !st.ok()) {

@@ -90,7 +90,10 @@ struct WorkerOptions {
   // kServerRestarted (not acknowledged: maybe applied, at most once), and
   // the next call waits (up to its timeout) for a server of a new
   // generation under the same name, attaches to it, registers every buffer
-  // again under its old id, then proceeds; a push then fails with
+  // again under its old id, then proceeds (a buffer the new server refuses,
+  // its object shrunk or gone, leaves the others registered: that call
+  // returns the refusal, naming the buffer, and calls on that buffer get
+  // kUnknownBuffer until it is registered anew); a push then fails with
   // kServerRestarted instead (its gradient was computed against the old
   // server's weights: pull again). Without it such calls return
   // kServerNotRunning and the Worker stays unusable: every later call, and
@@ -194,7 +197,9 @@ class Worker {
   // Errors: kServerNotRunning (no segment, or its server is dead or
   // stopping, for the whole wait: the message names the segment),
   // kLayoutMismatch (foreign file or other layout version: both versions
-  // in the message), kPermission, kNoCapacity (max workers reached),
+  // in the message), kPermission, kNoCapacity (max workers reached; while
+  // an entry's process is gone, which the server frees within its
+  // housekeeping period, the attach waits for it up to the timeout),
   // kTimeout, kInvalidArgument (timeout <= 0, wait_for_server < 0),
   // kInterrupted (options.interrupted).
   static Result<std::unique_ptr<Worker>> connect(const WorkerOptions& options);
@@ -214,7 +219,10 @@ class Worker {
   // Creates a POSIX shm object of `bytes` (> 0), mode 0600 (0660 with the
   // segment's group when the server shares its segment with a group, so a
   // server running as another user can map it), maps it and
-  // registers it with the server, which maps it once.
+  // registers it with the server, which maps it once. Its name is
+  // "shmps.<server name>.p<pid>.<n>"; a name already taken (by this pid's
+  // image before an exec(), or another copy of this library in the
+  // process) is passed over for the next n.
   // Errors: kInvalidArgument, kNoCapacity (too many buffers, /dev/shm too
   // small), kIo, plus any error of a request (kTimeout, kServerRestarted...).
   Result<Buffer> register_buffer(size_t bytes);
@@ -264,7 +272,10 @@ class Worker {
   // kShuttingDown, kCuda (a device buffer's stream or event failed; the
   // server's device failed), kInterrupted (WorkerOptions::interrupted).
   // On any error nothing was applied (a kCuda from the server's device: its
-  // weights may be half-written, and the server stops), but for kTimeout
+  // weights may be half-written, and the server stops; a kBadRange for a
+  // buffer whose object shrank under the server as it applied the push,
+  // which its NaN/Inf check catches before unless --allow-nonfinite: applied
+  // with zeros for the lost pages, the buffer dropped), but for kTimeout
   // and kInterrupted, after which the push is still in flight and may be,
   // unless the message says nothing was sent (push() waiting for a device
   // buffer's stream, which has a timeout of its own before the request's).

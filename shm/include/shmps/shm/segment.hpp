@@ -91,8 +91,10 @@ class ShmObject {
   // lock, which tells another server starting under the name that this
   // one lives (two more kIo: no descriptor left, or another process locked
   // the fresh object first).
+  // `name_taken`: set when the failure is an object already at the name.
   static Result<std::unique_ptr<ShmObject>> create(const std::string& object_name, size_t bytes, mode_t mode,
-                                                   gid_t group = static_cast<gid_t>(-1), bool keep_descriptor = false);
+                                                   gid_t group = static_cast<gid_t>(-1), bool keep_descriptor = false,
+                                                   bool* name_taken = nullptr);
   // Why open() failed, where a caller treats the case apart (a server that
   // is not there yet): no object at the name, or one of 0 bytes, which its
   // creator has not sized yet. kOther: any other failure.
