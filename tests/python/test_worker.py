@@ -2,6 +2,7 @@
 errors, buffers, exact SGD, bad input, staleness, stats, the GIL, fork and
 reconnect."""
 
+import contextlib
 import glob
 import mmap
 import os
@@ -657,6 +658,36 @@ def test_a_worker_dropped_without_close_detaches_while_other_threads_run(make_se
     observer.close()
 
 
+@contextlib.contextmanager
+def _stopped(server):
+    """The server SIGSTOPped for the block."""
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def _interrupting(w):
+    """w.interrupt() every 0.1 s until the block ends: the call it holds
+    is interrupted whenever it begins (an interrupt before it began is not
+    its)."""
+    done = threading.Event()
+
+    def keep_interrupting():
+        while not done.wait(0.1):
+            w.interrupt()
+
+    interrupter = threading.Thread(target=keep_interrupting)
+    interrupter.start()
+    try:
+        yield
+    finally:
+        done.set()
+        interrupter.join()
+
+
 def test_an_interrupted_wait_for_a_push_keeps_its_ticket_and_version(make_server):
     """interrupt() ends a wait for a push the (stopped) server has not
     answered; waiting again gets the answer, here a StaleError naming the
@@ -666,23 +697,10 @@ def test_an_interrupted_wait_for_a_push_keeps_its_ticket_and_version(make_server
         grad = w.register_buffer(w.total_elements * 4)
         for v in range(10):
             w.push(grad, v)  # the server at version 10
-        done = threading.Event()
-
-        def keep_interrupting():  # until the wait has ended: one before it began is not its
-            while not done.wait(0.1):
-                w.interrupt()
-
-        os.kill(server.process.pid, signal.SIGSTOP)
-        interrupter = threading.Thread(target=keep_interrupting)
-        try:
+        with _stopped(server):
             ticket = w.push_async(grad, 1)  # 9 versions behind
-            interrupter.start()
-            with pytest.raises(shmps.InterruptedError):
+            with _interrupting(w), pytest.raises(shmps.InterruptedError):
                 w.wait(ticket)
-        finally:
-            done.set()
-            interrupter.join()
-            os.kill(server.process.pid, signal.SIGCONT)
         with pytest.raises(shmps.StaleError) as e:
             w.wait(ticket)
         assert (e.value.worker_version, e.value.server_version) == (1, 10)
@@ -702,24 +720,11 @@ def test_push_outcomes_count_what_wait_took_per_registration(make_server):
     first = w.push_async(grad, w.pull(grad))
     assert w.wait(first) == 2
     w.wait(w.push_async(other, 2))  # another buffer's
-    done = threading.Event()
-
-    def keep_interrupting():  # until the wait has ended: one before it began is not its
-        while not done.wait(0.1):
-            w.interrupt()
-
-    os.kill(server.process.pid, signal.SIGSTOP)
-    interrupter = threading.Thread(target=keep_interrupting)
-    try:
+    with _stopped(server):
         stale = w.push_async(grad, 0)  # 3 versions behind
-        interrupter.start()
-        with pytest.raises(shmps.InterruptedError):
+        with _interrupting(w), pytest.raises(shmps.InterruptedError):
             w.wait(stale)  # not answered: not counted
         assert w.push_outcomes(grad) == shmps.PushOutcomes(applied=1, stale=0, last_ticket=first, last_applied=True)
-    finally:
-        done.set()
-        interrupter.join()
-        os.kill(server.process.pid, signal.SIGCONT)
     with pytest.raises(shmps.StaleError):
         w.wait(stale)
     assert w.push_outcomes(grad) == shmps.PushOutcomes(applied=1, stale=1, last_ticket=stale, last_applied=False)
