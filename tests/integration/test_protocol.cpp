@@ -468,7 +468,9 @@ BOOST_AUTO_TEST_CASE(no_server_fails_at_once_naming_the_segment) {
   auto w = Worker::connect(o);
   BOOST_TEST((w.status().code() == ErrorCode::kServerNotRunning));
   BOOST_TEST(w.status().message().find("/dev/shm/shmps." + o.name) != std::string::npos);
-  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 100ms));
+  // At once: a wait would be a start's 2 s at least (a loaded machine can
+  // take tens of ms for the call itself).
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 1s));
 }
 
 // The README's snippet calls value() without checking ok(): on an error it

@@ -107,10 +107,16 @@ BOOST_AUTO_TEST_CASE(an_answer_posted_before_the_server_died_survives_the_reatta
   auto buf = w->register_buffer(4);
   BOOST_REQUIRE(buf.ok());
   *static_cast<float*>(buf->data) = -1.0f;
+  // The server's completion queue for this worker: killed once the answer
+  // is posted (the completion follows the apply).
+  auto seg = shm::Segment::open(name, /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  const shm::LaneHeader& answers = (*seg)->completions(w->worker_id());
+  const uint64_t posted = answers.tail.load(std::memory_order_acquire);
   auto ticket = w->push_async(0, buf->id, 0, 4, Dtype::kF32, 0);
   BOOST_REQUIRE(ticket.ok());
-  BOOST_REQUIRE(test::eventually([&] { return applied(name) == 1; }, 5s));
-  std::this_thread::sleep_for(20ms);  // the completion follows the apply
+  BOOST_REQUIRE(test::eventually([&] { return answers.tail.load(std::memory_order_acquire) > posted; }, 5s));
+  BOOST_TEST(applied(name) == 1);
   server->process().kill_and_reap();
   server.reset();
   std::this_thread::sleep_for(200ms);  // past the dead server's last heartbeat

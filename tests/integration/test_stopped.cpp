@@ -119,8 +119,7 @@ BOOST_AUTO_TEST_CASE(stopped_mid_request_is_evicted_and_reattaches) {
 
   // The others never stalled: the bystander kept pushing through it all.
   const uint64_t bystander_mid = shared->bystander.acked.load();
-  std::this_thread::sleep_for(100ms);
-  BOOST_TEST(shared->bystander.acked.load() > bystander_mid);
+  BOOST_TEST(test::eventually([&] { return shared->bystander.acked.load() > bystander_mid; }));
 
   // Resumed: it publishes the stale request into its abandoned lane (never
   // applied), learns it was evicted, frees its entry and re-attaches.

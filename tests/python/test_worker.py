@@ -632,8 +632,10 @@ def test_a_push_to_a_stopped_server_times_out_while_other_threads_run(make_serve
 
     waited, ticks = ticks_while_stopped(server, push)
     assert waited >= 0.4
-    # The GIL was released: the other thread kept ticking during the wait.
-    assert ticks > 20
+    # The GIL was released: the other thread kept ticking during the wait
+    # (about 100 ticks idle, half that on a loaded machine; none if the
+    # call held the GIL).
+    assert ticks > 5
     assert isinstance(shmps.TimeoutError("x"), TimeoutError)
     w.close()
 
@@ -649,7 +651,7 @@ def test_a_worker_dropped_without_close_detaches_while_other_threads_run(make_se
     assert observer.stats().workers_attached == 2
     waited, ticks = ticks_while_stopped(server, held.clear)  # the last reference: its detach times out
     assert waited >= 0.4
-    assert ticks > 20
+    assert ticks > 5  # as in the test above
     # The detach was sent: served once the server runs again.
     deadline = time.monotonic() + 10
     while observer.stats().workers_attached != 1:

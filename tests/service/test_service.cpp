@@ -28,6 +28,7 @@
 #include <thread>
 
 #include "shmps/shm/layout.hpp"
+#include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
 #include "worker_support.hpp"
@@ -494,11 +495,18 @@ BOOST_AUTO_TEST_CASE(sighup_switches_the_staleness_policy_without_losing_a_held_
   for (int k = 0; k < 3; ++k) fast_step();  // fast: joins at the slowest clock, 1; then 2, 3
   std::atomic<bool> done{false};
   Result<uint64_t> held{Status{ErrorCode::kInternal, "not returned"}};
+  // The server's gauge of the pulls it holds (refreshed every 10 ms).
+  auto seg = shm::Segment::open(name, /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  const auto held_now = [&] {
+    return (*seg)->stats().pulls_held.load(std::memory_order_relaxed) == 1u;
+  };  // relaxed: a gauge
   std::thread pulling([&] {
     held = fast->pull(0, fast_weights->id, 0);  // 2 ahead of the slowest, bound 1: held
     done.store(true);
   });
-  BOOST_TEST(!test::eventually([&] { return done.load(); }, 300ms), "the pull was not held");
+  BOOST_TEST(test::eventually(held_now), "the pull was not held");
+  BOOST_TEST(!done.load());
   s.reload("staleness-policy = reject\n");
   BOOST_TEST(s.log_has("reload: staleness-policy wait -> reject"), s.log());
   const bool answered = test::eventually([&] { return done.load(); }, 5s);
@@ -529,7 +537,8 @@ BOOST_AUTO_TEST_CASE(sighup_switches_the_staleness_policy_without_losing_a_held_
     held = fast->pull(0, fast_weights->id, 0);  // 2 ahead of the slowest, bound 1: held
     done.store(true);
   });
-  BOOST_TEST(!test::eventually([&] { return done.load(); }, 300ms), "the pull was not held");
+  BOOST_TEST(test::eventually(held_now), "the pull was not held");
+  BOOST_TEST(!done.load());
   BOOST_TEST(slow->push(0, slow_grad->id, 0, 16, Dtype::kF32, 0).ok());  // the slow one catches up
   BOOST_TEST(test::eventually([&] { return done.load(); }, 5s));
   pulling_again.join();

@@ -175,9 +175,10 @@ BOOST_FIXTURE_TEST_CASE(two_workers_one_epoch_learns, TrainRun) {
   run({"--train-limit", "5000", "--epochs", "1", "--workers", "2", "--evals-per-epoch", "4", "--csv", csv});
   BOOST_REQUIRE_EQUAL(rc, 0);
   const std::vector<CsvRow> rows = curve();
-  // Epoch 0, up to three quarter marks (one is skipped when an evaluation
-  // overran it) and the end; epochs are measured by applied pushes.
-  BOOST_REQUIRE_GE(rows.size(), 3u);
+  // Epoch 0, up to three quarter marks (each skipped when an evaluation
+  // overran it: on a loaded machine all of them) and the end; epochs are
+  // measured by applied pushes.
+  BOOST_REQUIRE_GE(rows.size(), 2u);
   BOOST_TEST(rows.front().epoch == 0.0);
   BOOST_TEST(rows.back().epoch == 1.0);
   for (size_t i = 1; i < rows.size(); ++i) BOOST_TEST(rows[i].epoch > rows[i - 1].epoch);
