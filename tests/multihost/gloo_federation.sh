@@ -27,6 +27,8 @@
 set -euo pipefail
 build=$1
 [ -f "$build/lib/shmps/libshmps_fed_gloo.so" ] || { echo "SKIP: no Gloo plugin in $build (configure found no Gloo)"; exit 77; }
+[ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] ||
+  { echo "SKIP: Fashion-MNIST is not at /usr/share/datasets/fashion-mnist (apt-get install dataset-fashion-mnist)"; exit 77; }
 server=$build/bin/shmps-server
 inspect=$build/bin/shmps-inspect
 train=$build/bin/shmps-train

@@ -22,6 +22,8 @@ set -euo pipefail
 build=$1
 command -v mpirun >/dev/null || { echo "SKIP: mpirun not found (tools/install-deps.sh installs openmpi-bin)"; exit 77; }
 [ -f "$build/lib/shmps/libshmps_fed_mpi.so" ] || { echo "SKIP: no MPI plugin in $build (configure found no MPI)"; exit 77; }
+[ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] ||
+  { echo "SKIP: Fashion-MNIST is not at /usr/share/datasets/fashion-mnist (apt-get install dataset-fashion-mnist)"; exit 77; }
 server=$build/bin/shmps-server
 inspect=$build/bin/shmps-inspect
 train=$build/bin/shmps-train
