@@ -1,7 +1,6 @@
 #include "held_completions.hpp"
 
 #include <algorithm>
-#include <cstdio>
 #include <string>
 
 namespace shmps::server {
@@ -29,7 +28,7 @@ Result<std::optional<shm::Completion>> HeldCompletions::pop_ready(uint32_t i, Ba
     }
     if (!done.ok()) {
       h.completion.code = static_cast<uint32_t>(done.status().code());
-      std::snprintf(h.completion.message, sizeof h.completion.message, "%s", done.status().message().c_str());
+      shm::set_message(h.completion, done.status().message());
     }
   }
   return pop_any(i);

@@ -2,7 +2,6 @@
 
 #include <cmath>
 
-#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -61,8 +60,7 @@ Completion RequestHandler::answer(const Request& req, ErrorCode code, std::strin
   // Most completions are successes without a message, and c is zeroed:
   // skip the formatting (about 230 of the ~1.8K instructions a push costs
   // the protocol, by callgrind).
-  if (!message.empty())
-    std::snprintf(c.message, sizeof c.message, "%.*s", static_cast<int>(message.size()), message.data());
+  if (!message.empty()) shm::set_message(c, message);
   return c;
 }
 

@@ -789,7 +789,7 @@ class Server::Impl {
         Completion c = *held.pop_any(i);
         if (!device.ok()) {
           c.code = static_cast<uint32_t>(device.code());
-          std::snprintf(c.message, sizeof c.message, "%s", "device failed; weights may be half-written");
+          shm::set_message(c, "device failed; weights may be half-written");
         }
         post_now(i, c);
       }

@@ -2,6 +2,7 @@
 // here until kLayoutVersion is bumped on purpose and these numbers updated.
 #define BOOST_TEST_MODULE test_shm
 #include <boost/test/unit_test.hpp>
+#include <string>
 
 #include "shmps/shm/layout.hpp"
 #include "shmps/shm/segment.hpp"
@@ -108,6 +109,23 @@ BOOST_AUTO_TEST_CASE(histogram_buckets_are_log2) {
   BOOST_TEST(histogram_bucket(uint64_t{1} << 57) == 58u);
   BOOST_TEST(histogram_bucket(uint64_t{1} << 58) == kHistogramBuckets - 1);
   BOOST_TEST(histogram_bucket(~uint64_t{0}) == kHistogramBuckets - 1);
+}
+
+// A completion's reason is cut to 63 bytes and NUL-terminated, and a cut
+// one is flagged; one that fits is not.
+BOOST_AUTO_TEST_CASE(a_completion_message_says_whether_it_was_cut) {
+  Completion c{};
+  set_message(c, "short");
+  BOOST_TEST(std::string(c.message) == "short");
+  BOOST_TEST(c.flags == 0u);
+  const std::string fits(63, 'a');
+  set_message(c, fits);
+  BOOST_TEST(std::string(c.message) == fits);
+  BOOST_TEST(c.flags == 0u);
+  set_message(c, fits + "bc");
+  BOOST_TEST(std::string(c.message) == fits);
+  BOOST_TEST(c.flags == kCompletionMessageCut);
+  BOOST_TEST(offsetof(Completion, flags) < offsetof(Completion, message));  // in the line a success moves
 }
 
 BOOST_AUTO_TEST_CASE(geometry_is_pinned) {

@@ -774,6 +774,9 @@ class Worker::Impl {
     if (c.code == 0) return Status::Ok();
     const auto code =
         c.code <= static_cast<uint32_t>(kLastErrorCode) ? static_cast<ErrorCode>(c.code) : ErrorCode::kInternal;
+    if ((c.flags & shm::kCompletionMessageCut) != 0)
+      return {code, std::string(c.message) +
+                        "... (cut: the server's log has the whole reason, for one rejection of each cause a second)"};
     return {code, c.message};
   }
 

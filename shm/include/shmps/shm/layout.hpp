@@ -38,11 +38,13 @@
 // order. tests/shm/test_layout.cpp pins the numbers and fails until you do.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <string_view>
 #include <type_traits>
 
 #include "shmps/server_stats.hpp"
@@ -492,12 +494,27 @@ struct Completion {
   uint32_t code;     // shmps::ErrorCode
   uint64_t version;  // the parameter version the request saw or made
   uint64_t value;    // opcode-specific (see Opcode)
-  uint64_t reserved[4];
+  uint32_t flags;    // kCompletionMessageCut
+  uint32_t reserved0;
+  uint64_t reserved[3];
   char message[64];  // NUL-terminated short reason; written only when code != 0
 };
+// Completion::flags: the reason was longer than `message` holds, which has
+// its first 63 bytes (the server's log has it whole).
+inline constexpr uint32_t kCompletionMessageCut = 1;
+
+// Writes `reason` into c.message (NUL-terminated, cut to fit, and then
+// flagged kCompletionMessageCut).
+inline void set_message(Completion& c, std::string_view reason) noexcept {
+  const size_t n = std::min(reason.size(), sizeof c.message - 1);
+  std::copy_n(reason.data(), n, c.message);
+  c.message[n] = '\0';
+  if (n < reason.size()) c.flags |= kCompletionMessageCut;
+}
 static_assert(std::is_trivially_copyable_v<Completion> && std::is_standard_layout_v<Completion>);
 static_assert(sizeof(Completion) == 128);
 static_assert(offsetof(Completion, code) == 12);
+static_assert(offsetof(Completion, flags) == 32);
 static_assert(offsetof(Completion, version) == 16);
 static_assert(offsetof(Completion, value) == 24);
 static_assert(offsetof(Completion, message) == 64);
