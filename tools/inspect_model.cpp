@@ -515,7 +515,8 @@ json completion_json(uint64_t index, uint32_t capacity, const shm::Completion& c
               {"value", c.opcode == static_cast<uint32_t>(shm::Opcode::kAttach) ? json(hex64(c.value)) : json(c.value)},
               // A success leaves an earlier answer's message in the slot
               // (layout.hpp, Completion): only a failure's is its own.
-              {"message", c.code != 0 ? printable_name(c.message, sizeof c.message) : std::string()}};
+              {"message", c.code != 0 ? printable_name(c.message, sizeof c.message) : std::string()},
+              {"message_cut", c.code != 0 && (c.flags & shm::kCompletionMessageCut) != 0}};
 }
 
 template <typename Slot, typename F>
@@ -726,6 +727,7 @@ std::string completion_text(const shm::Completion& c) {
       // An attach's value is the lease: 0x-hex, as every lease.
       (c.opcode == static_cast<uint32_t>(shm::Opcode::kAttach) ? hex64(c.value) : std::to_string(c.value));
   if (c.code != 0) out += " \"" + printable_name(c.message, sizeof c.message) + "\"";
+  if (c.code != 0 && (c.flags & shm::kCompletionMessageCut) != 0) out += " (cut)";
   return out;
 }
 

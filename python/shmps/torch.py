@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from . import _errors
+from . import PushOutcomes, _errors
 
 
 class RemoteOptimizer:
@@ -195,7 +195,11 @@ class RemoteOptimizer:
         with contextlib.suppress(_errors.Error):
             self._settle_pending()
         if self._final is None:  # the counts go with the registration
-            self._final = self.worker.push_outcomes(self._grad_buf)
+            # (a fork()ed child's Worker answers nothing: none of them its own)
+            try:
+                self._final = self.worker.push_outcomes(self._grad_buf)
+            except _errors.Error:
+                self._final = PushOutcomes()
         # Unregistered first: a request still in flight on them is served
         # before the unregister is answered, so what is copied below is
         # final. Their memory stays valid while a view of it lives.

@@ -216,7 +216,6 @@ int buffer_getbuffer(PyObject* self, Py_buffer* view, int flags) {
 
 PyType_Slot buffer_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(buffer_getbuffer)}, {0, nullptr}};
 
-// shmps::Worker for Python; closed (null) after close().
 // Per buffer registration, the push_async() answers that wait() took.
 struct PushOutcomes {
   uint64_t applied = 0;
@@ -225,6 +224,7 @@ struct PushOutcomes {
   bool last_applied = false;
 };
 
+// shmps::Worker for Python; closed (null) after close().
 class PyWorker {
  public:
   PyWorker(std::unique_ptr<shmps::Worker> w, std::shared_ptr<Stops> stops)

@@ -169,37 +169,51 @@ BOOST_AUTO_TEST_CASE(last_version_is_the_servers_version_in_a_stale_answer) {
 
 // A buffer object's name may be taken by an object of this pid that this
 // Worker did not make (the process's image before an exec(), another copy
-// of worker_lib in the process): the registration takes the next number,
-// and leaves the other object alone.
+// of worker_lib in the process): the registration takes the next free
+// number, and leaves the other objects alone.
 BOOST_AUTO_TEST_CASE(a_buffer_name_taken_by_another_object_of_this_pid_is_passed_over) {
   test::ServerProcess server(test::unique_name("taken"), kSmall);
   auto w = connect(server.name());
+  const uint64_t bytes = w->total_elements() * 4;
+  const std::string prefix = shm::buffer_object_prefix(server.name(), ::getpid());
+  // The numbers of this worker's buffer objects, from /dev/shm.
+  const auto numbers = [&] {
+    std::vector<uint64_t> n;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+      const std::string object = e.path().filename().string();
+      if (object.rfind(prefix, 0) != 0) continue;
+      if (auto parsed = shm::parse_buffer_object_name(object); parsed.has_value()) n.push_back(parsed->n);
+    }
+    std::sort(n.begin(), n.end());
+    return n;
+  };
+  auto first = w->register_buffer(bytes);
+  BOOST_REQUIRE(first.ok());
+  BOOST_REQUIRE(numbers().size() == 1u);
+  const uint64_t n0 = numbers()[0];
+  // The next 500 names taken, as another image of this pid would.
+  constexpr uint64_t kTaken = 500;
   struct Taken : std::vector<std::unique_ptr<shm::ShmObject>> {
     ~Taken() {
       for (const auto& o : *this) shm::ShmObject::remove(o->name());
     }
   } taken;
-  for (uint64_t n = 0; n < 1000; ++n) {
-    const std::string object = shm::buffer_object_name(server.name(), ::getpid(), n);
-    auto o = shm::ShmObject::create(object, 8, 0600);
-    if (o.ok()) taken.push_back(std::move(o).value());
+  for (uint64_t n = n0 + 1; n <= n0 + kTaken; ++n) {
+    auto o = shm::ShmObject::create(shm::buffer_object_name(server.name(), ::getpid(), n), 8, 0600);
+    BOOST_REQUIRE_MESSAGE(o.ok(), o.status().to_string());
+    static_cast<float*>((*o)->data())[0] = 42.0f;
+    taken.push_back(std::move(o).value());
   }
-  BOOST_REQUIRE(!taken.empty());
-  for (auto& o : taken) static_cast<float*>(o->data())[0] = 42.0f;
-  const uint64_t bytes = w->total_elements() * 4;
-  for (int k = 0; k < 3; ++k) {
-    auto buf = w->register_buffer(bytes);
-    BOOST_REQUIRE_MESSAGE(buf.ok(), buf.status().to_string());
-    BOOST_TEST(w->push(kAllTensors, buf->id, 0, bytes, Dtype::kF32, w->last_version()).ok());
-  }
+  auto second = w->register_buffer(bytes);
+  BOOST_REQUIRE_MESSAGE(second.ok(), second.status().to_string());
+  BOOST_TEST(w->push(kAllTensors, second->id, 0, bytes, Dtype::kF32, w->last_version()).ok());
+  BOOST_TEST(numbers().back() == n0 + kTaken + 1);
   for (auto& o : taken) {
     BOOST_TEST(o->size() == 8u);
     BOOST_TEST(static_cast<float*>(o->data())[0] == 42.0f);
   }
 }
 
-// init: the weights at version 0 from a worker's buffer, once, and only
-// before any push applied; every refusal changes nothing.
 BOOST_AUTO_TEST_CASE(init_sets_the_weights_once_and_only_before_the_first_push) {
   test::ServerProcess server(test::unique_name("init"), kSmall);
   auto first = connect(server.name());

@@ -458,6 +458,32 @@ def test_a_push_whose_answer_an_interrupt_took_is_still_counted(make_server):
         assert (opt.pushes, opt.applied) == (1, True)  # kept past close()
 
 
+def test_a_forked_child_closes_its_parents_optimizer_and_keeps_the_parameters(make_server):
+    """In a fork()ed child the parent's Worker answers nothing, but the
+    optimizer's close() still gives the child's model its parameters (the
+    weights last pulled), as after a server gone; the parent's optimizer
+    goes on."""
+    model = torch.nn.Linear(4, 1, bias=False)
+    server = make_server(tensors=[("weight", (1, 4))], optimizer="sgd", lr=1.0)
+    with shmps.connect(server.name, timeout=5) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+        weights = model.weight.detach().clone()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                opt.close()
+                if opt.closed and torch.equal(model.weight.detach(), weights) and opt.pushes == 0:
+                    code = 0
+            finally:
+                os._exit(code)
+        assert os.waitpid(pid, 0)[1] == 0
+        opt.zero_grad()
+        model(torch.ones(1, 4)).sum().backward()
+        assert opt.step() == 1 and opt.pushes == 1
+        opt.close()
+
+
 def test_a_parameter_frozen_after_the_optimizer_was_made_is_refused(make_server):
     """The server would go on moving it (momentum, weight decay): step()
     raises instead, as for one unfrozen later."""

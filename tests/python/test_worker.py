@@ -633,8 +633,8 @@ def test_a_push_to_a_stopped_server_times_out_while_other_threads_run(make_serve
     waited, ticks = ticks_while_stopped(server, push)
     assert waited >= 0.4
     # The GIL was released: the other thread kept ticking during the wait
-    # (about 100 ticks idle, half that on a loaded machine; none if the
-    # call held the GIL).
+    # (none if the call held the GIL; a loaded machine slows the ticks, so
+    # a few prove it).
     assert ticks > 5
     assert isinstance(shmps.TimeoutError("x"), TimeoutError)
     w.close()

@@ -775,8 +775,9 @@ class Worker::Impl {
     const auto code =
         c.code <= static_cast<uint32_t>(kLastErrorCode) ? static_cast<ErrorCode>(c.code) : ErrorCode::kInternal;
     if ((c.flags & shm::kCompletionMessageCut) != 0)
-      return {code, std::string(c.message) +
-                        "... (cut: the server's log has the whole reason, for one rejection of each cause a second)"};
+      return {code,
+              std::string(c.message) +
+                  "... (cut at 63 bytes; the server's log has the whole reason, at most one line per cause a second)"};
     return {code, c.message};
   }
 
@@ -948,9 +949,10 @@ class Worker::Impl {
 
     // Claim a free entry: CAS kFree -> (pid, kClaimed). While an entry is
     // held by a process that is gone, which the server frees within its
-    // housekeeping period, the claim is tried again, up to the timeout.
+    // housekeeping period, the claim is tried again. The claim and the
+    // handshake share one timeout.
     const auto pid = static_cast<uint32_t>(::getpid());
-    const auto claim_until = Clock::now() + options.timeout;
+    const auto give_up = Clock::now() + options.timeout;
     bool claimed = false;
     while (true) {
       for (uint32_t i = 0; i < h.max_workers && !claimed; ++i) {
@@ -964,8 +966,10 @@ class Worker::Impl {
           claimed = true;
         }
       }
-      if (claimed || Clock::now() >= claim_until || asked_to_stop() || !an_entry_of_a_process_gone(h.max_workers))
-        break;
+      if (claimed || Clock::now() >= give_up || !an_entry_of_a_process_gone(h.max_workers)) break;
+      if (Status gone = server_gone(); !gone.ok()) return gone;  // nobody frees the entry then
+      if (asked_to_stop())
+        return {ErrorCode::kInterrupted, "interrupted while waiting for a worker slot of '" + options.name + "'"};
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     if (!claimed)
@@ -1002,7 +1006,7 @@ class Worker::Impl {
             why = {ErrorCode::kInterrupted, "interrupted while waiting for the server to accept the attach"};
           return !why.ok();
         },
-        Clock::now() + options.timeout);
+        give_up);
     if (w != shm::WaitResult::kReady) {
       if (w == shm::WaitResult::kTimeout)
         why = {ErrorCode::kTimeout,
@@ -1068,17 +1072,26 @@ class Worker::Impl {
   bool an_entry_of_a_process_gone(uint32_t count) const {
     for (uint32_t i = 0; i < count; ++i) {
       // relaxed: a hint only; the claim's CAS decides.
-      const uint64_t owner = segment->worker(i).owner.load(std::memory_order_relaxed);
-      if (owner != 0 && shm::pid_state(static_cast<pid_t>(shm::owner_pid(owner))) == shm::ProcessState::kGone)
-        return true;
+      const shm::WorkerEntry& e = segment->worker(i);
+      const uint64_t owner = e.owner.load(std::memory_order_relaxed);
+      if (owner == 0) continue;
+      // As the server judges it (its reap): by the start time once the
+      // owner wrote it (a pid reused since is gone too), else any process
+      // at the pid counts.
+      const auto pid = static_cast<pid_t>(shm::owner_pid(owner));
+      const uint64_t start = e.pid_start_time;
+      const shm::ProcessState state = start != 0 ? shm::process_state(pid, start) : shm::pid_state(pid);
+      if (state == shm::ProcessState::kGone) return true;
     }
     return false;
   }
 
   // Every buffer in use registered again under its id, after a re-attach.
-  // One the new server refuses (its object shrank or went) does not keep
-  // the others from it: the first refusal is returned, naming its buffer.
-  // A session that ends, a timeout or an interrupt stops the round.
+  // One the new server refuses (its object shrank or went) is let go (its
+  // id free for a new registration; the caller's mapping stays valid), and
+  // does not keep the others from it: the first refusal is returned,
+  // naming its buffer. A session that ends, a timeout or an interrupt stops
+  // the round (the next call's re-attach tries again).
   Status register_again() {
     Status first;
     for (uint32_t b = 0; b < buffers.size(); ++b) {
@@ -1087,6 +1100,7 @@ class Worker::Impl {
                                          : send_register(b, buffers[b].object->name(), buffers[b].object->size());
       if (s.ok()) continue;
       if (!in_session() || s.code() == ErrorCode::kTimeout || s.code() == ErrorCode::kInterrupted) return s;
+      drop(buffers[b]);
       if (first.ok())
         first = {s.code(),
                  "buffer " + std::to_string(b) + " registered again with the restarted server: " + s.message()};

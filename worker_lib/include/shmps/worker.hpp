@@ -91,9 +91,9 @@ struct WorkerOptions {
   // the next call waits (up to its timeout) for a server of a new
   // generation under the same name, attaches to it, registers every buffer
   // again under its old id, then proceeds (a buffer the new server refuses,
-  // its object shrunk or gone, leaves the others registered: that call
-  // returns the refusal, naming the buffer, and calls on that buffer get
-  // kUnknownBuffer until it is registered anew); a push then fails with
+  // its object shrunk or gone, is let go and leaves the others registered:
+  // that call returns the refusal, naming the buffer, calls on its id get
+  // kUnknownBuffer, and the id serves the next registration); a push then fails with
   // kServerRestarted instead (its gradient was computed against the old
   // server's weights: pull again). Without it such calls return
   // kServerNotRunning and the Worker stays unusable: every later call, and
@@ -199,7 +199,7 @@ class Worker {
   // kLayoutMismatch (foreign file or other layout version: both versions
   // in the message), kPermission, kNoCapacity (max workers reached; while
   // an entry's process is gone, which the server frees within its
-  // housekeeping period, the attach waits for it up to the timeout),
+  // housekeeping period, the attach waits for it, within the timeout),
   // kTimeout, kInvalidArgument (timeout <= 0, wait_for_server < 0),
   // kInterrupted (options.interrupted).
   static Result<std::unique_ptr<Worker>> connect(const WorkerOptions& options);

@@ -66,7 +66,8 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 // 12: StatsBlock::fed_state, scheduled_lr_pico (--lr-schedule),
 //     checkpoints_written, checkpoint_failures; 48 counter slots
 //     (StatsBlock 2176 B).
-inline constexpr uint32_t kLayoutVersion = 12;
+// 13: Completion::flags (a reserved word before): kCompletionMessageCut.
+inline constexpr uint32_t kLayoutVersion = 13;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;  // 4 doorbell words
@@ -509,14 +510,14 @@ inline void set_message(Completion& c, std::string_view reason) noexcept {
   const size_t n = std::min(reason.size(), sizeof c.message - 1);
   std::copy_n(reason.data(), n, c.message);
   c.message[n] = '\0';
-  if (n < reason.size()) c.flags |= kCompletionMessageCut;
+  c.flags = n < reason.size() ? (c.flags | kCompletionMessageCut) : (c.flags & ~kCompletionMessageCut);
 }
 static_assert(std::is_trivially_copyable_v<Completion> && std::is_standard_layout_v<Completion>);
 static_assert(sizeof(Completion) == 128);
 static_assert(offsetof(Completion, code) == 12);
-static_assert(offsetof(Completion, flags) == 32);
 static_assert(offsetof(Completion, version) == 16);
 static_assert(offsetof(Completion, value) == 24);
+static_assert(offsetof(Completion, flags) == 32);
 static_assert(offsetof(Completion, message) == 64);
 
 inline constexpr uint32_t kRejectCauses = 32;  // indexed by ErrorCode value
