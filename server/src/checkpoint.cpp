@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <boost/crc.hpp>
 #include <cerrno>
 #include <cmath>
@@ -34,7 +35,7 @@ struct CheckpointHeader {
   uint32_t optimizer_kind;
   uint32_t state_arrays;
   uint32_t tensor_count;
-  uint32_t flags;  // kCheckpoint* (formats 2 and 3; 0 in format 1)
+  uint32_t flags;  // kCheckpoint* (formats 2 to 4; 0 in format 1)
   uint64_t total_elements;
   uint64_t reserved[2];
 };
@@ -66,8 +67,35 @@ uint64_t federation_arrays(uint32_t flags) {
   return (flags & kCheckpointOuterMomentum) != 0 ? 2 : 1;
 }
 
-// The federation section's RoundGroups: from format 3.
-uint64_t round_groups_bytes(uint32_t format) { return format >= 3 ? sizeof(RoundGroups) : 0; }
+// A span of RoundGroups as format 3 stored it: without its members.
+struct CheckpointSpan3 {
+  uint64_t group;
+  uint64_t first;
+  uint64_t last;
+};
+using CheckpointRoundGroups3 = std::array<CheckpointSpan3, RoundGroups::kSpans>;
+static_assert(sizeof(CheckpointRoundGroups3) == 192 && std::is_trivially_copyable_v<CheckpointRoundGroups3>);
+
+// The federation section's RoundGroups: from format 3, with the members
+// from format 4.
+uint64_t round_groups_bytes(uint32_t format) {
+  return format >= 4 ? sizeof(RoundGroups) : format == 3 ? sizeof(CheckpointRoundGroups3) : 0;
+}
+
+// The RoundGroups of a federation section's bytes as `format` stores
+// them (round_groups_bytes(format) of them).
+RoundGroups round_groups_from(const unsigned char* bytes, uint32_t format) {
+  RoundGroups groups;
+  if (format >= 4) {
+    std::memcpy(&groups, bytes, sizeof groups);
+  } else if (format == 3) {
+    CheckpointRoundGroups3 spans;
+    std::memcpy(&spans, bytes, sizeof spans);
+    for (size_t k = 0; k < spans.size(); ++k)
+      groups.spans[k] = {spans[k].group, spans[k].first, spans[k].last, RoundGroups::kMembersUnknown};
+  }
+  return groups;
+}
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -342,9 +370,11 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
   const auto read_floats = [&](std::vector<float>& v) { return read_all(f.file.fd, v.data(), v.size() * 4); };
   uint32_t stored = 0;
   bool ok = read_floats(data.weights) && read_floats(data.state);
+  // The record of groups as the file holds it (its format's bytes).
+  std::array<unsigned char, sizeof(RoundGroups)> groups{};
+  const uint64_t groups_bytes = round_groups_bytes(h.format);
   if (data.federation)
-    ok = ok && read_all(f.file.fd, &fed, sizeof fed) &&
-         read_all(f.file.fd, &data.federation->history, round_groups_bytes(h.format)) &&
+    ok = ok && read_all(f.file.fd, &fed, sizeof fed) && read_all(f.file.fd, groups.data(), groups_bytes) &&
          read_floats(data.federation->anchor) && read_floats(data.federation->momentum);
   if (!ok || !read_all(f.file.fd, &stored, 4))
     return errno != 0 ? Status{ErrorCode::kIo, path + ": read: " + errno_text()} : corrupt("truncated");
@@ -355,7 +385,7 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
   crc.process_bytes(data.state.data(), data.state.size() * 4);
   if (data.federation) {
     crc.process_bytes(&fed, sizeof fed);
-    crc.process_bytes(&data.federation->history, round_groups_bytes(h.format));
+    crc.process_bytes(groups.data(), groups_bytes);
     crc.process_bytes(data.federation->anchor.data(), data.federation->anchor.size() * 4);
     crc.process_bytes(data.federation->momentum.data(), data.federation->momentum.size() * 4);
   }
@@ -365,6 +395,7 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
     if (fed.momentum_started > 1 || fed.round >= kMaxCheckpointVersion || fed.unmerged_updates >= kMaxCheckpointVersion)
       return corrupt("implausible federation record (round " + std::to_string(fed.round) + ", " +
                      std::to_string(fed.unmerged_updates) + " unmerged updates)");
+    data.federation->history = round_groups_from(groups.data(), h.format);
     if (!data.federation->history.plausible(fed.round))
       return corrupt("implausible record of the rounds' groups for round " + std::to_string(fed.round));
     data.federation->round = fed.round;

@@ -12,14 +12,16 @@
 //   state        fp32[state_arrays * total_elements]
 //   with kCheckpointFederation in the header's flags:
 //     CheckpointFederationRecord           32 B
-//     RoundGroups                         192 B (format 3)
+//     RoundGroups                         256 B (format 4: 8 spans {group,
+//                                               first, last, members}; format
+//                                               3: 192 B, spans without members)
 //     anchor     fp32[total_elements]
 //     momentum   fp32[total_elements], with kCheckpointOuterMomentum
 //   crc32        uint32 of all bytes before it (Boost.CRC, CRC-32/ISO-HDLC)
 // Bump kCheckpointFormat on any change to these bytes. A checkpoint without
 // a federation section is written as format 1 (no flags), which older
-// builds read too; format 2 (a federation section without the RoundGroups)
-// is still read.
+// builds read too; formats 3 (its spans' members read as unknown) and 2 (a
+// federation section without the RoundGroups) are still read.
 #pragma once
 
 #include <condition_variable>
@@ -40,8 +42,8 @@
 namespace shmps::server {
 
 inline constexpr uint64_t kCheckpointMagic = 0x314b4353504d4853ull;  // "SHMPSCK1" little-endian
-inline constexpr uint32_t kCheckpointFormat = 3;
-// The header's flags (formats 2 and 3).
+inline constexpr uint32_t kCheckpointFormat = 4;
+// The header's flags (formats 2 to 4).
 inline constexpr uint32_t kCheckpointFederation = 1u << 0;     // a federation section follows the state
 inline constexpr uint32_t kCheckpointOuterMomentum = 1u << 1;  // it holds the outer momentum
 
@@ -66,7 +68,9 @@ struct FederationState {
   // Local updates in W - anchor (none merged yet): the weight of this
   // host's delta in the next round after a restart that keeps the drift.
   uint64_t unmerged_updates = 0;
-  RoundGroups history;  // of the rounds up to `round` (none in a format-2 file)
+  // Of the rounds up to `round` (none in a format-2 file; the members
+  // unknown in a format-3 one).
+  RoundGroups history;
   // The lineage of the anchor (Federator::lineage()); 0: unknown (a file
   // written before it was recorded).
   uint64_t lineage = 0;

@@ -20,7 +20,7 @@ namespace shmps::server {
 
 namespace {
 
-constexpr uint64_t kHeaderMagic = 0x34444546534d4853ull;  // "SHMSFED4" little-endian
+constexpr uint64_t kHeaderMagic = 0x35444546534d4853ull;  // "SHMSFED5" little-endian
 constexpr uint32_t kFlagJoin = 1u << 0;
 constexpr uint32_t kFlagLeaving = 1u << 1;
 constexpr uint32_t kFlagHasState = 1u << 2;   // the join: this host has an anchor (its round in the header)
@@ -41,6 +41,8 @@ struct Federator::Header {
   ModelFingerprint model;
   uint32_t every_ms;  // this host's period (the stop's timeout takes the group's longest)
   uint32_t flags;     // kFlag*
+  uint32_t host;      // Membership::host: the join records the group's members by it
+  uint32_t reserved;  // 0
 };
 
 namespace {
@@ -284,6 +286,7 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   mine.every_ms = config_.every_ms;
   mine.nonce = joined_ ? 0 : nonces_();
   mine.lineage = lineage_;
+  mine.host = m.host;
   mine.flags = (joined_ ? 0 : kFlagJoin) | (leaving ? kFlagLeaving : 0) | (!joined_ && has_state_ ? kFlagHasState : 0) |
                (joined_ && !leaving && engine_.joiner_waiting() ? kFlagRegroup : 0) | (non_finite ? kFlagNonFinite : 0);
   all->assign(m.size, Header{});
@@ -364,7 +367,8 @@ std::optional<FederationState> Federator::state() const {
   return s;
 }
 
-Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, RoundGroups* history) {
+Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, RoundGroups* history,
+                                          uint64_t history_round) {
   // Into scratch first: a broadcast that fails halfway (a host gone) must
   // leave this host's anchor and momentum as they were.
   std::vector<float>& anchor_in = payload_;
@@ -375,6 +379,13 @@ Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, Rou
     *history = history_;
     if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(history, 1)), root); !s.ok()) return s;
     sent += sizeof *history;
+    // Bytes from a peer: every member checks the same ones (the root its
+    // own copy too), so all of them stop here together.
+    if (!history->plausible(history_round))
+      return Status{ErrorCode::kInvalidArgument,
+                    "federation: the record of groups that host rank " + std::to_string(root) +
+                        " (the join's source) sent does not fit its round " + std::to_string(history_round) +
+                        " (damaged, or not a shmps-server of this version)"};
   }
   uint32_t started = momentum_started_ ? 1 : 0;
   std::vector<float> momentum_in;
@@ -405,6 +416,8 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   uint64_t lineage = 0;
   if (Status s = settle_lineage(all, &lineage); !s.ok()) return s;
   const Membership m = engine_.membership();
+  uint64_t members = 0;
+  if (Status s = group_members(all, &members); !s.ok()) return s;
   RoundResult r;
   r.members = m.size;
   uint32_t group_every_ms = 0;
@@ -424,24 +437,39 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   // This group's id: every member's nonce, in rank order.
   uint64_t group = 0x2545f4914f6cdd1dull ^ all.size();
   for (const Header& h : all) group = mix64(group, h.nonce);
+  const uint64_t group_round = r.resumed ? all[r.source_rank].round : 0;
   RoundGroups history;  // the source's: which group completed the rounds its anchor holds
-  Result<uint64_t> sent = receive_state(r.source_rank, r.resumed, r.resumed ? &history : nullptr);
+  Result<uint64_t> sent = receive_state(r.source_rank, r.resumed, r.resumed ? &history : nullptr, group_round);
   if (!sent.ok()) return sent.status();
   const std::vector<float>& incoming = payload_;  // the group's anchor (receive_state())
-  const uint64_t group_round = r.resumed ? all[r.source_rank].round : 0;
+  // A checkpoint older than the group's round: its drift went into the
+  // rounds after it if this host was a member of one of them (W = A then,
+  // as for a host without an anchor), and into none if the source's record
+  // shows every one of them completed by groups without it (the drift is
+  // rebased as a live host's is). When neither can be shown (the record
+  // does not reach back, its members are unknown, a state of no known
+  // lineage) it is dropped: keeping drift that a round merged would count
+  // it twice.
+  if (r.resumed && has_state_ && restored_ && round_ < group_round) {
+    r.restored_round = round_;
+    const RoundGroups::Presence presence = lineage_ != 0 && lineage_ == lineage
+                                               ? history.presence(m.host, round_, group_round)
+                                               : RoundGroups::Presence::kUnknown;
+    // Without the members: round k + 1 in the checkpoint's own group of
+    // round k (history_: the checkpoint's record still) shows this host in it.
+    const uint64_t own_group = history_.group_of(round_);
+    const bool next_in_own_group = own_group != 0 && history.holds(round_ + 1, own_group);
+    r.restored_drift_merged = presence == RoundGroups::Presence::kMember ||
+                              (presence == RoundGroups::Presence::kUnknown && next_in_own_group);
+    r.restored_drift_rebased = presence == RoundGroups::Presence::kAbsent;
+    r.restored_drift_dropped = !r.restored_drift_rebased;
+  }
   // This host keeps its drift W - own anchor (rebased onto the group's)
   // when it has an anchor whose drift no round merged: one it holds live
-  // (a member of a group that changed, or one left behind by it), or one
-  // restored at the group's round. The drift of a checkpoint older than
-  // the group's round went into the rounds after it: W = A then, as for a
-  // host without an anchor.
-  r.drift_kept = r.resumed && has_state_ && (!restored_ || round_ == group_round);
-  r.restored_drift_dropped = r.resumed && has_state_ && restored_ && round_ < group_round;
-  if (r.restored_drift_dropped) {
-    r.restored_round = round_;
-    const uint64_t own_group = history_.group_of(round_);  // history_: the checkpoint's record still
-    r.restored_drift_merged = own_group != 0 && history.holds(round_ + 1, own_group);
-  }
+  // (a member of a group that changed, or one left behind by it), one
+  // restored at the group's round, or an older one that no round since
+  // merged (above).
+  r.drift_kept = r.resumed && has_state_ && (!restored_ || round_ == group_round || r.restored_drift_rebased);
   // A round this host saw fail that the source completed in the same
   // group holds this host's delta S - A of its snapshot S (an allreduce
   // that completed anywhere summed every member's): only the drift since
@@ -464,12 +492,26 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   anchor_hash_ = hash_floats(anchor_);
   group_every_ms_ = group_every_ms;
   group_ = group;
+  members_ = members;
   lineage_ = lineage != 0 ? lineage : group;  // a fresh group's, or one resumed from states of none known
   joined_ = has_state_ = true;
   restored_ = false;
   r.round = round_;
   r.bytes = kHeaderBytes + *sent;
   return r;
+}
+
+Status Federator::group_members(const std::vector<Header>& all, uint64_t* members) const {
+  *members = 0;
+  for (uint32_t k = 0; k < all.size(); ++k) {
+    for (uint32_t q = 0; q < k; ++q)
+      if (all[q].host == all[k].host)
+        return {ErrorCode::kInvalidArgument, "federation: host ranks " + std::to_string(q) + " and " +
+                                                 std::to_string(k) + " both say they are host " +
+                                                 std::to_string(all[k].host) + ": the group's members are unknown"};
+    *members |= RoundGroups::member_bit(all[k].host);
+  }
+  return Status::Ok();
 }
 
 Status Federator::refuse_non_finite(const std::vector<Header>& all) const {
@@ -637,7 +679,7 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
     outer_step(exchange, divisor);  // and the new anchor's hash
   }
   ++round_;
-  history_.completed(round_, round_group());
+  history_.completed(round_, round_group(), members_);
   forget_failed_round();
   r.round = round_;
   return r;

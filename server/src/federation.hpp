@@ -81,23 +81,26 @@ struct RoundResult {
   // what was applied after that round's snapshot.
   bool failed_round_merged = false;
   uint64_t failed_round_updates = 0;  // then: that round's local updates, merged with it
-  // The join: this host restored a checkpoint of round `restored_round`,
-  // older than the group's, and took W = A, dropping the checkpoint's
-  // drift W - A_ckpt (and the updates since the restart).
+  // The join: this host restored a checkpoint of round
+  // `restored_round`, older than the group's (docs/federation.md,
+  // "Checkpoints and restarts"). Either it took W = A, dropping the
+  // checkpoint's drift W_ckpt - A_ckpt (and the updates since the restart):
   bool restored_drift_dropped = false;
   uint64_t restored_round = 0;
-  // Then: the source's record shows round restored_round + 1 completed in
-  // the checkpoint's own group of its round (the same members), so this
-  // host's drift went into it. Otherwise the record cannot tell whether
-  // this host was a member of that round (docs/federation.md, "Not done
-  // yet").
+  // then, when the source's record shows this host a member of a group
+  // that completed a round after restored_round, that drift went into it;
+  // otherwise the record could not tell whether a round merged it.
   bool restored_drift_merged = false;
+  // Or the source's record shows every round after restored_round
+  // completed by groups without this host: no round merged that drift,
+  // and it is kept (drift_kept), W + (A - A_ckpt).
+  bool restored_drift_rebased = false;
 };
 
 class Federator {
  public:
   // What every member sends before any delta moves (the header).
-  static constexpr uint64_t kHeaderBytes = 96;
+  static constexpr uint64_t kHeaderBytes = 104;
 
   // `fingerprint.total_elements` sizes every span below.
   Federator(const FederationConfig& config, FederationEngine& engine, const ModelFingerprint& fingerprint);
@@ -114,9 +117,12 @@ class Federator {
   // source is the member with the highest round (the lowest rank among
   // equals): its anchor, round and outer momentum become everybody's, and
   // each member keeps its own drift, rebased onto that anchor:
-  // W + (A - own anchor), but for a checkpoint older than the source's
-  // round (its drift went into the rounds after it); a member without a
-  // state, or with such a checkpoint, takes W = A. A member whose last
+  // W + (A - own anchor); of a checkpoint older than the source's round,
+  // only when the source's record shows every round since completed by
+  // groups without this host (else its drift went into one of them, or
+  // cannot be shown not to have: RoundResult::restored_drift_*). A member
+  // without a state, or with a checkpoint whose drift is not kept, takes
+  // W = A. A member whose last
   // round failed at its end (its allreduce) while the source's rounds
   // show it completed in the same group keeps only the drift since that
   // round's snapshot S: W + (A - S), its delta being in A already. A join
@@ -126,7 +132,8 @@ class Federator {
   // message names both), when states of unrelated lineages meet
   // (settle_lineage()), when this host's weights, anchor or outer
   // momentum hold NaN or Inf (kIo at the others of an elastic engine: they
-  // leave it out); the engine's.
+  // leave it out), when two members give one host id, or the source's
+  // record of groups does not fit its round; the engine's.
   Result<RoundResult> join(std::span<float> exchange);
 
   // One round: `exchange` holds the snapshot S on entry, taken after
@@ -186,9 +193,14 @@ class Federator {
   Result<uint64_t> repair_anchor();
   // Broadcasts `root`'s anchor into payload_ (and, `with_momentum`, its
   // outer momentum into momentum_, committed only once every collective
-  // went through; with `history`, its RoundGroups into *history); the
-  // bytes this host sent.
-  Result<uint64_t> receive_state(uint32_t root, bool with_momentum, RoundGroups* history = nullptr);
+  // went through; with `history`, its RoundGroups into *history, refused
+  // with kInvalidArgument unless plausible for `history_round`); the bytes
+  // this host sent.
+  Result<uint64_t> receive_state(uint32_t root, bool with_momentum, RoundGroups* history = nullptr,
+                                 uint64_t history_round = 0);
+  // The join: the members' host ids (their headers') as RoundGroups
+  // bits; kInvalidArgument when two members give the same id.
+  Status group_members(const std::vector<Header>& all, uint64_t* members) const;
   // A' from A and the mean delta (payload_ / divisor); writes A' - S into
   // exchange, and A''s hash.
   void outer_step(std::span<float> exchange, float divisor);
@@ -208,6 +220,7 @@ class Federator {
   uint64_t round_ = 0;
   RoundGroups history_;   // of the rounds up to round_ (a checkpoint's after a restore)
   uint64_t group_ = 0;    // this group's id (the join's members' nonces hashed)
+  uint64_t members_ = 0;  // this group's members (RoundGroups::member_bit() of each)
   uint64_t lineage_ = 0;  // lineage(): the state's, restored or joined
   uint64_t anchor_hash_ = 0;
   uint32_t group_every_ms_ = 0;

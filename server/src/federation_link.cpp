@@ -279,7 +279,7 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
     return discard();
   }
   publish(*r, static_cast<uint64_t>(std::chrono::nanoseconds(Clock::now() - start).count()));
-  if (r->restored_drift_dropped) log_dropped_drift(*r);
+  if (r->restored_drift_dropped || r->restored_drift_rebased) log_restored_drift(*r);
   // Merged, or gone: a join that does not keep the drift sets W = A.
   if (!join || !r->drift_kept) unmerged_updates_ = 0;
   if (join) {
@@ -318,13 +318,25 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
   return wait_for(Phase::kIdle) ? Outcome::kMerged : Outcome::kOver;
 }
 
-void FederationLink::log_dropped_drift(const RoundResult& r) const {
+void FederationLink::log_restored_drift(const RoundResult& r) const {
   // unmerged_updates_: the checkpoint's, and those of the join's snapshot
   // since the restart.
   const uint64_t in_checkpoint = std::min(unmerged_updates_, restored_unmerged_);
   const uint64_t since_restart = unmerged_updates_ - in_checkpoint;
+  // The rounds since the checkpoint: "round 6", "rounds 6 to 9".
+  const bool one = r.round == r.restored_round + 1;
+  const std::string after = (one ? "round " : "rounds ") + std::to_string(r.restored_round + 1) +
+                            (one ? "" : " to " + std::to_string(r.round));
+  const std::string any_of = (one ? "" : "one of ") + after;
+  if (r.restored_drift_rebased) {
+    log::info("federation: the join rebases the checkpoint's weights of round " + std::to_string(r.restored_round) +
+              " onto the group's anchor of round " + std::to_string(r.round) + ": the groups that completed " + after +
+              " did not hold this host, so its " + std::to_string(in_checkpoint) +
+              " local updates not merged as of the checkpoint are kept, with the " + std::to_string(since_restart) +
+              " applied since the restart");
+    return;
+  }
   if (in_checkpoint == 0 && since_restart == 0) return;
-  const std::string next = std::to_string(r.restored_round + 1);
   std::string text = "federation: the join takes the group's anchor of round " + std::to_string(r.round) +
                      " as the weights, over the checkpoint's of round " + std::to_string(r.restored_round);
   if (since_restart != 0)
@@ -332,10 +344,10 @@ void FederationLink::log_dropped_drift(const RoundResult& r) const {
   if (in_checkpoint != 0)
     text += "; the checkpoint's " + std::to_string(in_checkpoint) + " local updates not merged as of its round " +
             (r.restored_drift_merged
-                 ? "went into round " + next + " (this host was a member)"
-                 : "are dropped: merged already if this host was a member of round " + next +
-                       ", lost if it was gone by then (the record of groups cannot tell: docs/federation.md, \"Not "
-                       "done yet\")");
+                 ? "are in the group's anchor (this host was a member of a group that completed " + any_of + ")"
+                 : "are dropped: merged already if this host was a member of a group that completed " + any_of +
+                       ", lost if it was in none of them (the source's record of groups cannot tell: it does not "
+                       "reach back, or names no members)");
   if (since_restart == 0 && r.restored_drift_merged)
     log::info(text);
   else

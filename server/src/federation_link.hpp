@@ -113,10 +113,11 @@ class FederationLink {
   // One round (or the join): asks for the snapshot, runs the Federator
   // over it, hands the correction back and waits for the merge.
   Outcome exchange(bool join);
-  // The join took W = A over a checkpoint older than the group's round
-  // (RoundResult::restored_drift_dropped): logs the local updates that
-  // dropped, and whether the record shows the checkpoint's merged.
-  void log_dropped_drift(const RoundResult& r) const;
+  // The join over a checkpoint older than the group's round: logs the
+  // local updates it kept (RoundResult::restored_drift_rebased) or dropped
+  // (restored_drift_dropped), and whether the record shows the
+  // checkpoint's merged.
+  void log_restored_drift(const RoundResult& r) const;
   // Hands an abandoned round's snapshot back (kDiscarded) and waits for
   // the consumer to take it.
   Outcome discard();

@@ -4,7 +4,7 @@
 
 namespace shmps::server {
 
-void RoundGroups::completed(uint64_t round, uint64_t group) noexcept {
+void RoundGroups::completed(uint64_t round, uint64_t group, uint64_t members) noexcept {
   size_t used = 0;
   while (used < kSpans && spans[used].first != 0) ++used;
   if (used > 0 && spans[used - 1].group == group && spans[used - 1].last + 1 == round) {
@@ -15,7 +15,7 @@ void RoundGroups::completed(uint64_t round, uint64_t group) noexcept {
     std::move(spans.begin() + 1, spans.end(), spans.begin());
     used = kSpans - 1;
   }
-  spans[used] = {group, round, round};
+  spans[used] = {group, round, round, members};
 }
 
 bool RoundGroups::holds(uint64_t round, uint64_t group) const noexcept {
@@ -30,12 +30,27 @@ uint64_t RoundGroups::group_of(uint64_t round) const noexcept {
   return 0;
 }
 
+RoundGroups::Presence RoundGroups::presence(uint32_t host, uint64_t after, uint64_t through) const noexcept {
+  const uint64_t bit = member_bit(host);
+  uint64_t next = after + 1;  // the first round of after..through not yet seen in a span
+  bool all_known = bit != 0;
+  for (const Span& s : spans) {
+    if (s.first == 0 || s.last <= after || s.first > through) continue;
+    if ((s.members & bit) != 0) return Presence::kMember;
+    // A round of the range that no span holds (the record starts later, or
+    // a gap), or a span whose members are unknown: absence is not shown.
+    if (s.first > next || s.members == kMembersUnknown) all_known = false;
+    next = std::max(next, s.last + 1);
+  }
+  return all_known && next > through ? Presence::kAbsent : Presence::kUnknown;
+}
+
 bool RoundGroups::plausible(uint64_t round) const noexcept {
   uint64_t after = 0;  // the last round of the span before
   bool empty_seen = false;
   for (const Span& s : spans) {
     if (s.first == 0) {
-      if (s.last != 0 || s.group != 0) return false;
+      if (s.last != 0 || s.group != 0 || s.members != kMembersUnknown) return false;
       empty_seen = true;
       continue;
     }

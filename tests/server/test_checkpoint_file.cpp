@@ -15,6 +15,8 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "checkpoint.hpp"
 #include "shmps/server/log.hpp"
@@ -96,17 +98,46 @@ BOOST_AUTO_TEST_CASE(a_written_checkpoint_reads_back_whole) {
   BOOST_TEST(names(dir.path) == std::vector<std::string>{"ckpt-00000000000000000009.shmps"});  // no temp file left
 }
 
-// Which groups completed rounds 1..42: 1-30 group 2, 31-40 group 5, 41-42 group 6.
+// Which groups completed rounds 1..42, and their members (host ids as
+// bits): 1-30 group 2 (hosts 0-2), 31-40 group 5 (hosts 0 and 2), 41-42
+// group 6 (hosts 0 and 63).
+constexpr uint64_t kMembers2 = 0b111, kMembers5 = 0b101, kMembers6 = uint64_t{1} << 63 | 1;
 RoundGroups some_history() {
   RoundGroups h;
-  for (uint64_t round = 1; round <= 42; ++round) h.completed(round, round <= 30 ? 2 : round <= 40 ? 5 : 6);
+  for (uint64_t round = 1; round <= 42; ++round)
+    h.completed(round,
+                round <= 30   ? 2
+                : round <= 40 ? 5
+                              : 6,
+                round <= 30   ? kMembers2
+                : round <= 40 ? kMembers5
+                              : kMembers6);
   return h;
 }
 
+// The bytes of `bytes` less `n` from `at`, with format `format` and the
+// checksum made again: an older format's file from a newer one's.
+std::string as_format(std::string bytes, uint32_t format, const std::vector<std::pair<size_t, size_t>>& cuts) {
+  for (auto it = cuts.rbegin(); it != cuts.rend(); ++it) bytes.erase(it->first, it->second);
+  std::memcpy(bytes.data() + 8, &format, 4);  // CheckpointHeader::format
+  boost::crc_32_type crc;
+  crc.process_bytes(bytes.data(), bytes.size() - 4);
+  const uint32_t sum = crc.checksum();
+  std::memcpy(bytes.data() + bytes.size() - 4, &sum, 4);
+  return bytes;
+}
+
+// Where the federation section's record starts in a file of adam_layout():
+// after the header, 2 tensor records and 7 x 3 floats; the record of
+// groups follows its 32 bytes.
+constexpr size_t kFederationRecord = 64 + 2 * 112 + 7 * 3 * 4;
+constexpr size_t kRoundGroupsAt = kFederationRecord + 32;
+
 // A federated server's checkpoint holds the federation's state (anchor,
 // round, outer momentum, unmerged updates, which groups completed its
-// rounds) after the optimizer state, in format 3; one without it is
-// written as format 1 (which older builds read) and reads back without it.
+// rounds and their members) after the optimizer state, in format 4; one
+// without it is written as format 1 (which older builds read) and reads
+// back without it.
 BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads) {
   test::TempDir dir("ckptfile");
   CheckpointData d = make_data(adam_layout(), 11, 0.5f);
@@ -123,6 +154,8 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
   BOOST_TEST(r->federation->momentum == d.federation->momentum);
   BOOST_TEST((r->federation->history == d.federation->history));
   BOOST_TEST(r->federation->history.holds(35, 5));
+  BOOST_TEST(r->federation->history.spans[1].members == kMembers5);
+  BOOST_TEST(r->federation->history.spans[2].members == kMembers6);
   BOOST_TEST(r->federation->lineage == 0xabcdu);
   BOOST_TEST(r->weights == d.weights);
 
@@ -141,11 +174,37 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
   std::memcpy(&format, contents(ckpt(dir, 13)).data() + 8, 4);  // CheckpointHeader::format
   BOOST_TEST(format == 1u);
   std::memcpy(&format, contents(ckpt(dir, 11)).data() + 8, 4);
-  BOOST_TEST(format == 3u);
+  BOOST_TEST(format == 4u);
   r = read_checkpoint(ckpt(dir, 13), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
   BOOST_TEST(!r->federation.has_value());
   BOOST_TEST(r->weights == plain.weights);
+}
+
+// A format-3 file (the record of groups without members, as the builds
+// before format 4 wrote it) still reads: its spans come back with their
+// members unknown, which the join takes as "cannot tell" (test_federation,
+// a_join_over_an_older_checkpoint_tells_whether_its_drift_was_merged).
+BOOST_AUTO_TEST_CASE(a_format_3_federation_section_reads_with_members_unknown) {
+  test::TempDir dir("ckptfile");
+  CheckpointData d = make_data(adam_layout(), 11, 0.5f);
+  d.federation = FederationState{42, false, std::vector<float>(7, 1.5f), {}, 9, some_history(), 0xabcd};
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
+  // Each 32-byte span {group, first, last, members} less its members.
+  std::vector<std::pair<size_t, size_t>> members;
+  for (size_t k = 0; k < RoundGroups::kSpans; ++k) members.emplace_back(kRoundGroupsAt + k * 32 + 24, 8);
+  put(ckpt(dir, 11), as_format(contents(ckpt(dir, 11)), 3, members));
+  auto r = read_checkpoint(ckpt(dir, 11), adam_layout());
+  BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
+  BOOST_TEST_REQUIRE(r->federation.has_value());
+  BOOST_TEST(r->federation->round == 42u);
+  BOOST_TEST(r->federation->lineage == 0xabcdu);
+  BOOST_TEST(r->federation->anchor == d.federation->anchor);
+  RoundGroups want = some_history();
+  for (RoundGroups::Span& span : want.spans) span.members = RoundGroups::kMembersUnknown;
+  BOOST_TEST((r->federation->history == want));
+  BOOST_TEST(r->federation->history.holds(35, 5));
+  BOOST_TEST((r->federation->history.presence(1, 30, 42) == RoundGroups::Presence::kUnknown));
 }
 
 // A format-2 file (a federation section without the record of groups,
@@ -156,17 +215,9 @@ BOOST_AUTO_TEST_CASE(a_format_2_federation_section_reads_without_groups) {
   CheckpointData d = make_data(adam_layout(), 11, 0.5f);
   d.federation = FederationState{42, false, std::vector<float>(7, 1.5f), {}, 9, some_history()};
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
-  // Format 3 less the 192 bytes of RoundGroups after the 32-byte record,
+  // Format 4 less the 256 bytes of RoundGroups after the 32-byte record,
   // checksummed again: what format 2 was.
-  std::string bytes = contents(ckpt(dir, 11));
-  const size_t record = 64 + 2 * 112 + 7 * 3 * 4;
-  bytes.erase(record + 32, 192);
-  const uint32_t format2 = 2;
-  std::memcpy(bytes.data() + 8, &format2, 4);
-  boost::crc_32_type crc;
-  crc.process_bytes(bytes.data(), bytes.size() - 4);
-  const uint32_t sum = crc.checksum();
-  std::memcpy(bytes.data() + bytes.size() - 4, &sum, 4);
+  std::string bytes = as_format(contents(ckpt(dir, 11)), 2, {{kRoundGroupsAt, sizeof(RoundGroups)}});
   put(ckpt(dir, 11), bytes);
   auto r = read_checkpoint(ckpt(dir, 11), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
@@ -174,10 +225,10 @@ BOOST_AUTO_TEST_CASE(a_format_2_federation_section_reads_without_groups) {
   BOOST_TEST(r->federation->round == 42u);
   BOOST_TEST(r->federation->anchor == d.federation->anchor);
   BOOST_TEST((r->federation->history == RoundGroups{}));
-  const uint32_t format4 = 4;
-  std::memcpy(bytes.data() + 8, &format4, 4);
+  const uint32_t format5 = 5;
+  std::memcpy(bytes.data() + 8, &format5, 4);
   put(ckpt(dir, 11), bytes);
-  BOOST_TEST(contains(error_of(read_checkpoint(ckpt(dir, 11), adam_layout())), "format 4, this build reads 1 to 3"));
+  BOOST_TEST(contains(error_of(read_checkpoint(ckpt(dir, 11), adam_layout())), "format 5, this build reads 1 to 4"));
 }
 
 // The section's flags and record are checked like the rest: unknown flags,
@@ -203,30 +254,35 @@ BOOST_AUTO_TEST_CASE(a_damaged_federation_section_is_refused) {
   for (uint32_t flags : {4u, 2u}) BOOST_TEST(contains(patched(36, &flags, 4), "implausible header"));  // ::flags
   const uint32_t format1 = 1;
   BOOST_TEST(contains(patched(8, &format1, 4), "implausible header"));
-  // The record follows the header, 2 tensor records and 7 x 3 floats.
-  const size_t record = 64 + 2 * 112 + 7 * 3 * 4;
+  const size_t record = kFederationRecord;
   const uint64_t wrap = ~uint64_t{0};
   BOOST_TEST(contains(patched(record, &wrap, 8), "implausible federation record"));
   const uint32_t started = 7;
   BOOST_TEST(contains(patched(record + 8, &started, 4), "implausible federation record"));
   BOOST_TEST(contains(patched(record + 16, &wrap, 8), "implausible federation record"));  // unmerged updates
   // The record of groups follows the 32-byte record: 8 spans {group,
-  // first, last}. Rounds past the checkpoint's round 3, a span ending
-  // before it starts, spans out of order or after an empty one: refused.
-  const size_t spans = record + 32;
-  const auto span = [&](size_t k, uint64_t group, uint64_t first, uint64_t last) {
-    const uint64_t v[3] = {group, first, last};
-    return patched(spans + k * 24, v, sizeof v);
+  // first, last, members}. Rounds past the checkpoint's round 3, a span
+  // ending before it starts, spans out of order or after an empty one,
+  // members in an empty span: refused. A span's members are any bits (0:
+  // unknown, as a format-3 record's).
+  const size_t spans = kRoundGroupsAt;
+  const auto span = [&](size_t k, uint64_t group, uint64_t first, uint64_t last, uint64_t members = 0b11) {
+    const uint64_t v[4] = {group, first, last, members};
+    return patched(spans + k * 32, v, sizeof v);
   };
-  // Two spans at once: {g1, f1, l1}, {g2, f2, l2}.
+  // Two spans at once: {g1, f1, l1, hosts 0 and 1}, {g2, f2, l2, host 5}.
   const auto spans2 = [&](uint64_t f1, uint64_t l1, uint64_t f2, uint64_t l2) {
-    const uint64_t v[6] = {7, f1, l1, 9, f2, l2};
+    const uint64_t v[8] = {7, f1, l1, 0b11, 9, f2, l2, 0b100000};
     return patched(spans, v, sizeof v);
   };
   BOOST_TEST(span(0, 1, 1, 3) == "(read fine)");  // rounds 1-3 in group 1: plausible
+  BOOST_TEST(span(0, 1, 1, 3, RoundGroups::kMembersUnknown) == "(read fine)");
+  BOOST_TEST(span(0, 1, 1, 3, ~uint64_t{0}) == "(read fine)");  // all 64 host ids
   BOOST_TEST(spans2(1, 2, 3, 3) == "(read fine)");
-  for (const std::string& e : {span(0, 1, 1, 4), span(0, 1, 3, 2), span(1, 1, 1, 2), span(0, 0, 0, 2),
-                               spans2(2, 3, 1, 1), spans2(1, 2, 2, 3)})  // the last two out of order, overlapping
+  for (const std::string& e :
+       {span(0, 1, 1, 4), span(0, 1, 3, 2), span(1, 1, 1, 2), span(0, 0, 0, 2), spans2(2, 3, 1, 1),
+        spans2(1, 2, 2, 3),                                                               // out of order, overlapping
+        span(0, 0, 0, 0, 1), span(RoundGroups::kSpans - 1, 0, 0, 0, uint64_t{1} << 40)})  // members, no rounds
     BOOST_TEST(contains(e, "implausible record of the rounds' groups for round 3"), e);
 }
 

@@ -648,29 +648,62 @@ BOOST_AUTO_TEST_CASE(a_host_whose_weights_are_not_finite_at_the_join_stays_out) 
   }
 }
 
-// A host restored from a checkpoint older than the group's round takes
-// W = A, dropping the checkpoint's drift: the join says so, and whether
-// the source's record shows the next round completed by the checkpoint's
-// own group (this host a member: its drift went into that round) or by
-// another (the record cannot tell whether this host was in it).
+// A host restored from a checkpoint of round 5, older than the group's
+// round 7, whose drift W - A_ckpt no round may have merged. The source's
+// record of groups decides: this host (host 0) a member of a group that
+// completed round 6 or 7 (its drift went into it): W = A7, dropped and
+// said merged; every round after 5 completed by groups without it: the
+// drift is kept, rebased onto A7 (W + A7 - A5); neither shown (members
+// unknown, as in a format-3 record; the record starting after round 6; a
+// state of unknown lineage): W = A7, dropped, and said merged only when
+// round 6 completed in the checkpoint's own group of round 5.
 BOOST_AUTO_TEST_CASE(a_join_over_an_older_checkpoint_tells_whether_its_drift_was_merged) {
-  for (const bool same_group : {true, false}) {
-    BOOST_TEST_CONTEXT("round 6 in the checkpoint's group " << same_group) {
-      FederationState older = state_of(0x77, 5, 1.0f), newer = state_of(0x77, 7, 2.0f);
+  constexpr uint64_t kUnknown = RoundGroups::kMembersUnknown, kAll = 0b111, kOthers = 0b110;
+  enum class Drift { kMerged, kRebased, kNotShown };
+  struct Case {
+    const char* what;
+    uint64_t group6, members6, group7, members7;
+    Drift want;
+    bool merged;  // restored_drift_merged
+    uint64_t lineage = 0x77;
+    bool record_from_7 = false;  // the source's record starts at round 7
+  };
+  const Case cases[] = {
+      {"members unknown, round 6 in the checkpoint's group", 0x11, kUnknown, 0x11, kUnknown, Drift::kNotShown, true},
+      {"members unknown, round 6 in another group", 0x22, kUnknown, 0x22, kUnknown, Drift::kNotShown, false},
+      {"a member of round 6's group", 0x11, kAll, 0x11, kAll, Drift::kMerged, true},
+      {"a member of round 7's group only", 0x22, kOthers, 0x33, 0b011, Drift::kMerged, true},
+      {"a member of neither group", 0x22, kOthers, 0x22, kOthers, Drift::kRebased, false},
+      {"round 7's members unknown", 0x22, kOthers, 0x33, kUnknown, Drift::kNotShown, false},
+      {"the record starts at round 7", 0x22, kOthers, 0x22, kOthers, Drift::kNotShown, false, 0x77, true},
+      {"a checkpoint of unknown lineage", 0x22, kOthers, 0x22, kOthers, Drift::kNotShown, false, 0},
+  };
+  for (const Case& c : cases) {
+    BOOST_TEST_CONTEXT(c.what) {
+      FederationState older = state_of(c.lineage, 5, 1.0f), newer = state_of(0x77, 7, 2.0f);
       for (uint64_t k = 1; k <= 5; ++k) {
-        older.history.completed(k, 0x11);
-        newer.history.completed(k, 0x11);
+        older.history.completed(k, 0x11, c.members6 == kUnknown ? kUnknown : kAll);
+        if (!c.record_from_7) newer.history.completed(k, 0x11, c.members6 == kUnknown ? kUnknown : kAll);
       }
-      for (uint64_t k = 6; k <= 7; ++k) newer.history.completed(k, same_group ? 0x11 : 0x22);
+      if (!c.record_from_7) newer.history.completed(6, c.group6, c.members6);
+      newer.history.completed(7, c.group7, c.members7);
       const Joins j = joins_from({older, newer}, false);
       for (uint32_t r = 0; r < 2; ++r) BOOST_TEST_REQUIRE(j.joined[r].ok(), j.joined[r].status().to_string());
-      BOOST_TEST(j.joined[0]->restored_drift_dropped);
-      BOOST_TEST(!j.joined[0]->drift_kept);
       BOOST_TEST(j.joined[0]->restored_round == 5u);
-      BOOST_TEST(j.joined[0]->restored_drift_merged == same_group);
+      BOOST_TEST(j.joined[0]->restored_drift_dropped == (c.want != Drift::kRebased));
+      BOOST_TEST(j.joined[0]->restored_drift_rebased == (c.want == Drift::kRebased));
+      BOOST_TEST(j.joined[0]->drift_kept == (c.want == Drift::kRebased));
+      BOOST_TEST(j.joined[0]->restored_drift_merged == c.merged);
       BOOST_TEST(!j.joined[1]->restored_drift_dropped);  // the source: its drift kept
+      BOOST_TEST(!j.joined[1]->restored_drift_rebased);
       BOOST_TEST(j.joined[1]->drift_kept);
-      for (size_t i = 0; i < kN; i += 97) BOOST_TEST(9.0f + j.corrections[0][i] == 2.0f);  // W = A
+      // W = 9 everywhere: W = A7 = 2, or W + A7 - A5 = 10 (the correction A7 - A5).
+      const float want = c.want == Drift::kRebased ? 10.0f : 2.0f;
+      BOOST_TEST(
+          std::all_of(j.corrections[0].begin(), j.corrections[0].end(), [&](float v) { return 9.0f + v == want; }));
+      BOOST_TEST_REQUIRE(j.after[0].has_value());
+      BOOST_TEST(j.after[0]->round == 7u);
+      BOOST_TEST((j.after[0]->history == newer.history));  // the source's record, handed on
     }
   }
 }
@@ -878,14 +911,45 @@ BOOST_AUTO_TEST_CASE(round_groups_keep_the_last_spans) {
   BOOST_TEST(!h.holds(1, 0));
   uint64_t round = 0;
   for (uint64_t group = 0; group < RoundGroups::kSpans + 2; ++group)
-    for (int k = 0; k < 3; ++k) h.completed(++round, group);  // group g: rounds 3g+1 .. 3g+3
-  BOOST_TEST(!h.holds(1, 0));                                 // groups 0 and 1 fell out
+    for (int k = 0; k < 3; ++k) h.completed(++round, group, 1);  // group g: rounds 3g+1 .. 3g+3
+  BOOST_TEST(!h.holds(1, 0));                                    // groups 0 and 1 fell out
   BOOST_TEST(!h.holds(6, 1));
   BOOST_TEST(h.holds(7, 2));
   BOOST_TEST(h.holds(9, 2));
   BOOST_TEST(!h.holds(9, 3));  // another group's
   BOOST_TEST(h.holds(round, RoundGroups::kSpans + 1));
   BOOST_TEST(!h.holds(round + 1, RoundGroups::kSpans + 1));
+}
+
+// Whether a host was a member of a group that completed one of the rounds
+// after a checkpoint's: shown by one span that holds it; its absence only
+// by spans that hold every one of those rounds, each with its members.
+BOOST_AUTO_TEST_CASE(round_groups_tell_whether_a_host_was_in_the_rounds_since) {
+  using P = RoundGroups::Presence;
+  RoundGroups h;
+  for (uint64_t k = 1; k <= 3; ++k) h.completed(k, 1, 0b011);  // hosts 0 and 1
+  for (uint64_t k = 4; k <= 5; ++k) h.completed(k, 2, 0b110);  // hosts 1 and 2
+  h.completed(6, 3, RoundGroups::kMembersUnknown);             // as from a format-3 record
+  BOOST_TEST(h.spans[1].members == 0b110u);
+  BOOST_TEST((h.presence(0, 3, 5) == P::kAbsent));
+  BOOST_TEST((h.presence(2, 0, 3) == P::kAbsent));
+  BOOST_TEST((h.presence(0, 2, 5) == P::kMember));    // round 3
+  BOOST_TEST((h.presence(1, 3, 6) == P::kMember));    // rounds 4-5 show it, round 6 unknown
+  BOOST_TEST((h.presence(0, 3, 6) == P::kUnknown));   // round 6's members unknown
+  BOOST_TEST((h.presence(0, 3, 7) == P::kUnknown));   // round 7 not in the record
+  BOOST_TEST((h.presence(64, 3, 5) == P::kUnknown));  // an id without a bit (an MPI rank past 63)
+  BOOST_TEST(RoundGroups::member_bit(63) == uint64_t{1} << 63);
+  BOOST_TEST(RoundGroups::member_bit(64) == 0u);
+  // A record that no longer reaches back to round 1 (its span fell out).
+  RoundGroups late;
+  for (uint64_t k = 1; k <= RoundGroups::kSpans + 1; ++k) late.completed(k, k, 0b10);
+  BOOST_TEST((late.presence(0, 0, RoundGroups::kSpans + 1) == P::kUnknown));
+  BOOST_TEST((late.presence(0, 1, RoundGroups::kSpans + 1) == P::kAbsent));
+  // Members are any bits (none: unknown), but none in an empty span.
+  BOOST_TEST(h.plausible(6));
+  RoundGroups bad = h;
+  bad.spans[RoundGroups::kSpans - 1].members = 1;
+  BOOST_TEST(!bad.plausible(6));
 }
 
 namespace {
@@ -1105,6 +1169,168 @@ BOOST_AUTO_TEST_CASE(a_failed_round_is_remembered_through_a_join_of_a_group_behi
     BOOST_TEST(rejoined[h]->failed_round_merged);
     for (size_t i = 0; i < kN; i += 41)
       BOOST_TEST(std::abs(weights[h][i] + corrections[h][i] - (a2[i] + 0.0625f)) <= 1e-6f, i);
+  }
+}
+
+// The record of groups holds each span's members, by host id (not rank):
+// four hosts of ids 5, 9, 63 and 100 (an MPI rank past the bits, which
+// has none) complete rounds 1 and 2, then hosts 5 and 63 round 3; the
+// record is handed on by the joins, the same at both.
+BOOST_AUTO_TEST_CASE(each_span_of_rounds_records_its_groups_members) {
+  Hosts hosts(4, FederationConfig{});
+  const uint32_t ids[] = {5, 9, 63, 100};
+  for (uint32_t h = 0; h < 4; ++h) hosts.engines[h]->host = ids[h];
+  const auto rounds = [&](uint32_t n) {
+    return [&, n](uint32_t h, Federator& f) {
+      f.rejoin();
+      std::vector<float> ex(kN, 1.0f);
+      (void)f.join(ex);
+      for (uint32_t k = 0; k < n; ++k) {
+        ex.assign(f.anchor().begin(), f.anchor().end());
+        ex[h] += 0.5f;
+        (void)f.round(ex, 1);
+      }
+    };
+  };
+  run_group(hosts, {0, 1, 2, 3}, rounds(2));
+  run_group(hosts, {0, 2}, rounds(1));
+  const std::optional<FederationState> state = hosts.feds[2]->state();
+  BOOST_TEST_REQUIRE(state.has_value());
+  BOOST_TEST_REQUIRE(state->round == 3u);
+  const RoundGroups& record = state->history;
+  BOOST_TEST(record.spans[0].first == 1u);
+  BOOST_TEST(record.spans[0].last == 2u);
+  BOOST_TEST(record.spans[0].members == (uint64_t{1} << 5 | uint64_t{1} << 9 | uint64_t{1} << 63));
+  BOOST_TEST(record.spans[1].first == 3u);
+  BOOST_TEST(record.spans[1].last == 3u);
+  BOOST_TEST(record.spans[1].members == (uint64_t{1} << 5 | uint64_t{1} << 63));
+  BOOST_TEST(record.spans[2].first == 0u);
+  BOOST_TEST((hosts.feds[0]->state()->history == record));
+  BOOST_TEST((record.presence(9, 2, 3) == RoundGroups::Presence::kAbsent));
+  BOOST_TEST((record.presence(100, 0, 3) == RoundGroups::Presence::kUnknown));
+}
+
+// Host 2 of three is in round 1, then checkpoints (its drift D = 0.5
+// since) while hosts 0 and 1 complete rounds 2 and 3 without it (it was
+// paused, partitioned, or served alone); it restarts from that checkpoint,
+// applies U = 0.25 more, and joins them at round 3. No round merged D: it
+// is rebased with U onto A3, W + (A3 - A1), exactly. Had host 2 been in
+// round 2 (which merged D), the join takes W = A3, as before.
+BOOST_AUTO_TEST_CASE(a_restored_host_keeps_the_drift_that_no_round_merged) {
+  for (const bool in_round_2 : {false, true}) {
+    BOOST_TEST_CONTEXT("host 2 in round 2: " << in_round_2) {
+      FederationConfig config;
+      config.weight_by_updates = false;
+      Hosts hosts(3, config);
+      std::vector<std::vector<float>> weights(3, std::vector<float>(kN, 1.0f));
+      // Each member's W: S plus the correction, as the consumer's merge.
+      const auto round = [&](uint32_t h, Federator& f, float delta) {
+        std::vector<float> ex(f.anchor().begin(), f.anchor().end());
+        for (float& v : ex) v += delta;
+        weights[h] = ex;
+        (void)f.round(ex, 1);
+        for (size_t i = 0; i < kN; ++i) weights[h][i] += ex[i];
+      };
+      run_group(hosts, {0, 1, 2}, [&](uint32_t h, Federator& f) {
+        std::vector<float> ex = weights[h];
+        (void)f.join(ex);
+        for (size_t i = 0; i < kN; ++i) weights[h][i] += ex[i];
+        round(h, f, 0.125f * static_cast<float>(h + 1));
+      });
+      const std::vector<float> a1(hosts.feds[2]->anchor().begin(), hosts.feds[2]->anchor().end());
+      for (float& v : weights[2]) v += 0.5f;  // D
+      std::optional<FederationState> checkpoint = hosts.feds[2]->state();
+      const std::vector<float> checkpoint_weights = weights[2];
+      BOOST_TEST_REQUIRE(checkpoint.has_value());
+      const auto rejoin_round = [&](uint32_t h, Federator& f) {
+        f.rejoin();
+        std::vector<float> ex = weights[h];
+        (void)f.join(ex);
+        for (size_t i = 0; i < kN; ++i) weights[h][i] += ex[i];
+        round(h, f, 0.25f);
+      };
+      if (in_round_2) {
+        run_group(hosts, {0, 1, 2}, rejoin_round);
+        run_group(hosts, {0, 1}, rejoin_round);
+      } else {
+        run_group(hosts, {0, 1}, rejoin_round);
+        run_group(hosts, {0, 1}, [&](uint32_t h, Federator& f) { round(h, f, 0.25f); });
+      }
+      BOOST_TEST_REQUIRE(hosts.feds[0]->round_number() == 3u);
+      const std::vector<float> a3(hosts.feds[0]->anchor().begin(), hosts.feds[0]->anchor().end());
+      // The restart: the checkpoint's state and weights, and U since.
+      ModelFingerprint print = fingerprint();
+      print.outer = outer_code(config);
+      hosts.feds[2] = std::make_unique<Federator>(config, *hosts.engines[2], print);
+      BOOST_TEST_REQUIRE(hosts.feds[2]->restore(std::move(*checkpoint)).ok());
+      weights[2] = checkpoint_weights;
+      for (float& v : weights[2]) v += 0.25f;  // U
+      std::vector<Result<RoundResult>> joined(3, Status{ErrorCode::kInternal, "not run"});
+      std::vector<std::vector<float>> corrections = weights;
+      run_group(hosts, {0, 1, 2}, [&](uint32_t h, Federator& f) {
+        if (h != 2) f.rejoin();
+        joined[h] = f.join(corrections[h]);
+      });
+      for (uint32_t h = 0; h < 3; ++h) BOOST_TEST_REQUIRE(joined[h].ok(), joined[h].status().to_string());
+      BOOST_TEST(joined[2]->round == 3u);
+      BOOST_TEST(joined[2]->restored_round == 1u);
+      BOOST_TEST(joined[2]->restored_drift_rebased == !in_round_2);
+      BOOST_TEST(joined[2]->drift_kept == !in_round_2);
+      BOOST_TEST(joined[2]->restored_drift_dropped == in_round_2);
+      BOOST_TEST(joined[2]->restored_drift_merged == in_round_2);
+      size_t wrong = 0;
+      for (size_t i = 0; i < kN; ++i) {
+        // Rebased: the correction A3 - A1 (D and U kept); merged: A3 - W.
+        const float want = in_round_2 ? a3[i] - weights[2][i] : a3[i] - a1[i];
+        wrong += corrections[2][i] == want ? 0 : 1;
+      }
+      BOOST_TEST(wrong == 0u);
+      BOOST_TEST(std::abs(weights[2][0] + corrections[2][0] - (in_round_2 ? a3[0] : a3[0] + 0.75f)) <= 1e-6f);
+    }
+  }
+}
+
+// Bytes from a peer that cannot be: a source's record of groups damaged in
+// flight (members in an empty span) is refused by every member, nobody's
+// state changed; two members giving one host id are refused too.
+BOOST_AUTO_TEST_CASE(a_record_or_host_ids_that_cannot_be_are_refused_at_the_join) {
+  FederationState older = state_of(0x77, 5, 1.0f), newer = state_of(0x77, 7, 2.0f);
+  for (uint64_t k = 1; k <= 7; ++k) newer.history.completed(k, 0x11, 0b11);
+  Hosts hosts(2, FederationConfig{});
+  BOOST_TEST_REQUIRE(hosts.feds[0]->restore(older).ok());
+  BOOST_TEST_REQUIRE(hosts.feds[1]->restore(newer).ok());
+  hosts.engines[1]->on_broadcast = [](std::span<std::byte> data) {
+    if (data.size() != sizeof(RoundGroups)) return;
+    RoundGroups record;
+    std::memcpy(&record, data.data(), sizeof record);
+    record.spans[RoundGroups::kSpans - 1].members = 1;
+    std::memcpy(data.data(), &record, sizeof record);
+  };
+  std::vector<Status> status(2);
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 9.0f);
+    status[r] = f.join(ex).status();
+  });
+  for (uint32_t r = 0; r < 2; ++r) {
+    BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+    BOOST_TEST(mentions(status[r],
+                        "the record of groups that host rank 1 (the join's source) sent does not fit its "
+                        "round 7"),
+               status[r].message());
+    BOOST_TEST_REQUIRE(hosts.feds[r]->state().has_value());
+    BOOST_TEST(hosts.feds[r]->state()->round == (r == 0 ? 5u : 7u));
+    BOOST_TEST(hosts.feds[r]->state()->anchor[0] == (r == 0 ? 1.0f : 2.0f));
+  }
+  Hosts twins(2, FederationConfig{});
+  twins.engines[1]->host = 0;
+  twins.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 9.0f);
+    status[r] = f.join(ex).status();
+  });
+  for (uint32_t r = 0; r < 2; ++r) {
+    BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+    BOOST_TEST(mentions(status[r], "host ranks 0 and 1 both say they are host 0"), status[r].message());
+    BOOST_TEST(!twins.feds[r]->state().has_value());
   }
 }
 

@@ -5,8 +5,9 @@
 // its allreduce results (anchors that drift apart), to fail its k-th
 // collective (before meeting the others, or after: they complete it, as
 // with a host that dies at its very end), or to run a hook before each
-// allreduce (a test holding a round in its exchange). Header-only;
-// thread-safe.
+// allreduce (a test holding a round in its exchange) or on the bytes of
+// each broadcast it roots (a damaged peer). A member's host id is its
+// first rank unless a test sets another. Header-only; thread-safe.
 #pragma once
 
 #include <atomic>
@@ -66,10 +67,11 @@ class FakeGroup {
 
 class FakeEngine final : public server::FederationEngine {
  public:
-  FakeEngine(std::shared_ptr<FakeGroup> group, uint32_t rank) : group_(std::move(group)), rank_(rank) {}
+  // Host id `rank` (Membership::host), kept through move_to().
+  FakeEngine(std::shared_ptr<FakeGroup> group, uint32_t rank) : host(rank), group_(std::move(group)), rank_(rank) {}
 
   const char* name() const noexcept override { return "fake"; }
-  server::Membership membership() const noexcept override { return {epoch_.load(), rank_, group_->size(), rank_}; }
+  server::Membership membership() const noexcept override { return {epoch_.load(), rank_, group_->size(), host}; }
   bool elastic() const noexcept override { return is_elastic; }
   // The same members again, under the next epoch; the waiting joiner (if
   // any) is then in.
@@ -120,12 +122,14 @@ class FakeEngine final : public server::FederationEngine {
 
   Status broadcast(std::span<std::byte> data, uint32_t root) override {
     if (failing()) return fail();
+    if (rank_ == root && on_broadcast) on_broadcast(data);
     const auto out =
         group_->meet(rank_, data, [root](const std::vector<std::vector<std::byte>>& in) { return in[root]; });
     std::memcpy(data.data(), out.data(), data.size());
     return Status::Ok();
   }
 
+  uint32_t host;              // Membership::host; a test may give two members one id (before their join)
   float perturbation = 0.0f;  // added to every allreduce result of this member
   // This member's collective number fail_at (1 = its first) fails, without
   // meeting the others; 0: none.
@@ -135,8 +139,11 @@ class FakeEngine final : public server::FederationEngine {
   uint64_t fail_after_at = 0;
   std::function<void()> before_allreduce;  // runs before each allreduce meets the others
   std::function<void()> before_allgather;  // and before each allgather (a round's headers)
-  std::atomic<bool> is_elastic{false};     // re-forms (as the same group) instead of ending
-  std::atomic<bool> joiner{false};         // a test's "host waiting to join", seen by this member
+  // Runs on the root's data before each broadcast it roots (a test
+  // sending damaged bytes).
+  std::function<void(std::span<std::byte>)> on_broadcast;
+  std::atomic<bool> is_elastic{false};  // re-forms (as the same group) instead of ending
+  std::atomic<bool> joiner{false};      // a test's "host waiting to join", seen by this member
 
  private:
   bool failing() { return ++collectives_ == fail_at; }
