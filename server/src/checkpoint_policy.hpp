@@ -63,6 +63,9 @@ class CheckpointPolicy {
   const std::string& restored_path() const { return restored_path_; }
   // The federation's state in the checkpoint start() restored, once.
   std::optional<FederationState> take_restored_federation() { return std::exchange(restored_federation_, {}); }
+  // The weights of that checkpoint when it held a federation state, once
+  // (Federator::restore(): what the join keeps of the updates since).
+  std::vector<float> take_restored_weights() { return std::exchange(restored_weights_, {}); }
 
  private:
   CheckpointLayout layout() const;
@@ -97,6 +100,7 @@ class CheckpointPolicy {
   uint64_t last_ns_ = 0;
   FederationSource federation_source_;
   std::optional<FederationState> restored_federation_;
+  std::vector<float> restored_weights_;  // with restored_federation_ only
   std::string restored_path_;
   // The version of the checkpoint restored without federation state
   // (keeps_unfederated_checkpoint(), once a federation source is set).

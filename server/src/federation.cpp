@@ -331,9 +331,10 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   return Status::Ok();
 }
 
-Status Federator::restore(FederationState state) {
+Status Federator::restore(FederationState state, std::vector<float> weights) {
   if (joined_) return {ErrorCode::kInternal, "federation: restore() after join()"};
-  if (state.anchor.size() != anchor_.size() || (!state.momentum.empty() && state.momentum.size() != anchor_.size()))
+  if (state.anchor.size() != anchor_.size() || (!state.momentum.empty() && state.momentum.size() != anchor_.size()) ||
+      (!weights.empty() && weights.size() != anchor_.size()))
     return {ErrorCode::kInvalidArgument, "federation: the checkpoint's anchor does not fit this model"};
   if (!state.history.plausible(state.round))
     return {ErrorCode::kInvalidArgument,
@@ -343,6 +344,7 @@ Status Federator::restore(FederationState state) {
   lineage_ = state.lineage;
   forget_failed_round();
   restored_ = true;
+  restored_weights_ = std::move(weights);
   anchor_ = std::move(state.anchor);
   anchor_hash_ = hash_floats(anchor_);
   // A momentum only for the Nesterov outer step; one stored by another
@@ -470,6 +472,9 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   // restored at the group's round, or an older one that no round since
   // merged (above).
   r.drift_kept = r.resumed && has_state_ && (!restored_ || round_ == group_round || r.restored_drift_rebased);
+  // A restored host that does not keep its drift keeps what it applied
+  // since the restart, W - W_ckpt: no round merged it.
+  r.restart_updates_kept = r.resumed && restored_ && !r.drift_kept && !restored_weights_.empty();
   // A round this host saw fail that the source completed in the same
   // group holds this host's delta S - A of its snapshot S (an allreduce
   // that completed anywhere summed every member's): only the drift since
@@ -479,10 +484,14 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   r.failed_round_merged = r.drift_kept && failed_.round != 0 && history.holds(failed_.round, failed_.group);
   if (r.failed_round_merged) r.failed_round_updates = failed_.updates;
   const bool keep_failed = r.drift_kept && failed_.round != 0 && group_round < failed_.round;
-  const std::vector<float>& base = r.failed_round_merged ? failed_.snapshot : anchor_;
+  // What W keeps besides the group's anchor, W - base (none: W = A).
+  const std::vector<float>* base = r.failed_round_merged    ? &failed_.snapshot
+                                   : r.restart_updates_kept ? &restored_weights_
+                                   : r.drift_kept           ? &anchor_
+                                                            : nullptr;
   for (size_t i = 0; i < exchange.size(); ++i) {
     if (keep_failed) failed_.snapshot[i] += incoming[i] - anchor_[i];
-    exchange[i] = r.drift_kept ? incoming[i] - base[i] : incoming[i] - exchange[i];
+    exchange[i] = incoming[i] - (base != nullptr ? (*base)[i] : exchange[i]);
   }
   std::copy(incoming.begin(), incoming.end(), anchor_.begin());
   round_ = group_round;
@@ -496,6 +505,7 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   lineage_ = lineage != 0 ? lineage : group;  // a fresh group's, or one resumed from states of none known
   joined_ = has_state_ = true;
   restored_ = false;
+  restored_weights_ = {};
   r.round = round_;
   r.bytes = kHeaderBytes + *sent;
   return r;

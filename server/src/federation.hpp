@@ -95,6 +95,10 @@ struct RoundResult {
   // completed by groups without this host: no round merged that drift,
   // and it is kept (drift_kept), W + (A - A_ckpt).
   bool restored_drift_rebased = false;
+  // The join: a restored host that did not keep its drift kept the
+  // updates applied since the restart, W + (A - W_ckpt) (restore() was
+  // given the checkpoint's weights W_ckpt).
+  bool restart_updates_kept = false;
 };
 
 class Federator {
@@ -107,9 +111,13 @@ class Federator {
 
   // Before the join: resume from a checkpoint's state (its anchor, round,
   // outer momentum and which groups completed its rounds, stored with the
-  // weights this host restored). kInvalidArgument when its sizes do not
-  // fit the model, or its record of groups does not fit its round.
-  Status restore(FederationState state);
+  // weights this host restored, `weights`). With `weights`, a join that
+  // does not keep the checkpoint's drift keeps the updates applied since
+  // the restart (W - W_ckpt: no round merged them); they are held until a
+  // join goes through (a copy of the model). kInvalidArgument when the
+  // sizes do not fit the model, or the record of groups does not fit the
+  // round.
+  Status restore(FederationState state, std::vector<float> weights = {});
 
   // The first collective: checks that every host serves the same model
   // and agrees on the anchor. When no member restored a state, rank 0's
@@ -121,8 +129,9 @@ class Federator {
   // only when the source's record shows every round since completed by
   // groups without this host (else its drift went into one of them, or
   // cannot be shown not to have: RoundResult::restored_drift_*). A member
-  // without a state, or with a checkpoint whose drift is not kept, takes
-  // W = A. A member whose last
+  // without a state takes W = A; one with a checkpoint whose drift is not
+  // kept W = A too, plus the updates since its restart where restore()
+  // had the checkpoint's weights. A member whose last
   // round failed at its end (its allreduce) while the source's rounds
   // show it completed in the same group keeps only the drift since that
   // round's snapshot S: W + (A - S), its delta being in A already. A join
@@ -225,9 +234,10 @@ class Federator {
   uint64_t anchor_hash_ = 0;
   uint32_t group_every_ms_ = 0;
   bool joined_ = false;
-  bool has_state_ = false;         // joined, or restored from a checkpoint
-  bool restored_ = false;          // restored, and not joined since
-  bool momentum_started_ = false;  // PyTorch's SGD: the first step's buffer is the gradient itself
+  bool has_state_ = false;               // joined, or restored from a checkpoint
+  bool restored_ = false;                // restored, and not joined since
+  std::vector<float> restored_weights_;  // while restored_: the checkpoint's weights (restore()), or none
+  bool momentum_started_ = false;        // PyTorch's SGD: the first step's buffer is the gradient itself
   std::vector<float> anchor_;
   std::vector<float> payload_;   // the weighted deltas, summed in place by the engine
   std::vector<float> momentum_;  // kNesterov only

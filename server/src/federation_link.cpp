@@ -137,9 +137,9 @@ void FederationLink::request_round() {
   shm::notify(thread_wake_);
 }
 
-Status FederationLink::restore(FederationState state) {
+Status FederationLink::restore(FederationState state, std::vector<float> weights) {
   const uint64_t unmerged = state.unmerged_updates;
-  if (Status s = federator_.restore(std::move(state)); !s.ok()) return s;
+  if (Status s = federator_.restore(std::move(state), std::move(weights)); !s.ok()) return s;
   unmerged_updates_ = restored_unmerged_ = unmerged;  // before start(): the thread's from then on
   return Status::Ok();
 }
@@ -280,8 +280,13 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
   }
   publish(*r, static_cast<uint64_t>(std::chrono::nanoseconds(Clock::now() - start).count()));
   if (r->restored_drift_dropped || r->restored_drift_rebased) log_restored_drift(*r);
-  // Merged, or gone: a join that does not keep the drift sets W = A.
-  if (!join || !r->drift_kept) unmerged_updates_ = 0;
+  // Merged, or gone: a join that does not keep the drift sets W = A, but
+  // for the updates since a restart where it keeps them.
+  if (join && !r->drift_kept && r->restart_updates_kept) {
+    unmerged_updates_ -= std::min(unmerged_updates_, restored_unmerged_);
+  } else if (!join || !r->drift_kept) {
+    unmerged_updates_ = 0;
+  }
   if (join) {
     // A round that failed here but merged elsewhere took its updates.
     unmerged_updates_ -= std::min(unmerged_updates_, r->failed_round_updates);
@@ -340,7 +345,8 @@ void FederationLink::log_restored_drift(const RoundResult& r) const {
   std::string text = "federation: the join takes the group's anchor of round " + std::to_string(r.round) +
                      " as the weights, over the checkpoint's of round " + std::to_string(r.restored_round);
   if (since_restart != 0)
-    text += "; the " + std::to_string(since_restart) + " local updates applied since the restart are dropped";
+    text += "; the " + std::to_string(since_restart) + " local updates applied since the restart are " +
+            (r.restart_updates_kept ? "kept" : "dropped");
   if (in_checkpoint != 0)
     text += "; the checkpoint's " + std::to_string(in_checkpoint) + " local updates not merged as of its round " +
             (r.restored_drift_merged
@@ -348,7 +354,7 @@ void FederationLink::log_restored_drift(const RoundResult& r) const {
                  : "are dropped: merged already if this host was a member of a group that completed " + any_of +
                        ", lost if it was in none of them (the source's record of groups cannot tell: it does not "
                        "reach back, or names no members)");
-  if (since_restart == 0 && r.restored_drift_merged)
+  if ((since_restart == 0 || r.restart_updates_kept) && r.restored_drift_merged)
     log::info(text);
   else
     log::warn(text);

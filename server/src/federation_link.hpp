@@ -52,8 +52,8 @@ class FederationLink {
 
   Membership membership() const noexcept { return membership_; }
   // Before start(): resume from the state a checkpoint stored with the
-  // weights the server restored (Federator::restore()).
-  Status restore(FederationState state);
+  // weights the server restored, `weights` (Federator::restore()).
+  Status restore(FederationState state, std::vector<float> weights = {});
   // Before start(): the weights are those of a checkpoint without
   // federation state (`checkpoint` names it). The join that replaces them
   // (with rank 0's weights, or the group's anchor) says so in a warning.

@@ -993,7 +993,9 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
     if (impl->checkpoints) {
       if (std::optional<FederationState> state = impl->checkpoints->take_restored_federation()) {
         const uint64_t round = state->round;
-        if (Status s = impl->federation->restore(std::move(*state)); !s.ok()) return fail(s);
+        if (Status s = impl->federation->restore(std::move(*state), impl->checkpoints->take_restored_weights());
+            !s.ok())
+          return fail(s);
         log::info("federation: resuming from the checkpoint's anchor of round " + std::to_string(round));
       } else if (impl->checkpoints->restored()) {
         impl->federation->restored_without_state(impl->checkpoints->restored_path());

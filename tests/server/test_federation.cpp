@@ -694,6 +694,7 @@ BOOST_AUTO_TEST_CASE(a_join_over_an_older_checkpoint_tells_whether_its_drift_was
       BOOST_TEST(j.joined[0]->restored_drift_rebased == (c.want == Drift::kRebased));
       BOOST_TEST(j.joined[0]->drift_kept == (c.want == Drift::kRebased));
       BOOST_TEST(j.joined[0]->restored_drift_merged == c.merged);
+      BOOST_TEST(!j.joined[0]->restart_updates_kept);    // restored without its weights
       BOOST_TEST(!j.joined[1]->restored_drift_dropped);  // the source: its drift kept
       BOOST_TEST(!j.joined[1]->restored_drift_rebased);
       BOOST_TEST(j.joined[1]->drift_kept);
@@ -1215,7 +1216,8 @@ BOOST_AUTO_TEST_CASE(each_span_of_rounds_records_its_groups_members) {
 // paused, partitioned, or served alone); it restarts from that checkpoint,
 // applies U = 0.25 more, and joins them at round 3. No round merged D: it
 // is rebased with U onto A3, W + (A3 - A1), exactly. Had host 2 been in
-// round 2 (which merged D), the join takes W = A3, as before.
+// round 2 (which merged D), the join takes W = A3 + U, W + (A3 - W_ckpt),
+// exactly: no round merged U.
 BOOST_AUTO_TEST_CASE(a_restored_host_keeps_the_drift_that_no_round_merged) {
   for (const bool in_round_2 : {false, true}) {
     BOOST_TEST_CONTEXT("host 2 in round 2: " << in_round_2) {
@@ -1262,7 +1264,9 @@ BOOST_AUTO_TEST_CASE(a_restored_host_keeps_the_drift_that_no_round_merged) {
       ModelFingerprint print = fingerprint();
       print.outer = outer_code(config);
       hosts.feds[2] = std::make_unique<Federator>(config, *hosts.engines[2], print);
-      BOOST_TEST_REQUIRE(hosts.feds[2]->restore(std::move(*checkpoint)).ok());
+      BOOST_TEST(Federator(config, *hosts.engines[2], print).restore(*checkpoint, std::vector<float>(kN + 1)).code() ==
+                 ErrorCode::kInvalidArgument);  // weights of another model
+      BOOST_TEST_REQUIRE(hosts.feds[2]->restore(std::move(*checkpoint), checkpoint_weights).ok());
       weights[2] = checkpoint_weights;
       for (float& v : weights[2]) v += 0.25f;  // U
       std::vector<Result<RoundResult>> joined(3, Status{ErrorCode::kInternal, "not run"});
@@ -1278,14 +1282,15 @@ BOOST_AUTO_TEST_CASE(a_restored_host_keeps_the_drift_that_no_round_merged) {
       BOOST_TEST(joined[2]->drift_kept == !in_round_2);
       BOOST_TEST(joined[2]->restored_drift_dropped == in_round_2);
       BOOST_TEST(joined[2]->restored_drift_merged == in_round_2);
+      BOOST_TEST(joined[2]->restart_updates_kept == in_round_2);
       size_t wrong = 0;
       for (size_t i = 0; i < kN; ++i) {
-        // Rebased: the correction A3 - A1 (D and U kept); merged: A3 - W.
-        const float want = in_round_2 ? a3[i] - weights[2][i] : a3[i] - a1[i];
+        // Rebased: the correction A3 - A1 (D and U kept); merged: A3 - W_ckpt (U kept).
+        const float want = in_round_2 ? a3[i] - checkpoint_weights[i] : a3[i] - a1[i];
         wrong += corrections[2][i] == want ? 0 : 1;
       }
       BOOST_TEST(wrong == 0u);
-      BOOST_TEST(std::abs(weights[2][0] + corrections[2][0] - (in_round_2 ? a3[0] : a3[0] + 0.75f)) <= 1e-6f);
+      BOOST_TEST(std::abs(weights[2][0] + corrections[2][0] - (in_round_2 ? a3[0] + 0.25f : a3[0] + 0.75f)) <= 1e-6f);
     }
   }
 }
