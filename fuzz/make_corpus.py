@@ -178,9 +178,10 @@ CKPT_MAGIC = 0x314B4353504D4853  # "SHMPSCK1"
 
 
 def checkpoint(tensors, optimizer=2, state_arrays=2, version=5, steps=None, fill=0.25, crc_ok=True, federation=None,
-               fed_format=3):
+               fed_format=4):
     """One checkpoint file (checkpoint.cpp's CheckpointHeader and CheckpointTensor); with `federation`, a list
-    of RoundGroups spans (group, first, last), a federation section at round 4 (format 3; format 2 has no spans)."""
+    of RoundGroups spans (group, first, last, members), a federation section at round 4 (format 4; format 3
+    stores the spans without their members, format 2 has no spans)."""
     total = 0
     records = b""
     for i, (name, shape) in enumerate(tensors):
@@ -196,10 +197,12 @@ def checkpoint(tensors, optimizer=2, state_arrays=2, version=5, steps=None, fill
                          len(tensors), 1 if fed else 0, total, 0, 0)
     payload = struct.pack("<%df" % (total * (1 + state_arrays)), *([fill] * (total * (1 + state_arrays))))
     if fed:
-        spans = list(federation) + [(0, 0, 0)] * (8 - len(federation))
+        spans = list(federation) + [(0, 0, 0, 0)] * (8 - len(federation))
         payload += struct.pack("<QIIQQ", 4, 0, 0, 2, 0)  # CheckpointFederationRecord: round 4, 2 unmerged updates
-        if fed_format >= 3:
-            payload += b"".join(struct.pack("<3Q", *span) for span in spans)  # RoundGroups
+        if fed_format >= 4:
+            payload += b"".join(struct.pack("<4Q", *span) for span in spans)  # RoundGroups
+        elif fed_format == 3:
+            payload += b"".join(struct.pack("<3Q", *span[:3]) for span in spans)
         payload += struct.pack("<%df" % total, *([fill / 2] * total))  # the anchor
     body = header + records + payload
     crc = zlib.crc32(body) if crc_ok else 0
@@ -219,7 +222,8 @@ def checkpoint_corpus():
         "sgd_model": checkpoint([("w", [7])], optimizer=1, state_arrays=0),
         "other_shapes": checkpoint([("a", [4]), ("b", [3])]),
         "truncated": checkpoint(model)[:100],
-        "federated": checkpoint(model, federation=[(2, 1, 3), (5, 4, 4)]),
+        "federated": checkpoint(model, federation=[(2, 1, 3, 0b111), (5, 4, 4, 0b101)]),
+        "federated_format_3": checkpoint(model, federation=[(2, 1, 3, 0), (5, 4, 4, 0)], fed_format=3),
         "federated_format_2": checkpoint(model, federation=[], fed_format=2),
     }
 
