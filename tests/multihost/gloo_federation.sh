@@ -16,6 +16,9 @@
 #  2c. A host paused (SIGSTOP) while the others restart without their
 #     checkpoints: on SIGCONT it is refused as another lineage, keeping
 #     its anchor, and the others go on without it.
+#  2d. A host that served alone (the other two stopped: no majority) and
+#     checkpointed its training, killed, restarted once the others went on
+#     without it: its join keeps that training, rebased onto their anchor.
 #  3. The same group formed through a Redis store (a redis-server this test
 #     starts on 127.0.0.1), and a SIGKILLed host left behind there too.
 # Then SIGTERM: every server stops cleanly, nothing is left in /dev/shm.
@@ -49,11 +52,12 @@ fail() { echo "FAIL: $*"; for f in "$work"/*.log; do echo "---- $f"; tail -15 "$
 model=(--tensor fc1.weight:256x784 --tensor fc1.bias:256 --tensor fc2.weight:10x256 --tensor fc2.bias:10
        --optimizer adam --lr 0.001 --init normal --init-scale 0.05 --backend host)
 
-# start_host JOB R STORE: host R of job JOB (its segment JOB.rR) in the background.
+# start_host JOB R STORE: host R of job JOB (its segment JOB.rR) in the
+# background, a round every $every_ms ms (50 unless set).
 start_host() {
   local job=$1 r=$2 store=$3
   "$server" --name "$job" --fed-rank-in-name --federation gloo --fed-store "$store" --fed-hosts 3 --fed-host "$r" \
-    --fed-timeout-ms $timeout_ms --fed-every-ms 50 "${model[@]}" \
+    --fed-timeout-ms $timeout_ms --fed-every-ms "${every_ms:-50}" "${model[@]}" \
     --checkpoint-dir "$work/ckpt-$job" --checkpoint-interval-s 1 >>"$work/$job.host$r.log" 2>&1 &
   host_pid[$job.$r]=$!
   for _ in $(seq 100); do [ -e "/dev/shm/shmps.$job.r$r" ] && return 0; sleep 0.1; done
@@ -291,6 +295,51 @@ for r in 0 1 2; do
   wait "${host_pid[$job.$r]}" || fail "host $r of $job exited non-zero after SIGTERM"
   unset "host_pid[$job.$r]"
 done
+
+# ---- 2d. A host that served alone keeps its training. Hosts 0 and 1
+# stopped (SIGSTOP): host 2 has no majority, pauses, serves its worker
+# alone and checkpoints that training at its last round; it is SIGKILLed,
+# hosts 0 and 1 continue and complete rounds without it. Restarted from
+# that checkpoint, host 2 is in none of the rounds since (the record of
+# groups names their members), so its join rebases the checkpoint's drift
+# onto their anchor instead of dropping it. Rounds every 250 ms: a stop
+# that lands inside a round's collectives (which could leave the round
+# completed at hosts 0 and 1 with host 2 in it) is unlikely.
+job=${name}solo
+every_ms=250
+for r in 0 1 2; do start_host "$job" $r "file:$work/solo-store"; done
+await_members "$job" 3 0 1 2 >/dev/null
+await_round "$job" 3 0 1 2
+kill -STOP "${host_pid[$job.0]}" "${host_pid[$job.1]}"
+for _ in $(seq 300); do [ "$(stat_of "$job" 2 fed_state)" = 3 ] && break; sleep 0.1; done
+[ "$(stat_of "$job" 2 fed_state)" = 3 ] || fail "host 2 alone: fed_state $(stat_of "$job" 2 fed_state), not 3 (paused)"
+"$train" --workers 1 --epochs 1 --train-limit 3000 --connect "$job.r2" --seed 21 >"$work/solo.log" 2>&1 ||
+  fail "host 2 alone does not serve its worker: $(tail -3 "$work/solo.log")"
+version=$(stat_of "$job" 2 version)
+ckpt=$(printf 'ckpt-%020d.shmps' "$version")
+for _ in $(seq 100); do [ -e "$work/ckpt-$job/r2/$ckpt" ] && break; sleep 0.1; done
+[ -e "$work/ckpt-$job/r2/$ckpt" ] || fail "host 2 wrote no checkpoint of version $version within 10 s"
+solo_round=$(stat_of "$job" 2 fed_round)
+kill -KILL "${host_pid[$job.2]}"
+wait "${host_pid[$job.2]}" 2>/dev/null || true
+rm -f "/dev/shm/shmps.$job.r2"
+kill -CONT "${host_pid[$job.0]}" "${host_pid[$job.1]}"
+await_members "$job" 2 0 1 >/dev/null
+await_round "$job" $((solo_round + 3)) 0 1
+start_host "$job" 2 "file:$work/solo-store"
+await_members "$job" 3 0 1 2 >/dev/null
+await_log "$work/$job.host2.log" "the join rebases the checkpoint's weights of round $solo_round"
+grep -q "so its [1-9][0-9]* local updates not merged as of the checkpoint are kept" "$work/$job.host2.log" ||
+  fail "host 2 kept no updates: $(grep 'the join' "$work/$job.host2.log" | tail -2)"
+await_equal_anchors "$job" >/dev/null
+echo "a host that trained alone at round $solo_round (version $version), killed and restarted at round" \
+  "$(stat_of "$job" 2 fed_round): $(sed -n 's/.*so its \([0-9]*\) local updates not merged.*/\1/p' "$work/$job.host2.log") local updates rebased"
+for r in 0 1 2; do
+  kill -TERM "${host_pid[$job.$r]}"
+  wait "${host_pid[$job.$r]}" || fail "host $r of $job exited non-zero after SIGTERM"
+  unset "host_pid[$job.$r]"
+done
+unset every_ms
 
 # ---- 3. The Redis store.
 if ! command -v redis-server >/dev/null; then
