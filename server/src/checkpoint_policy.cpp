@@ -54,6 +54,7 @@ Status CheckpointPolicy::start(uint64_t now) {
     model_.steps = data->steps;
     model_.version = data->version;
     restored_federation_ = std::move(data->federation);
+    // The join keeps the updates applied since, W - W_ckpt.
     if (restored_federation_) restored_weights_ = std::move(data->weights);
     restored_path_ = path;
     if (!restored_federation_) unfederated_version_ = model_.version;

@@ -354,10 +354,12 @@ void FederationLink::log_restored_drift(const RoundResult& r) const {
                  : "are dropped: merged already if this host was a member of a group that completed " + any_of +
                        ", lost if it was in none of them (the source's record of groups cannot tell: it does not "
                        "reach back, or names no members)");
-  if ((since_restart == 0 || r.restart_updates_kept) && r.restored_drift_merged)
-    log::info(text);
-  else
+  // A warning where something is dropped that no round may have merged.
+  const bool lost = (in_checkpoint != 0 && !r.restored_drift_merged) || (since_restart != 0 && !r.restart_updates_kept);
+  if (lost)
     log::warn(text);
+  else
+    log::info(text);
 }
 
 FederationLink::Outcome FederationLink::discard() {

@@ -1006,6 +1006,11 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
         return !*fed || (*fed)->checkpoint_state(model.version, out);
       });
     }
+  } else if (impl->checkpoints) {
+    // Without federation, a restored federation state and the copy of the
+    // weights kept for it are of no use: not held for the server's life.
+    static_cast<void>(impl->checkpoints->take_restored_federation());
+    static_cast<void>(impl->checkpoints->take_restored_weights());
   }
 
   seg.header().server_state.store(static_cast<uint32_t>(shm::ServerState::kRunning),

@@ -1354,9 +1354,10 @@ uint64_t block_stat(const std::string& name, std::atomic<uint64_t> shm::StatsBlo
 // tensor of 4 zeros, so a push of g moves the weights by -g exactly.
 struct TwoServers {
   // `setup`: run on each host's engine before its server runs (the
-  // federation thread reads what it sets).
+  // federation thread reads what it sets). `await_join`: return once both
+  // joined (else at once).
   TwoServers(FederationConfig a, FederationConfig b, std::array<std::string, 2> checkpoint_dirs = {},
-             const std::function<void(uint32_t, FakeEngine&)>& setup = nullptr)
+             const std::function<void(uint32_t, FakeEngine&)>& setup = nullptr, bool await_join = true)
       : group(std::make_shared<FakeGroup>(2)) {
     for (uint32_t r = 0; r < 2; ++r) {
       ServerConfig c;
@@ -1376,6 +1377,7 @@ struct TwoServers {
     }
     // Joined (the join makes rank 0's weights everybody's): what a test
     // pushes from here on travels through rounds.
+    if (!await_join) return;
     BOOST_TEST_REQUIRE(test::eventually([&] {
       return block_stat(names[0], &shm::StatsBlock::fed_members) == 2 &&
              block_stat(names[1], &shm::StatsBlock::fed_members) == 2;
@@ -1697,6 +1699,76 @@ BOOST_AUTO_TEST_CASE(a_restart_resumes_the_rounds_from_the_checkpointed_anchor) 
   }
   BOOST_TEST(stat(second.names[0], &ServerStats::fed_anchor_hash) ==
              stat(second.names[1], &ServerStats::fed_anchor_hash));
+}
+
+// The same through whole servers, from checkpoint files: host 0 at round
+// 7 (W = A7 = 2), host 1 restored at round 5 (A5 = 1, W_ckpt = 1.5, 3
+// local updates unmerged), pushing 1.0 more (two pushes of SGD lr 1)
+// before the snapshot of its join (a first attempt, whose snapshot came
+// before them, fails once they are in). Host 0's record shows rounds 6 and 7
+// completed by a group with host 1 in it (its drift is in A7: W = A7 + U =
+// 3, its 2 pushes weighing its delta), or without it (rebased: W = A7 +
+// (W - A5) = 3.5, its 5 updates weighing it); the rounds after make it
+// host 0's too.
+BOOST_AUTO_TEST_CASE(a_restarted_server_keeps_what_no_round_merged) {
+  for (const bool member : {true, false}) {
+    BOOST_TEST_CONTEXT("host 1 in rounds 6 and 7: " << member) {
+      test::TempDir dir0("fedold0"), dir1("fedold1");
+      CheckpointData data;
+      data.layout.tensors = {{"w", {4}}};
+      data.layout.optimizer_kind = static_cast<uint32_t>(kernels::OptimizerKind::kSgd);
+      data.version = 10;
+      data.steps = {10};
+      data.weights.assign(4, 2.0f);
+      data.federation = FederationState{7, false, std::vector<float>(4, 2.0f), {}, 0, {}, 0x5eed};
+      for (uint64_t k = 1; k <= 7; ++k) data.federation->history.completed(k, k <= 5 ? 1 : 2, k <= 5 || member ? 3 : 1);
+      BOOST_REQUIRE(write_checkpoint(dir0.path.string(), data).ok());
+      data.version = 5;
+      data.steps = {5};
+      data.weights.assign(4, 1.5f);
+      data.federation = FederationState{5, false, std::vector<float>(4, 1.0f), {}, 3, {}, 0x5eed};
+      for (uint64_t k = 1; k <= 5; ++k) data.federation->history.completed(k, 1, 3);
+      BOOST_REQUIRE(write_checkpoint(dir1.path.string(), data).ok());
+      // Host 1's first join waits in its first collective until the pushes
+      // are in, then fails: its engine, elastic until then, re-forms, and
+      // the next join's snapshot holds them.
+      std::mutex mu;
+      std::condition_variable cv;
+      bool pushed = false;
+      int allgathers = 0;
+      FederationConfig f;
+      f.every_ms = 20;
+      TwoServers two(
+          f, f, {dir0.path.string(), dir1.path.string()},
+          [&](uint32_t r, FakeEngine& engine) {
+            if (r != 1) return;
+            engine.is_elastic = true;
+            engine.before_allgather = [&] {
+              std::unique_lock lock(mu);
+              // Once re-formed, as host 0 is: at host 0's leave at stop, it
+              // ends instead of waiting in a new join for a host gone.
+              if (++allgathers != 1) {
+                engine.is_elastic = false;
+                return;
+              }
+              cv.wait(lock, [&] { return pushed; });
+              engine.fail_now = true;
+            };
+          },
+          /*await_join=*/false);
+      push_halves(two.names[1], 2);
+      {
+        std::lock_guard lock(mu);
+        pushed = true;
+      }
+      cv.notify_all();
+      const float want = member ? 3.0f : 3.5f;
+      BOOST_TEST(test::eventually([&] { return pull_weights(two.names[0])[0] == want; }),
+                 "host 0 holds " << pull_weights(two.names[0])[0] << ", not " << want);
+      BOOST_TEST(test::eventually([&] { return pull_weights(two.names[1])[0] == want; }),
+                 "host 1 holds " << pull_weights(two.names[1])[0] << ", not " << want);
+    }
+  }
 }
 
 // Two servers over an elastic engine. Host 1's pushes land while its

@@ -111,6 +111,7 @@ class FakeEngine final : public server::FederationEngine {
   Status allgather(std::span<const std::byte> mine, std::span<std::byte> all) override {
     if (failing()) return fail();
     if (before_allgather) before_allgather();
+    if (fail_now.exchange(false)) return fail();
     const auto out = group_->meet(rank_, mine, [](const std::vector<std::vector<std::byte>>& in) {
       std::vector<std::byte> bytes;
       for (const auto& member : in) bytes.insert(bytes.end(), member.begin(), member.end());
@@ -139,6 +140,7 @@ class FakeEngine final : public server::FederationEngine {
   uint64_t fail_after_at = 0;
   std::function<void()> before_allreduce;  // runs before each allreduce meets the others
   std::function<void()> before_allgather;  // and before each allgather (a round's headers)
+  std::atomic<bool> fail_now{false};       // set by that hook: this allgather fails without meeting the others
   // Runs on the root's data before each broadcast it roots (a test
   // sending damaged bytes).
   std::function<void(std::span<std::byte>)> on_broadcast;
