@@ -341,9 +341,10 @@ BOOST_AUTO_TEST_CASE(a_round_with_no_updates_anywhere_moves_no_anchor) {
 // A join after a restart: host 0 restored round 5, hosts 1 and 3 round 7
 // (host 3 with weights of its own since), host 2 nothing. Round 7's anchor
 // and outer momentum become everybody's; hosts 1 and 3 keep their drift
-// (W - their anchor) exactly; host 0's drift went into rounds 6 and 7, so
-// it takes W = A, as host 2 does; a failed restore changes nothing; the
-// next round is 8 everywhere.
+// (W - their anchor) exactly; host 0's drift may have gone into rounds 6
+// and 7 (the source's record, empty, cannot show otherwise), so it takes
+// W = A, as host 2 does; a failed restore changes nothing; the next round
+// is 8 everywhere.
 BOOST_AUTO_TEST_CASE(a_join_resumes_from_the_newest_anchor_keeping_the_drift_of_its_round) {
   FederationConfig config;
   config.outer = OuterStep::kNesterov;
