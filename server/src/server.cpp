@@ -996,6 +996,10 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
         if (Status s = impl->federation->restore(std::move(*state), impl->checkpoints->take_restored_weights());
             !s.ok())
           return fail(s);
+        // The weights are the federation's already (a checkpoint of version
+        // 0 holds merged rounds too): an init would make the join keep
+        // init - W_ckpt as local updates.
+        model.initialised_by = "the federation state of checkpoint " + impl->checkpoints->restored_path();
         log::info("federation: resuming from the checkpoint's anchor of round " + std::to_string(round));
       } else if (impl->checkpoints->restored()) {
         impl->federation->restored_without_state(impl->checkpoints->restored_path());

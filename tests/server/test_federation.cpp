@@ -1710,7 +1710,9 @@ BOOST_AUTO_TEST_CASE(a_restart_resumes_the_rounds_from_the_checkpointed_anchor) 
 // completed by a group with host 1 in it (its drift is in A7: W = A7 + U =
 // 3, its 2 pushes weighing its delta), or without it (rebased: W = A7 +
 // (W - A5) = 3.5, its 5 updates weighing it); the rounds after make it
-// host 0's too.
+// host 0's too. Host 1's checkpoint is of version 0 (merged rounds, no
+// push): a worker's init is refused all the same, the weights being the
+// federation's.
 BOOST_AUTO_TEST_CASE(a_restarted_server_keeps_what_no_round_merged) {
   for (const bool member : {true, false}) {
     BOOST_TEST_CONTEXT("host 1 in rounds 6 and 7: " << member) {
@@ -1724,8 +1726,8 @@ BOOST_AUTO_TEST_CASE(a_restarted_server_keeps_what_no_round_merged) {
       data.federation = FederationState{7, false, std::vector<float>(4, 2.0f), {}, 0, {}, 0x5eed};
       for (uint64_t k = 1; k <= 7; ++k) data.federation->history.completed(k, k <= 5 ? 1 : 2, k <= 5 || member ? 3 : 1);
       BOOST_REQUIRE(write_checkpoint(dir0.path.string(), data).ok());
-      data.version = 5;
-      data.steps = {5};
+      data.version = 0;
+      data.steps = {0};
       data.weights.assign(4, 1.5f);
       data.federation = FederationState{5, false, std::vector<float>(4, 1.0f), {}, 3, {}, 0x5eed};
       for (uint64_t k = 1; k <= 5; ++k) data.federation->history.completed(k, 1, 3);
@@ -1757,6 +1759,17 @@ BOOST_AUTO_TEST_CASE(a_restarted_server_keeps_what_no_round_merged) {
             };
           },
           /*await_join=*/false);
+      {
+        auto w = test::connect(two.names[1]);
+        auto buf = w->register_buffer(16);
+        BOOST_REQUIRE(buf.ok());
+        std::fill_n(static_cast<float*>(buf->data), 4, 7.0f);
+        const Status init = w->init(buf->id, 0);
+        BOOST_TEST((init.code() == ErrorCode::kInitRefused), init.to_string());
+        BOOST_TEST(
+            init.message().find("already initialised by the federation state of checkpoint") != std::string::npos,
+            init.message());
+      }
       push_halves(two.names[1], 2);
       {
         std::lock_guard lock(mu);
