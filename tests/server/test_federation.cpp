@@ -1510,9 +1510,11 @@ BOOST_AUTO_TEST_CASE(without_overlap_a_push_waits_for_the_merge) {
     push_ok = w->push(0, grad->id, 0, 16, Dtype::kF32, /*worker_version=*/1).ok();
     pushed = true;
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Held once the server counts it (the thread connects and registers
+  // first), and still held a while later.
+  BOOST_TEST(test::eventually([&] { return block_stat(two.names[0], &shm::StatsBlock::fed_pushes_held) >= 1u; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
   BOOST_TEST(!pushed.load(), "a push was applied while the round exchanged without overlap");
-  BOOST_TEST(block_stat(two.names[0], &shm::StatsBlock::fed_pushes_held) >= 1u);
   {
     std::lock_guard lock(mu);
     released = true;
