@@ -54,7 +54,7 @@ static_assert(sizeof(CheckpointTensor) == 112 && std::is_trivially_copyable_v<Ch
 struct CheckpointFederationRecord {
   uint64_t round;
   uint32_t momentum_started;  // 0 or 1
-  uint32_t reserved0;
+  uint32_t host;              // FederationState::host + 1 (0: unknown; 0 before format 4)
   uint64_t unmerged_updates;
   uint64_t lineage;  // 0: unknown (written as reserved, 0, before it was recorded)
 };
@@ -271,6 +271,7 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
     fed.momentum_started = data.federation->momentum_started ? 1 : 0;
     fed.unmerged_updates = data.federation->unmerged_updates;
     fed.lineage = data.federation->lineage;
+    fed.host = data.federation->host + 1;  // kUnknownFederationHost: 0
   }
   // The federation section's arrays (none without it).
   std::vector<std::span<const float>> fed_arrays;
@@ -401,6 +402,7 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
     data.federation->round = fed.round;
     data.federation->unmerged_updates = fed.unmerged_updates;
     data.federation->lineage = fed.lineage;
+    data.federation->host = h.format >= 4 ? fed.host - 1 : kUnknownFederationHost;  // 0 - 1: unknown
     data.federation->momentum_started = fed.momentum_started != 0;
   }
   for (size_t i = 0; i < f.tensors.size(); ++i) {

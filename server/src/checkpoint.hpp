@@ -60,6 +60,8 @@ struct CheckpointLayout {
 // (Federator): the anchor every host agreed on at `round`, and the outer
 // optimizer's momentum (Nesterov outer step; empty otherwise). A restart
 // resumes the rounds from it (Federator::restore()).
+inline constexpr uint32_t kUnknownFederationHost = ~uint32_t{0};
+
 struct FederationState {
   uint64_t round = 0;
   bool momentum_started = false;  // PyTorch's SGD: the momentum buffer holds a step
@@ -74,6 +76,11 @@ struct FederationState {
   // The lineage of the anchor (Federator::lineage()); 0: unknown (a file
   // written before it was recorded).
   uint64_t lineage = 0;
+  // The id of the host that wrote it (Membership::host): the record of
+  // groups tells whether *this* id was a member of the rounds since.
+  // kUnknownFederationHost in a file before format 4, and for a state
+  // that never joined.
+  uint32_t host = kUnknownFederationHost;
 };
 
 // Everything a checkpoint holds, in host memory.

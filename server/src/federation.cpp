@@ -342,6 +342,7 @@ Status Federator::restore(FederationState state, std::vector<float> weights) {
   round_ = state.round;
   history_ = state.history;
   lineage_ = state.lineage;
+  host_ = state.host;
   forget_failed_round();
   restored_ = true;
   restored_weights_ = std::move(weights);
@@ -366,6 +367,7 @@ std::optional<FederationState> Federator::state() const {
   s.momentum_started = momentum_started_;
   s.history = history_;
   s.lineage = lineage_;
+  s.host = host_;
   return s;
 }
 
@@ -450,11 +452,11 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   // shows every one of them completed by groups without it (the drift is
   // rebased as a live host's is). When neither can be shown (the record
   // does not reach back, its members are unknown, a state of no known
-  // lineage) it is dropped: keeping drift that a round merged would count
-  // it twice.
+  // lineage, a checkpoint written under another host id or none) it is
+  // dropped: keeping drift that a round merged would count it twice.
   if (r.resumed && has_state_ && restored_ && round_ < group_round) {
     r.restored_round = round_;
-    const RoundGroups::Presence presence = lineage_ != 0 && lineage_ == lineage
+    const RoundGroups::Presence presence = lineage_ != 0 && lineage_ == lineage && host_ == m.host
                                                ? history.presence(m.host, round_, group_round)
                                                : RoundGroups::Presence::kUnknown;
     // Without the members: round k + 1 in the checkpoint's own group of
@@ -475,6 +477,13 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   // A restored host that does not keep its drift keeps what it applied
   // since the restart, W - W_ckpt: no round merged it.
   r.restart_updates_kept = r.resumed && restored_ && !r.drift_kept && !restored_weights_.empty();
+  // A restored state whose drift is not kept for another reason than its
+  // age (of no known lineage, it is not the source of a group at a lower
+  // round): dropped all the same, and said so.
+  if (r.resumed && has_state_ && restored_ && !r.drift_kept && !r.restored_drift_dropped) {
+    r.restored_round = round_;
+    r.restored_drift_dropped = true;
+  }
   // A round this host saw fail that the source completed in the same
   // group holds this host's delta S - A of its snapshot S (an allreduce
   // that completed anywhere summed every member's): only the drift since
@@ -504,8 +513,9 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   members_ = members;
   lineage_ = lineage != 0 ? lineage : group;  // a fresh group's, or one resumed from states of none known
   joined_ = has_state_ = true;
+  host_ = m.host;
   restored_ = false;
-  restored_weights_ = {};
+  std::vector<float>().swap(restored_weights_);  // the memory goes too
   r.round = round_;
   r.bytes = kHeaderBytes + *sent;
   return r;

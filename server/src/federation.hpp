@@ -181,6 +181,9 @@ class Federator {
   // The state to checkpoint with the weights after the last merge: none
   // before a join or restore.
   std::optional<FederationState> state() const;
+  // Frees the copy of a restored checkpoint's weights that restore() took
+  // for the join, once no join will come (the federation ended).
+  void release_restored_weights() { std::vector<float>().swap(restored_weights_); }
 
  private:
   struct Header;
@@ -234,10 +237,11 @@ class Federator {
   uint64_t anchor_hash_ = 0;
   uint32_t group_every_ms_ = 0;
   bool joined_ = false;
-  bool has_state_ = false;               // joined, or restored from a checkpoint
-  bool restored_ = false;                // restored, and not joined since
-  std::vector<float> restored_weights_;  // while restored_: the checkpoint's weights (restore()), or none
-  bool momentum_started_ = false;        // PyTorch's SGD: the first step's buffer is the gradient itself
+  bool has_state_ = false;                  // joined, or restored from a checkpoint
+  bool restored_ = false;                   // restored, and not joined since
+  std::vector<float> restored_weights_;     // while restored_: the checkpoint's weights (restore()), or none
+  uint32_t host_ = kUnknownFederationHost;  // the id of the last join (a restored state's writer before one)
+  bool momentum_started_ = false;           // PyTorch's SGD: the first step's buffer is the gradient itself
   std::vector<float> anchor_;
   std::vector<float> payload_;   // the weighted deltas, summed in place by the engine
   std::vector<float> momentum_;  // kNesterov only

@@ -221,6 +221,7 @@ bool FederationLink::with_stats(F update) {
 
 void FederationLink::end(const std::string& why) {
   ended_ = true;
+  federator_.release_restored_weights();  // no join will need them
   log::warn("federation: " + why + "; serving the local workers alone from now on");
   publish_state(shm::FederationState::kEnded);
   set_phase(Phase::kOff);
@@ -347,13 +348,17 @@ void FederationLink::log_restored_drift(const RoundResult& r) const {
   if (since_restart != 0)
     text += "; the " + std::to_string(since_restart) + " local updates applied since the restart are " +
             (r.restart_updates_kept ? "kept" : "dropped");
-  if (in_checkpoint != 0)
+  if (in_checkpoint != 0 && r.restored_round >= r.round)
+    text += "; the checkpoint's " + std::to_string(in_checkpoint) +
+            " local updates not merged as of its round are dropped: its state is of no known lineage, and the group "
+            "resumed from another";
+  else if (in_checkpoint != 0)
     text += "; the checkpoint's " + std::to_string(in_checkpoint) + " local updates not merged as of its round " +
             (r.restored_drift_merged
                  ? "are in the group's anchor (this host was a member of a group that completed " + any_of + ")"
                  : "are dropped: merged already if this host was a member of a group that completed " + any_of +
                        ", lost if it was in none of them (the source's record of groups cannot tell: it does not "
-                       "reach back, or names no members)");
+                       "reach back, or names no members, or the checkpoint was written under another host id)");
   // A warning where something is dropped that no round may have merged.
   const bool lost = (in_checkpoint != 0 && !r.restored_drift_merged) || (since_restart != 0 && !r.restart_updates_kept);
   if (lost)

@@ -55,7 +55,10 @@ struct Model {
     rounds_merged += rounds;
     unversioned_changes += rounds;
   }
-  std::string initialised_by;  // "worker 2 (pid 4711)" once a worker's init was accepted
+  // Who set the weights an init would replace: "worker 2 (pid 4711)" once
+  // a worker's init was accepted, or the checkpoint whose federation state
+  // a federated server restored.
+  std::string initialised_by;
   StalenessWindow staleness;
 };
 

@@ -141,8 +141,8 @@ constexpr size_t kRoundGroupsAt = kFederationRecord + 32;
 BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads) {
   test::TempDir dir("ckptfile");
   CheckpointData d = make_data(adam_layout(), 11, 0.5f);
-  d.federation =
-      FederationState{42, true, std::vector<float>(7, 1.5f), std::vector<float>(7, -0.125f), 9, some_history(), 0xabcd};
+  d.federation = FederationState{
+      42, true, std::vector<float>(7, 1.5f), std::vector<float>(7, -0.125f), 9, some_history(), 0xabcd, 5};
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
   auto r = read_checkpoint(ckpt(dir, 11), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
@@ -157,6 +157,7 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
   BOOST_TEST(r->federation->history.spans[1].members == kMembers5);
   BOOST_TEST(r->federation->history.spans[2].members == kMembers6);
   BOOST_TEST(r->federation->lineage == 0xabcdu);
+  BOOST_TEST(r->federation->host == 5u);
   BOOST_TEST(r->weights == d.weights);
 
   d.federation->momentum.clear();  // the average outer step keeps none
@@ -188,7 +189,7 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
 BOOST_AUTO_TEST_CASE(a_format_3_federation_section_reads_with_members_unknown) {
   test::TempDir dir("ckptfile");
   CheckpointData d = make_data(adam_layout(), 11, 0.5f);
-  d.federation = FederationState{42, false, std::vector<float>(7, 1.5f), {}, 9, some_history(), 0xabcd};
+  d.federation = FederationState{42, false, std::vector<float>(7, 1.5f), {}, 9, some_history(), 0xabcd, 5};
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
   // Each 32-byte span {group, first, last, members} less its members.
   std::vector<std::pair<size_t, size_t>> members;
@@ -199,6 +200,7 @@ BOOST_AUTO_TEST_CASE(a_format_3_federation_section_reads_with_members_unknown) {
   BOOST_TEST_REQUIRE(r->federation.has_value());
   BOOST_TEST(r->federation->round == 42u);
   BOOST_TEST(r->federation->lineage == 0xabcdu);
+  BOOST_TEST(r->federation->host == kUnknownFederationHost);  // format 3 names no writer
   BOOST_TEST(r->federation->anchor == d.federation->anchor);
   RoundGroups want = some_history();
   for (RoundGroups::Span& span : want.spans) span.members = RoundGroups::kMembersUnknown;

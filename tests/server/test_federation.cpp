@@ -517,11 +517,14 @@ BOOST_AUTO_TEST_CASE(hosts_with_other_outer_steps_are_refused_naming_both) {
 namespace {
 
 // A state at `round` of lineage `lineage` (0: unknown), its anchor all `a`.
-FederationState state_of(uint64_t lineage, uint64_t round, float a) {
+// A state as host `host` checkpointed it (the fake engine's host ids are
+// the ranks).
+FederationState state_of(uint64_t lineage, uint64_t round, float a, uint32_t host = 0) {
   FederationState s;
   s.round = round;
   s.anchor.assign(kN, a);
   s.lineage = lineage;
+  s.host = host;
   return s;
 }
 
@@ -668,6 +671,7 @@ BOOST_AUTO_TEST_CASE(a_join_over_an_older_checkpoint_tells_whether_its_drift_was
     bool merged;  // restored_drift_merged
     uint64_t lineage = 0x77;
     bool record_from_7 = false;  // the source's record starts at round 7
+    uint32_t writer = 0;         // the host id that wrote the checkpoint (this host's: 0)
   };
   const Case cases[] = {
       {"members unknown, round 6 in the checkpoint's group", 0x11, kUnknown, 0x11, kUnknown, Drift::kNotShown, true},
@@ -678,10 +682,16 @@ BOOST_AUTO_TEST_CASE(a_join_over_an_older_checkpoint_tells_whether_its_drift_was
       {"round 7's members unknown", 0x22, kOthers, 0x33, kUnknown, Drift::kNotShown, false},
       {"the record starts at round 7", 0x22, kOthers, 0x22, kOthers, Drift::kNotShown, false, 0x77, true},
       {"a checkpoint of unknown lineage", 0x22, kOthers, 0x22, kOthers, Drift::kNotShown, false, 0},
+      // Written as host 1, a member of both (its drift merged), restored as
+      // host 0, a member of neither: the record tells nothing of it.
+      {"a checkpoint written under another host id", 0x22, kOthers, 0x22, kOthers, Drift::kNotShown, false, 0x77, false,
+       1},
+      {"a checkpoint of a state that never joined", 0x22, kOthers, 0x22, kOthers, Drift::kNotShown, false, 0x77, false,
+       kUnknownFederationHost},
   };
   for (const Case& c : cases) {
     BOOST_TEST_CONTEXT(c.what) {
-      FederationState older = state_of(c.lineage, 5, 1.0f), newer = state_of(0x77, 7, 2.0f);
+      FederationState older = state_of(c.lineage, 5, 1.0f, c.writer), newer = state_of(0x77, 7, 2.0f);
       for (uint64_t k = 1; k <= 5; ++k) {
         older.history.completed(k, 0x11, c.members6 == kUnknown ? kUnknown : kAll);
         if (!c.record_from_7) newer.history.completed(k, 0x11, c.members6 == kUnknown ? kUnknown : kAll);
@@ -1725,13 +1735,13 @@ BOOST_AUTO_TEST_CASE(a_restarted_server_keeps_what_no_round_merged) {
       data.version = 10;
       data.steps = {10};
       data.weights.assign(4, 2.0f);
-      data.federation = FederationState{7, false, std::vector<float>(4, 2.0f), {}, 0, {}, 0x5eed};
+      data.federation = FederationState{7, false, std::vector<float>(4, 2.0f), {}, 0, {}, 0x5eed, /*host=*/0};
       for (uint64_t k = 1; k <= 7; ++k) data.federation->history.completed(k, k <= 5 ? 1 : 2, k <= 5 || member ? 3 : 1);
       BOOST_REQUIRE(write_checkpoint(dir0.path.string(), data).ok());
       data.version = 0;
       data.steps = {0};
       data.weights.assign(4, 1.5f);
-      data.federation = FederationState{5, false, std::vector<float>(4, 1.0f), {}, 3, {}, 0x5eed};
+      data.federation = FederationState{5, false, std::vector<float>(4, 1.0f), {}, 3, {}, 0x5eed, /*host=*/1};
       for (uint64_t k = 1; k <= 5; ++k) data.federation->history.completed(k, 1, 3);
       BOOST_REQUIRE(write_checkpoint(dir1.path.string(), data).ok());
       // Host 1's first join waits in its first collective until the pushes
