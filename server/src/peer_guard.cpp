@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -25,11 +26,23 @@ struct OwnSegment {
   std::atomic<int> fd{-1};
   std::atomic<uint64_t> inode{0};  // the object's: a descriptor number reused after close is not it
   std::atomic<uint64_t> regrowths{0};
+  // The last fault retried because the object was whole again, when, and
+  // how many times in a row at that address.
+  std::atomic<uintptr_t> last_retried{0};
+  std::atomic<uint64_t> last_retried_ns{0};
+  std::atomic<uint32_t> retried_in_a_row{0};
 };
 OwnSegment g_segment;
 
+// A fault at one address that repeats this many times, each within
+// kRetryWindowNs of the one before, while the object is whole has another
+// cause than a shrink.
+constexpr uint32_t kWholeRetries = 8;
+constexpr uint64_t kRetryWindowNs = 1'000'000;
+
 // A fault in the control segment: true when the object was short and is
-// whole again, so the access can retry.
+// whole again (grown back here, or by the process that shrank it), so the
+// access can retry.
 bool regrow_segment(uintptr_t addr) {
   // SYNC(guard_segment): pairs with guard_segment()'s release of begin.
   const uintptr_t begin = g_segment.begin.load(std::memory_order_acquire);
@@ -38,10 +51,24 @@ bool regrow_segment(uintptr_t addr) {
   const int fd = g_segment.fd.load(std::memory_order_relaxed);  // relaxed: ordered by begin
   const auto bytes = static_cast<off_t>(g_segment.end.load(std::memory_order_relaxed) - begin);
   struct stat st {};
-  // Not short: the fault has another cause (a page the kernel could not
-  // supply), which growing would not cure, and returning would repeat.
-  if (::fstat(fd, &st) != 0 || st.st_ino != g_segment.inode.load(std::memory_order_relaxed) || st.st_size >= bytes)
-    return false;
+  if (::fstat(fd, &st) != 0 || st.st_ino != g_segment.inode.load(std::memory_order_relaxed)) return false;
+  if (st.st_size >= bytes) {
+    // Whole again: the process that shrank it grew it back between the
+    // fault and this look (its pages zeros now, as the consumer's check
+    // finds), and the access succeeds when retried. A fault of another
+    // cause (a page the kernel could not supply) would repeat at the same
+    // address: after a few in a row it is not ours.
+    // relaxed: a hint across threads that fault at once; a miscount only
+    // shifts when the guard gives up.
+    struct timespec ts {};
+    ::clock_gettime(CLOCK_MONOTONIC, &ts);  // async-signal-safe
+    const uint64_t now = static_cast<uint64_t>(ts.tv_sec) * 1'000'000'000u + static_cast<uint64_t>(ts.tv_nsec);
+    const uintptr_t last = g_segment.last_retried.exchange(addr, std::memory_order_relaxed);
+    const uint64_t last_ns = g_segment.last_retried_ns.exchange(now, std::memory_order_relaxed);
+    const bool again = last == addr && now - last_ns < kRetryWindowNs;
+    if (!again) g_segment.retried_in_a_row.store(0, std::memory_order_relaxed);
+    return g_segment.retried_in_a_row.fetch_add(1, std::memory_order_relaxed) < kWholeRetries;
+  }
   if (::ftruncate(fd, bytes) != 0) return false;
   g_segment.regrowths.fetch_add(1, std::memory_order_relaxed);  // relaxed: a count the consumer polls
   return true;
