@@ -198,9 +198,7 @@ Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
   }
   const pid_t pid = static_cast<pid_t>(shm::owner_pid(owner));
   const uint64_t start = owner == slot.owner ? slot.pid_start_time : entry.pid_start_time;
-  // 0: a worker between its claim and the store of its start time; any
-  // process at the pid counts until it writes it.
-  const shm::ProcessState state = start != 0 ? shm::process_state(pid, start) : shm::pid_state(pid);
+  const shm::ProcessState state = shm::entry_owner_state(pid, start);
   if (state != shm::ProcessState::kGone)
     return owner == slot.owner && stopped_too_long(i, state, now, why) ? Owner::kStopped : Owner::kLiving;
   const bool was_attached = owner == slot.owner;

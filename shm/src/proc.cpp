@@ -122,6 +122,10 @@ ProcessState pid_state(pid_t pid) noexcept { return state_of(pid, nullptr); }
 
 bool pid_in_use(pid_t pid) noexcept { return pid_state(pid) != ProcessState::kGone; }
 
+ProcessState entry_owner_state(pid_t pid, uint64_t start_time) noexcept {
+  return start_time != 0 ? process_state(pid, start_time) : pid_state(pid);
+}
+
 uint64_t monotonic_ns() noexcept {
   timespec ts{};
   ::clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -34,6 +34,17 @@ std::unique_ptr<Worker> connect(const std::string& name, bool reconnect, std::ch
   return test::connect(name, timeout, reconnect);
 }
 
+// `n` buffers of 4 bytes (ids 0 .. n-1).
+std::vector<Buffer> register_buffers(Worker& w, int n) {
+  std::vector<Buffer> bufs;
+  for (int i = 0; i < n; ++i) {
+    auto b = w.register_buffer(4);
+    BOOST_REQUIRE(b.ok());
+    bufs.push_back(*b);
+  }
+  return bufs;
+}
+
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(restart)
@@ -94,12 +105,7 @@ BOOST_AUTO_TEST_CASE(a_reattach_to_fewer_buffer_slots_lets_go_of_the_buffers_bey
   a.insert(a.end(), {"--max-buffers", "4"});
   auto server = std::make_unique<test::ServerProcess>(name, a);
   auto w = connect(name, /*reconnect=*/true);
-  std::vector<Buffer> bufs;
-  for (int i = 0; i < 3; ++i) {
-    auto b = w->register_buffer(4);
-    BOOST_REQUIRE(b.ok());
-    bufs.push_back(*b);
-  }
+  const std::vector<Buffer> bufs = register_buffers(*w, 3);
   const std::string prefix = shm::buffer_object_prefix(name, ::getpid());
   const auto objects = [&] {
     size_t n = 0;
@@ -130,12 +136,7 @@ BOOST_AUTO_TEST_CASE(a_buffer_the_restarted_server_refuses_leaves_the_others_reg
   const std::string name = test::unique_name("refusedbuf");
   auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
   auto w = connect(name, /*reconnect=*/true);
-  std::vector<Buffer> bufs;
-  for (int i = 0; i < 3; ++i) {
-    auto b = w->register_buffer(4);
-    BOOST_REQUIRE(b.ok());
-    bufs.push_back(*b);
-  }
+  const std::vector<Buffer> bufs = register_buffers(*w, 3);
   // Buffer 0's object: the first of this worker's names.
   const std::string prefix = shm::buffer_object_prefix(name, ::getpid());
   std::vector<std::string> objects;

@@ -1537,6 +1537,22 @@ BOOST_AUTO_TEST_CASE(without_overlap_a_push_waits_for_the_merge) {
   BOOST_TEST(pull_weights(two.names[0])[0] == 1.0f);
 }
 
+namespace {
+
+// A worker's init of server `name` (all 7s) is refused, its message
+// saying `why`.
+void expect_init_refused(const std::string& name, const std::string& why) {
+  auto w = test::connect(name);
+  auto buf = w->register_buffer(16);
+  BOOST_REQUIRE(buf.ok());
+  std::fill_n(static_cast<float*>(buf->data), 4, 7.0f);
+  const Status init = w->init(buf->id, 0);
+  BOOST_TEST((init.code() == ErrorCode::kInitRefused), init.to_string());
+  BOOST_TEST(init.message().find(why) != std::string::npos, init.message());
+}
+
+}  // namespace
+
 // Once its group merged a round (the join's included), a host refuses a
 // worker's init: the next round would average it into every host's
 // weights (a Python RemoteOptimizer(init=True) on each host would).
@@ -1545,13 +1561,7 @@ BOOST_AUTO_TEST_CASE(an_init_after_the_join_is_refused) {
   f.every_ms = 30;
   TwoServers two(f, f);
   BOOST_TEST_REQUIRE(test::eventually([&] { return stat(two.names[1], &ServerStats::fed_round) >= 1; }));
-  auto w = test::connect(two.names[1]);
-  auto buf = w->register_buffer(16);
-  BOOST_REQUIRE(buf.ok());
-  std::fill_n(static_cast<float*>(buf->data), 4, 7.0f);
-  const Status init = w->init(buf->id, 0);
-  BOOST_TEST((init.code() == ErrorCode::kInitRefused), init.to_string());
-  BOOST_TEST(init.message().find("the weights are the federation's") != std::string::npos, init.message());
+  expect_init_refused(two.names[1], "the weights are the federation's");
   BOOST_TEST(pull_weights(two.names[1])[0] == 0.0f);  // unchanged
 }
 
@@ -1771,17 +1781,7 @@ BOOST_AUTO_TEST_CASE(a_restarted_server_keeps_what_no_round_merged) {
             };
           },
           /*await_join=*/false);
-      {
-        auto w = test::connect(two.names[1]);
-        auto buf = w->register_buffer(16);
-        BOOST_REQUIRE(buf.ok());
-        std::fill_n(static_cast<float*>(buf->data), 4, 7.0f);
-        const Status init = w->init(buf->id, 0);
-        BOOST_TEST((init.code() == ErrorCode::kInitRefused), init.to_string());
-        BOOST_TEST(
-            init.message().find("already initialised by the federation state of checkpoint") != std::string::npos,
-            init.message());
-      }
+      expect_init_refused(two.names[1], "already initialised by the federation state of checkpoint");
       push_halves(two.names[1], 2);
       {
         std::lock_guard lock(mu);

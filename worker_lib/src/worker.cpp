@@ -1075,13 +1075,10 @@ class Worker::Impl {
       const shm::WorkerEntry& e = segment->worker(i);
       const uint64_t owner = e.owner.load(std::memory_order_relaxed);
       if (owner == 0) continue;
-      // As the server judges it (its reap): by the start time once the
-      // owner wrote it (a pid reused since is gone too), else any process
-      // at the pid counts.
-      const auto pid = static_cast<pid_t>(shm::owner_pid(owner));
-      const uint64_t start = e.pid_start_time;
-      const shm::ProcessState state = start != 0 ? shm::process_state(pid, start) : shm::pid_state(pid);
-      if (state == shm::ProcessState::kGone) return true;
+      // As the server's reap judges it.
+      if (shm::entry_owner_state(static_cast<pid_t>(shm::owner_pid(owner)), e.pid_start_time) ==
+          shm::ProcessState::kGone)
+        return true;
     }
     return false;
   }

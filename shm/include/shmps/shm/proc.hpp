@@ -40,6 +40,10 @@ ProcessState process_state(pid_t pid, uint64_t start_time) noexcept;
 // must count, e.g. before removing what that pid's process might use.
 ProcessState pid_state(pid_t pid) noexcept;
 bool pid_in_use(pid_t pid) noexcept;
+// The state of a worker entry's owner `pid`, whose start time the worker
+// stores after its claim (0 until then: any process at the pid counts, as
+// pid_state(); after it, a pid reused since is gone, as process_state()).
+ProcessState entry_owner_state(pid_t pid, uint64_t start_time) noexcept;
 
 // CLOCK_MONOTONIC in nanoseconds (the same clock in every process).
 uint64_t monotonic_ns() noexcept;
