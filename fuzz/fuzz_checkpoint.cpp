@@ -4,12 +4,10 @@
 // hang on the file, or allocate from the file's counts (libFuzzer's
 // -rss_limit_mb catches that); a file it accepts must hold exactly the
 // model's sizes (its federation section's too, and its record of epochs
-// fits its round). The file is written to a memfd and read through
-// /proc/self/fd, as from a path.
-// While the first reserved byte of the header (offset 48) is 0, the
-// harness rewrites the trailing CRC-32 over the bytes before it, so that
-// mutations reach the checks past the checksum (steps, sizes); the fuzzer
-// can set that byte to try wrong checksums too. Single-threaded.
+// fits its round; a restore base's count is within the unmerged updates). The file is written to a memfd and read
+// through /proc/self/fd, as from a path. While the first reserved byte of the header (offset 48) is 0, the harness
+// rewrites the trailing CRC-32 over the bytes before it, so that mutations reach the checks past the checksum (steps,
+// sizes); the fuzzer can set that byte to try wrong checksums too. Single-threaded.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -58,6 +56,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (read.ok() && read->federation &&
       (read->federation->anchor.size() != 7 ||
        (read->federation->momentum.size() != 0 && read->federation->momentum.size() != 7) ||
+       (read->federation->restore_base.size() != 0 && read->federation->restore_base.size() != 7) ||
+       read->federation->restore_base_updates > read->federation->unmerged_updates ||
        read->federation->round >= shmps::server::kMaxCheckpointVersion ||
        !read->federation->history.plausible(read->federation->round)))
     __builtin_trap();

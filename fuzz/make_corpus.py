@@ -178,10 +178,11 @@ CKPT_MAGIC = 0x314B4353504D4853  # "SHMPSCK1"
 
 
 def checkpoint(tensors, optimizer=2, state_arrays=2, version=5, steps=None, fill=0.25, crc_ok=True, federation=None,
-               fed_format=4):
+               fed_format=5, restore_base=False):
     """One checkpoint file (checkpoint.cpp's CheckpointHeader and CheckpointTensor); with `federation`, a list
-    of RoundGroups spans (group, first, last, members), a federation section at round 4 (format 4; format 3
-    stores the spans without their members, format 2 has no spans)."""
+    of RoundGroups spans (group, first, last, members), a federation section at round 4 (format 5, with a
+    restore base holding 1 of its 2 unmerged updates when `restore_base`; format 4 has a 32-byte record,
+    format 3 stores the spans without their members, format 2 has no spans)."""
     total = 0
     records = b""
     for i, (name, shape) in enumerate(tensors):
@@ -193,17 +194,22 @@ def checkpoint(tensors, optimizer=2, state_arrays=2, version=5, steps=None, fill
         records += name.encode().ljust(64, b"\0") + struct.pack("<II4QQ", len(shape), 0,
                                                                 *(list(shape) + [0] * (4 - len(shape))), step)
     fed = federation is not None
+    flags = (1 | (4 if restore_base else 0)) if fed else 0  # kCheckpointFederation, kCheckpointRestoreBase
     header = struct.pack("<QIIQIIIIQ2Q", CKPT_MAGIC, fed_format if fed else 1, 64, version, optimizer, state_arrays,
-                         len(tensors), 1 if fed else 0, total, 0, 0)
+                         len(tensors), flags, total, 0, 0)
     payload = struct.pack("<%df" % (total * (1 + state_arrays)), *([fill] * (total * (1 + state_arrays))))
     if fed:
         spans = list(federation) + [(0, 0, 0, 0)] * (8 - len(federation))
         payload += struct.pack("<QIIQQ", 4, 0, 0, 2, 0)  # CheckpointFederationRecord: round 4, 2 unmerged updates
+        if fed_format >= 5:
+            payload += struct.pack("<QQ", 1 if restore_base else 0, 0)  # restore_base_updates, reserved
         if fed_format >= 4:
             payload += b"".join(struct.pack("<4Q", *span) for span in spans)  # RoundGroups
         elif fed_format == 3:
             payload += b"".join(struct.pack("<3Q", *span[:3]) for span in spans)
         payload += struct.pack("<%df" % total, *([fill / 2] * total))  # the anchor
+        if restore_base:
+            payload += struct.pack("<%df" % total, *([fill / 4] * total))
     body = header + records + payload
     crc = zlib.crc32(body) if crc_ok else 0
     # The harness rewrites the CRC while header byte 48 is 0; near misses
@@ -223,6 +229,8 @@ def checkpoint_corpus():
         "other_shapes": checkpoint([("a", [4]), ("b", [3])]),
         "truncated": checkpoint(model)[:100],
         "federated": checkpoint(model, federation=[(2, 1, 3, 0b111), (5, 4, 4, 0b101)]),
+        "federated_restore_base": checkpoint(model, federation=[(2, 1, 3, 0b111)], restore_base=True),
+        "federated_format_4": checkpoint(model, federation=[(2, 1, 3, 0b111), (5, 4, 4, 0b101)], fed_format=4),
         "federated_format_3": checkpoint(model, federation=[(2, 1, 3, 0), (5, 4, 4, 0)], fed_format=3),
         "federated_format_2": checkpoint(model, federation=[], fed_format=2),
     }

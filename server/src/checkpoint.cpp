@@ -35,7 +35,7 @@ struct CheckpointHeader {
   uint32_t optimizer_kind;
   uint32_t state_arrays;
   uint32_t tensor_count;
-  uint32_t flags;  // kCheckpoint* (formats 2 to 4; 0 in format 1)
+  uint32_t flags;  // kCheckpoint* (from format 2; 0 in format 1)
   uint64_t total_elements;
   uint64_t reserved[2];
 };
@@ -57,14 +57,27 @@ struct CheckpointFederationRecord {
   uint32_t host;              // FederationState::host + 1 (0: unknown; 0 before format 4)
   uint64_t unmerged_updates;
   uint64_t lineage;  // 0: unknown (written as reserved, 0, before it was recorded)
+  // From format 5 (the record's first 32 bytes before it):
+  uint64_t restore_base_updates;  // FederationState's; 0 without kCheckpointRestoreBase
+  uint64_t reserved;              // 0
 };
-static_assert(sizeof(CheckpointFederationRecord) == 32 && std::is_trivially_copyable_v<CheckpointFederationRecord>);
+static_assert(sizeof(CheckpointFederationRecord) == 48 && std::is_trivially_copyable_v<CheckpointFederationRecord>);
 
-// The float arrays of the federation section: the anchor, and the
-// momentum with kCheckpointOuterMomentum.
+// The record's bytes as `format` stores them.
+uint64_t federation_record_bytes(uint32_t format) { return format >= 5 ? sizeof(CheckpointFederationRecord) : 32; }
+
+// The float arrays of the federation section: the anchor, the momentum
+// with kCheckpointOuterMomentum and the restore base with
+// kCheckpointRestoreBase.
 uint64_t federation_arrays(uint32_t flags) {
   if ((flags & kCheckpointFederation) == 0) return 0;
-  return (flags & kCheckpointOuterMomentum) != 0 ? 2 : 1;
+  return 1 + ((flags & kCheckpointOuterMomentum) != 0 ? 1 : 0) + ((flags & kCheckpointRestoreBase) != 0 ? 1 : 0);
+}
+
+// The header's flags a file of `format` may hold.
+uint32_t known_flags(uint32_t format) {
+  if (format == 1) return 0;
+  return kCheckpointFederation | kCheckpointOuterMomentum | (format >= 5 ? kCheckpointRestoreBase : 0);
 }
 
 // A span of RoundGroups as format 3 stored it: without its members.
@@ -199,10 +212,10 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   if (h.format == 0 || h.format > kCheckpointFormat)
     return corrupt("checkpoint format " + std::to_string(h.format) + ", this build reads 1 to " +
                    std::to_string(kCheckpointFormat));
-  const uint32_t known_flags = h.format == 1 ? 0 : kCheckpointFederation | kCheckpointOuterMomentum;
+  // A momentum or a restore base only in a federation section.
   if (h.header_size != sizeof h || h.tensor_count == 0 || h.tensor_count > shm::kMaxTensorsLimit ||
-      h.state_arrays > 3 || (h.flags & ~known_flags) != 0 ||
-      (h.flags & (kCheckpointFederation | kCheckpointOuterMomentum)) == kCheckpointOuterMomentum)
+      h.state_arrays > 3 || (h.flags & ~known_flags(h.format)) != 0 ||
+      (h.flags != 0 && (h.flags & kCheckpointFederation) == 0))
     return corrupt("implausible header");
   if (h.version >= kMaxCheckpointVersion) return corrupt("implausible version " + std::to_string(h.version));
   try {
@@ -224,7 +237,7 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   out->ours = true;  // until a tensor record says otherwise
   // expect_total <= 2^40 (shm::validate_tensors()): no overflow below.
   const uint64_t federation_bytes = (h.flags & kCheckpointFederation) != 0
-                                        ? sizeof(CheckpointFederationRecord) + round_groups_bytes(h.format) +
+                                        ? federation_record_bytes(h.format) + round_groups_bytes(h.format) +
                                               h.total_elements * federation_arrays(h.flags) * 4
                                         : 0;
   const uint64_t expected_size = sizeof h + uint64_t{h.tensor_count} * sizeof(CheckpointTensor) +
@@ -253,7 +266,9 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   if (data.state.size() != uint64_t{data.layout.state_arrays} * total ||
       data.steps.size() != data.layout.tensors.size() ||
       (data.federation && (data.federation->anchor.size() != total ||
-                           (!data.federation->momentum.empty() && data.federation->momentum.size() != total))))
+                           (!data.federation->momentum.empty() && data.federation->momentum.size() != total) ||
+                           (!data.federation->restore_base.empty() && data.federation->restore_base.size() != total) ||
+                           (data.federation->restore_base.empty() && data.federation->restore_base_updates != 0))))
     return {ErrorCode::kInternal, "inconsistent checkpoint snapshot"};
   CheckpointHeader h{};
   h.magic = kCheckpointMagic;
@@ -266,18 +281,21 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   h.total_elements = total;
   CheckpointFederationRecord fed{};
   if (data.federation) {
-    h.flags = kCheckpointFederation | (data.federation->momentum.empty() ? 0 : kCheckpointOuterMomentum);
+    h.flags = kCheckpointFederation | (data.federation->momentum.empty() ? 0 : kCheckpointOuterMomentum) |
+              (data.federation->restore_base.empty() ? 0 : kCheckpointRestoreBase);
     fed.round = data.federation->round;
     fed.momentum_started = data.federation->momentum_started ? 1 : 0;
     fed.unmerged_updates = data.federation->unmerged_updates;
     fed.lineage = data.federation->lineage;
     fed.host = data.federation->host + 1;  // kUnknownFederationHost: 0
+    fed.restore_base_updates = data.federation->restore_base_updates;
   }
   // The federation section's arrays (none without it).
   std::vector<std::span<const float>> fed_arrays;
   if (data.federation) {
     fed_arrays.emplace_back(data.federation->anchor);
     if (!data.federation->momentum.empty()) fed_arrays.emplace_back(data.federation->momentum);
+    if (!data.federation->restore_base.empty()) fed_arrays.emplace_back(data.federation->restore_base);
   }
   std::vector<CheckpointTensor> tensors(data.layout.tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -367,6 +385,7 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
     data.federation.emplace();
     data.federation->anchor.resize(h.total_elements);
     if ((h.flags & kCheckpointOuterMomentum) != 0) data.federation->momentum.resize(h.total_elements);
+    if ((h.flags & kCheckpointRestoreBase) != 0) data.federation->restore_base.resize(h.total_elements);
   }
   const auto read_floats = [&](std::vector<float>& v) { return read_all(f.file.fd, v.data(), v.size() * 4); };
   uint32_t stored = 0;
@@ -374,9 +393,11 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
   // The record of groups as the file holds it (its format's bytes).
   std::array<unsigned char, sizeof(RoundGroups)> groups{};
   const uint64_t groups_bytes = round_groups_bytes(h.format);
+  const uint64_t record_bytes = federation_record_bytes(h.format);  // the rest of `fed` stays 0
   if (data.federation)
-    ok = ok && read_all(f.file.fd, &fed, sizeof fed) && read_all(f.file.fd, groups.data(), groups_bytes) &&
-         read_floats(data.federation->anchor) && read_floats(data.federation->momentum);
+    ok = ok && read_all(f.file.fd, &fed, record_bytes) && read_all(f.file.fd, groups.data(), groups_bytes) &&
+         read_floats(data.federation->anchor) && read_floats(data.federation->momentum) &&
+         read_floats(data.federation->restore_base);
   if (!ok || !read_all(f.file.fd, &stored, 4))
     return errno != 0 ? Status{ErrorCode::kIo, path + ": read: " + errno_text()} : corrupt("truncated");
   boost::crc_32_type crc;
@@ -385,17 +406,23 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
   crc.process_bytes(data.weights.data(), data.weights.size() * 4);
   crc.process_bytes(data.state.data(), data.state.size() * 4);
   if (data.federation) {
-    crc.process_bytes(&fed, sizeof fed);
+    crc.process_bytes(&fed, record_bytes);
     crc.process_bytes(groups.data(), groups_bytes);
     crc.process_bytes(data.federation->anchor.data(), data.federation->anchor.size() * 4);
     crc.process_bytes(data.federation->momentum.data(), data.federation->momentum.size() * 4);
+    crc.process_bytes(data.federation->restore_base.data(), data.federation->restore_base.size() * 4);
   }
   if (crc.checksum() != stored) return corrupt("checksum mismatch");
   if (data.federation) {
     // The round is a count like the version: a damaged one must not wrap.
-    if (fed.momentum_started > 1 || fed.round >= kMaxCheckpointVersion || fed.unmerged_updates >= kMaxCheckpointVersion)
+    // A restore base's updates are some of the unmerged ones.
+    const bool has_base = !data.federation->restore_base.empty();
+    if (fed.momentum_started > 1 || fed.round >= kMaxCheckpointVersion ||
+        fed.unmerged_updates >= kMaxCheckpointVersion || fed.restore_base_updates > fed.unmerged_updates ||
+        (!has_base && fed.restore_base_updates != 0) || fed.reserved != 0)
       return corrupt("implausible federation record (round " + std::to_string(fed.round) + ", " +
-                     std::to_string(fed.unmerged_updates) + " unmerged updates)");
+                     std::to_string(fed.unmerged_updates) + " unmerged updates, " +
+                     std::to_string(fed.restore_base_updates) + " of them in the restore base)");
     data.federation->history = round_groups_from(groups.data(), h.format);
     if (!data.federation->history.plausible(fed.round))
       return corrupt("implausible record of the rounds' groups for round " + std::to_string(fed.round));
@@ -404,6 +431,7 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
     data.federation->lineage = fed.lineage;
     data.federation->host = h.format >= 4 ? fed.host - 1 : kUnknownFederationHost;  // 0 - 1: unknown
     data.federation->momentum_started = fed.momentum_started != 0;
+    data.federation->restore_base_updates = fed.restore_base_updates;
   }
   for (size_t i = 0; i < f.tensors.size(); ++i) {
     // Not <= the version: a push steps its tensors before a buffer found

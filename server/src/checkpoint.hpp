@@ -11,17 +11,21 @@
 //   weights      fp32[total_elements]
 //   state        fp32[state_arrays * total_elements]
 //   with kCheckpointFederation in the header's flags:
-//     CheckpointFederationRecord           32 B
-//     RoundGroups                         256 B (format 4: 8 spans {group,
+//     CheckpointFederationRecord           48 B (32 B before format 5:
+//                                               without restore_base_updates
+//                                               and its reserved word)
+//     RoundGroups                         256 B (from format 4: 8 spans {group,
 //                                               first, last, members}; format
 //                                               3: 192 B, spans without members)
 //     anchor     fp32[total_elements]
 //     momentum   fp32[total_elements], with kCheckpointOuterMomentum
+//     base       fp32[total_elements], with kCheckpointRestoreBase
 //   crc32        uint32 of all bytes before it (Boost.CRC, CRC-32/ISO-HDLC)
 // Bump kCheckpointFormat on any change to these bytes. A checkpoint without
 // a federation section is written as format 1 (no flags), which older
-// builds read too; formats 3 (its spans' members read as unknown) and 2 (a
-// federation section without the RoundGroups) are still read.
+// builds read too; formats 4 (no restore base), 3 (its spans' members read
+// as unknown) and 2 (a federation section without the RoundGroups) are
+// still read.
 #pragma once
 
 #include <condition_variable>
@@ -42,10 +46,11 @@
 namespace shmps::server {
 
 inline constexpr uint64_t kCheckpointMagic = 0x314b4353504d4853ull;  // "SHMPSCK1" little-endian
-inline constexpr uint32_t kCheckpointFormat = 4;
-// The header's flags (formats 2 to 4).
+inline constexpr uint32_t kCheckpointFormat = 5;
+// The header's flags (from format 2).
 inline constexpr uint32_t kCheckpointFederation = 1u << 0;     // a federation section follows the state
 inline constexpr uint32_t kCheckpointOuterMomentum = 1u << 1;  // it holds the outer momentum
+inline constexpr uint32_t kCheckpointRestoreBase = 1u << 2;    // it holds a restore base (from format 5)
 
 // What a checkpoint must match for a server to restore it, prune it or
 // write over it: the model's tensors (names and shapes, in order), the
@@ -81,6 +86,15 @@ struct FederationState {
   // kUnknownFederationHost in a file before format 4, and for a state
   // that never joined.
   uint32_t host = kUnknownFederationHost;
+  // A state restored and not joined since (Federator::restore()): the
+  // weights of the checkpoint first restored, W_base, and how many of
+  // `unmerged_updates` W_base - anchor holds. The updates applied since,
+  // W - W_base, are in no round yet: a join keeps them whichever rule it
+  // takes for the checkpoint's drift, also after further restarts from
+  // checkpoints written before it. Empty and 0 otherwise (and in a file
+  // before format 5).
+  std::vector<float> restore_base = {};
+  uint64_t restore_base_updates = 0;
 };
 
 // Everything a checkpoint holds, in host memory.

@@ -333,6 +333,9 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
 
 Status Federator::restore(FederationState state, std::vector<float> weights) {
   if (joined_) return {ErrorCode::kInternal, "federation: restore() after join()"};
+  // A checkpoint written between an earlier restore and a join: the
+  // updates since that restore are in no round either.
+  if (!state.restore_base.empty()) weights = std::move(state.restore_base);
   if (state.anchor.size() != anchor_.size() || (!state.momentum.empty() && state.momentum.size() != anchor_.size()) ||
       (!weights.empty() && weights.size() != anchor_.size()))
     return {ErrorCode::kInvalidArgument, "federation: the checkpoint's anchor does not fit this model"};
@@ -368,6 +371,7 @@ std::optional<FederationState> Federator::state() const {
   s.history = history_;
   s.lineage = lineage_;
   s.host = host_;
+  if (restored_) s.restore_base = restored_weights_;
   return s;
 }
 

@@ -114,9 +114,11 @@ class Federator {
   // weights this host restored, `weights`). With `weights`, a join that
   // does not keep the checkpoint's drift keeps the updates applied since
   // the restart (W - W_ckpt: no round merged them); they are held until a
-  // join goes through (a copy of the model). kInvalidArgument when the
-  // sizes do not fit the model, or the record of groups does not fit the
-  // round.
+  // join goes through (a copy of the model). A state with a restore base
+  // (a checkpoint written after an earlier restore, before a join) gives
+  // that base instead of `weights`: the updates since the earlier restore
+  // are in no round either. kInvalidArgument when the sizes do not fit the
+  // model, or the record of groups does not fit the round.
   Status restore(FederationState state, std::vector<float> weights = {});
 
   // The first collective: checks that every host serves the same model
@@ -179,11 +181,10 @@ class Federator {
   uint32_t group_every_ms() const noexcept { return group_every_ms_; }
   std::span<const float> anchor() const noexcept { return anchor_; }
   // The state to checkpoint with the weights after the last merge: none
-  // before a join or restore.
+  // before a join or restore. Restored and not joined since, it holds the
+  // restore base (FederationState::restore_base; its count is the
+  // caller's).
   std::optional<FederationState> state() const;
-  // Frees the copy of a restored checkpoint's weights that restore() took
-  // for the join, once no join will come (the federation ended).
-  void release_restored_weights() { std::vector<float>().swap(restored_weights_); }
 
  private:
   struct Header;
@@ -239,7 +240,7 @@ class Federator {
   bool joined_ = false;
   bool has_state_ = false;                  // joined, or restored from a checkpoint
   bool restored_ = false;                   // restored, and not joined since
-  std::vector<float> restored_weights_;     // while restored_: the checkpoint's weights (restore()), or none
+  std::vector<float> restored_weights_;     // while restored_: the restore base (restore()), or none
   uint32_t host_ = kUnknownFederationHost;  // the id of the last join (a restored state's writer before one)
   bool momentum_started_ = false;           // PyTorch's SGD: the first step's buffer is the gradient itself
   std::vector<float> anchor_;

@@ -139,8 +139,13 @@ void FederationLink::request_round() {
 
 Status FederationLink::restore(FederationState state, std::vector<float> weights) {
   const uint64_t unmerged = state.unmerged_updates;
+  // The updates in the restore base's drift (all, when the base is the
+  // checkpoint's weights).
+  const uint64_t in_base = state.restore_base.empty() ? unmerged : state.restore_base_updates;
   if (Status s = federator_.restore(std::move(state), std::move(weights)); !s.ok()) return s;
-  unmerged_updates_ = restored_unmerged_ = unmerged;  // before start(): the thread's from then on
+  // Before start(): the thread's from then on.
+  unmerged_updates_ = unmerged;
+  restored_unmerged_ = in_base;
   return Status::Ok();
 }
 
@@ -160,7 +165,10 @@ bool FederationLink::checkpoint_state(uint64_t version, std::optional<Federation
   *out = federator_.state();
   // The updates in W - A: the snapshots' not yet merged (the thread's,
   // handed over with the phase) and those since the last snapshot.
-  if (*out) (*out)->unmerged_updates = unmerged_updates_ + (version - last_snapshot_version_);
+  if (*out) {
+    (*out)->unmerged_updates = unmerged_updates_ + (version - last_snapshot_version_);
+    if (!(*out)->restore_base.empty()) (*out)->restore_base_updates = restored_unmerged_;
+  }
   return true;
 }
 
@@ -221,7 +229,6 @@ bool FederationLink::with_stats(F update) {
 
 void FederationLink::end(const std::string& why) {
   ended_ = true;
-  federator_.release_restored_weights();  // no join will need them
   log::warn("federation: " + why + "; serving the local workers alone from now on");
   publish_state(shm::FederationState::kEnded);
   set_phase(Phase::kOff);

@@ -159,7 +159,9 @@ class FederationLink {
   // Local updates in the snapshots since the last merged round: a round
   // abandoned, or a join, merges none of them (they stay in W - A).
   uint64_t unmerged_updates_ = 0;
-  // The unmerged local updates of the checkpoint restored (restore()).
+  // Of the unmerged local updates restored, those in the restore base's
+  // drift (restore(); written before start() only: checkpoint_state()
+  // reads it too).
   uint64_t restored_unmerged_ = 0;
   // restored_without_state()'s checkpoint, until the first join that
   // went through ("": none).

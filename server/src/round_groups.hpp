@@ -20,7 +20,7 @@ namespace shmps::server {
 // The last kSpans runs of consecutive rounds that one group completed,
 // oldest first (rounds count from 1: a span with first 0 is empty, and
 // all zero). Fixed-size: it crosses hosts as bytes at the join, and is
-// stored in checkpoints (format 4; format 3 held the spans without their
+// stored in checkpoints (from format 4; format 3 held the spans without their
 // members), so that a host restored from one still shows which rounds its
 // anchor holds.
 struct RoundGroups {

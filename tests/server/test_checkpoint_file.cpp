@@ -129,15 +129,16 @@ std::string as_format(std::string bytes, uint32_t format, const std::vector<std:
 
 // Where the federation section's record starts in a file of adam_layout():
 // after the header, 2 tensor records and 7 x 3 floats; the record of
-// groups follows its 32 bytes.
+// groups follows its 48 bytes (32 before format 5: without the last 16).
 constexpr size_t kFederationRecord = 64 + 2 * 112 + 7 * 3 * 4;
-constexpr size_t kRoundGroupsAt = kFederationRecord + 32;
+constexpr size_t kRoundGroupsAt = kFederationRecord + 48;
+constexpr std::pair<size_t, size_t> kFormat5Record{kFederationRecord + 32, 16};
 
 // A federated server's checkpoint holds the federation's state (anchor,
 // round, outer momentum, unmerged updates, which groups completed its
-// rounds and their members) after the optimizer state, in format 4; one
-// without it is written as format 1 (which older builds read) and reads
-// back without it.
+// rounds and their members, a restore base) after the optimizer state, in
+// format 5; one without it is written as format 1 (which older builds
+// read) and reads back without it.
 BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads) {
   test::TempDir dir("ckptfile");
   CheckpointData d = make_data(adam_layout(), 11, 0.5f);
@@ -158,15 +159,26 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
   BOOST_TEST(r->federation->history.spans[2].members == kMembers6);
   BOOST_TEST(r->federation->lineage == 0xabcdu);
   BOOST_TEST(r->federation->host == 5u);
+  BOOST_TEST(r->federation->restore_base.empty());
+  BOOST_TEST(r->federation->restore_base_updates == 0u);
   BOOST_TEST(r->weights == d.weights);
 
   d.federation->momentum.clear();  // the average outer step keeps none
+  d.federation->restore_base.assign(7, 0.75f);
+  d.federation->restore_base_updates = 4;
   d.version = 12;
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
   r = read_checkpoint(ckpt(dir, 12), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
   BOOST_TEST(r->federation->anchor == d.federation->anchor);
   BOOST_TEST(r->federation->momentum.empty());
+  BOOST_TEST(r->federation->restore_base == d.federation->restore_base);
+  BOOST_TEST(r->federation->restore_base_updates == 4u);
+  BOOST_TEST(r->federation->unmerged_updates == 9u);
+  // A base's updates are some of the unmerged ones.
+  d.federation->restore_base_updates = 10;
+  BOOST_TEST(write_checkpoint(dir.path.string(), d).ok());
+  BOOST_TEST(contains(error_of(read_checkpoint(ckpt(dir, 12), adam_layout())), "implausible federation record"));
 
   // Without a section: format 1.
   CheckpointData plain = make_data(adam_layout(), 13);
@@ -175,11 +187,36 @@ BOOST_AUTO_TEST_CASE(the_federation_section_reads_back_and_format_1_still_reads)
   std::memcpy(&format, contents(ckpt(dir, 13)).data() + 8, 4);  // CheckpointHeader::format
   BOOST_TEST(format == 1u);
   std::memcpy(&format, contents(ckpt(dir, 11)).data() + 8, 4);
-  BOOST_TEST(format == 4u);
+  BOOST_TEST(format == 5u);
   r = read_checkpoint(ckpt(dir, 13), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
   BOOST_TEST(!r->federation.has_value());
   BOOST_TEST(r->weights == plain.weights);
+}
+
+// A format-4 file (a 32-byte record, no restore base, as the builds
+// before format 5 wrote it) still reads, with no restore base; a format-4
+// header claiming one is refused.
+BOOST_AUTO_TEST_CASE(a_format_4_federation_section_reads_without_a_restore_base) {
+  test::TempDir dir("ckptfile");
+  CheckpointData d = make_data(adam_layout(), 11, 0.5f);
+  d.federation = FederationState{42, false, std::vector<float>(7, 1.5f), {}, 9, some_history(), 0xabcd, 5};
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
+  std::string bytes = as_format(contents(ckpt(dir, 11)), 4, {kFormat5Record});
+  put(ckpt(dir, 11), bytes);
+  auto r = read_checkpoint(ckpt(dir, 11), adam_layout());
+  BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
+  BOOST_TEST_REQUIRE(r->federation.has_value());
+  BOOST_TEST(r->federation->round == 42u);
+  BOOST_TEST(r->federation->unmerged_updates == 9u);
+  BOOST_TEST(r->federation->host == 5u);
+  BOOST_TEST((r->federation->history == d.federation->history));
+  BOOST_TEST(r->federation->anchor == d.federation->anchor);
+  BOOST_TEST(r->federation->restore_base.empty());
+  const uint32_t with_base = kCheckpointFederation | kCheckpointRestoreBase;
+  std::memcpy(bytes.data() + 36, &with_base, 4);  // CheckpointHeader::flags
+  put(ckpt(dir, 11), as_format(bytes, 4, {}));
+  BOOST_TEST(contains(error_of(read_checkpoint(ckpt(dir, 11), adam_layout())), "implausible header"));
 }
 
 // A format-3 file (the record of groups without members, as the builds
@@ -192,7 +229,7 @@ BOOST_AUTO_TEST_CASE(a_format_3_federation_section_reads_with_members_unknown) {
   d.federation = FederationState{42, false, std::vector<float>(7, 1.5f), {}, 9, some_history(), 0xabcd, 5};
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
   // Each 32-byte span {group, first, last, members} less its members.
-  std::vector<std::pair<size_t, size_t>> members;
+  std::vector<std::pair<size_t, size_t>> members{kFormat5Record};
   for (size_t k = 0; k < RoundGroups::kSpans; ++k) members.emplace_back(kRoundGroupsAt + k * 32 + 24, 8);
   put(ckpt(dir, 11), as_format(contents(ckpt(dir, 11)), 3, members));
   auto r = read_checkpoint(ckpt(dir, 11), adam_layout());
@@ -217,9 +254,9 @@ BOOST_AUTO_TEST_CASE(a_format_2_federation_section_reads_without_groups) {
   CheckpointData d = make_data(adam_layout(), 11, 0.5f);
   d.federation = FederationState{42, false, std::vector<float>(7, 1.5f), {}, 9, some_history()};
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), d).ok());
-  // Format 4 less the 256 bytes of RoundGroups after the 32-byte record,
-  // checksummed again: what format 2 was.
-  std::string bytes = as_format(contents(ckpt(dir, 11)), 2, {{kRoundGroupsAt, sizeof(RoundGroups)}});
+  // Format 5 less the record's last 16 bytes and the 256 bytes of
+  // RoundGroups after it, checksummed again: what format 2 was.
+  std::string bytes = as_format(contents(ckpt(dir, 11)), 2, {kFormat5Record, {kRoundGroupsAt, sizeof(RoundGroups)}});
   put(ckpt(dir, 11), bytes);
   auto r = read_checkpoint(ckpt(dir, 11), adam_layout());
   BOOST_REQUIRE_MESSAGE(r.ok(), error_of(r));
@@ -227,10 +264,10 @@ BOOST_AUTO_TEST_CASE(a_format_2_federation_section_reads_without_groups) {
   BOOST_TEST(r->federation->round == 42u);
   BOOST_TEST(r->federation->anchor == d.federation->anchor);
   BOOST_TEST((r->federation->history == RoundGroups{}));
-  const uint32_t format5 = 5;
-  std::memcpy(bytes.data() + 8, &format5, 4);
+  const uint32_t format6 = 6;
+  std::memcpy(bytes.data() + 8, &format6, 4);
   put(ckpt(dir, 11), bytes);
-  BOOST_TEST(contains(error_of(read_checkpoint(ckpt(dir, 11), adam_layout())), "format 5, this build reads 1 to 4"));
+  BOOST_TEST(contains(error_of(read_checkpoint(ckpt(dir, 11), adam_layout())), "format 6, this build reads 1 to 5"));
 }
 
 // The section's flags and record are checked like the rest: unknown flags,
@@ -262,7 +299,13 @@ BOOST_AUTO_TEST_CASE(a_damaged_federation_section_is_refused) {
   const uint32_t started = 7;
   BOOST_TEST(contains(patched(record + 8, &started, 4), "implausible federation record"));
   BOOST_TEST(contains(patched(record + 16, &wrap, 8), "implausible federation record"));  // unmerged updates
-  // The record of groups follows the 32-byte record: 8 spans {group,
+  // A restore base's updates without one, and the reserved word.
+  const uint64_t one = 1;
+  BOOST_TEST(contains(patched(record + 32, &one, 8), "implausible federation record"));
+  BOOST_TEST(contains(patched(record + 40, &one, 8), "implausible federation record"));
+  const uint32_t base_flag = kCheckpointFederation | kCheckpointRestoreBase;  // without its array
+  BOOST_TEST(contains(patched(36, &base_flag, 4), "does not match its header"));
+  // The record of groups follows the 48-byte record: 8 spans {group,
   // first, last, members}. Rounds past the checkpoint's round 3, a span
   // ending before it starts, spans out of order or after an empty one,
   // members in an empty span: refused. A span's members are any bits (0:

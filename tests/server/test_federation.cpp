@@ -1363,6 +1363,20 @@ uint64_t block_stat(const std::string& name, std::atomic<uint64_t> shm::StatsBlo
 
 // Two in-process servers federated over one FakeGroup, SGD lr 1 on one
 // tensor of 4 zeros, so a push of g moves the weights by -g exactly.
+// Host `r`'s server: 4 weights, SGD lr 1, no staleness bound.
+ServerConfig federated_config(uint32_t r, const FederationConfig& f, const std::string& checkpoint_dir) {
+  ServerConfig c;
+  c.name = test::unique_name("fed" + std::to_string(r));
+  c.tensors = {{"w", {4}}};
+  c.optimizer.kind = kernels::OptimizerKind::kSgd;
+  c.optimizer.lr = 1.0f;
+  c.backend = BackendKind::kHost;
+  c.max_staleness = 1'000'000;
+  c.federation = f;
+  c.checkpoint_dir = checkpoint_dir;
+  return c;
+}
+
 struct TwoServers {
   // `setup`: run on each host's engine before its server runs (the
   // federation thread reads what it sets). `await_join`: return once both
@@ -1371,15 +1385,7 @@ struct TwoServers {
              const std::function<void(uint32_t, FakeEngine&)>& setup = nullptr, bool await_join = true)
       : group(std::make_shared<FakeGroup>(2)) {
     for (uint32_t r = 0; r < 2; ++r) {
-      ServerConfig c;
-      c.name = test::unique_name("fed" + std::to_string(r));
-      c.tensors = {{"w", {4}}};
-      c.optimizer.kind = kernels::OptimizerKind::kSgd;
-      c.optimizer.lr = 1.0f;
-      c.backend = BackendKind::kHost;
-      c.max_staleness = 1'000'000;
-      c.federation = r == 0 ? a : b;
-      c.checkpoint_dir = checkpoint_dirs[r];
+      const ServerConfig c = federated_config(r, r == 0 ? a : b, checkpoint_dirs[r]);
       names.push_back(c.name);
       auto engine = std::make_unique<FakeEngine>(group, r);
       if (setup) setup(r, *engine);
@@ -1724,6 +1730,28 @@ BOOST_AUTO_TEST_CASE(a_restart_resumes_the_rounds_from_the_checkpointed_anchor) 
              stat(second.names[1], &ServerStats::fed_anchor_hash));
 }
 
+// Host 0's checkpoint of round 7 (W = A7 = 2; rounds 6 and 7 completed
+// by a group with host 1 in it when `member`, else without it) in dir0,
+// host 1's of round 5 (version 0, A5 = 1, W_ckpt = 1.5, 3 local updates
+// unmerged) in dir1.
+void write_rounds_5_and_7(const std::string& dir0, const std::string& dir1, bool member) {
+  CheckpointData data;
+  data.layout.tensors = {{"w", {4}}};
+  data.layout.optimizer_kind = static_cast<uint32_t>(kernels::OptimizerKind::kSgd);
+  data.version = 10;
+  data.steps = {10};
+  data.weights.assign(4, 2.0f);
+  data.federation = FederationState{7, false, std::vector<float>(4, 2.0f), {}, 0, {}, 0x5eed, /*host=*/0};
+  for (uint64_t k = 1; k <= 7; ++k) data.federation->history.completed(k, k <= 5 ? 1 : 2, k <= 5 || member ? 3 : 1);
+  BOOST_REQUIRE(write_checkpoint(dir0, data).ok());
+  data.version = 0;
+  data.steps = {0};
+  data.weights.assign(4, 1.5f);
+  data.federation = FederationState{5, false, std::vector<float>(4, 1.0f), {}, 3, {}, 0x5eed, /*host=*/1};
+  for (uint64_t k = 1; k <= 5; ++k) data.federation->history.completed(k, 1, 3);
+  BOOST_REQUIRE(write_checkpoint(dir1, data).ok());
+}
+
 // The same through whole servers, from checkpoint files: host 0 at round
 // 7 (W = A7 = 2), host 1 restored at round 5 (A5 = 1, W_ckpt = 1.5, 3
 // local updates unmerged), pushing 1.0 more (two pushes of SGD lr 1)
@@ -1739,21 +1767,7 @@ BOOST_AUTO_TEST_CASE(a_restarted_server_keeps_what_no_round_merged) {
   for (const bool member : {true, false}) {
     BOOST_TEST_CONTEXT("host 1 in rounds 6 and 7: " << member) {
       test::TempDir dir0("fedold0"), dir1("fedold1");
-      CheckpointData data;
-      data.layout.tensors = {{"w", {4}}};
-      data.layout.optimizer_kind = static_cast<uint32_t>(kernels::OptimizerKind::kSgd);
-      data.version = 10;
-      data.steps = {10};
-      data.weights.assign(4, 2.0f);
-      data.federation = FederationState{7, false, std::vector<float>(4, 2.0f), {}, 0, {}, 0x5eed, /*host=*/0};
-      for (uint64_t k = 1; k <= 7; ++k) data.federation->history.completed(k, k <= 5 ? 1 : 2, k <= 5 || member ? 3 : 1);
-      BOOST_REQUIRE(write_checkpoint(dir0.path.string(), data).ok());
-      data.version = 0;
-      data.steps = {0};
-      data.weights.assign(4, 1.5f);
-      data.federation = FederationState{5, false, std::vector<float>(4, 1.0f), {}, 3, {}, 0x5eed, /*host=*/1};
-      for (uint64_t k = 1; k <= 5; ++k) data.federation->history.completed(k, 1, 3);
-      BOOST_REQUIRE(write_checkpoint(dir1.path.string(), data).ok());
+      write_rounds_5_and_7(dir0.path.string(), dir1.path.string(), member);
       // Host 1's first join waits in its first collective until the pushes
       // are in, then fails: its engine, elastic until then, re-forms, and
       // the next join's snapshot holds them.
@@ -1793,6 +1807,56 @@ BOOST_AUTO_TEST_CASE(a_restarted_server_keeps_what_no_round_merged) {
                  "host 0 holds " << pull_weights(two.names[0])[0] << ", not " << want);
       BOOST_TEST(test::eventually([&] { return pull_weights(two.names[1])[0] == want; }),
                  "host 1 holds " << pull_weights(two.names[1])[0] << ", not " << want);
+    }
+  }
+}
+
+// As above, with a restart between host 1's restore and its join: host 1
+// restores round 5 (W_ckpt = 1.5), its federation ends before a join (its
+// first collective fails), it takes two pushes (W = 2.5) and stops,
+// writing a checkpoint of round 5's state at W = 2.5 that also holds the
+// restore base W_ckpt and its 3 updates. Restarted from that file, its
+// join keeps the 2 pushes in both cases: W = A7 + 1 = 3 as a member (without
+// the base, W = A7 + (W - 2.5) = 2 would drop them), W = A7 + (W - A5) =
+// 3.5 rebased.
+BOOST_AUTO_TEST_CASE(a_checkpoint_between_a_restore_and_the_join_keeps_the_restore_base) {
+  for (const bool member : {true, false}) {
+    BOOST_TEST_CONTEXT("host 1 in rounds 6 and 7: " << member) {
+      test::TempDir dir0("fedbase0"), dir1("fedbase1");
+      write_rounds_5_and_7(dir0.path.string(), dir1.path.string(), member);
+      FederationConfig f;
+      f.every_ms = 20;
+      {
+        auto engine = std::make_unique<FakeEngine>(std::make_shared<FakeGroup>(2), 1);
+        engine->fail_at = 1;  // the join's first collective: over (the engine is not elastic)
+        const ServerConfig c = federated_config(1, f, dir1.path.string());
+        test::InProcessServer alone(c, std::move(engine));
+        BOOST_TEST_REQUIRE(test::eventually([&] {
+          return block_stat(c.name, &shm::StatsBlock::fed_state) == static_cast<uint64_t>(shm::FederationState::kEnded);
+        }));
+        push_halves(c.name, 2);
+      }
+      CheckpointLayout layout;
+      layout.tensors = {{"w", {4}}};
+      layout.optimizer_kind = static_cast<uint32_t>(kernels::OptimizerKind::kSgd);
+      const std::vector<std::string> files = list_checkpoints(dir1.path.string());
+      BOOST_TEST_REQUIRE(files.size() == 2u);
+      auto written = read_checkpoint(files.front(), layout);  // the newest
+      BOOST_TEST_REQUIRE(written.ok(), written.status().to_string());
+      BOOST_TEST(written->version == 2u);
+      BOOST_TEST(written->weights == std::vector<float>(4, 2.5f));
+      BOOST_TEST_REQUIRE(written->federation.has_value());
+      BOOST_TEST(written->federation->round == 5u);
+      BOOST_TEST(written->federation->restore_base == std::vector<float>(4, 1.5f));
+      BOOST_TEST(written->federation->restore_base_updates == 3u);
+      BOOST_TEST(written->federation->unmerged_updates == 5u);
+
+      TwoServers two(f, f, {dir0.path.string(), dir1.path.string()});
+      const float want = member ? 3.0f : 3.5f;
+      BOOST_TEST(test::eventually([&] { return pull_weights(two.names[1])[0] == want; }),
+                 "host 1 holds " << pull_weights(two.names[1])[0] << ", not " << want);
+      BOOST_TEST(test::eventually([&] { return pull_weights(two.names[0])[0] == want; }),
+                 "host 0 holds " << pull_weights(two.names[0])[0] << ", not " << want);
     }
   }
 }
