@@ -29,6 +29,7 @@
 #include "pull_gate.hpp"
 #include "rate_log.hpp"
 #include "reload.hpp"
+#include "reload_parser.hpp"
 #include "request_handler.hpp"
 #include "service.hpp"
 #include "sessions.hpp"
@@ -153,6 +154,7 @@ class Server::Impl {
   size_t watch_cursor = 0;          // where watch_lanes() resumes its round robin
   // The service manager (sd_notify) and the STATUS= line.
   RunOptions run_options;
+  std::unique_ptr<ReloadParser> reload_parser;  // with run_options.reload, while run() runs
   ServiceNotifier notifier;
   uint64_t last_watchdog = 0;
   uint64_t last_status = 0;
@@ -168,6 +170,10 @@ class Server::Impl {
   // ------------------------------------------------------------ loop
   Status run(const RunOptions& options) {
     run_options = options;
+    // The parser's thread wakes the consumer once a result can be taken.
+    if (run_options.reload)
+      reload_parser = std::make_unique<ReloadParser>(run_options.reload,
+                                                     [wake = &segment->header().server_wake] { shm::notify(*wake); });
     notifier = options.notify_service_manager ? ServiceNotifier::from_environment() : ServiceNotifier{};
     const auto spin_ns = uint64_t{config.idle_spin_us} * 1000;
     uint64_t idle_since = 0;
@@ -219,6 +225,7 @@ class Server::Impl {
       }
       sleep_until_doorbell();
     }
+    reload_parser.reset();  // a parse in progress is waited for, and dropped
     shutdown();
     return failure;
   }
@@ -299,12 +306,18 @@ class Server::Impl {
       sessions.unlink_orphan_buffers(0);
     }
     if (checkpoints) checkpoints->tick(now);
+    // A parse done: applied here, between two requests.
+    if (reload_parser)
+      if (std::optional<Result<ServerConfig>> parsed = reload_parser->take()) finish_reload(std::move(*parsed));
     // The relaxed load keeps the locked exchange off the common path (a
-    // stale false only delays the reload to the next tick). SYNC(reload):
-    // the acquire pairs with request_reload()'s release, so what the
-    // requester wrote for RunOptions::reload to read is visible.
-    if (reload_requested.load(std::memory_order_relaxed) && reload_requested.exchange(false, std::memory_order_acquire))
-      reload(now);
+    // stale false only delays the reload to the next tick); a reload asked
+    // for during a parse starts after it. SYNC(reload): the acquire pairs
+    // with request_reload()'s release, so what the requester wrote for
+    // RunOptions::reload to read is visible (to the parser's thread too:
+    // start() locks after it).
+    if (reload_requested.load(std::memory_order_relaxed) && !(reload_parser && reload_parser->busy()) &&
+        reload_requested.exchange(false, std::memory_order_acquire))
+      begin_reload(now);
     if (notifier.watchdog_ns() != 0 && now - last_watchdog >= notifier.watchdog_ns() / 2) {
       notifier.watchdog();
       last_watchdog = now;
@@ -328,19 +341,27 @@ class Server::Impl {
            " workers attached, " + fixed1(push_rate) + " pushes/s, version " + std::to_string(model.version);
   }
 
-  void reload(uint64_t now) {
+  // A reload: its parse goes to the parser's thread (ReloadParser), and
+  // finish_reload() applies the result once taken.
+  void begin_reload(uint64_t now) {
     notifier.reloading(now);
-    if (!run_options.reload) {
+    if (!reload_parser) {
       log::warn("reload requested, but this server has no configuration source; nothing changed");
-    } else if (Result<ServerConfig> next = run_options.reload(); !next.ok()) {
+      notifier.ready(status_text());
+      return;
+    }
+    reload_parser->start();
+  }
+
+  void finish_reload(Result<ServerConfig> next) {
+    if (!next.ok()) {
       log::error("reload failed, keeping the running configuration: " + next.status().message());
       notifier.ready("reload failed (see the log); " + status_text());
       return;
-    } else {
-      // The running name and checkpoint directory carry the rank.
-      if (federation) apply_rank_in_name(*next, federation->membership().host);
-      apply_live(config, *next, segment->header().config);
     }
+    // The running name and checkpoint directory carry the rank.
+    if (federation) apply_rank_in_name(*next, federation->membership().host);
+    apply_live(config, *next, segment->header().config);
     notifier.ready(status_text());
   }
 

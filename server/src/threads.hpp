@@ -29,7 +29,8 @@ namespace shmps::server {
 // thread id): shmps-server (the consumer: the main thread, and the
 // OpenMP threads that split its large updates), shmps-fed (the
 // federation's round loop), shmps-fed-io (an engine's own threads: Gloo's
-// I/O thread), shmps-ckpt (the checkpoint writer). docs/operations.md.
+// I/O thread), shmps-ckpt (the checkpoint writer), shmps-reload (a
+// reload's parse). docs/operations.md.
 inline void name_this_thread(const char* name) noexcept { (void)::pthread_setname_np(::pthread_self(), name); }
 
 static_assert(kMaxCpus == CPU_SETSIZE, "FederationConfig::cpus are indices into a cpu_set_t");

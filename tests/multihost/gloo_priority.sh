@@ -4,8 +4,9 @@
 # through a file store, host 0 at --fed-priority idle, host 1 at low with
 # --fed-cpus set to the first CPU this test may use, and host 2 at
 # normal. Once all show 3 members, each server's threads are the consumer
-# (shmps-server), the checkpoint writer (shmps-ckpt), one round loop
-# (shmps-fed) and one Gloo I/O thread (shmps-fed-io), and:
+# (shmps-server), the checkpoint writer (shmps-ckpt), the reload parser
+# (shmps-reload), one round loop (shmps-fed) and one Gloo I/O thread
+# (shmps-fed-io), and:
 # host 0's round loop and I/O thread are under SCHED_IDLE; host 1's round
 # loop at nice 19 and its I/O thread at nice 19 under SCHED_BATCH; host 2's
 # round loop as started and its I/O thread under SCHED_BATCH (it never
@@ -87,7 +88,7 @@ for r in 0 1 2; do
     case $comm in
       shmps-fed) want=${fed[$r]} want_cpus=${fed_cpus[$r]} ;;
       shmps-fed-io) want=${fed_io[$r]} want_cpus=${fed_cpus[$r]} ;;
-      shmps-server | shmps-ckpt) want="$nice0 0" want_cpus=$allowed ;;
+      shmps-server | shmps-ckpt | shmps-reload) want="$nice0 0" want_cpus=$allowed ;;
       *) fail "host $r (--fed-priority ${priorities[$r]}): a thread named '$comm'" ;;
     esac
     [ "$np" = "$want" ] ||

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <boost/test/unit_test.hpp>
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -651,32 +652,121 @@ BOOST_AUTO_TEST_CASE(reload_in_process_applies_live_options_only) {
   std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
   BOOST_REQUIRE((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0).ok());  // w = -1
 
+  // The values in force, as the segment's config block shows them: the
+  // server applies a reload there after the callback's parse.
+  auto view = shm::Segment::open(config.name, /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(view.ok(), view.status().to_string());
+  const auto max_staleness_in_force = [&] {
+    return std::atomic_ref<uint64_t>((*view)->header().config.max_staleness).load(std::memory_order_relaxed);
+  };
+
   next.optimizer.lr = 0.5f;
   next.max_staleness = 0;
   next.max_workers = 4;            // needs a restart: ignored
   next.optimizer.momentum = 0.9f;  // needs a restart: ignored
   server->request_reload();
-  BOOST_REQUIRE(test::eventually([&] { return reloads.load() == 1; }, std::chrono::seconds(5)));
-  // The reload is applied on the server thread right after the callback;
-  // a request round trip orders us after it.
-  BOOST_REQUIRE((*w)->ping().ok());
+  BOOST_REQUIRE(test::eventually([&] { return reloads.load() == 1 && max_staleness_in_force() == 0; }));
   BOOST_REQUIRE((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 1).ok());  // w = -1.5
   BOOST_TEST(((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 1).status().code() == ErrorCode::kStale));
   BOOST_REQUIRE((*w)->pull(kAllTensors, weights->id, 0).ok());
   BOOST_TEST(static_cast<const float*>(weights->data)[0] == -1.5f);  // lr 0.5, no momentum
 
-  // An lr the optimizer refuses is logged and the running one kept.
+  // An lr the optimizer refuses is logged and the running one kept (the
+  // bound's change shows the reload was applied).
   next.optimizer.lr = -1.0f;
+  next.max_staleness = 3;
   server->request_reload();
-  BOOST_REQUIRE(test::eventually([&] { return reloads.load() == 2; }, std::chrono::seconds(5)));
-  BOOST_REQUIRE((*w)->ping().ok());
+  BOOST_REQUIRE(test::eventually([&] { return reloads.load() == 2 && max_staleness_in_force() == 3; }));
   BOOST_REQUIRE((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 2).ok());
   BOOST_REQUIRE((*w)->pull(kAllTensors, weights->id, 0).ok());
   BOOST_TEST(static_cast<const float*>(weights->data)[0] == -2.0f);  // still lr 0.5
 
   w->reset();
+  view->reset();
   server->request_stop();
   thread.join();
+  BOOST_TEST(ran.ok(), ran.to_string());
+}
+
+// A reload's parse runs off the serving thread: while the configuration
+// source is held inside its parse, workers are served (pushes and pulls
+// answered); the reload is applied once the parse returns, and SIGHUPs
+// during it merge into one more parse after it. On a server that parsed
+// on its serving thread, the pushes would wait for the parse (the
+// watchdog below ends the hold after 20 s, and the check fails).
+BOOST_AUTO_TEST_CASE(a_slow_reload_parse_does_not_stall_serving) {
+  ServerConfig config;
+  config.name = test::unique_name("reloadslow");
+  config.tensors = {{"w", {4}}};
+  config.optimizer.lr = 1.0f;
+  config.max_staleness = 8;
+  auto created = Server::create(config);
+  BOOST_REQUIRE_MESSAGE(created.ok(), created.status().to_string());
+  std::unique_ptr<Server> server = std::move(created).value();
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool in_parse = false, released = false, released_by_watchdog = false;  // guarded by mu
+  std::atomic<int> parses{0};
+  ServerConfig next = config;
+  next.max_staleness = 5;
+  RunOptions options;
+  options.reload = [&]() -> Result<ServerConfig> {
+    std::unique_lock lock(mu);
+    in_parse = true;
+    cv.notify_all();
+    cv.wait(lock, [&] { return released; });
+    ++parses;
+    return next;
+  };
+  Status ran = Status::Ok();
+  std::thread thread([&] { ran = server->run(options); });
+  std::thread watchdog([&] {
+    std::unique_lock lock(mu);
+    if (!cv.wait_for(lock, std::chrono::seconds(20), [&] { return released; })) released = released_by_watchdog = true;
+    cv.notify_all();
+  });
+
+  WorkerOptions o;
+  o.name = config.name;
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE(w.ok());
+  auto grad = (*w)->register_buffer(16);
+  auto weights = (*w)->register_buffer(16);
+  BOOST_REQUIRE(grad.ok() && weights.ok());
+  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+  server->request_reload();
+  {
+    std::unique_lock lock(mu);
+    BOOST_REQUIRE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return in_parse; }));
+  }
+  for (int k = 0; k < 3; ++k) server->request_reload();  // merged into one parse after this one
+  for (uint64_t v = 0; v < 20; ++v) BOOST_REQUIRE((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, v).ok());
+  BOOST_REQUIRE((*w)->pull(kAllTensors, weights->id, 0).ok());
+  BOOST_TEST(static_cast<const float*>(weights->data)[0] == -20.0f);
+  bool by_watchdog = false;
+  {
+    std::lock_guard lock(mu);
+    by_watchdog = released_by_watchdog;
+    released = true;
+  }
+  cv.notify_all();
+  BOOST_TEST(!by_watchdog, "the pushes waited for the reload's parse");
+
+  auto view = shm::Segment::open(config.name, /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(view.ok(), view.status().to_string());
+  BOOST_TEST(test::eventually([&] {
+    return std::atomic_ref<uint64_t>((*view)->header().config.max_staleness).load(std::memory_order_relaxed) == 5;
+  }));
+  BOOST_TEST(test::eventually([&] { return parses.load() == 2; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  BOOST_TEST(parses.load() == 2);  // three requests during the first parse: one more
+
+  w->reset();
+  view->reset();
+  server->request_stop();
+  thread.join();
+  watchdog.join();
   BOOST_TEST(ran.ok(), ran.to_string());
 }
 
