@@ -369,8 +369,10 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   return Status::Ok();
 }
 
-Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect) {
-  OpenedCheckpoint f;
+namespace {
+
+// read_checkpoint() on `f`, which it opens.
+Result<CheckpointData> read_opened(const std::string& path, const CheckpointLayout& expect, OpenedCheckpoint& f) {
   if (Status s = open_checkpoint(path, expect, &f); !s.ok()) return s;
   const auto corrupt = [&](const std::string& why) { return Status{ErrorCode::kLayoutMismatch, path + ": " + why}; };
   const CheckpointHeader& h = f.header;
@@ -441,6 +443,22 @@ Result<CheckpointData> read_checkpoint(const std::string& path, const Checkpoint
     data.steps.push_back(f.tensors[i].step);
   }
   return data;
+}
+
+}  // namespace
+
+Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect, bool* damaged) {
+  OpenedCheckpoint f;
+  Result<CheckpointData> read = read_opened(path, expect, f);
+  if (damaged != nullptr) *damaged = !read.ok() && f.ours && read.status().code() == ErrorCode::kLayoutMismatch;
+  return read;
+}
+
+Result<std::string> set_aside_damaged_checkpoint(const std::string& path) {
+  const std::string to = path + ".damaged";
+  if (::rename(path.c_str(), to.c_str()) != 0)
+    return Status{ErrorCode::kIo, "rename " + path + " to " + to + ": " + errno_text()};
+  return to;
 }
 
 std::vector<std::string> list_checkpoints(const std::string& dir) {

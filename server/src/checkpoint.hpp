@@ -128,8 +128,20 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data);
 // not wrap to 0). Weights are not judged: NaN or Inf the server wrote is
 // restored as it was. Errors: kIo (cannot open, not a regular file, read
 // failed), kLayoutMismatch (corrupt, truncated, another model, or failed a
-// check above: the message says which).
-Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect);
+// check above: the message says which). `damaged`, when given, tells
+// whether a refused file is one of this model's (its header and tensor
+// records name it) that failed a later check (its size, checksum, steps
+// or federation section): a file of ours, damaged, not a read error nor
+// another model's.
+Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect,
+                                       bool* damaged = nullptr);
+
+// Renames a damaged checkpoint of this model (read_checkpoint()'s
+// `damaged`) to "<path>.damaged": no checkpoint's name, so that neither a
+// later restore reads it again nor pruning counts it among the newest
+// --checkpoint-keep (it would keep the damaged file and delete valid
+// ones), and kept for the operator to look at. The new path, or kIo.
+Result<std::string> set_aside_damaged_checkpoint(const std::string& path);
 
 // The checkpoint files in dir, newest (highest version) first.
 std::vector<std::string> list_checkpoints(const std::string& dir);

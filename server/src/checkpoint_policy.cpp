@@ -45,9 +45,17 @@ Status CheckpointPolicy::start(uint64_t now) {
   std::optional<uint64_t> restored;
   const CheckpointLayout l = layout();
   for (const std::string& path : list_checkpoints(config_.checkpoint_dir)) {
-    auto data = read_checkpoint(path, l);
+    bool damaged = false;
+    auto data = read_checkpoint(path, l, &damaged);
     if (!data.ok()) {
-      log::error("checkpoint " + data.status().message() + "; trying the previous one");
+      std::string aside;
+      if (damaged) {
+        const Result<std::string> moved = set_aside_damaged_checkpoint(path);
+        aside = moved.ok() ? "; renamed to " + *moved +
+                                 " (kept for inspection; neither restored nor counted by --checkpoint-keep again)"
+                           : "; could not set it aside (" + moved.status().message() + ")";
+      }
+      log::error("checkpoint " + data.status().message() + aside + "; trying the previous one");
       continue;
     }
     if (Status s = backend_.load(data->weights, data->state); !s.ok()) return s;

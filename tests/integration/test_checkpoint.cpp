@@ -191,19 +191,18 @@ BOOST_AUTO_TEST_CASE(corrupt_or_truncated_newest_checkpoint_falls_back_to_the_pr
     w.reset();
     BOOST_TEST(server.stop() == 0);
   }
-  BOOST_REQUIRE(fs::exists(dir.path / ckpt_name(6)));
+  const fs::path newest = dir.path / ckpt_name(6);
+  BOOST_REQUIRE(fs::exists(newest));
+  const std::string good = read_text(newest);
   // Newest: one flipped payload byte (checksum). Then truncated.
   for (const char* damage : {"flip", "truncate"}) {
     BOOST_TEST_CONTEXT(damage) {
-      const fs::path newest = dir.path / ckpt_name(6);
-      if (std::string(damage) == "flip") {
-        std::fstream f(newest, std::ios::in | std::ios::out | std::ios::binary);
-        f.seekp(64 + 2 * 112 + 8);
-        f.put('\x7f');
-      } else {
-        fs::resize_file(newest, fs::file_size(newest) - 10);
-      }
-      const std::string log = (dir.path / "server.log").string();
+      std::string bytes = good;
+      if (std::string(damage) == "flip")
+        bytes[64 + 2 * 112 + 8] = '\x7f';
+      else
+        bytes.resize(bytes.size() - 10);
+      std::ofstream(newest, std::ios::binary | std::ios::trunc) << bytes;
       test::ServerProcess server(name, adam_args(dir.path, {"--checkpoint-keep", "5"}));
       auto w = connect(name);
       auto g = w->register_buffer(28);
@@ -214,12 +213,44 @@ BOOST_AUTO_TEST_CASE(corrupt_or_truncated_newest_checkpoint_falls_back_to_the_pr
       w.reset();
       // No update since the restore: the final checkpoint is not rewritten.
       BOOST_TEST(server.stop() == 0);
-      if (std::string(damage) == "flip") {
-        // Put back a damaged newest for the truncation round.
-        BOOST_REQUIRE(fs::exists(newest));
-      }
+      // Set aside as it was, under a name no restore or pruning takes.
+      BOOST_TEST(!fs::exists(newest));
+      BOOST_TEST(read_text(newest.string() + ".damaged") == bytes);
     }
   }
+}
+
+// A damaged newest checkpoint is set aside at the start, so that the
+// newest --checkpoint-keep that pruning keeps are valid ones: with keep 2,
+// files 4 (valid) and 6 (damaged), a restart that restores 4 and stops at
+// version 10 keeps 4 and 10. Pruning that counted the damaged file (its
+// header reads as this model's) kept 6 and 10 and deleted the only
+// valid fallback.
+BOOST_AUTO_TEST_CASE(a_damaged_checkpoint_is_set_aside_and_not_counted_by_keep) {
+  test::TempDir dir("ckpt");
+  const std::string name = test::unique_name("aside");
+  run_steps(name, adam_args(dir.path, {"--checkpoint-every", "4", "--checkpoint-keep", "5"}), 0, 6);
+  BOOST_REQUIRE((checkpoint_files(dir.path) == std::vector<std::string>{ckpt_name(4), ckpt_name(6)}));
+  {
+    std::fstream f(dir.path / ckpt_name(6), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(64 + 2 * 112 + 8);
+    f.put('\x7f');
+  }
+  const fs::path log = dir.path / "server.log";
+  std::unique_ptr<Worker> w;
+  test::Process server = spawn_logged(name, adam_args(dir.path, {"--checkpoint-keep", "2"}), log, &w);
+  auto g = w->register_buffer(28);
+  BOOST_REQUIRE(g.ok());
+  push_steps(*w, *g, 4, 10);
+  w.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+  BOOST_TEST((checkpoint_files(dir.path) ==
+              std::vector<std::string>{ckpt_name(4), ckpt_name(6) + ".damaged", ckpt_name(10), "server.log"}));
+  const std::string text = read_text(log);
+  BOOST_TEST(text.find("checksum mismatch; renamed to " + (dir.path / ckpt_name(6)).string() + ".damaged") !=
+                 std::string::npos,
+             text);
 }
 
 BOOST_AUTO_TEST_CASE(checkpoint_of_another_model_is_not_restored) {
