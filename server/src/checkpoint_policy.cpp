@@ -82,11 +82,19 @@ Status CheckpointPolicy::start(uint64_t now) {
   return Status::Ok();
 }
 
-void CheckpointPolicy::publish_result() {
-  if (Status s = writer_->take_result(); !s.ok()) log::error(s.message());
+void CheckpointPolicy::publish_result(uint64_t now) {
+  constexpr uint64_t kFirstPauseNs = 1'000'000'000, kLongestPauseNs = 64'000'000'000;
+  const uint64_t written = writer_->written();
+  if (written != std::exchange(written_seen_, written)) retry_pause_ns_ = 0;  // one went through
+  if (Status s = writer_->take_result(); !s.ok()) {
+    retry_pause_ns_ = retry_pause_ns_ == 0 ? kFirstPauseNs : std::min(2 * retry_pause_ns_, kLongestPauseNs);
+    retry_at_ns_ = now + retry_pause_ns_;
+    retry_due_ = true;
+    log::error(s.message() + "; trying again in " + std::to_string(retry_pause_ns_ / 1'000'000'000) + " s");
+  }
   // relaxed: statistics, as every store to the block: the writer's counts
   // (write_final() bumps them for the final write).
-  stats_.checkpoints_written.store(writer_->written(), std::memory_order_relaxed);
+  stats_.checkpoints_written.store(written, std::memory_order_relaxed);
   stats_.checkpoint_failures.store(writer_->failed(), std::memory_order_relaxed);
 }
 
@@ -102,16 +110,20 @@ bool CheckpointPolicy::keeps_unfederated_checkpoint() {
 }
 
 void CheckpointPolicy::maybe(uint64_t now) {
-  publish_result();
-  // Changes that leave the version alone count too (Model::unversioned_changes).
-  if (model_.version == last_version_ && model_.unversioned_changes == last_unversioned_) return;
-  const bool by_count = config_.checkpoint_every != 0 && model_.version - last_version_ >= config_.checkpoint_every;
-  const bool by_time =
-      config_.checkpoint_interval_s != 0 && now - last_ns_ >= uint64_t{config_.checkpoint_interval_s} * 1'000'000'000;
-  if (!by_count && !by_time) return;
+  publish_result(now);
+  if (now < retry_at_ns_) return;  // pausing after a failed write
+  if (!retry_due_) {
+    // Changes that leave the version alone count too (Model::unversioned_changes).
+    if (model_.version == last_version_ && model_.unversioned_changes == last_unversioned_) return;
+    const bool by_count = config_.checkpoint_every != 0 && model_.version - last_version_ >= config_.checkpoint_every;
+    const bool by_time =
+        config_.checkpoint_interval_s != 0 && now - last_ns_ >= uint64_t{config_.checkpoint_interval_s} * 1'000'000'000;
+    if (!by_count && !by_time) return;
+  }
   if (writer_->busy() || keeps_unfederated_checkpoint()) return;
   CheckpointData data;
   if (!snapshot(&data)) return;
+  retry_due_ = false;
   writer_->submit(std::move(data));
   log::info("checkpoint of version " + std::to_string(model_.version) + " handed to the writer");
   last_version_ = model_.version;
@@ -121,7 +133,7 @@ void CheckpointPolicy::maybe(uint64_t now) {
 
 Status CheckpointPolicy::write_final() {
   if (Status s = writer_->drain(); !s.ok()) log::error(s.message());
-  publish_result();  // the drained write's counts (its message is logged above)
+  publish_result(0);  // the drained write's counts (its message is logged above)
   if (model_.version == writer_->last_written() && model_.unversioned_changes == last_unversioned_) return Status::Ok();
   if (keeps_unfederated_checkpoint()) return Status::Ok();
   CheckpointData data;

@@ -72,8 +72,9 @@ class CheckpointPolicy {
   // False when the federation's state cannot be had now (see
   // set_federation_source()).
   bool snapshot(CheckpointData* out) const;
-  // The writer's last result into the log and the stats block's counters.
-  void publish_result();
+  // The writer's last result into the log and the stats block's counters;
+  // a failed write starts (or doubles) the pause before the next try.
+  void publish_result(uint64_t now);
   // A federated server's write at the version of the checkpoint it
   // restored when that one holds no federation state (a job that ran
   // without federation): the join replaced its weights with the group's,
@@ -84,7 +85,11 @@ class CheckpointPolicy {
   // Hands a snapshot to the writer when a trigger fired and it is idle;
   // never waits for the disk. A trigger that finds the writer busy fires
   // again on the next push or tick, so under load a checkpoint may land a
-  // few versions after the multiple of checkpoint_every.
+  // few versions after the multiple of checkpoint_every. After a failed
+  // write (a full or read-only disk) nothing is handed over for a pause,
+  // 1 s doubling to 64 s while writes keep failing: each try may fill the
+  // disk before it fails, and logs. Once the pause is over the current
+  // version is tried again, whatever the triggers say.
   void maybe(uint64_t now);
 
   const ServerConfig& config_;
@@ -98,6 +103,10 @@ class CheckpointPolicy {
   uint64_t last_version_ = 0;      // handed to the writer (or restored)
   uint64_t last_unversioned_ = 0;  // Model::unversioned_changes then
   uint64_t last_ns_ = 0;
+  uint64_t retry_pause_ns_ = 0;  // after a failed write (0: the last write went through)
+  uint64_t retry_at_ns_ = 0;     // no write handed over before then
+  bool retry_due_ = false;       // a write failed: try again once the pause is over
+  uint64_t written_seen_ = 0;    // CheckpointWriter::written() at the last publish_result()
   FederationSource federation_source_;
   std::optional<FederationState> restored_federation_;
   std::vector<float> restored_weights_;  // with restored_federation_ only

@@ -296,6 +296,39 @@ BOOST_AUTO_TEST_CASE(a_failed_periodic_write_does_not_stand_for_the_final_checkp
   BOOST_TEST(fs::exists(dir.path / ckpt_name(6)), read_text(log));
 }
 
+// A write that fails (every version's temp name blocked, as on a full
+// disk) is not tried again at every push: the next try waits 1 s, then
+// 2 s, ... (each try may fill the disk before it fails, and logs). Once
+// the disk is fine the current version is written after the pause
+// without another push. Before: 40 pushes made 40 failed tries, and
+// nothing was written until the next push.
+BOOST_AUTO_TEST_CASE(a_failing_write_is_tried_again_after_a_pause_not_at_every_push) {
+  test::TempDir dir("ckpt");
+  const std::string name = test::unique_name("retry");
+  const fs::path log = dir.path / "server.log";
+  constexpr int kPushes = 40;
+  for (int v = 1; v <= kPushes; ++v) fs::create_directory(dir.path / ("." + ckpt_name(v) + ".tmp"));
+  std::unique_ptr<Worker> w;
+  test::Process server = spawn_logged(name, adam_args(dir.path, {"--checkpoint-every", "1"}), log, &w);
+  auto g = w->register_buffer(28);
+  BOOST_REQUIRE(g.ok());
+  push_steps(*w, *g, 0, kPushes);
+  auto view = shm::Segment::open(name, /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(view.ok(), view.status().to_string());
+  const auto failed_tries = [&] { return (*view)->stats().checkpoint_failures.load(std::memory_order_relaxed); };
+  BOOST_REQUIRE(test::eventually([&] { return failed_tries() >= 1; }));
+  const uint64_t failures = failed_tries();
+  // 1 + log2 of the seconds the pushes took, even on a slow machine.
+  BOOST_TEST(failures <= 6u, failures << " failed tries: " << read_text(log));
+  BOOST_TEST(read_text(log).find("; trying again in 1 s") != std::string::npos, read_text(log));
+  for (int v = 1; v <= kPushes; ++v) fs::remove(dir.path / ("." + ckpt_name(v) + ".tmp"));
+  BOOST_TEST(test::eventually([&] { return fs::exists(dir.path / ckpt_name(kPushes)); }, 150s), read_text(log));
+  w.reset();
+  view->reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+}
+
 BOOST_AUTO_TEST_CASE(a_final_checkpoint_that_cannot_be_written_fails_the_exit_code) {
   test::TempDir dir("ckpt");
   const std::string name = test::unique_name("nofinal");
