@@ -561,6 +561,8 @@ Result<CheckpointDirLock> CheckpointDirLock::acquire(const std::string& dir) {
                       "checkpoints); give each server a directory of its own (federated hosts on one machine: "
                       "--fed-rank-in-name), or stop the other first"};
   }
+  lock.dir_ = dir;
+  lock.path_ = path;
   const std::string mine = "pid " + std::to_string(::getpid()) + "\n";
   // The pid only names the holder in another server's message: a write
   // that fails leaves the lock held all the same.
@@ -568,8 +570,21 @@ Result<CheckpointDirLock> CheckpointDirLock::acquire(const std::string& dir) {
   return lock;
 }
 
-CheckpointWriter::CheckpointWriter(std::string dir, uint32_t keep, std::optional<uint64_t> on_disk)
-    : dir_(std::move(dir)), keep_(keep), last_written_(on_disk), thread_([this] { loop(); }) {}
+Status CheckpointDirLock::still_held() const {
+  struct stat held {
+  }, at_path{};
+  if (::fstat(fd_.fd, &held) == 0 && ::lstat(path_.c_str(), &at_path) == 0 && held.st_dev == at_path.st_dev &&
+      held.st_ino == at_path.st_ino)
+    return Status::Ok();
+  return {ErrorCode::kIo, "checkpoint: not writing in " + dir_ + ": its lock file " + path_ +
+                              " is not the one this server locked at start (the directory was moved or replaced, or "
+                              "the lock file removed, while the server ran), so another server may be writing there; "
+                              "put the directory back, or restart this server to take the lock again"};
+}
+
+CheckpointWriter::CheckpointWriter(std::string dir, uint32_t keep, std::optional<uint64_t> on_disk,
+                                   const CheckpointDirLock& lock)
+    : dir_(std::move(dir)), keep_(keep), lock_(lock), last_written_(on_disk), thread_([this] { loop(); }) {}
 
 CheckpointWriter::~CheckpointWriter() {
   {
@@ -636,7 +651,8 @@ void CheckpointWriter::loop() {
     has_job_ = false;
     writing_ = true;
     lock.unlock();
-    Status s = write_checkpoint(dir_, job);
+    Status s = lock_.still_held();
+    if (s.ok()) s = write_checkpoint(dir_, job);
     if (s.ok()) prune_checkpoints(dir_, keep_, job.version, job.layout);
     lock.lock();
     writing_ = false;

@@ -178,9 +178,18 @@ class CheckpointDirLock {
   // names the directory and the holder's pid), kIo (the lock file cannot
   // be opened or locked, or is not a regular file).
   static Result<CheckpointDirLock> acquire(const std::string& dir);
+  // Whether the lock file at the directory's path is still the one this
+  // lock holds. Not when the directory was moved or replaced (mv D D.old;
+  // mkdir D) or its lock file removed while the server ran: another server
+  // may then lock the path and write there, and the two would prune each
+  // other's checkpoints. Checked before each write; kIo naming the cause
+  // and the fix.
+  Status still_held() const;
 
  private:
   UniqueFd fd_;  // its close releases the flock
+  std::string dir_;
+  std::string path_;  // dir_/kCheckpointLockName
 };
 
 // Whether a server could keep its checkpoints in `dir`: a directory this
@@ -197,7 +206,9 @@ class CheckpointWriter {
  public:
   // `on_disk`: the version of a checkpoint already in `dir` (the one the
   // server restored), which last_written() reports until a write succeeds.
-  CheckpointWriter(std::string dir, uint32_t keep, std::optional<uint64_t> on_disk);
+  // Each write first checks that `lock` (which outlives the writer) is
+  // still the directory's (CheckpointDirLock::still_held()).
+  CheckpointWriter(std::string dir, uint32_t keep, std::optional<uint64_t> on_disk, const CheckpointDirLock& lock);
   ~CheckpointWriter();  // finishes the write in flight
   // False when a write is still in flight (nothing taken).
   bool submit(CheckpointData data);
@@ -216,6 +227,7 @@ class CheckpointWriter {
   void loop();
   std::string dir_;
   uint32_t keep_;
+  const CheckpointDirLock& lock_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   bool has_job_ = false;

@@ -77,7 +77,7 @@ Status CheckpointPolicy::start(uint64_t now) {
   if (!restored)
     log::info("no valid checkpoint in " + config_.checkpoint_dir + "; starting from the configured initial values");
   restored_ = restored.has_value();
-  writer_ = std::make_unique<CheckpointWriter>(config_.checkpoint_dir, config_.checkpoint_keep, restored);
+  writer_ = std::make_unique<CheckpointWriter>(config_.checkpoint_dir, config_.checkpoint_keep, restored, dir_lock_);
   last_ns_ = now;
   return Status::Ok();
 }
@@ -145,7 +145,8 @@ Status CheckpointPolicy::write_final() {
     data = CheckpointData{};
     static_cast<void>(snapshot(&data));
   }
-  if (Status s = write_checkpoint(config_.checkpoint_dir, data); !s.ok()) {
+  Status held = dir_lock_.still_held();
+  if (Status s = held.ok() ? write_checkpoint(config_.checkpoint_dir, data) : held; !s.ok()) {
     shm::bump(stats_.checkpoint_failures);
     return Status{s.code(), "final " + s.message()};
   }

@@ -329,6 +329,38 @@ BOOST_AUTO_TEST_CASE(a_failing_write_is_tried_again_after_a_pause_not_at_every_p
   BOOST_TEST(server.wait(10s) == 0);
 }
 
+// The directory moved away and another made at its path while the server
+// runs (mv D D.old; mkdir D): the server's lock guards D.old, so another
+// server could lock the new D and both would write and prune there. The
+// server writes nothing into the new D (a periodic write and the final
+// one fail, naming the cause; the exit code says the state was not saved),
+// and D.old keeps what it wrote before.
+BOOST_AUTO_TEST_CASE(a_checkpoint_directory_moved_away_under_the_server_is_not_written_again) {
+  test::TempDir dir("ckpt");
+  const fs::path d = dir.path / "d", moved = dir.path / "d.old";
+  fs::create_directory(d);
+  const std::string name = test::unique_name("moved");
+  const fs::path log = dir.path / "server.log";
+  std::unique_ptr<Worker> w;
+  test::Process server = spawn_logged(name, adam_args(d, {"--checkpoint-every", "2"}), log, &w);
+  auto g = w->register_buffer(28);
+  BOOST_REQUIRE(g.ok());
+  push_steps(*w, *g, 0, 2);
+  BOOST_REQUIRE(test::eventually([&] { return fs::exists(d / ckpt_name(2)); }, 10s));
+  fs::rename(d, moved);
+  fs::create_directory(d);
+  push_steps(*w, *g, 2, 4);
+  BOOST_TEST(
+      test::eventually(
+          [&] { return read_text(log).find("is not the one this server locked at start") != std::string::npos; }, 10s),
+      read_text(log));
+  w.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 1);
+  BOOST_TEST(fs::is_empty(d), read_text(log));
+  BOOST_TEST((checkpoint_files(moved) == std::vector<std::string>{ckpt_name(2)}));
+}
+
 BOOST_AUTO_TEST_CASE(a_final_checkpoint_that_cannot_be_written_fails_the_exit_code) {
   test::TempDir dir("ckpt");
   const std::string name = test::unique_name("nofinal");
