@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "shmps/kernels/optimizer.hpp"
 #include "threads.hpp"
 
 namespace shmps::server {
@@ -230,8 +231,18 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   if (h.tensor_count != expect.tensors.size())
     return misfit(std::to_string(h.tensor_count) + " tensors, this server has " +
                   std::to_string(expect.tensors.size()));
-  if (h.optimizer_kind != expect.optimizer_kind || h.state_arrays != expect.state_arrays)
-    return misfit("another optimizer, or momentum/amsgrad setting");
+  if (h.optimizer_kind != expect.optimizer_kind || h.state_arrays != expect.state_arrays) {
+    // "adam with 2 state arrays": what the file holds and what this server keeps.
+    const auto optimizer = [](uint32_t kind, uint32_t arrays) {
+      const char* name =
+          kind >= 1 && kind <= 3 ? kernels::optimizer_kind_name(static_cast<kernels::OptimizerKind>(kind)) : nullptr;
+      return (name != nullptr ? std::string(name) : "optimizer " + std::to_string(kind)) + " with " +
+             std::to_string(arrays) + " state array(s)";
+    };
+    return misfit(optimizer(h.optimizer_kind, h.state_arrays) + " in the file, " +
+                  optimizer(expect.optimizer_kind, expect.state_arrays) +
+                  " in this server (another optimizer, or its momentum/amsgrad setting)");
+  }
   if (h.total_elements != expect_total)
     return misfit(std::to_string(h.total_elements) + " parameters, this server has " + std::to_string(expect_total));
   out->ours = true;  // until a tensor record says otherwise
@@ -337,7 +348,8 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   // FIFO there would block the open, and with it every later checkpoint
   // and the stop), and O_EXCL refuses what could not go.
   if (::unlink(temp_path.c_str()) != 0 && errno != ENOENT)
-    return {ErrorCode::kIo, "checkpoint: cannot remove " + temp_path + ": " + errno_text()};
+    return {ErrorCode::kIo, errno == EROFS ? "checkpoint: cannot write in " + dir + ": " + errno_text()
+                                           : "checkpoint: cannot remove " + temp_path + ": " + errno_text()};
   const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) return {ErrorCode::kIo, "checkpoint: open " + temp_path + ": " + errno_text()};
   bool ok = write_all(fd, &h, sizeof h) && write_all(fd, tensors.data(), tensors.size() * sizeof(CheckpointTensor)) &&

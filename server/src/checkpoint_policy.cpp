@@ -44,6 +44,7 @@ Status CheckpointPolicy::start(uint64_t now) {
   remove_temp_files(config_.checkpoint_dir);
   std::optional<uint64_t> restored;
   const CheckpointLayout l = layout();
+  uint32_t refused = 0;
   for (const std::string& path : list_checkpoints(config_.checkpoint_dir)) {
     bool damaged = false;
     auto data = read_checkpoint(path, l, &damaged);
@@ -56,6 +57,7 @@ Status CheckpointPolicy::start(uint64_t now) {
                            : "; could not set it aside (" + moved.status().message() + ")";
       }
       log::error("checkpoint " + data.status().message() + aside + "; trying the previous one");
+      ++refused;
       continue;
     }
     if (Status s = backend_.load(data->weights, data->state); !s.ok()) return s;
@@ -74,8 +76,15 @@ Status CheckpointPolicy::start(uint64_t now) {
     restored = model_.version;
     break;
   }
-  if (!restored)
-    log::info("no valid checkpoint in " + config_.checkpoint_dir + "; starting from the configured initial values");
+  // Refused files make a fresh start likely a mistake (options changed, a
+  // downgrade): said as a warning.
+  if (!restored && refused == 0)
+    log::info("no checkpoint in " + config_.checkpoint_dir + "; starting from the configured initial values");
+  else if (!restored)
+    log::warn("none of the " + std::to_string(refused) + " checkpoint(s) in " + config_.checkpoint_dir +
+              " could be restored (above); starting from the configured initial values, and training from scratch. "
+              "If they should have been restored, stop this server before it checkpoints and restart it with the "
+              "options they were written with (or a build that reads their format)");
   restored_ = restored.has_value();
   writer_ = std::make_unique<CheckpointWriter>(config_.checkpoint_dir, config_.checkpoint_keep, restored, dir_lock_);
   last_ns_ = now;

@@ -875,9 +875,13 @@ class Server::Impl {
     if (checkpoints && (failure.ok() || failure.code() != ErrorCode::kCuda)) {
       // A periodic write in flight is drained first, then the final one.
       notifier.extend_timeout(checkpoint_io_allowance(model.total_elements) * 2);
+      // run() returns the failure for its caller to report (shmps-server's
+      // main logs it): logged here only when another failure goes first.
       if (Status s = checkpoints->write_final(); !s.ok()) {
-        log::error(s.message());
-        if (failure.ok()) failure = s;
+        if (failure.ok())
+          failure = s;
+        else
+          log::error(s.message());
       }
     }
     // Buffers of workers that died since the last sweep (e.g. killed just

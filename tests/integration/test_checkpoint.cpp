@@ -258,15 +258,28 @@ BOOST_AUTO_TEST_CASE(checkpoint_of_another_model_is_not_restored) {
   const std::string name = test::unique_name("other");
   run_steps(name, adam_args(dir.path), 0, 2);
   // Same tensors, other optimizer state layout (SGD without momentum).
-  test::ServerProcess server(
-      name, {"--tensor", "a:2x2", "--tensor", "b:3", "--optimizer", "sgd", "--checkpoint-dir", dir.path.string()});
-  auto w = connect(name);
+  const fs::path log = dir.path / "server.log";
+  std::unique_ptr<Worker> w;
+  test::Process server = spawn_logged(
+      name, {"--tensor", "a:2x2", "--tensor", "b:3", "--optimizer", "sgd", "--checkpoint-dir", dir.path.string()}, log,
+      &w);
   auto g = w->register_buffer(28);
   BOOST_REQUIRE(g.ok());
   uint64_t v = 99;
   const std::vector<float> weights = pull(*w, *g, &v);
   BOOST_TEST(v == 0u);
   for (float x : weights) BOOST_TEST(x == 0.0f);  // --init zero, not the Adam run's weights
+  // Both optimizers named; a fresh start over refused files is a warning.
+  const std::string text = read_text(log);
+  BOOST_TEST(text.find("(adam with 2 state array(s) in the file, sgd with 0 state array(s) in this server") !=
+                 std::string::npos,
+             text);
+  BOOST_TEST(text.find("warn: none of the 1 checkpoint(s) in " + dir.path.string() + " could be restored") !=
+                 std::string::npos,
+             text);
+  w.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
 }
 
 BOOST_AUTO_TEST_CASE(a_failed_periodic_write_does_not_stand_for_the_final_checkpoint) {
