@@ -619,8 +619,16 @@ namespace {
 // cannot both judge one object dead); refuses one locked by a live process
 // (a server starting or serving under the name), a segment whose header
 // names a live server (a build that took no lock), and, naming its owner
-// and mode, anything that is not ours.
-Status clear_stale_object(const std::string& object_name, const std::string& name) {
+// and mode, anything that is not ours. With `left_by`, only a segment
+// whose header names that server (pid and start time) is removed: any
+// other object is kInvalidArgument. `removed`, when given, says whether
+// the object went.
+struct ServerIdentity {
+  uint32_t pid;
+  uint64_t start_time;
+};
+Status clear_stale_object(const std::string& object_name, const std::string& name,
+                          const ServerIdentity* left_by = nullptr, bool* removed = nullptr) {
   const std::string path = "/dev/shm/" + object_name;
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0)
@@ -660,6 +668,10 @@ Status clear_stale_object(const std::string& object_name, const std::string& nam
       return {ErrorCode::kLayoutMismatch,
               path + held_who + " exists and is not a shmps segment; remove it by hand if it is stale"};
   }
+  if (left_by != nullptr &&
+      (h.magic != kMagic || h.server_pid != left_by->pid || h.server_start_time != left_by->start_time))
+    return {ErrorCode::kInvalidArgument,
+            path + " is not the segment of shmps-server pid " + std::to_string(left_by->pid) + ": not removing it"};
   // Both words: a pid without its start time (a header half written)
   // would take any process that reused the pid for the server.
   const bool names_a_live_server = h.magic == kMagic && h.server_pid != 0 && h.server_start_time != 0 &&
@@ -675,8 +687,10 @@ Status clear_stale_object(const std::string& object_name, const std::string& nam
   // Still the object at the name (only a holder of its lock removes it):
   // the one whose lock we hold goes.
   struct stat now {};
-  if (::lstat(path.c_str(), &now) == 0 && now.st_ino == held.st_ino && now.st_dev == held.st_dev)
+  if (::lstat(path.c_str(), &now) == 0 && now.st_ino == held.st_ino && now.st_dev == held.st_dev) {
     ShmObject::remove(object_name);
+    if (removed != nullptr) *removed = true;
+  }
   return Status::Ok();
 }
 
@@ -967,5 +981,12 @@ Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool rea
 }
 
 void Segment::remove(const std::string& name) { ShmObject::remove(segment_object_name(name)); }
+
+bool Segment::remove_if_left_by(const std::string& name, pid_t server_pid, uint64_t server_start_time) {
+  if (server_pid <= 0 || server_start_time == 0) return false;  // names no process
+  const ServerIdentity left_by{static_cast<uint32_t>(server_pid), server_start_time};
+  bool removed = false;
+  return clear_stale_object(segment_object_name(name), name, &left_by, &removed).ok() && removed;
+}
 
 }  // namespace shmps::shm

@@ -184,6 +184,32 @@ BOOST_AUTO_TEST_CASE(stale_segment_of_dead_server_is_replaced_live_one_is_not) {
   BOOST_TEST((*third)->header().generation == 3u);
 }
 
+// What a killed server left is removed for the process that started it,
+// and nothing else: not a live server's segment, not one whose header
+// names another process, not one still locked.
+BOOST_AUTO_TEST_CASE(remove_if_left_by_removes_only_that_dead_servers_segment) {
+  const std::string name = test::unique_name("leftby");
+  const std::string path = "/dev/shm/" + segment_object_name(name);
+  Cleanup cleanup{name};
+  auto created = Segment::create(small_spec(name), 1);
+  BOOST_REQUIRE(created.ok());
+  (*created)->publish();
+  const uint64_t start = (*created)->header().server_start_time;
+  BOOST_TEST(!Segment::remove_if_left_by(name, ::getpid(), start));  // alive
+  auto child = test::Process::fork_fn([] { return 0; });
+  const pid_t dead = child.pid();
+  child.wait(std::chrono::seconds(5));
+  (*created)->header().server_pid = static_cast<uint32_t>(dead);
+  BOOST_TEST(!Segment::remove_if_left_by(name, dead, start));  // its lock is still held
+  created->reset();                                            // the lock goes, the object stays
+  BOOST_TEST(!Segment::remove_if_left_by(name, dead + 1, start));
+  BOOST_TEST(!Segment::remove_if_left_by(name, dead, start + 1));
+  BOOST_TEST(::access(path.c_str(), F_OK) == 0);
+  BOOST_TEST(Segment::remove_if_left_by(name, dead, start));
+  BOOST_TEST(::access(path.c_str(), F_OK) != 0);
+  BOOST_TEST(!Segment::remove_if_left_by(name, dead, start));  // nothing there
+}
+
 BOOST_AUTO_TEST_CASE(full_dev_shm_fails_at_creation_with_sizes) {
   auto huge = ShmObject::create("shmps.huge_" + std::to_string(::getpid()), size_t{1} << 44, 0600);
   BOOST_TEST((huge.status().code() == ErrorCode::kNoCapacity));

@@ -256,6 +256,13 @@ class Segment {
   static Result<std::unique_ptr<Segment>> open(const std::string& name, bool read_only,
                                                const std::vector<uid_t>* trusted_owners = nullptr);
   static void remove(const std::string& name);
+  // Removes segment "shmps.<name>" when the server its header names is the
+  // dead process (server_pid, server_start_time): what that server left
+  // when it was killed, for the process that started it to clean up. Any
+  // other object stays: a live server's, one whose header names another
+  // process or none (not written yet), one another server locked (it is
+  // taking the name over), another user's. Returns whether it removed one.
+  static bool remove_if_left_by(const std::string& name, pid_t server_pid, uint64_t server_start_time);
 
   // Server: release-stores the layout version; openers may use it from now.
   void publish() noexcept;
