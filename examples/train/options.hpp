@@ -16,7 +16,7 @@ namespace shmps::train {
 // Exit status: 0 done, kExitFailure a runtime failure (server, worker,
 // mismatch of counts), kExitUsage bad usage, missing dataset, or a
 // --connect server whose weights are all zero; 128 + N when signal N
-// (SIGINT, SIGTERM, SIGHUP) stopped the job, after its cleanup.
+// (SIGINT, SIGTERM, SIGHUP, SIGPIPE) stopped the job, after its cleanup.
 inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
 

@@ -16,6 +16,8 @@
 #include <thread>
 
 #include "shmps/shm/proc.hpp"
+#include "shmps/shm/segment.hpp"
+#include "stop_signals.hpp"
 
 namespace shmps::train {
 namespace {
@@ -128,26 +130,38 @@ int OwnServer::start(const Options& o, const MlpShape& shape) {
                              std::to_string(o.checkpoint_every), "--checkpoint-keep", "2"});
   }
   argv_ = argv;
-  child_ = spawn_server(argv);
+  name_ = o.name;
+  spawn();
   return 0;
 }
 
+void OwnServer::spawn() {
+  child_ = spawn_server(argv_);
+  // Read while the child lives (it cannot be reaped before our waitpid):
+  // its segment's header names this start time.
+  child_start_time_ = shm::process_start_time(child_.pid());
+}
+
 bool OwnServer::restart() {
-  if (checkpoint_dir_.empty() || restarts_ >= 10) return false;
+  if (checkpoint_dir_.empty() || restarts_ >= kMaxRestarts) return false;
   ++restarts_;
   std::cerr << "shmps-train: shmps-server exited with status " << child_.status()
             << "; restarting it from its last checkpoint (restart " << restarts_ << ")\n";
-  child_ = spawn_server(argv_);
+  spawn();
   return true;
 }
 
 bool OwnServer::stop() {
-  if (!child_.running()) return child_.status() == 0;
-  child_.signal(SIGTERM);
-  if (!child_.wait_for(std::chrono::seconds(10))) {
-    std::cerr << "shmps-train: shmps-server did not stop within 10 s of SIGTERM; killing it\n";
-    child_.kill_and_reap();
+  if (child_.running()) {
+    child_.signal(SIGTERM);
+    if (!child_.wait_for(std::chrono::seconds(10))) {
+      std::cerr << "shmps-train: shmps-server did not stop within 10 s of SIGTERM; killing it\n";
+      child_.kill_and_reap();
+    }
   }
+  // A server killed (by us after the wait, by anyone before) leaves its
+  // segment; the next start under the name would clear it, but none comes.
+  if (child_.pid() > 0) shm::Segment::remove_if_left_by(name_, child_.pid(), child_start_time_);
   return child_.status() == 0;
 }
 
@@ -177,7 +191,11 @@ Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, OwnS
   WorkerOptions options;
   options.name = name;
   options.reconnect = true;
+  // A stop signal ends every wait of this worker, a reconnect to a dead
+  // server's successor included (up to its 10 s timeout otherwise).
+  options.interrupted = [] { return stop_signal() != 0; };
   while (true) {
+    if (stop_signal() != 0) return Status(ErrorCode::kInterrupted, "stopped by a signal");
     Result<std::unique_ptr<Worker>> w = Worker::connect(options);
     if (w.ok() && server != nullptr && !descends_from((*w)->server_pid(), server->pid())) {
       const pid_t other = (*w)->server_pid();
@@ -200,6 +218,22 @@ Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, OwnS
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+}
+
+std::optional<uint64_t> ServerCounters::checkpoint_failures(uint64_t generation) {
+  if (segment_ == nullptr || segment_->layout().generation != generation) {
+    segment_.reset();
+    Result<std::unique_ptr<shm::Segment>> opened = shm::Segment::open(name_, /*read_only=*/true);
+    if (!opened.ok() || (*opened)->layout().generation != generation) return std::nullopt;
+    segment_ = std::move(*opened);
+  }
+  return mapped_checkpoint_failures();
+}
+
+std::optional<uint64_t> ServerCounters::mapped_checkpoint_failures() const {
+  if (segment_ == nullptr) return std::nullopt;
+  // relaxed: a statistic, as the server stores it.
+  return segment_->stats().checkpoint_failures.load(std::memory_order_relaxed);
 }
 
 Status check_tensors(const Worker& w, const MlpShape& shape) {

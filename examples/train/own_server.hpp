@@ -5,13 +5,16 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "child.hpp"
 #include "mlp.hpp"
 #include "options.hpp"
+#include "shmps/shm/segment.hpp"
 #include "shmps/status.hpp"
 #include "shmps/worker.hpp"
 
@@ -34,9 +37,11 @@ class OwnServer {
   int start(const Options& o, const MlpShape& shape);
   // Starts the server again after it died; it restores its last checkpoint
   // and the workers re-attach (WorkerOptions::reconnect). False when
-  // restarts are off or too frequent.
+  // restarts are off (no checkpoints) or kMaxRestarts were made.
   bool restart();
-  // SIGTERM, wait up to 10 s (then SIGKILL); true if it exited 0.
+  // SIGTERM, wait up to 10 s (then SIGKILL); true if it exited 0. The
+  // segment of a server that died without removing it (killed) goes too:
+  // only the one whose header names that server's pid and start time.
   bool stop();
   // Removes the initial weights file once the server has read it, unless a
   // restart will need it.
@@ -50,13 +55,41 @@ class OwnServer {
   pid_t pid() const { return child_.pid(); }
   bool restartable() const { return !checkpoint_dir_.empty(); }
   int restarts() const { return restarts_; }
+  // The most restarts one run gets.
+  static constexpr int kMaxRestarts = 10;
 
  private:
+  void spawn();
+
+  std::string name_;  // the segment's
   Child child_;
+  uint64_t child_start_time_ = 0;  // /proc's, of child_: which segment is its
   std::vector<std::string> argv_;
   std::string init_file_;
   std::string checkpoint_dir_;  // with --checkpoint-every: a temp dir
   int restarts_ = 0;
+};
+
+// The server's counters that Worker::stats() does not report (its reply
+// holds 32, all taken): read from a read-only mapping of the server's
+// segment, as shmps-inspect reads them. Racy snapshots (each counter read
+// atomically).
+class ServerCounters {
+ public:
+  explicit ServerCounters(std::string name) : name_(std::move(name)) {}
+  // Checkpoint writes that failed in server instance `generation` (a
+  // Worker's generation() just after a call succeeded, so that its segment
+  // is published: opening one waits for that). nullopt when its segment
+  // cannot be read (another user's, or gone) or is another instance's.
+  std::optional<uint64_t> checkpoint_failures(uint64_t generation);
+  // The same from the segment mapped last, even after its server removed
+  // it (the server's exit writes its final count there first); nullopt
+  // when none is.
+  std::optional<uint64_t> mapped_checkpoint_failures() const;
+
+ private:
+  std::string name_;
+  std::unique_ptr<shm::Segment> segment_;
 };
 
 // Connects an evaluation worker, retrying while the server is starting (no
@@ -65,7 +98,9 @@ class OwnServer {
 // write, the object is briefly empty or zero, which connect reports as a
 // foreign file; and its exit ends the wait (kServerNotRunning). A segment
 // that another server publishes under the name is not ours: never
-// attached to (our server refuses to start beside it).
+// attached to (our server refuses to start beside it). A stop signal
+// (stop_signals.hpp) ends the wait, and every wait of the Worker's calls,
+// with kInterrupted.
 Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, OwnServer* server,
                                                    std::chrono::milliseconds patience);
 

@@ -8,7 +8,9 @@
 namespace shmps::train {
 namespace {
 
-constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+// SIGPIPE: stdout's reader went (`shmps-train | head`); dying of it at
+// once would leave the temp files, the server and its segment behind.
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGPIPE};
 
 std::atomic<int> g_signal{0};
 static_assert(std::atomic<int>::is_always_lock_free, "written by a signal handler");
@@ -18,7 +20,9 @@ bool g_caught[std::size(kStopSignals)] = {};
 
 void on_stop_signal(int signo) {
   g_signal.store(signo, std::memory_order_relaxed);  // relaxed: a flag the main thread polls
-  ::signal(signo, SIG_DFL);                          // a second one ends the process at once
+  // A second one ends the process at once; but each later write to the
+  // closed pipe raises SIGPIPE again, which is no one asking twice.
+  if (signo != SIGPIPE) ::signal(signo, SIG_DFL);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -62,7 +63,7 @@ int Trainer::run() {
   if (stop_signal() != 0) return stopped_by_signal();
   if (o_.evaluate) {
     Curve curve(shape_, train_, test_, /*per_epoch=*/1, /*defer=*/false);
-    if (!take(curve)) return kExitFailure;
+    if (!take(curve)) return failed();
     if (stop_signal() != 0) return stopped_by_signal();
     std::printf("final test accuracy: %.4f (the weights of server '%s', nothing trained)\n",
                 curve.final_test_accuracy(), server_name.c_str());
@@ -95,7 +96,7 @@ int Trainer::run() {
   // alone.
   Curve curve(shape_, train_, test_, per_epoch, /*defer=*/o_.eval_every != 0);
   start_ = Clock::now();
-  if (!take(curve)) return kExitFailure;
+  if (!take(curve)) return failed();
   // Training time runs from the gate on; the first point is its start.
   curve.mark_training_start();
   start_ = Clock::now();
@@ -106,10 +107,11 @@ int Trainer::run() {
   if (stop_signal() != 0) return stopped_by_signal();
   const double train_s = std::chrono::duration<double>(Clock::now() - start_).count();
   // The last evaluation may have seen the final weights already.
-  if (curve.last_recorded_version() != total && !take(curve)) return kExitFailure;
+  if (curve.last_recorded_version() != total && !take(curve)) return failed();
 
   Result<ServerStats> end = eval_->stats();
   if (!end.ok()) {
+    if (stop_signal() != 0) return stopped_by_signal();
     std::cerr << "shmps-train: stats: " << end.status().to_string() << "\n";
     return kExitFailure;
   }
@@ -121,12 +123,46 @@ int Trainer::run() {
   std::fflush(stdout);
 
   if (!curve.write_csv(o_.csv)) return kExitFailure;
-  eval_.reset();  // detach before the server stops
-  if (server_ != nullptr && !server_->stop()) {
-    std::cerr << "shmps-train: shmps-server exited with status " << server_->status() << "\n";
-    return kExitFailure;
-  }
+  if (int rc = stop_own_server(); rc != 0) return rc;
   return agree ? 0 : kExitFailure;
+}
+
+// Detaches the evaluation worker, then stops our own server (if any):
+// returns 0, or kExitFailure when it failed. Its last act, the final
+// checkpoint into the temp folder that the OwnServer removes next, is
+// nobody's loss: its failure alone (exit 1 with one failure more counted,
+// e.g. a full disk) is a warning.
+int Trainer::stop_own_server() {
+  std::optional<uint64_t> failures_before;
+  if (server_ != nullptr) failures_before = counters_.checkpoint_failures(eval_->generation());
+  eval_.reset();  // detach before the server stops
+  if (server_ == nullptr || server_->stop()) return 0;
+  const std::optional<uint64_t> failures_after = counters_.mapped_checkpoint_failures();
+  if (server_->status() == 1 && failures_before && failures_after && *failures_after > *failures_before) {
+    std::cerr << "shmps-train: warning: shmps-server's final checkpoint into its temp folder failed (see its "
+                 "message above); that folder is removed now anyway\n";
+    return 0;
+  }
+  std::cerr << "shmps-train: shmps-server exited with status " << server_->status() << "\n";
+  return kExitFailure;
+}
+
+// Warns once when the server fails to write a checkpoint: a restart would
+// resume from an older one. Checks at most once a second; call after a
+// call of eval_ succeeded (checkpoint_failures()'s precondition).
+void Trainer::note_checkpoint_failures() {
+  if (failures_warned_ || Clock::now() < next_failures_check_) return;
+  next_failures_check_ = Clock::now() + std::chrono::seconds(1);
+  const uint64_t generation = eval_->generation();
+  if (generation != failures_generation_) {  // a restarted server counts from 0
+    failures_generation_ = generation;
+    failures_base_ = 0;
+  }
+  const std::optional<uint64_t> failures = counters_.checkpoint_failures(generation);
+  if (!failures || *failures <= failures_base_) return;
+  std::cerr << "shmps-train: warning: shmps-server failed to write " << (*failures - failures_base_)
+            << " checkpoint(s) (its log says why): a restart would resume from an older one\n";
+  failures_warned_ = true;
 }
 
 int Trainer::load_data() {
@@ -159,6 +195,7 @@ int Trainer::attach(const std::string& server_name) {
   }
   Result<std::unique_ptr<Worker>> eval = connect_with_retry(server_name, server_.get(), std::chrono::seconds(10));
   if (!eval.ok()) {
+    if (stop_signal() != 0) return stopped_by_signal();
     std::cerr << "shmps-train: connect to server '" << server_name << "': " << eval.status().to_string() << "\n";
     return kExitFailure;
   }
@@ -182,6 +219,7 @@ int Trainer::attach(const std::string& server_name) {
   if (server_ == nullptr) {
     Result<uint64_t> pulled = eval_->pull(kAllTensors, eval_buffer_.id, 0);
     if (!pulled.ok()) {
+      if (stop_signal() != 0) return stopped_by_signal();
       std::cerr << "shmps-train: pull: " << pulled.status().to_string() << "\n";
       return kExitFailure;
     }
@@ -196,9 +234,13 @@ int Trainer::attach(const std::string& server_name) {
   }
   Result<ServerStats> base = eval_->stats();
   if (!base.ok()) {
+    if (stop_signal() != 0) return stopped_by_signal();
     std::cerr << "shmps-train: stats: " << base.status().to_string() << "\n";
     return kExitFailure;
   }
+  base_generation_ = eval_->generation();
+  failures_generation_ = base_generation_;
+  failures_base_ = counters_.checkpoint_failures(base_generation_).value_or(0);
   base_version_ = base->version;
   base_rejected_ = base->rejected_stale;
   base_applied_ = base->gradients_applied;
@@ -242,11 +284,12 @@ int Trainer::watch(const EvalSchedule& schedule, Curve& curve) {
       }
     }
     if (server_ != nullptr && server_->poll()) {
-      if (server_->status() == 0 || !server_->restart()) {
-        std::cerr << "shmps-train: shmps-server exited with status " << server_->status() << " during training\n";
-        return kExitFailure;
-      }
-      continue;
+      if (server_->status() != 0 && server_->restart()) continue;
+      std::cerr << "shmps-train: shmps-server exited with status " << server_->status() << " during training";
+      if (server_->status() != 0 && server_->restartable())
+        std::cerr << "; gave up after " << server_->restarts() << " restarts";
+      std::cerr << "\n";
+      return kExitFailure;
     }
     Result<ServerStats> stats = eval_->stats();
     const ErrorCode code = stats.status().code();
@@ -255,12 +298,14 @@ int Trainer::watch(const EvalSchedule& schedule, Curve& curve) {
         (code == ErrorCode::kServerNotRunning && server_ != nullptr && server_->restartable()))
       continue;
     if (!stats.ok()) {
+      if (stop_signal() != 0) return stopped_by_signal();
       std::cerr << "shmps-train: stats: " << stats.status().to_string() << "\n";
       return kExitFailure;
     }
+    note_checkpoint_failures();
     const uint64_t progress = stats->version - base_version_;
     if (next_eval < evals && progress >= schedule.at(next_eval)) {
-      if (!take(curve)) return kExitFailure;
+      if (!take(curve)) return failed();
       // Skip boundaries passed meanwhile, so a slow evaluation cannot queue up.
       while (next_eval < evals && curve.last_recorded_version() >= schedule.at(next_eval)) ++next_eval;
     }
@@ -272,12 +317,15 @@ int Trainer::watch(const EvalSchedule& schedule, Curve& curve) {
 bool Trainer::take(Curve& curve) {
   Result<Snapshot> s = pull_snapshot();
   if (!s.ok()) {
+    if (stop_signal() != 0) return false;  // the caller says so
     std::cerr << "shmps-train: evaluation: " << s.status().to_string() << "\n";
     return false;
   }
   curve.record(std::move(*s));
   return true;
 }
+
+int Trainer::failed() const { return stop_signal() != 0 ? stopped_by_signal() : kExitFailure; }
 
 // Stats and the weights of the running server, through the evaluation
 // worker.
@@ -305,6 +353,12 @@ Result<Snapshot> Trainer::pull_snapshot() {
 // training), printed; true when they agree and add up to `total`.
 bool Trainer::counts_agree(const SharedSlots& slots, const ServerStats& end, uint64_t total) const {
   const int restarts = server_ != nullptr ? server_->restarts() : 0;
+  // A server restarted under us is a new generation (--connect: as systemd
+  // restarts a unit): whoever re-attached to it, the evaluation worker or
+  // any worker, saw it; how often it restarted is not known.
+  bool restarted = restarts > 0 || eval_->generation() != base_generation_;
+  for (size_t i = 0; i < o_.workers; ++i)
+    restarted = restarted || slots[i].generation.load(std::memory_order_relaxed) != base_generation_;  // after waitpid
   uint64_t applied = 0;
   uint64_t rejected = 0;
   uint64_t lost = 0;
@@ -318,7 +372,7 @@ bool Trainer::counts_agree(const SharedSlots& slots, const ServerStats& end, uin
     const bool differ =
         s.pushes_applied.load(std::memory_order_relaxed) != s.server_applied.load(std::memory_order_relaxed) ||
         s.pushes_rejected.load(std::memory_order_relaxed) != s.server_rejected.load(std::memory_order_relaxed);
-    if (restarts == 0 && differ) {
+    if (!restarted && differ) {
       std::fprintf(stderr,
                    "shmps-train: worker %zu (id %u) counted %llu applied / %llu rejected, the server %llu / %llu\n", i,
                    s.worker_id.load(std::memory_order_relaxed),
@@ -333,13 +387,14 @@ bool Trainer::counts_agree(const SharedSlots& slots, const ServerStats& end, uin
   const uint64_t server_rejected = end.rejected_stale - base_rejected_;
   // With a server of our own the totals must match; a shared one may have
   // other clients, so only the per-worker counts are compared.
-  if (restarts > 0) {
+  if (restarted) {
     // Acknowledged pushes after the last checkpoint died with the server.
+    const std::string times = restarts > 0 ? std::to_string(restarts) + " times" : "during training";
     std::printf(
-        "server restarted %d times: %llu pushes in flight were lost and redone; the server's version is "
+        "server restarted %s: %llu pushes in flight were lost and redone; the server's version is "
         "%llu of %llu acknowledged pushes (the rest were after a checkpoint)\n",
-        restarts, static_cast<unsigned long long>(lost), static_cast<unsigned long long>(end.version - base_version_),
-        static_cast<unsigned long long>(applied));
+        times.c_str(), static_cast<unsigned long long>(lost),
+        static_cast<unsigned long long>(end.version - base_version_), static_cast<unsigned long long>(applied));
   } else if (server_ != nullptr && (server_applied != applied || server_rejected != rejected)) {
     agree = false;
   }
@@ -347,9 +402,9 @@ bool Trainer::counts_agree(const SharedSlots& slots, const ServerStats& end, uin
   std::printf("pushes: workers applied %llu rejected %llu; server applied %llu rejected_stale %llu (%s)\n",
               static_cast<unsigned long long>(applied), static_cast<unsigned long long>(rejected),
               static_cast<unsigned long long>(server_applied), static_cast<unsigned long long>(server_rejected),
-              !agree         ? "MISMATCH"
-              : restarts > 0 ? "not comparable across restarts"
-                             : "agree");
+              !agree      ? "MISMATCH"
+              : restarted ? "not comparable across restarts"
+                          : "agree");
   return agree;
 }
 

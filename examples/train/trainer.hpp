@@ -25,7 +25,7 @@ namespace shmps::train {
 
 class Trainer {
  public:
-  explicit Trainer(Options o) : o_(std::move(o)) {}
+  explicit Trainer(Options o) : o_(std::move(o)), counters_(o_.connect.empty() ? o_.name : o_.connect) {}
   // Cleans up after any exit path: kills the workers, detaches the
   // evaluation worker, then stops the server.
   ~Trainer();
@@ -41,8 +41,13 @@ class Trainer {
   int fork_workers(const std::string& server_name, SharedSlots& slots);
   int watch(const EvalSchedule& schedule, Curve& curve);
   bool take(Curve& curve);
+  // The exit code of a failure: stopped_by_signal()'s when a stop signal
+  // came (it ends the evaluation worker's waits), else kExitFailure.
+  int failed() const;
   Result<Snapshot> pull_snapshot();
   bool counts_agree(const SharedSlots& slots, const ServerStats& end, uint64_t total) const;
+  void note_checkpoint_failures();
+  int stop_own_server();
 
   // Constant once run() has begun.
   Options o_;
@@ -55,9 +60,17 @@ class Trainer {
   // attached (a running server may have served other jobs before).
   std::unique_ptr<Worker> eval_;
   Buffer eval_buffer_;
+  uint64_t base_generation_ = 0;  // of the server instance attached to
   uint64_t base_version_ = 0;
   uint64_t base_rejected_ = 0;
   uint64_t base_applied_ = 0;
+  // Checkpoint write failures: the count in instance failures_generation_
+  // that was there before (at attach, or 0 after a restart); warned of once.
+  ServerCounters counters_;
+  uint64_t failures_generation_ = 0;
+  uint64_t failures_base_ = 0;
+  bool failures_warned_ = false;
+  std::chrono::steady_clock::time_point next_failures_check_;
   std::vector<Child> workers_;
   std::chrono::steady_clock::time_point start_;  // of training
 };

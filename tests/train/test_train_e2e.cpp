@@ -13,6 +13,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -147,6 +148,24 @@ struct TrainRun {
     return rows;
   }
 };
+
+// The shmps-server child of shmps-train `train` (-1 when none runs).
+pid_t server_child(const Process& train) {
+  std::ifstream children("/proc/" + std::to_string(train.pid()) + "/task/" + std::to_string(train.pid()) + "/children");
+  for (pid_t child; children >> child;)
+    if (shmps::test::read_file("/proc/" + std::to_string(child) + "/cmdline").find("shmps-server") != std::string::npos)
+      return child;
+  return -1;
+}
+
+// Whether any shm object of segment `name` (itself or a buffer) is in /dev/shm.
+bool shm_objects_left(const std::string& name) {
+  for (const auto& e : fs::directory_iterator("/dev/shm")) {
+    const std::string f = e.path().filename().string();
+    if (f == "shmps." + name || f.rfind("shmps." + name + ".", 0) == 0) return true;
+  }
+  return false;
+}
 
 // Writes a He initialisation of the model for a server the test starts.
 std::string write_init(const fs::path& dir) {
@@ -358,6 +377,118 @@ BOOST_FIXTURE_TEST_CASE(server_death_is_survived_through_a_checkpoint, TrainRun)
   BOOST_TEST(output.find("restored checkpoint") != std::string::npos, output);
   BOOST_TEST(final_accuracy() > 0.70);
   BOOST_TEST(shmps::test::eventually([&] { return !fs::exists("/dev/shm/shmps." + name); }, 10s));
+}
+
+// Its own server killed while it cannot be restarted (no checkpoints):
+// the run fails, and the segment the dead server left goes with it (and
+// only that one: its header names the dead child).
+BOOST_FIXTURE_TEST_CASE(a_dead_server_of_its_own_leaves_no_segment, TrainRun) {
+  Process p = start(
+      {"--train-limit", "20000", "--test-limit", "100", "--epochs", "50", "--workers", "2", "--checkpoint-every", "0"});
+  BOOST_REQUIRE(shmps::test::eventually(
+      [&] { return shmps::test::read_file(out).find("epoch 0.00 ") != std::string::npos; }, 60s));
+  const pid_t server = server_child(p);
+  BOOST_REQUIRE_MESSAGE(server > 0, shmps::test::read_file(out));
+  ::kill(server, SIGKILL);
+  rc = p.wait(60s);
+  output = shmps::test::read_file(out);
+  BOOST_TEST(rc == 1, output);
+  BOOST_TEST(output.find("shmps-server exited with status 137 during training\n") != std::string::npos, output);
+  BOOST_TEST(!shm_objects_left(name), "the dead server's segment or a buffer was left in /dev/shm");
+}
+
+// --connect to a server that is killed and started again from its
+// checkpoint (as systemd restarts a unit): the workers re-attach, and the
+// counts are not comparable across the restart, which is no mismatch.
+BOOST_FIXTURE_TEST_CASE(connect_survives_a_restart_of_the_server, TrainRun) {
+  const std::string init = write_init(dir);
+  const fs::path ckpt = dir / "ckpt";
+  std::vector<std::string> args = server_args(init);
+  args.insert(args.end(), {"--checkpoint-dir", ckpt.string(), "--checkpoint-every", "20"});
+  auto server = std::make_unique<ServerProcess>(name, args);
+  Process p =
+      start({"--connect", name, "--train-limit", "10000", "--test-limit", "200", "--epochs", "6", "--workers", "2"});
+  BOOST_REQUIRE_MESSAGE(shmps::test::eventually(
+                            [&] {
+                              for (const auto& e : fs::directory_iterator(ckpt))
+                                if (e.path().filename().string().rfind("ckpt-", 0) == 0) return true;
+                              return false;
+                            },
+                            60s),
+                        shmps::test::read_file(out));
+  server->process().kill_and_reap();
+  server.reset();                                        // removes the dead server's segment
+  server = std::make_unique<ServerProcess>(name, args);  // restores the last checkpoint
+  rc = p.wait(120s);
+  output = shmps::test::read_file(out);
+  BOOST_TEST(rc == 0, output);
+  BOOST_TEST(output.find("server restarted during training: ") != std::string::npos, output);
+  BOOST_TEST(output.find("(not comparable across restarts)") != std::string::npos, output);
+  BOOST_TEST(output.find("MISMATCH") == std::string::npos, output);
+  BOOST_TEST(server->stop() == 0);
+}
+
+// A stop signal while the workers wait for a dead --connect server to come
+// back ends the job at once, not when their reconnect times out (10 s).
+BOOST_FIXTURE_TEST_CASE(a_signal_while_the_server_is_gone_stops_at_once, TrainRun) {
+  const std::string init = write_init(dir);
+  auto server = std::make_unique<ServerProcess>(name, server_args(init));
+  Process p =
+      start({"--connect", name, "--train-limit", "20000", "--test-limit", "100", "--epochs", "50", "--workers", "2"});
+  BOOST_REQUIRE(shmps::test::eventually(
+      [&] { return shmps::test::read_file(out).find("epoch 0.00 ") != std::string::npos; }, 60s));
+  server->process().kill_and_reap();
+  std::this_thread::sleep_for(1s);  // the workers and the parent wait for a successor
+  p.signal(SIGTERM);
+  rc = p.wait(3s);
+  output = shmps::test::read_file(out);
+  BOOST_TEST(rc == 128 + SIGTERM, output);
+  BOOST_TEST(output.find("shmps-train: stopped by signal 15") != std::string::npos, output);
+  server.reset();  // removes the dead server's segment
+  BOOST_TEST(!shm_objects_left(name), "a buffer of the job was left in /dev/shm");
+}
+
+// stdout's reader exits early (`| head -3`): SIGPIPE stops the job like
+// any stop signal, through its cleanup, and it then dies of it (141).
+BOOST_FIXTURE_TEST_CASE(a_closed_stdout_stops_the_job_and_leaves_nothing, TrainRun) {
+  const fs::path tmp = dir / "tmp";
+  fs::create_directories(tmp);
+  const std::string cmd = "TMPDIR=" + shmps::test::shell_quote(tmp.string()) + " " +
+                          shmps::test::shell_quote(shmps::test::program_path("shmps-train")) + " --name " +
+                          shmps::test::shell_quote(name) +
+                          " --workers 2 --train-limit 20000 --test-limit 100 --epochs 50 --evals-per-epoch 50 2>" +
+                          shmps::test::shell_quote(out) + " | head -3 >/dev/null; exit ${PIPESTATUS[0]}";
+  Process p = Process::spawn({"/bin/bash", "-c", cmd});
+  rc = p.wait(60s);
+  output = shmps::test::read_file(out);
+  BOOST_TEST(rc == 128 + SIGPIPE, output);
+  BOOST_TEST(output.find("shmps-train: stopped by signal 13") != std::string::npos, output);
+  BOOST_TEST(fs::is_empty(tmp), "temp files left in " << tmp);
+  BOOST_TEST(!shm_objects_left(name), "shm objects of the job left in /dev/shm");
+}
+
+// Checkpoint writes of its own server fail (the folder replaced by a file,
+// as a full disk would fail them): shmps-train warns once during the run,
+// and the final checkpoint failing too, into the temp folder removed next,
+// does not fail the job.
+BOOST_FIXTURE_TEST_CASE(failed_checkpoints_warn_and_the_final_one_does_not_fail_the_job, TrainRun) {
+  const fs::path tmp = dir / "tmp";
+  Process train = start_in_tmpdir(tmp, "", "--epochs 8 --train-limit 10000 --evals-per-epoch 1");
+  fs::path folder;
+  for (const auto& e : fs::directory_iterator(tmp))
+    if (e.path().filename().string().rfind("shmps-train-ckpt-", 0) == 0) folder = e.path();
+  BOOST_REQUIRE(!folder.empty());
+  fs::remove_all(folder);
+  std::ofstream(folder.string()) << "not a folder\n";
+  rc = train.wait(150s);
+  output = shmps::test::read_file(out);
+  BOOST_TEST(rc == 0, output);
+  BOOST_TEST(output.find("shmps-train: warning: shmps-server failed to write ") != std::string::npos, output);
+  BOOST_TEST(output.find("shmps-train: warning: shmps-server's final checkpoint into its temp folder failed") !=
+                 std::string::npos,
+             output);
+  BOOST_TEST(output.find("(agree)") != std::string::npos, output);
+  BOOST_TEST(fs::is_empty(tmp), "temp files left in " << tmp);
 }
 
 BOOST_FIXTURE_TEST_CASE(in_process_learns_and_writes_eval_every_rows, TrainRun) {
