@@ -1,5 +1,9 @@
 #include "evaluation.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -80,6 +84,21 @@ void Curve::score(const Snapshot& s) {
   p.elapsed_s = s.elapsed_s;
   print(p);
   points_.push_back(p);
+}
+
+bool csv_writable(const std::string& path) {
+  if (path.empty()) return true;
+  struct stat st {};
+  const bool existed = ::stat(path.c_str(), &st) == 0;
+  // O_APPEND: an existing file keeps its rows until write_csv() replaces it.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    std::cerr << "shmps-train: --csv " << path << ": cannot open for writing: " << errno_text(errno) << "\n";
+    return false;
+  }
+  ::close(fd);
+  if (!existed) ::unlink(path.c_str());
+  return true;
 }
 
 bool Curve::write_csv(const std::string& path) const {

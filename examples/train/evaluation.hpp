@@ -58,6 +58,11 @@ struct CurvePoint {
   double elapsed_s = 0;
 };
 
+// Whether the CSV file at `path` can be written ("": no file, true),
+// checked before training so that a bad path costs no run: false with the
+// reason printed as write_csv() prints it. Leaves no file behind.
+bool csv_writable(const std::string& path);
+
 class Curve {
  public:
   // `per_epoch`: applied pushes per epoch. `defer`: keep snapshots and

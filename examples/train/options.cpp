@@ -60,7 +60,7 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   try {
     vm = cli::parse(argc, argv, desc);
   } catch (const po::error& e) {
-    std::cerr << "shmps-train: " << e.what() << "\n" << desc;
+    std::cerr << "shmps-train: " << e.what() << "\nsee shmps-train --help\n";
     return kExitUsage;
   }
   if (vm.count("help") != 0) {
@@ -92,7 +92,9 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
   // Its own server has two entries more (the evaluation worker, one spare),
   // and a server at most 256.
   if (o.workers < 1 || o.workers > 254) bad = "--workers must be 1..254";
-  if (o.epochs < 1) bad = "--epochs must be >= 1";
+  // Bounded so that epochs x pushes per epoch cannot wrap (at most 60,000
+  // pushes per epoch: batch 1 over all of Fashion-MNIST).
+  if (o.epochs < 1 || o.epochs > kMaxEpochs) bad = "--epochs must be 1.." + std::to_string(kMaxEpochs);
   if (o.batch < 1 || o.batch > 8192) bad = "--batch must be 1..8192";
   if (o.optimizer != "adam" && o.optimizer != "adamw" && o.optimizer != "sgd") {
     bad = "--optimizer must be adam, adamw or sgd";
@@ -119,8 +121,21 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
     o.workers = 1;
   }
   if (!bad.empty()) {
-    std::cerr << "shmps-train: " << bad << "\n";
+    std::cerr << "shmps-train: " << bad << "\nsee shmps-train --help\n";
     return kExitUsage;
+  }
+  // The running server's configuration rules: say which options of ours
+  // it makes void, rather than ignore them silently.
+  if (!o.connect.empty()) {
+    std::string ignored;
+    for (const char* option :
+         {"optimizer", "lr", "momentum", "nesterov", "weight-decay", "max-staleness", "checkpoint-every"}) {
+      if (vm.count(option) != 0 && !vm[option].defaulted())
+        ignored += std::string(ignored.empty() ? "" : ", ") + "--" + option;
+    }
+    if (!ignored.empty())
+      std::cerr << "shmps-train: warning: ignoring " << ignored << ": with --connect the running server's "
+                << "configuration applies\n";
   }
   if (o.name.empty()) o.name = "train_" + std::to_string(::getpid());
   return std::nullopt;

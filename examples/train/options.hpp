@@ -19,6 +19,8 @@ namespace shmps::train {
 // (SIGINT, SIGTERM, SIGHUP, SIGPIPE) stopped the job, after its cleanup.
 inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
+// The most --epochs.
+inline constexpr size_t kMaxEpochs = 1'000'000;
 
 struct Options {
   size_t workers = 4;

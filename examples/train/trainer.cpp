@@ -51,6 +51,7 @@ Trainer::~Trainer() {
 }
 
 int Trainer::run() {
+  if (!csv_writable(o_.csv)) return kExitFailure;
   if (int rc = load_data(); rc != 0) return rc;
   if (o_.in_process) return run_in_process(o_, shape_, train_, test_);
   // From here a signal ends the job through the destructor: temp files,

@@ -231,8 +231,13 @@ BOOST_FIXTURE_TEST_CASE(connect_uses_a_running_server_and_checks_tensors, TrainR
   const std::string init = write_init(dir);
   {
     ServerProcess server(name, server_args(init));
-    run({"--connect", name, "--train-limit", "3000", "--test-limit", "2000", "--epochs", "1", "--workers", "2"});
+    run({"--connect", name, "--train-limit", "3000", "--test-limit", "2000", "--epochs", "1", "--workers", "2", "--lr",
+         "0.5", "--max-staleness", "3"});
     BOOST_REQUIRE_EQUAL(rc, 0);
+    // The server's configuration applies; ours is said to be ignored.
+    BOOST_TEST(output.find("shmps-train: warning: ignoring --lr, --max-staleness: with --connect the running server's "
+                           "configuration applies") != std::string::npos,
+               output);
     const double trained = final_accuracy();
     BOOST_TEST(trained > 0.60);
     // --evaluate scores the same weights again and trains nothing.
@@ -618,14 +623,28 @@ BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
   BOOST_TEST(rc == 2);
   BOOST_TEST(output.find("unexpected argument '4': every option is --name value") != std::string::npos, output);
   BOOST_TEST(output.find("ambiguous") == std::string::npos, output);
-  // The CSV cannot be written: the path and the reason.
-  run({"--in-process", "--train-limit", "100", "--test-limit", "100", "--epochs", "1", "--csv", "/nonexistent/c.csv"});
-  BOOST_TEST(rc == 1);
-  BOOST_TEST(
-      output.find(
-          "shmps-train: --csv /nonexistent/c.csv: cannot open for writing: No such file or directory (errno 2)") !=
-          std::string::npos,
-      output);
+  // The CSV cannot be written: the path and the reason, before training.
+  for (const char* where : {"--in-process", "--batch=64"}) {
+    run({where, "--train-limit", "100", "--test-limit", "100", "--epochs", "1", "--csv", "/nonexistent/c.csv"});
+    BOOST_TEST(rc == 1);
+    BOOST_TEST(
+        output.find(
+            "shmps-train: --csv /nonexistent/c.csv: cannot open for writing: No such file or directory (errno 2)") !=
+            std::string::npos,
+        output);
+    BOOST_TEST(output.find("epoch ") == std::string::npos, output);
+  }
+  // A usage error says what is wrong and where help is, not the whole help.
+  run({"--no-such-option"});
+  BOOST_TEST(rc == 2);
+  BOOST_TEST(output.find("see shmps-train --help") != std::string::npos, output);
+  BOOST_TEST(output.find("shmps-train options") == std::string::npos, output);
+  // epochs x pushes per epoch must not wrap (2^63 epochs of 2 pushes is 0).
+  for (const char* epochs : {"1000001", "9223372036854775808"}) {
+    run({"--epochs", epochs, "--train-limit", "128", "--test-limit", "10", "--workers", "1"});
+    BOOST_TEST(rc == 2, epochs);
+    BOOST_TEST(output.find("--epochs must be 1..1000000") != std::string::npos, output);
+  }
   // 1 snapshot per update of 79 is fine; of 20 epochs of 938 it is not.
   run({"--in-process", "--eval-every", "1"});
   BOOST_TEST(rc == 2);
