@@ -40,6 +40,12 @@ void apply_live(ServerConfig& running, const ServerConfig& next, shm::ConfigBloc
       if (e.first == key) return e.second;
     return std::string("(unset)");
   };
+  // The whole reload is logged under the more verbose of the old and the
+  // new level, then the new one is set: a reload that raises the level
+  // (warn -> info) shows the changes it makes with it, and one that lowers
+  // it still shows its own lines.
+  const LogLevel level_after = next.log_level;
+  if (static_cast<int>(level_after) > static_cast<int>(log::level())) log::set_level(level_after);
   int applied = 0, pending = 0;
   for (const std::string& key : keys) {
     const std::string old_value = value_of(before, key), new_value = value_of(after, key);
@@ -78,13 +84,8 @@ void apply_live(ServerConfig& running, const ServerConfig& next, shm::ConfigBloc
       running.apply_threads = next.apply_threads;  // read at the next large update
       log::info(change);
     } else if (key == "log-level") {
-      // Written under whichever of the two levels is more verbose, so the
-      // change itself is always seen.
-      const bool more_verbose = static_cast<int>(next.log_level) > static_cast<int>(running.log_level);
-      if (more_verbose) log::set_level(next.log_level);
+      running.log_level = next.log_level;  // set after the loop (above)
       log::info(change);
-      if (!more_verbose) log::set_level(next.log_level);
-      running.log_level = next.log_level;
     } else {
       log::warn(change + " needs a restart; still " + old_value);
       ++pending;
@@ -94,6 +95,7 @@ void apply_live(ServerConfig& running, const ServerConfig& next, shm::ConfigBloc
   }
   log::info("reloaded the configuration: " + std::to_string(applied) + " change(s) applied" +
             (pending > 0 ? ", " + std::to_string(pending) + " need a restart" : std::string()));
+  log::set_level(level_after);
 }
 
 }  // namespace shmps::server

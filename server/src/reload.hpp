@@ -10,8 +10,9 @@ namespace shmps::server {
 
 // Applies next's live keys (lr, max-staleness, staleness-policy,
 // apply-threads, log-level) to `running` and to the segment's config block `shared` (shmps-inspect shows
-// the values in force), logging every difference. An lr the optimizer refuses
-// is logged and kept as it was.
+// the values in force), logging every difference under the more verbose of
+// the old and the new log level. An lr the optimizer refuses is logged and
+// kept as it was.
 void apply_live(ServerConfig& running, const ServerConfig& next, shm::ConfigBlock& shared);
 
 }  // namespace shmps::server

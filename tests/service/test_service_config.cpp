@@ -3,6 +3,7 @@
 // and documents every option; config_entries() round-trips; and a reload in
 // process applies lr / max_staleness / log level live and nothing else.
 #define BOOST_TEST_MODULE test_service_config
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -19,6 +20,7 @@
 #include <thread>
 
 #include "backend.hpp"
+#include "reload.hpp"
 #include "server_support.hpp"
 #include "shmps/server/log.hpp"
 #include "shmps/server/options.hpp"
@@ -67,6 +69,31 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 using shmps::test::read_file;
 
 const std::string kHead = "name = j\ntensor = w:4\n";  // lines 1-2
+
+// What the server logs (stderr, redirected to a file for the call) while
+// apply_live() reloads `running` to `next`; the log level is `running`'s
+// before and `next`'s after.
+std::string reload_log(ServerConfig running, const ServerConfig& next) {
+  const std::string path = "/tmp/" + test::unique_name("shmps_reload_log");
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  BOOST_REQUIRE(fd >= 0);
+  const int saved = ::dup(STDERR_FILENO);
+  BOOST_REQUIRE(saved >= 0);
+  ::dup2(fd, STDERR_FILENO);
+  ::close(fd);
+  log::set_level(running.log_level);
+  shm::ConfigBlock shared{};
+  apply_live(running, next, shared);
+  const LogLevel after = log::level();
+  ::dup2(saved, STDERR_FILENO);
+  ::close(saved);
+  log::set_level(LogLevel::kInfo);
+  BOOST_TEST((after == next.log_level));
+  BOOST_TEST((running.log_level == next.log_level));
+  std::string text = read_file(path);
+  ::unlink(path.c_str());
+  return text;
+}
 
 }  // namespace
 
@@ -768,6 +795,31 @@ BOOST_AUTO_TEST_CASE(a_slow_reload_parse_does_not_stall_serving) {
   thread.join();
   watchdog.join();
   BOOST_TEST(ran.ok(), ran.to_string());
+}
+
+// A reload that raises the log level (warn -> info) logs the other
+// changes of the same reload too, though config_entries() puts log-level
+// last; one that lowers it (info -> warn) still logs its own lines.
+BOOST_AUTO_TEST_CASE(reload_logs_its_changes_under_the_more_verbose_log_level) {
+  ServerConfig quiet;
+  quiet.name = "j";
+  quiet.tensors = {{"w", {4}}};
+  quiet.optimizer.lr = 0.001f;
+  quiet.log_level = LogLevel::kWarn;
+  ServerConfig loud = quiet;
+  loud.log_level = LogLevel::kInfo;
+  loud.optimizer.lr = 0.5f;
+  loud.max_staleness = 9;
+  loud.lane_capacity = 128;
+  for (const auto& [from, to] : {std::pair{&quiet, &loud}, std::pair{&loud, &quiet}}) {
+    const std::string text = reload_log(*from, *to);
+    const std::string lr = from == &quiet ? "0.001 -> 0.5" : "0.5 -> 0.001";
+    BOOST_TEST(contains(text, "shmps-server info: reload: lr " + lr + "\n"), text);
+    BOOST_TEST(contains(text, "shmps-server info: reload: max-staleness "), text);
+    BOOST_TEST(contains(text, "shmps-server warn: reload: ring-capacity "), text);
+    BOOST_TEST(contains(text, "shmps-server info: reload: log-level "), text);
+    BOOST_TEST(contains(text, "reloaded the configuration: 3 change(s) applied, 1 need a restart"), text);
+  }
 }
 
 BOOST_AUTO_TEST_SUITE_END()
