@@ -276,6 +276,10 @@ const char* log_level_name(LogLevel level) noexcept {
   return "unknown";
 }
 
+float default_weight_decay(kernels::OptimizerKind kind) noexcept {
+  return kind == kernels::OptimizerKind::kAdamW ? 0.01f : 0.0f;
+}
+
 bool parse_staleness_policy(std::string_view text, shm::StalenessPolicy* out) noexcept {
   for (uint32_t p = 0; p <= shm::kStalenessPolicyMax; ++p)
     if (text == shm::staleness_policy_name(p)) {
@@ -534,7 +538,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   }
   if (!kernels::parse_optimizer_kind(optimizer, &o.kind))
     return fail("--optimizer must be sgd, adam or adamw, got '" + optimizer + "'");
-  o.weight_decay = vm.count("weight-decay") ? weight_decay : (o.kind == kernels::OptimizerKind::kAdamW ? 0.01f : 0.0f);
+  o.weight_decay = vm.count("weight-decay") ? weight_decay : default_weight_decay(o.kind);
   if (backend == "host")
     c.backend = BackendKind::kHost;
   else if (backend == "cuda")

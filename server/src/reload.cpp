@@ -53,6 +53,12 @@ void apply_live(ServerConfig& running, const ServerConfig& next, shm::ConfigBloc
     // Read on one side only: it comes or goes with the setting that makes
     // it read (momentum with the optimizer), whose change is logged itself.
     if (!config_reads(running, key) || !config_reads(next, key)) continue;
+    // Each side's default weight decay: it changes with the optimizer
+    // (needs a restart, logged itself), not on its own.
+    const kernels::OptimizerConfig &was = running.optimizer, &will = next.optimizer;
+    if (key == "weight-decay" && was.kind != will.kind && was.weight_decay == default_weight_decay(was.kind) &&
+        will.weight_decay == default_weight_decay(will.kind))
+      continue;
     const std::string change = "reload: " + key + " " + old_value + " -> " + new_value;
     if (key == "lr") {
       kernels::OptimizerConfig candidate = running.optimizer;

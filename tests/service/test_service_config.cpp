@@ -822,4 +822,28 @@ BOOST_AUTO_TEST_CASE(reload_logs_its_changes_under_the_more_verbose_log_level) {
   }
 }
 
+// A switch of optimizer is logged once: the weight decay that is each
+// optimizer's default (0 for sgd, 0.01 for adamw) follows it unlogged; a
+// weight decay written in the file is logged as any other key.
+BOOST_AUTO_TEST_CASE(reload_leaves_out_the_weight_decay_default_that_follows_the_optimizer) {
+  const ConfFile sgd(kHead + "optimizer = sgd\n");
+  const ConfFile adamw(kHead + "optimizer = adamw\n");
+  const ConfFile adamw_decay(kHead + "optimizer = adamw\nweight-decay = 0.05\n");
+  auto from = test::parse_server_args({"--config", sgd.path});
+  auto to = test::parse_server_args({"--config", adamw.path});
+  auto to_decay = test::parse_server_args({"--config", adamw_decay.path});
+  BOOST_REQUIRE(from.ok() && to.ok() && to_decay.ok());
+  BOOST_REQUIRE(to->config.optimizer.weight_decay == 0.01f);
+  std::string text = reload_log(from->config, to->config);
+  BOOST_TEST(contains(text, "reload: optimizer sgd -> adamw needs a restart; still sgd"), text);
+  BOOST_TEST(!contains(text, "weight-decay"), text);
+  BOOST_TEST(contains(text, "0 change(s) applied, 1 need a restart"), text);
+  text = reload_log(to->config, from->config);
+  BOOST_TEST(!contains(text, "weight-decay"), text);
+  text = reload_log(from->config, to_decay->config);
+  BOOST_TEST(contains(text, "reload: weight-decay 0 -> 0.05 needs a restart; still 0"), text);
+  BOOST_TEST(contains(text, "0 change(s) applied, 2 need a restart"), text);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
 BOOST_AUTO_TEST_SUITE_END()

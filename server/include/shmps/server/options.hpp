@@ -67,6 +67,10 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
 // --checkpoint-keep without --checkpoint-dir); true for every other key.
 bool config_reads(const ServerConfig& config, std::string_view key);
 
+// The weight decay of optimizer `kind` when --weight-decay is not given:
+// 0.01 for AdamW (torch.optim.AdamW's), 0 for SGD and Adam.
+float default_weight_decay(kernels::OptimizerKind kind) noexcept;
+
 // The shmps release the server was built from, e.g. "0.1.0".
 const char* version_text() noexcept;
 
