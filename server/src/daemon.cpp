@@ -91,6 +91,8 @@ class ParentWatch {
 
 }  // namespace
 
+void remember_early_reload_signal() noexcept { handle(SIGHUP, on_early_reload_signal); }
+
 Status run_server(const ServerConfig& config, const std::vector<std::string>& argv, uint32_t parent_pid) {
   if (parent_pid != 0 && static_cast<uint32_t>(::getppid()) != parent_pid)
     return {ErrorCode::kInvalidArgument, "--parent-pid " + std::to_string(parent_pid) +
@@ -105,7 +107,7 @@ Status run_server(const ServerConfig& config, const std::vector<std::string>& ar
   // handlers are installed, a pending one stops run() at once, cleanly.
   // Threads started meanwhile (checkpoint writer, OpenMP) keep them
   // blocked, so they are delivered to this thread.
-  handle(SIGHUP, on_early_reload_signal);
+  remember_early_reload_signal();  // main() did so first; again for an embedder's call
   sigset_t stop_signals, previous;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);

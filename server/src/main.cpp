@@ -9,6 +9,10 @@
 #include "shmps/server/server.hpp"
 
 int main(int argc, char** argv) {
+  // First: a SIGHUP (a reload sent as the service starts) must not end the
+  // process while the options are parsed; it is remembered, and the reload
+  // runs once the server serves.
+  shmps::server::remember_early_reload_signal();
   try {
     auto parsed = shmps::server::parse_options(argc, argv);
     if (!parsed.ok()) {

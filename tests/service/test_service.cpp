@@ -8,6 +8,7 @@
 #include <grp.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/inotify.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -749,6 +750,38 @@ BOOST_AUTO_TEST_CASE(sigterm_right_after_the_segment_appears_is_a_clean_stop) {
       BOOST_TEST(!std::filesystem::exists(segment_path(name)));
     }
   }
+}
+
+// A SIGHUP while the server parses its options (a reload sent as the
+// service starts; a config file of 4096 tensors takes tens of ms) must not
+// end it (SIGHUP's default action): it is remembered, and the reload runs
+// once the server serves. Sent as soon as the server has read the file and
+// closed it (inotify), so it arrives while the lines are parsed.
+BOOST_AUTO_TEST_CASE(sighup_while_the_options_are_parsed_reloads_once_serving) {
+  TempPath err("stderr");
+  TempPath conf("conf");
+  const std::string name = test::unique_name("svc_early_hup");
+  SegmentGuard guard(name);
+  {
+    std::ofstream out(conf.path);
+    out << "name = " << name << "\n";
+    for (uint32_t i = 0; i < shm::kMaxTensorsLimit; ++i) out << "tensor = layer" << i << ".weight:8\n";
+  }
+  const int watch = ::inotify_init1(IN_CLOEXEC);
+  BOOST_REQUIRE(watch >= 0);
+  BOOST_REQUIRE(::inotify_add_watch(watch, conf.path.c_str(), IN_CLOSE_NOWRITE) >= 0);
+  test::Process server = spawn_server({"--config", conf.path, "--backend", "host"}, {}, err.path);
+  pollfd p{watch, POLLIN, 0};
+  const bool read_it = ::poll(&p, 1, 10'000) == 1;
+  server.signal(SIGHUP);
+  ::close(watch);
+  BOOST_REQUIRE_MESSAGE(read_it, "the server did not read its config file");
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
+                        "no segment; stderr:\n" + read_file(err.path));
+  BOOST_TEST(test::eventually([&] { return contains(read_file(err.path), "reloaded the configuration"); }, 10s),
+             read_file(err.path));
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0, read_file(err.path));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -100,4 +100,12 @@ class Server {
 // Returns run()'s status.
 Status run_server(const ServerConfig& config, const std::vector<std::string>& argv = {}, uint32_t parent_pid = 0);
 
+// Makes SIGHUP harmless until run_server() wires it to request_reload():
+// a SIGHUP from now on is remembered, and run_server() requests the reload
+// once the server serves, instead of the default action ending the
+// process. shmps-server's main() calls it first, before the options are
+// parsed (a 1 MiB config file takes tens of ms). Installs a handler with
+// sigaction(): call it from the main thread before starting others.
+void remember_early_reload_signal() noexcept;
+
 }  // namespace shmps::server
