@@ -27,12 +27,14 @@ int main(int argc, char** argv) {
       std::printf("shmps-server %s\n", shmps::server::version_text());
       return 0;
     }
+    // The file's lines that the command line overrides: warned of (on
+    // stderr) by the check as by the start.
+    for (const std::string& line : parsed->shadowed) shmps::server::log::warn(line);
     if (parsed->check) {
       for (const auto& [key, value] : shmps::server::config_entries(parsed->config))
         std::printf("%s = %s\n", key.c_str(), value.c_str());
       return 0;
     }
-    for (const std::string& line : parsed->shadowed) shmps::server::log::warn(line);
     // SIGHUP parses the same command line again (re-reading its --config).
     const std::vector<std::string> args(argv, argv + argc);
     const shmps::Status s = shmps::server::run_server(parsed->config, args, parsed->parent_pid);

@@ -622,6 +622,15 @@ BOOST_AUTO_TEST_CASE(config_file_errors_stop_the_server_naming_line_and_key) {
   test::Process check = spawn_server({"--config", conf.path, "--check-config"}, {}, err.path);
   BOOST_TEST(check.wait(10s) == 0, read_file(err.path));
   BOOST_TEST(!std::ifstream(segment_path(name)).good());
+
+  // A line the command line overrides is warned of on stderr, as at start.
+  std::ofstream(conf.path) << "name = " << name << "\ntensor = w:4\nlr = 0.9\n";
+  test::Process shadowed = spawn_server({"--config", conf.path, "--lr", "0.1", "--check-config"}, {}, err.path);
+  BOOST_TEST(shadowed.wait(10s) == 0, read_file(err.path));
+  BOOST_TEST(contains(read_file(err.path), "shmps-server warn: config file " + conf.path +
+                                               " line 3: key 'lr' = 0.9 is not used: the command line's --lr wins\n"),
+             read_file(err.path));
+  BOOST_TEST(!std::ifstream(segment_path(name)).good());
 }
 
 // --check-config reads the --init-file as the start does: what the start
