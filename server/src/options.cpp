@@ -398,7 +398,8 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "init-seed", po::value(&c.init.seed)->default_value(1), "seed of normal/uniform init")(
       "init-file", po::value(&c.init.file), "raw little-endian fp32, all tensors in order (implies --init file)")(
       "group-access", po::bool_switch(&c.group_access), "create the segment with mode 0660 instead of 0600")(
-      "idle-spin-us", po::value(&c.idle_spin_us)->default_value(50), "spin this long on an empty ring before sleeping")(
+      "idle-spin-us", po::value(&c.idle_spin_us)->default_value(50),
+      "spin this long on an empty ring before sleeping (at most 1000000: 1 s)")(
       "apply-threads", po::value(&apply_threads)->default_value("auto"),
       "threads of one update of a tensor from 4 MiB: auto (the affinity mask's CPUs that no computing worker "
       "shares, at least 1) or N; changes live on SIGHUP")(

@@ -797,6 +797,15 @@ BOOST_AUTO_TEST_CASE(a_slow_reload_parse_does_not_stall_serving) {
   BOOST_TEST(ran.ok(), ran.to_string());
 }
 
+// --idle-spin-us: at most 1 s of spinning.
+BOOST_AUTO_TEST_CASE(idle_spin_is_at_most_one_second) {
+  BOOST_TEST(refusal({"--idle-spin-us", "4294967295"}) ==
+             "--idle-spin-us must be at most 1000000 (1 s), got 4294967295");
+  BOOST_TEST(
+      contains(file_error(kHead + "idle-spin-us = 1000001\n"), "line 3: key 'idle-spin-us': must be at most 1000000"));
+  BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--idle-spin-us", "1000000"}).ok());
+}
+
 // A reload that raises the log level (warn -> info) logs the other
 // changes of the same reload too, though config_entries() puts log-level
 // last; one that lowers it (info -> warn) still logs its own lines.

@@ -38,6 +38,9 @@ struct InitSpec {
 // The most --apply-threads takes (CPU_SETSIZE: the CPUs an affinity mask
 // can name).
 inline constexpr uint32_t kMaxApplyThreads = 1024;
+// The longest --idle-spin-us: 1 s of a core spinning on an idle ring;
+// past that, sleeping costs nothing in comparison.
+inline constexpr uint32_t kMaxIdleSpinUs = 1'000'000;
 
 struct ServerConfig {
   std::string name;  // segment is /dev/shm/shmps.<name>
@@ -65,7 +68,8 @@ struct ServerConfig {
   InitSpec init;
   bool group_access = false;  // segment mode 0660 instead of 0600
   // The consumer spins this long on an empty ring before sleeping on the
-  // futex (a push then pays a wake-up, ~tens of us).
+  // futex (a push then pays a wake-up, ~tens of us). At most
+  // kMaxIdleSpinUs.
   uint32_t idle_spin_us = 50;
   // The most threads one update of a large tensor (from
   // kernels::kCpuSplitMinElements) runs on, host backend. 0 (auto): the
