@@ -221,7 +221,7 @@ int main(int argc, char** argv) {
   try {
     po::variables_map vm;
     const po::parsed_options parsed = po::command_line_parser(argc, argv).options(all).positional(positional).run();
-    shmps::cli::refuse_negative_unsigned(parsed);
+    shmps::cli::refuse_misread_values(parsed);
     po::store(parsed, vm);
     if (vm.count("version") != 0)
       return write_out(shmps::cli::version_line("shmps-inspect") + "\n") ? 0 : static_cast<int>(ExitCode::kError);

@@ -1,6 +1,7 @@
 #include "shmps/kernels/lr_schedule.hpp"
 
 #include <algorithm>
+#include <cfloat>
 #include <charconv>
 #include <cmath>
 #include <numbers>
@@ -58,6 +59,12 @@ Result<LrPhase> parse_phase(std::string_view text) {
   const auto usage = [&](const char* form) {
     return Status{ErrorCode::kInvalidArgument, "'" + std::string(text) + "': expected " + form};
   };
+  // A factor or an lr the fp32 lr cannot hold: every update's lr would be
+  // Inf, and every push refused.
+  const auto past_fp32 = [&](std::string_view number) {
+    return Status{ErrorCode::kInvalidArgument, "'" + std::string(text) + "': " + std::string(number) +
+                                                   " is past the fp32 range (at most 3.4028235e+38)"};
+  };
   LrPhase p;
   if (kind == "constant") {
     if (args != 0) return usage("constant");
@@ -67,16 +74,19 @@ Result<LrPhase> parse_phase(std::string_view text) {
       return usage("step:SIZE:GAMMA (an integer, a number)");
     if (p.length < 1) return usage("step:SIZE:GAMMA with SIZE at least 1");
     if (p.gamma <= 0) return usage("step:SIZE:GAMMA with GAMMA > 0");
+    if (p.gamma > FLT_MAX) return past_fp32(f[2]);
   } else if (kind == "exponential") {
     p.kind = LrPhaseKind::kExponential;
     if (args != 1 || !parse_number(f[1], &p.gamma)) return usage("exponential:GAMMA (a number)");
     if (p.gamma <= 0) return usage("exponential:GAMMA with GAMMA > 0");
+    if (p.gamma > FLT_MAX) return past_fp32(f[1]);
   } else if (kind == "cosine") {
     p.kind = LrPhaseKind::kCosine;
     if ((args != 1 && args != 2) || !parse_count(f[1], &p.length) || (args == 2 && !parse_number(f[2], &p.eta_min)))
       return usage("cosine:T_MAX[:ETA_MIN] (an integer, a number)");
     if (p.length < 1) return usage("cosine:T_MAX with T_MAX at least 1");
     if (p.eta_min < 0) return usage("cosine:T_MAX:ETA_MIN with ETA_MIN >= 0");
+    if (p.eta_min > FLT_MAX) return past_fp32(f[2]);
   } else if (kind == "linear") {
     p.kind = LrPhaseKind::kLinear;
     if (args != 3 || !parse_number(f[1], &p.start_factor) || !parse_number(f[2], &p.end_factor) ||

@@ -6,10 +6,21 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <vector>
 
 namespace shmps::server {
+namespace {
+
+// Shortest text that reads back as `v` (0.001, not 0.001000).
+std::string number_text(float v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
+
+}  // namespace
 
 Status validate(const ServerConfig& config) {
   const auto invalid = [](std::string message) { return Status{ErrorCode::kInvalidArgument, std::move(message)}; };
@@ -23,7 +34,7 @@ Status validate(const ServerConfig& config) {
   if ((config.init.kind == InitSpec::Kind::kNormal || config.init.kind == InitSpec::Kind::kUniform) &&
       !(std::isfinite(config.init.scale) && config.init.scale > 0.0f && config.init.scale <= kMaxInitScale))
     return invalid("--init-scale must be > 0 and at most 1e30 for --init normal or uniform, got " +
-                   std::to_string(config.init.scale));
+                   number_text(config.init.scale));
   const uint32_t cap = config.lane_capacity;
   if (cap < 2 || cap > shm::kMaxLaneCapacity || (cap & (cap - 1)) != 0)
     return invalid("--ring-capacity must be a power of two in 2..65536, got " + std::to_string(cap));
@@ -45,9 +56,9 @@ Status validate(const ServerConfig& config) {
   if (f.every_ms == 0 || f.every_ms > 3'600'000)
     return invalid("--fed-every-ms must be in 1..3600000, got " + std::to_string(f.every_ms));
   if (!(std::isfinite(f.outer_lr) && f.outer_lr > 0.0f))
-    return invalid("--fed-outer-lr must be finite and > 0, got " + std::to_string(f.outer_lr));
+    return invalid("--fed-outer-lr must be finite and > 0, got " + number_text(f.outer_lr));
   if (!(std::isfinite(f.outer_momentum) && f.outer_momentum >= 0.0f && f.outer_momentum < 1.0f))
-    return invalid("--fed-outer-momentum must be in [0, 1), got " + std::to_string(f.outer_momentum));
+    return invalid("--fed-outer-momentum must be in [0, 1), got " + number_text(f.outer_momentum));
   if (f.kind == FederationKind::kGloo) {
     if (f.hosts == 0 || f.hosts > kMaxFederationHosts)
       return invalid("--federation gloo needs --fed-hosts in 1.." + std::to_string(kMaxFederationHosts) + ", got " +

@@ -8,6 +8,8 @@
 #include <boost/program_options.hpp>
 #include <cerrno>
 #include <charconv>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -131,6 +133,9 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
     }
     if (cli::negative_for_unsigned(*d, e.value))
       return invalid(file_line(file, line) + ": key '" + e.key + "': must be a non-negative integer, got '" + e.value +
+                     "'");
+    if (cli::beyond_fp32(*d, e.value))
+      return invalid(file_line(file, line) + ": key '" + e.key + "': must be " + cli::kFp32Range + ", got '" + e.value +
                      "'");
     if (!d->semantic()->is_composing()) {
       const auto [it, inserted] = first_line.emplace(e.key, line);
@@ -258,6 +263,20 @@ std::string number_text(float v) {
   return std::string(buf, r.ptr);
 }
 
+// "--lr must be > 0, got 0" for lr = 1e-50 -> "--lr must be > 0, got 1e-50,
+// which rounds to 0 in fp32": a message that ends with an option's fp32
+// value, where the value as written reads as another number, shows both.
+std::string with_written_value(std::string message, const std::string& written, float value) {
+  const std::string shown = number_text(value);
+  if (!message.ends_with("got " + shown)) return message;
+  const double as_written = std::strtod(written.c_str(), nullptr);
+  if (!std::isfinite(value) || !std::isfinite(as_written) || static_cast<double>(value) == as_written ||
+      std::strtod(shown.c_str(), nullptr) == as_written)
+    return message;
+  message.resize(message.size() - shown.size());
+  return message + written + ", which rounds to " + shown + " in fp32";
+}
+
 }  // namespace
 
 const char* version_text() noexcept { return SHMPS_VERSION; }
@@ -312,6 +331,9 @@ Result<shm::TensorSpec> parse_tensor(const std::string& text) {
   const size_t c2 = text.find(':', c1 + 1);
   const std::string shape = text.substr(c1 + 1, c2 == std::string::npos ? std::string::npos : c2 - c1 - 1);
   if (shape.empty()) return bad("no shape after ':'");
+  // "w:4,v:5": a list, where the option takes one tensor.
+  if (shape.find(',') != std::string::npos)
+    return bad("one --tensor takes one tensor: give each its own --tensor (in a config file, its own tensor line)");
   if (c2 != std::string::npos) {
     const std::string dtype = text.substr(c2 + 1);
     if (dtype.empty()) return bad("empty dtype after the second ':' (weights are f32)");
@@ -454,16 +476,22 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   // command line did not), and every tensor in the composed order.
   std::string file;
   std::map<std::string, int> line_of;
-  std::vector<std::string> tensor_origin;
+  std::vector<int> tensor_line;  // 0: --tensor
+  // Each float option's value as written (the command line's, else the
+  // file's), for a refusal of the value fp32 made of it.
+  std::map<std::string, std::string> written;
   po::variables_map vm;
   try {
     const po::parsed_options cmdline = po::parse_command_line(argc, argv, all);
-    cli::refuse_negative_unsigned(cmdline);
+    cli::refuse_misread_values(cmdline);
     po::store(cmdline, vm);
     std::set<std::string> on_cmdline;
     for (const po::option& opt : cmdline.options) {
       on_cmdline.insert(opt.string_key);
-      if (opt.string_key == "tensor") tensor_origin.emplace_back("--tensor");
+      if (opt.string_key == "tensor") tensor_line.push_back(0);
+      if (const po::option_description* d = all.find_nothrow(opt.string_key, false);
+          d != nullptr && cli::stores_float(*d) && !opt.value.empty())
+        written.emplace(opt.string_key, opt.value.front());
     }
     if (vm.count("help")) {
       std::ostringstream text;
@@ -498,13 +526,15 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
         } catch (const po::error&) {
           return invalid(file_line(file, e.line) + ": key '" + e.key + "': invalid value '" + e.value + "'");
         }
-        if (e.key == "tensor")
-          tensor_origin.push_back(file_line(file, e.line));
-        else if (on_cmdline.count(e.key) == 0)
+        if (e.key == "tensor") {
+          tensor_line.push_back(e.line);
+        } else if (on_cmdline.count(e.key) == 0) {
           line_of[e.key] = e.line;
-        else
+          if (cli::stores_float(*server.find_nothrow(e.key, false))) written[e.key] = e.value;
+        } else {
           out.shadowed.push_back(file_line(file, e.line) + ": key '" + e.key + "' = " + e.value +
                                  " is not used: the command line's --" + e.key + " wins");
+        }
       }
     }
     po::notify(vm);
@@ -513,11 +543,15 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   }
 
   // A message that starts with "--key" is pointed at the file's line when
-  // the file set that key.
-  const auto fail = [&](const std::string& message) {
+  // the file set that key, and quotes a float's value as written where
+  // fp32 rounded it to another number.
+  const auto fail = [&](std::string message) {
     if (message.rfind("--", 0) == 0) {
       const size_t end = message.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-", 2);
-      const auto it = line_of.find(message.substr(2, end == std::string::npos ? std::string::npos : end - 2));
+      const std::string key = message.substr(2, end == std::string::npos ? std::string::npos : end - 2);
+      if (const auto w = written.find(key); w != written.end())
+        message = with_written_value(std::move(message), w->second, vm[key].as<float>());
+      const auto it = line_of.find(key);
       if (it != line_of.end()) return invalid(relocate(message, file_line(file, it->second)));
     }
     return invalid(message);
@@ -526,16 +560,42 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   // An empty path would quietly turn the feature off (or name the cwd).
   for (const char* key : {"checkpoint-dir", "init-file"})
     if (vm.count(key) && vm[key].as<std::string>().empty()) return fail(std::string("--") + key + " is an empty path");
-  if (c.name.empty()) return invalid("--name is required");
+  if (c.name.empty())
+    return vm.count("name") ? fail("--name is empty; the instance name is required") : invalid("--name is required");
   if (Status s = shm::validate_name(c.name); !s.ok()) return fail("--name: " + s.message());
   if (tensors.empty()) return invalid("at least one --tensor is required");
+  // A tensor's error names its line when the file gave it.
+  const auto tensor_fail = [&](size_t i, const std::string& message) {
+    const int line = i < tensor_line.size() ? tensor_line[i] : 0;
+    return invalid(line != 0 ? relocate(message, file_line(file, line)) : message);
+  };
   for (size_t i = 0; i < tensors.size(); ++i) {
     auto spec = parse_tensor(tensors[i]);
-    if (!spec.ok()) {
-      const bool from_file = i < tensor_origin.size() && tensor_origin[i] != "--tensor";
-      return invalid(from_file ? relocate(spec.status().message(), tensor_origin[i]) : spec.status().message());
-    }
+    if (!spec.ok()) return tensor_fail(i, spec.status().message());
     c.tensors.push_back(std::move(spec).value());
+  }
+  // The table's rules (shm::validate_tensors(), which validate() applies
+  // again for an embedder's config), each error at the tensor it is
+  // found at: the tensor alone, a name given before, the count, the total.
+  std::map<std::string, size_t> first_of;
+  uint64_t total = 0;
+  for (size_t i = 0; i < c.tensors.size(); ++i) {
+    const shm::TensorSpec& t = c.tensors[i];
+    if (Status s = shm::validate_tensors({t}); !s.ok()) return tensor_fail(i, "--tensor: " + s.message());
+    if (const auto [it, inserted] = first_of.emplace(t.name, i); !inserted) {
+      const int first = it->second < tensor_line.size() ? tensor_line[it->second] : 0;
+      const int here = i < tensor_line.size() ? tensor_line[i] : 0;
+      return tensor_fail(i, "--tensor: tensor name '" + t.name + "' given twice" +
+                                (first != 0  ? " (first on line " + std::to_string(first) + ")"
+                                 : here != 0 ? " (first by --tensor)"
+                                             : ""));
+    }
+    if (i == shm::kMaxTensorsLimit)
+      return tensor_fail(i, "--tensor: a model needs 1.." + std::to_string(shm::kMaxTensorsLimit) + " tensors, got " +
+                                std::to_string(c.tensors.size()));
+    total += shm::total_elements({t});  // both at most 2^40: no overflow
+    if (total > shm::kMaxTotalElements)
+      return tensor_fail(i, "--tensor: the tensors hold over 2^40 elements in total (at '" + t.name + "')");
   }
   if (!kernels::parse_optimizer_kind(optimizer, &o.kind))
     return fail("--optimizer must be sgd, adam or adamw, got '" + optimizer + "'");

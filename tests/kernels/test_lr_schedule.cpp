@@ -111,6 +111,11 @@ BOOST_AUTO_TEST_CASE(bad_schedules_are_refused_naming_the_phase_and_the_rule) {
   has(refusal("constant,cosine:4"), "'constant' has no length to end at");
   has(refusal("cosine:4,"), "'': expected constant");
   has(refusal("cosine:1,cosine:1,cosine:1,cosine:1,cosine:1"), "5 phases, at most 4");
+  // Finite as a double, past fp32 (the lr's type): the lr would be Inf.
+  has(refusal("cosine:10:1e300"), "'cosine:10:1e300': 1e300 is past the fp32 range (at most 3.4028235e+38)");
+  has(refusal("step:2:1e39"), "'step:2:1e39': 1e39 is past the fp32 range");
+  has(refusal("linear:0.5:1:5,exponential:3.5e38"), "'exponential:3.5e38': 3.5e38 is past the fp32 range");
+  BOOST_TEST(parse_lr_schedule("cosine:10:3e38").ok());
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -797,6 +797,81 @@ BOOST_AUTO_TEST_CASE(a_slow_reload_parse_does_not_stall_serving) {
   BOOST_TEST(ran.ok(), ran.to_string());
 }
 
+// A float option past fp32's range (1e39 reads as Inf) is refused naming
+// the option and the value as written, as is a schedule's number; a value
+// that fp32 rounds to a bound (1e-50 to 0, 0.99999999 to 1) is refused
+// showing both.
+BOOST_AUTO_TEST_CASE(float_values_past_or_rounded_by_fp32_are_refused_as_written) {
+  const std::string range = "must be a finite fp32 number (at most 3.4028235e+38 in magnitude), got '";
+  for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{{"lr", "1e39"},
+                                                                                   {"lr", "-3.5e38"},
+                                                                                   {"momentum", "1e39"},
+                                                                                   {"dampening", "1e400"},
+                                                                                   {"weight-decay", "5e38"},
+                                                                                   {"init-scale", "1e39"},
+                                                                                   {"fed-outer-lr", "1e300"}}) {
+    auto p = test::parse_server_args({"--name", "j", "--tensor", "w:4", "--" + key, value});
+    BOOST_TEST(!p.ok(), key << " " << value);
+    if (!p.ok()) BOOST_TEST(p.status().message() == "--" + key + " " + range + value + "'");
+    BOOST_TEST(
+        contains(file_error(kHead + key + " = " + value + "\n"), "line 3: key '" + key + "': " + range + value + "'"));
+  }
+  BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--lr", "3e38"}).ok());  // finite fp32
+  BOOST_TEST(refusal({"--lr-schedule", "cosine:10:1e300"}) ==
+             "--lr-schedule: 'cosine:10:1e300': 1e300 is past the fp32 range (at most 3.4028235e+38)");
+  BOOST_TEST(contains(file_error(kHead + "lr-schedule = linear:0.1:1:5,step:2:1e39\n"),
+                      "line 3: key 'lr-schedule': 'step:2:1e39': 1e39 is past the fp32 range"));
+  // Rounded by fp32 to a bound: the value as written, and what it became.
+  BOOST_TEST(refusal({"--lr", "1e-50"}) == "--lr must be > 0, got 1e-50, which rounds to 0 in fp32");
+  BOOST_TEST(refusal({"--optimizer", "adam", "--beta1", "0.99999999"}) ==
+             "--beta1 must be in [0, 1), got 0.99999999, which rounds to 1 in fp32");
+  BOOST_TEST(contains(file_error(kHead + "optimizer = adam\nbeta2 = 0.99999999\n"),
+                      "line 4: key 'beta2': must be in [0, 1), got 0.99999999, which rounds to 1 in fp32"));
+  BOOST_TEST(contains(file_error(kHead + "init = normal\ninit-scale = 1e-46\n"),
+                      "line 4: key 'init-scale': must be > 0 and at most 1e30 for --init normal or uniform, got "
+                      "1e-46, which rounds to 0 in fp32"));
+  // Written otherwise but the same number: as before.
+  BOOST_TEST(refusal({"--lr", "-0.50"}) == "--lr must be > 0, got -0.5");
+  BOOST_TEST(refusal({"--lr", "nan"}) == "--lr must be a finite number, got nan");
+}
+
+// Errors of the tensor table name the file's line of the tensor they are
+// found at; an empty name names its line; a list given to one --tensor
+// is named as such.
+BOOST_AUTO_TEST_CASE(tensor_table_errors_and_an_empty_name_name_their_line) {
+  std::string body = "name = j\n";
+  for (int i = 0; i < 2000; ++i) body += "tensor = l" + std::to_string(i) + ".w:8\n";  // lines 2-2001
+  BOOST_TEST(file_error(body + "tensor = l77.w:8\n")
+                 .find(" line 2002: key 'tensor': tensor name 'l77.w' given twice "
+                       "(first on line 79)") != std::string::npos);
+  BOOST_TEST(contains(file_error(kHead + "tensor = big:2097152x1048576\n"),
+                      "line 3: key 'tensor': tensor 'big' has a dimension of 0, or over 2^40 elements"));
+  BOOST_TEST(contains(file_error(kHead + "tensor = a:1048576x1048576\n"),
+                      "line 3: key 'tensor': the tensors hold over 2^40 elements in total (at 'a')"));
+  {
+    const ConfFile f(kHead);
+    auto p = test::parse_server_args({"--config", f.path, "--tensor", "w:2"});
+    BOOST_REQUIRE(!p.ok());
+    BOOST_TEST(p.status().message() ==
+               "config file " + f.path + " line 2: key 'tensor': tensor name 'w' given twice (first by --tensor)");
+  }
+  std::string many = "name = j\n";
+  for (uint32_t i = 0; i <= shm::kMaxTensorsLimit; ++i) many += "tensor = t" + std::to_string(i) + ":1\n";
+  BOOST_TEST(contains(file_error(many), "line 4098: key 'tensor': a model needs 1..4096 tensors, got 4097"));
+  BOOST_TEST(
+      contains(file_error("name =\ntensor = w:4\n"), "line 1: key 'name': is empty; the instance name is required"));
+  auto empty = test::parse_server_args({"--name", "", "--tensor", "w:4"});
+  BOOST_REQUIRE(!empty.ok());
+  BOOST_TEST(empty.status().message() == "--name is empty; the instance name is required");
+  // One --tensor, one tensor.
+  const std::string one =
+      "one --tensor takes one tensor: give each its own --tensor (in a config file, its own "
+      "tensor line); expected NAME:D0xD1x... such as fc1.weight:256x784";
+  BOOST_TEST(refusal({"--tensor", "v:4,u:5"}) == "--tensor 'v:4,u:5': " + one);
+  BOOST_TEST(refusal({"--tensor", "v:4,u"}) == "--tensor 'v:4,u': " + one);
+  BOOST_TEST(contains(file_error(kHead + "tensor = v:4, u:5:f32\n"), "line 3: key 'tensor': 'v:4, u:5:f32': " + one));
+}
+
 // --idle-spin-us: at most 1 s of spinning.
 BOOST_AUTO_TEST_CASE(idle_spin_is_at_most_one_second) {
   BOOST_TEST(refusal({"--idle-spin-us", "4294967295"}) ==
@@ -854,5 +929,4 @@ BOOST_AUTO_TEST_CASE(reload_leaves_out_the_weight_decay_default_that_follows_the
   BOOST_TEST(contains(text, "0 change(s) applied, 2 need a restart"), text);
 }
 
-BOOST_AUTO_TEST_SUITE_END()
 BOOST_AUTO_TEST_SUITE_END()

@@ -5,6 +5,10 @@
 #pragma once
 
 #include <boost/program_options.hpp>
+#include <cerrno>
+#include <cfloat>
+#include <cmath>
+#include <cstdlib>
 #include <string>
 #include <typeinfo>
 
@@ -29,11 +33,38 @@ inline bool negative_for_unsigned(const boost::program_options::option_descripti
   return is_unsigned && first != std::string::npos && value[first] == '-';
 }
 
+// True when option `d` stores a float (an fp32 hyperparameter).
+inline bool stores_float(const boost::program_options::option_description& d) {
+  const auto* typed = dynamic_cast<const boost::program_options::typed_value_base*>(d.semantic().get());
+  return typed != nullptr && typed->value_type() == typeid(float);
+}
+
+// What a float option must be, for the messages of beyond_fp32().
+inline constexpr const char* kFp32Range = "a finite fp32 number (at most 3.4028235e+38 in magnitude)";
+
+// True when `value`, given for option `d`, reads as a finite number that
+// fp32 cannot hold (1e39, -1e300) and `d` stores a float. program_options
+// refuses it without the reason ("the argument ('1e39') for option '--lr'
+// is invalid"). "inf" and "nan" are not: they read, and each option's own
+// check refuses them.
+inline bool beyond_fp32(const boost::program_options::option_description& d, const std::string& value) {
+  if (!stores_float(d)) return false;
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(value.c_str(), &end);
+  if (end == value.c_str() ||
+      value.find_first_not_of(" \t", static_cast<size_t>(end - value.c_str())) != std::string::npos)
+    return false;
+  // ERANGE with an infinite result: a finite text past double's range too.
+  return (std::isfinite(v) || errno == ERANGE) && std::fabs(v) > FLT_MAX;
+}
+
 // Call before po::store(): throws boost::program_options::error
 // "--<key> must be a non-negative integer, got '<value>'" for the first
-// option of `parsed` that negative_for_unsigned() refuses, and
-// "unexpected argument" for a word that no option takes.
-inline void refuse_negative_unsigned(const boost::program_options::parsed_options& parsed) {
+// option of `parsed` that negative_for_unsigned() refuses, "--<key> must be
+// a finite fp32 number (...), got '<value>'" for one that beyond_fp32()
+// refuses, and "unexpected argument" for a word that no option takes.
+inline void refuse_misread_values(const boost::program_options::parsed_options& parsed) {
   if (parsed.description == nullptr) return;
   for (const boost::program_options::option& opt : parsed.options) {
     // A word no positional option takes (a parser without positional()
@@ -48,17 +79,20 @@ inline void refuse_negative_unsigned(const boost::program_options::parsed_option
       if (negative_for_unsigned(*d, value))
         throw boost::program_options::error("--" + opt.string_key + " must be a non-negative integer, got '" + value +
                                             "'");
+      else if (beyond_fp32(*d, value))
+        throw boost::program_options::error("--" + opt.string_key + " must be " + kFp32Range + ", got '" + value + "'");
   }
 }
 
 // The command line against `desc`: parsed, refused when a negative value
-// is given for an unsigned option (refuse_negative_unsigned), stored and
+// is given for an unsigned option or a float one gets a value past fp32
+// (refuse_misread_values), stored and
 // notified. Throws boost::program_options::error.
 inline boost::program_options::variables_map parse(int argc, const char* const argv[],
                                                    const boost::program_options::options_description& desc) {
   namespace po = boost::program_options;
   const po::parsed_options parsed = po::parse_command_line(argc, argv, desc);
-  refuse_negative_unsigned(parsed);
+  refuse_misread_values(parsed);
   po::variables_map vm;
   po::store(parsed, vm);
   po::notify(vm);

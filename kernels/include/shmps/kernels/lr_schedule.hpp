@@ -52,7 +52,8 @@ struct LrSchedule {
 // Parses the text above. Errors: kInvalidArgument naming the phase and
 // what is wrong with it, e.g. "--lr-schedule: cosine:0: T_MAX must be at
 // least 1". The checks are torch's (0 < START <= 1, 0 <= END <= 1),
-// and every number finite, GAMMA > 0, ETA_MIN >= 0, lengths >= 1, at most
+// and every number finite in fp32 (at most 3.4028235e+38: the lr is
+// fp32), GAMMA > 0, ETA_MIN >= 0, lengths >= 1, at most
 // kMaxLrPhases phases, each but the last a linear or cosine one.
 Result<LrSchedule> parse_lr_schedule(std::string_view text);
 
