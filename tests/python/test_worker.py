@@ -174,17 +174,19 @@ def _inspect_until(name, part, patience=5.0):
 
 
 def test_an_lr_schedule_past_the_float_range_refuses_pushes_and_changes_nothing(make_server):
-    """exponential:1e300 overflows a float at the first update: the push is
-    refused naming the schedule, the weights stay, the stats say so."""
-    server = make_server(init="uniform", lr=0.1, lr_schedule="exponential:1e300")
+    """exponential:1e30 (a GAMMA past the float range is refused at the
+    start) overflows a float at the third update, lr 0.1 * 1e30^2: the push
+    is refused naming the schedule, the weights stay, the stats say so."""
+    server = make_server(init="uniform", lr=0.1, lr_schedule="exponential:1e30")
     with shmps.connect(server.name) as w:
         grad, out = w.register_buffer(w.total_elements * 4), w.register_buffer(w.total_elements * 4)
         np.asarray(grad).view(np.float32)[:] = 1.0
         assert w.push(grad, 0) == 1  # update 1: lr 0.1
-        before = np.asarray(out).view(np.float32).copy() if w.pull(out) == 1 else None
+        assert w.push(grad, 1) == 2  # update 2: lr 1e29
+        before = np.asarray(out).view(np.float32).copy() if w.pull(out) == 2 else None
         with pytest.raises(shmps.NonFiniteError, match="lr-schedule"):
-            w.push(grad, 1)
-        assert w.pull(out) == 1
+            w.push(grad, 2)
+        assert w.pull(out) == 2
         assert np.array_equal(np.asarray(out).view(np.float32), before)
         text = _inspect_until(server.name, "scheduled lr    not finite")
         assert "scheduled lr    not finite" in text, text
