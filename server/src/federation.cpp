@@ -26,6 +26,7 @@ constexpr uint32_t kFlagLeaving = 1u << 1;
 constexpr uint32_t kFlagHasState = 1u << 2;   // the join: this host has an anchor (its round in the header)
 constexpr uint32_t kFlagRegroup = 1u << 3;    // a round: this host's engine saw a host waiting to join
 constexpr uint32_t kFlagNonFinite = 1u << 4;  // the join: this host's weights, anchor or outer momentum hold NaN or Inf
+constexpr uint32_t kKnownFlags = kFlagJoin | kFlagLeaving | kFlagHasState | kFlagRegroup | kFlagNonFinite;
 
 }  // namespace
 
@@ -298,6 +299,13 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
     if (h.magic != kHeaderMagic)
       return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) +
                                                " sent no shmps round header (magic " + hex64(h.magic) +
+                                               "): is every rank a shmps-server of the same version?"};
+    // Bits this build gives no meaning (a newer build's, or damage): what
+    // they would ask of this host is unknown.
+    if ((h.flags & ~kKnownFlags) != 0 || h.reserved != 0)
+      return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) +
+                                               " sent a round header this build does not know (flags " +
+                                               hex64(h.flags) + ", reserved word " + std::to_string(h.reserved) +
                                                "): is every rank a shmps-server of the same version?"};
     if (h.model != fingerprint_) {
       // The hosts outside a strict majority of one model end their

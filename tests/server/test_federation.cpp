@@ -1306,6 +1306,36 @@ BOOST_AUTO_TEST_CASE(a_restored_host_keeps_the_drift_that_no_round_merged) {
   }
 }
 
+// A round header with bits this build gives no meaning (a flag it does
+// not know, the reserved word set: a newer build's, or damage) is refused
+// by every member at the join, naming the rank; nobody joins.
+BOOST_AUTO_TEST_CASE(a_round_header_with_unknown_bits_is_refused) {
+  constexpr size_t kFlagsAt = Federator::kHeaderBytes - 12, kReservedAt = Federator::kHeaderBytes - 4;
+  for (const auto& [at, value] : {std::pair{kFlagsAt, uint32_t{1} << 9}, std::pair{kReservedAt, uint32_t{1}}}) {
+    BOOST_TEST_CONTEXT("offset " << at) {
+      Hosts hosts(2, FederationConfig{});
+      hosts.engines[1]->on_allgather = [at, value](std::span<std::byte> data) {
+        if (data.size() != Federator::kHeaderBytes) return;
+        uint32_t word;
+        std::memcpy(&word, data.data() + at, 4);
+        word |= value;
+        std::memcpy(data.data() + at, &word, 4);
+      };
+      std::vector<Status> status(2);
+      hosts.run([&](uint32_t r, Federator& f) {
+        std::vector<float> ex(kN, 1.0f);
+        status[r] = f.join(ex).status();
+      });
+      for (uint32_t r = 0; r < 2; ++r) {
+        BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+        BOOST_TEST(mentions(status[r], "host rank 1 sent a round header this build does not know"),
+                   status[r].message());
+        BOOST_TEST(!hosts.feds[r]->state().has_value());
+      }
+    }
+  }
+}
+
 // Bytes from a peer that cannot be: a source's record of groups damaged in
 // flight (members in an empty span) is refused by every member, nobody's
 // state changed; two members giving one host id are refused too.

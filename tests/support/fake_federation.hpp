@@ -6,8 +6,9 @@
 // collective (before meeting the others, or after: they complete it, as
 // with a host that dies at its very end), or to run a hook before each
 // allreduce (a test holding a round in its exchange) or on the bytes of
-// each broadcast it roots (a damaged peer). A member's host id is its
-// first rank unless a test sets another. Header-only; thread-safe.
+// each broadcast it roots or allgather it sends (a damaged peer). A
+// member's host id is its first rank unless a test sets another.
+// Header-only; thread-safe.
 #pragma once
 
 #include <atomic>
@@ -112,7 +113,9 @@ class FakeEngine final : public server::FederationEngine {
     if (failing()) return fail();
     if (before_allgather) before_allgather();
     if (fail_now.exchange(false)) return fail();
-    const auto out = group_->meet(rank_, mine, [](const std::vector<std::vector<std::byte>>& in) {
+    std::vector<std::byte> sent(mine.begin(), mine.end());
+    if (on_allgather) on_allgather(sent);
+    const auto out = group_->meet(rank_, sent, [](const std::vector<std::vector<std::byte>>& in) {
       std::vector<std::byte> bytes;
       for (const auto& member : in) bytes.insert(bytes.end(), member.begin(), member.end());
       return bytes;
@@ -141,9 +144,10 @@ class FakeEngine final : public server::FederationEngine {
   std::function<void()> before_allreduce;  // runs before each allreduce meets the others
   std::function<void()> before_allgather;  // and before each allgather (a round's headers)
   std::atomic<bool> fail_now{false};       // set by that hook: this allgather fails without meeting the others
-  // Runs on the root's data before each broadcast it roots (a test
-  // sending damaged bytes).
+  // Runs on the root's data before each broadcast it roots, and on this
+  // member's bytes before each allgather (a test sending damaged bytes).
   std::function<void(std::span<std::byte>)> on_broadcast;
+  std::function<void(std::span<std::byte>)> on_allgather;
   std::atomic<bool> is_elastic{false};  // re-forms (as the same group) instead of ending
   std::atomic<bool> joiner{false};      // a test's "host waiting to join", seen by this member
 
