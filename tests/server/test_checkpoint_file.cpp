@@ -374,15 +374,10 @@ BOOST_AUTO_TEST_CASE(a_tensor_that_does_not_fit_is_named_on_both_sides) {
 std::string logged(std::string_view text) {
   test::TempDir dir("ckptlog");
   const std::string path = (dir.path / "stderr").string();
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  BOOST_REQUIRE(fd >= 0);
-  const int saved = ::dup(STDERR_FILENO);
-  BOOST_REQUIRE(saved >= 0);
-  ::dup2(fd, STDERR_FILENO);
-  ::close(fd);
-  log::error(text);
-  ::dup2(saved, STDERR_FILENO);
-  ::close(saved);
+  {
+    test::StderrTo capture(path);
+    log::error(text);
+  }
   return contents(path);
 }
 

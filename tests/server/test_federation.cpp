@@ -1648,30 +1648,6 @@ BOOST_AUTO_TEST_CASE(weights_changed_only_by_merges_are_checkpointed) {
   for (float w : data->weights) BOOST_TEST(w == 2.0f);
 }
 
-namespace {
-
-// While it lives, what the process writes to stderr (the in-process
-// servers' log) goes to `path`.
-struct StderrTo {
-  explicit StderrTo(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    BOOST_REQUIRE(fd >= 0);
-    saved = ::dup(STDERR_FILENO);
-    BOOST_REQUIRE(saved >= 0);
-    ::dup2(fd, STDERR_FILENO);
-    ::close(fd);
-  }
-  ~StderrTo() {
-    ::dup2(saved, STDERR_FILENO);
-    ::close(saved);
-  }
-  StderrTo(const StderrTo&) = delete;
-  StderrTo& operator=(const StderrTo&) = delete;
-  int saved = -1;
-};
-
-}  // namespace
-
 // A federated host that restores a checkpoint without federation state (a
 // job that ran without federation) has its weights replaced at the join,
 // here by rank 0's: the join says so, naming the file, and no checkpoint
@@ -1695,7 +1671,7 @@ BOOST_AUTO_TEST_CASE(a_checkpoint_without_federation_state_is_not_written_over) 
   for (const int pushes : {0, 1}) {
     BOOST_TEST_CONTEXT("pushes " << pushes) {
       {
-        StderrTo capture(log_path);
+        test::StderrTo capture(log_path);
         TwoServers two(f, f, {"", dir.path.string()});  // host 1 restores version 5
         BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(two.names[1])[0] == 0.0f; }));
         if (pushes > 0) push_halves(two.names[1], pushes);

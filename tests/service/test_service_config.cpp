@@ -74,25 +74,37 @@ const std::string kHead = "name = j\ntensor = w:4\n";  // lines 1-2
 // apply_live() reloads `running` to `next`; the log level is `running`'s
 // before and `next`'s after.
 std::string reload_log(ServerConfig running, const ServerConfig& next) {
-  const std::string path = "/tmp/" + test::unique_name("shmps_reload_log");
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  BOOST_REQUIRE(fd >= 0);
-  const int saved = ::dup(STDERR_FILENO);
-  BOOST_REQUIRE(saved >= 0);
-  ::dup2(fd, STDERR_FILENO);
-  ::close(fd);
-  log::set_level(running.log_level);
-  shm::ConfigBlock shared{};
-  apply_live(running, next, shared);
-  const LogLevel after = log::level();
-  ::dup2(saved, STDERR_FILENO);
-  ::close(saved);
+  test::TempDir dir("reloadlog");
+  const std::string path = (dir.path / "stderr").string();
+  LogLevel after;
+  {
+    test::StderrTo capture(path);
+    log::set_level(running.log_level);
+    shm::ConfigBlock shared{};
+    apply_live(running, next, shared);
+    after = log::level();
+  }
   log::set_level(LogLevel::kInfo);
   BOOST_TEST((after == next.log_level));
   BOOST_TEST((running.log_level == next.log_level));
-  std::string text = read_file(path);
-  ::unlink(path.c_str());
-  return text;
+  return read_file(path);
+}
+
+// The in-process reload tests' server: one tensor of 4, lr 1,
+// max-staleness 8.
+ServerConfig reload_config(const std::string& tag) {
+  ServerConfig config;
+  config.name = test::unique_name(tag);
+  config.tensors = {{"w", {4}}};
+  config.optimizer.lr = 1.0f;
+  config.max_staleness = 8;
+  return config;
+}
+
+std::unique_ptr<Server> create_server(const ServerConfig& config) {
+  auto created = Server::create(config);
+  BOOST_REQUIRE_MESSAGE(created.ok(), created.status().to_string());
+  return std::move(created).value();
 }
 
 }  // namespace
@@ -647,14 +659,8 @@ BOOST_AUTO_TEST_CASE(log_levels_parse_and_filter) {
 }
 
 BOOST_AUTO_TEST_CASE(reload_in_process_applies_live_options_only) {
-  ServerConfig config;
-  config.name = test::unique_name("reload");
-  config.tensors = {{"w", {4}}};
-  config.optimizer.lr = 1.0f;
-  config.max_staleness = 8;
-  auto created = Server::create(config);
-  BOOST_REQUIRE_MESSAGE(created.ok(), created.status().to_string());
-  std::unique_ptr<Server> server = std::move(created).value();
+  const ServerConfig config = reload_config("reload");
+  std::unique_ptr<Server> server = create_server(config);
 
   // What the reload source returns; written before request_reload()
   // (SYNC(reload) makes it visible to the server thread).
@@ -722,14 +728,8 @@ BOOST_AUTO_TEST_CASE(reload_in_process_applies_live_options_only) {
 // on its serving thread, the pushes would wait for the parse (the
 // watchdog below ends the hold after 20 s, and the check fails).
 BOOST_AUTO_TEST_CASE(a_slow_reload_parse_does_not_stall_serving) {
-  ServerConfig config;
-  config.name = test::unique_name("reloadslow");
-  config.tensors = {{"w", {4}}};
-  config.optimizer.lr = 1.0f;
-  config.max_staleness = 8;
-  auto created = Server::create(config);
-  BOOST_REQUIRE_MESSAGE(created.ok(), created.status().to_string());
-  std::unique_ptr<Server> server = std::move(created).value();
+  const ServerConfig config = reload_config("reloadslow");
+  std::unique_ptr<Server> server = create_server(config);
 
   std::mutex mu;
   std::condition_variable cv;

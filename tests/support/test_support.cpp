@@ -1,5 +1,6 @@
 #include "test_support.hpp"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -7,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -101,6 +103,24 @@ ServerProcess::ServerProcess(const std::string& name, const std::vector<std::str
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+StderrTo::StderrTo(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) throw std::runtime_error("open " + path + ": " + std::strerror(errno));
+  saved_ = ::dup(STDERR_FILENO);
+  if (saved_ < 0 || ::dup2(fd, STDERR_FILENO) < 0) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    if (saved_ >= 0) ::close(saved_);
+    throw std::runtime_error("redirecting stderr to " + path + ": " + why);
+  }
+  ::close(fd);
+}
+
+StderrTo::~StderrTo() {
+  ::dup2(saved_, STDERR_FILENO);
+  ::close(saved_);
 }
 
 std::string shell_quote(const std::string& s) {

@@ -83,6 +83,20 @@ Captured run_captured(const std::vector<std::string>& argv,
 
 // The whole file's bytes; empty when it cannot be read.
 std::string read_file(const std::string& path);
+
+// While it lives, what this process writes to stderr (an in-process
+// server's log) goes to `path`, created or truncated. Throws
+// std::runtime_error when the file cannot be opened.
+class StderrTo {
+ public:
+  explicit StderrTo(const std::string& path);
+  ~StderrTo();
+  StderrTo(const StderrTo&) = delete;
+  StderrTo& operator=(const StderrTo&) = delete;
+
+ private:
+  int saved_ = -1;
+};
 // `s` in single quotes for /bin/sh, its own single quotes escaped.
 std::string shell_quote(const std::string& s);
 
