@@ -220,7 +220,8 @@ int main(int argc, char** argv) {
   positional.add("name", 1);
   try {
     po::variables_map vm;
-    const po::parsed_options parsed = po::command_line_parser(argc, argv).options(all).positional(positional).run();
+    const po::parsed_options parsed =
+        po::command_line_parser(argc, argv).options(all).positional(positional).style(shmps::cli::kStyle).run();
     shmps::cli::refuse_misread_values(parsed);
     po::store(parsed, vm);
     if (vm.count("version") != 0)

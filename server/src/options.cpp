@@ -482,7 +482,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   std::map<std::string, std::string> written;
   po::variables_map vm;
   try {
-    const po::parsed_options cmdline = po::parse_command_line(argc, argv, all);
+    const po::parsed_options cmdline = po::command_line_parser(argc, argv).options(all).style(cli::kStyle).run();
     cli::refuse_misread_values(cmdline);
     po::store(cmdline, vm);
     std::set<std::string> on_cmdline;

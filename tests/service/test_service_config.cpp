@@ -873,6 +873,15 @@ BOOST_AUTO_TEST_CASE(tensor_table_errors_and_an_empty_name_name_their_line) {
 }
 
 // --idle-spin-us: at most 1 s of spinning.
+// An abbreviated option (--max-stal for --max-staleness) is refused on
+// the command line as in the file: an option added later would make it
+// ambiguous, breaking the scripts that used it.
+BOOST_AUTO_TEST_CASE(an_abbreviated_option_is_refused) {
+  const std::string e = refusal({"--max-stal", "3"});
+  BOOST_TEST(contains(e, "unrecognised option '--max-stal'"), e);
+  BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--max-staleness", "3"}).ok());
+}
+
 BOOST_AUTO_TEST_CASE(idle_spin_is_at_most_one_second) {
   BOOST_TEST(refusal({"--idle-spin-us", "4294967295"}) ==
              "--idle-spin-us must be at most 1000000 (1 s), got 4294967295");

@@ -19,6 +19,13 @@ namespace shmps::cli {
 // (shmps_target_defaults).
 inline std::string version_line(const std::string& program) { return program + " " + SHMPS_VERSION; }
 
+// The command-line style of every program: program_options' default but
+// for abbreviations (--max-stal for --max-staleness), which a config file
+// refuses, and which an option added later would make ambiguous, breaking
+// the scripts that used them.
+inline constexpr int kStyle =
+    boost::program_options::command_line_style::default_style & ~boost::program_options::command_line_style::allow_guessing;
+
 // True when `value`, given for option `d`, starts with '-' (after blanks)
 // and `d` stores an unsigned integer. program_options reads such a value
 // with lexical_cast, which wraps "-1" to the type's maximum: `--epochs -1`
@@ -91,7 +98,7 @@ inline void refuse_misread_values(const boost::program_options::parsed_options& 
 inline boost::program_options::variables_map parse(int argc, const char* const argv[],
                                                    const boost::program_options::options_description& desc) {
   namespace po = boost::program_options;
-  const po::parsed_options parsed = po::parse_command_line(argc, argv, desc);
+  const po::parsed_options parsed = po::command_line_parser(argc, argv).options(desc).style(kStyle).run();
   refuse_misread_values(parsed);
   po::variables_map vm;
   po::store(parsed, vm);
