@@ -205,6 +205,14 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   struct stat st {};
   if (::fstat(out->file.fd, &st) != 0) return {ErrorCode::kIo, path + ": fstat: " + errno_text()};
   if (!S_ISREG(st.st_mode)) return {ErrorCode::kIo, path + ": not a regular file"};
+  // The server writes its checkpoints as its own user, mode 0600: a file
+  // of another user's was put there by someone else, and is not trusted
+  // with the model's state (nor replaced, nor pruned).
+  if (st.st_uid != ::geteuid())
+    return {ErrorCode::kPermission, path + ": owned by uid " + std::to_string(st.st_uid) +
+                                        ", not by this server's user (uid " + std::to_string(::geteuid()) +
+                                        "): not trusted; if it is a checkpoint of this model, chown it to uid " +
+                                        std::to_string(::geteuid())};
   const auto size = static_cast<uint64_t>(st.st_size);
   CheckpointHeader& h = out->header;
   if (size < sizeof h + 4) return corrupt("truncated header");

@@ -127,7 +127,8 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data);
 // every per-tensor step below kMaxCheckpointVersion (Adam's next step must
 // not wrap to 0). Weights are not judged: NaN or Inf the server wrote is
 // restored as it was. Errors: kIo (cannot open, not a regular file, read
-// failed), kLayoutMismatch (corrupt, truncated, another model, or failed a
+// failed), kPermission (owned by another user than the server's),
+// kLayoutMismatch (corrupt, truncated, another model, or failed a
 // check above: the message says which). `damaged`, when given, tells
 // whether a refused file is one of this model's (its header and tensor
 // records name it) that failed a later check (its size, checksum, steps

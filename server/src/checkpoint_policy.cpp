@@ -1,5 +1,10 @@
 #include "checkpoint_policy.hpp"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <optional>
 
@@ -34,8 +39,26 @@ Status CheckpointPolicy::start(uint64_t now) {
   // Refused now rather than at every checkpoint and at stop.
   if (Status s = check_checkpoint_dir(config_.checkpoint_dir); !s.ok()) return s;
   std::error_code ec;
+  const bool existed = std::filesystem::exists(config_.checkpoint_dir, ec);
   std::filesystem::create_directories(config_.checkpoint_dir, ec);
   if (ec) return Status{ErrorCode::kIo, "--checkpoint-dir " + config_.checkpoint_dir + ": " + ec.message()};
+  // The directory is the server's alone: one it creates is made 0700 (the
+  // umask, such as the unit's UMask=0007 for the segment's group access,
+  // left it writable by the workers' group: they could delete, hide or
+  // plant checkpoints). An existing one is the operator's to change: a
+  // warning when others may write it (not sticky). A file of another user
+  // is never restored (read_checkpoint()).
+  if (!existed) {
+    if (::chmod(config_.checkpoint_dir.c_str(), 0700) != 0)
+      log::warn("--checkpoint-dir " + config_.checkpoint_dir + ": chmod 0700: " + std::strerror(errno));
+  } else if (struct stat st{}; ::stat(config_.checkpoint_dir.c_str(), &st) == 0 && (st.st_mode & 022) != 0 &&
+                               (st.st_mode & S_ISVTX) == 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    log::warn("--checkpoint-dir " + config_.checkpoint_dir + " (mode " + mode +
+              ") can be written by its group or others, who could delete or rename this server's checkpoints "
+              "(files of another user are never restored): chmod go-w it");
+  }
   // Before anything in the directory is touched: another server's writer
   // may be writing there.
   auto lock = CheckpointDirLock::acquire(config_.checkpoint_dir);

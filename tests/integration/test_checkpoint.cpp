@@ -374,6 +374,46 @@ BOOST_AUTO_TEST_CASE(a_checkpoint_directory_moved_away_under_the_server_is_not_w
   BOOST_TEST((checkpoint_files(moved) == std::vector<std::string>{ckpt_name(2)}));
 }
 
+// The checkpoint directory is the server's alone: one it creates is 0700
+// whatever the umask (the unit's UMask=0007 left it writable by the
+// workers' group, who could delete or plant checkpoints); an existing one
+// others may write is warned of; a file of another user is not restored.
+BOOST_AUTO_TEST_CASE(checkpoints_are_the_servers_alone) {
+  test::TempDir dir("ckpt");
+  const fs::path d = dir.path / "new";
+  const std::string name = test::unique_name("own");
+  const mode_t umask_before = ::umask(0007);
+  run_steps(name, adam_args(d), 0, 2);
+  ::umask(umask_before);
+  struct stat st {};
+  BOOST_REQUIRE(::stat(d.c_str(), &st) == 0);
+  BOOST_TEST((st.st_mode & 07777) == 0700u);
+  BOOST_REQUIRE(fs::exists(d / ckpt_name(2)));
+
+  BOOST_REQUIRE(::chmod(d.c_str(), 0770) == 0);
+  const fs::path log = dir.path / "server.log";
+  const bool root = ::geteuid() == 0;
+  if (root) BOOST_REQUIRE(::chown((d / ckpt_name(2)).c_str(), 65534, 65534) == 0);  // nobody's
+  std::unique_ptr<Worker> w;
+  test::Process server = spawn_logged(name, adam_args(d), log, &w);
+  auto g = w->register_buffer(28);
+  BOOST_REQUIRE(g.ok());
+  uint64_t v = 99;
+  pull(*w, *g, &v);
+  w.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+  const std::string text = read_text(log);
+  BOOST_TEST(text.find("(mode 0770) can be written by its group or others") != std::string::npos, text);
+  if (!root) {
+    BOOST_TEST_MESSAGE("not root: a file of another user cannot be made here; that part is skipped");
+    return;
+  }
+  BOOST_TEST(v == 0u);  // not restored
+  BOOST_TEST(text.find("owned by uid 65534, not by this server's user (uid 0): not trusted") != std::string::npos,
+             text);
+}
+
 BOOST_AUTO_TEST_CASE(a_final_checkpoint_that_cannot_be_written_fails_the_exit_code) {
   test::TempDir dir("ckpt");
   const std::string name = test::unique_name("nofinal");
