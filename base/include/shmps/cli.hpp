@@ -23,8 +23,8 @@ inline std::string version_line(const std::string& program) { return program + "
 // for abbreviations (--max-stal for --max-staleness), which a config file
 // refuses, and which an option added later would make ambiguous, breaking
 // the scripts that used them.
-inline constexpr int kStyle =
-    boost::program_options::command_line_style::default_style & ~boost::program_options::command_line_style::allow_guessing;
+inline constexpr int kStyle = boost::program_options::command_line_style::default_style &
+                              ~boost::program_options::command_line_style::allow_guessing;
 
 // True when `value`, given for option `d`, starts with '-' (after blanks)
 // and `d` stores an unsigned integer. program_options reads such a value
