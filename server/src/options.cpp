@@ -388,7 +388,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "tensor", po::value(&tensors)->composing(),
       "NAME:SHAPE[:f32], e.g. fc1.weight:256x784; repeatable, in order (required)")(
       "optimizer", po::value(&optimizer)->default_value("sgd"), "sgd | adam | adamw")(
-      "lr", po::value(&o.lr)->default_value(0.001f), "learning rate (> 0); changes live on SIGHUP")(
+      "lr", po::value(&o.lr)->default_value(0.001f, "0.001"), "learning rate (> 0); changes live on SIGHUP")(
       "lr-schedule", po::value(&lr_schedule)->default_value("constant"),
       "the lr of each update from lr and the updates before it, as torch.optim.lr_scheduler's: constant | "
       "step:SIZE:GAMMA | exponential:GAMMA | cosine:T_MAX[:ETA_MIN] | linear:START:END:ITERS, phases joined "
@@ -398,10 +398,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "nesterov", po::bool_switch(&o.nesterov), "SGD Nesterov momentum (needs momentum > 0, dampening 0)")(
       "weight-decay", po::value(&weight_decay),
       "L2 penalty (SGD, Adam) or decoupled decay (AdamW); default 0, AdamW 0.01")(
-      "beta1", po::value(&o.beta1)->default_value(0.9f), "Adam beta1 in [0, 1)")(
-      "beta2", po::value(&o.beta2)->default_value(0.999f), "Adam beta2 in [0, 1)")(
-      "eps", po::value(&o.eps)->default_value(1e-8f), "Adam epsilon (> 0)")("amsgrad", po::bool_switch(&o.amsgrad),
-                                                                            "Adam/AdamW AMSGrad variant")(
+      "beta1", po::value(&o.beta1)->default_value(0.9f, "0.9"), "Adam beta1 in [0, 1)")(
+      "beta2", po::value(&o.beta2)->default_value(0.999f, "0.999"), "Adam beta2 in [0, 1)")(
+      "eps", po::value(&o.eps)->default_value(1e-8f, "1e-08"), "Adam epsilon (> 0)")(
+      "amsgrad", po::bool_switch(&o.amsgrad), "Adam/AdamW AMSGrad variant")(
       "max-staleness", po::value(&c.max_staleness)->default_value(4),
       "the staleness bound: versions (reject), clocks ahead of the slowest worker (wait); changes live on SIGHUP")(
       "staleness-policy", po::value(&staleness_policy)->default_value("reject"),
@@ -416,7 +416,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "device", po::value(&c.device),
       "CUDA device: UUID (GPU-..., as nvidia-smi -L prints) or PCI bus id (0000:3b:00.0); default: the first visible")(
       "init", po::value(&init)->default_value("zero"), "initial weights: zero | normal | uniform | file")(
-      "init-scale", po::value(&c.init.scale)->default_value(0.01f), "normal: stddev; uniform: half-width")(
+      "init-scale", po::value(&c.init.scale)->default_value(0.01f, "0.01"), "normal: stddev; uniform: half-width")(
       "init-seed", po::value(&c.init.seed)->default_value(1), "seed of normal/uniform init")(
       "init-file", po::value(&c.init.file), "raw little-endian fp32, all tensors in order (implies --init file)")(
       "group-access", po::bool_switch(&c.group_access), "create the segment with mode 0660 instead of 0600")(
@@ -445,8 +445,8 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "and a round once this many local updates were applied since the last (0: off)")(
       "fed-outer", po::value(&fed_outer)->default_value("average"),
       "the outer step: average (Local SGD) | nesterov (SGD with Nesterov momentum on the mean delta: DiLoCo)")(
-      "fed-outer-lr", po::value(&fc.outer_lr)->default_value(0.7f), "nesterov: the outer learning rate")(
-      "fed-outer-momentum", po::value(&fc.outer_momentum)->default_value(0.9f), "nesterov: the outer momentum")(
+      "fed-outer-lr", po::value(&fc.outer_lr)->default_value(0.7f, "0.7"), "nesterov: the outer learning rate")(
+      "fed-outer-momentum", po::value(&fc.outer_momentum)->default_value(0.9f, "0.9"), "nesterov: the outer momentum")(
       "fed-unweighted", po::bool_switch(&fed_unweighted),
       "average the hosts' deltas plainly (default: weighted by each host's local updates of the round)")(
       "fed-no-overlap", po::bool_switch(&fed_no_overlap),

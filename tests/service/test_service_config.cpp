@@ -876,6 +876,18 @@ BOOST_AUTO_TEST_CASE(tensor_table_errors_and_an_empty_name_name_their_line) {
 // An abbreviated option (--max-stal for --max-staleness) is refused on
 // the command line as in the file: an option added later would make it
 // ambiguous, breaking the scripts that used it.
+// --help (and the man page made from it) gives the float defaults as
+// written, not as fp32 holds them (0.00100000005).
+BOOST_AUTO_TEST_CASE(help_gives_float_defaults_as_written) {
+  auto p = test::parse_server_args({"--help"});
+  BOOST_REQUIRE(p.ok());
+  for (const char* d : {"--lr arg (=0.001)", "--beta1 arg (=0.9)", "--beta2 arg (=0.999)", "--eps arg (=1e-08)",
+                        "--init-scale arg (=0.01)", "--fed-outer-lr arg (=0.7)", "--fed-outer-momentum arg (=0.9)"})
+    BOOST_TEST(contains(p->help_text, d), d);
+  BOOST_TEST(!contains(p->help_text, "0000000"), p->help_text);  // 0.00100000005, 0.899999976
+  BOOST_TEST(!contains(p->help_text, "99999"), p->help_text);
+}
+
 BOOST_AUTO_TEST_CASE(an_abbreviated_option_is_refused) {
   const std::string e = refusal({"--max-stal", "3"});
   BOOST_TEST(contains(e, "unrecognised option '--max-stal'"), e);
