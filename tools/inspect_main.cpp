@@ -197,10 +197,14 @@ int main(int argc, char** argv) {
   ::signal(SIGPIPE, SIG_IGN);
   Options o;
   po::options_description visible(
-      "shmps-inspect [options] <name>\n"
-      "shmps-inspect --list [--json]\n"
+      // "Usage:" and "  or:": the synopsis lines help2man makes the man
+      // page's from.
+      "Usage: shmps-inspect [options] <name>\n"
+      "  or:  shmps-inspect --list [--json]\n"
+      "\n"
       "Prints the state of the shmps segment /dev/shm/shmps.<name> (read-only),\n"
       "or one line for every shmps segment on the host.\n"
+      "\n"
       "Options");
   visible.add_options()("help,h", "this help")("version", "print the version and exit")(
       "json", po::bool_switch(&o.json), "print one JSON document (with --watch: one per line)")(
