@@ -15,8 +15,9 @@
 #include <fstream>
 #include <initializer_list>
 #include <map>
-#include <set>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "backend.hpp"
 #include "checkpoint.hpp"
@@ -485,9 +486,11 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
     const po::parsed_options cmdline = po::command_line_parser(argc, argv).options(all).style(cli::kStyle).run();
     cli::refuse_misread_values(cmdline);
     po::store(cmdline, vm);
-    std::set<std::string> on_cmdline;
+    // Each key the command line gave, with its value as written (a switch
+    // has none): a file line giving the same value is no override.
+    std::map<std::string, std::vector<std::string>> on_cmdline;
     for (const po::option& opt : cmdline.options) {
-      on_cmdline.insert(opt.string_key);
+      on_cmdline.emplace(opt.string_key, opt.value);
       if (opt.string_key == "tensor") tensor_line.push_back(0);
       if (const po::option_description* d = all.find_nothrow(opt.string_key, false);
           d != nullptr && cli::stores_float(*d) && !opt.value.empty())
@@ -528,10 +531,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
         }
         if (e.key == "tensor") {
           tensor_line.push_back(e.line);
-        } else if (on_cmdline.count(e.key) == 0) {
+        } else if (const auto given = on_cmdline.find(e.key); given == on_cmdline.end()) {
           line_of[e.key] = e.line;
           if (cli::stores_float(*server.find_nothrow(e.key, false))) written[e.key] = e.value;
-        } else {
+        } else if (given->second != std::vector<std::string>{e.value}) {
           out.shadowed.push_back(file_line(file, e.line) + ": key '" + e.key + "' = " + e.value +
                                  " is not used: the command line's --" + e.key + " wins");
         }

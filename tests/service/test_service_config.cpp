@@ -332,6 +332,19 @@ BOOST_AUTO_TEST_CASE(hostile_values_are_refused_not_wrapped_or_cut) {
     BOOST_TEST_REQUIRE(p->shadowed.size() == 1u);
     BOOST_TEST(contains(p->shadowed[0], "line 3: key 'lr' = 0.9 is not used: the command line's --lr wins"),
                p->shadowed[0]);
+    // The same value on both is no override: the unit passes --name <instance>
+    // and the instance's file sets that name, which must not warn at every
+    // start and reload. Another name is named as not used.
+    std::ofstream(path) << kHead << "lr = 0.9\n";
+    auto same = test::parse_server_args({"--config", path, "--name", "j", "--lr", "0.9"});
+    BOOST_TEST_REQUIRE(same.ok(), same.status().message());
+    BOOST_TEST(same->shadowed.empty());
+    auto other = test::parse_server_args({"--config", path, "--name", "job2"});
+    BOOST_TEST_REQUIRE(other.ok(), other.status().message());
+    BOOST_TEST(other->config.name == "job2");
+    BOOST_TEST_REQUIRE(other->shadowed.size() == 1u);
+    BOOST_TEST(contains(other->shadowed[0], "line 1: key 'name' = j is not used: the command line's --name wins"),
+               other->shadowed[0]);
     std::filesystem::remove(path);
   }
   // A '#' begins a comment at the start of a line or after a blank, not
