@@ -27,7 +27,7 @@ done
 ls "$prefix"/lib*/cmake/shmps/shmpsConfig.cmake >/dev/null 2>&1 || fail "cmake --install: shmpsConfig.cmake missing"
 ls "$prefix"/lib*/libshmps_worker.* >/dev/null 2>&1 || fail "cmake --install: libshmps_worker missing"
 unit=$prefix/lib/systemd/system/shmps@.service
-grep -qxF "ExecStart=$prefix/bin/shmps-server --config $prefix/etc/shmps/%i.conf" "$unit" ||
+grep -qxF "ExecStart=$prefix/bin/shmps-server --config $prefix/etc/shmps/%i.conf --name %i" "$unit" ||
   fail "installed unit's ExecStart does not name the prefix: $(grep ExecStart= "$unit")"
 ! grep -q '@SHMPS_' "$unit" || fail "unsubstituted @SHMPS_...@ in the installed unit"
 for bin in "$prefix"/bin/*; do
@@ -69,7 +69,7 @@ headers=$(grep '^\./usr/include/.*\.hpp$' "$scratch/dev-contents" | sort | tr '\
 [ "$headers" = "./usr/include/shmps/server_process.hpp ./usr/include/shmps/server_stats.hpp ./usr/include/shmps/status.hpp ./usr/include/shmps/worker.hpp " ] ||
   fail "shmps-dev installs other headers than the worker's public API: $headers"
 dpkg-deb --fsys-tarfile "$deb" | tar -xO ./usr/lib/systemd/system/shmps@.service > "$scratch/unit"
-grep -qxF 'ExecStart=/usr/bin/shmps-server --config /etc/shmps/%i.conf' "$scratch/unit" ||
+grep -qxF 'ExecStart=/usr/bin/shmps-server --config /etc/shmps/%i.conf --name %i' "$scratch/unit" ||
   fail "packaged unit's ExecStart: $(grep ExecStart= "$scratch/unit")"
 depends=$(dpkg-deb -f "$deb" Depends)
 for d in adduser libboost-program-options libsystemd0; do
@@ -140,11 +140,14 @@ grep -q '^install -d -m 0755 /etc/shmps$' "$scratch/calls" || fail "postinst did
 echo "ok: postinst creates the system user shmps and /etc/shmps"
 # It checks each instance's config with this version's shmps-server (as
 # the service user: runuser, stubbed to run the command as is) and names
-# one it refuses.
+# one it refuses; with the unit's --name <instance>, so that a copy of
+# another instance's file (copied.conf, name = good) is named with the line
+# that the instance name overrides.
 confs=$scratch/confs
 mkdir "$confs"
 printf 'name = good\ntensor = w:4\n' > "$confs/good.conf"
 printf 'name = bad\ntensor = w:4\ninit-seed = 3\n' > "$confs/bad.conf"
+printf 'name = good\ntensor = w:4\n' > "$confs/copied.conf"
 printf '#!/bin/sh\nshift 3\nexec "$@"\n' > "$stubs/runuser"
 chmod +x "$stubs/runuser"
 out=$(PATH="$stubs:$build/bin:$PATH" SHMPS_CONFIG_DIR="$confs" sh "$scratch/control/postinst" configure 2>&1) ||
@@ -153,4 +156,8 @@ printf '%s\n' "$out" | grep -qF "shmps: $confs/bad.conf does not pass this versi
   fail "postinst did not name the refused config: $out"
 printf '%s\n' "$out" | grep -qF "does not use init-seed" || fail "postinst did not show why: $out"
 printf '%s\n' "$out" | grep -qF "good.conf" && fail "postinst named a config that passes: $out"
-echo "ok: postinst names an instance config this version refuses"
+printf '%s\n' "$out" | grep -qF "shmps: $confs/copied.conf, as shmps@copied reads it:" ||
+  fail "postinst did not name copied.conf, whose name is another instance's: $out"
+printf '%s\n' "$out" | grep -qF "copied.conf line 1: key 'name' = good is not used: the command line's --name wins" ||
+  fail "postinst did not show copied.conf's overridden name: $out"
+echo "ok: postinst names an instance config this version refuses, and one whose name the instance's overrides"

@@ -12,6 +12,8 @@
 #                       restores its checkpoint, a reconnecting worker carries on
 #   stop                final checkpoint written, segment removed, exit 0
 #   journal             each checked line at its priority (info, warning, err)
+#   a copied config     job1.conf copied as job2.conf (name = job1) serves
+#                       job2 under shmps@job2, next to job1, with a warning
 # A drop-in shortens WatchdogSec to 3 s, so the restart takes seconds.
 # Usage: systemd_unit.sh <build dir> <shmps-service-worker binary>
 # Exit 77 (skipped, with the reason): not root, a tool missing, no Debian
@@ -297,6 +299,22 @@ if as_user bob shmps-service-worker attach job1 > "$scratch/bob.log" 2>&1 ||
   fail "bob (not in group shmps) was not refused with kPermission: $(cat "$scratch/bob.log")"
 fi
 step "segment live at once ($mode); alice attached: $(tail -n1 "$scratch/attach.log"); bob refused"
+
+# ---- a copy of job1.conf (name = job1) as shmps@job2: serves job2, job1 untouched ----
+job1_pid=$(ct systemctl show -p MainPID --value $unit)
+ct cp $conf /etc/shmps/job2.conf
+ct sed -i 's|^checkpoint-dir = .*|checkpoint-dir = /var/lib/shmps/job2|' /etc/shmps/job2.conf
+ct systemctl start shmps@job2 || fail "shmps@job2, from a copy of job1.conf, did not start: $(ct journalctl -u shmps@job2 --no-pager -n 20 -o cat)"
+ct test -e /dev/shm/shmps.job2 || fail "shmps@job2 does not serve /dev/shm/shmps.job2"
+[ "$(ct systemctl show -p MainPID --value $unit)" = "$job1_pid" ] || fail "job1's server changed under shmps@job2"
+ct shmps-inspect job1 | grep -E "^ *server +pid $job1_pid " > /dev/null || fail "job1's segment is not job1's server's: $(ct shmps-inspect job1)"
+ct journalctl -u shmps@job2 -p warning..warning -o cat --no-pager |
+  grep -F "config file /etc/shmps/job2.conf line $(ct grep -n '^name = ' /etc/shmps/job2.conf | cut -d: -f1): key 'name' = job1 is not used: the command line's --name wins" > /dev/null ||
+  fail "no warning of job2.conf's name: $(ct journalctl -u shmps@job2 --no-pager -o cat)"
+! journal -p warning..warning -o cat | grep -F "key 'name'" > /dev/null || fail "job1, whose file sets its own name, warns of it"
+ct systemctl stop shmps@job2
+ct rm /etc/shmps/job2.conf
+step "a copy of job1.conf started as shmps@job2 served job2 (name overridden, warned of); job1 untouched"
 
 # ---- status: the server's STATUS= line ----
 status_out=$(ct systemctl status --no-pager $unit || true)
