@@ -136,8 +136,13 @@ printf '#!/bin/sh\nexit 2\n' > "$stubs/getent"   # no such user or group
 chmod +x "$stubs"/*
 PATH="$stubs:$PATH" sh "$scratch/control/postinst" configure || fail "postinst configure exited $?"
 grep -q '^adduser --system --group .*shmps$' "$scratch/calls" || fail "postinst did not create the system user: $(cat "$scratch/calls")"
-grep -q '^install -d -m 0755 /etc/shmps$' "$scratch/calls" || fail "postinst did not create /etc/shmps: $(cat "$scratch/calls")"
-echo "ok: postinst creates the system user shmps and /etc/shmps"
+# Each folder only where it is missing (an existing one keeps its mode:
+# systemd_unit.sh checks that on a real install).
+[ -d /etc/shmps ] || grep -q '^install -d -m 0755 /etc/shmps$' "$scratch/calls" ||
+  fail "postinst did not create /etc/shmps: $(cat "$scratch/calls")"
+[ -d /var/lib/shmps ] || grep -q '^install -d -m 0750 -o shmps -g shmps /var/lib/shmps$' "$scratch/calls" ||
+  fail "postinst did not create /var/lib/shmps: $(cat "$scratch/calls")"
+echo "ok: postinst creates the system user shmps, /etc/shmps and /var/lib/shmps"
 # It checks each instance's config with this version's shmps-server (as
 # the service user: runuser, stubbed to run the command as is) and names
 # one it refuses; with the unit's --name <instance>, so that a copy of

@@ -12,8 +12,13 @@
 #                       restores its checkpoint, a reconnecting worker carries on
 #   stop                final checkpoint written, segment removed, exit 0
 #   journal             each checked line at its priority (info, warning, err)
+# and the package's maintainer scripts and its unit around them:
+#   install             a config written before it (checkpoint-dir under
+#                       /var/lib/shmps) passes the postinst's check, and
+#                       `--check-config` as user shmps passes before the first start
 #   a copied config     job1.conf copied as job2.conf (name = job1) serves
 #                       job2 under shmps@job2, next to job1, with a warning
+#   reinstall           the postinst keeps /etc/shmps's mode
 # A drop-in shortens WatchdogSec to 3 s, so the restart takes seconds.
 # Usage: systemd_unit.sh <build dir> <shmps-service-worker binary>
 # Exit 77 (skipped, with the reason): not root, a tool missing, no Debian
@@ -254,7 +259,17 @@ fi
 step "booted: PID 1 is $ct_pid1 on the host, $(ct systemctl --version | sed -n 1p)"
 
 # ---- install, users, the config ----
+# A config written before the install (configuration management), its
+# checkpoint-dir under the StateDirectory that no start has created yet:
+# the postinst's check, as user shmps, must pass it.
+ct mkdir /etc/shmps
+ct sh -c 'printf "name = pre\ntensor = w:4\ncheckpoint-dir = /var/lib/shmps/pre\n" > /etc/shmps/pre.conf'
 ct dpkg -i "/srv/shmps-test/$(basename "$deb")" > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; fail "dpkg -i"; }
+! grep '^shmps: ' "$scratch/dpkg.log" ||
+  fail "the postinst reported a config written before the install: $(cat "$scratch/dpkg.log")"
+state_dir=$(ct stat -c '%A %U %G' /var/lib/shmps)
+[ "$state_dir" = "drwxr-x--- shmps shmps" ] || fail "/var/lib/shmps after the install: '$state_dir'"
+ct rm /etc/shmps/pre.conf
 uid=$(ct getent passwd shmps | cut -d: -f3)
 [ -n "$uid" ] && [ "$uid" -lt 1000 ] || fail "the package did not create a system user shmps: uid '$uid'"
 ct install -m 0755 "/srv/shmps-test/$(basename "$worker_bin")" /usr/local/bin/shmps-service-worker
@@ -278,6 +293,9 @@ for line in 'name = job1' 'lr = 0.001' 'group-access = true' 'checkpoint-dir = /
   ct grep -qxF "$line" $conf || fail "job1.conf from the example lacks '$line' (the example changed?)"
 done
 ct shmps-server --config $conf --check-config > /dev/null || fail "--check-config refused job1.conf"
+# As docs/operations.md advises, with the service's permissions, before the first start.
+as_user shmps shmps-server --config $conf --check-config > /dev/null 2> "$scratch/check.log" ||
+  fail "--check-config as user shmps refused job1.conf before the first start: $(cat "$scratch/check.log")"
 ct mkdir -p /etc/systemd/system/$unit.service.d
 ct cp /srv/shmps-test/watchdog.conf /etc/systemd/system/$unit.service.d/test-watchdog.conf
 ct systemctl daemon-reload
@@ -315,6 +333,15 @@ ct journalctl -u shmps@job2 -p warning..warning -o cat --no-pager |
 ct systemctl stop shmps@job2
 ct rm /etc/shmps/job2.conf
 step "a copy of job1.conf started as shmps@job2 served job2 (name overridden, warned of); job1 untouched"
+
+# ---- reinstall: /etc/shmps keeps its owner and mode ----
+# An admin's choice the package must keep: the configs readable by the service only.
+ct chgrp shmps /etc/shmps
+ct chmod 0750 /etc/shmps
+ct dpkg -i "/srv/shmps-test/$(basename "$deb")" > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; fail "dpkg -i (reinstall)"; }
+[ "$(ct stat -c '%a %U %G' /etc/shmps)" = "750 root shmps" ] ||
+  fail "the reinstall changed /etc/shmps to $(ct stat -c '%a %U %G' /etc/shmps)"
+step "reinstall: /etc/shmps kept 0750 root:shmps"
 
 # ---- status: the server's STATUS= line ----
 status_out=$(ct systemctl status --no-pager $unit || true)
