@@ -18,7 +18,9 @@
 #                       `--check-config` as user shmps passes before the first start
 #   a copied config     job1.conf copied as job2.conf (name = job1) serves
 #                       job2 under shmps@job2, next to job1, with a warning
-#   reinstall           the postinst keeps /etc/shmps's mode
+#   reinstall, upgrade  the postinst keeps /etc/shmps's mode, names the running
+#                       instances (an activating one too), the version they
+#                       still run only on an upgrade, and what a restart does
 # A drop-in shortens WatchdogSec to 3 s, so the restart takes seconds.
 # Usage: systemd_unit.sh <build dir> <shmps-service-worker binary>
 # Exit 77 (skipped, with the reason): not root, a tool missing, no Debian
@@ -179,6 +181,16 @@ done
 deb=${debs[0]}
 cp "$deb" "$worker_bin" "$share/"
 printf '[Service]\nWatchdogSec=3s\n' > "$share/watchdog.conf"
+# The same package as a later version, for the upgrade's postinst.
+version=$(dpkg-deb -f "$deb" Version)
+next_version=$version+next
+dpkg-deb -R "$deb" "$scratch/next"
+sed -i "s/^Version: .*/Version: $next_version/" "$scratch/next/DEBIAN/control"
+dpkg-deb -b "$scratch/next" "$share/next.deb" > /dev/null
+rm -rf "$scratch/next"
+# An instance that stays activating with its process running (a server
+# still restoring a large checkpoint): never READY=1.
+printf '[Service]\nExecStart=\nExecStart=/bin/sleep 120\n' > "$share/activating.conf"
 
 # ---- the root: systemd plus the package's dependencies (first alternatives) ----
 packages=$( { echo systemd; echo systemd-sysv; echo dbus
@@ -334,14 +346,35 @@ ct systemctl stop shmps@job2
 ct rm /etc/shmps/job2.conf
 step "a copy of job1.conf started as shmps@job2 served job2 (name overridden, warned of); job1 untouched"
 
-# ---- reinstall: /etc/shmps keeps its owner and mode ----
+# ---- reinstall, upgrade: /etc/shmps keeps its mode; the running instances named ----
 # An admin's choice the package must keep: the configs readable by the service only.
 ct chgrp shmps /etc/shmps
 ct chmod 0750 /etc/shmps
+ct mkdir -p /etc/systemd/system/shmps@slow.service.d
+ct cp /srv/shmps-test/activating.conf /etc/systemd/system/shmps@slow.service.d/activating.conf
+ct systemctl daemon-reload
+ct systemctl start --no-block shmps@slow
+slow_activating() { [ "$(ct systemctl is-active shmps@slow || true)" = activating ]; }
+wait_for 10 "shmps@slow is not activating" slow_activating
 ct dpkg -i "/srv/shmps-test/$(basename "$deb")" > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; fail "dpkg -i (reinstall)"; }
 [ "$(ct stat -c '%a %U %G' /etc/shmps)" = "750 root shmps" ] ||
   fail "the reinstall changed /etc/shmps to $(ct stat -c '%a %U %G' /etc/shmps)"
-step "reinstall: /etc/shmps kept 0750 root:shmps"
+for line in "shmps: not restarted (running as before this install):" \
+            "  $unit.service: checkpoint-dir /var/lib/shmps/job1: a restart writes a final checkpoint there and the new server resumes from it" \
+            "  shmps@slow.service: no checkpoint-dir: a restart starts it again from its initial weights (its trained weights are lost)"; do
+  grep -qxF -- "$line" "$scratch/dpkg.log" || fail "the reinstall's postinst did not print '$line': $(cat "$scratch/dpkg.log")"
+done
+! grep -E 'version|drops' "$scratch/dpkg.log" || fail "the reinstall's postinst speaks of another version"
+ct dpkg -i /srv/shmps-test/next.deb > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; fail "dpkg -i (upgrade)"; }
+grep -qF "shmps: not restarted, still running version $version until each is restarted" "$scratch/dpkg.log" ||
+  fail "the upgrade's postinst did not name the version still running: $(cat "$scratch/dpkg.log")"
+grep -qxF "  $unit.service: checkpoint-dir /var/lib/shmps/job1: a restart writes a final checkpoint there and the new server resumes from it" \
+  "$scratch/dpkg.log" || fail "the upgrade's postinst did not name $unit: $(cat "$scratch/dpkg.log")"
+[ "$(ct systemctl show -p MainPID --value $unit)" = "$job1_pid" ] || fail "the reinstall or upgrade restarted $unit"
+ct systemctl stop shmps@slow
+ct rm -r /etc/systemd/system/shmps@slow.service.d
+ct systemctl daemon-reload
+step "reinstall and upgrade to $next_version: /etc/shmps kept 0750 root:shmps; job1 and the activating shmps@slow named, not restarted"
 
 # ---- status: the server's STATUS= line ----
 status_out=$(ct systemctl status --no-pager $unit || true)
