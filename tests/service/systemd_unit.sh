@@ -21,6 +21,9 @@
 #   reinstall, upgrade  the postinst keeps /etc/shmps's mode, names the running
 #                       instances (an activating one too), the version they
 #                       still run only on an upgrade, and what a restart does
+#   remove, purge       remove keeps the instance enabled; purge disables it
+#                       (its links go, an admin's own shmps@ link stays), keeps
+#                       the config and the checkpoints; a reinstall enables nothing
 # A drop-in shortens WatchdogSec to 3 s, so the restart takes seconds.
 # Usage: systemd_unit.sh <build dir> <shmps-service-worker binary>
 # Exit 77 (skipped, with the reason): not root, a tool missing, no Debian
@@ -451,4 +454,22 @@ wait_for 10 "no 'stopped: version' at info" journal_has info 'stopped: version '
 ct ls /var/lib/shmps/job1 | grep -E "(^|[^0-9])0*$final([^0-9]|$)" > /dev/null ||
   fail "no checkpoint file of version $final: $(ct ls /var/lib/shmps/job1)"
 step "stopped: final checkpoint written: version $final; segment removed"
+
+# ---- remove keeps the instance enabled; purge disables it, keeps config and checkpoints ----
+link=/etc/systemd/system/multi-user.target.wants/$unit.service
+own=/etc/systemd/system/multi-user.target.wants/shmps@own.service   # an admin's own unit, not the template's
+ct ln -s /etc/systemd/system/shmps@own.service $own
+ct dpkg -r shmps > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; fail "dpkg -r"; }
+ct test -L $link || fail "dpkg -r removed $link (remove keeps the configuration)"
+ct dpkg --purge shmps > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; fail "dpkg --purge"; }
+! ct test -L $link || fail "dpkg --purge left $link -> $(ct readlink $link)"
+ct test -L $own || fail "dpkg --purge removed $own, a link to no unit of the package"
+ct test -f $conf || fail "dpkg --purge removed $conf"
+ct ls /var/lib/shmps/job1 | grep . > /dev/null || fail "dpkg --purge removed the checkpoints in /var/lib/shmps/job1"
+ct getent passwd shmps > /dev/null || fail "dpkg --purge removed the user shmps"
+ct rm $own
+ct dpkg -i /srv/shmps-test/next.deb > "$scratch/dpkg.log" 2>&1 || { cat "$scratch/dpkg.log"; fail "dpkg -i after the purge"; }
+enabled=$(ct systemctl is-enabled $unit || true)
+[ "$enabled" = disabled ] || fail "after purge and reinstall, $unit is '$enabled'"
+step "remove kept $unit enabled; purge disabled it (kept $conf, the checkpoints, the user); reinstalled: $enabled"
 echo "ok: shmps@.service under systemd $(ct systemctl --version | sed -n '1s/^systemd \([0-9]*\).*/\1/p'), in $((SECONDS - t0)) s"
