@@ -20,8 +20,8 @@ fail() { echo "FAIL: $*"; exit 1; }
 prefix=$scratch/prefix
 cmake --install "$build" --prefix "$prefix" >/dev/null
 for f in bin/shmps-server bin/shmps-inspect include/shmps/worker.hpp include/shmps/status.hpp share/man/man1/shmps-server.1.gz \
-         lib/systemd/system/shmps@.service share/doc/shmps/examples/shmps.conf.example \
-         share/doc/shmps/examples/federation.conf share/doc/shmps/operations.md; do
+         lib/systemd/system/shmps@.service share/shmps/shmps.conf.example \
+         share/shmps/federation.conf share/doc/shmps/operations.md; do
   [ -e "$prefix/$f" ] || fail "cmake --install: $f missing"
 done
 ls "$prefix"/lib*/cmake/shmps/shmpsConfig.cmake >/dev/null 2>&1 || fail "cmake --install: shmpsConfig.cmake missing"
@@ -49,7 +49,7 @@ echo "ok: $(basename "$deb") $(basename "$dev") $(basename "$dbgsym")"
 contents() { dpkg-deb -c "$1" | awk '{print $NF}'; }
 contents "$deb" > "$scratch/contents"
 for f in ./usr/bin/shmps-server ./usr/bin/shmps-inspect ./usr/lib/systemd/system/shmps@.service \
-         ./usr/share/doc/shmps/examples/shmps.conf.example ./usr/share/doc/shmps/examples/federation.conf \
+         ./usr/share/shmps/shmps.conf.example ./usr/share/shmps/federation.conf \
          ./usr/share/doc/shmps/operations.md \
          ./usr/share/doc/shmps/copyright ./usr/share/doc/shmps/changelog.Debian.gz; do
   grep -qxF "$f" "$scratch/contents" || fail "shmps lacks $f"
@@ -87,6 +87,23 @@ for engine in mpi gloo; do
   grep -q '^shmps (= ' <<<"$(dpkg-deb -f "$pkg" Depends)" || fail "shmps-$engine does not depend on shmps"
   echo "ok: shmps-$engine ($(dpkg-deb -f "$pkg" Depends))"
 done
+# The steps of README.md and docs/operations.md copy the example from the
+# package, outside /usr/share/doc (minimal images' path-exclude drops it).
+docs="$(dirname "$0")/../../README.md $(dirname "$0")/../../docs/operations.md"
+for path in $(grep -ho '/usr/share/[^ ]*shmps\.conf\.example' $docs | sort -u); do
+  grep -qxF ".$path" "$scratch/contents" || fail "the docs copy $path, which shmps does not install"
+  case $path in /usr/share/doc/*) fail "the docs copy $path, which minimal images drop" ;; esac
+done
+# docs/operations.md's table says what shmps-dev holds: every header, static
+# library and CMake target it installs.
+dev_row=$(grep '^| `shmps-dev` |' "$(dirname "$0")/../../docs/operations.md")
+dev_targets=$(dpkg-deb --fsys-tarfile "$dev" | tar -xO --wildcards './usr/lib*/cmake/shmps/shmpsTargets.cmake' |
+              sed -n 's/^add_library(\(shmps::[a-z_]*\) .*/\1/p')
+[ -n "$dev_targets" ] || fail "no targets in shmps-dev's shmpsTargets.cmake"
+for item in $(grep -o 'shmps/[a-z_]*\.hpp$\|lib[a-z_]*\.a$' "$scratch/dev-contents") $dev_targets; do
+  grep -qF "\`$item\`" <<<"$dev_row" || fail "docs/operations.md's shmps-dev row does not name $item"
+done
+echo "ok: the docs' example path is in shmps, outside /usr/share/doc; the shmps-dev row names $(tr '\n' ' ' <<<"$dev_targets")and every header and library"
 [ "$(dpkg-deb -f "$deb" Package)" = shmps ] || fail "package name is not shmps"
 [ "$(dpkg-deb -f "$dev" Package)" = shmps-dev ] || fail "package name is not shmps-dev"
 echo "ok: contents and Depends ($depends)"

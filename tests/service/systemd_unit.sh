@@ -299,7 +299,7 @@ ct useradd --no-create-home --groups shmps alice
 ct useradd --no-create-home bob
 
 # As README.md: the example, a small model, checkpoints under the StateDirectory.
-ct cp /usr/share/doc/shmps/examples/shmps.conf.example $conf
+ct cp /usr/share/shmps/shmps.conf.example $conf
 ct sed -i -e '/^tensor = /d' -e 's/^name = .*/name = job1/' \
   -e 's|^# checkpoint-dir = .*|checkpoint-dir = /var/lib/shmps/job1|' \
   -e 's/^# checkpoint-every = .*/checkpoint-every = 500/' -e '$a tensor = w:64x64\ntensor = b:64' $conf
