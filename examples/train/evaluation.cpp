@@ -89,7 +89,7 @@ void Curve::score(const Snapshot& s) {
 bool csv_writable(const std::string& path) {
   if (path.empty()) return true;
   struct stat st {};
-  const bool existed = ::stat(path.c_str(), &st) == 0;
+  const bool existed = ::lstat(path.c_str(), &st) == 0;  // a dangling link too: never unlinked below
   // O_APPEND: an existing file keeps its rows until write_csv() replaces it.
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0666);
   if (fd < 0) {

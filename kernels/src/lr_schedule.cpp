@@ -9,6 +9,11 @@
 namespace shmps::kernels {
 namespace {
 
+// The least magnitude fp32 rounds to infinity: FLT_MAX + half its ulp.
+// Below it a number rounds to at most FLT_MAX (3.4028235e+38, just above
+// FLT_MAX as a double, is FLT_MAX in fp32).
+constexpr double kFp32Overflow = 0x1.ffffffp+127;
+
 std::vector<std::string_view> split(std::string_view text, char sep) {
   std::vector<std::string_view> out;
   for (;;) {
@@ -74,19 +79,19 @@ Result<LrPhase> parse_phase(std::string_view text) {
       return usage("step:SIZE:GAMMA (an integer, a number)");
     if (p.length < 1) return usage("step:SIZE:GAMMA with SIZE at least 1");
     if (p.gamma <= 0) return usage("step:SIZE:GAMMA with GAMMA > 0");
-    if (p.gamma > FLT_MAX) return past_fp32(f[2]);
+    if (p.gamma >= kFp32Overflow) return past_fp32(f[2]);
   } else if (kind == "exponential") {
     p.kind = LrPhaseKind::kExponential;
     if (args != 1 || !parse_number(f[1], &p.gamma)) return usage("exponential:GAMMA (a number)");
     if (p.gamma <= 0) return usage("exponential:GAMMA with GAMMA > 0");
-    if (p.gamma > FLT_MAX) return past_fp32(f[1]);
+    if (p.gamma >= kFp32Overflow) return past_fp32(f[1]);
   } else if (kind == "cosine") {
     p.kind = LrPhaseKind::kCosine;
     if ((args != 1 && args != 2) || !parse_count(f[1], &p.length) || (args == 2 && !parse_number(f[2], &p.eta_min)))
       return usage("cosine:T_MAX[:ETA_MIN] (an integer, a number)");
     if (p.length < 1) return usage("cosine:T_MAX with T_MAX at least 1");
     if (p.eta_min < 0) return usage("cosine:T_MAX:ETA_MIN with ETA_MIN >= 0");
-    if (p.eta_min > FLT_MAX) return past_fp32(f[2]);
+    if (p.eta_min >= kFp32Overflow) return past_fp32(f[2]);
   } else if (kind == "linear") {
     p.kind = LrPhaseKind::kLinear;
     if (args != 3 || !parse_number(f[1], &p.start_factor) || !parse_number(f[2], &p.end_factor) ||

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <optional>
+#include <vector>
 
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/server/log.hpp"
@@ -38,26 +39,37 @@ bool CheckpointPolicy::snapshot(CheckpointData* out) const {
 Status CheckpointPolicy::start(uint64_t now) {
   // Refused now rather than at every checkpoint and at stop.
   if (Status s = check_checkpoint_dir(config_.checkpoint_dir); !s.ok()) return s;
+  // The directory is the server's alone: the directories it creates
+  // (the checkpoint directory and missing parents) are made 0700, whatever
+  // the umask (the unit's UMask=0007, for the segment's group access, would
+  // make them writable by the workers' group, who could then delete, hide
+  // or plant checkpoints, or move the directory away). Existing ones are
+  // the operator's to change: a warning when the group or others may write
+  // the directory, or its parent unless sticky (where only an entry's
+  // owner may move it). A file of another user is never restored
+  // (read_checkpoint()).
+  namespace fs = std::filesystem;
   std::error_code ec;
-  const bool existed = std::filesystem::exists(config_.checkpoint_dir, ec);
-  std::filesystem::create_directories(config_.checkpoint_dir, ec);
-  if (ec) return Status{ErrorCode::kIo, "--checkpoint-dir " + config_.checkpoint_dir + ": " + ec.message()};
-  // The directory is the server's alone: one it creates is made 0700 (the
-  // umask, such as the unit's UMask=0007 for the segment's group access,
-  // left it writable by the workers' group: they could delete, hide or
-  // plant checkpoints). An existing one is the operator's to change: a
-  // warning when others may write it (not sticky). A file of another user
-  // is never restored (read_checkpoint()).
-  if (!existed) {
-    if (::chmod(config_.checkpoint_dir.c_str(), 0700) != 0)
-      log::warn("--checkpoint-dir " + config_.checkpoint_dir + ": chmod 0700: " + std::strerror(errno));
-  } else if (struct stat st{}; ::stat(config_.checkpoint_dir.c_str(), &st) == 0 && (st.st_mode & 022) != 0 &&
-                               (st.st_mode & S_ISVTX) == 0) {
+  std::vector<fs::path> missing;
+  for (fs::path p = fs::absolute(config_.checkpoint_dir, ec); !ec && !p.empty() && !fs::exists(p, ec);
+       p = p.parent_path()) {
+    missing.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it)
+    if (::mkdir(it->c_str(), 0700) != 0 && errno != EEXIST)
+      return Status{ErrorCode::kIo, "--checkpoint-dir " + config_.checkpoint_dir + ": mkdir " + it->string() + ": " +
+                                        std::strerror(errno)};
+  const fs::path dir = fs::absolute(config_.checkpoint_dir, ec);
+  for (const fs::path& p : {dir, dir.parent_path()}) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0 || (st.st_mode & 022) == 0 || (p != dir && (st.st_mode & S_ISVTX) != 0)) continue;
     char mode[8];
     std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
-    log::warn("--checkpoint-dir " + config_.checkpoint_dir + " (mode " + mode +
-              ") can be written by its group or others, who could delete or rename this server's checkpoints "
-              "(files of another user are never restored): chmod go-w it");
+    log::warn("--checkpoint-dir " + config_.checkpoint_dir + ": " + p.string() + " (mode " + mode +
+              ") can be written by its group or others, who could delete, rename or plant files there (a planted "
+              "file is never restored, but a checkpoint of its name cannot be written), or move the checkpoints "
+              "away: chmod go-w it");
   }
   // Before anything in the directory is touched: another server's writer
   // may be writing there.

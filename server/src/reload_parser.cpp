@@ -18,7 +18,12 @@ ReloadParser::ReloadParser(Source source, std::function<void()> parsed)
   sigemptyset(&signals);
   for (const int signo : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&signals, signo);
   ::pthread_sigmask(SIG_BLOCK, &signals, &previous);
-  thread_ = std::thread([this] { loop(); });
+  try {
+    thread_ = std::thread([this] { loop(); });
+  } catch (...) {
+    ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+    throw;
+  }
   ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
 }
 

@@ -1,7 +1,7 @@
 // A reload's parse, off the consumer thread. Reading and checking the
 // configuration again (the command line and its --config file) takes
-// about 11 us per tensor line, tens of milliseconds for a large model's
-// file: done on the consumer thread, every worker would wait that long.
+// tens of milliseconds for a large model's file (docs/operations.md):
+// done on the consumer thread, every worker would wait that long.
 // ReloadParser runs the parse on a thread of its own ("shmps-reload"); the
 // consumer starts it and later takes the result, to apply between two
 // requests (apply_live()). One parse at a time: a reload asked for while
@@ -28,7 +28,9 @@ class ReloadParser {
   // `parsed` runs on the parser's thread after each parse, once its
   // result can be taken (it wakes the consumer). The thread starts with
   // SIGINT, SIGTERM and SIGHUP blocked, so that they reach the thread
-  // that handles them and never interrupt the parse's reads.
+  // that handles them and never interrupt the parse's reads. Throws
+  // std::system_error when the thread cannot be started (the caller's
+  // signal mask is as it was).
   ReloadParser(Source source, std::function<void()> parsed);
   // Waits for a parse in progress.
   ~ReloadParser();

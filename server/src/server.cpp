@@ -17,6 +17,7 @@
 #include <cstring>
 #include <optional>
 #include <random>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -171,9 +172,16 @@ class Server::Impl {
   Status run(const RunOptions& options) {
     run_options = options;
     // The parser's thread wakes the consumer once a result can be taken.
-    if (run_options.reload)
-      reload_parser = std::make_unique<ReloadParser>(run_options.reload,
-                                                     [wake = &segment->header().server_wake] { shm::notify(*wake); });
+    // Without the thread (a task limit reached) the server serves on, and
+    // reloads are refused as without a source.
+    if (run_options.reload) {
+      try {
+        reload_parser = std::make_unique<ReloadParser>(run_options.reload,
+                                                       [wake = &segment->header().server_wake] { shm::notify(*wake); });
+      } catch (const std::system_error& e) {
+        log::error(std::string("reloads are off: their thread cannot start: ") + e.what());
+      }
+    }
     notifier = options.notify_service_manager ? ServiceNotifier::from_environment() : ServiceNotifier{};
     const auto spin_ns = uint64_t{config.idle_spin_us} * 1000;
     uint64_t idle_since = 0;

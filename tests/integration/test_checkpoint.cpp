@@ -374,20 +374,23 @@ BOOST_AUTO_TEST_CASE(a_checkpoint_directory_moved_away_under_the_server_is_not_w
   BOOST_TEST((checkpoint_files(moved) == std::vector<std::string>{ckpt_name(2)}));
 }
 
-// The checkpoint directory is the server's alone: one it creates is 0700
-// whatever the umask (the unit's UMask=0007 left it writable by the
-// workers' group, who could delete or plant checkpoints); an existing one
-// others may write is warned of; a file of another user is not restored.
+// The checkpoint directory is the server's alone: the directories it
+// creates are 0700 whatever the umask (the unit's UMask=0007 would make
+// them writable by the workers' group, who could delete or plant
+// checkpoints); an existing one others may write is warned of; a file of
+// another user is not restored.
 BOOST_AUTO_TEST_CASE(checkpoints_are_the_servers_alone) {
   test::TempDir dir("ckpt");
-  const fs::path d = dir.path / "new";
+  const fs::path d = dir.path / "new" / "job";  // both made by the server
   const std::string name = test::unique_name("own");
   const mode_t umask_before = ::umask(0007);
   run_steps(name, adam_args(d), 0, 2);
   ::umask(umask_before);
-  struct stat st {};
-  BOOST_REQUIRE(::stat(d.c_str(), &st) == 0);
-  BOOST_TEST((st.st_mode & 07777) == 0700u);
+  for (const fs::path& made : {d, d.parent_path()}) {
+    struct stat st {};
+    BOOST_REQUIRE(::stat(made.c_str(), &st) == 0);
+    BOOST_TEST((st.st_mode & 07777) == 0700u, made);
+  }
   BOOST_REQUIRE(fs::exists(d / ckpt_name(2)));
 
   BOOST_REQUIRE(::chmod(d.c_str(), 0770) == 0);

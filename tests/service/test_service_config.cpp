@@ -830,6 +830,11 @@ BOOST_AUTO_TEST_CASE(float_values_past_or_rounded_by_fp32_are_refused_as_written
         contains(file_error(kHead + key + " = " + value + "\n"), "line 3: key '" + key + "': " + range + value + "'"));
   }
   BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--lr", "3e38"}).ok());  // finite fp32
+  // The bound as the message writes it reads as a double just above
+  // FLT_MAX, and is FLT_MAX in fp32: taken.
+  BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--lr", "3.4028235e+38"}).ok());
+  BOOST_TEST(
+      test::parse_server_args({"--name", "j", "--tensor", "w:4", "--lr-schedule", "exponential:3.4028235e+38"}).ok());
   BOOST_TEST(refusal({"--lr-schedule", "cosine:10:1e300"}) ==
              "--lr-schedule: 'cosine:10:1e300': 1e300 is past the fp32 range (at most 3.4028235e+38)");
   BOOST_TEST(contains(file_error(kHead + "lr-schedule = linear:0.1:1:5,step:2:1e39\n"),

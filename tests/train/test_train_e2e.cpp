@@ -445,7 +445,7 @@ BOOST_FIXTURE_TEST_CASE(a_signal_while_the_server_is_gone_stops_at_once, TrainRu
   server->process().kill_and_reap();
   std::this_thread::sleep_for(1s);  // the workers and the parent wait for a successor
   p.signal(SIGTERM);
-  rc = p.wait(3s);
+  rc = p.wait(7s);  // before the 10 s reconnect timeout would end it
   output = shmps::test::read_file(out);
   BOOST_TEST(rc == 128 + SIGTERM, output);
   BOOST_TEST(output.find("shmps-train: stopped by signal 15") != std::string::npos, output);

@@ -63,7 +63,10 @@ inline bool beyond_fp32(const boost::program_options::option_description& d, con
       value.find_first_not_of(" \t", static_cast<size_t>(end - value.c_str())) != std::string::npos)
     return false;
   // ERANGE with an infinite result: a finite text past double's range too.
-  return (std::isfinite(v) || errno == ERANGE) && std::fabs(v) > FLT_MAX;
+  // From FLT_MAX + half its ulp (0x1.ffffffp+127) on, fp32 rounds to
+  // infinity; below, to FLT_MAX (3.4028235e+38 reads as a double just above
+  // FLT_MAX, and is FLT_MAX in fp32).
+  return (std::isfinite(v) || errno == ERANGE) && std::fabs(v) >= 0x1.ffffffp+127;
 }
 
 // Call before po::store(): throws boost::program_options::error

@@ -27,11 +27,14 @@ struct RunOptions {
   // WatchdogSec, RELOADING=1 / READY=1 around a reload, STOPPING=1 when
   // the shutdown begins.
   bool notify_service_manager = false;
-  // Called on the consumer thread after request_reload(): the configuration
-  // to switch to. What can change live is applied (lr, lr_schedule,
-  // max_staleness, staleness_policy, apply_threads, log level) and logged
-  // old -> new; any other difference is logged as needing a restart. An
-  // error is logged and the running configuration kept.
+  // Called after request_reload() on a thread of run()'s own
+  // ("shmps-reload"), one call at a time, while the server serves: the
+  // configuration to switch to. It must not call the Server but for
+  // request_stop() and request_reload(). The consumer thread then applies
+  // it between two requests: what can change live (lr, lr_schedule,
+  // max_staleness, staleness_policy, apply_threads, log level) is applied
+  // and logged old -> new; any other difference is logged as needing a
+  // restart. An error is logged and the running configuration kept.
   // Empty: a reload request is logged and ignored.
   std::function<Result<ServerConfig>()> reload;
 };
