@@ -604,7 +604,11 @@ Status CheckpointDirLock::still_held() const {
 
 CheckpointWriter::CheckpointWriter(std::string dir, uint32_t keep, std::optional<uint64_t> on_disk,
                                    const CheckpointDirLock& lock)
-    : dir_(std::move(dir)), keep_(keep), lock_(lock), last_written_(on_disk), thread_([this] { loop(); }) {}
+    : dir_(std::move(dir)),
+      keep_(keep),
+      lock_(lock),
+      last_written_(on_disk),
+      thread_(start_helper_thread([this] { loop(); })) {}
 
 CheckpointWriter::~CheckpointWriter() {
   {

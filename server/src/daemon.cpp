@@ -16,6 +16,7 @@
 #include "shmps/server/log.hpp"
 #include "shmps/server/options.hpp"
 #include "shmps/server/server.hpp"
+#include "threads.hpp"
 
 namespace shmps::server {
 namespace {
@@ -51,13 +52,8 @@ class ParentWatch {
  public:
   ParentWatch(Server& server, uint32_t parent_pid) {
     if (parent_pid == 0) return;
-    // The stop and reload signals go to the thread that handles them: the
-    // new thread starts with them blocked (it inherits this mask).
-    sigset_t signals, previous;
-    sigemptyset(&signals);
-    for (const int signo : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&signals, signo);
-    ::pthread_sigmask(SIG_BLOCK, &signals, &previous);
-    thread_ = std::thread([this, &server, parent_pid] {
+    // The stop and reload signals go to the thread that handles them.
+    thread_ = start_helper_thread([this, &server, parent_pid] {
       std::unique_lock lock(mu_);
       while (!done_) {
         if (static_cast<uint32_t>(::getppid()) != parent_pid) {
@@ -68,7 +64,6 @@ class ParentWatch {
         wake_.wait_for(lock, std::chrono::milliseconds(100));
       }
     });
-    ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
   }
   ~ParentWatch() {
     if (!thread_.joinable()) return;

@@ -253,10 +253,10 @@ class GlooEngine final : public FederationEngine {
       attr.ai_family = AF_UNSPEC;
       // The device starts its I/O thread, which wakes at every message of
       // a collective: created from a thread placed, scheduled and named as
-      // it should be (lower_io_thread_priority), it inherits all three
-      // (the federation thread sets its own).
+      // it should be (lower_io_thread_priority), with the server's signals
+      // blocked, it inherits all four (the federation thread sets its own).
       std::exception_ptr failed;
-      std::thread([&] {
+      start_helper_thread([&] {
         // A failure (seccomp, RLIMIT_NICE, no listed CPU usable) leaves
         // the I/O thread scheduled as the federation thread is, or
         // unlowered, or where the server runs: collectives may stall for

@@ -34,7 +34,7 @@ FederationLink::~FederationLink() {
 
 void FederationLink::start(uint64_t version) {
   last_snapshot_version_ = merged_version_ = version;
-  thread_ = std::thread([this] { thread_main(); });
+  thread_ = start_helper_thread([this] { thread_main(); });
 }
 
 void FederationLink::set_phase(Phase p) {

@@ -1,8 +1,5 @@
 #include "reload_parser.hpp"
 
-#include <pthread.h>
-#include <signal.h>
-
 #include <exception>
 #include <string>
 #include <utility>
@@ -13,18 +10,7 @@ namespace shmps::server {
 
 ReloadParser::ReloadParser(Source source, std::function<void()> parsed)
     : source_(std::move(source)), parsed_(std::move(parsed)) {
-  // The new thread inherits this thread's mask: blocked there, restored here.
-  sigset_t signals, previous;
-  sigemptyset(&signals);
-  for (const int signo : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&signals, signo);
-  ::pthread_sigmask(SIG_BLOCK, &signals, &previous);
-  try {
-    thread_ = std::thread([this] { loop(); });
-  } catch (...) {
-    ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
-    throw;
-  }
-  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  thread_ = start_helper_thread([this] { loop(); });
 }
 
 ReloadParser::~ReloadParser() {

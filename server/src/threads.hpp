@@ -10,6 +10,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -17,11 +18,37 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "shmps/server/federation.hpp"
 
 namespace shmps::server {
+
+// Starts a thread running `f` with SIGINT, SIGTERM and SIGHUP blocked in
+// it (a thread inherits its creator's mask: blocked around the start,
+// restored after, also when std::thread throws std::system_error). They
+// then reach the thread that handles them, and never interrupt a helper
+// thread's system calls (run_server() installs its handlers without
+// SA_RESTART). For every thread the server starts: the checkpoint writer,
+// the reload parser, the federation's threads, the parent watch; the
+// threads these start inherit the mask.
+template <class F>
+std::thread start_helper_thread(F&& f) {
+  sigset_t signals, previous;
+  sigemptyset(&signals);
+  for (const int signo : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&signals, signo);
+  ::pthread_sigmask(SIG_BLOCK, &signals, &previous);
+  try {
+    std::thread t(std::forward<F>(f));
+    ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+    return t;
+  } catch (...) {
+    ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+    throw;
+  }
+}
 
 // Names the calling thread as `top -H`, `ps -L`, perf and
 // /proc/PID/task/TID/comm show it (at most 15 characters), so that an

@@ -2010,6 +2010,15 @@ BOOST_AUTO_TEST_CASE(the_federation_thread_runs_on_its_cpus) {
              "no other thread moved");
 }
 
+// The federation thread blocks the stop and reload signals (the server's
+// helper threads all do: test_service_config).
+BOOST_AUTO_TEST_CASE(the_federation_thread_blocks_the_stop_and_reload_signals) {
+  TwoServers two(FederationConfig{}, FederationConfig{});
+  const std::vector<bool> blocked = test::stop_signals_blocked("shmps-fed");
+  BOOST_TEST(blocked.size() == 2u);
+  for (bool b : blocked) BOOST_TEST(b);
+}
+
 // An engine's I/O thread (Gloo's) is lowered as the federation thread is,
 // and then under SCHED_BATCH, unless that made it SCHED_IDLE: it never
 // preempts the federation thread as it wakes.

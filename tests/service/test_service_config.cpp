@@ -920,6 +920,31 @@ BOOST_AUTO_TEST_CASE(idle_spin_is_at_most_one_second) {
   BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--idle-spin-us", "1000000"}).ok());
 }
 
+// The threads the server starts block the stop and reload signals, so
+// that the signals reach the thread that handles them and never interrupt
+// a helper's system calls (the handlers are installed without
+// SA_RESTART). Here the calling thread blocks none of them, so the old
+// writer and parser threads, which inherited its mask, blocked none.
+BOOST_AUTO_TEST_CASE(the_servers_helper_threads_block_the_stop_and_reload_signals) {
+  test::TempDir dir("helpermask");
+  ServerConfig config = reload_config("helpermask");
+  config.checkpoint_dir = (dir.path / "ckpt").string();
+  std::unique_ptr<Server> server = create_server(config);
+  RunOptions options;
+  options.reload = [&]() -> Result<ServerConfig> { return config; };
+  Status ran = Status::Ok();
+  std::thread thread([&] { ran = server->run(options); });
+  for (const char* name : {"shmps-ckpt", "shmps-reload"}) {
+    BOOST_TEST_CONTEXT(name) {
+      BOOST_REQUIRE(test::eventually([&] { return test::stop_signals_blocked(name).size() == 1; }));
+      BOOST_TEST(test::stop_signals_blocked(name).front());
+    }
+  }
+  server->request_stop();
+  thread.join();
+  BOOST_TEST(ran.ok(), ran.to_string());
+}
+
 // A reload that raises the log level (warn -> info) logs the other
 // changes of the same reload too, though config_entries() puts log-level
 // last; one that lowers it (info -> warn) still logs its own lines.

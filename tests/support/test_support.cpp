@@ -105,6 +105,27 @@ std::string read_file(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
+std::vector<bool> stop_signals_blocked(const std::string& name) {
+  std::vector<bool> out;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(task.path() / "comm"), status(task.path() / "status");
+    std::string comm_name, line;
+    if (!std::getline(comm, comm_name) || comm_name != name) continue;
+    uint64_t blocked = 0;
+    bool read = false;
+    while (std::getline(status, line))
+      if (line.rfind("SigBlk:", 0) == 0) {
+        blocked = std::stoull(line.substr(7), nullptr, 16);
+        read = true;
+      }
+    if (!read) continue;  // a thread that just ended
+    const auto bit = [](int signo) { return uint64_t{1} << (signo - 1); };
+    const uint64_t want = bit(SIGINT) | bit(SIGTERM) | bit(SIGHUP);
+    out.push_back((blocked & want) == want);
+  }
+  return out;
+}
+
 StderrTo::StderrTo(const std::string& path) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) throw std::runtime_error("open " + path + ": " + std::strerror(errno));

@@ -84,6 +84,11 @@ Captured run_captured(const std::vector<std::string>& argv,
 // The whole file's bytes; empty when it cannot be read.
 std::string read_file(const std::string& path);
 
+// This process's threads named `name` (/proc/self/task/TID/comm): for
+// each, whether SIGINT, SIGTERM and SIGHUP are all blocked in it
+// (/proc/self/task/TID/status, SigBlk).
+std::vector<bool> stop_signals_blocked(const std::string& name);
+
 // While it lives, what this process writes to stderr (an in-process
 // server's log) goes to `path`, created or truncated. Throws
 // std::runtime_error when the file cannot be opened.
