@@ -112,9 +112,7 @@ int Trainer::run() {
 
   Result<ServerStats> end = eval_->stats();
   if (!end.ok()) {
-    if (stop_signal() != 0) return stopped_by_signal();
-    std::cerr << "shmps-train: stats: " << end.status().to_string() << "\n";
-    return kExitFailure;
+    return failed("stats", end.status());
   }
   curve.score_deferred();
   if (stop_signal() != 0) return stopped_by_signal();
@@ -196,9 +194,7 @@ int Trainer::attach(const std::string& server_name) {
   }
   Result<std::unique_ptr<Worker>> eval = connect_with_retry(server_name, server_.get(), std::chrono::seconds(10));
   if (!eval.ok()) {
-    if (stop_signal() != 0) return stopped_by_signal();
-    std::cerr << "shmps-train: connect to server '" << server_name << "': " << eval.status().to_string() << "\n";
-    return kExitFailure;
+    return failed("connect to server '" + server_name + "'", eval.status());
   }
   eval_ = std::move(*eval);
   if (server_ != nullptr) server_->release_init_file();
@@ -220,9 +216,7 @@ int Trainer::attach(const std::string& server_name) {
   if (server_ == nullptr) {
     Result<uint64_t> pulled = eval_->pull(kAllTensors, eval_buffer_.id, 0);
     if (!pulled.ok()) {
-      if (stop_signal() != 0) return stopped_by_signal();
-      std::cerr << "shmps-train: pull: " << pulled.status().to_string() << "\n";
-      return kExitFailure;
+      return failed("pull", pulled.status());
     }
     const auto* w = static_cast<const float*>(eval_buffer_.data);
     if (std::all_of(w, w + mlp_parameter_count(shape_), [](float x) { return x == 0.0f; })) {
@@ -235,9 +229,7 @@ int Trainer::attach(const std::string& server_name) {
   }
   Result<ServerStats> base = eval_->stats();
   if (!base.ok()) {
-    if (stop_signal() != 0) return stopped_by_signal();
-    std::cerr << "shmps-train: stats: " << base.status().to_string() << "\n";
-    return kExitFailure;
+    return failed("stats", base.status());
   }
   base_generation_ = eval_->generation();
   failures_generation_ = base_generation_;
@@ -299,9 +291,7 @@ int Trainer::watch(const EvalSchedule& schedule, Curve& curve) {
         (code == ErrorCode::kServerNotRunning && server_ != nullptr && server_->restartable()))
       continue;
     if (!stats.ok()) {
-      if (stop_signal() != 0) return stopped_by_signal();
-      std::cerr << "shmps-train: stats: " << stats.status().to_string() << "\n";
-      return kExitFailure;
+      return failed("stats", stats.status());
     }
     note_checkpoint_failures();
     const uint64_t progress = stats->version - base_version_;
@@ -327,6 +317,12 @@ bool Trainer::take(Curve& curve) {
 }
 
 int Trainer::failed() const { return stop_signal() != 0 ? stopped_by_signal() : kExitFailure; }
+
+int Trainer::failed(const std::string& what, const Status& s) const {
+  if (stop_signal() != 0) return stopped_by_signal();
+  std::cerr << "shmps-train: " << what << ": " << s.to_string() << "\n";
+  return kExitFailure;
+}
 
 // Stats and the weights of the running server, through the evaluation
 // worker.

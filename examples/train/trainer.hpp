@@ -44,6 +44,9 @@ class Trainer {
   // The exit code of a failure: stopped_by_signal()'s when a stop signal
   // came (it ends the evaluation worker's waits), else kExitFailure.
   int failed() const;
+  // The same for a call that failed with `s`: named on stderr ("shmps-train:
+  // <what>: <s>") unless a stop signal came (its waits end with an error).
+  int failed(const std::string& what, const Status& s) const;
   Result<Snapshot> pull_snapshot();
   bool counts_agree(const SharedSlots& slots, const ServerStats& end, uint64_t total) const;
   void note_checkpoint_failures();

@@ -101,6 +101,26 @@ ServerConfig reload_config(const std::string& tag) {
   return config;
 }
 
+// A worker of such a server: a gradient buffer of 1s, and a buffer to
+// pull the weights into.
+struct ReloadWorker {
+  explicit ReloadWorker(const std::string& name) {
+    WorkerOptions o;
+    o.name = name;
+    auto connected = Worker::connect(o);
+    BOOST_REQUIRE(connected.ok());
+    w = std::move(connected).value();
+    auto g = w->register_buffer(16);
+    auto p = w->register_buffer(16);
+    BOOST_REQUIRE(g.ok() && p.ok());
+    grad = *g;
+    weights = *p;
+    std::fill_n(static_cast<float*>(grad.data), 4, 1.0f);
+  }
+  std::unique_ptr<Worker> w;
+  Buffer grad, weights;
+};
+
 std::unique_ptr<Server> create_server(const ServerConfig& config) {
   auto created = Server::create(config);
   BOOST_REQUIRE_MESSAGE(created.ok(), created.status().to_string());
@@ -688,15 +708,8 @@ BOOST_AUTO_TEST_CASE(reload_in_process_applies_live_options_only) {
   Status ran = Status::Ok();  // checked after join: Boost.Test is not thread-safe
   std::thread thread([&] { ran = server->run(options); });
 
-  WorkerOptions o;
-  o.name = config.name;
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE(w.ok());
-  auto grad = (*w)->register_buffer(16);
-  auto weights = (*w)->register_buffer(16);
-  BOOST_REQUIRE(grad.ok() && weights.ok());
-  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
-  BOOST_REQUIRE((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0).ok());  // w = -1
+  ReloadWorker rw(config.name);
+  BOOST_REQUIRE(rw.w->push(kAllTensors, rw.grad.id, 0, 16, Dtype::kF32, 0).ok());  // w = -1
 
   // The values in force, as the segment's config block shows them: the
   // server applies a reload there after the callback's parse.
@@ -712,10 +725,10 @@ BOOST_AUTO_TEST_CASE(reload_in_process_applies_live_options_only) {
   next.optimizer.momentum = 0.9f;  // needs a restart: ignored
   server->request_reload();
   BOOST_REQUIRE(test::eventually([&] { return reloads.load() == 1 && max_staleness_in_force() == 0; }));
-  BOOST_REQUIRE((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 1).ok());  // w = -1.5
-  BOOST_TEST(((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 1).status().code() == ErrorCode::kStale));
-  BOOST_REQUIRE((*w)->pull(kAllTensors, weights->id, 0).ok());
-  BOOST_TEST(static_cast<const float*>(weights->data)[0] == -1.5f);  // lr 0.5, no momentum
+  BOOST_REQUIRE(rw.w->push(kAllTensors, rw.grad.id, 0, 16, Dtype::kF32, 1).ok());  // w = -1.5
+  BOOST_TEST((rw.w->push(kAllTensors, rw.grad.id, 0, 16, Dtype::kF32, 1).status().code() == ErrorCode::kStale));
+  BOOST_REQUIRE(rw.w->pull(kAllTensors, rw.weights.id, 0).ok());
+  BOOST_TEST(static_cast<const float*>(rw.weights.data)[0] == -1.5f);  // lr 0.5, no momentum
 
   // An lr the optimizer refuses is logged and the running one kept (the
   // bound's change shows the reload was applied).
@@ -723,11 +736,11 @@ BOOST_AUTO_TEST_CASE(reload_in_process_applies_live_options_only) {
   next.max_staleness = 3;
   server->request_reload();
   BOOST_REQUIRE(test::eventually([&] { return reloads.load() == 2 && max_staleness_in_force() == 3; }));
-  BOOST_REQUIRE((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 2).ok());
-  BOOST_REQUIRE((*w)->pull(kAllTensors, weights->id, 0).ok());
-  BOOST_TEST(static_cast<const float*>(weights->data)[0] == -2.0f);  // still lr 0.5
+  BOOST_REQUIRE(rw.w->push(kAllTensors, rw.grad.id, 0, 16, Dtype::kF32, 2).ok());
+  BOOST_REQUIRE(rw.w->pull(kAllTensors, rw.weights.id, 0).ok());
+  BOOST_TEST(static_cast<const float*>(rw.weights.data)[0] == -2.0f);  // still lr 0.5
 
-  w->reset();
+  rw.w.reset();
   view->reset();
   server->request_stop();
   thread.join();
@@ -767,23 +780,16 @@ BOOST_AUTO_TEST_CASE(a_slow_reload_parse_does_not_stall_serving) {
     cv.notify_all();
   });
 
-  WorkerOptions o;
-  o.name = config.name;
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE(w.ok());
-  auto grad = (*w)->register_buffer(16);
-  auto weights = (*w)->register_buffer(16);
-  BOOST_REQUIRE(grad.ok() && weights.ok());
-  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+  ReloadWorker rw(config.name);
   server->request_reload();
   {
     std::unique_lock lock(mu);
     BOOST_REQUIRE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return in_parse; }));
   }
   for (int k = 0; k < 3; ++k) server->request_reload();  // merged into one parse after this one
-  for (uint64_t v = 0; v < 20; ++v) BOOST_REQUIRE((*w)->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, v).ok());
-  BOOST_REQUIRE((*w)->pull(kAllTensors, weights->id, 0).ok());
-  BOOST_TEST(static_cast<const float*>(weights->data)[0] == -20.0f);
+  for (uint64_t v = 0; v < 20; ++v) BOOST_REQUIRE(rw.w->push(kAllTensors, rw.grad.id, 0, 16, Dtype::kF32, v).ok());
+  BOOST_REQUIRE(rw.w->pull(kAllTensors, rw.weights.id, 0).ok());
+  BOOST_TEST(static_cast<const float*>(rw.weights.data)[0] == -20.0f);
   bool by_watchdog = false;
   {
     std::lock_guard lock(mu);
@@ -802,7 +808,7 @@ BOOST_AUTO_TEST_CASE(a_slow_reload_parse_does_not_stall_serving) {
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   BOOST_TEST(parses.load() == 2);  // three requests during the first parse: one more
 
-  w->reset();
+  rw.w.reset();
   view->reset();
   server->request_stop();
   thread.join();
@@ -848,7 +854,8 @@ BOOST_AUTO_TEST_CASE(float_values_past_or_rounded_by_fp32_are_refused_as_written
   BOOST_TEST(contains(file_error(kHead + "init = normal\ninit-scale = 1e-46\n"),
                       "line 4: key 'init-scale': must be > 0 and at most 1e30 for --init normal or uniform, got "
                       "1e-46, which rounds to 0 in fp32"));
-  // Written otherwise but the same number: as before.
+  // Written otherwise but the same number (no rounding): the message gives
+  // the value as read, with no note about fp32.
   BOOST_TEST(refusal({"--lr", "-0.50"}) == "--lr must be > 0, got -0.5");
   BOOST_TEST(refusal({"--lr", "nan"}) == "--lr must be a finite number, got nan");
 }
