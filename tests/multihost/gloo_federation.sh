@@ -48,7 +48,14 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-fail() { echo "FAIL: $*"; for f in "$work"/*.log; do echo "---- $f"; tail -15 "$f"; done; exit 1; }
+# A command that fails unchecked names itself (set -e alone would end the
+# test silently).
+set -E
+trap 'echo "FAIL: \"$BASH_COMMAND\" exited $? (line $LINENO${FUNCNAME:+, called from lines ${BASH_LINENO[*]}})" >&2' ERR
+fail() {  # to stderr: a failure inside $(...) or >/dev/null is still seen
+  { echo "FAIL: $*"; for f in "$work"/*.log; do echo "---- $f"; tail -15 "$f"; done; } >&2
+  exit 1
+}
 model=(--tensor fc1.weight:256x784 --tensor fc1.bias:256 --tensor fc2.weight:10x256 --tensor fc2.bias:10
        --optimizer adam --lr 0.001 --init normal --init-scale 0.05 --backend host)
 

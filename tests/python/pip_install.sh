@@ -11,7 +11,7 @@ python=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")  # absolute, the venv kep
 source_dir=$(cd "$(dirname "$0")/../.." && pwd)
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
+fail() { echo "FAIL: $*" >&2; exit 1; }
 
 "$python" -m pip wheel --no-build-isolation --no-deps --disable-pip-version-check -q -w "$scratch/wheel" \
   --config-settings=cmake.define.SHMPS_CUDA=OFF "$source_dir" > "$scratch/wheel.log" 2>&1 || { tail -40 "$scratch/wheel.log"; fail "pip wheel"; }

@@ -14,7 +14,7 @@ for tool in dpkg-deb cpack; do
 done
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
+fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # ---- cmake --install ----
 prefix=$scratch/prefix

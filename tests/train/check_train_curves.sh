@@ -13,7 +13,7 @@ rc=0
 if [ "$rc" -eq 77 ]; then exit 77; fi
 if [ "$rc" -ne 0 ]; then echo "FAIL: train_curves.sh exited $rc"; exit 1; fi
 
-fail() { echo "FAIL: $*"; exit 1; }
+fail() { echo "FAIL: $*" >&2; exit 1; }
 [ -f "$out/summary.csv" ] || fail "no summary.csv"
 [ "$(head -1 "$out/summary.csv")" = "config,label,runs,time_to_target_s,final_acc,updates_per_s,reached" ] ||
   fail "summary.csv header: $(head -1 "$out/summary.csv")"
