@@ -187,10 +187,13 @@ struct OpenedCheckpoint {
   bool ours = false;
 };
 
-// Opens `path` and checks it as read_checkpoint() documents, up to the
-// payload: everything but the checksum and the steps. Reads the header and
-// tensor records only (at most 64 + 4096 x 112 bytes).
-Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, OpenedCheckpoint* out) {
+// Opens `entry` in the directory `dir_fd` (AT_FDCWD: `entry` is a path),
+// the file messages call `path`, and checks it as read_checkpoint()
+// documents, up to the payload: everything but the checksum and the
+// steps. Reads the header and tensor records only (at most 64 + 4096 x 112
+// bytes).
+Status open_checkpoint(int dir_fd, const std::string& entry, const std::string& path, const CheckpointLayout& expect,
+                       OpenedCheckpoint* out) {
   const auto corrupt = [&](const std::string& why) { return Status{ErrorCode::kLayoutMismatch, path + ": " + why}; };
   const auto misfit = [&](const std::string& why) {
     out->ours = false;
@@ -200,7 +203,7 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
     return errno != 0 ? Status{ErrorCode::kIo, path + ": read: " + errno_text()} : corrupt(what);
   };
   // O_NONBLOCK: opening a FIFO for reading would wait for a writer.
-  out->file.fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  out->file.fd = ::openat(dir_fd, entry.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (out->file.fd < 0) return {ErrorCode::kIo, path + ": open: " + errno_text()};
   struct stat st {};
   if (::fstat(out->file.fd, &st) != 0) return {ErrorCode::kIo, path + ": fstat: " + errno_text()};
@@ -278,9 +281,36 @@ Status open_checkpoint(const std::string& path, const CheckpointLayout& expect, 
   return Status::Ok();
 }
 
-}  // namespace
+// The last component of `path`.
+std::string name_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
 
-Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
+// An O_DIRECTORY descriptor of `dir` (following a symbolic link, as a path
+// would), or -1 with errno set.
+UniqueFd open_dir(const std::string& dir) { return UniqueFd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)); }
+
+// The names in the directory `dir_fd` that `wanted` takes, in no order.
+// Listed through a descriptor of its own (openat "."): a readdir() offset
+// is the open file's, and `dir_fd` is shared.
+std::vector<std::string> names_in(int dir_fd, bool (*wanted)(const std::string&)) {
+  std::vector<std::string> names;
+  const int fd = ::openat(dir_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return names;
+  DIR* d = ::fdopendir(fd);
+  if (d == nullptr) {
+    ::close(fd);
+    return names;
+  }
+  while (dirent* e = ::readdir(d))
+    if (wanted(e->d_name)) names.emplace_back(e->d_name);
+  ::closedir(d);  // closes fd
+  return names;
+}
+
+// write_checkpoint() in the directory `dir_fd`, which messages call `dir`.
+Status write_in(int dir_fd, const std::string& dir, const CheckpointData& data) {
   const uint64_t total = data.weights.size();
   if (data.state.size() != uint64_t{data.layout.state_arrays} * total ||
       data.steps.size() != data.layout.tensors.size() ||
@@ -337,28 +367,29 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   for (std::span<const float> a : fed_arrays) crc.process_bytes(a.data(), a.size_bytes());
   const uint32_t checksum = crc.checksum();
 
-  const std::string final_path = dir + "/" + file_name(data.version);
-  const std::string temp_path = dir + "/." + file_name(data.version) + ".tmp";
+  const std::string final_name = file_name(data.version), temp_name = "." + final_name + ".tmp";
+  const std::string final_path = dir + "/" + final_name, temp_path = dir + "/" + temp_name;
   // Never over another model's checkpoint (a server started with the wrong
   // options on this directory), nor over something that is not a file.
   // One of ours, even damaged, may go: this write replaces it.
   // An empty file holds nothing to lose (a crash before its first byte, or
   // a file made by hand).
-  if (struct stat st{}; ::lstat(final_path.c_str(), &st) == 0 && !(S_ISREG(st.st_mode) && st.st_size == 0)) {
+  if (struct stat st{}; ::fstatat(dir_fd, final_name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                        !(S_ISREG(st.st_mode) && st.st_size == 0)) {
     if (!S_ISREG(st.st_mode))
       return {ErrorCode::kLayoutMismatch, "checkpoint: not replacing " + final_path + ": not a regular file"};
     OpenedCheckpoint existing;
-    if (Status fits = open_checkpoint(final_path, data.layout, &existing); !existing.ours)
+    if (Status fits = open_checkpoint(dir_fd, final_name, final_path, data.layout, &existing); !existing.ours)
       return {ErrorCode::kLayoutMismatch,
               "checkpoint: not replacing " + final_path + ", not a checkpoint of this model (" + fits.message() + ")"};
   }
   // A file of our own making: whatever is at the temp name goes first (a
   // FIFO there would block the open, and with it every later checkpoint
   // and the stop), and O_EXCL refuses what could not go.
-  if (::unlink(temp_path.c_str()) != 0 && errno != ENOENT)
+  if (::unlinkat(dir_fd, temp_name.c_str(), 0) != 0 && errno != ENOENT)
     return {ErrorCode::kIo, errno == EROFS ? "checkpoint: cannot write in " + dir + ": " + errno_text()
                                            : "checkpoint: cannot remove " + temp_path + ": " + errno_text()};
-  const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  const int fd = ::openat(dir_fd, temp_name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) return {ErrorCode::kIo, "checkpoint: open " + temp_path + ": " + errno_text()};
   bool ok = write_all(fd, &h, sizeof h) && write_all(fd, tensors.data(), tensors.size() * sizeof(CheckpointTensor)) &&
             write_all(fd, data.weights.data(), data.weights.size() * sizeof(float)) &&
@@ -370,30 +401,24 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
   const std::string write_error = ok ? "" : errno_text();
   ::close(fd);
   if (!ok) {
-    ::unlink(temp_path.c_str());
+    ::unlinkat(dir_fd, temp_name.c_str(), 0);
     return {ErrorCode::kIo, "checkpoint: write " + temp_path + ": " + write_error};
   }
-  if (::rename(temp_path.c_str(), final_path.c_str()) != 0) {
+  if (::renameat(dir_fd, temp_name.c_str(), dir_fd, final_name.c_str()) != 0) {
     const std::string err = errno_text();
-    ::unlink(temp_path.c_str());
+    ::unlinkat(dir_fd, temp_name.c_str(), 0);
     return {ErrorCode::kIo, "checkpoint: rename to " + final_path + ": " + err};
   }
   // The rename is durable only once the directory is.
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0 || ::fsync(dfd) != 0) {
-    const std::string err = errno_text();
-    if (dfd >= 0) ::close(dfd);
-    return {ErrorCode::kIo, "checkpoint: fsync " + dir + ": " + err};
-  }
-  ::close(dfd);
+  if (::fsync(dir_fd) != 0) return {ErrorCode::kIo, "checkpoint: fsync " + dir + ": " + errno_text()};
   return Status::Ok();
 }
 
-namespace {
-
-// read_checkpoint() on `f`, which it opens.
-Result<CheckpointData> read_opened(const std::string& path, const CheckpointLayout& expect, OpenedCheckpoint& f) {
-  if (Status s = open_checkpoint(path, expect, &f); !s.ok()) return s;
+// read_checkpoint() of `name` in `dir_fd` (open_checkpoint()) on `f`,
+// which it opens.
+Result<CheckpointData> read_opened(int dir_fd, const std::string& name, const std::string& path,
+                                   const CheckpointLayout& expect, OpenedCheckpoint& f) {
+  if (Status s = open_checkpoint(dir_fd, name, path, expect, &f); !s.ok()) return s;
   const auto corrupt = [&](const std::string& why) { return Status{ErrorCode::kLayoutMismatch, path + ": " + why}; };
   const CheckpointHeader& h = f.header;
   CheckpointData data;
@@ -465,51 +490,90 @@ Result<CheckpointData> read_opened(const std::string& path, const CheckpointLayo
   return data;
 }
 
-}  // namespace
-
-Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect, bool* damaged) {
+// read_checkpoint() of `name` in `dir_fd`.
+Result<CheckpointData> read_in(int dir_fd, const std::string& name, const std::string& path,
+                               const CheckpointLayout& expect, bool* damaged) {
   OpenedCheckpoint f;
-  Result<CheckpointData> read = read_opened(path, expect, f);
+  Result<CheckpointData> read = read_opened(dir_fd, name, path, expect, f);
   if (damaged != nullptr) *damaged = !read.ok() && f.ours && read.status().code() == ErrorCode::kLayoutMismatch;
   return read;
 }
 
-Result<std::string> set_aside_damaged_checkpoint(const std::string& path) {
-  const std::string to = path + ".damaged";
-  if (::rename(path.c_str(), to.c_str()) != 0)
-    return Status{ErrorCode::kIo, "rename " + path + " to " + to + ": " + errno_text()};
-  return to;
-}
-
-std::vector<std::string> list_checkpoints(const std::string& dir) {
-  std::vector<std::string> names;
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (dirent* e = ::readdir(d))
-      if (is_checkpoint_name(e->d_name)) names.emplace_back(e->d_name);
-    ::closedir(d);
-  }
+// list_checkpoints() of `dir_fd`, which the paths call `dir`.
+std::vector<std::string> list_in(int dir_fd, const std::string& dir) {
+  std::vector<std::string> names = names_in(dir_fd, is_checkpoint_name);
   // Fixed-width versions: name order is version order.
   std::sort(names.rbegin(), names.rend());
   for (std::string& n : names) n = dir + "/" + n;
   return names;
 }
 
-void prune_checkpoints(const std::string& dir, uint32_t keep, uint64_t newest, const CheckpointLayout& layout) {
+// prune_checkpoints() in `dir_fd`, which messages call `dir`.
+void prune_in(int dir_fd, const std::string& dir, uint32_t keep, uint64_t newest, const CheckpointLayout& layout) {
   uint32_t kept = 0;
-  for (const std::string& path : list_checkpoints(dir)) {
+  for (const std::string& path : list_in(dir_fd, dir)) {
     try {
       if (version_in_name(path).value() > newest) continue;
     } catch (const std::out_of_range&) {
       continue;  // a name over 2^64: not one of ours
     }
+    const std::string name = name_of(path);
     OpenedCheckpoint f;
-    if (!open_checkpoint(path, layout, &f).ok()) continue;  // another model's, or unreadable: not ours to delete
+    // Another model's, or unreadable: not ours to delete.
+    if (!open_checkpoint(dir_fd, name, path, layout, &f).ok()) continue;
     if (kept < std::max<uint32_t>(keep, 1)) {
       ++kept;
       continue;
     }
-    ::unlink(path.c_str());
+    ::unlinkat(dir_fd, name.c_str(), 0);
   }
+}
+
+void remove_temps_in(int dir_fd) {
+  for (const std::string& t : names_in(dir_fd, is_temp_name)) ::unlinkat(dir_fd, t.c_str(), 0);
+}
+
+}  // namespace
+
+Status write_checkpoint(const std::string& dir, const CheckpointData& data) {
+  const UniqueFd d = open_dir(dir);
+  if (d.fd < 0) return {ErrorCode::kIo, "checkpoint: open " + dir + ": " + errno_text()};
+  return write_in(d.fd, dir, data);
+}
+
+Status write_checkpoint(const CheckpointDirLock& lock, const CheckpointData& data) {
+  return write_in(lock.dir_fd(), lock.dir(), data);
+}
+
+Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect, bool* damaged) {
+  return read_in(AT_FDCWD, path, path, expect, damaged);
+}
+
+Result<CheckpointData> read_checkpoint(const CheckpointDirLock& lock, const std::string& path,
+                                       const CheckpointLayout& expect, bool* damaged) {
+  return read_in(lock.dir_fd(), name_of(path), path, expect, damaged);
+}
+
+Result<std::string> set_aside_damaged_checkpoint(const CheckpointDirLock& lock, const std::string& path) {
+  const std::string name = name_of(path), to = path + ".damaged";
+  if (::renameat(lock.dir_fd(), name.c_str(), lock.dir_fd(), (name + ".damaged").c_str()) != 0)
+    return Status{ErrorCode::kIo, "rename " + path + " to " + to + ": " + errno_text()};
+  return to;
+}
+
+std::vector<std::string> list_checkpoints(const std::string& dir) {
+  const UniqueFd d = open_dir(dir);
+  return d.fd < 0 ? std::vector<std::string>{} : list_in(d.fd, dir);
+}
+
+std::vector<std::string> list_checkpoints(const CheckpointDirLock& lock) { return list_in(lock.dir_fd(), lock.dir()); }
+
+void prune_checkpoints(const std::string& dir, uint32_t keep, uint64_t newest, const CheckpointLayout& layout) {
+  if (const UniqueFd d = open_dir(dir); d.fd >= 0) prune_in(d.fd, dir, keep, newest, layout);
+}
+
+void prune_checkpoints(const CheckpointDirLock& lock, uint32_t keep, uint64_t newest, const CheckpointLayout& layout) {
+  prune_in(lock.dir_fd(), lock.dir(), keep, newest, layout);
 }
 
 // Whether the start could use `dir` for checkpoints: a directory this
@@ -546,21 +610,23 @@ Status check_checkpoint_dir(const std::string& dir) {
 }
 
 void remove_temp_files(const std::string& dir) {
-  std::vector<std::string> temps;
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (dirent* e = ::readdir(d))
-      if (is_temp_name(e->d_name)) temps.emplace_back(dir + "/" + e->d_name);
-    ::closedir(d);
-  }
-  for (const std::string& t : temps) ::unlink(t.c_str());
+  if (const UniqueFd d = open_dir(dir); d.fd >= 0) remove_temps_in(d.fd);
 }
+
+void remove_temp_files(const CheckpointDirLock& lock) { remove_temps_in(lock.dir_fd()); }
 
 Result<CheckpointDirLock> CheckpointDirLock::acquire(const std::string& dir) {
   const std::string path = dir + "/" + kCheckpointLockName;
-  // O_NONBLOCK: a FIFO planted there must not block the start; O_NOFOLLOW:
-  // nor a link lead the pid's write elsewhere.
+  // The directory once (following a symbolic link, as the path does), and
+  // the lock file in it: both are then the ones this lock holds, whatever
+  // the path leads to later. O_NONBLOCK: a FIFO planted there must not
+  // block the start; O_NOFOLLOW: nor a link lead the pid's write elsewhere.
   CheckpointDirLock lock;
-  lock.fd_.fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0600);
+  lock.dir_fd_ = open_dir(dir);
+  if (lock.dir_fd_.fd < 0)
+    return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": cannot open it: " + errno_text()};
+  lock.fd_.fd =
+      ::openat(lock.dir_fd_.fd, kCheckpointLockName, O_RDWR | O_CREAT | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (lock.fd_.fd < 0)
     return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": open " + path + ": " + errno_text()};
   struct stat st {};
@@ -602,11 +668,11 @@ Status CheckpointDirLock::still_held() const {
                               "put the directory back, or restart this server to take the lock again"};
 }
 
-CheckpointWriter::CheckpointWriter(std::string dir, uint32_t keep, std::optional<uint64_t> on_disk,
-                                   const CheckpointDirLock& lock)
-    : dir_(std::move(dir)),
-      keep_(keep),
+CheckpointWriter::CheckpointWriter(uint32_t keep, std::optional<uint64_t> on_disk, const CheckpointDirLock& lock,
+                                   std::function<void()> after_check)
+    : keep_(keep),
       lock_(lock),
+      after_check_(std::move(after_check)),
       last_written_(on_disk),
       thread_(start_helper_thread([this] { loop(); })) {}
 
@@ -675,9 +741,12 @@ void CheckpointWriter::loop() {
     has_job_ = false;
     writing_ = true;
     lock.unlock();
+    // Through the lock's descriptor: a directory put at the path since the
+    // check is not touched.
     Status s = lock_.still_held();
-    if (s.ok()) s = write_checkpoint(dir_, job);
-    if (s.ok()) prune_checkpoints(dir_, keep_, job.version, job.layout);
+    if (s.ok() && after_check_) after_check_();
+    if (s.ok()) s = write_checkpoint(lock_, job);
+    if (s.ok()) prune_checkpoints(lock_, keep_, job.version, job.layout);
     lock.lock();
     writing_ = false;
     if (s.ok()) {

@@ -30,6 +30,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -111,12 +112,24 @@ struct CheckpointData {
 // to them, and a damaged file must not make the next push wrap to 0.
 inline constexpr uint64_t kMaxCheckpointVersion = uint64_t{1} << 62;
 
+class CheckpointDirLock;
+
 // Writes `data` as dir/ckpt-<version>.shmps atomically. A file of that
 // name is replaced only when its header and tensor records are of
 // data.layout (one of ours, even damaged): never another model's, nor one
 // it cannot identify. Errors: kIo with the failing call and errno text;
-// kLayoutMismatch for such a file.
+// kLayoutMismatch for such a file. The directory is opened once, and
+// every file in it reached through that descriptor (as with a lock
+// below).
 Status write_checkpoint(const std::string& dir, const CheckpointData& data);
+// The same in the directory `lock` holds (the server's writes): every
+// file is created, written, renamed and checked relative to the
+// directory's descriptor, and that descriptor is what is fsync'ed, so the
+// write lands in the directory the lock guards whatever its path leads to
+// by now (a directory moved away and another put at its path, perhaps
+// locked by another server, between a CheckpointDirLock::still_held()
+// check and the write). Messages name the directory by its path.
+Status write_checkpoint(const CheckpointDirLock& lock, const CheckpointData& data);
 
 // Reads and fully validates one file for a server of layout `expect`.
 // Checked in this order, so that nothing is allocated from the file's word
@@ -136,29 +149,42 @@ Status write_checkpoint(const std::string& dir, const CheckpointData& data);
 // another model's.
 Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect,
                                        bool* damaged = nullptr);
+// The same for a file list_checkpoints(lock) named: its name opened in the
+// directory `lock` holds.
+Result<CheckpointData> read_checkpoint(const CheckpointDirLock& lock, const std::string& path,
+                                       const CheckpointLayout& expect, bool* damaged = nullptr);
 
 // Renames a damaged checkpoint of this model (read_checkpoint()'s
-// `damaged`) to "<path>.damaged": no checkpoint's name, so that neither a
-// later restore reads it again nor pruning counts it among the newest
+// `damaged`), one list_checkpoints(lock) named, to "<path>.damaged" in the
+// directory `lock` holds: no checkpoint's name, so that neither a later
+// restore reads it again nor pruning counts it among the newest
 // --checkpoint-keep (it would keep the damaged file and delete valid
 // ones), and kept for the operator to look at. The new path, or kIo.
-Result<std::string> set_aside_damaged_checkpoint(const std::string& path);
+Result<std::string> set_aside_damaged_checkpoint(const CheckpointDirLock& lock, const std::string& path);
 
-// The checkpoint files in dir, newest (highest version) first.
+// The checkpoint files in dir (as paths dir/<name>), newest (highest
+// version) first.
 std::vector<std::string> list_checkpoints(const std::string& dir);
+// The same in the directory `lock` holds (named by its path).
+std::vector<std::string> list_checkpoints(const CheckpointDirLock& lock);
 
 // After a checkpoint of version `newest` was written: deletes all but the
 // newest `keep` files of `layout` at or below `newest`. A file above it
 // (newer than anything this server wrote: a restart skipped it as damaged
 // or foreign), or not of `layout` (another model's, or unreadable), is left
-// alone. Only headers are read.
+// alone. Only headers are read. Lists, reads and deletes through one
+// descriptor of the directory.
 void prune_checkpoints(const std::string& dir, uint32_t keep, uint64_t newest, const CheckpointLayout& layout);
+// The same in the directory `lock` holds (the server's pruning; see
+// write_checkpoint(lock, data)).
+void prune_checkpoints(const CheckpointDirLock& lock, uint32_t keep, uint64_t newest, const CheckpointLayout& layout);
 
 // Deletes the temp files (.ckpt-<version>.shmps.tmp) a writer killed in
 // mid-write left. At server start, before its writer runs, with the
-// directory's lock held (CheckpointDirLock): a checkpoint directory serves
-// one server.
+// directory's lock held (the overload on the lock): a checkpoint directory
+// serves one server.
 void remove_temp_files(const std::string& dir);
+void remove_temp_files(const CheckpointDirLock& lock);
 
 // The name of a checkpoint directory's lock file (CheckpointDirLock): no
 // checkpoint's or temp file's name, so the restore, pruning and the temp
@@ -171,24 +197,35 @@ inline constexpr const char* kCheckpointLockName = ".lock";
 // <dir>/.lock (created 0600, as the checkpoints), held while the object
 // lives, released by the kernel however the process ends (no stale lock
 // after a crash). The file holds the holder's pid ("pid 4242"), for the
-// message of the server refused. One owner; move-only.
+// message of the server refused. The lock keeps a descriptor of the
+// directory it locked, opened once at acquire(), and the functions above
+// that take the lock reach every file through it: the server touches no
+// other directory, whatever happens to the path. One owner; move-only.
 class CheckpointDirLock {
  public:
   // Takes the lock of the existing directory `dir` without waiting.
   // Errors: kInvalidArgument when another process holds it (the message
-  // names the directory and the holder's pid), kIo (the lock file cannot
-  // be opened or locked, or is not a regular file).
+  // names the directory and the holder's pid), kIo (the directory or the
+  // lock file cannot be opened, the lock file locked, or it is not a
+  // regular file).
   static Result<CheckpointDirLock> acquire(const std::string& dir);
   // Whether the lock file at the directory's path is still the one this
   // lock holds. Not when the directory was moved or replaced (mv D D.old;
   // mkdir D) or its lock file removed while the server ran: another server
   // may then lock the path and write there, and the two would prune each
-  // other's checkpoints. Checked before each write; kIo naming the cause
-  // and the fix.
+  // other's checkpoints; and the checkpoints written in the moved
+  // directory would be invisible to a restart. Checked before each write;
+  // kIo naming the cause and the fix. (Between the check and the write the
+  // writes go through dir_fd() all the same.)
   Status still_held() const;
+  // The locked directory: its descriptor (O_DIRECTORY), and its path as
+  // given to acquire(), for messages.
+  int dir_fd() const { return dir_fd_.fd; }
+  const std::string& dir() const { return dir_; }
 
  private:
-  UniqueFd fd_;  // its close releases the flock
+  UniqueFd dir_fd_;
+  UniqueFd fd_;  // the lock file's; its close releases the flock
   std::string dir_;
   std::string path_;  // dir_/kCheckpointLockName
 };
@@ -205,11 +242,17 @@ Status check_checkpoint_dir(const std::string& dir);
 // consumer never waits for a disk).
 class CheckpointWriter {
  public:
-  // `on_disk`: the version of a checkpoint already in `dir` (the one the
-  // server restored), which last_written() reports until a write succeeds.
-  // Each write first checks that `lock` (which outlives the writer) is
-  // still the directory's (CheckpointDirLock::still_held()).
-  CheckpointWriter(std::string dir, uint32_t keep, std::optional<uint64_t> on_disk, const CheckpointDirLock& lock);
+  // Writes and prunes (keeping `keep`) in the directory `lock` holds
+  // (which outlives the writer), through its descriptor. `on_disk`: the
+  // version of a checkpoint already there (the one the server restored),
+  // which last_written() reports until a write succeeds. Each write first
+  // checks that `lock` is still the directory's
+  // (CheckpointDirLock::still_held()). `after_check`, when set, runs on
+  // the writer thread after each check that passed, before the write
+  // (tests inject one that moves the directory away there, to make that
+  // window deterministic).
+  CheckpointWriter(uint32_t keep, std::optional<uint64_t> on_disk, const CheckpointDirLock& lock,
+                   std::function<void()> after_check = {});
   ~CheckpointWriter();  // finishes the write in flight
   // False when a write is still in flight (nothing taken).
   bool submit(CheckpointData data);
@@ -226,9 +269,9 @@ class CheckpointWriter {
 
  private:
   void loop();
-  std::string dir_;
-  uint32_t keep_;
+  const uint32_t keep_;
   const CheckpointDirLock& lock_;
+  const std::function<void()> after_check_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   bool has_job_ = false;

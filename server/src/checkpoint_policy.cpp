@@ -76,17 +76,19 @@ Status CheckpointPolicy::start(uint64_t now) {
   auto lock = CheckpointDirLock::acquire(config_.checkpoint_dir);
   if (!lock.ok()) return lock.status();
   dir_lock_ = std::move(lock).value();
-  remove_temp_files(config_.checkpoint_dir);
+  // From here on through the lock's descriptor of the directory: the
+  // restore, the writes and pruning never touch another one put at its path.
+  remove_temp_files(dir_lock_);
   std::optional<uint64_t> restored;
   const CheckpointLayout l = layout();
   uint32_t refused = 0;
-  for (const std::string& path : list_checkpoints(config_.checkpoint_dir)) {
+  for (const std::string& path : list_checkpoints(dir_lock_)) {
     bool damaged = false;
-    auto data = read_checkpoint(path, l, &damaged);
+    auto data = read_checkpoint(dir_lock_, path, l, &damaged);
     if (!data.ok()) {
       std::string aside;
       if (damaged) {
-        const Result<std::string> moved = set_aside_damaged_checkpoint(path);
+        const Result<std::string> moved = set_aside_damaged_checkpoint(dir_lock_, path);
         aside = moved.ok() ? "; renamed to " + *moved +
                                  " (kept for inspection; neither restored nor counted by --checkpoint-keep again)"
                            : "; could not set it aside (" + moved.status().message() + ")";
@@ -121,7 +123,7 @@ Status CheckpointPolicy::start(uint64_t now) {
               "If they should have been restored, stop this server before it checkpoints and restart it with the "
               "options they were written with (or a build that reads their format)");
   restored_ = restored.has_value();
-  writer_ = std::make_unique<CheckpointWriter>(config_.checkpoint_dir, config_.checkpoint_keep, restored, dir_lock_);
+  writer_ = std::make_unique<CheckpointWriter>(config_.checkpoint_keep, restored, dir_lock_);
   last_ns_ = now;
   return Status::Ok();
 }
@@ -190,12 +192,12 @@ Status CheckpointPolicy::write_final() {
     static_cast<void>(snapshot(&data));
   }
   Status held = dir_lock_.still_held();
-  if (Status s = held.ok() ? write_checkpoint(config_.checkpoint_dir, data) : held; !s.ok()) {
+  if (Status s = held.ok() ? write_checkpoint(dir_lock_, data) : held; !s.ok()) {
     shm::bump(stats_.checkpoint_failures);
     return Status{s.code(), "final " + s.message()};
   }
   shm::bump(stats_.checkpoints_written);
-  prune_checkpoints(config_.checkpoint_dir, config_.checkpoint_keep, model_.version, layout());
+  prune_checkpoints(dir_lock_, config_.checkpoint_keep, model_.version, layout());
   last_version_ = model_.version;
   last_unversioned_ = model_.unversioned_changes;
   log::info("final checkpoint written: version " + std::to_string(model_.version) + " in " + config_.checkpoint_dir);

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -33,6 +34,13 @@ std::string ckpt(const test::TempDir& dir, uint64_t version) {
   char name[64];
   std::snprintf(name, sizeof name, "ckpt-%020llu.shmps", static_cast<unsigned long long>(version));
   return (dir.path / name).string();
+}
+
+// The same in `dir`.
+std::string ckpt_in(const fs::path& dir, uint64_t version) {
+  char name[64];
+  std::snprintf(name, sizeof name, "ckpt-%020llu.shmps", static_cast<unsigned long long>(version));
+  return (dir / name).string();
 }
 
 // Adam (2 state arrays) on tensors a:2x2, b:3.
@@ -517,6 +525,68 @@ BOOST_AUTO_TEST_CASE(temp_files_of_a_killed_writer_are_removed_and_nothing_else)
   remove_temp_files(d);
   BOOST_TEST(names(dir.path) ==
              (std::vector<std::string>{".ckpt-5.shmps.tmp", "ckpt-00000000000000000004.shmps", "notes.txt"}));
+}
+
+// The directory moved away and another put at its path, locked by
+// another server with checkpoints of its own, between the writer's check
+// that its lock is still the path's and the write (the hook runs there):
+// the write and the pruning go to the directory the lock holds, through
+// its descriptor, and leave the new one alone; the next write's check
+// fails as before, naming the cause. Before: the write and the pruning
+// went by path, into the other server's directory: its checkpoint landed
+// there and the other server's were deleted (keep 1).
+BOOST_AUTO_TEST_CASE(a_directory_replaced_between_the_lock_check_and_the_write_is_not_touched) {
+  test::TempDir dir("ckptfile");
+  const fs::path d = dir.path / "d", moved = dir.path / "d.old";
+  fs::create_directory(d);
+  BOOST_REQUIRE(write_checkpoint(d.string(), make_data(adam_layout(), 3)).ok());
+  auto lock = CheckpointDirLock::acquire(d.string());
+  BOOST_REQUIRE_MESSAGE(lock.ok(), lock.status().to_string());
+  // The other server's, made on the writer thread: checked here after.
+  std::optional<CheckpointDirLock> other;
+  Status replaced;
+  int checks = 0;
+  std::string two, four;
+  {
+    CheckpointWriter writer(1, 3, *lock, [&] {
+      if (checks++ != 0) return;
+      std::error_code ec;
+      fs::rename(d, moved, ec);
+      if (!ec) fs::create_directory(d, ec);
+      if (ec) {
+        replaced = {ErrorCode::kIo, "replacing " + d.string() + ": " + ec.message()};
+        return;
+      }
+      auto held = CheckpointDirLock::acquire(d.string());
+      if (!held.ok()) {
+        replaced = held.status();
+        return;
+      }
+      other.emplace(std::move(held).value());
+      for (uint64_t v : {2, 4})
+        if (Status s = write_checkpoint(*other, make_data(adam_layout(), v, 0.5f)); !s.ok()) replaced = s;
+      two = contents(ckpt_in(d, 2));
+      four = contents(ckpt_in(d, 4));
+    });
+    BOOST_REQUIRE(writer.submit(make_data(adam_layout(), 5)));
+    const Status first = writer.drain();
+    BOOST_REQUIRE_MESSAGE(replaced.ok(), replaced.to_string());
+    BOOST_TEST(first.ok(), first.to_string());
+    BOOST_TEST((writer.last_written() == std::optional<uint64_t>(5)));
+    BOOST_REQUIRE(writer.submit(make_data(adam_layout(), 6)));
+    const Status second = writer.drain();
+    BOOST_TEST(contains(second.message(), "is not the one this server locked at start"), second.to_string());
+  }
+  BOOST_TEST(checks == 1);
+  // The other server's directory as it made it (the files compared in
+  // double parentheses: their bytes are not printed); the moved one
+  // pruned to the write that went there.
+  BOOST_TEST(names(d) ==
+             (std::vector<std::string>{".lock", "ckpt-00000000000000000002.shmps", "ckpt-00000000000000000004.shmps"}));
+  BOOST_TEST((contents(ckpt_in(d, 2)) == two));
+  BOOST_TEST((contents(ckpt_in(d, 4)) == four));
+  BOOST_TEST(names(moved) == (std::vector<std::string>{".lock", "ckpt-00000000000000000005.shmps"}));
+  BOOST_TEST(read_checkpoint(ckpt_in(moved, 5), adam_layout()).ok());
 }
 
 BOOST_AUTO_TEST_SUITE_END()
