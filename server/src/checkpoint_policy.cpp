@@ -36,7 +36,7 @@ bool CheckpointPolicy::snapshot(CheckpointData* out) const {
   return true;
 }
 
-Status CheckpointPolicy::start(uint64_t now) {
+Status CheckpointPolicy::start(uint64_t now, FailureKind* kind) {
   // Refused now rather than at every checkpoint and at stop.
   if (Status s = check_checkpoint_dir(config_.checkpoint_dir); !s.ok()) return s;
   // The directory is the server's alone: the directories it creates
@@ -74,7 +74,12 @@ Status CheckpointPolicy::start(uint64_t now) {
   // Before anything in the directory is touched: another server's writer
   // may be writing there.
   auto lock = CheckpointDirLock::acquire(config_.checkpoint_dir);
-  if (!lock.ok()) return lock.status();
+  if (!lock.ok()) {
+    // Held by another live server (acquire()'s kInvalidArgument): no
+    // restart fixes that, but a change of the configuration.
+    if (kind != nullptr && lock.status().code() == ErrorCode::kInvalidArgument) *kind = FailureKind::kConfiguration;
+    return lock.status();
+  }
   dir_lock_ = std::move(lock).value();
   // From here on through the lock's descriptor of the directory: the
   // restore, the writes and pruning never touch another one put at its path.

@@ -24,6 +24,7 @@
 #include "checkpoint.hpp"
 #include "model.hpp"
 #include "shmps/server/config.hpp"
+#include "shmps/server/server.hpp"
 #include "shmps/shm/layout.hpp"
 
 namespace shmps::server {
@@ -38,8 +39,9 @@ class CheckpointPolicy {
   // file is reported and the previous one tried; with none, the
   // configured initial values stay) and starts the writer. Errors: kIo
   // (the directory), kInvalidArgument (another server holds the
-  // directory), the backend's.
-  Status start(uint64_t now);
+  // directory: a configuration error, said in `kind` when given), the
+  // backend's.
+  Status start(uint64_t now, FailureKind* kind = nullptr);
   // After an applied push: the count trigger.
   void after_push(uint64_t now) {
     if (config_.checkpoint_every != 0 && model_.version - last_version_ >= config_.checkpoint_every) maybe(now);

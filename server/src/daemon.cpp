@@ -88,11 +88,11 @@ class ParentWatch {
 
 void remember_early_reload_signal() noexcept { handle(SIGHUP, on_early_reload_signal); }
 
-Status run_server(const ServerConfig& config, const std::vector<std::string>& argv, uint32_t parent_pid) {
+ServerExit run_server(const ServerConfig& config, const std::vector<std::string>& argv, uint32_t parent_pid) {
   if (parent_pid != 0 && static_cast<uint32_t>(::getppid()) != parent_pid)
-    return {ErrorCode::kInvalidArgument, "--parent-pid " + std::to_string(parent_pid) +
-                                             " is not this server's parent (pid " + std::to_string(::getppid()) +
-                                             "): the launcher is gone already, or the pid is wrong"};
+    return {{ErrorCode::kInvalidArgument, "--parent-pid " + std::to_string(parent_pid) +
+                                              " is not this server's parent (pid " + std::to_string(::getppid()) +
+                                              "): the launcher is gone already, or the pid is wrong"}};
   // A SIGHUP during start-up must not kill the daemon (its default action):
   // it is remembered, and the reload runs once the server serves. SIGINT and
   // SIGTERM are held back (blocked, so pending) while the server is created:
@@ -115,10 +115,11 @@ Status run_server(const ServerConfig& config, const std::vector<std::string>& ar
     ServiceNotifier::from_environment().extend_timeout(
         checkpoint_io_allowance(shm::total_elements(config.tensors)) *
         (config.checkpoint_dir.empty() ? 1 : config.checkpoint_keep + 1));
-  auto server = Server::create(config);
+  FailureKind kind = FailureKind::kOther;
+  auto server = Server::create(config, kind);
   if (!server.ok()) {
     ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
-    return server.status();
+    return {server.status(), kind};
   }
   g_server.store(server->get(), std::memory_order_release);  // SYNC(signal_server)
   // Under --parent-pid the parent stops it: a terminal's Ctrl-C (SIGINT to
@@ -152,7 +153,7 @@ Status run_server(const ServerConfig& config, const std::vector<std::string>& ar
     s = (*server)->run(options);
   }
   g_server.store(nullptr, std::memory_order_release);  // SYNC(signal_server)
-  return s;
+  return {s};
 }
 
 }  // namespace shmps::server

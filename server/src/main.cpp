@@ -37,10 +37,12 @@ int main(int argc, char** argv) {
     }
     // SIGHUP parses the same command line again (re-reading its --config).
     const std::vector<std::string> args(argv, argv + argc);
-    const shmps::Status s = shmps::server::run_server(parsed->config, args, parsed->parent_pid);
-    if (!s.ok()) {
-      shmps::server::log::error(s.to_string());
-      return 1;
+    const shmps::server::ServerExit end = shmps::server::run_server(parsed->config, args, parsed->parent_pid);
+    if (!end.status.ok()) {
+      shmps::server::log::error(end.status.to_string());
+      // A configuration error exits as a bad option does (2: systemd does
+      // not restart it); any other failure 1.
+      return end.kind == shmps::server::FailureKind::kConfiguration ? 2 : 1;
     }
     return 0;
   } catch (const std::exception& e) {

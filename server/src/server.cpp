@@ -911,6 +911,11 @@ Server::~Server() {
 
 Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config) { return create(config, nullptr); }
 
+Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config, FailureKind& kind) {
+  kind = FailureKind::kOther;
+  return create(config, nullptr, nullptr, &kind);
+}
+
 Result<std::unique_ptr<Server>> Server::create(const ServerConfig& config, std::unique_ptr<Backend> backend) {
   return create(config, std::move(backend), nullptr);
 }
@@ -921,7 +926,7 @@ Result<std::unique_ptr<Server>> Server::create_federated(const ServerConfig& con
 }
 
 Result<std::unique_ptr<Server>> Server::create(const ServerConfig& requested, std::unique_ptr<Backend> backend,
-                                               std::unique_ptr<FederationEngine> engine) {
+                                               std::unique_ptr<FederationEngine> engine, FailureKind* kind) {
   if (Status s = validate(requested); !s.ok()) return s;
   // The engine first: with --fed-rank-in-name its rank names the segment.
   ServerConfig config = requested;
@@ -934,7 +939,7 @@ Result<std::unique_ptr<Server>> Server::create(const ServerConfig& requested, st
   // The weights and optimizer state are the server's big allocations; one
   // that fails is a clear error (and no segment is left behind).
   try {
-    return create_unguarded(config, std::move(backend), std::move(engine));
+    return create_unguarded(config, std::move(backend), std::move(engine), kind);
   } catch (const std::bad_alloc&) {
     shm::Segment::remove(config.name);
     uint64_t params = 0;
@@ -951,7 +956,7 @@ Result<std::unique_ptr<Server>> Server::create(const ServerConfig& requested, st
 }
 
 Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& config, std::unique_ptr<Backend> backend,
-                                                         std::unique_ptr<FederationEngine> engine) {
+                                                         std::unique_ptr<FederationEngine> engine, FailureKind* kind) {
   log::set_level(config.log_level);
   std::string effective;
   for (const auto& [key, value] : config_entries(config))
@@ -1010,7 +1015,7 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   seg.header().weights_export = weights_export_block(impl->backend->weights_export(), model.total_elements);
   if (!config.checkpoint_dir.empty()) {
     impl->checkpoints = std::make_unique<CheckpointPolicy>(impl->config, model, *impl->backend, seg.stats());
-    if (Status s = impl->checkpoints->start(shm::monotonic_ns()); !s.ok()) return fail(s);
+    if (Status s = impl->checkpoints->start(shm::monotonic_ns(), kind); !s.ok()) return fail(s);
     if (!initialised.ok() && !impl->checkpoints->restored()) return fail(initialised);
     if (!initialised.ok())
       log::warn(initialised.message() + "; not needed: the weights and state are the restored checkpoint's");

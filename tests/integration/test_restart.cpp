@@ -273,12 +273,15 @@ BOOST_AUTO_TEST_CASE(without_reconnect_a_dead_server_is_final) {
 
 // A checkpoint directory serves one server. A second server (another
 // name) started on the directory of a running one is refused, naming the
-// directory and the holder's pid, and leaves the files there as they
-// were; the first goes on checkpointing. Once the first has stopped (its
-// final checkpoint written under the lock), the second starts and
-// restores that checkpoint. Without the lock the second started,
-// restored the first's checkpoint, and both wrote and pruned one set of
-// files.
+// directory and the holder's pid, with exit status 2: a configuration
+// error, which the unit does not restart (RestartPreventExitStatus=2).
+// It leaves the files there as they were; the first goes on
+// checkpointing. Once the first has stopped (its final checkpoint written
+// under the lock), the second starts and restores that checkpoint: what
+// a second unit restarted every 2 s would do, silently taking over the
+// other job's checkpoints (before: exit 1, restarted). Without the lock
+// the second started, restored the first's checkpoint, and both wrote and
+// pruned one set of files.
 BOOST_AUTO_TEST_CASE(a_second_server_on_a_checkpoint_directory_in_use_is_refused) {
   test::TempDir dir("restart");
   const std::string first_name = test::unique_name("holder"), second_name = test::unique_name("second");
@@ -305,7 +308,7 @@ BOOST_AUTO_TEST_CASE(a_second_server_on_a_checkpoint_directory_in_use_is_refused
   std::vector<std::string> argv = {test::program_path("shmps-server"), "--name", second_name};
   for (const std::string& a : args(dir.path)) argv.push_back(a);
   const test::Captured refused = test::run_captured(argv, 5s);
-  BOOST_TEST(refused.exit_code == 1, refused.output);
+  BOOST_TEST(refused.exit_code == 2, refused.output);
   BOOST_TEST(refused.output.find("--checkpoint-dir " + dir.path.string() + " is in use by another shmps-server (pid " +
                                  std::to_string(first->process().pid()) + ")") != std::string::npos,
              refused.output);

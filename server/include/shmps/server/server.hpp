@@ -19,6 +19,20 @@ namespace shmps::server {
 
 class Backend;  // server/src/backend.hpp: the memory that holds the weights
 
+// The kind of a failed start (create()) or run (run_server()), for
+// shmps-server's exit status: main() exits 2 for a configuration error,
+// as for a bad option (the unit's RestartPreventExitStatus=2 does not
+// restart it: a restart cannot fix it), and 1 for any other failure
+// (restarted).
+enum class FailureKind {
+  kOther,
+  // The configuration must change before a start can succeed: its
+  // --checkpoint-dir is held by another live server (a copied config file
+  // that kept it). Restarted, the server would fail until that server
+  // stopped, then take over that job's checkpoints.
+  kConfiguration,
+};
+
 // What run() does besides serving, for a daemon under a service manager.
 struct RunOptions {
   // Speak sd_notify (service.hpp) when $NOTIFY_SOCKET is set: READY=1 as
@@ -47,6 +61,9 @@ class Server {
   // kLayoutMismatch / kPermission / kNoCapacity from the segment, kIo for
   // an unreadable init file, kCuda when the CUDA backend cannot start.
   static Result<std::unique_ptr<Server>> create(const ServerConfig& config);
+  // The same, and the kind of a failure in `kind` (kOther unless it is a
+  // configuration error: FailureKind).
+  static Result<std::unique_ptr<Server>> create(const ServerConfig& config, FailureKind& kind);
   // The same on `backend` instead of the one config.backend selects (tests
   // inject a backend that defers completions, to exercise that path
   // without a GPU). Null: the configured one.
@@ -85,10 +102,11 @@ class Server {
 
  private:
   explicit Server(std::unique_ptr<Impl> impl);
+  // `kind`, when given, gets a failure's kind (it is left alone otherwise).
   static Result<std::unique_ptr<Server>> create(const ServerConfig& config, std::unique_ptr<Backend> backend,
-                                                std::unique_ptr<FederationEngine> engine);
+                                                std::unique_ptr<FederationEngine> engine, FailureKind* kind = nullptr);
   static Result<std::unique_ptr<Server>> create_unguarded(const ServerConfig& config, std::unique_ptr<Backend> backend,
-                                                          std::unique_ptr<FederationEngine> engine);
+                                                          std::unique_ptr<FederationEngine> engine, FailureKind* kind);
   std::unique_ptr<Impl> impl_;
 };
 
@@ -100,8 +118,12 @@ class Server {
 // 0: none): the server stops, as on SIGTERM, once that process is no
 // longer its parent (checked every 100 ms), so that a launcher killed
 // without stopping it leaves no server behind. Logs to stderr (log.hpp).
-// Returns run()'s status.
-Status run_server(const ServerConfig& config, const std::vector<std::string>& argv = {}, uint32_t parent_pid = 0);
+// Returns create()'s failure, or run()'s status, with the failure's kind.
+struct ServerExit {
+  Status status;
+  FailureKind kind = FailureKind::kOther;  // of a failure
+};
+ServerExit run_server(const ServerConfig& config, const std::vector<std::string>& argv = {}, uint32_t parent_pid = 0);
 
 // Makes SIGHUP harmless until run_server() wires it to request_reload():
 // a SIGHUP from now on is remembered, and run_server() requests the reload
