@@ -317,6 +317,57 @@ BOOST_AUTO_TEST_CASE(a_child_forked_without_atfork_handlers_leaves_the_parents_s
       });
 }
 
+// A fork()ed child's writes into its parent's registered buffers stay its
+// own (the atfork child handler maps them copy-on-write): the parent's
+// gradient is unchanged, and its push applies only its own gradient. A
+// page the child has not written shows what the parent's pulls write
+// afterwards (MAP_PRIVATE of a shared object: no snapshot); one it wrote
+// keeps the child's bytes.
+BOOST_AUTO_TEST_CASE(a_forked_childs_writes_into_its_parents_buffers_stay_its_own) {
+  test::ServerProcess server(test::unique_name("forkcow"), kSmall);  // lr 0.5
+  auto w = connect(server.name());
+  const uint64_t n = w->total_elements();
+  constexpr uint64_t kPage = 4096;
+  auto grad = w->register_buffer(n * 4);
+  auto weights = w->register_buffer(2 * kPage);  // the first page the child writes, the second it only reads
+  BOOST_REQUIRE(grad.ok() && weights.ok());
+  float* g = static_cast<float*>(grad->data);
+  std::fill_n(g, n, 1.0f);
+  float* first = static_cast<float*>(weights->data);
+  const float* second = first + kPage / 4;
+  uint64_t v = 0;
+  const std::vector<float> before = pull_all(*w, *weights, &v);
+  int to_child[2];
+  int to_parent[2];
+  BOOST_REQUIRE(::pipe(to_child) == 0 && ::pipe(to_parent) == 0);
+  const pid_t child = ::fork();
+  BOOST_REQUIRE(child >= 0);
+  if (child == 0) {
+    std::fill_n(g, n, 100.0f);
+    first[0] = -42.0f;
+    float pulled = 0.0f;
+    if (::write(to_parent[1], "w", 1) != 1 || ::read(to_child[0], &pulled, sizeof pulled) != sizeof pulled) ::_exit(10);
+    if (g[0] != 100.0f) ::_exit(11);       // its own copy stays
+    if (first[0] != -42.0f) ::_exit(12);   // a page it wrote is not overwritten by the parent's pull
+    if (second[0] != pulled) ::_exit(13);  // one it did not write shows the pull
+    ::_exit(0);
+  }
+  char c = 0;
+  BOOST_REQUIRE(::read(to_parent[0], &c, 1) == 1);
+  BOOST_TEST(std::all_of(g, g + n, [](float x) { return x == 1.0f; }));
+  BOOST_TEST(first[0] == before[0]);
+  auto pushed = w->push(kAllTensors, grad->id, 0, n * 4, Dtype::kF32, v);
+  BOOST_REQUIRE_MESSAGE(pushed.ok(), pushed.status().to_string());
+  const std::vector<float> after = pull_all(*w, *weights);
+  for (uint64_t i = 0; i < n; ++i) BOOST_TEST(after[i] == before[i] - 0.5f);
+  BOOST_REQUIRE(w->pull(kAllTensors, weights->id, kPage).ok());
+  BOOST_REQUIRE(::write(to_child[1], &second[0], sizeof(float)) == sizeof(float));
+  int status = 0;
+  BOOST_REQUIRE(::waitpid(child, &status, 0) == child);
+  BOOST_TEST((WIFEXITED(status) && WEXITSTATUS(status) == 0), "child exit status " << status);
+  for (int fd : {to_child[0], to_child[1], to_parent[0], to_parent[1]}) ::close(fd);
+}
+
 BOOST_AUTO_TEST_CASE(every_bad_push_gets_its_error_and_changes_nothing) {
   test::ServerProcess server(test::unique_name("bad"), kSmall);
   auto w = connect(server.name());

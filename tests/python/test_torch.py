@@ -693,3 +693,32 @@ def test_a_model_without_trainable_parameters_says_which_case():
         shmps.Server(torch.nn.ReLU())  # none at all: not "every one frozen"
     with pytest.raises(ValueError, match="every one has requires_grad=False"):
         shmps.Server(torch.nn.Linear(2, 2).requires_grad_(False))
+
+
+def test_a_forked_childs_backward_stays_out_of_its_parents_gradient(make_server):
+    """The gradient buffer is shared memory: a fork()ed child's backward()
+    writes copy-on-write pages of its own (the worker library remaps the
+    buffers privately in the child), as with plain torch, instead of the
+    parent's gradient, which the parent's next step() would push."""
+    model = torch.nn.Linear(4, 3)
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()], optimizer="sgd",
+                         lr=1.0)
+    with shmps.connect(server.name) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+        opt.zero_grad()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                model(torch.ones(1, 4)).sum().backward()
+                code = 0 if torch.equal(model.bias.grad, torch.ones(3)) else 2  # the child's own gradient
+            finally:
+                os._exit(code)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert torch.count_nonzero(model.weight.grad) == 0 and torch.count_nonzero(model.bias.grad) == 0
+        model(torch.full((1, 4), 2.0)).sum().backward()  # the parent's: bias 1, weight 2
+        weight, bias = model.weight.detach().clone(), model.bias.detach().clone()
+        assert opt.step() == 1
+        assert torch.allclose(model.weight.detach(), weight - 2.0, rtol=0, atol=1e-6)
+        assert torch.allclose(model.bias.detach(), bias - 1.0, rtol=0, atol=1e-6)
+        opt.close()

@@ -1,8 +1,11 @@
 #include "shmps/worker.hpp"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <pwd.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,6 +16,7 @@
 #include <deque>
 #include <iterator>
 #include <limits>
+#include <mutex>
 #include <thread>
 #include <tuple>
 
@@ -120,6 +124,101 @@ uint64_t fork_generation() {
 }
 
 namespace {
+
+// The host buffer mappings of this process: every buffer object a Worker
+// created, from its mapping to its unmapping (the last copy of its
+// Buffer::mapping). A fork()ed child inherits them MAP_SHARED: its writes
+// (a backward() into a gradient buffer) would land in the parent's
+// buffer, which the parent's next push sends. The atfork child handler
+// maps each again MAP_PRIVATE from its object, at the same address, so the
+// child's writes go to copy-on-write pages of its own, as any other memory
+// of a forked child. Pages it has not written still read the object, so
+// they show what the parent's pulls write later (Linux's MAP_PRIVATE of a
+// shared object): not a snapshot. An object no longer at its name (its
+// buffer unregistered, or the server unlinked it) or another object there
+// now (its inode) leaves the mapping shared, as does a remap the kernel
+// refuses.
+//
+// The mutex is held across fork() (prepare locks it, parent and child
+// unlock it), so the child reads a whole list; the child handler only
+// makes system calls: no allocation, no lock.
+class HostMappings {
+ public:
+  // The process's list, made (with its atfork handlers) by the first
+  // buffer; never destroyed, so a mapping dropped during static
+  // destruction still finds it.
+  static HostMappings& get() {
+    static HostMappings* const mappings = [] {
+      auto* m = new HostMappings();
+      (void)::pthread_atfork([] { get().mu_.lock(); }, [] { get().mu_.unlock(); }, [] { get().remap_in_child(); });
+      return m;
+    }();
+    return *mappings;
+  }
+
+  void add(const shm::ShmObject& object) {
+    Mapping m{object.data(), object.size(), object.inode(), {}};
+    std::memcpy(m.name, object.name().c_str(), std::min(object.name().size() + 1, sizeof m.name));
+    m.name[sizeof m.name - 1] = '\0';
+    std::lock_guard<std::mutex> lock(mu_);
+    mappings_.push_back(m);
+  }
+
+  // Before the mapping at `address` goes: a child forked after it must not
+  // map anything there.
+  void remove(const void* address) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it =
+        std::find_if(mappings_.begin(), mappings_.end(), [&](const Mapping& m) { return m.address == address; });
+    if (it == mappings_.end()) return;
+    *it = mappings_.back();
+    mappings_.pop_back();
+  }
+
+ private:
+  struct Mapping {
+    void* address;
+    size_t length;
+    uint64_t inode;
+    char name[shm::kNameBytes];
+  };
+
+  // The child handler (single-threaded, mu_ held since prepare). A fresh
+  // private mapping is made first, then moved over the shared one
+  // (mremap): a MAP_FIXED mmap that failed (no memory to charge for the
+  // private copy) could have unmapped the old pages first, leaving a hole
+  // where the caller's tensors are; mremap checks its limits before.
+  void remap_in_child() {
+    for (const Mapping& m : mappings_) {
+      const int fd = ::shm_open(m.name, O_RDONLY | O_CLOEXEC, 0);
+      if (fd < 0) continue;
+      struct stat st {};
+      void* fresh = MAP_FAILED;
+      if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_ino) == m.inode &&
+          static_cast<uint64_t>(st.st_size) >= m.length)
+        fresh = ::mmap(nullptr, m.length, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+      ::close(fd);
+      if (fresh == MAP_FAILED) continue;
+      if (::mremap(fresh, m.length, m.length, MREMAP_MAYMOVE | MREMAP_FIXED, m.address) == MAP_FAILED)
+        ::munmap(fresh, m.length);
+    }
+    mu_.unlock();
+  }
+
+  HostMappings() = default;
+  std::mutex mu_;
+  std::vector<Mapping> mappings_;  // under mu_
+};
+
+// A buffer object's mapping, shared by Buffer::mapping and the Worker's
+// table, listed in HostMappings while it lives.
+std::shared_ptr<shm::ShmObject> listed_mapping(std::unique_ptr<shm::ShmObject> object) {
+  HostMappings::get().add(*object);
+  return std::shared_ptr<shm::ShmObject>(object.release(), [](shm::ShmObject* o) {
+    HostMappings::get().remove(o->data());
+    delete o;
+  });
+}
 
 using shm::trusted_owners;
 
@@ -1271,6 +1370,8 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
     if (object.ok() || !taken || tries == kNameTries) break;
   }
   if (!object.ok()) return object.status();
+  // Listed from here: a child forked from now on maps it copy-on-write.
+  std::shared_ptr<shm::ShmObject> mapping = listed_mapping(std::move(object).value());
   w.fault_point.hit("after_buffer_create");
   if (Status st = w.send_register(id, object_name, bytes); !st.ok()) {
     shm::ShmObject::remove(object_name);
@@ -1282,7 +1383,6 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
   // that dies.
   Buffer b;
   b.id = id;
-  std::shared_ptr<shm::ShmObject> mapping = std::move(object).value();
   b.data = mapping->data();
   b.size = bytes;
   b.mapping = mapping;

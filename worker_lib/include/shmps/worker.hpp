@@ -27,10 +27,18 @@
 // fork()ed child, every call of an inherited Worker fails with
 // kInvalidArgument ("connect its own": sharing the parent's lane would
 // corrupt it), and its destructor only unmaps, leaving the parent's session
-// and buffers alone; the child connects a Worker of its own. A child made
+// and buffers alone; the child connects a Worker of its own. The child's
+// writes into the memory of the parent's host buffers stay its own: an
+// atfork child handler maps every host buffer of the process again
+// MAP_PRIVATE at the same address, so they go to copy-on-write pages, as
+// with any other memory of a forked child, never to the parent or the
+// server. Pages the child has not written read the buffer object, so they
+// show what the parent's pulls write later (not a snapshot of the fork's
+// moment). A mapping whose object is no longer at its name (unregistered
+// before the fork, or unlinked by the server) stays shared. A child made
 // without the atfork handlers (_Fork(), a raw clone()) is told apart by
 // detach() and the destructor (its pid) but not by the other calls: it
-// must not use the parent's Worker. After an exec() without detach(), the
+// must not use the parent's Worker, and its buffers stay shared. After an exec() without detach(), the
 // process keeps its entry and buffer objects (the same pid and start time)
 // until it exits.
 #pragma once
