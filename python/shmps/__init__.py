@@ -296,7 +296,10 @@ class Worker:
         self._w.ping()
 
     def detach(self):
-        """Ends the session with the server; further calls raise UnknownWorkerError."""
+        """Ends the session with the server; further calls raise
+        UnknownWorkerError. Waits for the server's answer at most 5 s (the
+        detach bound; the timeout where shorter); Ctrl-C ends the wait,
+        the Worker detached all the same."""
         self._w.detach()
 
     def interrupt(self):
@@ -313,7 +316,10 @@ class Worker:
         """Detaches (best effort) and releases the buffers; idempotent. A
         call waiting on another thread raises InterruptedError instead of
         being waited for; later calls raise UnknownWorkerError. `closed` is
-        true from the moment it begins."""
+        true from the moment it begins. The detach waits for a stopped
+        server at most 5 s (the detach bound, whatever `timeout` says), and
+        Ctrl-C ends it at once: closed all the same, the KeyboardInterrupt
+        raised."""
         self._w.close()
 
     def __enter__(self):

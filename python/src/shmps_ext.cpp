@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -60,8 +61,9 @@ std::atomic<unsigned long> main_thread{0};
 // exception set, for raised_during() to raise once the call returns; the
 // C++ call then fails with kInterrupted (an answer that came meanwhile is
 // kept for wait()). A wait with the GIL held is left alone: nothing there
-// would raise what a handler set. (A detach, close()'s or that of a Worker
-// freed without close(), never asks.)
+// would raise what a handler set. Also WorkerOptions::detach_interrupted's
+// answer during close() and detach() (Stops::detach_asks), never for a
+// Worker freed without close(): a deallocation has nowhere to raise to.
 bool signal_handler_raised() {
   if (PyThread_get_thread_ident() != main_thread.load(std::memory_order_relaxed)) return false;  // relaxed: one word
   if (PyGILState_Check()) return false;
@@ -82,6 +84,10 @@ struct Stops {
   std::atomic<uint64_t> interrupts{0};  // interrupt()s so far
   std::atomic<Life> life{Life::kOpen};
   uint64_t seen = 0;  // `interrupts` when the call in flight began: written and read by its thread under mu_
+  // Whether a detach runs the signal handlers (close() and detach() set
+  // it around theirs; the destructor's does not): written and read by the
+  // thread holding mu_.
+  bool detach_asks = false;
 
   // relaxed (here and at every access of these two): requests to stop
   // waiting that publish no data; a call that misses one sees it at its
@@ -232,9 +238,11 @@ class PyWorker {
     note_identity();
   }
   // A Worker dropped without close() detaches here, as close() would, with
-  // the GIL released: the detach waits for the server's answer (up to the
-  // Worker's timeout when the server is stopped or busy), and every other
-  // thread runs meanwhile. No call is in flight: each holds a reference.
+  // the GIL released: the detach waits for the server's answer (at most
+  // WorkerOptions::detach_timeout, 5 s, or the Worker's timeout if shorter,
+  // when the server is stopped or busy; no signal handler runs), and every
+  // other thread runs meanwhile. No call is in flight: each holds a
+  // reference.
   ~PyWorker() {
     if (forked()) {
       (void)w_.release();  // the parent's: its state may be mid-call in another parent thread
@@ -481,8 +489,15 @@ class PyWorker {
     check(call([](shmps::Worker& w) { return w.ping(); }));
   }
 
+  // A signal's handler that raises (Ctrl-C) ends the detach's wait; the
+  // Worker is detached all the same, and the handler's exception raised.
   void detach() {
-    check(call([](shmps::Worker& w) { return w.detach(); }));
+    check(call([this](shmps::Worker& w) {
+      stops_->detach_asks = true;
+      shmps::Status s = w.detach();
+      stops_->detach_asks = false;
+      return s;
+    }));
   }
 
   // Ends the call in flight, on whichever thread, where it waits: it fails
@@ -496,7 +511,10 @@ class PyWorker {
   // flight, and frees what this Worker kept alive; further calls raise
   // "closed". A call waiting on another thread is interrupted rather than
   // waited for, and so is any call begun meanwhile. A second close()
-  // returns once the first has detached.
+  // returns once the first has detached. The detach waits for the server
+  // at most WorkerOptions::detach_timeout (5 s), and a signal's handler
+  // that raises (Ctrl-C, on the main thread) ends it at once: the Worker is
+  // closed all the same, and the handler's exception raised after.
   void close() {
     if (forked()) {
       (void)w_.release();  // the parent's (see ~PyWorker)
@@ -508,11 +526,18 @@ class PyWorker {
       stops_->life.compare_exchange_strong(open, Life::kClosing, std::memory_order_relaxed);  // relaxed: see Stops
       GilReleased released;
       std::lock_guard<std::mutex> lock(mu_);
-      w_.reset();       // detaches (a detach is not interrupted: it cancels a held pull instead)
+      stops_->detach_asks = true;
+      w_.reset();  // detaches (it cancels a held pull first)
+      stops_->detach_asks = false;
       pushes_.clear();  // registrations_ stay: a Buffer passed after close() gets "closed"
       stops_->life.store(Life::kClosed, std::memory_order_relaxed);  // relaxed: see Stops
     }
+    // The exception a signal's handler raised during the detach, taken out
+    // of the way while kept_ lets go of its tensors.
+    std::optional<nb::python_error> raised;
+    if (PyErr_Occurred()) raised.emplace();
     kept_.clear();
+    if (raised) throw std::move(*raised);
   }
 
   // In a fork()ed child: the maps kept under mu_ change with the GIL
@@ -674,6 +699,7 @@ std::unique_ptr<PyWorker> connect(const std::string& name, double timeout, bool 
   o.server_user = server_user;
   auto stops = std::make_shared<Stops>();
   o.interrupted = [stops] { return stops->asked() || signal_handler_raised(); };
+  o.detach_interrupted = [stops] { return stops->detach_asks && signal_handler_raised(); };
   return std::make_unique<PyWorker>(take(unlocked([&] { return shmps::Worker::connect(o); })), std::move(stops));
 }
 

@@ -5,8 +5,10 @@
 // once, tickets in flight included. (The table itself is checked when
 // worker.cpp compiles: its static_asserts.)
 #define BOOST_TEST_MODULE test_session
+#include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <chrono>
+#include <future>
 #include <thread>
 
 #include "shmps/shm/segment.hpp"
@@ -156,6 +158,75 @@ BOOST_AUTO_TEST_CASE(without_reconnect_a_dead_server_fails_every_call_and_ticket
   BOOST_TEST(w->detach().ok());
   BOOST_TEST((w->ping().code() == ErrorCode::kUnknownWorker));
   BOOST_TEST(attached_workers(name) == 0u);
+}
+
+// A detach waits for the server's answer at most
+// WorkerOptions::detach_timeout (5 s by default), whatever the call
+// timeout: a Worker of kMaxTimeout dropped while its server is stopped
+// does not hold its program for good. The request stays in the lane, and
+// the server serves it once it runs again.
+BOOST_AUTO_TEST_CASE(a_detach_from_a_stopped_server_waits_at_most_the_detach_timeout) {
+  test::ServerProcess server(test::unique_name("detachbound"), kArgs);
+  auto w = test::connect(server.name(), kMaxTimeout);
+  BOOST_REQUIRE(w->register_buffer(4).ok());
+  server.process().pause();
+  std::promise<std::chrono::steady_clock::duration> took;
+  std::future<std::chrono::steady_clock::duration> done = took.get_future();
+  std::thread dropper([&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    w.reset();  // the destructor detaches
+    took.set_value(std::chrono::steady_clock::now() - t0);
+  });
+  const bool returned = done.wait_for(10s) == std::future_status::ready;
+  server.process().resume();  // else the old code never returns
+  dropper.join();
+  BOOST_TEST(returned, "the detach of a Worker of kMaxTimeout did not return within 10 s");
+  if (returned) {
+    const auto waited = done.get();
+    BOOST_TEST((waited >= 4500ms && waited < 8s), std::chrono::duration<double>(waited).count() << " s");
+  }
+  BOOST_TEST(test::eventually([&] { return attached_workers(server.name()) == 0; }, 5s));
+}
+
+// WorkerOptions::detach_interrupted, asked while a detach waits (and
+// `interrupted` not: a stop flag must not cut a job's detach short), ends
+// it with kInterrupted; the Worker is detached all the same.
+BOOST_AUTO_TEST_CASE(detach_interrupted_ends_a_detach_and_interrupted_does_not) {
+  test::ServerProcess server(test::unique_name("detachint"), kArgs);
+  std::atomic<bool> stop{false};
+  std::atomic<bool> armed{false};
+  std::atomic<int> asked{0};
+  WorkerOptions o = test::worker_options(server.name(), kMaxTimeout, false);
+  o.detach_timeout = 300ms;
+  o.interrupted = [&] { return armed.load(); };  // once armed, would end every other wait at once
+  o.detach_interrupted = [&] {
+    ++asked;
+    return stop.load();
+  };
+  auto first = Worker::connect(o);
+  auto second = Worker::connect(o);
+  BOOST_REQUIRE(first.ok() && second.ok());
+  armed = true;
+  server.process().pause();
+  auto t0 = std::chrono::steady_clock::now();
+  const Status timed_out = (*first)->detach();  // not interrupted: waits its detach_timeout
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  BOOST_TEST((timed_out.code() == ErrorCode::kTimeout), timed_out.to_string());
+  BOOST_TEST(timed_out.message().find("detach_timeout") != std::string::npos, timed_out.to_string());
+  BOOST_TEST((waited >= 250ms && waited < 3s));
+  BOOST_TEST(asked.load() > 0);
+  stop = true;
+  t0 = std::chrono::steady_clock::now();
+  const Status interrupted = (*second)->detach();
+  BOOST_TEST((interrupted.code() == ErrorCode::kInterrupted), interrupted.to_string());
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 250ms));
+  server.process().resume();
+  BOOST_TEST(((*first)->ping().code() == ErrorCode::kUnknownWorker));
+  BOOST_TEST(((*second)->ping().code() == ErrorCode::kUnknownWorker));
+  BOOST_TEST(test::eventually([&] { return attached_workers(server.name()) == 0; }, 5s));
+  WorkerOptions bad = o;
+  bad.detach_timeout = 0ms;
+  BOOST_TEST((Worker::connect(bad).status().code() == ErrorCode::kInvalidArgument));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

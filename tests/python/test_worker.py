@@ -1271,3 +1271,87 @@ def test_pushes_in_flight_and_answered_whatever_names_the_buffer(make_server):
         assert w.answered(by_id) and w.answered(by_buffer)
         assert w.wait(by_id) == 1 and w.wait(by_buffer) == 2
         assert w.pushes_in_flight(g) == []
+
+
+def test_close_against_a_stopped_server_waits_at_most_the_detach_bound(make_server):
+    """close() of a Worker whose calls wait without end (timeout=inf)
+    against a SIGSTOPped server: its detach gives up after the detach bound
+    (5 s) instead of waiting for good; the server serves it once it runs
+    again. (A watchdog continues the server after 12 s, for the code that
+    waited for it.)"""
+    server = make_server()
+    observer = shmps.connect(server.name)
+    w = shmps.connect(server.name, timeout=float("inf"))
+    w.pull(w.register_buffer(w.total_elements * 4))
+    os.kill(server.process.pid, signal.SIGSTOP)
+    watchdog = threading.Timer(12, os.kill, (server.process.pid, signal.SIGCONT))
+    watchdog.start()
+    try:
+        start = time.monotonic()
+        w.close()
+        waited = time.monotonic() - start
+    finally:
+        watchdog.cancel()
+        os.kill(server.process.pid, signal.SIGCONT)
+    assert w.closed and 4.5 <= waited < 9, waited
+    deadline = time.monotonic() + 10
+    while observer.stats().workers_attached != 1:  # the detach, served now
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    observer.close()
+
+
+def test_ctrl_c_ends_a_close_that_waits_for_a_stopped_server(make_server):
+    """SIGINT during close()'s detach raises KeyboardInterrupt at once; the
+    Worker is closed all the same (the server serves the detach when it
+    runs again, or reaps the entry with the process)."""
+    server = make_server()
+    w = shmps.connect(server.name, timeout=float("inf"))
+    grad = w.register_buffer(w.total_elements * 4)
+    w.pull(grad)
+    os.kill(server.process.pid, signal.SIGSTOP)
+    watchdog = threading.Timer(12, os.kill, (server.process.pid, signal.SIGCONT))
+    watchdog.start()
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            w.close()
+        waited = time.monotonic() - start
+    finally:
+        watchdog.cancel()
+        os.kill(server.process.pid, signal.SIGCONT)
+    assert waited < 2, waited
+    assert w.closed
+    with pytest.raises(shmps.UnknownWorkerError, match="closed"):
+        w.ping()
+    w.close()  # again: nothing left to do
+    assert glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*") == []  # its buffer object unlinked
+
+
+def test_an_exit_against_a_stopped_server_waits_at_most_the_detach_bound(make_server):
+    """A script whose Worker (timeout=inf) is still open at exit, its
+    server SIGSTOPped: the exit's detach gives up after the detach bound
+    (5 s) instead of holding the process for good."""
+    server = make_server()
+    script = f"""
+import os, signal, shmps
+w = shmps.connect({server.name!r}, timeout=float("inf"))
+w.pull(w.register_buffer(w.total_elements * 4))
+os.kill({server.process.pid}, signal.SIGSTOP)
+print("stopped", flush=True)
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "stopped"
+        start = time.monotonic()
+        try:
+            child.wait(timeout=12)
+        except subprocess.TimeoutExpired:
+            pass
+        waited = time.monotonic() - start
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        child.kill()
+        child.wait()
+    assert child.returncode == 0 and waited < 9, (child.returncode, waited)

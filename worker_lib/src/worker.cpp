@@ -663,13 +663,15 @@ class Worker::Impl {
     return 2 * t + 2;
   }
 
-  // WorkerOptions::interrupted's answer: false when there is none, while
-  // detaching, and while a buffer is registered or unregistered (the
-  // worker's and the server's tables of buffers must not part: an id the
-  // server took while we gave it up would be refused to every later
-  // registration). Those answer promptly unless queued behind a held pull.
+  // WorkerOptions::interrupted's answer, or while detaching
+  // detach_interrupted's: false when there is none, and while a buffer is
+  // registered or unregistered (the worker's and the server's tables of
+  // buffers must not part: an id the server took while we gave it up would
+  // be refused to every later registration). Those answer promptly unless
+  // queued behind a held pull.
   bool asked_to_stop() const {
-    if (state_ == State::kDetaching || uninterruptible != 0 || !options.interrupted) return false;
+    const std::function<bool()>& hook = state_ == State::kDetaching ? options.detach_interrupted : options.interrupted;
+    if (uninterruptible != 0 || !hook) return false;
     // A call of this Worker from inside the hook would take the waiting
     // call's answers (owned() refuses it).
     in_hook = true;
@@ -677,7 +679,7 @@ class Worker::Impl {
       bool& flag;
       ~Out() { flag = false; }
     } out{in_hook};
-    return options.interrupted();
+    return hook();
   }
   mutable bool in_hook = false;  // asked_to_stop() is running the interrupted hook
   int uninterruptible = 0;       // NoInterrupt scopes open
@@ -880,11 +882,12 @@ class Worker::Impl {
     return {code, c.message};
   }
 
-  // One request and its answer, with a timeout of its own. In a session
-  // only: a public call has passed enter(); a re-attach registers buffers
-  // with it.
-  Result<Completion> request(Request req) {
-    shm::Deadline deadline(options.timeout);
+  // One request and its answer, with a timeout of its own (`timeout`; the
+  // call timeout by default). In a session only: a public call has passed
+  // enter(); a re-attach registers buffers with it.
+  Result<Completion> request(Request req) { return request(req, options.timeout); }
+  Result<Completion> request(Request req, std::chrono::milliseconds timeout) {
+    shm::Deadline deadline(timeout);
     auto ticket = submit(req, deadline);
     if (!ticket.ok()) return ticket.status();
     auto c = wait(*ticket, deadline);
@@ -1238,8 +1241,9 @@ class Worker::Impl {
 
   // Ends the Worker's use (to kDetached, from any state but kDetached):
   // a session whose server is alive and has not evicted us sends a detach
-  // request (its error, if any, is the result); one that is over ends
-  // without; then every buffer goes. No re-attach.
+  // request (its error, if any, is the result), waiting for its answer at
+  // most detach_timeout; one that is over ends without; then every buffer
+  // goes. No re-attach.
   Status detach() {
     Status result;
     if (state_ == State::kAttached) {
@@ -1250,8 +1254,14 @@ class Worker::Impl {
         if (in_flight() > 0) cancel_held_pulls();
         Request req{};
         req.opcode = static_cast<uint32_t>(Opcode::kDetach);
-        auto c = request(req);  // may end the session: kServerGone, kEvicted
+        const auto bound = std::min(options.timeout, options.detach_timeout);
+        auto c = request(req, bound);  // may end the session: kServerGone, kEvicted
         result = c.ok() ? Status::Ok() : c.status();
+        if (result.code() == ErrorCode::kTimeout)
+          result = {ErrorCode::kTimeout, "server '" + options.name + "' did not answer the detach within " +
+                                             std::to_string(bound.count()) +
+                                             " ms (WorkerOptions::detach_timeout, or the call timeout if shorter): "
+                                             "detached on this side; the server serves it when it runs again"};
         if (state_ == State::kDetaching) {
           if (Status s = end_session(State::kDetached, Status{ErrorCode::kUnknownWorker, "detached"}); !s.ok())
             result = s;
@@ -1284,9 +1294,11 @@ Worker::~Worker() {
 Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& asked) {
   if (asked.timeout.count() <= 0) return Status{ErrorCode::kInvalidArgument, "timeout must be > 0"};
   if (asked.wait_for_server.count() < 0) return Status{ErrorCode::kInvalidArgument, "wait_for_server must be >= 0"};
+  if (asked.detach_timeout.count() <= 0) return Status{ErrorCode::kInvalidArgument, "detach_timeout must be > 0"};
   WorkerOptions options = asked;
   options.timeout = std::min(options.timeout, kMaxTimeout);
   options.wait_for_server = std::min(options.wait_for_server, kMaxTimeout);
+  options.detach_timeout = std::min(options.detach_timeout, kMaxTimeout);
   auto trusted = trusted_owners(options.server_user);
   if (!trusted.ok()) return trusted.status();
   const auto give_up = std::chrono::steady_clock::now() + options.wait_for_server;

@@ -151,6 +151,26 @@ struct WorkerOptions {
   // (Ctrl-C), a C++ job may read its stop flag. Empty (the default): waits
   // end only by their answer, their timeout or the session's end.
   std::function<bool()> interrupted;
+  // The longest a detach (detach(), the destructor) waits for the server's
+  // answer, whatever `timeout` says (the shorter of the two applies; more
+  // than kMaxTimeout is taken as kMaxTimeout): a program that ends, or
+  // drops its Worker, while its server is stopped or wedged is held this
+  // long at most, also with a timeout in effect without end. A detach not
+  // answered in time (kTimeout) or interrupted (below) ends on this side
+  // all the same: the Worker is detached and its buffer objects unlinked;
+  // the request stays in the lane, the server serves it when it runs
+  // again, and the entry is free for another worker once this process is
+  // gone (the server reaps it, as a dead worker's).
+  std::chrono::milliseconds detach_timeout{5000};
+  // Asked while a detach waits, as `interrupted` is while the other calls
+  // wait (`interrupted` is not asked then: a stop flag that ended a job's
+  // calls must not cut its detach short). True ends the wait with
+  // kInterrupted, as a detach that timed out. Runs on the detaching
+  // thread; must not throw, nor call this Worker. The Python binding runs
+  // the interpreter's signal handlers here during close() and detach(), so
+  // Ctrl-C ends them. Empty (the default): the detach waits for its answer
+  // or detach_timeout.
+  std::function<bool()> detach_interrupted;
 };
 
 // A buffer registered with the server. `data` stays mapped while the Worker
@@ -212,7 +232,7 @@ class Worker {
   // kInterrupted (options.interrupted).
   static Result<std::unique_ptr<Worker>> connect(const WorkerOptions& options);
 
-  ~Worker();  // detaches (best effort) and unmaps/unlinks its buffers
+  ~Worker();  // detaches (best effort, as detach()) and unmaps/unlinks its buffers
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
@@ -364,10 +384,13 @@ class Worker {
   // An empty request: the ring's round trip. Errors: request errors.
   Status ping();
   // Detaches explicitly (the destructor does it too). Final, with reconnect
-  // too: further calls fail with kUnknownWorker and nothing attaches again;
-  // wait() still returns the answers to requests made before (one the
-  // detach left unanswered: kServerRestarted). A session already ended
-  // (server gone, eviction) ends here without a request.
+  // too, and whatever it returns: further calls fail with kUnknownWorker
+  // and nothing attaches again; wait() still returns the answers to
+  // requests made before (one the detach left unanswered:
+  // kServerRestarted). A session already ended (server gone, eviction)
+  // ends here without a request. Waits for the server's answer at most
+  // WorkerOptions::detach_timeout (kTimeout after it) and while
+  // WorkerOptions::detach_interrupted says no (kInterrupted).
   Status detach();
 
   class Impl;
