@@ -53,25 +53,29 @@ class RemoteOptimizer:
         self.device = devices.pop()
         nbytes = worker.total_elements * 4
         if self.device.type == "cuda":
-            self._grad_buf = worker.alloc_device_buffer(nbytes, self.device.index or 0)
-            self._weight_buf = worker.alloc_device_buffer(nbytes, self.device.index or 0)
+            def register():
+                return worker.alloc_device_buffer(nbytes, self.device.index or 0)
         elif self.device.type == "cpu":
-            self._grad_buf = worker.register_buffer(nbytes)
-            self._weight_buf = worker.register_buffer(nbytes)
+            def register():
+                return worker.register_buffer(nbytes)
         else:
             raise ValueError(f"parameters on {self.device} are not supported (cpu or cuda)")
-        self._grads = torch.from_dlpack(self._grad_buf).view(torch.float32)
-        self._weights = torch.from_dlpack(self._weight_buf).view(torch.float32)
-        self._grads.zero_()
-        views = []  # (parameter, its weights' view, its gradient's view)
-        with torch.no_grad():
-            for name, p in self._params:
-                info = worker.tensor(name)
-                w = self._weights[info.offset:info.offset + info.count].view(p.shape)
-                if init:
-                    w.copy_(p.detach())
-                views.append((p, w, self._grads[info.offset:info.offset + info.count].view(p.shape)))
+        buffers = []  # registered so far: freed again if the constructor fails
         try:
+            buffers.append(register())
+            buffers.append(register())
+            self._grad_buf, self._weight_buf = buffers
+            self._grads = torch.from_dlpack(self._grad_buf).view(torch.float32)
+            self._weights = torch.from_dlpack(self._weight_buf).view(torch.float32)
+            self._grads.zero_()
+            views = []  # (parameter, its weights' view, its gradient's view)
+            with torch.no_grad():
+                for name, p in self._params:
+                    info = worker.tensor(name)
+                    w = self._weights[info.offset:info.offset + info.count].view(p.shape)
+                    if init:
+                        w.copy_(p.detach())
+                    views.append((p, w, self._grads[info.offset:info.offset + info.count].view(p.shape)))
             if init:
                 self._sync()
                 try:
@@ -81,9 +85,7 @@ class RemoteOptimizer:
             self.pull()
         except BaseException:
             # The model keeps its own tensors: they are replaced only below.
-            for buf in (self._grad_buf, self._weight_buf):
-                with contextlib.suppress(_errors.Error):
-                    worker.unregister_buffer(buf)
+            _unregister(worker, *buffers)
             raise
         with torch.no_grad():
             for p, w, g in views:

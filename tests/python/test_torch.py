@@ -722,3 +722,20 @@ def test_a_forked_childs_backward_stays_out_of_its_parents_gradient(make_server)
         assert torch.allclose(model.weight.detach(), weight - 2.0, rtol=0, atol=1e-6)
         assert torch.allclose(model.bias.detach(), bias - 1.0, rtol=0, atol=1e-6)
         opt.close()
+
+
+def test_a_constructor_whose_second_registration_fails_frees_the_first(make_server):
+    """Three buffer slots, two taken: the gradient buffer gets the third,
+    the weight buffer none; the constructor's failure frees the gradient
+    buffer's slot too."""
+    model = torch.nn.Linear(4, 3)
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()], max_buffers=3)
+    with shmps.connect(server.name) as w:
+        taken = [w.register_buffer(64), w.register_buffer(64)]
+        with pytest.raises(shmps.NoCapacityError):
+            shmps.torch.RemoteOptimizer(model, w)
+        for buf in taken:
+            w.unregister_buffer(buf)
+        assert glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*") == []
+        for buf in [w.register_buffer(8) for _ in range(3)]:  # every slot free again
+            w.unregister_buffer(buf)
