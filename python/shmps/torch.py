@@ -83,9 +83,18 @@ class RemoteOptimizer:
                 except _errors.InitRefusedError:
                     pass  # another worker of the job initialised first
             self.pull()
-        except BaseException:
+        except BaseException as e:
             # The model keeps its own tensors: they are replaced only below.
-            _unregister(worker, *buffers)
+            # A server's answer: the buffers are freed now. An interrupt
+            # (Ctrl-C; a signal handler's exception; Worker.interrupt()),
+            # which may come while the server does not answer: at the
+            # Worker's next registration (an unregister waits for the
+            # server, without end under timeout=inf, and cannot be
+            # interrupted), as for an optimizer dropped without close().
+            if isinstance(e, _errors.Error) and not isinstance(e, _errors.InterruptedError):
+                _unregister(worker, *buffers)
+            else:
+                worker.free_later(*buffers)
             raise
         with torch.no_grad():
             for p, w, g in views:

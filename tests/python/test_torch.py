@@ -739,3 +739,39 @@ def test_a_constructor_whose_second_registration_fails_frees_the_first(make_serv
         assert glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*") == []
         for buf in [w.register_buffer(8) for _ in range(3)]:  # every slot free again
             w.unregister_buffer(buf)
+
+
+def test_ctrl_c_in_the_constructors_pull_leaves_its_buffers_to_the_next_registration(make_server):
+    """Ctrl-C while the constructor's pull waits for a stopped server (the
+    Worker's timeout infinite) raises at once: the two buffers are handed
+    to Worker.free_later instead of being unregistered there, which would
+    wait for the server without end; the next registration frees them.
+    (A watchdog continues the server after 12 s, for the code that waited.)"""
+    import signal
+    import threading
+    import time
+
+    model = Net()
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
+
+    class StopsTheServerFirst(shmps.torch.RemoteOptimizer):
+        def pull(self):
+            os.kill(server.process.pid, signal.SIGSTOP)
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return super().pull()
+
+    with shmps.connect(server.name, timeout=float("inf")) as w:
+        watchdog = threading.Timer(12, os.kill, (server.process.pid, signal.SIGCONT))
+        watchdog.start()
+        try:
+            start = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                StopsTheServerFirst(model, w)
+            took = time.monotonic() - start
+        finally:
+            watchdog.cancel()
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert took < 2.0, f"the constructor held the interrupt for {took:.1f} s"
+        spare = w.register_buffer(16)  # frees the two first
+        assert len(glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*")) == 1
+        w.unregister_buffer(spare)
