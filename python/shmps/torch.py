@@ -16,6 +16,8 @@ reads them: nothing is copied on the worker's side. The optimizer itself
 """
 
 import contextlib
+import os
+import threading
 import weakref
 
 import torch
@@ -41,6 +43,12 @@ class RemoteOptimizer:
         self.worker = worker
         self.on_stale = on_stale
         self.closed = False
+        # Held by zero_grad(), step(), pull() and close(): steps from
+        # several threads take turns, so none waits for (and takes the
+        # answer of) another's push. Reentrant: a step pulls through
+        # pull(). Made anew in a fork()ed child (_new_locks_in_child).
+        self._lock = threading.RLock()
+        _optimizers.add(self)
         self._step_mark = 0  # the last push answer taken before the current step's push
         self._final = None   # the PushOutcomes as the buffers were unregistered (close())
         named = list(model.named_parameters())
@@ -186,6 +194,10 @@ class RemoteOptimizer:
     def zero_grad(self, set_to_none=False):
         """Zeroes the gradient buffer; .grad is never set to None (it must stay a view of the buffer)."""
         del set_to_none  # accepted for torch.optim's signature; the buffer is always zeroed
+        with self._lock:
+            self._zero_grad()
+
+    def _zero_grad(self):
         self._check_open("zero_grad")
         self._settle_pending()
         self._grads.zero_()
@@ -199,6 +211,10 @@ class RemoteOptimizer:
         free), and dropped. Idempotent; step(), pull() and zero_grad()
         after it raise. A close() that raises (no memory for the copies)
         leaves the model on the buffers, and may be called again."""
+        with self._lock:
+            self._close()
+
+    def _close(self):
         if self.closed:
             return
         # A push a Ctrl-C left in flight: its answer taken (a server gone
@@ -241,6 +257,10 @@ class RemoteOptimizer:
         both, and sees its own update). Returns the version pulled; a
         StaleError under on_stale="raise" comes with the weights already
         pulled."""
+        with self._lock:
+            return self._step()
+
+    def _step(self):
         self._check_open("step")
         self._settle_pending()
         for (name, _), (_, p), ptr in zip(self._grad_ptrs, self._params, self._weight_ptrs):
@@ -322,10 +342,27 @@ class RemoteOptimizer:
 
     def pull(self):
         """Pulls the server's newest weights into the parameters (no push); returns their version."""
+        with self._lock:
+            return self._pull()
+
+    def _pull(self):
         self._check_open("pull")
         self._settle_pending()
         self.version = self.worker.pull(self._weight_buf, stream=self._stream())
         return self.version
+
+
+# Every RemoteOptimizer of the process, for a fork()ed child: a lock that
+# a parent's thread held at the fork would never be released there.
+_optimizers = weakref.WeakSet()
+
+
+def _new_locks_in_child():
+    for opt in list(_optimizers):
+        opt._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_locks_in_child)
 
 
 def _unregister(worker, *buffers):

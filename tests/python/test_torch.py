@@ -775,3 +775,76 @@ def test_ctrl_c_in_the_constructors_pull_leaves_its_buffers_to_the_next_registra
         spare = w.register_buffer(16)  # frees the two first
         assert len(glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*")) == 1
         w.unregister_buffer(spare)
+
+
+def test_steps_from_several_threads_take_turns(make_server):
+    """Three threads step one RemoteOptimizer: no step takes another's
+    push answer ("ticket N was already waited for"), and every push is
+    counted once."""
+    import threading
+
+    model = torch.nn.Linear(4, 3)
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()], optimizer="sgd",
+                         lr=0.01, max_staleness=100000)
+    errors = []
+    with shmps.connect(server.name) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+
+        def train():
+            for _ in range(150):
+                try:
+                    opt.zero_grad()
+                    model(torch.ones(1, 4)).sum().backward()
+                    opt.step()
+                except Exception as e:  # noqa: BLE001 (every error is the test's failure)
+                    errors.append(e)
+
+        threads = [threading.Thread(target=train) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert (opt.pushes, opt.stale) == (450, 0)
+        assert w.stats().gradients_applied == 450
+        assert w.pushes_in_flight(opt._grad_buf) == []
+        opt.close()
+
+
+def test_a_forked_child_closes_an_optimizer_whose_step_another_parent_thread_was_in(make_server):
+    """The optimizer's lock, held by a parent's thread in step() at the
+    fork, is made anew in the child: its close() does not wait for a thread
+    the child does not have."""
+    import threading
+
+    model = torch.nn.Linear(4, 1, bias=False)
+    server = make_server(tensors=[("weight", (1, 4))])
+    with shmps.connect(server.name, timeout=5) as w:
+        opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+        inside, leave = threading.Event(), threading.Event()
+
+        def hold():  # as a step() in flight would
+            with opt._lock:
+                inside.set()
+                leave.wait()
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        inside.wait()
+        try:
+            pid = os.fork()
+            if pid == 0:
+                import signal
+                signal.alarm(10)  # a hang ends the child, failing the test
+                code = 1
+                try:
+                    opt.close()
+                    code = 0 if opt.closed else 2
+                finally:
+                    os._exit(code)
+            assert os.waitpid(pid, 0)[1] == 0
+        finally:
+            leave.set()
+            holder.join()
+        assert opt.step() == 1
+        opt.close()
