@@ -132,6 +132,31 @@ def _device_index(device):
     raise ValueError(f"device must be a CUDA device (an ordinal, 'cuda:N' or a torch.device), not {device!r}")
 
 
+class _HeldStorage:
+    """The storage of a tensor that register_device_buffer() registered,
+    held while the registration lives, with its data pointer as
+    registered. Held, so that t.set_(other) leaves the registered memory
+    allocated (the server may still write a pull there); checked, because
+    t.resize_() past the storage reallocates it in place (the storage is
+    the same, its memory new; the old block goes back to torch's caching
+    allocator, maybe to another tensor): a call on the buffer then is
+    refused instead of sending the server to the old block."""
+
+    def __init__(self, tensor):
+        # torch 2.x: untyped_storage(); 1.13: storage(), a TypedStorage over it.
+        self.storage = tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else tensor.storage()
+        self.ptr = self.storage.data_ptr()
+
+    def data_ptr(self):
+        return self.storage.data_ptr()
+
+    def check(self, buffer_id):
+        if self.storage.data_ptr() != self.ptr:
+            raise _errors.InvalidArgumentError(
+                f"buffer {buffer_id}: the tensor registered as it was reallocated (resize_() past its storage), so "
+                "the registered memory is no longer its own: unregister_buffer() it, and register the tensor again")
+
+
 class Worker:
     """A connection to one shmps-server; made by connect(). A context
     manager: leaving the block closes it (detaches, frees its buffers)."""
@@ -144,6 +169,7 @@ class Worker:
         self.total_elements = native.total_elements
         self._by_name = {t.name: t for t in self.tensors}
         self._dropped = []  # buffers to free at the next registration (free_later())
+        self._held = {}  # register_device_buffer()'s registrations -> their _HeldStorage
 
     # ---- identity ----
     @property
@@ -187,27 +213,33 @@ class Worker:
 
     def register_device_buffer(self, tensor):
         """Registers the CUDA memory of a contiguous torch tensor in place
-        (the tensor is kept alive until unregister_buffer or close). Memory
-        of torch's expandable segments cannot be exported: use
-        alloc_device_buffer then."""
+        (the tensor and its storage are kept alive until unregister_buffer
+        or close; a call on the buffer after t.resize_() reallocated the
+        storage is refused). Memory of torch's expandable segments cannot
+        be exported: use alloc_device_buffer then."""
         if not getattr(tensor, "is_cuda", False):
             raise _errors.InvalidArgumentError("register_device_buffer takes a CUDA tensor; use register_buffer for host memory")
         if not tensor.is_contiguous():
             raise _errors.InvalidArgumentError("register_device_buffer takes a contiguous tensor")
         self._free_dropped()
+        held = _HeldStorage(tensor)
         try:
-            return self._w.register_device_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
-                                                  tensor.device.index or 0, tensor)
+            buf = self._w.register_device_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
+                                                 tensor.device.index or 0, (tensor, held.storage))
         except _errors.CudaError as e:
             if "legacy CUDA IPC" not in e.message:
                 raise
             raise _errors.CudaError(e.message + "; from Python, worker.alloc_device_buffer(nbytes, device) gives "
                                     "memory that can be exported (torch.from_dlpack(buffer) is a tensor over it)") from None
+        self._held[buf.registration] = held
+        return buf
 
     def unregister_buffer(self, buffer):
         """The server unmaps it; views of a host buffer stay valid memory
         that the server no longer reads."""
-        self._w.unregister_buffer(*self._buffer_ref(buffer))
+        ref = self._buffer_ref(buffer, check_storage=False)  # a reallocated tensor's buffer may go
+        self._w.unregister_buffer(*ref)
+        self._held.pop(ref[1], None)
 
     def free_later(self, *buffers):
         """Unregisters `buffers` at this Worker's next registration, after
@@ -321,6 +353,7 @@ class Worker:
         Ctrl-C ends it at once: closed all the same, the KeyboardInterrupt
         raised."""
         self._w.close()
+        self._held.clear()
 
     def __enter__(self):
         return self
@@ -352,13 +385,18 @@ class Worker:
             return _unsigned("tensor", tensor, 32)
         raise TypeError(f"tensor must be a name, a TensorInfo, an id or None, not {type(tensor).__name__}")
 
-    def _buffer_ref(self, buffer):
+    def _buffer_ref(self, buffer, check_storage=True):
         """(id, registration) for the native call, which refuses a Buffer
         unregistered since (its id may name a newer buffer); a bare id goes
-        unchecked (registration 0)."""
+        unchecked (registration 0). A registered tensor's reallocated
+        storage is refused (_HeldStorage)."""
         if isinstance(buffer, Buffer):
             if buffer.worker != self._w.serial:
                 raise _errors.InvalidArgumentError(f"buffer {buffer.id} was registered by another Worker")
+            if check_storage and self._held:
+                held = self._held.get(buffer.registration)
+                if held is not None:
+                    held.check(buffer.id)
             return buffer.id, buffer.registration
         if not hasattr(buffer, "__index__") or getattr(buffer, "ndim", 0) != 0:  # a numpy array is no id
             raise TypeError(f"buffer must be a shmps.Buffer (Worker.register_buffer()'s) or a buffer id, not "

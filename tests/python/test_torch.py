@@ -848,3 +848,58 @@ def test_a_forked_child_closes_an_optimizer_whose_step_another_parent_thread_was
             holder.join()
         assert opt.step() == 1
         opt.close()
+
+
+def test_a_registered_tensors_storage_is_held_and_its_reallocation_refused():
+    """register_device_buffer(tensor) holds the tensor's storage, not only
+    the tensor: after t.set_(other) the registered memory stays allocated;
+    after t.resize_() past its storage (which reallocates it, the old block
+    going back to torch's allocator) a call on the buffer is refused. (The
+    device path itself needs a GPU: this checks the part that runs on the
+    CPU, shmps._HeldStorage.)"""
+    t = torch.arange(4.0)
+    held = shmps._HeldStorage(t)
+    ptr = t.data_ptr()
+    t.set_(torch.zeros(8))
+    del t
+    assert held.data_ptr() == ptr  # still the registered memory, held
+    held.check(3)
+    u = torch.zeros(4)
+    held = shmps._HeldStorage(u)
+    u.resize_(1 << 20)
+    with pytest.raises(shmps.InvalidArgumentError, match="buffer 3: .*reallocated"):
+        held.check(3)
+
+
+def test_a_call_on_a_registered_tensor_reallocated_by_resize_is_refused(make_server):
+    """register_device_buffer's wiring of _HeldStorage, the device part
+    stubbed (no GPU needed): the extension's register_device_buffer is
+    replaced by a host registration, the tensor is a CPU one that says it
+    is on CUDA. A pull after resize_() reallocated its storage is refused,
+    naming the buffer; unregister_buffer() still frees it."""
+    class SaysCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    server = make_server()
+    with shmps.connect(server.name) as w:
+        native = w._w
+
+        class HostForDevice:
+            def __getattr__(self, name):
+                return getattr(native, name)
+
+            def register_device_buffer(self, ptr, nbytes, device, owner):
+                self.owner = owner
+                return native.register_buffer(nbytes)
+
+        w._w = HostForDevice()
+        t = torch.zeros(w.total_elements).as_subclass(SaysCuda)
+        buf = w.register_device_buffer(t)
+        assert w.pull(buf) == 0
+        t.resize_(1 << 20)  # past its storage: reallocated
+        with pytest.raises(shmps.InvalidArgumentError, match=f"buffer {buf.id}: .*reallocated"):
+            w.pull(buf)
+        w.unregister_buffer(buf)
+        assert glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*") == []
