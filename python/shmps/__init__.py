@@ -20,6 +20,7 @@ layer is shmps.torch (RemoteOptimizer). docs/python.md has the whole API.
 import builtins
 import contextlib
 import dataclasses
+import numbers
 import operator
 import os
 import threading
@@ -368,7 +369,7 @@ class Worker:
 
     def __repr__(self):
         try:
-            state = "closed" if self.closed else f"worker {self.worker_id}"
+            state = "closed" if self.closed else "detached" if self._w.detached else f"worker {self.worker_id}"
         except _errors.Error:  # a fork()ed child's copy: its identity is the parent's
             state = "not usable in this process"
         return f"shmps.Worker({self.name!r}, {state}, {len(self.tensors)} tensors, {self.total_elements} elements)"
@@ -381,7 +382,7 @@ class Worker:
             return tensor.id
         if isinstance(tensor, str):
             return self.tensor(tensor).id
-        if hasattr(tensor, "__index__"):  # an int, numpy's integers
+        if isinstance(tensor, numbers.Integral):  # an int, numpy's integers; no tensor or array, 0-d too
             return _unsigned("tensor", tensor, 32)
         raise TypeError(f"tensor must be a name, a TensorInfo, an id or None, not {type(tensor).__name__}")
 
@@ -398,7 +399,9 @@ class Worker:
                 if held is not None:
                     held.check(buffer.id)
             return buffer.id, buffer.registration
-        if not hasattr(buffer, "__index__") or getattr(buffer, "ndim", 0) != 0:  # a numpy array is no id
+        # An int or numpy's integers; a tensor or an array is no id, even
+        # a 0-d one that converts to an int.
+        if not isinstance(buffer, numbers.Integral):
             raise TypeError(f"buffer must be a shmps.Buffer (Worker.register_buffer()'s) or a buffer id, not "
                             f"{type(buffer).__name__}")
         return _unsigned("buffer", buffer, 32), 0
@@ -426,6 +429,19 @@ def connect(name, timeout=10.0, reconnect=False, wait_for_server=0.0, server_use
     `server_user`: the user the server runs as when it is neither this
     process's user nor root (default: the packaged unit's "shmps", where it
     exists); a segment owned by anyone else raises PermissionError."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, not {type(name).__name__}")
     if isinstance(reconnect, (str, bytes)) or reconnect not in (True, False):  # "no" would be true
         raise TypeError(f"reconnect must be True or False, not {reconnect!r}")
-    return Worker(_connect(name, float(timeout), bool(reconnect), float(wait_for_server), str(server_user)), name)
+    if not isinstance(server_user, str):  # None would be the user "None"
+        raise TypeError(f"server_user must be a str (\"\": the default), not {type(server_user).__name__}")
+    return Worker(_connect(name, _seconds("timeout", timeout), bool(reconnect),
+                           _seconds("wait_for_server", wait_for_server), server_user), name)
+
+
+def _seconds(what, value):
+    """A number of seconds as a float; text and bools are refused (float()
+    would take "5" and True)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
+    return float(value)

@@ -496,9 +496,16 @@ class PyWorker {
       stops_->detach_asks = true;
       shmps::Status s = w.detach();
       stops_->detach_asks = false;
+      // Final whatever it returned, but for a refusal (kInvalidArgument:
+      // not this process's Worker).
+      if (s.code() != shmps::ErrorCode::kInvalidArgument)
+        detached_.store(true, std::memory_order_relaxed);  // relaxed: one flag, read by repr()
       return s;
     }));
   }
+
+  // Without the lock, as closed(): whether detach() ended the session.
+  bool detached() const { return detached_.load(std::memory_order_relaxed); }
 
   // Ends the call in flight, on whichever thread, where it waits: it fails
   // with kInterrupted at its next ask (a held pull withdrawn, as for
@@ -664,6 +671,7 @@ class PyWorker {
   mutable std::mutex identity_mu_;      // held only to copy identity_, never while a call waits
   Identity identity_;
   std::atomic<unsigned long> holder_{0};  // the thread in call() holding mu_ (0: none)
+  std::atomic<bool> detached_{false};     // detach() ran (detached())
   // Under mu_:
   std::unique_ptr<shmps::Worker> w_;
   uint64_t last_registration_ = 0;
@@ -769,6 +777,7 @@ NB_MODULE(_shmps, m) {
       .def_prop_ro("last_version",
                    [](PyWorker& w) { return w.call([](shmps::Worker& x) { return x.last_version(); }); })
       .def_prop_ro("closed", &PyWorker::closed)
+      .def_prop_ro("detached", &PyWorker::detached)
       .def("tensors", &PyWorker::tensors)
       .def_prop_ro("serial", &PyWorker::serial)
       .def("register_buffer", &PyWorker::register_buffer, "nbytes"_a)

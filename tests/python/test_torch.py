@@ -903,3 +903,13 @@ def test_a_call_on_a_registered_tensor_reallocated_by_resize_is_refused(make_ser
             w.pull(buf)
         w.unregister_buffer(buf)
         assert glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*") == []
+
+
+def test_a_zero_dimensional_tensor_is_no_buffer_id(make_server):
+    server = make_server()
+    with shmps.connect(server.name) as w:
+        buf = w.register_buffer(w.total_elements * 4)
+        with pytest.raises(TypeError, match="shmps.Buffer"):
+            w.pull(torch.tensor(buf.id))
+        with pytest.raises(TypeError, match="tensor must be"):
+            w.pull(buf, tensor=torch.tensor(0))

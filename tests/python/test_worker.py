@@ -1355,3 +1355,38 @@ print("stopped", flush=True)
         child.kill()
         child.wait()
     assert child.returncode == 0 and waited < 9, (child.returncode, waited)
+
+
+def test_connect_refuses_arguments_of_the_wrong_type_by_name(make_server):
+    server = make_server()
+    for kwargs, what in (({"name": None}, "name must be a str"), ({"name": server.name.encode()}, "name must be a str"),
+                         ({"timeout": "5"}, "timeout must be a number"), ({"timeout": True}, "timeout must be a number"),
+                         ({"wait_for_server": "1"}, "wait_for_server must be a number"),
+                         ({"server_user": None}, "server_user must be a str"),
+                         ({"server_user": 0}, "server_user must be a str")):
+        kwargs = {"name": server.name, **kwargs}
+        with pytest.raises(TypeError, match=what):
+            shmps.connect(**kwargs)
+    with shmps.connect(server.name, timeout=5, wait_for_server=0) as w:  # ints are numbers
+        w.ping()
+
+
+def test_an_array_is_no_buffer_or_tensor_id_even_with_zero_dimensions(make_server):
+    server = make_server()
+    with shmps.connect(server.name) as w:
+        grad = w.register_buffer(w.total_elements * 4)
+        with pytest.raises(TypeError, match="shmps.Buffer"):
+            w.pull(np.array(grad.id))
+        with pytest.raises(TypeError, match="tensor must be"):
+            w.pull(grad, tensor=np.array(0))
+        assert w.pull(np.int64(grad.id)) == 0  # numpy's integers are ids
+
+
+def test_repr_says_detached(make_server):
+    server = make_server(tag="repr")  # a name without the words looked for
+    w = shmps.connect(server.name)
+    assert f", worker {w.worker_id}," in repr(w)
+    w.detach()
+    assert ", detached," in repr(w)
+    w.close()
+    assert ", closed," in repr(w)
