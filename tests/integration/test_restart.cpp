@@ -279,9 +279,9 @@ BOOST_AUTO_TEST_CASE(without_reconnect_a_dead_server_is_final) {
 // checkpointing. Once the first has stopped (its final checkpoint written
 // under the lock), the second starts and restores that checkpoint: what
 // a second unit restarted every 2 s would do, silently taking over the
-// other job's checkpoints (before: exit 1, restarted). Without the lock
-// the second started, restored the first's checkpoint, and both wrote and
-// pruned one set of files.
+// other job's checkpoints if its exit status let systemd restart it.
+// Without the lock the second would start, restore the first's
+// checkpoint, and both would write and prune one set of files.
 BOOST_AUTO_TEST_CASE(a_second_server_on_a_checkpoint_directory_in_use_is_refused) {
   test::TempDir dir("restart");
   const std::string first_name = test::unique_name("holder"), second_name = test::unique_name("second");

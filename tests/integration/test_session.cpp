@@ -178,7 +178,7 @@ BOOST_AUTO_TEST_CASE(a_detach_from_a_stopped_server_waits_at_most_the_detach_tim
     took.set_value(std::chrono::steady_clock::now() - t0);
   });
   const bool returned = done.wait_for(10s) == std::future_status::ready;
-  server.process().resume();  // else the old code never returns
+  server.process().resume();  // an unbounded detach would never return
   dropper.join();
   BOOST_TEST(returned, "the detach of a Worker of kMaxTimeout did not return within 10 s");
   if (returned) {

@@ -532,9 +532,8 @@ BOOST_AUTO_TEST_CASE(temp_files_of_a_killed_writer_are_removed_and_nothing_else)
 // that its lock is still the path's and the write (the hook runs there):
 // the write and the pruning go to the directory the lock holds, through
 // its descriptor, and leave the new one alone; the next write's check
-// fails as before, naming the cause. Before: the write and the pruning
-// went by path, into the other server's directory: its checkpoint landed
-// there and the other server's were deleted (keep 1).
+// fails, naming the cause. A write and pruning by path would land this
+// checkpoint in the other server's directory and delete its own (keep 1).
 BOOST_AUTO_TEST_CASE(a_directory_replaced_between_the_lock_check_and_the_write_is_not_touched) {
   test::TempDir dir("ckptfile");
   const fs::path d = dir.path / "d", moved = dir.path / "d.old";
