@@ -503,13 +503,26 @@ class GlooEngine final : public FederationEngine {
     // Already there when an earlier write went through but its answer was
     // lost (a Redis timeout): keys are written once.
     if (!store_->has(key(k, "want", config_.host))) store_->set(key(k, "want", config_.host), &mine, sizeof mine);
-    // Another server's, when two were given this host id: the one that
-    // finds the other's want gives up and the other goes on; left to both,
-    // they would take turns in the group, re-forming it on every try.
+    // Another server's: a second one given this host id, or one killed
+    // after writing its want (a predecessor of this server, restarted at
+    // once, finds it at the highest attempt when no other host went on
+    // since). The first foreign want moves this server to the next
+    // attempt, where a live second server meets this one's want in turn;
+    // a foreign want found after that ends this server's federation, so
+    // of two live servers one gives up and the other goes on (left to
+    // both, they would take turns in the group, re-forming it on every
+    // try). A dead server's wants are all at attempts below this one's.
     Want there{};
     if (const std::vector<char> bytes = store_->get(key(k, "want", config_.host)); bytes.size() == sizeof there)
       std::memcpy(&there, bytes.data(), sizeof there);
     if (there.magic == kWantMagic && there.writer != writer_) {
+      if (!passed_foreign_want_) {
+        passed_foreign_want_ = true;
+        attempt_ = k;  // a started attempt (the foreign want's)
+        *why = "federation (gloo): attempt " + std::to_string(k) + " has another server's want as host " +
+               std::to_string(config_.host) + " (one killed as it re-formed, or a second server given this id)";
+        return Reform::kFailed;
+      }
       *why = "federation (gloo): another server wants in as host " + std::to_string(config_.host) +
              " (its want at attempt " + std::to_string(k) +
              " is not this server's): two servers were given --fed-host " + std::to_string(config_.host) +
@@ -593,7 +606,9 @@ class GlooEngine final : public FederationEngine {
       }
     }
     if ((seen & me) == 0) {
-      *why = invalid;
+      *why = !invalid.empty() ? invalid
+                              : "federation (gloo): attempt " + std::to_string(k) +
+                                    ": this host's want is gone from the store (the store was wiped)";
       return Reform::kFailed;
     }
     // The newest group formed: from the store's records; else (its rank 0
@@ -647,8 +662,9 @@ class GlooEngine final : public FederationEngine {
   Membership membership_;
   const uint64_t writer_ = std::random_device{}() | uint64_t{std::random_device{}()} << 32;  // Want::writer
   uint64_t attempt_ = 0;                                                                     // this host's last attempt
-  uint64_t last_epoch_ = 0;    // the last group this host was in
-  uint64_t last_members_ = 0;  // its hosts
+  bool passed_foreign_want_ = false;  // attempt(): the next foreign want at this host's id ends its federation
+  uint64_t last_epoch_ = 0;           // the last group this host was in
+  uint64_t last_members_ = 0;         // its hosts
 };
 
 }  // namespace

@@ -19,6 +19,9 @@
 #  2d. A host that served alone (the other two stopped: no majority) and
 #     checkpointed its training, killed, restarted once the others went on
 #     without it: its join keeps that training, rebased onto their anchor.
+#  2e. Two hosts killed as one of them re-formed, restarted at once: the
+#     dead server's want at the newest attempt is passed, not taken for a
+#     second server given the same id; the two form a group again.
 #  3. The same group formed through a Redis store (a redis-server this test
 #     starts on 127.0.0.1), and a SIGKILLed host left behind there too.
 # Then SIGTERM: every server stops cleanly, nothing is left in /dev/shm.
@@ -52,8 +55,18 @@ trap cleanup EXIT
 # test silently).
 set -E
 trap 'echo "FAIL: \"$BASH_COMMAND\" exited $? (line $LINENO${FUNCNAME:+, called from lines ${BASH_LINENO[*]}})" >&2' ERR
-fail() {  # to stderr: a failure inside $(...) or >/dev/null is still seen
-  { echo "FAIL: $*"; for f in "$work"/*.log; do echo "---- $f"; tail -15 "$f"; done; } >&2
+# fail MESSAGE: to stderr (a failure inside $(...) or >/dev/null is still
+# seen), with the current part's server logs, their periodic checkpoint
+# lines left out so that the federation's story fits.
+fail() {
+  {
+    echo "FAIL: $*"
+    for f in "$work/${job:-}".host*.log "$work/${job:-}"b.host*.log; do
+      [ -f "$f" ] || continue
+      echo "---- $f"
+      grep -v "checkpoint of version .* handed to the writer" "$f" | tail -40
+    done
+  } >&2
   exit 1
 }
 model=(--tensor fc1.weight:256x784 --tensor fc1.bias:256 --tensor fc2.weight:10x256 --tensor fc2.bias:10
@@ -350,6 +363,39 @@ for r in 0 1 2; do
   unset "host_pid[$job.$r]"
 done
 unset every_ms
+
+# ---- 2e. A host killed as it re-formed, restarted at once. Host 0 of a
+# group of two is killed; host 1, re-forming, has written its want at the
+# highest attempt in the store when it is killed too. Restarted, the new
+# host 1 finds that want at its first attempt: a dead server's, not a
+# second server given its id, so it must not end its federation. The
+# kill comes inside a paused host's try: a second after the pause it
+# writes its want, then settles for the timeout (4 s here) before writing
+# what it saw (after which a newcomer's attempt is the next one).
+job=${name}kill
+timeout_ms=4000
+for r in 0 1; do start_host "$job" $r "file:$work/kill-store"; done
+await_members "$job" 2 0 1 >/dev/null
+await_round "$job" 3 0 1
+kill -KILL "${host_pid[$job.0]}"
+wait "${host_pid[$job.0]}" 2>/dev/null || true
+await_log "$work/$job.host1.log" "no majority: federation pauses"
+sleep 2.5
+kill -KILL "${host_pid[$job.1]}"
+wait "${host_pid[$job.1]}" 2>/dev/null || true
+rm -f /dev/shm/shmps."$job".r0 /dev/shm/shmps."$job".r1
+for r in 0 1; do start_host "$job" $r "file:$work/kill-store"; done
+took=$(await_members "$job" 2 0 1)
+! grep -q "two servers were given" "$work/$job.host1.log" || fail "the restarted host 1 took its predecessor's want for a second server's"
+grep -q "has another server's want as host 1" "$work/$job.host1.log" ||
+  fail "the restarted host 1 met no want of its predecessor (killed outside its try?): $(grep federation "$work/$job.host1.log" | tail -4)"
+echo "hosts 0 and 1 killed as host 1 re-formed, restarted: 2 members after $took s"
+for r in 0 1; do
+  kill -TERM "${host_pid[$job.$r]}"
+  wait "${host_pid[$job.$r]}" || fail "host $r of $job exited non-zero after SIGTERM"
+  unset "host_pid[$job.$r]"
+done
+timeout_ms=2000
 
 # ---- 3. The Redis store.
 if ! command -v redis-server >/dev/null; then
