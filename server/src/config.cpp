@@ -10,6 +10,8 @@
 #include <cmath>
 #include <vector>
 
+#include "fed_store.hpp"
+
 namespace shmps::server {
 namespace {
 
@@ -67,7 +69,8 @@ Status validate(const ServerConfig& config) {
       return invalid("--fed-host must be below --fed-hosts (" + std::to_string(f.hosts) + "), got " +
                      std::to_string(f.host));
     if (f.store.empty())
-      return invalid("--federation gloo needs --fed-store file:DIR or redis:HOST:PORT[/JOB] (where the hosts meet)");
+      return invalid("--federation gloo needs --fed-store file:DIR or redis:HOST[:PORT][/JOB] (where the hosts meet)");
+    if (auto store = parse_fed_store(f.store); !store.ok()) return invalid(store.status().message());
     if (f.address.empty()) return invalid("--fed-address must name an address of this host");
   }
   if (f.timeout_ms < 100 || f.timeout_ms > 3'600'000)

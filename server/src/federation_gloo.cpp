@@ -57,6 +57,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "fed_store.hpp"
 #include "federation_plugin.hpp"
 #include "shmps/server/federation.hpp"
 #include "threads.hpp"
@@ -98,43 +99,26 @@ std::string gloo_error(const char* what, const std::exception& e) {
 // the timeout, too slow and too long for noticing a host gone.
 class JobStore {
  public:
-  // "file:DIR" or "redis:HOST:PORT[/JOB]". Throws gloo's exceptions.
+  // "file:DIR" or "redis:HOST[:PORT][/JOB]". Throws gloo's exceptions.
   static Result<std::unique_ptr<JobStore>> open(const std::string& spec) {
+    auto parsed = parse_fed_store(spec);
+    if (!parsed.ok()) return parsed.status();
+    const FedStoreSpec& where = *parsed;
     auto store = std::unique_ptr<JobStore>(new JobStore());
-    if (spec.rfind("file:", 0) == 0 && spec.size() > 5) {
-      const std::string dir = spec.substr(5);
+    if (!where.redis) {
       std::error_code ec;
-      std::filesystem::create_directories(dir, ec);
+      std::filesystem::create_directories(where.dir, ec);
       if (ec) return Status{ErrorCode::kIo, "--fed-store " + spec + ": " + ec.message()};
-      auto file = std::make_unique<CheckableFileStore>(dir);
+      auto file = std::make_unique<CheckableFileStore>(where.dir);
       store->check_ = [f = file.get()](const std::string& key) { return f->check({key}); };
       store->base_ = std::move(file);
       return store;
     }
-    if (spec.rfind("redis:", 0) == 0) {
-      std::string rest = spec.substr(6);
-      std::string job = "shmps";
-      if (const size_t slash = rest.find('/'); slash != std::string::npos) {
-        job = rest.substr(slash + 1);
-        rest.resize(slash);
-      }
-      const size_t colon = rest.rfind(':');
-      int port = 0;
-      try {
-        port = colon == std::string::npos ? 6379 : std::stoi(rest.substr(colon + 1));
-      } catch (const std::exception&) {
-        port = 0;
-      }
-      if (port <= 0 || port > 65535 || job.empty())
-        return Status{ErrorCode::kInvalidArgument, "--fed-store " + spec + ": not redis:HOST:PORT[/JOB]"};
-      auto redis = std::make_unique<TimedRedisStore>(rest.substr(0, colon), port);
-      store->check_ = [r = redis.get()](const std::string& key) { return r->check({key}); };
-      store->base_ = std::move(redis);
-      store->prefix_ = job + "/";
-      return store;
-    }
-    return Status{ErrorCode::kInvalidArgument,
-                  "--fed-store must be file:DIR or redis:HOST:PORT[/JOB], got '" + spec + "'"};
+    auto redis = std::make_unique<TimedRedisStore>(where.host, where.port);
+    store->check_ = [r = redis.get()](const std::string& key) { return r->check({key}); };
+    store->base_ = std::move(redis);
+    store->prefix_ = where.job + "/";
+    return store;
   }
 
   bool has(const std::string& key) { return check_(prefix_ + key); }
@@ -239,7 +223,7 @@ class GlooEngine final : public FederationEngine {
                                                      ") and --fed-host I below it"};
     if (config.store.empty())
       return Status{ErrorCode::kInvalidArgument,
-                    "--federation gloo needs --fed-store file:DIR or redis:HOST:PORT[/JOB] (where the hosts meet)"};
+                    "--federation gloo needs --fed-store file:DIR or redis:HOST[:PORT][/JOB] (where the hosts meet)"};
     // A write to a peer's socket after it died must fail, not end this
     // process (the default for SIGPIPE).
     std::signal(SIGPIPE, SIG_IGN);

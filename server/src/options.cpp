@@ -462,7 +462,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "fed-rank-in-name", po::bool_switch(&fc.rank_in_name),
       "append .r<host> to --name and /r<host> to --checkpoint-dir (several federated servers on one machine)")(
       "fed-store", po::value(&fc.store),
-      "gloo: where the hosts meet, file:DIR (a directory all hosts see) or redis:HOST:PORT[/JOB]; fresh per job")(
+      "gloo: where the hosts meet, file:DIR (a directory all hosts see) or redis:HOST[:PORT][/JOB]; fresh per job")(
       "fed-hosts", po::value(&fc.hosts)->default_value(0), "gloo: the job's hosts, ids 0..N-1 (at most 64)")(
       "fed-host", po::value(&fc.host)->default_value(0), "gloo: this host's id")(
       "fed-address", po::value(&fc.address)->default_value("127.0.0.1"),

@@ -32,6 +32,7 @@
 
 #include "checkpoint.hpp"
 #include "fake_federation.hpp"
+#include "fed_store.hpp"
 #include "federation.hpp"
 #include "server_support.hpp"
 #include "shmps/shm/segment.hpp"
@@ -2149,12 +2150,45 @@ BOOST_AUTO_TEST_CASE(federation_options_are_parsed_and_bad_values_refused) {
       {{"--fed-cpus", "0x1"}, "got '0x1'"},
       {{"--fed-cpus", "1 2"}, "got '1 2'"},
   };
+  // --fed-store's form is checked with the rest (--check-config, a
+  // reload), not only when the Gloo plugin opens it at start.
+  for (const std::string store : {"bogus", "file:", "redis:", "redis::6379", "redis:h:", "redis:h:0", "redis:h:65536",
+                                  "redis:h:63x9", "redis:h:6379/", "redis:h:-1", "/tmp/store"}) {
+    auto r = test::parse_server_args(
+        {"--name", "x", "--tensor", "w:4", "--federation", "gloo", "--fed-hosts", "3", "--fed-store", store});
+    BOOST_TEST_REQUIRE(!r.ok(), store);
+    BOOST_TEST(r.status().message() == "--fed-store must be file:DIR or redis:HOST[:PORT][/JOB], got '" + store + "'",
+               r.status().message());
+  }
   for (const auto& [args, want] : bad) {
     std::vector<std::string> all = {"--name", "x", "--tensor", "w:4"};
     all.insert(all.end(), args.begin(), args.end());
     auto r = test::parse_server_args(all);
     BOOST_TEST_REQUIRE(!r.ok(), args[0]);
     BOOST_TEST(r.status().message().find(want) != std::string::npos, r.status().message());
+  }
+}
+
+// The forms --fed-store accepts, and what the Gloo plugin opens for each.
+BOOST_AUTO_TEST_CASE(fed_store_forms_parse_to_where_the_hosts_meet) {
+  auto file = parse_fed_store("file:/var/lib/shmps/store");
+  BOOST_TEST_REQUIRE(file.ok());
+  BOOST_TEST(!file->redis);
+  BOOST_TEST(file->dir == "/var/lib/shmps/store");
+  struct Case {
+    std::string spec, host;
+    int port;
+    std::string job;
+  };
+  for (const Case& c : {Case{"redis:db", "db", 6379, "shmps"}, Case{"redis:db:6380", "db", 6380, "shmps"},
+                        Case{"redis:db:6380/job7", "db", 6380, "job7"}, Case{"redis:db/job7", "db", 6379, "job7"},
+                        Case{"redis:[::1]", "[::1]", 6379, "shmps"}, Case{"redis:[::1]:7000/j", "[::1]", 7000, "j"}}) {
+    auto r = parse_fed_store(c.spec);
+    BOOST_TEST_REQUIRE(r.ok(), c.spec << ": " << r.status().to_string());
+    BOOST_TEST(r->redis);
+    BOOST_TEST(r->host == c.host, c.spec);
+    BOOST_TEST(r->port == c.port, c.spec);
+    BOOST_TEST(r->job == c.job, c.spec);
   }
 }
 
