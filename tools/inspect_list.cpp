@@ -86,7 +86,8 @@ std::vector<ListedSegment> list_segments() {
     // by a worker of a server that is gone.
     // One look, no wait: any user can leave empty objects at valid names,
     // and a 2 s wait for each would make --list as slow as they please.
-    Loaded loaded = buffer_like || !name_ok.ok() ? Loaded{} : load_segment(name, /*wait_for_start=*/false);
+    // No ring: the table shows none.
+    Loaded loaded = buffer_like || !name_ok.ok() ? Loaded{} : load_segment(name, /*wait_for_start=*/false, kNoRings);
     if (buffer_like) {
       row.exit = ExitCode::kBadSegment;
       row.error = "not a segment";
@@ -104,7 +105,7 @@ std::vector<ListedSegment> list_segments() {
             "; not waited for: a server starting, or what a start that crashed left (the next start under "
             "the name replaces it)";
     } else {
-      auto snap = take_snapshot(loaded.image.data, loaded.image.size, loaded.image.source);
+      auto snap = take_snapshot(loaded.image.data, loaded.image.size, loaded.image.source, kNoRings);
       if (snap.ok()) {
         judge_server_lock(&*snap, loaded.image.owner.device, loaded.image.owner.inode);
         row.segment = std::move(snap).value();

@@ -77,14 +77,17 @@ bool write_out(const std::string& text) {
 // added, and *previous becomes this one.
 ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
                       std::optional<shmps::inspect::Snapshot>* previous = nullptr) {
-  shmps::inspect::Loaded loaded =
-      o.file.empty() ? shmps::inspect::load_segment(o.name) : shmps::inspect::load_file(o.file);
+  // Prometheus exports no ring: none is read.
+  const shmps::inspect::RingReading rings =
+      o.format == "prometheus" ? shmps::inspect::kNoRings : shmps::inspect::RingReading{};
+  shmps::inspect::Loaded loaded = o.file.empty() ? shmps::inspect::load_segment(o.name, /*wait_for_start=*/true, rings)
+                                                 : shmps::inspect::load_file(o.file, rings);
   if (loaded.exit != ExitCode::kOk) {
     *error = loaded.error;
     return loaded.exit;
   }
   const shmps::inspect::Image& image = loaded.image;
-  auto snap = shmps::inspect::take_snapshot(image.data, image.size, image.source);
+  auto snap = shmps::inspect::take_snapshot(image.data, image.size, image.source, rings);
   if (!snap.ok()) {
     *error = image.source + ": " + snap.status().message();
     return shmps::inspect::exit_code_for(snap.status());

@@ -158,7 +158,8 @@ T copy_at(const void* base, uint64_t offset) {
 // the two loads; a reset is transient, so an impossible pair is re-read a
 // few times before it is reported as corrupt.
 template <typename Slot>
-QueueView<Slot> read_queue(const void* base, uint64_t header_offset, uint32_t capacity, uint32_t worker) {
+QueueView<Slot> read_queue(const void* base, uint64_t header_offset, uint32_t capacity, uint32_t worker,
+                           uint32_t max_slots) {
   const auto& lane = at<shm::LaneHeader>(base, header_offset);
   QueueView<Slot> q;
   q.worker = worker;
@@ -174,8 +175,14 @@ QueueView<Slot> read_queue(const void* base, uint64_t header_offset, uint32_t ca
     if (!q.corrupt) break;
   }
   if (q.corrupt) return q;
+  // The first max_slots only (RingReading): a garbage or stuck ring may
+  // claim all of its capacity, 65536 slots.
+  const uint64_t shown = std::min<uint64_t>(q.depth, max_slots);
+  q.not_shown = q.depth - shown;
   const uint64_t slots = header_offset + sizeof(shm::LaneHeader);
-  for (uint64_t index = q.head; index != q.tail; ++index) {
+  q.indices.reserve(shown);
+  q.slots.reserve(shown);
+  for (uint64_t index = q.head; index != q.head + shown; ++index) {
     q.indices.push_back(index);
     q.slots.push_back(copy_at<Slot>(base, slots + (index & (capacity - 1)) * sizeof(Slot)));
   }
@@ -308,7 +315,7 @@ void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode) {
 
 // ---------------------------------------------------------------- snapshot
 
-Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string& source) {
+Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string& source, RingReading rings) {
   if (Status s = shm::validate_segment(base, size); !s.ok()) return s;
   const auto& h = at<shm::SegmentHeader>(base, 0);
   Bounds b;
@@ -316,6 +323,7 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
 
   Snapshot snap;
   snap.source = source;
+  snap.rings = rings;
   snap.taken_ns = shm::monotonic_ns();
   const uint64_t now = snap.taken_ns;
 
@@ -398,11 +406,16 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
     // SYNC(worker_attached) with the server's store of kAttached: the
     // pid_start_time and the lease written before them are visible.
     const uint64_t owner = e.owner.load(std::memory_order_acquire);
+    const auto queue_of = [&](uint64_t offset) {
+      return read_queue<shm::Completion>(base, offset, b.lane_capacity, i, rings.max_slots);
+    };
+    const uint64_t completions = b.g.completions_offset + uint64_t{i} * b.g.completion_stride;
     if (owner == 0) {
       // A free entry: its queues are reset; list them only if they are not.
-      const auto cq = read_queue<shm::Completion>(base, b.g.completions_offset + uint64_t{i} * b.g.completion_stride,
-                                                  b.lane_capacity, i);
-      if (cq.head != 0 || cq.tail != 0) snap.completions.push_back(cq);
+      if (rings.read) {
+        auto cq = queue_of(completions);
+        if (cq.head != 0 || cq.tail != 0) snap.completions.push_back(std::move(cq));
+      }
     } else {
       WorkerView w;
       w.id = i;
@@ -447,10 +460,11 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
         w.buffers.push_back(std::move(bv));
       }
       snap.workers.push_back(std::move(w));
-      snap.completions.push_back(read_queue<shm::Completion>(
-          base, b.g.completions_offset + uint64_t{i} * b.g.completion_stride, b.lane_capacity, i));
+      if (rings.read) snap.completions.push_back(queue_of(completions));
     }
-    auto lane = read_queue<shm::Request>(base, b.g.lanes_offset + uint64_t{i} * b.g.lane_stride, b.lane_capacity, i);
+    if (!rings.read) continue;
+    auto lane = read_queue<shm::Request>(base, b.g.lanes_offset + uint64_t{i} * b.g.lane_stride, b.lane_capacity, i,
+                                         rings.max_slots);
     if (lane.depth != 0 || lane.corrupt) snap.lanes.push_back(std::move(lane));
   }
 
@@ -526,6 +540,7 @@ json queue_json(const QueueView<Slot>& q, F&& slot_json) {
   json slots = json::array();
   for (size_t k = 0; k < q.slots.size(); ++k) slots.push_back(slot_json(q.indices[k], q.slots[k]));
   j["slots"] = std::move(slots);
+  j["slots_not_shown"] = q.corrupt ? json(nullptr) : json(q.not_shown);
   return j;
 }
 
@@ -638,12 +653,13 @@ json to_json(const Snapshot& s) {
   for (const LaneView& l : s.lanes)
     lanes.push_back(
         queue_json(l, [&](uint64_t index, const shm::Request& r) { return request_json(s, index, cap, r); }));
-  j["lanes"] = std::move(lanes);
   json completions = json::array();
   for (const CompletionQueueView& q : s.completions)
     completions.push_back(
         queue_json(q, [&](uint64_t index, const shm::Completion& x) { return completion_json(index, cap, x); }));
-  j["completions"] = std::move(completions);
+  // null: not read (RingReading), rather than seen empty.
+  j["lanes"] = s.rings.read ? std::move(lanes) : json(nullptr);
+  j["completions"] = s.rings.read ? std::move(completions) : json(nullptr);
   const StatsView& st = s.stats;
   json rejected = json::object();
   for (uint32_t code = 0; code < st.rejected.size(); ++code)
@@ -729,6 +745,13 @@ std::string completion_text(const shm::Completion& c) {
   if (c.code != 0) out += " \"" + printable_name(c.message, sizeof c.message) + "\"";
   if (c.code != 0 && (c.flags & shm::kCompletionMessageCut) != 0) out += " (cut)";
   return out;
+}
+
+// The line after a ring's slots shown, when it holds more (RingReading).
+std::string more_text(uint64_t not_shown, uint32_t max_slots) {
+  if (not_shown == 0) return {};
+  return "    ... " + std::to_string(not_shown) + " more not shown (the first " + std::to_string(max_slots) +
+         " of each ring are)\n";
 }
 
 template <typename Slot>
@@ -833,20 +856,25 @@ std::string render_text(const Snapshot& s) {
     }
   }
 
-  o << "== request lanes (" << s.lanes.size() << " not empty) ==\n";
-  for (const LaneView& l : s.lanes) {
-    o << "  lane " << l.worker << ": " << indices_text(l, h.lane_capacity) << "\n";
-    for (size_t k = 0; k < l.slots.size(); ++k)
-      o << "    slot " << (l.indices[k] & (h.lane_capacity - 1)) << " (#" << l.indices[k]
-        << "): " << request_text(s, l.slots[k]) << "\n";
-  }
-
-  o << "== completion queues (" << s.completions.size() << ") ==\n";
-  for (const CompletionQueueView& q : s.completions) {
-    o << "  queue " << q.worker << ": " << indices_text(q, h.lane_capacity) << "\n";
-    for (size_t k = 0; k < q.slots.size(); ++k)
-      o << "    slot " << (q.indices[k] & (h.lane_capacity - 1)) << " (#" << q.indices[k]
-        << "): " << completion_text(q.slots[k]) << "\n";
+  if (s.rings.read) {
+    o << "== request lanes (" << s.lanes.size() << " not empty) ==\n";
+    for (const LaneView& l : s.lanes) {
+      o << "  lane " << l.worker << ": " << indices_text(l, h.lane_capacity) << "\n";
+      for (size_t k = 0; k < l.slots.size(); ++k)
+        o << "    slot " << (l.indices[k] & (h.lane_capacity - 1)) << " (#" << l.indices[k]
+          << "): " << request_text(s, l.slots[k]) << "\n";
+      o << more_text(l.not_shown, s.rings.max_slots);
+    }
+    o << "== completion queues (" << s.completions.size() << ") ==\n";
+    for (const CompletionQueueView& q : s.completions) {
+      o << "  queue " << q.worker << ": " << indices_text(q, h.lane_capacity) << "\n";
+      for (size_t k = 0; k < q.slots.size(); ++k)
+        o << "    slot " << (q.indices[k] & (h.lane_capacity - 1)) << " (#" << q.indices[k]
+          << "): " << completion_text(q.slots[k]) << "\n";
+      o << more_text(q.not_shown, s.rings.max_slots);
+    }
+  } else {
+    o << "== request lanes, completion queues: not read ==\n";
   }
 
   const StatsView& st = s.stats;

@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "inspect_source.hpp"
 #include "shmps/shm/layout.hpp"
 #include "shmps/status.hpp"
 
@@ -112,8 +113,9 @@ struct QueueView {
   uint64_t tail = 0;              // producer's index
   uint64_t depth = 0;             // tail - head (meaningless when corrupt)
   bool corrupt = false;           // tail - head > capacity: the slots are not decoded
-  std::vector<uint64_t> indices;  // free-running index of each pending slot
-  std::vector<Slot> slots;        // copies of the pending slots, in order
+  std::vector<uint64_t> indices;  // free-running index of each pending slot shown
+  std::vector<Slot> slots;        // copies of the first pending slots (RingReading::max_slots), in order
+  uint64_t not_shown = 0;         // pending slots past those (depth - slots.size()); 0 when corrupt
 };
 using LaneView = QueueView<shm::Request>;
 using CompletionQueueView = QueueView<shm::Completion>;
@@ -169,6 +171,7 @@ struct Snapshot {
   std::optional<WeightsExportView> weights_export;  // absent with the host backend
   std::vector<TensorView> tensors;
   std::vector<WorkerView> workers;               // entries that are not free
+  RingReading rings;                             // what of the rings was read and decoded
   std::vector<LaneView> lanes;                   // request lanes that are not empty (or corrupt)
   std::vector<CompletionQueueView> completions;  // queues of entries in use, or with indices != 0
   StatsView stats;
@@ -183,10 +186,11 @@ struct Snapshot {
 void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode);
 
 // Validates the image (validate_segment) and decodes it. `size` is the
-// image's length in bytes; `base` must be 64-byte aligned. Errors:
-// kLayoutMismatch (corrupt, foreign or other version; the message names the
-// problem), kServerNotRunning (not published yet).
-Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string& source);
+// image's length in bytes; `base` must be 64-byte aligned. `rings`: what
+// of each ring to decode, as the image was loaded with (load_segment,
+// load_file). Errors: kLayoutMismatch (corrupt, foreign or other version;
+// the message names the problem), kServerNotRunning (not published yet).
+Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string& source, RingReading rings = {});
 
 nlohmann::json to_json(const Snapshot& snapshot);
 

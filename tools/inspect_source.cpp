@@ -85,27 +85,39 @@ struct Counts {
   bool operator==(const Counts&) const = default;
 };
 
+// A segment is copied into its image piece by piece: `copy(offset,
+// bytes)` brings those bytes of the segment to the same offset of the
+// image, and answers false when it could not (a file's read failed; a live
+// copy's fault jumps out instead). The functions below run under the live
+// copy's SIGBUS guard, which may jump out of any of them: they hold
+// nothing with a destructor.
+
 // Copies `count` slots of `slot_bytes` from ring index `first` on, each at
-// index & (capacity - 1) after the ring's LaneHeader: at most two runs.
-void copy_slots(char* out, const char* in, uint64_t first, uint64_t count, uint32_t capacity, size_t slot_bytes) {
+// index & (capacity - 1) after the ring's LaneHeader (the ring at `ring`):
+// at most two runs.
+template <typename Copy>
+bool copy_slots(const Copy& copy, uint64_t ring, uint64_t first, uint64_t count, uint32_t capacity, size_t slot_bytes) {
+  const uint64_t slots = ring + sizeof(shm::LaneHeader);
   const uint64_t start = first & (capacity - 1);
   const uint64_t run = std::min<uint64_t>(count, capacity - start);
-  copy_shared(out + sizeof(shm::LaneHeader) + start * slot_bytes, in + sizeof(shm::LaneHeader) + start * slot_bytes,
-              run * slot_bytes);
-  if (count > run) copy_shared(out + sizeof(shm::LaneHeader), in + sizeof(shm::LaneHeader), (count - run) * slot_bytes);
+  if (!copy(slots + start * slot_bytes, run * slot_bytes)) return false;
+  return count <= run || copy(slots, (count - run) * slot_bytes);
 }
 
 // Each request lane and completion queue, copied in the order its live
 // reader needs: the head, then the tail, then the rest of its LaneHeader,
 // then the slots [head, tail) it holds (every slot below that tail was
 // published before it, SYNC(slot_published) through copy_shared's
-// acquire), so that the copy's tail is at least its head. Only those slots
-// are read (take_snapshot decodes nothing else; a lane's publish stamps
-// not at all): the rest of the ring stays zero in the copy, and the holes
-// of a sparse segment are never read, which would make tmpfs allocate them.
-// A ring whose tail - head exceeds its capacity (corrupt, or reset in
-// between) gets no slots; take_snapshot reports it corrupt.
-void copy_rings(void* to, const void* from, const Counts& h) {
+// acquire), so that the copy's tail is at least its head; of those, the
+// first `rings.max_slots` only. Only those slots are read (take_snapshot
+// decodes nothing else; a lane's publish stamps not at all): the rest of
+// the ring stays zero in the image, and the holes of a sparse segment are
+// never read, which would make tmpfs allocate them. A ring whose tail -
+// head exceeds its capacity (corrupt, or reset in between) gets no slots;
+// take_snapshot reports it corrupt. Nothing at all without `rings.read`.
+template <typename Copy>
+bool copy_rings(const char* image, const Counts& h, RingReading rings, const Copy& copy) {
+  if (!rings.read) return true;
   const shm::Geometry g = h.geometry();
   constexpr size_t kTail = offsetof(shm::LaneHeader, tail);
   constexpr size_t kHead = offsetof(shm::LaneHeader, head);
@@ -113,42 +125,47 @@ void copy_rings(void* to, const void* from, const Counts& h) {
   for (uint64_t w = 0; w < h.max_workers; ++w) {
     for (const uint64_t ring : {g.lanes_offset + w * g.lane_stride, g.completions_offset + w * g.completion_stride}) {
       const size_t slot_bytes = ring < g.completions_offset ? sizeof(shm::Request) : sizeof(shm::Completion);
-      auto* out = static_cast<char*>(to) + ring;
-      const auto* in = static_cast<const char*>(from) + ring;
       uint64_t head = 0;
       uint64_t tail = 0;
       // A few tries, as a live reader retries: preempted between the two
       // loads, the ring may have moved more than its capacity.
       for (int tries = 0; tries < 3; ++tries) {
-        copy_shared(out + kHead, in + kHead, 8);
-        copy_shared(out + kTail, in + kTail, 8);
-        std::memcpy(&head, out + kHead, sizeof head);
-        std::memcpy(&tail, out + kTail, sizeof tail);
+        if (!copy(ring + kHead, 8) || !copy(ring + kTail, 8)) return false;
+        std::memcpy(&head, image + ring + kHead, sizeof head);
+        std::memcpy(&tail, image + ring + kTail, sizeof tail);
         if (tail - head <= h.lane_capacity) break;
       }
-      copy_shared(out + 8, in + 8, kHead - 8);
-      copy_shared(out + kHead + 8, in + kHead + 8, sizeof(shm::LaneHeader) - kHead - 8);
-      if (tail - head <= h.lane_capacity) copy_slots(out, in, head, tail - head, h.lane_capacity, slot_bytes);
+      if (!copy(ring + 8, kHead - 8) || !copy(ring + kHead + 8, sizeof(shm::LaneHeader) - kHead - 8)) return false;
+      if (tail - head > h.lane_capacity) continue;
+      const uint64_t count = std::min<uint64_t>(tail - head, rings.max_slots);
+      if (!copy_slots(copy, ring, head, count, h.lane_capacity, slot_bytes)) return false;
     }
   }
+  return true;
 }
 
-// The regions of a validated header's segment outside its rings, in
-// address order: the header, the tensor and worker tables, then the stats
-// block to the end.
-void copy_outside_rings(void* to, const void* from, const Counts& h, size_t size) {
+// The regions of a segment of `size` bytes outside its rings, in address
+// order: the header, the tensor and worker tables, then the stats block to
+// the end; then its rings, as `rings` says. `h`: the counts of a header
+// that fits the object (header_fits()).
+template <typename Copy>
+bool copy_segment(const char* image, const Counts& h, size_t size, RingReading rings, const Copy& copy) {
   const shm::Geometry g = h.geometry();
-  copy_shared(to, from, g.lanes_offset);
-  copy_shared(static_cast<char*>(to) + g.stats_offset, static_cast<const char*>(from) + g.stats_offset,
-              size - g.stats_offset);
+  return copy(0, g.lanes_offset) && copy(g.stats_offset, size - g.stats_offset) && copy_rings(image, h, rings, copy);
 }
 
 // false: the mapping faulted during the copy: the object shrank, or tmpfs
 // had no memory for a page read (a hole of a sparse object). With
 // `layout` (the counts of a header that fits the object, header_fits()),
-// the segment is copied as copy_outside_rings() and copy_rings() say;
-// without, the first `bytes` in address order.
-bool guarded_copy(void* to, const void* from, size_t bytes, const Counts* layout = nullptr) {
+// the segment is copied as copy_segment() says; without, the first
+// `bytes` in address order.
+bool guarded_copy(void* to, const void* from, size_t bytes, const Counts* layout = nullptr, RingReading rings = {}) {
+  auto* image = static_cast<char*>(to);
+  const auto* live = static_cast<const char*>(from);
+  const auto copy = [image, live](uint64_t offset, size_t n) {
+    copy_shared(image + offset, live + offset, n);
+    return true;
+  };
   struct sigaction sa {
   }, previous{};
   sa.sa_handler = on_copy_sigbus;
@@ -157,12 +174,10 @@ bool guarded_copy(void* to, const void* from, size_t bytes, const Counts* layout
   volatile bool copied = false;
   // savemask 1: the jump out of the handler unblocks SIGBUS again.
   if (sigsetjmp(g_copy_fault, 1) == 0) {
-    if (layout != nullptr) {
-      copy_outside_rings(to, from, *layout, bytes);
-      copy_rings(to, from, *layout);
-    } else {
-      copy_shared(to, from, bytes);
-    }
+    if (layout != nullptr)
+      copy_segment(image, *layout, bytes, rings, copy);
+    else
+      copy(0, bytes);
     copied = true;
   }
   ::sigaction(SIGBUS, &previous, nullptr);
@@ -170,15 +185,21 @@ bool guarded_copy(void* to, const void* from, size_t bytes, const Counts* layout
 }
 
 // Whether the header at `copy` is a published segment's of exactly `size`
-// bytes (magic, layout version, its size and the size its counts give):
+// bytes (magic, layout version, counts within their limits, its size and
+// the size its counts give):
 // only then is the rest worth reading. validate_segment says what is wrong
 // with one that is not, from the header alone.
 bool header_fits(const void* copy, uint64_t size) {
   if (size < sizeof(shm::SegmentHeader)) return false;
   const auto& h = *static_cast<const shm::SegmentHeader*>(copy);
   // relaxed: a private copy.
+  const bool counts_in_range = h.tensor_count >= 1 && h.tensor_count <= shm::kMaxTensorsLimit && h.max_workers >= 1 &&
+                               h.max_workers <= shm::kMaxWorkersLimit && h.max_buffers >= 1 &&
+                               h.max_buffers <= shm::kMaxBuffersLimit && h.lane_capacity >= 2 &&
+                               h.lane_capacity <= shm::kMaxLaneCapacity &&
+                               (h.lane_capacity & (h.lane_capacity - 1)) == 0;
   return h.magic == shm::kMagic && h.layout_version.load(std::memory_order_relaxed) == shm::kLayoutVersion &&
-         h.segment_size == size &&
+         counts_in_range && h.segment_size == size &&
          shm::compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity).segment_size == size;
 }
 
@@ -186,7 +207,7 @@ using shm::largest_segment_size;
 
 }  // namespace
 
-Loaded load_segment(const std::string& name, bool wait_for_start) {
+Loaded load_segment(const std::string& name, bool wait_for_start, RingReading rings) {
   const std::string path = "/dev/shm/" + shm::segment_object_name(name);
   Loaded l;
   const auto copy = [&](std::unique_ptr<shm::ShmObject>& live) -> Status {
@@ -209,7 +230,7 @@ Loaded load_segment(const std::string& name, bool wait_for_start) {
       // with the rest must still hold them, or the copy follows another
       // geometry than the one decoded.
       const Counts counts(*static_cast<const shm::SegmentHeader*>(l.image.copy.get()));
-      if (!guarded_copy(l.image.copy.get(), live->data(), size, &counts)) return shrank;
+      if (!guarded_copy(l.image.copy.get(), live->data(), size, &counts, rings)) return shrank;
       if (!(Counts(*static_cast<const shm::SegmentHeader*>(l.image.copy.get())) == counts))
         return {ErrorCode::kLayoutMismatch, path + ": the segment's counts changed while being read"};
     }
@@ -238,7 +259,7 @@ Loaded load_segment(const std::string& name, bool wait_for_start) {
   return failure(exit_code_for(s), s.message());
 }
 
-Loaded load_file(const std::string& path) {
+Loaded load_file(const std::string& path, RingReading rings) {
   UniqueFd f;
   // O_NONBLOCK: opening a FIFO would wait for a writer; a regular file
   // ignores the flag.
@@ -259,21 +280,30 @@ Loaded load_file(const std::string& path) {
   Loaded l;
   l.image.copy = zeroed(size);
   if (!l.image.copy) return failure(ExitCode::kError, "cannot allocate " + std::to_string(size) + " bytes");
+  auto* image = static_cast<char*>(l.image.copy.get());
   std::string error;
   // The header first. One that is not a segment's (magic, layout version),
   // or whose size disagrees with the file's, fails validate_segment, which
   // then reads only the header and zero pages that cost nothing.
-  const size_t head = std::min<uint64_t>(size, sizeof(shm::SegmentHeader));
-  if (!read_at(f.fd, l.image.copy.get(), head, 0, path, &error)) return failure(ExitCode::kError, error);
-  if (!header_fits(l.image.copy.get(), size)) {
-    if (Status s = shm::validate_segment(l.image.copy.get(), size); !s.ok())
-      return failure(exit_code_for(s), path + ": " + s.message());
-  }
-  if (!read_at(f.fd, static_cast<char*>(l.image.copy.get()) + head, size - head, head, path, &error))
+  if (!read_at(f.fd, image, std::min<uint64_t>(size, sizeof(shm::SegmentHeader)), 0, path, &error))
     return failure(ExitCode::kError, error);
+  if (!header_fits(image, size)) {
+    const Status s = shm::validate_segment(image, size);
+    return failure(s.ok() ? ExitCode::kBadSegment : exit_code_for(s),
+                   path + ": " + (s.ok() ? std::string("the header does not describe this file") : s.message()));
+  }
+  // Then what a live segment's copy reads, by the header's counts; a file
+  // written meanwhile must still hold them.
+  const Counts counts(*reinterpret_cast<const shm::SegmentHeader*>(image));
+  const auto copy = [&f, image, &path, &error](uint64_t offset, size_t bytes) {
+    return read_at(f.fd, image + offset, bytes, offset, path, &error);
+  };
+  if (!copy_segment(image, counts, size, rings, copy)) return failure(ExitCode::kError, error);
+  if (!(Counts(*reinterpret_cast<const shm::SegmentHeader*>(image)) == counts))
+    return failure(ExitCode::kBadSegment, path + ": the file's counts changed while being read");
   l.image.source = path;
   l.image.owner = ImageOwner{st.st_uid, st.st_gid, st.st_mode & 0777, /*live=*/false};
-  l.image.data = l.image.copy.get();
+  l.image.data = image;
   l.image.size = size;
   return l;
 }

@@ -9,6 +9,7 @@
 #include <sys/types.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -43,6 +44,21 @@ struct Image {
   std::shared_ptr<void> copy;  // owns the private copy `data` points to
 };
 
+// What a load copies of each ring (request lane, completion queue) and a
+// snapshot decodes; everything outside the rings is always read. A ring
+// holds up to 65536 slots and a segment 512 rings, gigabytes in all, which
+// a planted or stuck segment may claim are all pending: the copy, the
+// decoded snapshot and the output are bounded by `max_slots` instead.
+// Text and JSON show each ring's first kSlotsShown pending slots (from its
+// head, the next to be served or read) and how many more it holds;
+// --list and Prometheus show no ring, and read none (kNoRings).
+inline constexpr uint32_t kSlotsShown = 32;
+struct RingReading {
+  bool read = true;                  // false: neither a ring's indices nor its slots
+  uint32_t max_slots = kSlotsShown;  // per ring
+};
+inline constexpr RingReading kNoRings{false, 0};
+
 struct Loaded {
   Image image;  // valid when exit == kOk
   ExitCode exit = ExitCode::kOk;
@@ -57,14 +73,15 @@ struct Loaded {
 // being copied, or whose hole tmpfs has no memory for (a SIGBUS on the
 // mapping), is kBadSegment, "the segment shrank while being read, or
 // /dev/shm had no memory for a page read". Of a segment, only what the
-// snapshot decodes is read (each ring's live slots, not its holes).
-Loaded load_segment(const std::string& name, bool wait_for_start = true);
-// Reads a regular file into memory (anything else is refused without being
-// opened for long: a FIFO does not block). A file larger than the largest
-// possible segment is refused (kBadSegment) without being read; so is one
-// whose header is not a segment's or disagrees with the file's size, after
-// reading the header alone.
-Loaded load_file(const std::string& path);
+// snapshot decodes is read: outside the rings, and of each ring what
+// `rings` says (its live slots up to the cap, never its holes).
+Loaded load_segment(const std::string& name, bool wait_for_start = true, RingReading rings = {});
+// Reads a regular file as load_segment() reads a segment (anything else is
+// refused without being opened for long: a FIFO does not block). A file
+// larger than the largest possible segment is refused (kBadSegment)
+// without being read; so is one whose header is not a segment's or
+// disagrees with the file's size, after reading the header alone.
+Loaded load_file(const std::string& path, RingReading rings = {});
 
 // The exit code for a take_snapshot() failure.
 ExitCode exit_code_for(const Status& status);

@@ -1710,4 +1710,105 @@ BOOST_AUTO_TEST_CASE(scheduled_lr_pico_is_a_string_in_json) {
   }
 }
 
+// A planted segment whose every ring claims to be full (tail - head ==
+// capacity, which is no corruption): text and JSON copy and decode only
+// the first kSlotsShown pending slots of each ring and say how many more
+// there are; --list and Prometheus read no ring at all. The tool's memory
+// stays bounded by that cap, not by the rings' size.
+BOOST_AUTO_TEST_CASE(full_rings_are_capped_and_not_read_where_not_shown) {
+  const std::string name = test::unique_name("fullring");
+  const RemoveSegment cleanup{name};
+  constexpr uint32_t kWorkers = 16, kCapacity = 8192;
+  const auto seg = crafted_segment(name, {{"w", {4}}}, kWorkers, kCapacity);
+  // --list reads every segment on the host: what it takes while this
+  // one's rings are empty is its baseline (full, they hold 26 MiB).
+  const Run before = run_inspect({"--list"});
+  BOOST_REQUIRE(before.rc == 0);
+  shm::Request r{};
+  r.opcode = static_cast<uint32_t>(shm::Opcode::kPing);
+  shm::Completion c{};
+  c.opcode = static_cast<uint32_t>(shm::Opcode::kPing);
+  for (uint32_t w = 0; w < kWorkers; ++w) {
+    for (uint32_t k = 0; k < kCapacity; ++k) {
+      r.request_id = c.request_id = k + 1;
+      seg->lane_slots(w)[k] = r;
+      seg->completion_slots(w)[k] = c;
+    }
+    seg->lane(w).tail.store(kCapacity, std::memory_order_relaxed);
+    seg->completions(w).tail.store(kCapacity, std::memory_order_relaxed);
+  }
+
+  // A child's peak RSS counts what it shares with this process before its
+  // exec: the small runs come first, before a large JSON is parsed here.
+  const Run prom = run_inspect({"--format", "prometheus", name});
+  BOOST_TEST(prom.rc == 0, prom.err);
+  BOOST_TEST(prom.max_rss_kb < kRssScale * 16 * 1024, "prometheus: peak RSS " << prom.max_rss_kb << " KiB");
+  const Run listed = run_inspect({"--list"});
+  BOOST_TEST(listed.rc == 0, listed.err);
+  BOOST_TEST(listed.max_rss_kb < before.max_rss_kb + kRssScale * 8 * 1024,
+             "--list: peak RSS " << listed.max_rss_kb << " KiB, " << before.max_rss_kb << " KiB before");
+
+  const Run text = run_inspect({name});
+  BOOST_TEST(text.rc == 0, text.err);
+  BOOST_TEST(text.max_rss_kb < kRssScale * 32 * 1024, "text: peak RSS " << text.max_rss_kb << " KiB");
+  BOOST_TEST(contains(text.out, "  lane 3: head 0, tail 8192, depth 8192\n"), text.out.substr(0, 4000));
+  BOOST_TEST(contains(text.out, "    slot 31 (#31): request 32 ping"), text.out.substr(0, 4000));
+  BOOST_TEST(!contains(text.out, "(#32)"), text.out.substr(0, 4000));
+  BOOST_TEST(contains(text.out, "    ... 8160 more not shown (the first 32 of each ring are)\n"),
+             text.out.substr(0, 4000));
+
+  // A --file copy is read as the live segment is (copied by the kernel,
+  // not through this process's memory).
+  const TempFile file;
+  std::filesystem::copy_file("/dev/shm/" + shm::segment_object_name(name), file.path,
+                             std::filesystem::copy_options::overwrite_existing);
+  const Run from_file = run_inspect({"--file", file.path});
+  BOOST_TEST(from_file.rc == 0, from_file.err);
+  BOOST_TEST(from_file.max_rss_kb < kRssScale * 32 * 1024, "--file: peak RSS " << from_file.max_rss_kb << " KiB");
+  BOOST_TEST(contains(from_file.out, "    ... 8160 more not shown (the first 32 of each ring are)\n"));
+
+  const Run js = run_inspect({"--json", name});
+  BOOST_TEST(js.max_rss_kb < kRssScale * 32 * 1024, "json: peak RSS " << js.max_rss_kb << " KiB");
+  const json j = parse_json(js);
+  BOOST_REQUIRE(j["lanes"].size() == kWorkers);
+  for (const char* rings : {"lanes", "completions"}) {
+    for (const json& q : j[rings]) {
+      BOOST_TEST(q["depth"] == kCapacity);
+      BOOST_TEST(q["slots"].size() == 32u);
+      BOOST_TEST(q["slots_not_shown"] == kCapacity - 32, q["slots_not_shown"]);
+    }
+  }
+}
+
+// The model decodes what RingReading says: at most max_slots of each
+// ring, the rest counted; with kNoRings no ring at all, and the JSON and
+// the text say the rings were not read rather than show them empty.
+BOOST_AUTO_TEST_CASE(snapshot_decodes_rings_as_ring_reading_says) {
+  const std::string name = test::unique_name("ringcap");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}}, /*max_workers=*/2, /*lane_capacity=*/8);
+  seg->lane(1).head.store(5, std::memory_order_relaxed);
+  seg->lane(1).tail.store(13, std::memory_order_relaxed);  // full: 8 pending
+  const auto capped = inspect::take_snapshot(seg->object().data(), seg->object().size(), "test", {true, 3});
+  BOOST_REQUIRE_MESSAGE(capped.ok(), capped.status().to_string());
+  BOOST_REQUIRE(capped->lanes.size() == 1u);
+  const inspect::LaneView& lane = capped->lanes[0];
+  BOOST_TEST(lane.depth == 8u);
+  BOOST_TEST(lane.slots.size() == 3u);
+  BOOST_TEST(lane.indices == std::vector<uint64_t>({5, 6, 7}));
+  BOOST_TEST(lane.not_shown == 5u);
+  BOOST_TEST(inspect::to_json(*capped)["lanes"][0]["slots_not_shown"] == 5);
+  BOOST_TEST(contains(inspect::render_text(*capped), "    ... 5 more not shown (the first 3 of each ring are)\n"));
+
+  const auto none = inspect::take_snapshot(seg->object().data(), seg->object().size(), "test", inspect::kNoRings);
+  BOOST_REQUIRE_MESSAGE(none.ok(), none.status().to_string());
+  BOOST_TEST(none->lanes.empty());
+  BOOST_TEST(none->completions.empty());
+  const json j = inspect::to_json(*none);
+  BOOST_TEST(j["lanes"].is_null(), j["lanes"]);
+  BOOST_TEST(j["completions"].is_null(), j["completions"]);
+  const std::string text = inspect::render_text(*none);
+  BOOST_TEST(contains(text, "== request lanes, completion queues: not read ==\n"), text);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
