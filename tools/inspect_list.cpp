@@ -43,6 +43,7 @@ uint32_t workers_attached(const Snapshot& s) {
 
 // "copy": the server lives but does not hold this object (judge_server_lock).
 std::string alive_text(const Snapshot& s) {
+  if (s.header.server_stopped) return "stopped";
   if (s.header.server_alive) return "alive";
   return s.header.server_holds_object ? "copy" : "dead";
 }
@@ -132,12 +133,13 @@ std::string render_list_text(const std::vector<ListedSegment>& list) {
   if (list.empty()) return std::string("no shmps segments in ") + kShmDir + "\n";
   size_t width = 4;
   for (const ListedSegment& r : list) width = std::max(width, name_cell(r.name).size());
-  std::string out = pad("name", width) + "server pid  alive  state      parameters  model MiB  workers  owner, mode\n";
+  std::string out =
+      pad("name", width) + "server pid  alive    state      parameters  model MiB  workers  owner, mode\n";
   std::string problems;
   for (const ListedSegment& r : list) {
     const std::string owner = shm::owner_text(r.owner_uid, r.owner_gid) + " " + shm::mode_text(r.mode);
     if (!r.segment) {
-      out += pad(name_cell(r.name), width) + pad("-", 11) + pad("-", 6) + pad("unreadable", 10) + pad("-", 11) +
+      out += pad(name_cell(r.name), width) + pad("-", 11) + pad("-", 8) + pad("unreadable", 10) + pad("-", 11) +
              pad("-", 10) + pad("-", 8) + owner + "\n";
       problems += "  " + printable_text(r.name) + ": " + printable_text(r.error) + "\n";
       continue;
@@ -145,7 +147,7 @@ std::string render_list_text(const std::vector<ListedSegment>& list) {
     const Snapshot& s = *r.segment;
     char mib[32];
     std::snprintf(mib, sizeof mib, "%.2f", static_cast<double>(model_bytes(s.header)) / (1 << 20));
-    out += pad(name_cell(r.name), width) + pad(std::to_string(s.header.server_pid), 11) + pad(alive_text(s), 6) +
+    out += pad(name_cell(r.name), width) + pad(std::to_string(s.header.server_pid), 11) + pad(alive_text(s), 8) +
            pad(server_state_name(s.header.server_state), 10) + pad(std::to_string(s.header.total_elements), 11) +
            pad(mib, 10) + pad(std::to_string(workers_attached(s)), 8) + owner + "\n";
   }
@@ -169,6 +171,7 @@ json list_json(const std::vector<ListedSegment>& list) {
       const HeaderView& h = r.segment->header;
       j["server_pid"] = h.server_pid;
       j["server_alive"] = h.server_alive;
+      j["server_stopped"] = h.server_stopped;
       j["server_holds_object"] = h.server_holds_object ? json(*h.server_holds_object) : json(nullptr);
       j["state"] = server_state_name(h.server_state);
       j["generation"] = hex64(h.generation);

@@ -35,13 +35,13 @@ struct ListedSegment {
 // still empty or unpublished is listed as such at once (kUnpublished).
 std::vector<ListedSegment> list_segments();
 
-// A table: name, server pid, alive or dead, state, parameters, workers
+// A table: name, server pid, alive, stopped, dead or copy, state, parameters, workers
 // attached, owner, mode; then one line per object that is not a readable
 // segment. Names are escaped (printable_text), and cut with "..." past 40
 // characters in the table (whole in the lines below it).
 std::string render_list_text(const std::vector<ListedSegment>& list);
 // {"segments": [{name, source, owner, mode, bytes, server_pid, server_alive,
-// state, generation, parameters, model_bytes, workers_attached}, ...]},
+// server_stopped, state, generation, parameters, model_bytes, workers_attached}, ...]},
 // unreadable entries with "error" and "exit_code" instead of the segment's
 // fields. Names, sources and errors escaped (printable_text), never cut.
 nlohmann::json list_json(const std::vector<ListedSegment>& list);

@@ -309,6 +309,7 @@ void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode) {
   h.server_holds_object = holds_flock(static_cast<pid_t>(h.server_pid), device, inode);
   if (h.server_holds_object && !*h.server_holds_object) {
     h.server_alive = false;
+    h.server_stopped = false;
     h.server_uptime_s.reset();
   }
 }
@@ -337,9 +338,11 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
   hv.generation = h.generation;
   hv.server_pid = h.server_pid;
   hv.server_start_time = h.server_start_time;
-  // A pid above INT_MAX turns negative here, which process_alive rejects;
+  // A pid above INT_MAX turns negative here, which process_state rejects;
   // a start time of 0 (a server always writes its own) names no process.
-  hv.server_alive = shm::process_alive(static_cast<pid_t>(hv.server_pid), hv.server_start_time);
+  const shm::ProcessState server = shm::process_state(static_cast<pid_t>(hv.server_pid), hv.server_start_time);
+  hv.server_alive = server != shm::ProcessState::kGone;
+  hv.server_stopped = server == shm::ProcessState::kStopped;
   if (hv.server_alive) {
     // starttime counts clock ticks since boot (proc(5)), as CLOCK_BOOTTIME does.
     struct timespec boot {};
@@ -576,6 +579,7 @@ json to_json(const Snapshot& s) {
                      {"server_pid", h.server_pid},
                      {"server_start_time", h.server_start_time},
                      {"server_alive", h.server_alive},
+                     {"server_stopped", h.server_stopped},
                      {"server_holds_object", h.server_holds_object ? json(*h.server_holds_object) : json(nullptr)},
                      {"server_uptime_s", h.server_uptime_s ? json(*h.server_uptime_s) : json(nullptr)},
                      {"state", server_state_name(h.server_state)},
@@ -782,8 +786,10 @@ std::string render_text(const Snapshot& s) {
   o << "  magic           " << hex64(h.magic) << "\n";
   o << "  layout version  " << h.layout_version << "\n";
   o << "  segment size    " << h.segment_size << " bytes\n";
-  o << "  server          pid " << h.server_pid << " ("
-    << (h.server_alive ? "alive"
+  const std::string pid = std::to_string(h.server_pid);
+  o << "  server          pid " << pid << " ("
+    << (h.server_stopped ? "stopped by a signal or a debugger: it serves no request until continued, kill -CONT " + pid
+        : h.server_alive ? "alive"
         : h.server_holds_object
             ? "alive, but not serving this object: it does not hold its lock, as a serving server does; a copy of "
               "its segment"
@@ -1067,6 +1073,9 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
   const HeaderView& h = s.header;
   e.family("shmps_up", "gauge", "1 while the segment's server process is alive, else 0.");
   e.sample("shmps_up", h.server_alive ? 1 : 0);
+  e.family("shmps_server_stopped", "gauge",
+           "1 while the server process is stopped (SIGSTOP, a debugger): alive, but serving nothing; else 0.");
+  e.sample("shmps_server_stopped", h.server_stopped ? 1 : 0);
   if (s.object && s.object->trusted) {
     e.family("shmps_segment_trusted", "gauge",
              "1 when a worker of this user would trust the segment's object (owner, mode), else 0.");

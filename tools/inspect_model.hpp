@@ -33,6 +33,7 @@ struct HeaderView {
   uint64_t server_start_time = 0;            // clock ticks since boot
   bool server_alive = false;                 // process_alive(pid, start time) on this host, now; false for start time 0
                                              // and for a live object its process does not hold (judge_server_lock)
+  bool server_stopped = false;               // alive but stopped (SIGSTOP, SIGTSTP, a tracer): it serves nothing
   std::optional<bool> server_holds_object;   // judge_server_lock's answer for a live process; else empty
   std::optional<double> server_uptime_s;     // since server_start_time, by this host's clock; while alive
   uint32_t server_state = 0;                 // shm::ServerState, unchecked
@@ -222,7 +223,8 @@ nlohmann::json rates_json(const Rates& rates);
 std::string render_text(const Snapshot& snapshot);
 // The Prometheus text exposition format (version 0.0.4): every StatsBlock
 // counter as shmps_<name>[_total] with its HELP and TYPE, rejections by
-// cause, per-worker counters (labels worker, pid), liveness (shmps_up),
+// cause, per-worker counters (labels worker, pid), liveness (shmps_up,
+// shmps_server_stopped),
 // identity (shmps_info) and the config a dashboard needs; every sample
 // labelled name="<name>". For the node exporter's textfile collector.
 std::string render_prometheus(const Snapshot& snapshot, const std::string& name);

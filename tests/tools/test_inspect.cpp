@@ -1811,4 +1811,53 @@ BOOST_AUTO_TEST_CASE(snapshot_decodes_rings_as_ring_reading_says) {
   BOOST_TEST(contains(text, "== request lanes, completion queues: not read ==\n"), text);
 }
 
+// A server stopped by SIGSTOP holds its segment but serves nothing: it is
+// shown stopped, not alive, in every format (Prometheus: shmps_up 1 and
+// shmps_server_stopped 1; a running one has shmps_server_stopped 0).
+BOOST_AUTO_TEST_CASE(stopped_server_is_shown_stopped) {
+  const std::string name = test::unique_name("sigstop");
+  test::ServerProcess server(name, kTensorArgs);
+  const pid_t pid = server.process().pid();
+  const std::string series = "{name=\"" + name + "\"} ";
+  BOOST_TEST(contains(run_inspect({"--format", "prometheus", name}).out, "shmps_server_stopped" + series + "0\n"));
+  BOOST_REQUIRE(::kill(pid, SIGSTOP) == 0);
+  struct Continue {
+    pid_t pid;
+    ~Continue() { ::kill(pid, SIGCONT); }  // before the server's destructor stops it
+  } resume{pid};
+  BOOST_REQUIRE(test::eventually([pid] { return shm::pid_state(pid) == shm::ProcessState::kStopped; }));
+
+  const Run text = run_inspect({name});
+  BOOST_TEST(text.rc == 0, text.err);
+  BOOST_TEST(contains(text.out, "  server          pid " + std::to_string(pid) + " (stopped by a signal or a debugger"),
+             text.out);
+  BOOST_TEST(contains(text.out, "kill -CONT " + std::to_string(pid)), text.out);
+  const json j = parse_json(run_inspect({"--json", name}));
+  BOOST_TEST(j["header"]["server_alive"] == true, j["header"]);
+  BOOST_TEST(j["header"]["server_stopped"] == true, j["header"]);
+  const Run prom = run_inspect({"--format", "prometheus", name});
+  BOOST_TEST(contains(prom.out, "shmps_up" + series + "1\n"), prom.out);
+  BOOST_TEST(contains(prom.out, "shmps_server_stopped" + series + "1\n"), prom.out);
+
+  const json list = parse_json(run_inspect({"--list", "--json"}));
+  bool seen = false;
+  for (const json& row : list["segments"]) {
+    if (row["name"] != name) continue;
+    seen = true;
+    BOOST_TEST(row["server_alive"] == true, row);
+    BOOST_TEST(row["server_stopped"] == true, row);
+  }
+  BOOST_TEST(seen);
+  const Run listed = run_inspect({"--list"});
+  std::istringstream lines(listed.out);
+  seen = false;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(name + " ", 0) != 0) continue;
+    seen = true;
+    BOOST_TEST(contains(line, " " + std::to_string(pid) + " "), line);
+    BOOST_TEST(contains(line, " stopped "), line);
+  }
+  BOOST_TEST(seen, listed.out);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
