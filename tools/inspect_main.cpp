@@ -72,11 +72,31 @@ bool write_out(const std::string& text) {
   return ok;
 }
 
+// What a failure to read the segment is to Prometheus (ReadError): no
+// segment at all is a server that is down, not a read that failed.
+shmps::inspect::ReadError read_error(ExitCode exit, shmps::ErrorCode cause) {
+  using shmps::inspect::ReadError;
+  switch (exit) {
+    case ExitCode::kOk:
+    case ExitCode::kNoSegment:
+      return ReadError::kNone;
+    case ExitCode::kBadSegment:
+      return ReadError::kBadSegment;
+    case ExitCode::kUnpublished:
+      return ReadError::kUnpublished;
+    case ExitCode::kError:
+      break;
+  }
+  return cause == shmps::ErrorCode::kPermission ? ReadError::kPermission : ReadError::kIo;
+}
+
 // One look at the segment: the rendered report in *out, or the error in
-// *error. With `previous` (--watch), the rates since that snapshot are
-// added, and *previous becomes this one.
+// *error and, when given, what it is to Prometheus in *failure. With
+// `previous` (--watch), the rates since that snapshot are added, and
+// *previous becomes this one.
 ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
-                      std::optional<shmps::inspect::Snapshot>* previous = nullptr) {
+                      std::optional<shmps::inspect::Snapshot>* previous = nullptr,
+                      shmps::inspect::ReadError* failure = nullptr) {
   // Prometheus exports no ring: none is read.
   const shmps::inspect::RingReading rings =
       o.format == "prometheus" ? shmps::inspect::kNoRings : shmps::inspect::RingReading{};
@@ -84,13 +104,16 @@ ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
                                                  : shmps::inspect::load_file(o.file, rings);
   if (loaded.exit != ExitCode::kOk) {
     *error = loaded.error;
+    if (failure != nullptr) *failure = read_error(loaded.exit, loaded.cause);
     return loaded.exit;
   }
   const shmps::inspect::Image& image = loaded.image;
   auto snap = shmps::inspect::take_snapshot(image.data, image.size, image.source, rings);
   if (!snap.ok()) {
     *error = image.source + ": " + snap.status().message();
-    return shmps::inspect::exit_code_for(snap.status());
+    const ExitCode exit = shmps::inspect::exit_code_for(snap.status());
+    if (failure != nullptr) *failure = read_error(exit, snap.status().code());
+    return exit;
   }
   snap->object = shmps::inspect::judge_object(image.source, image.owner.uid, image.owner.gid, image.owner.mode,
                                               snap->config.flags, image.owner.live);
@@ -126,11 +149,12 @@ ExitCode run_list(const Options& o) {
 
 ExitCode run_once(const Options& o) {
   std::string out, error;
-  const ExitCode rc = inspect_once(o, &out, &error);
+  shmps::inspect::ReadError failure = shmps::inspect::ReadError::kNone;
+  const ExitCode rc = inspect_once(o, &out, &error, nullptr, &failure);
   if (rc != ExitCode::kOk) {
     report_error(error);
     if (o.format == "prometheus" &&
-        !write_out(shmps::inspect::render_prometheus_down(o.name.empty() ? o.file : o.name)))
+        !write_out(shmps::inspect::render_prometheus_down(o.name.empty() ? o.file : o.name, failure)))
       return ExitCode::kError;
     return rc;
   }

@@ -1061,18 +1061,43 @@ class Exposition {
 
 }  // namespace
 
-std::string render_prometheus_down(const std::string& name) {
+namespace {
+
+constexpr const char* kUpHelp =
+    "1 while the segment's server process is alive and serves it (stopped too: shmps_server_stopped); 0 when "
+    "it is not, or when the segment could not be read (shmps_inspect_error).";
+
+// Every reason, at 0 but `error`'s (a state set, as the rejection causes
+// are): each series is always there, so an alert reads its value rather
+// than its absence; kNone (a read, or no segment at all) is all 0.
+void inspect_error(Exposition& e, ReadError error) {
+  e.family("shmps_inspect_error", "gauge",
+           "1 when shmps-inspect could not read the segment, by reason (permission: no access; bad_segment: "
+           "foreign, corrupt or of another layout version; unpublished: not published by its server; io: any "
+           "other failure; its message is on stderr); else 0. shmps_up is 0 then: the server's state is unknown.");
+  for (const auto& [reason, value] : {std::pair{"permission", ReadError::kPermission},
+                                      {"bad_segment", ReadError::kBadSegment},
+                                      {"unpublished", ReadError::kUnpublished},
+                                      {"io", ReadError::kIo}})
+    e.sample("shmps_inspect_error", error == value ? 1 : 0, std::string(",reason=\"") + reason + "\"");
+}
+
+}  // namespace
+
+std::string render_prometheus_down(const std::string& name, ReadError error) {
   Exposition e(name_label(name));
-  e.family("shmps_up", "gauge", "1 while the segment's server process is alive, else 0.");
+  e.family("shmps_up", "gauge", kUpHelp);
   e.sample("shmps_up", 0);
+  inspect_error(e, error);
   return e.text();
 }
 
 std::string render_prometheus(const Snapshot& s, const std::string& name) {
   Exposition e(name_label(name));
   const HeaderView& h = s.header;
-  e.family("shmps_up", "gauge", "1 while the segment's server process is alive, else 0.");
+  e.family("shmps_up", "gauge", kUpHelp);
   e.sample("shmps_up", h.server_alive ? 1 : 0);
+  inspect_error(e, ReadError::kNone);
   e.family("shmps_server_stopped", "gauge",
            "1 while the server process is stopped (SIGSTOP, a debugger): alive, but serving nothing; else 0.");
   e.sample("shmps_server_stopped", h.server_stopped ? 1 : 0);

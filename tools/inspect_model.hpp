@@ -224,14 +224,22 @@ std::string render_text(const Snapshot& snapshot);
 // The Prometheus text exposition format (version 0.0.4): every StatsBlock
 // counter as shmps_<name>[_total] with its HELP and TYPE, rejections by
 // cause, per-worker counters (labels worker, pid), liveness (shmps_up,
-// shmps_server_stopped),
+// shmps_server_stopped), shmps_inspect_error (all 0: read),
 // identity (shmps_info) and the config a dashboard needs; every sample
 // labelled name="<name>". For the node exporter's textfile collector.
 std::string render_prometheus(const Snapshot& snapshot, const std::string& name);
-// shmps_up 0 alone: what --format prometheus prints when there is no
-// readable segment (stopped, never started, corrupt), so a scrape of the
-// textfile sees the server down instead of its last values.
-std::string render_prometheus_down(const std::string& name);
+// Why a segment could not be read, as --format prometheus labels it
+// (shmps_inspect_error{reason}): no access (kPermission), foreign,
+// corrupt or of another layout version (kBadSegment, exit 3), not
+// published (kUnpublished, exit 4), any other failure (kIo). kNone: read,
+// or no segment at all (a server that is down).
+enum class ReadError : uint8_t { kNone, kPermission, kBadSegment, kUnpublished, kIo };
+// What --format prometheus prints without a snapshot: shmps_up 0 (no
+// server seen serving the segment), so a scrape of the textfile never
+// keeps a server's last values, and shmps_inspect_error 1 for `error`'s
+// reason (0 for the others), which tells a segment the tool could not read
+// from a server that is down.
+std::string render_prometheus_down(const std::string& name, ReadError error);
 
 // Names of raw enum values; "unknown(N)" outside the enum.
 std::string opcode_name(uint32_t opcode);

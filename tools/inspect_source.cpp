@@ -11,16 +11,22 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include "shmps/unique_fd.hpp"
 
 namespace shmps::inspect {
 namespace {
 
-Loaded failure(ExitCode exit, std::string error) {
+// `cause`: the failure's ErrorCode; by default the one its exit code stands for.
+Loaded failure(ExitCode exit, std::string error, std::optional<ErrorCode> cause = std::nullopt) {
   Loaded l;
   l.exit = exit;
   l.error = std::move(error);
+  l.cause = cause                           ? *cause
+            : exit == ExitCode::kBadSegment ? ErrorCode::kLayoutMismatch
+            : exit == ExitCode::kError      ? ErrorCode::kIo
+                                            : ErrorCode::kServerNotRunning;
   return l;
 }
 
@@ -254,9 +260,10 @@ Loaded load_segment(const std::string& name, bool wait_for_start, RingReading ri
     // Both "no such object" and "not published yet": the object's
     // existence tells them apart.
     std::error_code ec;
-    return failure(std::filesystem::exists(path, ec) ? ExitCode::kUnpublished : ExitCode::kNoSegment, s.message());
+    return failure(std::filesystem::exists(path, ec) ? ExitCode::kUnpublished : ExitCode::kNoSegment, s.message(),
+                   s.code());
   }
-  return failure(exit_code_for(s), s.message());
+  return failure(exit_code_for(s), s.message(), s.code());
 }
 
 Loaded load_file(const std::string& path, RingReading rings) {
@@ -267,7 +274,8 @@ Loaded load_file(const std::string& path, RingReading rings) {
   if (f.fd < 0) {
     const int err = errno;
     if (err == ENOENT) return failure(ExitCode::kNoSegment, "no such file '" + path + "'");
-    return failure(ExitCode::kError, "open '" + path + "': " + errno_text(err));
+    return failure(ExitCode::kError, "open '" + path + "': " + errno_text(err),
+                   err == EACCES || err == EPERM ? ErrorCode::kPermission : ErrorCode::kIo);
   }
   struct stat st {};
   if (::fstat(f.fd, &st) != 0) return failure(ExitCode::kError, "fstat '" + path + "': " + errno_text(errno));
@@ -289,8 +297,8 @@ Loaded load_file(const std::string& path, RingReading rings) {
     return failure(ExitCode::kError, error);
   if (!header_fits(image, size)) {
     const Status s = shm::validate_segment(image, size);
-    return failure(s.ok() ? ExitCode::kBadSegment : exit_code_for(s),
-                   path + ": " + (s.ok() ? std::string("the header does not describe this file") : s.message()));
+    if (s.ok()) return failure(ExitCode::kBadSegment, path + ": the header does not describe this file");
+    return failure(exit_code_for(s), path + ": " + s.message(), s.code());
   }
   // Then what a live segment's copy reads, by the header's counts; a file
   // written meanwhile must still hold them.

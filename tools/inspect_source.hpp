@@ -62,7 +62,8 @@ inline constexpr RingReading kNoRings{false, 0};
 struct Loaded {
   Image image;  // valid when exit == kOk
   ExitCode exit = ExitCode::kOk;
-  std::string error;  // what went wrong, when exit != kOk
+  std::string error;                 // what went wrong, when exit != kOk
+  ErrorCode cause = ErrorCode::kOk;  // its code: kPermission tells no access from the other kError failures
 };
 
 // Copies "shmps.<name>" and validates the copy (shm::open_segment_object,

@@ -2,6 +2,7 @@
 // worker, against saved and corrupted copies of a segment, and the model's
 // decoder against crafted garbage in an in-process segment image.
 #include <fcntl.h>
+#include <grp.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -1858,6 +1859,71 @@ BOOST_AUTO_TEST_CASE(stopped_server_is_shown_stopped) {
     BOOST_TEST(contains(line, " stopped "), line);
   }
   BOOST_TEST(seen, listed.out);
+}
+
+// --format prometheus tells a segment it could not read (no permission,
+// foreign or corrupt, not published) from a server that is down: shmps_up
+// 0 in both, and shmps_inspect_error{reason} 1 for the read failure, its
+// other reasons (and all of them after a good read or with no segment) 0.
+BOOST_AUTO_TEST_CASE(prometheus_tells_read_failures_from_a_server_down) {
+  const std::string tool = test::program_path("shmps-inspect");
+  const auto errors = [](const std::string& out) {
+    std::map<std::string, std::string> by_reason;  // reason -> value
+    static const std::regex sample(R"re(^shmps_inspect_error\{name="[^"]*",reason="([a-z_]+)"\} (\S+)$)re");
+    std::istringstream lines(out);
+    for (std::string line; std::getline(lines, line);) {
+      std::smatch m;
+      if (std::regex_match(line, m, sample)) by_reason[m[1]] = m[2];
+    }
+    return by_reason;
+  };
+  const std::map<std::string, std::string> none{
+      {"permission", "0"}, {"bad_segment", "0"}, {"unpublished", "0"}, {"io", "0"}};
+  const auto with = [&none](const std::string& reason) {
+    auto m = none;
+    m[reason] = "1";
+    return m;
+  };
+
+  const std::string good = test::unique_name("promok");
+  const RemoveSegment remove_good{good};
+  const auto seg = crafted_segment(good, {{"w", {4}}});
+  const Run ok = run_inspect({"--format", "prometheus", good});
+  BOOST_TEST(ok.rc == 0, ok.err);
+  BOOST_TEST(contains(ok.out, "# TYPE shmps_inspect_error gauge\n"), ok.out);
+  BOOST_TEST((errors(ok.out) == none), ok.out);
+
+  const std::string absent = test::unique_name("promnone");
+  const Run down = run_inspect({"--format", "prometheus", absent});
+  BOOST_TEST(down.rc == 2);
+  BOOST_TEST(contains(down.out, "shmps_up{name=\"" + absent + "\"} 0\n"), down.out);
+  BOOST_TEST((errors(down.out) == none), down.out);
+
+  struct Case {
+    std::string what, name, reason;
+    int rc;
+  };
+  const std::string foreign = test::unique_name("promforeign"), unpublished = test::unique_name("promunpub");
+  const RawObject foreign_object("shmps." + foreign, 8192), zeros("shmps." + unpublished, 8192);
+  write_all(foreign_object.path, std::string(8192, 'A'));
+  for (const Case& c : {Case{"foreign", foreign, "bad_segment", 3}, Case{"unpublished", unpublished, "unpublished", 4},
+                        Case{"permission", good, "permission", 1}}) {
+    BOOST_TEST_CONTEXT(c.what) {
+      // No access: as nobody where this is root (root opens any object),
+      // else with the object's mode 0.
+      const std::string object = "/dev/shm/" + shm::segment_object_name(c.name);
+      const bool as_nobody = c.reason == "permission" && ::geteuid() == 0;
+      if (c.reason == "permission" && !as_nobody) BOOST_REQUIRE(::chmod(object.c_str(), 0) == 0);
+      const test::Captured r =
+          test::run_captured({tool, "--format", "prometheus", c.name}, std::chrono::seconds(10), [as_nobody] {
+            return !as_nobody || (::setgid(65534) == 0 && ::setgroups(0, nullptr) == 0 && ::setuid(65534) == 0);
+          });
+      if (c.reason == "permission" && !as_nobody) BOOST_REQUIRE(::chmod(object.c_str(), 0600) == 0);
+      BOOST_TEST(r.exit_code == c.rc, r.output);
+      BOOST_TEST(contains(r.output, "shmps_up{name=\"" + c.name + "\"} 0\n"), r.output);
+      BOOST_TEST((errors(r.output) == with(c.reason)), r.output);
+    }
+  }
 }
 
 BOOST_AUTO_TEST_SUITE_END()
