@@ -73,8 +73,9 @@ bool write_out(const std::string& text) {
 }
 
 // What a failure to read the segment is to Prometheus (ReadError): no
-// segment at all is a server that is down, not a read that failed.
-shmps::inspect::ReadError read_error(ExitCode exit, shmps::ErrorCode cause) {
+// segment at all, or one left unpublished by a server that is dead, is a
+// server that is down, not a read that failed.
+shmps::inspect::ReadError read_error(ExitCode exit, shmps::ErrorCode cause, bool server_dead = false) {
   using shmps::inspect::ReadError;
   switch (exit) {
     case ExitCode::kOk:
@@ -83,7 +84,7 @@ shmps::inspect::ReadError read_error(ExitCode exit, shmps::ErrorCode cause) {
     case ExitCode::kBadSegment:
       return ReadError::kBadSegment;
     case ExitCode::kUnpublished:
-      return ReadError::kUnpublished;
+      return server_dead ? ReadError::kNone : ReadError::kUnpublished;
     case ExitCode::kError:
       break;
   }
@@ -104,7 +105,7 @@ ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
                                                  : shmps::inspect::load_file(o.file, rings);
   if (loaded.exit != ExitCode::kOk) {
     *error = loaded.error;
-    if (failure != nullptr) *failure = read_error(loaded.exit, loaded.cause);
+    if (failure != nullptr) *failure = read_error(loaded.exit, loaded.cause, loaded.server_dead);
     return loaded.exit;
   }
   const shmps::inspect::Image& image = loaded.image;

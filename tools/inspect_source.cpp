@@ -216,12 +216,14 @@ using shm::largest_segment_size;
 Loaded load_segment(const std::string& name, bool wait_for_start, RingReading rings) {
   const std::string path = "/dev/shm/" + shm::segment_object_name(name);
   Loaded l;
+  size_t live_size = 0;  // of the object last copied
   const auto copy = [&](std::unique_ptr<shm::ShmObject>& live) -> Status {
     const Status shrank{ErrorCode::kLayoutMismatch,
                         path + ": the segment shrank while being read, or /dev/shm had no memory for a page read"};
     // No larger than largest_segment_size(): open_segment_object refused
     // a larger object before mapping it.
     const size_t size = live->size();
+    live_size = size;
     l.image.copy = zeroed(size);
     if (!l.image.copy) return {ErrorCode::kIo, "cannot allocate " + std::to_string(size) + " bytes"};
     // The header first, as for --file: an object that is not a published
@@ -260,8 +262,12 @@ Loaded load_segment(const std::string& name, bool wait_for_start, RingReading ri
     // Both "no such object" and "not published yet": the object's
     // existence tells them apart.
     std::error_code ec;
-    return failure(std::filesystem::exists(path, ec) ? ExitCode::kUnpublished : ExitCode::kNoSegment, s.message(),
-                   s.code());
+    if (!std::filesystem::exists(path, ec)) return failure(ExitCode::kNoSegment, s.message(), s.code());
+    Loaded unpublished = failure(ExitCode::kUnpublished, s.message(), s.code());
+    // The last header copied, if any (an empty object leaves none).
+    unpublished.server_dead = l.image.copy && live_size >= sizeof(shm::SegmentHeader) &&
+                              shm::dead_server_of_unpublished(l.image.copy.get(), sizeof(shm::SegmentHeader));
+    return unpublished;
   }
   return failure(exit_code_for(s), s.message(), s.code());
 }
@@ -298,6 +304,17 @@ Loaded load_file(const std::string& path, RingReading rings) {
   if (!header_fits(image, size)) {
     const Status s = shm::validate_segment(image, size);
     if (s.ok()) return failure(ExitCode::kBadSegment, path + ": the header does not describe this file");
+    // A copy is never published later: say whose start it was copied from.
+    if (const auto dead = shm::dead_server_of_unpublished(image, size)) {
+      Loaded unpublished =
+          failure(exit_code_for(s),
+                  path + ": segment not published: the shmps-server that made it (pid " + std::to_string(*dead) +
+                      ") had not published it when this copy was made, and is not running on this "
+                      "host (a start that died, or a copy from another host)",
+                  s.code());
+      unpublished.server_dead = true;
+      return unpublished;
+    }
     return failure(exit_code_for(s), path + ": " + s.message(), s.code());
   }
   // Then what a live segment's copy reads, by the header's counts; a file

@@ -64,12 +64,14 @@ struct Loaded {
   ExitCode exit = ExitCode::kOk;
   std::string error;                 // what went wrong, when exit != kOk
   ErrorCode cause = ErrorCode::kOk;  // its code: kPermission tells no access from the other kError failures
+  bool server_dead = false;          // kUnpublished: its header names a server that is dead (a dead start's)
 };
 
 // Copies "shmps.<name>" and validates the copy (shm::open_segment_object,
 // as Segment::open does with its mapping: with `wait_for_start`, up to 2 s
 // for a segment still being sized or published; without, one look, and
-// such a segment is kUnpublished at once). An object larger than any
+// such a segment is kUnpublished at once; one whose header names a dead
+// server is at once, server_dead). An object larger than any
 // segment is kBadSegment before it is mapped. A segment that shrinks while
 // being copied, or whose hole tmpfs has no memory for (a SIGBUS on the
 // mapping), is kBadSegment, "the segment shrank while being read, or

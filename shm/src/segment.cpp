@@ -502,6 +502,20 @@ Status validate_segment(const void* base, size_t size) {
   return Status::Ok();
 }
 
+std::optional<uint32_t> dead_server_of_unpublished(const void* header, size_t size) noexcept {
+  if (size < sizeof(SegmentHeader)) return std::nullopt;
+  const auto& h = *static_cast<const SegmentHeader*>(header);
+  // relaxed: a private copy.
+  if (h.magic != kMagic || h.layout_version.load(std::memory_order_relaxed) != 0) return std::nullopt;
+  // Both words: a pid without its start time (a header half written)
+  // would take any process that reused the pid for the server.
+  if (h.server_pid == 0 || h.server_start_time == 0) return std::nullopt;
+  // A pid above INT_MAX turns negative, which process_alive rejects: no
+  // process, as garbage should be.
+  if (process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time)) return std::nullopt;
+  return h.server_pid;
+}
+
 // ---------------------------------------------------------------- Segment
 
 void copy_shared(void* to, const void* from, size_t bytes) noexcept {
@@ -899,6 +913,34 @@ Status check_group_access(const std::string& path, uid_t uid, gid_t gid, mode_t 
   return Status::Ok();
 }
 
+namespace {
+
+// kServerNotRunning naming the dead server and the way out, when the
+// object at `object_name` is an unpublished segment whose server is dead
+// (dead_server_of_unpublished()); else Ok. Its header is read with pread
+// on a descriptor of its own, not through a mapping: an object its owner
+// truncates meanwhile makes a short read, not a SIGBUS, and a hole reads
+// as zeros without being allocated.
+Status left_by_dead_start(const std::string& object_name, const std::string& name) {
+  const int fd = ::shm_open(object_name.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC, 0);
+  if (fd < 0) return Status::Ok();  // gone or refused since: the caller's answer stands
+  SegmentHeader h{};
+  struct stat st {};
+  const bool read =
+      ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::pread(fd, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h);
+  ::close(fd);
+  const auto pid = read ? dead_server_of_unpublished(&h, sizeof h) : std::nullopt;
+  if (!pid) return Status::Ok();
+  const std::string path = "/dev/shm/" + object_name;
+  return {ErrorCode::kServerNotRunning,
+          path + " (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) +
+              ") is not published, and the shmps-server that made it (pid " + std::to_string(*pid) +
+              ") is dead: a server start that died before publishing it left it; the next start of server '" + name +
+              "' by its owner replaces it, or remove it: " + (st.st_uid == ::geteuid() ? "rm " : "sudo rm ") + path};
+}
+
+}  // namespace
+
 Status open_segment_object(const std::string& name, bool read_only,
                            const std::function<Status(std::unique_ptr<ShmObject>&)>& accept,
                            const std::function<Status(uid_t, gid_t, mode_t)>& on_empty,
@@ -943,6 +985,10 @@ Status open_segment_object(const std::string& name, bool read_only,
     } else {
       s = accept(*opened);
       if (s.ok()) return s;
+      // Not published: by a server still starting, worth the wait, or by
+      // one that died doing so, not worth it.
+      if (s.code() == ErrorCode::kServerNotRunning)
+        if (Status dead = left_by_dead_start(object_name, name); !dead.ok()) return dead;
     }
     if (s.code() != ErrorCode::kServerNotRunning || std::chrono::steady_clock::now() >= deadline) return s;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -1926,4 +1926,77 @@ BOOST_AUTO_TEST_CASE(prometheus_tells_read_failures_from_a_server_down) {
   }
 }
 
+// A server that died while starting (its segment made, not published)
+// leaves a segment whose header names it: with that process dead, the
+// segment is reported at once as that dead server's leftover, with how to
+// remove it, instead of "server starting" after a 2 s wait; Prometheus
+// shows a server that is down, and a worker's open says the same at once.
+BOOST_AUTO_TEST_CASE(unpublished_segment_of_a_dead_server_is_its_leftover) {
+  const std::string name = test::unique_name("deadstart");
+  const RemoveSegment cleanup{name};
+  test::Process starter = test::Process::fork_fn([&name] {
+    shm::SegmentSpec spec;
+    spec.name = name;
+    spec.tensors = {{"w", {4}}};
+    spec.max_workers = 2;
+    spec.max_buffers = 1;
+    spec.lane_capacity = 4;
+    spec.config.optimizer_kind = 1;                     // sgd
+    spec.config.backend = 1;                            // host
+    return shm::Segment::create(spec, 7).ok() ? 0 : 1;  // and exits without publishing it
+  });
+  const pid_t pid = starter.pid();
+  BOOST_REQUIRE(starter.wait() == 0);
+  const std::string path = "/dev/shm/" + shm::segment_object_name(name);
+  const std::string dead = "the shmps-server that made it (pid " + std::to_string(pid) + ") is dead";
+  const auto seconds_since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  };
+
+  auto started = std::chrono::steady_clock::now();
+  const Run r = run_inspect({name});
+  BOOST_TEST(seconds_since(started) < 1.5, "took " << seconds_since(started) << " s");
+  BOOST_TEST(r.rc == 4, r.err);
+  BOOST_TEST(contains(r.err, path + " (owner "), r.err);
+  BOOST_TEST(contains(r.err, dead), r.err);
+  BOOST_TEST(contains(r.err, "a server start that died before publishing it left it"), r.err);
+  BOOST_TEST(
+      contains(r.err, "; the next start of server '" + name + "' by its owner replaces it, or remove it: rm " + path),
+      r.err);
+  BOOST_TEST(!contains(r.err, "server starting"), r.err);
+
+  const Run prom = run_inspect({"--format", "prometheus", name});
+  BOOST_TEST(prom.rc == 4);
+  BOOST_TEST(contains(prom.out, "shmps_up{name=\"" + name + "\"} 0\n"), prom.out);
+  BOOST_TEST(contains(prom.out, "shmps_inspect_error{name=\"" + name + "\",reason=\"unpublished\"} 0\n"), prom.out);
+
+  const json list = parse_json(run_inspect({"--list", "--json"}));
+  bool seen = false;
+  for (const json& row : list["segments"]) {
+    if (row["name"] != name) continue;
+    seen = true;
+    const std::string error = row["error"].get<std::string>();
+    BOOST_TEST(row["exit_code"] == 4, row);
+    BOOST_TEST(contains(error, dead), error);
+    BOOST_TEST(error.find("replaces it") == error.rfind("replaces it"), error);  // said once
+  }
+  BOOST_TEST(seen, list.dump());
+
+  // A worker's open, which the same shm code serves.
+  started = std::chrono::steady_clock::now();
+  const auto opened = shm::Segment::open(name, /*read_only=*/true);
+  BOOST_TEST(seconds_since(started) < 1.0, "took " << seconds_since(started) << " s");
+  BOOST_TEST((opened.status().code() == ErrorCode::kServerNotRunning));
+  BOOST_TEST(contains(opened.status().message(), dead), opened.status().message());
+
+  // A --file copy of it is no server starting either.
+  const TempFile file;
+  write_all(file.path, segment_bytes(name));
+  const Run copy = run_inspect({"--file", file.path});
+  BOOST_TEST(copy.rc == 4, copy.err);
+  BOOST_TEST(contains(copy.err, "(pid " + std::to_string(pid) + ")"), copy.err);
+  BOOST_TEST(contains(copy.err, "is not running on this host"), copy.err);
+  BOOST_TEST(!contains(copy.err, "server starting"), copy.err);
+}
+
 BOOST_AUTO_TEST_SUITE_END()

@@ -196,6 +196,15 @@ Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t 
 // or kOk.
 Status validate_segment(const void* base, size_t size);
 
+// The pid of the server an unpublished segment's header names, when that
+// process is dead (process_alive(): gone, a zombie, or the pid reused):
+// what a server start that died before publishing left. `header`: a
+// private copy of `size` bytes (at least a SegmentHeader) with the magic
+// and layout version 0. Empty for any other header, for one that names
+// no server yet (its pid or its start time not written: a header half
+// written), and for one whose server lives (starting, or stopped).
+std::optional<uint32_t> dead_server_of_unpublished(const void* header, size_t size) noexcept;
+
 // Copies `bytes` of shared memory that other processes may be writing:
 // word by word (8 bytes, then the rest byte by byte) with acquire loads in
 // address order, so no word is torn and what a word published with a
@@ -223,8 +232,11 @@ struct SegmentLayout {
 // takes it when it is good. Retried for up to 2 s while the object is empty
 // (a server that has not sized it yet; not when it was already empty for
 // longer at the first look: a dead start's) or accept() answers
-// kServerNotRunning (one that has not published it yet); the last answer
-// then. No such object: kServerNotRunning, "no shmps server named ...".
+// kServerNotRunning (one that has not published it yet; not when its
+// header names a server that is dead, dead_server_of_unpublished(): a dead
+// start's, kServerNotRunning naming that pid and how to remove it); the
+// last answer then. No such object: kServerNotRunning, "no shmps server
+// named ...".
 // `on_empty`, when given, judges an empty object by its owner and mode
 // before it is waited for (a worker waits only for a server it trusts).
 // `wait`: how long to retry (0: one look, for a reader that reports what
