@@ -245,7 +245,7 @@ std::string printable_text(std::string_view text, bool keep_high) {
   std::string out;
   for (const char ch : text) {
     const auto c = static_cast<unsigned char>(ch);
-    if (c >= 0x20 && c != 0x7f && (c < 0x80 || keep_high) && c != '\\') {
+    if (c >= 0x20 && c != 0x7f && (c < 0x80 || keep_high) && c != '\\' && c != '"') {
       out += ch;
     } else {
       char buf[8];
@@ -560,7 +560,7 @@ json to_json(const Snapshot& s) {
   json doorbell = json::array();
   for (const uint64_t word : h.doorbell) doorbell.push_back(hex64(word));
   json j;
-  j["source"] = s.source;
+  j["source"] = printable_text(s.source);  // a --file path as the user gave it, escaped as the text shows it
   if (s.object)
     j["object"] = json{
         {"owner", s.object->owner},

@@ -257,7 +257,8 @@ using shmps::hex64;
 std::string config_flags_text(uint32_t flags);
 // The bytes up to the first NUL within `n` (all n and " (unterminated)"
 // appended when there is none), with every byte outside printable ASCII,
-// and the backslash, written as \xNN: safe for a terminal and for JSON.
+// the backslash and the double quote written as \xNN: safe for a
+// terminal, for JSON, and between the text's quotes.
 std::string printable_name(const void* bytes, size_t n);
 // All of `text` escaped as printable_name() escapes a name (no NUL rule):
 // for names from elsewhere, e.g. the files in /dev/shm that --list shows.

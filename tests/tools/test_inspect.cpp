@@ -1999,4 +1999,29 @@ BOOST_AUTO_TEST_CASE(unpublished_segment_of_a_dead_server_is_its_leftover) {
   BOOST_TEST(!contains(copy.err, "server starting"), copy.err);
 }
 
+// One escaping rule for every name and path the tool prints, in text and
+// JSON alike: bytes outside printable ASCII, `\` and `"` as \xNN. A `"`
+// (which a tensor name may hold) cannot close the text's quotes, and the
+// JSON's source is the text's.
+BOOST_AUTO_TEST_CASE(names_and_paths_are_escaped_alike_in_text_and_json) {
+  const std::string name = test::unique_name("quote");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"a\"b", {4}}});
+  const Run live = run_inspect({name});
+  BOOST_TEST(live.rc == 0, live.err);
+  BOOST_TEST(contains(live.out, " a\\x22b "), live.out);
+  BOOST_TEST(!contains(live.out, "a\"b"), live.out);
+  BOOST_TEST(parse_json(run_inspect({"--json", name}))["tensors"][0]["name"] == "a\\x22b");
+
+  TempFile base;
+  const std::string path = base.path + "\x1b\"q.seg";
+  const std::string escaped = base.path + "\\x1b\\x22q.seg";
+  const TempFile file{path};
+  write_all(path, segment_bytes(name));
+  const Run text = run_inspect({"--file", path});
+  BOOST_TEST(contains(text.out, "shmps segment " + escaped + "\n"), text.out);
+  const json j = parse_json(run_inspect({"--json", "--file", path}));
+  BOOST_TEST(j["source"] == escaped, j["source"]);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
