@@ -1033,7 +1033,7 @@ class Exposition {
     out_ << "# HELP " << metric << " " << help << "\n# TYPE " << metric << " " << type << "\n";
   }
   void sample(const std::string& metric, double value, const std::string& extra_labels = "") {
-    out_ << metric << "{" << labels_ << extra_labels << "} " << num17(value) << "\n";
+    out_ << metric << "{" << labels_ << extra_labels << "} " << sample_value(value) << "\n";
   }
   std::string text() const { return out_.str(); }
 
@@ -1044,14 +1044,15 @@ class Exposition {
     std::snprintf(buf, sizeof buf, "%.11g", v);
     return buf;
   }
-  // The exposition format spells the non-finite values NaN, +Inf, -Inf
-  // (a garbage segment's configuration may hold them).
-  static std::string num17(double v) {
+  // The shortest decimal that reads back as `v` (std::to_chars: 0.001,
+  // 16, 1e+12); the exposition format spells the non-finite values NaN,
+  // +Inf, -Inf (a garbage segment's configuration may hold them).
+  static std::string sample_value(double v) {
     if (std::isnan(v)) return "NaN";
     if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
     char buf[40];
-    std::snprintf(buf, sizeof buf, "%.17g", v);
-    return buf;
+    const auto r = std::to_chars(buf, buf + sizeof buf, v);
+    return std::string(buf, r.ptr);  // 40 bytes hold any double's shortest form (24 at most)
   }
 
  private:
@@ -1117,7 +1118,7 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
   e.sample("shmps_parameters", static_cast<double>(h.total_elements));
   e.family("shmps_learning_rate", "gauge",
            "The configured learning rate (--lr; each update's follows --lr-schedule from it: shmps_scheduled_lr).");
-  e.sample("shmps_learning_rate", s.config.lr);
+  e.sample("shmps_learning_rate", json_float(s.config.lr));  // the float's shortest decimal: 0.001
   e.family("shmps_max_staleness", "gauge",
            "The staleness bound: versions (policy reject), clocks ahead of the slowest worker (wait).");
   e.sample("shmps_max_staleness", static_cast<double>(s.config.max_staleness));

@@ -2024,4 +2024,47 @@ BOOST_AUTO_TEST_CASE(names_and_paths_are_escaped_alike_in_text_and_json) {
   BOOST_TEST(j["source"] == escaped, j["source"]);
 }
 
+// Prometheus samples are the shortest decimal that reads back as the
+// value (the configured lr a float's: 0.001, not 0.0010000000474974513),
+// and a histogram's _count is its +Inf bucket, whatever the segment's own
+// count word says; its buckets never go down.
+BOOST_AUTO_TEST_CASE(prometheus_numbers_are_shortest_and_histogram_counts_match) {
+  const std::string name = test::unique_name("promnum");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  seg->header().config.lr = 0.001f;
+  shm::StatsBlock& st = seg->stats();
+  st.applied_bytes.store(1'000'000'000'000, std::memory_order_relaxed);
+  st.apply_ns.count.store(2, std::memory_order_relaxed);  // disagrees with the buckets
+  st.apply_ns.buckets[3].store(5, std::memory_order_relaxed);
+  st.apply_ns.buckets[50].store(7, std::memory_order_relaxed);  // past the last le shown
+  st.queue_ns.buckets[10].store(~uint64_t{0} - 1, std::memory_order_relaxed);
+  st.queue_ns.buckets[11].store(9, std::memory_order_relaxed);  // the sum saturates
+  const Run r = run_inspect({"--format", "prometheus", name});
+  BOOST_REQUIRE_MESSAGE(r.rc == 0, r.err);
+  const std::string n = "{name=\"" + name + "\"";
+  BOOST_TEST(contains(r.out, "shmps_learning_rate" + n + "} 0.001\n"), r.out);
+  BOOST_TEST(contains(r.out, "shmps_applied_bytes_total" + n + "} 1e+12\n"), r.out);
+  for (const std::string family : {"shmps_apply_seconds", "shmps_queue_seconds", "shmps_staleness"}) {
+    BOOST_TEST_CONTEXT(family) {
+      std::string inf, count;
+      double last = -1;
+      std::istringstream lines(r.out);
+      for (std::string line; std::getline(lines, line);) {
+        if (line.rfind(family + "_bucket" + n, 0) == 0) {
+          const double v = std::stod(line.substr(line.rfind(' ') + 1));
+          BOOST_TEST(v >= last, line);
+          last = v;
+          if (contains(line, "le=\"+Inf\"")) inf = line.substr(line.rfind(' ') + 1);
+        }
+        if (line.rfind(family + "_count" + n, 0) == 0) count = line.substr(line.rfind(' ') + 1);
+      }
+      BOOST_TEST(!inf.empty(), r.out);
+      BOOST_TEST(count == inf, r.out);
+    }
+  }
+  BOOST_TEST(contains(r.out, "shmps_apply_seconds_count" + n + "} 12\n"), r.out);
+  BOOST_TEST(contains(r.out, "shmps_queue_seconds_count" + n + "} 18446744073709551616\n"), r.out);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
