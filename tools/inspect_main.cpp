@@ -57,17 +57,19 @@ void report_error(const std::string& message) {
   std::fprintf(stderr, "shmps-inspect: %s\n", shmps::inspect::printable_text(message).c_str());
 }
 
-// Writes `text` to stdout and flushes it. false, with the error on
-// stderr, when it did not all arrive (a full disk, a closed descriptor): a
-// report that did not get out is a failure (exit 1), not a silent 0.
+// Writes `text` to stdout and flushes it. false when it did not all
+// arrive: a report that did not get out is a failure (exit 1), not a
+// silent 0. The error goes to stderr (a full disk, a closed descriptor),
+// except EPIPE: a reader that went away (`| head -1`) asked for no more.
 bool write_out(const std::string& text) {
   errno = 0;
   const size_t written = std::fwrite(text.data(), 1, text.size(), stdout);
   const bool ok = written == text.size() && std::fflush(stdout) == 0 && std::ferror(stdout) == 0;
   if (!ok) {
     const int err = errno;
-    std::fprintf(stderr, "shmps-inspect: writing to stdout: %s\n",
-                 err != 0 ? std::strerror(err) : "the stream is in error");
+    if (err != EPIPE)
+      std::fprintf(stderr, "shmps-inspect: writing to stdout: %s\n",
+                   err != 0 ? std::strerror(err) : "the stream is in error");
   }
   return ok;
 }
@@ -221,7 +223,8 @@ ExitCode run_watch(const Options& o) {
 
 int main(int argc, char** argv) {
   // A reader that went away (`| head -1`) makes a write fail with EPIPE,
-  // reported as every write error is (exit 1), instead of killing the tool.
+  // which ends the tool with exit 1 and no message (write_out), instead of
+  // killing it.
   ::signal(SIGPIPE, SIG_IGN);
   Options o;
   po::options_description visible(
