@@ -269,6 +269,22 @@ Loaded load_segment(const std::string& name, bool wait_for_start, RingReading ri
                               shm::dead_server_of_unpublished(l.image.copy.get(), sizeof(shm::SegmentHeader));
     return unpublished;
   }
+  if (s.code() == ErrorCode::kPermission) {
+    // shm's message says how a worker gets in (the group, --group-access);
+    // a reader may also be the segment's owner, unless it is that owner
+    // already and the mode keeps it out.
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0 && st.st_uid != ::geteuid()) {
+      const std::string owner = shm::owner_text(st.st_uid, st.st_gid);
+      const std::string user = owner.substr(0, owner.find(':'));
+      const std::string sudo = st.st_uid == 0               ? "sudo"
+                               : user.rfind("uid ", 0) == 0 ? "sudo -u '#" + std::to_string(st.st_uid) + "'"
+                                                            : "sudo -u " + user;
+      return failure(ExitCode::kError,
+                     s.message() + "; or run shmps-inspect as the segment's owner: " + sudo + " shmps-inspect " + name,
+                     s.code());
+    }
+  }
   return failure(exit_code_for(s), s.message(), s.code());
 }
 

@@ -256,9 +256,19 @@ Status map_object(int fd, bool read_only, const std::string& name, uint64_t* ino
   *uid = st.st_uid;
   *gid = st.st_gid;
   *mode = st.st_mode & 0777;
-  if (!S_ISREG(st.st_mode))
-    return {ErrorCode::kIo, "shm object '" + name + "' is not a regular file (" +
-                                owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ")"};
+  if (!S_ISREG(st.st_mode)) {
+    const std::string path = "/dev/shm/" + name;
+    const char* what = S_ISFIFO(st.st_mode)   ? "a FIFO, not a regular file"
+                       : S_ISDIR(st.st_mode)  ? "a directory, not a regular file"
+                       : S_ISSOCK(st.st_mode) ? "a socket, not a regular file"
+                       : S_ISCHR(st.st_mode)  ? "a character device, not a regular file"
+                       : S_ISBLK(st.st_mode)  ? "a block device, not a regular file"
+                                              : "not a regular file";
+    return {ErrorCode::kIo,
+            path + " is " + what + " (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) +
+                "): not a shm object any shmps process makes; remove it: " + (st.st_uid == ::geteuid() ? "" : "sudo ") +
+                (S_ISDIR(st.st_mode) ? "rmdir " : "rm ") + path};
+  }
   if (st.st_size == 0) {
     *empty = true;
     return {ErrorCode::kIo,
@@ -365,6 +375,20 @@ Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_nam
   if (fd < 0) {
     const int err = errno;
     if (err == EACCES || err == EPERM) return permission_denied(object_name, read_only, err);
+    // shm_open does not follow a symbolic link (O_NOFOLLOW): ELOOP.
+    if (err == ELOOP) {
+      const std::string path = "/dev/shm/" + object_name;
+      struct stat st {};
+      if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+        std::vector<char> target(4096);
+        const ssize_t n = ::readlink(path.c_str(), target.data(), target.size());
+        return Status{ErrorCode::kIo,
+                      path + " is a symbolic link" +
+                          (n > 0 ? " (to " + std::string(target.data(), static_cast<size_t>(n)) + ")" : std::string()) +
+                          ", not a shm object any shmps process makes (none follows a link); remove it: " +
+                          (st.st_uid == ::geteuid() ? "rm " : "sudo rm ") + path};
+      }
+    }
     const std::string what = "open shm object '" + object_name + "': ";
     if (err == ENOENT) why = OpenFailure::kNoObject;
     return Status{ErrorCode::kIo, what + (err == ENOENT ? std::string("does not exist") : errno_text(err))};

@@ -2083,4 +2083,60 @@ BOOST_AUTO_TEST_CASE(closed_pipe_on_stdout_ends_quietly) {
   }
 }
 
+// What is at a segment's name and is no shm object (a symbolic link, a
+// FIFO) is named as what it is, with the way to remove it; no access
+// (EACCES) says how to get it: run as the segment's owner, or the group
+// and --group-access.
+BOOST_AUTO_TEST_CASE(odd_objects_and_no_access_are_explained) {
+  const std::string target = test::unique_name("linked"), link = test::unique_name("link");
+  const RemoveSegment cleanup{target};
+  const auto seg = crafted_segment(target, {{"w", {4}}});
+  const std::string link_path = "/dev/shm/" + shm::segment_object_name(link);
+  const std::string target_path = "/dev/shm/" + shm::segment_object_name(target);
+  BOOST_REQUIRE(::symlink(target_path.c_str(), link_path.c_str()) == 0);
+  struct Unlink {
+    std::string path;
+    ~Unlink() { ::unlink(path.c_str()); }
+  } unlink_link{link_path};
+  const Run linked = run_inspect({link});
+  BOOST_TEST(linked.rc == 1, linked.err);
+  BOOST_TEST(contains(linked.err, link_path + " is a symbolic link (to " + target_path + "), not a shm object"),
+             linked.err);
+  BOOST_TEST(contains(linked.err, "rm " + link_path), linked.err);
+
+  const std::string fifo = test::unique_name("fifo");
+  const std::string fifo_path = "/dev/shm/" + shm::segment_object_name(fifo);
+  BOOST_REQUIRE(::mkfifo(fifo_path.c_str(), 0600) == 0);
+  const Unlink unlink_fifo{fifo_path};
+  const Run piped = Inspect({fifo}).finish(std::chrono::seconds(5));
+  BOOST_TEST(piped.rc == 1, piped.err);
+  BOOST_TEST(contains(piped.err, fifo_path + " is a FIFO, not a regular file (owner "), piped.err);
+  BOOST_TEST(contains(piped.err, "not a shm object any shmps process makes"), piped.err);
+  BOOST_TEST(contains(piped.err, "rm " + fifo_path), piped.err);
+  const json list = parse_json(run_inspect({"--list", "--json"}));
+  int seen = 0;
+  for (const json& row : list["segments"]) {
+    if (row["name"] == link) seen += contains(row["error"].get<std::string>(), "is a symbolic link") ? 1 : 0;
+    if (row["name"] == fifo) seen += contains(row["error"].get<std::string>(), "is a FIFO") ? 1 : 0;
+  }
+  BOOST_TEST(seen == 2, list.dump());
+
+  // No access: as nobody where this is root, else with the object's mode 0.
+  const bool as_nobody = ::geteuid() == 0;
+  if (!as_nobody) BOOST_REQUIRE(::chmod(target_path.c_str(), 0) == 0);
+  const test::Captured denied =
+      test::run_captured({test::program_path("shmps-inspect"), target}, std::chrono::seconds(10), [as_nobody] {
+        return !as_nobody || (::setgid(65534) == 0 && ::setgroups(0, nullptr) == 0 && ::setuid(65534) == 0);
+      });
+  if (!as_nobody) BOOST_REQUIRE(::chmod(target_path.c_str(), 0600) == 0);
+  BOOST_TEST(denied.exit_code == 1, denied.output);
+  BOOST_TEST(contains(denied.output, "permission denied"), denied.output);
+  // Its own owner, denied by the mode, has no one else to be.
+  if (as_nobody) {
+    BOOST_TEST(contains(denied.output, "--group-access"), denied.output);
+    BOOST_TEST(contains(denied.output, "; or run shmps-inspect as the segment's owner: sudo shmps-inspect " + target),
+               denied.output);
+  }
+}
+
 BOOST_AUTO_TEST_SUITE_END()
