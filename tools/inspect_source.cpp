@@ -199,11 +199,7 @@ bool header_fits(const void* copy, uint64_t size) {
   if (size < sizeof(shm::SegmentHeader)) return false;
   const auto& h = *static_cast<const shm::SegmentHeader*>(copy);
   // relaxed: a private copy.
-  const bool counts_in_range = h.tensor_count >= 1 && h.tensor_count <= shm::kMaxTensorsLimit && h.max_workers >= 1 &&
-                               h.max_workers <= shm::kMaxWorkersLimit && h.max_buffers >= 1 &&
-                               h.max_buffers <= shm::kMaxBuffersLimit && h.lane_capacity >= 2 &&
-                               h.lane_capacity <= shm::kMaxLaneCapacity &&
-                               (h.lane_capacity & (h.lane_capacity - 1)) == 0;
+  const bool counts_in_range = shm::check_counts(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity).ok();
   return h.magic == shm::kMagic && h.layout_version.load(std::memory_order_relaxed) == shm::kLayoutVersion &&
          counts_in_range && h.segment_size == size &&
          shm::compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity).segment_size == size;

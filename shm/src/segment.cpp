@@ -436,8 +436,6 @@ Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t 
 
 // ---------------------------------------------------------------- validation
 
-namespace {
-
 Status check_counts(uint64_t tensor_count, uint64_t max_workers, uint64_t max_buffers, uint64_t lane_capacity) {
   if (tensor_count == 0 || tensor_count > kMaxTensorsLimit)
     return {ErrorCode::kLayoutMismatch,
@@ -453,8 +451,6 @@ Status check_counts(uint64_t tensor_count, uint64_t max_workers, uint64_t max_bu
             "lane_capacity " + std::to_string(lane_capacity) + " is not a power of two in 2..65536"};
   return Status::Ok();
 }
-
-}  // namespace
 
 Status validate_segment(const void* base, size_t size) {
   if (size < sizeof(SegmentHeader))

@@ -156,6 +156,14 @@ json parse_json(const Run& r) {
   return {};
 }
 
+// `--list --json`'s rows by segment name.
+std::map<std::string, json> list_rows() {
+  const json list = parse_json(run_inspect({"--list", "--json"}));
+  std::map<std::string, json> rows;
+  for (const json& row : list["segments"]) rows[row["name"].get<std::string>()] = row;
+  return rows;
+}
+
 using test::connect;
 
 // Overwrites `value` at `offset` of a byte string.
@@ -1517,9 +1525,7 @@ BOOST_AUTO_TEST_CASE(copy_of_a_live_segment_is_not_alive) {
   const Run prom = run_inspect({"--format", "prometheus", copy});
   BOOST_TEST(contains(prom.out, "shmps_up{name=\"" + copy + "\"} 0\n"), prom.out);
   BOOST_TEST(contains(run_inspect({"--format", "prometheus", name}).out, "shmps_up{name=\"" + name + "\"} 1\n"));
-  const json list = parse_json(run_inspect({"--list", "--json"}));
-  std::map<std::string, json> rows;
-  for (const json& row : list["segments"]) rows[row["name"].get<std::string>()] = row;
+  std::map<std::string, json> rows = list_rows();
   BOOST_REQUIRE(rows.count(copy) == 1u);
   BOOST_TEST(rows[copy]["server_alive"] == false, rows[copy]);
   BOOST_TEST(rows[name]["server_alive"] == true, rows[name]);
@@ -1810,18 +1816,13 @@ BOOST_AUTO_TEST_CASE(stopped_server_is_shown_stopped) {
   BOOST_TEST(contains(prom.out, "shmps_up" + series + "1\n"), prom.out);
   BOOST_TEST(contains(prom.out, "shmps_server_stopped" + series + "1\n"), prom.out);
 
-  const json list = parse_json(run_inspect({"--list", "--json"}));
-  bool seen = false;
-  for (const json& row : list["segments"]) {
-    if (row["name"] != name) continue;
-    seen = true;
-    BOOST_TEST(row["server_alive"] == true, row);
-    BOOST_TEST(row["server_stopped"] == true, row);
-  }
-  BOOST_TEST(seen);
+  const std::map<std::string, json> rows = list_rows();
+  BOOST_TEST_REQUIRE(rows.count(name) == 1u);
+  BOOST_TEST(rows.at(name)["server_alive"] == true, rows.at(name));
+  BOOST_TEST(rows.at(name)["server_stopped"] == true, rows.at(name));
   const Run listed = run_inspect({"--list"});
   std::istringstream lines(listed.out);
-  seen = false;
+  bool seen = false;
   for (std::string line; std::getline(lines, line);) {
     if (line.rfind(name + " ", 0) != 0) continue;
     seen = true;
@@ -1940,17 +1941,13 @@ BOOST_AUTO_TEST_CASE(unpublished_segment_of_a_dead_server_is_its_leftover) {
   BOOST_TEST(contains(prom.out, "shmps_up{name=\"" + name + "\"} 0\n"), prom.out);
   BOOST_TEST(contains(prom.out, "shmps_inspect_error{name=\"" + name + "\",reason=\"unpublished\"} 0\n"), prom.out);
 
-  const json list = parse_json(run_inspect({"--list", "--json"}));
-  bool seen = false;
-  for (const json& row : list["segments"]) {
-    if (row["name"] != name) continue;
-    seen = true;
-    const std::string error = row["error"].get<std::string>();
-    BOOST_TEST(row["exit_code"] == 4, row);
-    BOOST_TEST(contains(error, dead), error);
-    BOOST_TEST(error.find("replaces it") == error.rfind("replaces it"), error);  // said once
-  }
-  BOOST_TEST(seen, list.dump());
+  const std::map<std::string, json> rows = list_rows();
+  BOOST_TEST_REQUIRE(rows.count(name) == 1u);
+  const json& row = rows.at(name);
+  const std::string error = row["error"].get<std::string>();
+  BOOST_TEST(row["exit_code"] == 4, row);
+  BOOST_TEST(contains(error, dead), error);
+  BOOST_TEST(error.find("replaces it") == error.rfind("replaces it"), error);  // said once
 
   // A worker's open, which the same shm code serves.
   started = std::chrono::steady_clock::now();
@@ -2113,13 +2110,11 @@ BOOST_AUTO_TEST_CASE(odd_objects_and_no_access_are_explained) {
   BOOST_TEST(contains(piped.err, fifo_path + " is a FIFO, not a regular file (owner "), piped.err);
   BOOST_TEST(contains(piped.err, "not a shm object any shmps process makes"), piped.err);
   BOOST_TEST(contains(piped.err, "rm " + fifo_path), piped.err);
-  const json list = parse_json(run_inspect({"--list", "--json"}));
-  int seen = 0;
-  for (const json& row : list["segments"]) {
-    if (row["name"] == link) seen += contains(row["error"].get<std::string>(), "is a symbolic link") ? 1 : 0;
-    if (row["name"] == fifo) seen += contains(row["error"].get<std::string>(), "is a FIFO") ? 1 : 0;
-  }
-  BOOST_TEST(seen == 2, list.dump());
+  const std::map<std::string, json> rows = list_rows();
+  BOOST_TEST_REQUIRE(rows.count(link) == 1u);
+  BOOST_TEST_REQUIRE(rows.count(fifo) == 1u);
+  BOOST_TEST(contains(rows.at(link)["error"].get<std::string>(), "is a symbolic link"), rows.at(link));
+  BOOST_TEST(contains(rows.at(fifo)["error"].get<std::string>(), "is a FIFO"), rows.at(fifo));
 
   // No access: as nobody where this is root, else with the object's mode 0.
   const bool as_nobody = ::geteuid() == 0;

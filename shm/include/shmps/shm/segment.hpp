@@ -196,6 +196,13 @@ Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t 
 // or kOk.
 Status validate_segment(const void* base, size_t size);
 
+// A header's counts within their limits (1..kMaxTensorsLimit tensors,
+// 1..kMaxWorkersLimit workers, 1..kMaxBuffersLimit buffers, a lane
+// capacity that is a power of two in 2..kMaxLaneCapacity): the part of
+// validate_segment that compute_geometry() needs. kLayoutMismatch naming
+// the count, or kOk.
+Status check_counts(uint64_t tensor_count, uint64_t max_workers, uint64_t max_buffers, uint64_t lane_capacity);
+
 // The pid of the server an unpublished segment's header names, when that
 // process is dead (process_alive(): gone, a zombie, or the pid reused):
 // what a server start that died before publishing left. `header`: a
