@@ -384,10 +384,19 @@ FederationLink::Outcome FederationLink::discard() {
 bool FederationLink::form_group() {
   federator_.rejoin();
   FederationEngine::Reform last = FederationEngine::Reform::kFormed;
+  // A failure that repeats is logged again after 5 s, then at doubling
+  // intervals up to 5 minutes, with its newest reason (each try's names its
+  // attempt): a host that keeps failing says why without a line per try.
+  constexpr auto kFirstRepeat = std::chrono::seconds(5);
+  constexpr auto kLongestRepeat = std::chrono::minutes(5);
+  Clock::duration repeat_every = kFirstRepeat;
+  Clock::time_point first_failure, next_repeat;
+  uint64_t failures = 0;
   while (true) {
     if (stopping()) return false;
     std::string why;
     const FederationEngine::Reform r = engine_->reform(&why, [this] { return stopping(); });
+    const auto now = Clock::now();
     if (r == FederationEngine::Reform::kRefused) {
       end(why);
       return false;
@@ -399,8 +408,23 @@ bool FederationLink::form_group() {
       }
       return true;
     }
-    // Logged when it changes, not on every try.
-    if (r != last) (r == FederationEngine::Reform::kPaused ? log::warn(why) : log::info(why + "; trying again"));
+    // Logged when it changes, not on every try; a failure again as it repeats.
+    if (r != last) {
+      (r == FederationEngine::Reform::kPaused ? log::warn(why) : log::info(why + "; trying again"));
+      first_failure = now;
+      repeat_every = kFirstRepeat;
+      next_repeat = now + repeat_every;
+      failures = 1;
+    } else if (r == FederationEngine::Reform::kFailed) {
+      ++failures;
+      if (now >= next_repeat) {
+        const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(now - first_failure).count();
+        log::info(why + "; still no group after " + std::to_string(failures) + " tries in " + std::to_string(seconds) +
+                  " s; trying again");
+        repeat_every = std::min<Clock::duration>(repeat_every * 2, kLongestRepeat);
+        next_repeat = now + repeat_every;
+      }
+    }
     if (r == FederationEngine::Reform::kPaused) publish_state(shm::FederationState::kPaused);
     last = r;
     // Paused: up to a second between tries (each writes a few keys to the

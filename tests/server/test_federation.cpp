@@ -1923,6 +1923,52 @@ BOOST_AUTO_TEST_CASE(an_elastic_group_regroups_and_keeps_every_push) {
   for (FakeEngine* e : two.engines) e->is_elastic = false;
 }
 
+// A host whose tries to form a group keep failing logs the first failure,
+// then again once 5 s have passed, with the count and the newest try's
+// reason (each try's names its attempt, so logging only a changed outcome
+// left a cycling host silent), and not on every try; it joins once a try
+// succeeds.
+BOOST_AUTO_TEST_CASE(a_failure_to_form_a_group_that_repeats_is_logged_again) {
+  test::TempDir logs("fedrepeat");
+  const std::string log_path = (logs.path / "stderr").string();
+  FederationConfig f;
+  f.every_ms = 20;
+  {
+    test::StderrTo capture(log_path);
+    TwoServers two(
+        f, f, {},
+        [](uint32_t r, FakeEngine& engine) {
+          engine.is_elastic = r == 0;
+          engine.reform_fails = r == 0;
+        },
+        /*await_join=*/false);
+    FakeEngine& failing = *two.engines[0];
+    BOOST_TEST_REQUIRE(test::eventually([&] { return failing.reform_tries >= 1; }));
+    const auto start = std::chrono::steady_clock::now();
+    BOOST_TEST_REQUIRE(
+        test::eventually([&] { return test::read_file(log_path).find("still no group") != std::string::npos; },
+                         std::chrono::seconds(20)));
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    BOOST_TEST(waited >= 4.0);
+    failing.reform_fails = false;
+    BOOST_TEST_REQUIRE(test::eventually([&] {
+      return block_stat(two.names[0], &shm::StatsBlock::fed_members) == 2 &&
+             block_stat(two.names[1], &shm::StatsBlock::fed_members) == 2;
+    }));
+    failing.is_elastic = false;  // static for the stop, as above
+  }
+  const std::string log = test::read_file(log_path);
+  BOOST_TEST(log.find("federation (fake): try 1 formed no group; trying again") != std::string::npos, log);
+  const size_t repeat = log.find("formed no group; still no group after ");
+  BOOST_TEST_REQUIRE(repeat != std::string::npos, log);
+  // One line at the first failure and one 5 s later, from about 100 tries.
+  size_t lines = 0;
+  for (size_t at = log.find("formed no group"); at != std::string::npos; at = log.find("formed no group", at + 1))
+    ++lines;
+  BOOST_TEST(lines == 2u, log);
+  BOOST_TEST(log.find(" tries in 5 s; trying again", repeat) != std::string::npos, log);
+}
+
 namespace {
 
 // This process's threads' (nice value, scheduling policy), from

@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "shmps/server/federation.hpp"
@@ -75,8 +76,13 @@ class FakeEngine final : public server::FederationEngine {
   server::Membership membership() const noexcept override { return {epoch_.load(), rank_, group_->size(), host}; }
   bool elastic() const noexcept override { return is_elastic; }
   // The same members again, under the next epoch; the waiting joiner (if
-  // any) is then in.
-  Reform reform(std::string* /*why*/, const std::function<bool()>& /*cancelled*/) override {
+  // any) is then in. While reform_fails is set, each try fails instead,
+  // its reason numbered.
+  Reform reform(std::string* why, const std::function<bool()>& /*cancelled*/) override {
+    if (reform_fails) {
+      *why = "federation (fake): try " + std::to_string(++reform_tries) + " formed no group";
+      return Reform::kFailed;
+    }
     ++epoch_;
     joiner = false;
     return Reform::kFormed;
@@ -148,8 +154,10 @@ class FakeEngine final : public server::FederationEngine {
   // member's bytes before each allgather (a test sending damaged bytes).
   std::function<void(std::span<std::byte>)> on_broadcast;
   std::function<void(std::span<std::byte>)> on_allgather;
-  std::atomic<bool> is_elastic{false};  // re-forms (as the same group) instead of ending
-  std::atomic<bool> joiner{false};      // a test's "host waiting to join", seen by this member
+  std::atomic<bool> is_elastic{false};    // re-forms (as the same group) instead of ending
+  std::atomic<bool> joiner{false};        // a test's "host waiting to join", seen by this member
+  std::atomic<bool> reform_fails{false};  // reform() fails
+  std::atomic<uint64_t> reform_tries{0};  // the tries it failed
 
  private:
   bool failing() { return ++collectives_ == fail_at; }
