@@ -587,23 +587,30 @@ Status check_checkpoint_dir(const std::string& dir) {
   const auto fail = [&dir](const std::string& why) {
     return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": " + why};
   };
+  // The kernel's own file systems: access() lets root in, but no file or
+  // directory can be created there (checked first, so that every user
+  // reads the same reason).
+  const auto on_kernel_fs = [](const fs::path& p) {
+    struct statfs fsinfo {};
+    if (::statfs(p.c_str(), &fsinfo) != 0) return false;
+    const auto type = static_cast<unsigned long>(fsinfo.f_type);
+    return type == PROC_SUPER_MAGIC || type == SYSFS_MAGIC || type == CGROUP_SUPER_MAGIC ||
+           type == CGROUP2_SUPER_MAGIC || type == DEBUGFS_MAGIC;
+  };
+  constexpr const char* kKernelFs =
+      "on a kernel file system (procfs, sysfs, cgroup or debugfs), where no file can be created";
   if (fs::exists(at, ec)) {
     if (!fs::is_directory(at, ec)) return fail(std::strerror(ENOTDIR));
+    if (on_kernel_fs(at)) return fail(kKernelFs);
     if (::access(at.c_str(), W_OK | X_OK) != 0)
       return fail("cannot write checkpoints in it: " + std::string(std::strerror(errno)));
-    // The kernel's own file systems: access() lets root in, but no file
-    // can be created there.
-    if (struct statfs fsinfo{}; ::statfs(at.c_str(), &fsinfo) == 0) {
-      const auto type = static_cast<unsigned long>(fsinfo.f_type);
-      if (type == PROC_SUPER_MAGIC || type == SYSFS_MAGIC || type == CGROUP2_SUPER_MAGIC || type == DEBUGFS_MAGIC)
-        return fail("on a kernel file system (procfs, sysfs, cgroup or debugfs), where no file can be created");
-    }
     return Status::Ok();
   }
   if (fs::is_symlink(fs::symlink_status(at, ec)))
     return fail("a symbolic link to " + fs::read_symlink(at, ec).string() + ", which does not exist");
   while (at.has_parent_path() && at != at.parent_path() && !fs::exists(at, ec)) at = at.parent_path();
   if (!fs::is_directory(at, ec)) return fail(at.string() + ": " + std::strerror(ENOTDIR));
+  if (on_kernel_fs(at)) return fail(kKernelFs);
   if (::access(at.c_str(), W_OK | X_OK) != 0)
     return fail("cannot create it in " + at.string() + ": " + std::strerror(errno));
   return Status::Ok();

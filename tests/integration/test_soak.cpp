@@ -1,5 +1,5 @@
 // Soak (label `soak`, excluded from the default test preset; run with
-// `ctest --preset default -L soak` or SHMPS_SOAK_SECONDS=N for another
+// `ctest --test-dir build/default -L soak` or SHMPS_SOAK_SECONDS=N for another
 // length, default 300): 8 worker processes push while a chaos loop SIGKILLs
 // a random worker every second (and starts a new one), every fourth second
 // SIGSTOPs one for 1.5 s instead (the server evicts it after 1 s; it

@@ -507,7 +507,8 @@ BOOST_AUTO_TEST_CASE(check_config_refuses_backend_cuda_without_a_device) {
 }
 
 // --check-config refuses a checkpoint directory the start could not use:
-// a file, or a path under a file; a directory, or one it can create, passes.
+// a file, a path under a file, or one on a kernel file system; a
+// directory, or one it can create, passes.
 BOOST_AUTO_TEST_CASE(check_config_refuses_a_checkpoint_dir_the_start_would) {
   ConfFile file("x");
   const auto check = [](const std::string& dir) {
@@ -534,6 +535,22 @@ BOOST_AUTO_TEST_CASE(check_config_refuses_a_checkpoint_dir_the_start_would) {
   });
   BOOST_TEST(child.wait(std::chrono::seconds(10)) == 0);
   std::filesystem::permissions(dir.path, std::filesystem::perms::owner_all);
+  // The kernel's file systems, where root passes access() but can create
+  // nothing: an existing directory there, and a path to be made under one;
+  // a cgroup (v1 or v2) mount where the host has one.
+  std::vector<std::string> kernel_dirs = {"/proc", "/proc/x", "/proc/x/y", "/sys/kernel", "/sys/x"};
+  std::ifstream mounts("/proc/self/mounts");
+  for (std::string device, at, type, rest; mounts >> device >> at >> type && std::getline(mounts, rest);) {
+    if (type == "cgroup" || type == "cgroup2") {
+      kernel_dirs.insert(kernel_dirs.end(), {at, at + "/shmps-x"});
+      break;
+    }
+  }
+  for (const std::string& kernel : kernel_dirs) {
+    auto p = check(kernel);
+    BOOST_TEST(!p.ok(), kernel);
+    if (!p.ok()) BOOST_TEST(contains(p.status().message(), "on a kernel file system"), p.status().message());
+  }
 }
 
 BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
