@@ -569,8 +569,8 @@ int main(int argc, char** argv) {
     po::options_description own("shmps-compare's own options");
     own.add_options()(
         "size-kib", po::value(&size_kib)->multitoken(),
-        "gradient sizes of section 2 in KiB (default 4 64 1024 16384 65536 262144; memory: about 5x the largest "
-        "over all servers and workers)")(
+        "gradient sizes of section 2 in KiB (default 4 64 1024 16384 65536 262144; memory: about 10x the largest "
+        "over all servers and workers, 2.5 GiB with the defaults)")(
         "log", po::value(&plan.log_path)->default_value("/tmp/shmps-compare-server.log"), "servers' output");
     CommonOptions common;
     if (auto exit_code = parse_command_line(
