@@ -307,6 +307,14 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
                                                " sent a round header this build does not know (flags " +
                                                hex64(h.flags) + ", reserved word " + std::to_string(h.reserved) +
                                                "): is every rank a shmps-server of the same version?"};
+    // A round is a count that no checkpoint holds past kMaxCheckpointVersion:
+    // taken at the join, it would be written where a restart refuses it, or
+    // wrap.
+    if (h.round >= kMaxCheckpointVersion)
+      return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) + " sent round " +
+                                               std::to_string(h.round) +
+                                               ", past any a checkpoint holds (damaged, or not a shmps-server of "
+                                               "this version)"};
     if (h.model != fingerprint_) {
       // The hosts outside a strict majority of one model end their
       // federation (a configuration to fix); the majority leaves them out

@@ -1381,6 +1381,37 @@ BOOST_AUTO_TEST_CASE(a_record_or_host_ids_that_cannot_be_are_refused_at_the_join
   }
 }
 
+// A join header whose round no checkpoint holds (kMaxCheckpointVersion or
+// past it, the last before a wrap) is refused by every member, naming the
+// rank, rather than taken as the group's round: the states stay as they
+// were (fuzz_federation's seed found_round_past_checkpoints).
+BOOST_AUTO_TEST_CASE(a_round_past_any_checkpoint_is_refused_at_the_join) {
+  constexpr size_t kRoundAt = 8;  // Header::round
+  for (const uint64_t round : {kMaxCheckpointVersion, ~uint64_t{0}}) {
+    BOOST_TEST_CONTEXT("round " << round) {
+      Hosts hosts(2, FederationConfig{});
+      for (uint32_t r = 0; r < 2; ++r) BOOST_TEST_REQUIRE(hosts.feds[r]->restore(state_of(0x77, 5, 1.0f, r)).ok());
+      hosts.engines[1]->on_allgather = [round](std::span<std::byte> data) {
+        if (data.size() == Federator::kHeaderBytes) std::memcpy(data.data() + kRoundAt, &round, sizeof round);
+      };
+      std::vector<Status> status(2);
+      hosts.run([&](uint32_t r, Federator& f) {
+        std::vector<float> ex(kN, 1.0f);
+        status[r] = f.join(ex).status();
+      });
+      for (uint32_t r = 0; r < 2; ++r) {
+        BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+        BOOST_TEST(
+            mentions(status[r], "host rank 1 sent round " + std::to_string(round) + ", past any a checkpoint holds"),
+            status[r].message());
+        BOOST_TEST_REQUIRE(hosts.feds[r]->state().has_value());
+        BOOST_TEST(hosts.feds[r]->state()->round == 5u);
+        BOOST_TEST(hosts.feds[r]->round_number() == 5u);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- servers
 
 namespace {
