@@ -55,8 +55,9 @@ Status validate(const ServerConfig& config) {
     return invalid("--checkpoint-every and --checkpoint-interval-s need --checkpoint-dir");
   // Checked whether or not federated: an embedder may inject an engine.
   const FederationConfig& f = config.federation;
-  if (f.every_ms == 0 || f.every_ms > 3'600'000)
-    return invalid("--fed-every-ms must be in 1..3600000, got " + std::to_string(f.every_ms));
+  if (f.every_ms == 0 || f.every_ms > kMaxFederationEveryMs)
+    return invalid("--fed-every-ms must be in 1.." + std::to_string(kMaxFederationEveryMs) + ", got " +
+                   std::to_string(f.every_ms));
   if (!(std::isfinite(f.outer_lr) && f.outer_lr > 0.0f))
     return invalid("--fed-outer-lr must be finite and > 0, got " + number_text(f.outer_lr));
   if (!(std::isfinite(f.outer_momentum) && f.outer_momentum >= 0.0f && f.outer_momentum < 1.0f))

@@ -315,6 +315,14 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
                                                std::to_string(h.round) +
                                                ", past any a checkpoint holds (damaged, or not a shmps-server of "
                                                "this version)"};
+    // A period no --fed-every-ms has: the join takes the group's longest,
+    // which each round's first collective and a stop wait for beyond their
+    // timeouts (FederationEngine::set_group_period_ms()).
+    if (h.every_ms == 0 || h.every_ms > kMaxFederationEveryMs)
+      return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) + " sent a round period of " +
+                                               std::to_string(h.every_ms) + " ms, outside 1.." +
+                                               std::to_string(kMaxFederationEveryMs) +
+                                               " (damaged, or not a shmps-server of this version)"};
     if (h.model != fingerprint_) {
       // The hosts outside a strict majority of one model end their
       // federation (a configuration to fix); the majority leaves them out

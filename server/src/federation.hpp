@@ -144,8 +144,9 @@ class Federator {
   // (settle_lineage()), when this host's weights, anchor or outer
   // momentum hold NaN or Inf (kIo at the others of an elastic engine: they
   // leave it out), when two members give one host id, a member's round
-  // is one no checkpoint holds (kMaxCheckpointVersion or past it), or the
-  // source's record of groups does not fit its round; the engine's.
+  // is one no checkpoint holds (kMaxCheckpointVersion or past it) or its
+  // period one no --fed-every-ms has, or the source's record of groups
+  // does not fit its round; the engine's.
   Result<RoundResult> join(std::span<float> exchange);
 
   // One round: `exchange` holds the snapshot S on entry, taken after

@@ -1412,6 +1412,36 @@ BOOST_AUTO_TEST_CASE(a_round_past_any_checkpoint_is_refused_at_the_join) {
   }
 }
 
+// A header whose round period no --fed-every-ms has (0, or past an hour)
+// is refused by every member at the join, naming the rank, rather than
+// becoming the group's longest period, which each round's first collective
+// and a stop wait for beyond their timeouts: nobody joins
+// (fuzz_federation's seed found_group_period_past_any_config).
+BOOST_AUTO_TEST_CASE(a_round_period_no_host_can_have_is_refused_at_the_join) {
+  constexpr size_t kEveryMsAt = 88;  // Header::every_ms
+  for (const uint32_t every_ms : {uint32_t{0}, uint32_t{3'600'001}, ~uint32_t{0}}) {
+    BOOST_TEST_CONTEXT("every_ms " << every_ms) {
+      Hosts hosts(2, FederationConfig{});
+      hosts.engines[1]->on_allgather = [every_ms](std::span<std::byte> data) {
+        if (data.size() == Federator::kHeaderBytes) std::memcpy(data.data() + kEveryMsAt, &every_ms, sizeof every_ms);
+      };
+      std::vector<Status> status(2);
+      hosts.run([&](uint32_t r, Federator& f) {
+        std::vector<float> ex(kN, 1.0f);
+        status[r] = f.join(ex).status();
+      });
+      for (uint32_t r = 0; r < 2; ++r) {
+        BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+        BOOST_TEST(mentions(status[r], "host rank 1 sent a round period of " + std::to_string(every_ms) +
+                                           " ms, outside 1..3600000"),
+                   status[r].message());
+        BOOST_TEST(!hosts.feds[r]->state().has_value());
+        BOOST_TEST(hosts.feds[r]->group_every_ms() == 0u);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- servers
 
 namespace {

@@ -39,6 +39,7 @@ struct FederationConfig {
   // (together on every host), and earlier once `every_versions` local
   // updates were applied since the last snapshot (0: no such trigger; an
   // early round waits in its first collective for the others' timers).
+  // 1..kMaxFederationEveryMs.
   uint32_t every_ms = 250;
   uint64_t every_versions = 0;
   OuterStep outer = OuterStep::kAverage;
@@ -79,6 +80,7 @@ struct FederationConfig {
 };
 
 inline constexpr uint32_t kMaxFederationHosts = 64;
+inline constexpr uint32_t kMaxFederationEveryMs = 3'600'000;  // an hour
 
 // Each option value's name ("none", "mpi", "gloo"; "average", "nesterov";
 // "normal", "low", "idle"), and back: false for a text that names none.
