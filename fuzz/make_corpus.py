@@ -9,6 +9,8 @@ fuzz_requests: record sequences in the format fuzz_requests.cpp documents
 (attach is done by the harness; these exercise each opcode and each poke).
 fuzz_checkpoint: checkpoint files as server/src/checkpoint.hpp lays them
 out, of the harness's model (Adam on a:2x2, b:3) and of others.
+fuzz_federation: a config and the five streams fuzz_federation.cpp
+documents (zeros are the honest choice: most streams are short or empty).
 
 Deterministic; the output is committed (keep it small). Run from anywhere:
   fuzz/make_corpus.py
@@ -236,6 +238,116 @@ def checkpoint_corpus():
     }
 
 
+# fuzz_federation's config bits and per-call records (fuzz_federation.cpp).
+THREE, NESTEROV, UNWEIGHTED, ELASTIC, RESTORE = 1, 8, 16, 32, 64
+RAW_MAGIC, RAW_MODEL, RAW_FLAGS, RAW_LINEAGE, RAW_ANCHOR_HASH = 1, 2, 4, 64, 128
+F_LEAVING, F_HAS_STATE, F_REGROUP = 2, 4, 8
+HONEST, RAW_BYTES, ONE_NON_FINITE = 0, 1, 2
+N_FED = 11  # the harness's model elements
+
+
+def fed_input(config, seed=0, host=b"", gather=b"", broadcast=b"", reduce=b"", reform=b""):
+    body = bytes([config, seed])
+    for stream in (host, gather, broadcast, reduce, reform):
+        body += struct.pack("<H", len(stream)) + stream
+    return body.rstrip(b"\0")  # the harness reads zeros past the end
+
+
+def peer(damage=0, magic=0, round=0, updates=0, anchor_hash=0, nonce=0, lineage=0, flags=0, host=0):
+    """One other member's record of an allgather: damage mask, then its 104-byte header (model, every_ms and
+    reserved zero: fixed up unless the mask says)."""
+    return struct.pack("<H6Q40xIIII", damage, magic, round, updates, anchor_hash, nonce, lineage, 0, flags, host, 0)
+
+
+def gather(*peers, fail=False):
+    return bytes([1 if fail else 0]) + b"".join(peers)
+
+
+def op(updates=0, seed=0, nan=False, leave=False):
+    return bytes([updates | seed << 3 | (0x40 if nan else 0) | (0x80 if leave else 0)])
+
+
+def restore_rec(round, lineage=1, flags=0, anchor=1, spans=()):
+    """fuzz_federation.cpp's restore record: this host's id, the anchor all `anchor` eighths, spans of
+    (group byte, length, members byte)."""
+    rec = struct.pack("<H", round) + bytes([lineage, 0, flags]) + bytes([anchor]) * N_FED
+    if flags & 16:
+        rec += bytes([anchor // 2]) * N_FED  # the momentum
+    rec += bytes([len(spans)]) + b"".join(bytes([g, length - 1, m]) for g, length, m in spans)
+    return rec
+
+
+def federation_corpus():
+    join = op()
+    rounds = op(3, 1) + op(2, 5) + op(4, 2)
+    honest_peer = peer(updates=2)
+    honest = bytes([HONEST << 1])
+    return {
+        # Fresh groups: rank 0's weights become the anchor, then rounds.
+        "two_rounds": fed_input(0, 3, host=join + rounds, gather=gather(peer()) + gather(honest_peer) * 3,
+                                reduce=bytes([0]) + bytes(range(1, 12))),
+        "three_nesterov_rank2": fed_input(THREE | 2 << 1 | NESTEROV, 7, host=join + rounds,
+                                          gather=gather(peer(), peer()) + gather(honest_peer, peer(updates=5)) * 3),
+        "unweighted_rank1": fed_input(UNWEIGHTED | 1 << 1, 9, host=join + rounds + op(leave=True)),
+        # Resumed from a source of a higher round (7), with its record;
+        # this host restored at round 5 with its weights and a momentum.
+        # Rounds 6 and 7 by a group without this host (host 1 alone): its
+        # drift is rebased; with it: merged already.
+        "resume_older_checkpoint_rebased": fed_input(THREE | RESTORE | NESTEROV, 1,
+                                                     host=restore_rec(5, flags=1 | 4 | 16,
+                                                                      spans=((1, 3, 0b11), (2, 2, 0b111))) +
+                                                     join + rounds,
+                                                     gather=gather(peer(flags=F_HAS_STATE, round=2), peer()) +
+                                                     gather(honest_peer, honest_peer) * 3,
+                                                     broadcast=honest + bytes(range(N_FED)) + honest +
+                                                     bytes([1, 3, 0x23]) + honest * 2 + bytes(N_FED)),
+        "resume_older_checkpoint_merged": fed_input(RESTORE, 2, host=restore_rec(5, flags=4, spans=((1, 5, 0b11),)) +
+                                                    join + op(1, 1),
+                                                    gather=gather(peer(flags=F_HAS_STATE, round=2)) +
+                                                    gather(honest_peer),
+                                                    broadcast=honest + bytes(N_FED) + honest + bytes([1, 3, 0x33])),
+        "resume_record_damaged": fed_input(RESTORE, 2, host=restore_rec(4) + join,
+                                           gather=gather(peer(flags=F_HAS_STATE, round=3)),
+                                           broadcast=honest + bytes(N_FED) + bytes([RAW_BYTES << 1]) +
+                                           struct.pack("<4Q", 0, 1, 9, 3)),
+        "unrelated_lineages": fed_input(THREE | RESTORE | ELASTIC, 4, host=restore_rec(6) + join,
+                                        gather=gather(peer(damage=RAW_LINEAGE, flags=F_HAS_STATE, round=9,
+                                                           lineage=0x22bb), peer(flags=F_HAS_STATE))),
+        # An elastic group: a round fails at the very end of its allreduce
+        # here (completed elsewhere), the group re-forms, and the source's
+        # record shows the round completed in the failed round's group.
+        "elastic_failed_allreduce": fed_input(ELASTIC, 5, host=join + op(3, 2) + join + op(1, 1),
+                                              gather=gather(peer()) + gather(honest_peer) +
+                                              gather(peer(flags=F_HAS_STATE, round=1)) + gather(honest_peer),
+                                              broadcast=honest + honest + bytes(N_FED) + honest + bytes([1, 1, 0x10]),
+                                              reduce=bytes([2]) + bytes(N_FED), reform=bytes([0, 1, 2, 0])),
+        "elastic_regroup_new_rank": fed_input(ELASTIC | THREE, 6, host=join + op(2, 3) + join + op(2, 3),
+                                              gather=gather(peer(), peer()) +
+                                              gather(peer(flags=F_REGROUP), honest_peer) + gather(peer(), peer()),
+                                              reform=bytes([0, 0x04 | 0x10])),
+        "peer_leaves": fed_input(THREE | 1 << 1, 8, host=join + op(2, 1),
+                                 gather=gather(peer(), peer()) + gather(honest_peer, peer(flags=F_LEAVING))),
+        # Anchors that differ at a round: rank 0's is broadcast.
+        "anchor_repair": fed_input(1 << 1 | NESTEROV, 10, host=join + op(2, 4) + op(1, 1),
+                                   gather=gather(peer()) +
+                                   gather(peer(damage=RAW_ANCHOR_HASH, anchor_hash=77, updates=1)),
+                                   broadcast=honest + bytes(N_FED) + honest * 3),
+        "raw_peer_contributions": fed_input(0, 11, host=join + op(2, 2), gather=gather(peer()) + gather(honest_peer),
+                                            reduce=bytes([RAW_BYTES << 2]) + struct.pack("<11f", *([1e38] * N_FED))),
+        "bad_magic_and_model": fed_input(THREE, 12, host=join,
+                                         gather=gather(peer(damage=RAW_MAGIC, magic=1), peer(damage=RAW_MODEL))),
+        "unknown_flags": fed_input(0, 13, host=join, gather=gather(peer(damage=RAW_FLAGS, flags=1 << 9))),
+        "non_finite_weights": fed_input(THREE, 14, host=join + op(1, 1, nan=True), gather=gather(peer(), peer())),
+        # Rank 0 of a fresh group sends an anchor with a NaN (its header
+        # said finite): taken, and this host's next round refuses W = A.
+        "peer_anchor_non_finite": fed_input(1 << 1, 17, host=join + op(1, 1), gather=gather(peer()),
+                                            broadcast=bytes([ONE_NON_FINITE << 1]) + bytes(N_FED) + bytes([3])),
+        "reform_paused_then_refused": fed_input(ELASTIC, 15, host=join, reform=bytes([2, 1, 3])),
+        "engine_failures": fed_input(0, 16, host=join + op(1, 1), gather=gather(peer()) + gather(honest_peer),
+                                     reduce=bytes([1])),
+    }
+
+
 def main():
     out = os.path.join(HERE, "corpus")
     seg = {
@@ -255,7 +367,7 @@ def main():
         "truncated": seg["minimal"][:4096],
     }
     files = {"fuzz_validate_segment": {**seg, **near_misses}, "fuzz_requests": requests_corpus(),
-             "fuzz_checkpoint": checkpoint_corpus()}
+             "fuzz_checkpoint": checkpoint_corpus(), "fuzz_federation": federation_corpus()}
     for target, items in files.items():
         d = os.path.join(out, target)
         os.makedirs(d, exist_ok=True)
