@@ -315,6 +315,14 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
                                                std::to_string(h.round) +
                                                ", past any a checkpoint holds (damaged, or not a shmps-server of "
                                                "this version)"};
+    // Local updates are counted in versions (below kMaxCheckpointVersion);
+    // a round sums the members' counts, which this bound keeps from
+    // wrapping (a wrap to 0 would take the path of a round nobody trained).
+    if (h.local_updates > kMaxCheckpointVersion / kMaxFederationHosts)
+      return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) + " sent " +
+                                               std::to_string(h.local_updates) +
+                                               " local updates, more than a server counts (damaged, or not a "
+                                               "shmps-server of this version)"};
     // A period no --fed-every-ms has: the join takes the group's longest,
     // which each round's first collective and a stop wait for beyond their
     // timeouts (FederationEngine::set_group_period_ms()).
@@ -427,6 +435,13 @@ Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, Rou
     if (Status s = engine_.broadcast(std::as_writable_bytes(std::span(momentum_in)), root); !s.ok()) return s;
     sent += sizeof started + momentum_in.size() * sizeof(float);
   }
+  // Bytes from a peer again, checked by every member alike: a root's own
+  // anchor and momentum are finite (its header says so, or it stays out),
+  // so NaN or Inf here is damage, which would become every host's anchor.
+  if (!all_finite(anchor_in) || !all_finite(momentum_in))
+    return Status{ErrorCode::kInvalidArgument,
+                  "federation: the anchor or outer momentum that host rank " + std::to_string(root) +
+                      " sent holds NaN or Inf (damaged, or not a shmps-server of this version)"};
   // Every collective went through: commit.
   if (!momentum_in.empty()) {
     momentum_.swap(momentum_in);
@@ -724,6 +739,16 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
       return s;
     }
     r.bytes += payload_.size() * sizeof(float);
+    // Every member's delta was finite, so a sum that is not came from a
+    // damaged peer (or deltas that overflowed): every member holds the
+    // same sum and refuses it alike, the anchor and weights as they were.
+    if (!all_finite(payload_)) {
+      forget_failed_round();
+      return Status{ErrorCode::kInvalidArgument,
+                    "federation: round " + std::to_string(round_ + 1) +
+                        ": the sum of the hosts' deltas holds NaN or Inf (a damaged host, or deltas that "
+                        "overflowed the float range); the anchor and weights stay as they were"};
+    }
     outer_step(exchange, divisor);  // and the new anchor's hash
   }
   ++round_;

@@ -1442,6 +1442,67 @@ BOOST_AUTO_TEST_CASE(a_round_period_no_host_can_have_is_refused_at_the_join) {
   }
 }
 
+// NaN or Inf from a peer, in the anchor a join's source broadcasts or in a
+// round's sum, would become every host's anchor (the header's own flag
+// says only what the sender claims): every member refuses it alike and
+// keeps its state. Two honest members here, one member's bytes damaged.
+BOOST_AUTO_TEST_CASE(non_finite_bytes_from_a_peer_are_refused_not_merged) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  {
+    Hosts hosts(2, FederationConfig{});
+    hosts.engines[0]->on_broadcast = [](std::span<std::byte> data) {  // the fresh group's anchor, rank 0's
+      const float inf = std::numeric_limits<float>::infinity();
+      if (data.size() == kN * sizeof(float)) std::memcpy(data.data() + sizeof(float), &inf, sizeof inf);
+    };
+    std::vector<Status> status(2);
+    hosts.run([&](uint32_t r, Federator& f) {
+      std::vector<float> ex(kN, 1.0f);
+      status[r] = f.join(ex).status();
+    });
+    for (uint32_t r = 0; r < 2; ++r) {
+      BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+      BOOST_TEST(mentions(status[r], "the anchor or outer momentum that host rank 0 sent holds NaN or Inf"),
+                 status[r].message());
+      BOOST_TEST(!hosts.feds[r]->state().has_value());
+    }
+  }
+  Hosts hosts(2, FederationConfig{});
+  std::vector<Status> status(2);
+  std::vector<uint64_t> hash(2);
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 1.0f);
+    status[r] = f.join(ex).status();
+    hash[r] = f.anchor_hash();
+  });
+  BOOST_TEST_REQUIRE((status[0].ok() && status[1].ok()));
+  for (auto& engine : hosts.engines) engine->perturbation = nan;  // the sum every member receives
+  std::vector<std::vector<float>> ex(2, std::vector<float>(kN, 2.0f));
+  hosts.run([&](uint32_t r, Federator& f) { status[r] = f.round(ex[r], 1).status(); });
+  for (uint32_t r = 0; r < 2; ++r) {
+    BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+    BOOST_TEST(mentions(status[r], "round 1: the sum of the hosts' deltas holds NaN or Inf"), status[r].message());
+    BOOST_TEST(hosts.feds[r]->round_number() == 0u);
+    BOOST_TEST(hosts.feds[r]->anchor_hash() == hash[r]);
+    BOOST_TEST(hosts.feds[r]->state()->anchor == std::vector<float>(kN, 1.0f));
+    BOOST_TEST(ex[r] == std::vector<float>(kN, 2.0f));  // the snapshot, not a correction
+  }
+  // A count of local updates no server reaches (the members' sum could
+  // wrap to 0, a round nobody trained): refused by every member.
+  for (auto& engine : hosts.engines) engine->perturbation = 0.0f;
+  hosts.engines[1]->on_allgather = [](std::span<std::byte> data) {
+    constexpr size_t kLocalUpdatesAt = 16;  // Header::local_updates
+    const uint64_t updates = ~uint64_t{0};
+    if (data.size() == Federator::kHeaderBytes) std::memcpy(data.data() + kLocalUpdatesAt, &updates, sizeof updates);
+  };
+  hosts.run([&](uint32_t r, Federator& f) { status[r] = f.round(ex[r], 1).status(); });
+  for (uint32_t r = 0; r < 2; ++r) {
+    BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+    BOOST_TEST(mentions(status[r], "host rank 1 sent 18446744073709551615 local updates, more than a server counts"),
+               status[r].message());
+    BOOST_TEST(hosts.feds[r]->round_number() == 0u);
+  }
+}
+
 // ---------------------------------------------------------------- servers
 
 namespace {
