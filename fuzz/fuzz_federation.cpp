@@ -21,9 +21,10 @@
 // left or asked to regroup, with a zero exchange), a join takes the
 // source's round, the anchor it broadcast and a group period some
 // --fed-every-ms can be, and weights holding NaN or Inf are never sent
-// (the join and the round refuse them). Not checked: that what a peer
-// sends of the anchor, momentum or sum is finite (each host's header
-// vouches for its own state; the Federator checks no more).
+// (the join and the round refuse them), nor taken in: a call that
+// received NaN or Inf from a peer (a broadcast anchor or momentum, a sum)
+// fails. Finite values a peer sends are taken as they come (an outer step
+// of huge finite ones may overflow: no check can tell them from a model's).
 //
 // Input: 2 config bytes, then five streams, each a u16 little-endian
 // length and its bytes (a stream, and the input, read past their end as
@@ -245,6 +246,7 @@ class Engine final : public FederationEngine {
     const uint8_t action = bcast_.byte();
     if ((action & 1) != 0) return io("broadcast");
     if (root != rank_) fill_broadcast(data, static_cast<Fill>((action >> 1) & 3), floats, record);
+    if (floats) non_finite_received |= !finite(std::span(reinterpret_cast<const float*>(data.data()), kN));
     if (floats && float_broadcasts++ == 0) {  // the anchor comes first (then the momentum)
       anchor_broadcast.resize(kN);
       std::memcpy(anchor_broadcast.data(), data.data(), data.size());
@@ -261,6 +263,7 @@ class Engine final : public FederationEngine {
       fill_floats(theirs, static_cast<Fill>((action >> 2) & 3), reduce_);
       for (size_t i = 0; i < kN; ++i) data[i] += theirs[i];
     }
+    non_finite_received |= !finite(data);
     return (action & 2) != 0 ? io("allreduce (after the sum)") : Status::Ok();
   }
 
@@ -293,7 +296,8 @@ class Engine final : public FederationEngine {
   // every member got.
   std::vector<float> anchor_broadcast;
   uint64_t float_broadcasts = 0;
-  RoundGroups own_history;  // this host's record before the call (honest records extend it)
+  bool non_finite_received = false;  // in the call: a broadcast of floats or a sum holding NaN or Inf
+  RoundGroups own_history;           // this host's record before the call (honest records extend it)
 
  private:
   static Status io(const char* what) { return {ErrorCode::kIo, std::string("federation (fuzz): ") + what + " failed"}; }
@@ -416,6 +420,7 @@ struct Driver {
     engine->gathered.clear();
     engine->anchor_broadcast.clear();
     engine->float_broadcasts = 0;
+    engine->non_finite_received = false;
     const std::optional<FederationState> s = fed->state();
     engine->own_history = s ? s->history : RoundGroups{};
   }
@@ -452,6 +457,7 @@ struct Driver {
       fail("join: a group period no member can have");
     const std::optional<FederationState> s = fed->state();
     if (!s || !s->restore_base.empty()) fail("join: no state, or a restore base kept");
+    if (engine->non_finite_received) fail("join: a peer's NaN or Inf taken in");
     for (size_t i = 0; i < kN; ++i) weights[i] += exchange[i];
     if (!r->drift_kept) unmerged = 0;
     return Outcome::kMerged;
@@ -483,6 +489,7 @@ struct Driver {
       return engine->elastic() ? Outcome::kRegroup : Outcome::kOver;
     }
     if (fed->round_number() != round + 1 || r->round != round + 1) fail("round: not the next round");
+    if (engine->non_finite_received) fail("round: a peer's NaN or Inf taken in");
     if (r->updates_total == 0 && !r->anchors_repaired && !same_bits(fed->anchor(), anchor))
       fail("round: no updates anywhere, yet the anchor moved");
     for (size_t i = 0; i < kN; ++i) weights[i] += exchange[i];
