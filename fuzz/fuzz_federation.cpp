@@ -23,8 +23,8 @@
 // --fed-every-ms can be, and weights holding NaN or Inf are never sent
 // (the join and the round refuse them), nor taken in: a call that
 // received NaN or Inf from a peer (a broadcast anchor or momentum, a sum)
-// fails. Finite values a peer sends are taken as they come (an outer step
-// of huge finite ones may overflow: no check can tell them from a model's).
+// fails, and after every call that went through the anchor and momentum
+// are finite (an outer step that overflows on finite values is refused).
 //
 // Input: 2 config bytes, then five streams, each a u16 little-endian
 // length and its bytes (a stream, and the input, read past their end as
@@ -458,6 +458,7 @@ struct Driver {
     const std::optional<FederationState> s = fed->state();
     if (!s || !s->restore_base.empty()) fail("join: no state, or a restore base kept");
     if (engine->non_finite_received) fail("join: a peer's NaN or Inf taken in");
+    if (!finite(s->anchor) || !finite(s->momentum)) fail("join: an anchor or momentum not finite");
     for (size_t i = 0; i < kN; ++i) weights[i] += exchange[i];
     if (!r->drift_kept) unmerged = 0;
     return Outcome::kMerged;
@@ -490,6 +491,8 @@ struct Driver {
     }
     if (fed->round_number() != round + 1 || r->round != round + 1) fail("round: not the next round");
     if (engine->non_finite_received) fail("round: a peer's NaN or Inf taken in");
+    if (const std::optional<FederationState> s = fed->state(); !finite(s->anchor) || !finite(s->momentum))
+      fail("round: an anchor or momentum not finite");
     if (r->updates_total == 0 && !r->anchors_repaired && !same_bits(fed->anchor(), anchor))
       fail("round: no updates anywhere, yet the anchor moved");
     for (size_t i = 0; i < kN; ++i) weights[i] += exchange[i];

@@ -339,7 +339,7 @@ def federation_corpus():
         "unknown_flags": fed_input(0, 13, host=join, gather=gather(peer(damage=RAW_FLAGS, flags=1 << 9))),
         "non_finite_weights": fed_input(THREE, 14, host=join + op(1, 1, nan=True), gather=gather(peer(), peer())),
         # Rank 0 of a fresh group sends an anchor with a NaN (its header
-        # said finite): taken, and this host's next round refuses W = A.
+        # said finite): every member refuses the join.
         "peer_anchor_non_finite": fed_input(1 << 1, 17, host=join + op(1, 1), gather=gather(peer()),
                                             broadcast=bytes([ONE_NON_FINITE << 1]) + bytes(N_FED) + bytes([3])),
         "reform_paused_then_refused": fed_input(ELASTIC, 15, host=join, reform=bytes([2, 1, 3])),

@@ -7,6 +7,8 @@
 
 #include "clones.hpp"
 
+#include <bit>
+
 namespace shmps::kernels {
 
 SHMPS_KERNEL_CLONES void add_cpu(float* __restrict dst, const float* __restrict src, uint64_t n) noexcept {
@@ -18,41 +20,57 @@ SHMPS_KERNEL_CLONES void weighted_difference_cpu(float* __restrict out, const fl
   for (uint64_t i = 0; i < n; ++i) out[i] = weight * (a[i] - b[i]);
 }
 
-SHMPS_KERNEL_CLONES void average_step_cpu(float* __restrict anchor, const float* __restrict sum, float divisor,
+namespace {
+
+// 1 when the float's exponent is all ones (Inf or NaN): an integer test the
+// vectorizer folds into an OR reduction.
+inline uint32_t not_finite(float x) noexcept {
+  return (std::bit_cast<uint32_t>(x) & 0x7F800000u) == 0x7F800000u ? 1u : 0u;
+}
+
+}  // namespace
+
+SHMPS_KERNEL_CLONES bool average_step_cpu(const float* __restrict anchor, float* __restrict sum, float divisor,
                                           float* __restrict correction, uint64_t n) noexcept {
+  uint32_t bad = 0;
   for (uint64_t i = 0; i < n; ++i) {
     const float a = anchor[i] + sum[i] / divisor;
-    anchor[i] = a;
-    correction[i] = a - correction[i];
+    const float c = a - correction[i];
+    sum[i] = a;
+    correction[i] = c;
+    bad |= not_finite(a) | not_finite(c);
   }
+  return bad == 0;
 }
 
 namespace {
 
 template <bool kStarted>
-SHMPS_KERNEL_CLONES void nesterov_loop(float* __restrict anchor, float* __restrict buf, const float* __restrict sum,
-                                       float divisor, float mu, float neg_lr, float* __restrict correction,
-                                       uint64_t n) noexcept {
+SHMPS_KERNEL_CLONES bool nesterov_loop(const float* __restrict anchor, const float* __restrict buf,
+                                       float* __restrict sum, float divisor, float mu, float neg_lr,
+                                       float* __restrict next_buf, float* __restrict correction, uint64_t n) noexcept {
+  uint32_t bad = 0;
   for (uint64_t i = 0; i < n; ++i) {
     const float g = -(sum[i] / divisor);
     const float b = kStarted ? buf[i] * mu + g : g;
-    buf[i] = b;
     const float d = g + b * mu;
     const float a = anchor[i] + d * neg_lr;
-    anchor[i] = a;
-    correction[i] = a - correction[i];
+    const float c = a - correction[i];
+    next_buf[i] = b;
+    sum[i] = a;
+    correction[i] = c;
+    bad |= not_finite(b) | not_finite(a) | not_finite(c);
   }
+  return bad == 0;
 }
 
 }  // namespace
 
-void nesterov_step_cpu(float* anchor, float* buf, const float* sum, float divisor, const NesterovStep& step,
-                       float* correction, uint64_t n) noexcept {
-  if (step.started) {
-    nesterov_loop<true>(anchor, buf, sum, divisor, step.momentum, -step.lr, correction, n);
-  } else {
-    nesterov_loop<false>(anchor, buf, sum, divisor, step.momentum, -step.lr, correction, n);
-  }
+bool nesterov_step_cpu(const float* anchor, const float* buf, float* sum, float divisor, const NesterovStep& step,
+                       float* next_buf, float* correction, uint64_t n) noexcept {
+  return step.started
+             ? nesterov_loop<true>(anchor, buf, sum, divisor, step.momentum, -step.lr, next_buf, correction, n)
+             : nesterov_loop<false>(anchor, buf, sum, divisor, step.momentum, -step.lr, next_buf, correction, n);
 }
 
 }  // namespace shmps::kernels

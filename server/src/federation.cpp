@@ -272,7 +272,10 @@ Federator::Federator(const FederationConfig& config, FederationEngine& engine, c
       anchor_(fingerprint.total_elements),
       payload_(fingerprint.total_elements),
       nonces_(random_seed()) {
-  if (config_.outer == OuterStep::kNesterov) momentum_.assign(fingerprint.total_elements, 0.0f);
+  if (config_.outer == OuterStep::kNesterov) {
+    momentum_.assign(fingerprint.total_elements, 0.0f);
+    momentum_next_.assign(fingerprint.total_elements, 0.0f);
+  }
 }
 
 Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vector<Header>* all, bool non_finite) {
@@ -321,7 +324,7 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
     if (h.local_updates > kMaxCheckpointVersion / kMaxFederationHosts)
       return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) + " sent " +
                                                std::to_string(h.local_updates) +
-                                               " local updates, more than a server counts (damaged, or not a "
+                                               " local updates, more than a round can sum (damaged, or not a "
                                                "shmps-server of this version)"};
     // A period no --fed-every-ms has: the join takes the group's longest,
     // which each round's first collective and a stop wait for beyond their
@@ -739,17 +742,18 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
       return s;
     }
     r.bytes += payload_.size() * sizeof(float);
-    // Every member's delta was finite, so a sum that is not came from a
-    // damaged peer (or deltas that overflowed): every member holds the
-    // same sum and refuses it alike, the anchor and weights as they were.
-    if (!all_finite(payload_)) {
+    // Every member's delta was finite, so a step that is not (NaN or Inf
+    // in the sum: a damaged peer; or finite values that overflowed) is
+    // refused by every member alike: the engine gives each the same sum.
+    if (!outer_step(exchange, divisor)) {
       forget_failed_round();
-      return Status{ErrorCode::kInvalidArgument,
-                    "federation: round " + std::to_string(round_ + 1) +
-                        ": the sum of the hosts' deltas holds NaN or Inf (a damaged host, or deltas that "
-                        "overflowed the float range); the anchor and weights stay as they were"};
+      return Status{
+          ErrorCode::kInvalidArgument,
+          "federation: round " + std::to_string(round_ + 1) +
+              ": the outer step on the hosts' summed deltas gives NaN or Inf (a damaged host, or "
+              "values past the float range); this host's weights and round stay as they were, its anchor as before "
+              "the step"};
     }
-    outer_step(exchange, divisor);  // and the new anchor's hash
   }
   ++round_;
   history_.completed(round_, round_group(), members_);
@@ -758,7 +762,7 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
   return r;
 }
 
-void Federator::outer_step(std::span<float> exchange, float divisor) {
+bool Federator::outer_step(std::span<float> exchange, float divisor) {
   // One pass over the model: the mean delta, the step, the correction, and
   // the new anchor's hash a block behind (while the block is in cache).
   constexpr size_t kBlock = 4096;
@@ -769,16 +773,20 @@ void Federator::outer_step(std::span<float> exchange, float divisor) {
   const kernels::NesterovStep step{config_.outer_lr, config_.outer_momentum, momentum_started_};
   for (size_t base = 0; base < n; base += kBlock) {
     const size_t len = std::min(n, base + kBlock) - base;
-    if (nesterov) {
-      kernels::nesterov_step_cpu(&anchor_[base], &momentum_[base], &payload_[base], divisor, step, &exchange[base],
-                                 len);
-    } else {
-      kernels::average_step_cpu(&anchor_[base], &payload_[base], divisor, &exchange[base], len);
-    }
-    hash.add(anchor_.data() + base, len);
+    const bool finite = nesterov
+                            ? kernels::nesterov_step_cpu(&anchor_[base], &momentum_[base], &payload_[base], divisor,
+                                                         step, &momentum_next_[base], &exchange[base], len)
+                            : kernels::average_step_cpu(&anchor_[base], &payload_[base], divisor, &exchange[base], len);
+    if (!finite) return false;
+    hash.add(payload_.data() + base, len);
   }
-  if (nesterov) momentum_started_ = true;
+  anchor_.swap(payload_);  // payload_ is scratch until the next round's delta
+  if (nesterov) {
+    momentum_.swap(momentum_next_);
+    momentum_started_ = true;
+  }
   anchor_hash_ = hash.finish();
+  return true;
 }
 
 Status Federator::leave() {

@@ -144,9 +144,11 @@ class Federator {
   // (settle_lineage()), when this host's weights, anchor or outer
   // momentum hold NaN or Inf (kIo at the others of an elastic engine: they
   // leave it out), when two members give one host id, a member's round
-  // is one no checkpoint holds (kMaxCheckpointVersion or past it) or its
-  // period one no --fed-every-ms has, or the source's record of groups
-  // does not fit its round; the engine's.
+  // is one no checkpoint holds (kMaxCheckpointVersion or past it), its
+  // period one no --fed-every-ms has or its local updates more than a
+  // round can sum, the source's record of groups does not fit its round,
+  // or the anchor or outer momentum it broadcasts holds NaN or Inf; the
+  // engine's.
   Result<RoundResult> join(std::span<float> exchange);
 
   // One round: `exchange` holds the snapshot S on entry, taken after
@@ -157,8 +159,11 @@ class Federator {
   // zero. When no host has updates, only the
   // headers travel and the anchor and the outer momentum stay. Errors:
   // kInvalidArgument (a host serves another model, or is at another
-  // round), the engine's; the anchor is unchanged then (but for a repair
-  // from rank 0 that went through).
+  // round; a header out of the bounds join() names; an anchor or momentum
+  // broadcast by a repair, or the outer step on the summed deltas, that is
+  // not finite), the engine's; the anchor and outer momentum are
+  // unchanged then (but for a repair from rank 0 that went through), and
+  // `exchange` holds S only where the error came before the outer step.
   Result<RoundResult> round(std::span<float> exchange, uint64_t local_updates);
 
   // Tells the others this host leaves: the collective that pairs with
@@ -209,16 +214,20 @@ class Federator {
   // Broadcasts `root`'s anchor into payload_ (and, `with_momentum`, its
   // outer momentum into momentum_, committed only once every collective
   // went through; with `history`, its RoundGroups into *history, refused
-  // with kInvalidArgument unless plausible for `history_round`); the bytes
+  // with kInvalidArgument unless plausible for `history_round`; an anchor
+  // or momentum holding NaN or Inf is refused the same way); the bytes
   // this host sent.
   Result<uint64_t> receive_state(uint32_t root, bool with_momentum, RoundGroups* history = nullptr,
                                  uint64_t history_round = 0);
   // The join: the members' host ids (their headers') as RoundGroups
   // bits; kInvalidArgument when two members give the same id.
   Status group_members(const std::vector<Header>& all, uint64_t* members) const;
-  // A' from A and the mean delta (payload_ / divisor); writes A' - S into
-  // exchange, and A''s hash.
-  void outer_step(std::span<float> exchange, float divisor);
+  // A' from A and the mean delta (payload_ / divisor) into payload_ (and
+  // the new momentum into momentum_next_), A' - S into exchange; then,
+  // when every value is finite, commits A', its hash and the momentum and
+  // returns true; else (a damaged sum, or values that overflowed) false,
+  // the anchor and momentum as they were, exchange overwritten.
+  bool outer_step(std::span<float> exchange, float divisor);
   // Records the round in progress as failed here, with its snapshot.
   void keep_failed_round(std::span<const float> snapshot, uint64_t local_updates) noexcept;
   // The id the rounds completed now are recorded under: this group's
@@ -246,8 +255,9 @@ class Federator {
   uint32_t host_ = kUnknownFederationHost;  // the id of the last join (a restored state's writer before one)
   bool momentum_started_ = false;           // PyTorch's SGD: the first step's buffer is the gradient itself
   std::vector<float> anchor_;
-  std::vector<float> payload_;   // the weighted deltas, summed in place by the engine
-  std::vector<float> momentum_;  // kNesterov only
+  std::vector<float> payload_;        // the weighted deltas, summed in place by the engine
+  std::vector<float> momentum_;       // kNesterov only
+  std::vector<float> momentum_next_;  // kNesterov only: outer_step()'s until it commits
   // The last round, when its allreduce failed here (an elastic engine):
   // its number, its group (round_group()), this host's snapshot S and
   // local updates (round 0: none). Kept until a join into a group at or

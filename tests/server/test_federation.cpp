@@ -1445,8 +1445,9 @@ BOOST_AUTO_TEST_CASE(a_round_period_no_host_can_have_is_refused_at_the_join) {
 
 // NaN or Inf from a peer, in the anchor a join's source broadcasts or in a
 // round's sum, would become every host's anchor (the header's own flag
-// says only what the sender claims): every member refuses it alike and
-// keeps its state. Two honest members here, one member's bytes damaged.
+// says only what the sender claims), as would a sum whose outer step
+// overflows: every member refuses it alike and keeps its state. Two
+// honest members here, the bytes between them damaged.
 BOOST_AUTO_TEST_CASE(non_finite_bytes_from_a_peer_are_refused_not_merged) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   {
@@ -1481,11 +1482,44 @@ BOOST_AUTO_TEST_CASE(non_finite_bytes_from_a_peer_are_refused_not_merged) {
   hosts.run([&](uint32_t r, Federator& f) { status[r] = f.round(ex[r], 1).status(); });
   for (uint32_t r = 0; r < 2; ++r) {
     BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
-    BOOST_TEST(mentions(status[r], "round 1: the sum of the hosts' deltas holds NaN or Inf"), status[r].message());
+    BOOST_TEST(mentions(status[r], "round 1: the outer step on the hosts' summed deltas gives NaN or Inf"),
+               status[r].message());
     BOOST_TEST(hosts.feds[r]->round_number() == 0u);
     BOOST_TEST(hosts.feds[r]->anchor_hash() == hash[r]);
     BOOST_TEST(hosts.feds[r]->state()->anchor == std::vector<float>(kN, 1.0f));
-    BOOST_TEST(ex[r] == std::vector<float>(kN, 2.0f));  // the snapshot, not a correction
+  }
+  // Finite values whose outer step overflows (Nesterov's d = g + 0.9 b is
+  // 1.9 g): refused alike, the anchor and momentum as they were; the next
+  // round, undamaged, completes from them.
+  {
+    FederationConfig nesterov;
+    nesterov.outer = OuterStep::kNesterov;
+    Hosts big(2, nesterov);
+    big.run([&](uint32_t r, Federator& f) {
+      std::vector<float> weights(kN, 1.0f);
+      status[r] = f.join(weights).status();
+    });
+    BOOST_TEST_REQUIRE((status[0].ok() && status[1].ok()));
+    for (auto& engine : big.engines) engine->perturbation = 3e38f;
+    std::vector<std::vector<float>> snapshot(2, std::vector<float>(kN, 2.0f));
+    // One local update in all: the mean is the sum, g = -3e38, d = 1.9 g.
+    big.run([&](uint32_t r, Federator& f) { status[r] = f.round(snapshot[r], r == 0 ? 1 : 0).status(); });
+    for (uint32_t r = 0; r < 2; ++r) {
+      BOOST_TEST(mentions(status[r], "round 1: the outer step on the hosts' summed deltas gives NaN or Inf"),
+                 status[r].message());
+      const std::optional<FederationState> s = big.feds[r]->state();
+      BOOST_TEST(s->anchor == std::vector<float>(kN, 1.0f));
+      BOOST_TEST(s->momentum == std::vector<float>(kN, 0.0f));
+      BOOST_TEST(!s->momentum_started);
+    }
+    for (auto& engine : big.engines) engine->perturbation = 0.0f;
+    snapshot.assign(2, std::vector<float>(kN, 2.0f));
+    big.run([&](uint32_t r, Federator& f) { status[r] = f.round(snapshot[r], 1).status(); });
+    for (uint32_t r = 0; r < 2; ++r) {
+      BOOST_TEST(status[r].ok(), status[r].message());
+      BOOST_TEST(big.feds[r]->round_number() == 1u);
+      BOOST_TEST(big.feds[r]->state()->momentum_started);
+    }
   }
   // A count of local updates no server reaches (the members' sum could
   // wrap to 0, a round nobody trained): refused by every member.
@@ -1495,10 +1529,11 @@ BOOST_AUTO_TEST_CASE(non_finite_bytes_from_a_peer_are_refused_not_merged) {
     const uint64_t updates = ~uint64_t{0};
     if (data.size() == Federator::kHeaderBytes) std::memcpy(data.data() + kLocalUpdatesAt, &updates, sizeof updates);
   };
+  ex.assign(2, std::vector<float>(kN, 2.0f));  // a refused step leaves its exchange overwritten
   hosts.run([&](uint32_t r, Federator& f) { status[r] = f.round(ex[r], 1).status(); });
   for (uint32_t r = 0; r < 2; ++r) {
     BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
-    BOOST_TEST(mentions(status[r], "host rank 1 sent 18446744073709551615 local updates, more than a server counts"),
+    BOOST_TEST(mentions(status[r], "host rank 1 sent 18446744073709551615 local updates, more than a round can sum"),
                status[r].message());
     BOOST_TEST(hosts.feds[r]->round_number() == 0u);
   }
@@ -2048,9 +2083,9 @@ BOOST_AUTO_TEST_CASE(an_elastic_group_regroups_and_keeps_every_push) {
 
 // A host whose tries to form a group keep failing logs the first failure,
 // then again once 5 s have passed, with the count and the newest try's
-// reason (each try's names its attempt, so logging only a changed outcome
-// left a cycling host silent), and not on every try; it joins once a try
-// succeeds.
+// reason (each try's reason names its attempt, so a host that cycled
+// through failed tries would otherwise say nothing after its first line),
+// and not on every try; it joins once a try succeeds.
 BOOST_AUTO_TEST_CASE(a_failure_to_form_a_group_that_repeats_is_logged_again) {
   test::TempDir logs("fedrepeat");
   const std::string log_path = (logs.path / "stderr").string();

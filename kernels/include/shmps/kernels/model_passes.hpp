@@ -18,22 +18,27 @@ void add_cpu(float* dst, const float* src, uint64_t n) noexcept;
 void weighted_difference_cpu(float* out, const float* a, const float* b, float weight, uint64_t n) noexcept;
 
 // The plain-average outer step, with the correction in the same pass:
-// anchor[i] += sum[i] / divisor, then correction[i] = anchor[i] -
-// correction[i] (on entry correction holds the snapshot S, on return the
-// new anchor minus S). A division, not a product with a rounded
-// 1 / divisor: (n d) / n is d exactly when n d is exact.
-void average_step_cpu(float* anchor, const float* sum, float divisor, float* correction, uint64_t n) noexcept;
+// a = anchor[i] + sum[i] / divisor, the new anchor, is written over sum[i]
+// (anchor is only read, so that a caller keeps it until it commits), then
+// correction[i] = a - correction[i] (on entry correction holds the
+// snapshot S, on return the new anchor minus S). A division, not a product
+// with a rounded 1 / divisor: (n d) / n is d exactly when n d is exact.
+// Returns whether every value written is finite (a sum of finite values
+// can still overflow here).
+bool average_step_cpu(const float* anchor, float* sum, float divisor, float* correction, uint64_t n) noexcept;
 
 // The Nesterov outer step: PyTorch's SGD (dampening 0, nesterov) on the
-// pseudo-gradient g = -(sum[i] / divisor): buf = g on the first step
-// (started false), else momentum * buf + g; d = g + momentum * buf;
-// anchor -= lr * d; then the correction as average_step_cpu's.
+// pseudo-gradient g = -(sum[i] / divisor): the new momentum b = g on the
+// first step (started false), else momentum * buf + g, written to
+// next_buf (buf is only read); d = g + momentum * b; the new anchor
+// anchor - lr * d written over sum; then the correction and the result
+// as average_step_cpu's (b checked too).
 struct NesterovStep {
   float lr = 0.0f;
   float momentum = 0.0f;
   bool started = false;  // buf holds an earlier step's momentum
 };
-void nesterov_step_cpu(float* anchor, float* buf, const float* sum, float divisor, const NesterovStep& step,
-                       float* correction, uint64_t n) noexcept;
+bool nesterov_step_cpu(const float* anchor, const float* buf, float* sum, float divisor, const NesterovStep& step,
+                       float* next_buf, float* correction, uint64_t n) noexcept;
 
 }  // namespace shmps::kernels
