@@ -587,8 +587,8 @@ Status check_checkpoint_dir(const std::string& dir) {
   const auto fail = [&dir](const std::string& why) {
     return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": " + why};
   };
-  // The kernel's own file systems: access() lets root in, but no file or
-  // directory can be created there (checked first, so that every user
+  // The kernel's own file systems: access() lets root in, but no file can
+  // be created there (checked first, so that every user
   // reads the same reason).
   const auto on_kernel_fs = [](const fs::path& p) {
     struct statfs fsinfo {};

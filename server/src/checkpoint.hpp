@@ -232,8 +232,9 @@ class CheckpointDirLock {
 
 // Whether a server could keep its checkpoints in `dir`: a directory this
 // process may create files in, or a path whose first existing ancestor is
-// a directory it may create entries in (not a symbolic link to nothing).
-// The start and --check-config refuse the same. Errors: kIo,
+// a directory it may create entries in (not a symbolic link to nothing),
+// not on a kernel file system (procfs, sysfs, cgroup, debugfs). The start
+// and --check-config refuse the same. Errors: kIo,
 // "--checkpoint-dir <dir>: <why>".
 Status check_checkpoint_dir(const std::string& dir);
 

@@ -1717,7 +1717,7 @@ BOOST_AUTO_TEST_CASE(full_rings_are_capped_and_not_read_where_not_shown) {
 
   // A child's peak RSS counts the private memory it shares with this
   // process before its exec (under TSan, the shadow of the rings written
-  // above: about 100 MB), so each run's limit is over the peak of a run
+  // above), so each run's limit is over the peak of a run
   // that reads no segment (--version), taken now; the small runs come
   // first, before a large JSON is parsed here.
   const Run floor = run_inspect({"--version"});
