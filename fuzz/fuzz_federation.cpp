@@ -64,11 +64,13 @@
 
 #include "checkpoint.hpp"
 #include "federation.hpp"
+#include "reader.hpp"
 
 namespace {
 
 using namespace shmps;
 using namespace shmps::server;
+using fuzz::Reader;
 
 constexpr size_t kN = 11;  // the model's elements: 44 bytes, unlike the record (256) and the flag (4)
 constexpr int kMaxSteps = 12;
@@ -78,39 +80,6 @@ constexpr int kMaxReforms = 3;
   std::fprintf(stderr, "fuzz_federation: %s\n", what);
   __builtin_trap();
 }
-
-// Reads a stream front to back; past the end it yields zeros.
-struct Reader {
-  const uint8_t* p = nullptr;
-  size_t n = 0;
-  bool done() const { return n == 0; }
-  uint8_t byte() {
-    if (n == 0) return 0;
-    --n;
-    return *p++;
-  }
-  void bytes(void* out, size_t k) {
-    const size_t take = k < n ? k : n;
-    if (take != 0) std::memcpy(out, p, take);
-    std::memset(static_cast<uint8_t*>(out) + take, 0, k - take);
-    p += take;
-    n -= take;
-  }
-  template <class T>
-  T value() {
-    T v;
-    bytes(&v, sizeof v);
-    return v;
-  }
-  // The next stream: a u16 length, then that many bytes (fewer at the end).
-  Reader section() {
-    const auto len = value<uint16_t>();
-    Reader s{p, len < n ? len : n};
-    p += s.n;
-    n -= s.n;
-    return s;
-  }
-};
 
 // Federator::Header as federation.cpp lays it out (104 bytes, the fields
 // at these offsets) and its flags: the harness fixes peers' headers up

@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "reader.hpp"
 #include "shmps/server/server.hpp"
 #include "shmps/shm/futex.hpp"
 #include "shmps/shm/proc.hpp"
@@ -41,6 +42,7 @@
 namespace {
 
 using namespace shmps;
+using fuzz::Reader;
 
 constexpr uint32_t kEntry = 0;
 constexpr uint32_t kNoSuchPid = 0x3ffffffe;  // above any pid_max: never alive
@@ -51,30 +53,6 @@ constexpr size_t kObjectBytes[kObjects] = {64, 4096, 40};
   std::fprintf(stderr, "fuzz_requests: %s\n", what);
   __builtin_trap();
 }
-
-// Reads the input front to back; past the end it yields zeros.
-struct Reader {
-  const uint8_t* p;
-  size_t n;
-  bool done() const { return n == 0; }
-  uint8_t byte() {
-    if (n == 0) return 0;
-    --n;
-    return *p++;
-  }
-  void bytes(void* out, size_t k) {
-    const size_t take = k < n ? k : n;
-    std::memcpy(out, p, take);
-    std::memset(static_cast<uint8_t*>(out) + take, 0, k - take);
-    p += take;
-    n -= take;
-  }
-  uint64_t u64() {
-    uint64_t v = 0;
-    bytes(&v, sizeof v);
-    return v;
-  }
-};
 
 class Harness {
  public:
@@ -319,7 +297,7 @@ class Harness {
       }
       case 4: {  // our entry's fields
         const uint8_t field = in.byte();
-        const uint64_t value = in.u64();
+        const uint64_t value = in.value<uint64_t>();
         switch (field % 6) {
           case 0:
             entry().owner.store((uint64_t{pid_} << 32) | (value % 6), std::memory_order_release);
@@ -345,7 +323,7 @@ class Harness {
       }
       case 5: {  // an index: after this, completions may come in any order
         const uint8_t which = in.byte();
-        const uint64_t value = in.u64();
+        const uint64_t value = in.value<uint64_t>();
         const uint64_t v = (which & 4) != 0 ? value : tail_ + (value % (2 * uint64_t{cap_} + 1)) - cap_;
         honest_ = false;
         // relaxed: garbage on purpose; the release stores of the ring order nothing here.
@@ -370,7 +348,7 @@ class Harness {
       }
       case 6: {  // doorbells, of other lanes and past max_workers too
         const uint8_t word = in.byte();
-        const uint64_t bits = in.u64();
+        const uint64_t bits = in.value<uint64_t>();
         seg_->header().doorbell[word % (shm::kMaxWorkersLimit / 64)].fetch_or(bits, std::memory_order_seq_cst);
         shm::notify(seg_->header().server_wake);
         break;

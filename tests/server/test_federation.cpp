@@ -1382,6 +1382,21 @@ BOOST_AUTO_TEST_CASE(a_record_or_host_ids_that_cannot_be_are_refused_at_the_join
   }
 }
 
+// Both hosts' joins, host 1's header holding `value` at `offset` (a
+// damaged peer); each host's status.
+template <class T>
+std::vector<Status> join_with_damaged_header(Hosts& hosts, size_t offset, T value) {
+  hosts.engines[1]->on_allgather = [offset, value](std::span<std::byte> data) {
+    if (data.size() == Federator::kHeaderBytes) std::memcpy(data.data() + offset, &value, sizeof value);
+  };
+  std::vector<Status> status(2);
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 1.0f);
+    status[r] = f.join(ex).status();
+  });
+  return status;
+}
+
 // A join header whose round no checkpoint holds (kMaxCheckpointVersion or
 // past it, the last before a wrap) is refused by every member, naming the
 // rank, rather than taken as the group's round: the states stay as they
@@ -1392,14 +1407,7 @@ BOOST_AUTO_TEST_CASE(a_round_past_any_checkpoint_is_refused_at_the_join) {
     BOOST_TEST_CONTEXT("round " << round) {
       Hosts hosts(2, FederationConfig{});
       for (uint32_t r = 0; r < 2; ++r) BOOST_TEST_REQUIRE(hosts.feds[r]->restore(state_of(0x77, 5, 1.0f, r)).ok());
-      hosts.engines[1]->on_allgather = [round](std::span<std::byte> data) {
-        if (data.size() == Federator::kHeaderBytes) std::memcpy(data.data() + kRoundAt, &round, sizeof round);
-      };
-      std::vector<Status> status(2);
-      hosts.run([&](uint32_t r, Federator& f) {
-        std::vector<float> ex(kN, 1.0f);
-        status[r] = f.join(ex).status();
-      });
+      const std::vector<Status> status = join_with_damaged_header(hosts, kRoundAt, round);
       for (uint32_t r = 0; r < 2; ++r) {
         BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
         BOOST_TEST(
@@ -1423,14 +1431,7 @@ BOOST_AUTO_TEST_CASE(a_round_period_no_host_can_have_is_refused_at_the_join) {
   for (const uint32_t every_ms : {uint32_t{0}, uint32_t{3'600'001}, ~uint32_t{0}}) {
     BOOST_TEST_CONTEXT("every_ms " << every_ms) {
       Hosts hosts(2, FederationConfig{});
-      hosts.engines[1]->on_allgather = [every_ms](std::span<std::byte> data) {
-        if (data.size() == Federator::kHeaderBytes) std::memcpy(data.data() + kEveryMsAt, &every_ms, sizeof every_ms);
-      };
-      std::vector<Status> status(2);
-      hosts.run([&](uint32_t r, Federator& f) {
-        std::vector<float> ex(kN, 1.0f);
-        status[r] = f.join(ex).status();
-      });
+      const std::vector<Status> status = join_with_damaged_header(hosts, kEveryMsAt, every_ms);
       for (uint32_t r = 0; r < 2; ++r) {
         BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
         BOOST_TEST(mentions(status[r], "host rank 1 sent a round period of " + std::to_string(every_ms) +
