@@ -1308,6 +1308,20 @@ BOOST_AUTO_TEST_CASE(a_restored_host_keeps_the_drift_that_no_round_merged) {
   }
 }
 
+namespace {
+
+// Every host's join, each with weights all 1; each host's status.
+std::vector<Status> join_all(Hosts& hosts) {
+  std::vector<Status> status(hosts.feds.size());
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex(kN, 1.0f);
+    status[r] = f.join(ex).status();
+  });
+  return status;
+}
+
+}  // namespace
+
 // A round header with bits this build gives no meaning (a flag it does
 // not know, the reserved word set: a newer build's, or damage) is refused
 // by every member at the join, naming the rank; nobody joins.
@@ -1323,11 +1337,7 @@ BOOST_AUTO_TEST_CASE(a_round_header_with_unknown_bits_is_refused) {
         word |= value;
         std::memcpy(data.data() + at, &word, 4);
       };
-      std::vector<Status> status(2);
-      hosts.run([&](uint32_t r, Federator& f) {
-        std::vector<float> ex(kN, 1.0f);
-        status[r] = f.join(ex).status();
-      });
+      const std::vector<Status> status = join_all(hosts);
       for (uint32_t r = 0; r < 2; ++r) {
         BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
         BOOST_TEST(mentions(status[r], "host rank 1 sent a round header this build does not know"),
@@ -1382,6 +1392,8 @@ BOOST_AUTO_TEST_CASE(a_record_or_host_ids_that_cannot_be_are_refused_at_the_join
   }
 }
 
+namespace {
+
 // Both hosts' joins, host 1's header holding `value` at `offset` (a
 // damaged peer); each host's status.
 template <class T>
@@ -1389,13 +1401,10 @@ std::vector<Status> join_with_damaged_header(Hosts& hosts, size_t offset, T valu
   hosts.engines[1]->on_allgather = [offset, value](std::span<std::byte> data) {
     if (data.size() == Federator::kHeaderBytes) std::memcpy(data.data() + offset, &value, sizeof value);
   };
-  std::vector<Status> status(2);
-  hosts.run([&](uint32_t r, Federator& f) {
-    std::vector<float> ex(kN, 1.0f);
-    status[r] = f.join(ex).status();
-  });
-  return status;
+  return join_all(hosts);
 }
+
+}  // namespace
 
 // A join header whose round no checkpoint holds (kMaxCheckpointVersion or
 // past it, the last before a wrap) is refused by every member, naming the
@@ -1457,11 +1466,7 @@ BOOST_AUTO_TEST_CASE(non_finite_bytes_from_a_peer_are_refused_not_merged) {
       const float inf = std::numeric_limits<float>::infinity();
       if (data.size() == kN * sizeof(float)) std::memcpy(data.data() + sizeof(float), &inf, sizeof inf);
     };
-    std::vector<Status> status(2);
-    hosts.run([&](uint32_t r, Federator& f) {
-      std::vector<float> ex(kN, 1.0f);
-      status[r] = f.join(ex).status();
-    });
+    const std::vector<Status> status = join_all(hosts);
     for (uint32_t r = 0; r < 2; ++r) {
       BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
       BOOST_TEST(mentions(status[r], "the anchor or outer momentum that host rank 0 sent holds NaN or Inf"),
