@@ -278,6 +278,38 @@ Federator::Federator(const FederationConfig& config, FederationEngine& engine, c
   }
 }
 
+Status Federator::check_header(const Header& h, uint32_t rank) {
+  const auto refuse = [rank](const std::string& what) {
+    return Status{ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(rank) + " sent " + what};
+  };
+  const std::string damaged = " (damaged, or not a shmps-server of this version)";
+  if (h.magic != kHeaderMagic)
+    return refuse("no shmps round header (magic " + hex64(h.magic) +
+                  "): is every rank a shmps-server of the same version?");
+  // Bits this build gives no meaning (a newer build's, or damage): what
+  // they would ask of this host is unknown.
+  if ((h.flags & ~kKnownFlags) != 0 || h.reserved != 0)
+    return refuse("a round header this build does not know (flags " + hex64(h.flags) + ", reserved word " +
+                  std::to_string(h.reserved) + "): is every rank a shmps-server of the same version?");
+  // A round is a count that no checkpoint holds past kMaxCheckpointVersion:
+  // taken at the join, it would be written where a restart refuses it, or
+  // wrap.
+  if (h.round >= kMaxCheckpointVersion)
+    return refuse("round " + std::to_string(h.round) + ", past any a checkpoint holds" + damaged);
+  // Local updates are counted in versions (below kMaxCheckpointVersion);
+  // a round sums the members' counts, which this bound keeps from
+  // wrapping (a wrap to 0 would take the path of a round nobody trained).
+  if (h.local_updates > kMaxCheckpointVersion / kMaxFederationHosts)
+    return refuse(std::to_string(h.local_updates) + " local updates, more than a round can sum" + damaged);
+  // A period no --fed-every-ms has: the join takes the group's longest,
+  // which each round's first collective and a stop wait for beyond their
+  // timeouts (FederationEngine::set_group_period_ms()).
+  if (h.every_ms == 0 || h.every_ms > kMaxFederationEveryMs)
+    return refuse("a round period of " + std::to_string(h.every_ms) + " ms, outside 1.." +
+                  std::to_string(kMaxFederationEveryMs) + damaged);
+  return Status::Ok();
+}
+
 Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vector<Header>* all, bool non_finite) {
   static_assert(sizeof(Header) == kHeaderBytes && std::is_trivially_copyable_v<Header>);
   const Membership m = engine_.membership();
@@ -297,43 +329,13 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   if (Status s = engine_.allgather(std::as_bytes(std::span(&mine, 1)), std::as_writable_bytes(std::span(*all)));
       !s.ok())
     return s;
+  // What each header holds by itself first, over all of them, then how
+  // they compare with this host's: every member meets a damaged header in
+  // the first loop and refuses it alike, whatever the comparisons would say.
+  for (uint32_t r = 0; r < m.size; ++r)
+    if (Status s = check_header((*all)[r], r); !s.ok()) return s;
   for (uint32_t r = 0; r < m.size; ++r) {
     const Header& h = (*all)[r];
-    if (h.magic != kHeaderMagic)
-      return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) +
-                                               " sent no shmps round header (magic " + hex64(h.magic) +
-                                               "): is every rank a shmps-server of the same version?"};
-    // Bits this build gives no meaning (a newer build's, or damage): what
-    // they would ask of this host is unknown.
-    if ((h.flags & ~kKnownFlags) != 0 || h.reserved != 0)
-      return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) +
-                                               " sent a round header this build does not know (flags " +
-                                               hex64(h.flags) + ", reserved word " + std::to_string(h.reserved) +
-                                               "): is every rank a shmps-server of the same version?"};
-    // A round is a count that no checkpoint holds past kMaxCheckpointVersion:
-    // taken at the join, it would be written where a restart refuses it, or
-    // wrap.
-    if (h.round >= kMaxCheckpointVersion)
-      return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) + " sent round " +
-                                               std::to_string(h.round) +
-                                               ", past any a checkpoint holds (damaged, or not a shmps-server of "
-                                               "this version)"};
-    // Local updates are counted in versions (below kMaxCheckpointVersion);
-    // a round sums the members' counts, which this bound keeps from
-    // wrapping (a wrap to 0 would take the path of a round nobody trained).
-    if (h.local_updates > kMaxCheckpointVersion / kMaxFederationHosts)
-      return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) + " sent " +
-                                               std::to_string(h.local_updates) +
-                                               " local updates, more than a round can sum (damaged, or not a "
-                                               "shmps-server of this version)"};
-    // A period no --fed-every-ms has: the join takes the group's longest,
-    // which each round's first collective and a stop wait for beyond their
-    // timeouts (FederationEngine::set_group_period_ms()).
-    if (h.every_ms == 0 || h.every_ms > kMaxFederationEveryMs)
-      return {ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(r) + " sent a round period of " +
-                                               std::to_string(h.every_ms) + " ms, outside 1.." +
-                                               std::to_string(kMaxFederationEveryMs) +
-                                               " (damaged, or not a shmps-server of this version)"};
     if (h.model != fingerprint_) {
       // The hosts outside a strict majority of one model end their
       // federation (a configuration to fix); the majority leaves them out

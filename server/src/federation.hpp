@@ -195,8 +195,9 @@ class Federator {
 
  private:
   struct Header;
-  // Gathers every member's header; checks magic, model and round. Fills
-  // `all` (one per member).
+  // Gathers every member's header; checks each (check_header()), then
+  // their models and rounds against this host's. Fills `all` (one per
+  // member).
   // `non_finite` (the join): this host's weights, anchor or outer momentum
   // hold NaN or Inf.
   Status gather_headers(uint64_t local_updates, bool leaving, std::vector<Header>* all, bool non_finite = false);
@@ -208,6 +209,10 @@ class Federator {
   // The join: the lineage the group continues (0: none known), or the
   // refusal of members whose states belong to unrelated lineages.
   Status settle_lineage(const std::vector<Header>& all, uint64_t* lineage) const;
+  // kInvalidArgument, naming `rank`, when a header is one no
+  // shmps-server of this version sends (magic, unknown bits, or a round,
+  // count of local updates or period out of bounds).
+  static Status check_header(const Header& h, uint32_t rank);
   // Makes rank 0's anchor (and outer momentum) everybody's; the bytes
   // this host sent.
   Result<uint64_t> repair_anchor();

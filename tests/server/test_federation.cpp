@@ -1545,6 +1545,27 @@ BOOST_AUTO_TEST_CASE(non_finite_bytes_from_a_peer_are_refused_not_merged) {
   }
 }
 
+// A damaged header is refused alike by every member, also where another
+// member's model differs: the comparisons with this host's model (kIo at
+// the majority of an elastic group, which would re-form) come after every
+// header was checked by itself, so no member goes on with the damage.
+BOOST_AUTO_TEST_CASE(a_damaged_header_is_refused_alike_beside_another_model) {
+  ModelFingerprint other = fingerprint(kN, 3);
+  other.hash = 0x9999;
+  Hosts hosts(3, FederationConfig{}, {other, fingerprint(), fingerprint()});
+  for (auto& engine : hosts.engines) engine->is_elastic = true;
+  hosts.engines[2]->on_allgather = [](std::span<std::byte> data) {
+    constexpr size_t kEveryMsAt = 88;  // Header::every_ms
+    const uint32_t every_ms = 0;
+    if (data.size() == Federator::kHeaderBytes) std::memcpy(data.data() + kEveryMsAt, &every_ms, sizeof every_ms);
+  };
+  const std::vector<Status> status = join_all(hosts);
+  for (uint32_t r = 0; r < 3; ++r) {
+    BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+    BOOST_TEST(mentions(status[r], "host rank 2 sent a round period of 0 ms"), status[r].message());
+  }
+}
+
 // ---------------------------------------------------------------- servers
 
 namespace {
