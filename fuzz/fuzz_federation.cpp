@@ -16,7 +16,7 @@
 // every call the Federator's state is one a checkpoint holds and restore()
 // takes back (sizes, a record of groups that fits the round, the round
 // below kMaxCheckpointVersion, the anchor's hash), a failed join leaves the
-// state as it was, a failed round leaves the round and the anchor (but for
+// state unchanged, a failed round leaves the round and the anchor (but for
 // a repair from rank 0), a round moves the round by one (none when a peer
 // left or asked to regroup, with a zero exchange), a join takes the
 // source's round, the anchor it broadcast and a group period some
@@ -113,7 +113,7 @@ enum Damage : uint16_t {
 // record of groups: honest_record(); the flag: a byte's bit 0);
 // kRawBytes: the data's bytes from the input; kOneNonFinite: honest, then
 // one element NaN or Inf (the record: one span's 32 bytes from the input);
-// kUntouched: the buffer as it was.
+// kUntouched: the buffer unchanged.
 enum Fill : uint8_t { kHonest = 0, kRawBytes = 1, kOneNonFinite = 2, kUntouched = 3 };
 
 float small(uint8_t b) { return static_cast<float>(static_cast<int8_t>(b)) / 8.0f; }

@@ -588,8 +588,8 @@ Status check_checkpoint_dir(const std::string& dir) {
     return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": " + why};
   };
   // The kernel's own file systems: access() lets root in, but no file can
-  // be created there (checked first, so that every user
-  // reads the same reason).
+  // be created there (checked before access(), so that every user reads
+  // the same reason).
   const auto on_kernel_fs = [](const fs::path& p) {
     struct statfs fsinfo {};
     if (::statfs(p.c_str(), &fsinfo) != 0) return false;

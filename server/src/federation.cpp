@@ -28,6 +28,9 @@ constexpr uint32_t kFlagRegroup = 1u << 3;    // a round: this host's engine saw
 constexpr uint32_t kFlagNonFinite = 1u << 4;  // the join: this host's weights, anchor or outer momentum hold NaN or Inf
 constexpr uint32_t kKnownFlags = kFlagJoin | kFlagLeaving | kFlagHasState | kFlagRegroup | kFlagNonFinite;
 
+// Ends every refusal of bytes from a peer that no honest server sends.
+constexpr const char* kDamaged = " (damaged, or not a shmps-server of this version)";
+
 }  // namespace
 
 // One per member per collective step, gathered before any delta moves.
@@ -282,7 +285,6 @@ Status Federator::check_header(const Header& h, uint32_t rank) {
   const auto refuse = [rank](const std::string& what) {
     return Status{ErrorCode::kInvalidArgument, "federation: host rank " + std::to_string(rank) + " sent " + what};
   };
-  const std::string damaged = " (damaged, or not a shmps-server of this version)";
   if (h.magic != kHeaderMagic)
     return refuse("no shmps round header (magic " + hex64(h.magic) +
                   "): is every rank a shmps-server of the same version?");
@@ -295,18 +297,18 @@ Status Federator::check_header(const Header& h, uint32_t rank) {
   // taken at the join, it would be written where a restart refuses it, or
   // wrap.
   if (h.round >= kMaxCheckpointVersion)
-    return refuse("round " + std::to_string(h.round) + ", past any a checkpoint holds" + damaged);
+    return refuse("round " + std::to_string(h.round) + ", past any a checkpoint holds" + kDamaged);
   // Local updates are counted in versions (below kMaxCheckpointVersion);
   // a round sums the members' counts, which this bound keeps from
   // wrapping (a wrap to 0 would take the path of a round nobody trained).
   if (h.local_updates > kMaxCheckpointVersion / kMaxFederationHosts)
-    return refuse(std::to_string(h.local_updates) + " local updates, more than a round can sum" + damaged);
+    return refuse(std::to_string(h.local_updates) + " local updates, more than a round can sum" + kDamaged);
   // A period no --fed-every-ms has: the join takes the group's longest,
   // which each round's first collective and a stop wait for beyond their
   // timeouts (FederationEngine::set_group_period_ms()).
   if (h.every_ms == 0 || h.every_ms > kMaxFederationEveryMs)
     return refuse("a round period of " + std::to_string(h.every_ms) + " ms, outside 1.." +
-                  std::to_string(kMaxFederationEveryMs) + damaged);
+                  std::to_string(kMaxFederationEveryMs) + kDamaged);
   return Status::Ok();
 }
 
@@ -429,8 +431,7 @@ Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, Rou
     if (!history->plausible(history_round))
       return Status{ErrorCode::kInvalidArgument,
                     "federation: the record of groups that host rank " + std::to_string(root) +
-                        " (the join's source) sent does not fit its round " + std::to_string(history_round) +
-                        " (damaged, or not a shmps-server of this version)"};
+                        " (the join's source) sent does not fit its round " + std::to_string(history_round) + kDamaged};
   }
   uint32_t started = momentum_started_ ? 1 : 0;
   std::vector<float> momentum_in;
@@ -444,9 +445,8 @@ Result<uint64_t> Federator::receive_state(uint32_t root, bool with_momentum, Rou
   // anchor and momentum are finite (its header says so, or it stays out),
   // so NaN or Inf here is damage, which would become every host's anchor.
   if (!all_finite(anchor_in) || !all_finite(momentum_in))
-    return Status{ErrorCode::kInvalidArgument,
-                  "federation: the anchor or outer momentum that host rank " + std::to_string(root) +
-                      " sent holds NaN or Inf (damaged, or not a shmps-server of this version)"};
+    return Status{ErrorCode::kInvalidArgument, "federation: the anchor or outer momentum that host rank " +
+                                                   std::to_string(root) + " sent holds NaN or Inf" + kDamaged};
   // Every collective went through: commit.
   if (!momentum_in.empty()) {
     momentum_.swap(momentum_in);
@@ -753,8 +753,8 @@ Result<RoundResult> Federator::round(std::span<float> exchange, uint64_t local_u
           ErrorCode::kInvalidArgument,
           "federation: round " + std::to_string(round_ + 1) +
               ": the outer step on the hosts' summed deltas gives NaN or Inf (a damaged host, or "
-              "values past the float range); this host's weights and round stay as they were, its anchor as before "
-              "the step"};
+              "values past the float range); the step changes nothing: this host's weights, round, anchor and "
+              "momentum are kept"};
     }
   }
   ++round_;

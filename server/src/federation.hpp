@@ -231,7 +231,7 @@ class Federator {
   // the new momentum into momentum_next_), A' - S into exchange; then,
   // when every value is finite, commits A', its hash and the momentum and
   // returns true; else (a damaged sum, or values that overflowed) false,
-  // the anchor and momentum as they were, exchange overwritten.
+  // the anchor and momentum unchanged, exchange overwritten.
   bool outer_step(std::span<float> exchange, float divisor);
   // Records the round in progress as failed here, with its snapshot.
   void keep_failed_round(std::span<const float> snapshot, uint64_t local_updates) noexcept;

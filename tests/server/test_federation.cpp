@@ -1495,7 +1495,7 @@ BOOST_AUTO_TEST_CASE(non_finite_bytes_from_a_peer_are_refused_not_merged) {
     BOOST_TEST(hosts.feds[r]->state()->anchor == std::vector<float>(kN, 1.0f));
   }
   // Finite values whose outer step overflows (Nesterov's d = g + 0.9 b is
-  // 1.9 g): refused alike, the anchor and momentum as they were; the next
+  // 1.9 g): refused alike, the anchor and momentum unchanged; the next
   // round, undamaged, completes from them.
   {
     FederationConfig nesterov;
