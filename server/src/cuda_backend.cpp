@@ -23,6 +23,7 @@
 #include "shmps/kernels/model_passes.hpp"
 #include "shmps/kernels/optimizer_cuda.hpp"
 #include "shmps/server/log.hpp"
+#include "shmps/shm/in_process.hpp"
 #include "shmps/shm/segment.hpp"
 
 namespace shmps::server {
@@ -323,20 +324,17 @@ class CudaBackend final : public Backend {
     const bool in_process = (desc.flags & shm::kBufferInProcess) != 0;
     if (in_process) {
       // The worker lives in our process: pointer and event, no IPC (a
-      // process cannot open its own IPC handles). Only believed when the
-      // worker's pid is ours.
-      if (worker_pid != static_cast<uint32_t>(::getpid()))
-        return Status{ErrorCode::kBadRequest, "an in-process buffer from another process"};
-      uint64_t ptr = 0, ev = 0;
-      std::memcpy(&ptr, desc.handle, sizeof ptr);
-      std::memcpy(&ev, desc.event_handle, sizeof ev);
-      auto range = allocation_of(reinterpret_cast<void*>(ptr));
+      // process cannot open its own IPC handles), from the offer its token
+      // names (in_process.hpp), never from the segment's bytes.
+      auto offer = shm::take_in_process(desc, worker_pid);
+      if (!offer.ok()) return offer.status();
+      auto range = allocation_of(offer->base);
       if (!range.ok()) return Status{ErrorCode::kUnknownBuffer, range.status().message()};
-      if (range->first != reinterpret_cast<void*>(ptr))
+      if (range->first != offer->base)
         return Status{ErrorCode::kBadRequest, "an in-process buffer must name its allocation's base"};
       if (Status s = check_range(desc, range->second); !s.ok()) return s;
       peer->data_ = static_cast<char*>(range->first) + desc.offset;
-      peer->event_ = reinterpret_cast<cudaEvent_t>(ev);
+      peer->event_ = static_cast<cudaEvent_t>(offer->event);
       return std::unique_ptr<PeerBuffer>(std::move(peer));
     }
     if (Status s = reachable(desc.device_uuid); !s.ok()) return s;

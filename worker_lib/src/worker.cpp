@@ -22,6 +22,7 @@
 
 #include "device_buffer.hpp"
 #include "shmps/shm/futex.hpp"
+#include "shmps/shm/in_process.hpp"
 #include "shmps/shm/proc.hpp"
 #include "shmps/shm/ring.hpp"
 #include "shmps/shm/segment.hpp"
@@ -386,6 +387,7 @@ class Worker::Impl {
     const void* device_ptr = nullptr;
     size_t device_bytes = 0;
     bool in_process = false;  // described for a server in our own process
+    uint64_t offer = 0;       // in process: the token of its offer (in_process.hpp), until taken or withdrawn
     detail::DeviceBuffer desc;
   };
   std::vector<Registered> buffers;
@@ -920,8 +922,14 @@ class Worker::Impl {
   }
   static void drop(Registered& b) {
     if (b.in_use && b.object) shm::ShmObject::remove(b.object->name());
-    if (b.device) detail::release_device_buffer(b.desc);
+    release_device(b);
     b = Registered{};
+  }
+  // A device buffer's event and offer (the memory is the caller's).
+  static void release_device(Registered& b) {
+    if (!b.device) return;
+    shm::withdraw_in_process(b.offer);
+    detail::release_device_buffer(b.desc);
   }
 
   // Whether the attached server runs in this very process (it then takes
@@ -937,7 +945,8 @@ class Worker::Impl {
     if (r.in_process != server_in_process()) {
       auto again = detail::describe_device_buffer(r.device_ptr, r.device_bytes, server_in_process());
       if (!again.ok()) return again.status();
-      detail::release_device_buffer(r.desc);
+      release_device(r);
+      r.offer = 0;
       r.desc = *again;
       r.in_process = server_in_process();
     }
@@ -948,12 +957,15 @@ class Worker::Impl {
     desc.offset = r.desc.offset;
     std::memcpy(desc.device_uuid, r.desc.device_uuid, sizeof desc.device_uuid);
     if (r.in_process) {
-      // layout.hpp, kBufferInProcess: base pointer and event as uint64.
+      // layout.hpp, kBufferInProcess: base pointer and event offered in
+      // this process's memory, the segment holds the offer's token.
+      shm::withdraw_in_process(r.offer);  // one a timed-out registration left
+      r.offer = 0;
+      auto offer = shm::offer_in_process({r.desc.base, r.desc.event});
+      if (!offer.ok()) return offer.status();
+      r.offer = *offer;
       desc.flags = shm::kBufferInProcess;
-      const auto base = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(r.desc.base));
-      const auto event = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(r.desc.event));
-      std::memcpy(desc.handle, &base, sizeof base);
-      std::memcpy(desc.event_handle, &event, sizeof event);
+      std::memcpy(desc.handle, &r.offer, sizeof r.offer);
     } else {
       std::memcpy(desc.handle, r.desc.mem_handle, sizeof desc.handle);
       std::memcpy(desc.event_handle, r.desc.event_handle, sizeof desc.event_handle);
@@ -1422,7 +1434,7 @@ Result<uint32_t> Worker::register_device_buffer(const void* device_ptr, size_t b
   r.in_process = in_process;
   r.desc = *desc;
   if (Status st = w.send_register_device(id); !st.ok()) {
-    detail::release_device_buffer(r.desc);
+    Impl::release_device(r);
     r = Impl::Registered{};
     return st;
   }
@@ -1447,7 +1459,7 @@ Status Worker::unregister_buffer(uint32_t buffer_id) {
   // The server answered after its last use of the buffer (its completions
   // wait for the device work reading or writing it).
   if (r.object) shm::ShmObject::remove(r.object->name());
-  if (r.device) detail::release_device_buffer(r.desc);
+  Impl::release_device(r);
   r = Impl::Registered{};
   return Status::Ok();
 }

@@ -336,10 +336,10 @@ constexpr const char* buffer_kind_name(uint32_t kind) {
 
 // BufferDesc::flags (kCudaIpc only; 0 otherwise). kBufferInProcess: the
 // worker runs in the server's own process (tests, embedding), which cannot
-// open its own IPC handles; `handle` then holds the allocation's base
-// pointer and `event_handle` the cudaEvent_t, each as a little-endian
-// uint64 in the first 8 bytes. The server believes it only when the
-// worker's pid is its own.
+// open its own IPC handles; `handle` then holds, as a little-endian uint64
+// in its first 8 bytes, the token of the offer that holds the allocation's
+// base pointer and event in the process's memory (in_process.hpp). The
+// server takes it only when the worker's pid is its own, and only once.
 inline constexpr uint32_t kBufferInProcess = 1u << 0;
 
 // A buffer a worker offers the server, written by the worker into its own
