@@ -50,11 +50,18 @@ void HeldCompletions::orphan(uint32_t i) {
   queues_[i].clear();
 }
 
-void HeldCompletions::release_finished(Backend& backend) {
+Status HeldCompletions::release_finished(Backend& backend, uint64_t now_ns) {
+  uint64_t stalled_since = now_ns;
   std::erase_if(orphaned_, [&](const Held& h) {
     Result<bool> done = backend.fence_done(h.fence);
+    if (done.ok() && !*done) stalled_since = std::min(stalled_since, h.since_ns);
     return !done.ok() || *done;
   });
+  if (now_ns - stalled_since > kStallNs)
+    return Status{ErrorCode::kCuda, "device work of a session that ended has not finished in " +
+                                        std::to_string(kStallNs / 1'000'000'000) +
+                                        " s (a dead worker's event never recorded?)"};
+  return Status::Ok();
 }
 
 void HeldCompletions::clear() {

@@ -48,8 +48,10 @@ class HeldCompletions {
   // Worker i's session ended: its completions go unposted; its device work
   // still running becomes orphaned.
   void orphan(uint32_t i);
-  // Lets go of the orphaned work whose fence is done (or failed).
-  void release_finished(Backend& backend);
+  // Lets go of the orphaned work whose fence is done (or failed). Error
+  // (kCuda), as pop_ready's: orphaned work has not finished in kStallNs;
+  // the stream is stuck and everything enqueued after it with it.
+  Status release_finished(Backend& backend, uint64_t now_ns);
   // Shutdown: forgets everything.
   void clear();
 

@@ -629,7 +629,8 @@ class Server::Impl {
   // Posts the held completions whose device work is done, in request order
   // per worker, and lets go of orphaned work that finished. A fence that
   // reports an error fails its request with the CUDA error; a lost context,
-  // or work stalled for HeldCompletions::kStallNs, stops the server.
+  // or work stalled for HeldCompletions::kStallNs (held or orphaned), stops
+  // the server.
   bool drain_held() {
     // The common case, and the only one of the host backend: nothing held,
     // nothing to poll (a device failing meanwhile is seen by the next call
@@ -651,7 +652,7 @@ class Server::Impl {
         if (!slot.attached()) break;  // evicted by post_now
       }
     }
-    held.release_finished(*backend);
+    if (Status s = held.release_finished(*backend, now); !s.ok()) fatal(s);
     if (Status s = backend->healthy(); !s.ok()) fatal(s);
     return worked;
   }

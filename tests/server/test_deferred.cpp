@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "backend.hpp"
+#include "held_completions.hpp"
 #include "raw_client.hpp"
 #include "shmps/server/server.hpp"
 #include "shmps/shm/segment.hpp"
@@ -279,6 +280,30 @@ BOOST_AUTO_TEST_CASE(a_lost_device_fails_the_push_and_stops_the_server_with_the_
   BOOST_TEST(s.run_code.load() == static_cast<uint32_t>(ErrorCode::kCuda));
   BOOST_TEST(s.run_message.find("half-written") != std::string::npos, s.run_message);
   BOOST_TEST(!a->ping().ok());  // nothing more is served
+}
+
+// A stuck stream (a dead worker's event never recorded, say) is given up
+// on after HeldCompletions::kStallNs whether its request's session holds
+// the completion or has ended: orphaned work is not polled for ever either.
+BOOST_AUTO_TEST_CASE(work_stalled_past_the_limit_is_an_error_held_or_orphaned) {
+  Gate gate;
+  GatedBackend backend(&gate);
+  HeldCompletions held(2);
+  held.hold(0, shm::Completion{}, 1, nullptr, 0);
+  held.hold(1, shm::Completion{}, 1, nullptr, 0);
+  held.orphan(1);  // worker 1's session ended with its work running
+  const uint64_t limit = HeldCompletions::kStallNs;
+  BOOST_TEST(held.release_finished(backend, limit).ok());  // running, within the limit: kept
+  BOOST_TEST(!held.pop_ready(0, backend, limit).value().has_value());
+  BOOST_TEST(!held.idle());
+  const Status orphaned = held.release_finished(backend, limit + 1);
+  BOOST_TEST(orphaned.code() == ErrorCode::kCuda);
+  BOOST_TEST(orphaned.message().find("has not finished in 60 s") != std::string::npos, orphaned.message());
+  BOOST_TEST(held.pop_ready(0, backend, limit + 1).status().code() == ErrorCode::kCuda);
+  gate.release_all();
+  BOOST_TEST(held.release_finished(backend, limit + 1).ok());
+  BOOST_TEST(held.pop_ready(0, backend, limit + 1).value().has_value());
+  BOOST_TEST(held.idle());
 }
 
 BOOST_AUTO_TEST_SUITE_END()
