@@ -157,8 +157,11 @@ std::unique_ptr<Backend> make_host_backend();
 // `handle` and start with `expected_prefix` ("shmps.<name>.p<pid>.": only
 // objects this worker created, never the control segment or another
 // worker's buffer), and [offset, offset + length) (bytes) must lie inside
-// the object. Errors: kBadRequest (the name), kPermission, kUnknownBuffer
-// (cannot open), kBadRange. Thread-safe.
+// the object. Maps that window alone (ShmObject::open_window(): data() is
+// byte `offset`), so a descriptor of a few bytes of a sparse object of
+// terabytes costs the server a page of address space. Errors: kBadRequest
+// (the name), kPermission, kUnknownBuffer (cannot open), kBadRange.
+// Thread-safe.
 Result<std::unique_ptr<shm::ShmObject>> open_worker_object(const shm::BufferDesc& desc,
                                                            const std::string& expected_prefix);
 

@@ -135,7 +135,7 @@ class CudaPeer final : public PeerBuffer {
   ~CudaPeer() override {
     if (host_) {
       (void)cudaSetDevice(device_);
-      if (std::string e = SHMPS_CUDA_ERROR(cudaHostUnregister(host_->data())); !e.empty()) {
+      if (std::string e = SHMPS_CUDA_ERROR(cudaHostUnregister(host_->mapping())); !e.empty()) {
         log::warn("unregistering a worker's shm buffer: " + e);
         (void)cudaGetLastError();
       }
@@ -152,7 +152,7 @@ class CudaPeer final : public PeerBuffer {
  private:
   friend class CudaBackend;
   std::shared_ptr<IpcMapping> mapping_;   // null: an in-process buffer, used by pointer
-  std::unique_ptr<shm::ShmObject> host_;  // a POSIX shm buffer, page-locked (cudaHostRegister)
+  std::unique_ptr<shm::ShmObject> host_;  // a POSIX shm buffer's window, page-locked (cudaHostRegister)
   char* data_ = nullptr;                  // base + offset
   uint64_t length_ = 0;
   cudaEvent_t event_ = nullptr;
@@ -355,28 +355,31 @@ class CudaBackend final : public Backend {
 
   Status peer_intact(const PeerBuffer&) override { return sticky_; }
 
-  // A worker's POSIX shm buffer (register_buffer): page-locked and mapped
-  // for the device, so the kernels read it and pulls write it over PCIe.
-  // Its pages are pinned: a worker truncating the object cannot take them
-  // away under a kernel.
+  // A worker's POSIX shm buffer (register_buffer): the window its
+  // descriptor names (open_worker_object()), page-locked and mapped for the
+  // device, so the kernels read it and pulls write it over PCIe. Its pages
+  // are pinned: a worker truncating the object cannot take them away under
+  // a kernel.
   Result<std::unique_ptr<PeerBuffer>> open_host(const shm::BufferDesc& desc, const std::string& expected_prefix) {
     auto opened = open_worker_object(desc, expected_prefix);
     if (!opened.ok()) return opened.status();
     auto peer = std::make_unique<CudaPeer>();
     peer->device_ = device_;
     peer->length_ = desc.length;
-    void* host = (*opened)->data();
-    if (Status s = call(cudaHostRegister(host, (*opened)->size(), cudaHostRegisterMapped | cudaHostRegisterPortable),
-                        "cudaHostRegister(shm, size, Mapped | Portable)", __LINE__);
+    void* host = (*opened)->mapping();  // from a page boundary
+    const size_t lead = static_cast<size_t>(static_cast<char*>((*opened)->data()) - static_cast<char*>(host));
+    if (Status s =
+            call(cudaHostRegister(host, (*opened)->mapping_size(), cudaHostRegisterMapped | cudaHostRegisterPortable),
+                 "cudaHostRegister(window, size, Mapped | Portable)", __LINE__);
         !s.ok())
       return Status{ErrorCode::kUnknownBuffer, s.message()};
     peer->host_ = std::move(opened).value();  // unregistered by ~CudaPeer
     void* device_view = nullptr;
     if (Status s =
-            call(cudaHostGetDevicePointer(&device_view, host, 0), "cudaHostGetDevicePointer(&p, shm, 0)", __LINE__);
+            call(cudaHostGetDevicePointer(&device_view, host, 0), "cudaHostGetDevicePointer(&p, window, 0)", __LINE__);
         !s.ok())
       return s;
-    peer->data_ = static_cast<char*>(device_view) + desc.offset;
+    peer->data_ = static_cast<char*>(device_view) + lead;
     return std::unique_ptr<PeerBuffer>(std::move(peer));
   }
 

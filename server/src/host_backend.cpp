@@ -16,23 +16,20 @@
 namespace shmps::server {
 namespace {
 
+// A worker's buffer: the window of its object that the descriptor names,
+// mapped and guarded alone (open_worker_object()).
 class HostPeer final : public PeerBuffer {
  public:
-  HostPeer(std::unique_ptr<shm::ShmObject> object, uint64_t offset, uint64_t length)
-      : object_(std::move(object)),
-        offset_(offset),
-        length_(length),
-        guard_(guard_range(object_->data(), object_->size())) {}
+  explicit HostPeer(std::unique_ptr<shm::ShmObject> window)
+      : window_(std::move(window)), guard_(guard_range(window_->mapping(), window_->mapping_size())) {}
   ~HostPeer() override { release_range(guard_); }
-  uint64_t length() const noexcept override { return length_; }
+  uint64_t length() const noexcept override { return window_->size(); }
   bool intact() const noexcept { return !range_poisoned(guard_); }
-  bool guarded() const noexcept { return guard_ != 0 || object_->size() == 0; }  // nothing to lose
-  char* at(uint64_t byte_offset) const noexcept { return static_cast<char*>(object_->data()) + offset_ + byte_offset; }
+  bool guarded() const noexcept { return guard_ != 0; }
+  char* at(uint64_t byte_offset) const noexcept { return static_cast<char*>(window_->data()) + byte_offset; }
 
  private:
-  std::unique_ptr<shm::ShmObject> object_;
-  uint64_t offset_;
-  uint64_t length_;
+  std::unique_ptr<shm::ShmObject> window_;
   GuardId guard_;
 };
 
@@ -134,7 +131,7 @@ class HostBackend final : public Backend {
       return Status{ErrorCode::kBadRequest, "the host backend takes only POSIX shm buffers"};
     auto opened = open_worker_object(desc, expected_prefix);
     if (!opened.ok()) return opened.status();
-    auto peer = std::make_unique<HostPeer>(std::move(opened).value(), desc.offset, desc.length);
+    auto peer = std::make_unique<HostPeer>(std::move(opened).value());
     // Unguarded, a buffer truncated under the server would kill it (SIGBUS).
     if (!peer->guarded())
       return Status{ErrorCode::kNoCapacity,
@@ -223,16 +220,15 @@ Result<std::unique_ptr<shm::ShmObject>> open_worker_object(const shm::BufferDesc
   if (!object_name.starts_with(expected_prefix) || n.empty() || n.size() > 20 ||
       n.find_first_not_of("0123456789") != std::string_view::npos)
     return Status{ErrorCode::kBadRequest, "buffer name must be " + expected_prefix + "<n>"};
-  auto opened = shm::ShmObject::open(object_name, /*read_only=*/false);
+  if (desc.length == 0) return Status{ErrorCode::kBadRange, "buffer length 0"};
+  // The window alone: the object's size costs the server nothing.
+  auto opened = shm::ShmObject::open_window(object_name, /*read_only=*/false, desc.offset, desc.length);
   if (!opened.ok()) {
-    if (opened.status().code() == ErrorCode::kPermission) return opened.status();
+    const ErrorCode code = opened.status().code();
+    if (code == ErrorCode::kPermission) return opened.status();
+    if (code == ErrorCode::kBadRange) return Status{ErrorCode::kBadRange, "buffer " + opened.status().message()};
     return Status{ErrorCode::kUnknownBuffer, opened.status().message()};
   }
-  const uint64_t size = (*opened)->size();
-  if (desc.offset > size || desc.length > size - desc.offset)
-    return Status{ErrorCode::kBadRange, "buffer offset " + std::to_string(desc.offset) + " + length " +
-                                            std::to_string(desc.length) + " exceeds object size " +
-                                            std::to_string(size)};
   return opened;
 }
 

@@ -239,16 +239,20 @@ struct ShmObject::Region {
 ShmObject::ShmObject() = default;
 ShmObject::~ShmObject() = default;
 int ShmObject::descriptor() const noexcept { return region_->fd; }
+void* ShmObject::mapping() const noexcept { return region_->address; }
+size_t ShmObject::mapping_size() const noexcept { return region_->size; }
 
 namespace {
 
-// Fills identity fields from the descriptor and maps the object. Anything
-// but a regular file is refused before it is read: a FIFO or device placed
-// at the name must not block or feed its reader. *empty: refused for its
-// 0 bytes.
-Status map_object(int fd, bool read_only, const std::string& name, uint64_t* inode, uid_t* uid, gid_t* gid,
-                  mode_t* mode, void** address, size_t* size, bool* empty, bool* too_large = nullptr,
-                  uint64_t max_bytes = ~uint64_t{0}) {
+// Fills identity fields from the descriptor and maps bytes [offset, offset
+// + length) of the object (length 0: all of it), from the page that holds
+// the first: *address and *size are the mapping's, *lead the window's
+// distance into it. Anything but a regular file is refused before it is
+// read: a FIFO or device placed at the name must not block or feed its
+// reader. *empty: refused for its 0 bytes.
+Status map_object(int fd, bool read_only, const std::string& name, uint64_t offset, uint64_t length, uint64_t* inode,
+                  uid_t* uid, gid_t* gid, mode_t* mode, void** address, size_t* size, size_t* lead, bool* empty,
+                  bool* too_large = nullptr, uint64_t max_bytes = ~uint64_t{0}) {
   *empty = false;
   struct stat st {};
   if (::fstat(fd, &st) != 0) return {ErrorCode::kIo, "fstat '" + name + "': " + errno_text(errno)};
@@ -280,11 +284,21 @@ Status map_object(int fd, bool read_only, const std::string& name, uint64_t* ino
                                             " bytes, more than the " + std::to_string(max_bytes) + " it may (" +
                                             owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ")"};
   }
-  const auto bytes = static_cast<size_t>(st.st_size);
-  void* mapped = ::mmap(nullptr, bytes, read_only ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const auto object_bytes = static_cast<uint64_t>(st.st_size);
+  if (length == 0) length = object_bytes;
+  if (offset > object_bytes || length > object_bytes - offset)
+    return {ErrorCode::kBadRange, "offset " + std::to_string(offset) + " + length " + std::to_string(length) +
+                                      " exceeds the " + std::to_string(object_bytes) + " bytes of shm object '" + name +
+                                      "'"};
+  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t first_page = offset / page * page;
+  const auto bytes = static_cast<size_t>(offset + length - first_page);
+  void* mapped = ::mmap(nullptr, bytes, read_only ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                        static_cast<off_t>(first_page));
   if (mapped == MAP_FAILED) return {ErrorCode::kIo, "mmap '" + name + "': " + errno_text(errno)};
   *address = mapped;
   *size = bytes;
+  *lead = static_cast<size_t>(offset - first_page);
   return Status::Ok();
 }
 
@@ -336,8 +350,9 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
       return Status{ErrorCode::kIo, "posix_fallocate '" + object_name + "': " + errno_text(err)};
     }
     bool empty = false;
-    if (Status s = map_object(fd, false, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
-                              &obj->region_->address, &obj->region_->size, &empty);
+    size_t lead = 0;
+    if (Status s = map_object(fd, false, object_name, 0, 0, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
+                              &obj->region_->address, &obj->region_->size, &lead, &empty);
         !s.ok()) {
       bip::shared_memory_object::remove(object_name.c_str());
       return s;
@@ -361,6 +376,19 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
 
 Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_name, bool read_only, OpenFailure* failure,
                                                    uint64_t max_bytes) {
+  return open_mapped(object_name, read_only, Window{}, failure, max_bytes);
+}
+
+Result<std::unique_ptr<ShmObject>> ShmObject::open_window(const std::string& object_name, bool read_only,
+                                                          uint64_t offset, uint64_t length, OpenFailure* failure) {
+  if (failure != nullptr) *failure = OpenFailure::kOther;
+  if (length == 0)
+    return Status{ErrorCode::kInvalidArgument, "a window of 0 bytes of shm object '" + object_name + "'"};
+  return open_mapped(object_name, read_only, Window{offset, length}, failure, ~uint64_t{0});
+}
+
+Result<std::unique_ptr<ShmObject>> ShmObject::open_mapped(const std::string& object_name, bool read_only, Window window,
+                                                          OpenFailure* failure, uint64_t max_bytes) {
   OpenFailure unused = OpenFailure::kOther;
   OpenFailure& why = failure != nullptr ? *failure : unused;
   why = OpenFailure::kOther;
@@ -395,14 +423,16 @@ Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_nam
   }
   bool empty = false;
   bool too_large = false;
-  const Status mapped = map_object(fd, read_only, object_name, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
-                                   &obj->region_->address, &obj->region_->size, &empty, &too_large, max_bytes);
+  size_t lead = 0;
+  const Status mapped =
+      map_object(fd, read_only, object_name, window.offset, window.length, &obj->inode_, &obj->uid_, &obj->gid_,
+                 &obj->mode_, &obj->region_->address, &obj->region_->size, &lead, &empty, &too_large, max_bytes);
   ::close(fd);  // the mapping stays
   if (empty) why = OpenFailure::kEmpty;
   if (too_large) why = OpenFailure::kTooLarge;
   if (!mapped.ok()) return mapped;
-  obj->data_ = obj->region_->address;
-  obj->size_ = obj->region_->size;
+  obj->data_ = static_cast<char*>(obj->region_->address) + lead;
+  obj->size_ = obj->region_->size - lead;
   return obj;
 }
 

@@ -341,6 +341,51 @@ int hostile_writer(const std::string& name, uint64_t seed, std::chrono::millisec
   return 0;
 }
 
+// The address space process `pid` has mapped (VmSize), in KiB; 0 when
+// it cannot be read.
+uint64_t mapped_kib(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmSize:", 0) == 0) return std::stoull(line.substr(7));
+  return 0;
+}
+
+// A shm object of `bytes` made as cheaply as any local user can:
+// ftruncate alone, so a tmpfs object of terabytes holds no page. With
+// `at`, `value` is written there (that page alone is filled).
+void make_sparse_object(const std::string& object, uint64_t bytes, uint64_t at = 0, const void* value = nullptr,
+                        size_t value_bytes = 0) {
+  const int fd = ::shm_open(object.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  BOOST_REQUIRE_MESSAGE(fd >= 0, object << ": " << std::strerror(errno));
+  const bool sized = ::ftruncate(fd, static_cast<off_t>(bytes)) == 0;
+  const bool written =
+      value_bytes == 0 || ::pwrite(fd, value, value_bytes, static_cast<off_t>(at)) == static_cast<ssize_t>(value_bytes);
+  ::close(fd);
+  BOOST_REQUIRE_MESSAGE(sized && written, object << ": " << std::strerror(errno));
+}
+
+// Registers [offset, offset + length) of `object` as raw's buffer `id`.
+shm::Completion register_window(test::RawClient& raw, uint32_t id, const std::string& object, uint64_t offset,
+                                uint64_t length) {
+  shm::BufferDesc& d = raw.segment().buffer(raw.id(), id);
+  std::memset(&d, 0, sizeof d);
+  d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+  d.offset = offset;
+  d.length = length;
+  std::snprintf(reinterpret_cast<char*>(d.handle), sizeof d.handle, "%s", object.c_str());
+  shm::Request r = raw.request(shm::Opcode::kRegisterBuffer);
+  r.buffer_id = id;
+  return raw.call(r);
+}
+
+// Removes the named shm objects at scope exit, whatever a check left.
+struct ObjectsRemoved {
+  std::vector<std::string> names;
+  ~ObjectsRemoved() {
+    for (const std::string& n : names) shm::ShmObject::remove(n);
+  }
+};
+
 uint64_t sum_rejected(const shm::StatsBlock& s) {
   uint64_t n = 0;
   for (const auto& r : s.rejected) n += r.load();
@@ -547,6 +592,103 @@ BOOST_AUTO_TEST_CASE(buffer_truncated_after_registration_does_not_kill_the_serve
   BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died reading a truncated buffer");
   auto w = connect(server.name(), 3s);
   BOOST_TEST(w->ping().ok());
+}
+
+// Any process that may write the segment can make a shm object of
+// terabytes for free (ftruncate of a tmpfs file) and describe a few bytes
+// of it. The server maps the window a descriptor names, not the object:
+// 16 such registrations of 16 bytes of 8 TiB objects (128 TiB in all, the
+// whole of a 47-bit address space) leave its address space about as it
+// was, each window reads the bytes at its offset, and a worker's
+// registrations of 1 MiB go on working.
+BOOST_AUTO_TEST_CASE(a_window_of_a_huge_sparse_object_maps_the_window_alone) {
+  constexpr uint32_t kHuge = 16;
+  constexpr uint64_t kObjectBytes = uint64_t{8} << 40;
+  test::ServerProcess server(test::unique_name("huge"), {"--tensor", "w:4", "--lr", "1", "--max-staleness",
+                                                         "4000000000", "--max-buffers", std::to_string(kHuge)});
+  test::RawClient raw(server.name());
+  const pid_t server_pid = server.process().pid();
+  const uint64_t before_kib = mapped_kib(server_pid);
+  BOOST_REQUIRE(before_kib != 0);
+  ObjectsRemoved objects;
+  const float gradient[4] = {-1.0f, -1.0f, -1.0f, -1.0f};
+  for (uint32_t b = 0; b < kHuge; ++b) {
+    objects.names.push_back(shm::buffer_object_name(server.name(), ::getpid(), b + 1));
+    // Near the end, across a page boundary: 8 bytes before one, 8 after.
+    const uint64_t offset = kObjectBytes - 4096 * (b + 2) - 8;
+    make_sparse_object(objects.names.back(), kObjectBytes, offset, gradient, sizeof gradient);
+    const shm::Completion c = register_window(raw, b, objects.names.back(), offset, sizeof gradient);
+    BOOST_REQUIRE_MESSAGE(c.code == 0u, "window " << b << " of an 8 TiB object: " << c.message);
+  }
+  const uint64_t grown_kib = mapped_kib(server_pid) - before_kib;
+  BOOST_TEST(grown_kib < uint64_t{1} << 20,
+             "the server's address space grew by " << grown_kib << " KiB for " << kHuge << " windows of 16 bytes");
+  // Each window is the bytes at its offset: 16 pushes of -1 make weights of 16.
+  for (uint32_t b = 0; b < kHuge; ++b) {
+    shm::Request r = raw.request(shm::Opcode::kPush);
+    r.buffer_id = b;
+    r.byte_length = sizeof gradient;
+    r.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
+    const shm::Completion c = raw.call(r);
+    BOOST_TEST(c.code == 0u, "push from window " << b << ": " << c.message);
+  }
+  auto w = connect(server.name(), 3s);
+  for (int n = 0; n < 3; ++n) {
+    auto buf = w->register_buffer(size_t{1} << 20);
+    BOOST_REQUIRE_MESSAGE(buf.ok(), "a worker's registration of 1 MiB: " << buf.status().to_string());
+    BOOST_REQUIRE(w->pull(0, buf->id, 0).ok());
+    const auto* weights = static_cast<const float*>(buf->data);
+    BOOST_TEST(weights[0] == float{kHuge});
+    BOOST_TEST(weights[3] == float{kHuge});
+  }
+  BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
+}
+
+// Two descriptors name two windows of one object, neither at a page
+// boundary: a pull writes its window and no byte beside it, a push reads
+// its own, and a shrink of the object under the second window is caught
+// by the guard (the push refused, the server alive).
+BOOST_AUTO_TEST_CASE(two_windows_of_one_object_each_read_and_write_their_own_bytes) {
+  test::ServerProcess server(test::unique_name("windows"),
+                             {"--tensor", "w:4", "--lr", "1", "--max-staleness", "4000000000", "--backend", "host"});
+  test::RawClient raw(server.name());
+  const std::string object = shm::buffer_object_name(server.name(), ::getpid(), 1);
+  ObjectsRemoved objects{{object}};
+  constexpr size_t kBytes = 4 * 4096;
+  constexpr uint64_t kPullAt = 12, kPushAt = 2 * 4096 - 8;
+  auto obj = shm::ShmObject::create(object, kBytes, 0600);
+  BOOST_REQUIRE(obj.ok());
+  auto* bytes = static_cast<unsigned char*>((*obj)->data());
+  std::memset(bytes, 0x5a, kBytes);
+  const float gradient[4] = {-1.0f, -2.0f, -3.0f, -4.0f};
+  std::memcpy(bytes + kPushAt, gradient, sizeof gradient);
+  BOOST_REQUIRE_EQUAL(register_window(raw, 0, object, kPullAt, sizeof gradient).code, 0u);
+  BOOST_REQUIRE_EQUAL(register_window(raw, 1, object, kPushAt, sizeof gradient).code, 0u);
+  shm::Request push = raw.request(shm::Opcode::kPush);
+  push.buffer_id = 1;
+  push.byte_length = sizeof gradient;
+  push.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
+  BOOST_REQUIRE_EQUAL(raw.call(push).code, 0u);
+  shm::Request pull = raw.request(shm::Opcode::kPull);
+  pull.buffer_id = 0;
+  pull.byte_length = sizeof gradient;
+  pull.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
+  BOOST_REQUIRE_EQUAL(raw.call(pull).code, 0u);
+  float pulled[4];
+  std::memcpy(pulled, bytes + kPullAt, sizeof pulled);
+  BOOST_TEST(pulled[0] == 1.0f);
+  BOOST_TEST(pulled[3] == 4.0f);
+  for (size_t k = 0; k < kBytes; ++k)
+    if ((k < kPullAt || k >= kPullAt + sizeof pulled) && (k < kPushAt || k >= kPushAt + sizeof gradient))
+      BOOST_REQUIRE_MESSAGE(bytes[k] == 0x5a, "byte " << k << " beside the windows was written");
+  const int fd = ::shm_open(object.c_str(), O_RDWR, 0);
+  BOOST_REQUIRE(fd >= 0);
+  BOOST_REQUIRE(::ftruncate(fd, 4096) == 0);  // the second window's pages are gone
+  ::close(fd);
+  const shm::Completion refused = raw.call(push, 2s);
+  BOOST_TEST(refused.code == static_cast<uint32_t>(ErrorCode::kBadRange), refused.message);
+  BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died reading a shrunk window");
+  BOOST_TEST(raw.call(pull).code == 0u);  // the first window's page is still there
 }
 
 // A registration of a buffer id the server still holds. worker_lib stamps

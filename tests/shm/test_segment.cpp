@@ -495,6 +495,48 @@ BOOST_AUTO_TEST_CASE(an_object_larger_than_any_segment_is_refused_before_its_map
              opened.status().to_string());
 }
 
+// open_window() maps the pages of its window alone: of an object of 1 TiB
+// (sparse), a window of 16 bytes that straddles a page boundary maps two
+// pages from the one before it, reads and writes the object's bytes
+// there, and refuses a window past the object's end or of 0 bytes.
+BOOST_AUTO_TEST_CASE(a_window_maps_its_pages_alone) {
+  const std::string object = "shmps.window_" + std::to_string(::getpid());
+  const uint64_t bytes = uint64_t{1} << 40;
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t offset = bytes - page - 8;
+  const int fd = ::shm_open(object.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  BOOST_REQUIRE(fd >= 0);
+  struct Removed {
+    std::string object;
+    ~Removed() { ShmObject::remove(object); }
+  } removed{object};
+  const char marks[16] = "abcdefghijklmno";
+  const bool made = ::ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
+                    ::pwrite(fd, marks, sizeof marks, static_cast<off_t>(offset)) == sizeof marks;
+  BOOST_REQUIRE(made);
+  auto window = ShmObject::open_window(object, /*read_only=*/false, offset, sizeof marks);
+  BOOST_REQUIRE_MESSAGE(window.ok(), window.status().to_string());
+  const auto* data = static_cast<const char*>((*window)->data());
+  const auto* mapped = static_cast<const char*>((*window)->mapping());
+  BOOST_TEST((*window)->size() == sizeof marks);
+  BOOST_TEST(reinterpret_cast<uintptr_t>(mapped) % page == 0u);
+  BOOST_TEST(static_cast<uint64_t>(data - mapped) == page - 8);
+  BOOST_TEST((*window)->mapping_size() == page + 8);
+  BOOST_TEST(std::memcmp(data, marks, sizeof marks) == 0);
+  std::memcpy(static_cast<char*>((*window)->data()) + 8, "XY", 2);  // the second page
+  char back[2] = {};
+  BOOST_REQUIRE(::pread(fd, back, sizeof back, static_cast<off_t>(offset + 8)) == sizeof back);
+  BOOST_TEST(std::memcmp(back, "XY", 2) == 0);
+  ::close(fd);
+  auto past = ShmObject::open_window(object, false, bytes - 8, 16);
+  BOOST_TEST((past.status().code() == ErrorCode::kBadRange), past.status().to_string());
+  BOOST_TEST(past.status().message().find(std::to_string(bytes)) != std::string::npos, past.status().to_string());
+  auto beyond = ShmObject::open_window(object, false, ~uint64_t{0} - 4, 16);
+  BOOST_TEST((beyond.status().code() == ErrorCode::kBadRange), beyond.status().to_string());
+  auto empty = ShmObject::open_window(object, false, 0, 0);
+  BOOST_TEST((empty.status().code() == ErrorCode::kInvalidArgument), empty.status().to_string());
+}
+
 // A start time of 0 is no process's identity (a segment's header without
 // the server's start time, an entry before its worker wrote one): with it
 // no process counts as alive, whatever lives at the pid.

@@ -110,14 +110,30 @@ class ShmObject {
   // nothing.
   static Result<std::unique_ptr<ShmObject>> open(const std::string& object_name, bool read_only,
                                                  OpenFailure* failure = nullptr, uint64_t max_bytes = ~uint64_t{0});
+  // Maps bytes [offset, offset + length) of an existing object, and only
+  // the pages that hold them: an object of terabytes (a sparse file costs
+  // its maker nothing) costs the mapper the window it names, not its size.
+  // data() is the window's first byte and size() its length; mapping()
+  // and mapping_size() give the range mapped, from the page boundary at or
+  // before data() to the window's end. Errors as open()'s, and kBadRange
+  // (the window does not lie inside the object, with both numbers),
+  // kInvalidArgument (length 0); nothing is mapped then.
+  static Result<std::unique_ptr<ShmObject>> open_window(const std::string& object_name, bool read_only, uint64_t offset,
+                                                        uint64_t length, OpenFailure* failure = nullptr);
   // shm_unlink; nothing happens when it is already gone. Returns 0, or
   // the errno of a failed unlink (EPERM: another user's object in the
   // sticky /dev/shm).
   static int remove(const std::string& object_name);
 
   ~ShmObject();
+  // The bytes opened: the whole object, or open_window()'s window.
   void* data() const noexcept { return data_; }
   size_t size() const noexcept { return size_; }
+  // The mapping that holds them, from a page boundary (what a SIGBUS guard
+  // covers, or cudaHostRegister page-locks); data() and size() for a whole
+  // object.
+  void* mapping() const noexcept;
+  size_t mapping_size() const noexcept;
   const std::string& name() const noexcept { return name_; }
   // Identity of the object mapped (device, inode): a recreated name has a
   // new inode, which handle caches use to detect recycling.
@@ -132,7 +148,14 @@ class ShmObject {
 
  private:
   struct Region;  // the mapping and the creator's descriptor (segment.cpp)
+  // Bytes [offset, offset + length) of an object; length 0: all of it.
+  struct Window {
+    uint64_t offset = 0;
+    uint64_t length = 0;
+  };
   ShmObject();
+  static Result<std::unique_ptr<ShmObject>> open_mapped(const std::string& object_name, bool read_only, Window window,
+                                                        OpenFailure* failure, uint64_t max_bytes);
   std::unique_ptr<Region> region_;
   std::string name_;
   void* data_ = nullptr;
