@@ -26,6 +26,7 @@
 #include "federation_link.hpp"
 #include "held_completions.hpp"
 #include "model.hpp"
+#include "orphan_sweeper.hpp"
 #include "peer_guard.hpp"
 #include "pull_gate.hpp"
 #include "rate_log.hpp"
@@ -105,6 +106,7 @@ class Server::Impl {
       : config(c),
         segment(std::move(seg)),
         backend(std::move(b)),
+        sweeper(config.name),
         held(config.max_workers),
         sessions(config, *segment, held, worker_lines),
         gate(config, sessions, *segment),
@@ -127,6 +129,10 @@ class Server::Impl {
   std::unique_ptr<shm::Segment> segment;
   std::unique_ptr<Backend> backend;
   uint64_t created_ns = 0;
+
+  // ---- its own thread (create() starts it, shutdown() ends it): dead
+  // workers' buffer objects, off the consumer thread
+  OrphanSweeper sweeper;
 
   // ---- the consumer thread's (create() before run())
   Model model;
@@ -308,11 +314,8 @@ class Server::Impl {
     if (now - last_segment_check >= kSegmentCheckNs) {
       last_segment_check = now;
       check_segment();
-      // Buffer objects of processes gone without an entry here (a worker
-      // evicted, or of a server before, that died later): no reap names
-      // their pid.
-      sessions.unlink_orphan_buffers(0);
     }
+    sweeper.tick(now);  // a sweep here only where its thread could not start
     if (checkpoints) checkpoints->tick(now);
     // A parse done: applied here, between two requests.
     if (reload_parser)
@@ -708,6 +711,7 @@ class Server::Impl {
         case Sessions::Owner::kNone:
           break;
         case Sessions::Owner::kReaped:
+          sweeper.sweep_soon();  // its buffer objects, once no process holds its pid
           worked = true;
           break;
         case Sessions::Owner::kStopped:
@@ -895,7 +899,8 @@ class Server::Impl {
     }
     // Buffers of workers that died since the last sweep (e.g. killed just
     // before this stop) would otherwise outlive us in /dev/shm.
-    sessions.unlink_orphan_buffers(0);
+    sweeper.stop();
+    sweeper.sweep_now();
     // Only our own object: the name may have been taken over meanwhile.
     if (segment_is_ours()) shm::Segment::remove(config.name);
     removed = true;
@@ -999,7 +1004,10 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
   }
   model.steps.assign(extents.size(), 0);
   model.total_elements = seg.layout().total_elements;
-  impl->sessions.unlink_orphan_buffers(0);  // left by workers of a crashed predecessor
+  // Left by workers of a crashed predecessor; from here on, the sweeper's
+  // thread sweeps every second.
+  impl->sweeper.sweep_now();
+  impl->sweeper.start();
 
   Backend& backend_ref = *impl->backend;
   if (Status s = backend_ref.allocate(extents, kernels::state_arrays(config.optimizer), model.total_elements); !s.ok())

@@ -1,10 +1,7 @@
 #include "sessions.hpp"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <cstring>
-#include <filesystem>
 #include <thread>
 
 #include "shmps/server/log.hpp"
@@ -207,9 +204,6 @@ Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
                                                             "; releasing its entry");
   if (was_attached) segment_.stats().workers_died.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
   release_entry(i, owner);
-  // Only when no process of that pid exists: the owner word (and the start
-  // time we judged by) may be a forgery naming a living worker.
-  if (!shm::pid_in_use(pid)) unlink_orphan_buffers(static_cast<uint32_t>(pid));
   return Owner::kReaped;
 }
 
@@ -242,34 +236,6 @@ void Sessions::publish_depth() {
   for (uint32_t i : attached_lanes_) depth += slots_[i].lane.depth_estimate();
   segment_.stats().ring_depth.store(depth, std::memory_order_relaxed);  // relaxed: statistics for readers
   note_depth(depth);
-}
-
-void Sessions::unlink_orphan_buffers(uint32_t dead_pid) {
-  std::set<std::string> still_unremovable;
-  for (const shm::OrphanBuffer& o : shm::orphan_buffers(config_.name, static_cast<pid_t>(dead_pid))) {
-    const std::string path = "/dev/shm/" + o.object_name;
-    if (const int err = shm::ShmObject::remove(o.object_name); err == 0) {
-      log::info("removed orphaned buffer object " + path);
-    } else if (still_unremovable.insert(o.object_name).second && unremovable_.count(o.object_name) == 0) {
-      // Said once per object: the sweep runs every second.
-      struct stat st {};
-      const std::string who = ::lstat(path.c_str(), &st) == 0 ? " (owner " + shm::owner_text(st.st_uid, st.st_gid) +
-                                                                    ", mode " + shm::mode_text(st.st_mode) + ")"
-                                                              : "";
-      log::warn("cannot remove orphaned buffer object " + path + who + ": " + errno_text(err) +
-                (err == EPERM || err == EACCES
-                     ? std::string("; /dev/shm is sticky: only its owner (or root) may remove it. A worker of that "
-                                   "user removes it as it attaches to '") +
-                           config_.name + "', or remove it by hand (sudo rm " + path + ")"
-                     : std::string()));
-    }
-  }
-  // A sweep of every dead pid keeps only those still there (one that comes
-  // back is said again); a sweep of one pid adds its own.
-  if (dead_pid == 0)
-    unremovable_ = std::move(still_unremovable);
-  else
-    unremovable_.merge(still_unremovable);
 }
 
 }  // namespace shmps::server

@@ -9,7 +9,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -78,20 +77,12 @@ class Sessions {
 
   enum class Owner {
     kNone,    // a free entry (a session whose entry was freed without a detach is ended)
-    kReaped,  // its owner was dead: the entry is free again, its buffer objects unlinked
+    kReaped,  // its owner was dead: the entry is free again (its buffer objects: OrphanSweeper::sweep_soon())
     kLiving,  // a living owner: its lane may be served
     kStopped  // an attached worker stopped longer than --stopped-worker-timeout-ms: evict it (*why)
   };
   // Housekeeping of entry i at `now` (monotonic ns).
   Owner reap(uint32_t i, uint64_t now, std::string* why);
-  // Unlinks the buffer objects "shmps.<name>.p<pid>.<n>" of a worker that
-  // died (worker_lib unlinks them itself at unregister and detach). With
-  // pid 0: those of every dead pid (at start, after a crash of the
-  // previous server, every second, and at stop). One it may not remove
-  // (another user's: /dev/shm is sticky) is logged once, with the fix;
-  // worker_lib removes its own user's as it attaches.
-  void unlink_orphan_buffers(uint32_t dead_pid);
-
   void log(LogLevel level, const std::string& line) { lines_.write(level, line, shm::monotonic_ns()); }
 
   // The threads for an update of a large tensor that worker i asked for
@@ -132,9 +123,6 @@ class Sessions {
   uint64_t high_water_ = 0;  // mirror of StatsBlock::ring_high_water
   cpu_set_t server_cpus_;    // the server's affinity mask at start
   uint32_t server_cpu_count_ = 1;
-  // Orphaned buffer objects the last sweep could not remove (another
-  // user's in the sticky /dev/shm), so that each is logged once.
-  std::set<std::string> unremovable_;
 };
 
 }  // namespace shmps::server

@@ -32,8 +32,8 @@ namespace shmps::server {
 // then reach the thread that handles them, and never interrupt a helper
 // thread's system calls (run_server() installs its handlers without
 // SA_RESTART). For every thread the server starts: the checkpoint writer,
-// the reload parser, the federation's threads, the parent watch; the
-// threads these start inherit the mask.
+// the reload parser, the orphan sweeper, the federation's threads, the
+// parent watch; the threads these start inherit the mask.
 template <class F>
 std::thread start_helper_thread(F&& f) {
   sigset_t signals, previous;
@@ -57,7 +57,8 @@ std::thread start_helper_thread(F&& f) {
 // OpenMP threads that split its large updates), shmps-fed (the
 // federation's round loop), shmps-fed-io (an engine's own threads: Gloo's
 // I/O thread), shmps-ckpt (the checkpoint writer), shmps-reload (a
-// reload's parse). docs/operations.md.
+// reload's parse), shmps-sweep (dead workers' buffer objects).
+// docs/operations.md.
 inline void name_this_thread(const char* name) noexcept { (void)::pthread_setname_np(::pthread_self(), name); }
 
 static_assert(kMaxCpus == CPU_SETSIZE, "FederationConfig::cpus are indices into a cpu_set_t");

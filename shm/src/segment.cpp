@@ -20,6 +20,7 @@
 #include <limits>
 #include <set>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "shmps/shm/proc.hpp"
@@ -206,12 +207,20 @@ std::optional<BufferObjectName> parse_buffer_object_name(std::string_view object
 
 std::vector<OrphanBuffer> orphan_buffers(const std::string& name, pid_t pid) {
   std::vector<OrphanBuffer> out;
+  // Each pid is looked at once (/proc/<pid>/stat), however many names
+  // carry it: anyone may fill /dev/shm with names of one pid.
+  std::unordered_map<pid_t, bool> in_use;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
     const std::string file = e.path().filename().string();
     const auto parsed = parse_buffer_object_name(file);
     if (!parsed || parsed->server != name) continue;
-    if (pid != 0 ? parsed->pid != pid : pid_in_use(parsed->pid)) continue;
+    if (pid != 0 && parsed->pid != pid) continue;
+    if (pid == 0) {
+      const auto [at, fresh] = in_use.try_emplace(parsed->pid, false);
+      if (fresh) at->second = pid_in_use(parsed->pid);
+      if (at->second) continue;
+    }
     struct stat st {};
     if (::lstat(e.path().c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
     out.push_back({file, parsed->pid, st.st_uid});

@@ -14,7 +14,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/test/unit_test.hpp>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -962,6 +964,90 @@ BOOST_AUTO_TEST_CASE(a_forged_stopped_state_does_not_lock_reconnecting_workers_o
   BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
   w.reset();
   BOOST_TEST(server.stop() == 0);
+}
+
+// /dev/shm is world-writable: any local user may fill it with names of a
+// server's buffer objects ("shmps.<name>.p<pid>.<n>"). Names of a living
+// pid (1) cost the server's sweep a look at that pid; names of a pid no
+// process can have are removed by it. Neither may stall requests: the
+// second-slowest ping among the names is within 100 ms of the
+// second-slowest without them, over as many sweeps (a sweep on the
+// consumer thread stalls one ping per sweep by its length). Nor may they
+// flood the log: the removals take a line per sweep, not one per name.
+BOOST_AUTO_TEST_CASE(a_dev_shm_full_of_buffer_names_neither_stalls_requests_nor_floods_the_log) {
+  constexpr uint32_t kLiving = 40000;
+  constexpr uint32_t kDead = 2000;
+  constexpr pid_t kNoSuchPid = 0x3ffffffe;  // above any pid_max
+  const std::string name = test::unique_name("flood");
+  const std::string log_path = "/tmp/" + name + ".log";
+  struct Cleanup {
+    std::string name, log;
+    ~Cleanup() {
+      const std::string prefix = shm::segment_object_name(name) + ".p";
+      std::error_code ec;
+      for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec))
+        if (e.path().filename().string().rfind(prefix, 0) == 0) ::unlink(e.path().c_str());
+      ::unlink(log.c_str());
+    }
+  } cleanup{name, log_path};
+  const auto plant = [&](pid_t pid, uint32_t count) {
+    for (uint32_t k = 0; k < count; ++k) {
+      const std::string path = "/dev/shm/" + shm::buffer_object_name(name, pid, k);
+      const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+      BOOST_REQUIRE_MESSAGE(fd >= 0, path << ": " << std::strerror(errno));
+      ::close(fd);
+    }
+  };
+  test::ServerProcess server(name, {"--tensor", "w:4"}, log_path);
+  auto w = connect(name, 3s);
+  // Pings for `span` (over three sweeps or more), one every 0.5 ms.
+  const auto second_slowest_ping_ns = [&](std::chrono::milliseconds span) {
+    std::vector<uint64_t> took;
+    for (const auto until = std::chrono::steady_clock::now() + span; std::chrono::steady_clock::now() < until;) {
+      const uint64_t t0 = shm::monotonic_ns();
+      BOOST_REQUIRE(w->ping().ok());
+      took.push_back(shm::monotonic_ns() - t0);
+      std::this_thread::sleep_for(500us);
+    }
+    std::sort(took.begin(), took.end(), std::greater<>());
+    return took.size() > 1 ? took[1] : uint64_t{0};
+  };
+  const uint64_t quiet_ns = second_slowest_ping_ns(3500ms);
+  plant(1, kLiving);
+  std::this_thread::sleep_for(1100ms);  // a sweep has seen them all
+  const uint64_t crowded_ns = second_slowest_ping_ns(3500ms);
+  BOOST_TEST_MESSAGE("second-slowest ping: " << quiet_ns / 1000 << " us without the names, " << crowded_ns / 1000
+                                             << " us with them");
+  BOOST_TEST(crowded_ns < quiet_ns + 100'000'000, "second-slowest ping " << crowded_ns / 1000 << " us with " << kLiving
+                                                                         << " names of pid 1 in /dev/shm, "
+                                                                         << quiet_ns / 1000 << " us without");
+  const auto sweep_lines = [&] {
+    std::vector<std::string> lines;
+    std::istringstream log(test::read_file(log_path));
+    for (std::string line; std::getline(log, line);)
+      if (line.find("orphaned buffer object") != std::string::npos) lines.push_back(line);
+    return lines;
+  };
+  BOOST_REQUIRE(sweep_lines().empty());
+  plant(kNoSuchPid, kDead);
+  const std::string dead_prefix = shm::buffer_object_prefix(name, kNoSuchPid);
+  const auto dead_left = [&] {
+    size_t n = 0;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
+      if (e.path().filename().string().rfind(dead_prefix, 0) == 0) ++n;
+    return n;
+  };
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return dead_left() == 0; }, 10s),
+                        dead_left() << " of " << kDead << " names of a dead pid left");
+  std::this_thread::sleep_for(200ms);  // the sweep that removed the last has logged
+  const std::vector<std::string> lines = sweep_lines();
+  BOOST_TEST(lines.size() <= 3u, lines.size() << " log lines for " << kDead << " names removed");
+  size_t said = 0;  // "removed <n> orphaned buffer objects: ..."
+  for (const std::string& line : lines)
+    if (const size_t at = line.find("removed "); at != std::string::npos && std::isdigit(line[at + 8]) != 0)
+      said += std::stoul(line.substr(at + 8));
+  BOOST_TEST(said == size_t{kDead});
+  BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
 }
 
 // A client that sends more than its lane's capacity without reading its

@@ -5,8 +5,8 @@
 # --fed-cpus set to the first CPU this test may use, and host 2 at
 # normal. Once all show 3 members, each server's threads are the consumer
 # (shmps-server), the checkpoint writer (shmps-ckpt), the reload parser
-# (shmps-reload), one round loop (shmps-fed) and one Gloo I/O thread
-# (shmps-fed-io), and:
+# (shmps-reload), the orphan sweeper (shmps-sweep), one round loop
+# (shmps-fed) and one Gloo I/O thread (shmps-fed-io), and:
 # host 0's round loop and I/O thread are under SCHED_IDLE; host 1's round
 # loop at nice 19 and its I/O thread at nice 19 under SCHED_BATCH; host 2's
 # round loop as started and its I/O thread under SCHED_BATCH (it never
@@ -95,7 +95,7 @@ for r in 0 1 2; do
     case $comm in
       shmps-fed) want=${fed[$r]} want_cpus=${fed_cpus[$r]} ;;
       shmps-fed-io) want=${fed_io[$r]} want_cpus=${fed_cpus[$r]} ;;
-      shmps-server | shmps-ckpt | shmps-reload) want="$nice0 0" want_cpus=$allowed ;;
+      shmps-server | shmps-ckpt | shmps-reload | shmps-sweep) want="$nice0 0" want_cpus=$allowed ;;
       *) fail "host $r (--fed-priority ${priorities[$r]}): a thread named '$comm'" ;;
     esac
     [ "$np" = "$want" ] ||
@@ -103,15 +103,15 @@ for r in 0 1 2; do
     [ "$cpus" = "$want_cpus" ] || fail "host $r: $comm on CPUs $cpus, not $want_cpus"
     seen="$seen $comm"
   done
-  for comm in shmps-server shmps-ckpt shmps-fed shmps-fed-io; do
+  for comm in shmps-server shmps-ckpt shmps-sweep shmps-fed shmps-fed-io; do
     n=$(tr ' ' '\n' <<<"$seen" | grep -cx -- "$comm" || true)
     case $comm in shmps-server) ok=$((n >= 1)) ;; *) ok=$((n == 1)) ;; esac
     [ "$ok" = 1 ] || fail "host $r: $n threads named $comm"
   done
 done
 echo "host 0: shmps-fed and shmps-fed-io under SCHED_IDLE; host 1: shmps-fed at nice 19, shmps-fed-io at nice 19" \
-  "under SCHED_BATCH, both on CPU $first_cpu; host 2: shmps-fed-io under SCHED_BATCH; shmps-server and shmps-ckpt" \
-  "as started, on CPUs $allowed"
+  "under SCHED_BATCH, both on CPU $first_cpu; host 2: shmps-fed-io under SCHED_BATCH; shmps-server, shmps-ckpt" \
+  "and shmps-sweep as started, on CPUs $allowed"
 
 for r in 0 1 2; do kill -TERM "${pids[$r]}"; done
 for r in 0 1 2; do

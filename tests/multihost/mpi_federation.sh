@@ -138,8 +138,9 @@ start_trainers train 1 "${subset[@]}"
 # 203,530-element tensor is below the size whose updates OpenMP splits),
 # the round loop (shmps-fed), and whatever MPI started, named and placed
 # as an engine's own threads are (shmps-fed-io; or shmps-fed, started
-# later from the round loop); the checkpoint writer (shmps-ckpt) and the
-# reload parser (shmps-reload). The federation's on --fed-cpus; the consumer where mpirun started it (not
+# later from the round loop); the checkpoint writer (shmps-ckpt), the
+# reload parser (shmps-reload) and the orphan sweeper (shmps-sweep). The
+# federation's on --fed-cpus; the consumer where mpirun started it (not
 # bound: --bind-to none), on every CPU the test has.
 for r in 0 1 2; do
   server_pid=$("$inspect" --json "$name.r$r" | python3 -c "import json,sys; print(json.load(sys.stdin)['header']['server_pid'])")
@@ -156,7 +157,7 @@ for r in 0 1 2; do
         [ "$comm" = shmps-fed ] && loops=$((loops + 1))
         [ "$cpus" = "$first_cpu" ] || fail "host $r: $comm on CPUs $cpus, not --fed-cpus $first_cpu"
         ;;
-      shmps-ckpt | shmps-reload) ;;
+      shmps-ckpt | shmps-reload | shmps-sweep) ;;
       *) others="$others '$comm'" ;;
     esac
   done

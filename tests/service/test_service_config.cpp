@@ -958,7 +958,7 @@ BOOST_AUTO_TEST_CASE(the_servers_helper_threads_block_the_stop_and_reload_signal
   options.reload = [&]() -> Result<ServerConfig> { return config; };
   Status ran = Status::Ok();
   std::thread thread([&] { ran = server->run(options); });
-  for (const char* name : {"shmps-ckpt", "shmps-reload"}) {
+  for (const char* name : {"shmps-ckpt", "shmps-reload", "shmps-sweep"}) {
     BOOST_TEST_CONTEXT(name) {
       BOOST_REQUIRE(test::eventually([&] { return test::stop_signals_blocked(name).size() == 1; }));
       BOOST_TEST(test::stop_signals_blocked(name).front());

@@ -89,11 +89,13 @@ bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds tim
   return true;
 }
 
-ServerProcess::ServerProcess(const std::string& name, const std::vector<std::string>& extra_args) {
+ServerProcess::ServerProcess(const std::string& name, const std::vector<std::string>& extra_args,
+                             const std::string& log_path) {
   shmps::ServerProcess::Options o;
   o.binary = program_path("shmps-server");
   o.name = name;
   o.args = extra_args;
+  o.spawn.log_path = log_path;
   o.start_timeout = std::chrono::seconds(10);
   auto server = shmps::ServerProcess::start(o);
   if (!server.ok()) throw std::runtime_error(server.status().to_string());

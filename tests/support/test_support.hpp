@@ -55,9 +55,10 @@ class Process : public ChildProcess {
 // segment is published by this child; throws std::runtime_error when it
 // exits first or does not publish within 10 s. The destructor sends
 // SIGTERM, waits up to 10 s (then SIGKILL), and unlinks the segment.
+// With `log_path`, its stdout and stderr are appended there.
 class ServerProcess {
  public:
-  ServerProcess(const std::string& name, const std::vector<std::string>& extra_args);
+  ServerProcess(const std::string& name, const std::vector<std::string>& extra_args, const std::string& log_path = "");
   const std::string& name() const { return server_->name(); }
   ChildProcess& process() { return server_->process(); }
   // SIGTERM and wait; returns the exit code (see ChildProcess::wait).

@@ -50,7 +50,7 @@ struct OrphanBuffer {
   uid_t owner;
 };
 // The buffer objects of server `name` in /dev/shm whose pid is `pid`, or,
-// with pid 0, whose pid no process uses (pid_in_use()).
+// with pid 0, whose pid no process uses (pid_in_use(), asked once per pid).
 std::vector<OrphanBuffer> orphan_buffers(const std::string& name, pid_t pid = 0);
 
 // "alice:staff" (login and group names, "uid N"/"gid N" where the
