@@ -510,8 +510,16 @@ class Server::Impl {
       sessions.note_depth(slot.lane.depth_estimate());
       // A request whose id is the one after the last is taken from its slot
       // (ring.hpp, seq_published()) even if its tail has not arrived yet.
+      // Its publish stamp is read before the slot is released: after it,
+      // the worker may publish the next request of that slot, and its stamp.
       Request req;
-      const shm::RingResult r = slot.lane.try_pop(&req, slot.next_request_id);
+      uint64_t published = 0;
+      const shm::RingResult r = slot.lane.try_pop(&req, slot.next_request_id, [&](uint64_t index) {
+        // relaxed: the worker wrote it before the release we took the slot
+        // with; a worker's garbage only makes this one sample wrong.
+        published = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(slot.stamps[index & (config.lane_capacity - 1)]))
+                        .load(std::memory_order_relaxed);
+      });
       if (r == shm::RingResult::kEmpty) {
         drained = true;
         break;
@@ -526,12 +534,6 @@ class Server::Impl {
       // taken (ring.hpp, seq_published()): its stale slots are not served again.
       slot.next_request_id = req.request_id + 1;
       shm::bump(stats().requests);
-      // relaxed: the worker wrote it before the release we took the slot
-      // with; a worker's garbage only makes this one sample wrong.
-      const uint64_t published =
-          std::atomic_ref<uint64_t>(
-              const_cast<uint64_t&>(slot.stamps[(slot.lane.next_index() - 1) & (config.lane_capacity - 1)]))
-              .load(std::memory_order_relaxed);
       // Published after the clock was last read (the loop watches lanes
       // between reads): read it now, so a wait is never counted as 0.
       if (published > clock_now) clock_now = shm::monotonic_ns();

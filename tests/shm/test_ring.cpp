@@ -237,6 +237,39 @@ BOOST_AUTO_TEST_CASE(a_reused_sequence_cannot_take_a_stale_slot) {
   BOOST_TEST(r.worker_version == 3 * (kCapacity + 1));
 }
 
+// What the producer writes beside a slot (a lane's publish stamps) is
+// read in try_pop's before_release, while the slot is still held: on a
+// full ring the producer cannot write that slot's index anew until the
+// pop returns. Both ways of taking a slot (the tail, the sequence).
+BOOST_AUTO_TEST_CASE(before_release_runs_while_the_slot_is_still_held) {
+  SharedLane lane;
+  SpscProducer<Request> p(lane.header(), lane.slots(), kCapacity);
+  SpscConsumer<Request> c(lane.header(), lane.slots(), kCapacity);
+  uint64_t beside[kCapacity] = {};  // the producer's stamps, by slot index
+  const auto push = [&](uint64_t id) {
+    beside[p.next_index() % kCapacity] = id * 7;
+    BOOST_REQUIRE((p.try_push(make(id)) == RingResult::kOk));
+  };
+  for (uint64_t id = 1; id <= kCapacity; ++id) push(id);
+  for (uint64_t id = 1; id <= 2 * kCapacity; ++id) {
+    Request r;
+    uint64_t seen_index = ~uint64_t{0}, seen_beside = 0;
+    bool held = false;
+    const uint64_t by_seq = id % 2 == 0 ? id : 0;
+    BOOST_REQUIRE((c.try_pop(&r, by_seq, [&](uint64_t index) {
+      seen_index = index;
+      seen_beside = beside[index % kCapacity];
+      held = !p.has_space();  // the ring is full until the slot is released
+    }) == RingResult::kOk));
+    BOOST_TEST(r.request_id == id);
+    BOOST_TEST(seen_index == id - 1);
+    BOOST_TEST(seen_beside == id * 7);
+    BOOST_TEST(held);
+    BOOST_TEST(p.has_space());  // released now
+    push(id + kCapacity);       // overwrites the stamp of the slot just taken
+  }
+}
+
 BOOST_AUTO_TEST_CASE(two_threads_two_million_slots_taken_by_sequence_exactly_once_in_order) {
   SharedLane lane;
   constexpr uint64_t kCount = 2'000'000;

@@ -123,23 +123,32 @@ class SpscConsumer {
   SpscConsumer(LaneHeader* header, Slot* slots, uint32_t capacity, uint64_t start = 0)
       : header_(header), slots_(slots), mask_(capacity - 1), head_(start), cached_tail_(start) {}
 
-  // As try_pop(out), but first takes the next slot if its sequence is
-  // `expected_seq` (0: unknown; then only the tail counts).
-  RingResult try_pop(Slot* out, uint64_t expected_seq) noexcept {
-    if (expected_seq == 0 || !seq_published(expected_seq)) return try_pop(out);
-    std::memcpy(out, peek_published(), sizeof(Slot));
+  // As try_pop(out, expected_seq), and calls before_release(index) with
+  // the slot's free-running index once the slot is copied out and before
+  // it is released: for what the producer writes beside the slot (a
+  // lane's publish stamps, Segment::lane_stamps()), visible with the slot
+  // and free for the producer to write anew once the slot is released
+  // (SYNC(slot_released)).
+  template <typename BeforeRelease>
+  RingResult try_pop(Slot* out, uint64_t expected_seq, BeforeRelease&& before_release) noexcept {
+    if (expected_seq == 0 || !seq_published(expected_seq)) {
+      if (RingResult r = refresh(); r != RingResult::kOk) return r;
+    }
+    std::memcpy(out, &slots_[head_ & mask_], sizeof(Slot));
+    before_release(head_);
     release();
     return RingResult::kOk;
   }
 
+  // As try_pop(out), but first takes the next slot if its sequence is
+  // `expected_seq` (0: unknown; then only the tail counts).
+  RingResult try_pop(Slot* out, uint64_t expected_seq) noexcept {
+    return try_pop(out, expected_seq, [](uint64_t) {});
+  }
+
   // Copies the oldest slot into *out and releases it. kEmpty when none,
   // kCorrupt when the producer's tail is impossible (nothing is consumed).
-  RingResult try_pop(Slot* out) noexcept {
-    if (RingResult r = refresh(); r != RingResult::kOk) return r;
-    std::memcpy(out, &slots_[head_ & mask_], sizeof(Slot));
-    release();
-    return RingResult::kOk;
-  }
+  RingResult try_pop(Slot* out) noexcept { return try_pop(out, 0); }
 
   // The oldest slot, in place, for a consumer that copies out only the
   // bytes it needs: nullptr when refresh() says kEmpty or kCorrupt. The

@@ -341,8 +341,9 @@ class Segment {
   }
   // Lane i's publish_ns[lane_capacity]: the CLOCK_MONOTONIC time the worker
   // published the request in the slot of the same index (written before
-  // its release of the tail, read by the server after taking the request,
-  // both relaxed through atomic_ref; a garbage stamp makes one wrong
+  // its release of the tail, read by the server after copying the request
+  // out and before releasing its slot, so never the next request's; both
+  // relaxed through atomic_ref; a garbage stamp makes one wrong
   // queue_ns sample, nothing else).
   uint64_t* lane_stamps(uint32_t i) const noexcept {
     return &at<uint64_t>(g().lanes_offset + i * g().lane_stride + sizeof(LaneHeader) +
