@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <thread>
@@ -702,6 +703,49 @@ BOOST_AUTO_TEST_CASE(server_process_starts_reports_and_cleans_up) {
   BOOST_TEST(!std::filesystem::exists("/dev/shm/shmps." + o.name));
   o.binary = "/nonexistent/shmps-server";
   BOOST_TEST((ServerProcess::start(o).status().code() == ErrorCode::kServerNotRunning));
+}
+
+// A ServerProcess removes only the segment its own child left: a successor
+// under the same name, started before the dead server's handle is dropped
+// (a supervisor's restart), keeps its live segment; and a start that times
+// out (a child that never publishes) leaves the live server's segment at
+// the name alone.
+BOOST_AUTO_TEST_CASE(a_server_process_removes_only_the_segment_its_child_left) {
+  ServerProcess::Options o;
+  o.binary = test::program_path("shmps-server");
+  o.name = test::unique_name("successor");
+  o.args = {"--tensor", "w:4"};
+  auto first = ServerProcess::start(o);
+  BOOST_REQUIRE_MESSAGE(first.ok(), first.status().to_string());
+  (*first)->process().kill_and_reap();  // SIGKILL: its segment stays
+  auto second = ServerProcess::start(o);
+  BOOST_REQUIRE_MESSAGE(second.ok(), second.status().to_string());
+  first->reset();
+  const std::string path = "/dev/shm/shmps." + o.name;
+  BOOST_TEST(std::filesystem::exists(path));
+  BOOST_TEST(connect(o.name, 2s)->ping().ok());
+
+  // A child that never publishes: its start times out with the second
+  // server live under the name.
+  test::TempDir dir("silent");
+  const std::string silent = (dir.path / "silent.sh").string();
+  {
+    std::ofstream script(silent);
+    script << "#!/bin/sh\nexec sleep 30\n";
+  }
+  std::filesystem::permissions(silent, std::filesystem::perms::owner_all);
+  ServerProcess::Options s = o;
+  s.binary = silent;
+  s.start_timeout = 200ms;
+  auto timed_out = ServerProcess::start(s);
+  BOOST_TEST((timed_out.status().code() == ErrorCode::kServerNotRunning), timed_out.status().to_string());
+  BOOST_TEST(timed_out.status().message().find("did not publish") != std::string::npos);
+  BOOST_TEST(std::filesystem::exists(path));
+  BOOST_TEST(connect(o.name, 2s)->ping().ok());
+
+  BOOST_TEST((*second)->stop() == 0);
+  second->reset();
+  BOOST_TEST(!std::filesystem::exists(path));
 }
 
 BOOST_AUTO_TEST_CASE(server_killed_while_a_worker_waits_returns_an_error_not_a_hang) {

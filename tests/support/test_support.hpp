@@ -54,8 +54,9 @@ class Process : public ChildProcess {
 // (shmps::ServerProcess), from $SHMPS_BUILD_DIR/bin: returns once the
 // segment is published by this child; throws std::runtime_error when it
 // exits first or does not publish within 10 s. The destructor sends
-// SIGTERM, waits up to 10 s (then SIGKILL), and unlinks the segment.
-// With `log_path`, its stdout and stderr are appended there.
+// SIGTERM, waits up to 10 s (then SIGKILL), and unlinks the segment it
+// left (not a successor's under the same name). With `log_path`, its
+// stdout and stderr are appended there.
 class ServerProcess {
  public:
   ServerProcess(const std::string& name, const std::vector<std::string>& extra_args, const std::string& log_path = "");

@@ -14,6 +14,7 @@
 #include <iterator>
 #include <thread>
 
+#include "shmps/shm/proc.hpp"
 #include "shmps/shm/segment.hpp"
 
 namespace shmps {
@@ -189,6 +190,10 @@ Result<std::unique_ptr<ServerProcess>> ServerProcess::start(const Options& optio
   std::unique_ptr<ServerProcess> server(new ServerProcess());
   server->name_ = options.name;
   server->child_ = std::move(child).value();
+  // Read while the child cannot be reaped yet (only this object waits for
+  // it): the header of the segment it publishes names this start time.
+  server->server_pid_ = server->child_.pid();
+  server->server_start_time_ = shm::process_start_time(server->server_pid_);
   const std::string log = options.spawn.log_path.empty() ? std::string() : " (log: " + options.spawn.log_path + ")";
   const auto deadline = std::chrono::steady_clock::now() + options.start_timeout;
   while (true) {
@@ -203,7 +208,7 @@ Result<std::unique_ptr<ServerProcess>> ServerProcess::start(const Options& optio
       return server;
     if (std::chrono::steady_clock::now() >= deadline) {
       server->child_.kill_and_reap();
-      shm::Segment::remove(options.name);
+      server->remove_segment_left();
       return Status{ErrorCode::kServerNotRunning, "server '" + options.name + "' did not publish its segment within " +
                                                       std::to_string(options.start_timeout.count()) + " ms" + log};
     }
@@ -220,9 +225,13 @@ int ServerProcess::stop(std::chrono::milliseconds timeout) {
   return 128 + SIGKILL;
 }
 
+void ServerProcess::remove_segment_left() const {
+  shm::Segment::remove_if_left_by(name_, server_pid_, server_start_time_);
+}
+
 ServerProcess::~ServerProcess() {
   stop();
-  shm::Segment::remove(name_);
+  remove_segment_left();
 }
 
 }  // namespace shmps

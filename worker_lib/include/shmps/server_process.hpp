@@ -1,8 +1,8 @@
 // Child processes, and a shmps-server as one, for a job that is one program
 // (a test, a benchmark, a training example): shmps::ServerProcess starts
 // the binary with its options, returns once a worker can attach, and stops
-// it (SIGTERM, then SIGKILL) and removes its segment. For real use the
-// server runs on its own, under systemd (docs/operations.md).
+// it (SIGTERM, then SIGKILL) and removes the segment it left. For real use
+// the server runs on its own, under systemd (docs/operations.md).
 // Thread safety: an object is used by one thread at a time; its child is
 // reaped by that thread.
 #pragma once
@@ -10,6 +10,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -83,10 +84,13 @@ class ServerProcess {
   // this very child (a stale segment of a killed server may still hold the
   // name), the point from which a worker can attach. Errors: kInvalidArgument
   // (no binary, no name), kIo (fork), kServerNotRunning (it exited first, or
-  // the timeout passed: then it is killed and its segment removed; the log
-  // path is named).
+  // the timeout passed: then it is killed and the segment it left removed;
+  // the log path is named).
   static Result<std::unique_ptr<ServerProcess>> start(const Options& options);
-  // stop(), then removes the segment if the server left it.
+  // stop(), then removes the segment the server left (one whose header
+  // names this child, by pid and start time). Another server's segment at
+  // the name stays: a successor started before this object is dropped
+  // keeps serving.
   ~ServerProcess();
   ServerProcess(const ServerProcess&) = delete;
   ServerProcess& operator=(const ServerProcess&) = delete;
@@ -100,8 +104,14 @@ class ServerProcess {
 
  private:
   ServerProcess() = default;
+  // Segment::remove_if_left_by() for this child: only a segment its header
+  // says this child published, once the child is dead.
+  void remove_segment_left() const;
   std::string name_;
   ChildProcess child_;
+  // The child as the segment's header names it, kept past its reaping.
+  pid_t server_pid_ = -1;
+  uint64_t server_start_time_ = 0;
 };
 
 }  // namespace shmps
