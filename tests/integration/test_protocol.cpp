@@ -748,6 +748,67 @@ BOOST_AUTO_TEST_CASE(a_server_process_removes_only_the_segment_its_child_left) {
   BOOST_TEST(!std::filesystem::exists(path));
 }
 
+// A child spawned with die_with_parent lives as long as the process that
+// spawned it, not as long as the thread: one spawned (or fork_run) from a
+// thread that has returned runs to its own end; it still takes SIGTERM
+// (the caller's signal mask, not the forking thread's); and it is
+// signalled once its parent process ends (checked in a process of its own,
+// which forks from a thread that returns, then exits).
+BOOST_AUTO_TEST_CASE(a_child_that_dies_with_its_parent_outlives_the_thread_that_spawned_it) {
+  ChildProcess::SpawnOptions die;
+  die.die_with_parent = true;
+  ChildProcess spawned, forked;
+  std::thread([&] {
+    auto s = ChildProcess::spawn({"/bin/sh", "-c", "sleep 0.5; exit 5"}, die);
+    if (s.ok()) spawned = std::move(*s);
+    auto f = ChildProcess::fork_run(
+        [] {
+          std::this_thread::sleep_for(500ms);
+          return 7;
+        },
+        /*die_with_parent=*/true);
+    if (f.ok()) forked = std::move(*f);
+    std::this_thread::sleep_for(100ms);  // both children are past setting their death signal
+  }).join();
+  BOOST_REQUIRE(spawned.running() && forked.running());
+  BOOST_TEST(spawned.wait(10s) == 5);  // 128 + SIGTERM if the thread's end had signalled it
+  BOOST_TEST(forked.wait(10s) == 7);   // 128 + SIGKILL likewise
+
+  auto sleeper = ChildProcess::spawn({"/bin/sleep", "30"}, die);
+  BOOST_REQUIRE(sleeper.ok());
+  std::this_thread::sleep_for(50ms);  // past the exec
+  sleeper->signal(SIGTERM);
+  BOOST_TEST(sleeper->wait(5s) == 128 + SIGTERM);
+
+  auto* grandchild = test::map_shared<std::atomic<pid_t>>();
+  auto parent = test::Process::fork_fn([grandchild] {
+    ChildProcess kept;
+    std::thread([&] {
+      ChildProcess::SpawnOptions o;
+      o.die_with_parent = true;
+      auto s = ChildProcess::spawn({"/bin/sleep", "30"}, o);
+      if (s.ok()) kept = std::move(*s);
+      std::this_thread::sleep_for(100ms);  // the child is past setting its death signal
+    }).join();
+    if (!kept.running()) return 2;
+    grandchild->store(kept.pid());
+    std::this_thread::sleep_for(300ms);
+    int code = 0;
+    const bool ended = kept.try_wait(&code);
+    ::_exit(ended ? 3 : 0);  // leaves `kept` running: only this process's end may signal it
+  });
+  BOOST_TEST(parent.wait(10s) == 0);
+  const pid_t pid = grandchild->load();
+  BOOST_REQUIRE(pid > 0);
+  // Reparented and reaped by init (or a subreaper): gone, or a zombie.
+  const auto ended = [pid] {
+    const char state = test::process_state(pid);
+    return state == '\0' || state == 'Z';
+  };
+  BOOST_TEST(test::eventually(ended, 5s));
+  if (!ended()) ::kill(pid, SIGKILL);
+}
+
 BOOST_AUTO_TEST_CASE(server_killed_while_a_worker_waits_returns_an_error_not_a_hang) {
   test::ServerProcess server(test::unique_name("killsrv"), kSmall);
   auto w = connect(server.name(), 10s);

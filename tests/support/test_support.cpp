@@ -80,6 +80,22 @@ Captured run_captured(const std::vector<std::string>& argv, std::chrono::millise
   return out;
 }
 
+std::vector<pid_t> child_pids(pid_t pid) {
+  std::vector<pid_t> out;
+  std::error_code ec;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+    std::ifstream children(task.path() / "children");
+    for (pid_t child; children >> child;) out.push_back(child);
+  }
+  return out;
+}
+
+char process_state(pid_t pid) {
+  const std::string text = read_file("/proc/" + std::to_string(pid) + "/stat");
+  const size_t paren = text.rfind(')');
+  return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : '\0';
+}
+
 bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (!cond()) {

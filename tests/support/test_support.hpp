@@ -107,6 +107,15 @@ class StderrTo {
 // `s` in single quotes for /bin/sh, its own single quotes escaped.
 std::string shell_quote(const std::string& s);
 
+// The state letter of process `pid` after its command in /proc/<pid>/stat
+// ('T': stopped, 'Z': a zombie), or '\0' when there is no such process.
+char process_state(pid_t pid);
+
+// The children of process `pid`, of all its threads
+// (/proc/<pid>/task/*/children: a child is listed under the thread that
+// forked it, e.g. ChildProcess's fork thread for die_with_parent).
+std::vector<pid_t> child_pids(pid_t pid);
+
 // Polls cond every millisecond until it holds or timeout passes.
 bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds timeout = std::chrono::seconds(10));
 

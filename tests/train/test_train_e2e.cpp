@@ -151,8 +151,7 @@ struct TrainRun {
 
 // The shmps-server child of shmps-train `train` (-1 when none runs).
 pid_t server_child(const Process& train) {
-  std::ifstream children("/proc/" + std::to_string(train.pid()) + "/task/" + std::to_string(train.pid()) + "/children");
-  for (pid_t child; children >> child;)
+  for (const pid_t child : shmps::test::child_pids(train.pid()))
     if (shmps::test::read_file("/proc/" + std::to_string(child) + "/cmdline").find("shmps-server") != std::string::npos)
       return child;
   return -1;
@@ -341,8 +340,7 @@ BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
   BOOST_REQUIRE(shmps::test::eventually(
       [&] { return shmps::test::read_file(out).find("epoch 0.00 ") != std::string::npos; }, 60s));
   pid_t victim = -1;
-  std::ifstream children("/proc/" + std::to_string(p.pid()) + "/task/" + std::to_string(p.pid()) + "/children");
-  for (pid_t child; children >> child;) {
+  for (const pid_t child : shmps::test::child_pids(p.pid())) {
     if (shmps::test::read_file("/proc/" + std::to_string(child) + "/cmdline").find("shmps-server") ==
         std::string::npos) {
       victim = child;
@@ -368,11 +366,7 @@ BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
 // epoch, and the row of that epoch is then skipped.)
 BOOST_FIXTURE_TEST_CASE(server_death_is_survived_through_a_checkpoint, TrainRun) {
   Process p = start_in_tmpdir(dir / "tmp", "", "--train-limit 10000 --epochs 8 --evals-per-epoch 4");
-  pid_t server = -1;
-  std::ifstream children("/proc/" + std::to_string(p.pid()) + "/task/" + std::to_string(p.pid()) + "/children");
-  for (pid_t child; children >> child;)
-    if (shmps::test::read_file("/proc/" + std::to_string(child) + "/cmdline").find("shmps-server") != std::string::npos)
-      server = child;
+  const pid_t server = server_child(p);
   BOOST_REQUIRE_MESSAGE(server > 0, shmps::test::read_file(out));
   ::kill(server, SIGKILL);
   rc = p.wait(120s);

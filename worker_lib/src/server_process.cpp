@@ -1,17 +1,22 @@
 #include "shmps/server_process.hpp"
 
 #include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "shmps/shm/proc.hpp"
@@ -26,24 +31,164 @@ int exit_code(int status) {
   return -1;
 }
 
-// In the child right after fork(): dies with the parent when asked (and
-// already if the parent died before prctl).
-void follow_parent(bool die_with_parent, pid_t parent, int signo) {
-  if (!die_with_parent) return;
-  ::prctl(PR_SET_PDEATHSIG, signo);
-  if (::getppid() != parent) ::_exit(98);
-}
-
 // fork() after flushing stdio (the child's copy of unwritten output would
-// be written twice); the child dies with the parent when asked. -1: fork
-// failed; 0: in the child.
-pid_t fork_child(bool die_with_parent, int signo) {
-  const pid_t parent = ::getpid();
+// be written twice), on the calling thread; the child runs `body`, which
+// ends it (exec or _exit). -1: fork failed (errno).
+pid_t fork_here(const std::function<void()>& body) {
   std::fflush(stdout);
   std::fflush(stderr);
   const pid_t pid = ::fork();
-  if (pid == 0) follow_parent(die_with_parent, parent, signo);
+  if (pid == 0) {
+    body();
+    ::_exit(127);
+  }
   return pid;
+}
+
+// The thread that forks every child made with die_with_parent.
+// PR_SET_PDEATHSIG signals the child when the thread that forked it ends,
+// not when the process does: a child forked by a caller's short-lived
+// thread would be signalled as that thread returns. This thread starts
+// with the first such spawn of a process (a fork()ed child starts its
+// own), blocks every signal, and ends only with the process (its exit, a
+// fatal signal, an exec()), so its children get the signal then and only
+// then. The caller waits while it forks; the child takes the caller's
+// signal mask, CPU affinity and name before `body`, as if the caller had
+// forked it.
+class ForkThread {
+ public:
+  // This process's thread, started on first use; nullptr (errno EAGAIN)
+  // when it cannot be started.
+  static ForkThread* get() {
+    // Held across every fork() of the process, so a child never inherits
+    // it locked by a thread it does not have.
+    static const int registered =
+        ::pthread_atfork([] { lock().lock(); }, [] { lock().unlock(); }, [] { lock().unlock(); });
+    (void)registered;
+    static ForkThread* current = nullptr;  // the process's own: a fork()ed child's copy names its parent's
+    static pid_t owner = 0;
+    std::lock_guard<std::mutex> guard(lock());
+    if (current == nullptr || owner != ::getpid()) {
+      // Never destroyed (nor the parent's, left unused in a child): the
+      // thread waits on its members until the process ends.
+      auto* made = new ForkThread();
+      if (!made->start()) {
+        delete made;
+        errno = EAGAIN;
+        return nullptr;
+      }
+      current = made;
+      owner = ::getpid();
+    }
+    return current;
+  }
+
+  // fork() on this thread; in the child, the caller's signal mask,
+  // affinity and name, the death signal `signo`, then `body` (which ends
+  // the child). The pid, or -1 (errno).
+  pid_t fork(int signo, const std::function<void()>& body) {
+    Job job;
+    job.signo = signo;
+    job.body = &body;
+    job.parent = ::getpid();
+    ::pthread_sigmask(SIG_SETMASK, nullptr, &job.mask);
+    CPU_ZERO(&job.cpus);
+    job.has_cpus = ::sched_getaffinity(0, sizeof job.cpus, &job.cpus) == 0;
+    ::prctl(PR_GET_NAME, job.name);
+    std::lock_guard<std::mutex> one_at_a_time(calls_);
+    std::unique_lock<std::mutex> lock(mu_);
+    job_ = &job;
+    wake_.notify_all();
+    wake_.wait(lock, [&] { return job.done; });
+    errno = job.error;
+    return job.pid;
+  }
+
+ private:
+  struct Job {
+    int signo = 0;
+    const std::function<void()>* body = nullptr;
+    pid_t parent = 0;
+    sigset_t mask{};
+    cpu_set_t cpus{};
+    bool has_cpus = false;
+    char name[16] = {};
+    // Written by the thread under mu_:
+    bool done = false;
+    pid_t pid = -1;
+    int error = 0;
+  };
+
+  static std::mutex& lock() {
+    static auto* m = new std::mutex();  // never destroyed: a fork during static destruction finds it
+    return *m;
+  }
+
+  ForkThread() = default;
+
+  bool start() {
+    // Every signal blocked from its first instruction: a process-directed
+    // signal goes to the caller's threads, never runs its handler here.
+    sigset_t all, before;
+    ::sigfillset(&all);
+    ::pthread_sigmask(SIG_SETMASK, &all, &before);
+    bool started = true;
+    try {
+      std::thread([this] { run(); }).detach();
+    } catch (const std::system_error&) {
+      started = false;
+    }
+    ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
+    return started;
+  }
+
+  void run() {
+    (void)::pthread_setname_np(::pthread_self(), "shmps-fork");
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      wake_.wait(lock, [&] { return job_ != nullptr; });
+      Job& job = *job_;
+      job_ = nullptr;
+      lock.unlock();
+      std::fflush(stdout);
+      std::fflush(stderr);
+      const pid_t pid = ::fork();
+      if (pid == 0) in_child(job);
+      const int error = errno;
+      lock.lock();
+      job.pid = pid;
+      job.error = error;
+      job.done = true;
+      wake_.notify_all();
+    }
+  }
+
+  // The child, on its copy of this thread: the death signal first, then
+  // (the process may have ended before prctl, which then never fires) its
+  // parent checked; then the caller's thread attributes, and the body.
+  [[noreturn]] static void in_child(const Job& job) {
+    ::prctl(PR_SET_PDEATHSIG, job.signo);
+    if (::getppid() != job.parent) ::_exit(98);
+    if (job.has_cpus) (void)::sched_setaffinity(0, sizeof job.cpus, &job.cpus);
+    ::prctl(PR_SET_NAME, job.name);
+    ::pthread_sigmask(SIG_SETMASK, &job.mask, nullptr);
+    (*job.body)();
+    ::_exit(127);
+  }
+
+  std::mutex calls_;  // held by a caller for its whole job
+  std::mutex mu_;     // job_ and each Job's results
+  std::condition_variable wake_;
+  Job* job_ = nullptr;  // the job to fork, until the thread takes it
+};
+
+// A child running `body` (which ends it: exec or _exit); with
+// die_with_parent it gets `signo` when this process ends (ForkThread).
+// -1: fork failed (errno).
+pid_t fork_child(bool die_with_parent, int signo, const std::function<void()>& body) {
+  if (!die_with_parent) return fork_here(body);
+  ForkThread* thread = ForkThread::get();
+  return thread != nullptr ? thread->fork(signo, body) : -1;
 }
 
 // Whether the kernel reports pid stopped ('T' after the command in /proc/<pid>/stat).
@@ -61,9 +206,7 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
-  const pid_t pid = fork_child(options.die_with_parent, SIGTERM);
-  if (pid < 0) return Status{ErrorCode::kIo, "fork: " + errno_text(errno)};
-  if (pid == 0) {
+  const pid_t pid = fork_child(options.die_with_parent, SIGTERM, [&] {
     for (const auto& [key, value] : options.env_defaults) ::setenv(key.c_str(), value.c_str(), /*overwrite=*/0);
     if (!options.log_path.empty()) {
       const int fd = ::open(options.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
@@ -74,14 +217,13 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
     }
     ::execv(args[0], args.data());
     ::_exit(127);
-  }
+  });
+  if (pid < 0) return Status{ErrorCode::kIo, "fork: " + errno_text(errno)};
   return ChildProcess(pid);
 }
 
 Result<ChildProcess> ChildProcess::fork_run(const std::function<int()>& fn, bool die_with_parent) {
-  const pid_t pid = fork_child(die_with_parent, SIGKILL);
-  if (pid < 0) return Status{ErrorCode::kIo, "fork: " + errno_text(errno)};
-  if (pid == 0) {
+  const pid_t pid = fork_child(die_with_parent, SIGKILL, [&] {
     int rc = 99;
     try {
       rc = fn();
@@ -91,7 +233,8 @@ Result<ChildProcess> ChildProcess::fork_run(const std::function<int()>& fn, bool
     std::fflush(stdout);
     std::fflush(stderr);
     ::_exit(rc);
-  }
+  });
+  if (pid < 0) return Status{ErrorCode::kIo, "fork: " + errno_text(errno)};
   return ChildProcess(pid);
 }
 

@@ -23,11 +23,21 @@ namespace shmps {
 
 // A child process: fork + exec, or fork running a function. Move-only; the
 // destructor SIGKILLs and reaps one still running.
+// die_with_parent: the child gets a signal (SIGTERM; fork_run: SIGKILL)
+// when this process ends (exit, a fatal signal, an exec()), whichever
+// thread spawned it and whether or not that thread has returned since.
+// PR_SET_PDEATHSIG fires when the forking thread ends, so such children are
+// forked by one thread of this library's that lives as long as the
+// process; the child takes the caller's signal mask, CPU affinity and
+// thread name, and a fork_run() child runs fn() on that thread's copy (a
+// stack of the process's default thread stack size). Its parent is this
+// process (getppid(), waitpid() from any thread); /proc lists it under
+// that thread's task (/proc/<pid>/task/<tid>/children).
 class ChildProcess {
  public:
   struct SpawnOptions {
     std::string log_path;          // stdout and stderr appended there; "": inherited
-    bool die_with_parent = false;  // PR_SET_PDEATHSIG: SIGTERM when this process dies
+    bool die_with_parent = false;  // SIGTERM when this process ends (above)
     // Set in the child before exec, unless already set there (e.g.
     // OMP_WAIT_POLICY, which a program reads when it loads).
     std::vector<std::pair<std::string, std::string>> env_defaults;
