@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <boost/test/unit_test.hpp>
+#include <cstdio>
 #include <filesystem>
 #include <thread>
 
@@ -197,6 +198,71 @@ BOOST_AUTO_TEST_CASE(a_push_that_finds_a_restarted_server_fails_once_with_server
   BOOST_TEST(s->gradients_applied == 0u);  // the refused push never reached the new server
   *static_cast<float*>(buf->data) = -1.0f;
   BOOST_TEST(w->push(0, buf->id, 0, 4, Dtype::kF32, *v).ok());
+}
+
+// A re-attach whose registrations time out (the new server stopped under
+// them) leaves the buffers it has not registered pending, and the next call
+// registers them before its own request: every buffer serves again. The
+// worker, a process of its own, stops itself (SHMPS_FAULT) just before it
+// sends the first of them, so the server can be stopped at that moment.
+BOOST_AUTO_TEST_CASE(buffers_a_timed_out_reattach_left_unregistered_are_registered_by_the_next_call) {
+  test::TempDir dir("restart");
+  const std::string name = test::unique_name("pendingreg");
+  struct Shared {
+    std::atomic<int> ready, go, first_done, server_back;
+    std::atomic<uint32_t> first_code;
+    std::atomic<uint32_t> pulled[3];
+    char first_message[512];
+  };
+  Shared* shared = test::map_shared<Shared>();
+  auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+  const auto wait_for = [](const std::atomic<int>& flag) {
+    while (flag.load() == 0) std::this_thread::sleep_for(1ms);
+  };
+  auto worker = test::Process::fork_fn([&] {
+    // Publish 5: 3 registrations and a ping come before the first
+    // registration after the restart.
+    ::setenv("SHMPS_FAULT", "before_publish:5:stop", 1);
+    auto w = test::try_connect(name, 500ms, /*reconnect=*/true);
+    if (!w) return 2;
+    std::vector<Buffer> bufs;
+    for (int i = 0; i < 3; ++i) {
+      auto b = w->register_buffer(4);
+      if (!b.ok()) return 3;
+      bufs.push_back(*b);
+    }
+    if (!w->ping().ok()) return 4;
+    shared->ready.store(1);
+    wait_for(shared->go);
+    const Status first = w->ping();  // re-attaches; its first registration times out
+    shared->first_code.store(static_cast<uint32_t>(first.code()));
+    std::snprintf(shared->first_message, sizeof shared->first_message, "%s", first.message().c_str());
+    shared->first_done.store(1);
+    wait_for(shared->server_back);
+    for (int i = 0; i < 3; ++i)
+      shared->pulled[i].store(static_cast<uint32_t>(w->pull(0, bufs[i].id, 0).status().code()));
+    return 0;
+  });
+  BOOST_REQUIRE(test::eventually([&] { return shared->ready.load() != 0; }, 10s));
+  server->process().kill_and_reap();
+  server.reset();
+  // Past the dead server's last heartbeat: the worker's next call sees it
+  // dead before sending anything, and re-attaches.
+  std::this_thread::sleep_for(200ms);
+  test::ServerProcess next(name, args(dir.path));
+  shared->go.store(1);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return test::process_state(worker.pid()) == 'T'; }, 10s),
+                        "the worker never reached its first registration");
+  next.process().pause();
+  worker.resume();
+  BOOST_TEST(test::eventually([&] { return shared->first_done.load() != 0; }, 10s));
+  next.process().resume();
+  shared->server_back.store(1);
+  BOOST_REQUIRE(worker.wait(20s) == 0);
+  BOOST_TEST((static_cast<ErrorCode>(shared->first_code.load()) == ErrorCode::kTimeout), shared->first_message);
+  for (int i = 0; i < 3; ++i)
+    BOOST_TEST((static_cast<ErrorCode>(shared->pulled[i].load()) == ErrorCode::kOk),
+               "buffer " << i << ": " << error_code_name(static_cast<ErrorCode>(shared->pulled[i].load())));
 }
 
 BOOST_AUTO_TEST_CASE(call_in_flight_when_the_server_dies_fails_with_server_restarted) {

@@ -389,8 +389,13 @@ class Worker::Impl {
     bool in_process = false;  // described for a server in our own process
     uint64_t offer = 0;       // in process: the token of its offer (in_process.hpp), until taken or withdrawn
     detail::DeviceBuffer desc;
+    // In use here, and not registered with this session's server yet:
+    // every buffer in use from an attach until register_pending() has
+    // registered it again.
+    bool pending = false;
   };
   std::vector<Registered> buffers;
+  bool registrations_pending = false;  // some buffer is pending (a fast check for every call)
 
   shm::WorkerEntry& entry() const { return segment->worker(id); }
 
@@ -422,7 +427,8 @@ class Worker::Impl {
   //      or a session's end can still be collected);
   //   3. kDetached: kUnknownWorker "detached" (detach() is final);
   //   4. kDetach: nothing more;
-  //   5. kRequest, kPush: a session, from ensure_session();
+  //   5. kRequest, kPush: a session, from ensure_session(), with every
+  //      buffer registered with its server;
   //   6. kPush: a re-attach in step 5 to another generation than the one
   //      the call began with fails it with kServerRestarted, nothing sent.
   // Attached without reconnect, this is a few compares and no clock read.
@@ -450,7 +456,9 @@ class Worker::Impl {
   // - kAttached: as it is without reconnect (a submit and a wait notice a
   //   dead server or an eviction themselves); with reconnect, the session
   //   is checked first (eviction; a fresh heartbeat, or the server's
-  //   process) and, over, ended and replaced by a re-attach;
+  //   process) and, over, ended and replaced by a re-attach; in a session
+  //   that holds, the buffers a re-attach left pending are registered
+  //   first (register_pending(): its error is the call's);
   // - kServerGone, kEvicted: with reconnect, a re-attach (reattach(): one
   //   timeout of its own; the request gets another); without, why the
   //   session ended (kServerNotRunning, kUnknownWorker), every time.
@@ -466,9 +474,9 @@ class Worker::Impl {
           // acquire: SYNC(server_stopped); relaxed heartbeat: a hint only.
           if (h.server_state.load(std::memory_order_acquire) == static_cast<uint32_t>(shm::ServerState::kRunning) &&
               shm::monotonic_ns() - h.heartbeat_ns.load(std::memory_order_relaxed) < 100'000'000)
-            return Status::Ok();
+            return registrations_pending ? register_pending() : Status::Ok();
           why = server_gone();
-          if (why.ok()) return Status::Ok();
+          if (why.ok()) return registrations_pending ? register_pending() : Status::Ok();
         }
         if (Status s = end_session(ended_as(why), why); !s.ok()) return s;
         return reattach();
@@ -1144,6 +1152,12 @@ class Worker::Impl {
     // and those ids are refused from now on.
     for (size_t b = h.max_buffers; b < buffers.size(); ++b) drop(buffers[b]);
     buffers.resize(h.max_buffers);
+    // The new session's server has none of them yet.
+    registrations_pending = false;
+    for (Registered& b : buffers) {
+      b.pending = b.in_use;
+      registrations_pending = registrations_pending || b.pending;
+    }
     tensors = std::move(table);
     expected_ns.assign(2 * tensors.size() + 3, 0);
     inflight_key.assign(capacity, 0);
@@ -1159,7 +1173,8 @@ class Worker::Impl {
   // to it and registers every buffer again under its old id. A session that
   // ends during the registrations is waited past in the same way; one that
   // holds while the server refuses a registration (or does not answer)
-  // returns that error, attached: a new attach would leave its entry taken.
+  // returns that error, attached: a new attach would leave its entry taken,
+  // and the buffers not registered yet stay pending for the next call.
   Status reattach() {
     const auto give_up = Clock::now() + options.timeout;
     while (true) {
@@ -1169,7 +1184,7 @@ class Worker::Impl {
           (state_ == State::kEvicted || (*seg)->layout().generation != ended.generation || running_and_alive(**seg))) {
         Status s = attach_to(std::move(seg).value());
         if (s.code() == ErrorCode::kInterrupted) return s;
-        if (s.ok()) s = register_again();
+        if (s.ok()) s = register_pending();
         if (s.ok() || in_session()) return s;
         if (s.code() == ErrorCode::kLayoutMismatch || s.code() == ErrorCode::kNoCapacity) return s;
       }
@@ -1197,25 +1212,36 @@ class Worker::Impl {
     return false;
   }
 
-  // Every buffer in use registered again under its id, after a re-attach.
-  // One the new server refuses (its object shrank or went) is let go (its
-  // id free for a new registration; the caller's mapping stays valid), and
-  // does not keep the others from it: the first refusal is returned,
-  // naming its buffer. A session that ends, a timeout or an interrupt stops
-  // the round (the next call's re-attach tries again).
-  Status register_again() {
+  // Every pending buffer (after an attach: every one in use) registered
+  // again under its id. One the new server refuses (its object shrank or
+  // went) is let go (its id free for a new registration; the caller's
+  // mapping stays valid), and does not keep the others from it: the first
+  // refusal is returned, naming its buffer. A timeout or an interrupt
+  // stops the round and is returned: that buffer (the server may still
+  // serve its registration; the next one replaces it) and those after it
+  // stay pending, and the next call registers them before its own
+  // request (ensure_session()). A session that ends stops it too: the
+  // next attach makes every buffer pending again.
+  Status register_pending() {
     Status first;
     for (uint32_t b = 0; b < buffers.size(); ++b) {
-      if (!buffers[b].in_use) continue;
+      if (!buffers[b].pending) continue;
       const Status s = buffers[b].device ? send_register_device(b)
                                          : send_register(b, buffers[b].object->name(), buffers[b].object->size());
-      if (s.ok()) continue;
-      if (!in_session() || s.code() == ErrorCode::kTimeout || s.code() == ErrorCode::kInterrupted) return s;
+      if (s.ok()) {
+        buffers[b].pending = false;
+        continue;
+      }
+      if (!in_session()) return s;
+      if (s.code() == ErrorCode::kTimeout || s.code() == ErrorCode::kInterrupted)
+        return {s.code(), "buffer " + std::to_string(b) + " registered again with the restarted server: " +
+                              s.message() + " (the next call registers it, and those not yet registered again)"};
       drop(buffers[b]);
       if (first.ok())
         first = {s.code(),
                  "buffer " + std::to_string(b) + " registered again with the restarted server: " + s.message()};
     }
+    registrations_pending = false;
     return first;
   }
 

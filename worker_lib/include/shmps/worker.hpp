@@ -101,9 +101,12 @@ struct WorkerOptions {
   // again under its old id, then proceeds (a buffer the new server refuses,
   // its object shrunk or gone, is let go and leaves the others registered:
   // that call returns the refusal, naming the buffer, calls on its id get
-  // kUnknownBuffer, and the id serves the next registration); a push then fails with
-  // kServerRestarted instead (its gradient was computed against the old
-  // server's weights: pull again). Without it such calls return
+  // kUnknownBuffer, and the id serves the next registration; a
+  // registration that times out or is interrupted fails that call so, and
+  // the buffers not registered yet are registered by the next call, before
+  // its own request); a push then fails with kServerRestarted instead (its
+  // gradient was computed against the old server's weights: pull again).
+  // Without it such calls return
   // kServerNotRunning and the Worker stays unusable: every later call, and
   // every wait for a request in flight, fails at once the same way. Either
   // way, answers the server posted before it died are still returned by
