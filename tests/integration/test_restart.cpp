@@ -170,10 +170,10 @@ BOOST_AUTO_TEST_CASE(a_buffer_the_restarted_server_refuses_leaves_the_others_reg
   BOOST_TEST(w->pull(0, again->id, 0).ok());
 }
 
-// A gradient computed against the previous server's weights is refused
-// once: the push that finds a new generation fails with kServerRestarted,
-// without being submitted; a pull then proceeds.
-BOOST_AUTO_TEST_CASE(a_push_that_finds_a_restarted_server_fails_once_with_server_restarted) {
+// A gradient computed against the previous server's weights is refused:
+// the push that finds a new generation fails with kServerRestarted,
+// without being submitted; a pull then proceeds, and the next push with it.
+BOOST_AUTO_TEST_CASE(a_push_that_finds_a_restarted_server_fails_with_server_restarted) {
   test::TempDir dir("restart");
   const std::string name = test::unique_name("pushgen");
   auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
@@ -198,6 +198,51 @@ BOOST_AUTO_TEST_CASE(a_push_that_finds_a_restarted_server_fails_once_with_server
   BOOST_TEST(s->gradients_applied == 0u);  // the refused push never reached the new server
   *static_cast<float*>(buf->data) = -1.0f;
   BOOST_TEST(w->push(0, buf->id, 0, 4, Dtype::kF32, *v).ok());
+}
+
+// The rule is of the weights, not of the call that re-attached: after a
+// ping (or any other call) re-attached to the next generation, every push
+// is refused with kServerRestarted, nothing sent, until a pull from the
+// new server is answered (pull_async's too, once wait() has it).
+BOOST_AUTO_TEST_CASE(a_push_after_another_call_reattached_is_refused_until_a_pull) {
+  test::TempDir dir("restart");
+  const std::string name = test::unique_name("weightsgen");
+  auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+  auto w = connect(name, /*reconnect=*/true);
+  auto grad = w->register_buffer(4);
+  auto weights = w->register_buffer(4);
+  BOOST_REQUIRE(grad.ok() && weights.ok());
+  *static_cast<float*>(grad->data) = -1.0f;
+  for (int restart = 0; restart < 2; ++restart) {
+    auto v = w->pull(0, weights->id, 0);
+    BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+    server->process().kill_and_reap();
+    server.reset();
+    std::this_thread::sleep_for(200ms);  // past the dead server's last heartbeat: the ping sees it dead at once
+    server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+    const Status back = w->ping();  // re-attaches
+    BOOST_REQUIRE_MESSAGE(back.ok(), back.to_string());
+    for (int tries = 0; tries < 2; ++tries) {
+      auto pushed = w->push(0, grad->id, 0, 4, Dtype::kF32, *v);
+      BOOST_TEST((pushed.status().code() == ErrorCode::kServerRestarted), pushed.status().to_string());
+      BOOST_TEST(pushed.status().message().find("pull again") != std::string::npos, pushed.status().message());
+      auto ticket = w->push_async(0, grad->id, 0, 4, Dtype::kF32, *v);
+      BOOST_TEST((ticket.status().code() == ErrorCode::kServerRestarted), ticket.status().to_string());
+    }
+    auto s = w->stats();
+    BOOST_REQUIRE(s.ok());
+    BOOST_TEST(s->gradients_applied == 0u);  // none of them reached the new server
+    if (restart == 0) {
+      v = w->pull(0, weights->id, 0);
+    } else {
+      auto ticket = w->pull_async(0, weights->id, 0);
+      BOOST_REQUIRE_MESSAGE(ticket.ok(), ticket.status().to_string());
+      v = w->wait(*ticket);
+    }
+    BOOST_REQUIRE_MESSAGE(v.ok(), v.status().to_string());
+    auto pushed = w->push(0, grad->id, 0, 4, Dtype::kF32, *v);
+    BOOST_TEST(pushed.ok(), pushed.status().to_string());
+  }
 }
 
 // A re-attach whose registrations time out (the new server stopped under
@@ -315,6 +360,7 @@ BOOST_AUTO_TEST_CASE(a_ticket_in_flight_across_two_server_deaths_is_reported_los
     server = std::make_unique<test::ServerProcess>(name, args(dir.path));
     const Status back = w->ping();
     BOOST_REQUIRE_MESSAGE(back.ok(), back.to_string());
+    BOOST_REQUIRE(w->pull(0, buf->id, 0).ok());  // the next push needs the new server's weights
   }
   for (const Worker::Ticket t : tickets) {
     for (int ask = 0; ask < 2; ++ask) {
@@ -422,16 +468,25 @@ BOOST_AUTO_TEST_CASE(kill_and_restart_fifty_times_under_load) {
     auto w = Worker::connect(o);
     if (!w.ok()) return 2;
     auto buf = (*w)->register_buffer(4);
-    if (!buf.ok()) return 3;
+    auto weights = (*w)->register_buffer(4);
+    if (!buf.ok() || !weights.ok()) return 3;
+    // After a restart, pushes need the new server's weights: a pull first.
+    bool pulled = true;
     while (stop.load() == 0) {
+      if (!pulled) {
+        pulled = (*w)->pull(0, weights->id, 0).ok();
+        continue;
+      }
       *static_cast<float*>(buf->data) = -1.0f;
       auto v = (*w)->push(0, buf->id, 0, 4, Dtype::kF32, 0);
-      if (v.ok())
+      if (v.ok()) {
         acked.fetch_add(1);
-      else if (v.status().code() == ErrorCode::kServerRestarted)
+      } else if (v.status().code() == ErrorCode::kServerRestarted) {
         lost.fetch_add(1);
-      else
+        pulled = false;
+      } else {
         other_errors.fetch_add(1);
+      }
     }
     return 0;
   });

@@ -69,12 +69,19 @@ int worker_body(const std::string& name, Shared* shared, Slot& slot) {
   auto w = Worker::connect(o);
   if (!w.ok()) return 2;
   auto buf = (*w)->register_buffer(4096 * 4);
-  if (!buf.ok()) return 3;
+  auto weights = (*w)->register_buffer(4096 * 4);
+  if (!buf.ok() || !weights.ok()) return 3;
   std::fill_n(static_cast<float*>(buf->data), 4096, -1.0f);
   std::vector<uint64_t> window;
   window.reserve(4096);
+  // After a server restart, pushes need the new server's weights: a pull first.
+  bool pulled = true;
   while (shared->stop.load() == 0) {
     if (slot.paused.load() != 0) window.clear();  // its p99 is of running time only
+    if (!pulled) {
+      pulled = (*w)->pull(0, weights->id, 0).ok();
+      continue;
+    }
     const uint64_t t0 = shm::monotonic_ns();
     auto v = (*w)->push(0, buf->id, 0, 4096 * 4, Dtype::kF32, 0);
     const uint64_t dt = shm::monotonic_ns() - t0;
@@ -82,6 +89,7 @@ int worker_body(const std::string& name, Shared* shared, Slot& slot) {
       slot.acked.fetch_add(1);
     } else if (v.status().code() == ErrorCode::kServerRestarted) {
       slot.lost.fetch_add(1);
+      pulled = false;
       continue;
     } else if (shared->stop.load() == 0) {
       if (slot.errors.fetch_add(1) == 0)

@@ -5,6 +5,7 @@ leaves nothing of its own in /dev/shm."""
 import os
 import glob
 import itertools
+import time
 
 import pytest
 
@@ -37,6 +38,21 @@ def _temporary_files_in_pytests_own_directory(tmp_path_factory):
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = previous_env
+
+
+def restart(server, tensors=SMALL):
+    """Kills `server` (SIGKILL: its segment stays) and starts another SGD
+    host server (init="uniform") under its name once the dead one's last
+    heartbeat is stale, so that a worker's next call sees it dead before
+    sending anything and re-attaches. Returns the new server; the caller
+    stops it."""
+    server.process.kill()
+    server.process.wait()
+    server.process = None
+    time.sleep(0.2)  # the heartbeat is trusted for 100 ms
+    again = shmps.Server(tensors=tensors, name=server.name, optimizer="sgd", backend="host", init="uniform")
+    again.start()
+    return again
 
 
 @pytest.fixture

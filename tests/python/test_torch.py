@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import shmps  # noqa: E402
 import shmps.torch  # noqa: E402
-from conftest import unique_name  # noqa: E402
+from conftest import restart, unique_name  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(HERE, "..", "..", "examples", "torch", "train.py")
@@ -261,10 +261,13 @@ def test_a_push_whose_wait_timed_out_or_was_interrupted_stays_pending(make_serve
         opt.close()
 
 
-def test_a_restarted_server_costs_one_failed_step(make_server):
+@pytest.mark.parametrize("found_by", ["step", "ping"])
+def test_a_restarted_server_costs_one_failed_step(make_server, found_by):
     """With reconnect=True, the step after a server restart raises
     ServerRestartedError (its gradient is of the old weights) having pulled
-    the new server's weights, and the next step goes through."""
+    the new server's weights, and the next step goes through; so too where
+    another call (a ping(), a monitor's stats()) found the restarted server
+    first and re-attached: nothing of the old gradient is pushed."""
     model = Net()
     tensors = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     server = make_server(tensors=tensors)
@@ -272,15 +275,14 @@ def test_a_restarted_server_costs_one_failed_step(make_server):
         opt = shmps.torch.RemoteOptimizer(model, w, init=True)
         model(torch.randn(2, 6)).sum().backward()
         assert opt.step() == 1
-        server.process.kill()
-        server.process.wait()
-        server.process = None
-        again = shmps.Server(tensors=tensors, name=server.name, optimizer="sgd", backend="host", init="uniform")
-        again.start()
+        again = restart(server, tensors)
         try:
+            if found_by == "ping":
+                w.ping()  # re-attaches
             with pytest.raises(shmps.ServerRestartedError):
                 opt.step()
             assert opt.version == 0  # the new server's weights, pulled
+            assert w.stats().gradients_applied == 0
             opt.zero_grad()
             model(torch.randn(2, 6)).sum().backward()
             assert opt.step() == 1 and opt.applied

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import shmps
-from conftest import SMALL, unique_name
+from conftest import SMALL, restart, unique_name
 
 
 def weights(worker, buf):
@@ -783,16 +783,35 @@ def test_reconnect_after_the_server_is_killed_and_restarted(make_server):
     out = w.register_buffer(w.total_elements * 4)
     w.push(grad, w.pull(out))
     generation = w.generation
-    server.process.kill()
-    server.process.wait()
-    server.process = None
-    again = shmps.Server(tensors=SMALL, name=server.name, optimizer="sgd", backend="host", init="uniform")
-    again.start()
+    again = restart(server)
     try:
         with pytest.raises(shmps.ServerRestartedError):
             w.push(grad, 1)  # computed against the dead server's weights
         version = w.pull(out)  # re-attached, buffers registered again under their ids
         assert version == 0 and w.generation != generation and w.server_pid == again.process.pid
+        assert w.push(grad, version) == 1
+    finally:
+        w.close()
+        again.stop()
+
+
+def test_a_push_after_another_call_reattached_is_refused_until_a_pull(make_server):
+    """The weights the gradient was computed on decide, not the call that
+    re-attached: after a ping() found the restarted server, every push
+    raises ServerRestartedError (nothing applied) until a pull."""
+    server = make_server(init="uniform")
+    w = shmps.connect(server.name, timeout=10, reconnect=True)
+    grad = w.register_buffer(w.total_elements * 4)
+    out = w.register_buffer(w.total_elements * 4)
+    version = w.pull(out)
+    again = restart(server)
+    try:
+        w.ping()  # re-attaches
+        for _ in range(2):
+            with pytest.raises(shmps.ServerRestartedError, match="pull again"):
+                w.push(grad, version)  # computed against the dead server's weights
+        assert w.stats().gradients_applied == 0
+        version = w.pull(out)
         assert w.push(grad, version) == 1
     finally:
         w.close()

@@ -339,6 +339,9 @@ class Worker::Impl {
   uint32_t id = 0;
   uint64_t lease = 0;
   uint64_t generation = 0;
+  // The generation the worker's weights came from: the first attach's,
+  // then that of each pull or init answered. A push needs the server's.
+  uint64_t weights_generation = 0;
   pid_t server_pid = 0;
   uint64_t server_start = 0;
   shm::SpscProducer<Request> lane;
@@ -351,8 +354,9 @@ class Worker::Impl {
   // see wait_for_completion().
   std::vector<uint64_t> expected_ns;   // by wait_key(); 0: done within kTimedAfterPolls polls, or not seen yet
   std::vector<uint32_t> inflight_key;  // wait_key() of each request in flight, at request_id & (capacity - 1)
-  double ns_per_poll = 25.0;           // one poll + pause; recalibrated by every long spin
-  std::deque<Completion> done;         // popped, not yet claimed by wait()
+  std::vector<uint8_t> inflight_brings_weights;  // 1: a pull or an init, at request_id & (capacity - 1)
+  double ns_per_poll = 25.0;                     // one poll + pause; recalibrated by every long spin
+  std::deque<Completion> done;                   // popped, not yet claimed by wait()
   std::vector<TensorInfo> tensors;
   uint64_t total_elements = 0;
   uint32_t capacity = 0;
@@ -416,7 +420,7 @@ class Worker::Impl {
   // What a public call needs before it runs: enter()'s argument.
   enum class Call : uint8_t {
     kRequest,  // sends a request: needs a session (reconnect: re-attaches first where the last one is over)
-    kPush,     // as kRequest; a re-attach to another generation refuses the push (its gradient is of the old weights)
+    kPush,     // as kRequest; refused while the worker's weights are of another generation than the server's
     kWait,     // collects answers owed already: no session needed, none begun
     kDetach,   // ends the Worker's use: no re-attach
   };
@@ -429,9 +433,12 @@ class Worker::Impl {
   //   4. kDetach: nothing more;
   //   5. kRequest, kPush: a session, from ensure_session(), with every
   //      buffer registered with its server;
-  //   6. kPush: a re-attach in step 5 to another generation than the one
-  //      the call began with fails it with kServerRestarted, nothing sent.
-  // Attached without reconnect, this is a few compares and no clock read.
+  //   6. kPush: the worker's weights (weights_generation) of another
+  //      generation than the server's fail it with kServerRestarted,
+  //      nothing sent, until a pull or an init is answered: whichever call
+  //      re-attached.
+  // Attached without reconnect, this is a few compares and no clock read
+  // (the generation cannot change then).
   Status enter(Call call) {
     if (Status s = owned(); !s.ok()) [[unlikely]]
       return s;
@@ -440,14 +447,14 @@ class Worker::Impl {
     if (call == Call::kDetach) return Status::Ok();
     if (state_ == State::kAttached && !options.reconnect) [[likely]]
       return Status::Ok();
-    const uint64_t generation_before = generation;
     if (Status s = ensure_session(); !s.ok()) return s;
-    // A gradient computed against the weights of a server that has since
-    // restarted means nothing to its successor (whose versions start again).
-    if (call == Call::kPush && generation != generation_before)
-      return {ErrorCode::kServerRestarted, "the server restarted (generation " + std::to_string(generation_before) +
+    // A gradient computed against the weights of another server generation
+    // means nothing to this one (its versions count from its own start or
+    // checkpoint).
+    if (call == Call::kPush && generation != weights_generation)
+      return {ErrorCode::kServerRestarted, "the server restarted (generation " + std::to_string(weights_generation) +
                                                ", now " + std::to_string(generation) +
-                                               ") since this gradient's weights were pulled: pull again and recompute "
+                                               ") since this worker's weights were pulled: pull again and recompute "
                                                "the gradient"};
     return Status::Ok();
   }
@@ -625,6 +632,8 @@ class Worker::Impl {
     if (req.opcode == static_cast<uint32_t>(Opcode::kRegisterBuffer) && req.buffer_id < buffers.size())
       segment->buffer(id, req.buffer_id).request_id = req.request_id;
     inflight_key[req.request_id & (capacity - 1)] = wait_key(req);
+    inflight_brings_weights[req.request_id & (capacity - 1)] =
+        req.opcode == static_cast<uint32_t>(Opcode::kPull) || req.opcode == static_cast<uint32_t>(Opcode::kInit);
     req.worker_id = id;
     req.lease = lease;
     // relaxed: published with the slot by publish()'s release (queue_ns).
@@ -833,6 +842,9 @@ class Worker::Impl {
       return {ErrorCode::kInternal, "completion for request " + std::to_string(c.request_id) + ", expected " +
                                         std::to_string(last_completed_id + 1)};
     last_completed_id = c.request_id;
+    // A pull's weights, or an init's (the server's weights are then this
+    // worker's): of this session's generation, which a push needs.
+    if (c.code == 0 && inflight_brings_weights[c.request_id & (capacity - 1)] != 0) weights_generation = generation;
     *got = true;
     return Status::Ok();
   }
@@ -1161,6 +1173,7 @@ class Worker::Impl {
     tensors = std::move(table);
     expected_ns.assign(2 * tensors.size() + 3, 0);
     inflight_key.assign(capacity, 0);
+    inflight_brings_weights.assign(capacity, 0);
     total_elements = h.total_elements;
     return Status::Ok();
   }
@@ -1350,6 +1363,7 @@ Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& asked) {
       impl->trusted = *trusted;
       s = impl->attach_to(std::move(segment).value());
       if (s.ok()) {
+        impl->weights_generation = impl->generation;  // the caller's weights: this server takes pushes of them
         // This user's buffer objects that dead workers of this server left:
         // a server running as another user may not remove them (/dev/shm
         // is sticky), so each worker that attaches does.

@@ -104,9 +104,11 @@ struct WorkerOptions {
   // kUnknownBuffer, and the id serves the next registration; a
   // registration that times out or is interrupted fails that call so, and
   // the buffers not registered yet are registered by the next call, before
-  // its own request); a push then fails with kServerRestarted instead (its
-  // gradient was computed against the old server's weights: pull again).
-  // Without it such calls return
+  // its own request). A push fails with kServerRestarted, nothing sent,
+  // while the worker's weights are of another generation than the
+  // server's: from a re-attach, whichever call made it, until a pull or an
+  // init is answered (its gradient was computed against the old server's
+  // weights: pull again). Without it such calls return
   // kServerNotRunning and the Worker stays unusable: every later call, and
   // every wait for a request in flight, fails at once the same way. Either
   // way, answers the server posted before it died are still returned by
