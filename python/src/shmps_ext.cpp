@@ -242,14 +242,23 @@ class PyWorker {
   // WorkerOptions::detach_timeout, 5 s, or the Worker's timeout if shorter,
   // when the server is stopped or busy; no signal handler runs), and every
   // other thread runs meanwhile. No call is in flight: each holds a
-  // reference.
+  // reference. What the server may still write into outlives the Worker
+  // when the detach was not answered (hold_past_close()).
   ~PyWorker() {
     if (forked()) {
       (void)w_.release();  // the parent's: its state may be mid-call in another parent thread
       abandon_books();
     } else if (w_ && PyGILState_Check()) {
-      GilReleased released;
-      w_.reset();
+      {
+        GilReleased released;
+        detach_and_free();
+      }
+      // A deallocation has nowhere to raise to: a warning turned error is
+      // reported as unraisable.
+      PyObject *type, *value, *trace;
+      PyErr_Fetch(&type, &value, &trace);
+      if (!hold_past_close()) PyErr_WriteUnraisable(nullptr);
+      PyErr_Restore(type, value, trace);
     }
   }
 
@@ -498,8 +507,10 @@ class PyWorker {
       stops_->detach_asks = false;
       // Final whatever it returned, but for a refusal (kInvalidArgument:
       // not this process's Worker).
-      if (s.code() != shmps::ErrorCode::kInvalidArgument)
+      if (s.code() != shmps::ErrorCode::kInvalidArgument) {
         detached_.store(true, std::memory_order_relaxed);  // relaxed: one flag, read by repr()
+        note_detach(s);
+      }
       return s;
     }));
   }
@@ -515,12 +526,13 @@ class PyWorker {
   void interrupt() { stops_->interrupts.fetch_add(1, std::memory_order_relaxed); }  // relaxed: see Stops
 
   // Detaches (best effort, as the C++ destructor does) once no call is in
-  // flight, and frees what this Worker kept alive; further calls raise
-  // "closed". A call waiting on another thread is interrupted rather than
-  // waited for, and so is any call begun meanwhile. A second close()
-  // returns once the first has detached. The detach waits for the server
-  // at most WorkerOptions::detach_timeout (5 s), and a signal's handler
-  // that raises (Ctrl-C, on the main thread) ends it at once: the Worker is
+  // flight, and frees what this Worker kept alive (but for a detach not
+  // answered: hold_past_close()); further calls raise "closed". A call
+  // waiting on another thread is interrupted rather than waited for, and
+  // so is any call begun meanwhile. A second close() returns once the
+  // first has detached. The detach waits for the server at most
+  // WorkerOptions::detach_timeout (5 s), and a signal's handler that
+  // raises (Ctrl-C, on the main thread) ends it at once: the Worker is
   // closed all the same, and the handler's exception raised after.
   void close() {
     if (forked()) {
@@ -534,17 +546,70 @@ class PyWorker {
       GilReleased released;
       std::lock_guard<std::mutex> lock(mu_);
       stops_->detach_asks = true;
-      w_.reset();  // detaches (it cancels a held pull first)
+      detach_and_free();  // it cancels a held pull first
       stops_->detach_asks = false;
       pushes_.clear();  // registrations_ stay: a Buffer passed after close() gets "closed"
       stops_->life.store(Life::kClosed, std::memory_order_relaxed);  // relaxed: see Stops
     }
     // The exception a signal's handler raised during the detach, taken out
-    // of the way while kept_ lets go of its tensors.
+    // of the way while kept_ lets go of its tensors; it is the one raised
+    // (before a warning turned error).
     std::optional<nb::python_error> raised;
     if (PyErr_Occurred()) raised.emplace();
+    const bool warned = hold_past_close();
+    if (raised) {
+      if (!warned) PyErr_Clear();
+      throw std::move(*raised);
+    }
+    if (!warned) throw nb::python_error();
+  }
+
+  // Under mu_ (or in the destructor: no call in flight), with the GIL
+  // released: detaches and frees the C++ Worker, noting whether the server
+  // answered the detach.
+  void detach_and_free() {
+    if (!w_) return;
+    note_detach(w_->detach());
+    w_.reset();
+  }
+
+  // Under mu_: a detach that ended without the server letting go of this
+  // worker (timed out, interrupted, the lane full, a stopping server): it
+  // may still serve the requests sent before, a pull into a device buffer
+  // included. A detach answered, or ended by the server's death or an
+  // eviction (kServerRestarted, kServerNotRunning, kUnknownWorker: the
+  // server drops an evicted worker's requests), leaves nothing in flight.
+  void note_detach(const shmps::Status& s) {
+    using shmps::ErrorCode;
+    const ErrorCode c = s.code();
+    if (c != ErrorCode::kOk && c != ErrorCode::kServerRestarted && c != ErrorCode::kServerNotRunning &&
+        c != ErrorCode::kUnknownWorker)
+      detach_unanswered_ = true;
+  }
+
+  // With the GIL, once the Worker is closed: lets go of what kept_ holds
+  // (DeviceMemory, registered tensors), but where a detach was not
+  // answered, whose server may still write a pull into that memory: it is
+  // held until the process ends (a freed block would go back to its
+  // allocator, torch's caching allocator would hand it to another tensor,
+  // and a late pull would write weights there), with a RuntimeWarning.
+  // False: the warning raised (a filter made it an error; it is set).
+  bool hold_past_close() {
+    if (!detach_unanswered_ || kept_.empty()) {
+      kept_.clear();
+      return true;
+    }
+    const size_t n = kept_.size();
+    std::vector<Kept>& held = held_for_the_process();
+    for (auto& [id, k] : kept_) held.push_back(std::move(k));
     kept_.clear();
-    if (raised) throw std::move(*raised);
+    const std::string message =
+        "shmps: the server has not answered this Worker's detach (it timed out, was interrupted or failed) and may "
+        "still write a pull sent before it into its device buffers: the memory of " +
+        std::to_string(n) +
+        " device buffer(s) (alloc_device_buffer, and the tensors given to register_device_buffer) stays allocated "
+        "until this process ends";
+    return PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) == 0;
   }
 
   // In a fork()ed child: the maps kept under mu_ change with the GIL
@@ -659,6 +724,12 @@ class PyWorker {
     nb::object owner;
     uint64_t registration = 0;
   };
+  // What hold_past_close() keeps, of every Worker of the process. Under the
+  // GIL; never destroyed (nor its objects released at the interpreter's end).
+  static std::vector<Kept>& held_for_the_process() {
+    static auto* held = new std::vector<Kept>();
+    return *held;
+  }
   inline static std::atomic<uint64_t> next_serial_{1};
   const uint64_t serial_ = next_serial_.fetch_add(1, std::memory_order_relaxed);  // relaxed: a unique number
   const uint64_t forks_ = shmps::fork_generation();
@@ -674,6 +745,7 @@ class PyWorker {
   std::atomic<bool> detached_{false};     // detach() ran (detached())
   // Under mu_:
   std::unique_ptr<shmps::Worker> w_;
+  bool detach_unanswered_ = false;  // a detach that ended with requests maybe in flight (note_detach())
   uint64_t last_registration_ = 0;
   std::map<uint32_t, uint64_t> registrations_;  // live buffer id -> its registration
   struct PushInFlight {

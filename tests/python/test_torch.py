@@ -678,6 +678,39 @@ def test_register_device_buffer_takes_a_torch_tensor(make_server):
 
 
 @cuda
+def test_device_memory_a_stopped_server_may_still_write_outlives_close(make_server):
+    """close() against a stopped server: the detach is not answered, and the
+    server may still serve a pull sent before it into the registered
+    memory. The tensor given to register_device_buffer (and the memory of
+    alloc_device_buffer) is then held until the process ends, with a
+    RuntimeWarning, instead of going back to torch's caching allocator for
+    another tensor; after an answered detach it goes."""
+    import gc
+    import signal
+    import weakref
+
+    server = make_server(backend="cuda")
+    for stopped in (False, True):
+        w = shmps.connect(server.name, timeout=1)
+        t = torch.zeros(w.total_elements, device="cuda:0")
+        w.register_device_buffer(t)
+        w.alloc_device_buffer(w.total_elements * 4, "cuda:0")
+        held = weakref.ref(t)
+        if stopped:
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                with pytest.warns(RuntimeWarning, match="2 device buffer.*until this process ends"):
+                    w.close()
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+        else:
+            w.close()
+        del t
+        gc.collect()
+        assert (held() is not None) == stopped
+
+
+@cuda
 def test_expandable_segments_fail_with_a_pointer_to_alloc_device_buffer(make_server):
     server = make_server()
     code = (f"import torch, shmps\n"

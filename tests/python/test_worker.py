@@ -818,6 +818,23 @@ def test_a_push_after_another_call_reattached_is_refused_until_a_pull(make_serve
         again.stop()
 
 
+def test_closing_host_buffers_against_a_stopped_server_warns_of_nothing(make_server):
+    """A detach the stopped server does not answer leaves host buffers
+    nothing to hold (the server writes its own mapping of their objects):
+    close() warns only for device memory, and returns after the detach
+    bound."""
+    import warnings
+
+    server = make_server()
+    w = shmps.connect(server.name, timeout=1)
+    w.register_buffer(w.total_elements * 4)
+    with _stopped(server), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        start = time.monotonic()
+        w.close()
+        assert time.monotonic() - start < 5
+
+
 def test_close_from_another_thread_ends_the_call_in_flight(make_server):
     # close() while another thread is inside push/pull: that call ends
     # (answered, or interrupted where it waited), the next raises "closed";
