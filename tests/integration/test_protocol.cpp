@@ -755,31 +755,8 @@ BOOST_AUTO_TEST_CASE(a_server_process_removes_only_the_segment_its_child_left) {
 // signalled once its parent process ends (checked in a process of its own,
 // which forks from a thread that returns, then exits).
 BOOST_AUTO_TEST_CASE(a_child_that_dies_with_its_parent_outlives_the_thread_that_spawned_it) {
-  ChildProcess::SpawnOptions die;
-  die.die_with_parent = true;
-  ChildProcess spawned, forked;
-  std::thread([&] {
-    auto s = ChildProcess::spawn({"/bin/sh", "-c", "sleep 0.5; exit 5"}, die);
-    if (s.ok()) spawned = std::move(*s);
-    auto f = ChildProcess::fork_run(
-        [] {
-          std::this_thread::sleep_for(500ms);
-          return 7;
-        },
-        /*die_with_parent=*/true);
-    if (f.ok()) forked = std::move(*f);
-    std::this_thread::sleep_for(100ms);  // both children are past setting their death signal
-  }).join();
-  BOOST_REQUIRE(spawned.running() && forked.running());
-  BOOST_TEST(spawned.wait(10s) == 5);  // 128 + SIGTERM if the thread's end had signalled it
-  BOOST_TEST(forked.wait(10s) == 7);   // 128 + SIGKILL likewise
-
-  auto sleeper = ChildProcess::spawn({"/bin/sleep", "30"}, die);
-  BOOST_REQUIRE(sleeper.ok());
-  std::this_thread::sleep_for(50ms);  // past the exec
-  sleeper->signal(SIGTERM);
-  BOOST_TEST(sleeper->wait(5s) == 128 + SIGTERM);
-
+  // First, while this process has one thread: its child starts threads
+  // (a multithreaded process's child may not under ThreadSanitizer).
   auto* grandchild = test::map_shared<std::atomic<pid_t>>();
   auto parent = test::Process::fork_fn([grandchild] {
     ChildProcess kept;
@@ -807,6 +784,31 @@ BOOST_AUTO_TEST_CASE(a_child_that_dies_with_its_parent_outlives_the_thread_that_
   };
   BOOST_TEST(test::eventually(ended, 5s));
   if (!ended()) ::kill(pid, SIGKILL);
+
+  ChildProcess::SpawnOptions die;
+  die.die_with_parent = true;
+  ChildProcess spawned, forked;
+  std::thread([&] {
+    auto s = ChildProcess::spawn({"/bin/sh", "-c", "sleep 0.5; exit 5"}, die);
+    if (s.ok()) spawned = std::move(*s);
+    auto f = ChildProcess::fork_run(
+        [] {
+          std::this_thread::sleep_for(500ms);
+          return 7;
+        },
+        /*die_with_parent=*/true);
+    if (f.ok()) forked = std::move(*f);
+    std::this_thread::sleep_for(100ms);  // both children are past setting their death signal
+  }).join();
+  BOOST_REQUIRE(spawned.running() && forked.running());
+  BOOST_TEST(spawned.wait(10s) == 5);  // 128 + SIGTERM if the thread's end had signalled it
+  BOOST_TEST(forked.wait(10s) == 7);   // 128 + SIGKILL likewise
+
+  auto sleeper = ChildProcess::spawn({"/bin/sleep", "30"}, die);
+  BOOST_REQUIRE(sleeper.ok());
+  std::this_thread::sleep_for(50ms);  // past the exec
+  sleeper->signal(SIGTERM);
+  BOOST_TEST(sleeper->wait(5s) == 128 + SIGTERM);
 }
 
 BOOST_AUTO_TEST_CASE(server_killed_while_a_worker_waits_returns_an_error_not_a_hang) {

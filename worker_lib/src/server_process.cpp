@@ -183,10 +183,22 @@ class ForkThread {
 };
 
 // A child running `body` (which ends it: exec or _exit); with
-// die_with_parent it gets `signo` when this process ends (ForkThread).
-// -1: fork failed (errno).
+// die_with_parent it gets `signo` when this process ends. The main thread
+// lives as long as the process and forks it itself; any other thread
+// hands the fork to the ForkThread. A process that never spawns from
+// another thread so stays single-threaded, as forking children that start
+// threads of their own may need (ThreadSanitizer kills such a child of a
+// multithreaded process). -1: fork failed (errno).
 pid_t fork_child(bool die_with_parent, int signo, const std::function<void()>& body) {
   if (!die_with_parent) return fork_here(body);
+  if (::gettid() == ::getpid()) {
+    const pid_t parent = ::getpid();
+    return fork_here([&] {
+      ::prctl(PR_SET_PDEATHSIG, signo);
+      if (::getppid() != parent) ::_exit(98);  // the process ended before prctl, which then never fires
+      body();
+    });
+  }
   ForkThread* thread = ForkThread::get();
   return thread != nullptr ? thread->fork(signo, body) : -1;
 }

@@ -26,13 +26,15 @@ namespace shmps {
 // die_with_parent: the child gets a signal (SIGTERM; fork_run: SIGKILL)
 // when this process ends (exit, a fatal signal, an exec()), whichever
 // thread spawned it and whether or not that thread has returned since.
-// PR_SET_PDEATHSIG fires when the forking thread ends, so such children are
-// forked by one thread of this library's that lives as long as the
-// process; the child takes the caller's signal mask, CPU affinity and
-// thread name, and a fork_run() child runs fn() on that thread's copy (a
-// stack of the process's default thread stack size). Its parent is this
-// process (getppid(), waitpid() from any thread); /proc lists it under
-// that thread's task (/proc/<pid>/task/<tid>/children).
+// PR_SET_PDEATHSIG fires when the forking thread ends: the main thread
+// forks such a child itself (it lasts as long as the process), and any
+// other thread hands the fork to one thread of this library's that lives
+// as long as the process, started by the first such spawn. That child
+// takes the caller's signal mask, CPU affinity and thread name, and a
+// fork_run() child runs fn() on that thread's copy (a stack of the
+// process's default thread stack size). Its parent is this process
+// (getppid(), waitpid() from any thread); /proc lists it under that
+// thread's task (/proc/<pid>/task/<tid>/children).
 class ChildProcess {
  public:
   struct SpawnOptions {
