@@ -128,11 +128,16 @@ void OrphanSweeper::sweep() {
       if (removed_count++ < kNamedPerLine) removed.push_back(path);
       continue;
     }
-    // Logged once: a later sweep finds it again until a worker of its user
-    // (or an operator) removes it.
-    if (!still_unremovable.insert(o.object_name).second || unremovable_.count(o.object_name) != 0) continue;
+    // Named once: a later sweep finds it again until a worker of its user
+    // (or an operator) removes it. One past the line's names is named by a
+    // later sweep.
+    if (unremovable_.count(o.object_name) != 0) {
+      still_unremovable.insert(o.object_name);
+      continue;
+    }
     sticky |= err == EPERM || err == EACCES;
     if (refused_count++ >= kNamedPerLine) continue;
+    still_unremovable.insert(o.object_name);
     struct stat st {};
     const std::string who = ::lstat(path.c_str(), &st) == 0 ? " (owner " + shm::owner_text(st.st_uid, st.st_gid) +
                                                                   ", mode " + shm::mode_text(st.st_mode) + ")"
