@@ -576,14 +576,15 @@ class PyWorker {
   // Under mu_: a detach that ended without the server letting go of this
   // worker (timed out, interrupted, the lane full, a stopping server): it
   // may still serve the requests sent before, a pull into a device buffer
-  // included. A detach answered, or ended by the server's death or an
-  // eviction (kServerRestarted, kServerNotRunning, kUnknownWorker: the
-  // server drops an evicted worker's requests), leaves nothing in flight.
+  // included. An eviction (kUnknownWorker) counts as one too: the server
+  // drops the evicted worker's queued requests, but device work already
+  // enqueued for them runs on (up to a minute on a stuck stream). A detach
+  // answered, or ended by the server's death (kServerRestarted,
+  // kServerNotRunning), leaves nothing in flight.
   void note_detach(const shmps::Status& s) {
     using shmps::ErrorCode;
     const ErrorCode c = s.code();
-    if (c != ErrorCode::kOk && c != ErrorCode::kServerRestarted && c != ErrorCode::kServerNotRunning &&
-        c != ErrorCode::kUnknownWorker)
+    if (c != ErrorCode::kOk && c != ErrorCode::kServerRestarted && c != ErrorCode::kServerNotRunning)
       detach_unanswered_ = true;
   }
 
