@@ -5,7 +5,8 @@
 // allocation with poison around them, one buffer pushed 100 times (one
 // open), 1,000 register/push/unregister cycles (opens == closes, device
 // memory back), a worker killed with a push in flight, and the caller's
-// stream ordering blocking and asynchronous calls.
+// stream ordering blocking and asynchronous calls; and a worker in the
+// server's own process, whose device buffers go by offer, not IPC.
 // CUDA runs only in forked children: the test process itself never
 // initialises CUDA (a child forked after that could not use it). Without a
 // device every case is skipped with the reason (docs/cuda.md: run on an
@@ -25,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "shmps/server/server.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
@@ -144,6 +146,56 @@ BOOST_AUTO_TEST_CASE(seed_push_at_version_0_returns_1_and_applies_sgd_from_devic
     for (uint64_t i = 0; i < n; ++i)
       EXPECT(std::fabs(after[i] - (before[i] - 0.5f * host[i])) <= 1e-6f, "element " + std::to_string(i));
     return 0;
+  });
+}
+
+// A worker in the server's own process (a process cannot open its own IPC
+// handles): its device buffers reach the server as offers in the process's
+// memory (shm/in_process.hpp), and a push and a pull through them do what
+// they do from another process.
+BOOST_AUTO_TEST_CASE(a_worker_in_the_servers_process_pushes_and_pulls_device_memory) {
+  in_child([&] {
+    server::ServerConfig config;
+    config.name = test::unique_name("ginproc");
+    config.tensors = {{"w", {8}}};
+    config.backend = server::BackendKind::kCuda;
+    config.optimizer.lr = 0.5f;
+    auto created = server::Server::create(config);
+    EXPECT(created.ok(), created.status().to_string());
+    std::unique_ptr<server::Server> srv = std::move(created).value();
+    std::atomic<bool> run_ok{false};
+    std::thread serving([&] { run_ok = srv->run().ok(); });
+    const int code = [&] {
+      auto w = connect(config.name);
+      EXPECT(w != nullptr, "connect");
+      const uint64_t n = w->total_elements();
+      float *grad = nullptr, *weights = nullptr;
+      CK(cudaMalloc(&grad, n * 4));
+      CK(cudaMalloc(&weights, n * 4));
+      auto g = w->register_device_buffer(grad, n * 4);
+      EXPECT(g.ok(), g.status().to_string());
+      auto wb = w->register_device_buffer(weights, n * 4);
+      EXPECT(wb.ok(), wb.status().to_string());
+      auto v = w->pull(kAllTensors, *wb, 0);
+      EXPECT(v.ok() && *v == 0, v.status().to_string());
+      const std::vector<float> before = download(weights, n);
+      std::vector<float> host(n);
+      for (uint64_t i = 0; i < n; ++i) host[i] = 0.25f * static_cast<float>(i) - 1.0f;
+      CK(cudaMemcpy(grad, host.data(), n * 4, cudaMemcpyHostToDevice));
+      auto pushed = w->push(kAllTensors, *g, 0, n * 4, Dtype::kF32, 0, /*stream=*/nullptr);
+      EXPECT(pushed.ok() && *pushed == 1, pushed.status().to_string());
+      v = w->pull(kAllTensors, *wb, 0);
+      EXPECT(v.ok() && *v == 1, v.status().to_string());
+      const std::vector<float> after = download(weights, n);
+      for (uint64_t i = 0; i < n; ++i)
+        EXPECT(std::fabs(after[i] - (before[i] - 0.5f * host[i])) <= 1e-6f, "element " + std::to_string(i));
+      EXPECT(w->detach().ok(), "detach");
+      return 0;
+    }();
+    srv->request_stop();
+    serving.join();
+    EXPECT(run_ok.load(), "the server's run() failed");
+    return code;
   });
 }
 
