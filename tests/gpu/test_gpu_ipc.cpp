@@ -114,6 +114,34 @@ uint64_t stat_of(const std::string& name, std::atomic<uint64_t> shm::StatsBlock:
   return ((*seg)->stats().*field).load(std::memory_order_relaxed);  // relaxed: a statistic
 }
 
+// In a child, on a fresh server (lr 0.5): device buffers for a gradient
+// and the weights, a pull at version 0, a push that returns 1, and the
+// pulled weights w - lr * g.
+int first_push_applies_sgd(Worker& w) {
+  const uint64_t n = w.total_elements();
+  float *grad = nullptr, *weights = nullptr;
+  CK(cudaMalloc(&grad, n * 4));
+  CK(cudaMalloc(&weights, n * 4));
+  auto g = w.register_device_buffer(grad, n * 4);
+  EXPECT(g.ok(), g.status().to_string());
+  auto wb = w.register_device_buffer(weights, n * 4);
+  EXPECT(wb.ok(), wb.status().to_string());
+  auto v = w.pull(kAllTensors, *wb, 0);
+  EXPECT(v.ok() && *v == 0, v.status().to_string());
+  const std::vector<float> before = download(weights, n);
+  std::vector<float> host(n);
+  for (uint64_t i = 0; i < n; ++i) host[i] = 0.25f * static_cast<float>(i) - 1.0f;
+  CK(cudaMemcpy(grad, host.data(), n * 4, cudaMemcpyHostToDevice));
+  auto pushed = w.push(kAllTensors, *g, 0, n * 4, Dtype::kF32, 0, /*stream=*/nullptr);
+  EXPECT(pushed.ok() && *pushed == 1, pushed.status().to_string());
+  v = w.pull(kAllTensors, *wb, 0);
+  EXPECT(v.ok() && *v == 1, v.status().to_string());
+  const std::vector<float> after = download(weights, n);
+  for (uint64_t i = 0; i < n; ++i)
+    EXPECT(std::fabs(after[i] - (before[i] - 0.5f * host[i])) <= 1e-6f, "element " + std::to_string(i));
+  return 0;
+}
+
 }  // namespace
 
 BOOST_AUTO_TEST_SUITE(gpu_ipc, *boost::unit_test::precondition(has_cuda_device))
@@ -124,28 +152,7 @@ BOOST_AUTO_TEST_CASE(seed_push_at_version_0_returns_1_and_applies_sgd_from_devic
   in_child([&] {
     auto w = connect(server.name());
     EXPECT(w != nullptr, "connect");
-    const uint64_t n = w->total_elements();
-    float *grad = nullptr, *weights = nullptr;
-    CK(cudaMalloc(&grad, n * 4));
-    CK(cudaMalloc(&weights, n * 4));
-    auto g = w->register_device_buffer(grad, n * 4);
-    EXPECT(g.ok(), g.status().to_string());
-    auto wb = w->register_device_buffer(weights, n * 4);
-    EXPECT(wb.ok(), wb.status().to_string());
-    auto v = w->pull(kAllTensors, *wb, 0);
-    EXPECT(v.ok() && *v == 0, v.status().to_string());
-    const std::vector<float> before = download(weights, n);
-    std::vector<float> host(n);
-    for (uint64_t i = 0; i < n; ++i) host[i] = 0.25f * static_cast<float>(i) - 1.0f;
-    CK(cudaMemcpy(grad, host.data(), n * 4, cudaMemcpyHostToDevice));
-    auto pushed = w->push(kAllTensors, *g, 0, n * 4, Dtype::kF32, 0, /*stream=*/nullptr);
-    EXPECT(pushed.ok() && *pushed == 1, pushed.status().to_string());
-    v = w->pull(kAllTensors, *wb, 0);
-    EXPECT(v.ok() && *v == 1, v.status().to_string());
-    const std::vector<float> after = download(weights, n);
-    for (uint64_t i = 0; i < n; ++i)
-      EXPECT(std::fabs(after[i] - (before[i] - 0.5f * host[i])) <= 1e-6f, "element " + std::to_string(i));
-    return 0;
+    return first_push_applies_sgd(*w);
   });
 }
 
@@ -168,27 +175,7 @@ BOOST_AUTO_TEST_CASE(a_worker_in_the_servers_process_pushes_and_pulls_device_mem
     const int code = [&] {
       auto w = connect(config.name);
       EXPECT(w != nullptr, "connect");
-      const uint64_t n = w->total_elements();
-      float *grad = nullptr, *weights = nullptr;
-      CK(cudaMalloc(&grad, n * 4));
-      CK(cudaMalloc(&weights, n * 4));
-      auto g = w->register_device_buffer(grad, n * 4);
-      EXPECT(g.ok(), g.status().to_string());
-      auto wb = w->register_device_buffer(weights, n * 4);
-      EXPECT(wb.ok(), wb.status().to_string());
-      auto v = w->pull(kAllTensors, *wb, 0);
-      EXPECT(v.ok() && *v == 0, v.status().to_string());
-      const std::vector<float> before = download(weights, n);
-      std::vector<float> host(n);
-      for (uint64_t i = 0; i < n; ++i) host[i] = 0.25f * static_cast<float>(i) - 1.0f;
-      CK(cudaMemcpy(grad, host.data(), n * 4, cudaMemcpyHostToDevice));
-      auto pushed = w->push(kAllTensors, *g, 0, n * 4, Dtype::kF32, 0, /*stream=*/nullptr);
-      EXPECT(pushed.ok() && *pushed == 1, pushed.status().to_string());
-      v = w->pull(kAllTensors, *wb, 0);
-      EXPECT(v.ok() && *v == 1, v.status().to_string());
-      const std::vector<float> after = download(weights, n);
-      for (uint64_t i = 0; i < n; ++i)
-        EXPECT(std::fabs(after[i] - (before[i] - 0.5f * host[i])) <= 1e-6f, "element " + std::to_string(i));
+      if (const int failed = first_push_applies_sgd(*w); failed != 0) return failed;
       EXPECT(w->detach().ok(), "detach");
       return 0;
     }();
