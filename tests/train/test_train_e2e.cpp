@@ -187,6 +187,13 @@ std::vector<std::string> server_args(const std::string& init, const std::string&
 
 }  // namespace
 
+// Two asynchronous workers for one epoch of 5,000 images: the final score
+// depends on how their pushes interleave: seen from 0.69 (a loaded CI
+// machine) to 0.78, and the curve swings by about 0.04 between evaluations
+// ten versions apart. The check is that the run learned (it starts near
+// 0.11; chance is 0.10), not a score.
+constexpr double kLearnedAfterOneShortEpoch = 0.60;
+
 BOOST_AUTO_TEST_SUITE(train_e2e, *boost::unit_test::precondition(dataset_installed))
 
 BOOST_FIXTURE_TEST_CASE(two_workers_one_epoch_learns, TrainRun) {
@@ -201,7 +208,7 @@ BOOST_FIXTURE_TEST_CASE(two_workers_one_epoch_learns, TrainRun) {
   BOOST_TEST(rows.back().epoch == 1.0);
   for (size_t i = 1; i < rows.size(); ++i) BOOST_TEST(rows[i].epoch > rows[i - 1].epoch);
   BOOST_TEST(rows.back().train_loss < 0.5 * rows.front().train_loss);
-  BOOST_TEST(rows.back().test_acc > 0.70);
+  BOOST_TEST(rows.back().test_acc > kLearnedAfterOneShortEpoch);
   BOOST_TEST(final_accuracy() == rows.back().test_acc, boost::test_tools::tolerance(1e-3));
   const std::vector<uint64_t> c = push_counts();
   BOOST_TEST(c[0] == 2u * 40u);  // 2 shards of 2500 in minibatches of 64
@@ -559,7 +566,8 @@ BOOST_FIXTURE_TEST_CASE(eval_every_through_the_server, TrainRun) {
     BOOST_TEST(rows[i].elapsed_s >= rows[i - 1].elapsed_s);
   }
   BOOST_TEST(rows[1].version >= 10.0);
-  BOOST_TEST(final_accuracy() > 0.70);
+  BOOST_TEST(rows.back().train_loss < 0.5 * rows.front().train_loss);
+  BOOST_TEST(final_accuracy() > kLearnedAfterOneShortEpoch);
 }
 
 BOOST_FIXTURE_TEST_CASE(missing_dataset_exits_2, TrainRun) {
