@@ -111,7 +111,6 @@ class Server::Impl {
         sessions(config, *segment, held, worker_lines),
         gate(config, sessions, *segment),
         handler(config, model, *backend, sessions, gate, *segment, rejections),
-        held_at(config.max_workers, 0),
         behind(config.max_workers, 0) {
     // Every worker may write the segment, and so shrink it: the guard
     // grows it back where the server would die of SIGBUS (repair_segment()).
@@ -146,7 +145,6 @@ class Server::Impl {
   std::unique_ptr<CheckpointPolicy> checkpoints;  // none while config.checkpoint_dir is empty
   std::unique_ptr<FederationLink> federation;     // none while config.federation.kind is kNone
   bool pushes_held = false;                       // a lane waits for the federation's merge (push_waits_for_merge())
-  std::vector<uint64_t> held_at;                  // per lane: 1 + the index of the push counted as held there
   std::vector<uint8_t> behind;                    // per lane: 1 while its completion queue was full (serve_lane())
   Status failure;                                 // why run() stops on its own (the device, the segment's name)
   bool removed = false;                           // the segment is gone (shutdown() ran)
@@ -269,7 +267,7 @@ class Server::Impl {
   // waits, and poll_federation() serves it after the merge. The request
   // is read where try_pop() would take it from, and only its opcode: a
   // garbage one is not a push, and is refused once taken.
-  bool push_waits_for_merge(uint32_t i, WorkerSlot& slot) {
+  bool push_waits_for_merge(WorkerSlot& slot) {
     if (!federation || !federation->holding_pushes(model.version)) return false;
     const Request* next = slot.lane.seq_published(slot.next_request_id) ? slot.lane.peek_published() : slot.lane.peek();
     if (next == nullptr) return false;
@@ -278,8 +276,8 @@ class Server::Impl {
     if (opcode != static_cast<uint32_t>(Opcode::kPush)) return false;
     pushes_held = true;
     // Counted once per push: the idle loop's watch looks at the lane again.
-    if (held_at[i] != slot.lane.next_index() + 1) {
-      held_at[i] = slot.lane.next_index() + 1;
+    if (slot.held_push_at != slot.lane.next_index() + 1) {
+      slot.held_push_at = slot.lane.next_index() + 1;
       shm::bump(stats().fed_pushes_held);
     }
     return true;
@@ -501,7 +499,7 @@ class Server::Impl {
       }
       if (held.held(i) >= config.lane_capacity) break;  // its device work is behind
       if (!failure.ok()) break;  // the device failed: nothing more is taken (shutdown fails the rest)
-      if (push_waits_for_merge(i, slot)) {
+      if (push_waits_for_merge(slot)) {
         held_for_merge = true;
         break;
       }

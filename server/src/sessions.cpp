@@ -109,6 +109,7 @@ void Sessions::end(uint32_t i, const std::string& why) {
   slot.owner = 0;
   slot.lease = 0;
   slot.stopped_since_ns = 0;
+  slot.held_push_at = 0;
   std::erase(attached_lanes_, i);
   attached_bits_[i / 64] &= ~(uint64_t{1} << (i % 64));
   segment_.stats().workers_attached.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic

@@ -35,6 +35,7 @@ struct WorkerSlot {
   uint64_t lease = 0;
   uint64_t stopped_since_ns = 0;  // when we first saw its process stopped; 0: running
   uint64_t next_request_id = 0;   // the id after the last request taken; 0: unknown (new session)
+  uint64_t held_push_at = 0;      // 1 + the lane index of the push last counted as held for a merge; 0: none
   bool shares_cpus = true;        // its affinity mask, read at attach, meets the server's
   bool attached() const { return owner != 0; }
   uint32_t pid() const { return shm::owner_pid(owner); }

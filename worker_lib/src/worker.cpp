@@ -352,11 +352,15 @@ class Worker::Impl {
   // The wait for a completion is sized from what the same kind of request
   // (a push or a pull of the same tensor, anything else) took last time:
   // see wait_for_completion().
-  std::vector<uint64_t> expected_ns;   // by wait_key(); 0: done within kTimedAfterPolls polls, or not seen yet
-  std::vector<uint32_t> inflight_key;  // wait_key() of each request in flight, at request_id & (capacity - 1)
-  std::vector<uint8_t> inflight_brings_weights;  // 1: a pull or an init, at request_id & (capacity - 1)
-  double ns_per_poll = 25.0;                     // one poll + pause; recalibrated by every long spin
-  std::deque<Completion> done;                   // popped, not yet claimed by wait()
+  std::vector<uint64_t> expected_ns;  // by wait_key(); 0: done within kTimedAfterPolls polls, or not seen yet
+  // What the worker remembers of a request in flight, at request_id & (capacity - 1).
+  struct InFlight {
+    uint32_t wait_key = 0;        // wait_key() of the request
+    bool brings_weights = false;  // a pull or an init
+  };
+  std::vector<InFlight> inflight;
+  double ns_per_poll = 25.0;    // one poll + pause; recalibrated by every long spin
+  std::deque<Completion> done;  // popped, not yet claimed by wait()
   std::vector<TensorInfo> tensors;
   uint64_t total_elements = 0;
   uint32_t capacity = 0;
@@ -631,9 +635,8 @@ class Worker::Impl {
     // BufferDesc::request_id); the lane's release below publishes it.
     if (req.opcode == static_cast<uint32_t>(Opcode::kRegisterBuffer) && req.buffer_id < buffers.size())
       segment->buffer(id, req.buffer_id).request_id = req.request_id;
-    inflight_key[req.request_id & (capacity - 1)] = wait_key(req);
-    inflight_brings_weights[req.request_id & (capacity - 1)] =
-        req.opcode == static_cast<uint32_t>(Opcode::kPull) || req.opcode == static_cast<uint32_t>(Opcode::kInit);
+    inflight[req.request_id & (capacity - 1)] = {wait_key(req), req.opcode == static_cast<uint32_t>(Opcode::kPull) ||
+                                                                    req.opcode == static_cast<uint32_t>(Opcode::kInit)};
     req.worker_id = id;
     req.lease = lease;
     // relaxed: published with the slot by publish()'s release (queue_ns).
@@ -726,7 +729,7 @@ class Worker::Impl {
   // ns_per_poll and the next wait's size, include what other processes ran
   // meanwhile; a busy CPU thus makes the next wait sleep sooner.
   shm::WaitResult wait_for_completion(shm::Deadline& deadline, const std::function<bool()>& abort) {
-    const uint32_t key = inflight_key[(last_completed_id + 1) & (capacity - 1)];
+    const uint32_t key = inflight[(last_completed_id + 1) & (capacity - 1)].wait_key;
     const uint64_t expect = expected_ns[key];
     auto& word = completions.header()->data_ready;
     uint64_t polls = 0;
@@ -844,7 +847,7 @@ class Worker::Impl {
     last_completed_id = c.request_id;
     // A pull's weights, or an init's (the server's weights are then this
     // worker's): of this session's generation, which a push needs.
-    if (c.code == 0 && inflight_brings_weights[c.request_id & (capacity - 1)] != 0) weights_generation = generation;
+    if (c.code == 0 && inflight[c.request_id & (capacity - 1)].brings_weights) weights_generation = generation;
     *got = true;
     return Status::Ok();
   }
@@ -1172,8 +1175,7 @@ class Worker::Impl {
     }
     tensors = std::move(table);
     expected_ns.assign(2 * tensors.size() + 3, 0);
-    inflight_key.assign(capacity, 0);
-    inflight_brings_weights.assign(capacity, 0);
+    inflight.assign(capacity, InFlight{});
     total_elements = h.total_elements;
     return Status::Ok();
   }
