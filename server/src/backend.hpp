@@ -142,10 +142,13 @@ class Backend {
   // length that differs), the device's.
   virtual Status snapshot_weights(std::span<float> dst) = 0;
   virtual Status add_to_weights(std::span<const float> delta) = 0;
-  // All weights, flat, to host memory (tests, checkpoints).
-  virtual std::vector<float> read_weights() const = 0;
-  // All optimizer state arrays, one after another (state_arrays x total).
-  virtual std::vector<float> read_state() const = 0;
+  // All weights, flat, to host memory (tests, checkpoints), once the work
+  // enqueued before is done. Errors: the device's (a failed read returns
+  // no values: a checkpoint must never store what it did not read).
+  virtual Result<std::vector<float>> read_weights() = 0;
+  // All optimizer state arrays, one after another (state_arrays x total),
+  // as read_weights().
+  virtual Result<std::vector<float>> read_state() = 0;
   // Replaces weights and state (a checkpoint's; sizes as allocated).
   virtual Status load(std::span<const float> weights, std::span<const float> state) = 0;
 };

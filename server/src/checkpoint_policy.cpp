@@ -25,14 +25,18 @@ CheckpointLayout CheckpointPolicy::layout() const {
   return l;
 }
 
-bool CheckpointPolicy::snapshot(CheckpointData* out) const {
+Result<bool> CheckpointPolicy::snapshot(CheckpointData* out) const {
   CheckpointData& d = *out;
   if (federation_source_ && !federation_source_(&d.federation)) return false;
   d.version = model_.version;
   d.layout = layout();
   d.steps = model_.steps;
-  d.weights = backend_.read_weights();
-  d.state = backend_.read_state();
+  Result<std::vector<float>> weights = backend_.read_weights();
+  if (!weights.ok()) return weights.status();
+  Result<std::vector<float>> state = backend_.read_state();
+  if (!state.ok()) return state.status();
+  d.weights = std::move(weights).value();
+  d.state = std::move(state).value();
   return true;
 }
 
@@ -133,20 +137,22 @@ Status CheckpointPolicy::start(uint64_t now, FailureKind* kind) {
   return Status::Ok();
 }
 
-void CheckpointPolicy::publish_result(uint64_t now) {
+void CheckpointPolicy::pause_after_failure(uint64_t now, const std::string& why) {
   constexpr uint64_t kFirstPauseNs = 1'000'000'000, kLongestPauseNs = 64'000'000'000;
+  retry_pause_ns_ = retry_pause_ns_ == 0 ? kFirstPauseNs : std::min(2 * retry_pause_ns_, kLongestPauseNs);
+  retry_at_ns_ = now + retry_pause_ns_;
+  retry_due_ = true;
+  log::error(why + "; trying again in " + std::to_string(retry_pause_ns_ / 1'000'000'000) + " s");
+}
+
+void CheckpointPolicy::publish_result(uint64_t now) {
   const uint64_t written = writer_->written();
   if (written != std::exchange(written_seen_, written)) retry_pause_ns_ = 0;  // one went through
-  if (Status s = writer_->take_result(); !s.ok()) {
-    retry_pause_ns_ = retry_pause_ns_ == 0 ? kFirstPauseNs : std::min(2 * retry_pause_ns_, kLongestPauseNs);
-    retry_at_ns_ = now + retry_pause_ns_;
-    retry_due_ = true;
-    log::error(s.message() + "; trying again in " + std::to_string(retry_pause_ns_ / 1'000'000'000) + " s");
-  }
+  if (Status s = writer_->take_result(); !s.ok()) pause_after_failure(now, s.message());
   // relaxed: statistics, as every store to the block: the writer's counts
-  // (write_final() bumps them for the final write).
+  // and the unread ones (write_final() bumps them for the final write).
   stats_.checkpoints_written.store(written, std::memory_order_relaxed);
-  stats_.checkpoint_failures.store(writer_->failed(), std::memory_order_relaxed);
+  stats_.checkpoint_failures.store(writer_->failed() + unread_, std::memory_order_relaxed);
 }
 
 bool CheckpointPolicy::keeps_unfederated_checkpoint() {
@@ -173,7 +179,15 @@ void CheckpointPolicy::maybe(uint64_t now) {
   }
   if (writer_->busy() || keeps_unfederated_checkpoint()) return;
   CheckpointData data;
-  if (!snapshot(&data)) return;
+  const Result<bool> taken = snapshot(&data);
+  if (!taken.ok()) {
+    ++unread_;
+    shm::bump(stats_.checkpoint_failures);
+    pause_after_failure(now, "checkpoint of version " + std::to_string(model_.version) +
+                                 " not written: reading it from the device failed: " + taken.status().message());
+    return;
+  }
+  if (!*taken) return;
   retry_due_ = false;
   writer_->submit(std::move(data));
   log::info("checkpoint of version " + std::to_string(model_.version) + " handed to the writer");
@@ -188,13 +202,20 @@ Status CheckpointPolicy::write_final() {
   if (model_.version == writer_->last_written() && model_.unversioned_changes == last_unversioned_) return Status::Ok();
   if (keeps_unfederated_checkpoint()) return Status::Ok();
   CheckpointData data;
-  if (!snapshot(&data)) {
+  Result<bool> taken = snapshot(&data);
+  if (taken.ok() && !*taken) {
     // The federation stopped before this (a round cannot be in flight):
     // its state is left out rather than stored unmatched.
     log::warn("federation: its state does not match the weights at stop; the final checkpoint leaves it out");
     federation_source_ = nullptr;
     data = CheckpointData{};
-    static_cast<void>(snapshot(&data));
+    taken = snapshot(&data);
+  }
+  if (!taken.ok()) {
+    shm::bump(stats_.checkpoint_failures);
+    return Status{taken.status().code(),
+                  "final checkpoint of version " + std::to_string(model_.version) +
+                      " not written: reading it from the device failed: " + taken.status().message()};
   }
   Status held = dir_lock_.still_held();
   if (Status s = held.ok() ? write_checkpoint(dir_lock_, data) : held; !s.ok()) {

@@ -71,12 +71,16 @@ class CheckpointPolicy {
 
  private:
   CheckpointLayout layout() const;
-  // False when the federation's state cannot be had now (see
-  // set_federation_source()).
-  bool snapshot(CheckpointData* out) const;
+  // True when taken; false when the federation's state cannot be had now
+  // (see set_federation_source()). Errors: the backend's read of the
+  // weights or the state (then nothing may be written: a file of values
+  // that were never read would pass every check of the restore).
+  Result<bool> snapshot(CheckpointData* out) const;
   // The writer's last result into the log and the stats block's counters;
   // a failed write starts (or doubles) the pause before the next try.
   void publish_result(uint64_t now);
+  // A checkpoint that failed (`why`, logged): starts or doubles the pause.
+  void pause_after_failure(uint64_t now, const std::string& why);
   // A federated server's write at the version of the checkpoint it
   // restored when that one holds no federation state (a job that ran
   // without federation): the join replaced its weights with the group's,
@@ -109,6 +113,7 @@ class CheckpointPolicy {
   uint64_t retry_at_ns_ = 0;     // no write handed over before then
   bool retry_due_ = false;       // a write failed: try again once the pause is over
   uint64_t written_seen_ = 0;    // CheckpointWriter::written() at the last publish_result()
+  uint64_t unread_ = 0;          // checkpoints not written because the backend's read failed
   FederationSource federation_source_;
   std::optional<FederationState> restored_federation_;
   std::vector<float> restored_weights_;  // with restored_federation_ only

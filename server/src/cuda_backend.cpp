@@ -442,7 +442,7 @@ class CudaBackend final : public Backend {
         "cudaMemcpyAsync(weights, src, n, cudaMemcpyDefault, stream_)", __LINE__);
   }
 
-  std::vector<float> read_weights() const override { return download(weights_); }
+  Result<std::vector<float>> read_weights() override { return download(weights_); }
 
   // Federation's snapshot and merge, through host memory: between two
   // requests, each copy on stream_ (ordered after the applies before it,
@@ -462,12 +462,13 @@ class CudaBackend final : public Backend {
     return copy_on_stream(weights_, merge_scratch_.data(), cudaMemcpyHostToDevice, "cudaMemcpyAsync(weights_, merged)");
   }
 
-  std::vector<float> read_state() const override {
+  Result<std::vector<float>> read_state() override {
     std::vector<float> out;
     out.reserve(state_.size() * total_);
     for (float* p : state_) {
-      std::vector<float> a = download(p);
-      out.insert(out.end(), a.begin(), a.end());
+      Result<std::vector<float>> a = download(p);
+      if (!a.ok()) return a.status();
+      out.insert(out.end(), a->begin(), a->end());
     }
     return out;
   }
@@ -558,18 +559,18 @@ class CudaBackend final : public Backend {
     return synchronize();
   }
 
-  std::vector<float> download(const float* p) const {
+  // One device array to host memory, after the stream's work: every
+  // error is returned (a sticky one also marks the context lost, which
+  // healthy() then reports), never values that were not read.
+  Result<std::vector<float>> download(const float* p) {
+    if (!sticky_.ok()) return sticky_;
     std::vector<float> out(total_);
-    if (total_ == 0 || !sticky_.ok()) return out;
-    bind();
-    // const: a read of the device; errors leave zeros (logged).
-    if (std::string e = SHMPS_CUDA_ERROR(cudaStreamSynchronize(stream_)); !e.empty()) log::error(e);
-    if (std::string e = SHMPS_CUDA_ERROR(cudaMemcpy(out.data(), p, total_ * sizeof(float), cudaMemcpyDeviceToHost));
-        !e.empty())
-      log::error(e);
-    // A non-sticky failure must not be reported by the next launch check
-    // (a sticky one is found by the next fence; healthy() then says so).
-    (void)cudaGetLastError();
+    if (total_ == 0) return out;
+    if (Status s = synchronize(); !s.ok()) return s;
+    if (Status s = call(cudaMemcpy(out.data(), p, total_ * sizeof(float), cudaMemcpyDeviceToHost),
+                        "cudaMemcpy(out, p, total_ * sizeof(float), cudaMemcpyDeviceToHost)", __LINE__);
+        !s.ok())
+      return s;
     return out;
   }
 

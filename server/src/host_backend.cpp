@@ -166,7 +166,7 @@ class HostBackend final : public Backend {
     return Status::Ok();
   }
 
-  std::vector<float> read_weights() const override {
+  Result<std::vector<float>> read_weights() override {
     return std::vector<float>(weights_.data(), weights_.data() + weights_.size());
   }
 
@@ -182,7 +182,7 @@ class HostBackend final : public Backend {
     return Status::Ok();
   }
 
-  std::vector<float> read_state() const override {
+  Result<std::vector<float>> read_state() override {
     std::vector<float> out;
     out.reserve(state_.size() * weights_.size());
     for (const auto& array : state_) out.insert(out.end(), array.data(), array.data() + array.size());

@@ -1097,7 +1097,7 @@ void Server::request_reload() noexcept {
   shm::notify(impl_->segment->header().server_wake);
 }
 
-std::vector<float> Server::weights() const { return impl_->backend->read_weights(); }
+Result<std::vector<float>> Server::weights() const { return impl_->backend->read_weights(); }
 uint64_t Server::version() const noexcept { return impl_->model.version; }
 
 }  // namespace shmps::server

@@ -10,6 +10,8 @@
 #include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <cstring>
+#include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "backend.hpp"
@@ -29,10 +31,11 @@ namespace {
 // What the test controls and observes; shared with the backend (which the
 // server owns).
 struct Gate {
-  std::atomic<uint64_t> released{0};  // fences <= this are done
-  std::atomic<uint64_t> issued{0};    // the last fence handed out
-  std::atomic<int> live_peers{0};     // PeerBuffers not yet destroyed
-  std::atomic<bool> lost{false};      // the "device" failed: a sticky error
+  std::atomic<uint64_t> released{0};    // fences <= this are done
+  std::atomic<uint64_t> issued{0};      // the last fence handed out
+  std::atomic<int> live_peers{0};       // PeerBuffers not yet destroyed
+  std::atomic<bool> lost{false};        // the "device" failed: a sticky error
+  std::atomic<bool> reads_fail{false};  // a read of the weights fails, the device lives on (not sticky)
   void release_all() { released.store(UINT64_MAX, std::memory_order_release); }
 };
 
@@ -100,10 +103,13 @@ class GatedBackend final : public Backend {
     dirty_ = true;
     return host_->copy_in(e, n, in(src), off);
   }
-  std::vector<float> read_weights() const override { return host_->read_weights(); }
+  Result<std::vector<float>> read_weights() override {
+    if (gate_->reads_fail.load()) return Status{ErrorCode::kCuda, "cudaErrorLaunchFailure (test): the read failed"};
+    return host_->read_weights();
+  }
   Status snapshot_weights(std::span<float> dst) override { return host_->snapshot_weights(dst); }
   Status add_to_weights(std::span<const float> delta) override { return host_->add_to_weights(delta); }
-  std::vector<float> read_state() const override { return host_->read_state(); }
+  Result<std::vector<float>> read_state() override { return host_->read_state(); }
   Status load(std::span<const float> w, std::span<const float> s) override { return host_->load(w, s); }
 
  private:
@@ -114,12 +120,18 @@ class GatedBackend final : public Backend {
 
 // An in-process server on the gated backend, run() on a thread.
 struct GatedServer {
-  explicit GatedServer(const std::string& tag) {
+  // `checkpoint_dir`: checkpoints after every update into it, the newest kept.
+  explicit GatedServer(const std::string& tag, const std::string& checkpoint_dir = "") {
     config.name = test::unique_name(tag);
     config.tensors = {{"w", {4}}};
     config.optimizer.lr = 1.0f;
     config.max_staleness = 1u << 20;
     config.backend = BackendKind::kHost;
+    if (!checkpoint_dir.empty()) {
+      config.checkpoint_dir = checkpoint_dir;
+      config.checkpoint_every = 1;
+      config.checkpoint_keep = 1;
+    }
     auto s = Server::create(config, std::make_unique<GatedBackend>(&gate));
     BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
     server = std::move(s).value();
@@ -280,6 +292,48 @@ BOOST_AUTO_TEST_CASE(a_lost_device_fails_the_push_and_stops_the_server_with_the_
   BOOST_TEST(s.run_code.load() == static_cast<uint32_t>(ErrorCode::kCuda));
   BOOST_TEST(s.run_message.find("half-written") != std::string::npos, s.run_message);
   BOOST_TEST(!a->ping().ok());  // nothing more is served
+}
+
+// A read of the device that fails (a copy's error, with the context alive)
+// writes no checkpoint: one of values that were never read would pass
+// every check of the restore, and pruning would then delete the last good
+// one. The failure is counted and logged, the server serves on, and the
+// next try after the pause writes the version it missed.
+BOOST_AUTO_TEST_CASE(a_failed_read_of_the_device_writes_no_checkpoint_and_prunes_none) {
+  namespace fs = std::filesystem;
+  test::TempDir dir("ckread");
+  const fs::path first = dir.path / "ckpt-00000000000000000001.shmps";
+  const fs::path second = dir.path / "ckpt-00000000000000000002.shmps";
+  std::optional<GatedServer> s(std::in_place, "ckread", dir.path.string());
+  s->gate.release_all();
+  auto a = connect(s->config.name);
+  auto grad = a->register_buffer(16);
+  BOOST_REQUIRE(grad.ok());
+  std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+  BOOST_REQUIRE(a->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 0).ok());
+  BOOST_REQUIRE(test::eventually([&] { return fs::exists(first); }));
+  s->gate.reads_fail = true;
+  BOOST_REQUIRE(a->push(kAllTensors, grad->id, 0, 16, Dtype::kF32, 1).ok());
+  auto segment = shm::Segment::open(s->config.name, /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(segment.ok(), segment.status().to_string());
+  const auto& failures = (*segment)->stats().checkpoint_failures;
+  BOOST_REQUIRE(test::eventually([&] { return failures.load() >= 1; }));
+  BOOST_TEST(a->ping().ok());
+  BOOST_TEST(!fs::exists(second));
+  BOOST_TEST(fs::exists(first));  // not pruned
+  s->gate.reads_fail = false;
+  BOOST_REQUIRE(test::eventually([&] { return fs::exists(second); }, std::chrono::seconds(10)));
+  BOOST_TEST(test::eventually([&] { return !fs::exists(first); }));  // pruned once version 2 is on disk
+  ServerConfig again = s->config;
+  again.name = test::unique_name("ckread_again");
+  segment = Status{};
+  a.reset();
+  s.reset();
+  // What was written is what the weights were: -1 - 1 after two pushes of 1.
+  auto restored = Server::create(again);
+  BOOST_REQUIRE_MESSAGE(restored.ok(), restored.status().to_string());
+  BOOST_TEST((*restored)->version() == 2u);
+  BOOST_TEST((*restored)->weights().value() == std::vector<float>(4, -2.0f), boost::test_tools::per_element());
 }
 
 // A stuck stream (a dead worker's event never recorded, say) is given up

@@ -71,7 +71,8 @@ BOOST_AUTO_TEST_CASE(threads_push_concurrently_each_push_applied_once) {
   server.stop();
   const uint64_t expected = uint64_t{kThreads} * (kPushes + kPushes / 2);
   BOOST_TEST(server.server->version() == expected);
-  for (float x : server.server->weights()) BOOST_TEST(x == static_cast<float>(expected));
+  const std::vector<float> weights = server.server->weights().value();
+  for (float x : weights) BOOST_TEST(x == static_cast<float>(expected));
 }
 
 BOOST_AUTO_TEST_CASE(invalid_config_is_refused_naming_the_option) {
@@ -102,7 +103,7 @@ BOOST_AUTO_TEST_CASE(init_file_sets_the_weights_and_its_size_is_checked) {
   config.init.file = path;
   auto s = Server::create(config);
   BOOST_REQUIRE(s.ok());
-  BOOST_TEST((*s)->weights() == std::vector<float>(values, values + 5), boost::test_tools::per_element());
+  BOOST_TEST((*s)->weights().value() == std::vector<float>(values, values + 5), boost::test_tools::per_element());
   s = Result<std::unique_ptr<Server>>(Status{});
   config.tensors = {{"a", {2, 3}}};
   auto bad = Server::create(config);
@@ -131,13 +132,13 @@ BOOST_AUTO_TEST_CASE(initial_weights_span_chunks_as_one_sequence) {
   {
     auto s = Server::create(config);
     BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
-    BOOST_TEST(((*s)->weights() == reference(std::normal_distribution<float>(0.0f, 0.5f))));
+    BOOST_TEST(((*s)->weights().value() == reference(std::normal_distribution<float>(0.0f, 0.5f))));
   }
   config.init.kind = InitSpec::Kind::kUniform;
   {
     auto s = Server::create(config);
     BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
-    BOOST_TEST(((*s)->weights() == reference(std::uniform_real_distribution<float>(-0.5f, 0.5f))));
+    BOOST_TEST(((*s)->weights().value() == reference(std::uniform_real_distribution<float>(-0.5f, 0.5f))));
   }
   const std::string path = "/tmp/shmps_init_chunks_" + std::to_string(::getpid()) + ".bin";
   std::vector<float> values(kA + kB);
@@ -152,7 +153,7 @@ BOOST_AUTO_TEST_CASE(initial_weights_span_chunks_as_one_sequence) {
   {
     auto s = Server::create(config);
     BOOST_REQUIRE_MESSAGE(s.ok(), s.status().to_string());
-    BOOST_TEST(((*s)->weights() == values));
+    BOOST_TEST(((*s)->weights().value() == values));
   }
   values[(2 << 20) + 5] = std::numeric_limits<float>::quiet_NaN();  // in the third chunk
   write();

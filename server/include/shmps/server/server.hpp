@@ -92,8 +92,9 @@ class Server {
   void request_reload() noexcept;
 
   // Copies the current weights (all tensors, flat fp32). Only while run()
-  // is not running, or from tests that accept a racy copy.
-  std::vector<float> weights() const;
+  // is not running, or from tests that accept a racy copy. Errors: the
+  // device's.
+  Result<std::vector<float>> weights() const;
   // Updates applied so far. Only while run() is not running (another
   // thread reads the shared stats block's version instead).
   uint64_t version() const noexcept;

@@ -574,7 +574,7 @@ inline constexpr uint64_t kScheduledLrSaturated = ~uint64_t{0} - 1;
   X(fed_state, gauge, "The federation's state: 0 off, 1 forming a group, 2 in a group, 3 paused (no majority of the last group), 4 ended.") \
   X(scheduled_lr_pico, gauge, "The lr the next update gets by --lr-schedule (before --staleness-policy scale); +Inf: not finite.") \
   X(checkpoints_written, counter, "Checkpoints this server wrote (--checkpoint-dir).") \
-  X(checkpoint_failures, counter, "Checkpoint writes that failed (the error is in the log).") \
+  X(checkpoint_failures, counter, "Checkpoints that failed: the device's read or the write (the error is in the log).") \
   X(pulls_held, gauge, "Pulls held back now by --staleness-policy wait (their workers wait for the slowest).")
 // clang-format on
 #define SHMPS_STATS_COUNT(name, kind, help) +1
