@@ -29,7 +29,7 @@ import typing
 from . import _errors
 from ._errors import *  # noqa: F401,F403 (the exception classes)
 from ._errors import Error, StaleError
-from ._server import Server, server_binary
+from ._server import Server, served_shape, server_binary
 from ._shmps import ALL_TENSORS, ERROR_CODES, STATS_FIELDS, Buffer
 from ._shmps import _set_main_thread
 from ._shmps import connect as _connect
@@ -51,8 +51,8 @@ os.register_at_fork(after_in_child=_note_main_thread)
 # InterruptedError: their subclasses) are left out, so that
 # `from shmps import *` does not shadow the builtins; shmps.TimeoutError
 # names them.
-__all__ = ["connect", "Worker", "Buffer", "TensorInfo", "PushOutcomes", "Stats", "Server", "server_binary",
-           "ALL_TENSORS", "Error"] + [
+__all__ = ["connect", "Worker", "Buffer", "TensorInfo", "PushOutcomes", "Stats", "Server", "served_shape",
+           "server_binary", "ALL_TENSORS", "Error"] + [
     cls.__name__ for cls in _errors.BY_CODE.values() if not hasattr(builtins, cls.__name__)]
 
 # Gradient dtypes as the protocol numbers them (shmps::Dtype), by name.
@@ -251,13 +251,20 @@ class Worker:
         self._dropped.extend(buffers)
 
     def _free_dropped(self):
-        while self._dropped:
-            buf = self._dropped.pop()
-            with contextlib.suppress(Error):  # best effort: the slot is what it frees
-                for ticket in self.pushes_in_flight(buf):
-                    with contextlib.suppress(Error):
-                        self.wait(ticket)
-                self.unregister_buffer(buf)
+        while True:
+            try:
+                buf = self._dropped.pop()
+            except IndexError:  # empty, or another thread took the last one
+                return
+            try:
+                with contextlib.suppress(Error):  # best effort: the slot is what it frees
+                    for ticket in self.pushes_in_flight(buf):
+                        with contextlib.suppress(Error):
+                            self.wait(ticket)
+                    self.unregister_buffer(buf)
+            except BaseException:
+                self._dropped.append(buf)  # Ctrl-C in a wait: freed by a later registration
+                raise
 
     # ---- requests ----
     def push(self, buffer, version, tensor=None, offset=0, nbytes=None, dtype="float32", stream=None):
@@ -353,8 +360,10 @@ class Worker:
         server at most 5 s (the detach bound, whatever `timeout` says), and
         Ctrl-C ends it at once: closed all the same, the KeyboardInterrupt
         raised."""
-        self._w.close()
-        self._held.clear()
+        try:
+            self._w.close()
+        finally:
+            self._held.clear()
 
     def __enter__(self):
         return self

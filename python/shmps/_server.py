@@ -12,6 +12,7 @@ For real use the server runs on its own, under systemd (docs/operations.md).
 import contextlib
 import fcntl
 import itertools
+import math
 import operator
 import os
 import re
@@ -44,8 +45,21 @@ def server_binary():
                             "package), or put shmps-server on PATH")
 
 
+def served_shape(shape):
+    """The shape a tensor of `shape` has on the server, whose tensors have 1
+    to 4 dimensions: a 0-d one is (1,), and one of more than 4 dimensions
+    keeps its first three and folds the rest into the fourth (a Conv3d
+    weight (out, in, d, h, w) is (out, in, d, h * w)). The elements, in
+    order, are the same: a parameter is a view of its range either way."""
+    dims = [operator.index(d) for d in shape] or [1]
+    if len(dims) > 4:
+        dims = dims[:3] + [math.prod(dims[3:])]
+    return tuple(dims)
+
+
 def _tensor_specs(model=None, tensors=None):
-    """["name:D0xD1", ...] from model.named_parameters() or (name, shape) pairs."""
+    """["name:D0xD1", ...] from model.named_parameters() or (name, shape)
+    pairs, each shape as served_shape() gives it."""
     if (model is None) == (tensors is None):
         raise ValueError("give a model (a torch.nn.Module) or tensors ((name, shape) pairs), exactly one")
     if model is not None:
@@ -73,7 +87,7 @@ def _tensor_specs(model=None, tensors=None):
         if isinstance(shape, (str, bytes)):
             raise TypeError(f"tensor {name!r}: the shape must be a sequence of ints, not {shape!r}")
         try:
-            dims = [operator.index(d) for d in shape] or [1]  # a 0-d parameter is one element
+            dims = served_shape(shape)
         except TypeError:
             raise TypeError(f"tensor {name!r}: the shape must be a sequence of ints, not {shape!r}") from None
         specs.append(f"{name}:{'x'.join(str(d) for d in dims)}")

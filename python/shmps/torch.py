@@ -23,6 +23,7 @@ import weakref
 import torch
 
 from . import PushOutcomes, _errors
+from ._server import served_shape
 
 
 class RemoteOptimizer:
@@ -108,6 +109,7 @@ class RemoteOptimizer:
             for p, w, g in views:
                 p.data = w
                 p.grad = g
+        self._grad_views = [g for _, _, g in views]
         self._grad_ptrs = [(name, p.grad.data_ptr()) for name, p in self._params]
         self._weight_ptrs = [p.data_ptr() for _, p in self._params]
         # Dropped without close(): the two buffers are freed at the Worker's
@@ -128,7 +130,7 @@ class RemoteOptimizer:
             t = table.get(name)
             if t is None:
                 problems.append(f"{name} {tuple(p.shape)} is not on the server")
-            elif p.numel() != t.count or (tuple(p.shape) != t.shape and not (p.dim() == 0 and t.shape == (1,))):
+            elif p.numel() != t.count or tuple(t.shape) not in (tuple(p.shape), served_shape(p.shape)):
                 problems.append(f"{name} is {tuple(p.shape)} here, {t.shape} on the server")
         frozen = {n for n, _ in self._frozen}
         missing = [n for n in table if n not in names]
@@ -192,7 +194,8 @@ class RemoteOptimizer:
             self._settle(ticket)
 
     def zero_grad(self, set_to_none=False):
-        """Zeroes the gradient buffer; .grad is never set to None (it must stay a view of the buffer)."""
+        """Zeroes the gradient buffer and makes every parameter's .grad its
+        view again; .grad is never set to None."""
         del set_to_none  # accepted for torch.optim's signature; the buffer is always zeroed
         with self._lock:
             self._zero_grad()
@@ -201,6 +204,34 @@ class RemoteOptimizer:
         self._check_open("zero_grad")
         self._settle_pending()
         self._grads.zero_()
+        with torch.no_grad():
+            for (_, p), view in zip(self._params, self._grad_views):
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+
+    def _gather_grads(self):
+        """Every .grad into its view of the gradient buffer: one that
+        model.zero_grad() set to None (torch 2.x's default) and backward()
+        then made anew is copied in, and the parameter's .grad is its view
+        again; one that backward() did not reach since (None) pushes zeros,
+        so the server's momentum and weight decay still move that
+        parameter, as torch.optim's do after zero_grad(set_to_none=False).
+        A .grad of another shape, dtype or device raises, naming it."""
+        with torch.no_grad():
+            for (name, p), view in zip(self._params, self._grad_views):
+                g = p.grad
+                if g is not None and g.data_ptr() == view.data_ptr():
+                    continue
+                if g is None:
+                    view.zero_()
+                elif g.shape != view.shape or g.dtype != view.dtype or g.device != view.device or g.is_sparse:
+                    raise RuntimeError(
+                        f"parameter {name!r}: .grad is {'sparse ' if g.is_sparse else ''}{tuple(g.shape)} "
+                        f"{g.dtype} on {g.device}, not {tuple(view.shape)} {view.dtype} on {view.device}: it cannot "
+                        "be pushed")
+                else:
+                    view.copy_(g)
+                p.grad = view
 
     def close(self):
         """Gives the model its parameters back: every p.data and p.grad
@@ -251,14 +282,20 @@ class RemoteOptimizer:
         self.close()
         return False
 
-    def step(self):
+    def step(self, closure=None):
         """Pushes the gradients against the version last pulled, then pulls
         (the pull queued behind the push, so the worker waits once for
         both, and sees its own update). Returns the version pulled; a
         StaleError under on_stale="raise" comes with the weights already
-        pulled."""
+        pulled. `closure` (as torch.optim's): run first, with gradients
+        enabled, to compute them; then the step returns its loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         with self._lock:
-            return self._step()
+            version = self._step()
+        return version if closure is None else loss
 
     def _step(self):
         self._check_open("step")
@@ -269,12 +306,6 @@ class RemoteOptimizer:
                     f"parameter {name!r} no longer lives in this RemoteOptimizer's weight buffer (its .data was "
                     "reassigned, moved by model.share_memory() or .to(), or taken over by another RemoteOptimizer): "
                     "pulls would not reach it; copy into it in place instead (p.data.copy_(t))")
-        for (name, ptr), (_, p) in zip(self._grad_ptrs, self._params):
-            if p.grad is None or p.grad.data_ptr() != ptr:
-                raise RuntimeError(
-                    f"parameter {name!r}: .grad no longer points into this RemoteOptimizer's gradient buffer (it was "
-                    "set to None or replaced, e.g. by zero_grad(set_to_none=True), torch 2.x's default): call "
-                    "RemoteOptimizer.zero_grad() or model.zero_grad(set_to_none=False) instead")
         for name, p in self._frozen:
             if p.requires_grad:
                 raise RuntimeError(
@@ -288,6 +319,7 @@ class RemoteOptimizer:
                     "(requires_grad=False): the server would go on moving it (momentum, weight decay, Adam's "
                     "moments) and every pull would overwrite it: make a new server and RemoteOptimizer for the "
                     "frozen model")
+        self._gather_grads()
         self._step_mark = self._outcomes().last_ticket
         try:
             ticket = self.worker.push_async(self._grad_buf, self.version, stream=self._stream())

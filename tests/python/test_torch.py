@@ -109,17 +109,102 @@ def test_the_servers_lr_schedule_equals_torchs_scheduler(make_server, which):
     assert worst <= 1e-6
 
 
-def test_grad_replaced_by_zero_grad_set_to_none_names_the_parameter(make_server):
-    model = Net()
-    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
+class Branchy(torch.nn.Module):
+    """A head that only odd steps reach: backward() leaves its .grad alone on even ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(6, 5)
+        self.head = torch.nn.Linear(5, 3)
+
+    def forward(self, x, use_head):
+        h = torch.relu(self.body(x))
+        return self.head(h) if use_head else h
+
+
+def test_zero_grad_set_to_none_trains_as_torch_optim_with_zeroed_gradients(make_server):
+    # torch 2.x's model.zero_grad() sets .grad to None; backward() then makes
+    # new tensors (and leaves those of a branch it did not reach None). The
+    # step takes them in; a None one pushes zeros, so momentum and weight
+    # decay move it as torch.optim's do after zero_grad(set_to_none=False).
+    torch.manual_seed(0)
+    local, remote = Branchy(), Branchy()
+    remote.load_state_dict(local.state_dict())
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in local.named_parameters()], optimizer="sgd",
+                         lr=0.05, momentum=0.9, weight_decay=0.01)
+    reference = torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    for p in local.parameters():
+        p.grad = torch.zeros_like(p)  # zeroed from the start, never None
+    g = torch.Generator().manual_seed(1)
     with shmps.connect(server.name) as w:
-        opt = shmps.torch.RemoteOptimizer(model, w)
-        model(torch.randn(2, 6)).sum().backward()
-        opt.step()
-        model.zero_grad(set_to_none=True)
-        model(torch.randn(2, 6)).sum().backward()  # new .grad tensors, outside the buffer
-        with pytest.raises(RuntimeError, match="'fc1.weight'.*set_to_none"):
+        opt = shmps.torch.RemoteOptimizer(remote, w, on_stale="raise", init=True)
+        for step in range(8):
+            x = torch.randn(4, 6, generator=g)
+            reference.zero_grad(set_to_none=False)
+            local(x, step % 2 == 1).sum().backward()
+            reference.step()
+            remote.zero_grad(set_to_none=True)
+            remote(x, step % 2 == 1).sum().backward()
+            assert (remote.head.weight.grad is None) == (step % 2 == 0)
+            assert opt.step() == step + 1
+            for (name, p), q in zip(local.named_parameters(), remote.parameters()):
+                assert torch.allclose(p, q, rtol=1e-6, atol=1e-7), f"{name} after step {step}"
+            # Every .grad is its view of the buffer again: zero_grad() reaches it.
+            opt.zero_grad()
+            assert all(float(q.grad.abs().sum()) == 0.0 for q in remote.parameters())
+
+
+def test_step_runs_a_closure_and_returns_its_loss(make_server):
+    torch.manual_seed(0)
+    local, remote = Net(), Net()
+    remote.load_state_dict(local.state_dict())
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in local.named_parameters()], optimizer="sgd",
+                         lr=0.1)
+    reference = torch.optim.SGD(local.parameters(), lr=0.1)
+    x = torch.randn(4, 6)
+    with shmps.connect(server.name) as w:
+        opt = shmps.torch.RemoteOptimizer(remote, w, init=True)
+
+        def closure(model, optimizer):
+            def run():
+                optimizer.zero_grad()
+                loss = model(x).square().sum()
+                loss.backward()
+                return loss
+            return run
+
+        with torch.no_grad():  # the closure computes its gradients all the same
+            want = reference.step(closure(local, reference))
+            got = opt.step(closure(remote, opt))
+        assert float(got) == float(want)
+        for p, q in zip(local.parameters(), remote.parameters()):
+            assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+        assert opt.pushes == 1
+
+
+def test_a_parameter_of_five_dimensions_is_served_folded_to_four(make_server):
+    # A Conv3d weight (out, in, d, h, w) is (out, in, d, h * w) on the
+    # server, which serves 1 to 4 dimensions; the model keeps its shape.
+    torch.manual_seed(0)
+    local, remote = torch.nn.Conv3d(2, 3, 2), torch.nn.Conv3d(2, 3, 2)
+    remote.load_state_dict(local.state_dict())
+    with shmps.Server(remote, optimizer="adam", lr=0.01, backend="host",
+                      name=unique_name("conv3d")) as server, shmps.connect(server.name) as w:
+        assert [(t.name, t.shape) for t in w.tensors] == [("weight", (3, 2, 2, 4)), ("bias", (3,))]
+        opt = shmps.torch.RemoteOptimizer(remote, w, init=True)
+        assert remote.weight.shape == (3, 2, 2, 2, 2)
+        reference = torch.optim.Adam(local.parameters(), lr=0.01)
+        x = torch.randn(1, 2, 3, 3, 3)
+        for _ in range(3):
+            reference.zero_grad()
+            local(x).sum().backward()
+            reference.step()
+            opt.zero_grad()
+            remote(x).sum().backward()
             opt.step()
+        for p, q in zip(local.parameters(), remote.parameters()):
+            assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+        opt.close()
 
 
 def test_reassigned_data_names_the_parameter_and_in_place_copies_are_fine(make_server):
