@@ -23,6 +23,7 @@
 #include <utility>
 
 #include "shmps/kernels/optimizer.hpp"
+#include "shmps/server/log.hpp"
 #include "threads.hpp"
 
 namespace shmps::server {
@@ -291,21 +292,51 @@ std::string name_of(const std::string& path) {
 // would), or -1 with errno set.
 UniqueFd open_dir(const std::string& dir) { return UniqueFd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)); }
 
-// The names in the directory `dir_fd` that `wanted` takes, in no order.
-// Listed through a descriptor of its own (openat "."): a readdir() offset
-// is the open file's, and `dir_fd` is shared.
-std::vector<std::string> names_in(int dir_fd, bool (*wanted)(const std::string&)) {
-  std::vector<std::string> names;
+// What to do about a directory listing that failed with `err`.
+std::string listing_fix(int err) {
+  switch (err) {
+    case EMFILE:
+      return "raise the server's open-file limit (LimitNOFILE= in its unit, ulimit -n)";
+    case ENFILE:
+      return "the system's file table is full: close files elsewhere or raise fs.file-max";
+    case ENOMEM:
+      return "free memory";
+    default:
+      return "check the directory and its file system (dmesg)";
+  }
+}
+
+// The names in the directory `dir_fd`, which messages call `dir`, that
+// `wanted` takes, in no order. Listed through a descriptor of its own
+// (openat "."): a readdir() offset is the open file's, and `dir_fd` is
+// shared. Errors: kIo naming the directory, the failing call, its errno
+// text and the fix: a listing cut short (no descriptor or memory left, a
+// read error) is never taken for an empty directory.
+Result<std::vector<std::string>> names_in(int dir_fd, const std::string& dir, bool (*wanted)(const std::string&)) {
+  const auto failed = [&dir](const char* call) {
+    const int err = errno;
+    return Status{ErrorCode::kIo,
+                  "cannot list " + dir + " (" + call + ": " + std::strerror(err) + "): " + listing_fix(err)};
+  };
   const int fd = ::openat(dir_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return names;
+  if (fd < 0) return failed("open");
   DIR* d = ::fdopendir(fd);
   if (d == nullptr) {
+    Status s = failed("fdopendir");
     ::close(fd);
-    return names;
+    return s;
   }
-  while (dirent* e = ::readdir(d))
+  std::vector<std::string> names;
+  while (true) {
+    // readdir() returns null at the end and on an error: errno tells them apart.
+    errno = 0;
+    const dirent* e = ::readdir(d);
+    if (e == nullptr) break;
     if (wanted(e->d_name)) names.emplace_back(e->d_name);
+  }
+  Status s = errno != 0 ? failed("readdir") : Status::Ok();
   ::closedir(d);  // closes fd
+  if (!s.ok()) return s;
   return names;
 }
 
@@ -500,18 +531,25 @@ Result<CheckpointData> read_in(int dir_fd, const std::string& name, const std::s
 }
 
 // list_checkpoints() of `dir_fd`, which the paths call `dir`.
-std::vector<std::string> list_in(int dir_fd, const std::string& dir) {
-  std::vector<std::string> names = names_in(dir_fd, is_checkpoint_name);
+Result<std::vector<std::string>> list_in(int dir_fd, const std::string& dir) {
+  Result<std::vector<std::string>> names = names_in(dir_fd, dir, is_checkpoint_name);
+  if (!names.ok()) return names;
   // Fixed-width versions: name order is version order.
-  std::sort(names.rbegin(), names.rend());
-  for (std::string& n : names) n = dir + "/" + n;
+  std::sort(names->rbegin(), names->rend());
+  for (std::string& n : *names) n = dir + "/" + n;
   return names;
 }
 
 // prune_checkpoints() in `dir_fd`, which messages call `dir`.
 void prune_in(int dir_fd, const std::string& dir, uint32_t keep, uint64_t newest, const CheckpointLayout& layout) {
+  const Result<std::vector<std::string>> paths = list_in(dir_fd, dir);
+  if (!paths.ok()) {
+    log::warn("checkpoint: not pruning this time: " + paths.status().message() +
+              "; the older checkpoints stay until a later write prunes them");
+    return;
+  }
   uint32_t kept = 0;
-  for (const std::string& path : list_in(dir_fd, dir)) {
+  for (const std::string& path : *paths) {
     try {
       if (version_in_name(path).value() > newest) continue;
     } catch (const std::out_of_range&) {
@@ -529,8 +567,13 @@ void prune_in(int dir_fd, const std::string& dir, uint32_t keep, uint64_t newest
   }
 }
 
-void remove_temps_in(int dir_fd) {
-  for (const std::string& t : names_in(dir_fd, is_temp_name)) ::unlinkat(dir_fd, t.c_str(), 0);
+void remove_temps_in(int dir_fd, const std::string& dir) {
+  const Result<std::vector<std::string>> temps = names_in(dir_fd, dir, is_temp_name);
+  if (!temps.ok()) {
+    log::warn("checkpoint: the temp files of a writer killed mid-write are not removed: " + temps.status().message());
+    return;
+  }
+  for (const std::string& t : *temps) ::unlinkat(dir_fd, t.c_str(), 0);
 }
 
 }  // namespace
@@ -561,12 +604,15 @@ Result<std::string> set_aside_damaged_checkpoint(const CheckpointDirLock& lock, 
   return to;
 }
 
-std::vector<std::string> list_checkpoints(const std::string& dir) {
+Result<std::vector<std::string>> list_checkpoints(const std::string& dir) {
   const UniqueFd d = open_dir(dir);
-  return d.fd < 0 ? std::vector<std::string>{} : list_in(d.fd, dir);
+  if (d.fd < 0) return Status{ErrorCode::kIo, "cannot open " + dir + ": " + errno_text()};
+  return list_in(d.fd, dir);
 }
 
-std::vector<std::string> list_checkpoints(const CheckpointDirLock& lock) { return list_in(lock.dir_fd(), lock.dir()); }
+Result<std::vector<std::string>> list_checkpoints(const CheckpointDirLock& lock) {
+  return list_in(lock.dir_fd(), lock.dir());
+}
 
 void prune_checkpoints(const std::string& dir, uint32_t keep, uint64_t newest, const CheckpointLayout& layout) {
   if (const UniqueFd d = open_dir(dir); d.fd >= 0) prune_in(d.fd, dir, keep, newest, layout);
@@ -617,10 +663,10 @@ Status check_checkpoint_dir(const std::string& dir) {
 }
 
 void remove_temp_files(const std::string& dir) {
-  if (const UniqueFd d = open_dir(dir); d.fd >= 0) remove_temps_in(d.fd);
+  if (const UniqueFd d = open_dir(dir); d.fd >= 0) remove_temps_in(d.fd, dir);
 }
 
-void remove_temp_files(const CheckpointDirLock& lock) { remove_temps_in(lock.dir_fd()); }
+void remove_temp_files(const CheckpointDirLock& lock) { remove_temps_in(lock.dir_fd(), lock.dir()); }
 
 Result<CheckpointDirLock> CheckpointDirLock::acquire(const std::string& dir) {
   const std::string path = dir + "/" + kCheckpointLockName;

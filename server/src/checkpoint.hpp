@@ -163,17 +163,22 @@ Result<CheckpointData> read_checkpoint(const CheckpointDirLock& lock, const std:
 Result<std::string> set_aside_damaged_checkpoint(const CheckpointDirLock& lock, const std::string& path);
 
 // The checkpoint files in dir (as paths dir/<name>), newest (highest
-// version) first.
-std::vector<std::string> list_checkpoints(const std::string& dir);
+// version) first. Errors: kIo when the directory cannot be opened or read
+// to its end (no descriptor or memory left, a read error), naming it, the
+// failing call and the fix: a listing cut short is never taken for an
+// empty directory (a restore would start from scratch, and its writes
+// replace the checkpoints there one by one).
+Result<std::vector<std::string>> list_checkpoints(const std::string& dir);
 // The same in the directory `lock` holds (named by its path).
-std::vector<std::string> list_checkpoints(const CheckpointDirLock& lock);
+Result<std::vector<std::string>> list_checkpoints(const CheckpointDirLock& lock);
 
 // After a checkpoint of version `newest` was written: deletes all but the
 // newest `keep` files of `layout` at or below `newest`. A file above it
 // (newer than anything this server wrote: a restart skipped it as damaged
 // or foreign), or not of `layout` (another model's, or unreadable), is left
 // alone. Only headers are read. Lists, reads and deletes through one
-// descriptor of the directory.
+// descriptor of the directory. A directory it cannot list is not pruned
+// this time (logged as a warning).
 void prune_checkpoints(const std::string& dir, uint32_t keep, uint64_t newest, const CheckpointLayout& layout);
 // The same in the directory `lock` holds (the server's pruning; see
 // write_checkpoint(lock, data)).
@@ -182,7 +187,8 @@ void prune_checkpoints(const CheckpointDirLock& lock, uint32_t keep, uint64_t ne
 // Deletes the temp files (.ckpt-<version>.shmps.tmp) a writer killed in
 // mid-write left. At server start, before its writer runs, with the
 // directory's lock held (the overload on the lock): a checkpoint directory
-// serves one server.
+// serves one server. A directory it cannot list is left as it is (logged
+// as a warning).
 void remove_temp_files(const std::string& dir);
 void remove_temp_files(const CheckpointDirLock& lock);
 

@@ -91,7 +91,16 @@ Status CheckpointPolicy::start(uint64_t now, FailureKind* kind) {
   std::optional<uint64_t> restored;
   const CheckpointLayout l = layout();
   uint32_t refused = 0;
-  for (const std::string& path : list_checkpoints(dir_lock_)) {
+  // A directory that cannot be listed fails the start: taken for an empty
+  // one, the server would train from scratch and write over its
+  // checkpoints, version by version.
+  const Result<std::vector<std::string>> paths = list_checkpoints(dir_lock_);
+  if (!paths.ok())
+    return Status{ErrorCode::kIo, "--checkpoint-dir " + config_.checkpoint_dir +
+                                      ": not restoring: " + paths.status().message() +
+                                      ", and start the server again (it does not start from the configured initial "
+                                      "values over checkpoints it could not list)"};
+  for (const std::string& path : *paths) {
     bool damaged = false;
     auto data = read_checkpoint(dir_lock_, path, l, &damaged);
     if (!data.ok()) {

@@ -38,7 +38,8 @@ class CheckpointPolicy {
   // restores the newest valid checkpoint (a corrupt, truncated or foreign
   // file is reported and the previous one tried; with none, the
   // configured initial values stay) and starts the writer. Errors: kIo
-  // (the directory), kInvalidArgument (another server holds the
+  // (the directory, also one it cannot list: no fresh start over
+  // checkpoints it could not see), kInvalidArgument (another server holds the
   // directory: a configuration error, said in `kind` when given), the
   // backend's.
   Status start(uint64_t now, FailureKind* kind = nullptr);

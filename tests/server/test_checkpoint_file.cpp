@@ -4,6 +4,7 @@
 // write may replace. The server-level behaviour is in test_checkpoint.
 #define BOOST_TEST_MODULE test_checkpoint_file
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -19,7 +20,10 @@
 #include <utility>
 #include <vector>
 
+#include "backend.hpp"
 #include "checkpoint.hpp"
+#include "checkpoint_policy.hpp"
+#include "model.hpp"
 #include "shmps/server/log.hpp"
 #include "test_support.hpp"
 
@@ -88,6 +92,22 @@ std::vector<std::string> names(const fs::path& dir) {
 std::string error_of(const Result<CheckpointData>& r) { return r.ok() ? "(read fine)" : r.status().message(); }
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// In a child process: lowers its open-file limit so that `spare` more
+// descriptors can be opened (the lowest free ones) and the next open fails
+// with EMFILE, as in a server at its limit. False when it could not.
+bool leave_spare_descriptors(int spare) {
+  std::vector<int> probes;
+  for (int i = 0; i <= spare; ++i) probes.push_back(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  for (int fd : probes)
+    if (fd < 0) return false;
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return false;
+  // Below the last probe's number: the `spare` probes before it, no more.
+  limit.rlim_cur = static_cast<rlim_t>(probes.back());
+  for (int fd : probes) ::close(fd);
+  return ::setrlimit(RLIMIT_NOFILE, &limit) == 0;
+}
 
 }  // namespace
 
@@ -513,6 +533,73 @@ BOOST_AUTO_TEST_CASE(a_write_never_replaces_another_models_checkpoint) {
   put(ckpt(dir, 6), std::string(200, 'x'));
   BOOST_TEST(contains(write_checkpoint(d, make_data(adam_layout(), 6)).message(), "not a checkpoint of this model"));
   BOOST_TEST(contents(ckpt(dir, 6)) == std::string(200, 'x'));
+}
+
+// A listing cut short (here: no descriptor left, EMFILE) is an error
+// naming the directory and the fix, never an empty directory; pruning and
+// the temp files' removal then leave the directory as it is, and say so.
+BOOST_AUTO_TEST_CASE(a_directory_that_cannot_be_listed_is_an_error_not_an_empty_one) {
+  test::TempDir dir("ckptfile"), logs("ckptlog");
+  const std::string d = dir.path.string(), log_path = (logs.path / "stderr").string();
+  for (uint64_t v : {4, 5}) BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), v)).ok());
+  auto lock = CheckpointDirLock::acquire(d);
+  BOOST_REQUIRE_MESSAGE(lock.ok(), lock.status().to_string());
+  auto child = test::Process::fork_fn([&] {
+    test::StderrTo capture(log_path);
+    if (!leave_spare_descriptors(0)) return 3;
+    const auto listed = list_checkpoints(*lock);
+    prune_checkpoints(*lock, 1, 5, adam_layout());
+    remove_temp_files(*lock);
+    log::error(listed.ok() ? "listed " + std::to_string(listed->size()) + " file(s)" : listed.status().to_string());
+    return listed.ok() ? 1 : listed.status().code() == ErrorCode::kIo ? 0 : 2;
+  });
+  // The exit code first: a message is read before the check is made.
+  const int code = child.wait(std::chrono::seconds(30));
+  BOOST_TEST(code == 0, "exit " << code << ": " << test::read_file(log_path));
+  const std::string text = test::read_file(log_path);
+  BOOST_TEST(contains(text, "cannot list " + d + " (open: Too many open files): raise the server's open-file limit"),
+             text);
+  BOOST_TEST(contains(text, "not pruning this time"), text);
+  BOOST_TEST(contains(text, "temp files of a writer killed mid-write are not removed"), text);
+  BOOST_TEST(names(dir.path) ==
+             (std::vector<std::string>{".lock", "ckpt-00000000000000000004.shmps", "ckpt-00000000000000000005.shmps"}));
+  const auto listed = list_checkpoints(*lock);
+  BOOST_REQUIRE_MESSAGE(listed.ok(), listed.status().to_string());
+  BOOST_TEST(*listed == (std::vector<std::string>{ckpt(dir, 5), ckpt(dir, 4)}));
+}
+
+// A server that cannot list its checkpoint directory at start (EMFILE:
+// the lock took the last two descriptors) fails the start, naming the
+// directory and the fix. Taking the listing for an empty directory, it
+// started from the initial values and its writes replaced the old run's
+// checkpoints one by one.
+BOOST_AUTO_TEST_CASE(a_start_that_cannot_list_the_directory_fails_rather_than_start_from_scratch) {
+  test::TempDir dir("ckptfile"), logs("ckptlog");
+  const std::string d = dir.path.string(), log_path = (logs.path / "stderr").string();
+  BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 4)).ok());
+  ServerConfig config;
+  config.tensors = adam_layout().tensors;
+  config.optimizer.kind = kernels::OptimizerKind::kAdam;
+  config.checkpoint_dir = d;
+  auto child = test::Process::fork_fn([&] {
+    test::StderrTo capture(log_path);
+    Model model;
+    const std::unique_ptr<Backend> backend = make_host_backend();
+    const auto stats = std::make_unique<shm::StatsBlock>();
+    CheckpointPolicy policy(config, model, *backend, *stats);
+    if (!leave_spare_descriptors(2)) return 3;  // the lock's two: the directory and .lock
+    const Status s = policy.start(0);
+    log::error(s.ok() ? "started at version " + std::to_string(model.version) : s.to_string());
+    return s.ok() ? 1 : s.code() == ErrorCode::kIo ? 0 : 2;
+  });
+  // The exit code first: a message is read before the check is made.
+  const int code = child.wait(std::chrono::seconds(30));
+  BOOST_TEST(code == 0, "exit " << code << ": " << test::read_file(log_path));
+  const std::string text = test::read_file(log_path);
+  BOOST_TEST(contains(text, "--checkpoint-dir " + d + ": not restoring: cannot list " + d +
+                                " (open: Too many open files): raise the server's open-file limit"),
+             text);
+  BOOST_TEST(fs::exists(ckpt(dir, 4)));
 }
 
 BOOST_AUTO_TEST_CASE(temp_files_of_a_killed_writer_are_removed_and_nothing_else) {

@@ -1817,12 +1817,12 @@ BOOST_AUTO_TEST_CASE(weights_changed_only_by_merges_are_checkpointed) {
   FederationConfig f;
   f.every_ms = 20;
   { TwoServers first(f, f, {"", dir.path.string()}); }  // host 1 leaves a checkpoint of version 0 (zeros)
-  BOOST_TEST_REQUIRE(list_checkpoints(dir.path.string()).size() == 1u);
+  BOOST_TEST_REQUIRE(list_checkpoints(dir.path.string()).value().size() == 1u);
   TwoServers two(f, f, {"", dir.path.string()});  // host 1 restores it
   push_halves(two.names[0], 4);
   BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(two.names[1])[0] == 2.0f; }));
   two.servers[1]->stop();
-  const std::vector<std::string> files = list_checkpoints(dir.path.string());
+  const std::vector<std::string> files = list_checkpoints(dir.path.string()).value();
   BOOST_TEST_REQUIRE(files.size() >= 1u);
   CheckpointLayout layout;
   layout.tensors = {{"w", {4}}};
@@ -1849,7 +1849,7 @@ BOOST_AUTO_TEST_CASE(a_checkpoint_without_federation_state_is_not_written_over) 
   trained.steps = {5};
   trained.weights.assign(4, 7.0f);
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), trained).ok());
-  const std::string file = list_checkpoints(dir.path.string()).front();
+  const std::string file = list_checkpoints(dir.path.string()).value().front();
   const std::string before = test::read_file(file);
   FederationConfig f;
   f.every_ms = 20;
@@ -1871,7 +1871,7 @@ BOOST_AUTO_TEST_CASE(a_checkpoint_without_federation_state_is_not_written_over) 
       BOOST_TEST(test::read_file(file) == before);
     }
   }
-  const std::vector<std::string> files = list_checkpoints(dir.path.string());
+  const std::vector<std::string> files = list_checkpoints(dir.path.string()).value();
   BOOST_TEST_REQUIRE(files.size() == 2u);
   auto next = read_checkpoint(files.front(), trained.layout);
   BOOST_TEST_REQUIRE(next.ok(), next.status().to_string());
@@ -1898,7 +1898,7 @@ BOOST_AUTO_TEST_CASE(a_restart_resumes_the_rounds_from_the_checkpointed_anchor) 
     BOOST_TEST_REQUIRE(test::eventually([&] { return pull_weights(first.names[1])[0] == 2.0f; }));
   }
   for (const test::TempDir* dir : {&dir0, &dir1}) {
-    const std::vector<std::string> files = list_checkpoints(dir->path.string());
+    const std::vector<std::string> files = list_checkpoints(dir->path.string()).value();
     BOOST_TEST_REQUIRE(files.size() >= 1u);
     auto data = read_checkpoint(files.front(), layout);
     BOOST_TEST_REQUIRE(data.ok(), data.status().to_string());
@@ -2031,7 +2031,7 @@ BOOST_AUTO_TEST_CASE(a_checkpoint_between_a_restore_and_the_join_keeps_the_resto
       CheckpointLayout layout;
       layout.tensors = {{"w", {4}}};
       layout.optimizer_kind = static_cast<uint32_t>(kernels::OptimizerKind::kSgd);
-      const std::vector<std::string> files = list_checkpoints(dir1.path.string());
+      const std::vector<std::string> files = list_checkpoints(dir1.path.string()).value();
       BOOST_TEST_REQUIRE(files.size() == 2u);
       auto written = read_checkpoint(files.front(), layout);  // the newest
       BOOST_TEST_REQUIRE(written.ok(), written.status().to_string());
