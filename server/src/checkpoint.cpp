@@ -230,6 +230,15 @@ Status open_checkpoint(int dir_fd, const std::string& entry, const std::string& 
       h.state_arrays > 3 || (h.flags & ~known_flags(h.format)) != 0 ||
       (h.flags != 0 && (h.flags & kCheckpointFederation) == 0))
     return corrupt("implausible header");
+  // The writer zeroes every byte it reserves (write_in()): a file with
+  // any of them set holds something this build does not know of, and is
+  // neither restored nor pruned nor replaced.
+  const auto unknown = [&](const std::string& what) {
+    out->ours = false;
+    return Status{ErrorCode::kLayoutMismatch, path + ": not a checkpoint of format " + std::to_string(h.format) +
+                                                  " as this build reads it (" + what + " not zero)"};
+  };
+  if (h.reserved[0] != 0 || h.reserved[1] != 0) return unknown("the header's reserved bytes");
   if (h.version >= kMaxCheckpointVersion) return corrupt("implausible version " + std::to_string(h.version));
   try {
     if (const auto named = version_in_name(path); named && *named != h.version)
@@ -271,8 +280,13 @@ Status open_checkpoint(int dir_fd, const std::string& entry, const std::string& 
     return read_failed("truncated");
   for (size_t i = 0; i < out->tensors.size(); ++i) {
     const CheckpointTensor& t = out->tensors[i];
-    if (std::memchr(t.name, '\0', sizeof t.name) == nullptr || t.ndim == 0 || t.ndim > shm::kMaxDims)
+    const char* name_end = static_cast<const char*>(std::memchr(t.name, '\0', sizeof t.name));
+    if (name_end == nullptr || t.ndim == 0 || t.ndim > shm::kMaxDims)
       return corrupt("bad tensor record " + std::to_string(i));
+    if (t.reserved0 != 0 || std::any_of(name_end, t.name + sizeof t.name, [](char c) { return c != '\0'; }) ||
+        std::any_of(t.shape + t.ndim, t.shape + shm::kMaxDims, [](uint64_t d) { return d != 0; }))
+      return unknown("tensor record " + std::to_string(i) + "'s reserved bytes, name padding or dimensions past its " +
+                     std::to_string(t.ndim));
     const shm::TensorSpec& want = expect.tensors[i];
     const std::vector<uint64_t> shape(t.shape, t.shape + t.ndim);
     if (want.name != t.name || want.shape != shape)

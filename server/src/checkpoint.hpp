@@ -21,6 +21,10 @@
 //     momentum   fp32[total_elements], with kCheckpointOuterMomentum
 //     base       fp32[total_elements], with kCheckpointRestoreBase
 //   crc32        uint32 of all bytes before it (Boost.CRC, CRC-32/ISO-HDLC)
+// Reserved bytes (the header's, a tensor record's, the padding of its
+// name and the dimensions past its ndim, the federation record's) are
+// written as zeros, and a file with any of them set is refused: putting
+// them to use is a change of these bytes.
 // Bump kCheckpointFormat on any change to these bytes. A checkpoint without
 // a federation section is written as format 1 (no flags), which older
 // builds read too; formats 4 (no restore base), 3 (its spans' members read
@@ -134,7 +138,9 @@ Status write_checkpoint(const CheckpointDirLock& lock, const CheckpointData& dat
 // Reads and fully validates one file for a server of layout `expect`.
 // Checked in this order, so that nothing is allocated from the file's word
 // before its header matches `expect`: a regular file (a FIFO or device is
-// refused, never opened blocking), magic, format, a version below
+// refused, never opened blocking), magic, format, reserved bytes zero
+// (the header's, each tensor record's, its name's padding and dimensions
+// past its ndim), a version below
 // kMaxCheckpointVersion and equal to the one in its name (when named
 // ckpt-<20 digits>.shmps), the layout, the size; then the checksum and
 // every per-tensor step below kMaxCheckpointVersion (Adam's next step must

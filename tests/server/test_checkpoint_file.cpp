@@ -359,6 +359,40 @@ BOOST_AUTO_TEST_CASE(a_damaged_federation_section_is_refused) {
     BOOST_TEST(contains(e, "implausible record of the rounds' groups for round 3"), e);
 }
 
+// The writer zeroes the bytes it reserves: the header's two reserved
+// words, and in each tensor record its reserved word, its name's padding
+// and the dimensions past its ndim. A file with one of them set (its
+// checksum made again, as a newer writer's or an attacker's file would
+// be) is refused as not of this format, naming the file, and is not taken
+// for a damaged file of this model (set aside, replaced or pruned).
+BOOST_AUTO_TEST_CASE(a_file_with_reserved_bytes_set_is_refused) {
+  test::TempDir dir("ckptfile");
+  BOOST_REQUIRE(write_checkpoint(dir.path.string(), make_data(adam_layout(), 5)).ok());
+  const std::string good = contents(ckpt(dir, 5));
+  // Tensor records at 64 ('a', 2x2) and 176 ('b', 3): name 0-63, ndim 64,
+  // reserved0 68, shape 72-103, step 104.
+  constexpr size_t kA = 64, kB = 176;
+  for (const size_t offset : {size_t{48}, size_t{63}, kA + 2, kA + 63, kA + 68, kA + 71, kA + 72 + 2 * 8,
+                              kA + 72 + 3 * 8 + 7, kB + 2, kB + 72 + 8, kB + 72 + 3 * 8}) {
+    BOOST_TEST_CONTEXT("byte " << offset) {
+      BOOST_TEST(good[offset] == '\0');
+      std::string bytes = good;
+      bytes[offset] = '\x01';
+      boost::crc_32_type crc;
+      crc.process_bytes(bytes.data(), bytes.size() - 4);
+      const uint32_t sum = crc.checksum();
+      std::memcpy(bytes.data() + bytes.size() - 4, &sum, 4);
+      put(ckpt(dir, 5), bytes);
+      bool damaged = true;
+      const std::string e = error_of(read_checkpoint(ckpt(dir, 5), adam_layout(), &damaged));
+      BOOST_TEST(contains(e, ckpt(dir, 5) + ": not a checkpoint of format 1 as this build reads it ("), e);
+      BOOST_TEST(!damaged);
+    }
+  }
+  put(ckpt(dir, 5), good);
+  BOOST_TEST(read_checkpoint(ckpt(dir, 5), adam_layout()).ok());
+}
+
 BOOST_AUTO_TEST_CASE(another_models_file_is_refused_from_its_header) {
   test::TempDir dir("ckptfile");
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), make_data(sgd_layout(), 3)).ok());
