@@ -5,9 +5,10 @@
 // -rss_limit_mb catches that); a file it accepts must hold exactly the
 // model's sizes (its federation section's too, and its record of epochs
 // fits its round; a restore base's count is within the unmerged updates). The file is written to a memfd and read
-// through /proc/self/fd, as from a path. While the first reserved byte of the header (offset 48) is 0, the harness
-// rewrites the trailing CRC-32 over the bytes before it, so that mutations reach the checks past the checksum (steps,
-// sizes); the fuzzer can set that byte to try wrong checksums too. Single-threaded.
+// through /proc/self/fd, as from a path. The first reserved byte of the header (offset 48) is the harness's switch,
+// zeroed in the file it reads (a reader refuses a file with a reserved byte set): while it is 0, the harness rewrites
+// the trailing CRC-32 over the bytes before it, so that mutations reach the checks past the checksum (steps, sizes);
+// the fuzzer can set it to try wrong checksums too. Single-threaded.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "checkpoint.hpp"
@@ -38,7 +40,7 @@ const shmps::server::CheckpointLayout& layout() {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<uint8_t> bytes(data, data + size);
   constexpr size_t kCrcSwitchAt = 48;  // CheckpointHeader::reserved[0]
-  if (bytes.size() >= 64 + 4 && bytes[kCrcSwitchAt] == 0) {
+  if (bytes.size() >= 64 + 4 && std::exchange(bytes[kCrcSwitchAt], 0) == 0) {
     boost::crc_32_type crc;
     crc.process_bytes(bytes.data(), bytes.size() - 4);
     const uint32_t sum = crc.checksum();

@@ -214,8 +214,8 @@ def checkpoint(tensors, optimizer=2, state_arrays=2, version=5, steps=None, fill
             payload += struct.pack("<%df" % total, *([fill / 4] * total))
     body = header + records + payload
     crc = zlib.crc32(body) if crc_ok else 0
-    # The harness rewrites the CRC while header byte 48 is 0; near misses
-    # with a wrong CRC set it.
+    # The harness rewrites the CRC while header byte 48 is 0, and zeroes
+    # it in the file it reads; near misses with a wrong CRC set it.
     if not crc_ok:
         body = body[:48] + b"\x01" + body[49:]
     return body + struct.pack("<I", crc)
