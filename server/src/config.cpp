@@ -50,7 +50,9 @@ Status validate(const ServerConfig& config) {
   if (config.idle_spin_us > kMaxIdleSpinUs)
     return invalid("--idle-spin-us must be at most " + std::to_string(kMaxIdleSpinUs) + " (1 s), got " +
                    std::to_string(config.idle_spin_us));
-  if (config.checkpoint_keep == 0) return invalid("--checkpoint-keep must be at least 1");
+  if (config.checkpoint_keep == 0 || config.checkpoint_keep > kMaxCheckpointKeep)
+    return invalid("--checkpoint-keep must be in 1.." + std::to_string(kMaxCheckpointKeep) + ", got " +
+                   std::to_string(config.checkpoint_keep));
   if (config.checkpoint_dir.empty() && (config.checkpoint_every != 0 || config.checkpoint_interval_s != 0))
     return invalid("--checkpoint-every and --checkpoint-interval-s need --checkpoint-dir");
   // Checked whether or not federated: an embedder may inject an engine.

@@ -112,9 +112,8 @@ ServerExit run_server(const ServerConfig& config, const std::vector<std::string>
   // longer than TimeoutStartSec=: up to --checkpoint-keep files are read
   // (corrupt newer ones passed over), then maybe the init file.
   if (!config.checkpoint_dir.empty() || config.init.kind == InitSpec::Kind::kFile)
-    ServiceNotifier::from_environment().extend_timeout(
-        checkpoint_io_allowance(shm::total_elements(config.tensors)) *
-        (config.checkpoint_dir.empty() ? 1 : config.checkpoint_keep + 1));
+    ServiceNotifier::from_environment().extend_timeout(checkpoint_io_allowance(
+        shm::total_elements(config.tensors), config.checkpoint_dir.empty() ? 1 : uint64_t{config.checkpoint_keep} + 1));
   FailureKind kind = FailureKind::kOther;
   auto server = Server::create(config, kind);
   if (!server.ok()) {

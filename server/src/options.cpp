@@ -434,7 +434,7 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "checkpoint every N applied updates (0: off)")("checkpoint-interval-s",
                                                      po::value(&c.checkpoint_interval_s)->default_value(0),
                                                      "checkpoint every S seconds when weights changed (0: off)")(
-      "checkpoint-keep", po::value(&c.checkpoint_keep)->default_value(3), "keep the newest K checkpoints")(
+      "checkpoint-keep", po::value(&c.checkpoint_keep)->default_value(3), "keep the newest K checkpoints (1..1000)")(
       "log-level", po::value(&log_level)->default_value("info"), "error | warn | info | debug; changes live on SIGHUP");
   FederationConfig& fc = c.federation;
   po::options_description fed("Federation: hosts' servers averaging their weight deltas (docs/federation.md)");

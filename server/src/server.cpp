@@ -887,7 +887,7 @@ class Server::Impl {
               fixed1(static_cast<double>(shm::monotonic_ns() - created_ns) / 1e9) + " s");
     if (checkpoints && (failure.ok() || failure.code() != ErrorCode::kCuda)) {
       // A periodic write in flight is drained first, then the final one.
-      notifier.extend_timeout(checkpoint_io_allowance(model.total_elements) * 2);
+      notifier.extend_timeout(checkpoint_io_allowance(model.total_elements, 2));
       // run() returns the failure for its caller to report (shmps-server's
       // main logs it): logged here only when another failure goes first.
       if (Status s = checkpoints->write_final(); !s.ok()) {

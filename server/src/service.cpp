@@ -41,10 +41,14 @@ void ServiceNotifier::extend_timeout(std::chrono::microseconds allowance) {
   send("EXTEND_TIMEOUT_USEC=" + std::to_string(allowance.count()));
 }
 
-std::chrono::microseconds checkpoint_io_allowance(uint64_t total_elements) {
+std::chrono::microseconds checkpoint_io_allowance(uint64_t total_elements, uint64_t files) {
   constexpr uint64_t kBytesPerSecond = 20'000'000;
   const uint64_t bytes = total_elements * sizeof(float) * 6;  // at most 2^40 elements: no overflow
-  return std::chrono::seconds(30) + std::chrono::microseconds(bytes / (kBytesPerSecond / 1'000'000));
+  const std::chrono::microseconds one =
+      std::chrono::seconds(30) + std::chrono::microseconds(bytes / (kBytesPerSecond / 1'000'000));
+  constexpr auto kMost = std::chrono::microseconds::max();
+  if (files != 0 && static_cast<uint64_t>(one.count()) > static_cast<uint64_t>(kMost.count()) / files) return kMost;
+  return one * static_cast<int64_t>(files);
 }
 
 }  // namespace shmps::server

@@ -15,12 +15,13 @@
 
 namespace shmps::server {
 
-// How long reading or writing the checkpoint of a model of
-// `total_elements` parameters may take: 30 s, plus its bytes (at most six
-// fp32 arrays: the weights, three of optimizer state, the federation's
-// anchor and momentum) at 20 MB/s, a slow disk's rate. Bounded, so that a
+// How long reading or writing `files` checkpoints of a model of
+// `total_elements` parameters may take: per file 30 s, plus its bytes (at
+// most six fp32 arrays: the weights, three of optimizer state, the
+// federation's anchor and momentum) at 20 MB/s, a slow disk's rate.
+// Saturates at microseconds::max() rather than wrap. Bounded, so that a
 // hung file system still ends in the service manager's SIGKILL.
-std::chrono::microseconds checkpoint_io_allowance(uint64_t total_elements);
+std::chrono::microseconds checkpoint_io_allowance(uint64_t total_elements, uint64_t files = 1);
 
 class ServiceNotifier {
  public:

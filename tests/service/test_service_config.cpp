@@ -22,6 +22,7 @@
 #include "backend.hpp"
 #include "reload.hpp"
 #include "server_support.hpp"
+#include "service.hpp"
 #include "shmps/server/log.hpp"
 #include "shmps/server/options.hpp"
 #include "shmps/server/server.hpp"
@@ -942,6 +943,28 @@ BOOST_AUTO_TEST_CASE(idle_spin_is_at_most_one_second) {
   BOOST_TEST(
       contains(file_error(kHead + "idle-spin-us = 1000001\n"), "line 3: key 'idle-spin-us': must be at most 1000000"));
   BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--idle-spin-us", "1000000"}).ok());
+}
+
+// --checkpoint-keep is in 1..1000, refused outside naming the option: the
+// start multiplied its allowance for the restore by keep + 1 in 32 bits,
+// which 4294967295 wrapped to 0 (and large counts overflowed the product).
+// The allowance saturates rather than wrap whatever it is given.
+BOOST_AUTO_TEST_CASE(checkpoint_keep_is_bounded_and_the_start_allowance_saturates) {
+  for (const std::string keep : {"0", "1001", "4294967295"})
+    BOOST_TEST(refusal({"--checkpoint-dir", "/tmp/ck", "--checkpoint-keep", keep}) ==
+               "--checkpoint-keep must be in 1..1000, got " + keep);
+  BOOST_TEST(contains(file_error(kHead + "checkpoint-dir = /tmp/ck\ncheckpoint-keep = 4294967295\n"),
+                      "line 4: key 'checkpoint-keep': must be in 1..1000, got 4294967295"));
+  for (const std::string keep : {"1", "1000"})
+    BOOST_TEST(test::parse_server_args(
+                   {"--name", "j", "--tensor", "w:4", "--checkpoint-dir", "/tmp/ck", "--checkpoint-keep", keep})
+                   .ok(),
+               keep);
+  const uint64_t most_elements = uint64_t{1} << 40;
+  BOOST_TEST(checkpoint_io_allowance(most_elements, ~uint64_t{0}) == std::chrono::microseconds::max());
+  BOOST_TEST(checkpoint_io_allowance(most_elements, uint64_t{kMaxCheckpointKeep} + 1) ==
+             checkpoint_io_allowance(most_elements) * (kMaxCheckpointKeep + 1));
+  BOOST_TEST(checkpoint_io_allowance(4, 0).count() == 0);
 }
 
 // The threads the server starts block the stop and reload signals, so

@@ -41,6 +41,10 @@ inline constexpr uint32_t kMaxApplyThreads = 1024;
 // The longest --idle-spin-us: 1 s of a core spinning on an idle ring;
 // past that, sleeping costs nothing in comparison.
 inline constexpr uint32_t kMaxIdleSpinUs = 1'000'000;
+// The most --checkpoint-keep takes: each file kept is a whole copy of the
+// model, and the start's allowance for its restore (EXTEND_TIMEOUT_USEC)
+// grows with their count.
+inline constexpr uint32_t kMaxCheckpointKeep = 1000;
 
 struct ServerConfig {
   std::string name;  // segment is /dev/shm/shmps.<name>
@@ -88,8 +92,8 @@ struct ServerConfig {
   // Checkpoints (server/src/checkpoint.hpp): off while checkpoint_dir is
   // empty. Written every `checkpoint_every` applied updates and/or every
   // `checkpoint_interval_s` seconds (0: that trigger off), and at shutdown;
-  // the newest `checkpoint_keep` are kept. At start the newest valid one is
-  // restored.
+  // the newest `checkpoint_keep` (1..kMaxCheckpointKeep) are kept. At
+  // start the newest valid one is restored.
   std::string checkpoint_dir;
   uint64_t checkpoint_every = 0;
   uint32_t checkpoint_interval_s = 0;
