@@ -43,7 +43,7 @@ void ServiceNotifier::extend_timeout(std::chrono::microseconds allowance) {
 
 std::chrono::microseconds checkpoint_io_allowance(uint64_t total_elements, uint64_t files) {
   constexpr uint64_t kBytesPerSecond = 20'000'000;
-  const uint64_t bytes = total_elements * sizeof(float) * 6;  // at most 2^40 elements: no overflow
+  const uint64_t bytes = total_elements * sizeof(float) * 7;  // at most 2^40 elements: no overflow
   const std::chrono::microseconds one =
       std::chrono::seconds(30) + std::chrono::microseconds(bytes / (kBytesPerSecond / 1'000'000));
   constexpr auto kMost = std::chrono::microseconds::max();

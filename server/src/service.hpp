@@ -17,8 +17,9 @@ namespace shmps::server {
 
 // How long reading or writing `files` checkpoints of a model of
 // `total_elements` parameters may take: per file 30 s, plus its bytes (at
-// most six fp32 arrays: the weights, three of optimizer state, the
-// federation's anchor and momentum) at 20 MB/s, a slow disk's rate.
+// most seven fp32 arrays: the weights, three of optimizer state (Adam with
+// amsgrad), the federation's anchor, outer momentum and restore base) at
+// 20 MB/s, a slow disk's rate.
 // Saturates at microseconds::max() rather than wrap. Bounded, so that a
 // hung file system still ends in the service manager's SIGKILL.
 std::chrono::microseconds checkpoint_io_allowance(uint64_t total_elements, uint64_t files = 1);

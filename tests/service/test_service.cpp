@@ -378,8 +378,9 @@ BOOST_AUTO_TEST_CASE(checkpoint_io_extends_the_start_and_stop_timeouts) {
   const auto ready = index_of("READY=1", 10s);
   BOOST_REQUIRE_MESSAGE(ready, read_file(err.path));
   BOOST_REQUIRE(!messages.empty());
-  // (30 s + 96 B at 20 MB/s) x (checkpoint-keep 3 files + the init file)
-  BOOST_TEST(messages[0].value("EXTEND_TIMEOUT_USEC") == "120000016", messages[0].text);
+  // (30 s + 112 B (seven arrays of 4 floats) at 20 MB/s) x (checkpoint-keep
+  // 3 files + the init file)
+  BOOST_TEST(messages[0].value("EXTEND_TIMEOUT_USEC") == "120000020", messages[0].text);
   BOOST_TEST(*ready > 0u);
   server.signal(SIGTERM);
   BOOST_REQUIRE(server.wait(10s) == 0);
@@ -388,7 +389,7 @@ BOOST_AUTO_TEST_CASE(checkpoint_io_extends_the_start_and_stop_timeouts) {
   BOOST_REQUIRE(stopping);
   BOOST_REQUIRE(*stopping + 1 < messages.size());
   // x 2: a periodic write in flight, then the final one
-  BOOST_TEST(messages.back().value("EXTEND_TIMEOUT_USEC") == "60000008", messages.back().text);
+  BOOST_TEST(messages.back().value("EXTEND_TIMEOUT_USEC") == "60000010", messages.back().text);
 }
 
 BOOST_AUTO_TEST_CASE(sighup_reloads_lr_and_max_staleness_from_the_config_file) {

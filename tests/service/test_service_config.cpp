@@ -965,6 +965,10 @@ BOOST_AUTO_TEST_CASE(checkpoint_keep_is_bounded_and_the_start_allowance_saturate
   BOOST_TEST(checkpoint_io_allowance(most_elements, uint64_t{kMaxCheckpointKeep} + 1) ==
              checkpoint_io_allowance(most_elements) * (kMaxCheckpointKeep + 1));
   BOOST_TEST(checkpoint_io_allowance(4, 0).count() == 0);
+  // Per file 30 s plus seven arrays (weights, 3 of Adam+amsgrad's state,
+  // the federation's anchor, outer momentum and restore base) at 20 MB/s:
+  // 1e9 parameters, 28 GB, 1400 s.
+  BOOST_TEST(checkpoint_io_allowance(1'000'000'000).count() == 1'430'000'000);
 }
 
 // The threads the server starts block the stop and reload signals, so
