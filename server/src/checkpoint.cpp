@@ -177,6 +177,17 @@ std::string tensor_text(const std::string& name, const std::vector<uint64_t>& sh
   return text;
 }
 
+// "a symbolic link", "a FIFO": what a file of `mode` is, for messages.
+std::string file_kind(mode_t mode) {
+  if (S_ISLNK(mode)) return "a symbolic link";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return S_ISREG(mode) ? "a regular file" : "of an unknown kind";
+}
+
 // An open checkpoint file whose header and tensor records passed every
 // check that needs no payload: open_checkpoint().
 struct OpenedCheckpoint {
@@ -203,12 +214,30 @@ Status open_checkpoint(int dir_fd, const std::string& entry, const std::string& 
   const auto read_failed = [&](const std::string& what) {
     return errno != 0 ? Status{ErrorCode::kIo, path + ": read: " + errno_text()} : corrupt(what);
   };
-  // O_NONBLOCK: opening a FIFO for reading would wait for a writer.
-  out->file.fd = ::openat(dir_fd, entry.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (out->file.fd < 0) return {ErrorCode::kIo, path + ": open: " + errno_text()};
+  // In a directory (the restore, pruning, a write's check of the file it
+  // would replace) the entry itself is judged before it is opened, never a
+  // link's target: a link, FIFO, device or socket named like a checkpoint
+  // is refused unopened (a FIFO's open would wait for a writer, a tty's
+  // make it the server's controlling terminal, a device's act on the
+  // device). A path given alone (read_checkpoint(path): a tool's, the
+  // fuzzer's /proc/self/fd/N) is followed, as a path is. The open keeps to
+  // what was judged: O_NOFOLLOW, and O_NONBLOCK and O_NOCTTY should the
+  // entry be replaced in between, whose kind fstat() then checks again.
+  const bool in_dir = dir_fd != AT_FDCWD;
+  const auto not_regular = [&](mode_t mode) {
+    return Status{ErrorCode::kIo, path + ": not a regular file (" + file_kind(mode) +
+                                      "): not read; a checkpoint is read from a file of its own, never through a "
+                                      "link or from a device: move it away"};
+  };
   struct stat st {};
+  if (::fstatat(dir_fd, entry.c_str(), &st, in_dir ? AT_SYMLINK_NOFOLLOW : 0) != 0)
+    return {ErrorCode::kIo, path + ": stat: " + errno_text()};
+  if (!S_ISREG(st.st_mode)) return not_regular(st.st_mode);
+  out->file.fd =
+      ::openat(dir_fd, entry.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC | (in_dir ? O_NOFOLLOW : 0));
+  if (out->file.fd < 0) return {ErrorCode::kIo, path + ": open: " + errno_text()};
   if (::fstat(out->file.fd, &st) != 0) return {ErrorCode::kIo, path + ": fstat: " + errno_text()};
-  if (!S_ISREG(st.st_mode)) return {ErrorCode::kIo, path + ": not a regular file"};
+  if (!S_ISREG(st.st_mode)) return not_regular(st.st_mode);
   // The server writes its checkpoints as its own user, mode 0600: a file
   // of another user's was put there by someone else, and is not trusted
   // with the model's state (nor replaced, nor pruned).

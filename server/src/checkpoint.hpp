@@ -138,7 +138,8 @@ Status write_checkpoint(const CheckpointDirLock& lock, const CheckpointData& dat
 // Reads and fully validates one file for a server of layout `expect`.
 // Checked in this order, so that nothing is allocated from the file's word
 // before its header matches `expect`: a regular file (a FIFO or device is
-// refused, never opened blocking), magic, format, reserved bytes zero
+// refused before it is opened; `path` is followed where it is a link),
+// magic, format, reserved bytes zero
 // (the header's, each tensor record's, its name's padding and dimensions
 // past its ndim), a version below
 // kMaxCheckpointVersion and equal to the one in its name (when named
@@ -156,7 +157,8 @@ Status write_checkpoint(const CheckpointDirLock& lock, const CheckpointData& dat
 Result<CheckpointData> read_checkpoint(const std::string& path, const CheckpointLayout& expect,
                                        bool* damaged = nullptr);
 // The same for a file list_checkpoints(lock) named: its name opened in the
-// directory `lock` holds.
+// directory `lock` holds, never followed (a symbolic link named like a
+// checkpoint is refused, as a FIFO or device is).
 Result<CheckpointData> read_checkpoint(const CheckpointDirLock& lock, const std::string& path,
                                        const CheckpointLayout& expect, bool* damaged = nullptr);
 

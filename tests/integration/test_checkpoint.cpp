@@ -460,6 +460,13 @@ BOOST_AUTO_TEST_CASE(a_huge_file_or_a_fifo_named_like_a_checkpoint_neither_stops
   BOOST_TEST(restored_version() == 2u);                                   // from the valid one below it
   BOOST_REQUIRE(::mkfifo((dir.path / ckpt_name(9)).c_str(), 0600) == 0);  // open() for reading would wait for ever
   BOOST_TEST(restored_version() == 2u);
+  // A symbolic link named like a checkpoint is not followed, not even to a
+  // valid checkpoint of this model: with nothing else there, the start is
+  // a fresh one.
+  fs::create_directory(dir.path / "away");
+  fs::rename(dir.path / ckpt_name(2), dir.path / "away" / ckpt_name(2));
+  fs::create_symlink(dir.path / "away" / ckpt_name(2), dir.path / ckpt_name(2));
+  BOOST_TEST(restored_version() == 0u);
 }
 
 // A FIFO at the writer's temp name (left there by hand or by another

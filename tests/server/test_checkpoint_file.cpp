@@ -478,6 +478,36 @@ BOOST_AUTO_TEST_CASE(what_is_not_a_regular_file_is_refused_without_blocking) {
   BOOST_TEST(!read_checkpoint(ckpt(dir, 7), adam_layout()).ok());  // missing
 }
 
+// In the server's directory an entry named like a checkpoint is judged
+// before it is opened, never through a link: a symbolic link (to a valid
+// checkpoint of this model elsewhere, or to a device) and a FIFO are
+// refused unopened, naming what they are, and are neither set aside,
+// pruned nor replaced. The restore opened them first and followed links.
+// A path given alone is followed, as a path is.
+BOOST_AUTO_TEST_CASE(a_link_or_fifo_named_like_a_checkpoint_is_refused_unopened) {
+  test::TempDir dir("ckptfile"), elsewhere("ckptfile");
+  BOOST_REQUIRE(write_checkpoint(elsewhere.path.string(), make_data(adam_layout(), 5)).ok());
+  fs::create_symlink(ckpt(elsewhere, 5), ckpt(dir, 5));
+  fs::create_symlink("/dev/null", ckpt(dir, 6));
+  BOOST_REQUIRE(::mkfifo(ckpt(dir, 7).c_str(), 0600) == 0);
+  auto lock = CheckpointDirLock::acquire(dir.path.string());
+  BOOST_REQUIRE_MESSAGE(lock.ok(), lock.status().to_string());
+  for (const auto& [version, kind] :
+       std::vector<std::pair<uint64_t, std::string>>{{5, "a symbolic link"}, {6, "a symbolic link"}, {7, "a FIFO"}}) {
+    bool damaged = true;
+    const auto r = read_checkpoint(*lock, ckpt(dir, version), adam_layout(), &damaged);
+    BOOST_TEST(contains(error_of(r), ckpt(dir, version) + ": not a regular file (" + kind + "): not read"),
+               error_of(r));
+    BOOST_TEST(!damaged);
+  }
+  prune_checkpoints(*lock, 1, 10, adam_layout());
+  BOOST_TEST(contains(write_checkpoint(*lock, make_data(adam_layout(), 5)).message(), "not replacing"));
+  BOOST_TEST(fs::is_symlink(ckpt(dir, 5)));
+  BOOST_TEST(fs::is_symlink(ckpt(dir, 6)));
+  BOOST_TEST(fs::is_fifo(ckpt(dir, 7)));
+  BOOST_TEST(read_checkpoint(ckpt(dir, 5), adam_layout()).ok());
+}
+
 BOOST_AUTO_TEST_CASE(the_version_must_be_plausible_and_match_the_name) {
   test::TempDir dir("ckptfile");
   BOOST_REQUIRE(write_checkpoint(dir.path.string(), make_data(adam_layout(), 3)).ok());
