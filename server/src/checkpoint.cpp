@@ -641,10 +641,25 @@ Result<CheckpointData> read_checkpoint(const CheckpointDirLock& lock, const std:
 }
 
 Result<std::string> set_aside_damaged_checkpoint(const CheckpointDirLock& lock, const std::string& path) {
-  const std::string name = name_of(path), to = path + ".damaged";
-  if (::renameat(lock.dir_fd(), name.c_str(), lock.dir_fd(), (name + ".damaged").c_str()) != 0)
-    return Status{ErrorCode::kIo, "rename " + path + " to " + to + ": " + errno_text()};
-  return to;
+  const std::string name = name_of(path);
+  const int d = lock.dir_fd();
+  for (uint32_t n = 0; n <= kMostDamagedCopies; ++n) {
+    const std::string suffix = n == 0 ? ".damaged" : ".damaged." + std::to_string(n);
+    const std::string to = name + suffix;
+    // RENAME_NOREPLACE: a file set aside before is the operator's, never
+    // replaced. A file system without it (EINVAL) gets a hard link and an
+    // unlink, which refuse an existing name as well.
+    if (::renameat2(d, name.c_str(), d, to.c_str(), RENAME_NOREPLACE) == 0) return path + suffix;
+    if (errno == EINVAL && ::linkat(d, name.c_str(), d, to.c_str(), 0) == 0) {
+      if (::unlinkat(d, name.c_str(), 0) != 0)
+        return Status{ErrorCode::kIo, "remove " + path + " (linked to " + path + suffix + "): " + errno_text()};
+      return path + suffix;
+    }
+    if (errno != EEXIST) return Status{ErrorCode::kIo, "rename " + path + " to " + path + suffix + ": " + errno_text()};
+  }
+  return Status{ErrorCode::kIo, "not renaming " + path + ": " + path + ".damaged and .damaged.1 to .damaged." +
+                                    std::to_string(kMostDamagedCopies) +
+                                    " are all taken; remove those no longer needed"};
 }
 
 Result<std::vector<std::string>> list_checkpoints(const std::string& dir) {

@@ -167,7 +167,10 @@ Result<CheckpointData> read_checkpoint(const CheckpointDirLock& lock, const std:
 // directory `lock` holds: no checkpoint's name, so that neither a later
 // restore reads it again nor pruning counts it among the newest
 // --checkpoint-keep (it would keep the damaged file and delete valid
-// ones), and kept for the operator to look at. The new path, or kIo.
+// ones), and kept for the operator to look at. Never over a file set aside
+// before: where that name is taken, "<path>.damaged.1", ".2", ... up to
+// kMostDamagedCopies. The new path, or kIo.
+inline constexpr uint32_t kMostDamagedCopies = 1000;
 Result<std::string> set_aside_damaged_checkpoint(const CheckpointDirLock& lock, const std::string& path);
 
 // The checkpoint files in dir (as paths dir/<name>), newest (highest

@@ -195,10 +195,12 @@ BOOST_AUTO_TEST_CASE(corrupt_or_truncated_newest_checkpoint_falls_back_to_the_pr
   BOOST_REQUIRE(fs::exists(newest));
   const std::string good = read_text(newest);
   // Newest: one flipped payload byte (checksum). Then truncated.
+  std::string flipped;
   for (const char* damage : {"flip", "truncate"}) {
     BOOST_TEST_CONTEXT(damage) {
+      const bool flip = std::string(damage) == "flip";
       std::string bytes = good;
-      if (std::string(damage) == "flip")
+      if (flip)
         bytes[64 + 2 * 112 + 8] = '\x7f';
       else
         bytes.resize(bytes.size() - 10);
@@ -213,11 +215,14 @@ BOOST_AUTO_TEST_CASE(corrupt_or_truncated_newest_checkpoint_falls_back_to_the_pr
       w.reset();
       // No update since the restore: the final checkpoint is not rewritten.
       BOOST_TEST(server.stop() == 0);
-      // Set aside as it was, under a name no restore or pruning takes.
+      // Set aside as it was, under a name no restore or pruning takes;
+      // the second beside the first, which it does not replace.
       BOOST_TEST(!fs::exists(newest));
-      BOOST_TEST(read_text(newest.string() + ".damaged") == bytes);
+      BOOST_TEST(read_text(newest.string() + (flip ? ".damaged" : ".damaged.1")) == bytes);
+      if (flip) flipped = bytes;
     }
   }
+  BOOST_TEST(read_text(newest.string() + ".damaged") == flipped);
 }
 
 // A damaged newest checkpoint is set aside at the start, so that the

@@ -666,6 +666,32 @@ BOOST_AUTO_TEST_CASE(a_start_that_cannot_list_the_directory_fails_rather_than_st
   BOOST_TEST(fs::exists(ckpt(dir, 4)));
 }
 
+// A damaged checkpoint set aside never replaces a file set aside before
+// (kept for the operator, perhaps of the same version from an earlier
+// restart): ".damaged" is taken, then ".damaged.1", ".damaged.2" ... A
+// plain rename replaced it.
+BOOST_AUTO_TEST_CASE(setting_a_file_aside_never_replaces_one_set_aside_before) {
+  test::TempDir dir("ckptfile");
+  auto lock = CheckpointDirLock::acquire(dir.path.string());
+  BOOST_REQUIRE_MESSAGE(lock.ok(), lock.status().to_string());
+  const std::string five = ckpt(dir, 5);
+  put(five + ".damaged", "first");
+  put(five + ".damaged.1", "second");
+  put(five, "third");
+  auto moved = set_aside_damaged_checkpoint(*lock, five);
+  BOOST_REQUIRE_MESSAGE(moved.ok(), moved.status().to_string());
+  BOOST_TEST(*moved == five + ".damaged.2");
+  BOOST_TEST(contents(five + ".damaged") == "first");
+  BOOST_TEST(contents(five + ".damaged.1") == "second");
+  BOOST_TEST(contents(five + ".damaged.2") == "third");
+  BOOST_TEST(!fs::exists(five));
+  put(ckpt(dir, 6), "fourth");
+  moved = set_aside_damaged_checkpoint(*lock, ckpt(dir, 6));
+  BOOST_REQUIRE_MESSAGE(moved.ok(), moved.status().to_string());
+  BOOST_TEST(*moved == ckpt(dir, 6) + ".damaged");
+  BOOST_TEST(contents(ckpt(dir, 6) + ".damaged") == "fourth");
+}
+
 BOOST_AUTO_TEST_CASE(temp_files_of_a_killed_writer_are_removed_and_nothing_else) {
   test::TempDir dir("ckptfile");
   const std::string d = dir.path.string();
