@@ -114,6 +114,48 @@ RoundGroups round_groups_from(const unsigned char* bytes, uint32_t format) {
 
 std::string errno_text() { return std::strerror(errno); }
 
+// What to do about a checkpoint write into `dir` that failed with `err`
+// ("; ..." to follow the error).
+std::string write_fix(int err, const std::string& dir) {
+  if (err == ENOSPC || err == EDQUOT)
+    return "; free space on the file system of " + dir +
+           ", or lower --checkpoint-keep (a write needs room for one more checkpoint than it keeps)";
+  if (err == EFBIG) return "; raise the server's file size limit (LimitFSIZE= in its unit, ulimit -f)";
+  return "; check " + dir + " and its disk (dmesg), and free space there";
+}
+
+// What to do about a directory listing that failed with `err`.
+std::string listing_fix(int err) {
+  switch (err) {
+    case EMFILE:
+      return "raise the server's open-file limit (LimitNOFILE= in its unit, ulimit -n)";
+    case ENFILE:
+      return "the system's file table is full: close files elsewhere or raise fs.file-max";
+    case ENOMEM:
+      return "free memory";
+    default:
+      return "check the directory and its file system (dmesg)";
+  }
+}
+
+// What to do about a checkpoint file that could not be opened or read
+// with `err` ("; ..." to follow the error): the restore leaves it as it
+// is and tries the previous one.
+std::string read_fix(int err) {
+  switch (err) {
+    case EACCES:
+    case EPERM:
+      return "; left as it is: to have it restored, make it readable by the server's user (uid " +
+             std::to_string(::geteuid()) + ") and restart the server";
+    case EMFILE:
+    case ENFILE:
+    case ENOMEM:
+      return "; left as it is: " + listing_fix(err) + ", and restart the server to have it restored";
+    default:
+      return "; left as it is: check the file and its disk (dmesg)";
+  }
+}
+
 std::string file_name(uint64_t version) {
   char name[64];
   std::snprintf(name, sizeof name, "ckpt-%020llu.shmps", static_cast<unsigned long long>(version));
@@ -212,7 +254,8 @@ Status open_checkpoint(int dir_fd, const std::string& entry, const std::string& 
     return Status{ErrorCode::kLayoutMismatch, path + ": does not fit this configuration (" + why + ")"};
   };
   const auto read_failed = [&](const std::string& what) {
-    return errno != 0 ? Status{ErrorCode::kIo, path + ": read: " + errno_text()} : corrupt(what);
+    const int err = errno;
+    return err != 0 ? Status{ErrorCode::kIo, path + ": read: " + std::strerror(err) + read_fix(err)} : corrupt(what);
   };
   // In a directory (the restore, pruning, a write's check of the file it
   // would replace) the entry itself is judged before it is opened, never a
@@ -224,19 +267,22 @@ Status open_checkpoint(int dir_fd, const std::string& entry, const std::string& 
   // what was judged: O_NOFOLLOW, and O_NONBLOCK and O_NOCTTY should the
   // entry be replaced in between, whose kind fstat() then checks again.
   const bool in_dir = dir_fd != AT_FDCWD;
+  const auto failed = [&](const char* call) {
+    const int err = errno;
+    return Status{ErrorCode::kIo, path + ": " + call + ": " + std::strerror(err) + read_fix(err)};
+  };
   const auto not_regular = [&](mode_t mode) {
     return Status{ErrorCode::kIo, path + ": not a regular file (" + file_kind(mode) +
                                       "): not read; a checkpoint is read from a file of its own, never through a "
                                       "link or from a device: move it away"};
   };
   struct stat st {};
-  if (::fstatat(dir_fd, entry.c_str(), &st, in_dir ? AT_SYMLINK_NOFOLLOW : 0) != 0)
-    return {ErrorCode::kIo, path + ": stat: " + errno_text()};
+  if (::fstatat(dir_fd, entry.c_str(), &st, in_dir ? AT_SYMLINK_NOFOLLOW : 0) != 0) return failed("stat");
   if (!S_ISREG(st.st_mode)) return not_regular(st.st_mode);
   out->file.fd =
       ::openat(dir_fd, entry.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC | (in_dir ? O_NOFOLLOW : 0));
-  if (out->file.fd < 0) return {ErrorCode::kIo, path + ": open: " + errno_text()};
-  if (::fstat(out->file.fd, &st) != 0) return {ErrorCode::kIo, path + ": fstat: " + errno_text()};
+  if (out->file.fd < 0) return failed("open");
+  if (::fstat(out->file.fd, &st) != 0) return failed("fstat");
   if (!S_ISREG(st.st_mode)) return not_regular(st.st_mode);
   // The server writes its checkpoints as its own user, mode 0600: a file
   // of another user's was put there by someone else, and is not trusted
@@ -335,20 +381,6 @@ std::string name_of(const std::string& path) {
 // would), or -1 with errno set.
 UniqueFd open_dir(const std::string& dir) { return UniqueFd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)); }
 
-// What to do about a directory listing that failed with `err`.
-std::string listing_fix(int err) {
-  switch (err) {
-    case EMFILE:
-      return "raise the server's open-file limit (LimitNOFILE= in its unit, ulimit -n)";
-    case ENFILE:
-      return "the system's file table is full: close files elsewhere or raise fs.file-max";
-    case ENOMEM:
-      return "free memory";
-    default:
-      return "check the directory and its file system (dmesg)";
-  }
-}
-
 // The names in the directory `dir_fd`, which messages call `dir`, that
 // `wanted` takes, in no order. Listed through a descriptor of its own
 // (openat "."): a readdir() offset is the open file's, and `dir_fd` is
@@ -385,14 +417,28 @@ Result<std::vector<std::string>> names_in(int dir_fd, const std::string& dir, bo
 
 // write_checkpoint() in the directory `dir_fd`, which messages call `dir`.
 Status write_in(int dir_fd, const std::string& dir, const CheckpointData& data) {
+  const std::string final_name = file_name(data.version), temp_name = "." + final_name + ".tmp";
+  const std::string final_path = dir + "/" + final_name, temp_path = dir + "/" + temp_name;
   const uint64_t total = data.weights.size();
   if (data.state.size() != uint64_t{data.layout.state_arrays} * total ||
       data.steps.size() != data.layout.tensors.size() ||
       (data.federation && (data.federation->anchor.size() != total ||
                            (!data.federation->momentum.empty() && data.federation->momentum.size() != total) ||
                            (!data.federation->restore_base.empty() && data.federation->restore_base.size() != total) ||
-                           (data.federation->restore_base.empty() && data.federation->restore_base_updates != 0))))
-    return {ErrorCode::kInternal, "inconsistent checkpoint snapshot"};
+                           (data.federation->restore_base.empty() && data.federation->restore_base_updates != 0)))) {
+    std::string sizes = std::to_string(total) + " weights, " + std::to_string(data.state.size()) +
+                        " optimizer state values for " + std::to_string(data.layout.state_arrays) + " array(s), " +
+                        std::to_string(data.steps.size()) + " step counts for " +
+                        std::to_string(data.layout.tensors.size()) + " tensor(s)";
+    if (data.federation)
+      sizes += ", a federation anchor of " + std::to_string(data.federation->anchor.size()) + ", momentum of " +
+               std::to_string(data.federation->momentum.size()) + ", restore base of " +
+               std::to_string(data.federation->restore_base.size()) + " holding " +
+               std::to_string(data.federation->restore_base_updates) + " update(s)";
+    return {ErrorCode::kInternal, "checkpoint: not writing " + final_path + ": the snapshot of version " +
+                                      std::to_string(data.version) + " does not hold together (" + sizes +
+                                      "); a bug in shmps: please report it with this line"};
+  }
   CheckpointHeader h{};
   h.magic = kCheckpointMagic;
   h.format = data.federation ? kCheckpointFormat : 1;
@@ -441,8 +487,6 @@ Status write_in(int dir_fd, const std::string& dir, const CheckpointData& data) 
   for (std::span<const float> a : fed_arrays) crc.process_bytes(a.data(), a.size_bytes());
   const uint32_t checksum = crc.checksum();
 
-  const std::string final_name = file_name(data.version), temp_name = "." + final_name + ".tmp";
-  const std::string final_path = dir + "/" + final_name, temp_path = dir + "/" + temp_name;
   // Never over another model's checkpoint (a server started with the wrong
   // options on this directory), nor over something that is not a file.
   // One of ours, even damaged, may go: this write replaces it.
@@ -450,12 +494,18 @@ Status write_in(int dir_fd, const std::string& dir, const CheckpointData& data) 
   // a file made by hand).
   if (struct stat st{}; ::fstatat(dir_fd, final_name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
                         !(S_ISREG(st.st_mode) && st.st_size == 0)) {
-    if (!S_ISREG(st.st_mode))
-      return {ErrorCode::kLayoutMismatch, "checkpoint: not replacing " + final_path + ": not a regular file"};
+    const auto not_replacing = [&](const std::string& why) {
+      return Status{ErrorCode::kLayoutMismatch, "checkpoint: not replacing " + final_path + ": " + why +
+                                                    "; move it away or use another --checkpoint-dir"};
+    };
+    if (!S_ISREG(st.st_mode)) return not_replacing("not a regular file (" + file_kind(st.st_mode) + ")");
     OpenedCheckpoint existing;
-    if (Status fits = open_checkpoint(dir_fd, final_name, final_path, data.layout, &existing); !existing.ours)
-      return {ErrorCode::kLayoutMismatch,
-              "checkpoint: not replacing " + final_path + ", not a checkpoint of this model (" + fits.message() + ")"};
+    if (Status fits = open_checkpoint(dir_fd, final_name, final_path, data.layout, &existing); !existing.ours) {
+      // Its messages start with the path, named above already.
+      std::string why = fits.message();
+      if (why.rfind(final_path + ": ", 0) == 0) why.erase(0, final_path.size() + 2);
+      return not_replacing(why);
+    }
   }
   // A file of our own making: whatever is at the temp name goes first (a
   // FIFO there would block the open, and with it every later checkpoint
@@ -464,7 +514,11 @@ Status write_in(int dir_fd, const std::string& dir, const CheckpointData& data) 
     return {ErrorCode::kIo, errno == EROFS ? "checkpoint: cannot write in " + dir + ": " + errno_text()
                                            : "checkpoint: cannot remove " + temp_path + ": " + errno_text()};
   const int fd = ::openat(dir_fd, temp_name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) return {ErrorCode::kIo, "checkpoint: open " + temp_path + ": " + errno_text()};
+  if (fd < 0) {
+    const int err = errno;
+    return {ErrorCode::kIo,
+            "checkpoint: open " + temp_path + " (for " + final_path + "): " + std::strerror(err) + write_fix(err, dir)};
+  }
   bool ok = write_all(fd, &h, sizeof h) && write_all(fd, tensors.data(), tensors.size() * sizeof(CheckpointTensor)) &&
             write_all(fd, data.weights.data(), data.weights.size() * sizeof(float)) &&
             write_all(fd, data.state.data(), data.state.size() * sizeof(float)) &&
@@ -472,11 +526,12 @@ Status write_in(int dir_fd, const std::string& dir, const CheckpointData& data) 
              (write_all(fd, &fed, sizeof fed) && write_all(fd, &data.federation->history, sizeof(RoundGroups))));
   for (std::span<const float> a : fed_arrays) ok = ok && write_all(fd, a.data(), a.size_bytes());
   ok = ok && write_all(fd, &checksum, sizeof checksum) && ::fsync(fd) == 0;
-  const std::string write_error = ok ? "" : errno_text();
+  const int write_errno = ok ? 0 : errno;
   ::close(fd);
   if (!ok) {
     ::unlinkat(dir_fd, temp_name.c_str(), 0);
-    return {ErrorCode::kIo, "checkpoint: write " + temp_path + ": " + write_error};
+    return {ErrorCode::kIo, "checkpoint: write " + temp_path + " (for " + final_path +
+                                "): " + std::strerror(write_errno) + write_fix(write_errno, dir)};
   }
   if (::renameat(dir_fd, temp_name.c_str(), dir_fd, final_name.c_str()) != 0) {
     const std::string err = errno_text();
@@ -519,8 +574,11 @@ Result<CheckpointData> read_opened(int dir_fd, const std::string& name, const st
     ok = ok && read_all(f.file.fd, &fed, record_bytes) && read_all(f.file.fd, groups.data(), groups_bytes) &&
          read_floats(data.federation->anchor) && read_floats(data.federation->momentum) &&
          read_floats(data.federation->restore_base);
-  if (!ok || !read_all(f.file.fd, &stored, 4))
-    return errno != 0 ? Status{ErrorCode::kIo, path + ": read: " + errno_text()} : corrupt("truncated");
+  if (!ok || !read_all(f.file.fd, &stored, 4)) {
+    const int err = errno;
+    return err != 0 ? Status{ErrorCode::kIo, path + ": read: " + std::strerror(err) + read_fix(err)}
+                    : corrupt("truncated");
+  }
   boost::crc_32_type crc;
   crc.process_bytes(&h, sizeof h);
   crc.process_bytes(f.tensors.data(), f.tensors.size() * sizeof(CheckpointTensor));

@@ -4,6 +4,7 @@
 // write may replace. The server-level behaviour is in test_checkpoint.
 #define BOOST_TEST_MODULE test_checkpoint_file
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -595,8 +596,62 @@ BOOST_AUTO_TEST_CASE(a_write_never_replaces_another_models_checkpoint) {
   fs::create_directory(ckpt(dir, 5));
   BOOST_TEST(contains(write_checkpoint(d, make_data(adam_layout(), 5)).message(), "not a regular file"));
   put(ckpt(dir, 6), std::string(200, 'x'));
-  BOOST_TEST(contains(write_checkpoint(d, make_data(adam_layout(), 6)).message(), "not a checkpoint of this model"));
+  BOOST_TEST(write_checkpoint(d, make_data(adam_layout(), 6)).message() ==
+             "checkpoint: not replacing " + ckpt(dir, 6) +
+                 ": not a shmps checkpoint (bad magic); move it away or use another --checkpoint-dir");
   BOOST_TEST(contents(ckpt(dir, 6)) == std::string(200, 'x'));
+
+  // One of this model's, of another user: the reason is its owner, not
+  // another model (the message said "not a checkpoint of this model").
+  if (::geteuid() != 0) {
+    BOOST_TEST_MESSAGE("not root: a file of another user cannot be made here; that part is skipped");
+    return;
+  }
+  BOOST_REQUIRE(write_checkpoint(d, make_data(adam_layout(), 7)).ok());
+  BOOST_REQUIRE(::chown(ckpt(dir, 7).c_str(), 65534, 65534) == 0);
+  const std::string owned = write_checkpoint(d, make_data(adam_layout(), 7)).message();
+  BOOST_TEST(contains(owned, "checkpoint: not replacing " + ckpt(dir, 7) + ": owned by uid 65534, not by this server"),
+             owned);
+  BOOST_TEST(contains(owned, "; move it away or use another --checkpoint-dir"), owned);
+  BOOST_TEST(!contains(owned, "not a checkpoint of this model"), owned);
+}
+
+// A snapshot whose arrays do not match its layout (a bug) is refused
+// naming the file and version it was for; a write that fails names the
+// checkpoint it was for besides the temp file, and the fix.
+BOOST_AUTO_TEST_CASE(a_refused_or_failed_write_names_its_checkpoint_and_the_fix) {
+  test::TempDir dir("ckptfile"), logs("ckptlog");
+  const std::string d = dir.path.string();
+  CheckpointData bad = make_data(adam_layout(), 8);
+  bad.state.pop_back();
+  const Status s = write_checkpoint(d, bad);
+  BOOST_TEST(s.code() == ErrorCode::kInternal);
+  BOOST_TEST(contains(s.message(), "checkpoint: not writing " + ckpt(dir, 8) +
+                                       ": the snapshot of version 8 does not "
+                                       "hold together (7 weights, 13 optimizer state values for 2 array(s)"),
+             s.message());
+  // EFBIG from a file size limit below the checkpoint's 376 bytes, in a child.
+  const std::string log_path = (logs.path / "stderr").string();
+  auto child = test::Process::fork_fn([&] {
+    test::StderrTo capture(log_path);
+    ::signal(SIGXFSZ, SIG_IGN);
+    rlimit limit{};
+    if (::getrlimit(RLIMIT_FSIZE, &limit) != 0) return 3;
+    const rlim_t before = std::exchange(limit.rlim_cur, 100);
+    if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) return 3;
+    const Status w = write_checkpoint(d, make_data(adam_layout(), 9));
+    limit.rlim_cur = before;  // for the log line
+    if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) return 3;
+    log::error(w.to_string());
+    return w.ok() ? 1 : 0;
+  });
+  const int code = child.wait(std::chrono::seconds(30));
+  BOOST_TEST(code == 0, "exit " << code << ": " << test::read_file(log_path));
+  const std::string text = test::read_file(log_path);
+  BOOST_TEST(contains(text, "checkpoint: write " + d + "/.ckpt-00000000000000000009.shmps.tmp (for " + ckpt(dir, 9) +
+                                "): File too large; raise the server's file size limit"),
+             text);
+  BOOST_TEST(names(dir.path).empty());  // the temp file removed
 }
 
 // A listing cut short (here: no descriptor left, EMFILE) is an error
@@ -614,6 +669,7 @@ BOOST_AUTO_TEST_CASE(a_directory_that_cannot_be_listed_is_an_error_not_an_empty_
     const auto listed = list_checkpoints(*lock);
     prune_checkpoints(*lock, 1, 5, adam_layout());
     remove_temp_files(*lock);
+    log::error(error_of(read_checkpoint(*lock, ckpt(dir, 5), adam_layout())));
     log::error(listed.ok() ? "listed " + std::to_string(listed->size()) + " file(s)" : listed.status().to_string());
     return listed.ok() ? 1 : listed.status().code() == ErrorCode::kIo ? 0 : 2;
   });
@@ -625,6 +681,10 @@ BOOST_AUTO_TEST_CASE(a_directory_that_cannot_be_listed_is_an_error_not_an_empty_
              text);
   BOOST_TEST(contains(text, "not pruning this time"), text);
   BOOST_TEST(contains(text, "temp files of a writer killed mid-write are not removed"), text);
+  // A file it cannot open for the same reason: the fix, and that it is kept.
+  BOOST_TEST(contains(text, ckpt(dir, 5) + ": open: Too many open files; left as it is: raise the server's open-file "
+                                           "limit (LimitNOFILE= in its unit, ulimit -n), and restart the server"),
+             text);
   BOOST_TEST(names(dir.path) ==
              (std::vector<std::string>{".lock", "ckpt-00000000000000000004.shmps", "ckpt-00000000000000000005.shmps"}));
   const auto listed = list_checkpoints(*lock);
