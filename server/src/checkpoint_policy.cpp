@@ -211,14 +211,21 @@ Status CheckpointPolicy::write_final() {
   if (model_.version == writer_->last_written() && model_.unversioned_changes == last_unversioned_) return Status::Ok();
   if (keeps_unfederated_checkpoint()) return Status::Ok();
   CheckpointData data;
-  Result<bool> taken = snapshot(&data);
+  const Result<bool> taken = snapshot(&data);
   if (taken.ok() && !*taken) {
-    // The federation stopped before this (a round cannot be in flight):
-    // its state is left out rather than stored unmatched.
-    log::warn("federation: its state does not match the weights at stop; the final checkpoint leaves it out");
-    federation_source_ = nullptr;
-    data = CheckpointData{};
-    taken = snapshot(&data);
+    // The federation thread was left behind in a collective: its state
+    // cannot be had. A checkpoint without it would be the newest, and a
+    // restart would take it as a host that never federated (the join
+    // replaces its weights, W - A lost) instead of restoring the newest
+    // one that holds the state, whose updates the join keeps.
+    shm::bump(stats_.checkpoint_failures);
+    return Status{
+        ErrorCode::kTimeout,
+        "final checkpoint of version " + std::to_string(model_.version) +
+            " not written: the federation's state cannot be had (its thread was left behind in a "
+            "collective), and one without it would shadow the newest checkpoint that holds it" +
+            (writer_->last_written() ? " (version " + std::to_string(*writer_->last_written()) + ")" : std::string()) +
+            ", which the next start restores"};
   }
   if (!taken.ok()) {
     shm::bump(stats_.checkpoint_failures);

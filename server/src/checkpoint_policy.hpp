@@ -51,13 +51,16 @@ class CheckpointPolicy {
   void tick(uint64_t now) { maybe(now); }
   // At stop: the current version on disk, unless a checkpoint of it is
   // there already (restored, or written by the writer: a periodic write
-  // that failed does not count). Errors: the write's; the server then
-  // exits with it, so that an operator learns the state was not saved.
+  // that failed does not count). Errors: the write's, the device's read,
+  // kTimeout (a federated server whose federation thread was left behind:
+  // nothing written); the server then exits with it, so that an operator
+  // learns the state was not saved.
   Status write_final();
 
   // Where a federated server's checkpoints get the federation's state
   // (FederationLink::checkpoint_state()): false while it does not match
-  // the weights, and the checkpoint waits for the next push or tick.
+  // the weights, and the checkpoint waits for the next push or tick; at
+  // stop (a thread left behind) the final checkpoint is not written.
   using FederationSource = std::function<bool(std::optional<FederationState>*)>;
   void set_federation_source(FederationSource source) { federation_source_ = std::move(source); }
   // Whether start() restored a checkpoint.

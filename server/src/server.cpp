@@ -1051,10 +1051,11 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
       } else if (impl->checkpoints->restored()) {
         impl->federation->restored_without_state(impl->checkpoints->restored_path());
       }
-      // The checkpoints carry the federation's state while the link lives
-      // (a link left behind at stop is released first).
+      // The checkpoints carry the federation's state; once a link left
+      // behind at stop is released there is none to be had (and no
+      // checkpoint is written without it: CheckpointPolicy::write_final()).
       impl->checkpoints->set_federation_source([fed = &impl->federation, &model](std::optional<FederationState>* out) {
-        return !*fed || (*fed)->checkpoint_state(model.version, out);
+        return *fed && (*fed)->checkpoint_state(model.version, out);
       });
     }
   } else if (impl->checkpoints) {

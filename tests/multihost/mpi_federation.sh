@@ -15,7 +15,10 @@
 # checkpoints resumes the rounds (each host's version restored, every
 # host at the round of the newest checkpointed anchor or past it), the
 # anchors are equal, and a further round of training merges into a model
-# that still scores well.
+# that still scores well. Last, a host SIGSTOPped while another stops: the
+# stopping server leaves its federation thread behind in the collective and
+# writes no final checkpoint without the federation's state, so the job's
+# restart restores its newest checkpoint, which holds it.
 # Usage: mpi_federation.sh <build-dir>. Exit 77 (skipped) without mpirun or
 # without the MPI plugin.
 set -euo pipefail
@@ -259,4 +262,45 @@ await_equal_anchors
 [ -n "$same" ] || fail "after more training the anchor hashes never agreed: ${hashes[*]}"
 score_at_least_reference resumed 0 "the model after the restart and two more epochs"
 stop_job restarted
+
+# ---- a host that hangs (SIGSTOP) while another stops: the stopping
+# server's federation thread stays inside a collective and is left behind.
+# Its final checkpoint is then not written: one without the federation's
+# state would be its newest, and its restart would take it as a host that
+# never federated. The newest checkpoint still holds the state: the job's
+# restart restores a federation round from it.
+hung=$work/ckpt_hung
+start_job hung --checkpoint-dir "$hung" --checkpoint-interval-s 1
+pid_of_rank() { "$inspect" --json "$name.r$1" | python3 -c "import json,sys; print(json.load(sys.stdin)['header']['server_pid'])"; }
+for _ in $(seq 300); do
+  [ "$(stat_of 0 fed_round)" -ge 3 ] && [ -n "$(ls "$hung/r0" 2>/dev/null)" ] && break
+  sleep 0.1
+done
+[ -n "$(ls "$hung/r0" 2>/dev/null)" ] || fail "host 0 wrote no checkpoint within 30 s"
+sleep 1.2  # a checkpoint at a merged round past the first
+r0=$(pid_of_rank 0)
+r1=$(pid_of_rank 1)
+kill -STOP "$r1"
+sleep 0.3  # the next round's collective waits for host 1
+kill -TERM "$r0"
+for _ in $(seq 300); do kill -0 "$r0" 2>/dev/null || break; sleep 0.05; done
+kill -0 "$r0" 2>/dev/null && fail "host 0 still runs 15 s after its SIGTERM, host 1 stopped"
+kill -CONT "$r1"
+grep -q "leaving it behind" "$work/hung.log" || fail "host 0's federation thread was not left behind"
+grep -q "final checkpoint of version [0-9]* not written: the federation's state cannot be had" "$work/hung.log" ||
+  fail "host 0 did not say that its final checkpoint was not written"
+kill -KILL "$mpi_pid" 2>/dev/null || true
+wait "$mpi_pid" 2>/dev/null || true
+mpi_pid=
+pkill -KILL -f "shmps-server --name $name" 2>/dev/null || true
+rm -f /dev/shm/shmps."$name".* 2>/dev/null || true
+start_job rehung --checkpoint-dir "$hung"
+for _ in $(seq 200); do
+  [ "$(grep -c "federation over mpi" "$work/rehung.log" || true)" = 3 ] && break
+  sleep 0.05
+done
+grep -q "restored checkpoint $hung/r0/.*federation round" "$work/rehung.log" ||
+  fail "host 0's newest checkpoint holds no federation state"
+echo "a stop that left the federation behind kept host 0's newest checkpoint with its federation state"
+stop_job rehung
 echo "PASS"
