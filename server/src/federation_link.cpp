@@ -7,6 +7,7 @@
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/server/log.hpp"
 #include "shmps/shm/futex.hpp"
+#include "shmps/shm/proc.hpp"
 #include "threads.hpp"
 
 namespace shmps::server {
@@ -108,6 +109,7 @@ Result<FederationLink::Polled> FederationLink::poll(Backend& backend, uint64_t v
     return Polled::kSnapshot;
   }
   merged_version_ = snapshot_version_;
+  ++merges_;
   set_phase(Phase::kIdle);
   return Polled::kMerge;
 }
@@ -120,15 +122,32 @@ bool FederationLink::wants_consumer() const noexcept {
 bool FederationLink::holding_pushes(uint64_t version) {
   // relaxed: a hint; the phase that hands the buffer over is acquired in poll().
   const auto p = static_cast<Phase>(phase_.load(std::memory_order_relaxed));
-  if (p == Phase::kOff) return false;
-  if (!config_.overlap && (p == Phase::kExchanging || p == Phase::kMergeReady)) return true;
+  const bool exchanging = !config_.overlap && (p == Phase::kExchanging || p == Phase::kMergeReady);
   // relaxed: a hint as the phase is; outside a group no merge would come.
-  if (!in_group_.load(std::memory_order_relaxed)) return false;
-  if (config_.max_drift != 0 && version - merged_version_ >= config_.max_drift) {
-    if (p == Phase::kIdle) request_round();
-    return true;
+  const bool capped = in_group_.load(std::memory_order_relaxed) && config_.max_drift != 0 &&
+                      version - merged_version_ >= config_.max_drift;
+  if (capped && p == Phase::kIdle) request_round();
+  const bool hold = p != Phase::kOff && (exchanging || capped);
+  if (!hold || lifted_at_merges_ == merges_) {
+    if (!hold) hold_since_ns_ = 0;
+    return false;
   }
+  const uint64_t now = shm::monotonic_ns();
+  if (hold_since_ns_ == 0) hold_since_ns_ = now;
+  if (now - hold_since_ns_ < hold_limit_ms() * 1'000'000) return true;
+  lifted_at_merges_ = merges_;
+  hold_since_ns_ = 0;
+  log::warn("federation: pushes held " + std::to_string(hold_limit_ms()) + " ms for a round that has not merged (" +
+            (config_.overlap ? "the drift cap, --fed-max-drift" : "--fed-no-overlap") +
+            "; a host hung?): served without the hold until a round merges");
   return false;
+}
+
+uint64_t FederationLink::hold_limit_ms() const noexcept {
+  // relaxed: written once by the thread after its join; 0 (not joined
+  // yet) only leaves our own period.
+  const uint32_t period = std::max(config_.every_ms, group_every_ms_.load(std::memory_order_relaxed));
+  return 2 * uint64_t{period} + config_.timeout_ms;
 }
 
 void FederationLink::request_round() {

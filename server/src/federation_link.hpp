@@ -73,8 +73,14 @@ class FederationLink {
   bool wants_consumer() const noexcept;
   // Consumer thread: whether a push must wait now (a round in flight
   // without overlap, or the drift cap reached: that one also asks for a
-  // round at once). Other requests never wait.
+  // round at once). Other requests never wait. A hold lasts at most
+  // hold_limit_ms() (a host that hangs keeps a round open for as long as
+  // the engine lets it, MPI's for ever): then pushes are served until the
+  // next merge, logged once, since local training must not stop because a
+  // remote host did (the merge keeps what they applied, as with overlap).
   bool holding_pushes(uint64_t version);
+  // Two of the group's longest periods plus the engine's timeout.
+  uint64_t hold_limit_ms() const noexcept;
   // Consumer thread: the federation's state as of the weights now (the
   // model at `version`), for a checkpoint (none before the join, unless
   // restored). False while a round is between its snapshot and its merge,
@@ -175,6 +181,11 @@ class FederationLink {
   uint64_t last_snapshot_version_ = 0;
   uint64_t snapshot_version_ = 0;
   uint64_t merged_version_ = 0;  // the snapshot version of the last merged round: drift counts from it
+  uint64_t merges_ = 0;          // rounds merged by poll()
+  uint64_t hold_since_ns_ = 0;   // when the current hold of pushes began; 0: none
+  // merges_ when a hold past hold_limit_ms() was lifted: pushes are not
+  // held again before the next merge. UINT64_MAX: none lifted.
+  uint64_t lifted_at_merges_ = UINT64_MAX;
 
   // ---- both threads
   std::atomic<uint32_t> phase_{static_cast<uint32_t>(Phase::kIdle)};

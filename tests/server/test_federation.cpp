@@ -1682,6 +1682,54 @@ BOOST_AUTO_TEST_CASE(pushes_at_one_server_reach_the_other_through_the_rounds) {
   }
 }
 
+// A round that never merges (host 0's thread held inside its allreduce
+// for as long as the test likes: a host that hangs, under an engine
+// without a timeout) holds a push only for two periods plus the engine's
+// timeout; then the push is served, and pushes are not held again until a
+// round merges. The round, once let go, merges and keeps the push.
+BOOST_AUTO_TEST_CASE(a_round_that_never_merges_holds_pushes_only_for_the_hold_limit) {
+  FederationConfig f;
+  f.every_ms = 30;
+  f.overlap = false;
+  f.timeout_ms = 300;  // the hold's limit: 2 x 30 + 300 ms
+  std::mutex mu;
+  std::condition_variable cv;
+  bool armed = true, reached = false, released = false;
+  TwoServers two(f, f, {}, [&](uint32_t r, FakeEngine& engine) {
+    if (r != 0) return;
+    engine.before_allreduce = [&] {
+      std::unique_lock lock(mu);
+      if (!armed) return;
+      armed = false;
+      reached = true;
+      cv.notify_all();
+      cv.wait(lock, [&] { return released; });
+    };
+  });
+  push_halves(two.names[0], 1);  // an update, so the next round exchanges a delta
+  {
+    std::unique_lock lock(mu);
+    BOOST_TEST_REQUIRE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return reached; }));
+  }
+  const auto start = std::chrono::steady_clock::now();
+  push_halves(two.names[0], 3);  // held, then served while the round is still stuck
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  BOOST_TEST(elapsed >= 0.3, "the pushes took " << elapsed << " s: nothing was held");
+  BOOST_TEST(elapsed < 5.0, "the pushes took " << elapsed << " s: held past the limit");
+  BOOST_TEST(block_stat(two.names[0], &shm::StatsBlock::fed_pushes_held) == 1u);  // the rest not held again
+  BOOST_TEST(pull_weights(two.names[0])[0] == 2.0f);                              // 4 pushes of -0.5
+  {
+    std::lock_guard lock(mu);
+    released = true;
+  }
+  cv.notify_all();
+  // Every push reaches host 1 through the rounds, the one held and the
+  // three served during the stuck round alike.
+  BOOST_TEST(test::eventually([&] { return pull_weights(two.names[1])[0] == 2.0f; }),
+             "host 1 holds " << pull_weights(two.names[1])[0]);
+  BOOST_TEST(pull_weights(two.names[0])[0] == 2.0f);
+}
+
 // --fed-max-drift 3 on a host whose own timer never fires in the test:
 // every fourth push waits for a round that the cap asked for, which the
 // other host (a round every 150 ms) joins. Without the hold, 12 pushes take
