@@ -4,6 +4,7 @@
 // Usage and exit codes: docs/inspect.md.
 #include <poll.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <boost/program_options.hpp>
@@ -41,14 +42,24 @@ struct Options {
 constexpr uint64_t kMaxIntervalMs = 86'400'000;
 
 volatile sig_atomic_t g_stop = 0;
-extern "C" void on_stop(int) { g_stop = 1; }
+
+// SIGINT, SIGTERM: stop (--watch). Installed without SA_RESTART, so a
+// write to stdout that blocks (a pipe nobody reads, a paused terminal)
+// returns EINTR and the watch ends (write_out). A stop also arms SIGALRM,
+// which re-arms itself every second until the exit: a stop that came
+// before a write began blocking (during the refresh, or just before the
+// write) interrupted nothing, and the next SIGALRM interrupts that write.
+extern "C" void on_signal(int signo) {
+  if (signo != SIGALRM) g_stop = 1;
+  ::alarm(1);
+}
 
 void install_stop_handler() {
   struct sigaction sa {};
-  sa.sa_handler = on_stop;
+  sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
-  ::sigaction(SIGINT, &sa, nullptr);
-  ::sigaction(SIGTERM, &sa, nullptr);
+  sa.sa_flags = 0;  // no SA_RESTART: see on_signal
+  for (const int signo : {SIGINT, SIGTERM, SIGALRM}) ::sigaction(signo, &sa, nullptr);
 }
 
 // Prints "shmps-inspect: <message>" on stderr, escaped (printable_text):
@@ -57,22 +68,37 @@ void report_error(const std::string& message) {
   std::fprintf(stderr, "shmps-inspect: %s\n", shmps::inspect::printable_text(message).c_str());
 }
 
-// Writes `text` to stdout and flushes it. false when it did not all
-// arrive: a report that did not get out is a failure (exit 1), not a
-// silent 0. The error goes to stderr (a full disk, a closed descriptor),
-// except EPIPE: a reader that went away (`| head -1`) asked for no more.
-bool write_out(const std::string& text) {
-  errno = 0;
-  const size_t written = std::fwrite(text.data(), 1, text.size(), stdout);
-  const bool ok = written == text.size() && std::fflush(stdout) == 0 && std::ferror(stdout) == 0;
-  if (!ok) {
+enum class Written { kAll, kStopped, kFailed };
+
+// Writes `text` to stdout with write(2), unbuffered: nothing is left in a
+// stdio buffer for the exit to flush, which would block again on a stdout
+// that blocked. kFailed when it did not all arrive: a report that did not
+// get out is a failure (exit 1), not a silent 0. The error goes to stderr
+// (a full disk, a closed descriptor), except EPIPE: a reader that went
+// away (`| head -1`) asked for no more. kStopped: --watch's SIGINT or
+// SIGTERM (g_stop) interrupted a write that blocked (on_signal); the rest
+// is given up. A stop that came before the write lets it finish, so the
+// refresh it came during is shown.
+Written write_out(const std::string& text) {
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(STDOUT_FILENO, text.data() + done, text.size() - done);
+    if (n >= 0) {
+      done += static_cast<size_t>(n);
+      continue;
+    }
     const int err = errno;
-    if (err != EPIPE)
-      std::fprintf(stderr, "shmps-inspect: writing to stdout: %s\n",
-                   err != 0 ? std::strerror(err) : "the stream is in error");
+    if (err == EINTR) {
+      if (g_stop != 0) return Written::kStopped;
+      continue;
+    }
+    if (err != EPIPE) std::fprintf(stderr, "shmps-inspect: writing to stdout: %s\n", std::strerror(err));
+    return Written::kFailed;
   }
-  return ok;
+  return Written::kAll;
 }
+
+// write_out() for a mode that has no stop handler: true when it all arrived.
+bool write_all(const std::string& text) { return write_out(text) == Written::kAll; }
 
 // What a failure to read the segment is to Prometheus (ReadError): no
 // segment at all, or one left unpublished by a server that is dead, is a
@@ -144,9 +170,9 @@ ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
 ExitCode run_list(const Options& o) {
   const auto list = shmps::inspect::list_segments();
   const bool written =
-      o.json ? write_out(shmps::inspect::list_json(list).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) +
+      o.json ? write_all(shmps::inspect::list_json(list).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) +
                          "\n")
-             : write_out(shmps::inspect::render_list_text(list));
+             : write_all(shmps::inspect::render_list_text(list));
   return written ? ExitCode::kOk : ExitCode::kError;
 }
 
@@ -157,64 +183,66 @@ ExitCode run_once(const Options& o) {
   if (rc != ExitCode::kOk) {
     report_error(error);
     if (o.format == "prometheus" &&
-        !write_out(shmps::inspect::render_prometheus_down(o.name.empty() ? o.file : o.name, failure)))
+        !write_all(shmps::inspect::render_prometheus_down(o.name.empty() ? o.file : o.name, failure)))
       return ExitCode::kError;
     return rc;
   }
-  return write_out(out) ? rc : ExitCode::kError;
+  return write_all(out) ? rc : ExitCode::kError;
 }
 
 // Sleeps until `until`, or until SIGINT/SIGTERM (g_stop). The signals are
-// blocked by the caller outside this wait and unblocked only inside ppoll,
-// atomically, so one that comes during a refresh ends the wait at once
-// instead of being missed for a whole interval. ppoll runs at least once,
-// with a zero timeout when `until` has passed (a refresh as slow as the
-// interval): it is the only place a pending signal is delivered.
-void wait_until(std::chrono::steady_clock::time_point until, const sigset_t& unblocked) {
-  while (g_stop == 0) {
-    const auto left = std::max(until - std::chrono::steady_clock::now(),
-                               std::chrono::steady_clock::duration(std::chrono::nanoseconds::zero()));
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
-    const timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
-    ::ppoll(nullptr, 0, &ts, &unblocked);  // a timeout, or EINTR from the handler
-    if (ns == 0) return;
-  }
-}
-
-// Re-opens the segment at every refresh, so a restarted server (a new
-// object under the same name) is followed. The exit code is the last
-// refresh's. The interval is slept exactly (steady clock), from the start
-// of one refresh to the next.
-ExitCode run_watch(const Options& o) {
-  install_stop_handler();
+// blocked from the check of g_stop to ppoll, which unblocks them
+// atomically for its wait: one that comes after the check is delivered
+// inside ppoll and ends the wait at once, instead of being missed for a
+// whole interval. Outside this wait they are not blocked, so one during a
+// refresh interrupts a write that blocks (write_out).
+void wait_until(std::chrono::steady_clock::time_point until) {
   sigset_t stop_signals, unblocked;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
   ::sigprocmask(SIG_BLOCK, &stop_signals, &unblocked);
-  sigdelset(&unblocked, SIGINT);
-  sigdelset(&unblocked, SIGTERM);
+  while (g_stop == 0) {
+    const auto left = until - std::chrono::steady_clock::now();
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    if (ns <= 0) break;
+    const timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+    ::ppoll(nullptr, 0, &ts, &unblocked);  // a timeout, or EINTR from the handler
+  }
+  ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
+}
+
+// Re-opens the segment at every refresh, so a restarted server (a new
+// object under the same name) is followed. The exit code is the last
+// refresh's, also when a stop interrupts the write of its output. The
+// interval is slept exactly (steady clock), from the start of one refresh
+// to the next.
+ExitCode run_watch(const Options& o) {
+  install_stop_handler();
   ExitCode rc = ExitCode::kOk;
   std::optional<shmps::inspect::Snapshot> previous;
   for (uint64_t n = 1; g_stop == 0 && (o.count == 0 || n <= o.count); ++n) {
     const auto started = std::chrono::steady_clock::now();
     std::string out, error;
     rc = inspect_once(o, &out, &error, &previous);
+    Written written = Written::kAll;
     if (o.json) {
       if (rc != ExitCode::kOk)
         report_error(error);
-      else if (!write_out(out))
-        return ExitCode::kError;
+      else
+        written = write_out(out);
     } else {
       // ANSI: cursor home, clear screen.
       std::string screen = "\x1b[H\x1b[2J";
       screen += rc == ExitCode::kOk ? out : "shmps-inspect: " + shmps::inspect::printable_text(error) + "\n";
       screen +=
           "-- refresh " + std::to_string(n) + ", every " + std::to_string(o.interval_ms) + " ms; Ctrl-C to stop --\n";
-      if (!write_out(screen)) return ExitCode::kError;
+      written = write_out(screen);
     }
+    if (written == Written::kStopped) break;
+    if (written == Written::kFailed) return ExitCode::kError;
     if (o.count != 0 && n == o.count) break;
-    wait_until(started + std::chrono::milliseconds(o.interval_ms), unblocked);
+    wait_until(started + std::chrono::milliseconds(o.interval_ms));
   }
   return rc;
 }
@@ -260,13 +288,13 @@ int main(int argc, char** argv) {
     shmps::cli::refuse_misread_values(parsed);
     po::store(parsed, vm);
     if (vm.count("version") != 0)
-      return write_out(shmps::cli::version_line("shmps-inspect") + "\n") ? 0 : static_cast<int>(ExitCode::kError);
+      return write_all(shmps::cli::version_line("shmps-inspect") + "\n") ? 0 : static_cast<int>(ExitCode::kError);
     if (vm.count("help") != 0) {
       std::ostringstream help;
       help << visible
            << "\nExit codes: 0 ok, 1 error (usage, permission, I/O, writing the output), 2 no such segment,\n"
               "3 corrupt/foreign/other layout version, 4 not published yet.\n";
-      return write_out(help.str()) ? 0 : static_cast<int>(ExitCode::kError);
+      return write_all(help.str()) ? 0 : static_cast<int>(ExitCode::kError);
     }
     po::notify(vm);
     if (o.format == "json") {

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -659,6 +660,63 @@ BOOST_AUTO_TEST_CASE(watch_stops_on_sigint) {
   watcher.signal(SIGINT);
   const Run r = watcher.finish(std::chrono::seconds(10));
   BOOST_TEST(r.rc == 0, r.err);
+}
+
+// A watch whose stdout blocks (a pipe nobody reads, a paused terminal)
+// still ends on SIGTERM, at once and with its normal stop code: the signal
+// interrupts the blocked write, which is given up.
+BOOST_AUTO_TEST_CASE(watch_stops_on_sigterm_while_stdout_blocks) {
+  const std::string name = test::unique_name("wblock");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  for (const bool json_lines : {false, true}) {
+    BOOST_TEST_CONTEXT((json_lines ? "--json" : "text")) {
+      int fds[2];
+      BOOST_REQUIRE(::pipe(fds) == 0);
+      std::vector<std::string> argv{test::program_path("shmps-inspect"), "--watch", "--interval-ms", "1", name};
+      if (json_lines) argv.insert(argv.begin() + 1, "--json");
+      std::vector<char*> cargs;
+      for (auto& a : argv) cargs.push_back(a.data());
+      cargs.push_back(nullptr);
+      const pid_t child = ::fork();
+      BOOST_REQUIRE(child >= 0);
+      if (child == 0) {
+        if (::dup2(fds[1], 1) < 0) _exit(126);
+        ::close(fds[0]);
+        ::execv(cargs[0], cargs.data());
+        _exit(127);
+      }
+      ::close(fds[1]);
+      // Blocked: the pipe holds output and takes no more, while a refresh
+      // comes every millisecond.
+      int held = 0, before = -1;
+      const bool blocked = test::eventually(
+          [&] {
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+            before = held;
+            return ::ioctl(fds[0], FIONREAD, &held) == 0 && held > 0 && held == before;
+          },
+          std::chrono::seconds(20));
+      BOOST_TEST(blocked, "the pipe never filled: " << held << " bytes");
+      ::kill(child, SIGTERM);
+      const auto sent = std::chrono::steady_clock::now();
+      int status = 0;
+      pid_t reaped = 0;
+      while ((reaped = ::waitpid(child, &status, WNOHANG)) == 0 &&
+             std::chrono::steady_clock::now() - sent < std::chrono::seconds(5))
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - sent).count();
+      if (reaped == 0) {
+        ::kill(child, SIGKILL);
+        ::waitpid(child, &status, 0);
+      }
+      ::close(fds[0]);
+      BOOST_TEST(reaped == child, "--watch still running " << seconds << " s after SIGTERM");
+      BOOST_TEST(seconds < 3.0);
+      BOOST_TEST(WIFEXITED(status), "killed by signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0));
+      BOOST_TEST(WEXITSTATUS(status) == 0);
+    }
+  }
 }
 
 BOOST_AUTO_TEST_CASE(missing_segment) {
