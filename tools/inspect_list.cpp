@@ -1,6 +1,7 @@
 #include "inspect_list.hpp"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -99,12 +100,17 @@ std::vector<ListedSegment> list_segments() {
     } else if (loaded.exit != ExitCode::kOk) {
       row.exit = loaded.exit;
       row.error = loaded.error;
-      // shm's message for an object empty for longer than a start's wait
-      // already says what left it and what replaces it.
+      // The message for an object no start will finish (empty or unwritten
+      // for longer than a start's wait, or left by a dead server) already
+      // says what left it and what replaces it. A server replaces only an
+      // object of its own user's (it refuses another user's): the hint
+      // says so when that is not this user.
       if (loaded.exit == ExitCode::kUnpublished && loaded.error.find("replaces it") == std::string::npos)
-        row.error +=
-            "; not waited for: a server starting, or what a start that crashed left (the next start under "
-            "the name replaces it)";
+        row.error += "; not waited for: a server starting, or what a start that crashed left (" +
+                     (st.st_uid == ::geteuid()
+                          ? std::string("the next start under the name replaces it)")
+                          : "owned by " + shm::owner_text(st.st_uid, st.st_gid) +
+                                ": only a start by its owner replaces it; or remove it: sudo rm " + row.source + ")");
     } else {
       auto snap = take_snapshot(loaded.image.data, loaded.image.size, loaded.image.source, kNoRings);
       if (snap.ok()) {

@@ -1,6 +1,5 @@
 #include "inspect_model.hpp"
 
-#include <sys/sysmacros.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -11,7 +10,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -280,26 +278,6 @@ ObjectView judge_object(const std::string& path, uint32_t uid, uint32_t gid, uin
   v.trusted = s.ok();
   if (!s.ok()) v.trust_problem = s.message();
   return v;
-}
-
-std::optional<bool> holds_flock(pid_t pid, uint64_t device, uint64_t inode) {
-  std::ifstream locks("/proc/locks");
-  if (!locks) return std::nullopt;
-  const std::string wanted_pid = std::to_string(pid);
-  // "1: FLOCK  ADVISORY  WRITE 4242 00:1a:123 0 EOF" (proc(5)): the
-  // device's major and minor in hex, the inode in decimal. A waiter's line
-  // has "->" after the id, so its second field is not FLOCK.
-  for (std::string line; std::getline(locks, line);) {
-    std::istringstream fields(line);
-    std::string id, kind, mode, access, holder, file;
-    if (!(fields >> id >> kind >> mode >> access >> holder >> file)) continue;
-    if (kind != "FLOCK" || holder != wanted_pid) continue;
-    unsigned major_id = 0, minor_id = 0;
-    unsigned long long ino = 0;
-    if (std::sscanf(file.c_str(), "%x:%x:%llu", &major_id, &minor_id, &ino) != 3) continue;
-    if (ino == inode && major_id == major(device) && minor_id == minor(device)) return true;
-  }
-  return locks.bad() ? std::nullopt : std::optional<bool>(false);
 }
 
 void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode) {

@@ -157,12 +157,6 @@ struct ObjectView {
 ObjectView judge_object(const std::string& path, uint32_t uid, uint32_t gid, uint32_t mode, uint32_t config_flags,
                         bool live);
 
-// Whether process `pid` holds a flock on the file (device, inode), as
-// /proc/locks lists it. Read-only: it never takes a lock itself (that
-// could make a starting server fail). Empty when /proc/locks cannot be
-// read.
-std::optional<bool> holds_flock(pid_t pid, uint64_t device, uint64_t inode);
-
 struct Snapshot {
   std::string source;                // "/dev/shm/shmps.<name>" or the file's path
   std::optional<ObjectView> object;  // set by the caller (take_snapshot sees bytes only)

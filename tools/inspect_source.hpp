@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "shmps/shm/segment.hpp"
@@ -71,7 +72,11 @@ struct Loaded {
 // as Segment::open does with its mapping: with `wait_for_start`, up to 2 s
 // for a segment still being sized or published; without, one look, and
 // such a segment is kUnpublished at once; one whose header names a dead
-// server is at once, server_dead). An object larger than any
+// server is at once, server_dead). An object that is empty or whose
+// header is all zero (magic 0), that no process holds a flock on (a
+// starting server holds its own from before sizing it) and whose ctime is
+// older than that wait is no start in progress: kUnpublished at once,
+// naming its owner and the command that removes it. An object larger than any
 // segment is kBadSegment before it is mapped. A segment that shrinks while
 // being copied, or whose hole tmpfs has no memory for (a SIGBUS on the
 // mapping), is kBadSegment, "the segment shrank while being read, or
@@ -85,6 +90,12 @@ Loaded load_segment(const std::string& name, bool wait_for_start = true, RingRea
 // without being read; so is one whose header is not a segment's or
 // disagrees with the file's size, after reading the header alone.
 Loaded load_file(const std::string& path, RingReading rings = {});
+
+// Whether process `pid` (any process when it is empty) holds a flock on
+// the file (device, inode), as /proc/locks lists it. Read-only: it never
+// takes a lock itself (that could make a starting server fail). Empty
+// when /proc/locks cannot be read.
+std::optional<bool> holds_flock(std::optional<pid_t> pid, uint64_t device, uint64_t inode);
 
 // The exit code for a take_snapshot() failure.
 ExitCode exit_code_for(const Status& status);

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -38,6 +39,7 @@
 #include "shmps/shm/layout.hpp"
 #include "shmps/shm/proc.hpp"
 #include "shmps/shm/segment.hpp"
+#include "shmps/unique_fd.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
 #include "worker_support.hpp"
@@ -1496,6 +1498,9 @@ BOOST_AUTO_TEST_CASE(owner_mode_and_trust_are_shown) {
 BOOST_AUTO_TEST_CASE(watch_ends_on_sigterm_when_refreshes_outlast_the_interval) {
   const std::string name = test::unique_name("slowwatch");
   const RawObject zeros("shmps." + name, 8192);
+  // Locked, as a starting server locks its object: every refresh waits for it.
+  const UniqueFd lock(::open(zeros.path.c_str(), O_RDONLY | O_CLOEXEC));
+  BOOST_REQUIRE(::flock(lock.fd, LOCK_EX) == 0);
   Inspect watcher({"--watch", "--interval-ms", "100", name});
   // The first screen means the handler is installed (before the loop).
   BOOST_REQUIRE(test::eventually([&] { return contains(watcher.out_so_far(), "refresh 1,"); }));
@@ -1671,6 +1676,85 @@ BOOST_AUTO_TEST_CASE(list_reason_for_a_dead_start_says_it_once) {
     BOOST_TEST(said == 1u, error);
   }
   BOOST_TEST(seen, j.dump());
+}
+
+// An object at a shmps name that is empty or whose header is all zero,
+// that no process locks and that has not changed for longer than a
+// start's wait, is what a start that died left (or another program's):
+// reported at once (exit 4) with its owner and the command that removes
+// it, `sudo rm` when it is another user's. One that a process locks (a
+// server starting) is still waited for. --list says who replaces an
+// object it did not wait for: the next start under the name only when the
+// object is this user's (a server refuses another user's).
+BOOST_AUTO_TEST_CASE(unwritten_object_left_behind_is_named_at_once) {
+  const std::string zero = test::unique_name("zerohdr"), empty = test::unique_name("emptyobj");
+  const std::string locked = test::unique_name("lockedz"), other = test::unique_name("otherz");
+  const std::string other_locked = test::unique_name("otherlk");
+  const RawObject z("shmps." + zero, 8192), e("shmps." + empty, 0), l("shmps." + locked, 8192);
+  const UniqueFd lock(::open(l.path.c_str(), O_RDONLY | O_CLOEXEC));
+  BOOST_REQUIRE(::flock(lock.fd, LOCK_EX) == 0);
+  // Another user's objects, where this test may make them (before the
+  // wait: chown changes the ctime).
+  const bool root = ::geteuid() == 0;
+  std::vector<std::unique_ptr<RawObject>> others;
+  UniqueFd other_lock;
+  if (root) {
+    others.push_back(std::make_unique<RawObject>("shmps." + other, 8192));
+    others.push_back(std::make_unique<RawObject>("shmps." + other_locked, 8192));
+    for (const auto& o : others) BOOST_REQUIRE(::chown(o->path.c_str(), 65534, 65534) == 0);
+    other_lock.fd = ::open(others[1]->path.c_str(), O_RDONLY | O_CLOEXEC);
+    BOOST_REQUIRE(::flock(other_lock.fd, LOCK_EX) == 0);
+  }
+  std::this_thread::sleep_for(shm::kSegmentStartWait + std::chrono::milliseconds(300));
+
+  const auto timed = [](const std::string& name) {
+    const auto start = std::chrono::steady_clock::now();
+    const Run r = run_inspect({name});
+    return std::pair{r, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+  };
+  for (const auto& [name, what] :
+       {std::pair<std::string, std::string>{zero, "is not initialised (its header is all zero)"},
+        {empty, "is empty"}}) {
+    BOOST_TEST_CONTEXT(name) {
+      const auto [r, seconds] = timed(name);
+      BOOST_TEST(r.rc == 4, r.err);
+      BOOST_TEST(seconds < 1.0, "took " << seconds << " s");
+      BOOST_TEST(contains(r.err, "/dev/shm/shmps." + name + " (owner "), r.err);
+      BOOST_TEST(contains(r.err, what), r.err);
+      BOOST_TEST(contains(r.err, "unchanged for "), r.err);
+      BOOST_TEST(contains(r.err, "a server start that died before"), r.err);
+      BOOST_TEST(contains(r.err, "or remove it: rm /dev/shm/shmps." + name), r.err);
+    }
+  }
+  const auto [waited, seconds] = timed(locked);
+  BOOST_TEST(waited.rc == 4, waited.err);
+  BOOST_TEST(seconds > 1.5, "a locked object was not waited for: " << seconds << " s");
+  BOOST_TEST(contains(waited.err, "not initialised yet"), waited.err);
+
+  const auto rows = list_rows();
+  BOOST_REQUIRE(rows.count(zero) == 1u && rows.count(locked) == 1u);
+  BOOST_TEST(contains(rows.at(zero)["error"].get<std::string>(), "or remove it: rm /dev/shm/shmps." + zero),
+             rows.at(zero));
+  BOOST_TEST(contains(rows.at(locked)["error"].get<std::string>(), "(the next start under the name replaces it)"),
+             rows.at(locked));
+  if (!root) {
+    BOOST_TEST_MESSAGE("not root: no object of another user's made");
+    return;
+  }
+  const std::string owner = shm::owner_text(65534, 65534);
+  const auto [r, other_seconds] = timed(other);
+  BOOST_TEST(r.rc == 4, r.err);
+  BOOST_TEST(other_seconds < 1.0);
+  BOOST_TEST(contains(r.err, "(owner " + owner + ", mode 0600)"), r.err);
+  BOOST_TEST(contains(r.err, "or remove it: sudo rm /dev/shm/shmps." + other), r.err);
+  BOOST_REQUIRE(rows.count(other_locked) == 1u);
+  const std::string hint = rows.at(other_locked)["error"].get<std::string>();
+  BOOST_TEST(!contains(hint, "replaces it)"), hint);
+  BOOST_TEST(contains(hint, "owned by " + owner +
+                                ": only a start by its owner replaces it; or remove it: sudo rm "
+                                "/dev/shm/shmps." +
+                                other_locked + ")"),
+             hint);
 }
 
 // A counter that went back within one generation (a garbage write) has no
