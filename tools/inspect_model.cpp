@@ -609,6 +609,10 @@ json to_json(const Snapshot& s) {
       if (!b.device_uuid.empty()) bj["device_uuid"] = b.device_uuid;
       buffers.push_back(std::move(bj));
     }
+    // null where the counters are not shown (WorkerView::counters_shown).
+    const bool shown = w.counters_shown();
+    const auto count = [shown](uint64_t v) { return shown ? json(v) : json(nullptr); };
+    const auto big = [shown](uint64_t v) { return shown ? json(std::to_string(v)) : json(nullptr); };
     workers.push_back(json{{"id", w.id},
                            {"pid", w.pid},
                            {"pid_alive", w.pid_alive},
@@ -616,17 +620,17 @@ json to_json(const Snapshot& s) {
                            {"pid_start_time", w.pid_start_time},
                            {"state", worker_state_name(w.state)},
                            {"lease", hex64(w.lease)},
-                           {"pushes_applied", w.pushes_applied},
-                           {"applied_bytes", std::to_string(w.applied_bytes)},
-                           {"pushes_rejected", w.pushes_rejected},
-                           {"pulls", w.pulls},
-                           {"pulls_waited", w.pulls_waited},
-                           {"wait_ns", std::to_string(w.wait_ns)},
-                           {"pulls_timed_out", w.pulls_timed_out},
-                           {"pushes_scaled", w.pushes_scaled},
-                           {"scale_factor_sum_micro", w.scale_factor_sum_micro},
-                           {"last_request_ns", std::to_string(w.last_request_ns)},
-                           {"last_request_age_ms", optional_json(w.last_request_age_ms)},
+                           {"pushes_applied", count(w.pushes_applied)},
+                           {"applied_bytes", big(w.applied_bytes)},
+                           {"pushes_rejected", count(w.pushes_rejected)},
+                           {"pulls", count(w.pulls)},
+                           {"pulls_waited", count(w.pulls_waited)},
+                           {"wait_ns", big(w.wait_ns)},
+                           {"pulls_timed_out", count(w.pulls_timed_out)},
+                           {"pushes_scaled", count(w.pushes_scaled)},
+                           {"scale_factor_sum_micro", count(w.scale_factor_sum_micro)},
+                           {"last_request_ns", big(w.last_request_ns)},
+                           {"last_request_age_ms", shown ? optional_json(w.last_request_age_ms) : json(nullptr)},
                            {"buffers", std::move(buffers)}});
   }
   j["workers"] = std::move(workers);
@@ -821,10 +825,13 @@ std::string render_text(const Snapshot& s) {
     if (w.state == static_cast<uint32_t>(shm::WorkerState::kDetached) && w.pid_alive)
       o << ", released by the server; waiting for the process to free it";
     o << "\n";
-    o << "    pushes applied " << w.pushes_applied << " (" << w.applied_bytes << " bytes), rejected "
-      << w.pushes_rejected << ", pulls " << w.pulls << ", last request "
-      << age_text(w.last_request_age_ms, w.last_request_ns) << "\n";
-    if (w.pulls_waited != 0 || w.pushes_scaled != 0)
+    if (!w.counters_shown())
+      o << "    pushes applied - (- bytes), rejected -, pulls -, last request - (counted from the attach)\n";
+    else
+      o << "    pushes applied " << w.pushes_applied << " (" << w.applied_bytes << " bytes), rejected "
+        << w.pushes_rejected << ", pulls " << w.pulls << ", last request "
+        << age_text(w.last_request_age_ms, w.last_request_ns) << "\n";
+    if (w.counters_shown() && (w.pulls_waited != 0 || w.pushes_scaled != 0))
       o << "    pulls held " << w.pulls_waited << " (" << duration_text(w.wait_ns) << " in all, " << w.pulls_timed_out
         << " timed out), pushes scaled " << w.pushes_scaled << " (mean factor "
         << (w.pushes_scaled == 0
@@ -1151,13 +1158,16 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
     e.sample("shmps_requests_rejected_total", static_cast<double>(st.rejected[code]),
              ",cause=\"" + label_value(cause) + "\"");
   }
-  // Per worker: labelled by slot and pid (a worker that reconnects keeps
-  // neither, so these are series of one session each).
+  // Per worker: labelled by entry and pid, for attached entries only
+  // (WorkerView::counters_shown: a claimed entry holds an earlier
+  // session's counts until the server attaches it and zeroes them). A
+  // session that attaches to the entry its process held before (a worker
+  // that reconnects) continues the series from 0: a counter reset.
   const auto per_worker = [&](const std::string& metric, const std::string& type, const std::string& help,
                               const std::function<std::optional<double>(const WorkerView&)>& value) {
     e.family(metric, type, help);
     for (const WorkerView& w : s.workers)
-      if (const auto v = value(w))
+      if (const auto v = w.counters_shown() ? value(w) : std::nullopt)
         e.sample(metric, *v, ",worker=\"" + std::to_string(w.id) + "\",pid=\"" + std::to_string(w.pid) + "\"");
   };
   per_worker("shmps_worker_pushes_applied_total", "counter", "Pushes of this worker applied.",
@@ -1236,9 +1246,12 @@ std::optional<Rates> rates_between(const Snapshot& a, const Snapshot& b) {
   for (uint32_t code = 0; code < b.stats.rejected.size() && code < a.stats.rejected.size(); ++code)
     if (b.stats.rejected[code] != a.stats.rejected[code])
       r.rejected.emplace_back(error_name(code), per_second(a.stats.rejected[code], b.stats.rejected[code], r.seconds));
+  // Attached in both (WorkerView::counters_shown): a claimed entry's
+  // counters are an earlier session's, which its lease and pid may match.
   for (const WorkerView& w : b.workers) {
+    if (!w.counters_shown()) continue;
     const auto same = std::find_if(a.workers.begin(), a.workers.end(), [&](const WorkerView& v) {
-      return v.id == w.id && v.pid == w.pid && v.lease == w.lease;
+      return v.id == w.id && v.pid == w.pid && v.lease == w.lease && v.counters_shown();
     });
     if (same == a.workers.end()) continue;
     Rates::Worker x;

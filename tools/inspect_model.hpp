@@ -104,6 +104,12 @@ struct WorkerView {
   uint64_t last_request_ns = 0;                 // 0: none yet
   std::optional<uint64_t> last_request_age_ms;  // empty when none or in the future
   std::vector<BufferView> buffers;              // the non-empty descriptors
+  // Whether the counters above (pushes_applied .. scale_factor_sum_micro)
+  // and last_request_ns are shown: only for an attached entry. The server
+  // zeroes the counters when it attaches an entry (server/src/sessions.cpp),
+  // so a claimed one still holds an earlier session's under the new pid,
+  // and a detached one a session that has ended.
+  bool counters_shown() const { return state == static_cast<uint32_t>(shm::WorkerState::kAttached); }
 };
 
 // A request lane (Request slots) or a completion queue (Completion slots).
@@ -190,10 +196,10 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
 nlohmann::json to_json(const Snapshot& snapshot);
 
 // What changed per second between two snapshots of one server (--watch):
-// in total and per worker session (same entry, pid and lease in both).
-// A rate is empty (unknown: "-" in text, null in JSON) when its counter
-// went back between the two snapshots: a restart under the same
-// generation cannot happen, so that is a garbage write.
+// in total and per worker session (same entry, pid and lease in both,
+// attached in both). A rate is empty (unknown: "-" in text, null in
+// JSON) when its counter went back between the two snapshots: a restart
+// under the same generation cannot happen, so that is a garbage write.
 struct Rates {
   using Rate = std::optional<double>;
   double seconds = 0;  // between the two snapshots
@@ -217,8 +223,8 @@ nlohmann::json rates_json(const Rates& rates);
 std::string render_text(const Snapshot& snapshot);
 // The Prometheus text exposition format (version 0.0.4): every StatsBlock
 // counter as shmps_<name>[_total] with its HELP and TYPE, rejections by
-// cause, per-worker counters (labels worker, pid), liveness (shmps_up,
-// shmps_server_stopped), shmps_inspect_error (all 0: read),
+// cause, per-worker counters of attached entries (labels worker, pid),
+// liveness (shmps_up, shmps_server_stopped), shmps_inspect_error (all 0: read),
 // identity (shmps_info) and the config a dashboard needs; every sample
 // labelled name="<name>". For the node exporter's textfile collector.
 std::string render_prometheus(const Snapshot& snapshot, const std::string& name);

@@ -36,6 +36,7 @@
 
 #include "inspect_model.hpp"
 #include "inspect_source.hpp"
+#include "raw_client.hpp"
 #include "shmps/shm/layout.hpp"
 #include "shmps/shm/proc.hpp"
 #include "shmps/shm/segment.hpp"
@@ -1774,10 +1775,18 @@ BOOST_AUTO_TEST_CASE(counter_going_back_has_no_rate) {
   inspect::WorkerView w;
   w.id = 0;
   w.pid = 99;
+  w.state = static_cast<uint32_t>(shm::WorkerState::kAttached);
   w.pulls = 8;
   a.workers.push_back(w);
   w.pulls = 2;
   b.workers.push_back(w);
+  // A worker rate needs the entry attached in both: a claimed entry's
+  // counters are an earlier session's.
+  inspect::Snapshot claimed = b;
+  claimed.workers[0].state = static_cast<uint32_t>(shm::WorkerState::kClaimed);
+  const auto none = inspect::rates_between(a, claimed);
+  BOOST_REQUIRE(none.has_value());
+  BOOST_TEST(none->workers.empty());
   const auto r = inspect::rates_between(a, b);
   BOOST_REQUIRE(r.has_value());
   BOOST_TEST(!r->pushes.has_value());
@@ -1941,6 +1950,58 @@ BOOST_AUTO_TEST_CASE(snapshot_decodes_rings_as_ring_reading_says) {
 // A server stopped by SIGSTOP holds its segment but serves nothing: it is
 // shown stopped, not alive, in every format (Prometheus: shmps_up 1 and
 // shmps_server_stopped 1; a running one has shmps_server_stopped 0).
+// A claimed entry (a worker attaching, the server yet to attach it)
+// still holds the previous session's counters, which the server zeroes
+// only at the attach: none is shown under the new claim ("-" in the text,
+// null in the JSON, no per-worker series in Prometheus). The server is
+// stopped (SIGSTOP) so that the claim stays a claim.
+BOOST_AUTO_TEST_CASE(claimed_entry_shows_no_earlier_session_counters) {
+  const std::string name = test::unique_name("claimed");
+  std::vector<std::string> args = kTensorArgs;
+  args.insert(args.end(), {"--max-staleness", "100000000"});
+  test::ServerProcess server(name, args);
+  {
+    auto worker = connect(name);
+    auto buffer = worker->register_buffer(kAllBytes);
+    BOOST_REQUIRE(buffer.ok());
+    std::memset(buffer->data, 0, kAllBytes);
+    for (int i = 0; i < 3; ++i) {
+      BOOST_REQUIRE(worker->push(kAllTensors, buffer->id, 0, kAllBytes, Dtype::kF32, 0).ok());
+      BOOST_REQUIRE(worker->pull(kAllTensors, buffer->id, 0).ok());
+    }
+  }  // detached: the entry is free again, its counters left as they were
+  BOOST_REQUIRE(test::eventually([&] { return parse_json(run_inspect({"--json", name}))["workers"].empty(); }));
+  const pid_t pid = server.process().pid();
+  BOOST_REQUIRE(::kill(pid, SIGSTOP) == 0);
+  struct Continue {
+    pid_t pid;
+    ~Continue() { ::kill(pid, SIGCONT); }  // before the server's destructor stops it
+  } resume{pid};
+  BOOST_REQUIRE(test::eventually([pid] { return shm::pid_state(pid) == shm::ProcessState::kStopped; }));
+  test::RawClient claim(name, /*attach=*/false);
+  BOOST_REQUIRE(claim.entry().pushes_applied.load() == 3u);  // the earlier session's, still there
+
+  const json j = parse_json(run_inspect({"--json", name}));
+  BOOST_REQUIRE_EQUAL(j["workers"].size(), 1u);
+  const json& w = j["workers"][0];
+  BOOST_TEST(w["state"] == "claimed", w);
+  for (const char* key :
+       {"pushes_applied", "applied_bytes", "pushes_rejected", "pulls", "pulls_waited", "wait_ns", "pulls_timed_out",
+        "pushes_scaled", "scale_factor_sum_micro", "last_request_ns", "last_request_age_ms"})
+    BOOST_TEST(w[key].is_null(), key << ": " << w);
+  const Run text = run_inspect({name});
+  BOOST_TEST(text.rc == 0, text.err);
+  BOOST_TEST(contains(text.out, "  worker " + std::to_string(claim.id()) + ": claimed, pid "), text.out);
+  BOOST_TEST(contains(text.out, "    pushes applied - (- bytes), rejected -, pulls -, last request -"), text.out);
+  BOOST_TEST(!contains(text.out, "pushes applied 3"), text.out);
+  const Run prom = run_inspect({"--format", "prometheus", name});
+  BOOST_TEST(prom.rc == 0, prom.err);
+  BOOST_TEST(contains(prom.out, "# TYPE shmps_worker_pushes_applied_total counter\n"), prom.out);
+  BOOST_TEST(!contains(prom.out, "shmps_worker_pushes_applied_total{"), prom.out);
+  BOOST_TEST(!contains(prom.out, "shmps_worker_last_request_age_seconds{"), prom.out);
+  claim.release_entry();
+}
+
 BOOST_AUTO_TEST_CASE(stopped_server_is_shown_stopped) {
   const std::string name = test::unique_name("sigstop");
   test::ServerProcess server(name, kTensorArgs);
