@@ -36,9 +36,13 @@ std::string name_cell(const std::string& name) {
   return shown.substr(0, cut) + "...";
 }
 
+// The workers served now: attached entries whose process lives, while the
+// server lives (stopped too); 0 for a dead server's segment, whose entries
+// stay as its workers left them.
 uint32_t workers_attached(const Snapshot& s) {
+  if (!s.header.server_alive) return 0;
   return static_cast<uint32_t>(std::count_if(s.workers.begin(), s.workers.end(), [](const WorkerView& w) {
-    return w.state == static_cast<uint32_t>(shm::WorkerState::kAttached);
+    return w.state == static_cast<uint32_t>(shm::WorkerState::kAttached) && w.pid_alive;
   }));
 }
 

@@ -36,8 +36,9 @@ struct ListedSegment {
 std::vector<ListedSegment> list_segments();
 
 // A table: name, server pid, alive, stopped, dead or copy, state, parameters, workers
-// attached, owner, mode; then one line per object that is not a readable
-// segment. Names are escaped (printable_text), and cut with "..." past 40
+// attached (entries attached whose process lives, while the server lives),
+// owner, mode; then one line per object that is not a readable segment.
+// Names are escaped (printable_text), and cut with "..." past 40
 // characters in the table (whole in the lines below it).
 std::string render_list_text(const std::vector<ListedSegment>& list);
 // {"segments": [{name, source, owner, mode, bytes, server_pid, server_alive,

@@ -798,6 +798,57 @@ BOOST_AUTO_TEST_CASE(list_shows_live_and_dead_segments_and_foreign_objects) {
   BOOST_TEST(run_inspect({"--list", "--watch"}).rc == 1);
 }
 
+// --list's workers column (workers_attached) counts the workers served
+// now: attached entries whose process lives, while the server lives. A
+// worker that died while the server could not reap it, and every entry
+// of a dead server's segment, are not counted.
+BOOST_AUTO_TEST_CASE(list_counts_only_live_workers_of_a_live_server) {
+  const std::string name = test::unique_name("lswork");
+  test::ServerProcess server(name, kTensorArgs);
+  const test::RawClient alive(name);  // attached, from this process
+  int ready[2];
+  BOOST_REQUIRE(::pipe(ready) == 0);
+  test::Process doomed = test::Process::fork_fn([&] {
+    ::close(ready[0]);
+    const test::RawClient client(name);
+    const char byte = 1;
+    if (::write(ready[1], &byte, 1) != 1) return 1;
+    ::pause();
+    return 0;
+  });
+  ::close(ready[1]);
+  char byte = 0;
+  const ssize_t n = ::read(ready[0], &byte, 1);  // EOF: the child failed to attach
+  ::close(ready[0]);
+  BOOST_REQUIRE(n == 1);
+  // Stopped, the server cannot reap the worker about to die.
+  const pid_t pid = server.process().pid();
+  BOOST_REQUIRE(::kill(pid, SIGSTOP) == 0);
+  struct Continue {
+    pid_t pid;
+    ~Continue() {
+      if (pid > 0) ::kill(pid, SIGCONT);  // before the server's destructor stops it
+    }
+  } resume{pid};
+  BOOST_REQUIRE(test::eventually([pid] { return shm::pid_state(pid) == shm::ProcessState::kStopped; }));
+  doomed.kill_and_reap();
+
+  const json j = parse_json(run_inspect({"--json", name}));
+  BOOST_REQUIRE_EQUAL(j["workers"].size(), 2u);
+  for (const json& w : j["workers"]) BOOST_TEST(w["state"] == "attached", w);
+  std::map<std::string, json> rows = list_rows();
+  BOOST_REQUIRE(rows.count(name) == 1u);
+  BOOST_TEST(rows.at(name)["server_stopped"] == true, rows.at(name));
+  BOOST_TEST(rows.at(name)["workers_attached"] == 1, rows.at(name));
+
+  server.process().kill_and_reap();  // the segment stays, its entries as they were
+  resume.pid = 0;
+  rows = list_rows();
+  BOOST_REQUIRE(rows.count(name) == 1u);
+  BOOST_TEST(rows.at(name)["server_alive"] == false, rows.at(name));
+  BOOST_TEST(rows.at(name)["workers_attached"] == 0, rows.at(name));
+}
+
 BOOST_AUTO_TEST_CASE(saved_and_corrupted_copies) {
   const std::string name = test::unique_name("insp");
   std::string good;
