@@ -62,14 +62,19 @@ uint64_t model_bytes(const HeaderView& h) {
 
 }  // namespace
 
-std::vector<ListedSegment> list_segments() {
+Result<std::vector<ListedSegment>> list_segments() {
   std::set<std::string> names;
   std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(kShmDir, ec)) {
-    const std::string file = entry.path().filename().string();
+  // The error_code forms throughout: the increment of an iterator made
+  // with one reports a failed readdir there instead of throwing.
+  for (std::filesystem::directory_iterator it(kShmDir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string file = it->path().filename().string();
     if (file.rfind(kPrefix, 0) == 0 && file.size() > std::char_traits<char>::length(kPrefix))
       names.insert(file.substr(std::char_traits<char>::length(kPrefix)));
   }
+  if (ec)
+    return Status{ec == std::errc::permission_denied ? ErrorCode::kPermission : ErrorCode::kIo,
+                  std::string("cannot list ") + kShmDir + ": " + ec.message()};
   std::vector<ListedSegment> out;
   for (const std::string& name : names) {
     // A worker's buffer: "<segment name>.p<pid>.<n>" beside its segment.

@@ -33,7 +33,9 @@ struct ListedSegment {
 // The segments in /dev/shm, sorted by name. Each is read as load_segment()
 // and take_snapshot() read it, without load_segment's wait: an object
 // still empty or unpublished is listed as such at once (kUnpublished).
-std::vector<ListedSegment> list_segments();
+// Errors: kPermission or kIo when /dev/shm cannot be listed (its message
+// names the folder and the cause).
+Result<std::vector<ListedSegment>> list_segments();
 
 // A table: name, server pid, alive, stopped, dead or copy, state, parameters, workers
 // attached (entries attached whose process lives, while the server lives),

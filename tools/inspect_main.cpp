@@ -168,7 +168,12 @@ ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
 }
 
 ExitCode run_list(const Options& o) {
-  const auto list = shmps::inspect::list_segments();
+  const auto listed = shmps::inspect::list_segments();
+  if (!listed.ok()) {
+    report_error(listed.status().message());
+    return ExitCode::kError;
+  }
+  const auto& list = *listed;
   const bool written =
       o.json ? write_all(shmps::inspect::list_json(list).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) +
                          "\n")

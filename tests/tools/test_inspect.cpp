@@ -849,6 +849,34 @@ BOOST_AUTO_TEST_CASE(list_counts_only_live_workers_of_a_live_server) {
   BOOST_TEST(rows.at(name)["workers_attached"] == 0, rows.at(name));
 }
 
+// --list with a /dev/shm it cannot read says so and fails (exit 1,
+// nothing on stdout), rather than "no shmps segments". Run in a user and
+// mount namespace of its own, where /dev/shm is a fresh tmpfs of mode 0
+// and the tool has no capability that would open it anyway.
+boost::test_tools::assertion_result can_unshare(boost::unit_test::test_unit_id) {
+  const test::Captured c = test::run_captured({"/bin/sh", "-c", "unshare -rm true && command -v setpriv"});
+  boost::test_tools::assertion_result r(c.exit_code == 0);
+  r.message() << "needs unshare -rm (user namespaces) and setpriv: " << c.output;
+  return r;
+}
+
+BOOST_AUTO_TEST_CASE(list_of_an_unreadable_dev_shm_fails, *boost::unit_test::precondition(can_unshare)) {
+  const std::string tool = test::program_path("shmps-inspect");
+  for (const std::string& args : {std::string("--list"), std::string("--list --json")}) {
+    BOOST_TEST_CONTEXT(args) {
+      const TempFile out;
+      const std::string script =
+          "mount -t tmpfs none /dev/shm && chmod 000 /dev/shm && exec setpriv --inh-caps=-all --bounding-set=-all "
+          "--securebits=+noroot,+noroot_locked " +
+          test::shell_quote(tool) + " " + args + " > " + test::shell_quote(out.path);
+      const test::Captured r = test::run_captured({"/usr/bin/env", "unshare", "-rm", "/bin/sh", "-c", script});
+      BOOST_TEST(r.exit_code == 1, r.output);
+      BOOST_TEST(contains(r.output, "shmps-inspect: cannot list /dev/shm: Permission denied"), r.output);
+      BOOST_TEST(test::read_file(out.path).empty());
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(saved_and_corrupted_copies) {
   const std::string name = test::unique_name("insp");
   std::string good;
