@@ -175,9 +175,10 @@ def run_torch_arm(arm, procs, epochs, seed, train_limit, eval_every, lr, batch, 
             out = subprocess.run([inspect, "--json", server.name], capture_output=True, text=True, check=True)
             stats = json.loads(out.stdout)["stats"]
             h = stats["histograms"]["staleness"]
-            staleness = {"p50": h["p50"], "p99": h["p99"], "max": h["max"], "buckets": h["buckets"],
-                         "pulls_waited": stats["pulls_waited"], "wait_s": int(stats["wait_ns"]) / 1e9,
-                         "pushes_scaled": stats["pushes_scaled"]}
+            # max, p50 and p99 are strings of digits (p50, p99: null before the first value).
+            staleness = {k: None if h[k] is None else int(h[k]) for k in ("p50", "p99", "max")}
+            staleness.update({"buckets": h["buckets"], "pulls_waited": stats["pulls_waited"],
+                              "wait_s": int(stats["wait_ns"]) / 1e9, "pushes_scaled": stats["pushes_scaled"]})
     finally:
         if server is not None:
             parent.close()

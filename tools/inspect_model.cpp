@@ -531,7 +531,8 @@ json queue_json(const QueueView<Slot>& q, F&& slot_json) {
 // are strings: the random generation and leases (an attach's completion
 // value included) and the doorbell's bitmap words as 0x-hex (as the text
 // shows them), CLOCK_MONOTONIC nanoseconds (past 2^53 after 104 days of uptime)
-// as decimal, and so are byte counts (8 PiB: days at tens of GB/s).
+// and the histograms' values in ns as decimal, and so are byte counts
+// (8 PiB: days at tens of GB/s).
 // Counters of events stay numbers.
 json to_json(const Snapshot& s) {
   const HeaderView& h = s.header;
@@ -669,13 +670,16 @@ json to_json(const Snapshot& s) {
   else
     stats["scheduled_lr"] = static_cast<double>(st.scheduled_lr_pico) / 1e12;
   json histograms = json::object();
+  // The sum, the max and the quantiles are strings: ns pass 2^53 in a sum,
+  // and in a max (so a quantile, capped at it) from a garbage stamp.
   const auto histogram_json = [](const HistogramView& hv, const char* unit) {
+    const auto digits = [](const std::optional<uint64_t>& v) { return v ? json(std::to_string(*v)) : json(nullptr); };
     return json{{"unit", unit},
                 {"count", hv.count},
-                {"sum", std::to_string(hv.sum)},  // may pass 2^53 (ns)
-                {"max", hv.max},
-                {"p50", hv.quantile(0.5) ? json(*hv.quantile(0.5)) : json(nullptr)},
-                {"p99", hv.quantile(0.99) ? json(*hv.quantile(0.99)) : json(nullptr)},
+                {"sum", std::to_string(hv.sum)},
+                {"max", std::to_string(hv.max)},
+                {"p50", digits(hv.quantile(0.5))},
+                {"p99", digits(hv.quantile(0.99))},
                 {"buckets", hv.buckets}};
   };
 #define SHMPS_STATS_HISTOGRAM_JSON(name, unit, help) histograms[#name] = histogram_json(st.name, #unit);
