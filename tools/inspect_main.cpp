@@ -126,6 +126,14 @@ shmps::inspect::ReadError read_error(ExitCode exit, shmps::ErrorCode cause, bool
 ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
                       std::optional<shmps::inspect::Snapshot>* previous = nullptr,
                       shmps::inspect::ReadError* failure = nullptr) {
+  // A <name> no server can take is a usage error (exit 1), and so it is
+  // to Prometheus: no read was tried.
+  if (o.file.empty())
+    if (const shmps::Status s = shmps::shm::validate_name(o.name); !s.ok()) {
+      *error = s.message();
+      if (failure != nullptr) *failure = shmps::inspect::ReadError::kUsage;
+      return ExitCode::kError;
+    }
   // Prometheus exports no ring: none is read.
   const shmps::inspect::RingReading rings =
       o.format == "prometheus" ? shmps::inspect::kNoRings : shmps::inspect::RingReading{};

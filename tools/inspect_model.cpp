@@ -1063,11 +1063,13 @@ constexpr const char* kUpHelp =
 void inspect_error(Exposition& e, ReadError error) {
   e.family("shmps_inspect_error", "gauge",
            "1 when shmps-inspect could not read the segment, by reason (permission: no access; bad_segment: "
-           "foreign, corrupt or of another layout version; unpublished: not published by its server; io: any "
-           "other failure; its message is on stderr); else 0. shmps_up is 0 then: the server's state is unknown.");
+           "foreign, corrupt or of another layout version; unpublished: not published by its server; usage: a "
+           "name no server can take; io: any other failure; its message is on stderr); else 0. shmps_up is 0 "
+           "then: the server's state is unknown.");
   for (const auto& [reason, value] : {std::pair{"permission", ReadError::kPermission},
                                       {"bad_segment", ReadError::kBadSegment},
                                       {"unpublished", ReadError::kUnpublished},
+                                      {"usage", ReadError::kUsage},
                                       {"io", ReadError::kIo}})
     e.sample("shmps_inspect_error", error == value ? 1 : 0, std::string(",reason=\"") + reason + "\"");
 }

@@ -231,9 +231,10 @@ std::string render_prometheus(const Snapshot& snapshot, const std::string& name)
 // Why a segment could not be read, as --format prometheus labels it
 // (shmps_inspect_error{reason}): no access (kPermission), foreign,
 // corrupt or of another layout version (kBadSegment, exit 3), not
-// published (kUnpublished, exit 4), any other failure (kIo). kNone: read,
+// published (kUnpublished, exit 4), a <name> no server can take (kUsage,
+// exit 1: the command line to fix), any other failure (kIo). kNone: read,
 // or no segment at all (a server that is down).
-enum class ReadError : uint8_t { kNone, kPermission, kBadSegment, kUnpublished, kIo };
+enum class ReadError : uint8_t { kNone, kPermission, kBadSegment, kUnpublished, kIo, kUsage };
 // What --format prometheus prints without a snapshot: shmps_up 0 (no
 // server seen serving the segment), so a scrape of the textfile never
 // keeps a server's last values, and shmps_inspect_error 1 for `error`'s

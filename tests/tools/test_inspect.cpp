@@ -2164,7 +2164,7 @@ BOOST_AUTO_TEST_CASE(prometheus_tells_read_failures_from_a_server_down) {
     return by_reason;
   };
   const std::map<std::string, std::string> none{
-      {"permission", "0"}, {"bad_segment", "0"}, {"unpublished", "0"}, {"io", "0"}};
+      {"permission", "0"}, {"bad_segment", "0"}, {"unpublished", "0"}, {"usage", "0"}, {"io", "0"}};
   const auto with = [&none](const std::string& reason) {
     auto m = none;
     m[reason] = "1";
@@ -2192,8 +2192,9 @@ BOOST_AUTO_TEST_CASE(prometheus_tells_read_failures_from_a_server_down) {
   const std::string foreign = test::unique_name("promforeign"), unpublished = test::unique_name("promunpub");
   const RawObject foreign_object("shmps." + foreign, 8192), zeros("shmps." + unpublished, 8192);
   write_all(foreign_object.path, std::string(8192, 'A'));
-  for (const Case& c : {Case{"foreign", foreign, "bad_segment", 3}, Case{"unpublished", unpublished, "unpublished", 4},
-                        Case{"permission", good, "permission", 1}}) {
+  for (const Case& c :
+       {Case{"foreign", foreign, "bad_segment", 3}, Case{"unpublished", unpublished, "unpublished", 4},
+        Case{"permission", good, "permission", 1}, Case{"a name no server can take", "bad/name", "usage", 1}}) {
     BOOST_TEST_CONTEXT(c.what) {
       // No access: as nobody where this is root (root opens any object),
       // else with the object's mode 0.
