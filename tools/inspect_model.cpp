@@ -254,12 +254,28 @@ std::string printable_text(std::string_view text, bool keep_high) {
   return out;
 }
 
+namespace {
+
+constexpr std::string_view kUnterminated = " (unterminated)";
+
+// `name` (printable_name()'s) in the text's double quotes, its
+// " (unterminated)", when `unterminated`, after the closing quote: the
+// note is no part of the name.
+std::string quoted(const std::string& name, bool unterminated) {
+  if (!unterminated) return "\"" + name + "\"";
+  return "\"" + name.substr(0, name.size() - kUnterminated.size()) + "\"" + std::string(kUnterminated);
+}
+
+bool has_nul(const void* bytes, size_t n) { return std::memchr(bytes, '\0', n) != nullptr; }
+
+}  // namespace
+
 std::string printable_name(const void* bytes, size_t n) {
   const auto* p = static_cast<const char*>(bytes);
   const void* nul = std::memchr(p, '\0', n);
   const size_t len = nul != nullptr ? static_cast<size_t>(static_cast<const char*>(nul) - p) : n;
   std::string out = printable_text(std::string_view(p, len));
-  if (nul == nullptr) out += " (unterminated)";
+  if (nul == nullptr) out += kUnterminated;
   return out;
 }
 
@@ -436,8 +452,10 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
         bv.offset = d.offset;
         if (d.kind == static_cast<uint32_t>(shm::BufferKind::kCudaIpc))
           bv.device_uuid = hex_bytes(d.device_uuid, sizeof d.device_uuid);
-        else
+        else {
           bv.name = printable_name(d.handle, sizeof d.handle);
+          bv.name_unterminated = !has_nul(d.handle, sizeof d.handle);
+        }
         w.buffers.push_back(std::move(bv));
       }
       snap.workers.push_back(std::move(w));
@@ -732,7 +750,8 @@ std::string completion_text(const shm::Completion& c) {
       " version " + std::to_string(c.version) + " value " +
       // An attach's value is the lease: 0x-hex, as every lease.
       (c.opcode == static_cast<uint32_t>(shm::Opcode::kAttach) ? hex64(c.value) : std::to_string(c.value));
-  if (c.code != 0) out += " \"" + printable_name(c.message, sizeof c.message) + "\"";
+  if (c.code != 0)
+    out += " " + quoted(printable_name(c.message, sizeof c.message), !has_nul(c.message, sizeof c.message));
   if (c.code != 0 && (c.flags & shm::kCompletionMessageCut) != 0) out += " (cut)";
   return out;
 }
@@ -845,7 +864,7 @@ std::string render_text(const Snapshot& s) {
     for (const BufferView& b : w.buffers) {
       o << "    buffer " << b.id << ": " << buffer_kind_name(b.kind) << ", " << b.length << " bytes at offset "
         << b.offset;
-      if (!b.name.empty()) o << ", name \"" << b.name << "\"";
+      if (!b.name.empty()) o << ", name " << quoted(b.name, b.name_unterminated);
       if (!b.device_uuid.empty()) o << ", device " << b.device_uuid;
       o << "\n";
     }

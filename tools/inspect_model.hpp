@@ -78,10 +78,11 @@ struct BufferView {
   uint32_t id = 0;
   uint32_t kind = 0;  // shm::BufferKind, unchecked
   uint32_t flags = 0;
-  uint64_t length = 0;      // bytes
-  uint64_t offset = 0;      // bytes
-  std::string name;         // kHostShm: the object name, printable; kCudaIpc: ""
-  std::string device_uuid;  // kCudaIpc: 32 hex digits; otherwise ""
+  uint64_t length = 0;             // bytes
+  uint64_t offset = 0;             // bytes
+  std::string name;                // kHostShm: the object name, printable (printable_name); kCudaIpc: ""
+  bool name_unterminated = false;  // the name had no NUL: `name` ends in " (unterminated)"
+  std::string device_uuid;         // kCudaIpc: 32 hex digits; otherwise ""
 };
 
 struct WorkerView {

@@ -969,6 +969,13 @@ BOOST_AUTO_TEST_CASE(decoder_treats_entries_as_untrusted) {
   std::memset(d0.handle, 'A', sizeof d0.handle);
   d0.handle[3] = '\n';
   s.buffer(1, 1).kind = 9;
+  // Its completion queue: a failure whose message has no NUL.
+  shm::Completion failed{};
+  failed.request_id = 4;
+  failed.code = static_cast<uint32_t>(ErrorCode::kStale);
+  std::memset(failed.message, 'M', sizeof failed.message);
+  s.completion_slots(1)[0] = failed;
+  s.completions(1).tail.store(1, std::memory_order_relaxed);
   // Lane 1: one request with garbage in every enum and id.
   shm::Request r{};
   r.request_id = 5;
@@ -1015,6 +1022,9 @@ BOOST_AUTO_TEST_CASE(decoder_treats_entries_as_untrusted) {
   BOOST_TEST(contains(text, "request 5 unknown(77)"), text);
   BOOST_TEST(contains(text, "lane 2: head 10, tail 1000: corrupt indices"), text);
   BOOST_TEST(contains(text, "queue 3: head 0, tail 1099511627776: corrupt indices"), text);
+  // "(unterminated)" is no part of a name: outside its quotes.
+  BOOST_TEST(contains(text, "name \"AAA\\x0a" + std::string(60, 'A') + "\" (unterminated)\n"), text);
+  BOOST_TEST(contains(text, "-> stale version 0 value 0 \"" + std::string(64, 'M') + "\" (unterminated)\n"), text);
 
   const json j = inspect::to_json(*snap);
   const json& slot = j["lanes"][0]["slots"][0];
