@@ -70,7 +70,8 @@ void Sessions::attach(uint32_t i, uint64_t claimed) {
   entry.pushes_scaled.store(0, std::memory_order_relaxed);
   entry.scale_factor_sum_micro.store(0, std::memory_order_relaxed);
   entry.pulls_timed_out.store(0, std::memory_order_relaxed);
-  entry.cancel_request.store(0, std::memory_order_relaxed);  // no earlier owner's cancel
+  entry.last_request_ns.store(0, std::memory_order_relaxed);  // no request of this session yet
+  entry.cancel_request.store(0, std::memory_order_relaxed);   // no earlier owner's cancel
   const uint64_t attached = shm::make_owner(static_cast<uint32_t>(pid), WorkerState::kAttached);
   uint64_t expected = claimed;
   // acq_rel: SYNC(worker_attached) the release publishes the reset

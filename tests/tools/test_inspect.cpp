@@ -2069,6 +2069,27 @@ BOOST_AUTO_TEST_CASE(snapshot_decodes_rings_as_ring_reading_says) {
 // only at the attach: none is shown under the new claim ("-" in the text,
 // null in the JSON, no per-worker series in Prometheus). The server is
 // stopped (SIGSTOP) so that the claim stays a claim.
+// A session that has made no request yet shows no last request: the
+// server resets the entry's stamp with its counters at the attach, so the
+// previous session's is never shown as this one's.
+BOOST_AUTO_TEST_CASE(a_new_session_shows_no_last_request_before_its_first) {
+  const std::string name = test::unique_name("lastreq");
+  test::ServerProcess server(name, kTensorArgs);
+  {
+    auto worker = connect(name);
+    BOOST_REQUIRE(worker->ping().ok());
+  }
+  BOOST_REQUIRE(test::eventually([&] { return parse_json(run_inspect({"--json", name}))["workers"].empty(); }));
+  auto worker = connect(name);
+  json j = parse_json(run_inspect({"--json", name}));
+  BOOST_REQUIRE_EQUAL(j["workers"].size(), 1u);
+  BOOST_TEST(j["workers"][0]["state"] == "attached", j["workers"][0]);
+  BOOST_TEST(j["workers"][0]["last_request_age_ms"].is_null(), j["workers"][0]);
+  BOOST_REQUIRE(worker->ping().ok());
+  j = parse_json(run_inspect({"--json", name}));
+  BOOST_TEST(!j["workers"][0]["last_request_age_ms"].is_null(), j["workers"][0]);
+}
+
 BOOST_AUTO_TEST_CASE(claimed_entry_shows_no_earlier_session_counters) {
   const std::string name = test::unique_name("claimed");
   std::vector<std::string> args = kTensorArgs;
