@@ -60,6 +60,12 @@ void install_stop_handler() {
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = 0;  // no SA_RESTART: see on_signal
   for (const int signo : {SIGINT, SIGTERM, SIGALRM}) ::sigaction(signo, &sa, nullptr);
+  // A parent may have started the tool with them blocked (the mask is
+  // inherited): they must reach the handler.
+  sigset_t ours;
+  sigemptyset(&ours);
+  for (const int signo : {SIGINT, SIGTERM, SIGALRM}) sigaddset(&ours, signo);
+  ::sigprocmask(SIG_UNBLOCK, &ours, nullptr);
 }
 
 // Prints "shmps-inspect: <message>" on stderr, escaped (printable_text):
@@ -210,19 +216,22 @@ ExitCode run_once(const Options& o) {
 // whole interval. Outside this wait they are not blocked, so one during a
 // refresh interrupts a write that blocks (write_out).
 void wait_until(std::chrono::steady_clock::time_point until) {
-  sigset_t stop_signals, unblocked;
+  sigset_t stop_signals, before;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
-  ::sigprocmask(SIG_BLOCK, &stop_signals, &unblocked);
+  ::sigprocmask(SIG_BLOCK, &stop_signals, &before);
+  sigset_t waiting = before;  // the mask ppoll waits under: the stop signals always open
+  sigdelset(&waiting, SIGINT);
+  sigdelset(&waiting, SIGTERM);
   while (g_stop == 0) {
     const auto left = until - std::chrono::steady_clock::now();
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
     if (ns <= 0) break;
     const timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
-    ::ppoll(nullptr, 0, &ts, &unblocked);  // a timeout, or EINTR from the handler
+    ::ppoll(nullptr, 0, &ts, &waiting);  // a timeout, or EINTR from the handler
   }
-  ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
+  ::sigprocmask(SIG_SETMASK, &before, nullptr);
 }
 
 // Re-opens the segment at every refresh, so a restarted server (a new

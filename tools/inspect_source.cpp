@@ -214,7 +214,7 @@ using shm::largest_segment_size;
 
 // What load_segment() reports at once for an object at the name that no
 // start will finish, as far as the object tells: one that is empty, or
-// whose header is all zero (magic 0, as validate_segment() judges a header
+// whose magic is zero (as validate_segment() judges a header
 // not yet written), that no process holds a flock on (a starting server
 // holds its own from before it sizes the object until its exit) and whose
 // ctime (its creation or sizing; a server writes its header through a
@@ -246,7 +246,7 @@ std::optional<std::string> never_written(const std::string& name, const std::str
   if (locked.value_or(false)) return std::nullopt;
   const bool mine = st.st_uid == ::geteuid();
   return path + " (owner " + shm::owner_text(st.st_uid, st.st_gid) + ", mode " + shm::mode_text(st.st_mode) + ") " +
-         (empty ? "is empty" : "is not initialised (its header is all zero)") + ", unchanged for " +
+         (empty ? "is empty" : "is not initialised (no header: its magic is zero)") + ", unchanged for " +
          std::to_string(std::chrono::duration_cast<std::chrono::seconds>(age).count()) + " s" +
          (locked.has_value() ? ", and no process holds its lock" : "") + ": a server start that died before " +
          (empty ? "sizing" : "writing") +

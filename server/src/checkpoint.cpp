@@ -705,15 +705,21 @@ Result<std::string> set_aside_damaged_checkpoint(const CheckpointDirLock& lock, 
     const std::string suffix = n == 0 ? ".damaged" : ".damaged." + std::to_string(n);
     const std::string to = name + suffix;
     // RENAME_NOREPLACE: a file set aside before is the operator's, never
-    // replaced. A file system without it (EINVAL) gets a hard link and an
+    // replaced. A file system without it (EINVAL), or a kernel or seccomp
+    // filter without renameat2 (ENOSYS, EPERM), gets a hard link and an
     // unlink, which refuse an existing name as well.
     if (::renameat2(d, name.c_str(), d, to.c_str(), RENAME_NOREPLACE) == 0) return path + suffix;
-    if (errno == EINVAL && ::linkat(d, name.c_str(), d, to.c_str(), 0) == 0) {
-      if (::unlinkat(d, name.c_str(), 0) != 0)
-        return Status{ErrorCode::kIo, "remove " + path + " (linked to " + path + suffix + "): " + errno_text()};
-      return path + suffix;
+    const char* call = "rename";
+    if (errno == EINVAL || errno == ENOSYS || errno == EPERM) {
+      call = "link";
+      if (::linkat(d, name.c_str(), d, to.c_str(), 0) == 0) {
+        if (::unlinkat(d, name.c_str(), 0) != 0)
+          return Status{ErrorCode::kIo, "remove " + path + " (linked to " + path + suffix + "): " + errno_text()};
+        return path + suffix;
+      }
     }
-    if (errno != EEXIST) return Status{ErrorCode::kIo, "rename " + path + " to " + path + suffix + ": " + errno_text()};
+    if (errno != EEXIST)
+      return Status{ErrorCode::kIo, std::string(call) + " " + path + " to " + path + suffix + ": " + errno_text()};
   }
   return Status{ErrorCode::kIo, "not renaming " + path + ": " + path + ".damaged and .damaged.1 to .damaged." +
                                     std::to_string(kMostDamagedCopies) +

@@ -190,8 +190,7 @@ void CheckpointPolicy::maybe(uint64_t now) {
   CheckpointData data;
   const Result<bool> taken = snapshot(&data);
   if (!taken.ok()) {
-    ++unread_;
-    shm::bump(stats_.checkpoint_failures);
+    ++unread_;  // counted in checkpoint_failures by publish_result()
     pause_after_failure(now, "checkpoint of version " + std::to_string(model_.version) +
                                  " not written: reading it from the device failed: " + taken.status().message());
     return;

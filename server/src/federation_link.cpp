@@ -91,6 +91,7 @@ Result<FederationLink::Polled> FederationLink::poll(Backend& backend, uint64_t v
   if (phase() == Phase::kDiscarded) {
     // The round was abandoned: W keeps its local updates (the thread
     // counts them in the next round).
+    hold_since_ns_ = 0;
     set_phase(Phase::kIdle);
     return Polled::kDiscard;
   }
@@ -110,6 +111,7 @@ Result<FederationLink::Polled> FederationLink::poll(Backend& backend, uint64_t v
   }
   merged_version_ = snapshot_version_;
   ++merges_;
+  hold_since_ns_ = 0;  // a hold ends with its round, whether or not a lane looked since
   set_phase(Phase::kIdle);
   return Polled::kMerge;
 }

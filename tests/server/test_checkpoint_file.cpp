@@ -483,8 +483,9 @@ BOOST_AUTO_TEST_CASE(what_is_not_a_regular_file_is_refused_without_blocking) {
 // before it is opened, never through a link: a symbolic link (to a valid
 // checkpoint of this model elsewhere, or to a device) and a FIFO are
 // refused unopened, naming what they are, and are neither set aside,
-// pruned nor replaced. The restore opened them first and followed links.
-// A path given alone is followed, as a path is.
+// pruned nor replaced: opened, a FIFO would block the start and a tty
+// become the server's controlling terminal. A path given alone is
+// followed, as a path is.
 BOOST_AUTO_TEST_CASE(a_link_or_fifo_named_like_a_checkpoint_is_refused_unopened) {
   test::TempDir dir("ckptfile"), elsewhere("ckptfile");
   BOOST_REQUIRE(write_checkpoint(elsewhere.path.string(), make_data(adam_layout(), 5)).ok());
@@ -601,8 +602,8 @@ BOOST_AUTO_TEST_CASE(a_write_never_replaces_another_models_checkpoint) {
                  ": not a shmps checkpoint (bad magic); move it away or use another --checkpoint-dir");
   BOOST_TEST(contents(ckpt(dir, 6)) == std::string(200, 'x'));
 
-  // One of this model's, of another user: the reason is its owner, not
-  // another model (the message said "not a checkpoint of this model").
+  // One of this model's, of another user: the reason given is its owner,
+  // not another model.
   if (::geteuid() != 0) {
     BOOST_TEST_MESSAGE("not root: a file of another user cannot be made here; that part is skipped");
     return;
@@ -694,9 +695,9 @@ BOOST_AUTO_TEST_CASE(a_directory_that_cannot_be_listed_is_an_error_not_an_empty_
 
 // A server that cannot list its checkpoint directory at start (EMFILE:
 // the lock took the last two descriptors) fails the start, naming the
-// directory and the fix. Taking the listing for an empty directory, it
-// started from the initial values and its writes replaced the old run's
-// checkpoints one by one.
+// directory and the fix: a listing taken for an empty directory would
+// start from the initial values, and its writes would replace the old
+// run's checkpoints one by one.
 BOOST_AUTO_TEST_CASE(a_start_that_cannot_list_the_directory_fails_rather_than_start_from_scratch) {
   test::TempDir dir("ckptfile"), logs("ckptlog");
   const std::string d = dir.path.string(), log_path = (logs.path / "stderr").string();
@@ -728,8 +729,7 @@ BOOST_AUTO_TEST_CASE(a_start_that_cannot_list_the_directory_fails_rather_than_st
 
 // A damaged checkpoint set aside never replaces a file set aside before
 // (kept for the operator, perhaps of the same version from an earlier
-// restart): ".damaged" is taken, then ".damaged.1", ".damaged.2" ... A
-// plain rename replaced it.
+// restart): ".damaged" is taken, then ".damaged.1", ".damaged.2" ...
 BOOST_AUTO_TEST_CASE(setting_a_file_aside_never_replaces_one_set_aside_before) {
   test::TempDir dir("ckptfile");
   auto lock = CheckpointDirLock::acquire(dir.path.string());

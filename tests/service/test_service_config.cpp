@@ -946,9 +946,9 @@ BOOST_AUTO_TEST_CASE(idle_spin_is_at_most_one_second) {
 }
 
 // --checkpoint-keep is in 1..1000, refused outside naming the option: the
-// start multiplied its allowance for the restore by keep + 1 in 32 bits,
-// which 4294967295 wrapped to 0 (and large counts overflowed the product).
-// The allowance saturates rather than wrap whatever it is given.
+// start's allowance for the restore counts keep + 1 files, which must not
+// wrap (4294967295 + 1 in 32 bits is 0). The allowance saturates rather
+// than wrap whatever it is given.
 BOOST_AUTO_TEST_CASE(checkpoint_keep_is_bounded_and_the_start_allowance_saturates) {
   for (const std::string keep : {"0", "1001", "4294967295"})
     BOOST_TEST(refusal({"--checkpoint-dir", "/tmp/ck", "--checkpoint-keep", keep}) ==

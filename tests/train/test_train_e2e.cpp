@@ -188,10 +188,10 @@ std::vector<std::string> server_args(const std::string& init, const std::string&
 }  // namespace
 
 // Two asynchronous workers for one epoch of 5,000 images: the final score
-// depends on how their pushes interleave: seen from 0.69 (a loaded CI
-// machine) to 0.78, and the curve swings by about 0.04 between evaluations
-// ten versions apart. The check is that the run learned (it starts near
-// 0.11; chance is 0.10), not a score.
+// depends on how their pushes interleave, and swings between evaluations
+// ten versions apart (docs/training.md, "Reproducing").
+// The check is that the run learned (it starts near 0.11; chance is
+// 0.10), not a score.
 constexpr double kLearnedAfterOneShortEpoch = 0.60;
 
 BOOST_AUTO_TEST_SUITE(train_e2e, *boost::unit_test::precondition(dataset_installed))
