@@ -1682,6 +1682,38 @@ BOOST_AUTO_TEST_CASE(pushes_at_one_server_reach_the_other_through_the_rounds) {
   }
 }
 
+// Holds a host's first allreduce after hook() (its federation thread
+// inside the round's exchange) until release(): a host that hangs, under
+// an engine without a timeout.
+struct StuckAllreduce {
+  void hook(FakeEngine& engine) {
+    engine.before_allreduce = [this] {
+      std::unique_lock lock(mu);
+      if (!armed) return;
+      armed = false;
+      reached = true;
+      cv.notify_all();
+      cv.wait(lock, [this] { return released; });
+    };
+  }
+  // Whether the hooked allreduce was reached within 10 s.
+  bool await_reached() {
+    std::unique_lock lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(10), [this] { return reached; });
+  }
+  void release() {
+    {
+      std::lock_guard lock(mu);
+      released = true;
+    }
+    cv.notify_all();
+  }
+  ~StuckAllreduce() { release(); }
+  std::mutex mu;
+  std::condition_variable cv;
+  bool armed = true, reached = false, released = false;
+};
+
 // A round that never merges (host 0's thread held inside its allreduce
 // for as long as the test likes: a host that hangs, under an engine
 // without a timeout) holds a push only for two periods plus the engine's
@@ -1692,25 +1724,12 @@ BOOST_AUTO_TEST_CASE(a_round_that_never_merges_holds_pushes_only_for_the_hold_li
   f.every_ms = 30;
   f.overlap = false;
   f.timeout_ms = 300;  // the hold's limit: 2 x 30 + 300 ms
-  std::mutex mu;
-  std::condition_variable cv;
-  bool armed = true, reached = false, released = false;
+  StuckAllreduce stuck;
   TwoServers two(f, f, {}, [&](uint32_t r, FakeEngine& engine) {
-    if (r != 0) return;
-    engine.before_allreduce = [&] {
-      std::unique_lock lock(mu);
-      if (!armed) return;
-      armed = false;
-      reached = true;
-      cv.notify_all();
-      cv.wait(lock, [&] { return released; });
-    };
+    if (r == 0) stuck.hook(engine);
   });
   push_halves(two.names[0], 1);  // an update, so the next round exchanges a delta
-  {
-    std::unique_lock lock(mu);
-    BOOST_TEST_REQUIRE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return reached; }));
-  }
+  BOOST_TEST_REQUIRE(stuck.await_reached());
   // Rounds without updates before this one may have held a push too.
   const uint64_t held_before = block_stat(two.names[0], &shm::StatsBlock::fed_pushes_held);
   const auto start = std::chrono::steady_clock::now();
@@ -1721,11 +1740,7 @@ BOOST_AUTO_TEST_CASE(a_round_that_never_merges_holds_pushes_only_for_the_hold_li
   // The first held, the rest not held again.
   BOOST_TEST(block_stat(two.names[0], &shm::StatsBlock::fed_pushes_held) == held_before + 1);
   BOOST_TEST(pull_weights(two.names[0])[0] == 2.0f);  // 4 pushes of -0.5
-  {
-    std::lock_guard lock(mu);
-    released = true;
-  }
-  cv.notify_all();
+  stuck.release();
   // Every push reaches host 1 through the rounds, the one held and the
   // three served during the stuck round alike.
   BOOST_TEST(test::eventually([&] { return pull_weights(two.names[1])[0] == 2.0f; }),
@@ -1760,25 +1775,12 @@ BOOST_AUTO_TEST_CASE(without_overlap_a_push_waits_for_the_merge) {
   FederationConfig f;
   f.every_ms = 30;
   f.overlap = false;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool armed = true, reached = false, released = false;
+  StuckAllreduce stuck;
   TwoServers two(f, f, {}, [&](uint32_t r, FakeEngine& engine) {
-    if (r != 0) return;
-    engine.before_allreduce = [&] {
-      std::unique_lock lock(mu);
-      if (!armed) return;
-      armed = false;
-      reached = true;
-      cv.notify_all();
-      cv.wait(lock, [&] { return released; });
-    };
+    if (r == 0) stuck.hook(engine);
   });
   push_halves(two.names[0], 1);  // an update, so the next round exchanges a delta
-  {
-    std::unique_lock lock(mu);
-    BOOST_TEST_REQUIRE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return reached; }));
-  }
+  BOOST_TEST_REQUIRE(stuck.await_reached());
   // Host 0 is inside its exchange now: a pull is served, a push waits.
   BOOST_TEST(pull_weights(two.names[0])[0] == 0.5f);
   // The push from a thread of its own, without Boost.Test's macros (not
@@ -1798,11 +1800,7 @@ BOOST_AUTO_TEST_CASE(without_overlap_a_push_waits_for_the_merge) {
   BOOST_TEST(test::eventually([&] { return block_stat(two.names[0], &shm::StatsBlock::fed_pushes_held) >= 1u; }));
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   BOOST_TEST(!pushed.load(), "a push was applied while the round exchanged without overlap");
-  {
-    std::lock_guard lock(mu);
-    released = true;
-  }
-  cv.notify_all();
+  stuck.release();
   pusher.join();
   BOOST_TEST(pushed.load());
   BOOST_TEST(push_ok.load());

@@ -179,6 +179,28 @@ void poke(std::string* bytes, size_t offset, T value) {
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
+// SIGSTOPs a process for the scope: SIGCONT at its end, before a
+// ServerProcess declared earlier stops the server.
+class StoppedFor {
+ public:
+  explicit StoppedFor(pid_t pid) : pid_(pid) { stopped_ = ::kill(pid_, SIGSTOP) == 0; }
+  ~StoppedFor() {
+    if (pid_ > 0) ::kill(pid_, SIGCONT);
+  }
+  // The process was reaped: its pid may be another's by the scope's end.
+  void forget() { pid_ = 0; }
+  StoppedFor(const StoppedFor&) = delete;
+  StoppedFor& operator=(const StoppedFor&) = delete;
+  // Whether the process was seen stopped (/proc) within the usual wait.
+  bool seen_stopped() const {
+    return stopped_ && test::eventually([this] { return shm::pid_state(pid_) == shm::ProcessState::kStopped; });
+  }
+
+ private:
+  pid_t pid_;
+  bool stopped_;
+};
+
 }  // namespace
 
 // Removes an in-process test segment's name at scope exit.
@@ -825,14 +847,8 @@ BOOST_AUTO_TEST_CASE(list_counts_only_live_workers_of_a_live_server) {
   BOOST_REQUIRE(n == 1);
   // Stopped, the server cannot reap the worker about to die.
   const pid_t pid = server.process().pid();
-  BOOST_REQUIRE(::kill(pid, SIGSTOP) == 0);
-  struct Continue {
-    pid_t pid;
-    ~Continue() {
-      if (pid > 0) ::kill(pid, SIGCONT);  // before the server's destructor stops it
-    }
-  } resume{pid};
-  BOOST_REQUIRE(test::eventually([pid] { return shm::pid_state(pid) == shm::ProcessState::kStopped; }));
+  StoppedFor scope(pid);
+  BOOST_REQUIRE(scope.seen_stopped());
   doomed.kill_and_reap();
 
   const json j = parse_json(run_inspect({"--json", name}));
@@ -844,7 +860,7 @@ BOOST_AUTO_TEST_CASE(list_counts_only_live_workers_of_a_live_server) {
   BOOST_TEST(rows.at(name)["workers_attached"] == 1, rows.at(name));
 
   server.process().kill_and_reap();  // the segment stays, its entries as they were
-  resume.pid = 0;
+  scope.forget();
   rows = list_rows();
   BOOST_REQUIRE(rows.count(name) == 1u);
   BOOST_TEST(rows.at(name)["server_alive"] == false, rows.at(name));
@@ -2102,12 +2118,8 @@ BOOST_AUTO_TEST_CASE(claimed_entry_shows_no_earlier_session_counters) {
   }  // detached: the entry is free again, its counters left as they were
   BOOST_REQUIRE(test::eventually([&] { return parse_json(run_inspect({"--json", name}))["workers"].empty(); }));
   const pid_t pid = server.process().pid();
-  BOOST_REQUIRE(::kill(pid, SIGSTOP) == 0);
-  struct Continue {
-    pid_t pid;
-    ~Continue() { ::kill(pid, SIGCONT); }  // before the server's destructor stops it
-  } resume{pid};
-  BOOST_REQUIRE(test::eventually([pid] { return shm::pid_state(pid) == shm::ProcessState::kStopped; }));
+  const StoppedFor scope(pid);
+  BOOST_REQUIRE(scope.seen_stopped());
   test::RawClient claim(name, /*attach=*/false);
   BOOST_REQUIRE(claim.entry().pushes_applied.load() == 3u);  // the earlier session's, still there
 
@@ -2141,12 +2153,8 @@ BOOST_AUTO_TEST_CASE(stopped_server_is_shown_stopped) {
   const pid_t pid = server.process().pid();
   const std::string series = "{name=\"" + name + "\"} ";
   BOOST_TEST(contains(run_inspect({"--format", "prometheus", name}).out, "shmps_server_stopped" + series + "0\n"));
-  BOOST_REQUIRE(::kill(pid, SIGSTOP) == 0);
-  struct Continue {
-    pid_t pid;
-    ~Continue() { ::kill(pid, SIGCONT); }  // before the server's destructor stops it
-  } resume{pid};
-  BOOST_REQUIRE(test::eventually([pid] { return shm::pid_state(pid) == shm::ProcessState::kStopped; }));
+  const StoppedFor scope(pid);
+  BOOST_REQUIRE(scope.seen_stopped());
 
   const Run text = run_inspect({name});
   BOOST_TEST(text.rc == 0, text.err);
