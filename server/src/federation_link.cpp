@@ -145,12 +145,13 @@ bool FederationLink::holding_pushes(uint64_t version) {
   return false;
 }
 
-uint64_t FederationLink::hold_limit_ms() const noexcept {
+uint32_t FederationLink::group_period_ms() const noexcept {
   // relaxed: written once by the thread after its join; 0 (not joined
   // yet) only leaves our own period.
-  const uint32_t period = std::max(config_.every_ms, group_every_ms_.load(std::memory_order_relaxed));
-  return 2 * uint64_t{period} + config_.timeout_ms;
+  return std::max(config_.every_ms, group_every_ms_.load(std::memory_order_relaxed));
 }
+
+uint64_t FederationLink::hold_limit_ms() const noexcept { return 2 * uint64_t{group_period_ms()} + config_.timeout_ms; }
 
 void FederationLink::request_round() {
   // relaxed: a flag; notify() orders it before the timer's re-check.
@@ -202,12 +203,10 @@ bool FederationLink::stop(Backend& backend, uint64_t version, uint64_t* merges) 
   if (!thread_.joinable()) return true;
   stop_.store(true, std::memory_order_relaxed);  // relaxed: notify() orders it
   shm::notify(thread_wake_);
-  // relaxed: written once by the thread after its join; 0 (not joined yet)
-  // only leaves our own period.
-  const uint32_t period = std::max(config_.every_ms, group_every_ms_.load(std::memory_order_relaxed));
   // An elastic engine's thread may be forming a group: its settle,
   // agreement and rendezvous take up to about two of its timeouts.
-  const uint64_t timeout_ms = 2 * uint64_t{period} + 5000 + (engine_->elastic() ? 2 * uint64_t{config_.timeout_ms} : 0);
+  const uint64_t timeout_ms =
+      2 * uint64_t{group_period_ms()} + 5000 + (engine_->elastic() ? 2 * uint64_t{config_.timeout_ms} : 0);
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   // SYNC(fed_done): pairs with the thread's release as it ends.
   while (!thread_done_.load(std::memory_order_acquire)) {

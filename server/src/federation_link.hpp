@@ -81,6 +81,8 @@ class FederationLink {
   bool holding_pushes(uint64_t version);
   // Two of the group's longest periods plus the engine's timeout.
   uint64_t hold_limit_ms() const noexcept;
+  // The group's longest round period (ours until the join tells it).
+  uint32_t group_period_ms() const noexcept;
   // Consumer thread: the federation's state as of the weights now (the
   // model at `version`), for a checkpoint (none before the join, unless
   // restored). False while a round is between its snapshot and its merge,
