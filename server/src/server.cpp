@@ -484,7 +484,12 @@ class Server::Impl {
     bool held_for_merge = false;  // the batch ended on a push that waits for the federation's merge
     bool queue_full = false;      // the batch ended on a full completion queue
     while (served < kBatchPerLane) {
-      if (!slot.completions.has_space()) {
+      // A request is taken only with a slot of the completion queue for
+      // its answer beside one for each answer held behind device work, so
+      // that every held answer can be posted once its work is done
+      // (otherwise the loop polls their fences without ever sleeping,
+      // until the worker reads).
+      if (!slot.completions.has_space_for(held.held(i) + 1)) {
         if (slot.completions.head_impossible()) {
           evict(i, "its completion queue indices are corrupt");
           return true;
@@ -497,7 +502,6 @@ class Server::Impl {
         behind[i] = 1;
         break;
       }
-      if (held.held(i) >= config.lane_capacity) break;  // its device work is behind
       if (!failure.ok()) break;  // the device failed: nothing more is taken (shutdown fails the rest)
       if (push_waits_for_merge(slot)) {
         held_for_merge = true;

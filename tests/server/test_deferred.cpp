@@ -5,6 +5,7 @@
 // meanwhile, that one worker's completions keep request order, and that
 // a buffer's mapping is closed only after the work using it is done.
 #define BOOST_TEST_MODULE test_deferred
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -334,6 +335,72 @@ BOOST_AUTO_TEST_CASE(a_failed_read_of_the_device_writes_no_checkpoint_and_prunes
   BOOST_REQUIRE_MESSAGE(restored.ok(), restored.status().to_string());
   BOOST_TEST((*restored)->version() == 2u);
   BOOST_TEST((*restored)->weights().value() == std::vector<float>(4, -2.0f), boost::test_tools::per_element());
+}
+
+// A client that leaves its answers unread while its pushes wait for
+// device work: the server takes a request only with room in the
+// completion queue for its answer and for every answer held, so each held
+// answer can be posted once its work is done. Taking more (up to a lane of
+// held pushes behind a full queue) would leave answers it cannot post, and
+// the loop would poll their fences without sleeping until the client read.
+BOOST_AUTO_TEST_CASE(a_client_owing_reads_is_given_no_more_work_than_its_queue_can_answer) {
+  GatedServer s("owing");
+  test::RawClient raw(s.config.name);
+  const uint32_t capacity = raw.segment().layout().lane_capacity;
+  const std::string object = shm::buffer_object_name(s.config.name, ::getpid(), 905);
+  auto obj = shm::ShmObject::create(object, 16, 0600);
+  BOOST_REQUIRE(obj.ok());
+  std::fill_n(static_cast<float*>((*obj)->data()), 4, -1.0f);
+  shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
+  std::memset(&d, 0, sizeof d);
+  d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+  d.length = 16;
+  std::memcpy(d.handle, object.c_str(), object.size() + 1);
+  uint64_t id = 1;
+  auto send = [&](shm::Request r) {
+    r.request_id = id++;
+    BOOST_REQUIRE(raw.send(r));
+  };
+  send(raw.request(shm::Opcode::kRegisterBuffer));
+  BOOST_REQUIRE(raw.receive().code == 0u);
+  const auto& stats = raw.segment().stats();
+  for (uint32_t k = 0; k + 1 < capacity; ++k) send(raw.request(shm::Opcode::kPing));  // answered, left unread
+  BOOST_REQUIRE(test::eventually([&] { return stats.requests.load(std::memory_order_relaxed) >= capacity; }));
+  for (uint32_t k = 0; k < capacity; ++k) {  // a lane of pushes, each held behind an open fence once taken
+    shm::Request push = raw.request(shm::Opcode::kPush);
+    push.tensor_id = shm::kAllTensors;
+    push.byte_length = 16;
+    push.dtype = 1;
+    push.worker_version = k;
+    send(push);
+  }
+  // One slot is free: one push is taken, the rest wait in the lane.
+  BOOST_REQUIRE(test::eventually([&] { return s.gate.issued.load() >= 1; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // three heartbeats' retries
+  BOOST_TEST(stats.requests.load(std::memory_order_relaxed) == capacity + 1u);
+  BOOST_TEST(s.gate.issued.load() == 1u);
+  s.gate.release_all();
+  // Its answer fills the queue; nothing is held, and the server sleeps.
+  BOOST_REQUIRE(test::eventually([&] { return raw.segment().completions(raw.id()).tail.load() == capacity + 1u; }));
+  rusage before{}, after{};
+  ::getrusage(RUSAGE_SELF, &before);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  ::getrusage(RUSAGE_SELF, &after);
+  const auto micros = [](const rusage& r) {
+    return (r.ru_utime.tv_sec + r.ru_stime.tv_sec) * 1'000'000L + r.ru_utime.tv_usec + r.ru_stime.tv_usec;
+  };
+  BOOST_TEST(micros(after) - micros(before) < 250'000L,
+             "this process used " << micros(after) - micros(before) << " us of CPU in a second");
+  // Once read, the rest is taken and answered in order, every push applied.
+  for (uint32_t k = 0; k + 1 < capacity; ++k) BOOST_TEST(raw.receive().code == 0u);
+  for (uint32_t k = 0; k < capacity; ++k) {
+    const shm::Completion c = raw.receive();
+    BOOST_TEST(c.request_id == uint64_t{capacity} + 1 + k);
+    BOOST_TEST(c.code == 0u);
+    BOOST_TEST(c.version == k + 1u);
+  }
+  raw.release_entry();
+  shm::ShmObject::remove(object);
 }
 
 // A stuck stream (a dead worker's event never recorded, say) is given up

@@ -125,6 +125,32 @@ BOOST_AUTO_TEST_CASE(fills_to_capacity_then_reports_full_then_drains_in_order) {
   BOOST_TEST(p.has_space());
 }
 
+// has_space_for(n): n slots free by the consumer's head, across the
+// uint64 wrap; a head ahead of the tail (written by a hostile consumer)
+// leaves no space, as has_space() says, and head_impossible() tells why.
+BOOST_AUTO_TEST_CASE(space_for_n_counts_free_slots_and_none_past_an_impossible_head) {
+  for (const uint64_t start : {uint64_t{0}, ~uint64_t{0} - 2}) {
+    BOOST_TEST_CONTEXT("start " << start) {
+      SharedLane lane;
+      lane.start_at(start);
+      SpscProducer<Request> p(lane.header(), lane.slots(), kCapacity, start);
+      SpscConsumer<Request> c(lane.header(), lane.slots(), kCapacity, start);
+      BOOST_TEST(p.has_space_for(kCapacity));
+      for (uint64_t i = 0; i < 5; ++i) BOOST_REQUIRE((p.try_push(make(i)) == RingResult::kOk));
+      BOOST_TEST(p.has_space_for(kCapacity - 5));
+      BOOST_TEST(!p.has_space_for(kCapacity - 4));
+      BOOST_TEST(!p.head_impossible());
+      Request r;
+      BOOST_REQUIRE((c.try_pop(&r) == RingResult::kOk));
+      BOOST_TEST(p.has_space_for(kCapacity - 4));  // the released slot is seen
+      lane.header()->head.store(start + 6);        // one past the tail: read when more than 60 are asked for
+      BOOST_TEST(!p.has_space_for(kCapacity - 3));
+      BOOST_TEST(!p.has_space_for(1));
+      BOOST_TEST(p.head_impossible());
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(indices_wrap_around_uint64) {
   SharedLane lane;
   const uint64_t start = ~uint64_t{0} - 100;  // wraps after 100 slots

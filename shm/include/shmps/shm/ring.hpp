@@ -101,13 +101,28 @@ class SpscProducer {
     cached_head_ = header_->head.load(std::memory_order_acquire);  // SYNC(slot_released)
     return tail_ - cached_head_ <= mask_;
   }
-  // After has_space() said no: whether the head it read is one no consumer
+  // True when at least `n` (<= capacity) slots are free; reads the
+  // consumer's head as has_space() does, only when the last head read
+  // leaves fewer.
+  bool has_space_for(uint64_t n) noexcept {
+    if (free_slots() >= n) return true;
+    cached_head_ = header_->head.load(std::memory_order_acquire);  // SYNC(slot_released)
+    return free_slots() >= n;
+  }
+  // After has_space() or has_space_for() said no: whether the head it read is one no consumer
   // could have written (so the ring is not full but corrupt).
   bool head_impossible() const noexcept { return tail_ - cached_head_ > mask_ + 1; }
   uint64_t tail() const noexcept { return tail_; }
   LaneHeader* header() const noexcept { return header_; }
 
  private:
+  // Free slots by the last head read; none when that head is impossible
+  // (unsigned differences: correct across wrap).
+  uint64_t free_slots() const noexcept {
+    const uint64_t in_flight = tail_ - cached_head_;
+    return in_flight <= mask_ + 1 ? mask_ + 1 - in_flight : 0;
+  }
+
   LaneHeader* header_ = nullptr;
   Slot* slots_ = nullptr;
   uint64_t mask_ = 0;
