@@ -196,13 +196,24 @@ Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
     return Owner::kNone;
   }
   const pid_t pid = static_cast<pid_t>(shm::owner_pid(owner));
-  const uint64_t start = owner == slot.owner ? slot.pid_start_time : entry.pid_start_time;
+  const bool was_attached = owner == slot.owner;
+  const bool claim = !was_attached && shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kClaimed);
+  // A claimer writes its start time just after its claim: until then the
+  // entry may hold the one the last session's process left (it freed its
+  // word without clearing it), which would judge the claimer dead. A claim
+  // with that start time is judged by its pid alone.
+  uint64_t start = was_attached ? slot.pid_start_time : entry.pid_start_time;
+  if (claim && start == slot.pid_start_time) start = 0;
   const shm::ProcessState state = shm::entry_owner_state(pid, start);
   if (state != shm::ProcessState::kGone)
-    return owner == slot.owner && stopped_too_long(i, state, now, why) ? Owner::kStopped : Owner::kLiving;
-  const bool was_attached = owner == slot.owner;
+    return was_attached && stopped_too_long(i, state, now, why) ? Owner::kStopped : Owner::kLiving;
+  // An owner word we do not serve that is no claim is one whose session
+  // we ended (an eviction, an entry overwritten): it died after it.
   log(was_attached ? LogLevel::kWarn : LogLevel::kInfo, "worker " + std::to_string(i) + " (pid " + std::to_string(pid) +
-                                                            ") died" + (was_attached ? "" : " before attaching") +
+                                                            ") died" +
+                                                            (was_attached ? ""
+                                                             : claim      ? " before attaching"
+                                                                          : " after its session ended") +
                                                             "; releasing its entry");
   if (was_attached) segment_.stats().workers_died.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
   release_entry(i, owner);

@@ -557,6 +557,37 @@ BOOST_AUTO_TEST_CASE(entry_zeroed_by_its_owner_serves_the_next_worker) {
   BOOST_TEST(s->workers_attached == 1u);
 }
 
+// The same, with the next claimer stopped between its claim and writing
+// its start time (worker_lib's window, held open by a fault point): the
+// entry still holds the start time the zeroing process left, which must
+// not get the living claimer judged dead and its claim freed.
+BOOST_AUTO_TEST_CASE(a_start_time_left_in_a_zeroed_entry_does_not_free_the_next_claim) {
+  test::ServerProcess server(test::unique_name("leftstart"), {"--tensor", "w:1", "--max-workers", "1"});
+  auto evil = test::Process::fork_fn([&] {
+    test::RawClient raw(server.name());
+    if (raw.call(raw.request(shm::Opcode::kPing)).code != 0) return 2;
+    raw.entry().owner.store(0);  // its start time stays in the entry
+    return 0;
+  });
+  BOOST_REQUIRE(evil.wait(10s) == 0);
+  auto segment = shm::Segment::open(server.name(), /*read_only=*/true);
+  BOOST_REQUIRE_MESSAGE(segment.ok(), segment.status().to_string());
+  const shm::WorkerEntry& entry = (*segment)->worker(0);
+  BOOST_REQUIRE(entry.pid_start_time != 0u);
+  BOOST_REQUIRE(test::eventually([&] { return (*segment)->stats().workers_attached.load() == 0u; }));
+  auto claimer = test::Process::fork_fn([&] {
+    ::setenv("SHMPS_FAULT", "after_claim:1:stop", 1);
+    return test::try_connect(server.name(), 5s) ? 0 : 1;
+  });
+  BOOST_REQUIRE(test::eventually([&] { return test::process_state(claimer.pid()) == 'T'; }, 5s));
+  const uint64_t claim = shm::make_owner(static_cast<uint32_t>(claimer.pid()), shm::WorkerState::kClaimed);
+  BOOST_REQUIRE(entry.owner.load() == claim);
+  std::this_thread::sleep_for(300ms);  // several housekeeping passes judge the claim
+  BOOST_TEST(entry.owner.load() == claim, "the living claimer's entry was freed");
+  claimer.resume();
+  BOOST_TEST(claimer.wait(10s) == 0);  // attached
+}
+
 // A registered buffer is shared memory the worker still controls: a worker
 // that shrinks the object after registration must get an error, not kill
 // the server with SIGBUS when it reads the gradient.
