@@ -54,6 +54,10 @@ struct WeightsExport {
 // of one backend increase; fence_done(f) implies fence_done(g) for g < f.
 using Fence = uint64_t;
 
+// Device work this late is stuck (a stream waiting on a dead worker's
+// event that is never recorded, say): a held completion's, an orphaned
+// one's or a synchronize()'s wait ends with an error then.
+inline constexpr uint64_t kDeviceStallNs = 60'000'000'000;
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -80,7 +84,8 @@ class Backend {
   // lost (a sticky CUDA error): the server must stop, failing what is in
   // flight, and say that the weights may be half-written.
   virtual Status healthy() { return Status::Ok(); }
-  // Waits for all enqueued work (shutdown, checkpoints, tests).
+  // Waits for all enqueued work (shutdown, checkpoints, tests), at most
+  // kDeviceStallNs: work not done by then is stuck (a kCuda error).
   virtual Status synchronize() { return Status::Ok(); }
   // The weights' export, published in the segment; absent for host memory.
   virtual WeightsExport weights_export() const { return {}; }

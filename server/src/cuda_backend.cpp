@@ -13,10 +13,12 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
+#include <thread>
 
 #include "backend.hpp"
 #include "shmps/cuda_check.hpp"
@@ -24,6 +26,7 @@
 #include "shmps/kernels/optimizer_cuda.hpp"
 #include "shmps/server/log.hpp"
 #include "shmps/shm/in_process.hpp"
+#include "shmps/shm/proc.hpp"
 #include "shmps/shm/segment.hpp"
 
 namespace shmps::server {
@@ -252,7 +255,25 @@ class CudaBackend final : public Backend {
   Status synchronize() override {
     if (!sticky_.ok()) return sticky_;
     bind();
-    if (Status s = call(cudaStreamSynchronize(stream_), "cudaStreamSynchronize(stream_)", __LINE__); !s.ok()) return s;
+    // Polled, not cudaStreamSynchronize(): the stream may wait on the event
+    // of a worker killed before its own stream reached the record, for
+    // ever, and the server must stop with an error rather than hang (no
+    // heartbeat, no SIGTERM) after kDeviceStallNs. Yields first (a copy
+    // ends in microseconds), then sleeps in short steps.
+    const uint64_t start = shm::monotonic_ns();
+    for (uint32_t polls = 0;; ++polls) {
+      const cudaError_t e = cudaStreamQuery(stream_);
+      if (e == cudaSuccess) break;
+      if (e != cudaErrorNotReady) return call(e, "cudaStreamQuery(stream_)", __LINE__);
+      if (shm::monotonic_ns() - start > kDeviceStallNs)
+        return {ErrorCode::kCuda, "the device's work has not finished in " +
+                                      std::to_string(kDeviceStallNs / 1'000'000'000) +
+                                      " s (a dead worker's event never recorded?)"};
+      if (polls < 1000)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
     while (!fences_.empty()) {
       free_events_.push_back(fences_.front().second);
       fences_.pop_front();

@@ -22,7 +22,7 @@ namespace shmps::server {
 class HeldCompletions {
  public:
   // Device work this late means the stream is stuck.
-  static constexpr uint64_t kStallNs = 60'000'000'000;
+  static constexpr uint64_t kStallNs = kDeviceStallNs;
 
   explicit HeldCompletions(uint32_t workers) : queues_(workers) {}
 
