@@ -24,13 +24,16 @@
 // group; at the first, of all --fed-hosts): a minority pauses instead. A
 // host that wants in later writes its want at the attempt after the
 // group's epoch, which the members look for once per round
-// (joiner_waiting()). A store wiped under a running group (a Redis
-// restarted without persistence) has lost the attempts a newcomer counts
-// from: the group's rank 0, finding its `formed` record gone (once a
-// round), or the first attempt's wants gone where the group formed past
-// it (as it forms: a store wiped while the group re-formed), writes the
-// floor and the record again, and a newcomer's first attempt is then the
-// one after the group's epoch, as in a store never wiped.
+// (joiner_waiting()); when its rendezvous with them then fails in its
+// connections (a host they cannot reach), it waits before its next want,
+// longer after each such failure in a row (back_off()). A store wiped
+// under a running group (a Redis restarted without persistence) has lost
+// the attempts a newcomer counts from: the group's rank 0, finding its
+// `formed` record gone (once a round), or the first attempt's wants gone
+// where the group formed past it (as it forms: a store wiped while the
+// group re-formed), writes the floor and the record again, and a
+// newcomer's first attempt is then the one after the group's epoch, as in
+// a store never wiped.
 //
 // Used by the federation thread alone (Gloo's stores are not thread-safe).
 #include <gloo/allgather.h>
@@ -49,6 +52,7 @@
 #include <bit>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -76,6 +80,16 @@ constexpr milliseconds kPoll{5};
 constexpr milliseconds kSettle{200};
 // How often a group's member tries to open a store that failed again.
 constexpr std::chrono::seconds kStoreRetry{5};
+// A newcomer that could not connect to a running group's hosts waits
+// before its next want: the engine's timeout, doubled with each such
+// failure in a row, up to 2^kMaxBackoffDoublings timeouts. Each of its
+// tries costs the group about one timeout (the rendezvous that fails), so
+// at the cap a host that stays unreachable takes under 2% of the group's
+// time, whatever the timeout, and one whose network is repaired is back
+// within 64 timeouts (5 min at the default 5 s).
+constexpr uint32_t kMaxBackoffDoublings = 6;
+// How often the backoff looks at the stop flag.
+constexpr milliseconds kBackoffPoll{20};
 // The highest floor believed (a garbage one beyond it is ignored): far
 // past any epoch, and far from the gallop's overflow.
 constexpr uint64_t kMaxFloor = uint64_t{1} << 48;
@@ -162,30 +176,52 @@ class JobStore {
 // Gloo's rendezvous over the job's store, under one attempt's prefix,
 // with one deadline for the whole rendezvous (Gloo's get() would wait 30
 // s for a host that never comes, and each of its waits would start its
-// own timeout).
+// own timeout). store_failed() tells a rendezvous that failed in the store
+// (a store call threw, a host's address did not arrive in time, a stop)
+// from one whose connections failed.
 class RendezvousStore final : public gloo::rendezvous::Store {
  public:
   RendezvousStore(JobStore& job, std::string prefix, Clock::time_point deadline, std::function<bool()> cancelled)
       : job_(job), prefix_(std::move(prefix)), deadline_(deadline), cancelled_(std::move(cancelled)) {}
   void set(const std::string& key, const std::vector<char>& data) override {
-    job_.set(prefix_ + key, data.data(), data.size());
+    noting_failure([&] { job_.set(prefix_ + key, data.data(), data.size()); });
   }
   std::vector<char> get(const std::string& key) override {
     wait({key});
-    return job_.get(prefix_ + key);
+    std::vector<char> value;
+    noting_failure([&] { value = job_.get(prefix_ + key); });
+    return value;
   }
   void wait(const std::vector<std::string>& keys) override {
     std::vector<std::string> full;
     for (const std::string& k : keys) full.push_back(prefix_ + k);
-    if (!job_.await(full, deadline_, cancelled_)) throw gloo::IoException("rendezvous: a host did not arrive in time");
+    bool arrived = false;
+    noting_failure([&] { arrived = job_.await(full, deadline_, cancelled_); });
+    if (!arrived) {
+      store_failed_ = true;
+      throw gloo::IoException("rendezvous: a host did not arrive in time");
+    }
   }
   void wait(const std::vector<std::string>& keys, const milliseconds& /*timeout*/) override { wait(keys); }
 
+  bool store_failed() const noexcept { return store_failed_; }
+
  private:
+  template <class Op>
+  void noting_failure(Op op) {
+    try {
+      op();
+    } catch (...) {
+      store_failed_ = true;
+      throw;
+    }
+  }
+
   JobStore& job_;
   const std::string prefix_;
   const Clock::time_point deadline_;
   const std::function<bool()> cancelled_;
+  bool store_failed_ = false;
 };
 
 // A host's want. Read back from the store, which any process may have
@@ -206,6 +242,13 @@ struct Floor {
   uint64_t epoch;  // the attempts up to it were decided
 };
 static_assert(sizeof(Floor) == 16 && std::is_trivially_copyable_v<Floor>);
+
+// "4 s", "1.5 s".
+std::string seconds_text(milliseconds ms) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g s", static_cast<double>(ms.count()) / 1000);
+  return text;
+}
 
 std::string hosts_text(uint64_t mask) {
   std::string text = "{";
@@ -307,6 +350,16 @@ class GlooEngine final : public FederationEngine {
   Reform reform(std::string* why, const std::function<bool()>& cancelled) override {
     context_.reset();  // the old group's connections close: its members see it at once
     membership_.size = 0;
+    // The backoff of a newcomer that could not connect to the group
+    // (back_off()): no want before it ends. Only this thread waits; the
+    // consumer serves meanwhile, and a stop ends the wait.
+    while (Clock::now() < next_want_) {
+      if (cancelled()) {
+        *why = "federation (gloo): stopping";
+        return Reform::kFailed;
+      }
+      std::this_thread::sleep_for(std::min<Clock::duration>(kBackoffPoll, next_want_ - Clock::now()));
+    }
     try {
       if (!store_) {
         auto store = JobStore::open(config_.store);
@@ -473,6 +526,22 @@ class GlooEngine final : public FederationEngine {
     return 0;
   }
 
+  // A newcomer's rendezvous with the hosts `others` at `attempt` failed
+  // in its connections (`e`, Gloo's): its next want waits (reform()),
+  // twice as long as the last after each such failure in a row. It is
+  // in no group of theirs, so they keep their majority without it.
+  Reform back_off(uint64_t attempt, uint64_t others, const std::exception& e, std::string* why) {
+    const milliseconds wait = timeout_ * (int64_t{1} << std::min(join_failures_, kMaxBackoffDoublings));
+    ++join_failures_;
+    next_want_ = Clock::now() + wait;
+    *why = "federation (gloo): host " + std::to_string(config_.host) + " could not connect to the group's hosts " +
+           hosts_text(others) + " at attempt " + std::to_string(attempt) + " (" + e.what() + "; " +
+           std::to_string(join_failures_) + (join_failures_ == 1 ? " try" : " tries in a row") +
+           "; a firewall, a network partition, or a --fed-address the others cannot reach?); trying again in " +
+           seconds_text(wait);
+    return Reform::kBackedOff;
+  }
+
   Reform attempt(std::string* why, const std::function<bool()>& cancelled) {
     // The attempt after this host's last and after any started (a group
     // that formed since, or others' attempts), but never one already
@@ -612,12 +681,23 @@ class GlooEngine final : public FederationEngine {
       return Reform::kPaused;
     }
 
-    // Gloo's rendezvous: ranks in host order.
+    // Gloo's rendezvous: ranks in host order. One that fails in its
+    // connections at a newcomer (not a member of the newest group, of
+    // which the others hold a majority without it) points at the
+    // newcomer: it backs off (back_off()), and the others form again
+    // without it. At a member it fails as any other attempt (a member
+    // cut off is not told apart: docs/federation.md, "Gloo").
     const int rank = std::popcount(seen & (me - 1)), size = std::popcount(seen);
     auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
     context->setTimeout(timeout_);
     RendezvousStore rendezvous(*store_, "a" + std::to_string(k) + "/gloo/", Clock::now() + timeout_, cancelled);
-    context->connectFullMesh(rendezvous, device_);
+    try {
+      context->connectFullMesh(rendezvous, device_);
+    } catch (const std::exception& e) {
+      if ((last_group & me) != 0 || rendezvous.store_failed() || cancelled()) throw;
+      return back_off(k, seen & ~me, e, why);
+    }
+    join_failures_ = 0;
     if (rank == 0) store_->set(formed_key(k), &seen, sizeof seen);
     context_ = std::move(context);
     membership_ = {k, static_cast<uint32_t>(rank), static_cast<uint32_t>(size), config_.host};
@@ -647,6 +727,8 @@ class GlooEngine final : public FederationEngine {
   const uint64_t writer_ = std::random_device{}() | uint64_t{std::random_device{}()} << 32;  // Want::writer
   uint64_t attempt_ = 0;                                                                     // this host's last attempt
   bool passed_foreign_want_ = false;  // attempt(): the next foreign want at this host's id ends its federation
+  uint32_t join_failures_ = 0;        // back_off(): this host's failed rendezvous in a row as a newcomer
+  Clock::time_point next_want_{};     // reform(): the backoff's end (back_off())
   uint64_t last_epoch_ = 0;           // the last group this host was in
   uint64_t last_members_ = 0;         // its hosts
 };

@@ -428,8 +428,13 @@ bool FederationLink::form_group() {
       }
       return true;
     }
-    // Logged when it changes, not on every try; a failure again as it repeats.
-    if (r != last) {
+    if (stopping()) return false;  // the try was cancelled: nothing to log
+    // Logged when it changes, not on every try; a failure again as it
+    // repeats. A backoff each time: it warns of a host the others cannot
+    // reach, and its waits double.
+    if (r == FederationEngine::Reform::kBackedOff) {
+      log::warn(why);
+    } else if (r != last) {
       (r == FederationEngine::Reform::kPaused ? log::warn(why) : log::info(why + "; trying again"));
       first_failure = now;
       repeat_every = kFirstRepeat;

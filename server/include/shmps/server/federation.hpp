@@ -138,12 +138,16 @@ class FederationEngine {
     kPaused,   // the hosts there are no majority of the last epoch's members: try again later
     kFailed,   // the hosts did not agree, or the store or a rendezvous failed: try again
     kRefused,  // this host cannot be in any group as configured (another server has its host id): give up
+    // This host could not connect to the group it tried to join (a host
+    // others cannot reach): the engine waits before its next try, longer
+    // after each in a row (`why` says how long); try again.
+    kBackedOff,
   };
   // An elastic engine: one attempt at forming the group of a new epoch
   // with the hosts that want to be in it, bounded by the engine's
-  // timeouts and given up (kFailed) once `cancelled` says so; not
-  // collective (the others run theirs meanwhile). `why` says what
-  // happened unless kFormed.
+  // timeouts, preceded by the wait that an earlier kBackedOff announced,
+  // and given up (kFailed) once `cancelled` says so; not collective (the
+  // others run theirs meanwhile). `why` says what happened unless kFormed.
   virtual Reform reform(std::string* why, const std::function<bool()>& /*cancelled*/) {
     *why = std::string(name()) + " cannot re-form";
     return Reform::kFailed;
