@@ -90,6 +90,12 @@ constexpr std::chrono::seconds kStoreRetry{5};
 constexpr uint32_t kMaxBackoffDoublings = 6;
 // How often the backoff looks at the stop flag.
 constexpr milliseconds kBackoffPoll{20};
+// Gloo's TCP pair waits this many times its context's timeout for its
+// first connection (gloo/transport/tcp/pair.h, waitUntil()); the
+// rendezvous gives it the engine's timeout divided by it, so that a pair
+// whose peer cannot connect fails within one timeout, as every other
+// wait of a re-formation does.
+constexpr int64_t kGlooConnectWaitFactor = 5;
 // The highest floor believed (a garbage one beyond it is ignored): far
 // past any epoch, and far from the gallop's overflow.
 constexpr uint64_t kMaxFloor = uint64_t{1} << 48;
@@ -587,16 +593,19 @@ class GlooEngine final : public FederationEngine {
     // Settle: until every member of the last epoch (at the first, every
     // host) wants in too, another host has decided, or the settle time:
     // the engine's timeout for a first group (hosts start at their own
-    // pace) and after a pause (the others retry at their own times); a
-    // round period more when joining a running group (its members look
-    // once a round); else a short time, since the members of a group that
-    // broke see it within milliseconds of each other (a closed connection,
-    // or the same timeout). A member that comes later joins the group
-    // after.
+    // pace), after a pause (the others retry at their own times) and after
+    // a rendezvous that failed (the others' may go on for up to a timeout:
+    // a refused connection fails at once, a pair that waits for its peer
+    // at the timeout); a round period more when joining a running group
+    // (its members look once a round); else a short time, since the
+    // members of a group that broke see it within milliseconds of each
+    // other (a closed connection, or the same timeout). A member that
+    // comes later joins the group after.
     const uint64_t expected = (last_members_ != 0 ? last_members_ : all_hosts_) | me;
     milliseconds settle = std::min(timeout_ / 10, kSettle);
-    if (last_epoch_ == 0 || last_result_ == Reform::kPaused) settle = timeout_;
+    if (last_epoch_ == 0 || last_result_ == Reform::kPaused || after_failed_rendezvous_) settle = timeout_;
     if (joining) settle = timeout_ + group_period_;
+    after_failed_rendezvous_ = false;
     const auto settle_end = Clock::now() + settle;
     uint64_t seen = wants_at(k);
     while ((seen & expected) != expected && Clock::now() < settle_end && !cancelled()) {
@@ -689,14 +698,18 @@ class GlooEngine final : public FederationEngine {
     // cut off is not told apart: docs/federation.md, "Gloo").
     const int rank = std::popcount(seen & (me - 1)), size = std::popcount(seen);
     auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
-    context->setTimeout(timeout_);
+    context->setTimeout(std::max(milliseconds(1), timeout_ / kGlooConnectWaitFactor));
     RendezvousStore rendezvous(*store_, "a" + std::to_string(k) + "/gloo/", Clock::now() + timeout_, cancelled);
     try {
       context->connectFullMesh(rendezvous, device_);
     } catch (const std::exception& e) {
+      after_failed_rendezvous_ = true;
       if ((last_group & me) != 0 || rendezvous.store_failed() || cancelled()) throw;
       return back_off(k, seen & ~me, e, why);
     }
+    // The default of a collective that sets none (each of this engine's
+    // sets its own).
+    context->setTimeout(timeout_);
     join_failures_ = 0;
     if (rank == 0) store_->set(formed_key(k), &seen, sizeof seen);
     context_ = std::move(context);
@@ -731,6 +744,8 @@ class GlooEngine final : public FederationEngine {
   Clock::time_point next_want_{};     // reform(): the backoff's end (back_off())
   uint64_t last_epoch_ = 0;           // the last group this host was in
   uint64_t last_members_ = 0;         // its hosts
+  // attempt(): the last one's rendezvous failed (the next one settles longer).
+  bool after_failed_rendezvous_ = false;
 };
 
 }  // namespace
