@@ -92,7 +92,13 @@ ServerExit run_server(const ServerConfig& config, const std::vector<std::string>
   if (parent_pid != 0 && static_cast<uint32_t>(::getppid()) != parent_pid)
     return {{ErrorCode::kInvalidArgument, "--parent-pid " + std::to_string(parent_pid) +
                                               " is not this server's parent (pid " + std::to_string(::getppid()) +
-                                              "): the launcher is gone already, or the pid is wrong"}};
+                                              "): the launcher is gone already, or the pid is wrong"},
+            FailureKind::kConfiguration};
+  // A server with a --parent-pid is a job's child (shmps-train, Python's
+  // shmps.Server), not the service: a NOTIFY_SOCKET in its environment is
+  // its launcher's unit's, which its READY=1, STOPPING=1 and keep-alives
+  // must not drive.
+  const bool service = parent_pid == 0;
   // A SIGHUP during start-up must not kill the daemon (its default action):
   // it is remembered, and the reload runs once the server serves. SIGINT and
   // SIGTERM are held back (blocked, so pending) while the server is created:
@@ -100,8 +106,8 @@ ServerExit run_server(const ServerConfig& config, const std::vector<std::string>
   // are in place would otherwise kill the process without its shutdown
   // (a stop right after start-up, as systemd may send). Unblocked once the
   // handlers are installed, a pending one stops run() at once, cleanly.
-  // Threads started meanwhile (checkpoint writer, OpenMP) keep them
-  // blocked, so they are delivered to this thread.
+  // Threads started meanwhile (the checkpoint writer) keep them blocked,
+  // so they are delivered to this thread.
   remember_early_reload_signal();  // main() did so first; again for an embedder's call
   sigset_t stop_signals, previous;
   sigemptyset(&stop_signals);
@@ -111,7 +117,7 @@ ServerExit run_server(const ServerConfig& config, const std::vector<std::string>
   // Restoring a large checkpoint (or reading a large --init-file) may take
   // longer than TimeoutStartSec=: up to --checkpoint-keep files are read
   // (corrupt newer ones passed over), then maybe the init file.
-  if (!config.checkpoint_dir.empty() || config.init.kind == InitSpec::Kind::kFile)
+  if (service && (!config.checkpoint_dir.empty() || config.init.kind == InitSpec::Kind::kFile))
     ServiceNotifier::from_environment().extend_timeout(checkpoint_io_allowance(
         shm::total_elements(config.tensors), config.checkpoint_dir.empty() ? 1 : uint64_t{config.checkpoint_keep} + 1));
   FailureKind kind = FailureKind::kOther;
@@ -133,7 +139,7 @@ ServerExit run_server(const ServerConfig& config, const std::vector<std::string>
   if (g_reload_at_start.exchange(false, std::memory_order_relaxed)) (*server)->request_reload();
   ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
   RunOptions options;
-  options.notify_service_manager = true;
+  options.notify_service_manager = service;
   if (!argv.empty()) {
     options.reload = [argv]() -> Result<ServerConfig> {
       std::vector<const char*> args;

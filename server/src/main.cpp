@@ -1,4 +1,9 @@
 // shmps-server: options -> ServerConfig -> run_server(). Nothing else here.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -8,11 +13,34 @@
 #include "shmps/server/options.hpp"
 #include "shmps/server/server.hpp"
 
+namespace {
+
+// Descriptors 0-2 left closed by the launcher (`2>&-`) are opened on
+// /dev/null: otherwise the next open() takes them, and a log line would
+// be written into a worker's buffer object or a checkpoint file.
+void fill_standard_descriptors() {
+  for (int fd = 0; fd <= 2; ++fd)
+    if (::fcntl(fd, F_GETFD) < 0 && errno == EBADF) {
+      const int null = ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+      if (null >= 0 && null != fd) {
+        ::dup2(null, fd);
+        ::close(null);
+      }
+    }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   // First: a SIGHUP (a reload sent as the service starts) must not end the
   // process while the options are parsed; it is remembered, and the reload
   // runs once the server serves.
   shmps::server::remember_early_reload_signal();
+  fill_standard_descriptors();
+  // A log written to a pipe whose reader is gone (`| tee` killed) fails
+  // with EPIPE and is dropped (log.cpp), instead of ending the server
+  // without its shutdown and final checkpoint.
+  std::signal(SIGPIPE, SIG_IGN);
   try {
     auto parsed = shmps::server::parse_options(argc, argv);
     if (!parsed.ok()) {

@@ -382,8 +382,8 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "config", po::value(&config_file), "read options from this file (key = value lines, '#' comments)")(
       "parent-pid", po::value(&out.parent_pid),
       "stop, as on SIGTERM, once process PID is no longer this server's parent (the launcher exited or was "
-      "killed), and ignore SIGINT (a terminal's Ctrl-C is the launcher's to handle); shmps.Server passes its own "
-      "pid");
+      "killed), ignore SIGINT (a terminal's Ctrl-C is the launcher's to handle) and send systemd nothing (a "
+      "NOTIFY_SOCKET inherited is the launcher's unit's); shmps.Server passes its own pid");
   po::options_description server("Server (also valid in the config file, as key = value)");
   server.add_options()("name", po::value(&c.name), "instance name: the segment is /dev/shm/shmps.<name> (required)")(
       "tensor", po::value(&tensors)->composing(),

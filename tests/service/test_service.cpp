@@ -794,4 +794,108 @@ BOOST_AUTO_TEST_CASE(sighup_while_the_options_are_parsed_reloads_once_serving) {
   BOOST_TEST(server.wait(10s) == 0, read_file(err.path));
 }
 
+// A server with --parent-pid is a job's child (Python's shmps.Server): a
+// $NOTIFY_SOCKET it inherits is its launcher's unit's, and gets nothing
+// from it: no READY=1, no keep-alive, no STOPPING=1.
+BOOST_AUTO_TEST_CASE(a_server_with_a_parent_pid_leaves_the_notify_socket_alone) {
+  NotifySocket socket;
+  TempPath err("stderr");
+  const std::string name = test::unique_name("svc_child");
+  SegmentGuard guard(name);
+  ServiceEnv env;
+  env.notify_socket = socket.path();
+  env.watchdog_usec = 200'000;
+  test::Process server =
+      spawn_server({"--name", name, "--tensor", "w:4", "--parent-pid", std::to_string(::getpid())}, env, err.path);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }),
+                        "no segment; stderr:\n" + read_file(err.path));
+  OnesWorker w(name);
+  BOOST_TEST(w.worker->push(kAllTensors, w.grad->id, 0, 16, Dtype::kF32, 0).ok());
+  const std::optional<Message> early = socket.receive(500ms);  // several keep-alive periods
+  BOOST_TEST(!early.has_value(), "the child server sent: " << (early ? early->text : ""));
+  w.worker.reset();
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0, read_file(err.path));
+  const std::optional<Message> late = socket.receive(100ms);
+  BOOST_TEST(!late.has_value(), "the child server sent: " << (late ? late->text : ""));
+}
+
+// A --parent-pid that is not the server's parent is a bad option: exit 2,
+// which systemd does not restart, as for any other.
+BOOST_AUTO_TEST_CASE(a_parent_pid_that_is_not_the_parent_exits_as_a_bad_option) {
+  const std::string name = test::unique_name("svc_notparent");
+  SegmentGuard guard(name);
+  const test::Captured c =
+      test::run_captured({test::program_path("shmps-server"), "--name", name, "--tensor", "w:4", "--parent-pid", "1"});
+  BOOST_TEST(c.exit_code == 2, c.output);
+  BOOST_TEST(contains(c.output, "--parent-pid 1 is not this server's parent"), c.output);
+}
+
+// A log written into a pipe whose reader is gone (`shmps-server 2>&1 | tee
+// log`, the tee killed) fails and is dropped: the server serves on, and a
+// SIGTERM is a clean stop with its final checkpoint, not death by SIGPIPE.
+BOOST_AUTO_TEST_CASE(a_log_pipe_without_a_reader_does_not_end_the_server) {
+  const std::string name = test::unique_name("svc_pipe");
+  SegmentGuard guard(name);
+  test::TempDir dir("svc_pipe");
+  int fds[2];
+  BOOST_REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+  const std::vector<std::string> argv{
+      test::program_path("shmps-server"), "--name", name, "--tensor", "w:4", "--checkpoint-dir", dir.path.string()};
+  test::Process server = test::Process::fork_fn([&]() -> int {
+    if (::dup2(fds[1], STDERR_FILENO) < 0) return 126;
+    std::vector<char*> a;
+    for (const std::string& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+    a.push_back(nullptr);
+    ::execv(a[0], a.data());
+    return 127;
+  });
+  ::close(fds[1]);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }), "no segment");
+  ::close(fds[0]);  // the reader is gone: the next log line meets EPIPE
+  {
+    OnesWorker w(name);  // its attach is logged
+    BOOST_TEST(w.worker->push(kAllTensors, w.grad->id, 0, 16, Dtype::kF32, 0).ok());
+    BOOST_TEST(w.worker->ping().ok());
+  }
+  BOOST_REQUIRE_MESSAGE(server.wait(200ms) == -1, "the server ended");
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+  BOOST_TEST(std::filesystem::exists(dir.path / "ckpt-00000000000000000001.shmps"));
+}
+
+// Standard descriptors the launcher left closed (`2>&-`) are opened on
+// /dev/null, so that no buffer object, checkpoint or directory the server
+// opens later takes descriptor 2 and receives its log lines.
+BOOST_AUTO_TEST_CASE(closed_standard_descriptors_are_opened_on_dev_null) {
+  const std::string name = test::unique_name("svc_closed");
+  SegmentGuard guard(name);
+  test::TempDir dir("svc_closed");
+  const std::vector<std::string> argv{
+      test::program_path("shmps-server"), "--name", name, "--tensor", "w:4", "--checkpoint-dir", dir.path.string()};
+  test::Process server = test::Process::fork_fn([&]() -> int {
+    ::close(STDIN_FILENO);
+    ::close(STDERR_FILENO);
+    std::vector<char*> a;
+    for (const std::string& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+    a.push_back(nullptr);
+    ::execv(a[0], a.data());
+    return 127;
+  });
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }), "no segment");
+  {
+    OnesWorker w(name);  // a buffer object opened, and logged
+    BOOST_TEST(w.worker->push(kAllTensors, w.grad->id, 0, 16, Dtype::kF32, 0).ok());
+  }
+  for (const int fd : {0, 2}) {
+    std::error_code ec;
+    const auto target =
+        std::filesystem::read_symlink("/proc/" + std::to_string(server.pid()) + "/fd/" + std::to_string(fd), ec);
+    BOOST_TEST(target == "/dev/null", "descriptor " << fd << " is " << target);
+  }
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 0);
+  BOOST_TEST(std::filesystem::exists(dir.path / "ckpt-00000000000000000001.shmps"));
+}
+
 BOOST_AUTO_TEST_SUITE_END()
