@@ -705,6 +705,23 @@ BOOST_AUTO_TEST_CASE(server_process_starts_reports_and_cleans_up) {
   BOOST_TEST((ServerProcess::start(o).status().code() == ErrorCode::kServerNotRunning));
 }
 
+// stop() of a paused server (ServerProcess::pause()) resumes it, so the
+// server handles its SIGTERM (a final checkpoint, exit 0) at once rather
+// than being killed at the end of the timeout.
+BOOST_AUTO_TEST_CASE(stop_of_a_paused_server_process_exits_cleanly_at_once) {
+  ServerProcess::Options o;
+  o.binary = test::program_path("shmps-server");
+  o.name = test::unique_name("pausedstop");
+  o.args = {"--tensor", "w:4"};
+  auto server = ServerProcess::start(o);
+  BOOST_REQUIRE_MESSAGE(server.ok(), server.status().to_string());
+  (*server)->process().pause();
+  const auto t0 = std::chrono::steady_clock::now();
+  BOOST_TEST((*server)->stop(5s) == 0);
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 3s));
+  BOOST_TEST(!std::filesystem::exists("/dev/shm/shmps." + o.name));
+}
+
 // A ServerProcess removes only the segment its own child left: a successor
 // under the same name, started before the dead server's handle is dropped
 // (a supervisor's restart), keeps its live segment; and a start that times

@@ -374,6 +374,10 @@ Result<std::unique_ptr<ServerProcess>> ServerProcess::start(const Options& optio
 int ServerProcess::stop(std::chrono::milliseconds timeout) {
   if (!child_.running()) return -1;
   child_.signal(SIGTERM);
+  // A paused server (pause()) handles the SIGTERM once it runs: resumed,
+  // it stops as asked (a final checkpoint, exit 0) instead of being
+  // killed at the end of the timeout.
+  child_.resume();
   const int code = child_.wait(timeout);
   if (code >= 0) return code;
   child_.kill_and_reap();

@@ -110,7 +110,8 @@ class ServerProcess {
   const std::string& name() const noexcept { return name_; }
   pid_t pid() const noexcept { return child_.pid(); }
   ChildProcess& process() noexcept { return child_; }
-  // SIGTERM, then waits up to `timeout` (SIGKILL after it): the exit code,
+  // SIGTERM, and SIGCONT for a paused server (pause()), which handles the
+  // SIGTERM then; waits up to `timeout` (SIGKILL after it): the exit code,
   // or 128 + signal. -1 when it was not running.
   int stop(std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
