@@ -18,13 +18,16 @@ enum class Stat { kRead, kGone, kUnknown };
 
 // Reads /proc/<pid>/stat; fills state, parent pid and start time. kGone
 // when no such process is there; kUnknown when this process could not
-// read it (EMFILE, ENOMEM...): not a sign that the process is gone.
+// read it (EMFILE, ENOMEM...), or finds no entry (ENOENT): not a sign that
+// the process is gone. A /proc mounted hidepid=invisible (a unit's
+// ProtectProc=invisible) shows no entry for another user's processes,
+// alive or not; state_of() asks the kernel then.
 Stat read_stat(pid_t pid, char* state, pid_t* parent, uint64_t* start_time) noexcept {
   if (pid <= 0) return Stat::kGone;
   char path[64];
   std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
   const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return errno == ENOENT || errno == ESRCH ? Stat::kGone : Stat::kUnknown;
+  if (fd < 0) return errno == ESRCH ? Stat::kGone : Stat::kUnknown;
   char buf[1024];
   const ssize_t n = ::read(fd, buf, sizeof buf - 1);
   const int read_errno = errno;
@@ -93,9 +96,10 @@ ProcessState state_of(pid_t pid, const uint64_t* start_time) noexcept {
     case Stat::kGone:
       return ProcessState::kGone;
     case Stat::kUnknown:
-      // Unreadable here, not shown gone: alive unless the kernel says no
-      // such process (a live one is never taken for dead: it would be
-      // reaped, its buffers removed).
+      // Unreadable or hidden here: alive unless the kernel says no such
+      // process (ESRCH; EPERM is another user's live process), its start
+      // time unchecked. A live one is never taken for dead: it would be
+      // reaped, its buffers removed, its server called gone.
       return ::kill(pid, 0) == 0 || errno == EPERM ? ProcessState::kRunning : ProcessState::kGone;
   }
   // A zombie main thread (it called pthread_exit) with other threads still

@@ -9,9 +9,11 @@
 #define BOOST_TEST_MODULE test_access
 #include <fcntl.h>
 #include <grp.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -162,6 +164,60 @@ BOOST_AUTO_TEST_CASE(process_without_access_gets_kPermission_naming_the_segment)
       BOOST_TEST(w->ping().ok());
     }
   }
+}
+
+// With /proc mounted hidepid=invisible (or a worker's unit with
+// ProtectProc=invisible), a worker of another user finds no /proc entry
+// for its server's process: the kernel tells (kill(pid, 0): EPERM is a
+// live process), and the worker attaches to the live server instead of
+// calling it dead. The worker runs in a mount namespace of its own, with a
+// proc of its own mounted so, as nobody in the segment's group (root's:
+// the server runs as root with --group-access).
+BOOST_AUTO_TEST_CASE(a_worker_that_cannot_see_its_servers_process_takes_it_for_alive) {
+  if (!is_root()) {
+    BOOST_TEST_MESSAGE("skipped: needs root to mount a proc of its own and run a worker as another user (nobody)");
+    return;
+  }
+  std::vector<std::string> args = kTiny;
+  args.push_back("--group-access");
+  test::ServerProcess server(test::unique_name("hidepid"), args);
+  const pid_t server_pid = server.process().pid();
+  SharedText message;
+  auto child = test::Process::fork_fn([&] {
+    if (::unshare(CLONE_NEWNS) != 0 || ::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+      message.set("unshare(CLONE_NEWNS): " + errno_text(errno));
+      return 90;
+    }
+    // gid: the group that still sees every process, by default root's,
+    // which this worker is in; here one nobody holds.
+    if (::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible,gid=65533") != 0) {
+      message.set("mount -t proc -o hidepid=invisible: " + errno_text(errno));
+      return 90;
+    }
+    const gid_t extra[] = {0};
+    if (::setgid(kNogroup) != 0 || ::setgroups(1, extra) != 0 || ::setuid(kNobody) != 0) return 91;
+    if (::access(("/proc/" + std::to_string(server_pid)).c_str(), F_OK) == 0) {
+      message.set("the server's /proc entry is visible");
+      return 92;
+    }
+    WorkerOptions o;
+    o.name = server.name();
+    auto w = Worker::connect(o);
+    if (!w.ok()) {
+      message.set("connect: " + w.status().to_string());
+      return 1;
+    }
+    auto buf = (*w)->register_buffer(16);
+    const Status s = buf.ok() ? (*w)->pull(0, buf->id, 0).status() : buf.status();
+    message.set(s.to_string());
+    return s.ok() ? 0 : 2;
+  });
+  const int rc = child.wait(10s);
+  if (rc == 90) {
+    BOOST_TEST_MESSAGE("skipped: " << message.text);
+    return;
+  }
+  BOOST_TEST(rc == 0, "worker as nobody under hidepid=invisible: " << message.text);
 }
 
 // The message a denied worker gets names the segment's path, owner

@@ -1,6 +1,9 @@
 // Segment creation, validation and replacement rules, and shm objects.
 #include <fcntl.h>
+#include <grp.h>
+#include <sched.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -472,6 +475,37 @@ BOOST_AUTO_TEST_CASE(a_process_out_of_descriptors_takes_nobody_for_dead) {
     return 0;
   });
   BOOST_TEST(child.wait(std::chrono::seconds(10)) == 0);
+}
+
+// A process that sees no /proc entry of another user's processes (proc
+// mounted hidepid=invisible, a unit's ProtectProc=invisible) takes none of
+// them for gone: the kernel says whether the pid lives (kill(pid, 0):
+// EPERM). The child mounts a proc of its own so in a mount namespace of
+// its own, then runs as nobody.
+BOOST_AUTO_TEST_CASE(a_process_that_cannot_see_another_users_processes_takes_none_for_dead) {
+  if (::geteuid() != 0) {
+    BOOST_TEST_MESSAGE("skipped: needs root to mount a proc of its own and run as another user");
+    return;
+  }
+  const pid_t me = ::getpid();
+  const uint64_t my_start = process_start_time(me);
+  auto child = test::Process::fork_fn([me, my_start] {
+    if (::unshare(CLONE_NEWNS) != 0 || ::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        ::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible") != 0)
+      return 90;
+    if (::setgid(65534) != 0 || ::setgroups(0, nullptr) != 0 || ::setuid(65534) != 0) return 91;
+    if (::access(("/proc/" + std::to_string(me)).c_str(), F_OK) == 0) return 92;  // not hidden
+    if (!pid_in_use(me) || !process_alive(me, my_start) || process_state(me, my_start) == ProcessState::kGone)
+      return 93;
+    if (pid_in_use(999'999'999)) return 94;  // no such pid: the kernel says so
+    return 0;
+  });
+  const int rc = child.wait(std::chrono::seconds(10));
+  if (rc == 90) {
+    BOOST_TEST_MESSAGE("skipped: cannot mount a proc with hidepid=invisible in a mount namespace of its own");
+    return;
+  }
+  BOOST_TEST(rc == 0);
 }
 
 // An object larger than any segment is refused before it is mapped

@@ -1,7 +1,8 @@
 // Process identity that survives pid reuse: (pid, start time). A pid alone
 // can be reused, and a zombie still answers kill(pid, 0); /proc/<pid>/stat
 // gives both the start time (field 22, clock ticks since boot) and the state.
-// Thread-safe; reads /proc only.
+// Thread-safe; reads /proc, and asks kill(pid, 0) where /proc shows
+// nothing.
 #pragma once
 
 #include <sys/types.h>
@@ -24,9 +25,11 @@ pid_t parent_pid(pid_t pid) noexcept;
 bool process_alive(pid_t pid, uint64_t start_time) noexcept;
 
 // What /proc says about a process, read once. A /proc entry this process
-// cannot read (out of descriptors or memory) is not taken for a process
-// gone: kill(pid, 0) decides then, and a living process counts as
-// kRunning, its start time unchecked.
+// cannot read (out of descriptors or memory), or does not see (proc
+// mounted hidepid=invisible, a unit's ProtectProc=invisible: another
+// user's processes have none), is not taken for a process gone:
+// kill(pid, 0) decides then, and a living process (EPERM: another user's)
+// counts as kRunning, its start time unchecked.
 enum class ProcessState {
   kGone,     // no such process, a zombie, or another process that reused the pid
   kRunning,  // alive and not stopped (running, sleeping, in disk wait, ...)
