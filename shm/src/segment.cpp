@@ -329,10 +329,15 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
   obj->name_ = object_name;
   obj->region_ = std::make_unique<Region>();
   bool created = false;
+  // An object given to another group (a worker's buffer, the segment's
+  // group) is created with its owner's bits alone and gets the rest of
+  // `mode` only after the fchown: created with them, it would be open to
+  // the creator's primary group until then.
+  const bool regroup = group != static_cast<gid_t>(-1);
   try {
     // Boost applies the mode with fchmod on the new descriptor: no umask.
     bip::shared_memory_object shm(bip::create_only, object_name.c_str(), bip::read_write,
-                                  bip::permissions(static_cast<int>(mode)));
+                                  bip::permissions(static_cast<int>(regroup ? mode & 0700 : mode)));
     created = true;
     const int fd = shm.get_mapping_handle().handle;
     // The creator's lock, held with the kept descriptor for the object's
@@ -340,11 +345,16 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
     // create and here, found it unlocked, and removes it.
     if (keep_descriptor && ::flock(fd, LOCK_EX | LOCK_NB) != 0)
       return Status{ErrorCode::kIo, "shm object '" + object_name + "' " + std::string(kLockedByAnother)};
-    if (group != static_cast<gid_t>(-1) && ::fchown(fd, static_cast<uid_t>(-1), group) != 0) {
+    if (regroup && ::fchown(fd, static_cast<uid_t>(-1), group) != 0) {
       const int err = errno;
       bip::shared_memory_object::remove(object_name.c_str());
       return Status{err == EPERM ? ErrorCode::kPermission : ErrorCode::kIo,
                     "giving '" + object_name + "' group " + std::to_string(group) + ": " + errno_text(err)};
+    }
+    if (regroup && (mode & 0077) != 0 && ::fchmod(fd, mode) != 0) {
+      const int err = errno;
+      bip::shared_memory_object::remove(object_name.c_str());
+      return Status{ErrorCode::kIo, "giving '" + object_name + "' mode " + mode_text(mode) + ": " + errno_text(err)};
     }
     shm.truncate(static_cast<bip::offset_t>(bytes));
     // Reserve every page now: on a full /dev/shm, fail here, not with SIGBUS.
