@@ -300,7 +300,7 @@ void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode) {
   HeaderView& h = snapshot->header;
   if (!h.server_alive) return;
   // A pid above INT_MAX made server_alive false above.
-  h.server_holds_object = holds_flock(static_cast<pid_t>(h.server_pid), device, inode);
+  h.server_holds_object = shm::holds_flock(static_cast<pid_t>(h.server_pid), device, inode);
   if (h.server_holds_object && !*h.server_holds_object) {
     h.server_alive = false;
     h.server_stopped = false;

@@ -5,7 +5,6 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,9 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <optional>
-#include <sstream>
 
 #include "shmps/unique_fd.hpp"
 
@@ -212,74 +209,12 @@ bool header_fits(const void* copy, uint64_t size) {
 
 using shm::largest_segment_size;
 
-// What load_segment() reports at once for an object at the name that no
-// start will finish, as far as the object tells: one that is empty, or
-// whose magic is zero (as validate_segment() judges a header
-// not yet written), that no process holds a flock on (a starting server
-// holds its own from before it sizes the object until its exit) and whose
-// ctime (its creation or sizing; a server writes its header through a
-// mapping right after) is older than a start's wait (kSegmentStartWait).
-// A start that died before sizing or writing it left it, or a process
-// that is no shmps server made it. Empty for any other object, or one
-// that cannot be read: the usual path reports it. The header is read with
-// pread on a descriptor of its own: a hole reads as zeros without being
-// allocated, and an object truncated meanwhile makes a short read, not a
-// SIGBUS.
-std::optional<std::string> never_written(const std::string& name, const std::string& path) {
-  UniqueFd f;
-  f.fd = ::shm_open(shm::segment_object_name(name).c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC, 0);
-  struct stat st {};
-  if (f.fd < 0 || ::fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
-  const auto size = static_cast<uint64_t>(st.st_size);
-  uint64_t magic = 1;
-  const bool empty = size == 0;
-  if (!empty && (size < sizeof(shm::SegmentHeader) || size > largest_segment_size() ||
-                 ::pread(f.fd, &magic, sizeof magic, 0) != static_cast<ssize_t>(sizeof magic) || magic != 0))
-    return std::nullopt;
-  const auto age = std::chrono::system_clock::now() -
-                   std::chrono::system_clock::time_point(std::chrono::seconds(st.st_ctim.tv_sec) +
-                                                         std::chrono::nanoseconds(st.st_ctim.tv_nsec));
-  if (age <= shm::kSegmentStartWait) return std::nullopt;
-  // Unreadable /proc/locks: judged by the age alone, as shm judges an
-  // empty object.
-  const std::optional<bool> locked = holds_flock(std::nullopt, st.st_dev, st.st_ino);
-  if (locked.value_or(false)) return std::nullopt;
-  const bool mine = st.st_uid == ::geteuid();
-  return path + " (owner " + shm::owner_text(st.st_uid, st.st_gid) + ", mode " + shm::mode_text(st.st_mode) + ") " +
-         (empty ? "is empty" : "is not initialised (no header: its magic is zero)") + ", unchanged for " +
-         std::to_string(std::chrono::duration_cast<std::chrono::seconds>(age).count()) + " s" +
-         (locked.has_value() ? ", and no process holds its lock" : "") + ": a server start that died before " +
-         (empty ? "sizing" : "writing") +
-         " it left it, or a process that is no shmps server made it; the next start of server '" + name +
-         "' by its owner replaces it, or remove it: " + (mine ? "rm " : "sudo rm ") + path;
-}
-
 }  // namespace
-
-std::optional<bool> holds_flock(std::optional<pid_t> pid, uint64_t device, uint64_t inode) {
-  std::ifstream locks("/proc/locks");
-  if (!locks) return std::nullopt;
-  const std::string wanted_pid = pid ? std::to_string(*pid) : std::string();
-  // "1: FLOCK  ADVISORY  WRITE 4242 00:1a:123 0 EOF" (proc(5)): the
-  // device's major and minor in hex, the inode in decimal. A waiter's line
-  // has "->" after the id, so its second field is not FLOCK.
-  for (std::string line; std::getline(locks, line);) {
-    std::istringstream fields(line);
-    std::string id, kind, mode, access, holder, file;
-    if (!(fields >> id >> kind >> mode >> access >> holder >> file)) continue;
-    if (kind != "FLOCK" || (pid && holder != wanted_pid)) continue;
-    unsigned major_id = 0, minor_id = 0;
-    unsigned long long ino = 0;
-    if (std::sscanf(file.c_str(), "%x:%x:%llu", &major_id, &minor_id, &ino) != 3) continue;
-    if (ino == inode && major_id == major(device) && minor_id == minor(device)) return true;
-  }
-  return locks.bad() ? std::nullopt : std::optional<bool>(false);
-}
 
 Loaded load_segment(const std::string& name, bool wait_for_start, RingReading rings) {
   const std::string path = "/dev/shm/" + shm::segment_object_name(name);
   if (shm::validate_name(name).ok())
-    if (auto left = never_written(name, path)) return failure(ExitCode::kUnpublished, *left);
+    if (auto left = shm::never_written(name)) return failure(ExitCode::kUnpublished, *left);
   Loaded l;
   size_t live_size = 0;  // of the object last copied
   const auto copy = [&](std::unique_ptr<shm::ShmObject>& live) -> Status {

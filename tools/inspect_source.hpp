@@ -91,12 +91,6 @@ Loaded load_segment(const std::string& name, bool wait_for_start = true, RingRea
 // disagrees with the file's size, after reading the header alone.
 Loaded load_file(const std::string& path, RingReading rings = {});
 
-// Whether process `pid` (any process when it is empty) holds a flock on
-// the file (device, inode), as /proc/locks lists it. Read-only: it never
-// takes a lock itself (that could make a starting server fail). Empty
-// when /proc/locks cannot be read.
-std::optional<bool> holds_flock(std::optional<pid_t> pid, uint64_t device, uint64_t inode);
-
 // The exit code for a take_snapshot() failure.
 ExitCode exit_code_for(const Status& status);
 

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/sysmacros.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -9,6 +10,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
 
 namespace shmps::shm {
 namespace {
@@ -134,6 +138,26 @@ uint64_t monotonic_ns() noexcept {
   timespec ts{};
   ::clock_gettime(CLOCK_MONOTONIC, &ts);
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+std::optional<bool> holds_flock(std::optional<pid_t> pid, uint64_t device, uint64_t inode) {
+  std::ifstream locks("/proc/locks");
+  if (!locks) return std::nullopt;
+  const std::string wanted_pid = pid ? std::to_string(*pid) : std::string();
+  // "1: FLOCK  ADVISORY  WRITE 4242 00:1a:123 0 EOF" (proc(5)): the
+  // device's major and minor in hex, the inode in decimal. A waiter's line
+  // has "->" after the id, so its second field is not FLOCK.
+  for (std::string line; std::getline(locks, line);) {
+    std::istringstream fields(line);
+    std::string id, kind, mode, access, holder, file;
+    if (!(fields >> id >> kind >> mode >> access >> holder >> file)) continue;
+    if (kind != "FLOCK" || (pid && holder != wanted_pid)) continue;
+    unsigned major_id = 0, minor_id = 0;
+    unsigned long long ino = 0;
+    if (std::sscanf(file.c_str(), "%x:%x:%llu", &major_id, &minor_id, &ino) != 3) continue;
+    if (ino == inode && major_id == major(device) && minor_id == minor(device)) return true;
+  }
+  return locks.bad() ? std::nullopt : std::optional<bool>(false);
 }
 
 }  // namespace shmps::shm

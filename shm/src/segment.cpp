@@ -1010,6 +1010,36 @@ Status left_by_dead_start(const std::string& object_name, const std::string& nam
 
 }  // namespace
 
+std::optional<std::string> never_written(const std::string& name) {
+  const std::string object_name = segment_object_name(name);
+  const std::string path = "/dev/shm/" + object_name;
+  const int fd = ::shm_open(object_name.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC, 0);
+  if (fd < 0) return std::nullopt;
+  struct stat st {};
+  uint64_t magic = 1;
+  const bool readable =
+      ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+      (st.st_size == 0 || (static_cast<uint64_t>(st.st_size) >= sizeof(SegmentHeader) &&
+                           static_cast<uint64_t>(st.st_size) <= largest_segment_size() &&
+                           ::pread(fd, &magic, sizeof magic, 0) == static_cast<ssize_t>(sizeof magic)));
+  ::close(fd);
+  const bool empty = readable && st.st_size == 0;
+  if (!readable || (!empty && magic != 0)) return std::nullopt;
+  const auto age = std::chrono::system_clock::now() -
+                   std::chrono::system_clock::time_point(std::chrono::seconds(st.st_ctim.tv_sec) +
+                                                         std::chrono::nanoseconds(st.st_ctim.tv_nsec));
+  if (age <= kSegmentStartWait) return std::nullopt;
+  const std::optional<bool> locked = holds_flock(std::nullopt, st.st_dev, st.st_ino);
+  if (locked.value_or(false)) return std::nullopt;
+  return path + " (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ") " +
+         (empty ? "is empty" : "is not initialised (no header: its magic is zero)") + ", unchanged for " +
+         std::to_string(std::chrono::duration_cast<std::chrono::seconds>(age).count()) + " s" +
+         (locked.has_value() ? ", and no process holds its lock" : "") + ": a server start that died before " +
+         (empty ? "sizing" : "writing") +
+         " it left it, or a process that is no shmps server made it; the next start of server '" + name +
+         "' by its owner replaces it, or remove it: " + (st.st_uid == ::geteuid() ? "rm " : "sudo rm ") + path;
+}
+
 Status open_segment_object(const std::string& name, bool read_only,
                            const std::function<Status(std::unique_ptr<ShmObject>&)>& accept,
                            const std::function<Status(uid_t, gid_t, mode_t)>& on_empty,
@@ -1034,30 +1064,24 @@ Status open_segment_object(const std::string& name, bool read_only,
                                                       " bytes): " + opened.status().message()};
       if (failure != ShmObject::OpenFailure::kEmpty) return opened.status();
       struct stat st {};
-      if (::lstat(path.c_str(), &st) == 0) {
-        if (on_empty)
-          if (Status t = on_empty(st.st_uid, st.st_gid, st.st_mode); !t.ok()) return t;
-        // A starting server sizes the object right after creating it: one
-        // already empty for longer than a start's wait at the first look is
-        // what a start that died before sizing it left, not worth waiting for.
-        const auto age = std::chrono::system_clock::now() -
-                         std::chrono::system_clock::time_point(std::chrono::seconds(st.st_ctim.tv_sec) +
-                                                               std::chrono::nanoseconds(st.st_ctim.tv_nsec));
-        if (first_look && age > kSegmentStartWait)
-          return Status{ErrorCode::kServerNotRunning,
-                        path + " (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ") is empty, unchanged for " +
-                            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(age).count()) +
-                            " s: a server start that died before sizing it left it; the next start of server '" + name +
-                            "' by its owner replaces it"};
-      }
+      if (on_empty && ::lstat(path.c_str(), &st) == 0)
+        if (Status t = on_empty(st.st_uid, st.st_gid, st.st_mode); !t.ok()) return t;
+      // A starting server sizes the object right after creating it, under
+      // its lock: one empty for longer at the first look, unlocked, is a
+      // dead start's.
+      if (first_look)
+        if (auto left = never_written(name)) return Status{ErrorCode::kServerNotRunning, *left};
       s = Status{ErrorCode::kServerNotRunning, path + ": segment not sized yet (server starting)"};
     } else {
       s = accept(*opened);
       if (s.ok()) return s;
-      // Not published: by a server still starting, worth the wait, or by
-      // one that died doing so, not worth it.
-      if (s.code() == ErrorCode::kServerNotRunning)
+      // Not written or not published: by a server still starting, worth
+      // the wait, or by one that died doing so, not worth it.
+      if (s.code() == ErrorCode::kServerNotRunning) {
         if (Status dead = left_by_dead_start(object_name, name); !dead.ok()) return dead;
+        if (first_look)
+          if (auto left = never_written(name)) return Status{ErrorCode::kServerNotRunning, *left};
+      }
     }
     if (s.code() != ErrorCode::kServerNotRunning || std::chrono::steady_clock::now() >= deadline) return s;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -864,6 +864,31 @@ BOOST_AUTO_TEST_CASE(foreign_object_or_other_layout_fails_at_attach) {
   shm::Segment::remove(name);
 }
 
+// An object at the name whose header was never written (all zeros: a
+// start killed between sizing and writing it), unchanged for longer than a
+// start's wait and locked by no process, is no start in progress: connect()
+// says so at once, naming the object and the command that removes it.
+BOOST_AUTO_TEST_CASE(an_unwritten_segment_left_by_a_dead_start_fails_at_once) {
+  const std::string name = test::unique_name("zeros");
+  {
+    auto obj = shm::ShmObject::create(shm::segment_object_name(name), 8192, 0600);
+    BOOST_REQUIRE(obj.ok());
+  }
+  std::this_thread::sleep_for(shm::kSegmentStartWait + 300ms);
+  WorkerOptions o;
+  o.name = name;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto w = Worker::connect(o);
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 1s));
+  BOOST_TEST((w.status().code() == ErrorCode::kServerNotRunning), w.status().to_string());
+  const std::string path = "/dev/shm/" + shm::segment_object_name(name);
+  BOOST_TEST(w.status().message().find(path + " (owner ") != std::string::npos, w.status().message());
+  BOOST_TEST(w.status().message().find("is not initialised (no header: its magic is zero)") != std::string::npos,
+             w.status().message());
+  BOOST_TEST(w.status().message().find("or remove it: rm " + path) != std::string::npos, w.status().message());
+  shm::Segment::remove(name);
+}
+
 BOOST_AUTO_TEST_CASE(sigterm_fails_queued_requests_removes_segment_exits_0) {
   test::ServerProcess server(test::unique_name("term"), kSmall);
   auto w = connect(server.name(), 5s);

@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <sched.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
@@ -106,8 +107,9 @@ BOOST_AUTO_TEST_CASE(missing_segment_names_the_object) {
 }
 
 // An empty object is what a server creates and sizes at once: a young one
-// is waited for (kSegmentStartWait), one older than that is a dead start's
-// leftover, reported at once; the next start replaces it.
+// is waited for (kSegmentStartWait), one older than that and unlocked is a
+// dead start's leftover, reported at once with the command that removes
+// it; the next start replaces it.
 BOOST_AUTO_TEST_CASE(an_empty_object_is_waited_for_only_while_a_start_could_size_it) {
   const std::string name = test::unique_name("empty");
   Cleanup cleanup{name};
@@ -124,12 +126,48 @@ BOOST_AUTO_TEST_CASE(an_empty_object_is_waited_for_only_while_a_start_could_size
   auto old = Segment::open(name, false);
   BOOST_TEST((old.status().code() == ErrorCode::kServerNotRunning));
   BOOST_TEST(old.status().message().find(") is empty, unchanged for ") != std::string::npos, old.status().message());
-  BOOST_TEST(old.status().message().find(" s: a server start that died before sizing it left it; the next start of "
+  BOOST_TEST(old.status().message().find(" s, and no process holds its lock: a server start that died before sizing it "
+                                         "left it, or a process that is no shmps server made it; the next start of "
                                          "server '" +
-                                         name + "' by its owner replaces it") != std::string::npos,
+                                         name + "' by its owner replaces it, or remove it: rm /dev/shm/" +
+                                         segment_object_name(name)) != std::string::npos,
              old.status().message());
   BOOST_TEST(old.status().message().find("mode 0600") != std::string::npos, old.status().message());
   BOOST_TEST((std::chrono::steady_clock::now() - started < kSegmentStartWait / 2));
+  auto created = Segment::create(small_spec(name), 1);
+  BOOST_TEST(created.ok(), created.status().to_string());
+}
+
+// So is an object whose header was never written (all zeros: a start
+// killed between sizing and writing it), once it is older than a start's
+// wait and no process holds its lock; one that a process locks (a server
+// starting holds its own from the create on) is still waited for. The
+// message names the object and the command that removes it.
+BOOST_AUTO_TEST_CASE(an_unwritten_object_is_waited_for_only_while_a_start_could_write_it) {
+  const std::string name = test::unique_name("zeros"), locked = test::unique_name("zeroslk");
+  Cleanup cleanup{name}, cleanup_locked{locked};
+  write_object(name, std::vector<char>(8192, 0));
+  write_object(locked, std::vector<char>(8192, 0));
+  const int lock = ::shm_open(segment_object_name(locked).c_str(), O_RDONLY | O_CLOEXEC, 0);
+  BOOST_REQUIRE(lock >= 0);
+  BOOST_REQUIRE(::flock(lock, LOCK_EX) == 0);
+  std::this_thread::sleep_for(kSegmentStartWait + std::chrono::milliseconds(300));
+  auto started = std::chrono::steady_clock::now();
+  auto left = Segment::open(name, false);
+  BOOST_TEST((std::chrono::steady_clock::now() - started < kSegmentStartWait / 2));
+  BOOST_TEST((left.status().code() == ErrorCode::kServerNotRunning));
+  const std::string path = "/dev/shm/" + segment_object_name(name);
+  const std::string& m = left.status().message();
+  BOOST_TEST(m.find(path + " (owner ") != std::string::npos, m);
+  BOOST_TEST(m.find(") is not initialised (no header: its magic is zero), unchanged for ") != std::string::npos, m);
+  BOOST_TEST(m.find("a server start that died before writing it left it") != std::string::npos, m);
+  BOOST_TEST(m.find("or remove it: rm " + path) != std::string::npos, m);
+  started = std::chrono::steady_clock::now();
+  auto waited = Segment::open(locked, false);
+  BOOST_TEST((std::chrono::steady_clock::now() - started > kSegmentStartWait / 2));
+  BOOST_TEST((waited.status().code() == ErrorCode::kServerNotRunning));
+  BOOST_TEST(waited.status().message().find("not initialised yet") != std::string::npos, waited.status().message());
+  ::close(lock);
   auto created = Segment::create(small_spec(name), 1);
   BOOST_TEST(created.ok(), created.status().to_string());
 }

@@ -1,13 +1,14 @@
 // Process identity that survives pid reuse: (pid, start time). A pid alone
 // can be reused, and a zombie still answers kill(pid, 0); /proc/<pid>/stat
 // gives both the start time (field 22, clock ticks since boot) and the state.
-// Thread-safe; reads /proc, and asks kill(pid, 0) where /proc shows
-// nothing.
+// Who holds a flock on a file (/proc/locks). Thread-safe; reads /proc, and
+// asks kill(pid, 0) where /proc shows nothing.
 #pragma once
 
 #include <sys/types.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace shmps::shm {
 
@@ -50,5 +51,11 @@ ProcessState entry_owner_state(pid_t pid, uint64_t start_time) noexcept;
 
 // CLOCK_MONOTONIC in nanoseconds (the same clock in every process).
 uint64_t monotonic_ns() noexcept;
+
+// Whether process `pid` (any process when it is empty) holds a flock on
+// the file (device, inode), as /proc/locks lists it. Read-only: it never
+// takes a lock itself (that could make a starting server fail). Empty
+// when /proc/locks cannot be read.
+std::optional<bool> holds_flock(std::optional<pid_t> pid, uint64_t device, uint64_t inode);
 
 }  // namespace shmps::shm

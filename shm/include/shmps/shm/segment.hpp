@@ -257,16 +257,32 @@ struct SegmentLayout {
   std::vector<TensorDesc> tensors;  // tensor_count descriptors, validated
 };
 
+// What the object at segment "shmps.<name>" says when no start will
+// finish it, as far as the object tells: empty, or its magic zero (as
+// validate_segment() judges a header not yet written), no process holding
+// a flock on it (a starting server holds its own from the create on; an
+// unreadable /proc/locks leaves the age alone to judge) and its ctime
+// (its creation or sizing; a server writes its header through a mapping
+// right after) older than a start's wait (kSegmentStartWait). A start
+// that died before sizing or writing it left it, or a process that is no
+// shmps server made it. The message names the object, its owner, mode and
+// age, and the command that removes it. Empty for any other object, or
+// one that cannot be read. The header is read with pread on a descriptor
+// of its own: a hole reads as zeros without being allocated, and an
+// object truncated meanwhile makes a short read, not a SIGBUS.
+std::optional<std::string> never_written(const std::string& name);
+
 // Opens the object of segment "shmps.<name>" (read-only or not) and hands
 // it to `accept`, which judges it (the mapping itself, or a copy of it) and
 // takes it when it is good. Retried for up to 2 s while the object is empty
-// (a server that has not sized it yet; not when it was already empty for
-// longer at the first look: a dead start's) or accept() answers
-// kServerNotRunning (one that has not published it yet; not when its
-// header names a server that is dead, dead_server_of_unpublished(): a dead
-// start's, kServerNotRunning naming that pid and how to remove it); the
-// last answer then. No such object: kServerNotRunning, "no shmps server
-// named ...".
+// (a server that has not sized it yet) or accept() answers
+// kServerNotRunning (one that has not written or published it yet); the
+// last answer then. Not retried, kServerNotRunning at once, for what a
+// dead start left: an object never_written() judges so at the first look,
+// or one whose header names a server that is dead
+// (dead_server_of_unpublished(): the message names that pid and how to
+// remove it). No such object: kServerNotRunning, "no shmps server named
+// ...".
 // `on_empty`, when given, judges an empty object by its owner and mode
 // before it is waited for (a worker waits only for a server it trusts).
 // `wait`: how long to retry (0: one look, for a reader that reports what
