@@ -527,6 +527,27 @@ BOOST_AUTO_TEST_CASE(full_lane_waits_then_reports_busy_and_loses_nothing) {
   BOOST_TEST(w->stats()->gradients_applied == 2u);
 }
 
+// answered(ticket) is true once the answer is in the completion queue,
+// before wait() takes it: wait() then returns at once.
+BOOST_AUTO_TEST_CASE(answered_is_true_once_the_answer_is_posted) {
+  test::ServerProcess server(test::unique_name("answered"), kSmall);
+  auto w = connect(server.name(), 10s);
+  auto buf = w->register_buffer(32);
+  BOOST_REQUIRE(buf.ok());
+  std::fill_n(static_cast<float*>(buf->data), 8, 1.0f);
+  auto t = w->push_async(0, buf->id, 0, 32, Dtype::kF32, 0);
+  BOOST_REQUIRE(t.ok());
+  BOOST_TEST(test::eventually([&] { return w->answered(*t); }, 5s));
+  BOOST_TEST(!w->answered(*t + 1));  // never issued
+  server.process().pause();          // wait() has nothing more to wait for
+  const auto t0 = std::chrono::steady_clock::now();
+  auto v = w->wait(*t);
+  server.process().resume();
+  BOOST_TEST(v.ok(), v.status().to_string());
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 1s));
+  BOOST_TEST(w->answered(*t));
+}
+
 BOOST_AUTO_TEST_CASE(no_server_fails_at_once_naming_the_segment) {
   const auto t0 = std::chrono::steady_clock::now();
   WorkerOptions o;

@@ -1541,10 +1541,20 @@ Result<uint64_t> Worker::wait(Ticket ticket) {
 }
 
 bool Worker::answered(Ticket ticket) const noexcept {
-  if (ticket == 0 || ticket >= impl_->next_request_id) return false;
-  for (const Impl::LostRange& r : impl_->lost)
+  const Impl& w = *impl_;
+  if (ticket == 0 || ticket >= w.next_request_id) return false;
+  for (const Impl::LostRange& r : w.lost)
     if (r.holds(ticket)) return true;
-  return ticket <= impl_->last_completed_id;
+  if (ticket <= w.last_completed_id) return true;  // taken from the queue (kept for wait, or waited for)
+  // Still in the queue: answers come in request order, so the ticket's is
+  // there once the queue holds as many as lead up to it. The tail, read
+  // relaxed, may lag what wait() then reads, never run ahead of it (a
+  // corrupt one reads full: wait() fails at once, kInternal); the next
+  // answer's slot may be published before the tail says so.
+  if (!w.in_session()) return false;
+  const uint64_t needed = ticket - w.last_completed_id;
+  return w.completions.depth_estimate() >= needed ||
+         (needed == 1 && w.completions.seq_published(w.last_completed_id + 1));
 }
 
 uint64_t Worker::last_version() const noexcept { return impl_->last_version; }
