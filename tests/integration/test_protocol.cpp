@@ -548,6 +548,36 @@ BOOST_AUTO_TEST_CASE(answered_is_true_once_the_answer_is_posted) {
   BOOST_TEST(w->answered(*t));
 }
 
+// The answer to a synchronous call that timed out has no ticket to claim
+// it: it is let go when it comes, not kept. Request ids are the tickets'
+// numbers, so each such call's id is known here: wait() on it finds no
+// answer kept (kInvalidArgument, "already waited for").
+BOOST_AUTO_TEST_CASE(answers_of_timed_out_synchronous_calls_are_not_kept) {
+  test::ServerProcess server(test::unique_name("abandoned"), kSmall);
+  auto w = connect(server.name(), 100ms);
+  auto buf = w->register_buffer(32);
+  BOOST_REQUIRE(buf.ok());
+  auto before = w->pull_async(0, buf->id, 0);
+  BOOST_REQUIRE(before.ok());
+  BOOST_REQUIRE(w->wait(*before).ok());
+  server.process().pause();
+  constexpr int kCalls = 10;
+  for (int i = 0; i < kCalls; ++i) {
+    const Status s = w->ping();
+    BOOST_REQUIRE_MESSAGE((s.code() == ErrorCode::kTimeout), s.to_string());
+  }
+  server.process().resume();
+  auto after = w->pull_async(0, buf->id, 0);
+  BOOST_REQUIRE(after.ok());
+  BOOST_REQUIRE(*after == *before + kCalls + 1);
+  BOOST_REQUIRE(w->wait(*after).ok());  // takes the pings' answers first, in request order
+  for (Worker::Ticket id = *before + 1; id < *after; ++id) {
+    auto kept = w->wait(id);
+    BOOST_TEST((kept.status().code() == ErrorCode::kInvalidArgument),
+               "request " << id << ": " << kept.status().to_string());
+  }
+}
+
 BOOST_AUTO_TEST_CASE(no_server_fails_at_once_naming_the_segment) {
   const auto t0 = std::chrono::steady_clock::now();
   WorkerOptions o;

@@ -361,6 +361,10 @@ class Worker::Impl {
   std::vector<InFlight> inflight;
   double ns_per_poll = 25.0;    // one poll + pause; recalibrated by every long spin
   std::deque<Completion> done;  // popped, not yet claimed by wait()
+  // Requests of synchronous calls that stopped waiting for their answer,
+  // in rising order: their answers are not kept (keep()). Emptied when a
+  // session ends.
+  std::deque<uint64_t> abandoned;
   std::vector<TensorInfo> tensors;
   uint64_t total_elements = 0;
   uint32_t capacity = 0;
@@ -573,10 +577,11 @@ class Worker::Impl {
     if (Status s = transition(to); !s.ok()) return s;
     Completion c;
     bool got = false;
-    while (take_answer(&c, &got).ok() && got) done.push_back(c);
+    while (take_answer(&c, &got).ok() && got) keep(c);
     ended = EndedSession{to, std::move(why), generation};
     if (last_completed_id < next_request_id - 1) lost.push_back({last_completed_id, next_request_id - 1, ended});
     last_completed_id = next_request_id - 1;  // nothing is in flight outside a session
+    abandoned.clear();                        // answered, or lost: none of them comes now
     // acquire: SYNC(worker_detached), the server is done with the entry.
     const uint64_t owner = entry().owner.load(std::memory_order_acquire);
     if (to != State::kDetached || shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kDetached) ||
@@ -617,7 +622,7 @@ class Worker::Impl {
     while (in_flight() >= capacity) {
       Completion c;
       Status s = pop_one(deadline, &c);
-      if (s.ok()) done.push_back(c);
+      if (s.ok()) keep(c);
       if (s.code() == ErrorCode::kTimeout)
         return Status{ErrorCode::kBusy,
                       "request lane full: " + std::to_string(capacity) + " requests in flight for the whole timeout"};
@@ -882,8 +887,30 @@ class Worker::Impl {
         fault_point.hit("after_completion");
         return c;
       }
-      done.push_back(c);
+      keep(c);
     }
+  }
+
+  // Keeps an answer for wait(), but for that of a synchronous call that
+  // gave up on it (timed out or interrupted): nobody holds its ticket, and
+  // it would be kept, and scanned by every wait(), for the Worker's life.
+  void keep(const Completion& c) {
+    // Ids below it were settled otherwise (a wait() given that id took it).
+    while (!abandoned.empty() && abandoned.front() < c.request_id) abandoned.pop_front();
+    if (!abandoned.empty() && abandoned.front() == c.request_id) {
+      abandoned.pop_front();
+      return;
+    }
+    done.push_back(c);
+  }
+
+  // Waits for the answer of a synchronous call's request `ticket`; when the
+  // wait ends without it (kTimeout, kInterrupted: still in flight), the
+  // answer is let go when it comes (keep()).
+  Result<Completion> wait_for_call(uint64_t ticket, shm::Deadline& deadline) {
+    auto c = wait(ticket, deadline);
+    if (!c.ok() && ticket > last_completed_id) abandoned.push_back(ticket);
+    return c;
   }
 
   // A public pull's entry (enter(), then the stream: settled when
@@ -895,6 +922,16 @@ class Worker::Impl {
   // its event recorded, then the request submitted.
   Result<Worker::Ticket> send_push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes,
                                    Dtype dtype, uint64_t worker_version, void* stream, bool blocking);
+
+  // wait()'s answer as a public wait returns it: the version, or the
+  // error (the server's refusal, or why no answer came); the server's
+  // version in it is last_version() from now.
+  Result<uint64_t> version_of(const Result<Completion>& c) {
+    if (!c.ok()) return c.status();
+    last_version = c->version;
+    if (Status s = to_status(*c); !s.ok()) return s;
+    return c->version;
+  }
 
   static Status to_status(const Completion& c) {
     if (c.code == 0) return Status::Ok();
@@ -915,7 +952,7 @@ class Worker::Impl {
     shm::Deadline deadline(timeout);
     auto ticket = submit(req, deadline);
     if (!ticket.ok()) return ticket.status();
-    auto c = wait(*ticket, deadline);
+    auto c = wait_for_call(*ticket, deadline);
     if (!c.ok()) return c.status();
     last_version = c->version;
     if (Status s = to_status(*c); !s.ok()) return s;
@@ -1531,13 +1568,9 @@ Result<Worker::Ticket> Worker::Impl::send_push(uint32_t tensor_id, uint32_t buff
 }
 
 Result<uint64_t> Worker::wait(Ticket ticket) {
-  if (Status s = impl_->enter(Impl::Call::kWait); !s.ok()) return s;
   shm::Deadline deadline(impl_->options.timeout);
-  auto c = impl_->wait(ticket, deadline);
-  if (!c.ok()) return c.status();
-  impl_->last_version = c->version;
-  if (Status s = Impl::to_status(*c); !s.ok()) return s;
-  return c->version;
+  if (Status s = impl_->enter(Impl::Call::kWait); !s.ok()) return s;
+  return impl_->version_of(impl_->wait(ticket, deadline));
 }
 
 bool Worker::answered(Ticket ticket) const noexcept {
@@ -1563,7 +1596,8 @@ Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t b
                               uint64_t worker_version, void* stream) {
   auto ticket = impl_->send_push(tensor_id, buffer_id, byte_offset, bytes, dtype, worker_version, stream, true);
   if (!ticket.ok()) return ticket.status();
-  return wait(*ticket);
+  shm::Deadline deadline(impl_->options.timeout);
+  return impl_->version_of(impl_->wait_for_call(*ticket, deadline));
 }
 
 Result<Request> Worker::Impl::begin_pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream,

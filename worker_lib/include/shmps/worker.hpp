@@ -145,7 +145,8 @@ struct WorkerOptions {
   // ends the wait: the call fails with kInterrupted. A request already
   // sent stays in flight, as after kTimeout: the server may still serve
   // it (a push may still be applied), and wait() still collects a ticket
-  // (an answer that came meanwhile is kept for it). The pulls sent so far
+  // (an answer that came meanwhile is kept for it; a synchronous call's
+  // answer, which nothing can collect, is let go). The pulls sent so far
   // that the server holds back (--staleness-policy wait) are withdrawn (as
   // a detach withdraws them): the server answers them kInterrupted at
   // once, so the requests behind them go on. Not asked while a buffer is
