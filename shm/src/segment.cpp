@@ -1089,7 +1089,8 @@ Status open_segment_object(const std::string& name, bool read_only,
 }
 
 Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool read_only,
-                                               const std::vector<uid_t>* trusted_owners) {
+                                               const std::vector<uid_t>* trusted_owners,
+                                               std::chrono::milliseconds wait) {
   const std::string path = "/dev/shm/" + segment_object_name(name);
   std::unique_ptr<Segment> segment;
   const auto accept = [&](std::unique_ptr<ShmObject>& obj) -> Status {
@@ -1113,8 +1114,8 @@ Result<std::unique_ptr<Segment>> Segment::open(const std::string& name, bool rea
   const auto trust_empty = [&](uid_t uid, gid_t gid, mode_t mode) {
     return check_owner_and_mode(path, uid, gid, mode, *trusted_owners);
   };
-  Status s = trusted_owners != nullptr ? open_segment_object(name, read_only, accept, trust_empty)
-                                       : open_segment_object(name, read_only, accept);
+  Status s = trusted_owners != nullptr ? open_segment_object(name, read_only, accept, trust_empty, wait)
+                                       : open_segment_object(name, read_only, accept, {}, wait);
   if (!s.ok()) return s;
   return segment;
 }

@@ -4,6 +4,7 @@
 // carry the weights over; a kill -9 / restart loop under load always comes
 // back.
 #define BOOST_TEST_MODULE test_restart
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -13,8 +14,10 @@
 #include <boost/test/unit_test.hpp>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <thread>
 
+#include "shmps/shm/proc.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
@@ -308,6 +311,137 @@ BOOST_AUTO_TEST_CASE(buffers_a_timed_out_reattach_left_unregistered_are_register
   for (int i = 0; i < 3; ++i)
     BOOST_TEST((static_cast<ErrorCode>(shared->pulled[i].load()) == ErrorCode::kOk),
                "buffer " << i << ": " << error_code_name(static_cast<ErrorCode>(shared->pulled[i].load())));
+}
+
+// A call that re-attaches waits at most its one timeout in all: the wait
+// for the next server, the attach and the registrations share it. Here the
+// next server comes 700 ms into a 1500 ms call and stops before it answers
+// the registration; the call ends at its timeout, not a timeout after the
+// attach. The worker, a process of its own, stops itself (SHMPS_FAULT)
+// just before it sends the registration, so the server can be stopped
+// first.
+BOOST_AUTO_TEST_CASE(a_call_that_reattaches_waits_at_most_its_timeout_in_all) {
+  test::TempDir dir("restart");
+  const std::string name = test::unique_name("onetimeout");
+  struct Shared {
+    std::atomic<int> ready, go;
+    std::atomic<uint32_t> code;
+    std::atomic<int64_t> took_ms;
+    char message[512];
+  };
+  Shared* shared = test::map_shared<Shared>();
+  auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+  auto worker = test::Process::fork_fn([&] {
+    // Publish 3: a registration and a ping come before the registration
+    // after the restart.
+    ::setenv("SHMPS_FAULT", "before_publish:3:stop", 1);
+    auto w = test::try_connect(name, 1500ms, /*reconnect=*/true);
+    if (!w || !w->register_buffer(4).ok() || !w->ping().ok()) return 2;
+    shared->ready.store(1);
+    while (shared->go.load() == 0) std::this_thread::sleep_for(1ms);
+    const auto t0 = std::chrono::steady_clock::now();
+    const Status s = w->ping();
+    shared->took_ms.store(
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count());
+    shared->code.store(static_cast<uint32_t>(s.code()));
+    std::snprintf(shared->message, sizeof shared->message, "%s", s.message().c_str());
+    return 0;
+  });
+  BOOST_REQUIRE(test::eventually([&] { return shared->ready.load() != 0; }, 10s));
+  server->process().kill_and_reap();
+  server.reset();
+  std::this_thread::sleep_for(200ms);  // past the dead server's last heartbeat
+  shared->go.store(1);
+  std::this_thread::sleep_for(700ms);
+  test::ServerProcess next(name, args(dir.path));
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return test::process_state(worker.pid()) == 'T'; }, 10s),
+                        "the worker never reached its registration");
+  next.process().pause();
+  worker.resume();
+  const int rc = worker.wait(20s);
+  next.process().resume();
+  BOOST_REQUIRE(rc == 0);
+  BOOST_TEST((static_cast<ErrorCode>(shared->code.load()) == ErrorCode::kTimeout), shared->message);
+  BOOST_TEST(shared->took_ms.load() < 1900, shared->took_ms.load() << " ms: " << shared->message);
+}
+
+// A re-attach that finds no server to attach to within the call's timeout
+// says what it found last, and waits no longer than that timeout, nor
+// than the interrupted hook lets it, whatever the object at the name:
+// here a segment a live process created and has not published (a server
+// starting: the opener's own wait for a start is not the call's), and a
+// foreign object.
+BOOST_AUTO_TEST_CASE(a_reattach_that_finds_no_server_says_what_it_found_within_the_timeout) {
+  const std::string name = test::unique_name("lastcause");
+  const std::string object = shm::segment_object_name(name);
+  struct Cleanup {
+    std::string object;
+    ~Cleanup() { shm::ShmObject::remove(object); }
+  } cleanup{object};
+  // Stands for the server that made the unpublished segment: alive, never
+  // publishing.
+  auto starting = test::Process::fork_fn([] {
+    ::pause();
+    return 0;
+  });
+  const auto unpublished = [&] {
+    const int fd = ::shm_open(object.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    BOOST_REQUIRE(fd >= 0);
+    BOOST_REQUIRE(::ftruncate(fd, 1 << 20) == 0);
+    void* p = ::mmap(nullptr, sizeof(shm::SegmentHeader), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    BOOST_REQUIRE(p != MAP_FAILED);
+    auto* h = static_cast<shm::SegmentHeader*>(p);
+    h->magic = shm::kMagic;
+    h->server_pid = static_cast<uint32_t>(starting.pid());
+    h->server_start_time = shm::process_start_time(starting.pid());
+    ::munmap(p, sizeof(shm::SegmentHeader));
+  };
+  const auto foreign = [&] {
+    const int fd = ::shm_open(object.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    BOOST_REQUIRE(fd >= 0);
+    const std::vector<char> bytes(8192, 'x');
+    BOOST_REQUIRE(::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size()));
+    ::close(fd);
+  };
+  struct Case {
+    const char* what;
+    std::function<void()> make;
+    std::string cause;
+  };
+  for (const Case& c : {Case{"unpublished", unpublished, "segment not published yet (server starting)"},
+                        Case{"foreign", foreign, "not a shmps segment"}}) {
+    BOOST_TEST_CONTEXT(c.what) {
+      std::atomic<bool> stop{false};
+      WorkerOptions o = test::worker_options(name, 300ms, /*reconnect=*/true);
+      o.interrupted = [&] { return stop.load(); };
+      auto server = std::make_unique<test::ServerProcess>(name, std::vector<std::string>{"--tensor", "w:1"});
+      auto quick = Worker::connect(o);
+      o.timeout = 20s;
+      auto patient = Worker::connect(o);
+      BOOST_REQUIRE_MESSAGE(quick.ok() && patient.ok(), quick.status().to_string() << patient.status().to_string());
+      BOOST_REQUIRE((*quick)->ping().ok() && (*patient)->ping().ok());
+      server->process().kill_and_reap();
+      server.reset();  // (unlinks the dead server's segment)
+      c.make();
+      std::this_thread::sleep_for(200ms);  // past the dead server's last heartbeat: a ping re-attaches at once
+      auto t0 = std::chrono::steady_clock::now();
+      const Status timed_out = (*quick)->ping();
+      BOOST_TEST((std::chrono::steady_clock::now() - t0 < 1s));
+      BOOST_TEST((timed_out.code() == ErrorCode::kServerNotRunning), timed_out.to_string());
+      BOOST_TEST(timed_out.message().find("did not come back within the timeout (300 ms)") != std::string::npos,
+                 timed_out.message());
+      BOOST_TEST(timed_out.message().find(c.cause) != std::string::npos, timed_out.message());
+      BOOST_TEST(timed_out.message().find("/dev/shm/" + object) != std::string::npos, timed_out.message());
+      // With its timeout far off, the hook ends the wait.
+      stop.store(true);
+      t0 = std::chrono::steady_clock::now();
+      const Status interrupted = (*patient)->ping();
+      BOOST_TEST((std::chrono::steady_clock::now() - t0 < 1s));
+      BOOST_TEST((interrupted.code() == ErrorCode::kInterrupted), interrupted.to_string());
+      shm::ShmObject::remove(object);
+    }
+  }
 }
 
 BOOST_AUTO_TEST_CASE(call_in_flight_when_the_server_dies_fails_with_server_restarted) {

@@ -446,8 +446,10 @@ class Worker::Impl {
   //      nothing sent, until a pull or an init is answered: whichever call
   //      re-attached.
   // Attached without reconnect, this is a few compares and no clock read
-  // (the generation cannot change then).
-  Status enter(Call call) {
+  // (the generation cannot change then). `deadline`: the call's, of which
+  // a re-attach and the registrations use their part (kRequest, kPush);
+  // nullptr for kWait and kDetach, which stop before step 5.
+  Status enter(Call call, shm::Deadline* deadline = nullptr) {
     if (Status s = owned(); !s.ok()) [[unlikely]]
       return s;
     if (call == Call::kWait) return Status::Ok();
@@ -455,7 +457,7 @@ class Worker::Impl {
     if (call == Call::kDetach) return Status::Ok();
     if (state_ == State::kAttached && !options.reconnect) [[likely]]
       return Status::Ok();
-    if (Status s = ensure_session(); !s.ok()) return s;
+    if (Status s = ensure_session(*deadline); !s.ok()) return s;
     // A gradient computed against the weights of another server generation
     // means nothing to this one (its versions count from its own start or
     // checkpoint).
@@ -474,10 +476,11 @@ class Worker::Impl {
   //   process) and, over, ended and replaced by a re-attach; in a session
   //   that holds, the buffers a re-attach left pending are registered
   //   first (register_pending(): its error is the call's);
-  // - kServerGone, kEvicted: with reconnect, a re-attach (reattach(): one
-  //   timeout of its own; the request gets another); without, why the
-  //   session ended (kServerNotRunning, kUnknownWorker), every time.
-  Status ensure_session() {
+  // - kServerGone, kEvicted: with reconnect, a re-attach (reattach());
+  //   without, why the session ended (kServerNotRunning, kUnknownWorker),
+  //   every time.
+  // All within the call's `deadline`: what is left of it is the request's.
+  Status ensure_session(shm::Deadline& deadline) {
     switch (state_) {
       case State::kAttached: {
         if (!options.reconnect) return Status::Ok();
@@ -489,16 +492,16 @@ class Worker::Impl {
           // acquire: SYNC(server_stopped); relaxed heartbeat: a hint only.
           if (h.server_state.load(std::memory_order_acquire) == static_cast<uint32_t>(shm::ServerState::kRunning) &&
               shm::monotonic_ns() - h.heartbeat_ns.load(std::memory_order_relaxed) < 100'000'000)
-            return registrations_pending ? register_pending() : Status::Ok();
+            return registrations_pending ? register_pending(deadline) : Status::Ok();
           why = server_gone();
-          if (why.ok()) return registrations_pending ? register_pending() : Status::Ok();
+          if (why.ok()) return registrations_pending ? register_pending(deadline) : Status::Ok();
         }
         if (Status s = end_session(ended_as(why), why); !s.ok()) return s;
-        return reattach();
+        return reattach(deadline);
       }
       case State::kServerGone:
       case State::kEvicted:
-        return options.reconnect ? reattach() : ended.why;
+        return options.reconnect ? reattach(deadline) : ended.why;
       case State::kConnecting:
       case State::kDetaching:
       case State::kDetached:
@@ -914,14 +917,18 @@ class Worker::Impl {
   }
 
   // A public pull's entry (enter(), then the stream: settled when
-  // `blocking`, else its event recorded) and its request: tensor
-  // `tensor_id` (or kAllTensors) as fp32 into [byte_offset, ...) of buffer
-  // `buffer_id`, held at most what the timeout leaves.
-  Result<Request> begin_pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream, bool blocking);
+  // `blocking`, else its event recorded), within the call's `deadline`,
+  // and its request: tensor `tensor_id` (or kAllTensors) as fp32 into
+  // [byte_offset, ...) of buffer `buffer_id`, held at most what the
+  // timeout leaves.
+  Result<Request> begin_pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream, bool blocking,
+                             shm::Deadline& deadline);
   // push_async's and push's body: the stream settled when `blocking`, else
-  // its event recorded, then the request submitted.
+  // its event recorded, then the request submitted, within the call's
+  // `deadline`.
   Result<Worker::Ticket> send_push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes,
-                                   Dtype dtype, uint64_t worker_version, void* stream, bool blocking);
+                                   Dtype dtype, uint64_t worker_version, void* stream, bool blocking,
+                                   shm::Deadline& deadline);
 
   // wait()'s answer as a public wait returns it: the version, or the
   // error (the server's refusal, or why no answer came); the server's
@@ -944,12 +951,10 @@ class Worker::Impl {
     return {code, c.message};
   }
 
-  // One request and its answer, with a timeout of its own (`timeout`; the
-  // call timeout by default). In a session only: a public call has passed
-  // enter(); a re-attach registers buffers with it.
-  Result<Completion> request(Request req) { return request(req, options.timeout); }
-  Result<Completion> request(Request req, std::chrono::milliseconds timeout) {
-    shm::Deadline deadline(timeout);
+  // One request and its answer, within the call's `deadline`. In a session
+  // only: a public call has passed enter(); a re-attach registers buffers
+  // with it.
+  Result<Completion> request(Request req, shm::Deadline& deadline) {
     auto ticket = submit(req, deadline);
     if (!ticket.ok()) return ticket.status();
     auto c = wait_for_call(*ticket, deadline);
@@ -999,7 +1004,7 @@ class Worker::Impl {
   // Writes device buffer b's descriptor into our entry and registers it;
   // describes it again first when the server's side changed (a server
   // restarted in or out of this process needs pointers or IPC handles).
-  Status send_register_device(uint32_t b) {
+  Status send_register_device(uint32_t b, shm::Deadline& deadline) {
     NoInterrupt whole(*this);
     Registered& r = buffers[b];
     if (r.in_process != server_in_process()) {
@@ -1033,7 +1038,7 @@ class Worker::Impl {
     Request req{};
     req.opcode = static_cast<uint32_t>(Opcode::kRegisterBuffer);
     req.buffer_id = b;
-    auto c = request(req);  // the lane's release store publishes desc
+    auto c = request(req, deadline);  // the lane's release store publishes desc
     return c.ok() ? Status::Ok() : c.status();
   }
 
@@ -1049,18 +1054,18 @@ class Worker::Impl {
   //   delays the server's next device work (docs/cuda.md, "Ordering across
   //   processes"). The server's wait on the interprocess event's older
   //   record is then met, or orders after more (a push_async's record on
-  //   another stream). A timeout of its own (kTimeout) and the interrupted
-  //   hook (kInterrupted) end the wait; nothing has been sent then.
-  Status order_after_stream(uint32_t b, void* stream, bool blocking) {
+  //   another stream). The call's `deadline` (kTimeout) and the
+  //   interrupted hook (kInterrupted) end the wait; nothing has been sent
+  //   then.
+  Status order_after_stream(uint32_t b, void* stream, bool blocking, shm::Deadline& deadline) {
     if (b >= buffers.size() || !buffers[b].in_use || !buffers[b].device) return Status::Ok();
     if (!blocking) return detail::record_device_event(buffers[b].desc, stream);
-    return settle_stream(b, buffers[b].desc, stream);
+    return settle_stream(b, buffers[b].desc, stream, deadline);
   }
 
   // order_after_stream()'s blocking wait for device buffer b (`desc`).
-  Status settle_stream(uint32_t b, const detail::DeviceBuffer& desc, void* stream) {
+  Status settle_stream(uint32_t b, const detail::DeviceBuffer& desc, void* stream, shm::Deadline& deadline) {
     if (Status s = detail::mark_device_stream(desc, stream); !s.ok()) return s;
-    shm::Deadline deadline(options.timeout);
     auto sleep = std::chrono::microseconds(0);
     Clock::time_point asked{};
     for (int polls = 0;; ++polls) {
@@ -1087,8 +1092,8 @@ class Worker::Impl {
   // Claims an entry of `seg`, attaches, and (first time) reads the tensor
   // table; on a re-attach the table must be the same. Counts, ids and the
   // table come from the layout validated at open (a private copy), never
-  // from the live header.
-  Status attach_to(std::unique_ptr<shm::Segment> seg) {
+  // from the live header. The claim and the handshake end at `deadline`.
+  Status attach_to(std::unique_ptr<shm::Segment> seg, shm::Deadline& deadline) {
     segment = std::move(seg);
     const shm::SegmentLayout& h = segment->layout();
     // The identity of the server last attached, kept where this one is
@@ -1123,10 +1128,9 @@ class Worker::Impl {
 
     // Claim a free entry: CAS kFree -> (pid, kClaimed). While an entry is
     // held by a process that is gone, which the server frees within its
-    // housekeeping period, the claim is tried again. The claim and the
-    // handshake share one timeout.
+    // housekeeping period, the claim is tried again.
     const auto pid = static_cast<uint32_t>(::getpid());
-    const auto give_up = Clock::now() + options.timeout;
+    const auto give_up = deadline.time();
     bool claimed = false;
     while (true) {
       for (uint32_t i = 0; i < h.max_workers && !claimed; ++i) {
@@ -1217,34 +1221,50 @@ class Worker::Impl {
     return Status::Ok();
   }
 
-  // From kServerGone or kEvicted (reconnect): waits up to one timeout,
-  // counted from here, for a server under the same name (kServerGone: of
-  // another generation than the one that ended, or the same one running
-  // and alive, as after a state word forged kStopped that the server has
-  // written back; kEvicted: any), attaches
-  // to it and registers every buffer again under its old id. A session that
-  // ends during the registrations is waited past in the same way; one that
-  // holds while the server refuses a registration (or does not answer)
-  // returns that error, attached: a new attach would leave its entry taken,
-  // and the buffers not registered yet stay pending for the next call.
-  Status reattach() {
-    const auto give_up = Clock::now() + options.timeout;
+  // From kServerGone or kEvicted (reconnect): waits until the call's
+  // `deadline` for a server under the same name (kServerGone: of another
+  // generation than the one that ended, or the same one running and
+  // alive, as after a state word forged kStopped that the server has
+  // written back; kEvicted: any), attaches to it and registers every
+  // buffer again under its old id, all within that deadline. The segment
+  // is looked at every 10 ms, once each time (a segment a server has not
+  // published yet is looked at again here, so the deadline and the
+  // interrupted hook hold while it starts). A session that ends during the
+  // registrations is waited past in the same way; one that holds while the
+  // server refuses a registration (or does not answer) returns that error,
+  // attached: a new attach would leave its entry taken, and the buffers
+  // not registered yet stay pending for the next call. Given up at the
+  // deadline, the error names what the last look found (no segment, one
+  // not published, of another layout, a refused attach...).
+  Status reattach(shm::Deadline& deadline) {
+    const auto give_up = deadline.time();
+    const std::string path = "/dev/shm/" + shm::segment_object_name(options.name);
+    Status last;  // why the last look attached to no server
     while (true) {
-      auto seg = shm::Segment::open(options.name, /*read_only=*/false, &trusted);
-      if (!seg.ok() && seg.status().code() == ErrorCode::kPermission) return seg.status();
-      if (seg.ok() &&
-          (state_ == State::kEvicted || (*seg)->layout().generation != ended.generation || running_and_alive(**seg))) {
-        Status s = attach_to(std::move(seg).value());
+      auto seg = shm::Segment::open(options.name, /*read_only=*/false, &trusted, std::chrono::milliseconds(0));
+      if (!seg.ok()) {
+        if (seg.status().code() == ErrorCode::kPermission) return seg.status();
+        last = seg.status();
+      } else if (state_ == State::kEvicted || (*seg)->layout().generation != ended.generation ||
+                 running_and_alive(**seg)) {
+        Status s = attach_to(std::move(seg).value(), deadline);
         if (s.code() == ErrorCode::kInterrupted) return s;
-        if (s.ok()) s = register_pending();
+        if (s.ok()) s = register_pending(deadline);
         if (s.ok() || in_session()) return s;
         if (s.code() == ErrorCode::kLayoutMismatch || s.code() == ErrorCode::kNoCapacity) return s;
+        last = s;
+      } else {
+        last = {ErrorCode::kServerNotRunning,
+                path + " is still the segment of the server whose session ended (" + ended.why.message() + ")"};
       }
-      if (Clock::now() >= give_up)
-        return {ErrorCode::kServerNotRunning, "server '" + options.name + "' did not come back within the timeout"};
+      const auto now = Clock::now();
+      if (now >= give_up)
+        return {ErrorCode::kServerNotRunning, "server '" + options.name + "' did not come back within the timeout (" +
+                                                  timeout_text() + "): " + last.message()};
       if (asked_to_stop())
-        return {ErrorCode::kInterrupted, "interrupted while waiting for server '" + options.name + "' to come back"};
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        return {ErrorCode::kInterrupted,
+                "interrupted while waiting for server '" + options.name + "' to come back (" + last.message() + ")"};
+      std::this_thread::sleep_for(std::min<Clock::duration>(give_up - now, std::chrono::milliseconds(10)));
     }
   }
 
@@ -1265,21 +1285,22 @@ class Worker::Impl {
   }
 
   // Every pending buffer (after an attach: every one in use) registered
-  // again under its id. One the new server refuses (its object shrank or
-  // went) is let go (its id free for a new registration; the caller's
-  // mapping stays valid), and does not keep the others from it: the first
-  // refusal is returned, naming its buffer. A timeout or an interrupt
-  // stops the round and is returned: that buffer (the server may still
-  // serve its registration; the next one replaces it) and those after it
-  // stay pending, and the next call registers them before its own
-  // request (ensure_session()). A session that ends stops it too: the
-  // next attach makes every buffer pending again.
-  Status register_pending() {
+  // again under its id, within the call's `deadline`. One the new server
+  // refuses (its object shrank or went) is let go (its id free for a new
+  // registration; the caller's mapping stays valid), and does not keep the
+  // others from it: the first refusal is returned, naming its buffer. A
+  // timeout or an interrupt stops the round and is returned: that buffer
+  // (the server may still serve its registration; the next one replaces
+  // it) and those after it stay pending, and the next call registers them
+  // before its own request (ensure_session()). A session that ends stops
+  // it too: the next attach makes every buffer pending again.
+  Status register_pending(shm::Deadline& deadline) {
     Status first;
     for (uint32_t b = 0; b < buffers.size(); ++b) {
       if (!buffers[b].pending) continue;
-      const Status s = buffers[b].device ? send_register_device(b)
-                                         : send_register(b, buffers[b].object->name(), buffers[b].object->size());
+      const Status s = buffers[b].device
+                           ? send_register_device(b, deadline)
+                           : send_register(b, buffers[b].object->name(), buffers[b].object->size(), deadline);
       if (s.ok()) {
         buffers[b].pending = false;
         continue;
@@ -1314,7 +1335,7 @@ class Worker::Impl {
   }
 
   // Writes buffer b's descriptor into our entry and registers it.
-  Status send_register(uint32_t b, const std::string& object_name, size_t bytes) {
+  Status send_register(uint32_t b, const std::string& object_name, size_t bytes, shm::Deadline& deadline) {
     NoInterrupt whole(*this);
     shm::BufferDesc& desc = segment->buffer(id, b);
     clear_descriptor(desc);
@@ -1325,7 +1346,7 @@ class Worker::Impl {
     Request req{};
     req.opcode = static_cast<uint32_t>(Opcode::kRegisterBuffer);
     req.buffer_id = b;
-    auto c = request(req);  // the lane's release store publishes desc
+    auto c = request(req, deadline);  // the lane's release store publishes desc
     return c.ok() ? Status::Ok() : c.status();
   }
 
@@ -1345,7 +1366,8 @@ class Worker::Impl {
         Request req{};
         req.opcode = static_cast<uint32_t>(Opcode::kDetach);
         const auto bound = std::min(options.timeout, options.detach_timeout);
-        auto c = request(req, bound);  // may end the session: kServerGone, kEvicted
+        shm::Deadline deadline(bound);
+        auto c = request(req, deadline);  // may end the session: kServerGone, kEvicted
         result = c.ok() ? Status::Ok() : c.status();
         if (result.code() == ErrorCode::kTimeout)
           result = {ErrorCode::kTimeout, "server '" + options.name + "' did not answer the detach within " +
@@ -1400,7 +1422,8 @@ Result<std::unique_ptr<Worker>> Worker::connect(const WorkerOptions& asked) {
       auto impl = std::make_unique<Impl>();
       impl->options = options;
       impl->trusted = *trusted;
-      s = impl->attach_to(std::move(segment).value());
+      shm::Deadline deadline(options.timeout);
+      s = impl->attach_to(std::move(segment).value(), deadline);
       if (s.ok()) {
         impl->weights_generation = impl->generation;  // the caller's weights: this server takes pushes of them
         // This user's buffer objects that dead workers of this server left:
@@ -1442,7 +1465,8 @@ const TensorInfo* Worker::find_tensor(const std::string& name) const noexcept {
 
 Result<Buffer> Worker::register_buffer(size_t bytes) {
   Impl& w = *impl_;
-  if (Status s = w.enter(Impl::Call::kRequest); !s.ok()) return s;
+  shm::Deadline deadline(w.options.timeout);
+  if (Status s = w.enter(Impl::Call::kRequest, &deadline); !s.ok()) return s;
   if (bytes == 0) return Status{ErrorCode::kInvalidArgument, "buffer of 0 bytes"};
   uint32_t id = 0;
   while (id < w.buffers.size() && w.buffers[id].in_use) ++id;
@@ -1476,7 +1500,7 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
   // Listed from here: a child forked from now on maps it copy-on-write.
   std::shared_ptr<shm::ShmObject> mapping = listed_mapping(std::move(object).value());
   w.fault_point.hit("after_buffer_create");
-  if (Status st = w.send_register(id, object_name, bytes); !st.ok()) {
+  if (Status st = w.send_register(id, object_name, bytes, deadline); !st.ok()) {
     shm::ShmObject::remove(object_name);
     return st;
   }
@@ -1496,7 +1520,8 @@ Result<Buffer> Worker::register_buffer(size_t bytes) {
 
 Result<uint32_t> Worker::register_device_buffer(const void* device_ptr, size_t bytes) {
   Impl& w = *impl_;
-  if (Status s = w.enter(Impl::Call::kRequest); !s.ok()) return s;
+  shm::Deadline deadline(w.options.timeout);
+  if (Status s = w.enter(Impl::Call::kRequest, &deadline); !s.ok()) return s;
   if (device_ptr == nullptr || bytes == 0)
     return Status{ErrorCode::kInvalidArgument, "device buffer: null pointer or 0 bytes"};
   uint32_t id = 0;
@@ -1512,7 +1537,7 @@ Result<uint32_t> Worker::register_device_buffer(const void* device_ptr, size_t b
   r.device_bytes = bytes;
   r.in_process = in_process;
   r.desc = *desc;
-  if (Status st = w.send_register_device(id); !st.ok()) {
+  if (Status st = w.send_register_device(id, deadline); !st.ok()) {
     Impl::release_device(r);
     r = Impl::Registered{};
     return st;
@@ -1523,14 +1548,15 @@ Result<uint32_t> Worker::register_device_buffer(const void* device_ptr, size_t b
 
 Status Worker::unregister_buffer(uint32_t buffer_id) {
   Impl& w = *impl_;
-  if (Status s = w.enter(Impl::Call::kRequest); !s.ok()) return s;
+  shm::Deadline deadline(w.options.timeout);
+  if (Status s = w.enter(Impl::Call::kRequest, &deadline); !s.ok()) return s;
   if (buffer_id >= w.buffers.size() || !w.buffers[buffer_id].in_use)
     return {ErrorCode::kUnknownBuffer, "buffer " + std::to_string(buffer_id) + " is not registered"};
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kUnregisterBuffer);
   req.buffer_id = buffer_id;
   Impl::NoInterrupt whole(w);
-  auto c = w.request(req);
+  auto c = w.request(req, deadline);
   // kUnknownBuffer: the server no longer has it (an earlier unregister
   // that timed out was served after all): let it go here too.
   if (!c.ok() && c.status().code() != ErrorCode::kUnknownBuffer) return c.status();
@@ -1545,14 +1571,15 @@ Status Worker::unregister_buffer(uint32_t buffer_id) {
 
 Result<Worker::Ticket> Worker::push_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes,
                                           Dtype dtype, uint64_t worker_version, void* stream) {
-  return impl_->send_push(tensor_id, buffer_id, byte_offset, bytes, dtype, worker_version, stream, false);
+  shm::Deadline deadline(impl_->options.timeout);
+  return impl_->send_push(tensor_id, buffer_id, byte_offset, bytes, dtype, worker_version, stream, false, deadline);
 }
 
 Result<Worker::Ticket> Worker::Impl::send_push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset,
                                                uint64_t bytes, Dtype dtype, uint64_t worker_version, void* stream,
-                                               bool blocking) {
-  if (Status s = enter(Call::kPush); !s.ok()) return s;
-  if (Status s = order_after_stream(buffer_id, stream, blocking); !s.ok()) return s;
+                                               bool blocking, shm::Deadline& deadline) {
+  if (Status s = enter(Call::kPush, &deadline); !s.ok()) return s;
+  if (Status s = order_after_stream(buffer_id, stream, blocking, deadline); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPush);
   req.tensor_id = tensor_id;
@@ -1561,9 +1588,6 @@ Result<Worker::Ticket> Worker::Impl::send_push(uint32_t tensor_id, uint32_t buff
   req.byte_length = bytes;
   req.dtype = static_cast<uint32_t>(dtype);
   req.worker_version = worker_version;
-  // A timeout of its own: a re-attach in enter() that took most of one
-  // leaves the submit a whole one. Read from the clock only if used.
-  shm::Deadline deadline(options.timeout);
   return submit(req, deadline);
 }
 
@@ -1594,16 +1618,19 @@ uint64_t Worker::last_version() const noexcept { return impl_->last_version; }
 
 Result<uint64_t> Worker::push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
                               uint64_t worker_version, void* stream) {
-  auto ticket = impl_->send_push(tensor_id, buffer_id, byte_offset, bytes, dtype, worker_version, stream, true);
-  if (!ticket.ok()) return ticket.status();
+  // One deadline for the whole call: a re-attach, the stream, the submit
+  // and the answer.
   shm::Deadline deadline(impl_->options.timeout);
+  auto ticket =
+      impl_->send_push(tensor_id, buffer_id, byte_offset, bytes, dtype, worker_version, stream, true, deadline);
+  if (!ticket.ok()) return ticket.status();
   return impl_->version_of(impl_->wait_for_call(*ticket, deadline));
 }
 
 Result<Request> Worker::Impl::begin_pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream,
-                                         bool blocking) {
-  if (Status s = enter(Call::kRequest); !s.ok()) return s;
-  if (Status s = order_after_stream(buffer_id, stream, blocking); !s.ok()) return s;
+                                         bool blocking, shm::Deadline& deadline) {
+  if (Status s = enter(Call::kRequest, &deadline); !s.ok()) return s;
+  if (Status s = order_after_stream(buffer_id, stream, blocking, deadline); !s.ok()) return s;
   const uint64_t elements = tensor_id == kAllTensors     ? total_elements
                             : tensor_id < tensors.size() ? tensors[tensor_id].element_count
                                                          : 0;  // the server answers kUnknownTensor
@@ -1613,30 +1640,38 @@ Result<Request> Worker::Impl::begin_pull(uint32_t tensor_id, uint32_t buffer_id,
   req.buffer_id = buffer_id;
   req.byte_offset = byte_offset;
   req.byte_length = elements * sizeof(float);
-  req.wait_ns = pull_wait_ns(options.timeout);
+  // The server holds the pull at most what its wait will have of the
+  // timeout: a blocking pull's is what the call has left (all of it,
+  // unless a re-attach or the stream used some: the deadline has begun),
+  // pull_async's wait() gets a whole one.
+  auto left = options.timeout;
+  if (blocking && deadline.started())
+    left = std::max(std::chrono::milliseconds(0),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline.time() - Clock::now()));
+  req.wait_ns = pull_wait_ns(left);
   return req;
 }
 
 Result<Worker::Ticket> Worker::pull_async(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
-  Result<Request> req = impl_->begin_pull(tensor_id, buffer_id, byte_offset, stream, false);
-  if (!req.ok()) return req.status();
-  // A timeout of its own for the submit, as push_async's: a re-attach in
-  // enter() may have used most of one.
   shm::Deadline deadline(impl_->options.timeout);
+  Result<Request> req = impl_->begin_pull(tensor_id, buffer_id, byte_offset, stream, false, deadline);
+  if (!req.ok()) return req.status();
   return impl_->submit(*req, deadline);
 }
 
 Result<uint64_t> Worker::pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream) {
-  Result<Request> req = impl_->begin_pull(tensor_id, buffer_id, byte_offset, stream, true);
+  shm::Deadline deadline(impl_->options.timeout);
+  Result<Request> req = impl_->begin_pull(tensor_id, buffer_id, byte_offset, stream, true, deadline);
   if (!req.ok()) return req.status();
-  auto c = impl_->request(*req);  // one timeout for the submit and the answer
+  auto c = impl_->request(*req, deadline);
   if (!c.ok()) return c.status();
   return c->version;
 }
 
 Status Worker::init(uint32_t buffer_id, uint64_t byte_offset, void* stream) {
-  if (Status s = impl_->enter(Impl::Call::kRequest); !s.ok()) return s;
-  if (Status s = impl_->order_after_stream(buffer_id, stream, /*blocking=*/true); !s.ok()) return s;
+  shm::Deadline deadline(impl_->options.timeout);
+  if (Status s = impl_->enter(Impl::Call::kRequest, &deadline); !s.ok()) return s;
+  if (Status s = impl_->order_after_stream(buffer_id, stream, /*blocking=*/true, deadline); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kInit);
   req.tensor_id = kAllTensors;
@@ -1644,15 +1679,16 @@ Status Worker::init(uint32_t buffer_id, uint64_t byte_offset, void* stream) {
   req.byte_offset = byte_offset;
   req.byte_length = impl_->total_elements * sizeof(float);
   req.dtype = static_cast<uint32_t>(Dtype::kF32);
-  auto c = impl_->request(req);
+  auto c = impl_->request(req, deadline);
   return c.ok() ? Status::Ok() : c.status();
 }
 
 Result<ServerStats> Worker::stats() {
-  if (Status s = impl_->enter(Impl::Call::kRequest); !s.ok()) return s;
+  shm::Deadline deadline(impl_->options.timeout);
+  if (Status s = impl_->enter(Impl::Call::kRequest, &deadline); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kStats);
-  auto c = impl_->request(req);
+  auto c = impl_->request(req, deadline);
   if (!c.ok()) return c.status();
   // The completion's acquire (try_pop) ordered the server's writes of r.
   const shm::StatsReply r = impl_->entry().stats_reply;
@@ -1665,10 +1701,11 @@ Result<ServerStats> Worker::stats() {
 }
 
 Status Worker::ping() {
-  if (Status s = impl_->enter(Impl::Call::kRequest); !s.ok()) return s;
+  shm::Deadline deadline(impl_->options.timeout);
+  if (Status s = impl_->enter(Impl::Call::kRequest, &deadline); !s.ok()) return s;
   Request req{};
   req.opcode = static_cast<uint32_t>(Opcode::kPing);
-  auto c = impl_->request(req);
+  auto c = impl_->request(req, deadline);
   return c.ok() ? Status::Ok() : c.status();
 }
 

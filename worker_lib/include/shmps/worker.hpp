@@ -91,8 +91,10 @@ inline constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 *
 
 struct WorkerOptions {
   std::string name;  // server --name
-  // Per synchronous call; longer than kMaxTimeout is taken as kMaxTimeout
-  // (as is wait_for_server), in effect without end.
+  // Per synchronous call, all its waits together: a re-attach (reconnect)
+  // and its registrations, a device buffer's stream, a full lane, the
+  // answer; longer than kMaxTimeout is taken as kMaxTimeout (as is
+  // wait_for_server), in effect without end.
   std::chrono::milliseconds timeout{10000};
   // When the server dies or is restarted: the calls in flight fail with
   // kServerRestarted (not acknowledged: maybe applied, at most once), and
@@ -104,11 +106,13 @@ struct WorkerOptions {
   // kUnknownBuffer, and the id serves the next registration; a
   // registration that times out or is interrupted fails that call so, and
   // the buffers not registered yet are registered by the next call, before
-  // its own request). A push fails with kServerRestarted, nothing sent,
-  // while the worker's weights are of another generation than the
-  // server's: from a re-attach, whichever call made it, until a pull or an
-  // init is answered (its gradient was computed against the old server's
-  // weights: pull again). Without it such calls return
+  // its own request). A call that gives up waiting for a server says what
+  // it last found at the name (no segment, one not published yet, of
+  // another layout...). A push fails with
+  // kServerRestarted, nothing sent, while the worker's weights are of
+  // another generation than the server's: from a re-attach, whichever
+  // call made it, until a pull or an init is answered (its gradient was
+  // computed against the old server's weights: pull again). Without it such calls return
   // kServerNotRunning and the Worker stays unusable: every later call, and
   // every wait for a request in flight, fails at once the same way. Either
   // way, answers the server posted before it died are still returned by
@@ -289,8 +293,8 @@ class Worker {
   // version after the update.
   // `stream` (a cudaStream_t; nullptr: the legacy default stream) matters
   // only for a device buffer: the gradient is the one written by the work
-  // enqueued on `stream` before this call. push() waits (its own timeout,
-  // interruptible) until that work has run, then sends: it
+  // enqueued on `stream` before this call. push() waits (within its
+  // timeout, interruptible) until that work has run, then sends: it
   // returns only after the server's apply anyway, and this spares the
   // server's next device work the delay an interprocess event record
   // costs (docs/cuda.md, "Ordering across processes"). push_async()
@@ -312,7 +316,7 @@ class Worker {
   // with zeros for the lost pages, the buffer dropped), but for kTimeout
   // and kInterrupted, after which the push is still in flight and may be,
   // unless the message says nothing was sent (push() waiting for a device
-  // buffer's stream, which has a timeout of its own before the request's).
+  // buffer's stream, before it sends).
   Result<uint64_t> push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
                         uint64_t worker_version, void* stream = nullptr);
 
@@ -357,7 +361,7 @@ class Worker {
   // Errors: kUnknownBuffer, kUnknownTensor, kBadRange, kCuda (the stream
   // or the event failed), kTimeout and request errors. A kTimeout or
   // kInterrupted of pull() or init() while waiting for a device buffer's
-  // stream (a timeout of its own before the request's) says nothing was
+  // stream (before the request is sent) says nothing was
   // sent.
   Result<uint64_t> pull(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, void* stream = nullptr);
   // As pull(), but returns once the request is in the lane; wait() returns

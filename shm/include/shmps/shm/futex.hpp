@@ -54,6 +54,9 @@ class Deadline {
     }
     return at_;
   }
+  // Whether time() has fixed it (or at() made it fixed): a wait has used
+  // some of it. False: all of the timeout is left.
+  bool started() const noexcept { return fixed_; }
 
  private:
   std::chrono::nanoseconds timeout_;

@@ -304,15 +304,17 @@ class Segment {
   // pid), a foreign object is never adopted (kLayoutMismatch).
   static Result<std::unique_ptr<Segment>> create(const SegmentSpec& spec, uint64_t generation);
   // Worker: opens and validates "shmps.<name>" (open_segment_object()).
-  // Waits up to 2 s for a segment still being initialised, but not for an
-  // object already empty for longer (a dead start's). With `trusted_owners`
-  // (a worker), the object is checked before a byte of it is read: owned
-  // by one of those uids, not world-writable, and its group bits only as
-  // the server's kConfigGroupAccess says. Errors: kServerNotRunning (no
-  // such segment: the message names it), kLayoutMismatch, kPermission
-  // (naming the owner, the mode and the fix).
+  // Waits up to `wait` (2 s; 0: one look, for a caller that looks again
+  // itself, within a deadline of its own) for a segment still being
+  // initialised, but not for a dead start's. With `trusted_owners` (a
+  // worker), the object is checked before a byte of it is read: owned by
+  // one of those uids, not world-writable, and its group bits only as the
+  // server's kConfigGroupAccess says. Errors: kServerNotRunning (no such
+  // segment: the message names it), kLayoutMismatch, kPermission (naming
+  // the owner, the mode and the fix).
   static Result<std::unique_ptr<Segment>> open(const std::string& name, bool read_only,
-                                               const std::vector<uid_t>* trusted_owners = nullptr);
+                                               const std::vector<uid_t>* trusted_owners = nullptr,
+                                               std::chrono::milliseconds wait = kSegmentStartWait);
   static void remove(const std::string& name);
   // Removes segment "shmps.<name>" when the server its header names is the
   // dead process (server_pid, server_start_time): what that server left
