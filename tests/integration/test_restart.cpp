@@ -313,6 +313,74 @@ BOOST_AUTO_TEST_CASE(buffers_a_timed_out_reattach_left_unregistered_are_register
                "buffer " << i << ": " << error_code_name(static_cast<ErrorCode>(shared->pulled[i].load())));
 }
 
+// A server that stops under a re-attach's registrations (it answers the
+// one in its lane kShuttingDown, and takes nothing after: kServerNotRunning)
+// refuses no buffer: every buffer stays, its object too, and the next
+// server registers them all. The worker, a process of its own, stops
+// itself (SHMPS_FAULT) right after it sent the first of them, so the
+// server can be stopped with it in the lane.
+BOOST_AUTO_TEST_CASE(a_server_stopping_under_the_registrations_lets_go_of_no_buffer) {
+  test::TempDir dir("restart");
+  const std::string name = test::unique_name("stopreg");
+  struct Shared {
+    std::atomic<int> ready, go, first_done, next_up;
+    std::atomic<uint32_t> first_code;
+    std::atomic<uint64_t> objects_after_first;
+    std::atomic<uint32_t> pulled[3];
+    char first_message[512];
+  };
+  Shared* shared = test::map_shared<Shared>();
+  auto server = std::make_unique<test::ServerProcess>(name, args(dir.path));
+  const auto wait_for = [](const std::atomic<int>& flag) {
+    while (flag.load() == 0) std::this_thread::sleep_for(1ms);
+  };
+  auto worker = test::Process::fork_fn([&] {
+    // Publish 4: 3 registrations come before the first one after the restart.
+    ::setenv("SHMPS_FAULT", "after_publish:4:stop", 1);
+    auto w = test::try_connect(name, 1s, /*reconnect=*/true);
+    if (!w) return 2;
+    std::vector<Buffer> bufs;
+    for (int i = 0; i < 3; ++i) {
+      auto b = w->register_buffer(4);
+      if (!b.ok()) return 3;
+      bufs.push_back(*b);
+    }
+    shared->ready.store(1);
+    wait_for(shared->go);
+    const Status first = w->ping();  // re-attaches; the server stops under its registrations
+    shared->first_code.store(static_cast<uint32_t>(first.code()));
+    std::snprintf(shared->first_message, sizeof shared->first_message, "%s", first.message().c_str());
+    shared->objects_after_first.store(shm::orphan_buffers(name, ::getpid()).size());
+    shared->first_done.store(1);
+    wait_for(shared->next_up);
+    for (int i = 0; i < 3; ++i)
+      shared->pulled[i].store(static_cast<uint32_t>(w->pull(0, bufs[i].id, 0).status().code()));
+    return 0;
+  });
+  BOOST_REQUIRE(test::eventually([&] { return shared->ready.load() != 0; }, 10s));
+  server->process().kill_and_reap();
+  server.reset();
+  // Past the dead server's last heartbeat: the worker's next call sees it
+  // dead before sending anything, and re-attaches.
+  std::this_thread::sleep_for(200ms);
+  auto stopping = std::make_unique<test::ServerProcess>(name, args(dir.path));
+  shared->go.store(1);
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return test::process_state(worker.pid()) == 'T'; }, 10s),
+                        "the worker never sent its first registration");
+  BOOST_REQUIRE(stopping->stop() == 0);  // a clean stop, the registration in its lane
+  stopping.reset();
+  worker.resume();
+  BOOST_REQUIRE(test::eventually([&] { return shared->first_done.load() != 0; }, 10s));
+  test::ServerProcess next(name, args(dir.path));
+  shared->next_up.store(1);
+  BOOST_REQUIRE(worker.wait(20s) == 0);
+  BOOST_TEST((static_cast<ErrorCode>(shared->first_code.load()) != ErrorCode::kOk), shared->first_message);
+  BOOST_TEST(shared->objects_after_first.load() == 3u, shared->first_message);
+  for (int i = 0; i < 3; ++i)
+    BOOST_TEST((static_cast<ErrorCode>(shared->pulled[i].load()) == ErrorCode::kOk),
+               "buffer " << i << ": " << error_code_name(static_cast<ErrorCode>(shared->pulled[i].load())));
+}
+
 // A call that re-attaches waits at most its one timeout in all: the wait
 // for the next server, the attach and the registrations share it. Here the
 // next server comes 700 ms into a 1500 ms call and stops before it answers

@@ -1230,12 +1230,13 @@ class Worker::Impl {
   // is looked at every 10 ms, once each time (a segment a server has not
   // published yet is looked at again here, so the deadline and the
   // interrupted hook hold while it starts). A session that ends during the
-  // registrations is waited past in the same way; one that holds while the
-  // server refuses a registration (or does not answer) returns that error,
-  // attached: a new attach would leave its entry taken, and the buffers
-  // not registered yet stay pending for the next call. Given up at the
-  // deadline, the error names what the last look found (no segment, one
-  // not published, of another layout, a refused attach...).
+  // registrations (the server died, or stopped under them) is waited past
+  // in the same way; one that holds while the server refuses a
+  // registration (or does not answer) returns that error, attached: a new
+  // attach would leave its entry taken, and the buffers not registered yet
+  // stay pending for the next call. Given up at the deadline, the error
+  // names what the last look found (no segment, one not published, of
+  // another layout, a refused attach...).
   Status reattach(shm::Deadline& deadline) {
     const auto give_up = deadline.time();
     const std::string path = "/dev/shm/" + shm::segment_object_name(options.name);
@@ -1250,7 +1251,14 @@ class Worker::Impl {
         Status s = attach_to(std::move(seg).value(), deadline);
         if (s.code() == ErrorCode::kInterrupted) return s;
         if (s.ok()) s = register_pending(deadline);
-        if (s.ok() || in_session()) return s;
+        if (s.ok()) return s;
+        if (in_session()) {
+          // A server that stopped or died under the registrations: its
+          // session is over, and the buffers wait for the next.
+          Status why = session_over();
+          if (why.ok()) return s;
+          if (Status e = end_session(ended_as(why), why); !e.ok()) return e;
+        }
         if (s.code() == ErrorCode::kLayoutMismatch || s.code() == ErrorCode::kNoCapacity) return s;
         last = s;
       } else {
@@ -1284,16 +1292,39 @@ class Worker::Impl {
     return false;
   }
 
+  // Whether a registration's failure is the server's refusal of that
+  // buffer (its object shrunk, gone or not this worker's, a device it
+  // cannot reach...), as opposed to a failure of the request itself (no
+  // answer in time, interrupted, a server stopping, stopped or gone, the
+  // session ended, a full lane), which says nothing of the buffer.
+  static bool refuses_the_buffer(ErrorCode code) {
+    switch (code) {
+      case ErrorCode::kUnknownBuffer:
+      case ErrorCode::kBadRange:
+      case ErrorCode::kBadRequest:
+      case ErrorCode::kPermission:
+      case ErrorCode::kNoCapacity:
+      case ErrorCode::kInvalidArgument:
+      case ErrorCode::kIo:
+      case ErrorCode::kCuda:
+        return true;
+      default:
+        return false;
+    }
+  }
+
   // Every pending buffer (after an attach: every one in use) registered
   // again under its id, within the call's `deadline`. One the new server
-  // refuses (its object shrank or went) is let go (its id free for a new
-  // registration; the caller's mapping stays valid), and does not keep the
-  // others from it: the first refusal is returned, naming its buffer. A
-  // timeout or an interrupt stops the round and is returned: that buffer
-  // (the server may still serve its registration; the next one replaces
-  // it) and those after it stay pending, and the next call registers them
-  // before its own request (ensure_session()). A session that ends stops
-  // it too: the next attach makes every buffer pending again.
+  // refuses (refuses_the_buffer(): its object shrank or went) is let go
+  // (its id free for a new registration; the caller's mapping stays
+  // valid), and does not keep the others from it: the first refusal is
+  // returned, naming its buffer. Any other failure (a timeout, an
+  // interrupt, a server stopping or gone) stops the round and is
+  // returned: that buffer (the server may still serve its registration;
+  // the next one replaces it) and those after it stay pending, and the
+  // next call registers them before its own request (ensure_session()),
+  // with this server or the next. A session that ends stops it too: the
+  // next attach makes every buffer pending again.
   Status register_pending(shm::Deadline& deadline) {
     Status first;
     for (uint32_t b = 0; b < buffers.size(); ++b) {
@@ -1306,7 +1337,7 @@ class Worker::Impl {
         continue;
       }
       if (!in_session()) return s;
-      if (s.code() == ErrorCode::kTimeout || s.code() == ErrorCode::kInterrupted)
+      if (!refuses_the_buffer(s.code()))
         return {s.code(), "buffer " + std::to_string(b) + " registered again with the restarted server: " +
                               s.message() + " (the next call registers it, and those not yet registered again)"};
       drop(buffers[b]);

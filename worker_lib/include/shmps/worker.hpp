@@ -104,11 +104,13 @@ struct WorkerOptions {
   // its object shrunk or gone, is let go and leaves the others registered:
   // that call returns the refusal, naming the buffer, calls on its id get
   // kUnknownBuffer, and the id serves the next registration; a
-  // registration that times out or is interrupted fails that call so, and
-  // the buffers not registered yet are registered by the next call, before
-  // its own request). A call that gives up waiting for a server says what
-  // it last found at the name (no segment, one not published yet, of
-  // another layout...). A push fails with
+  // registration that times out, is interrupted or meets a server that is
+  // stopping fails that call so, and the buffers not registered yet are
+  // registered by the next call, before its own request; a server that
+  // stops or dies under them is waited past as the one before was, and
+  // they are registered with the next). A call that gives up waiting for a
+  // server says what it last found at the name (no segment, one not
+  // published yet, of another layout...). A push fails with
   // kServerRestarted, nothing sent, while the worker's weights are of
   // another generation than the server's: from a re-attach, whichever
   // call made it, until a pull or an init is answered (its gradient was
