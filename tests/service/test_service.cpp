@@ -820,6 +820,28 @@ BOOST_AUTO_TEST_CASE(a_server_with_a_parent_pid_leaves_the_notify_socket_alone) 
   BOOST_TEST(!late.has_value(), "the child server sent: " << (late ? late->text : ""));
 }
 
+// The same for a server that shmps::ServerProcess starts (shmps-train's):
+// this process's $NOTIFY_SOCKET and watchdog are not passed on.
+BOOST_AUTO_TEST_CASE(a_server_process_does_not_inherit_the_notify_socket) {
+  NotifySocket socket;
+  ::setenv("NOTIFY_SOCKET", socket.path().c_str(), 1);
+  ::setenv("WATCHDOG_USEC", "200000", 1);
+  std::optional<test::ServerProcess> server;
+  try {
+    server.emplace(test::unique_name("svc_spawned"), std::vector<std::string>{"--tensor", "w:4"});
+  } catch (...) {
+    ::unsetenv("NOTIFY_SOCKET");
+    ::unsetenv("WATCHDOG_USEC");
+    throw;
+  }
+  ::unsetenv("NOTIFY_SOCKET");
+  ::unsetenv("WATCHDOG_USEC");
+  BOOST_TEST(OnesWorker(server->name()).worker->ping().ok());
+  BOOST_TEST(server->stop() == 0);
+  const std::optional<Message> sent = socket.receive(100ms);
+  BOOST_TEST(!sent.has_value(), "the spawned server sent: " << (sent ? sent->text : ""));
+}
+
 // A --parent-pid that is not the server's parent is a bad option: exit 2,
 // which systemd does not restart, as for any other.
 BOOST_AUTO_TEST_CASE(a_parent_pid_that_is_not_the_parent_exits_as_a_bad_option) {

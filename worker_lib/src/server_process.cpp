@@ -219,6 +219,7 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   const pid_t pid = fork_child(options.die_with_parent, SIGTERM, [&] {
+    for (const std::string& key : options.env_unset) ::unsetenv(key.c_str());
     for (const auto& [key, value] : options.env_defaults) ::setenv(key.c_str(), value.c_str(), /*overwrite=*/0);
     if (!options.log_path.empty()) {
       const int fd = ::open(options.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
@@ -340,7 +341,12 @@ Result<std::unique_ptr<ServerProcess>> ServerProcess::start(const Options& optio
   if (options.name.empty()) return Status{ErrorCode::kInvalidArgument, "a server needs a --name"};
   std::vector<std::string> argv{binary, "--name", options.name};
   argv.insert(argv.end(), options.args.begin(), options.args.end());
-  auto child = ChildProcess::spawn(argv, options.spawn);
+  // The child is a job's server, not the service: a service manager's
+  // socket and watchdog in this environment are this process's unit's,
+  // which the child's READY=1, STOPPING=1 and keep-alives must not drive.
+  ChildProcess::SpawnOptions spawn = options.spawn;
+  for (const char* key : {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"}) spawn.env_unset.emplace_back(key);
+  auto child = ChildProcess::spawn(argv, spawn);
   if (!child.ok()) return child.status();
   std::unique_ptr<ServerProcess> server(new ServerProcess());
   server->name_ = options.name;

@@ -43,6 +43,8 @@ class ChildProcess {
     // Set in the child before exec, unless already set there (e.g.
     // OMP_WAIT_POLICY, which a program reads when it loads).
     std::vector<std::pair<std::string, std::string>> env_defaults;
+    // Removed from the child's environment before exec.
+    std::vector<std::string> env_unset;
   };
   // fork + execv(argv[0], argv). Errors: kIo (fork failed); an exec that
   // fails exits the child with 127.
@@ -97,7 +99,8 @@ class ServerProcess {
   // name), the point from which a worker can attach. Errors: kInvalidArgument
   // (no binary, no name), kIo (fork), kServerNotRunning (it exited first, or
   // the timeout passed: then it is killed and the segment it left removed;
-  // the log path is named).
+  // the log path is named). The server does not inherit NOTIFY_SOCKET,
+  // WATCHDOG_USEC or WATCHDOG_PID: a service manager's are this process's.
   static Result<std::unique_ptr<ServerProcess>> start(const Options& options);
   // stop(), then removes the segment the server left (one whose header
   // names this child, by pid and start time). Another server's segment at
