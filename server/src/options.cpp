@@ -132,6 +132,14 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
       return invalid(file_line(file, line) + ": unknown key '" + e.key + "'" +
                      (command_line_only ? " (valid on the command line only)" : ""));
     }
+    // A config file takes a value as written: quotes would be part of it
+    // (checkpoint-dir = "/srv/x" would name a directory '"' under the
+    // working directory). No option's value begins and ends with one (a
+    // tensor name may hold a quote, but a tensor ends with its shape).
+    if (e.value.size() >= 2 && (e.value.front() == '"' || e.value.front() == '\'') && e.value.back() == e.value.front())
+      return invalid(file_line(file, line) + ": key '" + e.key + "': the value " + e.value +
+                     " is in quotes, which a config file keeps as part of it; write it without them: " + e.key + " = " +
+                     e.value.substr(1, e.value.size() - 2));
     if (cli::negative_for_unsigned(*d, e.value))
       return invalid(file_line(file, line) + ": key '" + e.key + "': must be a non-negative integer, got '" + e.value +
                      "'");

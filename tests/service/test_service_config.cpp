@@ -164,6 +164,31 @@ BOOST_AUTO_TEST_CASE(config_file_errors_name_the_line_and_the_key) {
     BOOST_TEST(contains(file_error(kHead + key + " =\n"), std::string("line 3: key '") + key + "' has no value"));
 }
 
+// A value in quotes: a config file takes values as written, so
+// `checkpoint-dir = "/tmp/x"` would name a directory '"' under the
+// working directory. No option's value begins and ends with a quote.
+BOOST_AUTO_TEST_CASE(a_value_in_quotes_is_refused_naming_the_fix) {
+  BOOST_TEST(
+      file_error(kHead + "checkpoint-dir = \"/tmp/x\"\n")
+          .ends_with(
+              " line 3: key 'checkpoint-dir': the value \"/tmp/x\" is in quotes, which a config file keeps as part "
+              "of it; write it without them: checkpoint-dir = /tmp/x"),
+      file_error(kHead + "checkpoint-dir = \"/tmp/x\"\n"));
+  BOOST_TEST(contains(file_error(kHead + "init-file = '/var/lib/shmps/w.f32'   # a comment\n"),
+                      " line 3: key 'init-file': the value '/var/lib/shmps/w.f32' is in quotes"));
+  BOOST_TEST(contains(file_error("name = 'j'\ntensor = w:4\n"), " line 1: key 'name': the value 'j' is in quotes"));
+  BOOST_TEST(
+      contains(file_error(kHead + "tensor = \"v:4\"\n"), " line 3: key 'tensor': the value \"v:4\" is in quotes"));
+  BOOST_TEST(contains(file_error(kHead + "lr = \"0.1\"\n"), " line 3: key 'lr': the value \"0.1\" is in quotes"));
+  BOOST_TEST(contains(file_error(kHead + "optimizer = ''\n"), " line 3: key 'optimizer': the value '' is in quotes"));
+  // A quote inside a value, or at one end only, is the value's (a tensor
+  // name may hold one).
+  const ConfFile inner(kHead + "tensor = it's:4\n");
+  auto p = test::parse_server_args({"--config", inner.path});
+  BOOST_REQUIRE_MESSAGE(p.ok(), p.status().message());
+  BOOST_TEST(p->config.tensors.back().name == "it's");
+}
+
 BOOST_AUTO_TEST_CASE(malformed_tensors_name_the_problem_and_the_expected_form) {
   const std::string form = "; expected NAME:D0xD1x... such as fc1.weight:256x784";
   for (const auto& [text, why] : std::vector<std::pair<std::string, std::string>>{
