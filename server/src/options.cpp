@@ -52,6 +52,31 @@ std::string file_line(const std::string& file, int line) {
 
 Status invalid(std::string message) { return Status{ErrorCode::kInvalidArgument, std::move(message)}; }
 
+// The options whose values are paths: the whole value, or (fed-store) what
+// follows a prefix. A relative one is refused in a config file: the
+// service's working directory (/) is neither the file's directory nor
+// that of an admin who runs --check-config by hand, so the check and the
+// start would judge different paths. One on the command line means the
+// working directory's, and parse_options() makes it absolute.
+struct PathOption {
+  const char* key;
+  const char* prefix;  // the path is what follows it; a value without it names none
+};
+constexpr PathOption kPathOptions[] = {{"checkpoint-dir", ""}, {"init-file", ""}, {"fed-store", "file:"}};
+
+// The value of path option `key` (one of kPathOptions) in `c`.
+std::string& path_value(ServerConfig& c, std::string_view key) {
+  return key == "checkpoint-dir" ? c.checkpoint_dir : key == "init-file" ? c.init.file : c.federation.store;
+}
+
+// The relative path that `value` of path option `p` names, or empty (an
+// absolute one, an empty one, or a value that names none).
+std::string_view relative_path(const PathOption& p, std::string_view value) {
+  if (!value.starts_with(p.prefix)) return {};
+  const std::string_view path = value.substr(std::strlen(p.prefix));
+  return path.empty() || path.front() == '/' ? std::string_view() : path;
+}
+
 // Reads a config file with program_options' syntax ('#' at the start of a
 // line or after a blank begins a comment to the end of the line, blank
 // lines are skipped, "key = value" with blanks around both trimmed; a
@@ -140,6 +165,12 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
       return invalid(file_line(file, line) + ": key '" + e.key + "': the value " + e.value +
                      " is in quotes, which a config file keeps as part of it; write it without them: " + e.key + " = " +
                      e.value.substr(1, e.value.size() - 2));
+    for (const PathOption& p : kPathOptions)
+      if (const std::string_view path = relative_path(p, e.value); e.key == p.key && !path.empty())
+        return invalid(file_line(file, line) + ": key '" + e.key + "': '" + std::string(path) + "'" +
+                       (*p.prefix != '\0' ? " (after " + std::string(p.prefix) + ")" : std::string()) +
+                       " is a relative path, which would be taken from the server's working directory (/ under "
+                       "systemd), not from this file's; write an absolute path");
     if (cli::negative_for_unsigned(*d, e.value))
       return invalid(file_line(file, line) + ": key '" + e.key + "': must be a non-negative integer, got '" + e.value +
                      "'");
@@ -571,6 +602,22 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   // An empty path would quietly turn the feature off (or name the cwd).
   for (const char* key : {"checkpoint-dir", "init-file"})
     if (vm.count(key) && vm[key].as<std::string>().empty()) return fail(std::string("--") + key + " is an empty path");
+  // The command line's relative paths are the working directory's (the
+  // file's are absolute): made absolute here, so that the configuration
+  // names the directory the server uses (what --check-config prints parses
+  // back as a config file, and a start-up log line names it).
+  for (const PathOption& p : kPathOptions) {
+    std::string& value = path_value(c, p.key);
+    const std::string_view path = relative_path(p, value);
+    if (path.empty()) continue;
+    std::error_code ec;
+    const std::filesystem::path absolute = std::filesystem::absolute(path, ec);
+    if (ec)
+      return fail(std::string("--") + p.key + " '" + value +
+                  "' is a relative path, and the working directory cannot be read (" + ec.message() +
+                  "); give an absolute path");
+    value = p.prefix + absolute.string();
+  }
   if (c.name.empty())
     return vm.count("name") ? fail("--name is empty; the instance name is required") : invalid("--name is required");
   if (Status s = shm::validate_name(c.name); !s.ok()) return fail("--name: " + s.message());

@@ -613,6 +613,11 @@ BOOST_AUTO_TEST_CASE(config_file_errors_stop_the_server_naming_line_and_key) {
   BOOST_TEST(contains(log, "line 3: key 'lr': invalid value 'fast'"), log);
   BOOST_TEST(run("name = a\n# comment\ntensor = w:4\nring-capacity = 48\n", &log) == 2);
   BOOST_TEST(contains(log, "line 4: key 'ring-capacity': must be a power of two"), log);
+  // A path the start would take from its working directory, not the file's.
+  BOOST_TEST(run("name = a\ntensor = w:4\ncheckpoint-dir = ckpt\n", &log) == 2);
+  BOOST_TEST(contains(log, "line 3: key 'checkpoint-dir': 'ckpt' is a relative path"), log);
+  BOOST_TEST(run("name = a\ntensor = w:4\ncheckpoint-dir = \"/tmp/x\"\n", &log) == 2);
+  BOOST_TEST(contains(log, "line 3: key 'checkpoint-dir': the value \"/tmp/x\" is in quotes"), log);
 
   // --check-config: a valid file exits 0 and creates nothing.
   const std::string name = test::unique_name("svc_check");

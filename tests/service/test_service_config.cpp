@@ -189,6 +189,50 @@ BOOST_AUTO_TEST_CASE(a_value_in_quotes_is_refused_naming_the_fix) {
   BOOST_TEST(p->config.tensors.back().name == "it's");
 }
 
+// A relative path in a config file is refused: the service's working
+// directory (/) is neither the file's directory nor that of an admin
+// running --check-config by hand. One on the command line means the
+// working directory's, and the configuration holds it made absolute.
+BOOST_AUTO_TEST_CASE(relative_paths_are_refused_in_the_file_and_made_absolute_on_the_command_line) {
+  const std::string fix =
+      ", which would be taken from the server's working directory (/ under systemd), not from "
+      "this file's; write an absolute path";
+  BOOST_TEST(file_error(kHead + "checkpoint-dir = ckpt\n")
+                 .ends_with(" line 3: key 'checkpoint-dir': 'ckpt' is a "
+                            "relative path" +
+                            fix),
+             file_error(kHead + "checkpoint-dir = ckpt\n"));
+  BOOST_TEST(contains(file_error(kHead + "init-file = ./w.f32\n"),
+                      " line 3: key 'init-file': './w.f32' is a relative path" + fix));
+  BOOST_TEST(contains(file_error(kHead + "checkpoint-dir = ~/ckpt\n"),
+                      " line 3: key 'checkpoint-dir': '~/ckpt' is a relative path" + fix));
+  const std::string gloo = "federation = gloo\nfed-hosts = 1\n";
+  BOOST_TEST(contains(file_error(kHead + gloo + "fed-store = file:store\n"),
+                      " line 5: key 'fed-store': 'store' (after file:) is a relative path" + fix));
+  // Absolute ones, and a fed-store that names no path, pass.
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  for (const std::string& line :
+       {"checkpoint-dir = " + dir + "/ckpt\nfed-store = redis:h", "fed-store = file:" + dir + "/store",
+        std::string("fed-store = redis:localhost/job")}) {
+    const ConfFile f(kHead + gloo + line + "\n");
+    auto p = test::parse_server_args({"--config", f.path});
+    BOOST_TEST(p.ok(), line << ": " << p.status().message());
+  }
+  // The command line's relative paths are the working directory's.
+  const std::string cwd = std::filesystem::current_path().string();
+  auto p =
+      test::parse_server_args({"--name", "j", "--tensor", "w:4", "--checkpoint-dir", "ckpt", "--init-file", "./w.f32",
+                               "--federation", "gloo", "--fed-hosts", "1", "--fed-store", "file:store"});
+  BOOST_REQUIRE_MESSAGE(p.ok(), p.status().message());
+  BOOST_TEST(p->config.checkpoint_dir == cwd + "/ckpt");
+  BOOST_TEST(p->config.init.file == cwd + "/./w.f32");
+  BOOST_TEST(p->config.federation.store == "file:" + cwd + "/store");
+  auto redis = test::parse_server_args(
+      {"--name", "j", "--tensor", "w:4", "--federation", "gloo", "--fed-hosts", "1", "--fed-store", "redis:h/job"});
+  BOOST_REQUIRE_MESSAGE(redis.ok(), redis.status().message());
+  BOOST_TEST(redis->config.federation.store == "redis:h/job");
+}
+
 BOOST_AUTO_TEST_CASE(malformed_tensors_name_the_problem_and_the_expected_form) {
   const std::string form = "; expected NAME:D0xD1x... such as fc1.weight:256x784";
   for (const auto& [text, why] : std::vector<std::pair<std::string, std::string>>{

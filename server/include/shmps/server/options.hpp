@@ -36,7 +36,11 @@ struct ParsedOptions {
 //   "config file /etc/shmps/job1.conf line 7: key 'lr': invalid value 'fast'"
 //   "config file /etc/shmps/job1.conf line 3: unknown key 'learning-rate'"
 // A key other than `tensor` given twice in the file is an error naming both
-// lines; `[section]` lines are refused. A hyperparameter the chosen
+// lines; `[section]` lines are refused, and so are a value in quotes and a
+// relative path (checkpoint-dir, init-file, fed-store's file:DIR), which
+// the service would take from its working directory, not the file's. A
+// relative path on the command line is made absolute against the working
+// directory. A hyperparameter the chosen
 // optimizer does not read, given on the command line or in the file, is
 // refused naming each (momentum, dampening, nesterov are SGD's; beta1,
 // beta2, eps, amsgrad Adam's and AdamW's):
