@@ -46,6 +46,39 @@ std::string trim(std::string_view s) {
   return std::string(s.substr(first, last - first + 1));
 }
 
+// A config file line without its comment: '#' at the start of the line
+// or after a blank begins one; a '#' inside a value (a path such as
+// /srv/job#1) is the value's.
+std::string_view without_comment(std::string_view text) {
+  for (size_t hash = text.find('#'); hash != std::string_view::npos; hash = text.find('#', hash + 1))
+    if (hash == 0 || text[hash - 1] == ' ' || text[hash - 1] == '\t') return text.substr(0, hash);
+  return text;
+}
+
+// A value in quotes, which a config file refuses: the quotes would be
+// part of it (checkpoint-dir = "/srv/x" would name a directory '"' under
+// the working directory). No option's value begins and ends with one (a
+// tensor name may hold a quote, but a tensor ends with its shape).
+bool in_quotes(std::string_view value) {
+  return value.size() >= 2 && (value.front() == '"' || value.front() == '\'') && value.back() == value.front();
+}
+
+// Why the config file line "key = <value>" would not give back `value`
+// (read_config_file()), or empty when it would: --check-config prints the
+// configuration as such lines, and prints none that reads back otherwise.
+std::string why_no_file_line_holds(const std::string& value) {
+  if (value.find('\n') != std::string::npos) return "a line break ends a config file's line";
+  const std::string line = "key = " + value;
+  const std::string_view kept = without_comment(line);
+  const std::string read = trim(kept.substr(kept.find('=') + 1));
+  if (read != value)
+    return std::string(kept.size() < line.size() ? "'#' at the start of a value or after a blank begins a comment there"
+                                                 : "a config file trims the blanks at the ends of a value") +
+           " (it would read back as '" + read + "')";
+  if (in_quotes(value)) return "a config file refuses a value in quotes";
+  return {};
+}
+
 std::string file_line(const std::string& file, int line) {
   return "config file " + file + " line " + std::to_string(line);
 }
@@ -135,14 +168,7 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
   for (int line = 1; std::getline(in, text); ++line) {
     // A NUL would cut a path short without a word (C strings downstream).
     if (text.find('\0') != std::string::npos) return invalid(file_line(file, line) + ": holds a NUL byte");
-    // A comment starts a line or follows a blank: a '#' inside a value
-    // (a path such as /srv/job#1) is the value's.
-    for (size_t hash = text.find('#'); hash != std::string::npos; hash = text.find('#', hash + 1))
-      if (hash == 0 || text[hash - 1] == ' ' || text[hash - 1] == '\t') {
-        text.resize(hash);
-        break;
-      }
-    const std::string s = trim(text);
+    const std::string s = trim(without_comment(text));
     if (s.empty()) continue;
     if (s.front() == '[')
       return invalid(file_line(file, line) + ": sections ('" + s + "') are not supported; write key = value lines");
@@ -157,11 +183,7 @@ Result<std::vector<FileEntry>> read_config_file(const std::string& file, const p
       return invalid(file_line(file, line) + ": unknown key '" + e.key + "'" +
                      (command_line_only ? " (valid on the command line only)" : ""));
     }
-    // A config file takes a value as written: quotes would be part of it
-    // (checkpoint-dir = "/srv/x" would name a directory '"' under the
-    // working directory). No option's value begins and ends with one (a
-    // tensor name may hold a quote, but a tensor ends with its shape).
-    if (e.value.size() >= 2 && (e.value.front() == '"' || e.value.front() == '\'') && e.value.back() == e.value.front())
+    if (in_quotes(e.value))
       return invalid(file_line(file, line) + ": key '" + e.key + "': the value " + e.value +
                      " is in quotes, which a config file keeps as part of it; write it without them: " + e.key + " = " +
                      e.value.substr(1, e.value.size() - 2));
@@ -741,6 +763,13 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   // The start creates the checkpoint directory, or fails as this says.
   if (out.check && !c.checkpoint_dir.empty())
     if (Status s = check_checkpoint_dir(c.checkpoint_dir); !s.ok()) return s;
+  // The check prints the configuration as a config file, which must read
+  // back as this configuration: a value no line holds as written (one
+  // the command line gave) is refused, since printed it would mislead.
+  if (out.check)
+    for (const auto& [key, value] : config_entries(c))
+      if (const std::string why = why_no_file_line_holds(value); !why.empty())
+        return invalid("--check-config cannot print --" + key + " '" + value + "' as a config file line: " + why);
   return out;
 }
 

@@ -703,6 +703,93 @@ BOOST_AUTO_TEST_CASE(check_config_refuses_the_init_file_the_start_refuses) {
   BOOST_TEST(!std::filesystem::exists(segment_path(name)));
 }
 
+// What --check-config prints parses back as a config file: fed back with
+// --config, the check prints the same. A relative path given on the
+// command line is printed made absolute (a config file refuses a relative
+// one). A value that no config file line holds is refused, exit 2, naming
+// the option and why.
+BOOST_AUTO_TEST_CASE(check_config_output_reads_back_as_the_same_configuration) {
+  test::TempDir dir("svc_roundtrip");
+  const std::string server = test::program_path("shmps-server");
+  const std::string d = dir.path.string();
+  const std::string name = test::unique_name("svc_rt");
+  SegmentGuard guard(name);
+  const std::vector<std::vector<std::string>> configs{
+      {"--tensor",
+       "a:2x3",
+       "--tensor",
+       "b:7",
+       "--optimizer",
+       "adamw",
+       "--lr",
+       "0.0003",
+       "--lr-schedule",
+       "linear:0.01:1:5,cosine:100",
+       "--beta2",
+       "0.98",
+       "--amsgrad",
+       "--max-staleness",
+       "11",
+       "--staleness-policy",
+       "wait",
+       "--ring-capacity",
+       "16",
+       "--init",
+       "normal",
+       "--init-seed",
+       "42",
+       "--group-access",
+       "--backend",
+       "host",
+       "--checkpoint-dir",
+       d + "/job#1",
+       "--checkpoint-keep",
+       "5",
+       "--log-level",
+       "debug",
+       "--apply-threads",
+       "2"},
+      {"--tensor", "w:4", "--federation", "gloo", "--fed-hosts", "2", "--fed-host", "1", "--fed-store",
+       "file:" + d + "/store", "--fed-cpus", "0-1", "--fed-outer", "nesterov", "--fed-outer-lr", "0.5", "--fed-address",
+       "10.0.0.2", "--fed-rank-in-name"},
+      {"--tensor", "w:4", "--checkpoint-dir", "relative/ckpt", "--init-file", "w.f32"},
+  };
+  std::ofstream(dir.path / "w.f32", std::ios::binary).write("\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 16);
+  for (const std::vector<std::string>& config : configs) {
+    BOOST_TEST_CONTEXT(config[config.size() - 2] << " " << config.back()) {
+      std::vector<std::string> argv{server, "--name", name, "--check-config"};
+      argv.insert(argv.end(), config.begin(), config.end());
+      // Run in the temp directory: the relative paths are its.
+      const test::Captured first = test::run_captured(argv, 10s, [&] { return ::chdir(d.c_str()) == 0; });
+      BOOST_REQUIRE_MESSAGE(first.exit_code == 0, first.output);
+      if (config.back() == "w.f32") {
+        BOOST_TEST(contains(first.output, "checkpoint-dir = " + d + "/relative/ckpt\n"), first.output);
+        BOOST_TEST(contains(first.output, "init-file = " + d + "/w.f32\n"), first.output);
+      }
+      const std::string conf = d + "/printed.conf";
+      std::ofstream(conf) << first.output;
+      const test::Captured second = test::run_captured({server, "--config", conf, "--check-config"}, 10s);
+      BOOST_TEST(second.exit_code == 0, second.output);
+      BOOST_TEST(second.output == first.output);
+    }
+  }
+  // Values the file cannot hold: refused by the check (the start takes
+  // them from the command line).
+  for (const std::string& bad : {d + "/ck #1", d + "/ck ", d + "/ck\t"}) {
+    BOOST_TEST_CONTEXT("'" << bad << "'") {
+      const test::Captured refused =
+          test::run_captured({server, "--name", name, "--tensor", "w:4", "--checkpoint-dir", bad, "--check-config"});
+      BOOST_TEST(refused.exit_code == 2, refused.output);
+      // (The log writes the tab as \x09.)
+      BOOST_TEST(contains(without_timestamps(refused.output),
+                          "shmps-server error: --check-config cannot print --checkpoint-dir '" + d + "/ck"),
+                 refused.output);
+      BOOST_TEST(contains(refused.output, "' as a config file line: "), refused.output);
+    }
+  }
+  BOOST_TEST(!std::filesystem::exists(segment_path(name)));
+}
+
 BOOST_AUTO_TEST_CASE(journal_stream_prefixes_lines_with_their_syslog_priority) {
   TempPath err("stderr");
   const std::string name = test::unique_name("svc_journal");

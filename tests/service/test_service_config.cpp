@@ -623,6 +623,62 @@ BOOST_AUTO_TEST_CASE(check_config_refuses_a_checkpoint_dir_the_start_would) {
   }
 }
 
+// --check-config prints the configuration as a config file: a value that
+// no config file line reads back as written is refused by name, with the
+// reason; the start (a parse without --check-config) takes it.
+BOOST_AUTO_TEST_CASE(check_config_refuses_a_value_no_config_file_line_holds) {
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  const std::vector<std::string> gloo{"--federation", "gloo", "--fed-hosts", "1", "--fed-store", "file:" + dir + "/s"};
+  const std::string comment = "'#' at the start of a value or after a blank begins a comment there";
+  const std::string blanks = "a config file trims the blanks at the ends of a value";
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases{
+      {{"--checkpoint-dir", dir + "/ck #1"},
+       "--check-config cannot print --checkpoint-dir '" + dir + "/ck #1' as a config file line: " + comment +
+           " (it would read back as '" + dir + "/ck')"},
+      {{"--checkpoint-dir", dir + "/ck\t#1"},
+       "--check-config cannot print --checkpoint-dir '" + dir + "/ck\t#1' as a config file line: " + comment +
+           " (it would read back as '" + dir + "/ck')"},
+      {{"--checkpoint-dir", dir + "/ck "},
+       "--check-config cannot print --checkpoint-dir '" + dir + "/ck ' as a config file line: " + blanks +
+           " (it would read back as '" + dir + "/ck')"},
+      {{"--checkpoint-dir", dir + "/a\nb"},
+       "--check-config cannot print --checkpoint-dir '" + dir +
+           "/a\nb' as a config file line: a line break ends a config file's line"},
+      {{"--device", "GPU-1 #2"},
+       "--check-config cannot print --device 'GPU-1 #2' as a config file line: " + comment +
+           " (it would read back as 'GPU-1')"},
+      {{"--fed-address", " 10.0.0.1"},
+       "--check-config cannot print --fed-address ' 10.0.0.1' as a config file line: " + blanks +
+           " (it would read back as '10.0.0.1')"},
+      {{"--fed-address", "#x"},
+       "--check-config cannot print --fed-address '#x' as a config file line: " + comment +
+           " (it would read back as '')"},
+      {{"--fed-address", "'x'"},
+       "--check-config cannot print --fed-address ''x'' as a config file line: a config file refuses a value in "
+       "quotes"},
+  };
+  for (const Case& c : cases) {
+    BOOST_TEST_CONTEXT(c.args[1]) {
+      std::vector<std::string> args{"--name", "j", "--tensor", "w:4"};
+      args.insert(args.end(), c.args.begin(), c.args.end());
+      if (c.args[0] == "--fed-address") args.insert(args.end(), gloo.begin(), gloo.end());
+      BOOST_TEST(test::parse_server_args(args).ok());  // the start takes it
+      args.push_back("--check-config");
+      auto p = test::parse_server_args(args);
+      BOOST_REQUIRE(!p.ok());
+      BOOST_TEST(p.status().message() == c.message);
+    }
+  }
+  // '#' inside a value, after no blank, is the value's.
+  auto hash =
+      test::parse_server_args({"--name", "j", "--tensor", "w:4", "--checkpoint-dir", dir + "/job#1", "--check-config"});
+  BOOST_TEST(hash.ok(), hash.status().message());
+}
+
 BOOST_AUTO_TEST_CASE(example_config_parses_and_documents_every_option) {
   // $SHMPS_SOURCE_DIR (set by CTest) first: a build tree unpacked beside
   // another checkout (tools/gpu-check.sh) reads that checkout's file.

@@ -20,7 +20,7 @@ struct ParsedOptions {
   ServerConfig config;
   bool help = false;        // --help was given: print help_text, exit 0
   bool version = false;     // --version was given: print version_text(), exit 0
-  bool check = false;       // --check-config: config is valid; print it, exit 0
+  bool check = false;       // --check-config: config is valid, and each entry a config file line; print it, exit 0
   uint32_t parent_pid = 0;  // --parent-pid: run_server()'s (0: none)
   // Keys the config file sets that the command line also gives (the
   // command line's value wins), each "config file F line N: key 'k' = v is
@@ -47,7 +47,10 @@ struct ParsedOptions {
 //   "--optimizer adam does not use --momentum: an SGD option; remove it, or
 //    choose --optimizer sgd" With --check-config the --init-file
 // is read and checked as the start reads it (read_init_file(), config.hpp),
-// and its error comes back unchanged (kIo or kInvalidArgument).
+// and its error comes back unchanged (kIo or kInvalidArgument); and a value
+// that no config file line holds as written (config_entries() must parse
+// back) is refused, "--check-config cannot print --<key> '<value>' as a
+// config file line: <why>".
 Result<ParsedOptions> parse_options(int argc, const char* const* argv);
 
 // "fc1.weight:256x784[:f32]" -> TensorSpec. Errors: kInvalidArgument.
@@ -64,7 +67,9 @@ bool parse_staleness_policy(std::string_view text, shm::StalenessPolicy* out) no
 // config file takes it: one `tensor` entry per tensor, `init-file`,
 // `device` and `checkpoint-dir` only when set, and only the options the
 // rest of it reads (config_reads()). Joined as "key = value" lines it
-// parses back to the same config.
+// parses back to the same config, but for a value that no line holds as
+// written (a '#' after a blank, blanks at its ends, a line break, quotes),
+// which parse_options() with --check-config refuses.
 std::vector<std::pair<std::string, std::string>> config_entries(const ServerConfig& config);
 // Whether `config` reads option `key`: false for one that only another
 // setting makes read (--momentum under adam, --fed-store without gloo,
