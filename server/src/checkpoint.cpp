@@ -790,7 +790,7 @@ void remove_temp_files(const std::string& dir) {
 
 void remove_temp_files(const CheckpointDirLock& lock) { remove_temps_in(lock.dir_fd(), lock.dir()); }
 
-Result<CheckpointDirLock> CheckpointDirLock::acquire(const std::string& dir) {
+Result<CheckpointDirLock> CheckpointDirLock::take(const std::string& dir, bool create, uint32_t* holder) {
   const std::string path = dir + "/" + kCheckpointLockName;
   // The directory once (following a symbolic link, as the path does), and
   // the lock file in it: both are then the ones this lock holds, whatever
@@ -798,10 +798,12 @@ Result<CheckpointDirLock> CheckpointDirLock::acquire(const std::string& dir) {
   // block the start; O_NOFOLLOW: nor a link lead the pid's write elsewhere.
   CheckpointDirLock lock;
   lock.dir_fd_ = open_dir(dir);
+  if (lock.dir_fd_.fd < 0 && !create && errno == ENOENT) return lock;
   if (lock.dir_fd_.fd < 0)
     return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": cannot open it: " + errno_text()};
-  lock.fd_.fd =
-      ::openat(lock.dir_fd_.fd, kCheckpointLockName, O_RDWR | O_CREAT | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0600);
+  lock.fd_.fd = ::openat(lock.dir_fd_.fd, kCheckpointLockName,
+                         O_RDWR | (create ? O_CREAT : 0) | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (lock.fd_.fd < 0 && !create && errno == ENOENT) return lock;
   if (lock.fd_.fd < 0)
     return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": open " + path + ": " + errno_text()};
   struct stat st {};
@@ -814,7 +816,8 @@ Result<CheckpointDirLock> CheckpointDirLock::acquire(const std::string& dir) {
     char text[32] = {};
     const ssize_t n = ::pread(lock.fd_.fd, text, sizeof text - 1, 0);
     unsigned long pid = 0;
-    const bool named = n > 0 && std::sscanf(text, "pid %lu", &pid) == 1 && pid != 0;
+    const bool named = n > 0 && std::sscanf(text, "pid %lu", &pid) == 1 && pid != 0 && pid <= UINT32_MAX;
+    if (holder != nullptr) *holder = named ? static_cast<uint32_t>(pid) : 0;
     return Status{ErrorCode::kInvalidArgument,
                   "--checkpoint-dir " + dir + " is in use by another shmps-server" +
                       (named ? " (pid " + std::to_string(pid) + ")" : std::string()) + ", which holds " + path +
@@ -824,6 +827,20 @@ Result<CheckpointDirLock> CheckpointDirLock::acquire(const std::string& dir) {
   }
   lock.dir_ = dir;
   lock.path_ = path;
+  return lock;
+}
+
+Status CheckpointDirLock::probe(const std::string& dir, uint32_t* holder) {
+  if (holder != nullptr) *holder = 0;
+  // Released as `taken` goes out of scope.
+  const Result<CheckpointDirLock> taken = take(dir, /*create=*/false, holder);
+  return taken.ok() ? Status::Ok() : taken.status();
+}
+
+Result<CheckpointDirLock> CheckpointDirLock::acquire(const std::string& dir) {
+  Result<CheckpointDirLock> taken = take(dir, /*create=*/true, nullptr);
+  if (!taken.ok()) return taken.status();
+  CheckpointDirLock lock = std::move(taken).value();
   const std::string mine = "pid " + std::to_string(::getpid()) + "\n";
   // The pid only names the holder in another server's message: a write
   // that fails leaves the lock held all the same.

@@ -226,6 +226,14 @@ class CheckpointDirLock {
   // lock file cannot be opened, the lock file locked, or it is not a
   // regular file).
   static Result<CheckpointDirLock> acquire(const std::string& dir);
+  // Whether acquire(dir) would take the lock now, creating nothing: the
+  // lock is taken without waiting and released at once (a missing
+  // directory or lock file is free). --check-config's question, so that
+  // it fails as the start would, with acquire()'s errors and messages.
+  // `holder`, when given, gets the pid the holder wrote (0: free, or not
+  // named). For that instant a server starting on `dir` is refused as if
+  // another held it.
+  static Status probe(const std::string& dir, uint32_t* holder = nullptr);
   // Whether the lock file at the directory's path is still the one this
   // lock holds. Not when the directory was moved or replaced (mv D D.old;
   // mkdir D) or its lock file removed while the server ran: another server
@@ -241,6 +249,12 @@ class CheckpointDirLock {
   const std::string& dir() const { return dir_; }
 
  private:
+  // acquire() without the pid written. With `create` false, a missing
+  // directory or lock file is no error: the lock comes back holding
+  // nothing. `holder`, when given and another process holds the lock,
+  // gets the pid it wrote (0: none).
+  static Result<CheckpointDirLock> take(const std::string& dir, bool create, uint32_t* holder);
+
   UniqueFd dir_fd_;
   UniqueFd fd_;  // the lock file's; its close releases the flock
   std::string dir_;

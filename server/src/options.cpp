@@ -21,7 +21,9 @@
 
 #include "backend.hpp"
 #include "checkpoint.hpp"
+#include "federation.hpp"
 #include "shmps/cli.hpp"
+#include "shmps/shm/segment.hpp"
 
 namespace po = boost::program_options;
 
@@ -763,6 +765,21 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   // The start creates the checkpoint directory, or fails as this says.
   if (out.check && !c.checkpoint_dir.empty())
     if (Status s = check_checkpoint_dir(c.checkpoint_dir); !s.ok()) return s;
+  // And locks it (CheckpointDirLock): a directory another live server
+  // holds fails the check as it fails the start. Not when the holder is
+  // the live server of this configuration's own name: that is the
+  // instance a restart stops first (the postinst, and an admin, check a
+  // running instance's file before restarting it). --fed-rank-in-name
+  // appends the host's rank to both: known here under gloo (--fed-host),
+  // not under mpi (mpirun's), where the lock is left to the start.
+  if (out.check && !c.checkpoint_dir.empty() && !(fc.rank_in_name && fc.kind == FederationKind::kMpi)) {
+    ServerConfig started = c;
+    if (fc.kind == FederationKind::kGloo) apply_rank_in_name(started, fc.host);
+    uint32_t holder = 0;
+    if (Status s = CheckpointDirLock::probe(started.checkpoint_dir, &holder);
+        !s.ok() && (holder == 0 || shm::live_server_of(started.name) != holder))
+      return s;
+  }
   // The check prints the configuration as a config file, which must read
   // back as this configuration: a value no line holds as written (one
   // the command line gave) is refused, since printed it would mislead.

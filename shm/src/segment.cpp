@@ -571,6 +571,22 @@ Status validate_segment(const void* base, size_t size) {
   return Status::Ok();
 }
 
+namespace {
+
+// The server a header names when it lives: its magic, and both its pid
+// and start time (a pid without its start time, a header half written,
+// would take any process that reused the pid for the server), that
+// process alive. Whatever the layout version: a server of another
+// release, or one still starting, serves the name all the same.
+std::optional<uint32_t> live_server_named(const SegmentHeader& h) noexcept {
+  if (h.magic != kMagic || h.server_pid == 0 || h.server_start_time == 0) return std::nullopt;
+  // A pid above INT_MAX turns negative, which process_alive rejects.
+  if (!process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time)) return std::nullopt;
+  return h.server_pid;
+}
+
+}  // namespace
+
 std::optional<uint32_t> dead_server_of_unpublished(const void* header, size_t size) noexcept {
   if (size < sizeof(SegmentHeader)) return std::nullopt;
   const auto& h = *static_cast<const SegmentHeader*>(header);
@@ -755,11 +771,7 @@ Status clear_stale_object(const std::string& object_name, const std::string& nam
       (h.magic != kMagic || h.server_pid != left_by->pid || h.server_start_time != left_by->start_time))
     return {ErrorCode::kInvalidArgument,
             path + " is not the segment of shmps-server pid " + std::to_string(left_by->pid) + ": not removing it"};
-  // Both words: a pid without its start time (a header half written)
-  // would take any process that reused the pid for the server.
-  const bool names_a_live_server = h.magic == kMagic && h.server_pid != 0 && h.server_start_time != 0 &&
-                                   process_alive(static_cast<pid_t>(h.server_pid), h.server_start_time);
-  if (names_a_live_server)
+  if (live_server_named(h))
     return {ErrorCode::kInvalidArgument,
             "a live shmps-server (pid " + std::to_string(h.server_pid) + ") already serves '" + name + "'"};
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
@@ -1038,6 +1050,21 @@ std::optional<std::string> never_written(const std::string& name) {
          (empty ? "sizing" : "writing") +
          " it left it, or a process that is no shmps server made it; the next start of server '" + name +
          "' by its owner replaces it, or remove it: " + (st.st_uid == ::geteuid() ? "rm " : "sudo rm ") + path;
+}
+
+std::optional<uint32_t> live_server_of(const std::string& name) {
+  if (!validate_name(name).ok()) return std::nullopt;
+  // pread on a descriptor of its own, as left_by_dead_start(): no SIGBUS
+  // from an object truncated meanwhile.
+  const std::string object_name = "shmps." + name;
+  const int fd = ::shm_open(object_name.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC, 0);
+  if (fd < 0) return std::nullopt;
+  SegmentHeader h{};
+  struct stat st {};
+  const bool read =
+      ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && ::pread(fd, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h);
+  ::close(fd);
+  return read ? live_server_named(h) : std::nullopt;
 }
 
 Status open_segment_object(const std::string& name, bool read_only,

@@ -790,6 +790,46 @@ BOOST_AUTO_TEST_CASE(check_config_output_reads_back_as_the_same_configuration) {
   BOOST_TEST(!std::filesystem::exists(segment_path(name)));
 }
 
+// --check-config on a checkpoint directory that another live server
+// holds fails as the start does (exit 2, the start's message, naming the
+// holder's pid), and leaves the holder's lock as it was; the live server
+// of the configuration's own name (the instance a restart stops first)
+// passes; once the holder stops, the check passes.
+BOOST_AUTO_TEST_CASE(check_config_refuses_a_checkpoint_dir_another_live_server_holds) {
+  test::TempDir dir("svc_lock");
+  const std::string server = test::program_path("shmps-server");
+  const std::string d = dir.path.string();
+  const std::string holder_name = test::unique_name("svc_holder"), other = test::unique_name("svc_other");
+  SegmentGuard guard(other);
+  auto holder = std::make_unique<test::ServerProcess>(
+      holder_name, std::vector<std::string>{"--tensor", "w:4", "--checkpoint-dir", d});
+  const std::string lock = read_file(dir.path / ".lock");
+  const std::string pid = std::to_string(holder->process().pid());
+  BOOST_REQUIRE_EQUAL(lock, "pid " + pid + "\n");
+  const std::string message = "--checkpoint-dir " + d + " is in use by another shmps-server (pid " + pid +
+                              "), which holds " + d + "/.lock: a checkpoint directory serves one server";
+  const std::vector<std::string> args{server, "--name", other, "--tensor", "w:4", "--checkpoint-dir", d};
+  std::vector<std::string> check_args = args;
+  check_args.push_back("--check-config");
+  const test::Captured check = test::run_captured(check_args, 10s);
+  BOOST_TEST(check.exit_code == 2, check.output);
+  BOOST_TEST(without_timestamps(check.output).rfind("shmps-server error: " + message, 0) == 0u, check.output);
+  const test::Captured start = test::run_captured(args, 10s);
+  BOOST_TEST(start.exit_code == 2, start.output);
+  BOOST_TEST(contains(start.output, message), start.output);
+  BOOST_TEST(read_file(dir.path / ".lock") == lock);
+  // The holder's own configuration: a restart stops it first.
+  const test::Captured own = test::run_captured(
+      {server, "--name", holder_name, "--tensor", "w:4", "--checkpoint-dir", d, "--check-config"}, 10s);
+  BOOST_TEST(own.exit_code == 0, own.output);
+  BOOST_TEST(contains(own.output, "checkpoint-dir = " + d + "\n"), own.output);
+  BOOST_REQUIRE(holder->stop() == 0);
+  holder.reset();
+  const test::Captured free = test::run_captured(check_args, 10s);
+  BOOST_TEST(free.exit_code == 0, free.output);
+  BOOST_TEST(!std::filesystem::exists(segment_path(other)));
+}
+
 BOOST_AUTO_TEST_CASE(journal_stream_prefixes_lines_with_their_syslog_priority) {
   TempPath err("stderr");
   const std::string name = test::unique_name("svc_journal");

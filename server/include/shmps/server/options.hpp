@@ -47,10 +47,12 @@ struct ParsedOptions {
 //   "--optimizer adam does not use --momentum: an SGD option; remove it, or
 //    choose --optimizer sgd" With --check-config the --init-file
 // is read and checked as the start reads it (read_init_file(), config.hpp),
-// and its error comes back unchanged (kIo or kInvalidArgument); and a value
-// that no config file line holds as written (config_entries() must parse
-// back) is refused, "--check-config cannot print --<key> '<value>' as a
-// config file line: <why>".
+// and its error comes back unchanged (kIo or kInvalidArgument), as does the
+// start's refusal of a checkpoint directory another live server holds (not
+// the live server of the configuration's own name, which a restart stops
+// first); and a value that no config file line holds as written
+// (config_entries() must parse back) is refused, "--check-config cannot
+// print --<key> '<value>' as a config file line: <why>".
 Result<ParsedOptions> parse_options(int argc, const char* const* argv);
 
 // "fc1.weight:256x784[:f32]" -> TensorSpec. Errors: kInvalidArgument.

@@ -235,6 +235,14 @@ Status check_counts(uint64_t tensor_count, uint64_t max_workers, uint64_t max_bu
 // written), and for one whose server lives (starting, or stopped).
 std::optional<uint32_t> dead_server_of_unpublished(const void* header, size_t size) noexcept;
 
+// The pid of the live server that segment "shmps.<name>" names (its
+// header's magic, server pid and start time, that process alive), whatever
+// the layout version: the server that Segment::create() refuses to replace
+// ("a live shmps-server (pid N) already serves ..."). Empty when there is
+// no such object, this process cannot read it, or it names no live server.
+// Reads the header once, with pread (no mapping).
+std::optional<uint32_t> live_server_of(const std::string& name);
+
 // Copies `bytes` of shared memory that other processes may be writing:
 // word by word (8 bytes, then the rest byte by byte) with acquire loads in
 // address order, so no word is torn and what a word published with a
