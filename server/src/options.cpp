@@ -544,11 +544,28 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   // Each float option's value as written (the command line's, else the
   // file's), for a refusal of the value fp32 made of it.
   std::map<std::string, std::string> written;
+  // An integer past its option's type (2^32 for a 32-bit count, which
+  // program_options refuses without the reason) is stored as the type's
+  // largest, for the option's own rule (validate()) to judge, and its
+  // refusal then quotes the value as written; one the rule takes is
+  // refused with the type's range. Key -> {as written, as stored}.
+  std::map<std::string, std::pair<std::string, std::string>> past_type;
+  const auto store_within_type = [&past_type](const po::option_description& d, const std::string& key,
+                                              std::string& value) {
+    if (!cli::past_unsigned_max(d, value)) return;
+    const std::string most = std::to_string(cli::unsigned_max(d));
+    past_type.emplace(key, std::pair{value, most});
+    value = most;
+  };
   po::variables_map vm;
   try {
     const po::parsed_options cmdline = po::command_line_parser(argc, argv).options(all).style(cli::kStyle).run();
     cli::refuse_misread_values(cmdline);
-    po::store(cmdline, vm);
+    po::parsed_options stored = cmdline;
+    for (po::option& opt : stored.options)
+      if (const po::option_description* d = all.find_nothrow(opt.string_key, false); d != nullptr)
+        for (std::string& value : opt.value) store_within_type(*d, opt.string_key, value);
+    po::store(stored, vm);
     // Each key the command line gave, with its value as written (a switch
     // has none): a file line giving the same value is no override.
     std::map<std::string, std::vector<std::string>> on_cmdline;
@@ -585,8 +602,12 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
             e.value.empty() && option != nullptr && option->semantic()->max_tokens() == 0)
           return invalid(file_line(file, e.line) + ": key '" + e.key +
                          "' has no value: give true or false (or remove the line to leave it off)");
+        // (A key the command line gave is not stored again: its value is
+        // the command line's.)
+        std::string value = e.value;
+        if (on_cmdline.count(e.key) == 0) store_within_type(*server.find_nothrow(e.key, false), e.key, value);
         po::parsed_options one(&server);
-        one.options.emplace_back(e.key, std::vector<std::string>{e.value});
+        one.options.emplace_back(e.key, std::vector<std::string>{value});
         try {
           po::store(one, vm);
         } catch (const po::error&) {
@@ -610,8 +631,22 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
 
   // A message that starts with "--key" is pointed at the file's line when
   // the file set that key, and quotes a float's value as written where
-  // fp32 rounded it to another number.
+  // fp32 rounded it to another number. One that ends with the value an
+  // option past its type was stored as ("--ring-capacity must be ...,
+  // got 4294967295") quotes it as written.
   const auto fail = [&](std::string message) {
+    for (const auto& [key, values] : past_type) {
+      const auto& [as_written, as_stored] = values;
+      const size_t at = message.find("--" + key);
+      const size_t after = at == std::string::npos ? at : at + 2 + key.size();
+      const bool names_key =
+          at != std::string::npos &&
+          (after == message.size() || std::strchr("abcdefghijklmnopqrstuvwxyz0123456789-", message[after]) == nullptr);
+      if (names_key && message.ends_with("got " + as_stored)) {
+        message.replace(message.size() - as_stored.size(), as_stored.size(), as_written);
+        break;
+      }
+    }
     if (message.rfind("--", 0) == 0) {
       const size_t end = message.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-", 2);
       const std::string key = message.substr(2, end == std::string::npos ? std::string::npos : end - 2);
@@ -751,6 +786,12 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
                    (one ? "it" : "them") + ", or " + r.fix);
   }
   if (Status s = validate(c); !s.ok()) return fail(s.message());
+  // An option past its type whose rule took the type's largest: the
+  // type's range is the rule.
+  if (!past_type.empty()) {
+    const auto& [key, values] = *past_type.begin();
+    return fail("--" + key + " must be an integer in 0.." + values.second + ", got " + values.first);
+  }
   out.check = vm.count("check-config") != 0;
   // The start reads the init file; a check that passed it would promise a
   // start that fails. Same reader, so the same message. With a checkpoint

@@ -1056,6 +1056,84 @@ BOOST_AUTO_TEST_CASE(help_gives_float_defaults_as_written) {
   BOOST_TEST(!contains(p->help_text, "99999"), p->help_text);
 }
 
+// An integer past its type (2^32 for a 32-bit option, 2^64) is refused as
+// an in-range bad value is: naming the option, the rule or range it must
+// meet, and the value as written, on the command line and in the file.
+BOOST_AUTO_TEST_CASE(integers_past_their_type_name_the_option_the_range_and_the_value) {
+  BOOST_TEST(refusal({"--ring-capacity", "4294967296"}) ==
+             "--ring-capacity must be a power of two in 2..65536, got 4294967296");
+  BOOST_TEST(refusal({"--max-workers", "99999999999999999999"}) ==
+             "--max-workers must be in 1..256, got "
+             "99999999999999999999");
+  BOOST_TEST(refusal({"--max-staleness", "18446744073709551616"}) ==
+             "--max-staleness must be an integer in 0..18446744073709551615, got 18446744073709551616");
+  BOOST_TEST(refusal({"--parent-pid", "4294967296"}) ==
+             "--parent-pid must be an integer in 0..4294967295, got 4294967296");
+  BOOST_TEST(refusal({"--stopped-worker-timeout-ms", "+4294967296"}) ==
+             "--stopped-worker-timeout-ms must be an integer in 0..4294967295, got +4294967296");
+  BOOST_TEST(file_error(kHead + "max-staleness = 99999999999999999999\n")
+                 .ends_with(" line 3: key 'max-staleness': must be an integer in 0..18446744073709551615, got "
+                            "99999999999999999999"),
+             file_error(kHead + "max-staleness = 99999999999999999999\n"));
+  BOOST_TEST(file_error(kHead + "ring-capacity = 4294967296\n")
+                 .ends_with(" line 3: key 'ring-capacity': must be a power of two in 2..65536, got 4294967296"));
+  BOOST_TEST(contains(
+      refusal({"--federation", "gloo", "--fed-store", "file:/tmp/s", "--fed-hosts", "2", "--fed-host", "4294967296"}),
+      "--fed-host must be below --fed-hosts (2), got 4294967296"));
+  // The top of each type is read (and judged by the option's own rule).
+  BOOST_TEST(test::parse_server_args({"--name", "j", "--tensor", "w:4", "--max-staleness", "18446744073709551615",
+                                      "--init", "normal", "--init-seed", "018446744073709551615"})
+                 .ok());
+  BOOST_TEST(refusal({"--idle-spin-us", "4294967295"}) ==
+             "--idle-spin-us must be at most 1000000 (1 s), got 4294967295");
+  // Every integer option (those config_entries() writes as digits, in a
+  // configuration that reads them all), given 2^64 on the command line
+  // and in the file.
+  std::map<std::string, std::string> base{
+      {"name", "j"},          {"tensor", "w:4"},  {"init", "normal"},          {"checkpoint-dir", "/tmp/ck"},
+      {"federation", "gloo"}, {"fed-hosts", "2"}, {"fed-store", "file:/tmp/s"}};
+  std::vector<std::string> base_args;
+  for (const auto& [k, v] : base) base_args.insert(base_args.end(), {"--" + k, v});
+  auto all = test::parse_server_args(base_args);
+  BOOST_REQUIRE_MESSAGE(all.ok(), all.status().message());
+  // Written as digits, and refusing 0.5 (a float option takes it).
+  std::set<std::string> integers;
+  for (const auto& [key, value] : config_entries(all->config)) {
+    if (value.empty() || value.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::vector<std::string> args;
+    for (const auto& [k, v] : base)
+      if (k != key) args.insert(args.end(), {"--" + k, v});
+    args.insert(args.end(), {"--" + key, "0.5"});
+    if (!test::parse_server_args(args).ok()) integers.insert(key);
+  }
+  BOOST_TEST(integers.size() >= 16u);
+  const std::string big = "18446744073709551616";
+  for (const std::string& key : integers) {
+    BOOST_TEST_CONTEXT(key) {
+      std::map<std::string, std::string> with = base;
+      with[key] = big;
+      std::vector<std::string> args;
+      std::string body;
+      for (const auto& [k, v] : with) {
+        args.insert(args.end(), {"--" + k, v});
+        body += k + " = " + v + "\n";
+      }
+      auto p = test::parse_server_args(args);
+      BOOST_REQUIRE(!p.ok());
+      const std::string m = p.status().message();
+      BOOST_TEST(contains(m, "--" + key + " "), m);
+      BOOST_TEST((contains(m, " must be ") || contains(m, " needs --" + key + " in ")), m);
+      BOOST_TEST(m.ends_with(", got " + big), m);
+      const ConfFile f(body);
+      auto from_file = test::parse_server_args({"--config", f.path});
+      BOOST_REQUIRE(!from_file.ok());
+      const std::string fm = from_file.status().message();
+      BOOST_TEST((contains(fm, "key '" + key + "': must be ") || contains(fm, "--" + key + " ")), fm);
+      BOOST_TEST(fm.ends_with(", got " + big), fm);
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(an_abbreviated_option_is_refused) {
   const std::string e = refusal({"--max-stal", "3"});
   BOOST_TEST(contains(e, "unrecognised option '--max-stal'"), e);

@@ -7,6 +7,7 @@
 #include <boost/program_options.hpp>
 #include <cerrno>
 #include <cfloat>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -38,6 +39,33 @@ inline bool negative_for_unsigned(const boost::program_options::option_descripti
                            t == typeid(unsigned long long);
   const size_t first = value.find_first_not_of(" \t");
   return is_unsigned && first != std::string::npos && value[first] == '-';
+}
+
+// The largest value of the unsigned integer type option `d` stores
+// (4294967295 for a 32-bit count), or 0 when it stores none.
+inline unsigned long long unsigned_max(const boost::program_options::option_description& d) {
+  const auto* typed = dynamic_cast<const boost::program_options::typed_value_base*>(d.semantic().get());
+  if (typed == nullptr) return 0;
+  const std::type_info& t = typed->value_type();
+  return t == typeid(unsigned short)       ? USHRT_MAX
+         : t == typeid(unsigned)           ? UINT_MAX
+         : t == typeid(unsigned long)      ? ULONG_MAX
+         : t == typeid(unsigned long long) ? ULLONG_MAX
+                                           : 0;
+}
+
+// True when `value`, given for option `d`, is an integer (decimal digits
+// after an optional '+') past unsigned_max(d) and `d` stores an unsigned
+// integer. program_options refuses it without the reason ("the argument
+// ('4294967296') for option '--ring-capacity' is invalid").
+inline bool past_unsigned_max(const boost::program_options::option_description& d, const std::string& value) {
+  const unsigned long long most = unsigned_max(d);
+  const size_t first = value.starts_with('+') ? 1 : 0;
+  if (most == 0 || value.size() == first || value.find_first_not_of("0123456789", first) != std::string::npos)
+    return false;
+  errno = 0;
+  const unsigned long long v = std::strtoull(value.c_str() + first, nullptr, 10);
+  return errno == ERANGE || v > most;
 }
 
 // True when option `d` stores a float (an fp32 hyperparameter).

@@ -31,7 +31,12 @@ struct ParsedOptions {
 
 // Errors: kInvalidArgument naming the option for an unknown key, a
 // malformed value, a missing --name or --tensor, or a value validate()
-// refuses. When the offending value came from the config file the message
+// refuses. An integer past its option's type is judged by the option's
+// rule as the type's largest value, and the message quotes it as written
+// ("--ring-capacity must be a power of two in 2..65536, got 4294967296");
+// where the rule takes that, the type's range is the rule ("--max-staleness
+// must be an integer in 0..18446744073709551615, got 99999999999999999999").
+// When the offending value came from the config file the message
 // names the file, the line and the key instead:
 //   "config file /etc/shmps/job1.conf line 7: key 'lr': invalid value 'fast'"
 //   "config file /etc/shmps/job1.conf line 3: unknown key 'learning-rate'"
