@@ -1056,7 +1056,7 @@ std::optional<uint32_t> live_server_of(const std::string& name) {
   if (!validate_name(name).ok()) return std::nullopt;
   // pread on a descriptor of its own, as left_by_dead_start(): no SIGBUS
   // from an object truncated meanwhile.
-  const std::string object_name = "shmps." + name;
+  const std::string object_name = segment_object_name(name);
   const int fd = ::shm_open(object_name.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC, 0);
   if (fd < 0) return std::nullopt;
   SegmentHeader h{};
