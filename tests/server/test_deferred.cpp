@@ -157,6 +157,27 @@ struct GatedServer {
   std::atomic<bool> run_done{false};
 };
 
+// A 16-byte buffer object of this process, each float `fill`, described
+// as buffer 0 of `raw`'s entry (registered by the test's own request);
+// removed at scope exit.
+struct RawBuffer {
+  RawBuffer(test::RawClient& raw, const std::string& server, uint32_t tag, float fill)
+      : object(shm::buffer_object_name(server, ::getpid(), tag)) {
+    auto made = shm::ShmObject::create(object, 16, 0600);
+    BOOST_REQUIRE(made.ok());
+    mapping = std::move(made).value();
+    std::fill_n(static_cast<float*>(mapping->data()), 4, fill);
+    shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
+    std::memset(&d, 0, sizeof d);
+    d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+    d.length = 16;
+    std::memcpy(d.handle, object.c_str(), object.size() + 1);
+  }
+  ~RawBuffer() { shm::ShmObject::remove(object); }
+  std::string object;
+  std::unique_ptr<shm::ShmObject> mapping;
+};
+
 using test::connect;
 
 }  // namespace
@@ -195,15 +216,7 @@ BOOST_AUTO_TEST_CASE(push_completes_after_its_fence_while_other_workers_are_serv
 BOOST_AUTO_TEST_CASE(completions_of_one_worker_keep_request_order) {
   GatedServer s("order");
   test::RawClient raw(s.config.name);
-  const std::string object = shm::buffer_object_name(s.config.name, ::getpid(), 902);
-  auto obj = shm::ShmObject::create(object, 16, 0600);
-  BOOST_REQUIRE(obj.ok());
-  std::fill_n(static_cast<float*>((*obj)->data()), 4, 1.0f);
-  shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
-  std::memset(&d, 0, sizeof d);
-  d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
-  d.length = 16;
-  std::memcpy(d.handle, object.c_str(), object.size() + 1);
+  RawBuffer buffer(raw, s.config.name, 902, 1.0f);
   uint64_t id = 1;
   auto send = [&](shm::Request r) {
     r.request_id = id++;
@@ -238,20 +251,12 @@ BOOST_AUTO_TEST_CASE(completions_of_one_worker_keep_request_order) {
   BOOST_TEST(s.gate.live_peers.load() == 0);
   BOOST_TEST(stats.mappings_closed.load(std::memory_order_relaxed) == 1u);
   raw.release_entry();
-  shm::ShmObject::remove(object);
 }
 
 BOOST_AUTO_TEST_CASE(a_dead_workers_mapping_is_closed_after_its_work) {
   GatedServer s("death");
   test::RawClient raw(s.config.name);
-  const std::string object = shm::buffer_object_name(s.config.name, ::getpid(), 903);
-  auto obj = shm::ShmObject::create(object, 16, 0600);
-  BOOST_REQUIRE(obj.ok());
-  shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
-  std::memset(&d, 0, sizeof d);
-  d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
-  d.length = 16;
-  std::memcpy(d.handle, object.c_str(), object.size() + 1);
+  RawBuffer buffer(raw, s.config.name, 903, 0.0f);
   shm::Request reg = raw.request(shm::Opcode::kRegisterBuffer);
   reg.request_id = 1;
   BOOST_REQUIRE(raw.send(reg));
@@ -272,7 +277,6 @@ BOOST_AUTO_TEST_CASE(a_dead_workers_mapping_is_closed_after_its_work) {
   s.gate.release_all();
   BOOST_TEST(test::eventually([&] { return s.gate.live_peers.load() == 0; }));
   BOOST_TEST(other->ping().ok());
-  shm::ShmObject::remove(object);
 }
 
 BOOST_AUTO_TEST_CASE(a_lost_device_fails_the_push_and_stops_the_server_with_the_error) {
@@ -347,15 +351,7 @@ BOOST_AUTO_TEST_CASE(a_client_owing_reads_is_given_no_more_work_than_its_queue_c
   GatedServer s("owing");
   test::RawClient raw(s.config.name);
   const uint32_t capacity = raw.segment().layout().lane_capacity;
-  const std::string object = shm::buffer_object_name(s.config.name, ::getpid(), 905);
-  auto obj = shm::ShmObject::create(object, 16, 0600);
-  BOOST_REQUIRE(obj.ok());
-  std::fill_n(static_cast<float*>((*obj)->data()), 4, -1.0f);
-  shm::BufferDesc& d = raw.segment().buffer(raw.id(), 0);
-  std::memset(&d, 0, sizeof d);
-  d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
-  d.length = 16;
-  std::memcpy(d.handle, object.c_str(), object.size() + 1);
+  RawBuffer buffer(raw, s.config.name, 905, -1.0f);
   uint64_t id = 1;
   auto send = [&](shm::Request r) {
     r.request_id = id++;
@@ -400,7 +396,6 @@ BOOST_AUTO_TEST_CASE(a_client_owing_reads_is_given_no_more_work_than_its_queue_c
     BOOST_TEST(c.version == k + 1u);
   }
   raw.release_entry();
-  shm::ShmObject::remove(object);
 }
 
 // A stuck stream (a dead worker's event never recorded, say) is given up
