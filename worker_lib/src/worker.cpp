@@ -609,6 +609,15 @@ class Worker::Impl {
   // deadline while `capacity` requests are in flight (kBusy after that).
   // In a session only (enter()); an eviction seen here ends it.
   Result<uint64_t> submit(Request req, shm::Deadline& deadline) {
+    // A call whose timeout is spent (by a re-attach, the registrations
+    // before this request, the caller's stream) sends nothing more: a
+    // request sent now could only time out, and be served after the call
+    // returned.
+    if (deadline.started() && Clock::now() >= deadline.time())
+      return Status{ErrorCode::kTimeout,
+                    "the call's timeout (" + timeout_text() +
+                        ") was spent before its request could be sent (re-attaching to server '" + options.name +
+                        "', registering buffers again, or waiting for the caller's stream); nothing was sent"};
     if (Status why = evicted(); !why.ok()) {
       if (Status s = end_session(State::kEvicted, why); !s.ok()) return s;
       if (!options.reconnect) return why;

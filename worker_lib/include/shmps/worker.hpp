@@ -107,8 +107,11 @@ struct WorkerOptions {
   // registration that times out, is interrupted or meets a server that is
   // stopping fails that call so, and the buffers not registered yet are
   // registered by the next call, before its own request; a server that
-  // stops or dies under them is waited past as the one before was, and
-  // they are registered with the next). A call that gives up waiting for a
+  // dies under a re-attach's registrations is waited past as the one
+  // before was, while one that is stopping, or that dies under the
+  // registrations of a call in a session that held, fails that call; the
+  // buffers stay pending either way, and are registered with the next
+  // server). A call that gives up waiting for a
   // server says what it last found at the name (no segment, one not
   // published yet, of another layout...). A push fails with
   // kServerRestarted, nothing sent, while the worker's weights are of
