@@ -168,7 +168,7 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     if (!sticky_.ok()) return;  // the context is gone; the process exits soon
     (void)cudaSetDevice(device_);
-    (void)synchronize();
+    if (!synchronize().ok()) return;  // stuck or lost: nothing is freed under work that may still run
     for (auto& [id, ev] : fences_) (void)cudaEventDestroy(ev);
     for (cudaEvent_t ev : free_events_) (void)cudaEventDestroy(ev);
     for (void* p : blocks_) (void)cudaFree(p);
@@ -265,10 +265,16 @@ class CudaBackend final : public Backend {
       const cudaError_t e = cudaStreamQuery(stream_);
       if (e == cudaSuccess) break;
       if (e != cudaErrorNotReady) return call(e, "cudaStreamQuery(stream_)", __LINE__);
-      if (shm::monotonic_ns() - start > kDeviceStallNs)
-        return {ErrorCode::kCuda, "the device's work has not finished in " +
-                                      std::to_string(kDeviceStallNs / 1'000'000'000) +
-                                      " s (a dead worker's event never recorded?)"};
+      if (shm::monotonic_ns() - start > kDeviceStallNs) {
+        // Sticky, as a lost context: healthy() reports it, so the shutdown
+        // and the destructor wait no more on this stream (nor free memory
+        // its work may still use), and completions are failed, not posted.
+        sticky_ = {ErrorCode::kCuda, "the device's work has not finished in " +
+                                         std::to_string(kDeviceStallNs / 1'000'000'000) +
+                                         " s (a dead worker's event never recorded?): the weights may be half-written"};
+        log::error(sticky_.message());
+        return sticky_;
+      }
       if (polls < 1000)
         std::this_thread::yield();
       else
@@ -551,6 +557,8 @@ class CudaBackend final : public Backend {
 
   Fence fence_fallback() {
     // Could not record an event: wait instead, so completions stay correct.
+    // A wait that fails (a lost context, a stall) is sticky: the server's
+    // next health check stops it, with this request's answer maybe posted.
     (void)synchronize();
     return 0;
   }
