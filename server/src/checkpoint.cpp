@@ -801,9 +801,12 @@ Result<CheckpointDirLock> CheckpointDirLock::take(const std::string& dir, bool c
   if (lock.dir_fd_.fd < 0 && !create && errno == ENOENT) return lock;
   if (lock.dir_fd_.fd < 0)
     return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": cannot open it: " + errno_text()};
+  // Read-only for a probe (flock needs no write access), which passes a
+  // lock file it may not open (the service user's, mode 0600, checked by
+  // another user): the start checks it then.
   lock.fd_.fd = ::openat(lock.dir_fd_.fd, kCheckpointLockName,
-                         O_RDWR | (create ? O_CREAT : 0) | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (lock.fd_.fd < 0 && !create && errno == ENOENT) return lock;
+                         (create ? O_RDWR | O_CREAT : O_RDONLY) | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (lock.fd_.fd < 0 && !create && (errno == ENOENT || errno == EACCES)) return lock;
   if (lock.fd_.fd < 0)
     return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": open " + path + ": " + errno_text()};
   struct stat st {};

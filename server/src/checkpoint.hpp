@@ -228,7 +228,8 @@ class CheckpointDirLock {
   static Result<CheckpointDirLock> acquire(const std::string& dir);
   // Whether acquire(dir) would take the lock now, creating nothing: the
   // lock is taken without waiting and released at once (a missing
-  // directory or lock file is free). --check-config's question, so that
+  // directory or lock file is free, and so is a lock file this user may
+  // not open: the start, as its owner, checks it). --check-config's question, so that
   // it fails as the start would, with acquire()'s errors and messages.
   // `holder`, when given, gets the pid the holder wrote (0: free, or not
   // named). For that instant a server starting on `dir` is refused as if
