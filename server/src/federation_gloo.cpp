@@ -82,11 +82,12 @@ constexpr milliseconds kSettle{200};
 constexpr std::chrono::seconds kStoreRetry{5};
 // A newcomer that could not connect to a running group's hosts waits
 // before its next want: the engine's timeout, doubled with each such
-// failure in a row, up to 2^kMaxBackoffDoublings timeouts. Each of its
-// tries costs the group about one timeout (the rendezvous that fails), so
-// at the cap a host that stays unreachable takes under 2% of the group's
-// time, whatever the timeout, and one whose network is repaired is back
-// within 64 timeouts (5 min at the default 5 s).
+// failure in a row, up to 2^kMaxBackoffDoublings timeouts (plus up to half
+// of that at random: back_off()). Each of its tries costs the group about
+// one timeout (the rendezvous that fails), so at the cap a host that stays
+// unreachable takes under 2% of the group's time, whatever the timeout,
+// and one whose network is repaired is back within 96 timeouts (8 min at
+// the default 5 s).
 constexpr uint32_t kMaxBackoffDoublings = 6;
 // How often the backoff looks at the stop flag.
 constexpr milliseconds kBackoffPoll{20};
@@ -534,10 +535,14 @@ class GlooEngine final : public FederationEngine {
 
   // A newcomer's rendezvous with the hosts `others` at `attempt` failed
   // in its connections (`e`, Gloo's): its next want waits (reform()),
-  // twice as long as the last after each such failure in a row. It is
-  // in no group of theirs, so they keep their majority without it.
+  // twice as long as the last after each such failure in a row, plus up
+  // to half of that at random: two newcomers that failed together (one
+  // unreachable, the other's pair to it failing too) do not meet again at
+  // every try. It is in no group of theirs, so they keep their majority
+  // without it.
   Reform back_off(uint64_t attempt, uint64_t others, const std::exception& e, std::string* why) {
-    const milliseconds wait = timeout_ * (int64_t{1} << std::min(join_failures_, kMaxBackoffDoublings));
+    const milliseconds base = timeout_ * (int64_t{1} << std::min(join_failures_, kMaxBackoffDoublings));
+    const milliseconds wait = base + milliseconds(std::uniform_int_distribution<int64_t>(0, base.count() / 2)(jitter_));
     ++join_failures_;
     next_want_ = Clock::now() + wait;
     *why = "federation (gloo): host " + std::to_string(config_.host) + " could not connect to the group's hosts " +
@@ -741,9 +746,10 @@ class GlooEngine final : public FederationEngine {
   uint64_t attempt_ = 0;                                                                     // this host's last attempt
   bool passed_foreign_want_ = false;  // attempt(): the next foreign want at this host's id ends its federation
   uint32_t join_failures_ = 0;        // back_off(): this host's failed rendezvous in a row as a newcomer
-  Clock::time_point next_want_{};     // reform(): the backoff's end (back_off())
-  uint64_t last_epoch_ = 0;           // the last group this host was in
-  uint64_t last_members_ = 0;         // its hosts
+  std::minstd_rand jitter_{static_cast<std::minstd_rand::result_type>(writer_)};  // back_off()'s random part
+  Clock::time_point next_want_{};  // reform(): the backoff's end (back_off())
+  uint64_t last_epoch_ = 0;        // the last group this host was in
+  uint64_t last_members_ = 0;      // its hosts
   // attempt(): the last one's rendezvous failed (the next one settles longer).
   bool after_failed_rendezvous_ = false;
 };
