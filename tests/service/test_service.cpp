@@ -138,6 +138,16 @@ struct ServiceEnv {
   bool journal_stream = false;  // $JOURNAL_STREAM = stderr file's device:inode
 };
 
+// execv(argv[0], argv) in a forked child: returns 127 only when the exec
+// failed.
+int exec_argv(const std::vector<std::string>& argv) {
+  std::vector<char*> a;
+  for (const std::string& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+  a.push_back(nullptr);
+  ::execv(a[0], a.data());
+  return 127;
+}
+
 // shmps-server <args> as systemd would start it: environment per `env`,
 // stderr into `stderr_path`. The environment is set in the child, after
 // fork, because $WATCHDOG_PID must name the server's own pid.
@@ -164,11 +174,7 @@ test::Process spawn_server(const std::vector<std::string>& args, const ServiceEn
       const std::string stream = std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
       ::setenv("JOURNAL_STREAM", stream.c_str(), 1);
     }
-    std::vector<char*> a;
-    for (const std::string& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-    a.push_back(nullptr);
-    ::execv(a[0], a.data());
-    return 127;
+    return exec_argv(argv);
   });
 }
 
@@ -998,11 +1004,7 @@ BOOST_AUTO_TEST_CASE(a_log_pipe_without_a_reader_does_not_end_the_server) {
       test::program_path("shmps-server"), "--name", name, "--tensor", "w:4", "--checkpoint-dir", dir.path.string()};
   test::Process server = test::Process::fork_fn([&]() -> int {
     if (::dup2(fds[1], STDERR_FILENO) < 0) return 126;
-    std::vector<char*> a;
-    for (const std::string& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-    a.push_back(nullptr);
-    ::execv(a[0], a.data());
-    return 127;
+    return exec_argv(argv);
   });
   ::close(fds[1]);
   BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }), "no segment");
@@ -1030,11 +1032,7 @@ BOOST_AUTO_TEST_CASE(closed_standard_descriptors_are_opened_on_dev_null) {
   test::Process server = test::Process::fork_fn([&]() -> int {
     ::close(STDIN_FILENO);
     ::close(STDERR_FILENO);
-    std::vector<char*> a;
-    for (const std::string& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-    a.push_back(nullptr);
-    ::execv(a[0], a.data());
-    return 127;
+    return exec_argv(argv);
   });
   BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, server.pid()); }), "no segment");
   {
