@@ -34,6 +34,11 @@ class PullGate {
   // from then: the worker's own deadline runs from its submit).
   void park(uint32_t i, const shm::Request& req, uint64_t since);
   bool parked(uint32_t i) { return slot(i).parked; }  // false once its session ended
+  // Whether worker i's session (attached now) has a pull held: the worker
+  // waits on the server. No bookkeeping, so a const caller may ask.
+  bool holds_pull_of(uint32_t i) const {
+    return slots_[i].parked && sessions_[i].attached() && slots_[i].lease == sessions_[i].lease;
+  }
   // Worker i's parked pull is one its worker withdrew: its id is at most
   // WorkerEntry::cancel_request.
   bool cancelled(uint32_t i);

@@ -258,7 +258,8 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
   const kernels::OptimizerConfig& optimizer = scaled || scheduled ? stepped : config_.optimizer;
   shm::StatsBlock& st = segment_.stats();
   if (target->elements >= kernels::kCpuSplitMinElements && splits(*target)) {
-    const uint32_t threads = backend_.set_apply_threads(sessions_.apply_threads(i));
+    const uint32_t threads =
+        backend_.set_apply_threads(sessions_.apply_threads(i, [this](uint32_t w) { return gate_.holds_pull_of(w); }));
     st.apply_threads.store(threads, std::memory_order_relaxed);  // relaxed: statistic
   }
   const uint64_t apply_start = shm::monotonic_ns();  // apply_ns: the check and the update

@@ -236,14 +236,6 @@ bool Sessions::stopped_too_long(uint32_t i, shm::ProcessState state, uint64_t no
   return true;
 }
 
-uint32_t Sessions::apply_threads(uint32_t i) const {
-  if (config_.apply_threads != 0) return config_.apply_threads;
-  uint32_t computing = 0;
-  for (uint32_t w : attached_lanes_)
-    if (w != i && slots_[w].shares_cpus && slots_[w].lane.depth_estimate() == 0) ++computing;
-  return computing < server_cpu_count_ ? server_cpu_count_ - computing : 1;
-}
-
 void Sessions::publish_depth() {
   uint64_t depth = 0;
   for (uint32_t i : attached_lanes_) depth += slots_[i].lane.depth_estimate();

@@ -89,9 +89,17 @@ class Sessions {
   // The threads for an update of a large tensor that worker i asked for
   // (ServerConfig::apply_threads): the configured number, or for auto the
   // server's CPUs less one per other attached worker that may run on them
-  // and has nothing queued (so is computing), at least 1. One read of each
-  // attached lane's tail; no system call.
-  uint32_t apply_threads(uint32_t i) const;
+  // and is computing: nothing queued, and no pull held back (`held_pull(w)`,
+  // PullGate::holds_pull_of: it waits on the server), at least 1. One read
+  // of each attached lane's tail; no system call.
+  template <class HeldPull>
+  uint32_t apply_threads(uint32_t i, const HeldPull& held_pull) const {
+    if (config_.apply_threads != 0) return config_.apply_threads;
+    uint32_t computing = 0;
+    for (uint32_t w : attached_lanes_)
+      if (w != i && slots_[w].shares_cpus && slots_[w].lane.depth_estimate() == 0 && !held_pull(w)) ++computing;
+    return computing < server_cpu_count_ ? server_cpu_count_ - computing : 1;
+  }
 
   // Publishes the requests queued in all attached lanes now
   // (StatsBlock::ring_depth) and raises the high-water mark.

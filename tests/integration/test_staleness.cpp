@@ -40,23 +40,24 @@ struct Control {
   std::atomic<uint32_t> entry{UINT32_MAX};  // a forked fast worker's entry
 };
 
-// A worker process that pushes a gradient of ones to tensor 0 (4 elements)
-// whenever control->pushes_wanted grows, pulling before each push.
-test::Process start_slow_worker(const std::string& name, Control* control) {
-  return test::Process::fork_fn([name, control] {
+// A worker process that pushes a gradient of ones to a tensor (tensor 0
+// of 4 elements unless told) whenever control->pushes_wanted grows,
+// pulling before each push.
+test::Process start_slow_worker(const std::string& name, Control* control, uint32_t tensor = 0, uint64_t elements = 4) {
+  return test::Process::fork_fn([name, control, tensor, elements] {
     auto w = test::try_connect(name);
     if (!w) return 2;
-    auto grad = w->register_buffer(16);
-    auto weights = w->register_buffer(16);
+    auto grad = w->register_buffer(elements * 4);
+    auto weights = w->register_buffer(elements * 4);
     if (!grad.ok() || !weights.ok()) return 3;
-    std::fill_n(static_cast<float*>(grad->data), 4, 1.0f);
+    std::fill_n(static_cast<float*>(grad->data), elements, 1.0f);
     while (true) {
       if (control->pushes_done.load() >= control->pushes_wanted.load()) {
         std::this_thread::sleep_for(1ms);
         continue;
       }
-      auto v = w->pull(0, weights->id, 0);
-      auto p = v.ok() ? w->push(0, grad->id, 0, 16, Dtype::kF32, *v) : Result<uint64_t>(v.status());
+      auto v = w->pull(tensor, weights->id, 0);
+      auto p = v.ok() ? w->push(tensor, grad->id, 0, elements * 4, Dtype::kF32, *v) : Result<uint64_t>(v.status());
       if (!p.ok()) control->failed.fetch_add(1);
       control->last_push_ns.store(shm::monotonic_ns());
       control->pushes_done.fetch_add(1);
@@ -612,6 +613,43 @@ BOOST_AUTO_TEST_CASE(apply_threads_follow_the_computing_workers) {
     std::memset(buf->data, 0, elements * 4);
     BOOST_TEST(push_and_read(*a, *buf) == cpus);
   }
+}
+
+// A worker whose pull --staleness-policy wait holds waits on the server:
+// auto does not count it as computing. The slowest worker's update of a
+// large tensor, while the fast one's pull is held, gets every CPU.
+BOOST_AUTO_TEST_CASE(apply_threads_do_not_count_a_worker_whose_pull_is_held) {
+  cpu_set_t mine;
+  BOOST_REQUIRE(sched_getaffinity(0, sizeof mine, &mine) == 0);
+  const auto cpus = std::min<uint64_t>(static_cast<uint64_t>(CPU_COUNT(&mine)), kernels::set_cpu_threads(0));
+  if (cpus < 2) {
+    BOOST_TEST_MESSAGE("skipped: the server's updates run on one thread here ("
+                       << cpus << " CPU or no OpenMP): no worker to leave out of the count");
+    return;
+  }
+  const uint64_t elements = kernels::kCpuSplitMinElements;
+  std::vector<std::string> args = kWait;
+  args.insert(args.end(), {"--tensor", "big:" + std::to_string(elements), "--backend", "host"});
+  test::ServerProcess server(test::unique_name("threads_held"), args);
+  auto* control = test::map_shared<Control>();
+  // The slowest worker updates the large tensor (1).
+  test::Process slow = start_slow_worker(server.name(), control, 1, elements);
+  FastWorker fast(server.name());
+  auto seg = shm::Segment::open(server.name(), /*read_only=*/true);
+  BOOST_REQUIRE(seg.ok());
+  // relaxed: a statistic, written before the push's answer.
+  const auto threads = [&] { return (*seg)->stats().apply_threads.load(std::memory_order_relaxed); };
+  fast_at_the_bound(control, fast);
+  BOOST_TEST(threads() == cpus - 1);  // the slow worker's first update: the fast one attached, computing
+  fast.step();                        // clock 4 against the slow one's 1
+  PendingPull held(fast);
+  BOOST_REQUIRE(test::eventually([&] { return pulls_held(server.name()) == 1u; }));
+  control->pushes_wanted.store(2);  // its update, the fast one's pull held; then it releases the pull
+  BOOST_REQUIRE(test::eventually([&] { return control->pushes_done.load() == 2; }));
+  BOOST_TEST(control->failed.load() == 0u);
+  BOOST_TEST(threads() == cpus);  // the held worker waits on the server: every CPU
+  BOOST_REQUIRE(held.finished_within(5s));
+  BOOST_REQUIRE_MESSAGE(held.result.ok(), held.result.status().to_string());
 }
 
 BOOST_AUTO_TEST_SUITE_END()
