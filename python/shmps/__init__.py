@@ -123,13 +123,15 @@ def _stream_handle(stream):
 
 def _device_index(device):
     """A CUDA device ordinal from an int, "cuda", "cuda:N" or a torch.device."""
+    if isinstance(device, bool):
+        raise TypeError("device must be a CUDA device (an ordinal, 'cuda:N' or a torch.device), not bool")
     if isinstance(device, int):
-        return device
+        return _unsigned("device", device, bits=31)  # a CUDA ordinal is a C int
     text = str(device)
     if text == "cuda":
         return 0
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return int(text[5:])
+    if text.startswith("cuda:") and text[5:].isascii() and text[5:].isdigit():
+        return _unsigned("device", int(text[5:]), bits=31)
     raise ValueError(f"device must be a CUDA device (an ordinal, 'cuda:N' or a torch.device), not {device!r}")
 
 

@@ -1222,6 +1222,16 @@ def test_arguments_out_of_range_name_themselves(make_server):
             w.pull(np.zeros(4))
         with pytest.raises(shmps.InvalidArgumentError, match="stream"):
             w.pull(grad, stream=-1)
+        # Refused before any CUDA call: a negative ordinal, one past a C
+        # int, or True (an int to Python, never meant as device 1).
+        for device in (-1, 2**31, "cuda:2147483648"):
+            with pytest.raises(shmps.InvalidArgumentError, match="device"):
+                w.alloc_device_buffer(16, device)
+        with pytest.raises(TypeError, match="not bool"):
+            w.alloc_device_buffer(16, True)
+        for device in ("cpu", "cuda:\u00b2"):
+            with pytest.raises(ValueError, match="must be a CUDA device"):
+                w.alloc_device_buffer(16, device)
         with pytest.raises(shmps.InvalidArgumentError, match="NUL"):
             shmps.connect(server.name, server_user="root\x00x")
 
