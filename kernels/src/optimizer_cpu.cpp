@@ -350,14 +350,16 @@ size_t dtype_size(GradDtype dtype) noexcept {
 }
 
 namespace {
-std::string validation_error(const OptimizerConfig& config) {
+// `lr_zero_ok`: an update's lr (a schedule may reach 0), not the
+// configured one.
+std::string validation_error(const OptimizerConfig& config, bool lr_zero_ok) {
   std::string error;
   const auto first = [&error](std::string message) {
     if (error.empty()) error = std::move(message);
   };
   switch (config.kind) {
     case OptimizerKind::kSgd:
-      first(check_range("--lr", config.lr, 0.0f, false));
+      first(check_range("--lr", config.lr, 0.0f, lr_zero_ok));
       first(check_range("--momentum", config.momentum, 0.0f, true));
       first(check_range("--dampening", config.dampening, 0.0f, true));
       first(check_range("--weight-decay", config.weight_decay, 0.0f, true));
@@ -368,11 +370,24 @@ std::string validation_error(const OptimizerConfig& config) {
       return error;
     case OptimizerKind::kAdam:
     case OptimizerKind::kAdamW:
-      first(check_range("--lr", config.lr, 0.0f, false));
+      first(check_range("--lr", config.lr, 0.0f, lr_zero_ok));
       first(check_range("--beta1", config.beta1, 0.0f, true, 1.0f));
       first(check_range("--beta2", config.beta2, 0.0f, true, 1.0f));
       first(check_range("--eps", config.eps, 0.0f, false));
       first(check_range("--weight-decay", config.weight_decay, 0.0f, true));
+      if (error.empty()) {
+        // The fp32 scalars make_adam_params() derives: the step size is
+        // largest at step 1, lr / (1 - beta1); past the float range it
+        // would write NaN and Inf into the weights, where torch raises.
+        const double lr = config.lr;
+        const double step_size = lr / (1.0 - static_cast<double>(config.beta1));
+        const double decay = 1.0 - lr * static_cast<double>(config.weight_decay);
+        if (!std::isfinite(static_cast<float>(step_size)))
+          error = "--lr " + number_text(config.lr) + " gives the step size lr / (1 - beta1) past the float range";
+        else if (!std::isfinite(static_cast<float>(decay)))
+          error = "--lr " + number_text(config.lr) + " times --weight-decay " + number_text(config.weight_decay) +
+                  " is past the float range";
+      }
       return error;
   }
   return "--optimizer must be sgd, adam or adamw, got kind " + std::to_string(static_cast<uint32_t>(config.kind));
@@ -380,7 +395,13 @@ std::string validation_error(const OptimizerConfig& config) {
 }  // namespace
 
 Status validate(const OptimizerConfig& config) {
-  std::string error = validation_error(config);
+  std::string error = validation_error(config, false);
+  if (error.empty()) return Status::Ok();
+  return {ErrorCode::kInvalidArgument, std::move(error)};
+}
+
+Status validate_update(const OptimizerConfig& config) {
+  std::string error = validation_error(config, true);
   if (error.empty()) return Status::Ok();
   return {ErrorCode::kInvalidArgument, std::move(error)};
 }
@@ -422,7 +443,7 @@ size_t state_arrays(const OptimizerConfig& config) noexcept {
 // kind outside its enum leaves the tensor untouched.
 void apply_cpu(const OptimizerConfig& config, const TensorState& tensor, const void* grad, GradDtype dtype,
                uint64_t step) {
-  assert(validate(config).ok());
+  assert(validate_update(config).ok());
   assert(step >= 1);
   assert(dtype_size(dtype) != 0);
   if (tensor.n == 0 || dtype_size(dtype) == 0) return;

@@ -249,11 +249,14 @@ Answer RequestHandler::push(uint32_t i, const Request& req) {
     if (scheduled) stepped.lr = next_lr(config_, version);
     if (scaled) stepped.lr = scaled_lr(stepped.lr, staleness, config_.max_staleness);
     // A schedule that grows past the float range (exponential:GAMMA with
-    // GAMMA > 1, as torch's) would write Inf or NaN into every weight.
-    if (!std::isfinite(stepped.lr))
+    // GAMMA > 1, as torch's), or makes Adam's step size pass it, would
+    // write Inf or NaN into every weight. (scale only lowers the lr.)
+    if (Status s = kernels::validate_update(stepped); !s.ok())
       return reject(i, req, ErrorCode::kNonFinite,
                     "--lr-schedule gives update " + std::to_string(version + 1) +
-                        " a learning rate past the float range; nothing applied: fix the schedule (and reload)");
+                        (std::isfinite(stepped.lr) ? " a learning rate that is out of range (" + s.message() + ")"
+                                                   : std::string(" a learning rate past the float range")) +
+                        "; nothing applied: fix the schedule (and reload)");
   }
   const kernels::OptimizerConfig& optimizer = scaled || scheduled ? stepped : config_.optimizer;
   shm::StatsBlock& st = segment_.stats();

@@ -536,6 +536,47 @@ BOOST_AUTO_TEST_CASE(lr_schedule_gives_each_update_its_lr_under_scale_too) {
              (*seg)->stats().scheduled_lr_pico.load(std::memory_order_relaxed) << " vs " << expected_pico);
 }
 
+// CosineAnnealingLR with eta_min 0 reaches lr 0 at T_max (torch allows
+// it): that update is applied, moving no weight, and the schedule rises
+// again past it, as torch's closed form does.
+BOOST_AUTO_TEST_CASE(an_lr_schedule_that_reaches_zero_applies_that_update) {
+  const double base = 0.3f;
+  const auto torch_lr = [base](uint64_t k) {
+    return base * (1.0 + std::cos(std::numbers::pi * static_cast<double>(k) / 2.0)) / 2.0;
+  };
+  BOOST_REQUIRE(static_cast<float>(torch_lr(2)) == 0.0f);
+  test::ServerProcess server(test::unique_name("lrzero"), {"--tensor", "w:4", "--lr", "0.3", "--optimizer", "adam",
+                                                           "--lr-schedule", "cosine:2", "--init", "uniform"});
+  FastWorker w(server.name());
+  kernels::OptimizerConfig config;
+  config.kind = kernels::OptimizerKind::kAdam;
+  const uint64_t stalenesses[] = {0, 0, 0, 0};  // lr 0.3, 0.15, 0, 0.15
+  BOOST_TEST(push_and_match_the_kernels(w, config, stalenesses, 0.03f,
+                                        [&](uint64_t v, uint64_t) { return static_cast<float>(torch_lr(v)); }) == 4u);
+}
+
+// A schedule whose lr stays finite but makes Adam's step size, lr / (1 -
+// beta1), pass the float range has that update refused: applied, it would
+// write Inf and NaN into every weight.
+BOOST_AUTO_TEST_CASE(an_lr_schedule_past_adams_step_size_range_is_refused_and_changes_nothing) {
+  test::ServerProcess server(test::unique_name("lrstep"), {"--tensor", "w:4", "--lr", "1e37", "--optimizer", "adam",
+                                                           "--lr-schedule", "exponential:10", "--init", "uniform"});
+  FastWorker w(server.name());
+  BOOST_REQUIRE(w.w->push(0, w.grad.id, 0, 16, Dtype::kF32, 0).ok());  // lr 1e37: a step size of 1e38
+  BOOST_REQUIRE(w.pull().ok());
+  const std::vector<float> before(static_cast<const float*>(w.weights.data),
+                                  static_cast<const float*>(w.weights.data) + 4);
+  for (const float x : before) BOOST_TEST(std::isfinite(x));
+  auto refused = w.w->push(0, w.grad.id, 0, 16, Dtype::kF32, 1);  // lr 1e38: 1e39
+  BOOST_TEST((refused.status().code() == ErrorCode::kNonFinite));
+  BOOST_TEST(refused.status().message().find("lr-schedule") != std::string::npos, refused.status().message());
+  auto v = w.pull();
+  BOOST_REQUIRE(v.ok());
+  BOOST_TEST(*v == 1u);
+  const auto* after = static_cast<const float*>(w.weights.data);
+  for (int e = 0; e < 4; ++e) BOOST_TEST(after[e] == before[e]);
+}
+
 // A new session on a reused entry starts its policy counters at 0.
 BOOST_AUTO_TEST_CASE(policy_counters_start_at_zero_in_a_new_session) {
   test::ServerProcess server(test::unique_name("scale_reattach"),

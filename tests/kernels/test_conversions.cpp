@@ -85,11 +85,11 @@ const char* dtype_name(GradDtype dtype) {
   return dtype == GradDtype::kF32 ? "f32" : dtype == GradDtype::kF16 ? "f16" : "bf16";
 }
 
-// For sizes around vector widths, chunk and block boundaries and (the last)
-// above the parallel threshold: all finite is true; one NaN / +Inf / -Inf at
+// For sizes around vector widths, chunk and block boundaries and (the last,
+// 3M) above the parallel threshold, kCpuSplitMinElements: all finite is true; one NaN / +Inf / -Inf at
 // the first, a middle, a boundary-straddling and the last position is found.
 void check_all_finite(GradDtype dtype) {
-  const size_t sizes[] = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 65, 4095, 4096, 4097, 32769, 300'001};
+  const size_t sizes[] = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 65, 4095, 4096, 4097, 32769, 300'001, 3'000'007};
   for (const size_t n : sizes) {
     for (const size_t offset : {size_t{0}, size_t{1}}) {
       std::vector<unsigned char> bytes;

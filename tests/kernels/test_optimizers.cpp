@@ -221,10 +221,43 @@ BOOST_AUTO_TEST_CASE(empty_tensor_is_a_no_op) {
   BOOST_TEST(all_finite_cpu(nullptr, GradDtype::kF32, 0));
 }
 
+// lr 0, as a cosine or linear schedule reaches at its end (torch allows
+// it): no weight moves (nor AdamW's decay, 1 - 0 * wd), and the state
+// advances as for any step.
+BOOST_AUTO_TEST_CASE(a_zero_lr_moves_no_weight_and_still_steps_the_state) {
+  OptimizerConfig sgd;
+  sgd.momentum = 0.9f;
+  sgd.weight_decay = 0.1f;
+  OptimizerConfig adam;
+  adam.kind = OptimizerKind::kAdam;
+  adam.weight_decay = 0.1f;
+  OptimizerConfig adamw;
+  adamw.kind = OptimizerKind::kAdamW;
+  for (OptimizerConfig config : {sgd, adam, adamw}) {
+    config.lr = 0.0f;
+    BOOST_TEST_CONTEXT(describe(config)) {
+      BOOST_REQUIRE(validate_update(config).ok());
+      const std::vector<float> initial = {1.0f, -2.0f, 0.5f};
+      Tensor t(config, initial);
+      const float grad[] = {0.25f, 0.5f, -1.0f};
+      apply_cpu(config, t.view(), grad, GradDtype::kF32, 1);
+      BOOST_TEST(t.weights == initial, boost::test_tools::per_element());
+      BOOST_TEST(t.state[0][2] != 0.0f);  // the momentum buffer or Adam's first moment
+    }
+  }
+}
+
 // 3M elements take the OpenMP path (when built with it); the same update
 // done in pieces below the parallel threshold runs serially on this thread.
 // Elementwise math: results must be bitwise equal.
 BOOST_AUTO_TEST_CASE(large_tensor_split_matches_serial) {
+  // One thread (no OpenMP, OMP_NUM_THREADS=1) splits nothing: both sides
+  // would run the serial loop.
+  if (set_cpu_threads(2) < 2) {
+    BOOST_TEST_MESSAGE("skipped: updates run on one thread here (built without OpenMP, or OMP_NUM_THREADS=1)");
+    set_cpu_threads(0);
+    return;
+  }
   constexpr size_t kN = 3'000'007;
   constexpr size_t kPiece = 100'003;  // < the 1M-element threshold, odd, so pieces end mid-vector
   OptimizerConfig sgd;

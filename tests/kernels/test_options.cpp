@@ -118,6 +118,46 @@ BOOST_AUTO_TEST_CASE(validate_rejects_each_bad_adam_option) {
   }
 }
 
+// Adam's fp32 scalars: lr / (1 - beta1) (the step size of step 1) and
+// 1 - lr * weight_decay past the float range would write NaN and Inf into
+// the weights (torch raises converting them).
+BOOST_AUTO_TEST_CASE(validate_rejects_an_adam_lr_whose_step_size_passes_the_float_range) {
+  for (const OptimizerKind kind : {OptimizerKind::kAdam, OptimizerKind::kAdamW}) {
+    OptimizerConfig c = make(kind);
+    c.lr = 1e38f;  // 1e39 at beta1 0.9
+    c.weight_decay = 0.0f;
+    BOOST_TEST(validate(c).message() == "--lr 1e+38 gives the step size lr / (1 - beta1) past the float range",
+               optimizer_kind_name(kind));
+    c.beta1 = 0.0f;  // a step size of lr itself
+    BOOST_TEST(validate(c).ok(), optimizer_kind_name(kind));
+    c.weight_decay = 10.0f;  // 1 - 1e39
+    BOOST_TEST(validate(c).message() == "--lr 1e+38 times --weight-decay 10 is past the float range",
+               optimizer_kind_name(kind));
+  }
+  OptimizerConfig sgd;  // no derived scalar past lr
+  sgd.lr = 3e38f;
+  sgd.weight_decay = 10.0f;
+  BOOST_TEST(validate(sgd).ok());
+}
+
+// An update's config (a schedule's lr) may have lr 0, as torch's cosine
+// and linear schedules reach; the other rules stay.
+BOOST_AUTO_TEST_CASE(validate_update_takes_lr_zero_and_nothing_else_validate_refuses) {
+  for (const OptimizerKind kind : {OptimizerKind::kSgd, OptimizerKind::kAdam, OptimizerKind::kAdamW}) {
+    OptimizerConfig c = make(kind);
+    c.lr = 0.0f;
+    BOOST_TEST(!validate(c).ok());
+    BOOST_TEST(validate_update(c).ok(), optimizer_kind_name(kind));
+    for (const float lr : {-1e-3f, kNan, kInf}) {
+      c.lr = lr;
+      BOOST_TEST(starts_with(validate_update(c).message(), "--lr "), optimizer_kind_name(kind) << " lr " << lr);
+    }
+  }
+  OptimizerConfig adam = make(OptimizerKind::kAdam);
+  adam.lr = 1e38f;
+  BOOST_TEST(!validate_update(adam).ok());
+}
+
 BOOST_AUTO_TEST_CASE(validate_message_gives_the_value) {
   OptimizerConfig c = make(OptimizerKind::kAdam);
   c.beta2 = 1.0f;

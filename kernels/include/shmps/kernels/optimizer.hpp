@@ -45,10 +45,16 @@ struct OptimizerConfig {
 
 // Checks the hyperparameters as PyTorch does: lr > 0 (shmps also refuses 0),
 // momentum >= 0, 0 <= dampening, weight_decay >= 0, 0 <= beta1,beta2 < 1,
-// eps > 0, nesterov requires momentum > 0 and dampening == 0, all finite.
+// eps > 0, nesterov requires momentum > 0 and dampening == 0, all finite;
+// for Adam and AdamW also the fp32 scalars an update derives: lr / (1 -
+// beta1) and 1 - lr * weight_decay finite (torch raises on them).
 // Errors: kInvalidArgument with a message naming the offending option,
 // e.g. "--beta2 must be in [0, 1), got 1".
 Status validate(const OptimizerConfig& config);
+// The same rules for the config of one update (the configured one with
+// the lr of a schedule or of --staleness-policy scale), which may have
+// lr 0 (a cosine or linear schedule's end): apply_cpu()'s precondition.
+Status validate_update(const OptimizerConfig& config);
 
 // "sgd", "adam", "adamw"; parse_optimizer_kind returns false on other text.
 const char* optimizer_kind_name(OptimizerKind kind) noexcept;
@@ -85,7 +91,7 @@ struct TensorState {
 // of `dtype`, any alignment). `step` is PyTorch's per-parameter step count
 // AFTER incrementing it for this update (1 on the first update): it selects
 // the first-step momentum rule (buf = g, no dampening) and Adam's bias
-// correction 1 - beta^step. Precondition: validate(config) == "", step >= 1,
+// correction 1 - beta^step. Precondition: validate_update(config) is ok, step >= 1,
 // grad does not alias the tensor. Tensors of kCpuSplitMinElements or more
 // are split over threads (set_cpu_threads()). Never fails.
 void apply_cpu(const OptimizerConfig& config, const TensorState& tensor, const void* grad, GradDtype dtype,

@@ -30,7 +30,7 @@ int cuda_device_count(std::string* reason = nullptr);
 // gradient may have any alignment. 16-byte vector loads are used when all
 // arrays can be brought to 16-byte alignment by the same element offset;
 // otherwise (e.g. the gradient at an odd offset) a slower scalar loop runs.
-// Precondition: validate(config) is ok, state_arrays(config) state arrays.
+// Precondition: validate_update(config) is ok, state_arrays(config) state arrays.
 // Errors: kInvalidArgument (step 0, an unknown dtype or kind, a null
 // array), kCuda (a failed launch: "<expression> failed:
 // cudaErrorInvalidDevicePointer (...) at optimizer_cuda.cu:123"). Errors of
