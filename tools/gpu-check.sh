@@ -365,7 +365,8 @@ decide_python() {
 build_mode_why() {
   local why=""
   have cmake || why+="no cmake; "
-  if have cmake && ! ver_ge "$(cmake --version | awk 'NR == 1 {print $3}')" 3.24; then why+="cmake older than 3.24; "; fi
+  # 3.25: CMakePresets.json's version 6 (build mode runs cmake --preset).
+  if have cmake && ! ver_ge "$(cmake --version | awk 'NR == 1 {print $3}')" 3.25; then why+="cmake older than 3.25; "; fi
   have ninja || why+="no ninja; "
   have nvcc || why+="no nvcc; "
   have c++ || have g++ || why+="no C++ compiler; "

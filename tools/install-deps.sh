@@ -19,7 +19,8 @@
 # tree);
 # Open MPI (openmpi-bin, libopenmpi-dev) for the federation's MPI engine,
 # Gloo (libgloo-dev) for its elastic engine, and redis-server for the
-# Gloo test's Redis store (docs/federation.md).
+# Gloo test's Redis store (docs/federation.md); iproute2 (ip) for the
+# Gloo partition test's private network namespace.
 # Runs apt-get as root, through sudo when started as a user.
 set -euo pipefail
 packages=(
@@ -33,7 +34,7 @@ packages=(
   help2man lintian file clang-format
   python3-dev python3-venv python3-torch python3-numpy python3-pytest
   patchelf xz-utils
-  openmpi-bin libopenmpi-dev libgloo-dev redis-server
+  openmpi-bin libopenmpi-dev libgloo-dev redis-server iproute2
 )
 as_root=()
 if [ "$(id -u)" -ne 0 ]; then as_root=(sudo); fi
@@ -43,7 +44,8 @@ for p in "${packages[@]}"; do
 done
 if [ ${#missing[@]} -gt 0 ]; then
   "${as_root[@]}" apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  # env: sudo's env_reset would drop a variable set before it.
+  "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
 # The venv, as the invoking user (not root through sudo), over Debian's
@@ -54,4 +56,8 @@ if ! "$venv/bin/python3" -c 'import nanobind, scikit_build_core, torch' 2>/dev/n
   rm -rf "$venv"
   /usr/bin/python3 -m venv --system-site-packages "$venv"
   "$venv/bin/python3" -m pip install -q --disable-pip-version-check 'nanobind==2.9.2' 'scikit-build-core==0.11.6'
+  # Debian's torch imports only under Debian's python3: a venv without it
+  # would let every torch test skip.
+  "$venv/bin/python3" -c 'import nanobind, scikit_build_core, torch' ||
+    { echo "install-deps: $venv cannot import nanobind, scikit_build_core and torch (above)" >&2; exit 1; }
 fi
