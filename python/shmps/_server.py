@@ -209,8 +209,10 @@ class Server:
 
     def stop(self, timeout=30.0):
         """SIGTERM, then SIGKILL after `timeout` seconds; returns the exit
-        code. In a process other than the one that started it (a fork()ed
-        child) only lets go of it: returns None."""
+        code. Ctrl-C (or another exception) while it waits kills the
+        server at once, reaps it and removes its segment before raising.
+        In a process other than the one that started it (a fork()ed child)
+        only lets go of it: returns None."""
         if self.process is None:
             return None
         p, self.process = self.process, None
@@ -225,6 +227,13 @@ class Server:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+            except BaseException:
+                # Not left running unreaped, its segment behind it, once
+                # self.process no longer names it.
+                p.kill()
+                p.wait()
+                self._remove_dead_segment()
+                raise
         if p.returncode != 0:
             self._remove_dead_segment()
         if self._own_log and p.returncode == 0:

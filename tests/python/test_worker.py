@@ -1036,6 +1036,27 @@ def test_stop_ends_a_stopped_server_at_once_and_removes_a_killed_ones_segment(ma
     assert not os.path.exists(f"/dev/shm/shmps.{killed.name}")
 
 
+def test_ctrl_c_while_stop_waits_kills_reaps_and_cleans_up(make_server):
+    """A KeyboardInterrupt in stop()'s wait (a second Ctrl-C while the
+    server writes its final checkpoint, say) is raised, and leaves no
+    server behind: killed, reaped, its segment removed."""
+    server = make_server()
+    p = server.process
+    real_wait = p.wait
+
+    def interrupted(timeout=None):
+        if timeout is not None:  # stop()'s bounded wait, not the reaping one
+            raise KeyboardInterrupt
+        return real_wait()
+
+    p.wait = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        server.stop()
+    assert server.process is None
+    assert p.returncode == -signal.SIGKILL  # reaped
+    assert not glob.glob(f"/dev/shm/shmps.{server.name}*")
+
+
 def test_a_forked_child_leaving_the_with_block_lets_the_parents_server_be(make_server):
     with shmps.Server(tensors=SMALL, name=unique_name("forkwith"), optimizer="sgd", backend="host") as server:
         pid = os.fork()
