@@ -172,6 +172,7 @@ class CudaBackend final : public Backend {
     for (auto& [id, ev] : fences_) (void)cudaEventDestroy(ev);
     for (cudaEvent_t ev : free_events_) (void)cudaEventDestroy(ev);
     for (void* p : blocks_) (void)cudaFree(p);
+    if (flag_host_ != nullptr) (void)cudaFreeHost(flag_host_);
     if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
   }
 
@@ -306,6 +307,11 @@ class CudaBackend final : public Backend {
     int* flag = nullptr;
     if (Status s = alloc(&flag, sizeof(int)); !s.ok()) return s;
     flag_dev_ = flag;
+    void* pinned = nullptr;
+    if (Status s = call(cudaMallocHost(&pinned, sizeof(int)), "cudaMallocHost(&pinned, sizeof(int))", __LINE__);
+        !s.ok())
+      return s;
+    flag_host_ = static_cast<int*>(pinned);
     cudaIpcMemHandle_t handle{};
     if (Status s = call(cudaIpcGetMemHandle(&handle, weights_), "cudaIpcGetMemHandle(&handle, weights_)", __LINE__);
         !s.ok())
@@ -411,16 +417,26 @@ class CudaBackend final : public Backend {
   }
 
   // Synchronous: the server must know before it applies. Waits for the
-  // worker's event and for the check kernel (and what is queued before it).
+  // worker's event and for the check kernel (and what is queued before it),
+  // polled under kDeviceStallNs as synchronize() does: a worker killed
+  // before its stream reached its event would otherwise hold the serving
+  // thread for ever. The flag comes back into pinned memory, so the copy is
+  // queued, not waited for by cudaMemcpyAsync itself (as a pageable
+  // destination would be).
   Result<bool> all_finite(const PeerBuffer& grad, uint64_t byte_offset, uint64_t n, kernels::GradDtype dtype) override {
     if (!sticky_.ok()) return sticky_;
     bind();
     const auto& g = static_cast<const CudaPeer&>(grad);
     if (Status s = wait_for_writer(g); !s.ok()) return s;
-    bool finite = false;
-    if (Status s = kernels::all_finite_cuda(g.at(byte_offset), dtype, n, flag_dev_, stream_, &finite); !s.ok())
+    if (Status s = kernels::all_finite_cuda_async(g.at(byte_offset), dtype, n, flag_dev_, stream_); !s.ok())
       return note_failure(s);
-    return finite;
+    if (Status s =
+            call(cudaMemcpyAsync(flag_host_, flag_dev_, sizeof(int), cudaMemcpyDeviceToHost, stream_),
+                 "cudaMemcpyAsync(flag_host_, flag_dev_, sizeof(int), cudaMemcpyDeviceToHost, stream_)", __LINE__);
+        !s.ok())
+      return s;
+    if (Status s = synchronize(); !s.ok()) return s;
+    return *flag_host_ == 0;
   }
 
   Status apply(const kernels::OptimizerConfig& config, uint32_t tensor, uint64_t step, const PeerBuffer& grad,
@@ -504,17 +520,22 @@ class CudaBackend final : public Backend {
     if (weights.size() != total_ || state.size() != state_.size() * total_)
       return {ErrorCode::kInternal, "load: sizes differ from the allocation"};
     if (Status s = synchronize(); !s.ok()) return s;
-    if (Status s = call(cudaMemcpy(weights_, weights.data(), total_ * sizeof(float), cudaMemcpyHostToDevice),
-                        "cudaMemcpy(weights_, weights)", __LINE__);
+    bind();
+    // On stream_ and waited for, as write_weights(): a pageable cudaMemcpy
+    // on the legacy stream may return before its data lands, and stream_
+    // (non-blocking) would not wait for it.
+    if (Status s =
+            call(cudaMemcpyAsync(weights_, weights.data(), total_ * sizeof(float), cudaMemcpyHostToDevice, stream_),
+                 "cudaMemcpyAsync(weights_, weights, bytes, cudaMemcpyHostToDevice, stream_)", __LINE__);
         !s.ok())
       return s;
     for (size_t a = 0; a < state_.size(); ++a)
-      if (Status s =
-              call(cudaMemcpy(state_[a], state.data() + a * total_, total_ * sizeof(float), cudaMemcpyHostToDevice),
-                   "cudaMemcpy(state_[a], state)", __LINE__);
+      if (Status s = call(cudaMemcpyAsync(state_[a], state.data() + a * total_, total_ * sizeof(float),
+                                          cudaMemcpyHostToDevice, stream_),
+                          "cudaMemcpyAsync(state_[a], state, bytes, cudaMemcpyHostToDevice, stream_)", __LINE__);
           !s.ok())
         return s;
-    return Status::Ok();
+    return synchronize();
   }
 
  private:
@@ -546,11 +567,17 @@ class CudaBackend final : public Backend {
   // created on one thread and served from another (an embedded Server,
   // destructors run by the last holder), and cudaMalloc, launches, event
   // records and cudaIpcOpenMemHandle all act on the current device. Every
-  // entry point binds device_ first (cudaGetDevice is a thread-local read).
+  // entry point binds device_ first. Through cudaSetDevice once per thread:
+  // on a thread that has made no CUDA call, cudaGetDevice answers 0 without
+  // making the primary context current, and a driver call (the in-process
+  // offer's cuMemGetAddressRange) then fails with CUDA_ERROR_INVALID_CONTEXT;
+  // cudaSetDevice makes it current at once (CUDA 12 and later). After that,
+  // a thread-local read.
   void bind() const {
+    thread_local int bound = -1;
     int current = -1;
-    if (cudaGetDevice(&current) == cudaSuccess && current == device_) return;
-    (void)cudaSetDevice(device_);
+    if (bound == device_ && cudaGetDevice(&current) == cudaSuccess && current == device_) return;
+    if (cudaSetDevice(device_) == cudaSuccess) bound = device_;
   }
 
   Status fail_probe(const std::string& text) { return {ErrorCode::kCuda, "--backend cuda: " + text}; }
@@ -580,9 +607,14 @@ class CudaBackend final : public Backend {
   }
 
   // All weights' bytes between `src` and `dst` on stream_, waited for.
+  // Into pageable host memory cudaMemcpyAsync returns only once the copy
+  // is done, so it would wait, unbounded, for all the stream's work before
+  // it: that is waited for first, bounded (synchronize()).
   Status copy_on_stream(void* dst, const void* src, cudaMemcpyKind kind, const char* what) {
     if (!sticky_.ok()) return sticky_;
     bind();
+    if (kind == cudaMemcpyDeviceToHost)
+      if (Status s = synchronize(); !s.ok()) return s;
     if (Status s = call(cudaMemcpyAsync(dst, src, total_ * sizeof(float), kind, stream_), what, __LINE__); !s.ok())
       return s;
     return synchronize();
@@ -737,7 +769,15 @@ class CudaBackend final : public Backend {
       }
       uint8_t b[16];
       std::memcpy(b, &p.uuid, sizeof b);
-      const std::string why = probe_peer(d);
+      // The probe makes a context on the peer: not on one in an exclusive
+      // mode, where that context would keep its own workers off it.
+      int mode = 0;
+      (void)cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, d);
+      const std::string why = mode == cudaComputeModeExclusiveProcess || mode == cudaComputeModeProhibited
+                                  ? std::string("it is in compute mode ") +
+                                        (mode == cudaComputeModeProhibited ? "PROHIBITED" : "EXCLUSIVE_PROCESS") +
+                                        ", so not probed"
+                                  : probe_peer(d);
       (void)cudaGetLastError();  // a failed probe must not fail the first launch check
       peers_[uuid_text(b)] = why;
       if (why.empty())
@@ -766,7 +806,10 @@ class CudaBackend final : public Backend {
     e = SHMPS_CUDA_ERROR(cudaMalloc(&remote, n * sizeof(float)));
     (void)cudaSetDevice(device_);
     if (e.empty()) e = SHMPS_CUDA_ERROR(cudaMalloc(&local, n * sizeof(float)));
-    if (e.empty()) e = SHMPS_CUDA_ERROR(cudaMemcpy(local, pattern.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    // On stream_, as what follows (a pageable cudaMemcpy on the legacy
+    // stream may return before its data lands; stream_ does not wait for it).
+    if (e.empty())
+      e = SHMPS_CUDA_ERROR(cudaMemcpyAsync(local, pattern.data(), n * sizeof(float), cudaMemcpyHostToDevice, stream_));
     // Write into the peer from our device (as a pull does) ...
     if (e.empty()) e = SHMPS_CUDA_ERROR(cudaMemcpyAsync(remote, local, n * sizeof(float), cudaMemcpyDefault, stream_));
     if (e.empty()) e = SHMPS_CUDA_ERROR(cudaMemsetAsync(local, 0, n * sizeof(float), stream_));
@@ -817,6 +860,7 @@ class CudaBackend final : public Backend {
   std::vector<void*> blocks_;         // every cudaMalloc, freed at the end
   std::vector<float> merge_scratch_;  // add_to_weights()'s staging copy
   int* flag_dev_ = nullptr;
+  int* flag_host_ = nullptr;  // pinned: all_finite()'s copy of the flag
   WeightsExport export_;
   std::map<std::string, std::string> peers_;  // UUID -> "" (reachable) or why not
   std::map<std::string, std::weak_ptr<IpcMapping>> mappings_;
