@@ -15,6 +15,7 @@ namespace shmps::train {
 inline constexpr uint32_t kIdxImagesMagic = 0x00000803;  // uint8, 3 dims
 inline constexpr uint32_t kIdxLabelsMagic = 0x00000801;  // uint8, 1 dim
 inline constexpr uint32_t kNumClasses = 10;
+inline constexpr uint32_t kFashionMnistSide = 28;  // images of 28 x 28
 
 // Where Debian's dataset-fashion-mnist installs the four files.
 inline constexpr const char* kDefaultFashionMnistDir = "/usr/share/datasets/fashion-mnist";
@@ -37,10 +38,17 @@ struct Dataset {
 
 // Reads an IDX3 uint8 image file (gzip or plain: zlib reads both).
 // `limit` > 0 keeps only the first `limit` images (the rest is not read).
+// `want_rows`, `want_cols` > 0: the images must be that size (checked on
+// the header). Memory follows the data, not the header's count: a plain
+// file must be as long as its header claims (checked before anything is
+// allocated), and a gzip file's pixels are gathered as they arrive.
 // Errors (the message names the file): kIo for a missing/unreadable file
-// (mentions `apt-get install dataset-fashion-mnist`) or truncated data,
-// kInvalidArgument for a wrong magic, zero or oversized dimensions.
-Result<IdxImages> read_idx_images(const std::string& path, size_t limit = 0);
+// (mentions `apt-get install dataset-fashion-mnist`) or truncated data
+// (for a plain file: "the header claims N images of RxC"),
+// kInvalidArgument for a wrong magic, zero, oversized or unexpected
+// dimensions.
+Result<IdxImages> read_idx_images(const std::string& path, size_t limit = 0, uint32_t want_rows = 0,
+                                  uint32_t want_cols = 0);
 
 // Reads an IDX1 uint8 label file; every label must be < kNumClasses.
 // Errors as read_idx_images, plus kInvalidArgument for a label out of range.
@@ -48,12 +56,14 @@ Result<std::vector<uint8_t>> read_idx_labels(const std::string& path, size_t lim
 
 // Reads an image file and its label file; their counts must match
 // (kInvalidArgument otherwise, both files and counts in the message).
-Result<Dataset> load_idx_dataset(const std::string& images_path, const std::string& labels_path, size_t limit = 0);
+// `want_rows`, `want_cols`: as read_idx_images().
+Result<Dataset> load_idx_dataset(const std::string& images_path, const std::string& labels_path, size_t limit = 0,
+                                 uint32_t want_rows = 0, uint32_t want_cols = 0);
 
 enum class Split { kTrain, kTest };
 
 // Loads <dir>/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz] (the .gz
-// name first) and checks that the images are 28x28.
+// name first); the images must be 28x28 (checked before they are read).
 Result<Dataset> load_fashion_mnist(const std::string& dir, Split split, size_t limit = 0);
 
 // Images index, index + count, index + 2 count, ... of `all` (a host's

@@ -1,6 +1,7 @@
 // The IDX reader on files the test writes itself, plain and gzipped: good
-// data, a limit, truncation, wrong magic, zero dimensions, labels out of
-// range, image/label count mismatch and a missing file.
+// data, a limit, truncation, a header claiming more than its file holds,
+// wrong magic, zero or unexpected dimensions, labels out of range,
+// image/label count mismatch and a missing file.
 #include <sys/stat.h>
 #include <zlib.h>
 
@@ -148,6 +149,40 @@ BOOST_FIXTURE_TEST_CASE(truncated_files_are_refused, TempDir) {
       BOOST_TEST(code(read_idx_labels(empty)) == "io");
     }
   }
+}
+
+// A header claiming far more than the file holds: a plain file is measured
+// against the claim before anything is allocated for it (the whole claim,
+// also under a limit), a gzip file fails where its data ends; the image
+// size is checked on the header.
+BOOST_FIXTURE_TEST_CASE(a_header_claiming_more_than_the_file_holds_is_refused, TempDir) {
+  const std::string img = write("img", images_file(100000, 28, 28, 100));
+  for (const size_t limit : {size_t{0}, size_t{1}}) {
+    shmps::Result<IdxImages> r = read_idx_images(img, limit);
+    BOOST_REQUIRE(!r.ok());
+    BOOST_TEST(code(r) == "io");
+    BOOST_TEST(r.status().message() == img +
+                                           ": truncated: the header claims 100000 images of 28x28 (78400000 bytes "
+                                           "of data), the file holds 100");
+  }
+  const std::string lab = write("lab", labels_file({1, 2}, 1000000));
+  shmps::Result<std::vector<uint8_t>> l = read_idx_labels(lab);
+  BOOST_REQUIRE(!l.ok());
+  BOOST_TEST(code(l) == "io");
+  BOOST_TEST(l.status().message() ==
+             lab + ": truncated: the header claims 1000000 labels (1000000 bytes of data), the file holds 2");
+  const std::string gz = write("img.gz", images_file(100000, 28, 28, 100));
+  shmps::Result<IdxImages> g = read_idx_images(gz);
+  BOOST_REQUIRE(!g.ok());
+  BOOST_TEST(g.status().message() == gz + ": truncated: the pixel data ends after 100 of 78400000 bytes");
+  const std::string lab_gz = write("lab.gz", labels_file({1, 2}, 1000000));
+  BOOST_TEST(read_idx_labels(lab_gz).status().message() ==
+             lab_gz + ": truncated: the label data ends after 2 of 1000000 bytes");
+  const std::string small = write("small", images_file(1, 2, 2, 4));
+  shmps::Result<IdxImages> s = read_idx_images(small, 0, 28, 28);
+  BOOST_REQUIRE(!s.ok());
+  BOOST_TEST(code(s) == "invalid_argument");
+  BOOST_TEST(s.status().message() == small + ": images of 2x2, expected 28x28 (784 pixels)");
 }
 
 BOOST_FIXTURE_TEST_CASE(cut_gzip_stream_is_refused, TempDir) {

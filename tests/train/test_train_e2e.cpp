@@ -6,8 +6,13 @@
 // through the server does; --eval-every writes its rows.
 // Needs /usr/share/datasets/fashion-mnist (Debian: dataset-fashion-mnist).
 #define BOOST_TEST_MODULE test_train_e2e
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <zlib.h>
 
 #include <boost/test/unit_test.hpp>
 #include <chrono>
@@ -175,6 +180,70 @@ std::string write_init(const fs::path& dir) {
   std::ofstream(path, std::ios::binary)
       .write(reinterpret_cast<const char*>(p.data()), static_cast<std::streamsize>(p.size() * sizeof(float)));
   return path;
+}
+
+// What run_measured() saw: the exit code (128 + signal when killed) and
+// the peak resident memory of the process, in KiB (wait4's ru_maxrss).
+struct Measured {
+  int rc = -1;
+  long max_rss_kb = 0;
+};
+
+// Runs shmps-train `args` (fork + exec, stdout and stderr into `out`) to
+// its end, reaped by wait4 for its own peak memory; fails the test when
+// it runs past `timeout` (then it is killed).
+Measured run_measured(const std::vector<std::string>& args, const std::string& out, std::chrono::seconds timeout) {
+  std::vector<std::string> argv{shmps::test::program_path("shmps-train")};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<char*> cargv;
+  for (std::string& a : argv) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  BOOST_REQUIRE(pid >= 0);
+  if (pid == 0) {
+    const int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd < 0 || ::dup2(fd, STDOUT_FILENO) < 0 || ::dup2(fd, STDERR_FILENO) < 0) ::_exit(125);
+    ::execv(cargv[0], cargv.data());
+    ::_exit(127);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  int status = 0;
+  struct rusage usage {};
+  pid_t got = 0;
+  while ((got = ::wait4(pid, &status, WNOHANG, &usage)) == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(10ms);
+  if (got == 0) {
+    ::kill(pid, SIGKILL);
+    ::wait4(pid, &status, 0, &usage);
+    BOOST_FAIL("shmps-train did not finish within " << timeout.count() << " s:\n" << shmps::test::read_file(out));
+  }
+  BOOST_REQUIRE(got == pid);
+  Measured m;
+  m.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  m.max_rss_kb = usage.ru_maxrss;
+  return m;
+}
+
+// An IDX header: the magic, then each dimension, big-endian.
+std::string idx_header(uint32_t magic, const std::vector<uint32_t>& dims) {
+  std::vector<uint32_t> words{magic};
+  words.insert(words.end(), dims.begin(), dims.end());
+  std::string b;
+  for (const uint32_t v : words)
+    for (int shift = 24; shift >= 0; shift -= 8) b.push_back(static_cast<char>(v >> shift));
+  return b;
+}
+
+// Writes `bytes` to `path`, gzipped when it ends in ".gz".
+void write_file(const std::string& path, const std::string& bytes) {
+  if (path.ends_with(".gz")) {
+    gzFile f = gzopen(path.c_str(), "wb");
+    BOOST_REQUIRE(f != nullptr);
+    BOOST_REQUIRE_EQUAL(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())), static_cast<int>(bytes.size()));
+    BOOST_REQUIRE_EQUAL(gzclose(f), Z_OK);
+  } else {
+    std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
 }
 
 std::vector<std::string> server_args(const std::string& init, const std::string& fc1 = "256x784") {
@@ -574,6 +643,59 @@ BOOST_FIXTURE_TEST_CASE(missing_dataset_exits_2, TrainRun) {
   run({"--data-dir", (dir / "nothing-here").string()});
   BOOST_TEST(rc == 2);
   BOOST_TEST(output.find("apt-get install dataset-fashion-mnist") != std::string::npos, output);
+}
+
+// Dataset files whose headers claim far more than they hold (a 116-byte
+// file claiming 100,000 images, a 1 KB one claiming 250 million labels,
+// images of 2048x2048): refused with the reason and exit 2, before any
+// memory is allocated on the header's word. Each claim would take 250 MB
+// or more if it were allocated; shmps-train's peak stays far below.
+BOOST_FIXTURE_TEST_CASE(a_hostile_dataset_header_is_refused_without_allocating, TrainRun) {
+  constexpr long kPeakLimitKb = 150 * 1024;
+  const std::string zeros(100'000, '\0');
+  struct Case {
+    std::string what;
+    std::string images;  // file name, contents
+    std::string image_bytes;
+    std::string labels;
+    std::string label_bytes;
+    std::string message;
+  };
+  const std::vector<Case> cases{
+      {"plain images claiming 100,000", "train-images-idx3-ubyte",
+       idx_header(shmps::train::kIdxImagesMagic, {100'000, 28, 28}) + std::string(100, '\0'), "train-labels-idx1-ubyte",
+       idx_header(shmps::train::kIdxLabelsMagic, {100'000}) + zeros,
+       "truncated: the header claims 100000 images of 28x28"},
+      {"gzip images claiming 100,000", "train-images-idx3-ubyte.gz",
+       idx_header(shmps::train::kIdxImagesMagic, {100'000, 28, 28}) + std::string(100, '\0'),
+       "train-labels-idx1-ubyte.gz", idx_header(shmps::train::kIdxLabelsMagic, {100'000}) + zeros,
+       "truncated: the pixel data ends after 100 of 78400000 bytes"},
+      {"plain labels claiming 250 million", "train-images-idx3-ubyte",
+       idx_header(shmps::train::kIdxImagesMagic, {1, 28, 28}), "train-labels-idx1-ubyte",
+       idx_header(shmps::train::kIdxLabelsMagic, {250'000'000}) + std::string(1000, '\0'),
+       "truncated: the header claims 250000000 labels"},
+      {"gzip labels claiming 250 million", "train-images-idx3-ubyte.gz",
+       idx_header(shmps::train::kIdxImagesMagic, {1, 28, 28}), "train-labels-idx1-ubyte.gz",
+       idx_header(shmps::train::kIdxLabelsMagic, {250'000'000}) + std::string(1000, '\0'),
+       "truncated: the label data ends after 1000 of 250000000 bytes"},
+      {"images of 2048x2048", "train-images-idx3-ubyte", idx_header(shmps::train::kIdxImagesMagic, {20, 2048, 2048}),
+       "train-labels-idx1-ubyte", idx_header(shmps::train::kIdxLabelsMagic, {20}) + std::string(20, '\0'),
+       "images of 2048x2048, expected 28x28"},
+  };
+  for (const Case& c : cases) {
+    BOOST_TEST_CONTEXT(c.what) {
+      const fs::path data = dir / "data";
+      fs::remove_all(data);
+      fs::create_directories(data);
+      write_file((data / c.images).string(), c.image_bytes);
+      write_file((data / c.labels).string(), c.label_bytes);
+      const Measured m = run_measured({"--data-dir", data.string(), "--name", name}, out, 60s);
+      output = shmps::test::read_file(out);
+      BOOST_TEST(m.rc == 2, output);
+      BOOST_TEST(output.find(c.message) != std::string::npos, output);
+      BOOST_TEST(m.max_rss_kb < kPeakLimitKb, "peak " << m.max_rss_kb / 1024 << " MiB");
+    }
+  }
 }
 
 BOOST_FIXTURE_TEST_CASE(missing_server_binary_fails, TrainRun) {
