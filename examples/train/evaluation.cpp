@@ -28,9 +28,14 @@ void print(const CurvePoint& p) {
 }  // namespace
 
 std::string EvalSchedule::too_many() const {
-  return "--eval-every " + std::to_string(eval_every) + " takes " + std::to_string(count() + 1) +
-         " snapshots of the weights over " + std::to_string(total) + " updates; at most " +
-         std::to_string(kMaxSnapshots) + " (raise --eval-every)";
+  const std::string kept =
+      " snapshots of the weights over " + std::to_string(total) + " updates; at most " + std::to_string(kMaxSnapshots);
+  if (eval_every != 0)
+    return "--eval-every " + std::to_string(eval_every) + " takes " + std::to_string(snapshots()) + kept +
+           " (raise --eval-every)";
+  return "--in-process scores its evaluations after training: --evals-per-epoch " + std::to_string(evals_per_epoch) +
+         " over " + std::to_string(epochs) + " epochs takes " + std::to_string(snapshots()) + kept +
+         " (lower --evals-per-epoch or --epochs, or use --eval-every)";
 }
 
 Curve::Curve(const MlpShape& shape, const Dataset& train, const Dataset& test, uint64_t per_epoch, bool defer)

@@ -5,6 +5,7 @@
 // workers are forked.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -27,11 +28,16 @@ struct EvalSchedule {
   uint64_t epochs = 1;
   uint64_t evals_per_epoch = 1;
   uint64_t eval_every = 0;  // > 0: every N pushes instead
+  bool deferred = false;    // snapshots kept and scored after training
   uint64_t count() const { return eval_every != 0 ? (total + eval_every - 1) / eval_every : epochs * evals_per_epoch; }
   uint64_t at(uint64_t k) const { return eval_every != 0 ? k * eval_every : per_epoch * k / evals_per_epoch; }
+  // The snapshots a deferred run keeps: the initial weights, at most one
+  // per point and per applied push, and the final weights.
+  uint64_t snapshots() const { return std::min(count(), total) + 1; }
   // Deferred scoring keeps every snapshot until training ends: refuse a
   // schedule that would hold more than kMaxSnapshots.
-  bool fits() const { return eval_every == 0 || count() + 1 <= kMaxSnapshots; }
+  bool fits() const { return !deferred || snapshots() <= kMaxSnapshots; }
+  // Why it does not fit, and which option to change.
   std::string too_many() const;
 };
 

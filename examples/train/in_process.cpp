@@ -72,7 +72,9 @@ int run_in_process(const Options& o, const MlpShape& shape, const Dataset& train
 
   const uint64_t per_epoch = steps_per_epoch(train.count, o.batch);
   Curve curve(shape, train, test, per_epoch, /*defer=*/true);
-  const EvalSchedule schedule{per_epoch * o.epochs, per_epoch, o.epochs, o.evals_per_epoch, o.eval_every};
+  // Every evaluation is scored after training, so at most kMaxSnapshots.
+  const EvalSchedule schedule{per_epoch * o.epochs, per_epoch, o.epochs, o.evals_per_epoch, o.eval_every,
+                              /*deferred=*/true};
   if (!schedule.fits()) {
     std::cerr << "shmps-train: " << schedule.too_many() << "\n";
     return kExitUsage;

@@ -76,7 +76,15 @@ int Trainer::run() {
   for (size_t i = 0; i < o_.workers; ++i)
     per_epoch += steps_per_epoch(shard_size(train_.count, i, o_.workers), o_.batch);
   const uint64_t total = per_epoch * o_.epochs;
-  const EvalSchedule schedule{total, per_epoch, o_.epochs, o_.evals_per_epoch, o_.eval_every};
+  // --eval-every: snapshots are scored after training, so the parent's
+  // evaluations take no CPU from the workers and elapsed_s is training time
+  // alone.
+  const EvalSchedule schedule{total,
+                              per_epoch,
+                              o_.epochs,
+                              o_.evals_per_epoch,
+                              o_.eval_every,
+                              /*deferred=*/o_.eval_every != 0};
   if (!schedule.fits()) {
     std::cerr << "shmps-train: " << schedule.too_many() << "\n";
     return kExitUsage;
@@ -92,10 +100,7 @@ int Trainer::run() {
   SharedSlots slots(o_.workers);
   if (int rc = fork_workers(server_name, slots); rc != 0) return rc;
   set_blas_threads(1);
-  // --eval-every: snapshots are scored after training, so the parent's
-  // evaluations take no CPU from the workers and elapsed_s is training time
-  // alone.
-  Curve curve(shape_, train_, test_, per_epoch, /*defer=*/o_.eval_every != 0);
+  Curve curve(shape_, train_, test_, per_epoch, schedule.deferred);
   start_ = Clock::now();
   if (!take(curve)) return failed();
   // Training time runs from the gate on; the first point is its start.

@@ -773,6 +773,16 @@ BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
   run({"--in-process", "--eval-every", "1"});
   BOOST_TEST(rc == 2);
   BOOST_TEST(output.find("raise --eval-every") != std::string::npos, output);
+  // --in-process scores every evaluation after training: the same bound,
+  // one snapshot per update at most.
+  run({"--in-process", "--train-limit", "64", "--test-limit", "10", "--batch", "1", "--epochs", "20",
+       "--evals-per-epoch", "1000"});
+  BOOST_TEST(rc == 2);
+  BOOST_TEST(output.find("--evals-per-epoch 1000 over 20 epochs takes 1281 snapshots of the weights over 1280 "
+                         "updates; at most 500 (lower --evals-per-epoch or --epochs, or use --eval-every)") !=
+                 std::string::npos,
+             output);
+  BOOST_TEST(output.find("epoch 0.00") == std::string::npos, output);
   // -1 must not wrap to 2^64 - 1 (as lexical_cast reads it): --epochs -1
   // would train for ever, --max-staleness -1 turn the bound off.
   for (const char* option : {"--epochs", "--max-staleness", "--seed", "--train-limit"}) {
