@@ -117,6 +117,11 @@ int OwnServer::start(const Options& o, const MlpShape& shape) {
   if (o.weight_decay >= 0.0) argv.insert(argv.end(), {"--weight-decay", format_double(o.weight_decay)});
   argv.insert(argv.end(), {"--max-staleness", std::to_string(o.max_staleness), "--max-workers",
                            std::to_string(o.workers + 2), "--init-file", init_file_});
+  // A job's child, not a service (--parent-pid): the server leaves SIGINT
+  // (a terminal's Ctrl-C reaches the whole process group) to this process,
+  // which stops it in order; it ignores a NOTIFY_SOCKET in the environment
+  // (this job's launcher's unit's), and stops once this process is gone.
+  argv.insert(argv.end(), {"--parent-pid", std::to_string(::getpid())});
   if (o.checkpoint_every != 0) {
     // A server that dies mid-run is restarted and resumes from its last
     // checkpoint (what systemd's Restart=on-failure does for a service).

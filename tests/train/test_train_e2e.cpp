@@ -90,11 +90,14 @@ struct TrainRun {
   }
 
   // Starts shmps-train (2 workers, checkpoints every 20 updates, `args`)
-  // with $TMPDIR `tmp`, after the shell command `before`; returns once
-  // training has begun (a checkpoint was written).
-  Process start_in_tmpdir(const fs::path& tmp, const std::string& before, const std::string& args) const {
+  // with $TMPDIR `tmp`, after the shell command `before`, through
+  // `launcher` (a command that execs its arguments, e.g. "setsid "; the
+  // shell execs it); returns once training has begun (a checkpoint was
+  // written).
+  Process start_in_tmpdir(const fs::path& tmp, const std::string& before, const std::string& args,
+                          const std::string& launcher = "") const {
     fs::create_directories(tmp);
-    const std::string cmd = before + "TMPDIR=" + shmps::test::shell_quote(tmp.string()) + " exec " +
+    const std::string cmd = before + "TMPDIR=" + shmps::test::shell_quote(tmp.string()) + " exec " + launcher +
                             shmps::test::shell_quote(shmps::test::program_path("shmps-train")) + " --name " +
                             shmps::test::shell_quote(name) + " --workers 2 --test-limit 100 --checkpoint-every 20 " +
                             args + " >" + shmps::test::shell_quote(out) + " 2>&1";
@@ -407,6 +410,21 @@ BOOST_FIXTURE_TEST_CASE(an_ignored_hangup_stays_ignored, TrainRun) {
   output = shmps::test::read_file(out);
   BOOST_TEST(rc == 0, output);
   BOOST_TEST(output.find("final test accuracy") != std::string::npos, output);
+}
+
+// SIGINT to the whole process group of a job started with SIGINT ignored
+// (`trap '' INT`, as a terminal's Ctrl-C reaches every process in the
+// foreground group): the job ignores it, and so does its server, a job's
+// child (--parent-pid) that leaves SIGINT to its parent: the run completes.
+BOOST_FIXTURE_TEST_CASE(a_group_sigint_the_job_ignores_leaves_its_server_serving, TrainRun) {
+  Process train = start_in_tmpdir(dir / "tmp", "trap '' INT; ", "--epochs 6 --train-limit 10000", "setsid ");
+  BOOST_REQUIRE_EQUAL(::getpgid(train.pid()), train.pid());  // a group of its own, without this test
+  BOOST_REQUIRE(::kill(-train.pid(), SIGINT) == 0);
+  rc = train.wait(120s);
+  output = shmps::test::read_file(out);
+  BOOST_TEST(rc == 0, output);
+  BOOST_TEST(output.find("final test accuracy") != std::string::npos, output);
+  BOOST_TEST(output.find("(agree)") != std::string::npos, output);
 }
 
 BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
