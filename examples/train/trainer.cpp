@@ -32,6 +32,10 @@ int stopped_by_signal() {
   return 128 + signo;
 }
 
+// A counter's growth since `base`; 0 when it went below (a server
+// restarted under the job counts from a checkpoint, or from 0, again).
+uint64_t since(uint64_t now, uint64_t base) { return now > base ? now - base : 0; }
+
 }  // namespace
 
 Trainer::~Trainer() {
@@ -119,6 +123,7 @@ int Trainer::run() {
   if (!end.ok()) {
     return failed("stats", end.status());
   }
+  rebase(*end);
   curve.score_deferred();
   if (stop_signal() != 0) return stopped_by_signal();
   const bool agree = counts_agree(slots, *end, total);
@@ -237,6 +242,7 @@ int Trainer::attach(const std::string& server_name) {
     return failed("stats", base.status());
   }
   base_generation_ = eval_->generation();
+  counted_generation_ = base_generation_;
   failures_generation_ = base_generation_;
   failures_base_ = counters_.checkpoint_failures(base_generation_).value_or(0);
   base_version_ = base->version;
@@ -299,7 +305,8 @@ int Trainer::watch(const EvalSchedule& schedule, Curve& curve) {
       return failed("stats", stats.status());
     }
     note_checkpoint_failures();
-    const uint64_t progress = stats->version - base_version_;
+    rebase(*stats);
+    const uint64_t progress = since(stats->version, base_version_);
     if (next_eval < evals && progress >= schedule.at(next_eval)) {
       if (!take(curve)) return failed();
       // Skip boundaries passed meanwhile, so a slow evaluation cannot queue up.
@@ -307,6 +314,22 @@ int Trainer::watch(const EvalSchedule& schedule, Curve& curve) {
     }
   }
   return 0;
+}
+
+// Re-bases the run's counters on a server instance other than the one
+// counted so far (eval_'s last call re-attached: a restart under the job,
+// --connect). A new instance counts its pushes from 0, and starts at the
+// version of the checkpoint it restored (its version less the pushes it
+// applied since), which may predate this run: its weights then held none
+// of the run's updates, and the run's progress counts from there. Call
+// right after the call of eval_ that returned `stats`.
+void Trainer::rebase(const ServerStats& stats) {
+  const uint64_t generation = eval_->generation();
+  if (generation == counted_generation_) return;
+  counted_generation_ = generation;
+  base_applied_ = 0;
+  base_rejected_ = 0;
+  base_version_ = std::min(base_version_, since(stats.version, stats.gradients_applied));
 }
 
 // Records the server's current weights on the curve.
@@ -337,15 +360,16 @@ Result<Snapshot> Trainer::pull_snapshot() {
   Result<ServerStats> stats = eval_->stats();
   if (!stats.ok() && stats.status().code() == ErrorCode::kServerRestarted) stats = eval_->stats();
   if (!stats.ok()) return stats.status();
+  rebase(*stats);
   Result<uint64_t> version = eval_->pull(kAllTensors, eval_buffer_.id, 0);
   if (!version.ok() && version.status().code() == ErrorCode::kServerRestarted)
     version = eval_->pull(kAllTensors, eval_buffer_.id, 0);
   if (!version.ok()) return version.status();
   const auto* params = static_cast<const float*>(eval_buffer_.data);
   Snapshot s;
-  s.version = *version - base_version_;
+  s.version = since(*version, base_version_);
   s.elapsed_s = std::chrono::duration<double>(Clock::now() - start_).count();
-  s.rejected = stats->rejected_stale - base_rejected_;
+  s.rejected = since(stats->rejected_stale, base_rejected_);
   s.avg_staleness = stats->avg_staleness;
   s.weights.assign(params, params + mlp_parameter_count(shape_));
   return s;
@@ -385,8 +409,8 @@ bool Trainer::counts_agree(const SharedSlots& slots, const ServerStats& end, uin
       agree = false;
     }
   }
-  const uint64_t server_applied = end.gradients_applied - base_applied_;
-  const uint64_t server_rejected = end.rejected_stale - base_rejected_;
+  const uint64_t server_applied = since(end.gradients_applied, base_applied_);
+  const uint64_t server_rejected = since(end.rejected_stale, base_rejected_);
   // With a server of our own the totals must match; a shared one may have
   // other clients, so only the per-worker counts are compared.
   if (restarted) {
@@ -396,7 +420,7 @@ bool Trainer::counts_agree(const SharedSlots& slots, const ServerStats& end, uin
         "server restarted %s: %llu pushes in flight were lost and redone; the server's version is "
         "%llu of %llu acknowledged pushes (the rest were after a checkpoint)\n",
         times.c_str(), static_cast<unsigned long long>(lost),
-        static_cast<unsigned long long>(end.version - base_version_), static_cast<unsigned long long>(applied));
+        static_cast<unsigned long long>(since(end.version, base_version_)), static_cast<unsigned long long>(applied));
   } else if (server_ != nullptr && (server_applied != applied || server_rejected != rejected)) {
     agree = false;
   }

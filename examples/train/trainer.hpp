@@ -49,6 +49,7 @@ class Trainer {
   int failed(const std::string& what, const Status& s) const;
   Result<Snapshot> pull_snapshot();
   bool counts_agree(const SharedSlots& slots, const ServerStats& end, uint64_t total) const;
+  void rebase(const ServerStats& stats);
   void note_checkpoint_failures();
   int stop_own_server();
 
@@ -59,11 +60,13 @@ class Trainer {
   Dataset test_;
   // The server, when it is our own (no --connect).
   std::unique_ptr<OwnServer> server_;
-  // The evaluation worker, its buffer, and the server's counters when it
-  // attached (a running server may have served other jobs before).
+  // The evaluation worker, its buffer, and the server's counters that the
+  // run counts from: when it attached (a running server may have served
+  // other jobs before), re-based by rebase() on a restarted instance.
   std::unique_ptr<Worker> eval_;
   Buffer eval_buffer_;
-  uint64_t base_generation_ = 0;  // of the server instance attached to
+  uint64_t base_generation_ = 0;     // of the server instance attached to
+  uint64_t counted_generation_ = 0;  // of the instance the bases below are of
   uint64_t base_version_ = 0;
   uint64_t base_rejected_ = 0;
   uint64_t base_applied_ = 0;

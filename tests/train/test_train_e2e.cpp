@@ -521,6 +521,47 @@ BOOST_FIXTURE_TEST_CASE(connect_survives_a_restart_of_the_server, TrainRun) {
   BOOST_TEST(server->stop() == 0);
 }
 
+// --connect to a server started again from weights older than the run's
+// start (its initial weights here; a checkpoint written before the run
+// alike): its version goes back below the one the run attached at. The
+// run counts its progress from there: every epoch printed lies within the
+// run, and the rates and the final version are true counts.
+BOOST_FIXTURE_TEST_CASE(connect_counts_on_when_a_restart_takes_the_version_back, TrainRun) {
+  const std::string init = write_init(dir);
+  auto server = std::make_unique<ServerProcess>(name, server_args(init));
+  // Another job first: the run attaches at version 2000, far above what
+  // the restarted server reaches before the run's next look at it.
+  run({"--connect", name, "--train-limit", "2000", "--test-limit", "100", "--batch", "1", "--epochs", "1", "--workers",
+       "1"});
+  BOOST_REQUIRE_EQUAL(rc, 0);
+  fs::remove(out);  // its "epoch 0.00" line is not the run's
+  Process p = start({"--connect", name, "--train-limit", "10000", "--test-limit", "200", "--epochs", "20", "--workers",
+                     "2", "--evals-per-epoch", "2"});
+  BOOST_REQUIRE(shmps::test::eventually(
+      [&] { return shmps::test::read_file(out).find("epoch 0.00 ") != std::string::npos; }, 60s));
+  server->process().kill_and_reap();
+  server.reset();                                                     // removes the dead server's segment
+  server = std::make_unique<ServerProcess>(name, server_args(init));  // at version 0 again
+  rc = p.wait(120s);
+  output = shmps::test::read_file(out);
+  BOOST_TEST_MESSAGE(output);
+  BOOST_TEST(rc == 0, output);
+  BOOST_TEST(output.find("(not comparable across restarts)") != std::string::npos, output);
+  const std::regex row(R"(epoch ([0-9.e+]+)  train_loss \S+  test_acc \S+  pushes/s ([0-9.e+]+) )");
+  size_t rows = 0;
+  for (std::sregex_iterator it(output.begin(), output.end(), row), end; it != end; ++it, ++rows) {
+    BOOST_TEST(std::stod((*it)[1]) <= 20.0, (*it)[0]);
+    BOOST_TEST(std::stod((*it)[2]) < 1e7, (*it)[0]);
+  }
+  BOOST_TEST(rows >= 2u, output);
+  std::smatch m;
+  BOOST_REQUIRE_MESSAGE(
+      std::regex_search(output, m, std::regex(R"(the server's version is (\d+) of (\d+) acknowledged pushes)")),
+      output);
+  BOOST_TEST(std::stoull(m[1]) <= std::stoull(m[2]), m[0]);
+  BOOST_TEST(server->stop() == 0);
+}
+
 // A stop signal while the workers wait for a dead --connect server to come
 // back ends the job at once, not when their reconnect times out (10 s).
 BOOST_FIXTURE_TEST_CASE(a_signal_while_the_server_is_gone_stops_at_once, TrainRun) {
