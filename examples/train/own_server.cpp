@@ -3,16 +3,20 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <bit>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <stdexcept>
+#include <string_view>
 #include <thread>
 
 #include "shmps/shm/proc.hpp"
@@ -49,10 +53,69 @@ std::string temp_dir() {
   return tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
 }
 
+// The temp files of a job: "shmps-train-<kind>-<pid>-<start time>-XXXXXX"
+// (kind "init": the initial weights file, "ckpt": the checkpoint folder),
+// named by the shmps-train process that made them, so that a later job can
+// tell those of a job that died without its cleanup (SIGKILL) from a live
+// one's.
+constexpr const char* kTempKinds[] = {"init", "ckpt"};
+
+std::string temp_template(const char* kind) {
+  return temp_dir() + "/shmps-train-" + kind + "-" + std::to_string(::getpid()) + "-" +
+         std::to_string(shm::process_start_time(::getpid())) + "-XXXXXX";
+}
+
+// Parses "<pid>-<start time>-<suffix>"; false for any other shape.
+bool parse_owner(const std::string& rest, pid_t* pid, uint64_t* start_time) {
+  const size_t dash1 = rest.find('-');
+  const size_t dash2 = dash1 == std::string::npos ? std::string::npos : rest.find('-', dash1 + 1);
+  if (dash2 == std::string::npos || dash1 == 0 || dash2 == dash1 + 1 || dash2 + 1 == rest.size()) return false;
+  uint64_t p = 0;
+  auto r1 = std::from_chars(rest.data(), rest.data() + dash1, p);
+  auto r2 = std::from_chars(rest.data() + dash1 + 1, rest.data() + dash2, *start_time);
+  if (r1.ec != std::errc() || r1.ptr != rest.data() + dash1 || r2.ec != std::errc() || r2.ptr != rest.data() + dash2 ||
+      p == 0 || p > static_cast<uint64_t>(std::numeric_limits<pid_t>::max()))
+    return false;
+  *pid = static_cast<pid_t>(p);
+  return true;
+}
+
+// Removes the temp files (temp_template()) of jobs that are gone: only
+// this user's, only a regular file ("init") or a real folder ("ckpt"),
+// and only when the process they name is gone or another one has its pid
+// (its start time differs). A name with start time 0 (the process's was
+// unreadable) names no process that can be told apart: kept.
+void sweep_stale_temp_files() {
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(temp_dir(), ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string file = it->path().filename().string();
+    for (const char* kind : kTempKinds) {
+      const std::string prefix = std::string("shmps-train-") + kind + "-";
+      pid_t pid = 0;
+      uint64_t start_time = 0;
+      if (file.rfind(prefix, 0) != 0 || !parse_owner(file.substr(prefix.size()), &pid, &start_time) || start_time == 0)
+        continue;
+      struct stat st {};
+      const std::string path = it->path().string();
+      if (::lstat(path.c_str(), &st) != 0 || st.st_uid != ::geteuid()) continue;
+      const bool folder = std::string_view(kind) == "ckpt";
+      if (folder ? !S_ISDIR(st.st_mode) : !S_ISREG(st.st_mode)) continue;
+      if (shm::process_state(pid, start_time) != shm::ProcessState::kGone) continue;
+      std::error_code rm;
+      if (folder)
+        std::filesystem::remove_all(path, rm);
+      else
+        std::filesystem::remove(path, rm);
+      if (!rm)
+        std::cerr << "shmps-train: removed " << path << ", left by shmps-train pid " << pid << ", which is gone\n";
+    }
+  }
+}
+
 // Writes the flat parameters as raw little-endian fp32 to a new temp file.
 Result<std::string> write_init_file(const std::vector<float>& params) {
   static_assert(std::endian::native == std::endian::little, "the init file is little-endian fp32");
-  std::string path = temp_dir() + "/shmps-train-init-XXXXXX";
+  std::string path = temp_template("init");
   const int fd = ::mkstemp(path.data());
   if (fd < 0) return Status(ErrorCode::kIo, path + ": mkstemp: " + std::strerror(errno));
   const auto* p = reinterpret_cast<const char*>(params.data());
@@ -85,6 +148,7 @@ OwnServer::~OwnServer() {
 }
 
 int OwnServer::start(const Options& o, const MlpShape& shape) {
+  sweep_stale_temp_files();
   std::vector<float> init(mlp_parameter_count(shape));
   he_init(shape, init, o.seed);
   Result<std::string> path = write_init_file(init);
@@ -125,7 +189,7 @@ int OwnServer::start(const Options& o, const MlpShape& shape) {
   if (o.checkpoint_every != 0) {
     // A server that dies mid-run is restarted and resumes from its last
     // checkpoint (what systemd's Restart=on-failure does for a service).
-    std::string dir = temp_dir() + "/shmps-train-ckpt-XXXXXX";
+    std::string dir = temp_template("ckpt");
     if (::mkdtemp(dir.data()) == nullptr) {
       std::cerr << "shmps-train: " << dir << ": mkdtemp: " << std::strerror(errno) << "\n";
       return kExitFailure;

@@ -33,7 +33,9 @@ class OwnServer {
   // Writes the initial weights, then starts the server; returns 0, or
   // kExitFailure with the reason printed (unwritable temp file, no
   // executable server). With o.checkpoint_every > 0 the server checkpoints
-  // into a temp folder, so that restart() resumes it.
+  // into a temp folder, so that restart() resumes it. The temp files are
+  // named by this process's pid and start time; those of jobs gone
+  // without their cleanup (killed) are removed first.
   int start(const Options& o, const MlpShape& shape);
   // Starts the server again after it died; it restores its last checkpoint
   // and the workers re-attach (WorkerOptions::reconnect). False when

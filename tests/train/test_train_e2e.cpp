@@ -20,6 +20,7 @@
 #include <fstream>
 #include <memory>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -27,6 +28,7 @@
 
 #include "idx.hpp"
 #include "mlp.hpp"
+#include "shmps/shm/proc.hpp"
 #include "test_support.hpp"
 #include "worker_support.hpp"
 
@@ -71,6 +73,11 @@ struct TrainRun {
   TrainRun() { fs::create_directories(dir); }
   ~TrainRun() {
     ::shm_unlink(("shmps." + name).c_str());
+    // Buffer objects of workers killed with a job the test killed.
+    for (const auto& e : fs::directory_iterator("/dev/shm")) {
+      const std::string f = e.path().filename().string();
+      if (f.rfind("shmps." + name + ".", 0) == 0) ::shm_unlink(f.c_str());
+    }
     std::error_code ec;
     fs::remove_all(dir, ec);
   }
@@ -425,6 +432,55 @@ BOOST_FIXTURE_TEST_CASE(a_group_sigint_the_job_ignores_leaves_its_server_serving
   BOOST_TEST(rc == 0, output);
   BOOST_TEST(output.find("final test accuracy") != std::string::npos, output);
   BOOST_TEST(output.find("(agree)") != std::string::npos, output);
+}
+
+// A job SIGKILLed leaves its temp files (its cleanup never ran): the next
+// job removes them, since they name a shmps-train process that is gone.
+// Kept: those of a live process (named by this test's pid and start
+// time), a name that names no process, and anything else.
+BOOST_FIXTURE_TEST_CASE(the_temp_files_of_a_killed_job_are_removed_by_the_next, TrainRun) {
+  const fs::path tmp = dir / "tmp";
+  {
+    Process killed = start_in_tmpdir(tmp, "", "--epochs 50 --train-limit 20000");
+    const pid_t server = server_child(killed);
+    BOOST_REQUIRE_MESSAGE(server > 0, shmps::test::read_file(out));
+    killed.kill_and_reap();
+    // The server stops with its parent (PR_SET_PDEATHSIG), reaped by init.
+    BOOST_REQUIRE(shmps::test::eventually(
+        [&] {
+          const char state = shmps::test::process_state(server);
+          return state == '\0' || state == 'Z';
+        },
+        30s));
+  }
+  size_t left = 0;
+  for (const auto& e : fs::directory_iterator(tmp))
+    left += e.path().filename().string().rfind("shmps-train-", 0) == 0 ? 1 : 0;
+  BOOST_REQUIRE_MESSAGE(left == 2u, "the killed job's init file and checkpoint folder");
+  const std::string me = std::to_string(::getpid());
+  const std::string live =
+      "shmps-train-init-" + me + "-" + std::to_string(shmps::shm::process_start_time(::getpid())) + "-live00";
+  write_file((tmp / live).string(), "x");
+  write_file((tmp / "shmps-train-init-noowner").string(), "x");
+  write_file((tmp / "other").string(), "x");
+  // This pid with another start time: a process that held the pid before.
+  fs::create_directories(tmp / ("shmps-train-ckpt-" + me + "-1-reused"));
+  write_file((tmp / ("shmps-train-ckpt-" + me + "-1-reused") / "ckpt-1").string(), "x");
+  Process next = Process::spawn({"/bin/sh", "-c",
+                                 "TMPDIR=" + shmps::test::shell_quote(tmp.string()) + " exec " +
+                                     shmps::test::shell_quote(shmps::test::program_path("shmps-train")) + " --name " +
+                                     shmps::test::shell_quote(name) +
+                                     " --workers 1 --train-limit 1000 --test-limit 100 --epochs 1 >" +
+                                     shmps::test::shell_quote(out) + " 2>&1"});
+  rc = next.wait(60s);
+  output = shmps::test::read_file(out);
+  BOOST_TEST(rc == 0, output);
+  std::set<std::string> kept;
+  for (const auto& e : fs::directory_iterator(tmp)) kept.insert(e.path().filename().string());
+  BOOST_TEST((kept == std::set<std::string>{live, "shmps-train-init-noowner", "other"}), output);
+  BOOST_TEST(output.find("shmps-train: removed " + (tmp / ("shmps-train-ckpt-" + me + "-1-reused")).string() +
+                         ", left by shmps-train pid " + me + ", which is gone") != std::string::npos,
+             output);
 }
 
 BOOST_FIXTURE_TEST_CASE(worker_death_fails_the_run, TrainRun) {
