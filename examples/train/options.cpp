@@ -8,6 +8,7 @@
 #include <iostream>
 
 #include "shmps/cli.hpp"
+#include "shmps/shm/segment.hpp"
 
 namespace po = boost::program_options;
 
@@ -114,6 +115,12 @@ std::optional<int> parse_options(int argc, char** argv, Options& o) {
     if (const Status s = kernels::validate(optimizer_config(o)); !s.ok()) bad = s.message();
   if (o.evals_per_epoch < 1 || o.evals_per_epoch > 1000) bad = "--evals-per-epoch must be 1..1000";
   if (o.evaluate && o.connect.empty()) bad = "--evaluate scores a running server's weights: it needs --connect";
+  // A segment name as the server checks it, so that a bad one is a usage
+  // error here, before any server starts.
+  if (vm.count("name") != 0)
+    if (const Status s = shm::validate_name(o.name); !s.ok()) bad = "--name: " + s.message();
+  if (vm.count("connect") != 0)
+    if (const Status s = shm::validate_name(o.connect); !s.ok()) bad = "--connect: " + s.message();
   if (o.in_process) {
     if (vm.count("workers") != 0 && !vm["workers"].defaulted() && o.workers != 1)
       bad = "--in-process runs one training loop: --workers must be 1";

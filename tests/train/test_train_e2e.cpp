@@ -82,16 +82,16 @@ struct TrainRun {
     fs::remove_all(dir, ec);
   }
 
-  // Starts shmps-train with `args` (plus --name, unless --connect is among
-  // them), stdout and stderr into `out`.
+  // Starts shmps-train with `args` (plus --name, unless --connect or --name
+  // is among them), stdout and stderr into `out`.
   Process start(const std::vector<std::string>& args) const {
     std::string cmd = "exec " + shmps::test::shell_quote(shmps::test::program_path("shmps-train"));
-    bool connect = false;
+    bool named = false;
     for (const std::string& a : args) {
       cmd += " " + shmps::test::shell_quote(a);
-      connect = connect || a == "--connect";
+      named = named || a == "--connect" || a == "--name";
     }
-    if (!connect) cmd += " --name " + shmps::test::shell_quote(name);
+    if (!named) cmd += " --name " + shmps::test::shell_quote(name);
     cmd += " >" + shmps::test::shell_quote(out) + " 2>&1";
     return Process::spawn({"/bin/sh", "-c", cmd});
   }
@@ -898,6 +898,16 @@ BOOST_FIXTURE_TEST_CASE(bad_options_exit_2, TrainRun) {
                  std::string::npos,
              output);
   BOOST_TEST(output.find("epoch 0.00") == std::string::npos, output);
+  // A segment name the server would refuse: a usage error, before any
+  // server starts.
+  for (const std::string& bad : {std::string("a/b"), std::string(300, 'x'), std::string(".x"), std::string()}) {
+    for (const char* option : {"--name", "--connect"}) {
+      run({option, bad, "--train-limit", "100", "--test-limit", "100", "--epochs", "1", "--workers", "1"});
+      BOOST_TEST(rc == 2, option << " '" << bad << "'");
+      BOOST_TEST(output.find("shmps-train: " + std::string(option) + ": name ") != std::string::npos, output);
+      BOOST_TEST(output.find("shmps-server") == std::string::npos, output);
+    }
+  }
   // -1 must not wrap to 2^64 - 1 (as lexical_cast reads it): --epochs -1
   // would train for ever, --max-staleness -1 turn the bound off.
   for (const char* option : {"--epochs", "--max-staleness", "--seed", "--train-limit"}) {
