@@ -223,6 +223,9 @@ bool OwnServer::restart() {
 bool OwnServer::stop() {
   if (child_.running()) {
     child_.signal(SIGTERM);
+    // A stopped server (SIGSTOP, a terminal's Ctrl-Z) handles the SIGTERM
+    // only once it runs again.
+    child_.signal(SIGCONT);
     if (!child_.wait_for(std::chrono::seconds(10))) {
       std::cerr << "shmps-train: shmps-server did not stop within 10 s of SIGTERM; killing it\n";
       child_.kill_and_reap();

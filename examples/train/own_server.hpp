@@ -41,9 +41,10 @@ class OwnServer {
   // and the workers re-attach (WorkerOptions::reconnect). False when
   // restarts are off (no checkpoints) or kMaxRestarts were made.
   bool restart();
-  // SIGTERM, wait up to 10 s (then SIGKILL); true if it exited 0. The
-  // segment of a server that died without removing it (killed) goes too:
-  // only the one whose header names that server's pid and start time.
+  // SIGTERM (and SIGCONT: a stopped server handles it once it runs), wait
+  // up to 10 s (then SIGKILL); true if it exited 0. The segment of a server
+  // that died without removing it (killed) goes too: only the one whose
+  // header names that server's pid and start time.
   bool stop();
   // Removes the initial weights file once the server has read it, unless a
   // restart will need it.

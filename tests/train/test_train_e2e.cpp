@@ -434,6 +434,26 @@ BOOST_FIXTURE_TEST_CASE(a_group_sigint_the_job_ignores_leaves_its_server_serving
   BOOST_TEST(output.find("(agree)") != std::string::npos, output);
 }
 
+// Its server stopped (SIGSTOP) when the job is told to stop: the SIGTERM
+// that stops the server comes with a SIGCONT, so it stops in order (its
+// last log line) rather than being killed after 10 s.
+BOOST_FIXTURE_TEST_CASE(a_stopped_server_is_continued_to_stop, TrainRun) {
+  const fs::path tmp = dir / "tmp";
+  Process train = start_in_tmpdir(tmp, "", "--epochs 50 --train-limit 20000");
+  const pid_t server = server_child(train);
+  BOOST_REQUIRE_MESSAGE(server > 0, shmps::test::read_file(out));
+  BOOST_REQUIRE(::kill(server, SIGSTOP) == 0);
+  BOOST_REQUIRE(shmps::test::eventually([&] { return shmps::test::process_state(server) == 'T'; }));
+  train.signal(SIGTERM);
+  rc = train.wait(60s);
+  output = shmps::test::read_file(out);
+  BOOST_TEST(rc == 128 + SIGTERM, output);
+  BOOST_TEST(output.find("did not stop within 10 s") == std::string::npos, output);
+  BOOST_TEST(output.find("shmps-server info: stopped: version ") != std::string::npos, output);
+  BOOST_TEST(fs::is_empty(tmp), "temp files left in " << tmp);
+  BOOST_TEST(!shm_objects_left(name), "shm objects of the job left in /dev/shm");
+}
+
 // A job SIGKILLed leaves its temp files (its cleanup never ran): the next
 // job removes them, since they name a shmps-train process that is gone.
 // Kept: those of a live process (named by this test's pid and start
