@@ -18,9 +18,11 @@ import argparse
 import gzip
 import math
 import os
+import signal
 import struct
 import sys
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -46,19 +48,24 @@ class Mlp(torch.nn.Module):
 
 
 def read_idx(path, magic):
-    """The array of an IDX file (gzip or plain): uint8 images or labels."""
+    """The array of the IDX file path + ".gz", else the plain one at path (as shmps-train
+    picks them): uint8 images or labels."""
+    if os.path.exists(path + ".gz") or not os.path.exists(path):
+        path = path + ".gz"
     opener = gzip.open if path.endswith(".gz") else open
-    if not os.path.exists(path) and os.path.exists(path + ".gz"):
-        path, opener = path + ".gz", gzip.open
     try:
         with opener(path, "rb") as f:
             data = f.read()
-    except OSError as e:
-        raise SystemExit(f"train.py: {path}: {e} (Debian: apt-get install dataset-fashion-mnist)")
+    except FileNotFoundError as e:
+        raise SystemExit(f"train.py: {path}: {e.strerror} (Debian: apt-get install dataset-fashion-mnist)")
+    except (OSError, EOFError, zlib.error) as e:  # unreadable, or a cut or corrupt gzip stream
+        raise SystemExit(f"train.py: {path}: cannot read: {e}")
+    ndim = magic & 0xFF
+    if len(data) < 4 + 4 * ndim:
+        raise SystemExit(f"train.py: {path}: truncated: {len(data)} bytes, the header alone takes {4 + 4 * ndim}")
     (found,) = struct.unpack(">I", data[:4])
     if found != magic:
         raise SystemExit(f"train.py: {path}: magic {found:#010x}, expected {magic:#010x}")
-    ndim = magic & 0xFF
     dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if body.size != math.prod(dims):
@@ -67,8 +74,8 @@ def read_idx(path, magic):
 
 
 def load(data_dir, split, limit):
-    images = read_idx(os.path.join(data_dir, f"{split}-images-idx3-ubyte.gz"), 0x00000803)
-    labels = read_idx(os.path.join(data_dir, f"{split}-labels-idx1-ubyte.gz"), 0x00000801)
+    images = read_idx(os.path.join(data_dir, f"{split}-images-idx3-ubyte"), 0x00000803)
+    labels = read_idx(os.path.join(data_dir, f"{split}-labels-idx1-ubyte"), 0x00000801)
     if len(images) != len(labels):
         raise SystemExit(f"train.py: {split}: {len(images)} images but {len(labels)} labels")
     if limit:
@@ -109,7 +116,14 @@ def evaluate(model, x, y):
         return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
 
 
+def stop_on_sigterm(signo, _frame):
+    """SIGTERM ends the script as an exception does: the with blocks stop the server and
+    the Manager process, and the workers (daemons) are terminated at exit."""
+    raise SystemExit(128 + signo)
+
+
 def main():
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--epochs", type=int, default=20)
@@ -133,13 +147,16 @@ def main():
     model = Mlp()  # torch's own initialisation; the server takes it by init
     per_epoch = pushes_per_epoch(len(x), args.workers, args.batch)
     ctx = mp.get_context("fork")
-    results = ctx.Manager().dict()
 
-    with shmps.Server(model, optimizer="adam", lr=args.lr, max_staleness=args.max_staleness,
-                      max_workers=args.workers + 2, binary=args.server_bin, name=args.name) as server:
+    with ctx.Manager() as manager, \
+            shmps.Server(model, optimizer="adam", lr=args.lr, max_staleness=args.max_staleness,
+                         max_workers=args.workers + 2, binary=args.server_bin, name=args.name) as server:
+        results = manager.dict()
         with shmps.connect(server.name) as worker:
             opt = shmps.torch.RemoteOptimizer(model, worker, init=True)  # the parent's view, for scoring
-            procs = [ctx.Process(target=train_worker, args=(r, args, server.name, x, y, results))
+            # Daemons: should the parent end early (an exception, SIGTERM), multiprocessing
+            # terminates them as it exits.
+            procs = [ctx.Process(target=train_worker, args=(r, args, server.name, x, y, results), daemon=True)
                      for r in range(args.workers)]
             start = time.monotonic()
             for proc in procs:
@@ -149,7 +166,8 @@ def main():
             while True:  # score at every epoch boundary of applied pushes
                 done = not any(proc.is_alive() for proc in procs)
                 stats = worker.stats()
-                if stats.version >= next_epoch * per_epoch or done:
+                # The end is scored once: not again when the last boundary was just scored.
+                if stats.version >= next_epoch * per_epoch or (done and stats.version != last_v):
                     version = opt.pull()
                     loss, _ = evaluate(model, x[:10000], y[:10000])
                     _, acc = evaluate(model, tx, ty)
