@@ -117,8 +117,8 @@ def evaluate(model, x, y):
 
 
 def stop_on_sigterm(signo, _frame):
-    """SIGTERM ends the script as an exception does: the with blocks stop the server and
-    the Manager process, and the workers (daemons) are terminated at exit."""
+    """SIGTERM ends the script as an exception does: the workers are terminated
+    first, then the with blocks stop the server and the Manager process."""
     raise SystemExit(128 + signo)
 
 
@@ -159,29 +159,41 @@ def main():
             procs = [ctx.Process(target=train_worker, args=(r, args, server.name, x, y, results), daemon=True)
                      for r in range(args.workers)]
             start = time.monotonic()
-            for proc in procs:
-                proc.start()
-            next_epoch, last_t, last_v = 1, start, 0
-            total = per_epoch * args.epochs
-            while True:  # score at every epoch boundary of applied pushes
-                done = not any(proc.is_alive() for proc in procs)
-                stats = worker.stats()
-                # The end is scored once: not again when the last boundary was just scored.
-                if stats.version >= next_epoch * per_epoch or (done and stats.version != last_v):
-                    version = opt.pull()
-                    loss, _ = evaluate(model, x[:10000], y[:10000])
-                    _, acc = evaluate(model, tx, ty)
-                    now = time.monotonic()
-                    print(f"epoch {version / per_epoch:.2f}  train_loss {loss:.4f}  test_acc {acc:.4f}  "
-                          f"pushes/s {(version - last_v) / max(now - last_t, 1e-9):.0f}  "
-                          f"rejected {stats.rejected_stale}  avg_staleness {stats.avg_staleness:.2f}", flush=True)
-                    last_t, last_v = now, version
-                    next_epoch = version // per_epoch + 1
-                if done:
-                    break
-                time.sleep(0.02)
-            for proc in procs:
-                proc.join()
+            try:
+                for proc in procs:
+                    proc.start()
+                next_epoch, last_t, last_v = 1, start, 0
+                total = per_epoch * args.epochs
+                while True:  # score at every epoch boundary of applied pushes
+                    done = not any(proc.is_alive() for proc in procs)
+                    stats = worker.stats()
+                    # The end is scored once: not again when the last boundary was just scored.
+                    if stats.version >= next_epoch * per_epoch or (done and stats.version != last_v):
+                        version = opt.pull()
+                        loss, _ = evaluate(model, x[:10000], y[:10000])
+                        _, acc = evaluate(model, tx, ty)
+                        now = time.monotonic()
+                        print(f"epoch {version / per_epoch:.2f}  train_loss {loss:.4f}  test_acc {acc:.4f}  "
+                              f"pushes/s {(version - last_v) / max(now - last_t, 1e-9):.0f}  "
+                              f"rejected {stats.rejected_stale}  avg_staleness {stats.avg_staleness:.2f}", flush=True)
+                        last_t, last_v = now, version
+                        next_epoch = version // per_epoch + 1
+                    if done:
+                        break
+                    time.sleep(0.02)
+                for proc in procs:
+                    proc.join()
+            except BaseException:
+                # The workers first (SIGTERM: their handler raises SystemExit,
+                # and their with blocks detach), so that none meets the
+                # server stopping under it as the with blocks below end.
+                for proc in procs:
+                    if proc.is_alive():
+                        proc.terminate()
+                for proc in procs:
+                    if proc.pid is not None:
+                        proc.join()
+                raise
             wall = time.monotonic() - start
             failed = [r for r, proc in enumerate(procs) if proc.exitcode != 0]
             if failed:
