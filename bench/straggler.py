@@ -17,8 +17,9 @@ own quarter of the data, trained
 
 without and with a straggler: worker 0 sleeps, every step, twice the others'
 step time (so its steps take 3x theirs; the others' step time is measured
-in the same repeat's first straggler-free shmps run, reject's when it
-runs), and one process alone (shmps-reject, no straggler: the accuracy
+in the same repeat's first straggler-free 4-worker shmps run, reject's when
+it runs, or given with --straggler-delay-ms; a straggler run with neither is
+refused), and one process alone (shmps-reject, no straggler: the accuracy
 reference). Runs are interleaved
 (repeat, then configuration) and every figure is a median over the repeats;
 each run is scored from weight snapshots taken while it trains (the
@@ -26,6 +27,7 @@ parent's pulls for shmps, rank 0's copies for ddp), scored after training.
 
     bench/straggler.py [--repeats 3] [--epochs 20] [--max-staleness 4] [--out DIR]
                        [--arms single shmps-reject ...] [--conditions plain straggler]
+                       [--straggler-delay-ms MS]
     bench/straggler.py --smoke      # a minute: 6,000 images, 1 epoch, 1 repeat
 
 Writes DIR/runs.json, DIR/summary.md (the table and the goals) and
@@ -171,10 +173,26 @@ def tail_share(run):
     return (run["updates"] - ends[0][2]) / run["updates"]
 
 
+def check_straggler_runs(runs):
+    """Refuses (SystemExit) a run whose record contradicts its label: a
+    straggler run whose worker 0 slept 0 ms, or a plain run that slept."""
+    for r in runs:
+        if r["straggler"] != r["label"].endswith(", straggler"):
+            raise SystemExit(f"straggler.py: run '{r['label']}' (repeat {r['repeat']}) says straggler={r['straggler']}")
+        if r["straggler"] and not r["delay"] > 0.0:
+            raise SystemExit(f"straggler.py: run '{r['label']}' (repeat {r['repeat']}) is a straggler run whose "
+                             f"worker 0 slept {r['delay']} ms per step")
+        if not r["straggler"] and r["delay"] != 0.0:
+            raise SystemExit(f"straggler.py: run '{r['label']}' (repeat {r['repeat']}) has no straggler but a "
+                             f"delay of {r['delay']} ms")
+
+
 def summarize(runs, args):
-    delay = med([r['delay'] for r in runs if r['delay']])
+    check_straggler_runs(runs)
+    delay = med([r['delay'] for r in runs if r['straggler']])
     straggler = "no straggler" if delay is None else \
-        f"straggler: worker 0 sleeps {delay:.2f} ms per step (2x the others' step time)"
+        f"straggler: worker 0 sleeps {delay:.2f} ms per step (" + \
+        ("--straggler-delay-ms" if getattr(args, "straggler_delay_ms", None) else "2x the others' step time") + ")"
     lines = [f"{PROCS} workers (and 1 alone), {args.epochs} epochs, max_staleness {args.max_staleness}, "
              f"medians of {args.repeats}; {straggler}", "",
              f"| configuration | final test acc | time to {TARGET} | wall | updates | wasted (rejected) | "
@@ -182,7 +200,7 @@ def summarize(runs, args):
              "|---|---|---|---|---|---|---|---|---|---|"]
     by_label = {}
     for label, arm, procs, straggler in configurations():
-        rs = [r for r in runs if r["label"] == label]
+        rs = [r for r in runs if r["label"] == label and r["straggler"] == straggler]
         if not rs:
             continue
         by_label[label] = rs
@@ -277,6 +295,9 @@ def main():
                    help="run only these (single: one process alone)")
     p.add_argument("--conditions", nargs="+", choices=["plain", "straggler"], default=["plain", "straggler"],
                    help="without a straggler (plain), with one, or both")
+    p.add_argument("--straggler-delay-ms", type=float, default=None,
+                   help="the straggler's sleep per step (default: 2x the others' step time, measured in each "
+                        "repeat's first straggler-free 4-worker shmps run)")
     p.add_argument("--train-limit", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=235, help="updates between snapshots (0.25 epoch at 4 workers)")
     p.add_argument("--bin", default=os.path.join(ROOT, "build", "default", "bin"), help="folder of shmps-inspect")
@@ -292,15 +313,29 @@ def main():
         print(json.dumps(run_one(arm, procs, delay, args, repeat)))
         return 0
 
+    configs = configurations(args.arms, args.conditions)
+    if args.straggler_delay_ms is not None and not args.straggler_delay_ms > 0:
+        p.error(f"--straggler-delay-ms must be > 0, got {args.straggler_delay_ms}")
+    measured = any(procs == PROCS and not straggler and arm.startswith("shmps") for _, arm, procs, straggler in configs)
+    if any(straggler for *_, straggler in configs) and not measured and args.straggler_delay_ms is None:
+        # The straggler's sleep is 2x the others' step time, measured in a
+        # plain 4-worker shmps run of the same repeat: without one it would
+        # be 0, and the "straggler" runs would have none.
+        p.error("a straggler run needs the others' step time: add --conditions plain with an shmps arm "
+                "(it is measured there), or give --straggler-delay-ms")
+
     out = args.out or tempfile.mkdtemp(prefix="straggler-")
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     runs = []
     for repeat in range(args.repeats):
-        delay = 0.0
-        for label, arm, procs, straggler in configurations(args.arms, args.conditions):
+        given = args.straggler_delay_ms is not None
+        delay = args.straggler_delay_ms / 1e3 if given else 0.0
+        for label, arm, procs, straggler in configs:
             t0 = time.monotonic()
             d = delay if straggler else 0.0
+            if straggler and not d > 0.0:
+                raise SystemExit(f"{label}: no straggler delay measured before it (repeat {repeat})")
             res = subprocess.run([sys.executable, __file__, "--run-one", arm, str(procs), str(d), str(repeat),
                                   "--epochs", str(args.epochs), "--train-limit", str(args.train_limit),
                                   "--eval-every", str(args.eval_every), "--max-staleness", str(args.max_staleness),
@@ -308,9 +343,9 @@ def main():
             if res.returncode != 0:
                 raise SystemExit(f"{label}: failed ({res.returncode}):\n{res.stderr[-3000:]}")
             r = json.loads(res.stdout.strip().splitlines()[-1])
-            r.update(label=label, arm=arm, procs=procs, repeat=repeat, delay=1e3 * d)
+            r.update(label=label, arm=arm, procs=procs, repeat=repeat, straggler=straggler, delay=1e3 * d)
             runs.append(r)
-            if procs == PROCS and not straggler and arm.startswith("shmps") and delay == 0.0:
+            if procs == PROCS and not straggler and arm.startswith("shmps") and not given and delay == 0.0:
                 # The others' step time: a worker's updates over the run's
                 # wall time, in the first straggler-free shmps run (reject's
                 # when it runs: it comes first).
