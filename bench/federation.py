@@ -173,7 +173,11 @@ else:
 
 class Hosts:
     """H shmps-servers; federated over Gloo (a file store) when H > 1 unless
-    `federate` is false, each in its namespace of `net` when given."""
+    `federate` is false, each in its namespace of `net` when given. Each
+    server has --parent-pid this process (it stops once this process is
+    gone); one that does not join stops them all before the error."""
+
+    JOIN_S = 30  # how long each host may take to join (to serve, alone)
 
     def __init__(self, bin_dir, hosts, every_ms=50, outer="average", model=MODEL, net=None, fed_args=(),
                  federate=True, split=None):
@@ -186,8 +190,16 @@ class Hosts:
         self.name = f"fedfig{os.getpid()}_{int(time.monotonic() * 1000) % 100000}"
         self.tmp = tempfile.mkdtemp(prefix="fedfig")
         self.procs = []
+        try:
+            self._start(hosts, every_ms, outer, model, net, fed_args, federate, split)
+        except BaseException:
+            self.close(keep_logs=True)  # the error names them
+            raise
+
+    def _start(self, hosts, every_ms, outer, model, net, fed_args, federate, split):
         for h in range(hosts):
-            cmd = [os.path.join(bin_dir, "shmps-server"), "--max-workers", "8"] + model
+            cmd = [os.path.join(self.bin, "shmps-server"), "--max-workers", "8", "--parent-pid", str(os.getpid())]
+            cmd += model
             federated = hosts > 1 and federate
             cmd += ["--name", self.name if federated or hosts == 1 else self.segment(h)]
             if federated:
@@ -200,10 +212,10 @@ class Hosts:
                     cmd += ["--fed-cpus", split[1]]
             if split:
                 cmd = ["taskset", "-c", split[0] if h == 0 else split[1]] + cmd
-            log = open(os.path.join(self.tmp, f"host{h}.log"), "w")
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            with open(os.path.join(self.tmp, f"host{h}.log"), "w") as log:
+                self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
         for h in range(hosts):
-            self.wait_for(lambda h=h: self.members(h) == (hosts if hosts > 1 and federate else 0), 30,
+            self.wait_for(lambda h=h: self.members(h) == (hosts if hosts > 1 and federate else 0), self.JOIN_S,
                           f"host {h} joined")
 
     def segment(self, h):
@@ -241,12 +253,18 @@ class Hosts:
             self.wait_for(merged, 60, "every host's updates merged")
         return sum(int(self.stats(h)["fed_bytes"]) for h in range(self.n))
 
-    def close(self):
+    def close(self, keep_logs=False):
         for p in self.procs:
             p.terminate()
         for p in self.procs:
-            p.wait(timeout=30)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+        if not keep_logs:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def train(bin_dir, segment, workers, epochs, seed, shard, train_limit, eval_every, csv):

@@ -53,3 +53,38 @@ def test_straggler_summary_refuses_a_straggler_run_that_slept_zero():
     summary = straggler.summarize([fake_run("ddp", False, 0.0), fake_run("ddp, straggler", True, 12.5)], Args())
     assert "worker 0 sleeps 12.50 ms per step" in summary
     assert "| ddp, straggler |" in summary
+
+
+def test_federation_hosts_that_do_not_join_are_stopped(tmp_path, monkeypatch):
+    """bench/federation.py's Hosts: when a host does not join in time, the
+    servers it started are stopped and reaped before the error, and each
+    was started with --parent-pid this process."""
+    import federation
+
+    started = tmp_path / "started"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # A server that never serves, and an inspect that finds none.
+    (bin_dir / "shmps-server").write_text(f'#!/bin/sh\necho "$$ $*" >> {started}\nexec sleep 600\n')
+    (bin_dir / "shmps-inspect").write_text("#!/bin/sh\nexit 1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setattr(federation.Hosts, "JOIN_S", 1, raising=False)
+    pids = []
+    try:
+        with pytest.raises(SystemExit, match="host 0 joined: not within"):
+            federation.Hosts(str(bin_dir), 2)
+        lines = started.read_text().splitlines()
+        assert len(lines) == 2, lines
+        pids = [int(line.split()[0]) for line in lines]
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):  # stopped and reaped
+                os.kill(pid, 0)
+        for line in lines:
+            assert f"--parent-pid {os.getpid()}" in line, line
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
