@@ -238,6 +238,20 @@ int main(int argc, char** argv) {
     std::cout << desc << "\n";
     return 0;
   }
+  // Counts below 1 would divide by zero (NaN in the JSON) or size a vector
+  // from a negative number.
+  for (const char* count : {"pushes", "rounds", "repeats"}) {
+    if (const int v = vm[count].as<int>(); v < 1) {
+      std::cerr << "shmps-fed-bench: --" << count << " must be >= 1, got " << v << "\n";
+      return 2;
+    }
+  }
+  for (const uint64_t n : vm["elements"].as<std::vector<uint64_t>>()) {
+    if (n == 0) {
+      std::cerr << "shmps-fed-bench: --elements must be >= 1\n";
+      return 2;
+    }
+  }
   if (!parse_outer_step(outer, &config.outer)) {
     std::cerr << "shmps-fed-bench: --fed-outer must be average or nesterov\n";
     return 2;

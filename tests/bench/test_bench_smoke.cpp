@@ -77,3 +77,24 @@ BOOST_AUTO_TEST_CASE(bad_option_fails_with_usage_error) {
   Process negative = Process::spawn({shmps::test::program_path("shmps-bench"), "--repeats", "-1"});
   BOOST_TEST(negative.wait(10s) == 2);  // not read as 2^32 - 1 repeats
 }
+
+// shmps-fed-bench refuses counts below 1 at parsing (exit 2, the option
+// named): a 0 would divide by zero into NaN in its JSON, a -1 size a vector.
+BOOST_AUTO_TEST_CASE(fed_bench_refuses_counts_below_one) {
+  const std::string fed_bench = shmps::test::program_path("shmps-fed-bench");
+  const std::vector<std::vector<std::string>> cases{{"serve", "--connect", "none", "--pushes", "0"},
+                                                    {"serve", "--connect", "none", "--pushes", "-1"},
+                                                    {"round", "--rounds", "0"},
+                                                    {"round", "--repeats", "0"},
+                                                    {"round", "--repeats", "-3"},
+                                                    {"serve", "--connect", "none", "--elements", "0"}};
+  for (const auto& args : cases) {
+    std::vector<std::string> argv{fed_bench};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const auto r = shmps::test::run_captured(argv, 10s);
+    const std::string option = args[args.size() - 2];
+    BOOST_TEST_INFO(option << " " << args.back() << ": " << r.output);
+    BOOST_TEST(r.exit_code == 2);
+    BOOST_TEST(r.output.find("shmps-fed-bench: " + option + " must be >= 1") != std::string::npos);
+  }
+}
