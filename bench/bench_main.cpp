@@ -219,7 +219,7 @@ Status section_round_trip(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
   if (!futex_server.ok()) return futex_server.status();
   const std::string spin_name = (*spin_server)->name(), futex_name = (*futex_server)->name();
   // Busy processes that leave one CPU to the server and the pinging worker.
-  const uint32_t bystanders = std::max(1u, std::thread::hardware_concurrency()) - 1;
+  const uint32_t bystanders = usable_cpus() - 1;
   const std::string crowd = std::to_string(bystanders) + " busy bystander" + (bystanders == 1 ? "" : "s");
 
   std::vector<LatencyRow> rows{
@@ -348,7 +348,7 @@ Status section_push_throughput(const Plan& plan, Csv& csv, std::vector<Goal>& go
   auto quiet = run_children(1, static_cast<uint32_t>(2 * sizes), max_per_size, body);
   if (!quiet.ok()) return quiet.status();
   // Again with all CPUs but one kept busy, as other workers computing would.
-  const uint32_t bystanders = std::max(1u, std::thread::hardware_concurrency()) - 1;
+  const uint32_t bystanders = usable_cpus() - 1;
   Result<Series> crowded = Series{};
   if (bystanders > 0) {
     auto busy = start_bystanders(bystanders);
@@ -669,7 +669,7 @@ struct TailRow {
 };
 
 Status section_tail_latency(const Plan& plan, Csv& csv) {
-  const uint32_t cpus = std::max(1u, std::thread::hardware_concurrency());
+  const uint32_t cpus = usable_cpus();
   std::printf("\n[5] Tail latency of %s pushes under load: workers computing on the server's CPUs\n",
               mib_text(plan.tail_bytes).c_str());
   std::printf(
@@ -808,8 +808,8 @@ int run(int argc, char** argv) {
   plan.log_path =
       (std::filesystem::temp_directory_path() / ("shmps-bench-" + std::to_string(::getpid()) + ".log")).string();
 
-  std::printf("shmps-bench%s: %u CPUs online, %u repeats, server %s\n", plan.quick ? " --quick" : "",
-              std::thread::hardware_concurrency(), plan.repeats, plan.server_path.c_str());
+  std::printf("shmps-bench%s: %u CPUs usable (of %u online), %u repeats, server %s\n", plan.quick ? " --quick" : "",
+              usable_cpus(), std::thread::hardware_concurrency(), plan.repeats, plan.server_path.c_str());
   if (!plan.server_extra.empty()) {
     std::string extra;
     for (const std::string& a : plan.server_extra) extra += " " + a;

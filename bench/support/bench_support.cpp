@@ -1,6 +1,7 @@
 #include "bench_support.hpp"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -20,6 +21,7 @@
 #include <iostream>
 #include <new>
 #include <sstream>
+#include <thread>
 
 #include "shmps/cli.hpp"
 #include "shmps/shm/futex.hpp"
@@ -95,6 +97,15 @@ std::string beside_this_program(const std::string& file) {
   std::error_code ec;
   const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
   return ec ? file : (self.parent_path() / file).string();
+}
+
+uint32_t usable_cpus() noexcept {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+    return static_cast<uint32_t>(CPU_COUNT(&set));
+  // More CPUs than a cpu_set_t holds (EINVAL), or none reported: every online one.
+  return std::max(1u, std::thread::hardware_concurrency());
 }
 
 std::string load_average() {

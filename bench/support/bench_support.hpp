@@ -53,6 +53,11 @@ std::optional<int> parse_command_line(int argc, char** argv, const std::string& 
 // when that link cannot be read.
 std::string beside_this_program(const std::string& file);
 
+// The CPUs this process may run on (sched_getaffinity: taskset, a cgroup's
+// cpuset), at least 1; std::thread::hardware_concurrency() counts every
+// online CPU, usable or not. Children forked or spawned inherit the mask.
+uint32_t usable_cpus() noexcept;
+
 // The 1-minute load average (/proc/loadavg): other processes competing for
 // the CPUs; "?" when unreadable.
 std::string load_average();
