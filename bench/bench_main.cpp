@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <boost/program_options/options_description.hpp>
 #include <cerrno>
@@ -116,8 +117,15 @@ struct LatencyStats {
   double p50, p99, p999;
 };
 
+// NaN (printed "-") for a percentile of fewer than min_samples_for(q) pings.
 LatencyStats latency_stats(const std::vector<double>& ns) {
-  return {percentile(ns, 0.50), percentile(ns, 0.99), percentile(ns, 0.999)};
+  return {reported_percentile(ns, 0.50), reported_percentile(ns, 0.99), reported_percentile(ns, 0.999)};
+}
+
+// The median over repeats of a per-repeat figure; NaN when a repeat has
+// none (every repeat of a row has as many samples).
+double median_of_repeats(const std::vector<double>& v) {
+  return std::any_of(v.begin(), v.end(), [](double x) { return std::isnan(x); }) ? NAN : median(v);
 }
 
 // A 64-byte message each way over a Unix-domain socketpair.
@@ -265,14 +273,16 @@ Status section_round_trip(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
   Table table("round_trip", {"case", "server regime", "procs", "samples", "p50 ns", "p99 ns", "p999 ns", "p50/spin ref",
                              "p50/socket ref"});
   for (const LatencyRow& r : rows)
-    table.add_row({r.label, r.regime, std::to_string(r.procs), std::to_string(r.samples), fixed(median(r.p50), 0),
-                   fixed(median(r.p99), 0), fixed(median(r.p999), 0), fixed(median(r.vs_spin), 2),
-                   fixed(median(r.vs_socket), 2)});
+    table.add_row({r.label, r.regime, std::to_string(r.procs), std::to_string(r.samples),
+                   fixed(median_of_repeats(r.p50), 0), fixed(median_of_repeats(r.p99), 0),
+                   fixed(median_of_repeats(r.p999), 0), fixed(median_of_repeats(r.vs_spin), 2),
+                   fixed(median_of_repeats(r.vs_socket), 2)});
   table.print(stdout);
   table.to_csv(csv);
   std::printf(
       "    p50/p99/p999: median over %u repeats of each repeat's percentile (all processes' pings merged);\n"
-      "    ratios: median of each repeat's p50 / that repeat's reference p50.\n"
+      "    \"-\": a repeat has fewer than 10 / (1 - q) pings for it (p99: 1,000, p99.9: 10,000), so that\n"
+      "    10 at least lie above it; ratios: median of each repeat's p50 / that repeat's reference p50.\n"
       "    Regimes: spin = back-to-back pings reach the server while it polls (it spins\n"
       "    --idle-spin-us 50, the default, after its last request); futex = pings 200 us apart\n"
       "    find it asleep on its futex, so each pays a wake-up; no idle spin = a server that\n"
@@ -280,7 +290,7 @@ Status section_round_trip(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
       "    Busy bystanders: processes that keep all CPUs but one busy (other workers computing),\n"
       "    so the server and the pinging worker share one CPU.\n",
       plan.repeats);
-  const double p50 = median(rows[2].p50);
+  const double p50 = median_of_repeats(rows[2].p50);
   goals.push_back({"[1] ping p50 <= 5000 ns, one worker (spin regime)", fixed(p50, 0) + " ns", p50 <= 5000.0});
   return Status::Ok();
 }
@@ -666,7 +676,31 @@ struct TailRow {
   std::unique_ptr<ServerProcess> server;
   std::vector<double> push_ns;       // every push of every repeat
   std::vector<double> pushes_per_s;  // one per repeat: all its workers' pushes / its wall time
+  int apply_top_bucket = -1;         // the highest apply_ns bucket the timed pushes reached; -1: none
 };
+
+using ApplyBuckets = std::array<uint64_t, shm::kHistogramBuckets>;
+
+// The bucket counts of server `name`'s apply_ns histogram (all 0 when its
+// segment cannot be opened): snapshots before and after the timed pushes
+// tell which buckets those pushes filled, the warm-ups left out.
+ApplyBuckets apply_buckets(const std::string& name) {
+  ApplyBuckets out{};
+  if (auto seg = shm::Segment::open(name, /*read_only=*/true); seg.ok())
+    for (uint32_t b = 0; b < shm::kHistogramBuckets; ++b)
+      // relaxed: a statistic the server alone writes; read after the pushes completed.
+      out[b] = (*seg)->stats().apply_ns.buckets[b].load(std::memory_order_relaxed);
+  return out;
+}
+
+// "4.19-8.39": the range in ms of apply_ns bucket b ([2^(b-1), 2^b) ns).
+std::string bucket_ms(int b) {
+  if (b < 0) return "-";
+  if (b == 0) return "0";
+  const double low = std::ldexp(1.0, b - 1) / 1e6, high = std::ldexp(1.0, b) / 1e6;
+  const int digits = high < 0.1 ? 3 : 2;
+  return fixed(low, digits) + "-" + fixed(high, digits);
+}
 
 Status section_tail_latency(const Plan& plan, Csv& csv) {
   const uint32_t cpus = usable_cpus();
@@ -724,38 +758,42 @@ Status section_tail_latency(const Plan& plan, Csv& csv) {
         out[1].push_back(static_cast<double>(now_ns() - start));
         return Status::Ok();
       };
-      auto r = run_children(row.workers, 2, per_worker, body);
+      // Once every worker's warm-up push is applied (they wait at the
+      // barrier), and again after the run.
+      ApplyBuckets before{};
+      auto r = run_children(row.workers, 2, per_worker, body, [&] { before = apply_buckets(name); });
       if (!r.ok())
         return with_context(r.status(), std::to_string(row.workers) + " workers, --apply-threads " + row.setting);
+      const ApplyBuckets after = apply_buckets(name);
+      for (int b = 0; b < static_cast<int>(shm::kHistogramBuckets); ++b)
+        if (after[b] > before[b]) row.apply_top_bucket = std::max(row.apply_top_bucket, b);
       row.push_ns.insert(row.push_ns.end(), (*r)[0].begin(), (*r)[0].end());
       const double wall_ns = *std::max_element((*r)[1].begin(), (*r)[1].end());
       row.pushes_per_s.push_back(static_cast<double>((*r)[0].size()) / (wall_ns / 1e9));
     }
   }
 
-  Table table("tail_latency", {"workers", "--apply-threads", "pushes", "p50 ms", "p99 ms", "p99.9 ms", "max ms",
-                               "over 10 ms", "apply max ms", "pushes/s", "pushes/s vs " + std::to_string(cpus)});
+  Table table("tail_latency",
+              {"workers", "--apply-threads", "pushes", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "over 10 ms",
+               "apply max ms (bucket)", "pushes/s", "pushes/s vs " + std::to_string(cpus)});
   for (const TailRow& row : rows) {
-    // The server's own apply_ns histogram: its longest check + update
-    // (warm-ups included), without the wait behind other workers' pushes.
-    std::string apply_max = "-";
-    if (auto seg = shm::Segment::open(row.server->name(), /*read_only=*/true); seg.ok())
-      apply_max = fixed(static_cast<double>((*seg)->stats().apply_ns.max.load(std::memory_order_relaxed)) / 1e6, 2);
-    const auto ms = [&](double q) { return fixed(percentile(row.push_ns, q) / 1e6, 2); };
+    const auto ms = [&](double q) { return fixed(reported_percentile(row.push_ns, q) / 1e6, 2); };
     const auto over = std::count_if(row.push_ns.begin(), row.push_ns.end(), [](double ns) { return ns > 10e6; });
     double reference = NAN;  // the same workers' every-CPU setting
     for (const TailRow& other : rows)
       if (other.workers == row.workers && other.setting == std::to_string(cpus)) reference = median(other.pushes_per_s);
     table.add_row({std::to_string(row.workers), row.setting, std::to_string(row.push_ns.size()), ms(0.5), ms(0.99),
-                   ms(0.999), ms(1.0), std::to_string(over), apply_max, fixed(median(row.pushes_per_s), 0),
-                   fixed(median(row.pushes_per_s) / reference, 2)});
+                   ms(0.999), ms(1.0), std::to_string(over), bucket_ms(row.apply_top_bucket),
+                   fixed(median(row.pushes_per_s), 0), fixed(median(row.pushes_per_s) / reference, 2)});
   }
   table.print(stdout);
   table.to_csv(csv);
   std::printf(
       "    percentiles and max: over every push of every repeat (%u repeats), the worker's whole call\n"
-      "    (its wait behind other workers' pushes included); apply max: the server's longest NaN check\n"
-      "    + update (its apply_ns histogram);\n"
+      "    (its wait behind other workers' pushes included); \"-\": fewer than 10 / (1 - q) pushes for\n"
+      "    it (p99: 1,000, p99.9: 10,000), so that 10 at least lie above it; apply max: the log2 bucket\n"
+      "    of the server's apply_ns histogram that holds the longest NaN check + update of the timed\n"
+      "    pushes (bucket counts read after the warm-up pushes and after each repeat);\n"
       "    pushes/s: median over repeats of all the workers' pushes / the repeat's wall time (the job's\n"
       "    step rate); vs %u: over the same workers' rate with every CPU as apply threads.\n",
       plan.repeats, cpus);

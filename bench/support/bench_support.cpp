@@ -148,6 +148,18 @@ double percentile(std::vector<double> samples, double q) {
   return samples[rank - 1];
 }
 
+size_t min_samples_for(double q) {
+  if (q >= 1.0) return 1;
+  // 10 / (1 - q) rounded up, less a rounding error's worth: 10 / (1 - 0.99)
+  // is 1000.0000000000009 in doubles.
+  return static_cast<size_t>(std::ceil(10.0 / (1.0 - std::max(q, 0.0)) - 1e-6));
+}
+
+double reported_percentile(std::vector<double> samples, double q) {
+  if (samples.size() < min_samples_for(q)) return NAN;
+  return percentile(std::move(samples), q);
+}
+
 double median(std::vector<double> samples) {
   if (samples.empty()) return NAN;
   const size_t mid = samples.size() / 2;

@@ -75,6 +75,13 @@ void sleep_ns(long ns) noexcept;
 
 // Nearest-rank percentile, q in [0, 1]; NaN for an empty set.
 double percentile(std::vector<double> samples, double q);
+// The fewest samples a q-percentile is reported from: 10 / (1 - q), so
+// that 10 samples at least lie above it (p50: 20, p99: 1,000, p99.9:
+// 10,000); 1 for the maximum (q = 1). From fewer, the percentile is one of
+// the few largest samples, which says little about the tail.
+size_t min_samples_for(double q);
+// percentile(), or NaN (printed "-") from fewer than min_samples_for(q).
+double reported_percentile(std::vector<double> samples, double q);
 // The middle sample (the mean of the two middle ones for an even count).
 double median(std::vector<double> samples);
 
