@@ -353,6 +353,59 @@ Result<Series> run_children(uint32_t children, uint32_t series, size_t max_sampl
   return merged;
 }
 
+// ------------------------------------------------------------ parallel copy
+
+namespace {
+// The part of a `bytes` copy that thread `index` of `threads` does: equal
+// parts on 64-byte boundaries, the last thread's taking the rest.
+std::pair<size_t, size_t> copy_part(size_t bytes, uint32_t index, uint32_t threads) {
+  const size_t part = bytes / threads / 64 * 64;
+  const size_t begin = part * index;
+  return {begin, index + 1 == threads ? bytes - begin : part};
+}
+}  // namespace
+
+ParallelCopy::ParallelCopy(uint32_t threads) : threads_(std::max(threads, 1u)) {
+  helpers_.reserve(threads_ - 1);
+  for (uint32_t i = 0; i + 1 < threads_; ++i) helpers_.emplace_back([this, i] { help(i); });
+}
+
+ParallelCopy::~ParallelCopy() {
+  stop_ = true;
+  posted_.fetch_add(1, std::memory_order_release);  // SYNC(copy_posted): stop_
+  posted_.notify_all();
+  for (std::thread& t : helpers_) t.join();
+}
+
+void ParallelCopy::operator()(void* dst, const void* src, size_t bytes) {
+  const uint32_t n = threads_ - 1;  // helpers
+  dst_ = static_cast<char*>(dst);
+  src_ = static_cast<const char*>(src);
+  bytes_ = bytes;
+  // relaxed: no helper touches finished_ until the post below.
+  finished_.store(0, std::memory_order_relaxed);
+  posted_.fetch_add(1, std::memory_order_release);  // SYNC(copy_posted): the copy's arguments
+  posted_.notify_all();
+  const auto [begin, length] = copy_part(bytes, n, threads_);
+  std::memcpy(dst_ + begin, src_ + begin, length);
+  // SYNC(copy_finished): the helpers' parts are written.
+  for (uint32_t done; (done = finished_.load(std::memory_order_acquire)) != n;)
+    finished_.wait(done, std::memory_order_acquire);  // SYNC(copy_finished)
+}
+
+void ParallelCopy::help(uint32_t index) {
+  uint32_t seen = 0;
+  while (true) {
+    posted_.wait(seen, std::memory_order_acquire);   // SYNC(copy_posted)
+    seen = posted_.load(std::memory_order_acquire);  // SYNC(copy_posted)
+    if (stop_) return;
+    const auto [begin, length] = copy_part(bytes_, index, threads_);
+    std::memcpy(dst_ + begin, src_ + begin, length);
+    finished_.fetch_add(1, std::memory_order_release);  // SYNC(copy_finished)
+    finished_.notify_one();
+  }
+}
+
 // ------------------------------------------------------------ shmps-server
 
 Result<std::unique_ptr<ServerProcess>> start_server_process(const std::string& server_path, const std::string& name,

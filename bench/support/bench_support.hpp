@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <boost/program_options/options_description.hpp>
@@ -185,6 +186,36 @@ Result<Series> run_children(uint32_t children, uint32_t series, size_t max_sampl
 // counter. Returns n round-trip times in ns after `warmup` untimed ones.
 // Errors: kTimeout when the peer stops answering for ~10 s, run_children's.
 Result<std::vector<double>> spin_pingpong(uint32_t warmup, uint32_t n);
+
+// A memcpy split over `threads` threads, the caller's among them: the
+// others start with the object and park on a futex between copies, so a
+// timed copy pays their wake-up (microseconds), never a thread's start or
+// join. The reference of an apply that OpenMP splits over as many threads.
+// One calling thread at a time; construct it in the process that copies
+// (threads do not survive a fork).
+class ParallelCopy {
+ public:
+  explicit ParallelCopy(uint32_t threads);
+  ~ParallelCopy();
+  ParallelCopy(const ParallelCopy&) = delete;
+  ParallelCopy& operator=(const ParallelCopy&) = delete;
+  uint32_t threads() const noexcept { return threads_; }
+  // Copies `bytes` from src to dst; returns once every thread's part is done.
+  void operator()(void* dst, const void* src, size_t bytes);
+
+ private:
+  void help(uint32_t index);
+  const uint32_t threads_;  // the helpers and the caller
+  // The copy in progress: written by the caller before posted_'s release,
+  // read by the helpers after its acquire.
+  char* dst_ = nullptr;
+  const char* src_ = nullptr;
+  size_t bytes_ = 0;
+  bool stop_ = false;
+  std::atomic<uint32_t> posted_{0};    // copies posted (the helpers wait on it)
+  std::atomic<uint32_t> finished_{0};  // helpers done with the copy posted last
+  std::vector<std::thread> helpers_;
+};
 
 // Keeps the compiler from dropping stores to *p as dead (a timed loop's
 // output nobody reads).
