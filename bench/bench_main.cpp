@@ -851,6 +851,10 @@ int run(int argc, char** argv) {
   if (tail_pushes != 0) plan.tail_pushes = tail_pushes;
   plan.log_path =
       (std::filesystem::temp_directory_path() / ("shmps-bench-" + std::to_string(::getpid()) + ".log")).string();
+  // From here SIGINT and SIGTERM stop the run through its cleanup: the
+  // section's servers stopped and their segments removed as it returns,
+  // then the buffer objects of the workers killed (main()).
+  catch_stop_signals();
 
   std::printf("shmps-bench%s: %u CPUs usable (of %u online), %u repeats, server %s\n", plan.quick ? " --quick" : "",
               usable_cpus(), std::thread::hardware_concurrency(), plan.repeats, plan.server_path.c_str());
@@ -886,6 +890,12 @@ int run(int argc, char** argv) {
         break;
     }
     std::fflush(stdout);
+    if (stop_signal() != 0) {
+      std::fprintf(stderr, "shmps-bench: section %d: %s: its servers stopped\n", s, stopped_status().message().c_str());
+      std::error_code ec;
+      std::filesystem::remove(plan.log_path, ec);
+      return 1;
+    }
     if (!st.ok()) {
       std::fprintf(stderr, "shmps-bench: section %d: %s (server log: %s)\n", s, st.to_string().c_str(),
                    plan.log_path.c_str());
@@ -917,10 +927,15 @@ int run(int argc, char** argv) {
 }  // namespace shmps::bench
 
 int main(int argc, char** argv) {
+  int rc = 1;
   try {
-    return shmps::bench::run(argc, argv);
+    rc = shmps::bench::run(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "shmps-bench: fatal: %s\n", e.what());
-    return 1;
   }
+  // The buffer objects of measuring children killed (a failure, a stop
+  // signal): they could not unregister, and their servers are gone.
+  shmps::bench::remove_orphan_buffers();
+  shmps::bench::die_of_stop_signal();
+  return rc;
 }

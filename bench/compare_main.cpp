@@ -602,8 +602,21 @@ int main(int argc, char** argv) {
         plan.sizes.push_back(k * kKiB);
       }
     }
-    return run(plan, common.csv_path);
+    // From here SIGINT and SIGTERM stop the run through its cleanup: the
+    // servers and baseline servers stopped, their segments, queues and
+    // sockets removed (as the objects holding them go), then the buffer
+    // objects of the workers killed (bench_support.hpp, "stopping").
+    catch_stop_signals();
+    const int rc = run(plan, common.csv_path);
+    remove_orphan_buffers();
+    if (stop_signal() != 0) {
+      std::fprintf(stderr, "shmps-compare: %s: the servers stopped, their files removed\n",
+                   stopped_status().message().c_str());
+      die_of_stop_signal();
+    }
+    return rc;
   } catch (const std::exception& e) {
+    remove_orphan_buffers();
     std::fprintf(stderr, "shmps-compare: %s\n", e.what());
     return 2;
   }

@@ -200,17 +200,21 @@ class MqClient final : public Client {
   }
   Status push(uint64_t bytes) override {
     try {
-      requests_.send(&bytes, sizeof bytes, 0);
+      // Timed, the sends too: a dead server leaves the request queue full
+      // (kMqDepth chunks), and a plain send() would block for ever. The
+      // deadline is the whole push's: 30 s past its start.
+      const auto deadline = boost::posix_time::microsec_clock::universal_time() + boost::posix_time::seconds(30);
+      if (!requests_.timed_send(&bytes, sizeof bytes, 0, deadline))
+        return {ErrorCode::kTimeout, "message_queue push: the server took no request within 30 s"};
       const char* p = reinterpret_cast<const char*>(grad_.data());
       for (uint64_t off = 0; off < bytes; off += kMqChunk)
-        requests_.send(p + off, std::min<uint64_t>(kMqChunk, bytes - off), 0);
+        if (!requests_.timed_send(p + off, std::min<uint64_t>(kMqChunk, bytes - off), 0, deadline))
+          return {ErrorCode::kTimeout, "message_queue push: the server took no chunk within 30 s of the push's start"};
       uint64_t version = 0;
       bip::message_queue::size_type got = 0;
       unsigned priority = 0;
-      // Timed: a dead server fails the push instead of hanging it.
-      const auto deadline = boost::posix_time::microsec_clock::universal_time() + boost::posix_time::seconds(30);
       if (!replies_.timed_receive(&version, sizeof version, got, priority, deadline))
-        return {ErrorCode::kTimeout, "message_queue push: no reply within 30 s"};
+        return {ErrorCode::kTimeout, "message_queue push: no reply within 30 s of the push's start"};
       return Status::Ok();
     } catch (const std::exception& e) {
       return {ErrorCode::kIo, std::string("message_queue push: ") + e.what()};
@@ -384,9 +388,9 @@ Result<Child> fork_server(System system, const std::function<int(int)>& fn) {
   }
   pollfd p{ready[0], POLLIN, 0};
   int polled = 0;
-  while ((polled = ::poll(&p, 1, 120'000)) < 0 && errno == EINTR) {
+  while ((polled = ::poll(&p, 1, 120'000)) < 0 && errno == EINTR && stop_signal() == 0) {
   }
-  const Status poll_failed = polled < 0 ? io_error("poll") : Status::Ok();
+  const Status poll_failed = stop_signal() != 0 ? stopped_status() : polled < 0 ? io_error("poll") : Status::Ok();
   char byte = 0;
   const bool ready_now = polled == 1 && ::read(ready[0], &byte, 1) == 1;
   ::close(ready[0]);

@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <new>
 #include <sstream>
 #include <thread>
@@ -241,7 +242,72 @@ SharedArena::~SharedArena() {
   if (data_ != nullptr) ::munmap(data_, size_);
 }
 
+// ------------------------------------------------------------ stopping
+
+namespace {
+
+constexpr int kStopSignals[] = {SIGINT, SIGTERM};
+std::atomic<int> g_stop_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "written by a signal handler");
+// Which of kStopSignals catch_stop_signals() caught (written before any
+// handler runs or any child is forked).
+bool g_caught[std::size(kStopSignals)] = {};
+
+void on_stop_signal(int signo) {
+  g_stop_signal.store(signo, std::memory_order_relaxed);  // relaxed: a flag the main thread polls
+  ::signal(signo, SIG_DFL);                               // a second one ends the process at once
+}
+
+// The names of the servers start_server_process() started (main thread only).
+std::vector<std::string>& started_servers() {
+  static std::vector<std::string> names;
+  return names;
+}
+
+}  // namespace
+
+void catch_stop_signals() {
+  for (size_t k = 0; k < std::size(kStopSignals); ++k) {
+    struct sigaction old {};
+    if (::sigaction(kStopSignals[k], nullptr, &old) != 0 || old.sa_handler == SIG_IGN) continue;
+    struct sigaction stop {};
+    stop.sa_handler = on_stop_signal;
+    sigemptyset(&stop.sa_mask);
+    g_caught[k] = ::sigaction(kStopSignals[k], &stop, nullptr) == 0;
+  }
+}
+
+int stop_signal() noexcept { return g_stop_signal.load(std::memory_order_relaxed); }  // relaxed: a flag
+
+Status stopped_status() {
+  const int signo = stop_signal();
+  return {ErrorCode::kInterrupted, "stopped by signal " + std::to_string(signo) + " (" + ::strsignal(signo) + ")"};
+}
+
+void die_of_stop_signal() {
+  const int signo = stop_signal();
+  if (signo == 0) return;
+  std::fflush(nullptr);
+  ::signal(signo, SIG_DFL);
+  ::raise(signo);
+}
+
+void remove_orphan_buffers() {
+  for (const std::string& name : started_servers())
+    for (const shm::OrphanBuffer& b : shm::orphan_buffers(name)) shm::ShmObject::remove(b.object_name);
+}
+
 // ------------------------------------------------------------ processes
+
+Result<Child> fork_child(const std::function<int()>& fn) {
+  return ChildProcess::fork_run(
+      [fn] {
+        for (size_t k = 0; k < std::size(kStopSignals); ++k)
+          if (g_caught[k]) ::signal(kStopSignals[k], SIG_DFL);
+        return fn();
+      },
+      /*die_with_parent=*/true);
+}
 
 bool read_full(int fd, void* buf, size_t n) {
   auto* p = static_cast<char*>(buf);
@@ -291,7 +357,7 @@ constexpr size_t kHeaderBytes = (sizeof(ArenaHeader) + 63) / 64 * 64;
 }  // namespace
 
 Result<Series> run_children(uint32_t children, uint32_t series, size_t max_samples, const ChildBody& body,
-                            const std::function<void()>& on_arrived) {
+                            const std::function<void()>& on_arrived, uint64_t run_limit_ns) {
   const size_t block = sizeof(uint64_t) + max_samples * sizeof(double);
   auto arena = SharedArena::create(kHeaderBytes + size_t{children} * series * block);
   if (!arena.ok()) return arena.status();
@@ -321,24 +387,47 @@ Result<Series> run_children(uint32_t children, uint32_t series, size_t max_sampl
     procs.push_back(std::move(child).value());
   }
 
+  // Returning early, the Child destructors kill and reap the children.
   const auto failure = [&](const std::string& why) {
     const std::string text(header->error, strnlen(header->error, sizeof header->error));
     return Status{ErrorCode::kInternal, text.empty() ? why : text};
   };
   const uint64_t setup_deadline = now_ns() + 300'000'000'000ull;
   while (header->barrier.arrived.load(std::memory_order_acquire) < children) {  // SYNC(bench_arrived)
+    if (stop_signal() != 0) return stopped_status();
     for (Child& p : procs) {
       int code = 0;
       if (p.try_wait(&code)) return failure("a measuring child exited with " + std::to_string(code) + " during setup");
     }
-    if (now_ns() > setup_deadline) return failure("measuring children did not finish their setup within 300 s");
+    if (now_ns() > setup_deadline)
+      return Status{ErrorCode::kTimeout, "measuring children did not finish their setup within 300 s: killed"};
     sleep_ns(200'000);
   }
   if (on_arrived) on_arrived();
   header->barrier.go.store(1, std::memory_order_release);  // SYNC(bench_go)
-  for (Child& p : procs) {
-    const int code = p.wait();
-    if (code != 0) return failure("a measuring child exited with " + std::to_string(code));
+  // Polled, not waited for: a child blocked on a dead peer (a baseline
+  // server's queue, say) must not hang the benchmark. 10 ms apart: the
+  // children time themselves; only the return waits for the poll.
+  const uint64_t run_deadline = now_ns() + run_limit_ns;
+  for (size_t running = procs.size(); running > 0;) {
+    if (stop_signal() != 0) return stopped_status();
+    running = 0;
+    for (Child& p : procs) {
+      if (!p.running()) continue;
+      int code = 0;
+      if (!p.try_wait(&code)) {
+        ++running;
+        continue;
+      }
+      if (code != 0) return failure("a measuring child exited with " + std::to_string(code));
+    }
+    if (running == 0) break;
+    if (now_ns() > run_deadline)
+      return Status{ErrorCode::kTimeout, std::to_string(running) + " of " + std::to_string(children) +
+                                             " measuring children still running " +
+                                             std::to_string(run_limit_ns / 1'000'000'000) +
+                                             " s after the start barrier: killed (a peer that stopped answering?)"};
+    sleep_ns(10'000'000);
   }
 
   Series merged(series);
@@ -418,6 +507,7 @@ Result<std::unique_ptr<ServerProcess>> start_server_process(const std::string& s
   o.spawn.log_path = log_path;
   o.spawn.die_with_parent = true;
   o.start_timeout = std::chrono::seconds(120);
+  started_servers().push_back(name);
   return ServerProcess::start(o);
 }
 

@@ -150,12 +150,34 @@ class SharedArena {
 bool read_full(int fd, void* buf, size_t n);
 bool write_full(int fd, const void* buf, size_t n);
 
+// ------------------------------------------------------------ stopping
+
+// A benchmark stopped by SIGINT (Ctrl-C) or SIGTERM cleans up before it
+// dies: catch_stop_signals() (the parent, first thing) makes the signal a
+// flag; run_children() and the other waits here see it, kill their
+// children and return kInterrupted; the program unwinds (its servers
+// stopped, their segments removed), calls remove_orphan_buffers() and
+// then die_of_stop_signal(), so that a shell sees a process killed by the
+// signal. A second signal takes its default action at once. A signal the
+// benchmark was started with ignored stays ignored; children forked by
+// fork_child() take the default actions again.
+void catch_stop_signals();
+// The signal caught, or 0.
+int stop_signal() noexcept;
+// kInterrupted naming the signal caught.
+Status stopped_status();
+// Dies of the signal caught (returns when none was).
+void die_of_stop_signal();
+// Removes the buffer objects of every server start_server_process() has
+// started in this process that no live process owns (shm::orphan_buffers):
+// those of measuring children killed before they could unregister.
+void remove_orphan_buffers();
+
 // A benchmark's child process (shmps::ChildProcess), forked running a
-// function, which dies with the benchmark.
+// function, which dies with the benchmark; it takes the default action of
+// SIGINT and SIGTERM again (catch_stop_signals()).
 using Child = ChildProcess;
-inline Result<Child> fork_child(const std::function<int()>& fn) {
-  return ChildProcess::fork_run(fn, /*die_with_parent=*/true);
-}
+Result<Child> fork_child(const std::function<int()>& fn);
 
 // The start barrier of concurrent measuring children: each calls
 // arrive_and_wait() once its setup is done; the parent releases all at once.
@@ -168,6 +190,11 @@ struct StartBarrier {
 // Per child, one vector of samples per series (e.g. memcpy ns, push ns).
 using Series = std::vector<std::vector<double>>;
 
+// How long run_children() lets its children run after the start barrier
+// before it kills them: far beyond any section's run, so only a hang (a
+// child blocked on a dead peer) reaches it.
+inline constexpr uint64_t kChildrenRunLimitNs = 600'000'000'000ull;
+
 // Forks `children` processes that run body(index, barrier, series) with
 // `series` empty series each; body must call barrier.arrive_and_wait()
 // exactly once, after its setup and before timing. The parent releases the
@@ -176,10 +203,13 @@ using Series = std::vector<std::vector<double>>;
 // series and child. `on_arrived`, when given, runs in the parent once all
 // children wait at the barrier, before it releases them (e.g. to read their
 // peer's /proc while they hold still). Errors: a child's Status (its
-// message) or its death.
+// message) or its death; kTimeout when the children are not all at the
+// barrier within 300 s or not all done `run_limit_ns` after it (they are
+// killed); kInterrupted on a stop signal (stopped_status()). Children still
+// running when it returns are killed and reaped.
 using ChildBody = std::function<Status(uint32_t index, StartBarrier& barrier, Series& out)>;
 Result<Series> run_children(uint32_t children, uint32_t series, size_t max_samples, const ChildBody& body,
-                            const std::function<void()>& on_arrived = {});
+                            const std::function<void()>& on_arrived = {}, uint64_t run_limit_ns = kChildrenRunLimitNs);
 
 // The physical reference of every latency figure: two processes, two
 // atomics on separate cache lines of one MAP_SHARED page, bouncing a

@@ -4,6 +4,8 @@
 #define BOOST_TEST_MODULE test_bench_smoke
 #include <boost/test/unit_test.hpp>
 
+#include <signal.h>
+
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_processes.hpp"
 #include "test_support.hpp"
 
 namespace fs = std::filesystem;
@@ -97,4 +100,35 @@ BOOST_AUTO_TEST_CASE(fed_bench_refuses_counts_below_one) {
     BOOST_TEST(r.exit_code == 2);
     BOOST_TEST(r.output.find("shmps-fed-bench: " + option + " must be >= 1") != std::string::npos);
   }
+}
+
+// SIGINT to shmps-bench while its workers push: it stops them and its
+// servers and removes every object it named in /dev/shm (the segments,
+// and the buffers of the workers it killed, which no one unregistered)
+// before it dies of the signal.
+BOOST_AUTO_TEST_CASE(sigint_mid_run_leaves_nothing_in_dev_shm) {
+  Scratch scratch;
+  const fs::path out = scratch.dir / "out.txt";
+  const std::string cmd = "exec " + shmps::test::shell_quote(shmps::test::program_path("shmps-bench")) +
+                          " --section 5 --repeats 1 --tail-pushes 4000 --server " +
+                          shmps::test::shell_quote(shmps::test::program_path("shmps-server")) + " >" +
+                          shmps::test::shell_quote(out.string()) + " 2>&1";
+  Process bench = Process::spawn({"/bin/sh", "-c", cmd});
+  const std::string mine = "bench_" + std::to_string(bench.pid()) + "_";
+  const auto buffers_registered = [&] {
+    for (const std::string& name : shmps::bench_test::shm_objects_with(mine))
+      if (name.find(".p") != std::string::npos) return true;  // a worker's buffer: shmps.<server>.p<pid>.<n>
+    return false;
+  };
+  BOOST_REQUIRE_MESSAGE(shmps::test::eventually(buffers_registered, 100s), "no worker buffer within 100 s:\n"
+                                                                               << shmps::test::read_file(out));
+  BOOST_TEST_MESSAGE("before SIGINT: " << shmps::bench_test::joined(shmps::bench_test::shm_objects_with(mine)));
+  ::kill(bench.pid(), SIGINT);
+  const int rc = bench.wait(60s);
+  const std::string output = shmps::test::read_file(out);
+  BOOST_TEST_INFO(output);
+  BOOST_TEST(rc == 128 + SIGINT);  // died of it, as a shell expects
+  BOOST_TEST(output.find("stopped by signal 2") != std::string::npos);
+  const auto left = shmps::bench_test::shm_objects_with(mine);
+  BOOST_TEST(left.empty(), "left in /dev/shm: " << shmps::bench_test::joined(left));
 }
