@@ -8,7 +8,9 @@
 //   - push round trip of a 4 KB gradient from device memory (Worker::push,
 //     blocking, on the caller's stream), p50/p99, against a shmps-server
 //     --backend cuda;
-//   - pushes/s of 8 worker processes on one GPU (this program re-executed);
+//   - pushes/s of 8 worker processes on one GPU (this program re-executed),
+//     all counting over one window of CLOCK_MONOTONIC given to every one
+//     after all are set up;
 //   - a 64 MiB gradient three ways: shmps push+apply by IPC handle, the same
 //     work in one process (check + apply on a stream), and the staged path a
 //     user would otherwise build (device to pinned host, a Unix socket to a
@@ -19,11 +21,13 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -71,6 +75,7 @@ void reap(pid_t pid) {
 
 using shmps::bench::beside_this_program;
 using shmps::bench::median;
+using shmps::bench::now_ns;
 using shmps::bench::percentile;
 using shmps::bench::read_full;
 using shmps::bench::write_full;
@@ -264,38 +269,88 @@ std::unique_ptr<shmps::ServerProcess> start_server(const std::string& tag, uint6
   return std::move(s).value();
 }
 
-// Pushes the server's whole model (4 KB or 64 MiB here) from device memory
-// with Worker::push on a stream of its own for `seconds`; returns pushes/s
-// (p50/p99 of the round trip in *lat_us when given).
+// A worker of server `name` that pushes the server's whole model (4 KB or
+// 64 MiB here) from device memory with Worker::push on a stream of its own.
+class DevicePusher {
+ public:
+  explicit DevicePusher(const std::string& name) {
+    shmps::WorkerOptions o;
+    o.name = name;
+    auto w = shmps::Worker::connect(o);
+    if (!w.ok()) die("connect: " + w.status().to_string());
+    worker_ = std::move(w).value();
+    bytes_ = worker_->total_elements() * 4;
+    CK(cudaMalloc(&grad_, bytes_));
+    CK(cudaMemset(grad_, 0, bytes_));
+    CK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    auto id = worker_->register_device_buffer(grad_, bytes_);
+    if (!id.ok()) die("register_device_buffer: " + id.status().to_string());
+    id_ = *id;
+  }
+  ~DevicePusher() {
+    (void)worker_->unregister_buffer(id_);
+    (void)cudaStreamDestroy(stream_);
+    (void)cudaFree(grad_);
+  }
+  DevicePusher(const DevicePusher&) = delete;
+  DevicePusher& operator=(const DevicePusher&) = delete;
+  // One blocking push of the whole model; dies with the error.
+  void push() {
+    auto v = worker_->push(shmps::kAllTensors, id_, 0, bytes_, shmps::Dtype::kF32, version_, stream_);
+    if (!v.ok()) die("push: " + v.status().to_string());
+    version_ = *v;
+  }
+
+ private:
+  std::unique_ptr<shmps::Worker> worker_;
+  uint64_t bytes_ = 0;
+  void* grad_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  uint32_t id_ = 0;
+  uint64_t version_ = 0;
+};
+
+// Pushes for `seconds` as one DevicePusher; returns pushes/s (p50/p99 of
+// the round trip in *lat_us when given).
 double push_loop(const std::string& name, double seconds, std::vector<double>* lat_us) {
-  shmps::WorkerOptions o;
-  o.name = name;
-  auto w = shmps::Worker::connect(o);
-  if (!w.ok()) die("connect: " + w.status().to_string());
-  const uint64_t bytes = (*w)->total_elements() * 4;
-  void* grad = nullptr;
-  CK(cudaMalloc(&grad, bytes));
-  CK(cudaMemset(grad, 0, bytes));
-  cudaStream_t stream = nullptr;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  auto id = (*w)->register_device_buffer(grad, bytes);
-  if (!id.ok()) die("register_device_buffer: " + id.status().to_string());
-  uint64_t n = 0, version = 0;
+  DevicePusher pusher(name);
+  uint64_t n = 0;
   const auto start = Clock::now();
   const auto end = start + std::chrono::duration<double>(seconds);
   while (Clock::now() < end) {
     const auto t0 = Clock::now();
-    auto v = (*w)->push(shmps::kAllTensors, *id, 0, bytes, shmps::Dtype::kF32, version, stream);
-    if (!v.ok()) die("push: " + v.status().to_string());
-    version = *v;
+    pusher.push();
     if (lat_us) lat_us->push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     ++n;
   }
-  const double rate = static_cast<double>(n) / std::chrono::duration<double>(Clock::now() - start).count();
-  (void)(*w)->unregister_buffer(*id);
-  (void)cudaStreamDestroy(stream);
-  (void)cudaFree(grad);
-  return rate;
+  return static_cast<double>(n) / std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// One of the 8 push workers (--push-worker NAME GO_FD): sets up, pushes
+// once (the server opens the IPC handle), prints "ready", then reads the
+// window [start, end) (two uint64 of CLOCK_MONOTONIC ns) from GO_FD, which
+// the parent writes once every worker is ready; prints the pushes that
+// completed within the window. The same window for all: their counts add
+// up to the server's rate over it.
+int push_worker(const std::string& name, int go_fd) {
+  DevicePusher pusher(name);
+  pusher.push();
+  std::printf("ready\n");
+  std::fflush(stdout);
+  uint64_t window[2] = {};
+  if (!read_full(go_fd, window, sizeof window)) die("push worker: no window from the parent");
+  ::close(go_fd);
+  if (now_ns() >= window[0]) die("push worker: the window had begun before it was received");
+  const timespec start{static_cast<time_t>(window[0] / 1'000'000'000), static_cast<long>(window[0] % 1'000'000'000)};
+  while (::clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &start, nullptr) == EINTR) {
+  }
+  uint64_t n = 0;
+  while (now_ns() < window[1]) {
+    pusher.push();
+    if (now_ns() <= window[1]) ++n;
+  }
+  std::printf("%llu\n", static_cast<unsigned long long>(n));
+  return 0;
 }
 
 // ---------------------------------------------------------------- device bandwidth
@@ -328,9 +383,8 @@ int main(int argc, char** argv) {
     if (a == "--quick")
       quick = true;
     else if (a == "--push-worker" && i + 2 < argc) {
-      // Internal: one of the 8 worker processes; prints its pushes/s.
-      std::printf("%.1f\n", push_loop(argv[i + 1], std::atof(argv[i + 2]), nullptr));
-      return 0;
+      // Internal: one of the 8 worker processes (push_worker()).
+      return push_worker(argv[i + 1], std::atoi(argv[i + 2]));
     } else if (a == "--help" || a == "-h") {
       std::printf(
           "usage: shmps-gpu-bench [--quick | --version]\n  the CUDA backend's apply throughput, IPC open cost, push "
@@ -441,30 +495,52 @@ int main(int argc, char** argv) {
   std::printf("%-28s %12.1f %12.1f %10zu\n", "device buffer, blocking push", percentile(lat, 0.5),
               percentile(lat, 0.99), lat.size());
 
-  // 8 worker processes (this program with --push-worker), one GPU.
+  // 8 worker processes (this program with --push-worker), one GPU, one
+  // window: each reads its start and end from the go pipe (its read end
+  // inherited, the write end close-on-exec) once all 8 said "ready".
   const int workers = 8;
   const double seconds = quick ? 2.0 : 5.0;
+  int go[2];
+  if (::pipe(go) != 0 || ::fcntl(go[1], F_SETFD, FD_CLOEXEC) != 0) die("pipe");
   std::vector<FILE*> pipes;
   for (int i = 0; i < workers; ++i) {
     const std::string cmd = "'" + beside_this_program("shmps-gpu-bench") + "' --push-worker " + server->name() + " " +
-                            std::to_string(seconds);
+                            std::to_string(go[0]);
     FILE* f = ::popen(cmd.c_str(), "r");
     if (f == nullptr) die("popen");
     pipes.push_back(f);
   }
-  double total = 0;
+  ::close(go[0]);
+  int ready = 0;
+  for (FILE* f : pipes) {
+    char line[16] = {};
+    if (std::fgets(line, sizeof line, f) != nullptr && std::string(line) == "ready\n") ++ready;
+  }
+  if (ready == workers) {
+    // 250 ms for the last worker to read it; then every count covers the same window.
+    const uint64_t start = now_ns() + 250'000'000, end = start + static_cast<uint64_t>(seconds * 1e9);
+    for (int i = 0; i < workers; ++i) {
+      const uint64_t window[2] = {start, end};
+      if (!write_full(go[1], window, sizeof window)) break;
+    }
+  }
+  ::close(go[1]);  // a worker still waiting reads end of file and fails
+  uint64_t total = 0;
   int failed = 0;
   for (FILE* f : pipes) {
-    double rate = 0;
-    const bool read = std::fscanf(f, "%lf", &rate) == 1;
+    unsigned long long count = 0;
+    const bool read = std::fscanf(f, "%llu", &count) == 1;
     const int status = ::pclose(f);
     if (read && WIFEXITED(status) && WEXITSTATUS(status) == 0)
-      total += rate;
+      total += count;
     else
       ++failed;
   }
-  if (failed > 0) die(std::to_string(failed) + " of the " + std::to_string(workers) + " push workers failed");
-  std::printf("%-28s %12.0f pushes/s (sum of %d processes, 4 KB each)\n", "8 workers, one GPU", total, workers);
+  if (failed > 0 || ready != workers)
+    die(std::to_string(std::max(failed, workers - ready)) + " of the " + std::to_string(workers) +
+        " push workers failed");
+  std::printf("%-28s %12.0f pushes/s (%d processes, 4 KB each, over one %.0f s window)\n", "8 workers, one GPU",
+              static_cast<double>(total) / seconds, workers, seconds);
   server->stop();
 
   // A 64 MiB gradient: shmps push+apply, the same work in one process,
