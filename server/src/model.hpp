@@ -51,6 +51,11 @@ struct Model {
   // Federation rounds merged into the weights, the join's included: from
   // the first, the weights are the group's (an init is refused).
   uint64_t rounds_merged = 0;
+  // A join's snapshot was taken and the join not abandoned: its merge
+  // keeps what W holds beyond the snapshot, so an init accepted before it
+  // would be averaged into every host's weights by the rounds; an init is
+  // refused from then on, as after a merge.
+  bool federation_joining = false;
   void merged(uint64_t rounds) {
     rounds_merged += rounds;
     unversioned_changes += rounds;

@@ -373,6 +373,12 @@ Answer RequestHandler::init(uint32_t i, const Request& req) {
     return reject(i, req, ErrorCode::kInitRefused,
                   "the weights are the federation's (" + std::to_string(model_.rounds_merged) +
                       " rounds merged): initialise before its group forms");
+  // The join is under way: its snapshot was taken, and its merge makes
+  // rank 0's weights (or the group's anchor) this host's.
+  if (model_.federation_joining)
+    return reject(i, req, ErrorCode::kInitRefused,
+                  "the federation's join is under way (its snapshot taken): the weights become the group's; "
+                  "initialise before its group forms");
   if (!config_.allow_nonfinite) {
     const Result<bool> finite =
         backend_.all_finite(*target->buffer, req.byte_offset, target->elements, kernels::GradDtype::kF32);

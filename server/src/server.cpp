@@ -252,6 +252,11 @@ class Server::Impl {
       fatal(r.status());
       return false;
     }
+    // A join's snapshot (or a round's) makes an init too late; a join
+    // abandoned before any merge leaves the weights this host's until the
+    // next join's snapshot.
+    if (*r == FederationLink::Polled::kSnapshot) model.federation_joining = true;
+    if (*r == FederationLink::Polled::kDiscard && model.rounds_merged == 0) model.federation_joining = false;
     if (*r == FederationLink::Polled::kNothing || *r == FederationLink::Polled::kSnapshot)
       return *r == FederationLink::Polled::kSnapshot;
     if (*r == FederationLink::Polled::kMerge) model.merged(1);

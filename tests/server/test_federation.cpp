@@ -1836,6 +1836,52 @@ BOOST_AUTO_TEST_CASE(an_init_after_the_join_is_refused) {
   BOOST_TEST(pull_weights(two.names[1])[0] == 0.0f);  // unchanged
 }
 
+// An init that arrives while the join is under way (its snapshot taken,
+// the join's first collective waiting for a slower host, as an MPI
+// allgather does for the slowest rank) is refused as one after it: the
+// join's merge would otherwise carry it into host 1's weights, and the
+// rounds into every host's. Rank 0's weights (zeros) stay everybody's.
+BOOST_AUTO_TEST_CASE(an_init_while_the_join_is_under_way_is_refused) {
+  FederationConfig f;
+  f.every_ms = 30;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool reached = false, released = false;
+  int calls = 0;
+  TwoServers two(
+      f, f, {},
+      [&](uint32_t r, FakeEngine& e) {
+        if (r != 1) return;
+        e.before_allgather = [&] {  // host 1's join: held after its snapshot
+          std::unique_lock lock(mu);
+          if (++calls != 1) return;
+          reached = true;
+          cv.notify_all();
+          cv.wait(lock, [&] { return released; });
+        };
+      },
+      /*await_join=*/false);
+  {
+    std::unique_lock lock(mu);
+    BOOST_TEST_REQUIRE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return reached; }));
+  }
+  auto w = test::connect(two.names[1]);
+  auto buf = w->register_buffer(16);
+  BOOST_REQUIRE(buf.ok());
+  std::fill_n(static_cast<float*>(buf->data), 4, 7.0f);
+  const Status init = w->init(buf->id, 0);
+  {
+    std::lock_guard lock(mu);
+    released = true;
+  }
+  cv.notify_all();
+  BOOST_TEST((init.code() == ErrorCode::kInitRefused), init.to_string());
+  BOOST_TEST(init.message().find("join is under way") != std::string::npos, init.message());
+  BOOST_TEST_REQUIRE(test::eventually([&] { return stat(two.names[1], &ServerStats::fed_round) >= 2; }));
+  BOOST_TEST(pull_weights(two.names[0])[0] == 0.0f);
+  BOOST_TEST(pull_weights(two.names[1])[0] == 0.0f);
+}
+
 // A server that stops announces its leave: the other ends federation
 // (0 members in its stats) and keeps serving its workers alone.
 BOOST_AUTO_TEST_CASE(a_stopping_server_leaves_and_the_other_serves_alone) {
