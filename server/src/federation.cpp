@@ -473,15 +473,46 @@ Result<RoundResult> Federator::join(std::span<float> exchange) {
   RoundResult r;
   r.members = m.size;
   uint32_t group_every_ms = 0;
+  // A state the source may be: of the group's lineage where one is known
+  // (a state of unknown lineage, an older checkpoint, rebases onto it,
+  // never replaces it).
+  const auto candidate = [&](const Header& h) {
+    return (h.flags & kFlagHasState) != 0 && (lineage == 0 || h.lineage == lineage);
+  };
+  // The members holding the same state as `h`: its round and anchor.
+  const auto holders = [&](const Header& h) {
+    return static_cast<uint32_t>(std::count_if(all.begin(), all.end(), [&](const Header& o) {
+      return candidate(o) && o.round == h.round && o.anchor_hash == h.anchor_hash;
+    }));
+  };
   for (uint32_t k = 0; k < all.size(); ++k) {
     group_every_ms = std::max(group_every_ms, all[k].every_ms);
+    if (!candidate(all[k])) continue;
     // The newest anchor the group agreed on: it holds every merged round.
-    // Of the group's lineage where one is known: a state of unknown
-    // lineage (an older checkpoint) rebases onto it, never replaces it.
-    const bool of_lineage = lineage == 0 || all[k].lineage == lineage;
-    if ((all[k].flags & kFlagHasState) != 0 && of_lineage && (!r.resumed || all[k].round > all[r.source_rank].round)) {
+    // Two anchors of one lineage at one round are a fork (a round that
+    // completed at some members only, whose others completed a round of
+    // that number without them): the one more members hold wins, the
+    // lowest rank among equals.
+    const Header* source = r.resumed ? &all[r.source_rank] : nullptr;
+    if (source == nullptr || all[k].round > source->round ||
+        (all[k].round == source->round && all[k].anchor_hash != source->anchor_hash &&
+         holders(all[k]) > holders(*source))) {
       r.source_rank = k;
       r.resumed = true;
+    }
+  }
+  if (r.resumed) {
+    const Header& source = all[r.source_rank];
+    for (uint32_t k = 0; k < all.size(); ++k) {
+      if (!candidate(all[k]) || all[k].round != source.round || all[k].anchor_hash == source.anchor_hash) continue;
+      if (!r.fork) r.fork_rank = k;
+      r.fork = true;
+      ++r.fork_others;
+    }
+    if (r.fork) {
+      r.fork_holders = holders(source);
+      r.fork_lost =
+          candidate(all[m.rank]) && all[m.rank].round == source.round && all[m.rank].anchor_hash != source.anchor_hash;
     }
   }
   // A fresh group takes rank 0's weights as its anchor.

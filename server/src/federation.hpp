@@ -99,6 +99,17 @@ struct RoundResult {
   // updates applied since the restart, W + (A - W_ckpt) (restore() was
   // given the checkpoint's weights W_ckpt).
   bool restart_updates_kept = false;
+  // The join: members of the group's lineage held another anchor at the
+  // source's round than the source (a fork: a round completed at some
+  // hosts only, and the others completed a round of that number without
+  // them). The anchor more members hold is the source's (the lowest rank
+  // among equals); the other branch's rounds since the fork are replaced,
+  // and each of its hosts keeps its drift since its last merge, rebased.
+  bool fork = false;
+  uint32_t fork_rank = 0;     // then: the lowest rank whose anchor was replaced
+  uint32_t fork_holders = 0;  // the members that held the source's anchor
+  uint32_t fork_others = 0;   // those that held another at its round
+  bool fork_lost = false;     // this host's anchor was one of those replaced
 };
 
 class Federator {
@@ -125,7 +136,9 @@ class Federator {
   // and agrees on the anchor. When no member restored a state, rank 0's
   // weights become the anchor and everybody's weights. Otherwise the
   // source is the member with the highest round (the lowest rank among
-  // equals): its anchor, round and outer momentum become everybody's, and
+  // equals; of members at one round with different anchors, a fork, the
+  // anchor more members hold: RoundResult::fork): its anchor, round and
+  // outer momentum become everybody's, and
   // each member keeps its own drift, rebased onto that anchor:
   // W + (A - own anchor); of a checkpoint older than the source's round,
   // only when the source's record shows every round since completed by

@@ -332,6 +332,16 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
                                 std::to_string(r->source_rank) + "'s anchor"
                           : "; rank 0's weights are the anchor") +
               " (lineage " + hex64(federator_.lineage()) + ")");
+    if (r->fork)
+      log::warn("federation: a fork of lineage " + hex64(federator_.lineage()) + " at round " +
+                std::to_string(r->round) + ": " + std::to_string(r->fork_others) + " member(s) (the lowest rank " +
+                std::to_string(r->fork_rank) + ") held another anchor of that round than rank " +
+                std::to_string(r->source_rank) + " and the " + std::to_string(r->fork_holders - 1) +
+                " other(s) holding its anchor (a round that completed at some hosts only); the anchor more members "
+                "hold is kept, the other branch's rounds since the fork are replaced" +
+                (r->fork_lost ? "; this host's branch is one of those replaced: its drift since its last merge is "
+                                "kept, rebased onto the group's anchor"
+                              : ""));
     // A fresh group's rank 0 keeps its weights (they became the anchor).
     if (!unfederated_checkpoint_.empty() && (r->resumed || m.rank != 0))
       log::warn("federation: the weights restored from " + unfederated_checkpoint_ +

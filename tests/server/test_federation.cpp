@@ -918,6 +918,87 @@ BOOST_AUTO_TEST_CASE(a_round_that_completed_elsewhere_is_not_counted_twice_at_th
   }
 }
 
+// A fork at one round: round 1 completes at host 0 only (hosts 1 and 2
+// see its allreduce fail), hosts 1 and 2 re-form without it and complete
+// a round 1 of their own. When host 0 comes back, the join sees two
+// anchors of one lineage at round 1: the one two members hold wins over
+// host 0's (the lowest rank), every member says so, and host 0 keeps its
+// drift since its merge, rebased onto the winning anchor.
+BOOST_AUTO_TEST_CASE(a_fork_at_one_round_keeps_the_anchor_more_members_hold) {
+  FederationConfig config;
+  config.weight_by_updates = true;
+  Hosts hosts(3, config);
+  for (auto& engine : hosts.engines) engine->is_elastic = true;
+  // Collectives: the join's allgather and broadcast (1, 2), round 1's
+  // allgather and allreduce (3, 4): hosts 1 and 2 fail the allreduce
+  // after host 0 completed it.
+  hosts.engines[1]->fail_after_at = 4;
+  hosts.engines[2]->fail_after_at = 4;
+  std::vector<std::vector<float>> w(3, std::vector<float>(kN, 0.0f));
+  std::vector<Result<RoundResult>> first(3, Status{ErrorCode::kInternal, "not run"});
+  hosts.run([&](uint32_t r, Federator& f) {
+    std::vector<float> ex = w[r];
+    if (!f.join(ex).ok()) return;
+    for (float& v : w[r]) v += static_cast<float>(r + 1);
+    ex = w[r];
+    first[r] = f.round(ex, 1);
+    if (first[r].ok())
+      for (size_t i = 0; i < kN; ++i) w[r][i] += ex[i];
+  });
+  BOOST_TEST_REQUIRE(first[0].ok());
+  BOOST_TEST_REQUIRE(!first[1].ok());
+  BOOST_TEST_REQUIRE(!first[2].ok());
+  const auto regroup = [&](const std::vector<uint32_t>& members,
+                           const std::function<void(uint32_t, Federator&)>& body) {
+    auto group = std::make_shared<FakeGroup>(static_cast<uint32_t>(members.size()));
+    for (uint32_t k = 0; k < members.size(); ++k) hosts.engines[members[k]]->move_to(group, k);
+    std::vector<std::thread> threads;
+    for (uint32_t x : members) threads.emplace_back([&, x] { body(x, *hosts.feds[x]); });
+    for (auto& t : threads) t.join();
+  };
+  // Hosts 1 and 2 (a majority) complete their own round 1.
+  std::vector<Result<RoundResult>> branch(3, Status{ErrorCode::kInternal, "not run"});
+  regroup({1, 2}, [&](uint32_t x, Federator& f) {
+    f.rejoin();
+    std::vector<float> ex = w[x];
+    if (!f.join(ex).ok()) return;
+    for (size_t i = 0; i < kN; ++i) w[x][i] += ex[i] + 10.0f;
+    ex = w[x];
+    branch[x] = f.round(ex, 2);
+    if (branch[x].ok())
+      for (size_t i = 0; i < kN; ++i) w[x][i] += ex[i];
+  });
+  BOOST_TEST_REQUIRE(branch[1].ok());
+  BOOST_TEST_REQUIRE(hosts.feds[0]->round_number() == 1u);
+  BOOST_TEST_REQUIRE(hosts.feds[1]->round_number() == 1u);
+  BOOST_TEST_REQUIRE(hosts.feds[0]->lineage() == hosts.feds[1]->lineage());
+  BOOST_TEST_REQUIRE(hosts.feds[0]->anchor_hash() != hosts.feds[1]->anchor_hash());
+  const std::vector<float> kept(hosts.feds[1]->anchor().begin(), hosts.feds[1]->anchor().end());
+  for (float& v : w[0]) v += 0.5f;  // host 0's drift since its merge
+  std::vector<Result<RoundResult>> joined(3, Status{ErrorCode::kInternal, "not run"});
+  regroup({0, 1, 2}, [&](uint32_t x, Federator& f) {
+    f.rejoin();
+    std::vector<float> ex = w[x];
+    joined[x] = f.join(ex);
+    if (joined[x].ok())
+      for (size_t i = 0; i < kN; ++i) w[x][i] += ex[i];
+  });
+  for (uint32_t x = 0; x < 3; ++x) {
+    BOOST_TEST_REQUIRE(joined[x].ok(), joined[x].status().to_string());
+    BOOST_TEST(joined[x]->source_rank == 1u, "host " << x);
+    BOOST_TEST(joined[x]->fork, "host " << x);     // FORK-FIELDS
+    BOOST_TEST(joined[x]->fork_rank == 0u);        // FORK-FIELDS
+    BOOST_TEST(joined[x]->fork_holders == 2u);     // FORK-FIELDS
+    BOOST_TEST(joined[x]->fork_lost == (x == 0));  // FORK-FIELDS
+    BOOST_TEST(hosts.feds[x]->anchor_hash() == hash_floats(kept), "host " << x);
+  }
+  for (size_t i = 0; i < kN; i += 97) {
+    BOOST_TEST(w[0][i] == kept[i] + 0.5f, i);
+    BOOST_TEST(w[1][i] == kept[i], i);
+    BOOST_TEST(w[2][i] == kept[i], i);
+  }
+}
+
 // The rounds' groups: consecutive rounds of one group share a span; the
 // oldest span goes once there are more than kSpans.
 BOOST_AUTO_TEST_CASE(round_groups_keep_the_last_spans) {
