@@ -334,8 +334,30 @@ Status Federator::gather_headers(uint64_t local_updates, bool leaving, std::vect
   // What each header holds by itself first, over all of them, then how
   // they compare with this host's: every member meets a damaged header in
   // the first loop and refuses it alike, whatever the comparisons would say.
-  for (uint32_t r = 0; r < m.size; ++r)
-    if (Status s = check_header((*all)[r], r); !s.ok()) return s;
+  // Headers this build cannot read (a newer build's bits, damage): the
+  // members whose headers it reads, when they are a strict majority and
+  // this host one of them (its header as the others got it), leave the
+  // others out (kIo: an elastic group
+  // re-forms without them), as for a model mismatch; without a majority,
+  // or over a static engine, every member ends.
+  Status first_refused = Status::Ok();
+  uint32_t readable = 0;
+  for (uint32_t r = 0; r < m.size; ++r) {
+    Status s = check_header((*all)[r], r);
+    if (s.ok())
+      ++readable;
+    else if (first_refused.ok())
+      first_refused = std::move(s);
+  }
+  if (!first_refused.ok()) {
+    const bool kept = 2 * readable > m.size && check_header((*all)[m.rank], m.rank).ok() && engine_.elastic();
+    const std::string count = std::to_string(m.size - readable) + " of " + std::to_string(m.size) + " hosts";
+    return {kept ? ErrorCode::kIo : ErrorCode::kInvalidArgument,
+            first_refused.message() +
+                (kept ? "; leaving out the " + count + " whose headers this build cannot read, as the majority"
+                 : 2 * readable > m.size ? std::string()
+                                         : " (" + count + " sent such headers: no majority reads the others)")};
+  }
   for (uint32_t r = 0; r < m.size; ++r) {
     const Header& h = (*all)[r];
     if (h.model != fingerprint_) {

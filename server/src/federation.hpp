@@ -210,7 +210,10 @@ class Federator {
   struct Header;
   // Gathers every member's header; checks each (check_header()), then
   // their models and rounds against this host's. Fills `all` (one per
-  // member).
+  // member). Headers this build cannot read are refused by the strict
+  // majority whose headers it reads with kIo where the engine re-forms
+  // (leaving their senders out), else with kInvalidArgument, as a model
+  // mismatch is.
   // `non_finite` (the join): this host's weights, anchor or outer momentum
   // hold NaN or Inf.
   Status gather_headers(uint64_t local_updates, bool leaving, std::vector<Header>* all, bool non_finite = false);

@@ -1429,6 +1429,50 @@ BOOST_AUTO_TEST_CASE(a_round_header_with_unknown_bits_is_refused) {
   }
 }
 
+// One joiner of an elastic group whose header this build cannot read
+// (unknown flag bits, a period out of bounds) does not end federation at
+// every host: the two members whose headers are readable, a majority,
+// leave it out (kIo: the group re-forms without it), and it ends (its
+// own header, as the others got it, is the one refused).
+BOOST_AUTO_TEST_CASE(a_joiner_whose_header_cannot_be_read_is_left_out_by_the_majority) {
+  constexpr size_t kFlagsAt = Federator::kHeaderBytes - 12, kEveryAt = Federator::kHeaderBytes - 16;
+  for (const auto& [at, value] : {std::pair{kFlagsAt, uint32_t{1} << 9}, std::pair{kEveryAt, uint32_t{0}}}) {
+    BOOST_TEST_CONTEXT("offset " << at) {
+      Hosts hosts(3, FederationConfig{});
+      for (auto& engine : hosts.engines) engine->is_elastic = true;
+      hosts.engines[2]->on_allgather = [at, value](std::span<std::byte> data) {
+        if (data.size() != Federator::kHeaderBytes) return;
+        uint32_t word;
+        std::memcpy(&word, data.data() + at, 4);
+        word = at == kFlagsAt ? word | value : value;
+        std::memcpy(data.data() + at, &word, 4);
+      };
+      const std::vector<Status> status = join_all(hosts);
+      for (uint32_t r = 0; r < 3; ++r) {
+        BOOST_TEST(mentions(status[r], "host rank 2 sent"), status[r].message());
+        BOOST_TEST(!hosts.feds[r]->state().has_value());
+      }
+      BOOST_TEST(status[0].code() == ErrorCode::kIo);
+      BOOST_TEST(status[1].code() == ErrorCode::kIo);
+      BOOST_TEST(mentions(status[0], "leaving out the 1 of 3 hosts"), status[0].message());
+      BOOST_TEST(status[2].code() == ErrorCode::kInvalidArgument);
+      // The two re-form without it and join.
+      auto pair = std::make_shared<FakeGroup>(2);
+      for (uint32_t r = 0; r < 2; ++r) hosts.engines[r]->move_to(pair, r);
+      std::vector<Status> rejoined(2, Status{ErrorCode::kInternal, "not run"});
+      std::vector<std::thread> threads;
+      for (uint32_t r = 0; r < 2; ++r)
+        threads.emplace_back([&, r] {
+          std::vector<float> ex(kN, 0.0f);
+          hosts.feds[r]->rejoin();
+          rejoined[r] = hosts.feds[r]->join(ex).status();
+        });
+      for (auto& t : threads) t.join();
+      for (uint32_t r = 0; r < 2; ++r) BOOST_TEST(rejoined[r].ok(), rejoined[r].to_string());
+    }
+  }
+}
+
 // Bytes from a peer that cannot be: a source's record of groups damaged in
 // flight (members in an empty span) is refused by every member, nobody's
 // state changed; two members giving one host id are refused too.
@@ -1626,10 +1670,12 @@ BOOST_AUTO_TEST_CASE(non_finite_bytes_from_a_peer_are_refused_not_merged) {
   }
 }
 
-// A damaged header is refused alike by every member, also where another
-// member's model differs: the comparisons with this host's model (kIo at
-// the majority of an elastic group, which would re-form) come after every
-// header was checked by itself, so no member goes on with the damage.
+// A damaged header is refused by every member, also where another
+// member's model differs: the comparisons with this host's model come
+// after every header was checked by itself, so no member goes on with the
+// damage. The two whose headers are readable, a majority of the elastic
+// group, leave its sender out (kIo: they re-form, and meet the model
+// mismatch then); the sender ends.
 BOOST_AUTO_TEST_CASE(a_damaged_header_is_refused_alike_beside_another_model) {
   ModelFingerprint other = fingerprint(kN, 3);
   other.hash = 0x9999;
@@ -1642,8 +1688,9 @@ BOOST_AUTO_TEST_CASE(a_damaged_header_is_refused_alike_beside_another_model) {
   };
   const std::vector<Status> status = join_all(hosts);
   for (uint32_t r = 0; r < 3; ++r) {
-    BOOST_TEST(status[r].code() == ErrorCode::kInvalidArgument);
+    BOOST_TEST(status[r].code() == (r == 2 ? ErrorCode::kInvalidArgument : ErrorCode::kIo));
     BOOST_TEST(mentions(status[r], "host rank 2 sent a round period of 0 ms"), status[r].message());
+    BOOST_TEST(!mentions(status[r], "serves another model"), status[r].message());
   }
 }
 
