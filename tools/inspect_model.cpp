@@ -921,7 +921,8 @@ std::string render_text(const Snapshot& s) {
   else
     o << "  scheduled lr    " << (st.scheduled_lr_pico == shm::kScheduledLrSaturated ? "at least " : "")
       << num(static_cast<double>(st.scheduled_lr_pico) / 1e12) << " (the next update's, by --lr-schedule)\n";
-  o << "  checkpoints     " << st.checkpoints_written << " written, " << st.checkpoint_failures << " failed\n";
+  o << "  checkpoints     " << st.checkpoints_written << " written, " << st.checkpoint_failures << " failed, "
+    << st.checkpoints_deferred << " deferred by a federation round\n";
   const auto since = [&st] {
     return "after round " + std::to_string(st.fed_round) +
            (st.fed_epoch != 0 ? " (epoch " + std::to_string(st.fed_epoch) + ", " : std::string(" (")) +

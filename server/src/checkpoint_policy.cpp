@@ -195,13 +195,37 @@ void CheckpointPolicy::maybe(uint64_t now) {
                                  " not written: reading it from the device failed: " + taken.status().message());
     return;
   }
-  if (!*taken) return;
+  if (!*taken) {
+    defer(now);
+    return;
+  }
+  deferred_since_ns_ = 0;
   retry_due_ = false;
   writer_->submit(std::move(data));
   log::info("checkpoint of version " + std::to_string(model_.version) + " handed to the writer");
   last_version_ = model_.version;
   last_unversioned_ = model_.unversioned_changes;
   last_ns_ = now;
+}
+
+void CheckpointPolicy::defer(uint64_t now) {
+  const uint64_t every_ns =
+      (config_.checkpoint_interval_s != 0 ? uint64_t{config_.checkpoint_interval_s} : uint64_t{60}) * 1'000'000'000;
+  if (deferred_since_ns_ == 0) {
+    deferred_since_ns_ = now;
+    deferred_next_ns_ = now + every_ns;
+    shm::bump(stats_.checkpoints_deferred);
+    return;
+  }
+  if (now < deferred_next_ns_) return;
+  deferred_next_ns_ = now + every_ns;
+  shm::bump(stats_.checkpoints_deferred);
+  log::warn("checkpoint of version " + std::to_string(model_.version) + " overdue by " +
+            std::to_string((now - deferred_since_ns_) / 1'000'000'000) +
+            " s: a federation round has been between its snapshot and its merge since (a host hung?), and the "
+            "federation's state does not match the weights until it merges; the newest checkpoint is version " +
+            (writer_->last_written() ? std::to_string(*writer_->last_written()) : std::string("none")) +
+            " (docs/federation.md, \"Checkpoints and restarts\")");
 }
 
 Status CheckpointPolicy::write_final() {

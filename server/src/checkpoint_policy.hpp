@@ -92,6 +92,13 @@ class CheckpointPolicy {
   // (the next version's checkpoint goes to a file of its own); the first
   // skip is logged.
   bool keeps_unfederated_checkpoint();
+  // A due checkpoint that the federation's state defers (a round between
+  // its snapshot and its merge): counted in checkpoints_deferred, once
+  // when it starts waiting and once per interval (--checkpoint-interval-s,
+  // else 60 s) it keeps waiting, each of those logged: a round that hangs
+  // (a peer that hung under MPI keeps it open for good) stops
+  // checkpointing while local pushes are served.
+  void defer(uint64_t now);
   // Hands a snapshot to the writer when a trigger fired and it is idle;
   // never waits for the disk. A trigger that finds the writer busy fires
   // again on the next push or tick, so under load a checkpoint may land a
@@ -118,6 +125,11 @@ class CheckpointPolicy {
   bool retry_due_ = false;       // a write failed: try again once the pause is over
   uint64_t written_seen_ = 0;    // CheckpointWriter::written() at the last publish_result()
   uint64_t unread_ = 0;          // checkpoints not written because the backend's read failed
+  // A due checkpoint waiting for the federation's state (a round between
+  // its snapshot and its merge): since when (0: none waits), and when the
+  // next warning (and count) is due.
+  uint64_t deferred_since_ns_ = 0;
+  uint64_t deferred_next_ns_ = 0;
   FederationSource federation_source_;
   std::optional<FederationState> restored_federation_;
   std::vector<float> restored_weights_;  // with restored_federation_ only

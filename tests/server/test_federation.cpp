@@ -1724,12 +1724,14 @@ ServerConfig federated_config(uint32_t r, const FederationConfig& f, const std::
 struct TwoServers {
   // `setup`: run on each host's engine before its server runs (the
   // federation thread reads what it sets). `await_join`: return once both
-  // joined (else at once).
+  // joined (else at once). `configure`: run on each host's configuration.
   TwoServers(FederationConfig a, FederationConfig b, std::array<std::string, 2> checkpoint_dirs = {},
-             const std::function<void(uint32_t, FakeEngine&)>& setup = nullptr, bool await_join = true)
+             const std::function<void(uint32_t, FakeEngine&)>& setup = nullptr, bool await_join = true,
+             const std::function<void(uint32_t, ServerConfig&)>& configure = nullptr)
       : group(std::make_shared<FakeGroup>(2)) {
     for (uint32_t r = 0; r < 2; ++r) {
-      const ServerConfig c = federated_config(r, r == 0 ? a : b, checkpoint_dirs[r]);
+      ServerConfig c = federated_config(r, r == 0 ? a : b, checkpoint_dirs[r]);
+      if (configure) configure(r, c);
       names.push_back(c.name);
       auto engine = std::make_unique<FakeEngine>(group, r);
       if (setup) setup(r, *engine);
@@ -2055,6 +2057,60 @@ BOOST_AUTO_TEST_CASE(weights_changed_only_by_merges_are_checkpointed) {
   BOOST_TEST_REQUIRE(data.ok(), data.status().to_string());
   BOOST_TEST(data->version == 0u);
   for (float w : data->weights) BOOST_TEST(w == 2.0f);
+}
+
+// A round that hangs in its exchange (a peer hung: MPI keeps it open for
+// good) defers the periodic checkpoints, since the federation's state does
+// not match the weights until it merges: each interval they wait is
+// counted in checkpoints_deferred (and logged), not skipped unseen; once
+// the round merges, the next checkpoint goes through.
+BOOST_AUTO_TEST_CASE(checkpoints_deferred_by_a_hung_round_are_counted) {
+  test::TempDir dir("fedhung");
+  FederationConfig f;
+  f.every_ms = 30;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool armed = true, reached = false, released = false;
+  TwoServers two(
+      f, f, {dir.path.string(), ""},
+      [&](uint32_t r, FakeEngine& e) {
+        if (r != 0) return;
+        e.before_allreduce = [&] {  // host 0's first round with updates: held in its exchange
+          std::unique_lock lock(mu);
+          if (!armed) return;
+          armed = false;
+          reached = true;
+          cv.notify_all();
+          cv.wait(lock, [&] { return released; });
+        };
+      },
+      /*await_join=*/false, [](uint32_t r, ServerConfig& c) { c.checkpoint_interval_s = r == 0 ? 1 : 0; });
+  const auto release = [&] {
+    {
+      std::lock_guard lock(mu);
+      released = true;
+    }
+    cv.notify_all();
+  };
+  push_halves(two.names[0], 1);
+  {
+    std::unique_lock lock(mu);
+    BOOST_TEST_REQUIRE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return reached; }));
+  }
+  const uint64_t written = block_stat(two.names[0], &shm::StatsBlock::checkpoints_written);
+  // Pushes are served meanwhile (overlap); 1 s interval: due within about
+  // a second, then counted again after each further second it waits.
+  for (int k = 0; k < 25; ++k) {
+    push_halves(two.names[0], 1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const uint64_t deferred = block_stat(two.names[0], &shm::StatsBlock::checkpoints_deferred);
+  const uint64_t written_hung = block_stat(two.names[0], &shm::StatsBlock::checkpoints_written);
+  release();
+  BOOST_TEST(written_hung == written);  // none while the round hangs
+  BOOST_TEST(deferred >= 2u, "checkpoints deferred: " << deferred);
+  BOOST_TEST(
+      test::eventually([&] { return block_stat(two.names[0], &shm::StatsBlock::checkpoints_written) > written_hung; }));
 }
 
 // A federated host that restores a checkpoint without federation state (a

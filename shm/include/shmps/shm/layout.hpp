@@ -575,6 +575,7 @@ inline constexpr uint64_t kScheduledLrSaturated = ~uint64_t{0} - 1;
   X(scheduled_lr_pico, gauge, "The lr the next update gets by --lr-schedule (before --staleness-policy scale); +Inf: not finite.") \
   X(checkpoints_written, counter, "Checkpoints this server wrote (--checkpoint-dir).") \
   X(checkpoint_failures, counter, "Checkpoints that failed: the device's read or the write (the error is in the log).") \
+  X(checkpoints_deferred, counter, "Checkpoints due that waited for a federation round to merge (its state does not match the weights until then), once per interval waited.") \
   X(pulls_held, gauge, "Pulls held back now by --staleness-policy wait (their workers wait for the slowest).")
 // clang-format on
 #define SHMPS_STATS_COUNT(name, kind, help) +1
