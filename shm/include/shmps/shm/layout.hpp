@@ -67,7 +67,8 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 //     checkpoints_written, checkpoint_failures; 48 counter slots
 //     (StatsBlock 2176 B).
 // 13: Completion::flags (a reserved word before): kCompletionMessageCut.
-inline constexpr uint32_t kLayoutVersion = 13;
+// 14: StatsBlock::checkpoints_deferred (a reserved counter slot before).
+inline constexpr uint32_t kLayoutVersion = 14;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;  // 4 doorbell words
@@ -575,8 +576,8 @@ inline constexpr uint64_t kScheduledLrSaturated = ~uint64_t{0} - 1;
   X(scheduled_lr_pico, gauge, "The lr the next update gets by --lr-schedule (before --staleness-policy scale); +Inf: not finite.") \
   X(checkpoints_written, counter, "Checkpoints this server wrote (--checkpoint-dir).") \
   X(checkpoint_failures, counter, "Checkpoints that failed: the device's read or the write (the error is in the log).") \
-  X(checkpoints_deferred, counter, "Checkpoints due that waited for a federation round to merge (its state does not match the weights until then), once per interval waited.") \
-  X(pulls_held, gauge, "Pulls held back now by --staleness-policy wait (their workers wait for the slowest).")
+  X(pulls_held, gauge, "Pulls held back now by --staleness-policy wait (their workers wait for the slowest).") \
+  X(checkpoints_deferred, counter, "Checkpoints due that waited for a federation round to merge (its state does not match the weights until then), once per interval waited.")
 // clang-format on
 #define SHMPS_STATS_COUNT(name, kind, help) +1
 inline constexpr size_t kStatsBlockCounters = 0 SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_COUNT);
