@@ -27,6 +27,7 @@
 #include "shmps/cli.hpp"
 #include "shmps/shm/futex.hpp"
 #include "shmps/shm/segment.hpp"
+#include "shmps/stop_signals.hpp"
 #include "shmps/worker.hpp"
 
 namespace shmps::bench {
@@ -246,18 +247,6 @@ SharedArena::~SharedArena() {
 
 namespace {
 
-constexpr int kStopSignals[] = {SIGINT, SIGTERM};
-std::atomic<int> g_stop_signal{0};
-static_assert(std::atomic<int>::is_always_lock_free, "written by a signal handler");
-// Which of kStopSignals catch_stop_signals() caught (written before any
-// handler runs or any child is forked).
-bool g_caught[std::size(kStopSignals)] = {};
-
-void on_stop_signal(int signo) {
-  g_stop_signal.store(signo, std::memory_order_relaxed);  // relaxed: a flag the main thread polls
-  ::signal(signo, SIG_DFL);                               // a second one ends the process at once
-}
-
 // The names of the servers start_server_process() started (main thread only).
 std::vector<std::string>& started_servers() {
   static std::vector<std::string> names;
@@ -266,31 +255,16 @@ std::vector<std::string>& started_servers() {
 
 }  // namespace
 
-void catch_stop_signals() {
-  for (size_t k = 0; k < std::size(kStopSignals); ++k) {
-    struct sigaction old {};
-    if (::sigaction(kStopSignals[k], nullptr, &old) != 0 || old.sa_handler == SIG_IGN) continue;
-    struct sigaction stop {};
-    stop.sa_handler = on_stop_signal;
-    sigemptyset(&stop.sa_mask);
-    g_caught[k] = ::sigaction(kStopSignals[k], &stop, nullptr) == 0;
-  }
-}
+void catch_stop_signals() { stop_signals::catch_signals({SIGINT, SIGTERM}); }
 
-int stop_signal() noexcept { return g_stop_signal.load(std::memory_order_relaxed); }  // relaxed: a flag
+int stop_signal() noexcept { return stop_signals::caught(); }
 
 Status stopped_status() {
   const int signo = stop_signal();
   return {ErrorCode::kInterrupted, "stopped by signal " + std::to_string(signo) + " (" + ::strsignal(signo) + ")"};
 }
 
-void die_of_stop_signal() {
-  const int signo = stop_signal();
-  if (signo == 0) return;
-  std::fflush(nullptr);
-  ::signal(signo, SIG_DFL);
-  ::raise(signo);
-}
+void die_of_stop_signal() { stop_signals::die_of_caught(); }
 
 void remove_orphan_buffers() {
   for (const std::string& name : started_servers())
@@ -302,8 +276,7 @@ void remove_orphan_buffers() {
 Result<Child> fork_child(const std::function<int()>& fn) {
   return ChildProcess::fork_run(
       [fn] {
-        for (size_t k = 0; k < std::size(kStopSignals); ++k)
-          if (g_caught[k]) ::signal(kStopSignals[k], SIG_DFL);
+        stop_signals::restore_defaults();
         return fn();
       },
       /*die_with_parent=*/true);

@@ -143,7 +143,10 @@ int Trainer::run() {
 // e.g. a full disk) is a warning.
 int Trainer::stop_own_server() {
   std::optional<uint64_t> failures_before;
-  if (server_ != nullptr) failures_before = counters_.checkpoint_failures(eval_->generation());
+  if (server_ != nullptr) {
+    note_checkpoint_failures(/*now=*/true);  // those of the run, before the final one's
+    failures_before = counters_.checkpoint_failures(eval_->generation());
+  }
   eval_.reset();  // detach before the server stops
   if (server_ == nullptr || server_->stop()) return 0;
   const std::optional<uint64_t> failures_after = counters_.mapped_checkpoint_failures();
@@ -157,10 +160,11 @@ int Trainer::stop_own_server() {
 }
 
 // Warns once when the server fails to write a checkpoint: a restart would
-// resume from an older one. Checks at most once a second; call after a
-// call of eval_ succeeded (checkpoint_failures()'s precondition).
-void Trainer::note_checkpoint_failures() {
-  if (failures_warned_ || Clock::now() < next_failures_check_) return;
+// resume from an older one. Checks at most once a second, but `now` (the
+// end of the run, so that a run shorter than that is checked too); call
+// after a call of eval_ succeeded (checkpoint_failures()'s precondition).
+void Trainer::note_checkpoint_failures(bool now) {
+  if (failures_warned_ || (!now && Clock::now() < next_failures_check_)) return;
   next_failures_check_ = Clock::now() + std::chrono::seconds(1);
   const uint64_t generation = eval_->generation();
   if (generation != failures_generation_) {  // a restarted server counts from 0

@@ -50,7 +50,7 @@ class Trainer {
   Result<Snapshot> pull_snapshot();
   bool counts_agree(const SharedSlots& slots, const ServerStats& end, uint64_t total) const;
   void rebase(const ServerStats& stats);
-  void note_checkpoint_failures();
+  void note_checkpoint_failures(bool now = false);
   int stop_own_server();
 
   // Constant once run() has begun.
