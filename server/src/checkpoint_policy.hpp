@@ -95,7 +95,7 @@ class CheckpointPolicy {
   // A due checkpoint that the federation's state defers (a round between
   // its snapshot and its merge): counted in checkpoints_deferred, once
   // when it starts waiting and once per interval (--checkpoint-interval-s,
-  // else 60 s) it keeps waiting, each of those logged: a round that hangs
+  // else 60 s) it keeps waiting, each of the latter logged: a round that hangs
   // (a peer that hung under MPI keeps it open for good) stops
   // checkpointing while local pushes are served.
   void defer(uint64_t now);

@@ -71,6 +71,8 @@ class FederationLink {
   // Consumer thread: whether the thread waits for poll() (for the idle
   // loop's decision to sleep). Acquire, as a stop flag is read.
   bool wants_consumer() const noexcept;
+  // Whether federation is over, for good (kOff): the host serves alone.
+  bool off() const noexcept { return phase() == Phase::kOff; }
   // Consumer thread: whether a push must wait now (a round in flight
   // without overlap, or the drift cap reached: that one also asks for a
   // round at once). Other requests never wait. A hold lasts at most

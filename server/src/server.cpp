@@ -254,9 +254,12 @@ class Server::Impl {
     }
     // A join's snapshot (or a round's) makes an init too late; a join
     // abandoned before any merge leaves the weights this host's until the
-    // next join's snapshot.
+    // next join's snapshot, and so does federation ended before any merge
+    // (the host serves alone).
     if (*r == FederationLink::Polled::kSnapshot) model.federation_joining = true;
-    if (*r == FederationLink::Polled::kDiscard && model.rounds_merged == 0) model.federation_joining = false;
+    if (model.federation_joining && model.rounds_merged == 0 &&
+        (*r == FederationLink::Polled::kDiscard || federation->off()))
+      model.federation_joining = false;
     if (*r == FederationLink::Polled::kNothing || *r == FederationLink::Polled::kSnapshot)
       return *r == FederationLink::Polled::kSnapshot;
     if (*r == FederationLink::Polled::kMerge) model.merged(1);

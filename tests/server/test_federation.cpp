@@ -2012,6 +2012,28 @@ BOOST_AUTO_TEST_CASE(an_init_while_the_join_is_under_way_is_refused) {
   BOOST_TEST(pull_weights(two.names[1])[0] == 0.0f);
 }
 
+// A join that fails for good before any merge (the hosts serve other
+// models: federation ends at both) leaves each host's weights its own: an
+// init is taken again, as before the join began.
+BOOST_AUTO_TEST_CASE(an_init_after_a_join_that_ended_federation_is_taken) {
+  FederationConfig f;
+  f.every_ms = 30;
+  TwoServers two(f, f, {}, nullptr, /*await_join=*/false, [](uint32_t r, ServerConfig& c) {
+    if (r == 1) c.tensors = {{"w", {8}}};
+  });
+  for (const std::string& name : two.names)
+    BOOST_TEST_REQUIRE(test::eventually([&] {
+      return block_stat(name, &shm::StatsBlock::fed_state) == static_cast<uint64_t>(shm::FederationState::kEnded);
+    }));
+  auto w = test::connect(two.names[0]);
+  auto buf = w->register_buffer(16);
+  BOOST_REQUIRE(buf.ok());
+  std::fill_n(static_cast<float*>(buf->data), 4, 7.0f);
+  const Status init = w->init(buf->id, 0);
+  BOOST_TEST(init.ok(), init.to_string());
+  BOOST_TEST(pull_weights(two.names[0])[0] == 7.0f);
+}
+
 // A server that stops announces its leave: the other ends federation
 // (0 members in its stats) and keeps serving its workers alone.
 BOOST_AUTO_TEST_CASE(a_stopping_server_leaves_and_the_other_serves_alone) {
