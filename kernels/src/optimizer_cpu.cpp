@@ -377,14 +377,16 @@ std::string validation_error(const OptimizerConfig& config, bool lr_zero_ok) {
       first(check_range("--weight-decay", config.weight_decay, 0.0f, true));
       if (error.empty()) {
         // The fp32 scalars make_adam_params() derives: the step size is
-        // largest at step 1, lr / (1 - beta1); past the float range it
-        // would write NaN and Inf into the weights, where torch raises.
+        // largest at step 1, lr / (1 - beta1); AdamW's decoupled decay
+        // factor 1 - lr * wd (Adam's decay is an L2 term on the gradient).
+        // Past the float range either would write NaN and Inf into the
+        // weights, where torch raises.
         const double lr = config.lr;
         const double step_size = lr / (1.0 - static_cast<double>(config.beta1));
         const double decay = 1.0 - lr * static_cast<double>(config.weight_decay);
         if (!std::isfinite(static_cast<float>(step_size)))
           error = "--lr " + number_text(config.lr) + " gives the step size lr / (1 - beta1) past the float range";
-        else if (!std::isfinite(static_cast<float>(decay)))
+        else if (config.kind == OptimizerKind::kAdamW && !std::isfinite(static_cast<float>(decay)))
           error = "--lr " + number_text(config.lr) + " times --weight-decay " + number_text(config.weight_decay) +
                   " is past the float range";
       }

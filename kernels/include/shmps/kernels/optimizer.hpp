@@ -46,8 +46,8 @@ struct OptimizerConfig {
 // Checks the hyperparameters as PyTorch does: lr > 0 (shmps also refuses 0),
 // momentum >= 0, 0 <= dampening, weight_decay >= 0, 0 <= beta1,beta2 < 1,
 // eps > 0, nesterov requires momentum > 0 and dampening == 0, all finite;
-// for Adam and AdamW also the fp32 scalars an update derives: lr / (1 -
-// beta1) and 1 - lr * weight_decay finite (torch raises on them).
+// for Adam and AdamW also the fp32 scalars an update derives finite:
+// lr / (1 - beta1), and AdamW's 1 - lr * weight_decay (torch raises on them).
 // Errors: kInvalidArgument with a message naming the offending option,
 // e.g. "--beta2 must be in [0, 1), got 1".
 Status validate(const OptimizerConfig& config);
