@@ -2,6 +2,7 @@
 they clean up, without training anything and without a timing."""
 
 import os
+import tempfile
 import subprocess
 import sys
 
@@ -70,6 +71,8 @@ def test_federation_hosts_that_do_not_join_are_stopped(tmp_path, monkeypatch):
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     monkeypatch.setattr(federation.Hosts, "JOIN_S", 1, raising=False)
+    # The logs Hosts keeps for the error go under tmp_path, not /tmp.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     pids = []
     try:
         with pytest.raises(SystemExit, match="host 0 joined: not within"):
