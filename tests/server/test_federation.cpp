@@ -2013,8 +2013,8 @@ BOOST_AUTO_TEST_CASE(an_init_while_the_join_is_under_way_is_refused) {
 }
 
 // A join that fails for good before any merge (the hosts serve other
-// models: federation ends at both) leaves each host's weights its own: an
-// init is taken again, as before the join began.
+// models: federation ends at both) leaves each host's weights its own, so
+// an init is taken: no group's anchor will replace them.
 BOOST_AUTO_TEST_CASE(an_init_after_a_join_that_ended_federation_is_taken) {
   FederationConfig f;
   f.every_ms = 30;
