@@ -1,6 +1,6 @@
 // The Gloo engine of the federation: elastic membership over Gloo's TCP
-// transport, agreed through a store every host sees (Gloo's FileStore or
-// RedisStore). Gloo decides no membership of its own: reform() runs the
+// transport, agreed through a store every host sees (a directory, or a
+// Redis server). Gloo decides no membership of its own: reform() runs the
 // agreement below, then Gloo's rendezvous for the agreed (rank, size).
 //
 // One attempt k (docs/federation.md, "Gloo"), with keys written once, each
@@ -12,8 +12,10 @@
 //   a<k>/formed       the group's members, written by its rank 0 once
 //                     the rendezvous went through
 //   floor             a Floor: the attempts up to its epoch F were
-//                     decided (the store was wiped under the group of
-//                     epoch F, or before it formed)
+//                     decided (a group formed past them, or the store was
+//                     wiped under the group of epoch F or before it
+//                     formed); rewritten as it moves up
+//   swept             a Swept: the attempts whose keys were erased
 // A host writes its want, waits until the last epoch's members all want
 // too (or a settle time passes), writes what it saw as its view, and reads
 // the views of the hosts it saw: all equal, the group is those hosts (an
@@ -33,23 +35,28 @@
 // where the group formed past it (as it forms: a store wiped while the
 // group re-formed), writes the floor and the record again, and a
 // newcomer's first attempt is then the one after the group's epoch, as in
-// a store never wiped.
+// a store never wiped. The group's rank 0 also moves the floor up to the
+// attempts before its epoch and erases their keys
+// (sweep_decided_attempts()): a long job's store stays small.
 //
 // Used by the federation thread alone (Gloo's stores are not thread-safe).
+#include <fcntl.h>
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
 #include <gloo/math.h>
 #include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/redis_store.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -58,12 +65,15 @@
 #include <filesystem>
 #include <functional>
 #include <random>
+#include <stdexcept>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 
 #include "fed_store.hpp"
 #include "federation_plugin.hpp"
 #include "shmps/server/federation.hpp"
+#include "shmps/unique_fd.hpp"
 #include "threads.hpp"
 
 namespace shmps::server {
@@ -110,44 +120,43 @@ constexpr const char* kFloorKey = "floor";
 constexpr uint32_t kFloorMagic = 0x46464853;
 // Tags a Want ("SHFW").
 constexpr uint32_t kWantMagic = 0x57464853;
+// The store's key of the Swept record.
+constexpr const char* kSweptKey = "swept";
+// Tags a Swept ("SHFS").
+constexpr uint32_t kSweptMagic = 0x53464853;
+// About how many keys the group's rank 0 erases a round
+// (sweep_decided_attempts()): whole attempts, at least one.
+constexpr size_t kSweepKeysPerRound = 64;
 
 std::string gloo_error(const char* what, const std::exception& e) {
   return std::string("federation (gloo): ") + what + ": " + e.what();
 }
 
-// The job's store with a key prefix, and a check that does not wait;
-// Gloo's own waits poll once a second and its get() waits 30 s whatever
-// the timeout, too slow and too long for noticing a host gone.
+// The job's store: keys under the job's prefix, written once (set) or
+// replaced whole (replace), read without waiting (get: empty when absent),
+// and erased; none of Gloo's own store calls, whose get() waits 30 s for
+// an absent key and whose file store remembers every key it wrote for
+// the life of the process. Throws std::exception on a failed call.
 class JobStore {
  public:
-  // "file:DIR" or "redis:HOST[:PORT][/JOB]". Throws gloo's exceptions.
-  static Result<std::unique_ptr<JobStore>> open(const std::string& spec) {
-    auto parsed = parse_fed_store(spec);
-    if (!parsed.ok()) return parsed.status();
-    const FedStoreSpec& where = *parsed;
-    auto store = std::unique_ptr<JobStore>(new JobStore());
-    if (!where.redis) {
-      std::error_code ec;
-      std::filesystem::create_directories(where.dir, ec);
-      if (ec) return Status{ErrorCode::kIo, "--fed-store " + spec + ": " + ec.message()};
-      auto file = std::make_unique<CheckableFileStore>(where.dir);
-      store->check_ = [f = file.get()](const std::string& key) { return f->check({key}); };
-      store->base_ = std::move(file);
-      return store;
-    }
-    auto redis = std::make_unique<TimedRedisStore>(where.host, where.port);
-    store->check_ = [r = redis.get()](const std::string& key) { return r->check({key}); };
-    store->base_ = std::move(redis);
-    store->prefix_ = where.job + "/";
-    return store;
-  }
+  // "file:DIR" or "redis:HOST[:PORT][/JOB]".
+  static Result<std::unique_ptr<JobStore>> open(const std::string& spec);
+  virtual ~JobStore() = default;
 
-  bool has(const std::string& key) { return check_(prefix_ + key); }
-  void set(const std::string& key, const void* data, size_t n) {
-    const char* p = static_cast<const char*>(data);
-    base_->set(prefix_ + key, std::vector<char>(p, p + n));
+  bool has(const std::string& key) { return exists(prefix_ + key); }
+  // Throws when the key exists.
+  void set(const std::string& key, const void* data, size_t n) { put(prefix_ + key, bytes_of(data, n), /*once=*/true); }
+  void replace(const std::string& key, const void* data, size_t n) {
+    put(prefix_ + key, bytes_of(data, n), /*once=*/false);
   }
-  std::vector<char> get(const std::string& key) { return base_->get(prefix_ + key); }
+  std::vector<char> get(const std::string& key) { return read(prefix_ + key); }
+  // The keys that exist among `keys` are gone.
+  void erase(const std::vector<std::string>& keys) {
+    std::vector<std::string> full;
+    full.reserve(keys.size());
+    for (const std::string& k : keys) full.push_back(prefix_ + k);
+    remove(full);
+  }
   // Until every key exists; false at the deadline or once cancelled.
   bool await(const std::vector<std::string>& keys, Clock::time_point deadline, const std::function<bool()>& cancelled) {
     for (const std::string& k : keys)
@@ -158,27 +167,195 @@ class JobStore {
     return true;
   }
 
+ protected:
+  explicit JobStore(std::string prefix) : prefix_(std::move(prefix)) {}
+
  private:
-  // Gloo's RedisStore with a timeout on every call: hiredis would
-  // otherwise block as long as TCP retries to an unreachable server.
-  class TimedRedisStore : public gloo::rendezvous::RedisStore {
+  static std::vector<char> bytes_of(const void* data, size_t n) {
+    const char* p = static_cast<const char*>(data);
+    return std::vector<char>(p, p + n);
+  }
+  virtual bool exists(const std::string& key) = 0;
+  virtual void put(const std::string& key, const std::vector<char>& value, bool once) = 0;
+  virtual std::vector<char> read(const std::string& key) = 0;
+  virtual void remove(const std::vector<std::string>& keys) = 0;
+
+  const std::string prefix_;
+};
+
+// A directory every host sees: a file per key, named as Gloo's FileStore
+// names it (a hash of the key), so that hosts of builds that used Gloo's
+// store meet this one's. A value appears whole: written to a file of its
+// own, then linked (once: the link fails on an existing key, where Gloo's
+// check-then-rename races) or renamed (replace) into place.
+class FileJobStore final : public JobStore {
+ public:
+  explicit FileJobStore(std::filesystem::path dir) : JobStore(""), dir_(std::move(dir)) {}
+
+ private:
+  std::string path(const std::string& key) const {
+    return (dir_ / std::to_string(std::hash<std::string>{}(key))).string();
+  }
+  [[noreturn]] static void fail(const std::string& what, const std::string& file) {
+    throw std::runtime_error("file store: " + what + " " + file + ": " + std::strerror(errno));
+  }
+
+  bool exists(const std::string& key) override {
+    const std::string file = path(key);
+    if (::access(file.c_str(), F_OK) == 0) return true;
+    if (errno != ENOENT) fail("cannot look at", file);
+    return false;
+  }
+
+  void put(const std::string& key, const std::vector<char>& value, bool once) override {
+    const std::string file = path(key);
+    // Unique among writers: hosts on other machines may share the
+    // directory, so the name carries a random part besides the pid.
+    const std::string tmp = file + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(random_());
+    {
+      const UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+      if (fd.fd < 0) fail("cannot create", tmp);
+      size_t done = 0;
+      while (done < value.size()) {
+        const ssize_t n = ::write(fd.fd, value.data() + done, value.size() - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+          const int saved = errno;
+          ::unlink(tmp.c_str());
+          errno = saved;
+          fail("cannot write", tmp);
+        }
+        done += static_cast<size_t>(n);
+      }
+    }
+    if (!once) {
+      if (::rename(tmp.c_str(), file.c_str()) != 0) {
+        const int saved = errno;
+        ::unlink(tmp.c_str());
+        errno = saved;
+        fail("cannot rename into", file);
+      }
+      return;
+    }
+    const int linked = ::link(tmp.c_str(), file.c_str());
+    const int saved = errno;
+    ::unlink(tmp.c_str());
+    if (linked == 0) return;
+    errno = saved;
+    if (saved == EEXIST) throw std::runtime_error("file store: key '" + key + "' is already set (" + file + ")");
+    fail("cannot link into", file);
+  }
+
+  std::vector<char> read(const std::string& key) override {
+    const std::string file = path(key);
+    const UniqueFd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
+    if (fd.fd < 0) {
+      if (errno == ENOENT) return {};
+      fail("cannot open", file);
+    }
+    struct stat st {};
+    if (::fstat(fd.fd, &st) != 0) fail("cannot stat", file);
+    // Any process that can write the directory wrote it: a value is a
+    // record or a rendezvous address, never this large.
+    if (!S_ISREG(st.st_mode) || st.st_size > kMaxValue)
+      throw std::runtime_error("file store: " + file + " is not a value of this job (" + std::to_string(st.st_size) +
+                               " bytes, not a plain file of at most " + std::to_string(kMaxValue) + ")");
+    std::vector<char> value(static_cast<size_t>(st.st_size));
+    size_t done = 0;
+    while (done < value.size()) {
+      const ssize_t n = ::read(fd.fd, value.data() + done, value.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) fail("cannot read", file);
+      if (n == 0) break;  // a value is never changed in place (a new file is linked or renamed over it)
+      done += static_cast<size_t>(n);
+    }
+    value.resize(done);
+    return value;
+  }
+
+  void remove(const std::vector<std::string>& keys) override {
+    for (const std::string& key : keys) {
+      const std::string file = path(key);
+      if (::unlink(file.c_str()) != 0 && errno != ENOENT) fail("cannot remove", file);
+    }
+  }
+
+  static constexpr off_t kMaxValue = 1 << 20;
+  const std::filesystem::path dir_;
+  std::minstd_rand random_{std::random_device{}()};
+};
+
+// A Redis server, through Gloo's connection to it with a timeout on every
+// call: hiredis would otherwise block as long as TCP retries to an
+// unreachable server.
+class RedisJobStore final : public JobStore {
+ public:
+  RedisJobStore(const std::string& host, int port, const std::string& job) : JobStore(job + "/"), redis_(host, port) {}
+
+ private:
+  // Gloo's RedisStore for its connection and its EXISTS.
+  class Connection : public gloo::rendezvous::RedisStore {
    public:
-    TimedRedisStore(const std::string& host, int port) : RedisStore(host, port) {
+    Connection(const std::string& host, int port) : RedisStore(host, port) {
       const timeval limit{5, 0};
       redisSetTimeout(redis_, limit);
     }
+    // One command, its arguments binary-safe; the reply's type checked.
+    std::unique_ptr<redisReply, void (*)(void*)> command(const std::vector<std::string_view>& args) {
+      std::vector<const char*> argv;
+      std::vector<size_t> lengths;
+      for (const std::string_view a : args) {
+        argv.push_back(a.data());
+        lengths.push_back(a.size());
+      }
+      void* reply = redisCommandArgv(redis_, static_cast<int>(argv.size()), argv.data(), lengths.data());
+      if (reply == nullptr) throw std::runtime_error(std::string("redis store: ") + redis_->errstr);
+      std::unique_ptr<redisReply, void (*)(void*)> owned(static_cast<redisReply*>(reply), freeReplyObject);
+      if (owned->type == REDIS_REPLY_ERROR)
+        throw std::runtime_error("redis store: " + std::string(args[0]) + ": " + std::string(owned->str, owned->len));
+      return owned;
+    }
   };
-  // FileStore's check() is protected.
-  class CheckableFileStore : public gloo::rendezvous::FileStore {
-   public:
-    using FileStore::check;
-    using FileStore::FileStore;
-  };
-  JobStore() = default;
-  std::unique_ptr<gloo::rendezvous::Store> base_;
-  std::function<bool(const std::string&)> check_;
-  std::string prefix_;
+
+  bool exists(const std::string& key) override { return redis_.check({key}); }
+
+  void put(const std::string& key, const std::vector<char>& value, bool once) override {
+    const std::string_view v(value.data(), value.size());
+    // SETNX answers 0 for an existing key; SET answers OK.
+    const auto reply = redis_.command({once ? "SETNX" : "SET", key, v});
+    if (once && (reply->type != REDIS_REPLY_INTEGER || reply->integer != 1))
+      throw std::runtime_error("redis store: key '" + key + "' is already set");
+  }
+
+  std::vector<char> read(const std::string& key) override {
+    const auto reply = redis_.command({"GET", key});
+    if (reply->type != REDIS_REPLY_STRING) return {};  // nil: absent
+    return std::vector<char>(reply->str, reply->str + reply->len);
+  }
+
+  void remove(const std::vector<std::string>& keys) override {
+    if (keys.empty()) return;
+    std::vector<std::string_view> args{"DEL"};
+    args.insert(args.end(), keys.begin(), keys.end());
+    redis_.command(args);
+  }
+
+  Connection redis_;
 };
+
+Result<std::unique_ptr<JobStore>> JobStore::open(const std::string& spec) {
+  auto parsed = parse_fed_store(spec);
+  if (!parsed.ok()) return parsed.status();
+  const FedStoreSpec& where = *parsed;
+  if (where.redis) return std::unique_ptr<JobStore>(new RedisJobStore(where.host, where.port, where.job));
+  std::error_code ec;
+  std::filesystem::create_directories(where.dir, ec);
+  // Absolute, as Gloo's store made it: the server's working directory
+  // plays no part after the start.
+  std::filesystem::path dir = ec ? std::filesystem::path() : std::filesystem::canonical(where.dir, ec);
+  if (ec) return Status{ErrorCode::kIo, "--fed-store " + spec + ": " + ec.message()};
+  return std::unique_ptr<JobStore>(new FileJobStore(std::move(dir)));
+}
 
 // Gloo's rendezvous over the job's store, under one attempt's prefix,
 // with one deadline for the whole rendezvous (Gloo's get() would wait 30
@@ -197,6 +374,12 @@ class RendezvousStore final : public gloo::rendezvous::Store {
     wait({key});
     std::vector<char> value;
     noting_failure([&] { value = job_.get(prefix_ + key); });
+    // Erased since it arrived (the group's rank 0 swept the attempt):
+    // Gloo reads a value without checking its size.
+    if (value.empty()) {
+      store_failed_ = true;
+      throw gloo::IoException("rendezvous: a host's address is gone from the store (its attempt was swept)");
+    }
     return value;
   }
   void wait(const std::vector<std::string>& keys) override {
@@ -249,6 +432,17 @@ struct Floor {
   uint64_t epoch;  // the attempts up to it were decided
 };
 static_assert(sizeof(Floor) == 16 && std::is_trivially_copyable_v<Floor>);
+
+// The store's record of its sweep (sweep_decided_attempts()), checked as
+// a Want is: the attempts up to `swept` were erased, all but the `formed`
+// record of attempt `kept` (0: none).
+struct Swept {
+  uint32_t magic;  // kSweptMagic
+  uint32_t hosts;  // the writer's --fed-hosts
+  uint64_t swept;
+  uint64_t kept;
+};
+static_assert(sizeof(Swept) == 24 && std::is_trivially_copyable_v<Swept>);
 
 // "4 s", "1.5 s".
 std::string seconds_text(milliseconds ms) {
@@ -398,7 +592,10 @@ class GlooEngine final : public FederationEngine {
         if (!store.ok()) return false;
         store_ = std::move(store).value();
       }
-      if (membership_.rank == 0) restore_wiped_records(/*as_formed=*/false);
+      if (membership_.rank == 0) {
+        restore_wiped_records(/*as_formed=*/false);
+        sweep_decided_attempts();
+      }
       // Only a want of this job counts: another's, or garbage, would make
       // the group re-form every round for nothing.
       const uint64_t attempt = membership_.epoch + 1;
@@ -463,8 +660,68 @@ class GlooEngine final : public FederationEngine {
     if (!store_->has(kFloorKey)) {
       const Floor f{kFloorMagic, config_.hosts, epoch};
       store_->set(kFloorKey, &f, sizeof f);
+      // Nothing below the group's epoch is left to sweep.
+      swept_ = std::max(swept_, epoch - 1);
+      kept_formed_ = 0;
+      write_swept();
     }
     if (formed_lost) store_->set(formed_key(epoch), &last_members_, sizeof last_members_);
+  }
+
+  // The group's rank 0, once a round: the attempts before its group's
+  // epoch were decided. Of their keys, only the newest `formed` record is
+  // read again (newest_group(), from later attempts); a newcomer counts
+  // its attempts from the floor. So the floor moves up to them, then their
+  // keys are erased, a few attempts a round, oldest first, keeping that
+  // one record: the store holds what later attempts read, however many
+  // attempts a long job makes (a paused host makes one every
+  // --fed-timeout-ms and a bit). A host still at a swept attempt (stopped,
+  // or slow) finds it below the floor and starts over past it.
+  // Throws the store's exceptions.
+  void sweep_decided_attempts() {
+    const uint64_t decided = membership_.epoch - 1;
+    if (!swept_loaded_) {
+      // What the rank 0 of a group before this one swept; this host's own
+      // progress where the record is gone or garbage.
+      Swept rec{};
+      if (const std::vector<char> bytes = store_->get(kSweptKey); bytes.size() == sizeof rec)
+        std::memcpy(&rec, bytes.data(), sizeof rec);
+      if (rec.magic == kSweptMagic && rec.hosts == config_.hosts && rec.swept <= kMaxFloor && rec.kept <= rec.swept &&
+          rec.swept > swept_) {
+        swept_ = rec.swept;
+        kept_formed_ = rec.kept;
+      }
+      swept_loaded_ = true;
+    }
+    if (swept_ >= decided) return;
+    if (floor_in_store() < decided) {
+      const Floor f{kFloorMagic, config_.hosts, decided};
+      store_->replace(kFloorKey, &f, sizeof f);
+    }
+    std::vector<std::string> keys;
+    for (size_t erased = 0; swept_ < decided && erased < kSweepKeysPerRound; erased += keys.size()) {
+      const uint64_t a = swept_ + 1;
+      keys.clear();
+      const std::string gloo = "a" + std::to_string(a) + "/gloo/";
+      for (uint32_t h = 0; h < config_.hosts; ++h) {
+        keys.push_back(key(a, "want", h));
+        keys.push_back(key(a, "view", h));
+        // Gloo's rendezvous keys of rank h (gloo/rendezvous/context.cc).
+        keys.push_back(gloo + std::to_string(h));
+        keys.push_back(gloo + "rank_" + std::to_string(h));
+      }
+      if (store_->has(formed_key(a))) {
+        if (kept_formed_ != 0) keys.push_back(formed_key(kept_formed_));
+        kept_formed_ = a;
+      }
+      store_->erase(keys);
+      swept_ = a;
+    }
+    write_swept();
+  }
+  void write_swept() {
+    const Swept rec{kSweptMagic, config_.hosts, swept_, kept_formed_};
+    store_->replace(kSweptKey, &rec, sizeof rec);
   }
 
   // The highest attempt any host started since `floor` (`floor` when
@@ -553,6 +810,11 @@ class GlooEngine final : public FederationEngine {
     return Reform::kBackedOff;
   }
 
+  static std::string below_floor(uint64_t attempt) {
+    return "federation (gloo): attempt " + std::to_string(attempt) +
+           " is at or below the store's floor (a group formed past it, or the store was wiped under a running group)";
+  }
+
   Reform attempt(std::string* why, const std::function<bool()>& cancelled) {
     // The attempt after this host's last and after any started (a group
     // that formed since, or others' attempts), but never one already
@@ -621,8 +883,7 @@ class GlooEngine final : public FederationEngine {
       // A group's rank 0 found the store wiped and wrote a floor at or past
       // this attempt: the group looks for this host after the floor.
       if (floor_in_store() >= k) {
-        *why = "federation (gloo): attempt " + std::to_string(k) + " is at or below the store's floor (the store " +
-               "was wiped under a running group)";
+        *why = below_floor(k);
         return Reform::kFailed;
       }
       std::this_thread::sleep_for(kPoll);
@@ -695,6 +956,13 @@ class GlooEngine final : public FederationEngine {
       return Reform::kPaused;
     }
 
+    // A group formed past this attempt meanwhile, and its rank 0 may be
+    // erasing the records read above: the floor moves first.
+    if (floor_in_store() >= k) {
+      *why = below_floor(k);
+      return Reform::kFailed;
+    }
+
     // Gloo's rendezvous: ranks in host order. One that fails in its
     // connections at a newcomer (not a member of the newest group, of
     // which the others hold a majority without it) points at the
@@ -717,6 +985,7 @@ class GlooEngine final : public FederationEngine {
     context->setTimeout(timeout_);
     join_failures_ = 0;
     if (rank == 0) store_->set(formed_key(k), &seen, sizeof seen);
+    swept_loaded_ = false;
     context_ = std::move(context);
     membership_ = {k, static_cast<uint32_t>(rank), static_cast<uint32_t>(size), config_.host};
     last_epoch_ = k;
@@ -750,6 +1019,12 @@ class GlooEngine final : public FederationEngine {
   Clock::time_point next_want_{};  // reform(): the backoff's end (back_off())
   uint64_t last_epoch_ = 0;        // the last group this host was in
   uint64_t last_members_ = 0;      // its hosts
+  // sweep_decided_attempts(): the attempts up to swept_ were erased, but
+  // for the `formed` record of kept_formed_; the store's record is read
+  // again once a group forms (another host may have swept since).
+  uint64_t swept_ = 0;
+  uint64_t kept_formed_ = 0;
+  bool swept_loaded_ = false;
   // attempt(): the last one's rendezvous failed (the next one settles longer).
   bool after_failed_rendezvous_ = false;
 };

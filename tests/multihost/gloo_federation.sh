@@ -22,8 +22,12 @@
 #  2e. Two hosts killed as one of them re-formed, restarted at once: the
 #     dead server's want at the newest attempt is passed, not taken for a
 #     second server given the same id; the two form a group again.
+#  2f. A host paused alone for many attempts, then a group formed: its
+#     rank 0 sweeps the attempts before its epoch from the store, which
+#     holds about one attempt's keys; a host restarted joins through it.
 #  3. The same group formed through a Redis store (a redis-server this test
-#     starts on 127.0.0.1), and a SIGKILLed host left behind there too.
+#     starts on 127.0.0.1), a SIGKILLed host left behind there too, and
+#     part 2f through it.
 # Then SIGTERM: every server stops cleanly, nothing is left in /dev/shm.
 # First of all, a host whose other hosts never arrive says so with the fix
 # in its log (after the timeout), serves its workers alone, and stops at
@@ -397,6 +401,49 @@ for r in 0 1; do
 done
 timeout_ms=2000
 
+# ---- 2f. The store swept. sweep_check JOB STORE COUNT: host 0 of JOB
+# alone for 8 s, paused, tries every half second or so (a 300 ms timeout:
+# a settle, then a pause of half of it), each try an attempt's keys in
+# the store; then hosts 1 and 2 start, and the group forms at an epoch
+# past those attempts. Its rank 0 erases the attempts before its epoch,
+# a few a round: some rounds later the store holds one attempt's keys and
+# a few records (COUNT, a command, prints how many keys), not two per
+# attempt. Host 2 SIGKILLed and restarted then joins through the swept
+# store within the limit, and the store stays as small.
+sweep_check() {
+  local job=$1 store=$2 count=$3 epoch keys took
+  timeout_ms=300
+  start_host "$job" 0 "$store"
+  sleep 8
+  for r in 1 2; do start_host "$job" $r "$store"; done
+  await_members "$job" 3 0 1 2 >/dev/null
+  epoch=$(stat_of "$job" 0 fed_epoch)
+  [ "$epoch" -ge 12 ] || fail "host 0 alone made only $epoch attempts in 8 s: too few to test the sweep"
+  await_round "$job" $(($(stat_of "$job" 0 fed_round) + 10)) 0 1 2
+  keys=$($count)
+  echo "sweep ($store): the group formed at epoch $epoch; $keys keys in the store 10 rounds later"
+  [ "$keys" -le 24 ] || fail "the store of a group at epoch $epoch holds $keys keys: the attempts before it were not swept"
+  kill -KILL "${host_pid[$job.2]}"
+  wait "${host_pid[$job.2]}" 2>/dev/null || true
+  await_members "$job" 2 0 1 >/dev/null
+  rm -f "/dev/shm/shmps.$job.r2"
+  start_host "$job" 2 "$store"
+  took=$(await_members "$job" 3 0 1 2)
+  within_limit "$took" || fail "host 2 took $took s to join through the swept store"
+  await_round "$job" $(($(stat_of "$job" 0 fed_round) + 10)) 0 1 2
+  keys=$($count)
+  echo "sweep ($store): host 2 killed and restarted, 3 members after $took s, epoch $(stat_of "$job" 0 fed_epoch); $keys keys"
+  [ "$keys" -le 24 ] || fail "after host 2's restart the store holds $keys keys"
+  for r in 0 1 2; do
+    kill -TERM "${host_pid[$job.$r]}"
+    wait "${host_pid[$job.$r]}" || fail "host $r of $job exited non-zero after SIGTERM"
+    unset "host_pid[$job.$r]"
+  done
+  timeout_ms=2000
+}
+file_keys() { find "$work/sweep-store" -type f | wc -l; }
+sweep_check "${name}sweep" "file:$work/sweep-store" file_keys
+
 # ---- 3. The Redis store.
 if ! command -v redis-server >/dev/null; then
   echo "redis part SKIPPED: redis-server not found (tools/install-deps.sh installs it)"
@@ -416,5 +463,11 @@ kill -KILL "${host_pid[$job.0]}"
 took=$(await_members "$job" 2 1 2)
 echo "redis store: SIGKILL of host 0: hosts 1 and 2 showed 2 members after $took s"
 within_limit "$took" || fail "re-forming through redis took $took s"
-for r in 1 2; do kill -TERM "${host_pid[$job.$r]}"; wait "${host_pid[$job.$r]}" || fail "host $r exited non-zero"; done
+for r in 1 2; do
+  kill -TERM "${host_pid[$job.$r]}"
+  wait "${host_pid[$job.$r]}" || fail "host $r exited non-zero"
+  unset "host_pid[$job.$r]"
+done
+redis_keys() { redis-cli -p "$port" --scan --pattern "${name}rs/*" | wc -l; }
+sweep_check "${name}rs" "redis:127.0.0.1:$port/${name}rs" redis_keys
 echo "PASS"
