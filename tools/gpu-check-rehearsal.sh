@@ -4,11 +4,12 @@
 # fails here and not there (docs/cuda.md, "GPU check"). BUILD_DIR (default
 # build/default) is a CUDA build; MODEs are prebuilt and build (default
 # both). It
-#  - runs tools/gpu-pack.sh BUILD_DIR (into .gpu/, what the lead carries);
-#  - copies the working tree as a run call does (tracked and untracked,
-#    not ignored, files) plus .gpu/ to a scratch folder at another
-#    absolute path (mktemp's, mode 0700: prebuilt also rehearses a
-#    checkout that other users cannot reach);
+#  - runs tools/gpu-pack.sh BUILD_DIR (into .gpu/, what travels to the GPU
+#    host);
+#  - copies the working tree as step 2 of docs/cuda.md's "A GPU session"
+#    does (tracked and untracked, not ignored, files) plus .gpu/ to a
+#    scratch folder at another absolute path (mktemp's, mode 0700:
+#    prebuilt also rehearses a checkout that other users cannot reach);
 #  - per MODE, in a mount namespace (unshare -m): a fresh /tmp and
 #    /dev/shm; Boost, OpenBLAS (and every BLAS), libgfortran,
 #    nlohmann-json, zlib's development files, libsystemd, ZeroMQ and the
@@ -32,7 +33,8 @@
 #    (the stand-in chosen, the extension built for it: against the carried
 #    prefix, or by the tree's build configured with it; pytest passed, at
 #    least 20 tests passed, the three CUDA cases skipped), and OUTDIR
-#    within what a run call brings back (8 files, 16 MiB each).
+#    within the check's limit on its results (8 files, 16 MiB each, no
+#    deeper than OUTDIR/a/file).
 # Root only (mount namespaces): exit 77 (skipped) otherwise. Takes, on 2
 # cores: the pack 20-60 s, prebuilt 40-125 s (mostly the suite; the Python
 # step 15-20 s of it), build 4-9 minutes (a full build; the longer times
@@ -241,10 +243,10 @@ STUB
       fail "python.test_torch.$t not skipped for want of a CUDA device ($mode): $(grep -F "$t" "$out/results.md")"
   done
   n=$(find "$out" -type f | wc -l)
-  [[ $n -le 8 ]] || fail "$n files in OUTDIR: a run call brings back 8"
+  [[ $n -le 8 ]] || fail "$n files in OUTDIR: the check's limit is 8"
   big=$(find "$out" -type f -size +16M)
   [[ -z $big ]] || fail "over 16 MiB: $big"
-  [[ -z $(find "$out" -mindepth 3) ]] || fail "OUTDIR nests deeper than a run call brings back"
+  [[ -z $(find "$out" -mindepth 3) ]] || fail "OUTDIR nests deeper than OUTDIR/a/file, the check's limit"
   if [[ $mode == prebuilt ]]; then
     grep -q '^ldd: [0-9]* programs, 0 with unresolved' "$out/probe.txt" || fail "ldd found unresolved libraries"
     grep -q "^unpacked into /tmp/shmps-gpu-check/trees/build/default " "$out/probe.txt" ||

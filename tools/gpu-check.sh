@@ -145,7 +145,7 @@ probe() {
   echo
   echo "## carried pack ($pack)"
   if [[ ! -f $pack/manifest.txt || ! -f $pack/build.tar.xz ]]; then
-    echo "missing: no manifest.txt or build.tar.xz (run tools/gpu-pack.sh here first, and carry .gpu)"
+    echo "missing: no manifest.txt or build.tar.xz (run tools/gpu-pack.sh on the build host first, and copy .gpu/ with the tree)"
     prebuilt_why="no carried tree"
   else
     grep -E '^(build_dir|source_dir|commit|uncommitted_changes|made_on|cuda_|glibc|cxxabi|debs_glibc)' "$pack/manifest.txt"

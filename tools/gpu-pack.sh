@@ -26,8 +26,9 @@
 #                 run; downloaded once, kept on later runs
 # DT_RPATH, not RUNPATH: it also applies to the dependencies of the carried
 # libraries (libsystemd's libgcrypt, OpenBLAS's libgfortran). Prints the
-# sizes and fails when the pack and the working tree together pass 60 MiB
-# (a run call carries 64 MiB). Needs patchelf, binutils, apt-get, xz.
+# sizes and fails when the pack and the working tree together pass 60 MiB,
+# so that they fit a copy to the GPU host limited to 64 MiB (docs/cuda.md,
+# "A GPU session", steps 1-2). Needs patchelf, binutils, apt-get, xz.
 set -euo pipefail
 usage="usage: tools/gpu-pack.sh BUILD_DIR [PACK_DIR]"
 build=$(cd "${1:?$usage}" && pwd -P)
@@ -211,8 +212,8 @@ dirty=no
 cp "$tree/gpu-pack.manifest" "$pack/manifest.txt"
 
 # xz, not gzip: the tree is half the size (15 against 31 MiB; most of it
-# is OpenBLAS and the programs' CUDA fatbins), which keeps the pack under
-# the carry limit. gpu-check.sh unpacks it with xz, or with python3's
+# is OpenBLAS and the programs' CUDA fatbins), which keeps the pack and the
+# working tree under 60 MiB. gpu-check.sh unpacks it with xz, or with python3's
 # tarfile where that machine has no xz.
 rm -f "$pack/build.tar.gz"
 tar -C "$tree" -cf - . | xz -6 -T2 > "$pack/build.tar.xz.tmp"
@@ -226,5 +227,5 @@ size_tree=$(git -C "$src" ls-files -z -co --exclude-standard | (cd "$src" && xar
 total=$((size_tar + size_debs + size_tree))
 echo "gpu-pack: ${#binaries[@]} programs, ${#lib_from[@]} libraries, ${#rewrite[@]} files to rewrite; needs glibc $glibc_max ($glibc_own with that machine's libstdc++ of GLIBCXX_$glibcxx_max; Debian 12's libraries of debs/: $debs_glibc_max)"
 echo "gpu-pack: $pack/build.tar.xz $(mib "$size_tar") (unpacked $(du -sh "$tree" | cut -f1)), debs/ $(mib "$size_debs") ($(ls "$pack"/debs/*.deb | wc -l) files), working tree $(mib "$size_tree"): $(mib $total) in all"
-[[ $total -le $((60 * 1048576)) ]] || fail "more than 60 MiB would travel (a run call carries 64 MiB)"
-echo "gpu-pack: carry [\"${pack#"$src"/}\"]"
+[[ $total -le $((60 * 1048576)) ]] || fail "more than 60 MiB would travel (the pack and the working tree must fit a 64 MiB copy)"
+echo "gpu-pack: copy the working tree and ${pack#"$src"/}/ to the GPU host (docs/cuda.md, \"A GPU session\", step 2)"

@@ -15,8 +15,8 @@
 # 1.13 (CPU), numpy and pytest, and a venv over them (.venv, made with
 # --system-site-packages, git-ignored) holding nanobind and scikit-build-core
 # from PyPI, which CMake then uses;
-# patchelf and xz-utils for tools/gpu-pack.sh (the GPU machine's carried
-# tree);
+# patchelf and xz-utils for tools/gpu-pack.sh (the build copied to a GPU
+# host);
 # Open MPI (openmpi-bin, libopenmpi-dev) for the federation's MPI engine,
 # Gloo (libgloo-dev) for its elastic engine, and redis-server for the
 # Gloo test's Redis store (docs/federation.md); iproute2 (ip) for the
