@@ -770,13 +770,18 @@ class Server::Impl {
     const shm::ShmObject& object = segment->object();
     const auto bytes = static_cast<off_t>(object.size());
     struct stat st {};
-    if (::fstat(object.descriptor(), &st) == 0 && st.st_size < bytes) {
+    if (::fstat(object.descriptor(), &st) == 0 && st.st_size != bytes) {
+      // Shrunk: the lost pages come back as zeros. Grown: every opener
+      // checks the object's size against the header's (a worker's attach
+      // would fail until a restart); no one maps past `bytes`, so the
+      // excess goes.
+      const char* what = st.st_size < bytes ? "shrunk" : "grown";
       if (::ftruncate(object.descriptor(), bytes) != 0) {
-        log::error("/dev/shm/" + object.name() +
-                   " was shrunk under the running server; growing it back failed: " + std::strerror(errno));
+        log::error("/dev/shm/" + object.name() + " was " + what + " under the running server; truncating it back to " +
+                   std::to_string(bytes) + " bytes failed: " + std::strerror(errno));
         return;
       }
-      repair_segment("was shrunk");
+      repair_segment(st.st_size < bytes ? "was shrunk" : "was grown");
     } else if (!segment->header_intact(header_config(), shm::ServerState::kRunning, header_export())) {
       repair_segment("had its header or tensor table written over");
     }

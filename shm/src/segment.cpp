@@ -759,10 +759,11 @@ Status clear_stale_object(const std::string& object_name, const std::string& nam
       return {ErrorCode::kLayoutMismatch,
               path + held_who + " is " + std::to_string(held.st_size) +
                   " bytes, too small for a shmps segment; remove it by hand if it is stale"};
-    void* header = ::mmap(nullptr, sizeof h, PROT_READ, MAP_SHARED, fd, 0);
-    if (header == MAP_FAILED) return {ErrorCode::kIo, "mmap " + path + ": " + errno_text(errno)};
-    copy_shared(&h, header, sizeof h);  // a private copy: a starting server may be writing it
-    ::munmap(header, sizeof h);
+    // pread, not a mapping: a process that may write the object can
+    // truncate it meanwhile, and a read of a mapped page past the end is
+    // a SIGBUS; a short read (truncated since the fstat) names no server.
+    if (::pread(fd, &h, sizeof h, 0) != static_cast<ssize_t>(sizeof h))
+      std::memset(static_cast<void*>(&h), 0, sizeof h);
     if (h.magic != kMagic && h.magic != 0)
       return {ErrorCode::kLayoutMismatch,
               path + held_who + " exists and is not a shmps segment; remove it by hand if it is stale"};

@@ -813,7 +813,7 @@ BOOST_AUTO_TEST_CASE(forged_owner_pid_does_not_unlink_a_living_workers_buffers) 
 // heartbeat, which without its guard kills it with SIGBUS; with it the
 // server grows the object back (the lost pages as zeros). Its periodic
 // check (every second) finds what it did not touch: a shrink by less than
-// a page, a shrink undone at once, a header zeroed. Each time it rewrites
+// a page, a shrink undone at once, a header zeroed, an object grown. Each time it rewrites
 // the header and the tensor table and serves newcomers with the weights
 // it had.
 BOOST_AUTO_TEST_CASE(control_segment_shrunk_or_written_over_under_a_live_server_is_repaired) {
@@ -862,6 +862,9 @@ BOOST_AUTO_TEST_CASE(control_segment_shrunk_or_written_over_under_a_live_server_
       {"shrunk by 100 bytes", [&] { BOOST_REQUIRE(::ftruncate(fd, full - 100) == 0); }},
       {"shrunk to 0 and grown back at once",
        [&] { BOOST_REQUIRE(::ftruncate(fd, 0) == 0 && ::ftruncate(fd, full) == 0); }},
+      // Every opener checks the object's size against the header's: a
+      // grown object refused each attach until the server cut it back.
+      {"grown by a page", [&] { BOOST_REQUIRE(::ftruncate(fd, full + 4096) == 0); }},
       {"header zeroed",
        [&] {
          void* p = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -873,7 +876,7 @@ BOOST_AUTO_TEST_CASE(control_segment_shrunk_or_written_over_under_a_live_server_
   for (const auto& [what, harm] : harms) {
     BOOST_TEST_CONTEXT(what << " (" << full << " bytes)") {
       harm();
-      BOOST_TEST(test::eventually([&] { return size() == full; }, 3s), "the segment was not grown back");
+      BOOST_TEST(test::eventually([&] { return size() == full; }, 3s), "the segment's size was not restored");
       expected += 3.0f;
       BOOST_TEST(push_and_pull(3) == expected);  // the header and table are whole, the weights kept
       BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died of the harm");

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #define BOOST_TEST_MODULE test_shm_segment
+#include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <chrono>
 #include <cstring>
@@ -249,6 +250,38 @@ BOOST_AUTO_TEST_CASE(remove_if_left_by_removes_only_that_dead_servers_segment) {
   BOOST_TEST(Segment::remove_if_left_by(name, dead, start));
   BOOST_TEST(::access(path.c_str(), F_OK) != 0);
   BOOST_TEST(!Segment::remove_if_left_by(name, dead, start));  // nothing there
+}
+
+// Any process that may write an object at the name may truncate it while
+// a starting server or a launcher (remove_if_left_by) reads its header:
+// the read is a pread, which comes back short, not a mapped page past the
+// end, which is a SIGBUS.
+BOOST_AUTO_TEST_CASE(a_header_read_races_a_truncate_without_a_sigbus) {
+  const std::string name = test::unique_name("trunc");
+  Cleanup cleanup{name};
+  const std::string object = segment_object_name(name);
+  const int fd = ::shm_open(object.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  BOOST_REQUIRE(fd >= 0);
+  std::atomic<bool> stop{false};
+  std::thread truncator([&] {
+    SegmentHeader h{};  // a segment whose server is gone
+    h.magic = kMagic;
+    h.server_pid = 999999;
+    h.server_start_time = 12345;
+    while (!stop.load(std::memory_order_relaxed)) {  // relaxed: a stop flag
+      if (::ftruncate(fd, 8192) != 0 || ::pwrite(fd, &h, sizeof h, 0) != static_cast<ssize_t>(sizeof h) ||
+          ::ftruncate(fd, 0) != 0)
+        break;
+    }
+  });
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  long calls = 0;
+  for (; calls < 200000 && std::chrono::steady_clock::now() < end; ++calls)
+    BOOST_REQUIRE(!Segment::remove_if_left_by(name, 424242, 1));  // another server's: never removed
+  stop.store(true, std::memory_order_relaxed);                    // relaxed: a stop flag
+  truncator.join();
+  ::close(fd);
+  BOOST_TEST_MESSAGE(calls << " header reads raced a truncate");
 }
 
 BOOST_AUTO_TEST_CASE(full_dev_shm_fails_at_creation_with_sizes) {
