@@ -11,10 +11,11 @@
 //   a<k>/gloo/...     Gloo's rendezvous of the group formed at k
 //   a<k>/formed       the group's members, written by its rank 0 once
 //                     the rendezvous went through
-//   floor             a Floor: the attempts up to its epoch F were
-//                     decided (a group formed past them, or the store was
-//                     wiped under the group of epoch F or before it
-//                     formed); rewritten as it moves up
+//   floor             the attempts up to it were decided (a group formed
+//                     past them, or the store was wiped under the group
+//                     of that epoch or before it formed): a set of values
+//                     of which the highest counts, so that it only rises
+//                     (JobStore::add_floor())
 //   swept             a Swept: the attempts whose keys were erased
 // A host writes its want, waits until the last epoch's members all want
 // too (or a settle time passes), writes what it saw as its view, and reads
@@ -33,13 +34,13 @@
 // the attempts a newcomer counts from: the group's rank 0, finding its
 // `formed` record gone (once a round), or the first attempt's wants gone
 // where the group formed past it (as it forms: a store wiped while the
-// group re-formed), writes the floor and the record again, and a
+// group re-formed), adds the floor and writes the record again, and a
 // newcomer's first attempt is then the one after the group's epoch, as in
 // a store never wiped. The group's rank 0 also moves the floor up to the
 // attempts before its epoch and erases their keys
 // (sweep_decided_attempts()): a long job's store stays small.
 //
-// Used by the federation thread alone (Gloo's stores are not thread-safe).
+// Used by the federation thread alone (the store classes are not thread-safe).
 #include <fcntl.h>
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
@@ -114,10 +115,6 @@ constexpr uint64_t kMaxFloor = uint64_t{1} << 48;
 // within a few attempts of the one before it; a longer search (a floor or
 // wants far past the last group) would cost a store call per attempt.
 constexpr uint64_t kFormedSearch = 256;
-// The store's key of the Floor record.
-constexpr const char* kFloorKey = "floor";
-// Tags a Floor ("SHFF").
-constexpr uint32_t kFloorMagic = 0x46464853;
 // Tags a Want ("SHFW").
 constexpr uint32_t kWantMagic = 0x57464853;
 // The store's key of the Swept record.
@@ -167,8 +164,19 @@ class JobStore {
     return true;
   }
 
+  // The floor: a set of values of which the highest counts. Adding one
+  // never lowers it, whenever the write lands (a writer stopped, or a
+  // write held in a partition, lands late): no compare-and-set is needed,
+  // which a file store cannot do.
+  virtual void add_floor(uint64_t value) = 0;
+  // The highest value at most `limit` (0: none); higher ones are garbage.
+  virtual uint64_t highest_floor(uint64_t limit) = 0;
+  // Values below `value` go (they count for nothing beside it).
+  virtual void prune_floors_below(uint64_t value) = 0;
+
  protected:
   explicit JobStore(std::string prefix) : prefix_(std::move(prefix)) {}
+  const std::string& prefix() const noexcept { return prefix_; }
 
  private:
   static std::vector<char> bytes_of(const void* data, size_t n) {
@@ -183,11 +191,12 @@ class JobStore {
   const std::string prefix_;
 };
 
-// A directory every host sees: a file per key, named as Gloo's FileStore
-// names it (a hash of the key), so that hosts of builds that used Gloo's
-// store meet this one's. A value appears whole: written to a file of its
-// own, then linked (once: the link fails on an existing key, where Gloo's
-// check-then-rename races) or renamed (replace) into place.
+// A directory every host sees: a file per key, named by a hash of the key
+// (as Gloo's FileStore names it). A value appears whole: written to a file
+// of its own, then linked (once: the link fails on an existing key, where
+// Gloo's check-then-rename races) or renamed (replace) into place. Every
+// host of a job runs one build: a build whose store is Gloo's would wait
+// 30 s on a key the sweep erased.
 class FileJobStore final : public JobStore {
  public:
   explicit FileJobStore(std::filesystem::path dir) : JobStore(""), dir_(std::move(dir)) {}
@@ -237,13 +246,34 @@ class FileJobStore final : public JobStore {
       }
       return;
     }
-    const int linked = ::link(tmp.c_str(), file.c_str());
-    const int saved = errno;
-    ::unlink(tmp.c_str());
-    if (linked == 0) return;
+    int placed = ::link(tmp.c_str(), file.c_str());
+    int saved = errno;
+    if (placed != 0 && saved == EEXIST) {
+      // Over NFS a retransmitted link can answer EEXIST for a link that
+      // was made: the temporary file then has two names (open(2)).
+      struct stat st {};
+      if (::stat(tmp.c_str(), &st) == 0 && st.st_nlink == 2) placed = 0;
+    } else if (placed != 0 && (saved == EPERM || saved == ENOTSUP || saved == EOPNOTSUPP || saved == ENOSYS)) {
+      // A filesystem without hard links (vfat, some FUSE and SMB mounts):
+      // a rename that refuses an existing name, else Gloo's own way, a
+      // check and then a rename (two hosts racing for one key may both
+      // succeed there; the last one's value stays).
+      placed = ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, file.c_str(), RENAME_NOREPLACE);
+      saved = errno;
+      if (placed != 0 && (saved == EINVAL || saved == ENOSYS || saved == ENOTSUP || saved == EOPNOTSUPP)) {
+        if (::access(file.c_str(), F_OK) == 0) {
+          saved = EEXIST;
+        } else {
+          placed = ::rename(tmp.c_str(), file.c_str());
+          saved = errno;
+        }
+      }
+    }
+    ::unlink(tmp.c_str());  // after a rename: ENOENT, nothing left
+    if (placed == 0) return;
     errno = saved;
     if (saved == EEXIST) throw std::runtime_error("file store: key '" + key + "' is already set (" + file + ")");
-    fail("cannot link into", file);
+    fail("cannot place", file);
   }
 
   std::vector<char> read(const std::string& key) override {
@@ -278,6 +308,48 @@ class FileJobStore final : public JobStore {
       const std::string file = path(key);
       if (::unlink(file.c_str()) != 0 && errno != ENOENT) fail("cannot remove", file);
     }
+  }
+
+  // The floor's values: empty files named by their decimal value in
+  // floors/ (an exclusive create is not needed: two writers of one value
+  // agree).
+  std::filesystem::path floors() const { return dir_ / "floors"; }
+  void add_floor(uint64_t value) override {
+    if (::mkdir(floors().c_str(), 0755) != 0 && errno != EEXIST) fail("cannot create", floors().string());
+    const std::string file = (floors() / std::to_string(value)).string();
+    const UniqueFd fd(::open(file.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+    if (fd.fd < 0) fail("cannot create", file);
+  }
+  // Each value of floors/, in a name of digits only (anything else is
+  // garbage), passed to `each`.
+  template <class Each>
+  void for_each_floor(Each each) {
+    std::error_code ec;
+    std::filesystem::directory_iterator it(floors(), ec), end;
+    if (ec) {
+      if (ec == std::errc::no_such_file_or_directory) return;
+      throw std::runtime_error("file store: cannot list " + floors().string() + ": " + ec.message());
+    }
+    for (; it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      uint64_t value = 0;
+      const auto [last, err] = std::from_chars(name.data(), name.data() + name.size(), value);
+      if (err == std::errc() && last == name.data() + name.size() && !name.empty() && name[0] != '+')
+        each(value, it->path());
+    }
+    if (ec) throw std::runtime_error("file store: cannot list " + floors().string() + ": " + ec.message());
+  }
+  uint64_t highest_floor(uint64_t limit) override {
+    uint64_t highest = 0;
+    for_each_floor([&](uint64_t value, const std::filesystem::path&) {
+      if (value <= limit) highest = std::max(highest, value);
+    });
+    return highest;
+  }
+  void prune_floors_below(uint64_t value) override {
+    for_each_floor([&](uint64_t v, const std::filesystem::path& file) {
+      if (v < value && ::unlink(file.c_str()) != 0 && errno != ENOENT) fail("cannot remove", file.string());
+    });
   }
 
   static constexpr off_t kMaxValue = 1 << 20;
@@ -340,7 +412,27 @@ class RedisJobStore final : public JobStore {
     redis_.command(args);
   }
 
+  // The floor's values: a sorted set, each value its own score (exact:
+  // values are at most 2^48).
+  void add_floor(uint64_t value) override {
+    const std::string v = std::to_string(value);
+    redis_.command({"ZADD", floors_, v, v});
+  }
+  uint64_t highest_floor(uint64_t limit) override {
+    const auto reply = redis_.command({"ZREVRANGEBYSCORE", floors_, std::to_string(limit), "-inf", "LIMIT", "0", "1"});
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements == 0 || reply->element[0]->type != REDIS_REPLY_STRING)
+      return 0;
+    const redisReply& member = *reply->element[0];
+    uint64_t value = 0;
+    const auto [last, err] = std::from_chars(member.str, member.str + member.len, value);
+    return err == std::errc() && last == member.str + member.len && value <= limit ? value : 0;
+  }
+  void prune_floors_below(uint64_t value) override {
+    redis_.command({"ZREMRANGEBYSCORE", floors_, "-inf", "(" + std::to_string(value)});
+  }
+
   Connection redis_;
+  const std::string floors_ = prefix() + "floors";
 };
 
 Result<std::unique_ptr<JobStore>> JobStore::open(const std::string& spec) {
@@ -424,14 +516,6 @@ struct Want {
   uint64_t writer;        // a random number of the writing server: two servers given one --fed-host differ in it
 };
 static_assert(sizeof(Want) == 32 && std::is_trivially_copyable_v<Want>);
-
-// The store's floor, checked as a Want is (floor_in_store()).
-struct Floor {
-  uint32_t magic;  // kFloorMagic
-  uint32_t hosts;  // the writer's --fed-hosts
-  uint64_t epoch;  // the attempts up to it were decided
-};
-static_assert(sizeof(Floor) == 16 && std::is_trivially_copyable_v<Floor>);
 
 // The store's record of its sweep (sweep_decided_attempts()), checked as
 // a Want is: the attempts up to `swept` were erased, all but the `formed`
@@ -594,7 +678,11 @@ class GlooEngine final : public FederationEngine {
       }
       if (membership_.rank == 0) {
         restore_wiped_records(/*as_formed=*/false);
-        sweep_decided_attempts();
+        try {
+          sweep_decided_attempts();
+        } catch (const std::exception&) {
+          // Tried again next round; newcomers are still looked for.
+        }
       }
       // Only a want of this job counts: another's, or garbage, would make
       // the group re-form every round for nothing.
@@ -638,29 +726,27 @@ class GlooEngine final : public FederationEngine {
 
   static std::string formed_key(uint64_t attempt) { return "a" + std::to_string(attempt) + "/formed"; }
 
-  // The store's floor's epoch (0: none, or not one of this job's).
-  uint64_t floor_in_store() {
-    if (!store_->has(kFloorKey)) return 0;
-    const std::vector<char> bytes = store_->get(kFloorKey);
-    Floor f{};
-    if (bytes.size() == sizeof f) std::memcpy(&f, bytes.data(), sizeof f);
-    return f.magic == kFloorMagic && f.hosts == config_.hosts && f.epoch <= kMaxFloor ? f.epoch : 0;
-  }
+  // The store's floor (0: none): the attempts up to it were decided.
+  uint64_t floor_in_store() { return store_->highest_floor(kMaxFloor); }
 
   // The group's rank 0: when the store lost this group's `formed` record
   // (a wipe under the running group; checked once a round), or, with
   // `as_formed`, the wants of the first attempt the group's epoch is past
-  // (a wipe before it formed), writes the floor at this epoch unless one
-  // is there, then the record again. Throws the store's exceptions.
+  // (a wipe before it formed), adds the floor at this epoch, then writes
+  // the record again. Not where the floor is at or past this group's
+  // epoch: a later group formed without this host, whose rank 0 swept
+  // this group's record (it moves the floor first, so the floor is read
+  // after the records). Throws the store's exceptions.
   void restore_wiped_records(bool as_formed) {
     const uint64_t epoch = membership_.epoch;
     const bool formed_lost = !store_->has(formed_key(epoch));
-    const bool attempts_lost = as_formed && epoch > 1 && !store_->has(kFloorKey) && wants_at(1) == 0;
-    if (!formed_lost && !attempts_lost) return;
-    if (!store_->has(kFloorKey)) {
-      const Floor f{kFloorMagic, config_.hosts, epoch};
-      store_->set(kFloorKey, &f, sizeof f);
-      // Nothing below the group's epoch is left to sweep.
+    const bool first_lost = as_formed && epoch > 1 && wants_at(1) == 0;
+    if (!formed_lost && !first_lost) return;
+    const uint64_t floor = floor_in_store();
+    if (floor >= epoch || (!formed_lost && floor != 0)) return;
+    store_->add_floor(epoch);
+    if (floor == 0) {
+      // A wipe: nothing below the group's epoch is left to sweep.
       swept_ = std::max(swept_, epoch - 1);
       kept_formed_ = 0;
       write_swept();
@@ -695,8 +781,8 @@ class GlooEngine final : public FederationEngine {
     }
     if (swept_ >= decided) return;
     if (floor_in_store() < decided) {
-      const Floor f{kFloorMagic, config_.hosts, decided};
-      store_->replace(kFloorKey, &f, sizeof f);
+      store_->add_floor(decided);
+      store_->prune_floors_below(decided);
     }
     std::vector<std::string> keys;
     for (size_t erased = 0; swept_ < decided && erased < kSweepKeysPerRound; erased += keys.size()) {

@@ -401,17 +401,22 @@ for r in 0 1; do
 done
 timeout_ms=2000
 
-# ---- 2f. The store swept. sweep_check JOB STORE COUNT: host 0 of JOB
-# alone for 8 s, paused, tries every half second or so (a 300 ms timeout:
-# a settle, then a pause of half of it), each try an attempt's keys in
-# the store; then hosts 1 and 2 start, and the group forms at an epoch
-# past those attempts. Its rank 0 erases the attempts before its epoch,
-# a few a round: some rounds later the store holds one attempt's keys and
-# a few records (COUNT, a command, prints how many keys), not two per
-# attempt. Host 2 SIGKILLed and restarted then joins through the swept
-# store within the limit, and the store stays as small.
+# ---- 2f. The store swept. sweep_check JOB STORE KEYS FLOOR LOWER: host 0
+# of JOB alone for 8 s, paused, tries every half second or so (a 300 ms
+# timeout: a settle, then a pause of half of it), each try an attempt's
+# keys in the store; then hosts 1 and 2 start, and the group forms at an
+# epoch past those attempts. Its rank 0 moves the floor to the epoch
+# before its own (FLOOR prints the store's floor) and erases the attempts
+# below, a few a round: some rounds later the store holds one attempt's
+# keys and a few records (KEYS prints how many keys), not two per
+# attempt. Then a floor value far below is added, as a rank 0 of an old
+# group, stopped as it moved the floor, would add it late (LOWER N adds
+# N): the floor stays where it was (the highest value counts). Host 2,
+# SIGKILLed and restarted, joins through the swept store within the limit
+# (from a lowered floor it would count attempts up, a try each, over the
+# erased ones), and the store stays as small.
 sweep_check() {
-  local job=$1 store=$2 count=$3 epoch keys took
+  local job=$1 store=$2 count=$3 floor=$4 lower=$5 epoch keys took at
   timeout_ms=300
   start_host "$job" 0 "$store"
   sleep 8
@@ -421,8 +426,12 @@ sweep_check() {
   [ "$epoch" -ge 12 ] || fail "host 0 alone made only $epoch attempts in 8 s: too few to test the sweep"
   await_round "$job" $(($(stat_of "$job" 0 fed_round) + 10)) 0 1 2
   keys=$($count)
-  echo "sweep ($store): the group formed at epoch $epoch; $keys keys in the store 10 rounds later"
+  at=$($floor)
+  echo "sweep ($store): the group formed at epoch $epoch; 10 rounds later the floor is $at, $keys keys in the store"
+  [ "$at" = $((epoch - 1)) ] || fail "the floor is $at, not $((epoch - 1)) (the epoch before the group's)"
   [ "$keys" -le 24 ] || fail "the store of a group at epoch $epoch holds $keys keys: the attempts before it were not swept"
+  $lower 2
+  [ "$($floor)" = "$at" ] || fail "a floor value of 2 added late moved the floor from $at to $($floor)"
   kill -KILL "${host_pid[$job.2]}"
   wait "${host_pid[$job.2]}" 2>/dev/null || true
   await_members "$job" 2 0 1 >/dev/null
@@ -432,7 +441,7 @@ sweep_check() {
   within_limit "$took" || fail "host 2 took $took s to join through the swept store"
   await_round "$job" $(($(stat_of "$job" 0 fed_round) + 10)) 0 1 2
   keys=$($count)
-  echo "sweep ($store): host 2 killed and restarted, 3 members after $took s, epoch $(stat_of "$job" 0 fed_epoch); $keys keys"
+  echo "sweep ($store): host 2 killed and restarted, 3 members after $took s, epoch $(stat_of "$job" 0 fed_epoch), floor $($floor); $keys keys"
   [ "$keys" -le 24 ] || fail "after host 2's restart the store holds $keys keys"
   for r in 0 1 2; do
     kill -TERM "${host_pid[$job.$r]}"
@@ -442,7 +451,9 @@ sweep_check() {
   timeout_ms=2000
 }
 file_keys() { find "$work/sweep-store" -type f | wc -l; }
-sweep_check "${name}sweep" "file:$work/sweep-store" file_keys
+file_floor() { ls "$work/sweep-store/floors" 2>/dev/null | sort -n | tail -1; }
+file_lower() { : >"$work/sweep-store/floors/$1"; }
+sweep_check "${name}sweep" "file:$work/sweep-store" file_keys file_floor file_lower
 
 # ---- 3. The Redis store.
 if ! command -v redis-server >/dev/null; then
@@ -469,5 +480,7 @@ for r in 1 2; do
   unset "host_pid[$job.$r]"
 done
 redis_keys() { redis-cli -p "$port" --scan --pattern "${name}rs/*" | wc -l; }
-sweep_check "${name}rs" "redis:127.0.0.1:$port/${name}rs" redis_keys
+redis_floor() { redis-cli -p "$port" zrevrange "${name}rs/floors" 0 0; }
+redis_lower() { redis-cli -p "$port" zadd "${name}rs/floors" "$1" "$1" >/dev/null; }
+sweep_check "${name}rs" "redis:127.0.0.1:$port/${name}rs" redis_keys redis_floor redis_lower
 echo "PASS"
