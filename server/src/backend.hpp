@@ -34,6 +34,21 @@ class PeerBuffer {
  public:
   virtual ~PeerBuffer() = default;
   virtual uint64_t length() const noexcept = 0;  // bytes requests may use
+  // The POSIX shm object mapped (a kHostShm buffer), or null (device memory).
+  virtual const shm::ShmObject* host_object() const noexcept { return nullptr; }
+};
+
+// Which POSIX shm object a worker may register as a kHostShm buffer: one
+// named `prefix` and a number ("shmps.<name>.p<pid>.<n>", the worker's
+// pid), with that one name (a second is a hard link, which any process
+// that may write an object can make under any name: to the control
+// segment, to another worker's buffer), and none that `taken_as` names.
+struct PeerObjectRule {
+  std::string prefix;
+  // What the object of this identity is when it is not the worker's to
+  // register (the control segment, a buffer another worker registered),
+  // for the refusal; empty: it may be. Unset: none is taken.
+  std::function<std::string(const shm::ShmObject::Identity&)> taken_as;
 };
 
 struct TensorExtent {
@@ -100,19 +115,19 @@ class Backend {
   virtual Status write_weights(uint64_t first, std::span<const float> values) = 0;
 
   // Opens the buffer a worker described (a private copy of its desc; the
-  // backend validates kind and handle). `expected_prefix`: the shm name
-  // prefix a host buffer of this worker must have. Errors: kUnknownBuffer
-  // (cannot open), kBadRange (offset + length beyond the object),
-  // kPermission, kBadRequest (a kind this backend does not take), kCuda.
-  virtual Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc,
-                                                        const std::string& expected_prefix) = 0;
+  // backend validates kind and handle). `rule`: which shm object a host
+  // buffer of this worker may be (open_worker_object()). Errors:
+  // kUnknownBuffer (cannot open), kBadRange (offset + length beyond the
+  // object), kPermission, kBadRequest (a kind this backend does not take,
+  // an object the rule refuses), kCuda.
+  virtual Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc, const PeerObjectRule& rule) = 0;
   // As open_peer, knowing the worker's pid (the server's own pid: an
   // embedded worker, whose CUDA buffer is used by pointer, never through
   // IPC). The server calls this one.
-  virtual Result<std::unique_ptr<PeerBuffer>> open_peer_of(const shm::BufferDesc& desc,
-                                                           const std::string& expected_prefix, uint32_t worker_pid) {
+  virtual Result<std::unique_ptr<PeerBuffer>> open_peer_of(const shm::BufferDesc& desc, const PeerObjectRule& rule,
+                                                           uint32_t worker_pid) {
     (void)worker_pid;
-    return open_peer(desc, expected_prefix);
+    return open_peer(desc, rule);
   }
 
   // After an access: kBadRange when the peer's memory vanished under it (a
@@ -162,16 +177,17 @@ std::unique_ptr<Backend> make_host_backend();
 
 // Opens the POSIX shm object a worker's kHostShm descriptor names, for any
 // backend that maps host buffers: the name must be NUL-terminated within
-// `handle` and start with `expected_prefix` ("shmps.<name>.p<pid>.": only
-// objects this worker created, never the control segment or another
-// worker's buffer), and [offset, offset + length) (bytes) must lie inside
-// the object. Maps that window alone (ShmObject::open_window(): data() is
+// `handle` and be `rule.prefix` and a number ("shmps.<name>.p<pid>.<n>"),
+// the object must have that one name and be none that `rule.taken_as`
+// names (checked on the opened descriptor, before anything is mapped:
+// never the control segment or another worker's buffer, whatever name a
+// hard link gives them), and [offset, offset + length) (bytes) must lie
+// inside it. Maps that window alone (ShmObject::open_window(): data() is
 // byte `offset`), so a descriptor of a few bytes of a sparse object of
 // terabytes costs the server a page of address space. Errors: kBadRequest
-// (the name), kPermission, kUnknownBuffer (cannot open), kBadRange.
-// Thread-safe.
-Result<std::unique_ptr<shm::ShmObject>> open_worker_object(const shm::BufferDesc& desc,
-                                                           const std::string& expected_prefix);
+// (the name, a second name, an object taken), kPermission, kUnknownBuffer
+// (cannot open), kBadRange. Thread-safe when `rule.taken_as` is.
+Result<std::unique_ptr<shm::ShmObject>> open_worker_object(const shm::BufferDesc& desc, const PeerObjectRule& rule);
 
 // The CUDA backend on the device `device` names (a UUID "GPU-xxxxxxxx-...",
 // a PCI bus id "0000:3b:00.0", or "" for the first visible device), after

@@ -133,6 +133,7 @@ struct IpcMapping {
 class CudaPeer final : public PeerBuffer {
  public:
   uint64_t length() const noexcept override { return length_; }
+  const shm::ShmObject* host_object() const noexcept override { return host_.get(); }
   char* at(uint64_t byte_offset) const noexcept { return data_ + byte_offset; }
   cudaEvent_t event() const noexcept { return event_; }
   ~CudaPeer() override {
@@ -339,16 +340,15 @@ class CudaBackend final : public Backend {
     return synchronize();
   }
 
-  Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc,
-                                                const std::string& expected_prefix) override {
-    return open_peer_of(desc, expected_prefix, 0);
+  Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc, const PeerObjectRule& rule) override {
+    return open_peer_of(desc, rule, 0);
   }
 
-  Result<std::unique_ptr<PeerBuffer>> open_peer_of(const shm::BufferDesc& desc, const std::string& expected_prefix,
+  Result<std::unique_ptr<PeerBuffer>> open_peer_of(const shm::BufferDesc& desc, const PeerObjectRule& rule,
                                                    uint32_t worker_pid) override {
     if (!sticky_.ok()) return sticky_;
     bind();
-    if (desc.kind == static_cast<uint32_t>(shm::BufferKind::kHostShm)) return open_host(desc, expected_prefix);
+    if (desc.kind == static_cast<uint32_t>(shm::BufferKind::kHostShm)) return open_host(desc, rule);
     if (desc.kind != static_cast<uint32_t>(shm::BufferKind::kCudaIpc))
       return Status{ErrorCode::kBadRequest, "buffer kind " + std::to_string(desc.kind) + " unknown"};
     auto peer = std::make_unique<CudaPeer>();
@@ -393,8 +393,8 @@ class CudaBackend final : public Backend {
   // device, so the kernels read it and pulls write it over PCIe. Its pages
   // are pinned: a worker truncating the object cannot take them away under
   // a kernel.
-  Result<std::unique_ptr<PeerBuffer>> open_host(const shm::BufferDesc& desc, const std::string& expected_prefix) {
-    auto opened = open_worker_object(desc, expected_prefix);
+  Result<std::unique_ptr<PeerBuffer>> open_host(const shm::BufferDesc& desc, const PeerObjectRule& rule) {
+    auto opened = open_worker_object(desc, rule);
     if (!opened.ok()) return opened.status();
     auto peer = std::make_unique<CudaPeer>();
     peer->device_ = device_;

@@ -24,6 +24,7 @@ class HostPeer final : public PeerBuffer {
       : window_(std::move(window)), guard_(guard_range(window_->mapping(), window_->mapping_size())) {}
   ~HostPeer() override { release_range(guard_); }
   uint64_t length() const noexcept override { return window_->size(); }
+  const shm::ShmObject* host_object() const noexcept override { return window_.get(); }
   bool intact() const noexcept { return !range_poisoned(guard_); }
   bool guarded() const noexcept { return guard_ != 0; }
   char* at(uint64_t byte_offset) const noexcept { return static_cast<char*>(window_->data()) + byte_offset; }
@@ -125,11 +126,10 @@ class HostBackend final : public Backend {
     return Status::Ok();
   }
 
-  Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc,
-                                                const std::string& expected_prefix) override {
+  Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& desc, const PeerObjectRule& rule) override {
     if (desc.kind != static_cast<uint32_t>(shm::BufferKind::kHostShm))
       return Status{ErrorCode::kBadRequest, "the host backend takes only POSIX shm buffers"};
-    auto opened = open_worker_object(desc, expected_prefix);
+    auto opened = open_worker_object(desc, rule);
     if (!opened.ok()) return opened.status();
     auto peer = std::make_unique<HostPeer>(std::move(opened).value());
     // Unguarded, a buffer truncated under the server would kill it (SIGBUS).
@@ -207,8 +207,7 @@ class HostBackend final : public Backend {
 
 }  // namespace
 
-Result<std::unique_ptr<shm::ShmObject>> open_worker_object(const shm::BufferDesc& desc,
-                                                           const std::string& expected_prefix) {
+Result<std::unique_ptr<shm::ShmObject>> open_worker_object(const shm::BufferDesc& desc, const PeerObjectRule& rule) {
   if (std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
     return Status{ErrorCode::kBadRequest, "buffer handle is not a terminated name"};
   const std::string object_name(reinterpret_cast<const char*>(desc.handle));
@@ -216,16 +215,39 @@ Result<std::unique_ptr<shm::ShmObject>> open_worker_object(const shm::BufferDesc
   // never a control segment (a server may be named "job.p42.x") or another
   // worker's buffer ("shmps.job.p42.p43.1" is worker 43's of server
   // "job.p42").
-  const std::string_view n = std::string_view(object_name).substr(std::min(object_name.size(), expected_prefix.size()));
-  if (!object_name.starts_with(expected_prefix) || n.empty() || n.size() > 20 ||
+  const std::string& prefix = rule.prefix;
+  const std::string_view n = std::string_view(object_name).substr(std::min(object_name.size(), prefix.size()));
+  if (!object_name.starts_with(prefix) || n.empty() || n.size() > 20 ||
       n.find_first_not_of("0123456789") != std::string_view::npos)
-    return Status{ErrorCode::kBadRequest, "buffer name must be " + expected_prefix + "<n>"};
+    return Status{ErrorCode::kBadRequest, "buffer name must be " + prefix + "<n>"};
   if (desc.length == 0) return Status{ErrorCode::kBadRange, "buffer length 0"};
+  // The name alone proves nothing of the object: with protected_hardlinks
+  // a process may link any object it may read and write (the control
+  // segment, another worker's buffer) under this worker's name, or rename
+  // one of its user's there. So the object opened must have one name (a
+  // worker's buffer has the one its worker created, O_EXCL) and be none
+  // the rule names (a link whose other names were removed since). Its
+  // owner is not compared with the worker's: the pid is the claimer's word
+  // (its /proc owner is that of whichever process the claim names), and
+  // an object of another user has a name that only its owner may remove
+  // (sticky /dev/shm), so a link to it has two.
+  const auto accept = [&](const shm::ShmObject::Identity& id) -> Status {
+    if (id.links > 1)
+      return {ErrorCode::kBadRequest, "buffer '" + object_name + "' has " + std::to_string(id.links) +
+                                          " names (a hard link): a worker's buffer has only the one it was created "
+                                          "under; nothing registered"};
+    if (rule.taken_as)
+      if (std::string what = rule.taken_as(id); !what.empty())
+        return {ErrorCode::kBadRequest,
+                "buffer '" + object_name + "' is " + what + ", not this worker's buffer; nothing registered"};
+    return Status::Ok();
+  };
   // The window alone: the object's size costs the server nothing.
-  auto opened = shm::ShmObject::open_window(object_name, /*read_only=*/false, desc.offset, desc.length);
+  auto opened =
+      shm::ShmObject::open_window(object_name, /*read_only=*/false, desc.offset, desc.length, nullptr, accept);
   if (!opened.ok()) {
     const ErrorCode code = opened.status().code();
-    if (code == ErrorCode::kPermission) return opened.status();
+    if (code == ErrorCode::kPermission || code == ErrorCode::kBadRequest) return opened.status();
     if (code == ErrorCode::kBadRange) return Status{ErrorCode::kBadRange, "buffer " + opened.status().message()};
     return Status{ErrorCode::kUnknownBuffer, opened.status().message()};
   }

@@ -163,10 +163,13 @@ Answer RequestHandler::register_buffer(uint32_t i, const Request& req) {
       std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
     return reject(i, req, ErrorCode::kBadRequest, "buffer handle is not a terminated name");
   if (desc.length == 0) return reject(i, req, ErrorCode::kBadRange, "buffer length 0");
-  // Only objects named for this worker's pid: never the control segment
-  // or another worker's buffer.
+  // Only objects named for this worker's pid, with that one name, and
+  // neither the control segment nor another worker's buffer.
   const uint32_t pid = slot.pid();
-  auto peer = backend_.open_peer_of(desc, shm::buffer_object_prefix(config_.name, static_cast<pid_t>(pid)), pid);
+  PeerObjectRule rule;
+  rule.prefix = shm::buffer_object_prefix(config_.name, static_cast<pid_t>(pid));
+  rule.taken_as = [this, i](const shm::ShmObject::Identity& id) { return sessions_.taken_as(id, i); };
+  auto peer = backend_.open_peer_of(desc, rule, pid);
   if (!peer.ok()) return backend_failed(i, req, peer.status());
   sessions_.add_buffer(i, req.buffer_id, std::move(peer).value());
   if (log::enabled(LogLevel::kDebug))

@@ -173,6 +173,22 @@ void Sessions::close_buffer(uint32_t i, uint32_t id) {
   segment_.stats().buffers_registered.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
 }
 
+std::string Sessions::taken_as(const shm::ShmObject::Identity& id, uint32_t i) const {
+  const auto same = [&](const shm::ShmObject& o) { return o.device() == id.device && o.inode() == id.inode; };
+  if (same(segment_.object())) return "the control segment /dev/shm/" + segment_.object().name();
+  for (uint32_t w : attached_lanes_) {
+    if (w == i) continue;
+    for (uint32_t b = 0; b < slots_[w].buffers.size(); ++b) {
+      const PeerBuffer* peer = slots_[w].buffer(b);
+      const shm::ShmObject* object = peer != nullptr ? peer->host_object() : nullptr;
+      if (object != nullptr && same(*object))
+        return "worker " + std::to_string(w) + "'s buffer " + std::to_string(b) + " (pid " +
+               std::to_string(slots_[w].pid()) + ", '" + object->name() + "')";
+    }
+  }
+  return "";
+}
+
 // Returns entry i, whose owner process is dead, to kFree: a CAS from the
 // owner word we judged, so a claimer never loses its claim.
 // SYNC(worker_release).

@@ -75,6 +75,12 @@ class Sessions {
   // mapping is closed, and counted, when the last holder lets go.
   void add_buffer(uint32_t i, uint32_t id, std::unique_ptr<PeerBuffer> buffer);
   void close_buffer(uint32_t i, uint32_t id);
+  // What the shm object of `id` is when worker i may not register it: the
+  // control segment, or a buffer another attached worker registered (worker
+  // i's own may be registered again, as another window); empty otherwise.
+  // A look at every registered buffer (max_workers x max_buffers at most),
+  // once per registration.
+  std::string taken_as(const shm::ShmObject::Identity& id, uint32_t i) const;
 
   enum class Owner {
     kNone,    // a free entry (a session whose entry was freed without a detach is ended)

@@ -253,22 +253,25 @@ size_t ShmObject::mapping_size() const noexcept { return region_->size; }
 
 namespace {
 
-// Fills identity fields from the descriptor and maps bytes [offset, offset
-// + length) of the object (length 0: all of it), from the page that holds
+// Fills *identity from the descriptor and maps bytes [offset, offset +
+// length) of the object (length 0: all of it), from the page that holds
 // the first: *address and *size are the mapping's, *lead the window's
 // distance into it. Anything but a regular file is refused before it is
 // read: a FIFO or device placed at the name must not block or feed its
-// reader. *empty: refused for its 0 bytes.
-Status map_object(int fd, bool read_only, const std::string& name, uint64_t offset, uint64_t length, uint64_t* inode,
-                  uid_t* uid, gid_t* gid, mode_t* mode, void** address, size_t* size, size_t* lead, bool* empty,
-                  bool* too_large = nullptr, uint64_t max_bytes = ~uint64_t{0}) {
+// reader. *empty: refused for its 0 bytes. `accept` (if set) may refuse the
+// object by its identity before anything is mapped.
+Status map_object(int fd, bool read_only, const std::string& name, uint64_t offset, uint64_t length,
+                  ShmObject::Identity* identity, void** address, size_t* size, size_t* lead, bool* empty,
+                  bool* too_large = nullptr, uint64_t max_bytes = ~uint64_t{0}, const ShmObject::Accept& accept = {}) {
   *empty = false;
   struct stat st {};
   if (::fstat(fd, &st) != 0) return {ErrorCode::kIo, "fstat '" + name + "': " + errno_text(errno)};
-  *inode = st.st_ino;
-  *uid = st.st_uid;
-  *gid = st.st_gid;
-  *mode = st.st_mode & 0777;
+  identity->device = st.st_dev;
+  identity->inode = st.st_ino;
+  identity->links = st.st_nlink;
+  identity->uid = st.st_uid;
+  identity->gid = st.st_gid;
+  identity->mode = st.st_mode & 0777;
   if (!S_ISREG(st.st_mode)) {
     const std::string path = "/dev/shm/" + name;
     const char* what = S_ISFIFO(st.st_mode)   ? "a FIFO, not a regular file"
@@ -293,6 +296,8 @@ Status map_object(int fd, bool read_only, const std::string& name, uint64_t offs
                                             " bytes, more than the " + std::to_string(max_bytes) + " it may (" +
                                             owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ")"};
   }
+  if (accept)
+    if (Status s = accept(*identity); !s.ok()) return s;
   const auto object_bytes = static_cast<uint64_t>(st.st_size);
   if (length == 0) length = object_bytes;
   if (offset > object_bytes || length > object_bytes - offset)
@@ -370,8 +375,8 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
     }
     bool empty = false;
     size_t lead = 0;
-    if (Status s = map_object(fd, false, object_name, 0, 0, &obj->inode_, &obj->uid_, &obj->gid_, &obj->mode_,
-                              &obj->region_->address, &obj->region_->size, &lead, &empty);
+    if (Status s = map_object(fd, false, object_name, 0, 0, &obj->identity_, &obj->region_->address,
+                              &obj->region_->size, &lead, &empty);
         !s.ok()) {
       bip::shared_memory_object::remove(object_name.c_str());
       return s;
@@ -399,15 +404,17 @@ Result<std::unique_ptr<ShmObject>> ShmObject::open(const std::string& object_nam
 }
 
 Result<std::unique_ptr<ShmObject>> ShmObject::open_window(const std::string& object_name, bool read_only,
-                                                          uint64_t offset, uint64_t length, OpenFailure* failure) {
+                                                          uint64_t offset, uint64_t length, OpenFailure* failure,
+                                                          const Accept& accept) {
   if (failure != nullptr) *failure = OpenFailure::kOther;
   if (length == 0)
     return Status{ErrorCode::kInvalidArgument, "a window of 0 bytes of shm object '" + object_name + "'"};
-  return open_mapped(object_name, read_only, Window{offset, length}, failure, ~uint64_t{0});
+  return open_mapped(object_name, read_only, Window{offset, length}, failure, ~uint64_t{0}, accept);
 }
 
 Result<std::unique_ptr<ShmObject>> ShmObject::open_mapped(const std::string& object_name, bool read_only, Window window,
-                                                          OpenFailure* failure, uint64_t max_bytes) {
+                                                          OpenFailure* failure, uint64_t max_bytes,
+                                                          const Accept& accept) {
   OpenFailure unused = OpenFailure::kOther;
   OpenFailure& why = failure != nullptr ? *failure : unused;
   why = OpenFailure::kOther;
@@ -444,8 +451,8 @@ Result<std::unique_ptr<ShmObject>> ShmObject::open_mapped(const std::string& obj
   bool too_large = false;
   size_t lead = 0;
   const Status mapped =
-      map_object(fd, read_only, object_name, window.offset, window.length, &obj->inode_, &obj->uid_, &obj->gid_,
-                 &obj->mode_, &obj->region_->address, &obj->region_->size, &lead, &empty, &too_large, max_bytes);
+      map_object(fd, read_only, object_name, window.offset, window.length, &obj->identity_, &obj->region_->address,
+                 &obj->region_->size, &lead, &empty, &too_large, max_bytes, accept);
   ::close(fd);  // the mapping stays
   if (empty) why = OpenFailure::kEmpty;
   if (too_large) why = OpenFailure::kTooLarge;

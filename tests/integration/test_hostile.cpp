@@ -778,6 +778,102 @@ BOOST_AUTO_TEST_CASE(a_stamped_registration_of_a_held_buffer_id_replaces_its_map
   shm::ShmObject::remove(prefix + "1");
 }
 
+// With protected_hardlinks a process may link any object it may read and
+// write under any name in /dev/shm, so under its own buffer prefix too:
+// the control segment, or another worker's buffer. The server must map
+// neither as that worker's buffer (a pull would write the weights over
+// the segment's header, or into the other worker's memory): the
+// registration is refused (kBadRequest, naming the object), nothing is
+// registered, and the header and the other buffer keep their bytes. The
+// same once the other worker's own name is gone and the link is the
+// object's one name: what the object is refuses it, not how many names it
+// has.
+BOOST_AUTO_TEST_CASE(a_hard_link_to_the_segment_or_another_workers_buffer_is_not_registered) {
+  test::ServerProcess server(test::unique_name("hlink"), kCounting);  // 4 floats, all 0
+  struct Victim {
+    std::atomic<uint32_t> ready;
+    char object[shm::kNameBytes];
+  };
+  auto* v =
+      static_cast<Victim*>(::mmap(nullptr, sizeof(Victim), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  BOOST_REQUIRE(v != MAP_FAILED);
+  // Another process's worker, with one buffer of 4 floats of 42.
+  auto victim = test::Process::fork_fn([&] {
+    auto w = Worker::connect(test::worker_options(server.name(), 5s, false));
+    if (!w.ok()) return 2;
+    auto buf = (*w)->register_buffer(16);
+    if (!buf.ok()) return 3;
+    std::fill_n(static_cast<float*>(buf->data), 4, 42.0f);
+    const std::string prefix = shm::buffer_object_prefix(server.name(), ::getpid());
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
+      if (e.path().filename().string().starts_with(prefix))
+        std::snprintf(v->object, sizeof v->object, "%s", e.path().filename().c_str());
+    v->ready.store(1);
+    while (true) ::pause();
+  });
+  BOOST_REQUIRE(test::eventually([&] { return v->ready.load() == 1u; }, 10s));
+  const std::string victims_object = v->object;
+  BOOST_REQUIRE(!victims_object.empty());
+  const std::string dir = "/dev/shm/";
+  const std::string segment_object = shm::segment_object_name(server.name());
+  test::RawClient raw(server.name());
+  const std::string prefix = shm::buffer_object_prefix(server.name(), ::getpid());
+  ObjectsRemoved links{{prefix + "0", prefix + "1", prefix + "2"}};
+  const auto pull_into = [&](uint32_t id) {
+    shm::Request r = raw.request(shm::Opcode::kPull);
+    r.buffer_id = id;
+    r.tensor_id = shm::kAllTensors;
+    r.byte_length = 16;
+    r.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
+    return raw.call(r);
+  };
+  // The answer's message is its first 63 bytes (the server's log has it
+  // whole): the object's name and what it is come first.
+  const auto refused = [&](uint32_t id, const std::string& link, const std::string& what) {
+    const shm::Completion c = register_window(raw, id, link, 0, 16);
+    BOOST_TEST(c.code == static_cast<uint32_t>(ErrorCode::kBadRequest), "register " << link << ": " << c.message);
+    BOOST_TEST(std::string(c.message).starts_with("buffer '" + link + "' " + what), c.message);
+    const shm::Completion pulled = pull_into(id);
+    BOOST_TEST(pulled.code == static_cast<uint32_t>(ErrorCode::kUnknownBuffer), pulled.message);
+  };
+  const auto victims_bytes_intact = [&](const std::string& object) {
+    auto o = shm::ShmObject::open(object, /*read_only=*/true);
+    BOOST_REQUIRE_MESSAGE(o.ok(), o.status().to_string());
+    const auto* f = static_cast<const float*>((*o)->data());
+    return f[0] == 42.0f && f[3] == 42.0f;
+  };
+
+  // The control segment.
+  BOOST_REQUIRE(::link((dir + segment_object).c_str(), (dir + prefix + "0").c_str()) == 0);
+  refused(0, prefix + "0", "has 2 names");
+  BOOST_TEST(raw.segment().header().magic == shm::kMagic, "the pull wrote over the segment's header");
+  BOOST_TEST(raw.segment().header().layout_version.load() == shm::kLayoutVersion);
+  BOOST_REQUIRE(::unlink((dir + prefix + "0").c_str()) == 0);
+
+  // Another worker's buffer, under both names.
+  BOOST_REQUIRE(::link((dir + victims_object).c_str(), (dir + prefix + "1").c_str()) == 0);
+  refused(1, prefix + "1", "has 2 names");
+  BOOST_TEST(victims_bytes_intact(victims_object), "the pull wrote into the other worker's buffer");
+  // Its own name removed (its user may): the link is its one name.
+  BOOST_REQUIRE(::unlink((dir + victims_object).c_str()) == 0);
+  refused(1, prefix + "1", "is worker 0's");
+  BOOST_TEST(victims_bytes_intact(prefix + "1"), "the pull wrote into the other worker's buffer");
+  BOOST_REQUIRE(::link((dir + prefix + "1").c_str(), (dir + victims_object).c_str()) == 0);
+  BOOST_REQUIRE(::unlink((dir + prefix + "1").c_str()) == 0);
+
+  // A buffer of its own is still registered and pulled into.
+  auto own = shm::ShmObject::create(prefix + "2", 16, 0600);
+  BOOST_REQUIRE(own.ok());
+  std::memset((*own)->data(), 0x5a, 16);
+  const shm::Completion ok = register_window(raw, 2, prefix + "2", 0, 16);
+  BOOST_TEST(ok.code == 0u, ok.message);
+  BOOST_TEST(pull_into(2).code == 0u);
+  BOOST_TEST(static_cast<const float*>((*own)->data())[0] == 0.0f);
+  BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
+  victim.kill_and_reap();
+  ::munmap(v, sizeof(Victim));
+}
+
 // A worker that writes a living process's pid into its owner word, with a
 // start time that does not match, looks dead to the server, which
 // releases the entry; it must not unlink that living process's buffer

@@ -47,6 +47,7 @@ class GatedPeer final : public PeerBuffer {
   }
   ~GatedPeer() override { --gate_->live_peers; }
   uint64_t length() const noexcept override { return inner_->length(); }
+  const shm::ShmObject* host_object() const noexcept override { return inner_->host_object(); }
   PeerBuffer& inner() const { return *inner_; }
 
  private:
@@ -82,8 +83,8 @@ class GatedBackend final : public Backend {
   Status write_weights(uint64_t first, std::span<const float> values) override {
     return host_->write_weights(first, values);
   }
-  Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& d, const std::string& prefix) override {
-    auto p = host_->open_peer(d, prefix);
+  Result<std::unique_ptr<PeerBuffer>> open_peer(const shm::BufferDesc& d, const PeerObjectRule& rule) override {
+    auto p = host_->open_peer(d, rule);
     if (!p.ok()) return p.status();
     return std::unique_ptr<PeerBuffer>(new GatedPeer(std::move(p).value(), gate_));
   }

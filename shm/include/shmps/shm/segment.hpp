@@ -78,6 +78,17 @@ Status check_group_access(const std::string& path, uid_t uid, gid_t gid, mode_t 
 // A mapped POSIX shm object.
 class ShmObject {
  public:
+  // What the object's descriptor says of it (fstat) when it was opened.
+  struct Identity {
+    uint64_t device = 0;
+    uint64_t inode = 0;
+    uint64_t links = 0;  // its names (hard links) then
+    uid_t uid = 0;
+    gid_t gid = 0;
+    mode_t mode = 0;  // permission bits
+  };
+  using Accept = std::function<Status(const Identity&)>;
+
   // Creates `object_name` exclusively with `mode` (set on the descriptor,
   // not subject to the umask; never world-writable: o+w is refused), sizes
   // it to `bytes` and reserves the memory up front (posix_fallocate), so a
@@ -118,8 +129,13 @@ class ShmObject {
   // before data() to the window's end. Errors as open()'s, and kBadRange
   // (the window does not lie inside the object, with both numbers),
   // kInvalidArgument (length 0); nothing is mapped then.
+  // `accept`, when given, sees the object's identity before anything is
+  // mapped; an error it returns is open_window()'s, and nothing is mapped:
+  // a caller that must not map some objects (a server: its own control
+  // segment, another worker's buffer, behind a hard link) refuses them there.
   static Result<std::unique_ptr<ShmObject>> open_window(const std::string& object_name, bool read_only, uint64_t offset,
-                                                        uint64_t length, OpenFailure* failure = nullptr);
+                                                        uint64_t length, OpenFailure* failure = nullptr,
+                                                        const Accept& accept = {});
   // shm_unlink; nothing happens when it is already gone. Returns 0, or
   // the errno of a failed unlink (EPERM: another user's object in the
   // sticky /dev/shm).
@@ -137,10 +153,12 @@ class ShmObject {
   const std::string& name() const noexcept { return name_; }
   // Identity of the object mapped (device, inode): a recreated name has a
   // new inode, which handle caches use to detect recycling.
-  uint64_t inode() const noexcept { return inode_; }
-  uid_t owner_uid() const noexcept { return uid_; }
-  gid_t owner_gid() const noexcept { return gid_; }
-  mode_t mode() const noexcept { return mode_; }
+  const Identity& identity() const noexcept { return identity_; }
+  uint64_t device() const noexcept { return identity_.device; }
+  uint64_t inode() const noexcept { return identity_.inode; }
+  uid_t owner_uid() const noexcept { return identity_.uid; }
+  gid_t owner_gid() const noexcept { return identity_.gid; }
+  mode_t mode() const noexcept { return identity_.mode; }
   // The creator's descriptor, kept open with the mapping when create() was
   // asked to (else -1): the server grows its control segment back through it
   // when another process shrinks the object (server/src/peer_guard.hpp).
@@ -155,15 +173,13 @@ class ShmObject {
   };
   ShmObject();
   static Result<std::unique_ptr<ShmObject>> open_mapped(const std::string& object_name, bool read_only, Window window,
-                                                        OpenFailure* failure, uint64_t max_bytes);
+                                                        OpenFailure* failure, uint64_t max_bytes,
+                                                        const Accept& accept = {});
   std::unique_ptr<Region> region_;
   std::string name_;
   void* data_ = nullptr;
   size_t size_ = 0;
-  uint64_t inode_ = 0;
-  uid_t uid_ = 0;
-  gid_t gid_ = 0;
-  mode_t mode_ = 0;
+  Identity identity_;
 };
 
 struct TensorSpec {
