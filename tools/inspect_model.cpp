@@ -420,11 +420,12 @@ Result<Snapshot> take_snapshot(const void* base, size_t size, const std::string&
       w.state = shm::owner_state(owner);
       w.pid_start_time = e.pid_start_time;
       // As the server judges it (server/src/sessions.cpp, reap): an entry
-      // without a start time (claimed, its worker yet to write it) by
+      // without a start time (claimed, its worker yet to write it), or
+      // being given back (kReleasing: its start time is being cleared), by
       // whatever process holds the pid.
       const auto pid = static_cast<pid_t>(w.pid);
-      const shm::ProcessState ps =
-          w.pid_start_time != 0 ? shm::process_state(pid, w.pid_start_time) : shm::pid_state(pid);
+      const bool by_pid = w.pid_start_time == 0 || w.state == static_cast<uint32_t>(shm::WorkerState::kReleasing);
+      const shm::ProcessState ps = by_pid ? shm::pid_state(pid) : shm::process_state(pid, w.pid_start_time);
       w.pid_alive = ps != shm::ProcessState::kGone;
       w.pid_stopped = ps == shm::ProcessState::kStopped;
       w.lease = e.lease;

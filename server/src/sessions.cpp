@@ -189,17 +189,23 @@ std::string Sessions::taken_as(const shm::ShmObject::Identity& id, uint32_t i) c
   return "";
 }
 
-// Returns entry i, whose owner process is dead, to kFree: a CAS from the
-// owner word we judged, so a claimer never loses its claim.
-// SYNC(worker_release).
+// Returns entry i, whose owner process is dead, to kFree as a worker gives
+// its entry back: a CAS from the owner word we judged to (pid, kReleasing),
+// so a claimer never loses its claim and nothing is cleared under one; the
+// entry's words cleared; a CAS to kFree. SYNC(worker_release).
 void Sessions::release_entry(uint32_t i, uint64_t dead_owner) {
   end(i, "");
   shm::WorkerEntry& entry = segment_.worker(i);
+  uint64_t expected = dead_owner;
+  uint64_t releasing = shm::make_owner(shm::owner_pid(dead_owner), WorkerState::kReleasing);
+  // relaxed: this step publishes nothing; the clears after it are done
+  // only once it succeeded, and the CAS to kFree publishes them.
+  if (!entry.owner.compare_exchange_strong(expected, releasing, std::memory_order_relaxed, std::memory_order_relaxed))
+    return;
   entry.lease = 0;
   entry.pid_start_time = 0;
   std::memset(segment_.buffer_table_bytes(i), 0, config_.max_buffers * sizeof(shm::BufferDesc));
-  uint64_t expected = dead_owner;
-  entry.owner.compare_exchange_strong(expected, 0, std::memory_order_release,
+  entry.owner.compare_exchange_strong(releasing, 0, std::memory_order_release,
                                       std::memory_order_relaxed);  // SYNC(worker_release)
 }
 
@@ -213,13 +219,15 @@ Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
   }
   const pid_t pid = static_cast<pid_t>(shm::owner_pid(owner));
   const bool was_attached = owner == slot.owner;
+  const bool releasing = shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kReleasing);
   const bool claim = !was_attached && shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kClaimed);
   // A claimer writes its start time just after its claim: until then the
   // entry may hold the one the last session's process left (it freed its
   // word without clearing it), which would judge the claimer dead. A claim
-  // with that start time is judged by its pid alone.
+  // with that start time is judged by its pid alone. So is a word in
+  // kReleasing, whose start time its holder clears.
   uint64_t start = was_attached ? slot.pid_start_time : entry.pid_start_time;
-  if (claim && start == slot.pid_start_time) start = 0;
+  if ((claim && start == slot.pid_start_time) || releasing) start = 0;
   const shm::ProcessState state = shm::entry_owner_state(pid, start);
   if (state != shm::ProcessState::kGone)
     return was_attached && stopped_too_long(i, state, now, why) ? Owner::kStopped : Owner::kLiving;
@@ -229,6 +237,7 @@ Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
                                                             ") died" +
                                                             (was_attached ? ""
                                                              : claim      ? " before attaching"
+                                                             : releasing  ? " giving its entry back"
                                                                           : " after its session ended") +
                                                             "; releasing its entry");
   if (was_attached) segment_.stats().workers_died.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic

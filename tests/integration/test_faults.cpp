@@ -60,8 +60,10 @@ BOOST_AUTO_TEST_CASE(a_dead_processs_buffer_without_an_entry_is_swept) {
 }
 
 BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
-  const char* points[] = {"after_claim",   "after_buffer_create", "after_register",  "before_publish",
-                          "after_publish", "after_doorbell",      "after_completion"};
+  // in_release: as the victim's Worker gives its entry back after the
+  // detach at its end (the word in kReleasing, the start time cleared).
+  const char* points[] = {"after_claim",   "after_buffer_create", "after_register",   "before_publish",
+                          "after_publish", "after_doorbell",      "after_completion", "in_release"};
   for (const char* point : points) {
     BOOST_TEST_CONTEXT("fault point " << point) {
       test::ServerProcess server(test::unique_name("fault"), {"--tensor", "w:1", "--lr", "1", "--max-staleness",
@@ -88,7 +90,7 @@ BOOST_AUTO_TEST_CASE(worker_killed_at_each_protocol_step) {
           if (!v.ok()) return 4;
           shared->victim_acked.fetch_add(1);
         }
-        return 0;  // should have died before
+        return 0;  // should have died before (in_release: in the detach as `w` goes)
       });
       const pid_t victim_pid = victim.pid();
       BOOST_TEST(victim.wait(10s) == 128 + SIGKILL);

@@ -5,12 +5,17 @@
 // once, tickets in flight included. (The table itself is checked when
 // worker.cpp compiles: its static_asserts.)
 #define BOOST_TEST_MODULE test_session
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <chrono>
 #include <future>
 #include <thread>
 
+#include "shmps/shm/futex.hpp"
+#include "shmps/shm/proc.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
@@ -227,6 +232,50 @@ BOOST_AUTO_TEST_CASE(detach_interrupted_ends_a_detach_and_interrupted_does_not) 
   WorkerOptions bad = o;
   bad.detach_timeout = 0ms;
   BOOST_TEST((Worker::connect(bad).status().code() == ErrorCode::kInvalidArgument));
+}
+
+// kAttached -> kEvicted, the entry no longer ours: a peer freed our owner
+// word and another process (Q) claimed the entry and wrote its start time,
+// and rings only after we noticed. Giving the entry back must leave Q's
+// start time alone (the worker clears its own only while its word says
+// kReleasing, after a CAS from its own word, which fails here), or the
+// server never attaches Q.
+BOOST_AUTO_TEST_CASE(giving_back_an_entry_claimed_since_leaves_the_claimers_start_time) {
+  test::ServerProcess server(test::unique_name("clobber"), kArgs);
+  auto w = test::connect(server.name(), 10s, /*reconnect=*/false);
+  const uint32_t id = w->worker_id();
+  auto seg = shm::Segment::open(server.name(), /*read_only=*/false);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  shm::WorkerEntry& entry = (*seg)->worker(id);
+  struct Steps {
+    std::atomic<uint32_t> claimed;  // Q claimed the entry and wrote its start time
+    std::atomic<uint32_t> go;       // our call noticed: Q may ring
+  };
+  auto* steps =
+      static_cast<Steps*>(::mmap(nullptr, sizeof(Steps), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  BOOST_REQUIRE(steps != MAP_FAILED);
+  entry.owner.store(0);  // a buggy peer frees our word
+  auto q = test::Process::fork_fn([&] {
+    const auto me = static_cast<uint32_t>(::getpid());
+    uint64_t expected = 0;
+    if (!entry.owner.compare_exchange_strong(expected, shm::make_owner(me, shm::WorkerState::kClaimed))) return 3;
+    entry.pid_start_time = shm::process_start_time(::getpid());
+    steps->claimed.store(1);
+    if (!test::eventually([&] { return steps->go.load() == 1u; }, 10s)) return 4;
+    auto& h = (*seg)->header();
+    h.doorbell[id / 64].fetch_or(uint64_t{1} << (id % 64));
+    shm::notify(h.server_wake);
+    const uint64_t attached = shm::make_owner(me, shm::WorkerState::kAttached);
+    return test::eventually([&] { return entry.owner.load() == attached; }, 3s) ? 0 : 1;
+  });
+  BOOST_REQUIRE(test::eventually([&] { return steps->claimed.load() == 1u; }, 10s));
+  const uint64_t q_start = entry.pid_start_time;
+  const Status noticed = w->ping();  // the entry is not ours: the session ends, the entry is given back
+  BOOST_TEST((noticed.code() == ErrorCode::kUnknownWorker), noticed.to_string());
+  BOOST_TEST(entry.pid_start_time == q_start, "the claimer's start time was cleared");
+  steps->go.store(1);
+  BOOST_TEST(q.wait(10s) == 0, "the claimer was not attached (start time " << entry.pid_start_time << ")");
+  ::munmap(steps, sizeof(Steps));
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -12,7 +12,7 @@ using namespace shmps::shm;
 BOOST_AUTO_TEST_SUITE(layout)
 
 BOOST_AUTO_TEST_CASE(version_and_magic_are_pinned) {
-  BOOST_TEST(kLayoutVersion == 14u);
+  BOOST_TEST(kLayoutVersion == 15u);
   BOOST_TEST(kBufferInProcess == 1u);
   BOOST_TEST(kWeightsExportPresent == 1u);
   BOOST_TEST(kMagic == 0x31474553504d4853ull);
@@ -95,6 +95,9 @@ BOOST_AUTO_TEST_CASE(enum_values_are_pinned) {
   BOOST_TEST(static_cast<uint32_t>(Dtype::kBF16) == 3u);
   BOOST_TEST(static_cast<uint32_t>(ServerState::kStopped) == 4u);
   BOOST_TEST(static_cast<uint32_t>(WorkerState::kDetached) == 3u);
+  BOOST_TEST(static_cast<uint32_t>(WorkerState::kReleasing) == 4u);
+  BOOST_TEST(std::string(worker_state_name(4)) == "releasing");
+  BOOST_TEST(worker_state_name(5) == nullptr);
   BOOST_TEST(static_cast<uint32_t>(StalenessPolicy::kScale) == 2u);
   BOOST_TEST(std::string(staleness_policy_name(1)) == "wait");
   BOOST_TEST(staleness_policy_name(3) == nullptr);

@@ -77,6 +77,8 @@ shm::Completion RawClient::call(shm::Request r, std::chrono::milliseconds timeou
 }
 
 void RawClient::release_entry() {
+  const uint64_t releasing = shm::make_owner(static_cast<uint32_t>(::getpid()), shm::WorkerState::kReleasing);
+  seg_->worker(id_).owner.store(releasing, std::memory_order_relaxed);  // relaxed: publishes nothing
   seg_->worker(id_).pid_start_time = 0;
   seg_->worker(id_).owner.store(0, std::memory_order_release);  // SYNC(worker_release)
 }

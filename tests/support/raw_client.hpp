@@ -42,7 +42,8 @@ class RawClient {
   // completion answers another request id.
   shm::Completion call(shm::Request r, std::chrono::milliseconds timeout = std::chrono::seconds(5));
   // Frees the entry the way worker_lib does after a detach or an eviction:
-  // lane and queue indices to 0, then owner to kFree (release).
+  // owner to (pid, kReleasing), start time 0, then owner to kFree
+  // (release). The server resets the indices at the next attach.
   void release_entry();
 
  private:

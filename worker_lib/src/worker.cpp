@@ -974,18 +974,28 @@ class Worker::Impl {
   }
 
   // Returns our entry to kFree after the server let go of it (detached,
-  // evicted, or never attached): a CAS from our own word, so an entry the
-  // server already reclaimed (and someone else claimed) is left alone. The
-  // server resets the indices at the next attach.
+  // evicted, or never attached): a CAS from our own word to (pid,
+  // kReleasing), so an entry the server already reclaimed (and someone else
+  // claimed) is left alone; then our start time is cleared, while the word
+  // still says the entry is ours (cleared before the CAS, it could be the
+  // next claimer's), and a CAS to kFree gives the entry back. Killed in
+  // between, the server frees it (the pid is dead). The server resets the
+  // indices at the next attach.
   void release_entry() {
     auto& e = entry();
     const auto pid = static_cast<uint32_t>(::getpid());
-    e.pid_start_time = 0;
+    uint64_t releasing = shm::make_owner(pid, WorkerState::kReleasing);
     for (WorkerState st : {WorkerState::kClaimed, WorkerState::kAttached, WorkerState::kDetached}) {
       uint64_t expected = shm::make_owner(pid, st);
-      if (e.owner.compare_exchange_strong(expected, 0, std::memory_order_release,
-                                          std::memory_order_relaxed))  // SYNC(worker_release)
-        return;
+      // relaxed: this step publishes nothing; the clear after it is done
+      // only once it succeeded, and the CAS to kFree publishes it.
+      if (!e.owner.compare_exchange_strong(expected, releasing, std::memory_order_relaxed, std::memory_order_relaxed))
+        continue;
+      e.pid_start_time = 0;
+      fault_point.hit("in_release");
+      e.owner.compare_exchange_strong(releasing, 0, std::memory_order_release,
+                                      std::memory_order_relaxed);  // SYNC(worker_release)
+      return;
     }
   }
 

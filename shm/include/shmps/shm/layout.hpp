@@ -68,7 +68,8 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 //     (StatsBlock 2176 B).
 // 13: Completion::flags (a reserved word before): kCompletionMessageCut.
 // 14: StatsBlock::checkpoints_deferred (a reserved counter slot before).
-inline constexpr uint32_t kLayoutVersion = 14;
+// 15: WorkerState::kReleasing (an entry is given back through it).
+inline constexpr uint32_t kLayoutVersion = 15;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;  // 4 doorbell words
@@ -141,10 +142,11 @@ constexpr const char* server_state_name(uint32_t state) {
 
 // Worker table entry states (low 32 bits of WorkerEntry::owner).
 enum class WorkerState : uint32_t {
-  kFree = 0,      // unused; a worker may claim it
-  kClaimed = 1,   // a worker (pid in owner) claimed it and is attaching
-  kAttached = 2,  // the server accepted the attach; lease is valid
-  kDetached = 3,  // the server finished the detach; the worker releases it
+  kFree = 0,       // unused; a worker may claim it
+  kClaimed = 1,    // a worker (pid in owner) claimed it and is attaching
+  kAttached = 2,   // the server accepted the attach; lease is valid
+  kDetached = 3,   // the server finished the detach; the worker releases it
+  kReleasing = 4,  // being given back (WorkerEntry::owner): its words cleared, then kFree
 };
 inline constexpr uint64_t make_owner(uint32_t pid, WorkerState s) {
   return (uint64_t{pid} << 32) | static_cast<uint32_t>(s);
@@ -152,8 +154,8 @@ inline constexpr uint64_t make_owner(uint32_t pid, WorkerState s) {
 inline constexpr uint32_t owner_pid(uint64_t owner) { return static_cast<uint32_t>(owner >> 32); }
 inline constexpr uint32_t owner_state(uint64_t owner) { return static_cast<uint32_t>(owner); }
 constexpr const char* worker_state_name(uint32_t state) {
-  constexpr const char* kNames[] = {"free", "claimed", "attached", "detached"};
-  return state <= 3 ? kNames[state] : nullptr;
+  constexpr const char* kNames[] = {"free", "claimed", "attached", "detached", "releasing"};
+  return state <= 4 ? kNames[state] : nullptr;
 }
 
 // A futex-backed wait point: `seq` is the futex word, bumped by every
@@ -391,11 +393,16 @@ static_assert(offsetof(StatsReply, workers_evicted) == 112);
 
 struct WorkerEntry {
   // owner = (pid << 32) | WorkerState. Claimed by a worker with a CAS from
-  // kFree, set to kAttached/kDetached by the server, back to kFree by the
-  // worker after a detach or by the server when the owner is dead.
+  // kFree, set to kAttached/kDetached by the server, given back by the
+  // worker after a detach (or a failed attach), or by the server when the
+  // owner is dead: a CAS from the word it judged to (pid, kReleasing), the
+  // start time (and, by the server, the lease and buffer table) cleared,
+  // then a CAS to kFree. The start time is cleared only while the word
+  // says the entry is the releaser's, never over the next claimer's; a
+  // releaser killed in kReleasing is judged by its pid alone.
   // SYNC(worker_claim) / SYNC(worker_release).
   std::atomic<uint64_t> owner;
-  uint64_t pid_start_time;  // worker writes after claiming (0: not yet)
+  uint64_t pid_start_time;  // worker writes after claiming (0: not yet); cleared under kReleasing
   uint64_t lease;           // server writes at attach; requests must carry it
   // The last request id the worker had sent when it stopped waiting (its
   // wait was interrupted, or it detaches): the server answers kInterrupted
