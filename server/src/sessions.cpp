@@ -215,6 +215,7 @@ Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
   const uint64_t owner = entry.owner.load(std::memory_order_acquire);  // SYNC(worker_claim)
   if (owner == 0) {
     if (slot.attached()) end(i, "its entry was freed without a detach");
+    slot.unidentified_owner = 0;
     return Owner::kNone;
   }
   const pid_t pid = static_cast<pid_t>(shm::owner_pid(owner));
@@ -229,6 +230,27 @@ Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {
   uint64_t start = was_attached ? slot.pid_start_time : entry.pid_start_time;
   if ((claim && start == slot.pid_start_time) || releasing) start = 0;
   const shm::ProcessState state = shm::entry_owner_state(pid, start);
+  // Judged by a pid alone, a word stays "alive" as long as whatever process
+  // holds that pid: it is given kUnidentifiedOwnerNs to move on.
+  const bool unidentified = !was_attached && start == 0 && state == shm::ProcessState::kRunning;
+  if (unidentified) {
+    if (slot.unidentified_owner != owner) {
+      slot.unidentified_owner = owner;
+      slot.unidentified_since_ns = now;
+    }
+    if (now - slot.unidentified_since_ns < kUnidentifiedOwnerNs) return Owner::kLiving;
+    const char* word = shm::worker_state_name(shm::owner_state(owner));
+    log(LogLevel::kWarn,
+        "worker " + std::to_string(i) + ": entry held as " +
+            (word != nullptr ? std::string(word) : "state " + std::to_string(shm::owner_state(owner))) + " by pid " +
+            std::to_string(pid) + " (a running process) with no start time to judge it by for " +
+            std::to_string((now - slot.unidentified_since_ns) / 1'000'000) +
+            " ms (a claimer or releaser killed in between whose pid was taken since, or a forged word); releasing it");
+    slot.unidentified_owner = 0;
+    release_entry(i, owner);
+    return Owner::kReaped;
+  }
+  slot.unidentified_owner = 0;
   if (state != shm::ProcessState::kGone)
     return was_attached && stopped_too_long(i, state, now, why) ? Owner::kStopped : Owner::kLiving;
   // An owner word we do not serve that is no claim is one whose session

@@ -22,6 +22,19 @@
 
 namespace shmps::server {
 
+// How long an owner word may name a running process without a start time
+// to judge it by (a claim before its start time, a word in kReleasing, a
+// word forged so) before the server frees the entry (Sessions::reap()). A
+// claimer writes its start time right after its claim, and a releaser
+// frees the word right after clearing it: steps a /proc read long. A word
+// still so after 2 s is one no process will move on: a claimer killed in
+// between whose pid was taken since, or a word forged to name a living
+// process (pid 1), which would otherwise hold the entry for that process's
+// life. A stopped process is not timed (it keeps its entry, as an evicted
+// one does). 2 s is also well within the default 10 s connect timeout,
+// which a connect finding no entry spends waiting for it.
+inline constexpr uint64_t kUnidentifiedOwnerNs = 2'000'000'000;
+
 struct WorkerSlot {
   shm::SpscConsumer<shm::Request> lane;
   const uint64_t* stamps = nullptr;  // the lane's publish_ns[] (Segment::lane_stamps): worker-written, any value
@@ -36,7 +49,12 @@ struct WorkerSlot {
   uint64_t stopped_since_ns = 0;  // when we first saw its process stopped; 0: running
   uint64_t next_request_id = 0;   // the id after the last request taken; 0: unknown (new session)
   uint64_t held_push_at = 0;      // 1 + the lane index of the push last counted as held for a merge; 0: none
-  bool shares_cpus = true;        // its affinity mask, read at attach, meets the server's
+  // An owner word of the entry, not ours, judged by its pid alone and
+  // found running (reap()), and when it was first seen so (monotonic ns);
+  // 0: none.
+  uint64_t unidentified_owner = 0;
+  uint64_t unidentified_since_ns = 0;
+  bool shares_cpus = true;  // its affinity mask, read at attach, meets the server's
   bool attached() const { return owner != 0; }
   uint32_t pid() const { return shm::owner_pid(owner); }
   // The registered buffer of that id, or null (unknown or out of range).
@@ -84,11 +102,16 @@ class Sessions {
 
   enum class Owner {
     kNone,    // a free entry (a session whose entry was freed without a detach is ended)
-    kReaped,  // its owner was dead: the entry is free again (its buffer objects: OrphanSweeper::sweep_soon())
+    kReaped,  // its owner was dead, or unidentified too long: the entry is free again (its buffer objects:
+              // OrphanSweeper::sweep_soon())
     kLiving,  // a living owner: its lane may be served
     kStopped  // an attached worker stopped longer than --stopped-worker-timeout-ms: evict it (*why)
   };
-  // Housekeeping of entry i at `now` (monotonic ns).
+  // Housekeeping of entry i at `now` (monotonic ns). An owner word we do
+  // not serve is judged by (pid, start time), or by its pid alone where it
+  // names no start time (a claim before it, kReleasing): one whose process
+  // is gone is freed, and so is one whose process runs and which stays
+  // that way for kUnidentifiedOwnerNs (with a log line).
   Owner reap(uint32_t i, uint64_t now, std::string* why);
   void log(LogLevel level, const std::string& line) { lines_.write(level, line, shm::monotonic_ns()); }
 

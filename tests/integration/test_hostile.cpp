@@ -588,6 +588,60 @@ BOOST_AUTO_TEST_CASE(a_start_time_left_in_a_zeroed_entry_does_not_free_the_next_
   BOOST_TEST(claimer.wait(10s) == 0);  // attached
 }
 
+// A claim whose start time never comes (forged to name a living process,
+// here pid 1, or left by a claimer killed between its claim and its start
+// time whose pid was taken since), and a word left in kReleasing naming a
+// living process, can only be judged by the pid: alive for that process's
+// life. The server frees such a word after kUnidentifiedOwnerNs (2 s), so
+// a connect to a one-entry server, which waits for the entry, gets it.
+BOOST_AUTO_TEST_CASE(a_word_with_no_start_time_naming_a_living_process_is_freed_after_a_bound) {
+  for (const shm::WorkerState forged : {shm::WorkerState::kClaimed, shm::WorkerState::kReleasing}) {
+    BOOST_TEST_CONTEXT("(pid 1, " << shm::worker_state_name(static_cast<uint32_t>(forged)) << ")") {
+      test::ServerProcess server(test::unique_name("nostart"), {"--tensor", "w:1", "--max-workers", "1"});
+      auto forger = test::Process::fork_fn([&] {
+        auto seg = shm::Segment::open(server.name(), /*read_only=*/false);
+        if (!seg.ok()) return 2;
+        uint64_t expected = 0;
+        if (!(*seg)->worker(0).owner.compare_exchange_strong(expected, shm::make_owner(1, forged))) return 3;
+        test::ring_doorbell(**seg, 0);
+        return 0;
+      });
+      BOOST_REQUIRE(forger.wait(10s) == 0);
+      const auto t0 = std::chrono::steady_clock::now();
+      auto w = Worker::connect(test::worker_options(server.name(), 8s, false));
+      const auto took = std::chrono::steady_clock::now() - t0;
+      BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+      BOOST_TEST((took < 5s),
+                 "connected after " << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms");
+      BOOST_TEST((*w)->ping().ok());
+    }
+  }
+}
+
+// A claim freed under its worker before the server attached it (by the
+// server, which found no start time of its to judge it by, or by a peer):
+// the entry is not the worker's any more, and its attach must claim one
+// again rather than wait for the word it will never see. The worker is
+// held between its claim and its start time (a fault point) while its
+// claim is freed.
+BOOST_AUTO_TEST_CASE(a_worker_whose_claim_is_freed_before_the_attach_claims_again) {
+  test::ServerProcess server(test::unique_name("lostclaim"), {"--tensor", "w:1", "--max-workers", "1"});
+  auto claimer = test::Process::fork_fn([&] {
+    ::setenv("SHMPS_FAULT", "after_claim:1:stop", 1);
+    auto w = test::try_connect(server.name(), 5s);
+    return w && w->ping().ok() ? 0 : 1;
+  });
+  BOOST_REQUIRE(test::eventually([&] { return test::process_state(claimer.pid()) == 'T'; }, 5s));
+  auto segment = shm::Segment::open(server.name(), /*read_only=*/false);
+  BOOST_REQUIRE_MESSAGE(segment.ok(), segment.status().to_string());
+  shm::WorkerEntry& entry = (*segment)->worker(0);
+  const uint64_t claim = shm::make_owner(static_cast<uint32_t>(claimer.pid()), shm::WorkerState::kClaimed);
+  uint64_t expected = claim;
+  BOOST_REQUIRE(entry.owner.compare_exchange_strong(expected, 0));
+  claimer.resume();
+  BOOST_TEST(claimer.wait(10s) == 0, "the worker did not attach after its claim was freed");
+}
+
 // A registered buffer is shared memory the worker still controls: a worker
 // that shrinks the object after registration must get an error, not kill
 // the server with SIGBUS when it reads the gradient.

@@ -1145,72 +1145,92 @@ class Worker::Impl {
       }
     }
 
-    // Claim a free entry: CAS kFree -> (pid, kClaimed). While an entry is
-    // held by a process that is gone, which the server frees within its
-    // housekeeping period, the claim is tried again.
+    // Claim a free entry: CAS kFree -> (pid, kClaimed), then the attach
+    // handshake. While an entry is held by a process that is gone, or by a
+    // word the server frees after a while (no start time to judge it by),
+    // the claim is tried again; so it is when our claim is freed under us
+    // before the server attached it (the server found no start time of
+    // ours there, or a peer wrote the word).
     const auto pid = static_cast<uint32_t>(::getpid());
     const auto give_up = deadline.time();
-    bool claimed = false;
-    while (true) {
-      for (uint32_t i = 0; i < h.max_workers && !claimed; ++i) {
-        uint64_t expected = 0;
-        // acq_rel: SYNC(worker_claim) acquire pairs with the release that
-        // freed the entry (indices reset); release publishes our pid to the
-        // server.
-        if (segment->worker(i).owner.compare_exchange_strong(expected, shm::make_owner(pid, WorkerState::kClaimed),
-                                                             std::memory_order_acq_rel, std::memory_order_relaxed)) {
-          id = i;
-          claimed = true;
-        }
-      }
-      if (claimed || Clock::now() >= give_up || !an_entry_of_a_process_gone(h.max_workers)) break;
-      if (Status gone = server_gone(); !gone.ok()) return gone;  // nobody frees the entry then
-      if (asked_to_stop())
-        return {ErrorCode::kInterrupted, "interrupted while waiting for a worker slot of '" + options.name + "'"};
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    if (!claimed)
-      return {ErrorCode::kNoCapacity,
-              "all " + std::to_string(h.max_workers) + " worker slots of '" + options.name + "' are taken"};
-    fault_point.hit("after_claim");
-    shm::WorkerEntry& e = segment->worker(id);
-    e.pid_start_time = shm::process_start_time(::getpid());
-    // relaxed: published with pid_start_time by the doorbell below; a
-    // previous owner's word must not name one of our request ids.
-    e.cancel_request.store(0, std::memory_order_relaxed);
-    // The attach handshake (server.cpp, attach()): ring, then wait for the
-    // server to move our claim to (pid, kAttached), which it does after
-    // resetting our lane and queue and issuing a lease.
-    ring_doorbell();  // publishes pid_start_time
+    const uint64_t claim = shm::make_owner(pid, WorkerState::kClaimed);
     const uint64_t want = shm::make_owner(pid, WorkerState::kAttached);
     const uint64_t evicted_word = shm::make_owner(pid, WorkerState::kDetached);
-    Status why;
-    const auto w = shm::wait_until(
-        segment->completions(id).data_ready,
-        // acquire: SYNC(worker_attached) pairs with the server's CAS: the
-        // reset indices and the lease are visible once we see kAttached.
-        [&] { return e.owner.load(std::memory_order_acquire) == want; },
-        [&] {
-          // Attached and evicted while we were stopped (the server saw a
-          // living process): the attach is over; try again.
-          if (e.owner.load(std::memory_order_acquire) == evicted_word) {  // SYNC(worker_detached)
-            why = {ErrorCode::kUnknownWorker,
-                   "the server evicted worker " + std::to_string(id) + " while it attached (its process was stopped)"};
-            return true;
+    while (true) {
+      bool claimed = false;
+      while (true) {
+        for (uint32_t i = 0; i < h.max_workers && !claimed; ++i) {
+          uint64_t expected = 0;
+          // acq_rel: SYNC(worker_claim) acquire pairs with the release that
+          // freed the entry (indices reset); release publishes our pid to
+          // the server.
+          if (segment->worker(i).owner.compare_exchange_strong(expected, claim, std::memory_order_acq_rel,
+                                                               std::memory_order_relaxed)) {
+            id = i;
+            claimed = true;
           }
-          why = server_gone();
-          if (why.ok() && asked_to_stop())
-            why = {ErrorCode::kInterrupted, "interrupted while waiting for the server to accept the attach"};
-          return !why.ok();
-        },
-        give_up);
-    if (w != shm::WaitResult::kReady) {
+        }
+        if (claimed || Clock::now() >= give_up || !an_entry_freed_soon(h.max_workers)) break;
+        if (Status gone = server_gone(); !gone.ok()) return gone;  // nobody frees the entry then
+        if (asked_to_stop())
+          return {ErrorCode::kInterrupted, "interrupted while waiting for a worker slot of '" + options.name + "'"};
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      if (!claimed)
+        return {ErrorCode::kNoCapacity,
+                "all " + std::to_string(h.max_workers) + " worker slots of '" + options.name + "' are taken"};
+      fault_point.hit("after_claim");
+      shm::WorkerEntry& e = segment->worker(id);
+      e.pid_start_time = shm::process_start_time(::getpid());
+      // relaxed: published with pid_start_time by the doorbell below; a
+      // previous owner's word must not name one of our request ids.
+      e.cancel_request.store(0, std::memory_order_relaxed);
+      // The attach handshake (sessions.cpp, attach()): ring, then wait for
+      // the server to move our claim to (pid, kAttached), which it does
+      // after resetting our lane and queue and issuing a lease.
+      ring_doorbell();  // publishes pid_start_time
+      Status why;
+      bool claim_lost = false;
+      const auto w = shm::wait_until(
+          segment->completions(id).data_ready,
+          // acquire: SYNC(worker_attached) pairs with the server's CAS: the
+          // reset indices and the lease are visible once we see kAttached.
+          [&] { return e.owner.load(std::memory_order_acquire) == want; },
+          [&] {
+            const uint64_t owner = e.owner.load(std::memory_order_acquire);  // SYNC(worker_detached)
+            // Attached and evicted while we were stopped (the server saw a
+            // living process): the attach is over; try again.
+            if (owner == evicted_word) {
+              why = {ErrorCode::kUnknownWorker, "the server evicted worker " + std::to_string(id) +
+                                                    " while it attached (its process was stopped)"};
+              return true;
+            }
+            // Neither our claim nor attached: the entry is not ours any
+            // more (and not to be given back); claim one again.
+            if (owner != claim && owner != want) {
+              claim_lost = true;
+              return true;
+            }
+            why = server_gone();
+            if (why.ok() && asked_to_stop())
+              why = {ErrorCode::kInterrupted, "interrupted while waiting for the server to accept the attach"};
+            return !why.ok();
+          },
+          give_up);
+      if (w == shm::WaitResult::kReady) break;
+      if (claim_lost) {
+        if (Clock::now() < give_up) continue;
+        return {ErrorCode::kTimeout, "server '" + options.name + "' did not accept the attach within the timeout (" +
+                                         timeout_text() + "): the claim of worker entry " + std::to_string(id) +
+                                         " was freed before the server attached it"};
+      }
       if (w == shm::WaitResult::kTimeout)
         why = {ErrorCode::kTimeout,
                "server '" + options.name + "' did not accept the attach within the timeout (" + timeout_text() + ")"};
       release_entry();
       return why;
     }
+    shm::WorkerEntry& e = segment->worker(id);
     if (Status s = transition(State::kAttached); !s.ok()) {
       release_entry();
       return s;
@@ -1295,18 +1315,23 @@ class Worker::Impl {
     }
   }
 
-  // Whether one of the first `count` entries is held by a process that is
-  // gone (the server frees it within its housekeeping period).
-  bool an_entry_of_a_process_gone(uint32_t count) const {
+  // Whether one of the first `count` entries is one the server frees soon:
+  // held by a process that is gone (within its housekeeping period), or by
+  // a running one named without a start time (a claim before its start
+  // time, a word in kReleasing, a forged word), which it frees after
+  // kUnidentifiedOwnerNs (server/src/sessions.hpp) unless the claim is
+  // attached first.
+  bool an_entry_freed_soon(uint32_t count) const {
     for (uint32_t i = 0; i < count; ++i) {
       // relaxed: a hint only; the claim's CAS decides.
       const shm::WorkerEntry& e = segment->worker(i);
       const uint64_t owner = e.owner.load(std::memory_order_relaxed);
       if (owner == 0) continue;
       // As the server's reap judges it.
-      if (shm::entry_owner_state(static_cast<pid_t>(shm::owner_pid(owner)), e.pid_start_time) ==
-          shm::ProcessState::kGone)
-        return true;
+      const bool releasing = shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kReleasing);
+      const uint64_t start = releasing ? 0 : e.pid_start_time;
+      const shm::ProcessState state = shm::entry_owner_state(static_cast<pid_t>(shm::owner_pid(owner)), start);
+      if (state == shm::ProcessState::kGone || (start == 0 && state == shm::ProcessState::kRunning)) return true;
     }
     return false;
   }
