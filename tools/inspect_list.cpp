@@ -75,6 +75,10 @@ Result<std::vector<ListedSegment>> list_segments() {
   if (ec)
     return Status{ec == std::errc::permission_denied ? ErrorCode::kPermission : ErrorCode::kIo,
                   std::string("cannot list ") + kShmDir + ": " + ec.message()};
+  // /proc/locks once for every row: it holds every lock on the host, and
+  // any user can add thousands (a flock on files of their own) as well as
+  // objects at shmps names, so a read per row would cost their product.
+  const shm::FlockTable flocks = shm::FlockTable::read();
   std::vector<ListedSegment> out;
   for (const std::string& name : names) {
     // A worker's buffer: "<segment name>.p<pid>.<n>" beside its segment.
@@ -98,7 +102,8 @@ Result<std::vector<ListedSegment>> list_segments() {
     // One look, no wait: any user can leave empty objects at valid names,
     // and a 2 s wait for each would make --list as slow as they please.
     // No ring: the table shows none.
-    Loaded loaded = buffer_like || !name_ok.ok() ? Loaded{} : load_segment(name, /*wait_for_start=*/false, kNoRings);
+    Loaded loaded =
+        buffer_like || !name_ok.ok() ? Loaded{} : load_segment(name, /*wait_for_start=*/false, kNoRings, &flocks);
     if (buffer_like) {
       row.exit = ExitCode::kBadSegment;
       row.error = "not a segment";
@@ -123,7 +128,7 @@ Result<std::vector<ListedSegment>> list_segments() {
     } else {
       auto snap = take_snapshot(loaded.image.data, loaded.image.size, loaded.image.source, kNoRings);
       if (snap.ok()) {
-        judge_server_lock(&*snap, loaded.image.owner.device, loaded.image.owner.inode);
+        judge_server_lock(&*snap, loaded.image.owner.device, loaded.image.owner.inode, &flocks);
         row.segment = std::move(snap).value();
       } else {
         row.exit = exit_code_for(snap.status());

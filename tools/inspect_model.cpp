@@ -296,11 +296,12 @@ ObjectView judge_object(const std::string& path, uint32_t uid, uint32_t gid, uin
   return v;
 }
 
-void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode) {
+void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode, const shm::FlockTable* flocks) {
   HeaderView& h = snapshot->header;
   if (!h.server_alive) return;
   // A pid above INT_MAX made server_alive false above.
-  h.server_holds_object = shm::holds_flock(static_cast<pid_t>(h.server_pid), device, inode);
+  const auto pid = static_cast<pid_t>(h.server_pid);
+  h.server_holds_object = flocks != nullptr ? flocks->holds(pid, device, inode) : shm::holds_flock(pid, device, inode);
   if (h.server_holds_object && !*h.server_holds_object) {
     h.server_alive = false;
     h.server_stopped = false;

@@ -184,8 +184,10 @@ struct Snapshot {
 // that is alive but holds none on this one is not serving it (a copy of
 // its segment under another name): server_holds_object false, and
 // server_alive false with no uptime. Unchanged when the process is not
-// alive or /proc/locks cannot be read. Not for a --file copy.
-void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode);
+// alive or /proc/locks cannot be read. Not for a --file copy. `flocks`:
+// the flocks to judge by, for a caller that judges many segments; by
+// default /proc/locks is read for it.
+void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode, const shm::FlockTable* flocks = nullptr);
 
 // Validates the image (validate_segment) and decodes it. `size` is the
 // image's length in bytes; `base` must be 64-byte aligned. `rings`: what

@@ -211,10 +211,10 @@ using shm::largest_segment_size;
 
 }  // namespace
 
-Loaded load_segment(const std::string& name, bool wait_for_start, RingReading rings) {
+Loaded load_segment(const std::string& name, bool wait_for_start, RingReading rings, const shm::FlockTable* flocks) {
   const std::string path = "/dev/shm/" + shm::segment_object_name(name);
   if (shm::validate_name(name).ok())
-    if (auto left = shm::never_written(name)) return failure(ExitCode::kUnpublished, *left);
+    if (auto left = shm::never_written(name, flocks)) return failure(ExitCode::kUnpublished, *left);
   Loaded l;
   size_t live_size = 0;  // of the object last copied
   const auto copy = [&](std::unique_ptr<shm::ShmObject>& live) -> Status {
@@ -255,8 +255,9 @@ Loaded load_segment(const std::string& name, bool wait_for_start, RingReading ri
     l.image.size = size;
     return Status::Ok();
   };
-  const Status s = shm::open_segment_object(name, /*read_only=*/true, copy, {},
-                                            wait_for_start ? shm::kSegmentStartWait : std::chrono::milliseconds(0));
+  const Status s =
+      shm::open_segment_object(name, /*read_only=*/true, copy, {},
+                               wait_for_start ? shm::kSegmentStartWait : std::chrono::milliseconds(0), flocks);
   if (s.ok()) return l;
   if (s.code() == ErrorCode::kServerNotRunning) {
     // Both "no such object" and "not published yet": the object's

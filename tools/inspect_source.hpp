@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 
+#include "shmps/shm/proc.hpp"
 #include "shmps/shm/segment.hpp"
 #include "shmps/status.hpp"
 
@@ -82,8 +83,11 @@ struct Loaded {
 // mapping), is kBadSegment, "the segment shrank while being read, or
 // /dev/shm had no memory for a page read". Of a segment, only what the
 // snapshot decodes is read: outside the rings, and of each ring what
-// `rings` says (its live slots up to the cap, never its holes).
-Loaded load_segment(const std::string& name, bool wait_for_start = true, RingReading rings = {});
+// `rings` says (its live slots up to the cap, never its holes). `flocks`:
+// the flocks to judge an unwritten object by (never_written()), for a
+// caller that loads many; by default /proc/locks is read for it.
+Loaded load_segment(const std::string& name, bool wait_for_start = true, RingReading rings = {},
+                    const shm::FlockTable* flocks = nullptr);
 // Reads a regular file as load_segment() reads a segment (anything else is
 // refused without being opened for long: a FIFO does not block). A file
 // larger than the largest possible segment is refused (kBadSegment)

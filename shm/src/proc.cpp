@@ -6,6 +6,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 
 namespace shmps::shm {
 namespace {
@@ -140,10 +142,10 @@ uint64_t monotonic_ns() noexcept {
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
-std::optional<bool> holds_flock(std::optional<pid_t> pid, uint64_t device, uint64_t inode) {
+FlockTable FlockTable::read() {
+  FlockTable table;
   std::ifstream locks("/proc/locks");
-  if (!locks) return std::nullopt;
-  const std::string wanted_pid = pid ? std::to_string(*pid) : std::string();
+  if (!locks) return table;
   // "1: FLOCK  ADVISORY  WRITE 4242 00:1a:123 0 EOF" (proc(5)): the
   // device's major and minor in hex, the inode in decimal. A waiter's line
   // has "->" after the id, so its second field is not FLOCK.
@@ -151,13 +153,37 @@ std::optional<bool> holds_flock(std::optional<pid_t> pid, uint64_t device, uint6
     std::istringstream fields(line);
     std::string id, kind, mode, access, holder, file;
     if (!(fields >> id >> kind >> mode >> access >> holder >> file)) continue;
-    if (kind != "FLOCK" || (pid && holder != wanted_pid)) continue;
+    if (kind != "FLOCK") continue;
     unsigned major_id = 0, minor_id = 0;
     unsigned long long ino = 0;
     if (std::sscanf(file.c_str(), "%x:%x:%llu", &major_id, &minor_id, &ino) != 3) continue;
-    if (ino == inode && major_id == major(device) && minor_id == minor(device)) return true;
+    // A holder this reader cannot name (another pid namespace's, shown as
+    // 0, or no number) is kept as pid 0, which no question names: it
+    // still counts as "any process".
+    char* end = nullptr;
+    const long pid = std::strtol(holder.c_str(), &end, 10);
+    const bool named = end != holder.c_str() && *end == '\0' && pid > 0 && pid <= INT32_MAX;
+    table.locks_.push_back(Lock{makedev(major_id, minor_id), ino, named ? static_cast<pid_t>(pid) : 0});
   }
-  return locks.bad() ? std::nullopt : std::optional<bool>(false);
+  if (locks.bad()) return FlockTable{};
+  std::sort(table.locks_.begin(), table.locks_.end(),
+            [](const Lock& a, const Lock& b) { return std::pair(a.device, a.inode) < std::pair(b.device, b.inode); });
+  table.readable_ = true;
+  return table;
+}
+
+std::optional<bool> FlockTable::holds(std::optional<pid_t> pid, uint64_t device, uint64_t inode) const {
+  if (!readable_) return std::nullopt;
+  // The device as /proc/locks gives it: its major and minor.
+  const Lock wanted{makedev(major(device), minor(device)), inode, 0};
+  const auto [first, last] = std::equal_range(locks_.begin(), locks_.end(), wanted, [](const Lock& a, const Lock& b) {
+    return std::pair(a.device, a.inode) < std::pair(b.device, b.inode);
+  });
+  return std::any_of(first, last, [&pid](const Lock& l) { return !pid || l.pid == *pid; });
+}
+
+std::optional<bool> holds_flock(std::optional<pid_t> pid, uint64_t device, uint64_t inode) {
+  return FlockTable::read().holds(pid, device, inode);
 }
 
 }  // namespace shmps::shm

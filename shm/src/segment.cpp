@@ -1030,7 +1030,7 @@ Status left_by_dead_start(const std::string& object_name, const std::string& nam
 
 }  // namespace
 
-std::optional<std::string> never_written(const std::string& name) {
+std::optional<std::string> never_written(const std::string& name, const FlockTable* flocks) {
   const std::string object_name = segment_object_name(name);
   const std::string path = "/dev/shm/" + object_name;
   const int fd = ::shm_open(object_name.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC, 0);
@@ -1049,7 +1049,8 @@ std::optional<std::string> never_written(const std::string& name) {
                    std::chrono::system_clock::time_point(std::chrono::seconds(st.st_ctim.tv_sec) +
                                                          std::chrono::nanoseconds(st.st_ctim.tv_nsec));
   if (age <= kSegmentStartWait) return std::nullopt;
-  const std::optional<bool> locked = holds_flock(std::nullopt, st.st_dev, st.st_ino);
+  const std::optional<bool> locked = flocks != nullptr ? flocks->holds(std::nullopt, st.st_dev, st.st_ino)
+                                                       : holds_flock(std::nullopt, st.st_dev, st.st_ino);
   if (locked.value_or(false)) return std::nullopt;
   return path + " (" + owner_and_mode(st.st_uid, st.st_gid, st.st_mode) + ") " +
          (empty ? "is empty" : "is not initialised (no header: its magic is zero)") + ", unchanged for " +
@@ -1077,8 +1078,8 @@ std::optional<uint32_t> live_server_of(const std::string& name) {
 
 Status open_segment_object(const std::string& name, bool read_only,
                            const std::function<Status(std::unique_ptr<ShmObject>&)>& accept,
-                           const std::function<Status(uid_t, gid_t, mode_t)>& on_empty,
-                           std::chrono::milliseconds wait) {
+                           const std::function<Status(uid_t, gid_t, mode_t)>& on_empty, std::chrono::milliseconds wait,
+                           const FlockTable* flocks) {
   if (Status s = validate_name(name); !s.ok()) return s;
   const std::string object_name = segment_object_name(name);
   const std::string path = "/dev/shm/" + object_name;
@@ -1105,7 +1106,7 @@ Status open_segment_object(const std::string& name, bool read_only,
       // its lock: one empty for longer at the first look, unlocked, is a
       // dead start's.
       if (first_look)
-        if (auto left = never_written(name)) return Status{ErrorCode::kServerNotRunning, *left};
+        if (auto left = never_written(name, flocks)) return Status{ErrorCode::kServerNotRunning, *left};
       s = Status{ErrorCode::kServerNotRunning, path + ": segment not sized yet (server starting)"};
     } else {
       s = accept(*opened);
@@ -1115,7 +1116,7 @@ Status open_segment_object(const std::string& name, bool read_only,
       if (s.code() == ErrorCode::kServerNotRunning) {
         if (Status dead = left_by_dead_start(object_name, name); !dead.ok()) return dead;
         if (first_look)
-          if (auto left = never_written(name)) return Status{ErrorCode::kServerNotRunning, *left};
+          if (auto left = never_written(name, flocks)) return Status{ErrorCode::kServerNotRunning, *left};
       }
     }
     if (s.code() != ErrorCode::kServerNotRunning || std::chrono::steady_clock::now() >= deadline) return s;

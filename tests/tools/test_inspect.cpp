@@ -5,6 +5,7 @@
 #include <grp.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/inotify.h>
 #include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -2485,6 +2486,58 @@ BOOST_AUTO_TEST_CASE(odd_objects_and_no_access_are_explained) {
     BOOST_TEST(contains(denied.output, "; or run shmps-inspect as the segment's owner: sudo shmps-inspect " + target),
                denied.output);
   }
+}
+
+// --list reads /proc/locks once, however many rows ask who holds a flock
+// (objects no start will finish, a live server's segment): any user can
+// leave objects at shmps names and flocks on files of their own, and a
+// read per row would cost their product. Counted as the opens of a file
+// bound over /proc/locks in a mount namespace of the tool's own.
+BOOST_AUTO_TEST_CASE(list_reads_proc_locks_once, *boost::unit_test::precondition(can_unshare)) {
+  const std::string tag = test::unique_name("lslocks");
+  std::vector<std::unique_ptr<RawObject>> objects;
+  for (int i = 0; i < 20; ++i)
+    objects.push_back(std::make_unique<RawObject>("shmps." + tag + "e" + std::to_string(i), 0));
+  const std::string live = tag + "live";
+  const RemoveSegment cleanup{live};
+  const auto seg = crafted_segment(live, {{"w", {4}}});  // its server: this process, alive
+  std::this_thread::sleep_for(shm::kSegmentStartWait + std::chrono::milliseconds(300));
+
+  const TempFile locks, out;
+  write_all(locks.path, test::read_file("/proc/locks"));
+  const UniqueFd watch(::inotify_init1(IN_CLOEXEC | IN_NONBLOCK));
+  BOOST_REQUIRE(watch.fd >= 0);
+  // A read opens the file and closes it: the events alternate, so none is
+  // merged into the one before it.
+  BOOST_REQUIRE(::inotify_add_watch(watch.fd, locks.path.c_str(), IN_OPEN | IN_CLOSE_NOWRITE) >= 0);
+  const std::string script = "mount --bind " + test::shell_quote(locks.path) + " /proc/locks && exec " +
+                             test::shell_quote(test::program_path("shmps-inspect")) + " --list --json > " +
+                             test::shell_quote(out.path);
+  const test::Captured r = test::run_captured({"/usr/bin/env", "unshare", "-rm", "/bin/sh", "-c", script});
+  BOOST_REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+  int opens = 0;
+  alignas(inotify_event) char events[64 * 1024];
+  for (ssize_t n; (n = ::read(watch.fd, events, sizeof events)) > 0;)
+    for (ssize_t at = 0; at < n;) {
+      inotify_event e{};
+      std::memcpy(&e, events + at, sizeof e);
+      opens += (e.mask & IN_OPEN) != 0 ? 1 : 0;
+      at += static_cast<ssize_t>(sizeof e + e.len);
+    }
+  BOOST_TEST(opens == 1);
+
+  // The rows that asked.
+  const json j = json::parse(test::read_file(out.path));
+  int unwritten = 0;
+  for (const json& row : j["segments"]) {
+    const std::string n = row["name"].get<std::string>();
+    if (n.rfind(tag + "e", 0) == 0) {
+      ++unwritten;
+      BOOST_TEST(contains(row["error"].get<std::string>(), "unchanged for"), row);
+    }
+    if (n == live) BOOST_TEST(row["server_holds_object"].is_boolean(), row);
+  }
+  BOOST_TEST(unwritten == 20);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace shmps::shm {
 
@@ -52,10 +53,32 @@ ProcessState entry_owner_state(pid_t pid, uint64_t start_time) noexcept;
 // CLOCK_MONOTONIC in nanoseconds (the same clock in every process).
 uint64_t monotonic_ns() noexcept;
 
-// Whether process `pid` (any process when it is empty) holds a flock on
-// the file (device, inode), as /proc/locks lists it. Read-only: it never
-// takes a lock itself (that could make a starting server fail). Empty
-// when /proc/locks cannot be read.
+// The flocks /proc/locks lists, read once. /proc/locks holds every lock on
+// the host, and any user can add thousands (a flock on files of their
+// own): a reader that asks about many files (shmps-inspect --list) reads
+// it once into this table and asks the table, not the file, each time.
+// Read-only: reading it takes no lock (that could make a starting server
+// fail). Immutable after read(); safe to share between threads.
+class FlockTable {
+ public:
+  // Reads /proc/locks. A table that could not be read (or not whole)
+  // answers every question empty.
+  static FlockTable read();
+  // Whether process `pid` (any process when it is empty) holds a flock on
+  // the file (device, inode); empty when /proc/locks could not be read.
+  std::optional<bool> holds(std::optional<pid_t> pid, uint64_t device, uint64_t inode) const;
+
+ private:
+  struct Lock {
+    uint64_t device = 0;  // makedev(major, minor)
+    uint64_t inode = 0;
+    pid_t pid = 0;
+  };
+  bool readable_ = false;
+  std::vector<Lock> locks_;  // sorted by (device, inode)
+};
+
+// FlockTable::read().holds(pid, device, inode): for one question, one read.
 std::optional<bool> holds_flock(std::optional<pid_t> pid, uint64_t device, uint64_t inode);
 
 }  // namespace shmps::shm

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "shmps/shm/layout.hpp"
+#include "shmps/shm/proc.hpp"
 #include "shmps/status.hpp"
 
 namespace shmps::shm {
@@ -293,8 +294,10 @@ struct SegmentLayout {
 // age, and the command that removes it. Empty for any other object, or
 // one that cannot be read. The header is read with pread on a descriptor
 // of its own: a hole reads as zeros without being allocated, and an
-// object truncated meanwhile makes a short read, not a SIGBUS.
-std::optional<std::string> never_written(const std::string& name);
+// object truncated meanwhile makes a short read, not a SIGBUS. The flocks
+// are `flocks`' when given (a reader that asks about many objects reads
+// /proc/locks once); else /proc/locks is read here.
+std::optional<std::string> never_written(const std::string& name, const FlockTable* flocks = nullptr);
 
 // Opens the object of segment "shmps.<name>" (read-only or not) and hands
 // it to `accept`, which judges it (the mapping itself, or a copy of it) and
@@ -311,13 +314,14 @@ std::optional<std::string> never_written(const std::string& name);
 // before it is waited for (a worker waits only for a server it trusts).
 // `wait`: how long to retry (0: one look, for a reader that reports what
 // is there rather than riding out a start, e.g. shmps-inspect --list).
+// `flocks`: never_written()'s.
 // An object larger than largest_segment_size() is kLayoutMismatch before
 // it is mapped. Other errors as ShmObject::open's.
 inline constexpr std::chrono::milliseconds kSegmentStartWait{2000};
 Status open_segment_object(const std::string& name, bool read_only,
                            const std::function<Status(std::unique_ptr<ShmObject>&)>& accept,
                            const std::function<Status(uid_t, gid_t, mode_t)>& on_empty = {},
-                           std::chrono::milliseconds wait = kSegmentStartWait);
+                           std::chrono::milliseconds wait = kSegmentStartWait, const FlockTable* flocks = nullptr);
 
 class Segment {
  public:
