@@ -77,9 +77,11 @@ extern "C" void on_copy_sigbus(int) { siglongjmp(g_copy_fault, 1); }
 // copied after it, as the in-place reads of take_snapshot would.
 using shm::copy_shared;
 
-// A segment's counts, kept from one copy of its header: the geometry a
-// copy follows, which the live header (any writer may change it) does not
-// move under the copy.
+// A segment's counts, from the image's copy of its header (which
+// shm::validate_header() passed): the geometry the copy follows. The image's
+// header is copied once, first, and is not read again from the segment,
+// so whatever a writer does to the live header, the copy follows the
+// geometry the image shows.
 struct Counts {
   uint32_t tensor_count = 0, max_workers = 0, max_buffers = 0, lane_capacity = 0;
   explicit Counts(const shm::SegmentHeader& h)
@@ -90,7 +92,6 @@ struct Counts {
   shm::Geometry geometry() const {
     return shm::compute_geometry(tensor_count, max_workers, max_buffers, lane_capacity);
   }
-  bool operator==(const Counts&) const = default;
 };
 
 // A segment is copied into its image piece by piece: `copy(offset,
@@ -152,22 +153,33 @@ bool copy_rings(const char* image, const Counts& h, RingReading rings, const Cop
   return true;
 }
 
-// The regions of a segment of `size` bytes outside its rings, in address
-// order: the header, the tensor and worker tables, then the stats block to
-// the end; then its rings, as `rings` says. `h`: the counts of a header
-// that fits the object (header_fits()).
+// The tensor table of a segment whose header is in the image (`h`: its
+// counts): the part validate_segment() reads after the header.
 template <typename Copy>
-bool copy_segment(const char* image, const Counts& h, size_t size, RingReading rings, const Copy& copy) {
-  const shm::Geometry g = h.geometry();
-  return copy(0, g.lanes_offset) && copy(g.stats_offset, size - g.stats_offset) && copy_rings(image, h, rings, copy);
+bool copy_tensor_table(const Counts& h, const Copy& copy) {
+  return copy(h.geometry().tensor_table_offset, uint64_t{h.tensor_count} * sizeof(shm::TensorDesc));
 }
 
-// false: the mapping faulted during the copy: the object shrank, or tmpfs
-// had no memory for a page read (a hole of a sparse object). With
-// `layout` (the counts of a header that fits the object, header_fits()),
-// the segment is copied as copy_segment() says; without, the first
-// `bytes` in address order.
-bool guarded_copy(void* to, const void* from, size_t bytes, const Counts* layout = nullptr, RingReading rings = {}) {
+// The rest of a segment of `size` bytes whose header and tensor table are
+// in the image and validated: the worker table, the stats block to the
+// end (in address order), then its rings as `rings` says. Only a segment
+// that passed validation gets this far: a crafted object's (a sparse one
+// of every count at its limit) worker table and rings are never read, so
+// its holes are never allocated for it.
+template <typename Copy>
+bool copy_rest(const char* image, const Counts& h, size_t size, RingReading rings, const Copy& copy) {
+  const shm::Geometry g = h.geometry();
+  return copy(g.worker_table_offset, g.lanes_offset - g.worker_table_offset) &&
+         copy(g.stats_offset, size - g.stats_offset) && copy_rings(image, h, rings, copy);
+}
+
+// Runs `pieces(copy)`, whose `copy(offset, bytes)` copies those bytes of
+// the live mapping `from` to the same offset of the image `to`, under the
+// SIGBUS guard. false: the mapping faulted during the copy: the object
+// shrank, or tmpfs had no memory for a page read (a hole of a sparse
+// object).
+template <typename Pieces>
+bool guarded_copy(void* to, const void* from, const Pieces& pieces) {
   auto* image = static_cast<char*>(to);
   const auto* live = static_cast<const char*>(from);
   const auto copy = [image, live](uint64_t offset, size_t n) {
@@ -182,30 +194,14 @@ bool guarded_copy(void* to, const void* from, size_t bytes, const Counts* layout
   volatile bool copied = false;
   // savemask 1: the jump out of the handler unblocks SIGBUS again.
   if (sigsetjmp(g_copy_fault, 1) == 0) {
-    if (layout != nullptr)
-      copy_segment(image, *layout, bytes, rings, copy);
-    else
-      copy(0, bytes);
+    pieces(copy);
     copied = true;
   }
   ::sigaction(SIGBUS, &previous, nullptr);
   return copied;
 }
 
-// Whether the header at `copy` is a published segment's of exactly `size`
-// bytes (magic, layout version, counts within their limits, its size and
-// the size its counts give):
-// only then is the rest worth reading. validate_segment says what is wrong
-// with one that is not, from the header alone.
-bool header_fits(const void* copy, uint64_t size) {
-  if (size < sizeof(shm::SegmentHeader)) return false;
-  const auto& h = *static_cast<const shm::SegmentHeader*>(copy);
-  // relaxed: a private copy.
-  const bool counts_in_range = shm::check_counts(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity).ok();
-  return h.magic == shm::kMagic && h.layout_version.load(std::memory_order_relaxed) == shm::kLayoutVersion &&
-         counts_in_range && h.segment_size == size &&
-         shm::compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity).segment_size == size;
-}
+const shm::SegmentHeader& header_of(const void* image) { return *static_cast<const shm::SegmentHeader*>(image); }
 
 using shm::largest_segment_size;
 
@@ -226,25 +222,23 @@ Loaded load_segment(const std::string& name, bool wait_for_start, RingReading ri
     live_size = size;
     l.image.copy = zeroed(size);
     if (!l.image.copy) return {ErrorCode::kIo, "cannot allocate " + std::to_string(size) + " bytes"};
+    auto* image = static_cast<char*>(l.image.copy.get());
     // The header first, as for --file: an object that is not a published
-    // segment of its size (a worker's buffer, a server still starting) is
-    // judged from its header and never copied whole.
-    if (!guarded_copy(l.image.copy.get(), live->data(), std::min<size_t>(size, sizeof(shm::SegmentHeader))))
+    // segment of its size (a worker's buffer, a server still starting, a
+    // crafted sparse object) is judged from its header alone; then the
+    // tensor table, validated before anything after it is read.
+    const size_t header_bytes = std::min<size_t>(size, sizeof(shm::SegmentHeader));
+    if (!guarded_copy(image, live->data(), [header_bytes](const auto& piece) { piece(0, header_bytes); }))
       return shrank;
-    const bool fits = header_fits(l.image.copy.get(), size);
-    if (fits) {
-      // By the copied header's counts (header_fits checked them against
-      // the object's size), not the live header's; the header copied again
-      // with the rest must still hold them, or the copy follows another
-      // geometry than the one decoded.
-      const Counts counts(*static_cast<const shm::SegmentHeader*>(l.image.copy.get()));
-      if (!guarded_copy(l.image.copy.get(), live->data(), size, &counts, rings)) return shrank;
-      if (!(Counts(*static_cast<const shm::SegmentHeader*>(l.image.copy.get())) == counts))
-        return {ErrorCode::kLayoutMismatch, path + ": the segment's counts changed while being read"};
-    }
-    Status s = shm::validate_segment(l.image.copy.get(), size);
-    if (!s.ok()) return {s.code(), path + ": " + s.message()};
-    if (!fits) return {ErrorCode::kLayoutMismatch, path + ": the header does not describe this object"};
+    if (Status s = shm::validate_header(header_of(image), size); !s.ok()) return {s.code(), path + ": " + s.message()};
+    const Counts counts(header_of(image));
+    if (!guarded_copy(image, live->data(), [&counts](const auto& piece) { copy_tensor_table(counts, piece); }))
+      return shrank;
+    if (Status s = shm::validate_segment(image, size); !s.ok()) return {s.code(), path + ": " + s.message()};
+    if (!guarded_copy(image, live->data(), [image, &counts, size, rings](const auto& piece) {
+          copy_rest(image, counts, size, rings, piece);
+        }))
+      return shrank;
     l.image.source = path;
     // Every object of the name lies in /dev/shm's file system.
     struct stat dir {};
@@ -314,13 +308,12 @@ Loaded load_file(const std::string& path, RingReading rings) {
   auto* image = static_cast<char*>(l.image.copy.get());
   std::string error;
   // The header first. One that is not a segment's (magic, layout version),
-  // or whose size disagrees with the file's, fails validate_segment, which
-  // then reads only the header and zero pages that cost nothing.
+  // or whose size or offsets disagree with the file's size and its counts,
+  // is refused from the header alone; then the tensor table, validated
+  // before the rest is read.
   if (!read_at(f.fd, image, std::min<uint64_t>(size, sizeof(shm::SegmentHeader)), 0, path, &error))
     return failure(ExitCode::kError, error);
-  if (!header_fits(image, size)) {
-    const Status s = shm::validate_segment(image, size);
-    if (s.ok()) return failure(ExitCode::kBadSegment, path + ": the header does not describe this file");
+  if (Status s = shm::validate_header(header_of(image), size); !s.ok()) {
     // A copy is never published later: say whose start it was copied from.
     if (const auto dead = shm::dead_server_of_unpublished(image, size)) {
       Loaded unpublished =
@@ -334,15 +327,15 @@ Loaded load_file(const std::string& path, RingReading rings) {
     }
     return failure(exit_code_for(s), path + ": " + s.message(), s.code());
   }
-  // Then what a live segment's copy reads, by the header's counts; a file
-  // written meanwhile must still hold them.
-  const Counts counts(*reinterpret_cast<const shm::SegmentHeader*>(image));
+  // By the counts of the header read (not read again).
+  const Counts counts(header_of(image));
   const auto copy = [&f, image, &path, &error](uint64_t offset, size_t bytes) {
     return read_at(f.fd, image + offset, bytes, offset, path, &error);
   };
-  if (!copy_segment(image, counts, size, rings, copy)) return failure(ExitCode::kError, error);
-  if (!(Counts(*reinterpret_cast<const shm::SegmentHeader*>(image)) == counts))
-    return failure(ExitCode::kBadSegment, path + ": the file's counts changed while being read");
+  if (!copy_tensor_table(counts, copy)) return failure(ExitCode::kError, error);
+  if (Status s = shm::validate_segment(image, size); !s.ok())
+    return failure(exit_code_for(s), path + ": " + s.message(), s.code());
+  if (!copy_rest(image, counts, size, rings, copy)) return failure(ExitCode::kError, error);
   l.image.source = path;
   l.image.owner = ImageOwner{st.st_uid, st.st_gid, st.st_mode & 0777, /*live=*/false};
   l.image.data = image;

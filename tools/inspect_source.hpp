@@ -82,17 +82,20 @@ struct Loaded {
 // being copied, or whose hole tmpfs has no memory for (a SIGBUS on the
 // mapping), is kBadSegment, "the segment shrank while being read, or
 // /dev/shm had no memory for a page read". Of a segment, only what the
-// snapshot decodes is read: outside the rings, and of each ring what
-// `rings` says (its live slots up to the cap, never its holes). `flocks`:
-// the flocks to judge an unwritten object by (never_written()), for a
-// caller that loads many; by default /proc/locks is read for it.
+// snapshot decodes is read, and each part only once what comes before it
+// is valid: the header (shm::validate_header), then the tensor table
+// (validate_segment), then the rest outside the rings, and of each ring
+// what `rings` says (its live slots up to the cap, never its holes).
+// `flocks`: the flocks to judge an unwritten object by (never_written()),
+// for a caller that loads many; by default /proc/locks is read for it.
 Loaded load_segment(const std::string& name, bool wait_for_start = true, RingReading rings = {},
                     const shm::FlockTable* flocks = nullptr);
 // Reads a regular file as load_segment() reads a segment (anything else is
 // refused without being opened for long: a FIFO does not block). A file
 // larger than the largest possible segment is refused (kBadSegment)
 // without being read; so is one whose header is not a segment's or
-// disagrees with the file's size, after reading the header alone.
+// disagrees with the file's size, after reading the header alone, and one
+// whose tensor table is not valid, after reading the header and the table.
 Loaded load_file(const std::string& path, RingReading rings = {});
 
 // The exit code for a take_snapshot() failure.

@@ -508,11 +508,17 @@ Status check_counts(uint64_t tensor_count, uint64_t max_workers, uint64_t max_bu
   return Status::Ok();
 }
 
-Status validate_segment(const void* base, size_t size) {
-  if (size < sizeof(SegmentHeader))
-    return {ErrorCode::kLayoutMismatch,
-            "object of " + std::to_string(size) + " bytes is smaller than a shmps header (4096 bytes)"};
-  const auto& h = *static_cast<const SegmentHeader*>(base);
+namespace {
+
+Status smaller_than_a_header(size_t size) {
+  return {ErrorCode::kLayoutMismatch,
+          "object of " + std::to_string(size) + " bytes is smaller than a shmps header (4096 bytes)"};
+}
+
+}  // namespace
+
+Status validate_header(const SegmentHeader& h, size_t size) {
+  if (size < sizeof(SegmentHeader)) return smaller_than_a_header(size);
   // A fresh object is zero-filled: magic 0 means the server is still
   // initialising it (or died doing so), not a foreign file.
   if (h.magic == 0)
@@ -541,6 +547,18 @@ Status validate_segment(const void* base, size_t size) {
       h.lane_stride != g.lane_stride || h.completions_offset != g.completions_offset ||
       h.completion_stride != g.completion_stride || h.stats_offset != g.stats_offset)
     return {ErrorCode::kLayoutMismatch, "section offsets do not match the counts in the header"};
+  if (h.config.optimizer_kind < 1 || h.config.optimizer_kind > 3)
+    return {ErrorCode::kLayoutMismatch, "config.optimizer_kind " + std::to_string(h.config.optimizer_kind)};
+  if (h.config.backend < 1 || h.config.backend > 2)
+    return {ErrorCode::kLayoutMismatch, "config.backend " + std::to_string(h.config.backend)};
+  return Status::Ok();
+}
+
+Status validate_segment(const void* base, size_t size) {
+  if (size < sizeof(SegmentHeader)) return smaller_than_a_header(size);  // before a byte is read
+  const auto& h = *static_cast<const SegmentHeader*>(base);
+  if (Status s = validate_header(h, size); !s.ok()) return s;
+  const Geometry g = compute_geometry(h.tensor_count, h.max_workers, h.max_buffers, h.lane_capacity);
   const auto* tensors = reinterpret_cast<const TensorDesc*>(static_cast<const char*>(base) + g.tensor_table_offset);
   uint64_t next_offset = 0;
   std::set<std::string> names;
@@ -571,10 +589,6 @@ Status validate_segment(const void* base, size_t size) {
   if (next_offset != h.total_elements)
     return {ErrorCode::kLayoutMismatch,
             "total_elements " + std::to_string(h.total_elements) + " != sum of tensors " + std::to_string(next_offset)};
-  if (h.config.optimizer_kind < 1 || h.config.optimizer_kind > 3)
-    return {ErrorCode::kLayoutMismatch, "config.optimizer_kind " + std::to_string(h.config.optimizer_kind)};
-  if (h.config.backend < 1 || h.config.backend > 2)
-    return {ErrorCode::kLayoutMismatch, "config.backend " + std::to_string(h.config.backend)};
   return Status::Ok();
 }
 

@@ -2540,4 +2540,66 @@ BOOST_AUTO_TEST_CASE(list_reads_proc_locks_once, *boost::unit_test::precondition
   BOOST_TEST(unwritten == 20);
 }
 
+// A crafted sparse object at a segment's name, a header all that is
+// written in it (every count at its limit: 3.4 GB of holes): no read
+// allocates a page of it past what validation passed. With its section
+// offsets wrong, nothing past the header is read; with them right but its
+// tensor table a hole (no tensor named), nothing past the table.
+BOOST_AUTO_TEST_CASE(crafted_sparse_object_is_read_no_further_than_it_validates) {
+  using H = shm::SegmentHeader;
+  const shm::Geometry g =
+      shm::compute_geometry(shm::kMaxTensorsLimit, shm::kMaxWorkersLimit, shm::kMaxBuffersLimit, shm::kMaxLaneCapacity);
+  std::string header(sizeof(H), '\0');
+  poke(&header, offsetof(H, magic), shm::kMagic);
+  poke(&header, offsetof(H, layout_version), shm::kLayoutVersion);
+  poke(&header, offsetof(H, header_size), static_cast<uint32_t>(sizeof(H)));
+  poke(&header, offsetof(H, segment_size), g.segment_size);
+  poke(&header, offsetof(H, tensor_count), shm::kMaxTensorsLimit);
+  poke(&header, offsetof(H, tensor_desc_size), static_cast<uint32_t>(sizeof(shm::TensorDesc)));
+  poke(&header, offsetof(H, max_workers), shm::kMaxWorkersLimit);
+  poke(&header, offsetof(H, max_buffers), shm::kMaxBuffersLimit);
+  poke(&header, offsetof(H, lane_capacity), shm::kMaxLaneCapacity);
+  poke(&header, offsetof(H, config) + offsetof(shm::ConfigBlock, optimizer_kind), uint32_t{1});
+  poke(&header, offsetof(H, config) + offsetof(shm::ConfigBlock, backend), uint32_t{1});
+  for (const bool offsets_right : {false, true}) {
+    BOOST_TEST_CONTEXT("section offsets " << (offsets_right ? "right" : "wrong")) {
+      std::string bytes = header;
+      if (offsets_right) {
+        poke(&bytes, offsetof(H, tensor_table_offset), g.tensor_table_offset);
+        poke(&bytes, offsetof(H, worker_table_offset), g.worker_table_offset);
+        poke(&bytes, offsetof(H, worker_entry_size), static_cast<uint32_t>(g.worker_entry_size));
+        poke(&bytes, offsetof(H, lanes_offset), g.lanes_offset);
+        poke(&bytes, offsetof(H, lane_stride), g.lane_stride);
+        poke(&bytes, offsetof(H, completions_offset), g.completions_offset);
+        poke(&bytes, offsetof(H, completion_stride), g.completion_stride);
+        poke(&bytes, offsetof(H, stats_offset), g.stats_offset);
+      }
+      const std::string name = test::unique_name("crafted");
+      const RawObject object("shmps." + name, static_cast<off_t>(g.segment_size));
+      {
+        const UniqueFd fd(::open(object.path.c_str(), O_WRONLY | O_CLOEXEC));
+        BOOST_REQUIRE(fd.fd >= 0);
+        BOOST_REQUIRE(::pwrite(fd.fd, bytes.data(), bytes.size(), 0) == static_cast<ssize_t>(bytes.size()));
+      }
+      const auto blocks = [&object] {
+        struct stat st {};
+        BOOST_REQUIRE(::stat(object.path.c_str(), &st) == 0);
+        return static_cast<long long>(st.st_blocks) * 512;
+      };
+      const long long before = blocks();
+      // The tensor table: 512 KiB.
+      const long long allowed =
+          offsets_right ? static_cast<long long>(shm::kMaxTensorsLimit * sizeof(shm::TensorDesc)) : 0;
+      for (const std::vector<std::string>& args :
+           {std::vector<std::string>{"--list", "--json"}, {name}, {"--json", name}, {"--format", "prometheus", name}}) {
+        BOOST_TEST_CONTEXT(args.front()) {
+          const Run r = run_inspect(args);
+          BOOST_TEST(r.rc == (args.size() == 2 && args[0] == "--list" ? 0 : 3), r.err);
+          BOOST_TEST(blocks() - before <= allowed, "allocated " << (blocks() - before) << " bytes");
+        }
+      }
+    }
+  }
+}
+
 BOOST_AUTO_TEST_SUITE_END()

@@ -236,6 +236,14 @@ Geometry compute_geometry(uint32_t tensor_count, uint32_t max_workers, uint32_t 
 // or kOk.
 Status validate_segment(const void* base, size_t size);
 
+// validate_segment()'s checks of the header alone, every one but the
+// tensor table's: the size, magic, layout version, header and descriptor
+// sizes, counts, the segment size and every section offset the counts
+// give, the config enums. For a reader that copies a segment piece by
+// piece (shmps-inspect): nothing after a header is read before it passes.
+// The same errors as validate_segment().
+Status validate_header(const SegmentHeader& h, size_t size);
+
 // A header's counts within their limits (1..kMaxTensorsLimit tensors,
 // 1..kMaxWorkersLimit workers, 1..kMaxBuffersLimit buffers, a lane
 // capacity that is a power of two in 2..kMaxLaneCapacity): the part of
