@@ -501,21 +501,29 @@ std::string tensor_label(const Snapshot& s, uint32_t id) {
 
 json optional_json(const std::optional<uint64_t>& v) { return v ? json(*v) : json(nullptr); }
 
+// The union after the byte length is a push's version (with its
+// gradient's dtype) or a pull's wait_ns (a string: kMaxTimeout's 3.15e18 ns
+// passes 2^53); other opcodes carry neither.
 json request_json(const Snapshot& s, uint64_t index, uint32_t capacity, const shm::Request& r) {
-  return json{{"index", index},
-              {"slot", index & (capacity - 1)},
-              {"request_id", r.request_id},
-              {"opcode", opcode_name(r.opcode)},
-              {"worker_id", r.worker_id},
-              {"lease", hex64(r.lease)},
-              {"tensor", r.tensor_id},
-              {"tensor_name", tensor_label(s, r.tensor_id)},
-              {"buffer", r.buffer_id},
-              {"offset", r.byte_offset},
-              {"length", r.byte_length},
-              {"version", r.worker_version},
-              {"dtype", dtype_name(r.dtype)},
-              {"flags", r.flags}};
+  json j{{"index", index},
+         {"slot", index & (capacity - 1)},
+         {"request_id", r.request_id},
+         {"opcode", opcode_name(r.opcode)},
+         {"worker_id", r.worker_id},
+         {"lease", hex64(r.lease)},
+         {"tensor", r.tensor_id},
+         {"tensor_name", tensor_label(s, r.tensor_id)},
+         {"buffer", r.buffer_id},
+         {"offset", r.byte_offset},
+         {"length", r.byte_length},
+         {"flags", r.flags}};
+  if (r.opcode == static_cast<uint32_t>(shm::Opcode::kPush)) {
+    j["version"] = r.worker_version;
+    j["dtype"] = dtype_name(r.dtype);
+  } else if (r.opcode == static_cast<uint32_t>(shm::Opcode::kPull)) {
+    j["wait_ns"] = std::to_string(r.wait_ns);
+  }
+  return j;
 }
 
 json completion_json(uint64_t index, uint32_t capacity, const shm::Completion& c) {
@@ -741,6 +749,8 @@ std::string request_text(const Snapshot& s, const shm::Request& r) {
   if (op == shm::Opcode::kPush || op == shm::Opcode::kPull)
     out += " offset " + std::to_string(r.byte_offset) + " length " + std::to_string(r.byte_length);
   if (op == shm::Opcode::kPush) out += " version " + std::to_string(r.worker_version) + " dtype " + dtype_name(r.dtype);
+  // The longest the server may hold the pull back (--staleness-policy wait).
+  if (op == shm::Opcode::kPull) out += " wait_ns " + std::to_string(r.wait_ns);
   out += " (worker_id " + std::to_string(r.worker_id) + ", lease " + hex64(r.lease);
   if (r.flags != 0) out += ", flags " + std::to_string(r.flags);
   return out + ")";

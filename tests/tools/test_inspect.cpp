@@ -1000,8 +1000,12 @@ BOOST_AUTO_TEST_CASE(decoder_treats_entries_as_untrusted) {
   r.tensor_id = 1000;
   r.dtype = 42;
   s.lane_slots(1)[3] = r;
+  // Then a push with a garbage dtype.
+  r.request_id = 6;
+  r.opcode = static_cast<uint32_t>(shm::Opcode::kPush);
+  s.lane_slots(1)[4] = r;
   s.lane(1).head.store(3, std::memory_order_relaxed);
-  s.lane(1).tail.store(4, std::memory_order_relaxed);
+  s.lane(1).tail.store(5, std::memory_order_relaxed);
   // Lane 2: impossible indices. Completion queue 3: likewise.
   s.lane(2).head.store(10, std::memory_order_relaxed);
   s.lane(2).tail.store(1000, std::memory_order_relaxed);
@@ -1021,8 +1025,8 @@ BOOST_AUTO_TEST_CASE(decoder_treats_entries_as_untrusted) {
 
   BOOST_REQUIRE(snap->lanes.size() == 2u);
   BOOST_TEST(snap->lanes[0].worker == 1u);
-  BOOST_TEST(snap->lanes[0].depth == 1u);
-  BOOST_REQUIRE(snap->lanes[0].slots.size() == 1u);
+  BOOST_TEST(snap->lanes[0].depth == 2u);
+  BOOST_REQUIRE(snap->lanes[0].slots.size() == 2u);
   BOOST_TEST(snap->lanes[0].slots[0].request_id == 5u);
   BOOST_TEST(snap->lanes[1].worker == 2u);
   BOOST_TEST(snap->lanes[1].corrupt);
@@ -1047,7 +1051,8 @@ BOOST_AUTO_TEST_CASE(decoder_treats_entries_as_untrusted) {
   const json& slot = j["lanes"][0]["slots"][0];
   BOOST_TEST(slot["opcode"] == "unknown(77)");
   BOOST_TEST(slot["tensor_name"] == "invalid(1000)");
-  BOOST_TEST(slot["dtype"] == "unknown(42)");
+  BOOST_TEST(!slot.contains("dtype"), slot);  // a push's field
+  BOOST_TEST(j["lanes"][0]["slots"][1]["dtype"] == "unknown(42)");
   BOOST_TEST(j["lanes"][1]["depth"].is_null());
   BOOST_TEST(j["header"]["state"] == "unknown(99)");
   BOOST_TEST(!j.dump().empty());  // every string is valid UTF-8
@@ -2600,6 +2605,53 @@ BOOST_AUTO_TEST_CASE(crafted_sparse_object_is_read_no_further_than_it_validates)
       }
     }
   }
+}
+
+// A lane slot's union is a push's version or a pull's wait_ns
+// (layout.hpp, Request): each opcode shows its own, a pull's wait a
+// string in JSON (kMaxTimeout's 3.15e18 ns passes 2^53), in the text too.
+BOOST_AUTO_TEST_CASE(lane_slot_shows_a_pulls_wait_not_a_version) {
+  const std::string name = test::unique_name("pullwait");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}});
+  shm::Request pull{};
+  pull.request_id = 7;
+  pull.opcode = static_cast<uint32_t>(shm::Opcode::kPull);
+  pull.byte_length = 16;
+  pull.wait_ns = (uint64_t{1} << 60) + 1;
+  shm::Request push{};
+  push.request_id = 8;
+  push.opcode = static_cast<uint32_t>(shm::Opcode::kPush);
+  push.byte_length = 16;
+  push.worker_version = 3;
+  push.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
+  seg->lane_slots(0)[0] = pull;
+  seg->lane_slots(0)[1] = push;
+  seg->lane(0).tail.store(2, std::memory_order_relaxed);
+
+  const json j = parse_json(run_inspect({"--json", name}));
+  BOOST_REQUIRE(j["lanes"].size() == 1u);
+  const json& slots = j["lanes"][0]["slots"];
+  BOOST_REQUIRE(slots.size() == 2u);
+  BOOST_TEST_CONTEXT(slots[0]) {
+    BOOST_TEST(slots[0]["opcode"] == "pull");
+    BOOST_TEST(!slots[0].contains("version"));
+    BOOST_TEST(!slots[0].contains("dtype"));
+    BOOST_TEST(slots[0]["wait_ns"] == "1152921504606846977");
+  }
+  BOOST_TEST_CONTEXT(slots[1]) {
+    BOOST_TEST(slots[1]["opcode"] == "push");
+    BOOST_TEST(slots[1]["version"] == 3);
+    BOOST_TEST(slots[1]["dtype"] == "f32");
+    BOOST_TEST(!slots[1].contains("wait_ns"));
+  }
+  const Run text = run_inspect({name});
+  BOOST_TEST(text.rc == 0, text.err);
+  BOOST_TEST(
+      contains(text.out, "request 7 pull tensor 0 (w) buffer 0 offset 0 length 16 wait_ns 1152921504606846977 ("),
+      text.out);
+  BOOST_TEST(contains(text.out, "request 8 push tensor 0 (w) buffer 0 offset 0 length 16 version 3 dtype f32 ("),
+             text.out);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
