@@ -183,7 +183,7 @@ json list_json(const std::vector<ListedSegment>& list) {
            {"source", printable_text(r.source)},
            {"owner", shm::owner_text(r.owner_uid, r.owner_gid)},
            {"mode", shm::mode_text(r.mode)},
-           {"bytes", r.bytes}};
+           {"bytes", std::to_string(r.bytes)}};
     if (!r.segment) {
       j["error"] = printable_text(r.error);
       j["exit_code"] = static_cast<int>(r.exit);
@@ -195,8 +195,8 @@ json list_json(const std::vector<ListedSegment>& list) {
       j["server_holds_object"] = h.server_holds_object ? json(*h.server_holds_object) : json(nullptr);
       j["state"] = server_state_name(h.server_state);
       j["generation"] = hex64(h.generation);
-      j["parameters"] = h.total_elements;
-      j["model_bytes"] = model_bytes(h);
+      j["parameters"] = std::to_string(h.total_elements);
+      j["model_bytes"] = std::to_string(model_bytes(h));
       j["workers_attached"] = workers_attached(*r.segment);
     }
     segments.push_back(std::move(j));

@@ -47,6 +47,8 @@ std::string render_list_text(const std::vector<ListedSegment>& list);
 // server_stopped, state, generation, parameters, model_bytes, workers_attached}, ...]},
 // unreadable entries with "error" and "exit_code" instead of the segment's
 // fields. Names, sources and errors escaped (printable_text), never cut.
+// bytes, parameters and model_bytes are strings of decimal digits: any
+// user may size an object, or write a segment's element counts, past 2^53.
 nlohmann::json list_json(const std::vector<ListedSegment>& list);
 
 }  // namespace shmps::inspect

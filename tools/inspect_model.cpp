@@ -501,7 +501,8 @@ std::string tensor_label(const Snapshot& s, uint32_t id) {
 
 json optional_json(const std::optional<uint64_t>& v) { return v ? json(*v) : json(nullptr); }
 
-// The union after the byte length is a push's version (with its
+// The byte offset and length are strings (a worker writes any 64-bit
+// value there). The union after them is a push's version (with its
 // gradient's dtype) or a pull's wait_ns (a string: kMaxTimeout's 3.15e18 ns
 // passes 2^53); other opcodes carry neither.
 json request_json(const Snapshot& s, uint64_t index, uint32_t capacity, const shm::Request& r) {
@@ -514,8 +515,8 @@ json request_json(const Snapshot& s, uint64_t index, uint32_t capacity, const sh
          {"tensor", r.tensor_id},
          {"tensor_name", tensor_label(s, r.tensor_id)},
          {"buffer", r.buffer_id},
-         {"offset", r.byte_offset},
-         {"length", r.byte_length},
+         {"offset", std::to_string(r.byte_offset)},
+         {"length", std::to_string(r.byte_length)},
          {"flags", r.flags}};
   if (r.opcode == static_cast<uint32_t>(shm::Opcode::kPush)) {
     j["version"] = r.worker_version;
@@ -560,8 +561,12 @@ json queue_json(const QueueView<Slot>& q, F&& slot_json) {
 // value included) and the doorbell's bitmap words as 0x-hex (as the text
 // shows them), CLOCK_MONOTONIC nanoseconds (past 2^53 after 104 days of uptime)
 // and the histograms' values in ns as decimal, and so are byte counts
-// (8 PiB: days at tens of GB/s).
-// Counters of events stay numbers.
+// (8 PiB: days at tens of GB/s) and the sizes and offsets a writer of the
+// segment may set past 2^53 that validation lets through: element counts,
+// offsets and shapes (validation bounds only their sum, by 2^64), a
+// buffer's and a request's byte offset and length, the weights export's
+// bytes, a pull's wait_ns. Counters of events stay numbers, and so do
+// values validation bounds far below 2^53 (segment_size, the counts).
 json to_json(const Snapshot& s) {
   const HeaderView& h = s.header;
   json doorbell = json::array();
@@ -596,7 +601,7 @@ json to_json(const Snapshot& s) {
                      {"max_workers", h.max_workers},
                      {"max_buffers", h.max_buffers},
                      {"lane_capacity", h.lane_capacity},
-                     {"total_elements", h.total_elements},
+                     {"total_elements", std::to_string(h.total_elements)},
                      {"doorbell", std::move(doorbell)}};
   const ConfigView& c = s.config;
   j["config"] = json{{"optimizer", optimizer_name(c.optimizer_kind)},
@@ -614,27 +619,33 @@ json to_json(const Snapshot& s) {
                      {"flags_value", c.flags}};
   if (s.weights_export)
     j["weights_export"] = json{{"device_uuid", s.weights_export->device_uuid},
-                               {"allocation_bytes", s.weights_export->allocation_bytes},
-                               {"weights_bytes", s.weights_export->weights_bytes}};
+                               {"allocation_bytes", std::to_string(s.weights_export->allocation_bytes)},
+                               {"weights_bytes", std::to_string(s.weights_export->weights_bytes)}};
   else
     j["weights_export"] = nullptr;
   json tensors = json::array();
-  for (const TensorView& t : s.tensors)
+  for (const TensorView& t : s.tensors) {
+    json shape = json::array();
+    for (const uint64_t d : t.shape) shape.push_back(std::to_string(d));
     tensors.push_back(json{{"id", t.id},
                            {"name", t.name},
                            {"dtype", dtype_name(t.dtype)},
                            {"ndim", t.ndim},
-                           {"shape", t.shape},
-                           {"elements", t.element_count},
-                           {"offset", t.element_offset}});
+                           {"shape", std::move(shape)},
+                           {"elements", std::to_string(t.element_count)},
+                           {"offset", std::to_string(t.element_offset)}});
+  }
   j["tensors"] = std::move(tensors);
   json workers = json::array();
   for (const WorkerView& w : s.workers) {
     json buffers = json::array();
     for (const BufferView& b : w.buffers) {
-      json bj{{"id", b.id},         {"kind", buffer_kind_name(b.kind)},
-              {"flags", b.flags},   {"length", b.length},
-              {"offset", b.offset}, {"name", b.name}};
+      json bj{{"id", b.id},
+              {"kind", buffer_kind_name(b.kind)},
+              {"flags", b.flags},
+              {"length", std::to_string(b.length)},
+              {"offset", std::to_string(b.offset)},
+              {"name", b.name}};
       if (!b.device_uuid.empty()) bj["device_uuid"] = b.device_uuid;
       buffers.push_back(std::move(bj));
     }

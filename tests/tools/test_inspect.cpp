@@ -262,10 +262,10 @@ BOOST_AUTO_TEST_CASE(live_segment_as_json) {
 
   BOOST_REQUIRE(j["tensors"].size() == 2u);
   BOOST_TEST(j["tensors"][0]["name"] == "fc.weight");
-  BOOST_TEST(j["tensors"][0]["shape"] == json({4, 3}));
-  BOOST_TEST(j["tensors"][0]["elements"] == 12);
+  BOOST_TEST(j["tensors"][0]["shape"] == json({"4", "3"}));
+  BOOST_TEST(j["tensors"][0]["elements"] == "12");
   BOOST_TEST(j["tensors"][1]["name"] == "fc.bias");
-  BOOST_TEST(j["tensors"][1]["offset"] == 12);
+  BOOST_TEST(j["tensors"][1]["offset"] == "12");
 
   BOOST_REQUIRE(j["workers"].size() == 1u);
   const json& w = j["workers"][0];
@@ -284,7 +284,7 @@ BOOST_AUTO_TEST_CASE(live_segment_as_json) {
   BOOST_TEST(w["pushes_rejected"] == 0);
   BOOST_REQUIRE(w["buffers"].size() == 1u);
   BOOST_TEST(w["buffers"][0]["kind"] == "host_shm");
-  BOOST_TEST(w["buffers"][0]["length"] == kAllBytes);
+  BOOST_TEST(w["buffers"][0]["length"] == std::to_string(kAllBytes));
   BOOST_TEST(contains(w["buffers"][0]["name"].get<std::string>(), "shmps." + name + ".p"));
 
   BOOST_TEST(j["lanes"].empty());  // the server served everything
@@ -589,7 +589,7 @@ BOOST_AUTO_TEST_CASE(text_output_mentions_every_section_and_a_queued_push) {
   BOOST_TEST(lane["slots"][0]["opcode"] == "push");
   BOOST_TEST(lane["slots"][0]["tensor"] == 1);
   BOOST_TEST(lane["slots"][0]["tensor_name"] == "fc.bias");
-  BOOST_TEST(lane["slots"][0]["length"] == 16);
+  BOOST_TEST(lane["slots"][0]["length"] == "16");
 
   server.process().signal(SIGCONT);
   auto version = worker->wait(*ticket);
@@ -797,7 +797,7 @@ BOOST_AUTO_TEST_CASE(list_shows_live_and_dead_segments_and_foreign_objects) {
   BOOST_TEST(rows[live]["server_alive"] == true);
   BOOST_TEST(rows[live]["state"] == "running");
   BOOST_TEST(rows[live]["workers_attached"] == 1);
-  BOOST_TEST(rows[live]["parameters"] == kAllBytes / 4);
+  BOOST_TEST(rows[live]["parameters"] == std::to_string(kAllBytes / 4));
   BOOST_TEST(rows[live]["mode"] == "0600");
   BOOST_REQUIRE(rows.count(dead) == 1u);
   BOOST_TEST(rows[dead]["server_pid"] == doomed_pid);
@@ -1274,8 +1274,8 @@ BOOST_AUTO_TEST_CASE(list_model_bytes_saturate) {
   for (const json& r : j["segments"])
     if (r["name"] == name) row = r;
   BOOST_REQUIRE_MESSAGE(row.is_object(), j.dump());
-  BOOST_TEST(row["parameters"] == uint64_t{1} << 62);
-  BOOST_TEST(row["model_bytes"] == ~uint64_t{0}, row);
+  BOOST_TEST(row["parameters"] == "4611686018427387904", row);
+  BOOST_TEST(row["model_bytes"] == "18446744073709551615", row);
   const Run text = run_inspect({"--list"});
   BOOST_TEST(contains(text.out, " 4611686018427387904 17592186044416.00 "), text.out);
 }
@@ -2652,6 +2652,66 @@ BOOST_AUTO_TEST_CASE(lane_slot_shows_a_pulls_wait_not_a_version) {
       text.out);
   BOOST_TEST(contains(text.out, "request 8 push tensor 0 (w) buffer 0 offset 0 length 16 version 3 dtype f32 ("),
              text.out);
+}
+
+// Sizes and offsets that a writer of the segment can set past 2^53, and
+// validation lets through, are strings in the JSON, read back exactly: a
+// tensor's 2^62 elements (its shape, its count, the next one's offset,
+// the total), a buffer's and a request's byte offset and length, the
+// weights export's bytes; and --list's parameters, model bytes and an
+// object's size.
+BOOST_AUTO_TEST_CASE(sizes_past_2_53_are_strings_in_json) {
+  const std::string name = test::unique_name("bigjson");
+  const RemoveSegment cleanup{name};
+  const auto seg = crafted_segment(name, {{"w", {4}}, {"b", {3}}});
+  constexpr uint64_t k2p62 = uint64_t{1} << 62, k2p53 = uint64_t{1} << 53;
+  shm::SegmentHeader& h = seg->header();
+  auto* tensors = reinterpret_cast<shm::TensorDesc*>(static_cast<char*>(seg->object().data()) + h.tensor_table_offset);
+  tensors[0].shape[0] = tensors[0].element_count = k2p62;
+  tensors[1].element_offset = k2p62;
+  h.total_elements = k2p62 + 3;
+  h.weights_export.flags = shm::kWeightsExportPresent;
+  h.weights_export.allocation_bytes = k2p53 + 7;
+  h.weights_export.weights_bytes = k2p53 + 9;
+  seg->worker(0).owner.store(shm::make_owner(static_cast<uint32_t>(::getpid()), shm::WorkerState::kAttached),
+                             std::memory_order_relaxed);
+  shm::BufferDesc& d = seg->buffer(0, 0);
+  d.kind = static_cast<uint32_t>(shm::BufferKind::kHostShm);
+  d.length = k2p53 + 1;
+  d.offset = k2p53 + 3;
+  shm::Request push{};
+  push.opcode = static_cast<uint32_t>(shm::Opcode::kPush);
+  push.byte_offset = (uint64_t{1} << 63) + 5;
+  push.byte_length = k2p53 + 1;
+  seg->lane_slots(0)[0] = push;
+  seg->lane(0).tail.store(1, std::memory_order_relaxed);
+  const std::string big = test::unique_name("bigobj");
+  const RawObject big_object("shmps." + big, static_cast<off_t>(k2p62));
+
+  // nlohmann::json keeps a number's digits exact (a uint64_t): a string
+  // compares equal to none.
+  const json j = parse_json(run_inspect({"--json", name}));
+  BOOST_TEST_CONTEXT(j.dump()) {
+    BOOST_TEST(j["header"]["total_elements"] == "4611686018427387907");
+    BOOST_TEST(j["tensors"][0]["shape"] == json({"4611686018427387904"}));
+    BOOST_TEST(j["tensors"][0]["elements"] == "4611686018427387904");
+    BOOST_TEST(j["tensors"][1]["offset"] == "4611686018427387904");
+    BOOST_TEST(j["weights_export"]["allocation_bytes"] == "9007199254740999");
+    BOOST_TEST(j["weights_export"]["weights_bytes"] == "9007199254741001");
+    BOOST_REQUIRE(j["workers"].size() == 1u);
+    BOOST_REQUIRE(j["workers"][0]["buffers"].size() == 1u);
+    BOOST_TEST(j["workers"][0]["buffers"][0]["length"] == "9007199254740993");
+    BOOST_TEST(j["workers"][0]["buffers"][0]["offset"] == "9007199254740995");
+    BOOST_REQUIRE(j["lanes"].size() == 1u);
+    BOOST_TEST(j["lanes"][0]["slots"][0]["offset"] == "9223372036854775813");
+    BOOST_TEST(j["lanes"][0]["slots"][0]["length"] == "9007199254740993");
+  }
+  const std::map<std::string, json> rows = list_rows();
+  BOOST_REQUIRE(rows.count(name) == 1u && rows.count(big) == 1u);
+  BOOST_TEST(rows.at(name)["parameters"] == "4611686018427387907", rows.at(name));
+  BOOST_TEST(rows.at(name)["model_bytes"] == "18446744073709551615", rows.at(name));
+  BOOST_TEST(rows.at(name)["bytes"] == std::to_string(seg->object().size()), rows.at(name));
+  BOOST_TEST(rows.at(big)["bytes"] == "4611686018427387904", rows.at(big));
 }
 
 BOOST_AUTO_TEST_SUITE_END()
