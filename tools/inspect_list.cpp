@@ -85,9 +85,10 @@ Result<std::vector<ListedSegment>> list_segments() {
     const auto buffer = shm::parse_buffer_object_name(kPrefix + name);
     const bool buffer_like = buffer.has_value();
     if (buffer_like && names.count(buffer->server) != 0) continue;
-    // A name no server can take (a space, a control byte, too long) is
-    // listed too, as not a segment: it is what a user sees in /dev/shm.
-    const Status name_ok = buffer_like ? Status::Ok() : shm::validate_name(name);
+    // A name no server can take (a space, a control byte, too long; a
+    // buffer's shape among them) is listed too, as not a segment: it is
+    // what a user sees in /dev/shm.
+    const Status name_ok = shm::validate_name(name);
     ListedSegment row;
     row.name = name;
     row.source = std::string(kShmDir) + "/" + kPrefix + name;
@@ -104,11 +105,13 @@ Result<std::vector<ListedSegment>> list_segments() {
     // No ring: the table shows none.
     Loaded loaded =
         buffer_like || !name_ok.ok() ? Loaded{} : load_segment(name, /*wait_for_start=*/false, kNoRings, &flocks);
+    // A plain `shmps-inspect <name>` refuses a name no server can take
+    // before it looks (a usage error, exit 1): the row's exit code is that.
     if (buffer_like) {
-      row.exit = ExitCode::kBadSegment;
+      row.exit = ExitCode::kError;
       row.error = "not a segment";
     } else if (!name_ok.ok()) {
-      row.exit = ExitCode::kBadSegment;
+      row.exit = ExitCode::kError;
       row.error = "not a segment: no server can take this name (" + name_ok.message() +
                   "); remove it by hand once no process uses it";
     } else if (loaded.exit != ExitCode::kOk) {

@@ -1785,7 +1785,7 @@ BOOST_AUTO_TEST_CASE(list_shows_objects_at_names_no_server_can_take) {
   for (const json& row : j["segments"]) {
     if (row["name"] != escaped) continue;
     seen = true;
-    BOOST_TEST(row["exit_code"] == 3, row);
+    BOOST_TEST(row["exit_code"] == 1, row);
     BOOST_TEST(contains(row["error"].get<std::string>(), "no server can take this name"), row);
   }
   BOOST_TEST(seen, j.dump());
@@ -2712,6 +2712,24 @@ BOOST_AUTO_TEST_CASE(sizes_past_2_53_are_strings_in_json) {
   BOOST_TEST(rows.at(name)["model_bytes"] == "18446744073709551615", rows.at(name));
   BOOST_TEST(rows.at(name)["bytes"] == std::to_string(seg->object().size()), rows.at(name));
   BOOST_TEST(rows.at(big)["bytes"] == "4611686018427387904", rows.at(big));
+}
+
+// --list's exit_code for an object at a name no server can take (a
+// buffer's shape without its segment, one too long) is the one a plain
+// shmps-inspect <name> exits with: 1, a usage error.
+BOOST_AUTO_TEST_CASE(list_exit_code_for_a_name_no_server_can_take_is_a_plain_runs) {
+  const std::string tag = test::unique_name("lsrc");
+  const std::string buffer_like = tag + ".p123.0", too_long = tag + std::string(40, 'A');
+  const RawObject a("shmps." + buffer_like, 4096), b("shmps." + too_long, 4096);
+  const std::map<std::string, json> rows = list_rows();
+  for (const std::string& n : {buffer_like, too_long}) {
+    BOOST_TEST_CONTEXT(n) {
+      const Run plain = run_inspect({n});
+      BOOST_TEST(plain.rc == 1, plain.err);
+      BOOST_REQUIRE(rows.count(n) == 1u);
+      BOOST_TEST(rows.at(n)["exit_code"] == plain.rc, rows.at(n));
+    }
+  }
 }
 
 BOOST_AUTO_TEST_SUITE_END()
