@@ -107,9 +107,11 @@ Written write_out(const std::string& text) {
 bool write_all(const std::string& text) { return write_out(text) == Written::kAll; }
 
 // What a failure to read the segment is to Prometheus (ReadError): no
-// segment at all, or one left unpublished by a server that is dead, is a
-// server that is down, not a read that failed.
-shmps::inspect::ReadError read_error(ExitCode exit, shmps::ErrorCode cause, bool server_dead = false) {
+// segment at all, or what a start that died left (Loaded::dead_start: a
+// header naming a dead server, or an object empty or unwritten, unlocked
+// and unchanged for longer than a start's wait), is a server that is
+// down, not a read that failed.
+shmps::inspect::ReadError read_error(ExitCode exit, shmps::ErrorCode cause, bool dead_start = false) {
   using shmps::inspect::ReadError;
   switch (exit) {
     case ExitCode::kOk:
@@ -118,7 +120,7 @@ shmps::inspect::ReadError read_error(ExitCode exit, shmps::ErrorCode cause, bool
     case ExitCode::kBadSegment:
       return ReadError::kBadSegment;
     case ExitCode::kUnpublished:
-      return server_dead ? ReadError::kNone : ReadError::kUnpublished;
+      return dead_start ? ReadError::kNone : ReadError::kUnpublished;
     case ExitCode::kError:
       break;
   }
@@ -147,7 +149,7 @@ ExitCode inspect_once(const Options& o, std::string* out, std::string* error,
                                                  : shmps::inspect::load_file(o.file, rings);
   if (loaded.exit != ExitCode::kOk) {
     *error = loaded.error;
-    if (failure != nullptr) *failure = read_error(loaded.exit, loaded.cause, loaded.server_dead);
+    if (failure != nullptr) *failure = read_error(loaded.exit, loaded.cause, loaded.dead_start);
     return loaded.exit;
   }
   const shmps::inspect::Image& image = loaded.image;

@@ -210,7 +210,11 @@ using shm::largest_segment_size;
 Loaded load_segment(const std::string& name, bool wait_for_start, RingReading rings, const shm::FlockTable* flocks) {
   const std::string path = "/dev/shm/" + shm::segment_object_name(name);
   if (shm::validate_name(name).ok())
-    if (auto left = shm::never_written(name, flocks)) return failure(ExitCode::kUnpublished, *left);
+    if (auto left = shm::never_written(name, flocks)) {
+      Loaded never = failure(ExitCode::kUnpublished, *left);
+      never.dead_start = true;
+      return never;
+    }
   Loaded l;
   size_t live_size = 0;  // of the object last copied
   const auto copy = [&](std::unique_ptr<shm::ShmObject>& live) -> Status {
@@ -260,8 +264,8 @@ Loaded load_segment(const std::string& name, bool wait_for_start, RingReading ri
     if (!std::filesystem::exists(path, ec)) return failure(ExitCode::kNoSegment, s.message(), s.code());
     Loaded unpublished = failure(ExitCode::kUnpublished, s.message(), s.code());
     // The last header copied, if any (an empty object leaves none).
-    unpublished.server_dead = l.image.copy && live_size >= sizeof(shm::SegmentHeader) &&
-                              shm::dead_server_of_unpublished(l.image.copy.get(), sizeof(shm::SegmentHeader));
+    unpublished.dead_start = l.image.copy && live_size >= sizeof(shm::SegmentHeader) &&
+                             shm::dead_server_of_unpublished(l.image.copy.get(), sizeof(shm::SegmentHeader));
     return unpublished;
   }
   if (s.code() == ErrorCode::kPermission) {
@@ -322,7 +326,7 @@ Loaded load_file(const std::string& path, RingReading rings) {
                       ") had not published it when this copy was made, and is not running on this "
                       "host (a start that died, or a copy from another host)",
                   s.code());
-      unpublished.server_dead = true;
+      unpublished.dead_start = true;
       return unpublished;
     }
     return failure(exit_code_for(s), path + ": " + s.message(), s.code());

@@ -66,28 +66,33 @@ struct Loaded {
   ExitCode exit = ExitCode::kOk;
   std::string error;                 // what went wrong, when exit != kOk
   ErrorCode cause = ErrorCode::kOk;  // its code: kPermission tells no access from the other kError failures
-  bool server_dead = false;          // kUnpublished: its header names a server that is dead (a dead start's)
+  // kUnpublished by what no start will finish: a header that names a dead
+  // server, or an object never_written() judges so (empty or unwritten,
+  // unlocked, unchanged for longer than a start's wait). A server that is
+  // down, not a read that failed.
+  bool dead_start = false;
 };
 
 // Copies "shmps.<name>" and validates the copy (shm::open_segment_object,
 // as Segment::open does with its mapping: with `wait_for_start`, up to 2 s
 // for a segment still being sized or published; without, one look, and
 // such a segment is kUnpublished at once; one whose header names a dead
-// server is at once, server_dead). An object that is empty or whose
+// server is at once, dead_start). An object that is empty or whose
 // header is all zero (magic 0), that no process holds a flock on (a
 // starting server holds its own from before sizing it) and whose ctime is
 // older than that wait is no start in progress: kUnpublished at once,
-// naming its owner and the command that removes it. An object larger than any
-// segment is kBadSegment before it is mapped. A segment that shrinks while
-// being copied, or whose hole tmpfs has no memory for (a SIGBUS on the
-// mapping), is kBadSegment, "the segment shrank while being read, or
-// /dev/shm had no memory for a page read". Of a segment, only what the
-// snapshot decodes is read, and each part only once what comes before it
-// is valid: the header (shm::validate_header), then the tensor table
-// (validate_segment), then the rest outside the rings, and of each ring
-// what `rings` says (its live slots up to the cap, never its holes).
-// `flocks`: the flocks to judge an unwritten object by (never_written()),
-// for a caller that loads many; by default /proc/locks is read for it.
+// naming its owner and the command that removes it (dead_start). An
+// object larger than any segment is kBadSegment before it is mapped. A
+// segment that shrinks while being copied, or whose hole tmpfs has no
+// memory for (a SIGBUS on the mapping), is kBadSegment, "the segment
+// shrank while being read, or /dev/shm had no memory for a page read".
+// Of a segment, only what the snapshot decodes is read, and each part
+// only once what comes before it is valid: the header
+// (shm::validate_header), then the tensor table (validate_segment), then
+// the rest outside the rings, and of each ring what `rings` says (its
+// live slots up to the cap, never its holes). `flocks`: the flocks to
+// judge an unwritten object by (never_written()), for a caller that loads
+// many; by default /proc/locks is read for it.
 Loaded load_segment(const std::string& name, bool wait_for_start = true, RingReading rings = {},
                     const shm::FlockTable* flocks = nullptr);
 // Reads a regular file as load_segment() reads a segment (anything else is

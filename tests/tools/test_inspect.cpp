@@ -2190,24 +2190,28 @@ BOOST_AUTO_TEST_CASE(stopped_server_is_shown_stopped) {
   BOOST_TEST(seen, listed.out);
 }
 
+// --format prometheus's shmps_inspect_error samples: reason -> value.
+std::map<std::string, std::string> inspect_errors(const std::string& out) {
+  std::map<std::string, std::string> by_reason;
+  static const std::regex sample(R"re(^shmps_inspect_error\{name="[^"]*",reason="([a-z_]+)"\} (\S+)$)re");
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    std::smatch m;
+    if (std::regex_match(line, m, sample)) by_reason[m[1]] = m[2];
+  }
+  return by_reason;
+}
+// Every reason at 0: a read, or a server that is down.
+const std::map<std::string, std::string> kNoInspectError{
+    {"permission", "0"}, {"bad_segment", "0"}, {"unpublished", "0"}, {"usage", "0"}, {"io", "0"}};
+
 // --format prometheus tells a segment it could not read (no permission,
 // foreign or corrupt, not published) from a server that is down: shmps_up
 // 0 in both, and shmps_inspect_error{reason} 1 for the read failure, its
 // other reasons (and all of them after a good read or with no segment) 0.
 BOOST_AUTO_TEST_CASE(prometheus_tells_read_failures_from_a_server_down) {
   const std::string tool = test::program_path("shmps-inspect");
-  const auto errors = [](const std::string& out) {
-    std::map<std::string, std::string> by_reason;  // reason -> value
-    static const std::regex sample(R"re(^shmps_inspect_error\{name="[^"]*",reason="([a-z_]+)"\} (\S+)$)re");
-    std::istringstream lines(out);
-    for (std::string line; std::getline(lines, line);) {
-      std::smatch m;
-      if (std::regex_match(line, m, sample)) by_reason[m[1]] = m[2];
-    }
-    return by_reason;
-  };
-  const std::map<std::string, std::string> none{
-      {"permission", "0"}, {"bad_segment", "0"}, {"unpublished", "0"}, {"usage", "0"}, {"io", "0"}};
+  const std::map<std::string, std::string>& none = kNoInspectError;
   const auto with = [&none](const std::string& reason) {
     auto m = none;
     m[reason] = "1";
@@ -2220,13 +2224,13 @@ BOOST_AUTO_TEST_CASE(prometheus_tells_read_failures_from_a_server_down) {
   const Run ok = run_inspect({"--format", "prometheus", good});
   BOOST_TEST(ok.rc == 0, ok.err);
   BOOST_TEST(contains(ok.out, "# TYPE shmps_inspect_error gauge\n"), ok.out);
-  BOOST_TEST((errors(ok.out) == none), ok.out);
+  BOOST_TEST((inspect_errors(ok.out) == none), ok.out);
 
   const std::string absent = test::unique_name("promnone");
   const Run down = run_inspect({"--format", "prometheus", absent});
   BOOST_TEST(down.rc == 2);
   BOOST_TEST(contains(down.out, "shmps_up{name=\"" + absent + "\"} 0\n"), down.out);
-  BOOST_TEST((errors(down.out) == none), down.out);
+  BOOST_TEST((inspect_errors(down.out) == none), down.out);
 
   struct Case {
     std::string what, name, reason;
@@ -2251,7 +2255,7 @@ BOOST_AUTO_TEST_CASE(prometheus_tells_read_failures_from_a_server_down) {
       if (c.reason == "permission" && !as_nobody) BOOST_REQUIRE(::chmod(object.c_str(), 0600) == 0);
       BOOST_TEST(r.exit_code == c.rc, r.output);
       BOOST_TEST(contains(r.output, "shmps_up{name=\"" + c.name + "\"} 0\n"), r.output);
-      BOOST_TEST((errors(r.output) == with(c.reason)), r.output);
+      BOOST_TEST((inspect_errors(r.output) == with(c.reason)), r.output);
     }
   }
 }
@@ -2728,6 +2732,26 @@ BOOST_AUTO_TEST_CASE(list_exit_code_for_a_name_no_server_can_take_is_a_plain_run
       BOOST_TEST(plain.rc == 1, plain.err);
       BOOST_REQUIRE(rows.count(n) == 1u);
       BOOST_TEST(rows.at(n)["exit_code"] == plain.rc, rows.at(n));
+    }
+  }
+}
+
+// An object at a segment's name that is empty or whose magic is zero,
+// unlocked and unchanged for longer than a start's wait, is what a start
+// that died left: to Prometheus a server that is down (shmps_up 0, every
+// shmps_inspect_error reason 0), with exit 4 as for a dead server's
+// unpublished segment.
+BOOST_AUTO_TEST_CASE(prometheus_shows_an_unwritten_leftover_as_a_server_down) {
+  const std::string empty = test::unique_name("promempty"), zero = test::unique_name("promzero");
+  const RawObject e("shmps." + empty, 0), z("shmps." + zero, 8192);
+  std::this_thread::sleep_for(shm::kSegmentStartWait + std::chrono::milliseconds(300));
+  for (const std::string& name : {empty, zero}) {
+    BOOST_TEST_CONTEXT(name) {
+      const Run r = run_inspect({"--format", "prometheus", name});
+      BOOST_TEST(r.rc == 4, r.err);
+      BOOST_TEST(contains(r.err, "a server start that died before"), r.err);
+      BOOST_TEST(contains(r.out, "shmps_up{name=\"" + name + "\"} 0\n"), r.out);
+      BOOST_TEST((inspect_errors(r.out) == kNoInspectError), r.out);
     }
   }
 }
