@@ -264,8 +264,11 @@ Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, OwnS
   options.name = name;
   options.reconnect = true;
   // A stop signal ends every wait of this worker, a reconnect to a dead
-  // server's successor included (up to its 10 s timeout otherwise).
-  options.interrupted = [] { return stop_signal() != 0; };
+  // server's successor included (up to its 10 s timeout otherwise); so
+  // does the exit of the server this run started, which only the thread
+  // waiting here would restart (poll() reaps it; the caller's next poll()
+  // sees it too).
+  options.interrupted = [server] { return stop_signal() != 0 || (server != nullptr && server->poll()); };
   while (true) {
     if (stop_signal() != 0) return Status(ErrorCode::kInterrupted, "stopped by a signal");
     Result<std::unique_ptr<Worker>> w = Worker::connect(options);
@@ -280,6 +283,11 @@ Result<std::unique_ptr<Worker>> connect_with_retry(const std::string& name, OwnS
       return w;
     }
     const ErrorCode code = w.status().code();
+    if (code == ErrorCode::kInterrupted && stop_signal() == 0 && server != nullptr) {
+      return Status(ErrorCode::kServerNotRunning, "shmps-server exited with status " +
+                                                      std::to_string(server->status()) +
+                                                      " before it was ready (see its message above)");
+    }
     const bool starting =
         code == ErrorCode::kServerNotRunning || (server != nullptr && code == ErrorCode::kLayoutMismatch);
     if (w.ok() || !starting || Clock::now() >= deadline) return w;

@@ -303,7 +303,8 @@ int Trainer::watch(const EvalSchedule& schedule, Curve& curve) {
     const ErrorCode code = stats.status().code();
     // The server died since poll(): the next round restarts it.
     if (code == ErrorCode::kServerRestarted ||
-        (code == ErrorCode::kServerNotRunning && server_ != nullptr && server_->restartable()))
+        (code == ErrorCode::kServerNotRunning && server_ != nullptr && server_->restartable()) ||
+        (code == ErrorCode::kInterrupted && stop_signal() == 0 && own_server_exited()))
       continue;
     if (!stats.ok()) {
       return failed("stats", stats.status());
@@ -312,7 +313,10 @@ int Trainer::watch(const EvalSchedule& schedule, Curve& curve) {
     rebase(*stats);
     const uint64_t progress = since(stats->version, base_version_);
     if (next_eval < evals && progress >= schedule.at(next_eval)) {
-      if (!take(curve)) return failed();
+      if (!take(curve, /*during_training=*/true)) {
+        if (stop_signal() == 0 && own_server_exited()) continue;  // the next round restarts it
+        return failed();
+      }
       // Skip boundaries passed meanwhile, so a slow evaluation cannot queue up.
       while (next_eval < evals && curve.last_recorded_version() >= schedule.at(next_eval)) ++next_eval;
     }
@@ -336,17 +340,27 @@ void Trainer::rebase(const ServerStats& stats) {
   base_version_ = std::min(base_version_, since(stats.version, stats.gradients_applied));
 }
 
-// Records the server's current weights on the curve.
-bool Trainer::take(Curve& curve) {
+// Records the server's current weights on the curve. The evaluation
+// worker's wait for a server that died ends once this run's own server
+// has exited (connect_with_retry()): during training, watch() then
+// restarts it and says so.
+bool Trainer::take(Curve& curve, bool during_training) {
   Result<Snapshot> s = pull_snapshot();
   if (!s.ok()) {
     if (stop_signal() != 0) return false;  // the caller says so
+    if (s.status().code() == ErrorCode::kInterrupted && own_server_exited()) {
+      if (!during_training)
+        std::cerr << "shmps-train: evaluation: shmps-server exited with status " << server_->status() << "\n";
+      return false;
+    }
     std::cerr << "shmps-train: evaluation: " << s.status().to_string() << "\n";
     return false;
   }
   curve.record(std::move(*s));
   return true;
 }
+
+bool Trainer::own_server_exited() { return server_ != nullptr && server_->poll(); }
 
 int Trainer::failed() const { return stop_signal() != 0 ? stopped_by_signal() : kExitFailure; }
 

@@ -40,7 +40,9 @@ class Trainer {
   int attach(const std::string& server_name);
   int fork_workers(const std::string& server_name, SharedSlots& slots);
   int watch(const EvalSchedule& schedule, Curve& curve);
-  bool take(Curve& curve);
+  bool take(Curve& curve, bool during_training = false);
+  // Whether the server this run started has exited (reaped if so).
+  bool own_server_exited();
   // The exit code of a failure: stopped_by_signal()'s when a stop signal
   // came (it ends the evaluation worker's waits), else kExitFailure.
   int failed() const;
