@@ -196,17 +196,11 @@ std::string Sessions::taken_as(const shm::ShmObject::Identity& id, uint32_t i) c
 void Sessions::release_entry(uint32_t i, uint64_t dead_owner) {
   end(i, "");
   shm::WorkerEntry& entry = segment_.worker(i);
-  uint64_t expected = dead_owner;
-  uint64_t releasing = shm::make_owner(shm::owner_pid(dead_owner), WorkerState::kReleasing);
-  // relaxed: this step publishes nothing; the clears after it are done
-  // only once it succeeded, and the CAS to kFree publishes them.
-  if (!entry.owner.compare_exchange_strong(expected, releasing, std::memory_order_relaxed, std::memory_order_relaxed))
-    return;
-  entry.lease = 0;
-  entry.pid_start_time = 0;
-  std::memset(segment_.buffer_table_bytes(i), 0, config_.max_buffers * sizeof(shm::BufferDesc));
-  entry.owner.compare_exchange_strong(releasing, 0, std::memory_order_release,
-                                      std::memory_order_relaxed);  // SYNC(worker_release)
+  shm::release_owner(entry, dead_owner, [&] {
+    entry.lease = 0;
+    entry.pid_start_time = 0;
+    std::memset(segment_.buffer_table_bytes(i), 0, config_.max_buffers * sizeof(shm::BufferDesc));
+  });
 }
 
 Sessions::Owner Sessions::reap(uint32_t i, uint64_t now, std::string* why) {

@@ -77,10 +77,9 @@ shm::Completion RawClient::call(shm::Request r, std::chrono::milliseconds timeou
 }
 
 void RawClient::release_entry() {
-  const uint64_t releasing = shm::make_owner(static_cast<uint32_t>(::getpid()), shm::WorkerState::kReleasing);
-  seg_->worker(id_).owner.store(releasing, std::memory_order_relaxed);  // relaxed: publishes nothing
-  seg_->worker(id_).pid_start_time = 0;
-  seg_->worker(id_).owner.store(0, std::memory_order_release);  // SYNC(worker_release)
+  shm::WorkerEntry& e = seg_->worker(id_);
+  shm::release_owner(e, e.owner.load(std::memory_order_relaxed),  // relaxed: the CAS decides
+                     [&] { e.pid_start_time = 0; });
 }
 
 }  // namespace shmps::test

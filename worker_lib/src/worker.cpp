@@ -984,19 +984,12 @@ class Worker::Impl {
   void release_entry() {
     auto& e = entry();
     const auto pid = static_cast<uint32_t>(::getpid());
-    uint64_t releasing = shm::make_owner(pid, WorkerState::kReleasing);
-    for (WorkerState st : {WorkerState::kClaimed, WorkerState::kAttached, WorkerState::kDetached}) {
-      uint64_t expected = shm::make_owner(pid, st);
-      // relaxed: this step publishes nothing; the clear after it is done
-      // only once it succeeded, and the CAS to kFree publishes it.
-      if (!e.owner.compare_exchange_strong(expected, releasing, std::memory_order_relaxed, std::memory_order_relaxed))
-        continue;
-      e.pid_start_time = 0;
-      fault_point.hit("in_release");
-      e.owner.compare_exchange_strong(releasing, 0, std::memory_order_release,
-                                      std::memory_order_relaxed);  // SYNC(worker_release)
-      return;
-    }
+    for (WorkerState st : {WorkerState::kClaimed, WorkerState::kAttached, WorkerState::kDetached})
+      if (shm::release_owner(e, shm::make_owner(pid, st), [&] {
+            e.pid_start_time = 0;
+            fault_point.hit("in_release");
+          }))
+        return;
   }
 
   // Unmaps and unlinks every buffer (device buffers: destroys their event;

@@ -432,6 +432,24 @@ struct WorkerEntry {
 };
 static_assert(std::is_standard_layout_v<WorkerEntry>);
 static_assert(sizeof(WorkerEntry) == 512);
+
+// Gives entry `e` back from owner word `from` (the caller's own, or the
+// dead owner's it judged): a CAS to (that pid, kReleasing), so an entry
+// claimed since is left alone; `clear` then clears the entry's words while
+// the word says the entry is the releaser's; a CAS to kFree publishes
+// them. False when the word was no longer `from`. SYNC(worker_release).
+template <class Clear>
+bool release_owner(WorkerEntry& e, uint64_t from, Clear clear) {
+  uint64_t releasing = make_owner(owner_pid(from), WorkerState::kReleasing);
+  // relaxed: this step publishes nothing; the clears after it are done
+  // only once it succeeded, and the CAS to kFree publishes them.
+  if (!e.owner.compare_exchange_strong(from, releasing, std::memory_order_relaxed, std::memory_order_relaxed))
+    return false;
+  clear();
+  e.owner.compare_exchange_strong(releasing, 0, std::memory_order_release,
+                                  std::memory_order_relaxed);  // SYNC(worker_release)
+  return true;
+}
 static_assert(offsetof(WorkerEntry, owner) == 0);
 static_assert(offsetof(WorkerEntry, pid_start_time) == 8);
 static_assert(offsetof(WorkerEntry, lease) == 16);
