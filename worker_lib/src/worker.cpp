@@ -1138,40 +1138,16 @@ class Worker::Impl {
       }
     }
 
-    // Claim a free entry: CAS kFree -> (pid, kClaimed), then the attach
-    // handshake. While an entry is held by a process that is gone, or by a
-    // word the server frees after a while (no start time to judge it by),
-    // the claim is tried again; so it is when our claim is freed under us
-    // before the server attached it (the server found no start time of
-    // ours there, or a peer wrote the word).
+    // Claim a free entry, then the attach handshake. A claim freed under
+    // us before the server attached it (the server found no start time of
+    // ours there, or a peer wrote the word) is made again.
     const auto pid = static_cast<uint32_t>(::getpid());
     const auto give_up = deadline.time();
     const uint64_t claim = shm::make_owner(pid, WorkerState::kClaimed);
     const uint64_t want = shm::make_owner(pid, WorkerState::kAttached);
     const uint64_t evicted_word = shm::make_owner(pid, WorkerState::kDetached);
     while (true) {
-      bool claimed = false;
-      while (true) {
-        for (uint32_t i = 0; i < h.max_workers && !claimed; ++i) {
-          uint64_t expected = 0;
-          // acq_rel: SYNC(worker_claim) acquire pairs with the release that
-          // freed the entry (indices reset); release publishes our pid to
-          // the server.
-          if (segment->worker(i).owner.compare_exchange_strong(expected, claim, std::memory_order_acq_rel,
-                                                               std::memory_order_relaxed)) {
-            id = i;
-            claimed = true;
-          }
-        }
-        if (claimed || Clock::now() >= give_up || !an_entry_freed_soon(h.max_workers)) break;
-        if (Status gone = server_gone(); !gone.ok()) return gone;  // nobody frees the entry then
-        if (asked_to_stop())
-          return {ErrorCode::kInterrupted, "interrupted while waiting for a worker slot of '" + options.name + "'"};
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      }
-      if (!claimed)
-        return {ErrorCode::kNoCapacity,
-                "all " + std::to_string(h.max_workers) + " worker slots of '" + options.name + "' are taken"};
+      if (Status s = claim_entry(claim, give_up); !s.ok()) return s;
       fault_point.hit("after_claim");
       shm::WorkerEntry& e = segment->worker(id);
       e.pid_start_time = shm::process_start_time(::getpid());
@@ -1305,6 +1281,34 @@ class Worker::Impl {
         return {ErrorCode::kInterrupted,
                 "interrupted while waiting for server '" + options.name + "' to come back (" + last.message() + ")"};
       std::this_thread::sleep_for(std::min<Clock::duration>(give_up - now, std::chrono::milliseconds(10)));
+    }
+  }
+
+  // Claims a free entry of the segment (CAS kFree -> `claim`) into `id`.
+  // While an entry is held by a process that is gone, or by a word the
+  // server frees after a while (no start time to judge it by), waits for
+  // the server to free it, until `give_up`.
+  Status claim_entry(uint64_t claim, Clock::time_point give_up) {
+    const uint32_t count = segment->layout().max_workers;
+    while (true) {
+      for (uint32_t i = 0; i < count; ++i) {
+        uint64_t expected = 0;
+        // acq_rel: SYNC(worker_claim) acquire pairs with the release that
+        // freed the entry (indices reset); release publishes our pid to
+        // the server.
+        if (segment->worker(i).owner.compare_exchange_strong(expected, claim, std::memory_order_acq_rel,
+                                                             std::memory_order_relaxed)) {
+          id = i;
+          return Status::Ok();
+        }
+      }
+      if (Clock::now() >= give_up || !an_entry_freed_soon(count))
+        return {ErrorCode::kNoCapacity,
+                "all " + std::to_string(count) + " worker slots of '" + options.name + "' are taken"};
+      if (Status gone = server_gone(); !gone.ok()) return gone;  // nobody frees the entry then
+      if (asked_to_stop())
+        return {ErrorCode::kInterrupted, "interrupted while waiting for a worker slot of '" + options.name + "'"};
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
 
