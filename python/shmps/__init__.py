@@ -241,8 +241,7 @@ class Worker:
         """The server unmaps it; views of a host buffer stay valid memory
         that the server no longer reads."""
         ref = self._buffer_ref(buffer, check_storage=False)  # a reallocated tensor's buffer may go
-        self._w.unregister_buffer(*ref)
-        self._held.pop(ref[1], None)
+        self._held.pop(self._w.unregister_buffer(*ref), None)
 
     def free_later(self, *buffers):
         """Unregisters `buffers` at this Worker's next registration, after
@@ -366,6 +365,7 @@ class Worker:
             self._w.close()
         finally:
             self._held.clear()
+            self._dropped.clear()  # no registration comes to free them
 
     def __enter__(self):
         return self

@@ -113,7 +113,8 @@ class Server:
     see `shmps-server --help`). `model` (a torch.nn.Module) or `tensors`
     ((name, shape) pairs) gives the tensor table. `name`: the segment name
     (default: a unique one). `log`: a path for the server's log (default: a
-    temporary file, shown in the error when the start fails)."""
+    temporary file, removed by a stop() that finds the server exited 0; one
+    whose start failed is kept for the error that names it)."""
 
     def __init__(self, model=None, *, tensors=None, name=None, optimizer="adam", binary=None, log=None,
                  start_timeout=30.0, **options):
@@ -139,6 +140,7 @@ class Server:
         self._own_log = log is None
         self.process = None
         self._starter = None  # the pid of the process that started it: only it stops it
+        self._keep_log = False  # a start that failed: its error names the log
 
     @property
     def log_path(self):
@@ -149,6 +151,7 @@ class Server:
         if self.process is not None and self.process.poll() is None:
             raise _errors.InvalidArgumentError(f"shmps-server '{self.name}' is already started (pid "
                                                f"{self.process.pid}); stop() it first")
+        self._keep_log = False
         if self._own_log:
             # The name only as far as a file name takes it: the server
             # itself refuses a bad one, naming the rule.
@@ -204,6 +207,7 @@ class Server:
                                                f"{self._log_tail()}")
                 time.sleep(0.01)
         except BaseException:
+            self._keep_log = True  # the error (or the caller) reads it
             self.stop()  # no child left behind, whatever ended the wait
             raise
 
@@ -236,7 +240,7 @@ class Server:
                 raise
         if p.returncode != 0:
             self._remove_dead_segment()
-        if self._own_log and p.returncode == 0:
+        if self._own_log and p.returncode == 0 and not self._keep_log:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._log_path)
         return p.returncode

@@ -272,7 +272,7 @@ class RemoteOptimizer:
                     p.data = p.data.clone()
                 if p.grad is not None and p.grad.data_ptr() == grad_ptr:
                     p.grad = p.grad.clone()
-        self._grads = self._weights = self._grad_buf = self._weight_buf = None
+        self._grads = self._weights = self._grad_views = self._grad_buf = self._weight_buf = None
         self.closed = True
 
     def __enter__(self):

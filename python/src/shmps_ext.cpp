@@ -361,7 +361,8 @@ class PyWorker {
   }
 
   // `registration`: the Buffer's (0: a bare id, unchecked).
-  void unregister_buffer(uint32_t id, uint64_t registration) {
+  // Returns the registration it ended (0: none recorded).
+  uint64_t unregister_buffer(uint32_t id, uint64_t registration) {
     uint64_t removed = 0;
     check(call([&](shmps::Worker& w) {
       if (shmps::Status s = check_buffer(id, registration); !s.ok()) return s;
@@ -380,6 +381,7 @@ class PyWorker {
     // Only what that registration kept: another thread may have registered
     // a new buffer under the id since.
     if (auto it = kept_.find(id); it != kept_.end() && it->second.registration == removed) kept_.erase(it);
+    return removed;
   }
 
   // The requests naming a buffer take its id and `registration` (the
@@ -544,7 +546,9 @@ class PyWorker {
       Life open = Life::kOpen;
       stops_->life.compare_exchange_strong(open, Life::kClosing, std::memory_order_relaxed);  // relaxed: see Stops
       GilReleased released;
-      std::lock_guard<std::mutex> lock(mu_);
+      // Locked: a signal's handler that calls this Worker during the
+      // detach is refused (refuse_reentry()), not left waiting for mu_.
+      Locked locked(*this);
       stops_->detach_asks = true;
       detach_and_free();  // it cancels a held pull first
       stops_->detach_asks = false;
@@ -569,7 +573,9 @@ class PyWorker {
   // answered the detach.
   void detach_and_free() {
     if (!w_) return;
-    note_detach(w_->detach());
+    // After detach(), whose outcome is noted, a second detach is only
+    // refused as "detached".
+    if (!detached()) note_detach(w_->detach());
     w_.reset();
   }
 

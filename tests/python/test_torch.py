@@ -602,6 +602,34 @@ def test_a_remote_optimizer_dropped_without_close_frees_its_buffers(make_server)
         w.register_buffer(16)
 
 
+def _buffers_mapped(server):
+    """How many mappings of this process's buffer objects of `server`
+    (named shmps.NAME.pPID.*, unlinked or not) it has."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        return sum(f"/dev/shm/shmps.{server.name}.p{os.getpid()}." in line for line in f)
+
+
+def test_buffers_of_an_optimizer_dropped_without_close_go_at_the_workers_close(make_server):
+    """A dropped RemoteOptimizer's buffers wait for the Worker's next
+    registration to be unregistered (free_later()); a Worker closed first
+    lets go of them, though it lives on."""
+    model = torch.nn.Linear(4, 2)
+    server = make_server(tensors=[(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    w = shmps.connect(server.name)
+    opt = shmps.torch.RemoteOptimizer(model, w, init=True)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    del opt
+    assert _buffers_mapped(server) == 2
+    w.close()
+    del model  # its parameters were views of the buffers
+    assert _buffers_mapped(server) == 0
+    assert w.closed
+
+
 def test_a_constructor_whose_pull_fails_leaves_the_model_as_it_was(make_server):
     """The model's parameters and gradients are moved into the buffers only
     once the first pull went through; a failure before leaves them, and
@@ -641,6 +669,7 @@ def test_close_gives_the_model_its_parameters_back_and_frees_the_buffers(make_se
             for t in (p.data, p.grad):
                 assert not any(lo <= t.data_ptr() < hi for lo, hi in buffers)  # its own memory
         assert glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*") == []  # unregistered
+        assert _buffers_mapped(server) == 0  # let go of while the closed optimizer lives
         opt.close()  # idempotent
         for call in (opt.step, opt.pull, opt.zero_grad):
             with pytest.raises(RuntimeError, match="after close"):
@@ -793,6 +822,29 @@ def test_device_memory_a_stopped_server_may_still_write_outlives_close(make_serv
         del t
         gc.collect()
         assert (held() is not None) == stopped
+
+
+@cuda
+def test_device_memory_goes_at_close_after_an_answered_detach(make_server):
+    """detach() answered, then close() (or the with block's end): close's
+    second detach is refused as "detached", which is no unanswered
+    detach: the device memory goes, and no warning is given."""
+    import gc
+    import warnings
+    import weakref
+
+    server = make_server(backend="cuda")
+    w = shmps.connect(server.name)
+    t = torch.zeros(w.total_elements, device="cuda:0")
+    w.register_device_buffer(t)
+    held = weakref.ref(t)
+    w.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w.close()
+    del t
+    gc.collect()
+    assert held() is None
 
 
 @cuda
@@ -1023,6 +1075,12 @@ def test_a_call_on_a_registered_tensor_reallocated_by_resize_is_refused(make_ser
             w.pull(buf)
         w.unregister_buffer(buf)
         assert glob.glob(f"/dev/shm/shmps.{server.name}.p{os.getpid()}.*") == []
+        # Unregistered by its bare id, a registration lets go of the
+        # tensor's storage as well.
+        again = w.register_device_buffer(torch.zeros(w.total_elements).as_subclass(SaysCuda))
+        assert len(w._held) == 1
+        w.unregister_buffer(again.id)
+        assert w._held == {}
 
 
 def test_a_zero_dimensional_tensor_is_no_buffer_id(make_server):

@@ -512,6 +512,44 @@ def test_a_signal_handler_calling_the_waiting_worker_is_refused_not_deadlocked(m
     assert seen and "closed" not in seen[-1]
 
 
+@pytest.mark.parametrize("call", ["ping", "close"])
+def test_a_signal_handler_calling_the_worker_during_close_is_refused_not_deadlocked(make_server, call):
+    """close() waits for a stopped server's detach answer with the
+    interpreter's handlers running: a handler that calls the same Worker
+    (ping(), close()) gets InvalidArgumentError instead of waiting for the
+    lock close() holds on its thread, and close() returns at the detach
+    bound. Run in a child, so that a deadlock fails the test."""
+    server = make_server()
+    script = f"""
+import os, signal, time, shmps
+w = shmps.connect({server.name!r}, timeout=1.0)
+def handler(signum, frame):
+    try:
+        w.{call}()
+        print("returned", flush=True)
+    except shmps.InvalidArgumentError as e:
+        print("refused", "from a signal handler" in str(e), flush=True)
+signal.signal(signal.SIGALRM, handler)
+os.kill({server.process.pid}, signal.SIGSTOP)
+signal.setitimer(signal.ITIMER_REAL, 0.2)
+start = time.monotonic()
+w.close()
+print("closed", w.closed, round(time.monotonic() - start, 1), flush=True)
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = child.communicate(timeout=30)
+    finally:
+        child.kill()
+        child.wait()
+        server.process.send_signal(signal.SIGCONT)
+    assert child.returncode == 0, out
+    lines = out.splitlines()
+    assert lines[0] == "refused True", out
+    word, closed, seconds = lines[1].split()
+    assert word == "closed" and closed == "True" and float(seconds) < 10, out
+
+
 def test_ctrl_c_interrupts_a_blocking_call_of_a_python_worker(make_server):
     """SIGINT, as Ctrl-C sends it, raises KeyboardInterrupt in a worker
     blocked in a held pull within a fraction of a second, not at its
@@ -963,6 +1001,27 @@ def test_server_start_fails_when_another_server_has_the_name(make_server):
     with shmps.connect(first.name) as w:
         assert w.server_pid == first.process.pid
         assert [t.name for t in w.tensors] == [n for n, _ in SMALL]
+
+
+def test_a_start_that_times_out_keeps_the_log_its_error_names(tmp_path):
+    """A server slower to start than start_timeout: the TimeoutError names
+    its log, which is still there to read (stop() removes the log of a
+    server that exits 0 only after a start that succeeded)."""
+    slow = tmp_path / "slow-server"
+    # As the server does, it exits 0 on the SIGTERM of stop().
+    slow.write_text("#!/bin/sh\necho slow start >&2\nsleep 5 &\ntrap 'kill $!; exit 0' TERM\nwait $!\n"
+                    f"exec {shmps.server_binary()} \"$@\"\n")
+    slow.chmod(0o755)
+    server = shmps.Server(tensors=SMALL, name=unique_name("slowlog"), optimizer="sgd", binary=str(slow),
+                          start_timeout=0.3)
+    with pytest.raises(shmps.TimeoutError, match="its log: ") as e:
+        server.start()
+    assert server.process is None
+    path = server.log_path
+    assert path in str(e.value)
+    with open(path) as f:
+        assert "slow start" in f.read()
+    os.unlink(path)
 
 
 def test_starting_a_started_server_again_is_refused_and_orphans_nothing(make_server):
