@@ -129,7 +129,7 @@ BOOST_AUTO_TEST_CASE(sigint_mid_run_leaves_nothing_in_dev_shm) {
 // client's sends time out and the run fails naming it, instead of
 // blocking for ever.
 BOOST_AUTO_TEST_CASE(a_dead_message_queue_server_fails_the_run) {
-  Compare run("--section 2 --size-kib 4096 --repeats 5");
+  Compare run("--section 2 --size-kib 4096 --repeats 2");
   BOOST_REQUIRE_MESSAGE(shmps::test::eventually([&] { return run.measuring(); }, 60s), "not measuring within 60 s:\n"
                                                                                            << run.output());
   // Its forked children by age: the baseline servers (socket, message
