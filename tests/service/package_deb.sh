@@ -149,7 +149,8 @@ mkdir "$stubs"
 for cmd in adduser addgroup install systemctl; do
   printf '#!/bin/sh\necho "%s $*" >> "%s/calls"\n' "$cmd" "$scratch" > "$stubs/$cmd"
 done
-printf '#!/bin/sh\nexit 2\n' > "$stubs/getent"   # no such user or group
+# No such user or group, but for the group video (Debian's base-passwd has it).
+printf '#!/bin/sh\n[ "$1 $2" = "group video" ] && exit 0\nexit 2\n' > "$stubs/getent"
 chmod +x "$stubs"/*
 PATH="$stubs:$PATH" sh "$scratch/control/postinst" configure || fail "postinst configure exited $?"
 grep -q '^adduser --system --group .*shmps$' "$scratch/calls" || fail "postinst did not create the system user: $(cat "$scratch/calls")"
@@ -170,7 +171,8 @@ mkdir "$confs"
 printf 'name = good\ntensor = w:4\n' > "$confs/good.conf"
 printf 'name = bad\ntensor = w:4\ninit-seed = 3\n' > "$confs/bad.conf"
 printf 'name = good\ntensor = w:4\n' > "$confs/copied.conf"
-printf '#!/bin/sh\nshift 3\nexec "$@"\n' > "$stubs/runuser"
+printf '#!/bin/sh\necho "$*" >> "%s"\nwhile [ "$1" != -- ]; do shift; done\nshift\nexec "$@"\n' \
+  "$scratch/runuser-calls" > "$stubs/runuser"
 chmod +x "$stubs/runuser"
 out=$(PATH="$stubs:$build/bin:$PATH" SHMPS_CONFIG_DIR="$confs" sh "$scratch/control/postinst" configure 2>&1) ||
   fail "postinst configure exited $? with configs: $out"
@@ -178,6 +180,12 @@ printf '%s\n' "$out" | grep -qF "shmps: $confs/bad.conf does not pass this versi
   fail "postinst did not name the refused config: $out"
 printf '%s\n' "$out" | grep -qF "does not use init-seed" || fail "postinst did not show why: $out"
 printf '%s\n' "$out" | grep -qF "good.conf" && fail "postinst named a config that passes: $out"
+# As the unit runs it: group shmps, and video (SupplementaryGroups=).
+groups="-g shmps -G video"
+grep -qvF -- "-u shmps $groups -- shmps-server" "$scratch/runuser-calls" &&
+  fail "postinst ran a check other than as the unit runs the server: $(cat "$scratch/runuser-calls")"
+grep -qF -- "-u shmps $groups -- shmps-server" "$scratch/runuser-calls" ||
+  fail "postinst ran no check as the service user"
 printf '%s\n' "$out" | grep -qF "shmps: $confs/copied.conf, as shmps@copied reads it:" ||
   fail "postinst did not name copied.conf, whose name is another instance's: $out"
 printf '%s\n' "$out" | grep -qF "copied.conf line 1: key 'name' = good is not used: the command line's --name wins" ||
