@@ -107,7 +107,7 @@ def train_worker(rank, args, name, x, y, results):
                     opt.step()
                     if opt.applied:
                         break
-        results[rank] = (opt.pushes, opt.stale)
+        results[2 * rank], results[2 * rank + 1] = opt.pushes, opt.stale
 
 
 def evaluate(model, x, y):
@@ -118,7 +118,7 @@ def evaluate(model, x, y):
 
 def stop_on_sigterm(signo, _frame):
     """SIGTERM ends the script as an exception does: the workers are terminated
-    first, then the with blocks stop the server and the Manager process."""
+    first, then the with blocks stop the server."""
     raise SystemExit(128 + signo)
 
 
@@ -148,10 +148,11 @@ def main():
     per_epoch = pushes_per_epoch(len(x), args.workers, args.batch)
     ctx = mp.get_context("fork")
 
-    with ctx.Manager() as manager, \
-            shmps.Server(model, optimizer="adam", lr=args.lr, max_staleness=args.max_staleness,
-                         max_workers=args.workers + 2, binary=args.server_bin, name=args.name) as server:
-        results = manager.dict()
+    # Each worker's (pushes, stale) counts: memory the forked workers share
+    # (no process of its own, so none outlives a parent killed by SIGKILL).
+    results = ctx.Array("q", 2 * args.workers, lock=False)
+    with shmps.Server(model, optimizer="adam", lr=args.lr, max_staleness=args.max_staleness,
+                      max_workers=args.workers + 2, binary=args.server_bin, name=args.name) as server:
         with shmps.connect(server.name) as worker:
             opt = shmps.torch.RemoteOptimizer(model, worker, init=True)  # the parent's view, for scoring
             # Daemons: should the parent end early (an exception, SIGTERM), multiprocessing
@@ -199,8 +200,7 @@ def main():
             if failed:
                 raise SystemExit(f"train.py: workers {failed} failed (exit codes "
                                  f"{[procs[r].exitcode for r in failed]})")
-            applied = sum(v[0] for v in results.values())
-            stale = sum(v[1] for v in results.values())
+            applied, stale = sum(results[0::2]), sum(results[1::2])
             stats = worker.stats()
             agree = "agree" if (applied, stale) == (stats.gradients_applied, stats.rejected_stale) else "DISAGREE"
             print(f"pushes: workers applied {applied} rejected {stale}; server applied {stats.gradients_applied} "

@@ -3,11 +3,13 @@ torch.optim on the same gradients, its misuse is refused with a clear
 error, and N torch processes train Fashion-MNIST. CUDA cases skip, with the
 reason, where torch sees no GPU."""
 
+import contextlib
 import glob
 import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -734,6 +736,48 @@ def test_two_torch_processes_two_epochs_on_a_subset_beat_075():
     assert float(final[0].split()[3]) > 0.75
     assert "(agree)" in out.stdout
     assert not glob.glob(f"/dev/shm/shmps.{name}*"), "the example left shared memory behind"
+
+
+def _session_processes(sid):
+    """The pids of the processes of session `sid`."""
+    pids = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+            pids.append(int(stat.split("/")[2]))
+    return pids
+
+
+@pytest.mark.skipif(not os.path.exists(DATASET), reason="needs Debian's dataset-fashion-mnist")
+def test_the_example_killed_by_sigkill_leaves_no_process_or_shared_memory():
+    """The parent SIGKILLed mid-run (the OOM killer): its server stops
+    (--parent-pid), its workers end at their next call, and nothing of the
+    run (in a session of its own) is left running."""
+    import signal
+
+    name = unique_name("example_kill")
+    child = subprocess.Popen([sys.executable, EXAMPLE, "--workers", "2", "--epochs", "200", "--train-limit", "6000",
+                              "--test-limit", "1000", "--name", name], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        assert child.stdout.readline().startswith("epoch "), "the example did not start training"
+        child.kill()
+        child.wait()
+        deadline = time.monotonic() + 20
+        while (_session_processes(child.pid) or glob.glob(f"/dev/shm/shmps.{name}*")) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _session_processes(child.pid)
+        assert not left, f"left running: {left}"
+        assert not glob.glob(f"/dev/shm/shmps.{name}*"), "the example left shared memory behind"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
 
 
 @pytest.mark.skipif(not os.path.exists(DATASET), reason="needs Debian's dataset-fashion-mnist")
