@@ -199,14 +199,18 @@ void FederationLink::publish_drift(uint64_t version) {
   stats_.fed_drift.store(version - merged_version_, std::memory_order_relaxed);
 }
 
+std::chrono::milliseconds FederationLink::stop_bound() const {
+  // An elastic engine's thread may be forming a group: its settle,
+  // agreement and rendezvous take up to about two of its timeouts.
+  return std::chrono::milliseconds(2 * uint64_t{group_period_ms()} + 5000 +
+                                   (engine_->elastic() ? 2 * uint64_t{config_.timeout_ms} : 0));
+}
+
 bool FederationLink::stop(Backend& backend, uint64_t version, uint64_t* merges) {
   if (!thread_.joinable()) return true;
   stop_.store(true, std::memory_order_relaxed);  // relaxed: notify() orders it
   shm::notify(thread_wake_);
-  // An elastic engine's thread may be forming a group: its settle,
-  // agreement and rendezvous take up to about two of its timeouts.
-  const uint64_t timeout_ms =
-      2 * uint64_t{group_period_ms()} + 5000 + (engine_->elastic() ? 2 * uint64_t{config_.timeout_ms} : 0);
+  const uint64_t timeout_ms = static_cast<uint64_t>(stop_bound().count());
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   // SYNC(fed_done): pairs with the thread's release as it ends.
   while (!thread_done_.load(std::memory_order_acquire)) {

@@ -104,6 +104,10 @@ class FederationLink {
   // engine (not finalised). *merges: the rounds merged meanwhile (they
   // change the weights, not the version).
   bool stop(Backend& backend, uint64_t version, uint64_t* merges);
+  // How long stop() may wait for the thread before leaving it behind: two
+  // of the group's longest periods plus 5 s, and two engine timeouts more
+  // where the engine re-forms groups (a settle, agreement and rendezvous).
+  std::chrono::milliseconds stop_bound() const;
 
  private:
   // Both threads: the phase; every change wakes the thread, and the phases

@@ -879,6 +879,10 @@ class Server::Impl {
     // finalised: the launcher then sees this process end without
     // MPI_Finalize.
     uint64_t merged = 0;
+    // Under systemd, the stop may take that long before the final
+    // checkpoint's own allowance: past TimeoutStopSec= (30 s) where the
+    // engine's timeout or the period is long.
+    if (federation) notifier.extend_timeout(federation->stop_bound() + std::chrono::seconds(5));
     if (federation && !federation->stop(*backend, model.version, &merged)) static_cast<void>(federation.release());
     model.merged(merged);  // the final checkpoint writes what a merge at stop changed
     // SYNC(server_stopped): release pairs with the workers' acquire load of

@@ -398,6 +398,57 @@ BOOST_AUTO_TEST_CASE(checkpoint_io_extends_the_start_and_stop_timeouts) {
   BOOST_TEST(messages.back().value("EXTEND_TIMEOUT_USEC") == "60000010", messages.back().text);
 }
 
+namespace {
+boost::test_tools::assertion_result has_gloo_plugin(boost::unit_test::test_unit_id) {
+  const char* build = std::getenv("SHMPS_BUILD_DIR");
+  boost::test_tools::assertion_result r(
+      build != nullptr && std::filesystem::exists(std::filesystem::path(build) / "lib/shmps/libshmps_fed_gloo.so"));
+  r.message() << "no Gloo plugin in the build (SHMPS_BUILD_DIR/lib/shmps/libshmps_fed_gloo.so)";
+  return r;
+}
+}  // namespace
+
+// A federated server's stop waits for its federation thread up to the
+// link's bound (two periods + 5 s + two engine timeouts for Gloo), which
+// may pass TimeoutStopSec=: it extends the stop timeout by that bound plus
+// 5 s before it waits.
+BOOST_AUTO_TEST_CASE(a_federated_stop_extends_the_stop_timeout_by_the_federations_bound,
+                     *boost::unit_test::precondition(has_gloo_plugin)) {
+  NotifySocket socket;
+  TempPath err("stderr");
+  test::TempDir dir("svc_fedstop");
+  const std::string name = test::unique_name("svc_fedstop");
+  SegmentGuard guard(name);
+  ServiceEnv env;
+  env.notify_socket = socket.path();
+  test::Process server =
+      spawn_server({"--name", name, "--tensor", "w:4", "--federation", "gloo", "--fed-hosts", "1", "--fed-store",
+                    "file:" + (dir.path / "store").string(), "--fed-every-ms", "1000", "--fed-timeout-ms", "7000"},
+                   env, err.path);
+  std::vector<Message> messages;
+  const auto received = [&](const std::string& what, std::chrono::seconds patience) {
+    const auto deadline = std::chrono::steady_clock::now() + patience;
+    while (std::chrono::steady_clock::now() < deadline) {
+      for (const Message& m : messages)
+        if (m.has(what)) return true;
+      if (auto m = socket.receive(100ms)) messages.push_back(*m);
+    }
+    return false;
+  };
+  BOOST_REQUIRE_MESSAGE(received("READY=1", 10s), read_file(err.path));
+  server.signal(SIGTERM);
+  BOOST_REQUIRE_MESSAGE(server.wait(30s) == 0, read_file(err.path));
+  while (auto m = socket.receive(0ms)) messages.push_back(*m);
+  std::vector<std::string> extensions;
+  bool stopping = false;
+  for (const Message& m : messages) {
+    stopping = stopping || m.has("STOPPING=1");
+    if (stopping && !m.value("EXTEND_TIMEOUT_USEC").empty()) extensions.push_back(m.value("EXTEND_TIMEOUT_USEC"));
+  }
+  // (2 x 1 s + 5 s + 2 x 7 s) + 5 s; no checkpoint-dir: no other extension.
+  BOOST_TEST(extensions == std::vector<std::string>{"26000000"}, boost::test_tools::per_element());
+}
+
 BOOST_AUTO_TEST_CASE(sighup_reloads_lr_and_max_staleness_from_the_config_file) {
   // No $NOTIFY_SOCKET: outside systemd the server runs all the same.
   ReloadableServer s("svc_hup", "# test\ntensor = w:4\noptimizer = sgd\n",
