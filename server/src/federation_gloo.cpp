@@ -84,8 +84,24 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-// How often the agreement and the rendezvous look at the store.
+// How often the settle, the agreement and the rendezvous look at the
+// store: first after kPoll, then at twice the last wait, up to kPollMost
+// (a host waits seconds for a peer that is away: each look is a store
+// call per host of the job, and a partitioned half of a job looks all at
+// once).
 constexpr milliseconds kPoll{5};
+constexpr milliseconds kPollMost{50};
+
+class PollBackoff {
+ public:
+  void sleep() {
+    std::this_thread::sleep_for(next_);
+    next_ = std::min(2 * next_, kPollMost);
+  }
+
+ private:
+  milliseconds next_ = kPoll;
+};
 // The longest a re-forming host waits for the other members of its last
 // group to want in too.
 constexpr milliseconds kSettle{200};
@@ -156,12 +172,20 @@ class JobStore {
   }
   // Until every key exists; false at the deadline or once cancelled.
   bool await(const std::vector<std::string>& keys, Clock::time_point deadline, const std::function<bool()>& cancelled) {
+    PollBackoff backoff;
     for (const std::string& k : keys)
       while (!has(k)) {
         if (Clock::now() >= deadline || cancelled()) return false;
-        std::this_thread::sleep_for(kPoll);
+        backoff.sleep();
       }
     return true;
+  }
+  // Which of `keys` exist, in one call where the store can.
+  std::vector<bool> has_each(const std::vector<std::string>& keys) {
+    std::vector<std::string> full;
+    full.reserve(keys.size());
+    for (const std::string& k : keys) full.push_back(prefix_ + k);
+    return exist_each(full);
   }
 
   // The floor: a set of values of which the highest counts. Adding one
@@ -184,6 +208,12 @@ class JobStore {
     return std::vector<char>(p, p + n);
   }
   virtual bool exists(const std::string& key) = 0;
+  virtual std::vector<bool> exist_each(const std::vector<std::string>& keys) {
+    std::vector<bool> found;
+    found.reserve(keys.size());
+    for (const std::string& k : keys) found.push_back(exists(k));
+    return found;
+  }
   virtual void put(const std::string& key, const std::vector<char>& value, bool once) = 0;
   virtual std::vector<char> read(const std::string& key) = 0;
   virtual void remove(const std::vector<std::string>& keys) = 0;
@@ -390,6 +420,21 @@ class RedisJobStore final : public JobStore {
   };
 
   bool exists(const std::string& key) override { return redis_.check({key}); }
+
+  // One MGET: a value or nil for each.
+  std::vector<bool> exist_each(const std::vector<std::string>& keys) override {
+    if (keys.empty()) return {};
+    std::vector<std::string_view> args{"MGET"};
+    args.insert(args.end(), keys.begin(), keys.end());
+    const auto reply = redis_.command(args);
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != keys.size())
+      throw std::runtime_error("redis store: MGET answered " + std::to_string(reply->elements) + " values for " +
+                               std::to_string(keys.size()) + " keys");
+    std::vector<bool> found;
+    found.reserve(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) found.push_back(reply->element[i]->type != REDIS_REPLY_NIL);
+    return found;
+  }
 
   void put(const std::string& key, const std::vector<char>& value, bool once) override {
     const std::string_view v(value.data(), value.size());
@@ -717,9 +762,13 @@ class GlooEngine final : public FederationEngine {
 
   // The hosts whose `kind` key exists at `attempt`.
   uint64_t keys_at(uint64_t attempt, const char* kind) {
+    std::vector<std::string> keys;
+    keys.reserve(config_.hosts);
+    for (uint32_t h = 0; h < config_.hosts; ++h) keys.push_back(key(attempt, kind, h));
+    const std::vector<bool> found = store_->has_each(keys);
     uint64_t mask = 0;
     for (uint32_t h = 0; h < config_.hosts; ++h)
-      if (store_->has(key(attempt, kind, h))) mask |= 1ull << h;
+      if (found[h]) mask |= 1ull << h;
     return mask;
   }
   uint64_t wants_at(uint64_t attempt) { return keys_at(attempt, "want"); }
@@ -960,6 +1009,7 @@ class GlooEngine final : public FederationEngine {
     if (joining) settle = timeout_ + group_period_;
     after_failed_rendezvous_ = false;
     const auto settle_end = Clock::now() + settle;
+    PollBackoff backoff;
     uint64_t seen = wants_at(k);
     while ((seen & expected) != expected && Clock::now() < settle_end && !cancelled()) {
       if (keys_at(k, "view") != 0) {
@@ -972,7 +1022,7 @@ class GlooEngine final : public FederationEngine {
         *why = below_floor(k);
         return Reform::kFailed;
       }
-      std::this_thread::sleep_for(kPoll);
+      backoff.sleep();
       seen = wants_at(k);
     }
     if (cancelled()) {
