@@ -46,11 +46,14 @@ uint32_t workers_attached(const Snapshot& s) {
   }));
 }
 
-// "copy": the server lives but does not hold this object (judge_server_lock).
+// "copy": the server lives but does not hold this object; "unseen": its
+// pid names no process here, but a process holds the object's lock
+// (judge_server_lock).
 std::string alive_text(const Snapshot& s) {
   if (s.header.server_stopped) return "stopped";
   if (s.header.server_alive) return "alive";
-  return s.header.server_holds_object ? "copy" : "dead";
+  if (s.header.server_holds_object == false) return "copy";
+  return s.header.server_unseen ? "unseen" : "dead";
 }
 
 // The model's fp32 bytes, saturating at 2^64 - 1 (a garbage element count
@@ -78,7 +81,11 @@ Result<std::vector<ListedSegment>> list_segments() {
   // /proc/locks once for every row: it holds every lock on the host, and
   // any user can add thousands (a flock on files of their own) as well as
   // objects at shmps names, so a read per row would cost their product.
-  const shm::FlockTable flocks = shm::FlockTable::read();
+  // Read again once (no more: any user can plant copies) where it says a
+  // live server does not hold its object: one that started under the
+  // name after the read holds the new object, which the read predates.
+  shm::FlockTable flocks = shm::FlockTable::read();
+  bool flocks_read_again = false;
   std::vector<ListedSegment> out;
   for (const std::string& name : names) {
     // A worker's buffer: "<segment name>.p<pid>.<n>" beside its segment.
@@ -131,7 +138,13 @@ Result<std::vector<ListedSegment>> list_segments() {
     } else {
       auto snap = take_snapshot(loaded.image.data, loaded.image.size, loaded.image.source, kNoRings);
       if (snap.ok()) {
-        judge_server_lock(&*snap, loaded.image.owner.device, loaded.image.owner.inode, &flocks);
+        const ImageOwner& object = loaded.image.owner;
+        if (snap->header.server_alive && !flocks_read_again &&
+            flocks.holds(static_cast<pid_t>(snap->header.server_pid), object.device, object.inode) == false) {
+          flocks = shm::FlockTable::read();
+          flocks_read_again = true;
+        }
+        judge_server_lock(&*snap, object.device, object.inode, &flocks);
         row.segment = std::move(snap).value();
       } else {
         row.exit = exit_code_for(snap.status());
@@ -196,6 +209,7 @@ json list_json(const std::vector<ListedSegment>& list) {
       j["server_alive"] = h.server_alive;
       j["server_stopped"] = h.server_stopped;
       j["server_holds_object"] = h.server_holds_object ? json(*h.server_holds_object) : json(nullptr);
+      j["server_unseen"] = h.server_unseen;
       j["state"] = server_state_name(h.server_state);
       j["generation"] = hex64(h.generation);
       j["parameters"] = std::to_string(h.total_elements);

@@ -298,10 +298,16 @@ ObjectView judge_object(const std::string& path, uint32_t uid, uint32_t gid, uin
 
 void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode, const shm::FlockTable* flocks) {
   HeaderView& h = snapshot->header;
-  if (!h.server_alive) return;
+  const auto holds = [&](std::optional<pid_t> pid) {
+    return flocks != nullptr ? flocks->holds(pid, device, inode) : shm::holds_flock(pid, device, inode);
+  };
+  if (!h.server_alive) {
+    const std::optional<bool> held = holds(std::nullopt);
+    h.server_unseen = held && *held;
+    return;
+  }
   // A pid above INT_MAX made server_alive false above.
-  const auto pid = static_cast<pid_t>(h.server_pid);
-  h.server_holds_object = flocks != nullptr ? flocks->holds(pid, device, inode) : shm::holds_flock(pid, device, inode);
+  h.server_holds_object = holds(static_cast<pid_t>(h.server_pid));
   if (h.server_holds_object && !*h.server_holds_object) {
     h.server_alive = false;
     h.server_stopped = false;
@@ -593,6 +599,7 @@ json to_json(const Snapshot& s) {
                      {"server_alive", h.server_alive},
                      {"server_stopped", h.server_stopped},
                      {"server_holds_object", h.server_holds_object ? json(*h.server_holds_object) : json(nullptr)},
+                     {"server_unseen", h.server_unseen},
                      {"server_uptime_s", h.server_uptime_s ? json(*h.server_uptime_s) : json(nullptr)},
                      {"state", server_state_name(h.server_state)},
                      {"heartbeat_ns", std::to_string(h.heartbeat_ns)},
@@ -821,6 +828,9 @@ std::string render_text(const Snapshot& s) {
         : h.server_holds_object
             ? "alive, but not serving this object: it does not hold its lock, as a serving server does; a copy of "
               "its segment"
+        : h.server_unseen
+            ? "no process here has this pid, but a process holds the object's lock, as a serving server does: a "
+              "server in a pid namespace this one does not see (a container sharing /dev/shm), or one starting"
         : h.server_start_time == 0 ? "not judged: no start time in the header, which a server always writes"
                                    : "dead")
     << "), start time " << h.server_start_time;

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -2547,6 +2548,101 @@ BOOST_AUTO_TEST_CASE(list_reads_proc_locks_once, *boost::unit_test::precondition
     if (n == live) BOOST_TEST(row["server_holds_object"].is_boolean(), row);
   }
   BOOST_TEST(unwritten == 20);
+}
+
+boost::test_tools::assertion_result can_unshare_pid(boost::unit_test::test_unit_id) {
+  const test::Captured c = test::run_captured({"/bin/sh", "-c", "unshare -pf --mount-proc --kill-child=TERM true"});
+  boost::test_tools::assertion_result r(c.exit_code == 0);
+  r.message() << "needs unshare -pf --mount-proc --kill-child (a pid namespace; root): " << c.output;
+  return r;
+}
+
+// A server in a pid namespace of its own (as in a container that shares
+// /dev/shm) writes a pid that names no process here, or another one: not
+// "dead" (which a start under its name would replace), but "unseen": a
+// process holds the object's lock, as a serving server does.
+BOOST_AUTO_TEST_CASE(list_shows_a_server_in_another_pid_namespace_as_unseen,
+                     *boost::unit_test::precondition(can_unshare_pid)) {
+  const std::string name = test::unique_name("lsns");
+  const RemoveSegment cleanup{name};
+  test::Process server = test::Process::spawn({"/usr/bin/unshare", "-pf", "--mount-proc", "--kill-child=TERM",
+                                               test::program_path("shmps-server"), "--name", name, "--tensor", "w:4",
+                                               "--backend", "host"});
+  json row;
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] {
+                          const json j = parse_json(run_inspect({"--list", "--json"}));
+                          for (const json& r : j["segments"])
+                            if (r["name"] == name && r.contains("server_pid")) row = r;
+                          return !row.is_null();
+                        }),
+                        "no segment published");
+  BOOST_TEST(row["server_pid"] != server.pid(), row);  // the namespace's pid
+  BOOST_TEST(row["server_alive"] == false, row);
+  BOOST_TEST(row["server_unseen"] == true, row);
+  const Run text = run_inspect({"--list"});
+  std::istringstream lines(text.out);
+  std::string line;
+  while (std::getline(lines, line) && line.rfind(name + " ", 0) != 0) {
+  }
+  BOOST_TEST(contains(line, " unseen "), text.out);
+  const Run plain = run_inspect({name});
+  BOOST_TEST(contains(plain.out, "a server in a pid namespace this one does not see"), plain.out);
+  // unshare ignores SIGTERM while it waits: the server, by its pid here.
+  const std::string pid = std::to_string(server.pid());
+  const std::string child = test::read_file("/proc/" + pid + "/task/" + pid + "/children");
+  BOOST_REQUIRE_MESSAGE(!child.empty(), "unshare has no child");
+  BOOST_REQUIRE(::kill(std::stoi(child), SIGTERM) == 0);
+  BOOST_TEST(server.wait(std::chrono::seconds(10)) == 0);
+}
+
+// /proc/locks read once for the whole list is older than a server that
+// (re)starts under a name before its row: such a live server that the
+// table says does not hold its object has the table read again (once),
+// and is "alive", not "copy". The tool's /proc/locks is a FIFO here: its
+// first read gets a table without the server's lock, the second the real one.
+BOOST_AUTO_TEST_CASE(list_reads_proc_locks_again_for_a_server_it_says_holds_nothing,
+                     *boost::unit_test::precondition(can_unshare)) {
+  const std::string live = test::unique_name("lsagain");
+  test::ServerProcess server(live, kTensorArgs);
+  const test::TempDir dir("lsagain");
+  const std::string fifo = (dir.path / "locks").string(), out = (dir.path / "out").string();
+  BOOST_REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const std::string real = test::read_file("/proc/locks");
+  const std::string script = "mount --bind " + test::shell_quote(fifo) + " /proc/locks && exec " +
+                             test::shell_quote(test::program_path("shmps-inspect")) + " --list --json > " +
+                             test::shell_quote(out);
+  const UniqueFd watch(::inotify_init1(IN_CLOEXEC));
+  BOOST_REQUIRE(watch.fd >= 0);
+  BOOST_REQUIRE(::inotify_add_watch(watch.fd, fifo.c_str(), IN_CLOSE_NOWRITE) >= 0);
+  test::Process tool = test::Process::spawn({"/usr/bin/env", "unshare", "-rm", "/bin/sh", "-c", script});
+  // Each read: the FIFO opened for writing once the tool has it open to
+  // read, the table written, and the tool's close of it waited for (the
+  // next open for writing then finds its next read, or none).
+  int reads = 0, code = -1;
+  bool exited = false;
+  for (const std::string& table : {std::string(), real}) {
+    int fd = -1;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC)) < 0 &&
+           std::chrono::steady_clock::now() < deadline && !(exited = tool.try_wait(&code)))
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (fd < 0) break;
+    BOOST_REQUIRE(::fcntl(fd, F_SETFL, 0) == 0);  // blocking writes
+    BOOST_REQUIRE(::write(fd, table.data(), table.size()) == static_cast<ssize_t>(table.size()));
+    ::close(fd);
+    ++reads;
+    alignas(inotify_event) char event[sizeof(inotify_event) + NAME_MAX + 1];
+    BOOST_REQUIRE(::read(watch.fd, event, sizeof event) > 0);  // the tool's close
+  }
+  if (!exited) code = tool.wait(std::chrono::seconds(10));
+  BOOST_TEST(code == 0);
+  BOOST_TEST(reads == 2);
+  const json j = json::parse(test::read_file(out));
+  json row;
+  for (const json& r : j["segments"])
+    if (r["name"] == live) row = r;
+  BOOST_TEST(row["server_alive"] == true, row);
+  BOOST_TEST(row["server_holds_object"] == true, row);
 }
 
 // A crafted sparse object at a segment's name, a header all that is
