@@ -484,6 +484,27 @@ BOOST_AUTO_TEST_CASE(forged_attached_state_is_refused) {
   BOOST_TEST(w->ping().ok());
 }
 
+// A peer writes another living process's attached word over a worker's entry:
+// the server ends that session (the word is not the one it attached), and
+// the worker sees its session over at its next call, kUnknownWorker at
+// once, not a timeout waiting for an answer that never comes.
+BOOST_AUTO_TEST_CASE(an_attached_word_of_another_pid_written_over_a_workers_entry_ends_its_session) {
+  test::ServerProcess server(test::unique_name("overwr"), kCounting);
+  auto w = connect(server.name(), 3s);
+  BOOST_REQUIRE(w->ping().ok());
+  auto seg = shm::Segment::open(server.name(), /*read_only=*/false);
+  BOOST_REQUIRE_MESSAGE(seg.ok(), seg.status().to_string());
+  // A living process's word, with its start time: the server leaves the
+  // entry to it (as to any living claimer), so the word stays.
+  shm::WorkerEntry& entry = (*seg)->worker(w->worker_id());
+  entry.pid_start_time = shm::process_start_time(::getppid());
+  entry.owner.store(shm::make_owner(static_cast<uint32_t>(::getppid()), shm::WorkerState::kAttached));
+  const auto start = std::chrono::steady_clock::now();
+  const Status s = w->ping();
+  BOOST_TEST(s.code() == ErrorCode::kUnknownWorker, s.to_string());
+  BOOST_TEST((std::chrono::steady_clock::now() - start < 1s));
+}
+
 // A worker evicted for corrupt indices frees its entry as worker_lib does
 // (indices 0, owner kFree); the next worker to claim that entry must be
 // served, not judged by the evicted worker's indices.

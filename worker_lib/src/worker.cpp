@@ -542,12 +542,14 @@ class Worker::Impl {
   }
 
   // Whether the server ended our session (the entry no longer reads
-  // kAttached), or ok. Only in a session.
+  // (our pid, kAttached)), or ok. Only in a session. A word a peer wrote
+  // over ours, even one that reads kAttached, ended it: the server serves
+  // an entry only while it holds the word it attached.
   Status evicted() const {
     // acquire: SYNC(worker_detached) pairs with the server's release CAS to
     // kDetached; what it answered before is visible.
     const uint64_t owner = entry().owner.load(std::memory_order_acquire);
-    if (shm::owner_state(owner) == static_cast<uint32_t>(WorkerState::kAttached)) return Status::Ok();
+    if (owner == shm::make_owner(static_cast<uint32_t>(owner_pid), WorkerState::kAttached)) return Status::Ok();
     // While our own detach is in flight, kDetached is the expected answer
     // once the server took the request (it pops it before marking the
     // entry, so the head is visible here); one still in the lane was
