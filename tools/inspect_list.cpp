@@ -47,8 +47,8 @@ uint32_t workers_attached(const Snapshot& s) {
 }
 
 // "copy": the server lives but does not hold this object; "unseen": its
-// pid names no process here, but a process holds the object's lock
-// (judge_server_lock).
+// pid and start time name no process here, but a process holds the
+// object's lock (judge_server_lock).
 std::string alive_text(const Snapshot& s) {
   if (s.header.server_stopped) return "stopped";
   if (s.header.server_alive) return "alive";

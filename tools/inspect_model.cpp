@@ -829,8 +829,9 @@ std::string render_text(const Snapshot& s) {
             ? "alive, but not serving this object: it does not hold its lock, as a serving server does; a copy of "
               "its segment"
         : h.server_unseen
-            ? "no process here has this pid, but a process holds the object's lock, as a serving server does: a "
-              "server in a pid namespace this one does not see (a container sharing /dev/shm), or one starting"
+            ? "no process here is this pid started at this time, but a process holds the object's lock, as a "
+              "serving server does: a server in a pid namespace below this one (a container sharing /dev/shm), or "
+              "one starting"
         : h.server_start_time == 0 ? "not judged: no start time in the header, which a server always writes"
                                    : "dead")
     << "), start time " << h.server_start_time;

@@ -35,8 +35,9 @@ struct HeaderView {
                                              // and for a live object its process does not hold (judge_server_lock)
   bool server_stopped = false;               // alive but stopped (SIGSTOP, SIGTSTP, a tracer): it serves nothing
   std::optional<bool> server_holds_object;   // judge_server_lock's answer for a live process; else empty
-  bool server_unseen = false;                // judge_server_lock: no process here has the pid, but one holds the
-                                             // object's flock (a server in another pid namespace, or one starting)
+  bool server_unseen = false;                // judge_server_lock: no process here is the pid and start time, but
+                                             // one holds the object's flock (a server in a pid namespace below
+                                             // this one, or one starting)
   std::optional<double> server_uptime_s;     // since server_start_time, by this host's clock; while alive
   uint32_t server_state = 0;                 // shm::ServerState, unchecked
   uint64_t heartbeat_ns = 0;                 // CLOCK_MONOTONIC
@@ -185,11 +186,13 @@ struct Snapshot {
 // holds an exclusive flock on its segment's object, so a server process
 // that is alive but holds none on this one is not serving it (a copy of
 // its segment under another name): server_holds_object false, and
-// server_alive false with no uptime. A pid that names no process here
-// while some process holds the object's flock is server_unseen: a server
-// in a pid namespace that this one does not see (a container sharing
-// /dev/shm), or a server starting under the name. Unchanged where
-// /proc/locks cannot be read. Not for a --file copy. `flocks`:
+// server_alive false with no uptime. A pid and start time that name no
+// process here while some process holds the object's flock is
+// server_unseen: a server in a pid namespace below this one (a container
+// sharing /dev/shm, seen from the host), or a server starting under the
+// name. /proc/locks leaves out the locks of processes this pid namespace
+// does not see: from inside a container, a live server of the host reads
+// as dead. Unchanged where /proc/locks cannot be read. Not for a --file copy. `flocks`:
 // the flocks to judge by, for a caller that judges many segments; by
 // default /proc/locks is read for it.
 void judge_server_lock(Snapshot* snapshot, uint64_t device, uint64_t inode, const shm::FlockTable* flocks = nullptr);

@@ -364,8 +364,11 @@ class Worker:
         try:
             self._w.close()
         finally:
-            self._held.clear()
-            self._dropped.clear()  # no registration comes to free them
+            # Not where close() was refused (a signal handler's, while a
+            # call of this Worker waits on its thread): the Worker is open.
+            if self._w.closed:
+                self._held.clear()
+                self._dropped.clear()  # no registration comes to free them
 
     def __enter__(self):
         return self

@@ -7,6 +7,7 @@ import contextlib
 import glob
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -764,7 +765,8 @@ def test_the_example_killed_by_sigkill_leaves_no_process_or_shared_memory():
                               "--test-limit", "1000", "--name", name], stdout=subprocess.PIPE, text=True,
                              start_new_session=True)
     try:
-        assert child.stdout.readline().startswith("epoch "), "the example did not start training"
+        ready, _, _ = select.select([child.stdout], [], [], 60)
+        assert ready and child.stdout.readline().startswith("epoch "), "the example did not start training"
         child.kill()
         child.wait()
         deadline = time.monotonic() + 20

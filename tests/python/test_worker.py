@@ -550,6 +550,33 @@ print("closed", w.closed, round(time.monotonic() - start, 1), flush=True)
     assert word == "closed" and closed == "True" and float(seconds) < 10, out
 
 
+def test_a_close_refused_in_a_signal_handler_leaves_the_worker_as_it_was(make_server):
+    """close() from a handler while a call of the Worker waits on the same
+    thread is refused: the Worker stays open, with the buffers free_later()
+    queued still queued for its next registration."""
+    server = make_server()
+    w = shmps.connect(server.name, timeout=2.0)
+    try:
+        buf = w.register_buffer(w.total_elements * 4)
+        w.free_later(buf)
+        old = signal.signal(signal.SIGALRM, lambda signum, frame: w.close())
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with pytest.raises(shmps.InvalidArgumentError, match="close\\(\\) from a signal handler"):
+                w.ping()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert not w.closed
+        assert w._dropped == [buf]
+        w.register_buffer(16)  # frees it
+        assert w._dropped == []
+    finally:
+        w.close()
+
+
 def test_ctrl_c_interrupts_a_blocking_call_of_a_python_worker(make_server):
     """SIGINT, as Ctrl-C sends it, raises KeyboardInterrupt in a worker
     blocked in a held pull within a fraction of a second, not at its

@@ -149,8 +149,9 @@ mkdir "$stubs"
 for cmd in adduser addgroup install systemctl; do
   printf '#!/bin/sh\necho "%s $*" >> "%s/calls"\n' "$cmd" "$scratch" > "$stubs/$cmd"
 done
-# No such user or group, but for the group video (Debian's base-passwd has it).
-printf '#!/bin/sh\n[ "$1 $2" = "group video" ] && exit 0\nexit 2\n' > "$stubs/getent"
+# No such user or group, but for the groups video (Debian's base-passwd
+# has it) and mlteam (one an admin made, below: the service user's).
+printf '#!/bin/sh\ncase "$1 $2" in "group video"|"group mlteam") exit 0;; esac\nexit 2\n' > "$stubs/getent"
 chmod +x "$stubs"/*
 PATH="$stubs:$PATH" sh "$scratch/control/postinst" configure || fail "postinst configure exited $?"
 grep -q '^adduser --system --group .*shmps$' "$scratch/calls" || fail "postinst did not create the system user: $(cat "$scratch/calls")"
@@ -174,14 +175,18 @@ printf 'name = good\ntensor = w:4\n' > "$confs/copied.conf"
 printf '#!/bin/sh\necho "$*" >> "%s"\nwhile [ "$1" != -- ]; do shift; done\nshift\nexec "$@"\n' \
   "$scratch/runuser-calls" > "$stubs/runuser"
 chmod +x "$stubs/runuser"
+# The service user's groups: shmps and mlteam (one an admin added).
+printf '#!/bin/sh\n[ "$1 $2" = "-Gn shmps" ] && echo shmps mlteam && exit 0\nexec /usr/bin/id "$@"\n' > "$stubs/id"
+chmod +x "$stubs/id"
 out=$(PATH="$stubs:$build/bin:$PATH" SHMPS_CONFIG_DIR="$confs" sh "$scratch/control/postinst" configure 2>&1) ||
   fail "postinst configure exited $? with configs: $out"
 printf '%s\n' "$out" | grep -qF "shmps: $confs/bad.conf does not pass this version's --check-config" ||
   fail "postinst did not name the refused config: $out"
 printf '%s\n' "$out" | grep -qF "does not use init-seed" || fail "postinst did not show why: $out"
 printf '%s\n' "$out" | grep -qF "good.conf" && fail "postinst named a config that passes: $out"
-# As the unit runs it: group shmps, and video (SupplementaryGroups=).
-groups="-g shmps -G video"
+# As the unit runs it: group shmps, the user's groups (id, stubbed: shmps
+# is in mlteam, above) and video (SupplementaryGroups=).
+groups="-g shmps -G mlteam -G video"
 grep -qvF -- "-u shmps $groups -- shmps-server" "$scratch/runuser-calls" &&
   fail "postinst ran a check other than as the unit runs the server: $(cat "$scratch/runuser-calls")"
 grep -qF -- "-u shmps $groups -- shmps-server" "$scratch/runuser-calls" ||

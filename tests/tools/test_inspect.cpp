@@ -2586,7 +2586,7 @@ BOOST_AUTO_TEST_CASE(list_shows_a_server_in_another_pid_namespace_as_unseen,
   }
   BOOST_TEST(contains(line, " unseen "), text.out);
   const Run plain = run_inspect({name});
-  BOOST_TEST(contains(plain.out, "a server in a pid namespace this one does not see"), plain.out);
+  BOOST_TEST(contains(plain.out, "a server in a pid namespace below this one"), plain.out);
   // unshare ignores SIGTERM while it waits: the server, by its pid here.
   const std::string pid = std::to_string(server.pid());
   const std::string child = test::read_file("/proc/" + pid + "/task/" + pid + "/children");
