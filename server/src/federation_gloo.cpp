@@ -1033,13 +1033,18 @@ class GlooEngine final : public FederationEngine {
 
     // Agreement: every host seen saw the same hosts.
     const auto deadline = Clock::now() + timeout_;
-    for (uint32_t h = 0; h < config_.hosts; ++h) {
-      if (((seen >> h) & 1) == 0) continue;
-      if (!store_->await({key(k, "view", h)}, deadline, cancelled)) {
-        *why = "federation (gloo): attempt " + std::to_string(k) + ": host " + std::to_string(h) +
-               " wanted in but did not confirm within " + std::to_string(timeout_.count()) + " ms";
+    PollBackoff agreement;
+    for (uint64_t views = keys_at(k, "view"); (views & seen) != seen; views = keys_at(k, "view")) {
+      if (Clock::now() >= deadline || cancelled()) {
+        *why = "federation (gloo): attempt " + std::to_string(k) + ": host " +
+               std::to_string(std::countr_zero(seen & ~views)) + " wanted in but did not confirm within " +
+               std::to_string(timeout_.count()) + " ms";
         return Reform::kFailed;
       }
+      agreement.sleep();
+    }
+    for (uint32_t h = 0; h < config_.hosts; ++h) {
+      if (((seen >> h) & 1) == 0) continue;
       const std::vector<char> view = store_->get(key(k, "view", h));
       uint64_t theirs = 0;
       if (view.size() == sizeof theirs) std::memcpy(&theirs, view.data(), sizeof theirs);
