@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdio>
@@ -203,6 +204,33 @@ pid_t fork_child(bool die_with_parent, int signo, const std::function<void()>& b
   return thread != nullptr ? thread->fork(signo, body) : -1;
 }
 
+// The environment a spawned child gets, as execve() takes it: this
+// process's (environ, read here), less each variable of `unset`, plus each
+// of `defaults` not set by then (the first of a repeated one), built
+// before the fork: setenv() and unsetenv() take glibc's environment lock,
+// which another thread of this process may hold at the fork, for ever in
+// the child. A name that setenv() refuses ("" or one with '=') is passed
+// over, as setenv() and unsetenv() pass it over.
+std::vector<std::string> child_environment(const std::vector<std::string>& unset,
+                                           const std::vector<std::pair<std::string, std::string>>& defaults) {
+  const auto usable = [](const std::string& key) { return !key.empty() && key.find('=') == std::string::npos; };
+  const auto names = [](const std::string& entry, const std::string& key) {
+    return entry.size() > key.size() && entry.compare(0, key.size(), key) == 0 && entry[key.size()] == '=';
+  };
+  std::vector<std::string> env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string entry = *e;
+    if (std::none_of(unset.begin(), unset.end(),
+                     [&](const std::string& key) { return usable(key) && names(entry, key); }))
+      env.push_back(entry);
+  }
+  for (const auto& [key, value] : defaults)
+    if (usable(key) &&
+        std::none_of(env.begin(), env.end(), [&](const std::string& entry) { return names(entry, key); }))
+      env.push_back(key + "=" + value);
+  return env;
+}
+
 // Whether the kernel reports pid stopped ('T' after the command in /proc/<pid>/stat).
 bool stopped(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
@@ -215,12 +243,17 @@ bool stopped(pid_t pid) {
 
 Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, const SpawnOptions& options) {
   if (argv.empty()) return Status{ErrorCode::kInvalidArgument, "spawn: no program"};
+  // Everything the child needs is made here: between fork and exec it
+  // makes only async-signal-safe calls (no allocation, no environment
+  // lock), which is all a child of a multithreaded process may make.
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  const std::vector<std::string> env_entries = child_environment(options.env_unset, options.env_defaults);
+  std::vector<char*> env;
+  for (const auto& e : env_entries) env.push_back(const_cast<char*>(e.c_str()));
+  env.push_back(nullptr);
   const pid_t pid = fork_child(options.die_with_parent, SIGTERM, [&] {
-    for (const std::string& key : options.env_unset) ::unsetenv(key.c_str());
-    for (const auto& [key, value] : options.env_defaults) ::setenv(key.c_str(), value.c_str(), /*overwrite=*/0);
     if (!options.log_path.empty()) {
       const int fd = ::open(options.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
       if (fd >= 0) {
@@ -228,7 +261,7 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
         ::dup2(fd, STDERR_FILENO);
       }
     }
-    ::execv(args[0], args.data());
+    ::execve(args[0], args.data(), env.data());
     ::_exit(127);
   });
   if (pid < 0) return Status{ErrorCode::kIo, "fork: " + errno_text(errno)};

@@ -40,14 +40,20 @@ class ChildProcess {
   struct SpawnOptions {
     std::string log_path;          // stdout and stderr appended there; "": inherited
     bool die_with_parent = false;  // SIGTERM when this process ends (above)
-    // Set in the child before exec, unless already set there (e.g.
+    // Added to the child's environment unless set there (e.g.
     // OMP_WAIT_POLICY, which a program reads when it loads).
     std::vector<std::pair<std::string, std::string>> env_defaults;
-    // Removed from the child's environment before exec.
+    // Removed from the child's environment (before env_defaults apply).
     std::vector<std::string> env_unset;
   };
-  // fork + execv(argv[0], argv). Errors: kIo (fork failed); an exec that
-  // fails exits the child with 127.
+  // fork + execve(argv[0], argv, env): env is this process's environment
+  // as spawn() reads it (a thread that sets variables meanwhile races the
+  // read, as it races getenv()), with env_unset and env_defaults applied.
+  // Everything the child uses is built before the fork: between fork and
+  // exec the child makes async-signal-safe calls only, so that a lock
+  // another thread held at the fork (malloc's, the environment's) cannot
+  // hang it. Errors: kIo (fork failed); an exec that fails exits the
+  // child with 127.
   static Result<ChildProcess> spawn(const std::vector<std::string>& argv, const SpawnOptions& options);
   static Result<ChildProcess> spawn(const std::vector<std::string>& argv) { return spawn(argv, SpawnOptions{}); }
   // fork; the child runs fn() and _exit()s with its value (99 when an
