@@ -9,14 +9,63 @@
 
 #include <atomic>
 #include <boost/test/unit_test.hpp>
+#include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <string>
 #include <thread>
 
 #include "test_support.hpp"
+#include "worker_support.hpp"
 
 using namespace shmps;
 using namespace std::chrono_literals;
+
+namespace {
+
+// A field of /proc/<pid>/status that holds a signal set in hex ("SigBlk",
+// "SigIgn"), as a mask (bit signo - 1); all ones when it cannot be read.
+uint64_t signal_set(pid_t pid, const std::string& field) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind(field + ":", 0) == 0) return std::stoull(line.substr(field.size() + 1), nullptr, 16);
+  return ~uint64_t{0};
+}
+
+// Whether process pid runs program `comm` (/proc/<pid>/comm): past its exec.
+bool runs(pid_t pid, const std::string& comm) {
+  return test::read_file("/proc/" + std::to_string(pid) + "/comm") == comm + "\n";
+}
+
+// This thread's signal mask and the dispositions of a few signals, put back
+// at scope exit.
+class SignalStateGuard {
+ public:
+  SignalStateGuard() {
+    ::pthread_sigmask(SIG_SETMASK, nullptr, &mask_);
+    for (size_t i = 0; i < std::size(kSignals); ++i) ::sigaction(kSignals[i], nullptr, &actions_[i]);
+  }
+  ~SignalStateGuard() {
+    for (size_t i = 0; i < std::size(kSignals); ++i) ::sigaction(kSignals[i], &actions_[i], nullptr);
+    ::pthread_sigmask(SIG_SETMASK, &mask_, nullptr);
+  }
+  SignalStateGuard(const SignalStateGuard&) = delete;
+  SignalStateGuard& operator=(const SignalStateGuard&) = delete;
+  static constexpr int kSignals[] = {SIGTERM, SIGUSR2, SIGHUP};
+
+ private:
+  sigset_t mask_{};
+  struct sigaction actions_[std::size(kSignals)]{};
+};
+
+sigset_t signals_of(std::initializer_list<int> signos) {
+  sigset_t set;
+  sigemptyset(&set);
+  for (const int signo : signos) sigaddset(&set, signo);
+  return set;
+}
+
+}  // namespace
 
 BOOST_AUTO_TEST_SUITE(server_process)
 
@@ -68,6 +117,73 @@ BOOST_AUTO_TEST_CASE(spawn_while_another_thread_holds_the_environment_lock_does_
   churn.join();
   ::unsetenv("SHMPS_T_CHURN");
   BOOST_TEST(hung == 0, "a child hung between fork and exec");
+}
+
+// A spawn() from a thread that blocks SIGTERM and SIGINT (a sigwait()
+// loop's mask), in a process that ignores SIGTERM, SIGUSR2 and SIGHUP,
+// starts a program with no signal blocked and none ignored but SIGHUP
+// (nohup's), which a SIGTERM stops: as forked by this thread, with
+// die_with_parent from this (the main) thread, and from another thread
+// (the fork thread's child).
+BOOST_AUTO_TEST_CASE(a_spawned_program_starts_with_no_signal_blocked_or_ignored) {
+  SignalStateGuard restore;
+  const sigset_t waited = signals_of({SIGTERM, SIGINT});
+  ::pthread_sigmask(SIG_BLOCK, &waited, nullptr);
+  ::signal(SIGTERM, SIG_IGN);
+  ::signal(SIGUSR2, SIG_IGN);
+  ::signal(SIGHUP, SIG_IGN);
+  ChildProcess::SpawnOptions die;
+  die.die_with_parent = true;
+  std::vector<std::pair<std::string, ChildProcess>> children;
+  for (const bool with_die : {false, true}) {
+    auto c = ChildProcess::spawn({"/bin/sleep", "30"}, with_die ? die : ChildProcess::SpawnOptions{});
+    BOOST_REQUIRE(c.ok());
+    children.emplace_back(with_die ? "die_with_parent, main thread" : "main thread", std::move(*c));
+  }
+  std::thread([&] {
+    ::pthread_sigmask(SIG_BLOCK, &waited, nullptr);
+    auto c = ChildProcess::spawn({"/bin/sleep", "30"}, die);
+    if (c.ok()) children.emplace_back("die_with_parent, another thread", std::move(*c));
+  }).join();
+  BOOST_REQUIRE(children.size() == 3);
+  for (auto& [how, child] : children) {
+    BOOST_TEST_CONTEXT(how) {
+      BOOST_REQUIRE(test::eventually([&] { return runs(child.pid(), "sleep"); }, 5s));
+      BOOST_TEST(signal_set(child.pid(), "SigBlk") == 0u);
+      BOOST_TEST(signal_set(child.pid(), "SigIgn") == uint64_t{1} << (SIGHUP - 1));
+      child.signal(SIGTERM);
+      BOOST_TEST(child.wait(5s) == 128 + SIGTERM);
+    }
+  }
+}
+
+// A launcher that blocks SIGTERM and dies (SIGKILL) leaves no orphan: the
+// death signal of its die_with_parent child (SIGTERM) ends the program,
+// which does not keep the launcher's mask.
+BOOST_AUTO_TEST_CASE(a_die_with_parent_child_of_a_launcher_that_blocks_sigterm_ends_with_it) {
+  auto* grandchild = test::map_shared<std::atomic<pid_t>>();
+  auto launcher = test::Process::fork_fn([grandchild] {
+    const sigset_t waited = signals_of({SIGTERM});
+    ::pthread_sigmask(SIG_BLOCK, &waited, nullptr);
+    ChildProcess::SpawnOptions o;
+    o.die_with_parent = true;
+    auto c = ChildProcess::spawn({"/bin/sleep", "30"}, o);
+    if (!c.ok()) return 2;
+    if (!test::eventually([&] { return runs(c->pid(), "sleep"); }, 5s)) return 3;
+    grandchild->store(c->pid());
+    ::kill(::getpid(), SIGKILL);
+    return 4;
+  });
+  BOOST_TEST(launcher.wait(10s) == 128 + SIGKILL);
+  const pid_t pid = grandchild->load();
+  BOOST_REQUIRE(pid > 0);
+  // Reparented and reaped by init (or a subreaper): gone, or a zombie.
+  const auto ended = [pid] {
+    const char state = test::process_state(pid);
+    return state == '\0' || state == 'Z';
+  };
+  BOOST_TEST(test::eventually(ended, 5s));
+  if (!ended()) ::kill(pid, SIGKILL);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

@@ -254,6 +254,29 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
   for (const auto& e : env_entries) env.push_back(const_cast<char*>(e.c_str()));
   env.push_back(nullptr);
   const pid_t pid = fork_child(options.die_with_parent, SIGTERM, [&] {
+    // Every signal blocked while the dispositions are reset (none runs
+    // this process's handlers in the child), then none: a program starts
+    // with no signal blocked, whatever the caller's thread blocked (a
+    // sigwait() loop's SIGTERM), and with each signal at its default
+    // action, whatever this process ignored (SIGTERM, SIGCHLD, SIGPIPE);
+    // either would outlive the exec, and a SIGTERM (die_with_parent's
+    // too) might never stop it. An ignored SIGHUP, SIGINT or SIGQUIT stays
+    // ignored: nohup and a shell ignore those to keep a whole job running
+    // through a hangup or a terminal's interrupt.
+    sigset_t signals;
+    ::sigfillset(&signals);
+    ::sigprocmask(SIG_SETMASK, &signals, nullptr);
+    struct sigaction default_action {};
+    default_action.sa_handler = SIG_DFL;
+    ::sigemptyset(&default_action.sa_mask);
+    for (int signo = 1; signo < NSIG; ++signo) {
+      if (signo == SIGKILL || signo == SIGSTOP) continue;
+      struct sigaction current {};
+      if ((signo == SIGHUP || signo == SIGINT || signo == SIGQUIT) && ::sigaction(signo, nullptr, &current) == 0 &&
+          current.sa_handler == SIG_IGN)
+        continue;
+      (void)::sigaction(signo, &default_action, nullptr);
+    }
     if (!options.log_path.empty()) {
       const int fd = ::open(options.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
       if (fd >= 0) {
@@ -261,6 +284,8 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
         ::dup2(fd, STDERR_FILENO);
       }
     }
+    ::sigemptyset(&signals);
+    ::sigprocmask(SIG_SETMASK, &signals, nullptr);
     ::execve(args[0], args.data(), env.data());
     ::_exit(127);
   });

@@ -30,7 +30,8 @@ namespace shmps {
 // forks such a child itself (it lasts as long as the process), and any
 // other thread hands the fork to one thread of this library's that lives
 // as long as the process, started by the first such spawn. That child
-// takes the caller's signal mask, CPU affinity and thread name, and a
+// takes the caller's signal mask (a spawn()ed program then starts with
+// none blocked, below), CPU affinity and thread name, and a
 // fork_run() child runs fn() on that thread's copy (a stack of the
 // process's default thread stack size). Its parent is this process
 // (getppid(), waitpid() from any thread); /proc lists it under that
@@ -52,8 +53,14 @@ class ChildProcess {
   // Everything the child uses is built before the fork: between fork and
   // exec the child makes async-signal-safe calls only, so that a lock
   // another thread held at the fork (malloc's, the environment's) cannot
-  // hang it. Errors: kIo (fork failed); an exec that fails exits the
-  // child with 127.
+  // hang it. The program starts with no signal blocked, whatever the
+  // calling thread blocks (a sigwait() loop's SIGTERM), and every signal
+  // at its default action, whatever this process ignores (SIGTERM,
+  // SIGCHLD, SIGPIPE): either would outlive the exec, and a SIGTERM
+  // (die_with_parent's too) might never stop it. An ignored SIGHUP,
+  // SIGINT or SIGQUIT stays ignored (nohup's, or a shell's for a
+  // background job: meant for the whole job).
+  // Errors: kIo (fork failed); an exec that fails exits the child with 127.
   static Result<ChildProcess> spawn(const std::vector<std::string>& argv, const SpawnOptions& options);
   static Result<ChildProcess> spawn(const std::vector<std::string>& argv) { return spawn(argv, SpawnOptions{}); }
   // fork; the child runs fn() and _exit()s with its value (99 when an
