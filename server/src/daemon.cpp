@@ -107,7 +107,10 @@ ServerExit run_server(const ServerConfig& config, const std::vector<std::string>
   // (a stop right after start-up, as systemd may send). Unblocked once the
   // handlers are installed, a pending one stops run() at once, cleanly.
   // Threads started meanwhile (the checkpoint writer) keep them blocked,
-  // so they are delivered to this thread.
+  // so they are delivered to this thread. Unblocked then whatever mask
+  // this thread had: a launcher that blocks them (a sigwait() loop) and
+  // execs the server without unblocking them must not leave a server that
+  // no stop or reload reaches.
   remember_early_reload_signal();  // main() did so first; again for an embedder's call
   sigset_t stop_signals, previous;
   sigemptyset(&stop_signals);
@@ -137,7 +140,9 @@ ServerExit run_server(const ServerConfig& config, const std::vector<std::string>
   handle(SIGHUP, on_reload_signal);
   // relaxed: g_reload_at_start's own value only (above).
   if (g_reload_at_start.exchange(false, std::memory_order_relaxed)) (*server)->request_reload();
-  ::pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  sigset_t serving = previous;
+  for (const int signo : {SIGINT, SIGTERM, SIGHUP}) sigdelset(&serving, signo);
+  ::pthread_sigmask(SIG_SETMASK, &serving, nullptr);
   RunOptions options;
   options.notify_service_manager = service;
   if (!argv.empty()) {

@@ -136,6 +136,9 @@ struct ServiceEnv {
   std::string notify_socket;    // $NOTIFY_SOCKET; empty: unset
   uint64_t watchdog_usec = 0;   // $WATCHDOG_USEC with $WATCHDOG_PID = the server; 0: unset
   bool journal_stream = false;  // $JOURNAL_STREAM = stderr file's device:inode
+  // Not the environment: SIGINT, SIGTERM and SIGHUP blocked at the exec,
+  // as a launcher that takes them with sigwait() leaves them.
+  bool signals_blocked = false;
 };
 
 // execv(argv[0], argv) in a forked child: returns 127 only when the exec
@@ -173,6 +176,12 @@ test::Process spawn_server(const std::vector<std::string>& args, const ServiceEn
       ::fstat(STDERR_FILENO, &st);
       const std::string stream = std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
       ::setenv("JOURNAL_STREAM", stream.c_str(), 1);
+    }
+    if (env.signals_blocked) {
+      sigset_t blocked;
+      sigemptyset(&blocked);
+      for (const int signo : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&blocked, signo);
+      ::sigprocmask(SIG_BLOCK, &blocked, nullptr);
     }
     return exec_argv(argv);
   });
@@ -232,10 +241,11 @@ struct OnesWorker {
 // then `body`), its stderr in a file, for tests that rewrite the body and
 // reload it (SIGHUP).
 struct ReloadableServer {
-  ReloadableServer(const std::string& tag, std::string rest_of_head, const std::string& body)
+  ReloadableServer(const std::string& tag, std::string rest_of_head, const std::string& body,
+                   const ServiceEnv& env = {})
       : name(test::unique_name(tag)), guard(name), head("name = " + name + "\n" + std::move(rest_of_head)) {
     write(body);
-    process = spawn_server({"--config", conf.path}, {}, err.path);
+    process = spawn_server({"--config", conf.path}, env, err.path);
     BOOST_REQUIRE_MESSAGE(test::eventually([&] { return segment_published_by(name, process.pid()); }),
                           "no segment; stderr:\n" + log());
   }
@@ -949,6 +959,21 @@ BOOST_AUTO_TEST_CASE(sigterm_right_after_the_segment_appears_is_a_clean_stop) {
       BOOST_TEST(!std::filesystem::exists(segment_path(name)));
     }
   }
+}
+
+// A server exec'd with SIGINT, SIGTERM and SIGHUP blocked (a launcher's
+// sigwait() mask, kept across fork and exec) unblocks them once it serves:
+// a SIGHUP reloads it and a SIGTERM stops it cleanly, rather than both
+// staying pending for the server's life.
+BOOST_AUTO_TEST_CASE(a_server_started_with_its_signals_blocked_reloads_and_stops) {
+  ServiceEnv env;
+  env.signals_blocked = true;
+  ReloadableServer s("svc_blocked", "tensor = w:4\noptimizer = sgd\n", "lr = 0.5\n", env);
+  s.reload("lr = 0.25\n");
+  BOOST_TEST(s.log_has("reload: lr 0.5 -> 0.25"), s.log());
+  s.process.signal(SIGTERM);
+  BOOST_TEST(s.process.wait(10s) == 0, s.log());
+  BOOST_TEST(!std::filesystem::exists(segment_path(s.name)));
 }
 
 // A SIGHUP while the server parses its options (a reload sent as the

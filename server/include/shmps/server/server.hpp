@@ -118,8 +118,11 @@ class Server {
 // Empty argv: SIGHUP is logged and ignored. `parent_pid` (--parent-pid;
 // 0: none): the server stops, as on SIGTERM, once that process is no
 // longer its parent (checked every 100 ms), so that a launcher killed
-// without stopping it leaves no server behind. Logs to stderr (log.hpp).
-// Returns create()'s failure, or run()'s status, with the failure's kind.
+// without stopping it leaves no server behind. The calling thread serves
+// with SIGINT, SIGTERM and SIGHUP unblocked, also when it was started with
+// them blocked (a launcher's sigwait() mask kept across its exec). Logs to
+// stderr (log.hpp). Returns create()'s failure, or run()'s status, with
+// the failure's kind.
 struct ServerExit {
   Status status;
   FailureKind kind = FailureKind::kOther;  // of a failure
