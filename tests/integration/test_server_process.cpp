@@ -4,13 +4,16 @@
 // and signal state, and how a child is waited for and signalled when
 // another part of the program reaps it.
 #define BOOST_TEST_MODULE test_server_process
+#include <poll.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -57,6 +60,16 @@ class SignalStateGuard {
   sigset_t mask_{};
   struct sigaction actions_[std::size(kSignals)]{};
 };
+
+// The descriptors process pid has open (/proc/<pid>/fd), ascending.
+std::vector<int> open_descriptors(pid_t pid) {
+  std::vector<int> fds;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec))
+    fds.push_back(std::stoi(e.path().filename().string()));
+  std::sort(fds.begin(), fds.end());
+  return fds;
+}
 
 sigset_t signals_of(std::initializer_list<int> signos) {
   sigset_t set;
@@ -184,6 +197,29 @@ BOOST_AUTO_TEST_CASE(a_die_with_parent_child_of_a_launcher_that_blocks_sigterm_e
   };
   BOOST_TEST(test::eventually(ended, 5s));
   if (!ended()) ::kill(pid, SIGKILL);
+}
+
+// A spawned program has stdin, stdout and stderr open, and nothing else
+// of this process: not a pipe's end made without O_CLOEXEC (whose reader
+// then never sees EOF while the program runs), nor the log's own
+// descriptor.
+BOOST_AUTO_TEST_CASE(a_spawned_program_gets_only_the_standard_descriptors) {
+  test::TempDir dir("spawnfds");
+  int pipe_fds[2];
+  BOOST_REQUIRE(::pipe(pipe_fds) == 0);  // no O_CLOEXEC, as a careless library makes one
+  ChildProcess::SpawnOptions o;
+  o.log_path = (dir.path / "sleep.log").string();
+  auto child = ChildProcess::spawn({"/bin/sleep", "30"}, o);
+  ::close(pipe_fds[1]);
+  BOOST_REQUIRE(child.ok());
+  BOOST_REQUIRE(test::eventually([&] { return runs(child->pid(), "sleep"); }, 5s));
+  BOOST_TEST(open_descriptors(child->pid()) == (std::vector<int>{0, 1, 2}), boost::test_tools::per_element());
+  pollfd p{pipe_fds[0], POLLIN, 0};
+  BOOST_TEST(::poll(&p, 1, 5000) == 1);  // EOF: no writer left
+  BOOST_TEST((p.revents & POLLHUP) != 0);
+  ::close(pipe_fds[0]);
+  child->signal(SIGTERM);
+  BOOST_TEST(child->wait(5s) == 128 + SIGTERM);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

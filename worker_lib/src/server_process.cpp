@@ -5,6 +5,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -253,6 +254,12 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
   std::vector<char*> env;
   for (const auto& e : env_entries) env.push_back(const_cast<char*>(e.c_str()));
   env.push_back(nullptr);
+  // Where the child closes descriptors one by one when close_range() is
+  // refused (a kernel before 5.9, a seccomp filter): below the limit.
+  rlimit files{};
+  const unsigned max_fd = ::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY
+                              ? static_cast<unsigned>(std::min<rlim_t>(files.rlim_cur, 1u << 20))
+                              : 1u << 20;
   const pid_t pid = fork_child(options.die_with_parent, SIGTERM, [&] {
     // Every signal blocked while the dispositions are reset (none runs
     // this process's handlers in the child), then none: a program starts
@@ -282,8 +289,18 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
       if (fd >= 0) {
         ::dup2(fd, STDOUT_FILENO);
         ::dup2(fd, STDERR_FILENO);
+        // Opened as 1 or 2 (this process had closed it): a dup2() onto
+        // itself keeps close-on-exec, which the program's stream must lose.
+        if (fd <= STDERR_FILENO) ::fcntl(fd, F_SETFD, 0);
       }
     }
+    // The program gets stdin, stdout and stderr only: any other descriptor
+    // of this process that is not close-on-exec (a pipe's end, a socket, a
+    // flock()ed file, made by a library or another thread) would stay open
+    // for the program's life (a pipe never reads EOF, a lock is never
+    // released).
+    if (::close_range(STDERR_FILENO + 1, ~0U, 0) != 0)
+      for (unsigned fd = STDERR_FILENO + 1; fd < max_fd; ++fd) ::close(static_cast<int>(fd));
     ::sigemptyset(&signals);
     ::sigprocmask(SIG_SETMASK, &signals, nullptr);
     ::execve(args[0], args.data(), env.data());

@@ -59,7 +59,9 @@ class ChildProcess {
   // SIGCHLD, SIGPIPE): either would outlive the exec, and a SIGTERM
   // (die_with_parent's too) might never stop it. An ignored SIGHUP,
   // SIGINT or SIGQUIT stays ignored (nohup's, or a shell's for a
-  // background job: meant for the whole job).
+  // background job: meant for the whole job). It gets stdin, stdout and
+  // stderr only (stdout and stderr the log with log_path): every other
+  // descriptor is closed before the exec, close-on-exec or not.
   // Errors: kIo (fork failed); an exec that fails exits the child with 127.
   static Result<ChildProcess> spawn(const std::vector<std::string>& argv, const SpawnOptions& options);
   static Result<ChildProcess> spawn(const std::vector<std::string>& argv) { return spawn(argv, SpawnOptions{}); }
