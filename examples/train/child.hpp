@@ -23,11 +23,12 @@ class Child {
   void signal(int signo) const { process_.signal(signo); }
   // Reaps the child if it has exited; true once it has.
   bool poll() { return !process_.running() || process_.try_wait(&status_); }
-  // Waits up to `timeout`; true once exited.
+  // Waits up to `timeout`; true once exited (status() -1 when another
+  // wait reaped it, its code lost).
   bool wait_for(std::chrono::milliseconds timeout) {
     if (!process_.running()) return true;
     const int code = process_.wait(timeout);
-    if (code < 0) return false;
+    if (code < 0 && process_.running()) return false;
     status_ = code;
     return true;
   }

@@ -5,19 +5,26 @@
 // another part of the program reaps it.
 #define BOOST_TEST_MODULE test_server_process
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 
+#include "shmps/status.hpp"
 #include "test_support.hpp"
 #include "worker_support.hpp"
 
@@ -69,6 +76,62 @@ std::vector<int> open_descriptors(pid_t pid) {
     fds.push_back(std::stoi(e.path().filename().string()));
   std::sort(fds.begin(), fds.end());
   return fds;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// A line a forked process leaves for the test (a page shared across fork).
+struct Note {
+  Note() : text(test::map_shared<std::array<char, 4096>>()->data()) {}
+  void set(const std::string& s) const { std::snprintf(text, 4096, "%s", s.c_str()); }
+  char* text;
+};
+
+// Runs fn() as process 1 of a new pid namespace, with a mount namespace
+// of its own whose /proc is that namespace's: its processes get pids from
+// 2 in order, and /proc/sys/kernel/ns_last_pid sets the next one, so that
+// a test can hand a new process the pid of one that is gone. fn's exit
+// code; kNoNamespace when the namespaces cannot be made (not root, a
+// container that refuses them), with the reason in `note`.
+constexpr int kNoNamespace = 90;
+int in_pid_namespace(const std::function<int()>& fn, const Note& note) {
+  test::Process outer = test::Process::fork_fn([&]() -> int {
+    if (::unshare(CLONE_NEWPID | CLONE_NEWNS) != 0) {
+      note.set("unshare(CLONE_NEWPID | CLONE_NEWNS): " + errno_text(errno));
+      return kNoNamespace;
+    }
+    if (::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+      note.set("mount --make-rprivate /: " + errno_text(errno));
+      return kNoNamespace;
+    }
+    auto init = ChildProcess::fork_run([&]() -> int {
+      if (::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) {
+        note.set("mount -t proc: " + errno_text(errno));
+        return kNoNamespace;
+      }
+      return fn();
+    });
+    return init.ok() ? init->wait() : kNoNamespace;
+  });
+  return outer.wait(60s);
+}
+
+// The next process forked in this pid namespace gets `pid` (unless one is
+// forked meanwhile). False, with the reason in `note`, when it cannot be set.
+bool next_pid_is(pid_t pid, const Note& note) {
+  std::ofstream out("/proc/sys/kernel/ns_last_pid");
+  out << pid - 1 << std::flush;
+  if (!out) note.set("cannot write /proc/sys/kernel/ns_last_pid");
+  return static_cast<bool>(out);
+}
+
+// Precondition: a pid namespace can be made, and the next pid in it set.
+boost::test_tools::assertion_result pid_namespaces(boost::unit_test::test_unit_id) {
+  Note note;
+  const int rc = in_pid_namespace([&] { return ::getpid() == 1 && next_pid_is(100, note) ? 0 : kNoNamespace; }, note);
+  boost::test_tools::assertion_result r(rc == 0);
+  r.message() << "no pid namespace with a settable next pid: " << note.text << " (exit " << rc << ")";
+  return r;
 }
 
 sigset_t signals_of(std::initializer_list<int> signos) {
@@ -220,6 +283,98 @@ BOOST_AUTO_TEST_CASE(a_spawned_program_gets_only_the_standard_descriptors) {
   ::close(pipe_fds[0]);
   child->signal(SIGTERM);
   BOOST_TEST(child->wait(5s) == 128 + SIGTERM);
+}
+
+// With SIGCHLD ignored the kernel reaps each child as it exits, and no
+// wait finds it: its exit is still seen at once, its code unknown (-1).
+// A ServerProcess whose server exits at start fails at once saying so,
+// rather than after its start timeout; a stop returns as the server ends,
+// rather than after its timeout and a SIGKILL. Run in a process of its
+// own, which ignores SIGCHLD.
+BOOST_AUTO_TEST_CASE(with_sigchld_ignored_an_exit_is_seen_at_once) {
+  Note note;
+  test::TempDir dir("sigchld");
+  auto tester = test::Process::fork_fn([&]() -> int {
+    ::signal(SIGCHLD, SIG_IGN);
+    std::string failed;
+    using Clock = std::chrono::steady_clock;
+    ServerProcess::Options o;
+    o.binary = test::program_path("shmps-server");
+    o.name = test::unique_name("sigchld");
+    o.spawn.log_path = (dir.path / "server.log").string();
+    o.start_timeout = 10s;  // no --tensor: the server exits at once
+    auto t0 = Clock::now();
+    auto bad = ServerProcess::start(o);
+    if (bad.ok() || Clock::now() - t0 > 3s || !contains(bad.status().message(), " exited"))
+      failed += "start of a server that exits: " + (bad.ok() ? std::string("ok") : bad.status().to_string()) + "; ";
+    o.args = {"--tensor", "w:4"};
+    auto good = ServerProcess::start(o);
+    if (!good.ok()) {
+      note.set(good.status().to_string());
+      return 2;
+    }
+    t0 = Clock::now();
+    const int stopped = (*good)->stop(10s);
+    if (stopped != -1 || Clock::now() - t0 > 3s) failed += "stop(): " + std::to_string(stopped) + "; ";
+    if (std::filesystem::exists("/dev/shm/shmps." + o.name)) failed += "the segment is left (not a clean stop); ";
+    auto child = ChildProcess::spawn({"/bin/true"});
+    if (!child.ok()) return 3;
+    t0 = Clock::now();
+    const int code = child->wait(10s);
+    if (code != -1 || child->running() || Clock::now() - t0 > 3s)
+      failed += "wait() of /bin/true: " + std::to_string(code) + (child->running() ? ", running" : "") + "; ";
+    ::signal(SIGCHLD, SIG_DFL);
+    note.set(failed);
+    return failed.empty() ? 0 : 1;
+  });
+  BOOST_TEST(tester.wait(60s) == 0, note.text);
+}
+
+// A child that another wait of this process reaped (a waitpid(-1)
+// elsewhere), whose pid a new process took since, is neither signalled
+// nor waited for by that pid: its destructor (SIGKILL and reap), signal()
+// and try_wait() leave the new process alone. Run in a pid namespace,
+// where the new process can be handed the pid.
+BOOST_AUTO_TEST_CASE(a_child_reaped_elsewhere_never_reaches_the_process_that_takes_its_pid,
+                     *boost::unit_test::precondition(pid_namespaces)) {
+  Note note;
+  const int rc = in_pid_namespace(
+      [&]() -> int {
+        std::string failed;
+        for (const bool by_destructor : {true, false}) {
+          const std::string how = by_destructor ? "destructor: " : "signal(), try_wait(): ";
+          auto first = ChildProcess::spawn({"/bin/sleep", "30"});
+          if (!first.ok()) return 2;
+          const pid_t pid = first->pid();
+          ::kill(pid, SIGKILL);  // another part of the program ends it and reaps it
+          int status = 0;
+          if (::waitpid(-1, &status, 0) != pid) return 3;
+          if (!next_pid_is(pid, note)) return 4;
+          auto second = ChildProcess::spawn({"/bin/sleep", "30"});
+          if (!second.ok() || second->pid() != pid) {
+            note.set("the new process got another pid");
+            return 5;
+          }
+          if (by_destructor) {
+            ChildProcess dropped = std::move(*first);
+          } else {
+            first->signal(SIGTERM);
+            int code = 0;
+            if (!first->try_wait(&code) || code != -1 || first->running())
+              failed += how + "the reaped child counts as running, or its code is " + std::to_string(code) + "; ";
+          }
+          std::this_thread::sleep_for(100ms);
+          const char state = test::process_state(pid);
+          if (state == '\0' || state == 'Z') failed += how + "the new process at the pid ended; ";
+          second->signal(SIGTERM);
+          if (const int code = second->wait(5s); code != 128 + SIGTERM)
+            failed += how + "the new process's own wait: " + std::to_string(code) + "; ";
+        }
+        note.set(failed);
+        return failed.empty() ? 0 : 1;
+      },
+      note);
+  BOOST_TEST(rc == 0, note.text);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

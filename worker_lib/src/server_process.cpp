@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -232,6 +233,20 @@ std::vector<std::string> child_environment(const std::vector<std::string>& unset
   return env;
 }
 
+// A pidfd for the child `pid` just forked (pidfd_open). Through it a
+// signal or a wait reaches that child and never a process that takes its
+// pid once another wait of this process reaped it (SIGCHLD ignored, a
+// waitpid(-1) elsewhere). -1 where pidfds are refused (Linux before 5.3, a
+// seccomp filter): signals and waits go by pid then. `reaped` (ESRCH): the
+// child was reaped already (it exited at once, SIGCHLD ignored). Opened
+// right after the fork: a child reaped before that whose pid was taken
+// again meanwhile would need the pid space to wrap in those microseconds.
+int open_pidfd(pid_t pid, int reaped) {
+  const long fd = ::syscall(SYS_pidfd_open, pid, 0);
+  if (fd >= 0) return static_cast<int>(fd);
+  return errno == ESRCH ? reaped : -1;
+}
+
 // Whether the kernel reports pid stopped ('T' after the command in /proc/<pid>/stat).
 bool stopped(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
@@ -307,7 +322,7 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
     ::_exit(127);
   });
   if (pid < 0) return Status{ErrorCode::kIo, "fork: " + errno_text(errno)};
-  return ChildProcess(pid);
+  return ChildProcess(pid, open_pidfd(pid, kReaped));
 }
 
 Result<ChildProcess> ChildProcess::fork_run(const std::function<int()>& fn, bool die_with_parent) {
@@ -323,16 +338,21 @@ Result<ChildProcess> ChildProcess::fork_run(const std::function<int()>& fn, bool
     ::_exit(rc);
   });
   if (pid < 0) return Status{ErrorCode::kIo, "fork: " + errno_text(errno)};
-  return ChildProcess(pid);
+  return ChildProcess(pid, open_pidfd(pid, kReaped));
 }
 
-ChildProcess::ChildProcess(ChildProcess&& other) noexcept : pid_(other.pid_) { other.pid_ = -1; }
+ChildProcess::ChildProcess(ChildProcess&& other) noexcept : pid_(other.pid_), pidfd_(other.pidfd_) {
+  other.pid_ = -1;
+  other.pidfd_ = -1;
+}
 
 ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
   if (this != &other) {
     kill_and_reap();
     pid_ = other.pid_;
+    pidfd_ = other.pidfd_;
     other.pid_ = -1;
+    other.pidfd_ = -1;
   }
   return *this;
 }
@@ -340,12 +360,16 @@ ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
 ChildProcess::~ChildProcess() { kill_and_reap(); }
 
 void ChildProcess::signal(int signo) const noexcept {
-  if (pid_ > 0) ::kill(pid_, signo);
+  if (pid_ <= 0 || pidfd_ == kReaped) return;
+  if (pidfd_ >= 0)
+    (void)::syscall(SYS_pidfd_send_signal, pidfd_, signo, nullptr, 0);
+  else
+    ::kill(pid_, signo);
 }
 
 void ChildProcess::pause() const {
   if (pid_ <= 0) return;
-  ::kill(pid_, SIGSTOP);
+  signal(SIGSTOP);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (!stopped(pid_) && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -365,31 +389,49 @@ int ChildProcess::wait(std::chrono::milliseconds timeout) {
 }
 
 int ChildProcess::wait() {
-  if (pid_ <= 0) return -1;
-  int status = 0;
-  while (::waitpid(pid_, &status, 0) < 0)
-    if (errno != EINTR) return -1;
-  pid_ = -1;
-  return exit_code(status);
+  int code = -1;
+  return reap(/*block=*/true, &code) ? code : -1;
 }
 
-bool ChildProcess::try_wait(int* code) {
+bool ChildProcess::try_wait(int* code) { return reap(/*block=*/false, code); }
+
+bool ChildProcess::reap(bool block, int* code) noexcept {
   if (pid_ <= 0) return false;
-  int status = 0;
-  const pid_t r = ::waitpid(pid_, &status, WNOHANG);
-  if (r != pid_) return false;
+  int result = -1;  // stays for a child another wait reaped (ECHILD): its code is lost
+  bool by_pid = pidfd_ == -1;
+  while (pidfd_ != kReaped) {
+    if (!by_pid) {
+      siginfo_t info{};
+      if (::waitid(P_PIDFD, static_cast<id_t>(pidfd_), &info, WEXITED | (block ? 0 : WNOHANG)) == 0) {
+        if (info.si_pid == 0) return false;  // WNOHANG: still running
+        result = info.si_code == CLD_EXITED ? info.si_status : 128 + info.si_status;
+        break;
+      }
+      if (errno == EINTR) continue;
+      if (errno != EINVAL) break;  // ECHILD
+      by_pid = true;               // EINVAL: no P_PIDFD (Linux 5.3); the pid is still the child's
+    }
+    int status = 0;
+    const pid_t r = ::waitpid(pid_, &status, block ? 0 : WNOHANG);
+    if (r == pid_) {
+      result = exit_code(status);
+      break;
+    }
+    if (r == 0) return false;
+    if (errno != EINTR) break;  // ECHILD
+  }
+  if (pidfd_ >= 0) ::close(pidfd_);
+  pidfd_ = -1;
   pid_ = -1;
-  *code = exit_code(status);
+  *code = result;
   return true;
 }
 
 void ChildProcess::kill_and_reap() noexcept {
   if (pid_ <= 0) return;
-  ::kill(pid_, SIGKILL);
-  int status = 0;
-  while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
-  }
-  pid_ = -1;
+  signal(SIGKILL);
+  int code = 0;
+  (void)reap(/*block=*/true, &code);
 }
 
 std::string server_binary() {
@@ -436,7 +478,10 @@ Result<std::unique_ptr<ServerProcess>> ServerProcess::start(const Options& optio
     int code = 0;
     if (server->child_.try_wait(&code))
       return Status{ErrorCode::kServerNotRunning,
-                    binary + " --name " + options.name + " exited with " + std::to_string(code) + log};
+                    binary + " --name " + options.name +
+                        (code >= 0 ? " exited with " + std::to_string(code)
+                                   : " exited (its status taken by another wait of this process: SIGCHLD ignored?)") +
+                        log};
     // Published by this child: its pid in a header whose version is set
     // (the segment is validated as a worker would).
     if (auto seg = shm::Segment::open(options.name, /*read_only=*/true);
@@ -460,7 +505,7 @@ int ServerProcess::stop(std::chrono::milliseconds timeout) {
   // killed at the end of the timeout.
   child_.resume();
   const int code = child_.wait(timeout);
-  if (code >= 0) return code;
+  if (code >= 0 || !child_.running()) return code;  // -1: reaped by another wait, its code lost
   child_.kill_and_reap();
   return 128 + SIGKILL;
 }

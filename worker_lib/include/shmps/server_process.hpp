@@ -36,6 +36,11 @@ namespace shmps {
 // process's default thread stack size). Its parent is this process
 // (getppid(), waitpid() from any thread); /proc lists it under that
 // thread's task (/proc/<pid>/task/<tid>/children).
+// The object holds a pidfd for its child (where the kernel gives one:
+// Linux 5.3 and later), through which it signals and waits: once another
+// wait of this process reaps the child (SIGCHLD ignored, a waitpid(-1)
+// elsewhere), nothing it does reaches a process that took the pid since.
+// Such a child counts as exited, its exit code unknown: -1.
 class ChildProcess {
  public:
   struct SpawnOptions {
@@ -75,25 +80,40 @@ class ChildProcess {
   ~ChildProcess();
 
   pid_t pid() const noexcept { return pid_; }
+  // True until the child is reaped (wait(), try_wait(), kill_and_reap()).
   bool running() const noexcept { return pid_ > 0; }
+  // Nothing once the child is reaped, by this object or another wait.
   void signal(int signo) const noexcept;
   // SIGSTOP, then waits (up to 10 s) until the kernel reports the child
   // stopped: SIGSTOP alone is asynchronous. resume(): SIGCONT.
   void pause() const;
   void resume() const noexcept;
   // Waits up to `timeout` for the exit: the exit code, 128 + signal when
-  // killed by one, -1 on timeout (the child keeps running).
+  // killed by one, -1 on timeout (the child keeps running) or when another
+  // wait of this process reaped it (running() false then).
   int wait(std::chrono::milliseconds timeout);
-  // Waits for the exit however long it takes: wait()'s codes (-1 when not running).
+  // Waits for the exit however long it takes: wait()'s codes (-1 when not
+  // running, or reaped by another wait).
   int wait();
-  // True (and *code set as wait() would) once the child has exited; never blocks.
+  // True (and *code set as wait() would: -1 when another wait reaped it)
+  // once the child has exited; never blocks.
   bool try_wait(int* code);
   // SIGKILL and reap (nothing when it is not running).
   void kill_and_reap() noexcept;
 
  private:
-  explicit ChildProcess(pid_t pid) : pid_(pid) {}
+  // pidfd_ when pidfd_open() found the child reaped already (ESRCH): it is
+  // neither signalled nor waited for by pid.
+  static constexpr int kReaped = -2;
+  ChildProcess(pid_t pid, int pidfd) : pid_(pid), pidfd_(pidfd) {}
+  // Reaps the child once it has exited (waiting for that when `block`):
+  // true with *code as wait() returns it, and the object empty; false
+  // while it runs, or when there is none.
+  bool reap(bool block, int* code) noexcept;
   pid_t pid_ = -1;
+  // The child's pidfd; -1 where the kernel gives none (signals and waits
+  // go by pid), kReaped.
+  int pidfd_ = -1;
 };
 
 // The shmps-server beside the running program (/proc/self/exe's folder, as
@@ -130,7 +150,8 @@ class ServerProcess {
   ChildProcess& process() noexcept { return child_; }
   // SIGTERM, and SIGCONT for a paused server (pause()), which handles the
   // SIGTERM then; waits up to `timeout` (SIGKILL after it): the exit code,
-  // or 128 + signal. -1 when it was not running.
+  // or 128 + signal. -1 when it was not running, or when another wait of
+  // this process reaped it (SIGCHLD ignored): its code is lost.
   int stop(std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
  private:
