@@ -24,6 +24,8 @@
 #include <string>
 #include <thread>
 
+#include "shmps/shm/proc.hpp"
+#include "shmps/shm/segment.hpp"
 #include "shmps/status.hpp"
 #include "test_support.hpp"
 #include "worker_support.hpp"
@@ -374,6 +376,62 @@ BOOST_AUTO_TEST_CASE(a_child_reaped_elsewhere_never_reaches_the_process_that_tak
         return failed.empty() ? 0 : 1;
       },
       note);
+  BOOST_TEST(rc == 0, note.text);
+}
+
+// A stale segment at the name, left by a killed server whose pid the new
+// child has (a pid namespace hands out low pids again: a container's
+// server restarted), is not taken for the child's: start() returns once
+// the segment names the child's start time too. Run in a pid namespace,
+// where the new child can be handed the pid; the server is started
+// through a script that waits before it execs it, so that the stale
+// segment is there alone for a while.
+BOOST_AUTO_TEST_CASE(start_does_not_take_a_stale_segment_under_the_childs_pid_for_its_own,
+                     *boost::unit_test::precondition(pid_namespaces)) {
+  test::TempDir dir("stalepid");
+  const std::string late = (dir.path / "late-server.sh").string();
+  std::ofstream(late) << "#!/bin/sh\nsleep 0.3\nexec " << test::shell_quote(test::program_path("shmps-server"))
+                      << " \"$@\"\n";
+  std::filesystem::permissions(late, std::filesystem::perms::owner_all);
+  Note note;
+  const std::string name = test::unique_name("stalepid");
+  const int rc = in_pid_namespace(
+      [&]() -> int {
+        ServerProcess::Options o;
+        o.binary = test::program_path("shmps-server");
+        o.name = name;
+        o.args = {"--tensor", "w:4"};
+        auto first = ServerProcess::start(o);
+        if (!first.ok()) {
+          note.set(first.status().to_string());
+          return 2;
+        }
+        const pid_t pid = (*first)->pid();
+        (*first)->process().kill_and_reap();  // its segment stays, naming pid
+        std::this_thread::sleep_for(50ms);    // past a clock tick: the next start time differs
+        if (!next_pid_is(pid, note)) return 3;
+        o.binary = late;
+        auto second = ServerProcess::start(o);
+        if (!second.ok()) {
+          note.set(second.status().to_string());
+          return 4;
+        }
+        if ((*second)->pid() != pid) {
+          note.set("the second server got another pid");
+          return 5;
+        }
+        uint64_t published = 0;
+        if (auto seg = shm::Segment::open(name, /*read_only=*/true); seg.ok())
+          published = (*seg)->layout().server_start_time;
+        if (published != shm::process_start_time(pid)) {
+          note.set("start() returned with the segment naming start time " + std::to_string(published) +
+                   ", not the child's " + std::to_string(shm::process_start_time(pid)));
+          return 1;
+        }
+        return (*second)->stop() == 0 ? 0 : 6;
+      },
+      note);
+  ::unlink(("/dev/shm/shmps." + name).c_str());
   BOOST_TEST(rc == 0, note.text);
 }
 

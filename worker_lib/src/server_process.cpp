@@ -482,10 +482,14 @@ Result<std::unique_ptr<ServerProcess>> ServerProcess::start(const Options& optio
                         (code >= 0 ? " exited with " + std::to_string(code)
                                    : " exited (its status taken by another wait of this process: SIGCHLD ignored?)") +
                         log};
-    // Published by this child: its pid in a header whose version is set
-    // (the segment is validated as a worker would).
+    // Published by this child: its pid and start time in a header whose
+    // version is set (the segment is validated as a worker would). The pid
+    // alone is not enough: a stale segment of a killed server may name the
+    // same pid (a pid namespace, a container's, hands out low pids again).
+    // A start time this process could not read (0) leaves the pid alone.
     if (auto seg = shm::Segment::open(options.name, /*read_only=*/true);
-        seg.ok() && (*seg)->layout().server_pid == static_cast<uint32_t>(server->child_.pid()))
+        seg.ok() && (*seg)->layout().server_pid == static_cast<uint32_t>(server->server_pid_) &&
+        (server->server_start_time_ == 0 || (*seg)->layout().server_start_time == server->server_start_time_))
       return server;
     if (std::chrono::steady_clock::now() >= deadline) {
       server->child_.kill_and_reap();

@@ -130,8 +130,9 @@ class ServerProcess {
     std::chrono::milliseconds start_timeout{30000};
   };
   // Starts the server; returns once the segment at the name is published by
-  // this very child (a stale segment of a killed server may still hold the
-  // name), the point from which a worker can attach. Errors: kInvalidArgument
+  // this very child, its header naming the child's pid and start time (a
+  // stale segment of a killed server may still hold the name, under the
+  // same pid in a pid namespace), the point from which a worker can attach. Errors: kInvalidArgument
   // (no binary, no name), kIo (fork), kServerNotRunning (it exited first, or
   // the timeout passed: then it is killed and the segment it left removed;
   // the log path is named). The server does not inherit NOTIFY_SOCKET,
