@@ -435,4 +435,17 @@ BOOST_AUTO_TEST_CASE(start_does_not_take_a_stale_segment_under_the_childs_pid_fo
   BOOST_TEST(rc == 0, note.text);
 }
 
+// pause() of a child that has exited (a zombie, not reaped yet) returns at
+// once: no SIGSTOP stops it, and waiting for it to stop would take the
+// whole 10 s.
+BOOST_AUTO_TEST_CASE(pause_of_a_child_that_has_exited_returns_at_once) {
+  auto child = ChildProcess::spawn({"/bin/true"});
+  BOOST_REQUIRE(child.ok());
+  BOOST_REQUIRE(test::eventually([&] { return test::process_state(child->pid()) == 'Z'; }, 5s));
+  const auto t0 = std::chrono::steady_clock::now();
+  child->pause();
+  BOOST_TEST((std::chrono::steady_clock::now() - t0 < 2s));
+  BOOST_TEST(child->wait(5s) == 0);
+}
+
 BOOST_AUTO_TEST_SUITE_END()

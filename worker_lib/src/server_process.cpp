@@ -247,12 +247,14 @@ int open_pidfd(pid_t pid, int reaped) {
   return errno == ESRCH ? reaped : -1;
 }
 
-// Whether the kernel reports pid stopped ('T' after the command in /proc/<pid>/stat).
-bool stopped(pid_t pid) {
+// The state of pid as the kernel reports it (the letter after the command
+// in /proc/<pid>/stat: 'T' stopped, 'Z' a zombie); '\0' when there is no
+// such process.
+char process_state(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const size_t paren = text.rfind(')');
-  return paren != std::string::npos && paren + 2 < text.size() && text[paren + 2] == 'T';
+  return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : '\0';
 }
 
 }  // namespace
@@ -371,8 +373,13 @@ void ChildProcess::pause() const {
   if (pid_ <= 0) return;
   signal(SIGSTOP);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!stopped(pid_) && std::chrono::steady_clock::now() < deadline)
+  while (std::chrono::steady_clock::now() < deadline) {
+    // Stopped; or exited (a zombie, or gone: reaped by another wait),
+    // which no SIGSTOP stops.
+    const char state = process_state(pid_);
+    if (state == 'T' || state == 'Z' || state == 'X' || state == '\0') return;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 void ChildProcess::resume() const noexcept { signal(SIGCONT); }

@@ -85,7 +85,9 @@ class ChildProcess {
   // Nothing once the child is reaped, by this object or another wait.
   void signal(int signo) const noexcept;
   // SIGSTOP, then waits (up to 10 s) until the kernel reports the child
-  // stopped: SIGSTOP alone is asynchronous. resume(): SIGCONT.
+  // stopped: SIGSTOP alone is asynchronous. Returns at once for a child
+  // that has exited (not reaped yet, or reaped by another wait).
+  // resume(): SIGCONT.
   void pause() const;
   void resume() const noexcept;
   // Waits up to `timeout` for the exit: the exit code, 128 + signal when
