@@ -274,9 +274,9 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
   // Where the child closes descriptors one by one when close_range() is
   // refused (a kernel before 5.9, a seccomp filter): below the limit.
   rlimit files{};
-  const unsigned max_fd = ::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY
-                              ? static_cast<unsigned>(std::min<rlim_t>(files.rlim_cur, 1u << 20))
-                              : 1u << 20;
+  const unsigned fd_limit = ::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY
+                                ? static_cast<unsigned>(std::min<rlim_t>(files.rlim_cur, 1u << 20))
+                                : 1u << 20;
   const pid_t pid = fork_child(options.die_with_parent, SIGTERM, [&] {
     // Every signal blocked while the dispositions are reset (none runs
     // this process's handlers in the child), then none: a program starts
@@ -317,7 +317,7 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
     // for the program's life (a pipe never reads EOF, a lock is never
     // released).
     if (::close_range(STDERR_FILENO + 1, ~0U, 0) != 0)
-      for (unsigned fd = STDERR_FILENO + 1; fd < max_fd; ++fd) ::close(static_cast<int>(fd));
+      for (unsigned fd = STDERR_FILENO + 1; fd < fd_limit; ++fd) ::close(static_cast<int>(fd));
     ::sigemptyset(&signals);
     ::sigprocmask(SIG_SETMASK, &signals, nullptr);
     ::execve(args[0], args.data(), env.data());
