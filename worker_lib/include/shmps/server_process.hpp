@@ -71,7 +71,10 @@ class ChildProcess {
   static Result<ChildProcess> spawn(const std::vector<std::string>& argv, const SpawnOptions& options);
   static Result<ChildProcess> spawn(const std::vector<std::string>& argv) { return spawn(argv, SpawnOptions{}); }
   // fork; the child runs fn() and _exit()s with its value (99 when an
-  // exception escapes it), after flushing stdio. Errors: kIo.
+  // exception escapes it), after flushing stdio. The child has only the
+  // forking thread: in a multithreaded process, fn must not need a lock
+  // another thread may hold at the fork (setenv()'s, a logger's).
+  // Errors: kIo.
   static Result<ChildProcess> fork_run(const std::function<int()>& fn, bool die_with_parent = false);
 
   ChildProcess() = default;
@@ -82,7 +85,9 @@ class ChildProcess {
   pid_t pid() const noexcept { return pid_; }
   // True until the child is reaped (wait(), try_wait(), kill_and_reap()).
   bool running() const noexcept { return pid_ > 0; }
-  // Nothing once the child is reaped, by this object or another wait.
+  // Nothing once the child is reaped, by this object or another wait
+  // (where the kernel gives no pidfd, a signal after another wait reaped
+  // it goes to the pid).
   void signal(int signo) const noexcept;
   // SIGSTOP, then waits (up to 10 s) until the kernel reports the child
   // stopped: SIGSTOP alone is asynchronous. Returns at once for a child
@@ -134,11 +139,12 @@ class ServerProcess {
   // Starts the server; returns once the segment at the name is published by
   // this very child, its header naming the child's pid and start time (a
   // stale segment of a killed server may still hold the name, under the
-  // same pid in a pid namespace), the point from which a worker can attach. Errors: kInvalidArgument
-  // (no binary, no name), kIo (fork), kServerNotRunning (it exited first, or
-  // the timeout passed: then it is killed and the segment it left removed;
-  // the log path is named). The server does not inherit NOTIFY_SOCKET,
-  // WATCHDOG_USEC or WATCHDOG_PID: a service manager's are this process's.
+  // same pid in a pid namespace), the point from which a worker can
+  // attach. Errors: kInvalidArgument (no binary, no name), kIo (fork),
+  // kServerNotRunning (it exited first, or the timeout passed: then it is
+  // killed and the segment it left removed; the log path is named). The
+  // server does not inherit NOTIFY_SOCKET, WATCHDOG_USEC or WATCHDOG_PID:
+  // a service manager's are this process's.
   static Result<std::unique_ptr<ServerProcess>> start(const Options& options);
   // stop(), then removes the segment the server left (one whose header
   // names this child, by pid and start time). Another server's segment at
