@@ -1,8 +1,10 @@
 // shmps::ChildProcess and shmps::ServerProcess (server_process.hpp) with
 // real processes: what a spawned child starts with (its environment,
 // signal mask and dispositions, descriptors) whatever the caller's threads
-// and signal state, and how a child is waited for and signalled when
-// another part of the program reaps it.
+// and signal state; how a child is waited for and signalled when another
+// part of the program reaps it; when start() takes a segment for its
+// child's; pause() of a child that has exited. (test_protocol holds the
+// earlier cases: start, stop, segment removal, die_with_parent.)
 #define BOOST_TEST_MODULE test_server_process
 #include <poll.h>
 #include <sched.h>
@@ -106,13 +108,17 @@ int in_pid_namespace(const std::function<int()>& fn, const Note& note) {
       note.set("mount --make-rprivate /: " + errno_text(errno));
       return kNoNamespace;
     }
-    auto init = ChildProcess::fork_run([&]() -> int {
-      if (::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) {
-        note.set("mount -t proc: " + errno_text(errno));
-        return kNoNamespace;
-      }
-      return fn();
-    });
+    // die_with_parent: the namespace's processes end with this one (a
+    // test that timed out and killed it).
+    auto init = ChildProcess::fork_run(
+        [&]() -> int {
+          if (::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0) {
+            note.set("mount -t proc: " + errno_text(errno));
+            return kNoNamespace;
+          }
+          return fn();
+        },
+        /*die_with_parent=*/true);
     return init.ok() ? init->wait() : kNoNamespace;
   });
   return outer.wait(60s);
@@ -136,6 +142,7 @@ boost::test_tools::assertion_result pid_namespaces(boost::unit_test::test_unit_i
   return r;
 }
 
+// A signal set of `signos`.
 sigset_t signals_of(std::initializer_list<int> signos) {
   sigset_t set;
   sigemptyset(&set);
