@@ -65,7 +65,7 @@ class SignalStateGuard {
   }
   SignalStateGuard(const SignalStateGuard&) = delete;
   SignalStateGuard& operator=(const SignalStateGuard&) = delete;
-  static constexpr int kSignals[] = {SIGTERM, SIGUSR2, SIGHUP};
+  static constexpr int kSignals[] = {SIGTERM, SIGUSR2, SIGHUP, SIGINT, SIGQUIT};
 
  private:
   sigset_t mask_{};
@@ -217,6 +217,11 @@ BOOST_AUTO_TEST_CASE(a_spawned_program_starts_with_no_signal_blocked_or_ignored)
   ::signal(SIGTERM, SIG_IGN);
   ::signal(SIGUSR2, SIG_IGN);
   ::signal(SIGHUP, SIG_IGN);
+  // Kept ignored where the caller ignores them, as SIGHUP: at their
+  // defaults here, whatever the test was started with (a shell's
+  // background job ignores both).
+  ::signal(SIGINT, SIG_DFL);
+  ::signal(SIGQUIT, SIG_DFL);
   ChildProcess::SpawnOptions die;
   die.die_with_parent = true;
   std::vector<std::pair<std::string, ChildProcess>> children;
@@ -285,6 +290,10 @@ BOOST_AUTO_TEST_CASE(a_spawned_program_gets_only_the_standard_descriptors) {
   ::close(pipe_fds[1]);
   BOOST_REQUIRE(child.ok());
   BOOST_REQUIRE(test::eventually([&] { return runs(child->pid(), "sleep"); }, 5s));
+  // Eventually: sleep's dynamic loader opens its libraries after the exec
+  // (one descriptor at a time, closed once mapped).
+  const auto standard_only = [&] { return open_descriptors(child->pid()) == std::vector<int>{0, 1, 2}; };
+  BOOST_TEST(test::eventually(standard_only, 5s));
   BOOST_TEST(open_descriptors(child->pid()) == (std::vector<int>{0, 1, 2}), boost::test_tools::per_element());
   pollfd p{pipe_fds[0], POLLIN, 0};
   BOOST_TEST(::poll(&p, 1, 5000) == 1);  // EOF: no writer left
@@ -339,10 +348,32 @@ BOOST_AUTO_TEST_CASE(with_sigchld_ignored_an_exit_is_seen_at_once) {
   BOOST_TEST(tester.wait(60s) == 0, note.text);
 }
 
+// A fork()ed child of the process that holds a ChildProcess has a copy of
+// the object (and its pidfd): dropping that copy there (a fork that
+// returns and unwinds) leaves the child alone, which is the parent's to
+// signal and reap; it used to SIGKILL its sibling.
+BOOST_AUTO_TEST_CASE(a_forked_copy_of_the_object_leaves_its_child_alone) {
+  auto child = ChildProcess::spawn({"/bin/sleep", "30"});
+  BOOST_REQUIRE(child.ok());
+  auto copy_holder = ChildProcess::fork_run([&]() -> int {
+    ChildProcess dropped = std::move(*child);  // the destructor runs here, in the fork
+    dropped.signal(SIGTERM);
+    int code = 0;
+    return dropped.try_wait(&code) ? 1 : 0;
+  });
+  BOOST_REQUIRE(copy_holder.ok());
+  BOOST_TEST(copy_holder->wait(10s) == 0);
+  std::this_thread::sleep_for(100ms);
+  int code = 0;
+  BOOST_TEST(!child->try_wait(&code), "the child ended: " << code);
+  child->signal(SIGTERM);
+  BOOST_TEST(child->wait(5s) == 128 + SIGTERM);
+}
+
 // A child that another wait of this process reaped (a waitpid(-1)
 // elsewhere), whose pid a new process took since, is neither signalled
-// nor waited for by that pid: its destructor (SIGKILL and reap), signal()
-// and try_wait() leave the new process alone. Run in a pid namespace,
+// nor waited for by that pid: its destructor (SIGKILL and reap), signal(),
+// pause() and try_wait() leave the new process alone. Run in a pid namespace,
 // where the new process can be handed the pid.
 BOOST_AUTO_TEST_CASE(a_child_reaped_elsewhere_never_reaches_the_process_that_takes_its_pid,
                      *boost::unit_test::precondition(pid_namespaces)) {
@@ -368,6 +399,10 @@ BOOST_AUTO_TEST_CASE(a_child_reaped_elsewhere_never_reaches_the_process_that_tak
             ChildProcess dropped = std::move(*first);
           } else {
             first->signal(SIGTERM);
+            const auto pause_start = std::chrono::steady_clock::now();
+            first->pause();  // returns at once: no SIGSTOP to the new process, no wait for it to stop
+            if (std::chrono::steady_clock::now() - pause_start > 2s) failed += how + "pause() waited; ";
+            if (test::process_state(pid) == 'T') failed += how + "pause() stopped the new process; ";
             int code = 0;
             if (!first->try_wait(&code) || code != -1 || first->running())
               failed += how + "the reaped child counts as running, or its code is " + std::to_string(code) + "; ";

@@ -1,6 +1,7 @@
 #include "shmps/server_process.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -46,6 +47,17 @@ pid_t fork_here(const std::function<void()>& body) {
     ::_exit(127);
   }
   return pid;
+}
+
+// In a child just forked with a death signal: whether the process that
+// forked it (`parent`) has ended already, before prctl(PR_SET_PDEATHSIG),
+// which then never fires. A child that is the first process of a pid
+// namespace (forked after unshare(CLONE_NEWPID)) has a parent outside it:
+// getppid() is 0 there, and it cannot tell (the window is the few
+// instructions since the fork).
+bool parent_gone(pid_t parent) {
+  const pid_t now = ::getppid();
+  return now != parent && now != 0;
 }
 
 // The thread that forks every child made with die_with_parent.
@@ -171,7 +183,7 @@ class ForkThread {
   // parent checked; then the caller's thread attributes, and the body.
   [[noreturn]] static void in_child(const Job& job) {
     ::prctl(PR_SET_PDEATHSIG, job.signo);
-    if (::getppid() != job.parent) ::_exit(98);
+    if (parent_gone(job.parent)) ::_exit(98);
     if (job.has_cpus) (void)::sched_setaffinity(0, sizeof job.cpus, &job.cpus);
     ::prctl(PR_SET_NAME, job.name);
     ::pthread_sigmask(SIG_SETMASK, &job.mask, nullptr);
@@ -198,7 +210,7 @@ pid_t fork_child(bool die_with_parent, int signo, const std::function<void()>& b
     const pid_t parent = ::getpid();
     return fork_here([&] {
       ::prctl(PR_SET_PDEATHSIG, signo);
-      if (::getppid() != parent) ::_exit(98);  // the process ended before prctl, which then never fires
+      if (parent_gone(parent)) ::_exit(98);  // the process ended before prctl, which then never fires
       body();
     });
   }
@@ -277,6 +289,14 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
   const unsigned fd_limit = ::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY
                                 ? static_cast<unsigned>(std::min<rlim_t>(files.rlim_cur, 1u << 20))
                                 : 1u << 20;
+  // Every signal blocked from the fork on (the fork thread takes this
+  // thread's mask for its child): until the dispositions are reset, a
+  // signal (die_with_parent's, the parent dying at once) would run this
+  // process's handler in the child, or be discarded where this process
+  // ignores it; blocked, it stays pending for the program.
+  sigset_t all, caller;
+  ::sigfillset(&all);
+  ::pthread_sigmask(SIG_SETMASK, &all, &caller);
   const pid_t pid = fork_child(options.die_with_parent, SIGTERM, [&] {
     // Every signal blocked while the dispositions are reset (none runs
     // this process's handlers in the child), then none: a program starts
@@ -323,7 +343,9 @@ Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, c
     ::execve(args[0], args.data(), env.data());
     ::_exit(127);
   });
-  if (pid < 0) return Status{ErrorCode::kIo, "fork: " + errno_text(errno)};
+  const int fork_error = errno;
+  ::pthread_sigmask(SIG_SETMASK, &caller, nullptr);
+  if (pid < 0) return Status{ErrorCode::kIo, "fork: " + errno_text(fork_error)};
   return ChildProcess(pid, open_pidfd(pid, kReaped));
 }
 
@@ -343,7 +365,8 @@ Result<ChildProcess> ChildProcess::fork_run(const std::function<int()>& fn, bool
   return ChildProcess(pid, open_pidfd(pid, kReaped));
 }
 
-ChildProcess::ChildProcess(ChildProcess&& other) noexcept : pid_(other.pid_), pidfd_(other.pidfd_) {
+ChildProcess::ChildProcess(ChildProcess&& other) noexcept
+    : pid_(other.pid_), pidfd_(other.pidfd_), owner_(other.owner_) {
   other.pid_ = -1;
   other.pidfd_ = -1;
 }
@@ -353,6 +376,7 @@ ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
     kill_and_reap();
     pid_ = other.pid_;
     pidfd_ = other.pidfd_;
+    owner_ = other.owner_;
     other.pid_ = -1;
     other.pidfd_ = -1;
   }
@@ -362,7 +386,7 @@ ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
 ChildProcess::~ChildProcess() { kill_and_reap(); }
 
 void ChildProcess::signal(int signo) const noexcept {
-  if (pid_ <= 0 || pidfd_ == kReaped) return;
+  if (pid_ <= 0 || pidfd_ == kReaped || !ours()) return;
   if (pidfd_ >= 0)
     (void)::syscall(SYS_pidfd_send_signal, pidfd_, signo, nullptr, 0);
   else
@@ -370,14 +394,19 @@ void ChildProcess::signal(int signo) const noexcept {
 }
 
 void ChildProcess::pause() const {
-  if (pid_ <= 0) return;
+  if (pid_ <= 0 || pidfd_ == kReaped || !ours()) return;
   signal(SIGSTOP);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (std::chrono::steady_clock::now() < deadline) {
-    // Stopped; or exited (a zombie, or gone: reaped by another wait),
-    // which no SIGSTOP stops.
+    // Exited, which no SIGSTOP stops: the pidfd reads so (a zombie, or
+    // reaped by another wait, its pid maybe another process's since);
+    // without one, /proc says a zombie or no such process.
+    if (pidfd_ >= 0) {
+      pollfd exited{pidfd_, POLLIN, 0};
+      if (::poll(&exited, 1, 0) > 0) return;
+    }
     const char state = process_state(pid_);
-    if (state == 'T' || state == 'Z' || state == 'X' || state == '\0') return;
+    if (state == 'T' || (pidfd_ < 0 && (state == 'Z' || state == 'X' || state == '\0'))) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
@@ -403,7 +432,7 @@ int ChildProcess::wait() {
 bool ChildProcess::try_wait(int* code) { return reap(/*block=*/false, code); }
 
 bool ChildProcess::reap(bool block, int* code) noexcept {
-  if (pid_ <= 0) return false;
+  if (pid_ <= 0 || !ours()) return false;
   int result = -1;  // stays for a child another wait reaped (ECHILD): its code is lost
   bool by_pid = pidfd_ == -1;
   while (pidfd_ != kReaped) {
@@ -436,6 +465,12 @@ bool ChildProcess::reap(bool block, int* code) noexcept {
 
 void ChildProcess::kill_and_reap() noexcept {
   if (pid_ <= 0) return;
+  if (!ours()) {  // a fork()ed copy in the child: the parent's to reap
+    if (pidfd_ >= 0) ::close(pidfd_);
+    pidfd_ = -1;
+    pid_ = -1;
+    return;
+  }
   signal(SIGKILL);
   int code = 0;
   (void)reap(/*block=*/true, &code);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -40,7 +41,9 @@ namespace shmps {
 // Linux 5.3 and later), through which it signals and waits: once another
 // wait of this process reaps the child (SIGCHLD ignored, a waitpid(-1)
 // elsewhere), nothing it does reaches a process that took the pid since.
-// Such a child counts as exited, its exit code unknown: -1.
+// Such a child counts as exited, its exit code unknown: -1. In a fork()ed
+// child of this process, a copy of the object leaves the child alone
+// (no signal, no wait; the destructor only closes its descriptor).
 class ChildProcess {
  public:
   struct SpawnOptions {
@@ -112,7 +115,12 @@ class ChildProcess {
   // pidfd_ when pidfd_open() found the child reaped already (ESRCH): it is
   // neither signalled nor waited for by pid.
   static constexpr int kReaped = -2;
-  ChildProcess(pid_t pid, int pidfd) : pid_(pid), pidfd_(pidfd) {}
+  ChildProcess(pid_t pid, int pidfd) : pid_(pid), pidfd_(pidfd), owner_(::getpid()) {}
+  // Whether this process made the child: a fork()ed copy of the object in
+  // another process neither signals nor waits for it, and its destructor
+  // only closes the pidfd (the child is its parent's: a SIGKILL from the
+  // copy would kill a sibling).
+  bool ours() const noexcept { return owner_ == ::getpid(); }
   // Reaps the child once it has exited (waiting for that when `block`):
   // true with *code as wait() returns it, and the object empty; false
   // while it runs, or when there is none.
@@ -121,6 +129,7 @@ class ChildProcess {
   // The child's pidfd; -1 where the kernel gives none (signals and waits
   // go by pid), kReaped.
   int pidfd_ = -1;
+  pid_t owner_ = -1;  // the process that made the child
 };
 
 // The shmps-server beside the running program (/proc/self/exe's folder, as
