@@ -854,13 +854,9 @@ BOOST_AUTO_TEST_CASE(a_child_that_dies_with_its_parent_outlives_the_thread_that_
   BOOST_TEST(parent.wait(10s) == 0);
   const pid_t pid = grandchild->load();
   BOOST_REQUIRE(pid > 0);
-  // Reparented and reaped by init (or a subreaper): gone, or a zombie.
-  const auto ended = [pid] {
-    const char state = test::process_state(pid);
-    return state == '\0' || state == 'Z';
-  };
-  BOOST_TEST(test::eventually(ended, 5s));
-  if (!ended()) ::kill(pid, SIGKILL);
+  // Reparented and reaped by init (or a subreaper).
+  BOOST_TEST(test::eventually([pid] { return test::process_ended(pid); }, 5s));
+  if (!test::process_ended(pid)) ::kill(pid, SIGKILL);
 
   ChildProcess::SpawnOptions die;
   die.die_with_parent = true;

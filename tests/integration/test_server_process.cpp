@@ -267,13 +267,9 @@ BOOST_AUTO_TEST_CASE(a_die_with_parent_child_of_a_launcher_that_blocks_sigterm_e
   BOOST_TEST(launcher.wait(10s) == 128 + SIGKILL);
   const pid_t pid = grandchild->load();
   BOOST_REQUIRE(pid > 0);
-  // Reparented and reaped by init (or a subreaper): gone, or a zombie.
-  const auto ended = [pid] {
-    const char state = test::process_state(pid);
-    return state == '\0' || state == 'Z';
-  };
-  BOOST_TEST(test::eventually(ended, 5s));
-  if (!ended()) ::kill(pid, SIGKILL);
+  // Reparented and reaped by init (or a subreaper).
+  BOOST_TEST(test::eventually([pid] { return test::process_ended(pid); }, 5s));
+  if (!test::process_ended(pid)) ::kill(pid, SIGKILL);
 }
 
 // A spawned program has stdin, stdout and stderr open, and nothing else
@@ -408,8 +404,7 @@ BOOST_AUTO_TEST_CASE(a_child_reaped_elsewhere_never_reaches_the_process_that_tak
               failed += how + "the reaped child counts as running, or its code is " + std::to_string(code) + "; ";
           }
           std::this_thread::sleep_for(100ms);
-          const char state = test::process_state(pid);
-          if (state == '\0' || state == 'Z') failed += how + "the new process at the pid ended; ";
+          if (test::process_ended(pid)) failed += how + "the new process at the pid ended; ";
           second->signal(SIGTERM);
           if (const int code = second->wait(5s); code != 128 + SIGTERM)
             failed += how + "the new process's own wait: " + std::to_string(code) + "; ";

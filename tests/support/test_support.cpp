@@ -96,6 +96,11 @@ char process_state(pid_t pid) {
   return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : '\0';
 }
 
+bool process_ended(pid_t pid) {
+  const char state = process_state(pid);
+  return state == '\0' || state == 'Z';
+}
+
 bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (!cond()) {

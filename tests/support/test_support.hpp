@@ -110,6 +110,9 @@ std::string shell_quote(const std::string& s);
 // The state letter of process `pid` after its command in /proc/<pid>/stat
 // ('T': stopped, 'Z': a zombie), or '\0' when there is no such process.
 char process_state(pid_t pid);
+// Whether process `pid` has ended: gone, or a zombie (exited; reaping it
+// is its parent's, or init's for an orphan).
+bool process_ended(pid_t pid);
 
 // The children of process `pid`, of all its threads
 // (/proc/<pid>/task/*/children: a child is listed under the thread that

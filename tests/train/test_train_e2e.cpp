@@ -466,12 +466,7 @@ BOOST_FIXTURE_TEST_CASE(the_temp_files_of_a_killed_job_are_removed_by_the_next, 
     BOOST_REQUIRE_MESSAGE(server > 0, shmps::test::read_file(out));
     killed.kill_and_reap();
     // The server stops with its parent (PR_SET_PDEATHSIG), reaped by init.
-    BOOST_REQUIRE(shmps::test::eventually(
-        [&] {
-          const char state = shmps::test::process_state(server);
-          return state == '\0' || state == 'Z';
-        },
-        30s));
+    BOOST_REQUIRE(shmps::test::eventually([&] { return shmps::test::process_ended(server); }, 30s));
   }
   size_t left = 0;
   for (const auto& e : fs::directory_iterator(tmp))

@@ -17,8 +17,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <mutex>
 #include <system_error>
 #include <thread>
@@ -259,16 +257,6 @@ int open_pidfd(pid_t pid, int reaped) {
   return errno == ESRCH ? reaped : -1;
 }
 
-// The state of pid as the kernel reports it (the letter after the command
-// in /proc/<pid>/stat: 'T' stopped, 'Z' a zombie); '\0' when there is no
-// such process.
-char process_state(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t paren = text.rfind(')');
-  return paren != std::string::npos && paren + 2 < text.size() ? text[paren + 2] : '\0';
-}
-
 }  // namespace
 
 Result<ChildProcess> ChildProcess::spawn(const std::vector<std::string>& argv, const SpawnOptions& options) {
@@ -405,8 +393,8 @@ void ChildProcess::pause() const {
       pollfd exited{pidfd_, POLLIN, 0};
       if (::poll(&exited, 1, 0) > 0) return;
     }
-    const char state = process_state(pid_);
-    if (state == 'T' || (pidfd_ < 0 && (state == 'Z' || state == 'X' || state == '\0'))) return;
+    const shm::ProcessState state = shm::pid_state(pid_);
+    if (state == shm::ProcessState::kStopped || (pidfd_ < 0 && state == shm::ProcessState::kGone)) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
