@@ -1108,8 +1108,9 @@ class Exposition {
 namespace {
 
 constexpr const char* kUpHelp =
-    "1 while the segment's server process is alive and serves it (stopped too: shmps_server_stopped); 0 when "
-    "it is not, or when the segment could not be read (shmps_inspect_error).";
+    "1 while the segment's server process is alive and serves it (stopped too: shmps_server_stopped), or "
+    "holds it unseen from here (shmps_server_unseen); 0 when it is not, or when the segment could not be read "
+    "(shmps_inspect_error).";
 
 // Every reason, at 0 but `error`'s (a state set, as the rejection causes
 // are): each series is always there, so an alert reads its value rather
@@ -1142,11 +1143,18 @@ std::string render_prometheus(const Snapshot& s, const std::string& name) {
   Exposition e(name_label(name));
   const HeaderView& h = s.header;
   e.family("shmps_up", "gauge", kUpHelp);
-  e.sample("shmps_up", h.server_alive ? 1 : 0);
+  // An unseen server holds the object's lock, as only a serving server
+  // does: up, as seen from the host of a container that runs it.
+  e.sample("shmps_up", h.server_alive || h.server_unseen ? 1 : 0);
   inspect_error(e, ReadError::kNone);
   e.family("shmps_server_stopped", "gauge",
            "1 while the server process is stopped (SIGSTOP, a debugger): alive, but serving nothing; else 0.");
   e.sample("shmps_server_stopped", h.server_stopped ? 1 : 0);
+  e.family("shmps_server_unseen", "gauge",
+           "1 when no process here is the server's pid, but one holds the segment's lock, as a serving server "
+           "does: a server in a pid namespace below this one (a container sharing /dev/shm); else 0. Its "
+           "stopped state cannot be seen then.");
+  e.sample("shmps_server_unseen", h.server_unseen ? 1 : 0);
   if (s.object && s.object->trusted) {
     e.family("shmps_segment_trusted", "gauge",
              "1 when a worker of this user would trust the segment's object (owner, mode), else 0.");

@@ -2159,7 +2159,9 @@ BOOST_AUTO_TEST_CASE(stopped_server_is_shown_stopped) {
   test::ServerProcess server(name, kTensorArgs);
   const pid_t pid = server.process().pid();
   const std::string series = "{name=\"" + name + "\"} ";
-  BOOST_TEST(contains(run_inspect({"--format", "prometheus", name}).out, "shmps_server_stopped" + series + "0\n"));
+  const Run running = run_inspect({"--format", "prometheus", name});
+  BOOST_TEST(contains(running.out, "shmps_server_stopped" + series + "0\n"), running.out);
+  BOOST_TEST(contains(running.out, "shmps_server_unseen" + series + "0\n"), running.out);
   const StoppedFor scope(pid);
   BOOST_REQUIRE(scope.seen_stopped());
 
@@ -2587,6 +2589,11 @@ BOOST_AUTO_TEST_CASE(list_shows_a_server_in_another_pid_namespace_as_unseen,
   BOOST_TEST(contains(line, " unseen "), text.out);
   const Run plain = run_inspect({name});
   BOOST_TEST(contains(plain.out, "a server in a pid namespace below this one"), plain.out);
+  // Up for an exporter on the host: an alert on shmps_up == 0 stays quiet.
+  const Run prom = run_inspect({"--format", "prometheus", name});
+  const std::string series = "{name=\"" + name + "\"} ";
+  BOOST_TEST(contains(prom.out, "\nshmps_up" + series + "1\n"), prom.out);
+  BOOST_TEST(contains(prom.out, "\nshmps_server_unseen" + series + "1\n"), prom.out);
   // unshare ignores SIGTERM while it waits: the server, by its pid here.
   const std::string pid = std::to_string(server.pid());
   const std::string child = test::read_file("/proc/" + pid + "/task/" + pid + "/children");
