@@ -326,7 +326,13 @@ class PyWorker {
   }
 
   Buffer alloc_device_buffer(size_t nbytes, int device) {
-    std::shared_ptr<shmps::DeviceMemory> memory = take(shmps::DeviceMemory::allocate(nbytes, device));
+    // Without the GIL: a process's first CUDA call makes its context, which
+    // takes up to seconds that the interpreter's other threads keep running.
+    shmps::Result<std::unique_ptr<shmps::DeviceMemory>> allocated = [&] {
+      const GilReleased released;
+      return shmps::DeviceMemory::allocate(nbytes, device);
+    }();
+    std::shared_ptr<shmps::DeviceMemory> memory = take(std::move(allocated));
     uint64_t registration = 0;
     const uint32_t id = take(call([&](shmps::Worker& w) {
       shmps::Result<uint32_t> r = w.register_device_buffer(memory->data(), nbytes);

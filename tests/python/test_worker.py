@@ -97,6 +97,27 @@ def test_a_buffer_is_writable_shared_memory(make_server):
         assert bytes(view[8:10]) == b"!!"
 
 
+def _a_driver_loads():
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(_a_driver_loads(), reason="an NVIDIA driver loads here: the case is a host without one")
+def test_a_device_buffer_without_a_driver_raises_cuda_error_and_the_worker_goes_on(make_server):
+    server = make_server()
+    with shmps.connect(server.name) as w:
+        with pytest.raises(shmps.CudaError, match="no NVIDIA driver.*install the NVIDIA driver"):
+            w.alloc_device_buffer(16, 0)
+        buf = w.register_buffer(w.total_elements * 4)
+        np.asarray(buf).view(np.float32)[:] = 1.0
+        assert w.push(buf, 0) == 1
+
+
 def test_sgd_with_lr_1_gives_exactly_w0_minus_g(make_server):
     server = make_server(lr=1, init="uniform", init_seed=3)
     with shmps.connect(server.name) as w:
