@@ -211,6 +211,25 @@ class HostMappings {
   std::vector<Mapping> mappings_;  // under mu_
 };
 
+// Puts a private copy of the object's bytes, as they are now, in place of
+// its shared mapping, at the same address: after a detach the server did
+// not answer, it may still serve requests sent before (a pull_async)
+// when it runs again, and those write the object, never again the
+// caller's memory. Where the kernel refuses (no memory for the copy) the
+// mapping stays shared.
+void privatize(const shm::ShmObject& object) {
+  const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t length = (object.mapping_size() + page - 1) / page * page;
+  void* copy = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (copy == MAP_FAILED) return;
+  std::memcpy(copy, object.mapping(), object.mapping_size());
+  if (::mremap(copy, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, object.mapping()) == MAP_FAILED) {
+    ::munmap(copy, length);
+    return;
+  }
+  HostMappings::get().remove(object.data());  // a forked child keeps this copy-on-write copy
+}
+
 // A buffer object's mapping, shared by Buffer::mapping and the Worker's
 // table, listed in HostMappings while it lives.
 std::shared_ptr<shm::ShmObject> listed_mapping(std::unique_ptr<shm::ShmObject> object) {
@@ -995,11 +1014,14 @@ class Worker::Impl {
   }
 
   // Unmaps and unlinks every buffer (device buffers: destroys their event;
-  // the memory is the caller's).
-  void drop_buffers() {
-    for (auto& b : buffers) drop(b);
+  // the memory is the caller's). `served_later`: a server that may still
+  // serve this Worker's requests (a detach it did not answer); a host
+  // buffer the caller still maps gets a private copy then.
+  void drop_buffers(bool served_later = false) {
+    for (auto& b : buffers) drop(b, served_later);
   }
-  static void drop(Registered& b) {
+  static void drop(Registered& b, bool served_later = false) {
+    if (served_later && b.object && b.object.use_count() > 1) privatize(*b.object);
     if (b.in_use && b.object) shm::ShmObject::remove(b.object->name());
     release_device(b);
     b = Registered{};
@@ -1431,6 +1453,7 @@ class Worker::Impl {
   // goes. No re-attach.
   Status detach() {
     Status result;
+    bool served_later = false;
     if (state_ == State::kAttached) {
       if (Status why = session_over(); !why.ok()) {
         result = end_session(ended_as(why), why);
@@ -1448,6 +1471,9 @@ class Worker::Impl {
                                              std::to_string(bound.count()) +
                                              " ms (WorkerOptions::detach_timeout, or the call timeout if shorter): "
                                              "detached on this side; the server serves it when it runs again"};
+        // Unanswered, the server alive and the lane ours (no eviction):
+        // what was sent before the detach is still the server's to serve.
+        served_later = !c.ok() && state_ == State::kDetaching;
         if (state_ == State::kDetaching) {
           if (Status s = end_session(State::kDetached, Status{ErrorCode::kUnknownWorker, "detached"}); !s.ok())
             result = s;
@@ -1457,7 +1483,7 @@ class Worker::Impl {
     if (state_ != State::kDetached) {
       if (Status s = transition(State::kDetached); !s.ok()) result = s;
     }
-    drop_buffers();
+    drop_buffers(served_later);
     return result;
   }
 

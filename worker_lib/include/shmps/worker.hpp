@@ -175,7 +175,11 @@ struct WorkerOptions {
   // all the same: the Worker is detached and its buffer objects unlinked;
   // the request stays in the lane, the server serves it when it runs
   // again, and the entry is free for another worker once this process is
-  // gone (the server reaps it, as a dead worker's).
+  // gone (the server reaps it, as a dead worker's). The requests sent
+  // before it are served then too (a pull_async writes its buffer): a
+  // host buffer the caller still maps (Buffer::mapping) is given a private
+  // copy of its bytes at the detach, which the server never writes; a
+  // device buffer's memory must stay allocated until the process ends.
   std::chrono::milliseconds detach_timeout{5000};
   // Asked while a detach waits, as `interrupted` is while the other calls
   // wait (`interrupted` is not asked then: a stop flag that ended a job's
@@ -278,7 +282,9 @@ class Worker {
   // into, this memory in place. Returns the buffer id, from the same ids
   // as register_buffer(); unregister_buffer() releases it. The Worker does
   // not own the memory: it must stay allocated until unregister_buffer(),
-  // detach() or the Worker's destruction. With reconnect it is registered
+  // detach() or the Worker's destruction (a detach the server did not
+  // answer, kTimeout or kInterrupted: until the process ends, as
+  // WorkerOptions::detach_timeout says). With reconnect it is registered
   // again after a server restart or an eviction, under the same id.
   // Errors: kInvalidArgument (null or 0 bytes; host or managed memory: use
   // register_buffer(); the range runs past its allocation), kCuda (no CUDA
