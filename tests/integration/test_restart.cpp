@@ -99,6 +99,38 @@ BOOST_AUTO_TEST_CASE(a_reattach_refused_for_another_table_keeps_the_identity_att
   BOOST_TEST(w->server_pid() == pid);
 }
 
+// The tensor table is one for the Worker's life: what a caller took from
+// it before a re-attach (a reference, find_tensor()'s pointer) stays valid.
+// A re-attach that fails (the restarted server stopped: it did not come
+// back within the timeout) leaves
+// the identity of the server last attached.
+BOOST_AUTO_TEST_CASE(a_reattach_keeps_the_tensor_table_and_a_failed_one_the_identity) {
+  const std::string name = test::unique_name("keeptable");
+  auto server = std::make_unique<test::ServerProcess>(name, std::vector<std::string>{"--tensor", "w:3"});
+  auto w = connect(name, /*reconnect=*/true, 1s);
+  const TensorInfo* found = w->find_tensor("w");
+  BOOST_REQUIRE(found != nullptr);
+  const TensorInfo* first = &w->tensors()[0];
+  const uint64_t generation = w->generation();
+  const pid_t pid = w->server_pid();
+  BOOST_REQUIRE(server->stop() == 0);
+  server.reset();
+  test::ServerProcess next(name, {"--tensor", "w:3"});
+  next.process().pause();
+  const Status refused = w->ping();
+  BOOST_TEST((refused.code() == ErrorCode::kServerNotRunning), refused.to_string());
+  BOOST_TEST(w->generation() == generation);
+  BOOST_TEST(w->server_pid() == pid);
+  next.process().resume();
+  const Status pinged = w->ping();
+  BOOST_REQUIRE_MESSAGE(pinged.ok(), pinged.to_string());
+  BOOST_TEST(w->generation() != generation);
+  BOOST_TEST(w->server_pid() == next.process().pid());
+  BOOST_TEST(&w->tensors()[0] == first);
+  BOOST_TEST(w->find_tensor("w") == found);
+  BOOST_TEST(found->name == "w");
+}
+
 // A server restarted with a smaller --max-buffers: the re-attach keeps the
 // buffers whose ids it still has and lets go of the others (their shm
 // objects unlinked, nothing leaked), and those ids are refused.

@@ -1126,15 +1126,22 @@ class Worker::Impl {
   }
 
   // Claims an entry of `seg`, attaches, and (first time) reads the tensor
-  // table; on a re-attach the table must be the same. Counts, ids and the
-  // table come from the layout validated at open (a private copy), never
-  // from the live header. The claim and the handshake end at `deadline`.
+  // table; on a re-attach the table must be the same, and the caller's
+  // references into it stay valid. Counts, ids and the table come from the
+  // layout validated at open (a private copy), never from the live header.
+  // The claim and the handshake end at `deadline`. An attach that fails
+  // leaves the identity of the server last attached (generation(),
+  // server_pid()).
   Status attach_to(std::unique_ptr<shm::Segment> seg, shm::Deadline& deadline) {
+    const auto before = std::make_tuple(generation, server_pid, server_start, capacity);
+    Status s = attach_session(std::move(seg), deadline);
+    if (!s.ok()) std::tie(generation, server_pid, server_start, capacity) = before;
+    return s;
+  }
+
+  Status attach_session(std::unique_ptr<shm::Segment> seg, shm::Deadline& deadline) {
     segment = std::move(seg);
     const shm::SegmentLayout& h = segment->layout();
-    // The identity of the server last attached, kept where this one is
-    // refused (another tensor table).
-    const auto before = std::make_tuple(generation, server_pid, server_start, capacity);
     generation = h.generation;
     server_pid = static_cast<pid_t>(h.server_pid);
     server_start = h.server_start_time;
@@ -1155,11 +1162,12 @@ class Worker::Impl {
       table.push_back(std::move(info));
     }
     if (!tensors.empty()) {
-      const auto same = [](const TensorInfo& a, const TensorInfo& b) { return a.name == b.name && a.shape == b.shape; };
-      if (!std::equal(tensors.begin(), tensors.end(), table.begin(), table.end(), same)) {
-        std::tie(generation, server_pid, server_start, capacity) = before;
+      const auto same = [](const TensorInfo& a, const TensorInfo& b) {
+        return a.name == b.name && a.shape == b.shape && a.element_offset == b.element_offset &&
+               a.element_count == b.element_count;
+      };
+      if (!std::equal(tensors.begin(), tensors.end(), table.begin(), table.end(), same))
         return {ErrorCode::kLayoutMismatch, "the restarted server '" + options.name + "' serves other tensors"};
-      }
     }
 
     // Claim a free entry, then the attach handshake. A claim freed under
@@ -1246,7 +1254,7 @@ class Worker::Impl {
       b.pending = b.in_use;
       registrations_pending = registrations_pending || b.pending;
     }
-    tensors = std::move(table);
+    if (tensors.empty()) tensors = std::move(table);  // a re-attach's is the same: the caller's pointers stay valid
     expected_ns.assign(2 * tensors.size() + 3, 0);
     inflight.assign(capacity, InFlight{});
     total_elements = h.total_elements;
