@@ -256,8 +256,11 @@ class Worker {
   Worker& operator=(const Worker&) = delete;
 
   uint32_t worker_id() const noexcept;
-  uint64_t generation() const noexcept;  // the server instance attached to
+  uint64_t generation() const noexcept;  // the server instance last attached to
   pid_t server_pid() const noexcept;     // that instance's process
+  // One table for the Worker's life: a re-attach (reconnect) refuses a
+  // server whose table differs, so references into it and find_tensor()'s
+  // pointers stay valid as long as the Worker.
   const std::vector<TensorInfo>& tensors() const noexcept;
   uint64_t total_elements() const noexcept;  // all tensors, elements
   // The tensor of that name, or nullptr.
@@ -327,7 +330,10 @@ class Worker {
   // with zeros for the lost pages, the buffer dropped), but for kTimeout
   // and kInterrupted, after which the push is still in flight and may be,
   // unless the message says nothing was sent (push() waiting for a device
-  // buffer's stream, before it sends).
+  // buffer's stream, before it sends); and for kServerNotRunning,
+  // kServerRestarted and kInternal once the push was sent: its server may
+  // have applied it (and checkpointed that) before it died or before the
+  // answer was lost (maybe applied, at most once), as `reconnect` says.
   Result<uint64_t> push(uint32_t tensor_id, uint32_t buffer_id, uint64_t byte_offset, uint64_t bytes, Dtype dtype,
                         uint64_t worker_version, void* stream = nullptr);
 
