@@ -23,9 +23,10 @@ enum class GradDtype : uint32_t { kF32 = 1, kF16 = 2, kBF16 = 3 };
 // Bytes per element of a gradient dtype; 0 for a value outside the enum.
 size_t dtype_size(GradDtype dtype) noexcept;
 
-// Hyperparameters, with PyTorch's names and defaults (torch.optim.SGD,
-// torch.optim.Adam, torch.optim.AdamW). Fields that a kind does not use are
-// ignored (momentum for Adam, betas for SGD).
+// Hyperparameters, with PyTorch's names (torch.optim.SGD, torch.optim.Adam,
+// torch.optim.AdamW) and its defaults but for lr (PyTorch's is 1e-3, as is
+// shmps-server's --lr) and AdamW's weight_decay (below). Fields that a kind
+// does not use are ignored (momentum for Adam, betas for SGD).
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kSgd;
   float lr = 0.01f;
