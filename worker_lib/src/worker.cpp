@@ -1646,6 +1646,13 @@ Result<uint32_t> Worker::register_device_buffer(const void* device_ptr, size_t b
   r.in_process = in_process;
   r.desc = *desc;
   if (Status st = w.send_register_device(id, deadline); !st.ok()) {
+    // Sent and unanswered (kTimeout, kInterrupted): the server may serve the
+    // registration later, when it runs again, and would open this event
+    // after its destruction below. The descriptor stamped for no request
+    // makes it refuse that registration (layout.hpp, BufferDesc::request_id),
+    // unless it read the descriptor already (a server stopped in the
+    // middle of serving it).
+    if (w.in_session()) w.segment->buffer(w.id, id).request_id = ~uint64_t{0};
     Impl::release_device(r);
     r = Impl::Registered{};
     return st;
