@@ -880,11 +880,12 @@ CheckpointWriter::~CheckpointWriter() {
   thread_.join();
 }
 
-bool CheckpointWriter::submit(CheckpointData data) {
+bool CheckpointWriter::submit(CheckpointData data, uint64_t unversioned_changes) {
   {
     std::lock_guard lock(mutex_);
     if (has_job_ || writing_) return false;
     job_ = std::move(data);
+    job_unversioned_ = unversioned_changes;
     has_job_ = true;
   }
   cv_.notify_all();
@@ -911,6 +912,11 @@ std::optional<uint64_t> CheckpointWriter::last_written() const {
   return last_written_;
 }
 
+bool CheckpointWriter::holds(uint64_t version, uint64_t unversioned_changes) const {
+  std::lock_guard lock(mutex_);
+  return last_written_ == version && last_written_unversioned_ == unversioned_changes;
+}
+
 uint64_t CheckpointWriter::written() const {
   std::lock_guard lock(mutex_);
   return written_;
@@ -933,6 +939,7 @@ void CheckpointWriter::loop() {
     cv_.wait(lock, [&] { return quit_ || has_job_; });
     if (!has_job_) return;  // quit with nothing pending
     CheckpointData job = std::move(job_);
+    const uint64_t unversioned = job_unversioned_;
     has_job_ = false;
     writing_ = true;
     lock.unlock();
@@ -946,6 +953,7 @@ void CheckpointWriter::loop() {
     writing_ = false;
     if (s.ok()) {
       last_written_ = job.version;
+      last_written_unversioned_ = unversioned;
       ++written_;
     } else {
       result_ = s;  // the newest failure's message; failed_ counts them all

@@ -278,7 +278,8 @@ class CheckpointWriter {
   // Writes and prunes (keeping `keep`) in the directory `lock` holds
   // (which outlives the writer), through its descriptor. `on_disk`: the
   // version of a checkpoint already there (the one the server restored),
-  // which last_written() reports until a write succeeds. Each write first
+  // which last_written() reports until a write succeeds (with no
+  // unversioned change: holds()). Each write first
   // checks that `lock` is still the directory's
   // (CheckpointDirLock::still_held()). `after_check`, when set, runs on
   // the writer thread after each check that passed, before the write
@@ -287,8 +288,10 @@ class CheckpointWriter {
   CheckpointWriter(uint32_t keep, std::optional<uint64_t> on_disk, const CheckpointDirLock& lock,
                    std::function<void()> after_check = {});
   ~CheckpointWriter();  // finishes the write in flight
-  // False when a write is still in flight (nothing taken).
-  bool submit(CheckpointData data);
+  // `unversioned_changes`: the model's Model::unversioned_changes as of
+  // the snapshot, which holds() compares once the write succeeded. False
+  // when a write is still in flight (nothing taken).
+  bool submit(CheckpointData data, uint64_t unversioned_changes);
   // Waits for the write in flight; returns its status (ok if none).
   Status drain();
   // Status of the last finished write, and clears it.
@@ -296,6 +299,11 @@ class CheckpointWriter {
   bool busy() const;
   // The version of the last write that succeeded, else `on_disk`.
   std::optional<uint64_t> last_written() const;
+  // Whether the last write that succeeded, else the checkpoint `on_disk`
+  // (at 0 unversioned changes), holds the model at `version` and
+  // `unversioned_changes`: a write handed over and failed, or one still
+  // in flight, does not count.
+  bool holds(uint64_t version, uint64_t unversioned_changes) const;
   // The writes that succeeded, and those that failed.
   uint64_t written() const;
   uint64_t failed() const;
@@ -311,8 +319,10 @@ class CheckpointWriter {
   bool writing_ = false;
   bool quit_ = false;
   CheckpointData job_;
+  uint64_t job_unversioned_ = 0;  // submit()'s unversioned_changes of job_
   Status result_;
   std::optional<uint64_t> last_written_;
+  uint64_t last_written_unversioned_ = 0;  // submit()'s, of the write last_written_ names
   uint64_t written_ = 0;
   uint64_t failed_ = 0;
   std::thread thread_;

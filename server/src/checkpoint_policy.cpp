@@ -201,7 +201,7 @@ void CheckpointPolicy::maybe(uint64_t now) {
   }
   deferred_since_ns_ = 0;
   retry_due_ = false;
-  writer_->submit(std::move(data));
+  writer_->submit(std::move(data), model_.unversioned_changes);
   log::info("checkpoint of version " + std::to_string(model_.version) + " handed to the writer");
   last_version_ = model_.version;
   last_unversioned_ = model_.unversioned_changes;
@@ -231,7 +231,10 @@ void CheckpointPolicy::defer(uint64_t now) {
 Status CheckpointPolicy::write_final() {
   if (Status s = writer_->drain(); !s.ok()) log::error(s.message());
   publish_result(0);  // the drained write's counts (its message is logged above)
-  if (model_.version == writer_->last_written() && model_.unversioned_changes == last_unversioned_) return Status::Ok();
+  // What the writer wrote, not what it was handed: a write that failed,
+  // also one at the version of an earlier good one after the weights
+  // changed without a new version, leaves that change to this one.
+  if (writer_->holds(model_.version, model_.unversioned_changes)) return Status::Ok();
   if (keeps_unfederated_checkpoint()) return Status::Ok();
   CheckpointData data;
   const Result<bool> taken = snapshot(&data);

@@ -804,12 +804,12 @@ BOOST_AUTO_TEST_CASE(a_directory_replaced_between_the_lock_check_and_the_write_i
       two = contents(ckpt_in(d, 2));
       four = contents(ckpt_in(d, 4));
     });
-    BOOST_REQUIRE(writer.submit(make_data(adam_layout(), 5)));
+    BOOST_REQUIRE(writer.submit(make_data(adam_layout(), 5), 0));
     const Status first = writer.drain();
     BOOST_REQUIRE_MESSAGE(replaced.ok(), replaced.to_string());
     BOOST_TEST(first.ok(), first.to_string());
     BOOST_TEST((writer.last_written() == std::optional<uint64_t>(5)));
-    BOOST_REQUIRE(writer.submit(make_data(adam_layout(), 6)));
+    BOOST_REQUIRE(writer.submit(make_data(adam_layout(), 6), 0));
     const Status second = writer.drain();
     BOOST_TEST(contains(second.message(), "is not the one this server locked at start"), second.to_string());
   }
@@ -823,6 +823,78 @@ BOOST_AUTO_TEST_CASE(a_directory_replaced_between_the_lock_check_and_the_write_i
   BOOST_TEST((contents(ckpt_in(d, 4)) == four));
   BOOST_TEST(names(moved) == (std::vector<std::string>{".lock", "ckpt-00000000000000000005.shmps"}));
   BOOST_TEST(read_checkpoint(ckpt_in(moved, 5), adam_layout()).ok());
+}
+
+// A write that failed at the version of a checkpoint on disk, after the
+// weights changed without a new version (Model::unversioned_changes: an
+// init, a merged federation round): the final checkpoint is still written,
+// whether the failure was seen before the stop or the write was in flight
+// at it; and it fails the stop when it cannot be written.
+BOOST_AUTO_TEST_CASE(a_failed_write_at_a_version_on_disk_does_not_stand_for_the_final_checkpoint) {
+  test::TempDir dir("ckptfile"), logs("ckptlog");
+  test::StderrTo capture((logs.path / "stderr").string());  // the policy's log
+  ServerConfig config;
+  config.tensors = adam_layout().tensors;
+  config.optimizer.kind = kernels::OptimizerKind::kAdam;
+  config.checkpoint_dir = dir.path.string();
+  config.checkpoint_interval_s = 1;
+  constexpr uint64_t kSecond = 1'000'000'000;
+  // A non-empty directory at the temp file's name of version 3: the
+  // writer can neither remove it nor create its file, as on a full disk.
+  const fs::path blocker = dir.path / ".ckpt-00000000000000000003.shmps.tmp";
+  const auto block = [&] {
+    fs::create_directory(blocker);
+    put((blocker / "x").string(), "x");
+  };
+  const auto weights_on_disk = [&] {
+    const auto read = read_checkpoint(ckpt(dir, 3), adam_layout());
+    return read.ok() ? read->weights.front() : -1.0f;
+  };
+  const std::vector<float> state(14, 0.0f);
+  {
+    Model model;
+    const std::unique_ptr<Backend> backend = make_host_backend();
+    BOOST_REQUIRE(backend->allocate({{0, 4}, {4, 3}}, 2, 7).ok());
+    BOOST_REQUIRE(backend->load(std::vector<float>(7, 0.25f), state).ok());
+    const auto stats = std::make_unique<shm::StatsBlock>();
+    CheckpointPolicy policy(config, model, *backend, *stats);
+    BOOST_REQUIRE(policy.start(0).ok());
+    model.version = 3;
+    model.steps = {3, 3};
+    BOOST_REQUIRE(test::eventually([&] {
+      policy.tick(2 * kSecond);
+      return stats->checkpoints_written.load(std::memory_order_relaxed) == 1;
+    }));
+    BOOST_REQUIRE(weights_on_disk() == 0.25f);
+    // The weights change, the version stays; the interval's write of it fails.
+    BOOST_REQUIRE(backend->load(std::vector<float>(7, 0.75f), state).ok());
+    ++model.unversioned_changes;
+    block();
+    BOOST_REQUIRE(test::eventually([&] {
+      policy.tick(4 * kSecond);  // within the pause after the failure: not tried again
+      return stats->checkpoint_failures.load(std::memory_order_relaxed) == 1;
+    }));
+    fs::remove_all(blocker);  // the disk is fine again
+    const Status final = policy.write_final();
+    BOOST_TEST(final.ok(), final.to_string());
+    BOOST_TEST(weights_on_disk() == 0.75f);
+  }
+  // Restarted: the write is in flight at the stop, and fails while the
+  // stop waits for it; so does the final one.
+  Model model;
+  const std::unique_ptr<Backend> backend = make_host_backend();
+  BOOST_REQUIRE(backend->allocate({{0, 4}, {4, 3}}, 2, 7).ok());
+  const auto stats = std::make_unique<shm::StatsBlock>();
+  CheckpointPolicy policy(config, model, *backend, *stats);
+  BOOST_REQUIRE(policy.start(0).ok());
+  BOOST_REQUIRE(model.version == 3u);
+  BOOST_REQUIRE(backend->load(std::vector<float>(7, 0.5f), state).ok());
+  ++model.unversioned_changes;
+  block();
+  policy.tick(2 * kSecond);
+  const Status final = policy.write_final();
+  BOOST_TEST(contains(final.message(), "final checkpoint: cannot remove"), final.to_string());
+  BOOST_TEST(weights_on_disk() == 0.75f);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
