@@ -1,6 +1,8 @@
 #include "checkpoint_policy.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -11,6 +13,7 @@
 
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/server/log.hpp"
+#include "shmps/unique_fd.hpp"
 
 namespace shmps::server {
 
@@ -60,10 +63,21 @@ Status CheckpointPolicy::start(uint64_t now, FailureKind* kind) {
     missing.push_back(p);
     if (p == p.parent_path()) break;
   }
-  for (auto it = missing.rbegin(); it != missing.rend(); ++it)
-    if (::mkdir(it->c_str(), 0700) != 0 && errno != EEXIST)
+  // Each directory made is fsync'ed into its parent: a power loss must not
+  // take it, and the checkpoints written into it since, away.
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    if (::mkdir(it->c_str(), 0700) != 0) {
+      if (errno == EEXIST) continue;  // made by another process meanwhile
       return Status{ErrorCode::kIo, "--checkpoint-dir " + config_.checkpoint_dir + ": mkdir " + it->string() + ": " +
                                         std::strerror(errno)};
+    }
+    const fs::path parent = it->parent_path();
+    const UniqueFd d(::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (d.fd < 0 || ::fsync(d.fd) != 0)
+      return Status{ErrorCode::kIo, "--checkpoint-dir " + config_.checkpoint_dir + ": " +
+                                        (d.fd < 0 ? "open " : "fsync ") + parent.string() + " (after mkdir " +
+                                        it->string() + "): " + std::strerror(errno)};
+  }
   const fs::path dir = fs::absolute(config_.checkpoint_dir, ec);
   for (const fs::path& p : {dir, dir.parent_path()}) {
     struct stat st {};
