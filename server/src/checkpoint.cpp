@@ -746,12 +746,15 @@ void prune_checkpoints(const CheckpointDirLock& lock, uint32_t keep, uint64_t ne
 
 // Whether the start could use `dir` for checkpoints: a directory this
 // process may create files in, or a path the first existing ancestor of
-// which is a directory it may create entries in (not a symbolic link to
-// nothing: the start could not create it).
+// which is a directory it may create entries in, with no symbolic link to
+// nothing on the way (the start could not create the path through it).
 Status check_checkpoint_dir(const std::string& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::path at = fs::absolute(dir, ec);
+  // "d/" would be followed where d is a link: the link itself is judged.
+  if (!at.has_filename() && at.has_relative_path()) at = at.parent_path();
+  const fs::path whole = at;
   const auto fail = [&dir](const std::string& why) {
     return Status{ErrorCode::kIo, "--checkpoint-dir " + dir + ": " + why};
   };
@@ -774,9 +777,19 @@ Status check_checkpoint_dir(const std::string& dir) {
       return fail("cannot write checkpoints in it: " + std::string(std::strerror(errno)));
     return Status::Ok();
   }
-  if (fs::is_symlink(fs::symlink_status(at, ec)))
-    return fail("a symbolic link to " + fs::read_symlink(at, ec).string() + ", which does not exist");
-  while (at.has_parent_path() && at != at.parent_path() && !fs::exists(at, ec)) at = at.parent_path();
+  // Up to the first ancestor that exists. A symbolic link to nothing on
+  // the way, the path itself or a directory above it, is refused: the
+  // start's mkdir of the link fails (EEXIST), and so does that of the
+  // directory below it (ENOENT).
+  while (true) {
+    if (fs::is_symlink(fs::symlink_status(at, ec))) {
+      const std::string link = "a symbolic link to " + fs::read_symlink(at, ec).string() + ", which does not exist";
+      return fail(at == whole ? link : at.string() + " is " + link);
+    }
+    if (!at.has_parent_path() || at == at.parent_path()) break;
+    at = at.parent_path();
+    if (fs::exists(at, ec)) break;
+  }
   if (!fs::is_directory(at, ec)) return fail(at.string() + ": " + std::strerror(ENOTDIR));
   if (on_kernel_fs(at)) return fail(kKernelFs);
   if (::access(at.c_str(), W_OK | X_OK) != 0)

@@ -44,8 +44,12 @@ Result<bool> CheckpointPolicy::snapshot(CheckpointData* out) const {
 }
 
 Status CheckpointPolicy::start(uint64_t now, FailureKind* kind) {
-  // Refused now rather than at every checkpoint and at stop.
-  if (Status s = check_checkpoint_dir(config_.checkpoint_dir); !s.ok()) return s;
+  // Refused now rather than at every checkpoint and at stop; as by
+  // --check-config, a configuration error (a restart cannot fix it).
+  if (Status s = check_checkpoint_dir(config_.checkpoint_dir); !s.ok()) {
+    if (kind != nullptr) *kind = FailureKind::kConfiguration;
+    return s;
+  }
   // The directory is the server's alone: the directories it creates
   // (the checkpoint directory and missing parents) are made 0700, whatever
   // the umask (the unit's UMask=0007, for the segment's group access, would

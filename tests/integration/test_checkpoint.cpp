@@ -13,6 +13,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <utility>
+#include <vector>
 
 #include "shmps/kernels/optimizer.hpp"
 #include "shmps/shm/segment.hpp"
@@ -576,30 +578,39 @@ BOOST_AUTO_TEST_CASE(an_init_file_gone_is_not_needed_when_a_checkpoint_is_restor
   BOOST_TEST(none.output.find("--init-file " + init.string()) != std::string::npos, none.output);
 }
 
-// A checkpoint directory that is a symbolic link to nothing: refused by
-// --check-config and at start, naming the link's target rather than
-// create_directories()' "File exists".
+// A checkpoint directory that is a symbolic link to nothing, or a path
+// under one: refused by --check-config and at start, naming the link and
+// its target rather than create_directories()' "File exists" or mkdir's
+// ENOENT, with exit 2 (a configuration error: the unit does not restart
+// it).
 BOOST_AUTO_TEST_CASE(a_checkpoint_dir_that_links_to_nothing_is_refused_naming_the_target) {
   test::TempDir dir("ckpt");
   const fs::path link = dir.path / "dangling";
   fs::create_symlink(dir.path / "nowhere", link);
-  for (const bool check : {true, false}) {
-    std::vector<std::string> argv = {test::program_path("shmps-server"),
-                                     "--name",
-                                     test::unique_name("dangling"),
-                                     "--tensor",
-                                     "w:4",
-                                     "--checkpoint-dir",
-                                     link.string()};
-    if (check) argv.push_back("--check-config");
-    const auto run = test::run_captured(argv);
-    BOOST_TEST_CONTEXT((check ? "--check-config" : "start")) {
-      BOOST_TEST(run.exit_code != 0, run.output);
-      BOOST_TEST(run.output.find("--checkpoint-dir " + link.string() + ": a symbolic link to " +
-                                 (dir.path / "nowhere").string() + ", which does not exist") != std::string::npos,
-                 run.output);
+  const std::string to = "a symbolic link to " + (dir.path / "nowhere").string() + ", which does not exist";
+  const std::vector<std::pair<fs::path, std::string>> cases = {
+      {link, "--checkpoint-dir " + link.string() + ": " + to},
+      {link / "job1", "--checkpoint-dir " + (link / "job1").string() + ": " + link.string() + " is " + to},
+      {link / "job1" / "deeper",
+       "--checkpoint-dir " + (link / "job1" / "deeper").string() + ": " + link.string() + " is " + to}};
+  for (const auto& [path, message] : cases) {
+    for (const bool check : {true, false}) {
+      std::vector<std::string> argv = {test::program_path("shmps-server"),
+                                       "--name",
+                                       test::unique_name("dangling"),
+                                       "--tensor",
+                                       "w:4",
+                                       "--checkpoint-dir",
+                                       path.string()};
+      if (check) argv.push_back("--check-config");
+      const auto run = test::run_captured(argv);
+      BOOST_TEST_CONTEXT(path << (check ? " --check-config" : " start")) {
+        BOOST_TEST(run.exit_code == 2, run.output);
+        BOOST_TEST(run.output.find(message) != std::string::npos, run.output);
+      }
     }
   }
+  BOOST_TEST(!fs::exists(dir.path / "nowhere"));
 }
 
 BOOST_AUTO_TEST_CASE(a_server_of_another_model_leaves_that_models_checkpoints_alone) {

@@ -28,8 +28,11 @@ enum class FailureKind {
   kOther,
   // The configuration must change before a start can succeed: its
   // --checkpoint-dir is held by another live server (a copied config file
-  // that kept it). Restarted, the server would fail until that server
-  // stopped, then take over that job's checkpoints.
+  // that kept it; restarted, the server would fail until that server
+  // stopped, then take over that job's checkpoints), or is one the
+  // server cannot use, which --check-config refuses too (not a
+  // directory, not writable, on a kernel file system, a symbolic link
+  // to nothing or a path under one).
   kConfiguration,
 };
 
