@@ -112,6 +112,17 @@ std::string_view relative_path(const PathOption& p, std::string_view value) {
   return path.empty() || path.front() == '/' ? std::string_view() : path;
 }
 
+// Directory `path` in one form: without "." components, repeated
+// separators or a trailing one, which name the same directory. ".." is
+// kept: taken out lexically it would name another directory where the
+// component before it is a symbolic link. "" stays "".
+std::string one_form_dir(const std::string& path) {
+  std::filesystem::path tidy;
+  for (const std::filesystem::path& part : std::filesystem::path(path))
+    if (!part.empty() && part != ".") tidy /= part;
+  return tidy.empty() ? path : tidy.string();
+}
+
 // Reads a config file with program_options' syntax ('#' at the start of a
 // line or after a blank begins a comment to the end of the line, blank
 // lines are skipped, "key = value" with blanks around both trimmed; a
@@ -677,6 +688,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
                   "); give an absolute path");
     value = p.prefix + absolute.string();
   }
+  // Every later use takes the checkpoint directory in one form: the
+  // parent the start checks (that of ".../job/" would be ".../job"), the
+  // lock's path, a rank's subdirectory, the log and --check-config.
+  c.checkpoint_dir = one_form_dir(c.checkpoint_dir);
   if (c.name.empty())
     return vm.count("name") ? fail("--name is empty; the instance name is required") : invalid("--name is required");
   if (Status s = shm::validate_name(c.name); !s.ok()) return fail("--name: " + s.message());

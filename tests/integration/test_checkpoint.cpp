@@ -424,6 +424,37 @@ BOOST_AUTO_TEST_CASE(checkpoints_are_the_servers_alone) {
              text);
 }
 
+// A trailing slash (or a doubled one, a "." component) names the same
+// directory, which the server takes in one form: its parent that others
+// may write is warned of as without them (the parent of ".../job/" was
+// taken for ".../job" itself), and the log names the directory without
+// them.
+BOOST_AUTO_TEST_CASE(a_checkpoint_dir_with_a_trailing_slash_is_the_same_directory) {
+  test::TempDir dir("ckpt");
+  const fs::path parent = dir.path / "shared";
+  fs::create_directory(parent);
+  BOOST_REQUIRE(::chmod(parent.c_str(), 0777) == 0);  // not sticky
+  const std::string name = test::unique_name("slash");
+  const std::vector<std::pair<std::string, fs::path>> cases = {{parent.string() + "/job/", parent / "job"},
+                                                               {parent.string() + "//./job2//", parent / "job2"}};
+  for (const auto& [written, normal] : cases) {
+    const fs::path log = dir.path / "server.log";
+    std::unique_ptr<Worker> w;
+    test::Process server = spawn_logged(name, adam_args(written), log, &w);
+    w.reset();
+    server.signal(SIGTERM);
+    BOOST_TEST(server.wait(10s) == 0);
+    const std::string text = read_text(log);
+    BOOST_TEST_CONTEXT(written) {
+      BOOST_TEST(text.find("--checkpoint-dir " + normal.string() + ": " + parent.string() +
+                           " (mode 0777) can be written by its group or others") != std::string::npos,
+                 text);
+      BOOST_TEST(text.find("final checkpoint written: version 0 in " + normal.string() + "\n") != std::string::npos,
+                 text);
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(a_final_checkpoint_that_cannot_be_written_fails_the_exit_code) {
   test::TempDir dir("ckpt");
   const std::string name = test::unique_name("nofinal");

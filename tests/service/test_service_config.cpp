@@ -231,6 +231,16 @@ BOOST_AUTO_TEST_CASE(relative_paths_are_refused_in_the_file_and_made_absolute_on
       {"--name", "j", "--tensor", "w:4", "--federation", "gloo", "--fed-hosts", "1", "--fed-store", "redis:h/job"});
   BOOST_REQUIRE_MESSAGE(redis.ok(), redis.status().message());
   BOOST_TEST(redis->config.federation.store == "redis:h/job");
+  // The checkpoint directory in one form, from the command line and from
+  // the file: no "." component, repeated or trailing slash; ".." kept (a
+  // link before it would make a lexical step up name another directory).
+  auto tidy = test::parse_server_args({"--name", "j", "--tensor", "w:4", "--checkpoint-dir", "ckpt/.//job/"});
+  BOOST_REQUIRE_MESSAGE(tidy.ok(), tidy.status().message());
+  BOOST_TEST(tidy->config.checkpoint_dir == cwd + "/ckpt/job");
+  const ConfFile f(kHead + "checkpoint-dir = " + dir + "//link/../job/\n");
+  auto from_file = test::parse_server_args({"--config", f.path});
+  BOOST_REQUIRE_MESSAGE(from_file.ok(), from_file.status().message());
+  BOOST_TEST(from_file->config.checkpoint_dir == dir + "/link/../job");
 }
 
 BOOST_AUTO_TEST_CASE(malformed_tensors_name_the_problem_and_the_expected_form) {
