@@ -112,6 +112,12 @@ ServerExit run_server(const ServerConfig& config, const std::vector<std::string>
   // execs the server without unblocking them must not leave a server that
   // no stop or reload reaches.
   remember_early_reload_signal();  // main() did so first; again for an embedder's call
+  // A write past the file size limit (RLIMIT_FSIZE: LimitFSIZE= in the
+  // unit, ulimit -f), a checkpoint's or the segment's, fails with EFBIG,
+  // which its message names with the fix (a final checkpoint: exit 1).
+  // SIGXFSZ's default action would end the process instead, without its
+  // shutdown: a stale segment and temp file, exit 153.
+  handle(SIGXFSZ, SIG_IGN);
   sigset_t stop_signals, previous;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);

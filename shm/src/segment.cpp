@@ -36,12 +36,19 @@ constexpr uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a
 // first; Segment::create tries again on it.
 constexpr std::string_view kLockedByAnother = "was locked by another process as it was created";
 
+// What to do about EFBIG from sizing a shm object: the process's file
+// size limit (RLIMIT_FSIZE) counts /dev/shm too. A process that does not
+// ignore SIGXFSZ is ended by it instead (shmps-server ignores it).
+constexpr const char* kFileSizeLimitFix =
+    "; raise the process's file size limit (ulimit -f; LimitFSIZE= in a systemd unit), which /dev/shm counts too";
+
 // Turns a Boost.Interprocess exception into a Status.
 Status from_boost(const bip::interprocess_exception& e, const std::string& what) {
   const int err = e.get_native_error();
   if (err == EACCES || err == EPERM) return {ErrorCode::kPermission, what + ": " + errno_text(err)};
   if (err == ENOENT) return {ErrorCode::kIo, what + ": does not exist"};
   if (err == EEXIST) return {ErrorCode::kIo, what + ": already exists"};
+  if (err == EFBIG) return {ErrorCode::kIo, what + ": " + errno_text(err) + kFileSizeLimitFix};
   return {ErrorCode::kIo, what + ": " + (err != 0 ? errno_text(err) : std::string(e.what()))};
 }
 
@@ -371,6 +378,8 @@ Result<std::unique_ptr<ShmObject>> ShmObject::create(const std::string& object_n
         return Status{ErrorCode::kNoCapacity, "/dev/shm too small for '" + object_name + "': need " +
                                                   std::to_string(bytes) + " bytes, " + std::to_string(avail) +
                                                   " available"};
+      if (err == EFBIG)
+        return Status{ErrorCode::kIo, "posix_fallocate '" + object_name + "': " + errno_text(err) + kFileSizeLimitFix};
       return Status{ErrorCode::kIo, "posix_fallocate '" + object_name + "': " + errno_text(err)};
     }
     bool empty = false;

@@ -3,7 +3,9 @@
 // or truncated newest checkpoint skipped for the previous one, a
 // checkpoint of another model refused, and the file format's own checks.
 #define BOOST_TEST_MODULE test_checkpoint
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -469,6 +471,70 @@ BOOST_AUTO_TEST_CASE(a_final_checkpoint_that_cannot_be_written_fails_the_exit_co
   server.signal(SIGTERM);
   BOOST_TEST(server.wait(10s) == 1);  // not 0: systemd and the operator must learn of it
   BOOST_TEST(read_text(log).find("final checkpoint: cannot remove") != std::string::npos, read_text(log));
+}
+
+// Under a file size limit (LimitFSIZE=, ulimit -f) SIGXFSZ does not end
+// the server: a final checkpoint past the limit fails with EFBIG, naming
+// the limit, and the server exits 1 after its shutdown (the segment and
+// the temp file removed); a limit below the segment's size fails the
+// start, naming it, and leaves no segment. SIGXFSZ's default action
+// ended both with exit 153 and a stale segment.
+BOOST_AUTO_TEST_CASE(a_file_size_limit_fails_the_final_checkpoint_not_the_process) {
+  test::TempDir dir("ckpt");
+  const fs::path d = dir.path / "d";
+  const std::string name = test::unique_name("fsize");
+  const std::string segment = "/dev/shm/" + shm::segment_object_name(name);
+  // A segment of about 270 KiB, a checkpoint of 3 MiB (Adam: 3 floats a weight).
+  const std::vector<std::string> args = {test::program_path("shmps-server"),
+                                         "--name",
+                                         name,
+                                         "--tensor",
+                                         "w:262144",
+                                         "--optimizer",
+                                         "adam",
+                                         "--checkpoint-dir",
+                                         d.string()};
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  // In the child before its exec: the limit, with SIGXFSZ at its default
+  // action and unblocked, as a service manager starts a unit.
+  const auto limit_to = [](rlim_t bytes) {
+    ::signal(SIGXFSZ, SIG_DFL);
+    sigset_t xfsz;
+    sigemptyset(&xfsz);
+    sigaddset(&xfsz, SIGXFSZ);
+    const rlimit limit{bytes, bytes};
+    return ::sigprocmask(SIG_UNBLOCK, &xfsz, nullptr) == 0 && ::setrlimit(RLIMIT_FSIZE, &limit) == 0;
+  };
+  const fs::path log = dir.path / "server.log";
+  test::Process server = test::Process::fork_fn([&] {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0 || ::dup2(fd, STDERR_FILENO) < 0 || !limit_to(1 << 20)) return 126;
+    ::execv(argv[0], argv.data());
+    return 127;
+  });
+  BOOST_REQUIRE_MESSAGE(test::eventually([&] { return test::try_connect(name, 1s) != nullptr; }, 10s), read_text(log));
+  server.signal(SIGTERM);
+  BOOST_TEST(server.wait(10s) == 1, read_text(log));
+  const std::string text = read_text(log);
+  BOOST_TEST(text.find("final checkpoint: write " + d.string() + "/.ckpt-00000000000000000000.shmps.tmp (for " +
+                       d.string() + "/" + ckpt_name(0) +
+                       "): File too large; raise the server's file size limit (LimitFSIZE= in its unit, ulimit -f)") !=
+                 std::string::npos,
+             text);
+  BOOST_TEST(checkpoint_files(d).empty());  // the temp file removed
+  BOOST_TEST(!fs::exists(segment));
+
+  const auto start = test::run_captured(args, 10s, [&] { return limit_to(64 << 10); });
+  BOOST_TEST(start.exit_code == 1, start.output);
+  BOOST_TEST(start.output.find("create shm object '" + shm::segment_object_name(name) + "': File too large") !=
+                 std::string::npos,
+             start.output);
+  BOOST_TEST(start.output.find("; raise the process's file size limit (ulimit -f; LimitFSIZE= in a systemd unit)") !=
+                 std::string::npos,
+             start.output);
+  BOOST_TEST(!fs::exists(segment));
 }
 
 BOOST_AUTO_TEST_CASE(a_huge_file_or_a_fifo_named_like_a_checkpoint_neither_stops_nor_hangs_the_start) {

@@ -123,9 +123,12 @@ class Server {
 // longer its parent (checked every 100 ms), so that a launcher killed
 // without stopping it leaves no server behind. The calling thread serves
 // with SIGINT, SIGTERM and SIGHUP unblocked, also when it was started with
-// them blocked (a launcher's sigwait() mask kept across its exec). Logs to
-// stderr (log.hpp). Returns create()'s failure, or run()'s status, with
-// the failure's kind.
+// them blocked (a launcher's sigwait() mask kept across its exec). SIGXFSZ
+// is ignored, so that a checkpoint or segment past the file size limit
+// fails with EFBIG, named in its error, rather than end the process; an
+// embedder of create() and run() that sets a file size limit should do
+// the same. Logs to stderr (log.hpp). Returns create()'s failure, or
+// run()'s status, with the failure's kind.
 struct ServerExit {
   Status status;
   FailureKind kind = FailureKind::kOther;  // of a failure
