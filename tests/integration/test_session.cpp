@@ -11,6 +11,7 @@
 #include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <chrono>
+#include <filesystem>
 #include <future>
 #include <thread>
 
@@ -217,6 +218,30 @@ BOOST_AUTO_TEST_CASE(a_pull_left_to_the_server_by_an_unanswered_detach_never_wri
   server.process().resume();
   BOOST_TEST(test::eventually([&] { return attached_workers(server.name()) == 0; }, 5s));  // the pull was served
   BOOST_TEST((std::count(data, data + 1024, 7.0f) == 1024), "first float " << data[0]);
+}
+
+// The same with the buffer's object shrunk under the caller's mapping (a
+// peer truncated it): the private copy is read from the object, short, so
+// the mapping stays as it is, and the detach ends with kTimeout, not with
+// a SIGBUS from reading the mapping past the object's end.
+BOOST_AUTO_TEST_CASE(an_unanswered_detach_of_a_buffer_whose_object_shrank_ends_without_sigbus) {
+  test::ServerProcess server(test::unique_name("detachshrunk"), {"--tensor", "w:4096"});
+  WorkerOptions o = test::worker_options(server.name(), 10s, false);
+  o.detach_timeout = 300ms;
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  auto b = (*w)->register_buffer((*w)->total_elements() * sizeof(float));
+  BOOST_REQUIRE_MESSAGE(b.ok(), b.status().to_string());
+  const std::string prefix = shm::buffer_object_prefix(server.name(), ::getpid());
+  std::string object;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm"))
+    if (entry.path().filename().string().rfind(prefix, 0) == 0) object = entry.path().string();
+  BOOST_REQUIRE_MESSAGE(!object.empty(), "no object named " << prefix << "*");
+  server.process().pause();
+  BOOST_REQUIRE(::truncate(object.c_str(), 0) == 0);
+  const Status detached = (*w)->detach();
+  BOOST_TEST((detached.code() == ErrorCode::kTimeout), detached.to_string());
+  server.process().resume();
 }
 
 // WorkerOptions::detach_interrupted, asked while a detach waits (and

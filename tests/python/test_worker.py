@@ -111,7 +111,9 @@ def _a_driver_loads():
 def test_a_device_buffer_without_a_driver_raises_cuda_error_and_the_worker_goes_on(make_server):
     server = make_server()
     with shmps.connect(server.name) as w:
-        with pytest.raises(shmps.CudaError, match="no NVIDIA driver.*install the NVIDIA driver"):
+        # A library built with CUDA names the driver to install; one built
+        # without it says so.
+        with pytest.raises(shmps.CudaError, match="install the NVIDIA driver|built without CUDA"):
             w.alloc_device_buffer(16, 0)
         buf = w.register_buffer(w.total_elements * 4)
         np.asarray(buf).view(np.float32)[:] = 1.0

@@ -215,15 +215,31 @@ class HostMappings {
 // its shared mapping, at the same address: after a detach the server did
 // not answer, it may still serve requests sent before (a pull_async)
 // when it runs again, and those write the object, never again the
-// caller's memory. Where the kernel refuses (no memory for the copy) the
-// mapping stays shared.
+// caller's memory. The copy is read from the object (pread: an object
+// shrunk under the mapping reads short, where reading the mapping would
+// raise SIGBUS); where that falls short, or the kernel refuses (no memory
+// for the copy), the mapping stays shared. A whole object's mapping only
+// (a Worker's buffers are).
 void privatize(const shm::ShmObject& object) {
+  const size_t bytes = object.mapping_size();
   const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  const size_t length = (object.mapping_size() + page - 1) / page * page;
-  void* copy = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  const size_t length = (bytes + page - 1) / page * page;
+  const int fd = ::shm_open(object.name().c_str(), O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0) return;
+  struct stat st {};
+  void* copy = MAP_FAILED;
+  if (::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_ino) == object.inode())
+    copy = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  size_t got = 0;
+  while (copy != MAP_FAILED && got < bytes) {
+    const ssize_t n = ::pread(fd, static_cast<char*>(copy) + got, bytes - got, static_cast<off_t>(got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  ::close(fd);
   if (copy == MAP_FAILED) return;
-  std::memcpy(copy, object.mapping(), object.mapping_size());
-  if (::mremap(copy, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, object.mapping()) == MAP_FAILED) {
+  if (got < bytes || ::mremap(copy, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, object.mapping()) == MAP_FAILED) {
     ::munmap(copy, length);
     return;
   }

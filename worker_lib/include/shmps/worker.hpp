@@ -22,7 +22,8 @@
 // Thread safety: one Worker is used by one thread at a time (it owns one
 // single-producer lane). Separate Worker objects, in one process or many,
 // are independent. Buffer memory may be written by any thread, but not while
-// a push that reads it, or a pull that writes it, is in flight.
+// a push that reads it, or a pull that writes it, is in flight, nor during
+// a detach (detach(), the destructor), which may copy it (detach_timeout).
 // Processes: a Worker belongs to the process that connected it. In a
 // fork()ed child, every call of an inherited Worker fails with
 // kInvalidArgument ("connect its own": sharing the parent's lane would
