@@ -10,6 +10,7 @@
 #include <cmath>
 #include <vector>
 
+#include "device_spec.hpp"
 #include "fed_store.hpp"
 
 namespace shmps::server {
@@ -86,7 +87,7 @@ Status validate(const ServerConfig& config) {
   if (!config.device.empty()) {
     // The form only; whether such a device exists is the backend's check.
     const std::string& d = config.device;
-    const bool uuid = d.rfind("GPU-", 0) == 0 && d.size() > 4;
+    const bool uuid = is_device_uuid_spec(d);
     const bool bus_id = d.find(':') != std::string::npos && d.find('.') != std::string::npos;
     if (!uuid && !bus_id)
       return invalid(

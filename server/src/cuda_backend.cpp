@@ -12,15 +12,14 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <thread>
 
 #include "backend.hpp"
+#include "device_spec.hpp"
 #include "shmps/cuda_check.hpp"
 #include "shmps/kernels/model_passes.hpp"
 #include "shmps/kernels/optimizer_cuda.hpp"
@@ -76,19 +75,6 @@ bool is_sticky(cudaError_t e) {
     default:
       return false;
   }
-}
-
-// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi -L prints it.
-std::string uuid_text(const uint8_t (&b)[16]) {
-  char out[48];
-  std::snprintf(out, sizeof out, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
-                b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
-  return out;
-}
-
-std::string lower(std::string s) {
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
 }
 
 // cuMemGetAddressRange through the runtime's driver entry point: the base
@@ -696,7 +682,7 @@ class CudaBackend final : public Backend {
     device_ = 0;
     if (!spec.empty()) {
       int found = -1;
-      if (lower(spec).rfind("gpu-", 0) == 0) {
+      if (is_device_uuid_spec(spec)) {
         for (int d = 0; d < count && found < 0; ++d) {
           cudaDeviceProp p{};
           if (cudaGetDeviceProperties(&p, d) != cudaSuccess) {
@@ -705,7 +691,7 @@ class CudaBackend final : public Backend {
           }
           uint8_t b[16];
           std::memcpy(b, &p.uuid, sizeof b);
-          if (uuid_text(b) == lower(spec)) found = d;
+          if (device_uuid_matches(spec, b)) found = d;
         }
       } else if (cudaDeviceGetByPCIBusId(&found, spec.c_str()) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -723,7 +709,7 @@ class CudaBackend final : public Backend {
       return s;
     static_assert(sizeof p.uuid == sizeof uuid_bytes_);
     std::memcpy(uuid_bytes_, &p.uuid, sizeof uuid_bytes_);
-    uuid_ = uuid_text(uuid_bytes_);
+    uuid_ = device_uuid_text(uuid_bytes_);
     char bus[32] = {};
     if (Status s =
             call(cudaDeviceGetPCIBusId(bus, sizeof bus, device_), "cudaDeviceGetPCIBusId(bus, 32, device_)", __LINE__);
@@ -779,11 +765,11 @@ class CudaBackend final : public Backend {
                                         ", so not probed"
                                   : probe_peer(d);
       (void)cudaGetLastError();  // a failed probe must not fail the first launch check
-      peers_[uuid_text(b)] = why;
+      peers_[device_uuid_text(b)] = why;
       if (why.empty())
-        log::info("peer access " + uuid_ + " -> " + uuid_text(b) + ": verified by a write and read-back");
+        log::info("peer access " + uuid_ + " -> " + device_uuid_text(b) + ": verified by a write and read-back");
       else
-        log::warn("device " + uuid_text(b) + " is not reachable from " + uuid_ + ": " + why +
+        log::warn("device " + device_uuid_text(b) + " is not reachable from " + uuid_ + ": " + why +
                   "; buffers on it will be refused (enable P2P: same PCIe root or NVLink, IOMMU/ACS off for P2P)");
     }
     (void)cudaSetDevice(device_);
@@ -835,7 +821,7 @@ class CudaBackend final : public Backend {
   }
 
   Status reachable(const uint8_t (&uuid)[16]) {
-    const std::string u = uuid_text(uuid);
+    const std::string u = device_uuid_text(uuid);
     if (u == uuid_) return Status::Ok();
     auto it = peers_.find(u);
     if (it == peers_.end())
