@@ -96,6 +96,34 @@ GetAddressRangeFn address_range_fn(std::string* error) {
   return fn;
 }
 
+// Whether this process's primary context of runtime device `device` is
+// active: cuDevicePrimaryCtxGetState through the runtime's driver entry
+// points (no link to libcuda), which makes no context; kUnknown where the
+// driver does not say.
+enum class PrimaryContext { kInactive, kActive, kUnknown };
+PrimaryContext primary_context_state(int device) {
+  using DeviceGetFn = CUresult (*)(CUdevice*, int);
+  using GetStateFn = CUresult (*)(CUdevice, unsigned int*, int*);
+  void* get = nullptr;
+  void* get_state = nullptr;
+  cudaDriverEntryPointQueryResult found_get{}, found_state{};
+  if (cudaGetDriverEntryPointByVersion("cuDeviceGet", &get, 12000, cudaEnableDefault, &found_get) != cudaSuccess ||
+      cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &get_state, 12000, cudaEnableDefault,
+                                       &found_state) != cudaSuccess ||
+      found_get != cudaDriverEntryPointSuccess || found_state != cudaDriverEntryPointSuccess || get == nullptr ||
+      get_state == nullptr) {
+    (void)cudaGetLastError();
+    return PrimaryContext::kUnknown;
+  }
+  CUdevice dev = 0;
+  unsigned int flags = 0;
+  int active = 0;
+  if (reinterpret_cast<DeviceGetFn>(get)(&dev, device) != CUDA_SUCCESS ||
+      reinterpret_cast<GetStateFn>(get_state)(dev, &flags, &active) != CUDA_SUCCESS)
+    return PrimaryContext::kUnknown;
+  return active != 0 ? PrimaryContext::kActive : PrimaryContext::kInactive;
+}
+
 class CudaBackend;
 
 // One cudaIpcOpenMemHandle of a worker's allocation, shared by every
@@ -153,6 +181,10 @@ class CudaPeer final : public PeerBuffer {
 class CudaBackend final : public Backend {
  public:
   ~CudaBackend() override {
+    if (!started_) {
+      release_failed_start();
+      return;
+    }
     if (!sticky_.ok()) return;  // the context is gone; the process exits soon
     (void)cudaSetDevice(device_);
     if (!synchronize().ok()) return;  // stuck or lost: nothing is freed under work that may still run
@@ -173,7 +205,13 @@ class CudaBackend final : public Backend {
                         "): check that nvidia-smi lists the GPU, that the service user may open /dev/nvidia* (groups "
                         "video/render), and CUDA_VISIBLE_DEVICES; or run with --backend host");
     if (Status s = select_device(device_spec, count); !s.ok()) return s;
-    if (Status s = call(cudaSetDevice(device_), "cudaSetDevice(device_)", __LINE__); !s.ok()) return s;
+    // The device's attributes are read before cudaSetDevice, which makes
+    // its primary context at once (CUDA 12 and later): on a device in
+    // PROHIBITED mode, or one another process holds in EXCLUSIVE_PROCESS
+    // mode, it fails (cudaErrorDeviceUnavailable) before the message below
+    // could name the fix, and on a free EXCLUSIVE_PROCESS device our
+    // context would take it. Attribute queries need no context.
+    context_before_start_ = primary_context_state(device_);
     int mode = 0, unified = 0, ipc_events = 0;
     if (Status s = call(cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, device_),
                         "cudaDeviceGetAttribute(ComputeMode)", __LINE__);
@@ -193,12 +231,19 @@ class CudaBackend final : public Backend {
                         ", IPC events " + std::to_string(ipc_events) +
                         "): CUDA IPC needs Linux with unified addressing; "
                         "use --backend host");
+    if (Status s = call(cudaSetDevice(device_), "cudaSetDevice(device_)", __LINE__); !s.ok()) return s;
     if (Status s =
             call(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", __LINE__);
         !s.ok())
       return s;
     if (Status s = probe_ipc(); !s.ok()) return s;
     probe_peers(count);
+    // The peer probes report their failures as text; a kernel of theirs
+    // that lost our context (a sticky error, which no cudaGetLastError
+    // clears) fails the start here, not the first request.
+    if (Status s = call(cudaDeviceSynchronize(), "cudaDeviceSynchronize() after the peer probes", __LINE__); !s.ok())
+      return s;
+    started_ = true;
     log::info("cuda backend on device " + std::to_string(device_) + " (" + uuid_ + ", PCI " + pci_bus_id_ + ")");
     return Status::Ok();
   }
@@ -568,6 +613,28 @@ class CudaBackend final : public Backend {
 
   Status fail_probe(const std::string& text) { return {ErrorCode::kCuda, "--backend cuda: " + text}; }
 
+  // A start that failed after it made this process's primary context on
+  // device_ (cudaSetDevice, the probes) destroys it (cudaDeviceReset, with
+  // the stream and whatever the probes left): else a server that goes on
+  // with the host backend (--backend auto) would hold it for its life, with
+  // its memory, and alone on a device in EXCLUSIVE_PROCESS mode. Only a
+  // context this start made: one active before start() is used by
+  // something else in this process (an embedding program, an in-process
+  // worker's device buffers), whose memory a reset would free under it;
+  // then only the stream goes. Peers' contexts (probe_peers()) are left.
+  // Runs on start()'s thread; another thread of the process that starts
+  // using device_ meanwhile is not covered.
+  void release_failed_start() {
+    if (context_before_start_ == PrimaryContext::kInactive &&
+        primary_context_state(device_) == PrimaryContext::kActive) {
+      if (cudaSetDevice(device_) == cudaSuccess) (void)cudaDeviceReset();
+    } else if (stream_ != nullptr) {  // made in a context that exists: no new one is made here
+      (void)cudaSetDevice(device_);
+      (void)cudaStreamDestroy(stream_);
+    }
+    (void)cudaGetLastError();
+  }
+
   Fence fence_fallback() {
     // Could not record an event: wait instead, so completions stay correct.
     // A wait that fails (a lost context, a stall) is sticky: the server's
@@ -857,6 +924,10 @@ class CudaBackend final : public Backend {
   Fence last_fence_ = 0;
   bool dirty_ = false;  // work enqueued since the last fence
   Status sticky_;
+  // start(): whether this process had device_'s primary context before it
+  // (release_failed_start()), and whether it succeeded.
+  PrimaryContext context_before_start_ = PrimaryContext::kUnknown;
+  bool started_ = false;
 };
 
 }  // namespace
