@@ -105,7 +105,7 @@ void Sessions::end(uint32_t i, const std::string& why) {
   if (!why.empty())
     log(LogLevel::kWarn, "worker " + std::to_string(i) + " (pid " + std::to_string(slot.pid()) + "): " + why);
   held_.orphan(i);
-  for (uint32_t b = 0; b < slot.buffers.size(); ++b) close_buffer(i, b);
+  close_buffers(i);
   slot.buffers.clear();
   slot.owner = 0;
   slot.lease = 0;
@@ -171,6 +171,10 @@ void Sessions::close_buffer(uint32_t i, uint32_t id) {
   if (id >= slot.buffers.size() || !slot.buffers[id]) return;
   slot.buffers[id].reset();  // the deleter counts mappings_closed once nothing holds it
   segment_.stats().buffers_registered.fetch_sub(1, std::memory_order_relaxed);  // relaxed: statistic
+}
+
+void Sessions::close_buffers(uint32_t i) {
+  for (uint32_t b = 0; b < slots_[i].buffers.size(); ++b) close_buffer(i, b);
 }
 
 std::string Sessions::taken_as(const shm::ShmObject::Identity& id, uint32_t i) const {

@@ -93,6 +93,9 @@ class Sessions {
   // mapping is closed, and counted, when the last holder lets go.
   void add_buffer(uint32_t i, uint32_t id, std::unique_ptr<PeerBuffer> buffer);
   void close_buffer(uint32_t i, uint32_t id);
+  // Every buffer of worker i (the session stays): a mapping that device
+  // work still uses closes when that work is done.
+  void close_buffers(uint32_t i);
   // What the shm object of `id` is when worker i may not register it: the
   // control segment, or a buffer another attached worker registered (worker
   // i's own may be registered again, as another window); empty otherwise.

@@ -12,6 +12,7 @@
 #include <boost/test/unit_test.hpp>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <thread>
 
@@ -37,6 +38,9 @@ struct Gate {
   std::atomic<int> live_peers{0};       // PeerBuffers not yet destroyed
   std::atomic<bool> lost{false};        // the "device" failed: a sticky error
   std::atomic<bool> reads_fail{false};  // a read of the weights fails, the device lives on (not sticky)
+  // Run by each PeerBuffer's destructor (on the server's thread) when set;
+  // set before the first registration.
+  std::function<void()> on_peer_closed;
   void release_all() { released.store(UINT64_MAX, std::memory_order_release); }
 };
 
@@ -45,7 +49,10 @@ class GatedPeer final : public PeerBuffer {
   GatedPeer(std::unique_ptr<PeerBuffer> inner, Gate* gate) : inner_(std::move(inner)), gate_(gate) {
     ++gate_->live_peers;
   }
-  ~GatedPeer() override { --gate_->live_peers; }
+  ~GatedPeer() override {
+    if (gate_->on_peer_closed) gate_->on_peer_closed();
+    --gate_->live_peers;
+  }
   uint64_t length() const noexcept override { return inner_->length(); }
   const shm::ShmObject* host_object() const noexcept override { return inner_->host_object(); }
   PeerBuffer& inner() const { return *inner_; }
@@ -251,6 +258,34 @@ BOOST_AUTO_TEST_CASE(completions_of_one_worker_keep_request_order) {
   }
   BOOST_TEST(s.gate.live_peers.load() == 0);
   BOOST_TEST(stats.mappings_closed.load(std::memory_order_relaxed) == 1u);
+  raw.release_entry();
+}
+
+// A detach's answer comes after the server closed the worker's buffers:
+// the worker takes the answer, or its entry reading kDetached, as leave to
+// destroy its events and free its memory, which CUDA IPC allows only once
+// the importer has closed them. The host backend runs the same order.
+BOOST_AUTO_TEST_CASE(a_detach_closes_the_buffers_before_the_entry_says_detached_or_the_answer_is_posted) {
+  GatedServer s("detach");
+  test::RawClient raw(s.config.name);
+  RawBuffer buffer(raw, s.config.name, 904, 1.0f);
+  std::atomic<uint64_t> owner_at_close{0};
+  std::atomic<uint64_t> answers_at_close{UINT64_MAX};
+  s.gate.on_peer_closed = [&] {
+    owner_at_close = raw.segment().worker(raw.id()).owner.load();
+    answers_at_close = raw.segment().completions(raw.id()).tail.load();
+  };
+  struct Unhook {  // before raw goes, even when a call throws
+    Gate& gate;
+    ~Unhook() { gate.on_peer_closed = nullptr; }
+  } unhook{s.gate};
+  BOOST_TEST(raw.call(raw.request(shm::Opcode::kRegisterBuffer)).code == 0u);
+  BOOST_TEST(raw.call(raw.request(shm::Opcode::kDetach)).code == 0u);
+  BOOST_TEST(s.gate.live_peers.load() == 0);
+  BOOST_TEST(shm::owner_state(owner_at_close.load()) == static_cast<uint32_t>(shm::WorkerState::kAttached));
+  BOOST_TEST(answers_at_close.load() == 1u);  // the register's answer only
+  BOOST_TEST(shm::owner_state(raw.segment().worker(raw.id()).owner.load()) ==
+             static_cast<uint32_t>(shm::WorkerState::kDetached));
   raw.release_entry();
 }
 
