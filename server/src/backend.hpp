@@ -104,6 +104,11 @@ class Backend {
   virtual Status synchronize() { return Status::Ok(); }
   // The weights' export, published in the segment; absent for host memory.
   virtual WeightsExport weights_export() const { return {}; }
+  // The segment's statistics, for the counters a backend keeps itself (the
+  // CUDA backend's IPC handle opens and closes). Set once, after the
+  // segment is made and before the first open_peer(); the block outlives
+  // every PeerBuffer (the server destroys its sessions before its segment).
+  virtual void set_stats(shm::StatsBlock* stats) { (void)stats; }
 
   // Allocates the weights (`total` fp32, the sum of the extents) and
   // `state_arrays` optimizer state arrays of the same length, all zeroed

@@ -130,16 +130,20 @@ class CudaBackend;
 // registration of that worker naming the same allocation (the driver would
 // refcount a second open anyway). Closed when the last PeerBuffer using it
 // is gone, which the server defers until the device work reading it is done.
+// The close is counted in StatsBlock::ipc_handles_closed when it succeeds.
 struct IpcMapping {
   void* base = nullptr;
   uint64_t size = 0;
   int device = 0;
+  shm::StatsBlock* stats = nullptr;  // the segment's (Backend::set_stats()), or null
   ~IpcMapping() {
     if (base == nullptr) return;
     (void)cudaSetDevice(device);
     if (std::string e = SHMPS_CUDA_ERROR(cudaIpcCloseMemHandle(base)); !e.empty()) {
       log::warn("closing a worker's IPC mapping: " + e);
       (void)cudaGetLastError();  // else the next launch check (cudaGetLastError) reports it
+    } else if (stats != nullptr) {
+      stats->ipc_handles_closed.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
     }
   }
 };
@@ -322,6 +326,7 @@ class CudaBackend final : public Backend {
   }
 
   WeightsExport weights_export() const override { return export_; }
+  void set_stats(shm::StatsBlock* stats) override { stats_ = stats; }
 
   // ---------------------------------------------------------------- memory
   Status allocate(const std::vector<TensorExtent>& tensors, size_t state_arrays, uint64_t total) override {
@@ -729,6 +734,8 @@ class CudaBackend final : public Backend {
     auto m = std::make_shared<IpcMapping>();
     m->base = base;
     m->device = device_;
+    m->stats = stats_;
+    if (stats_ != nullptr) stats_->ipc_handles_opened.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
     auto range = allocation_of(base);
     if (!range.ok()) return range.status();  // m's destructor closes the handle
     // The bytes from the opened pointer to the end of the range: the driver
@@ -741,7 +748,6 @@ class CudaBackend final : public Backend {
     // Drop expired entries now and then, so the map stays small.
     if (mappings_.size() > 1024) std::erase_if(mappings_, [](const auto& e) { return e.second.expired(); });
     mappings_[key] = m;
-    ++ipc_opens_;
     return m;
   }
 
@@ -917,7 +923,7 @@ class CudaBackend final : public Backend {
   WeightsExport export_;
   std::map<std::string, std::string> peers_;  // UUID -> "" (reachable) or why not
   std::map<std::string, std::weak_ptr<IpcMapping>> mappings_;
-  uint64_t ipc_opens_ = 0;
+  shm::StatsBlock* stats_ = nullptr;  // the segment's (set_stats()): IPC handle opens and closes
   // Fences: events recorded on stream_, oldest first.
   std::deque<std::pair<Fence, cudaEvent_t>> fences_;
   std::vector<cudaEvent_t> free_events_;

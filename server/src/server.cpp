@@ -1026,6 +1026,7 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
     return s;
   };
   shm::Segment& seg = *impl->segment;
+  impl->backend->set_stats(&seg.stats());
   Model& model = impl->model;
   std::vector<TensorExtent> extents;
   for (const shm::TensorDesc& t : seg.layout().tensors) {

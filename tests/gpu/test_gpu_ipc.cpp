@@ -3,10 +3,14 @@
 // device memory through real CUDA IPC handles and interprocess events.
 // The seed's two tests on device memory, two gradients inside one
 // allocation with poison around them, one buffer pushed 100 times (one
-// open), 1,000 register/push/unregister cycles (opens == closes, device
-// memory back), a worker killed with a push in flight, and the caller's
+// open), 1,000 register/push/unregister cycles (IPC handle opens ==
+// closes, device memory back), a worker killed with a push in flight, and
+// the caller's
 // stream ordering blocking and asynchronous calls; and a worker in the
-// server's own process, whose device buffers go by offer, not IPC.
+// server's own process, whose device buffers go by offer, not IPC. The
+// counts are the server's (StatsBlock): mappings_* count its PeerBuffers,
+// ipc_handles_* its cudaIpcOpenMemHandle calls and the
+// cudaIpcCloseMemHandle calls that succeeded.
 // CUDA runs only in forked children: the test process itself never
 // initialises CUDA (a child forked after that could not use it). Without a
 // device every case is skipped with the reason (docs/cuda.md: run on an
@@ -176,6 +180,8 @@ BOOST_AUTO_TEST_CASE(a_worker_in_the_servers_process_pushes_and_pulls_device_mem
       auto w = connect(config.name);
       EXPECT(w != nullptr, "connect");
       if (const int failed = first_push_applies_sgd(*w); failed != 0) return failed;
+      EXPECT(stat_of(config.name, &shm::StatsBlock::mappings_opened) == 2, "mappings_opened");
+      EXPECT(stat_of(config.name, &shm::StatsBlock::ipc_handles_opened) == 0, "ipc_handles_opened: offers need no IPC");
       EXPECT(w->detach().ok(), "detach");
       return 0;
     }();
@@ -346,8 +352,11 @@ BOOST_AUTO_TEST_CASE(one_buffer_pushed_100_times_is_opened_once) {
     }
     EXPECT(stat_of(server.name(), &shm::StatsBlock::mappings_opened) == 1, "mappings_opened");
     EXPECT(stat_of(server.name(), &shm::StatsBlock::mappings_closed) == 0, "mappings_closed");
+    EXPECT(stat_of(server.name(), &shm::StatsBlock::ipc_handles_opened) == 1, "ipc_handles_opened");
+    EXPECT(stat_of(server.name(), &shm::StatsBlock::ipc_handles_closed) == 0, "ipc_handles_closed");
     EXPECT(w->unregister_buffer(*id).ok(), "unregister");
     EXPECT(stat_of(server.name(), &shm::StatsBlock::mappings_closed) == 1, "mappings_closed after unregister");
+    EXPECT(stat_of(server.name(), &shm::StatsBlock::ipc_handles_closed) == 1, "ipc_handles_closed after unregister");
     return 0;
   });
 }
@@ -385,7 +394,11 @@ BOOST_AUTO_TEST_CASE(register_push_unregister_1000_times_closes_every_mapping_an
         const uint64_t opened = stat_of(server.name(), &shm::StatsBlock::mappings_opened);
         const uint64_t closed = stat_of(server.name(), &shm::StatsBlock::mappings_closed);
         EXPECT(opened == 1001 && closed == 1001,
-               std::to_string(opened) + " opened, " + std::to_string(closed) + " closed");
+               "mappings: " + std::to_string(opened) + " opened, " + std::to_string(closed) + " closed");
+        const uint64_t ipc_opened = stat_of(server.name(), &shm::StatsBlock::ipc_handles_opened);
+        const uint64_t ipc_closed = stat_of(server.name(), &shm::StatsBlock::ipc_handles_closed);
+        EXPECT(ipc_opened == 1001 && ipc_closed == 1001,
+               "IPC handles: " + std::to_string(ipc_opened) + " opened, " + std::to_string(ipc_closed) + " closed");
         return 0;
       },
       280s);
@@ -435,9 +448,12 @@ BOOST_AUTO_TEST_CASE(a_worker_killed_with_a_push_in_flight_leaves_the_server_ser
   BOOST_TEST(test::eventually(
       [&] {
         return stat_of(server.name(), &shm::StatsBlock::mappings_opened) ==
-               stat_of(server.name(), &shm::StatsBlock::mappings_closed);
+                   stat_of(server.name(), &shm::StatsBlock::mappings_closed) &&
+               stat_of(server.name(), &shm::StatsBlock::ipc_handles_opened) ==
+                   stat_of(server.name(), &shm::StatsBlock::ipc_handles_closed);
       },
       30s));
+  BOOST_TEST(stat_of(server.name(), &shm::StatsBlock::ipc_handles_opened) >= 2u);  // the victim's and the survivor's
   BOOST_TEST(stat_of(server.name(), &shm::StatsBlock::workers_died) >= 1u);
 }
 

@@ -12,7 +12,7 @@ using namespace shmps::shm;
 BOOST_AUTO_TEST_SUITE(layout)
 
 BOOST_AUTO_TEST_CASE(version_and_magic_are_pinned) {
-  BOOST_TEST(kLayoutVersion == 15u);
+  BOOST_TEST(kLayoutVersion == 16u);
   BOOST_TEST(kBufferInProcess == 1u);
   BOOST_TEST(kWeightsExportPresent == 1u);
   BOOST_TEST(kMagic == 0x31474553504d4853ull);
@@ -78,6 +78,8 @@ BOOST_AUTO_TEST_CASE(field_offsets_are_pinned) {
   BOOST_TEST(offsetof(StatsBlock, apply_threads) == 152u);
   BOOST_TEST(offsetof(StatsBlock, pulls_held) == 264u);
   BOOST_TEST(offsetof(StatsBlock, checkpoints_deferred) == 272u);
+  BOOST_TEST(offsetof(StatsBlock, ipc_handles_opened) == 280u);
+  BOOST_TEST(offsetof(StatsBlock, ipc_handles_closed) == 288u);
   BOOST_TEST(offsetof(StatsBlock, rejected) == 384u);
   BOOST_TEST(offsetof(WorkerEntry, pushes_scaled) == 120u);
   BOOST_TEST(offsetof(StatsBlock, apply_ns) == 640u);

@@ -69,7 +69,9 @@ inline constexpr uint64_t kMagic = 0x31474553504d4853ull;  // "SHMPSEG1" little-
 // 13: Completion::flags (a reserved word before): kCompletionMessageCut.
 // 14: StatsBlock::checkpoints_deferred (a reserved counter slot before).
 // 15: WorkerState::kReleasing (an entry is given back through it).
-inline constexpr uint32_t kLayoutVersion = 15;
+// 16: StatsBlock::ipc_handles_opened, ipc_handles_closed (reserved counter
+//     slots before).
+inline constexpr uint32_t kLayoutVersion = 16;
 inline constexpr size_t kCacheLine = 64;
 
 inline constexpr uint32_t kMaxWorkersLimit = 256;  // 4 doorbell words
@@ -602,7 +604,9 @@ inline constexpr uint64_t kScheduledLrSaturated = ~uint64_t{0} - 1;
   X(checkpoints_written, counter, "Checkpoints this server wrote (--checkpoint-dir).") \
   X(checkpoint_failures, counter, "Checkpoints that failed: the device's read or the write (the error is in the log).") \
   X(pulls_held, gauge, "Pulls held back now by --staleness-policy wait (their workers wait for the slowest).") \
-  X(checkpoints_deferred, counter, "Checkpoints due that waited for a federation round to merge (its state does not match the weights until then), once per interval waited.")
+  X(checkpoints_deferred, counter, "Checkpoints due that waited for a federation round to merge (its state does not match the weights until then), once per interval waited.") \
+  X(ipc_handles_opened, counter, "CUDA IPC memory handles of workers' allocations the server opened (cudaIpcOpenMemHandle; CUDA backend).") \
+  X(ipc_handles_closed, counter, "CUDA IPC memory handles the server closed (cudaIpcCloseMemHandle that succeeded; a failed close is logged, not counted).")
 // clang-format on
 #define SHMPS_STATS_COUNT(name, kind, help) +1
 inline constexpr size_t kStatsBlockCounters = 0 SHMPS_STATS_BLOCK_COUNTERS(SHMPS_STATS_COUNT);
