@@ -390,6 +390,9 @@ class CudaBackend final : public Backend {
     auto peer = std::make_unique<CudaPeer>();
     peer->device_ = device_;
     peer->length_ = desc.length;
+    // The device its descriptor names, for an in-process buffer too: a
+    // buffer on a device we cannot reach would fault our kernels.
+    if (Status s = reachable(desc.device_uuid); !s.ok()) return s;
     const bool in_process = (desc.flags & shm::kBufferInProcess) != 0;
     if (in_process) {
       // The worker lives in our process: pointer and event, no IPC (a
@@ -406,7 +409,6 @@ class CudaBackend final : public Backend {
       peer->event_ = static_cast<cudaEvent_t>(offer->event);
       return std::unique_ptr<PeerBuffer>(std::move(peer));
     }
-    if (Status s = reachable(desc.device_uuid); !s.ok()) return s;
     auto mapping = open_mapping(desc, worker_pid);
     if (!mapping.ok()) return mapping.status();
     if (Status s = check_range(desc, (*mapping)->size); !s.ok()) return s;
