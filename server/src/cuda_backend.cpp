@@ -136,8 +136,12 @@ struct IpcMapping {
   uint64_t size = 0;
   int device = 0;
   shm::StatsBlock* stats = nullptr;  // the segment's (Backend::set_stats()), or null
+  std::shared_ptr<const bool> lost;  // the backend's: its context lost, or its stream stalled
   ~IpcMapping() {
-    if (base == nullptr) return;
+    // No CUDA call on a lost context (it would fail), nor under a stalled
+    // stream whose queued work may still read this memory: the server
+    // stops, and the process's end unmaps it.
+    if (base == nullptr || (lost && *lost)) return;
     (void)cudaSetDevice(device);
     if (std::string e = SHMPS_CUDA_ERROR(cudaIpcCloseMemHandle(base)); !e.empty()) {
       log::warn("closing a worker's IPC mapping: " + e);
@@ -155,6 +159,7 @@ class CudaPeer final : public PeerBuffer {
   char* at(uint64_t byte_offset) const noexcept { return data_ + byte_offset; }
   cudaEvent_t event() const noexcept { return event_; }
   ~CudaPeer() override {
+    if (lost_ && *lost_) return;  // as ~IpcMapping()
     if (host_) {
       (void)cudaSetDevice(device_);
       if (std::string e = SHMPS_CUDA_ERROR(cudaHostUnregister(host_->mapping())); !e.empty()) {
@@ -180,6 +185,7 @@ class CudaPeer final : public PeerBuffer {
   cudaEvent_t event_ = nullptr;
   bool own_event_ = false;  // opened here (cudaIpcOpenEventHandle): destroyed here
   int device_ = 0;
+  std::shared_ptr<const bool> lost_;  // the backend's (IpcMapping::lost)
 };
 
 class CudaBackend final : public Backend {
@@ -306,6 +312,7 @@ class CudaBackend final : public Backend {
         // Sticky, as a lost context: healthy() reports it, so the shutdown
         // and the destructor wait no more on this stream (nor free memory
         // its work may still use), and completions are failed, not posted.
+        *lost_ = true;
         sticky_ = {ErrorCode::kCuda, "the device's work has not finished in " +
                                          std::to_string(kDeviceStallNs / 1'000'000'000) +
                                          " s (a dead worker's event never recorded?): the weights may be half-written"};
@@ -389,6 +396,7 @@ class CudaBackend final : public Backend {
       return Status{ErrorCode::kBadRequest, "buffer kind " + std::to_string(desc.kind) + " unknown"};
     auto peer = std::make_unique<CudaPeer>();
     peer->device_ = device_;
+    peer->lost_ = lost_;
     peer->length_ = desc.length;
     // The device its descriptor names, for an in-process buffer too: a
     // buffer on a device we cannot reach would fault our kernels.
@@ -436,6 +444,7 @@ class CudaBackend final : public Backend {
     if (!opened.ok()) return opened.status();
     auto peer = std::make_unique<CudaPeer>();
     peer->device_ = device_;
+    peer->lost_ = lost_;
     peer->length_ = desc.length;
     void* host = (*opened)->mapping();  // from a page boundary
     const size_t lead = static_cast<size_t>(static_cast<char*>((*opened)->data()) - static_cast<char*>(host));
@@ -583,6 +592,7 @@ class CudaBackend final : public Backend {
     if (e == cudaSuccess) return Status::Ok();
     const std::string text = cuda::error_text(expression, e, __FILE__, line);
     if (is_sticky(e) && sticky_.ok()) {
+      *lost_ = true;
       sticky_ = Status{ErrorCode::kCuda, text + "; the CUDA context is lost: the weights may be half-written"};
       log::error(sticky_.message());
     }
@@ -736,6 +746,7 @@ class CudaBackend final : public Backend {
     auto m = std::make_shared<IpcMapping>();
     m->base = base;
     m->device = device_;
+    m->lost = lost_;
     m->stats = stats_;
     if (stats_ != nullptr) stats_->ipc_handles_opened.fetch_add(1, std::memory_order_relaxed);  // relaxed: statistic
     auto range = allocation_of(base);
@@ -932,6 +943,10 @@ class CudaBackend final : public Backend {
   Fence last_fence_ = 0;
   bool dirty_ = false;  // work enqueued since the last fence
   Status sticky_;
+  // True once sticky_ is set; shared with the peer buffers and mappings,
+  // which may outlive this backend's use (their destructors make no CUDA
+  // call then).
+  std::shared_ptr<bool> lost_ = std::make_shared<bool>(false);
   // start(): whether this process had device_'s primary context before it
   // (release_failed_start()), and whether it succeeded.
   PrimaryContext context_before_start_ = PrimaryContext::kUnknown;
