@@ -12,14 +12,17 @@
 #     unpacked into a sysroot, then the cuda preset configured against it,
 #     that python3 included, and built with all cores), or stop with the
 #     reason; and whether the Python step can run. --probe-only ends here.
-#  2. every test labelled gpu; shmps-gpu-bench --quick; the whole suite on
-#     the CUDA build (--backend auto picks cuda there), without the labels
-#     soak, gpu and host-tools (tests that need the build host's tools);
-#     the Python package: its extension built for that python3 (prebuilt:
-#     python/ on its own against the carried install prefix; build: by the
-#     tree's build) and pytest tests/python, CUDA cases included;
-#     compute-sanitizer memcheck and racecheck on the GPU tests when it is
-#     on PATH; the full shmps-gpu-bench when time is left.
+#  2. every test labelled gpu; a server started with --device set to the
+#     UUID nvidia-smi -L prints; shmps-gpu-bench --quick; the whole suite
+#     on the CUDA build (--backend auto picks cuda there), without the
+#     labels soak, gpu and host-tools (tests that need the build host's
+#     tools); the Python package: its extension built for that python3
+#     (prebuilt: python/ on its own against the carried install prefix;
+#     build: by the tree's build) and pytest tests/python, CUDA cases
+#     included; compute-sanitizer memcheck and racecheck on the GPU tests
+#     when it is on PATH and runs a trivial CUDA program here (else those
+#     steps are not run, with its message); the full shmps-gpu-bench when
+#     time is left.
 # OUTDIR receives at most six files, rewritten after every step so that a
 # killed run still leaves them: probe.txt, results.md (steps with exit
 # codes, one row per test, the bench), gpu-check.log (cut to 4 MiB),
@@ -664,6 +667,24 @@ ctest_step() {
 }
 ctest_step "ctest -L gpu" 100 "$work/gpu-tests.xml" -L gpu
 
+# --device as nvidia-smi -L prints it (GPU-xxxxxxxx-..., the form
+# docs/cuda.md asks for): the server starts on that device and names it.
+uuid=$(timeout 15 nvidia-smi -L 2>/dev/null | sed -n 's/.*(UUID: \(GPU-[^)]*\)).*/\1/p' | head -1)
+if [[ -n $uuid ]]; then
+  STEP_NOTE="$uuid, the first nvidia-smi -L names" step "shmps-server --device <UUID as nvidia-smi -L prints it>" 30 \
+    bash -c 'slog=$1/device-server.log
+      "$2/bin/shmps-server" --name "gpucheck_device_$$" --tensor w:1024 --backend cuda --device "$3" > "$slog" 2>&1 &
+      pid=$!
+      for i in $(seq 1 200); do grep -q "serving" "$slog" && break; kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      kill -TERM "$pid" 2>/dev/null; wait "$pid"; rc=$?
+      cat "$slog"
+      grep -q "serving" "$slog" || { echo "FAIL: not serving with --device $3"; exit 1; }
+      grep -qiF "($3, PCI" "$slog" || { echo "FAIL: the log names no backend on $3"; exit 1; }
+      exit "$rc"' _ "$work" "$build" "$uuid"
+else
+  not_run "shmps-server --device <UUID as nvidia-smi -L prints it>" "nvidia-smi -L names no UUID here (no GPU visible)"
+fi
+
 if [[ -x $build/bin/shmps-gpu-bench ]]; then
   STEP_OUT=$out/bench-quick.txt step "shmps-gpu-bench --quick" 40 "$build/bin/shmps-gpu-bench" --quick
   cat "$out/bench-quick.txt" >> "$log"
@@ -711,9 +732,71 @@ if [[ -n $python_pkg ]]; then
         --junitxml="$work/python.xml" tests/python
 fi
 
+# Whether compute-sanitizer works on this machine at all: a trivial CUDA
+# program (an allocation, a kernel, a copy back), built here with nvcc, run
+# alone, then under memcheck. Some machines refuse the tool (a gVisor
+# sandbox: "Device not supported", then error 999 at the first
+# allocation): the sanitizer steps are then not run, with its message,
+# instead of failing the check for what no change to the code can mend.
+# sanitizer_why stays empty when the steps should run: the tool works, or
+# it cannot be judged (no nvcc; the program fails alone, as without a GPU).
+sanitizer_why=""
+probe_sanitizer() {
+  local dir=$work/sanitizer-probe rc left=$((budget - (SECONDS - t0) - 5))
+  # Within the budget, and a third of what is left at most (the steps follow).
+  if [[ $left -lt 30 ]]; then echo "sanitizer probe: not run, $left s left in the budget: the steps run"; return; fi
+  local cap=$(( left / 3 < 60 ? left / 3 : 60 ))
+  mkdir -p "$dir"
+  cat > "$dir/probe.cu" <<'CU'
+#include <cstdio>
+__global__ void fill(int* p, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) p[i] = i;
+}
+int main() {
+  constexpr int n = 1024;
+  static int host[n];
+  int* dev = nullptr;
+  cudaError_t e = cudaMalloc(&dev, n * sizeof(int));
+  if (e == cudaSuccess) {
+    fill<<<n / 256, 256>>>(dev, n);
+    e = cudaMemcpy(host, dev, sizeof host, cudaMemcpyDeviceToHost);
+    cudaFree(dev);
+  }
+  std::printf("%s\n", e != cudaSuccess ? cudaGetErrorName(e) : host[n - 1] == n - 1 ? "ok" : "wrong values");
+  return e == cudaSuccess && host[n - 1] == n - 1 ? 0 : 1;
+}
+CU
+  if ! have nvcc; then echo "sanitizer probe: no nvcc to build its program: the steps run"; return; fi
+  if ! timeout "$cap" nvcc -o "$dir/probe" "$dir/probe.cu" > "$dir/nvcc.txt" 2>&1; then
+    echo "sanitizer probe: its program did not build ($(head -3 "$dir/nvcc.txt" | tr '\n' ' ')): the steps run"; return
+  fi
+  if ! timeout "$cap" "$dir/probe" > "$dir/alone.txt" 2>&1; then
+    echo "sanitizer probe: its program fails without the tool ($(head -1 "$dir/alone.txt")): the steps run"; return
+  fi
+  timeout "$cap" compute-sanitizer --tool memcheck --error-exitcode 99 "$dir/probe" > "$dir/under.txt" 2>&1; rc=$?
+  { echo "== compute-sanitizer --tool memcheck on the probe's trivial program: exit $rc"; cat "$dir/under.txt"; } >> "$work/sanitizer.txt"
+  if [[ $rc == 0 ]]; then echo "sanitizer probe: compute-sanitizer runs a trivial CUDA program: the steps run"; return; fi
+  # Its own words, for the results table (no '|', one line, 300 characters).
+  local said
+  said=$(sed -e 's/^=* *//' "$dir/under.txt" | grep -v -e '^ *$' -e '^COMPUTE-SANITIZER' | head -3 | paste -sd';' - | sed 's/;/; /g' | tr '|' '/' | cut -c1-300)
+  sanitizer_why="compute-sanitizer unsupported here (${said:-no output}; exit $rc on a trivial CUDA program that runs without it)"
+  echo "sanitizer probe: $sanitizer_why"
+}
+
 # compute-sanitizer: the kernels (memcheck, racecheck) and the IPC path
 # with its server process (memcheck on two cases, every process).
 if have compute-sanitizer; then
+  say "== compute-sanitizer's probe"
+  probe_sanitizer > "$work/sanitizer-probe.txt" 2>&1
+  tee -a "$log" < "$work/sanitizer-probe.txt"
+fi
+if have compute-sanitizer && [[ -n $sanitizer_why ]]; then
+  for run in "memcheck test_cuda_kernels" "racecheck test_cuda_kernels" "memcheck test_gpu_ipc"; do
+    not_run "compute-sanitizer $run" "$sanitizer_why"
+  done
+  publish
+elif have compute-sanitizer; then
   seed=gpu_ipc/seed_push_at_version_0_returns_1_and_applies_sgd_from_device_memory,two_gradients_at_offsets_of_one_allocation_read_only_their_ranges
   for run in "memcheck test_cuda_kernels" "racecheck test_cuda_kernels" "memcheck test_gpu_ipc"; do
     set -- $run
