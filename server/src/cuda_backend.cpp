@@ -159,7 +159,13 @@ class CudaPeer final : public PeerBuffer {
   char* at(uint64_t byte_offset) const noexcept { return data_ + byte_offset; }
   cudaEvent_t event() const noexcept { return event_; }
   ~CudaPeer() override {
-    if (lost_ && *lost_) return;  // as ~IpcMapping()
+    if (lost_ && *lost_) {  // as ~IpcMapping()
+      // The window stays mapped and page-locked for work still queued on
+      // it until the process ends: munmap of a registered range under
+      // that work would free the address for a later mapping.
+      static_cast<void>(host_.release());
+      return;
+    }
     if (host_) {
       (void)cudaSetDevice(device_);
       if (std::string e = SHMPS_CUDA_ERROR(cudaHostUnregister(host_->mapping())); !e.empty()) {
@@ -241,6 +247,8 @@ class CudaBackend final : public Backend {
                         ", IPC events " + std::to_string(ipc_events) +
                         "): CUDA IPC needs Linux with unified addressing; "
                         "use --backend host");
+    // From here a context that is active and was not before is this start's.
+    setting_device_ = true;
     if (Status s = call(cudaSetDevice(device_), "cudaSetDevice(device_)", __LINE__); !s.ok()) return s;
     if (Status s =
             call(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", __LINE__);
@@ -639,10 +647,12 @@ class CudaBackend final : public Backend {
   // something else in this process (an embedding program, an in-process
   // worker's device buffers), whose memory a reset would free under it;
   // then only the stream goes. Peers' contexts (probe_peers()) are left.
-  // Runs on start()'s thread; another thread of the process that starts
-  // using device_ meanwhile is not covered.
+  // A start that failed before its cudaSetDevice made no context: a
+  // context active then is another thread's. Runs on start()'s thread;
+  // another thread of the process that starts using device_ after this
+  // start's cudaSetDevice is not covered.
   void release_failed_start() {
-    if (context_before_start_ == PrimaryContext::kInactive &&
+    if (setting_device_ && context_before_start_ == PrimaryContext::kInactive &&
         primary_context_state(device_) == PrimaryContext::kActive) {
       if (cudaSetDevice(device_) == cudaSuccess) (void)cudaDeviceReset();
     } else if (stream_ != nullptr) {  // made in a context that exists: no new one is made here
@@ -950,6 +960,7 @@ class CudaBackend final : public Backend {
   // start(): whether this process had device_'s primary context before it
   // (release_failed_start()), and whether it succeeded.
   PrimaryContext context_before_start_ = PrimaryContext::kUnknown;
+  bool setting_device_ = false;  // start() reached its cudaSetDevice
   bool started_ = false;
 };
 
