@@ -941,7 +941,8 @@ std::string render_text(const Snapshot& s) {
   o << "  workers         " << st.workers_attached << " attached, " << st.workers_died << " died, "
     << st.workers_evicted << " evicted\n";
   o << "  buffers         " << st.buffers_registered << " registered, mappings " << st.mappings_opened << " opened, "
-    << st.mappings_closed << " closed\n";
+    << st.mappings_closed << " closed, CUDA IPC handles " << st.ipc_handles_opened << " opened, "
+    << st.ipc_handles_closed << " closed\n";
   o << "  lanes corrupt   " << st.lanes_corrupt << "\n";
   o << "  staleness policy pulls held " << st.pulls_waited << " (" << duration_text(st.wait_ns) << " in all), "
     << st.pulls_held << " now, pushes scaled " << st.pushes_scaled << " (mean factor "

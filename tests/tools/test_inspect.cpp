@@ -540,7 +540,11 @@ BOOST_AUTO_TEST_CASE(inspect_does_not_change_the_segment) {
     return bytes;
   };
   const std::string before = settled();
-  BOOST_TEST(run_inspect({name}).rc == 0);
+  const Run text = run_inspect({name});
+  BOOST_TEST(text.rc == 0);
+  // The host backend maps by shm object, never by CUDA IPC handle.
+  BOOST_TEST(contains(text.out, "registered, mappings 1 opened, 0 closed, CUDA IPC handles 0 opened, 0 closed\n"),
+             text.out);
   BOOST_TEST(run_inspect({"--json", name}).rc == 0);
   BOOST_TEST(run_inspect({"--watch", "--count", "2", "--interval-ms", "10", name}).rc == 0);
   const std::string after = settled();
