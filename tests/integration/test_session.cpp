@@ -194,25 +194,32 @@ BOOST_AUTO_TEST_CASE(a_detach_from_a_stopped_server_waits_at_most_the_detach_tim
   BOOST_TEST(test::eventually([&] { return attached_workers(server.name()) == 0; }, 5s));
 }
 
+// A Worker whose detach waits 300 ms for its answer, and a host buffer of
+// the whole model.
+std::pair<std::unique_ptr<Worker>, Buffer> worker_with_buffer(const std::string& name) {
+  WorkerOptions o = test::worker_options(name, 10s, false);
+  o.detach_timeout = 300ms;
+  auto w = Worker::connect(o);
+  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
+  auto b = (*w)->register_buffer((*w)->total_elements() * sizeof(float));
+  BOOST_REQUIRE_MESSAGE(b.ok(), b.status().to_string());
+  return {std::move(w).value(), *b};
+}
+
 // A detach the server did not answer leaves what was sent before it in
 // the lane, and the server serves that when it runs again: a pull_async
 // writes the buffer's object then, but no longer the memory the caller
 // still maps (Buffer::mapping), which is private after the detach.
 BOOST_AUTO_TEST_CASE(a_pull_left_to_the_server_by_an_unanswered_detach_never_writes_the_callers_buffer) {
   test::ServerProcess server(test::unique_name("detachpriv"), {"--tensor", "w:1024", "--lr", "1"});
-  WorkerOptions o = test::worker_options(server.name(), 10s, false);
-  o.detach_timeout = 300ms;
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
-  auto b = (*w)->register_buffer((*w)->total_elements() * sizeof(float));
-  BOOST_REQUIRE_MESSAGE(b.ok(), b.status().to_string());
-  float* data = static_cast<float*>(b->data);
+  auto [w, b] = worker_with_buffer(server.name());
+  float* data = static_cast<float*>(b.data);
   std::fill(data, data + 1024, 1.0f);
-  BOOST_REQUIRE((*w)->push(kAllTensors, b->id, 0, b->size, Dtype::kF32, 0).ok());  // the weights become -1
+  BOOST_REQUIRE(w->push(kAllTensors, b.id, 0, b.size, Dtype::kF32, 0).ok());  // the weights become -1
   server.process().pause();
-  auto ticket = (*w)->pull_async(kAllTensors, b->id, 0);
+  auto ticket = w->pull_async(kAllTensors, b.id, 0);
   BOOST_REQUIRE_MESSAGE(ticket.ok(), ticket.status().to_string());
-  const Status detached = (*w)->detach();
+  const Status detached = w->detach();
   BOOST_TEST((detached.code() == ErrorCode::kTimeout), detached.to_string());
   std::fill(data, data + 1024, 7.0f);  // the caller's memory from now on
   server.process().resume();
@@ -226,12 +233,7 @@ BOOST_AUTO_TEST_CASE(a_pull_left_to_the_server_by_an_unanswered_detach_never_wri
 // a SIGBUS from reading the mapping past the object's end.
 BOOST_AUTO_TEST_CASE(an_unanswered_detach_of_a_buffer_whose_object_shrank_ends_without_sigbus) {
   test::ServerProcess server(test::unique_name("detachshrunk"), {"--tensor", "w:4096"});
-  WorkerOptions o = test::worker_options(server.name(), 10s, false);
-  o.detach_timeout = 300ms;
-  auto w = Worker::connect(o);
-  BOOST_REQUIRE_MESSAGE(w.ok(), w.status().to_string());
-  auto b = (*w)->register_buffer((*w)->total_elements() * sizeof(float));
-  BOOST_REQUIRE_MESSAGE(b.ok(), b.status().to_string());
+  auto [w, b] = worker_with_buffer(server.name());
   const std::string prefix = shm::buffer_object_prefix(server.name(), ::getpid());
   std::string object;
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm"))
@@ -239,7 +241,7 @@ BOOST_AUTO_TEST_CASE(an_unanswered_detach_of_a_buffer_whose_object_shrank_ends_w
   BOOST_REQUIRE_MESSAGE(!object.empty(), "no object named " << prefix << "*");
   server.process().pause();
   BOOST_REQUIRE(::truncate(object.c_str(), 0) == 0);
-  const Status detached = (*w)->detach();
+  const Status detached = w->detach();
   BOOST_TEST((detached.code() == ErrorCode::kTimeout), detached.to_string());
   server.process().resume();
 }
