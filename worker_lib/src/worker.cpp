@@ -126,6 +126,21 @@ uint64_t fork_generation() {
 
 namespace {
 
+// A read-only descriptor of the shm object at `name` when it is still the
+// one mapped (a regular file of inode `inode`, at least `length` bytes),
+// else -1: a name unlinked, or taken by another object since. System calls
+// only (the atfork child handler calls it).
+int open_same_object(const char* name, uint64_t inode, uint64_t length) {
+  const int fd = ::shm_open(name, O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  struct stat st {};
+  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_ino) == inode &&
+      static_cast<uint64_t>(st.st_size) >= length)
+    return fd;
+  ::close(fd);
+  return -1;
+}
+
 // The host buffer mappings of this process: every buffer object a Worker
 // created, from its mapping to its unmapping (the last copy of its
 // Buffer::mapping). A fork()ed child inherits them MAP_SHARED: its writes
@@ -191,13 +206,9 @@ class HostMappings {
   // where the caller's tensors are; mremap checks its limits before.
   void remap_in_child() {
     for (const Mapping& m : mappings_) {
-      const int fd = ::shm_open(m.name, O_RDONLY | O_CLOEXEC, 0);
+      const int fd = open_same_object(m.name, m.inode, m.length);
       if (fd < 0) continue;
-      struct stat st {};
-      void* fresh = MAP_FAILED;
-      if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && static_cast<uint64_t>(st.st_ino) == m.inode &&
-          static_cast<uint64_t>(st.st_size) >= m.length)
-        fresh = ::mmap(nullptr, m.length, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+      void* fresh = ::mmap(nullptr, m.length, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
       ::close(fd);
       if (fresh == MAP_FAILED) continue;
       if (::mremap(fresh, m.length, m.length, MREMAP_MAYMOVE | MREMAP_FIXED, m.address) == MAP_FAILED)
@@ -224,12 +235,9 @@ void privatize(const shm::ShmObject& object) {
   const size_t bytes = object.mapping_size();
   const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
   const size_t length = (bytes + page - 1) / page * page;
-  const int fd = ::shm_open(object.name().c_str(), O_RDONLY | O_CLOEXEC, 0);
+  const int fd = open_same_object(object.name().c_str(), object.inode(), bytes);
   if (fd < 0) return;
-  struct stat st {};
-  void* copy = MAP_FAILED;
-  if (::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_ino) == object.inode())
-    copy = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* copy = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   size_t got = 0;
   while (copy != MAP_FAILED && got < bytes) {
     const ssize_t n = ::pread(fd, static_cast<char*>(copy) + got, bytes - got, static_cast<off_t>(got));
