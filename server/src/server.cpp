@@ -566,13 +566,7 @@ class Server::Impl {
           if (Status s = backend->synchronize(); !s.ok()) fatal(s);
           drain_held();
         }
-        // Its buffers closed before the entry reads kDetached or the answer
-        // is posted: the worker takes either as the answer, then destroys
-        // its events and its caller may free the memory, and CUDA IPC
-        // requires the importer to close an event or a mapping before the
-        // exporter destroys or frees it (as an unregister does).
-        sessions.close_buffers(i);
-        // kDetached before the answer: the worker, once it reads the
+        // kDetached (its buffers closed first) before the answer: the worker, once it reads the
         // answer, sees it may reset and free the entry.
         sessions.mark_detached(i);
         post(i, a);
@@ -706,10 +700,7 @@ class Server::Impl {
     }
     // Said before the session ends, which drops the pull.
     const std::string held_pull = gate.parked(i) ? "; its pull held by --staleness-policy wait dropped unanswered" : "";
-    // Its buffers closed before the entry reads kDetached, as for a detach
-    // (a mapping that device work still uses closes when that work is done).
-    sessions.close_buffers(i);
-    sessions.mark_detached(i);
+    sessions.mark_detached(i);  // its buffers closed first, as for a detach
     // Counted after the entry says Detached, so a reader that sees the
     // count sees the entry released (test_stopped reads them in that order).
     // relaxed: statistics.

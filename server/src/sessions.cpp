@@ -117,6 +117,13 @@ void Sessions::end(uint32_t i, const std::string& why) {
 }
 
 void Sessions::mark_detached(uint32_t i) {
+  // Its buffers first: the worker takes kDetached (or the answer posted
+  // after it) as leave to destroy its events and its caller to free the
+  // memory, and CUDA IPC requires the importer to close an event or a
+  // mapping before its exporter destroys or frees it (as an unregister
+  // does). A mapping that device work still uses closes when that work is
+  // done.
+  close_buffers(i);
   uint64_t expected = slots_[i].owner;
   // SYNC(worker_detached): release pairs with the worker's acquire load of
   // owner after it reads the detach completion (published after this).

@@ -80,8 +80,9 @@ class Sessions {
   // counts), logging `why` unless empty; the entry's words are left as
   // they are.
   void end(uint32_t i, const std::string& why);
-  // (pid, kAttached) -> (pid, kDetached), by CAS: an entry that changed
-  // under us is left alone (sync() notices it).
+  // Closes worker i's buffers, then (pid, kAttached) -> (pid, kDetached),
+  // by CAS: an entry that changed under us is left alone (sync() notices
+  // it).
   void mark_detached(uint32_t i);
   // After a successful detach: the worker frees the entry once it has read
   // the answer; we log it and drop our side.
@@ -93,9 +94,6 @@ class Sessions {
   // mapping is closed, and counted, when the last holder lets go.
   void add_buffer(uint32_t i, uint32_t id, std::unique_ptr<PeerBuffer> buffer);
   void close_buffer(uint32_t i, uint32_t id);
-  // Every buffer of worker i (the session stays): a mapping that device
-  // work still uses closes when that work is done.
-  void close_buffers(uint32_t i);
   // What the shm object of `id` is when worker i may not register it: the
   // control segment, or a buffer another attached worker registered (worker
   // i's own may be registered again, as another window); empty otherwise.
@@ -145,6 +143,9 @@ class Sessions {
   }
 
  private:
+  // Every buffer of worker i (the session stays): a mapping that device
+  // work still uses closes when that work is done.
+  void close_buffers(uint32_t i);
   void attach(uint32_t i, uint64_t claimed);
   void release_entry(uint32_t i, uint64_t dead_owner);
   // Tracks how long attached worker i's process has been stopped: true
