@@ -320,12 +320,10 @@ class CudaBackend final : public Backend {
         // Sticky, as a lost context: healthy() reports it, so the shutdown
         // and the destructor wait no more on this stream (nor free memory
         // its work may still use), and completions are failed, not posted.
-        *lost_ = true;
-        sticky_ = {ErrorCode::kCuda, "the device's work has not finished in " +
-                                         std::to_string(kDeviceStallNs / 1'000'000'000) +
-                                         " s (a dead worker's event never recorded?): the weights may be half-written"};
-        log::error(sticky_.message());
-        return sticky_;
+        return become_sticky({ErrorCode::kCuda, "the device's work has not finished in " +
+                                                    std::to_string(kDeviceStallNs / 1'000'000'000) +
+                                                    " s (a dead worker's event never recorded?): the weights may "
+                                                    "be half-written"});
       }
       if (polls < 1000)
         std::this_thread::yield();
@@ -594,16 +592,24 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // The backend's device is gone for good (a lost context, a stalled
+  // stream): every later call reports `why`, and the peers' destructors
+  // make no CUDA call (lost_). Logged once; returns `why`.
+  Status become_sticky(Status why) {
+    *lost_ = true;
+    sticky_ = std::move(why);
+    log::error(sticky_.message());
+    return sticky_;
+  }
+
   // Every CUDA call's result goes through here (the project's message
   // from shmps/cuda_check.hpp); a sticky error is remembered.
   Status call(cudaError_t e, const char* expression, int line) {
     if (e == cudaSuccess) return Status::Ok();
     const std::string text = cuda::error_text(expression, e, __FILE__, line);
-    if (is_sticky(e) && sticky_.ok()) {
-      *lost_ = true;
-      sticky_ = Status{ErrorCode::kCuda, text + "; the CUDA context is lost: the weights may be half-written"};
-      log::error(sticky_.message());
-    }
+    if (is_sticky(e) && sticky_.ok())
+      static_cast<void>(
+          become_sticky({ErrorCode::kCuda, text + "; the CUDA context is lost: the weights may be half-written"}));
     (void)cudaGetLastError();  // clear a non-sticky error so the next call does not report it
     return {ErrorCode::kCuda, text};
   }
