@@ -15,6 +15,16 @@
 
 namespace shmps::train {
 
+// `call()`, and once more where it found its server dead (kServerRestarted:
+// not acknowledged); a Worker with reconnect re-attaches to the server's
+// successor in the second call.
+template <class Call>
+auto again_after_restart(Call call) {
+  auto result = call();
+  if (!result.ok() && result.status().code() == ErrorCode::kServerRestarted) result = call();
+  return result;
+}
+
 // Where the loop gets its weights and sends its gradients.
 class UpdatePath {
  public:

@@ -216,7 +216,8 @@ int Trainer::attach(const std::string& server_name) {
     std::cerr << "shmps-train: " << s.message() << "\n";
     return kExitFailure;
   }
-  Result<Buffer> buffer = eval_->register_buffer(mlp_parameter_count(shape_) * sizeof(float));
+  Result<Buffer> buffer =
+      again_after_restart([&] { return eval_->register_buffer(mlp_parameter_count(shape_) * sizeof(float)); });
   if (!buffer.ok()) {
     std::cerr << "shmps-train: register_buffer: " << buffer.status().to_string() << "\n";
     return kExitFailure;
@@ -373,15 +374,10 @@ int Trainer::failed(const std::string& what, const Status& s) const {
 // Stats and the weights of the running server, through the evaluation
 // worker.
 Result<Snapshot> Trainer::pull_snapshot() {
-  // A call that finds the server dead fails once (kServerRestarted); the
-  // retry re-attaches to its successor.
-  Result<ServerStats> stats = eval_->stats();
-  if (!stats.ok() && stats.status().code() == ErrorCode::kServerRestarted) stats = eval_->stats();
+  Result<ServerStats> stats = again_after_restart([&] { return eval_->stats(); });
   if (!stats.ok()) return stats.status();
   rebase(*stats);
-  Result<uint64_t> version = eval_->pull(kAllTensors, eval_buffer_.id, 0);
-  if (!version.ok() && version.status().code() == ErrorCode::kServerRestarted)
-    version = eval_->pull(kAllTensors, eval_buffer_.id, 0);
+  Result<uint64_t> version = again_after_restart([&] { return eval_->pull(kAllTensors, eval_buffer_.id, 0); });
   if (!version.ok()) return version.status();
   const auto* params = static_cast<const float*>(eval_buffer_.data);
   Snapshot s;

@@ -19,6 +19,7 @@
 #include "options.hpp"
 #include "shmps/worker.hpp"
 #include "stop_signals.hpp"
+#include "train_loop.hpp"
 
 namespace shmps::train {
 
@@ -81,7 +82,7 @@ int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& sha
   Worker& w = **connected;
   slot.worker_id.store(w.worker_id(), std::memory_order_relaxed);  // read after waitpid
   const size_t params = mlp_parameter_count(shape);
-  Result<Buffer> buffer = w.register_buffer(2 * params * sizeof(float));
+  Result<Buffer> buffer = again_after_restart([&] { return w.register_buffer(2 * params * sizeof(float)); });
   if (!buffer.ok()) {
     std::cerr << who << "register_buffer: " << buffer.status().to_string() << "\n";
     return kExitFailure;
@@ -101,8 +102,7 @@ int run_worker(const WorkerPlan& plan, const Dataset& train, const MlpShape& sha
   slot.pushes_applied.store(counts.applied, std::memory_order_relaxed);
   slot.pushes_rejected.store(counts.rejected, std::memory_order_relaxed);
   slot.pushes_lost.store(counts.lost, std::memory_order_relaxed);
-  Result<ServerStats> stats = w.stats();
-  if (!stats.ok() && stats.status().code() == ErrorCode::kServerRestarted) stats = w.stats();
+  Result<ServerStats> stats = again_after_restart([&] { return w.stats(); });
   if (!stats.ok()) {
     std::cerr << who << "stats: " << stats.status().to_string() << "\n";
     return kExitFailure;
