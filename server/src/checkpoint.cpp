@@ -747,7 +747,8 @@ void prune_checkpoints(const CheckpointDirLock& lock, uint32_t keep, uint64_t ne
 // Whether the start could use `dir` for checkpoints: a directory this
 // process may create files in, or a path the first existing ancestor of
 // which is a directory it may create entries in, with no symbolic link to
-// nothing on the way (the start could not create the path through it).
+// nothing or to a loop on the way (the start could not create the path
+// through it).
 Status check_checkpoint_dir(const std::string& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -783,7 +784,13 @@ Status check_checkpoint_dir(const std::string& dir) {
   // directory below it (ENOENT).
   while (true) {
     if (fs::is_symlink(fs::symlink_status(at, ec))) {
-      const std::string link = "a symbolic link to " + fs::read_symlink(at, ec).string() + ", which does not exist";
+      // To nothing, or to a loop of links (ELOOP), which the start's mkdir
+      // cannot follow either.
+      std::error_code follow;
+      const bool to_nothing = fs::status(at, follow).type() == fs::file_type::not_found;
+      const std::string link =
+          "a symbolic link to " + fs::read_symlink(at, ec).string() +
+          (to_nothing ? ", which does not exist" : ", which cannot be followed: " + follow.message());
       return fail(at == whole ? link : at.string() + " is " + link);
     }
     if (!at.has_parent_path() || at == at.parent_path()) break;

@@ -675,21 +675,30 @@ BOOST_AUTO_TEST_CASE(an_init_file_gone_is_not_needed_when_a_checkpoint_is_restor
   BOOST_TEST(none.output.find("--init-file " + init.string()) != std::string::npos, none.output);
 }
 
-// A checkpoint directory that is a symbolic link to nothing, or a path
-// under one: refused by --check-config and at start, naming the link and
+// A checkpoint directory that is a symbolic link to nothing or to a loop
+// of links, or a path under one: refused by --check-config and at start, naming the link and
 // its target rather than create_directories()' "File exists" or mkdir's
 // ENOENT, with exit 2 (a configuration error: the unit does not restart
 // it).
-BOOST_AUTO_TEST_CASE(a_checkpoint_dir_that_links_to_nothing_is_refused_naming_the_target) {
+BOOST_AUTO_TEST_CASE(a_checkpoint_dir_that_links_to_nothing_or_a_loop_is_refused_naming_the_target) {
   test::TempDir dir("ckpt");
   const fs::path link = dir.path / "dangling";
   fs::create_symlink(dir.path / "nowhere", link);
   const std::string to = "a symbolic link to " + (dir.path / "nowhere").string() + ", which does not exist";
-  const std::vector<std::pair<fs::path, std::string>> cases = {
+  std::vector<std::pair<fs::path, std::string>> cases = {
       {link, "--checkpoint-dir " + link.string() + ": " + to},
       {link / "job1", "--checkpoint-dir " + (link / "job1").string() + ": " + link.string() + " is " + to},
       {link / "job1" / "deeper",
        "--checkpoint-dir " + (link / "job1" / "deeper").string() + ": " + link.string() + " is " + to}};
+  // A loop of two links: named as one, not as a link to nothing.
+  const fs::path loop = dir.path / "loop";
+  fs::create_symlink(dir.path / "loop_back", loop);
+  fs::create_symlink(loop, dir.path / "loop_back");
+  const std::string looping =
+      "a symbolic link to " + (dir.path / "loop_back").string() + ", which cannot be followed: " + std::strerror(ELOOP);
+  cases.push_back({loop, "--checkpoint-dir " + loop.string() + ": " + looping});
+  cases.push_back(
+      {loop / "job1", "--checkpoint-dir " + (loop / "job1").string() + ": " + loop.string() + " is " + looping});
   for (const auto& [path, message] : cases) {
     for (const bool check : {true, false}) {
       std::vector<std::string> argv = {test::program_path("shmps-server"),
