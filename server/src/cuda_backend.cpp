@@ -154,6 +154,8 @@ struct IpcMapping {
 
 class CudaPeer final : public PeerBuffer {
  public:
+  CudaPeer(int device, std::shared_ptr<const bool> lost, uint64_t length)
+      : length_(length), device_(device), lost_(std::move(lost)) {}
   uint64_t length() const noexcept override { return length_; }
   const shm::ShmObject* host_object() const noexcept override { return host_.get(); }
   char* at(uint64_t byte_offset) const noexcept { return data_ + byte_offset; }
@@ -187,10 +189,10 @@ class CudaPeer final : public PeerBuffer {
   std::shared_ptr<IpcMapping> mapping_;   // null: an in-process buffer, used by pointer
   std::unique_ptr<shm::ShmObject> host_;  // a POSIX shm buffer's window, page-locked (cudaHostRegister)
   char* data_ = nullptr;                  // base + offset
-  uint64_t length_ = 0;
+  uint64_t length_;
   cudaEvent_t event_ = nullptr;
   bool own_event_ = false;  // opened here (cudaIpcOpenEventHandle): destroyed here
-  int device_ = 0;
+  int device_;
   std::shared_ptr<const bool> lost_;  // the backend's (IpcMapping::lost)
 };
 
@@ -400,10 +402,7 @@ class CudaBackend final : public Backend {
     if (desc.kind == static_cast<uint32_t>(shm::BufferKind::kHostShm)) return open_host(desc, rule);
     if (desc.kind != static_cast<uint32_t>(shm::BufferKind::kCudaIpc))
       return Status{ErrorCode::kBadRequest, "buffer kind " + std::to_string(desc.kind) + " unknown"};
-    auto peer = std::make_unique<CudaPeer>();
-    peer->device_ = device_;
-    peer->lost_ = lost_;
-    peer->length_ = desc.length;
+    auto peer = std::make_unique<CudaPeer>(device_, lost_, desc.length);
     // The device its descriptor names, for an in-process buffer too: a
     // buffer on a device we cannot reach would fault our kernels.
     if (Status s = reachable(desc.device_uuid); !s.ok()) return s;
@@ -448,10 +447,7 @@ class CudaBackend final : public Backend {
   Result<std::unique_ptr<PeerBuffer>> open_host(const shm::BufferDesc& desc, const PeerObjectRule& rule) {
     auto opened = open_worker_object(desc, rule);
     if (!opened.ok()) return opened.status();
-    auto peer = std::make_unique<CudaPeer>();
-    peer->device_ = device_;
-    peer->lost_ = lost_;
-    peer->length_ = desc.length;
+    auto peer = std::make_unique<CudaPeer>(device_, lost_, desc.length);
     void* host = (*opened)->mapping();  // from a page boundary
     const size_t lead = static_cast<size_t>(static_cast<char*>((*opened)->data()) - static_cast<char*>(host));
     if (Status s =
