@@ -1,9 +1,11 @@
 // Resource limits: every configured or physical limit answers with a clear
 // error (kNoCapacity, kBusy) naming the limit, and leaves the server, the
 // other workers and the caller itself working: max workers, max buffers per
-// worker, a full request lane, /dev/shm too small for a buffer, and weights
-// too large for the server's memory.
+// worker, a full request lane, /dev/shm too small for a buffer, a buffer
+// past the file size limit, and weights too large for the server's memory.
 #define BOOST_TEST_MODULE test_limits
+#include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <boost/test/unit_test.hpp>
@@ -171,6 +173,34 @@ BOOST_AUTO_TEST_CASE(dev_shm_too_small_for_a_buffer_is_kNoCapacity_and_the_worke
   auto buf = w->register_buffer(4);
   BOOST_REQUIRE_MESSAGE(buf.ok(), buf.status().to_string());
   BOOST_TEST(buf->id == 0u);  // the refused buffer took no slot
+  BOOST_TEST(push_one(*w, *buf));
+}
+
+// A buffer past the process's file size limit (RLIMIT_FSIZE, which
+// /dev/shm counts), in a process that ignores SIGXFSZ (Python does; a C++
+// program must, or the kernel's SIGXFSZ ends it): kIo naming the limit and
+// its fix, nothing left behind, and the worker goes on.
+BOOST_AUTO_TEST_CASE(a_buffer_past_the_file_size_limit_is_kIo_naming_the_limit) {
+  test::ServerProcess server(test::unique_name("fsize"), kCounting);
+  auto w = connect(server.name());
+  struct sigaction ignore {
+  }, previous{};
+  ignore.sa_handler = SIG_IGN;
+  BOOST_REQUIRE(::sigaction(SIGXFSZ, &ignore, &previous) == 0);
+  rlimit saved{};
+  BOOST_REQUIRE(::getrlimit(RLIMIT_FSIZE, &saved) == 0);
+  rlimit low = saved;
+  low.rlim_cur = 64 << 10;
+  BOOST_REQUIRE(::setrlimit(RLIMIT_FSIZE, &low) == 0);
+  auto big = w->register_buffer(size_t{1} << 20);
+  BOOST_REQUIRE(::setrlimit(RLIMIT_FSIZE, &saved) == 0);
+  BOOST_REQUIRE(::sigaction(SIGXFSZ, &previous, nullptr) == 0);
+  BOOST_TEST((big.status().code() == ErrorCode::kIo), big.status().to_string());
+  BOOST_TEST(big.status().message().find("file size limit (ulimit -f") != std::string::npos, big.status().message());
+  BOOST_TEST(buffer_objects(server.name()) == 0u);
+  auto buf = w->register_buffer(4);
+  BOOST_REQUIRE_MESSAGE(buf.ok(), buf.status().to_string());
+  BOOST_TEST(buf->id == 0u);
   BOOST_TEST(push_one(*w, *buf));
 }
 

@@ -274,6 +274,10 @@ class Worker {
   // "shmps.<server name>.p<pid>.<n>"; a name already taken (by this pid's
   // image before an exec(), or another copy of this library in the
   // process) is passed over for the next n.
+  // The process's file size limit (RLIMIT_FSIZE, ulimit -f) counts
+  // /dev/shm: past it the kernel sends SIGXFSZ, which ends a process that
+  // does not ignore it (Python ignores it); one that does gets kIo naming
+  // the limit.
   // Errors: kInvalidArgument, kNoCapacity (too many buffers, /dev/shm too
   // small), kIo, plus any error of a request (kTimeout, kServerRestarted...).
   Result<Buffer> register_buffer(size_t bytes);
