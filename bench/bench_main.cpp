@@ -546,8 +546,10 @@ Status section_optimizers(const Plan& plan, Csv& csv, std::vector<Goal>& goals) 
     }
   }
 
-  Table table("optimizers", {"optimizer", "path", "B/param", "ms", "traffic GB/s", "memcpy traffic GB/s",
-                             "traffic/memcpy", "server CPU ms/push"});
+  Table table("optimizers",
+              {"optimizer", "path", "B/param", "ms", "traffic GB/s", "memcpy traffic GB/s", "traffic/memcpy",
+               "server CPU ms/push"},
+              2);
   const auto row = [&](const std::string& label, const std::string& path, double bpp, double moved,
                        const std::vector<double>& ns, const std::vector<double>& copy_ns, double cpu_ns = NAN) {
     const double traffic = gbps(bpp * params, median(ns));
@@ -781,7 +783,8 @@ Status section_tail_latency(const Plan& plan, Csv& csv) {
 
   Table table("tail_latency",
               {"workers", "--apply-threads", "pushes", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "over 10 ms",
-               "apply max ms (bucket)", "pushes/s", "pushes/s vs " + std::to_string(cpus)});
+               "apply max ms (bucket)", "pushes/s", "pushes/s vs " + std::to_string(cpus)},
+              2);
   for (const TailRow& row : rows) {
     const auto ms = [&](double q) { return fixed(reported_percentile(row.push_ns, q) / 1e6, 2); };
     const auto over = std::count_if(row.push_ns.begin(), row.push_ns.end(), [](double ns) { return ns > 10e6; });

@@ -193,8 +193,8 @@ Status Csv::write(const std::string& path) const {
   return Status::Ok();
 }
 
-Table::Table(std::string section, std::vector<std::string> columns)
-    : section_(std::move(section)), columns_(std::move(columns)) {}
+Table::Table(std::string section, std::vector<std::string> columns, size_t key_columns)
+    : section_(std::move(section)), columns_(std::move(columns)), key_columns_(key_columns) {}
 
 void Table::add_row(std::vector<std::string> cells) {
   cells.resize(columns_.size());
@@ -224,8 +224,11 @@ void Table::print(std::FILE* out) const {
 }
 
 void Table::to_csv(Csv& csv) const {
-  for (const auto& row : rows_)
-    for (size_t c = 1; c < columns_.size(); ++c) csv.add(section_, row[0], columns_[c], row[c]);
+  for (const auto& row : rows_) {
+    std::string label = row[0];
+    for (size_t c = 1; c < key_columns_; ++c) label += " / " + row[c];
+    for (size_t c = key_columns_; c < columns_.size(); ++c) csv.add(section_, label, columns_[c], row[c]);
+  }
 }
 
 // ------------------------------------------------------------ shared memory

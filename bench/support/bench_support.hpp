@@ -105,7 +105,9 @@ class Csv {
 // A plain-text table: the first column left-aligned, the others right-aligned.
 class Table {
  public:
-  Table(std::string section, std::vector<std::string> columns);
+  // `key_columns`: how many leading columns name a row (its CSV label, the
+  // cells joined with " / "); every row's label must differ.
+  Table(std::string section, std::vector<std::string> columns, size_t key_columns = 1);
   void add_row(std::vector<std::string> cells);  // as many cells as columns
   void print(std::FILE* out) const;
   void to_csv(Csv& csv) const;
@@ -113,6 +115,7 @@ class Table {
  private:
   std::string section_;
   std::vector<std::string> columns_;
+  size_t key_columns_;
   std::vector<std::vector<std::string>> rows_;
 };
 

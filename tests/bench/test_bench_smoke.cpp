@@ -9,6 +9,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -31,6 +32,26 @@ struct Scratch {
     fs::remove_all(dir, ec);
   }
 };
+
+// The cells of one CSV line (RFC 4180 quoting: "..." with "" for ").
+std::vector<std::string> csv_cells(const std::string& line) {
+  std::vector<std::string> cells(1);
+  bool quoted = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    const char ch = line[i];
+    if (quoted && ch == '"' && i + 1 < line.size() && line[i + 1] == '"') {
+      cells.back() += '"';
+      ++i;
+    } else if (ch == '"') {
+      quoted = !quoted;
+    } else if (ch == ',' && !quoted) {
+      cells.emplace_back();
+    } else {
+      cells.back() += ch;
+    }
+  }
+  return cells;
+}
 
 }  // namespace
 
@@ -72,6 +93,14 @@ BOOST_AUTO_TEST_CASE(quick_run_prints_every_table) {
   BOOST_TEST(rows.rfind("section,row,column,value\n", 0) == 0);
   for (const char* section : {"round_trip,", "push_throughput,", "optimizers,", "memory,", "tail_latency,", "goals,"})
     BOOST_TEST(rows.find("\n" + std::string(section)) != std::string::npos, "no CSV rows of " << section);
+  // Every printed cell once: (section, row, column) names one value.
+  std::istringstream lines(rows);
+  std::set<std::string> keys;
+  for (std::string line; std::getline(lines, line);) {
+    const std::vector<std::string> cells = csv_cells(line);
+    BOOST_REQUIRE_MESSAGE(cells.size() == 4, "not 4 cells: " << line);
+    BOOST_TEST(keys.insert(cells[0] + "\n" + cells[1] + "\n" + cells[2]).second, "a second value at " << line);
+  }
 }
 
 BOOST_AUTO_TEST_CASE(bad_option_fails_with_usage_error) {
