@@ -238,6 +238,39 @@ class FileJobStore final : public JobStore {
   [[noreturn]] static void fail(const std::string& what, const std::string& file) {
     throw std::runtime_error("file store: " + what + " " + file + ": " + std::strerror(errno));
   }
+  // Opens a key's file (`flags`: O_RDONLY, or O_WRONLY | O_CREAT), never
+  // following a symbolic link and never waiting: a FIFO there would block
+  // open() for as long as nobody opens its other end (O_NONBLOCK: a
+  // reader's open returns at once, a writer's fails with ENXIO). What
+  // opened is checked by plain_size(). -1 with errno ENOENT where the file
+  // is absent (O_RDONLY); throws for any other failure, naming a symbolic
+  // link or a FIFO as such.
+  static int open_plain(const std::string& file, int flags, const char* what) {
+    const int fd = ::open(file.c_str(), flags | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd >= 0 || errno == ENOENT) return fd;
+    if (errno == ELOOP)
+      throw std::runtime_error("file store: " + file + " is a symbolic link, not a value of this job (refused)");
+    if (errno == ENXIO)
+      throw std::runtime_error("file store: " + file + " is a FIFO or a device, not a value of this job (refused)");
+    fail(what, file);
+  }
+  // The size of the plain file open at `fd`; anything else (a FIFO, a
+  // device, a socket, a directory) is refused.
+  static off_t plain_size(int fd, const std::string& file) {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) fail("cannot stat", file);
+    if (!S_ISREG(st.st_mode))
+      throw std::runtime_error("file store: " + file + " is " + file_kind(st.st_mode) +
+                               ", not a value of this job (refused: a value is a plain file)");
+    return st.st_size;
+  }
+  static std::string file_kind(mode_t mode) {
+    if (S_ISFIFO(mode)) return "a FIFO";
+    if (S_ISDIR(mode)) return "a directory";
+    if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
+    if (S_ISSOCK(mode)) return "a socket";
+    return "not a plain file";
+  }
 
   bool exists(const std::string& key) override {
     const std::string file = path(key);
@@ -252,6 +285,8 @@ class FileJobStore final : public JobStore {
     // directory, so the name carries a random part besides the pid.
     const std::string tmp = file + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(random_());
     {
+      // O_EXCL: a new file, never one already there (a FIFO, or a
+      // symbolic link, which O_EXCL does not follow).
       const UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
       if (fd.fd < 0) fail("cannot create", tmp);
       size_t done = 0;
@@ -308,19 +343,15 @@ class FileJobStore final : public JobStore {
 
   std::vector<char> read(const std::string& key) override {
     const std::string file = path(key);
-    const UniqueFd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
-    if (fd.fd < 0) {
-      if (errno == ENOENT) return {};
-      fail("cannot open", file);
-    }
-    struct stat st {};
-    if (::fstat(fd.fd, &st) != 0) fail("cannot stat", file);
+    const UniqueFd fd(open_plain(file, O_RDONLY, "cannot open"));
+    if (fd.fd < 0) return {};  // absent
     // Any process that can write the directory wrote it: a value is a
     // record or a rendezvous address, never this large.
-    if (!S_ISREG(st.st_mode) || st.st_size > kMaxValue)
-      throw std::runtime_error("file store: " + file + " is not a value of this job (" + std::to_string(st.st_size) +
-                               " bytes, not a plain file of at most " + std::to_string(kMaxValue) + ")");
-    std::vector<char> value(static_cast<size_t>(st.st_size));
+    const off_t size = plain_size(fd.fd, file);
+    if (size > kMaxValue)
+      throw std::runtime_error("file store: " + file + " is not a value of this job (" + std::to_string(size) +
+                               " bytes, more than " + std::to_string(kMaxValue) + ")");
+    std::vector<char> value(static_cast<size_t>(size));
     size_t done = 0;
     while (done < value.size()) {
       const ssize_t n = ::read(fd.fd, value.data() + done, value.size() - done);
@@ -347,8 +378,9 @@ class FileJobStore final : public JobStore {
   void add_floor(uint64_t value) override {
     if (::mkdir(floors().c_str(), 0755) != 0 && errno != EEXIST) fail("cannot create", floors().string());
     const std::string file = (floors() / std::to_string(value)).string();
-    const UniqueFd fd(::open(file.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
-    if (fd.fd < 0) fail("cannot create", file);
+    const UniqueFd fd(open_plain(file, O_WRONLY | O_CREAT, "cannot create"));
+    if (fd.fd < 0) fail("cannot create", file);  // ENOENT: floors/ removed meanwhile
+    static_cast<void>(plain_size(fd.fd, file));
   }
   // Each value of floors/, in a name of digits only (anything else is
   // garbage), passed to `each`.

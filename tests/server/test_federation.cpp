@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <algorithm>
 #include <array>
@@ -18,10 +19,12 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iterator>
 #include <limits>
 #include <mutex>
@@ -2728,6 +2731,99 @@ BOOST_AUTO_TEST_CASE(fed_store_forms_parse_to_where_the_hosts_meet) {
     BOOST_TEST(r->port == c.port, c.spec);
     BOOST_TEST(r->job == c.job, c.spec);
   }
+}
+
+namespace {
+
+boost::test_tools::assertion_result has_gloo_plugin(boost::unit_test::test_unit_id) {
+  const char* build = std::getenv("SHMPS_BUILD_DIR");
+  boost::test_tools::assertion_result r(
+      build != nullptr && std::filesystem::exists(std::filesystem::path(build) / "lib/shmps/libshmps_fed_gloo.so"));
+  r.message() << "no Gloo plugin in the build (SHMPS_BUILD_DIR/lib/shmps/libshmps_fed_gloo.so)";
+  return r;
+}
+
+// The file of `key` in the file store `dir`: named by the key's
+// std::hash, as the plugin (and Gloo's own file store) names it.
+std::filesystem::path store_file(const std::filesystem::path& dir, const std::string& key) {
+  return dir / std::to_string(std::hash<std::string>{}(key));
+}
+
+// One reform() of a Gloo engine of one host over the file store `dir`,
+// which holds `fifo` (at a key, or where a link at a key points). A
+// reform() still running after 5 s is blocked in the FIFO: the test opens
+// its other end, which lets the reform() go on, and reports it blocked.
+struct Reformed {
+  FederationEngine::Reform result = FederationEngine::Reform::kFormed;
+  std::string why;
+  bool blocked = false;
+};
+Reformed reform_over(const std::filesystem::path& dir, const std::filesystem::path& fifo) {
+  ::setenv("SHMPS_PLUGIN_DIR", (std::string(std::getenv("SHMPS_BUILD_DIR")) + "/lib/shmps").c_str(), 0);
+  FederationConfig c;
+  c.kind = FederationKind::kGloo;
+  c.store = "file:" + dir.string();
+  c.hosts = 1;
+  c.timeout_ms = 1000;
+  auto engine = make_federation_engine(c);
+  BOOST_REQUIRE_MESSAGE(engine.ok(), engine.status().to_string());
+  Reformed out;
+  std::promise<void> done;
+  std::future<void> finished = done.get_future();
+  std::thread reform([&] {
+    out.result = (*engine)->reform(&out.why, [] { return false; });
+    done.set_value();
+  });
+  if (finished.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+    out.blocked = true;
+    const int other_end = ::open(fifo.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC);
+    finished.wait();
+    if (other_end >= 0) ::close(other_end);
+  }
+  reform.join();
+  return out;
+}
+
+}  // namespace
+
+// A FIFO in a Gloo file store, at a key or where a symbolic link at a key
+// points, is refused as a store error without blocking the federation
+// thread in open() (where rounds, and a stop, would wait for ever): the
+// attempt that reads it fails, naming the file, and the store keeps it.
+// Here at this host's own want of the first attempt, which the attempt
+// reads back before anything else.
+BOOST_AUTO_TEST_CASE(a_fifo_or_a_link_in_the_file_store_is_refused_without_blocking,
+                     *boost::unit_test::precondition(has_gloo_plugin)) {
+  test::TempDir tmp("fedfifo");
+  const std::filesystem::path fifo_store = std::filesystem::canonical(tmp.path) / "fifo";
+  const std::filesystem::path link_store = std::filesystem::canonical(tmp.path) / "link";
+  const std::filesystem::path outside = std::filesystem::canonical(tmp.path) / "outside";
+  std::filesystem::create_directories(fifo_store);
+  std::filesystem::create_directories(link_store);
+  const std::filesystem::path at_key = store_file(fifo_store, "a1/want/0");
+  BOOST_TEST_REQUIRE(::mkfifo(at_key.c_str(), 0600) == 0);
+  BOOST_TEST_REQUIRE(::mkfifo(outside.c_str(), 0600) == 0);
+  const std::filesystem::path link = store_file(link_store, "a1/want/0");
+  std::filesystem::create_symlink(outside, link);
+
+  struct Case {
+    std::filesystem::path store, fifo;
+    std::string says;
+  };
+  for (const Case& c : {Case{fifo_store, at_key, at_key.string() + " is a FIFO, not a value of this job"},
+                        Case{link_store, outside, link.string() + " is a symbolic link, not a value of this job"}}) {
+    BOOST_TEST_CONTEXT(c.store) {
+      const auto start = std::chrono::steady_clock::now();
+      const Reformed r = reform_over(c.store, c.fifo);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      BOOST_TEST(!r.blocked, "reform() blocked in open() for 5 s");
+      BOOST_TEST(seconds < 3.0);
+      BOOST_TEST((r.result == FederationEngine::Reform::kFailed));
+      BOOST_TEST(r.why.find(c.says) != std::string::npos, r.why);
+    }
+  }
+  BOOST_TEST(std::filesystem::is_fifo(std::filesystem::symlink_status(at_key)), "the FIFO is left as it was");
+  BOOST_TEST(std::filesystem::is_symlink(std::filesystem::symlink_status(link)), "the link is left as it was");
 }
 
 BOOST_AUTO_TEST_SUITE_END()
