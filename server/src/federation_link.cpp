@@ -34,7 +34,11 @@ FederationLink::~FederationLink() {
 }
 
 void FederationLink::start(uint64_t version) {
-  last_snapshot_version_ = merged_version_ = version;
+  last_snapshot_version_ = version;
+  // A restored checkpoint's unmerged updates are in W - A already: they
+  // count in the drift (a checkpoint's count is at most its version; a
+  // larger, damaged one counts as the whole version).
+  merged_version_ = version - std::min(unmerged_updates_, version);
   thread_ = start_helper_thread([this] { thread_main(); });
 }
 
@@ -109,7 +113,9 @@ Result<FederationLink::Polled> FederationLink::poll(Backend& backend, uint64_t v
     set_phase(Phase::kExchanging);
     return Polled::kSnapshot;
   }
-  merged_version_ = snapshot_version_;
+  // The drift counts from the merged snapshot, less the local updates of
+  // it that the merge keeps in W - A' (a join that keeps the drift).
+  merged_version_ = snapshot_version_ - std::min(merge_kept_updates_, snapshot_version_);
   ++merges_;
   hold_since_ns_ = 0;  // a hold ends with its round, whether or not a lane looked since
   set_phase(Phase::kIdle);
@@ -361,6 +367,7 @@ FederationLink::Outcome FederationLink::exchange(bool join) {
   if (r->anchors_repaired)
     log::warn("federation: round " + std::to_string(r->round) + ": the anchors differed between hosts; rank 0's " +
               "was broadcast");
+  merge_kept_updates_ = unmerged_updates_;  // handed over with the phase
   set_phase(Phase::kMergeReady);
   return wait_for(Phase::kIdle) ? Outcome::kMerged : Outcome::kOver;
 }

@@ -184,13 +184,21 @@ class FederationLink {
   // ---- owned by whoever `phase_` names (SYNC(fed_phase))
   std::vector<float> exchange_;
   uint64_t snapshot_updates_ = 0;  // local updates in this snapshot since the previous one
+  // Of the local updates up to this snapshot, those the merge keeps in
+  // W - A' (in no merged round: a join that keeps the drift); 0 after a
+  // round. The drift counts them (merged_version_).
+  uint64_t merge_kept_updates_ = 0;
 
   // ---- consumer thread only
   uint64_t last_snapshot_version_ = 0;
   uint64_t snapshot_version_ = 0;
-  uint64_t merged_version_ = 0;  // the snapshot version of the last merged round: drift counts from it
-  uint64_t merges_ = 0;          // rounds merged by poll()
-  uint64_t hold_since_ns_ = 0;   // when the current hold of pushes began; 0: none
+  // The drift counts from it: the snapshot version of the last merged
+  // round, less the local updates of that snapshot the merge kept (and,
+  // before the first merge, the version at start() less a restored
+  // checkpoint's unmerged updates).
+  uint64_t merged_version_ = 0;
+  uint64_t merges_ = 0;         // rounds merged by poll()
+  uint64_t hold_since_ns_ = 0;  // when the current hold of pushes began; 0: none
   // merges_ when a hold past hold_limit_ms() was lifted: pushes are not
   // held again before the next merge. UINT64_MAX: none lifted.
   uint64_t lifted_at_merges_ = UINT64_MAX;

@@ -1901,6 +1901,48 @@ BOOST_AUTO_TEST_CASE(the_drift_cap_holds_pushes_until_a_round_merges) {
   BOOST_TEST(block_stat(two.names[0], &shm::StatsBlock::fed_pushes_held) >= 3u);
 }
 
+// A join that keeps the drift keeps it in fed_drift and under the cap:
+// host 0 restores a checkpoint of round 5 (version 2, W = 2, A5 = 1: 2
+// local updates no round merged), the group's round (host 1 has no
+// state), so the join keeps W - A5. Its drift is then 2, not 0, and with
+// --fed-max-drift 4 two more pushes are served and the third is held for
+// a round (its own timer never fires in the test; host 1's, every
+// 150 ms, completes the round the cap asks for).
+BOOST_AUTO_TEST_CASE(a_join_that_keeps_the_drift_keeps_it_in_the_drift_and_the_cap) {
+  test::TempDir dir0("fedkept0");
+  CheckpointData data;
+  data.layout.tensors = {{"w", {4}}};
+  data.layout.optimizer_kind = static_cast<uint32_t>(kernels::OptimizerKind::kSgd);
+  data.version = 2;
+  data.steps = {2};
+  data.weights.assign(4, 2.0f);
+  data.federation = FederationState{5, false, std::vector<float>(4, 1.0f), {}, 2, {}, 0x5eed, /*host=*/0};
+  for (uint64_t k = 1; k <= 5; ++k) data.federation->history.completed(k, 1, 3);
+  BOOST_REQUIRE(write_checkpoint(dir0.path.string(), data).ok());
+  FederationConfig capped;
+  capped.every_ms = 600'000;
+  capped.max_drift = 4;
+  FederationConfig timer;
+  timer.every_ms = 150;
+  TwoServers two(capped, timer, {dir0.path.string(), ""});
+  const std::string& host0 = two.names[0];
+  const auto drift = [&] { return block_stat(host0, &shm::StatsBlock::fed_drift); };
+  const auto held = [&] { return block_stat(host0, &shm::StatsBlock::fed_pushes_held); };
+  BOOST_TEST(stat(host0, &ServerStats::fed_round) == 5u);
+  BOOST_TEST(test::eventually([&] { return drift() == 2u; }), "fed_drift " << drift() << " after the join, not 2");
+  push_halves(host0, 2);
+  BOOST_TEST(held() == 0u, "a push held below the cap");
+  BOOST_TEST(test::eventually([&] { return drift() == 4u; }), "fed_drift " << drift() << ", not 4");
+  push_halves(host0, 1);  // at the cap: held until a round merges the 4
+  BOOST_TEST(held() == 1u, "the push at the cap was not held");
+  BOOST_TEST(stat(host0, &ServerStats::fed_round) == 6u);
+  // The round merged W = A5 + 4 x 0.5 at host 0 (host 1 had no update).
+  BOOST_TEST(test::eventually([&] { return pull_weights(two.names[1])[0] == 3.0f; }, std::chrono::seconds(3)),
+             "host 1 holds " << pull_weights(two.names[1])[0]);
+  BOOST_TEST(test::eventually([&] { return drift() == 1u; }, std::chrono::seconds(3)),
+             "fed_drift " << drift() << " after the round, not 1");
+}
+
 // Without overlap a push that arrives while the round exchanges waits for
 // the merge; a pull does not. The test holds host 0's round inside its
 // allreduce (the FakeEngine hook) and pushes meanwhile.

@@ -51,8 +51,8 @@ struct FederationConfig {
   // Apply local pushes while a round exchanges (true), or hold them from
   // the snapshot until the merge (pulls are served either way).
   bool overlap = true;
-  // The most local updates since the last merged snapshot (0: no cap);
-  // beyond it the server holds pushes until the next round merges.
+  // The most local updates not yet in a merged round (0: no cap); beyond
+  // it the server holds pushes until the next round merges.
   uint64_t max_drift = 0;
   FederationPriority priority = FederationPriority::kNormal;
   // The CPUs the federation's threads (the round loop and the engine's
