@@ -28,9 +28,17 @@ FederationLink::FederationLink(const FederationConfig& config, std::unique_ptr<F
       exchange_(fingerprint.total_elements) {}
 
 FederationLink::~FederationLink() {
-  if (!thread_.joinable()) return;
-  abandon();  // ends every wait of the thread, and it announces no leave
-  thread_.join();
+  if (thread_.joinable()) {
+    abandon();  // ends every wait of the thread, and it announces no leave
+    thread_.join();
+  }
+  // After the server's "stopped" line, before the engine closes: an
+  // operator (or systemd's TimeoutStopSec=) would otherwise see a stopped
+  // server that does not exit.
+  if (engine_->close_waits_for_every_member())
+    log::info(std::string("federation (") + engine_->name() +
+              "): this process ends when every rank of the job has stopped (closing the engine, MPI_Finalize, "
+              "waits for them); it serves nothing meanwhile");
 }
 
 void FederationLink::start(uint64_t version) {

@@ -46,8 +46,10 @@ class FederationLink {
   FederationLink(const FederationConfig& config, std::unique_ptr<FederationEngine> engine,
                  const ModelFingerprint& fingerprint, shm::StatsBlock& stats, shm::WaitWord& consumer_wake);
   // Joins a thread that never ran a collective or waits for a consumer
-  // that is gone; after a stop() that returned false the link must be
-  // leaked instead (its thread may still be inside a collective).
+  // that is gone, then closes the engine (logged where that waits for the
+  // other members: FederationEngine::close_waits_for_every_member()); after
+  // a stop() that returned false the link must be leaked instead (its
+  // thread may still be inside a collective).
   ~FederationLink();
 
   Membership membership() const noexcept { return membership_; }

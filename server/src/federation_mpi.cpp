@@ -73,12 +73,15 @@ class MpiEngine final : public FederationEngine {
     return std::unique_ptr<FederationEngine>(std::move(engine));
   }
 
+  // MPI_Finalize returns once every rank of the job called it (Open MPI);
+  // not calling it is no way out, since mpirun then aborts the whole job.
   ~MpiEngine() override {
     if (have_comm_) MPI_Comm_free(&comm_);
     MPI_Finalize();
   }
 
   const char* name() const noexcept override { return "mpi"; }
+  bool close_waits_for_every_member() const noexcept override { return true; }
   Membership membership() const noexcept override { return membership_; }
 
   Status allreduce_sum(std::span<float> data) override {

@@ -15,7 +15,10 @@
 # checkpoints resumes the rounds (each host's version restored, every
 # host at the round of the newest checkpointed anchor or past it), the
 # anchors are equal, and a further round of training merges into a model
-# that still scores well. Last, a host SIGSTOPped while another stops: the
+# that still scores well. Then one rank SIGTERMed alone: it stops, removes
+# its segment and says that its process ends with the job's (MPI_Finalize
+# waits for every rank), alive meanwhile, while the others serve. Last, a
+# host SIGSTOPped while another stops: the
 # stopping server leaves its federation thread behind in the collective and
 # writes no final checkpoint without the federation's state, so the job's
 # restart restores its newest checkpoint, which holds it.
@@ -105,6 +108,7 @@ stop_job() {
 accuracy() { sed -n 's/^final test accuracy: \([0-9.]*\).*/\1/p' "$1"; }
 field() { python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(s['$1'])"; }
 stat_of() { "$inspect" --json "$name.r$1" | field "$2"; }
+pid_of_rank() { "$inspect" --json "$name.r$1" | python3 -c "import json,sys; print(json.load(sys.stdin)['header']['server_pid'])"; }
 
 # Waits (up to 10 s) until the three hosts show the same anchor hash; sets
 # `hashes` and `rounds`, and `same` to host 0's round (empty on failure).
@@ -261,7 +265,28 @@ for r in 0 1 2; do wait "${pids[$r]}" || fail "shmps-train on host $r failed aft
 await_equal_anchors
 [ -n "$same" ] || fail "after more training the anchor hashes never agreed: ${hashes[*]}"
 score_at_least_reference resumed 0 "the model after the restart and two more epochs"
+# ---- one rank stopped alone while the others run: it announces its
+# leave, stops and removes its segment, then says that its process ends
+# only when every rank has stopped (MPI_Finalize waits for them: mpirun
+# would abort the job without it); the other two go on serving. The
+# job's stop then ends all three (rank 2's "stopped" line is already in
+# the log: stop_job still counts 3).
+finalizing="this process ends when every rank of the job has stopped"
+r2=$(pid_of_rank 2)
+kill -TERM "$r2"
+for _ in $(seq 200); do grep -q "$finalizing" "$work/restarted.log" && break; sleep 0.05; done
+grep -q "$finalizing" "$work/restarted.log" ||
+  fail "rank 2 did not say within 10 s of its SIGTERM that its process waits for the other ranks"
+[ -e "/dev/shm/shmps.$name.r2" ] && fail "rank 2's segment is still in /dev/shm after its stop"
+kill -0 "$r2" 2>/dev/null || fail "rank 2's process ended while the other ranks run (no MPI_Finalize wait?)"
+for r in 0 1; do "$inspect" "$name.r$r" >/dev/null || fail "host $r does not answer after rank 2 stopped"; done
+echo "rank 2 stopped alone: segment removed, its process waits in MPI_Finalize for the two others, which serve"
 stop_job restarted
+[ "$(grep -c "$finalizing" "$work/restarted.log" || true)" = 3 ] ||
+  fail "$(grep -c "$finalizing" "$work/restarted.log" || true) of 3 servers said their process waits for the others"
+# mpirun may exit before its ranks do: rank 2 ends with the others.
+for _ in $(seq 200); do kill -0 "$r2" 2>/dev/null || break; sleep 0.05; done
+kill -0 "$r2" 2>/dev/null && fail "rank 2's process still runs 10 s after the job's stop"
 
 # ---- a host that hangs (SIGSTOP) while another stops: the stopping
 # server's federation thread stays inside a collective and is left behind.
@@ -271,7 +296,6 @@ stop_job restarted
 # restart restores a federation round from it.
 hung=$work/ckpt_hung
 start_job hung --checkpoint-dir "$hung" --checkpoint-interval-s 1
-pid_of_rank() { "$inspect" --json "$name.r$1" | python3 -c "import json,sys; print(json.load(sys.stdin)['header']['server_pid'])"; }
 for _ in $(seq 300); do
   [ "$(stat_of 0 fed_round)" -ge 3 ] && [ -n "$(ls "$hung/r0" 2>/dev/null)" ] && break
   sleep 0.1
@@ -293,6 +317,8 @@ kill -CONT "$r1"
 grep -q "leaving it behind" "$work/hung.log" || fail "host 0's federation thread was not left behind"
 grep -q "final checkpoint of version [0-9]* not written: the federation's state cannot be had" "$work/hung.log" ||
   fail "host 0 did not say that its final checkpoint was not written"
+# Its engine left behind is never closed: no line says the process waits.
+grep -q "$finalizing" "$work/hung.log" && fail "host 0 says its engine closes, though it was left behind"
 kill -KILL "$mpi_pid" 2>/dev/null || true
 wait "$mpi_pid" 2>/dev/null || true
 mpi_pid=

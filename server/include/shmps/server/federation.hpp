@@ -132,6 +132,10 @@ class FederationEngine {
 
   // Whether the group can re-form after a member died, hung or left.
   virtual bool elastic() const noexcept { return false; }
+  // Whether destroying the engine waits until every member of the job has
+  // closed its own (MPI_Finalize): a stopped host's process then outlives
+  // its stop, serving nothing, for as long as the others run.
+  virtual bool close_waits_for_every_member() const noexcept { return false; }
   // What one reform() did.
   enum class Reform {
     kFormed,   // a group of a new epoch, this host in it (membership())
