@@ -100,11 +100,10 @@ class FederationLink {
   // Consumer thread, at shutdown: asks the thread to announce its leave
   // (the collective that pairs with the others' next round) and joins it,
   // serving its snapshot and merge meanwhile. A thread still inside a
-  // collective after two of the group's longest periods plus 5 s (a peer
-  // gone: MPI cannot cancel) is reported and left behind, never touching
-  // the stats block again; false then: leak the link, and with it the
-  // engine (not finalised). *merges: the rounds merged meanwhile (they
-  // change the weights, not the version).
+  // collective after stop_bound() (a peer gone: MPI cannot cancel) is
+  // reported and left behind, never touching the stats block again; false
+  // then: leak the link, and with it the engine (not finalised). *merges:
+  // the rounds merged meanwhile (they change the weights, not the version).
   bool stop(Backend& backend, uint64_t version, uint64_t* merges);
   // How long stop() may wait for the thread before leaving it behind: two
   // of the group's longest periods plus 5 s, and two engine timeouts more
