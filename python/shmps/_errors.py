@@ -67,7 +67,7 @@ LayoutMismatchError = _error("LayoutMismatchError", 14, "layout_mismatch",
                              "The segment has another layout version, or is not a shmps segment.")
 PermissionError = _error("PermissionError", 15, "permission", "Access to the segment or a buffer was denied.",
                          builtins.PermissionError)
-NoCapacityError = _error("NoCapacityError", 16, "no_capacity", "Max workers or buffers reached, or /dev/shm full.")
+NoCapacityError = _error("NoCapacityError", 16, "no_capacity", "Max workers or buffers (or the server's --max-worker-buffer-bytes) reached, or /dev/shm full.")
 InvalidArgumentError = _error("InvalidArgumentError", 17, "invalid_argument", "A caller-side argument error.",
                               builtins.ValueError)
 IoError = _error("IoError", 18, "io", "A system call failed.", builtins.OSError)

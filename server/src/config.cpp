@@ -100,6 +100,13 @@ Status validate(const ServerConfig& config) {
   return Status::Ok();
 }
 
+uint64_t worker_buffer_budget(const ServerConfig& config) {
+  if (config.max_worker_buffer_bytes != 0) return config.max_worker_buffer_bytes;
+  // At most 2^40 elements (validate_tensors()): 2^45 bytes, no overflow.
+  const uint64_t model_bytes = std::min(shm::total_elements(config.tensors), shm::kMaxTotalElements) * sizeof(float);
+  return std::max(kAutoWorkerBufferFactor * model_bytes, kMinAutoWorkerBufferBytes);
+}
+
 Status read_init_file(const std::string& path, uint64_t total_elements, const WeightsSink& sink) {
   const std::string what = "--init-file " + path;
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);

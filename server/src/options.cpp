@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -444,8 +445,9 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
   ServerConfig& c = out.config;
   kernels::OptimizerConfig& o = c.optimizer;
   std::string config_file, optimizer = "sgd", backend = "auto", init = "zero", log_level = "info",
-                           apply_threads = "auto", staleness_policy = "reject", federation = "none",
-                           fed_outer = "average", fed_priority = "normal", fed_cpus, lr_schedule = "constant";
+                           apply_threads = "auto", max_worker_buffer_bytes = "auto", staleness_policy = "reject",
+                           federation = "none", fed_outer = "average", fed_priority = "normal", fed_cpus,
+                           lr_schedule = "constant";
   bool fed_unweighted = false, fed_no_overlap = false;
   std::vector<std::string> tensors;
   float weight_decay = 0.0f;
@@ -487,7 +489,10 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       "ring-capacity", po::value(&c.lane_capacity)->default_value(64), "slots per worker request lane (power of two)")(
       "max-workers", po::value(&c.max_workers)->default_value(16), "worker table size (1..256)")(
       "max-buffers", po::value(&c.max_buffers)->default_value(16), "registered buffers per worker (1..64)")(
-      "backend", po::value(&backend)->default_value("auto"), "host | cuda | auto (cuda when a device is present)")(
+      "max-worker-buffer-bytes", po::value(&max_worker_buffer_bytes)->default_value("auto"),
+      "the most bytes one worker's registered buffers may span together (the server maps each): auto (8 x the "
+      "model's fp32 bytes, at least 1 GiB) or N")("backend", po::value(&backend)->default_value("auto"),
+                                                  "host | cuda | auto (cuda when a device is present)")(
       "device", po::value(&c.device),
       "CUDA device: UUID (GPU-..., as nvidia-smi -L prints) or PCI bus id (0000:3b:00.0); default: the first visible")(
       "init", po::value(&init)->default_value("zero"), "initial weights: zero | normal | uniform | file")(
@@ -768,6 +773,15 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
       return fail("--apply-threads must be auto or a number in 1.." + std::to_string(kMaxApplyThreads) + ", got '" +
                   apply_threads + "'");
   }
+  if (max_worker_buffer_bytes == "auto") {
+    c.max_worker_buffer_bytes = 0;
+  } else {
+    const char* end = max_worker_buffer_bytes.data() + max_worker_buffer_bytes.size();
+    const auto [ptr, ec] = std::from_chars(max_worker_buffer_bytes.data(), end, c.max_worker_buffer_bytes);
+    if (ec != std::errc() || ptr != end || c.max_worker_buffer_bytes == 0)
+      return fail("--max-worker-buffer-bytes must be auto or a number of bytes in 1.." +
+                  std::to_string(std::numeric_limits<uint64_t>::max()) + ", got '" + max_worker_buffer_bytes + "'");
+  }
   if (!parse_federation_kind(federation, &fc.kind))
     return fail("--federation must be none, mpi or gloo, got '" + federation + "'");
   if (!parse_outer_step(fed_outer, &fc.outer))
@@ -879,6 +893,8 @@ std::vector<std::pair<std::string, std::string>> config_entries(const ServerConf
   e.emplace_back("ring-capacity", std::to_string(c.lane_capacity));
   e.emplace_back("max-workers", std::to_string(c.max_workers));
   e.emplace_back("max-buffers", std::to_string(c.max_buffers));
+  e.emplace_back("max-worker-buffer-bytes",
+                 c.max_worker_buffer_bytes == 0 ? "auto" : std::to_string(c.max_worker_buffer_bytes));
   e.emplace_back("backend", backend_name(c.backend));
   if (!c.device.empty()) e.emplace_back("device", c.device);
   e.emplace_back("init", kInitNames[static_cast<int>(c.init.kind)]);

@@ -163,6 +163,19 @@ Answer RequestHandler::register_buffer(uint32_t i, const Request& req) {
       std::memchr(desc.handle, '\0', sizeof desc.handle) == nullptr)
     return reject(i, req, ErrorCode::kBadRequest, "buffer handle is not a terminated name");
   if (desc.length == 0) return reject(i, req, ErrorCode::kBadRange, "buffer length 0");
+  // The server maps each window a descriptor names, and a shm object of
+  // terabytes costs its maker nothing (ftruncate alone): a worker's windows
+  // stay within its budget, so that no few workers can fill the server's
+  // address space and leave none for the others' buffers.
+  const uint64_t budget = worker_buffer_budget(config_);
+  uint64_t registered = 0;  // at most the budget: each registration kept it so
+  for (const auto& b : slot.buffers)
+    if (b) registered += b->length();
+  if (desc.length > budget || registered > budget - desc.length)
+    return reject(i, req, ErrorCode::kNoCapacity,
+                  "past --max-worker-buffer-bytes " + std::to_string(budget) + ": " + std::to_string(registered) +
+                      " B registered + " + std::to_string(desc.length) +
+                      " B; nothing registered (unregister a buffer, or raise the option)");
   // Only objects named for this worker's pid, with that one name, and
   // neither the control segment nor another worker's buffer.
   const uint32_t pid = slot.pid();

@@ -1096,7 +1096,8 @@ Result<std::unique_ptr<Server>> Server::create_unguarded(const ServerConfig& con
             std::to_string(seg.layout().geometry.segment_size / 1024) +
             " KiB): " + std::to_string(model.tensors.size()) + " tensors, " + std::to_string(model.total_elements) +
             " parameters, optimizer " + kernels::optimizer_kind_name(config.optimizer.kind) + ", backend " +
-            impl->backend->name());
+            impl->backend->name() + ", buffers of up to " + std::to_string(worker_buffer_budget(config)) +
+            " bytes per worker");
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 

@@ -752,6 +752,113 @@ BOOST_AUTO_TEST_CASE(a_window_of_a_huge_sparse_object_maps_the_window_alone) {
   BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
 }
 
+// The windows a descriptor names cost their maker nothing, but the server
+// maps each: a worker's registered buffers span at most
+// --max-worker-buffer-bytes (auto: 8 x the model's fp32 bytes, at least
+// 1 GiB). A registration past it is kNoCapacity naming the option and the
+// numbers, and registers nothing; an unregister gives its bytes back. Six
+// hostile processes filling their budgets with windows of an 8 TiB object
+// (without the budget: the server's whole address space, after which no
+// buffer could be registered) leave room for another worker's buffer,
+// which it registers, pushes from and pulls into.
+BOOST_AUTO_TEST_CASE(a_workers_buffers_stay_within_its_budget_and_leave_room_for_the_others) {
+  constexpr uint64_t kObjectBytes = uint64_t{8} << 40;
+  constexpr uint64_t kBudget = uint64_t{1} << 30;  // auto for a model of 16 bytes
+  constexpr int kHostile = 6;
+  test::ServerProcess server(test::unique_name("budget"), {"--tensor", "w:4", "--lr", "1", "--max-staleness",
+                                                           "4000000000", "--max-workers", "8", "--max-buffers", "16"});
+  const pid_t server_pid = server.process().pid();
+  const uint64_t before_kib = mapped_kib(server_pid);
+  BOOST_REQUIRE(before_kib != 0);
+  ObjectsRemoved objects;
+  test::RawClient raw(server.name());
+  objects.names.push_back(shm::buffer_object_name(server.name(), ::getpid(), 1));
+  const std::string object = objects.names.back();
+  make_sparse_object(object, kObjectBytes);
+  const auto refused = [&](uint32_t id, uint64_t length, uint64_t registered) {
+    const shm::Completion c = register_window(raw, id, object, 0, length);
+    BOOST_TEST(c.code == static_cast<uint32_t>(ErrorCode::kNoCapacity), "a window of " << length << ": " << c.message);
+    // The answer's message is its first 63 bytes (the server's log has it whole).
+    const std::string whole = "past --max-worker-buffer-bytes " + std::to_string(kBudget) + ": " +
+                              std::to_string(registered) + " B registered + " + std::to_string(length) +
+                              " B; nothing registered (unregister a buffer, or raise the option)";
+    BOOST_TEST(std::string(c.message) == whole.substr(0, sizeof c.message - 1));
+    shm::Request pull = raw.request(shm::Opcode::kPull);
+    pull.buffer_id = id;
+    pull.byte_length = 16;
+    pull.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
+    const shm::Completion pulled = raw.call(pull);
+    BOOST_TEST(pulled.code == static_cast<uint32_t>(ErrorCode::kUnknownBuffer), "pull: " << pulled.message);
+  };
+  refused(0, kObjectBytes, 0);
+  BOOST_REQUIRE_EQUAL(register_window(raw, 0, object, 0, kBudget / 2).code, 0u);
+  BOOST_REQUIRE_EQUAL(register_window(raw, 1, object, kBudget, kBudget / 2).code, 0u);
+  refused(2, 1, kBudget);
+  shm::Request unregister = raw.request(shm::Opcode::kUnregisterBuffer);
+  unregister.buffer_id = 0;
+  BOOST_REQUIRE_EQUAL(raw.call(unregister).code, 0u);
+  refused(2, kBudget / 2 + 1, kBudget / 2);
+  BOOST_REQUIRE_EQUAL(register_window(raw, 2, object, 0, kBudget / 2).code, 0u);
+
+  // Five more such processes, each as greedy as it can be: 16 windows, the
+  // length halved after each refusal.
+  struct Filled {
+    std::atomic<uint32_t> done;
+    std::atomic<uint64_t> bytes[kHostile];
+  };
+  auto* filled =
+      static_cast<Filled*>(::mmap(nullptr, sizeof(Filled), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  BOOST_REQUIRE(filled != MAP_FAILED);
+  std::vector<test::Process> hostile;
+  for (int h = 1; h < kHostile; ++h) {
+    hostile.push_back(test::Process::fork_fn([&, h] {
+      test::RawClient greedy(server.name());
+      const std::string own = shm::buffer_object_name(server.name(), ::getpid(), 1);
+      const int fd = ::shm_open(own.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+      if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(kObjectBytes)) != 0) return 2;
+      ::close(fd);
+      uint64_t length = kObjectBytes, total = 0;
+      for (uint32_t b = 0; b < 16 && length >= 4096;) {
+        if (register_window(greedy, b, own, 0, length).code == 0) {
+          total += length;
+          ++b;
+        } else {
+          length /= 2;
+        }
+      }
+      filled->bytes[h].store(total);
+      filled->done.fetch_add(1);
+      while (true) ::pause();
+    }));
+    objects.names.push_back(shm::buffer_object_name(server.name(), hostile.back().pid(), 1));
+  }
+  BOOST_REQUIRE(test::eventually([&] { return filled->done.load() == uint32_t{kHostile - 1}; }, 60s));
+  for (int h = 1; h < kHostile; ++h) BOOST_TEST(filled->bytes[h].load() <= kBudget, "hostile " << h);
+  const uint64_t grown_kib = mapped_kib(server_pid) - before_kib;
+  BOOST_TEST(grown_kib < (kHostile + 1) * (kBudget >> 10), "the server's address space grew by "
+                                                               << grown_kib << " KiB for " << kHostile << " budgets of "
+                                                               << kBudget << " bytes");
+
+  // Another worker, in a process of its own, registers, pushes and pulls.
+  auto honest = test::Process::fork_fn([&] {
+    auto w = Worker::connect(test::worker_options(server.name(), 5s, false));
+    if (!w.ok()) return 2;
+    auto buf = (*w)->register_buffer(size_t{1} << 20);
+    if (!buf.ok()) {
+      std::fprintf(stderr, "honest register_buffer(1 MiB): %s\n", buf.status().to_string().c_str());
+      return 3;
+    }
+    std::fill_n(static_cast<float*>(buf->data), 4, -1.0f);
+    if (!(*w)->push(0, buf->id, 0, 16, Dtype::kF32, 0).ok()) return 4;
+    auto v = (*w)->pull(0, buf->id, 0);
+    return v.ok() && *v == 1u && static_cast<const float*>(buf->data)[0] == 1.0f ? 0 : 5;
+  });
+  BOOST_TEST(honest.wait(20s) == 0);
+  for (auto& p : hostile) p.kill_and_reap();
+  ::munmap(filled, sizeof(Filled));
+  BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
+}
+
 // Two descriptors name two windows of one object, neither at a page
 // boundary: a pull writes its window and no byte beside it, a push reads
 // its own, and a shrink of the object under the second window is caught

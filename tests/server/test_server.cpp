@@ -221,6 +221,34 @@ BOOST_AUTO_TEST_CASE(command_line_parses_every_option) {
   BOOST_TEST(adamw->config.optimizer.weight_decay == 0.01f);  // PyTorch's AdamW default
 }
 
+// --max-worker-buffer-bytes: auto is 8 x the model's fp32 bytes, at least
+// 1 GiB; a number of bytes is taken as given; anything else is refused
+// naming the option; the effective configuration prints it back.
+BOOST_AUTO_TEST_CASE(worker_buffer_budget_is_auto_or_a_number_of_bytes) {
+  constexpr uint64_t kGiB = uint64_t{1} << 30;
+  auto small = test::parse_server_args({"--name", "j", "--tensor", "w:4"});
+  BOOST_REQUIRE(small.ok());
+  BOOST_TEST(small->config.max_worker_buffer_bytes == 0u);
+  BOOST_TEST(worker_buffer_budget(small->config) == kGiB);
+  auto large = test::parse_server_args({"--name", "j", "--tensor", "w:1024x1024x64", "--tensor", "b:1"});
+  BOOST_REQUIRE(large.ok());
+  BOOST_TEST(worker_buffer_budget(large->config) == 8 * 4 * (uint64_t{1} << 26) + 8 * 4);
+  auto given = test::parse_server_args({"--name", "j", "--tensor", "w:4", "--max-worker-buffer-bytes", "4096"});
+  BOOST_REQUIRE(given.ok());
+  BOOST_TEST(worker_buffer_budget(given->config) == 4096u);
+  bool printed = false;
+  for (const auto& [key, value] : config_entries(given->config))
+    if (key == "max-worker-buffer-bytes") printed = value == "4096";
+  BOOST_TEST(printed);
+  for (const std::string bad : {"0", "1G", "", "18446744073709551616"}) {
+    auto p = test::parse_server_args({"--name", "j", "--tensor", "w:4", "--max-worker-buffer-bytes", bad});
+    BOOST_TEST(!p.ok(), bad);
+    BOOST_TEST(
+        p.status().message().find("--max-worker-buffer-bytes must be auto or a number of bytes") != std::string::npos,
+        p.status().message());
+  }
+}
+
 BOOST_AUTO_TEST_CASE(bad_options_name_the_option) {
   const auto message = [](std::vector<std::string> args) {
     auto p = test::parse_server_args(std::move(args));

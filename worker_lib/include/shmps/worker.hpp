@@ -279,7 +279,9 @@ class Worker {
   // does not ignore it (Python ignores it); one that does gets kIo naming
   // the limit.
   // Errors: kInvalidArgument, kNoCapacity (too many buffers, /dev/shm too
-  // small), kIo, plus any error of a request (kTimeout, kServerRestarted...).
+  // small, the worker's buffers past the server's
+  // --max-worker-buffer-bytes), kIo, plus any error of a request
+  // (kTimeout, kServerRestarted...).
   Result<Buffer> register_buffer(size_t bytes);
   // Registers [device_ptr, device_ptr + bytes) (bytes > 0): CUDA device
   // memory the caller allocated with cudaMalloc, or a piece of such an
@@ -300,7 +302,8 @@ class Worker {
   // cudaMallocAsync pools, cuMemCreate/VMM, PyTorch's expandable segments;
   // "built without CUDA" from a library built with SHMPS_CUDA off; the
   // server could not open the handle or reach the device: the CUDA error is
-  // named), kNoCapacity (all buffer ids in use), request errors.
+  // named), kNoCapacity (all buffer ids in use; the worker's buffers past
+  // the server's --max-worker-buffer-bytes), request errors.
   Result<uint32_t> register_device_buffer(const void* device_ptr, size_t bytes);
   // Errors: kUnknownBuffer and request errors.
   Status unregister_buffer(uint32_t buffer_id);

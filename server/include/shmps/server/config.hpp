@@ -46,6 +46,15 @@ inline constexpr uint32_t kMaxIdleSpinUs = 1'000'000;
 // grows with their count.
 inline constexpr uint32_t kMaxCheckpointKeep = 1000;
 
+// --max-worker-buffer-bytes auto: this many times the model's fp32 bytes
+// (a worker's weights and gradients, each twice over, with room to spare:
+// every worker of this repository registers at most 2x, and a re-created
+// torch optimizer's buffers awaiting their unregister 4x), ...
+inline constexpr uint64_t kAutoWorkerBufferFactor = 8;
+// ... and at least this much (1 GiB), for small models: buffers of their
+// own for small tensors, a benchmark's buffer of its largest push.
+inline constexpr uint64_t kMinAutoWorkerBufferBytes = uint64_t{1} << 30;
+
 struct ServerConfig {
   std::string name;  // segment is /dev/shm/shmps.<name>
   std::vector<shm::TensorSpec> tensors;
@@ -63,6 +72,14 @@ struct ServerConfig {
   uint32_t lane_capacity = 64;   // per worker request lane, power of two
   uint32_t max_workers = 16;
   uint32_t max_buffers = 16;  // per worker
+  // The most bytes one worker's registered buffers may span together (the
+  // sum of their windows' lengths, each of which the server maps): a
+  // shm object of terabytes costs its maker nothing (ftruncate alone), and
+  // without a bound a few workers could fill the server's address space so
+  // that no other worker can register a buffer. 0 (auto):
+  // kAutoWorkerBufferFactor times the model's fp32 bytes, at least
+  // kMinAutoWorkerBufferBytes (worker_buffer_budget()).
+  uint64_t max_worker_buffer_bytes = 0;
   BackendKind backend = BackendKind::kAuto;
   // The CUDA device (cuda/auto backends): a UUID as `nvidia-smi -L` prints
   // it ("GPU-xxxxxxxx-...") or a PCI bus id ("0000:3b:00.0"); empty: the
@@ -110,6 +127,11 @@ struct ServerConfig {
 // option ("--ring-capacity must be ..."), so parse_options() can point at the
 // config-file line that set it.
 Status validate(const ServerConfig& config);
+
+// The bytes each worker's registered buffers may span together:
+// config.max_worker_buffer_bytes, or for auto (0) max(kAutoWorkerBufferFactor
+// x 4 x the tensors' elements, kMinAutoWorkerBufferBytes). Reentrant.
+uint64_t worker_buffer_budget(const ServerConfig& config);
 
 // Reads an --init-file as the server starts from it: a regular file
 // (opened without blocking, so a FIFO is refused rather than waited on) of
