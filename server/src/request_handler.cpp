@@ -103,7 +103,8 @@ Answer RequestHandler::handle(uint32_t i, const Request& req, uint64_t now) {
   return reject(i, req, ErrorCode::kBadRequest, "unknown opcode");
 }
 
-Answer RequestHandler::reject(uint32_t i, const Request& req, ErrorCode code, const std::string& message) {
+Answer RequestHandler::reject(uint32_t i, const Request& req, ErrorCode code, const std::string& message,
+                              std::string_view subject) {
   shm::StatsBlock& st = segment_.stats();
   // relaxed: statistics counters.
   st.rejected[static_cast<uint32_t>(code) % shm::kRejectCauses].fetch_add(1, std::memory_order_relaxed);
@@ -113,7 +114,8 @@ Answer RequestHandler::reject(uint32_t i, const Request& req, ErrorCode code, co
     // relaxed: re-read of the entry's owner for the pid in the message.
     const uint32_t pid = shm::owner_pid(segment_.worker(i).owner.load(std::memory_order_relaxed));
     return "rejected " + std::string(opcode_name(req.opcode)) + " from worker " + std::to_string(i) + " (pid " +
-           std::to_string(pid) + "): " + std::string(error_code_name(code)) + ": " + message;
+           std::to_string(pid) + "): " + std::string(error_code_name(code)) + ": " +
+           (subject.empty() ? std::string() : std::string(subject) + ": ") + message;
   });
   Answer a;
   a.completion = answer(req, code, message);
@@ -122,9 +124,8 @@ Answer RequestHandler::reject(uint32_t i, const Request& req, ErrorCode code, co
 }
 
 Answer RequestHandler::drop_buffer(uint32_t i, const Request& req, const Status& why) {
-  log::warn("worker " + std::to_string(i) + ": buffer " + std::to_string(req.buffer_id) + ": " + why.message());
   sessions_.close_buffer(i, req.buffer_id);
-  return reject(i, req, why.code(), why.message());
+  return reject(i, req, why.code(), why.message(), "buffer " + std::to_string(req.buffer_id));
 }
 
 Answer RequestHandler::backend_failed(uint32_t i, const Request& req, const Status& error) {

@@ -73,7 +73,11 @@ class RequestHandler {
   static shm::Completion answer(const shm::Request& req, ErrorCode code, std::string_view message);
 
   // Refuses `req` of worker i: counted by cause, logged (rate-limited).
-  Answer reject(uint32_t i, const shm::Request& req, ErrorCode code, const std::string& message);
+  // `subject`, when not empty, is what the log line names before the
+  // message (the buffer a drop closes): the completion's message is cut
+  // at 63 bytes, the line is not.
+  Answer reject(uint32_t i, const shm::Request& req, ErrorCode code, const std::string& message,
+                std::string_view subject = {});
 
  private:
   // The tensor range [first, last) of a push or pull, its element count,
@@ -88,7 +92,9 @@ class RequestHandler {
   // over threads (kernels::kCpuSplitMinElements).
   bool splits(const Target& t) const;
 
-  // Rejects `req` and forgets its buffer, whose memory vanished under us.
+  // Rejects `req` and forgets its buffer, whose memory vanished under us;
+  // the rejection's line (rate-limited, as every rejection's) names the
+  // buffer.
   Answer drop_buffer(uint32_t i, const shm::Request& req, const Status& why);
   // Rejects `req` with a backend error; a lost device is reported to the server.
   Answer backend_failed(uint32_t i, const shm::Request& req, const Status& error);

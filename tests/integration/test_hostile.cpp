@@ -24,6 +24,7 @@
 #include <functional>
 #include <iterator>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -700,6 +701,65 @@ BOOST_AUTO_TEST_CASE(buffer_truncated_after_registration_does_not_kill_the_serve
   BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died reading a truncated buffer");
   auto w = connect(server.name(), 3s);
   BOOST_TEST(w->ping().ok());
+}
+
+// A worker that registers a buffer and shrinks its object before each
+// push, over and over, gets each push refused and the buffer dropped; the
+// server's log takes that as any rejection, at most one line per cause a
+// second (naming the buffer), the rest counted: the lines and the counts
+// account for every drop, and the journal is not flooded.
+BOOST_AUTO_TEST_CASE(buffers_dropped_again_and_again_do_not_flood_the_log) {
+  constexpr int kDrops = 300;
+  const std::string name = test::unique_name("dropflood");
+  const std::string log_path = "/tmp/" + name + ".log";
+  struct LogRemoved {
+    std::string path;
+    ~LogRemoved() { ::unlink(path.c_str()); }
+  } log_removed{log_path};
+  test::ServerProcess server(name, {"--tensor", "w:4", "--lr", "1", "--backend", "host"}, log_path);
+  test::RawClient raw(server.name());
+  const std::string object = shm::buffer_object_name(server.name(), ::getpid(), 1);
+  ObjectsRemoved objects{{object}};
+  const int fd = ::shm_open(object.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  BOOST_REQUIRE(fd >= 0);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  const auto started = std::chrono::steady_clock::now();
+  for (int k = 0; k < kDrops; ++k) {
+    BOOST_REQUIRE(::ftruncate(fd, 8192) == 0);
+    BOOST_REQUIRE_EQUAL(register_window(raw, 0, object, 0, 16).code, 0u);
+    BOOST_REQUIRE(::ftruncate(fd, 0) == 0);
+    shm::Request push = raw.request(shm::Opcode::kPush);
+    push.byte_length = 16;
+    push.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
+    const shm::Completion c = raw.call(push);
+    BOOST_REQUIRE_MESSAGE(c.code == static_cast<uint32_t>(ErrorCode::kBadRange), "push " << k << ": " << c.message);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  BOOST_REQUIRE_EQUAL(server.stop(), 0);  // its last counts are written as it stops
+
+  const std::string text = test::read_file(log_path);
+  const std::regex counted(
+      R"((?:\(\+(\d+) more 'bad_range' since the last report\))|(?:(\d+) more 'bad_range' rejections in the last))");
+  const std::string rejection = "rejected push from worker 0 (pid " + std::to_string(::getpid()) +
+                                "): bad_range: buffer 0: the buffer object shrank under the server (SIGBUS); dropped";
+  uint64_t lines = 0, drop_lines = 0, rejection_lines = 0, suppressed = 0;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("shrank") != std::string::npos) ++drop_lines;
+    if (line.find(rejection) != std::string::npos) ++rejection_lines;
+    for (auto it = std::sregex_iterator(line.begin(), line.end(), counted); it != std::sregex_iterator(); ++it)
+      suppressed += std::stoull((*it)[1].matched ? (*it)[1].str() : (*it)[2].str());
+    ++lines;
+  }
+  BOOST_TEST(drop_lines >= 1u, text);
+  BOOST_TEST(rejection_lines == drop_lines, "each line about a drop is its rejection's, naming the buffer:\n" << text);
+  BOOST_TEST(drop_lines <= static_cast<uint64_t>(seconds) + 2,
+             drop_lines << " lines about dropped buffers for " << kDrops << " drops in " << seconds << " s");
+  BOOST_TEST(drop_lines + suppressed == uint64_t{kDrops}, text);
+  BOOST_TEST(lines < 40u, text);
 }
 
 // Any process that may write the segment can make a shm object of
