@@ -414,6 +414,29 @@ BOOST_AUTO_TEST_CASE(every_bad_push_gets_its_error_and_changes_nothing) {
   BOOST_TEST(w->push(kAllTensors, buf->id, 0, n * 4, Dtype::kF32, 0).ok());  // still serving
 }
 
+// The rejected_* counters count refused requests of every kind by cause
+// (shmps/server_stats.hpp): three bad pulls are three rejected_invalid,
+// an init of NaN weights a rejected_nonfinite, and none
+// is a push the worker's own my_pushes_rejected counts.
+BOOST_AUTO_TEST_CASE(rejected_counters_count_refused_requests_of_every_kind) {
+  test::ServerProcess server(test::unique_name("rejcount"), kSmall);
+  auto w = connect(server.name());
+  auto out = w->register_buffer(w->total_elements() * 4);
+  BOOST_REQUIRE(out.ok());
+  BOOST_TEST((w->pull(kAllTensors, out->id, 8).status().code() == ErrorCode::kBadRange));
+  BOOST_TEST((w->pull(9, out->id, 0).status().code() == ErrorCode::kUnknownTensor));
+  BOOST_TEST((w->pull(0, 7, 0).status().code() == ErrorCode::kUnknownBuffer));
+  std::fill_n(static_cast<float*>(out->data), w->total_elements(), std::numeric_limits<float>::quiet_NaN());
+  BOOST_TEST((w->init(out->id).code() == ErrorCode::kNonFinite));
+  auto s = w->stats();
+  BOOST_REQUIRE(s.ok());
+  BOOST_TEST(s->rejected_invalid == 3u);
+  BOOST_TEST(s->rejected_nonfinite == 1u);
+  BOOST_TEST(s->rejected_stale == 0u);
+  BOOST_TEST(s->rejected_timeout == 0u);
+  BOOST_TEST(s->my_pushes_rejected == 0u);
+}
+
 BOOST_AUTO_TEST_CASE(nonfinite_gradients_apply_when_allowed) {
   std::vector<std::string> args = kSmall;
   args.push_back("--allow-nonfinite");

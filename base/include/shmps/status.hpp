@@ -20,7 +20,7 @@ enum class ErrorCode : uint32_t {
   kStale = 1,              // push: staleness > max_staleness; nothing applied
   kBadLength = 2,          // push/pull: byte length does not match the tensor(s)
   kBadDtype = 3,           // push: gradient dtype unknown or unsupported
-  kNonFinite = 4,          // push: NaN or Inf in the gradient (unless allowed)
+  kNonFinite = 4,          // push, init: NaN or Inf in the gradient or weights (unless allowed)
   kUnknownWorker = 5,      // request names a worker id that is not attached
   kUnknownBuffer = 6,      // request names a buffer id that is not registered
   kUnknownTensor = 7,      // request names a tensor id outside the tensor table

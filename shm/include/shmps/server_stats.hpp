@@ -7,13 +7,14 @@
 // server takes the value:
 //   block     StatsBlock::<from>, the server-wide counter (layout.hpp)
 //   entry     WorkerEntry::<from> of the worker that asks: its own counts
-//   rejected  StatsBlock::rejected by cause: `from` is stale, nonfinite,
-//             timeout (pulls held by --staleness-policy wait past their
-//             wait), or invalid (every other cause: bad length, dtype,
-//             range, id, request)
+//   rejected  StatsBlock::rejected: refused requests of every kind, by
+//             cause: `from` is stale (pushes), nonfinite (pushes and
+//             inits), timeout (pulls held by --staleness-policy wait past
+//             their wait), or invalid (every other cause, of any request:
+//             bad length, dtype, range, id, request, no capacity)
 // The counters: the version (applied updates, or the restored
 // checkpoint's), gradients applied, weight pulls, the mean staleness of the
-// last 128 applied pushes in millionths, pushes rejected by cause, the
+// last 128 applied pushes in millionths, requests rejected by cause, the
 // requests queued in all lanes now and the most ever queued at once,
 // workers attached now, died, and evicted (sessions the server ended: a
 // process stopped too long, a corrupt lane), and the asking worker's
