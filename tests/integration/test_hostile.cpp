@@ -860,11 +860,14 @@ BOOST_AUTO_TEST_CASE(a_workers_buffers_stay_within_its_budget_and_leave_room_for
   refused(2, kBudget / 2 + 1, kBudget / 2);
   BOOST_REQUIRE_EQUAL(register_window(raw, 2, object, 0, kBudget / 2).code, 0u);
 
-  // Five more such processes, each as greedy as it can be: 16 windows, the
-  // length halved after each refusal.
+  // Five more such processes, each as greedy as it can be: up to 16
+  // windows, from the whole object down, the length halved after each
+  // refusal; past the first refusal a length that does not divide the
+  // budget (an eighth of it and a page), so that several windows fill it.
   struct Filled {
     std::atomic<uint32_t> done;
     std::atomic<uint64_t> bytes[kHostile];
+    std::atomic<uint32_t> windows[kHostile];
   };
   auto* filled =
       static_cast<Filled*>(::mmap(nullptr, sizeof(Filled), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
@@ -878,22 +881,28 @@ BOOST_AUTO_TEST_CASE(a_workers_buffers_stay_within_its_budget_and_leave_room_for
       if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(kObjectBytes)) != 0) return 2;
       ::close(fd);
       uint64_t length = kObjectBytes, total = 0;
-      for (uint32_t b = 0; b < 16 && length >= 4096;) {
+      uint32_t b = 0;
+      while (b < 16 && length >= 4096) {
         if (register_window(greedy, b, own, 0, length).code == 0) {
           total += length;
           ++b;
         } else {
-          length /= 2;
+          length = length == kObjectBytes ? kBudget / 8 + 4096 : length / 2;
         }
       }
       filled->bytes[h].store(total);
+      filled->windows[h].store(b);
       filled->done.fetch_add(1);
       while (true) ::pause();
     }));
     objects.names.push_back(shm::buffer_object_name(server.name(), hostile.back().pid(), 1));
   }
   BOOST_REQUIRE(test::eventually([&] { return filled->done.load() == uint32_t{kHostile - 1}; }, 60s));
-  for (int h = 1; h < kHostile; ++h) BOOST_TEST(filled->bytes[h].load() <= kBudget, "hostile " << h);
+  for (int h = 1; h < kHostile; ++h) {
+    BOOST_TEST(filled->bytes[h].load() <= kBudget, "hostile " << h);
+    BOOST_TEST(filled->bytes[h].load() > kBudget - kBudget / 16, "hostile " << h << " filled its budget");
+    BOOST_TEST(filled->windows[h].load() > 8u, "hostile " << h << " registered several windows");
+  }
   const uint64_t grown_kib = mapped_kib(server_pid) - before_kib;
   BOOST_TEST(grown_kib < (kHostile + 1) * (kBudget >> 10), "the server's address space grew by "
                                                                << grown_kib << " KiB for " << kHostile << " budgets of "

@@ -282,6 +282,8 @@ kill -0 "$r2" 2>/dev/null || fail "rank 2's process ended while the other ranks 
 for r in 0 1; do "$inspect" "$name.r$r" >/dev/null || fail "host $r does not answer after rank 2 stopped"; done
 echo "rank 2 stopped alone: segment removed, its process waits in MPI_Finalize for the two others, which serve"
 stop_job restarted
+# The lines come after each "stopped": read until all three are there.
+for _ in $(seq 200); do [ "$(grep -c "$finalizing" "$work/restarted.log" || true)" = 3 ] && break; sleep 0.05; done
 [ "$(grep -c "$finalizing" "$work/restarted.log" || true)" = 3 ] ||
   fail "$(grep -c "$finalizing" "$work/restarted.log" || true) of 3 servers said their process waits for the others"
 # mpirun may exit before its ranks do: rank 2 ends with the others.
