@@ -353,6 +353,21 @@ std::string with_written_value(std::string message, const std::string& written, 
   return message + written + ", which rounds to " + shown + " in fp32";
 }
 
+// "auto" (0), or a number in 1..max: an option whose 0 means auto.
+template <class T>
+bool parse_auto_or_number(std::string_view text, T max, T* out) noexcept {
+  if (text == "auto") {
+    *out = 0;
+    return true;
+  }
+  T n = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, n);
+  if (ec != std::errc() || ptr != end || n == 0 || n > max) return false;
+  *out = n;
+  return true;
+}
+
 }  // namespace
 
 const char* version_text() noexcept { return SHMPS_VERSION; }
@@ -764,24 +779,13 @@ Result<ParsedOptions> parse_options(int argc, const char* const* argv) {
     return fail(schedule.status().message());
   if (!parse_staleness_policy(staleness_policy, &c.staleness_policy))
     return fail("--staleness-policy must be reject, wait or scale, got '" + staleness_policy + "'");
-  if (apply_threads == "auto") {
-    c.apply_threads = 0;
-  } else {
-    const char* end = apply_threads.data() + apply_threads.size();
-    const auto [ptr, ec] = std::from_chars(apply_threads.data(), end, c.apply_threads);
-    if (ec != std::errc() || ptr != end || c.apply_threads == 0 || c.apply_threads > kMaxApplyThreads)
-      return fail("--apply-threads must be auto or a number in 1.." + std::to_string(kMaxApplyThreads) + ", got '" +
-                  apply_threads + "'");
-  }
-  if (max_worker_buffer_bytes == "auto") {
-    c.max_worker_buffer_bytes = 0;
-  } else {
-    const char* end = max_worker_buffer_bytes.data() + max_worker_buffer_bytes.size();
-    const auto [ptr, ec] = std::from_chars(max_worker_buffer_bytes.data(), end, c.max_worker_buffer_bytes);
-    if (ec != std::errc() || ptr != end || c.max_worker_buffer_bytes == 0)
-      return fail("--max-worker-buffer-bytes must be auto or a number of bytes in 1.." +
-                  std::to_string(std::numeric_limits<uint64_t>::max()) + ", got '" + max_worker_buffer_bytes + "'");
-  }
+  if (!parse_auto_or_number(apply_threads, uint32_t{kMaxApplyThreads}, &c.apply_threads))
+    return fail("--apply-threads must be auto or a number in 1.." + std::to_string(kMaxApplyThreads) + ", got '" +
+                apply_threads + "'");
+  constexpr uint64_t kMaxBytes = std::numeric_limits<uint64_t>::max();
+  if (!parse_auto_or_number(max_worker_buffer_bytes, kMaxBytes, &c.max_worker_buffer_bytes))
+    return fail("--max-worker-buffer-bytes must be auto or a number of bytes in 1.." + std::to_string(kMaxBytes) +
+                ", got '" + max_worker_buffer_bytes + "'");
   if (!parse_federation_kind(federation, &fc.kind))
     return fail("--federation must be none, mpi or gloo, got '" + federation + "'");
   if (!parse_outer_step(fed_outer, &fc.outer))
