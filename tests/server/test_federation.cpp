@@ -2777,14 +2777,6 @@ BOOST_AUTO_TEST_CASE(fed_store_forms_parse_to_where_the_hosts_meet) {
 
 namespace {
 
-boost::test_tools::assertion_result has_gloo_plugin(boost::unit_test::test_unit_id) {
-  const char* build = std::getenv("SHMPS_BUILD_DIR");
-  boost::test_tools::assertion_result r(
-      build != nullptr && std::filesystem::exists(std::filesystem::path(build) / "lib/shmps/libshmps_fed_gloo.so"));
-  r.message() << "no Gloo plugin in the build (SHMPS_BUILD_DIR/lib/shmps/libshmps_fed_gloo.so)";
-  return r;
-}
-
 // The file of `key` in the file store `dir`: named by the key's
 // std::hash, as the plugin (and Gloo's own file store) names it.
 std::filesystem::path store_file(const std::filesystem::path& dir, const std::string& key) {
@@ -2835,7 +2827,7 @@ Reformed reform_over(const std::filesystem::path& dir, const std::filesystem::pa
 // Here at this host's own want of the first attempt, which the attempt
 // reads back before anything else.
 BOOST_AUTO_TEST_CASE(a_fifo_or_a_link_in_the_file_store_is_refused_without_blocking,
-                     *boost::unit_test::precondition(has_gloo_plugin)) {
+                     *boost::unit_test::precondition(test::has_gloo_plugin)) {
   test::TempDir tmp("fedfifo");
   const std::filesystem::path fifo_store = std::filesystem::canonical(tmp.path) / "fifo";
   const std::filesystem::path link_store = std::filesystem::canonical(tmp.path) / "link";

@@ -408,22 +408,12 @@ BOOST_AUTO_TEST_CASE(checkpoint_io_extends_the_start_and_stop_timeouts) {
   BOOST_TEST(messages.back().value("EXTEND_TIMEOUT_USEC") == "60000010", messages.back().text);
 }
 
-namespace {
-boost::test_tools::assertion_result has_gloo_plugin(boost::unit_test::test_unit_id) {
-  const char* build = std::getenv("SHMPS_BUILD_DIR");
-  boost::test_tools::assertion_result r(
-      build != nullptr && std::filesystem::exists(std::filesystem::path(build) / "lib/shmps/libshmps_fed_gloo.so"));
-  r.message() << "no Gloo plugin in the build (SHMPS_BUILD_DIR/lib/shmps/libshmps_fed_gloo.so)";
-  return r;
-}
-}  // namespace
-
 // A federated server's stop waits for its federation thread up to the
 // link's bound (two periods + 5 s + two engine timeouts for Gloo), which
 // may pass TimeoutStopSec=: it extends the stop timeout by that bound plus
 // 5 s before it waits.
 BOOST_AUTO_TEST_CASE(a_federated_stop_extends_the_stop_timeout_by_the_federations_bound,
-                     *boost::unit_test::precondition(has_gloo_plugin)) {
+                     *boost::unit_test::precondition(test::has_gloo_plugin)) {
   NotifySocket socket;
   TempPath err("stderr");
   test::TempDir dir("svc_fedstop");

@@ -11,6 +11,8 @@
 #include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <new>
 #include <stdexcept>
@@ -102,6 +104,17 @@ inline Process start_bystander(const std::string& name, BystanderCounters* count
     }
     return 0;
   });
+}
+
+// Boost.Test precondition: the build's Gloo federation plugin
+// (SHMPS_BUILD_DIR/lib/shmps/libshmps_fed_gloo.so) exists; it is built
+// only where Debian's libgloo-dev is installed.
+inline boost::test_tools::assertion_result has_gloo_plugin(boost::unit_test::test_unit_id) {
+  const char* build = std::getenv("SHMPS_BUILD_DIR");
+  boost::test_tools::assertion_result r(
+      build != nullptr && std::filesystem::exists(std::filesystem::path(build) / "lib/shmps/libshmps_fed_gloo.so"));
+  r.message() << "no Gloo plugin in the build (SHMPS_BUILD_DIR/lib/shmps/libshmps_fed_gloo.so)";
+  return r;
 }
 
 }  // namespace shmps::test
