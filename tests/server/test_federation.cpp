@@ -1901,6 +1901,22 @@ BOOST_AUTO_TEST_CASE(the_drift_cap_holds_pushes_until_a_round_merges) {
   BOOST_TEST(block_stat(two.names[0], &shm::StatsBlock::fed_pushes_held) >= 3u);
 }
 
+// A checkpoint of an SGD model of one tensor w:4 at `version` (every
+// weight `w`), at federation round `round` of host `host`: anchor every
+// `anchor`, `unmerged` local updates no round merged; the rounds' record
+// is the caller's.
+CheckpointData sgd_checkpoint_at_round(uint64_t version, float w, uint64_t round, float anchor, uint64_t unmerged,
+                                       uint32_t host) {
+  CheckpointData data;
+  data.layout.tensors = {{"w", {4}}};
+  data.layout.optimizer_kind = static_cast<uint32_t>(kernels::OptimizerKind::kSgd);
+  data.version = version;
+  data.steps = {version};
+  data.weights.assign(4, w);
+  data.federation = FederationState{round, false, std::vector<float>(4, anchor), {}, unmerged, {}, 0x5eed, host};
+  return data;
+}
+
 // A join that keeps the drift keeps it in fed_drift and under the cap:
 // host 0 restores a checkpoint of round 5 (version 2, W = 2, A5 = 1: 2
 // local updates no round merged), the group's round (host 1 has no
@@ -1910,13 +1926,7 @@ BOOST_AUTO_TEST_CASE(the_drift_cap_holds_pushes_until_a_round_merges) {
 // 150 ms, completes the round the cap asks for).
 BOOST_AUTO_TEST_CASE(a_join_that_keeps_the_drift_keeps_it_in_the_drift_and_the_cap) {
   test::TempDir dir0("fedkept0");
-  CheckpointData data;
-  data.layout.tensors = {{"w", {4}}};
-  data.layout.optimizer_kind = static_cast<uint32_t>(kernels::OptimizerKind::kSgd);
-  data.version = 2;
-  data.steps = {2};
-  data.weights.assign(4, 2.0f);
-  data.federation = FederationState{5, false, std::vector<float>(4, 1.0f), {}, 2, {}, 0x5eed, /*host=*/0};
+  CheckpointData data = sgd_checkpoint_at_round(2, 2.0f, 5, 1.0f, 2, /*host=*/0);
   for (uint64_t k = 1; k <= 5; ++k) data.federation->history.completed(k, 1, 3);
   BOOST_REQUIRE(write_checkpoint(dir0.path.string(), data).ok());
   FederationConfig capped;
@@ -2273,19 +2283,10 @@ BOOST_AUTO_TEST_CASE(a_restart_resumes_the_rounds_from_the_checkpointed_anchor) 
 // host 1's of round 5 (version 0, A5 = 1, W_ckpt = 1.5, 3 local updates
 // unmerged) in dir1.
 void write_rounds_5_and_7(const std::string& dir0, const std::string& dir1, bool member) {
-  CheckpointData data;
-  data.layout.tensors = {{"w", {4}}};
-  data.layout.optimizer_kind = static_cast<uint32_t>(kernels::OptimizerKind::kSgd);
-  data.version = 10;
-  data.steps = {10};
-  data.weights.assign(4, 2.0f);
-  data.federation = FederationState{7, false, std::vector<float>(4, 2.0f), {}, 0, {}, 0x5eed, /*host=*/0};
+  CheckpointData data = sgd_checkpoint_at_round(10, 2.0f, 7, 2.0f, 0, /*host=*/0);
   for (uint64_t k = 1; k <= 7; ++k) data.federation->history.completed(k, k <= 5 ? 1 : 2, k <= 5 || member ? 3 : 1);
   BOOST_REQUIRE(write_checkpoint(dir0, data).ok());
-  data.version = 0;
-  data.steps = {0};
-  data.weights.assign(4, 1.5f);
-  data.federation = FederationState{5, false, std::vector<float>(4, 1.0f), {}, 3, {}, 0x5eed, /*host=*/1};
+  data = sgd_checkpoint_at_round(0, 1.5f, 5, 1.0f, 3, /*host=*/1);
   for (uint64_t k = 1; k <= 5; ++k) data.federation->history.completed(k, 1, 3);
   BOOST_REQUIRE(write_checkpoint(dir1, data).ok());
 }
