@@ -33,6 +33,7 @@
 #include "shmps/shm/proc.hpp"
 #include "shmps/shm/ring.hpp"
 #include "shmps/shm/segment.hpp"
+#include "shmps/unique_fd.hpp"
 #include "shmps/worker.hpp"
 #include "test_support.hpp"
 #include "worker_support.hpp"
@@ -711,26 +712,19 @@ BOOST_AUTO_TEST_CASE(buffer_truncated_after_registration_does_not_kill_the_serve
 BOOST_AUTO_TEST_CASE(buffers_dropped_again_and_again_do_not_flood_the_log) {
   constexpr int kDrops = 300;
   const std::string name = test::unique_name("dropflood");
-  const std::string log_path = "/tmp/" + name + ".log";
-  struct LogRemoved {
-    std::string path;
-    ~LogRemoved() { ::unlink(path.c_str()); }
-  } log_removed{log_path};
+  test::TempDir dir("dropflood");
+  const std::string log_path = (dir.path / "server.log").string();
   test::ServerProcess server(name, {"--tensor", "w:4", "--lr", "1", "--backend", "host"}, log_path);
   test::RawClient raw(server.name());
   const std::string object = shm::buffer_object_name(server.name(), ::getpid(), 1);
   ObjectsRemoved objects{{object}};
-  const int fd = ::shm_open(object.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  BOOST_REQUIRE(fd >= 0);
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
+  const UniqueFd fd(::shm_open(object.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600));
+  BOOST_REQUIRE(fd.fd >= 0);
   const auto started = std::chrono::steady_clock::now();
   for (int k = 0; k < kDrops; ++k) {
-    BOOST_REQUIRE(::ftruncate(fd, 8192) == 0);
+    BOOST_REQUIRE(::ftruncate(fd.fd, 8192) == 0);
     BOOST_REQUIRE_EQUAL(register_window(raw, 0, object, 0, 16).code, 0u);
-    BOOST_REQUIRE(::ftruncate(fd, 0) == 0);
+    BOOST_REQUIRE(::ftruncate(fd.fd, 0) == 0);
     shm::Request push = raw.request(shm::Opcode::kPush);
     push.byte_length = 16;
     push.dtype = static_cast<uint32_t>(shm::Dtype::kF32);
