@@ -863,9 +863,7 @@ BOOST_AUTO_TEST_CASE(a_workers_buffers_stay_within_its_budget_and_leave_room_for
     std::atomic<uint64_t> bytes[kHostile];
     std::atomic<uint32_t> windows[kHostile];
   };
-  auto* filled =
-      static_cast<Filled*>(::mmap(nullptr, sizeof(Filled), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
-  BOOST_REQUIRE(filled != MAP_FAILED);
+  auto* filled = test::map_shared<Filled>();
   std::vector<test::Process> hostile;
   for (int h = 1; h < kHostile; ++h) {
     hostile.push_back(test::Process::fork_fn([&, h] {
@@ -918,7 +916,6 @@ BOOST_AUTO_TEST_CASE(a_workers_buffers_stay_within_its_budget_and_leave_room_for
   });
   BOOST_TEST(honest.wait(20s) == 0);
   for (auto& p : hostile) p.kill_and_reap();
-  ::munmap(filled, sizeof(Filled));
   BOOST_REQUIRE_MESSAGE(server.process().wait(0ms) == -1, "the server died");
 }
 
